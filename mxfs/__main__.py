@@ -1,0 +1,5 @@
+import sys
+
+from mxfs.cli import main
+
+sys.exit(main())

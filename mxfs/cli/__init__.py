@@ -1,0 +1,5 @@
+"""The admin command line (`mxfs`)."""
+
+from mxfs.cli.main import main
+
+__all__ = ["main"]

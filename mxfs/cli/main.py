@@ -1,0 +1,310 @@
+"""The `mxfs` command: mkfs, mount, umount, status, getstripe, setstripe, demo.
+
+Every user error is one line on stderr and a non-zero exit code; a traceback
+only appears with MXFS_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from mxfs import __version__
+from mxfs.errors import MxfsError, UsageError
+from mxfs.units import format_size, parse_size
+
+LAYOUT_XATTR = "user.mxfs.layout"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}", f"see {self.prog} --help")
+
+
+def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
+    print(json.dumps(data, indent=2) if getattr(args, "json", False) else text)
+
+
+# ---- mkfs ------------------------------------------------------------------
+
+def cmd_mkfs(args: argparse.Namespace) -> int:
+    from mxfs.fs.volume import format_pool
+
+    unit = parse_size(args.stripe_unit)
+    pool = format_pool(args.member, unit, label=args.label, force=args.force)
+    data = {"pool_uuid": pool.uuid, "label": pool.label, "stripe_unit": pool.stripe_unit,
+            "members": [m.path for m in pool.members]}
+    _emit(args, data, f"made pool {pool.uuid} ({len(pool.members)} members, stripe unit "
+          f"{format_size(unit)}); mount it with: mxfs mount {pool.members[0].path} MOUNTPOINT")
+    return 0
+
+
+# ---- mount / umount --------------------------------------------------------
+
+def _options(raw: list[str] | None) -> list[str]:
+    return [o for group in raw or [] for o in group.split(",") if o]
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    options = _options(args.o)
+    if args.foreground:
+        return _mount_foreground(args, options)
+    from mxfs.fs.control import runtime_dir
+    from mxfs.fs.mounts import check_mountpoint, spawn_daemon
+    from mxfs.pool import Pool
+
+    # Check what we can here, so the common mistakes need no daemon log.
+    check_mountpoint(args.mountpoint, nonempty="nonempty" in options)
+    pool = Pool.open(args.pool)
+    log_path = os.path.join(runtime_dir(), f"{pool.uuid}.log")
+    argv = ["mount", "-f", args.pool, args.mountpoint]
+    if options:
+        argv += ["-o", ",".join(options)]
+    pid = spawn_daemon(argv, log_path)
+    print(f"mounted pool {pool.uuid} on {os.path.abspath(args.mountpoint)} "
+          f"(daemon pid {pid}, log {log_path})")
+    return 0
+
+
+def _mount_foreground(args: argparse.Namespace, options: list[str]) -> int:
+    from mxfs.fs import daemon
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    fd = args.ready_fd
+    told = False
+
+    def ready(err: MxfsError | None) -> None:
+        nonlocal told
+        if told or fd is None:
+            return
+        told = True
+        msg = "ok\n" if err is None else f"error\t{err.problem}\t{err.fix or ''}\n"
+        try:
+            os.write(fd, msg.encode())
+            os.close(fd)
+        except OSError:
+            pass
+
+    daemon.run(args.pool, args.mountpoint, options, ready)
+    return 0
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from mxfs.client import ControlClient
+    from mxfs.fs.mounts import FSTYPE, mount_table, unmount, wait_pid_gone
+
+    mp = os.path.abspath(args.mountpoint)
+    kind = mount_table().get(mp)
+    if kind is None:
+        raise MxfsError(f"{args.mountpoint} is not mounted", "nothing to do")
+    if kind != FSTYPE:
+        raise MxfsError(f"{args.mountpoint} is a {kind} mount, not mxfs", "use umount")
+    pid = None
+    try:
+        with ControlClient(mp, timeout=5) as c:
+            pid = c.server.get("pid")
+    except OSError:
+        pass  # the daemon is gone: detach the dead mount
+    unmount(mp, lazy=args.lazy or pid is None)
+    if pid and not wait_pid_gone(int(pid), 120):
+        raise MxfsError(f"daemon {pid} is still writing back after 120 s",
+                        "wait, then check mxfs status")
+    print(f"unmounted {mp}" + ("" if pid else " (its daemon had died)"))
+    return 0
+
+
+# ---- status ----------------------------------------------------------------
+
+def _status_of_mount(mp: str) -> dict[str, Any]:
+    from mxfs.client import ControlClient
+
+    try:
+        with ControlClient(mp, timeout=10) as c:
+            data = c.stat()
+    except OSError as e:
+        return {"mountpoint": mp, "error": f"daemon not answering ({e.strerror or e})"}
+    data.pop("ok", None)
+    data.pop("id", None)
+    return data
+
+
+def _status_of_pool(spec: str) -> dict[str, Any]:
+    from mxfs.fs.volume import read_lock_info
+    from mxfs.pool import Pool
+
+    pool = Pool.open(spec)
+    holder = read_lock_info(pool) or {}
+    if holder.get("mountpoint"):
+        return _status_of_mount(holder["mountpoint"])
+    return {"pool_uuid": pool.uuid, "label": pool.label, "stripe_unit": pool.stripe_unit,
+            "mountpoint": None, "pid": None, "members": pool.usage()}
+
+
+def _format_status(s: dict[str, Any]) -> str:
+    if "error" in s:
+        return f"{s['mountpoint']}: {s['error']}"
+    where = f"mounted on {s['mountpoint']} (daemon pid {s['pid']})" if s.get("mountpoint") \
+        else "not mounted"
+    lines = [f"pool {s['pool_uuid']} {s.get('label') or ''}".rstrip() + f": {where}",
+             f"  stripe unit {format_size(s['stripe_unit'])}"
+             + (f", {s['inodes']} inodes, {s['open_files']} open" if "inodes" in s else "")]
+    total = free = 0
+    for m in s["members"]:
+        total += m["size"]
+        free += m["free"]
+        lines.append(f"  member {m['index']}: {m['path']}  {format_size(m['used'])} used of "
+                     f"{format_size(m['size'])}, {format_size(m['free'])} free")
+    lines.append(f"  capacity {format_size(total)}, {format_size(free)} free")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from mxfs.fs.mounts import FSTYPE, mount_table
+
+    if args.target:
+        target = os.path.abspath(args.target)
+        kind = mount_table().get(target)
+        found = [_status_of_mount(target) if kind == FSTYPE else _status_of_pool(args.target)]
+    else:
+        found = [_status_of_mount(mp) for mp, kind in mount_table().items() if kind == FSTYPE]
+    if args.json:
+        print(json.dumps(found if not args.target else found[0], indent=2))
+    elif not found:
+        print("no mxfs pool is mounted")
+    else:
+        print("\n".join(_format_status(s) for s in found))
+    return 0
+
+
+# ---- layouts ---------------------------------------------------------------
+
+def _xattr_error(path: str, e: OSError) -> MxfsError:
+    if e.errno in (errno.ENODATA, errno.ENOTSUP):
+        return MxfsError(f"{path} is not on an mxfs mount", "give a path inside one")
+    if e.errno == errno.ENOENT:
+        return MxfsError(f"{path} does not exist", "check the path")
+    if e.errno == errno.EBUSY:
+        return MxfsError(f"{path} already holds data",
+                         "set the layout on its directory or on a new empty file")
+    if e.errno == errno.EINVAL:
+        return MxfsError(f"layout refused for {path}",
+                         "the unit must be a multiple of 4 KiB, the width at most the members")
+    if e.errno == errno.EPERM:
+        return MxfsError(f"not allowed to change the layout of {path}", "ask its owner or root")
+    return MxfsError(f"{path}: {e.strerror}", "check the path")
+
+
+def cmd_getstripe(args: argparse.Namespace) -> int:
+    try:
+        raw = os.getxattr(args.path, LAYOUT_XATTR).decode()
+    except OSError as e:
+        raise _xattr_error(args.path, e) from None
+    fields = {k: int(v) for k, v in (p.split("=") for p in raw.split())}
+    text = "\n".join(f"{k}: {v}" for k, v in fields.items())
+    _emit(args, {"path": args.path, **fields}, f"{args.path}\n{text}")
+    return 0
+
+
+def cmd_setstripe(args: argparse.Namespace) -> int:
+    parts = []
+    if args.unit:
+        parts.append(f"stripe_unit={parse_size(args.unit)}")
+    if args.width is not None:
+        if args.width < 1:
+            raise UsageError(f"--width {args.width} is not positive", "give 1 or more")
+        parts.append(f"stripe_width={args.width}")
+    if not parts:
+        raise UsageError("nothing to set", "give --unit SIZE and/or --width N")
+    try:
+        os.setxattr(args.path, LAYOUT_XATTR, " ".join(parts).encode())
+    except OSError as e:
+        raise _xattr_error(args.path, e) from None
+    return cmd_getstripe(args)
+
+
+# ---- demo ------------------------------------------------------------------
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mxfs.cli.demo import run_demo
+
+    return run_demo(size=parse_size(args.size), scratch=args.dir, keep=args.keep,
+                    as_json=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mxfs", description="mxfs: a striped storage tier for AI computing centres")
+    p.add_argument("--version", action="version", version=f"mxfs {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("mkfs", help="make a pool from empty member folders")
+    s.add_argument("--member", action="append", required=True, metavar="PATH",
+                   help="a member folder (repeat for each member)")
+    s.add_argument("--stripe-unit", default="1MiB", help="stripe unit, a multiple of 4 KiB")
+    s.add_argument("--label", default="", help="a name for the pool")
+    s.add_argument("--force", action="store_true", help="wipe members of an old pool")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_mkfs)
+
+    s = sub.add_parser("mount", help="mount a pool (POOL: a member path or a pool config)")
+    s.add_argument("pool")
+    s.add_argument("mountpoint")
+    s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+    s.add_argument("-o", action="append", metavar="OPT[,OPT...]",
+                   help="mount options: allow_other, noatime, nonempty, io_threads=N, ...")
+    s.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    s.set_defaults(func=cmd_mount)
+
+    s = sub.add_parser("umount", help="unmount and wait for the daemon to write back")
+    s.add_argument("mountpoint")
+    s.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    s.set_defaults(func=cmd_umount)
+
+    s = sub.add_parser("status", help="members, capacity, usage and daemon of pools")
+    s.add_argument("target", nargs="?", help="a mount point or pool (default: every mount)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("getstripe", help="show a file's or directory's stripe layout")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_getstripe)
+
+    s = sub.add_parser("setstripe", help="set a directory's default layout (or an empty file's)")
+    s.add_argument("path")
+    s.add_argument("--unit", help="stripe unit, e.g. 4MiB")
+    s.add_argument("--width", type=int, help="number of members to stripe over")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_setstripe)
+
+    s = sub.add_parser("demo", help="make a demo pool, mount it, write and read, measure")
+    s.add_argument("--size", default="2GiB", help="bytes to write and read each way")
+    s.add_argument("--dir", help="scratch folder (default: a new one under /var/tmp)")
+    s.add_argument("--keep", action="store_true", help="leave the pool mounted and in place")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except MxfsError as e:
+        print(f"mxfs: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("mxfs: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the last line of defence for users
+        if os.environ.get("MXFS_DEBUG"):
+            raise
+        print(f"mxfs: internal error: {type(e).__name__}: {e} "
+              "(set MXFS_DEBUG=1 for a traceback, and please report it)", file=sys.stderr)
+        return 70

@@ -1,0 +1,77 @@
+"""A blocking client of the daemon's control socket.
+
+The socket is found from the mount itself (the `user.mxfs.control` xattr of
+its root), so a client needs nothing but the mount point.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import socket
+from typing import Any
+
+from mxfs.proto import VERSION, recv_message, send_message
+
+CONTROL_XATTR = "user.mxfs.control"
+
+
+class ControlError(OSError):
+    """The daemon refused a request; errno and message are the daemon's."""
+
+
+def find_socket(mountpoint: str) -> str:
+    try:
+        return os.getxattr(mountpoint, CONTROL_XATTR).decode()
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP):
+            raise ControlError(e.errno, f"{mountpoint} is not an mxfs mount") from None
+        raise
+
+
+class ControlClient:
+    def __init__(self, mountpoint: str, timeout: float = 30.0) -> None:
+        self.mountpoint = os.path.realpath(mountpoint)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(find_socket(self.mountpoint))
+        self._ids = itertools.count(1)
+        self.server = self.call("hello", version=VERSION)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply; raises ControlError on refusal."""
+        msg_id = next(self._ids)
+        send_message(self.sock, {"op": op, "id": msg_id, **fields})
+        reply, fds = recv_message(self.sock)
+        for fd in fds:
+            os.close(fd)
+        if reply.get("id") != msg_id:
+            raise ControlError(errno.EPROTO, f"reply {reply.get('id')} to request {msg_id}")
+        if not reply.get("ok"):
+            raise ControlError(int(reply.get("errno") or errno.EIO),
+                               str(reply.get("error", "refused")))
+        return reply
+
+    def pool_path(self, path: str) -> str:
+        """A path inside the mount as the daemon names it (relative to the pool root)."""
+        full = os.path.abspath(path)
+        rel = os.path.relpath(full, self.mountpoint)
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+            raise ControlError(errno.EXDEV, f"{path} is not inside {self.mountpoint}")
+        return "/" if rel == "." else "/" + rel
+
+    def stat(self) -> dict[str, Any]:
+        return self.call("stat")
+
+    def layout(self, path: str) -> dict[str, Any]:
+        return self.call("layout", path=self.pool_path(path))

@@ -1,0 +1,63 @@
+"""POSIX permission checks for callers of the control socket.
+
+The mount lets the kernel check permissions (default_permissions); the
+control socket must refuse exactly what the mount would, so it applies the
+same owner/group/other rules to the caller's SO_PEERCRED identity.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from mxfs.meta import Inode, MetaStore
+
+R_OK, W_OK, X_OK = 4, 2, 1
+
+
+@dataclass(frozen=True)
+class Caller:
+    pid: int
+    uid: int
+    gids: frozenset[int]
+
+
+def supplementary_groups(pid: int) -> set[int]:
+    """The groups of process `pid`, from /proc (empty if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
+def may(node: Inode, caller: Caller, mask: int) -> bool:
+    """Would the kernel's generic_permission grant `mask` (R/W/X bits) on `node`?"""
+    if caller.uid == 0:
+        # root passes everything except executing a file nobody may execute.
+        return not (mask & X_OK and not node.is_dir and not node.mode & 0o111)
+    if caller.uid == node.uid:
+        bits = (node.mode >> 6) & 7
+    elif node.gid in caller.gids:
+        bits = (node.mode >> 3) & 7
+    else:
+        bits = node.mode & 7
+    return bits & mask == mask
+
+
+def resolve_for(store: MetaStore, path: str, caller: Caller) -> Inode:
+    """Walk `path` (relative to the pool root) as `caller`, checking search permission."""
+    node = store.get(1)
+    for part in path.strip("/").split("/"):
+        if part in ("", "."):
+            continue
+        if not node.is_dir:
+            raise OSError(errno.ENOTDIR, f"{path}: a component is not a directory")
+        if not may(node, caller, X_OK):
+            raise OSError(errno.EACCES, f"{path}: search permission denied")
+        node = store.lookup(node.ino, os.fsencode(part))
+    return node

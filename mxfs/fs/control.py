@@ -1,0 +1,156 @@
+"""The daemon's control socket: a Unix socket for direct clients.
+
+Each connection is served in its own trio task; a malformed, oversized or
+unknown message gets an error reply and the connection is closed, while the
+daemon goes on serving others.  The caller's identity comes from SO_PEERCRED
+and every path is resolved with the caller's permissions.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+from typing import Any
+
+import trio
+
+from mxfs import __version__
+from mxfs.fs.access import Caller, resolve_for, supplementary_groups
+from mxfs.fs.volume import Volume
+from mxfs.proto import HEADER, OPS, VERSION, ProtocolError, decode_payload, encode, parse_header
+from mxfs.proto.framing import ancillary_space, fds_from_ancdata
+
+log = logging.getLogger("mxfs.control")
+
+
+def runtime_dir() -> str:
+    """Where sockets and logs of running daemons live."""
+    if os.geteuid() == 0:
+        return "/run/mxfs"
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/mxfs-{os.getuid()}"
+    return os.path.join(base, "mxfs") if "XDG_RUNTIME_DIR" in os.environ else base
+
+
+def peer_caller(sock: Any) -> Caller:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return Caller(pid, uid, frozenset(supplementary_groups(pid) | {gid}))
+
+
+class ControlServer:
+    def __init__(self, volume: Volume, path: str, mountpoint: str) -> None:
+        self.vol = volume
+        self.path = path
+        self.mountpoint = mountpoint
+
+    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await listener.bind(self.path)
+        os.chmod(self.path, 0o666)  # anyone may connect; each request is checked
+        listener.listen(64)
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    conn, _ = await listener.accept()
+                    nursery.start_soon(self._connection, conn)
+        finally:
+            listener.close()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    async def _recv_exact(self, conn: Any, n: int) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            chunk = await conn.recv(min(n - got, 1 << 16))
+            if not chunk:
+                raise ConnectionError("peer closed mid-message")
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    async def _connection(self, conn: Any) -> None:
+        with conn:
+            try:
+                caller = peer_caller(conn)
+            except OSError:
+                return
+            while True:
+                try:
+                    head, anc, _, _ = await conn.recvmsg(HEADER.size, ancillary_space())
+                except OSError:
+                    return
+                for fd in fds_from_ancdata(anc):
+                    os.close(fd)  # no request carries descriptors in this version
+                if not head:
+                    return
+                try:
+                    if len(head) < HEADER.size:
+                        head += await self._recv_exact(conn, HEADER.size - len(head))
+                    _, _, length = parse_header(head)
+                    msg = decode_payload(await self._recv_exact(conn, length))
+                except ProtocolError as e:
+                    await self._refuse(conn, caller, None, e)
+                    return
+                except OSError:
+                    return  # the peer went away mid-message
+                try:
+                    reply = self._dispatch(msg, caller)
+                except ProtocolError as e:
+                    await self._refuse(conn, caller, msg.get("id"), e)
+                    return
+                except OSError as e:
+                    code = e.errno or errno.EIO
+                    reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
+                reply["id"] = msg.get("id")
+                if not await self._send(conn, reply):
+                    return
+
+    async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
+        log.warning("control: pid %d uid %d sent a bad message: %s", caller.pid, caller.uid, err)
+        await self._send(conn, {"id": msg_id, "ok": False, "errno": errno.EPROTO,
+                                "error": str(err)})
+
+    async def _send(self, conn: Any, reply: dict[str, Any]) -> bool:
+        data = memoryview(encode(reply))
+        try:
+            while data:
+                data = data[await conn.send(data):]
+        except OSError:
+            return False
+        return True
+
+    def _dispatch(self, msg: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "hello":
+            return {"ok": True, "version": VERSION, "server": f"mxfs {__version__}",
+                    "pid": os.getpid(), "pool_uuid": self.vol.pool.uuid, "ops": list(OPS),
+                    "uid": caller.uid}
+        if op == "stat":
+            return {"ok": True, **self.status()}
+        if op == "layout":
+            path = msg.get("path")
+            if not isinstance(path, str):
+                raise ProtocolError("layout needs a string 'path'")
+            node = resolve_for(self.vol.store, path, caller)
+            out: dict[str, Any] = {"ok": True, "ino": node.ino, "size": node.size,
+                                   "generation": node.generation, "mode": node.mode}
+            if node.is_reg:
+                out["layout"] = self.vol.layout(node).describe()
+            return out
+        raise ProtocolError(f"unknown op {op!r} (this daemon serves {', '.join(OPS)})")
+
+    def status(self) -> dict[str, Any]:
+        pool = self.vol.pool
+        return {"pool_uuid": pool.uuid, "label": pool.label, "stripe_unit": pool.stripe_unit,
+                "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.path,
+                "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
+                "open_files": len(self.vol.open_inodes)}

@@ -1,0 +1,109 @@
+"""The mount daemon: one per mounted pool, the pool's single metadata authority.
+
+It opens and recovers the volume, mounts it through pyfuse3, serves the
+control socket beside it, and on unmount (or SIGTERM/SIGINT) writes
+everything back and marks the metadata clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+import pyfuse3
+import trio
+
+from mxfs.errors import MxfsError
+from mxfs.fs.control import ControlServer, runtime_dir
+from mxfs.fs.mounts import check_mountpoint
+from mxfs.fs.ops import MxfsOperations
+from mxfs.fs.volume import Volume
+
+log = logging.getLogger("mxfs.daemon")
+
+# Options mxfs reads itself; everything else goes to FUSE and the kernel.
+OWN_OPTIONS = ("nonempty", "noatime", "io_threads")
+
+Ready = Callable[[MxfsError | None], None]
+
+
+def split_options(options: list[str]) -> tuple[dict[str, str], set[str]]:
+    own: dict[str, str] = {}
+    fuse: set[str] = set()
+    for opt in options:
+        key, _, value = opt.partition("=")
+        if key in OWN_OPTIONS:
+            own[key] = value
+            if key == "noatime":
+                fuse.add(opt)
+        elif opt:
+            fuse.add(opt)
+    return own, fuse
+
+
+def socket_path(pool_uuid: str) -> str:
+    return os.path.join(runtime_dir(), f"{pool_uuid}.sock")
+
+
+def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
+    """Mount and serve until unmounted; calls `ready` once, with None or the error."""
+    own, fuse_opts = split_options(options)
+    try:
+        io_threads = int(own.get("io_threads") or 16)
+        mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
+        vol = Volume.open(spec)
+        sock = socket_path(vol.pool.uuid)
+        vol.lock(mp, sock)
+    except ValueError:
+        err = MxfsError(f"io_threads={own.get('io_threads')} is not a number",
+                        "give a whole number such as io_threads=16")
+        ready(err)
+        raise err from None
+    except MxfsError as e:
+        ready(e)
+        raise
+    clean = False
+    try:
+        vol.recover()
+        ops = MxfsOperations(vol, control_path=sock, noatime="noatime" in own,
+                             io_threads=io_threads)
+        name = vol.pool.label or vol.pool.uuid[:8]
+        fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
+        try:
+            pyfuse3.init(ops, mp, fuse_opts)
+        except RuntimeError as e:
+            raise MxfsError(f"FUSE refused the mount ({e}); options were {sorted(fuse_opts)}",
+                            "check the -o options and that /dev/fuse is usable") from None
+        try:
+            control = ControlServer(vol, sock, mp)
+            trio.run(_serve, control, ready)
+            clean = True
+        finally:
+            pyfuse3.close(unmount=True)
+    except MxfsError as e:
+        ready(e)
+        raise
+    finally:
+        vol.close(clean=clean)
+        log.info("pool %s unmounted from %s (clean=%s)", vol.pool.uuid, mp, clean)
+
+
+async def _serve(control: ControlServer, ready: Ready) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(control.serve)
+        nursery.start_soon(_stop_on_signal)
+        log.info("pool %s mounted on %s, control socket %s", control.vol.pool.uuid,
+                 control.mountpoint, control.path)
+        ready(None)
+        await pyfuse3.main(min_tasks=4, max_tasks=64)
+        nursery.cancel_scope.cancel()
+
+
+async def _stop_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            log.info("signal received: unmounting")
+            pyfuse3.terminate()
+            return

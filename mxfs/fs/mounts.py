@@ -1,0 +1,118 @@
+"""Mount points: checks before mounting, the kernel's mount table, background
+daemons and unmounting.  Pure process and file work, no FUSE calls."""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import subprocess
+import sys
+import time
+
+from mxfs.errors import MxfsError
+
+FSTYPE = "fuse.mxfs"
+READY_TIMEOUT = 120.0
+
+
+def _unescape(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n") \
+        .replace("\\134", "\\")
+
+
+def mount_table() -> dict[str, str]:
+    """Mount point -> filesystem type, from /proc/self/mountinfo."""
+    table = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            table[_unescape(left.split()[4])] = right.split()[0]
+    return table
+
+
+def check_mountpoint(path: str, nonempty: bool = False) -> str:
+    """The absolute mount point, or one line saying why it cannot be used."""
+    real = os.path.abspath(path)
+    try:
+        os.stat(real)
+    except FileNotFoundError:
+        raise MxfsError(f"mount point {path} does not exist", f"create it: mkdir -p {path}") \
+            from None
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise MxfsError(f"mount point {path} holds a dead mount (its daemon died)",
+                            f"run: mxfs umount {path}") from None
+        raise MxfsError(f"mount point {path} cannot be read ({e.strerror})",
+                        "check the path") from None
+    if not os.path.isdir(real):
+        raise MxfsError(f"mount point {path} is not a directory", "give an empty folder")
+    if real in mount_table() or os.path.ismount(real):
+        raise MxfsError(f"mount point {path} is busy: something is already mounted there",
+                        f"unmount it first (mxfs umount {path})")
+    if not nonempty and os.listdir(real):
+        raise MxfsError(f"mount point {path} is not empty",
+                        "use an empty folder, or pass -o nonempty to hide its contents")
+    return real
+
+
+def spawn_daemon(argv: list[str], log_path: str) -> int:
+    """Start `mxfs mount -f` in its own session and wait until it says it is mounted."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    r, w = os.pipe()
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mxfs", *argv, "--ready-fd", str(w)],
+            pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+            start_new_session=True)
+    os.close(w)
+    answer = b""
+    deadline = time.monotonic() + READY_TIMEOUT
+    with os.fdopen(r, "rb", buffering=0) as pipe:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([pipe], [], [], 0.5)
+            if ready:
+                chunk = pipe.read(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            elif proc.poll() is not None:
+                break
+    text = answer.decode(errors="replace").strip()
+    if text == "ok":
+        return proc.pid
+    if proc.poll() is None and not text:
+        proc.kill()
+        raise MxfsError(f"the daemon did not report within {READY_TIMEOUT:.0f} s",
+                        f"see {log_path}")
+    if text.startswith("error\t"):
+        _, problem, fix = (text.split("\t") + [""])[:3]
+        raise MxfsError(problem, fix or None)
+    proc.wait(timeout=10)
+    raise MxfsError(f"the daemon exited with code {proc.returncode}", f"see {log_path}")
+
+
+def wait_pid_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def unmount(path: str, lazy: bool = False) -> None:
+    """Ask the kernel to unmount `path` (umount as root, fusermount3 otherwise)."""
+    if os.geteuid() == 0:
+        cmd = ["umount", *(["-l"] if lazy else []), path]
+    else:
+        cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), path]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        err = (res.stderr or res.stdout).strip()
+        if "busy" in err.lower():
+            raise MxfsError(f"mount point {path} is busy: files are open there",
+                            f"close them (see: fuser -vm {path}), or pass --lazy")
+        raise MxfsError(f"unmounting {path} failed: {err}", "check the mount point")

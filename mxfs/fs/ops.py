@@ -1,0 +1,444 @@
+"""The FUSE request handlers (pyfuse3, on trio).
+
+Metadata work runs on the trio thread against the volume's store (one writer,
+no locks); chunk I/O runs in worker threads so a large read or write is served
+by every member it spans while other requests go on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyfuse3
+import trio
+
+from mxfs.fs.volume import OpenInode, Volume
+from mxfs.meta import NAME_MAX, ROOT_INO, Inode
+from mxfs.pool import Layout
+
+log = logging.getLogger("mxfs.fs")
+
+LAYOUT_XATTR = b"user.mxfs.layout"
+CONTROL_XATTR = b"user.mxfs.control"
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 65536
+DAY_NS = 86_400 * 10**9
+TIMEOUT = 1.0
+
+
+def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn OSError from the store or members into the errno FUSE returns."""
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:
+            if e.errno is None:
+                log.exception("%s failed", fn.__name__)
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            raise pyfuse3.FUSEError(e.errno) from None
+        except Exception:
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+def format_layout(lay: Layout | None, unit: int | None, width: int | None) -> bytes:
+    if lay is not None:
+        return (f"stripe_unit={lay.unit} stripe_width={lay.width} "
+                f"first_member={lay.first}").encode()
+    return f"stripe_unit={unit or 0} stripe_width={width or 0}".encode()
+
+
+def parse_layout(raw: bytes) -> tuple[int | None, int | None]:
+    """'stripe_unit=N stripe_width=M' (either may be left out) -> (unit, width)."""
+    fields: dict[str, int] = {}
+    for part in raw.decode(errors="replace").replace(",", " ").split():
+        key, _, value = part.partition("=")
+        if key not in ("stripe_unit", "stripe_width") or not value.isdigit():
+            raise OSError(errno.EINVAL, f"bad layout field {part!r}")
+        fields[key] = int(value)
+    if not fields:
+        raise OSError(errno.EINVAL, "empty layout")
+    return fields.get("stripe_unit"), fields.get("stripe_width")
+
+
+class Handle:
+    """One open file description."""
+
+    __slots__ = ("entry", "flags")
+
+    def __init__(self, entry: OpenInode, flags: int) -> None:
+        self.entry = entry
+        self.flags = flags
+
+
+class MxfsOperations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(self, volume: Volume, control_path: str = "", noatime: bool = False,
+                 io_threads: int = 16) -> None:
+        super().__init__()
+        self.vol = volume
+        self.store = volume.store
+        self.control_path = control_path
+        self.noatime = noatime
+        self.handles: dict[int, Handle] = {}
+        self.next_fh = 1
+        self.limiter = trio.CapacityLimiter(io_threads)
+
+    # ---- attributes --------------------------------------------------------
+
+    def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.ino
+        a.generation = 0
+        a.entry_timeout = TIMEOUT
+        a.attr_timeout = TIMEOUT
+        a.st_mode = node.mode
+        a.st_nlink = node.nlink
+        a.st_uid = node.uid
+        a.st_gid = node.gid
+        a.st_rdev = node.rdev
+        a.st_size = node.size
+        a.st_blksize = node.stripe_unit if node.is_reg and node.stripe_unit else 4096
+        a.st_blocks = (node.size + 511) // 512
+        a.st_atime_ns = node.atime_ns
+        a.st_mtime_ns = node.mtime_ns
+        a.st_ctime_ns = node.ctime_ns
+        return a
+
+    @_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.EntryAttributes:
+        if len(name) > NAME_MAX:
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
+        return self.attrs(self.store.lookup(parent_inode, name))
+
+    @_errors
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
+                      ) -> pyfuse3.EntryAttributes:
+        return self.attrs(self.store.get(inode))
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, _ in inode_list:
+            if ino not in self.vol.open_inodes:
+                self.store.forget(ino)
+
+    @_errors
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.store.get(inode)
+        now = time.time_ns()
+        if fields.update_size:
+            if node.is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            if not node.is_reg:
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            self.vol.truncate(node, attr.st_size)
+            node.mtime_ns = now
+        if fields.update_mode:
+            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            node.uid = attr.st_uid
+        if fields.update_gid:
+            node.gid = attr.st_gid
+        if fields.update_atime:
+            node.atime_ns = attr.st_atime_ns
+        if fields.update_mtime:
+            node.mtime_ns = attr.st_mtime_ns
+        node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now
+        self.store.save(node, "mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns")
+        node.dirty = False
+        return self.attrs(node)
+
+    # ---- namespace ---------------------------------------------------------
+
+    def _owner(self, parent: Inode, mode: int, ctx: pyfuse3.RequestContext) -> tuple[int, int]:
+        """(mode, gid) for a new inode: a set-group-ID directory passes its group on."""
+        gid = ctx.gid
+        if parent.mode & stat.S_ISGID:
+            gid = parent.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        if (mode & stat.S_ISGID and not stat.S_ISDIR(mode) and ctx.uid != 0
+                and gid != ctx.gid and gid not in pyfuse3.get_sup_groups(ctx.pid)):
+            mode &= ~stat.S_ISGID
+        return mode, gid
+
+    def _create(self, parent_inode: int, name: bytes, mode: int,
+                ctx: pyfuse3.RequestContext, rdev: int = 0,
+                target: bytes | None = None) -> Inode:
+        parent = self.store.get(parent_inode)
+        mode, gid = self._owner(parent, mode, ctx)
+        return self.store.create(parent_inode, name, mode, ctx.uid, gid, rdev=rdev,
+                                 target=target, layout_for=self.vol.pick_layout)
+
+    @_errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.attrs(self._create(parent_inode, name, mode, ctx, rdev=rdev))
+
+    @_errors
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.attrs(self._create(parent_inode, name, stat.S_IFDIR | mode, ctx))
+
+    @_errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.attrs(self._create(parent_inode, name, stat.S_IFLNK | 0o777, ctx,
+                                       target=target))
+
+    @_errors
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.store.get(inode)
+        if node.target is None:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return node.target
+
+    @_errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.attrs(self.store.link(inode, new_parent_inode, new_name))
+
+    @_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.vol.unlinked(self.store.unlink(parent_inode, name))
+
+    @_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.vol.unlinked(self.store.rmdir(parent_inode, name))
+
+    @_errors
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        gone = self.store.rename(parent_inode_old, name_old, parent_inode_new, name_new,
+                                 noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
+                                 exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
+        if gone is not None:
+            self.vol.unlinked(gone)
+
+    # ---- files -------------------------------------------------------------
+
+    def _open_handle(self, node: Inode, flags: int) -> pyfuse3.FileInfo:
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = Handle(self.vol.acquire(node), flags)
+        # Every change to a file passes through this daemon, so the kernel's cached
+        # pages of it stay valid between opens.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    @_errors
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
+                   ) -> pyfuse3.FileInfo:
+        node = self.store.get(inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        return self._open_handle(node, flags)
+
+    @_errors
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext
+                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        node = self._create(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx)
+        return self._open_handle(node, flags), self.attrs(node)
+
+    @_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        entry = self.handles[fh].entry
+        node = entry.node
+        n = min(size, node.size - off)
+        if n <= 0:
+            return b""
+        buf = bytearray(n)
+        assert entry.chunks is not None
+        await trio.to_thread.run_sync(entry.chunks.read, off, memoryview(buf),
+                                      limiter=self.limiter)
+        if not self.noatime:
+            self._relatime(node)
+        return buf
+
+    def _relatime(self, node: Inode) -> None:
+        now = time.time_ns()
+        if (node.atime_ns <= node.mtime_ns or node.atime_ns <= node.ctime_ns
+                or now - node.atime_ns > DAY_NS):
+            node.atime_ns = now
+            self.store.touch_data(node)
+
+    @_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self.handles[fh]
+        entry = handle.entry
+        node = entry.node
+        if handle.flags & os.O_APPEND:
+            off = node.size
+        assert entry.chunks is not None
+        self.vol.note_write(entry)
+        await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
+                                      limiter=self.limiter)
+        if off + len(buf) > node.size:
+            node.size = off + len(buf)
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+        self.store.touch_data(node)
+        return len(buf)
+
+    @_errors
+    async def flush(self, fh: int) -> None:
+        self.store.flush(self.handles[fh].entry.node)
+
+    @_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        entry = self.handles[fh].entry
+        if entry.chunks is not None:
+            await trio.to_thread.run_sync(entry.chunks.sync, datasync, limiter=self.limiter)
+        self.store.flush(entry.node)
+        await trio.to_thread.run_sync(self.store.durable, limiter=self.limiter)
+
+    @_errors
+    async def release(self, fh: int) -> None:
+        handle = self.handles.pop(fh)
+        self.vol.release(handle.entry.node.ino)
+
+    # ---- directories -------------------------------------------------------
+
+    @_errors
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self.store.get(inode)
+        if not node.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = Handle(self.vol.acquire(node), 0)
+        return fh
+
+    @_errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        node = self.handles[fh].entry.node
+        after = start_id
+        while True:
+            entries = self.store.readdir(node.ino, after)
+            for e in entries:
+                if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode), e.cookie):
+                    return
+                after = e.cookie
+            if not entries:
+                break
+        if not self.noatime:
+            self._relatime(node)
+
+    @_errors
+    async def releasedir(self, fh: int) -> None:
+        handle = self.handles.pop(fh)
+        self.vol.release(handle.entry.node.ino)
+
+    @_errors
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await trio.to_thread.run_sync(self.store.durable, limiter=self.limiter)
+
+    @_errors
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = pyfuse3.StatvfsData()
+        usage = self.vol.pool.usage()
+        bsize = 4096
+        s.f_bsize = s.f_frsize = bsize
+        s.f_blocks = sum(int(u["size"]) for u in usage) // bsize
+        s.f_bfree = sum(int(u["size"]) - int(u["used"]) for u in usage) // bsize
+        s.f_bavail = sum(int(u["free"]) for u in usage) // bsize
+        used = self.store.count_inodes()
+        s.f_files = max(used * 2, 1 << 24)
+        s.f_ffree = s.f_favail = s.f_files - used
+        s.f_namemax = NAME_MAX
+        return s
+
+    # ---- xattrs ------------------------------------------------------------
+
+    def _layout_of(self, node: Inode) -> bytes:
+        if node.is_reg:
+            return format_layout(self.vol.layout(node), None, None)
+        if node.is_dir:
+            unit = node.stripe_unit or self.vol.pool.stripe_unit
+            width = node.stripe_width or len(self.vol.pool.members)
+            return format_layout(None, unit, width)
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    @_errors
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.store.get(inode)
+        if name == LAYOUT_XATTR:
+            return self._layout_of(node)
+        if name == CONTROL_XATTR and inode == ROOT_INO and self.control_path:
+            return self.control_path.encode()
+        value = self.store.getxattr(inode, name)
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    @_errors
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        if len(name) > XATTR_NAME_MAX or not name:
+            raise pyfuse3.FUSEError(errno.ERANGE)
+        if len(value) > XATTR_SIZE_MAX:
+            raise pyfuse3.FUSEError(errno.E2BIG)
+        node = self.store.get(inode)
+        if name == LAYOUT_XATTR:
+            self._set_layout(node, value, ctx)
+            return
+        if name == CONTROL_XATTR and inode == ROOT_INO:
+            raise pyfuse3.FUSEError(errno.EPERM)
+        self.store.setxattr(node, name, value)
+
+    def _set_layout(self, node: Inode, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        """setstripe: a directory's default for new files, or an empty file's own layout."""
+        if ctx.uid not in (0, node.uid):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        unit, width = parse_layout(value)
+        pool = self.vol.pool
+        unit = unit or node.stripe_unit or pool.stripe_unit
+        width = width or node.stripe_width or len(pool.members)
+        try:
+            Layout(unit, width, 0, len(pool.members))
+        except ValueError as e:
+            raise OSError(errno.EINVAL, str(e)) from None
+        if node.is_dir:
+            node.stripe_unit, node.stripe_width = unit, width
+            self.store.save(node, "stripe_unit", "stripe_width")
+        elif node.is_reg:
+            if node.size or node.ino in self.vol.open_inodes and \
+                    self.vol.open_inodes[node.ino].wrote:
+                raise pyfuse3.FUSEError(errno.EBUSY)
+            node.stripe_unit, node.stripe_width = unit, width
+            self.store.save(node, "stripe_unit", "stripe_width")
+            entry = self.vol.open_inodes.get(node.ino)
+            if entry is not None and entry.chunks is not None:
+                entry.chunks.layout = self.vol.layout(node)
+        else:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+
+    @_errors
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        self.store.get(inode)
+        return self.store.listxattr(inode)
+
+    @_errors
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if name in (LAYOUT_XATTR, CONTROL_XATTR):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        if not self.store.removexattr(self.store.get(inode), name):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        return True

@@ -1,0 +1,237 @@
+"""A volume: the pool's members and its metadata store, opened together.
+
+This is what the FUSE handlers and the control server both work on: it
+formats a pool, opens and recovers it, tracks which inodes are open (so an
+unlinked file keeps its data until the last close), reclaims orphans, and
+checks the invariants that tie metadata to chunk files.  It holds no FUSE or
+trio code, so tools can use it on an unmounted pool.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import sqlite3
+from dataclasses import dataclass, field
+
+from mxfs.errors import MxfsError
+from mxfs.meta import Inode, MetaStore
+from mxfs.pool import ChunkFiles, Layout, Pool, format_members
+
+log = logging.getLogger("mxfs.volume")
+
+LOCK_NAME = "daemon.lock"
+
+
+@dataclass
+class OpenInode:
+    """State shared by every open handle of one inode."""
+
+    node: Inode
+    chunks: ChunkFiles | None
+    count: int = 0
+    wrote: bool = False
+
+
+@dataclass
+class Recovery:
+    """What mounting found to repair."""
+
+    unclean: bool
+    orphans_reclaimed: int = 0
+    trimmed: list[int] = field(default_factory=list)
+
+
+def format_pool(members: list[str], stripe_unit: int, label: str = "",
+                force: bool = False) -> Pool:
+    """mkfs: superblocks on every member, then an empty metadata store on member 0."""
+    sb = format_members(members, stripe_unit, label, force)
+    pool = Pool.open(members[0])
+    assert pool.uuid == sb.pool_uuid
+    MetaStore.format(pool.meta_dir, pool.uuid, stripe_unit).close()
+    return pool
+
+
+class Volume:
+    """Pool + metadata; one per daemon, used from one thread except for chunk I/O."""
+
+    def __init__(self, pool: Pool, store: MetaStore) -> None:
+        self.pool = pool
+        self.store = store
+        self.open_inodes: dict[int, OpenInode] = {}
+        self._lock_fd: int | None = None
+
+    @classmethod
+    def open(cls, spec: str, readonly: bool = False) -> Volume:
+        pool = Pool.open(spec)
+        try:
+            store = MetaStore.open(pool.meta_dir, readonly=readonly)
+            uuid = store.setting("pool_uuid")
+        except (sqlite3.Error, OSError) as e:
+            raise MxfsError(f"metadata store in {pool.meta_dir} cannot be opened ({e})",
+                            "restore it from a backup (mxfs meta restore)") from None
+        if uuid != pool.uuid:
+            raise MxfsError(f"metadata store in {pool.meta_dir} belongs to pool {uuid}, "
+                            f"not {pool.uuid}", "restore the right metadata store")
+        return cls(pool, store)
+
+    # ---- the daemon's lock ------------------------------------------------
+
+    def lock(self, mountpoint: str, socket_path: str) -> None:
+        """Claim the pool for one daemon; a second mount is refused, naming the first."""
+        path = os.path.join(self.pool.meta_dir, LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = read_lock_info(self.pool)
+            os.close(fd)
+            where = f" at {holder['mountpoint']} (pid {holder['pid']})" if holder else ""
+            raise MxfsError(f"pool {self.pool.uuid} is already mounted{where}",
+                            "unmount it first (mxfs umount)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint,
+                                  "socket": socket_path}).encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.ftruncate(self._lock_fd, 0)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ---- layouts -----------------------------------------------------------
+
+    def pick_layout(self, ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
+        """A new file's layout: its directory's defaults, first member spread by inode."""
+        lay = self.pool.layout_for(ino, unit, width)
+        return lay.unit, lay.width, lay.first
+
+    def layout(self, node: Inode) -> Layout:
+        assert node.stripe_unit and node.stripe_width and node.first_member is not None
+        return Layout(node.stripe_unit, node.stripe_width, node.first_member,
+                      len(self.pool.members))
+
+    # ---- open files and reclaim --------------------------------------------
+
+    def acquire(self, node: Inode) -> OpenInode:
+        """Count one more open handle of `node`; chunk descriptors are shared."""
+        entry = self.open_inodes.get(node.ino)
+        if entry is None:
+            chunks = ChunkFiles(self.pool, node.ino, self.layout(node)) if node.is_reg else None
+            entry = self.open_inodes[node.ino] = OpenInode(node, chunks)
+        entry.count += 1
+        return entry
+
+    def release(self, ino: int) -> None:
+        """One handle fewer; the last one writes attributes back and may reclaim."""
+        entry = self.open_inodes[ino]
+        entry.count -= 1
+        if entry.count:
+            return
+        del self.open_inodes[ino]
+        node = entry.node
+        if entry.chunks is not None:
+            entry.chunks.close()
+        if node.nlink == 0:
+            self.reclaim(node.ino)
+            return
+        self.store.flush(node)
+        if entry.wrote:
+            self.store.clear_dirty_data(node.ino)
+
+    def note_write(self, entry: OpenInode) -> None:
+        """Before the first write of an open: chunk files may now outgrow the recorded size."""
+        if not entry.wrote:
+            self.store.mark_dirty_data(entry.node.ino)
+            entry.wrote = True
+
+    def unlinked(self, node: Inode) -> None:
+        """After a namespace change dropped `node`'s last link: reclaim unless open."""
+        if node.nlink == 0 and node.ino not in self.open_inodes:
+            self.reclaim(node.ino)
+
+    def reclaim(self, ino: int) -> None:
+        """Free an orphan: chunk files first, then the row (a crash between is redone)."""
+        self.pool.remove_chunks(ino)
+        self.store.drop_inode(ino)
+
+    def truncate(self, node: Inode, size: int) -> None:
+        """Set a file's size now; shrinking cuts the chunk files (crash-safe via dirty_data)."""
+        shrink = size < node.size
+        node.size = size
+        with self.store.transaction():
+            if shrink:
+                self.store.mark_dirty_data(node.ino)
+            self.store.save(node, "size")
+        if shrink:
+            self.pool.truncate_chunks(node.ino, self.layout(node), size)
+            if node.ino not in self.open_inodes:
+                self.store.clear_dirty_data(node.ino)
+
+    # ---- mount-time recovery and checks ------------------------------------
+
+    def recover(self) -> Recovery:
+        """Reclaim orphans and trim chunk files past recorded sizes; mark the store in use."""
+        report = Recovery(unclean=self.store.setting("clean") != "1")
+        for ino in self.store.orphans():
+            self.reclaim(ino)
+            report.orphans_reclaimed += 1
+        for ino in self.store.dirty_data():
+            node = self.store.get(ino)
+            if node.is_reg:
+                self.pool.truncate_chunks(ino, self.layout(node), node.size)
+                report.trimmed.append(ino)
+            self.store.clear_dirty_data(ino)
+        self.store.set_setting("clean", "0")
+        self.store.durable()
+        if report.unclean or report.orphans_reclaimed:
+            log.warning("recovered pool %s: unclean=%s, %d orphans reclaimed, %d files trimmed",
+                        self.pool.uuid, report.unclean, report.orphans_reclaimed,
+                        len(report.trimmed))
+        return report
+
+    def problems(self) -> list[str]:
+        """Every broken invariant: the store's own, plus chunk files without a live file."""
+        problems = self.store.invariant_problems()
+        inodes = self.store.inode_numbers()
+        for member, ino in self.pool.iter_chunks():
+            if ino not in inodes:
+                problems.append(f"chunk file of inode {ino} on member {member} has no inode")
+        return problems
+
+    def close(self, clean: bool = True) -> None:
+        """Write everything back and mark the store clean (only after a clean unmount)."""
+        for entry in list(self.open_inodes.values()):
+            entry.count = 1
+            self.release(entry.node.ino)
+        self.store.flush_all()
+        if clean:
+            self.store.set_setting("clean", "1")
+        self.store.durable()
+        self.store.close()
+        self.unlock()
+
+
+def read_lock_info(pool: Pool) -> dict | None:
+    """Who holds the pool (pid, mountpoint, socket), or None when nobody does."""
+    path = os.path.join(pool.meta_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raw = os.pread(fd, 4096, 0)
+            try:
+                return json.loads(raw)
+            except ValueError:
+                return {"pid": None, "mountpoint": "?", "socket": None}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

@@ -1,0 +1,582 @@
+"""The metadata store: inodes, directory entries, xattrs and layouts in SQLite (WAL).
+
+Every namespace change is one transaction, so a crash never leaves an entry
+pointing nowhere nor an unreachable inode holding space: an inode whose last
+link goes is listed in `orphans` in the same transaction, and its data is
+reclaimed when it is no longer open (or at the next mount, if the daemon died).
+
+The daemon is the only writer, on one thread.  It keeps the inodes it touches
+in memory; data attributes (size, times) that writes change are held there and
+written back on flush, fsync and release ("dirty"), while namespace fields are
+written through at once.  Inodes whose chunk files may run past the recorded
+size are listed in `dirty_data`, so a mount after a crash can trim them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+ROOT_INO = 1
+NAME_MAX = 255
+SCHEMA_VERSION = 1
+DB_NAME = "mxfs.db"
+
+_SCHEMA = """
+CREATE TABLE settings(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE inodes(
+    ino INTEGER PRIMARY KEY AUTOINCREMENT,
+    mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
+    nlink INTEGER NOT NULL, size INTEGER NOT NULL DEFAULT 0,
+    atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
+    rdev INTEGER NOT NULL DEFAULT 0,
+    target BLOB,
+    stripe_unit INTEGER, stripe_width INTEGER, first_member INTEGER,
+    generation INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE dentries(
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
+    UNIQUE(parent, name)
+);
+CREATE INDEX dentries_by_ino ON dentries(ino);
+CREATE INDEX dentries_by_parent ON dentries(parent, id);
+CREATE TABLE xattrs(ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
+                    PRIMARY KEY(ino, name)) WITHOUT ROWID;
+CREATE TABLE orphans(ino INTEGER PRIMARY KEY);
+CREATE TABLE dirty_data(ino INTEGER PRIMARY KEY);
+"""
+
+_COLUMNS = ("ino", "mode", "uid", "gid", "nlink", "size", "atime_ns", "mtime_ns", "ctime_ns",
+            "rdev", "target", "stripe_unit", "stripe_width", "first_member", "generation")
+_DATA_FIELDS = ("size", "atime_ns", "mtime_ns", "ctime_ns")
+_CACHE_LIMIT = 200_000
+_S_IFMT, _S_IFDIR = 0o170000, 0o040000
+
+# (ino, directory's default unit, directory's default width) -> (unit, width, first member)
+LayoutPicker = Callable[[int, "int | None", "int | None"], tuple[int, int, int]]
+
+
+def fail(code: int, what: str = "") -> OSError:
+    return OSError(code, what or os.strerror(code))
+
+
+@dataclass(slots=True)
+class Inode:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int = 0
+    target: bytes | None = None
+    stripe_unit: int | None = None
+    stripe_width: int | None = None
+    first_member: int | None = None
+    generation: int = 0
+    dirty: bool = field(default=False, compare=False)
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    cookie: int
+    name: bytes
+    inode: Inode
+
+
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise fail(errno.ENAMETOOLONG)
+    if not name or b"/" in name or name in (b".", b".."):
+        raise fail(errno.EINVAL)
+
+
+class MetaStore:
+    """The pool's namespace; one instance per daemon (the single writer)."""
+
+    def __init__(self, path: str, readonly: bool = False) -> None:
+        self.path = path
+        uri = f"file:{path}?mode=ro" if readonly else f"file:{path}"
+        if not readonly and not os.path.exists(path):
+            raise FileNotFoundError(path)
+        self.db = sqlite3.connect(uri, uri=True, isolation_level=None,
+                                  check_same_thread=False)
+        self.db.execute("PRAGMA busy_timeout=5000")
+        if not readonly:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+        self._cache: dict[int, Inode] = {}
+        self._in_txn = False
+
+    # ---- lifecycle -------------------------------------------------------
+
+    @classmethod
+    def format(cls, meta_dir: str, pool_uuid: str, stripe_unit: int,
+               root_uid: int = 0, root_gid: int = 0) -> MetaStore:
+        """Make a fresh store with an empty root directory."""
+        path = os.path.join(meta_dir, DB_NAME)
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(path + suffix):
+                os.unlink(path + suffix)
+        sqlite3.connect(path).close()
+        store = cls(path)
+        now = time.time_ns()
+        with store.transaction():
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    store.db.execute(stmt)
+            store.db.executemany("INSERT INTO settings VALUES (?, ?)", [
+                ("schema_version", str(SCHEMA_VERSION)), ("pool_uuid", pool_uuid),
+                ("clean", "1")])
+            store.db.execute(
+                "INSERT INTO inodes(ino, mode, uid, gid, nlink, size, atime_ns, mtime_ns,"
+                " ctime_ns, stripe_unit) VALUES (?, ?, ?, ?, 2, 0, ?, ?, ?, ?)",
+                (ROOT_INO, stat.S_IFDIR | 0o755, root_uid, root_gid, now, now, now, stripe_unit))
+        store.durable()
+        return store
+
+    @classmethod
+    def open(cls, meta_dir: str, readonly: bool = False) -> MetaStore:
+        path = os.path.join(meta_dir, DB_NAME)
+        store = cls(path, readonly=readonly)
+        version = store.setting("schema_version")
+        if version != str(SCHEMA_VERSION):
+            raise sqlite3.DatabaseError(f"metadata schema {version} is not {SCHEMA_VERSION}")
+        return store
+
+    def close(self) -> None:
+        self.db.close()
+
+    def setting(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_setting(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO settings VALUES (?, ?)", (key, value))
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One atomic namespace change; inodes cached during a failed one are reloaded."""
+        if self._in_txn:
+            yield
+            return
+        self.db.execute("BEGIN IMMEDIATE")
+        self._in_txn = True
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+            raise
+        else:
+            self.db.execute("COMMIT")
+        finally:
+            self._in_txn = False
+
+    def durable(self) -> None:
+        """Push every committed transaction to stable storage.
+
+        With synchronous=NORMAL, commits reach the WAL without fsync and
+        checkpoints fsync the database; fsyncing the WAL makes both durable.
+        """
+        wal = self.path + "-wal"
+        try:
+            fd = os.open(wal, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # ---- inodes ----------------------------------------------------------
+
+    def get(self, ino: int) -> Inode:
+        node = self._cache.get(ino)
+        if node is not None:
+            return node
+        row = self.db.execute(f"SELECT {', '.join(_COLUMNS)} FROM inodes WHERE ino=?",
+                              (ino,)).fetchone()
+        if row is None:
+            raise fail(errno.ENOENT)
+        node = Inode(*row)
+        if len(self._cache) >= _CACHE_LIMIT:
+            self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+        self._cache[ino] = node
+        return node
+
+    def _write(self, node: Inode, *cols: str) -> None:
+        self.db.execute(f"UPDATE inodes SET {', '.join(c + '=?' for c in cols)} WHERE ino=?",
+                        [getattr(node, c) for c in cols] + [node.ino])
+
+    def save(self, node: Inode, *cols: str) -> None:
+        """Write the named columns of a cached inode now."""
+        with self.transaction():
+            self._write(node, *cols)
+
+    def touch_data(self, node: Inode) -> None:
+        """Note that size or times changed in memory; written back by `flush`."""
+        node.dirty = True
+
+    def flush(self, node: Inode) -> None:
+        if node.dirty:
+            with self.transaction():
+                self._write(node, *_DATA_FIELDS)
+            node.dirty = False
+
+    def flush_all(self) -> None:
+        dirty = [n for n in self._cache.values() if n.dirty]
+        if dirty:
+            with self.transaction():
+                for n in dirty:
+                    self._write(n, *_DATA_FIELDS)
+            for n in dirty:
+                n.dirty = False
+
+    def forget(self, ino: int) -> None:
+        node = self._cache.get(ino)
+        if node is not None and not node.dirty:
+            del self._cache[ino]
+
+    def count_inodes(self) -> int:
+        return self.db.execute("SELECT count(*) FROM inodes").fetchone()[0]
+
+    # ---- namespace -------------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        if name == b".":
+            return self.get(parent)
+        if name == b"..":
+            return self.get(self.parent_of(parent))
+        row = self.db.execute("SELECT ino FROM dentries WHERE parent=? AND name=?",
+                              (parent, name)).fetchone()
+        if row is None:
+            raise fail(errno.ENOENT)
+        return self.get(row[0])
+
+    def parent_of(self, dir_ino: int) -> int:
+        if dir_ino == ROOT_INO:
+            return ROOT_INO
+        row = self.db.execute("SELECT parent FROM dentries WHERE ino=?", (dir_ino,)).fetchone()
+        if row is None:
+            raise fail(errno.ENOENT)
+        return row[0]
+
+    def _dir(self, ino: int) -> Inode:
+        node = self.get(ino)
+        if not node.is_dir:
+            raise fail(errno.ENOTDIR)
+        if node.nlink == 0:
+            raise fail(errno.ENOENT)
+        return node
+
+    def _entry_ino(self, parent: int, name: bytes) -> int | None:
+        row = self.db.execute("SELECT ino FROM dentries WHERE parent=? AND name=?",
+                              (parent, name)).fetchone()
+        return row[0] if row else None
+
+    def _touch_dir(self, d: Inode, now: int, nlink_delta: int = 0) -> None:
+        d.mtime_ns = d.ctime_ns = now
+        d.nlink += nlink_delta
+        self._write(d, "mtime_ns", "ctime_ns", "nlink")
+
+    def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
+               rdev: int = 0, target: bytes | None = None,
+               layout_for: LayoutPicker | None = None) -> Inode:
+        """Make a new inode and its entry; a regular file gets `layout_for`'s layout."""
+        _check_name(name)
+        d = self._dir(parent)
+        if self._entry_ino(parent, name) is not None:
+            raise fail(errno.EEXIST)
+        now = time.time_ns()
+        is_dir = stat.S_ISDIR(mode)
+        unit, width = (d.stripe_unit, d.stripe_width)
+        with self.transaction():
+            cur = self.db.execute(
+                "INSERT INTO inodes(mode, uid, gid, nlink, size, atime_ns, mtime_ns, ctime_ns,"
+                " rdev, target, stripe_unit, stripe_width) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (mode, uid, gid, 2 if is_dir else 1, len(target) if target else 0,
+                 now, now, now, rdev, target, unit, width))
+            ino = cur.lastrowid
+            assert ino is not None
+            first = None
+            if stat.S_ISREG(mode):
+                assert layout_for is not None
+                unit, width, first = layout_for(ino, unit, width)
+                self.db.execute("UPDATE inodes SET stripe_unit=?, stripe_width=?, first_member=?"
+                                " WHERE ino=?", (unit, width, first, ino))
+            self.db.execute("INSERT INTO dentries(parent, name, ino) VALUES (?,?,?)",
+                            (parent, name, ino))
+            self._touch_dir(d, now, 1 if is_dir else 0)
+        node = Inode(ino, mode, uid, gid, 2 if is_dir else 1, len(target) if target else 0,
+                     now, now, now, rdev, target, unit, width, first)
+        self._cache[ino] = node
+        return node
+
+    def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        _check_name(name)
+        d = self._dir(parent)
+        node = self.get(ino)
+        if node.is_dir:
+            raise fail(errno.EPERM)
+        if node.nlink == 0:
+            raise fail(errno.ENOENT)
+        if self._entry_ino(parent, name) is not None:
+            raise fail(errno.EEXIST)
+        now = time.time_ns()
+        with self.transaction():
+            self.db.execute("INSERT INTO dentries(parent, name, ino) VALUES (?,?,?)",
+                            (parent, name, ino))
+            node.nlink += 1
+            node.ctime_ns = now
+            self._write(node, "nlink", "ctime_ns")
+            self._touch_dir(d, now)
+        return node
+
+    def _drop_link(self, node: Inode, now: int) -> None:
+        """One link fewer; at zero the inode becomes an orphan awaiting reclaim."""
+        node.nlink -= 2 if node.is_dir else 1
+        if node.is_dir or node.nlink < 0:
+            node.nlink = 0
+        node.ctime_ns = now
+        self._write(node, "nlink", "ctime_ns")
+        if node.nlink == 0:
+            self.db.execute("INSERT OR IGNORE INTO orphans VALUES (?)", (node.ino,))
+
+    def unlink(self, parent: int, name: bytes) -> Inode:
+        """Remove a non-directory entry; returns the inode (nlink 0: now an orphan)."""
+        d = self._dir(parent)
+        ino = self._entry_ino(parent, name)
+        if ino is None:
+            raise fail(errno.ENOENT)
+        node = self.get(ino)
+        if node.is_dir:
+            raise fail(errno.EISDIR)
+        now = time.time_ns()
+        with self.transaction():
+            self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+            self._drop_link(node, now)
+            self._touch_dir(d, now)
+        return node
+
+    def _is_empty(self, ino: int) -> bool:
+        return self.db.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1",
+                               (ino,)).fetchone() is None
+
+    def rmdir(self, parent: int, name: bytes) -> Inode:
+        d = self._dir(parent)
+        ino = self._entry_ino(parent, name)
+        if ino is None:
+            raise fail(errno.ENOENT)
+        node = self.get(ino)
+        if not node.is_dir:
+            raise fail(errno.ENOTDIR)
+        if not self._is_empty(ino):
+            raise fail(errno.ENOTEMPTY)
+        now = time.time_ns()
+        with self.transaction():
+            self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+            self._drop_link(node, now)
+            self._touch_dir(d, now, -1)
+        return node
+
+    def _is_ancestor(self, ancestor: int, ino: int) -> bool:
+        while ino != ROOT_INO:
+            if ino == ancestor:
+                return True
+            ino = self.parent_of(ino)
+        return ancestor == ROOT_INO
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               noreplace: bool = False, exchange: bool = False) -> Inode | None:
+        """Move an entry; returns a replaced inode whose last link went, else None."""
+        _check_name(new_name)
+        od, nd = self._dir(old_parent), self._dir(new_parent)
+        src_ino = self._entry_ino(old_parent, old_name)
+        if src_ino is None:
+            raise fail(errno.ENOENT)
+        src = self.get(src_ino)
+        dst_ino = self._entry_ino(new_parent, new_name)
+        dst = self.get(dst_ino) if dst_ino is not None else None
+        if src.is_dir and new_parent != old_parent and self._is_ancestor(src_ino, new_parent):
+            raise fail(errno.EINVAL)
+        now = time.time_ns()
+        if exchange:
+            if dst is None:
+                raise fail(errno.ENOENT)
+            if dst.is_dir and old_parent != new_parent and self._is_ancestor(dst.ino, old_parent):
+                raise fail(errno.EINVAL)
+            with self.transaction():
+                self.db.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?",
+                                (dst.ino, old_parent, old_name))
+                self.db.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?",
+                                (src.ino, new_parent, new_name))
+                delta = int(src.is_dir) - int(dst.is_dir)
+                for n in (src, dst):
+                    n.ctime_ns = now
+                    self._write(n, "ctime_ns")
+                if old_parent == new_parent:
+                    self._touch_dir(od, now)
+                else:
+                    self._touch_dir(od, now, -delta)
+                    self._touch_dir(nd, now, delta)
+            return None
+        if dst is not None:
+            if noreplace:
+                raise fail(errno.EEXIST)
+            if dst.ino == src.ino:
+                return None  # two links to one inode: POSIX says do nothing
+            if src.is_dir and not dst.is_dir:
+                raise fail(errno.ENOTDIR)
+            if dst.is_dir and not src.is_dir:
+                raise fail(errno.EISDIR)
+            if dst.is_dir and not self._is_empty(dst.ino):
+                raise fail(errno.ENOTEMPTY)
+        with self.transaction():
+            if dst is not None:
+                self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?",
+                                (new_parent, new_name))
+                self._drop_link(dst, now)
+            self.db.execute("UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?",
+                            (new_parent, new_name, old_parent, old_name))
+            src.ctime_ns = now
+            self._write(src, "ctime_ns")
+            moved_dir = src.is_dir and old_parent != new_parent
+            replaced_dir = dst is not None and dst.is_dir
+            if old_parent == new_parent:
+                self._touch_dir(od, now, -1 if replaced_dir else 0)
+            else:
+                self._touch_dir(od, now, -1 if moved_dir else 0)
+                self._touch_dir(nd, now, (1 if moved_dir else 0) - (1 if replaced_dir else 0))
+        return dst if dst is not None and dst.nlink == 0 else None
+
+    def readdir(self, parent: int, after: int, limit: int = 512) -> list[Entry]:
+        """Entries with cookie > `after`, in cookie order (stable while entries change)."""
+        rows = self.db.execute(
+            "SELECT id, name, ino FROM dentries WHERE parent=? AND id>? ORDER BY id LIMIT ?",
+            (parent, after, limit)).fetchall()
+        return [Entry(cookie, name, self.get(ino)) for cookie, name, ino in rows]
+
+    def path_of(self, ino: int) -> bytes:
+        """One path of `ino` from the root (for messages and tools)."""
+        parts: list[bytes] = []
+        while ino != ROOT_INO:
+            row = self.db.execute("SELECT parent, name FROM dentries WHERE ino=? LIMIT 1",
+                                  (ino,)).fetchone()
+            if row is None:
+                raise fail(errno.ENOENT)
+            ino = row[0]
+            parts.append(row[1])
+        return b"/" + b"/".join(reversed(parts))
+
+    def resolve(self, path: bytes) -> Inode:
+        """Walk an absolute path (no symlinks followed) from the root."""
+        node = self.get(ROOT_INO)
+        for part in path.split(b"/"):
+            if part in (b"", b"."):
+                continue
+            if not node.is_dir:
+                raise fail(errno.ENOTDIR)
+            node = self.lookup(node.ino, part)
+        return node
+
+    # ---- xattrs ----------------------------------------------------------
+
+    def getxattr(self, ino: int, name: bytes) -> bytes | None:
+        row = self.db.execute("SELECT value FROM xattrs WHERE ino=? AND name=?",
+                              (ino, name)).fetchone()
+        return row[0] if row else None
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        return [r[0] for r in self.db.execute("SELECT name FROM xattrs WHERE ino=? ORDER BY name",
+                                              (ino,))]
+
+    def setxattr(self, node: Inode, name: bytes, value: bytes) -> None:
+        with self.transaction():
+            self.db.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (node.ino, name, value))
+            node.ctime_ns = time.time_ns()
+            self._write(node, "ctime_ns")
+
+    def removexattr(self, node: Inode, name: bytes) -> bool:
+        with self.transaction():
+            cur = self.db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (node.ino, name))
+            if cur.rowcount:
+                node.ctime_ns = time.time_ns()
+                self._write(node, "ctime_ns")
+        return cur.rowcount > 0
+
+    # ---- reclaim and recovery ---------------------------------------------
+
+    def orphans(self) -> list[int]:
+        return [r[0] for r in self.db.execute("SELECT ino FROM orphans")]
+
+    def drop_inode(self, ino: int) -> None:
+        """Forget an orphan for good, after its chunk files are gone."""
+        with self.transaction():
+            for table in ("inodes", "xattrs", "orphans", "dirty_data"):
+                self.db.execute(f"DELETE FROM {table} WHERE ino=?", (ino,))
+        self._cache.pop(ino, None)
+
+    def mark_dirty_data(self, ino: int) -> None:
+        self.db.execute("INSERT OR IGNORE INTO dirty_data VALUES (?)", (ino,))
+
+    def clear_dirty_data(self, ino: int) -> None:
+        self.db.execute("DELETE FROM dirty_data WHERE ino=?", (ino,))
+
+    def dirty_data(self) -> list[int]:
+        return [r[0] for r in self.db.execute("SELECT ino FROM dirty_data")]
+
+    # ---- checks ----------------------------------------------------------
+
+    def invariant_problems(self) -> list[str]:
+        """Namespace invariants; each broken one is a line naming the inode."""
+        q = self.db.execute
+        problems = []
+        for (ok,) in q("PRAGMA integrity_check"):
+            if ok != "ok":
+                problems.append(f"sqlite: {ok}")
+        for cookie, parent, ino in q("SELECT id, parent, ino FROM dentries WHERE ino NOT IN "
+                                     "(SELECT ino FROM inodes)"):
+            problems.append(f"entry {cookie} in directory {parent} points to missing inode {ino}")
+        for cookie, parent in q("SELECT d.id, d.parent FROM dentries d LEFT JOIN inodes i "
+                                "ON i.ino=d.parent WHERE i.ino IS NULL OR (i.mode & ?) != ?",
+                                (_S_IFMT, _S_IFDIR)):
+            problems.append(f"entry {cookie} has parent {parent}, which is not a directory")
+        for ino, nlink, _mode in q(
+                "SELECT ino, nlink, mode FROM inodes WHERE ino != ? AND ino NOT IN "
+                "(SELECT ino FROM dentries) AND ino NOT IN (SELECT ino FROM orphans)",
+                (ROOT_INO,)):
+            problems.append(f"inode {ino} is unreachable (nlink {nlink}) and not an orphan")
+        for ino, nlink, links in q(
+                "SELECT i.ino, i.nlink, count(d.id) FROM inodes i LEFT JOIN dentries d "
+                "ON d.ino=i.ino WHERE (i.mode & ?) != ? GROUP BY i.ino "
+                "HAVING i.nlink != count(d.id)", (_S_IFMT, _S_IFDIR)):
+            problems.append(f"inode {ino} has nlink {nlink} but {links} entries")
+        for ino, nlink, subdirs in q(
+                "SELECT i.ino, i.nlink, (SELECT count(*) FROM dentries d JOIN inodes c "
+                "ON c.ino=d.ino WHERE d.parent=i.ino AND (c.mode & ?1)=?2) FROM inodes i "
+                "WHERE (i.mode & ?1)=?2 AND i.nlink > 0", (_S_IFMT, _S_IFDIR)):
+            if nlink != 2 + subdirs:
+                problems.append(f"directory {ino} has nlink {nlink} but {subdirs} subdirectories")
+        return problems
+
+    def inode_numbers(self) -> set[int]:
+        return {r[0] for r in self.db.execute("SELECT ino FROM inodes")}

@@ -1,0 +1,81 @@
+"""The chunk files of one open file, and striped reads and writes over them.
+
+Descriptors are opened lazily per member and shared by every handle of the
+inode; reads of a member that has no chunk file yet return zeros (a hole).
+Methods block: the daemon calls them from worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from mxfs.io import ReadOp, WriteOp, read_batch, write_batch
+from mxfs.pool.layout import Layout
+from mxfs.pool.pool import Pool
+
+
+class ChunkFiles:
+    """Open chunk descriptors of one inode (one per member it has written)."""
+
+    def __init__(self, pool: Pool, ino: int, layout: Layout) -> None:
+        self.pool = pool
+        self.ino = ino
+        self.layout = layout
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, member: int, create: bool) -> int | None:
+        fd = self._fds.get(member)
+        if fd is not None:
+            return fd
+        with self._lock:
+            if member in self._fds:
+                return self._fds[member]
+            flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+            try:
+                fd = os.open(self.pool.chunk_path(member, self.ino), flags, 0o600)
+            except FileNotFoundError:
+                if create:
+                    raise
+                return None
+            self._fds[member] = fd
+            return fd
+
+    def read(self, offset: int, buf: memoryview) -> None:
+        """Fill `buf` with file bytes from `offset` (the caller clips to the file size)."""
+        ops = []
+        for piece in self.layout.plan(offset, len(buf)):
+            bufs = [buf[o:o + n] for o, n in piece.spans]
+            fd = self.fd(piece.member, create=False)
+            if fd is None:
+                for b in bufs:
+                    b[:] = bytes(len(b))
+            else:
+                ops.append(ReadOp(fd, piece.chunk_offset, bufs))
+        if ops:
+            read_batch(ops)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Write `data` at file `offset`, each member's share in parallel."""
+        ops = []
+        for piece in self.layout.plan(offset, len(data)):
+            self.pool.check_space(piece.member, piece.length)
+            fd = self.fd(piece.member, create=True)
+            assert fd is not None
+            ops.append(WriteOp(fd, piece.chunk_offset, [data[o:o + n] for o, n in piece.spans]))
+        write_batch(ops)
+
+    def truncate(self, size: int) -> None:
+        self.pool.truncate_chunks(self.ino, self.layout, size)
+
+    def sync(self, datasync: bool = False) -> None:
+        """Make every written member durable."""
+        for fd in list(self._fds.values()):
+            (os.fdatasync if datasync else os.fsync)(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

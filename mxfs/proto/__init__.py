@@ -1,0 +1,20 @@
+"""The control protocol: the one module the daemon and its clients share (stdlib only)."""
+
+from mxfs.proto.framing import (
+    HEADER,
+    MAX_FDS,
+    MAX_PAYLOAD,
+    OPS,
+    VERSION,
+    ProtocolError,
+    decode_payload,
+    encode,
+    fds_from_ancdata,
+    parse_header,
+    recv_message,
+    send_message,
+)
+
+__all__ = ["HEADER", "MAX_FDS", "MAX_PAYLOAD", "OPS", "VERSION", "ProtocolError",
+           "decode_payload", "encode", "fds_from_ancdata", "parse_header", "recv_message",
+           "send_message"]

@@ -1,0 +1,107 @@
+"""Framing of control messages on a Unix stream socket.
+
+A message is a 12-byte header (magic b"MXFS", protocol version, number of
+descriptors, payload length; network order) and a JSON object as payload.
+Descriptors travel as SCM_RIGHTS on the header's sendmsg, so they arrive with
+the message that names them (layouts of chunk files for direct I/O).
+
+Requests carry "op" and "id"; replies carry the same "id" and "ok": true with
+the op's fields, or "ok": false with "errno" and "error".
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+MAGIC = b"MXFS"
+VERSION = 1
+HEADER = struct.Struct("!4sHHI")
+MAX_PAYLOAD = 1 << 20
+MAX_FDS = 64
+# Operations this version serves; direct reads and writes extend the list.
+OPS = ("hello", "stat", "layout")
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid message; the connection is dropped."""
+
+
+def encode(msg: dict[str, Any], nfds: int = 0) -> bytes:
+    payload = json.dumps(msg, separators=(",", ":")).encode()
+    if len(payload) > MAX_PAYLOAD:
+        raise ProtocolError(f"message of {len(payload)} bytes is over {MAX_PAYLOAD}")
+    if nfds > MAX_FDS:
+        raise ProtocolError(f"{nfds} descriptors is over {MAX_FDS}")
+    return HEADER.pack(MAGIC, VERSION, nfds, len(payload)) + payload
+
+
+def parse_header(raw: bytes) -> tuple[int, int, int]:
+    """(version, descriptor count, payload length) of a header, or ProtocolError."""
+    magic, version, nfds, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError("bad magic: not an mxfs control message")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this is {VERSION})")
+    if length > MAX_PAYLOAD:
+        raise ProtocolError(f"message of {length} bytes is over {MAX_PAYLOAD}")
+    if nfds > MAX_FDS:
+        raise ProtocolError(f"{nfds} descriptors is over {MAX_FDS}")
+    return version, nfds, length
+
+
+def decode_payload(raw: bytes) -> dict[str, Any]:
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"payload is not JSON ({e})") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("payload is not a JSON object")
+    return msg
+
+
+def fds_from_ancdata(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
+def ancillary_space() -> int:
+    return socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+def send_message(sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    data = encode(msg, len(fds))
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    sent = sock.sendmsg([data], anc)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = sock.recv(n - got)
+        if not chunk:
+            raise ConnectionError("control socket closed mid-message")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """Read one message and the descriptors that came with it (blocking)."""
+    head, anc, _flags, _addr = sock.recvmsg(HEADER.size, ancillary_space())
+    if not head:
+        raise ConnectionError("control socket closed")
+    fds = fds_from_ancdata(anc)
+    if len(head) < HEADER.size:
+        head += _recv_exact(sock, HEADER.size - len(head))
+    _, _, length = parse_header(head)
+    return decode_payload(_recv_exact(sock, length)), fds
