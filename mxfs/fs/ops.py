@@ -247,6 +247,11 @@ class MxfsOperations(pyfuse3.Operations):
         node = self.store.get(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if flags & os.O_TRUNC and node.is_reg:
+            # libfuse enables atomic O_TRUNC: the kernel sends it here, not as setattr.
+            self.vol.truncate(node, 0)
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self.store.save(node, "mtime_ns", "ctime_ns")
         return self._open_handle(node, flags)
 
     @_errors

@@ -1,0 +1,122 @@
+"""Fixtures: real pools of folder members, really mounted through FUSE."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+HAVE_FUSE = os.geteuid() == 0 and os.path.exists("/dev/fuse")
+needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
+
+
+def mxfs(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as a user would."""
+    res = subprocess.run([sys.executable, "-m", "mxfs", *args], capture_output=True, text=True,
+                         timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"mxfs {' '.join(args)} failed ({res.returncode}): {res.stderr}")
+    return res
+
+
+def one_line_error(res: subprocess.CompletedProcess) -> str:
+    """Assert a user error: non-zero exit, one line on stderr, no traceback."""
+    assert res.returncode != 0, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+def eventually(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Poll until `predicate` holds; FUSE sends RELEASE after close() has returned."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def make_members(root: Path, n: int = 4) -> list[str]:
+    paths = []
+    for i in range(n):
+        p = root / f"member{i}"
+        p.mkdir(parents=True)
+        paths.append(str(p))
+    return paths
+
+
+def mkfs(members: list[str], unit: str = "64KiB", *extra: str) -> None:
+    args = ["mkfs", "--stripe-unit", unit]
+    for m in members:
+        args += ["--member", m]
+    mxfs(*args, *extra)
+
+
+def is_mounted(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+@dataclass
+class Mounted:
+    path: Path
+    members: list[str]
+    pid: int = 0
+
+    def daemon_pid(self) -> int:
+        from mxfs.client import ControlClient
+
+        with ControlClient(str(self.path)) as c:
+            return int(c.server["pid"])
+
+    def umount(self) -> None:
+        mxfs("umount", str(self.path))
+
+    def remount(self) -> None:
+        mxfs("mount", "-o", "allow_other", self.members[0], str(self.path))
+
+
+def force_unmount(path: str) -> None:
+    if is_mounted(path):
+        res = mxfs("umount", path, check=False)
+        if is_mounted(path):
+            subprocess.run(["umount", "-l", path], capture_output=True)
+    del res
+
+
+@pytest.fixture
+def members(tmp_path: Path) -> list[str]:
+    return make_members(tmp_path)
+
+
+@pytest.fixture
+def mounted(tmp_path: Path, members: list[str]) -> Iterator[Mounted]:
+    if not HAVE_FUSE:
+        pytest.skip("needs root and /dev/fuse")
+    mkfs(members)
+    # Under /tmp itself, not pytest's private folder, so other users can reach it.
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-mnt-"))
+    os.chmod(mp, 0o755)
+    mxfs("mount", "-o", "allow_other", members[0], str(mp))
+    m = Mounted(mp, members)
+    try:
+        yield m
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> Path:
+    p = tmp_path / "plain"
+    p.mkdir()
+    return p

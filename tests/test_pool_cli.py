@@ -1,0 +1,153 @@
+"""mkfs, mount and umount refuse bad input with one clear line each."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from conftest import make_members, mkfs, mxfs, needs_fuse, one_line_error
+
+from mxfs.pool import read_superblock
+
+
+def test_mkfs_writes_a_superblock_per_member(members: list[str]) -> None:
+    res = mxfs("mkfs", "--json", "--label", "lab", "--stripe-unit", "128k",
+               *[a for m in members for a in ("--member", m)])
+    info = json.loads(res.stdout)
+    for i, m in enumerate(members):
+        sb = read_superblock(m)
+        assert (sb.pool_uuid, sb.member_index, sb.member_count, sb.stripe_unit) == \
+            (info["pool_uuid"], i, 4, 128 * 1024)
+        assert sb.label == "lab"
+    assert os.path.exists(os.path.join(members[0], "meta", "mxfs.db"))
+
+
+def test_mkfs_refuses_a_member_of_another_pool_unless_forced(members: list[str]) -> None:
+    mkfs(members)
+    line = one_line_error(mxfs("mkfs", "--member", members[0], check=False))
+    assert "already belongs to pool" in line and "--force" in line
+    old = read_superblock(members[0]).pool_uuid
+    mxfs("mkfs", "--force", "--member", members[0], "--member", members[1])
+    assert read_superblock(members[0]).pool_uuid != old
+
+
+def test_mkfs_refuses_the_same_member_twice(members: list[str]) -> None:
+    line = one_line_error(mxfs("mkfs", "--member", members[0], "--member",
+                               members[0] + "/.", check=False))
+    assert "given twice" in line
+
+
+def test_mkfs_refuses_a_non_empty_folder(members: list[str]) -> None:
+    Path(members[1], "precious.txt").write_text("keep me")
+    line = one_line_error(mxfs("mkfs", "--member", members[0], "--member", members[1],
+                               check=False))
+    assert "not empty" in line and members[1] in line
+    assert Path(members[1], "precious.txt").read_text() == "keep me"
+    assert not os.path.exists(os.path.join(members[0], "mxfs.superblock"))
+
+
+def test_mkfs_refuses_a_stripe_unit_not_a_multiple_of_4k(members: list[str]) -> None:
+    line = one_line_error(mxfs("mkfs", "--stripe-unit", "5000", "--member", members[0],
+                               check=False))
+    assert "multiple of 4 KiB" in line
+
+
+def test_wrong_flags_and_sizes_are_one_line(members: list[str]) -> None:
+    assert "unrecognized" in one_line_error(mxfs("mkfs", "--member", members[0], "--bogus",
+                                                 check=False))
+    assert "bad size" in one_line_error(mxfs("mkfs", "--stripe-unit", "lots",
+                                             "--member", members[0], check=False))
+    assert "required" in one_line_error(mxfs("mkfs", check=False))
+
+
+@needs_fuse
+def test_mount_refuses_a_missing_member(tmp_path: Path, members: list[str]) -> None:
+    mkfs(members)
+    os.rename(members[2], members[2] + ".gone")
+    (tmp_path / "mnt").mkdir()
+    line = one_line_error(mxfs("mount", members[0], str(tmp_path / "mnt"), check=False))
+    assert "member 2" in line and "missing" in line
+
+
+@needs_fuse
+def test_mount_refuses_a_foreign_member(tmp_path: Path, members: list[str]) -> None:
+    mkfs(members)
+    other = make_members(tmp_path / "other", 2)
+    mkfs(other)
+    conf = tmp_path / "pool.toml"
+    conf.write_text("members = [%s]\n" % ", ".join(
+        f'"{p}"' for p in [members[0], members[1], other[1], members[3]]))
+    (tmp_path / "mnt").mkdir()
+    line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
+    assert "another pool" in line and other[1] in line
+
+
+@needs_fuse
+def test_mount_refuses_a_member_listed_twice(tmp_path: Path, members: list[str]) -> None:
+    mkfs(members)
+    conf = tmp_path / "pool.toml"
+    conf.write_text("members = [%s]\n" % ", ".join(
+        f'"{p}"' for p in [members[0], members[1], members[1], members[3]]))
+    (tmp_path / "mnt").mkdir()
+    line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
+    assert "listed twice" in line and members[1] in line
+
+
+@needs_fuse
+def test_mount_refuses_a_copied_member(tmp_path: Path, members: list[str]) -> None:
+    import shutil
+
+    mkfs(members)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(members[1], copy)
+    conf = tmp_path / "pool.toml"
+    conf.write_text("members = [%s]\n" % ", ".join(
+        f'"{p}"' for p in [members[0], members[1], copy, members[3]]))
+    (tmp_path / "mnt").mkdir()
+    line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
+    assert "both claim index 1" in line
+
+
+@needs_fuse
+def test_mount_point_missing_not_empty_or_busy(tmp_path: Path, members: list[str]) -> None:
+    mkfs(members)
+    line = one_line_error(mxfs("mount", members[0], str(tmp_path / "nowhere"), check=False))
+    assert "does not exist" in line and "mkdir" in line
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    line = one_line_error(mxfs("mount", members[0], str(full), check=False))
+    assert "not empty" in line
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    mxfs("mount", members[0], str(mp))
+    try:
+        line = one_line_error(mxfs("mount", members[0], str(mp), check=False))
+        assert "busy" in line
+        mp2 = tmp_path / "mnt2"
+        mp2.mkdir()
+        line = one_line_error(mxfs("mount", members[0], str(mp2), check=False))
+        assert "already mounted" in line and str(mp) in line
+    finally:
+        mxfs("umount", str(mp))
+    line = one_line_error(mxfs("umount", str(mp), check=False))
+    assert "not mounted" in line
+
+
+@needs_fuse
+def test_status_reports_members_capacity_and_daemon(tmp_path: Path, mounted) -> None:
+    res = json.loads(mxfs("status", "--json", str(mounted.path)).stdout)
+    assert res["mountpoint"] == str(mounted.path)
+    assert [m["path"] for m in res["members"]] == mounted.members
+    assert all(m["size"] > 0 and m["free"] > 0 for m in res["members"])
+    assert res["pid"] == mounted.daemon_pid()
+    by_pool = json.loads(mxfs("status", "--json", mounted.members[2]).stdout)
+    assert by_pool["pid"] == res["pid"]
+    assert str(mounted.path) in mxfs("status").stdout
+
+
+def test_status_of_an_unmounted_pool(members: list[str]) -> None:
+    mkfs(members)
+    res = json.loads(mxfs("status", "--json", members[1]).stdout)
+    assert res["mountpoint"] is None and len(res["members"]) == 4
