@@ -17,14 +17,15 @@ import trio
 
 from mxfs.errors import MxfsError
 from mxfs.fs.control import ControlServer, runtime_dir
-from mxfs.fs.mounts import check_mountpoint
+from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
 
 log = logging.getLogger("mxfs.daemon")
 
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
-OWN_OPTIONS = ("nonempty", "noatime", "io_threads")
+OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead")
+DEFAULT_READAHEAD_KIB = 4096
 
 Ready = Callable[[MxfsError | None], None]
 
@@ -52,13 +53,14 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     own, fuse_opts = split_options(options)
     try:
         io_threads = int(own.get("io_threads") or 16)
+        readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec)
         sock = socket_path(vol.pool.uuid)
         vol.lock(mp, sock)
     except ValueError:
-        err = MxfsError(f"io_threads={own.get('io_threads')} is not a number",
-                        "give a whole number such as io_threads=16")
+        err = MxfsError("io_threads and readahead (KiB) take whole numbers",
+                        "write them like io_threads=16,readahead=4096")
         ready(err)
         raise err from None
     except MxfsError as e:
@@ -78,6 +80,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                             "check the -o options and that /dev/fuse is usable") from None
         try:
             control = ControlServer(vol, sock, mp)
+            if not set_readahead(mp, readahead):
+                log.info("could not raise readahead of %s (needs root)", mp)
             trio.run(_serve, control, ready)
             clean = True
         finally:

@@ -116,3 +116,30 @@ def unmount(path: str, lazy: bool = False) -> None:
             raise MxfsError(f"mount point {path} is busy: files are open there",
                             f"close them (see: fuser -vm {path}), or pass --lazy")
         raise MxfsError(f"unmounting {path} failed: {err}", "check the mount point")
+
+
+def mount_device(path: str) -> str | None:
+    """'major:minor' of the filesystem mounted at `path` (without touching it)."""
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if _unescape(fields[4]) == path:
+                found = fields[2]  # the last one is the top of a stack of mounts
+    return found
+
+
+def set_readahead(path: str, kib: int) -> bool:
+    """Raise the kernel's readahead for a FUSE mount, so reads arrive in 1 MiB requests.
+
+    FUSE mounts start at 128 KiB; only root may change it.
+    """
+    dev = mount_device(path)
+    if dev is None:
+        return False
+    try:
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
+            f.write(str(kib))
+    except OSError:
+        return False
+    return True

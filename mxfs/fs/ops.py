@@ -83,7 +83,9 @@ class Handle:
 
 class MxfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
-    enable_writeback_cache = False
+    # The kernel gathers writes in its page cache and sends them in requests of up to
+    # 1 MiB, several at a time; O_APPEND offsets and mtime then come from the kernel.
+    enable_writeback_cache = True
 
     def __init__(self, volume: Volume, control_path: str = "", noatime: bool = False,
                  io_threads: int = 16) -> None:
@@ -252,6 +254,10 @@ class MxfsOperations(pyfuse3.Operations):
             self.vol.truncate(node, 0)
             node.mtime_ns = node.ctime_ns = time.time_ns()
             self.store.save(node, "mtime_ns", "ctime_ns")
+        if flags & os.O_ACCMODE != os.O_WRONLY and not self.noatime:
+            # Reads may be served from the kernel's cache without reaching us, so
+            # relatime is also applied when a file is opened for reading.
+            self._relatime(node)
         return self._open_handle(node, flags)
 
     @_errors
@@ -285,11 +291,8 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        handle = self.handles[fh]
-        entry = handle.entry
+        entry = self.handles[fh].entry
         node = entry.node
-        if handle.flags & os.O_APPEND:
-            off = node.size
         assert entry.chunks is not None
         self.vol.note_write(entry)
         await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
