@@ -11,6 +11,10 @@ from conftest import make_members, mkfs, mxfs, needs_fuse, one_line_error
 from mxfs.pool import read_superblock
 
 
+def write_config(path: Path, members: list[str]) -> None:
+    path.write_text("members = [" + ", ".join(f'"{m}"' for m in members) + "]\n")
+
+
 def test_mkfs_writes_a_superblock_per_member(members: list[str]) -> None:
     res = mxfs("mkfs", "--json", "--label", "lab", "--stripe-unit", "128k",
                *[a for m in members for a in ("--member", m)])
@@ -76,8 +80,7 @@ def test_mount_refuses_a_foreign_member(tmp_path: Path, members: list[str]) -> N
     other = make_members(tmp_path / "other", 2)
     mkfs(other)
     conf = tmp_path / "pool.toml"
-    conf.write_text("members = [%s]\n" % ", ".join(
-        f'"{p}"' for p in [members[0], members[1], other[1], members[3]]))
+    write_config(conf, [members[0], members[1], other[1], members[3]])
     (tmp_path / "mnt").mkdir()
     line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
     assert "another pool" in line and other[1] in line
@@ -87,8 +90,7 @@ def test_mount_refuses_a_foreign_member(tmp_path: Path, members: list[str]) -> N
 def test_mount_refuses_a_member_listed_twice(tmp_path: Path, members: list[str]) -> None:
     mkfs(members)
     conf = tmp_path / "pool.toml"
-    conf.write_text("members = [%s]\n" % ", ".join(
-        f'"{p}"' for p in [members[0], members[1], members[1], members[3]]))
+    write_config(conf, [members[0], members[1], members[1], members[3]])
     (tmp_path / "mnt").mkdir()
     line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
     assert "listed twice" in line and members[1] in line
@@ -102,8 +104,7 @@ def test_mount_refuses_a_copied_member(tmp_path: Path, members: list[str]) -> No
     copy = str(tmp_path / "copy")
     shutil.copytree(members[1], copy)
     conf = tmp_path / "pool.toml"
-    conf.write_text("members = [%s]\n" % ", ".join(
-        f'"{p}"' for p in [members[0], members[1], copy, members[3]]))
+    write_config(conf, [members[0], members[1], copy, members[3]])
     (tmp_path / "mnt").mkdir()
     line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
     assert "both claim index 1" in line
