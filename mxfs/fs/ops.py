@@ -26,6 +26,7 @@ log = logging.getLogger("mxfs.fs")
 
 LAYOUT_XATTR = b"user.mxfs.layout"
 CONTROL_XATTR = b"user.mxfs.control"
+ACL_PREFIX = b"system.posix_acl_"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 DAY_NS = 86_400 * 10**9
@@ -300,8 +301,9 @@ class MxfsOperations(pyfuse3.Operations):
                                       limiter=self.limiter)
         if off + len(buf) > node.size:
             node.size = off + len(buf)
-        node.mtime_ns = node.ctime_ns = time.time_ns()
-        self.store.touch_data(node)
+            self.store.touch_data(node)
+        # mtime and ctime are not set here: with the writeback cache the kernel owns
+        # them and sends them as setattr; a late writeback must not undo a utimens.
         return len(buf)
 
     @_errors
@@ -408,6 +410,10 @@ class MxfsOperations(pyfuse3.Operations):
             return
         if name == CONTROL_XATTR and inode == ROOT_INO:
             raise pyfuse3.FUSEError(errno.EPERM)
+        if name.startswith(ACL_PREFIX):
+            # No POSIX ACLs: refusing makes cp -a, tar and rsync fall back to chmod,
+            # where a stored-but-ignored ACL would silently lose the mode.
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         self.store.setxattr(node, name, value)
 
     def _set_layout(self, node: Inode, value: bytes, ctx: pyfuse3.RequestContext) -> None:
