@@ -87,10 +87,9 @@ class Mounted:
 
 def force_unmount(path: str) -> None:
     if is_mounted(path):
-        res = mxfs("umount", path, check=False)
-        if is_mounted(path):
-            subprocess.run(["umount", "-l", path], capture_output=True)
-    del res
+        mxfs("umount", path, check=False)
+    if is_mounted(path):
+        subprocess.run(["umount", "-l", path], capture_output=True)
 
 
 @pytest.fixture

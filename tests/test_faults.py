@@ -1,0 +1,202 @@
+"""Faults: a member fills up, the daemon is SIGKILLed mid-storm, files die while open."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import HAVE_FUSE, Mounted, eventually, force_unmount, mkfs, mxfs
+
+from mxfs.fs.volume import Volume
+
+
+def chunk_files(members: list[str]) -> list[str]:
+    return [os.path.join(dp, f) for m in members for dp, _, fs in os.walk(os.path.join(m, "chunks"))
+            for f in fs]
+
+
+def check_pool(members: list[str]) -> None:
+    """The metadata passes SQLite's check and ours: no dangling entries, no leaked chunks."""
+    vol = Volume.open(members[0])
+    try:
+        assert vol.problems() == []
+    finally:
+        vol.store.close()
+
+
+def kill_daemon(m: Mounted) -> None:
+    pid = m.daemon_pid()
+    os.kill(pid, signal.SIGKILL)
+    assert eventually(lambda: not os.path.exists(f"/proc/{pid}"))
+    # the dead mount answers ENOTCONN until it is detached
+    mxfs("umount", str(m.path))
+
+
+# ---- a member runs out of space ---------------------------------------------------
+
+@pytest.fixture
+def loop_members(tmp_path: Path) -> Iterator[list[str]]:
+    """Four members on small ext4 images, member 2 much smaller than the others."""
+    if not HAVE_FUSE:
+        pytest.skip("needs root")
+    members, mounted = [], []
+    try:
+        for i, mib in enumerate([64, 64, 24, 64]):
+            img = tmp_path / f"m{i}.img"
+            with open(img, "wb") as f:
+                f.truncate(mib << 20)
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True,
+                           capture_output=True)
+            d = tmp_path / f"member{i}"
+            d.mkdir()
+            res = subprocess.run(["mount", "-o", "loop", str(img), str(d)], capture_output=True)
+            if res.returncode:
+                pytest.skip(f"loop mounts unavailable: {res.stderr.decode().strip()}")
+            mounted.append(str(d))
+            members.append(str(d))
+        yield members
+    finally:
+        for d in reversed(mounted):
+            subprocess.run(["umount", "-l", d], capture_output=True)
+
+
+def test_full_member_gives_enospc_and_harms_nothing(tmp_path: Path,
+                                                    loop_members: list[str]) -> None:
+    mkfs(loop_members)
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-enospc-"))
+    mxfs("mount", loop_members[0], str(mp))
+    try:
+        keeper = os.urandom(4 << 20)
+        (mp / "keeper").write_bytes(keeper)
+        free_before = os.statvfs(loop_members[2]).f_bavail
+        block = os.urandom(1 << 20)
+        with pytest.raises(OSError) as err:
+            with open(mp / "filler", "wb") as f:
+                for _ in range(400):  # far more than the pool holds
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+        assert err.value.errno == errno.ENOSPC
+        assert os.statvfs(loop_members[2]).f_bavail * 4096 < 1 << 20
+        # nothing else was harmed, and the namespace still works
+        assert (mp / "keeper").read_bytes() == keeper
+        (mp / "dir").mkdir()
+        (mp / "dir" / "note").write_text("still here")
+        # deleting gives the space back
+        os.unlink(mp / "filler")
+        assert eventually(lambda: os.statvfs(loop_members[2]).f_bavail >= free_before - 64)
+        (mp / "again").write_bytes(block * 8)
+        assert (mp / "again").read_bytes() == block * 8
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)
+    check_pool(loop_members)
+
+
+# ---- SIGKILL during a storm of writes -----------------------------------------------
+
+STORM = r"""
+import hashlib, os, sys
+root, worker = sys.argv[1], int(sys.argv[2])
+i = 0
+while True:
+    i += 1
+    name = f"w{worker}-{i}"
+    data = hashlib.shake_256(name.encode()).digest(1000 + (i * 7919 + worker * 104729) % 400_000)
+    try:
+        with open(os.path.join(root, name + ".tmp"), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(os.path.join(root, name + ".tmp"), os.path.join(root, name))
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        if i % 5 == 0:
+            os.unlink(os.path.join(root, f"w{worker}-{i - 1}"))
+            print("gone", f"w{worker}-{i - 1}", flush=True)
+        print("synced", name, hashlib.sha256(data).hexdigest(), flush=True)
+        # unsynced tail: may be lost, must never corrupt anything
+        with open(os.path.join(root, name + ".scratch"), "wb") as f:
+            f.write(data[:5000])
+    except OSError:
+        sys.exit(0)
+"""
+
+
+def test_sigkill_during_write_storm_loses_nothing_synced(mounted: Mounted) -> None:
+    procs = [subprocess.Popen([sys.executable, "-c", STORM, str(mounted.path), str(w)],
+                              stdout=subprocess.PIPE, text=True) for w in range(4)]
+    time.sleep(3)
+    kill_daemon(mounted)
+    synced: dict[str, str] = {}
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        for line in out.splitlines():
+            parts = line.split()
+            if parts[0] == "synced":
+                synced[parts[1]] = parts[2]
+            elif parts[0] == "gone":
+                synced.pop(parts[1], None)
+    assert len(synced) > 10, "the storm wrote too little to test anything"
+    mounted.remount()
+    for name, digest in synced.items():
+        assert hashlib.sha256((mounted.path / name).read_bytes()).hexdigest() == digest, name
+    mounted.umount()
+    check_pool(mounted.members)
+
+
+def test_file_deleted_while_open_is_reclaimed_after_a_crash(mounted: Mounted) -> None:
+    p = mounted.path / "victim"
+    p.write_bytes(os.urandom(1 << 20))
+    before = len(chunk_files(mounted.members))
+    f = open(p, "rb")  # noqa: SIM115 - held open across the crash on purpose
+    os.unlink(p)
+    assert len(chunk_files(mounted.members)) == before  # kept while open
+    kill_daemon(mounted)
+    try:
+        f.close()
+    except OSError:
+        pass  # ENOTCONN: its daemon is gone
+    mounted.remount()
+    assert len(chunk_files(mounted.members)) == before - 4
+    mounted.umount()
+    check_pool(mounted.members)
+
+
+def test_unsynced_tail_is_trimmed_after_a_crash(mounted: Mounted) -> None:
+    p = mounted.path / "f"
+    synced = os.urandom(300_000)
+    with open(p, "wb") as f:
+        f.write(synced)
+        f.flush()
+        os.fsync(f.fileno())
+        f.write(os.urandom(500_000))  # never synced
+        f.flush()
+        kill_daemon(mounted)
+        try:
+            f.close()
+        except OSError:
+            pass
+    mounted.remount()
+    data = p.read_bytes()
+    # what was synced is there; whatever came after is either there or gone, and
+    # growing the file shows zeros, never stale bytes from the lost tail
+    assert data[:len(synced)] == synced
+    os.truncate(p, len(data) + 200_000)
+    assert p.read_bytes()[len(data):] == bytes(200_000)
+    mounted.umount()
+    check_pool(mounted.members)
