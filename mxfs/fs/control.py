@@ -118,6 +118,15 @@ class ControlServer:
         log.warning("control: pid %d uid %d sent a bad message: %s", caller.pid, caller.uid, err)
         await self._send(conn, {"id": msg_id, "ok": False, "errno": errno.EPROTO,
                                 "error": str(err)})
+        # Close gracefully: unread input would turn our close into a reset that
+        # destroys the reply before the peer reads it.
+        with trio.move_on_after(1):
+            try:
+                conn.shutdown(socket.SHUT_WR)
+                while await conn.recv(1 << 16):
+                    pass
+            except OSError:
+                pass
 
     async def _send(self, conn: Any, reply: dict[str, Any]) -> bool:
         data = memoryview(encode(reply))
@@ -141,7 +150,7 @@ class ControlServer:
             if not isinstance(path, str):
                 raise ProtocolError("layout needs a string 'path'")
             node = resolve_for(self.vol.store, path, caller)
-            out: dict[str, Any] = {"ok": True, "ino": node.ino, "size": node.size,
+            out: dict[str, Any] = {"ok": True, "ino": node.ino, "size": node.apparent_size,
                                    "generation": node.generation, "mode": node.mode}
             if node.is_reg:
                 out["layout"] = self.vol.layout(node).describe()

@@ -31,7 +31,6 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 DAY_NS = 86_400 * 10**9
 TIMEOUT = 1.0
-DIR_SIZE = 4096  # what ext4 reports for a directory; some tools expect a block's worth
 
 
 def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -113,7 +112,7 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_uid = node.uid
         a.st_gid = node.gid
         a.st_rdev = node.rdev
-        a.st_size = DIR_SIZE if node.is_dir else node.size
+        a.st_size = node.apparent_size
         a.st_blksize = node.stripe_unit if node.is_reg and node.stripe_unit else 4096
         a.st_blocks = (node.size + 511) // 512
         a.st_atime_ns = node.atime_ns

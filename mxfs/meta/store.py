@@ -57,6 +57,7 @@ _COLUMNS = ("ino", "mode", "uid", "gid", "nlink", "size", "atime_ns", "mtime_ns"
             "rdev", "target", "stripe_unit", "stripe_width", "first_member", "generation")
 _DATA_FIELDS = ("size", "atime_ns", "mtime_ns", "ctime_ns")
 _CACHE_LIMIT = 200_000
+DIR_SIZE = 4096
 _S_IFMT, _S_IFDIR = 0o170000, 0o040000
 
 # (ino, directory's default unit, directory's default width) -> (unit, width, first member)
@@ -93,6 +94,11 @@ class Inode:
     @property
     def is_reg(self) -> bool:
         return stat.S_ISREG(self.mode)
+
+    @property
+    def apparent_size(self) -> int:
+        """st_size as users see it: a directory reports a block, as on ext4."""
+        return DIR_SIZE if self.is_dir else self.size
 
 
 @dataclass(frozen=True, slots=True)

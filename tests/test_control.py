@@ -1,0 +1,124 @@
+"""The control socket: found from the mount, versioned frames, checked credentials."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+
+import pytest
+from conftest import Mounted
+
+from mxfs.client import ControlClient, ControlError
+from mxfs.proto import HEADER, MAX_PAYLOAD, VERSION, recv_message
+
+
+def raw_socket(m: Mounted) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(os.getxattr(m.path, "user.mxfs.control").decode())
+    return s
+
+
+def test_hello_stat_and_layout(mounted: Mounted) -> None:
+    (mounted.path / "d").mkdir()
+    (mounted.path / "d" / "f").write_bytes(b"x" * 200_000)
+    with ControlClient(str(mounted.path)) as c:
+        assert c.server["version"] == VERSION and "layout" in c.server["ops"]
+        st = c.stat()
+        assert st["mountpoint"] == str(mounted.path) and len(st["members"]) == 4
+        lay = c.layout(str(mounted.path / "d" / "f"))
+        assert lay["size"] == 200_000 and lay["ino"] == os.stat(mounted.path / "d" / "f").st_ino
+        assert lay["layout"]["stripe_unit"] == 64 * 1024 and lay["layout"]["stripe_width"] == 4
+        with pytest.raises(ControlError) as e:
+            c.layout(str(mounted.path / "d" / "missing"))
+        assert e.value.errno == errno.ENOENT
+        # the connection survives a refused request
+        assert c.layout(str(mounted.path / "d"))["size"] == 4096
+
+
+@pytest.mark.parametrize("bad", [
+    b"JUNK" + b"\0" * 8,                                         # bad magic
+    HEADER.pack(b"MXFS", VERSION + 7, 0, 2) + b"{}",             # unknown version
+    HEADER.pack(b"MXFS", VERSION, 0, MAX_PAYLOAD + 1),           # oversized
+    HEADER.pack(b"MXFS", VERSION, 0, 5) + b"nope!",              # not JSON
+    HEADER.pack(b"MXFS", VERSION, 0, 2) + b"[]",                 # not an object
+    HEADER.pack(b"MXFS", VERSION, 0, 14) + b'{"op":"fly"}  ',    # unknown op
+])
+def test_malformed_messages_are_refused_and_others_still_served(mounted: Mounted,
+                                                                bad: bytes) -> None:
+    with ControlClient(str(mounted.path)) as good:
+        s = raw_socket(mounted)
+        s.sendall(bad)
+        reply, _ = recv_message(s)
+        assert reply["ok"] is False and reply["errno"] == errno.EPROTO and reply["error"]
+        assert s.recv(1) == b""  # and the bad connection is closed
+        s.close()
+        assert good.stat()["pid"] == good.server["pid"]
+
+
+def test_half_message_then_hang_up_leaves_the_daemon_serving(mounted: Mounted) -> None:
+    s = raw_socket(mounted)
+    s.sendall(HEADER.pack(b"MXFS", VERSION, 0, 100) + b'{"op":')
+    s.close()
+    with ControlClient(str(mounted.path)) as c:
+        assert c.stat()["open_files"] >= 0
+
+
+def test_passed_descriptors_are_not_leaked(mounted: Mounted) -> None:
+    pid = mounted.daemon_pid()
+    before = len(os.listdir(f"/proc/{pid}/fd"))
+    s = raw_socket(mounted)
+    payload = json.dumps({"op": "hello", "id": 1}).encode()
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(5)]
+    s.sendmsg([HEADER.pack(b"MXFS", VERSION, 5, len(payload)) + payload],
+              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("5i", *fds))])
+    reply, _ = recv_message(s)
+    assert reply["ok"]
+    s.close()
+    for fd in fds:
+        os.close(fd)
+    with ControlClient(str(mounted.path)) as c:
+        c.stat()
+        assert len(os.listdir(f"/proc/{pid}/fd")) <= before + 1
+
+
+CALLER = r"""
+import json, os, sys
+from mxfs.client import ControlClient  # before dropping root: Python may live in /root
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+out = {}
+with ControlClient(sys.argv[1]) as c:
+    out["uid"] = c.server["uid"]
+    for p in sys.argv[2:]:
+        try:
+            c.layout(p); out[p] = "ok"
+        except OSError as e:
+            out[p] = e.errno
+for p in sys.argv[2:]:
+    try:
+        open(p, "rb").close(); out["mount:" + p] = "ok"
+    except OSError as e:
+        out["mount:" + p] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_a_non_root_caller_is_refused_what_the_mount_refuses(mounted: Mounted) -> None:
+    os.chmod(mounted.path, 0o755)
+    private = mounted.path / "private"
+    private.mkdir(mode=0o700)
+    (private / "secret").write_text("s")
+    (mounted.path / "public").write_text("p")
+    paths = [str(private / "secret"), str(mounted.path / "public")]
+    res = subprocess.run([sys.executable, "-c", CALLER, str(mounted.path), *paths],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["uid"] == 65534  # SO_PEERCRED saw the real caller
+    assert out[paths[0]] == errno.EACCES and out["mount:" + paths[0]] == errno.EACCES
+    assert out[paths[1]] == "ok" and out["mount:" + paths[1]] == "ok"
