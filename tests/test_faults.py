@@ -79,12 +79,11 @@ def test_full_member_gives_enospc_and_harms_nothing(tmp_path: Path,
         (mp / "keeper").write_bytes(keeper)
         free_before = os.statvfs(loop_members[2]).f_bavail
         block = os.urandom(1 << 20)
-        with pytest.raises(OSError) as err:
-            with open(mp / "filler", "wb") as f:
-                for _ in range(400):  # far more than the pool holds
-                    f.write(block)
-                f.flush()
-                os.fsync(f.fileno())
+        with pytest.raises(OSError) as err, open(mp / "filler", "wb") as f:
+            for _ in range(400):  # far more than the pool holds
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
         assert err.value.errno == errno.ENOSPC
         assert os.statvfs(loop_members[2]).f_bavail * 4096 < 1 << 20
         # nothing else was harmed, and the namespace still works
@@ -165,6 +164,9 @@ def test_file_deleted_while_open_is_reclaimed_after_a_crash(mounted: Mounted) ->
     before = len(chunk_files(mounted.members))
     f = open(p, "rb")  # noqa: SIM115 - held open across the crash on purpose
     os.unlink(p)
+    dfd = os.open(mounted.path, os.O_RDONLY)
+    os.fsync(dfd)  # the unlink is durable; only the open handle keeps the data
+    os.close(dfd)
     assert len(chunk_files(mounted.members)) == before  # kept while open
     kill_daemon(mounted)
     try:

@@ -14,11 +14,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 
-import xxhash
-
+from mxfs.cli.measure import drop_caches, read_file, write_file
 from mxfs.errors import MxfsError
 from mxfs.units import format_size
 
@@ -40,51 +38,15 @@ class Leg:
                 "ratio": self.plain_s / self.mxfs_s}
 
 
-def _drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        return False
-    return True
-
-
 def _write_files(folder: str, size: int, block: memoryview) -> tuple[float, list[str]]:
-    per_file = size // FILES
-    digests = []
-    start = time.perf_counter()
-    for i in range(FILES):
-        h = xxhash.xxh3_64()
-        fd = os.open(os.path.join(folder, f"file{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                     0o644)
-        try:
-            left = per_file
-            while left:
-                piece = block[: min(left, len(block))]
-                os.write(fd, piece)
-                h.update(piece)
-                left -= len(piece)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        digests.append(h.hexdigest())
-    return time.perf_counter() - start, digests
+    results = [write_file(os.path.join(folder, f"file{i}.bin"), size // FILES, block)
+               for i in range(FILES)]
+    return sum(t for t, _ in results), [d for _, d in results]
 
 
 def _read_files(folder: str, buf: bytearray) -> tuple[float, list[str]]:
-    digests = []
-    view = memoryview(buf)
-    start = time.perf_counter()
-    for i in range(FILES):
-        h = xxhash.xxh3_64()
-        with open(os.path.join(folder, f"file{i}.bin"), "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                h.update(view[:n])
-        digests.append(h.hexdigest())
-    return time.perf_counter() - start, digests
+    results = [read_file(os.path.join(folder, f"file{i}.bin"), buf) for i in range(FILES)]
+    return sum(r[0] for r in results), [r[1] for r in results]
 
 
 def _mxfs(*args: str) -> None:
@@ -118,7 +80,7 @@ def run_demo(size: int, scratch: str | None, keep: bool, as_json: bool) -> int:
         w_m, dig_w = _write_files(mnt, size, block)
         w_p, dig_p = _write_files(plain, size, block)
         legs.append(Leg("write", w_m, w_p, size))
-        cold = _drop_caches()
+        cold = drop_caches()
         say(f"  reading back ({'cold cache' if cold else 'warm cache: not root'}) ...")
         r_m, dig_rm = _read_files(mnt, buf)
         r_p, dig_rp = _read_files(plain, buf)

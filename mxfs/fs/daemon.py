@@ -26,6 +26,7 @@ log = logging.getLogger("mxfs.daemon")
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
 OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead")
 DEFAULT_READAHEAD_KIB = 4096
+GROUP_COMMIT_S = 0.05
 
 Ready = Callable[[MxfsError | None], None]
 
@@ -80,9 +81,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                             "check the -o options and that /dev/fuse is usable") from None
         try:
             control = ControlServer(vol, sock, mp)
-            if not set_readahead(mp, readahead):
-                log.info("could not raise readahead of %s (needs root)", mp)
-            trio.run(_serve, control, ready)
+            trio.run(_serve, control, ready, readahead)
             clean = True
         finally:
             pyfuse3.close(unmount=True)
@@ -94,15 +93,37 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         log.info("pool %s unmounted from %s (clean=%s)", vol.pool.uuid, mp, clean)
 
 
-async def _serve(control: ControlServer, ready: Ready) -> None:
+async def _serve(control: ControlServer, ready: Ready, readahead_kib: int) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(control.serve)
         nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(_commit_groups, control.vol)
+        nursery.start_soon(_raise_readahead, control.mountpoint, readahead_kib)
         log.info("pool %s mounted on %s, control socket %s", control.vol.pool.uuid,
                  control.mountpoint, control.path)
         ready(None)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
+
+
+async def _raise_readahead(mountpoint: str, kib: int) -> None:
+    """Set the mount's readahead once the kernel has finished FUSE INIT (which resets it)."""
+    await trio.to_thread.run_sync(os.stat, mountpoint)  # answered only after INIT
+    if not set_readahead(mountpoint, kib):
+        log.info("could not raise readahead of %s to %d KiB (needs root)", mountpoint, kib)
+
+
+async def _commit_groups(vol: Volume) -> None:
+    """End each group of metadata changes within GROUP_COMMIT_S of its first change,
+    then free the data of files whose last link and last open went."""
+    vol.store.group_commit = True
+    while True:
+        await trio.sleep(GROUP_COMMIT_S / 2)
+        vol.store.commit_if_due(GROUP_COMMIT_S)
+        inos = vol.take_pending()
+        if inos:
+            await trio.to_thread.run_sync(vol.remove_chunks, inos)
+            vol.drop_inodes(inos)
 
 
 async def _stop_on_signal() -> None:

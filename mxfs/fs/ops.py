@@ -30,7 +30,10 @@ ACL_PREFIX = b"system.posix_acl_"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 DAY_NS = 86_400 * 10**9
-TIMEOUT = 1.0
+# Every change passes through this daemon and the kernel sees it go by, so the
+# kernel may trust names, attributes and absent names for long.  Changes made
+# behind its back (direct-path commits) must invalidate what they touch.
+TIMEOUT = 300.0
 
 
 def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -125,7 +128,15 @@ class MxfsOperations(pyfuse3.Operations):
                      ) -> pyfuse3.EntryAttributes:
         if len(name) > NAME_MAX:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-        return self.attrs(self.store.lookup(parent_inode, name))
+        try:
+            return self.attrs(self.store.lookup(parent_inode, name))
+        except FileNotFoundError:
+            if not self.store.get(parent_inode).is_dir:
+                raise
+            absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
+            absent.st_ino = 0
+            absent.entry_timeout = TIMEOUT
+            return absent
 
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
@@ -315,7 +326,8 @@ class MxfsOperations(pyfuse3.Operations):
         if entry.chunks is not None:
             await trio.to_thread.run_sync(entry.chunks.sync, datasync, limiter=self.limiter)
         self.store.flush(entry.node)
-        await trio.to_thread.run_sync(self.store.durable, limiter=self.limiter)
+        self.store.commit()
+        await trio.to_thread.run_sync(self.store.sync_wal, limiter=self.limiter)
 
     @_errors
     async def release(self, fh: int) -> None:
@@ -356,7 +368,8 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        await trio.to_thread.run_sync(self.store.durable, limiter=self.limiter)
+        self.store.commit()
+        await trio.to_thread.run_sync(self.store.sync_wal, limiter=self.limiter)
 
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

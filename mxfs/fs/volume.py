@@ -61,6 +61,8 @@ class Volume:
         self.pool = pool
         self.store = store
         self.open_inodes: dict[int, OpenInode] = {}
+        # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
+        self.pending_reclaim: list[int] = []
         self._lock_fd: int | None = None
 
     @classmethod
@@ -136,7 +138,7 @@ class Volume:
         if entry.chunks is not None:
             entry.chunks.close()
         if node.nlink == 0:
-            self.reclaim(node.ino)
+            self.pending_reclaim.append(node.ino)
             return
         self.store.flush(node)
         if entry.wrote:
@@ -146,17 +148,41 @@ class Volume:
         """Before the first write of an open: chunk files may now outgrow the recorded size."""
         if not entry.wrote:
             self.store.mark_dirty_data(entry.node.ino)
+            # Committed before any chunk file exists, so none can outlive its inode.
+            self.store.commit()
             entry.wrote = True
 
     def unlinked(self, node: Inode) -> None:
         """After a namespace change dropped `node`'s last link: reclaim unless open."""
         if node.nlink == 0 and node.ino not in self.open_inodes:
-            self.reclaim(node.ino)
+            self.pending_reclaim.append(node.ino)
 
     def reclaim(self, ino: int) -> None:
         """Free an orphan: chunk files first, then the row (a crash between is redone)."""
+        self.store.commit()  # the orphan entry is on disk before its data goes
         self.pool.remove_chunks(ino)
         self.store.drop_inode(ino)
+
+    def take_pending(self) -> list[int]:
+        """Commit, then hand over the orphans to free (their chunk files may now go)."""
+        inos, self.pending_reclaim = self.pending_reclaim, []
+        if inos:
+            self.store.commit()
+        return inos
+
+    def remove_chunks(self, inos: list[int]) -> None:
+        """Blocking part of reclaim, safe in a worker thread (no metadata access)."""
+        for ino in inos:
+            self.pool.remove_chunks(ino)
+
+    def drop_inodes(self, inos: list[int]) -> None:
+        for ino in inos:
+            self.store.drop_inode(ino)
+
+    def reclaim_pending(self) -> None:
+        inos = self.take_pending()
+        self.remove_chunks(inos)
+        self.drop_inodes(inos)
 
     def truncate(self, node: Inode, size: int) -> None:
         """Set a file's size now; shrinking cuts the chunk files (crash-safe via dirty_data)."""
@@ -167,6 +193,7 @@ class Volume:
                 self.store.mark_dirty_data(node.ino)
             self.store.save(node, "size")
         if shrink:
+            self.store.commit()  # a crash mid-cut is trimmed again at mount
             self.pool.truncate_chunks(node.ino, self.layout(node), size)
             if node.ino not in self.open_inodes:
                 self.store.clear_dirty_data(node.ino)
@@ -207,6 +234,7 @@ class Volume:
         for entry in list(self.open_inodes.values()):
             entry.count = 1
             self.release(entry.node.ino)
+        self.reclaim_pending()
         self.store.flush_all()
         if clean:
             self.store.set_setting("clean", "1")

@@ -131,6 +131,10 @@ class MetaStore:
             self.db.execute("PRAGMA synchronous=NORMAL")
         self._cache: dict[int, Inode] = {}
         self._in_txn = False
+        self._group_open = False
+        self._group_started = 0.0
+        # The daemon turns this on and calls commit_if_due; tools commit each change.
+        self.group_commit = False
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -169,6 +173,7 @@ class MetaStore:
         return store
 
     def close(self) -> None:
+        self.commit()
         self.db.close()
 
     def setting(self, key: str) -> str | None:
@@ -180,29 +185,57 @@ class MetaStore:
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """One atomic namespace change; inodes cached during a failed one are reloaded."""
+        """One atomic namespace change, inside the current group commit.
+
+        Changes are grouped into one SQLite transaction that `commit` ends (the
+        daemon commits every few milliseconds, on fsync and before touching chunk
+        files), each change in its own savepoint: a failed change is undone alone,
+        and a crash loses at most the last uncommitted group, whole changes only.
+        """
         if self._in_txn:
             yield
             return
-        self.db.execute("BEGIN IMMEDIATE")
+        if not self._group_open:
+            self.db.execute("BEGIN IMMEDIATE")
+            self._group_open = True
+            self._group_started = time.monotonic()
+        self.db.execute("SAVEPOINT change")
         self._in_txn = True
         try:
             yield
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self.db.execute("ROLLBACK TO change")
+            self.db.execute("RELEASE change")
             self._cache = {i: n for i, n in self._cache.items() if n.dirty}
             raise
         else:
-            self.db.execute("COMMIT")
+            self.db.execute("RELEASE change")
         finally:
             self._in_txn = False
+        if not self.group_commit:
+            self.commit()
+
+    def commit(self) -> None:
+        """End the current group: every change so far is committed (not yet fsynced)."""
+        if self._group_open:
+            self.db.execute("COMMIT")
+            self._group_open = False
+
+    def commit_if_due(self, max_age: float) -> None:
+        if self._group_open and time.monotonic() - self._group_started >= max_age:
+            self.commit()
 
     def durable(self) -> None:
-        """Push every committed transaction to stable storage.
+        """Commit, then push every committed transaction to stable storage.
 
         With synchronous=NORMAL, commits reach the WAL without fsync and
         checkpoints fsync the database; fsyncing the WAL makes both durable.
         """
+        self.commit()
+        self.sync_wal()
+
+    def sync_wal(self) -> None:
+        """fsync the WAL only (touches no connection state, so any thread may call it)."""
         wal = self.path + "-wal"
         try:
             fd = os.open(wal, os.O_RDONLY)
