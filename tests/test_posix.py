@@ -312,3 +312,37 @@ def test_permissions_are_enforced_for_other_users(mounted: Mounted) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(secret)], capture_output=True,
                          text=True).stdout.strip()
     assert out == "read"
+
+
+def test_writeback_cache_mode_keeps_appends_times_and_modes(tmp_path: Path,
+                                                           members: list[str]) -> None:
+    """-o writeback_cache=1: the kernel owns offsets and mtime; nothing may drift."""
+    import shutil
+    import subprocess
+
+    from conftest import HAVE_FUSE, force_unmount, mkfs
+
+    if not HAVE_FUSE:
+        pytest.skip("needs root and /dev/fuse")
+    mkfs(members)
+    mp = tmp_path / "wb"
+    mp.mkdir()
+    mxfs("mount", "-o", "writeback_cache=1", members[0], str(mp))
+    try:
+        data = os.urandom(5 * UNIT + 77)
+        (mp / "f").write_bytes(data)
+        with open(mp / "f", "ab") as f:
+            f.write(b"tail")
+        assert (mp / "f").read_bytes() == data + b"tail"
+        src = tmp_path / "src"
+        src.write_bytes(data)
+        os.chmod(src, 0o640)
+        os.utime(src, ns=(1_500_000_000_000_000_000,) * 2)
+        subprocess.run(["cp", "-a", str(src), str(mp / "copy")], check=True)
+        st = os.stat(mp / "copy")
+        assert (stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (0o640, 1_500_000_000_000_000_000)
+        assert (mp / "copy").read_bytes() == data
+        shutil.copyfile(mp / "copy", mp / "copy2")
+        assert (mp / "copy2").read_bytes() == data
+    finally:
+        force_unmount(str(mp))

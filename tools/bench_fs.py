@@ -106,6 +106,7 @@ def main() -> int:
     ap.add_argument("--files", type=int, default=5000, help="files for the metadata steps")
     ap.add_argument("--dir", default="/var/tmp", help="where the scratch pool goes")
     ap.add_argument("--stripe-unit", default="1MiB")
+    ap.add_argument("-o", dest="options", default="", help="mount options to test")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     size = parse_size(args.size)
@@ -115,7 +116,7 @@ def main() -> int:
     for p in [*members, mnt, plain]:
         os.makedirs(p)
     mxfs("mkfs", "--stripe-unit", args.stripe_unit, *[a for m in members for a in ("--member", m)])
-    mxfs("mount", members[0], mnt)
+    mxfs("mount", *(["-o", args.options] if args.options else []), members[0], mnt)
     try:
         block = memoryview(bytearray(os.urandom(BLOCK)))
         buf = bytearray(BLOCK)

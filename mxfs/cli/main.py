@@ -51,8 +51,23 @@ def _options(raw: list[str] | None) -> list[str]:
     return [o for group in raw or [] for o in group.split(",") if o]
 
 
-def cmd_mount(args: argparse.Namespace) -> int:
+def _from_config(args: argparse.Namespace) -> list[str]:
+    """Fill the mount point and options from a pool config file where it names them."""
+    from mxfs.pool import read_pool_config
+
     options = _options(args.o)
+    if os.path.isfile(args.pool):
+        conf = read_pool_config(args.pool)
+        options = [str(o) for o in conf.get("options", [])] + options
+        args.mountpoint = args.mountpoint or conf.get("mountpoint")
+    if not args.mountpoint:
+        raise UsageError("no mount point given",
+                         "name one, or set mountpoint = \"...\" in the pool config")
+    return options
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    options = _from_config(args)
     if args.foreground:
         return _mount_foreground(args, options)
     from mxfs.fs.control import runtime_dir
@@ -254,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("mount", help="mount a pool (POOL: a member path or a pool config)")
     s.add_argument("pool")
-    s.add_argument("mountpoint")
+    s.add_argument("mountpoint", nargs="?", help="default: the pool config's mountpoint")
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     s.add_argument("-o", action="append", metavar="OPT[,OPT...]",
                    help="mount options: allow_other, noatime, nonempty, io_threads=N, ...")

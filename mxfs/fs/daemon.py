@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 
 import pyfuse3
@@ -24,7 +25,7 @@ from mxfs.fs.volume import Volume
 log = logging.getLogger("mxfs.daemon")
 
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
-OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead")
+OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache")
 DEFAULT_READAHEAD_KIB = 4096
 GROUP_COMMIT_S = 0.05
 
@@ -43,6 +44,20 @@ def split_options(options: list[str]) -> tuple[dict[str, str], set[str]]:
         elif opt:
             fuse.add(opt)
     return own, fuse
+
+
+def notify_systemd(state: str) -> None:
+    """Tell systemd (Type=notify units) how we are doing; a no-op outside systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.sendto(state.encode(), addr)
+        except OSError as e:
+            log.warning("could not notify systemd: %s", e)
 
 
 def socket_path(pool_uuid: str) -> str:
@@ -71,7 +86,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     try:
         vol.recover()
         ops = MxfsOperations(vol, control_path=sock, noatime="noatime" in own,
-                             io_threads=io_threads)
+                             io_threads=io_threads,
+                             writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"))
         name = vol.pool.label or vol.pool.uuid[:8]
         fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
         try:
@@ -102,6 +118,7 @@ async def _serve(control: ControlServer, ready: Ready, readahead_kib: int) -> No
         log.info("pool %s mounted on %s, control socket %s", control.vol.pool.uuid,
                  control.mountpoint, control.path)
         ready(None)
+        notify_systemd("READY=1")
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
 
@@ -130,5 +147,6 @@ async def _stop_on_signal() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
             log.info("signal received: unmounting")
+            notify_systemd("STOPPING=1")
             pyfuse3.terminate()
             return

@@ -40,9 +40,14 @@ def check_mountpoint(path: str, nonempty: bool = False) -> str:
         raise MxfsError(f"mount point {path} does not exist", f"create it: mkdir -p {path}") \
             from None
     except OSError as e:
+        if e.errno == errno.ENOTCONN and mount_table().get(real) == FSTYPE:
+            # An mxfs daemon died here (its pool lock is free, or we fail later):
+            # detach the dead mount so a restart just works.
+            unmount(real, lazy=True)
+            return check_mountpoint(path, nonempty)
         if e.errno == errno.ENOTCONN:
             raise MxfsError(f"mount point {path} holds a dead mount (its daemon died)",
-                            f"run: mxfs umount {path}") from None
+                            f"detach it: umount -l {path}") from None
         raise MxfsError(f"mount point {path} cannot be read ({e.strerror})",
                         "check the path") from None
     if not os.path.isdir(real):

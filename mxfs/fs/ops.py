@@ -87,13 +87,14 @@ class Handle:
 
 class MxfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
-    # The kernel gathers writes in its page cache and sends them in requests of up to
-    # 1 MiB, several at a time; O_APPEND offsets and mtime then come from the kernel.
-    enable_writeback_cache = True
 
     def __init__(self, volume: Volume, control_path: str = "", noatime: bool = False,
-                 io_threads: int = 16) -> None:
+                 io_threads: int = 16, writeback_cache: bool = False) -> None:
         super().__init__()
+        # With the writeback cache the kernel gathers writes and sends them in 1 MiB
+        # requests, several at a time, and owns O_APPEND offsets and mtime; but data
+        # it accepted is lost if the daemon dies first (docs/architecture.md).
+        self.enable_writeback_cache = writeback_cache
         self.vol = volume
         self.store = volume.store
         self.control_path = control_path
@@ -303,8 +304,11 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        entry = self.handles[fh].entry
+        handle = self.handles[fh]
+        entry = handle.entry
         node = entry.node
+        if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
+            off = node.size  # without the writeback cache, appends are placed here
         assert entry.chunks is not None
         self.vol.note_write(entry)
         await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
@@ -312,8 +316,11 @@ class MxfsOperations(pyfuse3.Operations):
         if off + len(buf) > node.size:
             node.size = off + len(buf)
             self.store.touch_data(node)
-        # mtime and ctime are not set here: with the writeback cache the kernel owns
-        # them and sends them as setattr; a late writeback must not undo a utimens.
+        if not self.enable_writeback_cache:
+            # With the writeback cache the kernel owns mtime and sends it as setattr;
+            # a late writeback must not undo a utimens, so only set it here without.
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self.store.touch_data(node)
         return len(buf)
 
     @_errors

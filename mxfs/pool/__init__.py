@@ -2,8 +2,8 @@
 
 from mxfs.pool.chunks import ChunkFiles
 from mxfs.pool.layout import DEFAULT_STRIPE_UNIT, Layout, Piece
-from mxfs.pool.pool import Member, Pool, format_members
+from mxfs.pool.pool import Member, Pool, format_members, read_pool_config
 from mxfs.pool.superblock import Superblock, SuperblockError, read_superblock
 
 __all__ = ["ChunkFiles", "DEFAULT_STRIPE_UNIT", "Layout", "Member", "Piece", "Pool",
-           "Superblock", "SuperblockError", "format_members", "read_superblock"]
+           "Superblock", "SuperblockError", "format_members", "read_pool_config", "read_superblock"]

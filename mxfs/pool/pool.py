@@ -103,15 +103,25 @@ def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
     return first
 
 
+def read_pool_config(path: str) -> dict:
+    """A pool config file: members = [...], and optionally mountpoint and options."""
+    try:
+        with open(path, "rb") as f:
+            conf = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise MxfsError(f"pool config {path} cannot be read ({e})",
+                        "fix the TOML; it needs members = [\"/path\", ...]") from None
+    for key, kind in (("mountpoint", str), ("options", list)):
+        if key in conf and not isinstance(conf[key], kind):
+            raise MxfsError(f"pool config {path}: {key} must be a {kind.__name__}",
+                            'write mountpoint = "/mnt/pool", options = ["allow_other"]')
+    return conf
+
+
 def _member_paths(spec: str) -> tuple[list[str], str]:
     """Member paths named by `spec` (a member folder or a TOML pool config) and how."""
     if os.path.isfile(spec):
-        try:
-            with open(spec, "rb") as f:
-                conf = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise MxfsError(f"pool config {spec} cannot be read ({e})",
-                            "fix the TOML; it needs members = [\"/path\", ...]") from e
+        conf = read_pool_config(spec)
         members = conf.get("members")
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members) \
                 or not members:
