@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
+import pytest
 from conftest import make_members, mkfs, mxfs, needs_fuse, one_line_error
 
 from mxfs.pool import read_superblock
@@ -75,39 +77,26 @@ def test_mount_refuses_a_missing_member(tmp_path: Path, members: list[str]) -> N
 
 
 @needs_fuse
-def test_mount_refuses_a_foreign_member(tmp_path: Path, members: list[str]) -> None:
+@pytest.mark.parametrize("fault", ["foreign", "twice", "copied"])
+def test_mount_refuses_a_bad_member_list(tmp_path: Path, members: list[str],
+                                         fault: str) -> None:
+    """A member of another pool, one folder listed twice, a copy of a member."""
     mkfs(members)
-    other = make_members(tmp_path / "other", 2)
-    mkfs(other)
+    listed = list(members)
+    if fault == "foreign":
+        other = make_members(tmp_path / "other", 2)
+        mkfs(other)
+        listed[2], expect = other[1], ["another pool", other[1]]
+    elif fault == "twice":
+        listed[2], expect = members[1], ["listed twice", members[1]]
+    else:
+        shutil.copytree(members[1], tmp_path / "copy")
+        listed[2], expect = str(tmp_path / "copy"), ["both claim index 1"]
     conf = tmp_path / "pool.toml"
-    write_config(conf, [members[0], members[1], other[1], members[3]])
+    write_config(conf, listed)
     (tmp_path / "mnt").mkdir()
     line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
-    assert "another pool" in line and other[1] in line
-
-
-@needs_fuse
-def test_mount_refuses_a_member_listed_twice(tmp_path: Path, members: list[str]) -> None:
-    mkfs(members)
-    conf = tmp_path / "pool.toml"
-    write_config(conf, [members[0], members[1], members[1], members[3]])
-    (tmp_path / "mnt").mkdir()
-    line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
-    assert "listed twice" in line and members[1] in line
-
-
-@needs_fuse
-def test_mount_refuses_a_copied_member(tmp_path: Path, members: list[str]) -> None:
-    import shutil
-
-    mkfs(members)
-    copy = str(tmp_path / "copy")
-    shutil.copytree(members[1], copy)
-    conf = tmp_path / "pool.toml"
-    write_config(conf, [members[0], members[1], copy, members[3]])
-    (tmp_path / "mnt").mkdir()
-    line = one_line_error(mxfs("mount", str(conf), str(tmp_path / "mnt"), check=False))
-    assert "both claim index 1" in line
+    assert all(e in line for e in expect), line
 
 
 @needs_fuse

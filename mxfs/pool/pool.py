@@ -55,20 +55,14 @@ def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
                         "pick one such as 1MiB or 4MiB")
     if not paths:
         raise MxfsError("no members given", "name each with --member PATH")
-    seen: dict[tuple[int, int], str] = {}
     resolved: list[str] = []
     for p in paths:
         real = os.path.realpath(p)
         if not os.path.isdir(real):
             raise MxfsError(f"member {p} is not an existing folder",
                             "create it or mount the member device there")
-        st = os.stat(real)
-        if (st.st_dev, st.st_ino) in seen:
-            first = seen[st.st_dev, st.st_ino]
-            raise MxfsError(f"member {p} is given twice (same folder as {first})",
-                            "list each member once")
-        seen[st.st_dev, st.st_ino] = p
         resolved.append(real)
+    _refuse_duplicates(resolved, "given")
     for p in resolved:
         entries = set(os.listdir(p)) - _IGNORED
         if SUPERBLOCK_NAME in entries:
@@ -101,6 +95,17 @@ def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
         first = first or sb
     assert first is not None
     return first
+
+
+def _refuse_duplicates(paths: list[str], how: str) -> None:
+    """Refuse one folder named twice, however it is spelled (same device and inode)."""
+    seen: dict[tuple[int, int], str] = {}
+    for p in paths:
+        st = os.stat(p)
+        first = seen.setdefault((st.st_dev, st.st_ino), p)
+        if first is not p:
+            raise MxfsError(f"member {p} is {how} twice (same folder as {first})",
+                            "list each member once")
 
 
 def read_pool_config(path: str) -> dict:
@@ -155,19 +160,14 @@ class Pool:
     @classmethod
     def open(cls, spec: str) -> Pool:
         paths, source = _member_paths(spec)
-        seen: dict[tuple[int, int], str] = {}
-        by_index: dict[int, tuple[str, Superblock]] = {}
-        reference: Superblock | None = None
         for pos, p in enumerate(paths):
             if not os.path.isdir(p):
                 raise MxfsError(f"member {pos} ({p}) is missing",
                                 "attach it, or list where it lives now in a pool config file")
-            st = os.stat(p)
-            if (st.st_dev, st.st_ino) in seen:
-                first = seen[st.st_dev, st.st_ino]
-                raise MxfsError(f"member {p} is listed twice (also as {first})",
-                                "list each member once")
-            seen[st.st_dev, st.st_ino] = p
+        _refuse_duplicates(paths, "listed")
+        by_index: dict[int, tuple[str, Superblock]] = {}
+        reference: Superblock | None = None
+        for pos, p in enumerate(paths):
             try:
                 sb = read_superblock(p)
             except FileNotFoundError:
