@@ -91,6 +91,10 @@ def test_directories_and_errors(mounted: Mounted) -> None:
     with pytest.raises(OSError) as e:
         os.mkdir(d / ("n" * 256))
     assert e.value.errno == errno.ENAMETOOLONG
+    import subprocess
+
+    listing = subprocess.run(["ls", "-a1", str(d)], capture_output=True, text=True).stdout
+    assert listing.split() == [".", "..", "file", "sub"]
     os.rmdir(d / "sub")
     assert os.stat(d).st_nlink == 2
     assert sorted(os.listdir(d)) == ["file"]

@@ -356,11 +356,18 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         node = self.handles[fh].entry.node
-        after = start_id
+        # Offsets: 1 after ".", 2 after "..", then 2 + the entry's cookie.
+        if start_id < 1 and not pyfuse3.readdir_reply(token, b".", self.attrs(node), 1):
+            return
+        if start_id < 2:
+            parent = self.store.get(self.store.parent_of(node.ino))
+            if not pyfuse3.readdir_reply(token, b"..", self.attrs(parent), 2):
+                return
+        after = max(start_id - 2, 0)
         while True:
             entries = self.store.readdir(node.ino, after)
             for e in entries:
-                if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode), e.cookie):
+                if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode), e.cookie + 2):
                     return
                 after = e.cookie
             if not entries:
