@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mxfs.pool import Layout
+from mxfs.io import Layout
 
 UNITS = st.sampled_from([4096, 8192, 65536, 1 << 20])
 

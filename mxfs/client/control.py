@@ -21,6 +21,28 @@ class ControlError(OSError):
     """The daemon refused a request; errno and message are the daemon's."""
 
 
+def mount_root(path: str) -> str | None:
+    """The root of the mxfs mount holding `path`, or None if it is on no mxfs mount.
+
+    Walks up to the mount boundary (where st_dev changes) asking for the control
+    xattr, which only an mxfs root carries.
+    """
+    d = os.path.realpath(path)
+    if not os.path.isdir(d):
+        d = os.path.dirname(d)
+    while True:
+        try:
+            os.getxattr(d, CONTROL_XATTR)
+            return d
+        except OSError as e:
+            if e.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EPERM):
+                raise
+        parent = os.path.dirname(d)
+        if parent == d or os.stat(parent).st_dev != os.stat(d).st_dev:
+            return None
+        d = parent
+
+
 def find_socket(mountpoint: str) -> str:
     try:
         return os.getxattr(mountpoint, CONTROL_XATTR).decode()
@@ -50,17 +72,25 @@ class ControlClient:
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and wait for its reply; raises ControlError on refusal."""
+        reply, fds = self.call_with_fds(op, **fields)
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def call_with_fds(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        """Like `call`, keeping the descriptors that came with the reply (caller closes)."""
         msg_id = next(self._ids)
         send_message(self.sock, {"op": op, "id": msg_id, **fields})
         reply, fds = recv_message(self.sock)
-        for fd in fds:
-            os.close(fd)
+        if reply.get("id") != msg_id or not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
         if reply.get("id") != msg_id:
             raise ControlError(errno.EPROTO, f"reply {reply.get('id')} to request {msg_id}")
         if not reply.get("ok"):
             raise ControlError(int(reply.get("errno") or errno.EIO),
                                str(reply.get("error", "refused")))
-        return reply
+        return reply, fds
 
     def pool_path(self, path: str) -> str:
         """A path inside the mount as the daemon names it (relative to the pool root)."""

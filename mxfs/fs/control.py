@@ -8,18 +8,21 @@ and every path is resolved with the caller's permissions.
 
 from __future__ import annotations
 
+import array
 import errno
 import logging
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import trio
 
 from mxfs import __version__
-from mxfs.fs.access import Caller, resolve_for, supplementary_groups
+from mxfs.fs.access import R_OK, Caller, may, resolve_for, supplementary_groups
 from mxfs.fs.volume import Volume
+from mxfs.meta import Inode
 from mxfs.proto import HEADER, OPS, VERSION, ProtocolError, decode_payload, encode, parse_header
 from mxfs.proto.framing import ancillary_space, fds_from_ancdata
 
@@ -34,6 +37,13 @@ def runtime_dir() -> str:
     return os.path.join(base, "mxfs") if "XDG_RUNTIME_DIR" in os.environ else base
 
 
+def _path(msg: dict[str, Any]) -> str:
+    path = msg.get("path")
+    if not isinstance(path, str):
+        raise ProtocolError(f"{msg.get('op')} needs a string 'path'")
+    return path
+
+
 def peer_caller(sock: Any) -> Caller:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
@@ -41,7 +51,9 @@ def peer_caller(sock: Any) -> Caller:
 
 
 class ControlServer:
-    def __init__(self, volume: Volume, path: str, mountpoint: str) -> None:
+    def __init__(self, volume: Volume, path: str, mountpoint: str,
+                 writeback_cache: bool = False) -> None:
+        self.writeback_cache = writeback_cache
         self.vol = volume
         self.path = path
         self.mountpoint = mountpoint
@@ -102,8 +114,9 @@ class ControlServer:
                     return
                 except OSError:
                     return  # the peer went away mid-message
+                fds: list[int] = []
                 try:
-                    reply = self._dispatch(msg, caller)
+                    reply, fds = self._dispatch(msg, caller)
                 except ProtocolError as e:
                     await self._refuse(conn, caller, msg.get("id"), e)
                     return
@@ -111,8 +124,12 @@ class ControlServer:
                     code = e.errno or errno.EIO
                     reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
                 reply["id"] = msg.get("id")
-                if not await self._send(conn, reply):
-                    return
+                try:
+                    if not await self._send(conn, reply, fds):
+                        return
+                finally:
+                    for fd in fds:
+                        os.close(fd)  # the peer holds its own copies now
 
     async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
         log.warning("control: pid %d uid %d sent a bad message: %s", caller.pid, caller.uid, err)
@@ -128,36 +145,73 @@ class ControlServer:
             except OSError:
                 pass
 
-    async def _send(self, conn: Any, reply: dict[str, Any]) -> bool:
-        data = memoryview(encode(reply))
+    async def _send(self, conn: Any, reply: dict[str, Any], fds: Sequence[int] = ()) -> bool:
+        data = memoryview(encode(reply, len(fds)))
         try:
+            if fds:
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+                data = data[await conn.sendmsg([data], anc):]
             while data:
                 data = data[await conn.send(data):]
         except OSError:
             return False
         return True
 
-    def _dispatch(self, msg: dict[str, Any], caller: Caller) -> dict[str, Any]:
+    def _dispatch(self, msg: dict[str, Any], caller: Caller) -> tuple[dict[str, Any], list[int]]:
+        """Serve one request: (reply fields, descriptors to pass with it)."""
         op = msg.get("op")
         if op == "hello":
             return {"ok": True, "version": VERSION, "server": f"mxfs {__version__}",
                     "pid": os.getpid(), "pool_uuid": self.vol.pool.uuid, "ops": list(OPS),
-                    "uid": caller.uid}
+                    "uid": caller.uid}, []
         if op == "stat":
-            return {"ok": True, **self.status()}
+            return {"ok": True, **self.status()}, []
         if op == "layout":
-            path = msg.get("path")
-            if not isinstance(path, str):
-                raise ProtocolError("layout needs a string 'path'")
-            node = resolve_for(self.vol.store, path, caller)
-            out: dict[str, Any] = {"ok": True, "ino": node.ino, "size": node.apparent_size,
-                                   "generation": node.generation, "mode": node.mode}
-            if node.is_reg:
-                out["layout"] = self.vol.layout(node).describe()
-            return out
+            node = resolve_for(self.vol.store, _path(msg), caller)
+            return self._describe(node), []
+        if op == "open_read":
+            return self._open_read(_path(msg), caller)
         raise ProtocolError(f"unknown op {op!r} (this daemon serves {', '.join(OPS)})")
 
+    def _describe(self, node: Inode) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": True, "ino": node.ino, "size": node.apparent_size,
+                               "generation": node.generation, "mode": node.mode}
+        if node.is_reg:
+            out["layout"] = self.vol.layout(node).describe()
+        return out
+
+    def _open_read(self, path: str, caller: Caller) -> tuple[dict[str, Any], list[int]]:
+        """Read-only descriptors of a file's chunk files, if the caller may read it."""
+        node = resolve_for(self.vol.store, path, caller)
+        if node.is_dir:
+            raise OSError(errno.EISDIR, f"{path} is a directory")
+        if not node.is_reg:
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if not may(node, caller, R_OK):
+            raise OSError(errno.EACCES, f"{path}: read permission denied")
+        entry = self.vol.open_inodes.get(node.ino)
+        if self.writeback_cache and entry is not None and entry.wrote:
+            # Its newest bytes may still sit in the kernel's writeback cache.
+            raise OSError(errno.EBUSY, f"{path} is open for writing through the mount")
+        members, fds = [], []
+        try:
+            for m in self.vol.layout(node).used_members():
+                try:
+                    fds.append(os.open(self.vol.pool.chunk_path(m, node.ino),
+                                       os.O_RDONLY | os.O_CLOEXEC))
+                except FileNotFoundError:
+                    continue  # never written: reads as zeros
+                members.append(m)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        reply = self._describe(node)
+        reply["members"] = members
+        return reply, fds
+
     def status(self) -> dict[str, Any]:
+        """The pool as `mxfs status` shows it."""
         pool = self.vol.pool
         return {"pool_uuid": pool.uuid, "label": pool.label, "stripe_unit": pool.stripe_unit,
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.path,

@@ -19,8 +19,8 @@ import pyfuse3
 import trio
 
 from mxfs.fs.volume import OpenInode, Volume
+from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
-from mxfs.pool import Layout
 
 log = logging.getLogger("mxfs.fs")
 

@@ -17,8 +17,9 @@ import sqlite3
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
+from mxfs.io import Layout
 from mxfs.meta import Inode, MetaStore
-from mxfs.pool import ChunkFiles, Layout, Pool, format_members
+from mxfs.pool import ChunkFiles, Pool, format_members
 
 log = logging.getLogger("mxfs.volume")
 
@@ -147,7 +148,10 @@ class Volume:
     def note_write(self, entry: OpenInode) -> None:
         """Before the first write of an open: chunk files may now outgrow the recorded size."""
         if not entry.wrote:
-            self.store.mark_dirty_data(entry.node.ino)
+            node = entry.node
+            node.generation += 1  # direct readers compare it to see the file changed
+            self.store.save(node, "generation")
+            self.store.mark_dirty_data(node.ino)
             # Committed before any chunk file exists, so none can outlive its inode.
             self.store.commit()
             entry.wrote = True
@@ -188,10 +192,11 @@ class Volume:
         """Set a file's size now; shrinking cuts the chunk files (crash-safe via dirty_data)."""
         shrink = size < node.size
         node.size = size
+        node.generation += 1
         with self.store.transaction():
             if shrink:
                 self.store.mark_dirty_data(node.ino)
-            self.store.save(node, "size")
+            self.store.save(node, "size", "generation")
         if shrink:
             self.store.commit()  # a crash mid-cut is trimmed again at mount
             self.pool.truncate_chunks(node.ino, self.layout(node), size)

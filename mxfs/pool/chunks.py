@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import threading
 
-from mxfs.io import ReadOp, WriteOp, read_batch, write_batch
-from mxfs.pool.layout import Layout
+from mxfs.io import Layout, ReadOp, WriteOp, read_batch, write_batch
 from mxfs.pool.pool import Pool
 
 

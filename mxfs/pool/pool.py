@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from mxfs.errors import MxfsError
-from mxfs.pool.layout import DEFAULT_STRIPE_UNIT, PAGE, Layout
+from mxfs.io import DEFAULT_STRIPE_UNIT, PAGE, Layout
 from mxfs.pool.superblock import (
     SUPERBLOCK_NAME,
     Superblock,

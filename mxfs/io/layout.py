@@ -96,4 +96,9 @@ class Layout:
         return [Piece(m, starts[m], tuple(s)) for m, s in spans.items()]
 
     def describe(self) -> dict[str, int]:
-        return {"stripe_unit": self.unit, "stripe_width": self.width, "first_member": self.first}
+        return {"stripe_unit": self.unit, "stripe_width": self.width, "first_member": self.first,
+                "pool_members": self.members}
+
+    @classmethod
+    def from_description(cls, d: dict[str, int]) -> Layout:
+        return cls(d["stripe_unit"], d["stripe_width"], d["first_member"], d["pool_members"])

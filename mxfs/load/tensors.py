@@ -1,0 +1,188 @@
+"""safetensors files to torch tensors, read through the direct path.
+
+On the CPU, a file's whole data section is read (all members in parallel) into
+one buffer that the returned tensors are views of: the tensors own that buffer
+together, and it is freed when the last of them is.  A tensor whose offset does
+not suit its dtype's alignment is copied out instead.  Before any tensor is
+returned, the file is checked not to have changed while it was read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import Any
+
+import torch
+
+from mxfs.client.direct import Reader, open_reader
+from mxfs.errors import MxfsError
+from mxfs.load.header import Header, HeaderError, TensorInfo, header_length, parse_header
+
+log = logging.getLogger("mxfs.load")
+
+_DTYPES = {name: getattr(torch, attr, None) for name, attr in {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+    "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32",
+    "C64": "complex64", "I64": "int64", "U64": "uint64", "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz"}.items()}
+
+
+def torch_dtype(info: TensorInfo, path: str) -> torch.dtype:
+    dt = _DTYPES.get(info.dtype)
+    if dt is None:
+        raise HeaderError(f"{path}: tensor {info.name!r} has dtype {info.dtype}, which this "
+                          f"torch ({torch.__version__}) cannot hold", "use a newer torch")
+    return dt
+
+
+def writable_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes (no numpy needed)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def read_header(reader: Reader) -> Header:
+    prefix = bytearray(min(8, reader.size))
+    reader.read_into(0, memoryview(prefix))
+    n = header_length(reader.path, bytes(prefix), reader.size)
+    raw = bytearray(n)
+    reader.read_into(8, memoryview(raw))
+    return parse_header(reader.path, bytes(raw), reader.size)
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MxfsError(f"device {dev} asked for, but this torch sees no CUDA device",
+                        "load to device='cpu', or run where a GPU is visible")
+    if dev.type not in ("cpu", "cuda"):
+        raise MxfsError(f"device {dev} is not supported yet by mxfs.load",
+                        "load to 'cpu' or 'cuda:N'")
+    return dev
+
+
+def _tensor(buf: torch.Tensor, base: int, info: TensorInfo, path: str) -> torch.Tensor:
+    dtype = torch_dtype(info, path)
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=dtype)
+    raw = buf[info.begin - base:info.end - base]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if (raw.data_ptr() % itemsize) != 0:
+        raw = raw.clone()  # misaligned for its dtype: copy out
+    return raw.view(dtype).reshape(info.shape)
+
+
+def load_file(path: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file; equal to safetensors.torch.load_file."""
+    dev = check_device(device)
+    start = time.perf_counter()
+    with _open(path) as reader:
+        header = read_header(reader)
+        nbytes = reader.size - header.data_start
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            reader.read_into(header.data_start, writable_view(buf))
+        reader.check_unchanged()
+    out = {t.name: _tensor(buf, header.data_start, t, path) for t in header.ordered()}
+    secs = time.perf_counter() - start
+    log.info("loaded %s: %d tensors, %.2f GB in %.2f s (%.2f GB/s)", path, len(out),
+             nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
+    if dev.type != "cpu":
+        out = {k: v.to(dev) for k, v in out.items()}
+    return out  # in file order, as safetensors returns them
+
+
+class _open:
+    """open_reader as a context manager that always closes."""
+
+    def __init__(self, path: str) -> None:
+        self.reader = open_reader(path)
+
+    def __enter__(self) -> Reader:
+        return self.reader
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+
+
+class SafeOpen:
+    """Like safetensors.safe_open: read tensors one by one, or slices of them."""
+
+    def __init__(self, path: str, framework: str = "pt", device: str | torch.device = "cpu"
+                 ) -> None:
+        if framework not in ("pt", "torch"):
+            raise MxfsError(f"framework {framework!r} is not supported", "use framework='pt'")
+        self.device = check_device(device)
+        self.reader = open_reader(path)
+        try:
+            self.header = read_header(self.reader)
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def __enter__(self) -> SafeOpen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+
+    def keys(self) -> list[str]:
+        return sorted(self.header.tensors)
+
+    def metadata(self) -> dict[str, str] | None:
+        return self.header.metadata
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self.header.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.reader.path} has no tensor {name!r}") from None
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        info = self._info(name)
+        t = torch.empty(info.shape, dtype=torch_dtype(info, self.reader.path))
+        if info.nbytes:
+            self.reader.read_into(info.begin, writable_view(t))
+        self.reader.check_unchanged()
+        return t.to(self.device) if self.device.type != "cpu" else t
+
+    def get_slice(self, name: str) -> TensorSlice:
+        return TensorSlice(self, self._info(name))
+
+
+class TensorSlice:
+    """Rows of a tensor read on demand: only the bytes of the asked rows move."""
+
+    def __init__(self, owner: SafeOpen, info: TensorInfo) -> None:
+        self.owner = owner
+        self.info = info
+
+    def get_shape(self) -> list[int]:
+        return list(self.info.shape)
+
+    def get_dtype(self) -> str:
+        return self.info.dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        info = self.info
+        dtype = torch_dtype(info, self.owner.reader.path)
+        first = index[0] if isinstance(index, tuple) else index
+        rest = index[1:] if isinstance(index, tuple) else ()
+        if not info.shape or not isinstance(first, slice) or first.step not in (None, 1):
+            return self.owner.get_tensor(info.name)[index]
+        start, stop, _ = first.indices(info.shape[0])
+        stop = max(stop, start)
+        row = info.nbytes // info.shape[0] if info.shape[0] else 0
+        t = torch.empty((stop - start, *info.shape[1:]), dtype=dtype)
+        if t.numel():
+            self.owner.reader.read_into(info.begin + start * row, writable_view(t))
+        self.owner.reader.check_unchanged()
+        t = t[(slice(None), *rest)] if rest else t
+        return t.to(self.owner.device) if self.owner.device.type != "cpu" else t
+
+
+def safe_open(path: str, framework: str = "pt", device: str | torch.device = "cpu") -> SafeOpen:
+    return SafeOpen(path, framework, device)

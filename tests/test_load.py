@@ -1,0 +1,183 @@
+"""mxfs.load against safetensors: same tensors on every dtype, corrupt files refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+from conftest import Mounted  # noqa: E402
+
+from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  # noqa: E402
+from mxfs.load import HeaderError, load_file, safe_open  # noqa: E402
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
+          torch.bfloat16, torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64,
+          torch.float64, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.float8_e8m0fnu]
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for i, dt in enumerate(DTYPES):
+        raw = torch.randint(0, 256, (3 * (i + 1), 5 + i), dtype=torch.uint8, generator=g)
+        size = torch.empty((), dtype=dt).element_size()
+        out[f"t{i}.{str(dt).split('.')[1]}"] = raw.view(-1)[: raw.numel() // size * size] \
+            .view(dt).reshape(-1) if dt != torch.bool else raw.bool()
+    out["scalar"] = torch.tensor(3.5)
+    out["empty"] = torch.empty(0, 4)
+    out["big.weight"] = torch.randn(700, 1000, generator=g).to(torch.bfloat16)  # spans stripes
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        # compare bytes: NaN payloads and float8 have no reliable ==
+        as_bytes = [t.reshape(-1).view(torch.uint8) for t in (a[k], b[k])]
+        assert torch.equal(*as_bytes), k
+
+
+def test_every_dtype_equals_safetensors_through_the_direct_path(mounted: Mounted) -> None:
+    path = str(mounted.path / "model.safetensors")
+    st.save_file(every_dtype(), path, metadata={"format": "pt"})
+    reader = open_reader(path)
+    assert isinstance(reader, DirectFile)  # not through FUSE
+    reader.close()
+    same(load_file(path), st.load_file(path))
+    with safe_open(path) as f:
+        assert f.metadata() == {"format": "pt"}
+        assert f.keys() == sorted(every_dtype())
+        w = f.get_tensor("big.weight")
+        assert torch.equal(w, st.load_file(path)["big.weight"])
+        rows = f.get_slice("big.weight")[100:250]
+        assert torch.equal(rows, w[100:250])
+        assert f.get_slice("big.weight").get_shape() == [700, 1000]
+        assert torch.equal(f.get_slice("big.weight")[5:9, 2:4], w[5:9, 2:4])
+
+
+def test_plain_files_load_too(plain: Path) -> None:
+    path = str(plain / "m.safetensors")
+    st.save_file(every_dtype(), path)
+    assert isinstance(open_reader(path), PlainFile)
+    same(load_file(path), st.load_file(path))
+
+
+def write_raw(path: Path, header: object, data: bytes = b"", length: int | None = None) -> str:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(raw) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + raw + data)
+    return str(path)
+
+
+@pytest.mark.parametrize("case,header,data,length,expect", [
+    ("too long", {}, b"", 10_000, "runs past the end"),
+    ("not json", b"{nope", b"", None, "not valid JSON"),
+    ("overlap", {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                 "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+     bytes(12), None, "overlap"),
+    ("past end", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+     bytes(8), None, "outside the data"),
+    ("unknown dtype", {"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
+     bytes(16), None, "unknown dtype"),
+    ("shape vs bytes", {"a": {"dtype": "F32", "shape": [3, 3], "data_offsets": [0, 16]}},
+     bytes(16), None, "needs 36 bytes"),
+    ("short file", b"", b"", 0, None),
+])
+def test_corrupt_headers_are_one_clear_error(mounted: Mounted, case: str, header: object,
+                                             data: bytes, length: int | None,
+                                             expect: str | None) -> None:
+    path = write_raw(mounted.path / "bad.safetensors", header, data, length)
+    if case == "short file":
+        Path(path).write_bytes(b"\x01\x02")
+        expect = "too short"
+    with pytest.raises(HeaderError) as e:
+        load_file(path)
+    assert path in str(e.value) and expect in str(e.value)
+    if case in ("overlap", "past end", "unknown dtype", "shape vs bytes"):
+        assert "'a'" in str(e.value) or "'b'" in str(e.value)
+
+
+def test_a_file_written_while_it_loads_is_detected(mounted: Mounted) -> None:
+    path = str(mounted.path / "m.safetensors")
+    st.save_file({"w": torch.randn(256, 1024)}, path)
+    reader = open_reader(path)
+    buf = bytearray(reader.size)
+    reader.read_into(0, memoryview(buf))
+    reader.check_unchanged()
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(b"changed")
+    with pytest.raises(FileChanged):
+        reader.check_unchanged()
+    reader.close()
+    reader = open_reader(path)
+    (mounted.path / "other").write_bytes(b"x")
+    os.replace(mounted.path / "other", path)
+    with pytest.raises(FileChanged):
+        reader.check_unchanged()
+    reader.close()
+
+
+CALLER = r"""
+import json, os, sys
+from mxfs.load import load_file  # imports first: Python may live under /root
+import torch
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+out = {}
+for p in sys.argv[1:]:
+    try:
+        load_file(p); out[p] = "ok"
+    except PermissionError as e:
+        out[p] = "EACCES"
+    try:
+        open(p, "rb").close(); out["mount:" + p] = "ok"
+    except PermissionError:
+        out["mount:" + p] = "EACCES"
+print(json.dumps(out))
+"""
+
+
+def test_direct_reads_refuse_what_the_mount_refuses(mounted: Mounted) -> None:
+    os.chmod(mounted.path, 0o755)
+    tensors = {"w": torch.arange(10.0)}
+    for name, mode in (("open.safetensors", 0o644), ("closed.safetensors", 0o600)):
+        st.save_file(tensors, str(mounted.path / name))
+        os.chmod(mounted.path / name, mode)
+    (mounted.path / "hidden").mkdir(mode=0o700)
+    st.save_file(tensors, str(mounted.path / "hidden" / "m.safetensors"))
+    paths = [str(mounted.path / "open.safetensors"), str(mounted.path / "closed.safetensors"),
+             str(mounted.path / "hidden" / "m.safetensors")]
+    res = subprocess.run([sys.executable, "-c", CALLER, *paths], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out[paths[0]] == out["mount:" + paths[0]] == "ok"
+    for p in paths[1:]:
+        assert out[p] == out["mount:" + p] == "EACCES", p
+
+
+def test_a_dead_daemon_is_a_clear_error(mounted: Mounted) -> None:
+    import signal
+
+    from conftest import eventually
+
+    from mxfs.errors import MxfsError
+
+    path = str(mounted.path / "m.safetensors")
+    st.save_file({"w": torch.zeros(4)}, path)
+    pid = mounted.daemon_pid()
+    os.kill(pid, signal.SIGKILL)
+    assert eventually(lambda: not os.path.exists(f"/proc/{pid}"))
+    with pytest.raises(MxfsError) as e:
+        load_file(path)
+    assert "daemon" in str(e.value) and "mxfs mount" in str(e.value)
