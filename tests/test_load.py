@@ -181,3 +181,64 @@ def test_a_dead_daemon_is_a_clear_error(mounted: Mounted) -> None:
     with pytest.raises(MxfsError) as e:
         load_file(path)
     assert "daemon" in str(e.value) and "mxfs mount" in str(e.value)
+
+
+def write_sharded(folder: Path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    full = {f"layers.{i}.{kind}": torch.randn(96, 40, generator=g).to(torch.bfloat16)
+            for i in range(4) for kind in ("qkv", "out")}
+    full["embed"] = torch.randn(50, 64, generator=g)
+    full["norm"] = torch.ones(64)
+    names = sorted(full)
+    shards = [names[:5], names[5:]]
+    weight_map = {}
+    for i, part in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        st.save_file({n: full[n] for n in part}, str(folder / fname))
+        weight_map.update({n: fname for n in part})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return full
+
+
+def test_load_model_sharded_and_tensor_parallel(mounted: Mounted) -> None:
+    from mxfs.load import load_model
+
+    folder = mounted.path / "model"
+    folder.mkdir()
+    full = write_sharded(folder)
+    got = dict(load_model(str(folder)))
+    same(got, full)
+
+    def rule(name: str, shape: tuple[int, ...]) -> int | None:
+        if name.endswith("qkv"):
+            return 0  # column-parallel: rows split
+        if name.endswith("out"):
+            return 1  # row-parallel: columns split
+        return None
+
+    for size in (2, 3):
+        parts = [dict(load_model(str(folder / "model.safetensors.index.json"),
+                                 tp_rank=r, tp_size=size, shard_dim=rule)) for r in range(size)]
+        for name, t in full.items():
+            dim = rule(name, tuple(t.shape))
+            if dim is None:
+                assert all(torch.equal(p[name], t) for p in parts)
+            else:
+                expect = torch.chunk(t, size, dim=dim)
+                for p, e in zip(parts, expect, strict=False):
+                    assert torch.equal(p[name], e), (name, size)
+
+
+def test_cli_warm_and_load_bench(mounted: Mounted) -> None:
+    from conftest import mxfs
+
+    folder = mounted.path / "m"
+    folder.mkdir()
+    write_sharded(folder)
+    out = json.loads(mxfs("warm", "--json", str(folder)).stdout)
+    assert out["files"] == 3 and out["bytes"] > 0
+    out = json.loads(mxfs("load-bench", "--json", "--repeat", "1", str(folder)).stdout)
+    assert out["files"] == 2 and out["GBps"]["mxfs.load"] > 0
+    res = mxfs("load-bench", str(mounted.path / "nothing"), check=False)
+    assert res.returncode != 0 and "does not exist" in res.stderr

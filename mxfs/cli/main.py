@@ -253,6 +253,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     as_json=args.json)
 
 
+# ---- models ------------------------------------------------------------------
+
+def _files_under(paths: list[str]) -> list[str]:
+    found = []
+    for p in paths:
+        if os.path.isdir(p):
+            found += sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
+        elif os.path.isfile(p):
+            found.append(p)
+        else:
+            raise MxfsError(f"{p} does not exist", "check the path")
+    return found
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    """Read files through the mount so the kernel's cache holds them for FUSE readers."""
+    import time
+
+    from mxfs.cli.measure import read_file
+
+    files = _files_under(args.path)
+    buf = bytearray(8 << 20)
+    total, start = 0, time.perf_counter()
+    for f in files:
+        total += read_file(f, buf)[2]
+    secs = time.perf_counter() - start
+    _emit(args, {"files": len(files), "bytes": total, "seconds": secs},
+          f"warmed {len(files)} files, {format_size(total)} in {secs:.1f} s "
+          f"({total / max(secs, 1e-9) / 1e9:.2f} GB/s)")
+    return 0
+
+
+def cmd_load_bench(args: argparse.Namespace) -> int:
+    from mxfs.cli.load_bench import run_load_bench
+
+    return run_load_bench(_files_under(args.path), args.device, args.repeat, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mxfs", description="mxfs: a striped storage tier for AI computing centres")
     p.add_argument("--version", action="version", version=f"mxfs {__version__}")
@@ -297,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--width", type=int, help="number of members to stripe over")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_setstripe)
+
+    s = sub.add_parser("warm", help="read models through the mount into the kernel cache")
+    s.add_argument("path", nargs="+", help="files or folders")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_warm)
+
+    s = sub.add_parser("load-bench", help="time mxfs.load against safetensors on real files")
+    s.add_argument("path", nargs="+", help="safetensors files or folders of them")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_load_bench)
 
     s = sub.add_parser("demo", help="make a demo pool, mount it, write and read, measure")
     s.add_argument("--size", default="2GiB", help="bytes to write and read each way")

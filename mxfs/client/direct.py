@@ -24,6 +24,7 @@ class Reader(Protocol):
     size: int
 
     def read_into(self, offset: int, buf: memoryview) -> None: ...
+    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None: ...
     def check_unchanged(self) -> None: ...
     def close(self) -> None: ...
 
@@ -43,9 +44,16 @@ class PlainFile:
         self._stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def read_into(self, offset: int, buf: memoryview) -> None:
-        _check_range(self, offset, len(buf))
-        read_batch([ReadOp(self.fd, offset + o, [buf[o:o + SEGMENT]])
-                    for o in range(0, len(buf), SEGMENT)])
+        self.read_many([(offset, buf)])
+
+    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
+        """Fill each buffer from its file offset; all ranges in one parallel batch."""
+        ops = []
+        for offset, buf in ranges:
+            _check_range(self, offset, len(buf))
+            ops += [ReadOp(self.fd, offset + o, [buf[o:o + SEGMENT]])
+                    for o in range(0, len(buf), SEGMENT)]
+        read_batch(ops)
 
     def check_unchanged(self) -> None:
         st = os.stat(self.path)
@@ -78,18 +86,23 @@ class DirectFile:
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         """Fill `buf` from file `offset`, every member at once; holes read as zeros."""
-        _check_range(self, offset, len(buf))
+        self.read_many([(offset, buf)])
+
+    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
+        """Fill each buffer from its file offset; all ranges in one parallel batch."""
         ops = []
-        for seg in range(0, len(buf), SEGMENT):
-            part = buf[seg:seg + SEGMENT]
-            for piece in self.layout.plan(offset + seg, len(part)):
-                bufs = [part[o:o + n] for o, n in piece.spans]
-                fd = self.fds.get(piece.member)
-                if fd is None:
-                    for b in bufs:
-                        b[:] = bytes(len(b))
-                else:
-                    ops.append(ReadOp(fd, piece.chunk_offset, bufs))
+        for offset, buf in ranges:
+            _check_range(self, offset, len(buf))
+            for seg in range(0, len(buf), SEGMENT):
+                part = buf[seg:seg + SEGMENT]
+                for piece in self.layout.plan(offset + seg, len(part)):
+                    bufs = [part[o:o + n] for o, n in piece.spans]
+                    fd = self.fds.get(piece.member)
+                    if fd is None:
+                        for b in bufs:
+                            b[:] = bytes(len(b))
+                    else:
+                        ops.append(ReadOp(fd, piece.chunk_offset, bufs))
         read_batch(ops)
 
     def check_unchanged(self) -> None:

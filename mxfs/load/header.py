@@ -81,7 +81,7 @@ def parse_header(path: str, raw: bytes, file_size: int) -> Header:
     data_start = 8 + len(raw)
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise HeaderError(f"{path}: header is not valid JSON ({e})",
                           "the file is corrupt or not safetensors") from None
     if not isinstance(doc, dict):
@@ -127,6 +127,7 @@ def _tensor(path: str, name: str, entry: object, data_start: int, data_size: int
                           f"({data_size} bytes)", "the file is truncated or corrupt")
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != end - begin:
-        raise HeaderError(f"{where}: shape {shape} of {dtype} needs {bits / 8:g} bytes but "
-                          f"its range holds {end - begin}", "the file is corrupt")
+        need = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits"
+        raise HeaderError(f"{where}: shape {shape} of {dtype} needs {need} but its range "
+                          f"holds {end - begin}", "the file is corrupt")
     return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)

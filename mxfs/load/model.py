@@ -1,0 +1,118 @@
+"""Sharded checkpoints: `model.safetensors.index.json` or a folder of safetensors files.
+
+`load_model` yields (name, tensor) pairs for an engine's `load_weights`, one file
+at a time, so memory holds at most one shard's tensors beyond what the caller
+keeps.  With `tp_rank`/`tp_size` and a `shard_dim(name, shape)` rule it reads
+only the byte ranges of the slice that rank needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+
+from mxfs.client.direct import open_reader
+from mxfs.errors import MxfsError
+from mxfs.load.header import TensorInfo
+from mxfs.load.tensors import check_device, load_file, read_header, torch_dtype, writable_view
+
+INDEX_NAME = "model.safetensors.index.json"
+ShardRule = Callable[[str, tuple[int, ...]], "int | None"]
+
+
+def shard_files(path: str) -> dict[str, list[str] | None]:
+    """file -> tensor names it should hold (None: all of them), in file name order."""
+    index = path if path.endswith(".json") else os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise MxfsError(f"{index} is not a safetensors index ({e})",
+                            "it needs a weight_map of tensor name -> file") from None
+        folder = os.path.dirname(index)
+        files: dict[str, list[str] | None] = {}
+        for name, fname in weight_map.items():
+            entry = files.setdefault(os.path.join(folder, fname), [])
+            assert entry is not None
+            entry.append(name)
+        return dict(sorted(files.items()))
+    if os.path.isdir(path):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if found:
+            return {os.path.join(path, f): None for f in found}
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return {path: None}
+    raise MxfsError(f"{path} holds no safetensors model", f"give a folder with {INDEX_NAME} "
+                    "or .safetensors files, or one of those files")
+
+
+def slice_bounds(length: int, rank: int, size: int) -> tuple[int, int]:
+    """The [start, stop) of `rank`'s share of `length` rows (like torch.chunk)."""
+    step = math.ceil(length / size) if length else 0
+    start = min(rank * step, length)
+    return start, min(start + step, length)
+
+
+def _read_slice(reader, info: TensorInfo, dim: int, rank: int, size: int  # noqa: ANN001
+                ) -> torch.Tensor:
+    """Only the bytes of rank's slice along `dim`: one contiguous run per outer index."""
+    dtype = torch_dtype(info, reader.path)
+    shape = list(info.shape)
+    start, stop = slice_bounds(shape[dim], rank, size)
+    out_shape = shape[:dim] + [stop - start] + shape[dim + 1:]
+    out = torch.empty(out_shape, dtype=dtype)
+    if out.numel() == 0:
+        return out
+    elem = out.element_size()
+    inner = math.prod(shape[dim + 1:]) * elem
+    outer = math.prod(shape[:dim])
+    run = (stop - start) * inner
+    view = writable_view(out)
+    ranges = [(info.begin + (i * shape[dim] + start) * inner, view[i * run:(i + 1) * run])
+              for i in range(outer)]
+    reader.read_many(ranges)
+    return out
+
+
+def load_model(path: str, device: str | torch.device = "cpu", *,
+               tp_rank: int = 0, tp_size: int = 1, shard_dim: ShardRule | None = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of a (sharded) model; with tp_size > 1, only this rank's slices."""
+    dev = check_device(device)
+    if not 0 <= tp_rank < tp_size:
+        raise MxfsError(f"tp_rank {tp_rank} is not within 0..{tp_size - 1}",
+                        "pass 0 <= tp_rank < tp_size")
+    for file, names in shard_files(path).items():
+        if tp_size == 1 or shard_dim is None:
+            tensors = load_file(file, dev)
+            for name in names or list(tensors):
+                if name not in tensors:
+                    raise MxfsError(f"{file} has no tensor {name!r} named by the index",
+                                    "the index and the shard files do not match")
+                yield name, tensors.pop(name)
+            continue
+        reader = open_reader(file)
+        try:
+            header = read_header(reader)
+            wanted = names or [t.name for t in header.ordered()]
+            for name in wanted:
+                info = header.tensors.get(name)
+                if info is None:
+                    raise MxfsError(f"{file} has no tensor {name!r} named by the index",
+                                    "the index and the shard files do not match")
+                dim = shard_dim(name, info.shape)
+                if dim is None or not info.shape:
+                    t = torch.empty(info.shape, dtype=torch_dtype(info, file))
+                    if info.nbytes:
+                        reader.read_into(info.begin, writable_view(t))
+                else:
+                    t = _read_slice(reader, info, dim % len(info.shape), tp_rank, tp_size)
+                reader.check_unchanged()
+                yield name, t.to(dev) if dev.type != "cpu" else t
+        finally:
+            reader.close()

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Model loading benchmark: mxfs.load against its baselines, the same bytes each way.
+
+Writes a synthetic model (bf16 and fp8 tensors of real LLM shapes) into a fresh
+4-member pool and into a plain folder, then loads it, cold (caches dropped) and
+warm, five ways:
+  (a) raw: parallel O_DIRECT reads of the file's chunk files (the members' ceiling)
+  (b) mxfs.load.load_file through the direct path
+  (c) safetensors.torch.load_file through the FUSE mount
+  (d) safetensors.torch.load_file from the plain folder
+  (e) torch.load of the same tensors (torch.save file in the plain folder)
+safetensors hands back mmap-backed tensors, so every arm touches every page of
+every tensor before the clock stops.  Medians of --repeat rounds.
+
+    python tools/bench_load.py --size 2GiB --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from safetensors.torch import load_file as st_load_file
+from safetensors.torch import save_file
+
+from mxfs.cli.measure import drop_caches
+from mxfs.client import direct
+from mxfs.load import load_file
+from mxfs.load.tensors import touch_pages as touch
+from mxfs.units import parse_size
+
+HIDDEN, FFN = 4096, 11008  # Llama-2-7B-like layer shapes
+PAGE = 4096
+
+
+def synthetic_model(total: int) -> dict[str, torch.Tensor]:
+    """Layers of bf16 attention and fp8 MLP weights (with scales) up to `total` bytes."""
+    g = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    size, layer = 0, 0
+    while size < total:
+        p = f"model.layers.{layer}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[p + f"self_attn.{name}.weight"] = torch.randn(
+                HIDDEN, HIDDEN, generator=g, dtype=torch.bfloat16)
+        for name, shape in (("gate_proj", (FFN, HIDDEN)), ("up_proj", (FFN, HIDDEN)),
+                            ("down_proj", (HIDDEN, FFN))):
+            w = torch.randn(*shape, generator=g).clamp(-4, 4)
+            tensors[p + f"mlp.{name}.weight"] = w.to(torch.float8_e4m3fn)
+            tensors[p + f"mlp.{name}.weight_scale"] = torch.rand(shape[0], generator=g)
+        tensors[p + "input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        layer += 1
+    return tensors
+
+
+def raw_chunks(paths: list[str], bufs: list[mmap.mmap]) -> int:
+    """Read each chunk file whole with O_DIRECT, one thread per member."""
+    def one(path: str, buf: mmap.mmap) -> int:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        done = 0
+        try:
+            view = memoryview(buf)
+            while n := os.preadv(fd, [view], done):
+                done += n
+                if n < len(view):
+                    break
+        finally:
+            os.close(fd)
+        return done
+    with ThreadPoolExecutor(len(paths)) as ex:
+        return sum(ex.map(one, paths, bufs))
+
+
+def mxfs_cli(*args: str) -> None:
+    res = subprocess.run([sys.executable, "-m", "mxfs", *args], capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"bench_load: mxfs {args[0]} failed: {res.stderr.strip()}")
+
+
+def timed(fn, *args):  # noqa: ANN001, ANN201 - a tiny local helper
+    start = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - start, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="2GiB")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="mxfs-bench-load-", dir=args.dir)
+    members = [os.path.join(base, f"member{i}") for i in range(4)]
+    mnt, plain = os.path.join(base, "mnt"), os.path.join(base, "plain")
+    for p in [*members, mnt, plain]:
+        os.makedirs(p)
+    mxfs_cli("mkfs", *[a for m in members for a in ("--member", m)])
+    mxfs_cli("mount", members[0], mnt)
+    rounds = []
+    try:
+        model = synthetic_model(parse_size(args.size))
+        nbytes = sum(t.numel() * t.element_size() for t in model.values())
+        save_file(model, os.path.join(plain, "model.safetensors"))
+        shutil.copyfile(os.path.join(plain, "model.safetensors"),
+                        os.path.join(mnt, "model.safetensors"))
+        torch.save(model, os.path.join(plain, "model.pt"))
+        del model
+        on_mxfs = os.path.join(mnt, "model.safetensors")
+        ino = os.stat(on_mxfs).st_ino
+        chunks = [os.path.join(m, "chunks", f"{ino % 256:02x}", str(ino)) for m in members]
+        bufs = [mmap.mmap(-1, os.path.getsize(c) + PAGE) for c in chunks]
+        for b in bufs:  # touch the O_DIRECT buffers once, outside the clock
+            b.write(bytes(len(b)))
+            b.seek(0)
+        arms = {
+            "a_raw_chunks": lambda: raw_chunks(chunks, bufs),
+            "b_mxfs_load": lambda: touch(load_file(on_mxfs)),
+            "c_safetensors_mount": lambda: touch(st_load_file(on_mxfs)),
+            "d_safetensors_plain": lambda: touch(st_load_file(
+                os.path.join(plain, "model.safetensors"))),
+            "e_torch_load_plain": lambda: touch(torch.load(os.path.join(plain, "model.pt"))),
+        }
+        for r in range(args.repeat):
+            result: dict[str, dict[str, float]] = {}
+            for name, arm in arms.items():
+                drop_caches()
+                direct._clients.clear()
+                cold, _ = timed(arm)
+                warm, _ = timed(arm)
+                result[name] = {"cold": nbytes / cold / 1e9, "warm": nbytes / warm / 1e9}
+            rounds.append(result)
+            print(f"round {r + 1}/{args.repeat} done", file=sys.stderr)
+    finally:
+        direct._clients.clear()
+        mxfs_cli("umount", mnt)
+        shutil.rmtree(base, ignore_errors=True)
+    med = {arm: {k: statistics.median(r[arm][k] for r in rounds) for k in ("cold", "warm")}
+           for arm in rounds[0]}
+
+    def ratio(a: str, b: str, k: str) -> float:
+        return statistics.median(r[a][k] / r[b][k] for r in rounds)
+
+    print(f"\nmodel load, {nbytes / 2**30:.2f} GiB of bf16 + fp8 tensors, 4 folder members on "
+          f"one disk, GB/s, median of {args.repeat}\n")
+    print("| arm | cold | warm |")
+    print("|---|---:|---:|")
+    for arm, v in med.items():
+        print(f"| {arm} | {v['cold']:.2f} | {v['warm']:.2f} |")
+    checks = [("(b)/(a) cold", ratio("b_mxfs_load", "a_raw_chunks", "cold"), 0.9),
+              ("(b)/(c) cold", ratio("b_mxfs_load", "c_safetensors_mount", "cold"), 3.0),
+              ("(b)/(d) warm", ratio("b_mxfs_load", "d_safetensors_plain", "warm"), 1.0),
+              ("(b)/(e) cold", ratio("b_mxfs_load", "e_torch_load_plain", "cold"), None)]
+    print("\n| ratio | value | target | met |\n|---|---:|---:|:---:|")
+    for name, value, target in checks:
+        met = "" if target is None else ("yes" if value >= target else "no")
+        print(f"| {name} | {value:.2f} | {'' if target is None else target} | {met} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "bytes": nbytes, "rounds": rounds, "median": med},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
