@@ -12,6 +12,7 @@ command -v getfattr >/dev/null || need+=(attr)
 command -v rsync >/dev/null || need+=(rsync)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v git >/dev/null || need+=(git)
+[ -f /usr/include/liburing.h ] || need+=(liburing-dev)  # the native I/O engine builds on it
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "install.sh: missing ${need[*]}; run as root or: sudo apt-get install ${need[*]}" >&2

@@ -170,6 +170,8 @@ def _format_status(s: dict[str, Any]) -> str:
     lines = [f"pool {s['pool_uuid']} {s.get('label') or ''}".rstrip() + f": {where}",
              f"  stripe unit {format_size(s['stripe_unit'])}"
              + (f", {s['inodes']} inodes, {s['open_files']} open" if "inodes" in s else "")]
+    if "io_engine" in s:
+        lines.append(f"  I/O engine: {s['io_engine']} ({s['native_engine']})")
     total = free = 0
     for m in s["members"]:
         total += m["size"]

@@ -22,6 +22,7 @@ import trio
 from mxfs import __version__
 from mxfs.fs.access import R_OK, Caller, may, resolve_for, supplementary_groups
 from mxfs.fs.volume import Volume
+from mxfs.io.batch import ENGINE, native_engine
 from mxfs.meta import Inode
 from mxfs.proto import HEADER, OPS, VERSION, ProtocolError, decode_payload, encode, parse_header
 from mxfs.proto.framing import ancillary_space, fds_from_ancdata
@@ -216,4 +217,5 @@ class ControlServer:
         return {"pool_uuid": pool.uuid, "label": pool.label, "stripe_unit": pool.stripe_unit,
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.path,
                 "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
-                "open_files": len(self.vol.open_inodes)}
+                "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
+                "native_engine": native_engine()[1]}

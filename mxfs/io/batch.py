@@ -1,7 +1,10 @@
-"""Run a batch of positional reads or writes, one thread per descriptor at most.
+"""Run a batch of positional reads or writes, all at once.
 
-Each op is independent (a different chunk file or offset), so a batch fans out
-on a shared thread pool; a batch of one runs inline to skip the hand-off.
+Two engines behind one interface: a pool of threads running preadv/pwritev, and
+the native one (native/engine.c: io_uring at a set queue depth, GIL released).
+On buffered descriptors the thread pool measured faster (docs/benchmarks.md), so
+it is the default; MXFS_IO_ENGINE=io_uring picks the native engine where it was
+built and the kernel allows io_uring.  `ENGINE` says which runs and why.
 """
 
 from __future__ import annotations
@@ -16,6 +19,31 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
+QUEUE_DEPTH = 32
+_RINGS = os.cpu_count() or 1
+
+
+def native_engine() -> tuple[object | None, str]:
+    """The io_uring engine module, or None and the reason it cannot run here."""
+    try:
+        from mxfs.io import _engine  # type: ignore[attr-defined]
+
+        _engine.probe()
+    except ImportError:
+        return None, "native engine not built (needs liburing-dev and a compiler)"
+    except OSError as e:
+        return None, f"io_uring refused by the kernel ({e.strerror})"
+    return _engine, "io_uring available"
+
+
+def _load_native() -> tuple[object | None, str]:
+    if os.environ.get("MXFS_IO_ENGINE", "threads") != "io_uring":
+        return None, "threads"
+    engine, why = native_engine()
+    return engine, "io_uring" if engine else f"threads ({why})"
+
+
+_native, ENGINE = _load_native()
 _MAX_WORKERS = max(8, 4 * (os.cpu_count() or 2))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -103,11 +131,40 @@ def _run(fn: Callable[[T], int], ops: Sequence[T]) -> list[int]:
     return [f.result() for f in futures]
 
 
-def read_batch(ops: Sequence[ReadOp]) -> list[int]:
-    """Run reads in parallel; returns the bytes actually read per op (rest zero-filled)."""
-    return _run(lambda op: preadv_full(op.fd, op.bufs, op.offset), ops)
+def _triples(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> list[tuple[int, int, memoryview]]:
+    out = []
+    for op in ops:
+        pos = op.offset
+        for b in op.bufs:
+            if len(b):
+                out.append((op.fd, pos, b))
+                pos += len(b)
+    return out
 
 
-def write_batch(ops: Sequence[WriteOp]) -> list[int]:
-    """Run writes in parallel; raises the first OSError (ENOSPC, EIO) after all finish."""
-    return _run(lambda op: pwritev_full(op.fd, op.bufs, op.offset), ops)
+def _run_native(triples: list[tuple[int, int, memoryview]], write: bool) -> None:
+    """One ring per core: io_uring completes cached reads inline on the submitting
+    thread, so a single ring would copy warm data on one core only."""
+    groups = [triples[i::_RINGS] for i in range(min(_RINGS, len(triples)))]
+    _run(lambda g: _native.run(g, write, QUEUE_DEPTH), groups)  # type: ignore[attr-defined]
+
+
+def _use_native(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> bool:
+    """The ring pays off for more than one transfer; one runs inline on this thread."""
+    return _native is not None and (len(ops) > 1 or (len(ops) == 1 and len(ops[0].bufs) > 1))
+
+
+def read_batch(ops: Sequence[ReadOp]) -> None:
+    """Fill every op's buffers, all ops at once; bytes past EOF read as zeros."""
+    if _use_native(ops):
+        _run_native(_triples(ops), write=False)
+    elif ops:
+        _run(lambda op: preadv_full(op.fd, op.bufs, op.offset), ops)
+
+
+def write_batch(ops: Sequence[WriteOp]) -> None:
+    """Write every op's buffers, all ops at once; raises the first OSError (ENOSPC, EIO)."""
+    if _use_native(ops):
+        _run_native(_triples(ops), write=True)
+    elif ops:
+        _run(lambda op: pwritev_full(op.fd, op.bufs, op.offset), ops)

@@ -1,0 +1,71 @@
+"""Both I/O engines move the same bytes: reads, writes, iovecs, EOF zero-fill, errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from mxfs.io import ReadOp, WriteOp, batch
+
+
+@pytest.fixture(params=["threads", "io_uring"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "io_uring":
+        native, why = batch.native_engine()
+        if native is None:
+            pytest.skip(why)
+        monkeypatch.setattr(batch, "_native", native)
+    else:
+        monkeypatch.setattr(batch, "_native", None)
+    return request.param
+
+
+def test_reads_fill_iovecs_and_zero_past_eof(tmp_path: Path, engine: str) -> None:
+    data = os.urandom(3 << 20)
+    files = []
+    for i in range(4):
+        p = tmp_path / f"c{i}"
+        p.write_bytes(data[i * 100_000:])  # different lengths, all shorter than asked
+        files.append(os.open(p, os.O_RDONLY))
+    try:
+        bufs = [[bytearray(b"\xff" * 700_000), bytearray(b"\xff" * 3_000_000)] for _ in files]
+        ops = [ReadOp(fd, 5, [memoryview(b) for b in pair]) for fd, pair in zip(files, bufs,
+                                                                                 strict=True)]
+        batch.read_batch(ops)
+        for i, pair in enumerate(bufs):
+            got = bytes(pair[0]) + bytes(pair[1])
+            have = data[i * 100_000 + 5:]
+            assert got[:len(have)] == have
+            assert got[len(have):] == bytes(len(got) - len(have))
+    finally:
+        for fd in files:
+            os.close(fd)
+
+
+def test_writes_land_in_place(tmp_path: Path, engine: str) -> None:
+    fds = [os.open(tmp_path / f"w{i}", os.O_RDWR | os.O_CREAT) for i in range(3)]
+    try:
+        parts = [[os.urandom(4096 * (i + 1)), os.urandom(1000)] for i in range(3)]
+        batch.write_batch([WriteOp(fd, 10, [memoryview(p) for p in pair])
+                           for fd, pair in zip(fds, parts, strict=True)])
+        for i, pair in enumerate(parts):
+            assert (tmp_path / f"w{i}").read_bytes() == bytes(10) + pair[0] + pair[1]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_errors_come_back_as_oserror(tmp_path: Path, engine: str) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 10)
+    fd = os.open(p, os.O_WRONLY)  # reading it is EBADF
+    try:
+        with pytest.raises(OSError) as e:
+            batch.read_batch([ReadOp(fd, 0, [memoryview(bytearray(10))]),
+                              ReadOp(fd, 0, [memoryview(bytearray(10))])])
+        assert e.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
