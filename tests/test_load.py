@@ -55,6 +55,10 @@ def test_every_dtype_equals_safetensors_through_the_direct_path(mounted: Mounted
     assert isinstance(reader, DirectFile)  # not through FUSE
     reader.close()
     same(load_file(path), st.load_file(path))
+    mapped = load_file(path, mode="map")
+    same(mapped, st.load_file(path))
+    mapped["big.weight"][0, 0] = 1  # copy-on-write: the file stays as it was
+    same(load_file(path), st.load_file(path))
     with safe_open(path) as f:
         assert f.metadata() == {"format": "pt"}
         assert f.keys() == sorted(every_dtype())
@@ -71,6 +75,22 @@ def test_plain_files_load_too(plain: Path) -> None:
     st.save_file(every_dtype(), path)
     assert isinstance(open_reader(path), PlainFile)
     same(load_file(path), st.load_file(path))
+    same(load_file(path, mode="map"), st.load_file(path))
+
+
+def test_mapping_a_file_with_holes_reads_zeros(mounted: Mounted) -> None:
+    """Stripes never written and a tail past the chunk files map as zeros, no SIGBUS."""
+    path = mounted.path / "sparse.safetensors"
+    st.save_file({"w": torch.ones(16)}, str(path))
+    size = os.path.getsize(path)
+    os.truncate(path, size + 5 * 64 * 1024 + 123)  # grows past several stripes
+    reader = open_reader(str(path))
+    mm = reader.map()
+    data = bytes(mm[:reader.size])
+    assert data[:size] == path.read_bytes()[:size]
+    assert data[size:] == bytes(reader.size - size)
+    mm.close()
+    reader.close()
 
 
 def write_raw(path: Path, header: object, data: bytes = b"", length: int | None = None) -> str:

@@ -5,7 +5,7 @@ Writes a synthetic model (bf16 and fp8 tensors of real LLM shapes) into a fresh
 4-member pool and into a plain folder, then loads it, cold (caches dropped) and
 warm, five ways:
   (a) raw: parallel O_DIRECT reads of the file's chunk files (the members' ceiling)
-  (b) mxfs.load.load_file through the direct path
+  (b) mxfs.load.load_file through the direct path (mode "read", and mode "map")
   (c) safetensors.torch.load_file through the FUSE mount
   (d) safetensors.torch.load_file from the plain folder
   (e) torch.load of the same tensors (torch.save file in the plain folder)
@@ -127,6 +127,7 @@ def main() -> int:
         arms = {
             "a_raw_chunks": lambda: raw_chunks(chunks, bufs),
             "b_mxfs_load": lambda: touch(load_file(on_mxfs)),
+            "b_mxfs_load_map": lambda: touch(load_file(on_mxfs, mode="map")),
             "c_safetensors_mount": lambda: touch(st_load_file(on_mxfs)),
             "d_safetensors_plain": lambda: touch(st_load_file(
                 os.path.join(plain, "model.safetensors"))),
@@ -159,6 +160,9 @@ def main() -> int:
     for arm, v in med.items():
         print(f"| {arm} | {v['cold']:.2f} | {v['warm']:.2f} |")
     checks = [("(b)/(a) cold", ratio("b_mxfs_load", "a_raw_chunks", "cold"), 0.9),
+              ("(b map)/(a) cold", ratio("b_mxfs_load_map", "a_raw_chunks", "cold"), 0.9),
+              ("(b map)/(c) cold", ratio("b_mxfs_load_map", "c_safetensors_mount", "cold"), 3.0),
+              ("(b map)/(d) warm", ratio("b_mxfs_load_map", "d_safetensors_plain", "warm"), 1.0),
               ("(b)/(c) cold", ratio("b_mxfs_load", "c_safetensors_mount", "cold"), 3.0),
               ("(b)/(d) warm", ratio("b_mxfs_load", "d_safetensors_plain", "warm"), 1.0),
               ("(b)/(e) cold", ratio("b_mxfs_load", "e_torch_load_plain", "cold"), None)]

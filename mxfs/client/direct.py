@@ -7,9 +7,10 @@ checks the caller may read it and passes read-only chunk descriptors), or a
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
-from typing import Protocol
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
 from mxfs.errors import MxfsError
@@ -17,23 +18,48 @@ from mxfs.io import Layout, ReadOp, read_batch
 
 # Requests are cut into segments this big, so each member serves several at a time.
 SEGMENT = 16 << 20
-
-
-class Reader(Protocol):
-    path: str
-    size: int
-
-    def read_into(self, offset: int, buf: memoryview) -> None: ...
-    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None: ...
-    def check_unchanged(self) -> None: ...
-    def close(self) -> None: ...
+_MAP_FIXED = 0x10
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
 
 
 class FileChanged(MxfsError):
     """The file was replaced or written while it was being read."""
 
 
-class PlainFile:
+class Reader:
+    """A file to read by ranges (all at once), check for changes, and close."""
+
+    path: str
+    size: int
+
+    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
+        raise NotImplementedError
+
+    def check_unchanged(self) -> None:
+        raise NotImplementedError
+
+    def map(self) -> mmap.mmap:
+        """The whole file mapped copy-on-write, bytes paged in from the page cache."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill `buf` from file `offset`; holes read as zeros."""
+        self.read_many([(offset, buf)])
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PlainFile(Reader):
     """A file on any filesystem, read with parallel preadv."""
 
     def __init__(self, path: str) -> None:
@@ -42,9 +68,6 @@ class PlainFile:
         st = os.fstat(self.fd)
         self.size = st.st_size
         self._stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def read_into(self, offset: int, buf: memoryview) -> None:
-        self.read_many([(offset, buf)])
 
     def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
         """Fill each buffer from its file offset; all ranges in one parallel batch."""
@@ -64,14 +87,12 @@ class PlainFile:
     def close(self) -> None:
         os.close(self.fd)
 
-    def __enter__(self) -> PlainFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def map(self) -> mmap.mmap:
+        return mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-class DirectFile:
+class DirectFile(Reader):
     """A file on an mxfs mount, read straight from its chunk files in parallel."""
 
     def __init__(self, path: str, client: ControlClient) -> None:
@@ -84,12 +105,8 @@ class DirectFile:
         self.layout = Layout.from_description(reply["layout"])
         self.fds = dict(zip(reply["members"], fds, strict=True))
 
-    def read_into(self, offset: int, buf: memoryview) -> None:
-        """Fill `buf` from file `offset`, every member at once; holes read as zeros."""
-        self.read_many([(offset, buf)])
-
     def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
-        """Fill each buffer from its file offset; all ranges in one parallel batch."""
+        """Fill each buffer from its file offset, every member at once, in one batch."""
         ops = []
         for offset, buf in ranges:
             _check_range(self, offset, len(buf))
@@ -123,11 +140,33 @@ class DirectFile:
             os.close(fd)
         self.fds.clear()
 
-    def __enter__(self) -> DirectFile:
-        return self
+    def map(self) -> mmap.mmap:
+        """The file's stripes mapped side by side into one contiguous range.
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        An anonymous mapping reserves the range (and owns it: closing it unmaps
+        everything); each stripe's piece of a chunk file is then mapped over its
+        place with MAP_FIXED.  Pieces past a chunk file's end stay anonymous
+        zeros, so a sparse tail never raises SIGBUS.
+        """
+        lay = self.layout
+        region = mmap.mmap(-1, max(self.size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        lengths = {m: os.fstat(fd).st_size for m, fd in self.fds.items()}
+        for k in range((self.size + lay.unit - 1) // lay.unit):
+            member, chunk_off = lay.locate(k * lay.unit)
+            fd = self.fds.get(member)
+            n = min(lay.unit, self.size - k * lay.unit, lengths.get(member, 0) - chunk_off)
+            if fd is None or n <= 0:
+                continue
+            n = (n + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+            got = _libc.mmap(ctypes.c_void_p(base + k * lay.unit), ctypes.c_size_t(n),
+                             mmap.PROT_READ | mmap.PROT_WRITE,
+                             mmap.MAP_PRIVATE | _MAP_FIXED, fd, ctypes.c_long(chunk_off))
+            if got != base + k * lay.unit:
+                err = ctypes.get_errno()
+                region.close()
+                raise OSError(err, f"mapping stripe {k} of {self.path}: {os.strerror(err)}")
+        return region
 
 
 def _check_range(f: Reader, offset: int, n: int) -> None:

@@ -75,37 +75,38 @@ def _tensor(buf: torch.Tensor, base: int, info: TensorInfo, path: str) -> torch.
     return raw.view(dtype).reshape(info.shape)
 
 
-def load_file(path: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Load every tensor of a safetensors file; equal to safetensors.torch.load_file."""
+def load_file(path: str, device: str | torch.device = "cpu", mode: str = "read"
+              ) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file; equal to safetensors.torch.load_file.
+
+    mode "read" reads all bytes now, every member at once, into one buffer the
+    tensors share.  mode "map" maps the file (its stripes side by side) and
+    returns tensors over the mapping, paged in on first touch, as safetensors
+    does: nothing is copied, and cached pages cost no memory of their own.
+    """
     dev = check_device(device)
+    if mode not in ("read", "map"):
+        raise MxfsError(f"mode {mode!r} is not known", "use mode='read' or mode='map'")
     start = time.perf_counter()
-    with _open(path) as reader:
+    with open_reader(path) as reader:
         header = read_header(reader)
         nbytes = reader.size - header.data_start
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            reader.read_into(header.data_start, writable_view(buf))
+        if mode == "map" and nbytes:
+            buf = torch.frombuffer(reader.map(), dtype=torch.uint8)
+            base = 0
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            base = header.data_start
+            if nbytes:
+                reader.read_into(header.data_start, writable_view(buf))
         reader.check_unchanged()
-    out = {t.name: _tensor(buf, header.data_start, t, path) for t in header.ordered()}
+    out = {t.name: _tensor(buf, base, t, path) for t in header.ordered()}
     secs = time.perf_counter() - start
     log.info("loaded %s: %d tensors, %.2f GB in %.2f s (%.2f GB/s)", path, len(out),
              nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
     if dev.type != "cpu":
         out = {k: v.to(dev) for k, v in out.items()}
     return out  # in file order, as safetensors returns them
-
-
-class _open:
-    """open_reader as a context manager that always closes."""
-
-    def __init__(self, path: str) -> None:
-        self.reader = open_reader(path)
-
-    def __enter__(self) -> Reader:
-        return self.reader
-
-    def __exit__(self, *exc: object) -> None:
-        self.reader.close()
 
 
 class SafeOpen:
