@@ -126,7 +126,7 @@ def main() -> int:
             b.seek(0)
         arms = {
             "a_raw_chunks": lambda: raw_chunks(chunks, bufs),
-            "b_mxfs_load": lambda: touch(load_file(on_mxfs)),
+            "b_mxfs_load": lambda: touch(load_file(on_mxfs, mode="read")),
             "b_mxfs_load_map": lambda: touch(load_file(on_mxfs, mode="map")),
             "c_safetensors_mount": lambda: touch(st_load_file(on_mxfs)),
             "d_safetensors_plain": lambda: touch(st_load_file(

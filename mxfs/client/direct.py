@@ -45,6 +45,10 @@ class Reader:
         """The whole file mapped copy-on-write, bytes paged in from the page cache."""
         raise NotImplementedError
 
+    def mappings(self) -> int:
+        """How many kernel mappings `map` makes (the kernel allows ~65k a process)."""
+        return 1
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -139,6 +143,9 @@ class DirectFile(Reader):
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+    def mappings(self) -> int:
+        return 1 + (self.size + self.layout.unit - 1) // self.layout.unit
 
     def map(self) -> mmap.mmap:
         """The file's stripes mapped side by side into one contiguous range.

@@ -21,6 +21,8 @@ from mxfs.errors import MxfsError
 from mxfs.load.header import Header, HeaderError, TensorInfo, header_length, parse_header
 
 log = logging.getLogger("mxfs.load")
+# Mappings one mapped load may make; the kernel's default limit is 65530 a process.
+MAX_MAPPINGS = 16384
 
 _DTYPES = {name: getattr(torch, attr, None) for name, attr in {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
@@ -75,22 +77,26 @@ def _tensor(buf: torch.Tensor, base: int, info: TensorInfo, path: str) -> torch.
     return raw.view(dtype).reshape(info.shape)
 
 
-def load_file(path: str, device: str | torch.device = "cpu", mode: str = "read"
+def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto"
               ) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file; equal to safetensors.torch.load_file.
 
-    mode "read" reads all bytes now, every member at once, into one buffer the
-    tensors share.  mode "map" maps the file (its stripes side by side) and
-    returns tensors over the mapping, paged in on first touch, as safetensors
-    does: nothing is copied, and cached pages cost no memory of their own.
+    mode "map" maps the file (its stripes side by side) and returns tensors over
+    the mapping, paged in on first touch from all members, as safetensors does
+    with one file: nothing is copied and cached pages cost no memory of their
+    own (the file must not be truncated while they live).  mode "read" reads
+    every byte now, every member at once, into one buffer the tensors share.
+    "auto" maps CPU loads unless the file needs too many mappings.
     """
     dev = check_device(device)
-    if mode not in ("read", "map"):
-        raise MxfsError(f"mode {mode!r} is not known", "use mode='read' or mode='map'")
+    if mode not in ("auto", "read", "map"):
+        raise MxfsError(f"mode {mode!r} is not known", "use mode='auto', 'read' or 'map'")
     start = time.perf_counter()
     with open_reader(path) as reader:
         header = read_header(reader)
         nbytes = reader.size - header.data_start
+        if mode == "auto":
+            mode = "map" if dev.type == "cpu" and reader.mappings() <= MAX_MAPPINGS else "read"
         if mode == "map" and nbytes:
             buf = torch.frombuffer(reader.map(), dtype=torch.uint8)
             base = 0
