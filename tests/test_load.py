@@ -227,7 +227,7 @@ def test_load_model_sharded_and_tensor_parallel(mounted: Mounted) -> None:
     folder = mounted.path / "model"
     folder.mkdir()
     full = write_sharded(folder)
-    got = dict(load_model(str(folder)))
+    got = dict(load_model(str(folder), progress=True))
     same(got, full)
 
     def rule(name: str, shape: tuple[int, ...]) -> int | None:
@@ -262,3 +262,20 @@ def test_cli_warm_and_load_bench(mounted: Mounted) -> None:
     assert out["files"] == 2 and out["GBps"]["mxfs.load"] > 0
     res = mxfs("load-bench", str(mounted.path / "nothing"), check=False)
     assert res.returncode != 0 and "does not exist" in res.stderr
+
+
+def test_index_naming_a_missing_tensor_is_one_clear_error(plain: Path) -> None:
+    from mxfs.errors import MxfsError
+    from mxfs.load import load_model
+
+    write_sharded(plain)
+    index = plain / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["ghost.weight"] = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps(doc))
+    with pytest.raises(MxfsError) as e:
+        dict(load_model(str(plain)))
+    assert "ghost.weight" in str(e.value) and "index" in str(e.value)
+    with pytest.raises(MxfsError) as e:
+        dict(load_model(str(plain / "nothing-here")))
+    assert "no safetensors model" in str(e.value)

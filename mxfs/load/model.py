@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -80,39 +81,84 @@ def _read_slice(reader, info: TensorInfo, dim: int, rank: int, size: int  # noqa
 
 
 def load_model(path: str, device: str | torch.device = "cpu", *,
-               tp_rank: int = 0, tp_size: int = 1, shard_dim: ShardRule | None = None
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every tensor of a (sharded) model; with tp_size > 1, only this rank's slices."""
+               tp_rank: int = 0, tp_size: int = 1, shard_dim: ShardRule | None = None,
+               progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of a (sharded) model; with tp_size > 1, only this rank's slices.
+
+    `progress` shows a bar per shard on stderr (default: for models over 1 GiB when
+    stderr is a terminal); throughput goes to the log either way.
+    """
     dev = check_device(device)
     if not 0 <= tp_rank < tp_size:
         raise MxfsError(f"tp_rank {tp_rank} is not within 0..{tp_size - 1}",
                         "pass 0 <= tp_rank < tp_size")
-    for file, names in shard_files(path).items():
-        if tp_size == 1 or shard_dim is None:
-            tensors = load_file(file, dev)
-            for name in names or list(tensors):
-                if name not in tensors:
-                    raise MxfsError(f"{file} has no tensor {name!r} named by the index",
-                                    "the index and the shard files do not match")
-                yield name, tensors.pop(name)
-            continue
-        reader = open_reader(file)
-        try:
-            header = read_header(reader)
-            wanted = names or [t.name for t in header.ordered()]
-            for name in wanted:
-                info = header.tensors.get(name)
-                if info is None:
-                    raise MxfsError(f"{file} has no tensor {name!r} named by the index",
-                                    "the index and the shard files do not match")
-                dim = shard_dim(name, info.shape)
-                if dim is None or not info.shape:
-                    t = torch.empty(info.shape, dtype=torch_dtype(info, file))
-                    if info.nbytes:
-                        reader.read_into(info.begin, writable_view(t))
-                else:
-                    t = _read_slice(reader, info, dim % len(info.shape), tp_rank, tp_size)
-                reader.check_unchanged()
-                yield name, t.to(dev) if dev.type != "cpu" else t
-        finally:
-            reader.close()
+    files = shard_files(path)
+    total = sum(os.path.getsize(f) for f in files)
+    if progress is None:
+        progress = total > 1 << 30 and sys.stderr.isatty()
+    with _Bar(progress, total) as bar:
+        for file, names in files.items():
+            yield from _load_shard(file, names, dev, tp_rank, tp_size, shard_dim)
+            bar.advance(os.path.getsize(file))
+
+
+class _Bar:
+    """A rich progress bar over bytes of shards, or nothing."""
+
+    def __init__(self, show: bool, total: int) -> None:
+        self.progress = None
+        if show:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+            self.progress = Progress("loading", BarColumn(), DownloadColumn(),
+                                     TransferSpeedColumn(), transient=True)
+            self.task = self.progress.add_task("load", total=total)
+
+    def __enter__(self) -> _Bar:
+        if self.progress:
+            self.progress.start()
+        return self
+
+    def advance(self, n: int) -> None:
+        if self.progress:
+            self.progress.advance(self.task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress:
+            self.progress.stop()
+
+
+def _missing(file: str, name: str) -> MxfsError:
+    return MxfsError(f"{file} has no tensor {name!r} named by the index",
+                     "the index and the shard files do not match")
+
+
+def _load_shard(file: str, names: list[str] | None, dev: torch.device, tp_rank: int,
+                tp_size: int, shard_dim: ShardRule | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One shard's tensors, whole or this rank's slices."""
+    if tp_size == 1 or shard_dim is None:
+        tensors = load_file(file, dev)
+        for name in names or list(tensors):
+            if name not in tensors:
+                raise _missing(file, name)
+            yield name, tensors.pop(name)
+        return
+    reader = open_reader(file)
+    try:
+        header = read_header(reader)
+        wanted = names or [t.name for t in header.ordered()]
+        for name in wanted:
+            info = header.tensors.get(name)
+            if info is None:
+                raise _missing(file, name)
+            dim = shard_dim(name, info.shape)
+            if dim is None or not info.shape:
+                t = torch.empty(info.shape, dtype=torch_dtype(info, file))
+                if info.nbytes:
+                    reader.read_into(info.begin, writable_view(t))
+            else:
+                t = _read_slice(reader, info, dim % len(info.shape), tp_rank, tp_size)
+            reader.check_unchanged()
+            yield name, t.to(dev) if dev.type != "cpu" else t
+    finally:
+        reader.close()
