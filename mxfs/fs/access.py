@@ -11,7 +11,7 @@ import errno
 import os
 from dataclasses import dataclass
 
-from mxfs.meta import Inode, MetaStore
+from mxfs.meta import ROOT_INO, Inode, MetaStore
 
 R_OK, W_OK, X_OK = 4, 2, 1
 
@@ -51,7 +51,7 @@ def may(node: Inode, caller: Caller, mask: int) -> bool:
 
 def resolve_for(store: MetaStore, path: str, caller: Caller) -> Inode:
     """Walk `path` (relative to the pool root) as `caller`, checking search permission."""
-    node = store.get(1)
+    node = store.get(ROOT_INO)
     for part in path.strip("/").split("/"):
         if part in ("", "."):
             continue

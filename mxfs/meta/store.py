@@ -514,29 +514,6 @@ class MetaStore:
             (parent, after, limit)).fetchall()
         return [Entry(cookie, name, self.get(ino)) for cookie, name, ino in rows]
 
-    def path_of(self, ino: int) -> bytes:
-        """One path of `ino` from the root (for messages and tools)."""
-        parts: list[bytes] = []
-        while ino != ROOT_INO:
-            row = self.db.execute("SELECT parent, name FROM dentries WHERE ino=? LIMIT 1",
-                                  (ino,)).fetchone()
-            if row is None:
-                raise fail(errno.ENOENT)
-            ino = row[0]
-            parts.append(row[1])
-        return b"/" + b"/".join(reversed(parts))
-
-    def resolve(self, path: bytes) -> Inode:
-        """Walk an absolute path (no symlinks followed) from the root."""
-        node = self.get(ROOT_INO)
-        for part in path.split(b"/"):
-            if part in (b"", b"."):
-                continue
-            if not node.is_dir:
-                raise fail(errno.ENOTDIR)
-            node = self.lookup(node.ino, part)
-        return node
-
     # ---- xattrs ----------------------------------------------------------
 
     def getxattr(self, ino: int, name: bytes) -> bytes | None:
