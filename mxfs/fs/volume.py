@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
 from mxfs.meta import Inode, MetaStore
+from mxfs.meta.check import inode_numbers, invariant_problems
 from mxfs.pool import ChunkFiles, Pool, format_members
 
 log = logging.getLogger("mxfs.volume")
@@ -227,8 +228,8 @@ class Volume:
 
     def problems(self) -> list[str]:
         """Every broken invariant: the store's own, plus chunk files without a live file."""
-        problems = self.store.invariant_problems()
-        inodes = self.store.inode_numbers()
+        problems = invariant_problems(self.store)
+        inodes = inode_numbers(self.store)
         for member, ino in self.pool.iter_chunks():
             if ino not in inodes:
                 problems.append(f"chunk file of inode {ino} on member {member} has no inode")

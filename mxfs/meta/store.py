@@ -58,7 +58,6 @@ _COLUMNS = ("ino", "mode", "uid", "gid", "nlink", "size", "atime_ns", "mtime_ns"
 _DATA_FIELDS = ("size", "atime_ns", "mtime_ns", "ctime_ns")
 _CACHE_LIMIT = 200_000
 DIR_SIZE = 4096
-_S_IFMT, _S_IFDIR = 0o170000, 0o040000
 
 # (ino, directory's default unit, directory's default width) -> (unit, width, first member)
 LayoutPicker = Callable[[int, "int | None", "int | None"], tuple[int, int, int]]
@@ -559,40 +558,3 @@ class MetaStore:
 
     def dirty_data(self) -> list[int]:
         return [r[0] for r in self.db.execute("SELECT ino FROM dirty_data")]
-
-    # ---- checks ----------------------------------------------------------
-
-    def invariant_problems(self) -> list[str]:
-        """Namespace invariants; each broken one is a line naming the inode."""
-        q = self.db.execute
-        problems = []
-        for (ok,) in q("PRAGMA integrity_check"):
-            if ok != "ok":
-                problems.append(f"sqlite: {ok}")
-        for cookie, parent, ino in q("SELECT id, parent, ino FROM dentries WHERE ino NOT IN "
-                                     "(SELECT ino FROM inodes)"):
-            problems.append(f"entry {cookie} in directory {parent} points to missing inode {ino}")
-        for cookie, parent in q("SELECT d.id, d.parent FROM dentries d LEFT JOIN inodes i "
-                                "ON i.ino=d.parent WHERE i.ino IS NULL OR (i.mode & ?) != ?",
-                                (_S_IFMT, _S_IFDIR)):
-            problems.append(f"entry {cookie} has parent {parent}, which is not a directory")
-        for ino, nlink, _mode in q(
-                "SELECT ino, nlink, mode FROM inodes WHERE ino != ? AND ino NOT IN "
-                "(SELECT ino FROM dentries) AND ino NOT IN (SELECT ino FROM orphans)",
-                (ROOT_INO,)):
-            problems.append(f"inode {ino} is unreachable (nlink {nlink}) and not an orphan")
-        for ino, nlink, links in q(
-                "SELECT i.ino, i.nlink, count(d.id) FROM inodes i LEFT JOIN dentries d "
-                "ON d.ino=i.ino WHERE (i.mode & ?) != ? GROUP BY i.ino "
-                "HAVING i.nlink != count(d.id)", (_S_IFMT, _S_IFDIR)):
-            problems.append(f"inode {ino} has nlink {nlink} but {links} entries")
-        for ino, nlink, subdirs in q(
-                "SELECT i.ino, i.nlink, (SELECT count(*) FROM dentries d JOIN inodes c "
-                "ON c.ino=d.ino WHERE d.parent=i.ino AND (c.mode & ?1)=?2) FROM inodes i "
-                "WHERE (i.mode & ?1)=?2 AND i.nlink > 0", (_S_IFMT, _S_IFDIR)):
-            if nlink != 2 + subdirs:
-                problems.append(f"directory {ino} has nlink {nlink} but {subdirs} subdirectories")
-        return problems
-
-    def inode_numbers(self) -> set[int]:
-        return {r[0] for r in self.db.execute("SELECT ino FROM inodes")}
