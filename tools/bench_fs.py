@@ -17,25 +17,18 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from mxfs.cli.demo import run_mxfs
 from mxfs.cli.measure import drop_caches, read_file, write_file
 from mxfs.units import parse_size
 
 TARGETS = {"write": 0.40, "read_cold": 0.50, "read_warm": 0.80, "create": 0.20,
            "stat": 0.20, "unlink": 0.20}
 BLOCK = 8 << 20
-
-
-def mxfs(*args: str) -> str:
-    res = subprocess.run([sys.executable, "-m", "mxfs", *args], capture_output=True, text=True)
-    if res.returncode:
-        sys.exit(f"bench_fs: mxfs {args[0]} failed: {res.stderr.strip()}")
-    return res.stdout
 
 
 def read_chunks_raw(paths: list[str], bufs: list[bytearray]) -> float:
@@ -115,8 +108,9 @@ def main() -> int:
     mnt, plain = os.path.join(base, "mnt"), os.path.join(base, "plain")
     for p in [*members, mnt, plain]:
         os.makedirs(p)
-    mxfs("mkfs", "--stripe-unit", args.stripe_unit, *[a for m in members for a in ("--member", m)])
-    mxfs("mount", *(["-o", args.options] if args.options else []), members[0], mnt)
+    run_mxfs("mkfs", "--stripe-unit", args.stripe_unit,
+             *[a for m in members for a in ("--member", m)])
+    run_mxfs("mount", *(["-o", args.options] if args.options else []), members[0], mnt)
     try:
         block = memoryview(bytearray(os.urandom(BLOCK)))
         buf = bytearray(BLOCK)
@@ -127,7 +121,7 @@ def main() -> int:
                                     chunk_bufs))
             print(f"round {i + 1}/{args.repeat} done", file=sys.stderr)
     finally:
-        mxfs("umount", mnt)
+        run_mxfs("umount", mnt)
         shutil.rmtree(base, ignore_errors=True)
     summary = {}
     for step in rounds[0]:

@@ -23,7 +23,6 @@ import mmap
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ import torch
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file
 
+from mxfs.cli.demo import run_mxfs
 from mxfs.cli.measure import drop_caches
 from mxfs.client import direct
 from mxfs.load import load_file
@@ -82,12 +82,6 @@ def raw_chunks(paths: list[str], bufs: list[mmap.mmap]) -> int:
         return sum(ex.map(one, paths, bufs))
 
 
-def mxfs_cli(*args: str) -> None:
-    res = subprocess.run([sys.executable, "-m", "mxfs", *args], capture_output=True, text=True)
-    if res.returncode:
-        sys.exit(f"bench_load: mxfs {args[0]} failed: {res.stderr.strip()}")
-
-
 def timed(fn, *args):  # noqa: ANN001, ANN201 - a tiny local helper
     start = time.perf_counter()
     out = fn(*args)
@@ -106,8 +100,8 @@ def main() -> int:
     mnt, plain = os.path.join(base, "mnt"), os.path.join(base, "plain")
     for p in [*members, mnt, plain]:
         os.makedirs(p)
-    mxfs_cli("mkfs", *[a for m in members for a in ("--member", m)])
-    mxfs_cli("mount", members[0], mnt)
+    run_mxfs("mkfs", *[a for m in members for a in ("--member", m)])
+    run_mxfs("mount", members[0], mnt)
     rounds = []
     try:
         model = synthetic_model(parse_size(args.size))
@@ -145,7 +139,7 @@ def main() -> int:
             print(f"round {r + 1}/{args.repeat} done", file=sys.stderr)
     finally:
         direct._clients.clear()
-        mxfs_cli("umount", mnt)
+        run_mxfs("umount", mnt)
         shutil.rmtree(base, ignore_errors=True)
     med = {arm: {k: statistics.median(r[arm][k] for r in rounds) for k in ("cold", "warm")}
            for arm in rounds[0]}

@@ -49,10 +49,12 @@ def _read_files(folder: str, buf: bytearray) -> tuple[float, list[str]]:
     return sum(r[0] for r in results), [r[1] for r in results]
 
 
-def _mxfs(*args: str) -> None:
+def run_mxfs(*args: str) -> str:
+    """Run the mxfs command as a user would (the demo and tools/ benchmarks do)."""
     res = subprocess.run([sys.executable, "-m", "mxfs", *args], capture_output=True, text=True)
     if res.returncode:
         raise MxfsError(f"mxfs {args[0]} failed: {res.stderr.strip()}", "see the message above")
+    return res.stdout
 
 
 def run_demo(size: int, scratch: str | None, keep: bool, as_json: bool) -> int:
@@ -69,8 +71,8 @@ def run_demo(size: int, scratch: str | None, keep: bool, as_json: bool) -> int:
         os.makedirs(p, exist_ok=False)
     say = (lambda *a: None) if as_json else print
     say(f"mxfs demo: pool of 4 folder members in {base}, {format_size(size)} each way")
-    _mxfs("mkfs", "--label", "demo", *[a for m in members for a in ("--member", m)])
-    _mxfs("mount", members[0], mnt)
+    run_mxfs("mkfs", "--label", "demo", *[a for m in members for a in ("--member", m)])
+    run_mxfs("mount", members[0], mnt)
     mounted = True
     try:
         block = memoryview(bytearray(os.urandom(BLOCK)))
@@ -96,7 +98,7 @@ def run_demo(size: int, scratch: str | None, keep: bool, as_json: bool) -> int:
                                 capture_output=True, text=True)
         info = json.loads(status.stdout) if status.returncode == 0 else {}
         if not keep:
-            _mxfs("umount", mnt)
+            run_mxfs("umount", mnt)
             mounted = False
     finally:
         if mounted and not keep:

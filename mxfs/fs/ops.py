@@ -55,11 +55,9 @@ def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def format_layout(lay: Layout | None, unit: int | None, width: int | None) -> bytes:
-    if lay is not None:
-        return (f"stripe_unit={lay.unit} stripe_width={lay.width} "
-                f"first_member={lay.first}").encode()
-    return f"stripe_unit={unit or 0} stripe_width={width or 0}".encode()
+def format_layout(fields: dict[str, int]) -> bytes:
+    """The value of user.mxfs.layout: 'stripe_unit=N stripe_width=M ...'."""
+    return " ".join(f"{k}={v}" for k, v in fields.items()).encode()
 
 
 def parse_layout(raw: bytes) -> tuple[int | None, int | None]:
@@ -404,11 +402,13 @@ class MxfsOperations(pyfuse3.Operations):
 
     def _layout_of(self, node: Inode) -> bytes:
         if node.is_reg:
-            return format_layout(self.vol.layout(node), None, None)
+            lay = self.vol.layout(node)
+            return format_layout({"stripe_unit": lay.unit, "stripe_width": lay.width,
+                                  "first_member": lay.first})
         if node.is_dir:
-            unit = node.stripe_unit or self.vol.pool.stripe_unit
-            width = node.stripe_width or len(self.vol.pool.members)
-            return format_layout(None, unit, width)
+            return format_layout({
+                "stripe_unit": node.stripe_unit or self.vol.pool.stripe_unit,
+                "stripe_width": node.stripe_width or len(self.vol.pool.members)})
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
     @_errors

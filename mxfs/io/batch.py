@@ -2,9 +2,10 @@
 
 Two engines behind one interface: a pool of threads running preadv/pwritev, and
 the native one (native/engine.c: io_uring at a set queue depth, GIL released).
-On buffered descriptors the thread pool measured faster (docs/benchmarks.md), so
-it is the default; MXFS_IO_ENGINE=io_uring picks the native engine where it was
-built and the kernel allows io_uring.  `ENGINE` says which runs and why.
+On buffered descriptors both measured the same (docs/benchmarks.md), so the one
+that needs no build stays the default until reads go O_DIRECT;
+MXFS_IO_ENGINE=io_uring picks the native engine where it was built and the kernel
+allows io_uring.  `ENGINE` says which runs and why.
 """
 
 from __future__ import annotations
