@@ -119,3 +119,29 @@ def plain(tmp_path: Path) -> Path:
     p = tmp_path / "plain"
     p.mkdir()
     return p
+
+
+@pytest.fixture
+def loop_members(tmp_path: Path) -> Iterator[list[str]]:
+    """Four members on small ext4 images, member 2 much smaller than the others."""
+    if not HAVE_FUSE:
+        pytest.skip("needs root")
+    members, mounted = [], []
+    try:
+        for i, mib in enumerate([64, 64, 24, 64]):
+            img = tmp_path / f"m{i}.img"
+            with open(img, "wb") as f:
+                f.truncate(mib << 20)
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True,
+                           capture_output=True)
+            d = tmp_path / f"member{i}"
+            d.mkdir()
+            res = subprocess.run(["mount", "-o", "loop", str(img), str(d)], capture_output=True)
+            if res.returncode:
+                pytest.skip(f"loop mounts unavailable: {res.stderr.decode().strip()}")
+            mounted.append(str(d))
+            members.append(str(d))
+        yield members
+    finally:
+        for d in reversed(mounted):
+            subprocess.run(["umount", "-l", d], capture_output=True)

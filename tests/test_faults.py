@@ -10,11 +10,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, eventually, force_unmount, mkfs, mxfs
+from conftest import Mounted, eventually, force_unmount, mkfs, mxfs
 
 from mxfs.fs.volume import Volume
 
@@ -42,32 +41,6 @@ def kill_daemon(m: Mounted) -> None:
 
 
 # ---- a member runs out of space ---------------------------------------------------
-
-@pytest.fixture
-def loop_members(tmp_path: Path) -> Iterator[list[str]]:
-    """Four members on small ext4 images, member 2 much smaller than the others."""
-    if not HAVE_FUSE:
-        pytest.skip("needs root")
-    members, mounted = [], []
-    try:
-        for i, mib in enumerate([64, 64, 24, 64]):
-            img = tmp_path / f"m{i}.img"
-            with open(img, "wb") as f:
-                f.truncate(mib << 20)
-            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True,
-                           capture_output=True)
-            d = tmp_path / f"member{i}"
-            d.mkdir()
-            res = subprocess.run(["mount", "-o", "loop", str(img), str(d)], capture_output=True)
-            if res.returncode:
-                pytest.skip(f"loop mounts unavailable: {res.stderr.decode().strip()}")
-            mounted.append(str(d))
-            members.append(str(d))
-        yield members
-    finally:
-        for d in reversed(mounted):
-            subprocess.run(["umount", "-l", d], capture_output=True)
-
 
 def test_full_member_gives_enospc_and_harms_nothing(tmp_path: Path,
                                                     loop_members: list[str]) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import select
 import socket
+import threading
 from typing import Any
 
 from mxfs.proto import VERSION, recv_message, send_message
@@ -59,10 +61,22 @@ class ControlClient:
         self.sock.settimeout(timeout)
         self.sock.connect(find_socket(self.mountpoint))
         self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # one request at a time: threads may share a client
+        self.broken = False  # the connection failed mid-request; make a new client
         self.server = self.call("hello", version=VERSION)
 
     def close(self) -> None:
         self.sock.close()
+
+    def alive(self) -> bool:
+        """Is the connection still up?  (A daemon that went away leaves it readable: EOF.)"""
+        if self.broken:
+            return False
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
 
     def __enter__(self) -> ControlClient:
         return self
@@ -79,9 +93,14 @@ class ControlClient:
 
     def call_with_fds(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """Like `call`, keeping the descriptors that came with the reply (caller closes)."""
-        msg_id = next(self._ids)
-        send_message(self.sock, {"op": op, "id": msg_id, **fields})
-        reply, fds = recv_message(self.sock)
+        with self._lock:
+            msg_id = next(self._ids)
+            try:
+                send_message(self.sock, {"op": op, "id": msg_id, **fields})
+                reply, fds = recv_message(self.sock)
+            except OSError:
+                self.broken = True
+                raise
         if reply.get("id") != msg_id or not reply.get("ok"):
             for fd in fds:
                 os.close(fd)

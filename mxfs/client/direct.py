@@ -184,10 +184,10 @@ def _check_range(f: Reader, offset: int, n: int) -> None:
 _clients: dict[str, ControlClient] = {}
 
 
-def open_reader(path: str, direct: bool = True) -> Reader:
-    """A reader for `path`: direct from the chunk files when it is on an mxfs mount."""
+def control_client_for(path: str) -> ControlClient | None:
+    """The (shared) client of the daemon serving `path`; None when it is on no mxfs mount."""
     try:
-        root = mount_root(path) if direct else None
+        root = mount_root(path)
     except OSError as e:
         if e.errno != errno.ENOTCONN:
             raise
@@ -195,8 +195,11 @@ def open_reader(path: str, direct: bool = True) -> Reader:
                         "remount: mxfs umount MOUNTPOINT, then mxfs mount POOL MOUNTPOINT") \
             from None
     if root is None:
-        return PlainFile(path)
+        return None
     client = _clients.get(root)
+    if client is not None and not client.alive():
+        client.close()  # its daemon went away (a remount): connect to the new one
+        client = None
     if client is None:
         try:
             client = _clients[root] = ControlClient(root)
@@ -204,6 +207,14 @@ def open_reader(path: str, direct: bool = True) -> Reader:
             raise MxfsError(f"the mxfs daemon of {root} does not answer ({e.strerror or e})",
                             f"check it with: mxfs status {root}; if it died: mxfs umount "
                             f"{root}, then mxfs mount POOL {root}") from None
+    return client
+
+
+def open_reader(path: str, direct: bool = True) -> Reader:
+    """A reader for `path`: direct from the chunk files when it is on an mxfs mount."""
+    client = control_client_for(path) if direct else None
+    if client is None:
+        return PlainFile(path)
     try:
         return DirectFile(path, client)
     except ControlError as e:
@@ -211,7 +222,4 @@ def open_reader(path: str, direct: bool = True) -> Reader:
             raise FileNotFoundError(errno.ENOENT, f"{path}: no such file") from None
         if e.errno in (errno.EACCES, errno.EPERM):
             raise PermissionError(e.errno, f"{path}: {e.strerror}") from None
-        raise
-    except (ConnectionError, BrokenPipeError):
-        _clients.pop(root, None)
         raise

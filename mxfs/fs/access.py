@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mxfs.meta import ROOT_INO, Inode, MetaStore
@@ -20,7 +22,8 @@ R_OK, W_OK, X_OK = 4, 2, 1
 class Caller:
     pid: int
     uid: int
-    gids: frozenset[int]
+    gid: int
+    gids: frozenset[int]  # every group, the primary one included
 
 
 def supplementary_groups(pid: int) -> set[int]:
@@ -61,3 +64,33 @@ def resolve_for(store: MetaStore, path: str, caller: Caller) -> Inode:
             raise OSError(errno.EACCES, f"{path}: search permission denied")
         node = store.lookup(node.ino, os.fsencode(part))
     return node
+
+
+def owner_for(parent: Inode, mode: int, uid: int, gid: int,
+              in_group: Callable[[int], bool]) -> tuple[int, int]:
+    """(mode, gid) of a new inode: a set-group-ID directory passes its group on.
+
+    `in_group(g)` says whether the creator belongs to group g (asked only when
+    the answer matters: the kernel drops S_ISGID on a file whose group the
+    creator is not in).
+    """
+    if parent.mode & stat.S_ISGID:
+        gid = parent.gid
+        if stat.S_ISDIR(mode):
+            mode |= stat.S_ISGID
+    if mode & stat.S_ISGID and not stat.S_ISDIR(mode) and uid != 0 and not in_group(gid):
+        mode &= ~stat.S_ISGID
+    return mode, gid
+
+
+def resolve_parent_for(store: MetaStore, path: str, caller: Caller) -> tuple[Inode, bytes]:
+    """The directory that would hold `path` and the last name, if `caller` may add to it."""
+    head, _, name = path.rstrip("/").rpartition("/")
+    if name in ("", ".", ".."):
+        raise OSError(errno.EINVAL, f"{path}: not a file name")
+    parent = resolve_for(store, head or "/", caller)
+    if not parent.is_dir:
+        raise OSError(errno.ENOTDIR, f"{head}: not a directory")
+    if not may(parent, caller, W_OK | X_OK):
+        raise OSError(errno.EACCES, f"{head or '/'}: write permission denied")
+    return parent, os.fsencode(name)

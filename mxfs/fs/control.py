@@ -9,19 +9,29 @@ and every path is resolved with the caller's permissions.
 from __future__ import annotations
 
 import array
+import base64
 import errno
 import logging
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from mxfs import __version__
-from mxfs.fs.access import R_OK, Caller, may, resolve_for, supplementary_groups
-from mxfs.fs.volume import Volume
+from mxfs.fs.access import (
+    R_OK,
+    Caller,
+    may,
+    owner_for,
+    resolve_for,
+    resolve_parent_for,
+    supplementary_groups,
+)
+from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io.batch import ENGINE, native_engine
 from mxfs.meta import Inode
 from mxfs.proto import HEADER, OPS, VERSION, ProtocolError, decode_payload, encode, parse_header
@@ -45,19 +55,47 @@ def _path(msg: dict[str, Any]) -> str:
     return path
 
 
+def _int(msg: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = msg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError(f"{msg.get('op')} needs a non-negative integer {key!r}")
+    return value
+
+
+@dataclass
+class Pending:
+    """A hidden file one connection is writing: published by `commit`, else dropped."""
+
+    entry: OpenInode
+    path: str
+
+
+@dataclass
+class Session:
+    """One control connection: who is calling and what it holds."""
+
+    caller: Caller
+    pending: dict[int, Pending] = field(default_factory=dict)
+
+
 def peer_caller(sock: Any) -> Caller:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
-    return Caller(pid, uid, frozenset(supplementary_groups(pid) | {gid}))
+    return Caller(pid, uid, gid, frozenset(supplementary_groups(pid) | {gid}))
 
 
 class ControlServer:
     def __init__(self, volume: Volume, path: str, mountpoint: str,
-                 writeback_cache: bool = False) -> None:
+                 writeback_cache: bool = False,
+                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None
+                 ) -> None:
         self.writeback_cache = writeback_cache
         self.vol = volume
         self.path = path
         self.mountpoint = mountpoint
+        # Told about names that commits create or replace, so the kernel's cached
+        # entries (including "no such name") are dropped.
+        self.entry_changed = entry_changed
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
@@ -93,44 +131,52 @@ class ControlServer:
     async def _connection(self, conn: Any) -> None:
         with conn:
             try:
-                caller = peer_caller(conn)
+                session = Session(peer_caller(conn))
             except OSError:
                 return
-            while True:
-                try:
-                    head, anc, _, _ = await conn.recvmsg(HEADER.size, ancillary_space())
-                except OSError:
+            try:
+                await self._serve(conn, session)
+            finally:
+                for ino in list(session.pending):
+                    self._drop(session, ino)
+
+    async def _serve(self, conn: Any, session: Session) -> None:
+        caller = session.caller
+        while True:
+            try:
+                head, anc, _, _ = await conn.recvmsg(HEADER.size, ancillary_space())
+            except OSError:
+                return
+            for fd in fds_from_ancdata(anc):
+                os.close(fd)  # no request carries descriptors in this version
+            if not head:
+                return
+            try:
+                if len(head) < HEADER.size:
+                    head += await self._recv_exact(conn, HEADER.size - len(head))
+                _, _, length = parse_header(head)
+                msg = decode_payload(await self._recv_exact(conn, length))
+            except ProtocolError as e:
+                await self._refuse(conn, caller, None, e)
+                return
+            except OSError:
+                return  # the peer went away mid-message
+            fds: list[int] = []
+            try:
+                reply, fds = await self._dispatch(msg, session)
+            except ProtocolError as e:
+                await self._refuse(conn, caller, msg.get("id"), e)
+                return
+            except OSError as e:
+                code = e.errno or errno.EIO
+                reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
+            reply["id"] = msg.get("id")
+            try:
+                if not await self._send(conn, reply, fds):
                     return
-                for fd in fds_from_ancdata(anc):
-                    os.close(fd)  # no request carries descriptors in this version
-                if not head:
-                    return
-                try:
-                    if len(head) < HEADER.size:
-                        head += await self._recv_exact(conn, HEADER.size - len(head))
-                    _, _, length = parse_header(head)
-                    msg = decode_payload(await self._recv_exact(conn, length))
-                except ProtocolError as e:
-                    await self._refuse(conn, caller, None, e)
-                    return
-                except OSError:
-                    return  # the peer went away mid-message
-                fds: list[int] = []
-                try:
-                    reply, fds = self._dispatch(msg, caller)
-                except ProtocolError as e:
-                    await self._refuse(conn, caller, msg.get("id"), e)
-                    return
-                except OSError as e:
-                    code = e.errno or errno.EIO
-                    reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
-                reply["id"] = msg.get("id")
-                try:
-                    if not await self._send(conn, reply, fds):
-                        return
-                finally:
-                    for fd in fds:
-                        os.close(fd)  # the peer holds its own copies now
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the peer holds its own copies now
 
     async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
         log.warning("control: pid %d uid %d sent a bad message: %s", caller.pid, caller.uid, err)
@@ -158,8 +204,10 @@ class ControlServer:
             return False
         return True
 
-    def _dispatch(self, msg: dict[str, Any], caller: Caller) -> tuple[dict[str, Any], list[int]]:
+    async def _dispatch(self, msg: dict[str, Any], session: Session
+                        ) -> tuple[dict[str, Any], list[int]]:
         """Serve one request: (reply fields, descriptors to pass with it)."""
+        caller = session.caller
         op = msg.get("op")
         if op == "hello":
             return {"ok": True, "version": VERSION, "server": f"mxfs {__version__}",
@@ -172,11 +220,19 @@ class ControlServer:
             return self._describe(node), []
         if op == "open_read":
             return self._open_read(_path(msg), caller)
+        if op == "create":
+            return self._create(msg, session)
+        if op == "commit":
+            return await self._commit(msg, session), []
+        if op == "abort":
+            self._drop(session, self._pending(msg, session).entry.node.ino)
+            return {"ok": True}, []
         raise ProtocolError(f"unknown op {op!r} (this daemon serves {', '.join(OPS)})")
 
     def _describe(self, node: Inode) -> dict[str, Any]:
         out: dict[str, Any] = {"ok": True, "ino": node.ino, "size": node.apparent_size,
-                               "generation": node.generation, "mode": node.mode}
+                               "generation": node.generation, "mode": node.mode,
+                               "sealed": self.vol.store.is_sealed(node.ino)}
         if node.is_reg:
             out["layout"] = self.vol.layout(node).describe()
         return out
@@ -210,6 +266,86 @@ class ControlServer:
         reply = self._describe(node)
         reply["members"] = members
         return reply, fds
+
+    # ---- direct writes -------------------------------------------------------
+
+    def _create(self, msg: dict[str, Any], session: Session) -> tuple[dict[str, Any], list[int]]:
+        """A hidden file to be published at `path`, and write descriptors of its chunk files.
+
+        The caller must be allowed to create `path` (as the mount would), and the
+        declared `size` must fit without eating the metadata store's reserve.
+        """
+        path, caller = _path(msg), session.caller
+        size = _int(msg, "size", 0)
+        mode = _int(msg, "mode", 0o644) & 0o7777
+        parent, name = resolve_parent_for(self.vol.store, path, caller)
+        if msg.get("exclusive") and self.vol.store.entry_ino(parent.ino, name) is not None:
+            raise OSError(errno.EEXIST, f"{path} exists")
+        layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)
+        for m in layout.used_members():
+            self.vol.pool.check_space(m, -(-size // layout.width))
+        mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
+                              caller.gids.__contains__)
+        entry = self.vol.create_hidden(parent, mode, caller.uid, gid)
+        node = entry.node
+        session.pending[node.ino] = Pending(entry, path)
+        members, fds = [], []
+        try:
+            for m in self.vol.layout(node).used_members():
+                entry.chunks.fd(m, create=True)  # type: ignore[union-attr]
+                fds.append(os.open(self.vol.pool.chunk_path(m, node.ino),
+                                   os.O_WRONLY | os.O_CLOEXEC))
+                members.append(m)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            self._drop(session, node.ino)
+            raise
+        reply = self._describe(node)
+        reply["members"] = members
+        return reply, fds
+
+    def _pending(self, msg: dict[str, Any], session: Session) -> Pending:
+        pending = session.pending.get(_int(msg, "ino"))
+        if pending is None:
+            raise OSError(errno.EBADF, f"inode {msg.get('ino')} is not being written here")
+        return pending
+
+    async def _commit(self, msg: dict[str, Any], session: Session) -> dict[str, Any]:
+        """Publish a hidden file: settle its bytes, name it, seal it, make it durable."""
+        pending = self._pending(msg, session)
+        entry, node = pending.entry, pending.entry.node
+        size = _int(msg, "size")
+        sum_unit = _int(msg, "sum_unit")
+        lay = self.vol.layout(node)
+        try:
+            sums = base64.b64decode(msg.get("sums", ""), validate=True)
+        except (ValueError, TypeError):
+            raise ProtocolError("commit needs base64 'sums'") from None
+        if sum_unit == 0 or sum_unit % lay.unit:
+            raise OSError(errno.EINVAL, f"sum_unit {sum_unit} is not a multiple of the "
+                          f"stripe unit {lay.unit}")
+        if len(sums) != 8 * (-(-size // sum_unit)):
+            raise OSError(errno.EINVAL, f"{len(sums) // 8} checksums for {size} bytes in "
+                          f"units of {sum_unit}")
+        await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
+        if session.pending.get(node.ino) is not pending:
+            raise OSError(errno.EBADF, f"inode {node.ino} was aborted")
+        parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller)
+        self.vol.publish(entry, parent.ino, name, size, bool(msg.get("replace", True)),
+                         sum_unit, sums)
+        del session.pending[node.ino]
+        self.vol.release(node.ino)
+        self.vol.store.commit()
+        await trio.to_thread.run_sync(self.vol.store.sync_wal)
+        if self.entry_changed is not None:
+            await self.entry_changed(parent.ino, name)
+        return self._describe(node)
+
+    def _drop(self, session: Session, ino: int) -> None:
+        """Forget an unpublished file; its chunk files are reclaimed after the next commit."""
+        session.pending.pop(ino)
+        self.vol.release(ino)
 
     def status(self) -> dict[str, Any]:
         """The pool as `mxfs status` shows it."""

@@ -96,7 +96,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             raise MxfsError(f"FUSE refused the mount ({e}); options were {sorted(fuse_opts)}",
                             "check the -o options and that /dev/fuse is usable") from None
         try:
-            control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache)
+            control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
+                                    entry_changed=ops.entry_changed)
             trio.run(_serve, control, ready, readahead)
             clean = True
         finally:

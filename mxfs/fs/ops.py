@@ -18,6 +18,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from mxfs.fs.access import owner_for
 from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
@@ -101,6 +102,19 @@ class MxfsOperations(pyfuse3.Operations):
         self.next_fh = 1
         self.limiter = trio.CapacityLimiter(io_threads)
 
+    async def entry_changed(self, parent: int, name: bytes) -> None:
+        """A name changed behind the kernel's back (a direct commit): drop its cached entry.
+
+        Done before the commit is answered, so the committer sees its file at once.
+        The kernel takes the directory's lock, which a FUSE request waiting on this
+        thread may hold, so the call runs in a worker thread.
+        """
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # ENOENT: the kernel held nothing for it
+                log.warning("invalidating entry %r of inode %d: %s", name, parent, e)
+
     # ---- attributes --------------------------------------------------------
 
     def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
@@ -158,6 +172,7 @@ class MxfsOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if not node.is_reg:
                 raise pyfuse3.FUSEError(errno.EINVAL)
+            self.vol.check_writable(node)
             self.vol.truncate(node, attr.st_size)
             node.mtime_ns = now
         if fields.update_mode:
@@ -177,23 +192,12 @@ class MxfsOperations(pyfuse3.Operations):
 
     # ---- namespace ---------------------------------------------------------
 
-    def _owner(self, parent: Inode, mode: int, ctx: pyfuse3.RequestContext) -> tuple[int, int]:
-        """(mode, gid) for a new inode: a set-group-ID directory passes its group on."""
-        gid = ctx.gid
-        if parent.mode & stat.S_ISGID:
-            gid = parent.gid
-            if stat.S_ISDIR(mode):
-                mode |= stat.S_ISGID
-        if (mode & stat.S_ISGID and not stat.S_ISDIR(mode) and ctx.uid != 0
-                and gid != ctx.gid and gid not in pyfuse3.get_sup_groups(ctx.pid)):
-            mode &= ~stat.S_ISGID
-        return mode, gid
-
     def _create(self, parent_inode: int, name: bytes, mode: int,
                 ctx: pyfuse3.RequestContext, rdev: int = 0,
                 target: bytes | None = None) -> Inode:
         parent = self.store.get(parent_inode)
-        mode, gid = self._owner(parent, mode, ctx)
+        mode, gid = owner_for(parent, mode, ctx.uid, ctx.gid,
+                              lambda g: g == ctx.gid or g in pyfuse3.get_sup_groups(ctx.pid))
         return self.store.create(parent_inode, name, mode, ctx.uid, gid, rdev=rdev,
                                  target=target, layout_for=self.vol.pick_layout)
 
@@ -260,6 +264,8 @@ class MxfsOperations(pyfuse3.Operations):
         node = self.store.get(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if node.is_reg and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
+            self.vol.check_writable(node)
         if flags & os.O_TRUNC and node.is_reg:
             # libfuse enables atomic O_TRUNC: the kernel sends it here, not as setattr.
             self.vol.truncate(node, 0)

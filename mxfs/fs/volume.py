@@ -9,6 +9,7 @@ trio code, so tools can use it on an unmounted pool.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -156,6 +157,45 @@ class Volume:
             # Committed before any chunk file exists, so none can outlive its inode.
             self.store.commit()
             entry.wrote = True
+
+    def check_writable(self, node: Inode) -> None:
+        """Refuse to change the bytes of a sealed (direct-committed, checksummed) file."""
+        if self.store.is_sealed(node.ino):
+            raise OSError(errno.EPERM, "the file is sealed (written by a direct commit); "
+                          "copy it to change it")
+
+    # ---- direct writes -------------------------------------------------------
+
+    def create_hidden(self, parent: Inode, mode: int, uid: int, gid: int) -> OpenInode:
+        """A file with no name yet, held open by its writer until `publish` or release.
+
+        It is an orphan from birth and committed before any chunk file exists, so
+        a crash or a writer that goes away leaves nothing behind.
+        """
+        node = self.store.create_hidden(parent.ino, mode, uid, gid, self.pick_layout)
+        self.store.commit()
+        return self.acquire(node)
+
+    def settle_hidden(self, entry: OpenInode, size: int) -> None:
+        """Blocking (worker thread): cut a hidden file's chunk files to `size`, fsync them."""
+        node = entry.node
+        assert entry.chunks is not None
+        self.pool.truncate_chunks(node.ino, self.layout(node), size)
+        entry.chunks.sync()
+
+    def publish(self, entry: OpenInode, parent: int, name: bytes, size: int, replace: bool,
+                sum_unit: int, sums: bytes) -> None:
+        """Name a settled hidden file and seal it with its checksums, in one change.
+
+        The caller makes it durable (commit + WAL fsync) before answering.
+        """
+        node = entry.node
+        node.size = size
+        with self.store.transaction():
+            replaced = self.store.publish(node.ino, parent, name, replace)
+            self.store.seal(node.ino, sum_unit, sums)
+        if replaced is not None:
+            self.unlinked(replaced)
 
     def unlinked(self, node: Inode) -> None:
         """After a namespace change dropped `node`'s last link: reclaim unless open."""

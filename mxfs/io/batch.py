@@ -110,7 +110,8 @@ def pwritev_full(fd: int, bufs: Sequence[memoryview], offset: int) -> int:
     return done
 
 
-def _executor() -> ThreadPoolExecutor:
+def executor() -> ThreadPoolExecutor:
+    """The shared pool of I/O threads (created on first use)."""
     global _pool
     if _pool is None:
         with _pool_lock:
@@ -122,7 +123,7 @@ def _executor() -> ThreadPoolExecutor:
 def _run(fn: Callable[[T], int], ops: Sequence[T]) -> list[int]:
     if len(ops) == 1:
         return [fn(ops[0])]
-    futures = [_executor().submit(fn, op) for op in ops]
+    futures = [executor().submit(fn, op) for op in ops]
     # Wait for every op before raising, so no thread still writes into a buffer
     # the caller is about to reuse.
     errors = [f.exception() for f in futures]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 ROOT_INO = 1
 NAME_MAX = 255
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_NAME = "mxfs.db"
 
 _SCHEMA = """
@@ -51,7 +51,14 @@ CREATE TABLE xattrs(ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NUL
                     PRIMARY KEY(ino, name)) WITHOUT ROWID;
 CREATE TABLE orphans(ino INTEGER PRIMARY KEY);
 CREATE TABLE dirty_data(ino INTEGER PRIMARY KEY);
+CREATE TABLE sealed(ino INTEGER PRIMARY KEY, sum_unit INTEGER NOT NULL, sums BLOB NOT NULL);
 """
+
+# Statements that bring a store of schema version N (the key) to N + 1.
+_MIGRATIONS = {
+    1: ["CREATE TABLE sealed(ino INTEGER PRIMARY KEY, sum_unit INTEGER NOT NULL,"
+        " sums BLOB NOT NULL)"],
+}
 
 _COLUMNS = ("ino", "mode", "uid", "gid", "nlink", "size", "atime_ns", "mtime_ns", "ctime_ns",
             "rdev", "target", "stripe_unit", "stripe_width", "first_member", "generation")
@@ -166,8 +173,15 @@ class MetaStore:
     def open(cls, meta_dir: str, readonly: bool = False) -> MetaStore:
         path = os.path.join(meta_dir, DB_NAME)
         store = cls(path, readonly=readonly)
-        version = store.setting("schema_version")
-        if version != str(SCHEMA_VERSION):
+        version = int(store.setting("schema_version") or 0)
+        if version < SCHEMA_VERSION and not readonly and version in _MIGRATIONS:
+            with store.transaction():
+                while version < SCHEMA_VERSION:
+                    for stmt in _MIGRATIONS[version]:
+                        store.db.execute(stmt)
+                    version += 1
+                store.set_setting("schema_version", str(version))
+        if version != SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"metadata schema {version} is not {SCHEMA_VERSION}")
         return store
 
@@ -326,7 +340,7 @@ class MetaStore:
             raise fail(errno.ENOENT)
         return node
 
-    def _entry_ino(self, parent: int, name: bytes) -> int | None:
+    def entry_ino(self, parent: int, name: bytes) -> int | None:
         row = self.db.execute("SELECT ino FROM dentries WHERE parent=? AND name=?",
                               (parent, name)).fetchone()
         return row[0] if row else None
@@ -336,38 +350,91 @@ class MetaStore:
         d.nlink += nlink_delta
         self._write(d, "mtime_ns", "ctime_ns", "nlink")
 
+    def _insert_inode(self, parent: Inode, mode: int, uid: int, gid: int, nlink: int,
+                      now: int, rdev: int = 0, target: bytes | None = None,
+                      layout_for: LayoutPicker | None = None) -> Inode:
+        """Insert an inode row (inside a transaction); files get `layout_for`'s layout."""
+        unit, width = parent.stripe_unit, parent.stripe_width
+        size = len(target) if target else 0
+        cur = self.db.execute(
+            "INSERT INTO inodes(mode, uid, gid, nlink, size, atime_ns, mtime_ns, ctime_ns,"
+            " rdev, target, stripe_unit, stripe_width) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (mode, uid, gid, nlink, size, now, now, now, rdev, target, unit, width))
+        ino = cur.lastrowid
+        assert ino is not None
+        first = None
+        if stat.S_ISREG(mode):
+            assert layout_for is not None
+            unit, width, first = layout_for(ino, unit, width)
+            self.db.execute("UPDATE inodes SET stripe_unit=?, stripe_width=?, first_member=?"
+                            " WHERE ino=?", (unit, width, first, ino))
+        node = Inode(ino, mode, uid, gid, nlink, size, now, now, now, rdev, target, unit, width,
+                     first)
+        self._cache[ino] = node
+        return node
+
     def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
                rdev: int = 0, target: bytes | None = None,
                layout_for: LayoutPicker | None = None) -> Inode:
         """Make a new inode and its entry; a regular file gets `layout_for`'s layout."""
         _check_name(name)
         d = self._dir(parent)
-        if self._entry_ino(parent, name) is not None:
+        if self.entry_ino(parent, name) is not None:
             raise fail(errno.EEXIST)
         now = time.time_ns()
         is_dir = stat.S_ISDIR(mode)
-        unit, width = (d.stripe_unit, d.stripe_width)
         with self.transaction():
-            cur = self.db.execute(
-                "INSERT INTO inodes(mode, uid, gid, nlink, size, atime_ns, mtime_ns, ctime_ns,"
-                " rdev, target, stripe_unit, stripe_width) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (mode, uid, gid, 2 if is_dir else 1, len(target) if target else 0,
-                 now, now, now, rdev, target, unit, width))
-            ino = cur.lastrowid
-            assert ino is not None
-            first = None
-            if stat.S_ISREG(mode):
-                assert layout_for is not None
-                unit, width, first = layout_for(ino, unit, width)
-                self.db.execute("UPDATE inodes SET stripe_unit=?, stripe_width=?, first_member=?"
-                                " WHERE ino=?", (unit, width, first, ino))
+            node = self._insert_inode(d, mode, uid, gid, 2 if is_dir else 1, now, rdev, target,
+                                      layout_for)
+            self.db.execute("INSERT INTO dentries(parent, name, ino) VALUES (?,?,?)",
+                            (parent, name, node.ino))
+            self._touch_dir(d, now, 1 if is_dir else 0)
+        return node
+
+    def create_hidden(self, parent: int, mode: int, uid: int, gid: int,
+                      layout_for: LayoutPicker) -> Inode:
+        """A regular file with no entry yet (a direct write before its commit).
+
+        It is an orphan from birth, so a crash before `publish` reclaims it.
+        Its layout comes from `parent`, the directory it will be published in.
+        """
+        d = self._dir(parent)
+        with self.transaction():
+            node = self._insert_inode(d, stat.S_IFREG | stat.S_IMODE(mode), uid, gid, 0,
+                                      time.time_ns(), layout_for=layout_for)
+            self.db.execute("INSERT INTO orphans VALUES (?)", (node.ino,))
+        return node
+
+    def publish(self, ino: int, parent: int, name: bytes, replace: bool) -> Inode | None:
+        """Give a hidden file its entry, atomically replacing what was there if `replace`.
+
+        Returns the replaced inode when that was its last link (now an orphan).
+        """
+        _check_name(name)
+        d = self._dir(parent)
+        node = self.get(ino)
+        if node.nlink != 0:
+            raise fail(errno.EINVAL, f"inode {ino} is already published")
+        old_ino = self.entry_ino(parent, name)
+        old = self.get(old_ino) if old_ino is not None else None
+        if old is not None:
+            if not replace:
+                raise fail(errno.EEXIST)
+            if old.is_dir:
+                raise fail(errno.EISDIR)
+        now = time.time_ns()
+        with self.transaction():
+            if old is not None:
+                self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+                self._drop_link(old, now)
             self.db.execute("INSERT INTO dentries(parent, name, ino) VALUES (?,?,?)",
                             (parent, name, ino))
-            self._touch_dir(d, now, 1 if is_dir else 0)
-        node = Inode(ino, mode, uid, gid, 2 if is_dir else 1, len(target) if target else 0,
-                     now, now, now, rdev, target, unit, width, first)
-        self._cache[ino] = node
-        return node
+            self.db.execute("DELETE FROM orphans WHERE ino=?", (ino,))
+            node.nlink = 1
+            node.ctime_ns = node.mtime_ns = now
+            self._write(node, "nlink", "ctime_ns", "mtime_ns", "size")
+            self._touch_dir(d, now)
+        return old if old is not None and old.nlink == 0 else None
 
     def link(self, ino: int, parent: int, name: bytes) -> Inode:
         _check_name(name)
@@ -377,7 +444,7 @@ class MetaStore:
             raise fail(errno.EPERM)
         if node.nlink == 0:
             raise fail(errno.ENOENT)
-        if self._entry_ino(parent, name) is not None:
+        if self.entry_ino(parent, name) is not None:
             raise fail(errno.EEXIST)
         now = time.time_ns()
         with self.transaction():
@@ -402,7 +469,7 @@ class MetaStore:
     def unlink(self, parent: int, name: bytes) -> Inode:
         """Remove a non-directory entry; returns the inode (nlink 0: now an orphan)."""
         d = self._dir(parent)
-        ino = self._entry_ino(parent, name)
+        ino = self.entry_ino(parent, name)
         if ino is None:
             raise fail(errno.ENOENT)
         node = self.get(ino)
@@ -421,7 +488,7 @@ class MetaStore:
 
     def rmdir(self, parent: int, name: bytes) -> Inode:
         d = self._dir(parent)
-        ino = self._entry_ino(parent, name)
+        ino = self.entry_ino(parent, name)
         if ino is None:
             raise fail(errno.ENOENT)
         node = self.get(ino)
@@ -448,11 +515,11 @@ class MetaStore:
         """Move an entry; returns a replaced inode whose last link went, else None."""
         _check_name(new_name)
         od, nd = self._dir(old_parent), self._dir(new_parent)
-        src_ino = self._entry_ino(old_parent, old_name)
+        src_ino = self.entry_ino(old_parent, old_name)
         if src_ino is None:
             raise fail(errno.ENOENT)
         src = self.get(src_ino)
-        dst_ino = self._entry_ino(new_parent, new_name)
+        dst_ino = self.entry_ino(new_parent, new_name)
         dst = self.get(dst_ino) if dst_ino is not None else None
         if src.is_dir and new_parent != old_parent and self._is_ancestor(src_ino, new_parent):
             raise fail(errno.EINVAL)
@@ -546,7 +613,7 @@ class MetaStore:
     def drop_inode(self, ino: int) -> None:
         """Forget an orphan for good, after its chunk files are gone."""
         with self.transaction():
-            for table in ("inodes", "xattrs", "orphans", "dirty_data"):
+            for table in ("inodes", "xattrs", "orphans", "dirty_data", "sealed"):
                 self.db.execute(f"DELETE FROM {table} WHERE ino=?", (ino,))
         self._cache.pop(ino, None)
 
@@ -558,3 +625,18 @@ class MetaStore:
 
     def dirty_data(self) -> list[int]:
         return [r[0] for r in self.db.execute("SELECT ino FROM dirty_data")]
+
+    # ---- sealed files ------------------------------------------------------
+
+    def seal(self, ino: int, sum_unit: int, sums: bytes) -> None:
+        """Record a direct-committed file's checksums (xxh3-64 per `sum_unit` bytes)."""
+        with self.transaction():
+            self.db.execute("INSERT OR REPLACE INTO sealed VALUES (?,?,?)", (ino, sum_unit, sums))
+
+    def seal_of(self, ino: int) -> tuple[int, bytes] | None:
+        """(sum_unit, packed little-endian xxh3-64 sums) of a sealed file, else None."""
+        row = self.db.execute("SELECT sum_unit, sums FROM sealed WHERE ino=?", (ino,)).fetchone()
+        return (row[0], row[1]) if row else None
+
+    def is_sealed(self, ino: int) -> bool:
+        return self.db.execute("SELECT 1 FROM sealed WHERE ino=?", (ino,)).fetchone() is not None

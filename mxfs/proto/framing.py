@@ -24,7 +24,7 @@ HEADER = struct.Struct("!4sHHI")
 MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64
 # Operations this version serves; direct reads and writes extend the list.
-OPS = ("hello", "stat", "layout", "open_read")
+OPS = ("hello", "stat", "layout", "open_read", "create", "commit", "abort")
 
 
 class ProtocolError(Exception):

@@ -1,0 +1,261 @@
+"""Files written beside the mount and published atomically when complete.
+
+`create_file(path, size)` gives a `DirectWriter` for a path on an mxfs mount:
+the daemon makes a hidden file and passes write descriptors of its chunk
+files; this process writes the stripes in parallel (O_DIRECT when buffers are
+aligned), hashing each block with xxh3; `commit` makes the daemon fsync, name
+and seal the file in one durable step.  Until then nothing is visible, and a
+writer that dies leaves nothing behind.  For any other path a `PlainWriter`
+gives the same interface over a hidden temporary file and a rename.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import fcntl
+import os
+import struct
+import uuid
+
+import xxhash
+
+from mxfs.client.control import ControlClient, ControlError
+from mxfs.client.direct import SEGMENT, control_client_for
+from mxfs.io import Layout, WriteOp, write_batch
+from mxfs.io.batch import executor
+
+ALIGN = 4096
+# Checksum block of files written outside mxfs (an mxfs file uses its stripe unit).
+PLAIN_SUM_UNIT = 1 << 20
+# Most checksums one commit carries (8 bytes each, base64, within the 1 MiB message limit).
+MAX_SUMS = 65536
+
+
+def block_sums(buf: memoryview, unit: int) -> list[int]:
+    """xxh3-64 of each `unit` bytes of `buf` (the last block may be short)."""
+    return [xxhash.xxh3_64_intdigest(buf[o:o + unit]) for o in range(0, len(buf), unit)]
+
+
+def is_aligned(buf: memoryview, offset: int) -> bool:
+    """Can `buf` go to `offset` with O_DIRECT (address, offset and length 4 KiB aligned)?"""
+    from ctypes import addressof, c_char
+
+    if buf.readonly or len(buf) % ALIGN or offset % ALIGN:
+        return False
+    return addressof(c_char.from_buffer(buf)) % ALIGN == 0
+
+
+class FileWriter:
+    """A file being written; visible only once `commit` returns."""
+
+    path: str
+    sum_unit: int
+
+    def __init__(self) -> None:
+        self._sums: dict[int, tuple[int, int]] = {}  # block -> (valid bytes, xxh3)
+        self.done = False
+
+    def _hash(self, offset: int, buf: memoryview, valid: int) -> None:
+        if offset % self.sum_unit:
+            raise ValueError(f"write at {offset} does not start a {self.sum_unit}-byte block")
+        view = buf[:valid]
+        first = offset // self.sum_unit
+        for i, digest in enumerate(block_sums(view, self.sum_unit)):
+            self._sums[first + i] = (min(self.sum_unit, valid - i * self.sum_unit), digest)
+
+    def write_at(self, offset: int, buf: memoryview, valid: int | None = None) -> None:
+        """Write `buf` at `offset` (a block boundary); only its first `valid` bytes count.
+
+        Bytes past `valid` are padding that lets an aligned buffer go with
+        O_DIRECT; the commit cuts them off.
+        """
+        raise NotImplementedError
+
+    def sums(self, size: int) -> list[int]:
+        """The checksums of a `size`-byte file, checking every block was written whole."""
+        n = -(-size // self.sum_unit)
+        out = []
+        for k in range(n):
+            got = self._sums.get(k)
+            want = min(self.sum_unit, size - k * self.sum_unit)
+            if got is None or got[0] != want:
+                raise ValueError(f"{self.path}: bytes [{k * self.sum_unit}, "
+                                 f"{k * self.sum_unit + want}) were not written in one piece")
+            out.append(got[1])
+        return out
+
+    def commit(self, size: int, replace: bool = True) -> list[int]:
+        """Make the file durable and visible under its path; returns its block checksums."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> FileWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self.done:
+            self.abort()
+
+
+class DirectWriter(FileWriter):
+    """A hidden mxfs file written straight to its chunk files."""
+
+    def __init__(self, path: str, client: ControlClient, size: int, mode: int,
+                 exclusive: bool, direct: bool) -> None:
+        super().__init__()
+        self.path = path
+        self.client = client
+        reply, fds = client.call_with_fds("create", path=client.pool_path(path), size=size,
+                                          mode=mode, exclusive=exclusive)
+        self.ino = int(reply["ino"])
+        self.layout = Layout.from_description(reply["layout"])
+        self.fds = dict(zip(reply["members"], fds, strict=True))
+        stripes = max(1, -(-size // self.layout.unit))
+        self.sum_unit = self.layout.unit * -(-stripes // MAX_SUMS)
+        self.direct = direct and self._try_direct()
+
+    def _try_direct(self) -> bool:
+        """Set O_DIRECT on the chunk descriptors where their filesystem allows it."""
+        for fd in self.fds.values():
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            except OSError:
+                self._set_direct(False)
+                return False
+        return True
+
+    def _set_direct(self, on: bool) -> None:
+        for fd in self.fds.values():
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else
+                        (flags & ~os.O_DIRECT))
+
+    def write_at(self, offset: int, buf: memoryview, valid: int | None = None) -> None:
+        valid = len(buf) if valid is None else valid
+        self._hash(offset, buf, valid)
+        if self.direct and not is_aligned(buf, offset):
+            self._set_direct(False)  # O_DIRECT needs alignment; this file goes buffered
+            self.direct = False
+        ops = []
+        for seg in range(0, len(buf), SEGMENT):
+            part = buf[seg:seg + SEGMENT]
+            for piece in self.layout.plan(offset + seg, len(part)):
+                ops.append(WriteOp(self.fds[piece.member], piece.chunk_offset,
+                                   [part[o:o + n] for o, n in piece.spans]))
+        write_batch(ops)
+
+    def commit(self, size: int, replace: bool = True) -> list[int]:
+        sums = self.sums(size)
+        packed = struct.pack(f"<{len(sums)}Q", *sums)
+        list(executor().map(os.fsync, self.fds.values()))  # members in parallel
+        self._close_fds()
+        try:
+            self.client.call("commit", ino=self.ino, size=size, sum_unit=self.sum_unit,
+                             sums=base64.b64encode(packed).decode(), replace=replace)
+        except ControlError as e:
+            raise OSError(e.errno, f"{self.path}: {e.strerror}") from None
+        self.done = True
+        return sums
+
+    def abort(self) -> None:
+        self._close_fds()
+        if not self.done:
+            self.done = True
+            try:
+                self.client.call("abort", ino=self.ino)
+            except (ControlError, OSError):
+                pass  # the daemon drops it anyway when this connection closes
+
+    def _close_fds(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+class PlainWriter(FileWriter):
+    """A file on any filesystem: a hidden temporary beside it, renamed when committed."""
+
+    def __init__(self, path: str, mode: int, direct: bool) -> None:
+        super().__init__()
+        self.path = path
+        self.sum_unit = PLAIN_SUM_UNIT
+        head, name = os.path.split(os.path.abspath(path))
+        self.tmp = os.path.join(head, f".{name}.mxfs-{uuid.uuid4().hex[:12]}")
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        self.direct = False
+        if direct:
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                            | os.O_DIRECT)
+                self.direct = True
+            except OSError:
+                pass
+
+    def write_at(self, offset: int, buf: memoryview, valid: int | None = None) -> None:
+        valid = len(buf) if valid is None else valid
+        self._hash(offset, buf, valid)
+        if self.direct and not is_aligned(buf, offset):
+            fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                        fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+        write_batch([WriteOp(self.fd, offset + o, [buf[o:o + SEGMENT]])
+                     for o in range(0, len(buf), SEGMENT)])
+
+    def commit(self, size: int, replace: bool = True) -> list[int]:
+        sums = self.sums(size)
+        os.ftruncate(self.fd, size)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        if replace:
+            os.rename(self.tmp, self.path)
+        else:
+            try:
+                os.link(self.tmp, self.path)  # fails if the name exists: first writer wins
+            finally:
+                os.unlink(self.tmp)
+        sync_dir(os.path.dirname(os.path.abspath(self.path)))
+        self.done = True
+        return sums
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if not self.done:
+            self.done = True
+            try:
+                os.unlink(self.tmp)
+            except FileNotFoundError:
+                pass
+
+
+def sync_dir(path: str) -> None:
+    """fsync a directory, so entries made in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def create_file(path: str, size: int = 0, mode: int = 0o644, exclusive: bool = False,
+                direct: bool = True) -> FileWriter:
+    """A writer publishing `path` at commit: direct on an mxfs mount, else a temp file.
+
+    `size` is what the file is expected to hold (the daemon checks it fits);
+    `exclusive` refuses at once when `path` already exists (commit with
+    `replace=False` settles races: the first writer wins, the others get EEXIST).
+    """
+    client = control_client_for(path)
+    if client is None:
+        if exclusive and os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, f"{path} exists")
+        return PlainWriter(path, mode, direct)
+    try:
+        return DirectWriter(path, client, size, mode, exclusive, direct)
+    except ControlError as e:
+        raise OSError(e.errno, f"{path}: {e.strerror}") from None

@@ -1,0 +1,175 @@
+"""The direct write path: hidden files, atomic commits, seals, and writers that die."""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import xxhash
+from conftest import Mounted, eventually
+from test_faults import check_pool, chunk_files, kill_daemon
+
+from mxfs.client import ControlClient
+from mxfs.client.writer import create_file
+from mxfs.fs.volume import Volume
+
+
+def aligned(data: bytes) -> mmap.mmap:
+    """A page-aligned buffer holding `data`, padded to 4 KiB (what O_DIRECT needs)."""
+    buf = mmap.mmap(-1, max(4096, -(-len(data) // 4096) * 4096))
+    buf[:len(data)] = data
+    return buf
+
+
+def write_file(path: str, data: bytes, **kw: object) -> list[int]:
+    with create_file(path, len(data), **kw) as w:  # type: ignore[arg-type]
+        w.write_at(0, memoryview(aligned(data)), valid=len(data))
+        return w.commit(len(data))
+
+
+def test_commit_publishes_whole_sealed_file_at_once(mounted: Mounted) -> None:
+    p = str(mounted.path / "model.bin")
+    assert not os.path.exists(p)  # the kernel now caches "no such name"
+    data = os.urandom(1_000_001)
+    with create_file(p, len(data)) as w:
+        assert w.direct  # ext4 members take O_DIRECT
+        w.write_at(0, memoryview(aligned(data)), valid=len(data))
+        assert not os.path.exists(p) and os.listdir(mounted.path) == []
+        sums = w.commit(len(data))
+    assert Path(p).read_bytes() == data  # visible at once: the cached absence was dropped
+    unit = w.sum_unit
+    assert sums == [xxhash.xxh3_64_intdigest(data[o:o + unit]) for o in range(0, len(data), unit)]
+    with ControlClient(str(mounted.path)) as c:
+        assert c.layout(p)["sealed"] is True
+    # sealed files are immutable through the mount, but may be renamed and removed
+    for how in (lambda: os.open(p, os.O_RDWR), lambda: os.open(p, os.O_WRONLY | os.O_TRUNC),
+                lambda: os.truncate(p, 5)):
+        with pytest.raises(PermissionError):
+            how()
+    os.chmod(p, 0o600)
+    os.rename(p, p + ".old")
+    mounted.umount()
+    vol = Volume.open(mounted.members[0])
+    try:
+        node = vol.store.lookup(1, b"model.bin.old")
+        seal = vol.store.seal_of(node.ino)
+        assert seal is not None and seal[0] == unit and len(seal[1]) == 8 * len(sums)
+        assert vol.problems() == []
+    finally:
+        vol.store.close()
+
+
+def test_replace_is_atomic_and_exclusive_commits_let_the_first_writer_win(
+        mounted: Mounted) -> None:
+    p = str(mounted.path / "latest")
+    (mounted.path / "latest").write_bytes(b"old")
+    write_file(p, b"new" * 5000)
+    assert Path(p).read_bytes() == b"new" * 5000
+    a, b = create_file(p + ".k", 5), create_file(p + ".k", 5)
+    for w, text in ((a, b"first"), (b, b"later")):
+        w.write_at(0, memoryview(aligned(text)), valid=5)
+    a.commit(5, replace=False)
+    with pytest.raises(FileExistsError):
+        b.commit(5, replace=False)
+    b.abort()
+    assert Path(p + ".k").read_bytes() == b"first"
+    with pytest.raises(FileExistsError):
+        create_file(p + ".k", 5, exclusive=True)
+
+
+def test_unaligned_buffers_fall_back_to_buffered_writes(mounted: Mounted) -> None:
+    p = str(mounted.path / "odd")
+    data = os.urandom(300_000)
+    with create_file(p, len(data)) as w:
+        w.write_at(0, memoryview(bytearray(b"x" + data))[1:])
+        assert not w.direct
+        w.commit(len(data))
+    assert Path(p).read_bytes() == data
+
+
+def test_a_block_not_written_whole_refuses_the_commit(mounted: Mounted) -> None:
+    p = str(mounted.path / "holey")
+    with create_file(p, 200_000) as w:
+        w.write_at(0, memoryview(bytearray(65536)))
+        with pytest.raises(ValueError, match="not written in one piece"):
+            w.commit(200_000)
+    assert not os.path.exists(p)
+
+
+WRITER = r"""
+import os, sys, mmap, time
+from mxfs.client.writer import create_file
+w = create_file(sys.argv[1], 8 << 20)
+buf = mmap.mmap(-1, 8 << 20)
+buf[:] = os.urandom(8 << 20)
+w.write_at(0, memoryview(buf))
+print(w.ino, flush=True)
+time.sleep(600)
+"""
+
+
+def test_writer_killed_before_commit_leaves_nothing_and_space_returns(
+        mounted: Mounted) -> None:
+    before = len(chunk_files(mounted.members))
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(mounted.path / "ckpt")],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    int(p.stdout.readline())
+    assert len(chunk_files(mounted.members)) == before + 4
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert eventually(lambda: len(chunk_files(mounted.members)) == before)
+    assert os.listdir(mounted.path) == []
+    mounted.umount()
+    check_pool(mounted.members)
+
+
+def test_daemon_killed_with_a_file_half_written_reclaims_it_at_mount(mounted: Mounted) -> None:
+    write_file(str(mounted.path / "kept"), b"k" * 100_000)
+    w = create_file(str(mounted.path / "half"), 1 << 20)
+    w.write_at(0, memoryview(aligned(os.urandom(1 << 20))))
+    kill_daemon(mounted)
+    mounted.remount()
+    assert sorted(os.listdir(mounted.path)) == ["kept"]
+    assert (mounted.path / "kept").read_bytes() == b"k" * 100_000
+    mounted.umount()
+    check_pool(mounted.members)  # no chunk file of the half-written one is left
+
+
+CREATOR = r"""
+import json, os, sys, mmap
+from mxfs.client.writer import create_file  # before dropping root: Python may live in /root
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+out = {}
+for p in sys.argv[1:]:
+    try:
+        w = create_file(p, 10)
+        buf = mmap.mmap(-1, 4096)
+        w.write_at(0, memoryview(buf), valid=10)
+        w.commit(10)
+        out[p] = "ok"
+    except OSError as e:
+        out[p] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_a_non_root_caller_may_create_only_where_the_mount_lets_it(mounted: Mounted) -> None:
+    os.chmod(mounted.path, 0o755)
+    mine = mounted.path / "mine"
+    mine.mkdir()
+    os.chown(mine, 65534, 65534)
+    paths = [str(mounted.path / "root-owned"), str(mine / "ok")]
+    res = subprocess.run([sys.executable, "-c", CREATOR, *paths], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out[paths[0]] == errno.EACCES and out[paths[1]] == "ok"
+    st = os.stat(paths[1])
+    assert (st.st_uid, st.st_gid, st.st_size) == (65534, 65534, 10)
