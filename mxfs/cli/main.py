@@ -1,4 +1,4 @@
-"""The `mxfs` command: mkfs, mount, umount, status, getstripe, setstripe, demo.
+"""The `mxfs` command: mkfs, mount, umount, status, stripes, warm, load-bench, ckpt, demo.
 
 Every user error is one line on stderr and a non-zero exit code; a traceback
 only appears with MXFS_DEBUG=1.
@@ -350,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_load_bench)
 
+    from mxfs.cli import ckpt_cmd
+
+    ckpt_cmd.add_parser(sub)
+
     s = sub.add_parser("demo", help="make a demo pool, mount it, write and read, measure")
     s.add_argument("--size", default="2GiB", help="bytes to write and read each way")
     s.add_argument("--dir", help="scratch folder (default: a new one under /var/tmp)")
@@ -369,6 +373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mxfs: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        # A file the user named is missing, not allowed, or on a full member.
+        where = f": {e.filename}" if e.filename else ""
+        print(f"mxfs: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - the last line of defence for users
         if os.environ.get("MXFS_DEBUG"):
             raise

@@ -24,7 +24,8 @@ log = logging.getLogger("mxfs.load")
 # Mappings one mapped load may make; the kernel's default limit is 65530 a process.
 MAX_MAPPINGS = 16384
 
-_DTYPES = {name: getattr(torch, attr, None) for name, attr in {
+# safetensors dtype names -> torch dtypes (None where this torch lacks one).
+ST_DTYPES = {name: getattr(torch, attr, None) for name, attr in {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
     "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32",
     "C64": "complex64", "I64": "int64", "U64": "uint64", "F64": "float64",
@@ -33,7 +34,7 @@ _DTYPES = {name: getattr(torch, attr, None) for name, attr in {
 
 
 def torch_dtype(info: TensorInfo, path: str) -> torch.dtype:
-    dt = _DTYPES.get(info.dtype)
+    dt = ST_DTYPES.get(info.dtype)
     if dt is None:
         raise HeaderError(f"{path}: tensor {info.name!r} has dtype {info.dtype}, which this "
                           f"torch ({torch.__version__}) cannot hold", "use a newer torch")

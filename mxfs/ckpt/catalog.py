@@ -1,0 +1,198 @@
+"""Checkpoints in a folder: what is complete, which is latest, what retention removes.
+
+A checkpoint is a folder holding a manifest (`mxfs-checkpoint.json`) and its
+data files.  A save builds it as a hidden `.NAME.partial` folder and renames
+it into place only after every file and the manifest are durable, so a folder
+named like a checkpoint is always complete.  `latest` is a small file naming
+the newest checkpoint, replaced atomically after the rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from mxfs.client.writer import create_file, sync_dir
+from mxfs.errors import MxfsError
+
+MANIFEST = "mxfs-checkpoint.json"
+FORMAT = "mxfs-checkpoint"
+VERSION = 1
+LATEST = "latest"
+PARTIAL_SUFFIX = ".partial"
+
+
+class CheckpointError(MxfsError):
+    """A checkpoint that cannot be saved, found or trusted."""
+
+
+def partial_path(path: str) -> str:
+    head, name = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".{name}{PARTIAL_SUFFIX}")
+
+
+def write_small(path: str, data: bytes, replace: bool = True) -> None:
+    """Write a small file durably and atomically (direct commit on mxfs, rename elsewhere)."""
+    with create_file(path, len(data)) as w:
+        w.write_at(0, memoryview(bytearray(data)))
+        w.commit(len(data), replace=replace)
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path`, checked for format and version."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        if os.path.isdir(path):
+            raise CheckpointError(f"{path} is not an mxfs checkpoint (it has no {MANIFEST})",
+                                  "give the folder of a checkpoint that mxfs.ckpt.save wrote"
+                                  ) from None
+        raise CheckpointError(f"checkpoint {path} does not exist",
+                              "list checkpoints with: mxfs ckpt ls FOLDER") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mpath} is not valid JSON ({e})",
+                              "the checkpoint is damaged; load an older one") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath} is not an mxfs checkpoint manifest",
+                              "give the folder of a checkpoint that mxfs.ckpt.save wrote")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{mpath} has format version {manifest.get('version')}, "
+                              f"this mxfs reads {VERSION}", "load it with a matching mxfs")
+    return manifest
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    path: str
+    created_ns: int
+    nbytes: int
+    tensors: int
+    compress: str | None
+    latest: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "created_ns": self.created_ns,
+                "bytes": self.nbytes, "tensors": self.tensors, "compress": self.compress,
+                "latest": self.latest}
+
+
+def latest_name(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def set_latest(root: str, name: str | None) -> None:
+    """Point `latest` at `name` (atomically), or remove it when None."""
+    if name is None:
+        try:
+            os.unlink(os.path.join(root, LATEST))
+        except FileNotFoundError:
+            pass
+        return
+    write_small(os.path.join(root, LATEST), (name + "\n").encode())
+
+
+def list_checkpoints(root: str) -> list[Entry]:
+    """Complete checkpoints in `root`, oldest first (partial saves are never listed)."""
+    latest = latest_name(root)
+    out = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isfile(os.path.join(path, MANIFEST)):
+            continue
+        try:
+            m = read_manifest(path)
+        except CheckpointError:
+            continue
+        files = m.get("files", {})
+        out.append(Entry(name, path, int(m.get("created_ns", 0)),
+                         sum(int(f["size"]) for f in files.values()),
+                         sum(len(f["tensors"]) for f in files.values()),
+                         m.get("compress"), name == latest))
+    out.sort(key=lambda e: (e.created_ns, e.name))
+    return out
+
+
+OWNER = ".owner"
+
+
+def claim_partial(path: str) -> str:
+    """Make the hidden folder a save builds in, clearing one a dead save left behind."""
+    partial = partial_path(path)
+    if os.path.isdir(partial):
+        if not is_stale(partial):
+            raise CheckpointError(f"another process is saving {path} right now",
+                                  "save under another name, or wait for it")
+        shutil.rmtree(partial)
+    os.makedirs(partial)
+    with open(os.path.join(partial, OWNER), "w") as f:
+        json.dump({"pid": os.getpid()}, f)
+    return partial
+
+
+def is_stale(partial: str) -> bool:
+    """Was this partial save left by a process that is gone?"""
+    try:
+        with open(os.path.join(partial, OWNER)) as f:
+            pid = int(json.load(f)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def partials(root: str) -> list[str]:
+    """Hidden folders of saves that never completed (and whose writer is gone)."""
+    return sorted(p for n in os.listdir(root)
+                  if n.startswith(".") and n.endswith((PARTIAL_SUFFIX, ".removing"))
+                  and os.path.isdir(p := os.path.join(root, n)) and is_stale(p))
+
+
+def remove(path: str) -> None:
+    """Remove one checkpoint; `latest` moves to the newest one left."""
+    path = os.path.abspath(path)
+    read_manifest(path)  # refuse to remove what is not a checkpoint
+    root, name = os.path.split(path)
+    hidden = os.path.join(root, f".{name}.removing")
+    os.rename(path, hidden)  # gone from listings at once, even if the removal is cut short
+    with open(os.path.join(hidden, OWNER), "w") as f:
+        json.dump({"pid": os.getpid()}, f)
+    if latest_name(root) == name:
+        left = list_checkpoints(root)
+        set_latest(root, left[-1].name if left else None)
+    shutil.rmtree(hidden)
+    sync_dir(root)
+
+
+def prune(root: str, keep: int, protect: str | None = None) -> list[str]:
+    """Keep the newest `keep` checkpoints (and `protect`); remove the rest and partials."""
+    if keep < 1:
+        raise CheckpointError(f"keep must be at least 1, not {keep}", "pass --keep 1 or more")
+    removed = []
+    for p in partials(root):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    entries = list_checkpoints(root)
+    latest = latest_name(root)
+    for e in entries[:max(0, len(entries) - keep)]:
+        if e.name in (protect, latest):
+            continue
+        remove(e.path)
+        removed.append(e.path)
+    return removed

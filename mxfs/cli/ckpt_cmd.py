@@ -1,0 +1,109 @@
+"""`mxfs ckpt ls | verify | rm | prune`: checkpoints as an operator sees them."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+from mxfs.errors import MxfsError
+from mxfs.units import format_size
+
+
+def _root(path: str) -> str:
+    if not os.path.isdir(path):
+        raise MxfsError(f"{path} is not a folder", "give the folder that holds checkpoints")
+    return path
+
+
+def _when(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from mxfs.ckpt import catalog
+
+    root = _root(args.folder)
+    entries = catalog.list_checkpoints(root)
+    partial = catalog.partials(root)
+    if args.json:
+        print(json.dumps({"checkpoints": [e.as_dict() for e in entries],
+                          "incomplete": partial}, indent=2))
+        return 0
+    if not entries:
+        print(f"no checkpoints in {root}")
+    for e in entries:
+        mark = "  <- latest" if e.latest else ""
+        comp = f", {e.compress}" if e.compress else ""
+        print(f"{e.name:30} {_when(e.created_ns)}  {format_size(e.nbytes):>10}  "
+              f"{e.tensors} tensors{comp}{mark}")
+    if partial:
+        print(f"({len(partial)} incomplete save(s) left by dead writers; "
+              f"mxfs ckpt prune {root} removes them)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from mxfs.ckpt import verify
+
+    bad = 0
+    results = []
+    for path in args.path:
+        damage = verify(path)
+        bad += bool(damage)
+        results.append({"path": path, "ok": not damage,
+                        "damage": [{"file": d.file, "begin": d.begin, "end": d.end,
+                                    "tensors": d.tensors, "member": d.member} for d in damage]})
+        if not args.json:
+            for d in damage:
+                print(f"DAMAGED {d.describe()}")
+            if not damage:
+                print(f"ok {path}")
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 1 if bad else 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from mxfs.ckpt import remove
+
+    for path in args.path:
+        remove(path)
+        if not args.json:
+            print(f"removed {path}")
+    if args.json:
+        print(json.dumps({"removed": args.path}))
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from mxfs.ckpt import prune
+
+    removed = prune(_root(args.folder), args.keep)
+    if args.json:
+        print(json.dumps({"removed": removed}))
+    else:
+        print("\n".join(f"removed {p}" for p in removed) or "nothing to remove")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`mxfs ckpt ...` and its verbs."""
+    s = sub.add_parser("ckpt", help="list, verify, remove and prune checkpoints")
+    verbs = s.add_subparsers(dest="verb", required=True, parser_class=type(s))
+    v = verbs.add_parser("ls", help="complete checkpoints in a folder, oldest first")
+    v.add_argument("folder")
+    v.set_defaults(func=cmd_ls)
+    v = verbs.add_parser("verify", help="check every byte of checkpoints against checksums")
+    v.add_argument("path", nargs="+")
+    v.set_defaults(func=cmd_verify)
+    v = verbs.add_parser("rm", help="remove checkpoints (latest moves to the newest left)")
+    v.add_argument("path", nargs="+")
+    v.set_defaults(func=cmd_rm)
+    v = verbs.add_parser("prune", help="keep the newest N checkpoints, drop dead partial saves")
+    v.add_argument("folder")
+    v.add_argument("--keep", type=int, required=True, metavar="N")
+    v.set_defaults(func=cmd_prune)
+    for p in (s, *verbs.choices.values()):
+        p.add_argument("--json", action="store_true")

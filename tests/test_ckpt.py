@@ -1,0 +1,292 @@
+"""Checkpoints: async saves through the direct path, atomic publication, verified loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import Mounted, eventually, force_unmount, mkfs, mxfs, one_line_error
+from test_faults import check_pool
+
+import mxfs.ckpt as ck
+from mxfs.ckpt import catalog
+from mxfs.client import ControlClient
+from mxfs.errors import MxfsError
+from mxfs.io import Layout
+from mxfs.load import load_file
+from mxfs.pool import Pool
+
+
+def training_state(seed: int = 0, n: int = 64) -> dict[str, Any]:
+    """A model, Adam-like optimizer state and plain values, in many dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, n, generator=g)
+    model = {
+        "embed": torch.randn(300, n, generator=g).bfloat16(),
+        "w": w, "tied": w,
+        "half": torch.randn(17, generator=g).half(),
+        "f64": torch.randn(3, 3, generator=g, dtype=torch.float64),
+        "f8a": torch.randn(40, generator=g).to(torch.float8_e4m3fn),
+        "f8b": torch.randn(40, generator=g).to(torch.float8_e5m2),
+        "i8": torch.randint(-100, 100, (9,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8),
+        "i32": torch.randint(0, 1 << 30, (5,), generator=g, dtype=torch.int32),
+        "i64": torch.arange(7),
+        "mask": torch.rand(11, generator=g) > 0.5,
+        "cplx": torch.randn(4, generator=g, dtype=torch.complex64),
+        "strided": torch.randn(8, 6, generator=g).t(),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+    }
+    optim = {"state": {0: {"step": torch.tensor(10.0), "exp_avg": torch.randn(n, n, generator=g),
+                           "exp_avg_sq": torch.rand(n, n, generator=g)}},
+             "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0],
+                               "foreach": None, "amsgrad": False, "max": float("inf")}]}
+    return {"model": model, "optim": optim, "step": 1000 + seed, "run": "demo", "blob": b"\x00x",
+            "dtype": torch.bfloat16, "shape": torch.Size([2, 3])}
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point and a.itemsize == 1
+                           else a, b.view(torch.uint8) if b.dtype.is_floating_point
+                           and b.itemsize == 1 else b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}.{i}")
+    else:
+        assert a == b and type(a) is type(b), where
+
+
+@pytest.fixture(params=["mxfs", "plain"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """Checkpoints on the mount (direct path) and on a plain folder (same code, renames)."""
+    if request.param == "plain":
+        return tmp_path
+    return request.getfixturevalue("mounted").path
+
+
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_save_and_load_give_back_every_dtype_and_structure(where: Path,
+                                                           compress: str | None) -> None:
+    state = training_state()
+    snap = ck.save(state, str(where / "step-1"), compress=compress)
+    snap.staged()
+    snap.wait()
+    assert snap.progress["state"] == "done"
+    back = ck.load(str(where / "step-1"))
+    assert_same(state, back)
+    assert back["model"]["tied"] is back["model"]["w"]  # stored once, tied again on load
+    assert (where / "latest").read_text().strip() == "step-1"
+    assert sorted(os.listdir(where / "step-1")) == ["data.safetensors", catalog.MANIFEST]
+    data = str(where / "step-1" / "data.safetensors")
+    if compress is None:  # a plain safetensors file: any reader loads the tensors
+        for reader in (safetensors.torch.load_file, load_file):
+            loaded = reader(data)
+            assert torch.equal(loaded["model.embed"], state["model"]["embed"])
+            exp_avg = state["optim"]["state"][0]["exp_avg"]
+            assert torch.equal(loaded["optim.state.0.exp_avg"], exp_avg)
+    else:
+        assert set(safetensors.torch.load_file(data)) >= {"model.embed"}  # still a container
+
+
+def test_values_that_need_pickle_are_refused_naming_where(tmp_path: Path) -> None:
+    with pytest.raises(MxfsError, match=r"model\.fn .*pickle"):
+        ck.save({"model": {"fn": object()}}, str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists() and os.listdir(tmp_path) == []
+
+
+def test_tensors_changed_after_staged_do_not_change_the_checkpoint(mounted: Mounted) -> None:
+    state = {"w": torch.ones(1 << 20), "b": torch.zeros(10)}
+    snap = ck.save(state, str(mounted.path / "s"))
+    snap.staged()
+    state["w"].add_(5)  # training goes on
+    state["b"].fill_(7)
+    snap.wait()
+    back = ck.load(str(mounted.path / "s"))
+    assert torch.equal(back["w"], torch.ones(1 << 20)) and torch.equal(back["b"], torch.zeros(10))
+
+
+def test_a_hundred_saves_reuse_one_staging_buffer_and_keep_memory_flat(
+        mounted: Mounted) -> None:
+    saver = ck.Checkpointer(keep_last=2)
+    state = training_state(n=512)  # ~3 MiB of tensors
+    rss = []
+    for i in range(100):
+        state["step"] = i
+        state["model"]["w"].add_(1)
+        saver.save(state, str(mounted.path / "run" / f"step-{i:03}"))
+        if i in (10, 99):
+            saver.wait()
+            rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    saver.wait()
+    assert saver.staging.allocations == 1
+    assert rss[1] - rss[0] < 32 * 1024  # KiB: no growth save after save
+    names = [e.name for e in ck.list_checkpoints(str(mounted.path / "run"))]
+    assert names == ["step-098", "step-099"]  # keep_last, newest kept
+    assert (mounted.path / "run" / "latest").read_text().strip() == "step-099"
+    back = ck.load(str(mounted.path / "run" / "step-099"))
+    assert back["step"] == 99 and torch.equal(back["model"]["w"], state["model"]["w"])
+
+
+def test_saving_over_an_existing_checkpoint_is_refused(mounted: Mounted) -> None:
+    ck.save({"a": torch.ones(3)}, str(mounted.path / "c")).wait()
+    with pytest.raises(ck.CheckpointError, match="already exists"):
+        ck.save({"a": torch.zeros(3)}, str(mounted.path / "c"))
+    assert torch.equal(ck.load(str(mounted.path / "c"))["a"], torch.ones(3))
+
+
+# ---- faults --------------------------------------------------------------------------
+
+# The writer, stopped at one step of the save (by wrapping the function that step calls),
+# then killed with SIGKILL by the test.
+KILLED_WRITER = r"""
+import os, sys, time, torch
+import mxfs.ckpt as ck
+from mxfs.ckpt import snapshot, catalog
+from mxfs.client import writer as w
+path, step = sys.argv[1], sys.argv[2]
+
+def stop(name, fn):
+    def wrapper(*a, **k):
+        if stop.armed:
+            print("at", name, flush=True)
+            time.sleep(600)
+        return fn(*a, **k)
+    return wrapper
+stop.armed = True
+
+state = {"w": torch.full((3 << 20,), 7.0), "step": 2}
+if step == "after-staging":
+    snapshot._Job._write = stop(step, snapshot._Job._write)
+elif step == "mid-write":
+    orig = w.DirectWriter.write_at
+    def write_at(self, off, buf, valid=None):
+        orig(self, off, buf[:1 << 20], valid=1 << 20)
+        print("at", step, flush=True)
+        time.sleep(600)
+    w.DirectWriter.write_at = write_at
+elif step == "before-commit":
+    w.DirectWriter.commit = stop(step, w.DirectWriter.commit)
+elif step == "during-commit":  # the data file is committed, the manifest not yet
+    catalog.write_small = stop(step, catalog.write_small)
+elif step == "before-rename":  # everything written, the folder not yet renamed
+    snapshot.sync_dir = stop(step, snapshot.sync_dir)
+snapshot.WRITE_STEP = 1 << 20
+ck.save(state, path).wait()
+"""
+
+
+@pytest.mark.parametrize("step", ["after-staging", "mid-write", "before-commit",
+                                  "during-commit", "before-rename"])
+def test_writer_killed_at_each_step_leaves_the_previous_checkpoint(mounted: Mounted,
+                                                                    step: str) -> None:
+    root = mounted.path / "ckpts"
+    prev = {"w": torch.arange(1000.0), "step": 1}
+    ck.save(prev, str(root / "step-1")).wait()
+    p = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root / "step-2"), step],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    assert p.stdout.readline().split() == ["at", step]
+    p.kill()
+    p.wait()
+    mounted.umount()
+    mounted.remount()
+    assert [e.name for e in ck.list_checkpoints(str(root))] == ["step-1"]
+    assert (root / "latest").read_text().strip() == "step-1"
+    assert_same(prev, ck.load(str(root / "step-1")))
+    assert ck.verify(str(root / "step-1")) == []
+    assert not (root / "step-2").exists()
+    ck.prune(str(root), keep=5)  # the dead writer's hidden folder goes
+    assert sorted(os.listdir(root)) == ["latest", "step-1"]
+    mounted.umount()
+    check_pool(mounted.members)
+
+
+def _chunk_of(m: Mounted, path: Path, offset: int) -> tuple[str, int, int]:
+    """(chunk file, offset in it, member) holding byte `offset` of a file on the mount."""
+    with ControlClient(str(m.path)) as c:
+        lay = c.layout(str(path))
+    member, chunk_off = Layout.from_description(lay["layout"]).locate(offset)
+    return Pool.open(m.members[0]).chunk_path(member, lay["ino"]), chunk_off, member
+
+
+def test_a_flipped_byte_is_reported_with_its_file_and_tensor(mounted: Mounted) -> None:
+    path = mounted.path / "c"
+    ck.save({"a": torch.randn(100_000), "b": torch.randn(100_000)}, str(path)).wait()
+    manifest = json.loads((path / catalog.MANIFEST).read_text())
+    entry = manifest["files"]["data.safetensors"]["tensors"]["b"]
+    chunk, off, member = _chunk_of(mounted, path / "data.safetensors", entry["offset"] + 200_000)
+    with open(chunk, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0x10]))
+    want = rf"data\.safetensors.*member {member}.*tensors: b:"
+    with pytest.raises(ck.CheckpointCorrupt, match=want):
+        ck.load(str(path))
+    res = mxfs("ckpt", "verify", str(path), check=False)
+    assert res.returncode == 1
+    assert "DAMAGED" in res.stdout and "data.safetensors" in res.stdout
+    assert res.stdout.rstrip().endswith("tensors: b")
+    report = json.loads(mxfs("ckpt", "verify", "--json", str(path), check=False).stdout)
+    assert report[0]["damage"][0]["tensors"] == ["b"] and report[0]["damage"][0]["member"] == member
+
+
+def test_a_member_filling_up_fails_the_save_in_wait_and_gives_space_back(
+        loop_members: list[str]) -> None:
+    mkfs(loop_members)
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-ckpt-full-"))
+    mxfs("mount", loop_members[0], str(mp))
+    try:
+        prev = {"w": torch.randn(1 << 20)}
+        ck.save(prev, str(mp / "step-1")).wait()
+        free = [os.statvfs(m).f_bavail for m in loop_members]
+        snap = ck.save({"w": torch.randn(40 << 20)}, str(mp / "step-2"))  # 160 MiB: too big
+        with pytest.raises(ck.CheckpointError, match="No space left|space"):
+            snap.wait()
+        assert [e.name for e in ck.list_checkpoints(str(mp))] == ["step-1"]
+        assert (mp / "latest").read_text().strip() == "step-1"
+        assert_same(prev, ck.load(str(mp / "step-1")))
+        assert eventually(lambda: all(os.statvfs(m).f_bavail >= f - 64
+                                      for m, f in zip(loop_members, free, strict=True)))
+        assert sorted(os.listdir(mp)) == ["latest", "step-1"]
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)
+    check_pool(loop_members)
+
+
+def test_ckpt_cli_lists_removes_and_prunes(mounted: Mounted) -> None:
+    root = mounted.path / "r"
+    for i in range(4):
+        ck.save({"x": torch.full((10,), float(i))}, str(root / f"s{i}")).wait()
+    out = json.loads(mxfs("ckpt", "ls", "--json", str(root)).stdout)
+    assert [c["name"] for c in out["checkpoints"]] == ["s0", "s1", "s2", "s3"]
+    assert [c["latest"] for c in out["checkpoints"]] == [False, False, False, True]
+    mxfs("ckpt", "rm", str(root / "s3"))
+    assert (root / "latest").read_text().strip() == "s2"  # moved to the newest left
+    mxfs("ckpt", "prune", str(root), "--keep", "1")
+    assert [e.name for e in ck.list_checkpoints(str(root))] == ["s2"]
+    assert "s2" in mxfs("ckpt", "ls", str(root)).stdout
+    line = one_line_error(mxfs("ckpt", "verify", str(root / "nope"), check=False))
+    assert "does not exist" in line
+    line = one_line_error(mxfs("ckpt", "rm", str(mounted.path), check=False))
+    assert "not an mxfs checkpoint" in line
+    line = one_line_error(mxfs("ckpt", "prune", str(root), "--keep", "0", check=False))
+    assert "keep" in line
