@@ -186,7 +186,7 @@ elif step == "before-commit":
 elif step == "during-commit":  # the data file is committed, the manifest not yet
     catalog.write_small = stop(step, catalog.write_small)
 elif step == "before-rename":  # everything written, the folder not yet renamed
-    snapshot.sync_dir = stop(step, snapshot.sync_dir)
+    catalog.sync_dir = stop(step, catalog.sync_dir)
 snapshot.WRITE_STEP = 1 << 20
 ck.save(state, path).wait()
 """

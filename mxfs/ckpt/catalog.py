@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +138,28 @@ def claim_partial(path: str) -> str:
     with open(os.path.join(partial, OWNER), "w") as f:
         json.dump({"pid": os.getpid()}, f)
     return partial
+
+
+def new_manifest(files: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A manifest: format, version, creation time, data files (size, checksums, tensors)."""
+    return {"format": FORMAT, "version": VERSION, "created_ns": time.time_ns(), **fields,
+            "files": files}
+
+
+def publish(partial: str, path: str, manifest: dict[str, Any]) -> None:
+    """Finish a save: manifest, then rename the hidden folder into place, then `latest`.
+
+    Each step is durable before the next, so a crash leaves either the previous
+    state or the complete checkpoint, and `latest` never names a missing one.
+    """
+    write_small(os.path.join(partial, MANIFEST),
+                json.dumps(manifest, separators=(",", ":")).encode())
+    os.unlink(os.path.join(partial, OWNER))
+    sync_dir(partial)
+    root = os.path.dirname(path)
+    os.rename(partial, path)
+    sync_dir(root)
+    set_latest(root, os.path.basename(path))
 
 
 def is_stale(partial: str) -> bool:

@@ -56,34 +56,77 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
-def _read_file(path: str, info: dict[str, Any]) -> tuple[torch.Tensor, list[Damage]]:
-    """The file's bytes and the blocks that fail their checksum."""
+def _sums(path: str, info: dict[str, Any]) -> tuple[int, int, tuple[int, ...]]:
+    """(size, block size, checksums) of a data file, checked for consistency."""
     size, unit = int(info["size"]), int(info["sum_unit"])
-    sums = struct.unpack(f"<{len(base64.b64decode(info['sums'])) // 8}Q",
-                         base64.b64decode(info["sums"]))
+    raw = base64.b64decode(info["sums"])
+    sums = struct.unpack(f"<{len(raw) // 8}Q", raw)
+    if unit <= 0 or len(sums) != math.ceil(size / unit):
+        raise CheckpointCorrupt(f"{path}: {len(sums)} checksums for {size} bytes",
+                                "the checkpoint is damaged; load an older one")
+    return size, unit, sums
+
+
+def _read_runs(path: str, info: dict[str, Any], runs: list[tuple[int, int]]
+               ) -> tuple[list[torch.Tensor], list[Damage]]:
+    """Read whole blocks [first, last) for each run, every member at once; check them."""
+    size, unit, sums = _sums(path, info)
+    bufs = [torch.empty(min(size, b1 * unit) - b0 * unit, dtype=torch.uint8) for b0, b1 in runs]
     with open_reader(path) as r:
         if r.size != size:
             raise CheckpointCorrupt(f"{path} holds {r.size} bytes, its manifest says {size}",
                                     "the checkpoint is damaged; load an older one")
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = writable_view(buf)
-        if size:
-            r.read_into(0, view)
+        r.read_many([(b0 * unit, writable_view(b)) for (b0, _), b in zip(runs, bufs, strict=True)
+                     if b.numel()])
         layout = r.layout if isinstance(r, DirectFile) else None
-    blocks = range(math.ceil(size / unit))
-    if len(sums) != len(blocks):
-        raise CheckpointCorrupt(f"{path}: {len(sums)} checksums for {len(blocks)} blocks",
-                                "the checkpoint is damaged; load an older one")
-    digests = executor().map(lambda k: xxhash.xxh3_64_intdigest(view[k * unit:(k + 1) * unit]),
-                             blocks)
+    jobs = [(k, writable_view(b)[(k - b0) * unit:(k - b0 + 1) * unit])
+            for (b0, b1), b in zip(runs, bufs, strict=True) for k in range(b0, b1)]
+    digests = executor().map(lambda job: xxhash.xxh3_64_intdigest(job[1]), jobs)
     damage = []
-    for k, (got, want) in enumerate(zip(digests, sums, strict=True)):
-        if got != want:
+    for (k, _), got in zip(jobs, digests, strict=True):
+        if got != sums[k]:
             begin, end = k * unit, min(size, (k + 1) * unit)
             hit = [n for n, t in info["tensors"].items() if _overlaps(t, begin, end)]
             damage.append(Damage(path, begin, end, hit,
                                  layout.locate(begin)[0] if layout else None))
-    return buf, damage
+    return bufs, damage
+
+
+def _read_file(path: str, info: dict[str, Any]) -> tuple[torch.Tensor, list[Damage]]:
+    """The whole file's bytes and the blocks that fail their checksum."""
+    size, unit, _ = _sums(path, info)
+    bufs, damage = _read_runs(path, info, [(0, math.ceil(size / unit))])
+    return bufs[0], damage
+
+
+def read_ranges(path: str, info: dict[str, Any], ranges: list[tuple[int, int]]
+                ) -> list[torch.Tensor]:
+    """The bytes of each (offset, length) range, read by whole verified blocks."""
+    size, unit, _ = _sums(path, info)
+    for off, n in ranges:
+        if off < 0 or n < 0 or off + n > size:
+            raise CheckpointCorrupt(f"{path}: range [{off}, {off + n}) is outside the file",
+                                    "the checkpoint is damaged; load an older one")
+    blocks = sorted({k for off, n in ranges if n
+                     for k in range(off // unit, (off + n - 1) // unit + 1)})
+    runs: list[tuple[int, int]] = []
+    for k in blocks:
+        if runs and runs[-1][1] == k:
+            runs[-1] = (runs[-1][0], k + 1)
+        else:
+            runs.append((k, k + 1))
+    bufs, damage = _read_runs(path, info, runs)
+    if damage:
+        raise CheckpointCorrupt(damage[0].describe(), "load an older checkpoint (mxfs ckpt ls)")
+    out = []
+    for off, n in ranges:
+        if not n:
+            out.append(torch.empty(0, dtype=torch.uint8))
+            continue
+        i = next(i for i, (b0, b1) in enumerate(runs) if b0 * unit <= off < b1 * unit)
+        base = runs[i][0] * unit
+        out.append(bufs[i][off - base:off - base + n])
+    return out
 
 
 def _overlaps(t: dict[str, Any], begin: int, end: int) -> bool:
@@ -149,6 +192,10 @@ def load(path: str, device: str | torch.device = "cpu", verify: bool = True) -> 
     """
     dev = check_device(device)
     manifest = read_manifest(path)
+    if "tree" not in manifest:
+        raise CheckpointError(f"{path} is a DCP checkpoint",
+                              "load it with torch.distributed.checkpoint.load(state, "
+                              "storage_reader=mxfs.ckpt.dcp.Reader(path))")
     tensors: dict[str, torch.Tensor] = {}
     for fname, info in manifest["files"].items():
         fpath = os.path.join(path, fname)

@@ -12,13 +12,13 @@ checksums, writes the manifest, renames the hidden folder into place, moves
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import os
 import shutil
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zstandard
@@ -29,7 +29,7 @@ from mxfs.ckpt.catalog import CheckpointError
 from mxfs.ckpt.image import Plan, compressed_plan, frame_count, plan, signature
 from mxfs.ckpt.staging import Staging, stage
 from mxfs.ckpt.tree import flatten
-from mxfs.client.writer import create_file, sync_dir
+from mxfs.client.writer import create_file
 from mxfs.io.batch import executor
 
 log = logging.getLogger("mxfs.ckpt")
@@ -189,31 +189,20 @@ class _Job:
             image, size = self._compress(buf, entries)
             snap.total = size
         path = os.path.join(self.partial, DATA_FILE)
-        with create_file(path, size) as w:
-            step = w.sum_unit * max(1, WRITE_STEP // w.sum_unit)
-            for off in range(0, size, step):
-                n = min(step, size - off)
-                w.write_at(off, image[off:off + -(-n // 4096) * 4096], valid=n)
-                snap.written = off + n
-            snap.state = "committing"
-            sums = w.commit(size)
-        manifest = {
-            "format": catalog.FORMAT, "version": catalog.VERSION, "created_ns": time.time_ns(),
-            "compress": self.compress, "metadata": self.meta, "tree": self.tree,
-            "files": {DATA_FILE: {
-                "size": size, "sum_unit": w.sum_unit,
-                "sums": base64.b64encode(struct.pack(f"<{len(sums)}Q", *sums)).decode(),
-                "tensors": entries}}}
-        catalog.write_small(os.path.join(self.partial, catalog.MANIFEST),
-                            json.dumps(manifest, separators=(",", ":")).encode())
-        os.unlink(os.path.join(self.partial, catalog.OWNER))
-        sync_dir(self.partial)
-        root = os.path.dirname(snap.path)
-        os.rename(self.partial, snap.path)
-        sync_dir(root)  # the checkpoint is durable and listed
-        catalog.set_latest(root, os.path.basename(snap.path))
+
+        def progress(done: int) -> None:
+            snap.written = done
+            if done == size:
+                snap.state = "committing"
+
+        info = write_image(path, image, size, progress)
+        manifest = catalog.new_manifest({DATA_FILE: {**info, "tensors": entries}},
+                                        kind="state", compress=self.compress,
+                                        metadata=self.meta, tree=self.tree)
+        catalog.publish(self.partial, snap.path, manifest)
         if self.keep:
-            catalog.prune(root, self.keep, protect=os.path.basename(snap.path))
+            catalog.prune(os.path.dirname(snap.path), self.keep,
+                          protect=os.path.basename(snap.path))
 
     def _compress(self, buf: memoryview, entries: dict[str, dict[str, Any]]
                   ) -> tuple[memoryview, int]:
@@ -250,6 +239,20 @@ class _Job:
                                          "length": sum(frames[s.name]),
                                          "frames": frames[s.name], "frame": FRAME}
         return view, packed.size
+
+
+def write_image(path: str, image: memoryview, size: int,
+                progress: Callable[[int], None] = lambda done: None) -> dict[str, Any]:
+    """Write a file image (4 KiB-padded buffer) and commit it; returns its manifest entry."""
+    with create_file(path, size) as w:
+        step = w.sum_unit * max(1, WRITE_STEP // w.sum_unit)
+        for off in range(0, size, step):
+            n = min(step, size - off)
+            w.write_at(off, image[off:off + -(-n // 4096) * 4096], valid=n)
+            progress(off + n)
+        sums = w.commit(size)
+    return {"size": size, "sum_unit": w.sum_unit,
+            "sums": base64.b64encode(struct.pack(f"<{len(sums)}Q", *sums)).decode()}
 
 
 def _check_compress(compress: str | None) -> None:

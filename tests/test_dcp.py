@@ -1,0 +1,112 @@
+"""torch.distributed.checkpoint through mxfs: several ranks (gloo, CPU) save, async-save, load."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import Mounted, mxfs
+from torch.distributed.checkpoint.api import CheckpointException
+
+import mxfs.ckpt as ck
+from mxfs.ckpt.dcp import Reader, Writer
+
+# DCP passes our error on, wrapped in its own exception when it ran inside a collective.
+REFUSED = (ck.CheckpointError, CheckpointException)
+
+RANK = r"""
+import os, sys, torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from mxfs.ckpt.dcp import Reader, Writer
+
+root = sys.argv[1]
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (world,))
+
+def state(scale):
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(8 * world, 33, generator=g) * scale
+    return {"model": {"w": distribute_tensor(full, mesh, [Shard(0)]),
+                      "b": torch.arange(10.0) * scale,  # replicated: one rank writes it
+                      "h": (torch.ones(5) * scale).bfloat16()},
+            "extra": {"step": int(scale), "note": "hi"}}
+
+dcp.save(state(1), storage_writer=Writer(root + "/sync"))
+dcp.async_save(state(2), storage_writer=Writer(root + "/async")).result()
+for name, scale in (("sync", 1), ("async", 2)):
+    want = state(scale)
+    got = state(0)
+    dcp.load(got, storage_reader=Reader(root + "/" + name))
+    assert torch.equal(got["model"]["w"].to_local(), want["model"]["w"].to_local()), name
+    assert torch.equal(got["model"]["b"], want["model"]["b"]), name
+    assert torch.equal(got["model"]["h"], want["model"]["h"]), name
+    assert got["extra"] == want["extra"], (name, got["extra"])
+dist.destroy_process_group()
+print("rank", rank, "ok", flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(root: Path, world: int) -> None:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(root)], env={**env,
+                              "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and f"rank {r} ok" in out, err[-3000:]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_save_async_save_and_load_through_mxfs(mounted: Mounted, world: int) -> None:
+    root = mounted.path / "dcp"
+    root.mkdir()
+    run_ranks(root, world)
+    for name in ("sync", "async"):
+        # the manifest and one file per rank (each holds a shard of w)
+        assert sorted(os.listdir(root / name)) == ["mxfs-checkpoint.json"] + [
+            f"rank-{r:05}.safetensors" for r in range(world)]
+        assert ck.verify(str(root / name)) == []
+    assert json.loads(mxfs("ckpt", "verify", "--json", str(root / "sync")).stdout)[0]["ok"]
+    assert [e.name for e in ck.list_checkpoints(str(root))] == ["sync", "async"]
+    # one process, no process group: the shards come back as one full tensor
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(8 * world, 33, generator=g)
+    got = {"model": {"w": torch.zeros(8 * world, 33), "b": torch.zeros(10),
+                     "h": torch.zeros(5, dtype=torch.bfloat16)}, "extra": {}}
+    dcp.load(got, storage_reader=Reader(str(root / "sync")))
+    assert torch.equal(got["model"]["w"], full)
+    assert torch.equal(got["model"]["b"], torch.arange(10.0))
+    with pytest.raises(ck.CheckpointError, match="DCP checkpoint"):
+        ck.load(str(root / "sync"))
+
+
+def test_single_process_dcp_on_a_plain_folder_and_refusals(tmp_path: Path) -> None:
+    state = {"a": torch.randn(100, 7), "n": {"x": 3}}
+    dcp.save(state, storage_writer=Writer(tmp_path / "c"))
+    got = {"a": torch.zeros(100, 7), "n": {"x": 0}}  # DCP loads the keys it is given
+    dcp.load(got, storage_reader=Reader(tmp_path / "c"))
+    assert torch.equal(got["a"], state["a"]) and got["n"] == {"x": 3}
+    with pytest.raises(REFUSED, match="already exists"):
+        dcp.save(state, storage_writer=Writer(tmp_path / "c"))
+    ck.save({"a": torch.ones(2)}, str(tmp_path / "plain")).wait()
+    with pytest.raises(REFUSED, match="not DCP"):
+        dcp.load(got, storage_reader=Reader(tmp_path / "plain"))
