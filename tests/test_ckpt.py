@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -290,3 +291,26 @@ def test_ckpt_cli_lists_removes_and_prunes(mounted: Mounted) -> None:
     assert "not an mxfs checkpoint" in line
     line = one_line_error(mxfs("ckpt", "prune", str(root), "--keep", "0", check=False))
     assert "keep" in line
+
+
+def test_process_writer_saves_and_its_death_fails_only_that_save(mounted: Mounted) -> None:
+    saver = ck.Checkpointer(writer="process", compress="zstd")
+    try:
+        state = training_state(n=256)
+        saver.save(state, str(mounted.path / "p1")).wait()
+        assert_same(state, ck.load(str(mounted.path / "p1")))
+        pid = saver.worker.pid  # type: ignore[union-attr]
+        assert pid is not None and pid != os.getpid()
+        os.kill(pid, signal.SIGSTOP)  # hold it, so it dies with the next job unwritten
+        snap = saver.save(training_state(1, n=256), str(mounted.path / "p2"))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ck.CheckpointError, match="writer process died"):
+            snap.wait()
+        assert [e.name for e in ck.list_checkpoints(str(mounted.path))] == ["p1"]
+        assert (mounted.path / "latest").read_text().strip() == "p1"
+        saver.save(training_state(2, n=256), str(mounted.path / "p3")).wait()  # a new worker
+        assert saver.worker.pid != pid  # type: ignore[union-attr]
+        assert_same(training_state(2, n=256), ck.load(str(mounted.path / "p3")))
+    finally:
+        saver.close()
+        saver.staging.release()

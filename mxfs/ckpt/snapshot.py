@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zstandard
@@ -29,6 +30,7 @@ from mxfs.ckpt.catalog import CheckpointError
 from mxfs.ckpt.image import Plan, compressed_plan, frame_count, plan, signature
 from mxfs.ckpt.staging import Staging, stage
 from mxfs.ckpt.tree import flatten
+from mxfs.ckpt.worker import WriterProcess
 from mxfs.client.writer import create_file
 from mxfs.io.batch import executor
 
@@ -95,13 +97,18 @@ class Checkpointer:
     """Saves state dicts, reusing one staging buffer (and its plan) across saves."""
 
     def __init__(self, compress: str | None = None, keep_last: int | None = None,
-                 level: int = 3) -> None:
+                 level: int = 3, writer: str = "thread") -> None:
+        """`writer="process"` writes from a worker process (staging in shared memory),
+        so compressing and checksumming never hold the trainer's GIL."""
         _check_compress(compress)
+        if writer not in ("thread", "process"):
+            raise CheckpointError(f"writer {writer!r} is not known", "use 'thread' or 'process'")
         self.compress = compress
         self.keep_last = keep_last
         self.level = level
-        self.staging = Staging()
+        self.staging = Staging(shared=writer == "process")
         self.packed = Staging()  # compressed images, when compressing
+        self.worker = WriterProcess() if writer == "process" else None
         self._plans: dict[Any, Plan] = {}
         self._last: Snapshot | None = None
         self._lock = threading.Lock()
@@ -136,9 +143,44 @@ class Checkpointer:
             snap.times["staged_cpu"] = time.perf_counter()
             snap._staged.set()
             self._last = snap
-            job = _Job(self, snap, p, tree, partial, compress, keep, meta)  # type: ignore[arg-type]
-            threading.Thread(target=job.run, name="mxfs-ckpt-writer", daemon=True).start()
+            job = Job(path, partial, p, tree, compress, keep, meta,  # type: ignore[arg-type]
+                      self.level)
+            threading.Thread(target=self._run, args=(snap, job), name="mxfs-ckpt-writer",
+                             daemon=True).start()
             return snap
+
+    def _run(self, snap: Snapshot, job: Job) -> None:
+        """The background half of a save, here or in the worker process."""
+
+        def progress(state: str, done: int, total: int) -> None:
+            snap.state, snap.written, snap.total = state, done, total
+
+        try:
+            snap.staged()
+            snap.times["staged"] = time.perf_counter()
+            snap.state = "writing"
+            if self.worker is not None:
+                self.worker.run(job, self.staging, progress)
+            else:
+                write_snapshot(job, self.staging.view(job.plan.size), self.packed, progress)
+            snap.state = "done"
+        except BaseException as e:  # noqa: BLE001 - every failure must reach wait()
+            snap.error = e
+            snap.state = "failed"
+            log.error("checkpoint %s failed: %s", snap.path, _describe(e))
+            shutil.rmtree(job.partial, ignore_errors=True)
+        finally:
+            snap.times["done"] = time.perf_counter()
+            snap._done.set()
+
+    def close(self) -> None:
+        """Wait for the last save and stop the worker process, if any."""
+        try:
+            if self._last is not None:
+                self._last._done.wait()
+        finally:
+            if self.worker is not None:
+                self.worker.close()
 
     def _finish_previous(self) -> None:
         """The staging buffer is reused: wait for the last save; surface an unseen failure."""
@@ -155,90 +197,72 @@ class Checkpointer:
             self._last.wait()
 
 
-class _Job:
-    """The background half of one save."""
+@dataclass
+class Job:
+    """What the background half of a save needs (picklable: a worker process may run it)."""
 
-    def __init__(self, owner: Checkpointer, snap: Snapshot, p: Plan, tree: Any, partial: str,
-                 compress: str | None, keep: int | None, meta: dict[str, str]) -> None:
-        self.owner, self.snap, self.plan, self.tree = owner, snap, p, tree
-        self.partial, self.compress, self.keep, self.meta = partial, compress, keep, meta
+    path: str
+    partial: str
+    plan: Plan
+    tree: Any
+    compress: str | None
+    keep: int | None
+    meta: dict[str, str]
+    level: int
 
-    def run(self) -> None:
-        snap = self.snap
-        try:
-            snap.staged()
-            snap.times["staged"] = time.perf_counter()
-            snap.state = "writing"
-            self._write()
-            snap.state = "done"
-        except BaseException as e:  # noqa: BLE001 - every failure must reach wait()
-            snap.error = e
-            snap.state = "failed"
-            log.error("checkpoint %s failed: %s", snap.path, _describe(e))
-            shutil.rmtree(self.partial, ignore_errors=True)
-        finally:
-            snap.times["done"] = time.perf_counter()
-            snap._done.set()
 
-    def _write(self) -> None:
-        snap, raw = self.snap, self.plan
-        buf = self.owner.staging.view(raw.size)
-        entries = {s.name: s.manifest() for s in raw.slots}
-        image, size = buf, raw.size
-        if self.compress == "zstd":
-            image, size = self._compress(buf, entries)
-            snap.total = size
-        path = os.path.join(self.partial, DATA_FILE)
+def write_snapshot(job: Job, image: memoryview, packed: Staging,
+                   progress: Callable[[str, int, int], None]) -> None:
+    """Compress (optionally), write, commit and publish one staged snapshot."""
+    raw = job.plan
+    entries = {s.name: s.manifest() for s in raw.slots}
+    size = raw.size
+    if job.compress == "zstd":
+        image, size = _compress(job, image, entries, packed)
+    info = write_image(os.path.join(job.partial, DATA_FILE), image, size,
+                       lambda done: progress("writing" if done < size else "committing",
+                                             done, size))
+    manifest = catalog.new_manifest({DATA_FILE: {**info, "tensors": entries}},
+                                    kind="state", compress=job.compress,
+                                    metadata=job.meta, tree=job.tree)
+    catalog.publish(job.partial, job.path, manifest)
+    if job.keep:
+        catalog.prune(os.path.dirname(job.path), job.keep, protect=os.path.basename(job.path))
 
-        def progress(done: int) -> None:
-            snap.written = done
-            if done == size:
-                snap.state = "committing"
 
-        info = write_image(path, image, size, progress)
-        manifest = catalog.new_manifest({DATA_FILE: {**info, "tensors": entries}},
-                                        kind="state", compress=self.compress,
-                                        metadata=self.meta, tree=self.tree)
-        catalog.publish(self.partial, snap.path, manifest)
-        if self.keep:
-            catalog.prune(os.path.dirname(snap.path), self.keep,
-                          protect=os.path.basename(snap.path))
+def _compress(job: Job, buf: memoryview, entries: dict[str, dict[str, Any]], packed: Staging
+              ) -> tuple[memoryview, int]:
+    """Independent zstd frames per tensor, compressed in parallel; returns the image."""
+    raw = job.plan
+    jobs: list[tuple[str, memoryview]] = []
+    for s in raw.slots:
+        jobs += [(s.name, buf[s.offset + o:s.offset + min(o + FRAME, s.nbytes)])
+                 for o in range(0, s.nbytes, FRAME)]
+    local = threading.local()
 
-    def _compress(self, buf: memoryview, entries: dict[str, dict[str, Any]]
-                  ) -> tuple[memoryview, int]:
-        """Independent zstd frames per tensor, compressed in parallel; returns the image."""
-        raw = self.plan
-        jobs: list[tuple[str, memoryview]] = []
-        for s in raw.slots:
-            jobs += [(s.name, buf[s.offset + o:s.offset + min(o + FRAME, s.nbytes)])
-                     for o in range(0, s.nbytes, FRAME)]
-        local = threading.local()
-        level = self.owner.level
+    def squeeze(item: tuple[str, memoryview]) -> bytes:
+        c = getattr(local, "c", None)
+        if c is None:
+            c = local.c = zstandard.ZstdCompressor(level=job.level)
+        return c.compress(item[1])
 
-        def squeeze(job: tuple[str, memoryview]) -> bytes:
-            c = getattr(local, "c", None)
-            if c is None:
-                c = local.c = zstandard.ZstdCompressor(level=level)
-            return c.compress(job[1])
-
-        blobs = list(executor().map(squeeze, jobs))
-        frames: dict[str, list[int]] = {s.name: [] for s in raw.slots}
-        for (name, _), blob in zip(jobs, blobs, strict=True):
-            frames[name].append(len(blob))
-        packed, offsets = compressed_plan(raw, frames, self.meta)
-        self.owner.packed.ensure(packed.size)
-        view = self.owner.packed.view(packed.size)
-        view[:len(packed.header)] = packed.header
-        pos = {s.name: s.offset for s in packed.slots}
-        for (name, _), blob in zip(jobs, blobs, strict=True):
-            view[pos[name]:pos[name] + len(blob)] = blob
-            pos[name] += len(blob)
-        for s in raw.slots:
-            assert frame_count(s.nbytes, FRAME) == len(frames[s.name])
-            entries[s.name]["stored"] = {"offset": offsets[s.name],
-                                         "length": sum(frames[s.name]),
-                                         "frames": frames[s.name], "frame": FRAME}
-        return view, packed.size
+    blobs = list(executor().map(squeeze, jobs))
+    frames: dict[str, list[int]] = {s.name: [] for s in raw.slots}
+    for (name, _), blob in zip(jobs, blobs, strict=True):
+        frames[name].append(len(blob))
+    out, offsets = compressed_plan(raw, frames, job.meta)
+    packed.ensure(out.size)
+    view = packed.view(out.size)
+    view[:len(out.header)] = out.header
+    pos = dict(offsets)
+    for (name, _), blob in zip(jobs, blobs, strict=True):
+        view[pos[name]:pos[name] + len(blob)] = blob
+        pos[name] += len(blob)
+    for s in raw.slots:
+        assert frame_count(s.nbytes, FRAME) == len(frames[s.name])
+        entries[s.name]["stored"] = {"offset": offsets[s.name], "length": sum(frames[s.name]),
+                                     "frames": frames[s.name], "frame": FRAME}
+    return view, out.size
 
 
 def write_image(path: str, image: memoryview, size: int,

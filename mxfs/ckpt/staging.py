@@ -10,6 +10,7 @@ state dict outgrows it, so a training loop allocates it once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
@@ -23,23 +24,51 @@ def _pin() -> bool:
 
 
 class Staging:
-    """A 4 KiB-aligned host buffer, reused across saves."""
+    """A 4 KiB-aligned host buffer, reused across saves.
 
-    def __init__(self) -> None:
+    `shared=True` puts it in named shared memory (page-aligned), so a writer
+    process can attach to it by `name` and write from it directly.
+    """
+
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared
+        self.shm: shared_memory.SharedMemory | None = None
         self._raw: torch.Tensor | None = None
         self.buf: torch.Tensor | None = None
         self.allocations = 0
+
+    @property
+    def name(self) -> str:
+        assert self.shm is not None
+        return self.shm.name
 
     def ensure(self, nbytes: int) -> torch.Tensor:
         """A uint8 view of at least `nbytes` (rounded to 4 KiB), aligned to 4 KiB."""
         want = round_up(max(nbytes, 1))
         if self.buf is None or self.buf.numel() < want:
-            self.buf = self._raw = None
-            raw = torch.empty(want + ALIGN, dtype=torch.uint8, pin_memory=_pin())
+            self.release()
+            if self.shared:
+                self.shm = shared_memory.SharedMemory(create=True, size=want)
+                raw = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+                if _pin():
+                    torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), want, 0)
+            else:
+                raw = torch.empty(want + ALIGN, dtype=torch.uint8, pin_memory=_pin())
             skip = (-raw.data_ptr()) % ALIGN
             self._raw, self.buf = raw, raw[skip:skip + want]
             self.allocations += 1
         return self.buf[:want]
+
+    def release(self) -> None:
+        """Give the memory back (a later `ensure` allocates again)."""
+        self.buf = self._raw = None
+        if self.shm is not None:
+            if _pin():
+                torch.cuda.cudart().cudaHostUnregister(
+                    torch.frombuffer(self.shm.buf, dtype=torch.uint8).data_ptr())
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
 
     def view(self, nbytes: int) -> memoryview:
         assert self.buf is not None

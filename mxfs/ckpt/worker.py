@@ -1,0 +1,123 @@
+"""The checkpoint writer as a separate process, for trainers whose GIL must stay free.
+
+The parent stages into named shared memory and sends each save as a `Job`
+over a pipe; the worker attaches to the memory, runs `write_snapshot` (the same
+code the writer thread runs) and answers with progress and a result.  If the
+worker dies, the save fails with that reason and the next save starts a new one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mxfs.ckpt.snapshot import Job
+    from mxfs.ckpt.staging import Staging
+
+
+class WriterProcess:
+    """The parent's handle on one worker process (started on first use)."""
+
+    def __init__(self) -> None:
+        self.proc: Any = None
+        self.conn: Connection | None = None
+
+    def _start(self) -> Connection:
+        """A fresh interpreter (`python -m mxfs.ckpt.worker`), not multiprocessing's
+        spawn, which would import the trainer's own script again."""
+        if self.proc is None or self.proc.poll() is not None:
+            ours, theirs = socket.socketpair()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mxfs.ckpt.worker"], pass_fds=[theirs.fileno()],
+                env={**os.environ, "MXFS_WRITER_FD": str(theirs.fileno())})
+            theirs.close()
+            self.conn = Connection(ours.detach())
+        assert self.conn is not None
+        return self.conn
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def run(self, job: Job, staging: Staging, progress: Callable[[str, int, int], None]) -> None:
+        """Have the worker write `job` from `staging`; raise what it raised."""
+        conn = self._start()
+        try:
+            conn.send((job, staging.name))
+            while True:
+                msg = conn.recv()
+                if msg[0] == "progress":
+                    progress(*msg[1:])
+                elif msg[0] == "done":
+                    return
+                else:
+                    _, code, text = msg
+                    raise OSError(code, text) if code else RuntimeError(text)
+        except (EOFError, ConnectionError, BrokenPipeError):
+            code = self.proc.wait() if self.proc is not None else None
+            self.proc = None
+            raise RuntimeError(f"the checkpoint writer process died (exit code {code})"
+                               ) from None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.proc is not None:
+            self.proc.wait(timeout=30)  # it exits when its end of the socket closes
+            self.proc = None
+
+
+def main(conn: Connection) -> None:
+    """The worker: serve jobs until the parent goes away."""
+    import torch  # noqa: F401 - loaded once, before the first job
+
+    from mxfs.ckpt.snapshot import write_snapshot
+    from mxfs.ckpt.staging import Staging
+
+    attached: dict[str, shared_memory.SharedMemory] = {}
+    packed = Staging()
+    while True:
+        try:
+            job, name = conn.recv()
+        except (EOFError, OSError):
+            return
+        shm = attached.get(name)
+        if shm is None:
+            for old in attached.values():
+                old.close()
+            attached = {name: (shm := shared_memory.SharedMemory(name=name))}
+            # The parent owns (and unlinks) it; do not let this process's tracker do so.
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        base = memoryview(shm.buf)
+        skip = (-_address(base)) % 4096
+        image = base[skip:skip + -(-job.plan.size // 4096) * 4096]
+        try:
+            write_snapshot(job, image, packed,
+                           lambda state, done, total: conn.send(("progress", state, done, total)))
+            conn.send(("done",))
+        except OSError as e:
+            conn.send(("error", e.errno or errno.EIO, e.strerror or str(e)))
+        except Exception as e:  # noqa: BLE001 - reported to the parent's wait()
+            conn.send(("error", 0, f"{type(e).__name__}: {e}"))
+        finally:
+            image.release()
+            base.release()
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+if __name__ == "__main__":
+    main(Connection(int(os.environ["MXFS_WRITER_FD"])))
