@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import math
 import os
-import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from mxfs.ckpt.image import itemsize
 from mxfs.ckpt.tree import unflatten
 from mxfs.client.direct import DirectFile, open_reader
 from mxfs.io.batch import executor
+from mxfs.io.checksum import unpack_sums
 from mxfs.load.tensors import check_device, writable_view
 
 
@@ -60,7 +60,7 @@ def _sums(path: str, info: dict[str, Any]) -> tuple[int, int, tuple[int, ...]]:
     """(size, block size, checksums) of a data file, checked for consistency."""
     size, unit = int(info["size"]), int(info["sum_unit"])
     raw = base64.b64decode(info["sums"])
-    sums = struct.unpack(f"<{len(raw) // 8}Q", raw)
+    sums = unpack_sums(raw)
     if unit <= 0 or len(sums) != math.ceil(size / unit):
         raise CheckpointCorrupt(f"{path}: {len(sums)} checksums for {size} bytes",
                                 "the checkpoint is damaged; load an older one")

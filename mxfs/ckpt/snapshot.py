@@ -15,7 +15,6 @@ import base64
 import logging
 import os
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from mxfs.ckpt.tree import flatten
 from mxfs.ckpt.worker import WriterProcess
 from mxfs.client.writer import create_file
 from mxfs.io.batch import executor
+from mxfs.io.checksum import pack_sums
 
 log = logging.getLogger("mxfs.ckpt")
 
@@ -276,7 +276,7 @@ def write_image(path: str, image: memoryview, size: int,
             progress(off + n)
         sums = w.commit(size)
     return {"size": size, "sum_unit": w.sum_unit,
-            "sums": base64.b64encode(struct.pack(f"<{len(sums)}Q", *sums)).decode()}
+            "sums": base64.b64encode(pack_sums(sums)).decode()}
 
 
 def _check_compress(compress: str | None) -> None:

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import mmap
 import os
+from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
 from mxfs.errors import MxfsError
@@ -99,18 +100,26 @@ class PlainFile(Reader):
 class DirectFile(Reader):
     """A file on an mxfs mount, read straight from its chunk files in parallel."""
 
-    def __init__(self, path: str, client: ControlClient) -> None:
+    def __init__(self, path: str, client: ControlClient,
+                 opened: tuple[dict[str, Any], list[int]] | None = None) -> None:
+        """Open `path` with `open_read`, or wrap what another request handed over
+        (`opened`: its reply, with size, layout and members, and the descriptors)."""
         self.path = path
         self.client = client
-        self._pool_path = client.pool_path(path)
-        reply, fds = client.call_with_fds("open_read", path=self._pool_path)
+        self._pool_path = client.pool_path(path) if opened is None else ""
+        reply, fds = opened or client.call_with_fds("open_read", path=self._pool_path)
         self.size = int(reply["size"])
-        self.ino, self.generation = reply["ino"], reply["generation"]
+        self.ino, self.generation = reply.get("ino"), reply.get("generation")
         self.layout = Layout.from_description(reply["layout"])
         self.fds = dict(zip(reply["members"], fds, strict=True))
 
     def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
         """Fill each buffer from its file offset, every member at once, in one batch."""
+        read_batch(self.plan_reads(ranges))
+
+    def plan_reads(self, ranges: list[tuple[int, memoryview]]) -> list[ReadOp]:
+        """The reads that fill each buffer (holes are zeroed now), to run in a batch
+        that several files may share."""
         ops = []
         for offset, buf in ranges:
             _check_range(self, offset, len(buf))
@@ -124,7 +133,7 @@ class DirectFile(Reader):
                             b[:] = bytes(len(b))
                     else:
                         ops.append(ReadOp(fd, piece.chunk_offset, bufs))
-        read_batch(ops)
+        return ops
 
     def check_unchanged(self) -> None:
         """Raise FileChanged if the path now names another file or other bytes."""

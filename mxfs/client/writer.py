@@ -15,26 +15,20 @@ import base64
 import errno
 import fcntl
 import os
-import struct
 import uuid
-
-import xxhash
+from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError
 from mxfs.client.direct import SEGMENT, control_client_for
 from mxfs.io import Layout, WriteOp, write_batch
 from mxfs.io.batch import executor
+from mxfs.io.checksum import block_sums, pack_sums
 
 ALIGN = 4096
 # Checksum block of files written outside mxfs (an mxfs file uses its stripe unit).
 PLAIN_SUM_UNIT = 1 << 20
 # Most checksums one commit carries (8 bytes each, base64, within the 1 MiB message limit).
 MAX_SUMS = 65536
-
-
-def block_sums(buf: memoryview, unit: int) -> list[int]:
-    """xxh3-64 of each `unit` bytes of `buf` (the last block may be short)."""
-    return [xxhash.xxh3_64_intdigest(buf[o:o + unit]) for o in range(0, len(buf), unit)]
 
 
 def is_aligned(buf: memoryview, offset: int) -> bool:
@@ -103,13 +97,12 @@ class FileWriter:
 class DirectWriter(FileWriter):
     """A hidden mxfs file written straight to its chunk files."""
 
-    def __init__(self, path: str, client: ControlClient, size: int, mode: int,
-                 exclusive: bool, direct: bool) -> None:
+    def __init__(self, label: str, client: ControlClient, reply: dict[str, Any],
+                 fds: list[int], size: int, direct: bool) -> None:
+        """`reply` and `fds` come from a create-like request (`create`, `kv_create`)."""
         super().__init__()
-        self.path = path
+        self.path = label
         self.client = client
-        reply, fds = client.call_with_fds("create", path=client.pool_path(path), size=size,
-                                          mode=mode, exclusive=exclusive)
         self.ino = int(reply["ino"])
         self.layout = Layout.from_description(reply["layout"])
         self.fds = dict(zip(reply["members"], fds, strict=True))
@@ -134,6 +127,12 @@ class DirectWriter(FileWriter):
                         (flags & ~os.O_DIRECT))
 
     def write_at(self, offset: int, buf: memoryview, valid: int | None = None) -> None:
+        write_batch(self.plan_writes(offset, buf, valid))
+
+    def plan_writes(self, offset: int, buf: memoryview, valid: int | None = None
+                    ) -> list[WriteOp]:
+        """Hash `buf` and return its writes, one per member and segment, to run in a batch
+        (several files' writes may share one)."""
         valid = len(buf) if valid is None else valid
         self._hash(offset, buf, valid)
         if self.direct and not is_aligned(buf, offset):
@@ -145,20 +144,26 @@ class DirectWriter(FileWriter):
             for piece in self.layout.plan(offset + seg, len(part)):
                 ops.append(WriteOp(self.fds[piece.member], piece.chunk_offset,
                                    [part[o:o + n] for o, n in piece.spans]))
-        write_batch(ops)
+        return ops
 
     def commit(self, size: int, replace: bool = True) -> list[int]:
+        return self.finish("commit", size, sync=True, replace=replace)[0]
+
+    def finish(self, op: str, size: int, sync: bool, **fields: Any
+               ) -> tuple[list[int], dict[str, Any]]:
+        """Send the commit-like request `op` for `size` bytes, fsyncing first if `sync`."""
         sums = self.sums(size)
-        packed = struct.pack(f"<{len(sums)}Q", *sums)
-        list(executor().map(os.fsync, self.fds.values()))  # members in parallel
+        packed = pack_sums(sums)
+        if sync:
+            list(executor().map(os.fsync, self.fds.values()))  # members in parallel
         self._close_fds()
         try:
-            self.client.call("commit", ino=self.ino, size=size, sum_unit=self.sum_unit,
-                             sums=base64.b64encode(packed).decode(), replace=replace)
+            reply = self.client.call(op, ino=self.ino, size=size, sum_unit=self.sum_unit,
+                                     sums=base64.b64encode(packed).decode(), **fields)
         except ControlError as e:
             raise OSError(e.errno, f"{self.path}: {e.strerror}") from None
         self.done = True
-        return sums
+        return sums, reply
 
     def abort(self) -> None:
         self._close_fds()
@@ -256,6 +261,8 @@ def create_file(path: str, size: int = 0, mode: int = 0o644, exclusive: bool = F
             raise FileExistsError(errno.EEXIST, f"{path} exists")
         return PlainWriter(path, mode, direct)
     try:
-        return DirectWriter(path, client, size, mode, exclusive, direct)
+        reply, fds = client.call_with_fds("create", path=client.pool_path(path), size=size,
+                                          mode=mode, exclusive=exclusive)
     except ControlError as e:
         raise OSError(e.errno, f"{path}: {e.strerror}") from None
+    return DirectWriter(path, client, reply, fds, size, direct)

@@ -9,14 +9,12 @@ and every path is resolved with the caller's permissions.
 from __future__ import annotations
 
 import array
-import base64
 import errno
 import logging
 import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -31,7 +29,18 @@ from mxfs.fs.access import (
     resolve_parent_for,
     supplementary_groups,
 )
-from mxfs.fs.volume import OpenInode, Volume
+from mxfs.fs.kv import KVIndex
+from mxfs.fs.kv_ops import KV_OPS, KVOps
+from mxfs.fs.session import (
+    Pending,
+    Session,
+    int_field,
+    open_hidden,
+    path_field,
+    read_fds,
+    sums_field,
+)
+from mxfs.fs.volume import Volume
 from mxfs.io.batch import ENGINE, native_engine
 from mxfs.meta import Inode
 from mxfs.proto import HEADER, OPS, VERSION, ProtocolError, decode_payload, encode, parse_header
@@ -46,36 +55,6 @@ def runtime_dir() -> str:
         return "/run/mxfs"
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/mxfs-{os.getuid()}"
     return os.path.join(base, "mxfs") if "XDG_RUNTIME_DIR" in os.environ else base
-
-
-def _path(msg: dict[str, Any]) -> str:
-    path = msg.get("path")
-    if not isinstance(path, str):
-        raise ProtocolError(f"{msg.get('op')} needs a string 'path'")
-    return path
-
-
-def _int(msg: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = msg.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ProtocolError(f"{msg.get('op')} needs a non-negative integer {key!r}")
-    return value
-
-
-@dataclass
-class Pending:
-    """A hidden file one connection is writing: published by `commit`, else dropped."""
-
-    entry: OpenInode
-    path: str
-
-
-@dataclass
-class Session:
-    """One control connection: who is calling and what it holds."""
-
-    caller: Caller
-    pending: dict[int, Pending] = field(default_factory=dict)
 
 
 def peer_caller(sock: Any) -> Caller:
@@ -96,6 +75,7 @@ class ControlServer:
         # Told about names that commits create or replace, so the kernel's cached
         # entries (including "no such name") are dropped.
         self.entry_changed = entry_changed
+        self.kv = KVOps(volume, KVIndex(volume))
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
@@ -139,6 +119,7 @@ class ControlServer:
             finally:
                 for ino in list(session.pending):
                     self._drop(session, ino)
+                self.kv.release(session)
 
     async def _serve(self, conn: Any, session: Session) -> None:
         caller = session.caller
@@ -216,14 +197,16 @@ class ControlServer:
         if op == "stat":
             return {"ok": True, **self.status()}, []
         if op == "layout":
-            node = resolve_for(self.vol.store, _path(msg), caller)
+            node = resolve_for(self.vol.store, path_field(msg), caller)
             return self._describe(node), []
         if op == "open_read":
-            return self._open_read(_path(msg), caller)
+            return self._open_read(path_field(msg), caller)
         if op == "create":
             return self._create(msg, session)
         if op == "commit":
             return await self._commit(msg, session), []
+        if op in KV_OPS:
+            return self.kv.handle(op, msg, session)
         if op == "abort":
             self._drop(session, self._pending(msg, session).entry.node.ino)
             return {"ok": True}, []
@@ -250,19 +233,7 @@ class ControlServer:
         if self.writeback_cache and entry is not None and entry.wrote:
             # Its newest bytes may still sit in the kernel's writeback cache.
             raise OSError(errno.EBUSY, f"{path} is open for writing through the mount")
-        members, fds = [], []
-        try:
-            for m in self.vol.layout(node).used_members():
-                try:
-                    fds.append(os.open(self.vol.pool.chunk_path(m, node.ino),
-                                       os.O_RDONLY | os.O_CLOEXEC))
-                except FileNotFoundError:
-                    continue  # never written: reads as zeros
-                members.append(m)
-        except OSError:
-            for fd in fds:
-                os.close(fd)
-            raise
+        members, fds = read_fds(self.vol, node)
         reply = self._describe(node)
         reply["members"] = members
         return reply, fds
@@ -275,9 +246,9 @@ class ControlServer:
         The caller must be allowed to create `path` (as the mount would), and the
         declared `size` must fit without eating the metadata store's reserve.
         """
-        path, caller = _path(msg), session.caller
-        size = _int(msg, "size", 0)
-        mode = _int(msg, "mode", 0o644) & 0o7777
+        path, caller = path_field(msg), session.caller
+        size = int_field(msg, "size", 0)
+        mode = int_field(msg, "mode", 0o644) & 0o7777
         parent, name = resolve_parent_for(self.vol.store, path, caller)
         if msg.get("exclusive") and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
@@ -286,27 +257,14 @@ class ControlServer:
             self.vol.pool.check_space(m, -(-size // layout.width))
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
                               caller.gids.__contains__)
-        entry = self.vol.create_hidden(parent, mode, caller.uid, gid)
-        node = entry.node
-        session.pending[node.ino] = Pending(entry, path)
-        members, fds = [], []
-        try:
-            for m in self.vol.layout(node).used_members():
-                entry.chunks.fd(m, create=True)  # type: ignore[union-attr]
-                fds.append(os.open(self.vol.pool.chunk_path(m, node.ino),
-                                   os.O_WRONLY | os.O_CLOEXEC))
-                members.append(m)
-        except OSError:
-            for fd in fds:
-                os.close(fd)
-            self._drop(session, node.ino)
-            raise
-        reply = self._describe(node)
+        entry, members, fds = open_hidden(self.vol, parent, mode, caller.uid, gid)
+        session.pending[entry.node.ino] = Pending(entry, path)
+        reply = self._describe(entry.node)
         reply["members"] = members
         return reply, fds
 
     def _pending(self, msg: dict[str, Any], session: Session) -> Pending:
-        pending = session.pending.get(_int(msg, "ino"))
+        pending = session.pending.get(int_field(msg, "ino"))
         if pending is None:
             raise OSError(errno.EBADF, f"inode {msg.get('ino')} is not being written here")
         return pending
@@ -315,19 +273,8 @@ class ControlServer:
         """Publish a hidden file: settle its bytes, name it, seal it, make it durable."""
         pending = self._pending(msg, session)
         entry, node = pending.entry, pending.entry.node
-        size = _int(msg, "size")
-        sum_unit = _int(msg, "sum_unit")
-        lay = self.vol.layout(node)
-        try:
-            sums = base64.b64decode(msg.get("sums", ""), validate=True)
-        except (ValueError, TypeError):
-            raise ProtocolError("commit needs base64 'sums'") from None
-        if sum_unit == 0 or sum_unit % lay.unit:
-            raise OSError(errno.EINVAL, f"sum_unit {sum_unit} is not a multiple of the "
-                          f"stripe unit {lay.unit}")
-        if len(sums) != 8 * (-(-size // sum_unit)):
-            raise OSError(errno.EINVAL, f"{len(sums) // 8} checksums for {size} bytes in "
-                          f"units of {sum_unit}")
+        size = int_field(msg, "size")
+        sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
         await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
         if session.pending.get(node.ino) is not pending:
             raise OSError(errno.EBADF, f"inode {node.ino} was aborted")

@@ -114,7 +114,7 @@ async def _serve(control: ControlServer, ready: Ready, readahead_kib: int) -> No
     async with trio.open_nursery() as nursery:
         await nursery.start(control.serve)
         nursery.start_soon(_stop_on_signal)
-        nursery.start_soon(_commit_groups, control.vol)
+        nursery.start_soon(_commit_groups, control)
         nursery.start_soon(_raise_readahead, control.mountpoint, readahead_kib)
         log.info("pool %s mounted on %s, control socket %s", control.vol.pool.uuid,
                  control.mountpoint, control.path)
@@ -131,12 +131,15 @@ async def _raise_readahead(mountpoint: str, kib: int) -> None:
         log.info("could not raise readahead of %s to %d KiB (needs root)", mountpoint, kib)
 
 
-async def _commit_groups(vol: Volume) -> None:
-    """End each group of metadata changes within GROUP_COMMIT_S of its first change,
-    then free the data of files whose last link and last open went."""
+async def _commit_groups(control: ControlServer) -> None:
+    """End each group of metadata changes within GROUP_COMMIT_S of its first change
+    (KV access times included), then free the data of files whose last link and last
+    open went."""
+    vol = control.vol
     vol.store.group_commit = True
     while True:
         await trio.sleep(GROUP_COMMIT_S / 2)
+        control.kv.flush()
         vol.store.commit_if_due(GROUP_COMMIT_S)
         inos = vol.take_pending()
         if inos:

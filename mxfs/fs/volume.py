@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
-from mxfs.meta import Inode, MetaStore
+from mxfs.meta import ROOT_INO, Inode, MetaStore
 from mxfs.meta.check import inode_numbers, invariant_problems
 from mxfs.pool import ChunkFiles, Pool, format_members
 
@@ -66,6 +66,8 @@ class Volume:
         self.open_inodes: dict[int, OpenInode] = {}
         # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
         self.pending_reclaim: list[int] = []
+        # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
+        self._spares: list[Inode] = []
         self._lock_fd: int | None = None
 
     @classmethod
@@ -176,12 +178,31 @@ class Volume:
         self.store.commit()
         return self.acquire(node)
 
-    def settle_hidden(self, entry: OpenInode, size: int) -> None:
-        """Blocking (worker thread): cut a hidden file's chunk files to `size`, fsync them."""
+    def take_spare(self, uid: int, gid: int, batch: int = 64) -> OpenInode:
+        """A hidden file with the root's layout, from a batch made and committed at once.
+
+        KV puts come by the thousand a second; one commit per batch keeps the rule
+        that a hidden inode is committed before any of its chunk files exists.
+        """
+        if not self._spares:
+            with self.store.transaction():
+                self._spares = [self.store.create_hidden(ROOT_INO, 0o600, 0, 0,
+                                                         self.pick_layout)
+                                for _ in range(batch)]
+            self.store.commit()
+        node = self._spares.pop()
+        if (node.uid, node.gid) != (uid, gid):
+            node.uid, node.gid = uid, gid
+            self.store.save(node, "uid", "gid")
+        return self.acquire(node)
+
+    def settle_hidden(self, entry: OpenInode, size: int, sync: bool = True) -> None:
+        """Blocking: cut a hidden file's chunk files to `size`, and fsync them if `sync`."""
         node = entry.node
         assert entry.chunks is not None
         self.pool.truncate_chunks(node.ino, self.layout(node), size)
-        entry.chunks.sync()
+        if sync:
+            entry.chunks.sync()
 
     def publish(self, entry: OpenInode, parent: int, name: bytes, size: int, replace: bool,
                 sum_unit: int, sums: bytes) -> None:
@@ -280,6 +301,8 @@ class Volume:
         for entry in list(self.open_inodes.values()):
             entry.count = 1
             self.release(entry.node.ino)
+        self.pending_reclaim += [n.ino for n in self._spares]
+        self._spares = []
         self.reclaim_pending()
         self.store.flush_all()
         if clean:

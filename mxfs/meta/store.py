@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 ROOT_INO = 1
 NAME_MAX = 255
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DB_NAME = "mxfs.db"
 
 _SCHEMA = """
@@ -52,12 +52,23 @@ CREATE TABLE xattrs(ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NUL
 CREATE TABLE orphans(ino INTEGER PRIMARY KEY);
 CREATE TABLE dirty_data(ino INTEGER PRIMARY KEY);
 CREATE TABLE sealed(ino INTEGER PRIMARY KEY, sum_unit INTEGER NOT NULL, sums BLOB NOT NULL);
+CREATE TABLE kv_ns(ns TEXT PRIMARY KEY, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
+                   mode INTEGER NOT NULL, capacity INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE kv(ns TEXT NOT NULL, key BLOB NOT NULL, ino INTEGER NOT NULL,
+                size INTEGER NOT NULL, atime INTEGER NOT NULL,
+                PRIMARY KEY(ns, key)) WITHOUT ROWID;
+CREATE INDEX kv_by_ino ON kv(ino);
 """
 
 # Statements that bring a store of schema version N (the key) to N + 1.
 _MIGRATIONS = {
     1: ["CREATE TABLE sealed(ino INTEGER PRIMARY KEY, sum_unit INTEGER NOT NULL,"
         " sums BLOB NOT NULL)"],
+    2: ["CREATE TABLE kv_ns(ns TEXT PRIMARY KEY, uid INTEGER NOT NULL, gid INTEGER NOT NULL,"
+        " mode INTEGER NOT NULL, capacity INTEGER NOT NULL DEFAULT 0)",
+        "CREATE TABLE kv(ns TEXT NOT NULL, key BLOB NOT NULL, ino INTEGER NOT NULL,"
+        " size INTEGER NOT NULL, atime INTEGER NOT NULL, PRIMARY KEY(ns, key)) WITHOUT ROWID",
+        "CREATE INDEX kv_by_ino ON kv(ino)"],
 }
 
 _COLUMNS = ("ino", "mode", "uid", "gid", "nlink", "size", "atime_ns", "mtime_ns", "ctime_ns",
@@ -640,3 +651,53 @@ class MetaStore:
 
     def is_sealed(self, ino: int) -> bool:
         return self.db.execute("SELECT 1 FROM sealed WHERE ino=?", (ino,)).fetchone() is not None
+
+    # ---- the KV chunk index ----------------------------------------------------
+    # A KV chunk is a sealed regular inode with nlink 1 whose one reference is its
+    # row in `kv` (not a directory entry).
+
+    def kv_namespaces(self) -> list[tuple[str, int, int, int, int]]:
+        """(ns, uid, gid, mode, capacity) of every namespace."""
+        return self.db.execute("SELECT ns, uid, gid, mode, capacity FROM kv_ns").fetchall()
+
+    def kv_set_namespace(self, ns: str, uid: int, gid: int, mode: int, capacity: int) -> None:
+        with self.transaction():
+            self.db.execute("INSERT OR REPLACE INTO kv_ns VALUES (?,?,?,?,?)",
+                            (ns, uid, gid, mode, capacity))
+
+    def kv_rows(self) -> Iterator[tuple[str, bytes, int, int, int]]:
+        """(ns, key, ino, size, atime) of every chunk, least recently used first."""
+        return iter(self.db.execute("SELECT ns, key, ino, size, atime FROM kv ORDER BY atime"))
+
+    def kv_publish(self, ino: int, ns: str, key: bytes, size: int, atime: int) -> None:
+        """Give a hidden file its index entry (EEXIST if the key is taken: first wins)."""
+        node = self.get(ino)
+        if node.nlink != 0:
+            raise fail(errno.EINVAL, f"inode {ino} is already published")
+        with self.transaction():
+            try:
+                self.db.execute("INSERT INTO kv VALUES (?,?,?,?,?)", (ns, key, ino, size, atime))
+            except sqlite3.IntegrityError:
+                raise fail(errno.EEXIST) from None
+            self.db.execute("DELETE FROM orphans WHERE ino=?", (ino,))
+            node.nlink, node.size = 1, size
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self._write(node, "nlink", "size", "mtime_ns", "ctime_ns")
+
+    def kv_remove(self, entries: list[tuple[str, bytes, int]]) -> list[Inode]:
+        """Drop (ns, key, ino) entries in one change; their inodes become orphans."""
+        nodes = []
+        with self.transaction():
+            self.db.executemany("DELETE FROM kv WHERE ns=? AND key=?",
+                                [(ns, key) for ns, key, _ in entries])
+            now = time.time_ns()
+            for _, _, ino in entries:
+                node = self.get(ino)
+                self._drop_link(node, now)
+                nodes.append(node)
+        return nodes
+
+    def kv_touch(self, rows: list[tuple[int, str, bytes]]) -> None:
+        """Write back access times: (atime, ns, key)."""
+        with self.transaction():
+            self.db.executemany("UPDATE kv SET atime=? WHERE ns=? AND key=?", rows)

@@ -1,0 +1,227 @@
+"""The KV chunk index: namespaces, an LRU per namespace, capacity and eviction.
+
+Every process on the node reaches one index (this daemon's), so capacity and
+LRU order hold across processes and serving instances.  The index lives in
+the metadata store (`kv_ns`, `kv`) and in memory here; access times are
+written back in batches with the group commit.  A chunk is a sealed inode;
+evicting or deleting one orphans it, and its chunk files are reclaimed like
+any unlinked file's (after the readers that hold descriptors are done).
+No FUSE or trio here.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from mxfs.fs.access import Caller
+from mxfs.fs.volume import Volume
+
+log = logging.getLogger("mxfs.kv")
+
+# Eviction starts above HIGH x capacity and stops at LOW x capacity.
+HIGH, LOW = 1.0, 0.9
+# The pool keeps this share of each member free for everything else: KV puts that would
+# go below it fail at once (the engine goes on without caching) and eviction makes room.
+POOL_FREE_MIN = 0.05
+MAX_KEY = 1024
+MAX_NAMESPACE = 128
+
+
+@dataclass(slots=True)
+class Chunk:
+    ino: int
+    size: int
+    atime: int
+    pins: int = 0
+
+
+@dataclass
+class Namespace:
+    name: str
+    uid: int
+    gid: int
+    mode: int
+    capacity: int  # bytes; 0 = bounded by the pool only
+    chunks: OrderedDict[bytes, Chunk] = field(default_factory=OrderedDict)  # LRU first
+    used: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+
+    def may(self, caller: Caller) -> bool:
+        """Owner, group (mode bits) or root: the namespace is one shared object."""
+        if caller.uid == 0 or caller.uid == self.uid:
+            return True
+        return self.gid in caller.gids and bool(self.mode & 0o060) or bool(self.mode & 0o006)
+
+    def stats(self) -> dict[str, int | str]:
+        return {"namespace": self.name, "chunks": len(self.chunks), "bytes": self.used,
+                "capacity": self.capacity, "hits": self.hits, "misses": self.misses,
+                "puts": self.puts, "evictions": self.evictions,
+                "pinned": sum(1 for c in self.chunks.values() if c.pins)}
+
+
+def check_namespace(name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAMESPACE or "\0" in name:
+        raise OSError(errno.EINVAL, f"namespace must be 1-{MAX_NAMESPACE} characters")
+    return name
+
+
+def check_key(key: bytes) -> bytes:
+    if not key or len(key) > MAX_KEY:
+        raise OSError(errno.EINVAL, f"a key must be 1-{MAX_KEY} bytes (hash longer ones)")
+    return key
+
+
+class KVIndex:
+    """Every namespace's chunks, in LRU order; the daemon's one instance."""
+
+    def __init__(self, vol: Volume) -> None:
+        self.vol = vol
+        self.spaces: dict[str, Namespace] = {}
+        self._clock = itertools.count(1)
+        self._touched: dict[tuple[str, bytes], int] = {}
+        self.load()
+
+    def load(self) -> None:
+        """Read the index from the store (least recently used first)."""
+        store = self.vol.store
+        for ns, uid, gid, mode, capacity in store.kv_namespaces():
+            self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
+        last = 0
+        for ns, key, ino, size, atime in store.kv_rows():
+            space = self.spaces.get(ns)
+            if space is None:
+                space = self.spaces[ns] = Namespace(ns, 0, 0, 0o770, 0)
+            space.chunks[bytes(key)] = Chunk(ino, size, atime)
+            space.used += size
+            last = max(last, atime)
+        self._clock = itertools.count(last + 1)
+        if self.spaces:
+            log.info("KV index: %d chunks in %d namespaces",
+                     sum(len(s.chunks) for s in self.spaces.values()), len(self.spaces))
+
+    # ---- namespaces -------------------------------------------------------------
+
+    def space(self, name: object, caller: Caller, create: bool = True) -> Namespace:
+        """A namespace the caller may use; made on first use, owned by its maker."""
+        name = check_namespace(name)
+        space = self.spaces.get(name)
+        if space is None:
+            if not create:
+                raise OSError(errno.ENOENT, f"no KV namespace {name!r}")
+            space = self.spaces[name] = Namespace(name, caller.uid, caller.gid, 0o770, 0)
+            self.vol.store.kv_set_namespace(name, caller.uid, caller.gid, 0o770, 0)
+        if not space.may(caller):
+            raise OSError(errno.EACCES, f"KV namespace {name!r} belongs to uid {space.uid}")
+        return space
+
+    def configure(self, space: Namespace, caller: Caller, capacity: int) -> None:
+        if caller.uid not in (0, space.uid):
+            raise OSError(errno.EPERM, "only the namespace's owner or root sets its capacity")
+        space.capacity = capacity
+        self.vol.store.kv_set_namespace(space.name, space.uid, space.gid, space.mode, capacity)
+
+    # ---- chunks -----------------------------------------------------------------
+
+    def lookup(self, space: Namespace, key: bytes) -> Chunk | None:
+        """The chunk under `key` (now the most recently used), or None: a miss."""
+        chunk = space.chunks.get(key)
+        if chunk is None:
+            space.misses += 1
+            return None
+        space.hits += 1
+        space.chunks.move_to_end(key)
+        chunk.atime = next(self._clock)
+        self._touched[(space.name, key)] = chunk.atime
+        return chunk
+
+    def insert(self, space: Namespace, key: bytes, ino: int, size: int) -> None:
+        """Publish a committed hidden file under `key` (EEXIST if another writer won)."""
+        atime = next(self._clock)
+        self.vol.store.kv_publish(ino, space.name, key, size, atime)
+        space.chunks[key] = Chunk(ino, size, atime)
+        space.used += size
+        space.puts += 1
+
+    def remove(self, space: Namespace, keys: list[bytes]) -> int:
+        """Delete chunks now (pinned ones too: readers keep their descriptors)."""
+        return len(self._drop([(space, k) for k in keys if k in space.chunks]))
+
+    def _drop(self, victims: list[tuple[Namespace, bytes]]) -> list[int]:
+        entries = []
+        for space, key in victims:
+            chunk = space.chunks.pop(key)
+            space.used -= chunk.size
+            self._touched.pop((space.name, key), None)
+            entries.append((space.name, key, chunk.ino))
+        if not entries:
+            return []
+        for node in self.vol.store.kv_remove(entries):
+            self.vol.unlinked(node)
+        return [ino for _, _, ino in entries]
+
+    # ---- capacity -----------------------------------------------------------------
+
+    def evict(self, space: Namespace, target: int) -> int:
+        """Evict least recently used, unpinned chunks until `space` holds <= target bytes."""
+        victims, freed = [], 0
+        for key, chunk in space.chunks.items():
+            if space.used - freed <= target:
+                break
+            if chunk.pins:
+                continue
+            victims.append((space, key))
+            freed += chunk.size
+        space.evictions += len(victims)
+        self._drop(victims)
+        return len(victims)
+
+    def enforce(self, space: Namespace) -> int:
+        """After a put: above the namespace's capacity, evict down to its low watermark."""
+        if space.capacity and space.used > space.capacity * HIGH:
+            return self.evict(space, int(space.capacity * LOW))
+        return 0
+
+    def make_room(self, members: list[int], size: int) -> bool:
+        """Is there room for a chunk of `size` on `members`?  If not, evict pool-wide
+        (least recently used first, across namespaces) so later puts find room."""
+        short = 0
+        for m in members:
+            st = os.statvfs(self.vol.pool.members[m].path)
+            floor = st.f_blocks * st.f_frsize * POOL_FREE_MIN
+            short = max(short, int(floor + size - st.f_bavail * st.f_frsize))
+        if short <= 0:
+            return True
+        need = short * len(self.vol.pool.members) * 2  # bytes are spread over all members
+        heads = sorted(((c.atime, s.name, k) for s in self.spaces.values()
+                        for k, c in itertools.islice(s.chunks.items(), 4096) if not c.pins))
+        victims, freed = [], 0
+        for _, name, key in heads:
+            if freed >= need:
+                break
+            space = self.spaces[name]
+            victims.append((space, key))
+            space.evictions += 1
+            freed += space.chunks[key].size
+        self._drop(victims)
+        if victims:
+            log.info("KV: pool short of space, evicted %d chunks (%d bytes)", len(victims),
+                     freed)
+        return False
+
+    def flush(self) -> None:
+        """Write access times back (called with each group commit)."""
+        if self._touched:
+            rows = [(atime, ns, key) for (ns, key), atime in self._touched.items()]
+            self._touched.clear()
+            self.vol.store.kv_touch(rows)
+
+    def stats(self) -> list[dict[str, int | str]]:
+        return [s.stats() for s in self.spaces.values()]

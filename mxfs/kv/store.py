@@ -1,0 +1,299 @@
+"""`KVStore`: KV-cache chunks on the pool, shared by every process on the node.
+
+A chunk is an immutable, sealed object under a key in a namespace.  `put`
+writes it straight to the members' chunk files (the direct write path) and
+publishes it atomically; the first writer of a key wins and later puts of the
+same key are cheap no-ops.  `get` reads it straight into the caller's buffer,
+every member at once, and checks each block's xxh3 before saying "hit": a
+damaged chunk is a miss (logged, and dropped from the index), so wrong bytes
+never reach the engine.  The index, LRU order and capacity live in the
+daemon, so they hold across processes and restarts.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from mxfs.client.control import ControlClient, ControlError, mount_root
+from mxfs.client.direct import DirectFile
+from mxfs.client.writer import DirectWriter
+from mxfs.errors import MxfsError
+from mxfs.io import read_batch, write_batch
+from mxfs.io.checksum import block_sums, pack_sums
+from mxfs.proto import MAX_FDS
+
+log = logging.getLogger("mxfs.kv")
+
+MAX_KEY = 1024  # longer keys are replaced by their SHA-256 (still stable everywhere)
+# Chunks this small travel inside the request and reply (one round trip, no descriptors).
+INLINE = 256 << 10
+_INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a third)
+Key = bytes | str
+
+
+def key_bytes(key: Key | Any) -> bytes:
+    """A key as the index stores it: bytes, at most MAX_KEY long (longer ones hashed)."""
+    if hasattr(key, "encode") and not isinstance(key, str):
+        key = key.encode()  # a ChunkKey
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if not raw:
+        raise ValueError("a KV key cannot be empty")
+    if len(raw) > MAX_KEY:
+        return b"sha256:" + hashlib.sha256(raw).digest()
+    return raw
+
+
+def _b64(key: Key | Any) -> str:
+    return base64.b64encode(key_bytes(key)).decode()
+
+
+def _view(buf: Any, writable: bool) -> tuple[memoryview, Any]:
+    """(byte view, torch tensor to copy back into or None) of a buffer or a tensor."""
+    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # a torch tensor
+        if not buf.is_contiguous():
+            raise ValueError("KV buffers must be contiguous tensors")
+        back = None
+        if buf.device.type != "cpu":
+            back, buf = buf, buf.to("cpu") if not writable else \
+                buf.new_empty(buf.shape, device="cpu", pin_memory=True)
+        n = buf.numel() * buf.element_size()
+        return memoryview((ctypes.c_char * n).from_address(buf.data_ptr())).cast("B"), \
+            (back, buf) if back is not None else None
+    view = memoryview(buf).cast("B")
+    if writable and view.readonly:
+        raise ValueError("the output buffer is read-only")
+    return view, None
+
+
+class _Inline:
+    """A small chunk whose bytes came in the reply."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.size = len(data)
+
+    def close(self) -> None:
+        pass
+
+
+class KVStore:
+    """Chunks of one namespace of the pool mounted at (or holding) `mount`."""
+
+    def __init__(self, mount: str, namespace: str = "default", *,
+                 capacity: int | None = None) -> None:
+        root = mount_root(mount)
+        if root is None:
+            raise MxfsError(f"{mount} is not on an mxfs mount",
+                            "give the mount point of a pool: mxfs mount POOL MOUNTPOINT")
+        # A connection of its own: read leases and unpublished puts belong to it.
+        self.client = ControlClient(root)
+        self.namespace = namespace
+        self.members = len(self.client.stat()["members"])
+        self.batch = max(1, MAX_FDS // self.members)
+        if capacity is not None:
+            self.client.call("kv_config", namespace=namespace, capacity=capacity)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        return self.client.call(op, namespace=self.namespace, **fields)
+
+    # ---- writing ------------------------------------------------------------------
+
+    def put(self, key: Key, buffer: Any) -> bool:
+        """Store `buffer` under `key`; False if the key was already stored (first wins)."""
+        return self.batch_put([key], [buffer])[0]
+
+    def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[bool]:
+        """Store each buffer under its key, every chunk's bytes written in one parallel batch.
+
+        Raises OSError(ENOSPC) at once when the pool is short of space (eviction is
+        then making room): the engine should go on without caching these.
+        """
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys for {len(buffers)} buffers")
+        stored = [False] * len(keys)
+        small: list[tuple[int, str, memoryview]] = []
+        large: list[tuple[int, str, memoryview]] = []
+        for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
+            view = _view(buf, writable=False)[0]
+            (small if len(view) <= INLINE else large).append((i, _b64(key), view))
+        batch: list[tuple[int, str, memoryview]] = []
+        for item in small + [(-1, "", memoryview(b""))]:
+            if batch and (item[0] < 0 or sum(len(v) for _, _, v in batch) + len(item[2])
+                          > _INLINE_BATCH):
+                reply = self._checked("kv_put", keys=[k for _, k, _ in batch],
+                                      data=[base64.b64encode(v).decode() for _, _, v in batch])
+                for (i, _, _), ok in zip(batch, reply["stored"], strict=True):
+                    stored[i] = bool(ok)
+                batch = []
+            if item[0] >= 0:
+                batch.append(item)
+        self._put_large(large, stored)
+        return stored
+
+    def _checked(self, op: str, **fields: Any) -> dict[str, Any]:
+        try:
+            return self._call(op, **fields)
+        except ControlError as e:
+            raise OSError(e.errno, f"KV {op.removeprefix('kv_')}: {e.strerror}") from None
+
+    def _put_large(self, items: list[tuple[int, str, memoryview]], stored: list[bool]) -> None:
+        """Direct writes: hidden files, every chunk's bytes in one parallel batch, commits."""
+        writers: list[tuple[int, DirectWriter, str, int]] = []
+        try:
+            ops = []
+            for i, k, view in items:
+                try:
+                    reply, fds = self.client.call_with_fds(
+                        "kv_create", namespace=self.namespace, key=k, size=len(view))
+                except ControlError as e:
+                    raise OSError(e.errno, f"KV put: {e.strerror}") from None
+                if reply.get("exists"):
+                    continue
+                w = DirectWriter(f"kv:{self.namespace}", self.client, reply, fds, len(view),
+                                 direct=True)
+                writers.append((i, w, k, len(view)))
+                ops += w.plan_writes(0, view)
+            write_batch(ops)
+            for i, w, k, size in writers:
+                _, reply = w.finish("kv_commit", size, sync=False, namespace=self.namespace,
+                                    key=k)
+                stored[i] = bool(reply.get("stored"))
+        finally:
+            for _, w, _, _ in writers:
+                if not w.done:
+                    w.abort()
+
+    # ---- reading ------------------------------------------------------------------
+
+    def get(self, key: Key, out: Any = None) -> Any:
+        """The chunk's bytes (into `out` when given, returning True), or None on a miss."""
+        return self.batch_get([key], None if out is None else [out])[0]
+
+    def batch_get(self, keys: Sequence[Key], outs: Sequence[Any] | None = None) -> list[Any]:
+        """Each chunk read into its buffer (or new bytes), all at once; None for misses."""
+        results: list[Any] = []
+        for start in range(0, len(keys), self.batch):
+            part = list(keys[start:start + self.batch])
+            results += self._get_some(part, None if outs is None else
+                                      list(outs[start:start + self.batch]))
+        return results
+
+    def _get_some(self, keys: list[Key], outs: list[Any] | None) -> list[Any]:
+        wire = [_b64(k) for k in keys]
+        try:
+            # No lease needed: the descriptors keep a chunk's bytes even if it is evicted.
+            reply, fds = self.client.call_with_fds("kv_get", namespace=self.namespace,
+                                                   keys=wire, inline_max=INLINE)
+        except ControlError as e:
+            raise OSError(e.errno, f"KV get: {e.strerror}") from None
+        files: list[DirectFile | _Inline | None] = []
+        try:
+            for entry in reply["chunks"]:
+                if entry is None:
+                    files.append(None)
+                    continue
+                if "data" in entry:
+                    files.append(_Inline(base64.b64decode(entry["data"])))
+                    continue
+                mine, fds = fds[:len(entry["members"])], fds[len(entry["members"]):]
+                files.append(DirectFile(f"kv:{self.namespace}", self.client, (entry, mine)))
+            views, copies, ops = [], [], []
+            for i, f in enumerate(files):
+                if f is None:
+                    views.append(None)
+                    copies.append(None)
+                    continue
+                if outs is None:
+                    view, copy = memoryview(bytearray(f.size)), None
+                else:
+                    view, copy = _view(outs[i], writable=True)
+                    if len(view) < f.size:
+                        raise ValueError(f"output buffer {i} holds {len(view)} bytes, "
+                                         f"the chunk {f.size}")
+                view = view[:f.size]
+                views.append(view)
+                copies.append(copy)
+                if isinstance(f, _Inline):
+                    view[:] = f.data
+                else:
+                    ops += f.plan_reads([(0, view)])
+            read_batch(ops)
+            results: list[Any] = []
+            bad = []
+            for i, (f, entry) in enumerate(zip(files, reply["chunks"], strict=True)):
+                if f is None:
+                    results.append(None)
+                    continue
+                want = base64.b64decode(entry["sums"])
+                got = pack_sums(block_sums(views[i], int(entry["sum_unit"])))
+                if got != want:
+                    log.warning("KV chunk %r of namespace %s fails its checksum: dropped, "
+                                "counted as a miss", key_bytes(keys[i])[:64], self.namespace)
+                    bad.append(wire[i])
+                    results.append(None)
+                    continue
+                if copies[i] is not None:
+                    device_tensor, host = copies[i]
+                    device_tensor.copy_(host)
+                results.append(True if outs is not None else bytes(views[i]))
+            if bad:
+                self._call("kv_delete", keys=bad)
+        finally:
+            for f in files:
+                if f is not None:
+                    f.close()
+        return results
+
+    # ---- the index ----------------------------------------------------------------
+
+    def exists(self, key: Key) -> bool:
+        return self._call("kv_exists", keys=[_b64(key)])["present"][0]
+
+    def batch_exists(self, keys: Sequence[Key]) -> int:
+        """How many of `keys`, from the first, are stored without a gap (a prefix hit)."""
+        present = self._call("kv_exists", keys=[_b64(k) for k in keys])["present"]
+        n = 0
+        for p in present:
+            if not p:
+                break
+            n += 1
+        return n
+
+    def exists_many(self, keys: Sequence[Key]) -> list[bool]:
+        return self._call("kv_exists", keys=[_b64(k) for k in keys])["present"]
+
+    def delete(self, key: Key) -> bool:
+        return self._call("kv_delete", keys=[_b64(key)])["deleted"] == 1
+
+    def pin(self, keys: Sequence[Key]) -> None:
+        """A read lease on each key: eviction skips them until `unpin` (or this store closes)."""
+        reply, fds = self.client.call_with_fds("kv_get", namespace=self.namespace,
+                                               keys=[_b64(k) for k in keys], pin=True)
+        for fd in fds:
+            os.close(fd)
+
+    def unpin(self, keys: Sequence[Key]) -> None:
+        self._call("kv_unpin", keys=[_b64(k) for k in keys])
+
+    def usage(self) -> dict[str, Any]:
+        """Chunks, bytes, capacity, hits, misses, puts, evictions of this namespace."""
+        return self._call("kv_stats")["namespaces"][0]
+
+    def set_capacity(self, capacity: int) -> int:
+        """Bound the namespace (0: the pool only); returns how many chunks were evicted."""
+        return int(self._call("kv_config", capacity=capacity)["evicted"])

@@ -1,0 +1,228 @@
+"""The KV spill tier: chunks shared by processes, bounded, persistent, never wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Mounted, eventually, force_unmount, mkfs, mxfs, one_line_error
+from test_faults import check_pool, chunk_files, kill_daemon
+
+from mxfs.kv import KVStore
+from mxfs.kv.store import INLINE
+
+
+def blob(i: int, n: int) -> bytes:
+    return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
+
+
+@pytest.mark.parametrize("size", [1000, INLINE + 1, 3 << 20])  # inline, direct, multi-member
+def test_put_get_round_trip_first_writer_wins(mounted: Mounted, size: int) -> None:
+    with KVStore(str(mounted.path), "m") as kv:
+        assert kv.put("a", blob(1, size)) is True
+        assert kv.put("a", blob(2, size)) is False  # the first writer wins, cheaply
+        assert kv.get("a") == blob(1, size)
+        out = bytearray(size + 10)
+        assert kv.get("a", out=out) is True and bytes(out[:size]) == blob(1, size)
+        assert kv.get("nope") is None
+        t = torch.arange(size // 2, dtype=torch.int16)
+        kv.put("t", t)
+        back = torch.empty_like(t)
+        assert kv.get("t", out=back) is True and torch.equal(back, t)
+        u = kv.usage()
+        assert u["chunks"] == 2 and u["bytes"] == size + t.numel() * 2
+        assert u["hits"] >= 3 and u["misses"] >= 1
+        assert kv.delete("a") and not kv.exists("a") and kv.get("a") is None
+
+
+def test_batches_prefix_exists_and_odd_keys(mounted: Mounted) -> None:
+    with KVStore(str(mounted.path), "b") as kv:
+        keys = [f"chunk-{i}" for i in range(40)]
+        assert kv.batch_put(keys, [blob(i, 70_000 * (i % 5 + 1)) for i in range(40)]) == \
+            [True] * 40
+        assert kv.batch_get(keys) == [blob(i, 70_000 * (i % 5 + 1)) for i in range(40)]
+        kv.delete("chunk-7")
+        assert kv.batch_exists(keys) == 7  # a prefix of 7 consecutive hits
+        # keys are opaque: path characters create no files, huge keys are hashed
+        odd = ["../../etc/passwd", "/", "a/b/../c", "\x00x", "k" * 100_000, b"\xff\xfe"]
+        before = set(os.listdir(mounted.path))
+        assert kv.batch_put(odd, [b"o%d" % i for i in range(len(odd))]) == [True] * len(odd)
+        assert kv.batch_get(odd) == [b"o%d" % i for i in range(len(odd))]
+        assert kv.get("k" * 99_999) is None  # the hash of a different key
+        assert set(os.listdir(mounted.path)) == before
+        for bad in ("", b""):
+            with pytest.raises(ValueError, match="empty"):
+                kv.put(bad, b"x")
+
+
+SHARER = r"""
+import sys
+from mxfs.kv import KVStore
+kv = KVStore(sys.argv[1], "shared")
+me = int(sys.argv[2])
+for i in range(50):
+    kv.put(f"w{me}-{i}", bytes([me]) * (1000 + i))
+for other in range(4):  # wait for every writer, then read what all wrote
+    while not kv.exists(f"w{other}-49"):
+        pass
+for other in range(4):
+    for i in range(50):
+        assert kv.get(f"w{other}-{i}") == bytes([other]) * (1000 + i), (other, i)
+print("ok")
+"""
+
+
+def test_processes_share_one_store(mounted: Mounted) -> None:
+    procs = [subprocess.Popen([sys.executable, "-c", SHARER, str(mounted.path), str(w)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for w in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip() == "ok", err
+    with KVStore(str(mounted.path), "shared") as kv:
+        assert kv.usage()["chunks"] == 200
+
+
+def test_capacity_evicts_least_recently_used_but_never_pinned(mounted: Mounted) -> None:
+    with KVStore(str(mounted.path), "cap", capacity=10 * 100_000) as kv, \
+            KVStore(str(mounted.path), "cap") as reader:
+        for i in range(10):
+            kv.put(f"c{i}", blob(i, 100_000))
+        kv.get("c0")  # now the most recently used
+        reader.pin(["c1"])  # a read lease held by another process's store
+        kv.put("c10", blob(10, 100_000))  # over capacity: evict down to 90%
+        present = kv.exists_many([f"c{i}" for i in range(11)])
+        assert present[0] and present[1] and present[10]
+        assert present[2:4] == [False, False]  # the least recently used went
+        assert kv.usage()["bytes"] <= 10 * 100_000 * 0.9
+        assert kv.usage()["evictions"] == 2
+        reader.unpin(["c1"])
+        assert kv.set_capacity(100_000) > 0  # shrink: the lease is gone, c1 may go now
+        assert kv.usage()["bytes"] <= 100_000
+
+
+def test_index_persists_across_remount_and_daemon_crash(mounted: Mounted) -> None:
+    with KVStore(str(mounted.path), "p") as kv:
+        kv.batch_put([f"k{i}" for i in range(20)], [blob(i, 50_000) for i in range(20)])
+        kv.get("k0")
+    mounted.umount()
+    mounted.remount()
+    with KVStore(str(mounted.path), "p") as kv:
+        assert kv.batch_exists([f"k{i}" for i in range(20)]) == 20
+        assert kv.get("k5") == blob(5, 50_000)
+        kv.put("late", b"z" * 10)
+    kill_daemon(mounted)
+    mounted.remount()
+    with KVStore(str(mounted.path), "p") as kv:
+        assert kv.get("k19") == blob(19, 50_000)
+    mounted.umount()
+    check_pool(mounted.members)
+
+
+def test_damaged_chunk_is_a_miss_never_wrong_bytes(mounted: Mounted,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with KVStore(str(mounted.path), "d") as kv:
+        kv.put("big", blob(3, 2 << 20))
+        kv.put("small", blob(4, 5000))
+        before = set(chunk_files(mounted.members))
+        for path in before:
+            with open(path, "r+b") as f:  # flip a byte in every chunk file, truncate one
+                f.seek(100)
+                b = f.read(1)
+                f.seek(100)
+                f.write(bytes([b[0] ^ 1]))
+        os.truncate(sorted(before)[0], 10)
+        with caplog.at_level("WARNING", logger="mxfs.kv"):
+            assert kv.get("big") is None and kv.get("small") is None
+        assert "fails its checksum" in caplog.text
+        assert not kv.exists("big") and not kv.exists("small")  # dropped from the index
+        kv.put("big", blob(5, 2 << 20))  # and stored again cleanly
+        assert kv.get("big") == blob(5, 2 << 20)
+
+
+PUTTER = r"""
+import mmap, os, sys, time
+from mxfs.client import writer
+from mxfs.kv import KVStore
+kv = KVStore(sys.argv[1], "w")
+orig = writer.DirectWriter.finish
+def stall(self, *a, **k):
+    print("written", flush=True)
+    time.sleep(600)
+writer.DirectWriter.finish = stall
+kv.put("half", os.urandom(8 << 20))
+"""
+
+
+def test_writer_killed_mid_put_leaves_nothing(mounted: Mounted) -> None:
+    before = len(chunk_files(mounted.members))
+    p = subprocess.Popen([sys.executable, "-c", PUTTER, str(mounted.path)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "written"
+    assert len(chunk_files(mounted.members)) > before
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert eventually(lambda: len(chunk_files(mounted.members)) == before)
+    with KVStore(str(mounted.path), "w") as kv:
+        assert not kv.exists("half") and kv.usage()["chunks"] == 0
+    mounted.umount()
+    check_pool(mounted.members)
+
+
+def test_full_pool_fails_puts_fast_and_eviction_makes_room(loop_members: list[str]) -> None:
+    mkfs(loop_members)
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-kv-full-"))
+    mxfs("mount", loop_members[0], str(mp))
+    try:
+        with KVStore(str(mp), "f") as kv:
+            stored, failed = 0, 0
+            for i in range(400):  # far more than the 24 MiB member holds
+                try:
+                    kv.put(f"x{i}", blob(i, 1 << 20))
+                    stored += 1
+                except OSError as e:
+                    assert e.errno == 28  # ENOSPC, at once
+                    failed += 1
+                    if failed > 3:
+                        break
+            assert stored > 10 and failed
+            assert kv.usage()["evictions"] > 0  # the pool made room for later puts
+            assert eventually(lambda: _put_ok(kv))
+            assert kv.get(f"x{stored - 1}") in (None, blob(stored - 1, 1 << 20))
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)
+    check_pool(loop_members)
+
+
+def _put_ok(kv: KVStore) -> bool:
+    try:
+        kv.put(os.urandom(8).hex(), b"y" * (1 << 20))
+        return True
+    except OSError:
+        return False
+
+
+def test_kv_cli_stats_ls_evict_verify(mounted: Mounted) -> None:
+    with KVStore(str(mounted.path), "cli") as kv:
+        kv.batch_put([f"k{i}" for i in range(5)], [blob(i, 300_000) for i in range(5)])
+    stats = json.loads(mxfs("kv", "stats", "--json", str(mounted.path)).stdout)
+    row = next(s for s in stats["namespaces"] if s["namespace"] == "cli")
+    assert row["chunks"] == 5 and row["bytes"] == 1_500_000
+    listed = json.loads(mxfs("kv", "ls", "--json", str(mounted.path), "cli").stdout)
+    assert [c["key"] for c in listed["chunks"]] == [f"k{i}" for i in range(5)]
+    assert json.loads(mxfs("kv", "verify", "--json", str(mounted.path), "cli").stdout
+                      )["damaged"] == []
+    out = json.loads(mxfs("kv", "evict", "--json", str(mounted.path), "cli", "--keep",
+                          "600000").stdout)
+    assert out["evicted"] == 3
+    assert "2 chunks" in mxfs("kv", "stats", str(mounted.path)).stdout
+    line = one_line_error(mxfs("kv", "ls", str(mounted.path), "nosuch", check=False))
+    assert "nosuch" in line
