@@ -37,6 +37,8 @@ class Chunk:
     ino: int
     size: int
     atime: int
+    sum_unit: int  # its checksums, kept here so a get never waits on SQLite
+    sums: bytes
     pins: int = 0
 
 
@@ -95,11 +97,11 @@ class KVIndex:
         for ns, uid, gid, mode, capacity in store.kv_namespaces():
             self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
         last = 0
-        for ns, key, ino, size, atime in store.kv_rows():
+        for ns, key, ino, size, atime, sum_unit, sums in store.kv_rows():
             space = self.spaces.get(ns)
             if space is None:
                 space = self.spaces[ns] = Namespace(ns, 0, 0, 0o770, 0)
-            space.chunks[bytes(key)] = Chunk(ino, size, atime)
+            space.chunks[bytes(key)] = Chunk(ino, size, atime, sum_unit, bytes(sums))
             space.used += size
             last = max(last, atime)
         self._clock = itertools.count(last + 1)
@@ -142,11 +144,14 @@ class KVIndex:
         self._touched[(space.name, key)] = chunk.atime
         return chunk
 
-    def insert(self, space: Namespace, key: bytes, ino: int, size: int) -> None:
-        """Publish a committed hidden file under `key` (EEXIST if another writer won)."""
+    def insert(self, space: Namespace, key: bytes, ino: int, size: int, sum_unit: int,
+               sums: bytes) -> None:
+        """Publish and seal a hidden file under `key` (EEXIST if another writer won)."""
         atime = next(self._clock)
-        self.vol.store.kv_publish(ino, space.name, key, size, atime)
-        space.chunks[key] = Chunk(ino, size, atime)
+        with self.vol.store.transaction():
+            self.vol.store.kv_publish(ino, space.name, key, size, atime)
+            self.vol.store.seal(ino, sum_unit, sums)
+        space.chunks[key] = Chunk(ino, size, atime, sum_unit, sums)
         space.used += size
         space.puts += 1
 

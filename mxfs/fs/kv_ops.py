@@ -118,9 +118,8 @@ class KVOps:
                 assert entry.chunks is not None
                 entry.chunks.write(0, memoryview(raw))
                 unit = self.vol.layout(entry.node).unit
-                with self.vol.store.transaction():
-                    self.index.insert(space, key, entry.node.ino, len(raw))
-                    self.vol.store.seal(entry.node.ino, unit, pack_sums(block_sums(raw, unit)))
+                self.index.insert(space, key, entry.node.ino, len(raw), unit,
+                                  pack_sums(block_sums(raw, unit)))
             finally:
                 self.vol.release(entry.node.ino)
             stored.append(True)
@@ -149,9 +148,7 @@ class KVOps:
         self.vol.settle_hidden(entry, size, sync=False)
         stored = True
         try:
-            with self.vol.store.transaction():
-                self.index.insert(space, key, entry.node.ino, size)
-                self.vol.store.seal(entry.node.ino, sum_unit, sums)
+            self.index.insert(space, key, entry.node.ino, size, sum_unit, sums)
         except FileExistsError:
             stored = False  # another writer won; this copy is dropped below
         del session.pending[entry.node.ino]
@@ -174,10 +171,8 @@ class KVOps:
                     out.append(None)
                     continue
                 node = self.vol.store.get(chunk.ino)
-                seal = self.vol.store.seal_of(chunk.ino)
-                assert seal is not None
-                sums = {"size": chunk.size, "sum_unit": seal[0],
-                        "sums": base64.b64encode(seal[1]).decode()}
+                sums = {"size": chunk.size, "sum_unit": chunk.sum_unit,
+                        "sums": base64.b64encode(chunk.sums).decode()}
                 if chunk.size <= min(inline_max, budget):  # small: the bytes ride in the reply
                     budget -= chunk.size
                     out.append({**sums, "data": base64.b64encode(self._read(node)).decode()})

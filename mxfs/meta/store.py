@@ -665,9 +665,12 @@ class MetaStore:
             self.db.execute("INSERT OR REPLACE INTO kv_ns VALUES (?,?,?,?,?)",
                             (ns, uid, gid, mode, capacity))
 
-    def kv_rows(self) -> Iterator[tuple[str, bytes, int, int, int]]:
-        """(ns, key, ino, size, atime) of every chunk, least recently used first."""
-        return iter(self.db.execute("SELECT ns, key, ino, size, atime FROM kv ORDER BY atime"))
+    def kv_rows(self) -> Iterator[tuple[str, bytes, int, int, int, int, bytes]]:
+        """(ns, key, ino, size, atime, sum_unit, sums) of every chunk, least recently used
+        first."""
+        return iter(self.db.execute(
+            "SELECT kv.ns, kv.key, kv.ino, kv.size, kv.atime, s.sum_unit, s.sums FROM kv "
+            "JOIN sealed s ON s.ino=kv.ino ORDER BY kv.atime"))
 
     def kv_publish(self, ino: int, ns: str, key: bytes, size: int, atime: int) -> None:
         """Give a hidden file its index entry (EEXIST if the key is taken: first wins)."""

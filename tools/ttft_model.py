@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""When does loading KV cache beat recomputing it?  An analytical TTFT model.
+
+For a prompt whose first n tokens are a cached prefix:
+  KV bytes          = n x 2 (K and V) x layers x kv_heads x head_dim x dtype bytes
+  recompute TTFT    = prefill FLOPs / (accelerator FLOP/s x utilisation)
+      prefill FLOPs = 2 x active params x n  +  2 x layers x n^2 x (heads x head_dim)
+                      (weights, plus causal attention scores and values)
+  load TTFT         = KV bytes / storage bandwidth  +  fixed latency
+  break-even        = the bandwidth at which both are equal: KV bytes / recompute time
+Loading wins above the break-even bandwidth; the attention term grows as n^2 while
+the KV bytes grow as n, so long contexts favour loading.
+
+    python tools/ttft_model.py --pool-gbps 1.6 --plot docs/ttft_model.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    active_params: float  # parameters used per token (all of them for a dense model)
+    dtype_bytes: int
+    source: str
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def prefill_flops(self, n: int) -> float:
+        return 2 * self.active_params * n + 2 * self.layers * n * n * self.heads * self.head_dim
+
+
+MODELS = {
+    "qwen2.5-32b": Model(
+        "Qwen2.5-32B", layers=64, heads=40, kv_heads=8, head_dim=128, active_params=32.5e9,
+        dtype_bytes=2,
+        source="huggingface.co/Qwen/Qwen2.5-32B-Instruct config.json: num_hidden_layers 64, "
+               "num_attention_heads 40, num_key_value_heads 8, hidden_size 5120 (head_dim 128); "
+               "32.5B parameters (model card)"),
+    "qwen3-coder-480b": Model(
+        "Qwen3-Coder-480B-A35B (MoE)", layers=62, heads=96, kv_heads=8, head_dim=128,
+        active_params=35e9, dtype_bytes=2,
+        source="huggingface.co/Qwen/Qwen3-Coder-480B-A35B-Instruct config.json: "
+               "num_hidden_layers 62, num_attention_heads 96, num_key_value_heads 8, "
+               "head_dim 128; 480B total, 35B activated per token (model card)"),
+}
+
+# H200 SXM dense BF16 tensor throughput (NVIDIA datasheet: 989 TFLOP/s without sparsity).
+H200_FLOPS = 989e12
+
+
+def recompute_s(m: Model, n: int, flops: float, util: float) -> float:
+    return m.prefill_flops(n) / (flops * util)
+
+
+def load_s(m: Model, n: int, gbps: float, latency: float) -> float:
+    return m.kv_bytes_per_token() * n / (gbps * 1e9) + latency
+
+
+def break_even_gbps(m: Model, n: int, flops: float, util: float) -> float:
+    return m.kv_bytes_per_token() * n / recompute_s(m, n, flops, util) / 1e9
+
+
+def table(m: Model, lengths: list[int], flops: float, util: float, bandwidths: list[float],
+          latency: float) -> list[dict[str, float]]:
+    rows = []
+    for n in lengths:
+        row = {"tokens": n, "kv_gb": m.kv_bytes_per_token() * n / 1e9,
+               "recompute_s": recompute_s(m, n, flops, util),
+               "break_even_gbps": break_even_gbps(m, n, flops, util)}
+        for bw in bandwidths:
+            row[f"load_s@{bw:g}GB/s"] = load_s(m, n, bw, latency)
+        rows.append(row)
+    return rows
+
+
+def plot(path: str, lengths: list[int], flops: float, util: float, bandwidths: list[float],
+         latency: float, pool_gbps: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MODELS), figsize=(12, 4.5))
+    for ax, m in zip(axes, MODELS.values(), strict=True):
+        ax.plot(lengths, [recompute_s(m, n, flops, util) for n in lengths], "k-", lw=2,
+                label=f"recompute ({flops / 1e12:.0f} TFLOP/s x {util:.0%})")
+        for bw in bandwidths:
+            ax.plot(lengths, [load_s(m, n, bw, latency) for n in lengths], "--",
+                    label=f"load at {bw:g} GB/s")
+        if pool_gbps:
+            ax.plot(lengths, [load_s(m, n, pool_gbps, latency) for n in lengths], "r-",
+                    label=f"load at {pool_gbps:.2f} GB/s (this pool, measured)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("cached prefix (tokens)")
+        ax.set_ylabel("time to first token (s)")
+        ax.set_title(f"{m.name}: {m.kv_bytes_per_token() // 1024} KiB of KV per token")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--flops", type=float, default=H200_FLOPS, help="accelerator FLOP/s")
+    ap.add_argument("--util", type=float, default=0.4, help="prefill utilisation (0-1)")
+    ap.add_argument("--latency", type=float, default=0.005, help="fixed load latency (s)")
+    ap.add_argument("--bandwidths", default="1,5,25", help="storage GB/s to compare")
+    ap.add_argument("--pool-gbps", type=float, help="this pool's measured KV read GB/s")
+    ap.add_argument("--lengths", default="1024,4096,16384,32768,65536,131072")
+    ap.add_argument("--plot", help="write a PNG of TTFT against context length here")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    bws = [float(x) for x in args.bandwidths.split(",")] + (
+        [args.pool_gbps] if args.pool_gbps else [])
+    out = {name: {"model": asdict(m), "kv_bytes_per_token": m.kv_bytes_per_token(),
+                  "rows": table(m, lengths, args.flops, args.util, bws, args.latency)}
+           for name, m in MODELS.items()}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for name, o in out.items():
+            m = MODELS[name]
+            print(f"\n{m.name}: {o['kv_bytes_per_token']} bytes of KV per token "
+                  f"({m.source})\n")
+            cols = list(o["rows"][0])
+            print("| " + " | ".join(cols) + " |")
+            print("|" + "---:|" * len(cols))
+            for row in o["rows"]:
+                print("| " + " | ".join(f"{row[c]:.3g}" for c in cols) + " |")
+    if args.plot:
+        plot(args.plot, [2 ** k for k in range(9, 18)], args.flops, args.util,
+             [float(x) for x in args.bandwidths.split(",")], args.latency, args.pool_gbps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
