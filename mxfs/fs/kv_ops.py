@@ -59,8 +59,8 @@ class KVOps:
             spaces = [self.index.space(ns, caller, create=False)] if ns is not None else [
                 s for s in self.index.spaces.values() if s.may(caller)]
             return {"ok": True, "namespaces": [s.stats() for s in spaces]}, []
-        space = self.index.space(msg.get("namespace"), caller,
-                                 create=op in ("kv_put", "kv_create", "kv_config"))
+        # Any use makes a namespace (owned by its first user); only stats asks first.
+        space = self.index.space(msg.get("namespace"), caller)
         if op == "kv_put":
             return self._put(msg, session, space), []
         if op == "kv_create":
