@@ -159,7 +159,7 @@ def test_saving_over_an_existing_checkpoint_is_refused(mounted: Mounted) -> None
 KILLED_WRITER = r"""
 import os, sys, time, torch
 import mxfs.ckpt as ck
-from mxfs.ckpt import snapshot, catalog
+from mxfs.ckpt import snapshot, catalog, writing
 from mxfs.client import writer as w
 path, step = sys.argv[1], sys.argv[2]
 
@@ -174,7 +174,7 @@ stop.armed = True
 
 state = {"w": torch.full((3 << 20,), 7.0), "step": 2}
 if step == "after-staging":
-    snapshot._Job._write = stop(step, snapshot._Job._write)
+    snapshot.write_snapshot = stop(step, snapshot.write_snapshot)
 elif step == "mid-write":
     orig = w.DirectWriter.write_at
     def write_at(self, off, buf, valid=None):
@@ -188,7 +188,7 @@ elif step == "during-commit":  # the data file is committed, the manifest not ye
     catalog.write_small = stop(step, catalog.write_small)
 elif step == "before-rename":  # everything written, the folder not yet renamed
     catalog.sync_dir = stop(step, catalog.sync_dir)
-snapshot.WRITE_STEP = 1 << 20
+writing.WRITE_STEP = 1 << 20
 ck.save(state, path).wait()
 """
 

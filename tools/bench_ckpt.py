@@ -19,14 +19,12 @@ into a fresh 4-member pool and into a plain folder on the same disk:
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -37,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 import mxfs.ckpt as ck
 from mxfs.ckpt.dcp import Writer
 from mxfs.ckpt.tree import flatten
-from mxfs.cli.demo import run_mxfs
+from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
 from mxfs.client import direct
 from mxfs.io import WriteOp, write_batch
 from mxfs.units import parse_size
@@ -103,17 +101,17 @@ def timed(fn: Callable[[], object]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="2GiB")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dir", default="/var/tmp")
-    ap.add_argument("--json", help="also write the results here")
+    bench_args(ap)
     args = ap.parse_args()
-    base = tempfile.mkdtemp(prefix="mxfs-bench-ckpt-", dir=args.dir)
-    members = [os.path.join(base, f"member{i}") for i in range(4)]
-    mnt, plain = os.path.join(base, "mnt"), os.path.join(base, "plain")
-    for p in [*members, mnt, plain]:
-        os.makedirs(p)
-    run_mxfs("mkfs", *[a for m in members for a in ("--member", m)])
-    run_mxfs("mount", members[0], mnt)
+    with scratch_pool("mxfs-bench-ckpt-", args.dir) as pool:
+        rounds, size = run(args, pool)
+    report(args, rounds, size)
+    return 0
+
+
+def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict[str, float]], int]:
+    """Every arm, --repeat times; seconds per arm and round."""
+    members, mnt, plain = pool.members, pool.mnt, pool.plain
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -182,8 +180,10 @@ def main() -> int:
     finally:
         dist.destroy_process_group()
         direct._clients.clear()
-        run_mxfs("umount", mnt)
-        shutil.rmtree(base, ignore_errors=True)
+    return rounds, size
+
+
+def report(args: argparse.Namespace, rounds: list[dict[str, float]], size: int) -> None:
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
     def ratio(a: str, b: str) -> float:
@@ -212,11 +212,7 @@ def main() -> int:
             "yes" if (value <= target if how == "<=" else value >= target) else "no")
         print(f"| {name} | {value:.2f} | {'' if target is None else how + ' ' + str(target)} "
               f"| {met} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "bytes": size, "rounds": rounds, "median": med}, f,
-                      indent=1)
-    return 0
+    save_results(args, bytes=size, rounds=rounds, median=med)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,13 @@ ratio mxfs / plain for each step, with the targets of issue 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from mxfs.cli.demo import run_mxfs
+from mxfs.cli.demo import bench_args, save_results, scratch_pool
 from mxfs.cli.measure import drop_caches, read_file, write_file
 from mxfs.units import parse_size
 
@@ -95,23 +92,15 @@ def one_round(mnt: str, plain: str, members: list[str], size: int, files: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="2GiB")
-    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--files", type=int, default=5000, help="files for the metadata steps")
-    ap.add_argument("--dir", default="/var/tmp", help="where the scratch pool goes")
     ap.add_argument("--stripe-unit", default="1MiB")
     ap.add_argument("-o", dest="options", default="", help="mount options to test")
-    ap.add_argument("--json", help="also write the results here")
+    bench_args(ap)
     args = ap.parse_args()
     size = parse_size(args.size)
-    base = tempfile.mkdtemp(prefix="mxfs-bench-", dir=args.dir)
-    members = [os.path.join(base, f"member{i}") for i in range(4)]
-    mnt, plain = os.path.join(base, "mnt"), os.path.join(base, "plain")
-    for p in [*members, mnt, plain]:
-        os.makedirs(p)
-    run_mxfs("mkfs", "--stripe-unit", args.stripe_unit,
-             *[a for m in members for a in ("--member", m)])
-    run_mxfs("mount", *(["-o", args.options] if args.options else []), members[0], mnt)
-    try:
+    with scratch_pool("mxfs-bench-", args.dir, mkfs=("--stripe-unit", args.stripe_unit),
+                      mount=["-o", args.options] if args.options else []) as pool:
+        members, mnt, plain = pool.members, pool.mnt, pool.plain
         block = memoryview(bytearray(os.urandom(BLOCK)))
         buf = bytearray(BLOCK)
         chunk_bufs = [bytearray(BLOCK) for _ in members]
@@ -120,9 +109,6 @@ def main() -> int:
             rounds.append(one_round(mnt, plain, members, size, args.files, block, buf,
                                     chunk_bufs))
             print(f"round {i + 1}/{args.repeat} done", file=sys.stderr)
-    finally:
-        run_mxfs("umount", mnt)
-        shutil.rmtree(base, ignore_errors=True)
     summary = {}
     for step in rounds[0]:
         summary[step] = {k: statistics.median(r[step][k] for r in rounds) for k in rounds[0][step]}
@@ -140,9 +126,7 @@ def main() -> int:
         met = "" if target is None else ("yes" if v["ratio"] >= target else "no")
         print(f"| {step} ({unit(step)}) | {v['mxfs']:{fmt}} | {v['plain']:{fmt}} | {raw} | "
               f"{v['ratio']:.0%} | {'' if target is None else f'{target:.0%}'} | {met} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rounds": rounds, "median": summary}, f, indent=1)
+    save_results(args, rounds=rounds, median=summary)
     return 0
 
 

@@ -17,18 +17,15 @@ speed (deletes a second).  Medians of --repeat.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
-from mxfs.cli.demo import run_mxfs
+from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
 from mxfs.cli.measure import drop_caches
 from mxfs.io import ReadOp, WriteOp, read_batch, write_batch
 from mxfs.kv import KVStore
@@ -168,45 +165,45 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--total", default="1GiB", help="bytes per chunk size and arm")
     ap.add_argument("--sizes", default="2MiB,16MiB,64MiB")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dir", default="/var/tmp")
-    ap.add_argument("--json", help="also write the results here")
+    bench_args(ap)
     args = ap.parse_args()
-    base = tempfile.mkdtemp(prefix="mxfs-bench-kv-", dir=args.dir)
-    members = [os.path.join(base, f"member{i}") for i in range(4)]
-    mnt, plain = os.path.join(base, "mnt"), os.path.join(base, "plain")
-    for p in [*members, mnt, plain]:
-        os.makedirs(p)
-    run_mxfs("mkfs", *[a for m in members for a in ("--member", m)])
-    run_mxfs("mount", members[0], mnt)
+    with scratch_pool("mxfs-bench-kv-", args.dir) as pool:
+        results = run(args, pool)
+    report(args, results)
+    return 0
+
+
+def run(args: argparse.Namespace, pool: ScratchPool) -> dict[str, list[dict[str, float]]]:
+    """Every arm for every chunk size, then small operations; --repeat rounds each."""
+    members, mnt, plain = pool.members, pool.mnt, pool.plain
     total = parse_size(args.total)
     results: dict[str, list[dict[str, float]]] = {}
-    try:
-        kv = KVStore(mnt, "bench")
-        for size in [parse_size(s) for s in args.sizes.split(",")]:
-            count = max(4, total // size)
-            data = os.urandom(size)
-            buf = aligned(size * count if size * count <= 2 << 30 else size)
-            buf[:size] = data
-            outs = [bytearray(size) for _ in range(min(count, 8))]
-            label = f"{size // MIB}MiB"
-            rounds = results.setdefault(label, [])
-            for r in range(args.repeat):
-                res = chunk_round(kv, members, mnt, plain, size, count, data, buf, outs, r)
-                rounds.append(res)
-                print(f"{label} round {r + 1}: " + ", ".join(f"{k} {v:.2f}"
-                                                               for k, v in res.items()),
-                      file=sys.stderr)
-        ops = results.setdefault("4KiB ops/s", [])
+    kv = KVStore(mnt, "bench")
+    for size in [parse_size(s) for s in args.sizes.split(",")]:
+        count = max(4, total // size)
+        data = os.urandom(size)
+        buf = aligned(size * count if size * count <= 2 << 30 else size)
+        buf[:size] = data
+        outs = [bytearray(size) for _ in range(min(count, 8))]
+        label = f"{size // MIB}MiB"
+        rounds = results.setdefault(label, [])
         for r in range(args.repeat):
-            res = small_round(kv, r)
-            ops.append(res)
-            print(f"small ops round {r + 1}: " + ", ".join(f"{k} {v:.0f}" for k, v in
-                                                           res.items()), file=sys.stderr)
-        kv.close()
-    finally:
-        run_mxfs("umount", mnt)
-        shutil.rmtree(base, ignore_errors=True)
+            res = chunk_round(kv, members, mnt, plain, size, count, data, buf, outs, r)
+            rounds.append(res)
+            print(f"{label} round {r + 1}: " + ", ".join(f"{k} {v:.2f}"
+                                                           for k, v in res.items()),
+                  file=sys.stderr)
+    ops = results.setdefault("4KiB ops/s", [])
+    for r in range(args.repeat):
+        res = small_round(kv, r)
+        ops.append(res)
+        print(f"small ops round {r + 1}: " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                       res.items()), file=sys.stderr)
+    kv.close()
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> None:
     med = {label: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for label, rs in results.items()}
     print("\nKV chunks, GB/s (small ops: per second), 4 folder members on one disk, "
@@ -243,10 +240,7 @@ def main() -> int:
         print(f"| 4 KiB {k} ops/s | {v:.0f} | 2000 | {'yes' if v >= 2000 else 'no'} |")
     print(f"| evictions/s | {ops_med['evict']:.0f} | 10000 | "
           f"{'yes' if ops_med['evict'] >= 10000 else 'no'} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rounds": results, "median": med}, f, indent=1)
-    return 0
+    save_results(args, rounds=results, median=med)
 
 
 if __name__ == "__main__":

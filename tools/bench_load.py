@@ -18,13 +18,11 @@ every tensor before the clock stops.  Medians of --repeat rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,7 +30,7 @@ import torch
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file
 
-from mxfs.cli.demo import run_mxfs
+from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
 from mxfs.cli.measure import drop_caches
 from mxfs.client import direct
 from mxfs.load import load_file
@@ -91,17 +89,17 @@ def timed(fn, *args):  # noqa: ANN001, ANN201 - a tiny local helper
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="2GiB")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dir", default="/var/tmp")
-    ap.add_argument("--json", help="also write the results here")
+    bench_args(ap)
     args = ap.parse_args()
-    base = tempfile.mkdtemp(prefix="mxfs-bench-load-", dir=args.dir)
-    members = [os.path.join(base, f"member{i}") for i in range(4)]
-    mnt, plain = os.path.join(base, "mnt"), os.path.join(base, "plain")
-    for p in [*members, mnt, plain]:
-        os.makedirs(p)
-    run_mxfs("mkfs", *[a for m in members for a in ("--member", m)])
-    run_mxfs("mount", members[0], mnt)
+    with scratch_pool("mxfs-bench-load-", args.dir) as pool:
+        rounds, nbytes = run(args, pool)
+    report(args, rounds, nbytes)
+    return 0
+
+
+def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
+    """Every arm cold and warm, --repeat times: GB/s."""
+    members, mnt, plain = pool.members, pool.mnt, pool.plain
     rounds = []
     try:
         model = synthetic_model(parse_size(args.size))
@@ -139,8 +137,10 @@ def main() -> int:
             print(f"round {r + 1}/{args.repeat} done", file=sys.stderr)
     finally:
         direct._clients.clear()
-        run_mxfs("umount", mnt)
-        shutil.rmtree(base, ignore_errors=True)
+    return rounds, nbytes
+
+
+def report(args: argparse.Namespace, rounds: list[dict], nbytes: int) -> None:
     med = {arm: {k: statistics.median(r[arm][k] for r in rounds) for k in ("cold", "warm")}
            for arm in rounds[0]}
 
@@ -164,11 +164,7 @@ def main() -> int:
     for name, value, target in checks:
         met = "" if target is None else ("yes" if value >= target else "no")
         print(f"| {name} | {value:.2f} | {'' if target is None else target} | {met} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "bytes": nbytes, "rounds": rounds, "median": med},
-                      f, indent=1)
-    return 0
+    save_results(args, bytes=nbytes, rounds=rounds, median=med)
 
 
 if __name__ == "__main__":

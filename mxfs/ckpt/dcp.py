@@ -31,11 +31,11 @@ from torch.futures import Future
 
 from mxfs.ckpt import catalog
 from mxfs.ckpt.catalog import CheckpointError
-from mxfs.ckpt.image import plan
+from mxfs.ckpt.image import dtype_named, plan
 from mxfs.ckpt.reader import CheckpointCorrupt, read_ranges
-from mxfs.ckpt.snapshot import write_image
 from mxfs.ckpt.staging import Staging, stage
 from mxfs.ckpt.tree import flatten, unflatten
+from mxfs.ckpt.writing import write_image
 
 # ---- DCP metadata <-> JSON -----------------------------------------------------------
 
@@ -49,11 +49,7 @@ def _unindex(v: list[Any]) -> md.MetadataIndex:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointCorrupt(f"unknown dtype {name!r} in DCP metadata",
-                                "load it with a matching torch")
-    return dt
+    return dtype_named(name, CheckpointCorrupt, "the DCP metadata")
 
 
 def metadata_to_json(m: md.Metadata) -> dict[str, Any]:

@@ -36,6 +36,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_named(name: object, error: type[Exception], where: str) -> torch.dtype:
+    """The torch dtype a manifest names, or `error` saying this torch lacks it."""
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dt, torch.dtype):
+        raise error(f"{where} holds dtype {name!r}, which this torch lacks",
+                    "load it with a newer torch")
+    return dt
+
+
 def round_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 

@@ -21,7 +21,7 @@ import xxhash
 import zstandard
 
 from mxfs.ckpt.catalog import CheckpointError, read_manifest
-from mxfs.ckpt.image import itemsize
+from mxfs.ckpt.image import dtype_named, itemsize
 from mxfs.ckpt.tree import unflatten
 from mxfs.client.direct import DirectFile, open_reader
 from mxfs.io.batch import executor
@@ -46,14 +46,6 @@ class Damage:
         names = ", ".join(self.tensors) or "the header"
         return (f"{self.file}: bytes [{self.begin}, {self.end}){where} fail their checksum; "
                 f"tensors: {names}")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointError(f"the checkpoint holds dtype {name!r}, which this torch lacks",
-                              "load it with a newer torch")
-    return dt
 
 
 def _sums(path: str, info: dict[str, Any]) -> tuple[int, int, tuple[int, ...]]:
@@ -135,7 +127,7 @@ def _overlaps(t: dict[str, Any], begin: int, end: int) -> bool:
 
 
 def _tensor(buf: torch.Tensor, name: str, t: dict[str, Any], path: str) -> torch.Tensor:
-    dtype, shape = _dtype(t["dtype"]), tuple(int(x) for x in t["shape"])
+    dtype, shape = dtype_named(t["dtype"], CheckpointError, path), tuple(int(x) for x in t["shape"])
     nbytes = math.prod(shape) * itemsize(dtype)
     stored = t.get("stored")
     if stored is None:

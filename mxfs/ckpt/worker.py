@@ -16,11 +16,10 @@ import sys
 from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from mxfs.ckpt.snapshot import Job
-    from mxfs.ckpt.staging import Staging
+from mxfs.ckpt.staging import Staging
+from mxfs.ckpt.writing import Job, write_snapshot
 
 
 class WriterProcess:
@@ -79,9 +78,6 @@ class WriterProcess:
 def main(conn: Connection) -> None:
     """The worker: serve jobs until the parent goes away."""
     import torch  # noqa: F401 - loaded once, before the first job
-
-    from mxfs.ckpt.snapshot import write_snapshot
-    from mxfs.ckpt.staging import Staging
 
     attached: dict[str, shared_memory.SharedMemory] = {}
     packed = Staging()

@@ -105,5 +105,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("folder")
     v.add_argument("--keep", type=int, required=True, metavar="N")
     v.set_defaults(func=cmd_prune)
-    for p in (s, *verbs.choices.values()):
+    json_everywhere(s, verbs)
+
+
+def json_everywhere(command: argparse.ArgumentParser, verbs: argparse._SubParsersAction
+                    ) -> None:
+    """`--json` on a command and each of its verbs (where a script would read it)."""
+    for p in (command, *verbs.choices.values()):
         p.add_argument("--json", action="store_true")

@@ -8,13 +8,17 @@ then unmounts and cleans up.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from mxfs.cli.measure import drop_caches, read_file, write_file
 from mxfs.errors import MxfsError
@@ -57,55 +61,68 @@ def run_mxfs(*args: str) -> str:
     return res.stdout
 
 
+@dataclass
+class ScratchPool:
+    """A pool of four folder members, its mount point and a plain folder beside them."""
+
+    base: str
+    members: list[str]
+    mnt: str
+    plain: str
+
+
+@contextmanager
+def scratch_pool(prefix: str, where: str = "/var/tmp", base: str | None = None,
+                 mkfs: Sequence[str] = (), mount: Sequence[str] = (), keep: bool = False
+                 ) -> Iterator[ScratchPool]:
+    """Make, mount, and afterwards unmount and remove (unless `keep`) a scratch pool."""
+    base = base or tempfile.mkdtemp(prefix=prefix, dir=where)
+    os.makedirs(base, exist_ok=True)
+    pool = ScratchPool(base, [os.path.join(base, f"member{i}") for i in range(4)],
+                       os.path.join(base, "mnt"), os.path.join(base, "plain"))
+    for p in [*pool.members, pool.mnt, pool.plain]:
+        os.makedirs(p, exist_ok=False)
+    run_mxfs("mkfs", *mkfs, *[a for m in pool.members for a in ("--member", m)])
+    run_mxfs("mount", *mount, pool.members[0], pool.mnt)
+    try:
+        yield pool
+    finally:
+        if not keep:
+            res = subprocess.run([sys.executable, "-m", "mxfs", "umount", pool.mnt],
+                                 capture_output=True)
+            if res.returncode:
+                subprocess.run([sys.executable, "-m", "mxfs", "umount", "--lazy", pool.mnt],
+                               capture_output=True)
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def bench_args(ap: argparse.ArgumentParser) -> None:
+    """The options every benchmark in tools/ takes."""
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported")
+    ap.add_argument("--dir", default="/var/tmp", help="where the scratch pool goes")
+    ap.add_argument("--json", help="also write the results here")
+
+
+def save_results(args: argparse.Namespace, **results: Any) -> None:
+    """Write a benchmark's arguments and results to --json, when asked."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **results}, f, indent=1)
+
+
 def run_demo(size: int, scratch: str | None, keep: bool, as_json: bool) -> int:
     size = max(size - size % (FILES * 4096), FILES * 4096)
-    base = scratch or tempfile.mkdtemp(prefix="mxfs-demo-", dir="/var/tmp")
-    os.makedirs(base, exist_ok=True)
-    free = shutil.disk_usage(base).free
+    where = scratch or "/var/tmp"
+    os.makedirs(where, exist_ok=True)
+    free = shutil.disk_usage(where).free
     if free < 2 * size + (1 << 30):
-        raise MxfsError(f"{base} has {format_size(free)} free; the demo needs "
+        raise MxfsError(f"{where} has {format_size(free)} free; the demo needs "
                         f"{format_size(2 * size + (1 << 30))}", "pass a smaller --size or --dir")
-    members = [os.path.join(base, f"member{i}") for i in range(4)]
-    mnt, plain = os.path.join(base, "mnt"), os.path.join(base, "plain")
-    for p in [*members, mnt, plain]:
-        os.makedirs(p, exist_ok=False)
     say = (lambda *a: None) if as_json else print
-    say(f"mxfs demo: pool of 4 folder members in {base}, {format_size(size)} each way")
-    run_mxfs("mkfs", "--label", "demo", *[a for m in members for a in ("--member", m)])
-    run_mxfs("mount", members[0], mnt)
-    mounted = True
-    try:
-        block = memoryview(bytearray(os.urandom(BLOCK)))
-        buf = bytearray(BLOCK)
-        legs = []
-        say("  writing (fsync per file) ...")
-        w_m, dig_w = _write_files(mnt, size, block)
-        w_p, dig_p = _write_files(plain, size, block)
-        legs.append(Leg("write", w_m, w_p, size))
-        cold = drop_caches()
-        say(f"  reading back ({'cold cache' if cold else 'warm cache: not root'}) ...")
-        r_m, dig_rm = _read_files(mnt, buf)
-        r_p, dig_rp = _read_files(plain, buf)
-        legs.append(Leg("read (cold)" if cold else "read", r_m, r_p, size))
-        say("  reading again (warm cache) ...")
-        r2_m, dig_rm2 = _read_files(mnt, buf)
-        r2_p, _ = _read_files(plain, buf)
-        legs.append(Leg("re-read (warm)", r2_m, r2_p, size))
-        if not (dig_w == dig_rm == dig_rm2 == dig_p == dig_rp):
-            raise MxfsError("data read back differs from what was written",
-                            "this is a bug: please report it with the demo output")
-        status = subprocess.run([sys.executable, "-m", "mxfs", "status", "--json", mnt],
-                                capture_output=True, text=True)
-        info = json.loads(status.stdout) if status.returncode == 0 else {}
-        if not keep:
-            run_mxfs("umount", mnt)
-            mounted = False
-    finally:
-        if mounted and not keep:
-            subprocess.run([sys.executable, "-m", "mxfs", "umount", "--lazy", mnt],
-                           capture_output=True)
-        if not keep:
-            shutil.rmtree(base, ignore_errors=True)
+    with scratch_pool("mxfs-demo-", base=scratch, mkfs=("--label", "demo"), keep=keep) as pool:
+        say(f"mxfs demo: pool of 4 folder members in {pool.base}, {format_size(size)} each way")
+        legs, info = _demo_legs(pool, size, say)
+    base, mnt = pool.base, pool.mnt
     rows = [leg.row() for leg in legs]
     if as_json:
         print(json.dumps({"scratch": base, "kept": keep, "verified": True, "steps": rows,
@@ -115,6 +132,34 @@ def run_demo(size: int, scratch: str | None, keep: bool, as_json: bool) -> int:
     print("  every byte verified (xxh3); "
           + (f"pool left mounted on {mnt}" if keep else "pool unmounted and removed"))
     return 0
+
+
+def _demo_legs(pool: ScratchPool, size: int, say: Any) -> tuple[list[Leg], dict[str, Any]]:
+    """Write, read cold, read warm, through the mount and the plain folder; verify."""
+    mnt, plain = pool.mnt, pool.plain
+    block = memoryview(bytearray(os.urandom(BLOCK)))
+    buf = bytearray(BLOCK)
+    legs = []
+    say("  writing (fsync per file) ...")
+    w_m, dig_w = _write_files(mnt, size, block)
+    w_p, dig_p = _write_files(plain, size, block)
+    legs.append(Leg("write", w_m, w_p, size))
+    cold = drop_caches()
+    say(f"  reading back ({'cold cache' if cold else 'warm cache: not root'}) ...")
+    r_m, dig_rm = _read_files(mnt, buf)
+    r_p, dig_rp = _read_files(plain, buf)
+    legs.append(Leg("read (cold)" if cold else "read", r_m, r_p, size))
+    say("  reading again (warm cache) ...")
+    r2_m, dig_rm2 = _read_files(mnt, buf)
+    r2_p, _ = _read_files(plain, buf)
+    legs.append(Leg("re-read (warm)", r2_m, r2_p, size))
+    if not (dig_w == dig_rm == dig_rm2 == dig_p == dig_rp):
+        raise MxfsError("data read back differs from what was written",
+                        "this is a bug: please report it with the demo output")
+    status = subprocess.run([sys.executable, "-m", "mxfs", "status", "--json", mnt],
+                            capture_output=True, text=True)
+    info = json.loads(status.stdout) if status.returncode == 0 else {}
+    return legs, info
 
 
 def _print_table(rows: list[dict[str, float | str]]) -> None:

@@ -7,6 +7,7 @@ import base64
 import json
 from typing import Any
 
+from mxfs.cli.ckpt_cmd import json_everywhere
 from mxfs.errors import MxfsError
 from mxfs.units import format_size, parse_size
 
@@ -129,5 +130,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         v.set_defaults(func=fn)
         if name == "evict":
             v.add_argument("--keep", default="0", help="bytes to keep (default: none)")
-    for p in (s, *verbs.choices.values()):
-        p.add_argument("--json", action="store_true")
+    json_everywhere(s, verbs)

@@ -34,6 +34,15 @@ def object_key(key: Any) -> bytes:
             f"{bytes(key.chunk_hash).hex()}@{key.cache_salt}").encode()
 
 
+def _bits(flags: list[Any]) -> Any:
+    """An LMCache bitmap with bit i set where flags[i] is true."""
+    bits = Bitmap(len(flags))
+    for i, flag in enumerate(flags):
+        if flag:
+            bits.set(i)
+    return bits
+
+
 class MxfsL2Adapter(L2AdapterInterface):
     def __init__(self, params: Any, l1_memory_desc: Any = None) -> None:
         conf = params if isinstance(params, dict) else vars(params)
@@ -99,11 +108,7 @@ class MxfsL2Adapter(L2AdapterInterface):
             hits = [w for w, p in zip(wire, present, strict=True) if p]
             if hits:
                 self.store.pin(hits)
-            bits = Bitmap(len(keys))
-            for i, p in enumerate(present):
-                if p:
-                    bits.set(i)
-            return bits
+            return _bits(present)
 
         return self._run(self._looked, self._events[1], lookup, lambda: Bitmap(len(keys)))
 
@@ -126,13 +131,8 @@ class MxfsL2Adapter(L2AdapterInterface):
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
         def load() -> Any:
-            got = self.store.batch_get([object_key(k) for k in keys],
-                                       [o.byte_array for o in objects])
-            bits = Bitmap(len(keys))
-            for i, ok in enumerate(got):
-                if ok:
-                    bits.set(i)
-            return bits
+            return _bits(self.store.batch_get([object_key(k) for k in keys],
+                                              [o.byte_array for o in objects]))
 
         return self._run(self._loaded, self._events[2], load, lambda: Bitmap(len(keys)))
 

@@ -1,0 +1,110 @@
+"""The background half of a save: compress, write, commit, publish.
+
+A writer thread of the trainer's process runs it, or the writer process
+(`ckpt/worker.py`) does, from the staging buffer in shared memory; so it holds
+everything it needs in a picklable `Job`.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zstandard
+
+from mxfs.ckpt import catalog
+from mxfs.ckpt.image import Plan, compressed_plan, frame_count
+from mxfs.ckpt.staging import Staging
+from mxfs.client.writer import create_file
+from mxfs.io.batch import executor
+from mxfs.io.checksum import pack_sums
+
+DATA_FILE = "data.safetensors"
+FRAME = 1 << 20  # zstd frame: independent, so frames compress and decompress in parallel
+WRITE_STEP = 256 << 20  # bytes per write call, so progress moves
+
+
+@dataclass
+class Job:
+    """What the background half of a save needs (picklable: a worker process may run it)."""
+
+    path: str
+    partial: str
+    plan: Plan
+    tree: Any
+    compress: str | None
+    keep: int | None
+    meta: dict[str, str]
+    level: int
+
+
+def write_snapshot(job: Job, image: memoryview, packed: Staging,
+                   progress: Callable[[str, int, int], None]) -> None:
+    """Compress (optionally), write, commit and publish one staged snapshot."""
+    raw = job.plan
+    entries = {s.name: s.manifest() for s in raw.slots}
+    size = raw.size
+    if job.compress == "zstd":
+        image, size = _compress(job, image, entries, packed)
+    info = write_image(os.path.join(job.partial, DATA_FILE), image, size,
+                       lambda done: progress("writing" if done < size else "committing",
+                                             done, size))
+    manifest = catalog.new_manifest({DATA_FILE: {**info, "tensors": entries}},
+                                    kind="state", compress=job.compress,
+                                    metadata=job.meta, tree=job.tree)
+    catalog.publish(job.partial, job.path, manifest)
+    if job.keep:
+        catalog.prune(os.path.dirname(job.path), job.keep, protect=os.path.basename(job.path))
+
+
+def _compress(job: Job, buf: memoryview, entries: dict[str, dict[str, Any]], packed: Staging
+              ) -> tuple[memoryview, int]:
+    """Independent zstd frames per tensor, compressed in parallel; returns the image."""
+    raw = job.plan
+    jobs: list[tuple[str, memoryview]] = []
+    for s in raw.slots:
+        jobs += [(s.name, buf[s.offset + o:s.offset + min(o + FRAME, s.nbytes)])
+                 for o in range(0, s.nbytes, FRAME)]
+    local = threading.local()
+
+    def squeeze(item: tuple[str, memoryview]) -> bytes:
+        c = getattr(local, "c", None)
+        if c is None:
+            c = local.c = zstandard.ZstdCompressor(level=job.level)
+        return c.compress(item[1])
+
+    blobs = list(executor().map(squeeze, jobs))
+    frames: dict[str, list[int]] = {s.name: [] for s in raw.slots}
+    for (name, _), blob in zip(jobs, blobs, strict=True):
+        frames[name].append(len(blob))
+    out, offsets = compressed_plan(raw, frames, job.meta)
+    packed.ensure(out.size)
+    view = packed.view(out.size)
+    view[:len(out.header)] = out.header
+    pos = dict(offsets)
+    for (name, _), blob in zip(jobs, blobs, strict=True):
+        view[pos[name]:pos[name] + len(blob)] = blob
+        pos[name] += len(blob)
+    for s in raw.slots:
+        assert frame_count(s.nbytes, FRAME) == len(frames[s.name])
+        entries[s.name]["stored"] = {"offset": offsets[s.name], "length": sum(frames[s.name]),
+                                     "frames": frames[s.name], "frame": FRAME}
+    return view, out.size
+
+
+def write_image(path: str, image: memoryview, size: int,
+                progress: Callable[[int], None] = lambda done: None) -> dict[str, Any]:
+    """Write a file image (4 KiB-padded buffer) and commit it; returns its manifest entry."""
+    with create_file(path, size) as w:
+        step = w.sum_unit * max(1, WRITE_STEP // w.sum_unit)
+        for off in range(0, size, step):
+            n = min(step, size - off)
+            w.write_at(off, image[off:off + -(-n // 4096) * 4096], valid=n)
+            progress(off + n)
+        sums = w.commit(size)
+    return {"size": size, "sum_unit": w.sum_unit,
+            "sums": base64.b64encode(pack_sums(sums)).decode()}
