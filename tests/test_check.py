@@ -1,0 +1,99 @@
+"""fsck finds and repairs what a crash or a hand can break; scrub names damaged data."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+import torch
+from conftest import Mounted, mxfs, one_line_error
+from test_faults import check_pool
+
+import mxfs.ckpt as ck
+from mxfs.client import ControlClient
+from mxfs.io import Layout
+from mxfs.kv import KVStore
+from mxfs.pool import Pool
+
+
+def _db(m: Mounted) -> sqlite3.Connection:
+    return sqlite3.connect(os.path.join(m.members[0], "meta", "mxfs.db"), isolation_level=None)
+
+
+def test_fsck_reports_then_repairs_each_kind_of_damage(mounted: Mounted) -> None:
+    (mounted.path / "d").mkdir()
+    (mounted.path / "d" / "keep").write_bytes(b"k" * 300_000)
+    (mounted.path / "lost").write_bytes(b"L" * 5000)
+    (mounted.path / "tailed").write_bytes(b"t" * 100_000)
+    (mounted.path / "hard").write_bytes(b"h")
+    os.link(mounted.path / "hard", mounted.path / "hard2")
+    inos = {n: os.stat(mounted.path / n).st_ino for n in ("lost", "tailed", "hard")}
+    mounted.umount()
+    assert json.loads(mxfs("fsck", "--json", mounted.members[0]).stdout)["findings"] == []
+    pool = Pool.open(mounted.members[0])
+    db = _db(mounted)
+    db.execute("DELETE FROM dentries WHERE ino=?", (inos["lost"],))  # unreachable inode
+    db.execute("UPDATE inodes SET nlink=5 WHERE ino=?", (inos["hard"],))  # wrong link count
+    db.execute("INSERT INTO dentries(parent, name, ino) VALUES (1, 'ghost', 999999)")
+    db.close()
+    stray = pool.chunk_path(1, 888888)  # a chunk file of no inode
+    Path(stray).write_bytes(b"s" * 4096)
+    lay = Layout(65536, 4, inos["tailed"] % 4, 4)
+    member = lay.locate(0)[0]
+    with open(pool.chunk_path(member, inos["tailed"]), "ab") as f:
+        f.write(b"x" * 70_000)  # bytes past the file's size
+    res = mxfs("fsck", mounted.members[0], check=False)
+    assert res.returncode == 4
+    for what in ("unreachable inode", "link count", "dangling entry", "stray chunk file",
+                 "tail"):
+        assert f"found: {what}" in res.stdout, res.stdout
+    assert "run again with --repair" in res.stdout
+    res = mxfs("fsck", "--repair", mounted.members[0], check=False)
+    assert res.returncode == 1 and "repaired: unreachable inode" in res.stdout
+    assert mxfs("fsck", mounted.members[0]).stdout.strip() == "clean"
+    check_pool(mounted.members)
+    assert not os.path.exists(stray)
+    mounted.remount()
+    assert (mounted.path / "lost+found" / str(inos["lost"])).read_bytes() == b"L" * 5000
+    assert (mounted.path / "tailed").read_bytes() == b"t" * 100_000
+    assert os.stat(mounted.path / "hard").st_nlink == 2
+    assert not (mounted.path / "ghost").exists()
+    assert (mounted.path / "d" / "keep").read_bytes() == b"k" * 300_000
+
+
+def test_fsck_refuses_a_mounted_pool_and_bad_input(mounted: Mounted) -> None:
+    line = one_line_error(mxfs("fsck", mounted.members[0], check=False))
+    assert "is mounted at" in line and "umount" in line
+    line = one_line_error(mxfs("fsck", "/nonexistent/member", check=False))
+    assert "/nonexistent/member" in line
+
+
+def test_scrub_names_the_damaged_sealed_files_and_members_online(mounted: Mounted) -> None:
+    ck.save({"w": torch.randn(200_000)}, str(mounted.path / "ckpt")).wait()
+    with KVStore(str(mounted.path), "s") as kv:
+        kv.put("chunk-a", os.urandom(300_000))
+        kv.put("chunk-b", os.urandom(5000))
+    (mounted.path / "plain").write_bytes(os.urandom(100_000))  # not sealed: not scrubbed
+    ok = json.loads(mxfs("scrub", "--json", str(mounted.path)).stdout)
+    assert ok["checked"] == 5 and ok["damaged"] == []  # data, manifest, latest, 2 KV chunks
+    data = mounted.path / "ckpt" / "data.safetensors"
+    with ControlClient(str(mounted.path)) as c:
+        info = c.layout(str(data))
+    lay = Layout.from_description(info["layout"])
+    member, off = lay.locate(150_000)
+    chunk = Pool.open(mounted.members[0]).chunk_path(member, info["ino"])
+    with open(chunk, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    res = mxfs("scrub", "--rate", "100MiB", str(mounted.path), check=False)
+    assert res.returncode == 1
+    assert f"DAMAGED /ckpt/data.safetensors: bytes [131072, 196608) on member {member}: " \
+        "checksum" in res.stdout
+    assert "1 damaged" in res.stdout
+    mounted.umount()  # and offline, from a member path
+    out = json.loads(mxfs("scrub", "--json", mounted.members[0], check=False).stdout)
+    assert [d["path"] for d in out["damaged"]] == ["/ckpt/data.safetensors"]
