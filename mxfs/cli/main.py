@@ -1,5 +1,5 @@
 """The `mxfs` command: mkfs, mount, umount, status, stripes, warm, load-bench, ckpt, kv,
-fsck, scrub, demo.
+fsck, scrub, meta, demo.
 
 Every user error is one line on stderr and a non-zero exit code; a traceback
 only appears with MXFS_DEBUG=1.
@@ -82,7 +82,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     argv = ["mount", "-f", args.pool, args.mountpoint]
     if options:
         argv += ["-o", ",".join(options)]
-    pid = spawn_daemon(argv, log_path)
+    pid, warnings = spawn_daemon(argv, log_path)
+    for w in warnings:
+        print(f"mxfs: warning: {w}", file=sys.stderr)
     print(f"mounted pool {pool.uuid} on {os.path.abspath(args.mountpoint)} "
           f"(daemon pid {pid}, log {log_path})")
     return 0
@@ -96,12 +98,15 @@ def _mount_foreground(args: argparse.Namespace, options: list[str]) -> int:
     fd = args.ready_fd
     told = False
 
-    def ready(err: MxfsError | None) -> None:
+    def ready(err: MxfsError | None, warnings: list[str]) -> None:
         nonlocal told
+        for w in warnings:
+            logging.getLogger("mxfs.daemon").warning("%s", w)
         if told or fd is None:
             return
         told = True
-        msg = "ok\n" if err is None else f"error\t{err.problem}\t{err.fix or ''}\n"
+        msg = ("\t".join(["ok", *warnings]) + "\n" if err is None
+               else f"error\t{err.problem}\t{err.fix or ''}\n")
         try:
             os.write(fd, msg.encode())
             os.close(fd)
@@ -351,11 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_load_bench)
 
-    from mxfs.cli import check_cmd, ckpt_cmd, kv_cmd
+    from mxfs.cli import check_cmd, ckpt_cmd, kv_cmd, meta_cmd
 
     ckpt_cmd.add_parser(sub)
     kv_cmd.add_parser(sub)
     check_cmd.add_parsers(sub)
+    meta_cmd.add_parser(sub)
 
     s = sub.add_parser("demo", help="make a demo pool, mount it, write and read, measure")
     s.add_argument("--size", default="2GiB", help="bytes to write and read each way")

@@ -207,6 +207,10 @@ class ControlServer:
             return await self._commit(msg, session), []
         if op in KV_OPS:
             return self.kv.handle(op, msg, session)
+        if op == "meta_backup":
+            if caller.uid != 0:
+                raise OSError(errno.EPERM, "only root backs up the metadata store")
+            return {"ok": True, "path": await self.backup_meta()}, []
         if op == "abort":
             self._drop(session, self._pending(msg, session).entry.node.ino)
             return {"ok": True}, []
@@ -293,6 +297,13 @@ class ControlServer:
         """Forget an unpublished file; its chunk files are reclaimed after the next commit."""
         session.pending.pop(ino)
         self.vol.release(ino)
+
+    async def backup_meta(self) -> str:
+        """Commit, then copy the metadata store online to the next member."""
+        self.vol.store.commit()
+        path = await trio.to_thread.run_sync(self.vol.backup_meta)
+        log.info("metadata backed up to %s", path)
+        return path
 
     def status(self) -> dict[str, Any]:
         """The pool as `mxfs status` shows it."""

@@ -25,11 +25,14 @@ from mxfs.fs.volume import Volume
 log = logging.getLogger("mxfs.daemon")
 
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
-OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache")
+OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache",
+               "meta_backup")
 DEFAULT_READAHEAD_KIB = 4096
+META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
 
-Ready = Callable[[MxfsError | None], None]
+# Called once: with the error that stopped the mount, or None and warnings for the user.
+Ready = Callable[[MxfsError | None, list[str]], None]
 
 
 def split_options(options: list[str]) -> tuple[dict[str, str], set[str]]:
@@ -70,17 +73,18 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     try:
         io_threads = int(own.get("io_threads") or 16)
         readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
+        backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
-        vol = Volume.open(spec)
+        vol = Volume.open(spec, recover_meta=True)
         sock = socket_path(vol.pool.uuid)
         vol.lock(mp, sock)
     except ValueError:
-        err = MxfsError("io_threads and readahead (KiB) take whole numbers",
-                        "write them like io_threads=16,readahead=4096")
-        ready(err)
+        err = MxfsError("io_threads, readahead (KiB) and meta_backup (s) take whole numbers",
+                        "write them like io_threads=16,readahead=4096,meta_backup=600")
+        ready(err, [])
         raise err from None
     except MxfsError as e:
-        ready(e)
+        ready(e, [])
         raise
     clean = False
     try:
@@ -98,27 +102,32 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         try:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
                                     entry_changed=ops.entry_changed)
-            trio.run(_serve, control, ready, readahead)
+            notes = [f"the metadata store was recovered from the backup {vol.restored_from}; "
+                     "changes made after that backup are lost"] if vol.restored_from else []
+            trio.run(_serve, control, lambda: ready(None, notes), readahead, backup_s)
             clean = True
         finally:
             pyfuse3.close(unmount=True)
     except MxfsError as e:
-        ready(e)
+        ready(e, [])
         raise
     finally:
         vol.close(clean=clean)
         log.info("pool %s unmounted from %s (clean=%s)", vol.pool.uuid, mp, clean)
 
 
-async def _serve(control: ControlServer, ready: Ready, readahead_kib: int) -> None:
+async def _serve(control: ControlServer, ready: Callable[[], None], readahead_kib: int,
+                 backup_s: int) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(control.serve)
         nursery.start_soon(_stop_on_signal)
         nursery.start_soon(_commit_groups, control)
+        if backup_s > 0:
+            nursery.start_soon(_backups, control, backup_s)
         nursery.start_soon(_raise_readahead, control.mountpoint, readahead_kib)
         log.info("pool %s mounted on %s, control socket %s", control.vol.pool.uuid,
                  control.mountpoint, control.path)
-        ready(None)
+        ready()
         notify_systemd("READY=1")
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
@@ -145,6 +154,16 @@ async def _commit_groups(control: ControlServer) -> None:
         if inos:
             await trio.to_thread.run_sync(vol.remove_chunks, inos)
             vol.drop_inodes(inos)
+
+
+async def _backups(control: ControlServer, every_s: int) -> None:
+    """Copy the metadata store to the next member every `every_s` seconds."""
+    while True:
+        await trio.sleep(every_s)
+        try:
+            await control.backup_meta()
+        except OSError as e:
+            log.error("metadata backup failed: %s", e)
 
 
 async def _stop_on_signal() -> None:

@@ -61,8 +61,9 @@ def check_mountpoint(path: str, nonempty: bool = False) -> str:
     return real
 
 
-def spawn_daemon(argv: list[str], log_path: str) -> int:
-    """Start `mxfs mount -f` in its own session and wait until it says it is mounted."""
+def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
+    """Start `mxfs mount -f` in its own session and wait until it says it is mounted:
+    (its pid, warnings for the user)."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     r, w = os.pipe()
     with open(log_path, "ab") as logf:
@@ -84,8 +85,8 @@ def spawn_daemon(argv: list[str], log_path: str) -> int:
             elif proc.poll() is not None:
                 break
     text = answer.decode(errors="replace").strip()
-    if text == "ok":
-        return proc.pid
+    if text == "ok" or text.startswith("ok\t"):
+        return proc.pid, text.split("\t")[1:]
     if proc.poll() is None and not text:
         proc.kill()
         raise MxfsError(f"the daemon did not report within {READY_TIMEOUT:.0f} s",

@@ -15,11 +15,12 @@ import json
 import logging
 import os
 import sqlite3
+import time
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
-from mxfs.meta import ROOT_INO, Inode, MetaStore
+from mxfs.meta import ROOT_INO, Inode, MetaStore, backup
 from mxfs.meta.check import inode_numbers, invariant_problems
 from mxfs.pool import ChunkFiles, Pool, format_members
 
@@ -69,10 +70,15 @@ class Volume:
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self._spares: list[Inode] = []
         self._lock_fd: int | None = None
+        # Set when mount found the store damaged and put a backup in its place.
+        self.restored_from: str | None = None
 
     @classmethod
-    def open(cls, spec: str, readonly: bool = False) -> Volume:
+    def open(cls, spec: str, readonly: bool = False, recover_meta: bool = False) -> Volume:
+        """Open a pool; with `recover_meta`, a damaged store is replaced by its newest
+        good backup (the mount says so; changes made after that backup are lost)."""
         pool = Pool.open(spec)
+        restored = _recover_store(pool) if recover_meta else None
         try:
             store = MetaStore.open(pool.meta_dir, readonly=readonly)
             uuid = store.setting("pool_uuid")
@@ -82,7 +88,13 @@ class Volume:
         if uuid != pool.uuid:
             raise MxfsError(f"metadata store in {pool.meta_dir} belongs to pool {uuid}, "
                             f"not {pool.uuid}", "restore the right metadata store")
-        return cls(pool, store)
+        vol = cls(pool, store)
+        vol.restored_from = restored
+        return vol
+
+    def backup_meta(self) -> str:
+        """Blocking (worker thread): an online copy of the store on the next member."""
+        return backup.backup(self.store.path, self.pool.backup_dir).path
 
     # ---- the daemon's lock ------------------------------------------------
 
@@ -270,6 +282,13 @@ class Volume:
     def recover(self) -> Recovery:
         """Reclaim orphans and trim chunk files past recorded sizes; mark the store in use."""
         report = Recovery(unclean=self.store.setting("clean") != "1")
+        if self.restored_from is not None:
+            # Files made after the backup have chunk files but no inode now: drop them,
+            # or a later file given the same number would find their bytes.
+            inodes = inode_numbers(self.store)
+            for member, ino in self.pool.iter_chunks():
+                if ino not in inodes:
+                    os.unlink(self.pool.chunk_path(member, ino))
         for ino in self.store.orphans():
             self.reclaim(ino)
             report.orphans_reclaimed += 1
@@ -310,6 +329,25 @@ class Volume:
         self.store.durable()
         self.store.close()
         self.unlock()
+
+
+def _recover_store(pool: Pool) -> str | None:
+    """If the store is damaged, put the newest good backup in its place; say which."""
+    from mxfs.meta.store import DB_NAME
+
+    primary = os.path.join(pool.meta_dir, DB_NAME)
+    why = backup.problem(primary, pool.uuid) if os.path.exists(primary) else "missing"
+    if why is None:
+        return None
+    good = backup.newest_good(pool.backup_dirs(), pool.uuid)
+    if good is None:
+        raise MxfsError(f"metadata store {primary} is {why} and no good backup was found",
+                        "restore a dump: mxfs meta restore FILE POOL")
+    backup.restore_file(good.path, pool.meta_dir)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(good.taken_ns / 1e9))
+    log.warning("metadata store %s was %s: recovered from the backup of %s (%s); changes "
+                "made after it are lost", primary, why, when, good.path)
+    return f"{good.path} (taken {when}; the store was {why})"
 
 
 def read_lock_info(pool: Pool) -> dict | None:

@@ -81,6 +81,13 @@ DIR_SIZE = 4096
 LayoutPicker = Callable[[int, "int | None", "int | None"], tuple[int, int, int]]
 
 
+def create_schema(db: sqlite3.Connection) -> None:
+    """The tables and indexes of the current schema, in an empty database."""
+    for stmt in _SCHEMA.split(";"):
+        if stmt.strip():
+            db.execute(stmt)
+
+
 def fail(code: int, what: str = "") -> OSError:
     return OSError(code, what or os.strerror(code))
 
@@ -167,9 +174,7 @@ class MetaStore:
         store = cls(path)
         now = time.time_ns()
         with store.transaction():
-            for stmt in _SCHEMA.split(";"):
-                if stmt.strip():
-                    store.db.execute(stmt)
+            create_schema(store.db)
             store.db.executemany("INSERT INTO settings VALUES (?, ?)", [
                 ("schema_version", str(SCHEMA_VERSION)), ("pool_uuid", pool_uuid),
                 ("clean", "1")])

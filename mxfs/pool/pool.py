@@ -26,6 +26,7 @@ from mxfs.pool.superblock import (
 )
 
 CHUNK_DIR = "chunks"
+BACKUP_DIR = "meta-backup"
 META_DIR = "meta"
 FANOUT = 256
 # Names a freshly made filesystem already holds; a member may contain these.
@@ -44,7 +45,7 @@ class Member:
         return os.path.join(self.path, CHUNK_DIR)
 
 
-_OURS = {SUPERBLOCK_NAME, CHUNK_DIR, META_DIR, SUPERBLOCK_NAME + ".tmp"}
+_OURS = {SUPERBLOCK_NAME, CHUNK_DIR, META_DIR, BACKUP_DIR, SUPERBLOCK_NAME + ".tmp"}
 
 
 def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
@@ -200,6 +201,16 @@ class Pool:
     @property
     def meta_dir(self) -> str:
         return os.path.join(self.members[self.meta_member].path, META_DIR)
+
+    @property
+    def backup_dir(self) -> str:
+        """Where metadata backups go: the member after the metadata member."""
+        m = self.members[(self.meta_member + 1) % len(self.members)]
+        return os.path.join(m.path, BACKUP_DIR)
+
+    def backup_dirs(self) -> list[str]:
+        """Every member's backup folder (recovery looks in all of them)."""
+        return [os.path.join(m.path, BACKUP_DIR) for m in self.members]
 
     def layout_for(self, ino: int, unit: int | None = None, width: int | None = None) -> Layout:
         """The layout a new file gets: defaults filled in, first member spread by inode."""

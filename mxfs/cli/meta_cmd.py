@@ -1,0 +1,127 @@
+"""`mxfs meta backup | ls | dump | restore`: copies of the metadata store."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+from mxfs.errors import MxfsError
+
+
+def _pool_of(target: str) -> object:
+    """The pool a mount point or member path names."""
+    from mxfs.client.control import ControlClient, mount_root
+    from mxfs.pool import Pool
+
+    root = mount_root(target) if os.path.isdir(target) else None
+    if root is not None:
+        with ControlClient(root) as c:
+            target = c.stat()["members"][0]["path"]
+    return Pool.open(target)
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    from mxfs.client.control import ControlClient, mount_root
+
+    root = mount_root(args.mount) if os.path.isdir(args.mount) else None
+    if root is None:
+        raise MxfsError(f"{args.mount} is not an mxfs mount",
+                        "give the mount point (an unmounted pool needs no online copy)")
+    with ControlClient(root, timeout=600) as c:
+        path = c.call("meta_backup")["path"]
+    print(json.dumps({"backup": path}) if args.json else f"metadata backed up to {path}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from mxfs.meta import backup
+
+    pool = _pool_of(args.pool)
+    found = [(c, backup.problem(c.path, pool.uuid))  # type: ignore[attr-defined]
+             for d in pool.backup_dirs() for c in backup.copies(d)]  # type: ignore[attr-defined]
+    found.sort(key=lambda x: -x[0].taken_ns)
+    if args.json:
+        print(json.dumps([{"path": c.path, "taken_ns": c.taken_ns, "problem": p}
+                          for c, p in found], indent=2))
+        return 0
+    if not found:
+        print("no backups")
+    for c, p in found:
+        when = datetime.datetime.fromtimestamp(c.taken_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{when}  {c.path}  {p or 'good'}")
+    return 0
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from mxfs.meta import backup
+    from mxfs.meta.store import DB_NAME
+
+    pool = _pool_of(args.pool)
+    try:
+        rows = backup.dump(os.path.join(pool.meta_dir, DB_NAME), args.file)  # type: ignore[attr-defined]
+    except ValueError as e:
+        raise MxfsError(str(e), "name the dump FILE.sql, FILE.json, or either with .zst") from None
+    print(json.dumps({"file": args.file, "rows": rows}) if args.json
+          else f"dumped {rows} rows to {args.file}")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from mxfs.fs.volume import Volume, read_lock_info
+    from mxfs.meta import backup
+    from mxfs.pool import Pool
+
+    pool = Pool.open(args.pool)
+    holder = read_lock_info(pool)
+    if holder is not None:
+        raise MxfsError(f"pool {pool.uuid} is mounted at {holder.get('mountpoint')}",
+                        "unmount it first (mxfs umount)")
+    if not os.path.isfile(args.file):
+        raise MxfsError(f"{args.file} does not exist", "give a dump made by mxfs meta dump")
+    tmp = os.path.join(pool.meta_dir, "restore.db")
+    try:
+        backup.load_dump(args.file, tmp)
+    except (ValueError, OSError) as e:
+        raise MxfsError(f"{args.file} cannot be read as a metadata dump ({e})",
+                        "give a dump made by mxfs meta dump") from None
+    except Exception as e:  # noqa: BLE001 - sqlite3 or zstd errors on foreign input
+        raise MxfsError(f"{args.file} is not a metadata dump ({type(e).__name__}: {e})",
+                        "give a dump made by mxfs meta dump") from None
+    why = backup.problem(tmp, pool.uuid)
+    if why is not None:
+        os.unlink(tmp)
+        raise MxfsError(f"{args.file}: the store it holds {why}", "give this pool's dump")
+    kept = backup.restore_file(tmp, pool.meta_dir)
+    os.unlink(tmp)
+    vol = Volume.open(args.pool)
+    vol.restored_from = args.file
+    vol.lock("restore", "")
+    vol.recover()  # drops chunk files the restored store does not know
+    vol.close()
+    print(json.dumps({"restored": args.file, "previous": kept}) if args.json
+          else f"restored the metadata store from {args.file}; the previous one is {kept}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from mxfs.cli.ckpt_cmd import json_everywhere
+
+    s = sub.add_parser("meta", help="back up, dump and restore the metadata store")
+    verbs = s.add_subparsers(dest="verb", required=True, parser_class=type(s))
+    v = verbs.add_parser("backup", help="copy the store of a mounted pool to the next member now")
+    v.add_argument("mount")
+    v.set_defaults(func=cmd_backup)
+    v = verbs.add_parser("ls", help="the backups of a pool, newest first")
+    v.add_argument("pool", help="a mount point or member path")
+    v.set_defaults(func=cmd_ls)
+    v = verbs.add_parser("dump", help="write the store as SQL or JSON (.zst to compress)")
+    v.add_argument("file")
+    v.add_argument("pool", help="a mount point or member path")
+    v.set_defaults(func=cmd_dump)
+    v = verbs.add_parser("restore", help="replace an unmounted pool's store with a dump")
+    v.add_argument("file")
+    v.add_argument("pool", help="a member path or pool config")
+    v.set_defaults(func=cmd_restore)
+    json_everywhere(s, verbs)
