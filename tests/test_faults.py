@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Mounted, eventually, force_unmount, mkfs, mxfs
+from conftest import Mounted, eventually, force_unmount, mkfs, mxfs, one_line_error
 
 from mxfs.fs.volume import Volume
 
@@ -175,3 +176,53 @@ def test_unsynced_tail_is_trimmed_after_a_crash(mounted: Mounted) -> None:
     assert p.read_bytes()[len(data):] == bytes(200_000)
     mounted.umount()
     check_pool(mounted.members)
+
+
+# ---- a member vanishes ----------------------------------------------------------------
+
+def _spread_and_local(mp: Path) -> tuple[Path, Path]:
+    """A file striped over every member, and a small one on member 0 only."""
+    (mp / "wide").write_bytes(os.urandom(4 << 20))
+    for i in range(64):  # small files land on the member their inode number picks
+        p = mp / f"small{i}"
+        p.write_bytes(b"s" * 1000)
+        if os.stat(p).st_ino % 4 == 0:
+            return mp / "wide", p
+    raise AssertionError("no small file landed on member 0")
+
+
+def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
+        loop_members: list[str]) -> None:
+    mkfs(loop_members)
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-degraded-"))
+    mxfs("mount", loop_members[0], str(mp))
+    try:
+        wide, local = _spread_and_local(mp)
+        subprocess.run(["umount", "-l", loop_members[2]], check=True)  # member 2 vanishes
+        mxfs("status", str(mp))
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")  # so the read reaches the daemon, not the kernel's cache
+        with pytest.raises(OSError) as err:
+            wide.read_bytes()
+        assert err.value.errno == errno.EIO
+        assert local.read_bytes() == b"s" * 1000  # files elsewhere still read
+        status = json.loads(mxfs("status", "--json", str(mp)).stdout)
+        assert status["degraded"] and "/wide" in status["lost_examples"]
+        assert [m["index"] for m in status["members"] if m.get("failed")] == [2]
+        text = mxfs("status", str(mp)).stdout
+        assert "FAILED" in text and "DEGRADED" in text and "/wide" in text
+        mxfs("umount", str(mp))
+        line = one_line_error(mxfs("mount", loop_members[0], str(mp), check=False))
+        assert "member 2" in line and "-o degraded" in line
+        res = mxfs("mount", "-o", "degraded", loop_members[0], str(mp))
+        assert "read-only and degraded" in res.stderr
+        assert local.read_bytes() == b"s" * 1000
+        with pytest.raises(OSError) as err:
+            wide.read_bytes()
+        assert err.value.errno == errno.EIO
+        with pytest.raises(OSError) as err:
+            (mp / "new").write_bytes(b"x")
+        assert err.value.errno == errno.EROFS
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)

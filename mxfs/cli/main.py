@@ -77,7 +77,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     # Check what we can here, so the common mistakes need no daemon log.
     check_mountpoint(args.mountpoint, nonempty="nonempty" in options)
-    pool = Pool.open(args.pool)
+    pool = Pool.open(args.pool, degraded="degraded" in options)
     log_path = os.path.join(runtime_dir(), f"{pool.uuid}.log")
     argv = ["mount", "-f", args.pool, args.mountpoint]
     if options:
@@ -182,9 +182,19 @@ def _format_status(s: dict[str, Any]) -> str:
     for m in s["members"]:
         total += m["size"]
         free += m["free"]
+        if m.get("failed"):
+            lines.append(f"  member {m['index']}: {m['path']}  FAILED: {m['failed']}")
+            continue
         lines.append(f"  member {m['index']}: {m['path']}  {format_size(m['used'])} used of "
                      f"{format_size(m['size'])}, {format_size(m['free'])} free")
     lines.append(f"  capacity {format_size(total)}, {format_size(free)} free")
+    if s.get("degraded"):
+        lines.append(f"  DEGRADED: {s['lost_files']} files have stripes on a failed member "
+                     "and are lost (RAID0 keeps no copy):")
+        lines += [f"    {name}" for name in s["lost_examples"]]
+        if s["lost_files"] > len(s["lost_examples"]):
+            lines.append(f"    ... and {s['lost_files'] - len(s['lost_examples'])} more "
+                         "(mxfs status --json)")
     return "\n".join(lines)
 
 

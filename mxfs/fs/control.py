@@ -29,6 +29,7 @@ from mxfs.fs.access import (
     resolve_parent_for,
     supplementary_groups,
 )
+from mxfs.fs.fsck import lost_files
 from mxfs.fs.kv import KVIndex
 from mxfs.fs.kv_ops import KV_OPS, KVOps
 from mxfs.fs.session import (
@@ -308,7 +309,10 @@ class ControlServer:
     def status(self) -> dict[str, Any]:
         """The pool as `mxfs status` shows it."""
         pool = self.vol.pool
-        return {"pool_uuid": pool.uuid, "label": pool.label, "stripe_unit": pool.stripe_unit,
+        lost, names = lost_files(self.vol, limit=100)
+        health = {"degraded": bool(pool.failed), "lost_files": lost, "lost_examples": names}
+        return {**health, "pool_uuid": pool.uuid, "label": pool.label,
+                "stripe_unit": pool.stripe_unit,
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.path,
                 "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,

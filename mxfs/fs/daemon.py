@@ -26,7 +26,7 @@ log = logging.getLogger("mxfs.daemon")
 
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
 OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache",
-               "meta_backup")
+               "meta_backup", "degraded")
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
@@ -75,7 +75,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
-        vol = Volume.open(spec, recover_meta=True)
+        vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
         sock = socket_path(vol.pool.uuid)
         vol.lock(mp, sock)
     except ValueError:
@@ -94,6 +94,12 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                              writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"))
         name = vol.pool.label or vol.pool.uuid[:8]
         fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
+        notes = []
+        if vol.pool.failed:
+            fuse_opts.add("ro")  # serve what survives; write nothing to a broken stripe set
+            notes.append("mounted read-only and degraded: " + "; ".join(
+                f"member {m.index} ({m.path}) {m.failed}" for m in vol.pool.failed)
+                + "; files with stripes on it read EIO (mxfs status lists them)")
         try:
             pyfuse3.init(ops, mp, fuse_opts)
         except RuntimeError as e:
@@ -102,8 +108,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         try:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
                                     entry_changed=ops.entry_changed)
-            notes = [f"the metadata store was recovered from the backup {vol.restored_from}; "
-                     "changes made after that backup are lost"] if vol.restored_from else []
+            if vol.restored_from:
+                notes.append(f"the metadata store was recovered from the backup "
+                             f"{vol.restored_from}; changes made after that backup are lost")
             trio.run(_serve, control, lambda: ready(None, notes), readahead, backup_s)
             clean = True
         finally:

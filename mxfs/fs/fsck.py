@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from mxfs.fs.volume import Volume
+from mxfs.io import Layout
 from mxfs.meta import ROOT_INO, MetaStore
 
 LOST_FOUND = b"lost+found"
@@ -45,6 +46,32 @@ def path_of(store: MetaStore, ino: int) -> str:
         parts.append(os.fsdecode(row[1]))
         ino = row[0]
     return "/" + "/".join(reversed(parts))
+
+
+def lost_files(vol: Volume, limit: int = 1000) -> tuple[int, list[str]]:
+    """Files with bytes on a failed member: (how many, the first `limit` of their names)."""
+    failed = {m.index for m in vol.pool.failed}
+    if not failed:
+        return 0, []
+    count, names = 0, []
+    rows = vol.store.db.execute(
+        "SELECT ino, size, stripe_unit, stripe_width, first_member FROM inodes "
+        "WHERE (mode & ?) = ? AND size > 0", (_S_IFMT, stat.S_IFREG)).fetchall()
+    for ino, size, unit, width, first in rows:
+        if Layout(unit, width, first, len(vol.pool.members)).holding(size) & failed:
+            count += 1
+            if len(names) < limit:
+                names.append(display_name(vol.store, ino))
+    return count, names
+
+
+def display_name(store: MetaStore, ino: int) -> str:
+    """A file's path, or its KV namespace and key."""
+    row = store.db.execute("SELECT ns, key FROM kv WHERE ino=?", (ino,)).fetchone()
+    if row is not None:
+        key = bytes(row[1])
+        return f"kv:{row[0]}/" + (key.decode() if key.isascii() else "0x" + key.hex())
+    return path_of(store, ino)
 
 
 def fsck(vol: Volume, repair: bool) -> list[Finding]:

@@ -15,7 +15,15 @@ import os
 from typing import Any
 
 from mxfs.fs.kv import KVIndex, Namespace, check_key
-from mxfs.fs.session import Pending, Session, int_field, open_hidden, read_fds, sums_field
+from mxfs.fs.session import (
+    Pending,
+    Session,
+    int_field,
+    open_hidden,
+    read_fds,
+    refuse_if_degraded,
+    sums_field,
+)
 from mxfs.fs.volume import Volume
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
@@ -103,6 +111,7 @@ class KVOps:
         keys, data = _keys(msg), msg.get("data")
         if not isinstance(data, list) or len(data) != len(keys):
             raise ProtocolError("kv_put needs 'data': one base64 string per key")
+        refuse_if_degraded(self.vol)
         stored = []
         for key, b64 in zip(keys, data, strict=True):
             if key in space.chunks:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from mxfs.fs.fsck import path_of
+from mxfs.fs.fsck import display_name
 from mxfs.io import Layout
 from mxfs.io.checksum import block_sums, unpack_sums
 from mxfs.meta import MetaStore
@@ -51,15 +51,6 @@ def sealed_files(store: MetaStore, members: int) -> Iterator[Sealed]:
     for ino, size, unit, width, first, sum_unit, sums in rows:
         yield Sealed(ino, size, Layout(unit, width, first, members), sum_unit,
                      unpack_sums(sums))
-
-
-def _name(store: MetaStore, ino: int) -> str:
-    row = store.db.execute("SELECT ns, key FROM kv WHERE ino=?", (ino,)).fetchone()
-    if row is not None:
-        key = bytes(row[1])
-        shown = key.decode() if key.isascii() else "0x" + key.hex()
-        return f"kv:{row[0]}/{shown}"
-    return path_of(store, ino)
 
 
 def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[tuple[int, int,
@@ -125,7 +116,8 @@ def scrub(pool: Pool, store: MetaStore, rate: int = 0,
         if store.db.execute("SELECT 1 FROM inodes WHERE ino=?", (f.ino,)).fetchone() is None:
             continue  # removed while we scrubbed
         for begin, end, why in scrub_file(pool, f, throttle):
-            bad.append(Bad(_name(store, f.ino), begin, end, f.layout.locate(begin)[0], why))
+            bad.append(Bad(display_name(store, f.ino), begin, end, f.layout.locate(begin)[0],
+                           why))
         checked += 1
         progress(throttle.done, total)
     return checked, bad

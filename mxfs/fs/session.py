@@ -62,9 +62,18 @@ def sums_field(msg: dict[str, Any], unit: int, size: int) -> tuple[int, bytes]:
     return sum_unit, sums
 
 
+def refuse_if_degraded(vol: Volume) -> None:
+    """Nothing new is written to a pool with a failed member (it is served read-only)."""
+    failed = vol.pool.failed
+    if failed:
+        raise OSError(errno.EROFS, f"the pool is degraded (member {failed[0].index} failed: "
+                      f"{failed[0].failed}): read-only")
+
+
 def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int
                 ) -> tuple[OpenInode, list[int], list[int]]:
     """A hidden file and write descriptors of its chunk files: (entry, members, fds)."""
+    refuse_if_degraded(vol)
     entry = vol.create_hidden(parent, mode, uid, gid)
     node = entry.node
     members, fds = [], []
@@ -83,9 +92,13 @@ def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int
 
 def read_fds(vol: Volume, node: Inode) -> tuple[list[int], list[int]]:
     """Read-only descriptors of a file's chunk files: (members, fds); unwritten ones absent."""
+    layout = vol.layout(node)
+    vol.pool.check(layout.holding(node.size))  # EIO: some of its bytes are on a failed member
     members, fds = [], []
     try:
-        for m in vol.layout(node).used_members():
+        for m in layout.used_members():
+            if vol.pool.members[m].failed:
+                continue  # holds nothing of this file (checked above)
             try:
                 fds.append(os.open(vol.pool.chunk_path(m, node.ino), os.O_RDONLY | os.O_CLOEXEC))
             except FileNotFoundError:

@@ -74,10 +74,12 @@ class Volume:
         self.restored_from: str | None = None
 
     @classmethod
-    def open(cls, spec: str, readonly: bool = False, recover_meta: bool = False) -> Volume:
+    def open(cls, spec: str, readonly: bool = False, recover_meta: bool = False,
+             degraded: bool = False) -> Volume:
         """Open a pool; with `recover_meta`, a damaged store is replaced by its newest
-        good backup (the mount says so; changes made after that backup are lost)."""
-        pool = Pool.open(spec)
+        good backup (the mount says so; changes made after that backup are lost); with
+        `degraded`, missing members are marked failed instead of refused."""
+        pool = Pool.open(spec, degraded=degraded)
         restored = _recover_store(pool) if recover_meta else None
         try:
             store = MetaStore.open(pool.meta_dir, readonly=readonly)

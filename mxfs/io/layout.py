@@ -54,6 +54,11 @@ class Layout:
     def used_members(self) -> list[int]:
         return [self.member_of_stripe(k) for k in range(self.width)]
 
+    def holding(self, size: int) -> set[int]:
+        """The members that hold bytes of a file of `size` bytes."""
+        stripes = -(-size // self.unit)
+        return {self.member_of_stripe(k) for k in range(min(self.width, stripes))}
+
     def locate(self, offset: int) -> tuple[int, int]:
         """(member, chunk offset) of file byte `offset`."""
         k, within = divmod(offset, self.unit)

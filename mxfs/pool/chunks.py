@@ -7,8 +7,11 @@ Methods block: the daemon calls them from worker threads.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from mxfs.io import Layout, ReadOp, WriteOp, read_batch, write_batch
 from mxfs.pool.pool import Pool
@@ -31,20 +34,28 @@ class ChunkFiles:
         with self._lock:
             if member in self._fds:
                 return self._fds[member]
+            self.pool.check([member])
             flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
             try:
                 fd = os.open(self.pool.chunk_path(member, self.ino), flags, 0o600)
-            except FileNotFoundError:
+            except FileNotFoundError as e:
+                self.pool.probe(member, e)  # a hole, unless the member itself is gone
+                self.pool.check([member])
                 if create:
                     raise
                 return None
+            except OSError as e:
+                self.pool.probe(member, e)
+                raise
             self._fds[member] = fd
             return fd
 
     def read(self, offset: int, buf: memoryview) -> None:
         """Fill `buf` with file bytes from `offset` (the caller clips to the file size)."""
         ops = []
-        for piece in self.layout.plan(offset, len(buf)):
+        pieces = self.layout.plan(offset, len(buf))
+        self.pool.check({p.member for p in pieces})
+        for piece in pieces:
             bufs = [buf[o:o + n] for o, n in piece.spans]
             fd = self.fd(piece.member, create=False)
             if fd is None:
@@ -53,17 +64,35 @@ class ChunkFiles:
             else:
                 ops.append(ReadOp(fd, piece.chunk_offset, bufs))
         if ops:
-            read_batch(ops)
+            self._guard(read_batch, ops)
 
     def write(self, offset: int, data: memoryview) -> None:
         """Write `data` at file `offset`, each member's share in parallel."""
         ops = []
-        for piece in self.layout.plan(offset, len(data)):
+        pieces = self.layout.plan(offset, len(data))
+        self.pool.check({p.member for p in pieces})
+        for piece in pieces:
             self.pool.check_space(piece.member, piece.length)
             fd = self.fd(piece.member, create=True)
             assert fd is not None
             ops.append(WriteOp(fd, piece.chunk_offset, [data[o:o + n] for o, n in piece.spans]))
-        write_batch(ops)
+        self._guard(write_batch, ops)
+
+    def _guard(self, run: Callable[[list[Any]], None], ops: list[Any]) -> None:
+        """Run a batch; after an error that may be a member's, redo each member's share
+        alone to find which one fails, and take it out of service."""
+        try:
+            run(ops)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            member_of = {fd: m for m, fd in self._fds.items()}
+            for m in {member_of.get(op.fd) for op in ops} - {None}:
+                try:
+                    run([op for op in ops if member_of.get(op.fd) == m])
+                except OSError as again:
+                    self.pool.probe(m, again)  # type: ignore[arg-type]
+            raise
 
     def truncate(self, size: int) -> None:
         self.pool.truncate_chunks(self.ino, self.layout, size)

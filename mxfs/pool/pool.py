@@ -8,6 +8,7 @@ pool with a missing, foreign or duplicated member, naming which.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import tomllib
@@ -35,10 +36,13 @@ _IGNORED = {"lost+found"}
 META_RESERVE = 16 << 20
 
 
-@dataclass(frozen=True)
+log = logging.getLogger("mxfs.pool")
+
+@dataclass
 class Member:
     index: int
     path: str
+    failed: str | None = None  # why it is out of service (missing at mount, I/O errors)
 
     @property
     def chunk_dir(self) -> str:
@@ -159,23 +163,30 @@ class Pool:
         self.meta_member = sb.meta_member
 
     @classmethod
-    def open(cls, spec: str) -> Pool:
+    def open(cls, spec: str, degraded: bool = False) -> Pool:
+        """Open and check every member; with `degraded`, members that are missing or
+        unreadable are marked failed (their files' stripes are lost) instead of refused."""
         paths, source = _member_paths(spec)
-        for pos, p in enumerate(paths):
-            if not os.path.isdir(p):
-                raise MxfsError(f"member {pos} ({p}) is missing",
-                                "attach it, or list where it lives now in a pool config file")
-        _refuse_duplicates(paths, "listed")
+        lost: dict[int, str] = {}
+        _refuse_duplicates([p for p in paths if os.path.isdir(p)], "listed")
         by_index: dict[int, tuple[str, Superblock]] = {}
         reference: Superblock | None = None
         for pos, p in enumerate(paths):
+            why = None if os.path.isdir(p) else "is missing"
             try:
-                sb = read_superblock(p)
+                sb = read_superblock(p) if why is None else None
             except FileNotFoundError:
-                raise MxfsError(f"member {pos} ({p}) has no mxfs superblock",
-                                "attach the right device there, or restore the member") from None
+                why = "has no mxfs superblock"
             except (OSError, SuperblockError) as e:
-                raise MxfsError(f"member {pos} ({p}): {e}", "restore the member") from None
+                why = f"is unreadable ({e})"
+            if why is not None or sb is None:
+                if not degraded:
+                    raise MxfsError(f"member {pos} ({p}) {why}",
+                                    "attach it (or list where it lives now in a pool config), "
+                                    "or mount with -o degraded to serve, read-only, the files "
+                                    "that have no stripes on it") from None
+                lost[pos] = f"{why.removeprefix('is ')} at mount"
+                continue
             if reference is None:
                 reference = sb
             elif sb.pool_uuid != reference.pool_uuid:
@@ -185,18 +196,57 @@ class Pool:
                 raise MxfsError(f"members {by_index[sb.member_index][0]} and {p} both claim "
                                 f"index {sb.member_index}", "one is a copy; list the original only")
             by_index[sb.member_index] = (p, sb)
-        assert reference is not None
+        if reference is None:
+            raise MxfsError(f"no member of pool {spec} can be read", "attach its members")
         count = reference.member_count
+        members = []
         for i in range(count):
-            if i not in by_index:
-                hint = reference.members[i] if i < len(reference.members) else "?"
+            hint = reference.members[i] if i < len(reference.members) else "?"
+            if i in by_index:
+                members.append(Member(i, by_index[i][0]))
+            elif degraded and (i in lost or source == "superblock"):
+                members.append(Member(i, hint, lost.get(i, "missing at mount")))
+            else:
                 raise MxfsError(f"member {i} (last seen at {hint}) is missing from the "
                                 f"{source}", "attach it and list it")
-        if len(by_index) != count:
+        if len(by_index) + sum(1 for m in members if m.failed) != count:
             raise MxfsError(f"{len(by_index)} members given but the pool has {count}",
                             "list exactly the pool's members")
-        members = [Member(i, by_index[i][0]) for i in range(count)]
+        if members[reference.meta_member].failed:
+            raise MxfsError(f"the metadata member {reference.meta_member} "
+                            f"({members[reference.meta_member].path}) is "
+                            f"{members[reference.meta_member].failed}",
+                            "attach it; if it is gone for good, restore its store on a new "
+                            "pool from a dump (mxfs meta restore)")
         return cls(reference, members)
+
+    @property
+    def failed(self) -> list[Member]:
+        return [m for m in self.members if m.failed]
+
+    def fail(self, member: int, why: str) -> None:
+        """Take a member out of service: every file with stripes on it now reads EIO."""
+        m = self.members[member]
+        if m.failed is None:
+            m.failed = why
+            log.error("member %d (%s) failed: %s; files with stripes on it are lost "
+                      "(mxfs status lists them)", member, m.path, why)
+
+    def check(self, members: list[int] | set[int]) -> None:
+        """EIO if any of these members is out of service."""
+        for i in members:
+            if self.members[i].failed:
+                raise OSError(errno.EIO, f"member {i} failed ({self.members[i].failed})")
+
+    def probe(self, member: int, err: OSError) -> None:
+        """After an error touching `member`: is the member itself gone or failing?"""
+        if err.errno in (errno.EIO, errno.ENODEV, errno.ENXIO, errno.ESTALE, errno.ENOTCONN):
+            self.fail(member, f"I/O error ({err.strerror})")
+            return
+        try:
+            read_superblock(self.members[member].path)
+        except (OSError, SuperblockError) as e:
+            self.fail(member, f"its superblock is gone ({e}): unmounted or removed")
 
     @property
     def meta_dir(self) -> str:
@@ -260,6 +310,10 @@ class Pool:
     def usage(self) -> list[dict[str, int | str]]:
         out: list[dict[str, int | str]] = []
         for m in self.members:
+            if m.failed:
+                out.append({"index": m.index, "path": m.path, "size": 0, "free": 0, "used": 0,
+                            "failed": m.failed})
+                continue
             st = os.statvfs(m.path)
             out.append({"index": m.index, "path": m.path,
                         "size": st.f_blocks * st.f_frsize,
