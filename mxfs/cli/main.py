@@ -1,5 +1,5 @@
 """The `mxfs` command: mkfs, mount, umount, status, stripes, warm, load-bench, ckpt, kv,
-fsck, scrub, meta, demo.
+fsck, scrub, meta, df, top, demo.
 
 Every user error is one line on stderr and a non-zero exit code; a traceback
 only appears with MXFS_DEBUG=1.
@@ -366,12 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_load_bench)
 
-    from mxfs.cli import check_cmd, ckpt_cmd, kv_cmd, meta_cmd
+    from mxfs.cli import check_cmd, ckpt_cmd, kv_cmd, meta_cmd, observe_cmd
 
     ckpt_cmd.add_parser(sub)
     kv_cmd.add_parser(sub)
     check_cmd.add_parsers(sub)
     meta_cmd.add_parser(sub)
+    observe_cmd.add_parsers(sub)
 
     s = sub.add_parser("demo", help="make a demo pool, mount it, write and read, measure")
     s.add_argument("--size", default="2GiB", help="bytes to write and read each way")

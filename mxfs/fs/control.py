@@ -32,6 +32,7 @@ from mxfs.fs.access import (
 from mxfs.fs.fsck import lost_files
 from mxfs.fs.kv import KVIndex
 from mxfs.fs.kv_ops import KV_OPS, KVOps
+from mxfs.fs.metrics import Metrics
 from mxfs.fs.session import (
     Pending,
     Session,
@@ -67,8 +68,8 @@ def peer_caller(sock: Any) -> Caller:
 class ControlServer:
     def __init__(self, volume: Volume, path: str, mountpoint: str,
                  writeback_cache: bool = False,
-                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None
-                 ) -> None:
+                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.writeback_cache = writeback_cache
         self.vol = volume
         self.path = path
@@ -77,6 +78,7 @@ class ControlServer:
         # entries (including "no such name") are dropped.
         self.entry_changed = entry_changed
         self.kv = KVOps(volume, KVIndex(volume))
+        self.metrics = metrics or Metrics()
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
@@ -145,7 +147,8 @@ class ControlServer:
                 return  # the peer went away mid-message
             fds: list[int] = []
             try:
-                reply, fds = await self._dispatch(msg, session)
+                with self.metrics.timed("control", str(msg.get("op"))[:32]):
+                    reply, fds = await self._dispatch(msg, session)
             except ProtocolError as e:
                 await self._refuse(conn, caller, msg.get("id"), e)
                 return
@@ -208,6 +211,11 @@ class ControlServer:
             return await self._commit(msg, session), []
         if op in KV_OPS:
             return self.kv.handle(op, msg, session)
+        if op == "metrics":
+            return {"ok": True, **self.metrics.snapshot(), "members": self.vol.pool.usage()}, []
+        if op == "df":
+            return {"ok": True, "members": self.vol.pool.usage(),
+                    "by_use": self.vol.store.bytes_by_use()}, []
         if op == "meta_backup":
             if caller.uid != 0:
                 raise OSError(errno.EPERM, "only root backs up the metadata store")

@@ -11,13 +11,15 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pyfuse3
 import trio
 
 from mxfs.errors import MxfsError
 from mxfs.fs.control import ControlServer, runtime_dir
+from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
@@ -26,7 +28,7 @@ log = logging.getLogger("mxfs.daemon")
 
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
 OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache",
-               "meta_backup", "degraded")
+               "meta_backup", "degraded", "metrics_port")
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
@@ -74,13 +76,14 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         io_threads = int(own.get("io_threads") or 16)
         readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
+        metrics_port = int(own.get("metrics_port") or 0)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
         sock = socket_path(vol.pool.uuid)
         vol.lock(mp, sock)
     except ValueError:
-        err = MxfsError("io_threads, readahead (KiB) and meta_backup (s) take whole numbers",
-                        "write them like io_threads=16,readahead=4096,meta_backup=600")
+        err = MxfsError("io_threads, readahead (KiB), meta_backup (s) and metrics_port take "
+                        "whole numbers", "write them like io_threads=16,metrics_port=9400")
         ready(err, [])
         raise err from None
     except MxfsError as e:
@@ -89,9 +92,12 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     clean = False
     try:
         vol.recover()
+        metrics = Metrics()
+        vol.pool.on_io = metrics.io
         ops = MxfsOperations(vol, control_path=sock, noatime="noatime" in own,
                              io_threads=io_threads,
-                             writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"))
+                             writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"),
+                             metrics=metrics)
         name = vol.pool.label or vol.pool.uuid[:8]
         fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
         notes = []
@@ -107,7 +113,13 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                             "check the -o options and that /dev/fuse is usable") from None
         try:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
-                                    entry_changed=ops.entry_changed)
+                                    entry_changed=ops.entry_changed, metrics=metrics)
+            if metrics_port:
+                try:
+                    serve_prometheus(metrics, metrics_port, lambda: pool_gauges(control))
+                except OSError as e:
+                    raise MxfsError(f"metrics port {metrics_port} cannot be opened ({e.strerror})",
+                                    "choose a free port: -o metrics_port=N") from None
             if vol.restored_from:
                 notes.append(f"the metadata store was recovered from the backup "
                              f"{vol.restored_from}; changes made after that backup are lost")
@@ -161,6 +173,33 @@ async def _commit_groups(control: ControlServer) -> None:
         if inos:
             await trio.to_thread.run_sync(vol.remove_chunks, inos)
             vol.drop_inodes(inos)
+
+
+def pool_gauges(control: ControlServer) -> Iterator[Any]:
+    """Prometheus gauges read at scrape time: members, inodes, KV namespaces."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    members = control.vol.pool.usage()
+    for name, what in (("size", "Member capacity"), ("free", "Member free space"),
+                       ("used", "Member space used")):
+        g = GaugeMetricFamily(f"mxfs_member_{name}_bytes", what, labels=["member"])
+        for m in members:
+            g.add_metric([str(m["index"])], m[name])
+        yield g
+    failed = GaugeMetricFamily("mxfs_member_failed", "1 if the member is out of service",
+                               labels=["member"])
+    for m in members:
+        failed.add_metric([str(m["index"])], 1 if m.get("failed") else 0)
+    yield failed
+    yield GaugeMetricFamily("mxfs_inodes", "Inodes in the pool",
+                            value=control.vol.store.count_inodes())
+    for key, what in (("chunks", "KV chunks"), ("bytes", "KV bytes"), ("hits", "KV hits"),
+                      ("misses", "KV misses"), ("puts", "KV puts"),
+                      ("evictions", "KV evictions")):
+        g = GaugeMetricFamily(f"mxfs_kv_{key}", what, labels=["namespace"])
+        for s in control.kv.index.stats():
+            g.add_metric([str(s["namespace"])], float(s[key]))
+        yield g
 
 
 async def _backups(control: ControlServer, every_s: int) -> None:

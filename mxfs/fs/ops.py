@@ -19,6 +19,7 @@ import pyfuse3
 import trio
 
 from mxfs.fs.access import owner_for
+from mxfs.fs.metrics import Metrics
 from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
@@ -38,8 +39,15 @@ TIMEOUT = 300.0
 
 
 def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn OSError from the store or members into the errno FUSE returns."""
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    """Turn OSError from the store or members into the errno FUSE returns; count the
+    request, its latency and its errno in the daemon's metrics."""
+    name = fn.__name__
+
+    async def wrapper(self: MxfsOperations, *args: Any, **kwargs: Any) -> Any:
+        with self.metrics.timed("fuse", name):
+            return await _handle(self, *args, **kwargs)
+
+    async def _handle(*args: Any, **kwargs: Any) -> Any:
         try:
             return await fn(*args, **kwargs)
         except pyfuse3.FUSEError:
@@ -88,8 +96,10 @@ class MxfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
 
     def __init__(self, volume: Volume, control_path: str = "", noatime: bool = False,
-                 io_threads: int = 16, writeback_cache: bool = False) -> None:
+                 io_threads: int = 16, writeback_cache: bool = False,
+                 metrics: Metrics | None = None) -> None:
         super().__init__()
+        self.metrics = metrics or Metrics()
         # With the writeback cache the kernel gathers writes and sends them in 1 MiB
         # requests, several at a time, and owns O_APPEND offsets and mtime; but data
         # it accepted is lost if the daemon dies first (docs/architecture.md).

@@ -657,6 +657,17 @@ class MetaStore:
     def is_sealed(self, ino: int) -> bool:
         return self.db.execute("SELECT 1 FROM sealed WHERE ino=?", (ino,)).fetchone() is not None
 
+    def bytes_by_use(self) -> dict[str, int]:
+        """Bytes of regular files by what wrote them: KV chunks, direct commits (sealed:
+        checkpoints, models), and files written through the mount."""
+        kv, sealed, total = self.db.execute(
+            "SELECT (SELECT coalesce(sum(size), 0) FROM kv), "
+            "(SELECT coalesce(sum(i.size), 0) FROM sealed s JOIN inodes i ON i.ino=s.ino "
+            " WHERE s.ino NOT IN (SELECT ino FROM kv) AND i.nlink > 0), "
+            "(SELECT coalesce(sum(size), 0) FROM inodes WHERE (mode & ?) = ? AND nlink > 0)",
+            (stat.S_IFMT(0o177777), stat.S_IFREG)).fetchone()
+        return {"kv": kv, "sealed": sealed, "files": total - kv - sealed}
+
     # ---- the KV chunk index ----------------------------------------------------
     # A KV chunk is a sealed regular inode with nlink 1 whose one reference is its
     # row in `kv` (not a directory entry).

@@ -65,6 +65,7 @@ class ChunkFiles:
                 ops.append(ReadOp(fd, piece.chunk_offset, bufs))
         if ops:
             self._guard(read_batch, ops)
+        self._account(pieces, "read")
 
     def write(self, offset: int, data: memoryview) -> None:
         """Write `data` at file `offset`, each member's share in parallel."""
@@ -77,6 +78,12 @@ class ChunkFiles:
             assert fd is not None
             ops.append(WriteOp(fd, piece.chunk_offset, [data[o:o + n] for o, n in piece.spans]))
         self._guard(write_batch, ops)
+        self._account(pieces, "write")
+
+    def _account(self, pieces: list[Any], what: str) -> None:
+        if self.pool.on_io is not None:
+            for p in pieces:
+                self.pool.on_io(p.member, what, p.length)
 
     def _guard(self, run: Callable[[list[Any]], None], ops: list[Any]) -> None:
         """Run a batch; after an error that may be a member's, redo each member's share

@@ -13,6 +13,7 @@ import os
 import shutil
 import tomllib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -161,6 +162,8 @@ class Pool:
         self.stripe_unit = sb.stripe_unit
         self.members = members
         self.meta_member = sb.meta_member
+        # Told of each member's share of chunk I/O: (member, "read" | "write", bytes).
+        self.on_io: Callable[[int, str, int], None] | None = None
 
     @classmethod
     def open(cls, spec: str, degraded: bool = False) -> Pool:

@@ -26,7 +26,7 @@ MAX_FDS = 64
 # Operations this version serves; direct reads and writes extend the list.
 OPS = ("hello", "stat", "layout", "open_read", "create", "commit", "abort",
        "kv_put", "kv_create", "kv_commit", "kv_get", "kv_unpin", "kv_exists", "kv_delete",
-       "kv_stats", "kv_list", "kv_config", "kv_evict", "meta_backup")
+       "kv_stats", "kv_list", "kv_config", "kv_evict", "meta_backup", "metrics", "df")
 
 
 class ProtocolError(Exception):

@@ -1,0 +1,120 @@
+"""The daemon's counters: requests, latencies, bytes per member, errors; and their exports.
+
+One `Metrics` per daemon.  FUSE handlers and control requests record a count and a
+latency per operation (and the errno when they fail); chunk I/O records bytes and
+operations per member.  `snapshot()` is what `mxfs top` polls over the control
+socket; `serve_prometheus(port)` exposes the same, plus pool and KV gauges, at
+http://host:port/metrics for Prometheus.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# Latency buckets (seconds) of the request histograms.
+BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
+class Metrics:
+    """Thread-safe counters (worker threads record chunk I/O)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (kind, op)
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.buckets: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0] * len(BUCKETS))
+        self.errors: dict[tuple[str, str, int], int] = defaultdict(int)  # (kind, op, errno)
+        self.io_bytes: dict[tuple[int, str], int] = defaultdict(int)  # (member, read|write)
+        self.io_ops: dict[tuple[int, str], int] = defaultdict(int)
+
+    def request(self, kind: str, op: str, seconds: float, err: int | None = None) -> None:
+        with self._lock:
+            key = (kind, op)
+            self.requests[key] += 1
+            self.seconds[key] += seconds
+            counts = self.buckets[key]
+            for i, edge in enumerate(BUCKETS):
+                if seconds <= edge:
+                    counts[i] += 1
+            if err is not None:
+                self.errors[(kind, op, err)] += 1
+
+    def io(self, member: int, what: str, nbytes: int) -> None:
+        with self._lock:
+            self.io_bytes[(member, what)] += nbytes
+            self.io_ops[(member, what)] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, JSON-ready (what `mxfs top` and `mxfs status --json` read)."""
+        with self._lock:
+            return {
+                "time": time.time(), "uptime": time.time() - self.started,
+                "requests": [[k, o, n, self.seconds[(k, o)]] for (k, o), n in
+                             sorted(self.requests.items())],
+                "errors": [[k, o, e, n] for (k, o, e), n in sorted(self.errors.items())],
+                "io": [[m, w, self.io_bytes[(m, w)], n] for (m, w), n in
+                       sorted(self.io_ops.items())],
+            }
+
+    def timed(self, kind: str, op: str) -> _Timer:
+        return _Timer(self, kind, op)
+
+
+class _Timer:
+    """`with metrics.timed(kind, op):` counts the request, its latency and its errno."""
+
+    def __init__(self, metrics: Metrics, kind: str, op: str) -> None:
+        self.metrics, self.kind, self.op = metrics, kind, op
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        err = None
+        if exc is not None:
+            err = getattr(exc, "errno", None) or 5  # EIO when it carries none
+        self.metrics.request(self.kind, self.op, time.perf_counter() - self.start, err)
+
+
+def serve_prometheus(metrics: Metrics, port: int, gauges: Callable[[], Iterator[Any]]
+                     ) -> None:
+    """Serve /metrics on `port` (a thread of prometheus_client's), collected at scrape time.
+
+    `gauges()` yields extra metric families (pool capacity, members, KV namespaces).
+    """
+    from prometheus_client import REGISTRY, start_http_server
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    class Collector:
+        def collect(self) -> Iterator[Any]:
+            snap = metrics.snapshot()
+            req = CounterMetricFamily("mxfs_requests", "Requests served", labels=["kind", "op"])
+            err = CounterMetricFamily("mxfs_errors", "Requests that failed",
+                                      labels=["kind", "op", "errno"])
+            by = CounterMetricFamily("mxfs_member_bytes", "Bytes moved by the daemon",
+                                     labels=["member", "direction"])
+            ops = CounterMetricFamily("mxfs_member_ops", "I/O operations by the daemon",
+                                      labels=["member", "direction"])
+            lat = HistogramMetricFamily("mxfs_request_seconds", "Request latency",
+                                        labels=["kind", "op"])
+            with metrics._lock:
+                for (k, o), n in metrics.requests.items():
+                    req.add_metric([k, o], n)
+                    cum = list(zip((str(b) for b in BUCKETS), metrics.buckets[(k, o)],
+                                   strict=True))
+                    lat.add_metric([k, o], cum + [("+Inf", n)], metrics.seconds[(k, o)])
+            for k, o, e, n in snap["errors"]:
+                err.add_metric([k, o, str(e)], n)
+            for m, w, nbytes, n in snap["io"]:
+                by.add_metric([str(m), w], nbytes)
+                ops.add_metric([str(m), w], n)
+            yield from (req, err, by, ops, lat)
+            yield from gauges()
+
+    REGISTRY.register(Collector())  # type: ignore[arg-type]
+    start_http_server(port)

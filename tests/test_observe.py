@@ -1,0 +1,109 @@
+"""Observability: df by member and use, live rates, the Prometheus endpoint, systemd."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Mounted, eventually, mxfs, one_line_error
+
+import mxfs.ckpt as ck
+from mxfs.kv import KVStore
+
+
+def test_df_splits_space_by_member_and_use(mounted: Mounted) -> None:
+    (mounted.path / "plain").write_bytes(os.urandom(3 << 20))
+    ck.save({"w": torch.zeros(1 << 20)}, str(mounted.path / "ck")).wait()
+    with KVStore(str(mounted.path), "df") as kv:
+        kv.batch_put(["a", "b"], [b"x" * 300_000, b"y" * 5000])
+    out = json.loads(mxfs("df", "--json", str(mounted.path)).stdout)
+    assert [m["index"] for m in out["members"]] == [0, 1, 2, 3]
+    assert out["by_use"]["kv"] == 305_000
+    assert out["by_use"]["sealed"] >= 4 << 20  # the checkpoint's data file and manifest
+    assert out["by_use"]["files"] == 3 << 20
+    assert "KV cache" in mxfs("df", str(mounted.path)).stdout
+
+
+def test_top_shows_member_bytes_and_requests(mounted: Mounted) -> None:
+    (mounted.path / "f").write_bytes(os.urandom(8 << 20))
+    proc = subprocess.Popen([sys.executable, "-m", "mxfs", "top", "--json", "--interval", "2",
+                             "--count", "1", str(mounted.path)], stdout=subprocess.PIPE,
+                            text=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    for _ in range(3):
+        (mounted.path / "f").read_bytes()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    out, _ = proc.communicate(timeout=60)
+    sample = json.loads(out)
+    read = {m["member"]: m["bytes_per_s"] for m in sample["members"]
+            if m["direction"] == "read"}
+    assert sorted(read) == [0, 1, 2, 3] and all(v > 0 for v in read.values())
+    assert any(r["op"] == "read" and r["kind"] == "fuse" for r in sample["requests"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_endpoint(mounted: Mounted) -> None:
+    mounted.umount()
+    port = _free_port()
+    mxfs("mount", "-o", f"allow_other,metrics_port={port}", mounted.members[0],
+         str(mounted.path))
+    (mounted.path / "x").write_bytes(b"1" * 100_000)
+    (mounted.path / "x").read_bytes()
+    with KVStore(str(mounted.path), "prom") as kv:
+        kv.put("k", b"v" * 1000)
+        kv.get("k")
+    assert eventually(lambda: _scrape(port) is not None)
+    text = _scrape(port) or ""
+    assert re.search(r'mxfs_requests_total\{kind="fuse",op="write"\} [1-9]', text)
+    assert re.search(r'mxfs_request_seconds_bucket\{kind="fuse",le="\+Inf",op="create"\} 1', text)
+    assert re.search(r'mxfs_member_bytes_total\{direction="write",member="\d"\} [1-9]', text)
+    assert re.search(r'mxfs_member_free_bytes\{member="3"\} [1-9]', text)
+    assert re.search(r'mxfs_kv_hits\{namespace="prom"\} 1\.0', text)
+    assert re.search(r'mxfs_requests_total\{kind="control",op="kv_get"\} [1-9]', text)
+
+
+def _scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+    except OSError:
+        return None
+
+
+def test_bad_flags_and_paths_are_one_line(mounted: Mounted, tmp_path: Path) -> None:
+    for args in (("df", str(tmp_path)), ("top", str(tmp_path)), ("scrub", "/nope"),
+                 ("meta", "ls", "/nope"), ("kv", "stats", str(tmp_path)),
+                 ("mount", "-o", "metrics_port=x", mounted.members[0], str(tmp_path)),
+                 ("ckpt", "ls", str(tmp_path / "missing"))):
+        one_line_error(mxfs(*args, check=False))
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
+def test_the_systemd_unit_verifies(tmp_path: Path) -> None:
+    unit = (Path(__file__).parent.parent / "systemd" / "mxfs@.service").read_text()
+    mxfs_bin = shutil.which("mxfs") or os.path.join(os.path.dirname(sys.executable), "mxfs")
+    unit = unit.replace("/usr/local/bin/mxfs", mxfs_bin)  # where this checkout installed it
+    d = Path(tempfile.mkdtemp(dir=tmp_path))
+    (d / "mxfs@.service").write_text(unit)
+    os.symlink(d / "mxfs@.service", d / "mxfs@demo.service")
+    res = subprocess.run(["systemd-analyze", "verify", "--man=no", str(d / "mxfs@demo.service")],
+                         capture_output=True, text=True)
+    problems = [line for line in res.stderr.splitlines() if "mxfs@" in line]
+    assert res.returncode == 0 and not problems, res.stderr
