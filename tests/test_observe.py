@@ -107,3 +107,23 @@ def test_the_systemd_unit_verifies(tmp_path: Path) -> None:
                          capture_output=True, text=True)
     problems = [line for line in res.stderr.splitlines() if "mxfs@" in line]
     assert res.returncode == 0 and not problems, res.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_bench_writes_a_report_and_compares_two_runs(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        mxfs("bench", "run", "--out", str(tmp_path / name), "--size", "64MiB", "--repeat", "1",
+             timeout=600)
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    for key in ("member0_read", "striped_write", "mount_read", "load_mxfs", "load_safetensors",
+                "ckpt_mxfs", "ckpt_torch_save", "kv_get_mxfs", "kv_get_files"):
+        assert results["median"][key] > 0, key
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "| mxfs.ckpt / torch.save (to durable) |" in report
+    for png in ("bandwidth.png", "ratios.png"):
+        assert (tmp_path / "a" / png).read_bytes()[:4] == b"\x89PNG"
+    table = mxfs("bench", "compare", str(tmp_path / "a"), str(tmp_path / "b")).stdout
+    assert "| striped_read |" in table and "B / A" in table
+    line = one_line_error(mxfs("bench", "compare", str(tmp_path / "a"), str(tmp_path / "x"),
+                               check=False))
+    assert "results.json" in line

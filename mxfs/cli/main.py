@@ -1,5 +1,5 @@
 """The `mxfs` command: mkfs, mount, umount, status, stripes, warm, load-bench, ckpt, kv,
-fsck, scrub, meta, df, top, demo.
+fsck, scrub, meta, df, top, bench, demo.
 
 Every user error is one line on stderr and a non-zero exit code; a traceback
 only appears with MXFS_DEBUG=1.
@@ -373,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     check_cmd.add_parsers(sub)
     meta_cmd.add_parser(sub)
     observe_cmd.add_parsers(sub)
+    observe_cmd.add_bench_parser(sub)
 
     s = sub.add_parser("demo", help="make a demo pool, mount it, write and read, measure")
     s.add_argument("--size", default="2GiB", help="bytes to write and read each way")

@@ -1,9 +1,11 @@
-"""`mxfs df` and `mxfs top`: where the space goes, and what the daemon is doing now."""
+"""`mxfs df`, `top` and `bench`: where the space goes, what the daemon is doing now,
+and what the pool delivers against its baselines."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -96,3 +98,39 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--count", type=int, default=0, help="samples to show (0: until ^C)")
     s.add_argument("--json", action="store_true", help="one JSON object per sample")
     s.set_defaults(func=cmd_top)
+
+
+def cmd_bench_run(args: argparse.Namespace) -> int:
+    from mxfs.cli.bench import run_bench
+    from mxfs.units import parse_size
+
+    say = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
+    results = run_bench(args.target, args.out, parse_size(args.size), args.repeat, say)
+    if args.json:
+        print(json.dumps(results["median"], indent=2))
+    else:
+        print(f"report written to {os.path.join(args.out, 'report.md')}")
+    return 0
+
+
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from mxfs.cli.bench import compare
+
+    print(compare(args.a, args.b))
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("bench", help="a validation run with a report, or two runs compared")
+    verbs = s.add_subparsers(dest="verb", required=True, parser_class=type(s))
+    v = verbs.add_parser("run", help="measure a mounted pool (default: a scratch demo pool)")
+    v.add_argument("target", nargs="?", help="a mount point")
+    v.add_argument("--out", required=True, help="folder for report.md, results.json, PNGs")
+    v.add_argument("--size", default="1GiB", help="bytes per step")
+    v.add_argument("--repeat", type=int, default=3)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_bench_run)
+    v = verbs.add_parser("compare", help="two runs side by side: B against A")
+    v.add_argument("a")
+    v.add_argument("b")
+    v.set_defaults(func=cmd_bench_compare)
