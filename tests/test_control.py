@@ -122,3 +122,66 @@ def test_a_non_root_caller_is_refused_what_the_mount_refuses(mounted: Mounted) -
     assert out["uid"] == 65534  # SO_PEERCRED saw the real caller
     assert out[paths[0]] == errno.EACCES and out["mount:" + paths[0]] == errno.EACCES
     assert out[paths[1]] == "ok" and out["mount:" + paths[1]] == "ok"
+
+
+def test_out_of_order_requests_are_refused_and_the_daemon_keeps_serving(
+        mounted: Mounted) -> None:
+    sums = {"size": 0, "sum_unit": 65536, "sums": ""}
+    with ControlClient(str(mounted.path)) as a, ControlClient(str(mounted.path)) as b:
+        for op, fields in (("commit", {"ino": 123456, **sums}), ("abort", {"ino": 1}),
+                           ("kv_commit", {"ino": 123456, "namespace": "n", "key": "aw==",
+                                          **sums})):
+            with pytest.raises(ControlError) as e:
+                a.call(op, **fields)
+            assert e.value.errno == errno.EBADF, op
+        reply, fds = b.call_with_fds("create", path="/theirs", size=10)
+        for fd in fds:
+            os.close(fd)
+        with pytest.raises(ControlError) as e:  # another connection's hidden file
+            a.call("commit", ino=reply["ino"], **sums)
+        assert e.value.errno == errno.EBADF
+        with pytest.raises(ControlError) as e:  # checksums that do not fit the size
+            b.call("commit", ino=reply["ino"], size=10, sum_unit=65536, sums="")
+        assert e.value.errno == errno.EINVAL
+        b.call("commit", ino=reply["ino"], size=0, sum_unit=65536, sums="")
+        with pytest.raises(ControlError) as e:  # committed once already
+            b.call("commit", ino=reply["ino"], **sums)
+        assert e.value.errno == errno.EBADF
+        assert a.stat()["pid"] == b.stat()["pid"]
+    assert (mounted.path / "theirs").read_bytes() == b""
+
+
+NOBODY = r"""
+import json, sys
+from mxfs.client import ControlClient  # before dropping root: Python may live in /root
+from mxfs.kv import KVStore
+import os
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+out = {}
+with ControlClient(sys.argv[1]) as c:
+    for op, fields in (("meta_backup", {}), ("kv_stats", {"namespace": "roots"})):
+        try:
+            c.call(op, **fields); out[op] = "ok"
+        except OSError as e:
+            out[op] = e.errno
+try:
+    KVStore(sys.argv[1], "roots").put("k", b"v"); out["put"] = "ok"
+except OSError as e:
+    out["put"] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_wrong_credentials_are_refused_for_admin_and_kv_requests(mounted: Mounted) -> None:
+    from mxfs.kv import KVStore
+
+    os.chmod(mounted.path, 0o755)
+    with KVStore(str(mounted.path), "roots") as kv:  # root's namespace (mode 0770)
+        kv.put("k", b"v")
+    res = subprocess.run([sys.executable, "-c", NOBODY, str(mounted.path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out == {"meta_backup": errno.EPERM, "kv_stats": errno.EACCES, "put": errno.EACCES}
+    with ControlClient(str(mounted.path)) as c:
+        assert c.call("kv_stats", namespace="roots")["namespaces"][0]["chunks"] == 1

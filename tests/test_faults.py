@@ -226,3 +226,32 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
     finally:
         force_unmount(str(mp))
         os.rmdir(mp)
+
+
+def test_a_member_made_read_only_refuses_writes_but_serves_reads(
+        loop_members: list[str]) -> None:
+    mkfs(loop_members)
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-romember-"))
+    mxfs("mount", loop_members[0], str(mp))
+    try:
+        wide, local = _spread_and_local(mp)
+        data = wide.read_bytes()
+        subprocess.run(["mount", "-o", "remount,ro", loop_members[2]], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        assert wide.read_bytes() == data  # reads go on
+        with pytest.raises(OSError) as err, open(wide, "r+b") as f:
+            f.write(b"x" * (4 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        assert err.value.errno == errno.EROFS
+        local.write_bytes(b"still writable")  # on member 0 only
+        status = json.loads(mxfs("status", "--json", str(mp)).stdout)
+        assert not status["degraded"]  # read-only is not failed
+        subprocess.run(["mount", "-o", "remount,rw", loop_members[2]], check=True)
+        (mp / "after").write_bytes(os.urandom(4 << 20))
+        assert local.read_bytes() == b"still writable"
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)
+    check_pool(loop_members)

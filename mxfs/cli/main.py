@@ -2,7 +2,7 @@
 fsck, scrub, meta, df, top, bench, demo.
 
 Every user error is one line on stderr and a non-zero exit code; a traceback
-only appears with MXFS_DEBUG=1.
+only appears with --debug (or MXFS_DEBUG=1).
 """
 
 from __future__ import annotations
@@ -312,6 +312,7 @@ def cmd_load_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mxfs", description="mxfs: a striped storage tier for AI computing centres")
     p.add_argument("--version", action="version", version=f"mxfs {__version__}")
+    p.add_argument("--debug", action="store_true", help="show a traceback on any error")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("mkfs", help="make a pool from empty member folders")
@@ -385,23 +386,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or bool(os.environ.get("MXFS_DEBUG"))
+    if debug:
+        os.environ["MXFS_DEBUG"] = "1"  # daemons started from here show them too
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except MxfsError as e:
+        if debug:
+            raise
         print(f"mxfs: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("mxfs: interrupted", file=sys.stderr)
         return 130
     except OSError as e:
+        if debug:
+            raise
         # A file the user named is missing, not allowed, or on a full member.
         where = f": {e.filename}" if e.filename else ""
         print(f"mxfs: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - the last line of defence for users
-        if os.environ.get("MXFS_DEBUG"):
+        if debug:
             raise
         print(f"mxfs: internal error: {type(e).__name__}: {e} "
-              "(set MXFS_DEBUG=1 for a traceback, and please report it)", file=sys.stderr)
+              "(run with --debug for a traceback, and please report it)", file=sys.stderr)
         return 70

@@ -25,19 +25,19 @@ class ChunkFiles:
         self.ino = ino
         self.layout = layout
         self._fds: dict[int, int] = {}
+        self._readonly: set[int] = set()  # members whose filesystem refused writing
         self._lock = threading.Lock()
 
     def fd(self, member: int, create: bool) -> int | None:
         fd = self._fds.get(member)
-        if fd is not None:
+        if fd is not None and not (create and member in self._readonly):
             return fd
         with self._lock:
-            if member in self._fds:
+            if member in self._fds and not (create and member in self._readonly):
                 return self._fds[member]
             self.pool.check([member])
-            flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
             try:
-                fd = os.open(self.pool.chunk_path(member, self.ino), flags, 0o600)
+                fd = self._open(member, create)
             except FileNotFoundError as e:
                 self.pool.probe(member, e)  # a hole, unless the member itself is gone
                 self.pool.check([member])
@@ -47,8 +47,24 @@ class ChunkFiles:
             except OSError as e:
                 self.pool.probe(member, e)
                 raise
+            old = self._fds.get(member)
+            if old is not None:  # a read-only descriptor, replaced by a writable one
+                os.close(old)
             self._fds[member] = fd
             return fd
+
+    def _open(self, member: int, create: bool) -> int:
+        path = self.pool.chunk_path(member, self.ino)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+            self._readonly.discard(member)
+            return fd
+        except OSError as e:
+            if e.errno != errno.EROFS or create:
+                raise
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # a read-only member still serves reads
+        self._readonly.add(member)
+        return fd
 
     def read(self, offset: int, buf: memoryview) -> None:
         """Fill `buf` with file bytes from `offset` (the caller clips to the file size)."""
