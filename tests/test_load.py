@@ -14,9 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-from conftest import Mounted  # noqa: E402
+from conftest import Mounted, mxfs, one_line_error  # noqa: E402
 
 from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  # noqa: E402
+from mxfs.errors import MxfsError  # noqa: E402
 from mxfs.load import HeaderError, load_file, safe_open  # noqa: E402
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
@@ -279,3 +280,25 @@ def test_index_naming_a_missing_tensor_is_one_clear_error(plain: Path) -> None:
     with pytest.raises(MxfsError) as e:
         dict(load_model(str(plain / "nothing-here")))
     assert "no safetensors model" in str(e.value)
+
+
+def test_an_unmounted_pool_is_read_directly_and_kept_unmounted(mounted: Mounted) -> None:
+    from mxfs.pool.offline import OfflinePool
+
+    tensors = {"a": torch.randn(300, 700), "b": torch.arange(10_000, dtype=torch.int64)}
+    (mounted.path / "m").mkdir()
+    st.save_file(tensors, str(mounted.path / "m" / "model.safetensors"))
+    with pytest.raises(MxfsError, match="is mounted"):
+        OfflinePool(mounted.members[0])
+    mounted.umount()
+    with OfflinePool(mounted.members[0]) as pool:
+        assert pool.listdir("/m") == ["model.safetensors"]
+        got = load_file("/m/model.safetensors", mode="read", pool=pool)
+        assert all(torch.equal(got[k], v) for k, v in tensors.items())
+        with safe_open("/m/model.safetensors", pool=pool) as f:
+            assert torch.equal(f.get_slice("a")[10:20], tensors["a"][10:20])
+        with pytest.raises(FileNotFoundError):
+            load_file("/m/missing.safetensors", pool=pool)
+        line = one_line_error(mxfs("mount", mounted.members[0], str(mounted.path),
+                                   check=False))
+        assert "already mounted" in line or "is mounted" in line

@@ -100,14 +100,18 @@ class PlainFile(Reader):
 class DirectFile(Reader):
     """A file on an mxfs mount, read straight from its chunk files in parallel."""
 
-    def __init__(self, path: str, client: ControlClient,
+    def __init__(self, path: str, client: ControlClient | None,
                  opened: tuple[dict[str, Any], list[int]] | None = None) -> None:
         """Open `path` with `open_read`, or wrap what another request handed over
-        (`opened`: its reply, with size, layout and members, and the descriptors)."""
+        (`opened`: its reply, with size, layout and members, and the descriptors;
+        without a client when an unmounted pool was opened directly)."""
         self.path = path
         self.client = client
-        self._pool_path = client.pool_path(path) if opened is None else ""
-        reply, fds = opened or client.call_with_fds("open_read", path=self._pool_path)
+        if opened is None:
+            assert client is not None
+            self._pool_path = client.pool_path(path)
+            opened = client.call_with_fds("open_read", path=self._pool_path)
+        reply, fds = opened
         self.size = int(reply["size"])
         self.ino, self.generation = reply.get("ino"), reply.get("generation")
         self.layout = Layout.from_description(reply["layout"])
@@ -137,6 +141,8 @@ class DirectFile(Reader):
 
     def check_unchanged(self) -> None:
         """Raise FileChanged if the path now names another file or other bytes."""
+        if self.client is None or not self._pool_path:
+            return  # an unmounted pool, held by a shared lock: nothing can change it
         try:
             now = self.client.call("layout", path=self._pool_path)
         except ControlError as e:
@@ -219,8 +225,14 @@ def control_client_for(path: str) -> ControlClient | None:
     return client
 
 
-def open_reader(path: str, direct: bool = True) -> Reader:
-    """A reader for `path`: direct from the chunk files when it is on an mxfs mount."""
+def open_reader(path: str, direct: bool = True, pool: Any = None) -> Reader:
+    """A reader for `path`: direct from the chunk files when it is on an mxfs mount.
+
+    With `pool` (an `mxfs.pool.offline.OfflinePool`), `path` is a path inside that
+    unmounted pool, read straight from its members.
+    """
+    if pool is not None:
+        return DirectFile(path, None, pool.open_read(path))
     client = control_client_for(path) if direct else None
     if client is None:
         return PlainFile(path)

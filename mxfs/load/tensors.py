@@ -78,8 +78,8 @@ def _tensor(buf: torch.Tensor, base: int, info: TensorInfo, path: str) -> torch.
     return raw.view(dtype).reshape(info.shape)
 
 
-def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto"
-              ) -> dict[str, torch.Tensor]:
+def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
+              pool: Any = None) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file; equal to safetensors.torch.load_file.
 
     mode "map" maps the file (its stripes side by side) and returns tensors over
@@ -88,12 +88,13 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto"
     own (the file must not be truncated while they live).  mode "read" reads
     every byte now, every member at once, into one buffer the tensors share.
     "auto" maps CPU loads unless the file needs too many mappings.
+    With `pool` (`mxfs.pool.offline.OfflinePool`), `path` is inside that unmounted pool.
     """
     dev = check_device(device)
     if mode not in ("auto", "read", "map"):
         raise MxfsError(f"mode {mode!r} is not known", "use mode='auto', 'read' or 'map'")
     start = time.perf_counter()
-    with open_reader(path) as reader:
+    with open_reader(path, pool=pool) as reader:
         header = read_header(reader)
         nbytes = reader.size - header.data_start
         if mode == "auto":
@@ -119,12 +120,12 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto"
 class SafeOpen:
     """Like safetensors.safe_open: read tensors one by one, or slices of them."""
 
-    def __init__(self, path: str, framework: str = "pt", device: str | torch.device = "cpu"
-                 ) -> None:
+    def __init__(self, path: str, framework: str = "pt", device: str | torch.device = "cpu",
+                 pool: Any = None) -> None:
         if framework not in ("pt", "torch"):
             raise MxfsError(f"framework {framework!r} is not supported", "use framework='pt'")
         self.device = check_device(device)
-        self.reader = open_reader(path)
+        self.reader = open_reader(path, pool=pool)
         try:
             self.header = read_header(self.reader)
         except BaseException:
@@ -192,8 +193,9 @@ class TensorSlice:
         return t.to(self.owner.device) if self.owner.device.type != "cpu" else t
 
 
-def safe_open(path: str, framework: str = "pt", device: str | torch.device = "cpu") -> SafeOpen:
-    return SafeOpen(path, framework, device)
+def safe_open(path: str, framework: str = "pt", device: str | torch.device = "cpu",
+              pool: Any = None) -> SafeOpen:
+    return SafeOpen(path, framework, device, pool)
 
 
 def touch_pages(tensors: dict[str, torch.Tensor]) -> int:
