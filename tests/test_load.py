@@ -302,3 +302,39 @@ def test_an_unmounted_pool_is_read_directly_and_kept_unmounted(mounted: Mounted)
         line = one_line_error(mxfs("mount", mounted.members[0], str(mounted.path),
                                    check=False))
         assert "already mounted" in line or "is mounted" in line
+
+
+def test_vllm_load_format_mxfs_loads_a_model_folder(mounted: Mounted) -> None:
+    pytest.importorskip("vllm.model_executor.model_loader")
+    from types import SimpleNamespace
+
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from vllm.plugins import load_general_plugins
+
+    folder = mounted.path / "tiny"
+    folder.mkdir()
+    weights = {"embed.weight": torch.randn(64, 32), "head.weight": torch.randn(32, 64)}
+    st.save_file(weights, str(folder / "model.safetensors"))
+
+    class Tiny(torch.nn.Module):  # what vLLM models offer its loaders: load_weights(iter)
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Linear(32, 64, bias=False)
+            self.head = torch.nn.Linear(64, 32, bias=False)
+
+        def load_weights(self, named: object) -> set[str]:
+            params = dict(self.named_parameters())
+            done = set()
+            for name, t in named:  # type: ignore[attr-defined]
+                params[name].data.copy_(t)
+                done.add(name)
+            return done
+
+    load_general_plugins()  # finds mxfs through its vllm.general_plugins entry point
+    loader = get_model_loader(LoadConfig(load_format="mxfs"))
+    model = Tiny()
+    loader.load_weights(model, SimpleNamespace(model=str(folder)))
+    assert torch.equal(model.embed.weight, weights["embed.weight"])
+    assert torch.equal(model.head.weight, weights["head.weight"])

@@ -2,8 +2,8 @@
 
 Registered through vLLM's `vllm.general_plugins` entry point (pyproject.toml).
 vLLM is imported only inside `register`, so mxfs never needs it; where vLLM is
-absent, `register` does nothing.  Not exercised by the test suite: vLLM does not
-install on the CPU-only development machines.
+absent, `register` does nothing.  `tests/test_load.py` checks it against vLLM 0.33
+where vLLM is installed (skipped otherwise: it is not in the test extras).
 """
 
 from __future__ import annotations
