@@ -310,7 +310,6 @@ def test_vllm_load_format_mxfs_loads_a_model_folder(mounted: Mounted) -> None:
 
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
-
     from vllm.plugins import load_general_plugins
 
     folder = mounted.path / "tiny"
@@ -338,3 +337,27 @@ def test_vllm_load_format_mxfs_loads_a_model_folder(mounted: Mounted) -> None:
     loader.load_weights(model, SimpleNamespace(model=str(folder)))
     assert torch.equal(model.embed.weight, weights["embed.weight"])
     assert torch.equal(model.head.weight, weights["head.weight"])
+
+
+@pytest.mark.parametrize("staging", [8192, 64 << 10, 1 << 30])  # many pieces .. one piece
+def test_stream_mode_equals_safetensors_through_bounded_staging(mounted: Mounted,
+                                                                staging: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    tensors = {"odd": torch.randn(1001, 37, generator=g), "bf": torch.randn(333, generator=g)
+               .bfloat16(), "i8": torch.randint(-9, 9, (77_777,), generator=g, dtype=torch.int8),
+               "empty": torch.empty(0, 5)}
+    path = str(mounted.path / "s.safetensors")
+    st.save_file(tensors, path)
+    got = load_file(path, device="cpu", mode="stream", staging=staging)
+    want = st.load_file(path)
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_devices_this_machine_lacks_are_one_clear_error(tmp_path: Path) -> None:
+    path = str(tmp_path / "x.safetensors")
+    st.save_file({"a": torch.ones(3)}, path)
+    for dev, words in (("npu:0", "torch_npu"), ("xpu:0", "not supported"),
+                       *([("cuda:0", "no CUDA")] if not torch.cuda.is_available() else [])):
+        with pytest.raises(MxfsError, match=words):
+            load_file(path, device=dev)

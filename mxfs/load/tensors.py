@@ -9,7 +9,6 @@ returned, the file is checked not to have changed while it was read.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from mxfs.client.direct import Reader, open_reader
 from mxfs.errors import MxfsError
 from mxfs.load.header import Header, HeaderError, TensorInfo, header_length, parse_header
+from mxfs.load.staging import STAGING, read_to_device, writable_view
 
 log = logging.getLogger("mxfs.load")
 # Mappings one mapped load may make; the kernel's default limit is 65530 a process.
@@ -41,12 +41,6 @@ def torch_dtype(info: TensorInfo, path: str) -> torch.dtype:
     return dt
 
 
-def writable_view(t: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous CPU tensor's bytes (no numpy needed)."""
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
 def read_header(reader: Reader) -> Header:
     prefix = bytearray(min(8, reader.size))
     reader.read_into(0, memoryview(prefix))
@@ -57,20 +51,30 @@ def read_header(reader: Reader) -> Header:
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
+    if str(device).startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401 - registers the "npu" device type and torch.npu
+        except ImportError:
+            raise MxfsError(f"device {device} asked for, but torch_npu is not installed",
+                            "pip install -e .[npu] on the Ascend machine") from None
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise MxfsError(f"device {device!r} is not a device torch knows",
+                        "load to 'cpu', 'cuda:N' or 'npu:N'") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MxfsError(f"device {dev} asked for, but this torch sees no CUDA device",
                         "load to device='cpu', or run where a GPU is visible")
-    if dev.type not in ("cpu", "cuda"):
-        raise MxfsError(f"device {dev} is not supported yet by mxfs.load",
-                        "load to 'cpu' or 'cuda:N'")
+    if dev.type not in ("cpu", "cuda", "npu"):
+        raise MxfsError(f"device {dev} is not supported by mxfs.load",
+                        "load to 'cpu', 'cuda:N' or 'npu:N'")
     return dev
 
 
 def _tensor(buf: torch.Tensor, base: int, info: TensorInfo, path: str) -> torch.Tensor:
     dtype = torch_dtype(info, path)
     if info.nbytes == 0:
-        return torch.empty(info.shape, dtype=dtype)
+        return torch.empty(info.shape, dtype=dtype, device=buf.device)
     raw = buf[info.begin - base:info.end - base]
     itemsize = torch.empty((), dtype=dtype).element_size()
     if (raw.data_ptr() % itemsize) != 0:
@@ -79,7 +83,7 @@ def _tensor(buf: torch.Tensor, base: int, info: TensorInfo, path: str) -> torch.
 
 
 def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
-              pool: Any = None) -> dict[str, torch.Tensor]:
+              pool: Any = None, staging: int = STAGING) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file; equal to safetensors.torch.load_file.
 
     mode "map" maps the file (its stripes side by side) and returns tensors over
@@ -87,19 +91,28 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     with one file: nothing is copied and cached pages cost no memory of their
     own (the file must not be truncated while they live).  mode "read" reads
     every byte now, every member at once, into one buffer the tensors share.
-    "auto" maps CPU loads unless the file needs too many mappings.
+    mode "stream" moves the bytes through two host buffers of `staging` bytes in
+    all, reads overlapped with copies to the device (pinned memory and a side
+    stream on CUDA), into one device buffer the tensors share: host memory stays
+    bounded and the model is never held twice.  "auto" maps CPU loads unless the
+    file needs too many mappings, and streams loads to a device.
     With `pool` (`mxfs.pool.offline.OfflinePool`), `path` is inside that unmounted pool.
     """
     dev = check_device(device)
-    if mode not in ("auto", "read", "map"):
-        raise MxfsError(f"mode {mode!r} is not known", "use mode='auto', 'read' or 'map'")
+    if mode not in ("auto", "read", "map", "stream"):
+        raise MxfsError(f"mode {mode!r} is not known",
+                        "use mode='auto', 'read', 'map' or 'stream'")
     start = time.perf_counter()
     with open_reader(path, pool=pool) as reader:
         header = read_header(reader)
         nbytes = reader.size - header.data_start
         if mode == "auto":
-            mode = "map" if dev.type == "cpu" and reader.mappings() <= MAX_MAPPINGS else "read"
-        if mode == "map" and nbytes:
+            mode = ("stream" if dev.type != "cpu" else
+                    "map" if reader.mappings() <= MAX_MAPPINGS else "read")
+        if mode == "stream":
+            buf = read_to_device(reader, header.data_start, nbytes, dev, staging)
+            base = header.data_start
+        elif mode == "map" and nbytes:
             buf = torch.frombuffer(reader.map(), dtype=torch.uint8)
             base = 0
         else:
@@ -112,7 +125,7 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     secs = time.perf_counter() - start
     log.info("loaded %s: %d tensors, %.2f GB in %.2f s (%.2f GB/s)", path, len(out),
              nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
-    if dev.type != "cpu":
+    if dev.type != "cpu" and mode != "stream":
         out = {k: v.to(dev) for k, v in out.items()}
     return out  # in file order, as safetensors returns them
 

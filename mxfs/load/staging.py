@@ -1,0 +1,70 @@
+"""Host staging for loads to an accelerator: two bounded buffers, reads and copies overlapped.
+
+The data section goes to one device buffer (the tensors are views of it), through two
+host buffers of half the staging budget each: while one is copied to the device on a
+side stream, the next piece is read into the other, every member at once.  Host memory
+stays at the budget whatever the model's size, and the model is never held twice.  On
+CUDA the host buffers are pinned, so copies run at PCIe speed without a bounce; other
+accelerators (Ascend through torch_npu) use their own stream module the same way, from
+pageable memory the read has just filled (never from mapped, not-yet-resident pages).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from mxfs.client.direct import Reader
+
+STAGING = 512 << 20  # bytes of host memory a load to a device uses, both buffers together
+ALIGN = 4096
+
+
+def writable_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes (no numpy needed)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def read_to_device(reader: Reader, offset: int, nbytes: int, device: torch.device,
+                   staging: int = STAGING) -> torch.Tensor:
+    """Bytes [offset, offset + nbytes) of `reader` in a uint8 tensor on `device`."""
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if nbytes == 0:
+        return dst
+    piece = max(ALIGN, min(staging // 2, nbytes) // ALIGN * ALIGN)
+    accel: Any = getattr(torch, device.type) if device.type != "cpu" else None
+    pin = device.type == "cuda"
+    hosts = [torch.empty(piece, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+    done: list[Any] = [None, None]  # the copy out of each host buffer, once queued
+    stream = accel.Stream(device) if accel is not None else None
+    starts = list(range(0, nbytes, piece))
+
+    def fill(k: int) -> None:
+        n = min(piece, nbytes - starts[k])
+        reader.read_into(offset + starts[k], writable_view(hosts[k % 2])[:n])
+
+    with ThreadPoolExecutor(1, thread_name_prefix="mxfs-stage") as ahead:
+        pending = ahead.submit(fill, 0)
+        for k, start in enumerate(starts):
+            pending.result()
+            if k + 1 < len(starts):
+                if done[(k + 1) % 2] is not None:
+                    done[(k + 1) % 2].synchronize()  # its last copy has left the buffer
+                pending = ahead.submit(fill, k + 1)
+            n = min(piece, nbytes - start)
+            src = hosts[k % 2][:n]
+            if stream is None:
+                dst[start:start + n].copy_(src)
+                continue
+            with accel.stream(stream):
+                dst[start:start + n].copy_(src, non_blocking=True)
+                event = accel.Event()
+                event.record(stream)
+            done[k % 2] = event
+    if stream is not None:
+        stream.synchronize()
+    return dst
