@@ -35,9 +35,9 @@ import torch.distributed.checkpoint as dcp
 import mxfs.ckpt as ck
 from mxfs.ckpt.dcp import Writer
 from mxfs.ckpt.tree import flatten
+from mxfs.cli.bench import raw_io
 from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
 from mxfs.client import direct
-from mxfs.io import WriteOp, write_batch
 from mxfs.units import parse_size
 
 LAYER = 4096 * 4096  # parameters per tensor
@@ -73,25 +73,6 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def raw_write(members: list[str], buf: mmap.mmap, size: int) -> None:
-    """size bytes, a quarter per member, O_DIRECT, all members at once, then fsync."""
-    share = -(-size // len(members) // 4096) * 4096
-    fds = [os.open(os.path.join(m, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                   | os.O_DIRECT, 0o600) for m in members]
-    try:
-        view = memoryview(buf)
-        ops = [WriteOp(fd, o, [view[i * share + o:i * share + min(o + SEGMENT, share)]])
-               for i, fd in enumerate(fds) for o in range(0, share, SEGMENT)]
-        write_batch(ops)
-        for fd in fds:
-            os.fsync(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-        for m in members:
-            os.unlink(os.path.join(m, "raw.bin"))
-
-
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -112,6 +93,7 @@ def main() -> int:
 def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict[str, float]], int]:
     """Every arm, --repeat times; seconds per arm and round."""
     members, mnt, plain = pool.members, pool.mnt, pool.plain
+    raws = [os.path.join(m, "raw.bin") for m in members]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -159,7 +141,7 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict[str, flo
         for r in range(args.repeat):
             res: dict[str, float] = {}
             res["copy"] = timed(bare_copy)
-            res["a_raw"] = timed(lambda: raw_write(members, raw_buf, size))
+            res["a_raw"] = timed(lambda: raw_io(raws, size, raw_buf, True))
             mxfs_save(r, res)
             res["c_torch_save_mount"] = timed(lambda: torch_save(os.path.join(mnt, "t.pt")))
             res["c_torch_save_plain"] = timed(lambda: torch_save(os.path.join(plain, "t.pt")))

@@ -25,9 +25,9 @@ import sys
 import time
 from collections.abc import Callable
 
+from mxfs.cli.bench import raw_io
 from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
 from mxfs.cli.measure import drop_caches
-from mxfs.io import ReadOp, WriteOp, read_batch, write_batch
 from mxfs.kv import KVStore
 from mxfs.units import parse_size
 
@@ -63,28 +63,6 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def raw_io(members: list[str], count: int, size: int, buf: mmap.mmap, write: bool) -> None:
-    """Each chunk's share on every member with O_DIRECT, all members at once."""
-    share = size // len(members)
-    flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT
-    fds = [os.open(os.path.join(m, "raw.bin"), flags, 0o600) for m in members]
-    view = memoryview(buf)
-    try:
-        ops = []
-        for c in range(count):
-            for i, fd in enumerate(fds):
-                for o in range(0, share, SEGMENT):
-                    part = view[i * share + o:i * share + min(o + SEGMENT, share)]
-                    ops.append((WriteOp if write else ReadOp)(fd, c * share + o, [part]))
-        (write_batch if write else read_batch)(ops)  # type: ignore[arg-type]
-        if write:
-            for fd in fds:
-                os.fdatasync(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
 def files_put(folder: str, count: int, data: bytes) -> None:
     for c in range(count):
         with open(os.path.join(folder, f"chunk-{c}"), "wb") as f:
@@ -115,9 +93,10 @@ def chunk_round(kv: KVStore, members: list[str], mnt: str, plain: str, size: int
     """One round of every arm for one chunk size: GB/s each."""
     res: dict[str, float] = {}
     nbytes = size * count
-    res["raw_write"] = nbytes / timed(lambda: raw_io(members, count, size, buf, True)) / 1e9
+    raws = [os.path.join(m, "raw.bin") for m in members]
+    res["raw_write"] = nbytes / timed(lambda: raw_io(raws, nbytes, buf, True)) / 1e9
     drop_caches()
-    res["raw_read"] = nbytes / timed(lambda: raw_io(members, count, size, buf, False)) / 1e9
+    res["raw_read"] = nbytes / timed(lambda: raw_io(raws, nbytes, buf, False)) / 1e9
     keys = [f"r{r}-{size}-{c}" for c in range(count)]
     res["kv_put"] = nbytes / timed(lambda: [kv.put(k, data) for k in keys]) / 1e9
     drop_caches()
@@ -182,7 +161,7 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> dict[str, list[dict[str,
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         count = max(4, total // size)
         data = os.urandom(size)
-        buf = aligned(size * count if size * count <= 2 << 30 else size)
+        buf = aligned(max(size, -(-size * count // len(members) // 4096) * 4096))
         buf[:size] = data
         outs = [bytearray(size) for _ in range(min(count, 8))]
         label = f"{size // MIB}MiB"

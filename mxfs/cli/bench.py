@@ -36,8 +36,10 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _raw(paths: list[str], size: int, buf: mmap.mmap, write: bool) -> None:
-    """`size` bytes split over `paths` (one file per member), O_DIRECT, all at once."""
+def raw_io(paths: list[str], size: int, buf: mmap.mmap, write: bool) -> None:
+    """`size` bytes split over `paths` (one file per member), O_DIRECT, all at once, each
+    file's share from the start of `buf` (a member's share long); writes end in fsync.
+    The hardware's ceiling, which the benchmarks compare mxfs with."""
     share = -(-size // len(paths) // 4096) * 4096
     flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY) | os.O_DIRECT
     fds = [os.open(p, flags, 0o600) for p in paths]
@@ -90,14 +92,14 @@ class Run:
         raws = [os.path.join(m, f".mxfs-bench-raw-{os.getpid()}") for m in self.members]
         one = self.size // len(self.members)
         for i, path in enumerate(raws):  # each member alone
-            res[f"member{i}_write"] = self._gbps(_timed(lambda p=path: _raw([p], one, buf, True)),
+            res[f"member{i}_write"] = self._gbps(_timed(lambda p=path: raw_io([p], one, buf, True)),
                                                  one)
             drop_caches()
-            res[f"member{i}_read"] = self._gbps(_timed(lambda p=path: _raw([p], one, buf,
+            res[f"member{i}_read"] = self._gbps(_timed(lambda p=path: raw_io([p], one, buf,
                                                                            False)), one)
-        res["striped_write"] = self._gbps(_timed(lambda: _raw(raws, self.size, buf, True)))
+        res["striped_write"] = self._gbps(_timed(lambda: raw_io(raws, self.size, buf, True)))
         drop_caches()
-        res["striped_read"] = self._gbps(_timed(lambda: _raw(raws, self.size, buf, False)))
+        res["striped_read"] = self._gbps(_timed(lambda: raw_io(raws, self.size, buf, False)))
         block = memoryview(bytearray(os.urandom(BLOCK)))
         seq = os.path.join(self.work, "seq.bin")
         res["mount_write"] = self._gbps(write_file(seq, self.size, block)[0])
