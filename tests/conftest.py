@@ -145,3 +145,16 @@ def loop_members(tmp_path: Path) -> Iterator[list[str]]:
     finally:
         for d in reversed(mounted):
             subprocess.run(["umount", "-l", d], capture_output=True)
+
+
+@pytest.fixture
+def loop_pool(loop_members: list[str]) -> Iterator[Mounted]:
+    """A pool of the loop-device members, mounted; unmounted and removed afterwards."""
+    mkfs(loop_members)
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-loop-"))
+    mxfs("mount", loop_members[0], str(mp))
+    try:
+        yield Mounted(mp, loop_members)
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)

@@ -8,14 +8,13 @@ import resource
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import safetensors.torch
 import torch
-from conftest import Mounted, eventually, force_unmount, mkfs, mxfs, one_line_error
+from conftest import Mounted, eventually, mxfs, one_line_error
 from test_faults import check_pool
 
 import mxfs.ckpt as ck
@@ -250,26 +249,21 @@ def test_a_flipped_byte_is_reported_with_its_file_and_tensor(mounted: Mounted) -
 
 
 def test_a_member_filling_up_fails_the_save_in_wait_and_gives_space_back(
-        loop_members: list[str]) -> None:
-    mkfs(loop_members)
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-ckpt-full-"))
-    mxfs("mount", loop_members[0], str(mp))
-    try:
-        prev = {"w": torch.randn(1 << 20)}
-        ck.save(prev, str(mp / "step-1")).wait()
-        free = [os.statvfs(m).f_bavail for m in loop_members]
-        snap = ck.save({"w": torch.randn(40 << 20)}, str(mp / "step-2"))  # 160 MiB: too big
-        with pytest.raises(ck.CheckpointError, match="No space left|space"):
-            snap.wait()
-        assert [e.name for e in ck.list_checkpoints(str(mp))] == ["step-1"]
-        assert (mp / "latest").read_text().strip() == "step-1"
-        assert_same(prev, ck.load(str(mp / "step-1")))
-        assert eventually(lambda: all(os.statvfs(m).f_bavail >= f - 64
-                                      for m, f in zip(loop_members, free, strict=True)))
-        assert sorted(os.listdir(mp)) == ["latest", "step-1"]
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
+        loop_pool: Mounted) -> None:
+    mp, loop_members = loop_pool.path, loop_pool.members
+    prev = {"w": torch.randn(1 << 20)}
+    ck.save(prev, str(mp / "step-1")).wait()
+    free = [os.statvfs(m).f_bavail for m in loop_members]
+    snap = ck.save({"w": torch.randn(40 << 20)}, str(mp / "step-2"))  # 160 MiB: too big
+    with pytest.raises(ck.CheckpointError, match="No space left|space"):
+        snap.wait()
+    assert [e.name for e in ck.list_checkpoints(str(mp))] == ["step-1"]
+    assert (mp / "latest").read_text().strip() == "step-1"
+    assert_same(prev, ck.load(str(mp / "step-1")))
+    assert eventually(lambda: all(os.statvfs(m).f_bavail >= f - 64
+                                  for m, f in zip(loop_members, free, strict=True)))
+    assert sorted(os.listdir(mp)) == ["latest", "step-1"]
+    loop_pool.umount()
     check_pool(loop_members)
 
 

@@ -9,12 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import Mounted, eventually, force_unmount, mkfs, mxfs, one_line_error
+from conftest import Mounted, eventually, mxfs, one_line_error
 
 from mxfs.fs.volume import Volume
 
@@ -43,35 +42,29 @@ def kill_daemon(m: Mounted) -> None:
 
 # ---- a member runs out of space ---------------------------------------------------
 
-def test_full_member_gives_enospc_and_harms_nothing(tmp_path: Path,
-                                                    loop_members: list[str]) -> None:
-    mkfs(loop_members)
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-enospc-"))
-    mxfs("mount", loop_members[0], str(mp))
-    try:
-        keeper = os.urandom(4 << 20)
-        (mp / "keeper").write_bytes(keeper)
-        free_before = os.statvfs(loop_members[2]).f_bavail
-        block = os.urandom(1 << 20)
-        with pytest.raises(OSError) as err, open(mp / "filler", "wb") as f:
-            for _ in range(400):  # far more than the pool holds
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        assert err.value.errno == errno.ENOSPC
-        assert os.statvfs(loop_members[2]).f_bavail * 4096 < 1 << 20
-        # nothing else was harmed, and the namespace still works
-        assert (mp / "keeper").read_bytes() == keeper
-        (mp / "dir").mkdir()
-        (mp / "dir" / "note").write_text("still here")
-        # deleting gives the space back
-        os.unlink(mp / "filler")
-        assert eventually(lambda: os.statvfs(loop_members[2]).f_bavail >= free_before - 64)
-        (mp / "again").write_bytes(block * 8)
-        assert (mp / "again").read_bytes() == block * 8
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
+def test_full_member_gives_enospc_and_harms_nothing(loop_pool: Mounted) -> None:
+    mp, loop_members = loop_pool.path, loop_pool.members
+    keeper = os.urandom(4 << 20)
+    (mp / "keeper").write_bytes(keeper)
+    free_before = os.statvfs(loop_members[2]).f_bavail
+    block = os.urandom(1 << 20)
+    with pytest.raises(OSError) as err, open(mp / "filler", "wb") as f:
+        for _ in range(400):  # far more than the pool holds
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    assert err.value.errno == errno.ENOSPC
+    assert os.statvfs(loop_members[2]).f_bavail * 4096 < 1 << 20
+    # nothing else was harmed, and the namespace still works
+    assert (mp / "keeper").read_bytes() == keeper
+    (mp / "dir").mkdir()
+    (mp / "dir" / "note").write_text("still here")
+    # deleting gives the space back
+    os.unlink(mp / "filler")
+    assert eventually(lambda: os.statvfs(loop_members[2]).f_bavail >= free_before - 64)
+    (mp / "again").write_bytes(block * 8)
+    assert (mp / "again").read_bytes() == block * 8
+    loop_pool.umount()
     check_pool(loop_members)
 
 
@@ -192,66 +185,55 @@ def _spread_and_local(mp: Path) -> tuple[Path, Path]:
 
 
 def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
-        loop_members: list[str]) -> None:
-    mkfs(loop_members)
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-degraded-"))
-    mxfs("mount", loop_members[0], str(mp))
-    try:
-        wide, local = _spread_and_local(mp)
-        subprocess.run(["umount", "-l", loop_members[2]], check=True)  # member 2 vanishes
-        mxfs("status", str(mp))
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")  # so the read reaches the daemon, not the kernel's cache
-        with pytest.raises(OSError) as err:
-            wide.read_bytes()
-        assert err.value.errno == errno.EIO
-        assert local.read_bytes() == b"s" * 1000  # files elsewhere still read
-        status = json.loads(mxfs("status", "--json", str(mp)).stdout)
-        assert status["degraded"] and "/wide" in status["lost_examples"]
-        assert [m["index"] for m in status["members"] if m.get("failed")] == [2]
-        text = mxfs("status", str(mp)).stdout
-        assert "FAILED" in text and "DEGRADED" in text and "/wide" in text
-        mxfs("umount", str(mp))
-        line = one_line_error(mxfs("mount", loop_members[0], str(mp), check=False))
-        assert "member 2" in line and "-o degraded" in line
-        res = mxfs("mount", "-o", "degraded", loop_members[0], str(mp))
-        assert "read-only and degraded" in res.stderr
-        assert local.read_bytes() == b"s" * 1000
-        with pytest.raises(OSError) as err:
-            wide.read_bytes()
-        assert err.value.errno == errno.EIO
-        with pytest.raises(OSError) as err:
-            (mp / "new").write_bytes(b"x")
-        assert err.value.errno == errno.EROFS
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
+        loop_pool: Mounted) -> None:
+    mp, loop_members = loop_pool.path, loop_pool.members
+    wide, local = _spread_and_local(mp)
+    subprocess.run(["umount", "-l", loop_members[2]], check=True)  # member 2 vanishes
+    mxfs("status", str(mp))
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")  # so the read reaches the daemon, not the kernel's cache
+    with pytest.raises(OSError) as err:
+        wide.read_bytes()
+    assert err.value.errno == errno.EIO
+    assert local.read_bytes() == b"s" * 1000  # files elsewhere still read
+    status = json.loads(mxfs("status", "--json", str(mp)).stdout)
+    assert status["degraded"] and "/wide" in status["lost_examples"]
+    assert [m["index"] for m in status["members"] if m.get("failed")] == [2]
+    text = mxfs("status", str(mp)).stdout
+    assert "FAILED" in text and "DEGRADED" in text and "/wide" in text
+    mxfs("umount", str(mp))
+    line = one_line_error(mxfs("mount", loop_members[0], str(mp), check=False))
+    assert "member 2" in line and "-o degraded" in line
+    res = mxfs("mount", "-o", "degraded", loop_members[0], str(mp))
+    assert "read-only and degraded" in res.stderr
+    assert local.read_bytes() == b"s" * 1000
+    with pytest.raises(OSError) as err:
+        wide.read_bytes()
+    assert err.value.errno == errno.EIO
+    with pytest.raises(OSError) as err:
+        (mp / "new").write_bytes(b"x")
+    assert err.value.errno == errno.EROFS
 
 
 def test_a_member_made_read_only_refuses_writes_but_serves_reads(
-        loop_members: list[str]) -> None:
-    mkfs(loop_members)
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-romember-"))
-    mxfs("mount", loop_members[0], str(mp))
-    try:
-        wide, local = _spread_and_local(mp)
-        data = wide.read_bytes()
-        subprocess.run(["mount", "-o", "remount,ro", loop_members[2]], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        assert wide.read_bytes() == data  # reads go on
-        with pytest.raises(OSError) as err, open(wide, "r+b") as f:
-            f.write(b"x" * (4 << 20))
-            f.flush()
-            os.fsync(f.fileno())
-        assert err.value.errno == errno.EROFS
-        local.write_bytes(b"still writable")  # on member 0 only
-        status = json.loads(mxfs("status", "--json", str(mp)).stdout)
-        assert not status["degraded"]  # read-only is not failed
-        subprocess.run(["mount", "-o", "remount,rw", loop_members[2]], check=True)
-        (mp / "after").write_bytes(os.urandom(4 << 20))
-        assert local.read_bytes() == b"still writable"
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
+        loop_pool: Mounted) -> None:
+    mp, loop_members = loop_pool.path, loop_pool.members
+    wide, local = _spread_and_local(mp)
+    data = wide.read_bytes()
+    subprocess.run(["mount", "-o", "remount,ro", loop_members[2]], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    assert wide.read_bytes() == data  # reads go on
+    with pytest.raises(OSError) as err, open(wide, "r+b") as f:
+        f.write(b"x" * (4 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    assert err.value.errno == errno.EROFS
+    local.write_bytes(b"still writable")  # on member 0 only
+    status = json.loads(mxfs("status", "--json", str(mp)).stdout)
+    assert not status["degraded"]  # read-only is not failed
+    subprocess.run(["mount", "-o", "remount,rw", loop_members[2]], check=True)
+    (mp / "after").write_bytes(os.urandom(4 << 20))
+    assert local.read_bytes() == b"still writable"
+    loop_pool.umount()
     check_pool(loop_members)

@@ -7,12 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import Mounted, eventually, force_unmount, mkfs, mxfs, one_line_error
+from conftest import Mounted, eventually, mxfs, one_line_error
 from test_faults import check_pool, chunk_files, kill_daemon
 
 from mxfs.kv import KVStore
@@ -176,29 +174,24 @@ def test_writer_killed_mid_put_leaves_nothing(mounted: Mounted) -> None:
     check_pool(mounted.members)
 
 
-def test_full_pool_fails_puts_fast_and_eviction_makes_room(loop_members: list[str]) -> None:
-    mkfs(loop_members)
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-kv-full-"))
-    mxfs("mount", loop_members[0], str(mp))
-    try:
-        with KVStore(str(mp), "f") as kv:
-            stored, failed = 0, 0
-            for i in range(400):  # far more than the 24 MiB member holds
-                try:
-                    kv.put(f"x{i}", blob(i, 1 << 20))
-                    stored += 1
-                except OSError as e:
-                    assert e.errno == 28  # ENOSPC, at once
-                    failed += 1
-                    if failed > 3:
-                        break
-            assert stored > 10 and failed
-            assert kv.usage()["evictions"] > 0  # the pool made room for later puts
-            assert eventually(lambda: _put_ok(kv))
-            assert kv.get(f"x{stored - 1}") in (None, blob(stored - 1, 1 << 20))
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
+def test_full_pool_fails_puts_fast_and_eviction_makes_room(loop_pool: Mounted) -> None:
+    mp, loop_members = loop_pool.path, loop_pool.members
+    with KVStore(str(mp), "f") as kv:
+        stored, failed = 0, 0
+        for i in range(400):  # far more than the 24 MiB member holds
+            try:
+                kv.put(f"x{i}", blob(i, 1 << 20))
+                stored += 1
+            except OSError as e:
+                assert e.errno == 28  # ENOSPC, at once
+                failed += 1
+                if failed > 3:
+                    break
+        assert stored > 10 and failed
+        assert kv.usage()["evictions"] > 0  # the pool made room for later puts
+        assert eventually(lambda: _put_ok(kv))
+        assert kv.get(f"x{stored - 1}") in (None, blob(stored - 1, 1 << 20))
+    loop_pool.umount()
     check_pool(loop_members)
 
 
