@@ -127,3 +127,14 @@ def test_bench_writes_a_report_and_compares_two_runs(tmp_path: Path) -> None:
     line = one_line_error(mxfs("bench", "compare", str(tmp_path / "a"), str(tmp_path / "x"),
                                check=False))
     assert "results.json" in line
+
+
+def test_log_json_writes_one_object_a_line(mounted: Mounted) -> None:
+    mounted.umount()
+    res = mxfs("mount", "-o", "allow_other,log_json", mounted.members[0], str(mounted.path))
+    log_path = res.stdout.split("log ")[-1].rstrip(")\n")
+    (mounted.path / "x").write_bytes(b"x")
+    lines = [json.loads(line) for line in Path(log_path).read_text().splitlines()
+             if line.startswith("{")]
+    assert any("mounted on" in e["message"] and e["level"] == "INFO" for e in lines)
+    assert all({"time", "level", "logger", "message", "pid"} <= set(e) for e in lines)

@@ -90,11 +90,24 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line (-o log_json): for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+               "logger": record.name, "message": record.getMessage(), "pid": record.process}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
 def _mount_foreground(args: argparse.Namespace, options: list[str]) -> int:
     from mxfs.fs import daemon
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter() if "log_json" in options else logging.Formatter(
+        "%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     fd = args.ready_fd
     told = False
 
