@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -138,3 +139,29 @@ def test_log_json_writes_one_object_a_line(mounted: Mounted) -> None:
              if line.startswith("{")]
     assert any("mounted on" in e["message"] and e["level"] == "INFO" for e in lines)
     assert all({"time", "level", "logger", "message", "pid"} <= set(e) for e in lines)
+
+
+def test_systemd_notify_ready_once_the_mount_answers_and_stopping_on_sigterm(
+        mounted: Mounted, tmp_path: Path) -> None:
+    from conftest import is_mounted
+
+    mounted.umount()
+    sock_path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(60)
+    proc = subprocess.Popen([sys.executable, "-m", "mxfs", "mount", "-f", "-o", "allow_other",
+                             mounted.members[0], str(mounted.path)],
+                            env={**os.environ, "NOTIFY_SOCKET": sock_path},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert sock.recv(256) == b"READY=1"
+        assert is_mounted(str(mounted.path)) and os.listdir(mounted.path) == []  # it answers
+        proc.send_signal(signal.SIGTERM)  # what systemctl stop sends
+        assert sock.recv(256) == b"STOPPING=1"
+        assert proc.wait(timeout=60) == 0
+        assert not is_mounted(str(mounted.path))  # the stop unmounted cleanly
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sock.close()

@@ -143,20 +143,22 @@ async def _serve(control: ControlServer, ready: Callable[[], None], readahead_ki
         nursery.start_soon(_commit_groups, control)
         if backup_s > 0:
             nursery.start_soon(_backups, control, backup_s)
-        nursery.start_soon(_raise_readahead, control.mountpoint, readahead_kib)
-        log.info("pool %s mounted on %s, control socket %s", control.vol.pool.uuid,
-                 control.mountpoint, control.path)
-        ready()
-        notify_systemd("READY=1")
+        nursery.start_soon(_announce, control, ready, readahead_kib)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
 
 
-async def _raise_readahead(mountpoint: str, kib: int) -> None:
-    """Set the mount's readahead once the kernel has finished FUSE INIT (which resets it)."""
-    await trio.to_thread.run_sync(os.stat, mountpoint)  # answered only after INIT
-    if not set_readahead(mountpoint, kib):
-        log.info("could not raise readahead of %s to %d KiB (needs root)", mountpoint, kib)
+async def _announce(control: ControlServer, ready: Callable[[], None], kib: int) -> None:
+    """Once the mount answers (FUSE INIT done): raise its readahead (INIT resets it), then
+    tell whoever started us, and systemd, that the pool is ready."""
+    await trio.to_thread.run_sync(os.stat, control.mountpoint)  # answered only after INIT
+    if not set_readahead(control.mountpoint, kib):
+        log.info("could not raise readahead of %s to %d KiB (needs root)",
+                 control.mountpoint, kib)
+    log.info("pool %s mounted on %s, control socket %s", control.vol.pool.uuid,
+             control.mountpoint, control.path)
+    ready()
+    notify_systemd("READY=1")
 
 
 async def _commit_groups(control: ControlServer) -> None:
