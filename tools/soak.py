@@ -41,6 +41,7 @@ from mxfs.client import direct as direct_clients
 FILES = r"""
 import hashlib, os, random, sys
 root, journal, me = sys.argv[1], sys.argv[2], sys.argv[3]
+KEEP = 300  # files a writer keeps: older ones are deleted, so the pool does not fill up
 rng = random.Random(os.getpid())
 j = open(journal, "a", buffering=1)
 i = 0
@@ -60,8 +61,10 @@ while True:
         os.fsync(fd)
         os.close(fd)
         j.write(f"synced {name} {size}\n")
-        if i % 7 == 0:
-            victim = f"{me}-{os.getpid()}-{i - 3}"
+        for victim_i in ([i - 3] if i % 7 == 0 else []) + ([i - KEEP] if i > KEEP else []):
+            if victim_i % 7 == 4 and victim_i != i - 3:
+                continue  # deleted already, as someone's i - 3
+            victim = f"{me}-{os.getpid()}-{victim_i}"
             j.write(f"deleting {victim}\n")  # before: a kill between leaves it in doubt
             os.unlink(os.path.join(root, victim))
     except OSError:
