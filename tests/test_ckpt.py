@@ -260,8 +260,12 @@ def test_a_member_filling_up_fails_the_save_in_wait_and_gives_space_back(
     assert [e.name for e in ck.list_checkpoints(str(mp))] == ["step-1"]
     assert (mp / "latest").read_text().strip() == "step-1"
     assert_same(prev, ck.load(str(mp / "step-1")))
-    assert eventually(lambda: all(os.statvfs(m).f_bavail >= f - 64
-                                  for m, f in zip(loop_members, free, strict=True)))
+    # The failed save filled member 2 (24 MiB); all of it comes back once the hidden file
+    # is reclaimed and ext4 commits the frees. The slack is metadata: the SQLite WAL on
+    # member 0 grows with the save's transactions, and ext4's journal lags under load.
+    assert eventually(lambda: all(os.statvfs(m).f_bavail >= f - 512
+                                  for m, f in zip(loop_members, free, strict=True)),
+                      timeout=60)
     assert sorted(os.listdir(mp)) == ["latest", "step-1"]
     loop_pool.umount()
     check_pool(loop_members)
