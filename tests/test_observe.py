@@ -36,22 +36,25 @@ def test_df_splits_space_by_member_and_use(mounted: Mounted) -> None:
 
 
 def test_top_shows_member_bytes_and_requests(mounted: Mounted) -> None:
+    from mxfs.cli.observe_cmd import rates
+    from mxfs.client import ControlClient
+
     (mounted.path / "f").write_bytes(os.urandom(8 << 20))
-    proc = subprocess.Popen([sys.executable, "-m", "mxfs", "top", "--json", "--interval", "2",
-                             "--count", "1", str(mounted.path)], stdout=subprocess.PIPE,
-                            text=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-    for _ in range(3):
-        (mounted.path / "f").read_bytes()
+    with ControlClient(str(mounted.path)) as c:
+        before = c.call("metrics")
         with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    out, _ = proc.communicate(timeout=60)
-    sample = json.loads(out)
+            f.write("3\n")  # so the reads reach the daemon
+        (mounted.path / "f").read_bytes()
+        after = c.call("metrics")
+    sample = rates(before, after)
     read = {m["member"]: m["bytes_per_s"] for m in sample["members"]
             if m["direction"] == "read"}
     assert sorted(read) == [0, 1, 2, 3] and all(v > 0 for v in read.values())
     assert any(r["op"] == "read" and r["kind"] == "fuse" for r in sample["requests"])
+    out = mxfs("top", "--json", "--interval", "0.2", "--count", "2", str(mounted.path)).stdout
+    samples = [json.loads(line) for line in out.splitlines()]
+    assert len(samples) == 2 and all({"seconds", "members", "requests"} <= set(x)
+                                     for x in samples)
 
 
 def _free_port() -> int:
