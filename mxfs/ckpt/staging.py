@@ -74,10 +74,6 @@ class Staging:
         assert self.buf is not None
         return writable_view(self.buf)[:round_up(max(nbytes, 1))]
 
-    @property
-    def address(self) -> int:
-        return self.buf.data_ptr() if self.buf is not None else 0
-
 
 def stage(plan: Plan, named: Sequence[tuple[str, torch.Tensor]], buf: torch.Tensor) -> Any:
     """Copy the header and every tensor into `buf`; returns a CUDA event to wait on, or None."""
