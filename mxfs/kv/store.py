@@ -262,17 +262,12 @@ class KVStore:
     # ---- the index ----------------------------------------------------------------
 
     def exists(self, key: Key) -> bool:
-        return self._call("kv_exists", keys=[_b64(key)])["present"][0]
+        return self.exists_many([key])[0]
 
     def batch_exists(self, keys: Sequence[Key]) -> int:
         """How many of `keys`, from the first, are stored without a gap (a prefix hit)."""
-        present = self._call("kv_exists", keys=[_b64(k) for k in keys])["present"]
-        n = 0
-        for p in present:
-            if not p:
-                break
-            n += 1
-        return n
+        present = self.exists_many(keys)
+        return next((i for i, p in enumerate(present) if not p), len(present))
 
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
         return self._call("kv_exists", keys=[_b64(k) for k in keys])["present"]
