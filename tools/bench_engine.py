@@ -2,8 +2,10 @@
 """Compare the two I/O engines on the direct read path, side by side in one run.
 
 Writes one file into a fresh 4-member pool, then reads it whole with
-DirectFile.read_into into a touched buffer, cold and warm, with the thread pool
-and with the io_uring engine (when built), alternating, medians of --repeat.
+DirectFile.read_into into a touched, aligned buffer, cold and warm, with the thread
+pool and with the io_uring engine (when built), each with buffered reads only
+(odirect "never") and with O_DIRECT for uncached pieces ("auto", the default),
+alternating, medians of --repeat.
 
     python tools/bench_engine.py --size 1GiB --repeat 3
 """
@@ -20,7 +22,7 @@ import time
 
 from mxfs.cli.demo import run_mxfs
 from mxfs.cli.measure import drop_caches, write_file
-from mxfs.client.direct import open_reader
+from mxfs.client.direct import DirectFile, aligned_like, open_reader
 from mxfs.io import batch
 from mxfs.units import parse_size
 
@@ -42,16 +44,21 @@ def main() -> int:
         os.makedirs(p)
     run_mxfs("mkfs", *[a for m in members for a in ("--member", m)])
     run_mxfs("mount", members[0], mnt)
-    results: dict[str, dict[str, list[float]]] = {e: {"cold": [], "warm": []} for e in engines}
+    arms = [(e, policy) for e in engines for policy in ("never", "auto")]
+    results: dict[str, dict[str, list[float]]] = {
+        f"{e}, odirect {p}": {"cold": [], "warm": []} for e, p in arms}
     try:
         path = os.path.join(mnt, "data")
         write_file(path, parse_size(args.size), memoryview(os.urandom(8 << 20)))
         reader = open_reader(path)
-        buf = memoryview(bytearray(reader.size))
+        assert isinstance(reader, DirectFile)
+        buf = aligned_like(reader.size, 0)
         reader.read_into(0, buf)  # touch the buffer outside the clock
         for _ in range(args.repeat):
-            for name, engine in engines.items():
-                batch._native = engine
+            for engine, policy in arms:
+                batch._native = engines[engine]
+                reader.odirect = policy
+                name = f"{engine}, odirect {policy}"
                 for kind in ("cold", "warm"):
                     if kind == "cold":
                         drop_caches()

@@ -5,7 +5,9 @@ Writes a synthetic model (bf16 and fp8 tensors of real LLM shapes) into a fresh
 4-member pool and into a plain folder, then loads it, cold (caches dropped) and
 warm, five ways:
   (a) raw: parallel O_DIRECT reads of the file's chunk files (the members' ceiling)
-  (b) mxfs.load.load_file through the direct path (mode "read", and mode "map")
+  (b) mxfs.load.load_file through the direct path: mode "read" (O_DIRECT into one
+      buffer), "map" (the CPU default) and "stream" (through the bounded staging
+      buffers a GPU load uses, here copied to CPU memory)
   (c) safetensors.torch.load_file through the FUSE mount
   (d) safetensors.torch.load_file from the plain folder
   (e) torch.load of the same tensors (torch.save file in the plain folder)
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
             "a_raw_chunks": lambda: raw_chunks(chunks, bufs),
             "b_mxfs_load": lambda: touch(load_file(on_mxfs, mode="read")),
             "b_mxfs_load_map": lambda: touch(load_file(on_mxfs, mode="map")),
+            "b_mxfs_load_stream": lambda: touch(load_file(on_mxfs, mode="stream")),
             "c_safetensors_mount": lambda: touch(st_load_file(on_mxfs)),
             "d_safetensors_plain": lambda: touch(st_load_file(
                 os.path.join(plain, "model.safetensors"))),

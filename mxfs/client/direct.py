@@ -15,10 +15,17 @@ from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
 from mxfs.errors import MxfsError
-from mxfs.io import Layout, ReadOp, read_batch
+from mxfs.io import Layout, Piece, ReadOp, read_batch
+from mxfs.io.residency import Residency
 
 # Requests are cut into segments this big, so each member serves several at a time.
 SEGMENT = 16 << 20
+# What O_DIRECT asks of file offsets, lengths and buffer addresses (the largest
+# logical block size in use; XFS and ext4 on NVMe need 512 or 4096).
+DIO_ALIGN = 4096
+# The most one O_DIRECT request carries (see merge_runs); MXFS_DIRECT_RUN overrides.
+DIRECT_RUN = int(os.environ.get("MXFS_DIRECT_RUN", 32 << 20))
+IOV_MAX = os.sysconf("SC_IOV_MAX")
 _MAP_FIXED = 0x10
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -110,12 +117,15 @@ class DirectFile(Reader):
         if opened is None:
             assert client is not None
             self._pool_path = client.pool_path(path)
-            opened = client.call_with_fds("open_read", path=self._pool_path)
+            opened = client.call_with_fds("open_read", path=self._pool_path, odirect=True)
         reply, fds = opened
         self.size = int(reply["size"])
         self.ino, self.generation = reply.get("ino"), reply.get("generation")
         self.layout = Layout.from_description(reply["layout"])
-        self.fds = dict(zip(reply["members"], fds, strict=True))
+        members, direct = reply["members"], reply.get("direct_members", [])
+        self.fds = dict(zip(members, fds[:len(members)], strict=True))
+        self.direct_fds = dict(zip(direct, fds[len(members):], strict=True))
+        self.odirect = "auto"
 
     def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
         """Fill each buffer from its file offset, every member at once, in one batch."""
@@ -123,21 +133,55 @@ class DirectFile(Reader):
 
     def plan_reads(self, ranges: list[tuple[int, memoryview]]) -> list[ReadOp]:
         """The reads that fill each buffer (holes are zeroed now), to run in a batch
-        that several files may share."""
-        ops = []
+        that several files may share.
+
+        A piece whose pages are mostly not cached is read with O_DIRECT where the
+        buffer lines up with the file (same offset modulo 4 KiB; `aligned_like`
+        makes such buffers): the aligned middle goes straight from the device into
+        the buffer, the unaligned edges through the cache.  `odirect` is "auto"
+        (that choice), "always" or "never".
+        """
+        planned = []
         for offset, buf in ranges:
             _check_range(self, offset, len(buf))
             for seg in range(0, len(buf), SEGMENT):
                 part = buf[seg:seg + SEGMENT]
-                for piece in self.layout.plan(offset + seg, len(part)):
-                    bufs = [part[o:o + n] for o, n in piece.spans]
-                    fd = self.fds.get(piece.member)
-                    if fd is None:
-                        for b in bufs:
-                            b[:] = bytes(len(b))
-                    else:
-                        ops.append(ReadOp(fd, piece.chunk_offset, bufs))
-        return ops
+                planned += [(p, [part[o:o + n] for o, n in p.spans])
+                            for p in self.layout.plan(offset + seg, len(part))]
+        cache = self._residency([p for p, _ in planned])
+        ops: list[ReadOp] = []
+        direct_ops: list[ReadOp] = []
+        for piece, bufs in planned:
+            fd = self.fds.get(piece.member)
+            if fd is None:
+                for b in bufs:
+                    b[:] = bytes(len(b))
+                continue
+            direct = self.direct_fds.get(piece.member)
+            if direct is not None and self._go_direct(cache, piece):
+                for op in split_direct(fd, direct, piece.chunk_offset, bufs):
+                    (direct_ops if op.fd == direct else ops).append(op)
+            else:
+                ops.append(ReadOp(fd, piece.chunk_offset, bufs))
+        return merge_runs(direct_ops) + ops
+
+    def _residency(self, pieces: list[Piece]) -> dict[int, Residency]:
+        """Page-cache residency of each member's chunk range these pieces touch."""
+        if self.odirect != "auto" or not self.direct_fds:
+            return {}
+        spans: dict[int, tuple[int, int]] = {}
+        for p in pieces:
+            lo, hi = spans.get(p.member, (p.chunk_offset, p.chunk_offset))
+            spans[p.member] = (min(lo, p.chunk_offset), max(hi, p.chunk_offset + p.length))
+        return {m: Residency(self.fds[m], lo, hi) for m, (lo, hi) in spans.items()
+                if m in self.direct_fds}
+
+    def _go_direct(self, cache: dict[int, Residency], piece: Piece) -> bool:
+        if self.odirect == "auto":
+            res = cache.get(piece.member)
+            return res is not None and \
+                res.cached_fraction(piece.chunk_offset, piece.length) < 0.5
+        return self.odirect == "always"
 
     def check_unchanged(self) -> None:
         """Raise FileChanged if the path now names another file or other bytes."""
@@ -155,9 +199,10 @@ class DirectFile(Reader):
                               "load it again once its writer is done")
 
     def close(self) -> None:
-        for fd in self.fds.values():
+        for fd in [*self.fds.values(), *self.direct_fds.values()]:
             os.close(fd)
         self.fds.clear()
+        self.direct_fds.clear()
 
     def mappings(self) -> int:
         return 1 + (self.size + self.layout.unit - 1) // self.layout.unit
@@ -189,6 +234,75 @@ class DirectFile(Reader):
                 region.close()
                 raise OSError(err, f"mapping stripe {k} of {self.path}: {os.strerror(err)}")
         return region
+
+
+def _address(buf: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
+
+
+def _cut(bufs: list[memoryview], n: int) -> tuple[list[memoryview], list[memoryview]]:
+    """The first `n` bytes of an iovec, and the rest."""
+    head: list[memoryview] = []
+    rest: list[memoryview] = []
+    for b in bufs:
+        if n >= len(b):
+            head.append(b)
+            n -= len(b)
+        elif n > 0:
+            head.append(b[:n])
+            rest.append(b[n:])
+            n = 0
+        else:
+            rest.append(b)
+    return head, rest
+
+
+def split_direct(fd: int, direct: int, offset: int, bufs: list[memoryview]) -> list[ReadOp]:
+    """Reads for one contiguous chunk range: its DIO_ALIGN-aligned middle from the
+    O_DIRECT descriptor `direct`, the edges from the buffered `fd`.
+
+    All of it goes buffered when the buffer does not line up with the file (its
+    address and `offset` differ modulo DIO_ALIGN): O_DIRECT would refuse it.
+    """
+    length = sum(len(b) for b in bufs)
+    lo = -offset % DIO_ALIGN
+    hi = (offset + length) // DIO_ALIGN * DIO_ALIGN - offset
+    if not bufs or hi <= lo or (_address(bufs[0]) - offset) % DIO_ALIGN:
+        return [ReadOp(fd, offset, bufs)]
+    head, rest = _cut(bufs, lo)
+    middle, tail = _cut(rest, hi - lo)
+    ops = [ReadOp(direct, offset + lo, middle)]
+    if head:
+        ops.append(ReadOp(fd, offset, head))
+    if tail:
+        ops.append(ReadOp(fd, offset + hi, tail))
+    return ops
+
+
+def merge_runs(ops: list[ReadOp], limit: int = DIRECT_RUN) -> list[ReadOp]:
+    """Join reads that continue one another on the same descriptor, up to `limit` bytes
+    (and IOV_MAX buffers) each: one large O_DIRECT request per member streams
+    better than many small ones, and the kernel still splits it across the queue."""
+    out: list[ReadOp] = []
+    size = 0
+    for op in sorted(ops, key=lambda o: (o.fd, o.offset)):
+        n = sum(len(b) for b in op.bufs)
+        last = out[-1] if out else None
+        if (last is not None and last.fd == op.fd and last.offset + size == op.offset
+                and size + n <= limit and len(last.bufs) + len(op.bufs) <= IOV_MAX):
+            out[-1] = ReadOp(op.fd, last.offset, [*last.bufs, *op.bufs])
+            size += n
+        else:
+            out.append(op)
+            size = n
+    return out
+
+
+def aligned_like(nbytes: int, offset: int) -> memoryview:
+    """A new zeroed buffer of `nbytes` whose address matches file `offset` modulo
+    DIO_ALIGN, so direct reads of [offset, offset + nbytes) fill it without a bounce."""
+    raw = mmap.mmap(-1, nbytes + DIO_ALIGN)  # page-aligned
+    return memoryview(raw)[offset % DIO_ALIGN:offset % DIO_ALIGN + nbytes]
 
 
 def _check_range(f: Reader, offset: int, n: int) -> None:
@@ -229,18 +343,27 @@ def open_reader(path: str, direct: bool = True, pool: Any = None) -> Reader:
     """A reader for `path`: direct from the chunk files when it is on an mxfs mount.
 
     With `pool` (an `mxfs.pool.offline.OfflinePool`), `path` is a path inside that
-    unmounted pool, read straight from its members.
+    unmounted pool, read straight from its members.  MXFS_ODIRECT=always|never
+    overrides how direct readers pick O_DIRECT (default auto: for uncached pieces).
     """
     if pool is not None:
-        return DirectFile(path, None, pool.open_read(path))
+        return _with_policy(DirectFile(path, None, pool.open_read(path)))
     client = control_client_for(path) if direct else None
     if client is None:
         return PlainFile(path)
     try:
-        return DirectFile(path, client)
+        return _with_policy(DirectFile(path, client))
     except ControlError as e:
         if e.errno == errno.ENOENT:
             raise FileNotFoundError(errno.ENOENT, f"{path}: no such file") from None
         if e.errno in (errno.EACCES, errno.EPERM):
             raise PermissionError(e.errno, f"{path}: {e.strerror}") from None
         raise
+
+
+def _with_policy(f: DirectFile) -> DirectFile:
+    policy = os.environ.get("MXFS_ODIRECT", "auto")
+    if policy not in ("auto", "always", "never"):
+        raise MxfsError(f"MXFS_ODIRECT={policy} is not a policy", "use auto, always or never")
+    f.odirect = policy
+    return f

@@ -204,7 +204,7 @@ class ControlServer:
             node = resolve_for(self.vol.store, path_field(msg), caller)
             return self._describe(node), []
         if op == "open_read":
-            return self._open_read(path_field(msg), caller)
+            return self._open_read(msg, caller)
         if op == "create":
             return self._create(msg, session)
         if op == "commit":
@@ -233,8 +233,10 @@ class ControlServer:
             out["layout"] = self.vol.layout(node).describe()
         return out
 
-    def _open_read(self, path: str, caller: Caller) -> tuple[dict[str, Any], list[int]]:
-        """Read-only descriptors of a file's chunk files, if the caller may read it."""
+    def _open_read(self, msg: dict[str, Any], caller: Caller) -> tuple[dict[str, Any], list[int]]:
+        """Read-only descriptors of a file's chunk files, if the caller may read it
+        (with "odirect": O_DIRECT ones too, for reads that bypass the page cache)."""
+        path = path_field(msg)
         node = resolve_for(self.vol.store, path, caller)
         if node.is_dir:
             raise OSError(errno.EISDIR, f"{path} is a directory")
@@ -246,10 +248,8 @@ class ControlServer:
         if self.writeback_cache and entry is not None and entry.wrote:
             # Its newest bytes may still sit in the kernel's writeback cache.
             raise OSError(errno.EBUSY, f"{path} is open for writing through the mount")
-        members, fds = read_fds(self.vol, node)
-        reply = self._describe(node)
-        reply["members"] = members
-        return reply, fds
+        which, fds = read_fds(self.vol, node, odirect=bool(msg.get("odirect")))
+        return {**self._describe(node), **which}, fds
 
     # ---- direct writes -------------------------------------------------------
 

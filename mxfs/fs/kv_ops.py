@@ -186,7 +186,7 @@ class KVOps:
                     budget -= chunk.size
                     out.append({**sums, "data": base64.b64encode(self._read(node)).decode()})
                     continue
-                members, got = read_fds(self.vol, node)
+                which, got = read_fds(self.vol, node)
                 fds += got
                 if len(fds) > MAX_FDS:
                     raise OSError(errno.E2BIG, f"ask for fewer keys at once (over {MAX_FDS} "
@@ -195,7 +195,7 @@ class KVOps:
                     chunk.pins += 1
                     session.pins[(space.name, key)] += 1
                 out.append({**sums, "layout": self.vol.layout(node).describe(),
-                            "members": members})
+                            "members": which["members"]})
         except BaseException:
             for fd in fds:
                 os.close(fd)

@@ -90,22 +90,7 @@ def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int
     return entry, members, fds
 
 
-def read_fds(vol: Volume, node: Inode) -> tuple[list[int], list[int]]:
-    """Read-only descriptors of a file's chunk files: (members, fds); unwritten ones absent."""
-    layout = vol.layout(node)
-    vol.pool.check(layout.holding(node.size))  # EIO: some of its bytes are on a failed member
-    members, fds = [], []
-    try:
-        for m in layout.used_members():
-            if vol.pool.members[m].failed:
-                continue  # holds nothing of this file (checked above)
-            try:
-                fds.append(os.open(vol.pool.chunk_path(m, node.ino), os.O_RDONLY | os.O_CLOEXEC))
-            except FileNotFoundError:
-                continue  # never written: reads as zeros
-            members.append(m)
-    except OSError:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return members, fds
+def read_fds(vol: Volume, node: Inode, odirect: bool = False
+             ) -> tuple[dict[str, list[int]], list[int]]:
+    """Read-only descriptors of a file's chunk files (see Pool.open_for_read)."""
+    return vol.pool.open_for_read(node.ino, vol.layout(node), node.size, odirect)

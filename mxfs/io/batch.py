@@ -1,11 +1,10 @@
 """Run a batch of positional reads or writes, all at once.
 
-Two engines behind one interface: a pool of threads running preadv/pwritev, and
-the native one (native/engine.c: io_uring at a set queue depth, GIL released).
-On buffered descriptors both measured the same (docs/benchmarks.md), so the one
-that needs no build stays the default until reads go O_DIRECT;
-MXFS_IO_ENGINE=io_uring picks the native engine where it was built and the kernel
-allows io_uring.  `ENGINE` says which runs and why.
+Two engines behind one interface: the native one (native/engine.c: io_uring at a
+set queue depth, one ring per core, GIL released), the default wherever it was
+built and the kernel allows io_uring; and a pool of threads running
+preadv/pwritev, which needs no build.  MXFS_IO_ENGINE=threads picks the pool.
+`ENGINE` says which runs and why (the daemon logs it, `mxfs status` shows it).
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ def native_engine() -> tuple[object | None, str]:
 
 
 def _load_native() -> tuple[object | None, str]:
-    if os.environ.get("MXFS_IO_ENGINE", "threads") != "io_uring":
-        return None, "threads"
+    if os.environ.get("MXFS_IO_ENGINE", "io_uring") == "threads":
+        return None, "threads (MXFS_IO_ENGINE=threads)"
     engine, why = native_engine()
     return engine, "io_uring" if engine else f"threads ({why})"
 

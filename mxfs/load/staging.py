@@ -29,23 +29,36 @@ def writable_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+def aligned_host(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 host tensor whose first byte sits on an ALIGN boundary (O_DIRECT needs it)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes]
+
+
 def read_to_device(reader: Reader, offset: int, nbytes: int, device: torch.device,
                    staging: int = STAGING) -> torch.Tensor:
-    """Bytes [offset, offset + nbytes) of `reader` in a uint8 tensor on `device`."""
+    """Bytes [offset, offset + nbytes) of `reader` in a uint8 tensor on `device`.
+
+    Pieces start on ALIGN boundaries of the file, into ALIGN-aligned host buffers,
+    so the direct reader can move them with O_DIRECT; the lead-in before `offset`
+    is read and not copied.
+    """
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if nbytes == 0:
         return dst
-    piece = max(ALIGN, min(staging // 2, nbytes) // ALIGN * ALIGN)
+    lead = offset % ALIGN
+    total = lead + nbytes  # from the ALIGN boundary at or before offset
+    piece = max(ALIGN, min(staging // 2, total + ALIGN) // ALIGN * ALIGN)
     accel: Any = getattr(torch, device.type) if device.type != "cpu" else None
-    pin = device.type == "cuda"
-    hosts = [torch.empty(piece, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+    hosts = [aligned_host(piece, pin=device.type == "cuda") for _ in range(2)]
     done: list[Any] = [None, None]  # the copy out of each host buffer, once queued
     stream = accel.Stream(device) if accel is not None else None
-    starts = list(range(0, nbytes, piece))
+    starts = list(range(0, total, piece))
 
     def fill(k: int) -> None:
-        n = min(piece, nbytes - starts[k])
-        reader.read_into(offset + starts[k], writable_view(hosts[k % 2])[:n])
+        n = min(piece, total - starts[k])
+        reader.read_into(offset - lead + starts[k], writable_view(hosts[k % 2])[:n])
 
     with ThreadPoolExecutor(1, thread_name_prefix="mxfs-stage") as ahead:
         pending = ahead.submit(fill, 0)
@@ -55,13 +68,15 @@ def read_to_device(reader: Reader, offset: int, nbytes: int, device: torch.devic
                 if done[(k + 1) % 2] is not None:
                     done[(k + 1) % 2].synchronize()  # its last copy has left the buffer
                 pending = ahead.submit(fill, k + 1)
-            n = min(piece, nbytes - start)
-            src = hosts[k % 2][:n]
+            skip = lead if k == 0 else 0
+            n = min(piece, total - start)
+            src = hosts[k % 2][skip:n]
+            at = start + skip - lead
             if stream is None:
-                dst[start:start + n].copy_(src)
+                dst[at:at + len(src)].copy_(src)
                 continue
             with accel.stream(stream):
-                dst[start:start + n].copy_(src, non_blocking=True)
+                dst[at:at + len(src)].copy_(src, non_blocking=True)
                 event = accel.Event()
                 event.record(stream)
             done[k % 2] = event

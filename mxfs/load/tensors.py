@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mxfs.client.direct import Reader, open_reader
+from mxfs.client.direct import Reader, aligned_like, open_reader
 from mxfs.errors import MxfsError
 from mxfs.load.header import Header, HeaderError, TensorInfo, header_length, parse_header
 from mxfs.load.staging import STAGING, read_to_device, writable_view
@@ -115,11 +115,13 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
         elif mode == "map" and nbytes:
             buf = torch.frombuffer(reader.map(), dtype=torch.uint8)
             base = 0
-        else:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+        else:  # lined up with the file, so uncached stripes move with O_DIRECT
+            mem = aligned_like(nbytes, header.data_start)
+            buf = (torch.frombuffer(mem, dtype=torch.uint8) if nbytes
+                       else torch.empty(0, dtype=torch.uint8))
             base = header.data_start
             if nbytes:
-                reader.read_into(header.data_start, writable_view(buf))
+                reader.read_into(header.data_start, mem)
         reader.check_unchanged()
     out = {t.name: _tensor(buf, base, t, path) for t in header.ordered()}
     secs = time.perf_counter() - start

@@ -71,7 +71,7 @@ class OfflinePool:
             after = batch[-1].cookie
         return out
 
-    def open_read(self, path: str) -> tuple[dict[str, Any], list[int]]:
+    def open_read(self, path: str, odirect: bool = True) -> tuple[dict[str, Any], list[int]]:
         """What `open_read` on the control socket gives: size, layout, members, descriptors."""
         node = self.resolve(path)
         if not stat.S_ISREG(node.mode):
@@ -79,18 +79,6 @@ class OfflinePool:
         assert node.stripe_unit and node.stripe_width and node.first_member is not None
         layout = Layout(node.stripe_unit, node.stripe_width, node.first_member,
                         len(self.pool.members))
-        members, fds = [], []
-        try:
-            for m in layout.used_members():
-                try:
-                    fds.append(os.open(self.pool.chunk_path(m, node.ino),
-                                       os.O_RDONLY | os.O_CLOEXEC))
-                except FileNotFoundError:
-                    continue
-                members.append(m)
-        except OSError:
-            for fd in fds:
-                os.close(fd)
-            raise
+        which, fds = self.pool.open_for_read(node.ino, layout, node.size, odirect)
         return {"size": node.size, "ino": node.ino, "generation": node.generation,
-                "layout": layout.describe(), "members": members}, fds
+                "layout": layout.describe(), **which}, fds

@@ -273,6 +273,44 @@ class Pool:
     def chunk_path(self, member: int, ino: int) -> str:
         return os.path.join(self.members[member].path, CHUNK_DIR, f"{ino % FANOUT:02x}", str(ino))
 
+    def open_for_read(self, ino: int, layout: Layout, size: int, odirect: bool = False
+                      ) -> tuple[dict[str, list[int]], list[int]]:
+        """Read-only descriptors of a file's chunk files, for a direct reader.
+
+        Returns ({"members": [...], "direct_members": [...]}, fds): a buffered
+        descriptor for each member holding chunk data, then (with `odirect`) an
+        O_DIRECT one for each of those whose filesystem allows it (tmpfs may not),
+        in that order.  Never-written chunk files are absent: they read as zeros.
+        EIO if a failed member holds some of the file's bytes.
+        """
+        self.check(layout.holding(size))
+        members: list[int] = []
+        direct: list[int] = []
+        fds: list[int] = []
+        try:
+            for m in layout.used_members():
+                if self.members[m].failed:
+                    continue  # holds nothing of this file (checked above)
+                try:
+                    fds.append(os.open(self.chunk_path(m, ino), os.O_RDONLY | os.O_CLOEXEC))
+                except FileNotFoundError:
+                    continue
+                members.append(m)
+            for m in members if odirect else []:
+                try:
+                    fds.append(os.open(self.chunk_path(m, ino),
+                                       os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT))
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    continue  # this member's filesystem has no direct I/O
+                direct.append(m)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return {"members": members, "direct_members": direct}, fds
+
     def remove_chunks(self, ino: int) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written)."""
         for m in range(len(self.members)):

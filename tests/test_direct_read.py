@@ -1,0 +1,127 @@
+"""O_DIRECT on the direct read path: aligned middles bypass the cache, bytes stay exact."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+from pathlib import Path
+
+from conftest import Mounted
+from hypothesis import given
+from hypothesis import strategies as hs
+
+from mxfs.client.direct import (
+    DIO_ALIGN,
+    DirectFile,
+    _address,
+    aligned_like,
+    open_reader,
+    split_direct,
+)
+from mxfs.io import read_batch
+from mxfs.io.residency import Residency
+
+
+def is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def write(path: Path, n: int, seed: int = 1) -> bytes:
+    data = random.Random(seed).randbytes(n)
+    path.write_bytes(data)
+    return data
+
+
+@given(offset=hs.integers(0, 3 * DIO_ALIGN), length=hs.integers(0, 5 * DIO_ALIGN),
+       shift=hs.integers(0, DIO_ALIGN - 1), cut=hs.integers(0, 5 * DIO_ALIGN))
+def test_split_direct_covers_the_range_and_aligns_what_goes_direct(
+        offset: int, length: int, shift: int, cut: int) -> None:
+    """Whatever the offset, length, buffer address and iovec cut: every byte is read once,
+    from the right file offset; what goes O_DIRECT is aligned in file, length and memory."""
+    backing = aligned_like(length + DIO_ALIGN, 0)[shift:shift + length]
+    cut = min(cut, length)
+    bufs = [b for b in (backing[:cut], backing[cut:]) if len(b)]
+    ops = split_direct(10, 11, offset, bufs)
+    covered = []
+    for op in ops:
+        pos = op.offset
+        for b in op.bufs:
+            covered.append((pos, _address(b) - _address(backing), len(b)))
+            if op.fd == 11:
+                assert pos % DIO_ALIGN == 0 and len(b) % DIO_ALIGN == 0
+                assert _address(b) % DIO_ALIGN == 0
+            pos += len(b)
+    covered.sort()
+    at = offset
+    for pos, start, n in covered:
+        assert pos == at and start == pos - offset  # file offset matches buffer place
+        at += n
+    assert at == offset + length
+    if (shift - offset) % DIO_ALIGN:  # the buffer does not line up: nothing goes direct
+        assert all(op.fd == 10 for op in ops)
+
+
+def test_forced_direct_reads_equal_the_file_at_any_offset(mounted: Mounted) -> None:
+    data = write(mounted.path / "f.bin", 3 * 65536 * 4 + 12345)
+    rng = random.Random(3)
+    with open_reader(str(mounted.path / "f.bin")) as r:
+        assert isinstance(r, DirectFile)
+        assert r.direct_fds and all(is_direct(fd) for fd in r.direct_fds.values())
+        assert not any(is_direct(fd) for fd in r.fds.values())
+        r.odirect = "always"
+        for _ in range(40):
+            off = rng.randrange(len(data))
+            n = rng.randrange(len(data) - off + 1)
+            for buf in (aligned_like(n, off), memoryview(bytearray(n))):
+                r.read_into(off, buf)
+                assert bytes(buf) == data[off:off + n], (off, n)
+        whole = aligned_like(len(data), 0)
+        ops = r.plan_reads([(0, whole)])
+        assert any(op.fd in r.direct_fds.values() for op in ops)
+        read_batch(ops)
+        assert bytes(whole) == data
+
+
+def test_auto_reads_cached_pieces_buffered_and_cold_ones_direct(mounted: Mounted) -> None:
+    data = write(mounted.path / "g.bin", 8 * 65536 + 100)
+    path = str(mounted.path / "g.bin")
+    with open_reader(path) as r:
+        assert isinstance(r, DirectFile)
+        buf = aligned_like(len(data), 0)
+        r.read_into(0, buf)  # buffered or not, this reads it; now make it cached:
+        for m, fd in r.fds.items():
+            os.pread(fd, os.fstat(fd).st_size, 0)
+            assert Residency(fd, 0, os.fstat(fd).st_size).cached_fraction(
+                0, os.fstat(fd).st_size) == 1.0, m
+        warm = r.plan_reads([(0, buf)])
+        assert not any(op.fd in r.direct_fds.values() for op in warm)
+        drop_caches()
+        for fd in r.fds.values():
+            assert Residency(fd, 0, os.fstat(fd).st_size).cached_fraction(
+                0, os.fstat(fd).st_size) < 0.5
+        cold = r.plan_reads([(0, buf)])
+        assert any(op.fd in r.direct_fds.values() for op in cold)
+        read_batch(cold)
+        assert bytes(buf) == data
+
+
+def test_direct_reads_of_sparse_files_read_zeros(mounted: Mounted) -> None:
+    path = mounted.path / "sparse.bin"
+    with open(path, "wb") as f:
+        f.truncate(5 * 65536 * 4)
+        f.seek(3 * 65536 + 10)
+        f.write(b"x" * 70000)
+    expect = path.read_bytes()
+    with open_reader(str(path)) as r:
+        assert isinstance(r, DirectFile)
+        r.odirect = "always"
+        buf = aligned_like(len(expect) - 7, 7)
+        r.read_into(7, buf)
+        assert bytes(buf) == expect[7:]
