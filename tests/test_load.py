@@ -283,11 +283,18 @@ def test_index_naming_a_missing_tensor_is_one_clear_error(plain: Path) -> None:
 
 
 def test_an_unmounted_pool_is_read_directly_and_kept_unmounted(mounted: Mounted) -> None:
+    from mxfs.load import load_model
     from mxfs.pool.offline import OfflinePool
 
     tensors = {"a": torch.randn(300, 700), "b": torch.arange(10_000, dtype=torch.int64)}
     (mounted.path / "m").mkdir()
     st.save_file(tensors, str(mounted.path / "m" / "model.safetensors"))
+    sharded = mounted.path / "sharded"
+    sharded.mkdir()
+    st.save_file({"a": tensors["a"]}, str(sharded / "model-00001-of-00002.safetensors"))
+    st.save_file({"b": tensors["b"]}, str(sharded / "model-00002-of-00002.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(MxfsError, match="is mounted"):
         OfflinePool(mounted.members[0])
     mounted.umount()
@@ -299,6 +306,14 @@ def test_an_unmounted_pool_is_read_directly_and_kept_unmounted(mounted: Mounted)
             assert torch.equal(f.get_slice("a")[10:20], tensors["a"][10:20])
         with pytest.raises(FileNotFoundError):
             load_file("/m/missing.safetensors", pool=pool)
+        whole = dict(load_model("/sharded", pool=pool))
+        assert all(torch.equal(whole[k], v) for k, v in tensors.items())
+        rank1 = dict(load_model("/sharded/model.safetensors.index.json", pool=pool,
+                                tp_rank=1, tp_size=2, shard_dim=lambda n, s: 0))
+        assert torch.equal(rank1["a"], tensors["a"].chunk(2)[1])
+        assert torch.equal(rank1["b"], tensors["b"].chunk(2)[1])
+        with pytest.raises(MxfsError, match="holds no safetensors model"):
+            dict(load_model("/nothing", pool=pool))
         line = one_line_error(mxfs("mount", mounted.members[0], str(mounted.path),
                                    check=False))
         assert "already mounted" in line or "is mounted" in line

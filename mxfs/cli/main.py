@@ -1,4 +1,4 @@
-"""The `mxfs` command: mkfs, mount, umount, status, stripes, warm, load-bench, ckpt, kv,
+"""The `mxfs` command: mkfs, mount, umount, status, stripes, warm, put, load-bench, ckpt, kv,
 fsck, scrub, meta, df, top, bench, demo.
 
 Every user error is one line on stderr and a non-zero exit code; a traceback
@@ -322,6 +322,24 @@ def cmd_load_bench(args: argparse.Namespace) -> int:
     return run_load_bench(_files_under(args.path), args.device, args.repeat, args.json)
 
 
+def cmd_put(args: argparse.Namespace) -> int:
+    """Copy files into an unmounted pool (no FUSE needed), sealed with their checksums."""
+    import time
+
+    from mxfs.fs.offline_put import put_files
+
+    start = time.perf_counter()
+    done = put_files(args.pool, args.files, args.to)
+    secs = time.perf_counter() - start
+    total = sum(p.size for p in done)
+    _emit(args, {"files": [{"source": p.source, "path": p.path, "bytes": p.size}
+                           for p in done], "bytes": total, "seconds": secs},
+          "\n".join(f"{p.source} -> {p.path} ({format_size(p.size)})" for p in done) +
+          f"\nput {len(done)} files, {format_size(total)} in {secs:.1f} s "
+          f"({total / max(secs, 1e-9) / 1e9:.2f} GB/s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mxfs", description="mxfs: a striped storage tier for AI computing centres")
     p.add_argument("--version", action="version", version=f"mxfs {__version__}")
@@ -372,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", nargs="+", help="files or folders")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_warm)
+
+    s = sub.add_parser("put", help="copy files into an unmounted pool (as root, no FUSE)")
+    s.add_argument("pool", help="a member path or a pool config")
+    s.add_argument("files", nargs="+", help="local files to copy")
+    s.add_argument("--to", default="/", help="folder in the pool (default: its root)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_put)
 
     s = sub.add_parser("load-bench", help="time mxfs.load against safetensors on real files")
     s.add_argument("path", nargs="+", help="safetensors files or folders of them")

@@ -23,6 +23,7 @@ from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
+from mxfs.io.batch import ENGINE
 
 log = logging.getLogger("mxfs.daemon")
 
@@ -155,8 +156,8 @@ async def _announce(control: ControlServer, ready: Callable[[], None], kib: int)
     if not set_readahead(control.mountpoint, kib):
         log.info("could not raise readahead of %s to %d KiB (needs root)",
                  control.mountpoint, kib)
-    log.info("pool %s mounted on %s, control socket %s", control.vol.pool.uuid,
-             control.mountpoint, control.path)
+    log.info("pool %s mounted on %s, control socket %s, I/O engine %s",
+             control.vol.pool.uuid, control.mountpoint, control.path, ENGINE)
     ready()
     notify_systemd("READY=1")
 

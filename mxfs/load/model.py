@@ -13,6 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -25,13 +26,46 @@ INDEX_NAME = "model.safetensors.index.json"
 ShardRule = Callable[[str, tuple[int, ...]], "int | None"]
 
 
-def shard_files(path: str) -> dict[str, list[str] | None]:
-    """file -> tensor names it should hold (None: all of them), in file name order."""
-    index = path if path.endswith(".json") else os.path.join(path, INDEX_NAME)
-    if os.path.isfile(index):
+class _Tree:
+    """The files a model path names: through the OS (a mount, any folder), or inside
+    an unmounted pool (`mxfs.pool.offline.OfflinePool`)."""
+
+    def __init__(self, pool: Any = None) -> None:
+        self.pool = pool
+
+    def kind(self, path: str) -> str | None:
+        """"file", "dir", or None when nothing is there."""
+        if self.pool is None:
+            return "dir" if os.path.isdir(path) else "file" if os.path.isfile(path) else None
         try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            node = self.pool.resolve(path)
+        except OSError:
+            return None
+        return "dir" if node.is_dir else "file" if node.is_reg else None
+
+    def listdir(self, path: str) -> list[str]:
+        return self.pool.listdir(path) if self.pool is not None else os.listdir(path)
+
+    def size(self, path: str) -> int:
+        return self.pool.resolve(path).size if self.pool is not None else os.path.getsize(path)
+
+    def read(self, path: str) -> bytes:
+        """A small file's bytes (an index)."""
+        with open_reader(path, pool=self.pool) as r:
+            buf = bytearray(r.size)
+            r.read_into(0, memoryview(buf))
+        return bytes(buf)
+
+
+def shard_files(path: str, pool: Any = None) -> dict[str, list[str] | None]:
+    """file -> tensor names it should hold (None: all of them), in file name order."""
+    tree = _Tree(pool)
+    index = path if path.endswith(".json") else os.path.join(path, INDEX_NAME)
+    if tree.kind(index) == "file":
+        try:
+            weight_map = json.loads(tree.read(index))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise MxfsError(f"{index} is not a safetensors index ({e})",
                             "it needs a weight_map of tensor name -> file") from None
@@ -42,11 +76,12 @@ def shard_files(path: str) -> dict[str, list[str] | None]:
             assert entry is not None
             entry.append(name)
         return dict(sorted(files.items()))
-    if os.path.isdir(path):
-        found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    kind = tree.kind(path)
+    if kind == "dir":
+        found = sorted(f for f in tree.listdir(path) if f.endswith(".safetensors"))
         if found:
             return {os.path.join(path, f): None for f in found}
-    if os.path.isfile(path) and path.endswith(".safetensors"):
+    if kind == "file" and path.endswith(".safetensors"):
         return {path: None}
     raise MxfsError(f"{path} holds no safetensors model", f"give a folder with {INDEX_NAME} "
                     "or .safetensors files, or one of those files")
@@ -82,24 +117,26 @@ def _read_slice(reader, info: TensorInfo, dim: int, rank: int, size: int  # noqa
 
 def load_model(path: str, device: str | torch.device = "cpu", *,
                tp_rank: int = 0, tp_size: int = 1, shard_dim: ShardRule | None = None,
-               progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+               progress: bool | None = None, pool: Any = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of a (sharded) model; with tp_size > 1, only this rank's slices.
 
     `progress` shows a bar per shard on stderr (default: for models over 1 GiB when
-    stderr is a terminal); throughput goes to the log either way.
+    stderr is a terminal); throughput goes to the log either way.  With `pool` (an
+    `OfflinePool`), `path` is inside that unmounted pool.
     """
     dev = check_device(device)
     if not 0 <= tp_rank < tp_size:
         raise MxfsError(f"tp_rank {tp_rank} is not within 0..{tp_size - 1}",
                         "pass 0 <= tp_rank < tp_size")
-    files = shard_files(path)
-    total = sum(os.path.getsize(f) for f in files)
+    files = shard_files(path, pool)
+    sizes = {f: _Tree(pool).size(f) for f in files}
     if progress is None:
-        progress = total > 1 << 30 and sys.stderr.isatty()
-    with _Bar(progress, total) as bar:
+        progress = sum(sizes.values()) > 1 << 30 and sys.stderr.isatty()
+    with _Bar(progress, sum(sizes.values())) as bar:
         for file, names in files.items():
-            yield from _load_shard(file, names, dev, tp_rank, tp_size, shard_dim)
-            bar.advance(os.path.getsize(file))
+            yield from _load_shard(file, names, dev, tp_rank, tp_size, shard_dim, pool)
+            bar.advance(sizes[file])
 
 
 class _Bar:
@@ -134,16 +171,17 @@ def _missing(file: str, name: str) -> MxfsError:
 
 
 def _load_shard(file: str, names: list[str] | None, dev: torch.device, tp_rank: int,
-                tp_size: int, shard_dim: ShardRule | None) -> Iterator[tuple[str, torch.Tensor]]:
+                tp_size: int, shard_dim: ShardRule | None, pool: Any
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """One shard's tensors, whole or this rank's slices."""
     if tp_size == 1 or shard_dim is None:
-        tensors = load_file(file, dev)
+        tensors = load_file(file, dev, pool=pool)
         for name in names or list(tensors):
             if name not in tensors:
                 raise _missing(file, name)
             yield name, tensors.pop(name)
         return
-    reader = open_reader(file)
+    reader = open_reader(file, pool=pool)
     try:
         header = read_header(reader)
         wanted = names or [t.name for t in header.ordered()]

@@ -17,6 +17,7 @@ import torch
 
 from mxfs.client.direct import Reader, aligned_like, open_reader
 from mxfs.errors import MxfsError
+from mxfs.load.gds import GdsReader, Unavailable, open_gds
 from mxfs.load.header import Header, HeaderError, TensorInfo, header_length, parse_header
 from mxfs.load.staging import STAGING, read_to_device, writable_view
 
@@ -94,22 +95,32 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     mode "stream" moves the bytes through two host buffers of `staging` bytes in
     all, reads overlapped with copies to the device (pinned memory and a side
     stream on CUDA), into one device buffer the tensors share: host memory stays
-    bounded and the model is never held twice.  "auto" maps CPU loads unless the
-    file needs too many mappings, and streams loads to a device.
+    bounded and the model is never held twice.  mode "gds" reads the chunk files
+    by DMA straight into that device buffer (GPUDirect Storage through kvikio;
+    `mxfs.load.gds`).  "auto" maps CPU loads unless the file needs too many
+    mappings, uses GDS for CUDA loads where it runs (logging why where it does
+    not), and streams other loads to a device.
     With `pool` (`mxfs.pool.offline.OfflinePool`), `path` is inside that unmounted pool.
     """
     dev = check_device(device)
-    if mode not in ("auto", "read", "map", "stream"):
+    if mode not in ("auto", "read", "map", "stream", "gds"):
         raise MxfsError(f"mode {mode!r} is not known",
-                        "use mode='auto', 'read', 'map' or 'stream'")
+                        "use mode='auto', 'read', 'map', 'stream' or 'gds'")
     start = time.perf_counter()
     with open_reader(path, pool=pool) as reader:
         header = read_header(reader)
         nbytes = reader.size - header.data_start
+        gds = _open_gds(reader, dev, mode)
         if mode == "auto":
-            mode = ("stream" if dev.type != "cpu" else
+            mode = ("gds" if gds else "stream" if dev.type != "cpu" else
                     "map" if reader.mappings() <= MAX_MAPPINGS else "read")
-        if mode == "stream":
+        if gds is not None:
+            try:
+                buf = gds.read_to_device(header.data_start, nbytes)
+            finally:
+                gds.close()
+            base = header.data_start
+        elif mode == "stream":
             buf = read_to_device(reader, header.data_start, nbytes, dev, staging)
             base = header.data_start
         elif mode == "map" and nbytes:
@@ -125,11 +136,23 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
         reader.check_unchanged()
     out = {t.name: _tensor(buf, base, t, path) for t in header.ordered()}
     secs = time.perf_counter() - start
-    log.info("loaded %s: %d tensors, %.2f GB in %.2f s (%.2f GB/s)", path, len(out),
-             nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
+    log.info("loaded %s (%s): %d tensors, %.2f GB in %.2f s (%.2f GB/s)", path, mode,
+             len(out), nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
     if dev.type != "cpu" and mode != "stream":
         out = {k: v.to(dev) for k, v in out.items()}
     return out  # in file order, as safetensors returns them
+
+
+def _open_gds(reader: Reader, dev: torch.device, mode: str) -> GdsReader | None:
+    """GDS for mode "gds" (or a clear error), tried for "auto" loads to CUDA."""
+    if mode == "gds" or (mode == "auto" and dev.type == "cuda"):
+        try:
+            return open_gds(reader, dev, required=mode == "gds")
+        except Unavailable as e:
+            raise MxfsError(f"GPUDirect Storage cannot load {reader.path}: {e}",
+                            "load with mode='stream' (pinned buffers), or fix what it "
+                            "names") from None
+    return None
 
 
 class SafeOpen:
