@@ -39,6 +39,7 @@ from mxfs.fs.offline_put import put_files
 from mxfs.fs.volume import format_pool
 from mxfs.load import load_file
 from mxfs.load.gds import GdsReader, Unavailable
+from mxfs.load.tensors import touch_pages as touch
 from mxfs.pool.offline import OfflinePool
 from mxfs.units import parse_size
 
@@ -49,11 +50,14 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         for k in a)
 
 
-def timed(fn) -> float:  # noqa: ANN001 - a tiny local helper
-    torch.cuda.synchronize()
+def timed(fn, dev: torch.device) -> float:  # noqa: ANN001 - a tiny local helper
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    if isinstance(out, dict) and dev.type == "cpu":
+        touch(out)  # a dry run: safetensors' CPU tensors are lazily mapped
+    sync()
     del out
     return time.perf_counter() - start
 
@@ -64,8 +68,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--device", default="cuda:0", help="cpu: a dry run of the script")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: this torch sees no CUDA device", file=sys.stderr)
         return 2
     base = tempfile.mkdtemp(prefix="mxfs-gpu-check-", dir=args.dir)
@@ -86,8 +91,9 @@ def run(args: argparse.Namespace, base: str) -> int:
     save_file(model, plain)
     del model
     put_files(members[0], [plain], "/")
-    dev = torch.device("cuda:0")
-    facts: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+    dev = torch.device(args.device)
+    facts: dict = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none",
+                   "torch": torch.__version__,
                    "bytes": nbytes, "repeat": args.repeat}
     with OfflinePool(members[0]) as pool:
         ino = pool.resolve("/model.safetensors").ino
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace, base: str) -> int:
             "a_raw_chunks": lambda: raw_chunks(chunks, bufs),
             "b_mxfs_stream": lambda: load_file("/model.safetensors", dev, mode="stream",
                                                pool=pool),
-            "c_safetensors": lambda: st_load_file(plain, device="cuda:0"),
+            "c_safetensors": lambda: st_load_file(plain, device=str(dev)),
         }
         try:
             with open_reader("/model.safetensors", pool=pool) as r:
@@ -108,7 +114,7 @@ def run(args: argparse.Namespace, base: str) -> int:
                                                    pool=pool)
         except Unavailable as e:
             facts["gds_unavailable"] = str(e)
-        want = st_load_file(plain, device="cuda:0")
+        want = st_load_file(plain, device=str(dev))
         for name in ("b_mxfs_stream", "b_mxfs_gds"):
             if name in arms:
                 facts[f"{name}_equal"] = same_bytes(arms[name](), want)
@@ -119,8 +125,8 @@ def run(args: argparse.Namespace, base: str) -> int:
             result = {}
             for name, arm in arms.items():
                 drop_caches()
-                cold = timed(arm)
-                warm = timed(arm)
+                cold = timed(arm, dev)
+                warm = timed(arm, dev)
                 result[name] = {"cold": nbytes / cold / 1e9, "warm": nbytes / warm / 1e9}
             rounds.append(result)
             print(f"round {r + 1}/{args.repeat}: " + ", ".join(
