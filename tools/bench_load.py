@@ -5,12 +5,16 @@ Writes a synthetic model (bf16 and fp8 tensors of real LLM shapes) into a fresh
 4-member pool and into a plain folder, then loads it, cold (caches dropped) and
 warm, five ways:
   (a) raw: parallel O_DIRECT reads of the file's chunk files (the members' ceiling)
+  (b reader) the direct path's reader alone: the whole file into a touched aligned
+      buffer, as (a) reads into touched buffers (the read half of every mode)
   (b) mxfs.load.load_file through the direct path: mode "read" (O_DIRECT into one
       buffer), "map" (the CPU default) and "stream" (through the bounded staging
       buffers a GPU load uses, here copied to CPU memory)
   (c) safetensors.torch.load_file through the FUSE mount
   (d) safetensors.torch.load_file from the plain folder
   (e) torch.load of the same tensors (torch.save file in the plain folder)
+and, with the same tensors in 4 shards and a model.safetensors.index.json, mxfs.load's
+load_model through the mount against safetensors loading each shard from the plain folder.
 safetensors hands back mmap-backed tensors, so every arm touches every page of
 every tensor before the clock stops.  Medians of --repeat rounds.
 
@@ -20,6 +24,7 @@ every tensor before the clock stops.  Medians of --repeat rounds.
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import shutil
@@ -35,7 +40,8 @@ from safetensors.torch import save_file
 from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
 from mxfs.cli.measure import drop_caches
 from mxfs.client import direct
-from mxfs.load import load_file
+from mxfs.client.direct import aligned_like, open_reader
+from mxfs.load import load_file, load_model
 from mxfs.load.tensors import touch_pages as touch
 from mxfs.units import parse_size
 
@@ -62,6 +68,30 @@ def synthetic_model(total: int) -> dict[str, torch.Tensor]:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         layer += 1
     return tensors
+
+
+def write_shards(model: dict[str, torch.Tensor], folder: str, n: int) -> None:
+    """The model as `n` safetensors shards and the index naming each tensor's shard."""
+    os.makedirs(folder)
+    names = list(model)
+    step = -(-len(names) // n)
+    weight_map = {}
+    for i in range(n):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        part = names[i * step:(i + 1) * step]
+        save_file({k: model[k] for k in part}, os.path.join(folder, fname))
+        weight_map.update(dict.fromkeys(part, fname))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def load_shards(folder: str) -> dict[str, torch.Tensor]:
+    """What an engine does without mxfs: safetensors' load_file on each shard."""
+    out: dict[str, torch.Tensor] = {}
+    for fname in sorted(os.listdir(folder)):
+        if fname.endswith(".safetensors"):
+            out.update(st_load_file(os.path.join(folder, fname)))
+    return out
 
 
 def raw_chunks(paths: list[str], bufs: list[mmap.mmap]) -> int:
@@ -110,6 +140,8 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
         shutil.copyfile(os.path.join(plain, "model.safetensors"),
                         os.path.join(mnt, "model.safetensors"))
         torch.save(model, os.path.join(plain, "model.pt"))
+        write_shards(model, os.path.join(plain, "sharded"), 4)
+        shutil.copytree(os.path.join(plain, "sharded"), os.path.join(mnt, "sharded"))
         del model
         on_mxfs = os.path.join(mnt, "model.safetensors")
         ino = os.stat(on_mxfs).st_ino
@@ -118,8 +150,12 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
         for b in bufs:  # touch the O_DIRECT buffers once, outside the clock
             b.write(bytes(len(b)))
             b.seek(0)
+        reader = open_reader(on_mxfs)
+        touched = aligned_like(reader.size, 0)
+        touched[:] = bytes(len(touched))  # touched once, outside the clock, like (a)'s
         arms = {
             "a_raw_chunks": lambda: raw_chunks(chunks, bufs),
+            "b_mxfs_reader": lambda: reader.read_into(0, touched),
             "b_mxfs_load": lambda: touch(load_file(on_mxfs, mode="read")),
             "b_mxfs_load_map": lambda: touch(load_file(on_mxfs, mode="map")),
             "b_mxfs_load_stream": lambda: touch(load_file(on_mxfs, mode="stream")),
@@ -127,6 +163,10 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
             "d_safetensors_plain": lambda: touch(st_load_file(
                 os.path.join(plain, "model.safetensors"))),
             "e_torch_load_plain": lambda: touch(torch.load(os.path.join(plain, "model.pt"))),
+            "b_mxfs_load_model_sharded": lambda: touch(dict(load_model(
+                os.path.join(mnt, "sharded")))),
+            "d_safetensors_sharded_plain": lambda: touch(load_shards(
+                os.path.join(plain, "sharded"))),
         }
         for r in range(args.repeat):
             result: dict[str, dict[str, float]] = {}
@@ -138,6 +178,7 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
                 result[name] = {"cold": nbytes / cold / 1e9, "warm": nbytes / warm / 1e9}
             rounds.append(result)
             print(f"round {r + 1}/{args.repeat} done", file=sys.stderr)
+        reader.close()
     finally:
         direct._clients.clear()
     return rounds, nbytes
@@ -156,13 +197,18 @@ def report(args: argparse.Namespace, rounds: list[dict], nbytes: int) -> None:
     print("|---|---:|---:|")
     for arm, v in med.items():
         print(f"| {arm} | {v['cold']:.2f} | {v['warm']:.2f} |")
-    checks = [("(b)/(a) cold", ratio("b_mxfs_load", "a_raw_chunks", "cold"), 0.9),
+    checks = [("(b reader)/(a) cold", ratio("b_mxfs_reader", "a_raw_chunks", "cold"), 0.9),
+              ("(b)/(a) cold", ratio("b_mxfs_load", "a_raw_chunks", "cold"), 0.9),
               ("(b map)/(a) cold", ratio("b_mxfs_load_map", "a_raw_chunks", "cold"), 0.9),
               ("(b map)/(c) cold", ratio("b_mxfs_load_map", "c_safetensors_mount", "cold"), 3.0),
               ("(b map)/(d) warm", ratio("b_mxfs_load_map", "d_safetensors_plain", "warm"), 1.0),
               ("(b)/(c) cold", ratio("b_mxfs_load", "c_safetensors_mount", "cold"), 3.0),
               ("(b)/(d) warm", ratio("b_mxfs_load", "d_safetensors_plain", "warm"), 1.0),
-              ("(b)/(e) cold", ratio("b_mxfs_load", "e_torch_load_plain", "cold"), None)]
+              ("(b)/(e) cold", ratio("b_mxfs_load", "e_torch_load_plain", "cold"), None),
+              ("(b sharded)/(d sharded) cold", ratio("b_mxfs_load_model_sharded",
+                                                     "d_safetensors_sharded_plain", "cold"), None),
+              ("(b sharded)/(d sharded) warm", ratio("b_mxfs_load_model_sharded",
+                                                     "d_safetensors_sharded_plain", "warm"), 1.0)]
     print("\n| ratio | value | target | met |\n|---|---:|---:|:---:|")
     for name, value, target in checks:
         met = "" if target is None else ("yes" if value >= target else "no")
