@@ -138,7 +138,7 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     secs = time.perf_counter() - start
     log.info("loaded %s (%s): %d tensors, %.2f GB in %.2f s (%.2f GB/s)", path, mode,
              len(out), nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
-    if dev.type != "cpu" and mode != "stream":
+    if dev.type != "cpu" and mode not in ("stream", "gds"):
         out = {k: v.to(dev) for k, v in out.items()}
     return out  # in file order, as safetensors returns them
 
