@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import random
+import tempfile
 from pathlib import Path
 
-from conftest import Mounted
-from hypothesis import given
+import pytest
+from conftest import HAVE_FUSE, Mounted, force_unmount, make_members, mkfs
+from conftest import mxfs as mxfs_cli
+from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from mxfs.client.direct import (
@@ -21,6 +25,7 @@ from mxfs.client.direct import (
 )
 from mxfs.io import read_batch
 from mxfs.io.residency import Residency
+from mxfs.proto import MAX_FDS
 
 
 def is_direct(fd: int) -> bool:
@@ -39,6 +44,7 @@ def write(path: Path, n: int, seed: int = 1) -> bytes:
     return data
 
 
+@settings(max_examples=1000, deadline=None)
 @given(offset=hs.integers(0, 3 * DIO_ALIGN), length=hs.integers(0, 5 * DIO_ALIGN),
        shift=hs.integers(0, DIO_ALIGN - 1), cut=hs.integers(0, 5 * DIO_ALIGN))
 def test_split_direct_covers_the_range_and_aligns_what_goes_direct(
@@ -125,3 +131,34 @@ def test_direct_reads_of_sparse_files_read_zeros(mounted: Mounted) -> None:
         buf = aligned_like(len(expect) - 7, 7)
         r.read_into(7, buf)
         assert bytes(buf) == expect[7:]
+
+
+def test_wide_pools_read_without_o_direct_and_too_wide_ones_fail_cleanly(
+        tmp_path: Path) -> None:
+    """One reply carries at most MAX_FDS descriptors: with O_DIRECT ones that is 32 members.
+    Wider pools read buffered; a file on more members than one reply can carry is an
+    error for that request, and the daemon keeps serving."""
+    if not HAVE_FUSE:
+        pytest.skip("needs root and /dev/fuse")
+    for width in (MAX_FDS // 2 + 8, MAX_FDS + 6):
+        members = make_members(tmp_path / str(width), width)
+        mkfs(members, "64KiB")
+        mp = tempfile.mkdtemp(prefix="mxfs-wide-")
+        mxfs_cli("mount", members[0], mp)
+        try:
+            data = write(Path(mp) / "wide.bin", width * 65536 + 999)
+            if width <= MAX_FDS:
+                with open_reader(os.path.join(mp, "wide.bin")) as r:
+                    assert isinstance(r, DirectFile)
+                    assert len(r.fds) == width and not r.direct_fds
+                    buf = aligned_like(len(data), 0)
+                    r.read_into(0, buf)
+                    assert bytes(buf) == data
+            else:
+                with pytest.raises(OSError) as e:
+                    open_reader(os.path.join(mp, "wide.bin"))
+                assert e.value.errno == errno.E2BIG
+            assert (Path(mp) / "wide.bin").read_bytes() == data  # the daemon still serves
+        finally:
+            force_unmount(mp)
+            os.rmdir(mp)

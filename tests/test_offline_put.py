@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -37,11 +38,26 @@ def test_put_files_read_back_through_the_mount_sealed_and_scrubbed(
     assert scrub == {"checked": 3, "damaged": []}  # every put file carries its sums
 
 
+def clean_flag(member: str) -> str:
+    db = sqlite3.connect(f"file:{member}/meta/mxfs.db?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT value FROM settings WHERE key = 'clean'").fetchone()[0]
+    finally:
+        db.close()
+
+
 def test_put_refuses_bad_input_in_one_line(mounted: Mounted, tmp_path: Path) -> None:
     f = tmp_path / "f.bin"
     f.write_bytes(b"data")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "f.bin").write_bytes(b"more")
+    assert clean_flag(mounted.members[0]) == "0"  # the mounted daemon's
     assert "mounted" in one_line_error(mxfs("put", mounted.members[0], str(f), check=False))
+    assert clean_flag(mounted.members[0]) == "0"  # the refused put wrote nothing
     mounted.umount()
+    line = one_line_error(mxfs("put", mounted.members[0], str(f),
+                               str(tmp_path / "other" / "f.bin"), check=False))
+    assert "same name" in line
     line = one_line_error(mxfs("put", mounted.members[0], str(f), "--to", "/nope", check=False))
     assert "/nope is not a folder in the pool" in line
     line = one_line_error(mxfs("put", mounted.members[0], str(tmp_path / "missing"),
@@ -69,10 +85,13 @@ def test_a_put_killed_midway_leaves_nothing(mounted: Mounted, tmp_path: Path) ->
     assert proc.poll() is None, "the put ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    mounted.remount()
-    assert not (mounted.path / "big.bin").exists()
-    mounted.umount()
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"s" * 1000)
+    mxfs("put", mounted.members[0], str(small))  # reclaims what the killed put left
     fsck = mxfs("fsck", mounted.members[0], check=False)
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr
     left = {p for d in chunk_dirs for p in d.rglob("*") if p.is_file()} - before
-    assert not left, left
+    assert len(left) == 1 and left.pop().stat().st_size == 1000  # small.bin's only
+    mounted.remount()
+    assert not (mounted.path / "big.bin").exists()
+    assert (mounted.path / "small.bin").read_bytes() == small.read_bytes()

@@ -119,12 +119,17 @@ class DirectFile(Reader):
             self._pool_path = client.pool_path(path)
             opened = client.call_with_fds("open_read", path=self._pool_path, odirect=True)
         reply, fds = opened
-        self.size = int(reply["size"])
-        self.ino, self.generation = reply.get("ino"), reply.get("generation")
-        self.layout = Layout.from_description(reply["layout"])
-        members, direct = reply["members"], reply.get("direct_members", [])
-        self.fds = dict(zip(members, fds[:len(members)], strict=True))
-        self.direct_fds = dict(zip(direct, fds[len(members):], strict=True))
+        try:
+            self.size = int(reply["size"])
+            self.ino, self.generation = reply.get("ino"), reply.get("generation")
+            self.layout = Layout.from_description(reply["layout"])
+            members, direct = reply["members"], reply.get("direct_members", [])
+            self.fds = dict(zip(members, fds[:len(members)], strict=True))
+            self.direct_fds = dict(zip(direct, fds[len(members):], strict=True))
+        except (KeyError, TypeError, ValueError):
+            for fd in fds:
+                os.close(fd)
+            raise
         self.odirect = "auto"
 
     def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
@@ -262,7 +267,8 @@ def split_direct(fd: int, direct: int, offset: int, bufs: list[memoryview]) -> l
     O_DIRECT descriptor `direct`, the edges from the buffered `fd`.
 
     All of it goes buffered when the buffer does not line up with the file (its
-    address and `offset` differ modulo DIO_ALIGN): O_DIRECT would refuse it.
+    address and `offset` differ modulo DIO_ALIGN), or the iovec is cut between
+    blocks inside the middle: O_DIRECT would refuse either.
     """
     length = sum(len(b) for b in bufs)
     lo = -offset % DIO_ALIGN
@@ -271,6 +277,8 @@ def split_direct(fd: int, direct: int, offset: int, bufs: list[memoryview]) -> l
         return [ReadOp(fd, offset, bufs)]
     head, rest = _cut(bufs, lo)
     middle, tail = _cut(rest, hi - lo)
+    if any(len(b) % DIO_ALIGN or _address(b) % DIO_ALIGN for b in middle):
+        return [ReadOp(fd, offset, bufs)]  # an iovec cut off the blocks: O_DIRECT refuses
     ops = [ReadOp(direct, offset + lo, middle)]
     if head:
         ops.append(ReadOp(fd, offset, head))
@@ -281,8 +289,10 @@ def split_direct(fd: int, direct: int, offset: int, bufs: list[memoryview]) -> l
 
 def merge_runs(ops: list[ReadOp], limit: int = DIRECT_RUN) -> list[ReadOp]:
     """Join reads that continue one another on the same descriptor, up to `limit` bytes
-    (and IOV_MAX buffers) each: one large O_DIRECT request per member streams
-    better than many small ones, and the kernel still splits it across the queue."""
+    (and IOV_MAX buffers) each, in file order: the thread pool reads each run with one
+    preadv, the io_uring engine submits its buffers back to back; either way a member
+    streams in order, which on the development disk beat interleaved 4 MiB reads by
+    half again (docs/benchmarks.md)."""
     out: list[ReadOp] = []
     size = 0
     for op in sorted(ops, key=lambda o: (o.fd, o.offset)):

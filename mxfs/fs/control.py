@@ -45,7 +45,16 @@ from mxfs.fs.session import (
 from mxfs.fs.volume import Volume
 from mxfs.io.batch import ENGINE, native_engine
 from mxfs.meta import Inode
-from mxfs.proto import HEADER, OPS, VERSION, ProtocolError, decode_payload, encode, parse_header
+from mxfs.proto import (
+    HEADER,
+    MAX_FDS,
+    OPS,
+    VERSION,
+    ProtocolError,
+    decode_payload,
+    encode,
+    parse_header,
+)
 from mxfs.proto.framing import ancillary_space, fds_from_ancdata
 
 log = logging.getLogger("mxfs.control")
@@ -157,7 +166,12 @@ class ControlServer:
                 reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
             reply["id"] = msg.get("id")
             try:
-                if not await self._send(conn, reply, fds):
+                try:
+                    sent = await self._send(conn, reply, fds)
+                except ProtocolError as e:  # a reply over the limits: say so, stay up
+                    sent = await self._send(conn, {"id": msg.get("id"), "ok": False,
+                                                   "errno": errno.E2BIG, "error": str(e)})
+                if not sent:
                     return
             finally:
                 for fd in fds:
@@ -248,7 +262,10 @@ class ControlServer:
         if self.writeback_cache and entry is not None and entry.wrote:
             # Its newest bytes may still sit in the kernel's writeback cache.
             raise OSError(errno.EBUSY, f"{path} is open for writing through the mount")
-        which, fds = read_fds(self.vol, node, odirect=bool(msg.get("odirect")))
+        # Two descriptors a member with O_DIRECT: only while one message can carry them.
+        members = len(self.vol.layout(node).used_members())
+        odirect = bool(msg.get("odirect")) and 2 * members <= MAX_FDS
+        which, fds = read_fds(self.vol, node, odirect=odirect)
         return {**self._describe(node), **which}, fds
 
     # ---- direct writes -------------------------------------------------------

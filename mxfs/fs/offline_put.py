@@ -60,16 +60,19 @@ def put_files(spec: str, sources: list[str], dest: str,
     for src in sources:
         if not os.path.isfile(src):
             raise MxfsError(f"{src} is not a file", "put copies files (name each one)")
-    vol = Volume.open(spec)
+    names = [os.path.basename(src) for src in sources]
+    if len(set(names)) < len(names):
+        raise MxfsError("two of the files have the same name", "put them into different "
+                        "folders (one mxfs put each)")
+    vol = Volume.claim(spec, "mxfs put")
     done = []
     try:
-        vol.lock("(mxfs put)", "")
+        vol.recover()  # what a crashed daemon or put left: reclaimed, as a mount would
         parent = _resolve_dir(vol, dest)
         for src in sources:
             done.append(_put_one(vol, parent, src, dest, progress))
     finally:
-        vol.unlock()
-        vol.close()
+        vol.close()  # marks the store clean and gives the lock back
     return done
 
 

@@ -94,6 +94,18 @@ class Volume:
         vol.restored_from = restored
         return vol
 
+    @classmethod
+    def claim(cls, spec: str, who: str) -> Volume:
+        """Open an unmounted pool for an offline writer, holding the daemon's lock so it
+        cannot be mounted meanwhile; a mounted pool is refused before anything is written."""
+        vol = cls.open(spec)
+        try:
+            vol.lock(f"({who})", "")
+        except MxfsError:
+            vol.store.close()
+            raise
+        return vol
+
     def backup_meta(self) -> str:
         """Blocking (worker thread): an online copy of the store on the next member."""
         return backup.backup(self.store.path, self.pool.backup_dir).path

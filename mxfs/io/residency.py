@@ -18,6 +18,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_BIT0 = bytes(i & 1 for i in range(256))
 
 
 class Residency:
@@ -48,4 +49,6 @@ class Residency:
         pages = self.pages[max(lo, 0):max(hi, 0)]
         if not pages:
             return 0.0
-        return 1.0 - pages.count(0) / len(pages)
+        # mincore defines only bit 0 of each byte; clear the others before counting.
+        cached = len(pages) - pages.translate(_BIT0).count(0)
+        return cached / len(pages)

@@ -31,23 +31,27 @@ class Unavailable(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """Bytes [at, at + n) of the destination come from `member`'s chunk file at `offset`."""
+    """Bytes [at, at + n) of the destination come from `member`'s chunk file at `offset`;
+    only the first `have` of them exist there, the rest are a hole (zeros)."""
 
     at: int
     n: int
     member: int
     offset: int
+    have: int
 
 
-def plan(layout: Layout, offset: int, nbytes: int) -> list[Span]:
+def plan(layout: Layout, offset: int, nbytes: int, lengths: dict[int, int]) -> list[Span]:
     """Every stripe piece of file range [offset, offset + nbytes), placed relative to
     `offset` in the destination (chunk offsets and destination places stay congruent
-    modulo the stripe unit, so aligned device buffers get aligned DMA)."""
+    modulo the stripe unit, so aligned device buffers get aligned DMA), clipped to what
+    each chunk file holds (`lengths`; a member without one holds nothing)."""
     spans = []
     for piece in layout.plan(offset, nbytes):
         pos = piece.chunk_offset
         for at, n in piece.spans:
-            spans.append(Span(at, n, piece.member, pos))
+            have = max(0, min(n, lengths.get(piece.member, 0) - pos))
+            spans.append(Span(at, n, piece.member, pos, have))
             pos += n
     return spans
 
@@ -63,14 +67,21 @@ def _kvikio() -> Any:
     return kvikio
 
 
-def _compat_mode(kvikio: Any) -> bool:
-    """Whether kvikio would serve reads without GDS (its POSIX compatibility mode)."""
+def _without_gds(kvikio: Any) -> str | None:
+    """Why kvikio would serve reads without GDS (through host bounce buffers), or None."""
     defaults = kvikio.defaults
     for name in ("is_compat_mode_preferred", "compat_mode"):
         fn = getattr(defaults, name, None)
-        if callable(fn):
-            return bool(fn())
-    return False
+        if callable(fn) and fn():
+            return "cuFile would run in kvikio's compatibility mode"
+    driver = getattr(kvikio, "cufile_driver", None)
+    try:
+        available = driver.get("is_gds_available") if driver is not None else True
+    except Exception:  # noqa: BLE001 - older kvikio: no such property
+        available = True
+    if not available:
+        return "cuFile reports GDS unavailable (no nvidia-fs driver or P2P DMA support)"
+    return None
 
 
 class GdsReader:
@@ -85,10 +96,12 @@ class GdsReader:
         if policy == "off":
             raise Unavailable("MXFS_GDS=off")
         kvikio = _kvikio()
-        if policy != "force" and _compat_mode(kvikio):
-            raise Unavailable("cuFile would run in kvikio's compatibility mode (no GDS "
-                              "driver, or a member filesystem GDS cannot serve)")
+        why = _without_gds(kvikio) if policy != "force" else None
+        if why is not None:
+            raise Unavailable(why)
         self.reader, self.device = reader, device
+        # What each chunk file holds: reads stop there, the rest is a hole (zeros).
+        self.lengths = {m: os.fstat(fd).st_size for m, fd in reader.fds.items()}
         self.files: dict[int, Any] = {}
         try:
             for member, fd in reader.fds.items():
@@ -105,18 +118,29 @@ class GdsReader:
         raw = torch.empty(lead + nbytes + DIO_ALIGN, dtype=torch.uint8, device=self.device)
         skip = -raw.data_ptr() % DIO_ALIGN  # device address congruent with the file
         dst = raw[skip:skip + lead + nbytes]
+        stream = torch.cuda.current_stream(self.device)
+        # cuFile's DMA is on no stream: let earlier work on this memory finish first.
+        stream.synchronize()
         pending = []
-        for s in plan(self.reader.layout, offset - lead, lead + nbytes):
-            f = self.files.get(s.member)
-            if f is None:  # never written: zeros
-                dst[s.at:s.at + s.n].zero_()
+        for s in plan(self.reader.layout, offset - lead, lead + nbytes, self.lengths):
+            if s.have < s.n:  # never written, or past a sparse chunk file's end: zeros
+                dst[s.at + s.have:s.at + s.n].zero_()
+            if s.have:
+                f = self.files[s.member]
+                pending.append((s, f.pread(dst[s.at:s.at + s.have], s.have, s.offset)))
+        errors = []
+        for s, future in pending:  # every read ends before any error is raised
+            try:
+                got = future.get()
+            except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError
+                errors.append(e)
                 continue
-            pending.append((s, f.pread(dst[s.at:s.at + s.n], s.n, s.offset)))
-        for s, future in pending:
-            got = future.get()
-            if got < s.n:  # past the end of a sparse chunk file: zeros
-                dst[s.at + got:s.at + s.n].zero_()
-        torch.cuda.current_stream(self.device).synchronize()
+            if got < s.have:
+                errors.append(OSError(f"member {s.member}: {s.have - got} bytes short at "
+                                      f"chunk offset {s.offset + got}"))
+        stream.synchronize()
+        if errors:
+            raise OSError(f"GPUDirect Storage read of {self.reader.path} failed: {errors[0]}")
         return dst[lead:]
 
     def close(self) -> None:
