@@ -18,7 +18,7 @@ from hypothesis import strategies as hs
 from mxfs.client.direct import (
     DIO_ALIGN,
     DirectFile,
-    _address,
+    address_of,
     aligned_like,
     open_reader,
     split_direct,
@@ -59,10 +59,10 @@ def test_split_direct_covers_the_range_and_aligns_what_goes_direct(
     for op in ops:
         pos = op.offset
         for b in op.bufs:
-            covered.append((pos, _address(b) - _address(backing), len(b)))
+            covered.append((pos, address_of(b) - address_of(backing), len(b)))
             if op.fd == 11:
                 assert pos % DIO_ALIGN == 0 and len(b) % DIO_ALIGN == 0
-                assert _address(b) % DIO_ALIGN == 0
+                assert address_of(b) % DIO_ALIGN == 0
             pos += len(b)
     covered.sort()
     at = offset

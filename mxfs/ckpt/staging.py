@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mxfs.ckpt.image import ALIGN, Plan, round_up
+from mxfs.load.staging import aligned_host
 from mxfs.load.tensors import writable_view
 
 
@@ -53,7 +54,7 @@ class Staging:
                 if _pin():
                     torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), want, 0)
             else:
-                raw = torch.empty(want + ALIGN, dtype=torch.uint8, pin_memory=_pin())
+                raw = aligned_host(want, _pin())
             skip = (-raw.data_ptr()) % ALIGN
             self._raw, self.buf = raw, raw[skip:skip + want]
             self.allocations += 1

@@ -94,7 +94,7 @@ def main(conn: Connection) -> None:
             # The parent owns (and unlinks) it; do not let this process's tracker do so.
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         base = memoryview(shm.buf)
-        skip = (-_address(base)) % 4096
+        skip = (-address_of(base)) % 4096
         image = base[skip:skip + -(-job.plan.size // 4096) * 4096]
         try:
             write_snapshot(job, image, packed,
@@ -109,7 +109,7 @@ def main(conn: Connection) -> None:
             base.release()
 
 
-def _address(view: memoryview) -> int:
+def address_of(view: memoryview) -> int:
     import ctypes
 
     return ctypes.addressof(ctypes.c_char.from_buffer(view))

@@ -176,6 +176,8 @@ class DirectFile(Reader):
             return {}
         spans: dict[int, tuple[int, int]] = {}
         for p in pieces:
+            if p.length < DIO_ALIGN:
+                continue  # too short for an aligned block: always buffered (headers, rows)
             lo, hi = spans.get(p.member, (p.chunk_offset, p.chunk_offset))
             spans[p.member] = (min(lo, p.chunk_offset), max(hi, p.chunk_offset + p.length))
         return {m: Residency(self.fds[m], lo, hi) for m, (lo, hi) in spans.items()
@@ -241,7 +243,8 @@ class DirectFile(Reader):
         return region
 
 
-def _address(buf: memoryview) -> int:
+def address_of(buf: memoryview) -> int:
+    """The address of a writable buffer's first byte (0 when empty)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
 
 
@@ -273,11 +276,11 @@ def split_direct(fd: int, direct: int, offset: int, bufs: list[memoryview]) -> l
     length = sum(len(b) for b in bufs)
     lo = -offset % DIO_ALIGN
     hi = (offset + length) // DIO_ALIGN * DIO_ALIGN - offset
-    if not bufs or hi <= lo or (_address(bufs[0]) - offset) % DIO_ALIGN:
+    if not bufs or hi <= lo or (address_of(bufs[0]) - offset) % DIO_ALIGN:
         return [ReadOp(fd, offset, bufs)]
     head, rest = _cut(bufs, lo)
     middle, tail = _cut(rest, hi - lo)
-    if any(len(b) % DIO_ALIGN or _address(b) % DIO_ALIGN for b in middle):
+    if any(len(b) % DIO_ALIGN or address_of(b) % DIO_ALIGN for b in middle):
         return [ReadOp(fd, offset, bufs)]  # an iovec cut off the blocks: O_DIRECT refuses
     ops = [ReadOp(direct, offset + lo, middle)]
     if head:

@@ -19,12 +19,11 @@ import uuid
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError
-from mxfs.client.direct import SEGMENT, control_client_for
+from mxfs.client.direct import DIO_ALIGN, SEGMENT, address_of, control_client_for
 from mxfs.io import Layout, WriteOp, write_batch
 from mxfs.io.batch import executor
 from mxfs.io.checksum import block_sums, pack_sums
 
-ALIGN = 4096
 # Checksum block of files written outside mxfs (an mxfs file uses its stripe unit).
 PLAIN_SUM_UNIT = 1 << 20
 # Most checksums one commit carries (8 bytes each, base64, within the 1 MiB message limit).
@@ -33,11 +32,9 @@ MAX_SUMS = 65536
 
 def is_aligned(buf: memoryview, offset: int) -> bool:
     """Can `buf` go to `offset` with O_DIRECT (address, offset and length 4 KiB aligned)?"""
-    from ctypes import addressof, c_char
-
-    if buf.readonly or len(buf) % ALIGN or offset % ALIGN:
+    if buf.readonly or len(buf) % DIO_ALIGN or offset % DIO_ALIGN:
         return False
-    return addressof(c_char.from_buffer(buf)) % ALIGN == 0
+    return address_of(buf) % DIO_ALIGN == 0
 
 
 class FileWriter:

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from mxfs.client.direct import Reader
+from mxfs.client.direct import DIO_ALIGN, Reader
 
 STAGING = 512 << 20  # bytes of host memory a load to a device uses, both buffers together
-ALIGN = 4096
 
 
 def writable_view(t: torch.Tensor) -> memoryview:
@@ -30,9 +29,9 @@ def writable_view(t: torch.Tensor) -> memoryview:
 
 
 def aligned_host(nbytes: int, pin: bool) -> torch.Tensor:
-    """A uint8 host tensor whose first byte sits on an ALIGN boundary (O_DIRECT needs it)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % ALIGN
+    """A uint8 host tensor whose first byte sits on an DIO_ALIGN boundary (O_DIRECT needs it)."""
+    raw = torch.empty(nbytes + DIO_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % DIO_ALIGN
     return raw[skip:skip + nbytes]
 
 
@@ -40,16 +39,16 @@ def read_to_device(reader: Reader, offset: int, nbytes: int, device: torch.devic
                    staging: int = STAGING) -> torch.Tensor:
     """Bytes [offset, offset + nbytes) of `reader` in a uint8 tensor on `device`.
 
-    Pieces start on ALIGN boundaries of the file, into ALIGN-aligned host buffers,
+    Pieces start on DIO_ALIGN boundaries of the file, into DIO_ALIGN-aligned host buffers,
     so the direct reader can move them with O_DIRECT; the lead-in before `offset`
     is read and not copied.
     """
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if nbytes == 0:
         return dst
-    lead = offset % ALIGN
-    total = lead + nbytes  # from the ALIGN boundary at or before offset
-    piece = max(ALIGN, min(staging // 2, total + ALIGN) // ALIGN * ALIGN)
+    lead = offset % DIO_ALIGN
+    total = lead + nbytes  # from the DIO_ALIGN boundary at or before offset
+    piece = max(DIO_ALIGN, min(staging // 2, total + DIO_ALIGN) // DIO_ALIGN * DIO_ALIGN)
     accel: Any = getattr(torch, device.type) if device.type != "cpu" else None
     hosts = [aligned_host(piece, pin=device.type == "cuda") for _ in range(2)]
     done: list[Any] = [None, None]  # the copy out of each host buffer, once queued
