@@ -128,6 +128,7 @@ def test_out_of_order_requests_are_refused_and_the_daemon_keeps_serving(
         mounted: Mounted) -> None:
     sums = {"size": 0, "sum_unit": 65536, "sums": ""}
     with ControlClient(str(mounted.path)) as a, ControlClient(str(mounted.path)) as b:
+        a.call("kv_ns_create", namespace="n")  # namespaces are no longer made by any use
         for op, fields in (("commit", {"ino": 123456, **sums}), ("abort", {"ino": 1}),
                            ("kv_commit", {"ino": 123456, "namespace": "n", "key": "aw==",
                                           **sums})):

@@ -1,4 +1,5 @@
-"""`mxfs kv stats | ls | evict | verify`: the KV spill tier as an operator sees it."""
+"""`mxfs kv stats | ls | evict | verify | create | rm`: the KV spill tier as an operator
+sees it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _store(mount: str, namespace: str) -> Any:
     from mxfs.client.control import ControlError
     from mxfs.kv import KVStore
 
-    kv = KVStore(mount, namespace)
+    kv = KVStore(mount, namespace, shared=True)  # an operator looks at anyone's it may
     try:
         kv.client.call("kv_stats", namespace=namespace)
     except ControlError as e:
@@ -62,7 +63,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print("no KV namespaces")
     for s in spaces:
         cap = format_size(s["capacity"]) if s["capacity"] else "pool"
-        print(f"{s['namespace']}: {s['chunks']} chunks, {format_size(s['bytes'])} of {cap}; "
+        print(f"{s['namespace']} (uid {s['uid']}, gid {s['gid']}, mode {s['mode']}): "
+              f"{s['chunks']} chunks, {format_size(s['bytes'])} of {cap}; "
               f"{s['hits']} hits, {s['misses']} misses, {s['puts']} puts, "
               f"{s['evictions']} evictions, {s['pinned']} pinned")
     return 0
@@ -115,8 +117,76 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if damaged else 0
 
 
+def _control(mount: str) -> Any:
+    from mxfs.client import ControlClient
+    from mxfs.client.control import mount_root
+
+    root = mount_root(mount)
+    if root is None:
+        raise MxfsError(f"{mount} is not on an mxfs mount", "give a mount point")
+    return ControlClient(root)
+
+
+def _id_of(text: str | None, kind: str) -> int | None:
+    """A uid or gid from a name or a number (None: the caller's own)."""
+    import grp
+    import pwd
+
+    if text is None:
+        return None
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid if kind == "user" else grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise MxfsError(f"no {kind} named {text!r}", f"give an existing {kind} or a number"
+                        ) from None
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    """Make a namespace ahead of its users: root gives one to a service user, so the
+    engine never races anyone for its name."""
+    from mxfs.client.control import ControlError
+
+    try:
+        mode = int(args.mode, 8)
+    except ValueError:
+        raise MxfsError(f"mode {args.mode!r} is not octal", "write it like 0750") from None
+    fields: dict[str, Any] = {"namespace": args.namespace, "mode": mode,
+                              "capacity": parse_size(args.capacity), "force": args.force}
+    for key, text, kind in (("uid", args.owner, "user"), ("gid", args.group, "group")):
+        value = _id_of(text, kind)
+        if value is not None:
+            fields[key] = value
+    with _control(args.mount) as c:
+        try:
+            s = c.call("kv_ns_create", **fields)
+        except ControlError as e:
+            raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
+                            "root may take a name over with --force" if e.errno == 17 else
+                            "run as root to make one for another user") from None
+    print(json.dumps(s) if args.json else
+          f"made KV namespace {s['namespace']} (uid {s['uid']}, gid {s['gid']}, mode "
+          f"{s['mode']}, capacity {format_size(s['capacity']) if s['capacity'] else 'pool'})")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from mxfs.client.control import ControlError
+
+    with _control(args.mount) as c:
+        try:
+            n = c.call("kv_ns_remove", namespace=args.namespace)["deleted"]
+        except ControlError as e:
+            raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
+                            "list namespaces with: mxfs kv stats MOUNT") from None
+    print(json.dumps({"deleted": n}) if args.json else
+          f"removed KV namespace {args.namespace} and its {n} chunks")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("kv", help="KV-cache chunks: stats, list, evict, verify")
+    s = sub.add_parser("kv", help="KV-cache chunks: stats, list, evict, verify, create, rm")
     verbs = s.add_subparsers(dest="verb", required=True, parser_class=type(s))
     v = verbs.add_parser("stats", help="every namespace: chunks, bytes, hits, evictions")
     v.add_argument("mount")
@@ -130,4 +200,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         v.set_defaults(func=fn)
         if name == "evict":
             v.add_argument("--keep", default="0", help="bytes to keep (default: none)")
+    v = verbs.add_parser("create", help="make a namespace for a user or group ahead of use")
+    v.add_argument("mount")
+    v.add_argument("namespace")
+    v.add_argument("--owner", help="user name or uid (default: you; others: root only)")
+    v.add_argument("--group", help="group name or gid (default: your group)")
+    v.add_argument("--mode", default="0700", help="octal, like a directory's (default 0700)")
+    v.add_argument("--capacity", default="0", help="bytes, e.g. 200GiB (default: the pool)")
+    v.add_argument("--force", action="store_true",
+                   help="root: take the name over, dropping its chunks")
+    v.set_defaults(func=cmd_create)
+    v = verbs.add_parser("rm", help="remove a namespace and every chunk in it")
+    v.add_argument("mount")
+    v.add_argument("namespace")
+    v.set_defaults(func=cmd_rm)
     json_everywhere(s, verbs)

@@ -104,7 +104,9 @@ class ControlClient:
         if reply.get("id") != msg_id or not reply.get("ok"):
             for fd in fds:
                 os.close(fd)
-        if reply.get("id") != msg_id:
+        if reply.get("id") is None and reply.get("ok") is False:
+            self.broken = True  # the daemon refused the connection itself (a limit)
+        elif reply.get("id") != msg_id:
             raise ControlError(errno.EPROTO, f"reply {reply.get('id')} to request {msg_id}")
         if not reply.get("ok"):
             raise ControlError(int(reply.get("errno") or errno.EIO),

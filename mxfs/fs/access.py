@@ -94,3 +94,12 @@ def resolve_parent_for(store: MetaStore, path: str, caller: Caller) -> tuple[Ino
     if not may(parent, caller, W_OK | X_OK):
         raise OSError(errno.EACCES, f"{head or '/'}: write permission denied")
     return parent, os.fsencode(name)
+
+
+def may_replace(parent: Inode, victim: Inode, caller: Caller) -> None:
+    """The kernel's rule for removing or replacing `victim` in `parent` (beyond write and
+    search on `parent`, which resolve_parent_for checks): in a sticky directory only
+    the victim's owner, the directory's owner or root may."""
+    if parent.mode & stat.S_ISVTX and caller.uid not in (0, parent.uid, victim.uid):
+        raise OSError(errno.EPERM, "the directory is sticky and the entry is another "
+                      "user's: only its owner, the directory's owner or root may replace it")

@@ -11,9 +11,11 @@ from __future__ import annotations
 import array
 import errno
 import logging
+import math
 import os
 import socket
 import struct
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -24,23 +26,26 @@ from mxfs.fs.access import (
     R_OK,
     Caller,
     may,
+    may_replace,
     owner_for,
     resolve_for,
     resolve_parent_for,
     supplementary_groups,
 )
+from mxfs.fs.failures import FailureLog
+from mxfs.fs.fields import bool_field, check_request, int_field, path_field, sums_field
 from mxfs.fs.fsck import lost_files
 from mxfs.fs.kv import KVIndex
 from mxfs.fs.kv_ops import KV_OPS, KVOps
+from mxfs.fs.limits import Limits, fd_limit, open_fds
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.session import (
     Pending,
     Session,
-    int_field,
+    check_pending_room,
+    grown_chunks,
     open_hidden,
-    path_field,
     read_fds,
-    sums_field,
 )
 from mxfs.fs.volume import Volume
 from mxfs.io.batch import ENGINE, native_engine
@@ -78,7 +83,7 @@ class ControlServer:
     def __init__(self, volume: Volume, path: str, mountpoint: str,
                  writeback_cache: bool = False,
                  entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, limits: Limits | None = None) -> None:
         self.writeback_cache = writeback_cache
         self.vol = volume
         self.path = path
@@ -86,8 +91,11 @@ class ControlServer:
         # Told about names that commits create or replace, so the kernel's cached
         # entries (including "no such name") are dropped.
         self.entry_changed = entry_changed
-        self.kv = KVOps(volume, KVIndex(volume))
         self.metrics = metrics or Metrics()
+        self.limits = limits or Limits()
+        self.kv = KVOps(volume, KVIndex(volume), self.limits)
+        self.conns: Counter[int] = Counter()  # open connections by uid
+        self.failures = FailureLog(log)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
@@ -96,12 +104,17 @@ class ControlServer:
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         await listener.bind(self.path)
         os.chmod(self.path, 0o666)  # anyone may connect; each request is checked
-        listener.listen(64)
+        listener.listen(512)
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
                 while True:
-                    conn, _ = await listener.accept()
+                    try:
+                        conn, _ = await listener.accept()
+                    except OSError as e:  # out of descriptors: refuse by waiting, go on
+                        self.failures.note("accept", None, e)
+                        await trio.sleep(0.05)
+                        continue
                     nursery.start_soon(self._connection, conn)
         finally:
             listener.close()
@@ -120,74 +133,140 @@ class ControlServer:
             got += len(chunk)
         return b"".join(parts)
 
+    def _admit(self, caller: Caller) -> OSError | None:
+        """Why a new connection of `caller` is refused (a limit is reached), or None."""
+        lim = self.limits
+        total = sum(self.conns.values())
+        if total >= lim.max_conns or total + lim.fd_reserve >= fd_limit():
+            return OSError(errno.ENFILE, f"the daemon holds {total} control connections, its "
+                           "limit (mount option max_conns); try again later")
+        if caller.uid != 0 and self.conns[caller.uid] >= lim.max_conns_per_user:
+            return OSError(errno.EMFILE, f"uid {caller.uid} holds {self.conns[caller.uid]} "
+                           "control connections, the limit (mount option "
+                           "max_conns_per_user); close some")
+        return None
+
     async def _connection(self, conn: Any) -> None:
+        """One connection, inside a boundary: nothing it does ends the server."""
         with conn:
             try:
-                session = Session(peer_caller(conn))
+                caller = peer_caller(conn)
             except OSError:
                 return
+            refusal = self._admit(caller)
+            if refusal is not None:
+                self.failures.note("connect", caller, refusal, trace=False)
+                await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
+                                       refusal.strerror or "refused")
+                return
+            session = Session(caller)
+            self.conns[caller.uid] += 1
             try:
                 await self._serve(conn, session)
+            except Exception as e:
+                self.failures.note("connection", caller, e)
             finally:
-                for ino in list(session.pending):
-                    self._drop(session, ino)
-                self.kv.release(session)
+                self.conns[caller.uid] -= 1
+                if not self.conns[caller.uid]:
+                    del self.conns[caller.uid]
+                self._end_session(session)
 
-    async def _serve(self, conn: Any, session: Session) -> None:
-        caller = session.caller
-        while True:
+    def _end_session(self, session: Session) -> None:
+        for ino in list(session.pending):
+            try:
+                self._drop(session, ino)
+            except Exception as e:
+                self.failures.note("release", session.caller, e)
+        try:
+            self.kv.release(session)
+        except Exception as e:
+            self.failures.note("release", session.caller, e)
+
+    async def _read_request(self, conn: Any, session: Session) -> dict[str, Any] | None:
+        """The next request, or None when the connection is over (closed, idle, too slow).
+
+        A connection holding nothing is closed after `idle_timeout`; once a message
+        has begun it must arrive whole within `frame_timeout`.
+        """
+        lim = self.limits
+        head = None
+        holds = session.pending or session.pins
+        with trio.move_on_after(math.inf if holds else lim.idle_timeout):
             try:
                 head, anc, _, _ = await conn.recvmsg(HEADER.size, ancillary_space())
             except OSError:
-                return
+                return None
             for fd in fds_from_ancdata(anc):
                 os.close(fd)  # no request carries descriptors in this version
-            if not head:
-                return
-            try:
+        if not head:
+            return None  # closed, or idle too long
+        try:
+            with trio.fail_after(lim.frame_timeout):
                 if len(head) < HEADER.size:
                     head += await self._recv_exact(conn, HEADER.size - len(head))
                 _, _, length = parse_header(head)
                 msg = decode_payload(await self._recv_exact(conn, length))
-            except ProtocolError as e:
-                await self._refuse(conn, caller, None, e)
+            check_request(msg)
+            return msg
+        except trio.TooSlowError:
+            self.failures.note("slow", session.caller,
+                               TimeoutError("a request not sent whole in time"), trace=False)
+        except ProtocolError as e:
+            await self._refuse(conn, session.caller, None, e)
+        except OSError:
+            pass  # the peer went away mid-message
+        return None
+
+    async def _serve(self, conn: Any, session: Session) -> None:
+        while True:
+            msg = await self._read_request(conn, session)
+            if msg is None:
                 return
-            except OSError:
-                return  # the peer went away mid-message
+            op = msg["op"]
             fds: list[int] = []
             try:
-                with self.metrics.timed("control", str(msg.get("op"))[:32]):
+                with self.metrics.timed("control", op if op in OPS else "unknown"):
                     reply, fds = await self._dispatch(msg, session)
             except ProtocolError as e:
-                await self._refuse(conn, caller, msg.get("id"), e)
+                await self._refuse(conn, session.caller, msg.get("id"), e)
                 return
             except OSError as e:
                 code = e.errno or errno.EIO
                 reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
+            except Exception as e:  # a bug or an unforeseen value: this request alone fails
+                self.failures.note(op, session.caller, e)
+                reply = {"ok": False, "errno": errno.EIO,
+                         "error": f"internal error serving {op} (logged by the daemon)"}
             reply["id"] = msg.get("id")
             try:
-                try:
-                    sent = await self._send(conn, reply, fds)
-                except ProtocolError as e:  # a reply over the limits: say so, stay up
-                    sent = await self._send(conn, {"id": msg.get("id"), "ok": False,
-                                                   "errno": errno.E2BIG, "error": str(e)})
-                if not sent:
-                    return
+                with trio.move_on_after(self.limits.frame_timeout) as scope:
+                    try:
+                        sent = await self._send(conn, reply, fds)
+                    except ProtocolError as e:  # a reply over the limits: say so, stay up
+                        sent = await self._send(conn, {"id": msg.get("id"), "ok": False,
+                                                       "errno": errno.E2BIG, "error": str(e)})
+                if not sent or scope.cancelled_caught:
+                    return  # the peer went away or does not read its replies
             finally:
                 for fd in fds:
                     os.close(fd)  # the peer holds its own copies now
 
     async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
-        log.warning("control: pid %d uid %d sent a bad message: %s", caller.pid, caller.uid, err)
-        await self._send(conn, {"id": msg_id, "ok": False, "errno": errno.EPROTO,
-                                "error": str(err)})
-        # Close gracefully: unread input would turn our close into a reset that
-        # destroys the reply before the peer reads it.
-        with trio.move_on_after(1):
+        self.failures.note("protocol", caller, err, trace=False)
+        await self._close_with(conn, msg_id, errno.EPROTO, str(err))
+
+    async def _close_with(self, conn: Any, msg_id: Any, code: int, error: str) -> None:
+        """Send one refusal, then close gracefully: unread input would turn our close
+        into a reset that destroys the reply before the peer reads it."""
+        with trio.move_on_after(self.limits.frame_timeout):
+            if not await self._send(conn, {"id": msg_id, "ok": False, "errno": code,
+                                           "error": error}):
+                return
             try:
                 conn.shutdown(socket.SHUT_WR)
-                while await conn.recv(1 << 16):
-                    pass
+                with trio.move_on_after(1):
+                    while await conn.recv(1 << 16):
+                        pass
             except OSError:
                 pass
 
@@ -207,7 +286,7 @@ class ControlServer:
                         ) -> tuple[dict[str, Any], list[int]]:
         """Serve one request: (reply fields, descriptors to pass with it)."""
         caller = session.caller
-        op = msg.get("op")
+        op = msg["op"]
         if op == "hello":
             return {"ok": True, "version": VERSION, "server": f"mxfs {__version__}",
                     "pid": os.getpid(), "pool_uuid": self.vol.pool.uuid, "ops": list(OPS),
@@ -264,7 +343,7 @@ class ControlServer:
             raise OSError(errno.EBUSY, f"{path} is open for writing through the mount")
         # Two descriptors a member with O_DIRECT: only while one message can carry them.
         members = len(self.vol.layout(node).used_members())
-        odirect = bool(msg.get("odirect")) and 2 * members <= MAX_FDS
+        odirect = bool_field(msg, "odirect") and 2 * members <= MAX_FDS
         which, fds = read_fds(self.vol, node, odirect=odirect)
         return {**self._describe(node), **which}, fds
 
@@ -274,13 +353,16 @@ class ControlServer:
         """A hidden file to be published at `path`, and write descriptors of its chunk files.
 
         The caller must be allowed to create `path` (as the mount would), and the
-        declared `size` must fit without eating the metadata store's reserve.
+        declared `size` must fit without eating the metadata store's reserve: it is
+        also the most the commit will accept.
         """
         path, caller = path_field(msg), session.caller
         size = int_field(msg, "size", 0)
         mode = int_field(msg, "mode", 0o644) & 0o7777
+        exclusive = bool_field(msg, "exclusive")
+        check_pending_room(session, self.limits.max_pending)
         parent, name = resolve_parent_for(self.vol.store, path, caller)
-        if msg.get("exclusive") and self.vol.store.entry_ino(parent.ino, name) is not None:
+        if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)
         for m in layout.used_members():
@@ -288,7 +370,7 @@ class ControlServer:
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
                               caller.gids.__contains__)
         entry, members, fds = open_hidden(self.vol, parent, mode, caller.uid, gid)
-        session.pending[entry.node.ino] = Pending(entry, path)
+        session.pending[entry.node.ino] = Pending(entry, path, size)
         reply = self._describe(entry.node)
         reply["members"] = members
         return reply, fds
@@ -300,17 +382,29 @@ class ControlServer:
         return pending
 
     async def _commit(self, msg: dict[str, Any], session: Session) -> dict[str, Any]:
-        """Publish a hidden file: settle its bytes, name it, seal it, make it durable."""
+        """Publish a hidden file: settle its bytes, name it, seal it, make it durable.
+
+        A writer that wrote past the size it declared at create is refused and its
+        file reclaimed (its descriptors cannot be taken back, but its space can).
+        """
         pending = self._pending(msg, session)
         entry, node = pending.entry, pending.entry.node
         size = int_field(msg, "size")
+        replace = bool_field(msg, "replace", True)
         sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
+        grown = await trio.to_thread.run_sync(grown_chunks, self.vol, node, pending.declared)
+        if size > pending.declared or grown:
+            self._drop(session, node.ino)
+            raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
+                          "create: refused, and the file's space reclaimed")
         await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
         if session.pending.get(node.ino) is not pending:
             raise OSError(errno.EBADF, f"inode {node.ino} was aborted")
         parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller)
-        self.vol.publish(entry, parent.ino, name, size, bool(msg.get("replace", True)),
-                         sum_unit, sums)
+        old = self.vol.store.entry_ino(parent.ino, name)
+        if old is not None and replace:
+            may_replace(parent, self.vol.store.get(old), session.caller)
+        self.vol.publish(entry, parent.ino, name, size, replace, sum_unit, sums)
         del session.pending[node.ino]
         self.vol.release(node.ino)
         self.vol.store.commit()
@@ -341,4 +435,12 @@ class ControlServer:
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.path,
                 "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
-                "native_engine": native_engine()[1]}
+                "native_engine": native_engine()[1], "limits": self.usage_of_limits()}
+
+    def usage_of_limits(self) -> dict[str, Any]:
+        """How close the daemon is to each limit (what `mxfs status` shows)."""
+        busiest = self.conns.most_common(1)
+        return {**{k: getattr(self.limits, k) for k in Limits.options()},
+                "connections": sum(self.conns.values()), "users": len(self.conns),
+                "busiest_user": list(busiest[0]) if busiest else None,
+                "fds_open": open_fds(), "fds_max": fd_limit()}

@@ -19,6 +19,8 @@ import trio
 
 from mxfs.errors import MxfsError
 from mxfs.fs.control import ControlServer, runtime_dir
+from mxfs.fs.failures import FailureLog
+from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
@@ -29,7 +31,7 @@ log = logging.getLogger("mxfs.daemon")
 
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
 OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache",
-               "meta_backup", "degraded", "metrics_port", "log_json")
+               "meta_backup", "degraded", "metrics_port", "log_json", *Limits.options())
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
@@ -78,19 +80,23 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         metrics_port = int(own.get("metrics_port") or 0)
+        limits = Limits.from_options(own)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
         sock = socket_path(vol.pool.uuid)
         vol.lock(mp, sock)
     except ValueError:
-        err = MxfsError("io_threads, readahead (KiB), meta_backup (s) and metrics_port take "
-                        "whole numbers", "write them like io_threads=16,metrics_port=9400")
+        err = MxfsError("io_threads, readahead (KiB), meta_backup (s), metrics_port and the "
+                        f"limits ({', '.join(Limits.options())}) take whole numbers",
+                        "write them like io_threads=16,max_conns=4096")
         ready(err, [])
         raise err from None
     except MxfsError as e:
         ready(e, [])
         raise
     clean = False
+    os.umask(0o077)  # what the daemon makes (chunk files, copies) is its own
+    raise_fd_limit()
     try:
         vol.recover()
         metrics = Metrics()
@@ -114,7 +120,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                             "check the -o options and that /dev/fuse is usable") from None
         try:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
-                                    entry_changed=ops.entry_changed, metrics=metrics)
+                                    entry_changed=ops.entry_changed, metrics=metrics,
+                                    limits=limits)
             if metrics_port:
                 try:
                     serve_prometheus(metrics, metrics_port, lambda: pool_gauges(control))
@@ -165,17 +172,26 @@ async def _announce(control: ControlServer, ready: Callable[[], None], kib: int)
 async def _commit_groups(control: ControlServer) -> None:
     """End each group of metadata changes within GROUP_COMMIT_S of its first change
     (KV access times included), then free the data of files whose last link and last
-    open went."""
+    open went.  A failure (a full or read-only metadata member) is logged and tried
+    again on the next round: the daemon never ends of it."""
     vol = control.vol
     vol.store.group_commit = True
+    failures = FailureLog(log)
+    rounds = 0
     while True:
         await trio.sleep(GROUP_COMMIT_S / 2)
-        control.kv.flush()
-        vol.store.commit_if_due(GROUP_COMMIT_S)
-        inos = vol.take_pending()
-        if inos:
-            await trio.to_thread.run_sync(vol.remove_chunks, inos)
-            vol.drop_inodes(inos)
+        rounds += 1
+        try:
+            if rounds % 20 == 0:  # twice a second: the metadata member's space reserve
+                vol.store.watch_space()
+            control.kv.flush()
+            vol.store.commit_if_due(GROUP_COMMIT_S)
+            inos = vol.take_pending()
+            if inos:
+                await trio.to_thread.run_sync(vol.remove_chunks, inos)
+                vol.drop_inodes(inos)
+        except OSError as e:
+            failures.note("commit", None, e, trace=False)
 
 
 def pool_gauges(control: ControlServer) -> Iterator[Any]:

@@ -18,7 +18,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from mxfs.fs.access import Caller
+from mxfs.fs.access import R_OK, W_OK, Caller
 from mxfs.fs.volume import Volume
 
 log = logging.getLogger("mxfs.kv")
@@ -56,22 +56,45 @@ class Namespace:
     puts: int = 0
     evictions: int = 0
 
-    def may(self, caller: Caller) -> bool:
-        """Owner, group (mode bits) or root: the namespace is one shared object."""
+    def may(self, caller: Caller, mask: int) -> bool:
+        """Would the mode bits grant `mask` (R_OK, W_OK) to `caller`, as on a directory?
+        The owner always may (its namespace is of no use to it otherwise); root too."""
         if caller.uid == 0 or caller.uid == self.uid:
             return True
-        return self.gid in caller.gids and bool(self.mode & 0o060) or bool(self.mode & 0o006)
+        bits = (self.mode >> 3) & 7 if self.gid in caller.gids else self.mode & 7
+        return bits & mask == mask
+
+    def check(self, caller: Caller, mask: int, shared: bool) -> None:
+        """Refuse `caller` what the mode bits refuse, and refuse to serve chunks of a
+        namespace another uid owns unless the caller asked to share (`shared`): an
+        engine that did not ask never reads or writes chunks someone else planted
+        under the name it picked, root's engines included."""
+        if caller.uid != self.uid and not shared:
+            raise OSError(errno.EACCES, f"KV namespace {self.name!r} belongs to uid "
+                          f"{self.uid}: pick another name, or join it with shared=True if "
+                          "you trust its owner (root gives namespaces: mxfs kv create)")
+        if not self.may(caller, mask):
+            raise OSError(errno.EACCES, f"KV namespace {self.name!r} (uid {self.uid}, gid "
+                          f"{self.gid}, mode {self.mode:o}) does not grant "
+                          f"{'write' if mask & W_OK else 'read'} to uid {caller.uid}")
 
     def stats(self) -> dict[str, int | str]:
-        return {"namespace": self.name, "chunks": len(self.chunks), "bytes": self.used,
+        return {"namespace": self.name, "uid": self.uid, "gid": self.gid,
+                "mode": f"{self.mode:o}", "chunks": len(self.chunks), "bytes": self.used,
                 "capacity": self.capacity, "hits": self.hits, "misses": self.misses,
                 "puts": self.puts, "evictions": self.evictions,
                 "pinned": sum(1 for c in self.chunks.values() if c.pins)}
 
 
 def check_namespace(name: object) -> str:
-    if not isinstance(name, str) or not name or len(name) > MAX_NAMESPACE or "\0" in name:
-        raise OSError(errno.EINVAL, f"namespace must be 1-{MAX_NAMESPACE} characters")
+    """A namespace name: 1-128 characters of valid UTF-8, no NUL or control characters."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAMESPACE or \
+            not name.isprintable():
+        raise OSError(errno.EINVAL, f"a namespace is 1-{MAX_NAMESPACE} printable characters")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OSError(errno.EINVAL, "a namespace must be valid UTF-8") from None
     return name
 
 
@@ -100,7 +123,7 @@ class KVIndex:
         for ns, key, ino, size, atime, sum_unit, sums in store.kv_rows():
             space = self.spaces.get(ns)
             if space is None:
-                space = self.spaces[ns] = Namespace(ns, 0, 0, 0o770, 0)
+                space = self.spaces[ns] = Namespace(ns, 0, 0, 0o700, 0)
             space.chunks[bytes(key)] = Chunk(ino, size, atime, sum_unit, bytes(sums))
             space.used += size
             last = max(last, atime)
@@ -111,18 +134,40 @@ class KVIndex:
 
     # ---- namespaces -------------------------------------------------------------
 
-    def space(self, name: object, caller: Caller, create: bool = True) -> Namespace:
-        """A namespace the caller may use; made on first use, owned by its maker."""
+    def space(self, name: object, caller: Caller, mask: int = R_OK, shared: bool = True,
+              create_mode: int | None = None) -> Namespace:
+        """A namespace `caller` may use for `mask` (see Namespace.check).
+
+        With `create_mode`, a namespace that does not exist yet is made on this first
+        use, owned by the caller with that mode; otherwise it is ENOENT.
+        """
         name = check_namespace(name)
         space = self.spaces.get(name)
         if space is None:
-            if not create:
+            if create_mode is None:
                 raise OSError(errno.ENOENT, f"no KV namespace {name!r}")
-            space = self.spaces[name] = Namespace(name, caller.uid, caller.gid, 0o770, 0)
-            self.vol.store.kv_set_namespace(name, caller.uid, caller.gid, 0o770, 0)
-        if not space.may(caller):
-            raise OSError(errno.EACCES, f"KV namespace {name!r} belongs to uid {space.uid}")
+            space = self.create(name, caller.uid, caller.gid, create_mode, 0)
+        space.check(caller, mask, shared)
         return space
+
+    def create(self, name: str, uid: int, gid: int, mode: int, capacity: int,
+               replace: bool = False) -> Namespace:
+        """Make a namespace (EEXIST if it exists, unless `replace`: its chunks go)."""
+        old = self.spaces.get(name)
+        if old is not None:
+            if not replace:
+                raise OSError(errno.EEXIST, f"KV namespace {name!r} exists (uid {old.uid})")
+            self.drop_namespace(old)
+        self.vol.store.kv_set_namespace(name, uid, gid, mode, capacity)
+        space = self.spaces[name] = Namespace(name, uid, gid, mode, capacity)
+        return space
+
+    def drop_namespace(self, space: Namespace) -> int:
+        """Delete a namespace and every chunk in it; how many chunks went."""
+        n = self.remove(space, list(space.chunks))
+        self.vol.store.kv_drop_namespace(space.name)
+        del self.spaces[space.name]
+        return n
 
     def configure(self, space: Namespace, caller: Caller, capacity: int) -> None:
         if caller.uid not in (0, space.uid):
@@ -194,9 +239,23 @@ class KVIndex:
             return self.evict(space, int(space.capacity * LOW))
         return 0
 
+    def refuse_hopeless(self, space: Namespace, size: int) -> None:
+        """Refuse, before anything is evicted, a chunk that could never fit: larger than
+        its namespace's capacity, or than the pool's free space and every unpinned
+        KV byte together."""
+        if space.capacity and size > space.capacity:
+            raise OSError(errno.EFBIG, f"a chunk of {size} bytes is over the capacity of "
+                          f"KV namespace {space.name!r} ({space.capacity} bytes)")
+        free = sum(int(u["free"]) for u in self.vol.pool.usage())
+        evictable = sum(c.size for s in self.spaces.values() for c in s.chunks.values()
+                        if not c.pins) if size > free else 0
+        if size > free + evictable:
+            raise OSError(errno.ENOSPC, f"a chunk of {size} bytes is over the pool's free "
+                          f"space ({free} bytes, with every KV chunk evicted)")
+
     def make_room(self, members: list[int], size: int) -> bool:
-        """Is there room for a chunk of `size` on `members`?  If not, evict pool-wide
-        (least recently used first, across namespaces) so later puts find room."""
+        """Is there room for a chunk of `size` on `members`?  If not, evict pool-wide so
+        later puts find room (see `fair_victims`)."""
         short = 0
         for m in members:
             st = os.statvfs(self.vol.pool.members[m].path)
@@ -205,21 +264,40 @@ class KVIndex:
         if short <= 0:
             return True
         need = short * len(self.vol.pool.members) * 2  # bytes are spread over all members
-        heads = sorted(((c.atime, s.name, k) for s in self.spaces.values()
-                        for k, c in itertools.islice(s.chunks.items(), 4096) if not c.pins))
-        victims, freed = [], 0
-        for _, name, key in heads:
-            if freed >= need:
-                break
-            space = self.spaces[name]
-            victims.append((space, key))
+        victims = self.fair_victims(need)
+        for space, _ in victims:
             space.evictions += 1
-            freed += space.chunks[key].size
+        freed = sum(s.chunks[k].size for s, k in victims)
         self._drop(victims)
         if victims:
             log.info("KV: pool short of space, evicted %d chunks (%d bytes)", len(victims),
                      freed)
         return False
+
+    def fair_victims(self, need: int) -> list[tuple[Namespace, bytes]]:
+        """Unpinned chunks worth `need` bytes, taken from namespaces in proportion to how
+        far each is over its share (its capacity if set, else an equal part of the KV
+        bytes stored), least recently used first within each: a namespace within its
+        share loses nothing while others are over theirs."""
+        spaces = [s for s in self.spaces.values() if s.used]
+        if not spaces:
+            return []
+        total = sum(s.used for s in spaces)
+        equal = total // len(spaces)
+        over = {s.name: max(0, s.used - (s.capacity or equal)) for s in spaces}
+        weights = over if sum(over.values()) else {s.name: s.used for s in spaces}
+        weight_sum = sum(weights.values())
+        victims: list[tuple[Namespace, bytes]] = []
+        for space in spaces:
+            quota = -(-need * weights[space.name] // weight_sum) if weight_sum else 0
+            taken = 0
+            for key, chunk in space.chunks.items():
+                if taken >= quota:
+                    break
+                if not chunk.pins:
+                    victims.append((space, key))
+                    taken += chunk.size
+        return victims
 
     def flush(self) -> None:
         """Write access times back (called with each group commit)."""

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import base64
 import errno
+import itertools
 import os
 from typing import Any
 
-from mxfs.fs.kv import KVIndex, Namespace, check_key
+from mxfs.fs.access import R_OK, W_OK, Caller
+from mxfs.fs.fields import BadField, b64_field, bool_field, int_field, sums_field
+from mxfs.fs.kv import KVIndex, Namespace, check_key, check_namespace
+from mxfs.fs.limits import Limits
 from mxfs.fs.session import (
     Pending,
     Session,
-    int_field,
+    check_pending_room,
+    grown_chunks,
     open_hidden,
     read_fds,
     refuse_if_degraded,
-    sums_field,
 )
 from mxfs.fs.volume import Volume
 from mxfs.io.checksum import block_sums, pack_sums
@@ -34,41 +38,64 @@ KV_OPS = tuple(op for op in OPS if op.startswith("kv_"))
 INLINE_REPLY = 512 << 10  # chunk bytes one kv_get reply may carry inline
 
 
+MAX_BATCH = 4096  # keys in one request
+NS_OPS = ("kv_ns_create", "kv_ns_remove")
+# What each op needs of a namespace: the mode bits, and whether it moves chunks (a
+# caller who does not own the namespace must then have asked to share it).
+_NEEDS = {"kv_put": (W_OK, True), "kv_create": (W_OK, True), "kv_commit": (W_OK, True),
+          "kv_get": (R_OK, True), "kv_exists": (R_OK, True), "kv_unpin": (0, False),
+          "kv_list": (R_OK, False), "kv_delete": (W_OK, False), "kv_evict": (W_OK, False),
+          "kv_config": (0, False)}
+
+
 def _keys(msg: dict[str, Any]) -> list[bytes]:
     raw = msg.get("keys")
     if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
-        raise ProtocolError(f"{msg.get('op')} needs 'keys': a list of base64 strings")
+        raise BadField(msg, "needs 'keys': a list of base64 strings")
+    if len(raw) > MAX_BATCH:
+        raise BadField(msg, f"at most {MAX_BATCH} keys a request", errno.E2BIG)
     try:
         return [check_key(base64.b64decode(k, validate=True)) for k in raw]
     except ValueError:
-        raise ProtocolError(f"{msg.get('op')}: a key is not base64") from None
+        raise BadField(msg, "a key is not base64") from None
 
 
 def _key(msg: dict[str, Any]) -> bytes:
-    key = msg.get("key")
-    if not isinstance(key, str):
-        raise ProtocolError(f"{msg.get('op')} needs a base64 'key'")
-    try:
-        return check_key(base64.b64decode(key, validate=True))
-    except ValueError:
-        raise ProtocolError(f"{msg.get('op')}: the key is not base64") from None
+    return check_key(b64_field(msg, "key"))
+
+
+def _mode(msg: dict[str, Any], default: int | None) -> int | None:
+    if msg.get("mode") is None:
+        return default
+    mode = int_field(msg, "mode")
+    if mode > 0o777:
+        raise BadField(msg, "'mode' is a permission mode from 0 to 0777")
+    return mode
 
 
 class KVOps:
-    def __init__(self, vol: Volume, index: KVIndex) -> None:
+    def __init__(self, vol: Volume, index: KVIndex, limits: Limits | None = None) -> None:
         self.vol = vol
         self.index = index
+        self.limits = limits or Limits()
 
     def handle(self, op: str, msg: dict[str, Any], session: Session
                ) -> tuple[dict[str, Any], list[int]]:
         caller = session.caller
         if op == "kv_stats":
             ns = msg.get("namespace")
-            spaces = [self.index.space(ns, caller, create=False)] if ns is not None else [
-                s for s in self.index.spaces.values() if s.may(caller)]
+            spaces = [self.index.space(ns, caller)] if ns is not None else [
+                s for s in self.index.spaces.values() if s.may(caller, R_OK)]
             return {"ok": True, "namespaces": [s.stats() for s in spaces]}, []
-        # Any use makes a namespace (owned by its first user); only stats asks first.
-        space = self.index.space(msg.get("namespace"), caller)
+        if op in NS_OPS:
+            return self._namespace_op(op, msg, caller), []
+        mask, moves = _NEEDS[op]
+        shared = bool_field(msg, "shared")
+        # Puts (and setting a capacity) may make the namespace on first use: private
+        # to its maker unless the request gives a mode.  Other ops need one that exists.
+        create = _mode(msg, 0o700) if op in ("kv_put", "kv_create", "kv_config") else None
+        space = self.index.space(msg.get("namespace"), caller, mask, shared or not moves,
+                                 create_mode=create)
         if op == "kv_put":
             return self._put(msg, session, space), []
         if op == "kv_create":
@@ -86,7 +113,7 @@ class KVOps:
             return {"ok": True, "deleted": self.index.remove(space, _keys(msg))}, []
         if op == "kv_list":
             limit, skip = int_field(msg, "limit", 1000), int_field(msg, "skip", 0)
-            items = list(space.chunks.items())[skip:skip + limit]
+            items = itertools.islice(space.chunks.items(), skip, skip + min(limit, 100_000))
             return {"ok": True, "chunks": [[base64.b64encode(k).decode(), c.size, c.pins]
                                            for k, c in items]}, []
         if op == "kv_config":
@@ -96,8 +123,28 @@ class KVOps:
             return {"ok": True, "evicted": self.index.evict(space, int_field(msg, "keep", 0))}, []
         raise ProtocolError(f"unknown op {op!r}")
 
-    def _room(self, size: int) -> Inode:
-        """Fail fast (ENOSPC) when the pool is short of space; returns the layout parent."""
+    def _namespace_op(self, op: str, msg: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        """Make a namespace ahead of its users (root: for anyone, taking over a name
+        with `force`; others: for themselves), or remove one with its chunks."""
+        name = check_namespace(msg.get("namespace"))
+        if op == "kv_ns_remove":
+            space = self.index.space(name, caller)
+            if caller.uid not in (0, space.uid):
+                raise OSError(errno.EPERM, "only the namespace's owner or root removes it")
+            return {"ok": True, "deleted": self.index.drop_namespace(space)}
+        uid = int_field(msg, "uid", caller.uid)
+        gid = int_field(msg, "gid", caller.gid)
+        force = bool_field(msg, "force")
+        if caller.uid != 0 and (uid != caller.uid or gid not in caller.gids or force):
+            raise OSError(errno.EPERM, "only root makes a namespace for another user or "
+                          "group, or takes over an existing one")
+        space = self.index.create(name, uid, gid, _mode(msg, 0o700) or 0,
+                                  int_field(msg, "capacity", 0), replace=force)
+        return {"ok": True, **space.stats()}
+
+    def _room(self, space: Namespace, size: int) -> Inode:
+        """Fail fast when the chunk cannot fit (EFBIG, ENOSPC); returns the layout parent."""
+        self.index.refuse_hopeless(space, size)
         root = self.vol.store.get(ROOT_INO)
         layout = self.vol.pool.layout_for(0, root.stripe_unit, root.stripe_width)
         members = list(range(len(self.vol.pool.members)))[:max(1, layout.width)]
@@ -110,18 +157,20 @@ class KVOps:
         """Small chunks in one request: the daemon writes them (no descriptors passed)."""
         keys, data = _keys(msg), msg.get("data")
         if not isinstance(data, list) or len(data) != len(keys):
-            raise ProtocolError("kv_put needs 'data': one base64 string per key")
+            raise BadField(msg, "needs 'data': one base64 string per key")
         refuse_if_degraded(self.vol)
         stored = []
         for key, b64 in zip(keys, data, strict=True):
             if key in space.chunks:
                 stored.append(False)
                 continue
+            if not isinstance(b64, str):
+                raise BadField(msg, "'data' holds base64 strings")
             try:
                 raw = base64.b64decode(b64, validate=True)
-            except (ValueError, TypeError):
-                raise ProtocolError("kv_put: data is not base64") from None
-            self._room(len(raw))
+            except ValueError:
+                raise BadField(msg, "'data' is not base64") from None
+            self._room(space, len(raw))
             entry = self.vol.take_spare(session.caller.uid, session.caller.gid)
             try:
                 assert entry.chunks is not None
@@ -139,10 +188,11 @@ class KVOps:
         key, size = _key(msg), int_field(msg, "size")
         if key in space.chunks:
             return {"ok": True, "exists": True}, []  # the cheap answer to a repeated put
-        root = self._room(size)
+        check_pending_room(session, self.limits.max_pending)
+        root = self._room(space, size)
         entry, members, fds = open_hidden(self.vol, root, 0o600, session.caller.uid,
                                           session.caller.gid)
-        session.pending[entry.node.ino] = Pending(entry, "")
+        session.pending[entry.node.ino] = Pending(entry, "", size)
         return {"ok": True, "exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds
 
@@ -154,6 +204,11 @@ class KVOps:
         entry = pending.entry
         key, size = _key(msg), int_field(msg, "size")
         sum_unit, sums = sums_field(msg, self.vol.layout(entry.node).unit, size)
+        if size > pending.declared or grown_chunks(self.vol, entry.node, pending.declared):
+            del session.pending[entry.node.ino]
+            self.vol.release(entry.node.ino)
+            raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
+                          "kv_create: refused, and the chunk's space reclaimed")
         self.vol.settle_hidden(entry, size, sync=False)
         stored = True
         try:
@@ -168,7 +223,7 @@ class KVOps:
     def _get(self, msg: dict[str, Any], session: Session, space: Namespace
              ) -> tuple[dict[str, Any], list[int]]:
         """Layout, checksums and read descriptors of each present key (None: a miss)."""
-        pin = bool(msg.get("pin", False))
+        pin = bool_field(msg, "pin")
         inline_max = int_field(msg, "inline_max", 0)
         budget = INLINE_REPLY  # base64 of what rides inline must stay under MAX_PAYLOAD
         out: list[dict[str, Any] | None] = []
@@ -192,8 +247,12 @@ class KVOps:
                     raise OSError(errno.E2BIG, f"ask for fewer keys at once (over {MAX_FDS} "
                                   "descriptors)")
                 if pin:
+                    if session.pinned >= self.limits.max_pins:
+                        raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
+                                      " KV read leases, the limit (mount option max_pins)")
                     chunk.pins += 1
                     session.pins[(space.name, key)] += 1
+                    session.pinned += 1
                 out.append({**sums, "layout": self.vol.layout(node).describe(),
                             "members": which["members"]})
         except BaseException:
@@ -215,6 +274,7 @@ class KVOps:
         for key in keys:
             if session.pins[(space.name, key)] > 0:
                 session.pins[(space.name, key)] -= 1
+                session.pinned -= 1
                 chunk = space.chunks.get(key)
                 if chunk is not None and chunk.pins:
                     chunk.pins -= 1
@@ -226,6 +286,7 @@ class KVOps:
             if chunk is not None:
                 chunk.pins = max(0, chunk.pins - n)
         session.pins.clear()
+        session.pinned = 0
 
     def flush(self) -> None:
         self.index.flush()

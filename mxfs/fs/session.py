@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import base64
 import errno
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from mxfs.fs.access import Caller
 from mxfs.fs.volume import OpenInode, Volume
+from mxfs.io import PAGE
 from mxfs.meta import Inode
-from mxfs.proto import ProtocolError
 
 
 @dataclass
@@ -21,6 +19,7 @@ class Pending:
 
     entry: OpenInode
     path: str  # where a commit names it ("" for a KV chunk)
+    declared: int  # the size given at create: the most its chunk files may hold
 
 
 @dataclass
@@ -30,36 +29,30 @@ class Session:
     caller: Caller
     pending: dict[int, Pending] = field(default_factory=dict)
     pins: Counter[tuple[str, bytes]] = field(default_factory=Counter)  # KV read leases
+    pinned: int = 0  # their sum
 
 
-def path_field(msg: dict[str, Any]) -> str:
-    path = msg.get("path")
-    if not isinstance(path, str):
-        raise ProtocolError(f"{msg.get('op')} needs a string 'path'")
-    return path
+def check_pending_room(session: Session, limit: int) -> None:
+    """Refuse one more unpublished file on a connection that holds `limit` of them."""
+    if len(session.pending) >= limit:
+        raise OSError(errno.EMFILE, f"this connection holds {limit} unpublished files, the "
+                      "limit (mount option max_pending): commit or abort some")
 
 
-def int_field(msg: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = msg.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ProtocolError(f"{msg.get('op')} needs a non-negative integer {key!r}")
-    return value
-
-
-def sums_field(msg: dict[str, Any], unit: int, size: int) -> tuple[int, bytes]:
-    """(sum_unit, packed xxh3 sums) of a commit, checked against the file's size."""
-    sum_unit = int_field(msg, "sum_unit")
-    try:
-        sums = base64.b64decode(msg.get("sums", ""), validate=True)
-    except (ValueError, TypeError):
-        raise ProtocolError(f"{msg.get('op')} needs base64 'sums'") from None
-    if sum_unit == 0 or sum_unit % unit:
-        raise OSError(errno.EINVAL, f"sum_unit {sum_unit} is not a multiple of the "
-                      f"stripe unit {unit}")
-    if len(sums) != 8 * (-(-size // sum_unit)):
-        raise OSError(errno.EINVAL, f"{len(sums) // 8} checksums for {size} bytes in "
-                      f"units of {sum_unit}")
-    return sum_unit, sums
+def grown_chunks(vol: Volume, node: Inode, declared: int) -> list[int]:
+    """Blocking: members whose chunk file of `node` runs past what `declared` bytes need
+    (rounded up to a page: O_DIRECT writers pad the last piece, the commit cuts it)."""
+    layout = vol.layout(node)
+    declared = -(-declared // PAGE) * PAGE
+    grown = []
+    for m in layout.used_members():
+        try:
+            st = os.stat(vol.pool.chunk_path(m, node.ino))
+        except FileNotFoundError:
+            continue
+        if st.st_size > layout.chunk_length(m, declared):
+            grown.append(m)
+    return grown
 
 
 def refuse_if_degraded(vol: Volume) -> None:

@@ -37,6 +37,12 @@ _INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a 
 Key = bytes | str
 
 
+def default_namespace(engine: str) -> str:
+    """An engine adapter's namespace when none is configured: one per engine and user,
+    so service users never collide on a name (and none is someone else's to plant)."""
+    return f"{engine}-uid{os.getuid()}"
+
+
 def key_bytes(key: Key | Any) -> bytes:
     """A key as the index stores it: bytes, at most MAX_KEY long (longer ones hashed)."""
     if hasattr(key, "encode") and not isinstance(key, str):
@@ -86,7 +92,11 @@ class KVStore:
     """Chunks of one namespace of the pool mounted at (or holding) `mount`."""
 
     def __init__(self, mount: str, namespace: str = "default", *,
-                 capacity: int | None = None) -> None:
+                 capacity: int | None = None, shared: bool = False,
+                 mode: int | None = None) -> None:
+        """`namespace` is made on the first put, private to this user (or with `mode`,
+        e.g. 0o750 to let its group read).  A namespace another user owns is used
+        only with `shared=True`: chunks are trusted as their writers are."""
         root = mount_root(mount)
         if root is None:
             raise MxfsError(f"{mount} is not on an mxfs mount",
@@ -94,6 +104,10 @@ class KVStore:
         # A connection of its own: read leases and unpublished puts belong to it.
         self.client = ControlClient(root)
         self.namespace = namespace
+        # Sent with every request: which namespace, and whether another's may be joined.
+        self._ns: dict[str, Any] = {"namespace": namespace, "shared": shared}
+        if mode is not None:
+            self._ns["mode"] = mode
         self.members = len(self.client.stat()["members"])
         self.batch = max(1, MAX_FDS // self.members)
         if capacity is not None:
@@ -109,7 +123,7 @@ class KVStore:
         self.close()
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        return self.client.call(op, namespace=self.namespace, **fields)
+        return self.client.call(op, **self._ns, **fields)
 
     # ---- writing ------------------------------------------------------------------
 
@@ -159,7 +173,7 @@ class KVStore:
             for i, k, view in items:
                 try:
                     reply, fds = self.client.call_with_fds(
-                        "kv_create", namespace=self.namespace, key=k, size=len(view))
+                        "kv_create", **self._ns, key=k, size=len(view))
                 except ControlError as e:
                     raise OSError(e.errno, f"KV put: {e.strerror}") from None
                 if reply.get("exists"):
@@ -170,7 +184,7 @@ class KVStore:
                 ops += w.plan_writes(0, view)
             write_batch(ops)
             for i, w, k, size in writers:
-                _, reply = w.finish("kv_commit", size, sync=False, namespace=self.namespace,
+                _, reply = w.finish("kv_commit", size, sync=False, **self._ns,
                                     key=k)
                 stored[i] = bool(reply.get("stored"))
         finally:
@@ -197,7 +211,7 @@ class KVStore:
         wire = [_b64(k) for k in keys]
         try:
             # No lease needed: the descriptors keep a chunk's bytes even if it is evicted.
-            reply, fds = self.client.call_with_fds("kv_get", namespace=self.namespace,
+            reply, fds = self.client.call_with_fds("kv_get", **self._ns,
                                                    keys=wire, inline_max=INLINE)
         except ControlError as e:
             raise OSError(e.errno, f"KV get: {e.strerror}") from None
@@ -277,7 +291,7 @@ class KVStore:
 
     def pin(self, keys: Sequence[Key]) -> None:
         """A read lease on each key: eviction skips them until `unpin` (or this store closes)."""
-        reply, fds = self.client.call_with_fds("kv_get", namespace=self.namespace,
+        reply, fds = self.client.call_with_fds("kv_get", **self._ns,
                                                keys=[_b64(k) for k in keys], pin=True)
         for fd in fds:
             os.close(fd)

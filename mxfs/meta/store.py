@@ -15,6 +15,7 @@ size are listed in `dirty_data`, so a mount after a crash can trim them.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sqlite3
 import stat
@@ -27,6 +28,13 @@ ROOT_INO = 1
 NAME_MAX = 255
 SCHEMA_VERSION = 3
 DB_NAME = "mxfs.db"
+# Space held on the metadata member for the store alone (a preallocated file beside it):
+# when writers fill the member, it is given back so that commits, unlinks and KV
+# eviction still go through, and taken again once space returns.
+RESERVE_NAME = "reserve"
+RESERVE_MIN, RESERVE_MAX = 4 << 20, 64 << 20
+
+log = logging.getLogger("mxfs.meta")
 
 _SCHEMA = """
 CREATE TABLE settings(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -133,10 +141,28 @@ class Entry:
 
 
 def _check_name(name: bytes) -> None:
+    """The kernel's rules for a name, for every path that makes one (mount or direct)."""
     if len(name) > NAME_MAX:
         raise fail(errno.ENAMETOOLONG)
-    if not name or b"/" in name or name in (b".", b".."):
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
         raise fail(errno.EINVAL)
+
+
+def _is_full(e: sqlite3.Error) -> bool:
+    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or \
+        "disk is full" in str(e)
+
+
+def as_os_error(e: sqlite3.Error | OverflowError) -> OSError:
+    """The errno an engine error means to a caller: full is ENOSPC, else EIO."""
+    if isinstance(e, OverflowError):
+        return fail(errno.EOVERFLOW, f"a value is too large for the metadata store ({e})")
+    if _is_full(e):
+        return fail(errno.ENOSPC, "the metadata member is full")
+    if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_READONLY or \
+            "readonly" in str(e):
+        return fail(errno.EROFS, f"the metadata store cannot be written ({e})")
+    return fail(errno.EIO, f"metadata store error ({e})")
 
 
 class MetaStore:
@@ -159,6 +185,9 @@ class MetaStore:
         self._group_started = 0.0
         # The daemon turns this on and calls commit_if_due; tools commit each change.
         self.group_commit = False
+        self.reserve_path = os.path.join(os.path.dirname(path), RESERVE_NAME)
+        if not readonly:
+            self.keep_reserve()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -224,18 +253,23 @@ class MetaStore:
         if self._in_txn:
             yield
             return
-        if not self._group_open:
-            self.db.execute("BEGIN IMMEDIATE")
-            self._group_open = True
-            self._group_started = time.monotonic()
-        self.db.execute("SAVEPOINT change")
+        try:
+            if not self._group_open:
+                self.db.execute("BEGIN IMMEDIATE")
+                self._group_open = True
+                self._group_started = time.monotonic()
+            self.db.execute("SAVEPOINT change")
+        except sqlite3.Error as e:
+            raise as_os_error(e) from None
         self._in_txn = True
         try:
             yield
-        except BaseException:
-            self.db.execute("ROLLBACK TO change")
-            self.db.execute("RELEASE change")
-            self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+        except BaseException as e:
+            self._undo_change()
+            if isinstance(e, sqlite3.Error | OverflowError):
+                if isinstance(e, sqlite3.Error) and _is_full(e):
+                    self.release_reserve()
+                raise as_os_error(e) from None
             raise
         else:
             self.db.execute("RELEASE change")
@@ -244,11 +278,102 @@ class MetaStore:
         if not self.group_commit:
             self.commit()
 
-    def commit(self) -> None:
-        """End the current group: every change so far is committed (not yet fsynced)."""
+    def _undo_change(self) -> None:
+        """Roll back the failed change alone; if the engine dropped the whole group (it
+        may, on a full disk), say so and forget what memory held of it."""
+        self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+        if self.db.in_transaction:
+            try:
+                self.db.execute("ROLLBACK TO change")
+                self.db.execute("RELEASE change")
+                return
+            except sqlite3.Error:
+                pass
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
         if self._group_open:
-            self.db.execute("COMMIT")
-            self._group_open = False
+            log.error("metadata store: the open group of changes was rolled back")
+        self._group_open = False
+
+    def commit(self) -> None:
+        """End the current group: every change so far is committed (not yet fsynced).
+
+        A full metadata member gives back the store's reserve and tries once more;
+        if that fails too the group stays open (if the engine kept it) and the
+        caller gets ENOSPC: the daemon goes on and commits once space returns.
+        """
+        if not self._group_open:
+            return
+        for attempt in (1, 2):
+            try:
+                self.db.execute("COMMIT")
+                self._group_open = False
+                return
+            except sqlite3.Error as e:
+                if not self.db.in_transaction:
+                    self._group_open = False
+                    self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+                    log.error("metadata store: a group of changes was lost (%s)", e)
+                    raise as_os_error(e) from None
+                if attempt == 2 or not _is_full(e) or not self.release_reserve():
+                    raise as_os_error(e) from None
+
+    # ---- the space reserve ---------------------------------------------------
+
+    def _reserve_target(self) -> int:
+        st = os.statvfs(os.path.dirname(self.path))
+        return min(max(st.f_blocks * st.f_frsize // 100, RESERVE_MIN), RESERVE_MAX)
+
+    def keep_reserve(self) -> bool:
+        """Hold the reserve (again) if there is room for it and more; True if held."""
+        try:
+            target = self._reserve_target()
+            try:
+                if os.stat(self.reserve_path).st_blocks * 512 >= target:
+                    return True
+            except FileNotFoundError:
+                pass
+            st = os.statvfs(os.path.dirname(self.path))
+            if st.f_bavail * st.f_frsize < 3 * target:
+                return False  # not while writers are short of space themselves
+            fd = os.open(self.reserve_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, target)
+            finally:
+                os.close(fd)
+            return True
+        except OSError as e:
+            log.debug("metadata reserve not held: %s", e)
+            try:
+                os.truncate(self.reserve_path, 0)
+            except OSError:
+                pass
+            return False
+
+    def release_reserve(self) -> bool:
+        """Give the reserve's space to the store now; True if there was some to give."""
+        try:
+            held = os.stat(self.reserve_path).st_blocks
+            os.truncate(self.reserve_path, 0)
+        except OSError:
+            return False
+        if held:
+            log.warning("metadata member %s is full: released the metadata reserve so "
+                        "changes can still be committed; free space on it",
+                        os.path.dirname(self.path))
+        return held > 0
+
+    def watch_space(self) -> None:
+        """Called now and then: give the reserve up before the member is full, and take
+        it again once writers freed space."""
+        try:
+            st = os.statvfs(os.path.dirname(self.path))
+        except OSError:
+            return
+        if st.f_bavail * st.f_frsize < RESERVE_MIN // 2:
+            self.release_reserve()
+        else:
+            self.keep_reserve()
 
     def commit_if_due(self, max_age: float) -> None:
         if self._group_open and time.monotonic() - self._group_started >= max_age:
@@ -680,6 +805,10 @@ class MetaStore:
         with self.transaction():
             self.db.execute("INSERT OR REPLACE INTO kv_ns VALUES (?,?,?,?,?)",
                             (ns, uid, gid, mode, capacity))
+
+    def kv_drop_namespace(self, ns: str) -> None:
+        with self.transaction():
+            self.db.execute("DELETE FROM kv_ns WHERE ns=?", (ns,))
 
     def kv_rows(self) -> Iterator[tuple[str, bytes, int, int, int, int, bytes]]:
         """(ns, key, ino, size, atime, sum_unit, sums) of every chunk, least recently used

@@ -23,10 +23,13 @@ VERSION = 1
 HEADER = struct.Struct("!4sHHI")
 MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64
+# Requests nest a few levels (lists of keys, layouts in replies); deeper is an attack.
+MAX_DEPTH = 16
 # Operations this version serves; direct reads and writes extend the list.
 OPS = ("hello", "stat", "layout", "open_read", "create", "commit", "abort",
        "kv_put", "kv_create", "kv_commit", "kv_get", "kv_unpin", "kv_exists", "kv_delete",
-       "kv_stats", "kv_list", "kv_config", "kv_evict", "meta_backup", "metrics", "df")
+       "kv_stats", "kv_list", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
+       "meta_backup", "metrics", "df")
 
 
 class ProtocolError(Exception):
@@ -61,9 +64,28 @@ def decode_payload(raw: bytes) -> dict[str, Any]:
         msg = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(f"payload is not JSON ({e})") from None
+    except RecursionError:
+        raise ProtocolError(f"payload nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(msg, dict):
         raise ProtocolError("payload is not a JSON object")
+    if _depth(msg) > MAX_DEPTH:
+        raise ProtocolError(f"payload nests deeper than {MAX_DEPTH} levels")
     return msg
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in a decoded payload (iterative: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        if d <= MAX_DEPTH:
+            stack.extend((x, d + 1) for x in v if isinstance(x, dict | list))
+    return deepest
 
 
 def fds_from_ancdata(ancdata: list[tuple[int, int, bytes]]) -> list[int]:

@@ -23,7 +23,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
-from mxfs.kv.store import KVStore
+from mxfs.kv.store import KVStore, default_namespace
 
 log = logging.getLogger("mxfs.kv.lmcache")
 
@@ -50,8 +50,8 @@ class MxfsL2Adapter(L2AdapterInterface):
         super().__init__(max_capacity_bytes=capacity)
         if not conf.get("mount"):
             raise ValueError("mxfs L2 adapter: set \"mount\" in adapter_params")
-        self.store = KVStore(conf["mount"], conf.get("namespace", "lmcache"),
-                             capacity=capacity or None)
+        self.store = KVStore(conf["mount"], conf.get("namespace") or default_namespace("lmcache"),
+                             capacity=capacity or None, shared=bool(conf.get("shared")))
         self._store_lock = threading.Lock()  # KVStore requests go one at a time
         self._events = [create_event_notifier() for _ in range(3)]
         self._ids = itertools.count(1)

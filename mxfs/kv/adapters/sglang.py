@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from mxfs.kv.store import KVStore
+from mxfs.kv.store import KVStore, default_namespace
 
 log = logging.getLogger("mxfs.kv.sglang")
 
@@ -36,8 +36,9 @@ class MxfsHiCacheStorage(HiCacheStorage):
             raise ValueError("mxfs HiCache backend: set \"mount\" in "
                              "--hicache-storage-backend-extra-config (or MXFS_KV_MOUNT)")
         capacity = extra.get("capacity")
-        self.store = KVStore(mount, extra.get("namespace", "sglang"),
-                             capacity=int(capacity) if capacity is not None else None)
+        self.store = KVStore(mount, extra.get("namespace") or default_namespace("sglang"),
+                             capacity=int(capacity) if capacity is not None else None,
+                             shared=bool(extra.get("shared")))
         model = "-".join((storage_config.model_name or "").split("/"))
         shard = f"_{storage_config.pp_size}_{storage_config.pp_rank}" \
             if storage_config.pp_size > 1 else ""

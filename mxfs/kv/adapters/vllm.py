@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingConte
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from mxfs.kv.store import KVStore
+from mxfs.kv.store import KVStore, default_namespace
 
 log = logging.getLogger("mxfs.kv.vllm")
 
@@ -36,11 +36,13 @@ class MxfsTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, mount: str = "",
-                 namespace: str = "vllm", capacity: int | None = None, **_: Any) -> None:
+                 namespace: str = "", capacity: int | None = None, shared: bool = False,
+                 **_: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not mount:
             raise ValueError("mxfs vLLM tier: set \"mount\" in the tier config")
-        self.store = KVStore(mount, namespace, capacity=capacity)
+        self.store = KVStore(mount, namespace or default_namespace("vllm"), capacity=capacity,
+                             shared=shared)
         self._rows = primary_kv_view.cast("B")  # view[c] is refused: slice bytes instead
         self._jobs: queue.Queue[tuple[str, TransferJob] | None] = queue.Queue()
         self._done: list[JobResult] = []

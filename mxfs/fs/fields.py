@@ -1,0 +1,109 @@
+"""Validation of control request fields at the edge, before anything is touched.
+
+Every value a request carries comes from an untrusted local user.  These
+helpers accept exactly what the store and the members can hold: integers in
+0..2^63-1 (SQLite's range), strings that encode as UTF-8 with no NUL (a lone
+surrogate is not a name), names the mount would accept.  A bad value is
+EINVAL (or the errno the kernel gives for it: ENAMETOOLONG) for that request
+alone; the connection goes on.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+from typing import Any
+
+from mxfs.meta import NAME_MAX
+
+INT_MAX = (1 << 63) - 1
+PATH_MAX = 4096
+
+
+class BadField(OSError):
+    """A request field of the wrong type or out of range (EINVAL unless told)."""
+
+    def __init__(self, msg: dict[str, Any], what: str, code: int = errno.EINVAL) -> None:
+        super().__init__(code, f"{str(msg.get('op'))[:32]}: {what}")
+
+
+def int_field(msg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A non-negative integer that fits the store (below 2^63)."""
+    value = msg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT_MAX:
+        raise BadField(msg, f"{key!r} must be an integer from 0 to 2^63-1")
+    return value
+
+
+def bool_field(msg: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = msg.get(key, default)
+    if not isinstance(value, bool):
+        raise BadField(msg, f"{key!r} must be true or false")
+    return value
+
+
+def str_field(msg: dict[str, Any], key: str, max_bytes: int = PATH_MAX) -> str:
+    """A string that encodes as UTF-8, holds no NUL and is at most `max_bytes` long."""
+    value = msg.get(key)
+    if not isinstance(value, str):
+        raise BadField(msg, f"needs a string {key!r}")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadField(msg, f"{key!r} is not valid UTF-8 (a lone surrogate)") from None
+    if b"\0" in raw:
+        raise BadField(msg, f"{key!r} holds a NUL byte")
+    if len(raw) > max_bytes:
+        raise BadField(msg, f"{key!r} is over {max_bytes} bytes", errno.ENAMETOOLONG)
+    return value
+
+
+def path_field(msg: dict[str, Any]) -> str:
+    """A pool path: a valid string whose every component the mount would accept."""
+    path = str_field(msg, "path")
+    for part in path.split("/"):
+        if len(part.encode()) > NAME_MAX:
+            raise BadField(msg, f"a component of 'path' is over {NAME_MAX} bytes",
+                           errno.ENAMETOOLONG)
+    return path
+
+
+def b64_field(msg: dict[str, Any], key: str, default: str | None = None) -> bytes:
+    value = msg.get(key, default)
+    if not isinstance(value, str):
+        raise BadField(msg, f"needs a base64 string {key!r}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError:
+        raise BadField(msg, f"{key!r} is not base64") from None
+
+
+def sums_field(msg: dict[str, Any], unit: int, size: int) -> tuple[int, bytes]:
+    """(sum_unit, packed xxh3 sums) of a commit, checked against the file's size."""
+    sum_unit = int_field(msg, "sum_unit")
+    sums = b64_field(msg, "sums", "")
+    if sum_unit == 0 or sum_unit % unit:
+        raise OSError(errno.EINVAL, f"sum_unit {sum_unit} is not a multiple of the "
+                      f"stripe unit {unit}")
+    if len(sums) != 8 * (-(-size // sum_unit)):
+        raise OSError(errno.EINVAL, f"{len(sums) // 8} checksums for {size} bytes in "
+                      f"units of {sum_unit}")
+    return sum_unit, sums
+
+
+def check_request(msg: dict[str, Any]) -> None:
+    """The envelope of a request: a known op and an id the reply can carry back.
+
+    ProtocolError (the connection is dropped): an unknown op means the peer
+    speaks another protocol.
+    """
+    from mxfs.proto import OPS, ProtocolError
+
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise ProtocolError(f"unknown op {str(op)[:40]!r} (this daemon serves "
+                            f"{', '.join(OPS)})")
+    msg_id = msg.get("id")
+    if not (msg_id is None or isinstance(msg_id, int) and not isinstance(msg_id, bool)
+            and abs(msg_id) <= INT_MAX or isinstance(msg_id, str) and len(msg_id) <= 64):
+        raise ProtocolError("'id' must be an integer or a string of at most 64 characters")

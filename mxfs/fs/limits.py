@@ -1,0 +1,67 @@
+"""What one tenant may hold of the daemon: connections, unpublished files, leases, time.
+
+A node runs hundreds of engine processes, each with a few control
+connections, so the defaults are generous; but each is a bound, so that one
+user's processes, however many and however hostile, cannot exhaust the
+daemon's descriptors or memory while others are served.  Mount options
+change them (`-o max_conns=N,...`); `mxfs status` shows how close the daemon
+is to each.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_conns: int = 4096           # control connections in total
+    max_conns_per_user: int = 512   # of one uid
+    max_pending: int = 256          # unpublished (created, uncommitted) files a connection holds
+    max_pins: int = 65536           # KV read leases a connection holds
+    idle_timeout: int = 3600        # s: a connection holding nothing is closed when idle so long
+    frame_timeout: int = 10         # s: a started request must arrive whole, a reply be taken
+    fd_reserve: int = 256           # descriptors kept back for FUSE, members and the store
+
+    @classmethod
+    def options(cls) -> tuple[str, ...]:
+        """The mount options that set these (all but the reserve)."""
+        return tuple(f.name for f in fields(cls) if f.name != "fd_reserve")
+
+    @classmethod
+    def from_options(cls, own: dict[str, str]) -> Limits:
+        """Limits from mount options; ValueError names the option that is not a count."""
+        given = {}
+        for name in cls.options():
+            if own.get(name):
+                value = int(own[name])
+                if value <= 0:
+                    raise ValueError(name)
+                given[name] = value
+        return cls(**given)
+
+
+def raise_fd_limit() -> int:
+    """Lift the soft descriptor limit to the hard one (daemons hold many); the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def fd_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def open_fds() -> int:
+    """Descriptors this process holds now (asked only by status: it lists /proc)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
