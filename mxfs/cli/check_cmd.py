@@ -11,24 +11,23 @@ from mxfs.errors import MxfsError
 from mxfs.units import parse_size
 
 
-def _open_pool_offline(spec: str) -> object:
-    from mxfs.fs.volume import Volume, read_lock_info
+def _open_pool_offline(spec: str, repair: bool) -> object:
+    """The pool, held (lock taken before the store is opened) so no mount starts meanwhile."""
+    from mxfs.fs.volume import Volume
 
-    vol = Volume.open(spec)
-    holder = read_lock_info(vol.pool)
-    if holder is not None:
-        vol.store.close()
-        raise MxfsError(f"pool {vol.pool.uuid} is mounted at {holder.get('mountpoint')} "
-                        f"(pid {holder.get('pid')})",
-                        "unmount it first (mxfs umount); mxfs scrub checks data while mounted")
-    vol.lock("fsck", "")
-    return vol
+    try:
+        return Volume.open(spec, hold="mxfs fsck --repair" if repair else "mxfs fsck")
+    except MxfsError as e:
+        if e.fix and "umount" in e.fix:
+            raise MxfsError(e.problem, f"{e.fix}; mxfs scrub checks data while mounted") \
+                from None
+        raise
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
     from mxfs.fs.fsck import fsck
 
-    vol = _open_pool_offline(args.pool)
+    vol = _open_pool_offline(args.pool, args.repair)
     try:
         findings = fsck(vol, args.repair)  # type: ignore[arg-type]
     finally:

@@ -6,8 +6,12 @@ import argparse
 import datetime
 import json
 import os
+from typing import TYPE_CHECKING
 
 from mxfs.errors import MxfsError
+
+if TYPE_CHECKING:
+    from mxfs.pool import Pool
 
 
 def _pool_of(target: str) -> object:
@@ -69,40 +73,49 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from mxfs.fs.volume import Volume, read_lock_info
-    from mxfs.meta import backup
+    """Hold the pool before reading anything: a mount started meanwhile would run on a
+    store about to be swapped away, and lose what it wrote."""
+    from mxfs.fs.volume import pool_lock
     from mxfs.pool import Pool
 
     pool = Pool.open(args.pool)
-    holder = read_lock_info(pool)
-    if holder is not None:
-        raise MxfsError(f"pool {pool.uuid} is mounted at {holder.get('mountpoint')}",
-                        "unmount it first (mxfs umount)")
-    if not os.path.isfile(args.file):
-        raise MxfsError(f"{args.file} does not exist", "give a dump made by mxfs meta dump")
-    tmp = os.path.join(pool.meta_dir, "restore.db")
-    try:
-        backup.load_dump(args.file, tmp)
-    except (ValueError, OSError) as e:
-        raise MxfsError(f"{args.file} cannot be read as a metadata dump ({e})",
-                        "give a dump made by mxfs meta dump") from None
-    except Exception as e:  # noqa: BLE001 - sqlite3 or zstd errors on foreign input
-        raise MxfsError(f"{args.file} is not a metadata dump ({type(e).__name__}: {e})",
-                        "give a dump made by mxfs meta dump") from None
-    why = backup.problem(tmp, pool.uuid)
-    if why is not None:
-        os.unlink(tmp)
-        raise MxfsError(f"{args.file}: the store it holds {why}", "give this pool's dump")
-    kept = backup.restore_file(tmp, pool.meta_dir)
-    os.unlink(tmp)
-    vol = Volume.open(args.pool)
-    vol.restored_from = args.file
-    vol.lock("restore", "")
-    vol.recover()  # drops chunk files the restored store does not know
-    vol.close()
+    with pool_lock(pool, "mxfs meta restore"):
+        kept = _restore_held(pool, args.file, args.pool)
     print(json.dumps({"restored": args.file, "previous": kept}) if args.json
           else f"restored the metadata store from {args.file}; the previous one is {kept}")
     return 0
+
+
+def _restore_held(pool: Pool, file: str, spec: str) -> str:
+    """Load `file`, check it is this pool's, put it in place and recover; the kept store."""
+    from mxfs.fs.volume import Volume
+    from mxfs.meta import backup
+
+    uuid, meta_dir = pool.uuid, pool.meta_dir
+    if not os.path.isfile(file):
+        raise MxfsError(f"{file} does not exist", "give a dump made by mxfs meta dump")
+    tmp = os.path.join(meta_dir, "restore.db")
+    try:
+        try:
+            backup.load_dump(file, tmp)
+        except (ValueError, OSError) as e:
+            raise MxfsError(f"{file} cannot be read as a metadata dump ({e})",
+                            "give a dump made by mxfs meta dump") from None
+        except Exception as e:  # noqa: BLE001 - sqlite3 or zstd errors on foreign input
+            raise MxfsError(f"{file} is not a metadata dump ({type(e).__name__}: {e})",
+                            "give a dump made by mxfs meta dump") from None
+        why = backup.problem(tmp, uuid)
+        if why is not None:
+            raise MxfsError(f"{file}: the store it holds {why}", "give this pool's dump")
+        kept = backup.restore_file(tmp, meta_dir)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    vol = Volume.open(spec)  # the caller holds the lock
+    vol.restored_from = file
+    vol.recover()  # drops chunk files the restored store does not know
+    vol.close()
+    return kept
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

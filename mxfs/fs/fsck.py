@@ -76,6 +76,8 @@ def display_name(store: MetaStore, ino: int) -> str:
 
 def fsck(vol: Volume, repair: bool) -> list[Finding]:
     """Every inconsistency of the pool, repaired when `repair` (the pool must be locked)."""
+    if repair and not vol.holds_lock:
+        raise ValueError("fsck repairs only a pool it holds: Volume.open(spec, hold=...)")
     store, q = vol.store, vol.store.db.execute
     out: list[Finding] = []
 

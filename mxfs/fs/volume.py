@@ -15,7 +15,10 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
@@ -54,14 +57,16 @@ def format_pool(members: list[str], stripe_unit: int, label: str = "",
     sb = format_members(members, stripe_unit, label, force)
     pool = Pool.open(members[0])
     assert pool.uuid == sb.pool_uuid
+    os.chmod(pool.meta_dir, 0o700)  # before the store exists: nobody can reach it meanwhile
     MetaStore.format(pool.meta_dir, pool.uuid, stripe_unit).close()
+    tighten(pool)
     return pool
 
 
 class Volume:
     """Pool + metadata; one per daemon, used from one thread except for chunk I/O."""
 
-    def __init__(self, pool: Pool, store: MetaStore) -> None:
+    def __init__(self, pool: Pool, store: MetaStore, lock_fd: int | None = None) -> None:
         self.pool = pool
         self.store = store
         self.open_inodes: dict[int, OpenInode] = {}
@@ -69,70 +74,76 @@ class Volume:
         self.pending_reclaim: list[int] = []
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self._spares: list[Inode] = []
-        self._lock_fd: int | None = None
+        self._lock_fd = lock_fd
         # Set when mount found the store damaged and put a backup in its place.
         self.restored_from: str | None = None
 
     @classmethod
     def open(cls, spec: str, readonly: bool = False, recover_meta: bool = False,
-             degraded: bool = False) -> Volume:
+             degraded: bool = False, hold: str | None = None) -> Volume:
         """Open a pool; with `recover_meta`, a damaged store is replaced by its newest
         good backup (the mount says so; changes made after that backup are lost); with
-        `degraded`, missing members are marked failed instead of refused."""
+        `degraded`, missing members are marked failed instead of refused.
+
+        With `hold` (who is asking, e.g. "mxfs put"), the pool lock is taken before
+        the store is touched and kept until `close`.  Recovering swaps the store's files,
+        so `recover_meta` always holds it (as "mxfs mount" until `lock` names the mount).
+        """
         pool = Pool.open(spec, degraded=degraded)
-        restored = _recover_store(pool) if recover_meta else None
+        if hold is None and recover_meta:
+            hold = "mxfs mount"
+        lock_fd = take_pool_lock(pool, hold) if hold is not None else None
         try:
-            store = MetaStore.open(pool.meta_dir, readonly=readonly)
-            uuid = store.setting("pool_uuid")
-        except (sqlite3.Error, OSError) as e:
-            raise MxfsError(f"metadata store in {pool.meta_dir} cannot be opened ({e})",
-                            "restore it from a backup (mxfs meta restore)") from None
-        if uuid != pool.uuid:
-            raise MxfsError(f"metadata store in {pool.meta_dir} belongs to pool {uuid}, "
-                            f"not {pool.uuid}", "restore the right metadata store")
-        vol = cls(pool, store)
+            tighten(pool)  # before SQLite opens it: the -wal and -shm take the db's mode
+            restored = _recover_store(pool) if recover_meta else None
+            try:
+                store = MetaStore.open(pool.meta_dir, readonly=readonly)
+                uuid = store.setting("pool_uuid")
+            except (sqlite3.Error, OSError) as e:
+                raise MxfsError(f"metadata store in {pool.meta_dir} cannot be opened ({e})",
+                                "restore it from a backup (mxfs meta restore)") from None
+            if uuid != pool.uuid:
+                store.close()
+                raise MxfsError(f"metadata store in {pool.meta_dir} belongs to pool {uuid}, "
+                                f"not {pool.uuid}", "restore the right metadata store")
+        except BaseException:
+            if lock_fd is not None:
+                release_pool_lock(lock_fd)
+            raise
+        vol = cls(pool, store, lock_fd)
         vol.restored_from = restored
         return vol
 
     @classmethod
     def claim(cls, spec: str, who: str) -> Volume:
-        """Open an unmounted pool for an offline writer, holding the daemon's lock so it
-        cannot be mounted meanwhile; a mounted pool is refused before anything is written."""
-        vol = cls.open(spec)
-        try:
-            vol.lock(f"({who})", "")
-        except MxfsError:
-            vol.store.close()
-            raise
-        return vol
+        """Open an unmounted pool for an offline writer, holding the pool lock (taken before
+        the store is opened) so it cannot be mounted meanwhile; `close` gives it back."""
+        return cls.open(spec, hold=who)
 
     def backup_meta(self) -> str:
         """Blocking (worker thread): an online copy of the store on the next member."""
         return backup.backup(self.store.path, self.pool.backup_dir).path
 
-    # ---- the daemon's lock ------------------------------------------------
+    # ---- the pool lock (a daemon or an offline writer) ---------------------
 
     def lock(self, mountpoint: str, socket_path: str) -> None:
-        """Claim the pool for one daemon; a second mount is refused, naming the first."""
-        path = os.path.join(self.pool.meta_dir, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = read_lock_info(self.pool)
-            os.close(fd)
-            where = f" at {holder['mountpoint']} (pid {holder['pid']})" if holder else ""
-            raise MxfsError(f"pool {self.pool.uuid} is already mounted{where}",
-                            "unmount it first (mxfs umount)") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint,
-                                  "socket": socket_path}).encode(), 0)
-        self._lock_fd = fd
+        """Claim the pool for one daemon; a second mount is refused, naming the holder.
+
+        If `open` already holds the lock for this volume, it now names the mount.
+        """
+        if self._lock_fd is None:
+            self._lock_fd = take_pool_lock(self.pool, "mxfs mount", mountpoint, socket_path)
+        else:
+            _write_lock_info(self._lock_fd, {"pid": os.getpid(), "tool": "mxfs mount",
+                                             "mountpoint": mountpoint, "socket": socket_path})
+
+    @property
+    def holds_lock(self) -> bool:
+        return self._lock_fd is not None
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
-            os.ftruncate(self._lock_fd, 0)
-            os.close(self._lock_fd)
+            release_pool_lock(self._lock_fd)
             self._lock_fd = None
 
     # ---- layouts -----------------------------------------------------------
@@ -364,22 +375,124 @@ def _recover_store(pool: Pool) -> str | None:
     return f"{good.path} (taken {when}; the store was {why})"
 
 
+# ---- the pool lock ------------------------------------------------------------
+#
+# One flock on meta/daemon.lock, exclusive for a mount or an offline writer, shared
+# for offline readers (OfflinePool); the file holds JSON naming the exclusive holder.
+# It is taken without opening the store, so a tool that replaces a missing or damaged
+# store can hold the pool first.
+
+
+def take_pool_lock(pool: Pool, who: str, mountpoint: str | None = None,
+                   socket_path: str | None = None) -> int:
+    """Lock `pool` exclusively for `who` (e.g. "mxfs meta restore"); the locked fd.
+
+    Refused with one line naming the holder: a mount (where, pid) or a tool (pid).
+    """
+    os.makedirs(pool.meta_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(pool.meta_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except PermissionError:
+        raise _private_lock(path) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = read_lock_info(pool)
+        again = "already " if who == "mxfs mount" else ""
+        raise MxfsError(f"pool {pool.uuid} is {again}{describe_holder(holder)}",
+                        _holder_fix(holder)) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    _write_lock_info(fd, {"pid": os.getpid(), "tool": who, "mountpoint": mountpoint,
+                          "socket": socket_path})
+    return fd
+
+
+def release_pool_lock(fd: int) -> None:
+    """Forget the holder, then let go of the lock."""
+    try:
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def pool_lock(pool: Pool, who: str) -> Iterator[None]:
+    """Hold `pool` for an offline tool for the whole block."""
+    fd = take_pool_lock(pool, who)
+    try:
+        yield
+    finally:
+        release_pool_lock(fd)
+
+
+def _write_lock_info(fd: int, info: dict) -> None:
+    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+        os.fchmod(fd, 0o600)  # made by an older version: private from now on
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+
+
+def describe_holder(holder: dict | None) -> str:
+    """What holds a pool, as the end of "pool X is ...": a mount, a tool, or readers."""
+    if holder is None:
+        return "mounted or read offline (OfflinePool) by another process"
+    pid = f" (pid {holder['pid']})" if holder.get("pid") else ""
+    if holder.get("mountpoint"):
+        return f"mounted at {holder['mountpoint']}{pid}"
+    return f"in use by {holder.get('tool') or 'another process'}{pid}"
+
+
+def _holder_fix(holder: dict | None) -> str:
+    if holder is not None and holder.get("mountpoint"):
+        return "unmount it first (mxfs umount)"
+    if holder is not None and holder.get("tool") == "mxfs mount":
+        return "it is being mounted; unmount it first (mxfs umount)"
+    if holder is not None and holder.get("tool"):
+        return f"wait for {holder['tool']} to finish, then try again"
+    return "wait for it to finish, or unmount it (mxfs umount), then try again"
+
+
+def _private_lock(path: str) -> MxfsError:
+    return MxfsError(f"the pool lock {path} is root's (a pool's metadata is private)",
+                     "run as root, or ask through the mount point")
+
+
+def tighten(pool: Pool) -> None:
+    """Make the store, its lock and its backups root's alone: 0700 folders, 0600 files.
+
+    They hold every file name and xattr of the pool, whatever the modes of its
+    directories; pools made by older versions (0755/0644) are fixed here.
+    """
+    for folder in [pool.meta_dir, *pool.backup_dirs()]:
+        backup.private(folder)
+
+
 def read_lock_info(pool: Pool) -> dict | None:
-    """Who holds the pool (pid, mountpoint, socket), or None when nobody does."""
+    """Who holds the pool exclusively (pid, tool, mountpoint or None, socket), or None
+    when nobody does (or only offline readers do)."""
     path = os.path.join(pool.meta_dir, LOCK_NAME)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except PermissionError:
+        raise _private_lock(path) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raw = os.pread(fd, 4096, 0)
             try:
-                return json.loads(raw)
-            except ValueError:
-                return {"pid": None, "mountpoint": "?", "socket": None}
+                info = json.loads(raw)
+            except ValueError:  # taken a moment ago, not yet named
+                info = None
+            if not isinstance(info, dict):
+                return {"pid": None, "tool": None, "mountpoint": None, "socket": None}
+            return info
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:

@@ -6,6 +6,9 @@ API (a consistent snapshot, taken beside the running daemon through its own
 read connection) into `meta-backup/` on the next member, keeping the newest few.
 A dump is SQL or JSON, zstd-compressed when its name ends in `.zst`.  Stdlib and
 zstandard only.
+
+Every copy is as private as the store (0600 files, 0700 folders), created so from
+the start: it holds every file name and xattr of the pool, whatever its modes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import base64
 import json
 import os
 import sqlite3
+import stat
 import time
 from dataclasses import dataclass
 
@@ -34,11 +38,13 @@ class Copy:
 def backup(db_path: str, folder: str, keep: int = KEEP) -> Copy:
     """Copy the store at `db_path` online into `folder` (atomically), keeping `keep` copies."""
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    private(folder)
     taken = time.time_ns()
     final = os.path.join(folder, f"{_PREFIX}{taken}{_SUFFIX}")
     tmp = final + ".tmp"
     src = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     try:
+        os.close(_create_private(tmp))  # SQLite keeps an existing file's mode (and its journal's)
         dst = sqlite3.connect(tmp)
         try:
             src.backup(dst)
@@ -57,6 +63,32 @@ def backup(db_path: str, folder: str, keep: int = KEEP) -> Copy:
     for old in copies(folder)[keep:]:
         os.unlink(old.path)
     return Copy(final, taken)
+
+
+def private(folder: str) -> None:
+    """`folder` 0700 and the files in it 0600, where looser (and ours to change).
+
+    Best effort: a missing folder, one not ours, or a failed member is left alone.
+    """
+    try:
+        if stat.S_IMODE(os.stat(folder).st_mode) & 0o077:
+            os.chmod(folder, 0o700)
+        with os.scandir(folder) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False) and \
+                        stat.S_IMODE(e.stat(follow_symlinks=False).st_mode) & 0o077:
+                    os.chmod(e.path, 0o600)
+    except OSError:
+        pass
+
+
+def _create_private(path: str) -> int:
+    """A new empty 0600 file at `path` (a stale one from a crash is replaced); its fd."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
 
 def copies(folder: str) -> list[Copy]:
@@ -112,7 +144,7 @@ def restore_file(source: str, meta_dir: str) -> str:
         if os.path.exists(target + suffix):
             os.rename(target + suffix, kept + suffix)
     tmp = target + ".restoring"
-    with open(source, "rb") as src, open(tmp, "wb") as dst:
+    with open(source, "rb") as src, os.fdopen(_create_private(tmp), "wb") as dst:
         while block := src.read(1 << 20):
             dst.write(block)
         dst.flush()
@@ -125,41 +157,59 @@ def restore_file(source: str, meta_dir: str) -> str:
 # ---- dumps ------------------------------------------------------------------------
 
 
-def _open_out(path: str) -> tuple[object, object]:
-    raw = open(path, "wb")  # noqa: SIM115 - closed by the caller, after the compressor
+def _open_out(fd: int, path: str) -> tuple[object, object]:
+    raw = os.fdopen(fd, "wb")  # closed by the caller, after the compressor
     if path.endswith(".zst"):
         return zstandard.ZstdCompressor(level=6).stream_writer(raw), raw
     return raw, raw
 
 
 def dump(db_path: str, out: str) -> int:
-    """Write the store as SQL or JSON (by name: .sql or .json, optionally .zst); rows written."""
+    """Write the store as SQL or JSON (by name: .sql or .json, optionally .zst); rows written.
+
+    Written 0600 beside `out` and renamed over it when whole, so no reader ever sees
+    it open (an older `out` may be readable, and a reader's descriptor outlives a chmod).
+    """
+    kind = out.removesuffix(".zst")
+    if not kind.endswith((".json", ".sql")):
+        raise ValueError(f"{out}: name it .sql, .json, .sql.zst or .json.zst")
+    tmp = os.path.join(os.path.dirname(out) or ".", f".{os.path.basename(out)}.{os.getpid()}")
     src = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-    stream, raw = _open_out(out)
-    rows = 0
     try:
-        if out.removesuffix(".zst").endswith(".json"):
-            tables = {}
-            for (name,) in src.execute("SELECT name FROM sqlite_master WHERE type='table' AND "
-                                       "(name NOT LIKE 'sqlite_%' OR name='sqlite_sequence')"):
-                cur = src.execute(f"SELECT * FROM {name}")  # noqa: S608 - our own tables
-                cols = [d[0] for d in cur.description]
-                data = [[_json_value(v) for v in r] for r in cur]
-                tables[name] = {"columns": cols, "rows": data}
-                rows += len(data)
-            stream.write(json.dumps({"format": "mxfs-meta", "schema_version": SCHEMA_VERSION,
-                                     "tables": tables}).encode())  # type: ignore[attr-defined]
-        elif out.removesuffix(".zst").endswith(".sql"):
-            for line in src.iterdump():
-                stream.write((line + "\n").encode())  # type: ignore[attr-defined]
-                rows += line.startswith("INSERT")
-        else:
-            raise ValueError(f"{out}: name it .sql, .json, .sql.zst or .json.zst")
+        stream, raw = _open_out(_create_private(tmp), out)
+        try:
+            rows = _write_dump(src, stream, kind.endswith(".json"))
+        finally:
+            stream.close()  # type: ignore[attr-defined]
+            if raw is not stream:
+                raw.close()  # type: ignore[attr-defined]
+        os.rename(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     finally:
-        stream.close()  # type: ignore[attr-defined]
-        if raw is not stream:
-            raw.close()  # type: ignore[attr-defined]
         src.close()
+    return rows
+
+
+def _write_dump(src: sqlite3.Connection, stream: object, as_json: bool) -> int:
+    rows = 0
+    if as_json:
+        tables = {}
+        for (name,) in src.execute("SELECT name FROM sqlite_master WHERE type='table' AND "
+                                   "(name NOT LIKE 'sqlite_%' OR name='sqlite_sequence')"):
+            cur = src.execute(f"SELECT * FROM {name}")  # noqa: S608 - our own tables
+            cols = [d[0] for d in cur.description]
+            data = [[_json_value(v) for v in r] for r in cur]
+            tables[name] = {"columns": cols, "rows": data}
+            rows += len(data)
+        stream.write(json.dumps({"format": "mxfs-meta", "schema_version": SCHEMA_VERSION,
+                                 "tables": tables}).encode())  # type: ignore[attr-defined]
+    else:
+        for line in src.iterdump():
+            stream.write((line + "\n").encode())  # type: ignore[attr-defined]
+            rows += line.startswith("INSERT")
     return rows
 
 
@@ -173,8 +223,7 @@ def load_dump(source: str, db_out: str) -> None:
         data = f.read()
     if source.endswith(".zst"):
         data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
-    if os.path.exists(db_out):
-        os.unlink(db_out)
+    os.close(_create_private(db_out))
     db = sqlite3.connect(db_out, isolation_level=None)
     try:
         if source.removesuffix(".zst").endswith(".json"):
