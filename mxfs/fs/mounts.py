@@ -6,9 +6,11 @@ from __future__ import annotations
 import errno
 import os
 import select
+import stat
 import subprocess
 import sys
 import time
+from typing import BinaryIO
 
 from mxfs.errors import MxfsError
 
@@ -63,10 +65,14 @@ def check_mountpoint(path: str, nonempty: bool = False) -> str:
 
 def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
     """Start `mxfs mount -f` in its own session and wait until it says it is mounted:
-    (its pid, warnings for the user)."""
+    (its pid, warnings for the user).
+
+    The log is root's alone (0600; it names files and callers); its folder stays
+    reachable, since every user connects to the control sockets there.
+    """
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     r, w = os.pipe()
-    with open(log_path, "ab") as logf:
+    with open_private_log(log_path) as logf:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mxfs", *argv, "--ready-fd", str(w)],
             pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
@@ -96,6 +102,19 @@ def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
         raise MxfsError(problem, fix or None)
     proc.wait(timeout=10)
     raise MxfsError(f"the daemon exited with code {proc.returncode}", f"see {log_path}")
+
+
+def open_private_log(path: str) -> BinaryIO:
+    """`path` opened to append, 0600 (one made looser by an older version is tightened
+    before anything more is written to it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def wait_pid_gone(pid: int, timeout: float) -> bool:

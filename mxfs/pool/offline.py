@@ -28,7 +28,7 @@ class OfflinePool:
                             "run as root, or mount the pool and read through the mount")
         self.pool = Pool.open(spec)
         path = os.path.join(self.pool.meta_dir, LOCK_NAME)
-        self._lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
