@@ -42,6 +42,7 @@ from mxfs.fs.metrics import Metrics
 from mxfs.fs.session import (
     Pending,
     Session,
+    allowed_length,
     check_pending_room,
     grown_chunks,
     open_hidden,
@@ -95,6 +96,7 @@ class ControlServer:
         self.limits = limits or Limits()
         self.kv = KVOps(volume, KVIndex(volume), self.limits)
         self.conns: Counter[int] = Counter()  # open connections by uid
+        self.sessions: dict[int, Session] = {}
         self.failures = FailureLog(log)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -161,15 +163,38 @@ class ControlServer:
                 return
             session = Session(caller)
             self.conns[caller.uid] += 1
+            self.sessions[id(session)] = session
             try:
                 await self._serve(conn, session)
             except Exception as e:
                 self.failures.note("connection", caller, e)
             finally:
+                del self.sessions[id(session)]
                 self.conns[caller.uid] -= 1
                 if not self.conns[caller.uid]:
                     del self.conns[caller.uid]
                 self._end_session(session)
+
+    def trim_overdrafts(self) -> int:
+        """Cut every unpublished file's chunk files back to what its writer
+        declared (called when the metadata member runs short: a writer holding
+        descriptors cannot be stopped, but the space it took past its word can be
+        taken back; its commit is refused anyway).  How many chunk files were cut."""
+        cut = 0
+        for session in list(self.sessions.values()):
+            for pending in list(session.pending.values()):
+                node = pending.entry.node
+                for m in grown_chunks(self.vol, node, pending.declared):
+                    try:
+                        os.truncate(self.vol.pool.chunk_path(m, node.ino),
+                                    allowed_length(self.vol, node, m, pending.declared))
+                        cut += 1
+                    except OSError:
+                        pass
+        if cut:
+            log.warning("metadata member short of space: cut %d chunk files of unpublished "
+                        "files back to their declared sizes", cut)
+        return cut
 
     def _end_session(self, session: Session) -> None:
         for ino in list(session.pending):

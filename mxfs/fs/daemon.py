@@ -182,8 +182,10 @@ async def _commit_groups(control: ControlServer) -> None:
         await trio.sleep(GROUP_COMMIT_S / 2)
         rounds += 1
         try:
-            if rounds % 20 == 0:  # twice a second: the metadata member's space reserve
+            if rounds % 4 == 0:  # ten times a second: the metadata member's space reserve
                 vol.store.watch_space()
+                if vol.store.space_low:
+                    control.trim_overdrafts()
             control.kv.flush()
             vol.store.commit_if_due(GROUP_COMMIT_S)
             inos = vol.take_pending()

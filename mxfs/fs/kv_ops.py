@@ -112,8 +112,10 @@ class KVOps:
         if op == "kv_delete":
             return {"ok": True, "deleted": self.index.remove(space, _keys(msg))}, []
         if op == "kv_list":
-            limit, skip = int_field(msg, "limit", 1000), int_field(msg, "skip", 0)
-            items = itertools.islice(space.chunks.items(), skip, skip + min(limit, 100_000))
+            n = len(space.chunks)
+            skip = min(int_field(msg, "skip", 0), n)
+            stop = min(skip + min(int_field(msg, "limit", 1000), 100_000), n)
+            items = itertools.islice(space.chunks.items(), skip, stop)
             return {"ok": True, "chunks": [[base64.b64encode(k).decode(), c.size, c.pins]
                                            for k, c in items]}, []
         if op == "kv_config":

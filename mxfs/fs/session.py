@@ -39,18 +39,21 @@ def check_pending_room(session: Session, limit: int) -> None:
                       "limit (mount option max_pending): commit or abort some")
 
 
+def allowed_length(vol: Volume, node: Inode, member: int, declared: int) -> int:
+    """How long `node`'s chunk file on `member` may be for a file declared `declared`
+    bytes (rounded up to a page: O_DIRECT writers pad the last piece, the commit cuts it)."""
+    return vol.layout(node).chunk_length(member, -(-declared // PAGE) * PAGE)
+
+
 def grown_chunks(vol: Volume, node: Inode, declared: int) -> list[int]:
-    """Blocking: members whose chunk file of `node` runs past what `declared` bytes need
-    (rounded up to a page: O_DIRECT writers pad the last piece, the commit cuts it)."""
-    layout = vol.layout(node)
-    declared = -(-declared // PAGE) * PAGE
+    """Blocking: members whose chunk file of `node` runs past what `declared` allows."""
     grown = []
-    for m in layout.used_members():
+    for m in vol.layout(node).used_members():
         try:
             st = os.stat(vol.pool.chunk_path(m, node.ino))
         except FileNotFoundError:
             continue
-        if st.st_size > layout.chunk_length(m, declared):
+        if st.st_size > allowed_length(vol, node, m, declared):
             grown.append(m)
     return grown
 

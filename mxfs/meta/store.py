@@ -32,7 +32,11 @@ DB_NAME = "mxfs.db"
 # when writers fill the member, it is given back so that commits, unlinks and KV
 # eviction still go through, and taken again once space returns.
 RESERVE_NAME = "reserve"
-RESERVE_MIN, RESERVE_MAX = 4 << 20, 64 << 20
+RESERVE_MIN, RESERVE_MAX = 4 << 20, 32 << 20
+# Blocks allocated ahead (past the end, the size unchanged) for the WAL and the database
+# to grow into, so that a commit needs no new space even while a writer fills the member.
+GROWTH_ROOM = 8 << 20
+_FALLOC_FL_KEEP_SIZE = 1
 
 log = logging.getLogger("mxfs.meta")
 
@@ -148,6 +152,19 @@ def _check_name(name: bytes) -> None:
         raise fail(errno.EINVAL)
 
 
+def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
+    """fallocate(2) with FALLOC_FL_KEEP_SIZE: blocks past the end, contents untouched
+    (posix_fallocate may emulate by writing, which a live WAL must never see)."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
 def _is_full(e: sqlite3.Error) -> bool:
     return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or \
         "disk is full" in str(e)
@@ -186,6 +203,7 @@ class MetaStore:
         # The daemon turns this on and calls commit_if_due; tools commit each change.
         self.group_commit = False
         self.reserve_path = os.path.join(os.path.dirname(path), RESERVE_NAME)
+        self.space_low = False  # the member is nearly full: writers through the mount wait
         if not readonly:
             self.keep_reserve()
 
@@ -304,6 +322,8 @@ class MetaStore:
         """
         if not self._group_open:
             return
+        if self._space_short():
+            self.release_reserve()  # before the engine fails (it may drop the whole group)
         for attempt in (1, 2):
             try:
                 self.db.execute("COMMIT")
@@ -320,22 +340,33 @@ class MetaStore:
 
     # ---- the space reserve ---------------------------------------------------
 
+    def _space_short(self) -> bool:
+        """Is the metadata member nearly full (less free than the reserve holds)?"""
+        try:
+            st = os.statvfs(os.path.dirname(self.path))
+        except OSError:
+            return False
+        self.space_low = st.f_bavail * st.f_frsize < RESERVE_MIN
+        return self.space_low
+
     def _reserve_target(self) -> int:
         st = os.statvfs(os.path.dirname(self.path))
         return min(max(st.f_blocks * st.f_frsize // 100, RESERVE_MIN), RESERVE_MAX)
 
     def keep_reserve(self) -> bool:
-        """Hold the reserve (again) if there is room for it and more; True if held."""
+        """Hold the reserve (again), and growth room for the WAL and the database, if
+        there is room for them and more; True if the reserve is held."""
         try:
             target = self._reserve_target()
+            st = os.statvfs(os.path.dirname(self.path))
+            if st.f_bavail * st.f_frsize < 3 * target:
+                return False  # not while writers are short of space themselves
+            self._grow_room()
             try:
                 if os.stat(self.reserve_path).st_blocks * 512 >= target:
                     return True
             except FileNotFoundError:
                 pass
-            st = os.statvfs(os.path.dirname(self.path))
-            if st.f_bavail * st.f_frsize < 3 * target:
-                return False  # not while writers are short of space themselves
             fd = os.open(self.reserve_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 os.posix_fallocate(fd, 0, target)
@@ -349,6 +380,22 @@ class MetaStore:
             except OSError:
                 pass
             return False
+
+    def _grow_room(self) -> None:
+        """Allocate GROWTH_ROOM past the end of the WAL and the database (sizes kept)."""
+        for path in (self.path + "-wal", self.path):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                end = os.fstat(fd).st_size
+                if os.fstat(fd).st_blocks * 512 < end + GROWTH_ROOM // 2:
+                    _fallocate_keep_size(fd, end, GROWTH_ROOM)
+            except OSError as e:
+                log.debug("no growth room for %s: %s", path, e)
+            finally:
+                os.close(fd)
 
     def release_reserve(self) -> bool:
         """Give the reserve's space to the store now; True if there was some to give."""
@@ -366,11 +413,7 @@ class MetaStore:
     def watch_space(self) -> None:
         """Called now and then: give the reserve up before the member is full, and take
         it again once writers freed space."""
-        try:
-            st = os.statvfs(os.path.dirname(self.path))
-        except OSError:
-            return
-        if st.f_bavail * st.f_frsize < RESERVE_MIN // 2:
+        if self._space_short():
             self.release_reserve()
         else:
             self.keep_reserve()

@@ -1,0 +1,276 @@
+"""A daemon that no request can end: the control fuzzer, limits, and writers that steal space.
+
+Each test runs a real daemon and attacks it as an unprivileged user; afterwards the
+daemon still serves everyone (same pid, answers hello, the mount works).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from conftest import HAVE_FUSE, Mounted, eventually, force_unmount, make_members, mkfs
+
+from mxfs.client import ControlClient, ControlError
+from mxfs.proto import HEADER, VERSION
+
+pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
+ROOT = Path(__file__).resolve().parent.parent
+FUZZ_CASES = int(os.environ.get("MXFS_FUZZ_CASES", "100000"))
+
+
+def daemon_figures(pid: int) -> tuple[int, int]:
+    """(RSS in KiB, open descriptors) of the daemon."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@contextmanager
+def mount_with(members: list[str], *options: str, prefix: list[str] | None = None
+               ) -> Iterator[Mounted]:
+    """Mount `members` with extra -o options (and a command prefix such as prlimit)."""
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-hostile-"))
+    os.chmod(mp, 0o755)
+    opts = ",".join(["allow_other", *options])
+    cmd = [*(prefix or []), sys.executable, "-m", "mxfs", "mount", "-o", opts, members[0],
+           str(mp)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    try:
+        yield Mounted(mp, members)
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)
+
+
+def test_fuzzer_as_nobody_leaves_the_daemon_serving_and_the_pool_clean(
+        mounted: Mounted) -> None:
+    fz = mounted.path / "fz"
+    fz.mkdir()
+    os.chmod(fz, 0o1777)
+    (fz / "a").write_bytes(b"root's file")  # a sticky folder: nobody may not replace it
+    pid = mounted.daemon_pid()
+    rss0, fds0 = daemon_figures(pid)
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz_control.py"),
+                          str(mounted.path), "--cases", str(FUZZ_CASES), "--as-user", "65534",
+                          "--dir", "/fz"], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["requests"] == FUZZ_CASES and summary["distinct_ops"] >= 20
+    assert summary["answers"].get("ok", 0) > 0 and summary["answers"].get("errno 22", 0) > 0
+    with ControlClient(str(mounted.path)) as c:
+        assert c.server["pid"] == pid
+        assert eventually(lambda: c.stat()["open_files"] == 0)
+    rss1, fds1 = daemon_figures(pid)
+    print(f"fuzz: {summary}; daemon RSS {rss0} -> {rss1} KiB, descriptors {fds0} -> {fds1}")
+    assert fds1 <= fds0 + 2
+    assert rss1 <= rss0 + 32 * 1024
+    assert (fz / "a").read_bytes() == b"root's file"
+    (mounted.path / "after").mkdir()
+    mounted.umount()
+    from mxfs.fs.volume import Volume
+
+    vol = Volume.open(mounted.members[0])
+    try:
+        assert vol.problems() == []
+        # EIO is how an unforeseen failure answers: the fuzzer must have found none.
+        assert "errno 5" not in summary["answers"], summary
+    finally:
+        vol.store.close()
+
+
+NOBODY_CONNECTS = r"""
+import socket
+from mxfs.client import ControlClient, ControlError
+mount, n = sys.argv[1], int(sys.argv[2])
+held, refused = [], None
+for i in range(n):
+    try:
+        held.append(ControlClient(mount))
+    except ControlError as e:
+        refused = (i, e.errno)
+        break
+print(json.dumps({"held": len(held), "refused": refused}), flush=True)
+sys.stdin.read()  # hold them until told
+"""
+
+
+def test_connection_limits_refuse_the_newcomer_and_serve_the_rest(tmp_path: Path) -> None:
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, "max_conns_per_user=8", "max_conns=40") as m:
+        from users import PRELUDE
+
+        code = PRELUDE.format(uid=65534, gid=65534, groups=()) + NOBODY_CONNECTS
+        hog = subprocess.Popen([sys.executable, "-c", code, str(m.path), "20"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert hog.stdout is not None
+            out = json.loads(hog.stdout.readline())
+            assert out == {"held": 8, "refused": [8, errno.EMFILE]}
+            # Root and everyone else are still served, up to the total.
+            clients = [ControlClient(str(m.path)) for _ in range(40 - 8)]
+            with pytest.raises(ControlError) as e:
+                ControlClient(str(m.path))
+            assert e.value.errno == errno.ENFILE
+            st = clients[0].stat()["limits"]
+            assert st["connections"] == 40 and st["max_conns"] == 40
+            assert st["busiest_user"] == [0, 32]
+            for c in clients[1:]:
+                c.close()
+            assert eventually(lambda: clients[0].stat()["limits"]["connections"] == 9)
+            clients[0].close()
+            (m.path / "still").write_text("works")
+        finally:
+            hog.kill()
+            hog.wait()
+        with ControlClient(str(m.path)) as c:  # the hog's connections are gone with it
+            assert eventually(lambda: c.stat()["limits"]["connections"] == 1)
+
+
+def test_descriptor_exhaustion_refuses_connections_not_the_daemon(tmp_path: Path) -> None:
+    members = make_members(tmp_path)
+    mkfs(members)
+    # A daemon allowed 400 descriptors, 256 of which it keeps back for itself.
+    with mount_with(members, prefix=["prlimit", "--nofile=400:400"]) as m:
+        clients, refused = [], None
+        try:
+            for _ in range(400):
+                try:
+                    clients.append(ControlClient(str(m.path)))
+                except ControlError as e:
+                    refused = e.errno
+                    break
+            assert refused == errno.ENFILE and 100 < len(clients) < 150
+            assert clients[0].stat()["limits"]["fds_max"] == 400
+            (m.path / "f").write_bytes(b"x" * 100_000)  # FUSE is served meanwhile
+            assert (m.path / "f").read_bytes() == b"x" * 100_000
+        finally:
+            for c in clients:
+                c.close()
+        with ControlClient(str(m.path)) as c:
+            assert eventually(lambda: c.stat()["limits"]["connections"] == 1)
+
+
+def raw(m: Mounted) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(os.getxattr(m.path, "user.mxfs.control").decode())
+    return s
+
+
+def test_idle_half_sent_and_stalled_connections_are_closed(tmp_path: Path) -> None:
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, "idle_timeout=1", "frame_timeout=1") as m:
+        half = raw(m)
+        half.sendall(HEADER.pack(b"MXFS", VERSION, 0, 100) + b'{"op":')  # and never more
+        idle = raw(m)
+        holder = ControlClient(str(m.path))  # holds an unpublished file: not idle
+        held, fds = holder.call_with_fds("create", path="/held", size=10)
+        for fd in fds:
+            os.close(fd)
+        stalled = raw(m)  # asks and asks, never reads a reply
+        stalled.setblocking(False)
+        stat = json.dumps({"op": "stat", "id": 1}).encode()
+        frame = HEADER.pack(b"MXFS", VERSION, 0, len(stat)) + stat
+        sent = 0
+        try:
+            while sent < 64 << 20:
+                sent += stalled.send(frame)
+        except BlockingIOError:
+            pass
+        stalled.setblocking(True)
+        with ControlClient(str(m.path)) as other:  # served while those hang
+            assert other.stat()["pid"] == holder.server["pid"]
+        assert half.recv(1) == b""
+        assert idle.recv(1) == b""
+        time.sleep(2)
+        assert holder.call("hello")["ok"]  # holding a file, it was not idle
+        holder.call("abort", ino=held["ino"])
+
+        def closed() -> bool:
+            try:
+                stalled.settimeout(0.2)
+                while stalled.recv(1 << 20):
+                    pass
+                return True
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+        assert eventually(closed, timeout=60)
+        for s in (half, idle, stalled):
+            s.close()
+        holder.close()
+
+
+WRITER_PAST_DECLARED = r"""
+from mxfs.client import ControlClient
+c = ControlClient(sys.argv[1])
+reply, fds = c.call_with_fds("create", path="/fz/big", size=4096)
+fd = dict(zip(reply["members"], fds))[0]  # its chunk file on member 0, the metadata's
+chunk, wrote, full = b"\xab" * (1 << 20), 0, None
+try:  # far past the 4 KiB it declared, until member 0 is full (the daemon cuts it back)
+    while wrote < 128 << 20:
+        os.pwrite(fd, chunk, (1 << 20) + wrote)
+        wrote += len(chunk)
+except OSError as e:
+    full = e.errno
+print(json.dumps({"ino": reply["ino"], "wrote": wrote, "full": full}), flush=True)
+try:
+    c.call("commit", ino=reply["ino"], size=4096, sum_unit=65536, sums="AAAAAAAAAAA=")
+    out = "ok"
+except OSError as e:
+    out = e.errno
+print(json.dumps({"commit": out}), flush=True)
+sys.stdin.read()  # keep the descriptors open: the space must come back anyway
+"""
+
+
+def test_a_writer_past_its_declared_size_is_refused_and_its_space_returns(
+        loop_members: list[str]) -> None:
+    mkfs(loop_members)
+    with mount_with(loop_members) as m:
+        writer_past_declared(m)
+
+
+def writer_past_declared(m: Mounted) -> None:
+    from users import PRELUDE
+
+    (m.path / "fz").mkdir()
+    os.chmod(m.path / "fz", 0o1777)
+    (m.path / "keep").write_bytes(b"k" * 10_000)
+    pid = m.daemon_pid()
+    free0 = os.statvfs(m.members[0]).f_bavail
+    code = PRELUDE.format(uid=65534, gid=65534, groups=()) + WRITER_PAST_DECLARED
+    hog = subprocess.Popen([sys.executable, "-c", code, str(m.path)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout is not None
+        filled = json.loads(hog.stdout.readline())
+        assert filled["full"] in (errno.ENOSPC, None) and filled["wrote"] > 32 << 20
+        # With member 0 full, the metadata store still commits changes that free space.
+        (m.path / "keep").unlink()
+        (m.path / "newdir").mkdir()
+        assert json.loads(hog.stdout.readline()) == {"commit": errno.EFBIG}
+        ok = eventually(lambda: os.statvfs(m.members[0]).f_bavail >= free0 - 256)
+        assert ok, (free0, os.statvfs(m.members[0]).f_bavail, os.listdir(m.members[0] + "/meta"))
+        assert not (m.path / "fz" / "big").exists()
+        (m.path / "newdir" / "after").write_bytes(b"a" * 100_000)
+        assert (m.path / "newdir" / "after").read_bytes() == b"a" * 100_000
+        assert m.daemon_pid() == pid
+    finally:
+        hog.kill()
+        hog.wait()

@@ -1,0 +1,64 @@
+"""Real unprivileged users for permission tests, and a way to run code as one of them."""
+
+from __future__ import annotations
+
+import grp
+import json
+import pwd
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+TEAM = "mxfs-team"
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+
+def ensure_users() -> dict[str, User]:
+    """mxfs-alice and mxfs-bob (bob in group mxfs-team), made with useradd if missing."""
+    try:
+        grp.getgrnam(TEAM)
+    except KeyError:
+        subprocess.run(["groupadd", TEAM], check=True, capture_output=True)
+    out = {}
+    for name, extra in (("mxfs-alice", []), ("mxfs-bob", ["-G", TEAM])):
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", *extra, name],
+                           check=True, capture_output=True)
+        pw = pwd.getpwnam(name)
+        groups = tuple(sorted(set(__import__("os").getgrouplist(name, pw.pw_gid))))
+        out[name.removeprefix("mxfs-")] = User(name, pw.pw_uid, pw.pw_gid, groups)
+    return out
+
+
+PRELUDE = """
+import json, os, sys, errno
+import mxfs.client, mxfs.client.writer, mxfs.kv, mxfs.load  # before dropping root
+uid, gid, groups = {uid}, {gid}, {groups}
+os.setgroups(list(groups)); os.setgid(gid); os.setuid(uid)
+def attempt(fn, *a, **kw):
+    try:
+        r = fn(*a, **kw)
+        return "ok" if r is None or r is True or not isinstance(r, (int, str)) else r
+    except OSError as e:
+        return e.errno
+"""
+
+
+def run_as(user: User | None, script: str, *args: str) -> Any:
+    """Run `script` (after PRELUDE) as `user` (None: nobody, 65534); its stdout as JSON."""
+    uid, gid, groups = (user.uid, user.gid, user.groups) if user else (65534, 65534, ())
+    code = PRELUDE.format(uid=uid, gid=gid, groups=tuple(groups)) + script
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
