@@ -21,8 +21,11 @@ def _pool_of(target: str) -> object:
 
     root = mount_root(target) if os.path.isdir(target) else None
     if root is not None:
-        with ControlClient(root) as c:
+        with ControlClient(root, timeout=600) as c:
             target = c.stat()["members"][0]["path"]
+            # What the daemon holds in memory (sizes of files being written, the open
+            # group of changes) goes into the store first: the dump is what users saw.
+            c.call("meta_sync")
     return Pool.open(target)
 
 

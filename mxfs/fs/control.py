@@ -338,6 +338,11 @@ class ControlServer:
             if caller.uid != 0:
                 raise OSError(errno.EPERM, "only root backs up the metadata store")
             return {"ok": True, "path": await self.backup_meta()}, []
+        if op == "meta_sync":
+            if caller.uid != 0:
+                raise OSError(errno.EPERM, "only root syncs the metadata store")
+            await self.sync_meta()
+            return {"ok": True}, []
         if op == "abort":
             self._drop(session, self._pending(msg, session).entry.node.ino)
             return {"ok": True}, []
@@ -443,9 +448,15 @@ class ControlServer:
         session.pending.pop(ino)
         self.vol.release(ino)
 
-    async def backup_meta(self) -> str:
-        """Commit, then copy the metadata store online to the next member."""
+    async def sync_meta(self) -> None:
+        """Write back what memory holds (sizes and times of open files), commit, fsync."""
+        self.vol.store.flush_all()
         self.vol.store.commit()
+        await trio.to_thread.run_sync(self.vol.store.sync_wal)
+
+    async def backup_meta(self) -> str:
+        """Sync, then copy the metadata store online to the next member."""
+        await self.sync_meta()
         path = await trio.to_thread.run_sync(self.vol.backup_meta)
         log.info("metadata backed up to %s", path)
         return path

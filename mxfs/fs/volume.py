@@ -270,7 +270,11 @@ class Volume:
         """Commit, then hand over the orphans to free (their chunk files may now go)."""
         inos, self.pending_reclaim = self.pending_reclaim, []
         if inos:
-            self.store.commit()
+            try:
+                self.store.commit()
+            except OSError:
+                self.pending_reclaim = inos + self.pending_reclaim  # tried again next round
+                raise
         return inos
 
     def remove_chunks(self, inos: list[int]) -> None:

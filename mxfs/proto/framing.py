@@ -29,7 +29,7 @@ MAX_DEPTH = 16
 OPS = ("hello", "stat", "layout", "open_read", "create", "commit", "abort",
        "kv_put", "kv_create", "kv_commit", "kv_get", "kv_unpin", "kv_exists", "kv_delete",
        "kv_stats", "kv_list", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
-       "meta_backup", "metrics", "df")
+       "meta_backup", "meta_sync", "metrics", "df")
 
 
 class ProtocolError(Exception):
