@@ -1,0 +1,302 @@
+"""Tenants of one pool: the direct path grants nothing the mount refuses; KV namespaces
+have owners.
+
+Real users (useradd), an allow_other mount, and each operation done both ways: through
+the mount (the kernel checks, default_permissions) and through the control socket (the
+daemon checks): the outcomes must be the same, allowed or the same errno.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from conftest import HAVE_FUSE, Mounted, mxfs
+from users import TEAM, ensure_users, run_as
+
+from mxfs.kv import KVStore
+
+pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
+
+BOTH_WAYS = r"""
+import mmap
+from mxfs.client import ControlClient
+from mxfs.client.writer import create_file
+mount = sys.argv[1]
+data = b"d" * 5000
+
+def direct_write(path, replace=True):
+    buf = mmap.mmap(-1, 8192)
+    buf[:len(data)] = data
+    with create_file(path, len(data)) as w:
+        w.write_at(0, memoryview(buf), valid=len(data))
+        w.commit(len(data), replace=replace)
+
+def mount_write(path):
+    with open(path, "wb") as f:
+        f.write(data)
+
+def mount_replace(path):
+    tmp = os.path.join(os.path.dirname(path), ".tmp-" + str(os.getpid()))
+    mount_write(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.unlink(tmp)
+        raise
+
+def direct_read(path):
+    with ControlClient(mount) as c:
+        c.call("open_read", path=c.pool_path(path))
+
+def mount_read(path):
+    open(path, "rb").close()
+
+def gid_of(path):
+    return os.stat(path).st_gid
+
+out = {}
+for case in json.loads(sys.argv[2]):
+    name, kind, path = case
+    p = os.path.join(mount, path)
+    if kind == "create":
+        me = str(os.getuid())
+        out[name] = [attempt(mount_write, p + ".m" + me), attempt(direct_write, p + ".d" + me)]
+        if out[name] == ["ok", "ok"]:
+            out[name + " gid"] = [gid_of(p + ".m" + me), gid_of(p + ".d" + me)]
+    elif kind == "replace":
+        out[name] = [attempt(mount_replace, p), attempt(direct_write, p)]
+    elif kind == "read":
+        out[name] = [attempt(mount_read, p), attempt(direct_read, p)]
+    elif kind == "overwrite":
+        out[name] = [attempt(open, p, "r+b"), "n/a"]
+print(json.dumps(out))
+"""
+
+NUL_NAME = r"""
+from mxfs.client import ControlClient
+with ControlClient(sys.argv[1]) as c:
+    out = {"nul": attempt(c.call, "create", path="/sticky/a\0b", size=1),
+           "surrogate": attempt(c.call, "create", path="/sticky/a\udc80", size=1),
+           "dotdot": attempt(c.call, "create", path="/sticky/..", size=1)}
+print(json.dumps(out))
+"""
+
+
+def aligned(data: bytes) -> mmap.mmap:
+    buf = mmap.mmap(-1, max(4096, -(-len(data) // 4096) * 4096))
+    buf[:len(data)] = data
+    return buf
+
+
+def sealed_file(path: Path, uid: int) -> None:
+    from mxfs.client.writer import create_file
+
+    with create_file(str(path), 4) as w:
+        w.write_at(0, memoryview(aligned(b"seal")), valid=4)
+        w.commit(4)
+    os.chown(path, uid, uid)
+
+
+def test_the_direct_path_and_the_mount_agree_on_every_rule(mounted: Mounted) -> None:
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    team = grp.getgrnam(TEAM).gr_gid
+    root = mounted.path
+    os.chmod(root, 0o755)
+    for d, mode, owner, group in (("rootdir", 0o755, 0, 0), ("sticky", 0o1777, 0, 0),
+                                  ("private", 0o700, bob.uid, bob.gid),
+                                  ("team", 0o2775, 0, team),
+                                  ("alicedir", 0o755, alice.uid, alice.gid)):
+        (root / d).mkdir()
+        os.chmod(root / d, mode)
+        os.chown(root / d, owner, group)
+    for f, owner, mode in (("sticky/bobs", bob, 0o666), ("sticky/alices", alice, 0o644),
+                           ("private/f", bob, 0o644), ("secret", bob, 0o600)):
+        (root / f).write_bytes(b"x")
+        os.chown(root / f, owner.uid, owner.gid)
+        os.chmod(root / f, mode)
+    sealed_file(root / "alicedir" / "sealed", alice.uid)
+    os.chmod(root / "team", 0o2775)  # chown drops set-group-ID
+
+    cases = [["root's folder", "create", "rootdir/x"],
+             ["sticky, new name", "create", "sticky/new"],
+             ["sticky, another's file", "replace", "sticky/bobs"],
+             ["sticky, own file", "replace", "sticky/alices"],
+             ["another's 0700 folder", "create", "private/g"],
+             ["another's file in a 0700 folder", "read", "private/f"],
+             ["another's 0600 file", "read", "secret"],
+             ["set-group-ID folder", "create", "team/t"],
+             ["name over 255 bytes", "create", "sticky/" + "n" * 256],
+             ["sealed file, written in place", "overwrite", "alicedir/sealed"],
+             ["sealed file, replaced whole", "replace", "alicedir/sealed"]]
+    import json
+
+    as_alice = run_as(alice, BOTH_WAYS, str(root), json.dumps(cases))
+    assert (root / "sticky" / "bobs").read_bytes() == b"x"  # alice replaced nothing of his
+    as_bob = run_as(bob, BOTH_WAYS, str(root), json.dumps(cases[:8]))
+    for who, out in (("alice", as_alice), ("bob", as_bob)):
+        for name, (via_mount, via_direct) in out.items():
+            if via_direct != "n/a":
+                assert via_mount == via_direct, (who, name, out)
+    assert as_alice["root's folder"][0] == errno.EACCES
+    assert as_alice["sticky, new name"] == ["ok", "ok"]
+    assert as_alice["sticky, another's file"][0] == errno.EPERM
+    assert as_alice["sticky, own file"] == ["ok", "ok"]
+    assert as_alice["another's 0700 folder"][0] == errno.EACCES
+    assert as_alice["another's 0600 file"][0] == errno.EACCES
+    assert as_alice["set-group-ID folder"][0] == errno.EACCES  # not in the group
+    assert as_bob["set-group-ID folder gid"] == [team, team]
+    assert as_bob["another's 0600 file"] == ["ok", "ok"]
+    assert as_alice["name over 255 bytes"][0] == errno.ENAMETOOLONG
+    assert as_alice["sealed file, written in place"][0] == errno.EPERM
+    assert as_alice["sealed file, replaced whole"] == ["ok", "ok"]
+    # Names the kernel never passes are refused by the direct path, and leave nothing.
+    assert run_as(alice, NUL_NAME, str(root)) == {"nul": errno.EINVAL,
+                                                  "surrogate": errno.EINVAL,
+                                                  "dotdot": errno.EINVAL}
+    assert sorted(os.listdir(root / "sticky")) == sorted(
+        ["bobs", "alices"] + [f"new.{how}{u.uid}" for u in (alice, bob) for how in "md"])
+
+
+KV_AS_USER = r"""
+from mxfs.kv import KVStore
+mount = sys.argv[1]
+out = {}
+def use(ns, **kw):
+    kv = KVStore(mount, ns, **kw)
+    try:
+        return {"get": attempt(lambda: kv.get("k") is not None),
+                "exists": attempt(kv.exists, "k"),
+                "put": attempt(kv.put, "mine-" + str(os.getuid()), b"v" * 100),
+                "stats": attempt(lambda: kv.usage()["chunks"])}
+    finally:
+        kv.close()
+for ns, kw in json.loads(sys.argv[2]):
+    out[ns + (" shared" if kw.get("shared") else "")] = use(ns, **kw)
+print(json.dumps(out))
+"""
+
+
+def test_kv_namespaces_have_owners_and_nobody_plants_chunks(mounted: Mounted) -> None:
+    import json
+
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    team = grp.getgrnam(TEAM).gr_gid
+    m = str(mounted.path)
+    os.chmod(mounted.path, 0o755)
+    # Alice makes her own namespace on first use (private), and squats a name root's
+    # engine will use, making it open to all.
+    setup = r"""
+from mxfs.kv import KVStore
+for ns, mode in (("alice-own", None), ("engine", 0o777)):
+    with KVStore(sys.argv[1], ns, mode=mode) as kv:
+        kv.put("k", b"planted by alice")
+print("{}")
+"""
+    run_as(alice, setup, m)
+    # Root gives bob's team a namespace ahead of use; bob's engine owns "svc".
+    mxfs("kv", "create", m, "team-ns", "--owner", "mxfs-alice", "--group", TEAM,
+         "--mode", "0750")
+    mxfs("kv", "create", m, "svc", "--owner", "mxfs-bob", "--capacity", "1MiB")
+    with KVStore(m, "team-ns", shared=True) as kv:
+        kv.put("k", b"team data")
+
+    asks = [["alice-own", {}], ["alice-own", {"shared": True}], ["team-ns", {}],
+            ["team-ns", {"shared": True}], ["svc", {}]]
+    as_bob = run_as(bob, KV_AS_USER, m, json.dumps(asks))
+    # Another's private namespace: nothing, shared or not.
+    assert as_bob["alice-own"] == {k: errno.EACCES for k in ("get", "exists", "put",
+                                                            "stats")}
+    assert as_bob["alice-own shared"]["get"] == errno.EACCES
+    # A namespace given to a group: its members read when they ask to share, never write.
+    assert as_bob["team-ns"]["get"] == errno.EACCES  # did not ask to share
+    assert as_bob["team-ns shared"] == {"get": "ok", "exists": "ok", "put": errno.EACCES,
+                                        "stats": 1}
+    # What root gave bob is bob's, without racing anyone for the name.
+    assert as_bob["svc"] == {"get": False, "exists": False, "put": "ok", "stats": 1}
+    # Root's engine does not read what alice planted under the name it picked...
+    with pytest.raises(OSError) as e, KVStore(m, "engine") as kv:
+        kv.get("k")
+    assert e.value.errno == errno.EACCES and "belongs to uid" in str(e.value)
+    # ...and root takes the name over (her chunks go), then uses it as its own.
+    mxfs("kv", "create", m, "engine", "--force")
+    with KVStore(m, "engine") as kv:
+        assert kv.get("k") is None
+        kv.put("k", b"root's")
+    stats = {s["namespace"]: s for s in json.loads(
+        mxfs("kv", "stats", "--json", m).stdout)["namespaces"]}
+    assert stats["engine"]["uid"] == 0 and stats["svc"]["uid"] == bob.uid
+    assert stats["team-ns"]["gid"] == team and stats["team-ns"]["mode"] == "750"
+    # Only root makes namespaces for others; a user may remove only her own.
+    other = r"""
+from mxfs.client import ControlClient
+with ControlClient(sys.argv[1]) as c:
+    print(json.dumps({"for-root": attempt(c.call, "kv_ns_create", namespace="x", uid=0),
+                      "takeover": attempt(c.call, "kv_ns_create", namespace="svc",
+                                          force=True),
+                      "rm-others": attempt(c.call, "kv_ns_remove", namespace="svc"),
+                      "rm-own": attempt(c.call, "kv_ns_remove", namespace="alice-own")}))
+"""
+    assert run_as(alice, other, m) == {"for-root": errno.EPERM, "takeover": errno.EPERM,
+                                       "rm-others": errno.EACCES, "rm-own": "ok"}
+
+
+def test_a_huge_declared_size_is_refused_before_anything_is_evicted(
+        mounted: Mounted) -> None:
+    from mxfs.client import ControlClient, ControlError
+
+    with KVStore(str(mounted.path), "others") as kv:
+        for i in range(20):
+            kv.put(f"k{i}", b"x" * 10_000)
+    with KVStore(str(mounted.path), "capped", capacity=1 << 20) as kv, \
+            ControlClient(str(mounted.path)) as c:
+        for size, code in ((1 << 62, errno.EFBIG), (2 << 20, errno.EFBIG)):
+            with pytest.raises(ControlError) as e:
+                c.call("kv_create", namespace="capped", key="aw==", size=size)
+            assert e.value.errno == code
+        kv.set_capacity(0)
+        with pytest.raises(ControlError) as e:
+            c.call("kv_create", namespace="capped", key="aw==", size=1 << 62)
+        assert e.value.errno == errno.ENOSPC
+    with KVStore(str(mounted.path), "others") as kv:
+        assert kv.usage()["chunks"] == 20 and kv.usage()["evictions"] == 0
+
+
+def test_pool_wide_eviction_takes_from_the_namespace_over_its_share(
+        loop_pool: Mounted) -> None:
+    m = str(loop_pool.path)
+    chunk = b"c" * (1 << 20)
+    with KVStore(m, "big") as big, KVStore(m, "small") as small:
+        for i in range(8):
+            small.put(f"s{i}", chunk)
+        stored = 0
+        for i in range(400):  # until the pool is short: eviction must begin
+            try:
+                big.put(f"b{i}", chunk)
+                stored += 1
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+            if big.usage()["evictions"]:
+                break
+        assert big.usage()["evictions"] > 0
+        assert small.usage()["chunks"] == 8 and small.usage()["evictions"] == 0
+        assert all(small.get(f"s{i}") is not None for i in range(8))
+
+
+def test_a_namespace_made_with_an_explicit_mode_lets_others_read_not_write(
+        mounted: Mounted) -> None:
+    import json
+
+    m = str(mounted.path)
+    os.chmod(mounted.path, 0o755)
+    with KVStore(m, "open", mode=0o755) as kv:
+        kv.put("k", b"v")
+    out = run_as(None, KV_AS_USER, m, json.dumps([["open", {"shared": True}]]))
+    assert out["open shared"] == {"get": "ok", "exists": "ok", "put": errno.EACCES,
+                                  "stats": 1}
