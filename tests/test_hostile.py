@@ -274,3 +274,16 @@ def writer_past_declared(m: Mounted) -> None:
     finally:
         hog.kill()
         hog.wait()
+
+
+def test_a_client_whose_idle_connection_was_closed_goes_on(tmp_path: Path) -> None:
+    from mxfs.kv import KVStore
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, "idle_timeout=1") as m, KVStore(str(m.path), "ns") as kv:
+        kv.put("k", b"v" * 100)
+        first = kv.client.sock
+        assert eventually(lambda: first.recv(1, socket.MSG_PEEK) == b"", timeout=30)
+        assert kv.get("k") == b"v" * 100  # made again, transparently
+        assert kv.client.sock is not first

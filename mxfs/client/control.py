@@ -57,13 +57,32 @@ def find_socket(mountpoint: str) -> str:
 class ControlClient:
     def __init__(self, mountpoint: str, timeout: float = 30.0) -> None:
         self.mountpoint = os.path.realpath(mountpoint)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(find_socket(self.mountpoint))
+        self.timeout = timeout
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # one request at a time: threads may share a client
+        self._lock = threading.RLock()  # one request at a time: threads may share a client
         self.broken = False  # the connection failed mid-request; make a new client
+        self._connect()
+
+    def _connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(find_socket(self.mountpoint))
         self.server = self.call("hello", version=VERSION)
+
+    def _reconnect_if_closed(self) -> None:
+        """The daemon closes connections idle for long (and all of them when it
+        restarts): between requests, a closed one is made again, so a long-lived
+        client (a serving engine's KV store) goes on.  What the old connection held
+        (unpublished files, leases) is gone with it, as the daemon dropped it."""
+        if self.broken or self.sock.fileno() < 0:
+            return
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return
+        if readable and not self.sock.recv(1, socket.MSG_PEEK):
+            self.sock.close()
+            self._connect()
 
     def close(self) -> None:
         self.sock.close()
@@ -94,6 +113,8 @@ class ControlClient:
     def call_with_fds(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """Like `call`, keeping the descriptors that came with the reply (caller closes)."""
         with self._lock:
+            if op != "hello":
+                self._reconnect_if_closed()
             msg_id = next(self._ids)
             try:
                 send_message(self.sock, {"op": op, "id": msg_id, **fields})
