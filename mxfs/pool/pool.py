@@ -1,12 +1,13 @@
 """A pool: the set of member folders, checked against their superblocks.
 
-`format_members` writes superblocks on empty members (mkfs); `Pool.open`
+`format_members` writes superblocks on empty members (mkfs), all or nothing; `Pool.open`
 finds every member from one member path or a pool config file and refuses a
 pool with a missing, foreign or duplicated member, naming which.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -24,6 +25,7 @@ from mxfs.pool.superblock import (
     Superblock,
     SuperblockError,
     read_superblock,
+    superblock_path,
     write_superblock,
 )
 
@@ -33,6 +35,8 @@ META_DIR = "meta"
 FANOUT = 256
 # Names a freshly made filesystem already holds; a member may contain these.
 _IGNORED = {"lost+found"}
+# Where mkfs --force moves an old pool aside until the new one is complete.
+_WIPE_DIR = ".mxfs-wipe"
 # Space kept free on the metadata member so SQLite can always commit (unlinks included).
 META_RESERVE = 16 << 20
 
@@ -50,15 +54,105 @@ class Member:
         return os.path.join(self.path, CHUNK_DIR)
 
 
-_OURS = {SUPERBLOCK_NAME, CHUNK_DIR, META_DIR, BACKUP_DIR, SUPERBLOCK_NAME + ".tmp"}
+_OURS = {SUPERBLOCK_NAME, CHUNK_DIR, META_DIR, BACKUP_DIR, SUPERBLOCK_NAME + ".tmp", _WIPE_DIR}
+# Stripe units beyond this are a typo (1TiB for 1MiB), not a layout: refused at mkfs.
+MAX_STRIPE_UNIT = 1 << 30
+
+
+def check_stripe_unit(unit: int) -> None:
+    """Refuse a stripe unit that is not whole pages or is absurdly large."""
+    if unit <= 0 or unit % PAGE:
+        raise MxfsError(f"stripe unit {unit} is not a multiple of 4 KiB",
+                        "pick one such as 1MiB or 4MiB")
+    if unit > MAX_STRIPE_UNIT:
+        raise MxfsError(f"stripe unit {unit} is over the {MAX_STRIPE_UNIT >> 30} GiB limit",
+                        "pick one such as 1MiB or 4MiB")
+
+
+def _check_member(p: str, force: bool) -> None:
+    """Refuse a member that is not empty (or, with force, only ours) or not writable."""
+    entries = set(os.listdir(p)) - _IGNORED
+    if entries - _OURS:
+        raise MxfsError(f"member {p} is not empty ({len(entries)} entries)",
+                        "give an empty folder or a freshly formatted device")
+    if entries and not force:
+        if SUPERBLOCK_NAME in entries:
+            try:
+                old = read_superblock(p).pool_uuid
+            except (OSError, SuperblockError):
+                old = "unreadable"
+            raise MxfsError(f"member {p} already belongs to pool {old}",
+                            "pass --force to wipe it and make a new pool")
+        raise MxfsError(f"member {p} holds the remains of an unfinished mkfs",
+                        "pass --force to wipe them")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise MxfsError(f"member {p} is not writable", "mount it read-write or fix its owner")
+    probe = os.path.join(p, f".mxfs-probe-{uuid.uuid4().hex}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0" * PAGE)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise MxfsError(f"member {p} cannot be written ({e.strerror})",
+                        "mount it read-write, free space, or fix its owner") from None
+
+
+class _Undo:
+    """What a mkfs has done so far on each member, so a failure can take it all back."""
+
+    def __init__(self) -> None:
+        self.made: list[str] = []  # files and folders created, in order
+        self.asides: list[str] = []  # folders holding what --force is about to wipe
+
+    def mkdir(self, path: str) -> None:
+        os.mkdir(path, 0o700)
+        self.made.append(path)
+
+    def move_aside(self, member: str) -> None:
+        """Move an old pool's entries into one folder, removed only once mkfs succeeded."""
+        aside = os.path.join(member, _WIPE_DIR)
+        shutil.rmtree(aside, ignore_errors=True)  # left by a crashed mkfs: already wiped
+        self.mkdir(aside)
+        self.asides.append(aside)
+        for name in sorted(set(os.listdir(member)) & (_OURS - {_WIPE_DIR})):
+            os.rename(os.path.join(member, name), os.path.join(aside, name))
+
+    def rollback(self) -> list[str]:
+        """Remove what was made and put the wiped entries back; returns what stayed."""
+        restored: set[str] = set()
+        for path in reversed(self.made):
+            if path in self.asides:
+                member = os.path.dirname(path)
+                for name in os.listdir(path) if os.path.isdir(path) else []:
+                    with contextlib.suppress(OSError):
+                        os.rename(os.path.join(path, name), os.path.join(member, name))
+                        restored.add(os.path.join(member, name))
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return [p for p in self.made if os.path.lexists(p) and p not in restored]
+
+    def commit(self) -> None:
+        for aside in self.asides:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
-                   label: str = "", force: bool = False) -> Superblock:
-    """Write a new pool's superblocks and chunk folders; returns member 0's superblock."""
-    if stripe_unit <= 0 or stripe_unit % PAGE:
-        raise MxfsError(f"stripe unit {stripe_unit} is not a multiple of 4 KiB",
-                        "pick one such as 1MiB or 4MiB")
+                   label: str = "", force: bool = False,
+                   then: Callable[[], None] | None = None) -> Superblock:
+    """Write a new pool's superblocks and chunk folders; returns member 0's superblock.
+
+    All or nothing: every check runs before the first byte is written, and a failure
+    part-way (a member gone read-only, ENOSPC, or `then` raising: the caller's last
+    step, such as making the metadata store) removes what was written on every
+    member and puts back what --force was about to wipe.
+    """
+    check_stripe_unit(stripe_unit)
     if not paths:
         raise MxfsError("no members given", "name each with --member PATH")
     resolved: list[str] = []
@@ -70,37 +164,42 @@ def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
         resolved.append(real)
     _refuse_duplicates(resolved, "given")
     for p in resolved:
-        entries = set(os.listdir(p)) - _IGNORED
-        if SUPERBLOCK_NAME in entries:
-            try:
-                old = read_superblock(p).pool_uuid
-            except (OSError, SuperblockError):
-                old = "unreadable"
-            if not force:
-                raise MxfsError(f"member {p} already belongs to pool {old}",
-                                "pass --force to wipe it and make a new pool")
-        foreign = entries - _OURS
-        if foreign or (entries and SUPERBLOCK_NAME not in entries):
-            raise MxfsError(f"member {p} is not empty ({len(entries)} entries)",
-                            "give an empty folder or a freshly formatted device")
+        _check_member(p, force)
     pool_uuid = str(uuid.uuid4())
     created = datetime.now(UTC).isoformat(timespec="seconds")
-    for p in resolved:
-        for name in (CHUNK_DIR, META_DIR):
-            shutil.rmtree(os.path.join(p, name), ignore_errors=True)
-        os.makedirs(os.path.join(p, CHUNK_DIR))
-        for i in range(FANOUT):
-            os.mkdir(os.path.join(p, CHUNK_DIR, f"{i:02x}"))
-    os.makedirs(os.path.join(resolved[0], META_DIR))
-    first = None
-    for i, p in enumerate(resolved):
-        sb = Superblock(pool_uuid=pool_uuid, member_index=i, member_count=len(resolved),
-                        stripe_unit=stripe_unit, label=label, members=resolved,
-                        meta_member=0, created=created)
-        write_superblock(p, sb)
-        first = first or sb
-    assert first is not None
-    return first
+    undo = _Undo()
+    try:
+        for p in resolved:
+            if force and set(os.listdir(p)) & _OURS:
+                undo.move_aside(p)
+            undo.mkdir(os.path.join(p, CHUNK_DIR))
+            for i in range(FANOUT):
+                os.mkdir(os.path.join(p, CHUNK_DIR, f"{i:02x}"), 0o700)
+        undo.mkdir(os.path.join(resolved[0], META_DIR))
+        sbs = [Superblock(pool_uuid=pool_uuid, member_index=i, member_count=len(resolved),
+                          stripe_unit=stripe_unit, label=label, members=resolved,
+                          meta_member=0, created=created) for i in range(len(resolved))]
+        for p, sb in zip(resolved, sbs, strict=True):
+            undo.made += [superblock_path(p) + ".tmp", superblock_path(p)]
+            write_superblock(p, sb)
+        if then is not None:
+            then()
+    except OSError as e:
+        left = undo.rollback()
+        where = f" ({e.filename})" if e.filename else ""
+        if left:
+            raise MxfsError(f"mkfs failed part-way: {e.strerror}{where}, and {len(left)} "
+                            f"entries it made could not be removed (first: {left[0]})",
+                            "remove them by hand, fix the member, and run mkfs again"
+                            ) from None
+        raise MxfsError(f"mkfs failed part-way: {e.strerror}{where}; every member was left "
+                        "as it was", "fix the member (read-only? full?) and run mkfs again"
+                        ) from None
+    except BaseException:
+        undo.rollback()
+        raise
+    undo.commit()
+    return sbs[0]
 
 
 def _refuse_duplicates(paths: list[str], how: str) -> None:
@@ -151,6 +250,17 @@ def _member_paths(spec: str) -> tuple[list[str], str]:
     paths = list(sb.members)
     paths[sb.member_index] = os.path.realpath(spec)
     return paths, "superblock"
+
+
+def _tighten(chunk_dir: str) -> None:
+    """Make a chunk folder 0700 (pools made before mkfs did): only the daemon opens chunk
+    paths, clients get descriptors, and no search permission here hides all below."""
+    try:
+        if not os.stat(chunk_dir).st_mode & 0o077:
+            return
+        os.chmod(chunk_dir, 0o700)
+    except OSError as e:  # a read-only member still serves reads; not root: not ours to do
+        log.warning("cannot make %s private: %s", chunk_dir, e.strerror)
 
 
 class Pool:
@@ -221,6 +331,9 @@ class Pool:
                             f"{members[reference.meta_member].failed}",
                             "attach it; if it is gone for good, restore its store on a new "
                             "pool from a dump (mxfs meta restore)")
+        for m in members:
+            if not m.failed:
+                _tighten(m.chunk_dir)
         return cls(reference, members)
 
     @property
@@ -312,10 +425,15 @@ class Pool:
         return {"members": members, "direct_members": direct}, fds
 
     def remove_chunks(self, ino: int) -> None:
-        """Delete every chunk file of `ino`; missing ones are fine (never written)."""
+        """Delete every chunk file of `ino`; missing ones are fine (never written).
+
+        Each is cut to 0 first: a direct writer still holding a descriptor would
+        otherwise keep the space of a file the pool has reclaimed."""
         for m in range(len(self.members)):
+            path = self.chunk_path(m, ino)
             try:
-                os.unlink(self.chunk_path(m, ino))
+                os.truncate(path, 0)
+                os.unlink(path)
             except FileNotFoundError:
                 pass
 
@@ -349,6 +467,7 @@ class Pool:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def usage(self) -> list[dict[str, int | str]]:
+        """Space of each member's filesystem; "dev" tells members that share one."""
         out: list[dict[str, int | str]] = []
         for m in self.members:
             if m.failed:
@@ -357,6 +476,7 @@ class Pool:
                 continue
             st = os.statvfs(m.path)
             out.append({"index": m.index, "path": m.path,
+                        "dev": os.stat(m.path).st_dev,  # members sharing a filesystem
                         "size": st.f_blocks * st.f_frsize,
                         "free": st.f_bavail * st.f_frsize,
                         "used": (st.f_blocks - st.f_bfree) * st.f_frsize})
