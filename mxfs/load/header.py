@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import struct
 from dataclasses import dataclass
 
@@ -25,6 +26,12 @@ DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
 MAX_HEADER = 100 << 20  # safetensors' own limit
+# Shapes a tensor library can hold: dims and element counts fit int64, at most 64 dims.
+MAX_DIM = (1 << 63) - 1
+MAX_NDIM = 64
+_brief = reprlib.Repr()  # error messages show bounded, shallow values (no huge reprs)
+_brief.maxlevel, _brief.maxlist, _brief.maxdict, _brief.maxstring = 2, 6, 4, 40
+_show = _brief.repr
 
 
 class HeaderError(MxfsError):
@@ -110,20 +117,21 @@ def _tensor(path: str, name: str, entry: object, data_start: int, data_size: int
     if not isinstance(entry, dict):
         raise HeaderError(f"{where} is not described by a JSON object", "the file is corrupt")
     dtype = entry.get("dtype")
-    if dtype not in DTYPE_BITS:
-        raise HeaderError(f"{where} has unknown dtype {dtype!r}",
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise HeaderError(f"{where} has unknown dtype {_show(dtype)}",
                           f"known dtypes: {', '.join(sorted(DTYPE_BITS))}")
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise HeaderError(f"{where} has a bad shape {shape!r}", "the file is corrupt")
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(
+            _is_int(d) and 0 <= d <= MAX_DIM for d in shape)
+            and math.prod(d for d in shape if d) <= MAX_DIM):
+        raise HeaderError(f"{where} has a bad shape {_show(shape)}", "the file is corrupt")
     offsets = entry.get("data_offsets")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-            isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-        raise HeaderError(f"{where} has bad data_offsets {offsets!r}", "the file is corrupt")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+        raise HeaderError(f"{where} has bad data_offsets {_show(offsets)}",
+                          "the file is corrupt")
     begin, end = offsets
     if not 0 <= begin <= end <= data_size:
-        raise HeaderError(f"{where} has data_offsets {offsets} outside the data "
+        raise HeaderError(f"{where} has data_offsets {_show(offsets)} outside the data "
                           f"({data_size} bytes)", "the file is truncated or corrupt")
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != end - begin:
@@ -131,3 +139,8 @@ def _tensor(path: str, name: str, entry: object, data_start: int, data_size: int
         raise HeaderError(f"{where}: shape {shape} of {dtype} needs {need} but its range "
                           f"holds {end - begin}", "the file is corrupt")
     return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _is_int(v: object) -> bool:
+    """A JSON integer (JSON true/false are bools, which Python counts as ints)."""
+    return isinstance(v, int) and not isinstance(v, bool)
