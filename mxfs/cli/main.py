@@ -247,7 +247,21 @@ def _xattr_error(path: str, e: OSError) -> MxfsError:
     return MxfsError(f"{path}: {e.strerror}", "check the path")
 
 
+def _on_mxfs(path: str) -> None:
+    """Refuse a path outside every mxfs mount before touching its xattrs (another
+    filesystem would take user.mxfs.layout as a plain xattr and keep it)."""
+    from mxfs.client.control import mount_root
+
+    try:
+        root = mount_root(path)
+    except OSError as e:
+        raise _xattr_error(path, e) from None
+    if root is None:
+        raise MxfsError(f"{path} is not on an mxfs mount", "give a path inside one")
+
+
 def cmd_getstripe(args: argparse.Namespace) -> int:
+    _on_mxfs(args.path)
     try:
         raw = os.getxattr(args.path, LAYOUT_XATTR).decode()
     except OSError as e:
@@ -268,6 +282,7 @@ def cmd_setstripe(args: argparse.Namespace) -> int:
         parts.append(f"stripe_width={args.width}")
     if not parts:
         raise UsageError("nothing to set", "give --unit SIZE and/or --width N")
+    _on_mxfs(args.path)
     try:
         os.setxattr(args.path, LAYOUT_XATTR, " ".join(parts).encode())
     except OSError as e:
