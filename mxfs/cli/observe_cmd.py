@@ -22,24 +22,59 @@ def _client(mount: str) -> Any:
     return ControlClient(root, timeout=30)
 
 
+def pool_totals(members: list[dict[str, Any]]) -> dict[str, int]:
+    """Size, used and free of the pool, counting each filesystem once: folder members
+    on one disk (as in the demo) share its space and must not add it up N times."""
+    seen: dict[object, dict[str, Any]] = {}
+    for m in members:
+        if m.get("failed"):
+            continue
+        dev = m.get("dev")
+        if dev is None:  # a daemon from before "dev": ask here
+            try:
+                dev = os.stat(m["path"]).st_dev
+            except OSError:
+                dev = ("path", m["path"])
+        seen.setdefault(dev, m)
+    fs = list(seen.values())
+    return {"size": sum(m["size"] for m in fs), "used": sum(m["used"] for m in fs),
+            "free": sum(m["free"] for m in fs), "filesystems": len(fs)}
+
+
+def shown_use(use: dict[str, int], used: int) -> tuple[dict[str, int], bool]:
+    """By-use bytes (apparent sizes) scaled down to the pool's used total when they add
+    up to more (sparse files, or space not yet allocated); and whether they were."""
+    total = sum(use.values())
+    if total <= used:
+        return dict(use), False
+    return {k: v * used // total for k, v in use.items()}, True
+
+
 def cmd_df(args: argparse.Namespace) -> int:
     with _client(args.mount) as c:
         info = c.call("df")
     members, use = info["members"], info["by_use"]
+    pool = pool_totals(members)
+    shown, scaled = shown_use(use, pool["used"])
     if args.json:
-        print(json.dumps({"members": members, "by_use": use}, indent=2))
+        print(json.dumps({"members": members, "pool": pool, "by_use": use,
+                          "by_use_shown": shown, "by_use_scaled": scaled}, indent=2))
         return 0
     print(f"{'member':>6}  {'size':>10}  {'used':>10}  {'free':>10}  path")
     for m in members:
         state = f"  FAILED: {m['failed']}" if m.get("failed") else ""
         print(f"{m['index']:>6}  {format_size(m['size']):>10}  {format_size(m['used']):>10}  "
               f"{format_size(m['free']):>10}  {m['path']}{state}")
-    total = sum(m["size"] for m in members)
-    free = sum(m["free"] for m in members)
-    print(f"{'pool':>6}  {format_size(total):>10}  {format_size(total - free):>10}  "
-          f"{format_size(free):>10}")
-    print(f"by use: files {format_size(use['files'])}, checkpoints and models (sealed) "
-          f"{format_size(use['sealed'])}, KV cache {format_size(use['kv'])}")
+    shared = (f"  ({len(members)} members on {pool['filesystems']} filesystem"
+              f"{'s' if pool['filesystems'] != 1 else ''}, each counted once)"
+              if pool["filesystems"] < len(members) else "")
+    print(f"{'pool':>6}  {format_size(pool['size']):>10}  {format_size(pool['used']):>10}  "
+          f"{format_size(pool['free']):>10}{shared}")
+    print(f"by use: files {format_size(shown['files'])}, checkpoints and models (sealed) "
+          f"{format_size(shown['sealed'])}, KV cache {format_size(shown['kv'])}")
+    if scaled:
+        print(f"  (scaled to the pool's used space: the files' apparent sizes add up to "
+              f"{format_size(sum(use.values()))}, more than is allocated)")
     return 0
 
 
