@@ -141,6 +141,16 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_size = node.apparent_size
         a.st_blksize = node.stripe_unit if node.is_reg and node.stripe_unit else 4096
         a.st_blocks = (node.size + 511) // 512
+        if node.is_reg and node.first_member is not None:
+            # What the chunk files hold (du of a sparse file is not its size): <= width stats.
+            a.st_blocks = 0
+            for m in self.vol.layout(node).used_members():
+                if self.vol.pool.members[m].failed:
+                    continue
+                try:
+                    a.st_blocks += os.stat(self.vol.pool.chunk_path(m, node.ino)).st_blocks
+                except OSError:  # never written: a hole holds nothing
+                    pass
         a.st_atime_ns = node.atime_ns
         a.st_mtime_ns = node.mtime_ns
         a.st_ctime_ns = node.ctime_ns
