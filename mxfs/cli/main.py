@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from mxfs import __version__
 from mxfs.errors import MxfsError, UsageError
+from mxfs.pool.pool import pool_totals
 from mxfs.units import format_size, parse_size
 
 LAYOUT_XATTR = "user.mxfs.layout"
@@ -191,16 +192,22 @@ def _format_status(s: dict[str, Any]) -> str:
              + (f", {s['inodes']} inodes, {s['open_files']} open" if "inodes" in s else "")]
     if "io_engine" in s:
         lines.append(f"  I/O engine: {s['io_engine']} ({s['native_engine']})")
-    total = free = 0
+    lim = s.get("limits")
+    if lim:
+        busiest = lim["busiest_user"]
+        lines.append(f"  control: {lim['connections']} of {lim['max_conns']} connections, "
+                     f"{lim['users']} users"
+                     + (f" (busiest uid {busiest[0]}: {busiest[1]} of "
+                        f"{lim['max_conns_per_user']})" if busiest else "")
+                     + f"; {lim['fds_open']} of {lim['fds_max']} descriptors")
     for m in s["members"]:
-        total += m["size"]
-        free += m["free"]
         if m.get("failed"):
             lines.append(f"  member {m['index']}: {m['path']}  FAILED: {m['failed']}")
             continue
         lines.append(f"  member {m['index']}: {m['path']}  {format_size(m['used'])} used of "
                      f"{format_size(m['size'])}, {format_size(m['free'])} free")
-    lines.append(f"  capacity {format_size(total)}, {format_size(free)} free")
+    total = pool_totals(s["members"])  # members sharing a disk count once
+    lines.append(f"  capacity {format_size(total['size'])}, {format_size(total['free'])} free")
     if s.get("degraded"):
         lines.append(f"  DEGRADED: {s['lost_files']} files have stripes on a failed member "
                      "and are lost (RAID0 keeps no copy):")

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from mxfs.errors import MxfsError
+from mxfs.pool.pool import pool_totals
 from mxfs.units import format_size
 
 
@@ -20,25 +21,6 @@ def _client(mount: str) -> Any:
     if root is None:
         raise MxfsError(f"{mount} is not on an mxfs mount", "give a mount point (mxfs status)")
     return ControlClient(root, timeout=30)
-
-
-def pool_totals(members: list[dict[str, Any]]) -> dict[str, int]:
-    """Size, used and free of the pool, counting each filesystem once: folder members
-    on one disk (as in the demo) share its space and must not add it up N times."""
-    seen: dict[object, dict[str, Any]] = {}
-    for m in members:
-        if m.get("failed"):
-            continue
-        dev = m.get("dev")
-        if dev is None:  # a daemon from before "dev": ask here
-            try:
-                dev = os.stat(m["path"]).st_dev
-            except OSError:
-                dev = ("path", m["path"])
-        seen.setdefault(dev, m)
-    fs = list(seen.values())
-    return {"size": sum(m["size"] for m in fs), "used": sum(m["used"] for m in fs),
-            "free": sum(m["free"] for m in fs), "filesystems": len(fs)}
 
 
 def shown_use(use: dict[str, int], used: int) -> tuple[dict[str, int], bool]:

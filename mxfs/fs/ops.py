@@ -23,6 +23,7 @@ from mxfs.fs.metrics import Metrics
 from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
+from mxfs.pool.pool import MAX_STRIPE_UNIT, pool_totals
 
 log = logging.getLogger("mxfs.fs")
 
@@ -177,9 +178,12 @@ class MxfsOperations(pyfuse3.Operations):
         return self.attrs(self.store.get(inode))
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
-        for ino, _ in inode_list:
-            if ino not in self.vol.open_inodes:
-                self.store.forget(ino)
+        try:
+            for ino, _ in inode_list:
+                if ino not in self.vol.open_inodes:
+                    self.store.forget(ino)
+        except Exception:  # forget has no reply: log, and keep the mount
+            log.exception("forget failed")
 
     @_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
@@ -334,6 +338,11 @@ class MxfsOperations(pyfuse3.Operations):
         if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
             off = node.size  # without the writeback cache, appends are placed here
         assert entry.chunks is not None
+        if self.store.space_low and any(p.member == self.vol.pool.meta_member
+                                        for p in entry.chunks.layout.plan(off, len(buf))):
+            # The metadata member is nearly full: what is left is the store's, so that
+            # unlink and rmdir can still free space.
+            raise pyfuse3.FUSEError(errno.ENOSPC)
         self.vol.note_write(entry)
         await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
                                       limiter=self.limiter)
@@ -412,12 +421,12 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
-        usage = self.vol.pool.usage()
+        total = pool_totals(self.vol.pool.usage())  # members sharing a disk count once
         bsize = 4096
         s.f_bsize = s.f_frsize = bsize
-        s.f_blocks = sum(int(u["size"]) for u in usage) // bsize
-        s.f_bfree = sum(int(u["size"]) - int(u["used"]) for u in usage) // bsize
-        s.f_bavail = sum(int(u["free"]) for u in usage) // bsize
+        s.f_blocks = total["size"] // bsize
+        s.f_bfree = (total["size"] - total["used"]) // bsize
+        s.f_bavail = total["free"] // bsize
         used = self.store.count_inodes()
         s.f_files = max(used * 2, 1 << 24)
         s.f_ffree = s.f_favail = s.f_files - used
@@ -480,6 +489,8 @@ class MxfsOperations(pyfuse3.Operations):
             Layout(unit, width, 0, len(pool.members))
         except ValueError as e:
             raise OSError(errno.EINVAL, str(e)) from None
+        if unit > MAX_STRIPE_UNIT:
+            raise OSError(errno.EINVAL, f"stripe unit over {MAX_STRIPE_UNIT}")
         if node.is_dir:
             node.stripe_unit, node.stripe_width = unit, width
             self.store.save(node, "stripe_unit", "stripe_width")

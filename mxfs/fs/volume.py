@@ -54,12 +54,19 @@ class Recovery:
 def format_pool(members: list[str], stripe_unit: int, label: str = "",
                 force: bool = False) -> Pool:
     """mkfs: superblocks on every member, then an empty metadata store on member 0."""
-    sb = format_members(members, stripe_unit, label, force)
+    def store() -> None:  # inside mkfs's undo: a failure leaves every member as it was
+        pool = Pool.open(members[0])
+        os.chmod(pool.meta_dir, 0o700)  # before the store exists: nobody reaches it meanwhile
+        try:
+            MetaStore.format(pool.meta_dir, pool.uuid, stripe_unit).close()
+        except sqlite3.Error as e:
+            raise MxfsError(f"the metadata store on {members[0]} cannot be made ({e})",
+                            "check that member 0 is writable and has free space") from None
+        tighten(pool)
+
+    sb = format_members(members, stripe_unit, label, force, then=store)
     pool = Pool.open(members[0])
     assert pool.uuid == sb.pool_uuid
-    os.chmod(pool.meta_dir, 0o700)  # before the store exists: nobody can reach it meanwhile
-    MetaStore.format(pool.meta_dir, pool.uuid, stripe_unit).close()
-    tighten(pool)
     return pool
 
 

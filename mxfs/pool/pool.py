@@ -481,3 +481,22 @@ class Pool:
                         "free": st.f_bavail * st.f_frsize,
                         "used": (st.f_blocks - st.f_bfree) * st.f_frsize})
         return out
+
+
+def pool_totals(members: list[dict]) -> dict[str, int]:
+    """Size, used and free of the pool, counting each filesystem once: folder members
+    on one disk (as in the demo) share its space and must not add it up N times."""
+    seen: dict[object, dict] = {}
+    for m in members:
+        if m.get("failed"):
+            continue
+        dev = m.get("dev")
+        if dev is None:  # a daemon from before "dev": ask here
+            try:
+                dev = os.stat(m["path"]).st_dev
+            except OSError:
+                dev = ("path", m["path"])
+        seen.setdefault(dev, m)
+    fs = list(seen.values())
+    return {"size": sum(m["size"] for m in fs), "used": sum(m["used"] for m in fs),
+            "free": sum(m["free"] for m in fs), "filesystems": len(fs)}
