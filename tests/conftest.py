@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,14 @@ class Mounted:
 
     def remount(self) -> None:
         mxfs("mount", "-o", "allow_other", self.members[0], str(self.path))
+
+
+def raw_socket(m: Mounted, timeout: float = 30) -> socket.socket:
+    """A bare connection to the mount's control socket, to send what no client would."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(os.getxattr(m.path, "user.mxfs.control").decode())
+    return s
 
 
 def force_unmount(path: str) -> None:

@@ -11,17 +11,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import Mounted
+from conftest import Mounted, raw_socket
 
 from mxfs.client import ControlClient, ControlError
 from mxfs.proto import HEADER, MAX_PAYLOAD, VERSION, recv_message
-
-
-def raw_socket(m: Mounted) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(os.getxattr(m.path, "user.mxfs.control").decode())
-    return s
 
 
 def test_hello_stat_and_layout(mounted: Mounted) -> None:

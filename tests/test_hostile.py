@@ -19,7 +19,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, eventually, force_unmount, make_members, mkfs
+from conftest import (
+    HAVE_FUSE,
+    Mounted,
+    eventually,
+    force_unmount,
+    make_members,
+    mkfs,
+    raw_socket,
+)
 
 from mxfs.client import ControlClient, ControlError
 from mxfs.proto import HEADER, VERSION
@@ -163,25 +171,18 @@ def test_descriptor_exhaustion_refuses_connections_not_the_daemon(tmp_path: Path
             assert eventually(lambda: c.stat()["limits"]["connections"] == 1)
 
 
-def raw(m: Mounted) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(os.getxattr(m.path, "user.mxfs.control").decode())
-    return s
-
-
 def test_idle_half_sent_and_stalled_connections_are_closed(tmp_path: Path) -> None:
     members = make_members(tmp_path)
     mkfs(members)
     with mount_with(members, "idle_timeout=1", "frame_timeout=1") as m:
-        half = raw(m)
+        half = raw_socket(m)
         half.sendall(HEADER.pack(b"MXFS", VERSION, 0, 100) + b'{"op":')  # and never more
-        idle = raw(m)
+        idle = raw_socket(m)
         holder = ControlClient(str(m.path))  # holds an unpublished file: not idle
         held, fds = holder.call_with_fds("create", path="/held", size=10)
         for fd in fds:
             os.close(fd)
-        stalled = raw(m)  # asks and asks, never reads a reply
+        stalled = raw_socket(m)  # asks and asks, never reads a reply
         stalled.setblocking(False)
         stat = json.dumps({"op": "stat", "id": 1}).encode()
         frame = HEADER.pack(b"MXFS", VERSION, 0, len(stat)) + stat

@@ -338,11 +338,6 @@ class MxfsOperations(pyfuse3.Operations):
         if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
             off = node.size  # without the writeback cache, appends are placed here
         assert entry.chunks is not None
-        if self.store.space_low and any(p.member == self.vol.pool.meta_member
-                                        for p in entry.chunks.layout.plan(off, len(buf))):
-            # The metadata member is nearly full: what is left is the store's, so that
-            # unlink and rmdir can still free space.
-            raise pyfuse3.FUSEError(errno.ENOSPC)
         self.vol.note_write(entry)
         await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
                                       limiter=self.limiter)

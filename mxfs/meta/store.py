@@ -35,7 +35,7 @@ RESERVE_NAME = "reserve"
 RESERVE_MIN, RESERVE_MAX = 4 << 20, 32 << 20
 # Blocks allocated ahead (past the end, the size unchanged) for the WAL and the database
 # to grow into, so that a commit needs no new space even while a writer fills the member.
-GROWTH_ROOM = 8 << 20
+GROWTH_ROOM = 4 << 20  # about what the WAL holds between two checkpoints (1000 pages)
 _FALLOC_FL_KEEP_SIZE = 1
 
 log = logging.getLogger("mxfs.meta")
@@ -203,7 +203,7 @@ class MetaStore:
         # The daemon turns this on and calls commit_if_due; tools commit each change.
         self.group_commit = False
         self.reserve_path = os.path.join(os.path.dirname(path), RESERVE_NAME)
-        self.space_low = False  # the member is nearly full: writers through the mount wait
+        self.space_low = False  # the member is nearly full (the daemon cuts overdrafts back)
         if not readonly:
             self.keep_reserve()
 
