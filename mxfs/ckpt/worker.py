@@ -12,7 +12,6 @@ import errno
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
@@ -20,6 +19,7 @@ from typing import Any
 
 from mxfs.ckpt.staging import Staging
 from mxfs.ckpt.writing import Job, write_snapshot
+from mxfs.proc import python_module
 
 
 class WriterProcess:
@@ -35,7 +35,7 @@ class WriterProcess:
         if self.proc is None or self.proc.poll() is not None:
             ours, theirs = socket.socketpair()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mxfs.ckpt.worker"], pass_fds=[theirs.fileno()],
+                python_module("mxfs.ckpt.worker"), pass_fds=[theirs.fileno()],
                 env={**os.environ, "MXFS_WRITER_FD": str(theirs.fileno())})
             theirs.close()
             self.conn = Connection(ours.detach())

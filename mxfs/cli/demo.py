@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from typing import Any
 
 from mxfs.cli.measure import drop_caches, read_file, write_file
 from mxfs.errors import MxfsError
+from mxfs.proc import python_module
 from mxfs.units import format_size
 
 BLOCK = 8 << 20
@@ -55,7 +55,7 @@ def _read_files(folder: str, buf: bytearray) -> tuple[float, list[str]]:
 
 def run_mxfs(*args: str) -> str:
     """Run the mxfs command as a user would (the demo and tools/ benchmarks do)."""
-    res = subprocess.run([sys.executable, "-m", "mxfs", *args], capture_output=True, text=True)
+    res = subprocess.run(python_module("mxfs", *args), capture_output=True, text=True)
     if res.returncode:
         raise MxfsError(f"mxfs {args[0]} failed: {res.stderr.strip()}", "see the message above")
     return res.stdout
@@ -88,10 +88,10 @@ def scratch_pool(prefix: str, where: str = "/var/tmp", base: str | None = None,
         yield pool
     finally:
         if not keep:
-            res = subprocess.run([sys.executable, "-m", "mxfs", "umount", pool.mnt],
+            res = subprocess.run(python_module("mxfs", "umount", pool.mnt),
                                  capture_output=True)
             if res.returncode:
-                subprocess.run([sys.executable, "-m", "mxfs", "umount", "--lazy", pool.mnt],
+                subprocess.run(python_module("mxfs", "umount", "--lazy", pool.mnt),
                                capture_output=True)
             shutil.rmtree(base, ignore_errors=True)
 
@@ -156,7 +156,7 @@ def _demo_legs(pool: ScratchPool, size: int, say: Any) -> tuple[list[Leg], dict[
     if not (dig_w == dig_rm == dig_rm2 == dig_p == dig_rp):
         raise MxfsError("data read back differs from what was written",
                         "this is a bug: please report it with the demo output")
-    status = subprocess.run([sys.executable, "-m", "mxfs", "status", "--json", mnt],
+    status = subprocess.run(python_module("mxfs", "status", "--json", mnt),
                             capture_output=True, text=True)
     info = json.loads(status.stdout) if status.returncode == 0 else {}
     return legs, info

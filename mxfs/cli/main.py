@@ -80,7 +80,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     check_mountpoint(args.mountpoint, nonempty="nonempty" in options)
     pool = Pool.open(args.pool, degraded="degraded" in options)
     log_path = os.path.join(runtime_dir(), f"{pool.uuid}.log")
-    argv = ["mount", "-f", args.pool, args.mountpoint]
+    # Absolute: the daemon runs from a neutral folder, not the caller's.
+    argv = ["mount", "-f", os.path.abspath(args.pool), os.path.abspath(args.mountpoint)]
     if options:
         argv += ["-o", ",".join(options)]
     pid, warnings = spawn_daemon(argv, log_path)

@@ -8,11 +8,11 @@ import os
 import select
 import stat
 import subprocess
-import sys
 import time
 from typing import BinaryIO
 
 from mxfs.errors import MxfsError
+from mxfs.proc import NEUTRAL_CWD, python_module
 
 FSTYPE = "fuse.mxfs"
 READY_TIMEOUT = 120.0
@@ -73,8 +73,9 @@ def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     r, w = os.pipe()
     with open_private_log(log_path) as logf:
+        logged = logf.seek(0, os.SEEK_END)  # where this start's lines begin
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mxfs", *argv, "--ready-fd", str(w)],
+            python_module("mxfs", *argv, "--ready-fd", str(w)), cwd=NEUTRAL_CWD,
             pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
             start_new_session=True)
     os.close(w)
@@ -101,7 +102,21 @@ def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
         _, problem, fix = (text.split("\t") + [""])[:3]
         raise MxfsError(problem, fix or None)
     proc.wait(timeout=10)
-    raise MxfsError(f"the daemon exited with code {proc.returncode}", f"see {log_path}")
+    said = last_line(log_path, logged)
+    raise MxfsError(f"the daemon exited with code {proc.returncode}"
+                    + (f" ({said})" if said else ""), f"see {log_path}")
+
+
+def last_line(path: str, start: int) -> str:
+    """The last line written to `path` after offset `start` (what a dying daemon said:
+    the exception of a traceback), or ""."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            lines = f.read(1 << 16).decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip()[:300] if lines else ""
 
 
 def open_private_log(path: str) -> BinaryIO:
