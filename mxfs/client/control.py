@@ -136,9 +136,11 @@ class ControlClient:
 
     def pool_path(self, path: str) -> str:
         """A path inside the mount as the daemon names it (relative to the pool root)."""
-        full = os.path.abspath(path)
-        rel = os.path.relpath(full, self.mountpoint)
-        if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        for full in (os.path.abspath(path), os.path.realpath(path)):  # reached by a link?
+            rel = os.path.relpath(full, self.mountpoint)
+            if rel != os.pardir and not rel.startswith(os.pardir + os.sep):
+                break
+        else:
             raise ControlError(errno.EXDEV, f"{path} is not inside {self.mountpoint}")
         return "/" if rel == "." else "/" + rel
 

@@ -52,18 +52,53 @@ def may(node: Inode, caller: Caller, mask: int) -> bool:
     return bits & mask == mask
 
 
-def resolve_for(store: MetaStore, path: str, caller: Caller) -> Inode:
-    """Walk `path` (relative to the pool root) as `caller`, checking search permission."""
-    node = store.get(ROOT_INO)
-    for part in path.strip("/").split("/"):
-        if part in ("", "."):
-            continue
+MAXSYMLINKS = 40  # the kernel's limit of links followed in one lookup (ELOOP past it)
+
+
+def resolve_for(store: MetaStore, path: str, caller: Caller, follow: bool = True,
+                mountpoint: str = "") -> Inode:
+    """Walk `path` (relative to the pool root) as `caller` would through the mount.
+
+    Search permission is checked on every directory passed, symbolic links are
+    followed as the kernel follows them (every one on the way, the last one too when
+    `follow`; relative targets from the link's folder, absolute ones through
+    `mountpoint`; at most MAXSYMLINKS), and `..` goes up.  EXDEV when the walk leaves
+    the mount (a link to elsewhere, `..` above the root): the caller reads such a file
+    as a plain one, through the kernel.
+    """
+    root = store.get(ROOT_INO)
+    node, parts, links = root, _parts(path), 0
+    while parts:
+        part = parts.pop()
         if not node.is_dir:
             raise OSError(errno.ENOTDIR, f"{path}: a component is not a directory")
         if not may(node, caller, X_OK):
             raise OSError(errno.EACCES, f"{path}: search permission denied")
-        node = store.lookup(node.ino, os.fsencode(part))
+        if part == "..":
+            if node.ino == ROOT_INO:
+                raise OSError(errno.EXDEV, f"{path}: leads out of the mount")
+            node = store.get(store.parent_of(node.ino))
+            continue
+        child = store.lookup(node.ino, os.fsencode(part))
+        if not stat.S_ISLNK(child.mode) or not (parts or follow):
+            node = child
+            continue
+        links += 1
+        if links > MAXSYMLINKS:
+            raise OSError(errno.ELOOP, f"{path}: too many levels of symbolic links")
+        target = os.fsdecode(child.target or b"")
+        if target.startswith("/"):
+            inside = os.path.relpath(target, mountpoint) if mountpoint else os.pardir
+            if inside == os.pardir or inside.startswith(os.pardir + os.sep):
+                raise OSError(errno.EXDEV, f"{path}: a symbolic link leads out of the mount")
+            node, target = root, inside
+        parts += _parts(target)
     return node
+
+
+def _parts(path: str) -> list[str]:
+    """The components of `path` to walk, last first (a stack: links push theirs)."""
+    return [p for p in reversed(path.split("/")) if p not in ("", ".")]
 
 
 def owner_for(parent: Inode, mode: int, uid: int, gid: int,
@@ -83,12 +118,13 @@ def owner_for(parent: Inode, mode: int, uid: int, gid: int,
     return mode, gid
 
 
-def resolve_parent_for(store: MetaStore, path: str, caller: Caller) -> tuple[Inode, bytes]:
+def resolve_parent_for(store: MetaStore, path: str, caller: Caller, mountpoint: str = ""
+                       ) -> tuple[Inode, bytes]:
     """The directory that would hold `path` and the last name, if `caller` may add to it."""
     head, _, name = path.rstrip("/").rpartition("/")
     if name in ("", ".", ".."):
         raise OSError(errno.EINVAL, f"{path}: not a file name")
-    parent = resolve_for(store, head or "/", caller)
+    parent = resolve_for(store, head or "/", caller, mountpoint=mountpoint)
     if not parent.is_dir:
         raise OSError(errno.ENOTDIR, f"{head}: not a directory")
     if not may(parent, caller, W_OK | X_OK):

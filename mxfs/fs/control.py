@@ -319,7 +319,8 @@ class ControlServer:
         if op == "stat":
             return {"ok": True, **self.status()}, []
         if op == "layout":
-            node = resolve_for(self.vol.store, path_field(msg), caller)
+            node = resolve_for(self.vol.store, path_field(msg), caller,
+                               mountpoint=self.mountpoint)
             return self._describe(node), []
         if op == "open_read":
             return self._open_read(msg, caller)
@@ -360,7 +361,7 @@ class ControlServer:
         """Read-only descriptors of a file's chunk files, if the caller may read it
         (with "odirect": O_DIRECT ones too, for reads that bypass the page cache)."""
         path = path_field(msg)
-        node = resolve_for(self.vol.store, path, caller)
+        node = resolve_for(self.vol.store, path, caller, mountpoint=self.mountpoint)
         if node.is_dir:
             raise OSError(errno.EISDIR, f"{path} is a directory")
         if not node.is_reg:
@@ -391,7 +392,7 @@ class ControlServer:
         mode = int_field(msg, "mode", 0o644) & 0o7777
         exclusive = bool_field(msg, "exclusive")
         check_pending_room(session, self.limits.max_pending)
-        parent, name = resolve_parent_for(self.vol.store, path, caller)
+        parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)
@@ -430,7 +431,8 @@ class ControlServer:
         await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
         if session.pending.get(node.ino) is not pending:
             raise OSError(errno.EBADF, f"inode {node.ino} was aborted")
-        parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller)
+        parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller,
+                                          self.mountpoint)
         old = self.vol.store.entry_ino(parent.ino, name)
         if old is not None and replace:
             may_replace(parent, self.vol.store.get(old), session.caller)
