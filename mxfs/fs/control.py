@@ -215,7 +215,7 @@ class ControlServer:
         """
         lim = self.limits
         head = None
-        holds = session.pending or session.pins
+        holds = session.pending or session.pinned
         with trio.move_on_after(math.inf if holds else lim.idle_timeout):
             try:
                 head, anc, _, _ = await conn.recvmsg(HEADER.size, ancillary_space())
