@@ -288,3 +288,48 @@ def test_a_client_whose_idle_connection_was_closed_goes_on(tmp_path: Path) -> No
         assert eventually(lambda: first.recv(1, socket.MSG_PEEK) == b"", timeout=30)
         assert kv.get("k") == b"v" * 100  # made again, transparently
         assert kv.client.sock is not first
+
+
+PENDING_HOG = r"""
+from mxfs.client import ControlClient
+mount = sys.argv[1]
+out = []
+conns = [ControlClient(mount) for _ in range(3)]
+for c in conns:
+    n = 0
+    while n < 50:
+        try:
+            _, fds = c.call_with_fds("create", path=f"/fz/p{os.getpid()}-{id(c)}-{n}", size=1)
+        except OSError as e:
+            out.append([n, e.errno])
+            break
+        for fd in fds:
+            os.close(fd)
+        n += 1
+print(json.dumps(out))
+"""
+
+
+def test_unpublished_files_are_bounded_per_connection_and_per_user(tmp_path: Path) -> None:
+    from users import PRELUDE
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, "max_pending=4", "max_pending_per_user=6") as m:
+        (m.path / "fz").mkdir()
+        os.chmod(m.path / "fz", 0o1777)
+        code = PRELUDE.format(uid=65534, gid=65534, groups=()) + PENDING_HOG
+        res = subprocess.run([sys.executable, "-c", code, str(m.path)], capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        # 4 on the first connection (its limit), 2 on the second (the user's), none on
+        # the third.
+        assert json.loads(res.stdout) == [[4, errno.EMFILE], [2, errno.EMFILE],
+                                          [0, errno.EMFILE]]
+        with ControlClient(str(m.path)) as root:  # others are not held to nobody's count
+            for i in range(4):
+                _, fds = root.call_with_fds("create", path=f"/r{i}", size=1)
+                for fd in fds:
+                    os.close(fd)
+        with ControlClient(str(m.path)) as c:  # nobody's files went with its connections
+            assert eventually(lambda: c.stat()["open_files"] == 0)

@@ -97,6 +97,7 @@ class ControlServer:
         self.kv = KVOps(volume, KVIndex(volume), self.limits)
         self.conns: Counter[int] = Counter()  # open connections by uid
         self.sessions: dict[int, Session] = {}
+        self.pending_by_uid: Counter[int] = Counter()  # unpublished files, all connections
         self.failures = FailureLog(log)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -161,7 +162,7 @@ class ControlServer:
                 await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
                                        refusal.strerror or "refused")
                 return
-            session = Session(caller)
+            session = Session(caller, self.pending_by_uid)
             self.conns[caller.uid] += 1
             self.sessions[id(session)] = session
             try:
@@ -391,7 +392,7 @@ class ControlServer:
         size = int_field(msg, "size", 0)
         mode = int_field(msg, "mode", 0o644) & 0o7777
         exclusive = bool_field(msg, "exclusive")
-        check_pending_room(session, self.limits.max_pending)
+        check_pending_room(session, self.limits)
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
@@ -401,7 +402,7 @@ class ControlServer:
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
                               caller.gids.__contains__)
         entry, members, fds = open_hidden(self.vol, parent, mode, caller.uid, gid)
-        session.pending[entry.node.ino] = Pending(entry, path, size)
+        session.hold(Pending(entry, path, size))
         reply = self._describe(entry.node)
         reply["members"] = members
         return reply, fds
@@ -437,7 +438,7 @@ class ControlServer:
         if old is not None and replace:
             may_replace(parent, self.vol.store.get(old), session.caller)
         self.vol.publish(entry, parent.ino, name, size, replace, sum_unit, sums)
-        del session.pending[node.ino]
+        session.let_go(node.ino)
         self.vol.release(node.ino)
         self.vol.store.commit()
         await trio.to_thread.run_sync(self.vol.store.sync_wal)
@@ -447,7 +448,7 @@ class ControlServer:
 
     def _drop(self, session: Session, ino: int) -> None:
         """Forget an unpublished file; its chunk files are reclaimed after the next commit."""
-        session.pending.pop(ino)
+        session.let_go(ino)
         self.vol.release(ino)
 
     async def sync_meta(self) -> None:

@@ -190,11 +190,11 @@ class KVOps:
         key, size = _key(msg), int_field(msg, "size")
         if key in space.chunks:
             return {"ok": True, "exists": True}, []  # the cheap answer to a repeated put
-        check_pending_room(session, self.limits.max_pending)
+        check_pending_room(session, self.limits)
         root = self._room(space, size)
         entry, members, fds = open_hidden(self.vol, root, 0o600, session.caller.uid,
                                           session.caller.gid)
-        session.pending[entry.node.ino] = Pending(entry, "", size)
+        session.hold(Pending(entry, "", size))
         return {"ok": True, "exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds
 
@@ -207,7 +207,7 @@ class KVOps:
         key, size = _key(msg), int_field(msg, "size")
         sum_unit, sums = sums_field(msg, self.vol.layout(entry.node).unit, size)
         if size > pending.declared or grown_chunks(self.vol, entry.node, pending.declared):
-            del session.pending[entry.node.ino]
+            session.let_go(entry.node.ino)
             self.vol.release(entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "kv_create: refused, and the chunk's space reclaimed")
@@ -217,7 +217,7 @@ class KVOps:
             self.index.insert(space, key, entry.node.ino, size, sum_unit, sums)
         except FileExistsError:
             stored = False  # another writer won; this copy is dropped below
-        del session.pending[entry.node.ino]
+        session.let_go(entry.node.ino)
         self.vol.release(entry.node.ino)
         evicted = self.index.enforce(space) if stored else 0
         return {"ok": True, "stored": stored, "evicted": evicted}

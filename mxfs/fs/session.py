@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from mxfs.fs.access import Caller
+from mxfs.fs.limits import Limits
 from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io import PAGE
 from mxfs.meta import Inode
@@ -27,16 +28,35 @@ class Session:
     """One control connection: who is calling and what it holds."""
 
     caller: Caller
+    # Unpublished files of every connection by uid (the server's one tally).
+    pending_by_uid: Counter[int] = field(default_factory=Counter)
     pending: dict[int, Pending] = field(default_factory=dict)
     pins: Counter[tuple[str, bytes]] = field(default_factory=Counter)  # KV read leases
     pinned: int = 0  # their sum
 
+    def hold(self, pending: Pending) -> None:
+        self.pending[pending.entry.node.ino] = pending
+        self.pending_by_uid[self.caller.uid] += 1
 
-def check_pending_room(session: Session, limit: int) -> None:
-    """Refuse one more unpublished file on a connection that holds `limit` of them."""
-    if len(session.pending) >= limit:
-        raise OSError(errno.EMFILE, f"this connection holds {limit} unpublished files, the "
-                      "limit (mount option max_pending): commit or abort some")
+    def let_go(self, ino: int) -> Pending:
+        """Forget an unpublished file (committed or dropped); KeyError if not held."""
+        pending = self.pending.pop(ino)
+        self.pending_by_uid[self.caller.uid] -= 1
+        if not self.pending_by_uid[self.caller.uid]:
+            del self.pending_by_uid[self.caller.uid]
+        return pending
+
+
+def check_pending_room(session: Session, limits: Limits) -> None:
+    """Refuse one more unpublished file past the limits of a connection or a user (each
+    holds descriptors of its chunk files in the daemon)."""
+    if len(session.pending) >= limits.max_pending:
+        raise OSError(errno.EMFILE, f"this connection holds {limits.max_pending} unpublished "
+                      "files, the limit (mount option max_pending): commit or abort some")
+    uid = session.caller.uid
+    if uid != 0 and session.pending_by_uid[uid] >= limits.max_pending_per_user:
+        raise OSError(errno.EMFILE, f"uid {uid} holds {limits.max_pending_per_user} "
+                      "unpublished files, the limit (mount option max_pending_per_user)")
 
 
 def allowed_length(vol: Volume, node: Inode, member: int, declared: int) -> int:
