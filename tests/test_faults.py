@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Mounted, eventually, mxfs, one_line_error
+from users import run_as
 
 from mxfs.fs.volume import Volume
 
@@ -184,6 +185,16 @@ def _spread_and_local(mp: Path) -> tuple[Path, Path]:
     raise AssertionError("no small file landed on member 0")
 
 
+STAT_BY_SOCKET = r"""
+import socket
+from mxfs.proto import recv_message, send_message
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+send_message(s, {"op": "stat", "id": 1})
+print(json.dumps(recv_message(s)[0]))
+"""
+
+
 def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
         loop_pool: Mounted) -> None:
     mp, loop_members = loop_pool.path, loop_pool.members
@@ -198,6 +209,9 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
     assert local.read_bytes() == b"s" * 1000  # files elsewhere still read
     status = json.loads(mxfs("status", "--json", str(mp)).stdout)
     assert status["degraded"] and "/wide" in status["lost_examples"]
+    # Other users learn that files are lost, not their names (folders may be private).
+    theirs = run_as(None, STAT_BY_SOCKET, status["socket"])
+    assert theirs["lost_files"] == status["lost_files"] and theirs["lost_examples"] == []
     assert [m["index"] for m in status["members"] if m.get("failed")] == [2]
     text = mxfs("status", str(mp)).stdout
     assert "FAILED" in text and "DEGRADED" in text and "/wide" in text
