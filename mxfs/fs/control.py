@@ -64,6 +64,8 @@ from mxfs.proto import (
 from mxfs.proto.framing import ancillary_space, fds_from_ancdata
 
 log = logging.getLogger("mxfs.control")
+# Refused connections answered at once (each holds a descriptor until its reply is taken).
+MAX_REFUSING = 64
 
 
 def runtime_dir() -> str:
@@ -98,6 +100,7 @@ class ControlServer:
         self.conns: Counter[int] = Counter()  # open connections by uid
         self.sessions: dict[int, Session] = {}
         self.pending_by_uid: Counter[int] = Counter()  # unpublished files, all connections
+        self.refusing = 0  # refused connections being answered
         self.failures = FailureLog(log)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -159,8 +162,13 @@ class ControlServer:
             refusal = self._admit(caller)
             if refusal is not None:
                 self.failures.note("connect", caller, refusal, trace=False)
-                await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
-                                       refusal.strerror or "refused")
+                if self.refusing < MAX_REFUSING:  # past it, a flood is closed unanswered
+                    self.refusing += 1
+                    try:
+                        await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
+                                               refusal.strerror or "refused")
+                    finally:
+                        self.refusing -= 1
                 return
             session = Session(caller, self.pending_by_uid)
             self.conns[caller.uid] += 1
