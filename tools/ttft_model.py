@@ -19,56 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
+from mxfs.kv.ttft import (  # the model itself; this is its command line and plots
+    H200_FLOPS,
+    MODELS,
+    Model,
+    break_even_gbps,
+    load_s,
+    recompute_s,
+)
 
-@dataclass(frozen=True)
-class Model:
-    name: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    active_params: float  # parameters used per token (all of them for a dense model)
-    dtype_bytes: int
-    source: str
-
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    def prefill_flops(self, n: int) -> float:
-        return 2 * self.active_params * n + 2 * self.layers * n * n * self.heads * self.head_dim
-
-
-MODELS = {
-    "qwen2.5-32b": Model(
-        "Qwen2.5-32B", layers=64, heads=40, kv_heads=8, head_dim=128, active_params=32.5e9,
-        dtype_bytes=2,
-        source="huggingface.co/Qwen/Qwen2.5-32B-Instruct config.json: num_hidden_layers 64, "
-               "num_attention_heads 40, num_key_value_heads 8, hidden_size 5120 (head_dim 128); "
-               "32.5B parameters (model card)"),
-    "qwen3-coder-480b": Model(
-        "Qwen3-Coder-480B-A35B (MoE)", layers=62, heads=96, kv_heads=8, head_dim=128,
-        active_params=35e9, dtype_bytes=2,
-        source="huggingface.co/Qwen/Qwen3-Coder-480B-A35B-Instruct config.json: "
-               "num_hidden_layers 62, num_attention_heads 96, num_key_value_heads 8, "
-               "head_dim 128; 480B total, 35B activated per token (model card)"),
-}
-
-# H200 SXM dense BF16 tensor throughput (NVIDIA datasheet: 989 TFLOP/s without sparsity).
-H200_FLOPS = 989e12
-
-
-def recompute_s(m: Model, n: int, flops: float, util: float) -> float:
-    return m.prefill_flops(n) / (flops * util)
-
-
-def load_s(m: Model, n: int, gbps: float, latency: float) -> float:
-    return m.kv_bytes_per_token() * n / (gbps * 1e9) + latency
-
-
-def break_even_gbps(m: Model, n: int, flops: float, util: float) -> float:
-    return m.kv_bytes_per_token() * n / recompute_s(m, n, flops, util) / 1e9
+__all__ = ["H200_FLOPS", "MODELS", "Model", "break_even_gbps", "load_s", "recompute_s",
+           "table", "plot", "main"]
 
 
 def table(m: Model, lengths: list[int], flops: float, util: float, bandwidths: list[float],

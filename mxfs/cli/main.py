@@ -437,8 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     observe_cmd.add_parsers(sub)
     observe_cmd.add_bench_parser(sub)
 
-    s = sub.add_parser("demo", help="make a demo pool, mount it, write and read, measure")
-    s.add_argument("--size", default="2GiB", help="bytes to write and read each way")
+    s = sub.add_parser("demo", help="make a demo pool, mount it; load a model, checkpoint, "
+                       "reuse KV, write and read files, each against its baseline")
+    s.add_argument("--size", default="2GiB", help="bytes of files to write and read each "
+                   "way (the jobs use a quarter, at most 256 MiB)")
     s.add_argument("--dir", help="scratch folder (default: a new one under /var/tmp)")
     s.add_argument("--keep", action="store_true", help="leave the pool mounted and in place")
     s.add_argument("--json", action="store_true")
