@@ -198,6 +198,8 @@ print(json.dumps(recv_message(s)[0]))
 def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
         loop_pool: Mounted) -> None:
     mp, loop_members = loop_pool.path, loop_pool.members
+    loop_pool.umount()
+    loop_pool.remount()  # with allow_other: other users may ask the daemon
     wide, local = _spread_and_local(mp)
     subprocess.run(["umount", "-l", loop_members[2]], check=True)  # member 2 vanishes
     mxfs("status", str(mp))

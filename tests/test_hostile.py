@@ -45,12 +45,12 @@ def daemon_figures(pid: int) -> tuple[int, int]:
 
 
 @contextmanager
-def mount_with(members: list[str], *options: str, prefix: list[str] | None = None
-               ) -> Iterator[Mounted]:
+def mount_with(members: list[str], *options: str, prefix: list[str] | None = None,
+               allow_other: bool = True) -> Iterator[Mounted]:
     """Mount `members` with extra -o options (and a command prefix such as prlimit)."""
     mp = Path(tempfile.mkdtemp(prefix="mxfs-hostile-"))
     os.chmod(mp, 0o755)
-    opts = ",".join(["allow_other", *options])
+    opts = ",".join((["allow_other"] if allow_other else []) + list(options)) or "rw"
     cmd = [*(prefix or []), sys.executable, "-m", "mxfs", "mount", "-o", opts, members[0],
            str(mp)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -333,3 +333,43 @@ def test_unpublished_files_are_bounded_per_connection_and_per_user(tmp_path: Pat
                     os.close(fd)
         with ControlClient(str(m.path)) as c:  # nobody's files went with its connections
             assert eventually(lambda: c.stat()["open_files"] == 0)
+
+
+def test_a_reader_keeps_reading_a_file_removed_under_it(mounted: Mounted) -> None:
+    from mxfs.client.direct import DirectFile, open_reader
+
+    data = os.urandom(3 << 20)
+    (mounted.path / "f").write_bytes(data)
+    with open_reader(str(mounted.path / "f")) as f:
+        assert isinstance(f, DirectFile)
+        (mounted.path / "f").unlink()  # reclaimed while the reader holds descriptors
+        with ControlClient(str(mounted.path)) as c:
+            assert eventually(lambda: c.stat()["inodes"] == 1)
+        buf = bytearray(len(data))
+        f.read_many([(0, memoryview(buf))])
+    assert bytes(buf) == data
+
+
+STAT_AS_OTHER = r"""
+import socket
+from mxfs.proto import recv_message, send_message
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+out = []
+for op in ("hello", "stat", "layout"):
+    send_message(s, {"op": op, "id": 1, "path": "/"})
+    reply = recv_message(s)[0]
+    out.append(reply.get("errno", "ok"))
+print(json.dumps(out))
+"""
+
+
+def test_a_mount_without_allow_other_serves_its_owner_alone(tmp_path: Path) -> None:
+    from users import run_as
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, allow_other=False) as m:
+        with ControlClient(str(m.path)) as c:
+            sock = c.stat()["socket"]  # root, the owner, is served
+        assert run_as(None, STAT_AS_OTHER, sock) == ["ok", errno.EACCES, errno.EACCES]

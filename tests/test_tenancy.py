@@ -18,6 +18,7 @@ import pytest
 from conftest import HAVE_FUSE, Mounted, mxfs
 from users import TEAM, ensure_users, run_as
 
+from mxfs.fs.kv import MAX_CHUNK
 from mxfs.kv import KVStore
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
@@ -261,10 +262,29 @@ def test_a_huge_declared_size_is_refused_before_anything_is_evicted(
                 c.call("kv_create", namespace="capped", key="aw==", size=size)
             assert e.value.errno == code
         kv.set_capacity(0)
-        with pytest.raises(ControlError) as e:
-            c.call("kv_create", namespace="capped", key="aw==", size=1 << 62)
-        assert e.value.errno == errno.ENOSPC
+        for size in (1 << 62, MAX_CHUNK + 1):  # no KV chunk: refused at any capacity
+            with pytest.raises(ControlError) as e:
+                c.call("kv_create", namespace="capped", key="aw==", size=size)
+            assert e.value.errno == errno.EFBIG and "over" in e.value.strerror
     with KVStore(str(mounted.path), "others") as kv:
+        assert kv.usage()["chunks"] == 20 and kv.usage()["evictions"] == 0
+
+
+def test_a_chunk_larger_than_the_pool_could_hold_evicts_nothing(loop_pool: Mounted) -> None:
+    from mxfs.client import ControlClient, ControlError
+
+    m = str(loop_pool.path)
+    with KVStore(m, "others") as kv:
+        for i in range(20):
+            kv.put(f"k{i}", b"x" * (1 << 20))
+    free = sum(os.statvfs(p).f_bavail * os.statvfs(p).f_frsize for p in loop_pool.members)
+    size = min(MAX_CHUNK, free + (40 << 20))  # more than free space and all KV together
+    assert size > free + (20 << 20)
+    with ControlClient(m) as c:
+        with pytest.raises(ControlError) as e:
+            c.call("kv_create", namespace="newcomer", key="aw==", size=size)
+        assert e.value.errno == errno.ENOSPC
+    with KVStore(m, "others") as kv:
         assert kv.usage()["chunks"] == 20 and kv.usage()["evictions"] == 0
 
 

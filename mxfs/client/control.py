@@ -80,7 +80,11 @@ class ControlClient:
             readable, _, _ = select.select([self.sock], [], [], 0)
         except (OSError, ValueError):
             return
-        if readable and not self.sock.recv(1, socket.MSG_PEEK):
+        try:
+            closed = readable and not self.sock.recv(1, socket.MSG_PEEK)
+        except OSError:  # reset by the daemon (it went away)
+            closed = True
+        if closed:
             self.sock.close()
             self._connect()
 

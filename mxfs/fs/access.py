@@ -27,13 +27,17 @@ class Caller:
 
 
 def supplementary_groups(pid: int) -> set[int]:
-    """The groups of process `pid`, from /proc (empty if it is gone)."""
+    """The groups of process `pid`, from /proc (empty if it is gone).
+
+    Read as bytes: the `Name:` line holds whatever the process named itself, which
+    need not be UTF-8 (a caller could otherwise end the daemon with its own name).
+    """
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith("Groups:"):
+                if line.startswith(b"Groups:"):
                     return {int(g) for g in line.split()[1:]}
-    except OSError:
+    except (OSError, ValueError):
         pass
     return set()
 

@@ -54,6 +54,7 @@ from mxfs.meta import Inode
 from mxfs.proto import (
     HEADER,
     MAX_FDS,
+    MAX_VALUES,
     OPS,
     VERSION,
     ProtocolError,
@@ -76,18 +77,31 @@ def runtime_dir() -> str:
     return os.path.join(base, "mxfs") if "XDG_RUNTIME_DIR" in os.environ else base
 
 
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
+
+
 def peer_caller(sock: Any) -> Caller:
+    """Who is at the other end, as of connect: SO_PEERCRED and SO_PEERGROUPS (taken by
+    the kernel then, so a pid that exited and was reused cannot lend its groups)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
-    return Caller(pid, uid, gid, frozenset(supplementary_groups(pid) | {gid}))
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 65536)
+        groups = set(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    except OSError:  # an older kernel: the groups from /proc
+        groups = supplementary_groups(pid)
+    return Caller(pid, uid, gid, frozenset(groups | {gid}))
 
 
 class ControlServer:
     def __init__(self, volume: Volume, path: str, mountpoint: str,
                  writeback_cache: bool = False,
                  entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
-                 metrics: Metrics | None = None, limits: Limits | None = None) -> None:
+                 metrics: Metrics | None = None, limits: Limits | None = None,
+                 only_uid: int | None = None) -> None:
         self.writeback_cache = writeback_cache
+        # A mount without allow_other serves its owner alone; so does this socket.
+        self.only_uid = only_uid
         self.vol = volume
         self.path = path
         self.mountpoint = mountpoint
@@ -154,6 +168,12 @@ class ControlServer:
 
     async def _connection(self, conn: Any) -> None:
         """One connection, inside a boundary: nothing it does ends the server."""
+        try:
+            await self._connected(conn)
+        except Exception as e:
+            self.failures.note("connection", None, e)
+
+    async def _connected(self, conn: Any) -> None:
         with conn:
             try:
                 caller = peer_caller(conn)
@@ -239,7 +259,7 @@ class ControlServer:
                 if len(head) < HEADER.size:
                     head += await self._recv_exact(conn, HEADER.size - len(head))
                 _, _, length = parse_header(head)
-                msg = decode_payload(await self._recv_exact(conn, length))
+                msg = decode_payload(await self._recv_exact(conn, length), MAX_VALUES)
             check_request(msg)
             return msg
         except trio.TooSlowError:
@@ -272,18 +292,20 @@ class ControlServer:
                 reply = {"ok": False, "errno": errno.EIO,
                          "error": f"internal error serving {op} (logged by the daemon)"}
             reply["id"] = msg.get("id")
+            del msg  # not held while the connection waits for its next request
             try:
                 with trio.move_on_after(self.limits.frame_timeout) as scope:
                     try:
                         sent = await self._send(conn, reply, fds)
                     except ProtocolError as e:  # a reply over the limits: say so, stay up
-                        sent = await self._send(conn, {"id": msg.get("id"), "ok": False,
+                        sent = await self._send(conn, {"id": reply["id"], "ok": False,
                                                        "errno": errno.E2BIG, "error": str(e)})
                 if not sent or scope.cancelled_caught:
                     return  # the peer went away or does not read its replies
             finally:
                 for fd in fds:
                     os.close(fd)  # the peer holds its own copies now
+            del reply
 
     async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
         self.failures.note("protocol", caller, err, trace=False)
@@ -321,6 +343,9 @@ class ControlServer:
         """Serve one request: (reply fields, descriptors to pass with it)."""
         caller = session.caller
         op = msg["op"]
+        if op != "hello" and self.only_uid is not None and caller.uid != self.only_uid:
+            raise OSError(errno.EACCES, f"the pool is mounted without allow_other: only uid "
+                          f"{self.only_uid} may use it")
         if op == "hello":
             return {"ok": True, "version": VERSION, "server": f"mxfs {__version__}",
                     "pid": os.getpid(), "pool_uuid": self.vol.pool.uuid, "ops": list(OPS),
@@ -458,8 +483,10 @@ class ControlServer:
         return self._describe(node)
 
     def _drop(self, session: Session, ino: int) -> None:
-        """Forget an unpublished file; its chunk files are reclaimed after the next commit."""
+        """Forget an unpublished file: its space now (its writer may keep descriptors),
+        its chunk files after the next commit."""
         session.let_go(ino)
+        self.vol.pool.cut_chunks(ino)
         self.vol.release(ino)
 
     async def sync_meta(self) -> None:

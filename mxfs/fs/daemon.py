@@ -121,7 +121,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         try:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
                                     entry_changed=ops.entry_changed, metrics=metrics,
-                                    limits=limits)
+                                    limits=limits, only_uid=None if "allow_other" in fuse_opts
+                                    else os.getuid())
             if metrics_port:
                 try:
                     serve_prometheus(metrics, metrics_port, lambda: pool_gauges(control))
@@ -192,8 +193,8 @@ async def _commit_groups(control: ControlServer) -> None:
             if inos:
                 await trio.to_thread.run_sync(vol.remove_chunks, inos)
                 vol.drop_inodes(inos)
-        except OSError as e:
-            failures.note("commit", None, e, trace=False)
+        except Exception as e:  # OSError from the store, or anything unforeseen
+            failures.note("commit", None, e, trace=not isinstance(e, OSError))
 
 
 def pool_gauges(control: ControlServer) -> Iterator[Any]:

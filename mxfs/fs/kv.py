@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from mxfs.fs.access import R_OK, W_OK, Caller
 from mxfs.fs.volume import Volume
+from mxfs.pool.pool import pool_totals
 
 log = logging.getLogger("mxfs.kv")
 
@@ -29,6 +30,7 @@ HIGH, LOW = 1.0, 0.9
 # go below it fail at once (the engine goes on without caching) and eviction makes room.
 POOL_FREE_MIN = 0.05
 MAX_KEY = 1024
+MAX_CHUNK = 256 << 20  # bytes of one chunk (256 tokens of Qwen2.5-32B are 64 MiB)
 MAX_NAMESPACE = 128
 
 
@@ -240,13 +242,17 @@ class KVIndex:
         return 0
 
     def refuse_hopeless(self, space: Namespace, size: int) -> None:
-        """Refuse, before anything is evicted, a chunk that could never fit: larger than
-        its namespace's capacity, or than the pool's free space and every unpinned
-        KV byte together."""
+        """Refuse, before anything is evicted, a chunk that could never fit or is no KV
+        chunk at all: over MAX_CHUNK (a declared size evicts before a byte is written,
+        so it is bounded), over its namespace's capacity, or over the pool's free space
+        and every unpinned KV byte together."""
+        if size > MAX_CHUNK:
+            raise OSError(errno.EFBIG, f"a KV chunk of {size} bytes is over {MAX_CHUNK} "
+                          "(split it: engines' chunks are tens of MiB)")
         if space.capacity and size > space.capacity:
             raise OSError(errno.EFBIG, f"a chunk of {size} bytes is over the capacity of "
                           f"KV namespace {space.name!r} ({space.capacity} bytes)")
-        free = sum(int(u["free"]) for u in self.vol.pool.usage())
+        free = pool_totals(self.vol.pool.usage())["free"]  # a shared disk counts once
         evictable = sum(c.size for s in self.spaces.values() for c in s.chunks.values()
                         if not c.pins) if size > free else 0
         if size > free + evictable:

@@ -208,6 +208,7 @@ class KVOps:
         sum_unit, sums = sums_field(msg, self.vol.layout(entry.node).unit, size)
         if size > pending.declared or grown_chunks(self.vol, entry.node, pending.declared):
             session.let_go(entry.node.ino)
+            self.vol.pool.cut_chunks(entry.node.ino)
             self.vol.release(entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "kv_create: refused, and the chunk's space reclaimed")
@@ -230,6 +231,7 @@ class KVOps:
         budget = INLINE_REPLY  # base64 of what rides inline must stay under MAX_PAYLOAD
         out: list[dict[str, Any] | None] = []
         fds: list[int] = []
+        leases: list[tuple[bytes, Any]] = []
         try:
             for key in _keys(msg):
                 chunk = self.index.lookup(space, key)
@@ -249,18 +251,20 @@ class KVOps:
                     raise OSError(errno.E2BIG, f"ask for fewer keys at once (over {MAX_FDS} "
                                   "descriptors)")
                 if pin:
-                    if session.pinned >= self.limits.max_pins:
+                    if session.pinned + len(leases) >= self.limits.max_pins:
                         raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
                                       " KV read leases, the limit (mount option max_pins)")
-                    chunk.pins += 1
-                    session.pins[(space.name, key)] += 1
-                    session.pinned += 1
+                    leases.append((key, chunk))
                 out.append({**sums, "layout": self.vol.layout(node).describe(),
                             "members": which["members"]})
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
+        for key, chunk in leases:  # only once the whole request is answered
+            chunk.pins += 1
+            session.pins[(space.name, key)] += 1
+            session.pinned += 1
         return {"ok": True, "chunks": out}, fds
 
     def _read(self, node: Inode) -> bytes:

@@ -230,10 +230,10 @@ class Volume:
         """
         if not self._spares:
             with self.store.transaction():
-                self._spares = [self.store.create_hidden(ROOT_INO, 0o600, 0, 0,
-                                                         self.pick_layout)
-                                for _ in range(batch)]
+                made = [self.store.create_hidden(ROOT_INO, 0o600, 0, 0, self.pick_layout)
+                        for _ in range(batch)]
             self.store.commit()
+            self._spares = made  # only once committed: no chunk file before its inode
         node = self._spares.pop()
         if (node.uid, node.gid) != (uid, gid):
             node.uid, node.gid = uid, gid

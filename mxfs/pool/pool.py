@@ -426,14 +426,20 @@ class Pool:
 
     def remove_chunks(self, ino: int) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written).
-
-        Each is cut to 0 first: a direct writer still holding a descriptor would
-        otherwise keep the space of a file the pool has reclaimed."""
+        Readers holding descriptors (direct reads, KV gets) go on reading them."""
         for m in range(len(self.members)):
-            path = self.chunk_path(m, ino)
             try:
-                os.truncate(path, 0)
-                os.unlink(path)
+                os.unlink(self.chunk_path(m, ino))
+            except FileNotFoundError:
+                pass
+
+    def cut_chunks(self, ino: int) -> None:
+        """Cut every chunk file of a never-published `ino` to nothing, so that the
+        writer still holding its descriptors (whose file was refused or dropped)
+        cannot keep the space; nobody else ever held them."""
+        for m in range(len(self.members)):
+            try:
+                os.truncate(self.chunk_path(m, ino), 0)
             except FileNotFoundError:
                 pass
 

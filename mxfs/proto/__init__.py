@@ -4,6 +4,7 @@ from mxfs.proto.framing import (
     HEADER,
     MAX_FDS,
     MAX_PAYLOAD,
+    MAX_VALUES,
     OPS,
     VERSION,
     ProtocolError,
@@ -15,6 +16,6 @@ from mxfs.proto.framing import (
     send_message,
 )
 
-__all__ = ["HEADER", "MAX_FDS", "MAX_PAYLOAD", "OPS", "VERSION", "ProtocolError",
+__all__ = ["HEADER", "MAX_FDS", "MAX_PAYLOAD", "MAX_VALUES", "OPS", "VERSION", "ProtocolError",
            "decode_payload", "encode", "fds_from_ancdata", "parse_header", "recv_message",
            "send_message"]

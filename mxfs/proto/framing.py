@@ -25,6 +25,9 @@ MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64
 # Requests nest a few levels (lists of keys, layouts in replies); deeper is an attack.
 MAX_DEPTH = 16
+# A request's lists and objects hold at most this many values in all (a batch of 4096
+# keys and their data is 8192): a 1 MiB payload of empty objects costs tens of MiB.
+MAX_VALUES = 20_000
 # Operations this version serves; direct reads and writes extend the list.
 OPS = ("hello", "stat", "layout", "open_read", "create", "commit", "abort",
        "kv_put", "kv_create", "kv_commit", "kv_get", "kv_unpin", "kv_exists", "kv_delete",
@@ -59,7 +62,9 @@ def parse_header(raw: bytes) -> tuple[int, int, int]:
     return version, nfds, length
 
 
-def decode_payload(raw: bytes) -> dict[str, Any]:
+def decode_payload(raw: bytes, max_values: int | None = None) -> dict[str, Any]:
+    """A payload as a dict; ProtocolError if it is not one, nests too deep, or (with
+    `max_values`: the daemon reading requests) holds too many values."""
     try:
         msg = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -68,24 +73,29 @@ def decode_payload(raw: bytes) -> dict[str, Any]:
         raise ProtocolError(f"payload nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(msg, dict):
         raise ProtocolError("payload is not a JSON object")
-    if _depth(msg) > MAX_DEPTH:
+    depth, values = _shape(msg)
+    if depth > MAX_DEPTH:
         raise ProtocolError(f"payload nests deeper than {MAX_DEPTH} levels")
+    if max_values is not None and values > max_values:
+        raise ProtocolError(f"payload holds over {max_values} values")
     return msg
 
 
-def _depth(value: Any) -> int:
-    """How deeply lists and objects nest in a decoded payload (iterative: no recursion)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
+def _shape(value: Any) -> tuple[int, int]:
+    """(how deeply lists and objects nest, how many values they hold) in a decoded
+    payload; iterative, and it stops counting past the limits."""
+    deepest, values, stack = 0, 0, [(value, 1)]
+    while stack and values <= MAX_VALUES * 4:
         v, d = stack.pop()
         if isinstance(v, dict):
             v = v.values()
         elif not isinstance(v, list):
             continue
         deepest = max(deepest, d)
+        values += len(v)
         if d <= MAX_DEPTH:
             stack.extend((x, d + 1) for x in v if isinstance(x, dict | list))
-    return deepest
+    return deepest, values
 
 
 def fds_from_ancdata(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
