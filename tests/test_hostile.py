@@ -373,3 +373,24 @@ def test_a_mount_without_allow_other_serves_its_owner_alone(tmp_path: Path) -> N
         with ControlClient(str(m.path)) as c:
             sock = c.stat()["socket"]  # root, the owner, is served
         assert run_as(None, STAT_AS_OTHER, sock) == ["ok", errno.EACCES, errno.EACCES]
+
+
+ODD_NAME = r"""
+import ctypes, socket
+from mxfs.proto import recv_message, send_message
+ctypes.CDLL(None).prctl(15, b"\xff\xfe\x80mxfs", 0, 0, 0)  # PR_SET_NAME: not UTF-8
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+send_message(s, {"op": "stat", "id": 1})
+print(json.dumps(recv_message(s)[0].get("pid")))
+"""
+
+
+def test_a_caller_whose_process_name_is_not_utf8_is_served(mounted: Mounted) -> None:
+    from users import run_as
+
+    pid = mounted.daemon_pid()
+    with ControlClient(str(mounted.path)) as c:
+        sock = c.stat()["socket"]
+    assert run_as(None, ODD_NAME, sock) == pid
+    assert mounted.daemon_pid() == pid and (mounted.path / "x").write_bytes(b"1") == 1
