@@ -465,9 +465,9 @@ class ControlServer:
             self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")
+        # No other request of this connection runs meanwhile (one at a time), so the
+        # file is still this session's after the awaits.
         await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
-        if session.pending.get(node.ino) is not pending:
-            raise OSError(errno.EBADF, f"inode {node.ino} was aborted")
         parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller,
                                           self.mountpoint)
         old = self.vol.store.entry_ino(parent.ino, name)
