@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mxfs.kv.keys import ChunkKey, lmcache_hashes, sglang_hashes, vllm_hashes
+from mxfs.kv.keys import (
+    ChunkKey,
+    VllmRun,
+    lmcache_hashes,
+    lmcache_kv_rank,
+    lmcache_object_key,
+    sglang_hashes,
+    vllm_hashes,
+)
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "kv_hash_vectors.json").read_text())
 TOKENS = [(i * 7919) % 151000 for i in range(600)]
@@ -57,3 +65,32 @@ def test_chunk_keys_round_trip_and_refuse_foreign_bytes() -> None:
         ChunkKey.decode(b'["other", 1]')
     with pytest.raises(ValueError, match="32 bits"):
         sglang_hashes([2**32], 1)
+
+
+def test_vllm_seed_set_to_nothing_is_a_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    default = vllm_hashes(TOKENS[:16])
+    monkeypatch.setenv("PYTHONHASHSEED", "")  # vLLM seeds with "", not its default
+    assert vllm_hashes(TOKENS[:16]) != default
+
+
+def test_vllm_run_names_collapse_only_parallelism_agnostic_runs() -> None:
+    key = bytes(range(32)) + (2).to_bytes(4, "big")
+    base = dict(model="Qwen/Qwen3-8B", dtype="bfloat16", tokens_per_hash=16,
+                blocks_per_chunk=1, groups=((16, ("l0", "l1")),))
+    shared = {VllmRun(**base, tp_size=tp, rank=r, agnostic=True).name(key)
+              for tp, r in ((1, 0), (2, 1), (8, 5))}
+    assert len(shared) == 1  # the same bytes under any topology: one name
+    own = {VllmRun(**base, tp_size=tp, rank=r).name(key) for tp, r in ((1, 0), (2, 0), (2, 1))}
+    assert len(own) == 3
+    name = VllmRun(**base, agnostic=True).name(key)
+    assert name.startswith("vllm/Qwen_Qwen3-8B_") and name.endswith(
+        f"_r0/000/10_g2/{bytes(range(32)).hex()}.bin")
+
+
+def test_lmcache_object_keys_and_kv_rank_packing() -> None:
+    rank = lmcache_kv_rank(world_size=8, global_rank=5, local_world_size=4, local_rank=1)
+    assert rank == 0x08050401  # LMCache's own example: TP=4, PP=2, worker 1 of node 1
+    h = bytes.fromhex("ab" * 32)
+    assert lmcache_object_key(h, "Qwen/Qwen3-8B", rank) == f"Qwen/Qwen3-8B@08050401@0@{'ab' * 32}"
+    assert lmcache_object_key(h, "m", rank, 3, "tenant-a").endswith("@3@" + "ab" * 32 + "@tenant-a")

@@ -17,6 +17,18 @@ Conventions reproduced here (checked against the engines' own code):
   starts from `sha256(pickle("vllm-none-hash"))` unless PYTHONHASHSEED is set
   (then that seed); only complete blocks are hashed.
 
+Where a chunk is stored, each engine names it by more than its hash:
+
+- **vLLM's storage tiers** (`FileMapper`, used by its fs and obj tiers) put the
+  offload key (block hash + KV group) under a folder named by the model and a
+  digest of the run: tokens per hash, blocks per chunk, TP/PP/prefill-CP/decode-CP
+  sizes, dtype, the KV groups' block sizes and layers, and the layout (replicated,
+  canonical format); rank and sizes collapse when the bytes are parallelism-agnostic.
+  `VllmRun.name` is that name.
+- **LMCache's L2** (`ObjectKey`) keys by model, `kv_rank` (world size, global
+  rank, local world size and local rank packed one byte each), object group,
+  chunk hash and cache salt; `lmcache_object_key` is its connectors' string.
+
 `ChunkKey` binds a chunk hash to everything that makes its bytes what they
 are (model, dtype, KV layout, tensor-parallel rank and size, chunk size, hash
 algorithm), so two deployments never read each other's chunks by mistake.
@@ -100,8 +112,9 @@ def sglang_hashes(tokens: Sequence[int], page_tokens: int = SGLANG_PAGE,
 
 
 def vllm_none_hash() -> bytes:
-    seed = os.environ.get("PYTHONHASHSEED") or "vllm-none-hash"
-    return hashlib.sha256(pickle.dumps(seed, protocol=5)).digest()
+    seed = os.environ.get("PYTHONHASHSEED")  # set, even to "", it is the seed (as vLLM)
+    return hashlib.sha256(pickle.dumps("vllm-none-hash" if seed is None else seed,
+                                       protocol=5)).digest()
 
 
 def vllm_hashes(tokens: Sequence[int], block_tokens: int = VLLM_BLOCK,
@@ -117,3 +130,73 @@ def vllm_hashes(tokens: Sequence[int], block_tokens: int = VLLM_BLOCK,
         prev = hashlib.sha256(pickle.dumps((prev, tuple(block), keys), protocol=5)).digest()
         out.append(prev)
     return out
+
+
+@dataclass(frozen=True)
+class VllmRun:
+    """What vLLM's storage tiers name a run's chunks by (its `FileMapper`).
+
+    `agnostic` is FileMapper's effective parallel_agnostic (the bytes are the same
+    under any topology, or replicated): sizes become 1 and the rank 0.  `replicated`
+    and `canonical_format` enter the digest only when set, as there.
+    """
+
+    model: str
+    dtype: str
+    tokens_per_hash: int
+    blocks_per_chunk: int
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    rank: int = 0
+    groups: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (tokens per block, layer names)
+    agnostic: bool = False
+    replicated: bool = False
+    canonical_format: str | None = None
+
+    def fields(self) -> dict[str, object]:
+        """The run's identity, as FileMapper hashes it (and writes it to config.json)."""
+        one = self.agnostic
+        fields: dict[str, object] = {
+            "model_name": self.model, "tokens_per_hash": self.tokens_per_hash,
+            "blocks_per_file": self.blocks_per_chunk,
+            "tp_size": 1 if one else self.tp_size, "pp_size": 1 if one else self.pp_size,
+            "pcp_size": 1 if one else self.pcp_size, "dcp_size": 1 if one else self.dcp_size,
+            "dtype": str(self.dtype),
+            "kv_cache_groups": [{"tokens_per_block": t, "layer_names": list(layers)}
+                                for t, layers in self.groups],
+            "inference_engine": "vllm"}
+        if not one:
+            fields["parallel_agnostic"] = False
+        if self.replicated:
+            fields["replicated_layout"] = True
+        if self.canonical_format is not None:
+            fields["canonical_format"] = self.canonical_format
+        return fields
+
+    def base(self, root: str = "vllm") -> str:
+        canonical = json.dumps(self.fields(), sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(canonical.encode()).hexdigest()[:12]
+        return f"{root}/{self.model.replace('/', '_')}_{digest}"
+
+    def name(self, offload_key: bytes, root: str = "vllm") -> str:
+        """The name of the chunk under vLLM's offload key (block hash, then 4-byte group)."""
+        block, group = offload_key[:-4].hex(), int.from_bytes(offload_key[-4:], "big")
+        rank = 0 if self.agnostic else self.rank
+        return f"{self.base(root)}_r{rank}/{block[:3]}/{block[3:5]}_g{group}/{block}.bin"
+
+
+def lmcache_kv_rank(world_size: int, global_rank: int, local_world_size: int,
+                    local_rank: int) -> int:
+    """LMCache's `ObjectKey.kv_rank`: the four numbers packed one byte each."""
+    return (world_size << 24) | (global_rank << 16) | (local_world_size << 8) | local_rank
+
+
+def lmcache_object_key(chunk_hash: bytes, model: str, kv_rank: int, group: int = 0,
+                       salt: str = "") -> str:
+    """An LMCache ObjectKey as its connectors write it (`model@rank@group@hash[@salt]`).
+
+    LMCache forbids "@" in the model and the salt, so the fields never run together."""
+    base = f"{model}@{kv_rank:08x}@{group:x}@{bytes(chunk_hash).hex()}"
+    return f"{base}@{salt}" if salt else base
