@@ -56,9 +56,11 @@ def test_gds_is_declined_with_a_reason(mounted: Mounted, monkeypatch: pytest.Mon
         with pytest.raises(Unavailable, match="CUDA devices"):
             GdsReader(r, torch.device("cpu"))
         monkeypatch.setenv("MXFS_GDS", "off")
-        with pytest.raises(Unavailable, match="MXFS_GDS=off"):
+        with pytest.raises(Unavailable, match="gds=off"):
             GdsReader(r, CUDA)
         monkeypatch.delenv("MXFS_GDS")
+        with pytest.raises(Unavailable, match="gds=off"):
+            GdsReader(r, CUDA, "off")  # the option, as a loader config gives it
         try:
             import kvikio  # noqa: F401
         except ImportError:
@@ -78,8 +80,9 @@ def test_a_declined_gds_is_logged_once_and_the_load_goes_on(
     caplog.set_level(logging.INFO, logger="mxfs.load")
     st.save_file({"w": torch.ones(4)}, str(mounted.path / "n.safetensors"))
     with open_reader(str(mounted.path / "n.safetensors")) as r:
-        assert open_gds(r, torch.device("cpu"), required=False) is None
-        assert open_gds(r, torch.device("cpu"), required=False) is None
+        why = open_gds(r, torch.device("cpu"), required=False)
+        assert isinstance(why, str) and "CUDA devices" in why  # the reason, for reports
+        assert open_gds(r, torch.device("cpu"), required=False) == why
         with pytest.raises(Unavailable):
             open_gds(r, torch.device("cpu"), required=True)
     said = [m for m in caplog.messages if "GPUDirect Storage not used" in m]

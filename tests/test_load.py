@@ -18,7 +18,8 @@ from conftest import Mounted, mxfs, one_line_error  # noqa: E402
 
 from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  # noqa: E402
 from mxfs.errors import MxfsError  # noqa: E402
-from mxfs.load import HeaderError, load_file, safe_open  # noqa: E402
+from mxfs.load import HeaderError, load_file, load_model, safe_open  # noqa: E402
+from mxfs.load.options import LoadOptions, LoadReport  # noqa: E402
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
           torch.bfloat16, torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64,
@@ -319,39 +320,25 @@ def test_an_unmounted_pool_is_read_directly_and_kept_unmounted(mounted: Mounted)
         assert "already mounted" in line or "is mounted" in line
 
 
-def test_vllm_load_format_mxfs_loads_a_model_folder(mounted: Mounted) -> None:
-    pytest.importorskip("vllm.model_executor.model_loader")
-    from types import SimpleNamespace
-
-    from vllm.config import LoadConfig
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.plugins import load_general_plugins
-
-    folder = mounted.path / "tiny"
+def test_load_model_takes_options_and_reports_what_each_file_did(mounted: Mounted) -> None:
+    g = torch.Generator().manual_seed(4)
+    folder = mounted.path / "two"
     folder.mkdir()
-    weights = {"embed.weight": torch.randn(64, 32), "head.weight": torch.randn(32, 64)}
-    st.save_file(weights, str(folder / "model.safetensors"))
-
-    class Tiny(torch.nn.Module):  # what vLLM models offer its loaders: load_weights(iter)
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Linear(32, 64, bias=False)
-            self.head = torch.nn.Linear(64, 32, bias=False)
-
-        def load_weights(self, named: object) -> set[str]:
-            params = dict(self.named_parameters())
-            done = set()
-            for name, t in named:  # type: ignore[attr-defined]
-                params[name].data.copy_(t)
-                done.add(name)
-            return done
-
-    load_general_plugins()  # finds mxfs through its vllm.general_plugins entry point
-    loader = get_model_loader(LoadConfig(load_format="mxfs"))
-    model = Tiny()
-    loader.load_weights(model, SimpleNamespace(model=str(folder)))
-    assert torch.equal(model.embed.weight, weights["embed.weight"])
-    assert torch.equal(model.head.weight, weights["head.weight"])
+    parts = [{"a": torch.randn(100, 7, generator=g)}, {"b": torch.randn(33, generator=g)}]
+    for i, part in enumerate(parts):
+        st.save_file(part, str(folder / f"m{i}.safetensors"))
+    for opts, path in ((LoadOptions(mode="read", odirect="always"), "read"),
+                       (LoadOptions(mode="stream", staging=8192), "stream"),
+                       (LoadOptions(), "map")):
+        report = LoadReport()
+        got = dict(load_model(str(folder), options=opts, report=report))
+        assert torch.equal(got["a"], parts[0]["a"]) and torch.equal(got["b"], parts[1]["b"])
+        assert report.path_taken() == path and len(report.files) == 2
+        assert report.nbytes == (100 * 7 + 33) * 4
+    report = LoadReport()
+    dict(load_model(str(folder), options=LoadOptions(mode="read"), report=report,
+                    tp_rank=1, tp_size=2, shard_dim=lambda n, s: 0))
+    assert report.path_taken() == "slices" and report.nbytes == (50 * 7 + 16) * 4
 
 
 @pytest.mark.parametrize("staging", [8192, 64 << 10, 1 << 30])  # many pieces .. one piece

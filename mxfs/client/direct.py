@@ -352,20 +352,22 @@ def control_client_for(path: str) -> ControlClient | None:
     return client
 
 
-def open_reader(path: str, direct: bool = True, pool: Any = None) -> Reader:
+def open_reader(path: str, direct: bool = True, pool: Any = None,
+                odirect: str | None = None) -> Reader:
     """A reader for `path`: direct from the chunk files when it is on an mxfs mount.
 
     With `pool` (an `mxfs.pool.offline.OfflinePool`), `path` is a path inside that
-    unmounted pool, read straight from its members.  MXFS_ODIRECT=always|never
-    overrides how direct readers pick O_DIRECT (default auto: for uncached pieces).
+    unmounted pool, read straight from its members.  `odirect` "always"|"never"
+    overrides how direct readers pick O_DIRECT (default: MXFS_ODIRECT, else auto:
+    for uncached pieces).
     """
     if pool is not None:
-        return _with_policy(DirectFile(path, None, pool.open_read(path)))
+        return _with_policy(DirectFile(path, None, pool.open_read(path)), odirect)
     client = control_client_for(path) if direct else None
     if client is None:
         return PlainFile(path)
     try:
-        return _with_policy(DirectFile(path, client))
+        return _with_policy(DirectFile(path, client), odirect)
     except ControlError as e:
         if e.errno == errno.EXDEV:  # a link out of the mount: the kernel reads it
             return PlainFile(path)
@@ -376,9 +378,9 @@ def open_reader(path: str, direct: bool = True, pool: Any = None) -> Reader:
         raise
 
 
-def _with_policy(f: DirectFile) -> DirectFile:
-    policy = os.environ.get("MXFS_ODIRECT", "auto")
+def _with_policy(f: DirectFile, policy: str | None) -> DirectFile:
+    policy = policy or os.environ.get("MXFS_ODIRECT") or "auto"
     if policy not in ("auto", "always", "never"):
-        raise MxfsError(f"MXFS_ODIRECT={policy} is not a policy", "use auto, always or never")
+        raise MxfsError(f"O_DIRECT policy {policy!r} is not one", "use auto, always or never")
     f.odirect = policy
     return f

@@ -6,8 +6,9 @@ cannot serve) moves bytes through host buffers of its own, which is what the pin
 staging path already does under mxfs's control, so then that path runs instead.
 Each member's chunk file is opened as a CuFile through /proc/self/fd: it is the very
 file the daemon checked and handed over (the reopen needs root or the owner of the
-chunk files).  Why GDS is not used is logged once per reason; MXFS_GDS=off turns it
-off, MXFS_GDS=force uses kvikio even in compatibility mode (for comparisons).
+chunk files).  Why GDS is not used is logged once per reason; the gds option
+(`mxfs.load.options`; MXFS_GDS) "off" turns it off, "force" uses kvikio even in
+compatibility mode (for comparisons).
 """
 
 from __future__ import annotations
@@ -87,14 +88,15 @@ def _without_gds(kvikio: Any) -> str | None:
 class GdsReader:
     """A file's chunk files opened for cuFile, read into one device buffer at a time."""
 
-    def __init__(self, reader: Reader, device: torch.device) -> None:
-        policy = os.environ.get("MXFS_GDS", "auto")
+    def __init__(self, reader: Reader, device: torch.device, policy: str | None = None
+                 ) -> None:
+        policy = policy or os.environ.get("MXFS_GDS") or "auto"
         if device.type != "cuda":
             raise Unavailable(f"GPUDirect Storage serves CUDA devices, not {device}")
         if not isinstance(reader, DirectFile):
             raise Unavailable(f"{reader.path} is not on an mxfs pool")
         if policy == "off":
-            raise Unavailable("MXFS_GDS=off")
+            raise Unavailable("turned off (gds=off)")
         kvikio = _kvikio()
         why = _without_gds(kvikio) if policy != "force" else None
         if why is not None:
@@ -152,15 +154,16 @@ class GdsReader:
 _said: set[str] = set()
 
 
-def open_gds(reader: Reader, device: torch.device, required: bool) -> GdsReader | None:
-    """A GdsReader, or None (the reason logged once) when GDS cannot serve this load;
+def open_gds(reader: Reader, device: torch.device, required: bool,
+             policy: str | None = None) -> GdsReader | str:
+    """A GdsReader, or why GDS cannot serve this load (logged once per reason);
     with `required`, Unavailable instead."""
     try:
-        return GdsReader(reader, device)
+        return GdsReader(reader, device, policy)
     except Unavailable as e:
         if required:
             raise
         if str(e) not in _said:
             _said.add(str(e))
             log.info("GPUDirect Storage not used: %s; loading through pinned host buffers", e)
-        return None
+        return str(e)

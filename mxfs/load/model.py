@@ -20,6 +20,7 @@ import torch
 from mxfs.client.direct import open_reader
 from mxfs.errors import MxfsError
 from mxfs.load.header import TensorInfo
+from mxfs.load.options import FileLoad, LoadOptions, LoadReport
 from mxfs.load.tensors import check_device, load_file, read_header, torch_dtype, writable_view
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -117,14 +118,17 @@ def _read_slice(reader, info: TensorInfo, dim: int, rank: int, size: int  # noqa
 
 def load_model(path: str, device: str | torch.device = "cpu", *,
                tp_rank: int = 0, tp_size: int = 1, shard_dim: ShardRule | None = None,
-               progress: bool | None = None, pool: Any = None
+               progress: bool | None = None, pool: Any = None,
+               options: LoadOptions | None = None, report: LoadReport | None = None
                ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of a (sharded) model; with tp_size > 1, only this rank's slices.
 
     `progress` shows a bar per shard on stderr (default: for models over 1 GiB when
     stderr is a terminal); throughput goes to the log either way.  With `pool` (an
-    `OfflinePool`), `path` is inside that unmounted pool.
+    `OfflinePool`), `path` is inside that unmounted pool.  `options` say how bytes
+    move (default: `LoadOptions.from_env()`); `report` gets what each file did.
     """
+    opts = options or LoadOptions.from_env()
     dev = check_device(device)
     if not 0 <= tp_rank < tp_size:
         raise MxfsError(f"tp_rank {tp_rank} is not within 0..{tp_size - 1}",
@@ -135,7 +139,8 @@ def load_model(path: str, device: str | torch.device = "cpu", *,
         progress = sum(sizes.values()) > 1 << 30 and sys.stderr.isatty()
     with _Bar(progress, sum(sizes.values())) as bar:
         for file, names in files.items():
-            yield from _load_shard(file, names, dev, tp_rank, tp_size, shard_dim, pool)
+            yield from _load_shard(file, names, dev, tp_rank, tp_size, shard_dim, pool,
+                                   opts, report)
             bar.advance(sizes[file])
 
 
@@ -171,17 +176,19 @@ def _missing(file: str, name: str) -> MxfsError:
 
 
 def _load_shard(file: str, names: list[str] | None, dev: torch.device, tp_rank: int,
-                tp_size: int, shard_dim: ShardRule | None, pool: Any
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+                tp_size: int, shard_dim: ShardRule | None, pool: Any, opts: LoadOptions,
+                report: LoadReport | None) -> Iterator[tuple[str, torch.Tensor]]:
     """One shard's tensors, whole or this rank's slices."""
     if tp_size == 1 or shard_dim is None:
-        tensors = load_file(file, dev, pool=pool)
+        tensors = load_file(file, dev, opts.mode, pool, opts.staging, odirect=opts.odirect,
+                            gds=opts.gds, report=report)
         for name in names or list(tensors):
             if name not in tensors:
                 raise _missing(file, name)
             yield name, tensors.pop(name)
         return
-    reader = open_reader(file, pool=pool)
+    reader = open_reader(file, pool=pool, odirect=opts.odirect)
+    moved = 0
     try:
         header = read_header(reader)
         wanted = names or [t.name for t in header.ordered()]
@@ -197,6 +204,9 @@ def _load_shard(file: str, names: list[str] | None, dev: torch.device, tp_rank: 
             else:
                 t = _read_slice(reader, info, dim % len(info.shape), tp_rank, tp_size)
             reader.check_unchanged()
+            moved += t.numel() * t.element_size()
             yield name, t.to(dev) if dev.type != "cpu" else t
     finally:
         reader.close()
+        if report is not None:
+            report.files.append(FileLoad(file, moved, "slices"))

@@ -19,6 +19,7 @@ from mxfs.client.direct import Reader, aligned_like, open_reader
 from mxfs.errors import MxfsError
 from mxfs.load.gds import GdsReader, Unavailable, open_gds
 from mxfs.load.header import Header, HeaderError, TensorInfo, header_length, parse_header
+from mxfs.load.options import MODES, FileLoad, LoadReport
 from mxfs.load.staging import STAGING, read_to_device, writable_view
 
 log = logging.getLogger("mxfs.load")
@@ -84,7 +85,9 @@ def _tensor(buf: torch.Tensor, base: int, info: TensorInfo, path: str) -> torch.
 
 
 def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
-              pool: Any = None, staging: int = STAGING) -> dict[str, torch.Tensor]:
+              pool: Any = None, staging: int = STAGING, *, odirect: str | None = None,
+              gds: str | None = None, report: LoadReport | None = None
+              ) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file; equal to safetensors.torch.load_file.
 
     mode "map" maps the file (its stripes side by side) and returns tensors over
@@ -101,24 +104,28 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     mappings, uses GDS for CUDA loads where it runs (logging why where it does
     not), and streams other loads to a device.
     With `pool` (`mxfs.pool.offline.OfflinePool`), `path` is inside that unmounted pool.
+    `odirect` and `gds` are the policies of `mxfs.load.options` (default: from the
+    environment); `report`, when given, gets what this load did.
     """
     dev = check_device(device)
-    if mode not in ("auto", "read", "map", "stream", "gds"):
+    if mode not in MODES:
         raise MxfsError(f"mode {mode!r} is not known",
                         "use mode='auto', 'read', 'map', 'stream' or 'gds'")
     start = time.perf_counter()
-    with open_reader(path, pool=pool) as reader:
+    with open_reader(path, pool=pool, odirect=odirect) as reader:
         header = read_header(reader)
         nbytes = reader.size - header.data_start
-        gds = _open_gds(reader, dev, mode)
+        gds_reader = _open_gds(reader, dev, mode, gds)
+        why_not = gds_reader if isinstance(gds_reader, str) else None
         if mode == "auto":
-            mode = ("gds" if gds else "stream" if dev.type != "cpu" else
-                    "map" if reader.mappings() <= MAX_MAPPINGS else "read")
-        if gds is not None:
+            mode = ("gds" if isinstance(gds_reader, GdsReader) else "stream"
+                    if dev.type != "cpu" else "map" if reader.mappings() <= MAX_MAPPINGS
+                    else "read")
+        if isinstance(gds_reader, GdsReader):
             try:
-                buf = gds.read_to_device(header.data_start, nbytes)
+                buf = gds_reader.read_to_device(header.data_start, nbytes)
             finally:
-                gds.close()
+                gds_reader.close()
             base = header.data_start
         elif mode == "stream":
             buf = read_to_device(reader, header.data_start, nbytes, dev, staging)
@@ -138,16 +145,20 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     secs = time.perf_counter() - start
     log.info("loaded %s (%s): %d tensors, %.2f GB in %.2f s (%.2f GB/s)", path, mode,
              len(out), nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
+    if report is not None:
+        report.files.append(FileLoad(path, nbytes, mode, why_not))
     if dev.type != "cpu" and mode not in ("stream", "gds"):
         out = {k: v.to(dev) for k, v in out.items()}
     return out  # in file order, as safetensors returns them
 
 
-def _open_gds(reader: Reader, dev: torch.device, mode: str) -> GdsReader | None:
-    """GDS for mode "gds" (or a clear error), tried for "auto" loads to CUDA."""
+def _open_gds(reader: Reader, dev: torch.device, mode: str, policy: str | None
+              ) -> GdsReader | str | None:
+    """GDS for mode "gds" (or a clear error), tried for "auto" loads to CUDA: the
+    reader, why GDS cannot serve, or None where it was not asked for."""
     if mode == "gds" or (mode == "auto" and dev.type == "cuda"):
         try:
-            return open_gds(reader, dev, required=mode == "gds")
+            return open_gds(reader, dev, required=mode == "gds", policy=policy)
         except Unavailable as e:
             raise MxfsError(f"GPUDirect Storage cannot load {reader.path}: {e}",
                             "load with mode='stream' (pinned buffers), or fix what it "
