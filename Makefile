@@ -1,10 +1,14 @@
 # Two entry points, both safe on a fresh machine: they install what is missing first.
 #   make demo   build a 4-member demo pool, mount it, write and read through it, measure
-#   make test   run the test suite (real FUSE mounts: needs root and /dev/fuse)
+#   make test   run the test suite (real FUSE mounts: needs root and /dev/fuse), then the
+#               engine tests (vLLM, SGLang, LMCache) in their own virtualenv
 VENV ?= .venv
 PY := $(VENV)/bin/python
+ENGINES ?= .venv-engines
+ENGINE_TESTS := tests/test_vllm.py tests/test_kv_adapters.py tests/test_kv_lmcache.py \
+	tests/test_kv_vllm.py
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test test-engines install engines lint bench clean
 
 install: $(VENV)/.installed
 
@@ -12,11 +16,23 @@ $(VENV)/.installed: pyproject.toml tools/install.sh
 	bash tools/install.sh $(VENV)
 	touch $@
 
+engines: $(ENGINES)/.installed
+
+$(ENGINES)/.installed: pyproject.toml tools/install_engines.sh tools/engines-constraints.txt \
+		$(VENV)/.installed
+	bash tools/install_engines.sh $(ENGINES)
+	touch $@
+
 demo: install
 	$(VENV)/bin/mxfs demo
 
 test: install
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-engines
+
+# The engines' own classes drive the adapters and the loader; here nothing may skip.
+test-engines: engines
+	MXFS_REQUIRE_ENGINES=1 $(ENGINES)/bin/python -m pytest -q $(ENGINE_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check mxfs tools tests
@@ -25,4 +41,4 @@ bench: install
 	$(PY) tools/bench_fs.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES) build *.egg-info

@@ -16,6 +16,18 @@ import pytest
 
 HAVE_FUSE = os.geteuid() == 0 and os.path.exists("/dev/fuse")
 needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
+# Set by `make test-engines`: there an engine that does not import is a failure, not a skip.
+REQUIRE_ENGINES = bool(os.environ.get("MXFS_REQUIRE_ENGINES"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if REQUIRE_ENGINES and report.skipped and call.excinfo is not None \
+            and "could not import" in str(call.excinfo.value):
+        report.outcome = "failed"
+        report.longrepr = f"MXFS_REQUIRE_ENGINES is set, but {call.excinfo.value}"
 
 
 def mxfs(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
