@@ -1,61 +1,296 @@
-"""The vLLM offloading tier on vLLM's real base classes, created by vLLM's own factories.
+"""The vLLM offloading tier, driven through vLLM's own spec factory and tiering manager.
 
 Skips without vLLM (not in the test extras); how it was installed is in
-tests/test_kv_adapters.py.
+tests/test_kv_adapters.py.  vLLM's manager runs on the CPU: its offload region is a
+real /dev/shm mmap, the rows a GPU worker would fill are written by the test.
 """
 
 from __future__ import annotations
 
+import copy
 import os
-import subprocess
-import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
-import numpy as np
 import pytest
-from conftest import Mounted
+from conftest import Mounted, eventually
 
-SECOND_PROCESS = r"""
-import sys
-from mxfs.kv import KVStore
-kv = KVStore(sys.argv[1], "vllm")
-print(kv.exists(bytes.fromhex(sys.argv[2])))
-"""
-
-
-def test_vllm_tier_created_by_the_tier_factory(mounted: Mounted) -> None:
-    pytest.importorskip("vllm.v1.kv_offload.tiering.base")
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+try:  # each test skips without vLLM (see the fixture below)
+    from vllm.v1.kv_offload.base import (
+        LookupResult,
+        ReqContext,
+        ScheduleEndContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.base import TransferJob
-    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-    from mxfs.kv.adapters.vllm import MxfsOffloadingSpec, MxfsTier
-    from mxfs.kv.keys import vllm_hashes
+    from mxfs.kv.adapters.vllm import MxfsOffloadingSpec, MxfsTier, storage_run
+except ImportError:
+    pass
 
-    assert OffloadingSpecFactory.get_spec_cls({
-        "spec_name": "MxfsOffloadingSpec", "spec_module_path": "mxfs.kv.adapters.vllm"}) \
-        is MxfsOffloadingSpec
-    rows = np.zeros((8, 4096), dtype=np.uint8)
-    tier = SecondaryTierFactory.create_secondary_tier(
-        {"type": "MxfsTier", "module_path": "mxfs.kv.adapters.vllm",
-         "mount": str(mounted.path), "namespace": "vllm"}, memoryview(rows), None)
-    assert isinstance(tier, MxfsTier)
-    ctx = ReqContext(req_id="r1")
-    keys = [make_offload_key(h, 0) for h in vllm_hashes(list(range(16 * 3)))]
-    rows[0:3] = np.random.default_rng(0).integers(0, 255, (3, 4096), dtype=np.uint8)
-    want = rows[0:3].copy()
-    assert tier.lookup(keys[0], ctx) == LookupResult.MISS
-    tier.submit_store(TransferJob(1, keys, np.array([0, 1, 2]), False, ctx))
+from mxfs.kv import KVStore
+from mxfs.kv.keys import vllm_hashes
+
+
+@pytest.fixture(autouse=True)
+def _vllm() -> None:
+    pytest.importorskip("vllm.v1.kv_offload.tiering.base")
+
+
+LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
+
+
+def offload_config(extra: dict[str, Any], *, chunks: int = 8, worker_bytes: int = 8192,
+                   world: int = 2, tp: int = 2, pp: int = 1, pcp: int = 1, dcp: int = 1,
+                   rank: int = 0, agnostic: bool = True, replicated: bool = False,
+                   model: str = "Qwen/Qwen3-0.6B", dtype: str = "bfloat16",
+                   groups: tuple[OffloadingGroupConfig, ...] | None = None,
+                   tokens_per_hash: int = 16, blocks_per_chunk: int = 1,
+                   canonical: bool = False, layout: str | None = None) -> OffloadingConfig:
+    """What vLLM's build_offloading_config hands a spec, for a small CPU region."""
+    row = -(-worker_bytes * (1 if replicated else world) * blocks_per_chunk // 4096) * 4096
+    return OffloadingConfig(
+        groups=groups or (OffloadingGroupConfig(16, LAYERS, 0),),
+        worker_kv_bytes_per_block=worker_bytes, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": row * chunks, **extra},
+        engine_id=f"mxfs-test-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(model, dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash, blocks_per_chunk),
+        parallel=OffloadingParallelConfig(rank, world, tp, pp, pcp, dcp, 0, 1, None, agnostic),
+        replicated_layout=replicated, canonical_layout=canonical, kv_cache_layout=layout)
+
+
+def mxfs_extra(mounted: Mounted, **tier: Any) -> dict[str, Any]:
+    return {"spec_name": "MxfsOffloadingSpec", "spec_module_path": "mxfs.kv.adapters.vllm",
+            "mxfs": {"mount": str(mounted.path), "namespace": "vllm", **tier}}
+
+
+class Engine:
+    """One serving instance's scheduler side: vLLM's spec and tiering manager."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        self.spec = OffloadingSpecFactory.create_spec(config)
+        self.manager: Any = self.spec.get_manager()
+        self.region = self.spec._scheduler_mmap
+        self.mmap = self.region.mmap_obj
+        self.row = self.spec.kv_bytes_per_chunk
+        [self.tier] = self.manager.secondary_tiers
+
+    def step(self) -> None:
+        self.manager.on_schedule_end(ScheduleEndContext((), ()))
+
+    def idle(self) -> bool:
+        self.step()
+        return not self.manager.has_pending_work()
+
+    def store(self, keys: list[bytes], rows: list[bytes]) -> None:
+        """As a request that computed these chunks: GPU -> CPU rows, then vLLM cascades."""
+        ctx = ReqContext(req_id=uuid.uuid4().hex)
+        self.manager.on_new_request(ctx)
+        out = self.manager.prepare_store(keys, ctx)
+        assert out is not None and list(out.keys_to_store) == keys
+        with self.manager.primary_tier.get_kv_memoryview().cast("B") as flat:
+            for chunk, data in zip(out.store_spec.chunk_ids, rows, strict=True):
+                flat[int(chunk) * self.row:int(chunk) * self.row + len(data)] = data
+        self.manager.complete_store(keys, ctx)
+        self.manager.on_request_finished(ctx)
+        assert eventually(self.idle)
+
+    def lookup(self, keys: list[bytes]) -> list[LookupResult]:
+        """Each key's lookup once vLLM stops saying "retry" (promotions done)."""
+        ctx = ReqContext(req_id=uuid.uuid4().hex)
+        self.manager.on_new_request(ctx)
+        found: list[LookupResult] = []
+
+        def settled() -> bool:
+            found[:] = [self.manager.lookup(k, ctx) for k in keys]
+            self.step()
+            return all(r in (LookupResult.HIT, LookupResult.MISS) for r in found)
+
+        assert eventually(settled)
+        self.manager.on_request_finished(ctx)
+        return found
+
+    def load(self, keys: list[bytes]) -> list[bytes]:
+        """The rows of keys vLLM's manager holds (hits), as a GPU load would read them."""
+        ctx = ReqContext(req_id=uuid.uuid4().hex)
+        self.manager.on_new_request(ctx)
+        spec = self.manager.prepare_load(keys, ctx)
+        with self.manager.primary_tier.get_kv_memoryview().cast("B") as flat:
+            rows = [bytes(flat[int(c) * self.row:(int(c) + 1) * self.row])
+                    for c in spec.chunk_ids]
+        self.manager.complete_load(keys, ctx)
+        self.manager.on_request_finished(ctx)
+        return rows
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        if not e.mmap.closed:
+            e.shutdown()
+
+
+def offload_keys(n: int, salt: int = 0) -> list[bytes]:
+    return [make_offload_key(h, 0) for h in vllm_hashes(list(range(salt, salt + 16 * n)))]
+
+
+def rows_of(n: int, size: int, seed: int) -> list[bytes]:
+    return [os.urandom(size) for _ in range(n)] if seed else [bytes(size)] * n
+
+
+def test_vllm_block_hashes_equal_the_engines_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    for seed in (None, "0", ""):
+        if seed is None:
+            monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONHASHSEED", seed)
+        kv_cache_utils.init_none_hash(sha256)
+        tokens = [(i * 31) % 50000 for i in range(16 * 5 + 7)]
+        want, parent = [], None
+        for i in range(0, len(tokens) - 15, 16):
+            parent = kv_cache_utils.hash_block_tokens(sha256, parent, tokens[i:i + 16])
+            want.append(bytes(parent))
+        assert vllm_hashes(tokens) == want, seed
+
+
+def test_vllm_chunk_names_are_the_fs_tiers_file_names() -> None:
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    two_groups = (OffloadingGroupConfig(16, LAYERS, 0),
+                  OffloadingGroupConfig(32, ("model.layers.2.mamba",), 1))
+    cases: list[dict[str, Any]] = [
+        dict(),                                                   # TP=2, head-sharded
+        dict(agnostic=False),                                     # per-topology bytes
+        dict(agnostic=False, tp=4, world=4),
+        dict(agnostic=False, tp=2, pp=2, world=4, rank=3),        # pipeline stages
+        dict(agnostic=False, pcp=2, world=4),                     # prefill CP
+        dict(agnostic=False, dcp=2, world=2, tp=2),               # decode CP
+        dict(agnostic=False, replicated=True, tp=4, world=4),     # MLA, one copy
+        dict(model="meta-llama/Llama-3.1-8B"),
+        dict(dtype="float8_e4m3fn"),
+        dict(blocks_per_chunk=4),
+        dict(tokens_per_hash=32),
+        dict(agnostic=False, groups=two_groups),
+        dict(canonical=True, layout="LBNHC"),
+        dict(canonical=True, layout="LBHNC"),
+    ]
+    key = make_offload_key(vllm_hashes(list(range(32)))[1], 3)
+    names = set()
+    for fields in cases:
+        spec = MxfsOffloadingSpec(offload_config({"mxfs": {"mount": "/nowhere"}}, **fields))
+        ref = FileMapper.from_offloading_spec("vllm", spec, blocks_per_file=spec.blocks_per_chunk,
+                                              parallel_agnostic=True)
+        run = storage_run(spec)
+        assert run.name(key) == ref.get_file_name(key), fields
+        assert run.fields() == ref.get_run_config(), fields
+        names.add(run.name(key))
+    assert len(names) == len(cases)  # no two of these runs share a chunk
+
+
+def test_vllm_spec_leaves_the_callers_config_as_it_was() -> None:
+    extra: dict[str, Any] = {
+        "mxfs": {"mount": "/nowhere", "namespace": "v"},
+        "backpressure": {"backpressure_cls": "EMABackpressureDetector"},
+        "secondary_tiers": [{"type": "example", "backpressure": {}}]}
+    config = offload_config(extra)  # its extra_config: vLLM's own dict, as given
+    before = copy.deepcopy(config.extra_config)
+    spec = MxfsOffloadingSpec(config)
+    assert [t["type"] for t in spec.secondary_tier_configs] == ["example", "MxfsTier"]
+    assert spec.secondary_tier_configs[1]["backpressure"] == extra["backpressure"]  # resolved
+    MxfsOffloadingSpec.build_metric_definitions(config.extra_config)
+    assert config.extra_config == before
+
+
+def test_vllm_shutdown_closes_the_shared_offload_region(mounted: Mounted,
+                                                        engines: list[Engine]) -> None:
+    """vLLM closes the region's mmap after the tiers: a view the tier kept made that
+    fail with "BufferError: cannot close exported pointers exist" (logged, mmap leaked)."""
+    engine = Engine(offload_config(mxfs_extra(mounted)))
+    engines.append(engine)
+    keys = offload_keys(2)
+    engine.store(keys, rows_of(2, engine.row, 1))
+    with KVStore(str(mounted.path), "vllm") as kv:
+        assert kv.usage()["chunks"] == 2
+    engine.shutdown()
+    assert engine.mmap.closed
+    assert not os.path.exists(engine.region.mmap_path)
+
+
+def test_vllm_chunks_move_between_engines_through_the_pool(mounted: Mounted,
+                                                           engines: list[Engine]) -> None:
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    first = Engine(offload_config(mxfs_extra(mounted), worker_bytes=256 << 10))  # direct puts
+    engines.append(first)
+    keys = offload_keys(5)
+    rows = rows_of(3, first.row, 1)
+    first.store(keys[:3], rows)
+    ref = FileMapper.from_offloading_spec("vllm", first.spec, blocks_per_file=1,
+                                          parallel_agnostic=True)
+    with KVStore(str(mounted.path), "vllm") as kv:  # stored under the fs tier's names
+        assert kv.exists_many([ref.get_file_name(k) for k in keys]) == [True] * 3 + [False] * 2
+
+    second = Engine(offload_config(mxfs_extra(mounted), worker_bytes=256 << 10))
+    engines.append(second)
+    assert second.lookup(keys) == [LookupResult.HIT] * 3 + [LookupResult.MISS] * 2
+    assert second.load(keys[:3]) == rows  # promoted from mxfs into its own CPU rows
+
+    other = Engine(offload_config(mxfs_extra(mounted), worker_bytes=128 << 10, tp=4,
+                                  world=4, agnostic=False))
+    engines.append(other)
+    assert other.lookup(keys[:1]) == [LookupResult.MISS]  # another topology's bytes
+    for engine in engines:
+        engine.shutdown()
+        assert engine.mmap.closed
+
+
+def test_vllm_errors_are_failed_jobs_and_misses(mounted: Mounted, engines: list[Engine],
+                                                tmp_path: Any) -> None:
+    with pytest.raises(OSError, match="not on an mxfs mount"):  # refused at start
+        OffloadingSpecFactory.create_spec(offload_config(
+            {**mxfs_extra(mounted), "mxfs": {"mount": str(tmp_path)}})).get_manager()
+
+    full = Engine(offload_config(mxfs_extra(mounted, namespace="small", capacity=4096)))
+    engines.append(full)
+    tier: MxfsTier = full.tier
+    ctx = ReqContext(req_id="r")
+    keys = offload_keys(2)
+    tier.submit_store(TransferJob(101, keys, [0, 1], False, ctx))  # chunks over the capacity
     tier.drain_jobs()
-    [result] = list(tier.get_finished_jobs())
-    assert result.job_id == 1 and result.success and len(result.successful_keys) == 3
-    assert tier.lookup(keys[2], ctx) == LookupResult.HIT
-    out = subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(mounted.path),
-                          bytes(keys[1]).hex()], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"  # another serving instance sees it
-    tier.submit_load(TransferJob(2, keys, np.array([5, 6, 7]), False, ctx))
-    tier.drain_jobs()
-    [result] = list(tier.get_finished_jobs())
-    assert result.success and np.array_equal(rows[5:8], want)
-    tier.shutdown()
-    os.sync()
+    [result] = tier.get_finished_jobs()
+    assert (result.job_id, result.success, result.successful_keys) == (101, False, ())
+
+    engine = Engine(offload_config(mxfs_extra(mounted)))
+    engines.append(engine)
+    engine.store(keys, rows_of(2, engine.row, 1))
+    mounted.umount()  # the pool goes away under a running engine
+    engine.tier.submit_load(TransferJob(102, keys, [4, 5], True, ctx))
+    engine.tier.drain_jobs()
+    [result] = engine.tier.get_finished_jobs()
+    assert (result.success, result.successful_keys) == (False, ())
+    assert engine.lookup(offload_keys(1, salt=7)) == [LookupResult.MISS]
+    mounted.remount()  # back: the tier connects again
+    engine.tier.submit_load(TransferJob(103, keys, [4, 5], True, ctx))
+    engine.tier.drain_jobs()
+    [result] = engine.tier.get_finished_jobs()
+    assert result.success and result.successful_keys is None
+    engine.shutdown()
+    assert engine.mmap.closed
