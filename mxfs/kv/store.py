@@ -142,8 +142,10 @@ class KVStore:
         stored = [False] * len(keys)
         small: list[tuple[int, str, memoryview]] = []
         large: list[tuple[int, str, memoryview]] = []
+        held = []  # host copies of device tensors: the views point into them
         for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-            view = _view(buf, writable=False)[0]
+            view, copy = _view(buf, writable=False)
+            held.append(copy)
             (small if len(view) <= INLINE else large).append((i, _b64(key), view))
         batch: list[tuple[int, str, memoryview]] = []
         for item in small + [(-1, "", memoryview(b""))]:
