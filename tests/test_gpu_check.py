@@ -1,12 +1,95 @@
-"""KVStore puts of tensors that live off the host keep their host copies until written
-(tools/gpu_check.py's dry run joins them here)."""
+"""The GPU check's dry run on the CPU: every part gives figures or a reason, every byte
+check passes, on the mount and on the unmounted path; and KVStore puts of tensors that
+live off the host keep their host copies until written."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
-from conftest import Mounted
+from conftest import Mounted, one_line_error
 
 from mxfs.kv import KVStore
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the unmounted pool needs root")
+
+
+def dry_run(tmp_path: Path, *extra: str) -> tuple[dict, str]:
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device",
+                          "cpu", "--size", "8MiB", "--repeat", "1", "--out", str(out),
+                          "--dir", str(tmp_path), *extra],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert not any(p.name.startswith("mxfs-gpu-check-") for p in tmp_path.iterdir())
+    return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
+
+
+def check_common(r: dict, md: str) -> None:
+    assert r["ok"] and r["problems"] == []
+    env = r["environment"]
+    for key in ("sandbox", "fuse", "io_uring", "o_direct", "gpu"):
+        assert key in env and "error" not in env[key], key
+    assert env["sandbox"]["runtime"] and env["sandbox"]["hints"]
+    assert isinstance(env["o_direct"]["works"], bool)
+    assert env["io_uring"]["kernel"] and env["io_uring"]["mxfs_engine"]
+    assert env["gpu"]["torch"] == torch.__version__ and env["gpu"]["device"] == "cpu"
+    assert env["gpu"]["cufile"]["kvikio"]  # a version, or why it does not import
+    loads = r["loads"]
+    assert set(loads["median"]) >= {"a_raw_chunks", "b_mxfs_stream", "c_safetensors"}
+    assert all(v["cold"] > 0 and v["warm"] > 0 for v in loads["median"].values())
+    assert loads["equal"] == {"b_mxfs_stream": True}
+    assert "CUDA" in loads["gds_unavailable"]  # GDS skipped with its reason
+    ck = r["checkpoint"]
+    assert ck["equal_mxfs"] is True and ck["equal_torch_save"] is True
+    assert all(ck[k] > 0 for k in ("blocked_s", "durable_s", "first_blocked_s", "torch_save_s"))
+    kv = r["kv"]
+    assert kv["chunks"] >= 4 and kv["chunk_bytes"] > 256 << 10  # above the inline bound
+    assert kv["raw_files"] >= 1 and all(kv["equal"].values()) and len(kv["equal"]) == 2
+    assert all(v["cold"] > 0 and v["warm"] > 0 for v in kv["median"].values())
+    for title in ("## Environment", "## Model loads", "## Checkpoint from device tensors",
+                  "## KV chunks into device buffers", "every byte check passed"):
+        assert title in md
+
+
+@needs_root
+def test_dry_run_covers_every_part(tmp_path: Path) -> None:
+    r, md = dry_run(tmp_path)
+    check_common(r, md)
+    fuse = r["environment"]["fuse"]
+    if r["environment"]["pool_mounted"]:
+        assert fuse["mount"] == "ok"
+        assert r["checkpoint"]["target"].startswith("mxfs mount")
+        assert set(r["kv"]["median"]) == {"a_raw_chunks", "b_mxfs_kvstore", "c_plain_files"}
+    else:  # no FUSE here: the same run takes the unmounted path, and says why
+        assert fuse["mount"].startswith(("not tried", "failed"))
+        assert "skipped" in r["kv"]["b_mxfs_kvstore"]
+
+
+@needs_root
+def test_dry_run_without_fuse_takes_the_unmounted_path(tmp_path: Path) -> None:
+    r, md = dry_run(tmp_path, "--no-fuse")
+    check_common(r, md)
+    assert r["environment"]["fuse"]["mount"] == "not tried (--no-fuse)"
+    assert r["checkpoint"]["target"].startswith("plain folder: --no-fuse")
+    assert set(r["kv"]["median"]) == {"a_raw_chunks", "b_mxfs_offline", "c_plain_files"}
+    assert "needs a mounted pool" in r["kv"]["b_mxfs_kvstore"]["skipped"]
+    assert "b_mxfs_kvstore skipped" in md
+
+
+def test_bad_input_is_one_line() -> None:
+    for args in (["--size", "banana"], ["--repeat", "0"], ["--kv-chunk", "1000"]):
+        res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"),
+                              "--device", "cpu", *args], capture_output=True, text=True,
+                             timeout=60)
+        assert one_line_error(res).startswith("gpu_check: ")
 
 
 class OffHost(torch.Tensor):

@@ -1,0 +1,133 @@
+"""The GPU check's model loads: both device paths of mxfs.load against the raw ceiling.
+
+A 4-member pool of folders of its own; a synthetic model put in offline (`mxfs put`'s
+code: no FUSE needed), opened with OfflinePool and loaded to the device, cold (caches
+dropped) and warm, each round:
+  (a) raw: parallel O_DIRECT reads of the model's chunk files into host memory
+  (b) mxfs.load through pinned staging buffers (mode "stream")
+  (b') mxfs.load with GPUDirect Storage through kvikio (mode "gds"), or why not
+  (c) safetensors.torch.load_file(device=...) from a plain folder
+Every loaded tensor is checked byte for byte against safetensors' once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import mmap
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from gpu_check_common import gbps, median, raw_reads, same_bytes, timed
+from safetensors.torch import load_file as st_load_file
+from safetensors.torch import save_file
+
+from mxfs.cli.measure import drop_caches
+from mxfs.client.direct import open_reader
+from mxfs.fs.offline_put import put_files
+from mxfs.fs.volume import format_pool
+from mxfs.load import load_file
+from mxfs.load.gds import GdsReader, Unavailable
+from mxfs.load.tensors import touch_pages
+
+HIDDEN, FFN = 4096, 11008  # Llama-2-7B-like layers, shrunk for small sizes
+
+
+def _layer_bytes(h: int, f: int) -> int:
+    return 4 * h * h * 2 + 3 * (f * h + 4 * f) + 2 * h
+
+
+def synthetic_model(total: int, dev: torch.device) -> dict[str, torch.Tensor]:
+    """bf16 attention and fp8 MLP weights (with fp32 scales) up to `total` bytes, in host
+    memory (drawn on `dev`: a GPU draws gigabytes in moments); layers are shrunk (same
+    shapes' ratios) when `total` holds fewer than four full ones."""
+    s = min(1.0, math.sqrt(total / (4 * _layer_bytes(HIDDEN, FFN))))
+    h, f = max(64, int(HIDDEN * s) // 64 * 64), max(64, int(FFN * s) // 64 * 64)
+    g = torch.Generator(device=dev).manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    size, layer = 0, 0
+    while size < total:
+        p = f"model.layers.{layer}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[p + f"self_attn.{name}.weight"] = torch.randn(
+                h, h, generator=g, dtype=torch.bfloat16, device=dev).cpu()
+        for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+            w = torch.randn(*shape, generator=g, device=dev).clamp(-4, 4)
+            tensors[p + f"mlp.{name}.weight"] = w.to(torch.float8_e4m3fn).cpu()
+            tensors[p + f"mlp.{name}.weight_scale"] = torch.rand(shape[0], generator=g,
+                                                                 device=dev).cpu()
+        tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        size += _layer_bytes(h, f)
+        layer += 1
+    return tensors
+
+
+def _timed_load(fn: Callable[[], Any], dev: torch.device) -> float:
+    def go() -> None:
+        out = fn()
+        if isinstance(out, dict) and dev.type == "cpu":
+            touch_pages(out)  # a dry run: safetensors' CPU tensors are lazily mapped
+    return timed(go, dev)[0]
+
+
+def run(args: argparse.Namespace, work: str, emit: Callable[[dict[str, Any]], None]
+        ) -> dict[str, Any]:
+    """The loads, every round handed to `emit` as it ends (a timeout keeps them)."""
+    dev = torch.device(args.device)
+    members = [os.path.join(work, f"member{i}") for i in range(4)]
+    for m in members:
+        os.makedirs(m)
+    format_pool(members, 1 << 20)
+    plain = os.path.join(work, "model.safetensors")
+    model = synthetic_model(args.size, dev)
+    nbytes = sum(t.numel() * t.element_size() for t in model.values())
+    save_file(model, plain)
+    del model
+    put_files(members[0], [plain], "/")
+    out: dict[str, Any] = {"bytes": nbytes, "repeat": args.repeat, "pool": "unmounted "
+                           "(OfflinePool: the load needs no FUSE)", "equal": {}, "rounds": []}
+    from mxfs.pool.offline import OfflinePool
+
+    with OfflinePool(members[0]) as pool:
+        ino = pool.resolve("/model.safetensors").ino
+        chunks = [c for c in (pool.pool.chunk_path(m, ino) for m in range(4))
+                  if os.path.exists(c)]
+        bufs = [memoryview(mmap.mmap(-1, -(-os.path.getsize(c) // 4096) * 4096))
+                for c in chunks]
+        for b in bufs:
+            b[:] = bytes(len(b))  # touched once: the clock measures reads, not page faults
+        arms: dict[str, Callable[[], Any]] = {
+            "a_raw_chunks": lambda: raw_reads(chunks, bufs),
+            "b_mxfs_stream": lambda: load_file("/model.safetensors", dev, mode="stream",
+                                               pool=pool),
+            "c_safetensors": lambda: st_load_file(plain, device=str(dev)),
+        }
+        try:
+            with open_reader("/model.safetensors", pool=pool) as r:
+                GdsReader(r, dev).close()
+            arms["b_mxfs_gds"] = lambda: load_file("/model.safetensors", dev, mode="gds",
+                                                   pool=pool)
+        except Unavailable as e:
+            out["gds_unavailable"] = str(e)
+        want = st_load_file(plain, device=str(dev))
+        for name in ("b_mxfs_stream", "b_mxfs_gds"):
+            if name in arms:
+                out["equal"][name] = same_bytes(arms[name](), want)
+        del want
+        out["cold_is_cold"] = drop_caches()
+        for _ in range(args.repeat):
+            result = {}
+            for name, arm in arms.items():
+                drop_caches()
+                cold = _timed_load(arm, dev)
+                warm = _timed_load(arm, dev)
+                result[name] = {"cold": gbps(nbytes, cold), "warm": gbps(nbytes, warm)}
+            out["rounds"].append(result)
+            out["median"] = {arm: {k: median([r[arm][k] for r in out["rounds"]])
+                                   for k in ("cold", "warm")} for arm in result}
+            emit(out)
+    out["note"] = ("mxfs arms read uncached stripes O_DIRECT, which leaves the page cache "
+                   "empty: their warm runs are cold again; only safetensors' warm is cached")
+    return out
