@@ -4,17 +4,27 @@
                    "class_name": "MxfsL2Adapter",
                    "adapter_params": {"mount": "/mnt/kv", "namespace": "lmcache"}}'
 
-LMCache's controller threads submit tasks and wait on three event descriptors;
-the adapter runs each task on its own worker threads, so submitting never blocks,
-and signals the matching descriptor when a result is ready.  "Lock" is mxfs's read
-lease (`pin`): eviction skips locked chunks until `submit_unlock`.
+LMCache's controller threads submit tasks and wait on three event descriptors; the
+adapter runs each task on its worker threads, so submitting never blocks, and
+signals the matching descriptor when a result is ready.  Objects are keyed by
+every field of LMCache's ObjectKey as its connectors write them (model, kv_rank,
+object group, chunk hash, cache salt).  "Lock" is mxfs's read lease (`pin`): a key
+reported found is locked exactly once, until LMCache's one `submit_unlock` of it,
+on every path; mxfs's eviction skips locked chunks, and so does `delete`.  The
+capacity is mxfs's to enforce (LMCache is told of none, so its own eviction never
+deletes for space); stores, loads and deletes are reported to LMCache's listeners
+as its own adapters report them.
 """
 
 from __future__ import annotations
 
+import base64
+import errno
 import itertools
 import logging
 import threading
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,18 +33,23 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
-from mxfs.kv.store import KVStore, default_namespace
+from mxfs.errors import MxfsError
+from mxfs.kv.keys import lmcache_object_key
+from mxfs.kv.store import KVStore, default_namespace, key_bytes
 
 log = logging.getLogger("mxfs.kv.lmcache")
 
+PUT_SLICE = 64  # objects per put: bounds the unpublished files and descriptors it holds
+UNPIN_SLICE = 1024  # keys per unpin request
+
 
 def object_key(key: Any) -> bytes:
-    """An LMCache ObjectKey as an mxfs key: model, rank, group, chunk hash, salt."""
-    return (f"{key.model_name}@{key.kv_rank:08x}@{key.object_group_id:x}@"
-            f"{bytes(key.chunk_hash).hex()}@{key.cache_salt}").encode()
+    """An LMCache ObjectKey as an mxfs key: `model@kv_rank@group@hash[@salt]`."""
+    return lmcache_object_key(key.chunk_hash, key.model_name, key.kv_rank,
+                              key.object_group_id, key.cache_salt).encode()
 
 
-def _bits(flags: list[Any]) -> Any:
+def _bits(flags: list[bool]) -> Any:
     """An LMCache bitmap with bit i set where flags[i] is true."""
     bits = Bitmap(len(flags))
     for i, flag in enumerate(flags):
@@ -43,120 +58,252 @@ def _bits(flags: list[Any]) -> Any:
     return bits
 
 
+def _pin(kv: KVStore, keys: list[bytes]) -> list[int | None]:
+    """Lease each present key (the daemon takes all or none); each one's size, None if absent.
+
+    `KVStore.pin` does not say which keys it leased, and a key reported found must be
+    the very key locked, so this asks the daemon itself (one request)."""
+    reply = kv._call("kv_get", keys=[base64.b64encode(key_bytes(k)).decode() for k in keys],
+                     pin=True)
+    return [None if c is None else int(c["size"]) for c in reply["chunks"]]
+
+
 class MxfsL2Adapter(L2AdapterInterface):
     def __init__(self, params: Any, l1_memory_desc: Any = None) -> None:
         conf = params if isinstance(params, dict) else vars(params)
-        capacity = int(conf.get("capacity", 0) or 0)
-        super().__init__(max_capacity_bytes=capacity)
+        super().__init__()  # no capacity for LMCache: mxfs evicts, sparing locked chunks
         if not conf.get("mount"):
             raise ValueError("mxfs L2 adapter: set \"mount\" in adapter_params")
-        self.store = KVStore(conf["mount"], conf.get("namespace") or default_namespace("lmcache"),
-                             capacity=capacity or None, shared=bool(conf.get("shared")))
-        self._store_lock = threading.Lock()  # KVStore requests go one at a time
-        self._events = [create_event_notifier() for _ in range(3)]
+        self.capacity = int(conf.get("capacity", 0) or 0)
+        self._args = (conf["mount"], conf.get("namespace") or default_namespace("lmcache"),
+                      self.capacity or None, bool(conf.get("shared")))
+        self._conn = threading.Lock()  # guards replacing a broken store
+        self.store = self._open()
+        self._events = {kind: create_event_notifier() for kind in ("store", "lookup", "load")}
+        self._results: dict[str, dict[int, Any]] = {kind: {} for kind in self._events}
         self._ids = itertools.count(1)
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="mxfs-l2")
-        self._lock = threading.Lock()
-        self._stored: dict[int, Any] = {}
-        self._looked: dict[int, Any] = {}
-        self._loaded: dict[int, Any] = {}
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="mxfs-l2")
+        self._lock = threading.Lock()  # guards results and the leases below
+        # Leases this adapter holds on the store's connection, and the locked chunks' sizes.
+        self._held: Counter[bytes] = Counter()
+        self._sizes: dict[bytes, int] = {}
+        self._pinning = threading.Lock()  # a delete never races a lock of the same key
+
+    # ---- the pool ---------------------------------------------------------------------
+
+    def _open(self) -> KVStore:
+        mount, namespace, capacity, shared = self._args
+        try:
+            return KVStore(mount, namespace, capacity=capacity, shared=shared)
+        except MxfsError as e:
+            raise OSError(errno.ENODEV, f"mxfs L2 adapter: {e}") from None
+
+    def _kv(self) -> KVStore:
+        """The store, connected again if its connection broke (its leases went with it)."""
+        with self._conn:
+            client = self.store.client
+            if client.broken or client.sock.fileno() < 0:
+                old, self.store = self.store, self._open()
+                old.close()
+                with self._lock:
+                    self._held.clear()
+                    self._sizes.clear()
+            return self.store
+
+    # ---- tasks ------------------------------------------------------------------------
 
     def get_store_event_fd(self) -> int:
-        return self._events[0].fileno()
+        return self._events["store"].fileno()
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._events[1].fileno()
+        return self._events["lookup"].fileno()
 
     def get_load_event_fd(self) -> int:
-        return self._events[2].fileno()
+        return self._events["load"].fileno()
 
-    def _run(self, results: dict[int, Any], event: Any, fn: Any, failed: Any) -> int:
+    def _run(self, kind: str, fn: Callable[[], Any], failed: Callable[[], Any]) -> int:
         task = next(self._ids)
 
         def job() -> None:
             try:
-                with self._store_lock:
-                    out = fn()
+                out = fn()
             except Exception as e:  # noqa: BLE001 - a failed task is a result, not a crash
-                log.warning("mxfs L2 task %d failed: %s", task, e)
+                log.warning("mxfs L2 %s task %d failed: %s", kind, task, e)
                 out = failed()
             with self._lock:
-                results[task] = out
-            event.notify()
+                self._results[kind][task] = out
+            self._events[kind].notify()
 
         self._pool.submit(job)
         return task
 
+    def _take(self, kind: str, task: int) -> Any:
+        with self._lock:
+            return self._results[kind].pop(task, None)
+
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> int:
         def store() -> Any:
-            self.store.batch_put([object_key(k) for k in keys],
-                                 [o.byte_array for o in objects])
-            return L2StoreResult(True, sum(o.get_size() for o in objects))
+            wire = [object_key(k) for k in keys]
+            bufs = [o.byte_array for o in objects]
+            kv = self._kv()
+            stored, sizes, ok = [], [], True
+            for start in range(0, len(wire), PUT_SLICE):
+                end = start + PUT_SLICE
+                try:
+                    new = kv.batch_put(wire[start:end], bufs[start:end])
+                except OSError as e:  # ENOSPC (the pool is full), EFBIG, a lost daemon...
+                    log.warning("mxfs L2: %d of %d objects not stored: %s",
+                                len(wire) - start, len(wire), e)
+                    ok = False
+                    break
+                for k, buf, fresh in zip(keys[start:end], bufs[start:end], new, strict=True):
+                    if fresh:  # False: stored already (the first writer won)
+                        stored.append(k)
+                        sizes.append(len(buf))
+            if stored:
+                self._notify_keys_stored(stored, sizes)
+            return L2StoreResult(ok, sum(sizes))
 
-        return self._run(self._stored, self._events[0], store,
-                         lambda: L2StoreResult(False, 0))
+        return self._run("store", store, lambda: L2StoreResult(False, 0))
 
     def pop_completed_store_tasks(self) -> dict[int, Any]:
         with self._lock:
-            done, self._stored = self._stored, {}
+            done, self._results["store"] = self._results["store"], {}
         return done
 
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any) -> int:
         def lookup() -> Any:
             wire = [object_key(k) for k in keys]
-            present = self.store.exists_many(wire)
-            hits = [w for w, p in zip(wire, present, strict=True) if p]
-            if hits:
-                self.store.pin(hits)
-            return _bits(present)
+            found = [False] * len(wire)
+            kv = self._kv()
+            for start in range(0, len(wire), kv.batch):  # a descriptor per member a chunk is on
+                part = wire[start:start + kv.batch]
+                with self._pinning:
+                    try:
+                        sizes = _pin(kv, part)
+                    except OSError as e:
+                        if e.errno == errno.ENOENT:  # no namespace yet: nothing stored
+                            break
+                        log.warning("mxfs L2: %d keys not looked up: %s", len(part), e)
+                        continue
+                    with self._lock:  # counted before the result is seen: unlocks find them
+                        for w, size in zip(part, sizes, strict=True):
+                            if size is not None:
+                                self._held[w] += 1
+                                self._sizes[w] = size
+                found[start:start + len(part)] = [s is not None for s in sizes]
+            return _bits(found)
 
-        return self._run(self._looked, self._events[1], lookup, lambda: Bitmap(len(keys)))
+        return self._run("lookup", lookup, lambda: Bitmap(len(keys)))
 
     def query_lookup_and_lock_result(self, task_id: int) -> Any:
-        with self._lock:
-            return self._looked.pop(task_id, None)
+        return self._take("lookup", task_id)
 
     def submit_unlock(self, keys: list[Any]) -> None:
-        def unlock() -> None:
-            self.store.unpin([object_key(k) for k in keys])
+        """Ends the leases of keys this adapter locked (others it never reported found).
 
-        self._pool.submit(lambda: self._locked(unlock))
+        An unpin that fails leaves no lease behind: either the connection broke (its
+        leases ended with it) or the namespace is gone (with its chunks)."""
+        mine = []
+        with self._lock:
+            for w in (object_key(k) for k in keys):
+                if self._held[w] > 0:
+                    self._held[w] -= 1
+                    if not self._held[w]:
+                        del self._held[w]
+                        self._sizes.pop(w, None)
+                    mine.append(w)
+        if mine:
+            self._pool.submit(self._unpin, mine)
 
-    def _locked(self, fn: Any) -> None:
+    def _unpin(self, wire: list[bytes]) -> None:
         try:
-            with self._store_lock:
-                fn()
-        except Exception as e:  # noqa: BLE001 - leases also end when the connection closes
-            log.warning("mxfs L2 unlock failed: %s", e)
+            kv = self._kv()
+            for start in range(0, len(wire), UNPIN_SLICE):
+                kv.unpin(wire[start:start + UNPIN_SLICE])
+        except Exception as e:  # noqa: BLE001 - see submit_unlock
+            log.warning("mxfs L2: unlock of %d keys failed: %s", len(wire), e)
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
         def load() -> Any:
-            return _bits(self.store.batch_get([object_key(k) for k in keys],
-                                              [o.byte_array for o in objects]))
+            wire = [object_key(k) for k in keys]
+            bufs = [o.byte_array for o in objects]
+            with self._lock:
+                sizes = [self._sizes.get(w) for w in wire]
+            hits = [False] * len(wire)
+            want = [i for i, (b, s) in enumerate(zip(bufs, sizes, strict=True))
+                    if s is None or s == len(b)]  # a locked chunk of another size: a miss
+            kv = self._kv()
+            for start in range(0, len(want), kv.batch):
+                part = want[start:start + kv.batch]
+                for i, ok in zip(part, self._get(kv, [wire[i] for i in part],
+                                                 [bufs[i] for i in part]), strict=True):
+                    hits[i] = ok
+            loaded = [k for k, hit in zip(keys, hits, strict=True) if hit]
+            if loaded:
+                self._notify_keys_accessed(loaded)
+            return _bits(hits)
 
-        return self._run(self._loaded, self._events[2], load, lambda: Bitmap(len(keys)))
+        return self._run("load", load, lambda: Bitmap(len(keys)))
+
+    @staticmethod
+    def _get(kv: KVStore, wire: list[bytes], bufs: list[Any]) -> list[bool]:
+        """Each chunk read into its buffer; one that does not fit fails alone."""
+        try:
+            return [bool(g) for g in kv.batch_get(wire, bufs)]
+        except ValueError:  # a chunk larger than its buffer: the others still load
+            if len(wire) == 1:
+                return [False]
+            return [MxfsL2Adapter._get(kv, [w], [b])[0] for w, b in zip(wire, bufs, strict=True)]
+        except OSError as e:
+            log.warning("mxfs L2: %d objects not loaded: %s", len(wire), e)
+            return [False] * len(wire)
 
     def query_load_result(self, task_id: int) -> Any:
-        with self._lock:
-            return self._loaded.pop(task_id, None)
+        return self._take("load", task_id)
+
+    # ---- eviction, usage, status ------------------------------------------------------
 
     def delete(self, keys: list[Any]) -> None:
-        with self._store_lock:
-            for k in keys:
-                self.store.delete(object_key(k))
+        """Delete keys, but not those this adapter holds locked (LMCache's eviction
+        does not know L2 locks)."""
+        pairs = [(k, object_key(k)) for k in keys]
+        gone = []
+        with self._pinning:
+            with self._lock:
+                free = [(k, w) for k, w in pairs if not self._held[w]]
+            try:
+                kv = self._kv()
+                gone = [k for k, w in free if kv.delete(w)]
+            except OSError as e:
+                log.warning("mxfs L2: delete of %d keys failed: %s", len(free), e)
+        if len(free) < len(pairs):
+            log.debug("mxfs L2: %d locked keys not deleted", len(pairs) - len(free))
+        if gone:  # sizes unknown here; the usage LMCache sees is the pool's own
+            self._notify_keys_deleted(gone, [0] * len(gone))
 
     def get_usage(self) -> Any:
-        with self._store_lock:
-            u = self.store.usage()
-        return AdapterUsage(int(u["bytes"]), int(u["capacity"]), {})
+        """The namespace's bytes and capacity (every process's chunks), from the daemon."""
+        try:
+            u = self._kv().usage()
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                log.warning("mxfs L2: no usage: %s", e)
+            return AdapterUsage(0, self.capacity)
+        return AdapterUsage(int(u["bytes"]), int(u["capacity"]))
 
     def report_status(self) -> dict[str, Any]:
-        return {"is_healthy": True, "backend": "mxfs", **self.store.usage()}
+        client = self.store.client
+        status: dict[str, Any] = {"is_healthy": not client.broken and client.sock.fileno() >= 0,
+                                  "backend": "mxfs", "namespace": self.store.namespace}
+        try:
+            status.update(self.store.usage())
+        except OSError as e:
+            status["error"] = str(e)
+        return status
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self.store.close()
-        for e in self._events:
-            close = getattr(e, "close", None)
-            if close is not None:
-                close()
+        self.store.close()  # leases end with the connection
+        for e in self._events.values():
+            e.close()
