@@ -13,12 +13,19 @@ warm, five ways:
   (c) safetensors.torch.load_file through the FUSE mount
   (d) safetensors.torch.load_file from the plain folder
   (e) torch.load of the same tensors (torch.save file in the plain folder)
+  (f) the loaders a user would pick instead, from the plain folder, driven as vLLM
+      drives them: Run:ai Model Streamer (SafetensorsStreamer, each tensor cloned as
+      vLLM does) and fastsafetensors (ParallelLoader on the CPU, nogds); skipped with
+      the reason where they do not import
 and, with the same tensors in 4 shards and a model.safetensors.index.json, mxfs.load's
 load_model through the mount against safetensors loading each shard from the plain folder.
 safetensors hands back mmap-backed tensors, so every arm touches every page of
-every tensor before the clock stops.  Medians of --repeat rounds.
+every tensor before the clock stops.  Medians of --repeat rounds.  --rig picks where
+members and the plain folder live (tools/rig.py); the rig's own ceiling (raw O_DIRECT
+reads of each member alone and of all at once) is measured first and shown beside.
 
     python tools/bench_load.py --size 2GiB --repeat 3
+    python tools/bench_load.py --size 2GiB --rig members:4:200
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from rig import ceiling, make_rig
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file
 
@@ -112,6 +121,57 @@ def raw_chunks(paths: list[str], bufs: list[mmap.mmap]) -> int:
         return sum(ex.map(one, paths, bufs))
 
 
+Tensors = Iterator[tuple[str, torch.Tensor]]
+
+
+def peer_loaders(path: str) -> tuple[dict[str, Callable[[], Tensors]], dict[str, str]]:
+    """The peers a user would load `path` with, as vLLM drives them, and why any is
+    missing."""
+    loaders: dict[str, Callable[[], Tensors]] = {}
+    skipped: dict[str, str] = {}
+    try:
+        from runai_model_streamer import SafetensorsStreamer
+
+        def runai() -> Tensors:
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_files([path], device="cpu")
+                for name, t in streamer.get_tensors():
+                    yield name, t.clone()  # its buffers are reused: vLLM clones
+        loaders["f_runai_streamer_plain"] = runai
+    except ImportError as e:
+        skipped["f_runai_streamer_plain"] = f"runai-model-streamer does not import ({e})"
+    try:
+        from fastsafetensors import SingleGroup
+        from fastsafetensors.parallel_loader import ParallelLoader
+
+        def fastsafe() -> Tensors:
+            loader = ParallelLoader(pg=SingleGroup(), hf_weights_files=[path], queue_size=2,
+                                    use_tqdm_on_load=False, device="cpu", nogds=True)
+            try:
+                yield from loader.iterate_weights()
+            finally:
+                loader.close()
+        loaders["f_fastsafetensors_plain"] = fastsafe
+    except ImportError as e:
+        skipped["f_fastsafetensors_plain"] = f"fastsafetensors does not import ({e})"
+    return loaders, skipped
+
+
+def peer_arms(plain: str) -> tuple[dict[str, Callable[[], int]], dict[str, str]]:
+    """Arms touching every page of each tensor as the peer yields it; each peer's
+    tensors checked equal to safetensors' once, outside the clock."""
+    path = os.path.join(plain, "model.safetensors")
+    loaders, skipped = peer_loaders(path)
+    want = st_load_file(path)
+    for name, load in loaders.items():
+        got = dict(load())
+        if sorted(got) != sorted(want) or not all(torch.equal(got[n], want[n]) for n in want):
+            raise SystemExit(f"bench_load: {name} returned other tensors than safetensors")
+    del want
+    return {name: (lambda load=load: sum(touch({n: t}) for n, t in load()))
+            for name, load in loaders.items()}, skipped
+
+
 def timed(fn, *args):  # noqa: ANN001, ANN201 - a tiny local helper
     start = time.perf_counter()
     out = fn(*args)
@@ -123,13 +183,18 @@ def main() -> int:
     ap.add_argument("--size", default="2GiB")
     bench_args(ap)
     args = ap.parse_args()
-    with scratch_pool("mxfs-bench-load-", args.dir) as pool:
-        rounds, nbytes = run(args, pool)
-    report(args, rounds, nbytes)
+    size = parse_size(args.size)
+    with make_rig(args.rig, args.dir, gib_each=max(4, 4 * -(-size // 2**30))) as rig, \
+            scratch_pool("mxfs-bench-load-", args.dir, members=rig.members,
+                         plain=rig.plain) as pool:
+        ceil = ceiling(rig, size, args.repeat)
+        rounds, nbytes, skipped = run(args, pool)
+    report(args, rounds, nbytes, rig.describe(), ceil, skipped)
     return 0
 
 
-def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
+def run(args: argparse.Namespace, pool: ScratchPool
+        ) -> tuple[list[dict], int, dict[str, str]]:
     """Every arm cold and warm, --repeat times: GB/s."""
     members, mnt, plain = pool.members, pool.mnt, pool.plain
     rounds = []
@@ -168,6 +233,8 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
             "d_safetensors_sharded_plain": lambda: touch(load_shards(
                 os.path.join(plain, "sharded"))),
         }
+        peers, skipped = peer_arms(plain)
+        arms.update(peers)
         for r in range(args.repeat):
             result: dict[str, dict[str, float]] = {}
             for name, arm in arms.items():
@@ -181,22 +248,28 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict], int]:
         reader.close()
     finally:
         direct._clients.clear()
-    return rounds, nbytes
+    return rounds, nbytes, skipped
 
 
-def report(args: argparse.Namespace, rounds: list[dict], nbytes: int) -> None:
+def report(args: argparse.Namespace, rounds: list[dict], nbytes: int, rig: str,
+           ceil: dict[str, float], skipped: dict[str, str]) -> None:
     med = {arm: {k: statistics.median(r[arm][k] for r in rounds) for k in ("cold", "warm")}
            for arm in rounds[0]}
 
     def ratio(a: str, b: str, k: str) -> float:
         return statistics.median(r[a][k] / r[b][k] for r in rounds)
 
-    print(f"\nmodel load, {nbytes / 2**30:.2f} GiB of bf16 + fp8 tensors, 4 folder members on "
-          f"one disk, GB/s, median of {args.repeat}\n")
+    print(f"\nmodel load, {nbytes / 2**30:.2f} GiB of bf16 + fp8 tensors, {rig}, GB/s, "
+          f"median of {args.repeat}\n")
     print("| arm | cold | warm |")
     print("|---|---:|---:|")
+    print(f"| rig ceiling: one member alone, raw O_DIRECT | {ceil['member_alone_GBps']:.2f} | |")
+    print(f"| rig ceiling: all members at once, raw O_DIRECT | {ceil['all_members_GBps']:.2f} "
+          "| |")
     for arm, v in med.items():
         print(f"| {arm} | {v['cold']:.2f} | {v['warm']:.2f} |")
+    for arm, why in skipped.items():
+        print(f"| {arm} | skipped: {why} | |")
     checks = [("(b reader)/(a) cold", ratio("b_mxfs_reader", "a_raw_chunks", "cold"), 0.9),
               ("(b)/(a) cold", ratio("b_mxfs_load", "a_raw_chunks", "cold"), 0.9),
               ("(b map)/(a) cold", ratio("b_mxfs_load_map", "a_raw_chunks", "cold"), 0.9),
@@ -209,11 +282,16 @@ def report(args: argparse.Namespace, rounds: list[dict], nbytes: int) -> None:
                                                      "d_safetensors_sharded_plain", "cold"), None),
               ("(b sharded)/(d sharded) warm", ratio("b_mxfs_load_model_sharded",
                                                      "d_safetensors_sharded_plain", "warm"), 1.0)]
+    peers = [a for a in med if a.startswith("f_")]
+    for peer in peers:
+        for k in ("cold", "warm"):
+            checks.append((f"(b map)/({peer}) {k}", ratio("b_mxfs_load_map", peer, k), 1.0))
     print("\n| ratio | value | target | met |\n|---|---:|---:|:---:|")
     for name, value, target in checks:
         met = "" if target is None else ("yes" if value >= target else "no")
         print(f"| {name} | {value:.2f} | {'' if target is None else target} | {met} |")
-    save_results(args, bytes=nbytes, rounds=rounds, median=med)
+    save_results(args, bytes=nbytes, rig=rig, ceiling=ceil, skipped=skipped, rounds=rounds,
+                 median=med)
 
 
 if __name__ == "__main__":

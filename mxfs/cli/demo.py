@@ -75,13 +75,17 @@ class ScratchPool:
 
 @contextmanager
 def scratch_pool(prefix: str, where: str = "/var/tmp", base: str | None = None,
-                 mkfs: Sequence[str] = (), mount: Sequence[str] = (), keep: bool = False
+                 mkfs: Sequence[str] = (), mount: Sequence[str] = (), keep: bool = False,
+                 members: Sequence[str] | None = None, plain: str | None = None
                  ) -> Iterator[ScratchPool]:
-    """Make, mount, and afterwards unmount and remove (unless `keep`) a scratch pool."""
+    """Make, mount, and afterwards unmount and remove (unless `keep`) a scratch pool:
+    four folder members under `base`, or the `members` and `plain` folders given (a
+    bench rig's devices)."""
     base = base or tempfile.mkdtemp(prefix=prefix, dir=where)
     os.makedirs(base, exist_ok=True)
-    pool = ScratchPool(base, [os.path.join(base, f"member{i}") for i in range(4)],
-                       os.path.join(base, "mnt"), os.path.join(base, "plain"))
+    pool = ScratchPool(base, list(members or [os.path.join(base, f"member{i}")
+                                              for i in range(4)]),
+                       os.path.join(base, "mnt"), plain or os.path.join(base, "plain"))
     for p in [*pool.members, pool.mnt, pool.plain]:
         os.makedirs(p, exist_ok=False)
     run_mxfs("mkfs", *mkfs, *[a for m in pool.members for a in ("--member", m)])
@@ -96,6 +100,8 @@ def scratch_pool(prefix: str, where: str = "/var/tmp", base: str | None = None,
                 subprocess.run(python_module("mxfs", "umount", "--lazy", pool.mnt),
                                capture_output=True)
             shutil.rmtree(base, ignore_errors=True)
+            for p in [*pool.members, pool.plain]:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def bench_args(ap: argparse.ArgumentParser) -> None:
@@ -103,6 +109,9 @@ def bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported")
     ap.add_argument("--dir", default="/var/tmp", help="where the scratch pool goes")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--rig", default="plain", help="plain (folders on one disk) or "
+                    "members:N:MBPS (N loop-device XFS members capped at MBPS MB/s each; "
+                    "tools/rig.py)")
 
 
 def save_results(args: argparse.Namespace, **results: Any) -> None:
