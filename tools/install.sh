@@ -12,6 +12,7 @@ command -v getfattr >/dev/null || need+=(attr)
 command -v rsync >/dev/null || need+=(rsync)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v git >/dev/null || need+=(git)
+command -v mkfs.xfs >/dev/null || need+=(xfsprogs)  # the benches' members rig (tools/rig.py)
 [ -f /usr/include/liburing.h ] || need+=(liburing-dev)  # the native I/O engine builds on it
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
@@ -26,5 +27,5 @@ fi
 "$venv/bin/python" -m pip install -q --upgrade pip
 # The CPU wheel: a plain "torch" requirement would pull several GB of CUDA build.
 "$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q torch==2.13.0
-"$venv/bin/python" -m pip install -q -e ".[test]"
+"$venv/bin/python" -m pip install -q -e ".[test,bench]"
 echo "install.sh: ready ($("$venv/bin/python" -c 'import pyfuse3, torch; print("pyfuse3", pyfuse3.__version__, "torch", torch.__version__)'))"
