@@ -7,11 +7,13 @@ I/O through the mount, model loading (`mxfs.load` against `safetensors`), checkp
 saving (`mxfs.ckpt` against `torch.save`) and KV gets (`KVStore` against one file per
 chunk).  Medians of repeats.  It writes `report.md`, `results.json` and PNG plots to a
 folder; `mxfs bench compare A B` sets two such folders side by side (a baseline and a
-candidate: the gate figures).
+candidate: the gate figures).  `add_verbs` registers the bench with a real model,
+`mxfs bench ttft` (`cli/bench_ttft.py`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import mmap
 import os
@@ -296,3 +298,16 @@ def compare(a: str, b: str) -> str:
     lines += ["", "| ratio | A | B |", "|---|---:|---:|"]
     lines += [f"| {n} | {ra[n]:.2f} | {rb[n]:.2f} |" for n in ra]
     return "\n".join(lines)
+
+
+def add_verbs(verbs: argparse._SubParsersAction) -> None:
+    """`mxfs bench ttft`, beside `run` and `compare`."""
+    from mxfs.cli import bench_ttft
+
+    v = verbs.add_parser("ttft", help="TTFT and throughput of a real model (transformers) "
+                         "with KV reused through the pool, against recomputing")
+    v.add_argument("target", nargs="?", help="a mount point (default: a scratch pool)")
+    v.add_argument("--out", required=True, help="folder for report.md, ttft.json, PNGs")
+    bench_ttft.add_options(v)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=bench_ttft.cmd_bench_ttft)

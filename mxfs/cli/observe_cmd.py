@@ -151,3 +151,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("a")
     v.add_argument("b")
     v.set_defaults(func=cmd_bench_compare)
+    from mxfs.cli.bench import add_verbs
+
+    add_verbs(verbs)

@@ -5,8 +5,11 @@ For a prompt whose first n tokens are a cached prefix:
   recompute TTFT    = prefill FLOPs / (accelerator FLOP/s x utilisation)
       prefill FLOPs = 2 x active params x n  +  2 x layers x n^2 x (heads x head_dim)
   load TTFT         = KV bytes / storage bandwidth  +  fixed latency
-`tools/ttft_model.py` prints and plots it; `mxfs demo` applies it to the bandwidth it
-measured.  Stdlib only.
+and a prompt of n tokens whose first c are loaded costs the load of c plus the prefill
+of the other n - c against them (`reuse_s`): 2 x active params x (n - c) + 2 x layers
+x (n - c)(n + c) x heads x head_dim.  `tools/ttft_model.py` prints and plots it;
+`mxfs demo` applies it to the bandwidth it measured; `mxfs bench ttft` sets it beside
+TTFTs measured with a real model.  Stdlib only.
 """
 
 from __future__ import annotations
@@ -28,8 +31,13 @@ class Model:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
-    def prefill_flops(self, n: int) -> float:
-        return 2 * self.active_params * n + 2 * self.layers * n * n * self.heads * self.head_dim
+    def prefill_flops(self, n: int, cached: int = 0) -> float:
+        """FLOPs to prefill tokens `cached`..n-1 of a prompt whose first `cached` tokens'
+        KV is at hand: the weights for each new token, and causal attention of each new
+        token to every token before it (2 x 2 FLOPs per query-key pair and head dim)."""
+        new = n - cached
+        return 2 * self.active_params * new \
+            + 2 * self.layers * new * (n + cached) * self.heads * self.head_dim
 
 
 MODELS = {
@@ -57,6 +65,13 @@ def recompute_s(m: Model, n: int, flops: float, util: float) -> float:
 
 def load_s(m: Model, n: int, gbps: float, latency: float) -> float:
     return m.kv_bytes_per_token() * n / (gbps * 1e9) + latency
+
+
+def reuse_s(m: Model, n: int, cached: int, gbps: float, flops: float, util: float,
+            latency: float) -> float:
+    """TTFT of a prompt of n tokens whose first `cached` come from storage: load them,
+    then prefill the rest against them."""
+    return load_s(m, cached, gbps, latency) + m.prefill_flops(n, cached) / (flops * util)
 
 
 def break_even_gbps(m: Model, n: int, flops: float, util: float) -> float:
