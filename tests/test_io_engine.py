@@ -69,3 +69,15 @@ def test_errors_come_back_as_oserror(tmp_path: Path, engine: str) -> None:
         assert e.value.errno == errno.EBADF
     finally:
         os.close(fd)
+
+
+def test_a_batch_takes_members_in_turn_each_in_its_own_order() -> None:
+    from mxfs.io.batch import interleaved
+
+    reqs = [(fd, off) for fd in (7, 8, 9) for off in range(4 if fd != 8 else 2)]
+    got = interleaved(reqs, lambda r: r[0])
+    assert sorted(got) == sorted(reqs)  # nothing lost or doubled
+    assert [fd for fd, _ in got[:3]] == [7, 8, 9] and [fd for fd, _ in got[3:6]] == [7, 8, 9]
+    for fd in (7, 8, 9):  # each member still streams in file order
+        offs = [off for f, off in got if f == fd]
+        assert offs == sorted(offs)

@@ -143,9 +143,25 @@ def _triples(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> list[tuple[int, int, 
     return out
 
 
+def interleaved(items: Sequence[T], fd: Callable[[T], int]) -> list[T]:
+    """Each descriptor's requests in their own order, the descriptors taken in turn.
+
+    Requests arrive grouped by member (merge_runs sorts them so); run in that order,
+    every request in flight would sit on one member until its run drained, and the
+    members would be read one after another.  Taken in turn, the requests in flight
+    span every member at once, and each member still streams in file order.
+    """
+    queues: dict[int, list[T]] = {}
+    for item in items:
+        queues.setdefault(fd(item), []).append(item)
+    lists = list(queues.values())
+    return [q[i] for i in range(max(map(len, lists), default=0)) for q in lists if i < len(q)]
+
+
 def _run_native(triples: list[tuple[int, int, memoryview]], write: bool) -> None:
     """One ring per core: io_uring completes cached reads inline on the submitting
     thread, so a single ring would copy warm data on one core only."""
+    triples = interleaved(triples, lambda t: t[0])
     groups = [triples[i::_RINGS] for i in range(min(_RINGS, len(triples)))]
     _run(lambda g: _native.run(g, write, QUEUE_DEPTH), groups)  # type: ignore[attr-defined]
 
@@ -155,12 +171,16 @@ def _use_native(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> bool:
     return _native is not None and (len(ops) > 1 or (len(ops) == 1 and len(ops[0].bufs) > 1))
 
 
+def _fd(op: ReadOp | WriteOp) -> int:
+    return op.fd
+
+
 def read_batch(ops: Sequence[ReadOp]) -> None:
     """Fill every op's buffers, all ops at once; bytes past EOF read as zeros."""
     if _use_native(ops):
         _run_native(_triples(ops), write=False)
     elif ops:
-        _run(lambda op: preadv_full(op.fd, op.bufs, op.offset), ops)
+        _run(lambda op: preadv_full(op.fd, op.bufs, op.offset), interleaved(ops, _fd))
 
 
 def write_batch(ops: Sequence[WriteOp]) -> None:
@@ -168,4 +188,4 @@ def write_batch(ops: Sequence[WriteOp]) -> None:
     if _use_native(ops):
         _run_native(_triples(ops), write=True)
     elif ops:
-        _run(lambda op: pwritev_full(op.fd, op.bufs, op.offset), ops)
+        _run(lambda op: pwritev_full(op.fd, op.bufs, op.offset), interleaved(ops, _fd))
