@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mxfs.client.direct import Reader, aligned_like, open_reader
+from mxfs.client.direct import DirectFile, Reader, aligned_like, open_reader
 from mxfs.errors import MxfsError
 from mxfs.load.gds import GdsReader, Unavailable, open_gds
 from mxfs.load.header import Header, HeaderError, TensorInfo, header_length, parse_header
@@ -132,6 +132,8 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
             base = header.data_start
         elif mode == "map" and nbytes:
             buf = torch.frombuffer(reader.map(), dtype=torch.uint8)
+            if isinstance(reader, DirectFile):
+                reader.prefetch()  # all members read together while the caller touches
             base = 0
         else:  # lined up with the file, so uncached stripes move with O_DIRECT
             mem = aligned_like(nbytes, header.data_start)
