@@ -26,7 +26,7 @@ from conftest import (
     one_line_error,
 )
 
-from mxfs.bench import instances, reuse, serving
+from mxfs.bench import gates, instances, reuse, serving
 from mxfs.bench.lm import LAYOUT
 from mxfs.bench.report import markdown, predict
 from mxfs.bench.tier import chunk_keys
@@ -312,6 +312,43 @@ def _result_with(replies: list[dict]) -> dict:
                         "working_set_tokens": 0, "new_tokens": 6, "tokens_equal": True}}
 
 
+# ---- the gates --------------------------------------------------------------------------
+
+def _ttft(recompute: float, cold: float, rps: dict[tuple[int, bool], float],
+          equal: bool = True) -> dict:
+    row = {"context": 16384, "recompute_s": [recompute], "reuse_cold_s": [cold]}
+    runs = [{"concurrency": c, "pool": p, "requests_per_s": v, "ttft_p50_s": 1.0,
+             "errors": []} for (c, p), v in rps.items()]
+    return {"reuse": {"rows": [row], "tokens_equal": equal},
+            "serving": {"runs": runs, "tokens_equal": True}}
+
+
+def test_g3_passes_on_the_thresholds_and_says_why_it_fails() -> None:
+    good = {(8, False): 1.0, (8, True): 1.3, (16, False): 1.0, (16, True): 1.5}
+    v = gates.g3(_ttft(10.0, 7.5, good))
+    assert v["pass"], v["reasons"]
+    v = gates.g3(_ttft(10.0, 8.0, good))
+    assert not v["pass"] and "20% less (below the 25% asked)" in v["reasons"][0]
+    v = gates.g3(_ttft(10.0, 1.0, {**good, (16, True): 1.2}))
+    assert not v["pass"] and any("concurrency 16: +20%" in r for r in v["reasons"])
+    v = gates.g3(_ttft(10.0, 1.0, good, equal=False))
+    assert not v["pass"] and any("differed from recompute" in r for r in v["reasons"])
+    only = gates.g3(_ttft(10.0, 1.0, {(1, False): 1.0, (1, True): 2.0}))
+    assert only["pass"] and "concurrency 1" in only["reasons"][1]
+
+
+def test_g2_against_a_baseline_and_g4_from_the_soak() -> None:
+    run = {"median": {"striped_read": 1.0, "kv_get_mxfs": 0.8}, "repeat": 3}
+    assert gates.g2(run)["pass"]
+    v = gates.g2(run, {"median": {"striped_read": 1.0, "kv_get_mxfs": 1.0}}, 0.15)
+    assert not v["pass"] and "kv_get_mxfs" in v["reasons"][0]
+    assert not gates.g2({"median": {"striped_read": 0.0}, "repeat": 1})["pass"]
+    assert gates.g4({"lost": 0, "problems": 0, "cycles": 2, "file_checks": 9}, 0, 0.5)["pass"]
+    v = gates.g4({"lost": 1, "problems": 0}, 1, 0.5)
+    assert not v["pass"] and "1 fsynced files" in v["reasons"][0]
+    assert not gates.g4(None, 1, 0.5)["pass"]
+
+
 # ---- the commands -----------------------------------------------------------------------
 
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
@@ -325,10 +362,12 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         mxfs("bench", "ttft", "--out", out, "--lengths", "1024,x", check=False))
     assert "--instances" in one_line_error(
         mxfs("bench", "ttft", "--out", out, "--instances", "1", check=False))
+    assert "gates are g2, g3 and g4" in one_line_error(
+        mxfs("bench", "gates", "--out", out, "--skip", "g5", check=False))
 
 
 @needs_fuse
-def test_bench_ttft_writes_its_report(tmp_path: Path) -> None:
+def test_bench_ttft_and_gates_write_their_reports(tmp_path: Path) -> None:
     small = ["--model-size", "tiny", "--lengths", "300,600", "--ttft-repeat", "1",
              "--requests", "8", "--concurrency", "1,2", "--local-tokens", "256"]
     out = tmp_path / "ttft"
@@ -344,3 +383,14 @@ def test_bench_ttft_writes_its_report(tmp_path: Path) -> None:
     predict(result)  # predictions are there, and can be made again from the JSON
     assert all(r["predicted_recompute_s"] > 0 for r in result["reuse"]["rows"])
 
+    gout = tmp_path / "gates"
+    res = mxfs("bench", "gates", "--out", str(gout), "--skip", "g4", "--g2-size", "8MiB",
+               "--g2-repeat", "1", *small, check=False, timeout=300)
+    assert res.returncode == 1, res.stderr  # G4 was not run: the gates do not all pass
+    verdicts = json.loads((gout / "gates.json").read_text())["verdicts"]
+    assert verdicts["G2"]["pass"] and verdicts["G4"]["reasons"] == ["skipped (--skip)"]
+    assert "TTFT at 600 tokens" in verdicts["G3"]["reasons"][0]
+    report = (gout / "report.md").read_text()
+    assert "| G3 |" in report and "(g3/ttft.png)" in report
+    assert "| G4 | **not run** | skipped (--skip) |" in report
+    assert (gout / "g2" / "report.md").exists() and (gout / "g3" / "ttft.png").exists()
