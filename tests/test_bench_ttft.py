@@ -295,6 +295,31 @@ def test_pool_unmounted_mid_run_instances_recompute_and_go_on(
         inst.close()
 
 
+@needs_fuse
+def test_full_pool_refuses_puts_and_instances_serve_on(loop_pool: Mounted,
+                                                       tmp_path: Path) -> None:
+    with open(loop_pool.path / "filler", "wb") as f:  # files take the space KV would want
+        try:
+            for _ in range(256):
+                f.write(b"\0" * (1 << 20))
+        except OSError as e:
+            assert e.errno == 28
+    [inst] = instances.start(TINY, 1, str(loop_pool.path), str(tmp_path), threads=1,
+                             max_tokens=2048)
+    try:
+        tokens = reuse.prompt(20, 3 * CHUNK + 9, inst.hello.result()["vocab"])
+        want = serve(inst, tokens)
+        got = serve(inst, tokens, put=True)
+        assert got["tokens"] == want["tokens"] and got["put_refused"] == 3
+        assert "[Errno 28]" in got["pool_failures"]["put"]["first"]  # ENOSPC, said once
+        again = serve(inst, tokens, read=True)  # nothing partial was stored either
+        assert again["pool_tokens"] == 0 and again["tokens"] == want["tokens"]
+        lines = markdown(_result_with([got, again]))
+        assert any("3 chunk puts refused" in line for line in lines)
+    finally:
+        inst.close()
+
+
 def _result_with(replies: list[dict]) -> dict:
     """A report's input holding these replies as one serving run."""
     run = serving._figures([serving.Request(i, "system", []) for i in range(len(replies))],
