@@ -102,9 +102,11 @@ def g3(ttft: dict[str, Any], cut: float = TTFT_CUT, gain: float = THROUGHPUT_GAI
     return verdict("G3", ok, reasons, **figures)
 
 
-def g4(report: dict[str, Any] | None, rc: int, minutes: float) -> dict[str, Any]:
+def g4(report: dict[str, Any] | None, rc: int, minutes: float, last_words: str = ""
+       ) -> dict[str, Any]:
     if report is None:
-        return verdict("G4", False, [f"tools/soak.py ended ({rc}) without a report"])
+        return verdict("G4", False, [f"tools/soak.py ended ({rc}) without a report"
+                                     + (f": {last_words}" if last_words else "")])
     lost, problems = report.get("lost", 0), report.get("problems", 0)
     wrong = [k for k in ("kv_wrong", "load_wrong") if report.get(k)]
     reasons = []

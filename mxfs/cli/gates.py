@@ -53,8 +53,9 @@ def _baseline(path: str | None) -> dict[str, Any] | None:
 
 
 def soak(out: str, minutes: float, hours: float, crash_every: float
-         ) -> tuple[dict[str, Any] | None, int, float]:
-    """Run tools/soak.py; (its report, exit code, minutes it was asked for)."""
+         ) -> tuple[dict[str, Any] | None, int, float, str]:
+    """Run tools/soak.py; (its report, exit code, minutes it was asked for, the last line
+    it printed)."""
     report = os.path.join(out, "soak.json")
     args = ["--hours", f"{hours:g}"] if hours else \
         ["--minutes", f"{minutes:g}", "--crash-every", f"{crash_every:g}"]
@@ -63,11 +64,14 @@ def soak(out: str, minutes: float, hours: float, crash_every: float
         rc = subprocess.run([sys.executable, "-P", str(SOAK), *args, "--dir", scratch,
                              "--json", report], stdout=log, stderr=subprocess.STDOUT).returncode
     shutil.rmtree(scratch, ignore_errors=True)  # the soak's journals
+    with open(os.path.join(out, "soak.log"), errors="replace") as log:
+        lines = [line.strip() for line in log if line.strip()]
+    last = lines[-1][:300] if lines else ""
     try:
         with open(report) as f:
-            return json.load(f), rc, hours * 60 or minutes
+            return json.load(f), rc, hours * 60 or minutes, last
     except (OSError, ValueError):
-        return None, rc, hours * 60 or minutes
+        return None, rc, hours * 60 or minutes, last
 
 
 def run_gates(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
@@ -121,8 +125,9 @@ def run_gates(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
     else:
         say(f"G4: tools/soak.py ({args.soak_hours:g} hours)" if args.soak_hours else
             f"G4 smoke: tools/soak.py, {args.soak_minutes:g} minutes with crashes")
-        rep, rc, minutes = soak(out, args.soak_minutes, args.soak_hours, args.crash_every)
-        verdicts["G4"] = gates.g4(rep, rc, minutes)
+        rep, rc, minutes, last = soak(out, args.soak_minutes, args.soak_hours,
+                                      args.crash_every)
+        verdicts["G4"] = gates.g4(rep, rc, minutes, last)
         if not args.soak_hours:
             verdicts["G4"]["reasons"].append("a smoke only: the gate itself is "
                                              "--soak-hours 72")
