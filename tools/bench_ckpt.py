@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
-"""Checkpoint benchmark: mxfs.ckpt against its baselines, the same state dict each way.
+"""Checkpoint benchmark: mxfs.ckpt against its ceiling and the checkpointers users pick.
 
 A state dict of bf16 weights plus fp32 Adam moments (exp_avg, exp_avg_sq) is saved
-into a fresh 4-member pool and into a plain folder on the same disk:
-  (copy) a bare copy of every tensor into a preallocated host buffer: what blocking
-         must cost at least
-  (a) raw: the same bytes written with O_DIRECT to one file per member, in parallel,
-      then fsync (the members' ceiling)
-  (b) mxfs.ckpt.save: time blocked (until staged) and time to durable (wait())
-  (c) torch.save + fsync, to the mount and to the plain folder
-  (d) DCP save and async_save with FileSystemWriter to the plain folder
-  (e) DCP save and async_save with mxfs.ckpt.dcp.Writer on the mount
-"Durable" means every byte fsynced and the checkpoint listed.  Medians of --repeat.
+into a fresh 4-member pool and into a plain folder on the same disk, every arm the
+same state, in one run:
+  copy     a bare copy of every tensor into a preallocated host buffer: what blocking
+           must cost at least
+  raw      the same bytes written with O_DIRECT to one file per member, in parallel,
+           then fsync (the members' ceiling)
+  mxfs     mxfs.ckpt.save (blocked until staged, durable at wait()); DCP save and
+           async_save with mxfs.ckpt.dcp.Writer; torch.save + fsync into the mount
+  peers    (tools/peers_ckpt.py) into the plain folder: torch.save, safetensors
+           save_file, DCP FileSystemWriter with thread_count 1, 2 and 4, DCP async_save
+           thread- and process-based
+For every arm: the time the training loop is blocked and the time until durable
+(every file fsynced, by the bench where the peer does not, and the checkpoint
+listed); every checkpoint is loaded back its own way and compared byte for byte
+(untimed).  Arms run in a rotating order; medians of --repeat rounds; ratios are
+mxfs/peer speed (peer seconds / mxfs seconds, median of per-round ratios: above 1,
+mxfs is ahead).
 
     python tools/bench_ckpt.py --size 2GiB --repeat 3
 """
@@ -19,6 +26,7 @@ into a fresh 4-member pool and into a plain folder on the same disk:
 from __future__ import annotations
 
 import argparse
+import gc
 import mmap
 import os
 import shutil
@@ -27,30 +35,35 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
+import peers_ckpt as peers
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from peers_ckpt import Arm
 
 import mxfs.ckpt as ck
-from mxfs.ckpt.dcp import Writer
+from mxfs.ckpt.dcp import Reader, Writer
 from mxfs.ckpt.tree import flatten
 from mxfs.cli.bench import raw_io
 from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
+from mxfs.cli.measure import drop_caches
 from mxfs.client import direct
 from mxfs.units import parse_size
 
 LAYER = 4096 * 4096  # parameters per tensor
-SEGMENT = 16 << 20
+MXFS = "mxfs"  # the arm every peer is compared with
 
 
 def training_state(total: int) -> dict[str, object]:
-    """bf16 weights and fp32 exp_avg / exp_avg_sq: 10 bytes a parameter, up to `total`."""
+    """bf16 weights and fp32 exp_avg / exp_avg_sq: 10 bytes a parameter, up to `total`
+    (whole 4096 x 4096 layers; narrower ones when `total` is under one layer)."""
     g = torch.Generator().manual_seed(0)
+    rows = max(1, min(4096, total // (10 * 4096)))
     model, avg, sq = {}, {}, {}
     i = 0
-    while 10 * LAYER * i < total:
-        w = torch.randn(4096, 4096, generator=g)
+    while 10 * 4096 * rows * i < total:
+        w = torch.randn(rows, 4096, generator=g)
         model[f"layers.{i}.weight"] = w.bfloat16()
         avg[i] = w * 0.01
         sq[i] = w * w
@@ -65,14 +78,6 @@ def nbytes_of(state: dict[str, object]) -> int:
     return sum(t.numel() * t.element_size() for _, t in flatten(state)[1])
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -82,23 +87,66 @@ def timed(fn: Callable[[], object]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="2GiB")
+    ap.add_argument("--dcp-threads", default="1,2,4",
+                    help="thread_count values for the DCP FileSystemWriter arms")
+    ap.add_argument("--async-threads", type=int, default=1,
+                    help="thread_count of the FileSystemWriter behind DCP async_save")
     bench_args(ap)
     args = ap.parse_args()
     with scratch_pool("mxfs-bench-ckpt-", args.dir) as pool:
-        rounds, size = run(args, pool)
-    report(args, rounds, size)
-    return 0
+        rounds, checks, size, labels = run(args, pool)
+    return report(args, rounds, checks, size, labels)
 
 
-def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict[str, float]], int]:
-    """Every arm, --repeat times; seconds per arm and round."""
+def mxfs_arms(saver: ck.Checkpointer) -> list[Arm]:
+    def save(state: Any, path: str) -> tuple[float, float]:
+        start = time.perf_counter()
+        snap = saver.save(state, path)
+        snap.staged()
+        blocked = time.perf_counter() - start
+        snap.wait()
+        return blocked, time.perf_counter() - start
+
+    def check(state: Any, path: str) -> str | None:
+        return peers.difference(state, ck.load(path))
+
+    return [
+        Arm(MXFS, "mxfs.ckpt.save", "mount", save, check),
+        Arm("mxfs_dcp", "DCP save, mxfs.ckpt.dcp.Writer", "mount",
+            peers.dcp_save(Writer), peers.dcp_check(Reader)),
+        Arm("mxfs_dcp_async", "DCP async_save (thread), mxfs.ckpt.dcp.Writer", "mount",
+            peers.dcp_async(Writer, "thread"), peers.dcp_check(Reader)),
+        Arm("torch_save_mount", "torch.save + fsync", "mount", peers.torch_save,
+            peers.torch_check),
+    ]
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        try:
+            ck.remove(path)
+            return
+        except (ck.CheckpointError, OSError):
+            pass
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def run(args: argparse.Namespace, pool: ScratchPool
+        ) -> tuple[list[dict[str, dict[str, float]]], dict[str, str | None], int,
+                   dict[str, tuple[str, str]]]:
+    """Every arm, --repeat times: {arm: {blocked, durable}} per round, and each arm's
+    equal-bytes verdict (None: equal, else the first difference)."""
     members, mnt, plain = pool.members, pool.mnt, pool.plain
     raws = [os.path.join(m, "raw.bin") for m in members]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    rounds: list[dict[str, float]] = []
+    rounds: list[dict[str, dict[str, float]]] = []
+    checks: dict[str, str | None] = {}
+    saver = ck.Checkpointer()
     try:
         state = training_state(parse_size(args.size))
         size = nbytes_of(state)
@@ -115,86 +163,110 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> tuple[list[dict[str, flo
                 copy_buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
                 off += n
 
-        saver = ck.Checkpointer()
+        threads = tuple(int(n) for n in args.dcp_threads.split(",") if n)
+        arms = mxfs_arms(saver) + peers.peers(threads, args.async_threads)
+        labels = {a.key: (a.label, a.where) for a in arms}
         saver.save(state, os.path.join(mnt, "warmup")).wait()  # staging allocated once
         ck.remove(os.path.join(mnt, "warmup"))
-
-        def mxfs_save(r: int, res: dict[str, float]) -> None:
-            start = time.perf_counter()
-            snap = saver.save(state, os.path.join(mnt, f"ck-{r}"))
-            snap.staged()
-            res["b_mxfs_blocked"] = time.perf_counter() - start
-            snap.wait()
-            res["b_mxfs_durable"] = time.perf_counter() - start
-
-        def torch_save(path: str) -> None:
-            torch.save(state, path)
-            fsync_path(path)
-
-        def dcp_async(writer: object, res: dict[str, float], key: str) -> None:
-            start = time.perf_counter()
-            fut = dcp.async_save(state, storage_writer=writer)
-            res[key + "_blocked"] = time.perf_counter() - start
-            fut.result()
-            res[key + "_durable"] = time.perf_counter() - start
-
+        for arm in arms:
+            if arm.setup:
+                arm.setup(plain if arm.where == "plain" else mnt)
         for r in range(args.repeat):
-            res: dict[str, float] = {}
-            res["copy"] = timed(bare_copy)
-            res["a_raw"] = timed(lambda: raw_io(raws, size, raw_buf, True))
-            mxfs_save(r, res)
-            res["c_torch_save_mount"] = timed(lambda: torch_save(os.path.join(mnt, "t.pt")))
-            res["c_torch_save_plain"] = timed(lambda: torch_save(os.path.join(plain, "t.pt")))
-            res["d_dcp_save_plain"] = timed(lambda: dcp.save(
-                state, storage_writer=dcp.FileSystemWriter(os.path.join(plain, "d"))))
-            dcp_async(dcp.FileSystemWriter(os.path.join(plain, "da")), res, "d_dcp_async_plain")
-            res["e_dcp_save_mxfs"] = timed(lambda: dcp.save(
-                state, storage_writer=Writer(os.path.join(mnt, "e"))))
-            dcp_async(Writer(os.path.join(mnt, "ea")), res, "e_dcp_async_mxfs")
+            res: dict[str, dict[str, float]] = {}
+            drop_caches()
+            t = timed(bare_copy)
+            res["copy"] = {"blocked": t, "durable": t}
+            t = timed(lambda: raw_io(raws, size, raw_buf, True))
+            res["raw"] = {"blocked": t, "durable": t}
+            order = arms[r % len(arms):] + arms[:r % len(arms)]  # spread the disk's drift
+            for arm in order:
+                path = os.path.join(mnt if arm.where == "mount" else plain, f"{arm.key}-{r}")
+                blocked, durable = arm.save(state, path)
+                res[arm.key] = {"blocked": blocked, "durable": durable}
+                verdict = arm.check(state, path)
+                if verdict or arm.key not in checks:
+                    checks[arm.key] = verdict
+                remove(path)
+                gc.collect()
+                drop_caches()
             rounds.append(res)
-            for d in (mnt, plain):  # free the space for the next round
+            print(f"round {r + 1}/{args.repeat}: " + ", ".join(
+                f"{k} {v['blocked']:.2f}/{v['durable']:.2f}s" for k, v in res.items()),
+                file=sys.stderr)
+            for d in (mnt, plain):  # anything left (warm-ups), for the next round
                 for n in os.listdir(d):
-                    p = os.path.join(d, n)
-                    shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
-            print(f"round {r + 1}/{args.repeat}: " + ", ".join(f"{k} {v:.2f}s"
-                                                              for k, v in res.items()),
-                  file=sys.stderr)
+                    remove(os.path.join(d, n))
     finally:
+        peers.stop_process_checkpointer()
+        saver.close()
         dist.destroy_process_group()
         direct._clients.clear()
-    return rounds, size
+    return rounds, checks, size, labels
 
 
-def report(args: argparse.Namespace, rounds: list[dict[str, float]], size: int) -> None:
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+def report(args: argparse.Namespace, rounds: list[dict[str, dict[str, float]]],
+           checks: dict[str, str | None], size: int, labels: dict[str, tuple[str, str]]
+           ) -> int:
+    arms = list(rounds[0])
+    med = {k: {m: statistics.median(r[k][m] for r in rounds) for m in ("blocked", "durable")}
+           for k in arms}
 
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(r[a] / r[b] for r in rounds)
+    def ratio(a: str, b: str, what: str = "durable", wb: str | None = None) -> float:
+        """Median over rounds of a's seconds over b's."""
+        return statistics.median(r[a][what] / r[b][wb or what] for r in rounds)
 
+    labels = {"copy": ("bare copy into a host buffer", ""),
+              "raw": ("raw O_DIRECT, all members", "members"), **labels}
     print(f"\ncheckpoint save, {size / 2**30:.2f} GiB (bf16 weights + fp32 Adam moments), "
-          f"4 folder members on one disk, seconds (GB/s), median of {args.repeat}\n")
-    print("| arm | seconds | GB/s |\n|---|---:|---:|")
-    for k, v in med.items():
-        print(f"| {k} | {v:.2f} | {size / v / 1e9:.2f} |")
-    checks = [
-        ("(b) blocked / bare copy", ratio("b_mxfs_blocked", "copy"), 1.2, "<="),
-        ("(b) durable / (a) raw", ratio("b_mxfs_durable", "a_raw"), 1.15, "<="),
-        ("torch.save plain / (b) durable", ratio("c_torch_save_plain", "b_mxfs_durable"), 3.0,
-         ">="),
-        ("(b) blocked / DCP async blocked", ratio("b_mxfs_blocked", "d_dcp_async_plain_blocked"),
-         1.0, "<="),
-        ("DCP save plain / (e) DCP save mxfs", ratio("d_dcp_save_plain", "e_dcp_save_mxfs"),
-         None, ""),
-        ("torch.save mount / (b) durable", ratio("c_torch_save_mount", "b_mxfs_durable"), None,
-         ""),
+          f"4 folder members on one disk, median of {args.repeat}; blocked: the training "
+          "loop waits; durable: every byte fsynced\n")
+    print("| arm | into | blocked s | durable s | durable GB/s | bytes equal |\n"
+          "|---|---|---:|---:|---:|:---:|")
+    for k in arms:
+        m = med[k]
+        eq = "" if k in ("copy", "raw") else ("yes" if checks.get(k) is None else "NO")
+        print(f"| {k}: {labels[k][0]} | {labels[k][1]} | {m['blocked']:.2f} | "
+              f"{m['durable']:.2f} | {size / m['durable'] / 1e9:.2f} | {eq} |")
+    others = [k for k in arms if k not in ("copy", "raw", MXFS)]
+    print("\n| mxfs.ckpt against | blocked: mxfs/peer speed | durable: mxfs/peer speed |\n"
+          "|---|---:|---:|")
+    for k in others:
+        print(f"| {k} | {ratio(k, MXFS, 'blocked'):.2f} | {ratio(k, MXFS):.2f} |")
+    dcp_peers = [k for k in others if k.startswith("dcp")]
+    plain_peers = [k for k in others if labels[k][1] == "plain"]
+    targets: list[tuple[str, float, float | None, str]] = [
+        ("blocked / bare copy", ratio(MXFS, "copy", "blocked"), 1.2, "<="),
+        ("durable / raw", ratio(MXFS, "raw"), 1.15, "<="),
+        ("raw / durable (share of the write ceiling)", ratio("raw", MXFS), 0.9, ">="),
+        ("torch.save plain / mxfs durable", ratio("torch_save", MXFS), 3.0, ">="),
     ]
+    if dcp_peers:
+        best = min(dcp_peers, key=lambda k: med[k]["durable"])
+        targets.append((f"best DCP durable ({best}) / mxfs durable",
+                        min(ratio(k, MXFS) for k in dcp_peers), 1.0, ">="))
+        async_peers = [k for k in dcp_peers if "async" in k]
+        if async_peers:
+            targets.append(("DCP async blocked (least) / mxfs blocked",
+                            min(ratio(k, MXFS, "blocked") for k in async_peers), 1.0, ">="))
+    if plain_peers:
+        targets.append(("best peer durable / mxfs durable",
+                        min(ratio(k, MXFS) for k in plain_peers), 1.0, ">="))
     print("\n| ratio | value | target | met |\n|---|---:|---:|:---:|")
-    for name, value, target, how in checks:
+    for name, value, target, how in targets:
         met = "" if target is None else (
             "yes" if (value <= target if how == "<=" else value >= target) else "no")
         print(f"| {name} | {value:.2f} | {'' if target is None else how + ' ' + str(target)} "
               f"| {met} |")
-    save_results(args, bytes=size, rounds=rounds, median=med)
+    bad = {k: v for k, v in checks.items() if v is not None}
+    for k, v in bad.items():
+        print(f"bench_ckpt: {k} did not load back equal: {v}", file=sys.stderr)
+    save_results(args, bytes=size, rounds=rounds, median=med,
+                 labels={k: v[0] for k, v in labels.items()},
+                 into={k: v[1] for k, v in labels.items()},
+                 equal={k: v is None for k, v in checks.items()},
+                 differences=bad, ratios={k: {"blocked": ratio(k, MXFS, "blocked"),
+                                              "durable": ratio(k, MXFS)} for k in others})
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

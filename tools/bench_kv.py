@@ -1,17 +1,26 @@
 #!/usr/bin/env python3
-"""KV spill benchmark: KVStore against raw member I/O and a file-per-chunk store.
+"""KV spill benchmark: KVStore and mxfs's engine adapters against raw member I/O, a
+file-per-chunk store, and the KV stores of SGLang, LMCache and vLLM.
 
 For chunks of 2, 16 and 64 MiB (64 MiB is 256 tokens of a Qwen2.5-32B-like model),
-the same bytes each way, in one run:
+the same chunks each way, in batches of --batch, in one run:
   raw      parallel O_DIRECT writes and reads of each chunk's share on every member
            (the ceiling; reads are cold by nature)
   kv       KVStore put and get (into caller buffers), one at a time and batched,
            gets cold (caches dropped), from 1 process and from 4
   files    a plain directory, one file per chunk (LMCache local-disk style), cold reads
+  engines  (tools/peers_kv.py) through each engine's own interface, mxfs's adapter
+           beside the engine's own store in a plain folder: SGLang's HiCacheFile,
+           LMCache's fs L2 adapter and LocalDiskBackend, vLLM's fs offloading tier;
+           put, put + sync (os.sync after the puts, timed), lookups, cold and warm gets
 Then small-chunk operations (4 KiB puts and gets, single and batched) and eviction
-speed (deletes a second).  Medians of --repeat.
+speed (deletes a second).  Every chunk read is compared with what was stored (outside
+the clock).  Medians of --repeat rounds; mxfs/peer ratios are medians of per-round
+ratios of speeds (above 1, mxfs is ahead).  An engine that does not import is skipped
+with the reason; the engines live in their own virtualenv:
 
     python tools/bench_kv.py --total 1GiB --repeat 3
+    .venv-engines/bin/python tools/bench_kv.py --total 1GiB --repeat 3
 """
 
 from __future__ import annotations
@@ -23,7 +32,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import peers_kv as peers
+import torch
+import xxhash
 
 from mxfs.cli.bench import raw_io
 from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
@@ -35,20 +50,26 @@ MIB = 1 << 20
 SEGMENT = 16 * MIB
 
 READER = r"""
-import sys, time
+import sys, time, xxhash
 from mxfs.kv import KVStore
-mount, size, start_at = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-keys = sys.argv[4:]
+mount, size, start_at, batch = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+pairs = [a.split(":") for a in sys.argv[5:]]
 kv = KVStore(mount, "bench")
-bufs = [bytearray(size) for _ in range(4)]
+bufs = [bytearray(size) for _ in range(batch)]
 while time.time() < start_at:
     time.sleep(0.001)
-t = time.perf_counter()
-for i in range(0, len(keys), 4):
-    got = kv.batch_get(keys[i:i + 4], bufs[:len(keys[i:i + 4])])
+took, bad = 0.0, 0
+for i in range(0, len(pairs), batch):
+    part = pairs[i:i + batch]
+    t = time.perf_counter()
+    got = kv.batch_get([k for k, _ in part], bufs[:len(part)])
+    took += time.perf_counter() - t
     assert all(got), "miss"
-print(time.perf_counter() - t)
+    bad += sum(xxhash.xxh3_64_hexdigest(b) != d for b, (_, d) in zip(bufs, part))
+print(took, bad)
 """
+
+Items = Sequence[Any]
 
 
 def aligned(n: int) -> mmap.mmap:
@@ -63,80 +84,167 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def files_put(folder: str, count: int, data: bytes) -> None:
-    for c in range(count):
+def calls(items: Items, call: Callable[[Any], object], after: Callable[[Any, Any], None]
+          ) -> float:
+    """Seconds of `call(item)` summed over the items; `after(item, result)` (the check)
+    runs between them, outside the clock."""
+    took = 0.0
+    for item in items:
+        start = time.perf_counter()
+        out = call(item)
+        took += time.perf_counter() - start
+        after(item, out)
+    return took
+
+
+class Mismatch(Exception):
+    pass
+
+
+def contents(size: int, batch: int) -> list[torch.Tensor]:
+    """batch + 1 distinct chunk contents (chunk c holds number c % (batch + 1)), so no
+    two chunks of a batch, nor of neighbouring batches, hold the same bytes."""
+    base = torch.randint(0, 256, (size,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(size))
+    return [base + v for v in range(batch + 1)]
+
+
+def same(buf: Any, want: torch.Tensor, what: str) -> None:
+    if memoryview(buf).cast("B") != want.numpy().data:
+        raise Mismatch(f"{what} read back other bytes")
+
+
+def files_put(folder: str, chunks: list[torch.Tensor]) -> None:
+    for c, data in enumerate(chunks):
         with open(os.path.join(folder, f"chunk-{c}"), "wb") as f:
-            f.write(data)
+            f.write(data.numpy().data)
 
 
-def files_get(folder: str, count: int, buf: bytearray) -> None:
-    for c in range(count):
+def files_get(folder: str, chunks: list[torch.Tensor], buf: bytearray) -> float:
+    def read(c: int) -> None:
         with open(os.path.join(folder, f"chunk-{c}"), "rb", buffering=0) as f:
             f.readinto(buf)
 
+    return calls(range(len(chunks)), read, lambda c, _: same(buf, chunks[c], f"file {c}"))
 
-def multi_get(mnt: str, size: int, keys: list[str], procs: int) -> float:
+
+def multi_get(mnt: str, size: int, keys: list[str], digests: list[str], procs: int,
+              batch: int) -> float:
     start_at = time.time() + 3.0  # after every process has imported
+    pairs = [f"{k}:{d}" for k, d in zip(keys, digests, strict=True)]
     ps = [subprocess.Popen([sys.executable, "-c", READER, mnt, str(size), str(start_at),
-                            *keys[i::procs]], stdout=subprocess.PIPE, text=True)
+                            str(batch), *pairs[i::procs]],
+                           stdout=subprocess.PIPE, text=True)
           for i in range(procs)]
     times = []
     for p in ps:
         out, _ = p.communicate(timeout=600)
-        assert p.returncode == 0
-        times.append(float(out))
+        assert p.returncode == 0, "a reader failed"
+        took, bad = out.split()
+        if int(bad):
+            raise Mismatch(f"a reader got {bad} chunks of other bytes")
+        times.append(float(took))
     return max(times)
 
 
-def chunk_round(kv: KVStore, members: list[str], mnt: str, plain: str, size: int, count: int,
-                data: bytes, buf: mmap.mmap, outs: list[bytearray], r: int) -> dict[str, float]:
-    """One round of every arm for one chunk size: GB/s each."""
+def chunk_round(kv: KVStore, pool: ScratchPool, size: int, count: int, batch: int,
+                variants: list[torch.Tensor], buf: mmap.mmap, outs: list[bytearray],
+                r: int) -> dict[str, float]:
+    """One round of the KVStore and baseline arms for one chunk size: GB/s each."""
     res: dict[str, float] = {}
     nbytes = size * count
-    raws = [os.path.join(m, "raw.bin") for m in members]
+    chunks = [variants[c % len(variants)] for c in range(count)]
+    raws = [os.path.join(m, "raw.bin") for m in pool.members]
+    share = -(-nbytes // len(raws) // 4096) * 4096
+    digest = xxhash.xxh3_64_hexdigest(memoryview(buf)[:share])
     res["raw_write"] = nbytes / timed(lambda: raw_io(raws, nbytes, buf, True)) / 1e9
+    buf[:share] = bytes(share)
     drop_caches()
     res["raw_read"] = nbytes / timed(lambda: raw_io(raws, nbytes, buf, False)) / 1e9
+    if xxhash.xxh3_64_hexdigest(memoryview(buf)[:share]) != digest:
+        raise Mismatch("raw read back other bytes")
     keys = [f"r{r}-{size}-{c}" for c in range(count)]
-    res["kv_put"] = nbytes / timed(lambda: [kv.put(k, data) for k in keys]) / 1e9
+    res["kv_put"] = nbytes / timed(lambda: [kv.put(keys[c], chunks[c]) for c in range(count)]) / 1e9
     drop_caches()
-    res["kv_get"] = nbytes / timed(lambda: [kv.get(k, out=outs[0]) for k in keys]) / 1e9
+
+    def got_one(c: int, ok: object) -> None:
+        assert ok, f"kv get: chunk {c} missing"
+        same(outs[0], chunks[c], f"kv get {c}")
+
+    res["kv_get"] = nbytes / calls(range(count), lambda c: kv.get(keys[c], out=outs[0]),
+                                   got_one) / 1e9
     bkeys = [f"b{r}-{size}-{c}" for c in range(count)]
-    step = len(outs)
-    groups = [bkeys[i:i + step] for i in range(0, count, step)]
-    res["kv_batch_put"] = nbytes / timed(lambda: [kv.batch_put(g, [data] * len(g))
-                                                  for g in groups]) / 1e9
+    groups = [list(range(i, min(i + batch, count))) for i in range(0, count, batch)]
+    res["kv_batch_put"] = nbytes / timed(lambda: [
+        kv.batch_put([bkeys[c] for c in g], [chunks[c] for c in g]) for g in groups]) / 1e9
     drop_caches()
-    res["kv_batch_get"] = nbytes / timed(lambda: [kv.batch_get(g, outs[:len(g)])
-                                                  for g in groups]) / 1e9
+
+    def got_batch(g: list[int], oks: list[object]) -> None:
+        assert all(oks), "kv batch get: a chunk missing"
+        for j, c in enumerate(g):
+            same(outs[j], chunks[c], f"kv batch get {c}")
+
+    res["kv_batch_get"] = nbytes / calls(groups, lambda g: kv.batch_get(
+        [bkeys[c] for c in g], outs[:len(g)]), got_batch) / 1e9
     drop_caches()
-    res["kv_get_4proc"] = nbytes / multi_get(mnt, size, bkeys, 4) / 1e9
-    res["files_put"] = nbytes / timed(lambda: files_put(plain, count, data)) / 1e9
+    digests = [xxhash.xxh3_64_hexdigest(t.numpy().data) for t in chunks]
+    res["kv_get_4proc"] = nbytes / multi_get(pool.mnt, size, bkeys, digests, 4, 4) / 1e9
+    res["files_put"] = nbytes / timed(lambda: files_put(pool.plain, chunks)) / 1e9
     os.sync()
     drop_caches()
-    res["files_get"] = nbytes / timed(lambda: files_get(plain, count, outs[0])) / 1e9
+    res["files_get"] = nbytes / files_get(pool.plain, chunks, outs[0]) / 1e9
     kv._call("kv_evict", keep=0)  # free the space for the next round
-    for n in os.listdir(plain):
-        os.unlink(os.path.join(plain, n))
+    for n in os.listdir(pool.plain):
+        os.unlink(os.path.join(pool.plain, n))
     return res
 
 
-def small_round(kv: KVStore, r: int) -> dict[str, float]:
+def engine_round(arm: peers.Arm, ctx: peers.Ctx) -> dict[str, float | None]:
+    """One arm of one engine on one chunk size: GB/s (lookups: keys a second)."""
+    nbytes = ctx.size * ctx.count
+    os.makedirs(ctx.folder, exist_ok=True)
+    drv = arm.make(ctx)
+    try:
+        batches = ctx.batches()
+        put = sum(drv.put(b) for b in batches)
+        sync = timed(os.sync)
+        drop_caches()
+        looks = [drv.exists(b) for b in batches]
+        drv.begin_get()
+        drop_caches()
+        cold = sum(drv.get(b) for b in batches)
+        drv.begin_get()
+        warm = sum(drv.get(b) for b in batches)
+    finally:
+        drv.close()
+        peers.clean(arm, ctx)
+    exists = None if any(t is None for t in looks) else ctx.count / sum(looks)
+    return {"put": nbytes / put / 1e9, "put_sync": nbytes / (put + sync) / 1e9,
+            "lookups": exists, "get": nbytes / cold / 1e9, "get_warm": nbytes / warm / 1e9}
+
+
+def small_round(kv: KVStore, r: int, n: int) -> dict[str, float]:
     """4 KiB chunks: operations a second, single and batched; then evictions a second."""
-    small, n = os.urandom(4096), 2000
+    small = os.urandom(4096)
     keys = [f"s{r}-{i}" for i in range(n)]
-    res = {"put": n / timed(lambda: [kv.put(k, small) for k in keys]),
-           "get": n / timed(lambda: [kv.get(k) for k in keys])}
-    groups = [[f"sb{r}-{i}" for i in range(b, b + 32)] for b in range(0, n, 32)]
+    res = {"put": n / timed(lambda: [kv.put(k, small) for k in keys])}
+    got: list[Any] = []
+    res["get"] = n / timed(lambda: got.extend(kv.get(k) for k in keys))
+    if any(bytes(g) != small for g in got):
+        raise Mismatch("4 KiB get read back other bytes")
+    groups = [[f"sb{r}-{i}" for i in range(b, min(b + 32, n))] for b in range(0, n, 32)]
     res["batch_put"] = n / timed(lambda: [kv.batch_put(g, [small] * len(g)) for g in groups])
-    res["batch_get"] = n / timed(lambda: [kv.batch_get(g) for g in groups])
-    many = [f"e{r}-{i}" for i in range(20000)]
+    got = []
+    res["batch_get"] = n / timed(lambda: [got.extend(kv.batch_get(g)) for g in groups])
+    if any(g is None or bytes(g) != small for g in got):
+        raise Mismatch("4 KiB batch get read back other bytes")
+    many = [f"e{r}-{i}" for i in range(10 * n)]
     for i in range(0, len(many), 100):
-        kv.batch_put(many[i:i + 100], [b"e"] * 100)
+        kv.batch_put(many[i:i + 100], [b"e"] * len(many[i:i + 100]))
     before = kv.usage()["chunks"]
     secs = timed(lambda: kv._call("kv_evict", keep=0))
     res["evict"] = (before - kv.usage()["chunks"]) / secs
-    time.sleep(5)  # let the daemon reclaim the evicted chunk files before the next round
+    time.sleep(min(5.0, n / 400))  # let the daemon reclaim the evicted chunk files
     return res
 
 
@@ -144,63 +252,173 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--total", default="1GiB", help="bytes per chunk size and arm")
     ap.add_argument("--sizes", default="2MiB,16MiB,64MiB")
+    ap.add_argument("--batch", type=int, default=8, help="chunks a batched call")
+    ap.add_argument("--small", type=int, default=2000,
+                    help="4 KiB operations a round (evictions: 10 times as many)")
+    ap.add_argument("--engines", default="all",
+                    help="engine arms: all, none, or keys (" + ",".join(
+                        a.key for a in peers.ARMS) + ")")
     bench_args(ap)
     args = ap.parse_args()
+    peers.quiet()
     with scratch_pool("mxfs-bench-kv-", args.dir) as pool:
         results = run(args, pool)
-    report(args, results)
-    return 0
+    return report(args, results)
 
 
-def run(args: argparse.Namespace, pool: ScratchPool) -> dict[str, list[dict[str, float]]]:
+def chosen_arms(args: argparse.Namespace) -> tuple[list[peers.Arm], dict[str, str]]:
+    want = {a.key for a in peers.ARMS} if args.engines == "all" else (
+        set() if args.engines == "none" else set(args.engines.split(",")))
+    unknown = want - {a.key for a in peers.ARMS}
+    if unknown:
+        raise SystemExit(f"bench_kv: no engine arm {', '.join(sorted(unknown))}")
+    arms, skipped = [], {}
+    for arm in peers.ARMS:
+        if arm.key not in want:
+            continue
+        why = arm.missing()
+        if why:
+            skipped[arm.key] = why
+        else:
+            arms.append(arm)
+    return arms, skipped
+
+
+def run(args: argparse.Namespace, pool: ScratchPool) -> dict[str, Any]:
     """Every arm for every chunk size, then small operations; --repeat rounds each."""
-    members, mnt, plain = pool.members, pool.mnt, pool.plain
     total = parse_size(args.total)
-    results: dict[str, list[dict[str, float]]] = {}
-    kv = KVStore(mnt, "bench")
+    chunk_rounds: dict[str, list[dict[str, float]]] = {}
+    engine_rounds: dict[str, dict[str, list[dict[str, float | None]]]] = {}
+    failed: dict[str, str] = {}
+    arms, skipped = chosen_arms(args)
+    for key, why in skipped.items():
+        print(f"bench_kv: {key} skipped: {why}", file=sys.stderr)
+    kv = KVStore(pool.mnt, "bench")
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         count = max(4, total // size)
-        data = os.urandom(size)
-        buf = aligned(max(size, -(-size * count // len(members) // 4096) * 4096))
-        buf[:size] = data
-        outs = [bytearray(size) for _ in range(min(count, 8))]
-        label = f"{size // MIB}MiB"
-        rounds = results.setdefault(label, [])
+        variants = contents(size, args.batch)
+        buf = aligned(max(size, -(-size * count // len(pool.members) // 4096) * 4096))
+        buf[:size] = variants[0].numpy().data
+        outs = [bytearray(size) for _ in range(min(count, args.batch))]
+        label = f"{size // MIB}MiB" if size >= MIB else f"{size // 1024}KiB"
+        rounds = chunk_rounds.setdefault(label, [])
+        by_arm = engine_rounds.setdefault(label, {})
         for r in range(args.repeat):
-            res = chunk_round(kv, members, mnt, plain, size, count, data, buf, outs, r)
+            try:
+                res = chunk_round(kv, pool, size, count, args.batch, variants, buf, outs, r)
+            except (Mismatch, AssertionError) as e:
+                failed[f"kvstore {label}"] = str(e)
+                print(f"bench_kv: kvstore {label}: {e}", file=sys.stderr)
+                continue
             rounds.append(res)
             print(f"{label} round {r + 1}: " + ", ".join(f"{k} {v:.2f}"
                                                            for k, v in res.items()),
                   file=sys.stderr)
-    ops = results.setdefault("4KiB ops/s", [])
+            order = arms[r % len(arms):] + arms[:r % len(arms)] if arms else []
+            for arm in order:
+                if f"{arm.key} {label}" in failed:
+                    continue
+                ctx = peers.Ctx(size, count, args.batch, variants, pool.mnt,
+                                os.path.join(pool.plain, arm.key), f"bench-{arm.key}", r + 1)
+                try:
+                    got = engine_round(arm, ctx)
+                except Exception as e:  # noqa: BLE001 - a failed arm is reported, not a crash
+                    failed[f"{arm.key} {label}"] = f"{type(e).__name__}: {e}"
+                    print(f"bench_kv: {arm.key} {label} failed:\n{traceback.format_exc()}",
+                          file=sys.stderr)
+                    continue
+                by_arm.setdefault(arm.key, []).append(got)
+                print(f"  {arm.key}: " + ", ".join(
+                    f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in got.items()),
+                    file=sys.stderr)
+    ops: list[dict[str, float]] = []
     for r in range(args.repeat):
-        res = small_round(kv, r)
+        try:
+            res = small_round(kv, r, args.small)
+        except Mismatch as e:
+            failed["4KiB ops"] = str(e)
+            break
         ops.append(res)
         print(f"small ops round {r + 1}: " + ", ".join(f"{k} {v:.0f}" for k, v in
                                                        res.items()), file=sys.stderr)
     kv.close()
-    return results
+    return {"chunks": chunk_rounds, "ops": ops, "engines": engine_rounds,
+            "skipped": skipped, "failed": failed,
+            "labels": {a.key: f"{a.engine} {a.label}" for a in peers.ARMS},
+            "mxfs": {a.key: a.mxfs for a in peers.ARMS},
+            "engine_of": {a.key: a.engine for a in peers.ARMS}}
 
 
-def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> None:
+def median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def fmt(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def report(args: argparse.Namespace, results: dict[str, Any]) -> int:
+    chunks, ops, engines = results["chunks"], results["ops"], results["engines"]
+    failed, skipped = results["failed"], results["skipped"]
     med = {label: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-           for label, rs in results.items()}
+           for label, rs in chunks.items() if rs}
     print("\nKV chunks, GB/s (small ops: per second), 4 folder members on one disk, "
-          f"median of {args.repeat}\n")
-    cols = list(next(iter(med.values())).keys())
-    print("| chunk | " + " | ".join(cols) + " |")
-    print("|---|" + "---:|" * len(cols))
-    for label, m in med.items():
-        if "ops" in label:
-            continue
-        print(f"| {label} | " + " | ".join(f"{m[c]:.2f}" for c in cols) + " |")
-    ops_med = med["4KiB ops/s"]
-    print("\n| 4 KiB chunks | per second |\n|---|---:|")
-    for k, v in ops_med.items():
-        print(f"| {k} | {v:.0f} |")
+          f"batches of {args.batch}, median of {args.repeat}\n")
+    if med:
+        cols = list(next(iter(med.values())).keys())
+        print("| chunk | " + " | ".join(cols) + " |")
+        print("|---|" + "---:|" * len(cols))
+        for label, m in med.items():
+            print(f"| {label} | " + " | ".join(f"{m[c]:.2f}" for c in cols) + " |")
+    ops_med = {k: statistics.median(r[k] for r in ops) for k in ops[0]} if ops else {}
+    if ops_med:
+        print("\n| 4 KiB chunks | per second |\n|---|---:|")
+        for k, v in ops_med.items():
+            print(f"| {k} | {v:.0f} |")
+    eng_med = {label: {arm: {k: median([r[k] for r in rs]) for k in rs[0]}
+                       for arm, rs in by_arm.items()} for label, by_arm in engines.items()}
+    labels, is_mxfs, engine_of = results["labels"], results["mxfs"], results["engine_of"]
+    if any(eng_med.values()):
+        print("\nengines, each through its own interface: GB/s (lookups: keys a second); "
+              "put + sync: os.sync after the puts counted; gets cold and warm\n")
+        print("| arm | chunk | put | put + sync | lookups/s | get cold | get warm "
+              "| bytes equal |\n|---|---|---:|---:|---:|---:|---:|:---:|")
+        for label, by_arm in eng_med.items():
+            for arm, m in by_arm.items():
+                print(f"| {arm}: {labels[arm]} | {label} | {fmt(m['put'])} | "
+                      f"{fmt(m['put_sync'])} | {fmt(m['lookups'], 0)} | {fmt(m['get'])} | "
+                      f"{fmt(m['get_warm'])} | {'NO' if f'{arm} {label}' in failed else 'yes'} |")
+    ratios: dict[str, dict[str, float | None]] = {}
+    rig = str(getattr(args, "rig", None) or "plain")
+    get_target = 2.0 if rig.startswith("members") else 1.0
+    rows: list[str] = []
+    for label, by_arm in engines.items():
+        for ours in [a for a in by_arm if is_mxfs[a]]:
+            for peer in [a for a in by_arm if not is_mxfs[a] and engine_of[a] == engine_of[ours]]:
+                a, b = by_arm[ours], by_arm[peer]
+                n = min(len(a), len(b))
+                got = {k: median([None if a[i][k] is None or b[i][k] is None
+                                  else a[i][k] / b[i][k] for i in range(n)])
+                       for k in a[0]}
+                ratios[f"{ours}/{peer} {label}"] = got
+                rows.append(f"| {engine_of[ours]} {label} | {ours} / {peer} | "
+                            + " | ".join(fmt(got[k]) for k in
+                                         ("put", "put_sync", "lookups", "get", "get_warm"))
+                            + f" | {get_target} | "
+                            + ("" if got["get"] is None else
+                               "yes" if got["get"] >= get_target else "no") + " |")
+    if rows:
+        print("\n| engine, chunk | mxfs / peer (speed) | put | put + sync | lookups | get cold "
+              "| get warm | get target | met |\n|---|---|---:|---:|---:|---:|---:|---:|:---:|")
+        print("\n".join(rows))
+    if skipped:
+        print("\n| skipped | why |\n|---|---|")
+        for k, why in skipped.items():
+            print(f"| {k}: {labels[k]} | {why} |")
     print("\n| ratio | value | target | met |\n|---|---:|---:|:---:|")
-    for label, rs in results.items():
-        if "ops" in label:
+    for label, rs in chunks.items():
+        if not rs:
             continue
         big = parse_size(label) >= 16 * MIB  # the issue's 90% target is for 16 MiB and up
         for what, a, b, target in (("get / raw read", "kv_get", "raw_read", 0.9 if big else None),
@@ -215,11 +433,18 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]])
             met = "" if target is None else ("yes" if v >= target else "no")
             print(f"| {label} {what} | {v:.2f} | {target or ''} | {met} |")
     for k in ("put", "get", "batch_put", "batch_get"):
-        v = ops_med[k]
-        print(f"| 4 KiB {k} ops/s | {v:.0f} | 2000 | {'yes' if v >= 2000 else 'no'} |")
-    print(f"| evictions/s | {ops_med['evict']:.0f} | 10000 | "
-          f"{'yes' if ops_med['evict'] >= 10000 else 'no'} |")
-    save_results(args, rounds=results, median=med)
+        if k in ops_med:
+            v = ops_med[k]
+            print(f"| 4 KiB {k} ops/s | {v:.0f} | 2000 | {'yes' if v >= 2000 else 'no'} |")
+    if "evict" in ops_med:
+        print(f"| evictions/s | {ops_med['evict']:.0f} | 10000 | "
+              f"{'yes' if ops_med['evict'] >= 10000 else 'no'} |")
+    for k, why in failed.items():
+        print(f"bench_kv: {k} FAILED: {why}", file=sys.stderr)
+    save_results(args, rounds=chunks, median=med, ops=ops, ops_median=ops_med,
+                 engines=engines, engines_median=eng_med, ratios=ratios, skipped=skipped,
+                 failed=failed, labels=labels)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
