@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ENGINES ?= .venv-engines
 ENGINE_TESTS := tests/test_vllm.py tests/test_kv_adapters.py tests/test_kv_lmcache.py \
-	tests/test_kv_vllm.py
+	tests/test_kv_vllm.py tests/test_bench_peers.py
 
 .PHONY: demo test test-engines install engines lint bench clean
 

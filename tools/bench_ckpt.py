@@ -41,6 +41,7 @@ import peers_ckpt as peers
 import torch
 import torch.distributed as dist
 from peers_ckpt import Arm
+from rig import ceiling, make_rig
 
 import mxfs.ckpt as ck
 from mxfs.ckpt.dcp import Reader, Writer
@@ -93,7 +94,14 @@ def main() -> int:
                     help="thread_count of the FileSystemWriter behind DCP async_save")
     bench_args(ap)
     args = ap.parse_args()
-    with scratch_pool("mxfs-bench-ckpt-", args.dir) as pool:
+    size = parse_size(args.size)
+    with make_rig(args.rig, args.dir, gib_each=max(4, 4 * -(-size // 2**30))) as rig, \
+            scratch_pool("mxfs-bench-ckpt-", args.dir, members=rig.members,
+                         plain=rig.plain) as pool:
+        args.rig_ceiling = ceiling(rig, size, args.repeat)  # saved with the args
+        print(f"rig: {rig.describe()}; raw O_DIRECT ceiling: one member "
+              f"{args.rig_ceiling['member_alone_GBps']:.2f} GB/s, all at once "
+              f"{args.rig_ceiling['all_members_GBps']:.2f} GB/s", file=sys.stderr)
         rounds, checks, size, labels = run(args, pool)
     return report(args, rounds, checks, size, labels)
 

@@ -39,6 +39,7 @@ from typing import Any
 import peers_kv as peers
 import torch
 import xxhash
+from rig import ceiling, make_rig
 
 from mxfs.cli.bench import raw_io
 from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool
@@ -261,7 +262,13 @@ def main() -> int:
     bench_args(ap)
     args = ap.parse_args()
     peers.quiet()
-    with scratch_pool("mxfs-bench-kv-", args.dir) as pool:
+    size = parse_size(args.total)
+    with make_rig(args.rig, args.dir, gib_each=max(8, 8 * -(-size // 2**30))) as rig, \
+            scratch_pool("mxfs-bench-kv-", args.dir, members=rig.members, plain=rig.plain) as pool:
+        args.rig_ceiling = ceiling(rig, size, args.repeat)  # saved with the args
+        print(f"rig: {rig.describe()}; raw O_DIRECT ceiling: one member "
+              f"{args.rig_ceiling['member_alone_GBps']:.2f} GB/s, all at once "
+              f"{args.rig_ceiling['all_members_GBps']:.2f} GB/s", file=sys.stderr)
         results = run(args, pool)
     return report(args, results)
 

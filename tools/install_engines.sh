@@ -15,7 +15,7 @@ py="$venv/bin/python"
 "$py" -m pip install -q --no-deps -c "$cons" sglang lmcache
 "$py" -m pip install -q -c "$cons" torch==2.13.0 orjson psutil pybase64 requests triton \
   packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp \
-  sortedcontainers numba prometheus_client py-cpuinfo cachetools pyyaml cryptography blake3
+  sortedcontainers numba prometheus_client py-cpuinfo cachetools pyyaml cryptography blake3 aiofile aiofiles
 # PyPI's torchvision, torchaudio and torchcodec are built against another torch and fail
 # to load beside the CPU wheel; vLLM and SGLang import them only for vision and audio.
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
