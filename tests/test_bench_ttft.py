@@ -255,13 +255,13 @@ def test_serving_reuses_across_instances_and_tokens_equal_without_pool(
     for inst in pair:
         inst.call("configure", threads=1, local_tokens=CHUNK)
     try:
-        res = serving.run(pair, reqs, [1, 3], 4, lambda: None, noop)
+        res = serving.run(pair, reqs, [1, 3], 4, lambda: None, noop, repeat=2)
     finally:
         for inst in pair:
             inst.call("configure", threads=1, local_tokens=0)
-    assert res["tokens_equal"]
+    assert res["tokens_equal"] and len(res["rounds"]) == 8 and len(res["runs"]) == 4
     for run in res["runs"]:
-        assert run["served"] == 12 and not run["errors"]
+        assert run["rounds"] == 2 and run["served"] == 12 and not run["errors"]
         assert (run["pool_hit_rate"] > 0) == run["pool"]
         assert run["put_refused"] == 0 and run["pool_failures"] == {}
     # turns wait for the turn before them: each turn's prompt extends the last one's
@@ -332,7 +332,7 @@ def _result_with(replies: list[dict]) -> dict:
                       "dtype": "float32", "device": "cpu", "kv_bytes_per_token": 1,
                       "chunk_tokens": 256, "chunk_bytes": 1 << 20, "model_id": "x",
                       "ttft_model": {"layers": 1, "heads": 1, "kv_heads": 1, "head_dim": 1}},
-            "serving": {"runs": [run], "mix": vars(serving.Mix()), "instances": 1,
+            "serving": {"runs": [run], "mix": vars(serving.Mix()), "instances": 1, "repeat": 1,
                         "kinds": {"system": len(replies), "turn": 0}, "local_tokens": 0,
                         "working_set_tokens": 0, "new_tokens": 6, "tokens_equal": True}}
 
@@ -396,7 +396,8 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
 @needs_fuse
 def test_bench_ttft_and_gates_write_their_reports(tmp_path: Path) -> None:
     small = ["--model-size", "tiny", "--lengths", "300,600", "--ttft-repeat", "1",
-             "--requests", "8", "--concurrency", "1,2", "--local-tokens", "256"]
+             "--requests", "8", "--concurrency", "1,2", "--local-tokens", "256",
+             "--serving-repeat", "1"]
     out = tmp_path / "ttft"
     mxfs("bench", "ttft", "--out", str(out), *small, timeout=300)
     result = json.loads((out / "ttft.json").read_text())

@@ -136,7 +136,9 @@ def _serving_lines(sv: dict[str, Any], result: dict[str, Any]) -> list[str]:
              f"instance keeps {sv['local_tokens']:,} tokens of KV in its own memory; the "
              f"requests hold {sv['working_set_tokens']:,} tokens of distinct chunks. "
              f"{sv['new_tokens']} tokens generated per request; TTFT from submission "
-             f"(queueing included).", "",
+             f"(queueing included). {sv['repeat']} rounds of each setting, the two "
+             f"alternating: rates are medians, TTFT percentiles over every request of "
+             f"every round.", "",
              "| concurrency | pool | requests/s | output tokens/s | prompt tokens/s | "
              "TTFT p50 | TTFT p90 | pool hits | own-memory hits | computed tokens |",
              "|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -167,6 +167,7 @@ def _figures(requests: list[Request], done: dict[int, dict[str, Any]], start: fl
         "put_refused": sum(d["put_refused"] for d in ok),
         "pool_failures": merge_failures(d["pool_failures"] for d in ok),
         "outputs": {r.rid: done[r.rid].get("tokens") for r in requests},
+        "ttfts": ttft,
     }
 
 
@@ -177,22 +178,51 @@ def working_set(requests: list[Request], chunk_tokens: int) -> int:
                                for h in lmcache_hashes(r.tokens, chunk_tokens)})
 
 
+RATES = ("requests_per_s", "output_tokens_per_s", "prompt_tokens_per_s", "seconds")
+SUMS = ("served", "computed_tokens", "read_bytes", "put_bytes", "put_refused")
+
+
+def combined(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one setting as one: rates their medians, TTFT percentiles over every
+    request of every round, counts per round (their means), failures added up."""
+    ttft = [t for r in rounds for t in r["ttfts"]]
+    prompt = sum(r["prompt_tokens_per_s"] * r["seconds"] for r in rounds) or 1
+    out = {"concurrency": rounds[0]["concurrency"], "pool": rounds[0]["pool"],
+           "requests": rounds[0]["requests"], "rounds": len(rounds),
+           "errors": [e for r in rounds for e in r["errors"]][:5],
+           "ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9),
+           "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+           "pool_failures": merge_failures(r["pool_failures"] for r in rounds)}
+    out.update({k: statistics.median(r[k] for r in rounds) for k in RATES})
+    out.update({k: sum(r[k] for r in rounds) / len(rounds) for k in SUMS})
+    for k in ("pool_hit_rate", "local_hit_rate"):
+        out[k] = sum(r[k] * r["prompt_tokens_per_s"] * r["seconds"] for r in rounds) / prompt
+    return out
+
+
 def run(instances: list[Instance], requests: list[Request], levels: list[int], new_tokens: int,
-        clear_pool: Callable[[], None], say: Callable[[str], None]) -> dict[str, Any]:
-    """Every concurrency level without the pool and with it, each from empty caches."""
-    runs = []
+        clear_pool: Callable[[], None], say: Callable[[str], None], repeat: int = 1
+        ) -> dict[str, Any]:
+    """Every concurrency level without the pool and with it, each round from empty caches;
+    the two settings alternate, so a machine's load drifting hits both alike."""
+    rounds: dict[tuple[int, bool], list[dict[str, Any]]] = {}
     for c in levels:
-        for pool in (False, True):
-            for inst in instances:
-                inst.call("reset")
-            if pool:
-                clear_pool()
-            say(f"serving: {len(requests)} requests at concurrency {c}, "
-                f"{'with' if pool else 'without'} the pool")
-            runs.append(run_load(instances, requests, c, pool, new_tokens))
-    ref = runs[0]["outputs"]
-    equal = all(r["outputs"] == ref for r in runs) and all(not r["errors"] for r in runs)
-    for r in runs:
-        del r["outputs"]
-    return {"runs": runs, "tokens_equal": equal, "instances": len(instances),
+        for rnd in range(repeat):
+            for pool in (False, True):
+                for inst in instances:
+                    inst.call("reset")
+                if pool:
+                    clear_pool()
+                say(f"serving: {len(requests)} requests at concurrency {c}, "
+                    f"{'with' if pool else 'without'} the pool (round {rnd + 1}/{repeat})")
+                rounds.setdefault((c, pool), []).append(
+                    run_load(instances, requests, c, pool, new_tokens))
+    flat = [r for rs in rounds.values() for r in rs]
+    ref = flat[0]["outputs"]
+    equal = all(r["outputs"] == ref for r in flat) and all(not r["errors"] for r in flat)
+    runs = [combined(rs) for rs in rounds.values()]
+    for r in flat:
+        del r["outputs"], r["ttfts"]
+    return {"runs": runs, "rounds": flat, "repeat": repeat, "tokens_equal": equal,
+            "instances": len(instances),
             "kinds": {k: sum(1 for r in requests if r.kind == k) for k in ("system", "turn")}}

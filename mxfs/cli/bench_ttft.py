@@ -37,7 +37,9 @@ def add_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--chunk-tokens", type=int, default=256)
     v.add_argument("--instances", type=int, default=2, help="instance processes (>= 2)")
     v.add_argument("--concurrency", default="1,8,16", help="levels of the serving scenario")
-    v.add_argument("--requests", type=int, default=48, help="requests per serving run")
+    v.add_argument("--requests", type=int, default=32, help="requests per serving run")
+    v.add_argument("--serving-repeat", type=int, default=3,
+                   help="rounds per concurrency and setting; medians")
     v.add_argument("--local-tokens", type=int, default=8192,
                    help="KV tokens each instance holds in its own memory")
     v.add_argument("--new-tokens", type=int, default=8, help="greedy tokens per request")
@@ -64,7 +66,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--chunk-tokens {args.chunk_tokens}: at least 16")
     lengths = _ints(args.lengths, "--lengths", args.chunk_tokens)
     levels = _ints(args.concurrency, "--concurrency", 1)
-    for name in ("instances", "ttft_repeat", "requests", "new_tokens"):
+    for name in ("instances", "ttft_repeat", "requests", "new_tokens", "serving_repeat"):
         least = 2 if name == "instances" else 1
         if getattr(args, name) < least:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: "
@@ -168,7 +170,8 @@ def measure(mount: str, pool_text: str, args: argparse.Namespace, opts: dict[str
                           local_tokens=args.local_tokens)
             reqs = serving.workload(mix, hello["vocab"], args.seed)
             sv = serving.run(insts, reqs, opts["levels"], args.new_tokens,
-                             lambda: clear_namespace(mount, args.namespace), say)
+                             lambda: clear_namespace(mount, args.namespace), say,
+                             args.serving_repeat)
             sv.update(mix=vars(mix), local_tokens=args.local_tokens,
                       new_tokens=args.new_tokens,
                       working_set_tokens=serving.working_set(reqs, args.chunk_tokens))
