@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
 import sys
 
 import pytest
-from conftest import Mounted, raw_socket
+from conftest import Mounted, eventually, raw_socket
 
 from mxfs.client import ControlClient, ControlError
 from mxfs.proto import HEADER, MAX_PAYLOAD, VERSION, recv_message
@@ -32,6 +34,10 @@ def test_hello_stat_and_layout(mounted: Mounted) -> None:
         assert e.value.errno == errno.ENOENT
         # the connection survives a refused request
         assert c.layout(str(mounted.path / "d"))["size"] == 4096
+        assert c.connections == 1 and not c.broken
+    with pytest.raises(ControlError) as e:  # closed for good: no silent new connection
+        c.stat()
+    assert e.value.errno == errno.EBADF
 
 
 @pytest.mark.parametrize("bad", [
@@ -78,6 +84,35 @@ def test_passed_descriptors_are_not_leaked(mounted: Mounted) -> None:
     with ControlClient(str(mounted.path)) as c:
         c.stat()
         assert len(os.listdir(f"/proc/{pid}/fd")) <= before + 1
+
+
+def kv_puts_served(c: ControlClient) -> int:
+    return sum(n for kind, op, n, _ in c.call("metrics")["requests"]
+               if (kind, op) == ("control", "kv_put"))
+
+
+def test_a_request_broken_midway_raises_and_the_next_call_connects_again(
+        mounted: Mounted) -> None:
+    key, value = base64.b64encode(b"k").decode(), base64.b64encode(b"v").decode()
+    pid = mounted.daemon_pid()
+    with ControlClient(str(mounted.path), timeout=1) as c:
+        c.call("kv_ns_create", namespace="n")
+        first = c.sock
+        os.kill(pid, signal.SIGSTOP)  # the request is sent, its reply does not come in time
+        try:
+            with pytest.raises(TimeoutError):
+                c.call("kv_put", namespace="n", keys=[key], data=[value])
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert c.broken
+        # The next call gets a new connection and its own reply (not the late one, which
+        # came on the old connection), and the failed request was not sent again: the
+        # daemon served it once, as it came.
+        assert eventually(lambda: c.call("kv_exists", namespace="n", keys=[key])["present"]
+                          == [True])
+        assert c.connections == 2 and not c.broken and c.sock is not first
+        assert eventually(lambda: kv_puts_served(c) == 1)
+        assert c.call("kv_stats", namespace="n")["namespaces"][0]["puts"] == 1
 
 
 CALLER = r"""

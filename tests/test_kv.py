@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import Mounted, eventually, mxfs, one_line_error
+from conftest import Mounted, eventually, make_members, mkfs, mxfs, one_line_error
 from test_faults import check_pool, chunk_files, kill_daemon
+from test_hostile import mount_with
 
 from mxfs.kv import KVStore
 from mxfs.kv.store import INLINE
@@ -27,8 +30,8 @@ def test_put_get_round_trip_first_writer_wins(mounted: Mounted, size: int) -> No
         assert kv.put("a", blob(1, size)) is True
         assert kv.put("a", blob(2, size)) is False  # the first writer wins, cheaply
         assert kv.get("a") == blob(1, size)
-        out = bytearray(size + 10)
-        assert kv.get("a", out=out) is True and bytes(out[:size]) == blob(1, size)
+        out = bytearray(size)
+        assert kv.get("a", out=out) is True and bytes(out) == blob(1, size)
         assert kv.get("nope") is None
         t = torch.arange(size // 2, dtype=torch.int16)
         kv.put("t", t)
@@ -58,6 +61,83 @@ def test_batches_prefix_exists_and_odd_keys(mounted: Mounted) -> None:
         for bad in ("", b""):
             with pytest.raises(ValueError, match="empty"):
                 kv.put(bad, b"x")
+
+
+def test_a_buffer_not_of_its_chunks_size_is_a_miss_the_rest_served(mounted: Mounted) -> None:
+    sizes = {"inline": 1000, "direct": INLINE + 5000}
+    with KVStore(str(mounted.path), "sz") as kv:
+        for name, n in sizes.items():
+            kv.put(name, blob(1, n))
+            kv.put(name + "2", blob(2, n))
+        for name, n in sizes.items():
+            # a chunk shorter than its buffer would leave the buffer's tail stale: a miss
+            longer, shorter, exact = bytearray(b"\xee" * (n + 10)), bytearray(n - 10), \
+                bytearray(n)
+            got = kv.batch_get([name, name + "2", "absent", name], [longer, shorter,
+                                                                    bytearray(n), exact])
+            assert got == [None, None, None, True], name
+            assert bytes(exact) == blob(1, n) and longer == b"\xee" * (n + 10)
+            assert kv.get(name, out=bytearray(n + 1)) is None  # one key alone, too
+        assert kv.misses == {"smaller": 4, "larger": 2, "absent": 2}
+        assert kv.exists_many(list(sizes)) == [True, True]  # kept: valid chunks
+
+
+def test_a_batch_put_of_any_length_stays_within_the_daemons_pending_limit(
+        tmp_path: Path) -> None:
+    members = make_members(tmp_path)
+    mkfs(members)
+    keys = [f"p{i}" for i in range(11)]
+    data = [blob(i, INLINE + 1 + i) for i in range(11)]  # direct puts: unpublished files
+    with mount_with(members, "max_pending=4") as m, KVStore(str(m.path), "pend") as kv:
+        assert kv.batch_put(keys, data) == [True] * 11
+        assert kv.batch_get(keys) == data
+        assert kv.put_group == 4  # the limit the daemon reports, not the default
+
+
+FEW_FDS = r"""
+import resource, sys
+from mxfs.kv import KVStore
+from mxfs.kv.store import INLINE
+resource.setrlimit(resource.RLIMIT_NOFILE, (80, 80))
+kv = KVStore(sys.argv[1], "fds")
+data = [bytes([i]) * (INLINE + 1) for i in range(40)]  # each on all 4 members
+assert kv.batch_put([f"f{i}" for i in range(40)], data) == [True] * 40
+assert kv.batch_get([f"f{i}" for i in range(40)]) == data
+print(kv.put_group)
+"""
+
+
+def test_a_batch_put_holds_no_more_descriptors_than_the_process_may(mounted: Mounted) -> None:
+    res = subprocess.run([sys.executable, "-c", FEW_FDS, str(mounted.path)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout) == 80 // 4 // 4  # a quarter of the limit, a descriptor a member
+
+
+def test_lookups_in_a_namespace_nobody_made_are_misses(mounted: Mounted) -> None:
+    with KVStore(str(mounted.path), "never-made") as kv:
+        assert kv.exists("k") is False and kv.exists_many(["k", "l"]) == [False, False]
+        assert kv.batch_exists(["k", "l"]) == 0
+        assert kv.get("k") is None and kv.batch_get(["k"], [bytearray(10)]) == [None]
+        assert kv.pin(["k", "l"]) == [False, False]
+        assert kv.misses["absent"] == 2
+        with pytest.raises(OSError) as e:  # not a lookup: the namespace's absence is said
+            kv.usage()
+        assert e.value.errno == errno.ENOENT
+
+
+def test_pin_says_which_keys_it_leased(mounted: Mounted) -> None:
+    with KVStore(str(mounted.path), "pin") as kv, KVStore(str(mounted.path), "pin") as other:
+        keys = [f"k{i}" for i in range(70)]  # a descriptor each: more than one reply carries
+        kv.batch_put(keys, [blob(i, 1000) for i in range(70)])
+        assert other.pin(["k0", "gone", "k1"]) == [True, False, True]
+        assert kv.usage()["pinned"] == 2
+        assert other.pin(keys + ["gone"]) == [True] * 70 + [False]
+        assert kv.usage()["pinned"] == 70
+        other.unpin(keys)
+        assert kv.usage()["pinned"] == 2  # k0 and k1 were leased twice
+        other.unpin(["k0", "k1"])
+        assert kv.usage()["pinned"] == 0
 
 
 SHARER = r"""

@@ -113,6 +113,34 @@ def test_sglang_backend_loaded_by_the_dynamic_factory(mounted: Mounted) -> None:
     other_rank.close()
 
 
+def test_sglang_lookups_before_any_store_are_misses(mounted: Mounted) -> None:
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from mxfs.kv.keys import sglang_hashes
+
+    config = sglang_config(mounted)
+    config.extra_config["namespace"] = "sgl-fresh"  # nobody has stored in it: no namespace
+    backend = StorageBackendFactory.create_backend("dynamic", config, None)
+    keys = sglang_hashes(list(range(64 * 3)), 64)
+    assert backend.exists(keys[0]) is False and backend.batch_exists(keys) == 0
+    hit = backend.batch_exists_v2(keys, [PoolTransfer(PoolName.INDEXER)])
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (0, {})
+    assert backend.batch_get(keys[:2], [torch.empty(4096, dtype=torch.bfloat16)] * 2) == \
+        [None, None]
+    backend.register_mem_pool_host(HostPool())
+    assert backend.batch_get_v1(keys[:2], torch.arange(0, 128)) == [False, False]
+    # a page of another size than its target is a miss, the others served
+    pages = [torch.full((4096,), i, dtype=torch.bfloat16) for i in range(3)]
+    assert backend.batch_set(keys, pages) is True
+    outs = [torch.empty(4096, dtype=torch.bfloat16), torch.empty(4097, dtype=torch.bfloat16),
+            torch.empty(4096, dtype=torch.bfloat16)]
+    got = backend.batch_get(keys, outs)
+    assert torch.equal(got[0], pages[0]) and got[1] is None and torch.equal(got[2], pages[2])
+    backend.close()
+
+
 def test_sglang_key_suffixes_match_hicache_file(mounted: Mounted, tmp_path: object,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import select
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -207,6 +208,7 @@ def test_lmcache_errors_are_failed_tasks(mounted: Mounted) -> None:
     full.close()
 
     adapter = adapter_for(mounted)
+    kv = adapter.store
     assert stored(adapter, adapter.submit_store_task(keys, [obj(t) for t in data])) \
         .is_successful()
     assert lookup(adapter, keys) == [True, True]
@@ -217,8 +219,32 @@ def test_lmcache_errors_are_failed_tasks(mounted: Mounted) -> None:
     assert load(adapter, keys, [torch.zeros(64, 64, dtype=torch.bfloat16)] * 2) == [False] * 2
     adapter.submit_unlock(keys)
     assert adapter.get_usage().total_bytes_used == 0
+    assert not adapter.report_status()["is_healthy"]
     mounted.remount()  # back: the adapter connects again (its old leases died with the daemon)
     assert lookup(adapter, keys) == [True, True]
+    assert adapter.store is kv and kv.client.connections == 2  # the store's client did it
+    assert adapter.report_status()["is_healthy"]
+    assert pinned(mounted) == 2  # the new connection's leases, which one unlock each ends
     adapter.submit_unlock(keys)
+    assert eventually(lambda: pinned(mounted) == 0)
+    adapter.close()
+
+
+def test_lmcache_leases_of_a_lost_connection_are_forgotten(mounted: Mounted) -> None:
+    adapter = adapter_for(mounted)
+    keys = object_keys(3)
+    data = [torch.full((64, 64), i, dtype=torch.bfloat16) for i in range(3)]
+    assert stored(adapter, adapter.submit_store_task(keys, [obj(t) for t in data])) \
+        .is_successful()
+    assert lookup(adapter, keys[:2]) == [True, True] and pinned(mounted) == 2
+    adapter.store.client.sock.shutdown(socket.SHUT_RDWR)  # lost: its leases end with it
+    assert eventually(lambda: pinned(mounted) == 0)
+    assert lookup(adapter, keys[1:]) == [True, True] and pinned(mounted) == 2
+    adapter.delete(keys[:1])  # locked on the lost connection only: nothing spares it now
+    adapter.submit_unlock(keys[:1])  # nor does its unlock end a lease of the new one
+    outs = [torch.zeros(64, 64, dtype=torch.bfloat16) for _ in range(3)]
+    assert load(adapter, keys, outs) == [False, True, True]
+    assert pinned(mounted) == 2
+    adapter.submit_unlock(keys[1:])
     assert eventually(lambda: pinned(mounted) == 0)
     adapter.close()

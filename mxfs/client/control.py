@@ -55,40 +55,96 @@ def find_socket(mountpoint: str) -> str:
 
 
 class ControlClient:
+    """One connection to the daemon, made again when it is lost.
+
+    What a connection holds in the daemon (unpublished files, read leases) ends with
+    it; `connections` counts the connections made, so a holder of such state can tell
+    that it went.  A request that fails mid-way (the connection broke while it was sent
+    or answered) raises to its caller and is never sent again, since the daemon may
+    have applied it; the broken connection is dropped and the next call makes a new one.
+    """
+
     def __init__(self, mountpoint: str, timeout: float = 30.0) -> None:
         self.mountpoint = os.path.realpath(mountpoint)
         self.timeout = timeout
         self._ids = itertools.count(1)
         self._lock = threading.RLock()  # one request at a time: threads may share a client
-        self.broken = False  # the connection failed mid-request; make a new client
+        self.broken = False  # the last connection failed mid-request: the next call makes one
+        self.closed = False
+        self.connections = 0
+        self.server: dict[str, Any] = {}
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.close()  # no connection yet: _connect makes the first
         self._connect()
 
     def _connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(find_socket(self.mountpoint))
-        self.server = self.call("hello", version=VERSION)
+        """A new connection, greeted; it replaces the old one only once it answered."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(find_socket(self.mountpoint))
+            server, fds = self._exchange(sock, "hello", {"version": VERSION})
+        except BaseException:
+            sock.close()
+            raise
+        for fd in fds:
+            os.close(fd)
+        if self.closed:  # closed by another thread meanwhile
+            sock.close()
+            raise self._closed_error()
+        self.sock.close()
+        self.sock, self.server, self.broken = sock, server, False
+        self.connections += 1
 
-    def _reconnect_if_closed(self) -> None:
-        """The daemon closes connections idle for long (and all of them when it
-        restarts): between requests, a closed one is made again, so a long-lived
-        client (a serving engine's KV store) goes on.  What the old connection held
-        (unpublished files, leases) is gone with it, as the daemon dropped it."""
+    def _closed_error(self) -> ControlError:
+        return ControlError(errno.EBADF, f"the control client of {self.mountpoint} was closed")
+
+    def _exchange(self, sock: socket.socket, op: str, fields: dict[str, Any]
+                  ) -> tuple[dict[str, Any], list[int]]:
+        """One request and its reply on `sock`: ControlError if the daemon refused it.
+
+        Anything that leaves the stream in doubt (a send or receive that failed, a
+        reply to another request, the daemon refusing the connection itself) marks the
+        connection broken before raising."""
+        msg_id = next(self._ids)
+        try:
+            send_message(sock, {"op": op, "id": msg_id, **fields})
+            reply, fds = recv_message(sock)
+        except BaseException:  # an interrupt mid-frame desynchronises the stream too
+            self.broken = True
+            raise
+        if reply.get("id") != msg_id or not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+        if reply.get("id") != msg_id:
+            self.broken = True
+            refused = reply.get("id") is None and reply.get("ok") is False
+            if not refused:  # (refused: the daemon turned the connection away, a limit)
+                raise ControlError(errno.EPROTO, f"reply {reply.get('id')} to request {msg_id}")
+        if not reply.get("ok"):
+            raise ControlError(int(reply.get("errno") or errno.EIO),
+                               str(reply.get("error", "refused")))
+        return reply, fds
+
+    def _usable(self) -> bool:
+        """Whether the connection can take a request: not broken, not closed, and not hung
+        up by the daemon (it closes connections idle for long, and all when it stops)."""
         if self.broken or self.sock.fileno() < 0:
-            return
+            return False
         try:
             readable, _, _ = select.select([self.sock], [], [], 0)
         except (OSError, ValueError):
-            return
+            return False
+        if not readable:
+            return True
         try:
-            closed = readable and not self.sock.recv(1, socket.MSG_PEEK)
+            return bool(self.sock.recv(1, socket.MSG_PEEK))  # b"": the daemon hung up
         except OSError:  # reset by the daemon (it went away)
-            closed = True
-        if closed:
-            self.sock.close()
-            self._connect()
+            return False
 
     def close(self) -> None:
+        """End the connection (and what it holds); later calls raise EBADF."""
+        self.closed = True  # not under the lock: a request in flight may hold it for long
         self.sock.close()
 
     def alive(self) -> bool:
@@ -115,28 +171,22 @@ class ControlClient:
         return reply
 
     def call_with_fds(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
-        """Like `call`, keeping the descriptors that came with the reply (caller closes)."""
+        """Like `call`, keeping the descriptors that came with the reply (caller closes).
+
+        A connection found lost before the request is sent is made again first (nothing
+        of this request reached the daemon); one lost while it is sent or answered is
+        dropped and the OSError raised: the next call connects again."""
         with self._lock:
-            if op != "hello":
-                self._reconnect_if_closed()
-            msg_id = next(self._ids)
+            if self.closed:
+                raise self._closed_error()
+            if not self._usable():
+                self.sock.close()  # what it held in the daemon is gone already
+                self._connect()
             try:
-                send_message(self.sock, {"op": op, "id": msg_id, **fields})
-                reply, fds = recv_message(self.sock)
-            except OSError:
-                self.broken = True
-                raise
-        if reply.get("id") != msg_id or not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-        if reply.get("id") is None and reply.get("ok") is False:
-            self.broken = True  # the daemon refused the connection itself (a limit)
-        elif reply.get("id") != msg_id:
-            raise ControlError(errno.EPROTO, f"reply {reply.get('id')} to request {msg_id}")
-        if not reply.get("ok"):
-            raise ControlError(int(reply.get("errno") or errno.EIO),
-                               str(reply.get("error", "refused")))
-        return reply, fds
+                return self._exchange(self.sock, op, fields)
+            finally:
+                if self.broken:
+                    self.sock.close()
 
     def pool_path(self, path: str) -> str:
         """A path inside the mount as the daemon names it (relative to the pool root)."""

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import errno
 import hashlib
 import logging
 import os
+import resource
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +37,9 @@ MAX_KEY = 1024  # longer keys are replaced by their SHA-256 (still stable everyw
 # Chunks this small travel inside the request and reply (one round trip, no descriptors).
 INLINE = 256 << 10
 _INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a third)
+# The daemon's default bound on a connection's unpublished files (`max_pending` in
+# mxfs/fs/limits.py), for a daemon that does not report its own.
+MAX_PENDING = 256
 Key = bytes | str
 
 
@@ -57,6 +63,21 @@ def key_bytes(key: Key | Any) -> bytes:
 
 def _b64(key: Key | Any) -> str:
     return base64.b64encode(key_bytes(key)).decode()
+
+
+def put_group(stat: dict[str, Any], members: int) -> int:
+    """How many direct puts one group holds unpublished at once.
+
+    No more than the daemon lets a connection hold (the `max_pending` its `stat`
+    reports, else the default), so a batch of any length never meets that limit; and
+    no more descriptors than a quarter of this process's limit, since each put holds
+    one per member until its commit (a descriptor that does not fit is lost in transit).
+    """
+    pending = int((stat.get("limits") or {}).get("max_pending") or MAX_PENDING)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return max(1, pending)
+    return max(1, min(pending, soft // 4 // max(1, members)))
 
 
 def _view(buf: Any, writable: bool) -> tuple[memoryview, Any]:
@@ -108,8 +129,14 @@ class KVStore:
         self._ns: dict[str, Any] = {"namespace": namespace, "shared": shared}
         if mode is not None:
             self._ns["mode"] = mode
-        self.members = len(self.client.stat()["members"])
-        self.batch = max(1, MAX_FDS // self.members)
+        stat = self.client.stat()
+        self.members = len(stat["members"])
+        self.batch = max(1, MAX_FDS // self.members)  # keys a get asks for at once
+        self.put_group = put_group(stat, self.members)
+        # Misses by reason: "absent" (not stored, or no namespace yet), "checksum" (damaged,
+        # dropped), "smaller"/"larger" (a chunk of another size than its buffer).  The
+        # daemon counts the last three as hits: it found the key.
+        self.misses: Counter[str] = Counter()
         if capacity is not None:
             self.client.call("kv_config", namespace=namespace, capacity=capacity)
 
@@ -132,10 +159,13 @@ class KVStore:
         return self.batch_put([key], [buffer])[0]
 
     def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[bool]:
-        """Store each buffer under its key, every chunk's bytes written in one parallel batch.
+        """Store each buffer under its key, chunks' bytes written in parallel batches.
 
-        Raises OSError(ENOSPC) at once when the pool is short of space (eviction is
-        then making room): the engine should go on without caching these.
+        Any number of keys: large chunks go in groups of `put_group`, each group's bytes
+        in one batch, so a call never holds more unpublished files than the daemon
+        allows a connection.  Raises OSError(ENOSPC) at once when the pool is short of
+        space (eviction is then making room): the engine should go on without caching
+        these (a failing group's chunks are not stored; earlier groups' are).
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys for {len(buffers)} buffers")
@@ -158,7 +188,8 @@ class KVStore:
                 batch = []
             if item[0] >= 0:
                 batch.append(item)
-        self._put_large(large, stored)
+        for start in range(0, len(large), self.put_group):
+            self._put_large(large[start:start + self.put_group], stored)
         return stored
 
     def _checked(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -197,11 +228,15 @@ class KVStore:
     # ---- reading ------------------------------------------------------------------
 
     def get(self, key: Key, out: Any = None) -> Any:
-        """The chunk's bytes (into `out` when given, returning True), or None on a miss."""
+        """The chunk's bytes (into `out` when given, returning True), or None on a miss
+        (also when `out` is not exactly the chunk's size)."""
         return self.batch_get([key], None if out is None else [out])[0]
 
     def batch_get(self, keys: Sequence[Key], outs: Sequence[Any] | None = None) -> list[Any]:
-        """Each chunk read into its buffer (or new bytes), all at once; None for misses."""
+        """Each chunk read into its buffer (or new bytes), all at once; None for misses.
+
+        A miss is per key, the rest served: a key not stored, a chunk failing its
+        checksum, or a buffer that is not exactly its chunk's size (counted in `misses`)."""
         results: list[Any] = []
         for start in range(0, len(keys), self.batch):
             part = list(keys[start:start + self.batch])
@@ -211,62 +246,34 @@ class KVStore:
 
     def _get_some(self, keys: list[Key], outs: list[Any] | None) -> list[Any]:
         wire = [_b64(k) for k in keys]
+        # No lease needed: the descriptors keep a chunk's bytes even if it is evicted.
+        found = self._lookup("kv_get", wire, inline_max=INLINE)
+        if found is None:
+            self.misses["absent"] += len(keys)
+            return [None] * len(keys)
+        reply, fds = found
+        entries = reply["chunks"]
+        files = self._chunk_files(entries, fds)
         try:
-            # No lease needed: the descriptors keep a chunk's bytes even if it is evicted.
-            reply, fds = self.client.call_with_fds("kv_get", **self._ns,
-                                                   keys=wire, inline_max=INLINE)
-        except ControlError as e:
-            raise OSError(e.errno, f"KV get: {e.strerror}") from None
-        files: list[DirectFile | _Inline | None] = []
-        try:
-            for entry in reply["chunks"]:
-                if entry is None:
-                    files.append(None)
-                    continue
-                if "data" in entry:
-                    files.append(_Inline(base64.b64decode(entry["data"])))
-                    continue
-                mine, fds = fds[:len(entry["members"])], fds[len(entry["members"]):]
-                files.append(DirectFile(f"kv:{self.namespace}", self.client, (entry, mine)))
-            views, copies, ops = [], [], []
-            for i, f in enumerate(files):
-                if f is None:
-                    views.append(None)
-                    copies.append(None)
-                    continue
-                if outs is None:
-                    view, copy = memoryview(bytearray(f.size)), None
-                else:
-                    view, copy = _view(outs[i], writable=True)
-                    if len(view) < f.size:
-                        raise ValueError(f"output buffer {i} holds {len(view)} bytes, "
-                                         f"the chunk {f.size}")
-                view = view[:f.size]
-                views.append(view)
-                copies.append(copy)
-                if isinstance(f, _Inline):
-                    view[:] = f.data
-                else:
-                    ops += f.plan_reads([(0, view)])
-            read_batch(ops)
+            views, copies = self._read_into(keys, files, outs)
             results: list[Any] = []
             bad = []
-            for i, (f, entry) in enumerate(zip(files, reply["chunks"], strict=True)):
-                if f is None:
+            for i, (view, entry) in enumerate(zip(views, entries, strict=True)):
+                if view is None:
                     results.append(None)
                     continue
                 want = base64.b64decode(entry["sums"])
-                got = pack_sums(block_sums(views[i], int(entry["sum_unit"])))
-                if got != want:
+                if pack_sums(block_sums(view, int(entry["sum_unit"]))) != want:
                     log.warning("KV chunk %r of namespace %s fails its checksum: dropped, "
                                 "counted as a miss", key_bytes(keys[i])[:64], self.namespace)
+                    self.misses["checksum"] += 1
                     bad.append(wire[i])
                     results.append(None)
                     continue
                 if copies[i] is not None:
                     device_tensor, host = copies[i]
                     device_tensor.copy_(host)
-                results.append(True if outs is not None else bytes(views[i]))
+                results.append(True if outs is not None else bytes(view))
             if bad:
                 self._call("kv_delete", keys=bad)
         finally:
@@ -274,6 +281,70 @@ class KVStore:
                 if f is not None:
                     f.close()
         return results
+
+    def _chunk_files(self, entries: list[dict[str, Any] | None], fds: list[int]
+                     ) -> list[DirectFile | _Inline | None]:
+        """Each reply entry as something to read from (None: a miss); takes `fds`."""
+        files: list[DirectFile | _Inline | None] = []
+        try:
+            for entry in entries:
+                if entry is None:
+                    files.append(None)
+                elif "data" in entry:
+                    files.append(_Inline(base64.b64decode(entry["data"])))
+                else:
+                    mine, fds = fds[:len(entry["members"])], fds[len(entry["members"]):]
+                    files.append(DirectFile(f"kv:{self.namespace}", self.client,
+                                            (entry, mine)))
+        except BaseException:
+            for f in files:
+                if f is not None:
+                    f.close()
+            for fd in fds:
+                os.close(fd)
+            raise
+        return files
+
+    def _read_into(self, keys: list[Key], files: list[DirectFile | _Inline | None],
+                   outs: list[Any] | None) -> tuple[list[memoryview | None], list[Any]]:
+        """Every found chunk read, all members at once: (its bytes' view, device copy-back)
+        per key; no view where the key missed, or its buffer is not exactly the chunk's
+        size (a shorter chunk would leave the buffer's tail stale, a longer one not fit)."""
+        views: list[memoryview | None] = [None] * len(files)
+        copies: list[Any] = [None] * len(files)
+        ops = []
+        for i, f in enumerate(files):
+            if f is None:
+                self.misses["absent"] += 1
+                continue
+            if outs is None:
+                view, copy = memoryview(bytearray(f.size)), None
+            else:
+                view, copy = _view(outs[i], writable=True)
+                if len(view) != f.size:
+                    reason = "smaller" if f.size < len(view) else "larger"
+                    self.misses[reason] += 1
+                    log.debug("KV chunk %r of namespace %s is %d bytes, its buffer %d: a miss",
+                              key_bytes(keys[i])[:64], self.namespace, f.size, len(view))
+                    continue
+            views[i], copies[i] = view, copy
+            if isinstance(f, _Inline):
+                view[:] = f.data
+            else:
+                ops += f.plan_reads([(0, view)])
+        read_batch(ops)
+        return views, copies
+
+    def _lookup(self, op: str, wire: list[str], **fields: Any
+                ) -> tuple[dict[str, Any], list[int]] | None:
+        """A lookup request (`kv_get`, `kv_exists`) of keys; None when the namespace does
+        not exist: nobody stored anything in it yet, so every key is a miss."""
+        try:
+            return self.client.call_with_fds(op, **self._ns, keys=wire, **fields)
+        except ControlError as e:
+            if e.errno == errno.ENOENT:
+                return None
+            raise OSError(e.errno, f"KV {op.removeprefix('kv_')}: {e.strerror}") from None
 
     # ---- the index ----------------------------------------------------------------
 
@@ -286,17 +357,41 @@ class KVStore:
         return next((i for i, p in enumerate(present) if not p), len(present))
 
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        return self._call("kv_exists", keys=[_b64(k) for k in keys])["present"]
+        """Whether each key is stored (none are while the namespace does not exist)."""
+        found = self._lookup("kv_exists", [_b64(k) for k in keys])
+        return [False] * len(keys) if found is None else list(found[0]["present"])
 
     def delete(self, key: Key) -> bool:
         return self._call("kv_delete", keys=[_b64(key)])["deleted"] == 1
 
-    def pin(self, keys: Sequence[Key]) -> None:
-        """A read lease on each key: eviction skips them until `unpin` (or this store closes)."""
-        reply, fds = self.client.call_with_fds("kv_get", **self._ns,
-                                               keys=[_b64(k) for k in keys], pin=True)
-        for fd in fds:
-            os.close(fd)
+    def pin(self, keys: Sequence[Key]) -> list[bool]:
+        """A read lease on each stored key: eviction skips it until `unpin` (or until this
+        store's connection ends).  Which keys were leased: True for each, False for keys
+        not stored; a caller that says "found" should say it of exactly these.
+
+        Asked `batch` keys at a time (the daemon passes a descriptor per member a chunk
+        is on); if a later request fails, the leases taken are given back and it raises."""
+        leased: list[bool] = []
+        try:
+            for start in range(0, len(keys), self.batch):
+                part = [_b64(k) for k in keys[start:start + self.batch]]
+                found = self._lookup("kv_get", part, pin=True)
+                if found is None:
+                    leased += [False] * len(part)
+                    continue
+                reply, fds = found
+                for fd in fds:
+                    os.close(fd)
+                leased += [c is not None for c in reply["chunks"]]
+        except BaseException:
+            taken = [k for k, ok in zip(keys, leased, strict=False) if ok]
+            if taken:
+                try:
+                    self.unpin(taken)
+                except OSError:
+                    pass  # the connection broke: its leases ended with it
+            raise
+        return leased
 
     def unpin(self, keys: Sequence[Key]) -> None:
         self._call("kv_unpin", keys=[_b64(k) for k in keys])

@@ -18,7 +18,6 @@ as its own adapters report them.
 
 from __future__ import annotations
 
-import base64
 import errno
 import itertools
 import logging
@@ -35,11 +34,12 @@ from lmcache.v1.platform import create_event_notifier
 
 from mxfs.errors import MxfsError
 from mxfs.kv.keys import lmcache_object_key
-from mxfs.kv.store import KVStore, default_namespace, key_bytes
+from mxfs.kv.store import KVStore, default_namespace
 
 log = logging.getLogger("mxfs.kv.lmcache")
 
-PUT_SLICE = 64  # objects per put: bounds the unpublished files and descriptors it holds
+# Objects per put: what stored before a failure is still reported to LMCache's listeners.
+PUT_SLICE = 64
 UNPIN_SLICE = 1024  # keys per unpin request
 
 
@@ -58,16 +58,6 @@ def _bits(flags: list[bool]) -> Any:
     return bits
 
 
-def _pin(kv: KVStore, keys: list[bytes]) -> list[int | None]:
-    """Lease each present key (the daemon takes all or none); each one's size, None if absent.
-
-    `KVStore.pin` does not say which keys it leased, and a key reported found must be
-    the very key locked, so this asks the daemon itself (one request)."""
-    reply = kv._call("kv_get", keys=[base64.b64encode(key_bytes(k)).decode() for k in keys],
-                     pin=True)
-    return [None if c is None else int(c["size"]) for c in reply["chunks"]]
-
-
 class MxfsL2Adapter(L2AdapterInterface):
     def __init__(self, params: Any, l1_memory_desc: Any = None) -> None:
         conf = params if isinstance(params, dict) else vars(params)
@@ -75,40 +65,34 @@ class MxfsL2Adapter(L2AdapterInterface):
         if not conf.get("mount"):
             raise ValueError("mxfs L2 adapter: set \"mount\" in adapter_params")
         self.capacity = int(conf.get("capacity", 0) or 0)
-        self._args = (conf["mount"], conf.get("namespace") or default_namespace("lmcache"),
-                      self.capacity or None, bool(conf.get("shared")))
-        self._conn = threading.Lock()  # guards replacing a broken store
-        self.store = self._open()
+        try:
+            self.store = KVStore(conf["mount"],
+                                 conf.get("namespace") or default_namespace("lmcache"),
+                                 capacity=self.capacity or None, shared=bool(conf.get("shared")))
+        except MxfsError as e:
+            raise OSError(errno.ENODEV, f"mxfs L2 adapter: {e}") from None
         self._events = {kind: create_event_notifier() for kind in ("store", "lookup", "load")}
         self._results: dict[str, dict[int, Any]] = {kind: {} for kind in self._events}
         self._ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mxfs-l2")
         self._lock = threading.Lock()  # guards results and the leases below
-        # Leases this adapter holds on the store's connection, and the locked chunks' sizes.
+        # Leases this adapter holds on the store's connection (which one: _connection).
         self._held: Counter[bytes] = Counter()
-        self._sizes: dict[bytes, int] = {}
+        self._connection = self.store.client.connections
         self._pinning = threading.Lock()  # a delete never races a lock of the same key
 
     # ---- the pool ---------------------------------------------------------------------
 
-    def _open(self) -> KVStore:
-        mount, namespace, capacity, shared = self._args
-        try:
-            return KVStore(mount, namespace, capacity=capacity, shared=shared)
-        except MxfsError as e:
-            raise OSError(errno.ENODEV, f"mxfs L2 adapter: {e}") from None
+    def _leases_current(self) -> None:
+        """Forget the leases of a connection that ended (under self._lock).
 
-    def _kv(self) -> KVStore:
-        """The store, connected again if its connection broke (its leases went with it)."""
-        with self._conn:
-            client = self.store.client
-            if client.broken or client.sock.fileno() < 0:
-                old, self.store = self.store, self._open()
-                old.close()
-                with self._lock:
-                    self._held.clear()
-                    self._sizes.clear()
-            return self.store
+        The store's client connects again by itself after its connection broke (a
+        daemon restart, a lost request); the leases went with the old connection, so
+        unlocking them must not end leases taken since on the new one."""
+        now = self.store.client.connections
+        if now != self._connection:
+            self._held.clear()
+            self._connection = now
 
     # ---- tasks ------------------------------------------------------------------------
 
@@ -145,7 +129,7 @@ class MxfsL2Adapter(L2AdapterInterface):
         def store() -> Any:
             wire = [object_key(k) for k in keys]
             bufs = [o.byte_array for o in objects]
-            kv = self._kv()
+            kv = self.store
             stored, sizes, ok = [], [], True
             for start in range(0, len(wire), PUT_SLICE):
                 end = start + PUT_SLICE
@@ -175,23 +159,21 @@ class MxfsL2Adapter(L2AdapterInterface):
         def lookup() -> Any:
             wire = [object_key(k) for k in keys]
             found = [False] * len(wire)
-            kv = self._kv()
-            for start in range(0, len(wire), kv.batch):  # a descriptor per member a chunk is on
+            kv = self.store
+            for start in range(0, len(wire), kv.batch):  # a failed part fails alone
                 part = wire[start:start + kv.batch]
                 with self._pinning:
                     try:
-                        sizes = _pin(kv, part)
+                        leased = kv.pin(part)  # False for each absent key (or namespace)
                     except OSError as e:
-                        if e.errno == errno.ENOENT:  # no namespace yet: nothing stored
-                            break
                         log.warning("mxfs L2: %d keys not looked up: %s", len(part), e)
                         continue
                     with self._lock:  # counted before the result is seen: unlocks find them
-                        for w, size in zip(part, sizes, strict=True):
-                            if size is not None:
+                        self._leases_current()
+                        for w, ok in zip(part, leased, strict=True):
+                            if ok:
                                 self._held[w] += 1
-                                self._sizes[w] = size
-                found[start:start + len(part)] = [s is not None for s in sizes]
+                found[start:start + len(part)] = leased
             return _bits(found)
 
         return self._run("lookup", lookup, lambda: Bitmap(len(keys)))
@@ -206,21 +188,20 @@ class MxfsL2Adapter(L2AdapterInterface):
         leases ended with it) or the namespace is gone (with its chunks)."""
         mine = []
         with self._lock:
+            self._leases_current()
             for w in (object_key(k) for k in keys):
                 if self._held[w] > 0:
                     self._held[w] -= 1
                     if not self._held[w]:
                         del self._held[w]
-                        self._sizes.pop(w, None)
                     mine.append(w)
         if mine:
             self._pool.submit(self._unpin, mine)
 
     def _unpin(self, wire: list[bytes]) -> None:
         try:
-            kv = self._kv()
             for start in range(0, len(wire), UNPIN_SLICE):
-                kv.unpin(wire[start:start + UNPIN_SLICE])
+                self.store.unpin(wire[start:start + UNPIN_SLICE])
         except Exception as e:  # noqa: BLE001 - see submit_unlock
             log.warning("mxfs L2: unlock of %d keys failed: %s", len(wire), e)
 
@@ -228,36 +209,21 @@ class MxfsL2Adapter(L2AdapterInterface):
         def load() -> Any:
             wire = [object_key(k) for k in keys]
             bufs = [o.byte_array for o in objects]
-            with self._lock:
-                sizes = [self._sizes.get(w) for w in wire]
-            hits = [False] * len(wire)
-            want = [i for i, (b, s) in enumerate(zip(bufs, sizes, strict=True))
-                    if s is None or s == len(b)]  # a locked chunk of another size: a miss
-            kv = self._kv()
-            for start in range(0, len(want), kv.batch):
-                part = want[start:start + kv.batch]
-                for i, ok in zip(part, self._get(kv, [wire[i] for i in part],
-                                                 [bufs[i] for i in part]), strict=True):
-                    hits[i] = ok
+            hits: list[bool] = []
+            kv = self.store
+            for start in range(0, len(wire), kv.batch):  # a failed part fails alone
+                end = start + kv.batch
+                try:  # a chunk of another size than its buffer is a miss, the rest served
+                    hits += [bool(g) for g in kv.batch_get(wire[start:end], bufs[start:end])]
+                except OSError as e:
+                    log.warning("mxfs L2: %d objects not loaded: %s", len(wire[start:end]), e)
+                    hits += [False] * len(wire[start:end])
             loaded = [k for k, hit in zip(keys, hits, strict=True) if hit]
             if loaded:
                 self._notify_keys_accessed(loaded)
             return _bits(hits)
 
         return self._run("load", load, lambda: Bitmap(len(keys)))
-
-    @staticmethod
-    def _get(kv: KVStore, wire: list[bytes], bufs: list[Any]) -> list[bool]:
-        """Each chunk read into its buffer; one that does not fit fails alone."""
-        try:
-            return [bool(g) for g in kv.batch_get(wire, bufs)]
-        except ValueError:  # a chunk larger than its buffer: the others still load
-            if len(wire) == 1:
-                return [False]
-            return [MxfsL2Adapter._get(kv, [w], [b])[0] for w, b in zip(wire, bufs, strict=True)]
-        except OSError as e:
-            log.warning("mxfs L2: %d objects not loaded: %s", len(wire), e)
-            return [False] * len(wire)
 
     def query_load_result(self, task_id: int) -> Any:
         return self._take("load", task_id)
@@ -271,10 +237,10 @@ class MxfsL2Adapter(L2AdapterInterface):
         gone = []
         with self._pinning:
             with self._lock:
+                self._leases_current()
                 free = [(k, w) for k, w in pairs if not self._held[w]]
             try:
-                kv = self._kv()
-                gone = [k for k, w in free if kv.delete(w)]
+                gone = [k for k, w in free if self.store.delete(w)]
             except OSError as e:
                 log.warning("mxfs L2: delete of %d keys failed: %s", len(free), e)
         if len(free) < len(pairs):
@@ -285,7 +251,7 @@ class MxfsL2Adapter(L2AdapterInterface):
     def get_usage(self) -> Any:
         """The namespace's bytes and capacity (every process's chunks), from the daemon."""
         try:
-            u = self._kv().usage()
+            u = self.store.usage()
         except OSError as e:
             if e.errno != errno.ENOENT:
                 log.warning("mxfs L2: no usage: %s", e)
@@ -293,9 +259,8 @@ class MxfsL2Adapter(L2AdapterInterface):
         return AdapterUsage(int(u["bytes"]), int(u["capacity"]))
 
     def report_status(self) -> dict[str, Any]:
-        client = self.store.client
-        status: dict[str, Any] = {"is_healthy": not client.broken and client.sock.fileno() >= 0,
-                                  "backend": "mxfs", "namespace": self.store.namespace}
+        status: dict[str, Any] = {"is_healthy": self.store.client.alive(), "backend": "mxfs",
+                                  "namespace": self.store.namespace}
         try:
             status.update(self.store.usage())
         except OSError as e:
