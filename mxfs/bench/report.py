@@ -147,7 +147,7 @@ def _serving_lines(sv: dict[str, Any], result: dict[str, Any]) -> list[str]:
                      f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
                      f"{r['prompt_tokens_per_s']:,.0f} | {_s(r['ttft_p50_s'])} | "
                      f"{_s(r['ttft_p90_s'])} | {r['pool_hit_rate']:.0%} | "
-                     f"{r['local_hit_rate']:.0%} | {r['computed_tokens']:,} |")
+                     f"{r['local_hit_rate']:.0%} | {r['computed_tokens']:,.0f} |")
     lines += ["", "| concurrency | throughput with the pool | TTFT p50 with the pool |",
               "|---:|---:|---:|"]
     for g in serving_gains(sv):

@@ -37,7 +37,9 @@ def add_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--chunk-tokens", type=int, default=256)
     v.add_argument("--instances", type=int, default=2, help="instance processes (>= 2)")
     v.add_argument("--concurrency", default="1,8,16", help="levels of the serving scenario")
-    v.add_argument("--requests", type=int, default=32, help="requests per serving run")
+    v.add_argument("--requests", type=int, default=64,
+                   help="requests per serving round (many against the concurrency: a "
+                        "run is mostly steady state, not the first burst of misses)")
     v.add_argument("--serving-repeat", type=int, default=3,
                    help="rounds per concurrency and setting; medians")
     v.add_argument("--local-tokens", type=int, default=8192,
