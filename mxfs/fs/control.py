@@ -46,6 +46,7 @@ from mxfs.fs.session import (
     check_pending_room,
     grown_chunks,
     open_hidden,
+    overdrew,
     read_fds,
 )
 from mxfs.fs.volume import Volume
@@ -214,6 +215,7 @@ class ControlServer:
             for pending in list(session.pending.values()):
                 node = pending.entry.node
                 for m in grown_chunks(self.vol, node, pending.declared):
+                    pending.overdrawn = True  # cut back or not, its commit is refused
                     try:
                         os.truncate(self.vol.pool.chunk_path(m, node.ino),
                                     allowed_length(self.vol, node, m, pending.declared))
@@ -460,8 +462,8 @@ class ControlServer:
         size = int_field(msg, "size")
         replace = bool_field(msg, "replace", True)
         sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
-        grown = await trio.to_thread.run_sync(grown_chunks, self.vol, node, pending.declared)
-        if size > pending.declared or grown:
+        overdrawn = await trio.to_thread.run_sync(overdrew, self.vol, pending)
+        if size > pending.declared or overdrawn:
             self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")

@@ -23,8 +23,8 @@ from mxfs.fs.session import (
     Pending,
     Session,
     check_pending_room,
-    grown_chunks,
     open_hidden,
+    overdrew,
     read_fds,
     refuse_if_degraded,
 )
@@ -206,7 +206,7 @@ class KVOps:
         entry = pending.entry
         key, size = _key(msg), int_field(msg, "size")
         sum_unit, sums = sums_field(msg, self.vol.layout(entry.node).unit, size)
-        if size > pending.declared or grown_chunks(self.vol, entry.node, pending.declared):
+        if size > pending.declared or overdrew(self.vol, pending):
             session.let_go(entry.node.ino)
             self.vol.pool.cut_chunks(entry.node.ino)
             self.vol.release(entry.node.ino)

@@ -21,6 +21,7 @@ class Pending:
     entry: OpenInode
     path: str  # where a commit names it ("" for a KV chunk)
     declared: int  # the size given at create: the most its chunk files may hold
+    overdrawn: bool = False  # its chunk files were cut back: it wrote past `declared`
 
 
 @dataclass
@@ -63,6 +64,12 @@ def allowed_length(vol: Volume, node: Inode, member: int, declared: int) -> int:
     """How long `node`'s chunk file on `member` may be for a file declared `declared`
     bytes (rounded up to a page: O_DIRECT writers pad the last piece, the commit cuts it)."""
     return vol.layout(node).chunk_length(member, -(-declared // PAGE) * PAGE)
+
+
+def overdrew(vol: Volume, pending: Pending) -> bool:
+    """Blocking: whether this file's writer wrote past what it declared, now (a chunk
+    file too long) or before its chunk files were cut back."""
+    return pending.overdrawn or bool(grown_chunks(vol, pending.entry.node, pending.declared))
 
 
 def grown_chunks(vol: Volume, node: Inode, declared: int) -> list[int]:
