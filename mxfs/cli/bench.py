@@ -7,8 +7,9 @@ I/O through the mount, model loading (`mxfs.load` against `safetensors`), checkp
 saving (`mxfs.ckpt` against `torch.save`) and KV gets (`KVStore` against one file per
 chunk).  Medians of repeats.  It writes `report.md`, `results.json` and PNG plots to a
 folder; `mxfs bench compare A B` sets two such folders side by side (a baseline and a
-candidate: the gate figures).  `add_verbs` registers the benches with a real model,
-`mxfs bench ttft` (`cli/bench_ttft.py`) and `mxfs bench gates` (`cli/gates.py`).
+candidate: the gate figures).  The benches with a real model, `mxfs bench ttft`
+(`cli/bench_ttft.py`) and `mxfs bench gates` (`cli/gates.py`), are registered beside
+these in `cli/observe_cmd.py`.
 """
 
 from __future__ import annotations
@@ -298,24 +299,3 @@ def compare(a: str, b: str) -> str:
     lines += ["", "| ratio | A | B |", "|---|---:|---:|"]
     lines += [f"| {n} | {ra[n]:.2f} | {rb[n]:.2f} |" for n in ra]
     return "\n".join(lines)
-
-
-def add_verbs(verbs: argparse._SubParsersAction) -> None:
-    """`mxfs bench ttft` and `mxfs bench gates`, beside `run` and `compare`."""
-    from mxfs.cli import bench_ttft, gates
-
-    v = verbs.add_parser("ttft", help="TTFT and throughput of a real model (transformers) "
-                         "with KV reused through the pool, against recomputing")
-    v.add_argument("target", nargs="?", help="a mount point (default: a scratch pool)")
-    v.add_argument("--out", required=True, help="folder for report.md, ttft.json, PNGs")
-    bench_ttft.add_options(v)
-    v.add_argument("--json", action="store_true")
-    v.set_defaults(func=bench_ttft.cmd_bench_ttft)
-    v = verbs.add_parser("gates", help="the reference design's gates G2, G3 and a G4 smoke, "
-                         "pass or fail each, in one report")
-    v.add_argument("target", nargs="?", help="a mount point (default: a scratch pool)")
-    v.add_argument("--out", required=True, help="folder for report.md, gates.json, g2/, g3/")
-    gates.add_options(v)
-    bench_ttft.add_options(v)
-    v.add_argument("--json", action="store_true")
-    v.set_defaults(func=gates.cmd_bench_gates)

@@ -151,6 +151,26 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("a")
     v.add_argument("b")
     v.set_defaults(func=cmd_bench_compare)
-    from mxfs.cli.bench import add_verbs
+    add_ttft_verbs(verbs)
 
-    add_verbs(verbs)
+
+def add_ttft_verbs(verbs: argparse._SubParsersAction) -> None:
+    """`mxfs bench ttft` and `mxfs bench gates`, beside `run` and `compare`."""
+    from mxfs.cli import bench_ttft, gates
+
+    v = verbs.add_parser("ttft", help="TTFT and throughput of a real model (transformers) "
+                         "with KV reused through the pool, against recomputing")
+    v.add_argument("target", nargs="?", help="a mount point (default: a scratch pool)")
+    v.add_argument("--out", required=True, help="folder for report.md, ttft.json, PNGs")
+    bench_ttft.add_options(v)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=bench_ttft.cmd_bench_ttft)
+    v = verbs.add_parser("gates", help="the reference design's gates G2, G3 and a G4 smoke, "
+                         "pass or fail each, in one report")
+    v.add_argument("target", nargs="?", help="a mount point (default: a scratch pool)")
+    v.add_argument("--out", required=True, help="folder for report.md, gates.json, g2/, g3/")
+    gates.add_options(v)
+    bench_ttft.add_options(v)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=gates.cmd_bench_gates)
+
