@@ -14,7 +14,6 @@ these in `cli/observe_cmd.py`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
