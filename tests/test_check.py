@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,11 +15,18 @@ import mxfs.ckpt as ck
 from mxfs.client import ControlClient
 from mxfs.io import Layout
 from mxfs.kv import KVStore
+from mxfs.meta import MetaStore
+from mxfs.meta.engine import Engine
 from mxfs.pool import Pool
 
 
-def _db(m: Mounted) -> sqlite3.Connection:
-    return sqlite3.connect(os.path.join(m.members[0], "meta", "mxfs.db"), isolation_level=None)
+def damage(m: Mounted, fn: Callable[[Engine], object]) -> None:
+    """Change rows of an unmounted pool's store behind the namespace rules' back."""
+    store = MetaStore.open(Pool.open(m.members[0]).meta_location)
+    try:
+        store.txn(lambda: fn(store.engine))
+    finally:
+        store.close()
 
 
 def test_fsck_reports_then_repairs_each_kind_of_damage(mounted: Mounted) -> None:
@@ -33,11 +40,13 @@ def test_fsck_reports_then_repairs_each_kind_of_damage(mounted: Mounted) -> None
     mounted.umount()
     assert json.loads(mxfs("fsck", "--json", mounted.members[0]).stdout)["findings"] == []
     pool = Pool.open(mounted.members[0])
-    db = _db(mounted)
-    db.execute("DELETE FROM dentries WHERE ino=?", (inos["lost"],))  # unreachable inode
-    db.execute("UPDATE inodes SET nlink=5 WHERE ino=?", (inos["hard"],))  # wrong link count
-    db.execute("INSERT INTO dentries(parent, name, ino) VALUES (1, 'ghost', 999999)")
-    db.close()
+
+    def hurt(e: Engine) -> None:
+        e.delete("dentries", {"ino": inos["lost"]})  # an unreachable inode
+        e.update("inodes", {"ino": inos["hard"]}, {"nlink": 5})  # a wrong link count
+        e.insert("dentries", {"id": e.next_id("dentry"), "parent": 1, "name": b"ghost",
+                              "ino": 999999})  # an entry pointing nowhere
+    damage(mounted, hurt)
     stray = pool.chunk_path(1, 888888)  # a chunk file of no inode
     Path(stray).write_bytes(b"s" * 4096)
     lay = Layout(65536, 4, inos["tailed"] % 4, 4)

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -14,6 +13,9 @@ from pathlib import Path
 
 import pytest
 from conftest import Mounted, mxfs, one_line_error
+
+from mxfs.meta import MetaStore
+from mxfs.pool import Pool
 
 
 def test_put_files_read_back_through_the_mount_sealed_and_scrubbed(
@@ -38,12 +40,12 @@ def test_put_files_read_back_through_the_mount_sealed_and_scrubbed(
     assert scrub == {"checked": 3, "damaged": []}  # every put file carries its sums
 
 
-def clean_flag(member: str) -> str:
-    db = sqlite3.connect(f"file:{member}/meta/mxfs.db?mode=ro", uri=True)
+def clean_flag(member: str) -> str | None:
+    store = MetaStore.open(Pool.open(member).meta_location, readonly=True)
     try:
-        return db.execute("SELECT value FROM settings WHERE key = 'clean'").fetchone()[0]
+        return store.setting("clean")
     finally:
-        db.close()
+        store.close()
 
 
 def test_put_refuses_bad_input_in_one_line(mounted: Mounted, tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ def cmd_scrub(args: argparse.Namespace) -> int:
     else:
         spec = args.target
     pool = Pool.open(spec)
-    store = MetaStore.open(pool.meta_dir, readonly=True)
+    store = MetaStore.open(pool.meta_location, readonly=True)
     show = not args.json and sys.stderr.isatty()
     try:
         if show:

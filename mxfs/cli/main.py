@@ -39,7 +39,7 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
     from mxfs.fs.volume import format_pool
 
     unit = parse_size(args.stripe_unit)
-    pool = format_pool(args.member, unit, label=args.label, force=args.force)
+    pool = format_pool(args.member, unit, label=args.label, force=args.force, meta=args.meta)
     data = {"pool_uuid": pool.uuid, "label": pool.label, "stripe_unit": pool.stripe_unit,
             "members": [m.path for m in pool.members]}
     _emit(args, data, f"made pool {pool.uuid} ({len(pool.members)} members, stripe unit "
@@ -375,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stripe-unit", default="1MiB", help="stripe unit, a multiple of 4 KiB")
     s.add_argument("--label", default="", help="a name for the pool")
     s.add_argument("--force", action="store_true", help="wipe members of an old pool")
+    s.add_argument("--meta", default="", metavar="URL",
+                   help="keep the metadata in this PostgreSQL database "
+                        "(postgresql://HOST/DB; credentials from ~/.pgpass or PGPASSFILE) "
+                        "instead of SQLite on member 0")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_mkfs)
 

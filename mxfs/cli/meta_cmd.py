@@ -62,14 +62,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from mxfs.meta import backup
-    from mxfs.meta.store import DB_NAME
+    from mxfs.meta import MetaStore, Unusable
+    from mxfs.meta.dump import dump
 
     pool = _pool_of(args.pool)
     try:
-        rows = backup.dump(os.path.join(pool.meta_dir, DB_NAME), args.file)  # type: ignore[attr-defined]
+        store = MetaStore.open(pool.meta_location, readonly=True)  # type: ignore[attr-defined]
+    except Unusable as e:
+        raise MxfsError(str(e), "restore it from a backup (mxfs meta restore)") from None
+    try:
+        rows = dump(store, args.file)
     except ValueError as e:
         raise MxfsError(str(e), "name the dump FILE.sql, FILE.json, or either with .zst") from None
+    finally:
+        store.close()
     print(json.dumps({"file": args.file, "rows": rows}) if args.json
           else f"dumped {rows} rows to {args.file}")
     return 0
@@ -92,28 +98,19 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def _restore_held(pool: Pool, file: str, spec: str) -> str:
     """Load `file`, check it is this pool's, put it in place and recover; the kept store."""
     from mxfs.fs.volume import Volume
-    from mxfs.meta import backup
+    from mxfs.meta import Unusable
+    from mxfs.meta.dump import restore
 
-    uuid, meta_dir = pool.uuid, pool.meta_dir
     if not os.path.isfile(file):
         raise MxfsError(f"{file} does not exist", "give a dump made by mxfs meta dump")
-    tmp = os.path.join(meta_dir, "restore.db")
     try:
-        try:
-            backup.load_dump(file, tmp)
-        except (ValueError, OSError) as e:
-            raise MxfsError(f"{file} cannot be read as a metadata dump ({e})",
-                            "give a dump made by mxfs meta dump") from None
-        except Exception as e:  # noqa: BLE001 - sqlite3 or zstd errors on foreign input
-            raise MxfsError(f"{file} is not a metadata dump ({type(e).__name__}: {e})",
-                            "give a dump made by mxfs meta dump") from None
-        why = backup.problem(tmp, uuid)
-        if why is not None:
-            raise MxfsError(f"{file}: the store it holds {why}", "give this pool's dump")
-        kept = backup.restore_file(tmp, meta_dir)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        kept = restore(file, pool.meta_location, pool.uuid, pool.meta_dir)
+    except (ValueError, OSError, Unusable) as e:
+        raise MxfsError(f"{file} cannot be read as a metadata dump of this pool ({e})",
+                        "give this pool's dump, made by mxfs meta dump") from None
+    except Exception as e:  # noqa: BLE001 - zstd errors on foreign input
+        raise MxfsError(f"{file} is not a metadata dump ({type(e).__name__}: {e})",
+                        "give a dump made by mxfs meta dump") from None
     vol = Volume.open(spec)  # the caller holds the lock
     vol.restored_from = file
     vol.recover()  # drops chunk files the restored store does not know

@@ -52,6 +52,7 @@ from mxfs.fs.session import (
 from mxfs.fs.volume import Volume
 from mxfs.io.batch import ENGINE, native_engine
 from mxfs.meta import Inode
+from mxfs.meta.survey import bytes_by_use
 from mxfs.proto import (
     HEADER,
     MAX_FDS,
@@ -373,7 +374,7 @@ class ControlServer:
             return {"ok": True, **self.metrics.snapshot(), "members": self.vol.pool.usage()}, []
         if op == "df":
             return {"ok": True, "members": self.vol.pool.usage(),
-                    "by_use": self.vol.store.bytes_by_use()}, []
+                    "by_use": bytes_by_use(self.vol.store)}, []
         if op == "meta_backup":
             if caller.uid != 0:
                 raise OSError(errno.EPERM, "only root backs up the metadata store")
@@ -478,8 +479,7 @@ class ControlServer:
         self.vol.publish(entry, parent.ino, name, size, replace, sum_unit, sums)
         session.let_go(node.ino)
         self.vol.release(node.ino)
-        self.vol.store.commit()
-        await trio.to_thread.run_sync(self.vol.store.sync_wal)
+        await self._durable()
         if self.entry_changed is not None:
             await self.entry_changed(parent.ino, name)
         return self._describe(node)
@@ -494,8 +494,12 @@ class ControlServer:
     async def sync_meta(self) -> None:
         """Write back what memory holds (sizes and times of open files), commit, fsync."""
         self.vol.store.flush_all()
+        await self._durable()
+
+    async def _durable(self) -> None:
+        """Every change so far committed and on stable storage (the sync in a worker)."""
         self.vol.store.commit()
-        await trio.to_thread.run_sync(self.vol.store.sync_wal)
+        await trio.to_thread.run_sync(self.vol.store.sync)
 
     async def backup_meta(self) -> str:
         """Sync, then copy the metadata store online to the next member."""

@@ -26,6 +26,7 @@ from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
 from mxfs.io.batch import ENGINE
+from mxfs.meta import backup
 
 log = logging.getLogger("mxfs.daemon")
 
@@ -150,7 +151,7 @@ async def _serve(control: ControlServer, ready: Callable[[], None], readahead_ki
         await nursery.start(control.serve)
         nursery.start_soon(_stop_on_signal)
         nursery.start_soon(_commit_groups, control)
-        if backup_s > 0:
+        if backup_s > 0 and backup.supported(control.vol.store):  # a server's are its operator's
             nursery.start_soon(_backups, control, backup_s)
         nursery.start_soon(_announce, control, ready, readahead_kib)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
@@ -176,19 +177,18 @@ async def _commit_groups(control: ControlServer) -> None:
     open went.  A failure (a full or read-only metadata member) is logged and tried
     again on the next round: the daemon never ends of it."""
     vol = control.vol
-    vol.store.group_commit = True
+    vol.store.group_changes(GROUP_COMMIT_S)
     failures = FailureLog(log)
     rounds = 0
     while True:
         await trio.sleep(GROUP_COMMIT_S / 2)
         rounds += 1
         try:
-            if rounds % 4 == 0:  # ten times a second: the metadata member's space reserve
-                vol.store.watch_space()
-                if vol.store.space_low:
-                    control.trim_overdrafts()
+            # ten times a second: the metadata member's space reserve
+            if rounds % 4 == 0 and vol.store.watch_space():
+                control.trim_overdrafts()
             control.kv.flush()
-            vol.store.commit_if_due(GROUP_COMMIT_S)
+            vol.store.commit_if_due()
             inos = vol.take_pending()
             if inos:
                 await trio.to_thread.run_sync(vol.remove_chunks, inos)

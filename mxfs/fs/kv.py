@@ -119,10 +119,10 @@ class KVIndex:
     def load(self) -> None:
         """Read the index from the store (least recently used first)."""
         store = self.vol.store
-        for ns, uid, gid, mode, capacity in store.kv_namespaces():
+        for ns, uid, gid, mode, capacity in store.kv.namespaces():
             self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
         last = 0
-        for ns, key, ino, size, atime, sum_unit, sums in store.kv_rows():
+        for ns, key, ino, size, atime, sum_unit, sums in store.kv.chunks():
             space = self.spaces.get(ns)
             if space is None:
                 space = self.spaces[ns] = Namespace(ns, 0, 0, 0o700, 0)
@@ -160,14 +160,14 @@ class KVIndex:
             if not replace:
                 raise OSError(errno.EEXIST, f"KV namespace {name!r} exists (uid {old.uid})")
             self.drop_namespace(old)
-        self.vol.store.kv_set_namespace(name, uid, gid, mode, capacity)
+        self.vol.store.kv.set_namespace(name, uid, gid, mode, capacity)
         space = self.spaces[name] = Namespace(name, uid, gid, mode, capacity)
         return space
 
     def drop_namespace(self, space: Namespace) -> int:
         """Delete a namespace and every chunk in it; how many chunks went."""
         n = self.remove(space, list(space.chunks))
-        self.vol.store.kv_drop_namespace(space.name)
+        self.vol.store.kv.drop_namespace(space.name)
         del self.spaces[space.name]
         return n
 
@@ -175,7 +175,7 @@ class KVIndex:
         if caller.uid not in (0, space.uid):
             raise OSError(errno.EPERM, "only the namespace's owner or root sets its capacity")
         space.capacity = capacity
-        self.vol.store.kv_set_namespace(space.name, space.uid, space.gid, space.mode, capacity)
+        self.vol.store.kv.set_namespace(space.name, space.uid, space.gid, space.mode, capacity)
 
     # ---- chunks -----------------------------------------------------------------
 
@@ -195,9 +195,7 @@ class KVIndex:
                sums: bytes) -> None:
         """Publish and seal a hidden file under `key` (EEXIST if another writer won)."""
         atime = next(self._clock)
-        with self.vol.store.transaction():
-            self.vol.store.kv_publish(ino, space.name, key, size, atime)
-            self.vol.store.seal(ino, sum_unit, sums)
+        self.vol.store.kv.publish(ino, space.name, key, size, atime, sum_unit, sums)
         space.chunks[key] = Chunk(ino, size, atime, sum_unit, sums)
         space.used += size
         space.puts += 1
@@ -215,7 +213,7 @@ class KVIndex:
             entries.append((space.name, key, chunk.ino))
         if not entries:
             return []
-        for node in self.vol.store.kv_remove(entries):
+        for node in self.vol.store.kv.remove(entries):
             self.vol.unlinked(node)
         return [ino for _, _, ino in entries]
 
@@ -310,7 +308,7 @@ class KVIndex:
         if self._touched:
             rows = [(atime, ns, key) for (ns, key), atime in self._touched.items()]
             self._touched.clear()
-            self.vol.store.kv_touch(rows)
+            self.vol.store.kv.touch(rows)
 
     def stats(self) -> list[dict[str, int | str]]:
         return [s.stats() for s in self.spaces.values()]

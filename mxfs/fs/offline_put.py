@@ -113,7 +113,6 @@ def _put_one(vol: Volume, parent: Inode, src: str, dest: str,
                             "free space in the pool (mxfs df), then put again") from None
         raise
     vol.release(node.ino)
-    vol.store.commit()
-    vol.store.sync_wal()
+    vol.store.durable()
     vol.reclaim_pending()
     return Put(src, os.path.join(dest, name), size)

@@ -198,20 +198,15 @@ class MxfsOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EINVAL)
             self.vol.check_writable(node)
             self.vol.truncate(node, attr.st_size)
-            node.mtime_ns = now
-        if fields.update_mode:
-            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
-        if fields.update_uid:
-            node.uid = attr.st_uid
-        if fields.update_gid:
-            node.gid = attr.st_gid
-        if fields.update_atime:
-            node.atime_ns = attr.st_atime_ns
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
-        node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now
-        self.store.save(node, "mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns")
-        node.dirty = False
+        mtime = attr.st_mtime_ns if fields.update_mtime else now if fields.update_size else None
+        self.store.set_attrs(
+            node,
+            mode=stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode) if fields.update_mode
+            else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=mtime, ctime_ns=attr.st_ctime_ns if fields.update_ctime else now)
         return self.attrs(node)
 
     # ---- namespace ---------------------------------------------------------
@@ -293,8 +288,8 @@ class MxfsOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and node.is_reg:
             # libfuse enables atomic O_TRUNC: the kernel sends it here, not as setattr.
             self.vol.truncate(node, 0)
-            node.mtime_ns = node.ctime_ns = time.time_ns()
-            self.store.save(node, "mtime_ns", "ctime_ns")
+            now = time.time_ns()
+            self.store.set_attrs(node, mtime_ns=now, ctime_ns=now)
         if flags & os.O_ACCMODE != os.O_WRONLY and not self.noatime:
             # Reads may be served from the kernel's cache without reaching us, so
             # relatime is also applied when a file is opened for reading.
@@ -327,8 +322,7 @@ class MxfsOperations(pyfuse3.Operations):
         now = time.time_ns()
         if (node.atime_ns <= node.mtime_ns or node.atime_ns <= node.ctime_ns
                 or now - node.atime_ns > DAY_NS):
-            node.atime_ns = now
-            self.store.touch_data(node)
+            self.store.touch(node, atime_ns=now)
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -342,13 +336,12 @@ class MxfsOperations(pyfuse3.Operations):
         await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
                                       limiter=self.limiter)
         if off + len(buf) > node.size:
-            node.size = off + len(buf)
-            self.store.touch_data(node)
+            self.store.touch(node, size=off + len(buf))
         if not self.enable_writeback_cache:
             # With the writeback cache the kernel owns mtime and sends it as setattr;
             # a late writeback must not undo a utimens, so only set it here without.
-            node.mtime_ns = node.ctime_ns = time.time_ns()
-            self.store.touch_data(node)
+            now = time.time_ns()
+            self.store.touch(node, mtime_ns=now, ctime_ns=now)
         return len(buf)
 
     @_errors
@@ -361,8 +354,7 @@ class MxfsOperations(pyfuse3.Operations):
         if entry.chunks is not None:
             await trio.to_thread.run_sync(entry.chunks.sync, datasync, limiter=self.limiter)
         self.store.flush(entry.node)
-        self.store.commit()
-        await trio.to_thread.run_sync(self.store.sync_wal, limiter=self.limiter)
+        await self._durable()
 
     @_errors
     async def release(self, fh: int) -> None:
@@ -410,8 +402,12 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self._durable()
+
+    async def _durable(self) -> None:
+        """Every change so far committed and on stable storage (the sync in a worker)."""
         self.store.commit()
-        await trio.to_thread.run_sync(self.store.sync_wal, limiter=self.limiter)
+        await trio.to_thread.run_sync(self.store.sync, limiter=self.limiter)
 
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -487,14 +483,12 @@ class MxfsOperations(pyfuse3.Operations):
         if unit > MAX_STRIPE_UNIT:
             raise OSError(errno.EINVAL, f"stripe unit over {MAX_STRIPE_UNIT}")
         if node.is_dir:
-            node.stripe_unit, node.stripe_width = unit, width
-            self.store.save(node, "stripe_unit", "stripe_width")
+            self.store.set_layout(node, unit, width)
         elif node.is_reg:
             if node.size or node.ino in self.vol.open_inodes and \
                     self.vol.open_inodes[node.ino].wrote:
                 raise pyfuse3.FUSEError(errno.EBUSY)
-            node.stripe_unit, node.stripe_width = unit, width
-            self.store.save(node, "stripe_unit", "stripe_width")
+            self.store.set_layout(node, unit, width)
             entry = self.vol.open_inodes.get(node.ino)
             if entry is not None and entry.chunks is not None:
                 entry.chunks.layout = self.vol.layout(node)

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from mxfs.fs.fsck import display_name
 from mxfs.io import Layout
 from mxfs.io.checksum import block_sums, unpack_sums
-from mxfs.meta import MetaStore
+from mxfs.meta import MetaStore, survey
+from mxfs.meta.survey import display_name
 from mxfs.pool import Pool
 
 
@@ -45,12 +45,10 @@ class Sealed:
 
 
 def sealed_files(store: MetaStore, members: int) -> Iterator[Sealed]:
-    rows = store.db.execute(
-        "SELECT i.ino, i.size, i.stripe_unit, i.stripe_width, i.first_member, s.sum_unit, "
-        "s.sums FROM sealed s JOIN inodes i ON i.ino=s.ino ORDER BY i.ino").fetchall()
-    for ino, size, unit, width, first, sum_unit, sums in rows:
-        yield Sealed(ino, size, Layout(unit, width, first, members), sum_unit,
-                     unpack_sums(sums))
+    for s in survey.sealed_files(store):
+        f = s.file
+        yield Sealed(f.ino, f.size, Layout(f.stripe_unit, f.stripe_width, f.first_member,
+                                           members), s.sum_unit, unpack_sums(s.sums))
 
 
 def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[tuple[int, int,
@@ -113,7 +111,7 @@ def scrub(pool: Pool, store: MetaStore, rate: int = 0,
     total = sum(f.size for f in files)
     throttle, bad, checked = Throttle(rate), [], 0
     for f in files:
-        if store.db.execute("SELECT 1 FROM inodes WHERE ino=?", (f.ino,)).fetchone() is None:
+        if not store.inode_exists(f.ino):
             continue  # removed while we scrubbed
         for begin, end, why in scrub_file(pool, f, throttle):
             bad.append(Bad(display_name(store, f.ino), begin, end, f.layout.locate(begin)[0],

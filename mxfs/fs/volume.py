@@ -14,17 +14,16 @@ import fcntl
 import json
 import logging
 import os
-import sqlite3
 import stat
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
-from mxfs.meta import ROOT_INO, Inode, MetaStore, backup
-from mxfs.meta.check import inode_numbers, invariant_problems
+from mxfs.meta import ROOT_INO, Inode, MetaStore, Unusable, backup, location
+from mxfs.meta.check import problems as store_problems
+from mxfs.meta.survey import inode_numbers
 from mxfs.pool import ChunkFiles, Pool, format_members
 
 log = logging.getLogger("mxfs.volume")
@@ -52,22 +51,50 @@ class Recovery:
 
 
 def format_pool(members: list[str], stripe_unit: int, label: str = "",
-                force: bool = False) -> Pool:
-    """mkfs: superblocks on every member, then an empty metadata store on member 0."""
+                force: bool = False, meta: str = "") -> Pool:
+    """mkfs: superblocks on every member, then an empty metadata store on member 0, or in
+    the database `meta` names (a URL; the superblocks record it without a password)."""
+    if meta and not location.is_server(meta):
+        raise MxfsError(f"--meta {meta} is not a server's URL",
+                        "give postgresql://HOST/DATABASE, or leave --meta out")
+    if meta:
+        _refuse_other_pool(meta, force)
+
     def store() -> None:  # inside mkfs's undo: a failure leaves every member as it was
         pool = Pool.open(members[0])
         os.chmod(pool.meta_dir, 0o700)  # before the store exists: nobody reaches it meanwhile
         try:
-            MetaStore.format(pool.meta_dir, pool.uuid, stripe_unit).close()
-        except sqlite3.Error as e:
-            raise MxfsError(f"the metadata store on {members[0]} cannot be made ({e})",
-                            "check that member 0 is writable and has free space") from None
+            MetaStore.format(meta or pool.meta_dir, pool.uuid, stripe_unit).close()
+        except (Unusable, OSError) as e:
+            where = location.public(meta) if meta else members[0]
+            raise MxfsError(f"the metadata store on {where} cannot be made ({e})",
+                            "check that it is writable (a server: reachable, and yours) and "
+                            "has free space") from None
         tighten(pool)
 
-    sb = format_members(members, stripe_unit, label, force, then=store)
+    sb = format_members(members, stripe_unit, label, force, then=store,
+                        meta=location.public(meta) if meta else "")
     pool = Pool.open(members[0])
     assert pool.uuid == sb.pool_uuid
     return pool
+
+
+def _refuse_other_pool(meta: str, force: bool) -> None:
+    """A database that holds a pool's metadata is not wiped without --force."""
+    try:
+        old = MetaStore.open(meta, readonly=True)
+    except Unusable as e:
+        if "cannot be reached" in str(e):
+            raise MxfsError(str(e), "start the server, or check the URL and credentials "
+                            "(~/.pgpass, PGPASSFILE)") from None
+        return
+    try:
+        uuid = old.setting("pool_uuid")
+    finally:
+        old.close()
+    if uuid and not force:
+        raise MxfsError(f"{location.public(meta)} holds the metadata of pool {uuid}",
+                        "name another database, or --force to replace that pool's metadata")
 
 
 class Volume:
@@ -101,17 +128,18 @@ class Volume:
             hold = "mxfs mount"
         lock_fd = take_pool_lock(pool, hold) if hold is not None else None
         try:
-            tighten(pool)  # before SQLite opens it: the -wal and -shm take the db's mode
+            tighten(pool)  # before the store is opened: files it makes take its modes
             restored = _recover_store(pool) if recover_meta else None
+            where = location.public(pool.meta_location)
             try:
-                store = MetaStore.open(pool.meta_dir, readonly=readonly)
+                store = MetaStore.open(pool.meta_location, readonly=readonly)
                 uuid = store.setting("pool_uuid")
-            except (sqlite3.Error, OSError) as e:
-                raise MxfsError(f"metadata store in {pool.meta_dir} cannot be opened ({e})",
+            except (Unusable, OSError) as e:
+                raise MxfsError(f"metadata store in {where} cannot be opened ({e})",
                                 "restore it from a backup (mxfs meta restore)") from None
             if uuid != pool.uuid:
                 store.close()
-                raise MxfsError(f"metadata store in {pool.meta_dir} belongs to pool {uuid}, "
+                raise MxfsError(f"metadata store in {where} belongs to pool {uuid}, "
                                 f"not {pool.uuid}", "restore the right metadata store")
         except BaseException:
             if lock_fd is not None:
@@ -129,7 +157,10 @@ class Volume:
 
     def backup_meta(self) -> str:
         """Blocking (worker thread): an online copy of the store on the next member."""
-        return backup.backup(self.store.path, self.pool.backup_dir).path
+        if not backup.supported(self.store):
+            raise OSError(errno.EOPNOTSUPP, f"a {self.store.engine.kind} store is copied by "
+                          "its server's own tools (pg_dump, replicas), or by mxfs meta dump")
+        return backup.backup(self.store, self.pool.backup_dir).path
 
     # ---- the pool lock (a daemon or an offline writer) ---------------------
 
@@ -196,10 +227,7 @@ class Volume:
     def note_write(self, entry: OpenInode) -> None:
         """Before the first write of an open: chunk files may now outgrow the recorded size."""
         if not entry.wrote:
-            node = entry.node
-            node.generation += 1  # direct readers compare it to see the file changed
-            self.store.save(node, "generation")
-            self.store.mark_dirty_data(node.ino)
+            self.store.begin_write(entry.node)  # a new generation: direct readers see it
             # Committed before any chunk file exists, so none can outlive its inode.
             self.store.commit()
             entry.wrote = True
@@ -229,15 +257,14 @@ class Volume:
         that a hidden inode is committed before any of its chunk files exists.
         """
         if not self._spares:
-            with self.store.transaction():
-                made = [self.store.create_hidden(ROOT_INO, 0o600, 0, 0, self.pick_layout)
-                        for _ in range(batch)]
+            made = self.store.txn(lambda: [
+                self.store.create_hidden(ROOT_INO, 0o600, 0, 0, self.pick_layout)
+                for _ in range(batch)])
             self.store.commit()
             self._spares = made  # only once committed: no chunk file before its inode
         node = self._spares.pop()
         if (node.uid, node.gid) != (uid, gid):
-            node.uid, node.gid = uid, gid
-            self.store.save(node, "uid", "gid")
+            self.store.set_attrs(node, uid=uid, gid=gid)
         return self.acquire(node)
 
     def settle_hidden(self, entry: OpenInode, size: int, sync: bool = True) -> None:
@@ -252,13 +279,10 @@ class Volume:
                 sum_unit: int, sums: bytes) -> None:
         """Name a settled hidden file and seal it with its checksums, in one change.
 
-        The caller makes it durable (commit + WAL fsync) before answering.
+        The caller makes it durable (commit, then sync) before answering.
         """
-        node = entry.node
-        node.size = size
-        with self.store.transaction():
-            replaced = self.store.publish(node.ino, parent, name, replace)
-            self.store.seal(node.ino, sum_unit, sums)
+        replaced = self.store.publish(entry.node.ino, parent, name, replace=replace,
+                                      size=size, sum_unit=sum_unit, sums=sums)
         if replaced is not None:
             self.unlinked(replaced)
 
@@ -300,14 +324,7 @@ class Volume:
 
     def truncate(self, node: Inode, size: int) -> None:
         """Set a file's size now; shrinking cuts the chunk files (crash-safe via dirty_data)."""
-        shrink = size < node.size
-        node.size = size
-        node.generation += 1
-        with self.store.transaction():
-            if shrink:
-                self.store.mark_dirty_data(node.ino)
-            self.store.save(node, "size", "generation")
-        if shrink:
+        if self.store.resize(node, size):
             self.store.commit()  # a crash mid-cut is trimmed again at mount
             self.pool.truncate_chunks(node.ino, self.layout(node), size)
             if node.ino not in self.open_inodes:
@@ -344,7 +361,7 @@ class Volume:
 
     def problems(self) -> list[str]:
         """Every broken invariant: the store's own, plus chunk files without a live file."""
-        problems = invariant_problems(self.store)
+        problems = [p.text for p in store_problems(self.store)]
         inodes = inode_numbers(self.store)
         for member, ino in self.pool.iter_chunks():
             if ino not in inodes:
@@ -368,22 +385,14 @@ class Volume:
 
 
 def _recover_store(pool: Pool) -> str | None:
-    """If the store is damaged, put the newest good backup in its place; say which."""
-    from mxfs.meta.store import DB_NAME
-
-    primary = os.path.join(pool.meta_dir, DB_NAME)
-    why = backup.problem(primary, pool.uuid) if os.path.exists(primary) else "missing"
-    if why is None:
+    """If the store is damaged, put the newest good backup in its place; say which.
+    (A server's store is its operator's to recover.)"""
+    if pool.meta_url:
         return None
-    good = backup.newest_good(pool.backup_dirs(), pool.uuid)
-    if good is None:
-        raise MxfsError(f"metadata store {primary} is {why} and no good backup was found",
-                        "restore a dump: mxfs meta restore FILE POOL")
-    backup.restore_file(good.path, pool.meta_dir)
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(good.taken_ns / 1e9))
-    log.warning("metadata store %s was %s: recovered from the backup of %s (%s); changes "
-                "made after it are lost", primary, why, when, good.path)
-    return f"{good.path} (taken {when}; the store was {why})"
+    try:
+        return backup.recover(pool.meta_dir, pool.uuid, pool.backup_dirs())
+    except Unusable as e:
+        raise MxfsError(str(e), "restore a dump: mxfs meta restore FILE POOL") from None
 
 
 # ---- the pool lock ------------------------------------------------------------

@@ -1,5 +1,9 @@
-"""The metadata store (SQLite, WAL): stdlib only, behind one interface."""
+"""The metadata store: the namespace rules (`store.py`) over engine primitives
+(`engine.py`), served by an engine that `location.py` picks (SQLite today)."""
 
-from mxfs.meta.store import NAME_MAX, ROOT_INO, Entry, Inode, LayoutPicker, MetaStore
+from mxfs.meta.engine import Unusable
+from mxfs.meta.inode import ROOT_INO, Entry, Inode, LayoutPicker
+from mxfs.meta.names import NAME_MAX
+from mxfs.meta.store import MetaStore
 
-__all__ = ["NAME_MAX", "ROOT_INO", "Entry", "Inode", "LayoutPicker", "MetaStore"]
+__all__ = ["NAME_MAX", "ROOT_INO", "Entry", "Inode", "LayoutPicker", "MetaStore", "Unusable"]

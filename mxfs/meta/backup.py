@@ -1,11 +1,10 @@
-"""Copies of the metadata store: online backups, dumps, restores, and picking a good copy.
+"""Copies of the metadata store: online backups, choosing a good one, putting it back.
 
 The store lives on one member; losing it loses the pool's namespace even though
-every chunk file survives.  So the daemon copies it with SQLite's online backup
-API (a consistent snapshot, taken beside the running daemon through its own
-read connection) into `meta-backup/` on the next member, keeping the newest few.
-A dump is SQL or JSON, zstd-compressed when its name ends in `.zst`.  Stdlib and
-zstandard only.
+every chunk file survives.  So the daemon copies it online (SQLite's backup API: a
+consistent snapshot, taken beside the running daemon through its own read
+connection) into `meta-backup/` on the next member, keeping the newest few, and a
+mount that finds the store damaged puts the newest good copy in its place.
 
 Every copy is as private as the store (0600 files, 0700 folders), created so from
 the start: it holds every file name and xattr of the pool, whatever its modes.
@@ -13,17 +12,17 @@ the start: it holds every file name and xattr of the pool, whatever its modes.
 
 from __future__ import annotations
 
-import base64
-import json
+import logging
 import os
-import sqlite3
 import stat
 import time
 from dataclasses import dataclass
 
-import zstandard
+from mxfs.meta.engine import Unusable
+from mxfs.meta.sqlite_engine import DB_NAME, SqliteEngine, file_problem
+from mxfs.meta.store import MetaStore
 
-from mxfs.meta.store import DB_NAME, SCHEMA_VERSION, create_schema
+log = logging.getLogger("mxfs.meta")
 
 KEEP = 3
 _PREFIX, _SUFFIX = "mxfs-", ".db"
@@ -35,31 +34,31 @@ class Copy:
     taken_ns: int
 
 
-def backup(db_path: str, folder: str, keep: int = KEEP) -> Copy:
-    """Copy the store at `db_path` online into `folder` (atomically), keeping `keep` copies."""
+def supported(store: MetaStore) -> bool:
+    """Does this engine keep copies of its own?  (A server's are its operator's.)"""
+    return isinstance(store.engine, SqliteEngine)
+
+
+def backup(store: MetaStore, folder: str, keep: int = KEEP) -> Copy:
+    """Copy the committed store online into `folder` (atomically), keeping `keep`
+    copies.  Blocking, and safe in a worker thread beside the store's owner."""
+    engine = store.engine
+    if not isinstance(engine, SqliteEngine):
+        raise Unusable(f"{engine.kind} stores are copied by their server's own tools")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     private(folder)
     taken = time.time_ns()
     final = os.path.join(folder, f"{_PREFIX}{taken}{_SUFFIX}")
     tmp = final + ".tmp"
-    src = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-    try:
-        os.close(_create_private(tmp))  # SQLite keeps an existing file's mode (and its journal's)
-        dst = sqlite3.connect(tmp)
-        try:
-            src.backup(dst)
-            dst.execute("PRAGMA journal_mode=DELETE")
-        finally:
-            dst.close()
-    finally:
-        src.close()
+    os.close(create_private(tmp))  # SQLite keeps an existing file's mode (and its journal's)
+    engine.copy_to(tmp)
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
     os.rename(tmp, final)
-    _sync_dir(folder)
+    sync_dir(folder)
     for old in copies(folder)[keep:]:
         os.unlink(old.path)
     return Copy(final, taken)
@@ -82,7 +81,7 @@ def private(folder: str) -> None:
         pass
 
 
-def _create_private(path: str) -> int:
+def create_private(path: str) -> int:
     """A new empty 0600 file at `path` (a stale one from a crash is replaced); its fd."""
     try:
         os.unlink(path)
@@ -108,23 +107,11 @@ def copies(folder: str) -> list[Copy]:
 
 
 def problem(path: str, pool_uuid: str | None = None) -> str | None:
-    """Why the store at `path` cannot be used (None: it is sound and this pool's)."""
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            (check,) = db.execute("PRAGMA quick_check").fetchone()
-            if check != "ok":
-                return f"damaged ({check})"
-            row = db.execute("SELECT value FROM settings WHERE key='pool_uuid'").fetchone()
-        finally:
-            db.close()
-    except sqlite3.Error as e:
-        return f"unreadable ({e})"
-    if row is None:
-        return "not an mxfs metadata store"
-    if pool_uuid is not None and row[0] != pool_uuid:
-        return f"belongs to pool {row[0]}"
-    return None
+    """Why the copy (or store file) at `path` cannot be used (None: sound, this pool's)."""
+    why, uuid = file_problem(path)
+    if why is None and pool_uuid is not None and uuid != pool_uuid:
+        return f"belongs to pool {uuid}"
+    return why
 
 
 def newest_good(folders: list[str], pool_uuid: str) -> Copy | None:
@@ -134,7 +121,7 @@ def newest_good(folders: list[str], pool_uuid: str) -> Copy | None:
     return None
 
 
-def restore_file(source: str, meta_dir: str) -> str:
+def install(source: str, meta_dir: str) -> str:
     """Put a sound copy in place of the store; the old one is kept beside it. Returns it."""
     target = os.path.join(meta_dir, DB_NAME)
     kept = f"{target}.replaced-{time.time_ns()}"
@@ -144,110 +131,35 @@ def restore_file(source: str, meta_dir: str) -> str:
         if os.path.exists(target + suffix):
             os.rename(target + suffix, kept + suffix)
     tmp = target + ".restoring"
-    with open(source, "rb") as src, os.fdopen(_create_private(tmp), "wb") as dst:
+    with open(source, "rb") as src, os.fdopen(create_private(tmp), "wb") as dst:
         while block := src.read(1 << 20):
             dst.write(block)
         dst.flush()
         os.fsync(dst.fileno())
     os.rename(tmp, target)
-    _sync_dir(meta_dir)
+    sync_dir(meta_dir)
     return kept
 
 
-# ---- dumps ------------------------------------------------------------------------
+def recover(where: str, pool_uuid: str, folders: list[str]) -> str | None:
+    """If the store at `where` is missing or damaged, put the newest good copy from
+    `folders` in its place and say which (None: the store is sound).  `Unusable` when
+    no good copy exists.  Only the embedded store keeps copies."""
+    primary = os.path.join(where, DB_NAME)
+    why = problem(primary, pool_uuid) if os.path.exists(primary) else "missing"
+    if why is None:
+        return None
+    good = newest_good(folders, pool_uuid)
+    if good is None:
+        raise Unusable(f"metadata store {primary} is {why} and no good backup was found")
+    install(good.path, where)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(good.taken_ns / 1e9))
+    log.warning("metadata store %s was %s: recovered from the backup of %s (%s); changes "
+                "made after it are lost", primary, why, when, good.path)
+    return f"{good.path} (taken {when}; the store was {why})"
 
 
-def _open_out(fd: int, path: str) -> tuple[object, object]:
-    raw = os.fdopen(fd, "wb")  # closed by the caller, after the compressor
-    if path.endswith(".zst"):
-        return zstandard.ZstdCompressor(level=6).stream_writer(raw), raw
-    return raw, raw
-
-
-def dump(db_path: str, out: str) -> int:
-    """Write the store as SQL or JSON (by name: .sql or .json, optionally .zst); rows written.
-
-    Written 0600 beside `out` and renamed over it when whole, so no reader ever sees
-    it open (an older `out` may be readable, and a reader's descriptor outlives a chmod).
-    """
-    kind = out.removesuffix(".zst")
-    if not kind.endswith((".json", ".sql")):
-        raise ValueError(f"{out}: name it .sql, .json, .sql.zst or .json.zst")
-    tmp = os.path.join(os.path.dirname(out) or ".", f".{os.path.basename(out)}.{os.getpid()}")
-    src = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-    try:
-        stream, raw = _open_out(_create_private(tmp), out)
-        try:
-            rows = _write_dump(src, stream, kind.endswith(".json"))
-        finally:
-            stream.close()  # type: ignore[attr-defined]
-            if raw is not stream:
-                raw.close()  # type: ignore[attr-defined]
-        os.rename(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    finally:
-        src.close()
-    return rows
-
-
-def _write_dump(src: sqlite3.Connection, stream: object, as_json: bool) -> int:
-    rows = 0
-    if as_json:
-        tables = {}
-        for (name,) in src.execute("SELECT name FROM sqlite_master WHERE type='table' AND "
-                                   "(name NOT LIKE 'sqlite_%' OR name='sqlite_sequence')"):
-            cur = src.execute(f"SELECT * FROM {name}")  # noqa: S608 - our own tables
-            cols = [d[0] for d in cur.description]
-            data = [[_json_value(v) for v in r] for r in cur]
-            tables[name] = {"columns": cols, "rows": data}
-            rows += len(data)
-        stream.write(json.dumps({"format": "mxfs-meta", "schema_version": SCHEMA_VERSION,
-                                 "tables": tables}).encode())  # type: ignore[attr-defined]
-    else:
-        for line in src.iterdump():
-            stream.write((line + "\n").encode())  # type: ignore[attr-defined]
-            rows += line.startswith("INSERT")
-    return rows
-
-
-def _json_value(v: object) -> object:
-    return {"b64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
-
-
-def load_dump(source: str, db_out: str) -> None:
-    """Build a store at `db_out` from a dump (SQL or JSON, optionally .zst)."""
-    with open(source, "rb") as f:
-        data = f.read()
-    if source.endswith(".zst"):
-        data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
-    os.close(_create_private(db_out))
-    db = sqlite3.connect(db_out, isolation_level=None)
-    try:
-        if source.removesuffix(".zst").endswith(".json"):
-            doc = json.loads(data)
-            if doc.get("format") != "mxfs-meta":
-                raise ValueError(f"{source} is not an mxfs metadata dump")
-            create_schema(db)
-            db.execute("BEGIN")
-            for name, t in doc["tables"].items():
-                if name == "sqlite_sequence":  # inode numbers are never reused: keep the counter
-                    db.execute("DELETE FROM sqlite_sequence")
-                marks = ",".join("?" * len(t["columns"]))
-                db.executemany(f"INSERT OR REPLACE INTO {name} ({','.join(t['columns'])}) "  # noqa: S608
-                               f"VALUES ({marks})",
-                               [[base64.b64decode(v["b64"]) if isinstance(v, dict) else v
-                                 for v in r] for r in t["rows"]])
-            db.execute("COMMIT")
-        else:
-            db.executescript(data.decode())
-    finally:
-        db.close()
-
-
-def _sync_dir(path: str) -> None:
+def sync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

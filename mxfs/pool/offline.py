@@ -35,7 +35,7 @@ class OfflinePool:
             os.close(self._lock)
             raise MxfsError(f"pool {self.pool.uuid} is mounted",
                             "read it through its mount (mxfs status shows where)") from None
-        self.store = MetaStore.open(self.pool.meta_dir, readonly=True)
+        self.store = MetaStore.open(self.pool.meta_location, readonly=True)
 
     def close(self) -> None:
         self.store.close()

@@ -144,7 +144,7 @@ class _Undo:
 
 def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
                    label: str = "", force: bool = False,
-                   then: Callable[[], None] | None = None) -> Superblock:
+                   then: Callable[[], None] | None = None, meta: str = "") -> Superblock:
     """Write a new pool's superblocks and chunk folders; returns member 0's superblock.
 
     All or nothing: every check runs before the first byte is written, and a failure
@@ -178,7 +178,8 @@ def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
         undo.mkdir(os.path.join(resolved[0], META_DIR))
         sbs = [Superblock(pool_uuid=pool_uuid, member_index=i, member_count=len(resolved),
                           stripe_unit=stripe_unit, label=label, members=resolved,
-                          meta_member=0, created=created) for i in range(len(resolved))]
+                          meta_member=0, created=created, meta=meta)
+               for i in range(len(resolved))]
         for p, sb in zip(resolved, sbs, strict=True):
             undo.made += [superblock_path(p) + ".tmp", superblock_path(p)]
             write_superblock(p, sb)
@@ -272,6 +273,7 @@ class Pool:
         self.stripe_unit = sb.stripe_unit
         self.members = members
         self.meta_member = sb.meta_member
+        self.meta_url = sb.meta  # a metadata server's URL, or "" (the embedded store)
         # Told of each member's share of chunk I/O: (member, "read" | "write", bytes).
         self.on_io: Callable[[int, str, int], None] | None = None
 
@@ -367,6 +369,12 @@ class Pool:
     @property
     def meta_dir(self) -> str:
         return os.path.join(self.members[self.meta_member].path, META_DIR)
+
+    @property
+    def meta_location(self) -> str:
+        """Where the metadata store lives: a server's URL, or the metadata member's
+        `meta/` folder (which holds the pool lock either way)."""
+        return self.meta_url or self.meta_dir
 
     @property
     def backup_dir(self) -> str:

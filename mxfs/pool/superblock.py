@@ -31,9 +31,15 @@ class Superblock:
     meta_member: int = 0
     format_version: int = FORMAT_VERSION
     created: str = ""
+    # Where the metadata lives when not on the metadata member: a server's URL, never
+    # with a password (libpq's own places give credentials).  Left out when empty, so
+    # pools with the embedded store read as before.
+    meta: str = ""
 
     def to_bytes(self) -> bytes:
         body = asdict(self)
+        if not body["meta"]:
+            del body["meta"]
         body["magic"] = MAGIC
         text = json.dumps(body, sort_keys=True)
         return json.dumps({"superblock": body, "crc32": zlib.crc32(text.encode())},

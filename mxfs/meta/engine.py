@@ -1,0 +1,212 @@
+"""The engine primitives the namespace rules are written against.
+
+An engine stores rows of the tables in `meta/schema.py` and offers little more:
+point reads, scans, counts, inserts that report a taken key instead of raising,
+upserts, updates, deletes, sequences, and changes.  Every rule (names, link
+counts, orphans, seals, the KV index) lives above it, in `meta/store.py`, so a new
+engine implements only this file's abstract methods and passes the conformance
+suite (`tests/test_meta_conformance.py`).
+
+A *change* is one atomic unit of the namespace.  `txn(fn)` runs `fn` as one change
+and runs it again when the engine reports a conflict with another writer; `fn` must
+therefore read what it decides on inside itself.  Changes may be *grouped*
+(`group(max_age)`): the engine then ends them in one engine transaction that
+`commit` ends, at most `max_age` seconds after its first change, so a crash loses at
+most the last group, and only whole changes.  Errors leave an engine as `OSError`s
+with the errno a caller should see (ENOSPC, EROFS, EIO, EOVERFLOW), never as the
+engine library's own types.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+log = logging.getLogger("mxfs.meta")
+
+T = TypeVar("T")
+Row = tuple[Any, ...]
+Where = Mapping[str, object]
+
+# How often a change is run again when it keeps conflicting with other writers.
+RETRIES = 50
+
+
+class Conflict(Exception):
+    """Another writer's transaction conflicted with this change; running it again may
+    succeed (SQLite: the database stayed locked; PostgreSQL: SQLSTATE 40001/40P01)."""
+
+
+class Unusable(Exception):
+    """The store cannot be opened: missing, damaged, not an mxfs store, or a schema this
+    version cannot read.  The message says which."""
+
+
+def fail(code: int, what: str = "") -> OSError:
+    return OSError(code, what or os.strerror(code))
+
+
+class Engine(ABC):
+    """One connection to one store.  Not thread-safe, except `sync`."""
+
+    kind: str = ""  # "sqlite", "postgresql": for messages
+    readonly: bool = False
+
+    def __init__(self) -> None:
+        self._depth = 0  # > 0 while a change runs
+        self._max_age: float | None = None  # grouping: end groups this old
+        self.on_group_lost: Callable[[], None] = lambda: None
+
+    # ---- rows --------------------------------------------------------------------
+
+    @abstractmethod
+    def get(self, table: str, where: Where, columns: Sequence[str]) -> Row | None:
+        """The named columns of the one row matching `where` (equalities), or None."""
+
+    @abstractmethod
+    def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
+             order: str | None = None, after: object = None,
+             limit: int | None = None) -> Iterator[Row]:
+        """Rows matching `where`, in `order` (one column), only those with `order` >
+        `after` when given, at most `limit`.  Consume them before writing."""
+
+    @abstractmethod
+    def count(self, table: str, where: Where | None = None) -> int: ...
+
+    @abstractmethod
+    def insert(self, table: str, row: Mapping[str, object]) -> bool:
+        """Add a row; False (and nothing written) when its key is taken: first wins."""
+
+    @abstractmethod
+    def upsert(self, table: str, row: Mapping[str, object]) -> None:
+        """Add a row, or replace the one with its key."""
+
+    @abstractmethod
+    def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
+        """Set `values` on the rows matching `where`; how many matched."""
+
+    @abstractmethod
+    def update_many(self, table: str, where: Sequence[str], columns: Sequence[str],
+                    rows: Iterable[Row]) -> None:
+        """For each row (values of `columns`, then of `where`): one update."""
+
+    @abstractmethod
+    def delete(self, table: str, where: Where) -> int:
+        """Remove the rows matching `where`; how many went."""
+
+    @abstractmethod
+    def next_id(self, sequence: str) -> int:
+        """The next number of `sequence` (`schema.SEQUENCES`): never handed out twice,
+        even by a change that is later undone."""
+
+    # ---- changes -----------------------------------------------------------------
+
+    @abstractmethod
+    def _begin(self) -> None:
+        """Start a change (and, when none is open, the engine transaction)."""
+
+    @abstractmethod
+    def _end(self) -> None:
+        """End the change; commit it too unless changes are grouped."""
+
+    @abstractmethod
+    def _undo(self) -> None:
+        """Undo the failed change alone.  If the engine dropped the whole group, call
+        `on_group_lost` (memory of the group's earlier changes is stale now)."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """End the open group: every change so far is committed (maybe not yet on
+        stable storage: `sync`)."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Put every committed change on stable storage.  Blocking, and it touches no
+        connection state, so a worker thread may run it while the owner goes on."""
+
+    @abstractmethod
+    def group_age(self) -> float | None:
+        """Seconds since the open group's first change; None when no group is open."""
+
+    @property
+    def in_change(self) -> bool:
+        return self._depth > 0
+
+    def txn(self, fn: Callable[[], T], undo: Callable[[], None] | None = None) -> T:
+        """Run `fn` as one change, again (after `undo`, which puts memory back) as long
+        as the engine reports a conflict.  Inside another change, `fn` is part of it."""
+        if self._depth:
+            return fn()
+        for attempt in range(RETRIES):
+            try:
+                self._begin()
+            except Conflict:
+                _pause(attempt)
+                continue
+            self._depth = 1
+            try:
+                result = fn()
+            except BaseException as e:
+                self._depth = 0
+                self._undo()
+                if undo is not None:
+                    undo()
+                if isinstance(e, Conflict):
+                    _pause(attempt)
+                    continue
+                raise
+            self._depth = 0
+            try:
+                self._end()
+            except Conflict:
+                if undo is not None:
+                    undo()
+                _pause(attempt)
+                continue
+            return result
+        raise fail(errno.EBUSY, f"the metadata store stayed busy with other writers "
+                   f"({RETRIES} tries)")
+
+    def group(self, max_age: float | None) -> None:
+        """Group changes into engine transactions of at most `max_age` seconds (None:
+        each change is committed as it ends).  The owner calls `commit_if_due`."""
+        self._max_age = max_age
+
+    @property
+    def grouped(self) -> bool:
+        return self._max_age is not None
+
+    def commit_if_due(self) -> None:
+        age = self.group_age()
+        if age is not None and self._max_age is not None and age >= self._max_age:
+            self.commit()
+
+    def durable(self) -> None:
+        """Commit, then put everything committed on stable storage."""
+        self.commit()
+        self.sync()
+
+    # ---- the store as a whole ---------------------------------------------------
+
+    @abstractmethod
+    def integrity(self) -> list[str]:
+        """Damage the engine itself finds in its storage, one line each (none: sound)."""
+
+    def watch_space(self) -> bool:
+        """Called now and then by the daemon: True while the store's storage is nearly
+        full (the daemon then cuts back direct writers that wrote past their size)."""
+        return False
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def _pause(attempt: int) -> None:
+    """Back off before running a conflicting change again (up to 50 ms, jittered)."""
+    time.sleep(min(0.05, 0.001 * 2 ** min(attempt, 6)) * random.random())

@@ -1,0 +1,56 @@
+"""What the store hands out: inodes (as the daemon caches them) and directory entries."""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ROOT_INO = 1
+DIR_SIZE = 4096
+
+# (ino, directory's default unit, directory's default width) -> (unit, width, first member)
+LayoutPicker = Callable[[int, "int | None", "int | None"], tuple[int, int, int]]
+
+
+@dataclass(slots=True)
+class Inode:
+    """One inode row.  The daemon shares these objects with open handles; only the
+    store changes them (typed setters), so memory and rows cannot drift apart."""
+
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int = 0
+    target: bytes | None = None
+    stripe_unit: int | None = None
+    stripe_width: int | None = None
+    first_member: int | None = None
+    generation: int = 0
+    dirty: bool = field(default=False, compare=False)  # size or times not yet written
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def apparent_size(self) -> int:
+        """st_size as users see it: a directory reports a block, as on ext4."""
+        return DIR_SIZE if self.is_dir else self.size
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    cookie: int
+    name: bytes
+    inode: Inode

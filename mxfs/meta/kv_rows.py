@@ -1,0 +1,94 @@
+"""The rows of the KV chunk index: namespaces, and chunks keyed by (namespace, key).
+
+A KV chunk is a sealed regular inode with nlink 1 whose one reference is its row
+in `kv` (not a directory entry), so the link-count rules of the namespace hold for
+it too.  The daemon's `fs/kv.py` keeps the index in memory (LRU order, capacity)
+and writes through these.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from mxfs.meta.engine import fail
+from mxfs.meta.inode import Inode
+
+if TYPE_CHECKING:
+    from mxfs.meta.store import MetaStore
+
+
+class KVRows:
+    def __init__(self, store: MetaStore) -> None:
+        self.store = store
+        self.engine = store.engine
+
+    def namespaces(self) -> list[tuple[str, int, int, int, int]]:
+        """(ns, uid, gid, mode, capacity) of every namespace."""
+        return list(self.engine.scan("kv_ns", ("ns", "uid", "gid", "mode", "capacity")))
+
+    def set_namespace(self, ns: str, uid: int, gid: int, mode: int, capacity: int) -> None:
+        self.store.txn(lambda: self.engine.upsert(
+            "kv_ns", {"ns": ns, "uid": uid, "gid": gid, "mode": mode, "capacity": capacity}))
+
+    def drop_namespace(self, ns: str) -> None:
+        self.store.txn(lambda: self.engine.delete("kv_ns", {"ns": ns}))
+
+    def chunks(self) -> Iterator[tuple[str, bytes, int, int, int, int, bytes]]:
+        """(ns, key, ino, size, atime, sum_unit, sums) of every chunk, least recently
+        used first (a chunk without its seal is left out: fsck names it)."""
+        rows = list(self.engine.scan("kv", ("ns", "key", "ino", "size", "atime"),
+                                     order="atime"))
+        for ns, key, ino, size, atime in rows:
+            seal = self.store.seal_of(ino)
+            if seal is not None:
+                yield ns, bytes(key), ino, size, atime, seal[0], seal[1]
+
+    def key_of(self, ino: int) -> tuple[str, bytes] | None:
+        """The (namespace, key) whose chunk `ino` is, if it is one."""
+        row = self.engine.get("kv", {"ino": ino}, ("ns", "key"))
+        return (row[0], bytes(row[1])) if row else None
+
+    def publish(self, ino: int, ns: str, key: bytes, size: int, atime: int, sum_unit: int,
+                sums: bytes) -> None:
+        """Give a hidden file its index entry and its seal in one change (EEXIST if the
+        key is taken: the first writer wins)."""
+        store = self.store
+
+        def change() -> None:
+            node = store.get(ino)
+            if node.nlink != 0:
+                raise fail(errno.EINVAL, f"inode {ino} is already published")
+            if not self.engine.insert("kv", {"ns": ns, "key": key, "ino": ino, "size": size,
+                                             "atime": atime}):
+                raise fail(errno.EEXIST)
+            self.engine.delete("orphans", {"ino": ino})
+            now = time.time_ns()
+            store._set(node, {"nlink": 1, "size": size, "mtime_ns": now, "ctime_ns": now})
+            store._seal(ino, sum_unit, sums)
+        store.txn(change)
+
+    def remove(self, entries: list[tuple[str, bytes, int]]) -> list[Inode]:
+        """Drop (ns, key, ino) entries in one change; their inodes become orphans."""
+        store = self.store
+
+        def change() -> list[Inode]:
+            nodes = []
+            now = time.time_ns()
+            for ns, key, ino in entries:
+                self.engine.delete("kv", {"ns": ns, "key": key})
+                node = store.get(ino)
+                store._drop_link(node, now)
+                nodes.append(node)
+            return nodes
+        return store.txn(change)
+
+    def drop_entry(self, ns: str, key: bytes) -> None:
+        """Remove an index row alone (fsck: it points to a missing inode)."""
+        self.store.txn(lambda: self.engine.delete("kv", {"ns": ns, "key": key}))
+
+    def touch(self, rows: list[tuple[int, str, bytes]]) -> None:
+        """Write back access times: (atime, ns, key)."""
+        self.store.txn(lambda: self.engine.update_many("kv", ("ns", "key"), ("atime",), rows))

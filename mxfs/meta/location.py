@@ -1,0 +1,47 @@
+"""Where a pool's store lives, and which engine serves it.
+
+A folder (the metadata member's `meta/`) holds the embedded SQLite store; a
+`postgresql://` URL (or `postgres://`) names a database on a shared server.
+Everything that opens a store comes through here, so nothing above `meta/` knows
+which engine runs.
+"""
+
+from __future__ import annotations
+
+from mxfs.meta.engine import Engine, Unusable
+
+_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_server(where: str) -> bool:
+    """Does `where` name a server (a URL) rather than a folder of the pool?"""
+    return where.startswith(_SCHEMES)
+
+
+def connect(where: str, readonly: bool = False) -> Engine:
+    """An engine connection to the existing store at `where` (`Unusable` if none)."""
+    if is_server(where):
+        return _pg().PgEngine.open(where, readonly=readonly)
+    from mxfs.meta.sqlite_engine import SqliteEngine
+    return SqliteEngine.open(where, readonly=readonly)
+
+
+def create(where: str) -> Engine:
+    """A new, empty store at `where` (a store there before is gone)."""
+    if is_server(where):
+        return _pg().PgEngine.create(where)
+    from mxfs.meta.sqlite_engine import SqliteEngine
+    return SqliteEngine.create(where)
+
+
+def public(where: str) -> str:
+    """`where` as it may be written down and shown: a URL loses its password."""
+    return _pg().public(where) if is_server(where) else where
+
+
+def _pg():  # noqa: ANN202 - the module, imported only where a server is named
+    try:
+        from mxfs.meta import pg_engine
+    except ImportError as e:
+        raise Unusable(f"PostgreSQL stores need psycopg 3 ({e})") from None
+    return pg_engine

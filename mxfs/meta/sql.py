@@ -1,0 +1,109 @@
+"""The statements of the SQL engines, built from `meta/schema.py`.
+
+One builder for SQLite and PostgreSQL: they differ only in the placeholder and the
+type names.  The statements stay in the subset PostgreSQL's distributed relatives
+(CockroachDB, YugabyteDB) accept too: plain SELECT/INSERT/UPDATE/DELETE on one table,
+`ON CONFLICT ... DO NOTHING | DO UPDATE SET ... = excluded....`, `LIMIT` as a
+parameter.  Table and column names come from the schema only (checked here), so
+no caller's text ever becomes SQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mxfs.meta.schema import BLOB, INT, TABLES, TEXT, Table
+
+
+@dataclass(frozen=True)
+class Dialect:
+    mark: str  # the placeholder: "?" or "%s"
+    types: dict[str, str]
+    without_rowid: bool = False  # SQLite: tables keyed by anything but one integer
+
+
+SQLITE = Dialect("?", {INT: "INTEGER", TEXT: "TEXT", BLOB: "BLOB"}, without_rowid=True)
+POSTGRES = Dialect("%s", {INT: "BIGINT", TEXT: "TEXT", BLOB: "BYTEA"})
+
+
+def table(name: str) -> Table:
+    t = TABLES.get(name)
+    if t is None:
+        raise ValueError(f"no table {name!r} in the metadata schema")
+    return t
+
+
+def _check(t: Table, columns: Sequence[str]) -> None:
+    bad = [c for c in columns if c not in t.names]
+    if bad:
+        raise ValueError(f"table {t.name} has no column {bad[0]!r}")
+
+
+def _where(d: Dialect, t: Table, where: Sequence[str]) -> str:
+    _check(t, where)
+    return " WHERE " + " AND ".join(f"{c}={d.mark}" for c in where) if where else ""
+
+
+def create_table(d: Dialect, t: Table) -> list[str]:
+    cols = ", ".join(f"{c.name} {d.types[c.kind]}" + ("" if c.null else " NOT NULL")
+                     for c in t.columns)
+    tail = ""
+    int_key = len(t.key) == 1 and next(c for c in t.columns if c.name == t.key[0]).kind == INT
+    if d.without_rowid and not int_key and not t.rekeyed:
+        tail = " WITHOUT ROWID"  # clustered by the key, unless renames move rows often
+    out = [f"CREATE TABLE {t.name}({cols}, PRIMARY KEY({', '.join(t.key)})){tail}"]
+    for cols_ in t.indexes:
+        out.append(f"CREATE INDEX {t.name}_by_{'_'.join(cols_)} ON {t.name}({', '.join(cols_)})")
+    return out
+
+
+def select(d: Dialect, name: str, columns: Sequence[str], where: Sequence[str],
+           order: str | None = None, after: bool = False, limit: bool = False) -> str:
+    t = table(name)
+    _check(t, columns)
+    sql = f"SELECT {', '.join(columns)} FROM {t.name}{_where(d, t, where)}"
+    if after:
+        assert order is not None
+        sql += (" AND " if where else " WHERE ") + f"{order}>{d.mark}"
+    if order is not None:
+        _check(t, [order])
+        sql += f" ORDER BY {order}"
+    if limit:
+        sql += f" LIMIT {d.mark}"
+    return sql
+
+
+def count(d: Dialect, name: str, where: Sequence[str]) -> str:
+    t = table(name)
+    return f"SELECT count(*) FROM {t.name}{_where(d, t, where)}"
+
+
+def insert(d: Dialect, name: str, columns: Sequence[str]) -> str:
+    t = table(name)
+    _check(t, columns)
+    marks = ", ".join(d.mark for _ in columns)
+    return f"INSERT INTO {t.name}({', '.join(columns)}) VALUES ({marks}) ON CONFLICT DO NOTHING"
+
+
+def upsert(d: Dialect, name: str, columns: Sequence[str]) -> str:
+    t = table(name)
+    _check(t, columns)
+    marks = ", ".join(d.mark for _ in columns)
+    rest = [c for c in columns if c not in t.key]
+    action = ("DO UPDATE SET " + ", ".join(f"{c}=excluded.{c}" for c in rest)) if rest \
+        else "DO NOTHING"
+    return (f"INSERT INTO {t.name}({', '.join(columns)}) VALUES ({marks}) "
+            f"ON CONFLICT ({', '.join(t.key)}) {action}")
+
+
+def update(d: Dialect, name: str, where: Sequence[str], columns: Sequence[str]) -> str:
+    t = table(name)
+    _check(t, columns)
+    sets = ", ".join(f"{c}={d.mark}" for c in columns)
+    return f"UPDATE {t.name} SET {sets}{_where(d, t, where)}"
+
+
+def delete(d: Dialect, name: str, where: Sequence[str]) -> str:
+    t = table(name)
+    return f"DELETE FROM {t.name}{_where(d, t, where)}"

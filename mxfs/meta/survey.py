@@ -1,0 +1,103 @@
+"""Read-only walks of the whole store, for tools and reports: names of inodes, the
+files holding data, sealed files with their sums, bytes by use.  Scans through the
+engine primitives; none of them runs on a hot path."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mxfs.meta.inode import ROOT_INO
+from mxfs.meta.store import MetaStore
+
+
+@dataclass(frozen=True)
+class FileRow:
+    """A regular file's row as layouts need it."""
+
+    ino: int
+    size: int
+    stripe_unit: int
+    stripe_width: int
+    first_member: int
+
+
+@dataclass(frozen=True)
+class SealedRow:
+    file: FileRow
+    sum_unit: int
+    sums: bytes
+
+
+def path_of(store: MetaStore, ino: int) -> str:
+    """A path that reaches `ino` (one of its names), or "<inode N>" if none does."""
+    parts: list[str] = []
+    seen = set()
+    while ino != ROOT_INO:
+        row = store.engine.get("dentries", {"ino": ino}, ("parent", "name"))
+        if row is None or ino in seen:
+            return f"<inode {ino}>" + ("/" + "/".join(reversed(parts)) if parts else "")
+        seen.add(ino)
+        parts.append(os.fsdecode(bytes(row[1])))
+        ino = row[0]
+    return "/" + "/".join(reversed(parts))
+
+
+def display_name(store: MetaStore, ino: int) -> str:
+    """A file's path, or its KV namespace and key."""
+    kv = store.kv.key_of(ino)
+    if kv is not None:
+        ns, key = kv
+        return f"kv:{ns}/" + (key.decode() if key.isascii() else "0x" + key.hex())
+    return path_of(store, ino)
+
+
+def inode_numbers(store: MetaStore) -> set[int]:
+    return {r[0] for r in store.engine.scan("inodes", ("ino",))}
+
+
+def _file(row: tuple) -> FileRow | None:
+    ino, mode, size, unit, width, first = row
+    if not stat.S_ISREG(mode) or unit is None or width is None or first is None:
+        return None
+    return FileRow(ino, size, unit, width, first)
+
+
+_FILE_COLUMNS = ("ino", "mode", "size", "stripe_unit", "stripe_width", "first_member")
+
+
+def files_with_data(store: MetaStore) -> Iterator[FileRow]:
+    """Every regular file holding at least one byte."""
+    for row in list(store.engine.scan("inodes", _FILE_COLUMNS)):
+        f = _file(row)
+        if f is not None and f.size > 0:
+            yield f
+
+
+def sealed_files(store: MetaStore) -> Iterator[SealedRow]:
+    """Every sealed file with its sums, by inode number."""
+    for ino, sum_unit, sums in list(store.engine.scan("sealed", ("ino", "sum_unit", "sums"),
+                                                      order="ino")):
+        row = store.engine.get("inodes", {"ino": ino}, _FILE_COLUMNS)
+        f = _file(row) if row is not None else None
+        if f is not None:
+            yield SealedRow(f, sum_unit, bytes(sums))
+
+
+def bytes_by_use(store: MetaStore) -> dict[str, int]:
+    """Bytes of regular files by what wrote them: KV chunks, direct commits (sealed:
+    checkpoints, models), and files written through the mount."""
+    e = store.engine
+    kv = {ino: size for ino, size in e.scan("kv", ("ino", "size"))}
+    sealed = {r[0] for r in e.scan("sealed", ("ino",))}
+    files = sealed_total = 0
+    for ino, mode, nlink, size in e.scan("inodes", ("ino", "mode", "nlink", "size")):
+        if not stat.S_ISREG(mode) or nlink <= 0:
+            continue
+        files += size
+        if ino in sealed and ino not in kv:
+            sealed_total += size
+    kv_total = sum(kv.values())
+    return {"kv": kv_total, "sealed": sealed_total, "files": files - kv_total - sealed_total}

@@ -1,0 +1,715 @@
+"""The metadata interface, driven directly (no FUSE, no root), against every engine.
+
+Every namespace rule and error of `MetaStore`, the invariants `meta/check.py`
+finds, sequences, memory put back when a change fails, two connections conflicting
+and running their changes again, and crash safety: a process SIGKILLed in the middle
+of each kind of change leaves the old state or the new one, never a part.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from pg_server import Server, server_or_skip
+
+from mxfs.meta import ROOT_INO, MetaStore, Unusable
+from mxfs.meta import check as meta_check
+from mxfs.meta.engine import Engine
+from mxfs.meta.schema import TABLES
+
+UNIT = 1 << 20
+UUID = "00000000-0000-4000-8000-000000000015"
+ENGINES = ["sqlite", "postgresql"]
+REG, DIR = stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755
+
+
+def pick(ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
+    return unit or UNIT, width or 4, ino % 4
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[Server]:
+    yield from server_or_skip()
+
+
+@pytest.fixture(params=ENGINES)
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a fresh store of the engine under test lives."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("pg").database()
+    folder = tmp_path / "meta"
+    folder.mkdir()
+    return str(folder)
+
+
+@pytest.fixture
+def store(where: str) -> Iterator[MetaStore]:
+    s = MetaStore.format(where, UUID, UNIT)
+    yield s
+    s.close()
+
+
+def impatient(where: str) -> Engine:
+    """A second connection that reports a conflict at once instead of waiting."""
+    if where.startswith("postgresql://"):
+        from mxfs.meta.pg_engine import PgEngine
+        return PgEngine.open(where, busy_ms=1)
+    from mxfs.meta.sqlite_engine import SqliteEngine
+    return SqliteEngine.open(where, busy_ms=0)
+
+
+def errno_of(fn: Callable[[], object]) -> int:
+    with pytest.raises(OSError) as e:
+        fn()
+    return e.value.errno
+
+
+def fresh(where: str) -> MetaStore:
+    """The rows as another connection sees them (nothing cached)."""
+    return MetaStore.open(where, readonly=True)
+
+
+def names(store: MetaStore, d: int) -> list[bytes]:
+    out, after = [], 0
+    while batch := store.readdir(d, after, limit=3):
+        out += [e.name for e in batch]
+        after = batch[-1].cookie
+    return out
+
+
+def assert_sound(store: MetaStore) -> None:
+    assert [p.text for p in meta_check.problems(store)] == []
+
+
+# ---- names ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, code", [
+    (b"", errno.EINVAL), (b".", errno.EINVAL), (b"..", errno.EINVAL), (b"a/b", errno.EINVAL),
+    (b"a\0b", errno.EINVAL), (b"x" * 256, errno.ENAMETOOLONG)])
+def test_names_follow_the_kernels_rules_everywhere(store: MetaStore, name: bytes,
+                                                   code: int) -> None:
+    f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    h = store.create_hidden(ROOT_INO, 0o644, 0, 0, pick)
+    assert errno_of(lambda: store.create(ROOT_INO, name, REG, 0, 0, layout_for=pick)) == code
+    assert errno_of(lambda: store.link(f.ino, ROOT_INO, name)) == code
+    assert errno_of(lambda: store.rename(ROOT_INO, b"f", ROOT_INO, name)) == code
+    assert errno_of(lambda: store.publish(h.ino, ROOT_INO, name, replace=True, size=0,
+                                          sum_unit=UNIT, sums=b"")) == code
+    assert store.create(ROOT_INO, b"x" * 255, REG, 0, 0, layout_for=pick).nlink == 1
+    assert_sound(store)
+
+
+# ---- create, lookup, layouts ------------------------------------------------------
+
+
+def test_create_makes_an_entry_and_counts_links(store: MetaStore, where: str) -> None:
+    root = store.get(ROOT_INO)
+    before = root.mtime_ns
+    d = store.create(ROOT_INO, b"d", DIR, 7, 8)
+    assert (d.nlink, d.uid, d.gid, root.nlink) == (2, 7, 8, 3)
+    assert root.mtime_ns >= before and root.ctime_ns == root.mtime_ns
+    f = store.create(d.ino, b"f", REG, 7, 8, layout_for=pick)
+    s = store.create(d.ino, b"s", stat.S_IFLNK | 0o777, 7, 8, target=b"../f")
+    n = store.create(d.ino, b"n", stat.S_IFCHR | 0o600, 0, 0, rdev=0x0103)
+    assert (f.nlink, f.size, d.nlink) == (1, 0, 2)
+    assert (s.target, s.size) == (b"../f", 4)
+    assert n.rdev == 0x0103
+    assert store.lookup(d.ino, b"f") is f
+    assert store.lookup(d.ino, b".") is d and store.lookup(d.ino, b"..") is root
+    assert store.lookup(ROOT_INO, b"..") is root
+    assert errno_of(lambda: store.lookup(d.ino, b"missing")) == errno.ENOENT
+    assert errno_of(lambda: store.create(d.ino, b"f", REG, 0, 0, layout_for=pick)) == \
+        errno.EEXIST
+    assert errno_of(lambda: store.create(f.ino, b"x", REG, 0, 0, layout_for=pick)) == \
+        errno.ENOTDIR
+    assert errno_of(lambda: store.get(999_999)) == errno.ENOENT
+    other = fresh(where)
+    assert other.lookup(d.ino, b"f") == f and other.get(ROOT_INO) == root
+    assert sorted(names(other, d.ino)) == [b"f", b"n", b"s"]
+    other.close()
+    assert_sound(store)
+
+
+def test_layouts_come_from_the_directory(store: MetaStore) -> None:
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    store.set_layout(d, 4 * UNIT, 2)
+    sub = store.create(d.ino, b"sub", DIR, 0, 0)
+    assert (sub.stripe_unit, sub.stripe_width) == (4 * UNIT, 2)
+    f = store.create(sub.ino, b"f", REG, 0, 0, layout_for=pick)
+    assert (f.stripe_unit, f.stripe_width, f.first_member) == (4 * UNIT, 2, f.ino % 4)
+    h = store.create_hidden(sub.ino, 0o600, 0, 0, pick)
+    assert (h.stripe_unit, h.stripe_width) == (4 * UNIT, 2)
+    store.set_layout(f, UNIT, 1)
+    assert (store.get(f.ino).stripe_unit, store.get(f.ino).stripe_width) == (UNIT, 1)
+
+
+def test_a_removed_directory_takes_no_new_entries(store: MetaStore) -> None:
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    store.rmdir(ROOT_INO, b"d")
+    assert d.nlink == 0
+    assert errno_of(lambda: store.create(d.ino, b"f", REG, 0, 0, layout_for=pick)) == \
+        errno.ENOENT
+    assert errno_of(lambda: store.create_hidden(d.ino, 0o644, 0, 0, pick)) == errno.ENOENT
+
+
+# ---- links, unlink, rmdir, orphans -------------------------------------------------
+
+
+def test_link_and_unlink_count_links_and_make_orphans(store: MetaStore) -> None:
+    f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    assert store.link(f.ino, d.ino, b"g").nlink == 2
+    assert errno_of(lambda: store.link(f.ino, d.ino, b"g")) == errno.EEXIST
+    assert errno_of(lambda: store.link(d.ino, ROOT_INO, b"d2")) == errno.EPERM
+    assert errno_of(lambda: store.unlink(ROOT_INO, b"d")) == errno.EISDIR
+    assert errno_of(lambda: store.unlink(ROOT_INO, b"nope")) == errno.ENOENT
+    assert store.unlink(ROOT_INO, b"f").nlink == 1
+    assert store.orphans() == []
+    assert store.unlink(d.ino, b"g") is f and f.nlink == 0
+    assert store.orphans() == [f.ino]
+    assert errno_of(lambda: store.link(f.ino, ROOT_INO, b"back")) == errno.ENOENT
+    assert_sound(store)
+    store.drop_inode(f.ino)
+    assert store.orphans() == [] and errno_of(lambda: store.get(f.ino)) == errno.ENOENT
+    assert_sound(store)
+
+
+def test_rmdir_needs_an_empty_directory(store: MetaStore) -> None:
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    f = store.create(d.ino, b"f", REG, 0, 0, layout_for=pick)
+    store.create(ROOT_INO, b"file", REG, 0, 0, layout_for=pick)
+    assert errno_of(lambda: store.rmdir(ROOT_INO, b"d")) == errno.ENOTEMPTY
+    assert errno_of(lambda: store.rmdir(ROOT_INO, b"file")) == errno.ENOTDIR
+    assert errno_of(lambda: store.rmdir(ROOT_INO, b"nope")) == errno.ENOENT
+    store.unlink(d.ino, b"f")
+    assert store.get(ROOT_INO).nlink == 3
+    assert store.rmdir(ROOT_INO, b"d").nlink == 0
+    assert store.get(ROOT_INO).nlink == 2
+    assert set(store.orphans()) == {f.ino, d.ino}
+    assert_sound(store)
+
+
+# ---- rename -----------------------------------------------------------------------
+
+
+def test_rename_moves_and_replaces_by_posix_rules(store: MetaStore) -> None:
+    a = store.create(ROOT_INO, b"a", DIR, 0, 0)
+    b = store.create(ROOT_INO, b"b", DIR, 0, 0)
+    f = store.create(a.ino, b"f", REG, 0, 0, layout_for=pick)
+    g = store.create(b.ino, b"g", REG, 0, 0, layout_for=pick)
+    sub = store.create(a.ino, b"sub", DIR, 0, 0)
+    assert errno_of(lambda: store.rename(a.ino, b"nope", b.ino, b"x")) == errno.ENOENT
+    assert errno_of(lambda: store.rename(a.ino, b"f", b.ino, b"g", noreplace=True)) == \
+        errno.EEXIST
+    assert errno_of(lambda: store.rename(a.ino, b"sub", b.ino, b"g")) == errno.ENOTDIR
+    assert errno_of(lambda: store.rename(a.ino, b"f", ROOT_INO, b"b")) == errno.EISDIR
+    assert errno_of(lambda: store.rename(ROOT_INO, b"a", sub.ino, b"a")) == errno.EINVAL
+    assert errno_of(lambda: store.rename(ROOT_INO, b"a", ROOT_INO, b"b")) == errno.ENOTEMPTY
+    gone = store.rename(a.ino, b"f", b.ino, b"g")  # replaces g: its last link
+    assert gone is g and g.nlink == 0 and store.orphans() == [g.ino]
+    assert store.lookup(b.ino, b"g") is f and names(store, a.ino) == [b"sub"]
+    assert store.rename(a.ino, b"sub", b.ino, b"sub") is None  # a directory moves
+    assert (a.nlink, b.nlink) == (2, 3)
+    assert store.parent_of(sub.ino) == b.ino
+    empty = store.create(ROOT_INO, b"empty", DIR, 0, 0)
+    assert store.rename(b.ino, b"sub", ROOT_INO, b"empty") is empty  # over an empty dir
+    assert empty.nlink == 0 and b.nlink == 2 and store.get(ROOT_INO).nlink == 5
+    store.link(f.ino, b.ino, b"same")
+    assert store.rename(b.ino, b"g", b.ino, b"same") is None  # one inode: nothing happens
+    assert sorted(names(store, b.ino)) == [b"g", b"same"]
+    assert_sound(store)
+
+
+def test_rename_keeps_the_readdir_cookie(store: MetaStore) -> None:
+    for n in (b"a", b"b", b"c"):
+        store.create(ROOT_INO, n, REG, 0, 0, layout_for=pick)
+    store.rename(ROOT_INO, b"a", ROOT_INO, b"z")
+    assert names(store, ROOT_INO) == [b"z", b"b", b"c"]
+
+
+def test_rename_exchange_swaps_two_entries(store: MetaStore) -> None:
+    a = store.create(ROOT_INO, b"a", DIR, 0, 0)
+    f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    sub = store.create(a.ino, b"sub", DIR, 0, 0)
+    assert errno_of(lambda: store.rename(ROOT_INO, b"f", a.ino, b"none", exchange=True)) == \
+        errno.ENOENT
+    assert errno_of(lambda: store.rename(a.ino, b"sub", ROOT_INO, b"a", exchange=True)) == \
+        errno.EINVAL
+    assert store.rename(ROOT_INO, b"f", a.ino, b"sub", exchange=True) is None
+    assert store.lookup(ROOT_INO, b"f") is sub and store.lookup(a.ino, b"sub") is f
+    assert (store.get(ROOT_INO).nlink, a.nlink) == (4, 2)  # the directory moved up
+    assert_sound(store)
+
+
+# ---- readdir ----------------------------------------------------------------------
+
+
+def test_readdir_is_stable_while_entries_change(store: MetaStore) -> None:
+    for i in range(20):
+        store.create(ROOT_INO, b"f%02d" % i, REG, 0, 0, layout_for=pick)
+    first = store.readdir(ROOT_INO, 0, limit=7)
+    assert [e.name for e in first] == [b"f%02d" % i for i in range(7)]
+    store.unlink(ROOT_INO, b"f03")  # already listed
+    store.unlink(ROOT_INO, b"f10")  # not yet listed
+    store.create(ROOT_INO, b"new", REG, 0, 0, layout_for=pick)
+    rest, after = [], first[-1].cookie
+    while batch := store.readdir(ROOT_INO, after, limit=4):
+        rest += [e.name for e in batch]
+        after = batch[-1].cookie
+    assert rest == [b"f%02d" % i for i in range(7, 20) if i != 10] + [b"new"]
+    assert store.readdir(ROOT_INO, after) == []
+
+
+# ---- xattrs -----------------------------------------------------------------------
+
+
+def test_xattrs_are_set_listed_replaced_and_removed(store: MetaStore, where: str) -> None:
+    f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    store.setxattr(f, b"user.b", b"\x00\xff")
+    store.setxattr(f, b"user.a", b"1")
+    store.setxattr(f, b"user.a", b"2")
+    assert store.listxattr(f.ino) == [b"user.a", b"user.b"]
+    assert store.getxattr(f.ino, b"user.a") == b"2"
+    assert store.getxattr(f.ino, b"user.b") == b"\x00\xff"
+    assert store.getxattr(f.ino, b"user.c") is None
+    ctime = f.ctime_ns
+    assert store.removexattr(f, b"user.a") and f.ctime_ns >= ctime
+    assert not store.removexattr(f, b"user.a")
+    other = fresh(where)
+    assert other.listxattr(f.ino) == [b"user.b"]
+    other.close()
+
+
+# ---- attributes, data fields -----------------------------------------------------
+
+
+def test_attributes_are_saved_by_typed_setters(store: MetaStore, where: str) -> None:
+    f = store.create(ROOT_INO, b"f", REG, 1, 1, layout_for=pick)
+    store.touch(f, size=5000, mtime_ns=10, atime_ns=11)
+    assert f.dirty
+    other = fresh(where)
+    assert other.get(f.ino).size == 0  # held in memory until written back
+    other.close()
+    store.set_attrs(f, mode=stat.S_IFREG | 0o600, uid=5, gid=6, ctime_ns=12)
+    assert not f.dirty
+    other = fresh(where)
+    g = other.get(f.ino)
+    assert (g.mode, g.uid, g.gid, g.size, g.mtime_ns, g.atime_ns, g.ctime_ns) == \
+        (stat.S_IFREG | 0o600, 5, 6, 5000, 10, 11, 12)
+    other.close()
+    with pytest.raises(TypeError):
+        store.set_attrs(f, nlinks=3)  # type: ignore[call-arg]
+    store.touch(f, size=7000)
+    store.flush_all()
+    other = fresh(where)
+    assert other.get(f.ino).size == 7000
+    other.close()
+
+
+def test_writes_and_truncates_mark_dirty_data(store: MetaStore) -> None:
+    f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    store.begin_write(f)
+    assert f.generation == 1 and store.dirty_data() == [f.ino]
+    store.clear_dirty_data(f.ino)
+    store.touch(f, size=100)
+    assert not store.resize(f, 200) and store.dirty_data() == []  # growing: nothing to cut
+    assert store.resize(f, 50) and store.dirty_data() == [f.ino] and f.generation == 3
+
+
+# ---- direct writes: hidden files, publish, seals ----------------------------------
+
+
+def test_hidden_files_are_orphans_until_published_and_sealed(store: MetaStore) -> None:
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    h = store.create_hidden(d.ino, 0o640, 3, 4, pick)
+    assert (h.nlink, h.mode, h.uid) == (0, stat.S_IFREG | 0o640, 3)
+    assert store.orphans() == [h.ino]
+    assert_sound(store)
+    assert store.publish(h.ino, d.ino, b"ckpt", replace=False, size=4096, sum_unit=UNIT,
+                         sums=b"12345678") is None
+    assert (h.nlink, h.size) == (1, 4096) and store.orphans() == []
+    assert store.seal_of(h.ino) == (UNIT, b"12345678") and store.is_sealed(h.ino)
+    assert errno_of(lambda: store.publish(h.ino, d.ino, b"again", replace=True, size=1,
+                                          sum_unit=UNIT, sums=b"")) == errno.EINVAL
+    second = store.create_hidden(d.ino, 0o640, 3, 4, pick)
+    assert errno_of(lambda: store.publish(second.ino, d.ino, b"ckpt", replace=False, size=1,
+                                          sum_unit=UNIT, sums=b"")) == errno.EEXIST
+    assert second.nlink == 0 and not store.is_sealed(second.ino)  # nothing of it kept
+    assert store.publish(second.ino, d.ino, b"ckpt", replace=True, size=1, sum_unit=UNIT,
+                         sums=b"") is h
+    assert h.nlink == 0 and set(store.orphans()) == {h.ino}
+    store.create(d.ino, b"sub", DIR, 0, 0)
+    third = store.create_hidden(d.ino, 0o640, 3, 4, pick)
+    assert errno_of(lambda: store.publish(third.ino, d.ino, b"sub", replace=True, size=1,
+                                          sum_unit=UNIT, sums=b"")) == errno.EISDIR
+    assert_sound(store)
+    store.drop_inode(h.ino)
+    assert store.seal_of(h.ino) is None
+
+
+# ---- the KV index -----------------------------------------------------------------
+
+
+def test_kv_rows_first_writer_wins_and_removal_makes_orphans(store: MetaStore) -> None:
+    store.kv.set_namespace("ns", 5, 6, 0o700, 1 << 30)
+    store.kv.set_namespace("ns", 5, 6, 0o750, 1 << 31)
+    assert store.kv.namespaces() == [("ns", 5, 6, 0o750, 1 << 31)]
+    a = store.create_hidden(ROOT_INO, 0o600, 0, 0, pick)
+    b = store.create_hidden(ROOT_INO, 0o600, 0, 0, pick)
+    store.kv.publish(a.ino, "ns", b"k1", 100, 2, UNIT, b"sumsumsu")
+    assert errno_of(lambda: store.kv.publish(b.ino, "ns", b"k1", 100, 3, UNIT, b"")) == \
+        errno.EEXIST
+    assert b.nlink == 0 and store.orphans() == [b.ino]
+    store.kv.publish(b.ino, "ns", b"k2", 200, 1, UNIT, b"")
+    assert [c[:5] for c in store.kv.chunks()] == [("ns", b"k2", b.ino, 200, 1),
+                                                  ("ns", b"k1", a.ino, 100, 2)]
+    store.kv.touch([(9, "ns", b"k2")])
+    assert [c[1] for c in store.kv.chunks()] == [b"k1", b"k2"]
+    assert store.kv.key_of(a.ino) == ("ns", b"k1")
+    assert_sound(store)
+    assert store.kv.remove([("ns", b"k1", a.ino)]) == [a]
+    assert a.nlink == 0 and store.orphans() == [a.ino]
+    store.kv.drop_namespace("ns")
+    assert store.kv.namespaces() == []
+    assert_sound(store)
+
+
+# ---- sequences ----------------------------------------------------------------------
+
+
+def test_inode_numbers_and_cookies_are_never_reused(store: MetaStore, where: str) -> None:
+    f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    first_cookie = store.readdir(ROOT_INO, 0)[0].cookie
+    store.unlink(ROOT_INO, b"f")
+    store.drop_inode(f.ino)
+    store.close()
+    again = MetaStore.open(where)
+    g = again.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    assert g.ino > f.ino and again.readdir(ROOT_INO, 0)[0].cookie > first_cookie
+    seen = [again.engine.txn(lambda: again.engine.next_id("ino")) for _ in range(5)]
+    assert seen == sorted(set(seen)) and seen[0] > g.ino
+    again.close()
+
+
+# ---- failed changes ---------------------------------------------------------------
+
+
+def test_a_failed_change_is_undone_in_the_rows_and_in_memory(store: MetaStore,
+                                                             where: str) -> None:
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    f = store.create(d.ino, b"f", REG, 0, 0, layout_for=pick)
+    before = (store.get(ROOT_INO).nlink, d.nlink, d.mtime_ns, f.nlink, store.count_inodes())
+
+    def broken() -> None:
+        store.unlink(d.ino, b"f")
+        store.create(ROOT_INO, b"e", DIR, 0, 0)
+        raise RuntimeError("the change fails after some of its writes")
+
+    with pytest.raises(RuntimeError):
+        store.txn(broken)
+    assert (store.get(ROOT_INO).nlink, d.nlink, d.mtime_ns, f.nlink,
+            store.count_inodes()) == before
+    assert store.lookup(d.ino, b"f") is f and store.orphans() == []
+    assert errno_of(lambda: store.lookup(ROOT_INO, b"e")) == errno.ENOENT
+
+    def bad_layout(ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
+        raise OSError(errno.EINVAL, "no layout")
+
+    assert errno_of(lambda: store.create(d.ino, b"g", REG, 0, 0, layout_for=bad_layout)) == \
+        errno.EINVAL
+    assert d.nlink == 2 and names(store, d.ino) == [b"f"]
+    other = fresh(where)
+    assert other.get(d.ino) == d and other.count_inodes() == before[4]
+    other.close()
+    assert_sound(store)
+
+
+def test_values_an_engine_cannot_hold_are_eoverflow(store: MetaStore) -> None:
+    f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    assert errno_of(lambda: store.set_attrs(f, uid=1 << 64)) == errno.EOVERFLOW
+    assert store.get(f.ino).uid == 0
+
+
+def test_a_readonly_store_refuses_changes(store: MetaStore, where: str) -> None:
+    ro = fresh(where)
+    assert errno_of(lambda: ro.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)) == \
+        errno.EROFS
+    ro.close()
+
+
+def test_what_is_not_a_store_is_unusable(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(Unusable):
+        MetaStore.open(str(empty))
+    (empty / "mxfs.db").write_bytes(b"not a database" * 100)
+    with pytest.raises(Unusable):
+        MetaStore.open(str(empty))
+
+
+# ---- grouped changes ----------------------------------------------------------------
+
+
+def test_grouped_changes_are_seen_by_others_only_once_committed(store: MetaStore,
+                                                                where: str) -> None:
+    store.group_changes(3600)
+    store.create(ROOT_INO, b"g", REG, 0, 0, layout_for=pick)
+    assert store.lookup(ROOT_INO, b"g").nlink == 1  # its own change, seen at once
+    other = fresh(where)
+    assert errno_of(lambda: other.lookup(ROOT_INO, b"g")) == errno.ENOENT
+    store.commit_if_due()  # not due yet
+    assert errno_of(lambda: other.lookup(ROOT_INO, b"g")) == errno.ENOENT
+    store.durable()
+    assert other.lookup(ROOT_INO, b"g").nlink == 1
+    other.close()
+
+
+# ---- two connections ---------------------------------------------------------------
+
+
+def _counter(engine: Engine) -> int:
+    row = engine.get("settings", {"key": "counter"}, ("value",))
+    return int(row[0]) if row else 0
+
+
+def _bump(engine: Engine) -> None:
+    engine.upsert("settings", {"key": "counter", "value": str(_counter(engine) + 1)})
+
+
+def test_two_connections_conflict_and_run_their_changes_again(store: MetaStore,
+                                                              where: str) -> None:
+    engines = [impatient(where), impatient(where)]
+    tries = [0, 0]
+
+    def work(i: int) -> None:
+        def change() -> None:
+            tries[i] += 1
+            _bump(engines[i])
+            time.sleep(0.001)  # hold the change open a moment: the other one waits
+        for _ in range(100):
+            engines[i].txn(change)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _counter(store.engine) == 200  # no update was lost
+    assert sum(tries) >= 200
+    for e in engines:
+        e.close()
+
+
+def test_a_change_waits_for_another_writers_group(store: MetaStore, where: str) -> None:
+    store.group_changes(3600)
+    store.txn(lambda: _bump(store.engine))  # an open group holds the store
+    second = impatient(where)
+    done = threading.Event()
+
+    def later() -> None:
+        second.txn(lambda: _bump(second))
+        done.set()
+
+    t = threading.Thread(target=later)
+    t.start()
+    time.sleep(0.3)
+    assert not done.is_set()  # conflicting: it runs again until the group ends
+    store.commit()
+    t.join(10)
+    assert done.is_set() and _counter(second) == 2
+    second.close()
+
+
+def test_a_change_that_always_conflicts_gives_up_with_ebusy(store: MetaStore,
+                                                            where: str) -> None:
+    store.group_changes(3600)
+    store.txn(lambda: _bump(store.engine))
+    second = impatient(where)
+    assert errno_of(lambda: second.txn(lambda: _bump(second))) == errno.EBUSY
+    store.commit()
+    second.close()
+
+
+# ---- crash safety ---------------------------------------------------------------------
+
+# A child process sets a store up (durably), then runs one change, SIGKILLed at the
+# `cut`-th call of the change to a write primitive or to commit ("mid": the change
+# must be gone), or at its sync ("committed": it must be whole); cut 0 runs it through.
+_CHILD = r"""
+import sys, time
+from mxfs.meta import MetaStore, ROOT_INO
+where, op, cut = sys.argv[1], sys.argv[2], int(sys.argv[3])
+pick = lambda ino, u, w: (u or 1 << 20, w or 4, ino % 4)
+s = MetaStore.open(where)
+REG, DIR = 0o100644, 0o40755
+d = s.create(ROOT_INO, b"d", DIR, 0, 0)
+f = s.create(d.ino, b"f", REG, 0, 0, layout_for=pick)
+s.create(ROOT_INO, b"e", DIR, 0, 0)
+s.create(ROOT_INO, b"g", REG, 0, 0, layout_for=pick)
+h = s.create_hidden(d.ino, 0o644, 0, 0, pick)
+k = s.create_hidden(ROOT_INO, 0o600, 0, 0, pick)
+s.kv.set_namespace("ns", 0, 0, 0o700, 0)
+s.kv.publish(k.ino, "ns", b"old", 10, 1, 4096, b"12345678")
+s.setxattr(f, b"user.x", b"1")
+s.durable()
+if op == "none":
+    sys.exit(0)
+calls = 0
+eng = s.engine
+def cutting(real, say):
+    def call(*a, **kw):
+        global calls
+        if real.__name__ == "commit" and eng.group_age() is None:
+            return real(*a, **kw)  # nothing open: nothing to cut
+        calls += 1
+        if calls == cut or (say == "committed" and cut):
+            print(say, flush=True)
+            time.sleep(60)
+        return real(*a, **kw)
+    return call
+for name in ("insert", "upsert", "update", "update_many", "delete", "next_id", "commit"):
+    setattr(eng, name, cutting(getattr(eng, name), "mid"))
+eng.sync = cutting(eng.sync, "committed")
+ops = {
+    "create": lambda: s.create(d.ino, b"new", REG, 0, 0, layout_for=pick),
+    "mkdir": lambda: s.create(d.ino, b"newdir", DIR, 0, 0),
+    "link": lambda: s.link(f.ino, ROOT_INO, b"f2"),
+    "unlink": lambda: s.unlink(d.ino, b"f"),
+    "rmdir": lambda: s.rmdir(ROOT_INO, b"e"),
+    "rename": lambda: s.rename(d.ino, b"f", ROOT_INO, b"g"),
+    "rename_dir": lambda: s.rename(ROOT_INO, b"e", d.ino, b"e2"),
+    "exchange": lambda: s.rename(ROOT_INO, b"e", d.ino, b"f", exchange=True),
+    "publish": lambda: s.publish(h.ino, ROOT_INO, b"g", replace=True, size=3, sum_unit=4096,
+                                 sums=b"abcdefgh"),
+    "setxattr": lambda: s.setxattr(f, b"user.x", b"2"),
+    "set_attrs": lambda: s.set_attrs(f, mode=0o100600, uid=9, gid=9),
+    "kv_publish": lambda: s.kv.publish(h.ino, "ns", b"new", 5, 2, 4096, b"abcdefgh"),
+    "kv_remove": lambda: s.kv.remove([("ns", b"old", k.ino)]),
+    "drop_inode": lambda: s.drop_inode(h.ino),
+}
+ops[op]()
+s.durable()
+print("done", flush=True)
+time.sleep(60)
+"""
+
+_CRASH_OPS = ["create", "mkdir", "link", "unlink", "rmdir", "rename", "rename_dir",
+              "exchange", "publish", "setxattr", "set_attrs", "kv_publish", "kv_remove",
+              "drop_inode"]
+
+
+def _state(where: str) -> dict[str, list[str]]:
+    """Every row, times aside (they differ from run to run)."""
+    s = MetaStore.open(where, readonly=True)
+    try:
+        out = {}
+        for t in TABLES.values():
+            cols = [c for c in t.names if not c.endswith("time_ns")]
+            out[t.name] = sorted(map(repr, s.engine.scan(t.name, cols)))
+        assert_sound(s)
+        return out
+    finally:
+        s.close()
+
+
+def _run(where: str, op: str, cut: int) -> str:
+    """A fresh store, the child run on it and killed; what it said when it was."""
+    MetaStore.format(where, UUID, UNIT).close()
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, where, op, str(cut)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    said = proc.stdout.readline().strip()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return said
+
+
+@pytest.mark.parametrize("op", _CRASH_OPS)
+def test_a_change_killed_midway_leaves_the_old_state_or_the_new(where: str, op: str) -> None:
+    _run(where, "none", 0)
+    old = _state(where)
+    assert _run(where, op, 0) == "done"
+    new = _state(where)
+    assert new != old
+    for cut in range(1, 30):
+        said = _run(where, op, cut)
+        if said == "committed":
+            assert _state(where) == new, f"{op}: committed, yet not whole"
+            break
+        assert said == "mid"
+        assert _state(where) == old, f"{op}: killed at write {cut}, part of it was kept"
+    else:
+        raise AssertionError(f"{op}: more than 30 writes")
+
+
+def test_grouped_changes_survive_a_crash_as_a_prefix(where: str) -> None:
+    """Killed while grouping: the store holds the first k changes for some k, whole."""
+    MetaStore.format(where, UUID, UNIT).close()
+    child = r"""
+import sys
+from mxfs.meta import MetaStore, ROOT_INO
+s = MetaStore.open(sys.argv[1])
+s.group_changes(0.005)
+pick = lambda ino, u, w: (u or 1 << 20, w or 4, ino % 4)
+for i in range(100000):
+    d = s.create(ROOT_INO, b"d%06d" % i, 0o40755, 0, 0)
+    s.create(d.ino, b"f", 0o100644, 0, 0, layout_for=pick)
+    s.commit_if_due()
+    if i % 50 == 0:
+        s.durable()
+        print(i, flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", child, where], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    for _ in range(6):
+        durable = int(proc.stdout.readline())
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    s = MetaStore.open(where, readonly=True)
+    try:
+        got = names(s, ROOT_INO)
+        assert got == [b"d%06d" % i for i in range(len(got))]  # a prefix, in order
+        assert len(got) > durable  # everything made durable is there
+        assert_sound(s)
+    finally:
+        s.close()
+
+
+# ---- every engine's rows hold what the rules wrote -----------------------------------
+
+
+def test_the_invariant_check_finds_each_kind_of_damage(store: MetaStore) -> None:
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
+    g = store.create(ROOT_INO, b"g", REG, 0, 0, layout_for=pick)
+    k = store.create_hidden(ROOT_INO, 0o600, 0, 0, pick)
+    store.kv.publish(k.ino, "ns", b"key", 1, 1, UNIT, b"")
+    assert_sound(store)
+    e = store.engine
+
+    def hurt() -> None:
+        e.delete("dentries", {"parent": ROOT_INO, "name": b"f"})  # f unreachable
+        e.update("inodes", {"ino": g.ino}, {"nlink": 3})  # a wrong link count
+        e.update("inodes", {"ino": d.ino}, {"nlink": 7})  # a wrong directory link count
+        e.insert("dentries", {"id": e.next_id("dentry"), "parent": ROOT_INO,
+                              "name": b"ghost", "ino": 999_999})
+        e.insert("dentries", {"id": e.next_id("dentry"), "parent": g.ino, "name": b"in",
+                              "ino": d.ino})
+        e.insert("kv", {"ns": "ns", "key": b"lost", "ino": 888_888, "size": 1, "atime": 1})
+    store.txn(hurt)
+    kinds = {(p.kind, p.ino) for p in meta_check.problems(store)}
+    assert kinds >= {(meta_check.UNREACHABLE, f.ino), (meta_check.LINK_COUNT, g.ino),
+                     (meta_check.DIR_LINK_COUNT, d.ino), (meta_check.DANGLING_ENTRY, 999_999),
+                     (meta_check.PARENT_NOT_DIR, d.ino), (meta_check.DANGLING_KV, 888_888)}
