@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what mxfs needs on a fresh Debian/Ubuntu machine: FUSE 3 and its headers
-# (pyfuse3 builds against them), a virtualenv, the CPU build of torch, and mxfs itself.
+# (pyfuse3 builds against them), PostgreSQL's server (the shared metadata engine), a virtualenv, the CPU build of torch, and mxfs itself.
 set -euo pipefail
 venv=${1:-.venv}
 
@@ -13,6 +13,8 @@ command -v rsync >/dev/null || need+=(rsync)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v git >/dev/null || need+=(git)
 command -v mkfs.xfs >/dev/null || need+=(xfsprogs)  # the benches' members rig (tools/rig.py)
+# PostgreSQL's server binaries: the shared metadata engine; its tests run a cluster of their own
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 [ -f /usr/include/liburing.h ] || need+=(liburing-dev)  # the native I/O engine builds on it
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
