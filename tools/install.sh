@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what mxfs needs on a fresh Debian/Ubuntu machine: FUSE 3 and its headers
-# (pyfuse3 builds against them), PostgreSQL's server (the shared metadata engine), a virtualenv, the CPU build of torch, and mxfs itself.
+# (pyfuse3 builds against them), PostgreSQL's server (the shared metadata engine), a
+# virtualenv, the CPU build of torch, and mxfs itself.
 set -euo pipefail
 venv=${1:-.venv}
 
