@@ -1,17 +1,10 @@
-"""Engine backends on the real base classes, loaded and driven the way each engine does.
+"""The SGLang backend on SGLang's real base classes, loaded and driven the way SGLang does.
 
-Each test needs its engine installed and skips without it (the engines are not in
-the test extras: SGLang alone pulls ~1 GB of triton, vLLM ~900 MB).  They were run in
-separate virtualenvs, each with torch==2.13.0, `pip install -e . --no-deps` plus mxfs's
-own dependencies and pytest, and:
-
-  sglang 0.5.23:  pip install --no-deps sglang; pip install orjson psutil pybase64
-                  requests triton packaging pillow starlette msgspec pydantic pyzmq
-                  tqdm IPython aiohttp
-  lmcache 0.5.6:  pip install --no-deps lmcache; pip install sortedcontainers numba
-                  prometheus_client py-cpuinfo psutil aiohttp requests cachetools
-                  pyyaml cryptography blake3
-  vllm 0.33.0:    pip install --no-deps vllm; pip install packaging numpy msgspec
+Each engine test skips where its engine is not installed (the engines are not in the
+test extras: SGLang alone pulls ~1 GB of triton).  `make test` runs them again in the
+engines' virtualenv, `.venv-engines` (tools/install_engines.sh: vLLM's CPU build 0.32.0
+with its dependencies, SGLang 0.5.23 and LMCache 0.5.6 with `--no-deps` plus what their
+KV storage code imports, pinned by tools/engines-constraints.txt), where nothing may skip.
 """
 
 from __future__ import annotations

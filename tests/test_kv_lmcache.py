@@ -1,7 +1,7 @@
 """The LMCache L2 adapter on LMCache's real base classes, built the way LMCache builds it.
 
-Skips without LMCache (not in the test extras); how it was installed is in
-tests/test_kv_adapters.py.
+Skips without LMCache (not in the test extras); `make test` runs it
+again in the engines' virtualenv (tools/install_engines.sh), where nothing may skip.
 """
 
 from __future__ import annotations

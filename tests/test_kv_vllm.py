@@ -1,8 +1,9 @@
 """The vLLM offloading tier, driven through vLLM's own spec factory and tiering manager.
 
-Skips without vLLM (not in the test extras); how it was installed is in
-tests/test_kv_adapters.py.  vLLM's manager runs on the CPU: its offload region is a
-real /dev/shm mmap, the rows a GPU worker would fill are written by the test.
+Skips without vLLM (not in the test extras); `make test` runs it again in the engines'
+virtualenv (tools/install_engines.sh), where nothing may skip.  vLLM's manager runs on
+the CPU: its offload region is a real /dev/shm mmap, the rows a GPU worker would fill
+are written by the test.
 """
 
 from __future__ import annotations
