@@ -167,3 +167,44 @@ def test_a_server_that_is_gone_is_one_clear_error(members: list[str]) -> None:
 def test_meta_backup_says_the_server_keeps_the_copies(mounted: Mounted) -> None:
     line = one_line_error(mxfs("meta", "backup", str(mounted.path), check=False))
     assert "pg_dump" in line
+
+
+def test_migrate_moves_a_pool_to_the_server_and_back(tmp_path: Path, members: list[str],
+                                                     pg: Server) -> None:
+    if not HAVE_FUSE:
+        pytest.skip("needs root and /dev/fuse")
+    mkfs(members)  # SQLite on member 0
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-mnt-"))
+    m = Mounted(mp, members)
+    try:
+        m.remount()
+        (mp / "d").mkdir()
+        data = os.urandom(300_000)
+        (mp / "d" / "f").write_bytes(data)
+        os.link(mp / "d" / "f", mp / "g")
+        os.setxattr(mp / "g", "user.k", b"v")
+        ino = os.stat(mp / "g").st_ino
+        m.umount()
+        url = pg.database()
+        assert "switched the pool" in mxfs("meta", "migrate", members[0], "--to", url).stdout
+        assert read_superblock(members[3]).meta == url
+        assert not os.path.exists(os.path.join(members[0], "meta", "mxfs.db"))
+        line = one_line_error(mxfs("meta", "migrate", members[0], "--to", url, check=False))
+        assert "already lives" in line
+        m.remount()
+        assert (mp / "d" / "f").read_bytes() == data and os.stat(mp / "g").st_nlink == 2
+        assert os.getxattr(mp / "g", "user.k") == b"v"
+        (mp / "new").write_bytes(b"n")
+        assert os.stat(mp / "new").st_ino > ino  # numbers go on past the copied ones
+        m.umount()
+        check_pool(members)
+        mxfs("meta", "migrate", members[0], "--to", "member")
+        assert read_superblock(members[0]).meta == ""
+        m.remount()
+        assert (mp / "d" / "f").read_bytes() == data
+        assert (mp / "new").read_bytes() == b"n"
+        m.umount()
+        check_pool(members)
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)

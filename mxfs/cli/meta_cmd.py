@@ -1,4 +1,5 @@
-"""`mxfs meta backup | ls | dump | restore`: copies of the metadata store."""
+"""`mxfs meta backup | ls | dump | restore | migrate`: copies of the metadata store, and
+moving it between engines."""
 
 from __future__ import annotations
 
@@ -118,6 +119,15 @@ def _restore_held(pool: Pool, file: str, spec: str) -> str:
     return kept
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from mxfs.fs.migrate import migrate
+
+    where, rows = migrate(args.pool, args.to, force=args.force)
+    print(json.dumps({"meta": where, "rows": rows}) if args.json
+          else f"copied {rows} rows to {where}, checked them, and switched the pool to it")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from mxfs.cli.ckpt_cmd import json_everywhere
 
@@ -133,6 +143,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("file")
     v.add_argument("pool", help="a mount point or member path")
     v.set_defaults(func=cmd_dump)
+    v = verbs.add_parser("migrate", help="move an unmounted pool's metadata to another "
+                         "engine (a PostgreSQL URL, or member: SQLite on member 0)")
+    v.add_argument("pool", help="a member path or pool config")
+    v.add_argument("--to", required=True, metavar="URL|member")
+    v.add_argument("--force", action="store_true",
+                   help="replace another pool's metadata in that database")
+    v.set_defaults(func=cmd_migrate)
     v = verbs.add_parser("restore", help="replace an unmounted pool's store with a dump")
     v.add_argument("file")
     v.add_argument("pool", help="a member path or pool config")

@@ -58,7 +58,7 @@ def format_pool(members: list[str], stripe_unit: int, label: str = "",
         raise MxfsError(f"--meta {meta} is not a server's URL",
                         "give postgresql://HOST/DATABASE, or leave --meta out")
     if meta:
-        _refuse_other_pool(meta, force)
+        refuse_other_pool(meta, force)
 
     def store() -> None:  # inside mkfs's undo: a failure leaves every member as it was
         pool = Pool.open(members[0])
@@ -79,7 +79,7 @@ def format_pool(members: list[str], stripe_unit: int, label: str = "",
     return pool
 
 
-def _refuse_other_pool(meta: str, force: bool) -> None:
+def refuse_other_pool(meta: str, force: bool) -> None:
     """A database that holds a pool's metadata is not wiped without --force."""
     try:
         old = MetaStore.open(meta, readonly=True)

@@ -55,6 +55,10 @@ def _code(e: sqlite3.Error) -> int | None:
     return None if code is None else code & 0xFF  # the primary code
 
 
+def _overflow(e: OverflowError) -> OSError:
+    return fail(errno.EOVERFLOW, f"a value is too large for the metadata store ({e})")
+
+
 def _is_full(e: sqlite3.Error) -> bool:
     return _code(e) == sqlite3.SQLITE_FULL or "disk is full" in str(e)
 
@@ -158,8 +162,7 @@ class SqliteEngine(Engine):
         except sqlite3.Error as e:
             raise self._error(e) from None
         except OverflowError as e:
-            raise fail(errno.EOVERFLOW, f"a value is too large for the metadata store ({e})") \
-                from None
+            raise _overflow(e) from None
 
     def _error(self, e: sqlite3.Error) -> Exception:
         """What an SQLite error means to the caller: a conflict to run again, or an errno."""
@@ -201,9 +204,18 @@ class SqliteEngine(Engine):
 
     # ---- rows --------------------------------------------------------------------
 
+    # The primitives below run on every namespace change: each is one statement, its
+    # text cached by shape, errors mapped in place (no extra call per statement).
+
     def get(self, table: str, where: Where, columns: Sequence[str]) -> Row | None:
-        text = self._text(("get", table, tuple(where), tuple(columns)))
-        return self._run(text, tuple(where.values())).fetchone()
+        key = ("get", table, tuple(where), tuple(columns))
+        text = self._sql.get(key) or self._text(key)
+        try:
+            return self.db.execute(text, tuple(where.values())).fetchone()
+        except sqlite3.Error as e:
+            raise self._error(e) from None
+        except OverflowError as e:
+            raise _overflow(e) from None
 
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
@@ -231,19 +243,26 @@ class SqliteEngine(Engine):
         return self._run(self._text(("count", table, tuple(where))),
                          tuple(where.values())).fetchone()[0]
 
+    def _write(self, key: tuple, params: Sequence[object]) -> sqlite3.Cursor:
+        if self.readonly:
+            raise fail(errno.EROFS, "the metadata store is open read-only")
+        text = self._sql.get(key) or self._text(key)
+        try:
+            return self.db.execute(text, params)
+        except sqlite3.Error as e:
+            raise self._error(e) from None
+        except OverflowError as e:
+            raise _overflow(e) from None
+
     def insert(self, table: str, row: Mapping[str, object]) -> bool:
-        self._writable()
-        return self._run(self._text(("insert", table, tuple(row))),
-                         tuple(row.values())).rowcount > 0
+        return self._write(("insert", table, tuple(row)), tuple(row.values())).rowcount > 0
 
     def upsert(self, table: str, row: Mapping[str, object]) -> None:
-        self._writable()
-        self._run(self._text(("upsert", table, tuple(row))), tuple(row.values()))
+        self._write(("upsert", table, tuple(row)), tuple(row.values()))
 
     def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
-        self._writable()
-        return self._run(self._text(("update", table, tuple(where), tuple(values))),
-                         (*values.values(), *where.values())).rowcount
+        return self._write(("update", table, tuple(where), tuple(values)),
+                           (*values.values(), *where.values())).rowcount
 
     def update_many(self, table: str, where: Sequence[str], columns: Sequence[str],
                     rows: Iterable[Row]) -> None:
@@ -255,9 +274,7 @@ class SqliteEngine(Engine):
             raise self._error(e) from None
 
     def delete(self, table: str, where: Where) -> int:
-        self._writable()
-        return self._run(self._text(("delete", table, tuple(where))),
-                         tuple(where.values())).rowcount
+        return self._write(("delete", table, tuple(where)), tuple(where.values())).rowcount
 
     def next_id(self, sequence: str) -> int:
         """Counted in memory while the group holds SQLite's write lock (nobody else can

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from mxfs.meta import location
-from mxfs.meta.engine import Engine, fail
+from mxfs.meta.engine import Conflict, Engine, fail
 from mxfs.meta.inode import ROOT_INO, Entry, Inode, LayoutPicker
 from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name
@@ -126,8 +126,13 @@ class MetaStore:
         self.engine.commit_if_due()
 
     def commit(self) -> None:
-        """Every change so far committed (not yet on stable storage: `sync`)."""
-        self.engine.commit()
+        """Every change so far committed (not yet on stable storage: `sync`).  A group
+        another writer's conflict undid is EBUSY here: its changes cannot be run again."""
+        try:
+            self.engine.commit()
+        except Conflict as e:
+            raise fail(errno.EBUSY, f"a group of changes conflicted with another writer "
+                       f"and was lost ({e})") from None
 
     def sync(self) -> None:
         """Put every committed change on stable storage.  Blocking; touches no
@@ -136,7 +141,8 @@ class MetaStore:
 
     def durable(self) -> None:
         """Commit and sync: every change so far survives a crash."""
-        self.engine.durable()
+        self.commit()
+        self.engine.sync()
 
     def watch_space(self) -> bool:
         """Called now and then by the daemon; True while the store's storage is nearly
