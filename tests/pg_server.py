@@ -3,7 +3,7 @@ folder, run as an unprivileged user on a Unix socket only (no TCP), started once
 test session and stopped at its end; one fresh database per test.
 
 Skipped with the reason when the server's binaries are missing (`apt-get install
-postgresql`, or tools/ci_postgres.sh), except under CI, where that is a failure.
+postgresql`, or tools/install.sh), except under CI, where that is a failure.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def server_or_skip() -> Iterator[Server]:
     d = bindir()
     if d is None:
         if os.environ.get("CI"):
-            pytest.fail("PostgreSQL's binaries are missing in CI (tools/ci_postgres.sh)")
+            pytest.fail("PostgreSQL's binaries are missing in CI (tools/install.sh installs them)")
         pytest.skip("PostgreSQL's binaries are missing: apt-get install postgresql")
     try:
         import psycopg  # noqa: F401
