@@ -10,18 +10,30 @@ from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
 
-from mxfs.meta.engine import fail
+from mxfs.meta.engine import Engine, fail
 from mxfs.meta.inode import Inode
 
-if TYPE_CHECKING:
-    from mxfs.meta.store import MetaStore
+T = TypeVar("T")
+
+
+class Rules(Protocol):
+    """What the KV rows take from the namespace rules (`MetaStore`), which own them."""
+
+    engine: Engine
+
+    def txn(self, fn: Callable[[], T]) -> T: ...
+    def get(self, ino: int) -> Inode: ...
+    def seal_of(self, ino: int) -> tuple[int, bytes] | None: ...
+    def _set(self, node: Inode, values: dict[str, object]) -> None: ...
+    def _seal(self, ino: int, sum_unit: int, sums: bytes) -> None: ...
+    def _drop_link(self, node: Inode, now: int) -> None: ...
 
 
 class KVRows:
-    def __init__(self, store: MetaStore) -> None:
+    def __init__(self, store: Rules) -> None:
         self.store = store
         self.engine = store.engine
 
