@@ -69,7 +69,7 @@ class PgEngine(Engine):
         self.busy_ms = busy_ms
         self._poisoned = False  # a conflict: the transaction's snapshot is spent
         self.conn: psycopg.Connection[Any] | None = None
-        self._sql: dict[tuple, str] = {}
+        self._sql = sql.Statements(_D)  # statement texts by shape
         self._blocks: dict[str, tuple[int, int]] = {}  # sequence: (next, end) in hand
         self._group_open = False
         self._group_started = 0.0
@@ -160,28 +160,6 @@ class PgEngine(Engine):
             log.error("metadata server %s: %s", public(self.url), _line(e))
         return fail(errno.EIO, f"metadata store error ({_line(e)})")
 
-    def _text(self, key: tuple) -> str:
-        text = self._sql.get(key)
-        if text is None:
-            op, table, *rest = key
-            if op == "get":
-                text = sql.select(_D, table, rest[1], rest[0])
-            elif op == "scan":
-                where, cols, order, after, limit = rest
-                text = sql.select(_D, table, cols, where, order, after, limit)
-            elif op == "count":
-                text = sql.count(_D, table, rest[0])
-            elif op == "insert":
-                text = sql.insert(_D, table, rest[0])
-            elif op == "upsert":
-                text = sql.upsert(_D, table, rest[0])
-            elif op == "update":
-                text = sql.update(_D, table, rest[0], rest[1])
-            else:
-                text = sql.delete(_D, table, rest[0])
-            self._sql[key] = text
-        return text
-
     def _writable(self) -> None:
         if self.readonly:
             raise fail(errno.EROFS, "the metadata store is open read-only")
@@ -189,15 +167,15 @@ class PgEngine(Engine):
     # ---- rows --------------------------------------------------------------------
 
     def get(self, table: str, where: Where, columns: Sequence[str]) -> Row | None:
-        text = self._text(("get", table, tuple(where), tuple(columns)))
+        text = self._sql[("get", table, tuple(where), tuple(columns))]
         return self._exec(text, tuple(where.values())).fetchone()
 
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
              limit: int | None = None) -> Iterator[Row]:
         where = where or {}
-        text = self._text(("scan", table, tuple(where), tuple(columns), order,
-                           after is not None, limit is not None))
+        text = self._sql[("scan", table, tuple(where), tuple(columns), order,
+                           after is not None, limit is not None)]
         params = [*where.values()]
         if after is not None:
             params.append(after)
@@ -207,28 +185,28 @@ class PgEngine(Engine):
 
     def count(self, table: str, where: Where | None = None) -> int:
         where = where or {}
-        row = self._exec(self._text(("count", table, tuple(where))),
+        row = self._exec(self._sql[("count", table, tuple(where))],
                          tuple(where.values())).fetchone()
         return int(row[0]) if row else 0
 
     def insert(self, table: str, row: Mapping[str, object]) -> bool:
         self._writable()
-        return self._exec(self._text(("insert", table, tuple(row))),
+        return self._exec(self._sql[("insert", table, tuple(row))],
                           tuple(row.values())).rowcount > 0
 
     def upsert(self, table: str, row: Mapping[str, object]) -> None:
         self._writable()
-        self._exec(self._text(("upsert", table, tuple(row))), tuple(row.values()))
+        self._exec(self._sql[("upsert", table, tuple(row))], tuple(row.values()))
 
     def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
         self._writable()
-        return self._exec(self._text(("update", table, tuple(where), tuple(values))),
+        return self._exec(self._sql[("update", table, tuple(where), tuple(values))],
                           (*values.values(), *where.values())).rowcount
 
     def update_many(self, table: str, where: Sequence[str], columns: Sequence[str],
                     rows: Iterable[Row]) -> None:
         self._writable()
-        text = self._text(("update", table, tuple(where), tuple(columns)))
+        text = self._sql[("update", table, tuple(where), tuple(columns))]
         conn = self._live()
         try:
             with conn.cursor() as cur:
@@ -238,7 +216,7 @@ class PgEngine(Engine):
 
     def delete(self, table: str, where: Where) -> int:
         self._writable()
-        return self._exec(self._text(("delete", table, tuple(where))),
+        return self._exec(self._sql[("delete", table, tuple(where))],
                           tuple(where.values())).rowcount
 
     def next_id(self, sequence: str) -> int:

@@ -107,3 +107,37 @@ def update(d: Dialect, name: str, where: Sequence[str], columns: Sequence[str]) 
 def delete(d: Dialect, name: str, where: Sequence[str]) -> str:
     t = table(name)
     return f"DELETE FROM {t.name}{_where(d, t, where)}"
+
+
+def statement(d: Dialect, key: tuple) -> str:
+    """The text of a primitive's statement from its shape: (op, table, *what it names)."""
+    op, name, *rest = key
+    if op == "get":
+        return select(d, name, rest[1], rest[0])
+    if op == "scan":
+        where, cols, order, after, limit = rest
+        return select(d, name, cols, where, order, after, limit)
+    if op == "count":
+        return count(d, name, rest[0])
+    if op == "insert":
+        return insert(d, name, rest[0])
+    if op == "upsert":
+        return upsert(d, name, rest[0])
+    if op == "update":
+        return update(d, name, rest[0], rest[1])
+    if op == "delete":
+        return delete(d, name, rest[0])
+    raise ValueError(f"no statement {op!r}")
+
+
+class Statements(dict[tuple, str]):
+    """One dialect's statement texts by shape, each built on first use: a dict, so the
+    primitives on every namespace change pay one lookup for their text."""
+
+    def __init__(self, d: Dialect) -> None:
+        super().__init__()
+        self.dialect = d
+
+    def __missing__(self, key: tuple) -> str:
+        text = self[key] = statement(self.dialect, key)
+        return text

@@ -82,7 +82,7 @@ class SqliteEngine(Engine):
                 self.db.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.Error as e:
             raise Unusable(f"{path} cannot be opened ({e})") from None
-        self._sql: dict[tuple, str] = {}
+        self._sql = sql.Statements(_D)  # statement texts by shape
         self._drawn: dict[str, int] = {}  # sequences drawn in the open group
         self._floor: dict[str, int] = {}  # the highest this connection ever drew
         self._group_open = False
@@ -176,28 +176,6 @@ class SqliteEngine(Engine):
             return fail(errno.EROFS, f"the metadata store cannot be written ({e})")
         return fail(errno.EIO, f"metadata store error ({e})")
 
-    def _text(self, key: tuple) -> str:
-        text = self._sql.get(key)
-        if text is None:
-            op, table, *rest = key
-            if op == "get":
-                text = sql.select(_D, table, rest[1], rest[0])
-            elif op == "scan":
-                where, cols, order, after, limit = rest
-                text = sql.select(_D, table, cols, where, order, after, limit)
-            elif op == "count":
-                text = sql.count(_D, table, rest[0])
-            elif op == "insert":
-                text = sql.insert(_D, table, rest[0])
-            elif op == "upsert":
-                text = sql.upsert(_D, table, rest[0])
-            elif op == "update":
-                text = sql.update(_D, table, rest[0], rest[1])
-            else:
-                text = sql.delete(_D, table, rest[0])
-            self._sql[key] = text
-        return text
-
     def _writable(self) -> None:
         if self.readonly:
             raise fail(errno.EROFS, "the metadata store is open read-only")
@@ -209,7 +187,7 @@ class SqliteEngine(Engine):
 
     def get(self, table: str, where: Where, columns: Sequence[str]) -> Row | None:
         key = ("get", table, tuple(where), tuple(columns))
-        text = self._sql.get(key) or self._text(key)
+        text = self._sql[key]
         try:
             return self.db.execute(text, tuple(where.values())).fetchone()
         except sqlite3.Error as e:
@@ -221,8 +199,8 @@ class SqliteEngine(Engine):
              order: str | None = None, after: object = None,
              limit: int | None = None) -> Iterator[Row]:
         where = where or {}
-        text = self._text(("scan", table, tuple(where), tuple(columns), order,
-                           after is not None, limit is not None))
+        text = self._sql[("scan", table, tuple(where), tuple(columns), order,
+                           after is not None, limit is not None)]
         params = [*where.values()]
         if after is not None:
             params.append(after)
@@ -240,13 +218,13 @@ class SqliteEngine(Engine):
 
     def count(self, table: str, where: Where | None = None) -> int:
         where = where or {}
-        return self._run(self._text(("count", table, tuple(where))),
+        return self._run(self._sql[("count", table, tuple(where))],
                          tuple(where.values())).fetchone()[0]
 
     def _write(self, key: tuple, params: Sequence[object]) -> sqlite3.Cursor:
         if self.readonly:
             raise fail(errno.EROFS, "the metadata store is open read-only")
-        text = self._sql.get(key) or self._text(key)
+        text = self._sql[key]
         try:
             return self.db.execute(text, params)
         except sqlite3.Error as e:
@@ -267,7 +245,7 @@ class SqliteEngine(Engine):
     def update_many(self, table: str, where: Sequence[str], columns: Sequence[str],
                     rows: Iterable[Row]) -> None:
         self._writable()
-        text = self._text(("update", table, tuple(where), tuple(columns)))
+        text = self._sql[("update", table, tuple(where), tuple(columns))]
         try:
             self.db.executemany(text, rows)
         except sqlite3.Error as e:
