@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,20 @@ def force_unmount(path: str) -> None:
         subprocess.run(["umount", "-l", path], capture_output=True)
 
 
+@contextmanager
+def mounted_pool(members: list[str]) -> Iterator[Mounted]:
+    """The pool on `members` mounted (allow_other) on a fresh folder under /tmp itself,
+    not pytest's private folder, so other users can reach it; unmounted after."""
+    mp = Path(tempfile.mkdtemp(prefix="mxfs-mnt-"))
+    os.chmod(mp, 0o755)
+    mxfs("mount", "-o", "allow_other", members[0], str(mp))
+    try:
+        yield Mounted(mp, members)
+    finally:
+        force_unmount(str(mp))
+        os.rmdir(mp)
+
+
 @pytest.fixture
 def members(tmp_path: Path) -> list[str]:
     return make_members(tmp_path)
@@ -123,16 +138,8 @@ def mounted(tmp_path: Path, members: list[str]) -> Iterator[Mounted]:
     if not HAVE_FUSE:
         pytest.skip("needs root and /dev/fuse")
     mkfs(members)
-    # Under /tmp itself, not pytest's private folder, so other users can reach it.
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-mnt-"))
-    os.chmod(mp, 0o755)
-    mxfs("mount", "-o", "allow_other", members[0], str(mp))
-    m = Mounted(mp, members)
-    try:
+    with mounted_pool(members) as m:
         yield m
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
 
 
 @pytest.fixture

@@ -19,7 +19,16 @@ from pathlib import Path
 import pytest
 import test_differential
 import test_meta_backup
-from conftest import HAVE_FUSE, Mounted, force_unmount, make_members, mkfs, mxfs, one_line_error
+from conftest import (
+    HAVE_FUSE,
+    Mounted,
+    force_unmount,
+    make_members,
+    mkfs,
+    mounted_pool,
+    mxfs,
+    one_line_error,
+)
 from hypothesis import HealthCheck, settings
 from pg_server import Server, server_or_skip
 from test_check import (  # noqa: F401 - collected here, on PostgreSQL
@@ -82,15 +91,8 @@ def mounted(tmp_path: Path, members: list[str], pg: Server) -> Iterator[Mounted]
     if not HAVE_FUSE:
         pytest.skip("needs root and /dev/fuse")
     mkfs(members, "64KiB", "--meta", pg.database())
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-mnt-"))
-    os.chmod(mp, 0o755)
-    mxfs("mount", "-o", "allow_other", members[0], str(mp))
-    m = Mounted(mp, members)
-    try:
+    with mounted_pool(members) as m:
         yield m
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
 
 
 @pytest.fixture(scope="module")

@@ -173,14 +173,8 @@ class PgEngine(Engine):
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
              limit: int | None = None) -> Iterator[Row]:
-        where = where or {}
-        text = self._sql[("scan", table, tuple(where), tuple(columns), order,
-                           after is not None, limit is not None)]
-        params = [*where.values()]
-        if after is not None:
-            params.append(after)
-        if limit is not None:
-            params.append(limit)
+        key, params = sql.scan_shape(table, columns, where or {}, order, after, limit)
+        text = self._sql[key]
         yield from self._exec(text, params).fetchall()
 
     def count(self, table: str, where: Where | None = None) -> int:

@@ -10,7 +10,7 @@ no caller's text ever becomes SQL.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mxfs.meta.schema import BLOB, INT, TABLES, TEXT, Table
@@ -128,6 +128,20 @@ def statement(d: Dialect, key: tuple) -> str:
     if op == "delete":
         return delete(d, name, rest[0])
     raise ValueError(f"no statement {op!r}")
+
+
+def scan_shape(table: str, columns: Sequence[str], where: Mapping[str, object],
+               order: str | None, after: object, limit: int | None
+               ) -> tuple[tuple, list[object]]:
+    """A scan's statement key and its parameters, in the order the text binds them."""
+    key = ("scan", table, tuple(where), tuple(columns), order, after is not None,
+           limit is not None)
+    params = [*where.values()]
+    if after is not None:
+        params.append(after)
+    if limit is not None:
+        params.append(limit)
+    return key, params
 
 
 class Statements(dict[tuple, str]):
