@@ -1,6 +1,8 @@
 """A real PostgreSQL server for the tests: a cluster made with initdb in a temporary
 folder, run as an unprivileged user on a Unix socket only (no TCP), started once per
-test session and stopped at its end; one fresh database per test.
+test session and stopped at its end; one fresh database per test.  A test that stops
+or fills the server takes a cluster of its own (`private`), so the shared one is never
+disturbed.
 
 Skipped with the reason when the server's binaries are missing (`apt-get install
 postgresql`, or tools/install.sh), except under CI, where that is a failure.
@@ -31,10 +33,11 @@ def bindir() -> str | None:
 
 
 class Server:
-    def __init__(self, folder: str, user: str | None) -> None:
-        self.folder, self.user = folder, user
+    def __init__(self, folder: str, user: str | None, bin_dir: str) -> None:
+        self.folder, self.user, self.bin_dir = folder, user, bin_dir
         self.data = os.path.join(folder, "data")
         self.sock = folder
+        self.log = os.path.join(folder, "log")
 
     def url(self, db: str) -> str:
         return f"postgresql:///{db}?host={self.sock}&user=postgres"
@@ -42,6 +45,19 @@ class Server:
     def run(self, *cmd: str) -> None:
         prefix = ["runuser", "-u", self.user, "--"] if self.user else []
         subprocess.run([*prefix, *cmd], check=True, capture_output=True, timeout=120)
+
+    def ctl(self, *args: str) -> None:
+        self.run(os.path.join(self.bin_dir, "pg_ctl"), "-D", self.data, *args)
+
+    def start(self) -> None:
+        """Start the cluster (again) and wait until it takes connections."""
+        self.ctl("-w", "-l", self.log, "-o",
+                 f"-k {self.sock} -c listen_addresses='' -c fsync=off -c max_connections=50",
+                 "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the cluster: "fast" ends every session, "immediate" is a crash."""
+        self.ctl("-m", mode, "-w", "stop")
 
     def database(self) -> str:
         """A new, empty database; its URL."""
@@ -62,22 +78,20 @@ def start(bin_dir: str) -> Iterator[Server]:
         except KeyError:
             pytest.skip("no postgres user to run the server as (apt-get install postgresql)")
         os.chown(folder, pw.pw_uid, pw.pw_gid)
-    s = Server(folder, user)
-    s.run(os.path.join(bin_dir, "initdb"), "-D", s.data, "-U", "postgres", "--auth=trust",
-          "--no-sync", "-E", "UTF8")
-    s.run(os.path.join(bin_dir, "pg_ctl"), "-D", s.data, "-w", "-l",
-          os.path.join(folder, "log"), "-o",
-          f"-k {s.sock} -c listen_addresses='' -c fsync=off -c max_connections=50",
-          "start")
+    s = Server(folder, user, bin_dir)
     try:
+        s.run(os.path.join(bin_dir, "initdb"), "-D", s.data, "-U", "postgres",
+              "--auth=trust", "--no-sync", "-E", "UTF8")
+        s.start()
         yield s
     finally:
-        s.run(os.path.join(bin_dir, "pg_ctl"), "-D", s.data, "-m", "immediate", "-w",
-              "stop")
+        if os.path.exists(os.path.join(s.data, "postmaster.pid")):
+            s.stop("immediate")
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def server_or_skip() -> Iterator[Server]:
+    """The binaries found, a cluster started and stopped after (or the test skipped)."""
     d = bindir()
     if d is None:
         if os.environ.get("CI"):
@@ -88,3 +102,6 @@ def server_or_skip() -> Iterator[Server]:
     except ImportError:
         pytest.skip("psycopg is not installed")
     yield from start(d)
+
+
+private = server_or_skip  # a cluster of the caller's own, to stop, restart or fill
