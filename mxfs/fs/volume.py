@@ -298,11 +298,13 @@ class Volume:
         self.store.drop_inode(ino)
 
     def take_pending(self) -> list[int]:
-        """Commit, then hand over the orphans to free (their chunk files may now go)."""
+        """Commit, then hand over the orphans to free (their chunk files may now go):
+        only those the rows list, as the change that made one may be in a lost group."""
         inos, self.pending_reclaim = self.pending_reclaim, []
         if inos:
             try:
                 self.store.commit()
+                inos = [i for i in inos if self.store.is_orphan(i)]
             except OSError:
                 self.pending_reclaim = inos + self.pending_reclaim  # tried again next round
                 raise

@@ -10,8 +10,11 @@ The daemon keeps the inodes it touches in memory; data attributes (size, times)
 that writes change are held there and written back on flush, fsync and release
 ("dirty"), while namespace fields are written through at once, by typed setters
 only.  What a change did to memory is journaled and put back if the change fails,
-so cached inodes never run ahead of the rows.  Inodes whose chunk files may run past
-the recorded size are listed in `dirty_data`, so a mount after a crash can trim them.
+and the journals of a group's changes are kept until it commits: a group the engine
+loses (a conflict, a full or lost server) puts memory back to the last commit, so
+cached inodes, open files' among them, never run ahead of the rows.  Inodes whose
+chunk files may run past the recorded size are listed in `dirty_data`, so a mount
+after a crash can trim them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class MetaStore:
         self.engine = engine
         self._cache: dict[int, Inode] = {}
         self._journal: list[tuple[Inode, str, object]] = []
+        self._group_journal: list[tuple[Inode, str, object]] = []  # of the open group
         engine.on_group_lost = self._group_lost
         self.kv = KVRows(self)
 
@@ -99,21 +103,35 @@ class MetaStore:
             return fn()
         self._journal.clear()
         try:
-            return self.engine.txn(fn, undo=self._undo_memory)
+            result = self.engine.txn(fn, undo=self._undo_memory)
+            self._group_journal += self._journal
+            self._settled()
+            return result
         finally:
             self._journal.clear()
 
+    def _settled(self) -> None:
+        """After a commit may have happened: a committed group's journal is spent."""
+        if self.engine.group_age() is None:
+            self._group_journal.clear()
+
     def _undo_memory(self) -> None:
-        for node, name, old in reversed(self._journal):
+        self._put_back(self._journal)
+
+    def _put_back(self, journal: list[tuple[Inode, str, object]]) -> None:
+        for node, name, old in reversed(journal):
             if name == _BORN:
                 if self._cache.get(node.ino) is node:
                     del self._cache[node.ino]
             else:
                 setattr(node, name, old)
-        self._journal.clear()
+        journal.clear()
 
     def _group_lost(self) -> None:
-        """The engine dropped a whole group: reload what memory held from the rows."""
+        """The engine dropped a whole group: memory back to the last commit (the change
+        running, then the group's earlier ones), clean inodes read again from the rows."""
+        self._put_back(self._journal)
+        self._put_back(self._group_journal)
         self._cache = {i: n for i, n in self._cache.items() if n.dirty}
 
     def group_changes(self, max_age: float) -> None:
@@ -124,6 +142,7 @@ class MetaStore:
 
     def commit_if_due(self) -> None:
         self.engine.commit_if_due()
+        self._settled()
 
     def commit(self) -> None:
         """Every change so far committed (not yet on stable storage: `sync`).  A group
@@ -133,6 +152,7 @@ class MetaStore:
         except Conflict as e:
             raise fail(errno.EBUSY, f"a group of changes conflicted with another writer "
                        f"and was lost ({e})") from None
+        self._settled()
 
     def sync(self) -> None:
         """Put every committed change on stable storage.  Blocking; touches no
@@ -561,6 +581,10 @@ class MetaStore:
 
     def orphans(self) -> list[int]:
         return [r[0] for r in self.engine.scan("orphans", ("ino",))]
+
+    def is_orphan(self, ino: int) -> bool:
+        """Asked of the rows: memory's last link gone may have been in a lost group."""
+        return self.engine.get("orphans", {"ino": ino}, ("ino",)) is not None
 
     def drop_inode(self, ino: int) -> None:
         """Forget an orphan for good, after its chunk files are gone."""
