@@ -5,9 +5,18 @@ URL names (a database of its own: the table names are plain).  Changes are
 savepoints inside one REPEATABLE READ transaction per group; a serialization failure
 or deadlock (SQLSTATE 40001, 40P01) rolls the transaction back and is a `Conflict`
 that `txn` runs again.  Commits are durable when the server says so
-(synchronous_commit), so `sync` has nothing to do.  A lost connection is EIO for the
-change (and the group) it held, and is made again at the next change: nothing the
-server did not commit is ever taken as done.  The SQL is `meta/sql.py`'s, which
+(synchronous_commit), so `sync` has nothing to do.
+
+A connection lost with nothing in flight is made again at once and the statement run
+again.  One lost inside a group loses the group (EIO, `on_group_lost`), and one that
+cannot be made again means the server is *away*: one error line is logged, every
+change and every commit fails with EIO at once (no request waits on the network), and
+a thread dials again every RETRY_S; the first request after it got through logs one
+line and goes on.  A lost group holds commits off for RETRY_S at least, so a caller
+that fsyncs right after its change hears of the loss: nothing the server did not
+commit is taken as done.  Every wait is bounded: connect_timeout, TCP keepalives and
+tcp_user_timeout (unless the URL sets its own), lock_timeout and statement_timeout.
+The SQL is `meta/sql.py`'s, which
 CockroachDB and YugabyteDB accept too.  Credentials come from libpq's own places
 (`~/.pgpass`, `PGPASSFILE`, a service file), never from a superblock.
 """
@@ -16,13 +25,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import psycopg
 from psycopg import errors as pgerr
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from mxfs.meta import sql
 from mxfs.meta.engine import Conflict, Engine, Row, Unusable, Where, fail
@@ -35,6 +46,19 @@ _D = sql.POSTGRES
 BLOCK = 64
 # 55P03: a lock not granted within lock_timeout (another writer holds the row)
 _CONFLICTS = (pgerr.SerializationFailure, pgerr.DeadlockDetected, pgerr.LockNotAvailable)
+# Seconds between tries to reach a server that went away; also how long a lost group
+# holds commits off.
+RETRY_S = 1.0
+# No statement runs longer than this (a backstop: row locks wait busy_ms).
+STATEMENT_MS = 60_000
+# A full server is logged at most once in this many seconds (each change is ENOSPC).
+FULL_QUIET_S = 60.0
+# libpq's waits, unless the URL sets them: connecting, and a server that stops answering
+# on TCP mid-statement (keepalives while it computes, tcp_user_timeout while it is sent).
+_WAITS = {"connect_timeout": "5", "keepalives": "1", "keepalives_idle": "10",
+          "keepalives_interval": "5", "keepalives_count": "3", "tcp_user_timeout": "15000"}
+
+Conn = psycopg.Connection[Any]
 
 
 def _seq(name: str) -> str:
@@ -59,6 +83,50 @@ def _line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
+def _gone(conn: Conn | None) -> bool:
+    return conn is None or conn.closed or conn.broken
+
+
+class _Redial:
+    """Connects in a thread of its own, every RETRY_S, until it gets through, so that
+    requests meanwhile fail at once instead of each waiting on connect_timeout."""
+
+    def __init__(self, connect: Callable[[], Conn], delay: float) -> None:
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._conn: Conn | None = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, args=(delay,), name="mxfs-pg-redial",
+                         daemon=True).start()
+
+    def _run(self, delay: float) -> None:
+        while not self._stop.wait(delay):
+            delay = RETRY_S
+            try:
+                conn = self._connect()
+            except Unusable:
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    conn.close()
+                else:
+                    self._conn = conn
+            return
+
+    def take(self) -> Conn | None:
+        """The connection, once one was made (then the thread is done)."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+        return conn
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop.set()
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
 class PgEngine(Engine):
     kind = "postgresql"
 
@@ -73,32 +141,76 @@ class PgEngine(Engine):
         self._blocks: dict[str, tuple[int, int]] = {}  # sequence: (next, end) in hand
         self._group_open = False
         self._group_started = 0.0
-        self._connect()
+        self._redial: _Redial | None = None  # set while the server is away
+        self._away = ""  # why it is away, for each refused request
+        self._full_said = -FULL_QUIET_S  # when "full" was last logged
+        self.conn = self._connect()
 
-    def _connect(self) -> psycopg.Connection[Any]:
+    def _connect(self) -> Conn:
+        """A new connection, set up; `Unusable` if the server cannot be reached."""
+        have = conninfo_to_dict(self.url)
+        waits = {k: v for k, v in _WAITS.items() if k not in have}
         try:
-            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+            conn = psycopg.connect(make_conninfo(self.url, **waits), autocommit=True)
+            if self.readonly:
+                conn.execute("SET default_transaction_read_only = on")
+            # Another writer's row lock is waited for busy_ms, then it is a conflict.
+            conn.execute(f"SET lock_timeout = {max(int(self.busy_ms), 1)}")
+            conn.execute(f"SET statement_timeout = {STATEMENT_MS}")
         except psycopg.Error as e:
             raise Unusable(f"the metadata server {public(self.url)} cannot be reached "
                            f"({_line(e)})") from None
-        if self.readonly:
-            conn.execute("SET default_transaction_read_only = on")
-        # Another writer's row lock is waited for busy_ms, then it is a conflict.
-        conn.execute(f"SET lock_timeout = {max(int(self.busy_ms), 1)}")
-        self.conn = conn
         return conn
 
-    def _live(self) -> psycopg.Connection[Any]:
-        """The connection, made again if the last one was lost (never inside a group)."""
+    def _live(self) -> Conn:
+        """The connection; one that was lost is made again outside a group.  While the
+        server is away: EIO at once, until the redial thread got through."""
         conn = self.conn
-        if conn is None or conn.closed or conn.broken:
-            if self._group_open:
-                raise fail(errno.EIO, "the metadata server's connection was lost")
+        if not _gone(conn):
+            assert conn is not None
+            return conn
+        if self._group_open:  # (a loss seen drops the group; this is a backstop)
+            self._went_away(f"the metadata server {public(self.url)} went away",
+                            lost_group=True)
+            self._lose_group(None)
+            raise fail(errno.EIO, self._away)
+        if self._redial is None:  # lost just now, nothing in flight: once more at once
             try:
-                return self._connect()
+                self.conn = self._connect()
+                return self.conn
             except Unusable as e:
-                raise fail(errno.EIO, str(e)) from None
+                self._went_away(str(e), lost_group=False)
+        assert self._redial is not None
+        conn = self._redial.take()
+        if conn is None:
+            raise fail(errno.EIO, self._away)
+        self._redial, self._away, self.conn = None, "", conn
+        log.info("metadata server %s is back: changes are taken again", public(self.url))
         return conn
+
+    def _went_away(self, why: str, lost_group: bool) -> None:
+        """The server cannot be reached (`why`, a sentence): log it once, refuse changes,
+        dial again."""
+        if self._redial is not None:
+            return
+        self._away = f"{why}; changes fail until it is back"
+        log.error("%s%s", self._away,
+                  "; the open group of changes was lost" if lost_group else "")
+        if self.conn is not None:
+            self.conn.close()
+        self._redial = _Redial(self._connect, RETRY_S)
+
+    def _lost(self, conn: Conn, e: psycopg.Error) -> bool:
+        """Was `e` the connection going?  Then the server is away, and a group it held
+        is lost."""
+        if not _gone(conn):
+            return False
+        lost_group = self._group_open
+        self._went_away(f"the metadata server {public(self.url)} went away ({_line(e)})",
+                        lost_group)
+        if lost_group:
+            self._lose_group(None)
+        return True
 
     # ---- making and opening ----------------------------------------------------
 
@@ -138,27 +250,51 @@ class PgEngine(Engine):
 
     # ---- statements ------------------------------------------------------------
 
-    def _exec(self, text: str, params: Sequence[object] = ()) -> psycopg.Cursor[Any]:
+    def _exec(self, text: str, params: Sequence[object] = (), *,
+              again: bool = False) -> psycopg.Cursor[Any]:
+        """Run one statement; `again`: it only reads (or begins), so after a connection
+        lost outside a group it is run once more on a new one."""
         conn = self._live()
         try:
             return conn.execute(text, params)  # type: ignore[arg-type]
         except psycopg.Error as e:
-            raise self._error(e) from None
+            if again and not self._group_open and _gone(conn):
+                return self._retry(text, params)
+            raise self._error(e, conn) from None
 
-    def _error(self, e: psycopg.Error) -> Exception:
+    def _retry(self, text: str, params: Sequence[object]) -> psycopg.Cursor[Any]:
+        conn = self._live()  # (EIO, the server away, if it cannot be made again)
+        try:
+            return conn.execute(text, params)  # type: ignore[arg-type]
+        except psycopg.Error as e:
+            raise self._error(e, conn) from None
+
+    def _error(self, e: psycopg.Error, conn: Conn | None = None) -> Exception:
+        if conn is not None and self._lost(conn, e):
+            return fail(errno.EIO, self._away)
         if isinstance(e, _CONFLICTS):
             self._poisoned = True
             return Conflict(_line(e))
         if isinstance(e, pgerr.DiskFull | pgerr.OutOfMemory | pgerr.InsufficientResources):
-            return fail(errno.ENOSPC, f"the metadata server is full ({_line(e)})")
+            return self._full(e)
         if isinstance(e, pgerr.ReadOnlySqlTransaction):
             return fail(errno.EROFS, "the metadata store is open read-only")
         if isinstance(e, pgerr.NumericValueOutOfRange | psycopg.DataError):
             return fail(errno.EOVERFLOW, f"a value is too large for the metadata store "
                         f"({_line(e)})")
-        if isinstance(e, psycopg.OperationalError):
+        if isinstance(e, psycopg.OperationalError):  # (a statement_timeout, say)
             log.error("metadata server %s: %s", public(self.url), _line(e))
         return fail(errno.EIO, f"metadata store error ({_line(e)})")
+
+    def _full(self, e: psycopg.Error) -> OSError:
+        """ENOSPC for the change; one log line, not one per change."""
+        err = fail(errno.ENOSPC, f"the metadata server {public(self.url)} is full "
+                   f"({_line(e)})")
+        now = time.monotonic()
+        if now - self._full_said >= FULL_QUIET_S:
+            self._full_said = now
+            log.error("%s: changes that need room fail with ENOSPC", err.strerror)
+        return err
 
     def _writable(self) -> None:
         if self.readonly:
@@ -168,19 +304,19 @@ class PgEngine(Engine):
 
     def get(self, table: str, where: Where, columns: Sequence[str]) -> Row | None:
         text = self._sql[("get", table, tuple(where), tuple(columns))]
-        return self._exec(text, tuple(where.values())).fetchone()
+        return self._exec(text, tuple(where.values()), again=True).fetchone()
 
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
              limit: int | None = None) -> Iterator[Row]:
         key, params = sql.scan_shape(table, columns, where or {}, order, after, limit)
         text = self._sql[key]
-        yield from self._exec(text, params).fetchall()
+        yield from self._exec(text, params, again=True).fetchall()
 
     def count(self, table: str, where: Where | None = None) -> int:
         where = where or {}
         row = self._exec(self._sql[("count", table, tuple(where))],
-                         tuple(where.values())).fetchone()
+                         tuple(where.values()), again=True).fetchone()
         return int(row[0]) if row else 0
 
     def insert(self, table: str, row: Mapping[str, object]) -> bool:
@@ -206,7 +342,7 @@ class PgEngine(Engine):
             with conn.cursor() as cur:
                 cur.executemany(text, list(rows))  # type: ignore[arg-type]
         except psycopg.Error as e:
-            raise self._error(e) from None
+            raise self._error(e, conn) from None
 
     def delete(self, table: str, where: Where) -> int:
         self._writable()
@@ -229,7 +365,8 @@ class PgEngine(Engine):
         """An upper bound of the numbers each sequence handed out."""
         out = {}
         for s in SEQUENCES:
-            row = self._exec(f"SELECT last_value, is_called FROM {_seq(s)}").fetchone()
+            row = self._exec(f"SELECT last_value, is_called FROM {_seq(s)}",
+                             again=True).fetchone()
             assert row is not None
             out[s] = int(row[0]) + BLOCK - 1 if row[1] else 0
         return out
@@ -247,7 +384,7 @@ class PgEngine(Engine):
     def _begin(self) -> None:
         self._writable()
         if not self._group_open:
-            self._exec("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            self._exec("BEGIN ISOLATION LEVEL REPEATABLE READ", again=True)
             self._group_open = True
             self._group_started = time.monotonic()
         self._exec("SAVEPOINT change")
@@ -258,47 +395,51 @@ class PgEngine(Engine):
             self.commit()
 
     def _undo(self) -> None:
+        if not self._group_open:  # (lost with its connection: already forgotten)
+            return
         conn = self.conn
-        if conn is not None and not conn.broken and not conn.closed and self._group_open:
-            if not self._poisoned:
-                try:
-                    conn.execute("ROLLBACK TO SAVEPOINT change")
-                    conn.execute("RELEASE SAVEPOINT change")
-                    if not self.grouped:
-                        self.commit()
+        if not _gone(conn) and not self._poisoned:
+            assert conn is not None
+            try:
+                conn.execute("ROLLBACK TO SAVEPOINT change")
+                conn.execute("RELEASE SAVEPOINT change")
+                if not self.grouped:
+                    self.commit()
+                return
+            except psycopg.Error as e:
+                if self._lost(conn, e):
                     return
-                except psycopg.Error:
-                    pass
+        if not _gone(conn):
+            assert conn is not None
             try:
                 conn.execute("ROLLBACK")
-            except psycopg.Error:
-                pass
-        if self._group_open and self.grouped:
-            log.error("metadata store: the open group of changes was rolled back")
+            except psycopg.Error as e:
+                if self._lost(conn, e):
+                    return
+        self._lose_group("the open group of changes was rolled back")
+
+    def _lose_group(self, why: str | None) -> None:
+        """Forget the open group (`why` logged if it was a group; None: said already)."""
+        if why and self.grouped:
+            log.error("metadata store: %s", why)
         self._group_open = self._poisoned = False
         self.on_group_lost()
 
     def commit(self) -> None:
+        """End the open group.  With none open, EIO while the server is away (or a lost
+        group holds commits off): a caller's fsync must not pass then."""
         if not self._group_open:
+            if self._redial is not None:
+                self._live()
             return
-        conn = self.conn
+        conn = self._live()
         try:
-            if conn is None or conn.broken or conn.closed:
-                raise fail(errno.EIO, "the metadata server's connection was lost")
             conn.execute("COMMIT")
         except psycopg.Error as e:
-            self._group_open = self._poisoned = False
-            err = self._error(e)
-            self._poisoned = False
-            if self.grouped:
-                log.error("metadata store: a group of changes was lost (%s)", err)
-            self.on_group_lost()
+            err = self._error(e, conn)
+            if self._group_open:  # (not lost with its connection: said there)
+                self._lose_group(f"a group of changes was lost ({err})")
             raise err from None
-        except OSError:
-            self._group_open = False
-            log.error("metadata store: a group of changes was lost (the connection went)")
-            self.on_group_lost()
-            raise
         self._group_open = False
 
     def sync(self) -> None:
@@ -314,8 +455,10 @@ class PgEngine(Engine):
 
     def close(self) -> None:
         try:
-            if self.conn is not None and not self.conn.closed and not self.conn.broken:
+            if not _gone(self.conn):
                 self.commit()
         finally:
+            if self._redial is not None:
+                self._redial.stop()
             if self.conn is not None:
                 self.conn.close()
