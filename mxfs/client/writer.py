@@ -21,7 +21,7 @@ from typing import Any
 from mxfs.client.control import ControlClient, ControlError
 from mxfs.client.direct import DIO_ALIGN, SEGMENT, address_of, control_client_for
 from mxfs.io import Layout, WriteOp, write_batch
-from mxfs.io.batch import executor
+from mxfs.io.batch import sync_all
 from mxfs.io.checksum import block_sums, pack_sums
 
 # Checksum block of files written outside mxfs (an mxfs file uses its stripe unit).
@@ -152,7 +152,7 @@ class DirectWriter(FileWriter):
         sums = self.sums(size)
         packed = pack_sums(sums)
         if sync:
-            list(executor().map(os.fsync, self.fds.values()))  # members in parallel
+            sync_all(list(self.fds.values()))
         self._close_fds()
         try:
             reply = self.client.call(op, ino=self.ino, size=size, sum_unit=self.sum_unit,

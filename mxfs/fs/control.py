@@ -100,8 +100,12 @@ class ControlServer:
                  writeback_cache: bool = False,
                  entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
                  metrics: Metrics | None = None, limits: Limits | None = None,
-                 only_uid: int | None = None) -> None:
+                 only_uid: int | None = None,
+                 settle: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.writeback_cache = writeback_cache
+        # Waits until the mount's answered writes of an inode are on its members, so a
+        # direct reader sees them (the mount lands writes behind their answers).
+        self.settle = settle
         # A mount without allow_other serves its owner alone; so does this socket.
         self.only_uid = only_uid
         self.vol = volume
@@ -363,7 +367,7 @@ class ControlServer:
                                mountpoint=self.mountpoint)
             return self._describe(node), []
         if op == "open_read":
-            return self._open_read(msg, caller)
+            return await self._open_read(msg, caller)
         if op == "create":
             return self._create(msg, session)
         if op == "commit":
@@ -397,7 +401,8 @@ class ControlServer:
             out["layout"] = self.vol.layout(node).describe()
         return out
 
-    def _open_read(self, msg: dict[str, Any], caller: Caller) -> tuple[dict[str, Any], list[int]]:
+    async def _open_read(self, msg: dict[str, Any], caller: Caller
+                         ) -> tuple[dict[str, Any], list[int]]:
         """Read-only descriptors of a file's chunk files, if the caller may read it
         (with "odirect": O_DIRECT ones too, for reads that bypass the page cache)."""
         path = path_field(msg)
@@ -412,6 +417,8 @@ class ControlServer:
         if self.writeback_cache and entry is not None and entry.wrote:
             # Its newest bytes may still sit in the kernel's writeback cache.
             raise OSError(errno.EBUSY, f"{path} is open for writing through the mount")
+        if self.settle is not None and entry is not None:
+            await self.settle(node.ino)
         # Two descriptors a member with O_DIRECT: only while one message can carry them.
         members = len(self.vol.layout(node).used_members())
         odirect = bool_field(msg, "odirect") and 2 * members <= MAX_FDS

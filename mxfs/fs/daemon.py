@@ -25,6 +25,7 @@ from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
+from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
 from mxfs.meta import backup
 
@@ -32,7 +33,8 @@ log = logging.getLogger("mxfs.daemon")
 
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
 OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache",
-               "meta_backup", "degraded", "metrics_port", "log_json", *Limits.options())
+               "write_behind", "meta_backup", "degraded", "metrics_port", "log_json",
+               *Limits.options())
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
@@ -79,6 +81,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     try:
         io_threads = int(own.get("io_threads") or 16)
         readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
+        write_behind = int(own.get("write_behind", DEPTH))
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         metrics_port = int(own.get("metrics_port") or 0)
         limits = Limits.from_options(own)
@@ -87,7 +90,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         sock = socket_path(vol.pool.uuid)
         vol.lock(mp, sock)
     except ValueError:
-        err = MxfsError("io_threads, readahead (KiB), meta_backup (s), metrics_port and the "
+        err = MxfsError("io_threads, readahead (KiB), write_behind (writes queued per file), "
+                        "meta_backup (s), metrics_port and the "
                         f"limits ({', '.join(Limits.options())}) take whole numbers",
                         "write them like io_threads=16,max_conns=4096")
         ready(err, [])
@@ -103,7 +107,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         metrics = Metrics()
         vol.pool.on_io = metrics.io
         ops = MxfsOperations(vol, control_path=sock, noatime="noatime" in own,
-                             io_threads=io_threads,
+                             io_threads=io_threads, write_behind=write_behind,
                              writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"),
                              metrics=metrics)
         name = vol.pool.label or vol.pool.uuid[:8]
@@ -123,7 +127,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
                                     entry_changed=ops.entry_changed, metrics=metrics,
                                     limits=limits, only_uid=None if "allow_other" in fuse_opts
-                                    else os.getuid())
+                                    else os.getuid(), settle=ops.settle)
             if metrics_port:
                 try:
                     serve_prometheus(metrics, metrics_port, lambda: pool_gauges(control))
@@ -133,7 +137,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             if vol.restored_from:
                 notes.append(f"the metadata store was recovered from the backup "
                              f"{vol.restored_from}; changes made after that backup are lost")
-            trio.run(_serve, control, lambda: ready(None, notes), readahead, backup_s)
+            trio.run(_serve, control, ops, lambda: ready(None, notes), readahead, backup_s)
             clean = True
         finally:
             pyfuse3.close(unmount=True)
@@ -145,9 +149,10 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         log.info("pool %s unmounted from %s (clean=%s)", vol.pool.uuid, mp, clean)
 
 
-async def _serve(control: ControlServer, ready: Callable[[], None], readahead_kib: int,
-                 backup_s: int) -> None:
+async def _serve(control: ControlServer, ops: MxfsOperations, ready: Callable[[], None],
+                 readahead_kib: int, backup_s: int) -> None:
     async with trio.open_nursery() as nursery:
+        ops.nursery = nursery  # writes through the mount land behind their answers here
         await nursery.start(control.serve)
         nursery.start_soon(_stop_on_signal)
         nursery.start_soon(_commit_groups, control)

@@ -21,6 +21,7 @@ import trio
 from mxfs.fs.access import owner_for
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.volume import OpenInode, Volume
+from mxfs.fs.write_behind import DEPTH, WriteBehind
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
 from mxfs.pool.pool import MAX_STRIPE_UNIT, pool_totals
@@ -98,7 +99,7 @@ class MxfsOperations(pyfuse3.Operations):
 
     def __init__(self, volume: Volume, control_path: str = "", noatime: bool = False,
                  io_threads: int = 16, writeback_cache: bool = False,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, write_behind: int = DEPTH) -> None:
         super().__init__()
         self.metrics = metrics or Metrics()
         # With the writeback cache the kernel gathers writes and sends them in 1 MiB
@@ -112,6 +113,11 @@ class MxfsOperations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self.next_fh = 1
         self.limiter = trio.CapacityLimiter(io_threads)
+        # Where writes land behind their answers (set by the daemon once trio runs;
+        # without it, or with the writeback cache, each write lands before its answer).
+        self.nursery: trio.Nursery | None = None
+        self.write_behind = write_behind  # writes queued per inode; 0: none
+        self.behind: dict[int, WriteBehind] = {}
 
     async def entry_changed(self, parent: int, name: bytes) -> None:
         """A name changed behind the kernel's back (a direct commit): drop its cached entry.
@@ -197,6 +203,7 @@ class MxfsOperations(pyfuse3.Operations):
             if not node.is_reg:
                 raise pyfuse3.FUSEError(errno.EINVAL)
             self.vol.check_writable(node)
+            await self.settle(inode)
             self.vol.truncate(node, attr.st_size)
         mtime = attr.st_mtime_ns if fields.update_mtime else now if fields.update_size else None
         self.store.set_attrs(
@@ -287,6 +294,7 @@ class MxfsOperations(pyfuse3.Operations):
             self.vol.check_writable(node)
         if flags & os.O_TRUNC and node.is_reg:
             # libfuse enables atomic O_TRUNC: the kernel sends it here, not as setattr.
+            await self.settle(inode)
             self.vol.truncate(node, 0)
             now = time.time_ns()
             self.store.set_attrs(node, mtime_ns=now, ctime_ns=now)
@@ -312,6 +320,7 @@ class MxfsOperations(pyfuse3.Operations):
             return b""
         buf = bytearray(n)
         assert entry.chunks is not None
+        await self.settle(node.ino)
         await trio.to_thread.run_sync(entry.chunks.read, off, memoryview(buf),
                                       limiter=self.limiter)
         if not self.noatime:
@@ -333,8 +342,17 @@ class MxfsOperations(pyfuse3.Operations):
             off = node.size  # without the writeback cache, appends are placed here
         assert entry.chunks is not None
         self.vol.note_write(entry)
-        await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
-                                      limiter=self.limiter)
+        if self.nursery is not None and self.write_behind and not self.enable_writeback_cache:
+            chunks = entry.chunks
+            chunks.admit(off, len(buf))  # a member out of service or no room: said now
+            behind = self.behind.get(node.ino)
+            if behind is None:
+                behind = self.behind[node.ino] = WriteBehind(self.write_behind)
+            await behind.submit(self.nursery, lambda: chunks.write(off, memoryview(buf)),
+                                self.limiter)
+        else:
+            await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
+                                          limiter=self.limiter)
         if off + len(buf) > node.size:
             self.store.touch(node, size=off + len(buf))
         if not self.enable_writeback_cache:
@@ -346,11 +364,14 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def flush(self, fh: int) -> None:
-        self.store.flush(self.handles[fh].entry.node)
+        node = self.handles[fh].entry.node
+        await self.settle(node.ino, report=True)  # close() returns a failed write's errno
+        self.store.flush(node)
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         entry = self.handles[fh].entry
+        await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
             await trio.to_thread.run_sync(entry.chunks.sync, datasync, limiter=self.limiter)
         self.store.flush(entry.node)
@@ -358,8 +379,24 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def release(self, fh: int) -> None:
-        handle = self.handles.pop(fh)
-        self.vol.release(handle.entry.node.ino)
+        ino = self.handles[fh].entry.node.ino
+        await self.settle(ino)  # before the last release closes the chunk descriptors
+        self.handles.pop(fh)
+        self.vol.release(ino)
+        if ino not in self.vol.open_inodes:
+            behind = self.behind.pop(ino, None)
+            if behind is not None and behind.error is not None:
+                log.warning("inode %d: a write failed after its last flush (%s); nobody "
+                            "was left to tell", ino, behind.error)
+
+    async def settle(self, ino: int, report: bool = False) -> None:
+        """Every write of `ino` answered so far is on its members (then, if `report`,
+        raise the first of them that failed since the last report)."""
+        behind = self.behind.get(ino)
+        if behind is not None:
+            await behind.drain()
+            if report:
+                behind.raise_error()
 
     # ---- directories -------------------------------------------------------
 

@@ -132,6 +132,13 @@ def _run(fn: Callable[[T], int], ops: Sequence[T]) -> list[int]:
     return [f.result() for f in futures]
 
 
+def sync_all(fds: Sequence[int], datasync: bool = False) -> None:
+    """fsync (or fdatasync) every descriptor at once: each member's drive flushes its
+    own share in parallel, not one after another."""
+    sync = os.fdatasync if datasync else os.fsync
+    _run(lambda fd: sync(fd) or 0, list(fds))
+
+
 def _triples(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> list[tuple[int, int, memoryview]]:
     out = []
     for op in ops:

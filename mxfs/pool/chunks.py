@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mxfs.io import Layout, ReadOp, WriteOp, read_batch, write_batch
+from mxfs.io import Layout, Piece, ReadOp, WriteOp, read_batch, write_batch
+from mxfs.io.batch import sync_all
 from mxfs.pool.pool import Pool
 
 
@@ -83,13 +84,21 @@ class ChunkFiles:
             self._guard(read_batch, ops)
         self._account(pieces, "read")
 
-    def write(self, offset: int, data: memoryview) -> None:
-        """Write `data` at file `offset`, each member's share in parallel."""
-        ops = []
-        pieces = self.layout.plan(offset, len(data))
+    def admit(self, offset: int, n: int) -> list[Piece]:
+        """The pieces of a write of `n` bytes at `offset`, once it is known every member
+        it touches is in service and the metadata member keeps its reserve (cheap: the
+        daemon asks before it answers a write it lands later)."""
+        pieces = self.layout.plan(offset, n)
         self.pool.check({p.member for p in pieces})
         for piece in pieces:
             self.pool.check_space(piece.member, piece.length)
+        return pieces
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Write `data` at file `offset`, each member's share in parallel."""
+        ops = []
+        pieces = self.admit(offset, len(data))
+        for piece in pieces:
             fd = self.fd(piece.member, create=True)
             assert fd is not None
             ops.append(WriteOp(fd, piece.chunk_offset, [data[o:o + n] for o, n in piece.spans]))
@@ -121,9 +130,8 @@ class ChunkFiles:
         self.pool.truncate_chunks(self.ino, self.layout, size)
 
     def sync(self, datasync: bool = False) -> None:
-        """Make every written member durable."""
-        for fd in list(self._fds.values()):
-            (os.fdatasync if datasync else os.fsync)(fd)
+        """Make every written member durable, all members at once."""
+        sync_all(list(self._fds.values()), datasync)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,89 @@
+"""Writes through the mount, answered before they reach the members (write-behind).
+
+Without the kernel's writeback cache each write() waits for its FUSE request, so
+the daemon's copy into the members' page cache sat on the writer's critical path:
+the next request could not start until it ended.  Now a write is handed to a worker
+thread and answered at once, and the kernel's transfer of the next request overlaps
+it.  Per inode the writes land one after another in the order they came (an
+overwrite never lands before what it overwrites), at most DEPTH of them queued.
+Whatever must see the bytes (a read, fsync, flush at close, a truncate, the direct
+path's open, the last release) drains the queue first.
+
+A failure (ENOSPC, EIO) is kept and raised by the next write, flush or fsync of the
+inode, as the kernel reports writeback errors; close() sees it through flush.  What a
+daemon crash can lose beyond today: up to DEPTH acknowledged, not yet fsynced writes
+of each file being written, which POSIX allows for any write not followed by fsync.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable
+
+import trio
+
+log = logging.getLogger("mxfs.fs")
+
+DEPTH = 4  # queued writes per inode: 4 MiB of 1 MiB requests held at most
+
+
+class WriteBehind:
+    """The queue of one open inode's writes not yet on its members."""
+
+    def __init__(self, depth: int = DEPTH) -> None:
+        self._slots = trio.Semaphore(depth)
+        self._last: trio.Event | None = None  # set when the newest queued write has landed
+        self._pending = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self.error: OSError | None = None
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    async def submit(self, nursery: trio.Nursery, write: Callable[[], None],
+                     limiter: trio.CapacityLimiter) -> None:
+        """Queue `write` (blocking, run in a worker thread) behind the earlier ones;
+        waits only while DEPTH writes are queued.  Raises a failure of an earlier one."""
+        self.raise_error()
+        await self._slots.acquire()
+        before, done = self._last, trio.Event()
+        self._last = done
+        if self._pending == 0:
+            self._idle = trio.Event()
+        self._pending += 1
+        nursery.start_soon(self._land, before, done, write, limiter)
+
+    async def _land(self, before: trio.Event | None, done: trio.Event,
+                    write: Callable[[], None], limiter: trio.CapacityLimiter) -> None:
+        # Shielded: an acknowledged write is finished even while the daemon stops.
+        with trio.CancelScope(shield=True):
+            try:
+                if before is not None:
+                    await before.wait()
+                await trio.to_thread.run_sync(write, limiter=limiter)
+            except OSError as e:
+                self.error = self.error or e
+            except Exception:  # a bug must not end the daemon: the writer gets EIO
+                log.exception("a write behind failed")
+                self.error = self.error or OSError(errno.EIO, "write failed")
+            finally:
+                done.set()
+                self._slots.release()
+                self._pending -= 1
+                if self._last is done:
+                    self._last = None
+                if self._pending == 0:
+                    self._idle.set()
+
+    async def drain(self) -> None:
+        """Wait until every queued write has landed (or failed)."""
+        await self._idle.wait()
+
+    def raise_error(self) -> None:
+        """Raise, once, the first failure since the last one was raised."""
+        err, self.error = self.error, None
+        if err is not None:
+            raise err

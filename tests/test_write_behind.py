@@ -1,0 +1,156 @@
+"""Writes through the mount answered before they land (mxfs/fs/write_behind.py).
+
+The queue itself, on trio with real worker threads: writes of one inode land in the
+order they came, at most DEPTH are held, drain waits for every one, a failure is
+raised once by the next write or report, and a bug in a write is EIO, not the end of
+the daemon.  Then through a real mount: what a write answered is what every reader
+sees at once (a second descriptor with O_DIRECT, the direct path), and a write that
+fails after its answer reaches the writer at close.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import Mounted, eventually
+
+from mxfs.client.direct import open_reader
+from mxfs.fs.write_behind import WriteBehind
+
+
+def run_queue(body) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await body(nursery, WriteBehind(depth=3), trio.CapacityLimiter(8))
+    trio.run(main)
+
+
+def test_writes_land_in_arrival_order_and_drain_waits_for_all() -> None:
+    landed: list[int] = []
+    gates = [threading.Event() for _ in range(3)]
+
+    def write(i: int) -> None:
+        gates[i].wait(10)
+        landed.append(i)
+
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: trio.CapacityLimiter) -> None:
+        for i in range(3):
+            await q.submit(nursery, lambda i=i: write(i), lim)
+        assert q.pending == 3
+        gates[2].set()  # the newest may go first in a thread: it must still wait its turn
+        gates[1].set()
+        await trio.sleep(0.05)
+        assert landed == []
+        gates[0].set()
+        await q.drain()
+        assert landed == [0, 1, 2] and q.pending == 0
+
+    run_queue(body)
+
+
+def test_depth_bounds_the_writes_held() -> None:
+    gate = threading.Event()
+    started = []
+
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: trio.CapacityLimiter) -> None:
+        for _ in range(3):
+            await q.submit(nursery, gate.wait, lim)
+
+        async def fourth() -> None:
+            await q.submit(nursery, lambda: None, lim)
+            started.append(True)
+
+        nursery.start_soon(fourth)
+        await trio.sleep(0.05)
+        assert started == [] and q.pending == 3  # the writer waits: nothing more is held
+        gate.set()
+        await q.drain()
+        await trio.sleep(0)
+        assert started == [True]
+        await q.drain()
+
+    run_queue(body)
+
+
+def test_a_failure_is_raised_once_by_the_next_write_and_a_bug_is_eio() -> None:
+    def full() -> None:
+        raise OSError(errno.ENOSPC, "no space")
+
+    def bug() -> None:
+        raise KeyError("a bug")
+
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: trio.CapacityLimiter) -> None:
+        await q.submit(nursery, full, lim)
+        await q.drain()
+        with pytest.raises(OSError) as e:
+            await q.submit(nursery, lambda: None, lim)
+        assert e.value.errno == errno.ENOSPC
+        await q.submit(nursery, lambda: None, lim)  # said once: the next one goes through
+        await q.submit(nursery, bug, lim)
+        await q.drain()
+        with pytest.raises(OSError) as e:
+            q.raise_error()
+        assert e.value.errno == errno.EIO
+        q.raise_error()  # nothing left to say
+
+    run_queue(body)
+
+
+def test_every_reader_sees_what_a_write_answered_at_once(mounted: Mounted) -> None:
+    path = mounted.path / "moving"
+    size = 8 << 20
+    buf = mmap.mmap(-1, size)  # aligned, for O_DIRECT
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        for rnd in range(12):
+            want = bytes([rnd]) * size
+            for off in range(0, size, 1 << 20):  # 1 MiB requests, answered before they land
+                os.pwrite(fd, want[off:off + (1 << 20)], off)
+            direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)  # to the daemon, not the cache
+            try:
+                assert os.preadv(direct_fd, [buf], 0) == size and buf[:] == want
+            finally:
+                os.close(direct_fd)
+            os.pwrite(fd, bytes([rnd + 100]) * size, 0)
+            with open_reader(str(path)) as r:  # the direct path reads the chunk files
+                got = bytearray(size)
+                r.read_into(0, memoryview(got))
+                assert got == bytes([rnd + 100]) * size
+    finally:
+        os.close(fd)
+
+
+def test_a_write_that_fails_after_its_answer_is_reported_by_close(loop_pool: Mounted) -> None:
+    mp, members = loop_pool.path, loop_pool.members
+    free = os.statvfs(members[2]).f_bavail * os.statvfs(members[2]).f_frsize
+    block = os.urandom(1 << 20)
+    # Member 2 is not the metadata member: only landing the write finds it full.
+    n = 4 * (free >> 20) + 16  # a quarter of the stripes go to member 2
+    with pytest.raises(OSError) as err:
+        fd = os.open(mp / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            for _ in range(n):
+                os.write(fd, block)
+        finally:
+            os.close(fd)  # no fsync: the failure must still reach the writer
+    assert err.value.errno == errno.ENOSPC
+    os.unlink(mp / "filler")
+    assert eventually(lambda: os.statvfs(members[2]).f_bavail * 4096 >= free - (1 << 20))
+    (mp / "after").write_bytes(block)
+    assert (mp / "after").read_bytes() == block
+
+
+def test_write_behind_takes_a_whole_number(tmp_path: Path) -> None:
+    from conftest import make_members, mkfs, mxfs, one_line_error
+    members = make_members(tmp_path)
+    mkfs(members)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    res = mxfs("mount", "-o", "write_behind=lots", members[0], str(mp), check=False)
+    assert res.returncode != 0 and "write_behind" in one_line_error(res)
