@@ -104,7 +104,7 @@ class _Redial:
             delay = RETRY_S
             try:
                 conn = self._connect()
-            except Unusable:
+            except Exception:  # Unusable, or anything else: the thread must not end
                 continue
             with self._lock:
                 if self._stop.is_set():
