@@ -346,3 +346,48 @@ def test_a_lost_group_puts_memory_back_and_holds_commits_off(own_pg: Server) -> 
         assert problems(store) == []
     finally:
         store.close()
+
+
+def test_fsync_after_a_lost_group_is_eio_even_once_the_server_is_back(
+        members: list[str], own_pg: Server) -> None:
+    """A change the daemon answered, then lost with its group (the server dropped the
+    connection before the group's commit): the next fsync on that file says EIO, once,
+    even when it comes after the daemon is connected again; never "durable"."""
+    import signal
+
+    import psycopg
+
+    if not HAVE_FUSE:
+        pytest.skip("needs root and /dev/fuse")
+    url = own_pg.database()
+    mkfs(members, "64KiB", "--meta", url)
+    with mounted_pool(members) as m, psycopg.connect(url, autocommit=True) as db:
+        pid = m.daemon_pid()
+        for attempt in range(5):
+            path = m.path / f"f{attempt}"
+            write_synced(path, b"x")
+            ino = os.stat(path).st_ino
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.fchmod(fd, 0o600)  # answered; its group commits within 50 ms
+                os.kill(pid, signal.SIGSTOP)  # ... unless the daemon is held first
+                try:
+                    db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                               "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                assert eventually(lambda: writes_work(m.path))  # connected again
+                row = db.execute("SELECT mode FROM inodes WHERE ino = %s", (ino,)).fetchone()
+                assert row is not None
+                lost = row[0] & 0o777 != 0o600
+                if lost:
+                    with pytest.raises(OSError) as err:
+                        os.fsync(fd)
+                    assert err.value.errno == errno.EIO
+                os.fsync(fd)  # heard once: the next one is the usual kind
+            finally:
+                os.close(fd)
+            if lost:
+                break
+        assert lost, "the group committed before the daemon could be held, five times"
+        assert alive(pid)

@@ -87,11 +87,19 @@ def parse_layout(raw: bytes) -> tuple[int | None, int | None]:
 class Handle:
     """One open file description."""
 
-    __slots__ = ("entry", "flags")
+    __slots__ = ("entry", "flags", "losses")
 
-    def __init__(self, entry: OpenInode, flags: int) -> None:
+    def __init__(self, entry: OpenInode, flags: int, losses: int) -> None:
         self.entry = entry
         self.flags = flags
+        self.losses = losses  # the store's lost groups when this handle last synced
+
+    def heard_losses(self, lost: int) -> None:
+        """EIO, once, if the metadata store lost a group of changes since this handle
+        last synced: it may have held this file's changes (as errseq does for data)."""
+        if lost != self.losses:
+            self.losses = lost
+            raise OSError(errno.EIO, "a group of metadata changes was lost")
 
 
 class MxfsOperations(pyfuse3.Operations):
@@ -148,8 +156,9 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_size = node.apparent_size
         a.st_blksize = node.stripe_unit if node.is_reg and node.stripe_unit else 4096
         a.st_blocks = (node.size + 511) // 512
-        if node.is_reg and node.first_member is not None:
-            # What the chunk files hold (du of a sparse file is not its size): <= width stats.
+        if node.is_reg and node.first_member is not None and node.size:
+            # What the chunk files hold (du of a sparse file is not its size): <= width
+            # stats; an empty file holds nothing (creates and readdirs skip the stats).
             a.st_blocks = 0
             for m in self.vol.layout(node).used_members():
                 if self.vol.pool.members[m].failed:
@@ -279,7 +288,7 @@ class MxfsOperations(pyfuse3.Operations):
     def _open_handle(self, node: Inode, flags: int) -> pyfuse3.FileInfo:
         fh = self.next_fh
         self.next_fh += 1
-        self.handles[fh] = Handle(self.vol.acquire(node), flags)
+        self.handles[fh] = Handle(self.vol.acquire(node), flags, self.store.groups_lost)
         # Every change to a file passes through this daemon, so the kernel's cached
         # pages of it stay valid between opens.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
@@ -370,12 +379,14 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        entry = self.handles[fh].entry
+        handle = self.handles[fh]
+        entry = handle.entry
         await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
             await trio.to_thread.run_sync(entry.chunks.sync, datasync, limiter=self.limiter)
         self.store.flush(entry.node)
         await self._durable()
+        handle.heard_losses(self.store.groups_lost)
 
     @_errors
     async def release(self, fh: int) -> None:
@@ -407,7 +418,7 @@ class MxfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         fh = self.next_fh
         self.next_fh += 1
-        self.handles[fh] = Handle(self.vol.acquire(node), 0)
+        self.handles[fh] = Handle(self.vol.acquire(node), 0, self.store.groups_lost)
         return fh
 
     @_errors
@@ -440,6 +451,7 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
         await self._durable()
+        self.handles[fh].heard_losses(self.store.groups_lost)
 
     async def _durable(self) -> None:
         """Every change so far committed and on stable storage (the sync in a worker)."""

@@ -49,6 +49,9 @@ class MetaStore:
         self._journal: list[tuple[Inode, str, object]] = []
         self._group_journal: list[tuple[Inode, str, object]] = []  # of the open group
         engine.on_group_lost = self._group_lost
+        # Groups of changes lost so far: an fsync that has not heard of a loss since
+        # its handle last synced must fail, as the loss may have held its changes.
+        self.groups_lost = 0
         self.kv = KVRows(self)
 
     # ---- lifecycle -------------------------------------------------------
@@ -133,6 +136,7 @@ class MetaStore:
         self._put_back(self._journal)
         self._put_back(self._group_journal)
         self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+        self.groups_lost += 1
 
     def group_changes(self, max_age: float) -> None:
         """Group changes into engine transactions ended at most `max_age` seconds after
