@@ -171,6 +171,55 @@ def make_rig(spec: str, where: str = "/var/tmp", gib_each: int = 16) -> Iterator
         shutil.rmtree(base, ignore_errors=True)
 
 
+def write_ceiling(rig: Rig, nbytes: int, repeat: int = 3) -> dict[str, float]:
+    """GB/s of raw writes of `nbytes` spread over the members, each file fsynced, the
+    way the daemon writes its chunk files (buffered, then fsync): each member alone
+    (the median member) and all at once; O_DIRECT writes of all at once beside them
+    (on cgroup v1 only those are capped: buffered writeback escapes the cap)."""
+    each = max(BLOCK, nbytes // len(rig.members) // BLOCK * BLOCK)
+    paths = [f.rstrip("/") + ".wceiling" for f in rig.members]
+    block = mmap.mmap(-1, BLOCK)  # page aligned, for O_DIRECT too
+    block.write(os.urandom(BLOCK))
+
+    def one(i: int, flags: int = 0) -> int:
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
+        try:
+            for k in range(each // BLOCK):
+                os.pwritev(fd, [block], k * BLOCK)
+            os.fsync(fd)
+            return each
+        finally:
+            os.close(fd)
+
+    def all_at_once(flags: int = 0) -> float:
+        drop_caches()
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(paths)) as ex:
+            moved = sum(ex.map(one, range(len(paths)), [flags] * len(paths)))
+        return moved / (time.perf_counter() - start) / 1e9
+
+    alone: list[float] = []
+    together: list[float] = []
+    direct: list[float] = []
+    try:
+        for _ in range(repeat):
+            speeds = []
+            for i in range(len(paths)):
+                drop_caches()
+                start = time.perf_counter()
+                speeds.append(one(i) / (time.perf_counter() - start) / 1e9)
+            alone.append(statistics.median(speeds))
+            together.append(all_at_once())
+            direct.append(all_at_once(os.O_DIRECT))
+    finally:
+        for p in paths:
+            with suppress(OSError):
+                os.unlink(p)
+    return {"write_member_alone_GBps": statistics.median(alone),
+            "write_all_members_GBps": statistics.median(together),
+            "write_all_members_odirect_GBps": statistics.median(direct)}
+
+
 def ceiling(rig: Rig, nbytes: int, repeat: int = 3) -> dict[str, float]:
     """GB/s of raw O_DIRECT reads of `nbytes` spread over the members: each member
     alone (the median member) and all of them at once; medians of `repeat`."""
