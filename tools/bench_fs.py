@@ -20,10 +20,14 @@ like each member):
 Beside them, the rig's raw ceilings: O_DIRECT reads, and buffered writes + fsync of
 the same bytes, of each member alone and of all at once.  `--meta URL` puts the
 pool's metadata on a PostgreSQL server (`mxfs mkfs --meta`), to compare the
-engines.  Repeats and reports medians, the ratio mxfs / plain, and the targets of
-issues 2 and 14.
+engines.  `--steps` runs only some steps: `meta` the metadata ones (create ...
+unlink and direct_commit, without the rig's ceilings), `data` the bandwidth ones, or
+step names (create, stat, rename, readdir and unlink run together, as do write and
+the reads, and torch_save and save_file).  Repeats and reports medians, the ratio
+mxfs / plain, and the targets of issues 2 and 14.
 
     python tools/bench_fs.py --size 2GiB --repeat 3 --rig members:4:500 --json out.json
+    python tools/bench_fs.py --steps meta --files 3000 --meta postgresql:///db?host=/run/pg
 """
 
 from __future__ import annotations
@@ -52,6 +56,30 @@ TARGETS = {"write": 0.80, "torch_save": 0.80, "save_file": 0.80, "read_cold": 0.
            "read_warm": 0.80, "create": 0.20, "stat": 0.20, "unlink": 0.20}
 BLOCK = 8 << 20
 BANDWIDTH = ("write", "torch_save", "save_file", "read_cold", "read_first", "read_warm")
+# What --steps may name, and the parts of a round each needs (a part runs its steps
+# together: the metadata rates work on the files create made).
+PARTS = {"big": ("write", "read", "read_cold", "read_first", "read_warm"),
+         "saves": ("torch_save", "save_file"),
+         "names": ("create", "stat", "rename", "readdir", "unlink"),
+         "direct": ("direct_commit",)}
+GROUPS = {"all": tuple(PARTS), "data": ("big", "saves"), "meta": ("names", "direct")}
+
+
+def parts_of(steps: str) -> set[str]:
+    """The parts of a round `--steps` asks for (comma-separated groups and names)."""
+    out: set[str] = set()
+    for word in filter(None, (w.strip() for w in steps.split(","))):
+        if word in GROUPS:
+            out.update(GROUPS[word])
+            continue
+        part = next((p for p, names in PARTS.items() if word in names), None)
+        if part is None:
+            known = sorted({*GROUPS, *(n for names in PARTS.values() for n in names)})
+            raise SystemExit(f"--steps: no step {word!r} (one of {', '.join(known)})")
+        out.add(part)
+    if not out:
+        raise SystemExit("--steps: name at least one step")
+    return out
 
 
 def read_chunks_raw(paths: list[str], bufs: list[bytearray]) -> float:
@@ -140,9 +168,29 @@ def saves(mnt: str, plain: str, state: dict[str, torch.Tensor]) -> dict[str, dic
 
 
 def one_round(pool: Any, size: int, files: int, block: memoryview, buf: bytearray,
-              chunk_bufs: list[bytearray], state: dict[str, torch.Tensor]) -> dict:
-    mnt, plain, members = pool.mnt, pool.plain, pool.members
+              chunk_bufs: list[bytearray], state: dict[str, torch.Tensor],
+              parts: set[str]) -> dict:
     r: dict[str, dict[str, float]] = {}
+    written = write_big(pool, size, block, r) if "big" in parts else 0
+    if "saves" in parts:
+        r.update(saves(pool.mnt, pool.plain, state))
+    if "big" in parts:
+        read_big(pool, size, buf, chunk_bufs, written, r)
+    if "names" in parts:
+        m_rates, p_rates = metadata_rates(pool.mnt, files), metadata_rates(pool.plain, files)
+        for k in m_rates:
+            r[k] = {"mxfs": m_rates[k], "plain": p_rates[k]}
+    if "direct" in parts:
+        n = max(50, files // 10)
+        r["direct_commit"] = {"mxfs": direct_commits(pool.mnt, n),
+                              "plain": direct_commits(pool.plain, n)}
+    return r
+
+
+def write_big(pool: Any, size: int, block: memoryview, r: dict[str, dict[str, float]]
+              ) -> Any:
+    """The large file written into each side (it stays for `read_big`); its digest."""
+    mnt, plain = pool.mnt, pool.plain
     gbps = lambda s: size / s / 1e9  # noqa: E731
     drop_caches()
     t_m, d_m = write_file(os.path.join(mnt, "big"), size, block)
@@ -150,7 +198,14 @@ def one_round(pool: Any, size: int, files: int, block: memoryview, buf: bytearra
     t_p, d_p = write_file(os.path.join(plain, "big"), size, block)
     assert d_m == d_p
     r["write"] = {"mxfs": gbps(t_m), "plain": gbps(t_p)}
-    r.update(saves(mnt, plain, state))
+    return d_p
+
+
+def read_big(pool: Any, size: int, buf: bytearray, chunk_bufs: list[bytearray], d_p: Any,
+             r: dict[str, dict[str, float]]) -> None:
+    """read_cold (or read_first) and read_warm of the large file, each side; removed."""
+    mnt, plain, members = pool.mnt, pool.plain, pool.members
+    gbps = lambda s: size / s / 1e9  # noqa: E731
     ino = os.stat(os.path.join(mnt, "big")).st_ino
     chunks = [os.path.join(m, "chunks", f"{ino % 256:02x}", str(ino)) for m in members]
     cold = drop_caches()
@@ -169,12 +224,6 @@ def one_round(pool: Any, size: int, files: int, block: memoryview, buf: bytearra
     r["read_warm"] = {"mxfs": gbps(t_m), "plain": gbps(t_p)}
     os.unlink(os.path.join(mnt, "big"))
     os.unlink(os.path.join(plain, "big"))
-    m_rates, p_rates = metadata_rates(mnt, files), metadata_rates(plain, files)
-    for k in m_rates:
-        r[k] = {"mxfs": m_rates[k], "plain": p_rates[k]}
-    n = max(50, files // 10)
-    r["direct_commit"] = {"mxfs": direct_commits(mnt, n), "plain": direct_commits(plain, n)}
-    return r
 
 
 def summarize(rounds: list[dict]) -> dict[str, dict[str, float]]:
@@ -196,15 +245,18 @@ def report(summary: dict[str, dict[str, float]], ceil: dict[str, float], title: 
         unit = "GB/s" if bandwidth else "entries/s" if step == "readdir" else "ops/s"
         fmt = ".2f" if bandwidth else ".0f"
         raw = f"{v['raw_chunks']:.2f}" if "raw_chunks" in v else ""
-        top = (ceil["write_all_members_GBps"] if step in ("write", "torch_save", "save_file")
-               else ceil["all_members_GBps"] if step.startswith("read_") and step != "read_warm"
-               else None)
+        top = (ceil.get("write_all_members_GBps") if step in ("write", "torch_save",
+                                                               "save_file")
+               else ceil.get("all_members_GBps") if step.startswith("read_")
+               and step != "read_warm" else None)
         of = "" if top is None else f"{v['mxfs'] / top:.0%}"
         target = TARGETS.get(step)
         met = "" if target is None else ("yes" if v["ratio"] >= target else "no")
         print(f"| {step} ({unit}) | {v['mxfs']:{fmt}} | {v['plain']:{fmt}} | {raw} | "
               f"{v['ratio']:.0%} | {of} | {'' if target is None else f'{target:.0%}'} "
               f"| {met} |")
+    if not ceil:
+        return
     print(f"\nrig ceilings (GB/s): O_DIRECT reads one member {ceil['member_alone_GBps']:.2f}, "
           f"all {ceil['all_members_GBps']:.2f}; writes + fsync one member "
           f"{ceil['write_member_alone_GBps']:.2f}, all {ceil['write_all_members_GBps']:.2f} "
@@ -219,22 +271,28 @@ def main() -> int:
     ap.add_argument("--meta", help="the pool's metadata on this PostgreSQL server "
                     "(postgresql://...; default: SQLite on the members)")
     ap.add_argument("-o", dest="options", default="", help="mount options to test")
+    ap.add_argument("--steps", default="all", help="the steps to run, comma-separated: "
+                    "all (default), data (the bandwidth steps), meta (create, stat, rename, "
+                    "readdir, unlink, direct_commit), or step names")
     bench_args(ap)
     args = ap.parse_args()
     size = parse_size(args.size)
+    parts = parts_of(args.steps)
     mkfs = ["--stripe-unit", args.stripe_unit, *(["--meta", args.meta] if args.meta else [])]
-    state = weights(size)
+    state = weights(size) if "saves" in parts else {}
     with make_rig(args.rig, args.dir, gib_each=max(8, 4 * -(-size // 2**30))) as rig, \
             scratch_pool("mxfs-bench-", args.dir, members=rig.members, plain=rig.plain,
                          mkfs=mkfs,
                          mount=["-o", args.options] if args.options else []) as pool:
-        ceil = {**ceiling(rig, size, args.repeat), **write_ceiling(rig, size, args.repeat)}
+        ceil = ({**ceiling(rig, size, args.repeat), **write_ceiling(rig, size, args.repeat)}
+                if parts & {"big", "saves"} else {})
         block = memoryview(bytearray(os.urandom(BLOCK)))
         buf = bytearray(BLOCK)
         chunk_bufs = [bytearray(BLOCK) for _ in pool.members]
         rounds = []
         for i in range(args.repeat):
-            rounds.append(one_round(pool, size, args.files, block, buf, chunk_bufs, state))
+            rounds.append(one_round(pool, size, args.files, block, buf, chunk_bufs, state,
+                                    parts))
             print(f"round {i + 1}/{args.repeat} done", file=sys.stderr)
         title = (f"mxfs vs plain folder, {args.size}, {rig.describe()}, metadata "
                  f"{'on PostgreSQL' if args.meta else 'in SQLite'}, median of {args.repeat}")
