@@ -27,7 +27,7 @@ from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
-from mxfs.meta import backup
+from mxfs.meta import backup, lease
 
 log = logging.getLogger("mxfs.daemon")
 
@@ -156,6 +156,7 @@ async def _serve(control: ControlServer, ops: MxfsOperations, ready: Callable[[]
         await nursery.start(control.serve)
         nursery.start_soon(_stop_on_signal)
         nursery.start_soon(_commit_groups, control)
+        nursery.start_soon(_keep_lease, control)
         if backup_s > 0 and backup.supported(control.vol.store):  # a server's are its operator's
             nursery.start_soon(_backups, control, backup_s)
         nursery.start_soon(_announce, control, ready, readahead_kib)
@@ -200,6 +201,26 @@ async def _commit_groups(control: ControlServer) -> None:
                 vol.drop_inodes(inos)
         except Exception as e:  # OSError from the store, or anything unforeseen
             failures.note("commit", None, e, trace=not isinstance(e, OSError))
+
+
+async def _keep_lease(control: ControlServer) -> None:
+    """Renew the pool's lease every RENEW_S.  A store that cannot be reached is logged
+    once and tried again (the lease runs on until TTL_S); a lease another host has taken
+    (this one ran out) makes this daemon refuse every change from then on (EROFS)."""
+    vol = control.vol
+    failures = FailureLog(log)
+    while vol.lease is not None:
+        await trio.sleep(lease.RENEW_S)
+        try:
+            if lease.renew(vol.store, vol.lease):
+                continue
+        except OSError as e:
+            failures.note("lease", None, e)
+            continue
+        log.error("the pool's lease was taken by %s: this mount refuses changes from now "
+                  "on; unmount it", (lease.holder(vol.store) or vol.lease).describe())
+        vol.store.engine.readonly = True
+        vol.lease = None
 
 
 def pool_gauges(control: ControlServer) -> Iterator[Any]:

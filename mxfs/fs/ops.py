@@ -337,6 +337,8 @@ class MxfsOperations(pyfuse3.Operations):
         return buf
 
     def _relatime(self, node: Inode) -> None:
+        if self.store.readonly:  # reads go on where changes are refused (a fenced daemon)
+            return
         now = time.time_ns()
         if (node.atime_ns <= node.mtime_ns or node.atime_ns <= node.ctime_ns
                 or now - node.atime_ns > DAY_NS):

@@ -15,13 +15,14 @@ import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
-from mxfs.meta import ROOT_INO, Inode, MetaStore, Unusable, backup, location
+from mxfs.meta import ROOT_INO, Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
 from mxfs.meta.survey import inode_numbers
 from mxfs.pool import ChunkFiles, Pool, format_members
@@ -109,6 +110,7 @@ class Volume:
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self._spares: list[Inode] = []
         self._lock_fd = lock_fd
+        self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
         # Set when mount found the store damaged and put a backup in its place.
         self.restored_from: str | None = None
 
@@ -141,6 +143,10 @@ class Volume:
                 store.close()
                 raise MxfsError(f"metadata store in {where} belongs to pool {uuid}, "
                                 f"not {pool.uuid}", "restore the right metadata store")
+            other = lease.live_elsewhere(store) if hold is not None else None
+            if other is not None:
+                store.close()
+                raise _served_elsewhere(other)
         except BaseException:
             if lock_fd is not None:
                 release_pool_lock(lock_fd)
@@ -174,6 +180,15 @@ class Volume:
         else:
             _write_lock_info(self._lock_fd, {"pid": os.getpid(), "tool": "mxfs mount",
                                              "mountpoint": mountpoint, "socket": socket_path})
+        try:
+            self.lease = lease.take(self.store, mountpoint)
+        except lease.LeaseHeld as e:
+            self.unlock()
+            raise _served_elsewhere(e.holder) from None
+        except OSError as e:
+            self.unlock()
+            raise MxfsError(f"the pool's lease cannot be taken in its metadata store ({e})",
+                            "check the metadata store (mxfs status) and mount again") from None
 
     @property
     def holds_lock(self) -> bool:
@@ -371,7 +386,13 @@ class Volume:
         return problems
 
     def close(self, clean: bool = True) -> None:
-        """Write everything back and mark the store clean (only after a clean unmount)."""
+        """Write everything back and mark the store clean (only after a clean unmount).
+        A store made read-only (a daemon whose lease another host took) is left as is."""
+        if self.store.readonly:
+            self.open_inodes.clear()
+            self.store.close()
+            self.unlock()
+            return
         for entry in list(self.open_inodes.values()):
             entry.count = 1
             self.release(entry.node.ino)
@@ -382,8 +403,21 @@ class Volume:
         if clean:
             self.store.set_setting("clean", "1")
         self.store.durable()
+        if self.lease is not None:
+            try:
+                lease.drop(self.store, self.lease)
+            except OSError as e:  # it runs out by itself
+                log.warning("the pool's lease could not be given back (%s)", e)
+            self.lease = None
         self.store.close()
         self.unlock()
+
+
+def _served_elsewhere(holder: lease.Lease) -> MxfsError:
+    return MxfsError(f"the pool is mounted on {holder.describe()}; its lease runs "
+                     f"{max(0.0, holder.expires - time.time()):.0f} s more",
+                     f"unmount it there (mxfs umount {holder.mountpoint}); if that node is "
+                     f"gone, mount again once the lease has run out ({lease.TTL_S:.0f} s)")
 
 
 def _recover_store(pool: Pool) -> str | None:
