@@ -2,6 +2,7 @@
 #   make demo   build a 4-member demo pool, mount it, write and read through it, measure
 #   make test   run the test suite (real FUSE mounts: needs root and /dev/fuse), then the
 #               engine tests (vLLM, SGLang, LMCache) in their own virtualenv
+#   make lint   ruff and mypy
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ENGINES ?= .venv-engines
@@ -34,8 +35,10 @@ test: install
 test-engines: engines
 	MXFS_REQUIRE_ENGINES=1 $(ENGINES)/bin/python -m pytest -q $(ENGINE_TESTS)
 
+# mypy's files and settings: [tool.mypy] in pyproject.toml (its cache: .mypy_cache)
 lint: install
 	$(VENV)/bin/ruff check mxfs tools tests
+	$(VENV)/bin/mypy
 
 bench: install
 	$(PY) tools/bench_fs.py

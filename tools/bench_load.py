@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from rig import ceiling, make_rig
@@ -168,8 +169,11 @@ def peer_arms(plain: str) -> tuple[dict[str, Callable[[], int]], dict[str, str]]
         if sorted(got) != sorted(want) or not all(torch.equal(got[n], want[n]) for n in want):
             raise SystemExit(f"bench_load: {name} returned other tensors than safetensors")
     del want
-    return {name: (lambda load=load: sum(touch({n: t}) for n, t in load()))
-            for name, load in loaders.items()}, skipped
+    return {name: partial(_touch_each, load) for name, load in loaders.items()}, skipped
+
+
+def _touch_each(load: Callable[[], Tensors]) -> int:
+    return sum(touch({n: t}) for n, t in load())
 
 
 def timed(fn, *args):  # noqa: ANN001, ANN201 - a tiny local helper

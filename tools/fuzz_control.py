@@ -35,7 +35,7 @@ from mxfs.proto.framing import MAGIC, ancillary_space
 FIELDS = ("path", "size", "mode", "ino", "sum_unit", "sums", "replace", "exclusive",
           "odirect", "namespace", "key", "keys", "data", "capacity", "keep", "limit", "skip",
           "inline_max", "pin", "shared", "uid", "gid", "force", "version")
-HUGE = [2**63 - 1, 2**63, 2**64, 2**70, -1, -(2**63), -(2**70), 10**30]
+HUGE: list[object] = [2**63 - 1, 2**63, 2**64, 2**70, -1, -(2**63), -(2**70), 10**30]
 STRANGE = ["\ud800", "a\udcffb", "\0", "a\0b", "x" * 300, "/" + "y" * 256, "", ".", "..",
            "/..", "//", "\u202e", "\x7f", "é" * 200, "/fz/\ud83d", "NaN"]
 

@@ -21,13 +21,13 @@ import glob
 import mmap
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from gpu_check_common import gbps, median, raw_reads, sync, timed
 
 from mxfs.cli.measure import drop_caches
-from mxfs.client.direct import open_reader
+from mxfs.client.direct import DirectFile, open_reader
 from mxfs.fs.offline_put import put_files
 from mxfs.io import read_batch
 from mxfs.load.staging import aligned_host
@@ -113,7 +113,8 @@ def _offline(member: str, plain: Plain, chunk: int, pin: bool
     def get(outs: torch.Tensor) -> int:
         for i in range(0, len(names), BATCH):
             part = names[i:i + BATCH]
-            readers = [open_reader(name, pool=pool) for name in part]
+            # (with a pool, open_reader gives a DirectFile)
+            readers = [cast(DirectFile, open_reader(name, pool=pool)) for name in part]
             try:
                 read_batch([op for j, r in enumerate(readers)
                             for op in r.plan_reads([(0, view[j * chunk:(j + 1) * chunk])])])
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace, work: str, mount: str, why_unmounted: str,
         out["cold_is_cold"] = drop_caches()
         out["rounds"] = []
         for _ in range(args.repeat):
-            result = {}
+            result: dict[str, Any] = {}
             for name, arm in arms.items():
                 result[name] = {}
                 drop_caches()

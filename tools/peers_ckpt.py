@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -224,7 +225,7 @@ def peers(threads: tuple[int, ...] = (1, 2, 4), async_threads: int = 1) -> list[
     ]
     for n in threads:
         arms.append(Arm(f"dcp_t{n}", f"DCP FileSystemWriter, thread_count {n}", "plain",
-                        dcp_save(lambda p, n=n: fs_w(p, thread_count=n)), dcp_check(fs_r)))
+                        dcp_save(partial(fs_w, thread_count=n)), dcp_check(fs_r)))
 
     def writer(p: str) -> Any:
         return fs_w(p, thread_count=async_threads)

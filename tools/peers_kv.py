@@ -148,17 +148,18 @@ class HostPool:
         self.kv_buffer = torch.zeros((pages * TOKENS, self.width), dtype=torch.bfloat16)
         self.pages = self.kv_buffer.view(torch.uint8).view(pages, page_bytes)
 
-    def _page(self, index: int) -> torch.Tensor:
-        index = int(index)
-        return self.kv_buffer[index:index + self.page_size]
+    # (an index is a 0-d tensor where SGLang's controllers index a tensor of slots)
+    def _page(self, index: int | torch.Tensor) -> torch.Tensor:
+        i = int(index)
+        return self.kv_buffer[i:i + self.page_size]
 
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+    def get_data_page(self, index: int | torch.Tensor, flat: bool = True) -> torch.Tensor:
         return self._page(index).flatten() if flat else self._page(index)
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros(self.page_size * self.width, dtype=self.kv_buffer.dtype)
 
-    def set_from_flat_data_page(self, index: int, page: torch.Tensor) -> None:
+    def set_from_flat_data_page(self, index: int | torch.Tensor, page: torch.Tensor) -> None:
         view = self._page(index)
         view[...] = page.view(view.shape)
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from typing import Any
 
 from mxfs.kv.ttft import (  # the model itself; this is its command line and plots
     H200_FLOPS,
@@ -115,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     bws = [float(x) for x in args.bandwidths.split(",")] + (
         [args.pool_gbps] if args.pool_gbps else [])
-    out = {name: {"model": asdict(m), "kv_bytes_per_token": m.kv_bytes_per_token(),
-                  "rows": table(m, lengths, args.flops, args.util, bws, args.latency,
-                                args.tail)}
-           for name, m in models.items()}
+    out: dict[str, dict[str, Any]] = {
+        name: {"model": asdict(m), "kv_bytes_per_token": m.kv_bytes_per_token(),
+               "rows": table(m, lengths, args.flops, args.util, bws, args.latency, args.tail)}
+        for name, m in models.items()}
     if args.json:
         print(json.dumps(out, indent=1))
     else:

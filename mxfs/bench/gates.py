@@ -59,7 +59,9 @@ def g2(results: dict[str, Any], baseline: dict[str, Any] | None = None,
 
 def g3(ttft: dict[str, Any], cut: float = TTFT_CUT, gain: float = THROUGHPUT_GAIN
        ) -> dict[str, Any]:
-    reasons, ok, figures = [], True, {}
+    reasons: list[str] = []
+    ok = True
+    figures: dict[str, Any] = {}
     rows = ttft["reuse"]["rows"]
     if rows:
         row = max(rows, key=lambda r: r["context"])
@@ -78,7 +80,7 @@ def g3(ttft: dict[str, Any], cut: float = TTFT_CUT, gain: float = THROUGHPUT_GAI
     if not ttft["reuse"]["tokens_equal"]:
         ok = False
         reasons.append("tokens served from the pool differed from recompute")
-    sv = ttft.get("serving")
+    sv: dict[str, Any] = ttft.get("serving") or {}
     gains = serving_gains(sv) if sv else []
     if not gains:
         ok = False

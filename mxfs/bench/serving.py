@@ -19,6 +19,7 @@ request got the same greedy tokens in every run.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import threading
@@ -140,7 +141,7 @@ def run_load(instances: list[Instance], requests: list[Request], concurrency: in
         submitted = time.monotonic()
         fut = inst.submit("serve", tokens=nxt.tokens, new_tokens=new_tokens, read=pool,
                           put=pool, local=True)
-        fut.add_done_callback(lambda f, r=nxt, s=submitted: finished(r, s, f))
+        fut.add_done_callback(functools.partial(finished, nxt, submitted))
     return _figures(requests, done, start, concurrency, pool, errors)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,8 +40,9 @@ def _unkey(k: list[Any]) -> Any:
     kind, v = k
     if kind == "float" and isinstance(v, dict):
         return float(v["v"])
-    return {"NoneType": lambda x: None, "str": str, "int": int, "float": float,
-            "bool": bool}[kind](v)
+    make: dict[str, Callable[[Any], Any]] = {"NoneType": lambda x: None, "str": str, "int": int,
+                                             "float": float, "bool": bool}
+    return make[kind](v)
 
 
 def flatten(state: Any) -> tuple[Tree, list[tuple[str, torch.Tensor]]]:

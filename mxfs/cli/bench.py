@@ -21,6 +21,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from mxfs.cli.measure import drop_caches, read_file, write_file
@@ -94,11 +95,11 @@ class Run:
         raws = [os.path.join(m, f".mxfs-bench-raw-{os.getpid()}") for m in self.members]
         one = self.size // len(self.members)
         for i, path in enumerate(raws):  # each member alone
-            res[f"member{i}_write"] = self._gbps(_timed(lambda p=path: raw_io([p], one, buf, True)),
+            res[f"member{i}_write"] = self._gbps(_timed(partial(raw_io, [path], one, buf, True)),
                                                  one)
             drop_caches()
-            res[f"member{i}_read"] = self._gbps(_timed(lambda p=path: raw_io([p], one, buf,
-                                                                           False)), one)
+            res[f"member{i}_read"] = self._gbps(_timed(partial(raw_io, [path], one, buf, False)),
+                                                one)
         res["striped_write"] = self._gbps(_timed(lambda: raw_io(raws, self.size, buf, True)))
         drop_caches()
         res["striped_read"] = self._gbps(_timed(lambda: raw_io(raws, self.size, buf, False)))

@@ -89,7 +89,7 @@ def ckpt_job(mnt: str, plain: str, nbytes: int) -> dict[str, Any]:
 
     import mxfs.ckpt as ck
 
-    state = {"model": _weights(nbytes), "step": 100}
+    state: dict[str, Any] = {"model": _weights(nbytes), "step": 100}
     size = sum(t.numel() * t.element_size() for t in state["model"].values())
     saver = ck.Checkpointer()
     try:

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +101,9 @@ def run_gates(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
         raise MxfsError("the gates drop the page cache, write the member folders and make "
                         "scratch pools", "run them as root")
     text = "none (G2 and G3 not run)"
-    with pool_at(args.target, say) if {"g2", "g3"} - skip else nullcontext(
-            ("", text, [])) as (mount, text, members):
+    scene: AbstractContextManager[tuple[str, str, list[str]]] = (
+        pool_at(args.target, say) if {"g2", "g3"} - skip else nullcontext(("", text, [])))
+    with scene as (mount, text, members):
         if "g2" in skip:
             verdicts["G2"] = gates.not_run("G2", "skipped (--skip)")
         else:

@@ -100,7 +100,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     kv = _store(args.mount, args.namespace)
     try:
         keys = [k for k, _, _ in _keys(kv)]
-        damaged = []
+        damaged: list[str] = []
         for i in range(0, len(keys), 64):
             part = keys[i:i + 64]
             for k, got in zip(part, kv.batch_get(part), strict=True):
@@ -111,8 +111,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"checked": len(keys), "damaged": damaged}, indent=2))
     else:
-        for k in damaged:
-            print(f"DAMAGED {k} (dropped)")
+        for shown in damaged:
+            print(f"DAMAGED {shown} (dropped)")
         print(f"checked {len(keys)} chunks, {len(damaged)} damaged")
     return 1 if damaged else 0
 

@@ -10,6 +10,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 from mxfs.cli.measure import drop_caches
 from mxfs.errors import MxfsError
@@ -39,7 +40,7 @@ def run_load_bench(files: list[str], device: str, repeat: int, as_json: bool) ->
                 touch_pages(fn(f, device=device))
             times[name].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
-    result = {"files": len(files), "bytes": nbytes, "device": device, "cold": cold,
+    result: dict[str, Any] = {"files": len(files), "bytes": nbytes, "device": device, "cold": cold,
               "GBps": {k: nbytes / v / 1e9 for k, v in med.items()},
               "speedup": med["safetensors"] / med["mxfs.load"]}
     if as_json:

@@ -232,7 +232,7 @@ def pool_gauges(control: ControlServer) -> Iterator[Any]:
                        ("used", "Member space used")):
         g = GaugeMetricFamily(f"mxfs_member_{name}_bytes", what, labels=["member"])
         for m in members:
-            g.add_metric([str(m["index"])], m[name])
+            g.add_metric([str(m["index"])], int(m[name]))
         yield g
     failed = GaugeMetricFamily("mxfs_member_failed", "1 if the member is out of service",
                                labels=["member"])

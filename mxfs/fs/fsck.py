@@ -12,6 +12,7 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from mxfs.fs.volume import Volume
 from mxfs.io import Layout
@@ -38,7 +39,8 @@ def lost_files(vol: Volume, limit: int = 1000) -> tuple[int, list[str]]:
     failed = {m.index for m in vol.pool.failed}
     if not failed:
         return 0, []
-    count, names = 0, []
+    count = 0
+    names: list[str] = []
     for f in list(files_with_data(vol.store)):
         lay = Layout(f.stripe_unit, f.stripe_width, f.first_member, len(vol.pool.members))
         if lay.holding(f.size) & failed:
@@ -75,35 +77,38 @@ def fsck(vol: Volume, repair: bool) -> list[Finding]:
         if p.kind == check.DANGLING_ENTRY:
             found("dangling entry", f"entry {p.cookie} in {path_of(store, p.parent)} points to "
                   f"missing inode {p.ino}: removed",
-                  lambda p=p: store.drop_entry(p.parent, p.name))
+                  partial(store.drop_entry, p.parent, p.name))
         elif p.kind == check.DANGLING_KV:
             found("dangling KV chunk", f"{p.ns}/{p.name!r} points to missing inode {p.ino}: "
-                  "dropped", lambda p=p: store.kv.drop_entry(p.ns, p.name))
+                  "dropped", partial(store.kv.drop_entry, p.ns, p.name))
         elif p.kind == check.UNREACHABLE:
             found("unreachable inode", f"inode {p.ino}: linked as /lost+found/{p.ino}",
-                  lambda p=p: _to_lost_found(store, p.ino))
+                  partial(_to_lost_found, store, p.ino))
         elif p.kind == check.LINK_COUNT and p.ino not in orphans | adopted:
             # (orphans are reclaimed below; adopted inodes get the count of their new name)
             found("link count", f"{path_of(store, p.ino)} has nlink {store.get(p.ino).nlink} "
                   f"but {p.found} names: set to {p.found}",
-                  lambda p=p: store.repair_nlink(p.ino, p.found))
+                  partial(store.repair_nlink, p.ino, p.found))
         elif p.kind == check.DIR_LINK_COUNT:
             found("directory link count", f"{path_of(store, p.ino)} has nlink "
                   f"{store.get(p.ino).nlink}, {p.found - 2} subdirectories: set to {p.found}",
-                  lambda p=p: store.repair_nlink(p.ino, p.found))
+                  partial(store.repair_nlink, p.ino, p.found))
         elif p.kind == check.PARENT_NOT_DIR:  # where would it go? left for a person
             found("entry outside a directory", p.text)
     store.commit()
     for ino in store.orphans():
         found("orphan", f"inode {ino} has no name and no open handle: reclaimed",
-              lambda i=ino: vol.reclaim(i))
+              partial(vol.reclaim, ino))
+
+    def cut_to_size(ino: int) -> None:
+        node = store.get(ino)
+        if node.is_reg:
+            vol.pool.truncate_chunks(ino, vol.layout(node), node.size)
+        store.clear_dirty_data(ino)
+
     for ino in store.dirty_data():
         found("unsynced size", f"{path_of(store, ino)} was being written at a crash: its "
-              "chunk files were cut to the recorded size",
-              lambda i=ino: (vol.pool.truncate_chunks(i, vol.layout(store.get(i)),
-                                                      store.get(i).size)
-                             if store.get(i).is_reg else None,
-                             store.clear_dirty_data(i)))
+              "chunk files were cut to the recorded size", partial(cut_to_size, ino))
     out += _chunk_findings(vol, repair)
     store.durable()
     return out

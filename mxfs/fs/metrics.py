@@ -116,5 +116,5 @@ def serve_prometheus(metrics: Metrics, port: int, gauges: Callable[[], Iterator[
             yield from (req, err, by, ops, lat)
             yield from gauges()
 
-    REGISTRY.register(Collector())  # type: ignore[arg-type]
+    REGISTRY.register(Collector())
     start_http_server(port)

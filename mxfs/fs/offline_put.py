@@ -12,10 +12,10 @@ mount reclaim the orphan).
 from __future__ import annotations
 
 import errno
+import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
 
 from mxfs.errors import MxfsError
 from mxfs.fs.volume import Volume
@@ -76,7 +76,7 @@ def put_files(spec: str, sources: list[str], dest: str,
     return done
 
 
-def _fill(f: BinaryIO, buf: memoryview) -> int:
+def _fill(f: io.RawIOBase, buf: memoryview) -> int:
     """Read until `buf` is full or the file ends; the bytes read."""
     got = 0
     while got < len(buf) and (n := f.readinto(buf[got:])):

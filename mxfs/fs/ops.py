@@ -12,7 +12,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyfuse3
@@ -192,7 +192,7 @@ class MxfsOperations(pyfuse3.Operations):
                       ) -> pyfuse3.EntryAttributes:
         return self.attrs(self.store.get(inode))
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         try:
             for ino, _ in inode_list:
                 if ino not in self.vol.open_inodes:
@@ -334,7 +334,9 @@ class MxfsOperations(pyfuse3.Operations):
                                       limiter=self.limiter)
         if not self.noatime:
             self._relatime(node)
-        return buf
+        # pyfuse3 replies with any buffer (PyObject_GetBuffer), though its stub says bytes;
+        # bytes(buf) would copy every read once more
+        return buf  # type: ignore[return-value]
 
     def _relatime(self, node: Inode) -> None:
         if self.store.readonly:  # reads go on where changes are refused (a fenced daemon)

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -23,10 +23,19 @@ QUEUE_DEPTH = 32
 _RINGS = os.cpu_count() or 1
 
 
-def native_engine() -> tuple[object | None, str]:
+class NativeEngine(Protocol):
+    """What mxfs.io._engine offers (its stub: _engine.pyi)."""
+
+    def run(self, ops: Sequence[tuple[int, int, memoryview]], write: bool = ..., depth: int = ...,
+            /) -> int: ...
+
+    def probe(self) -> None: ...
+
+
+def native_engine() -> tuple[NativeEngine | None, str]:
     """The io_uring engine module, or None and the reason it cannot run here."""
     try:
-        from mxfs.io import _engine  # type: ignore[attr-defined]
+        from mxfs.io import _engine
 
         _engine.probe()
     except ImportError:
@@ -36,7 +45,7 @@ def native_engine() -> tuple[object | None, str]:
     return _engine, "io_uring available"
 
 
-def _load_native() -> tuple[object | None, str]:
+def _load_native() -> tuple[NativeEngine | None, str]:
     if os.environ.get("MXFS_IO_ENGINE", "io_uring") == "threads":
         return None, "threads (MXFS_IO_ENGINE=threads)"
     engine, why = native_engine()
@@ -168,9 +177,11 @@ def interleaved(items: Sequence[T], fd: Callable[[T], int]) -> list[T]:
 def _run_native(triples: list[tuple[int, int, memoryview]], write: bool) -> None:
     """One ring per core: io_uring completes cached reads inline on the submitting
     thread, so a single ring would copy warm data on one core only."""
+    native = _native
+    assert native is not None  # _use_native said so
     triples = interleaved(triples, lambda t: t[0])
     groups = [triples[i::_RINGS] for i in range(min(_RINGS, len(triples)))]
-    _run(lambda g: _native.run(g, write, QUEUE_DEPTH), groups)  # type: ignore[attr-defined]
+    _run(lambda g: native.run(g, write, QUEUE_DEPTH), groups)
 
 
 def _use_native(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> bool:

@@ -59,7 +59,7 @@ def register() -> None:
     log = init_logger("vllm.model_executor.model_loader.mxfs")
 
     @register_model_loader(LOAD_FORMAT)
-    class MxfsModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
+    class MxfsModelLoader(BaseModelLoader):
         """Weights from a model folder on an mxfs mount, through the direct path."""
 
         def __init__(self, load_config: Any) -> None:

@@ -52,7 +52,7 @@ def dump(store: MetaStore, out: str) -> int:
         with os.fdopen(create_private(tmp), "wb") as raw:
             stream: IO[bytes] = raw
             if out.endswith(".zst"):
-                stream = zstandard.ZstdCompressor(level=6).stream_writer(raw)  # type: ignore[assignment]
+                stream = zstandard.ZstdCompressor(level=6).stream_writer(raw)
             if kind == "json":
                 rows = _write_json(engine, stream)
             else:
@@ -100,7 +100,7 @@ def load_json(doc: dict[str, Any], engine: Engine) -> None:
     seqs: dict[str, int] = {s: 0 for s in SEQUENCES}
     seqs.update({k: int(v) for k, v in (doc.get("sequences") or {}).items() if k in seqs})
 
-    def rows(name: str) -> Iterator[dict[str, object]]:
+    def rows(name: str) -> Iterator[dict[str, Any]]:  # JSON values, bytes decoded
         t = doc["tables"][name]
         for r in t["rows"]:
             yield {c: base64.b64decode(v["b64"]) if isinstance(v, dict) else v
@@ -112,7 +112,7 @@ def load_json(doc: dict[str, Any], engine: Engine) -> None:
                 for r in rows(name):
                     seq = _OLD_SEQUENCES.get(str(r["name"]))
                     if seq:
-                        seqs[seq] = max(seqs[seq], int(r["seq"]))  # type: ignore[arg-type]
+                        seqs[seq] = max(seqs[seq], int(r["seq"]))
                 continue
             if name not in TABLES:
                 raise ValueError(f"the dump holds a table {name!r} this version does not know")
@@ -120,9 +120,9 @@ def load_json(doc: dict[str, Any], engine: Engine) -> None:
                 if name == "settings" and r.get("key") == "schema_version":
                     continue  # the engine's own
                 if name == "inodes":
-                    seqs["ino"] = max(seqs["ino"], int(r["ino"]))  # type: ignore[arg-type]
+                    seqs["ino"] = max(seqs["ino"], int(r["ino"]))
                 if name == "dentries":
-                    seqs["dentry"] = max(seqs["dentry"], int(r["id"]))  # type: ignore[arg-type]
+                    seqs["dentry"] = max(seqs["dentry"], int(r["id"]))
                 engine.upsert(name, r)
         engine.restart_sequences(seqs)
     engine.txn(fill)

@@ -294,7 +294,7 @@ class Pool:
                 why = "has no mxfs superblock"
             except (OSError, SuperblockError) as e:
                 why = f"is unreadable ({e})"
-            if why is not None or sb is None:
+            if why is not None:
                 if not degraded:
                     raise MxfsError(f"member {pos} ({p}) {why}",
                                     "attach it (or list where it lives now in a pool config), "
@@ -302,6 +302,7 @@ class Pool:
                                     "that have no stripes on it") from None
                 lost[pos] = f"{why.removeprefix('is ')} at mount"
                 continue
+            assert sb is not None  # read, as nothing was wrong
             if reference is None:
                 reference = sb
             elif sb.pool_uuid != reference.pool_uuid:
