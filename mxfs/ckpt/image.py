@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mxfs.io import PAGE
 from mxfs.load.tensors import ST_DTYPES
 
-ALIGN = 4096
+ALIGN = PAGE  # slots and the image's length: what O_DIRECT writes of them need
 _ST_NAMES = {dt: name for name, dt in ST_DTYPES.items() if dt is not None}
 
 

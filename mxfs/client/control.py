@@ -15,8 +15,7 @@ import threading
 from typing import Any
 
 from mxfs.proto import VERSION, recv_message, send_message
-
-CONTROL_XATTR = "user.mxfs.control"
+from mxfs.proto.names import CONTROL_XATTR
 
 
 class ControlError(OSError):

@@ -17,14 +17,14 @@ from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
 from mxfs.errors import MxfsError
-from mxfs.io import Layout, Piece, ReadOp, read_batch
+from mxfs.io import PAGE, Layout, Piece, ReadOp, read_batch
 from mxfs.io.residency import Residency
 
 # Requests are cut into segments this big, so each member serves several at a time.
 SEGMENT = 16 << 20
 # What O_DIRECT asks of file offsets, lengths and buffer addresses (the largest
-# logical block size in use; XFS and ext4 on NVMe need 512 or 4096).
-DIO_ALIGN = 4096
+# logical block size in use; XFS and ext4 on NVMe need 512 or 4096): the page.
+DIO_ALIGN = PAGE
 # The most one O_DIRECT request carries (see merge_runs); MXFS_DIRECT_RUN overrides.
 DIRECT_RUN = int(os.environ.get("MXFS_DIRECT_RUN", 32 << 20))
 IOV_MAX = os.sysconf("SC_IOV_MAX")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from mxfs.fs.access import R_OK, W_OK, Caller
 from mxfs.fs.volume import Volume
 from mxfs.pool.pool import pool_totals
+from mxfs.proto.names import MAX_KEY
 
 log = logging.getLogger("mxfs.kv")
 
@@ -29,7 +30,6 @@ HIGH, LOW = 1.0, 0.9
 # The pool keeps this share of each member free for everything else: KV puts that would
 # go below it fail at once (the engine goes on without caching) and eviction makes room.
 POOL_FREE_MIN = 0.05
-MAX_KEY = 1024
 MAX_CHUNK = 256 << 20  # bytes of one chunk (256 tokens of Qwen2.5-32B are 64 MiB)
 MAX_NAMESPACE = 128
 

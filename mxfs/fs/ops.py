@@ -25,11 +25,12 @@ from mxfs.fs.write_behind import DEPTH, WriteBehind
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
 from mxfs.pool.pool import MAX_STRIPE_UNIT, pool_totals
+from mxfs.proto import names
 
 log = logging.getLogger("mxfs.fs")
 
-LAYOUT_XATTR = b"user.mxfs.layout"
-CONTROL_XATTR = b"user.mxfs.control"
+LAYOUT_XATTR = names.LAYOUT_XATTR.encode()
+CONTROL_XATTR = names.CONTROL_XATTR.encode()
 ACL_PREFIX = b"system.posix_acl_"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536

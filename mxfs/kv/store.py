@@ -30,10 +30,10 @@ from mxfs.errors import MxfsError
 from mxfs.io import read_batch, write_batch
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.proto import MAX_FDS
+from mxfs.proto.names import MAX_KEY
 
 log = logging.getLogger("mxfs.kv")
 
-MAX_KEY = 1024  # longer keys are replaced by their SHA-256 (still stable everywhere)
 # Chunks this small travel inside the request and reply (one round trip, no descriptors).
 INLINE = 256 << 10
 _INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a third)
