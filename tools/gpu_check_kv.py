@@ -26,9 +26,9 @@ from typing import Any, cast
 import torch
 from gpu_check_common import gbps, median, raw_reads, sync, timed
 
+from mxfs.admin.offline_put import put_files
 from mxfs.cli.measure import drop_caches
 from mxfs.client.direct import DirectFile, open_reader
-from mxfs.fs.offline_put import put_files
 from mxfs.io import read_batch
 from mxfs.load.staging import aligned_host
 from mxfs.load.tensors import writable_view

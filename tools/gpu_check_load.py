@@ -24,9 +24,9 @@ from gpu_check_common import gbps, median, raw_reads, same_bytes, timed
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file
 
+from mxfs.admin.offline_put import put_files
 from mxfs.cli.measure import drop_caches
 from mxfs.client.direct import open_reader
-from mxfs.fs.offline_put import put_files
 from mxfs.fs.volume import format_pool
 from mxfs.load import load_file
 from mxfs.load.gds import GdsReader, Unavailable

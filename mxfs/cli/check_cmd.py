@@ -25,7 +25,7 @@ def _open_pool_offline(spec: str, repair: bool) -> object:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from mxfs.fs.fsck import fsck
+    from mxfs.admin.fsck import fsck
 
     vol = _open_pool_offline(args.pool, args.repair)
     try:
@@ -47,8 +47,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
+    from mxfs.admin.scrub import scrub
     from mxfs.client.control import ControlClient, mount_root
-    from mxfs.fs.scrub import scrub
     from mxfs.meta import MetaStore
     from mxfs.pool import Pool
 

@@ -348,7 +348,7 @@ def cmd_put(args: argparse.Namespace) -> int:
     """Copy files into an unmounted pool (no FUSE needed), sealed with their checksums."""
     import time
 
-    from mxfs.fs.offline_put import put_files
+    from mxfs.admin.offline_put import put_files
 
     start = time.perf_counter()
     done = put_files(args.pool, args.files, args.to)

@@ -120,7 +120,7 @@ def _restore_held(pool: Pool, file: str, spec: str) -> str:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from mxfs.fs.migrate import migrate
+    from mxfs.admin.migrate import migrate
 
     where, rows = migrate(args.pool, args.to, force=args.force)
     print(json.dumps({"meta": where, "rows": rows}) if args.json

@@ -34,7 +34,6 @@ from mxfs.fs.access import (
 )
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import bool_field, check_request, int_field, path_field, sums_field
-from mxfs.fs.fsck import lost_files
 from mxfs.fs.kv import KVIndex
 from mxfs.fs.kv_ops import KV_OPS, KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
@@ -518,7 +517,7 @@ class ControlServer:
     def status(self) -> dict[str, Any]:
         """The pool as `mxfs status` shows it."""
         pool = self.vol.pool
-        lost, names = lost_files(self.vol, limit=100)
+        lost, names = self.vol.lost_files(limit=100)
         health = {"degraded": bool(pool.failed), "lost_files": lost, "lost_examples": names}
         return {**health, "pool_uuid": pool.uuid, "label": pool.label,
                 "stripe_unit": pool.stripe_unit,

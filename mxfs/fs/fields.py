@@ -2,7 +2,7 @@
 
 Every value a request carries comes from an untrusted local user.  These
 helpers accept exactly what the store and the members can hold: integers in
-0..2^63-1 (SQLite's range), strings that encode as UTF-8 with no NUL (a lone
+0..2^63-1 (the metadata store's integer range), strings that encode as UTF-8 with no NUL (a lone
 surrogate is not a name), names the mount would accept.  A bad value is
 EINVAL (or the errno the kernel gives for it: ENAMETOOLONG) for that request
 alone; the connection goes on.

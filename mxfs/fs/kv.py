@@ -39,7 +39,7 @@ class Chunk:
     ino: int
     size: int
     atime: int
-    sum_unit: int  # its checksums, kept here so a get never waits on SQLite
+    sum_unit: int  # its checksums, kept here so a get never waits on the store
     sums: bytes
     pins: int = 0
 

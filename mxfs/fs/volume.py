@@ -24,7 +24,7 @@ from mxfs.errors import MxfsError
 from mxfs.io import Layout
 from mxfs.meta import ROOT_INO, Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
-from mxfs.meta.survey import inode_numbers
+from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool, format_members
 
 log = logging.getLogger("mxfs.volume")
@@ -346,6 +346,22 @@ class Volume:
             self.pool.truncate_chunks(node.ino, self.layout(node), size)
             if node.ino not in self.open_inodes:
                 self.store.clear_dirty_data(node.ino)
+
+    def lost_files(self, limit: int = 1000) -> tuple[int, list[str]]:
+        """Files with bytes on a failed member: (how many, the first `limit` of their
+        names), for `mxfs status` and the degraded mount's warning."""
+        failed = {m.index for m in self.pool.failed}
+        if not failed:
+            return 0, []
+        count = 0
+        names: list[str] = []
+        for f in list(files_with_data(self.store)):
+            lay = Layout(f.stripe_unit, f.stripe_width, f.first_member, len(self.pool.members))
+            if lay.holding(f.size) & failed:
+                count += 1
+                if len(names) < limit:
+                    names.append(display_name(self.store, f.ino))
+        return count, names
 
     # ---- mount-time recovery and checks ------------------------------------
 

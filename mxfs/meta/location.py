@@ -34,6 +34,20 @@ def create(where: str) -> Engine:
     return SqliteEngine.create(where)
 
 
+def set_aside(where: str) -> None:
+    """Rename the embedded store's files in the folder `where` out of the way (kept for
+    the operator, never read again): after its rows moved to another engine."""
+    import os
+    import time
+
+    from mxfs.meta.sqlite_engine import FILES
+    stamp = time.time_ns()
+    for name in FILES:
+        path = os.path.join(where, name)
+        if os.path.exists(path):
+            os.rename(path, f"{path}.migrated-{stamp}")
+
+
 def public(where: str) -> str:
     """`where` as it may be written down and shown: a URL loses its password."""
     return _pg().public(where) if is_server(where) else where

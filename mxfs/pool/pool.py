@@ -37,7 +37,7 @@ FANOUT = 256
 _IGNORED = {"lost+found"}
 # Where mkfs --force moves an old pool aside until the new one is complete.
 _WIPE_DIR = ".mxfs-wipe"
-# Space kept free on the metadata member so SQLite can always commit (unlinks included).
+# Space kept free on the metadata member so its store can always commit (unlinks included).
 META_RESERVE = 16 << 20
 
 

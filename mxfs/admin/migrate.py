@@ -4,14 +4,12 @@ The pool is held (the daemon's lock) from the start, the rows are copied through
 engine primitives into a fresh store at the destination in one transaction, the copy
 is compared row by row with the source, and only then does every member's superblock
 name the new place.  Until that last step the pool is served from where it was; the
-old store is left as it was (an SQLite file is renamed aside), for the operator to drop.
+old store is left as it was (a member's store is renamed aside), for the operator to drop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 
 from mxfs.errors import MxfsError
 from mxfs.fs.volume import pool_lock, refuse_other_pool
@@ -19,7 +17,6 @@ from mxfs.meta import MetaStore, Unusable, location
 from mxfs.meta.check import problems
 from mxfs.meta.dump import copy_rows
 from mxfs.meta.schema import TABLES
-from mxfs.meta.sqlite_engine import FILES
 from mxfs.pool import Pool
 from mxfs.pool.superblock import read_superblock, write_superblock
 
@@ -57,7 +54,7 @@ def _migrate_held(pool: Pool, to: str, force: bool) -> tuple[str, int]:
             raise MxfsError(f"the metadata has {len(found)} problems ({found[0].text})",
                             "run mxfs fsck --repair first")
         if to == MEMBER:
-            _aside(pool.meta_dir)
+            location.set_aside(pool.meta_dir)
         try:
             dst = MetaStore(location.create(dest))
         except (Unusable, OSError) as e:
@@ -77,7 +74,7 @@ def _migrate_held(pool: Pool, to: str, force: bool) -> tuple[str, int]:
         sb = read_superblock(m.path)
         write_superblock(m.path, dataclasses.replace(sb, meta=public))
     if to != MEMBER:
-        _aside(pool.meta_dir)
+        location.set_aside(pool.meta_dir)
     return location.public(dest), rows
 
 
@@ -98,10 +95,3 @@ def _compare(src: MetaStore, dst: MetaStore) -> None:
                             "nothing was switched; run the migration again")
 
 
-def _aside(meta_dir: str) -> None:
-    """Rename an embedded store's files out of the way (kept, never read again)."""
-    stamp = time.time_ns()
-    for name in FILES:
-        path = os.path.join(meta_dir, name)
-        if os.path.exists(path):
-            os.rename(path, f"{path}.migrated-{stamp}")

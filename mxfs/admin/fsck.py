@@ -17,7 +17,7 @@ from functools import partial
 from mxfs.fs.volume import Volume
 from mxfs.io import Layout
 from mxfs.meta import ROOT_INO, MetaStore, check
-from mxfs.meta.survey import display_name, files_with_data, inode_numbers, path_of, sealed_files
+from mxfs.meta.survey import inode_numbers, path_of, sealed_files
 
 LOST_FOUND = b"lost+found"
 
@@ -32,22 +32,6 @@ class Finding:
     def line(self) -> str:
         state = "repaired" if self.repaired else ("NOT REPAIRABLE" if self.fatal else "found")
         return f"{state}: {self.kind}: {self.text}"
-
-
-def lost_files(vol: Volume, limit: int = 1000) -> tuple[int, list[str]]:
-    """Files with bytes on a failed member: (how many, the first `limit` of their names)."""
-    failed = {m.index for m in vol.pool.failed}
-    if not failed:
-        return 0, []
-    count = 0
-    names: list[str] = []
-    for f in list(files_with_data(vol.store)):
-        lay = Layout(f.stripe_unit, f.stripe_width, f.first_member, len(vol.pool.members))
-        if lay.holding(f.size) & failed:
-            count += 1
-            if len(names) < limit:
-                names.append(display_name(vol.store, f.ino))
-    return count, names
 
 
 def fsck(vol: Volume, repair: bool) -> list[Finding]:
