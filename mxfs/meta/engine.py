@@ -12,7 +12,10 @@ and runs it again when the engine reports a conflict with another writer; `fn` m
 therefore read what it decides on inside itself.  Changes may be *grouped*
 (`group(max_age)`): the engine then ends them in one engine transaction that
 `commit` ends, at most `max_age` seconds after its first change, so a crash loses at
-most the last group, and only whole changes.  Errors leave an engine as `OSError`s
+most the last group, and only whole changes.  Writes that give no answer (`put`,
+`patch`, `remove`, `upsert`) may be sent without waiting for them (PostgreSQL
+pipelines them): their errors fail the change by its end, so a change is still
+undone whole, and what its caller was told stays true.  Errors leave an engine as `OSError`s
 with the errno a caller should see (ENOSPC, EROFS, EIO, EOVERFLOW), never as the
 engine library's own types.
 """
@@ -70,6 +73,12 @@ class Engine(ABC):
         """The named columns of the one row matching `where` (equalities), or None."""
 
     @abstractmethod
+    def get_many(self, table: str, column: str, keys: Iterable[object],
+                 columns: Sequence[str]) -> list[Row]:
+        """The named columns of every row whose `column` is one of `keys`, in few
+        statements (not one per key): in no particular order, none for a missing key."""
+
+    @abstractmethod
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
              limit: int | None = None) -> Iterator[Row]:
@@ -84,12 +93,22 @@ class Engine(ABC):
         """Add a row; False (and nothing written) when its key is taken: first wins."""
 
     @abstractmethod
+    def put(self, table: str, row: Mapping[str, object]) -> None:
+        """Add a row whose key the change knows is free (it looked, or drew the key from
+        a sequence); no answer.  A taken key fails the change with EEXIST, by its end."""
+
+    @abstractmethod
     def upsert(self, table: str, row: Mapping[str, object]) -> None:
-        """Add a row, or replace the one with its key."""
+        """Add a row, or replace the one with its key (a table of key columns only:
+        add it unless it is there); no answer."""
 
     @abstractmethod
     def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
         """Set `values` on the rows matching `where`; how many matched."""
+
+    @abstractmethod
+    def patch(self, table: str, where: Where, values: Mapping[str, object]) -> None:
+        """`update` without the count: no answer."""
 
     @abstractmethod
     def update_many(self, table: str, where: Sequence[str], columns: Sequence[str],
@@ -101,6 +120,10 @@ class Engine(ABC):
         """Remove the rows matching `where`; how many went."""
 
     @abstractmethod
+    def remove(self, table: str, where: Where) -> None:
+        """`delete` without the count: no answer."""
+
+    @abstractmethod
     def next_id(self, sequence: str) -> int:
         """The next number of `sequence` (`schema.SEQUENCES`): never handed out twice,
         even by a change that is later undone."""
@@ -110,6 +133,11 @@ class Engine(ABC):
     @abstractmethod
     def _begin(self) -> None:
         """Start a change (and, when none is open, the engine transaction)."""
+
+    @abstractmethod
+    def _settle(self) -> None:
+        """The change's work is done: wait for what was sent without waiting, and raise
+        its error (the change is then undone as if `fn` had raised it)."""
 
     @abstractmethod
     def _end(self) -> None:
@@ -152,6 +180,7 @@ class Engine(ABC):
             self._depth = 1
             try:
                 result = fn()
+                self._settle()
             except BaseException as e:
                 self._depth = 0
                 self._undo()

@@ -76,7 +76,7 @@ class KVRows:
             if not self.engine.insert("kv", {"ns": ns, "key": key, "ino": ino, "size": size,
                                              "atime": atime}):
                 raise fail(errno.EEXIST)
-            self.engine.delete("orphans", {"ino": ino})
+            self.engine.remove("orphans", {"ino": ino})
             now = time.time_ns()
             store._set(node, {"nlink": 1, "size": size, "mtime_ns": now, "ctime_ns": now})
             store._seal(ino, sum_unit, sums)

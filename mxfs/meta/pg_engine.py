@@ -16,7 +16,12 @@ line and goes on.  A lost group holds commits off for RETRY_S at least, so a cal
 that fsyncs right after its change hears of the loss: nothing the server did not
 commit is taken as done.  Every wait is bounded: connect_timeout, TCP keepalives and
 tcp_user_timeout (unless the URL sets its own), lock_timeout and statement_timeout.
-The SQL is `meta/sql.py`'s, which
+The connection is in pipeline mode: a change's writes that give no answer (`put`,
+`patch`, `remove`, `upsert`) and its SAVEPOINT are sent without waiting, and waited for
+with the next statement that answers, or at the change's end with its RELEASE
+(`_settle`), so their errors still fail that change, undone whole; a change costs the
+round trips of its reads and one more.  COMMIT is always waited for, and a COMMIT the
+server answered with ROLLBACK is a lost group.  The SQL is `meta/sql.py`'s, which
 CockroachDB and YugabyteDB accept too.  Credentials come from libpq's own places
 (`~/.pgpass`, `PGPASSFILE`, a service file), never from a superblock.
 """
@@ -51,6 +56,10 @@ _CONFLICTS = (pgerr.SerializationFailure, pgerr.DeadlockDetected, pgerr.LockNotA
 RETRY_S = 1.0
 # No statement runs longer than this (a backstop: row locks wait busy_ms).
 STATEMENT_MS = 60_000
+# Statements sent without waiting, at most, before the engine waits for them anyway.
+QUEUE = 256
+# get_many binds at most this many keys per statement (one array parameter).
+MANY = 1024
 # A full server is logged at most once in this many seconds (each change is ENOSPC).
 FULL_QUIET_S = 60.0
 # libpq's waits, unless the URL sets them: connecting, and a server that stops answering
@@ -87,6 +96,48 @@ def _gone(conn: Conn | None) -> bool:
     return conn is None or conn.closed or conn.broken
 
 
+def _pipe(conn: Conn) -> psycopg.Pipeline:
+    return conn.mxfs_pipeline[1]  # type: ignore[attr-defined]
+
+
+def _cur(conn: Conn) -> psycopg.Cursor[Any]:
+    """The connection's one cursor: a new one per statement costs more than the
+    statement (each answer is taken before the next statement that answers)."""
+    return conn.mxfs_cursor  # type: ignore[attr-defined,no-any-return]
+
+
+def _close(conn: Conn) -> None:
+    """Leave pipeline mode (quietly: the connection may be broken) and close."""
+    held = getattr(conn, "mxfs_pipeline", None)
+    if held is not None:
+        conn.mxfs_pipeline = None  # type: ignore[attr-defined]
+        try:
+            held[0].__exit__(None, None, None)
+        except Exception:
+            pass
+    conn.close()
+
+
+def _drain(conn: Conn) -> None:
+    """After an error: take every answer still due, so the pipeline is usable again, and
+    forget every prepared statement, here and on the server.  (psycopg prepares a
+    statement after a few runs; in a pipeline an error, or the ROLLBACK after it, can
+    leave it counting one as made that the server skipped or deallocated: "prepared
+    statement ... does not exist" on its next run.)"""
+    if _gone(conn):
+        return
+    try:
+        _pipe(conn).sync()
+    except psycopg.Error:
+        pass
+    try:
+        conn._prepared.clear()  # (psycopg's own record of them)
+        conn.execute("DEALLOCATE ALL")
+        _pipe(conn).sync()
+    except psycopg.Error:
+        pass
+
+
 class _Redial:
     """Connects in a thread of its own, every RETRY_S, until it gets through, so that
     requests meanwhile fail at once instead of each waiting on connect_timeout."""
@@ -108,7 +159,7 @@ class _Redial:
                 continue
             with self._lock:
                 if self._stop.is_set():
-                    conn.close()
+                    _close(conn)
                 else:
                     self._conn = conn
             return
@@ -123,7 +174,7 @@ class _Redial:
         with self._lock:
             self._stop.set()
             if self._conn is not None:
-                self._conn.close()
+                _close(self._conn)
                 self._conn = None
 
 
@@ -144,6 +195,7 @@ class PgEngine(Engine):
         self._redial: _Redial | None = None  # set while the server is away
         self._away = ""  # why it is away, for each refused request
         self._full_said = -FULL_QUIET_S  # when "full" was last logged
+        self._queued = 0  # statements sent and not yet waited for
         self.conn = self._connect()
 
     def _connect(self) -> Conn:
@@ -157,6 +209,9 @@ class PgEngine(Engine):
             # Another writer's row lock is waited for busy_ms, then it is a conflict.
             conn.execute(f"SET lock_timeout = {max(int(self.busy_ms), 1)}")
             conn.execute(f"SET statement_timeout = {STATEMENT_MS}")
+            held = conn.pipeline()
+            conn.mxfs_pipeline = (held, held.__enter__())  # type: ignore[attr-defined]
+            conn.mxfs_cursor = conn.cursor()  # type: ignore[attr-defined]
         except psycopg.Error as e:
             raise Unusable(f"the metadata server {public(self.url)} cannot be reached "
                            f"({_line(e)})") from None
@@ -175,6 +230,8 @@ class PgEngine(Engine):
             self._lose_group(None)
             raise fail(errno.EIO, self._away)
         if self._redial is None:  # lost just now, nothing in flight: once more at once
+            if conn is not None:
+                _close(conn)
             try:
                 self.conn = self._connect()
                 return self.conn
@@ -196,8 +253,9 @@ class PgEngine(Engine):
         self._away = f"{why}; changes fail until it is back"
         log.error("%s%s", self._away,
                   "; the open group of changes was lost" if lost_group else "")
+        self._queued = 0
         if self.conn is not None:
-            self.conn.close()
+            _close(self.conn)
         self._redial = _Redial(self._connect, RETRY_S)
 
     def _lost(self, conn: Conn, e: psycopg.Error) -> bool:
@@ -252,21 +310,59 @@ class PgEngine(Engine):
 
     def _exec(self, text: str, params: Sequence[object] = (), *,
               again: bool = False) -> psycopg.Cursor[Any]:
-        """Run one statement; `again`: it only reads (or begins), so after a connection
-        lost outside a group it is run once more on a new one."""
+        """Run one statement and wait for its answer (and for every statement sent
+        before it); `again`: it only reads (or begins), so after a connection lost
+        outside a group it is run once more on a new one."""
         conn = self._live()
         try:
-            return conn.execute(text, params)  # type: ignore[arg-type]
+            cur = _cur(conn).execute(text, params)  # type: ignore[arg-type]
+            _pipe(conn).sync()
+            self._queued = 0
+            return cur
         except psycopg.Error as e:
+            self._queued = 0
             if again and not self._group_open and _gone(conn):
                 return self._retry(text, params)
+            _drain(conn)
             raise self._error(e, conn) from None
 
     def _retry(self, text: str, params: Sequence[object]) -> psycopg.Cursor[Any]:
         conn = self._live()  # (EIO, the server away, if it cannot be made again)
         try:
-            return conn.execute(text, params)  # type: ignore[arg-type]
+            cur = _cur(conn).execute(text, params)  # type: ignore[arg-type]
+            _pipe(conn).sync()
+            return cur
         except psycopg.Error as e:
+            _drain(conn)
+            raise self._error(e, conn) from None
+
+    def _send(self, text: str, params: Sequence[object] = ()) -> None:
+        """Send a statement without waiting for it (inside a change; outside one it is
+        waited for at once).  Its error comes with a later statement's, or `_settle`'s."""
+        if not self._depth:
+            self._exec(text, params)
+            return
+        conn = self._live()
+        try:
+            _cur(conn).execute(text, params)  # type: ignore[arg-type]
+        except psycopg.Error as e:  # (an earlier statement's error, maybe)
+            self._queued = 0
+            _drain(conn)
+            raise self._error(e, conn) from None
+        self._queued += 1
+        if self._queued >= QUEUE:
+            self._wait()
+
+    def _wait(self) -> None:
+        """Wait for every statement sent; raise the first one's error."""
+        if not self._queued:
+            return
+        conn = self._live()
+        self._queued = 0
+        try:
+            _pipe(conn).sync()
+        except psycopg.Error as e:
+            _drain(conn)
             raise self._error(e, conn) from None
 
     def _error(self, e: psycopg.Error, conn: Conn | None = None) -> Exception:
@@ -277,6 +373,8 @@ class PgEngine(Engine):
             return Conflict(_line(e))
         if isinstance(e, pgerr.DiskFull | pgerr.OutOfMemory | pgerr.InsufficientResources):
             return self._full(e)
+        if isinstance(e, pgerr.UniqueViolation):  # a `put`'s key
+            return fail(errno.EEXIST, f"a row's key is taken ({_line(e)})")
         if isinstance(e, pgerr.ReadOnlySqlTransaction):
             return fail(errno.EROFS, "the metadata store is open read-only")
         if isinstance(e, pgerr.NumericValueOutOfRange | psycopg.DataError):
@@ -306,6 +404,15 @@ class PgEngine(Engine):
         text = self._sql[("get", table, tuple(where), tuple(columns))]
         return self._exec(text, tuple(where.values()), again=True).fetchone()
 
+    def get_many(self, table: str, column: str, keys: Iterable[object],
+                 columns: Sequence[str]) -> list[Row]:
+        keys = list(dict.fromkeys(keys))
+        text = self._sql[("get_many", table, column, tuple(columns), 0)]
+        out: list[Row] = []
+        for i in range(0, len(keys), MANY):
+            out += self._exec(text, (keys[i:i + MANY],), again=True).fetchall()
+        return out
+
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
              limit: int | None = None) -> Iterator[Row]:
@@ -324,9 +431,18 @@ class PgEngine(Engine):
         return self._exec(self._sql[("insert", table, tuple(row))],
                           tuple(row.values())).rowcount > 0
 
+    def put(self, table: str, row: Mapping[str, object]) -> None:
+        self._writable()
+        self._send(self._sql[("put", table, tuple(row))], tuple(row.values()))
+
     def upsert(self, table: str, row: Mapping[str, object]) -> None:
         self._writable()
-        self._exec(self._sql[("upsert", table, tuple(row))], tuple(row.values()))
+        self._send(self._sql[("upsert", table, tuple(row))], tuple(row.values()))
+
+    def patch(self, table: str, where: Where, values: Mapping[str, object]) -> None:
+        self._writable()
+        self._send(self._sql[("update", table, tuple(where), tuple(values))],
+                   (*values.values(), *where.values()))
 
     def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
         self._writable()
@@ -338,16 +454,23 @@ class PgEngine(Engine):
         self._writable()
         text = self._sql[("update", table, tuple(where), tuple(columns))]
         conn = self._live()
+        self._wait()
         try:
             with conn.cursor() as cur:
                 cur.executemany(text, list(rows))  # type: ignore[arg-type]
+            _pipe(conn).sync()
         except psycopg.Error as e:
+            _drain(conn)
             raise self._error(e, conn) from None
 
     def delete(self, table: str, where: Where) -> int:
         self._writable()
         return self._exec(self._sql[("delete", table, tuple(where))],
                           tuple(where.values())).rowcount
+
+    def remove(self, table: str, where: Where) -> None:
+        self._writable()
+        self._send(self._sql[("delete", table, tuple(where))], tuple(where.values()))
 
     def next_id(self, sequence: str) -> int:
         """From a block of BLOCK numbers drawn with one nextval: sequences are outside
@@ -387,10 +510,26 @@ class PgEngine(Engine):
             self._exec("BEGIN ISOLATION LEVEL REPEATABLE READ", again=True)
             self._group_open = True
             self._group_started = time.monotonic()
-        self._exec("SAVEPOINT change")
+        conn = self._live()
+        try:  # sent with the change's first statement that waits
+            _cur(conn).execute("SAVEPOINT change")
+        except psycopg.Error as e:
+            _drain(conn)
+            raise self._error(e, conn) from None
+        self._queued += 1
+
+    def _settle(self) -> None:
+        conn = self._live()
+        try:
+            _cur(conn).execute("RELEASE SAVEPOINT change")
+        except psycopg.Error as e:
+            self._queued = 0
+            _drain(conn)
+            raise self._error(e, conn) from None
+        self._queued += 1
+        self._wait()
 
     def _end(self) -> None:
-        self._exec("RELEASE SAVEPOINT change")
         if not self.grouped:
             self.commit()
 
@@ -398,11 +537,17 @@ class PgEngine(Engine):
         if not self._group_open:  # (lost with its connection: already forgotten)
             return
         conn = self.conn
+        self._queued = 0
+        if not _gone(conn):
+            assert conn is not None
+            _drain(conn)  # (answers still due: the error's, and what it made skip)
         if not _gone(conn) and not self._poisoned:
             assert conn is not None
             try:
                 conn.execute("ROLLBACK TO SAVEPOINT change")
                 conn.execute("RELEASE SAVEPOINT change")
+                _pipe(conn).sync()
+                _drain(conn)
                 if not self.grouped:
                     self.commit()
                 return
@@ -413,9 +558,12 @@ class PgEngine(Engine):
             assert conn is not None
             try:
                 conn.execute("ROLLBACK")
+                _pipe(conn).sync()
+                _drain(conn)
             except psycopg.Error as e:
                 if self._lost(conn, e):
                     return
+                _drain(conn)
         self._lose_group("the open group of changes was rolled back")
 
     def _lose_group(self, why: str | None) -> None:
@@ -434,13 +582,23 @@ class PgEngine(Engine):
             return
         conn = self._live()
         try:
-            conn.execute("COMMIT")
-        except psycopg.Error as e:
-            err = self._error(e, conn)
+            self._wait()  # (nothing is due between changes; a backstop)
+            cur = conn.execute("COMMIT")
+            _pipe(conn).sync()
+        except (psycopg.Error, OSError, Conflict) as e:
+            err: Exception = e
+            if isinstance(e, psycopg.Error):
+                _drain(conn)
+                err = self._error(e, conn)
             if self._group_open:  # (not lost with its connection: said there)
                 self._lose_group(f"a group of changes was lost ({err})")
             raise err from None
         self._group_open = False
+        if cur.statusmessage != "COMMIT":  # the server rolled it back: not committed
+            self._poisoned = False
+            self._lose_group("a group of changes was rolled back by the server")
+            raise fail(errno.EIO, f"the metadata server rolled back a group of changes "
+                       f"({cur.statusmessage})")
 
     def sync(self) -> None:
         """Nothing to do: the server made each commit durable before answering."""
@@ -461,4 +619,4 @@ class PgEngine(Engine):
             if self._redial is not None:
                 self._redial.stop()
             if self.conn is not None:
-                self.conn.close()
+                _close(self.conn)

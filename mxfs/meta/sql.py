@@ -21,10 +21,11 @@ class Dialect:
     mark: str  # the placeholder: "?" or "%s"
     types: dict[str, str]
     without_rowid: bool = False  # SQLite: tables keyed by anything but one integer
+    arrays: bool = False  # `= ANY(array)` binds any number of keys as one parameter
 
 
 SQLITE = Dialect("?", {INT: "INTEGER", TEXT: "TEXT", BLOB: "BLOB"}, without_rowid=True)
-POSTGRES = Dialect("%s", {INT: "BIGINT", TEXT: "TEXT", BLOB: "BYTEA"})
+POSTGRES = Dialect("%s", {INT: "BIGINT", TEXT: "TEXT", BLOB: "BYTEA"}, arrays=True)
 
 
 def table(name: str) -> Table:
@@ -74,6 +75,15 @@ def select(d: Dialect, name: str, columns: Sequence[str], where: Sequence[str],
     return sql
 
 
+def select_in(d: Dialect, name: str, columns: Sequence[str], column: str, n: int) -> str:
+    """Rows whose `column` is one of `n` keys: `= ANY(array)` (one parameter) where the
+    dialect has arrays, else `IN (...)` with `n` placeholders."""
+    t = table(name)
+    _check(t, [*columns, column])
+    keys = f"= ANY({d.mark})" if d.arrays else f"IN ({', '.join(d.mark for _ in range(n))})"
+    return f"SELECT {', '.join(columns)} FROM {t.name} WHERE {column} {keys}"
+
+
 def count(d: Dialect, name: str, where: Sequence[str]) -> str:
     t = table(name)
     return f"SELECT count(*) FROM {t.name}{_where(d, t, where)}"
@@ -84,6 +94,14 @@ def insert(d: Dialect, name: str, columns: Sequence[str]) -> str:
     _check(t, columns)
     marks = ", ".join(d.mark for _ in columns)
     return f"INSERT INTO {t.name}({', '.join(columns)}) VALUES ({marks}) ON CONFLICT DO NOTHING"
+
+
+def put(d: Dialect, name: str, columns: Sequence[str]) -> str:
+    """A plain insert: a taken key is an error (unique violation)."""
+    t = table(name)
+    _check(t, columns)
+    marks = ", ".join(d.mark for _ in columns)
+    return f"INSERT INTO {t.name}({', '.join(columns)}) VALUES ({marks})"
 
 
 def upsert(d: Dialect, name: str, columns: Sequence[str]) -> str:
@@ -114,6 +132,10 @@ def statement(d: Dialect, key: tuple) -> str:
     op, name, *rest = key
     if op == "get":
         return select(d, name, rest[1], rest[0])
+    if op == "get_many":
+        return select_in(d, name, rest[1], rest[0], rest[2])
+    if op == "put":
+        return put(d, name, rest[0])
     if op == "scan":
         where, cols, order, after, limit = rest
         return select(d, name, cols, where, order, after, limit)

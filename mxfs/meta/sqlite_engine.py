@@ -59,6 +59,18 @@ def _overflow(e: OverflowError) -> OSError:
     return fail(errno.EOVERFLOW, f"a value is too large for the metadata store ({e})")
 
 
+# get_many binds at most this many keys per statement (SQLite's limit is 32766), and
+# pads shorter lists to a power of two, so few statement texts are made.
+_MANY = 512
+
+
+def _padded(keys: list[object]) -> list[object]:
+    n = 1
+    while n < len(keys):
+        n *= 2
+    return keys + [keys[-1]] * (n - len(keys))
+
+
 def _is_full(e: sqlite3.Error) -> bool:
     return _code(e) == sqlite3.SQLITE_FULL or "disk is full" in str(e)
 
@@ -172,6 +184,8 @@ class SqliteEngine(Engine):
         if _is_full(e):
             self.reserve.release()
             return fail(errno.ENOSPC, "the metadata member is full")
+        if code == sqlite3.SQLITE_CONSTRAINT and "UNIQUE" in str(e):  # a `put`'s key
+            return fail(errno.EEXIST, f"a row's key is taken ({e})")
         if code == sqlite3.SQLITE_READONLY or "readonly" in str(e):
             return fail(errno.EROFS, f"the metadata store cannot be written ({e})")
         return fail(errno.EIO, f"metadata store error ({e})")
@@ -194,6 +208,16 @@ class SqliteEngine(Engine):
             raise self._error(e) from None
         except OverflowError as e:
             raise _overflow(e) from None
+
+    def get_many(self, table: str, column: str, keys: Iterable[object],
+                 columns: Sequence[str]) -> list[Row]:
+        keys = list(dict.fromkeys(keys))
+        out: list[Row] = []
+        for i in range(0, len(keys), _MANY):
+            part = _padded(keys[i:i + _MANY])
+            text = self._sql[("get_many", table, column, tuple(columns), len(part))]
+            out += self._run(text, part).fetchall()
+        return out
 
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
@@ -229,8 +253,15 @@ class SqliteEngine(Engine):
     def insert(self, table: str, row: Mapping[str, object]) -> bool:
         return self._write(("insert", table, tuple(row)), tuple(row.values())).rowcount > 0
 
+    def put(self, table: str, row: Mapping[str, object]) -> None:
+        self._write(("put", table, tuple(row)), tuple(row.values()))
+
     def upsert(self, table: str, row: Mapping[str, object]) -> None:
         self._write(("upsert", table, tuple(row)), tuple(row.values()))
+
+    def patch(self, table: str, where: Where, values: Mapping[str, object]) -> None:
+        self._write(("update", table, tuple(where), tuple(values)),
+                    (*values.values(), *where.values()))
 
     def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
         return self._write(("update", table, tuple(where), tuple(values)),
@@ -247,6 +278,9 @@ class SqliteEngine(Engine):
 
     def delete(self, table: str, where: Where) -> int:
         return self._write(("delete", table, tuple(where)), tuple(where.values())).rowcount
+
+    def remove(self, table: str, where: Where) -> None:
+        self._write(("delete", table, tuple(where)), tuple(where.values()))
 
     def next_id(self, sequence: str) -> int:
         """Counted in memory while the group holds SQLite's write lock (nobody else can
@@ -296,6 +330,9 @@ class SqliteEngine(Engine):
             self.db.execute("SAVEPOINT change")
         except sqlite3.Error as e:
             raise self._error(e) from None
+
+    def _settle(self) -> None:
+        """Nothing to wait for: every statement ran when it was called."""
 
     def _end(self) -> None:
         try:

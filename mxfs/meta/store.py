@@ -195,7 +195,7 @@ class MetaStore:
         for name, value in values.items():
             journal.append((node, name, getattr(node, name)))
             setattr(node, name, value)
-        self.engine.update("inodes", {"ino": node.ino}, values)
+        self.engine.patch("inodes", {"ino": node.ino}, values)
 
     def _data_fields(self, node: Inode) -> dict[str, object]:
         """What memory holds of a dirty inode's data fields, written back now."""
@@ -316,13 +316,13 @@ class MetaStore:
         return node
 
     def _add_entry(self, parent: int, name: bytes, ino: int) -> None:
+        """(Callers looked the name up in the change: a taken one is EEXIST there, or,
+        taken meanwhile by another writer, EEXIST or a conflict by the change's end.)"""
         cookie = self.engine.next_id("dentry")
-        if not self.engine.insert("dentries", {"id": cookie, "parent": parent, "name": name,
-                                               "ino": ino}):
-            raise fail(errno.EEXIST)
+        self.engine.put("dentries", {"id": cookie, "parent": parent, "name": name, "ino": ino})
 
     def _remove_entry(self, parent: int, name: bytes) -> None:
-        self.engine.delete("dentries", {"parent": parent, "name": name})
+        self.engine.remove("dentries", {"parent": parent, "name": name})
 
     def _touch_dir(self, d: Inode, now: int, nlink_delta: int = 0) -> None:
         values: dict[str, object] = {"mtime_ns": now, "ctime_ns": now}
@@ -341,7 +341,7 @@ class MetaStore:
             unit, width, first = layout_for(ino, unit, width)
         node = Inode(ino, mode, uid, gid, nlink, len(target) if target else 0, now, now, now,
                      rdev, target, unit, width, first)
-        self.engine.insert("inodes", {c: getattr(node, c) for c in INODE_COLUMNS})
+        self.engine.put("inodes", {c: getattr(node, c) for c in INODE_COLUMNS})
         self._cache[ino] = node
         self._journal.append((node, _BORN, None))
         return node
@@ -376,7 +376,7 @@ class MetaStore:
             d = self._dir(parent)
             node = self._insert_inode(d, stat.S_IFREG | stat.S_IMODE(mode), uid, gid, 0,
                                       time.time_ns(), layout_for=layout_for)
-            self.engine.insert("orphans", {"ino": node.ino})
+            self.engine.put("orphans", {"ino": node.ino})
             return node
         return self.txn(change)
 
@@ -406,7 +406,7 @@ class MetaStore:
                 self._remove_entry(parent, name)
                 self._drop_link(old, now)
             self._add_entry(parent, name, ino)
-            self.engine.delete("orphans", {"ino": ino})
+            self.engine.remove("orphans", {"ino": ino})
             self._set(node, {"nlink": 1, "size": size, "ctime_ns": now, "mtime_ns": now})
             self._seal(ino, sum_unit, sums)
             self._touch_dir(d, now)
@@ -437,7 +437,7 @@ class MetaStore:
         nlink = 0 if node.is_dir else max(node.nlink - 1, 0)
         self._set(node, {"nlink": nlink, "ctime_ns": now})
         if nlink == 0:
-            self.engine.insert("orphans", {"ino": node.ino})
+            self.engine.upsert("orphans", {"ino": node.ino})  # (unless it is one)
 
     def unlink(self, parent: int, name: bytes) -> Inode:
         """Remove a non-directory entry; returns the inode (nlink 0: now an orphan)."""
@@ -519,8 +519,8 @@ class MetaStore:
             if dst is not None:
                 self._remove_entry(new_parent, new_name)
                 self._drop_link(dst, now)
-            self.engine.update("dentries", {"parent": old_parent, "name": old_name},
-                               {"parent": new_parent, "name": new_name})
+            self.engine.patch("dentries", {"parent": old_parent, "name": old_name},
+                              {"parent": new_parent, "name": new_name})
             self._set(src, {"ctime_ns": now})
             moved_dir = src.is_dir and old_parent != new_parent
             replaced_dir = dst is not None and dst.is_dir
@@ -540,8 +540,8 @@ class MetaStore:
         if dst.is_dir and od.ino != nd.ino and self._is_ancestor(dst.ino, od.ino):
             raise fail(errno.EINVAL)
         now = time.time_ns()
-        self.engine.update("dentries", {"parent": od.ino, "name": old_name}, {"ino": dst.ino})
-        self.engine.update("dentries", {"parent": nd.ino, "name": new_name}, {"ino": src.ino})
+        self.engine.patch("dentries", {"parent": od.ino, "name": old_name}, {"ino": dst.ino})
+        self.engine.patch("dentries", {"parent": nd.ino, "name": new_name}, {"ino": src.ino})
         for n in (src, dst):
             self._set(n, {"ctime_ns": now})
         delta = int(src.is_dir) - int(dst.is_dir)
@@ -555,7 +555,18 @@ class MetaStore:
         """Entries with cookie > `after`, in cookie order (stable while entries change)."""
         rows = list(self.engine.scan("dentries", ("id", "name", "ino"), {"parent": parent},
                                      order="id", after=after, limit=limit))
+        self._load([ino for _, _, ino in rows])
         return [Entry(cookie, bytes(name), self.get(ino)) for cookie, name, ino in rows]
+
+    def _load(self, inos: list[int]) -> None:
+        """Read the inodes memory lacks in one go (`get_many`), into memory."""
+        missing = [i for i in inos if i not in self._cache]
+        if len(missing) < 2:
+            return
+        if len(self._cache) + len(missing) >= _CACHE_LIMIT:
+            self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+        for row in self.engine.get_many("inodes", "ino", missing, INODE_COLUMNS):
+            self._cache.setdefault(row[0], Inode(*row))
 
     # ---- xattrs ----------------------------------------------------------
 
@@ -594,15 +605,15 @@ class MetaStore:
         """Forget an orphan for good, after its chunk files are gone."""
         def change() -> None:
             for table in ("inodes", "xattrs", "orphans", "dirty_data", "sealed"):
-                self.engine.delete(table, {"ino": ino})
+                self.engine.remove(table, {"ino": ino})
         self.txn(change)
         self._cache.pop(ino, None)
 
     def mark_dirty_data(self, ino: int) -> None:
-        self.txn(lambda: self.engine.insert("dirty_data", {"ino": ino}))
+        self.txn(lambda: self.engine.upsert("dirty_data", {"ino": ino}))  # (unless listed)
 
     def clear_dirty_data(self, ino: int) -> None:
-        self.txn(lambda: self.engine.delete("dirty_data", {"ino": ino}))
+        self.txn(lambda: self.engine.remove("dirty_data", {"ino": ino}))
 
     def dirty_data(self) -> list[int]:
         return [r[0] for r in self.engine.scan("dirty_data", ("ino",))]
