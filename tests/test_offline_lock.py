@@ -20,12 +20,13 @@ from conftest import Mounted, eventually, is_mounted, mxfs, one_line_error
 HELD = """
 import os, signal, sys
 import mxfs.fs.volume as v
-take = v.take_pool_lock
+import mxfs.pool.lock as lk
+take = lk.take_pool_lock
 def take_and_stop(*a, **k):
     fd = take(*a, **k)
     os.kill(os.getpid(), signal.SIGSTOP)
     return fd
-v.take_pool_lock = take_and_stop
+lk.take_pool_lock = v.take_pool_lock = take_and_stop
 from mxfs.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -35,7 +35,7 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 # ---- mkfs ------------------------------------------------------------------
 
 def cmd_mkfs(args: argparse.Namespace) -> int:
-    from mxfs.fs.volume import format_pool
+    from mxfs.fs.format import format_pool
 
     unit = parse_size(args.stripe_unit)
     pool = format_pool(args.member, unit, label=args.label, force=args.force, meta=args.meta)
@@ -171,8 +171,8 @@ def _status_of_mount(mp: str) -> dict[str, Any]:
 
 
 def _status_of_pool(spec: str) -> dict[str, Any]:
-    from mxfs.fs.volume import read_lock_info
     from mxfs.pool import Pool
+    from mxfs.pool.lock import read_lock_info
 
     pool = Pool.open(spec)
     holder = read_lock_info(pool) or {}

@@ -85,8 +85,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     """Hold the pool before reading anything: a mount started meanwhile would run on a
     store about to be swapped away, and lose what it wrote."""
-    from mxfs.fs.volume import pool_lock
     from mxfs.pool import Pool
+    from mxfs.pool.lock import pool_lock
 
     pool = Pool.open(args.pool)
     with pool_lock(pool, "mxfs meta restore"):

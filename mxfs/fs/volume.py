@@ -10,14 +10,9 @@ trio code, so tools can use it on an unmounted pool.
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import logging
 import os
-import stat
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
@@ -25,11 +20,10 @@ from mxfs.io import Layout
 from mxfs.meta import ROOT_INO, Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
-from mxfs.pool import ChunkFiles, Pool, format_members
+from mxfs.pool import ChunkFiles, Pool
+from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 
 log = logging.getLogger("mxfs.volume")
-
-LOCK_NAME = "daemon.lock"
 
 
 @dataclass
@@ -49,53 +43,6 @@ class Recovery:
     unclean: bool
     orphans_reclaimed: int = 0
     trimmed: list[int] = field(default_factory=list)
-
-
-def format_pool(members: list[str], stripe_unit: int, label: str = "",
-                force: bool = False, meta: str = "") -> Pool:
-    """mkfs: superblocks on every member, then an empty metadata store on member 0, or in
-    the database `meta` names (a URL; the superblocks record it without a password)."""
-    if meta and not location.is_server(meta):
-        raise MxfsError(f"--meta {meta} is not a server's URL",
-                        "give postgresql://HOST/DATABASE, or leave --meta out")
-    if meta:
-        refuse_other_pool(meta, force)
-
-    def store() -> None:  # inside mkfs's undo: a failure leaves every member as it was
-        pool = Pool.open(members[0])
-        os.chmod(pool.meta_dir, 0o700)  # before the store exists: nobody reaches it meanwhile
-        try:
-            MetaStore.format(meta or pool.meta_dir, pool.uuid, stripe_unit).close()
-        except (Unusable, OSError) as e:
-            where = location.public(meta) if meta else members[0]
-            raise MxfsError(f"the metadata store on {where} cannot be made ({e})",
-                            "check that it is writable (a server: reachable, and yours) and "
-                            "has free space") from None
-        tighten(pool)
-
-    sb = format_members(members, stripe_unit, label, force, then=store,
-                        meta=location.public(meta) if meta else "")
-    pool = Pool.open(members[0])
-    assert pool.uuid == sb.pool_uuid
-    return pool
-
-
-def refuse_other_pool(meta: str, force: bool) -> None:
-    """A database that holds a pool's metadata is not wiped without --force."""
-    try:
-        old = MetaStore.open(meta, readonly=True)
-    except Unusable as e:
-        if "cannot be reached" in str(e):
-            raise MxfsError(str(e), "start the server, or check the URL and credentials "
-                            "(~/.pgpass, PGPASSFILE)") from None
-        return
-    try:
-        uuid = old.setting("pool_uuid")
-    finally:
-        old.close()
-    if uuid and not force:
-        raise MxfsError(f"{location.public(meta)} holds the metadata of pool {uuid}",
-                        "name another database, or --force to replace that pool's metadata")
 
 
 class Volume:
@@ -178,7 +125,7 @@ class Volume:
         if self._lock_fd is None:
             self._lock_fd = take_pool_lock(self.pool, "mxfs mount", mountpoint, socket_path)
         else:
-            _write_lock_info(self._lock_fd, {"pid": os.getpid(), "tool": "mxfs mount",
+            write_lock_info(self._lock_fd, {"pid": os.getpid(), "tool": "mxfs mount",
                                              "mountpoint": mountpoint, "socket": socket_path})
         try:
             self.lease = lease.take(self.store, mountpoint)
@@ -447,92 +394,6 @@ def _recover_store(pool: Pool) -> str | None:
         raise MxfsError(str(e), "restore a dump: mxfs meta restore FILE POOL") from None
 
 
-# ---- the pool lock ------------------------------------------------------------
-#
-# One flock on meta/daemon.lock, exclusive for a mount or an offline writer, shared
-# for offline readers (OfflinePool); the file holds JSON naming the exclusive holder.
-# It is taken without opening the store, so a tool that replaces a missing or damaged
-# store can hold the pool first.
-
-
-def take_pool_lock(pool: Pool, who: str, mountpoint: str | None = None,
-                   socket_path: str | None = None) -> int:
-    """Lock `pool` exclusively for `who` (e.g. "mxfs meta restore"); the locked fd.
-
-    Refused with one line naming the holder: a mount (where, pid) or a tool (pid).
-    """
-    os.makedirs(pool.meta_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(pool.meta_dir, LOCK_NAME)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except PermissionError:
-        raise _private_lock(path) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        holder = read_lock_info(pool)
-        again = "already " if who == "mxfs mount" else ""
-        raise MxfsError(f"pool {pool.uuid} is {again}{describe_holder(holder)}",
-                        _holder_fix(holder)) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    _write_lock_info(fd, {"pid": os.getpid(), "tool": who, "mountpoint": mountpoint,
-                          "socket": socket_path})
-    return fd
-
-
-def release_pool_lock(fd: int) -> None:
-    """Forget the holder, then let go of the lock."""
-    try:
-        os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def pool_lock(pool: Pool, who: str) -> Iterator[None]:
-    """Hold `pool` for an offline tool for the whole block."""
-    fd = take_pool_lock(pool, who)
-    try:
-        yield
-    finally:
-        release_pool_lock(fd)
-
-
-def _write_lock_info(fd: int, info: dict) -> None:
-    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
-        os.fchmod(fd, 0o600)  # made by an older version: private from now on
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(info).encode(), 0)
-
-
-def describe_holder(holder: dict | None) -> str:
-    """What holds a pool, as the end of "pool X is ...": a mount, a tool, or readers."""
-    if holder is None:
-        return "mounted or read offline (OfflinePool) by another process"
-    pid = f" (pid {holder['pid']})" if holder.get("pid") else ""
-    if holder.get("mountpoint"):
-        return f"mounted at {holder['mountpoint']}{pid}"
-    return f"in use by {holder.get('tool') or 'another process'}{pid}"
-
-
-def _holder_fix(holder: dict | None) -> str:
-    if holder is not None and holder.get("mountpoint"):
-        return "unmount it first (mxfs umount)"
-    if holder is not None and holder.get("tool") == "mxfs mount":
-        return "it is being mounted; unmount it first (mxfs umount)"
-    if holder is not None and holder.get("tool"):
-        return f"wait for {holder['tool']} to finish, then try again"
-    return "wait for it to finish, or unmount it (mxfs umount), then try again"
-
-
-def _private_lock(path: str) -> MxfsError:
-    return MxfsError(f"the pool lock {path} is root's (a pool's metadata is private)",
-                     "run as root, or ask through the mount point")
-
-
 def tighten(pool: Pool) -> None:
     """Make the store, its lock and its backups root's alone: 0700 folders, 0600 files.
 
@@ -541,31 +402,3 @@ def tighten(pool: Pool) -> None:
     """
     for folder in [pool.meta_dir, *pool.backup_dirs()]:
         backup.private(folder)
-
-
-def read_lock_info(pool: Pool) -> dict | None:
-    """Who holds the pool exclusively (pid, tool, mountpoint or None, socket), or None
-    when nobody does (or only offline readers do)."""
-    path = os.path.join(pool.meta_dir, LOCK_NAME)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except PermissionError:
-        raise _private_lock(path) from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raw = os.pread(fd, 4096, 0)
-            try:
-                info = json.loads(raw)
-            except ValueError:  # taken a moment ago, not yet named
-                info = None
-            if not isinstance(info, dict):
-                return {"pid": None, "tool": None, "mountpoint": None, "socket": None}
-            return info
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)

@@ -16,9 +16,8 @@ from typing import Any
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
 from mxfs.meta import ROOT_INO, Inode, MetaStore
+from mxfs.pool.lock import LOCK_NAME  # the daemon holds it exclusively while mounted
 from mxfs.pool.pool import Pool
-
-LOCK_NAME = "daemon.lock"  # the daemon holds it exclusively while the pool is mounted
 
 
 class OfflinePool:
