@@ -128,6 +128,15 @@ class Engine(ABC):
         """The next number of `sequence` (`schema.SEQUENCES`): never handed out twice,
         even by a change that is later undone."""
 
+    @abstractmethod
+    def sequences(self) -> dict[str, int]:
+        """At least the last number each sequence handed out (a dump records them)."""
+
+    @abstractmethod
+    def restart_sequences(self, values: Mapping[str, int]) -> None:
+        """Go on from `values` (a copy's), never back below what was handed out; within
+        a change."""
+
     # ---- changes -----------------------------------------------------------------
 
     @abstractmethod

@@ -103,7 +103,7 @@ def _pipe(conn: Conn) -> psycopg.Pipeline:
 def _cur(conn: Conn) -> psycopg.Cursor[Any]:
     """The connection's one cursor: a new one per statement costs more than the
     statement (each answer is taken before the next statement that answers)."""
-    return conn.mxfs_cursor  # type: ignore[attr-defined,no-any-return]
+    return conn.mxfs_cursor  # type: ignore[attr-defined]
 
 
 def _close(conn: Conn) -> None:
@@ -315,7 +315,7 @@ class PgEngine(Engine):
         outside a group it is run once more on a new one."""
         conn = self._live()
         try:
-            cur = _cur(conn).execute(text, params)  # type: ignore[arg-type]
+            cur = _cur(conn).execute(text, params)
             _pipe(conn).sync()
             self._queued = 0
             return cur
@@ -329,7 +329,7 @@ class PgEngine(Engine):
     def _retry(self, text: str, params: Sequence[object]) -> psycopg.Cursor[Any]:
         conn = self._live()  # (EIO, the server away, if it cannot be made again)
         try:
-            cur = _cur(conn).execute(text, params)  # type: ignore[arg-type]
+            cur = _cur(conn).execute(text, params)
             _pipe(conn).sync()
             return cur
         except psycopg.Error as e:
@@ -344,7 +344,7 @@ class PgEngine(Engine):
             return
         conn = self._live()
         try:
-            _cur(conn).execute(text, params)  # type: ignore[arg-type]
+            _cur(conn).execute(text, params)
         except psycopg.Error as e:  # (an earlier statement's error, maybe)
             self._queued = 0
             _drain(conn)
@@ -457,7 +457,7 @@ class PgEngine(Engine):
         self._wait()
         try:
             with conn.cursor() as cur:
-                cur.executemany(text, list(rows))  # type: ignore[arg-type]
+                cur.executemany(text, list(rows))
             _pipe(conn).sync()
         except psycopg.Error as e:
             _drain(conn)
