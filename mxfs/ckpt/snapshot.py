@@ -2,11 +2,14 @@
 
 `save` copies every tensor into the checkpointer's host staging buffer (which
 is laid out as the data file itself) and returns a `Snapshot` at once; a
-background thread then writes the buffer to the pool's members (direct
-writes, O_DIRECT, every member at once), commits the file with its
-checksums, writes the manifest, renames the hidden folder into place, moves
-`latest` and applies retention.  Any failure is logged, comes out of
-`Snapshot.wait()`, and leaves the previous checkpoint as it was.
+background thread, started before the copy, writes the buffer to the pool's
+members (direct writes, O_DIRECT, every member at once) range by range as
+staging passes each (a `Watermark`), so the write runs beside the copy; then
+it commits the file with its checksums, writes the manifest, renames the
+hidden folder into place, moves `latest` and applies retention.  Any failure
+is logged, comes out of `Snapshot.wait()`, and leaves the previous checkpoint
+as it was; a staging failure is raised by `save` itself, once the writer has
+stopped and removed what it began.
 """
 
 from __future__ import annotations
@@ -19,16 +22,15 @@ import time
 from typing import Any
 
 from mxfs import __version__
-from mxfs.ckpt import catalog
+from mxfs.ckpt import catalog, writing
 from mxfs.ckpt.catalog import CheckpointError
 from mxfs.ckpt.image import Plan, plan, signature
-from mxfs.ckpt.staging import Staging, stage
+from mxfs.ckpt.staging import Staging, StagingFailed, Watermark, stage
 from mxfs.ckpt.tree import flatten
 from mxfs.ckpt.worker import WriterProcess
 from mxfs.ckpt.writing import Job, write_snapshot
 
 log = logging.getLogger("mxfs.ckpt")
-
 
 
 class Snapshot:
@@ -44,6 +46,7 @@ class Snapshot:
         self._staged = threading.Event()
         self._done = threading.Event()
         self._events: Any = None
+        self.watermark = Watermark(total)  # how much of the image is staged
         self.times: dict[str, float] = {"start": time.perf_counter()}
 
     def staged(self) -> Snapshot:
@@ -125,18 +128,22 @@ class Checkpointer:
             partial = catalog.claim_partial(path)
             snap = Snapshot(path, p.size)
             buf = self.staging.ensure(p.size)
+            job = Job(path, partial, p, tree, compress, keep, meta,  # type: ignore[arg-type]
+                      self.level, writing.WRITE_STEP)
+            prev, self._last = self._last, snap
+            # The writer starts first: it writes each range as soon as staging passes it.
+            threading.Thread(target=self._run, args=(snap, job), name="mxfs-ckpt-writer",
+                             daemon=True).start()
             try:
-                snap._events = stage(p, named, buf)
-            except BaseException:
+                snap._events = stage(p, named, buf, snap.watermark)
+            except BaseException as e:
+                snap.watermark.fail(e)
+                snap._done.wait()  # the writer has stopped and aborted its file
                 shutil.rmtree(partial, ignore_errors=True)
+                self._last = prev  # raised here, not to be raised again by the next save
                 raise
             snap.times["staged_cpu"] = time.perf_counter()
             snap._staged.set()
-            self._last = snap
-            job = Job(path, partial, p, tree, compress, keep, meta,  # type: ignore[arg-type]
-                      self.level)
-            threading.Thread(target=self._run, args=(snap, job), name="mxfs-ckpt-writer",
-                             daemon=True).start()
             return snap
 
     def _run(self, snap: Snapshot, job: Job) -> None:
@@ -146,20 +153,21 @@ class Checkpointer:
             snap.state, snap.written, snap.total = state, done, total
 
         try:
-            snap.staged()
-            snap.times["staged"] = time.perf_counter()
-            snap.state = "writing"
             if self.worker is not None:
-                self.worker.run(job, self.staging, progress)
+                self.worker.run(job, self.staging, progress, snap.watermark.wait_until)
             else:
-                write_snapshot(job, self.staging.view(job.plan.size), self.packed, progress)
+                write_snapshot(job, self.staging.view(job.plan.size), self.packed, progress,
+                               snap.watermark.wait_until)
             snap.state = "done"
         except BaseException as e:  # noqa: BLE001 - every failure must reach wait()
             snap.error = e
             snap.state = "failed"
-            log.error("checkpoint %s failed: %s", snap.path, _describe(e))
+            if not isinstance(e, StagingFailed):  # save() raises that one itself
+                log.error("checkpoint %s failed: %s", snap.path, _describe(e))
             shutil.rmtree(job.partial, ignore_errors=True)
         finally:
+            if snap.watermark.final_at is not None:
+                snap.times["staged"] = snap.watermark.final_at
             snap.times["done"] = time.perf_counter()
             snap._done.set()
 

@@ -1,9 +1,13 @@
 """The checkpoint writer as a separate process, for trainers whose GIL must stay free.
 
-The parent stages into named shared memory and sends each save as a `Job`
-over a pipe; the worker attaches to the memory, runs `write_snapshot` (the same
-code the writer thread runs) and answers with progress and a result.  If the
-worker dies, the save fails with that reason and the next save starts a new one.
+The parent sends each save as a `Job` over a socket as its staging into named
+shared memory begins; the worker attaches to the memory and runs
+`write_snapshot` (the same code the writer thread runs).  Before writing a
+range it asks how far staging has got (`("wait", end)`); the parent answers
+once the range is staged (`("ready", staged)`, after the CUDA copies into it
+have landed) or, if staging failed, `("abort", reason)`, and the worker drops
+its file.  Progress and the result come back the same way.  If the worker
+dies, the save fails with that reason and the next save starts a new one.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mxfs.ckpt.staging import Staging
+from mxfs.ckpt.staging import Staging, StagingFailed
 from mxfs.ckpt.writing import Job, write_snapshot
 from mxfs.proc import python_module
 
@@ -46,18 +50,29 @@ class WriterProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def run(self, job: Job, staging: Staging, progress: Callable[[str, int, int], None]) -> None:
-        """Have the worker write `job` from `staging`; raise what it raised."""
+    def run(self, job: Job, staging: Staging, progress: Callable[[str, int, int], None],
+            ready: Callable[[int], int]) -> None:
+        """Have the worker write `job` from `staging`, each range once `ready(end)` says it
+        is staged; raise what it raised (or what `ready` raised: staging failed)."""
         conn = self._start()
+        failed: StagingFailed | None = None
         try:
             conn.send((job, staging.name))
             while True:
                 msg = conn.recv()
                 if msg[0] == "progress":
                     progress(*msg[1:])
+                elif msg[0] == "wait":
+                    try:
+                        conn.send(("ready", ready(msg[1])))
+                    except StagingFailed as e:
+                        failed = e
+                        conn.send(("abort", str(e)))
                 elif msg[0] == "done":
                     return
                 else:
+                    if failed is not None:
+                        raise failed
                     _, code, text = msg
                     raise OSError(code, text) if code else RuntimeError(text)
         except (EOFError, ConnectionError, BrokenPipeError):
@@ -96,9 +111,22 @@ def main(conn: Connection) -> None:
         base = memoryview(shm.buf)
         skip = (-address_of(base)) % 4096
         image = base[skip:skip + -(-job.plan.size // 4096) * 4096]
+        staged = 0
+
+        def ready(end: int) -> None:
+            """Wait for the parent to say bytes [0, end) are staged."""
+            nonlocal staged
+            if end > staged:
+                conn.send(("wait", end))
+                msg = conn.recv()
+                if msg[0] == "abort":
+                    raise StagingFailed(msg[1])
+                staged = msg[1]
+
         try:
             write_snapshot(job, image, packed,
-                           lambda state, done, total: conn.send(("progress", state, done, total)))
+                           lambda state, done, total: conn.send(("progress", state, done, total)),
+                           ready)
             conn.send(("done",))
         except OSError as e:
             conn.send(("error", e.errno or errno.EIO, e.strerror or str(e)))

@@ -2,7 +2,10 @@
 
 A writer thread of the trainer's process runs it, or the writer process
 (`ckpt/worker.py`) does, from the staging buffer in shared memory; so it holds
-everything it needs in a picklable `Job`.
+everything it needs in a picklable `Job`.  It starts before staging does and
+writes the image range by range, each once `ready` says staging has passed
+it, so the write runs beside the staging copy rather than after it
+(compression still waits for the whole image).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from mxfs.io.checksum import pack_sums
 
 DATA_FILE = "data.safetensors"
 FRAME = 1 << 20  # zstd frame: independent, so frames compress and decompress in parallel
-WRITE_STEP = 256 << 20  # bytes per write call, so progress moves
+# Bytes per write call: a range is written once staged, so staging and writing overlap
+# by all but the first range; large enough that the calls' joins cost nothing.
+WRITE_STEP = 64 << 20
 
 
 @dataclass
@@ -40,19 +45,25 @@ class Job:
     keep: int | None
     meta: dict[str, str]
     level: int
+    step: int = WRITE_STEP
 
 
 def write_snapshot(job: Job, image: memoryview, packed: Staging,
-                   progress: Callable[[str, int, int], None]) -> None:
-    """Compress (optionally), write, commit and publish one staged snapshot."""
+                   progress: Callable[[str, int, int], None],
+                   ready: Callable[[int], object] | None = None) -> None:
+    """Compress (optionally), write, commit and publish one snapshot, writing each range
+    once `ready(end)` has returned (bytes [0, end) staged; it raises if staging failed)."""
     raw = job.plan
     entries = {s.name: s.manifest() for s in raw.slots}
     size = raw.size
     if job.compress == "zstd":
+        if ready is not None:
+            ready(size)  # frames are laid out by their compressed sizes: all of it first
+            ready = None
         image, size = _compress(job, image, entries, packed)
     info = write_image(os.path.join(job.partial, DATA_FILE), image, size,
                        lambda done: progress("writing" if done < size else "committing",
-                                             done, size))
+                                             done, size), ready, job.step)
     manifest = catalog.new_manifest({DATA_FILE: {**info, "tensors": entries}},
                                     kind="state", compress=job.compress,
                                     metadata=job.meta, tree=job.tree)
@@ -97,12 +108,19 @@ def _compress(job: Job, buf: memoryview, entries: dict[str, dict[str, Any]], pac
 
 
 def write_image(path: str, image: memoryview, size: int,
-                progress: Callable[[int], None] = lambda done: None) -> dict[str, Any]:
-    """Write a file image (4 KiB-padded buffer) and commit it; returns its manifest entry."""
+                progress: Callable[[int], None] = lambda done: None,
+                ready: Callable[[int], object] | None = None, step: int | None = None
+                ) -> dict[str, Any]:
+    """Write a file image (4 KiB-padded buffer) and commit it; returns its manifest entry.
+
+    Ranges are whole checksum blocks of about `step` bytes; with `ready`, each is
+    written only once `ready(end of the range)` returns."""
     with create_file(path, size) as w:
-        step = w.sum_unit * max(1, WRITE_STEP // w.sum_unit)
+        step = w.sum_unit * max(1, (step or WRITE_STEP) // w.sum_unit)
         for off in range(0, size, step):
             n = min(step, size - off)
+            if ready is not None:
+                ready(off + n)
             w.write_at(off, image[off:off + -(-n // 4096) * 4096], valid=n)
             progress(off + n)
         sums = w.commit(size)
