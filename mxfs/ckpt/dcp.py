@@ -2,16 +2,18 @@
 
 `dcp.save(state, storage_writer=Writer(path))` has every rank write one
 safetensors-compatible file into the checkpoint's hidden folder through the
-direct path (staged into an aligned buffer, written to all members at once,
-committed with checksums); `finish` on the coordinator is the commit: it writes
-the manifest, holding DCP's metadata as JSON (never pickle), and renames the
-folder into place.  `Reader` verifies every block it reads.
+direct path (staged into an aligned buffer, each range written to all members
+at once as soon as it is staged, committed with checksums); `finish` on the
+coordinator is the commit: it writes the manifest, holding DCP's metadata as
+JSON (never pickle), and renames the folder into place.  `Reader` verifies
+every block it reads.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import threading
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -33,7 +35,7 @@ from mxfs.ckpt import catalog
 from mxfs.ckpt.catalog import CheckpointError
 from mxfs.ckpt.image import dtype_named, plan
 from mxfs.ckpt.reader import CheckpointCorrupt, read_ranges
-from mxfs.ckpt.staging import Staging, stage
+from mxfs.ckpt.staging import Staging, Watermark, stage
 from mxfs.ckpt.tree import flatten, unflatten
 from mxfs.ckpt.writing import write_image
 
@@ -166,11 +168,8 @@ class Writer(StorageWriter):
                 named.append((_key(item.index), data.detach()))
         p = plan_file(named)
         buf = self.staging.ensure(p.size)
-        events = stage(p, named, buf)
-        for ev in events or ():
-            ev.synchronize()
         partial = catalog.partial_path(self.path)
-        info = write_image(os.path.join(partial, fname), self.staging.view(p.size), p.size)
+        info = self._stage_and_write(p, named, buf, os.path.join(partial, fname))
         slots = {s.name: s for s in p.slots}
         results = []
         for n, item in enumerate(plan.items):
@@ -183,6 +182,33 @@ class Writer(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _stage_and_write(self, p: Any, named: list[tuple[str, torch.Tensor]], buf: torch.Tensor,
+                         path: str) -> dict[str, Any]:
+        """Stage into `buf` while a thread writes each range of it as staging passes it
+        (the same pipeline as `Checkpointer.save`); the file's manifest entry."""
+        mark = Watermark(p.size)
+        out: dict[str, Any] = {}
+
+        def write() -> None:
+            try:
+                out["info"] = write_image(path, self.staging.view(p.size), p.size,
+                                          ready=mark.wait_until)
+            except BaseException as e:  # noqa: BLE001 - raised below, in the caller
+                out["error"] = e
+
+        t = threading.Thread(target=write, name="mxfs-dcp-writer", daemon=True)
+        t.start()
+        try:
+            stage(p, named, buf, mark)
+        except BaseException as e:
+            mark.fail(e)  # the writer aborts its file
+            t.join()
+            raise
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["info"]
 
     def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
         """The commit: manifest with DCP's metadata, then the folder renamed into place."""
