@@ -230,11 +230,10 @@ import mmap, os, sys, time
 from mxfs.client import writer
 from mxfs.kv import KVStore
 kv = KVStore(sys.argv[1], "w")
-orig = writer.DirectWriter.finish
-def stall(self, *a, **k):
+def stall(self, *a, **k):  # the bytes are written; the commit is about to go
     print("written", flush=True)
     time.sleep(600)
-writer.DirectWriter.finish = stall
+writer.DirectWriter.finish_request = stall
 kv.put("half", os.urandom(8 << 20))
 """
 

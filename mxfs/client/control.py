@@ -12,6 +12,7 @@ import os
 import select
 import socket
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from mxfs.proto import VERSION, recv_message, send_message
@@ -186,6 +187,60 @@ class ControlClient:
             finally:
                 if self.broken:
                     self.sock.close()
+
+    def call_many(self, requests: Sequence[tuple[str, dict[str, Any]]], window: int = 16
+                  ) -> list[tuple[dict[str, Any], list[int]] | ControlError]:
+        """Send `requests` back to back, at most `window` ahead of their replies, and give
+        each one's reply and descriptors (the caller closes them), or the ControlError it
+        was refused with, in order.
+
+        The daemon answers a connection's requests one after another, in order, so a
+        batch of small requests (a group of KV commits) costs about one round trip
+        instead of one each.  A stream broken mid-way raises, as `call` does: what was
+        sent may have been applied, and nothing is sent again."""
+        out: list[tuple[dict[str, Any], list[int]] | ControlError] = []
+        with self._lock:
+            if self.closed:
+                raise self._closed_error()
+            if not self._usable():
+                self.sock.close()
+                self._connect()
+            ids = [next(self._ids) for _ in requests]
+            sent = 0
+            try:
+                while len(out) < len(requests):
+                    while sent < len(requests) and sent - len(out) < max(1, window):
+                        op, fields = requests[sent]
+                        send_message(self.sock, {"op": op, "id": ids[sent], **fields})
+                        sent += 1
+                    reply, fds = recv_message(self.sock)
+                    out.append(self._answer(reply, fds, ids[len(out)]))
+            except BaseException:
+                self.broken = True
+                for r in out:
+                    if not isinstance(r, ControlError):
+                        for fd in r[1]:
+                            os.close(fd)
+                raise
+            finally:
+                if self.broken:
+                    self.sock.close()
+        return out
+
+    def _answer(self, reply: dict[str, Any], fds: list[int], msg_id: int
+                ) -> tuple[dict[str, Any], list[int]] | ControlError:
+        """One reply of a pipelined batch: kept, or the refusal; a reply out of order
+        leaves the stream in doubt (raised)."""
+        if reply.get("id") != msg_id:
+            for fd in fds:
+                os.close(fd)
+            raise ControlError(errno.EPROTO, f"reply {reply.get('id')} to request {msg_id}")
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            return ControlError(int(reply.get("errno") or errno.EIO),
+                                str(reply.get("error", "refused")))
+        return reply, fds
 
     def pool_path(self, path: str) -> str:
         """A path inside the mount as the daemon names it (relative to the pool root)."""

@@ -149,18 +149,26 @@ class DirectWriter(FileWriter):
     def finish(self, op: str, size: int, sync: bool, **fields: Any
                ) -> tuple[list[int], dict[str, Any]]:
         """Send the commit-like request `op` for `size` bytes, fsyncing first if `sync`."""
+        sums, (op, message) = self.finish_request(op, size, sync, **fields)
+        try:
+            reply = self.client.call(op, **message)
+        except ControlError as e:
+            raise OSError(e.errno, f"{self.path}: {e.strerror}") from None
+        self.done = True
+        return sums, reply
+
+    def finish_request(self, op: str, size: int, sync: bool, **fields: Any
+                       ) -> tuple[list[int], tuple[str, dict[str, Any]]]:
+        """The checksums and the commit-like request `finish` sends (after the fsync, if
+        `sync`, and with the descriptors closed), for a caller sending many at once
+        (`ControlClient.call_many`), which sets `done` once the daemon took it."""
         sums = self.sums(size)
         packed = pack_sums(sums)
         if sync:
             sync_all(list(self.fds.values()))
         self._close_fds()
-        try:
-            reply = self.client.call(op, ino=self.ino, size=size, sum_unit=self.sum_unit,
-                                     sums=base64.b64encode(packed).decode(), **fields)
-        except ControlError as e:
-            raise OSError(e.errno, f"{self.path}: {e.strerror}") from None
-        self.done = True
-        return sums, reply
+        return sums, (op, {"ino": self.ino, "size": size, "sum_unit": self.sum_unit,
+                           "sums": base64.b64encode(packed).decode(), **fields})
 
     def abort(self) -> None:
         self._close_fds()
