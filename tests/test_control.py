@@ -40,6 +40,27 @@ def test_hello_stat_and_layout(mounted: Mounted) -> None:
     assert e.value.errno == errno.EBADF
 
 
+def test_pipelined_requests_are_answered_in_order_each_refused_alone(mounted: Mounted) -> None:
+    (mounted.path / "f").write_bytes(b"x" * 1000)
+    with ControlClient(str(mounted.path)) as c:
+        pool = c.pool_path(str(mounted.path))
+        reqs = [("layout", {"path": f"{pool}f".replace("//", "/")}),
+                ("layout", {"path": "/missing"}), ("stat", {})] * 12  # past the window
+        out = c.call_many(reqs, window=4)
+        assert len(out) == len(reqs)
+        for k, got in enumerate(out):
+            if k % 3 == 1:
+                assert isinstance(got, ControlError) and got.errno == errno.ENOENT
+            else:
+                assert not isinstance(got, ControlError) and got[1] == []
+                if k % 3 == 0:
+                    assert got[0]["size"] == 1000
+                else:
+                    assert len(got[0]["members"]) == 4
+        assert c.connections == 1 and not c.broken
+        assert c.layout(str(mounted.path / "f"))["size"] == 1000  # the stream is in step
+
+
 @pytest.mark.parametrize("bad", [
     b"JUNK" + b"\0" * 8,                                         # bad magic
     HEADER.pack(b"MXFS", VERSION + 7, 0, 2) + b"{}",             # unknown version
