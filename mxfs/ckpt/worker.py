@@ -108,6 +108,7 @@ def main(conn: Connection) -> None:
             attached = {name: (shm := shared_memory.SharedMemory(name=name))}
             # The parent owns (and unlinks) it; do not let this process's tracker do so.
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        assert shm.buf is not None  # None only once closed
         base = memoryview(shm.buf)
         skip = (-address_of(base)) % 4096
         image = base[skip:skip + -(-job.plan.size // 4096) * 4096]
