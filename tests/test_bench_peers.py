@@ -19,9 +19,9 @@ from conftest import REQUIRE_ENGINES, needs_fuse
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
-CKPT_ARMS = {"copy", "raw", "mxfs", "mxfs_dcp", "mxfs_dcp_async", "torch_save_mount",
-             "torch_save", "safetensors", "dcp_t1", "dcp_t2", "dcp_t4", "dcp_async_thread",
-             "dcp_async_process"}
+CKPT_ARMS = {"copy", "raw", "mxfs", "mxfs_overlap", "mxfs_after_staging", "mxfs_dcp",
+             "mxfs_dcp_async", "torch_save_mount", "torch_save", "safetensors", "dcp_t1",
+             "dcp_t2", "dcp_t4", "dcp_async_thread", "dcp_async_process"}
 KV_COLUMNS = {"raw_write", "raw_read", "kv_put", "kv_get", "kv_batch_put", "kv_batch_get",
               "kv_get_4proc", "files_put", "files_get"}
 

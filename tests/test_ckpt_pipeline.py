@@ -53,14 +53,14 @@ def held(t: torch.Tensor, cond: Callable[[], bool]) -> Held:
 
 
 def saver_for(kind: str) -> ck.Checkpointer:
-    return ck.Checkpointer(writer=kind)
+    return ck.Checkpointer(writer=kind, overlap=True)
 
 
 @pytest.fixture(params=["thread", "process"])
 def saver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
           ) -> Any:
     monkeypatch.setattr(writing, "WRITE_STEP", MiB)  # ranges of 1 MiB: many in 16 MiB
-    s = ck.Checkpointer(writer=request.param)
+    s = ck.Checkpointer(writer=request.param, overlap=True)  # the default, off on 2 CPUs
     yield s
     s.close()
     s.staging.release()
@@ -175,6 +175,28 @@ def test_cuda_tensors_are_written_as_their_copies_land(kind: str, tmp_path: Path
             v.add_(1)  # training goes on once staged
         snap.wait()
         assert_same(want, ck.load(str(tmp_path / "g")))
+    finally:
+        saver.close()
+        saver.staging.release()
+
+
+def test_overlap_false_writes_only_once_everything_is_staged(mounted: Mounted,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    monkeypatch.setattr(writing, "WRITE_STEP", MiB)
+    saver = ck.Checkpointer(overlap=False)
+    try:
+        plain = four(6)
+        at_d: list[int] = []
+
+        def note() -> bool:  # when d's copy starts, after a moment for the writer to act
+            time.sleep(0.2)
+            at_d.append(saver._last.written)  # type: ignore[union-attr]
+            return True
+
+        saver.save({**plain, "d": held(plain["d"], note)}, str(mounted.path / "o")).wait()
+        assert at_d == [0]
+        assert_same(plain, ck.load(str(mounted.path / "o")))
     finally:
         saver.close()
         saver.staging.release()

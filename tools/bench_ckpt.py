@@ -8,8 +8,11 @@ same state, in one run:
            must cost at least
   raw      the same bytes written with O_DIRECT to one file per member, in parallel,
            then fsync (the members' ceiling)
-  mxfs     mxfs.ckpt.save (blocked until staged, durable at wait()); DCP save and
-           async_save with mxfs.ckpt.dcp.Writer; torch.save + fsync into the mount
+  mxfs     mxfs.ckpt.save (blocked until staged, durable at wait()) as it is by
+           default, and with overlap=True (each range written as staging passes it) and
+           overlap=False (written once all is staged): what the overlap gains and costs
+           on this host; DCP save and async_save with mxfs.ckpt.dcp.Writer; torch.save
+           + fsync into the mount
   peers    (tools/peers_ckpt.py) into the plain folder: torch.save, safetensors
            save_file, DCP FileSystemWriter with thread_count 1, 2 and 4, DCP async_save
            thread- and process-based
@@ -106,20 +109,27 @@ def main() -> int:
     return report(args, rounds, checks, size, labels)
 
 
-def mxfs_arms(saver: ck.Checkpointer) -> list[Arm]:
-    def save(state: Any, path: str) -> tuple[float, float]:
-        start = time.perf_counter()
-        snap = saver.save(state, path)
-        snap.staged()
-        blocked = time.perf_counter() - start
-        snap.wait()
-        return blocked, time.perf_counter() - start
+def mxfs_arms(saver: ck.Checkpointer, overlap: ck.Checkpointer, serial: ck.Checkpointer
+              ) -> list[Arm]:
+    def saving(s: ck.Checkpointer) -> Callable[[Any, str], tuple[float, float]]:
+        def save(state: Any, path: str) -> tuple[float, float]:
+            start = time.perf_counter()
+            snap = s.save(state, path)
+            snap.staged()
+            blocked = time.perf_counter() - start
+            snap.wait()
+            return blocked, time.perf_counter() - start
+        return save
 
     def check(state: Any, path: str) -> str | None:
         return peers.difference(state, ck.load(path))
 
     return [
-        Arm(MXFS, "mxfs.ckpt.save", "mount", save, check),
+        Arm(MXFS, "mxfs.ckpt.save", "mount", saving(saver), check),
+        Arm("mxfs_overlap", "mxfs.ckpt.save, overlap=True (written as staged)", "mount",
+            saving(overlap), check),
+        Arm("mxfs_after_staging", "mxfs.ckpt.save, overlap=False (written once all staged)",
+            "mount", saving(serial), check),
         Arm("mxfs_dcp", "DCP save, mxfs.ckpt.dcp.Writer", "mount",
             peers.dcp_save(Writer), peers.dcp_check(Reader)),
         Arm("mxfs_dcp_async", "DCP async_save (thread), mxfs.ckpt.dcp.Writer", "mount",
@@ -154,7 +164,7 @@ def run(args: argparse.Namespace, pool: ScratchPool
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     rounds: list[dict[str, dict[str, float]]] = []
     checks: dict[str, str | None] = {}
-    saver = ck.Checkpointer()
+    savers = [ck.Checkpointer(), ck.Checkpointer(overlap=True), ck.Checkpointer(overlap=False)]
     try:
         state = training_state(parse_size(args.size))
         size = nbytes_of(state)
@@ -172,10 +182,11 @@ def run(args: argparse.Namespace, pool: ScratchPool
                 off += n
 
         threads = tuple(int(n) for n in args.dcp_threads.split(",") if n)
-        arms = mxfs_arms(saver) + peers.peers(threads, args.async_threads)
+        arms = mxfs_arms(*savers) + peers.peers(threads, args.async_threads)
         labels = {a.key: (a.label, a.where) for a in arms}
-        saver.save(state, os.path.join(mnt, "warmup")).wait()  # staging allocated once
-        ck.remove(os.path.join(mnt, "warmup"))
+        for s in savers:
+            s.save(state, os.path.join(mnt, "warmup")).wait()  # staging allocated once
+            ck.remove(os.path.join(mnt, "warmup"))
         for arm in arms:
             if arm.setup:
                 arm.setup(plain if arm.where == "plain" else mnt)
@@ -206,7 +217,8 @@ def run(args: argparse.Namespace, pool: ScratchPool
                     remove(os.path.join(d, n))
     finally:
         peers.stop_process_checkpointer()
-        saver.close()
+        for s in savers:
+            s.close()
         dist.destroy_process_group()
         direct._clients.clear()
     return rounds, checks, size, labels

@@ -4,7 +4,8 @@
 is laid out as the data file itself) and returns a `Snapshot` at once; a
 background thread, started before the copy, writes the buffer to the pool's
 members (direct writes, O_DIRECT, every member at once) range by range as
-staging passes each (a `Watermark`), so the write runs beside the copy; then
+staging passes each (a `Watermark`), so the write runs beside the copy (where
+the host has room for both: `Checkpointer(overlap=...)`); then
 it commits the file with its checksums, writes the manifest, renames the
 hidden folder into place, moves `latest` and applies retention.  Any failure
 is logged, comes out of `Snapshot.wait()`, and leaves the previous checkpoint
@@ -90,15 +91,24 @@ class Checkpointer:
     """Saves state dicts, reusing one staging buffer (and its plan) across saves."""
 
     def __init__(self, compress: str | None = None, keep_last: int | None = None,
-                 level: int = 3, writer: str = "thread") -> None:
+                 level: int = 3, writer: str = "thread", overlap: bool | None = None
+                 ) -> None:
         """`writer="process"` writes from a worker process (staging in shared memory),
-        so compressing and checksumming never hold the trainer's GIL."""
+        so compressing and checksumming never hold the trainer's GIL.
+
+        `overlap=True` writes each range as soon as staging has passed it, so the
+        write runs beside the copy; `False` writes once everything is staged.  The
+        default, None, overlaps where the copy has the host to spare for it: when the
+        state holds CUDA tensors (the copy engine copies) or this process may run on
+        more than 2 CPUs.  On 2 CPUs the writer's I/O slows the copy training waits
+        for (blocked time 1.06-1.30x, docs/benchmarks.md), so it writes after."""
         _check_compress(compress)
         if writer not in ("thread", "process"):
             raise CheckpointError(f"writer {writer!r} is not known", "use 'thread' or 'process'")
         self.compress = compress
         self.keep_last = keep_last
         self.level = level
+        self.overlap = overlap
         self.staging = Staging(shared=writer == "process")
         self.packed = Staging()  # compressed images, when compressing
         self.worker = WriterProcess() if writer == "process" else None
@@ -131,9 +141,10 @@ class Checkpointer:
             job = Job(path, partial, p, tree, compress, keep, meta,  # type: ignore[arg-type]
                       self.level, writing.WRITE_STEP)
             prev, self._last = self._last, snap
-            # The writer starts first: it writes each range as soon as staging passes it.
-            threading.Thread(target=self._run, args=(snap, job), name="mxfs-ckpt-writer",
-                             daemon=True).start()
+            # The writer starts first: it writes each range as soon as staging passes it
+            # (or, not overlapping, once all of it has).
+            threading.Thread(target=self._run, args=(snap, job, self._overlaps(named)),
+                             name="mxfs-ckpt-writer", daemon=True).start()
             try:
                 snap._events = stage(p, named, buf, snap.watermark)
             except BaseException as e:
@@ -146,13 +157,20 @@ class Checkpointer:
             snap._staged.set()
             return snap
 
-    def _run(self, snap: Snapshot, job: Job) -> None:
+    def _overlaps(self, named: list[tuple[str, Any]]) -> bool:
+        if self.overlap is not None:
+            return self.overlap
+        return any(t.device.type == "cuda" for _, t in named) or _cpus() > 2
+
+    def _run(self, snap: Snapshot, job: Job, overlap: bool) -> None:
         """The background half of a save, here or in the worker process."""
 
         def progress(state: str, done: int, total: int) -> None:
             snap.state, snap.written, snap.total = state, done, total
 
         try:
+            if not overlap:
+                snap.watermark.wait_until(job.plan.size)
             if self.worker is not None:
                 self.worker.run(job, self.staging, progress, snap.watermark.wait_until)
             else:
@@ -193,6 +211,13 @@ class Checkpointer:
         """Wait for the last save (e.g. before exiting)."""
         if self._last is not None:
             self._last.wait()
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _check_compress(compress: str | None) -> None:
