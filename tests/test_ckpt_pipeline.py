@@ -83,11 +83,11 @@ def test_ranges_are_written_while_later_tensors_are_still_being_staged(
         last.append((snap.watermark.queued, snap.written))
         return True
 
-    state = {**plain, "d": held(plain["d"], written)}  # d comes last in the image
-    snap = saver.save(state, str(mounted.path / "s"))
+    d = held(plain["d"], written)  # d comes last in the image
+    snap = saver.save({**plain, "d": d}, str(mounted.path / "s"))
     snap.staged()
     snap.wait()
-    assert state["d"].seen == [True], "the writer wrote nothing while staging was held"
+    assert d.seen == [True], "the writer wrote nothing while staging was held"
     queued, done = last[-1]
     d_start = snap.total - 4 * MiB
     assert 0 < done <= queued <= d_start  # ranges before d's slot written, d not yet staged

@@ -184,8 +184,8 @@ def run(args: argparse.Namespace, pool: ScratchPool
         threads = tuple(int(n) for n in args.dcp_threads.split(",") if n)
         arms = mxfs_arms(*savers) + peers.peers(threads, args.async_threads)
         labels = {a.key: (a.label, a.where) for a in arms}
-        for s in savers:
-            s.save(state, os.path.join(mnt, "warmup")).wait()  # staging allocated once
+        for one in savers:
+            one.save(state, os.path.join(mnt, "warmup")).wait()  # staging allocated once
             ck.remove(os.path.join(mnt, "warmup"))
         for arm in arms:
             if arm.setup:
@@ -217,8 +217,8 @@ def run(args: argparse.Namespace, pool: ScratchPool
                     remove(os.path.join(d, n))
     finally:
         peers.stop_process_checkpointer()
-        for s in savers:
-            s.close()
+        for one in savers:
+            one.close()
         dist.destroy_process_group()
         direct._clients.clear()
     return rounds, checks, size, labels
