@@ -80,6 +80,7 @@ def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
             start_new_session=True)
     os.close(w)
     answer = b""
+    closed = False  # the daemon's end of the pipe went: it is exiting (or said its word)
     deadline = time.monotonic() + READY_TIMEOUT
     with os.fdopen(r, "rb", buffering=0) as pipe:
         while time.monotonic() < deadline:
@@ -87,21 +88,28 @@ def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
             if ready:
                 chunk = pipe.read(4096)
                 if not chunk:
+                    closed = True
                     break
                 answer += chunk
             elif proc.poll() is not None:
+                closed = True
                 break
     text = answer.decode(errors="replace").strip()
     if text == "ok" or text.startswith("ok\t"):
         return proc.pid, text.split("\t")[1:]
-    if proc.poll() is None and not text:
+    if not closed and not text:  # silent, and still running, for READY_TIMEOUT
         proc.kill()
         raise MxfsError(f"the daemon did not report within {READY_TIMEOUT:.0f} s",
                         f"see {log_path}")
     if text.startswith("error\t"):
         _, problem, fix = (text.split("\t") + [""])[:3]
         raise MxfsError(problem, fix or None)
-    proc.wait(timeout=10)
+    try:  # a pipe closed at exit can be seen before the exit itself
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise MxfsError("the daemon closed its report pipe without a word and did not exit",
+                        f"see {log_path}") from None
     said = last_line(log_path, logged)
     raise MxfsError(f"the daemon exited with code {proc.returncode}"
                     + (f" ({said})" if said else ""), f"see {log_path}")
