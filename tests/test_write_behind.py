@@ -1,7 +1,8 @@
 """Writes through the mount answered before they land (mxfs/fs/write_behind.py).
 
 The queue itself, on trio with real worker threads: writes of one inode land in the
-order they came, at most DEPTH are held, drain waits for every one, a failure is
+order they came, at most DEPTH are held (and at most BUDGET in the whole daemon),
+drain waits for every one, a failure is
 raised once by the next write or report, and a bug in a write is EIO, not the end of
 the daemon.  Then through a real mount: what a write answered is what every reader
 sees at once (a second descriptor with O_DIRECT, the direct path), and a write that
@@ -74,6 +75,33 @@ def test_depth_bounds_the_writes_held() -> None:
         await trio.sleep(0)
         assert started == [True]
         await q.drain()
+
+    run_queue(body)
+
+
+def test_the_daemons_budget_bounds_what_all_queues_hold() -> None:
+    gate = threading.Event()
+    started = []
+
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: trio.CapacityLimiter) -> None:
+        budget = trio.Semaphore(2)
+        files = [WriteBehind(depth=3, budget=budget) for _ in range(3)]
+        await files[0].submit(nursery, gate.wait, lim)
+        await files[1].submit(nursery, gate.wait, lim)
+
+        async def third() -> None:  # another file: its own queue is empty, the budget is not
+            await files[2].submit(nursery, lambda: None, lim)
+            started.append(True)
+
+        nursery.start_soon(third)
+        await trio.sleep(0.05)
+        assert started == [] and files[2].pending == 0
+        gate.set()
+        for f in files[:2]:
+            await f.drain()
+        await trio.sleep(0.05)
+        assert started == [True]
+        await files[2].drain()
 
     run_queue(body)
 

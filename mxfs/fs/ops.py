@@ -21,7 +21,7 @@ import trio
 from mxfs.fs.access import owner_for
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.volume import OpenInode, Volume
-from mxfs.fs.write_behind import DEPTH, WriteBehind
+from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
 from mxfs.pool.pool import MAX_STRIPE_UNIT, pool_totals
@@ -126,6 +126,7 @@ class MxfsOperations(pyfuse3.Operations):
         # without it, or with the writeback cache, each write lands before its answer).
         self.nursery: trio.Nursery | None = None
         self.write_behind = write_behind  # writes queued per inode; 0: none
+        self.behind_budget = trio.Semaphore(BUDGET)  # ... and in the whole daemon
         self.behind: dict[int, WriteBehind] = {}
 
     async def entry_changed(self, parent: int, name: bytes) -> None:
@@ -361,7 +362,8 @@ class MxfsOperations(pyfuse3.Operations):
             chunks.admit(off, len(buf))  # a member out of service or no room: said now
             behind = self.behind.get(node.ino)
             if behind is None:
-                behind = self.behind[node.ino] = WriteBehind(self.write_behind)
+                behind = self.behind[node.ino] = WriteBehind(self.write_behind,
+                                                             self.behind_budget)
             await behind.submit(self.nursery, lambda: chunks.write(off, memoryview(buf)),
                                 self.limiter)
         else:

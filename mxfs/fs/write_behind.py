@@ -26,13 +26,18 @@ import trio
 log = logging.getLogger("mxfs.fs")
 
 DEPTH = 4  # queued writes per inode: 4 MiB of 1 MiB requests held at most
+# Queued writes in the whole daemon, whatever the number of files written at once (a
+# user opening thousands must not fill the daemon's memory): 64 MiB at most.
+BUDGET = 64
 
 
 class WriteBehind:
     """The queue of one open inode's writes not yet on its members."""
 
-    def __init__(self, depth: int = DEPTH) -> None:
+    def __init__(self, depth: int = DEPTH, budget: trio.Semaphore | None = None) -> None:
+        """`budget`: shared by every queue of the daemon, bounding what all hold."""
         self._slots = trio.Semaphore(depth)
+        self._budget = budget
         self._last: trio.Event | None = None  # set when the newest queued write has landed
         self._pending = 0
         self._idle = trio.Event()
@@ -49,6 +54,12 @@ class WriteBehind:
         waits only while DEPTH writes are queued.  Raises a failure of an earlier one."""
         self.raise_error()
         await self._slots.acquire()
+        if self._budget is not None:
+            try:
+                await self._budget.acquire()
+            except BaseException:  # cancelled while waiting: nothing was queued
+                self._slots.release()
+                raise
         before, done = self._last, trio.Event()
         self._last = done
         if self._pending == 0:
@@ -72,6 +83,8 @@ class WriteBehind:
             finally:
                 done.set()
                 self._slots.release()
+                if self._budget is not None:
+                    self._budget.release()
                 self._pending -= 1
                 if self._last is done:
                     self._last = None
