@@ -235,6 +235,26 @@ def test_xattrs_get_set_list_remove(mounted: Mounted) -> None:
     assert e.value.errno == errno.ENODATA
 
 
+def test_only_the_root_names_the_control_socket(mounted: Mounted) -> None:
+    """Clients find the daemon by this xattr, walking up from a path: a folder that
+    carried it would send them to a socket of its owner's choosing."""
+    from mxfs.client.control import find_socket, mount_root
+    d = mounted.path / "a" / "b"
+    d.mkdir(parents=True)
+    for p in (d, d.parent, d / "f"):
+        if p.name == "f":
+            p.write_text("x")
+        with pytest.raises(OSError) as e:
+            os.setxattr(p, "user.mxfs.control", b"/tmp/not-the-daemon.sock")
+        assert e.value.errno == errno.EPERM
+        with pytest.raises(OSError) as e:
+            os.getxattr(p, "user.mxfs.control")
+        assert e.value.errno == errno.ENODATA
+    assert mount_root(str(d / "f")) == str(mounted.path)
+    assert find_socket(str(mounted.path)) == os.getxattr(mounted.path, "user.mxfs.control"
+                                                         ).decode()
+
+
 def test_layout_xattr_and_setstripe(mounted: Mounted) -> None:
     d = mounted.path / "models"
     d.mkdir()

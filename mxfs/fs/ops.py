@@ -498,8 +498,10 @@ class MxfsOperations(pyfuse3.Operations):
         node = self.store.get(inode)
         if name == LAYOUT_XATTR:
             return self._layout_of(node)
-        if name == CONTROL_XATTR and inode == ROOT_INO and self.control_path:
-            return self.control_path.encode()
+        if name == CONTROL_XATTR:  # (a name no file can be given: setxattr refuses it)
+            if inode == ROOT_INO and self.control_path:
+                return self.control_path.encode()
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         value = self.store.getxattr(inode, name)
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
@@ -516,7 +518,7 @@ class MxfsOperations(pyfuse3.Operations):
         if name == LAYOUT_XATTR:
             self._set_layout(node, value, ctx)
             return
-        if name == CONTROL_XATTR and inode == ROOT_INO:
+        if name == CONTROL_XATTR:  # (on a folder it would send clients to a fake daemon)
             raise pyfuse3.FUSEError(errno.EPERM)
         if name.startswith(ACL_PREFIX):
             # No POSIX ACLs: refusing makes cp -a, tar and rsync fall back to chmod,
