@@ -54,6 +54,7 @@ def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def store(where: str) -> Iterator[MetaStore]:
     s = MetaStore.format(where, UUID, UNIT)
+    s.sole_writer(True)  # as a daemon is: the rules must hold with names cached
     yield s
     s.close()
 
@@ -464,6 +465,100 @@ def test_writes_without_an_answer_fail_their_change_by_its_end(store: MetaStore,
     other.close()
     assert errno_of(lambda: store.create(ROOT_INO, b"a", REG, 0, 0, layout_for=pick)) == \
         errno.EEXIST
+    assert_sound(store)
+
+
+def test_an_expect_write_that_finds_no_row_runs_its_change_again(store: MetaStore) -> None:
+    """`expect`: the change read the row, maybe from a cache; a row gone meanwhile is a
+    conflict, so the change is undone and run again on fresh reads."""
+    a = store.create(ROOT_INO, b"a", REG, 0, 0, layout_for=pick)
+    e = store.engine
+    tries = []
+
+    def change() -> None:
+        tries.append(1)
+        e.patch("inodes", {"ino": a.ino}, {"uid": len(tries)})
+        gone = {"ino": 10**9} if len(tries) == 1 else {"ino": a.ino}
+        e.patch("inodes", gone, {"gid": 3}, expect=True)
+        e.remove("xattrs", {"ino": a.ino, "name": b"x"})  # (no row: no expect, fine)
+
+    e.txn(change)
+    assert len(tries) == 2
+    assert e.get("inodes", {"ino": a.ino}, ("uid", "gid")) == (2, 3)
+    assert errno_of(lambda: e.txn(lambda: e.remove("orphans", {"ino": 10**9},
+                                                   expect=True))) == errno.EBUSY
+    assert_sound(store)
+
+
+def test_remove_many_removes_rows_by_key(store: MetaStore, where: str) -> None:
+    e = store.engine
+    store.group_changes(3600)
+    e.txn(lambda: [e.upsert("orphans", {"ino": i}) for i in range(10, 1300)])
+    e.txn(lambda: e.remove_many("orphans", "ino", [*range(10, 1200), 11, 10**12]))
+    e.txn(lambda: e.remove_many("orphans", "ino", []))
+    store.durable()
+    other = fresh(where)
+    assert sorted(other.orphans()) == list(range(1200, 1300))
+    assert other.orphans_among([5, 1200, 1299, 1300]) == [1200, 1299]
+    other.close()
+
+
+def test_names_another_writer_made_stale_are_read_again(store: MetaStore,
+                                                        where: str) -> None:
+    """A daemon caches names; another writer's change (of a daemon that ran out of its
+    lease, say) makes them stale.  An unlink,
+    rename or create that went by a stale name conflicts or fails in the rows and is
+    run again on fresh reads: it never drops the link of an inode the name no longer
+    names, and never fails where the rows say it should not."""
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    f = store.create(d.ino, b"f", REG, 0, 0, layout_for=pick)
+    other = MetaStore.open(where)
+    other.sole_writer(True)
+    try:
+        for name in (b"f", b"g", b"h", b"n"):
+            other.entry_ino(d.ino, name)  # cached: f -> its inode; g, h, n: none
+        store.rename(d.ino, b"f", d.ino, b"g")
+        h = store.create(d.ino, b"h", REG, 0, 0, layout_for=pick)
+        assert errno_of(lambda: other.unlink(d.ino, b"f")) == errno.ENOENT
+        assert errno_of(lambda: other.create(d.ino, b"h", REG, 0, 0, layout_for=pick)) \
+            == errno.EEXIST
+        n = other.create(d.ino, b"n", REG, 0, 0, layout_for=pick)
+        assert other.rename(d.ino, b"n", d.ino, b"h") == other.get(h.ino)  # replaced
+        assert other.unlink(d.ino, b"g").ino == f.ino
+        # a directory `other` made has every name cached, until `store` adds one
+        e = other.create(d.ino, b"e", DIR, 0, 0)
+        x = store.create(e.ino, b"x", REG, 0, 0, layout_for=pick)
+        assert errno_of(lambda: other.create(e.ino, b"x", REG, 0, 0, layout_for=pick)) \
+            == errno.EEXIST
+        assert other.unlink(e.ino, b"x").ino == x.ino
+        assert other.rmdir(d.ino, b"e").ino == e.ino
+    finally:
+        other.close()
+    again = fresh(where)
+    assert names(again, d.ino) == [b"h"] and again.lookup(d.ino, b"h").ino == n.ino
+    assert sorted(again.orphans()) == sorted([f.ino, h.ino, x.ino, e.ino])
+    assert_sound(again)
+    again.close()
+
+
+def test_a_groups_directory_times_are_written_once_as_it_commits(store: MetaStore,
+                                                                  where: str) -> None:
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    store.durable()
+    before = store.get(d.ino).mtime_ns
+    store.group_changes(3600)
+    for i in range(5):
+        store.create(d.ino, b"f%d" % i, REG, 0, 0, layout_for=pick)
+    store.unlink(d.ino, b"f0")
+    assert errno_of(lambda: store.create(d.ino, b"f1", REG, 0, 0, layout_for=pick)) == \
+        errno.EEXIST
+    held = store.get(d.ino)
+    assert held.mtime_ns > before and held.ctime_ns == held.mtime_ns
+    store.durable()
+    other = fresh(where)
+    assert (other.get(d.ino).mtime_ns, other.get(d.ino).ctime_ns) == (held.mtime_ns,
+                                                                      held.ctime_ns)
+    other.close()
     assert_sound(store)
 
 

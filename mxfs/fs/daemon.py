@@ -89,6 +89,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
         sock = socket_path(vol.pool.uuid)
         vol.lock(mp, sock)
+        vol.store.sole_writer(True)  # (the lease: no other writer changes the rows)
     except ValueError:
         err = MxfsError("io_threads, readahead (KiB), write_behind (writes queued per file), "
                         "meta_backup (s), metrics_port and the "
@@ -220,6 +221,7 @@ async def _keep_lease(control: ControlServer) -> None:
         log.error("the pool's lease was taken by %s: this mount refuses changes from now "
                   "on; unmount it", (lease.holder(vol.store) or vol.lease).describe())
         vol.store.engine.readonly = True
+        vol.store.sole_writer(False)  # (the new holder changes them)
         vol.lease = None
 
 

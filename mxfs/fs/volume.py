@@ -266,7 +266,7 @@ class Volume:
         if inos:
             try:
                 self.store.commit()
-                inos = [i for i in inos if self.store.is_orphan(i)]
+                inos = self.store.orphans_among(inos)
             except OSError:
                 self.pending_reclaim = inos + self.pending_reclaim  # tried again next round
                 raise
@@ -278,8 +278,7 @@ class Volume:
             self.pool.remove_chunks(ino)
 
     def drop_inodes(self, inos: list[int]) -> None:
-        for ino in inos:
-            self.store.drop_inode(ino)
+        self.store.drop_inodes(inos)
 
     def reclaim_pending(self) -> None:
         inos = self.take_pending()

@@ -65,6 +65,9 @@ class Engine(ABC):
         self._depth = 0  # > 0 while a change runs
         self._max_age: float | None = None  # grouping: end groups this old
         self.on_group_lost: Callable[[], None] = lambda: None
+        # Called by `commit` while a group is open, before it ends: the owner writes
+        # what it held in memory for the group (in changes of its own, part of it).
+        self.before_commit: Callable[[], None] = lambda: None
 
     # ---- rows --------------------------------------------------------------------
 
@@ -107,8 +110,11 @@ class Engine(ABC):
         """Set `values` on the rows matching `where`; how many matched."""
 
     @abstractmethod
-    def patch(self, table: str, where: Where, values: Mapping[str, object]) -> None:
-        """`update` without the count: no answer."""
+    def patch(self, table: str, where: Where, values: Mapping[str, object], *,
+              expect: bool = False) -> None:
+        """`update` without the count: no answer.  `expect`: a row matches (the change
+        read it so, maybe from a cache); if none does, the change is a `Conflict`, by
+        its end, and runs again."""
 
     @abstractmethod
     def update_many(self, table: str, where: Sequence[str], columns: Sequence[str],
@@ -120,8 +126,12 @@ class Engine(ABC):
         """Remove the rows matching `where`; how many went."""
 
     @abstractmethod
-    def remove(self, table: str, where: Where) -> None:
-        """`delete` without the count: no answer."""
+    def remove(self, table: str, where: Where, *, expect: bool = False) -> None:
+        """`delete` without the count: no answer.  `expect` as for `patch`."""
+
+    @abstractmethod
+    def remove_many(self, table: str, column: str, keys: Iterable[object]) -> None:
+        """Remove every row whose `column` is one of `keys`, in few statements."""
 
     @abstractmethod
     def next_id(self, sequence: str) -> int:
@@ -243,6 +253,12 @@ class Engine(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+def expected(rowcount: int, table: str) -> None:
+    """After an `expect` write: none matched, so what the change read is stale."""
+    if rowcount == 0:
+        raise Conflict(f"a row of {table} the change read is gone or changed")
 
 
 def _pause(attempt: int) -> None:

@@ -41,7 +41,7 @@ from psycopg import errors as pgerr
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from mxfs.meta import sql
-from mxfs.meta.engine import Conflict, Engine, Row, Unusable, Where, fail
+from mxfs.meta.engine import Conflict, Engine, Row, Unusable, Where, expected, fail
 from mxfs.meta.schema import SCHEMA_VERSION, SEQUENCES, TABLES
 
 log = logging.getLogger("mxfs.meta")
@@ -196,6 +196,9 @@ class PgEngine(Engine):
         self._away = ""  # why it is away, for each refused request
         self._full_said = -FULL_QUIET_S  # when "full" was last logged
         self._queued = 0  # statements sent and not yet waited for
+        # The change's `expect` writes: a cursor of each, with its table, checked by
+        # `_settle` once their answers are in.
+        self._expects: list[tuple[psycopg.Cursor[Any], str]] = []
         self.conn = self._connect()
 
     def _connect(self) -> Conn:
@@ -336,15 +339,22 @@ class PgEngine(Engine):
             _drain(conn)
             raise self._error(e, conn) from None
 
-    def _send(self, text: str, params: Sequence[object] = ()) -> None:
+    def _send(self, text: str, params: Sequence[object] = (),
+              expect: str | None = None) -> None:
         """Send a statement without waiting for it (inside a change; outside one it is
-        waited for at once).  Its error comes with a later statement's, or `_settle`'s."""
+        waited for at once).  Its error comes with a later statement's, or `_settle`'s.
+        `expect`: its table; a row must match, checked by `_settle`."""
         if not self._depth:
-            self._exec(text, params)
+            cur = self._exec(text, params)
+            if expect is not None:
+                expected(cur.rowcount, expect)
             return
         conn = self._live()
         try:
-            _cur(conn).execute(text, params)
+            if expect is None:
+                _cur(conn).execute(text, params)
+            else:
+                self._expects.append((conn.cursor().execute(text, params), expect))
         except psycopg.Error as e:  # (an earlier statement's error, maybe)
             self._queued = 0
             _drain(conn)
@@ -439,10 +449,11 @@ class PgEngine(Engine):
         self._writable()
         self._send(self._sql[("upsert", table, tuple(row))], tuple(row.values()))
 
-    def patch(self, table: str, where: Where, values: Mapping[str, object]) -> None:
+    def patch(self, table: str, where: Where, values: Mapping[str, object], *,
+              expect: bool = False) -> None:
         self._writable()
         self._send(self._sql[("update", table, tuple(where), tuple(values))],
-                   (*values.values(), *where.values()))
+                   (*values.values(), *where.values()), table if expect else None)
 
     def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
         self._writable()
@@ -468,9 +479,17 @@ class PgEngine(Engine):
         return self._exec(self._sql[("delete", table, tuple(where))],
                           tuple(where.values())).rowcount
 
-    def remove(self, table: str, where: Where) -> None:
+    def remove(self, table: str, where: Where, *, expect: bool = False) -> None:
         self._writable()
-        self._send(self._sql[("delete", table, tuple(where))], tuple(where.values()))
+        self._send(self._sql[("delete", table, tuple(where))], tuple(where.values()),
+                   table if expect else None)
+
+    def remove_many(self, table: str, column: str, keys: Iterable[object]) -> None:
+        self._writable()
+        keys = list(dict.fromkeys(keys))
+        text = self._sql[("delete_many", table, column, 0)]
+        for i in range(0, len(keys), MANY):
+            self._send(text, (keys[i:i + MANY],))
 
     def next_id(self, sequence: str) -> int:
         """From a block of BLOCK numbers drawn with one nextval: sequences are outside
@@ -511,6 +530,7 @@ class PgEngine(Engine):
             self._group_open = True
             self._group_started = time.monotonic()
         conn = self._live()
+        self._expects.clear()
         try:  # sent with the change's first statement that waits
             _cur(conn).execute("SAVEPOINT change")
         except psycopg.Error as e:
@@ -519,6 +539,14 @@ class PgEngine(Engine):
         self._queued += 1
 
     def _settle(self) -> None:
+        """Wait for the change's statements; RELEASE goes with them, or, when `expect`
+        writes are to be checked first (a conflict must still roll the savepoint back),
+        right after, with whatever waits next."""
+        expects, self._expects = self._expects, []
+        if expects:
+            self._wait()
+            for cur, table in expects:
+                expected(cur.rowcount, table)
         conn = self._live()
         try:
             _cur(conn).execute("RELEASE SAVEPOINT change")
@@ -527,7 +555,8 @@ class PgEngine(Engine):
             _drain(conn)
             raise self._error(e, conn) from None
         self._queued += 1
-        self._wait()
+        if not expects:
+            self._wait()
 
     def _end(self) -> None:
         if not self.grouped:
@@ -538,6 +567,7 @@ class PgEngine(Engine):
             return
         conn = self.conn
         self._queued = 0
+        self._expects.clear()
         if not _gone(conn):
             assert conn is not None
             _drain(conn)  # (answers still due: the error's, and what it made skip)
@@ -580,6 +610,7 @@ class PgEngine(Engine):
             if self._redial is not None:
                 self._live()
             return
+        self.before_commit()
         conn = self._live()
         try:
             self._wait()  # (nothing is due between changes; a backstop)

@@ -75,13 +75,23 @@ def select(d: Dialect, name: str, columns: Sequence[str], where: Sequence[str],
     return sql
 
 
+def _one_of(d: Dialect, column: str, n: int) -> str:
+    """`column` is one of `n` keys: `= ANY(array)` (one parameter) where the dialect has
+    arrays, else `IN (...)` with `n` placeholders."""
+    keys = f"= ANY({d.mark})" if d.arrays else f"IN ({', '.join(d.mark for _ in range(n))})"
+    return f" WHERE {column} {keys}"
+
+
 def select_in(d: Dialect, name: str, columns: Sequence[str], column: str, n: int) -> str:
-    """Rows whose `column` is one of `n` keys: `= ANY(array)` (one parameter) where the
-    dialect has arrays, else `IN (...)` with `n` placeholders."""
     t = table(name)
     _check(t, [*columns, column])
-    keys = f"= ANY({d.mark})" if d.arrays else f"IN ({', '.join(d.mark for _ in range(n))})"
-    return f"SELECT {', '.join(columns)} FROM {t.name} WHERE {column} {keys}"
+    return f"SELECT {', '.join(columns)} FROM {t.name}{_one_of(d, column, n)}"
+
+
+def delete_in(d: Dialect, name: str, column: str, n: int) -> str:
+    t = table(name)
+    _check(t, [column])
+    return f"DELETE FROM {t.name}{_one_of(d, column, n)}"
 
 
 def count(d: Dialect, name: str, where: Sequence[str]) -> str:
@@ -149,6 +159,8 @@ def statement(d: Dialect, key: tuple) -> str:
         return update(d, name, rest[0], rest[1])
     if op == "delete":
         return delete(d, name, rest[0])
+    if op == "delete_many":
+        return delete_in(d, name, rest[0], rest[1])
     raise ValueError(f"no statement {op!r}")
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from mxfs.meta import sql
-from mxfs.meta.engine import Conflict, Engine, Row, Unusable, Where, fail
+from mxfs.meta.engine import Conflict, Engine, Row, Unusable, Where, expected, fail
 from mxfs.meta.schema import SCHEMA_VERSION, SEQUENCES, TABLES
 from mxfs.meta.sqlite_space import Reserve
 
@@ -259,9 +259,12 @@ class SqliteEngine(Engine):
     def upsert(self, table: str, row: Mapping[str, object]) -> None:
         self._write(("upsert", table, tuple(row)), tuple(row.values()))
 
-    def patch(self, table: str, where: Where, values: Mapping[str, object]) -> None:
-        self._write(("update", table, tuple(where), tuple(values)),
-                    (*values.values(), *where.values()))
+    def patch(self, table: str, where: Where, values: Mapping[str, object], *,
+              expect: bool = False) -> None:
+        cur = self._write(("update", table, tuple(where), tuple(values)),
+                          (*values.values(), *where.values()))
+        if expect:
+            expected(cur.rowcount, table)
 
     def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
         return self._write(("update", table, tuple(where), tuple(values)),
@@ -279,8 +282,16 @@ class SqliteEngine(Engine):
     def delete(self, table: str, where: Where) -> int:
         return self._write(("delete", table, tuple(where)), tuple(where.values())).rowcount
 
-    def remove(self, table: str, where: Where) -> None:
-        self._write(("delete", table, tuple(where)), tuple(where.values()))
+    def remove(self, table: str, where: Where, *, expect: bool = False) -> None:
+        cur = self._write(("delete", table, tuple(where)), tuple(where.values()))
+        if expect:
+            expected(cur.rowcount, table)
+
+    def remove_many(self, table: str, column: str, keys: Iterable[object]) -> None:
+        keys = list(dict.fromkeys(keys))
+        for i in range(0, len(keys), _MANY):
+            part = _padded(keys[i:i + _MANY])
+            self._write(("delete_many", table, column, len(part)), part)
 
     def next_id(self, sequence: str) -> int:
         """Counted in memory while the group holds SQLite's write lock (nobody else can
@@ -373,6 +384,7 @@ class SqliteEngine(Engine):
         the caller gets ENOSPC: the daemon goes on and commits once space returns."""
         if not self._group_open:
             return
+        self.before_commit()
         if self.reserve.short():
             self.reserve.release()  # before SQLite fails (it may drop the whole group)
         for attempt in (1, 2):

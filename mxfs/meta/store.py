@@ -12,9 +12,22 @@ that writes change are held there and written back on flush, fsync and release
 only.  What a change did to memory is journaled and put back if the change fails,
 and the journals of a group's changes are kept until it commits: a group the engine
 loses (a conflict, a full or lost server) puts memory back to the last commit, so
-cached inodes, open files' among them, never run ahead of the rows.  Inodes whose
-chunk files may run past the recorded size are listed in `dirty_data`, so a mount
-after a crash can trim them.
+cached inodes, open files' among them, never run ahead of the rows.
+
+A daemon, the pool's one writer while it holds the lease (`sole_writer`), caches
+names too, (directory, name) to inode or to "no such entry", and which files are
+sealed, so the kernel's lookup before an unlink, a rename or a create spares the
+change its reads (one round trip each to a server).  A directory made while names
+are cached has every name cached ("complete"): a name it lacks there is known absent
+without a read.  The rows check what the cache says: a change removes or moves an
+entry only where it still names the inode it was read to name (`expect`), and a taken
+name fails its insert, so a cached read another writer made stale conflicts, and the
+change runs again on fresh reads; a change that fails after a cached read is run once
+more without the cache, so a failure is never the cache's alone.  A directory's times
+are written once per group of changes, as it commits (`_touch_dir`).
+
+Inodes whose chunk files may run past the recorded size are listed in `dirty_data`,
+so a mount after a crash can trim them.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ log = logging.getLogger("mxfs.meta")
 
 T = TypeVar("T")
 _CACHE_LIMIT = 200_000
+_NAMES_LIMIT = 200_000  # cached names, at most (past it the cache starts again)
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
 
 
@@ -48,7 +62,17 @@ class MetaStore:
         self._cache: dict[int, Inode] = {}
         self._journal: list[tuple[Inode, str, object]] = []
         self._group_journal: list[tuple[Inode, str, object]] = []  # of the open group
+        # (directory, name) -> its inode, or None: no such entry
+        self._names: dict[tuple[int, bytes], int | None] = {}
+        self._complete: set[int] = set()  # directories whose every name is in _names
+        self._names_read: list[tuple[int, bytes]] = []  # by the change running: dropped
+        self._names_hit = False  # the change running took a name from the cache
+        self._names_on = False  # (`sole_writer`)
+        self._sealed: dict[int, bool] = {}  # inode: sealed or not (while names are)
+        self._seals_made: list[int] = []  # by the change running (dropped if it fails)
         engine.on_group_lost = self._group_lost
+        engine.before_commit = self._write_dir_times
+        self._dir_times: dict[int, Inode] = {}  # directories whose times wait for commit
         # Groups of changes lost so far: an fsync that has not heard of a loss since
         # its handle last synced must fail, as the loss may have held its changes.
         self.groups_lost = 0
@@ -105,13 +129,24 @@ class MetaStore:
         if self.engine.in_change:
             return fn()
         self._journal.clear()
+        self._names_read.clear()
+        self._seals_made.clear()
+        self._names_hit = False
         try:
-            result = self.engine.txn(fn, undo=self._undo_memory)
+            try:
+                result = self.engine.txn(fn, undo=self._undo_memory)
+            except OSError:
+                if not self._names_hit:
+                    raise
+                self._names_hit = False  # its cached names are dropped: fresh reads now
+                result = self.engine.txn(fn, undo=self._undo_memory)
             self._group_journal += self._journal
             self._settled()
             return result
         finally:
             self._journal.clear()
+            self._names_read.clear()
+            self._seals_made.clear()
 
     def _settled(self) -> None:
         """After a commit may have happened: a committed group's journal is spent."""
@@ -120,6 +155,13 @@ class MetaStore:
 
     def _undo_memory(self) -> None:
         self._put_back(self._journal)
+        for key in self._names_read:  # (read or written by the change: maybe stale)
+            self._names.pop(key, None)
+            self._complete.discard(key[0])
+        self._names_read.clear()
+        for ino in self._seals_made:
+            self._sealed.pop(ino, None)
+        self._seals_made.clear()
 
     def _put_back(self, journal: list[tuple[Inode, str, object]]) -> None:
         for node, name, old in reversed(journal):
@@ -136,6 +178,8 @@ class MetaStore:
         self._put_back(self._journal)
         self._put_back(self._group_journal)
         self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+        self._forget_names()
+        self._dir_times.clear()
         self.groups_lost += 1
 
     def group_changes(self, max_age: float) -> None:
@@ -303,9 +347,40 @@ class MetaStore:
             raise fail(errno.ENOENT)
         return row[0]
 
+    def sole_writer(self, on: bool) -> None:
+        """No other writer changes the rows from now on (a daemon holding the pool's
+        lease), so names and seals are cached; or that no longer holds."""
+        self._names_on = on
+        self._forget_names()
+
+    def _forget_names(self) -> None:
+        self._names.clear()
+        self._complete.clear()
+        self._sealed.clear()
+
     def entry_ino(self, parent: int, name: bytes) -> int | None:
+        """The inode `name` in `parent` names (None: no such entry), from the cache when
+        it has the name."""
+        key = (parent, name)
+        if key in self._names or parent in self._complete:
+            if self.engine.in_change:
+                self._names_read.append(key)
+                self._names_hit = True
+            return self._names.get(key)
         row = self.engine.get("dentries", {"parent": parent, "name": name}, ("ino",))
-        return row[0] if row else None
+        ino = row[0] if row else None
+        self._name(key, ino)
+        return ino
+
+    def _name(self, key: tuple[int, bytes], ino: int | None) -> None:
+        """Cache what `key` names (journaled inside a change: dropped if it fails)."""
+        if not self._names_on:
+            return
+        if len(self._names) >= _NAMES_LIMIT:
+            self._forget_names()
+        self._names[key] = ino
+        if self.engine.in_change:
+            self._names_read.append(key)
 
     def _dir(self, ino: int) -> Inode:
         node = self.get(ino)
@@ -320,15 +395,60 @@ class MetaStore:
         taken meanwhile by another writer, EEXIST or a conflict by the change's end.)"""
         cookie = self.engine.next_id("dentry")
         self.engine.put("dentries", {"id": cookie, "parent": parent, "name": name, "ino": ino})
+        self._name((parent, name), ino)
 
-    def _remove_entry(self, parent: int, name: bytes) -> None:
-        self.engine.remove("dentries", {"parent": parent, "name": name})
+    def _remove_entry(self, parent: int, name: bytes, ino: int) -> None:
+        """(`ino`: what the change read the entry to name; if it names another now, or
+        is gone, the change conflicts and runs again.)"""
+        self.engine.remove("dentries", {"parent": parent, "name": name, "ino": ino},
+                           expect=True)
+        self._name((parent, name), None)
+
+    def _move_entry(self, parent: int, name: bytes, ino: int, new_parent: int,
+                    new_name: bytes) -> None:
+        self.engine.patch("dentries", {"parent": parent, "name": name, "ino": ino},
+                          {"parent": new_parent, "name": new_name}, expect=True)
+        self._name((parent, name), None)
+        self._name((new_parent, new_name), ino)
+
+    def _point_entry(self, parent: int, name: bytes, ino: int, new_ino: int) -> None:
+        """The entry that names `ino` names `new_ino` instead."""
+        self.engine.patch("dentries", {"parent": parent, "name": name, "ino": ino},
+                          {"ino": new_ino}, expect=True)
+        self._name((parent, name), new_ino)
 
     def _touch_dir(self, d: Inode, now: int, nlink_delta: int = 0) -> None:
-        values: dict[str, object] = {"mtime_ns": now, "ctime_ns": now}
-        if nlink_delta:
-            values["nlink"] = d.nlink + nlink_delta
-        self._set(d, values)
+        """A directory's times (and link count) after a change of its entries.  In a
+        group the times alone are held in memory and written once, as the group
+        commits: one statement a group, not one a change (a server runs each)."""
+        if nlink_delta or not self.engine.grouped:
+            values = {**self._data_fields(d), "mtime_ns": now, "ctime_ns": now}
+            if nlink_delta:
+                values["nlink"] = d.nlink + nlink_delta
+            self._set(d, values)
+            return
+        self._journal += [(d, "mtime_ns", d.mtime_ns), (d, "ctime_ns", d.ctime_ns),
+                          (d, "dirty", d.dirty)]
+        d.mtime_ns = d.ctime_ns = now
+        d.dirty = True  # (kept in memory until written)
+        self._dir_times[d.ino] = d
+
+    def _write_dir_times(self) -> None:
+        """Before a group commits: the times of the directories its changes touched."""
+        dirs, self._dir_times = self._dir_times, {}
+        live = [d for d in dirs.values() if d.dirty]
+        if not live:
+            return
+
+        def change() -> None:
+            for d in live:
+                self._set(d, self._data_fields(d))
+        try:
+            self.txn(change)
+        except BaseException:
+            if self.engine.group_age() is not None:  # (the group lives: written later)
+                self._dir_times.update(dirs)
+            raise
 
     def _insert_inode(self, parent: Inode, mode: int, uid: int, gid: int, nlink: int,
                       now: int, rdev: int = 0, target: bytes | None = None,
@@ -362,6 +482,8 @@ class MetaStore:
                                       target, layout_for)
             self._add_entry(parent, name, node.ino)
             self._touch_dir(d, now, 1 if is_dir else 0)
+            if is_dir and self._names_on:
+                self._complete.add(node.ino)  # (empty: no name of it is uncached)
             return node
         return self.txn(change)
 
@@ -377,6 +499,7 @@ class MetaStore:
             node = self._insert_inode(d, stat.S_IFREG | stat.S_IMODE(mode), uid, gid, 0,
                                       time.time_ns(), layout_for=layout_for)
             self.engine.put("orphans", {"ino": node.ino})
+            self._seal_known(node.ino, False)
             return node
         return self.txn(change)
 
@@ -403,7 +526,7 @@ class MetaStore:
                     raise fail(errno.EEXIST)
                 if old.is_dir:
                     raise fail(errno.EISDIR)
-                self._remove_entry(parent, name)
+                self._remove_entry(parent, name, old.ino)
                 self._drop_link(old, now)
             self._add_entry(parent, name, ino)
             self.engine.remove("orphans", {"ino": ino})
@@ -450,7 +573,7 @@ class MetaStore:
             if node.is_dir:
                 raise fail(errno.EISDIR)
             now = time.time_ns()
-            self._remove_entry(parent, name)
+            self._remove_entry(parent, name, ino)
             self._drop_link(node, now)
             self._touch_dir(d, now)
             return node
@@ -472,7 +595,7 @@ class MetaStore:
             if not self._is_empty(ino):
                 raise fail(errno.ENOTEMPTY)
             now = time.time_ns()
-            self._remove_entry(parent, name)
+            self._remove_entry(parent, name, ino)
             self._drop_link(node, now)
             self._touch_dir(d, now, -1)
             return node
@@ -517,10 +640,9 @@ class MetaStore:
                     raise fail(errno.ENOTEMPTY)
             now = time.time_ns()
             if dst is not None:
-                self._remove_entry(new_parent, new_name)
+                self._remove_entry(new_parent, new_name, dst.ino)
                 self._drop_link(dst, now)
-            self.engine.patch("dentries", {"parent": old_parent, "name": old_name},
-                              {"parent": new_parent, "name": new_name})
+            self._move_entry(old_parent, old_name, src.ino, new_parent, new_name)
             self._set(src, {"ctime_ns": now})
             moved_dir = src.is_dir and old_parent != new_parent
             replaced_dir = dst is not None and dst.is_dir
@@ -540,8 +662,8 @@ class MetaStore:
         if dst.is_dir and od.ino != nd.ino and self._is_ancestor(dst.ino, od.ino):
             raise fail(errno.EINVAL)
         now = time.time_ns()
-        self.engine.patch("dentries", {"parent": od.ino, "name": old_name}, {"ino": dst.ino})
-        self.engine.patch("dentries", {"parent": nd.ino, "name": new_name}, {"ino": src.ino})
+        self._point_entry(od.ino, old_name, src.ino, dst.ino)
+        self._point_entry(nd.ino, new_name, dst.ino, src.ino)
         for n in (src, dst):
             self._set(n, {"ctime_ns": now})
         delta = int(src.is_dir) - int(dst.is_dir)
@@ -601,13 +723,27 @@ class MetaStore:
         """Asked of the rows: memory's last link gone may have been in a lost group."""
         return self.engine.get("orphans", {"ino": ino}, ("ino",)) is not None
 
+    def orphans_among(self, inos: list[int]) -> list[int]:
+        """Those of `inos` the rows list as orphans (one statement, not one each)."""
+        listed = {r[0] for r in self.engine.get_many("orphans", "ino", inos, ("ino",))}
+        return [i for i in inos if i in listed]
+
     def drop_inode(self, ino: int) -> None:
         """Forget an orphan for good, after its chunk files are gone."""
+        self.drop_inodes([ino])
+
+    def drop_inodes(self, inos: list[int]) -> None:
+        """Forget orphans for good, in one change of a statement per table."""
+        if not inos:
+            return
+
         def change() -> None:
             for table in ("inodes", "xattrs", "orphans", "dirty_data", "sealed"):
-                self.engine.remove(table, {"ino": ino})
+                self.engine.remove_many(table, "ino", inos)
         self.txn(change)
-        self._cache.pop(ino, None)
+        for ino in inos:
+            self._cache.pop(ino, None)
+            self._sealed.pop(ino, None)
 
     def mark_dirty_data(self, ino: int) -> None:
         self.txn(lambda: self.engine.upsert("dirty_data", {"ino": ino}))  # (unless listed)
@@ -623,6 +759,13 @@ class MetaStore:
     def _seal(self, ino: int, sum_unit: int, sums: bytes) -> None:
         """Record a direct-committed file's checksums (inside its publishing change)."""
         self.engine.upsert("sealed", {"ino": ino, "sum_unit": sum_unit, "sums": sums})
+        self._seal_known(ino, True)
+
+    def _seal_known(self, ino: int, sealed: bool) -> None:
+        if self._names_on:
+            self._sealed[ino] = sealed
+            if self.engine.in_change:
+                self._seals_made.append(ino)
 
     def seal_of(self, ino: int) -> tuple[int, bytes] | None:
         """(sum_unit, packed little-endian xxh3-64 sums) of a sealed file, else None."""
@@ -630,7 +773,11 @@ class MetaStore:
         return (row[0], bytes(row[1])) if row else None
 
     def is_sealed(self, ino: int) -> bool:
-        return self.engine.get("sealed", {"ino": ino}, ("ino",)) is not None
+        known = self._sealed.get(ino)
+        if known is None:
+            known = self.engine.get("sealed", {"ino": ino}, ("ino",)) is not None
+            self._seal_known(ino, known)
+        return known
 
     # ---- repairs (fsck, on a held pool) -------------------------------------
 
@@ -639,7 +786,10 @@ class MetaStore:
 
     def drop_entry(self, parent: int, name: bytes) -> None:
         """Remove an entry without touching its inode (it points nowhere)."""
-        self.txn(lambda: self._remove_entry(parent, name))
+        def change() -> None:
+            self.engine.remove("dentries", {"parent": parent, "name": name})
+            self._name((parent, name), None)
+        self.txn(change)
 
     def adopt(self, ino: int, parent: int, name: bytes) -> None:
         """Give an unreachable inode an entry (fsck's /lost+found) and the link count
