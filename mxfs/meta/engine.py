@@ -133,6 +133,10 @@ class Engine(ABC):
     def remove_many(self, table: str, column: str, keys: Iterable[object]) -> None:
         """Remove every row whose `column` is one of `keys`, in few statements."""
 
+    def sole_writer(self, on: bool) -> None:  # noqa: B027 (most engines spare nothing)
+        """No other writer changes the rows from now on (or that no longer holds): an
+        engine may then spare what only guards against other writers."""
+
     @abstractmethod
     def next_id(self, sequence: str) -> int:
         """The next number of `sequence` (`schema.SEQUENCES`): never handed out twice,

@@ -21,7 +21,14 @@ The connection is in pipeline mode: a change's writes that give no answer (`put`
 with the next statement that answers, or at the change's end with its RELEASE
 (`_settle`), so their errors still fail that change, undone whole; a change costs the
 round trips of its reads and one more.  COMMIT is always waited for, and a COMMIT the
-server answered with ROLLBACK is a lost group.  The SQL is `meta/sql.py`'s, which
+server answered with ROLLBACK is a lost group.
+
+While the store is the pool's sole writer (`sole_writer`: a daemon holding the lease)
+a change takes no savepoint, which spares it two statements: none of its writes can
+fail but by a fault of the server, which loses the group anyway (no other writer
+takes a name or conflicts, and integers too large are refused before they are sent).
+A change that fails before it wrote (a rule's error) leaves the group be; one that
+fails after loses its group.  The SQL is `meta/sql.py`'s, which
 CockroachDB and YugabyteDB accept too.  Credentials come from libpq's own places
 (`~/.pgpass`, `PGPASSFILE`, a service file), never from a superblock.
 """
@@ -38,6 +45,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import psycopg
 from psycopg import errors as pgerr
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from mxfs.meta import sql
@@ -118,6 +126,14 @@ def _close(conn: Conn) -> None:
     conn.close()
 
 
+def _fits(params: Iterable[object]) -> None:
+    """Integers past bigint are EOVERFLOW before they are sent: at the server they
+    would fail the transaction (the whole group, without a savepoint)."""
+    for p in params:
+        if type(p) is int and not -(1 << 63) <= p < 1 << 63:
+            raise fail(errno.EOVERFLOW, f"{p} is too large for the metadata store")
+
+
 def _drain(conn: Conn) -> None:
     """After an error: take every answer still due, so the pipeline is usable again, and
     forget every prepared statement, here and on the server.  (psycopg prepares a
@@ -196,6 +212,8 @@ class PgEngine(Engine):
         self._away = ""  # why it is away, for each refused request
         self._full_said = -FULL_QUIET_S  # when "full" was last logged
         self._queued = 0  # statements sent and not yet waited for
+        self._savepoints = True  # each change undoable alone (off: `sole_writer`)
+        self._wrote = False  # the change running wrote (without a savepoint: no undo)
         # The change's `expect` writes: a cursor of each, with its table, checked by
         # `_settle` once their answers are in.
         self._expects: list[tuple[psycopg.Cursor[Any], str]] = []
@@ -344,6 +362,8 @@ class PgEngine(Engine):
         """Send a statement without waiting for it (inside a change; outside one it is
         waited for at once).  Its error comes with a later statement's, or `_settle`'s.
         `expect`: its table; a row must match, checked by `_settle`."""
+        _fits(params)
+        self._wrote = True
         if not self._depth:
             cur = self._exec(text, params)
             if expect is not None:
@@ -436,10 +456,16 @@ class PgEngine(Engine):
                          tuple(where.values()), again=True).fetchone()
         return int(row[0]) if row else 0
 
-    def insert(self, table: str, row: Mapping[str, object]) -> bool:
+    def _write(self, text: str, params: Sequence[object]) -> int:
+        """A write whose answer is waited for: how many rows it changed."""
         self._writable()
-        return self._exec(self._sql[("insert", table, tuple(row))],
-                          tuple(row.values())).rowcount > 0
+        _fits(params)
+        n = self._exec(text, params).rowcount
+        self._wrote = self._wrote or n != 0
+        return n
+
+    def insert(self, table: str, row: Mapping[str, object]) -> bool:
+        return self._write(self._sql[("insert", table, tuple(row))], tuple(row.values())) > 0
 
     def put(self, table: str, row: Mapping[str, object]) -> None:
         self._writable()
@@ -456,28 +482,29 @@ class PgEngine(Engine):
                    (*values.values(), *where.values()), table if expect else None)
 
     def update(self, table: str, where: Where, values: Mapping[str, object]) -> int:
-        self._writable()
-        return self._exec(self._sql[("update", table, tuple(where), tuple(values))],
-                          (*values.values(), *where.values())).rowcount
+        return self._write(self._sql[("update", table, tuple(where), tuple(values))],
+                           (*values.values(), *where.values()))
 
     def update_many(self, table: str, where: Sequence[str], columns: Sequence[str],
                     rows: Iterable[Row]) -> None:
         self._writable()
         text = self._sql[("update", table, tuple(where), tuple(columns))]
+        rows = list(rows)
+        for r in rows:
+            _fits(r)
         conn = self._live()
         self._wait()
+        self._wrote = True
         try:
             with conn.cursor() as cur:
-                cur.executemany(text, list(rows))
+                cur.executemany(text, rows)
             _pipe(conn).sync()
         except psycopg.Error as e:
             _drain(conn)
             raise self._error(e, conn) from None
 
     def delete(self, table: str, where: Where) -> int:
-        self._writable()
-        return self._exec(self._sql[("delete", table, tuple(where))],
-                          tuple(where.values())).rowcount
+        return self._write(self._sql[("delete", table, tuple(where))], tuple(where.values()))
 
     def remove(self, table: str, where: Where, *, expect: bool = False) -> None:
         self._writable()
@@ -529,8 +556,11 @@ class PgEngine(Engine):
             self._exec("BEGIN ISOLATION LEVEL REPEATABLE READ", again=True)
             self._group_open = True
             self._group_started = time.monotonic()
-        conn = self._live()
         self._expects.clear()
+        self._wrote = False
+        if not self._savepoints:
+            return
+        conn = self._live()
         try:  # sent with the change's first statement that waits
             _cur(conn).execute("SAVEPOINT change")
         except psycopg.Error as e:
@@ -543,10 +573,12 @@ class PgEngine(Engine):
         writes are to be checked first (a conflict must still roll the savepoint back),
         right after, with whatever waits next."""
         expects, self._expects = self._expects, []
-        if expects:
+        if expects or not self._savepoints:
             self._wait()
             for cur, table in expects:
                 expected(cur.rowcount, table)
+        if not self._savepoints:
+            return
         conn = self._live()
         try:
             _cur(conn).execute("RELEASE SAVEPOINT change")
@@ -571,7 +603,13 @@ class PgEngine(Engine):
         if not _gone(conn):
             assert conn is not None
             _drain(conn)  # (answers still due: the error's, and what it made skip)
-        if not _gone(conn) and not self._poisoned:
+        if (not self._savepoints and not self._wrote and not self._poisoned
+                and not _gone(conn) and conn is not None
+                and conn.info.transaction_status == pq.TransactionStatus.INTRANS):
+            if not self.grouped:  # (nothing to undo: it failed before it wrote)
+                self.commit()
+            return
+        if not _gone(conn) and not self._poisoned and self._savepoints:
             assert conn is not None
             try:
                 conn.execute("ROLLBACK TO SAVEPOINT change")
@@ -590,11 +628,17 @@ class PgEngine(Engine):
                 conn.execute("ROLLBACK")
                 _pipe(conn).sync()
                 _drain(conn)
+                if not self.grouped and not self._poisoned:  # (it held this change
+                    self._group_open = False                 # alone, and no conflict
+                    return                                   # made memory stale)
             except psycopg.Error as e:
                 if self._lost(conn, e):
                     return
                 _drain(conn)
         self._lose_group("the open group of changes was rolled back")
+
+    def sole_writer(self, on: bool) -> None:
+        self._savepoints = not on
 
     def _lose_group(self, why: str | None) -> None:
         """Forget the open group (`why` logged if it was a group; None: said already)."""

@@ -352,6 +352,7 @@ class MetaStore:
         lease), so names and seals are cached; or that no longer holds."""
         self._names_on = on
         self._forget_names()
+        self.engine.sole_writer(on)
 
     def _forget_names(self) -> None:
         self._names.clear()
