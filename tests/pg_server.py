@@ -59,6 +59,14 @@ class Server:
         """Stop the cluster: "fast" ends every session, "immediate" is a crash."""
         self.ctl("-m", mode, "-w", "stop")
 
+    def processes(self) -> list[int]:
+        """The postmaster and every process it started."""
+        with open(os.path.join(self.data, "postmaster.pid")) as f:
+            master = int(f.readline())
+        children = subprocess.run(["pgrep", "-P", str(master)], capture_output=True,
+                                  text=True).stdout.split()
+        return [master, *map(int, children)]
+
     def database(self) -> str:
         """A new, empty database; its URL."""
         import psycopg

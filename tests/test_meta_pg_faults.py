@@ -1,9 +1,9 @@
 """PostgreSQL faults: the server stopped and started again under a write storm and
 during a checkpoint's commit, two processes' transactions conflicting on one
-directory, and the server full.  Each test that stops or fills the server runs its
-own cluster (`pg_server.private`), so the shared one is never disturbed.  Real
-server, real mount, real processes; no durations are asserted, only that every wait
-ends (each wait here has a generous bound).
+directory, the server full, and the server hung (SIGSTOP).  Each test that stops or
+fills the server runs its own cluster (`pg_server.private`), so the shared one is
+never disturbed.  Real server, real mount, real processes; no durations are asserted,
+only that every wait ends (each wait here has a generous bound).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import errno
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -311,6 +312,44 @@ def test_a_full_server_gives_enospc_with_one_line(members: list[str], own_pg: Se
     check_pool(members)
 
 
+def test_a_hung_server_is_away_after_the_wait_bound_not_forever(
+        own_pg: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Unix socket no TCP timeout notices a server that stops answering: the
+    client bounds each wait itself, then the server is away (EIO at once) until it
+    answers again, and the store goes on without being opened again."""
+    from mxfs.meta import pg_engine
+    store = MetaStore.format(own_pg.database(), "hung", 65536)
+    pick = lambda ino, unit, width: (unit or 65536, width or 1, 0)  # noqa: E731
+    monkeypatch.setattr(pg_engine, "WAIT_S", 2.0)
+    try:
+        store.create(ROOT_INO, b"before", 0o100644, 0, 0, layout_for=pick)
+        procs = own_pg.processes()
+        for pid in procs:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(OSError) as err:
+                store.create(ROOT_INO, b"during", 0o100644, 0, 0, layout_for=pick)
+            assert err.value.errno == errno.EIO
+            with pytest.raises(OSError) as err:  # away: refused at once
+                store.create(ROOT_INO, b"during", 0o100644, 0, 0, layout_for=pick)
+            assert err.value.errno == errno.EIO
+        finally:
+            for pid in procs:
+                os.kill(pid, signal.SIGCONT)
+
+        def works() -> bool:
+            try:
+                store.create(ROOT_INO, b"after", 0o100644, 0, 0, layout_for=pick)
+                return True
+            except OSError:
+                return False
+        assert eventually(works)
+        names = {e.name for e in store.readdir(ROOT_INO, 0)}
+        assert names == {b"before", b"after"}
+    finally:
+        store.close()
+
+
 def test_a_lost_group_puts_memory_back_and_holds_commits_off(own_pg: Server) -> None:
     import psycopg
 
@@ -353,7 +392,6 @@ def test_fsync_after_a_lost_group_is_eio_even_once_the_server_is_back(
     """A change the daemon answered, then lost with its group (the server dropped the
     connection before the group's commit): the next fsync on that file says EIO, once,
     even when it comes after the daemon is connected again; never "durable"."""
-    import signal
 
     import psycopg
 

@@ -15,7 +15,8 @@ a thread dials again every RETRY_S; the first request after it got through logs 
 line and goes on.  A lost group holds commits off for RETRY_S at least, so a caller
 that fsyncs right after its change hears of the loss: nothing the server did not
 commit is taken as done.  Every wait is bounded: connect_timeout, TCP keepalives and
-tcp_user_timeout (unless the URL sets its own), lock_timeout and statement_timeout.
+tcp_user_timeout (unless the URL sets its own), lock_timeout and statement_timeout, and
+on the client every wait for an answer (WAIT_S: a Unix socket has no TCP timeouts).
 The connection is in pipeline mode: a change's writes that give no answer (`put`,
 `patch`, `remove`, `upsert`) and its SAVEPOINT are sent without waiting, and waited for
 with the next statement that answers, or at the change's end with its RELEASE
@@ -64,6 +65,8 @@ _CONFLICTS = (pgerr.SerializationFailure, pgerr.DeadlockDetected, pgerr.LockNotA
 RETRY_S = 1.0
 # No statement runs longer than this (a backstop: row locks wait busy_ms).
 STATEMENT_MS = 60_000
+# No wait on the server's answer lasts longer than this (`_Bounded`).
+WAIT_S = STATEMENT_MS / 1000 + 5
 # Statements sent without waiting, at most, before the engine waits for them anyway.
 QUEUE = 256
 # get_many binds at most this many keys per statement (one array parameter).
@@ -76,6 +79,22 @@ _WAITS = {"connect_timeout": "5", "keepalives": "1", "keepalives_idle": "10",
           "keepalives_interval": "5", "keepalives_count": "3", "tcp_user_timeout": "15000"}
 
 Conn = psycopg.Connection[Any]
+
+
+class _Bounded(psycopg.Connection[Any]):
+    """A connection whose every wait for the server ends within WAIT_S.  On a Unix
+    socket libpq's own bounds (keepalives, tcp_user_timeout) do not apply, and a server
+    that stops (SIGSTOP, a hung host) neither answers nor closes it; nor does it run
+    its statement_timeout.  Past the bound the connection is closed: what it was in the
+    middle of is unknown, so it is lost, and the server is away until a redial."""
+
+    def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
+        try:
+            return super().wait(gen, interval, WAIT_S if timeout is None else timeout)
+        except pgerr._WaitTimeout:
+            self.pgconn.finish()
+            raise psycopg.OperationalError(f"no answer from the server in {WAIT_S:g} s") \
+                from None
 
 
 def _seq(name: str) -> str:
@@ -224,7 +243,7 @@ class PgEngine(Engine):
         have = conninfo_to_dict(self.url)
         waits = {k: v for k, v in _WAITS.items() if k not in have}
         try:
-            conn = psycopg.connect(make_conninfo(self.url, **waits), autocommit=True)
+            conn = _Bounded.connect(make_conninfo(self.url, **waits), autocommit=True)
             if self.readonly:
                 conn.execute("SET default_transaction_read_only = on")
             # Another writer's row lock is waited for busy_ms, then it is a conflict.
