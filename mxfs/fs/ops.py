@@ -359,12 +359,13 @@ class MxfsOperations(pyfuse3.Operations):
         self.vol.note_write(entry)
         if self.nursery is not None and self.write_behind and not self.enable_writeback_cache:
             chunks = entry.chunks
-            chunks.admit(off, len(buf))  # a member out of service or no room: said now
+            pieces = chunks.admit(off, len(buf))  # a member out of service, no room: now
             behind = self.behind.get(node.ino)
             if behind is None:
                 behind = self.behind[node.ino] = WriteBehind(self.write_behind,
                                                              self.behind_budget)
-            await behind.submit(self.nursery, lambda: chunks.write(off, memoryview(buf)),
+            await behind.submit(self.nursery,
+                                lambda: chunks.write(off, memoryview(buf), pieces),
                                 self.limiter)
         else:
             await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),

@@ -94,10 +94,13 @@ class ChunkFiles:
             self.pool.check_space(piece.member, piece.length)
         return pieces
 
-    def write(self, offset: int, data: memoryview) -> None:
-        """Write `data` at file `offset`, each member's share in parallel."""
+    def write(self, offset: int, data: memoryview, pieces: list[Piece] | None = None
+              ) -> None:
+        """Write `data` at file `offset`, each member's share in parallel (`pieces`:
+        what `admit` gave for it, if the caller asked already)."""
         ops = []
-        pieces = self.admit(offset, len(data))
+        if pieces is None:
+            pieces = self.admit(offset, len(data))
         for piece in pieces:
             fd = self.fd(piece.member, create=True)
             assert fd is not None
