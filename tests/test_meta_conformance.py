@@ -595,6 +595,34 @@ def test_a_sole_writers_change_that_fails_after_writing_leaves_no_part(store: Me
     assert_sound(store)
 
 
+def test_a_sole_writer_keeps_count_of_its_inodes(store: MetaStore, where: str) -> None:
+    """statfs asks for the inode count, and a count is a scan of every row: a sole
+    writer counts once and keeps count through changes, failed ones included."""
+    store.group_changes(3600)
+    start = store.count_inodes()
+    files = [store.create(ROOT_INO, b"f%d" % i, REG, 0, 0, layout_for=pick)
+             for i in range(5)]
+    store.create(ROOT_INO, b"d", DIR, 0, 0)
+    assert errno_of(lambda: store.create(ROOT_INO, b"f0", REG, 0, 0, layout_for=pick)) == \
+        errno.EEXIST
+
+    def made_then_failed() -> None:
+        store.create(ROOT_INO, b"gone", REG, 0, 0, layout_for=pick)
+        raise OSError(errno.EIO, "the change fails after making an inode")
+
+    store.durable()  # (without savepoints the failure takes its group with it)
+    assert errno_of(lambda: store.txn(made_then_failed)) == errno.EIO
+    store.unlink(ROOT_INO, b"f0")
+    store.unlink(ROOT_INO, b"f1")
+    store.drop_inodes([files[0].ino, files[1].ino, files[0].ino])
+    h = store.create_hidden(ROOT_INO, REG, 0, 0, pick)
+    assert store.count_inodes() == start + 5
+    store.durable()
+    other = fresh(where)
+    assert other.count_inodes() == start + 5 and other.inode_exists(h.ino)
+    other.close()
+
+
 def test_get_many_reads_rows_by_key_in_few_statements(store: MetaStore, where: str) -> None:
     d = store.create(ROOT_INO, b"d", DIR, 0, 0)
     store.group_changes(3600)

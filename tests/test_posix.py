@@ -235,6 +235,21 @@ def test_xattrs_get_set_list_remove(mounted: Mounted) -> None:
     assert e.value.errno == errno.ENODATA
 
 
+def test_statfs_counts_the_inodes_as_they_come_and_go(mounted: Mounted) -> None:
+    def used() -> int:
+        st = os.statvfs(mounted.path)
+        return st.f_files - st.f_ffree
+    start = used()
+    d = mounted.path / "many"
+    d.mkdir()
+    for i in range(10):
+        (d / f"f{i}").write_bytes(b"x")
+    assert used() == start + 11
+    for i in range(5):
+        (d / f"f{i}").unlink()
+    assert eventually(lambda: used() == start + 6)  # (reclaimed after their unlink)
+
+
 def test_only_the_root_names_the_control_socket(mounted: Mounted) -> None:
     """Clients find the daemon by this xattr, walking up from a path: a folder that
     carried it would send them to a socket of its owner's choosing."""

@@ -68,6 +68,7 @@ class MetaStore:
         self._names_read: list[tuple[int, bytes]] = []  # by the change running: dropped
         self._names_hit = False  # the change running took a name from the cache
         self._names_on = False  # (`sole_writer`)
+        self._inodes: int | None = None  # kept count of the inode rows (sole writer)
         self._sealed: dict[int, bool] = {}  # inode: sealed or not (while names are)
         self._seals_made: list[int] = []  # by the change running (dropped if it fails)
         engine.on_group_lost = self._group_lost
@@ -154,6 +155,8 @@ class MetaStore:
             self._group_journal.clear()
 
     def _undo_memory(self) -> None:
+        if self._inodes is not None:  # (the inodes the change made are not made)
+            self._inodes -= sum(1 for _, name, _ in self._journal if name == _BORN)
         self._put_back(self._journal)
         for key in self._names_read:  # (read or written by the change: maybe stale)
             self._names.pop(key, None)
@@ -321,7 +324,15 @@ class MetaStore:
             del self._cache[ino]
 
     def count_inodes(self) -> int:
-        return self.engine.count("inodes")
+        """How many inodes the pool holds.  A sole writer counts the rows once and then
+        keeps count (statfs asks for it, and a count is a scan of every row); after a
+        failed change or a lost group it counts again."""
+        if self._inodes is not None:
+            return self._inodes
+        n = self.engine.count("inodes")
+        if self._names_on:
+            self._inodes = n
+        return n
 
     def inode_exists(self, ino: int) -> bool:
         """Asked of the rows, not memory (for readers beside the daemon)."""
@@ -355,6 +366,7 @@ class MetaStore:
         self.engine.sole_writer(on)
 
     def _forget_names(self) -> None:
+        self._inodes = None
         self._names.clear()
         self._complete.clear()
         self._sealed.clear()
@@ -465,6 +477,8 @@ class MetaStore:
         self.engine.put("inodes", {c: getattr(node, c) for c in INODE_COLUMNS})
         self._cache[ino] = node
         self._journal.append((node, _BORN, None))
+        if self._inodes is not None:
+            self._inodes += 1
         return node
 
     def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
@@ -745,6 +759,8 @@ class MetaStore:
         for ino in inos:
             self._cache.pop(ino, None)
             self._sealed.pop(ino, None)
+        if self._inodes is not None:
+            self._inodes -= len(set(inos))
 
     def mark_dirty_data(self, ino: int) -> None:
         self.txn(lambda: self.engine.upsert("dirty_data", {"ino": ino}))  # (unless listed)
