@@ -48,6 +48,7 @@ from mxfs.fs.session import (
     overdrew,
     read_fds,
 )
+from mxfs.fs.surveys import Surveys
 from mxfs.fs.volume import Volume
 from mxfs.io.batch import ENGINE, native_engine
 from mxfs.meta import Inode
@@ -116,6 +117,7 @@ class ControlServer:
         self.metrics = metrics or Metrics()
         self.limits = limits or Limits()
         self.kv = KVOps(volume, KVIndex(volume), self.limits)
+        self.surveys = Surveys(volume.pool.meta_location, volume.store.commit)
         self.conns: Counter[int] = Counter()  # open connections by uid
         self.sessions: dict[int, Session] = {}
         self.pending_by_uid: Counter[int] = Counter()  # unpublished files, all connections
@@ -357,7 +359,7 @@ class ControlServer:
                     "pid": os.getpid(), "pool_uuid": self.vol.pool.uuid, "ops": list(OPS),
                     "uid": caller.uid}, []
         if op == "stat":
-            status = self.status()
+            status = await self.status()
             if caller.uid != 0:  # names of lost files may sit under others' 0700 folders
                 status["lost_examples"] = []
             return {"ok": True, **status}, []
@@ -377,7 +379,7 @@ class ControlServer:
             return {"ok": True, **self.metrics.snapshot(), "members": self.vol.pool.usage()}, []
         if op == "df":
             return {"ok": True, "members": self.vol.pool.usage(),
-                    "by_use": bytes_by_use(self.vol.store)}, []
+                    "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
         if op == "meta_backup":
             if caller.uid != 0:
                 raise OSError(errno.EPERM, "only root backs up the metadata store")
@@ -514,10 +516,13 @@ class ControlServer:
         log.info("metadata backed up to %s", path)
         return path
 
-    def status(self) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
         """The pool as `mxfs status` shows it."""
         pool = self.vol.pool
-        lost, names = self.vol.lost_files(limit=100)
+        lost, names = 0, []
+        if pool.failed:
+            lost, names = await self.surveys.get(
+                "lost", lambda store: self.vol.lost_files(limit=100, store=store))
         health = {"degraded": bool(pool.failed), "lost_files": lost, "lost_examples": names}
         return {**health, "pool_uuid": pool.uuid, "label": pool.label,
                 "stripe_unit": pool.stripe_unit,

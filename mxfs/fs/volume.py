@@ -293,20 +293,23 @@ class Volume:
             if node.ino not in self.open_inodes:
                 self.store.clear_dirty_data(node.ino)
 
-    def lost_files(self, limit: int = 1000) -> tuple[int, list[str]]:
+    def lost_files(self, limit: int = 1000, store: MetaStore | None = None
+                   ) -> tuple[int, list[str]]:
         """Files with bytes on a failed member: (how many, the first `limit` of their
-        names), for `mxfs status` and the degraded mount's warning."""
+        names), for `mxfs status` and the degraded mount's warning; read from `store`
+        if given (a reader of its own, in a worker thread), else the pool's."""
         failed = {m.index for m in self.pool.failed}
         if not failed:
             return 0, []
+        rows = store or self.store
         count = 0
         names: list[str] = []
-        for f in list(files_with_data(self.store)):
+        for f in list(files_with_data(rows)):
             lay = Layout(f.stripe_unit, f.stripe_width, f.first_member, len(self.pool.members))
             if lay.holding(f.size) & failed:
                 count += 1
                 if len(names) < limit:
-                    names.append(display_name(self.store, f.ino))
+                    names.append(display_name(rows, f.ino))
         return count, names
 
     # ---- mount-time recovery and checks ------------------------------------
