@@ -402,3 +402,36 @@ def test_a_caller_whose_process_name_is_not_utf8_is_served(mounted: Mounted) -> 
         sock = c.stat()["socket"]
     assert run_as(None, ODD_NAME, sock) == pid
     assert mounted.daemon_pid() == pid and (mounted.path / "x").write_bytes(b"1") == 1
+
+
+NAMESPACE_HOG = r"""
+from mxfs.client import ControlClient
+from mxfs.kv import KVStore
+def put(ns):
+    with KVStore(sys.argv[1], ns) as kv:
+        kv.put("k", b"v")
+out = [attempt(put, f"mine-{i}") for i in range(4)]
+with ControlClient(sys.argv[1]) as c:
+    out.append(attempt(c.call, "kv_ns_create", namespace="mine-x"))
+    out.append(attempt(put, "mine-0"))  # (one it owns already: still served)
+    out.append(attempt(c.call, "kv_ns_remove", namespace="mine-1") == "ok")
+out.append(attempt(put, "mine-y"))
+print(json.dumps(out))
+"""
+
+
+def test_kv_namespaces_are_bounded_per_user(tmp_path: Path) -> None:
+    """Each namespace is a row and an object in the daemon's memory: one uid may own
+    max_namespaces_per_user of them; root is not held to it."""
+    from users import run_as
+
+    from mxfs.kv import KVStore
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, "max_namespaces_per_user=3") as m:
+        os.chmod(m.path, 0o755)
+        assert run_as(None, NAMESPACE_HOG, str(m.path)) == [
+            "ok", "ok", "ok", errno.EDQUOT, errno.EDQUOT, "ok", True, "ok"]
+        with KVStore(str(m.path), "root-own") as kv:
+            kv.put("k", b"v")

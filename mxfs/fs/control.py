@@ -116,7 +116,8 @@ class ControlServer:
         self.entry_changed = entry_changed
         self.metrics = metrics or Metrics()
         self.limits = limits or Limits()
-        self.kv = KVOps(volume, KVIndex(volume), self.limits)
+        self.kv = KVOps(volume, KVIndex(volume, self.limits.max_namespaces_per_user),
+                        self.limits)
         self.surveys = Surveys(volume.pool.meta_location, volume.store.commit)
         self.conns: Counter[int] = Counter()  # open connections by uid
         self.sessions: dict[int, Session] = {}

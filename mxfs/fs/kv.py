@@ -109,8 +109,9 @@ def check_key(key: bytes) -> bytes:
 class KVIndex:
     """Every namespace's chunks, in LRU order; the daemon's one instance."""
 
-    def __init__(self, vol: Volume) -> None:
+    def __init__(self, vol: Volume, max_per_user: int | None = None) -> None:
         self.vol = vol
+        self.max_per_user = max_per_user  # namespaces one uid but root may own
         self.spaces: dict[str, Namespace] = {}
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
@@ -148,9 +149,18 @@ class KVIndex:
         if space is None:
             if create_mode is None:
                 raise OSError(errno.ENOENT, f"no KV namespace {name!r}")
+            self.check_room(caller.uid)
             space = self.create(name, caller.uid, caller.gid, create_mode, 0)
         space.check(caller, mask, shared)
         return space
+
+    def check_room(self, uid: int) -> None:
+        """EDQUOT when `uid` (not root) owns as many namespaces as it may."""
+        if uid == 0 or self.max_per_user is None:
+            return
+        if sum(1 for s in self.spaces.values() if s.uid == uid) >= self.max_per_user:
+            raise OSError(errno.EDQUOT, f"uid {uid} owns {self.max_per_user} KV namespaces, "
+                          f"the limit (mount option max_namespaces_per_user); drop one first")
 
     def create(self, name: str, uid: int, gid: int, mode: int, capacity: int,
                replace: bool = False) -> Namespace:
