@@ -253,3 +253,44 @@ def test_a_member_made_read_only_refuses_writes_but_serves_reads(
     assert local.read_bytes() == b"still writable"
     loop_pool.umount()
     check_pool(loop_members)
+
+
+# ---- a power cut between a commit and what follows it ------------------------------
+
+def test_chunk_bytes_go_only_after_their_change_is_on_stable_storage(tmp_path: Path) -> None:
+    """A commit may sit in the page cache (SQLite's WAL before sync) while the removal
+    of chunk files or their cut is already on disk: after a power cut the name would be
+    back and its bytes gone.  So reclaim and a shrinking truncate sync the store first."""
+    from conftest import make_members, mkfs
+
+    from mxfs.meta.inode import ROOT_INO
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    vol = Volume.open(members[0], hold="test")
+    events: list[str] = []
+    engine_sync, remove, cut = vol.store.engine.sync, vol.pool.remove_chunks, \
+        vol.pool.truncate_chunks
+    vol.store.engine.sync = lambda: (events.append("sync"), engine_sync())[1]  # type: ignore
+    vol.pool.remove_chunks = lambda ino: (events.append("remove"), remove(ino))[1]  # type: ignore
+    vol.pool.truncate_chunks = lambda *a: (events.append("cut"), cut(*a))[1]  # type: ignore
+    try:
+        vol.store.group_changes(3600)
+        root = vol.store.get(ROOT_INO)
+        node = vol.store.create(ROOT_INO, b"f", 0o100644, 0, 0, layout_for=vol.pick_layout)
+        entry = vol.acquire(node)
+        vol.note_write(entry)
+        assert entry.chunks is not None
+        entry.chunks.write(0, memoryview(os.urandom(1 << 20)))
+        vol.store.touch(node, size=1 << 20)
+        events.clear()
+        vol.truncate(node, 4096)
+        assert events == ["sync", "cut"]
+        vol.release(node.ino)
+        vol.unlinked(vol.store.unlink(ROOT_INO, b"f"))
+        events.clear()
+        vol.reclaim_pending()
+        assert events[:1] == ["sync"] and "remove" in events
+        assert not chunk_files(members) and root.nlink == 2
+    finally:
+        vol.close()

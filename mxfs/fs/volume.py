@@ -255,7 +255,7 @@ class Volume:
 
     def reclaim(self, ino: int) -> None:
         """Free an orphan: chunk files first, then the row (a crash between is redone)."""
-        self.store.commit()  # the orphan entry is on disk before its data goes
+        self.store.durable()  # the orphan entry is on stable storage before its data goes
         self.pool.remove_chunks(ino)
         self.store.drop_inode(ino)
 
@@ -273,7 +273,12 @@ class Volume:
         return inos
 
     def remove_chunks(self, inos: list[int]) -> None:
-        """Blocking part of reclaim, safe in a worker thread (no metadata access)."""
+        """Blocking part of reclaim, safe in a worker thread (it touches no connection
+        state): the committed orphans onto stable storage, then their chunk files.  A
+        power cut may lose a commit that is not synced but keep the chunk files' removal,
+        which would bring back a name whose bytes are gone."""
+        if inos:
+            self.store.sync()
         for ino in inos:
             self.pool.remove_chunks(ino)
 
@@ -288,7 +293,8 @@ class Volume:
     def truncate(self, node: Inode, size: int) -> None:
         """Set a file's size now; shrinking cuts the chunk files (crash-safe via dirty_data)."""
         if self.store.resize(node, size):
-            self.store.commit()  # a crash mid-cut is trimmed again at mount
+            self.store.durable()  # a crash mid-cut is trimmed again at mount (the size
+            # on stable storage first: a power cut must not keep the cut and lose it)
             self.pool.truncate_chunks(node.ino, self.layout(node), size)
             if node.ino not in self.open_inodes:
                 self.store.clear_dirty_data(node.ino)
