@@ -488,9 +488,18 @@ class ControlServer:
         self.vol.publish(entry, parent.ino, name, size, replace, sum_unit, sums)
         session.let_go(node.ino)
         self.vol.release(node.ino)
-        await self._durable()
-        if self.entry_changed is not None:
-            await self.entry_changed(parent.ino, name)
+        lost = self.vol.store.groups_lost
+        try:
+            await self._durable()
+        except OSError as e:
+            if self.vol.store.groups_lost != lost:  # its group went: it was never named
+                raise
+            # Named in memory and in the open group (SQLite keeps it past a full member)
+            raise OSError(e.errno, f"the file is published but not yet durable ({e.strerror}"
+                          "); it is kept if the daemon lives until its next commit") from None
+        finally:  # the mount shows what the daemon holds, durable or not
+            if self.entry_changed is not None:
+                await self.entry_changed(parent.ino, name)
         return self._describe(node)
 
     def _drop(self, session: Session, ino: int) -> None:
