@@ -14,17 +14,15 @@ and the journals of a group's changes are kept until it commits: a group the eng
 loses (a conflict, a full or lost server) puts memory back to the last commit, so
 cached inodes, open files' among them, never run ahead of the rows.
 
-A daemon, the pool's one writer while it holds the lease (`sole_writer`), caches
-names too, (directory, name) to inode or to "no such entry", and which files are
-sealed, so the kernel's lookup before an unlink, a rename or a create spares the
-change its reads (one round trip each to a server).  A directory made while names
-are cached has every name cached ("complete"): a name it lacks there is known absent
-without a read.  The rows check what the cache says: a change removes or moves an
-entry only where it still names the inode it was read to name (`expect`), and a taken
-name fails its insert, so a cached read another writer made stale conflicts, and the
-change runs again on fresh reads; a change that fails after a cached read is run once
-more without the cache, so a failure is never the cache's alone.  A directory's times
-are written once per group of changes, as it commits (`_touch_dir`).
+A daemon, the pool's one writer while it holds the lease (`sole_writer`), also keeps
+names, seals and the inode count (`meta/sole_cache.py`), so the kernel's lookup before
+an unlink, a rename or a create spares the change its reads.  The rows check what the
+cache says: a change removes or moves an entry only where it still names the inode it
+was read to name (`expect`), and a taken name fails its insert, so a cached read
+another writer made stale conflicts, and the change runs again on fresh reads; a
+change that fails after a cached read is run once more without the cache, so a
+failure is never the cache's alone.  A directory's times are written once per group
+of changes, as it commits (`_touch_dir`).
 
 Inodes whose chunk files may run past the recorded size are listed in `dirty_data`,
 so a mount after a crash can trim them.
@@ -45,12 +43,12 @@ from mxfs.meta.inode import ROOT_INO, Entry, Inode, LayoutPicker
 from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name
 from mxfs.meta.schema import INODE_COLUMNS
+from mxfs.meta.sole_cache import SoleCache
 
 log = logging.getLogger("mxfs.meta")
 
 T = TypeVar("T")
 _CACHE_LIMIT = 200_000
-_NAMES_LIMIT = 200_000  # cached names, at most (past it the cache starts again)
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
 
 
@@ -63,14 +61,7 @@ class MetaStore:
         self._journal: list[tuple[Inode, str, object]] = []
         self._group_journal: list[tuple[Inode, str, object]] = []  # of the open group
         # (directory, name) -> its inode, or None: no such entry
-        self._names: dict[tuple[int, bytes], int | None] = {}
-        self._complete: set[int] = set()  # directories whose every name is in _names
-        self._names_read: list[tuple[int, bytes]] = []  # by the change running: dropped
-        self._names_hit = False  # the change running took a name from the cache
-        self._names_on = False  # (`sole_writer`)
-        self._inodes: int | None = None  # kept count of the inode rows (sole writer)
-        self._sealed: dict[int, bool] = {}  # inode: sealed or not (while names are)
-        self._seals_made: list[int] = []  # by the change running (dropped if it fails)
+        self._sole = SoleCache()  # names, seals, the inode count (`sole_writer`)
         engine.on_group_lost = self._group_lost
         engine.before_commit = self._write_dir_times
         self._dir_times: dict[int, Inode] = {}  # directories whose times wait for commit
@@ -130,24 +121,21 @@ class MetaStore:
         if self.engine.in_change:
             return fn()
         self._journal.clear()
-        self._names_read.clear()
-        self._seals_made.clear()
-        self._names_hit = False
+        self._sole.begin()
         try:
             try:
                 result = self.engine.txn(fn, undo=self._undo_memory)
             except OSError:
-                if not self._names_hit:
+                if not self._sole.hit:
                     raise
-                self._names_hit = False  # its cached names are dropped: fresh reads now
+                self._sole.begin()  # its cached answers are dropped: fresh reads now
                 result = self.engine.txn(fn, undo=self._undo_memory)
             self._group_journal += self._journal
             self._settled()
             return result
         finally:
             self._journal.clear()
-            self._names_read.clear()
-            self._seals_made.clear()
+            self._sole.begin()
 
     def _settled(self) -> None:
         """After a commit may have happened: a committed group's journal is spent."""
@@ -155,16 +143,8 @@ class MetaStore:
             self._group_journal.clear()
 
     def _undo_memory(self) -> None:
-        if self._inodes is not None:  # (the inodes the change made are not made)
-            self._inodes -= sum(1 for _, name, _ in self._journal if name == _BORN)
+        self._sole.undo(births=sum(1 for _, name, _ in self._journal if name == _BORN))
         self._put_back(self._journal)
-        for key in self._names_read:  # (read or written by the change: maybe stale)
-            self._names.pop(key, None)
-            self._complete.discard(key[0])
-        self._names_read.clear()
-        for ino in self._seals_made:
-            self._sealed.pop(ino, None)
-        self._seals_made.clear()
 
     def _put_back(self, journal: list[tuple[Inode, str, object]]) -> None:
         for node, name, old in reversed(journal):
@@ -181,7 +161,7 @@ class MetaStore:
         self._put_back(self._journal)
         self._put_back(self._group_journal)
         self._cache = {i: n for i, n in self._cache.items() if n.dirty}
-        self._forget_names()
+        self._sole.forget()
         self._dir_times.clear()
         self.groups_lost += 1
 
@@ -327,11 +307,10 @@ class MetaStore:
         """How many inodes the pool holds.  A sole writer counts the rows once and then
         keeps count (statfs asks for it, and a count is a scan of every row); after a
         failed change or a lost group it counts again."""
-        if self._inodes is not None:
-            return self._inodes
+        if self._sole.inodes is not None:
+            return self._sole.inodes
         n = self.engine.count("inodes")
-        if self._names_on:
-            self._inodes = n
+        self._sole.counted(n)
         return n
 
     def inode_exists(self, ino: int) -> bool:
@@ -361,39 +340,25 @@ class MetaStore:
     def sole_writer(self, on: bool) -> None:
         """No other writer changes the rows from now on (a daemon holding the pool's
         lease), so names and seals are cached; or that no longer holds."""
-        self._names_on = on
-        self._forget_names()
+        self._sole.on = on
+        self._sole.forget()
         self.engine.sole_writer(on)
-
-    def _forget_names(self) -> None:
-        self._inodes = None
-        self._names.clear()
-        self._complete.clear()
-        self._sealed.clear()
 
     def entry_ino(self, parent: int, name: bytes) -> int | None:
         """The inode `name` in `parent` names (None: no such entry), from the cache when
         it has the name."""
         key = (parent, name)
-        if key in self._names or parent in self._complete:
-            if self.engine.in_change:
-                self._names_read.append(key)
-                self._names_hit = True
-            return self._names.get(key)
+        known, ino = self._sole.name(key, self.engine.in_change)
+        if known:
+            return ino
         row = self.engine.get("dentries", {"parent": parent, "name": name}, ("ino",))
         ino = row[0] if row else None
         self._name(key, ino)
         return ino
 
     def _name(self, key: tuple[int, bytes], ino: int | None) -> None:
-        """Cache what `key` names (journaled inside a change: dropped if it fails)."""
-        if not self._names_on:
-            return
-        if len(self._names) >= _NAMES_LIMIT:
-            self._forget_names()
-        self._names[key] = ino
-        if self.engine.in_change:
-            self._names_read.append(key)
+        """Cache what `key` names (noted inside a change: dropped if it fails)."""
+        self._sole.set_name(key, ino, self.engine.in_change)
 
     def _dir(self, ino: int) -> Inode:
         node = self.get(ino)
@@ -477,8 +442,7 @@ class MetaStore:
         self.engine.put("inodes", {c: getattr(node, c) for c in INODE_COLUMNS})
         self._cache[ino] = node
         self._journal.append((node, _BORN, None))
-        if self._inodes is not None:
-            self._inodes += 1
+        self._sole.born()
         return node
 
     def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
@@ -497,8 +461,8 @@ class MetaStore:
                                       target, layout_for)
             self._add_entry(parent, name, node.ino)
             self._touch_dir(d, now, 1 if is_dir else 0)
-            if is_dir and self._names_on:
-                self._complete.add(node.ino)  # (empty: no name of it is uncached)
+            if is_dir:
+                self._sole.made_dir(node.ino)
             return node
         return self.txn(change)
 
@@ -758,9 +722,7 @@ class MetaStore:
         self.txn(change)
         for ino in inos:
             self._cache.pop(ino, None)
-            self._sealed.pop(ino, None)
-        if self._inodes is not None:
-            self._inodes -= len(set(inos))
+        self._sole.dropped(inos)
 
     def mark_dirty_data(self, ino: int) -> None:
         self.txn(lambda: self.engine.upsert("dirty_data", {"ino": ino}))  # (unless listed)
@@ -779,10 +741,7 @@ class MetaStore:
         self._seal_known(ino, True)
 
     def _seal_known(self, ino: int, sealed: bool) -> None:
-        if self._names_on:
-            self._sealed[ino] = sealed
-            if self.engine.in_change:
-                self._seals_made.append(ino)
+        self._sole.set_sealed(ino, sealed, self.engine.in_change)
 
     def seal_of(self, ino: int) -> tuple[int, bytes] | None:
         """(sum_unit, packed little-endian xxh3-64 sums) of a sealed file, else None."""
@@ -790,7 +749,7 @@ class MetaStore:
         return (row[0], bytes(row[1])) if row else None
 
     def is_sealed(self, ino: int) -> bool:
-        known = self._sealed.get(ino)
+        known = self._sole.sealed.get(ino)
         if known is None:
             known = self.engine.get("sealed", {"ino": ino}, ("ino",)) is not None
             self._seal_known(ino, known)

@@ -1,0 +1,105 @@
+"""What the pool's sole writer keeps of the rows besides its inodes: names, which
+files are sealed, and how many inodes there are (`MetaStore.sole_writer`).
+
+A daemon holding the lease is the only writer, so these answers stay true between
+its own changes, and each spares a read (a round trip to a server) or a scan:
+(directory, name) to inode or to "no such entry", with directories made while caching
+"complete" (every name of theirs is cached, so a name missing there is absent); a
+file's seal; the inode count statfs asks for.  A change notes what it read or wrote
+here; if it fails, those answers are dropped (they may have come from the change, or
+been stale), and a lost group drops everything.  The rows still check what the cache
+says (`MetaStore` writes entries with `expect`), so a stale answer is never acted on.
+"""
+
+from __future__ import annotations
+
+# Names cached, at most (past it the cache starts again).
+LIMIT = 200_000
+
+Name = tuple[int, bytes]  # (directory inode, name)
+
+
+class SoleCache:
+    def __init__(self) -> None:
+        self.on = False  # (`MetaStore.sole_writer`)
+        self.names: dict[Name, int | None] = {}
+        self.complete: set[int] = set()  # directories whose every name is in `names`
+        self.sealed: dict[int, bool] = {}
+        self.inodes: int | None = None  # the inode rows, counted once, then kept count
+        self.hit = False  # the change running took an answer from the cache
+        self._names_used: list[Name] = []  # by the change running
+        self._seals_used: list[int] = []
+
+    def forget(self) -> None:
+        """Drop every answer (a lost group, the lease going, the cache full)."""
+        self.names.clear()
+        self.complete.clear()
+        self.sealed.clear()
+        self.inodes = None
+
+    def begin(self) -> None:
+        """A change starts: nothing of it noted yet."""
+        self._names_used.clear()
+        self._seals_used.clear()
+        self.hit = False
+
+    def undo(self, births: int) -> None:
+        """The change running failed: drop what it read or wrote, and count the
+        `births` inodes it made as not made."""
+        for key in self._names_used:
+            self.names.pop(key, None)
+            self.complete.discard(key[0])
+        for ino in self._seals_used:
+            self.sealed.pop(ino, None)
+        self._names_used.clear()
+        self._seals_used.clear()
+        if self.inodes is not None:
+            self.inodes -= births
+
+    # ---- names --------------------------------------------------------------------
+
+    def name(self, key: Name, in_change: bool) -> tuple[bool, int | None]:
+        """(whether the cache knows `key`, what it names)."""
+        if key in self.names or key[0] in self.complete:
+            if in_change:
+                self._names_used.append(key)
+                self.hit = True
+            return True, self.names.get(key)
+        return False, None
+
+    def set_name(self, key: Name, ino: int | None, in_change: bool) -> None:
+        """What `key` names now (read, or written by the change running)."""
+        if not self.on:
+            return
+        if len(self.names) >= LIMIT:
+            self.forget()
+        self.names[key] = ino
+        if in_change:
+            self._names_used.append(key)
+
+    def made_dir(self, ino: int) -> None:
+        """A directory was made: it has no name the cache lacks."""
+        if self.on:
+            self.complete.add(ino)
+
+    # ---- seals and the inode count -------------------------------------------------
+
+    def set_sealed(self, ino: int, sealed: bool, in_change: bool) -> None:
+        if self.on:
+            self.sealed[ino] = sealed
+            if in_change:
+                self._seals_used.append(ino)
+
+    def counted(self, n: int) -> None:
+        if self.on:
+            self.inodes = n
+
+    def born(self) -> None:
+        if self.inodes is not None:
+            self.inodes += 1
+
+    def dropped(self, inos: list[int]) -> None:
+        for ino in inos:
+            self.sealed.pop(ino, None)
+        if self.inodes is not None:
+            self.inodes -= len(set(inos))
