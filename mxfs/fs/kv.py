@@ -15,6 +15,7 @@ import errno
 import itertools
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ HIGH, LOW = 1.0, 0.9
 # The pool keeps this share of each member free for everything else: KV puts that would
 # go below it fail at once (the engine goes on without caching) and eviction makes room.
 POOL_FREE_MIN = 0.05
+# Seconds a measure of the pool's free space judges small chunks (`_pool_free`).
+FREE_FRESH_S = 0.5
 MAX_CHUNK = 256 << 20  # bytes of one chunk (256 tokens of Qwen2.5-32B are 64 MiB)
 MAX_NAMESPACE = 128
 
@@ -115,6 +118,8 @@ class KVIndex:
         self.spaces: dict[str, Namespace] = {}
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
+        self._free: tuple[float, int] | None = None  # (when, the pool's free bytes)
+        self._room: dict[int, tuple[float, int]] = {}  # member: (when, floor - free)
         self.load()
 
     def load(self) -> None:
@@ -260,21 +265,48 @@ class KVIndex:
         if space.capacity and size > space.capacity:
             raise OSError(errno.EFBIG, f"a chunk of {size} bytes is over the capacity of "
                           f"KV namespace {space.name!r} ({space.capacity} bytes)")
-        free = pool_totals(self.vol.pool.usage())["free"]  # a shared disk counts once
+        free = self._pool_free(size)
         evictable = sum(c.size for s in self.spaces.values() for c in s.chunks.values()
                         if not c.pins) if size > free else 0
         if size > free + evictable:
             raise OSError(errno.ENOSPC, f"a chunk of {size} bytes is over the pool's free "
                           f"space ({free} bytes, with every KV chunk evicted)")
 
+    def _member_short(self, m: int, size: int) -> int:
+        """Bytes member `m` lacks for `size` more above its floor (<= 0: none).  As for
+        `_pool_free`, a small chunk is judged by a measure at most FREE_FRESH_S old, less
+        what the chunks judged by it since will take."""
+        now = time.monotonic()
+        held = self._room.get(m)
+        if held is not None and now - held[0] < FREE_FRESH_S and size * 8 <= -held[1]:
+            self._room[m] = (held[0], held[1] + size)  # (the chunk will take it)
+            return held[1] + size
+        st = os.statvfs(self.vol.pool.members[m].path)
+        floor = st.f_blocks * st.f_frsize * POOL_FREE_MIN
+        spare = int(floor - st.f_bavail * st.f_frsize)  # (negative: room above the floor)
+        self._room[m] = (now, spare)
+        return spare + size
+
+    def _pool_free(self, size: int) -> int:
+        """The pool's free bytes (a shared disk counted once).  Measuring asks every
+        member twice, so a small chunk (under 1/8 of what was free at most FREE_FRESH_S
+        ago, less what the chunks judged by it since will take) is judged by that
+        measure: only a large one asks again."""
+        now = time.monotonic()
+        held = self._free
+        if held is not None and now - held[0] < FREE_FRESH_S and size * 8 <= held[1]:
+            self._free = (held[0], held[1] - size)  # (the chunk will take it)
+            return held[1]
+        free = pool_totals(self.vol.pool.usage())["free"]
+        self._free = (now, free)
+        return free
+
     def make_room(self, members: list[int], size: int) -> bool:
         """Is there room for a chunk of `size` on `members`?  If not, evict pool-wide so
         later puts find room (see `fair_victims`)."""
         short = 0
         for m in members:
-            st = os.statvfs(self.vol.pool.members[m].path)
-            floor = st.f_blocks * st.f_frsize * POOL_FREE_MIN
-            short = max(short, int(floor + size - st.f_bavail * st.f_frsize))
+            short = max(short, self._member_short(m, size))
         if short <= 0:
             return True
         need = short * len(self.vol.pool.members) * 2  # bytes are spread over all members

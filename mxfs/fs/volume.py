@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
+from mxfs.fs.spares import Spares
 from mxfs.io import Layout
-from mxfs.meta import ROOT_INO, Inode, MetaStore, Unusable, backup, lease, location
+from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
@@ -55,7 +56,7 @@ class Volume:
         # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
         self.pending_reclaim: list[int] = []
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
-        self._spares: list[Inode] = []
+        self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
         # Set when mount found the store damaged and put a backup in its place.
@@ -160,11 +161,13 @@ class Volume:
 
     # ---- open files and reclaim --------------------------------------------
 
-    def acquire(self, node: Inode) -> OpenInode:
-        """Count one more open handle of `node`; chunk descriptors are shared."""
+    def acquire(self, node: Inode, chunks: ChunkFiles | None = None) -> OpenInode:
+        """Count one more open handle of `node`; chunk descriptors are shared (`chunks`:
+        those of a file not open yet, made ahead)."""
         entry = self.open_inodes.get(node.ino)
         if entry is None:
-            chunks = ChunkFiles(self.pool, node.ino, self.layout(node)) if node.is_reg else None
+            if chunks is None and node.is_reg:
+                chunks = ChunkFiles(self.pool, node.ino, self.layout(node))
             entry = self.open_inodes[node.ino] = OpenInode(node, chunks)
         entry.count += 1
         return entry
@@ -212,22 +215,9 @@ class Volume:
         self.store.commit()
         return self.acquire(node)
 
-    def take_spare(self, uid: int, gid: int, batch: int = 64) -> OpenInode:
-        """A hidden file with the root's layout, from a batch made and committed at once.
-
-        KV puts come by the thousand a second; one commit per batch keeps the rule
-        that a hidden inode is committed before any of its chunk files exists.
-        """
-        if not self._spares:
-            made = self.store.txn(lambda: [
-                self.store.create_hidden(ROOT_INO, 0o600, 0, 0, self.pick_layout)
-                for _ in range(batch)])
-            self.store.commit()
-            self._spares = made  # only once committed: no chunk file before its inode
-        node = self._spares.pop()
-        if (node.uid, node.gid) != (uid, gid):
-            self.store.set_attrs(node, uid=uid, gid=gid)
-        return self.acquire(node)
+    def take_spare(self, uid: int, gid: int) -> OpenInode:
+        """A committed hidden file with the root's layout, held open (`fs/spares.py`)."""
+        return self.acquire(*self.spares.take(uid, gid))
 
     def settle_hidden(self, entry: OpenInode, size: int, sync: bool = True) -> None:
         """Blocking: cut a hidden file's chunk files to `size`, and fsync them if `sync`."""
@@ -367,8 +357,7 @@ class Volume:
         for entry in list(self.open_inodes.values()):
             entry.count = 1
             self.release(entry.node.ino)
-        self.pending_reclaim += [n.ino for n in self._spares]
-        self._spares = []
+        self.pending_reclaim += self.spares.close()
         self.reclaim_pending()
         self.store.flush_all()
         if clean:

@@ -28,6 +28,7 @@ class ChunkFiles:
         self._fds: dict[int, int] = {}
         self._readonly: set[int] = set()  # members whose filesystem refused writing
         self._lock = threading.Lock()
+        self._closed = False
 
     def fd(self, member: int, create: bool) -> int | None:
         fd = self._fds.get(member)
@@ -136,8 +137,19 @@ class ChunkFiles:
         """Make every written member durable, all members at once."""
         sync_all(list(self._fds.values()), datasync)
 
+    def prepare(self) -> None:
+        """Create the chunk file of the first member (where every file's first byte
+        goes) ahead of the writes, from a worker thread; nothing once closed.  Its
+        descriptor is closed again (spares hold none): opening a file that exists costs
+        a lookup, creating one a journal entry.  An error is left to the write that
+        needs the file, which reports and probes it."""
+        with self._lock:
+            if not self._closed and self.layout.first not in self._fds:
+                os.close(self._open(self.layout.first, create=True))
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
