@@ -623,6 +623,24 @@ def test_a_sole_writer_keeps_count_of_its_inodes(store: MetaStore, where: str) -
     other.close()
 
 
+def test_a_store_made_readonly_still_ends_its_group(store: MetaStore, where: str) -> None:
+    """A daemon whose lease another host took refuses changes from then on (the engine
+    made read-only); the directory times its group held are not written then, and the
+    group still ends (at unmount, say) instead of failing with EROFS."""
+    d = store.create(ROOT_INO, b"d", DIR, 0, 0)
+    store.durable()
+    store.group_changes(3600)
+    store.create(d.ino, b"f", REG, 0, 0, layout_for=pick)
+    store.engine.readonly = True
+    store.commit()
+    assert errno_of(lambda: store.create(d.ino, b"g", REG, 0, 0, layout_for=pick)) == \
+        errno.EROFS
+    store.engine.readonly = False
+    other = fresh(where)
+    assert names(other, d.ino) == [b"f"]
+    other.close()
+
+
 def test_get_many_reads_rows_by_key_in_few_statements(store: MetaStore, where: str) -> None:
     d = store.create(ROOT_INO, b"d", DIR, 0, 0)
     store.group_changes(3600)

@@ -415,7 +415,7 @@ class MetaStore:
         """Before a group commits: the times of the directories its changes touched."""
         dirs, self._dir_times = self._dir_times, {}
         live = [d for d in dirs.values() if d.dirty]
-        if not live:
+        if not live or self.engine.readonly:  # (a daemon whose lease went writes nothing)
             return
 
         def change() -> None:
