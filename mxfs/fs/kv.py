@@ -12,11 +12,13 @@ No FUSE or trio here.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mxfs.fs.access import R_OK, W_OK, Caller
@@ -118,8 +120,8 @@ class KVIndex:
         self.spaces: dict[str, Namespace] = {}
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
-        self._free: tuple[float, int] | None = None  # (when, the pool's free bytes)
-        self._room: dict[int, tuple[float, int]] = {}  # member: (when, floor - free)
+        self._pool_free = _Room(lambda: pool_totals(vol.pool.usage())["free"])
+        self._member_room: dict[int, _Room] = {}  # member: room above its floor
         self.load()
 
     def load(self) -> None:
@@ -265,48 +267,23 @@ class KVIndex:
         if space.capacity and size > space.capacity:
             raise OSError(errno.EFBIG, f"a chunk of {size} bytes is over the capacity of "
                           f"KV namespace {space.name!r} ({space.capacity} bytes)")
-        free = self._pool_free(size)
+        free = self._pool_free.free(size)  # (a shared disk counted once)
         evictable = sum(c.size for s in self.spaces.values() for c in s.chunks.values()
                         if not c.pins) if size > free else 0
         if size > free + evictable:
             raise OSError(errno.ENOSPC, f"a chunk of {size} bytes is over the pool's free "
                           f"space ({free} bytes, with every KV chunk evicted)")
 
-    def _member_short(self, m: int, size: int) -> int:
-        """Bytes member `m` lacks for `size` more above its floor (<= 0: none).  As for
-        `_pool_free`, a small chunk is judged by a measure at most FREE_FRESH_S old, less
-        what the chunks judged by it since will take."""
-        now = time.monotonic()
-        held = self._room.get(m)
-        if held is not None and now - held[0] < FREE_FRESH_S and size * 8 <= -held[1]:
-            self._room[m] = (held[0], held[1] + size)  # (the chunk will take it)
-            return held[1] + size
-        st = os.statvfs(self.vol.pool.members[m].path)
-        floor = st.f_blocks * st.f_frsize * POOL_FREE_MIN
-        spare = int(floor - st.f_bavail * st.f_frsize)  # (negative: room above the floor)
-        self._room[m] = (now, spare)
-        return spare + size
-
-    def _pool_free(self, size: int) -> int:
-        """The pool's free bytes (a shared disk counted once).  Measuring asks every
-        member twice, so a small chunk (under 1/8 of what was free at most FREE_FRESH_S
-        ago, less what the chunks judged by it since will take) is judged by that
-        measure: only a large one asks again."""
-        now = time.monotonic()
-        held = self._free
-        if held is not None and now - held[0] < FREE_FRESH_S and size * 8 <= held[1]:
-            self._free = (held[0], held[1] - size)  # (the chunk will take it)
-            return held[1]
-        free = pool_totals(self.vol.pool.usage())["free"]
-        self._free = (now, free)
-        return free
-
     def make_room(self, members: list[int], size: int) -> bool:
         """Is there room for a chunk of `size` on `members`?  If not, evict pool-wide so
         later puts find room (see `fair_victims`)."""
         short = 0
         for m in members:
-            short = max(short, self._member_short(m, size))
+            room = self._member_room.get(m)
+            if room is None:
+                path = self.vol.pool.members[m].path
+                room = self._member_room[m] = _Room(functools.partial(_above_floor, path))
+            short = max(short, size - room.free(size))
         if short <= 0:
             return True
         need = short * len(self.vol.pool.members) * 2  # bytes are spread over all members
@@ -354,3 +331,30 @@ class KVIndex:
 
     def stats(self) -> list[dict[str, int | str]]:
         return [s.stats() for s in self.spaces.values()]
+
+
+class _Room:
+    """Free bytes as last measured, less what the chunks judged by that measure since
+    will take.  Measuring asks the members' filesystems (statvfs), so a small chunk,
+    under 1/8 of the room, within FREE_FRESH_S of the measure is judged without one:
+    only a large chunk, little room, or an old measure asks again."""
+
+    def __init__(self, measure: Callable[[], int]) -> None:
+        self.measure = measure
+        self._at = -FREE_FRESH_S
+        self._left = 0
+
+    def free(self, size: int) -> int:
+        """The room before a chunk of `size`, which is then taken from it."""
+        now = time.monotonic()
+        if now - self._at >= FREE_FRESH_S or size * 8 > self._left:
+            self._left, self._at = self.measure(), now
+        room = self._left
+        self._left -= size
+        return room
+
+
+def _above_floor(path: str) -> int:
+    """Bytes free on `path`'s filesystem above the POOL_FREE_MIN it keeps."""
+    st = os.statvfs(path)
+    return int(st.f_bavail * st.f_frsize - st.f_blocks * st.f_frsize * POOL_FREE_MIN)

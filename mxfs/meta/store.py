@@ -698,12 +698,9 @@ class MetaStore:
     def orphans(self) -> list[int]:
         return [r[0] for r in self.engine.scan("orphans", ("ino",))]
 
-    def is_orphan(self, ino: int) -> bool:
-        """Asked of the rows: memory's last link gone may have been in a lost group."""
-        return self.engine.get("orphans", {"ino": ino}, ("ino",)) is not None
-
     def orphans_among(self, inos: list[int]) -> list[int]:
-        """Those of `inos` the rows list as orphans (one statement, not one each)."""
+        """Those of `inos` the rows list as orphans (asked of the rows: memory's last
+        link gone may have been in a lost group), in one statement."""
         listed = {r[0] for r in self.engine.get_many("orphans", "ino", inos, ("ino",))}
         return [i for i in inos if i in listed]
 
