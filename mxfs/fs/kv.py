@@ -17,7 +17,7 @@ import itertools
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -118,6 +118,7 @@ class KVIndex:
         self.vol = vol
         self.max_per_user = max_per_user  # namespaces one uid but root may own
         self.spaces: dict[str, Namespace] = {}
+        self._owned: Counter[int] = Counter()  # namespaces by owner (a put asks: no scan)
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
         self._pool_free = _Room(lambda: pool_totals(vol.pool.usage())["free"])
@@ -129,11 +130,13 @@ class KVIndex:
         store = self.vol.store
         for ns, uid, gid, mode, capacity in store.kv.namespaces():
             self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
+            self._owned[uid] += 1
         last = 0
         for ns, key, ino, size, atime, sum_unit, sums in store.kv.chunks():
             space = self.spaces.get(ns)
             if space is None:
                 space = self.spaces[ns] = Namespace(ns, 0, 0, 0o700, 0)
+                self._owned[0] += 1
             space.chunks[bytes(key)] = Chunk(ino, size, atime, sum_unit, bytes(sums))
             space.used += size
             last = max(last, atime)
@@ -165,7 +168,7 @@ class KVIndex:
         """EDQUOT when `uid` (not root) owns as many namespaces as it may."""
         if uid == 0 or self.max_per_user is None:
             return
-        if sum(1 for s in self.spaces.values() if s.uid == uid) >= self.max_per_user:
+        if self._owned[uid] >= self.max_per_user:
             raise OSError(errno.EDQUOT, f"uid {uid} owns {self.max_per_user} KV namespaces, "
                           f"the limit (mount option max_namespaces_per_user); drop one first")
 
@@ -179,6 +182,7 @@ class KVIndex:
             self.drop_namespace(old)
         self.vol.store.kv.set_namespace(name, uid, gid, mode, capacity)
         space = self.spaces[name] = Namespace(name, uid, gid, mode, capacity)
+        self._owned[uid] += 1
         return space
 
     def drop_namespace(self, space: Namespace) -> int:
@@ -186,6 +190,7 @@ class KVIndex:
         n = self.remove(space, list(space.chunks))
         self.vol.store.kv.drop_namespace(space.name)
         del self.spaces[space.name]
+        self._owned[space.uid] -= 1
         return n
 
     def configure(self, space: Namespace, caller: Caller, capacity: int) -> None:
