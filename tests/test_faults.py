@@ -17,6 +17,7 @@ from conftest import Mounted, eventually, mxfs, one_line_error
 from users import run_as
 
 from mxfs.fs.volume import Volume
+from mxfs.proc import running
 
 
 def chunk_files(members: list[str]) -> list[str]:
@@ -36,7 +37,7 @@ def check_pool(members: list[str]) -> None:
 def kill_daemon(m: Mounted) -> None:
     pid = m.daemon_pid()
     os.kill(pid, signal.SIGKILL)
-    assert eventually(lambda: not os.path.exists(f"/proc/{pid}"))
+    assert eventually(lambda: not running(pid))
     # the dead mount answers ENOTCONN until it is detached
     mxfs("umount", str(m.path))
 

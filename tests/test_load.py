@@ -20,6 +20,7 @@ from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  
 from mxfs.errors import MxfsError  # noqa: E402
 from mxfs.load import HeaderError, load_file, load_model, safe_open  # noqa: E402
 from mxfs.load.options import LoadOptions, LoadReport  # noqa: E402
+from mxfs.proc import running  # noqa: E402
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
           torch.bfloat16, torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64,
@@ -199,7 +200,7 @@ def test_a_dead_daemon_is_a_clear_error(mounted: Mounted) -> None:
     st.save_file({"w": torch.zeros(4)}, path)
     pid = mounted.daemon_pid()
     os.kill(pid, signal.SIGKILL)
-    assert eventually(lambda: not os.path.exists(f"/proc/{pid}"))
+    assert eventually(lambda: not running(pid))
     with pytest.raises(MxfsError) as e:
         load_file(path)
     assert "daemon" in str(e.value) and "mxfs mount" in str(e.value)

@@ -30,6 +30,7 @@ from mxfs.meta.check import problems
 from mxfs.meta.inode import ROOT_INO
 from mxfs.meta.pg_engine import PgEngine
 from mxfs.pool import Pool
+from mxfs.proc import running
 
 
 @pytest.fixture
@@ -48,10 +49,6 @@ def pg_mount(members: list[str], own_pg: Server) -> Iterator[Mounted]:
 
 def daemon_log(m: Mounted) -> Path:
     return Path(runtime_dir(), f"{Pool.open(m.members[0]).uuid}.log")
-
-
-def alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
 
 
 def write_synced(path: Path, data: bytes) -> None:
@@ -101,12 +98,12 @@ def test_server_stopped_and_started_during_a_write_storm(pg_mount: Mounted, own_
     with pytest.raises(OSError) as err:
         os.mkdir(mp / "dir-while-away")
     assert err.value.errno == errno.EIO
-    assert alive(pid)
+    assert running(pid)
     own_pg.start()
     assert eventually(lambda: writes_work(mp), timeout=30)  # no remount needed
     (mp / "after").mkdir()
     write_synced(mp / "after" / "f", b"after the restart")
-    assert alive(pid)
+    assert running(pid)
     lines = log.read_text()[seen:].splitlines()
     errors = [line for line in lines if " ERROR " in line]
     assert len(errors) == 1 and "changes fail until it is back" in errors[0], lines
@@ -161,7 +158,7 @@ def test_server_stopped_during_a_checkpoint_commit(pg_mount: Mounted, own_pg: Se
     own_pg.stop("immediate")
     out, _ = p.communicate("go\n", timeout=60)
     assert p.returncode == 3 and "failed" in out, out  # refused, not hung
-    assert alive(pid)
+    assert running(pid)
     own_pg.start()
     assert eventually(lambda: writes_work(pg_mount.path), timeout=30)
     names = [e.name for e in ck.list_checkpoints(str(root))]
@@ -302,7 +299,7 @@ def test_a_full_server_gives_enospc_with_one_line(members: list[str], own_pg: Se
             with pytest.raises(OSError) as err:
                 os.setxattr(m.path / "f", f"user.more{i}", value)
             assert err.value.errno == errno.ENOSPC
-        assert alive(pid)
+        assert running(pid)
         assert (m.path / "f").read_bytes() == b"kept"
         assert os.getxattr(m.path / "f", "user.k0") == value
         lines = log.read_text()[seen:].splitlines()
@@ -428,4 +425,4 @@ def test_fsync_after_a_lost_group_is_eio_even_once_the_server_is_back(
             if lost:
                 break
         assert lost, "the group committed before the daemon could be held, five times"
-        assert alive(pid)
+        assert running(pid)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_members, mkfs, mxfs, needs_fuse, one_line_error
+from conftest import eventually, make_members, mkfs, mxfs, needs_fuse, one_line_error
 
+from mxfs.fs.mounts import wait_pid_gone
 from mxfs.pool import read_superblock
+from mxfs.proc import running
 
 
 def write_config(path: Path, members: list[str]) -> None:
@@ -141,3 +145,19 @@ def test_status_of_an_unmounted_pool(members: list[str]) -> None:
     mkfs(members)
     res = json.loads(mxfs("status", "--json", members[1]).stdout)
     assert res["mountpoint"] is None and len(res["members"]) == 4
+
+
+def test_a_zombie_is_not_running_so_umount_does_not_wait_for_its_reaping() -> None:
+    """A daemon's parent is init, which may reap late: once it has exited, umount is done."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        stat = Path(f"/proc/{child.pid}/stat")
+        # exited, not yet reaped: os.kill(pid, 0) still finds it
+        assert eventually(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+        os.kill(child.pid, 0)
+        assert not running(child.pid)
+        assert wait_pid_gone(child.pid, 5)
+    finally:
+        child.wait()
+    assert not running(child.pid)
+    assert running(os.getpid())

@@ -18,6 +18,7 @@ from typing import Any
 
 from mxfs.client.writer import create_file, sync_dir
 from mxfs.errors import MxfsError
+from mxfs.proc import running
 
 MANIFEST = "mxfs-checkpoint.json"
 FORMAT = "mxfs-checkpoint"
@@ -169,15 +170,7 @@ def is_stale(partial: str) -> bool:
             pid = int(json.load(f)["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return True
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return pid != os.getpid() and not running(pid)
 
 
 def partials(root: str) -> list[str]:

@@ -12,7 +12,7 @@ import time
 from typing import BinaryIO
 
 from mxfs.errors import MxfsError
-from mxfs.proc import NEUTRAL_CWD, python_module
+from mxfs.proc import NEUTRAL_CWD, python_module, running
 
 FSTYPE = "fuse.mxfs"
 READY_TIMEOUT = 120.0
@@ -143,11 +143,9 @@ def open_private_log(path: str) -> BinaryIO:
 def wait_pid_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not running(pid):
             return True
-        time.sleep(0.05)
+        time.sleep(0.02)
     return False
 
 
