@@ -15,7 +15,7 @@ import shutil
 import tomllib
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from mxfs.errors import MxfsError
@@ -48,10 +48,10 @@ class Member:
     index: int
     path: str
     failed: str | None = None  # why it is out of service (missing at mount, I/O errors)
+    chunk_dir: str = field(init=False)  # (made once: chunk paths are made per request)
 
-    @property
-    def chunk_dir(self) -> str:
-        return os.path.join(self.path, CHUNK_DIR)
+    def __post_init__(self) -> None:
+        self.chunk_dir = os.path.join(self.path, CHUNK_DIR)
 
 
 _OURS = {SUPERBLOCK_NAME, CHUNK_DIR, META_DIR, BACKUP_DIR, SUPERBLOCK_NAME + ".tmp", _WIPE_DIR}
@@ -393,7 +393,7 @@ class Pool:
         return Layout(unit or self.stripe_unit, min(width or n, n), ino % n, n)
 
     def chunk_path(self, member: int, ino: int) -> str:
-        return os.path.join(self.members[member].path, CHUNK_DIR, f"{ino % FANOUT:02x}", str(ino))
+        return f"{self.members[member].chunk_dir}/{ino % FANOUT:02x}/{ino}"
 
     def open_for_read(self, ino: int, layout: Layout, size: int, odirect: bool = False
                       ) -> tuple[dict[str, list[int]], list[int]]:
