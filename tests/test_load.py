@@ -18,6 +18,7 @@ from conftest import Mounted, mxfs, one_line_error  # noqa: E402
 
 from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  # noqa: E402
 from mxfs.errors import MxfsError  # noqa: E402
+from mxfs.io.residency import Residency  # noqa: E402
 from mxfs.load import HeaderError, load_file, load_model, safe_open  # noqa: E402
 from mxfs.load.options import LoadOptions, LoadReport  # noqa: E402
 from mxfs.proc import running  # noqa: E402
@@ -94,6 +95,28 @@ def test_mapping_a_file_with_holes_reads_zeros(mounted: Mounted) -> None:
     assert data[size:] == bytes(reader.size - size)
     mm.close()
     reader.close()
+
+
+def test_a_mapped_load_reads_every_member_into_the_cache_first(mounted: Mounted) -> None:
+    """All members at once, before the first touch, so its pages come as large folios
+    (WILLNEED would leave all but the first few MiB of each member to page faults)."""
+    path = mounted.path / "cold.safetensors"
+    st.save_file({"w": torch.arange(16 << 20, dtype=torch.float32)}, str(path))  # 64 MiB
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    ino = os.stat(path).st_ino
+    chunks = [Path(m, "chunks", f"{ino % 256:02x}", str(ino)) for m in mounted.members]
+    tensors = load_file(str(path), mode="map")
+    for chunk in chunks:
+        fd = os.open(chunk, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            assert size >= 16 << 20
+            assert Residency(fd, 0, size).cached_fraction(0, size) == 1.0, chunk
+        finally:
+            os.close(fd)
+    assert torch.equal(tensors["w"], torch.arange(16 << 20, dtype=torch.float32))
 
 
 def write_raw(path: Path, header: object, data: bytes = b"", length: int | None = None) -> str:

@@ -90,10 +90,11 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
               ) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file; equal to safetensors.torch.load_file.
 
-    mode "map" maps the file (its stripes side by side) and returns tensors over
-    the mapping, paged in on first touch from all members, as safetensors does
-    with one file: nothing is copied and cached pages cost no memory of their
-    own (the file must not be truncated while they live).  mode "read" reads
+    mode "map" reads the file into the page cache (every member at once; a file
+    larger than half the memory available is left to page in on first touch),
+    maps it (its stripes side by side) and returns tensors over the mapping, as
+    safetensors does with one file: nothing is copied and cached pages cost no
+    memory of their own (the file must not be truncated while they live).  mode "read" reads
     every byte now, every member at once, into one buffer the tensors share.
     mode "stream" moves the bytes through two host buffers of `staging` bytes in
     all, reads overlapped with copies to the device (pinned memory and a side
@@ -131,9 +132,9 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
             buf = read_to_device(reader, header.data_start, nbytes, dev, staging)
             base = header.data_start
         elif mode == "map" and nbytes:
+            if isinstance(reader, DirectFile) and fits_in_memory(reader.size):
+                reader.cache()  # all members read together, into large folios
             buf = torch.frombuffer(reader.map(), dtype=torch.uint8)
-            if isinstance(reader, DirectFile):
-                reader.prefetch()  # all members read together while the caller touches
             base = 0
         else:  # lined up with the file, so uncached stripes move with O_DIRECT
             mem = aligned_like(nbytes, header.data_start)
@@ -152,6 +153,20 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     if dev.type != "cpu" and mode not in ("stream", "gds"):
         out = {k: v.to(dev) for k, v in out.items()}
     return out  # in file order, as safetensors returns them
+
+
+def fits_in_memory(nbytes: int) -> bool:
+    """Would `nbytes` more of page cache take at most half the memory available now?
+    (A mapped load reads ahead only then: past it, its first pages would be evicted
+    before they are touched.)"""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return nbytes <= int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _open_gds(reader: Reader, dev: torch.device, mode: str, policy: str | None
