@@ -113,7 +113,8 @@ def test_a_mapped_load_reads_every_member_into_the_cache_first(mounted: Mounted)
         try:
             size = os.fstat(fd).st_size
             assert size >= 16 << 20
-            assert Residency(fd, 0, size).cached_fraction(0, size) == 1.0, chunk
+            cached = Residency(fd, 0, size).cached_fraction(0, size)
+            assert cached == 1.0, f"{chunk}: {cached:.1%} cached"
         finally:
             os.close(fd)
     assert torch.equal(tensors["w"], torch.arange(16 << 20, dtype=torch.float32))

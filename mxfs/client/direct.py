@@ -29,6 +29,7 @@ DIO_ALIGN = PAGE
 DIRECT_RUN = int(os.environ.get("MXFS_DIRECT_RUN", 32 << 20))
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 _MAP_FIXED = 0x10
+HUGE_PAGE = 2 << 20  # a PMD's reach on x86-64 and arm64 (4 KiB pages)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
@@ -242,7 +243,10 @@ class DirectFile(Reader):
         zeros, so a sparse tail never raises SIGBUS.
         """
         lay = self.layout
-        region = mmap.mmap(-1, max(self.size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # A length in whole huge pages: the kernel then puts the range on a huge-page
+        # boundary, so stripes of 2 MiB and more map cached huge folios a fault each.
+        length = -(-max(self.size, 1) // HUGE_PAGE) * HUGE_PAGE
+        region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(region))
         lengths = {m: os.fstat(fd).st_size for m, fd in self.fds.items()}
         for k in range((self.size + lay.unit - 1) // lay.unit):
