@@ -100,7 +100,7 @@ def main() -> int:
     size = parse_size(args.size)
     with make_rig(args.rig, args.dir, gib_each=max(4, 4 * -(-size // 2**30))) as rig, \
             scratch_pool("mxfs-bench-ckpt-", args.dir, members=rig.members,
-                         plain=rig.plain) as pool:
+                         plain=rig.plain, mkfs=["--stripe-unit", args.stripe_unit]) as pool:
         args.rig_ceiling = ceiling(rig, size, args.repeat)  # saved with the args
         print(f"rig: {rig.describe()}; raw O_DIRECT ceiling: one member "
               f"{args.rig_ceiling['member_alone_GBps']:.2f} GB/s, all at once "
@@ -238,7 +238,8 @@ def report(args: argparse.Namespace, rounds: list[dict[str, dict[str, float]]],
     labels = {"copy": ("bare copy into a host buffer", ""),
               "raw": ("raw O_DIRECT, all members", "members"), **labels}
     print(f"\ncheckpoint save, {size / 2**30:.2f} GiB (bf16 weights + fp32 Adam moments), "
-          f"4 folder members on one disk, median of {args.repeat}; blocked: the training "
+          f"rig {args.rig}, stripe unit {args.stripe_unit}, median of {args.repeat}; "
+          "blocked: the training "
           "loop waits; durable: every byte fsynced\n")
     print("| arm | into | blocked s | durable s | durable GB/s | bytes equal |\n"
           "|---|---|---:|---:|---:|:---:|")

@@ -267,7 +267,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="2GiB", help="bytes of the large file and the state dict")
     ap.add_argument("--files", type=int, default=5000, help="files for the metadata steps")
-    ap.add_argument("--stripe-unit", default="1MiB")
     ap.add_argument("--meta", help="the pool's metadata on this PostgreSQL server "
                     "(postgresql://...; default: SQLite on the members)")
     ap.add_argument("-o", dest="options", default="", help="mount options to test")

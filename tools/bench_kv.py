@@ -274,7 +274,8 @@ def main() -> int:
     peers.quiet()
     size = parse_size(args.total)
     with make_rig(args.rig, args.dir, gib_each=max(8, 8 * -(-size // 2**30))) as rig, \
-            scratch_pool("mxfs-bench-kv-", args.dir, members=rig.members, plain=rig.plain) as pool:
+            scratch_pool("mxfs-bench-kv-", args.dir, members=rig.members, plain=rig.plain,
+                         mkfs=["--stripe-unit", args.stripe_unit]) as pool:
         args.rig_ceiling = ceiling(rig, size, args.repeat)  # saved with the args
         print(f"rig: {rig.describe()}; raw O_DIRECT ceiling: one member "
               f"{args.rig_ceiling['member_alone_GBps']:.2f} GB/s, all at once "
@@ -380,8 +381,8 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> int:
     failed, skipped = results["failed"], results["skipped"]
     med = {label: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for label, rs in chunks.items() if rs}
-    print("\nKV chunks, GB/s (small ops: per second), 4 folder members on one disk, "
-          f"batches of {args.batch}, median of {args.repeat}\n")
+    print(f"\nKV chunks, GB/s (small ops: per second), rig {args.rig}, stripe unit "
+          f"{args.stripe_unit}, batches of {args.batch}, median of {args.repeat}\n")
     if med:
         cols = list(next(iter(med.values())).keys())
         print("| chunk | " + " | ".join(cols) + " |")

@@ -190,7 +190,7 @@ def main() -> int:
     size = parse_size(args.size)
     with make_rig(args.rig, args.dir, gib_each=max(4, 4 * -(-size // 2**30))) as rig, \
             scratch_pool("mxfs-bench-load-", args.dir, members=rig.members,
-                         plain=rig.plain) as pool:
+                         plain=rig.plain, mkfs=["--stripe-unit", args.stripe_unit]) as pool:
         ceil = ceiling(rig, size, args.repeat)
         rounds, nbytes, skipped = run(args, pool)
     report(args, rounds, nbytes, rig.describe(), ceil, skipped)
@@ -263,8 +263,8 @@ def report(args: argparse.Namespace, rounds: list[dict], nbytes: int, rig: str,
     def ratio(a: str, b: str, k: str) -> float:
         return statistics.median(r[a][k] / r[b][k] for r in rounds)
 
-    print(f"\nmodel load, {nbytes / 2**30:.2f} GiB of bf16 + fp8 tensors, {rig}, GB/s, "
-          f"median of {args.repeat}\n")
+    print(f"\nmodel load, {nbytes / 2**30:.2f} GiB of bf16 + fp8 tensors, {rig}, stripe unit "
+          f"{args.stripe_unit}, GB/s, median of {args.repeat}\n")
     print("| arm | cold | warm |")
     print("|---|---:|---:|")
     print(f"| rig ceiling: one member alone, raw O_DIRECT | {ceil['member_alone_GBps']:.2f} | |")

@@ -112,6 +112,7 @@ def bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rig", default="plain", help="plain (folders on one disk) or "
                     "members:N:MBPS (N loop-device XFS members capped at MBPS MB/s each; "
                     "tools/rig.py)")
+    ap.add_argument("--stripe-unit", default="1MiB", help="the scratch pool's stripe unit")
 
 
 def save_results(args: argparse.Namespace, **results: Any) -> None:
