@@ -186,6 +186,15 @@ class DirectFile(Reader):
         return {m: Residency(self.fds[m], lo, hi) for m, (lo, hi) in spans.items()
                 if m in self.direct_fds}
 
+    def cached_fraction(self) -> float:
+        """The share of the file's bytes in the page cache (0..1), over every member."""
+        total = cached = 0.0
+        for m, fd in self.fds.items():
+            n = self.layout.chunk_length(m, self.size)
+            total += n
+            cached += n * Residency(fd, 0, n).cached_fraction(0, n) if n else 0
+        return cached / total if total else 1.0
+
     def _go_direct(self, cache: dict[int, Residency], piece: Piece) -> bool:
         if self.odirect == "auto":
             res = cache.get(piece.member)

@@ -227,8 +227,11 @@ class KVOps:
 
     def _get(self, msg: dict[str, Any], session: Session, space: Namespace
              ) -> tuple[dict[str, Any], list[int]]:
-        """Layout, checksums and read descriptors of each present key (None: a miss)."""
+        """Layout, checksums and read descriptors of each present key (None: a miss);
+        with "odirect", an O_DIRECT descriptor beside each buffered one, so that cold
+        chunks go from the members to the engine's buffer without the page cache."""
         pin = bool_field(msg, "pin")
+        odirect = bool_field(msg, "odirect")
         inline_max = int_field(msg, "inline_max", 0)
         budget = INLINE_REPLY  # base64 of what rides inline must stay under MAX_PAYLOAD
         out: list[dict[str, Any] | None] = []
@@ -247,7 +250,7 @@ class KVOps:
                     budget -= chunk.size
                     out.append({**sums, "data": base64.b64encode(self._read(node)).decode()})
                     continue
-                which, got = read_fds(self.vol, node)
+                which, got = read_fds(self.vol, node, odirect=odirect)
                 fds += got
                 if len(fds) > MAX_FDS:
                     raise OSError(errno.E2BIG, f"ask for fewer keys at once (over {MAX_FDS} "
@@ -257,8 +260,7 @@ class KVOps:
                         raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
                                       " KV read leases, the limit (mount option max_pins)")
                     leases.append((key, chunk))
-                out.append({**sums, "layout": self.vol.layout(node).describe(),
-                            "members": which["members"]})
+                out.append({**sums, "layout": self.vol.layout(node).describe(), **which})
         except BaseException:
             for fd in fds:
                 os.close(fd)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
-from mxfs.client.direct import DirectFile
+from mxfs.client.direct import DIO_ALIGN, DirectFile, address_of, aligned_like
 from mxfs.client.writer import DirectWriter
 from mxfs.errors import MxfsError
 from mxfs.io import read_batch, write_batch
@@ -37,6 +37,7 @@ log = logging.getLogger("mxfs.kv")
 # Chunks this small travel inside the request and reply (one round trip, no descriptors).
 INLINE = 256 << 10
 _INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a third)
+STAGING_MAX = 64 << 20  # the most of one get that goes through a store's staging buffer
 # The daemon's default bound on a connection's unpublished files (`max_pending` in
 # mxfs/fs/limits.py), for a daemon that does not report its own.
 MAX_PENDING = 256
@@ -65,19 +66,31 @@ def _b64(key: Key | Any) -> str:
     return base64.b64encode(key_bytes(key)).decode()
 
 
+def _fd_room() -> int | None:
+    """Descriptors a store may hold at once: a quarter of the process's open-file
+    limit (a descriptor that does not fit is lost in transit); None: no limit."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft // 4
+
+
 def put_group(stat: dict[str, Any], members: int) -> int:
     """How many direct puts one group holds unpublished at once.
 
     No more than the daemon lets a connection hold (the `max_pending` its `stat`
     reports, else the default), so a batch of any length never meets that limit; and
-    no more descriptors than a quarter of this process's limit, since each put holds
-    one per member until its commit (a descriptor that does not fit is lost in transit).
+    each put holds a descriptor per member until its commit, within `_fd_room`.
     """
     pending = int((stat.get("limits") or {}).get("max_pending") or MAX_PENDING)
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return max(1, pending)
-    return max(1, min(pending, soft // 4 // max(1, members)))
+    room = _fd_room()
+    return max(1, pending if room is None else min(pending, room // max(1, members)))
+
+
+def get_part(members: int) -> int:
+    """How many keys one lookup of a get asks for: a buffered and an O_DIRECT
+    descriptor for each member a chunk is on, within one reply and `_fd_room`."""
+    each = 2 * max(1, members)
+    room = _fd_room()
+    return max(1, MAX_FDS // each if room is None else min(MAX_FDS, room) // each)
 
 
 def _view(buf: Any, writable: bool) -> tuple[memoryview, Any]:
@@ -109,6 +122,43 @@ class _Inline:
         pass
 
 
+class _Staging:
+    """A page-aligned buffer, touched once and kept, that cold chunks are read into
+    with O_DIRECT when the caller's buffer is not page-aligned (a bytearray, a CPU
+    tensor: O_DIRECT refuses those), then copied out.  One copy out of it costs less
+    than the buffered read they would get instead (page-cache folios allocated,
+    filled, copied; and the chunk then held twice, in the cache and the engine)."""
+
+    def __init__(self) -> None:
+        self.buf: memoryview | None = None
+
+    def take(self, reads: list[tuple[DirectFile, memoryview]]) -> list[memoryview | None]:
+        """A piece of the buffer for each read that needs one: a buffer that is not
+        aligned, for a chunk mostly not cached, with direct descriptors; at most
+        STAGING_MAX bytes in all (the rest read in place, through the cache)."""
+        want: list[int] = []
+        total = 0
+        for f, view in reads:
+            n = -(-len(view) // DIO_ALIGN) * DIO_ALIGN
+            if (f.direct_fds and address_of(view) % DIO_ALIGN and total + n <= STAGING_MAX
+                    and f.cached_fraction() < 0.5):
+                want.append(len(view))
+                total += n
+            else:
+                want.append(0)
+        if not total:
+            return [None] * len(reads)
+        if self.buf is None or len(self.buf) < total:
+            self.buf = aligned_like(max(total, min(STAGING_MAX, 2 * len(self.buf or b""))), 0)
+            self.buf[:] = bytes(len(self.buf))  # touched now, not on every read
+        out: list[memoryview | None] = []
+        at = 0
+        for n in want:
+            out.append(self.buf[at:at + n] if n else None)
+            at += -(-n // DIO_ALIGN) * DIO_ALIGN
+        return out
+
+
 class KVStore:
     """Chunks of one namespace of the pool mounted at (or holding) `mount`."""
 
@@ -131,7 +181,8 @@ class KVStore:
             self._ns["mode"] = mode
         stat = self.client.stat()
         self.members = len(stat["members"])
-        self.batch = max(1, MAX_FDS // self.members)  # keys a get asks for at once
+        self.batch = get_part(self.members)  # keys a lookup asks for at once
+        self._staging = _Staging()
         self.put_group = put_group(stat, self.members)
         # Misses by reason: "absent" (not stored, or no namespace yet), "checksum" (damaged,
         # dropped), "smaller"/"larger" (a chunk of another size than its buffer).  The
@@ -264,7 +315,7 @@ class KVStore:
     def _get_some(self, keys: list[Key], outs: list[Any] | None) -> list[Any]:
         wire = [_b64(k) for k in keys]
         # No lease needed: the descriptors keep a chunk's bytes even if it is evicted.
-        found = self._lookup("kv_get", wire, inline_max=INLINE)
+        found = self._lookup("kv_get", wire, inline_max=INLINE, odirect=True)
         if found is None:
             self.misses["absent"] += len(keys)
             return [None] * len(keys)
@@ -310,7 +361,8 @@ class KVStore:
                 elif "data" in entry:
                     files.append(_Inline(base64.b64decode(entry["data"])))
                 else:
-                    mine, fds = fds[:len(entry["members"])], fds[len(entry["members"]):]
+                    n = len(entry["members"]) + len(entry.get("direct_members", []))
+                    mine, fds = fds[:n], fds[n:]
                     files.append(DirectFile(f"kv:{self.namespace}", self.client,
                                             (entry, mine)))
         except BaseException:
@@ -329,7 +381,7 @@ class KVStore:
         size (a shorter chunk would leave the buffer's tail stale, a longer one not fit)."""
         views: list[memoryview | None] = [None] * len(files)
         copies: list[Any] = [None] * len(files)
-        ops = []
+        reads: list[tuple[DirectFile, memoryview]] = []
         for i, f in enumerate(files):
             if f is None:
                 self.misses["absent"] += 1
@@ -348,8 +400,15 @@ class KVStore:
             if isinstance(f, _Inline):
                 view[:] = f.data
             else:
-                ops += f.plan_reads([(0, view)])
+                reads.append((f, view))
+        staged = self._staging.take(reads)
+        ops = []
+        for (f, view), stage in zip(reads, staged, strict=True):
+            ops += f.plan_reads([(0, view if stage is None else stage)])
         read_batch(ops)
+        for (_, view), stage in zip(reads, staged, strict=True):
+            if stage is not None:
+                view[:] = stage
         return views, copies
 
     def _lookup(self, op: str, wire: list[str], **fields: Any

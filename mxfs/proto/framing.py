@@ -12,7 +12,9 @@ the op's fields, or "ok": false with "errno" and "error".
 from __future__ import annotations
 
 import array
+import errno
 import json
+import os
 import socket
 import struct
 from collections.abc import Sequence
@@ -131,11 +133,18 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """Read one message and the descriptors that came with it (blocking)."""
-    head, anc, _flags, _addr = sock.recvmsg(HEADER.size, ancillary_space())
+    head, anc, flags, _addr = sock.recvmsg(HEADER.size, ancillary_space())
     if not head:
         raise ConnectionError("control socket closed")
     fds = fds_from_ancdata(anc)
     if len(head) < HEADER.size:
         head += _recv_exact(sock, HEADER.size - len(head))
-    _, _, length = parse_header(head)
-    return decode_payload(_recv_exact(sock, length)), fds
+    _, sent, length = parse_header(head)
+    msg = decode_payload(_recv_exact(sock, length))  # read whole: the next reply stays framed
+    if len(fds) < sent or flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(errno.EMFILE, f"{sent - len(fds)} of the {sent} descriptors the daemon "
+                      "sent were lost: this process is at its open-file limit (raise "
+                      "`ulimit -n`, or close files)")
+    return msg, fds
