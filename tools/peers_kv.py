@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from mxfs.kv import KVStore
 
@@ -82,8 +83,26 @@ class Failed(Exception):
     """An arm's call reported failure, or read back other bytes."""
 
 
+_DIGESTS: dict[int, tuple[torch.Tensor, int]] = {}
+
+
+def holds(got: Any, want: torch.Tensor) -> bool:
+    """Whether `got` (a tensor or a buffer) holds exactly the bytes of `want`.
+
+    By xxh3 (15 GB/s here, against 2 GB/s for a byte compare of a memoryview): the
+    checks run between timed calls, and while they run a capped rig's block-I/O
+    throttle keeps adding to the budget of the next call, so a slow check would
+    make every arm look faster than its drives."""
+    view = got.reshape(-1).view(torch.uint8).numpy().data if isinstance(got, torch.Tensor) \
+        else memoryview(got).cast("B")
+    if id(want) not in _DIGESTS:  # (the tensor is held, so its id is not reused)
+        _DIGESTS[id(want)] = (want, xxhash.xxh3_64_intdigest(want.numpy().data))
+    return len(view) == want.numel() and \
+        xxhash.xxh3_64_intdigest(view) == _DIGESTS[id(want)][1]
+
+
 def differ(what: str, c: int, got: torch.Tensor, want: torch.Tensor) -> None:
-    if not torch.equal(got.reshape(-1).view(torch.uint8), want):
+    if not holds(got, want):
         raise Failed(f"{what}: chunk {c} read back other bytes")
 
 
@@ -573,7 +592,7 @@ class Vllm(Driver):
         with eng.region() as flat:
             for chunk_id, c in zip(spec.chunk_ids, chunks, strict=True):
                 at = int(chunk_id) * eng.row
-                if flat[at:at + self.ctx.size] != self.ctx.content(c).numpy().data:
+                if not holds(flat[at:at + self.ctx.size], self.ctx.content(c)):
                     raise Failed(f"load: chunk {c} read back other bytes")
         eng.manager.complete_load(keys, ctx)
         eng.manager.on_request_finished(ctx)
