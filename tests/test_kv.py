@@ -115,6 +115,11 @@ def test_cold_gets_go_around_the_page_cache(mounted: Mounted) -> None:
             # only the block under the short tail is read through the cache
             assert cached_chunk_bytes(mounted.members) <= 64 << 10, type(outs[0])
         assert kv.batch_get(["a", "b"], [bytearray(n) for n in sizes]) == [True, True]
+    with KVStore(str(mounted.path), "cold", page_cache=True) as kv:  # asked for: cached
+        outs = [bytearray(n) for n in sizes]
+        assert kv.batch_get(["a", "b"], outs) == [True, True]
+        assert bytes(outs[0]) == blob(1, sizes[0]) and bytes(outs[1]) == blob(2, sizes[1])
+        assert cached_chunk_bytes(mounted.members) >= sum(sizes)
 
 
 def test_a_batch_put_of_any_length_stays_within_the_daemons_pending_limit(

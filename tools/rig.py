@@ -7,6 +7,11 @@
                          block-I/O cgroup: N drives of a real pool against the one drive a
                          user without mxfs reads from
 
+With `--dir /dev/shm` the devices' images live in RAM: the cap alone sets each drive's
+bandwidth, and the drift of the disk under /var/tmp (its all-members ceiling swung
+1.05-2.0 GB/s between hours) drops out, at the cost of memory for every byte written
+and of CPU for the loop driver's copies.
+
 The benchmark process joins the rig's cgroup, so its reads, those of the daemon it
 starts and the readahead done for them are all capped.  On cgroup v1 buffered
 writeback is issued by kernel threads outside the cgroup and escapes the cap; reads
@@ -43,12 +48,25 @@ class Rig:
     plain: str
     mbps: int | None = None
     devices: list[str] = field(default_factory=list)
+    in_ram: bool = False  # the loop devices' images are in a tmpfs
 
     def describe(self) -> str:
         if self.mbps is None:
             return f"{len(self.members)} folder members on one disk"
         return (f"{len(self.members)} XFS loop members at {self.mbps} MB/s each "
-                f"(peers on one more such device)")
+                f"(peers on one more such device{'; images in RAM' if self.in_ram else ''})")
+
+
+def in_tmpfs(path: str) -> bool:
+    """Whether `path` lies on a tmpfs (the longest mount point above it)."""
+    path, best, kind = os.path.realpath(path), "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, point, fstype = line.split()[:3]
+            if (path == point or path.startswith(point.rstrip("/") + "/")) and \
+                    len(point) >= len(best):
+                best, kind = point, fstype
+    return kind == "tmpfs"
 
 
 def parse_rig(spec: str) -> tuple[int, int] | None:
@@ -157,7 +175,7 @@ def make_rig(spec: str, where: str = "/var/tmp", gib_each: int = 16) -> Iterator
         folders = [os.path.join(m, "member") for m in mounts[:n]]
         plain = os.path.join(mounts[n], "plain")
         before = cg.join()
-        yield Rig(spec, folders, plain, mbps, loops)
+        yield Rig(spec, folders, plain, mbps, loops, in_tmpfs(base))
     finally:
         if before is not None:
             cg.leave(before)

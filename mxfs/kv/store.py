@@ -164,10 +164,15 @@ class KVStore:
 
     def __init__(self, mount: str, namespace: str = "default", *,
                  capacity: int | None = None, shared: bool = False,
-                 mode: int | None = None) -> None:
+                 mode: int | None = None, page_cache: bool = False) -> None:
         """`namespace` is made on the first put, private to this user (or with `mode`,
         e.g. 0o750 to let its group read).  A namespace another user owns is used
-        only with `shared=True`: chunks are trusted as their writers are."""
+        only with `shared=True`: chunks are trusted as their writers are.
+
+        Gets read cold chunks with O_DIRECT: the engine's own host tier is the cache,
+        and the chunk is not held twice.  `page_cache=True` reads through the page
+        cache instead: a chunk read again while it stays cached is a memory copy,
+        at the cost of slower cold reads and the memory the cache holds."""
         root = mount_root(mount)
         if root is None:
             raise MxfsError(f"{mount} is not on an mxfs mount",
@@ -181,6 +186,7 @@ class KVStore:
             self._ns["mode"] = mode
         stat = self.client.stat()
         self.members = len(stat["members"])
+        self.page_cache = page_cache
         self.batch = get_part(self.members)  # keys a lookup asks for at once
         self._staging = _Staging()
         self.put_group = put_group(stat, self.members)
@@ -315,7 +321,7 @@ class KVStore:
     def _get_some(self, keys: list[Key], outs: list[Any] | None) -> list[Any]:
         wire = [_b64(k) for k in keys]
         # No lease needed: the descriptors keep a chunk's bytes even if it is evicted.
-        found = self._lookup("kv_get", wire, inline_max=INLINE, odirect=True)
+        found = self._lookup("kv_get", wire, inline_max=INLINE, odirect=not self.page_cache)
         if found is None:
             self.misses["absent"] += len(keys)
             return [None] * len(keys)
