@@ -106,6 +106,18 @@ def test_sglang_backend_loaded_by_the_dynamic_factory(mounted: Mounted) -> None:
     other_rank.close()
 
 
+def test_sglang_config_reads_through_the_page_cache_when_asked(mounted: Mounted) -> None:
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    for asked in (False, True):
+        config = sglang_config(mounted)
+        config.extra_config["page_cache"] = asked
+        backend = StorageBackendFactory.create_backend("dynamic", config, None)
+        assert backend.store.page_cache is asked
+        backend.close()
+
+
 def test_sglang_lookups_before_any_store_are_misses(mounted: Mounted) -> None:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer

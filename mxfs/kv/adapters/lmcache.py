@@ -68,7 +68,8 @@ class MxfsL2Adapter(L2AdapterInterface):
         try:
             self.store = KVStore(conf["mount"],
                                  conf.get("namespace") or default_namespace("lmcache"),
-                                 capacity=self.capacity or None, shared=bool(conf.get("shared")))
+                                 capacity=self.capacity or None, shared=bool(conf.get("shared")),
+                                 page_cache=bool(conf.get("page_cache")))
         except MxfsError as e:
             raise OSError(errno.ENODEV, f"mxfs L2 adapter: {e}") from None
         self._events = {kind: create_event_notifier() for kind in ("store", "lookup", "load")}

@@ -84,7 +84,8 @@ class MxfsHiCacheStorage(HiCacheStorage):
         capacity = extra.get("capacity")
         self.store = KVStore(mount, extra.get("namespace") or default_namespace("sglang"),
                              capacity=int(capacity) if capacity is not None else None,
-                             shared=bool(extra.get("shared")))
+                             shared=bool(extra.get("shared")),
+                             page_cache=bool(extra.get("page_cache")))
         self.config_suffix, self.tp_config_suffix = storage_suffixes(storage_config)
         self.suffix = self.config_suffix
         self.mem_pool_host: Any = None

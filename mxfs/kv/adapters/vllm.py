@@ -96,7 +96,8 @@ class MxfsTier(SecondaryTierManager):
                  tier_type: str, mount: str = "", namespace: str = "",
                  capacity: int | None = None, shared: bool = False,
                  enable_kv_events: bool = False, locality: str | None = None,
-                 backpressure_detector: BackpressureDetector | None = None) -> None:
+                 backpressure_detector: BackpressureDetector | None = None,
+                 page_cache: bool = False) -> None:
         """The tier config's fields; a mount that is not there refuses to start (as
         vLLM's fs tier does with a root it cannot make), a pool lost later fails jobs."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -104,7 +105,8 @@ class MxfsTier(SecondaryTierManager):
             raise ValueError("mxfs vLLM tier: set \"mount\" in the tier config")
         self.locality = Locality(locality) if locality is not None else None
         self.run = storage_run(offloading_spec)
-        self._args = (mount, namespace or default_namespace("vllm"), capacity, shared)
+        self._args = (mount, namespace or default_namespace("vllm"), capacity, shared,
+                      page_cache)
         self._conn = threading.Lock()  # guards replacing a broken store
         self.store = self._open()
         self.events: list[OffloadingEvent] | None = None
@@ -125,9 +127,10 @@ class MxfsTier(SecondaryTierManager):
     # ---- the pool ---------------------------------------------------------------------
 
     def _open(self) -> KVStore:
-        mount, namespace, capacity, shared = self._args
+        mount, namespace, capacity, shared, page_cache = self._args
         try:
-            return KVStore(mount, namespace, capacity=capacity, shared=shared)
+            return KVStore(mount, namespace, capacity=capacity, shared=shared,
+                           page_cache=page_cache)
         except MxfsError as e:
             raise OSError(errno.ENODEV, f"mxfs vLLM tier: {e}") from None
 
