@@ -122,6 +122,39 @@ def test_cold_gets_go_around_the_page_cache(mounted: Mounted) -> None:
         assert cached_chunk_bytes(mounted.members) >= sum(sizes)
 
 
+def test_threads_sharing_a_store_get_their_own_bytes(mounted: Mounted) -> None:
+    """Engines' adapters call one store from several threads: cold gets into buffers
+    that are not aligned (each thread's own staging) return every thread its chunks."""
+    import threading
+
+    n = (1 << 20) + 4096
+    keys = [f"t{i}" for i in range(16)]
+    with KVStore(str(mounted.path), "threads") as kv:
+        assert kv.batch_put(keys, [blob(i, n) for i in range(16)]) == [True] * 16
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        wrong: list[str] = []
+
+        def reader(first: int) -> None:
+            for _ in range(8):
+                mine = [keys[(first + j) % 16] for j in range(4)]
+                outs = [bytearray(n) for _ in mine]
+                if kv.batch_get(mine, outs) != [True] * 4:
+                    wrong.append(f"misses for {mine}")
+                for k, out in zip(mine, outs, strict=True):
+                    if bytes(out) != blob(int(k[1:]), n):
+                        wrong.append(f"{k}: other bytes")
+
+        threads = [threading.Thread(target=reader, args=(4 * t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert wrong == [] and kv.misses["checksum"] == 0
+        assert kv.exists_many(keys) == [True] * 16
+
+
 def test_a_batch_put_of_any_length_stays_within_the_daemons_pending_limit(
         tmp_path: Path) -> None:
     members = make_members(tmp_path)

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import resource
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -123,9 +124,9 @@ class _Inline:
 
 
 class _Staging:
-    """A page-aligned buffer, touched once and kept, that cold chunks are read into
-    with O_DIRECT when the caller's buffer is not page-aligned (a bytearray, a CPU
-    tensor: O_DIRECT refuses those), then copied out.  One copy out of it costs less
+    """A page-aligned buffer, touched once and kept (one a thread), that cold chunks are
+    read into with O_DIRECT when the caller's buffer is not page-aligned (a bytearray,
+    a CPU tensor: O_DIRECT refuses those), then copied out.  One copy out of it costs less
     than the buffered read they would get instead (page-cache folios allocated,
     filled, copied; and the chunk then held twice, in the cache and the engine)."""
 
@@ -188,7 +189,7 @@ class KVStore:
         self.members = len(stat["members"])
         self.page_cache = page_cache
         self.batch = get_part(self.members)  # keys a lookup asks for at once
-        self._staging = _Staging()
+        self._local = threading.local()  # each thread's staging buffer: threads share stores
         self.put_group = put_group(stat, self.members)
         # Misses by reason: "absent" (not stored, or no namespace yet), "checksum" (damaged,
         # dropped), "smaller"/"larger" (a chunk of another size than its buffer).  The
@@ -407,7 +408,9 @@ class KVStore:
                 view[:] = f.data
             else:
                 reads.append((f, view))
-        staged = self._staging.take(reads)
+        if not hasattr(self._local, "staging"):
+            self._local.staging = _Staging()
+        staged = self._local.staging.take(reads)
         ops = []
         for (f, view), stage in zip(reads, staged, strict=True):
             ops += f.plan_reads([(0, view if stage is None else stage)])
