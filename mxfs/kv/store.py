@@ -137,27 +137,24 @@ class _Staging:
         """A piece of the buffer for each read that needs one: a buffer that is not
         aligned, for a chunk mostly not cached, with direct descriptors; at most
         STAGING_MAX bytes in all (the rest read in place, through the cache)."""
-        want: list[int] = []
+        spots: list[tuple[int, int] | None] = []  # (offset in the buffer, length)
         total = 0
         for f, view in reads:
             n = -(-len(view) // DIO_ALIGN) * DIO_ALIGN
             if (f.direct_fds and address_of(view) % DIO_ALIGN and total + n <= STAGING_MAX
                     and f.cached_fraction() < 0.5):
-                want.append(len(view))
+                spots.append((total, len(view)))
+                f.odirect = "always"  # judged just now: plan_reads need not look again
                 total += n
             else:
-                want.append(0)
+                spots.append(None)
         if not total:
             return [None] * len(reads)
         if self.buf is None or len(self.buf) < total:
             self.buf = aligned_like(max(total, min(STAGING_MAX, 2 * len(self.buf or b""))), 0)
             self.buf[:] = bytes(len(self.buf))  # touched now, not on every read
-        out: list[memoryview | None] = []
-        at = 0
-        for n in want:
-            out.append(self.buf[at:at + n] if n else None)
-            at += -(-n // DIO_ALIGN) * DIO_ALIGN
-        return out
+        buf = self.buf
+        return [None if spot is None else buf[spot[0]:spot[0] + spot[1]] for spot in spots]
 
 
 class KVStore:
