@@ -118,6 +118,32 @@ def test_auto_reads_cached_pieces_buffered_and_cold_ones_direct(mounted: Mounted
         assert bytes(buf) == data
 
 
+def test_cachestat_and_mincore_see_the_same_cached_pages(tmp_path: Path) -> None:
+    """Residency asks cachestat(2) where the kernel has it, mincore elsewhere: over a file
+    cached in patches, both give each range the same share, the kernel's own answer."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    path = tmp_path / "patches.bin"
+    write(path, 64 * page + 123)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only what is read
+        for first, n in ((0, 3), (10, 1), (20, 8), (63, 2)):  # the last runs past EOF
+            os.pread(fd, n * page, first * page)
+        size = os.fstat(fd).st_size
+        fast, slow = Residency(fd, 0, size), Residency(fd, 0, size, probe="mincore")
+        assert slow.pages is not None and fast.pages is None
+        cached = [i for i in range(65) if slow.pages[i] & 1]
+        assert cached == [0, 1, 2, 10, *range(20, 28), 63, 64]  # what was read, no more
+        for off, n in ((0, size), (0, 3 * page), (page, 2 * page), (5 * page, 10 * page),
+                       (20 * page + 7, 4000), (30 * page, 20 * page), (60 * page, size)):
+            assert fast.cached_fraction(off, n) == slow.cached_fraction(off, n), (off, n)
+        assert fast.pages is None  # answered by cachestat, never falling back here
+    finally:
+        os.close(fd)
+
+
 def test_direct_reads_of_sparse_files_read_zeros(mounted: Mounted) -> None:
     path = mounted.path / "sparse.bin"
     with open(path, "wb") as f:

@@ -11,13 +11,13 @@ import ctypes
 import errno
 import mmap
 import os
-import threading
 from contextlib import suppress
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
 from mxfs.errors import MxfsError
 from mxfs.io import PAGE, Layout, Piece, ReadOp, read_batch
+from mxfs.io.batch import executor
 from mxfs.io.residency import Residency
 
 # Requests are cut into segments this big, so each member serves several at a time.
@@ -234,14 +234,13 @@ class DirectFile(Reader):
         faults come as 4 KiB pages, which every later mapping of the file pays for
         (touching 1 GiB of a warm mapping: 45-60 ms over such pages, 6-10 ms over the
         large folios that reads make, kernel 6.18).  WILLNEED is no substitute:
-        this kernel reads only the first 8 MiB of it.  Runs already cached are skipped.
+        this kernel reads only the first 8 MiB of it.  Runs already cached are
+        skipped, and a file wholly cached costs a mincore per member and no thread
+        (starting four took 10-20 ms here, most of a warm 1 GiB load).
         """
-        threads = [threading.Thread(target=_read_ahead, args=(fd,), name="mxfs-cache")
-                   for fd in self.fds.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        todo = [(fd, runs) for fd in self.fds.values() if (runs := _uncached_runs(fd))]
+        if todo:
+            list(executor().map(lambda job: _read_runs(*job), todo))
 
     def map(self) -> mmap.mmap:
         """The file's stripes mapped side by side into one contiguous range.
@@ -347,16 +346,25 @@ def merge_runs(ops: list[ReadOp], limit: int = DIRECT_RUN) -> list[ReadOp]:
 PREFETCH_RUN = 8 << 20
 
 
-def _read_ahead(fd: int) -> None:
-    """Read a chunk file into the page cache (the bytes are thrown away), skipping runs
-    already cached."""
+def _uncached_runs(fd: int) -> list[int]:
+    """Offsets of the PREFETCH_RUN-long runs of a chunk file not wholly in the page cache."""
     try:
         size = os.fstat(fd).st_size
-        cached = Residency(fd, 0, size)
+    except OSError:
+        return []
+    cached = Residency(fd, 0, size)
+    if cached.cached_fraction(0, size) == 1.0:
+        return []  # warm: one lookup, not one a run
+    return [off for off in range(0, size, PREFETCH_RUN)
+            if cached.cached_fraction(off, PREFETCH_RUN) < 1.0]
+
+
+def _read_runs(fd: int, runs: list[int]) -> None:
+    """Read runs of a chunk file into the page cache (the bytes are thrown away)."""
+    try:
         with mmap.mmap(-1, PREFETCH_RUN) as buf:
-            for offset in range(0, size, PREFETCH_RUN):
-                if cached.cached_fraction(offset, PREFETCH_RUN) < 1.0:
-                    os.preadv(fd, [buf], offset)
+            for offset in runs:
+                os.preadv(fd, [buf], offset)
     except OSError:
         pass  # only a head start: the load's own page faults read what is left
 
