@@ -7,6 +7,10 @@ warm, five ways:
   (a) raw: parallel O_DIRECT reads of the file's chunk files (the members' ceiling)
   (b reader) the direct path's reader alone: the whole file into a touched aligned
       buffer, as (a) reads into touched buffers (the read half of every mode)
+  (b reader fresh) the same reads into a new buffer, and (m) the first touch of a new
+      buffer of the same size with no I/O: what a CPU load pays for memory that no
+      process has used yet (a load must put its bytes in such memory; on the
+      development VM, whose host takes freed pages back, this is what bounds them)
   (b) mxfs.load.load_file through the direct path: mode "read" (O_DIRECT into one
       buffer), "map" (the CPU default) and "stream" (through the bounded staging
       buffers a GPU load uses, here copied to CPU memory)
@@ -31,6 +35,7 @@ reads of each member alone and of all at once) is measured first and shown besid
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import os
@@ -176,6 +181,13 @@ def _touch_each(load: Callable[[], Tensors]) -> int:
     return sum(touch({n: t}) for n, t in load())
 
 
+def first_touch(nbytes: int) -> None:
+    """Write every byte of a new buffer of `nbytes` (as `aligned_like` makes them for a
+    load): the cost of fresh memory alone."""
+    buf = aligned_like(nbytes, 0)
+    ctypes.memset(direct.address_of(buf), 0, nbytes)
+
+
 def timed(fn, *args):  # noqa: ANN001, ANN201 - a tiny local helper
     start = time.perf_counter()
     out = fn(*args)
@@ -225,6 +237,8 @@ def run(args: argparse.Namespace, pool: ScratchPool
         arms = {
             "a_raw_chunks": lambda: raw_chunks(chunks, bufs),
             "b_mxfs_reader": lambda: reader.read_into(0, touched),
+            "b_mxfs_reader_fresh": lambda: reader.read_into(0, aligned_like(reader.size, 0)),
+            "m_fresh_memory_touch": lambda: first_touch(reader.size),
             "b_mxfs_load": lambda: touch(load_file(on_mxfs, mode="read")),
             "b_mxfs_load_map": lambda: touch(load_file(on_mxfs, mode="map")),
             "b_mxfs_load_stream": lambda: touch(load_file(on_mxfs, mode="stream")),
@@ -276,6 +290,10 @@ def report(args: argparse.Namespace, rounds: list[dict], nbytes: int, rig: str,
         print(f"| {arm} | skipped: {why} | |")
     checks = [("(b reader)/(a) cold", ratio("b_mxfs_reader", "a_raw_chunks", "cold"), 0.9),
               ("(b)/(a) cold", ratio("b_mxfs_load", "a_raw_chunks", "cold"), 0.9),
+              ("(b reader fresh)/(b reader) cold: the cost of new memory",
+               ratio("b_mxfs_reader_fresh", "b_mxfs_reader", "cold"), None),
+              ("(b)/(b reader fresh) cold", ratio("b_mxfs_load", "b_mxfs_reader_fresh", "cold"),
+               None),
               ("(b map)/(a) cold", ratio("b_mxfs_load_map", "a_raw_chunks", "cold"), 0.9),
               ("(b map)/(c) cold", ratio("b_mxfs_load_map", "c_safetensors_mount", "cold"), 3.0),
               ("(b map)/(d) warm", ratio("b_mxfs_load_map", "d_safetensors_plain", "warm"), 1.0),
