@@ -1,7 +1,7 @@
 /*
  * mxfs.io._engine: run a batch of positional reads or writes through io_uring.
  *
- *   run(ops, write, depth) -> int
+ *   run(ops, write, depth, stall_ms) -> int
  *
  * ops is a sequence of (fd, offset, buffer) triples; every buffer is filled from
  * (or written to) its descriptor at its offset.  Up to `depth` requests are in
@@ -10,6 +10,12 @@
  * than the file it belongs to).  The GIL is released while the ring runs.
  * Returns the bytes transferred; raises OSError with the first errno.
  *
+ * When no completion comes for `stall_ms`, every request in flight is asked back
+ * (IORING_OP_ASYNC_CANCEL): one the kernel had not started completes -ECANCELED
+ * and is done on this thread with pread/pwrite instead; one a device holds cannot
+ * be cancelled and is waited for.  On kernel 6.18 a buffered write handed to
+ * io-wq once never got a worker, and the daemon waiting for it hung for good.
+ *
  * Built only where liburing is present; mxfs/io/batch.py falls back to a
  * Python thread pool of preadv/pwritev behind the same interface otherwise.
  */
@@ -17,9 +23,11 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdint.h>
 #include <liburing.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef struct {
     int fd;
@@ -82,10 +90,57 @@ static void prep(struct io_uring_sqe *sqe, op_t *op, Py_ssize_t index, int write
     op->busy = 1;
 }
 
+#define CANCEL_TAG (UINT64_MAX - 1) /* user_data of our cancel requests (liburing keeps UINT64_MAX) */
+
+/* The rest of a transfer the ring gave back, done here.  Returns 0 or an errno. */
+static int finish_here(op_t *op, int write, long long *total) {
+    while (op->done < (size_t)op->view.len) {
+        char *base = (char *)op->view.buf + op->done;
+        size_t len = (size_t)op->view.len - op->done;
+        off_t at = (off_t)(op->offset + op->done);
+        ssize_t res = write ? pwrite(op->fd, base, len, at) : pread(op->fd, base, len, at);
+        if (res < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (res == 0) {
+            if (write)
+                return EIO;
+            memset(base, 0, len); /* end of file, as the ring's reads do */
+            op->done = (size_t)op->view.len;
+            break;
+        }
+        op->done += (size_t)res;
+        *total += res;
+    }
+    return 0;
+}
+
+/* Wait for a completion; after `stall_ms` without one, ask every request back once
+ * and go on waiting.  Returns 0, or a negative errno from the ring. */
+static int wait_some(struct io_uring *ring, unsigned stall_ms) {
+    struct __kernel_timespec ts = {.tv_sec = stall_ms / 1000,
+                                   .tv_nsec = (long long)(stall_ms % 1000) * 1000000};
+    struct io_uring_cqe *cqe;
+    for (;;) {
+        int rc = io_uring_submit_and_wait_timeout(ring, &cqe, 1, &ts, NULL);
+        if (rc != -ETIME)
+            return rc == -EINTR ? 0 : (rc < 0 ? rc : 0);
+        struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+        if (sqe) {
+            io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY | IORING_ASYNC_CANCEL_ALL);
+            io_uring_sqe_set_data64(sqe, CANCEL_TAG);
+        }
+    }
+}
+
 /* Runs without the GIL.  Returns 0 or a positive errno. */
-static int run_ring(op_t *ops, Py_ssize_t n, int write, unsigned depth, long long *total) {
+static int run_ring(op_t *ops, Py_ssize_t n, int write, unsigned depth, unsigned stall_ms,
+                    long long *total) {
     struct io_uring ring;
-    int err = -io_uring_queue_init(depth, &ring, 0);
+    /* room for a cancel request beside a full ring */
+    int err = -io_uring_queue_init(depth + 1, &ring, 0);
     if (err)
         return err;
     Py_ssize_t next = 0, inflight = 0;
@@ -107,8 +162,8 @@ static int run_ring(op_t *ops, Py_ssize_t n, int write, unsigned depth, long lon
         }
         if (!inflight)
             break;
-        int rc = io_uring_submit_and_wait(&ring, 1);
-        if (rc < 0 && rc != -EINTR) {
+        int rc = wait_some(&ring, stall_ms);
+        if (rc < 0) {
             first_error = first_error ? first_error : -rc;
             break;
         }
@@ -116,10 +171,18 @@ static int run_ring(op_t *ops, Py_ssize_t n, int write, unsigned depth, long lon
         unsigned head, seen = 0;
         io_uring_for_each_cqe(&ring, head, cqe) {
             seen++;
+            if (io_uring_cqe_get_data64(cqe) == CANCEL_TAG)
+                continue; /* how many it found: each answers for itself */
             op_t *op = &ops[io_uring_cqe_get_data64(cqe)];
             op->busy = 0;
             inflight--;
             int res = cqe->res;
+            if (res == -ECANCELED) {
+                int e = first_error ? 0 : finish_here(op, write, total);
+                if (e && !first_error)
+                    first_error = e;
+                continue;
+            }
             if (res == -EINTR || res == -EAGAIN) {
                 res = 0; /* resubmit below */
             } else if (res < 0) {
@@ -152,10 +215,11 @@ static int run_ring(op_t *ops, Py_ssize_t n, int write, unsigned depth, long lon
     /* drain what is still in flight before the buffers go back to Python */
     while (inflight > 0) {
         struct io_uring_cqe *cqe;
-        if (io_uring_wait_cqe(&ring, &cqe) < 0)
+        if (wait_some(&ring, stall_ms) < 0 || io_uring_peek_cqe(&ring, &cqe) < 0)
             break;
+        if (io_uring_cqe_get_data64(cqe) != CANCEL_TAG)
+            inflight--;
         io_uring_cqe_seen(&ring, cqe);
-        inflight--;
     }
     io_uring_queue_exit(&ring);
     return first_error;
@@ -164,9 +228,13 @@ static int run_ring(op_t *ops, Py_ssize_t n, int write, unsigned depth, long lon
 static PyObject *engine_run(PyObject *self, PyObject *args) {
     PyObject *seq;
     int write = 0;
-    unsigned depth = 32;
-    if (!PyArg_ParseTuple(args, "O|pI", &seq, &write, &depth))
+    unsigned depth = 32, stall_ms = 10000;
+    if (!PyArg_ParseTuple(args, "O|pII", &seq, &write, &depth, &stall_ms))
         return NULL;
+    if (stall_ms < 1) {
+        PyErr_SetString(PyExc_ValueError, "stall_ms must be at least 1");
+        return NULL;
+    }
     if (depth < 1 || depth > 4096) {
         PyErr_SetString(PyExc_ValueError, "depth must be within 1..4096");
         return NULL;
@@ -178,7 +246,7 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     long long total = 0;
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = run_ring(ops, n, write, depth, &total);
+    err = run_ring(ops, n, write, depth, stall_ms, &total);
     Py_END_ALLOW_THREADS
     release_ops(ops, n);
     if (err) {
@@ -200,7 +268,8 @@ static PyObject *engine_probe(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"run", engine_run, METH_VARARGS, "run(ops, write=False, depth=32) -> bytes transferred"},
+    {"run", engine_run, METH_VARARGS,
+     "run(ops, write=False, depth=32, stall_ms=10000) -> bytes transferred"},
     {"probe", engine_probe, METH_NOARGS, "raise OSError if io_uring cannot be used here"},
     {NULL, NULL, 0, NULL},
 };

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from pathlib import Path
 
@@ -81,3 +82,67 @@ def test_a_batch_takes_members_in_turn_each_in_its_own_order() -> None:
     for fd in (7, 8, 9):  # each member still streams in file order
         offs = [off for f, off in got if f == fd]
         assert offs == sorted(offs)
+
+
+def test_a_ring_request_with_no_completion_is_taken_back(tmp_path: Path) -> None:
+    """A request the kernel never completes (here a read of an empty FIFO, which waits
+    for a writer; on kernel 6.18, a buffered write queued for an io-wq worker that never
+    came) is cancelled after the stall time and done on the caller's thread, so the call
+    returns, with that attempt's answer (a FIFO cannot be read at an offset: ESPIPE),
+    and the other transfers of the batch done."""
+    native, why = batch.native_engine()
+    if native is None:
+        pytest.skip(why)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    stuck = os.open(fifo, os.O_RDWR)  # a writer exists (us), so the read just waits
+    data = os.urandom(3 * 4096)
+    (tmp_path / "file").write_bytes(data)
+    fine = os.open(tmp_path / "file", os.O_RDONLY)
+    try:
+        got = bytearray(len(data))
+        with pytest.raises(OSError) as e:
+            native.run([(fine, 0, memoryview(got)), (stuck, 0, memoryview(bytearray(4096)))],
+                       False, 8, 100)
+        assert e.value.errno == errno.ESPIPE
+        assert bytes(got) == data
+        os.write(stuck, b"late")  # a cancelled read took nothing from the FIFO
+        assert os.read(stuck, 16) == b"late"
+    finally:
+        os.close(stuck)
+        os.close(fine)
+
+
+def test_buffered_writes_go_to_the_threads_and_direct_ones_to_the_ring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """io-wq is where a buffered write can wait for a worker that never comes (see
+    mxfs.io.batch), and the ring gains nothing on them: only O_DIRECT writes use it."""
+    native, why = batch.native_engine()
+    if native is None:
+        pytest.skip(why)
+    rings: list[int] = []
+
+    class Counting:
+        def run(self, ops, *args):  # noqa: ANN001, ANN002, ANN202 - passes through
+            rings.append(len(ops))
+            return native.run(ops, *args)
+
+    monkeypatch.setattr(batch, "_native", Counting())
+    block = memoryview(bytearray(os.urandom(2 * 4096)))
+    for direct in (False, True):
+        rings.clear()
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+        try:
+            fds = [os.open(tmp_path / f"{direct}{i}", flags) for i in range(2)]
+        except OSError as e:  # a filesystem without O_DIRECT (tmpfs before 6.6)
+            pytest.skip(f"O_DIRECT refused here: {e}")
+        aligned = mmap.mmap(-1, len(block))
+        aligned[:] = block
+        try:
+            batch.write_batch([WriteOp(fd, 0, [memoryview(aligned)]) for fd in fds])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert bool(rings) == direct
+        for i in range(2):
+            assert (tmp_path / f"{direct}{i}").read_bytes() == bytes(block)

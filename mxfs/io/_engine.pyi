@@ -3,8 +3,10 @@ from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
-def run(ops: Sequence[tuple[int, int, Buffer]], write: bool = ..., depth: int = ..., /) -> int:
-    """Run every (fd, offset, buffer) transfer through io_uring; the bytes transferred."""
+def run(ops: Sequence[tuple[int, int, Buffer]], write: bool = ..., depth: int = ...,
+        stall_ms: int = ..., /) -> int:
+    """Run every (fd, offset, buffer) transfer through io_uring; the bytes transferred.
+    A request without a completion for `stall_ms` is cancelled and done on this thread."""
 
 def probe() -> None:
     """Raise OSError if io_uring cannot be used here."""

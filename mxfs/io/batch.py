@@ -5,10 +5,17 @@ set queue depth, one ring per core, GIL released), the default wherever it was
 built and the kernel allows io_uring; and a pool of threads running
 preadv/pwritev, which needs no build.  MXFS_IO_ENGINE=threads picks the pool.
 `ENGINE` says which runs and why (the daemon logs it, `mxfs status` shows it).
+
+Buffered writes always run on the pool: io_uring gains nothing on them (each is a
+copy into the page cache; one that must wait goes to an io-wq worker, where writes
+to one file queue behind each other), and on kernel 6.18 one such write never got
+a worker, hanging the daemon that waited for it.  The ring takes reads and O_DIRECT
+writes, and asks back any request that gets no completion for STALL_MS (engine.c).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -20,6 +27,7 @@ T = TypeVar("T")
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 QUEUE_DEPTH = 32
+STALL_MS = 10_000  # a ring request without a completion this long is taken back
 _RINGS = os.cpu_count() or 1
 
 
@@ -27,7 +35,7 @@ class NativeEngine(Protocol):
     """What mxfs.io._engine offers (its stub: _engine.pyi)."""
 
     def run(self, ops: Sequence[tuple[int, int, memoryview]], write: bool = ..., depth: int = ...,
-            /) -> int: ...
+            stall_ms: int = ..., /) -> int: ...
 
     def probe(self) -> None: ...
 
@@ -181,12 +189,17 @@ def _run_native(triples: list[tuple[int, int, memoryview]], write: bool) -> None
     assert native is not None  # _use_native said so
     triples = interleaved(triples, lambda t: t[0])
     groups = [triples[i::_RINGS] for i in range(min(_RINGS, len(triples)))]
-    _run(lambda g: native.run(g, write, QUEUE_DEPTH), groups)
+    _run(lambda g: native.run(g, write, QUEUE_DEPTH, STALL_MS), groups)
 
 
 def _use_native(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> bool:
     """The ring pays off for more than one transfer; one runs inline on this thread."""
     return _native is not None and (len(ops) > 1 or (len(ops) == 1 and len(ops[0].bufs) > 1))
+
+
+def _all_direct(ops: Sequence[WriteOp]) -> bool:
+    """Does every op write to an O_DIRECT descriptor?"""
+    return all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in {op.fd for op in ops})
 
 
 def _fd(op: ReadOp | WriteOp) -> int:
@@ -202,8 +215,9 @@ def read_batch(ops: Sequence[ReadOp]) -> None:
 
 
 def write_batch(ops: Sequence[WriteOp]) -> None:
-    """Write every op's buffers, all ops at once; raises the first OSError (ENOSPC, EIO)."""
-    if _use_native(ops):
+    """Write every op's buffers, all ops at once; raises the first OSError (ENOSPC, EIO).
+    O_DIRECT writes go to the ring, buffered ones to the threads (see the top)."""
+    if _use_native(ops) and _all_direct(ops):
         _run_native(_triples(ops), write=True)
     elif ops:
         _run(lambda op: pwritev_full(op.fd, op.bufs, op.offset), interleaved(ops, _fd))
