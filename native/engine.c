@@ -15,6 +15,7 @@
  * and is done on this thread with pread/pwrite instead; one a device holds cannot
  * be cancelled and is waited for.  On kernel 6.18 a buffered write handed to
  * io-wq once never got a worker, and the daemon waiting for it hung for good.
+ * taken_back() counts such requests, so an operator sees that it happens.
  *
  * Built only where liburing is present; mxfs/io/batch.py falls back to a
  * Python thread pool of preadv/pwritev behind the same interface otherwise.
@@ -89,6 +90,8 @@ static void prep(struct io_uring_sqe *sqe, op_t *op, Py_ssize_t index, int write
     io_uring_sqe_set_data64(sqe, (unsigned long long)index);
     op->busy = 1;
 }
+
+static unsigned long long taken_back; /* requests cancelled after a stall, ever */
 
 #define CANCEL_TAG (UINT64_MAX - 1) /* user_data of our cancel requests (liburing keeps UINT64_MAX) */
 
@@ -178,6 +181,7 @@ static int run_ring(op_t *ops, Py_ssize_t n, int write, unsigned depth, unsigned
             inflight--;
             int res = cqe->res;
             if (res == -ECANCELED) {
+                __atomic_fetch_add(&taken_back, 1, __ATOMIC_RELAXED);
                 int e = first_error ? 0 : finish_here(op, write, total);
                 if (e && !first_error)
                     first_error = e;
@@ -267,9 +271,15 @@ static PyObject *engine_probe(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *engine_taken_back(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&taken_back, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef methods[] = {
     {"run", engine_run, METH_VARARGS,
      "run(ops, write=False, depth=32, stall_ms=10000) -> bytes transferred"},
+    {"taken_back", engine_taken_back, METH_NOARGS,
+     "requests this process's rings cancelled after a stall and did on a thread"},
     {"probe", engine_probe, METH_NOARGS, "raise OSError if io_uring cannot be used here"},
     {NULL, NULL, 0, NULL},
 };

@@ -101,10 +101,12 @@ def test_a_ring_request_with_no_completion_is_taken_back(tmp_path: Path) -> None
     fine = os.open(tmp_path / "file", os.O_RDONLY)
     try:
         got = bytearray(len(data))
+        before = native.taken_back()
         with pytest.raises(OSError) as e:
             native.run([(fine, 0, memoryview(got)), (stuck, 0, memoryview(bytearray(4096)))],
                        False, 8, 100)
         assert e.value.errno == errno.ESPIPE
+        assert native.taken_back() == before + 1  # counted, for `mxfs status` and metrics
         assert bytes(got) == data
         os.write(stuck, b"late")  # a cancelled read took nothing from the FIFO
         assert os.read(stuck, 16) == b"late"
@@ -126,6 +128,9 @@ def test_buffered_writes_go_to_the_threads_and_direct_ones_to_the_ring(
         def run(self, ops, *args):  # noqa: ANN001, ANN002, ANN202 - passes through
             rings.append(len(ops))
             return native.run(ops, *args)
+
+        def taken_back(self) -> int:
+            return native.taken_back()
 
     monkeypatch.setattr(batch, "_native", Counting())
     block = memoryview(bytearray(os.urandom(2 * 4096)))

@@ -81,6 +81,7 @@ def test_prometheus_endpoint(mounted: Mounted) -> None:
     assert re.search(r'mxfs_member_free_bytes\{member="3"\} [1-9]', text)
     assert re.search(r'mxfs_kv_hits\{namespace="prom"\} 1\.0', text)
     assert re.search(r'mxfs_requests_total\{kind="control",op="kv_get"\} [1-9]', text)
+    assert re.search(r'^mxfs_io_requests_taken_back_total 0\.0$', text, re.M)  # none lost
 
 
 def _scrape(port: int) -> str | None:

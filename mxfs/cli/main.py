@@ -192,6 +192,9 @@ def _format_status(s: dict[str, Any]) -> str:
              + (f", {s['inodes']} inodes, {s['open_files']} open" if "inodes" in s else "")]
     if "io_engine" in s:
         lines.append(f"  I/O engine: {s['io_engine']} ({s['native_engine']})")
+        if s.get("io_taken_back"):
+            lines.append(f"  I/O requests taken back after a stall: {s['io_taken_back']} "
+                         "(the kernel lost them; see docs/operations.md)")
     lim = s.get("limits")
     if lim:
         busiest = lim["busiest_user"]

@@ -50,7 +50,7 @@ from mxfs.fs.session import (
 )
 from mxfs.fs.surveys import Surveys
 from mxfs.fs.volume import Volume
-from mxfs.io.batch import ENGINE, native_engine
+from mxfs.io.batch import ENGINE, native_engine, taken_back
 from mxfs.meta import Inode
 from mxfs.meta.survey import bytes_by_use
 from mxfs.proto import (
@@ -539,7 +539,8 @@ class ControlServer:
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.path,
                 "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
-                "native_engine": native_engine()[1], "limits": self.usage_of_limits()}
+                "native_engine": native_engine()[1], "io_taken_back": taken_back(),
+                "limits": self.usage_of_limits()}
 
     def usage_of_limits(self) -> dict[str, Any]:
         """How close the daemon is to each limit (what `mxfs status` shows)."""

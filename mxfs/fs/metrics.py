@@ -15,6 +15,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from mxfs.io.batch import taken_back
+
 # Latency buckets (seconds) of the request histograms.
 BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
@@ -113,7 +115,10 @@ def serve_prometheus(metrics: Metrics, port: int, gauges: Callable[[], Iterator[
             for m, w, nbytes, n in snap["io"]:
                 by.add_metric([str(m), w], nbytes)
                 ops.add_metric([str(m), w], n)
-            yield from (req, err, by, ops, lat)
+            back = CounterMetricFamily("mxfs_io_requests_taken_back", "I/O requests the "
+                                       "kernel did not complete in time, redone on a thread")
+            back.add_metric([], taken_back())
+            yield from (req, err, by, ops, lat, back)
             yield from gauges()
 
     REGISTRY.register(Collector())

@@ -8,5 +8,8 @@ def run(ops: Sequence[tuple[int, int, Buffer]], write: bool = ..., depth: int = 
     """Run every (fd, offset, buffer) transfer through io_uring; the bytes transferred.
     A request without a completion for `stall_ms` is cancelled and done on this thread."""
 
+def taken_back() -> int:
+    """Requests this process's rings cancelled after a stall and did on a thread."""
+
 def probe() -> None:
     """Raise OSError if io_uring cannot be used here."""

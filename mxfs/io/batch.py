@@ -16,6 +16,7 @@ writes, and asks back any request that gets no completion for STALL_MS (engine.c
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("mxfs.io")
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 QUEUE_DEPTH = 32
@@ -38,6 +40,8 @@ class NativeEngine(Protocol):
             stall_ms: int = ..., /) -> int: ...
 
     def probe(self) -> None: ...
+
+    def taken_back(self) -> int: ...
 
 
 def native_engine() -> tuple[NativeEngine | None, str]:
@@ -189,7 +193,19 @@ def _run_native(triples: list[tuple[int, int, memoryview]], write: bool) -> None
     assert native is not None  # _use_native said so
     triples = interleaved(triples, lambda t: t[0])
     groups = [triples[i::_RINGS] for i in range(min(_RINGS, len(triples)))]
-    _run(lambda g: native.run(g, write, QUEUE_DEPTH, STALL_MS), groups)
+    before = native.taken_back()
+    try:
+        _run(lambda g: native.run(g, write, QUEUE_DEPTH, STALL_MS), groups)
+    finally:
+        if (n := native.taken_back() - before) > 0:
+            log.warning("io_uring: %d request(s) got no completion for %d s; taken back and "
+                        "done on a thread (a kernel fault: see docs/operations.md)", n,
+                        STALL_MS // 1000)
+
+
+def taken_back() -> int:
+    """Requests the rings of this process took back after a stall (0 without the engine)."""
+    return _native.taken_back() if _native is not None else 0
 
 
 def _use_native(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> bool:
