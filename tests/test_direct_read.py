@@ -128,6 +128,8 @@ def test_cachestat_and_mincore_see_the_same_cached_pages(tmp_path: Path) -> None
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if any(b & 1 for b in Residency(fd, 0, 65 * page, probe="mincore").pages or b""):
+            pytest.skip("this filesystem keeps its pages cached (tmpfs): nothing to tell apart")
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only what is read
         for first, n in ((0, 3), (10, 1), (20, 8), (63, 2)):  # the last runs past EOF
             os.pread(fd, n * page, first * page)
