@@ -8,9 +8,11 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -84,6 +86,44 @@ def test_prometheus_endpoint(mounted: Mounted) -> None:
     assert re.search(r'^mxfs_io_requests_taken_back_total 0\.0$', text, re.M)  # none lost
 
 
+def _cpu_latency_limit() -> int:
+    """The machine's CPU latency limit in us, as the kernel holds it now."""
+    with open("/dev/cpu_dma_latency", "rb") as f:
+        return int(struct.unpack("=i", f.read(4))[0])
+
+
+@pytest.mark.skipif(not os.access("/dev/cpu_dma_latency", os.R_OK), reason="no PM QoS device")
+def test_wake_latency_is_held_while_requests_flow(mounted: Mounted, tmp_path: Path) -> None:
+    before = _cpu_latency_limit()
+    if before <= 7:
+        pytest.skip(f"something else holds the CPU latency limit at {before} us")
+    mounted.umount()
+    mxfs("mount", "-o", "allow_other,wake_latency_us=7", mounted.members[0], str(mounted.path))
+    link = mounted.path / "ln"
+    os.symlink("target", link)
+    busy = threading.Event()
+
+    def requests() -> None:  # each readlink is a round trip to the daemon
+        while not busy.is_set():
+            os.readlink(link)
+
+    worker = threading.Thread(target=requests)
+    worker.start()
+    try:
+        assert eventually(lambda: _cpu_latency_limit() == 7, timeout=10)
+        status = mxfs("status", str(mounted.path)).stdout
+        assert "wake latency limit 7 us while busy: held now" in status
+    finally:
+        busy.set()
+        worker.join()
+    assert eventually(lambda: _cpu_latency_limit() == before, timeout=10)  # let go when idle
+    assert "not held now, taken 1 times" in mxfs("status", str(mounted.path)).stdout
+    (empty := tmp_path / "elsewhere").mkdir()
+    line = one_line_error(mxfs("mount", "-o", "wake_latency_us=-1", mounted.members[0],
+                               str(empty), check=False))
+    assert "wake_latency_us" in line
+
+
 def _scrape(port: int) -> str | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -96,6 +136,7 @@ def test_bad_flags_and_paths_are_one_line(mounted: Mounted, tmp_path: Path) -> N
     for args in (("df", str(tmp_path)), ("top", str(tmp_path)), ("scrub", "/nope"),
                  ("meta", "ls", "/nope"), ("kv", "stats", str(tmp_path)),
                  ("mount", "-o", "metrics_port=x", mounted.members[0], str(tmp_path)),
+                 ("mount", "-o", "wake_latency_us=x", mounted.members[0], str(tmp_path)),
                  ("ckpt", "ls", str(tmp_path / "missing"))):
         one_line_error(mxfs(*args, check=False))
 

@@ -195,6 +195,12 @@ def _format_status(s: dict[str, Any]) -> str:
         if s.get("io_taken_back"):
             lines.append(f"  I/O requests taken back after a stall: {s['io_taken_back']} "
                          "(the kernel lost them; see docs/operations.md)")
+    wake = s.get("wake_latency")
+    if wake:
+        lines.append(f"  wake latency limit {wake['us']} us while busy: "
+                     + (f"cannot be set ({wake['broken']})" if wake["broken"] else
+                        f"{'held now' if wake['held'] else 'not held now'}, "
+                        f"taken {wake['holds']} times"))
     lim = s.get("limits")
     if lim:
         busiest = lim["busiest_user"]

@@ -50,6 +50,7 @@ from mxfs.fs.session import (
 )
 from mxfs.fs.surveys import Surveys
 from mxfs.fs.volume import Volume
+from mxfs.fs.wake import WakeLatency
 from mxfs.io.batch import ENGINE, native_engine, taken_back
 from mxfs.meta import Inode
 from mxfs.meta.survey import bytes_by_use
@@ -101,8 +102,10 @@ class ControlServer:
                  entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
                  metrics: Metrics | None = None, limits: Limits | None = None,
                  only_uid: int | None = None,
-                 settle: Callable[[int], Awaitable[None]] | None = None) -> None:
+                 settle: Callable[[int], Awaitable[None]] | None = None,
+                 wake: WakeLatency | None = None) -> None:
         self.writeback_cache = writeback_cache
+        self.wake = wake  # the CPU latency limit held while busy (-o wake_latency_us)
         # Waits until the mount's answered writes of an inode are on its members, so a
         # direct reader sees them (the mount lands writes behind their answers).
         self.settle = settle
@@ -540,7 +543,8 @@ class ControlServer:
                 "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
                 "native_engine": native_engine()[1], "io_taken_back": taken_back(),
-                "limits": self.usage_of_limits()}
+                "limits": self.usage_of_limits(),
+                "wake_latency": self.wake.state() if self.wake else None}
 
     def usage_of_limits(self) -> dict[str, Any]:
         """How close the daemon is to each limit (what `mxfs status` shows)."""

@@ -25,6 +25,7 @@ from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
+from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
 from mxfs.meta import backup, lease
@@ -34,6 +35,7 @@ log = logging.getLogger("mxfs.daemon")
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
 OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache",
                "write_behind", "meta_backup", "degraded", "metrics_port", "log_json",
+               "wake_latency_us",
                *Limits.options())
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
@@ -84,6 +86,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         write_behind = int(own.get("write_behind", DEPTH))
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         metrics_port = int(own.get("metrics_port") or 0)
+        wake_us = int(own["wake_latency_us"]) if own.get("wake_latency_us") else None
+        if wake_us is not None and wake_us < 0:
+            raise ValueError("wake_latency_us")
         limits = Limits.from_options(own)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
@@ -92,7 +97,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         vol.store.sole_writer(True)  # (the lease: no other writer changes the rows)
     except ValueError:
         err = MxfsError("io_threads, readahead (KiB), write_behind (writes queued per file), "
-                        "meta_backup (s), metrics_port and the "
+                        "meta_backup (s), metrics_port, wake_latency_us and the "
                         f"limits ({', '.join(Limits.options())}) take whole numbers",
                         "write them like io_threads=16,max_conns=4096")
         ready(err, [])
@@ -107,6 +112,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         vol.recover()
         metrics = Metrics()
         vol.pool.on_io = metrics.io
+        wake = None if wake_us is None else WakeLatency(wake_us, lambda: metrics.total)
         ops = MxfsOperations(vol, control_path=sock, noatime="noatime" in own,
                              io_threads=io_threads, write_behind=write_behind,
                              writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"),
@@ -128,7 +134,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
                                     entry_changed=ops.entry_changed, metrics=metrics,
                                     limits=limits, only_uid=None if "allow_other" in fuse_opts
-                                    else os.getuid(), settle=ops.settle)
+                                    else os.getuid(), settle=ops.settle, wake=wake)
             if metrics_port:
                 try:
                     serve_prometheus(metrics, metrics_port, lambda: pool_gauges(control))
@@ -161,6 +167,8 @@ async def _serve(control: ControlServer, ops: MxfsOperations, ready: Callable[[]
         if backup_s > 0 and backup.supported(control.vol.store):  # a server's are its operator's
             nursery.start_soon(_backups, control, backup_s)
         nursery.start_soon(_announce, control, ready, readahead_kib)
+        if control.wake is not None:
+            nursery.start_soon(control.wake.run)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
 

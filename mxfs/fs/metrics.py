@@ -33,10 +33,12 @@ class Metrics:
         self.errors: dict[tuple[str, str, int], int] = defaultdict(int)  # (kind, op, errno)
         self.io_bytes: dict[tuple[int, str], int] = defaultdict(int)  # (member, read|write)
         self.io_ops: dict[tuple[int, str], int] = defaultdict(int)
+        self.total = 0  # requests of every kind (what wake_latency_us watches)
 
     def request(self, kind: str, op: str, seconds: float, err: int | None = None) -> None:
         with self._lock:
             key = (kind, op)
+            self.total += 1
             self.requests[key] += 1
             self.seconds[key] += seconds
             counts = self.buckets[key]
