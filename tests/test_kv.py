@@ -122,6 +122,30 @@ def test_cold_gets_go_around_the_page_cache(mounted: Mounted) -> None:
         assert cached_chunk_bytes(mounted.members) >= sum(sizes)
 
 
+def test_a_batch_opened_at_once_comes_back_whole_and_leaks_nothing(
+        members: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk files of a batch whose first chunk opened slowly (inodes not cached) are
+    opened at once in the daemon's worker threads; here every batch is (the threshold
+    set to 0): bytes, misses and deletions are as ever, and no descriptor stays open."""
+    monkeypatch.setenv("MXFS_KV_COLD_OPEN_US", "0")
+    mkfs(members, "1MiB")
+    sizes = [(3 << 20) + 4096 * i for i in range(10)]  # each over several members
+    with mount_with(members) as m, KVStore(str(m.path), "par") as kv:
+        keys = [f"k{i}" for i in range(10)]
+        assert kv.batch_put(keys, [blob(i, n) for i, n in enumerate(sizes)]) == [True] * 10
+        pid = m.daemon_pid()
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        for _ in range(3):
+            outs = [bytearray(n) for n in sizes]
+            assert kv.batch_get(keys + ["absent"], outs + [bytearray(1)]) == [True] * 10 + [None]
+            assert [bytes(o) for o in outs] == [blob(i, n) for i, n in enumerate(sizes)]
+            assert kv.batch_get(keys[::-1]) == [blob(i, sizes[i]) for i in range(9, -1, -1)]
+        assert all(kv.delete(k) for k in keys[:5])
+        got = kv.batch_get(keys)
+        assert got[:5] == [None] * 5 and got[5:] == [blob(i, sizes[i]) for i in range(5, 10)]
+        assert eventually(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= before)
+
+
 def test_threads_sharing_a_store_get_their_own_bytes(mounted: Mounted) -> None:
     """Engines' adapters call one store from several threads: cold gets into buffers
     that are not aligned (each thread's own staging) return every thread its chunks."""

@@ -377,6 +377,8 @@ class ControlServer:
             return self._create(msg, session)
         if op == "commit":
             return await self._commit(msg, session), []
+        if op == "kv_get":
+            return await self.kv.get(msg, session)
         if op in KV_OPS:
             return self.kv.handle(op, msg, session)
         if op == "metrics":

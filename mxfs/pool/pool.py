@@ -405,14 +405,15 @@ class Pool:
         in that order.  Never-written chunk files are absent: they read as zeros.
         EIO if a failed member holds some of the file's bytes.
         """
-        self.check(layout.holding(size))
+        held = layout.holding(size)
+        self.check(held)
         members: list[int] = []
         direct: list[int] = []
         fds: list[int] = []
         try:
             for m in layout.used_members():
-                if self.members[m].failed:
-                    continue  # holds nothing of this file (checked above)
+                if m not in held:
+                    continue  # nothing of this file's bytes there (a lookup saved)
                 try:
                     fds.append(os.open(self.chunk_path(m, ino), os.O_RDONLY | os.O_CLOEXEC))
                 except FileNotFoundError:
