@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 from conftest import Mounted, eventually, mxfs, one_line_error
 
 import mxfs.ckpt as ck
+from mxfs.fs.wake import WakeLatency
 from mxfs.kv import KVStore
 
 
@@ -119,9 +121,42 @@ def test_wake_latency_is_held_while_requests_flow(mounted: Mounted, tmp_path: Pa
     assert eventually(lambda: _cpu_latency_limit() == before, timeout=10)  # let go when idle
     assert "not held now, taken 1 times" in mxfs("status", str(mounted.path)).stdout
     (empty := tmp_path / "elsewhere").mkdir()
-    line = one_line_error(mxfs("mount", "-o", "wake_latency_us=-1", mounted.members[0],
-                               str(empty), check=False))
-    assert "wake_latency_us" in line
+    for bad in ("-1", str(1 << 31)):  # the kernel takes a signed 32-bit count
+        line = one_line_error(mxfs("mount", "-o", f"wake_latency_us={bad}", mounted.members[0],
+                                   str(empty), check=False))
+        assert "wake_latency_us" in line
+
+
+def test_wake_latency_holds_while_counting_and_never_raises(tmp_path: Path) -> None:
+    """The holder against stand-ins for the kernel's device: it writes the limit while
+    the count moves, lets go when it stops, and a device it cannot open ends nothing."""
+    with pytest.raises(ValueError):
+        WakeLatency(1 << 31, lambda: 0)
+    gone = WakeLatency(5, lambda: 0, path=str(tmp_path / "missing"))
+    gone.hold()
+    assert not gone.held and "No such file" in (gone.broken or "")
+    trio.run(gone.run)  # returns at once: nothing to hold, no exception
+    device = tmp_path / "qos"
+    device.write_bytes(b"")
+    ticks = iter(range(1_000_000))
+    moving = True
+    w = WakeLatency(5, lambda: next(ticks) if moving else 0, path=str(device))
+    seen = []
+
+    async def watch() -> None:
+        nonlocal moving
+        async with trio.open_nursery() as n:
+            n.start_soon(w.run)
+            await trio.sleep(0.3)
+            seen.append(w.held)
+            moving = False
+            await trio.sleep(0.6)
+            seen.append(w.held)
+            n.cancel_scope.cancel()
+
+    trio.run(watch)
+    assert seen == [True, False] and w.holds == 1 and not w.held
+    assert struct.unpack("=i", device.read_bytes()[:4]) == (5,)
 
 
 def _scrape(port: int) -> str | None:

@@ -25,6 +25,7 @@ from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
+from mxfs.fs.wake import MAX_US as WAKE_MAX_US
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
@@ -87,7 +88,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         metrics_port = int(own.get("metrics_port") or 0)
         wake_us = int(own["wake_latency_us"]) if own.get("wake_latency_us") else None
-        if wake_us is not None and wake_us < 0:
+        if wake_us is not None and not 0 <= wake_us <= WAKE_MAX_US:
             raise ValueError("wake_latency_us")
         limits = Limits.from_options(own)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)

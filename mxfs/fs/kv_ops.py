@@ -14,6 +14,7 @@ import errno
 import itertools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import trio
@@ -32,7 +33,6 @@ from mxfs.fs.session import (
     refuse_if_degraded,
 )
 from mxfs.fs.volume import Volume
-from mxfs.io.batch import executor
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool import ChunkFiles
@@ -43,6 +43,18 @@ INLINE_REPLY = 512 << 10  # chunk bytes one kv_get reply may carry inline
 # A chunk's files opened slower than this waited on a member: open the rest at once
 # (MXFS_KV_COLD_OPEN_US in the daemon's environment; 0: every batch at once).
 COLD_OPEN_S = int(os.environ.get("MXFS_KV_COLD_OPEN_US", "").strip() or 200) / 1e6
+# Threads of their own, and two batches at a time: however many cold batches one
+# user sends, the mount's I/O threads and trio's are not theirs to fill.
+OPEN_THREADS = 8
+_OPENING = trio.CapacityLimiter(2)
+_opener_pool: ThreadPoolExecutor | None = None
+
+
+def _openers() -> ThreadPoolExecutor:
+    global _opener_pool
+    if _opener_pool is None:
+        _opener_pool = ThreadPoolExecutor(OPEN_THREADS, thread_name_prefix="mxfs-kv-open")
+    return _opener_pool
 
 
 MAX_BATCH = 4096  # keys in one request
@@ -300,24 +312,26 @@ class KVOps:
         opens).  On a failure every descriptor opened is closed and the error raised."""
         done: list[tuple[dict[str, list[int]], list[int]]] = []
 
-        def one(node: Inode) -> tuple[dict[str, list[int]], list[int]] | OSError:
+        def one(node: Inode) -> tuple[dict[str, list[int]], list[int]] | Exception:
             try:
                 return read_fds(self.vol, node, odirect=odirect)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - every opened descriptor is accounted
                 return e
 
-        def at_once(later: list[Inode]) -> list[tuple[dict[str, list[int]], list[int]] | OSError]:
-            return list(executor().map(one, later))
+        def at_once(later: list[Inode]) -> list[tuple[dict[str, list[int]], list[int]]
+                                                 | Exception]:
+            return list(_openers().map(one, later))
 
         try:
             for i, node in enumerate(nodes):
                 started = time.perf_counter()
                 done.append(read_fds(self.vol, node, odirect=odirect))
                 if time.perf_counter() - started > COLD_OPEN_S and i + 1 < len(nodes):
-                    rest = await trio.to_thread.run_sync(at_once, nodes[i + 1:])
-                    done += [r for r in rest if not isinstance(r, OSError)]
+                    rest = await trio.to_thread.run_sync(at_once, nodes[i + 1:],
+                                                         limiter=_OPENING)
+                    done += [r for r in rest if not isinstance(r, Exception)]
                     for r in rest:
-                        if isinstance(r, OSError):
+                        if isinstance(r, Exception):
                             raise r
                     break
         except BaseException:

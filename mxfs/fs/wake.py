@@ -15,6 +15,7 @@ operator asks for it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -27,6 +28,9 @@ log = logging.getLogger("mxfs.wake")
 QOS_PATH = "/dev/cpu_dma_latency"
 CHECK_S = 0.05  # how often the request count is looked at
 IDLE_S = 0.2    # the limit goes after this long without a request
+MAX_US = (1 << 31) - 1  # the kernel takes a signed 32-bit value
+# Errors that say the limit cannot be set here at all; others (EMFILE...) pass.
+FOR_GOOD = (errno.ENOENT, errno.ENODEV, errno.EACCES, errno.EPERM, errno.EINVAL)
 
 
 class WakeLatency:
@@ -34,9 +38,10 @@ class WakeLatency:
 
     def __init__(self, microseconds: int, count: Callable[[], int],
                  path: str = QOS_PATH) -> None:
-        if microseconds < 0:
+        if not 0 <= microseconds <= MAX_US:
             raise ValueError("wake_latency_us")
         self.microseconds = microseconds
+        self.value = struct.pack("=i", microseconds)
         self.count = count
         self.path = path
         self.fd: int | None = None
@@ -50,21 +55,19 @@ class WakeLatency:
     def hold(self) -> None:
         if self.fd is not None or self.broken:
             return
+        fd = None
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+            os.write(fd, self.value)
         except OSError as e:
-            self.broken = f"{self.path}: {e.strerror}"
-            log.warning("wake_latency_us: cannot set the CPU latency limit (%s); the mount "
-                        "runs without it (the daemon needs root for it)", self.broken)
-            return
-        try:
-            os.write(fd, struct.pack("=i", self.microseconds))
-        except OSError as e:
-            os.close(fd)
-            self.broken = f"{self.path}: {e.strerror}"
-            log.warning("wake_latency_us: the kernel refused %d us (%s); the mount runs "
-                        "without it", self.microseconds, self.broken)
-            return
+            if fd is not None:
+                os.close(fd)
+            if e.errno in FOR_GOOD:
+                self.broken = f"{self.path}: {e.strerror}"
+                log.warning("wake_latency_us: cannot set the CPU latency limit of %d us (%s);"
+                            " the mount runs without it (the daemon needs root for it)",
+                            self.microseconds, self.broken)
+            return  # (out of descriptors, say: tried again at the next check)
         self.fd = fd
         self.holds += 1
 
@@ -78,16 +81,21 @@ class WakeLatency:
         """Hold while the count moves, release after IDLE_S of quiet; until cancelled."""
         last, quiet = self.count(), 0.0
         try:
-            while True:
+            while not self.broken:
                 await trio.sleep(CHECK_S)
                 now = self.count()
-                if now != last:
-                    last, quiet = now, 0.0
-                    self.hold()
-                else:
-                    quiet += CHECK_S
-                    if quiet >= IDLE_S:
-                        self.release()
+                try:
+                    if now != last:
+                        last, quiet = now, 0.0
+                        self.hold()
+                    else:
+                        quiet += CHECK_S
+                        if quiet >= IDLE_S:
+                            self.release()
+                except Exception as e:  # noqa: BLE001 - never the end of the mount
+                    self.broken = f"{type(e).__name__}: {e}"
+                    log.error("wake_latency_us: %s; the mount runs without the limit",
+                              self.broken)
         finally:
             self.release()
 
