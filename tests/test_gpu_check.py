@@ -45,8 +45,14 @@ def check_common(r: dict, md: str) -> None:
     loads = r["loads"]
     assert set(loads["median"]) >= {"a_raw_chunks", "b_mxfs_stream", "c_safetensors"}
     assert all(v["cold"] > 0 and v["warm"] > 0 for v in loads["median"].values())
-    assert loads["equal"] == {"b_mxfs_stream": True}
+    assert loads["equal"]["b_mxfs_stream"] is True
     assert "CUDA" in loads["gds_unavailable"]  # GDS skipped with its reason
+    # the peers: each loaded (the same bytes, and timed) or skipped with why
+    for peer in ("f_fastsafetensors", "f_fastsafetensors_gds", "g_instanttensor"):
+        assert loads["equal"].get(peer) is True or loads["skipped"].get(peer), peer
+        assert (peer in loads["median"]) == (peer in loads["equal"]), peer
+    assert "CUDA" in loads["skipped"]["f_fastsafetensors_gds"]
+    assert "CUDA" in loads["skipped"]["g_instanttensor"]
     ck = r["checkpoint"]
     assert ck["equal_mxfs"] is True and ck["equal_torch_save"] is True
     assert all(ck[k] > 0 for k in ("blocked_s", "durable_s", "first_blocked_s", "torch_save_s"))

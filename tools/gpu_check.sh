@@ -6,8 +6,9 @@
 # Here, once: put what the GPU image lacks (Python 3.12, x86-64) into .whl/ (ignored):
 #   tools/gpu_check.sh --fetch        (PY312=/path/to/python3.12 to build the two
 #                                      extensions, when python3.12 is not on the PATH)
-#   .whl/*.whl       kvikio for CUDA 13, zstandard, trio and its needs, and pyfuse3
-#                    built here for cp312 (it ships no wheels)
+#   .whl/*.whl       kvikio for CUDA 13, zstandard, trio and its needs, the peer loaders
+#                    fastsafetensors and InstantTensor, and pyfuse3 built here for cp312
+#                    (it ships no wheels)
 #   .whl/lib/        libfuse3.so.3 (pyfuse3 needs it; the image has no libfuse3)
 #   .whl/native/     mxfs's io_uring engine built for cp312, liburing linked in
 # There, from the repo root, with .whl/ carried along:
@@ -17,6 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(kvikio-cu13==26.10.* libkvikio-cu13==26.10.* rapids-logger==0.3.* zstandard
+        fastsafetensors==0.5.0 instanttensor==0.2.2
         trio==0.35.* outcome==1.3.* sniffio==1.3.*)
 if [ "${1:-}" = --fetch ]; then
   plat=()

@@ -7,6 +7,9 @@ dropped) and warm, each round:
   (b) mxfs.load through pinned staging buffers (mode "stream")
   (b') mxfs.load with GPUDirect Storage through kvikio (mode "gds"), or why not
   (c) safetensors.torch.load_file(device=...) from a plain folder
+  (f) fastsafetensors (ParallelLoader, as vLLM drives it) from the plain folder, without
+      GDS and with it; (g) InstantTensor's safe_open: each where its wheel imports
+      (`gpu_check.sh --fetch` brings them) and the device allows, else skipped with why
 Every loaded tensor is checked byte for byte against safetensors' once.
 """
 
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_check_common import gbps, median, raw_reads, same_bytes, timed
+from gpu_check_common import describe, gbps, median, raw_reads, same_bytes, timed
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file
 
@@ -62,6 +65,50 @@ def synthetic_model(total: int, dev: torch.device) -> dict[str, torch.Tensor]:
         size += _layer_bytes(h, f)
         layer += 1
     return tensors
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def peer_arms(path: str, dev: torch.device) -> tuple[dict[str, Callable[[], Tensors]],
+                                                      dict[str, str]]:
+    """The specialised loaders a user would pick instead, reading the plain file, and why
+    any is missing here."""
+    arms: dict[str, Callable[[], Tensors]] = {}
+    skipped: dict[str, str] = {}
+    try:
+        from fastsafetensors import SingleGroup
+        from fastsafetensors.parallel_loader import ParallelLoader
+
+        def fastsafe(nogds: bool) -> Tensors:
+            loader = ParallelLoader(pg=SingleGroup(), hf_weights_files=[path], queue_size=2,
+                                    use_tqdm_on_load=False, device=str(dev), nogds=nogds)
+            try:  # its buffers go with the loader: keep copies, as vLLM's weights do
+                return {n: t.clone() for n, t in loader.iterate_weights()}
+            finally:
+                loader.close()
+
+        arms["f_fastsafetensors"] = lambda: fastsafe(True)
+        if dev.type == "cuda":
+            arms["f_fastsafetensors_gds"] = lambda: fastsafe(False)
+        else:
+            skipped["f_fastsafetensors_gds"] = "GPUDirect Storage needs a CUDA device"
+    except ImportError as e:
+        skipped["f_fastsafetensors"] = f"fastsafetensors does not import ({e})"
+    if dev.type != "cuda":
+        skipped["g_instanttensor"] = "InstantTensor loads to CUDA or ROCm devices only"
+        return arms, skipped
+    try:
+        from instanttensor import safe_open
+
+        def instant() -> Tensors:
+            with safe_open(path, framework="pt", device=dev.index or 0) as f:
+                return dict(f.tensors())  # they own their memory (copy=True)
+
+        arms["g_instanttensor"] = instant
+    except ImportError as e:
+        skipped["g_instanttensor"] = f"instanttensor does not import ({e})"
+    return arms, skipped
 
 
 def _timed_load(fn: Callable[[], Any], dev: torch.device) -> float:
@@ -111,10 +158,17 @@ def run(args: argparse.Namespace, work: str, emit: Callable[[dict[str, Any]], No
                                                    pool=pool)
         except Unavailable as e:
             out["gds_unavailable"] = str(e)
+        peers, out["skipped"] = peer_arms(plain, dev)
         want = st_load_file(plain, device=str(dev))
         for name in ("b_mxfs_stream", "b_mxfs_gds"):
             if name in arms:
                 out["equal"][name] = same_bytes(arms[name](), want)
+        for name, peer in peers.items():
+            try:  # a peer that fails here (no cuFile, a device it refuses) is skipped
+                out["equal"][name] = same_bytes(peer(), want)
+                arms[name] = peer
+            except Exception as e:  # noqa: BLE001 - any failure of a peer is its own
+                out["skipped"][name] = describe(e)
         del want
         out["cold_is_cold"] = drop_caches()
         for _ in range(args.repeat):

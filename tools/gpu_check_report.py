@@ -63,6 +63,7 @@ def loads(r: dict[str, Any]) -> list[str]:
             f"cold is cold: {_yes(r.get('cold_is_cold'))}"]
     if "gds_unavailable" in r:
         out.append(f"b_mxfs_gds skipped: {r['gds_unavailable']}")
+    out += [f"{arm} skipped: {why}" for arm, why in r.get("skipped", {}).items()]
     return out + ([r["note"]] if "note" in r else []) + [""]
 
 
