@@ -25,7 +25,6 @@ from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
-from mxfs.fs.wake import MAX_US as WAKE_MAX_US
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
@@ -87,9 +86,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         write_behind = int(own.get("write_behind", DEPTH))
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         metrics_port = int(own.get("metrics_port") or 0)
-        wake_us = int(own["wake_latency_us"]) if own.get("wake_latency_us") else None
-        if wake_us is not None and not 0 <= wake_us <= WAKE_MAX_US:
-            raise ValueError("wake_latency_us")
+        # (counts the requests of `metrics`, made below; refuses what the kernel would)
+        wake = WakeLatency(int(own["wake_latency_us"]), lambda: metrics.total) \
+            if own.get("wake_latency_us") else None
         limits = Limits.from_options(own)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
@@ -113,7 +112,6 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         vol.recover()
         metrics = Metrics()
         vol.pool.on_io = metrics.io
-        wake = None if wake_us is None else WakeLatency(wake_us, lambda: metrics.total)
         ops = MxfsOperations(vol, control_path=sock, noatime="noatime" in own,
                              io_threads=io_threads, write_behind=write_behind,
                              writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"),

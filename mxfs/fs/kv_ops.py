@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import errno
 import itertools
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,23 +39,26 @@ from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool import ChunkFiles
 from mxfs.proto import MAX_FDS, OPS, ProtocolError
 
+log = logging.getLogger("mxfs.kv")
+
 KV_OPS = tuple(op for op in OPS if op.startswith("kv_"))
 INLINE_REPLY = 512 << 10  # chunk bytes one kv_get reply may carry inline
 # A chunk's files opened slower than this waited on a member: open the rest at once
 # (MXFS_KV_COLD_OPEN_US in the daemon's environment; 0: every batch at once).
-COLD_OPEN_S = int(os.environ.get("MXFS_KV_COLD_OPEN_US", "").strip() or 200) / 1e6
-# Threads of their own, and two batches at a time: however many cold batches one
-# user sends, the mount's I/O threads and trio's are not theirs to fill.
-OPEN_THREADS = 8
+def _cold_open_s() -> float:
+    raw = os.environ.get("MXFS_KV_COLD_OPEN_US", "").strip()
+    if raw.isdigit():
+        return int(raw) / 1e6
+    if raw:
+        log.warning("MXFS_KV_COLD_OPEN_US=%r is not a whole number of us: 200 is used", raw)
+    return 200e-6
+
+
+COLD_OPEN_S = _cold_open_s()
+# Threads of their own (started on first use), and two batches at a time: however many
+# cold batches one user sends, the mount's I/O threads and trio's are not theirs to fill.
+_OPENERS = ThreadPoolExecutor(8, thread_name_prefix="mxfs-kv-open")
 _OPENING = trio.CapacityLimiter(2)
-_opener_pool: ThreadPoolExecutor | None = None
-
-
-def _openers() -> ThreadPoolExecutor:
-    global _opener_pool
-    if _opener_pool is None:
-        _opener_pool = ThreadPoolExecutor(OPEN_THREADS, thread_name_prefix="mxfs-kv-open")
-    return _opener_pool
 
 
 MAX_BATCH = 4096  # keys in one request
@@ -320,7 +324,7 @@ class KVOps:
 
         def at_once(later: list[Inode]) -> list[tuple[dict[str, list[int]], list[int]]
                                                  | Exception]:
-            return list(_openers().map(one, later))
+            return list(_OPENERS.map(one, later))
 
         try:
             for i, node in enumerate(nodes):

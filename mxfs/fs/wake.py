@@ -4,8 +4,8 @@ Every FUSE request and control round trip wakes the daemon's CPU, and every
 answer wakes the caller's.  Where idle CPUs sleep deeply (a KVM guest with halt
 polling off, bare metal in deep C-states) each wake-up costs tens of
 microseconds, most of what a metadata request costs: on the 2-CPU guest of
-docs/benchmarks.md, creates ran 2.5x and unlinks 1.75x faster with the limit
-held.  With `-o wake_latency_us=N` the daemon writes N to the kernel's CPU
+docs/benchmarks.md, creates ran 2.2-2.7x and unlinks 1.5x faster with the
+limit held.  With `-o wake_latency_us=N` the daemon writes N to the kernel's CPU
 latency QoS (/dev/cpu_dma_latency) while requests arrive and lets go after
 IDLE_S without any, so the CPUs stay out of deep sleep only while the pool is
 busy.  The limit is machine-wide and costs power (or, in a guest, host CPU) on
