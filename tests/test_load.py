@@ -18,7 +18,6 @@ from conftest import Mounted, mxfs, one_line_error  # noqa: E402
 
 from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  # noqa: E402
 from mxfs.errors import MxfsError  # noqa: E402
-from mxfs.io.residency import Residency  # noqa: E402
 from mxfs.load import HeaderError, load_file, load_model, safe_open  # noqa: E402
 from mxfs.load.options import LoadOptions, LoadReport  # noqa: E402
 from mxfs.proc import running  # noqa: E402
@@ -106,18 +105,23 @@ def test_a_mapped_load_reads_every_member_into_the_cache_first(mounted: Mounted)
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
     ino = os.stat(path).st_ino
-    chunks = [Path(m, "chunks", f"{ino % 256:02x}", str(ino)) for m in mounted.members]
+    sizes = [os.stat(Path(m, "chunks", f"{ino % 256:02x}", str(ino))).st_size
+             for m in mounted.members]
+    assert min(sizes) >= 16 << 20
+    # Counted as read from the drives, not as found in the cache afterwards: this VM's
+    # host takes clean pages back every few seconds, mapped or not (a plain ext4 file
+    # pread into the cache lost 41-950 of its 16384 pages within 1.3 s in 16 of 64
+    # tries), so residency read after the load is not the load's doing.
+    before = _storage_reads()
     tensors = load_file(str(path), mode="map")
-    for chunk in chunks:
-        fd = os.open(chunk, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            assert size >= 16 << 20
-            cached = Residency(fd, 0, size).cached_fraction(0, size)
-            assert cached == 1.0, f"{chunk}: {cached:.1%} cached"
-        finally:
-            os.close(fd)
+    assert _storage_reads() - before >= sum(sizes)  # all of it, before the first touch
     assert torch.equal(tensors["w"], torch.arange(16 << 20, dtype=torch.float32))
+
+
+def _storage_reads() -> int:
+    """Bytes this process (all its threads) has had read from storage."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
 def write_raw(path: Path, header: object, data: bytes = b"", length: int | None = None) -> str:
