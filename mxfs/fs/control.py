@@ -34,6 +34,7 @@ from mxfs.fs.access import (
 )
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import bool_field, check_request, int_field, path_field, sums_field
+from mxfs.fs.foreign_fds import Closer, refuse_rights
 from mxfs.fs.kv import KVIndex
 from mxfs.fs.kv_ops import KV_OPS, KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
@@ -127,12 +128,16 @@ class ControlServer:
         self.pending_by_uid: Counter[int] = Counter()  # unpublished files, all connections
         self.refusing = 0  # refused connections being answered
         self.failures = FailureLog(log)
+        self.closer = Closer()  # descriptors clients sent anyway (kernels before 6.16)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
         if os.path.exists(self.path):
             os.unlink(self.path)
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if not refuse_rights(listener):
+            log.info("this kernel cannot refuse sent descriptors: they are closed off "
+                     "the daemon's thread")
         await listener.bind(self.path)
         os.chmod(self.path, 0o666)  # anyone may connect; each request is checked
         listener.listen(512)
@@ -262,8 +267,8 @@ class ControlServer:
                 head, anc, _, _ = await conn.recvmsg(HEADER.size, ancillary_space())
             except OSError:
                 return None
-            for fd in fds_from_ancdata(anc):
-                os.close(fd)  # no request carries descriptors in this version
+            # No request carries descriptors; never closed here (see foreign_fds).
+            self.closer.close_all(fds_from_ancdata(anc))
         if not head:
             return None  # closed, or idle too long
         try:

@@ -1,0 +1,99 @@
+"""A node shared by users who do not trust each other: what one of them sends, holds or
+floods must not hang, fill or stall the daemon for the rest.
+
+One pool is mounted for the module; each test attacks it as a user would and then
+checks that the daemon still serves everyone.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import HAVE_FUSE, Mounted, eventually, make_members, mkfs, mounted_pool, raw_socket
+
+from mxfs.fs.foreign_fds import Closer
+from mxfs.proto import HEADER, encode
+
+pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
+
+
+def fuse_abort(path: Path) -> None:
+    """End a hung mount's FUSE connection, as an operator would by hand (found from
+    mountinfo: touching the hung mount would hang this process too)."""
+    with open("/proc/self/mountinfo") as f:
+        devs = [line.split()[2] for line in f if line.split()[4] == str(path)]
+    conns = Path("/sys/fs/fuse/connections")
+    if devs and not any(conns.iterdir()):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(conns)], capture_output=True)
+    for dev in devs:
+        major, minor = (int(x) for x in dev.split(":"))
+        abort = conns / str(os.makedev(major, minor)) / "abort"
+        if abort.exists():
+            abort.write_text("1")
+
+
+def answers(m: Mounted, timeout: float = 10) -> bool:
+    """Whether the mount and its daemon answer another user's requests within `timeout`."""
+    probe = (f"import os; os.listdir({str(m.path)!r}); "
+             "from mxfs.client import ControlClient; "
+             f"c = ControlClient({str(m.path)!r}); c.call('stat'); c.close()")
+    try:
+        res = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return res.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
+    members = make_members(tmp_path_factory.mktemp("shared"))
+    mkfs(members)
+    with mounted_pool(members) as m:
+        try:
+            yield m
+        finally:
+            if not answers(m, 5):
+                fuse_abort(m.path)
+
+
+def test_a_descriptor_of_a_file_on_the_mount_sent_to_the_daemon_hangs_nobody(
+        pool: Mounted) -> None:
+    victim = pool.path / "sent-back"
+    victim.write_bytes(b"x" * 4096)
+    fd = os.open(victim, os.O_RDWR)
+    s = raw_socket(pool, timeout=10)
+    try:
+        msg = encode({"op": "hello", "id": 1})
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+        try:
+            s.sendmsg([msg], anc)
+        except PermissionError:  # the kernel refuses them for the daemon (Linux 6.16)
+            s.sendall(msg)
+        os.close(fd)  # the daemon's copy, if it took one, is now the last
+        head = s.recv(HEADER.size)
+        assert head, "the daemon closed the connection instead of answering"
+    finally:
+        s.close()
+    assert answers(pool), "the daemon hangs after a client sent it a descriptor of its mount"
+    assert victim.read_bytes() == b"x" * 4096
+
+
+def test_descriptors_that_arrive_anyway_are_closed_off_the_callers_thread() -> None:
+    r, w = os.pipe()
+    Closer().close_all([r, w])
+
+    def closed(fd: int) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return True
+        return False
+
+    assert eventually(lambda: closed(r) and closed(w), timeout=5)
