@@ -53,6 +53,39 @@ def test_the_daemon_backs_up_on_a_schedule(tmp_path: Path, mounted: Mounted) -> 
     assert len([n for n in os.listdir(backups) if n.endswith(".db")]) <= 3  # the newest kept
 
 
+def test_a_full_backup_member_fails_backups_not_the_daemon(loop_members: list[str]) -> None:
+    """A user fills member 1 (where backups go) with ordinary bytes: each backup fails
+    with one logged line and leaves no half copy; the daemon and its mount go on, and
+    backups resume once there is room."""
+    from conftest import mkfs, mounted_pool
+
+    mkfs(loop_members)
+    backups = Path(loop_members[1]) / "meta-backup"
+    with mounted_pool(loop_members) as m:
+        m.umount()
+        mxfs("mount", "-o", "allow_other,meta_backup=1", loop_members[0], str(m.path))
+        pid = m.daemon_pid()
+        assert eventually(lambda: backups.is_dir() and len(os.listdir(backups)) >= 1)
+        for old in backups.iterdir():
+            old.unlink()
+        filler = Path(loop_members[1]) / "filler"
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\xff" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        for _ in range(3):  # three backup rounds against the full member
+            (m.path / "still-served").write_bytes(b"y" * 100)
+            subprocess.run(["sleep", "1.2"])
+        assert m.daemon_pid() == pid
+        assert not [n for n in os.listdir(backups) if n.endswith((".tmp", "-journal"))]
+        filler.unlink()
+        assert eventually(lambda: any(n.endswith(".db") for n in os.listdir(backups)))
+        assert (m.path / "still-served").read_bytes() == b"y" * 100
+
+
 @pytest.mark.parametrize("name", ["meta.sql.zst", "meta.json", "meta.json.zst"])
 def test_dump_then_restore_brings_back_that_namespace(tmp_path: Path, mounted: Mounted,
                                                       name: str) -> None:

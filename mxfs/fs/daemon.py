@@ -265,8 +265,8 @@ async def _backups(control: ControlServer, every_s: int) -> None:
         await trio.sleep(every_s)
         try:
             await control.backup_meta()
-        except OSError as e:
-            log.error("metadata backup failed: %s", e)
+        except Exception as e:  # a full member, say: the pool goes on, the next round tries
+            log.error("metadata backup failed (the next is tried in %d s): %s", every_s, e)
 
 
 async def _stop_on_signal() -> None:

@@ -51,13 +51,21 @@ def backup(store: MetaStore, folder: str, keep: int = KEEP) -> Copy:
     final = os.path.join(folder, f"{_PREFIX}{taken}{_SUFFIX}")
     tmp = final + ".tmp"
     os.close(create_private(tmp))  # SQLite keeps an existing file's mode (and its journal's)
-    engine.copy_to(tmp)
-    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, final)
+        engine.copy_to(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+    except BaseException:  # a full member, say: no half copy left to be taken for a backup
+        for leftover in (tmp, tmp + "-journal"):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
+        raise
     sync_dir(folder)
     for old in copies(folder)[keep:]:
         os.unlink(old.path)

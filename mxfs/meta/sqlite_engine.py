@@ -439,6 +439,8 @@ class SqliteEngine(Engine):
             try:
                 src.backup(dst)
                 dst.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.Error as e:  # the target's disk full, say: an OSError like any
+                raise OSError(errno.EIO, f"copying the metadata store to {target}: {e}") from e
             finally:
                 dst.close()
         finally:
