@@ -16,7 +16,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, eventually, make_members, mkfs, mounted_pool, raw_socket
+from conftest import (
+    HAVE_FUSE,
+    Mounted,
+    eventually,
+    make_members,
+    mkfs,
+    mounted_pool,
+    mxfs,
+    one_line_error,
+    raw_socket,
+)
 
 from mxfs.fs.foreign_fds import Closer
 from mxfs.proto import HEADER, encode
@@ -97,3 +107,15 @@ def test_descriptors_that_arrive_anyway_are_closed_off_the_callers_thread() -> N
         return False
 
     assert eventually(lambda: closed(r) and closed(w), timeout=5)
+
+
+def test_mkfs_force_refuses_the_members_of_a_mounted_pool(pool: Mounted) -> None:
+    kept = pool.path / "kept"
+    kept.write_bytes(b"k" * 300_000)
+    for members in (pool.members, pool.members[2:3]):  # member 0 holds the lock; 2 does not
+        args = [a for m in members for a in ("--member", m)]
+        res = mxfs("mkfs", "--force", *args, check=False)
+        assert res.returncode != 0
+        line = one_line_error(res)
+        assert f"mounted at {pool.path}" in line and "mxfs umount" in line, line
+    assert kept.read_bytes() == b"k" * 300_000

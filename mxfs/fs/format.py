@@ -8,6 +8,7 @@ from mxfs.errors import MxfsError
 from mxfs.fs.volume import tighten
 from mxfs.meta import MetaStore, Unusable, location
 from mxfs.pool import Pool, format_members
+from mxfs.pool.lock import refuse_in_use
 
 
 def format_pool(members: list[str], stripe_unit: int, label: str = "",
@@ -19,6 +20,8 @@ def format_pool(members: list[str], stripe_unit: int, label: str = "",
                         "give postgresql://HOST/DATABASE, or leave --meta out")
     if meta:
         refuse_other_pool(meta, force)
+    if force:
+        refuse_in_use(members)
 
     def store() -> None:  # inside mkfs's undo: a failure leaves every member as it was
         pool = Pool.open(members[0])

@@ -126,3 +126,17 @@ def read_lock_info(pool: Pool) -> dict | None:
         return None
     finally:
         os.close(fd)
+
+
+def refuse_in_use(members: list[str]) -> None:
+    """Refuse to wipe members of a pool that is mounted or held by a tool (mkfs --force):
+    the running daemon would go on serving, and answering for, a pool that is gone."""
+    for member in members:
+        try:
+            pool = Pool.open(member, degraded=True)
+        except (MxfsError, OSError):
+            continue  # no pool here, or one too broken to mount
+        holder = read_lock_info(pool)
+        if holder is not None:
+            raise MxfsError(f"member {member} belongs to pool {pool.uuid}, which is "
+                            f"{describe_holder(holder)}", _holder_fix(holder))
