@@ -83,7 +83,12 @@ def test_prometheus_endpoint(mounted: Mounted) -> None:
     assert re.search(r'mxfs_request_seconds_bucket\{kind="fuse",le="\+Inf",op="create"\} 1', text)
     assert re.search(r'mxfs_member_bytes_total\{direction="write",member="\d"\} [1-9]', text)
     assert re.search(r'mxfs_member_free_bytes\{member="3"\} [1-9]', text)
-    assert re.search(r'mxfs_kv_hits\{namespace="prom"\} 1\.0', text)
+    assert re.search(r'mxfs_kv_hits\{uid="0"\} 1\.0', text)  # by owner: names are theirs
+    assert "prom" not in text
+    # /metrics has no authentication: it listens on loopback unless told otherwise.
+    with open("/proc/net/tcp") as f:
+        listening = [line.split()[1] for line in f if line.split()[3] == "0A"]
+    assert f"0100007F:{port:04X}" in listening
     assert re.search(r'mxfs_requests_total\{kind="control",op="kv_get"\} [1-9]', text)
     assert re.search(r'^mxfs_io_requests_taken_back_total 0\.0$', text, re.M)  # none lost
 

@@ -8,6 +8,7 @@ checks that the daemon still serves everyone.
 from __future__ import annotations
 
 import array
+import errno
 import os
 import socket
 import subprocess
@@ -119,3 +120,48 @@ def test_mkfs_force_refuses_the_members_of_a_mounted_pool(pool: Mounted) -> None
         line = one_line_error(res)
         assert f"mounted at {pool.path}" in line and "mxfs umount" in line, line
     assert kept.read_bytes() == b"k" * 300_000
+
+
+def test_a_runtime_folder_another_user_made_first_is_refused(tmp_path: Path) -> None:
+    """A non-root daemon's log and socket live in /tmp/mxfs-UID without XDG_RUNTIME_DIR:
+    a folder of that name someone else made, linked or opened up is not used."""
+    from mxfs.errors import MxfsError
+    from mxfs.fs.mounts import ensure_runtime_dir, open_private_log
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "mine-elsewhere")
+    (tmp_path / "mine-elsewhere").mkdir()
+    for bad, why in ((theirs, "belongs to uid 65534"), (open_to_all, "written by others"),
+                     (link, "symbolic link")):
+        with pytest.raises(MxfsError, match=why):
+            ensure_runtime_dir(str(bad))
+    mine = tmp_path / "mine" / "mxfs"
+    ensure_runtime_dir(str(mine))
+    assert mine.is_dir() and (mine.stat().st_mode & 0o777) == 0o755
+    (mine / "pool.log").symlink_to(tmp_path / "victim-file")
+    with pytest.raises(MxfsError, match="symbolic link"):
+        open_private_log(str(mine / "pool.log"))
+    assert not (tmp_path / "victim-file").exists()
+
+
+def test_engine_default_namespace_names_are_their_users_own(pool: Mounted) -> None:
+    """`<engine>-uid<N>` is what an engine of uid N picks by default: nobody else may
+    make it first, so a victim's engine never finds its name taken."""
+    from users import ensure_users, run_as
+
+    alice, bob = ensure_users()["alice"], ensure_users()["bob"]
+    script = f"""
+c = mxfs.client.ControlClient({str(pool.path)!r})
+def make(name):
+    return attempt(c.call, "kv_ns_create", namespace=name)
+print(json.dumps([make("sglang-uid{bob.uid}"), make("vllm-uid{alice.uid}"),
+                  make("mine-uid{alice.uid}x")]))
+"""
+    stolen, own, unreserved = run_as(alice, script)
+    assert stolen == errno.EACCES and own == "ok" and unreserved == "ok"

@@ -39,6 +39,7 @@ from mxfs.fs.kv import KVIndex
 from mxfs.fs.kv_ops import KV_OPS, KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
 from mxfs.fs.metrics import Metrics
+from mxfs.fs.mounts import ensure_runtime_dir
 from mxfs.fs.session import (
     Pending,
     Session,
@@ -131,7 +132,7 @@ class ControlServer:
         self.closer = Closer()  # descriptors clients sent anyway (kernels before 6.16)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+        ensure_runtime_dir(os.path.dirname(self.path))
         if os.path.exists(self.path):
             os.unlink(self.path)
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

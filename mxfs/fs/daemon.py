@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ from mxfs.fs.control import ControlServer, runtime_dir
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Metrics, serve_prometheus
-from mxfs.fs.mounts import check_mountpoint, set_readahead
+from mxfs.fs.mounts import check_mountpoint, ensure_runtime_dir, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.volume import Volume
 from mxfs.fs.wake import WakeLatency
@@ -34,7 +35,8 @@ log = logging.getLogger("mxfs.daemon")
 
 # Options mxfs reads itself; everything else goes to FUSE and the kernel.
 OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache",
-               "write_behind", "meta_backup", "degraded", "metrics_port", "log_json",
+               "write_behind", "meta_backup", "degraded", "metrics_port", "metrics_addr",
+               "log_json",
                "wake_latency_us",
                *Limits.options())
 DEFAULT_READAHEAD_KIB = 4096
@@ -86,6 +88,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         write_behind = int(own.get("write_behind", DEPTH))
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         metrics_port = int(own.get("metrics_port") or 0)
+        # Loopback unless the operator names an address: /metrics has no authentication.
+        metrics_addr = own.get("metrics_addr") or "127.0.0.1"
         # (counts the requests of `metrics`, made below; refuses what the kernel would)
         wake = WakeLatency(int(own["wake_latency_us"]), lambda: metrics.total) \
             if own.get("wake_latency_us") else None
@@ -93,6 +97,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
         sock = socket_path(vol.pool.uuid)
+        ensure_runtime_dir(os.path.dirname(sock))
         vol.lock(mp, sock)
         vol.store.sole_writer(True)  # (the lease: no other writer changes the rows)
     except ValueError:
@@ -136,10 +141,13 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                     else os.getuid(), settle=ops.settle, wake=wake)
             if metrics_port:
                 try:
-                    serve_prometheus(metrics, metrics_port, lambda: pool_gauges(control))
+                    serve_prometheus(metrics, metrics_addr, metrics_port,
+                                     lambda: pool_gauges(control))
                 except OSError as e:
-                    raise MxfsError(f"metrics port {metrics_port} cannot be opened ({e.strerror})",
-                                    "choose a free port: -o metrics_port=N") from None
+                    raise MxfsError(f"metrics address {metrics_addr} port {metrics_port} "
+                                    f"cannot be opened ({e.strerror})",
+                                    "choose a free port (-o metrics_port=N) and an address "
+                                    "of this host (-o metrics_addr=IP)") from None
             if vol.restored_from:
                 notes.append(f"the metadata store was recovered from the backup "
                              f"{vol.restored_from}; changes made after that backup are lost")
@@ -253,9 +261,15 @@ def pool_gauges(control: ControlServer) -> Iterator[Any]:
     for key, what in (("chunks", "KV chunks"), ("bytes", "KV bytes"), ("hits", "KV hits"),
                       ("misses", "KV misses"), ("puts", "KV puts"),
                       ("evictions", "KV evictions")):
-        g = GaugeMetricFamily(f"mxfs_kv_{key}", what, labels=["namespace"])
+        # By owner, not by name: namespace names are their owners' (kv_stats hides
+        # others' from a caller), and anyone on the host may read /metrics.
+        by_uid: Counter[int] = Counter()
         for s in control.kv.index.stats():
-            g.add_metric([str(s["namespace"])], float(s[key]))
+            by_uid[int(s["uid"])] += int(s[key])
+        g = GaugeMetricFamily(f"mxfs_kv_{key}", what + " by the namespaces' owner",
+                              labels=["uid"])
+        for uid, n in sorted(by_uid.items()):
+            g.add_metric([str(uid)], float(n))
         yield g
 
 

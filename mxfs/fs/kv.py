@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import os
+import re
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -105,6 +106,19 @@ def check_namespace(name: object) -> str:
     return name
 
 
+# Names an engine picks by default for a user (mxfs.kv.store.default_namespace):
+# "<engine>-uid<N>" belongs to uid N alone, so nobody can take a victim's name first.
+_RESERVED = re.compile(r"-uid([0-9]+)\Z")
+
+
+def check_reserved(name: str, uid: int) -> None:
+    """EACCES when `name` ends in "-uid<N>" and `uid` is not N."""
+    m = _RESERVED.search(name)
+    if m is not None and int(m.group(1)) != uid:
+        raise OSError(errno.EACCES, f"KV namespace names ending in -uid{m.group(1)} are "
+                      f"uid {m.group(1)}'s own (engines' default names): pick another name")
+
+
 def check_key(key: bytes) -> bytes:
     if not key or len(key) > MAX_KEY:
         raise OSError(errno.EINVAL, f"a key must be 1-{MAX_KEY} bytes (hash longer ones)")
@@ -175,6 +189,7 @@ class KVIndex:
     def create(self, name: str, uid: int, gid: int, mode: int, capacity: int,
                replace: bool = False) -> Namespace:
         """Make a namespace (EEXIST if it exists, unless `replace`: its chunks go)."""
+        check_reserved(name, uid)
         old = self.spaces.get(name)
         if old is not None:
             if not replace:

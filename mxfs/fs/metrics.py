@@ -85,9 +85,10 @@ class _Timer:
         self.metrics.request(self.kind, self.op, time.perf_counter() - self.start, err)
 
 
-def serve_prometheus(metrics: Metrics, port: int, gauges: Callable[[], Iterator[Any]]
-                     ) -> None:
-    """Serve /metrics on `port` (a thread of prometheus_client's), collected at scrape time.
+def serve_prometheus(metrics: Metrics, addr: str, port: int,
+                     gauges: Callable[[], Iterator[Any]]) -> None:
+    """Serve /metrics on `addr`:`port` (a thread of prometheus_client's), collected at
+    scrape time.
 
     `gauges()` yields extra metric families (pool capacity, members, KV namespaces).
     """
@@ -124,4 +125,4 @@ def serve_prometheus(metrics: Metrics, port: int, gauges: Callable[[], Iterator[
             yield from gauges()
 
     REGISTRY.register(Collector())
-    start_http_server(port)
+    start_http_server(port, addr=addr)

@@ -70,7 +70,7 @@ def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
     The log is root's alone (0600; it names files and callers); its folder stays
     reachable, since every user connects to the control sockets there.
     """
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    ensure_runtime_dir(os.path.dirname(log_path))
     r, w = os.pipe()
     with open_private_log(log_path) as logf:
         logged = logf.seek(0, os.SEEK_END)  # where this start's lines begin
@@ -127,10 +127,32 @@ def last_line(path: str, start: int) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
+def ensure_runtime_dir(path: str) -> None:
+    """Make (or check) the folder of the daemon's log and control socket: it must be a
+    real folder of this user's that nobody else can write, or another user who made
+    it first (a fixed name under /tmp) could redirect the log or plant the socket."""
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    st = os.lstat(path)
+    problem = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else
+               "is not a folder" if not stat.S_ISDIR(st.st_mode) else
+               f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else
+               "can be written by others" if st.st_mode & 0o022 else None)
+    if problem is not None:
+        raise MxfsError(f"the daemon's runtime folder {path} {problem}",
+                        "remove it, or set XDG_RUNTIME_DIR to a folder of your own")
+
+
 def open_private_log(path: str) -> BinaryIO:
     """`path` opened to append, 0600 (one made looser by an older version is tightened
     before anything more is written to it)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC |
+                     os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise MxfsError(f"the daemon's log {path} is a symbolic link",
+                        "remove it (someone may have planted it)") from None
     try:
         if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
             os.fchmod(fd, 0o600)
