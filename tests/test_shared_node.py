@@ -165,3 +165,47 @@ print(json.dumps([make("sglang-uid{bob.uid}"), make("vllm-uid{alice.uid}"),
 """
     stolen, own, unreserved = run_as(alice, script)
     assert stolen == errno.EACCES and own == "ok" and unreserved == "ok"
+
+
+def test_xattrs_cannot_fill_the_metadata_member(loop_pool: Mounted) -> None:
+    """A tenant setting 64 KiB xattrs on file after file is stopped (ENOSPC) while the
+    metadata member still has room to commit what others were answered for: every
+    answered mkdir is there after a remount, and one inode holds a bounded amount."""
+    from users import ensure_users, run_as
+
+    alice = ensure_users()["alice"]
+    loop_pool.umount()
+    loop_pool.remount()  # allow_other: alice reaches it
+    home = loop_pool.path / "alice"
+    home.mkdir()
+    os.chown(home, alice.uid, alice.gid)
+    script = f"""
+home = {str(home)!r}
+value = b"v" * 65536
+first = os.path.join(home, "first")
+open(first, "wb").close()
+per_inode = next(j for j in range(100)
+                 if attempt(os.setxattr, first, f"user.x{{j}}".encode(), value) != "ok")
+for i in range(2000):  # 3 x 64 KiB a file, 375 MiB: six times the metadata member
+    path = os.path.join(home, f"f{{i}}")
+    open(path, "wb").close()
+    for j in range(3):
+        err = attempt(os.setxattr, path, f"user.x{{j}}".encode(), value)
+        if err != "ok":
+            print(json.dumps([i, err, per_inode])); sys.exit()
+print(json.dumps([i, "never refused", per_inode]))
+"""
+    i, err, per_inode = run_as(alice, script)
+    assert err == errno.ENOSPC, (i, err)
+    assert 0 < per_inode < 5  # 256 KiB of xattrs an inode
+    made = []
+    for k in range(300):  # root's mkdirs now: each answered one must survive
+        try:
+            (loop_pool.path / f"d{k}").mkdir()
+        except OSError:
+            break
+        made.append(k)
+    loop_pool.umount()
+    loop_pool.remount()
+    assert all((loop_pool.path / f"d{k}").is_dir() for k in made)
+    assert os.getxattr(home / "f0", "user.x0") == b"v" * 65536

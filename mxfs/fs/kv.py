@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from mxfs.fs.access import R_OK, W_OK, Caller
 from mxfs.fs.volume import Volume
-from mxfs.pool.pool import pool_totals
+from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.proto.names import MAX_KEY
 
 log = logging.getLogger("mxfs.kv")
@@ -195,6 +195,7 @@ class KVIndex:
             if not replace:
                 raise OSError(errno.EEXIST, f"KV namespace {name!r} exists (uid {old.uid})")
             self.drop_namespace(old)
+        self.vol.pool.check_meta_room(META_ROW + len(name.encode()))
         self.vol.store.kv.set_namespace(name, uid, gid, mode, capacity)
         space = self.spaces[name] = Namespace(name, uid, gid, mode, capacity)
         self._owned[uid] += 1
@@ -231,6 +232,7 @@ class KVIndex:
     def insert(self, space: Namespace, key: bytes, ino: int, size: int, sum_unit: int,
                sums: bytes) -> None:
         """Publish and seal a hidden file under `key` (EEXIST if another writer won)."""
+        self.vol.pool.check_meta_room(META_ROW + len(key) + len(sums))
         atime = next(self._clock)
         self.vol.store.kv.publish(ino, space.name, key, size, atime, sum_unit, sums)
         space.chunks[key] = Chunk(ino, size, atime, sum_unit, sums)

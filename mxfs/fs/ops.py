@@ -24,7 +24,7 @@ from mxfs.fs.volume import OpenInode, Volume
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
-from mxfs.pool.pool import MAX_STRIPE_UNIT, pool_totals
+from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW, pool_totals
 from mxfs.proto import names
 
 log = logging.getLogger("mxfs.fs")
@@ -34,6 +34,9 @@ CONTROL_XATTR = names.CONTROL_XATTR.encode()
 ACL_PREFIX = b"system.posix_acl_"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
+# What one inode may hold in xattrs (ext4 gives one block, XFS 64 KiB a value).
+MAX_XATTRS = 256
+MAX_XATTR_BYTES = 256 << 10
 DAY_NS = 86_400 * 10**9
 # Every change passes through this daemon and the kernel sees it go by, so the
 # kernel may trust names, attributes and absent names for long.  Changes made
@@ -233,6 +236,7 @@ class MxfsOperations(pyfuse3.Operations):
                 ctx: pyfuse3.RequestContext, rdev: int = 0,
                 target: bytes | None = None) -> Inode:
         parent = self.store.get(parent_inode)
+        self.vol.pool.check_meta_room(META_ROW + len(name) + len(target or b""))
         mode, gid = owner_for(parent, mode, ctx.uid, ctx.gid,
                               lambda g: g == ctx.gid or g in pyfuse3.get_sup_groups(ctx.pid))
         return self.store.create(parent_inode, name, mode, ctx.uid, gid, rdev=rdev,
@@ -264,6 +268,7 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self.vol.pool.check_meta_room(META_ROW + len(new_name))
         return self.attrs(self.store.link(inode, new_parent_inode, new_name))
 
     @_errors
@@ -525,6 +530,11 @@ class MxfsOperations(pyfuse3.Operations):
             # No POSIX ACLs: refusing makes cp -a, tar and rsync fall back to chmod,
             # where a stored-but-ignored ACL would silently lose the mode.
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+        names, held = self.store.xattr_usage(inode, but=name)
+        if names >= MAX_XATTRS or held + len(value) > MAX_XATTR_BYTES:
+            # One inode's xattrs live in one store; without a bound they fill its disk.
+            raise pyfuse3.FUSEError(errno.ENOSPC)
+        self.vol.pool.check_meta_room(META_ROW + len(name) + len(value))
         self.store.setxattr(node, name, value)
 
     def _set_layout(self, node: Inode, value: bytes, ctx: pyfuse3.RequestContext) -> None:

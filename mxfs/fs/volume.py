@@ -23,6 +23,7 @@ from mxfs.meta.check import problems as store_problems
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
+from mxfs.pool.pool import META_ROW
 
 log = logging.getLogger("mxfs.volume")
 
@@ -211,6 +212,7 @@ class Volume:
         It is an orphan from birth and committed before any chunk file exists, so
         a crash or a writer that goes away leaves nothing behind.
         """
+        self.pool.check_meta_room(META_ROW)
         node = self.store.create_hidden(parent.ino, mode, uid, gid, self.pick_layout)
         self.store.commit()
         return self.acquire(node)

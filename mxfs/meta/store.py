@@ -679,6 +679,16 @@ class MetaStore:
         return [bytes(r[0]) for r in self.engine.scan("xattrs", ("name",), {"ino": ino},
                                                       order="name")]
 
+    def xattr_usage(self, ino: int, but: bytes = b"") -> tuple[int, int]:
+        """(names, bytes of names and values) of an inode's xattrs, leaving out `but`
+        (the one about to be replaced)."""
+        names = held = 0
+        for name, value in self.engine.scan("xattrs", ("name", "value"), {"ino": ino}):
+            if bytes(name) != but:
+                names += 1
+                held += len(name) + len(value)
+        return names, held
+
     def setxattr(self, node: Inode, name: bytes, value: bytes) -> None:
         def change() -> None:
             self.engine.upsert("xattrs", {"ino": node.ino, "name": name, "value": value})

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import shutil
+import time
 import tomllib
 import uuid
 from collections.abc import Callable
@@ -39,6 +41,14 @@ _IGNORED = {"lost+found"}
 _WIPE_DIR = ".mxfs-wipe"
 # Space kept free on the metadata member so its store can always commit (unlinks included).
 META_RESERVE = 16 << 20
+# Metadata growth (names, xattrs, hidden files, KV rows) stops while the metadata member
+# has less than this free: the rest of the reserve commits what was already answered.
+META_GROWTH_FLOOR = META_RESERVE // 2
+# Free space of the metadata member, measured again this often (or after this much
+# growth was let through): statvfs on every mkdir would cost more than the mkdir.
+META_MEASURE_S = 0.1
+META_MEASURE_BYTES = 1 << 20
+META_ROW = 512  # what one more metadata row costs the store, about (names added on top)
 
 
 log = logging.getLogger("mxfs.pool")
@@ -276,6 +286,8 @@ class Pool:
         self.meta_url = sb.meta  # a metadata server's URL, or "" (the embedded store)
         # Told of each member's share of chunk I/O: (member, "read" | "write", bytes).
         self.on_io: Callable[[int, str, int], None] | None = None
+        # check_meta_room's last measure: (when, free bytes then, growth let through since)
+        self._meta_room = (-math.inf, 0, 0)
 
     @classmethod
     def open(cls, spec: str, degraded: bool = False) -> Pool:
@@ -481,6 +493,25 @@ class Pool:
         st = os.statvfs(self.members[member].path)
         if st.f_bavail * st.f_frsize - nbytes < META_RESERVE:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def check_meta_room(self, nbytes: int) -> None:
+        """ENOSPC for metadata growth of about `nbytes` (a name, an xattr, a KV row) while
+        the metadata member is below META_GROWTH_FLOOR: a tenant's xattrs or names must
+        not fill the store's disk and lose what others were already answered for.  A
+        store on a server is its operator's to size."""
+        if self.meta_url:
+            return
+        at, free, since = self._meta_room
+        now = time.monotonic()
+        if now - at > META_MEASURE_S or since > META_MEASURE_BYTES:
+            st = os.statvfs(self.members[self.meta_member].path)
+            at, free, since = now, st.f_bavail * st.f_frsize, 0
+        if free - since - nbytes < META_GROWTH_FLOOR:
+            self._meta_room = (at, free, since)
+            raise OSError(errno.ENOSPC, "the metadata member is nearly full: names, xattrs "
+                          "and KV chunks are refused until space is freed on member "
+                          f"{self.meta_member} ({self.members[self.meta_member].path})")
+        self._meta_room = (at, free, since + nbytes)
 
     def usage(self) -> list[dict[str, int | str]]:
         """Space of each member's filesystem; "dev" tells members that share one."""
