@@ -10,9 +10,11 @@ from __future__ import annotations
 import array
 import errno
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from conftest import (
     raw_socket,
 )
 
+from mxfs.client import ControlClient
 from mxfs.fs.foreign_fds import Closer
 from mxfs.proto import HEADER, encode
 
@@ -209,3 +212,68 @@ print(json.dumps([i, "never refused", per_inode]))
     loop_pool.remount()
     assert all((loop_pool.path / f"d{k}").is_dir() for k in made)
     assert os.getxattr(home / "f0", "user.x0") == b"v" * 65536
+
+
+def _sums(data: bytes, unit: int = 65536) -> dict[str, object]:
+    import base64
+
+    from mxfs.io.checksum import block_sums, pack_sums
+
+    return {"sum_unit": unit, "sums": base64.b64encode(pack_sums(block_sums(data, unit))).decode()}
+
+
+def test_a_file_is_published_only_once_nobody_can_write_it(pool: Mounted) -> None:
+    """A commit while any write descriptor of the file is open (here a child's, which
+    inherited it) is refused with EBUSY, the file still unpublished; once every one is
+    closed it commits, and nothing can rewrite the sealed file behind its checksums."""
+    data = b"s" * 4096
+    with ControlClient(str(pool.path)) as c:
+        reply, fds = c.call_with_fds("create", path="/sealed-late", size=len(data))
+        first = reply["layout"]["first_member"]  # where a file's first stripe goes
+        os.pwrite(dict(zip(reply["members"], fds, strict=True))[first], data, 0)
+        child = os.fork()
+        if child == 0:  # holds copies of the descriptors until told to go
+            time.sleep(600)
+            os._exit(0)
+        try:
+            for fd in fds:
+                os.close(fd)
+            with pytest.raises(OSError) as refused:
+                c.call("commit", ino=reply["ino"], size=len(data), **_sums(data))
+            assert refused.value.errno == errno.EBUSY
+            assert not (pool.path / "sealed-late").exists()
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        c.call("commit", ino=reply["ino"], size=len(data), **_sums(data))
+    assert (pool.path / "sealed-late").read_bytes() == data
+    assert mxfs("scrub", str(pool.path)).returncode == 0  # its checksums match its bytes
+
+
+def test_an_aborted_file_kept_open_by_its_writer_holds_no_space_and_no_inode(
+        pool: Mounted) -> None:
+    """After abort (or its connection's end), a writer that kept its descriptors writes
+    into chunk files moved aside and cut to nothing every second; they go once it lets
+    go, and nothing it writes reaches a file made since."""
+    with ControlClient(str(pool.path)) as c:
+        reply, fds = c.call_with_fds("create", path="/dropped", size=4096)
+        ino = reply["ino"]
+        c.call("abort", ino=ino)
+    held = [Path(m) / "chunks" / "held" for m in pool.members]
+    try:
+        for _ in range(8):
+            os.pwrite(fds[0], b"h" * (4 << 20), 0)  # 4 MiB a round, far past 4 KiB
+            time.sleep(0.2)
+        assert not any(Path(pool.members[m], "chunks", f"{ino % 256:02x}", str(ino)).exists()
+                       for m in range(len(pool.members)))
+        names = [p for h in held if h.is_dir() for p in h.iterdir()]
+        assert names and all(p.name.startswith(f"{ino}.") for p in names)
+        assert eventually(lambda: all(p.stat().st_blocks == 0 for p in names), timeout=5)
+        (pool.path / "after").write_bytes(b"a" * 200_000)
+        os.pwrite(fds[0], b"h" * 65536, 0)
+        assert (pool.path / "after").read_bytes() == b"a" * 200_000
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert eventually(lambda: not any(h.is_dir() and any(h.iterdir()) for h in held),
+                      timeout=10)

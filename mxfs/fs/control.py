@@ -43,12 +43,13 @@ from mxfs.fs.mounts import ensure_runtime_dir
 from mxfs.fs.session import (
     Pending,
     Session,
-    allowed_length,
     check_pending_room,
-    grown_chunks,
+    cut_back,
+    drop_pending,
     open_hidden,
     overdrew,
     read_fds,
+    refuse_if_writers,
 )
 from mxfs.fs.surveys import Surveys
 from mxfs.fs.volume import Volume
@@ -221,27 +222,28 @@ class ControlServer:
                     del self.conns[caller.uid]
                 self._end_session(session)
 
+    def _all_pending(self) -> list[Pending]:
+        return [p for s in self.sessions.values() for p in s.pending.values()]
+
     def trim_overdrafts(self) -> int:
-        """Cut every unpublished file's chunk files back to what its writer
-        declared (called when the metadata member runs short: a writer holding
-        descriptors cannot be stopped, but the space it took past its word can be
-        taken back; its commit is refused anyway).  How many chunk files were cut."""
-        cut = 0
-        for session in list(self.sessions.values()):
-            for pending in list(session.pending.values()):
-                node = pending.entry.node
-                for m in grown_chunks(self.vol, node, pending.declared):
-                    pending.overdrawn = True  # cut back or not, its commit is refused
-                    try:
-                        os.truncate(self.vol.pool.chunk_path(m, node.ino),
-                                    allowed_length(self.vol, node, m, pending.declared))
-                        cut += 1
-                    except OSError:
-                        pass
+        """Now, on this thread: cut every unpublished file's chunk files back to what its
+        writer declared (the metadata member runs short).  How many were cut."""
+        cut = cut_back(self.vol, self._all_pending())
         if cut:
             log.warning("metadata member short of space: cut %d chunk files of unpublished "
                         "files back to their declared sizes", cut)
         return cut
+
+    async def revoke(self) -> None:
+        """Once a second (a task of the daemon): unpublished files cut back to their
+        declared sizes, held chunk files of dropped ones cut or removed (pool/revoke.py);
+        in a worker thread, as both stat and truncate files."""
+        cut = await trio.to_thread.run_sync(cut_back, self.vol, self._all_pending())
+        if cut:
+            log.warning("cut %d chunk files of unpublished files back to the sizes their "
+                        "writers declared", cut)
+        if self.vol.held.files:
+            await trio.to_thread.run_sync(self.vol.held.sweep)
 
     def _end_session(self, session: Session) -> None:
         for ino in list(session.pending):
@@ -488,6 +490,7 @@ class ControlServer:
             self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")
+        await trio.to_thread.run_sync(refuse_if_writers, self.vol, pending)
         # No other request of this connection runs meanwhile (one at a time), so the
         # file is still this session's after the awaits.
         await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
@@ -514,11 +517,7 @@ class ControlServer:
         return self._describe(node)
 
     def _drop(self, session: Session, ino: int) -> None:
-        """Forget an unpublished file: its space now (its writer may keep descriptors),
-        its chunk files after the next commit."""
-        session.let_go(ino)
-        self.vol.pool.cut_chunks(ino)
-        self.vol.release(ino)
+        drop_pending(self.vol, session, ino)
 
     async def sync_meta(self) -> None:
         """Write back what memory holds (sizes and times of open files), commit, fsync."""

@@ -171,6 +171,7 @@ async def _serve(control: ControlServer, ops: MxfsOperations, ready: Callable[[]
         nursery.start_soon(_stop_on_signal)
         nursery.start_soon(_commit_groups, control)
         nursery.start_soon(_keep_lease, control)
+        nursery.start_soon(_revoke, control)
         if backup_s > 0 and backup.supported(control.vol.store):  # a server's are its operator's
             nursery.start_soon(_backups, control, backup_s)
         nursery.start_soon(_announce, control, ready, readahead_kib)
@@ -217,6 +218,17 @@ async def _commit_groups(control: ControlServer) -> None:
                 vol.drop_inodes(inos)
         except Exception as e:  # OSError from the store, or anything unforeseen
             failures.note("commit", None, e, trace=not isinstance(e, OSError))
+
+
+async def _revoke(control: ControlServer) -> None:
+    """Once a second: what direct writers hold past their word is taken back."""
+    failures = FailureLog(log)
+    while True:
+        await trio.sleep(1)
+        try:
+            await control.revoke()
+        except Exception as e:
+            failures.note("revoke", None, e, trace=not isinstance(e, OSError))
 
 
 async def _keep_lease(control: ControlServer) -> None:

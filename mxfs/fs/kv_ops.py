@@ -28,10 +28,12 @@ from mxfs.fs.session import (
     Pending,
     Session,
     check_pending_room,
+    drop_pending,
     open_hidden,
     overdrew,
     read_fds,
     refuse_if_degraded,
+    refuse_if_writers,
 )
 from mxfs.fs.volume import Volume
 from mxfs.io.checksum import block_sums, pack_sums
@@ -240,11 +242,10 @@ class KVOps:
         key, size = _key(msg), int_field(msg, "size")
         sum_unit, sums = sums_field(msg, self.vol.layout(entry.node).unit, size)
         if size > pending.declared or overdrew(self.vol, pending):
-            session.let_go(entry.node.ino)
-            self.vol.pool.cut_chunks(entry.node.ino)
-            self.vol.release(entry.node.ino)
+            drop_pending(self.vol, session, entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "kv_create: refused, and the chunk's space reclaimed")
+        refuse_if_writers(self.vol, pending)
         self.vol.settle_hidden(entry, size, sync=False)
         stored = True
         try:

@@ -12,6 +12,7 @@ from mxfs.fs.limits import Limits
 from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io import PAGE
 from mxfs.meta import Inode
+from mxfs.pool.revoke import writers_remain
 
 
 @dataclass
@@ -85,6 +86,50 @@ def grown_chunks(vol: Volume, node: Inode, declared: int) -> list[int]:
     return grown
 
 
+def chunk_paths(vol: Volume, node: Inode) -> list[str]:
+    return [vol.pool.chunk_path(m, node.ino) for m in vol.layout(node).used_members()]
+
+
+def refuse_if_writers(vol: Volume, pending: Pending) -> None:
+    """Blocking: EBUSY while any descriptor for writing the file is open, anywhere: a
+    published file is sealed, and a kept descriptor would rewrite it behind its
+    checksums (pool/revoke.py).  The file stays unpublished: close and commit again."""
+    if writers_remain(chunk_paths(vol, pending.entry.node)):
+        raise OSError(errno.EBUSY, "a descriptor for writing this file is still open (in "
+                      "this process or one it shared it with): close every one, then commit")
+
+
+def drop_pending(vol: Volume, session: Session, ino: int) -> None:
+    """Forget an unpublished file: its space now, its chunk files after the next commit;
+    if a writer still holds descriptors, the files are moved aside and held cut to
+    nothing until it lets go (pool/revoke.py), so the inode number can be reused."""
+    pending = session.let_go(ino)
+    if writers_remain(chunk_paths(vol, pending.entry.node)):
+        vol.held.hold(ino)
+    else:
+        vol.pool.cut_chunks(ino)
+    vol.release(ino)
+
+
+def cut_back(vol: Volume, pendings: list[Pending]) -> int:
+    """Blocking (a worker thread): cut chunk files of unpublished files that run past
+    their writers' declared sizes back to them, marking those files refused; how many
+    chunk files were cut.  A writer cannot be stopped, but the space it took past its
+    word is taken back."""
+    cut = 0
+    for pending in pendings:
+        node = pending.entry.node
+        for m in grown_chunks(vol, node, pending.declared):
+            pending.overdrawn = True  # cut back or not, its commit is refused
+            try:
+                os.truncate(vol.pool.chunk_path(m, node.ino),
+                            allowed_length(vol, node, m, pending.declared))
+                cut += 1
+            except OSError:
+                pass
+    return cut
+
+
 def refuse_if_degraded(vol: Volume) -> None:
     """Nothing new is written to a pool with a failed member (it is served read-only)."""
     failed = vol.pool.failed
@@ -102,8 +147,13 @@ def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int
     members, fds = [], []
     try:
         for m in vol.layout(node).used_members():
-            entry.chunks.fd(m, create=True)  # type: ignore[union-attr]
-            fds.append(os.open(vol.pool.chunk_path(m, node.ino), os.O_WRONLY | os.O_CLOEXEC))
+            vol.pool.check([m])
+            try:  # the writer's descriptor is the only one: the daemon keeps none open
+                fds.append(os.open(vol.pool.chunk_path(m, node.ino),
+                                   os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            except OSError as e:
+                vol.pool.probe(m, e)
+                raise
             members.append(m)
     except OSError:
         for fd in fds:

@@ -24,6 +24,7 @@ from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW
+from mxfs.pool.revoke import Held
 
 log = logging.getLogger("mxfs.volume")
 
@@ -58,6 +59,7 @@ class Volume:
         self.pending_reclaim: list[int] = []
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
+        self.held = Held(pool)  # chunk files of dropped files whose writers hold on
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
         # Set when mount found the store damaged and put a backup in its place.
@@ -222,11 +224,15 @@ class Volume:
         return self.acquire(*self.spares.take(uid, gid))
 
     def settle_hidden(self, entry: OpenInode, size: int, sync: bool = True) -> None:
-        """Blocking: cut a hidden file's chunk files to `size`, and fsync them if `sync`."""
+        """Blocking: cut a hidden file's chunk files to `size`, and fsync them if `sync`
+        (through descriptors of the daemon's own: the writer's are closed by now)."""
         node = entry.node
         assert entry.chunks is not None
-        self.pool.truncate_chunks(node.ino, self.layout(node), size)
+        layout = self.layout(node)
+        self.pool.truncate_chunks(node.ino, layout, size)
         if sync:
+            for m in layout.used_members():
+                entry.chunks.fd(m, create=False)
             entry.chunks.sync()
 
     def publish(self, entry: OpenInode, parent: int, name: bytes, size: int, replace: bool,
@@ -315,6 +321,7 @@ class Volume:
     def recover(self) -> Recovery:
         """Reclaim orphans and trim chunk files past recorded sizes; mark the store in use."""
         report = Recovery(unclean=self.store.setting("clean") != "1")
+        self.held.adopt()
         if self.restored_from is not None:
             # Files made after the backup have chunk files but no inode now: drop them,
             # or a later file given the same number would find their bytes.
