@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 from conftest import (
     HAVE_FUSE,
     Mounted,
@@ -191,9 +193,10 @@ per_inode = next(j for j in range(100)
                  if attempt(os.setxattr, first, f"user.x{{j}}".encode(), value) != "ok")
 for i in range(2000):  # 3 x 64 KiB a file, 375 MiB: six times the metadata member
     path = os.path.join(home, f"f{{i}}")
-    open(path, "wb").close()
+    err = attempt(lambda: open(path, "wb").close())  # names are metadata too
     for j in range(3):
-        err = attempt(os.setxattr, path, f"user.x{{j}}".encode(), value)
+        if err == "ok":
+            err = attempt(os.setxattr, path, f"user.x{{j}}".encode(), value)
         if err != "ok":
             print(json.dumps([i, err, per_inode])); sys.exit()
 print(json.dumps([i, "never refused", per_inode]))
@@ -277,3 +280,90 @@ def test_an_aborted_file_kept_open_by_its_writer_holds_no_space_and_no_inode(
             os.close(fd)
     assert eventually(lambda: not any(h.is_dir() and any(h.iterdir()) for h in held),
                       timeout=10)
+
+
+def test_a_big_namespace_is_removed_while_others_are_served(pool: Mounted) -> None:
+    """Removing 16,384 chunks goes a slice at a time: another user's requests are
+    answered while it runs (they see the namespace part-removed), and kv_list pages."""
+    import base64
+    import threading
+
+    one = base64.b64encode(b"x").decode()
+    n = 16384
+    with ControlClient(str(pool.path)) as c:
+        for start in range(0, n, 4096):
+            keys = [base64.b64encode(b"k%06d" % i).decode() for i in range(start, start + 4096)]
+            c.call("kv_put", namespace="big", keys=keys, data=[one] * 4096)
+        assert len(c.call("kv_list", namespace="big", limit=100_000)["chunks"]) == 1000
+    seen: list[int] = []
+    done = threading.Event()
+
+    def remove() -> None:
+        with ControlClient(str(pool.path)) as r:
+            assert r.call("kv_ns_remove", namespace="big")["deleted"] == n
+        done.set()
+
+    remover = threading.Thread(target=remove)
+    with ControlClient(str(pool.path)) as other:
+        remover.start()
+        while not done.is_set():
+            stats = other.call("kv_stats")["namespaces"]
+            seen += [s["chunks"] for s in stats if s["namespace"] == "big"]
+    remover.join()
+    assert any(0 < k < n for k in seen), "nobody was served while the namespace went"
+
+
+def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
+    from mxfs.fs.fair import Turns
+
+    turns = Turns(3)
+    inside = {5: 0, 0: 0}
+    most = {5: 0, 0: 0}
+
+    async def request(uid: int, release: trio.Event) -> None:
+        async with turns.turn(uid):
+            inside[uid] += 1
+            most[uid] = max(most[uid], inside[uid])
+            await release.wait()
+            inside[uid] -= 1
+
+    async def main() -> None:
+        release = trio.Event()
+        async with trio.open_nursery() as nursery:
+            for uid in [5] * 10 + [0] * 10:
+                nursery.start_soon(request, uid, release)
+            await trio.testing.wait_all_tasks_blocked()
+            assert turns.waiting() == {5: 10}
+            release.set()
+
+    trio.run(main)
+    assert most == {5: 3, 0: 10}
+    assert turns.waiting() == {}
+
+
+def test_a_walk_through_long_link_chains_is_cut_short(pool: Mounted) -> None:
+    """40 links of 1,600 components each would be 64,000 lookups on the daemon's
+    thread for one request; past MAX_WALK components the walk is ELOOP."""
+    from mxfs.fs.access import MAX_WALK
+
+    home = pool.path / "walks"
+    home.mkdir()
+    depth = 200
+    fd = os.open(home, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir("a", dir_fd=fd)
+        fd, old = os.open("a", os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    (home / "target").write_bytes(b"t" * 10)
+    for i in range(40):  # each link goes down `depth` folders and back up again
+        os.symlink("a/" * depth + "../" * depth + (f"l{i - 1}" if i else "target"),
+                   home / f"l{i}")
+    assert 40 * 2 * depth > MAX_WALK
+    with ControlClient(str(pool.path)) as c:
+        assert c.call("layout", path="/walks/l1")["size"] == 10  # a short chain works
+        with pytest.raises(OSError) as e:
+            c.call("layout", path="/walks/l39")
+    assert e.value.errno == errno.ELOOP
+    assert (home / "l39").read_bytes() == b"t" * 10  # the kernel's own walk is its own
+

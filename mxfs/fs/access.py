@@ -57,6 +57,7 @@ def may(node: Inode, caller: Caller, mask: int) -> bool:
 
 
 MAXSYMLINKS = 40  # the kernel's limit of links followed in one lookup (ELOOP past it)
+MAX_WALK = 1024  # components one walk takes, links included: a request of the daemon's thread
 
 
 def resolve_for(store: MetaStore, path: str, caller: Caller, follow: bool = True,
@@ -71,9 +72,13 @@ def resolve_for(store: MetaStore, path: str, caller: Caller, follow: bool = True
     as a plain one, through the kernel.
     """
     root = store.get(ROOT_INO)
-    node, parts, links = root, _parts(path), 0
+    node, parts, links, steps = root, _parts(path), 0, 0
     while parts:
         part = parts.pop()
+        steps += 1
+        if steps > MAX_WALK:  # 40 links of 2,048 components each: 80,000 lookups
+            raise OSError(errno.ELOOP, f"{path}: over {MAX_WALK} components to walk, links "
+                          "included")
         if not node.is_dir:
             raise OSError(errno.ENOTDIR, f"{path}: a component is not a directory")
         if not may(node, caller, X_OK):

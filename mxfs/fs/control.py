@@ -33,6 +33,7 @@ from mxfs.fs.access import (
     supplementary_groups,
 )
 from mxfs.fs.failures import FailureLog
+from mxfs.fs.fair import Turns
 from mxfs.fs.fields import bool_field, check_request, int_field, path_field, sums_field
 from mxfs.fs.foreign_fds import Closer, refuse_rights
 from mxfs.fs.kv import KVIndex
@@ -130,6 +131,7 @@ class ControlServer:
         self.pending_by_uid: Counter[int] = Counter()  # unpublished files, all connections
         self.refusing = 0  # refused connections being answered
         self.failures = FailureLog(log)
+        self.turns = Turns(self.limits.max_active_per_user)  # requests in service by uid
         self.closer = Closer()  # descriptors clients sent anyway (kernels before 6.16)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -299,8 +301,9 @@ class ControlServer:
             op = msg["op"]
             fds: list[int] = []
             try:
-                with self.metrics.timed("control", op if op in OPS else "unknown"):
-                    reply, fds = await self._dispatch(msg, session)
+                async with self.turns.turn(session.caller.uid):
+                    with self.metrics.timed("control", op if op in OPS else "unknown"):
+                        reply, fds = await self._dispatch(msg, session)
             except ProtocolError as e:
                 await self._refuse(conn, session.caller, msg.get("id"), e)
                 return
@@ -388,7 +391,7 @@ class ControlServer:
         if op == "kv_get":
             return await self.kv.get(msg, session)
         if op in KV_OPS:
-            return self.kv.handle(op, msg, session)
+            return await self.kv.handle(op, msg, session)
         if op == "metrics":
             return {"ok": True, **self.metrics.snapshot(), "members": self.vol.pool.usage()}, []
         if op == "df":

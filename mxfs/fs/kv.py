@@ -243,6 +243,10 @@ class KVIndex:
         """Delete chunks now (pinned ones too: readers keep their descriptors)."""
         return len(self._drop([(space, k) for k in keys if k in space.chunks]))
 
+    def drop(self, victims: list[tuple[Namespace, bytes]]) -> list[int]:
+        """Delete these chunks now (pinned ones too); their inode numbers."""
+        return self._drop([(s, k) for s, k in victims if k in s.chunks])
+
     def _drop(self, victims: list[tuple[Namespace, bytes]]) -> list[int]:
         entries = []
         for space, key in victims:
@@ -258,8 +262,8 @@ class KVIndex:
 
     # ---- capacity -----------------------------------------------------------------
 
-    def evict(self, space: Namespace, target: int) -> int:
-        """Evict least recently used, unpinned chunks until `space` holds <= target bytes."""
+    def victims(self, space: Namespace, target: int) -> list[tuple[Namespace, bytes]]:
+        """Least recently used, unpinned chunks to evict for `space` to hold <= target."""
         victims, freed = [], 0
         for key, chunk in space.chunks.items():
             if space.used - freed <= target:
@@ -268,15 +272,26 @@ class KVIndex:
                 continue
             victims.append((space, key))
             freed += chunk.size
+        return victims
+
+    def evict(self, space: Namespace, target: int) -> int:
+        """Evict least recently used, unpinned chunks until `space` holds <= target bytes."""
+        victims = self.victims(space, target)
         space.evictions += len(victims)
         self._drop(victims)
         return len(victims)
 
+    def over(self, space: Namespace) -> int | None:
+        """The bytes `space` must be evicted down to (its low watermark), if it is above
+        its capacity's high one; else None."""
+        if space.capacity and space.used > space.capacity * HIGH:
+            return int(space.capacity * LOW)
+        return None
+
     def enforce(self, space: Namespace) -> int:
         """After a put: above the namespace's capacity, evict down to its low watermark."""
-        if space.capacity and space.used > space.capacity * HIGH:
-            return self.evict(space, int(space.capacity * LOW))
-        return 0
+        target = self.over(space)
+        return 0 if target is None else self.evict(space, target)
 
     def refuse_hopeless(self, space: Namespace, size: int) -> None:
         """Refuse, before anything is evicted, a chunk that could never fit or is no KV

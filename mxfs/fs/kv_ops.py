@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from mxfs.fs.access import R_OK, W_OK, Caller
+from mxfs.fs.fair import BITE, Slice, in_bites
 from mxfs.fs.fields import BadField, b64_field, bool_field, int_field, sums_field
 from mxfs.fs.kv import Chunk, KVIndex, Namespace, check_key, check_namespace
 from mxfs.fs.limits import Limits
@@ -64,6 +65,7 @@ _OPENING = trio.CapacityLimiter(2)
 
 
 MAX_BATCH = 4096  # keys in one request
+MAX_LIST = 1000  # chunks one kv_list reply names (page with skip, as `mxfs kv ls` does)
 NS_OPS = ("kv_ns_create", "kv_ns_remove")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
 # caller who does not own the namespace must then have asked to share it).
@@ -110,19 +112,24 @@ class KVOps:
         self.index = index
         self.limits = limits or Limits()
 
-    def handle(self, op: str, msg: dict[str, Any], session: Session
-               ) -> tuple[dict[str, Any], list[int]]:
+    async def handle(self, op: str, msg: dict[str, Any], session: Session
+                     ) -> tuple[dict[str, Any], list[int]]:
+        """Serve a KV op.  Those that work through many items do it in bites
+        (`fs/fair.py`): another user's request waits for a bite, not the whole."""
         caller = session.caller
         if op == "kv_stats":
             ns = msg.get("namespace")
             spaces = [self.index.space(ns, caller)] if ns is not None else [
                 s for s in self.index.spaces.values() if s.may(caller, R_OK)]
-            return {"ok": True, "namespaces": [s.stats() for s in spaces]}, []
+            stats = []
+            async for some in in_bites(spaces, 8):  # (each counts its pinned chunks)
+                stats += [s.stats() for s in some]
+            return {"ok": True, "namespaces": stats}, []
         if op in NS_OPS:
-            return self._namespace_op(op, msg, caller), []
+            return await self._namespace_op(op, msg, caller), []
         space = self._space(op, msg, caller)
         if op == "kv_put":
-            return self._put(msg, session, space), []
+            return await self._put(msg, session, space), []
         if op == "kv_create":
             return self._create(msg, session, space)
         if op == "kv_commit":
@@ -133,20 +140,33 @@ class KVOps:
         if op == "kv_exists":
             return {"ok": True, "present": [k in space.chunks for k in _keys(msg)]}, []
         if op == "kv_delete":
-            return {"ok": True, "deleted": self.index.remove(space, _keys(msg))}, []
+            deleted = 0
+            async for keys in in_bites(_keys(msg), BITE):
+                deleted += self.index.remove(space, list(keys))
+            return {"ok": True, "deleted": deleted}, []
         if op == "kv_list":
             n = len(space.chunks)
             skip = min(int_field(msg, "skip", 0), n)
-            stop = min(skip + min(int_field(msg, "limit", 1000), 100_000), n)
+            stop = min(skip + min(int_field(msg, "limit", 1000), MAX_LIST), n)
             items = itertools.islice(space.chunks.items(), skip, stop)
             return {"ok": True, "chunks": [[base64.b64encode(k).decode(), c.size, c.pins]
                                            for k, c in items]}, []
         if op == "kv_config":
             self.index.configure(space, caller, int_field(msg, "capacity"))
-            return {"ok": True, "evicted": self.index.enforce(space), **space.stats()}, []
+            target = self.index.over(space)
+            evicted = 0 if target is None else await self._evict(space, target)
+            return {"ok": True, "evicted": evicted, **space.stats()}, []
         if op == "kv_evict":
-            return {"ok": True, "evicted": self.index.evict(space, int_field(msg, "keep", 0))}, []
+            return {"ok": True, "evicted": await self._evict(space, int_field(msg, "keep", 0))}, []
         raise ProtocolError(f"unknown op {op!r}")
+
+    async def _evict(self, space: Namespace, target: int) -> int:
+        """Evict down to `target` bytes a bite at a time; how many chunks went."""
+        victims = self.index.victims(space, target)
+        space.evictions += len(victims)
+        async for bite in in_bites(victims, BITE):
+            self.index.drop(list(bite))
+        return len(victims)
 
     def _space(self, op: str, msg: dict[str, Any], caller: Caller) -> Namespace:
         """The namespace `op` works in, checked for what it needs of the caller."""
@@ -158,15 +178,23 @@ class KVOps:
         return self.index.space(msg.get("namespace"), caller, mask, shared or not moves,
                                 create_mode=create)
 
-    def _namespace_op(self, op: str, msg: dict[str, Any], caller: Caller) -> dict[str, Any]:
+    async def _namespace_op(self, op: str, msg: dict[str, Any], caller: Caller
+                            ) -> dict[str, Any]:
         """Make a namespace ahead of its users (root: for anyone, taking over a name
-        with `force`; others: for themselves), or remove one with its chunks."""
+        with `force`; others: for themselves), or remove one with its chunks (a bite
+        at a time; puts racing the removal are removed with it)."""
         name = check_namespace(msg.get("namespace"))
         if op == "kv_ns_remove":
             space = self.index.space(name, caller)
             if caller.uid not in (0, space.uid):
                 raise OSError(errno.EPERM, "only the namespace's owner or root removes it")
-            return {"ok": True, "deleted": self.index.drop_namespace(space)}
+            deleted, share = 0, Slice()
+            while space.chunks and self.index.spaces.get(name) is space:
+                deleted += self.index.remove(space, list(itertools.islice(space.chunks, BITE)))
+                await share.due()
+            if self.index.spaces.get(name) is not space:
+                raise OSError(errno.ENOENT, f"KV namespace {name!r} was removed meanwhile")
+            return {"ok": True, "deleted": deleted + self.index.drop_namespace(space)}
         uid = int_field(msg, "uid", caller.uid)
         gid = int_field(msg, "gid", caller.gid)
         force = bool_field(msg, "force")
@@ -190,14 +218,22 @@ class KVOps:
                           "least recently used chunks are being evicted")
         return root
 
-    def _put(self, msg: dict[str, Any], session: Session, space: Namespace) -> dict[str, Any]:
-        """Small chunks in one request: the daemon writes them (no descriptors passed)."""
+    async def _put(self, msg: dict[str, Any], session: Session, space: Namespace
+                   ) -> dict[str, Any]:
+        """Small chunks in one request: the daemon writes them (no descriptors passed),
+        PUT_BITE at a time."""
         keys, data = _keys(msg), msg.get("data")
         if not isinstance(data, list) or len(data) != len(keys):
             raise BadField(msg, "needs 'data': one base64 string per key")
         refuse_if_degraded(self.vol)
-        stored = []
+        stored: list[bool] = []
+        share = Slice()
         for key, b64 in zip(keys, data, strict=True):
+            if stored:
+                await share.due()
+                if self.index.spaces.get(space.name) is not space:
+                    raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed "
+                                  f"meanwhile ({sum(stored)} chunks were stored)")
             if key in space.chunks:
                 stored.append(False)
                 continue

@@ -257,10 +257,13 @@ class Volume:
         self.pool.remove_chunks(ino)
         self.store.drop_inode(ino)
 
-    def take_pending(self) -> list[int]:
+    def take_pending(self, most: int | None = None) -> list[int]:
         """Commit, then hand over the orphans to free (their chunk files may now go):
-        only those the rows list, as the change that made one may be in a lost group."""
-        inos, self.pending_reclaim = self.pending_reclaim, []
+        only those the rows list, as the change that made one may be in a lost group.
+        With `most`, at most that many (the daemon frees a removed namespace's 65,536
+        chunks a round at a time, not in one stall)."""
+        cut = len(self.pending_reclaim) if most is None else most
+        inos, self.pending_reclaim = self.pending_reclaim[:cut], self.pending_reclaim[cut:]
         if inos:
             try:
                 self.store.commit()

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""How long one user's requests wait while another user floods the daemon.
+
+A victim (uid 65533) looks up one KV key over and over and records each lookup's
+latency, while a hog (uid 65534) does one thing, side by side in one run:
+
+  none       nothing (the victim's baseline)
+  ns_remove  removes a namespace of --chunks chunks in one request
+  puts       back-to-back kv_put of 4,096 one-byte chunks a request
+  list       back-to-back kv_list asking for 100,000 names
+  deletes    back-to-back kv_delete of 4,096 keys a request (half of them present)
+  walks      back-to-back `layout` of a path through 40 symbolic links of long paths
+
+Reports the victim's median, p99 and worst latency in ms for each (medians over
+--repeat rounds).  Run as root (it mounts a scratch pool and drops to the two uids).
+
+    python tools/bench_fair.py --chunks 65536 --seconds 5 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from mxfs.cli.demo import bench_args, save_results, scratch_pool
+
+VICTIM, HOG = 65533, 65534
+ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks")
+
+# Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
+HOG_CODE = r"""
+import base64, os, sys, time
+from mxfs.client import ControlClient
+mnt, arm, seconds, chunks = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+c = ControlClient(mnt)
+key = lambda i: base64.b64encode(b"k%08d" % i).decode()
+one = base64.b64encode(b"x").decode()
+def put_range(ns, start, n):
+    for s in range(start, start + n, 4096):
+        m = min(4096, start + n - s)
+        c.call("kv_put", namespace=ns, keys=[key(i) for i in range(s, s + m)], data=[one] * m)
+if arm == "walks":  # 40 links, each 1,600 components long: 64,000 lookups a walk
+    home = os.path.join(mnt, "hog")
+    fd = os.open(home, os.O_RDONLY)
+    for _ in range(800):
+        try:
+            os.mkdir("a", dir_fd=fd)
+        except FileExistsError:
+            pass
+        fd, old = os.open("a", os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    for i in range(40):
+        link = os.path.join(home, f"l{i}")
+        if not os.path.lexists(link):
+            os.symlink("a/" * 800 + "../" * 800 + (f"l{i - 1}" if i else "."), link)
+    walk = "/hog/l39"
+if arm == "ns_remove":
+    put_range("hog", 0, chunks)
+if arm == "deletes":
+    put_range("hog", 0, 2048)
+if arm == "list":
+    put_range("hog-list", 0, 16384)
+print("ready", flush=True)
+sys.stdin.readline()
+end = time.monotonic() + seconds
+n = 0
+if arm == "ns_remove":
+    c.call("kv_ns_remove", namespace="hog"); n = 1
+while arm not in ("none", "ns_remove") and time.monotonic() < end:
+    if arm == "puts":
+        put_range("hog", n * 4096, 4096)
+    elif arm == "list":
+        c.call("kv_list", namespace="hog-list", limit=100000)
+    elif arm == "deletes":
+        c.call("kv_delete", namespace="hog", keys=[key(i) for i in range(4096)])
+        put_range("hog", 0, 2048)
+    elif arm == "walks":
+        try:
+            c.call("layout", path=walk)
+        except OSError:
+            pass
+    n += 1
+print(n, flush=True)
+"""
+
+VICTIM_CODE = r"""
+import base64, json, sys, time
+from mxfs.client import ControlClient
+mnt, seconds = sys.argv[1], float(sys.argv[2])
+c = ControlClient(mnt)
+k = base64.b64encode(b"victim").decode()
+c.call("kv_put", namespace="victim", keys=[k], data=[base64.b64encode(b"v" * 100).decode()])
+print("ready", flush=True)
+sys.stdin.readline()
+lat, end = [], time.monotonic() + seconds
+while time.monotonic() < end:
+    t = time.perf_counter()
+    c.call("kv_exists", namespace="victim", keys=[k])
+    lat.append(time.perf_counter() - t)
+    time.sleep(0.002)
+print(json.dumps(lat), flush=True)
+"""
+
+
+def as_user(uid: int, code: str, *args: str) -> subprocess.Popen[str]:
+    """`code` in a process that imports as root (the interpreter may sit in root's
+    folders), then becomes `uid` before it touches the mount."""
+    become = ("import base64, json, os, sys, time\nimport mxfs.client\n"
+              f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n")
+    return subprocess.Popen([sys.executable, "-c", become + code, *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def one_round(mnt: str, arm: str, seconds: float, chunks: int) -> dict[str, float]:
+    hog = as_user(HOG, HOG_CODE, mnt, arm, str(seconds), str(chunks))
+    victim = as_user(VICTIM, VICTIM_CODE, mnt, str(seconds))
+    assert hog.stdout and hog.stdin and victim.stdout and victim.stdin
+    assert hog.stdout.readline().strip() == "ready", f"hog ({arm}) failed"
+    assert victim.stdout.readline().strip() == "ready", "victim failed"
+    victim.stdin.write("\n")
+    victim.stdin.flush()
+    time.sleep(0.2)
+    hog.stdin.write("\n")
+    hog.stdin.flush()
+    lat = sorted(json.loads(victim.stdout.readline()))
+    hog.stdout.readline()
+    for p in (hog, victim):
+        p.wait()
+    return {"median": statistics.median(lat) * 1e3, "p99": lat[int(len(lat) * 0.99)] * 1e3,
+            "worst": lat[-1] * 1e3, "lookups": len(lat)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench_args(ap)
+    ap.add_argument("--chunks", type=int, default=65536, help="chunks ns_remove removes")
+    ap.add_argument("--seconds", type=float, default=5, help="how long the victim measures")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    args = ap.parse_args()
+    arms = args.arms.split(",")
+    results: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+    with scratch_pool("mxfs-fair-", args.dir, mount=["-o", "allow_other"]) as pool:
+        os.chmod(pool.base, 0o755)  # the two users reach the mount through it
+        hog_home = os.path.join(pool.mnt, "hog")
+        os.makedirs(hog_home, exist_ok=True)
+        os.chown(hog_home, HOG, HOG)
+        for r in range(args.repeat):
+            for arm in arms:
+                # The victim waits at most as long as the hog's longest request.
+                res = one_round(pool.mnt, arm, args.seconds, args.chunks)
+                results[arm].append(res)
+                print(f"round {r + 1} {arm:10s} median {res['median']:8.2f} ms  p99 "
+                      f"{res['p99']:8.2f}  worst {res['worst']:8.2f}  ({res['lookups']:.0f} "
+                      "lookups)", flush=True)
+    print("\nvictim's kv_exists latency, ms (median of rounds): median / p99 / worst")
+    summary = {}
+    for arm in arms:
+        summary[arm] = {k: statistics.median(x[k] for x in results[arm])
+                        for k in ("median", "p99", "worst")}
+        s = summary[arm]
+        print(f"  {arm:10s} {s['median']:8.2f} {s['p99']:8.2f} {s['worst']:8.2f}")
+    save_results(args, rounds=results, summary=summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
