@@ -115,12 +115,13 @@ def force_unmount(path: str) -> None:
 
 
 @contextmanager
-def mounted_pool(members: list[str]) -> Iterator[Mounted]:
-    """The pool on `members` mounted (allow_other) on a fresh folder under /tmp itself,
-    not pytest's private folder, so other users can reach it; unmounted after."""
+def mounted_pool(members: list[str], *options: str) -> Iterator[Mounted]:
+    """The pool on `members` mounted (allow_other, and `options`) on a fresh folder under
+    /tmp itself, not pytest's private folder, so other users can reach it; unmounted
+    after."""
     mp = Path(tempfile.mkdtemp(prefix="mxfs-mnt-"))
     os.chmod(mp, 0o755)
-    mxfs("mount", "-o", "allow_other", members[0], str(mp))
+    mxfs("mount", "-o", ",".join(["allow_other", *options]), members[0], str(mp))
     try:
         yield Mounted(mp, members)
     finally:

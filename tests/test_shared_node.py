@@ -8,6 +8,7 @@ checks that the daemon still serves everyone.
 from __future__ import annotations
 
 import array
+import base64
 import errno
 import os
 import signal
@@ -367,3 +368,98 @@ def test_a_walk_through_long_link_chains_is_cut_short(pool: Mounted) -> None:
     assert e.value.errno == errno.ELOOP
     assert (home / "l39").read_bytes() == b"t" * 10  # the kernel's own walk is its own
 
+
+
+def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
+    """The kernel does not count descriptors root sends against the receiver: a user
+    who never reads its replies could pin any number of open files.  The daemon counts
+    them per uid (max_fds_in_flight_per_user) until they are read, also after the
+    connection closed on the daemon's side."""
+    from mxfs.proto.framing import recv_message
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_fds_in_flight_per_user=40") as m:
+        (m.path / "f").write_bytes(os.urandom(300_000))  # over 4 members: 4 a reply
+        os.chmod(m.path / "f", 0o644)
+        request = encode({"op": "open_read", "path": "/f", "id": 1})
+        os.setegid(65534)
+        os.seteuid(65534)  # the connections are nobody's (SO_PEERCRED at connect)
+        try:
+            greedy = raw_socket(m)
+            late = raw_socket(m)
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+        for _ in range(20):  # 80 descriptors asked for, none read
+            greedy.sendall(request)
+        assert eventually(lambda: _in_flight(m) == 40)
+        late.sendall(request)
+        reply, fds = recv_message(late)  # the first 10 replies hold all 40 it may have
+        assert not reply["ok"] and reply["errno"] == errno.EMFILE, reply
+        assert "max_fds_in_flight_per_user" in reply["error"]
+        got = [recv_message(greedy) for _ in range(20)]
+        assert [r["ok"] for r, _ in got] == [True] * 10 + [False] * 10
+        for _, fds in got:
+            for fd in fds:
+                os.close(fd)
+        late.sendall(request)  # read now: the bound is free again
+        reply, fds = recv_message(late)
+        assert reply["ok"] and len(fds) == 4
+        for fd in fds:
+            os.close(fd)
+        for _ in range(10):  # unread again, and the daemon's side closed: still counted
+            greedy.sendall(request)
+        assert eventually(lambda: _in_flight(m) == 40)
+        greedy.shutdown(socket.SHUT_WR)
+        late.sendall(request)
+        assert recv_message(late)[0]["errno"] == errno.EMFILE
+        greedy.close()  # the peer lets go: its descriptors are closed by the kernel
+        assert eventually(lambda: _asks(late, request))
+        late.close()
+
+
+def _in_flight(m: Mounted) -> int:
+    with ControlClient(str(m.path)) as c:
+        return int(c.call("stat")["limits"]["fds_in_flight"])
+
+
+def _asks(sock: socket.socket, request: bytes) -> bool:
+    from mxfs.proto.framing import recv_message
+
+    sock.sendall(request)
+    reply, fds = recv_message(sock)
+    for fd in fds:
+        os.close(fd)
+    return bool(reply["ok"])
+
+
+def test_kv_chunks_and_leases_are_bounded_per_user(tmp_path: Path) -> None:
+    """The KV index is memory (about 2 KB a chunk) and each read lease too: one uid's
+    namespaces hold at most max_chunks_per_user chunks, its connections together at
+    most max_pins_per_user leases; root's are not bounded."""
+    from users import ensure_users, run_as
+
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_chunks_per_user=100,max_pins_per_user=10") as m:
+        script = f"""
+import base64
+b = lambda s: base64.b64encode(s.encode()).decode()
+c1, c2 = mxfs.client.ControlClient({str(m.path)!r}), mxfs.client.ControlClient({str(m.path)!r})
+keys = [b(f"k{{i}}") for i in range(100)]
+c1.call("kv_put", namespace="a", keys=keys, data=[b("v" * 600)] * 100)
+more = attempt(c1.call, "kv_put", namespace="a2", keys=[b("x")], data=[b("v")])
+first = attempt(c1.call, "kv_get", namespace="a", keys=keys[:6], pin=True)
+second = attempt(c2.call, "kv_get", namespace="a", keys=keys[6:12], pin=True)
+c1.close()  # its leases end with it
+third = attempt(c2.call, "kv_get", namespace="a", keys=keys[6:12], pin=True)
+print(json.dumps([more, first, second, third]))
+"""
+        more, first, second, third = run_as(alice, script)
+        assert more == errno.EDQUOT
+        assert first == "ok" and second == errno.EMFILE and third == "ok"
+        with ControlClient(str(m.path)) as root:
+            keys = [base64.b64encode(b"r%d" % i).decode() for i in range(150)]
+            root.call("kv_put", namespace="r", keys=keys, data=[keys[0]] * 150)

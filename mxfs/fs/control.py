@@ -36,6 +36,7 @@ from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import Turns
 from mxfs.fs.fields import bool_field, check_request, int_field, path_field, sums_field
 from mxfs.fs.foreign_fds import Closer, refuse_rights
+from mxfs.fs.inflight import park, unread_bytes
 from mxfs.fs.kv import KVIndex
 from mxfs.fs.kv_ops import KV_OPS, KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
@@ -210,7 +211,7 @@ class ControlServer:
                     finally:
                         self.refusing -= 1
                 return
-            session = Session(caller, self.pending_by_uid)
+            session = Session(caller, self.pending_by_uid, conn=conn)
             self.conns[caller.uid] += 1
             self.sessions[id(session)] = session
             try:
@@ -218,11 +219,13 @@ class ControlServer:
             except Exception as e:
                 self.failures.note("connection", caller, e)
             finally:
+                self._end_session(session)
+                if session.sent_fds and unread_bytes(conn):
+                    await park(conn)  # its descriptors in flight: still counted
                 del self.sessions[id(session)]
                 self.conns[caller.uid] -= 1
                 if not self.conns[caller.uid]:
                     del self.conns[caller.uid]
-                self._end_session(session)
 
     def _all_pending(self) -> list[Pending]:
         return [p for s in self.sessions.values() for p in s.pending.values()]
@@ -314,6 +317,8 @@ class ControlServer:
                 self.failures.note(op, session.caller, e)
                 reply = {"ok": False, "errno": errno.EIO,
                          "error": f"internal error serving {op} (logged by the daemon)"}
+            if fds:
+                reply, fds = self._admit_fds(session, reply, fds)
             reply["id"] = msg.get("id")
             del msg  # not held while the connection waits for its next request
             try:
@@ -323,12 +328,41 @@ class ControlServer:
                     except ProtocolError as e:  # a reply over the limits: say so, stay up
                         sent = await self._send(conn, {"id": reply["id"], "ok": False,
                                                        "errno": errno.E2BIG, "error": str(e)})
+                session.sent_fds += len(fds)
                 if not sent or scope.cancelled_caught:
                     return  # the peer went away or does not read its replies
             finally:
                 for fd in fds:
                     os.close(fd)  # the peer holds its own copies now
             del reply
+
+    def fds_in_flight(self, uid: int) -> int:
+        """Descriptors sent to `uid`'s connections that they have not read yet (a
+        connection with nothing unread has taken all it was sent)."""
+        total = 0
+        for s in self.sessions.values():
+            if s.caller.uid == uid and s.sent_fds:
+                if not unread_bytes(s.conn):
+                    s.sent_fds = 0
+                total += s.sent_fds
+        return total
+
+    def _admit_fds(self, session: Session, reply: dict[str, Any], fds: list[int]
+                   ) -> tuple[dict[str, Any], list[int]]:
+        """The reply as it may go: with its descriptors, or, past the caller's bound of
+        descriptors in flight (root: none), an EMFILE without them."""
+        uid, lim = session.caller.uid, self.limits.max_fds_in_flight_per_user
+        if uid == 0:
+            return reply, fds
+        held = self.fds_in_flight(uid)
+        if held + len(fds) <= lim:
+            return reply, fds
+        for fd in fds:
+            os.close(fd)
+        return {"ok": False, "errno": errno.EMFILE,
+                "error": f"uid {uid} has {held} descriptors sent to it and not yet received "
+                         f"(replies left unread), the limit (mount option "
+                         "max_fds_in_flight_per_user): read your replies"}, []
 
     async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
         self.failures.note("protocol", caller, err, trace=False)
@@ -561,5 +595,6 @@ class ControlServer:
         busiest = self.conns.most_common(1)
         return {**{k: getattr(self.limits, k) for k in Limits.options()},
                 "connections": sum(self.conns.values()), "users": len(self.conns),
+                "fds_in_flight": sum(s.sent_fds for s in self.sessions.values()),
                 "busiest_user": list(busiest[0]) if busiest else None,
                 "fds_open": open_fds(), "fds_max": fd_limit()}

@@ -133,6 +133,7 @@ class KVIndex:
         self.max_per_user = max_per_user  # namespaces one uid but root may own
         self.spaces: dict[str, Namespace] = {}
         self._owned: Counter[int] = Counter()  # namespaces by owner (a put asks: no scan)
+        self.chunks_by_uid: Counter[int] = Counter()  # chunks by namespace owner (a bound)
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
         self._pool_free = _Room(lambda: pool_totals(vol.pool.usage())["free"])
@@ -153,6 +154,7 @@ class KVIndex:
                 self._owned[0] += 1
             space.chunks[bytes(key)] = Chunk(ino, size, atime, sum_unit, bytes(sums))
             space.used += size
+            self.chunks_by_uid[space.uid] += 1
             last = max(last, atime)
         self._clock = itertools.count(last + 1)
         if self.spaces:
@@ -238,6 +240,7 @@ class KVIndex:
         space.chunks[key] = Chunk(ino, size, atime, sum_unit, sums)
         space.used += size
         space.puts += 1
+        self.chunks_by_uid[space.uid] += 1
 
     def remove(self, space: Namespace, keys: list[bytes]) -> int:
         """Delete chunks now (pinned ones too: readers keep their descriptors)."""
@@ -252,6 +255,7 @@ class KVIndex:
         for space, key in victims:
             chunk = space.chunks.pop(key)
             space.used -= chunk.size
+            self.chunks_by_uid[space.uid] -= 1
             self._touched.pop((space.name, key), None)
             entries.append((space.name, key, chunk.ino))
         if not entries:

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -111,6 +112,7 @@ class KVOps:
         self.vol = vol
         self.index = index
         self.limits = limits or Limits()
+        self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
 
     async def handle(self, op: str, msg: dict[str, Any], session: Session
                      ) -> tuple[dict[str, Any], list[int]]:
@@ -208,7 +210,13 @@ class KVOps:
         return {"ok": True, **space.stats()}
 
     def _room(self, space: Namespace, size: int) -> Inode:
-        """Fail fast when the chunk cannot fit (EFBIG, ENOSPC); returns the layout parent."""
+        """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
+        owner has as many chunks as one uid may); returns the layout parent."""
+        owned = self.index.chunks_by_uid[space.uid]
+        if space.uid != 0 and owned >= self.limits.max_chunks_per_user:
+            raise OSError(errno.EDQUOT, f"uid {space.uid} owns namespaces holding {owned} KV "
+                          "chunks, the limit (mount option max_chunks_per_user): delete or "
+                          "evict some")
         self.index.refuse_hopeless(space, size)
         root = self.vol.store.get(ROOT_INO)
         layout = self.vol.pool.layout_for(0, root.stripe_unit, root.stripe_width)
@@ -330,6 +338,11 @@ class KVOps:
         if pin and session.pinned + len(wanted) > self.limits.max_pins:
             raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
                           " KV read leases, the limit (mount option max_pins)")
+        uid = session.caller.uid
+        if pin and uid != 0 and \
+                self.pinned_by_uid[uid] + len(wanted) > self.limits.max_pins_per_user:
+            raise OSError(errno.EMFILE, f"uid {uid} holds {self.pinned_by_uid[uid]} KV read "
+                          "leases, the limit (mount option max_pins_per_user)")
         opened = await self._open_all([n for _, _, _, n in wanted], odirect)
         fds: list[int] = []
         for (slot, key, chunk, node), (which, got) in zip(wanted, opened, strict=True):
@@ -343,6 +356,7 @@ class KVOps:
                 chunk.pins += 1
                 session.pins[(space.name, key)] += 1
                 session.pinned += 1
+                self.pinned_by_uid[uid] += 1
         return {"ok": True, "chunks": out}, fds
 
     async def _open_all(self, nodes: list[Inode], odirect: bool
@@ -396,6 +410,7 @@ class KVOps:
             if session.pins[(space.name, key)] > 0:
                 session.pins[(space.name, key)] -= 1
                 session.pinned -= 1
+                self.pinned_by_uid[session.caller.uid] -= 1
                 chunk = space.chunks.get(key)
                 if chunk is not None and chunk.pins:
                     chunk.pins -= 1
@@ -407,6 +422,9 @@ class KVOps:
             if chunk is not None:
                 chunk.pins = max(0, chunk.pins - n)
         session.pins.clear()
+        self.pinned_by_uid[session.caller.uid] -= session.pinned
+        if self.pinned_by_uid[session.caller.uid] <= 0:
+            del self.pinned_by_uid[session.caller.uid]
         session.pinned = 0
 
     def flush(self) -> None:

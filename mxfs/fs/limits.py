@@ -24,6 +24,9 @@ class Limits:
     max_pins: int = 65536           # KV read leases a connection holds
     max_namespaces_per_user: int = 1024  # KV namespaces one uid owns (each a row, in memory)
     max_active_per_user: int = 8    # requests of one uid in service at once (fs/fair.py)
+    max_fds_in_flight_per_user: int = 4096  # descriptors sent to one uid, not yet received
+    max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
+    max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)
     idle_timeout: int = 3600        # s: a connection holding nothing is closed when idle so long
     frame_timeout: int = 10         # s: a started request must arrive whole, a reply be taken
     fd_reserve: int = 256           # descriptors kept back for FUSE, members and the store

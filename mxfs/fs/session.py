@@ -6,6 +6,7 @@ import errno
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from mxfs.fs.access import Caller
 from mxfs.fs.limits import Limits
@@ -35,6 +36,8 @@ class Session:
     pending: dict[int, Pending] = field(default_factory=dict)
     pins: Counter[tuple[str, bytes]] = field(default_factory=Counter)  # KV read leases
     pinned: int = 0  # their sum
+    conn: Any = None  # the socket (asked how much of what it sent is unread)
+    sent_fds: int = 0  # descriptors sent in replies the peer may not have read yet
 
     def hold(self, pending: Pending) -> None:
         self.pending[pending.entry.node.ino] = pending
