@@ -40,6 +40,24 @@ STRANGE = ["\ud800", "a\udcffb", "\0", "a\0b", "x" * 300, "/" + "y" * 256, "", "
            "/..", "//", "\u202e", "\x7f", "é" * 200, "/fz/\ud83d", "NaN"]
 
 
+def real_descriptors(mount: str, folder: str) -> list[int]:
+    """Descriptors to pass along with requests, of every kind a user has: a file and a
+    folder on the mount itself (whose close the daemon must never wait for), a pipe,
+    a socket, memory, /dev/null."""
+    fds = [os.open(os.devnull, os.O_RDONLY)]
+    on_mount = os.path.join(mount, folder.lstrip("/"), f"fuzz-fd-{os.getpid()}")
+    try:
+        fds.append(os.open(on_mount, os.O_RDWR | os.O_CREAT, 0o600))
+        os.write(fds[-1], b"written: its close sends FLUSH to the daemon")
+        fds.append(os.open(os.path.join(mount, folder.lstrip("/")), os.O_RDONLY))
+    except OSError:
+        pass
+    fds += list(os.pipe())
+    fds += [s.detach() for s in socket.socketpair()]
+    fds.append(os.memfd_create("fuzz"))
+    return fds
+
+
 class Fuzzer:
     def __init__(self, mount: str, seed: int, folder: str) -> None:
         self.socket_path = os.getxattr(mount, "user.mxfs.control").decode()
@@ -50,6 +68,7 @@ class Fuzzer:
         self.answers: Counter[str] = Counter()
         self.ops: Counter[str] = Counter()
         self.devnull = os.open(os.devnull, os.O_RDONLY)
+        self.real_fds = real_descriptors(mount, folder)
 
     # ---- values ----------------------------------------------------------------
 
@@ -162,8 +181,13 @@ class Fuzzer:
         try:
             s = self.conn(i)
             anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                    array.array("i", [self.devnull] * nfds).tobytes())] if nfds else []
-            s.sendmsg([data], anc)
+                    array.array("i", [r.choice(self.real_fds) for _ in range(nfds)]
+                                ).tobytes())] if nfds else []
+            try:
+                s.sendmsg([data], anc)
+            except PermissionError:  # Linux 6.16: the kernel refuses them for the daemon
+                self.answers["descriptors refused"] += 1
+                s.sendall(data)
             if not whole:  # half a message, then hang up
                 self.answers["hung up"] += 1
                 self.drop(i)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Soak and crash harness: a mixed workload on a pool, with the daemon and clients killed.
 
-Four kinds of client run as separate processes against a scratch pool (or --pool):
+Four kinds of client run as separate processes against a scratch pool (or --pool),
+and with --hostile a fifth, as nobody:
   files   write files through the mount (content derived from the name), fsync them,
           rename them into place, delete some; each fsynced file is journaled outside
           the pool only after its fsync returned
@@ -9,6 +10,11 @@ Four kinds of client run as separate processes against a scratch pool (or --pool
   kv      KVStore puts and gets of chunks whose bytes derive from their key; every hit
           must be exact
   load    mxfs.load.load_file of a model written at the start, compared tensor by tensor
+  hostile (uid 65534) floods in turn: 4,096-chunk kv_puts and removals of its namespace,
+          64 KiB xattrs file after file, direct files committed or aborted while it keeps
+          writing through their descriptors, a descriptor of a file on the mount sent
+          with a request, replies carrying descriptors left unread; its own errors are
+          its own, the others must lose nothing
 Every --crash-every seconds the daemon and a random client are SIGKILLed at once; the
 pool is detached, checked offline (metadata invariants, no stray chunk files), mounted
 again, and everything journaled is verified: every fsynced file reads back exactly,
@@ -133,9 +139,71 @@ except Exception as e:
 """
 
 
+HOSTILE = r"""
+import array, base64, errno, os, socket, sys, time
+import mxfs.client
+from mxfs.proto import encode
+root = sys.argv[1]
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+b = lambda s: base64.b64encode(s).decode()
+def attempt(fn, *a, **kw):
+    try:
+        return fn(*a, **kw)
+    except OSError:
+        return None
+try:
+    c = mxfs.client.ControlClient(os.path.dirname(root))
+    unread = mxfs.client.ControlClient(os.path.dirname(root))
+    unread.call("hello")
+    kept = []
+    for n in range(10**9):
+        keys = [b(b"h%d-%d" % (n, i)) for i in range(4096)]
+        attempt(c.call, "kv_put", namespace="hog", keys=keys, data=[b(b"x")] * 4096)
+        if n % 3 == 2:
+            attempt(c.call, "kv_ns_remove", namespace="hog")
+        for i in range(50):  # xattrs until refused, then gone again
+            f = os.path.join(root, f"x{i}")
+            if attempt(lambda: open(f, "wb").close()) is None:
+                break
+            for j in range(3):
+                attempt(os.setxattr, f, f"user.h{j}".encode(), b"v" * 65536)
+        for i in range(50):
+            attempt(os.unlink, os.path.join(root, f"x{i}"))
+        r = attempt(c.call_with_fds, "create", path="/hostile/d%d" % n, size=4096)
+        if r is not None:  # write on past its commit (refused) and its abort
+            reply, fds = r
+            os.pwrite(fds[0], b"z" * (1 << 20), 0)
+            attempt(c.call, "commit", ino=reply["ino"], size=4096, sum_unit=65536,
+                    sums=b(bytes(8)))
+            attempt(c.call, "abort", ino=reply["ino"])
+            os.pwrite(fds[0], b"z" * (1 << 20), 0)
+            kept += fds
+            while len(kept) > 64:
+                os.close(kept.pop(0))
+        fd = attempt(os.open, os.path.join(root, "sent"), os.O_RDWR | os.O_CREAT, 0o600)
+        if fd is not None:  # its close in the daemon would send FLUSH back to it
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(os.getxattr(os.path.dirname(root), "user.mxfs.control").decode())
+            msg = encode({"op": "hello", "id": 1})
+            try:
+                s.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                   array.array("i", [fd]).tobytes())])
+            except PermissionError:
+                pass
+            os.close(fd)
+            s.close()
+        for _ in range(8):  # replies with descriptors, never read
+            unread.sock.sendall(encode({"op": "open_read", "path": "/hostile/sent", "id": 2}))
+except (OSError, ConnectionError):
+    sys.exit(0)
+"""
+
+
 class Harness:
-    def __init__(self, members: list[str], mnt: str, journals: Path) -> None:
+    def __init__(self, members: list[str], mnt: str, journals: Path,
+                 hostile: bool = False) -> None:
         self.members, self.mnt, self.journals = members, mnt, journals
+        self.hostile = hostile
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.stats = {"cycles": 0, "file_checks": 0, "checkpoints_verified": 0,
                       "kv_wrong": 0, "load_wrong": 0, "lost": 0, "problems": 0}
@@ -150,6 +218,11 @@ class Harness:
                  "files-b": (FILES, root, str(self.journals / "files-b"), "b"),
                  "ckpt": (CKPT, ck_root, str(self.journals / "ckpt")),
                  "kv": (KV, self.mnt), "load": (LOAD, os.path.join(self.mnt, "model.st"))}
+        if self.hostile:
+            hostile = os.path.join(self.mnt, "hostile")
+            os.makedirs(hostile, exist_ok=True)
+            os.chmod(hostile, 0o1777)
+            specs["hostile"] = (HOSTILE, hostile)
         for name, (code, *argv) in specs.items():
             self.procs[name] = subprocess.Popen([sys.executable, "-c", code, *argv],
                                                 stdout=subprocess.PIPE, text=True)
@@ -265,12 +338,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between crashes (0: none, a plain soak)")
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--json", help="also write the report here")
+    ap.add_argument("--hostile", action="store_true",
+                    help="a fifth client, as nobody, floods the daemon meanwhile")
     args = ap.parse_args(argv)
     seconds = args.minutes * 60 + args.hours * 3600 or 60
     journals = Path(tempfile.mkdtemp(prefix="mxfs-soak-journal-", dir=args.dir))
     start = time.monotonic()
-    with scratch_pool("mxfs-soak-", args.dir) as pool:
-        h = Harness(pool.members, pool.mnt, journals)
+    mount = ["-o", "allow_other"] if args.hostile else []
+    with scratch_pool("mxfs-soak-", args.dir, mount=mount) as pool:
+        if args.hostile:
+            os.chmod(pool.base, 0o755)  # nobody reaches the mount through it
+        h = Harness(pool.members, pool.mnt, journals, args.hostile)
         write_model(os.path.join(pool.mnt, "model.st"))
         h.start_clients()
         while time.monotonic() - start < seconds:
@@ -280,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             h.crash()
             h.check_offline()
-            run_mxfs("mount", pool.members[0], pool.mnt)
+            run_mxfs("mount", *mount, pool.members[0], pool.mnt)
             h.verify()
             h.stats["cycles"] += 1
             print(f"[{time.monotonic() - start:7.0f} s] cycle {h.stats['cycles']}: "

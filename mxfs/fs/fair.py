@@ -4,9 +4,9 @@ and no user's many requests crowd out another's.
 Two rules, both cheap:
 - **Slices.** A request that works through many items (keys to put or delete, chunks
   of a namespace being removed, namespaces to report) does them a bite at a time and,
-  once it has held the thread for SLICE_S, yields to the others (`Slice`, `in_bites`):
-  another user's request waits about a slice, not the whole request (a removal of
-  65,536 chunks once held everyone for 48 s).
+  once it has held the thread for SLICE_S, steps aside until the others wait
+  (`Slice`, `in_bites`): another user's request waits about a slice, not the whole
+  request (a removal of 65,536 chunks once held everyone for 48 s).
 - **Turns.** One uid has at most `max_active_per_user` requests in service at once,
   over all its connections; the rest wait for a turn (`Turns.turn`).  A user with
   hundreds of connections therefore adds a few bites to another user's wait, not
@@ -21,11 +21,13 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import trio
+import trio.testing
 
 T = TypeVar("T")
 
 BITE = 16  # items handled between two looks at the clock
-SLICE_S = 0.002  # how long one request holds the thread before it lets others run
+SLICE_S = 0.001  # how long one request holds the thread before it lets others run
+YIELD_MAX_S = 0.05  # how long it then lets them: the heavy request is not starved
 
 
 class Slice:
@@ -35,9 +37,15 @@ class Slice:
         self._since = time.perf_counter()
 
     async def due(self) -> None:
-        """Yield to the other tasks if this request has held the thread SLICE_S."""
+        """If this request has held the thread SLICE_S, step aside until every other
+        task waits (for I/O, a timer, a thread), or at most YIELD_MAX_S.
+
+        A plain yield would not do: a light request makes several trio checkpoints
+        on its way (reading, its turn, replying), and a heavy one that got the thread
+        back at each would add a slice to every one of them."""
         if time.perf_counter() - self._since >= SLICE_S:
-            await trio.sleep(0)
+            with trio.move_on_after(YIELD_MAX_S):
+                await trio.testing.wait_all_tasks_blocked()
             self._since = time.perf_counter()
 
 
