@@ -194,6 +194,7 @@ try:
             s.close()
         for _ in range(8):  # replies with descriptors, never read
             unread.sock.sendall(encode({"op": "open_read", "path": "/hostile/sent", "id": 2}))
+        print("hostile round", flush=True)
 except (OSError, ConnectionError):
     sys.exit(0)
 """
@@ -206,7 +207,8 @@ class Harness:
         self.hostile = hostile
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.stats = {"cycles": 0, "file_checks": 0, "checkpoints_verified": 0,
-                      "kv_wrong": 0, "load_wrong": 0, "lost": 0, "problems": 0}
+                      "kv_wrong": 0, "load_wrong": 0, "lost": 0, "problems": 0,
+                      "hostile_rounds": 0}
         self.errors: list[str] = []
 
     def start_clients(self) -> None:
@@ -237,6 +239,7 @@ class Harness:
             except subprocess.TimeoutExpired:
                 p.kill()
                 out, _ = p.communicate()
+            self.stats["hostile_rounds"] += (out or "").count("hostile round")
             if "WRONG" in (out or ""):
                 self.errors.append(out.strip())
                 self.stats["kv_wrong" if "KV" in out else "load_wrong"] += 1
