@@ -129,6 +129,17 @@ def mounted_pool(members: list[str], *options: str) -> Iterator[Mounted]:
         os.rmdir(mp)
 
 
+@contextmanager
+def module_pool(factory: pytest.TempPathFactory) -> Iterator[Mounted]:
+    """A pool of four folder members mounted (allow_other) for a module's tests."""
+    if not HAVE_FUSE:
+        pytest.skip("needs root and /dev/fuse")
+    members = make_members(factory.mktemp("pool"))
+    mkfs(members)
+    with mounted_pool(members) as m:
+        yield m
+
+
 @pytest.fixture
 def members(tmp_path: Path) -> list[str]:
     return make_members(tmp_path)

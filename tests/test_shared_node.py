@@ -28,6 +28,7 @@ from conftest import (
     eventually,
     make_members,
     mkfs,
+    module_pool,
     mounted_pool,
     mxfs,
     one_line_error,
@@ -70,9 +71,8 @@ def answers(m: Mounted, timeout: float = 10) -> bool:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
-    members = make_members(tmp_path_factory.mktemp("shared"))
-    mkfs(members)
-    with mounted_pool(members) as m:
+    """One pool for the module; a mount the attacks left hanging is aborted after."""
+    with module_pool(tmp_path_factory) as m:
         try:
             yield m
         finally:

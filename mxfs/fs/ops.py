@@ -80,7 +80,8 @@ def parse_layout(raw: bytes) -> tuple[int | None, int | None]:
     fields: dict[str, int] = {}
     for part in raw.decode(errors="replace").replace(",", " ").split():
         key, _, value = part.partition("=")
-        if key not in ("stripe_unit", "stripe_width") or not value.isdigit():
+        if key not in ("stripe_unit", "stripe_width") or not value.isdigit() or \
+                not int(value):
             raise OSError(errno.EINVAL, f"bad layout field {part!r}")
         fields[key] = int(value)
     if not fields:
