@@ -203,20 +203,22 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
     loop_pool.remount()  # with allow_other: other users may ask the daemon
     wide, local = _spread_and_local(mp)
     subprocess.run(["umount", "-l", loop_members[2]], check=True)  # member 2 vanishes
-    mxfs("status", str(mp))
+    mxfs("status", str(mp), check=False)
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")  # so the read reaches the daemon, not the kernel's cache
     with pytest.raises(OSError) as err:
         wide.read_bytes()
     assert err.value.errno == errno.EIO
     assert local.read_bytes() == b"s" * 1000  # files elsewhere still read
-    status = json.loads(mxfs("status", "--json", str(mp)).stdout)
+    res = mxfs("status", "--json", str(mp), check=False)
+    assert res.returncode == 1  # degraded: monitors and scripts see it in the exit code
+    status = json.loads(res.stdout)
     assert status["degraded"] and "/wide" in status["lost_examples"]
     # Other users learn that files are lost, not their names (folders may be private).
     theirs = run_as(None, STAT_BY_SOCKET, status["socket"])
     assert theirs["lost_files"] == status["lost_files"] and theirs["lost_examples"] == []
     assert [m["index"] for m in status["members"] if m.get("failed")] == [2]
-    text = mxfs("status", str(mp)).stdout
+    text = mxfs("status", str(mp), check=False).stdout
     assert "FAILED" in text and "DEGRADED" in text and "/wide" in text
     mxfs("umount", str(mp))
     line = one_line_error(mxfs("mount", loop_members[0], str(mp), check=False))

@@ -103,3 +103,17 @@ def test_a_wrong_mount_option_is_named_with_its_fix(pool: Mounted, tmp_path: Pat
         res = mxfs("mount", "-o", opt, pool.members[0], str(target), check=False)
         assert res.returncode != 0 and said in one_line_error(res), (opt, res.stderr)
     assert not os.path.ismount(target)
+
+
+def test_status_exit_code_says_whether_the_daemon_answers(tmp_path: Path) -> None:
+    """0 when all is well; 2 when the daemon does not answer (here: killed), so a
+    monitor or a script need not parse the text (1, degraded: test_faults.py)."""
+    import signal
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members) as m:
+        assert mxfs("status", str(m.path), check=False).returncode == 0
+        os.kill(m.daemon_pid(), signal.SIGKILL)
+        res = mxfs("status", str(m.path), check=False)
+        assert res.returncode == 2 and "daemon not answering" in res.stdout

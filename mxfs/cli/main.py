@@ -244,7 +244,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no mxfs pool is mounted")
     else:
         print("\n".join(_format_status(s) for s in found))
-    return 0
+    return status_code(found)
+
+
+def status_code(found: list[dict[str, Any]]) -> int:
+    """What `mxfs status` exits with, for scripts and monitors: 2 when a daemon does not
+    answer, 1 when a pool is degraded (a member failed), else 0."""
+    if any("error" in s for s in found):
+        return 2
+    return 1 if any(s.get("degraded") for s in found) else 0
 
 
 # ---- layouts ---------------------------------------------------------------
