@@ -138,7 +138,8 @@ def test_status_reports_members_capacity_and_daemon(tmp_path: Path, mounted) -> 
     assert res["pid"] == mounted.daemon_pid()
     by_pool = json.loads(mxfs("status", "--json", mounted.members[2]).stdout)
     assert by_pool["pid"] == res["pid"]
-    assert str(mounted.path) in mxfs("status").stdout
+    # Every mount is listed; the exit code speaks for all of them, not only this test's.
+    assert str(mounted.path) in mxfs("status", check=False).stdout
 
 
 def test_status_of_an_unmounted_pool(members: list[str]) -> None:
