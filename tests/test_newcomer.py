@@ -117,3 +117,10 @@ def test_status_exit_code_says_whether_the_daemon_answers(tmp_path: Path) -> Non
         os.kill(m.daemon_pid(), signal.SIGKILL)
         res = mxfs("status", str(m.path), check=False)
         assert res.returncode == 2 and "daemon not answering" in res.stdout
+
+
+def test_a_new_kv_namespace_name_is_a_plain_token(pool: Mounted) -> None:
+    for bad in ("bad/name", ".dot", "sp ace", "é"):
+        res = mxfs("kv", "create", str(pool.path), bad, check=False)
+        assert res.returncode != 0 and "a new name is 1-128" in one_line_error(res), bad
+    mxfs("kv", "create", str(pool.path), "Qwen2.5-32B:tp8@v1")

@@ -109,6 +109,9 @@ def check_namespace(name: object) -> str:
 # Names an engine picks by default for a user (mxfs.kv.store.default_namespace):
 # "<engine>-uid<N>" belongs to uid N alone, so nobody can take a victim's name first.
 _RESERVED = re.compile(r"-uid([0-9]+)\Z")
+# What a new namespace may be called: a name engines, paths and metric labels all take
+# as it is (older pools' names, any printable text, are still served).
+_NEW_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
 
 
 def check_reserved(name: str, uid: int) -> None:
@@ -191,6 +194,9 @@ class KVIndex:
     def create(self, name: str, uid: int, gid: int, mode: int, capacity: int,
                replace: bool = False) -> Namespace:
         """Make a namespace (EEXIST if it exists, unless `replace`: its chunks go)."""
+        if not _NEW_NAME.fullmatch(name):
+            raise OSError(errno.EINVAL, f"KV namespace name {name!r}: a new name is 1-128 "
+                          "letters, digits and . _ - : @ + =, starting with a letter or digit")
         check_reserved(name, uid)
         old = self.spaces.get(name)
         if old is not None:
