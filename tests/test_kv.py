@@ -82,6 +82,10 @@ def test_a_buffer_not_of_its_chunks_size_is_a_miss_the_rest_served(mounted: Moun
             assert kv.get(name, out=bytearray(n + 1)) is None  # one key alone, too
         assert kv.misses == {"smaller": 4, "larger": 2, "absent": 2}
         assert kv.exists_many(list(sizes)) == [True, True]  # kept: valid chunks
+        # The daemon counts them as the caller saw them: 2 hits (the exact buffers),
+        # 8 misses (the absent keys and the misfits).
+        stats = kv.client.call("kv_stats", namespace="sz")["namespaces"][0]
+        assert (stats["hits"], stats["misses"]) == (2, 8)
 
 
 def cached_chunk_bytes(members: list[str]) -> int:

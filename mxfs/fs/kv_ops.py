@@ -88,6 +88,18 @@ def _keys(msg: dict[str, Any]) -> list[bytes]:
         raise BadField(msg, "a key is not base64") from None
 
 
+def _sizes(msg: dict[str, Any], n: int) -> list[int | None]:
+    """The sizes of the caller's buffers, one a key (None: any size), from "sizes"."""
+    raw = msg.get("sizes")
+    if raw is None:
+        return [None] * n
+    if not isinstance(raw, list) or len(raw) != n or not all(
+            s is None or isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= 1 << 62
+            for s in raw):
+        raise BadField(msg, "'sizes' holds one buffer size (or null) a key")
+    return raw
+
+
 def _sums(chunk: Chunk) -> dict[str, Any]:
     """What a reader checks a chunk's bytes against."""
     return {"size": chunk.size, "sum_unit": chunk.sum_unit,
@@ -319,7 +331,14 @@ class KVOps:
         out: list[dict[str, Any] | None] = []
         wanted: list[tuple[int, bytes, Chunk, Inode]] = []  # (slot in out, key, chunk, node)
         most = 0  # descriptors the opens may return, at most
-        for key in _keys(msg):
+        keys = _keys(msg)
+        sizes = _sizes(msg, len(keys))
+        for key, want in zip(keys, sizes, strict=True):
+            if want is not None and (have := space.chunks.get(key)) is not None and \
+                    have.size != want:  # the caller's buffer cannot take it: its miss
+                space.misses += 1
+                out.append({"size": have.size})
+                continue
             chunk = self.index.lookup(space, key)
             if chunk is None:
                 out.append(None)

@@ -21,7 +21,7 @@ import os
 import resource
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
@@ -92,6 +92,13 @@ def get_part(members: int) -> int:
     each = 2 * max(1, members)
     room = _fd_room()
     return max(1, MAX_FDS // each if room is None else min(MAX_FDS, room) // each)
+
+
+def _nbytes(buf: Any) -> int:
+    """The size in bytes of a buffer or a tensor (on any device), without touching it."""
+    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):
+        return int(buf.numel() * buf.element_size())
+    return memoryview(buf).nbytes
 
 
 def _view(buf: Any, writable: bool) -> tuple[memoryview, Any]:
@@ -318,16 +325,26 @@ class KVStore:
 
     def _get_some(self, keys: list[Key], outs: list[Any] | None) -> list[Any]:
         wire = [_b64(k) for k in keys]
+        # The buffers' sizes go along: a chunk that does not fit its buffer is a miss the
+        # daemon counts as one (and opens nothing for).
+        sized = {} if outs is None else {"sizes": [_nbytes(o) for o in outs]}
         # No lease needed: the descriptors keep a chunk's bytes even if it is evicted.
-        found = self._lookup("kv_get", wire, inline_max=INLINE, odirect=not self.page_cache)
+        found = self._lookup("kv_get", wire, inline_max=INLINE, odirect=not self.page_cache,
+                             **sized)
         if found is None:
             self.misses["absent"] += len(keys)
             return [None] * len(keys)
         reply, fds = found
         entries = reply["chunks"]
+        misfits = set()
+        for i, entry in enumerate(entries):
+            if entry is not None and "sums" not in entry:  # {"size": N}: not its buffer's
+                self.misses["smaller" if entry["size"] < sized["sizes"][i] else "larger"] += 1
+                entries[i] = None
+                misfits.add(i)
         files = self._chunk_files(entries, fds)
         try:
-            views, copies = self._read_into(keys, files, outs)
+            views, copies = self._read_into(keys, files, outs, misfits)
             results: list[Any] = []
             bad = []
             for i, (view, entry) in enumerate(zip(views, entries, strict=True)):
@@ -379,7 +396,8 @@ class KVStore:
         return files
 
     def _read_into(self, keys: list[Key], files: list[DirectFile | _Inline | None],
-                   outs: list[Any] | None) -> tuple[list[memoryview | None], list[Any]]:
+                   outs: list[Any] | None, misfits: Collection[int] = ()
+                   ) -> tuple[list[memoryview | None], list[Any]]:
         """Every found chunk read, all members at once: (its bytes' view, device copy-back)
         per key; no view where the key missed, or its buffer is not exactly the chunk's
         size (a shorter chunk would leave the buffer's tail stale, a longer one not fit)."""
@@ -388,7 +406,8 @@ class KVStore:
         reads: list[tuple[DirectFile, memoryview]] = []
         for i, f in enumerate(files):
             if f is None:
-                self.misses["absent"] += 1
+                if i not in misfits:  # (those were counted by their size)
+                    self.misses["absent"] += 1
                 continue
             if outs is None:
                 view, copy = memoryview(bytearray(f.size)), None
