@@ -60,13 +60,18 @@ def test_put_refuses_bad_input_in_one_line(mounted: Mounted, tmp_path: Path) -> 
     line = one_line_error(mxfs("put", mounted.members[0], str(f),
                                str(tmp_path / "other" / "f.bin"), check=False))
     assert "same name" in line
-    line = one_line_error(mxfs("put", mounted.members[0], str(f), "--to", "/nope", check=False))
-    assert "/nope is not a folder in the pool" in line
+    g = tmp_path / "g.bin"
+    g.write_bytes(b"g")
+    mxfs("put", mounted.members[0], str(g))  # (--to a missing folder makes it: test_newcomer)
+    for where in ("/g.bin", "/g.bin/sub"):
+        line = one_line_error(mxfs("put", mounted.members[0], str(f), "--to", where,
+                                   check=False))
+        assert f"{where} is not a folder in the pool" in line
     line = one_line_error(mxfs("put", mounted.members[0], str(tmp_path / "missing"),
                                check=False))
     assert "is not a file" in line
     mounted.remount()
-    assert not (mounted.path / "f.bin").exists()
+    assert not (mounted.path / "f.bin").exists() and (mounted.path / "g.bin").exists()
 
 
 def test_a_put_killed_midway_leaves_nothing(mounted: Mounted, tmp_path: Path) -> None:
