@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import base64
 import errno
+import json
 import os
 import signal
 import socket
@@ -455,11 +456,15 @@ first = attempt(c1.call, "kv_get", namespace="a", keys=keys[:6], pin=True)
 second = attempt(c2.call, "kv_get", namespace="a", keys=keys[6:12], pin=True)
 c1.close()  # its leases end with it
 third = attempt(c2.call, "kv_get", namespace="a", keys=keys[6:12], pin=True)
-print(json.dumps([more, first, second, third]))
+print(json.dumps([more, first, second, third, c2.call("stat")["limits"]["by_user"]]))
 """
-        more, first, second, third = run_as(alice, script)
+        more, first, second, third, seen = run_as(alice, script)
         assert more == errno.EDQUOT
         assert first == "ok" and second == errno.EMFILE and third == "ok"
+        assert seen == {}  # who else uses the daemon is root's to see
+        status = json.loads(mxfs("status", "--json", str(m.path)).stdout)
+        assert status["limits"]["by_user"][str(alice.uid)]["kv_chunks"] == 100
+        assert f"uid {alice.uid}: 100 kv chunks" in mxfs("status", str(m.path)).stdout
         with ControlClient(str(m.path)) as root:
             keys = [base64.b64encode(b"r%d" % i).decode() for i in range(150)]
             root.call("kv_put", namespace="r", keys=keys, data=[keys[0]] * 150)

@@ -211,6 +211,9 @@ def _format_status(s: dict[str, Any]) -> str:
                      + (f" (busiest uid {busiest[0]}: {busiest[1]} of "
                         f"{lim['max_conns_per_user']})" if busiest else "")
                      + f"; {lim['fds_open']} of {lim['fds_max']} descriptors")
+        for uid, held in (lim.get("by_user") or {}).items():
+            lines.append(f"    uid {uid}: " + ", ".join(
+                f"{n} {what.replace('_', ' ')}" for what, n in held.items() if n))
     for m in s["members"]:
         if m.get("failed"):
             lines.append(f"  member {m['index']}: {m['path']}  FAILED: {m['failed']}")

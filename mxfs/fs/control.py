@@ -411,6 +411,7 @@ class ControlServer:
             status = await self.status()
             if caller.uid != 0:  # names of lost files may sit under others' 0700 folders
                 status["lost_examples"] = []
+                status["limits"]["by_user"] = {}  # (nor who else uses the daemon)
             return {"ok": True, **status}, []
         if op == "layout":
             node = resolve_for(self.vol.store, path_field(msg), caller,
@@ -597,4 +598,28 @@ class ControlServer:
                 "connections": sum(self.conns.values()), "users": len(self.conns),
                 "fds_in_flight": sum(s.sent_fds for s in self.sessions.values()),
                 "busiest_user": list(busiest[0]) if busiest else None,
-                "fds_open": open_fds(), "fds_max": fd_limit()}
+                "fds_open": open_fds(), "fds_max": fd_limit(), "by_user": self.by_user()}
+
+    def by_user(self, most: int = 20) -> dict[str, dict[str, int]]:
+        """What each uid holds against its limits (the `most` busiest, by connections
+        then KV chunks): for `mxfs status`, root's view."""
+        held: dict[int, dict[str, int]] = {}
+
+        def of(uid: int) -> dict[str, int]:
+            return held.setdefault(uid, {"connections": 0, "pending": 0, "pins": 0,
+                                         "fds_in_flight": 0, "kv_chunks": 0})
+        for uid, n in self.conns.items():
+            of(uid)["connections"] = n
+        for uid, n in self.pending_by_uid.items():
+            of(uid)["pending"] = n
+        for uid, n in self.kv.pinned_by_uid.items():
+            of(uid)["pins"] = n
+        for uid, n in self.kv.index.chunks_by_uid.items():
+            if n:
+                of(uid)["kv_chunks"] = n
+        for s in self.sessions.values():
+            if s.sent_fds:
+                of(s.caller.uid)["fds_in_flight"] += s.sent_fds
+        top = sorted(held.items(), key=lambda kv: (-kv[1]["connections"],
+                                                   -kv[1]["kv_chunks"]))[:most]
+        return {str(uid): counts for uid, counts in top}
