@@ -65,9 +65,6 @@ class Closer:
             log.warning("%d sent descriptors wait to be closed: a close is stuck (a file "
                         "on a FUSE mount that does not answer?)", self._queue.qsize())
 
-    def pending(self) -> int:
-        return self._queue.qsize()
-
     def _run(self) -> None:
         while True:
             fd = self._queue.get()

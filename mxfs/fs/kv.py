@@ -250,7 +250,7 @@ class KVIndex:
 
     def remove(self, space: Namespace, keys: list[bytes]) -> int:
         """Delete chunks now (pinned ones too: readers keep their descriptors)."""
-        return len(self._drop([(space, k) for k in keys if k in space.chunks]))
+        return len(self.drop([(space, k) for k in keys]))
 
     def drop(self, victims: list[tuple[Namespace, bytes]]) -> list[int]:
         """Delete these chunks now (pinned ones too); their inode numbers."""
