@@ -44,6 +44,7 @@ from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name
 from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.meta.sole_cache import SoleCache
+from mxfs.meta.usage import Usage
 
 log = logging.getLogger("mxfs.meta")
 
@@ -69,6 +70,7 @@ class MetaStore:
         # its handle last synced must fail, as the loss may have held its changes.
         self.groups_lost = 0
         self.kv = KVRows(self)
+        self.usage = Usage()  # bytes and inodes by uid, once counted (`count_usage`)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -112,6 +114,14 @@ class MetaStore:
     def set_setting(self, key: str, value: str) -> None:
         self.txn(lambda: self.engine.upsert("settings", {"key": key, "value": value}))
 
+    def drop_setting(self, key: str) -> None:
+        self.txn(lambda: self.engine.delete("settings", {"key": key}))
+
+    def settings(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, value) of every setting whose key starts with `prefix`."""
+        return [(k, v) for k, v in self.engine.scan("settings", ("key", "value"))
+                if k.startswith(prefix)]
+
     # ---- changes ---------------------------------------------------------
 
     def txn(self, fn: Callable[[], T]) -> T:
@@ -151,7 +161,9 @@ class MetaStore:
             if name == _BORN:
                 if self._cache.get(node.ino) is node:
                     del self._cache[node.ino]
+                self.usage.add(node.uid, node.mode, node.size, -1)
             else:
+                self.usage.change(node, name, old)
                 setattr(node, name, old)
         journal.clear()
 
@@ -163,6 +175,7 @@ class MetaStore:
         self._cache = {i: n for i, n in self._cache.items() if n.dirty}
         self._sole.forget()
         self._dir_times.clear()
+        self.usage.forget()
         self.groups_lost += 1
 
     def group_changes(self, max_age: float) -> None:
@@ -221,6 +234,7 @@ class MetaStore:
         journal = self._journal
         for name, value in values.items():
             journal.append((node, name, getattr(node, name)))
+            self.usage.change(node, name, value)
             setattr(node, name, value)
         self.engine.patch("inodes", {"ino": node.ino}, values)
 
@@ -238,6 +252,7 @@ class MetaStore:
         """Data attributes that writes and reads change: held in memory, written back by
         `flush` (and by any change to the inode)."""
         if size is not None:
+            self.usage.change(node, "size", size)
             node.size = size
         if atime_ns is not None:
             node.atime_ns = atime_ns
@@ -443,6 +458,7 @@ class MetaStore:
         self._cache[ino] = node
         self._journal.append((node, _BORN, None))
         self._sole.born()
+        self.usage.add(uid, mode, node.size)
         return node
 
     def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
@@ -722,6 +738,7 @@ class MetaStore:
         """Forget orphans for good, in one change of a statement per table."""
         if not inos:
             return
+        gone = self._owners(inos) if self.usage.counted else []
 
         def change() -> None:
             for table in ("inodes", "xattrs", "orphans", "dirty_data", "sealed"):
@@ -730,6 +747,34 @@ class MetaStore:
         for ino in inos:
             self._cache.pop(ino, None)
         self._sole.dropped(inos)
+        for uid, mode, size in gone:
+            self.usage.add(uid, mode, size, -1)
+
+    def _owners(self, inos: list[int]) -> list[tuple[int, int, int]]:
+        """(uid, mode, size) of each of `inos` as memory has it (the rows for the
+        inodes it does not hold)."""
+        cached = [self._cache[i] for i in inos if i in self._cache]
+        out = [(n.uid, n.mode, n.size) for n in cached]
+        held = {n.ino for n in cached}
+        rest = [i for i in inos if i not in held]
+        if rest:
+            out += [(r[0], r[1], r[2]) for r in
+                    self.engine.get_many("inodes", "ino", rest, ("uid", "mode", "size"))]
+        return out
+
+    def count_usage(self) -> Usage:
+        """Bytes and inodes by uid (`meta/usage.py`): counted from every row the first
+        time (and after a lost group), memory's sizes of open files included."""
+        if not self.usage.counted:
+            cache = self._cache
+            rows = []
+            for ino, uid, mode, size in self.engine.scan("inodes",
+                                                         ("ino", "uid", "mode", "size")):
+                node = cache.get(ino)
+                rows.append((uid, mode, size) if node is None else
+                            (node.uid, node.mode, node.size))
+            self.usage.recount(rows)
+        return self.usage
 
     def mark_dirty_data(self, ino: int) -> None:
         self.txn(lambda: self.engine.upsert("dirty_data", {"ino": ino}))  # (unless listed)

@@ -1,0 +1,69 @@
+"""Bytes and inodes each uid owns, kept up to date as the namespace changes (quotas).
+
+A uid owns the inodes whose `uid` it is, and the bytes of its regular files' sizes
+(apparent sizes: a sparse file counts its size; a KV chunk is a regular file too).
+Unlinked files still open count until they are reclaimed, as on any filesystem.
+
+Nothing is stored: the tally is counted from the rows once (`MetaStore.count_usage`,
+a scan of every inode, which a daemon does only when a quota is set or asked about),
+then every change to memory's inodes moves it, journal put-backs included.  A lost
+group of changes makes it uncounted again, and the next use counts afresh.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections import Counter
+from collections.abc import Iterable
+
+from mxfs.meta.inode import Inode
+
+# The inode fields a tally depends on (a file's type never changes).
+COUNTED = frozenset(("size", "uid"))
+
+
+class Usage:
+    def __init__(self) -> None:
+        self.counted = False
+        self.bytes: Counter[int] = Counter()
+        self.inodes: Counter[int] = Counter()
+
+    def recount(self, rows: Iterable[tuple[int, int, int]]) -> None:
+        """Start again from (uid, mode, size) of every inode."""
+        self.bytes.clear()
+        self.inodes.clear()
+        for uid, mode, size in rows:
+            self.inodes[uid] += 1
+            if stat.S_ISREG(mode):
+                self.bytes[uid] += size
+        self.counted = True
+
+    def forget(self) -> None:
+        """Memory and the rows parted (a lost group): count again at the next use."""
+        self.counted = False
+        self.bytes.clear()
+        self.inodes.clear()
+
+    def add(self, uid: int, mode: int, size: int, sign: int = 1) -> None:
+        """An inode born (sign 1) or gone for good (sign -1)."""
+        if not self.counted:
+            return
+        self.inodes[uid] += sign
+        if stat.S_ISREG(mode):
+            self.bytes[uid] += sign * size
+        self._tidy(uid)
+
+    def change(self, node: Inode, name: str, value: object) -> None:
+        """`node`'s field `name` is about to become `value` (called before it does)."""
+        if not self.counted or name not in COUNTED or getattr(node, name) == value:
+            return
+        self.add(node.uid, node.mode, node.size, -1)
+        uid = value if name == "uid" else node.uid
+        size = value if name == "size" else node.size
+        assert isinstance(uid, int) and isinstance(size, int)
+        self.add(uid, node.mode, size)
+
+    def _tidy(self, uid: int) -> None:
+        if not self.inodes[uid] and not self.bytes[uid]:
+            del self.inodes[uid]
+            del self.bytes[uid]
