@@ -214,6 +214,11 @@ def _format_status(s: dict[str, Any]) -> str:
         for uid, held in (lim.get("by_user") or {}).items():
             lines.append(f"    uid {uid}: " + ", ".join(
                 f"{n} {what.replace('_', ' ')}" for what, n in held.items() if n))
+    if s.get("quotas"):
+        from mxfs.cli.quota_cmd import quota_lines
+
+        lines.append("  quotas (mxfs quota):")
+        lines += quota_lines(s["quotas"], indent="    ")
     for m in s["members"]:
         if m.get("failed"):
             lines.append(f"  member {m['index']}: {m['path']}  FAILED: {m['failed']}")
@@ -456,12 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_load_bench)
 
-    from mxfs.cli import check_cmd, ckpt_cmd, kv_cmd, meta_cmd, observe_cmd
+    from mxfs.cli import check_cmd, ckpt_cmd, kv_cmd, meta_cmd, observe_cmd, quota_cmd
 
     ckpt_cmd.add_parser(sub)
     kv_cmd.add_parser(sub)
     check_cmd.add_parsers(sub)
     meta_cmd.add_parser(sub)
+    quota_cmd.add_parser(sub)
     observe_cmd.add_parsers(sub)
     observe_cmd.add_bench_parser(sub)
 

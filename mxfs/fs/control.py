@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from mxfs import __version__
+from mxfs.fs import quota
 from mxfs.fs.access import (
     R_OK,
     Caller,
@@ -211,7 +212,8 @@ class ControlServer:
                     finally:
                         self.refusing -= 1
                 return
-            session = Session(caller, self.pending_by_uid, conn=conn)
+            session = Session(caller, self.pending_by_uid, conn=conn,
+                              quotas=self.vol.quotas)
             self.conns[caller.uid] += 1
             self.sessions[id(session)] = session
             try:
@@ -412,6 +414,8 @@ class ControlServer:
             if caller.uid != 0:  # names of lost files may sit under others' 0700 folders
                 status["lost_examples"] = []
                 status["limits"]["by_user"] = {}  # (nor who else uses the daemon)
+                status["quotas"] = self.vol.quotas.report(caller.uid) \
+                    if self.vol.quotas.limits else None
             return {"ok": True, **status}, []
         if op == "layout":
             node = resolve_for(self.vol.store, path_field(msg), caller,
@@ -444,6 +448,8 @@ class ControlServer:
         if op == "abort":
             self._drop(session, self._pending(msg, session).entry.node.ino)
             return {"ok": True}, []
+        if op == "quota":
+            return quota.serve(self.vol.quotas, msg, caller.uid), []
         raise ProtocolError(f"unknown op {op!r} (this daemon serves {', '.join(OPS)})")
 
     def _describe(self, node: Inode) -> dict[str, Any]:
@@ -492,6 +498,7 @@ class ControlServer:
         mode = int_field(msg, "mode", 0o644) & 0o7777
         exclusive = bool_field(msg, "exclusive")
         check_pending_room(session, self.limits)
+        self.vol.quotas.room(caller.uid, size, 1)
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
@@ -589,6 +596,7 @@ class ControlServer:
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
                 "native_engine": native_engine()[1], "io_taken_back": taken_back(),
                 "limits": self.usage_of_limits(),
+                "quotas": self.vol.quotas.report() if self.vol.quotas.limits else None,
                 "wake_latency": self.wake.state() if self.wake else None}
 
     def usage_of_limits(self) -> dict[str, Any]:

@@ -118,6 +118,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     raise_fd_limit()
     try:
         vol.recover()
+        if vol.quotas.limits:
+            vol.store.count_usage()  # (before serving, not on a tenant's first write)
         metrics = Metrics()
         vol.pool.on_io = metrics.io
         ops = MxfsOperations(vol, control_path=sock, noatime="noatime" in own,

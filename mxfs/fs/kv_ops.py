@@ -221,9 +221,11 @@ class KVOps:
                                   int_field(msg, "capacity", 0), replace=force)
         return {"ok": True, **space.stats()}
 
-    def _room(self, space: Namespace, size: int) -> Inode:
+    def _room(self, space: Namespace, size: int, uid: int) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
-        owner has as many chunks as one uid may); returns the layout parent."""
+        owner has as many chunks as one uid may, or the writer `uid` is at its quota);
+        returns the layout parent."""
+        self.vol.quotas.room(uid, size, 1)
         owned = self.index.chunks_by_uid[space.uid]
         if space.uid != 0 and owned >= self.limits.max_chunks_per_user:
             raise OSError(errno.EDQUOT, f"uid {space.uid} owns namespaces holding {owned} KV "
@@ -263,7 +265,7 @@ class KVOps:
                 raw = base64.b64decode(b64, validate=True)
             except ValueError:
                 raise BadField(msg, "'data' is not base64") from None
-            self._room(space, len(raw))
+            self._room(space, len(raw), session.caller.uid)
             entry = self.vol.take_spare(session.caller.uid, session.caller.gid)
             try:
                 assert entry.chunks is not None
@@ -282,7 +284,7 @@ class KVOps:
         if key in space.chunks:
             return {"ok": True, "exists": True}, []  # the cheap answer to a repeated put
         check_pending_room(session, self.limits)
-        root = self._room(space, size)
+        root = self._room(space, size, session.caller.uid)
         entry, members, fds = open_hidden(self.vol, root, 0o600, session.caller.uid,
                                           session.caller.gid)
         session.hold(Pending(entry, "", size))

@@ -219,6 +219,7 @@ class MxfsOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EINVAL)
             self.vol.check_writable(node)
             await self.settle(inode)
+            self.vol.quotas.room(node.uid, attr.st_size - node.size)
             self.vol.truncate(node, attr.st_size)
         mtime = attr.st_mtime_ns if fields.update_mtime else now if fields.update_size else None
         self.store.set_attrs(
@@ -238,6 +239,7 @@ class MxfsOperations(pyfuse3.Operations):
                 target: bytes | None = None) -> Inode:
         parent = self.store.get(parent_inode)
         self.vol.pool.check_meta_room(META_ROW + len(name) + len(target or b""))
+        self.vol.quotas.room(ctx.uid, inodes=1)
         mode, gid = owner_for(parent, mode, ctx.uid, ctx.gid,
                               lambda g: g == ctx.gid or g in pyfuse3.get_sup_groups(ctx.pid))
         return self.store.create(parent_inode, name, mode, ctx.uid, gid, rdev=rdev,
@@ -362,6 +364,7 @@ class MxfsOperations(pyfuse3.Operations):
         if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
             off = node.size  # without the writeback cache, appends are placed here
         assert entry.chunks is not None
+        self.vol.quotas.room(node.uid, off + len(buf) - node.size)  # (the owner pays)
         self.vol.note_write(entry)
         if self.nursery is not None and self.write_behind and not self.enable_writeback_cache:
             chunks = entry.chunks

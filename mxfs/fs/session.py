@@ -10,6 +10,7 @@ from typing import Any
 
 from mxfs.fs.access import Caller
 from mxfs.fs.limits import Limits
+from mxfs.fs.quota import Quotas
 from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io import PAGE
 from mxfs.meta import Inode
@@ -38,10 +39,13 @@ class Session:
     pinned: int = 0  # their sum
     conn: Any = None  # the socket (asked how much of what it sent is unread)
     sent_fds: int = 0  # descriptors sent in replies the peer may not have read yet
+    quotas: Quotas | None = None  # charged each unpublished file's declared size
 
     def hold(self, pending: Pending) -> None:
         self.pending[pending.entry.node.ino] = pending
         self.pending_by_uid[self.caller.uid] += 1
+        if self.quotas is not None:
+            self.quotas.reserve(self.caller.uid, pending.declared)
 
     def let_go(self, ino: int) -> Pending:
         """Forget an unpublished file (committed or dropped); KeyError if not held."""
@@ -49,6 +53,8 @@ class Session:
         self.pending_by_uid[self.caller.uid] -= 1
         if not self.pending_by_uid[self.caller.uid]:
             del self.pending_by_uid[self.caller.uid]
+        if self.quotas is not None:
+            self.quotas.release(self.caller.uid, pending.declared)
         return pending
 
 

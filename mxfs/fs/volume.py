@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
+from mxfs.fs.quota import Quotas
 from mxfs.fs.spares import Spares
 from mxfs.io import Layout
 from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
@@ -57,9 +58,11 @@ class Volume:
         self.open_inodes: dict[int, OpenInode] = {}
         # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
         self.pending_reclaim: list[int] = []
+        self.reclaiming: list[int] = []  # taken from it, their chunk files being removed
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self.held = Held(pool)  # chunk files of dropped files whose writers hold on
+        self.quotas = Quotas(store, self.freeing)  # per-user limits on bytes and inodes
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
         # Set when mount found the store damaged and put a backup in its place.
@@ -271,6 +274,7 @@ class Volume:
             except OSError:
                 self.pending_reclaim = inos + self.pending_reclaim  # tried again next round
                 raise
+        self.reclaiming = inos
         return inos
 
     def remove_chunks(self, inos: list[int]) -> None:
@@ -285,6 +289,21 @@ class Volume:
 
     def drop_inodes(self, inos: list[int]) -> None:
         self.store.drop_inodes(inos)
+        self.reclaiming = []
+
+    def freeing(self, uid: int) -> tuple[int, int]:
+        """Bytes and inodes of `uid`'s orphans that are no longer open and wait to be
+        freed (quotas do not hold them against it)."""
+        nbytes = inodes = 0
+        for ino in self.pending_reclaim + self.reclaiming:
+            try:
+                node = self.store.get(ino)
+            except OSError:
+                continue
+            if node.uid == uid:
+                inodes += 1
+                nbytes += node.size if node.is_reg else 0
+        return nbytes, inodes
 
     def reclaim_pending(self) -> None:
         inos = self.take_pending()

@@ -34,7 +34,7 @@ MAX_VALUES = 20_000
 OPS = ("hello", "stat", "layout", "open_read", "create", "commit", "abort",
        "kv_put", "kv_create", "kv_commit", "kv_get", "kv_unpin", "kv_exists", "kv_delete",
        "kv_stats", "kv_list", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
-       "meta_backup", "meta_sync", "metrics", "df")
+       "meta_backup", "meta_sync", "metrics", "df", "quota")
 
 
 class ProtocolError(Exception):

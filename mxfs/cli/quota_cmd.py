@@ -1,0 +1,106 @@
+"""`mxfs quota MOUNT`: show or set how many bytes and inodes each user may own.
+
+Everyone sees their own line; root sees every user's and sets limits (`fs/quota.py`
+enforces them in the daemon and keeps them in the metadata store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pwd
+from typing import Any
+
+from mxfs.errors import MxfsError, UsageError
+from mxfs.units import format_size, parse_size
+
+
+def _uid(user: str) -> int:
+    if user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise UsageError(f"no user named {user!r}", "give a user name or a numeric uid") from None
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise UsageError(f"bad inode count {text!r}", "give a whole number (0 lifts the limit)")
+    return n
+
+
+def quota_lines(report: dict[str, Any], indent: str = "") -> list[str]:
+    """One line per user: what it owns against its limits (for `quota` and `status`)."""
+    def limit(n: int, fmt: Any) -> str:
+        return f" of {fmt(n)}" if n else " (no limit)"
+    lines = []
+    for row in report["users"]:
+        writing = (f" (+{format_size(row['reserved'])} being written)"
+                   if row["reserved"] else "")
+        source = "" if row["own"] or row["uid"] == 0 or not (
+            row["bytes_limit"] or row["inodes_limit"]) else "  [default]"
+        lines.append(f"{indent}uid {row['uid']}: {format_size(row['bytes'])}"
+                     f"{limit(row['bytes_limit'], format_size)}{writing}, "
+                     f"{row['inodes']} inodes{limit(row['inodes_limit'], str)}{source}")
+    default = report["default"]
+    if default["bytes_limit"] or default["inodes_limit"]:
+        lines.append(f"{indent}default for every other user: "
+                     + (format_size(default["bytes_limit"]) if default["bytes_limit"]
+                        else "no byte limit") + ", "
+                     + (f"{default['inodes_limit']} inodes" if default["inodes_limit"]
+                        else "no inode limit"))
+    return lines
+
+
+def cmd_quota(args: argparse.Namespace) -> int:
+    from mxfs.client.control import ControlClient, mount_root
+
+    root = mount_root(args.mount)
+    if root is None:
+        raise MxfsError(f"{args.mount} is not on an mxfs mount", "give a mount point (mxfs status)")
+    fields: dict[str, Any] = {}
+    if args.user is not None:
+        fields["uid"] = _uid(args.user)
+    setting = args.bytes is not None or args.inodes is not None or args.clear
+    if args.clear and (args.bytes is not None or args.inodes is not None):
+        raise UsageError("--clear removes both limits", "give --clear alone, or the limits")
+    if setting:
+        if args.user is None and not args.default:
+            raise UsageError("setting a quota needs --user or --default",
+                             "name whose quota it is")
+        fields.update({"set": True, "default": args.default, "clear": args.clear})
+        if args.bytes is not None:
+            fields["bytes"] = parse_size(args.bytes)
+        if args.inodes is not None:
+            fields["inodes"] = _count(args.inodes)
+    elif args.default:
+        raise UsageError("--default only goes with --bytes, --inodes or --clear",
+                         "every user's line shows the limits that hold for it")
+    with ControlClient(root, timeout=60) as c:
+        report = c.call("quota", **fields)
+    report.pop("ok", None)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join(quota_lines(report)) or "no user owns anything on this pool yet")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("quota", help="show or set how many bytes and inodes users may own")
+    s.add_argument("mount")
+    who = s.add_mutually_exclusive_group()
+    who.add_argument("--user", help="user name or uid (root: show or set this user's)")
+    who.add_argument("--default", action="store_true",
+                     help="set the limits of every user without limits of their own")
+    s.add_argument("--bytes", help="most bytes of file sizes, KV chunks included "
+                   "(like 500GiB; 0 lifts the limit)")
+    s.add_argument("--inodes", help="most files, folders and KV chunks (0 lifts the limit)")
+    s.add_argument("--clear", action="store_true", help="remove the user's own limits")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_quota)

@@ -1,0 +1,161 @@
+"""Per-user quotas: how many bytes and inodes a uid may own, enforced by the daemon.
+
+Limits live in the metadata store's settings (`quota.UID`, and `quota.default` for
+every uid without one of its own), so they survive remounts and travel with dumps;
+`mxfs quota` sets them through the daemon.  What a uid owns is the store's tally
+(`meta/usage.py`: its inodes, and its regular files' sizes, KV chunks among them)
+plus what its unpublished direct writes and KV chunks declared (`reserved`): a
+direct writer is charged its declared size when it creates the file, and its chunk
+files are cut back to that size (`fs/session.py`), so descriptors a writer holds
+cannot take it past its quota either.
+
+Growth is checked where it happens: a create, a write or truncate past the end of a
+file (charged to the file's owner, as quotas are), a direct or KV create, a KV put.
+Root is counted but never refused, as on any filesystem.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mxfs.fs.fields import bool_field, int_field
+from mxfs.meta import MetaStore
+from mxfs.units import format_size
+
+PREFIX = "quota."
+DEFAULT = "default"  # the limits of every uid without its own
+
+
+@dataclass(frozen=True)
+class Quota:
+    bytes: int = 0  # 0: no limit
+    inodes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.bytes or self.inodes)
+
+    def text(self) -> str:
+        return f"{self.bytes} {self.inodes}"
+
+    @classmethod
+    def parse(cls, text: str) -> Quota:
+        b, i = (int(x) for x in text.split())
+        return cls(max(b, 0), max(i, 0))
+
+
+NONE = Quota()
+
+
+class Quotas:
+    def __init__(self, store: MetaStore,
+                 freeing: Callable[[int], tuple[int, int]] = lambda uid: (0, 0)) -> None:
+        self.store = store
+        # Bytes and inodes of a uid's orphans that wait to be freed (reclaim runs every
+        # few milliseconds): not held against it, so a write right after an unlink fits.
+        self.freeing = freeing
+        self.reserved: Counter[int] = Counter()  # declared by unpublished files, by uid
+        self.limits: dict[str, Quota] = {}
+        for key, value in store.settings(PREFIX):
+            try:
+                self.limits[key[len(PREFIX):]] = Quota.parse(value)
+            except ValueError:
+                continue  # (not one of ours: never written by `set`)
+
+    def of(self, uid: int) -> Quota:
+        """The limits that hold for `uid`: its own, else the default."""
+        return self.limits.get(str(uid)) or self.limits.get(DEFAULT, NONE)
+
+    def room(self, uid: int, nbytes: int = 0, inodes: int = 0) -> None:
+        """EDQUOT if `uid` owning `nbytes` and `inodes` more would pass its quota."""
+        if uid == 0 or not self.limits:
+            return
+        quota = self.of(uid)
+        if not quota:
+            return
+        usage = self.store.count_usage()
+        if quota.bytes and nbytes > 0:
+            owned = usage.bytes[uid] + self.reserved[uid]
+            if owned + nbytes > quota.bytes:
+                owned -= self.freeing(uid)[0]
+            if owned + nbytes > quota.bytes:
+                raise OSError(errno.EDQUOT, f"uid {uid} owns {format_size(owned)} of its "
+                              f"{format_size(quota.bytes)} quota and this needs "
+                              f"{format_size(nbytes)} more: remove files, or ask root to "
+                              "raise it (mxfs quota)")
+        if quota.inodes and inodes > 0:
+            owned = usage.inodes[uid]
+            if owned + inodes > quota.inodes:
+                owned -= self.freeing(uid)[1]
+            if owned + inodes > quota.inodes:
+                raise OSError(errno.EDQUOT, f"uid {uid} owns {owned} of its {quota.inodes} "
+                              "inodes (files, folders and KV chunks): remove some, or ask "
+                              "root to raise its quota (mxfs quota)")
+
+    def reserve(self, uid: int, nbytes: int) -> None:
+        self.reserved[uid] += nbytes
+
+    def release(self, uid: int, nbytes: int) -> None:
+        self.reserved[uid] -= nbytes
+        if self.reserved[uid] <= 0:
+            del self.reserved[uid]
+
+    def set(self, who: str, quota: Quota) -> None:
+        """Set (or with an empty quota, clear) the limits of a uid ("1001") or the
+        default; written through to the store at once."""
+        if quota:
+            self.store.set_setting(PREFIX + who, quota.text())
+            self.limits[who] = quota
+            self.store.count_usage()  # (counted now, not on a tenant's next write)
+        else:
+            self.store.drop_setting(PREFIX + who)
+            self.limits.pop(who, None)
+
+    def report(self, uid: int | None = None, most: int = 1000) -> dict[str, Any]:
+        """What `mxfs quota` shows: each uid's usage against its limits (only `uid`'s
+        when given; else every uid with a quota of its own or anything owned, the
+        `most` largest by bytes), and the default."""
+        usage = self.store.count_usage()
+        if uid is not None:
+            uids = [uid]
+        else:
+            named = {int(k) for k in self.limits if k != DEFAULT}
+            owners = sorted(set(usage.inodes) | set(self.reserved),
+                            key=lambda u: -usage.bytes[u])
+            uids = sorted(named | set(owners[:most]))
+        rows = []
+        for u in uids:
+            quota = self.of(u) if u != 0 else NONE
+            rows.append({"uid": u, "bytes": usage.bytes[u], "reserved": self.reserved[u],
+                         "inodes": usage.inodes[u], "bytes_limit": quota.bytes,
+                         "inodes_limit": quota.inodes,
+                         "own": str(u) in self.limits})
+        default = self.limits.get(DEFAULT, NONE)
+        return {"users": rows, "default": {"bytes_limit": default.bytes,
+                                           "inodes_limit": default.inodes}}
+
+
+def serve(quotas: Quotas, msg: dict[str, Any], uid: int) -> dict[str, Any]:
+    """The `quota` request: show (a user sees its own line; root every uid, or the one
+    it names with "uid") or, for root, set.  Setting takes "uid" or "default", and
+    "bytes" and "inodes" (0 lifts a limit, an absent one is kept) or "clear"."""
+    if not bool_field(msg, "set"):
+        if uid != 0:
+            return {"ok": True, **quotas.report(uid)}
+        return {"ok": True, **quotas.report(int_field(msg, "uid") if "uid" in msg else None)}
+    if uid != 0:
+        raise OSError(errno.EPERM, "only root sets quotas")
+    if bool_field(msg, "default"):
+        who = DEFAULT
+    else:
+        who = str(int_field(msg, "uid"))
+        if who == "0":
+            raise OSError(errno.EINVAL, "root has no quota (it is never refused)")
+    old = quotas.limits.get(who, NONE)
+    quota = NONE if bool_field(msg, "clear") else Quota(
+        int_field(msg, "bytes", old.bytes), int_field(msg, "inodes", old.inodes))
+    quotas.set(who, quota)
+    return {"ok": True, **quotas.report(None if who == DEFAULT else int(who))}

@@ -1,0 +1,171 @@
+"""Per-user quotas on a real daemon, as real unprivileged users: bytes and inodes a uid
+owns through the mount, direct writes and KV puts stop at its limits, others go on,
+and limits and usage survive a remount."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Mounted, module_pool, mxfs, one_line_error
+from users import User, ensure_users, run_as
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
+    with module_pool(tmp_path_factory) as m:
+        yield m
+
+
+def home(pool: Mounted, user: User) -> Path:
+    d = pool.path / user.name
+    if not d.exists():
+        d.mkdir()
+        os.chown(d, user.uid, user.gid)
+    return d
+
+
+def line_of(report: dict, uid: int) -> dict:
+    return next(r for r in report["users"] if r["uid"] == uid)
+
+
+def quota(pool: Mounted, *args: str) -> dict:
+    return json.loads(mxfs("quota", str(pool.path), "--json", *args).stdout)
+
+
+def test_a_users_files_stop_at_its_quota_and_others_go_on(pool: Mounted) -> None:
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    quota(pool, "--user", alice.name, "--bytes", "1MiB", "--inodes", "8")
+    d, other = home(pool, alice), home(pool, bob)
+    script = f"""
+d = {str(d)!r}
+def fill(path, most=4 << 20, piece=64 << 10):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    wrote = 0
+    try:
+        while wrote < most:
+            wrote += os.write(fd, b"a" * piece)
+    except OSError as e:
+        return wrote, e.errno
+    finally:
+        os.close(fd)
+    return wrote, 0
+first = fill(d + "/a")
+grow = attempt(os.truncate, d + "/a", 8 << 20)
+made = 0
+while True:
+    try:
+        os.close(os.open(d + f"/n{{made}}", os.O_WRONLY | os.O_CREAT, 0o644))
+        made += 1
+    except OSError as e:
+        made_err = e.errno
+        break
+mine = mxfs.client.ControlClient({str(pool.path)!r}).call("quota")
+os.unlink(d + "/a")
+after = fill(d + "/n0", 512 << 10)
+print(json.dumps([first, grow, made, made_err, mine, after]))
+"""
+    first, grow, made, made_err, mine, after = run_as(alice, script)
+    assert first[1] == errno.EDQUOT and (1 << 20) - (64 << 10) <= first[0] <= 1 << 20
+    assert grow == errno.EDQUOT  # a truncate past the end is growth too
+    assert made_err == errno.EDQUOT and made == 8 - 2  # (its folder and "a" are its own)
+    assert [r["uid"] for r in mine["users"]] == [alice.uid]  # a user sees its own line
+    assert line_of(mine, alice.uid)["inodes"] == 8
+    assert line_of(mine, alice.uid)["bytes_limit"] == 1 << 20
+    assert after == [512 << 10, 0]  # its space came back with the unlink
+    bob_wrote = run_as(bob, f"""
+with open({str(other / "big")!r}, "wb") as f:
+    f.write(b"b" * (3 << 20))
+print(json.dumps(os.stat({str(other / "big")!r}).st_size))
+""")
+    assert bob_wrote == 3 << 20  # another user is not held by alice's quota
+    report = quota(pool)  # root sees everyone
+    assert line_of(report, alice.uid)["bytes"] == 512 << 10
+    assert line_of(report, bob.uid)["bytes"] == 3 << 20
+    quota(pool, "--user", alice.name, "--clear")
+    assert line_of(quota(pool, "--user", str(alice.uid)), alice.uid)["bytes_limit"] == 0
+
+
+def test_direct_writes_and_kv_puts_are_charged_what_they_declare(pool: Mounted) -> None:
+    """A direct writer is charged its declared size from create to commit or abort (its
+    descriptors cannot take it past the quota: the chunk files are cut back to what it
+    declared), and a KV chunk its size, against the writer's uid."""
+    alice = ensure_users()["alice"]
+    d = home(pool, alice)
+    for f in d.iterdir():
+        f.unlink()
+    quota(pool, "--user", alice.name, "--bytes", "1MiB")
+    script = f"""
+import base64
+from mxfs.client.writer import create_file
+c = mxfs.client.ControlClient({str(pool.path)!r})
+too_big = attempt(create_file, {str(d / "big")!r}, size=2 << 20)
+w = create_file({str(d / "x")!r}, size=600 << 10)
+second = attempt(create_file, {str(d / "y")!r}, size=600 << 10)
+reserved = c.call("quota")["users"][0]["reserved"]
+w.abort()
+w = create_file({str(d / "x")!r}, size=600 << 10)
+w.write_at(0, memoryview(b"x" * (600 << 10)))
+w.commit(600 << 10)
+b = lambda n: base64.b64encode(b"k" * n).decode()
+kv_big = attempt(c.call, "kv_put", namespace="q", keys=[b(1)], data=[b(500 << 10)])
+kv_small = attempt(c.call, "kv_put", namespace="q", keys=[b(2)], data=[b(100 << 10)])
+print(json.dumps([too_big, second, reserved, kv_big, kv_small, c.call("quota")]))
+"""
+    too_big, second, reserved, kv_big, kv_small, mine = run_as(alice, script)
+    assert too_big == errno.EDQUOT and second == errno.EDQUOT
+    assert reserved == 600 << 10
+    assert kv_big == errno.EDQUOT and kv_small == "ok"
+    line = line_of(mine, alice.uid)
+    assert line["bytes"] == (600 << 10) + (100 << 10) and line["reserved"] == 0
+    assert (d / "x").stat().st_size == 600 << 10
+    quota(pool, "--user", alice.name, "--clear")
+
+
+def test_quotas_and_usage_survive_a_remount_and_show_in_status(pool: Mounted) -> None:
+    bob = ensure_users()["bob"]
+    d = home(pool, bob)
+    quota(pool, "--default", "--bytes", "64MiB", "--inodes", "1000")
+    (d / "kept").write_bytes(b"k" * 12345)
+    os.chown(d / "kept", bob.uid, bob.gid)
+    before = line_of(quota(pool), bob.uid)
+    pool.umount()
+    pool.remount()
+    after = quota(pool)
+    assert line_of(after, bob.uid) == before
+    assert before["bytes_limit"] == 64 << 20 and not before["own"]
+    assert after["default"] == {"bytes_limit": 64 << 20, "inodes_limit": 1000}
+    text = mxfs("status", str(pool.path)).stdout
+    assert f"uid {bob.uid}: " in text and "of 64.0 MiB" in text
+    denied = run_as(bob, f"""
+print(json.dumps(attempt(os.truncate, {str(d / "kept")!r}, 65 << 20)))
+""")
+    assert denied == errno.EDQUOT  # enforced from the remount on, counted afresh
+    quota(pool, "--default", "--clear")
+    assert quota(pool)["default"] == {"bytes_limit": 0, "inodes_limit": 0}
+
+
+def test_quota_refusals_are_one_line(pool: Mounted) -> None:
+    alice = ensure_users()["alice"]
+    for args, says in ((("--bytes", "1G"), "needs --user or --default"),
+                       (("--user", "no-such-user-here", "--bytes", "1G"), "no user named"),
+                       (("--user", "0", "--bytes", "1G"), "root has no quota"),
+                       (("--user", "1", "--clear", "--bytes", "1G"), "--clear"),
+                       (("--user", "1", "--inodes", "-3"), "bad inode count"),
+                       (("--default",), "--default only goes with")):
+        res = mxfs("quota", str(pool.path), *args, check=False)
+        assert res.returncode != 0 and says in one_line_error(res), (args, res.stderr)
+    refused = run_as(alice, f"""
+c = mxfs.client.ControlClient({str(pool.path)!r})
+try:
+    c.call("quota", set=True, uid={alice.uid}, bytes=1 << 40)
+    print(json.dumps(None))
+except OSError as e:
+    print(json.dumps([e.errno, str(e)]))
+""")
+    assert refused[0] == errno.EPERM and "only root sets quotas" in refused[1]
