@@ -34,7 +34,8 @@ from mxfs.proto.framing import MAGIC, ancillary_space
 
 FIELDS = ("path", "size", "mode", "ino", "sum_unit", "sums", "replace", "exclusive",
           "odirect", "namespace", "key", "keys", "data", "capacity", "keep", "limit", "skip",
-          "inline_max", "pin", "shared", "uid", "gid", "force", "version")
+          "inline_max", "pin", "shared", "uid", "gid", "force", "version", "set", "clear",
+          "default", "bytes", "inodes")
 HUGE: list[object] = [2**63 - 1, 2**63, 2**64, 2**70, -1, -(2**63), -(2**70), 10**30]
 STRANGE = ["\ud800", "a\udcffb", "\0", "a\0b", "x" * 300, "/" + "y" * 256, "", ".", "..",
            "/..", "//", "\u202e", "\x7f", "é" * 200, "/fz/\ud83d", "NaN"]
@@ -85,7 +86,7 @@ class Fuzzer:
         r = self.rng
         if key == "path":
             return f"{self.folder}/{r.choice('abcdef')}{r.choice(['', '/g', '/../h'])}"
-        if key in ("size", "capacity", "keep", "inline_max", "limit", "skip"):
+        if key in ("size", "capacity", "keep", "inline_max", "limit", "skip", "bytes", "inodes"):
             return r.choice([0, 1, 4096, 65536, 1 << 20, r.randrange(1 << 24)])
         if key == "mode":
             return r.choice([0o644, 0o600, 0o777, 0o4755, 0o1777])
@@ -99,7 +100,8 @@ class Fuzzer:
             return [self.b64() for _ in range(r.choice([0, 1, 3, 40]))]
         if key == "namespace":
             return r.choice(["fz", "fz2", "default", "sglang-uid0", "roots"])
-        if key in ("replace", "exclusive", "odirect", "pin", "shared", "force"):
+        if key in ("replace", "exclusive", "odirect", "pin", "shared", "force", "set", "clear",
+                   "default"):
             return r.random() < 0.5
         if key in ("uid", "gid"):
             return r.choice([0, 65534, 1000])

@@ -13,8 +13,9 @@ and with --hostile a fifth, as nobody:
   hostile (uid 65534) floods in turn: 4,096-chunk kv_puts and removals of its namespace,
           64 KiB xattrs file after file, direct files committed or aborted while it keeps
           writing through their descriptors, a descriptor of a file on the mount sent
-          with a request, replies carrying descriptors left unread; its own errors are
-          its own, the others must lose nothing
+          with a request, replies carrying descriptors left unread, a file written until
+          its quota (HOSTILE_QUOTA) refuses; its own errors are its own, the others must
+          lose nothing, and it never owns more than its quota
 Every --crash-every seconds the daemon and a random client are SIGKILLed at once; the
 pool is detached, checked offline (metadata invariants, no stray chunk files), mounted
 again, and everything journaled is verified: every fsynced file reads back exactly,
@@ -138,12 +139,14 @@ except Exception as e:
     raise
 """
 
+NOBODY = 65534
+HOSTILE_QUOTA = 64 << 20  # bytes the hostile client may own (mxfs quota)
 
 HOSTILE = r"""
 import array, base64, errno, os, socket, sys, time
 import mxfs.client
 from mxfs.proto import encode
-root = sys.argv[1]
+root, HOSTILE_QUOTA = sys.argv[1], int(sys.argv[2])
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 b = lambda s: base64.b64encode(s).decode()
 def attempt(fn, *a, **kw):
@@ -194,6 +197,14 @@ try:
             s.close()
         for _ in range(8):  # replies with descriptors, never read
             unread.sock.sendall(encode({"op": "open_read", "path": "/hostile/sent", "id": 2}))
+        big = os.path.join(root, "big")  # written until its quota refuses, then gone
+        fd = attempt(os.open, big, os.O_WRONLY | os.O_CREAT, 0o600)
+        if fd is not None:
+            for _ in range(2 * HOSTILE_QUOTA >> 20):
+                if attempt(os.write, fd, b"q" * (1 << 20)) is None:
+                    break
+            os.close(fd)
+            attempt(os.unlink, big)
         print("hostile round", flush=True)
 except (OSError, ConnectionError):
     sys.exit(0)
@@ -224,7 +235,7 @@ class Harness:
             hostile = os.path.join(self.mnt, "hostile")
             os.makedirs(hostile, exist_ok=True)
             os.chmod(hostile, 0o1777)
-            specs["hostile"] = (HOSTILE, hostile)
+            specs["hostile"] = (HOSTILE, hostile, str(HOSTILE_QUOTA))
         for name, (code, *argv) in specs.items():
             self.procs[name] = subprocess.Popen([sys.executable, "-c", code, *argv],
                                                 stdout=subprocess.PIPE, text=True)
@@ -323,6 +334,12 @@ class Harness:
                 self.stats["lost"] += 1
                 self.errors.append(f"checkpoint {name} holds the wrong values")
         self.stats["checkpoints_verified"] += len(listed)
+        if self.hostile:
+            report = json.loads(run_mxfs("quota", self.mnt, "--json", "--user", str(NOBODY)))
+            owned = report["users"][0]["bytes"] + report["users"][0]["reserved"]
+            if owned > HOSTILE_QUOTA:
+                self.stats["problems"] += 1
+                self.errors.append(f"uid {NOBODY} owns {owned} bytes past its quota")
 
 
 def write_model(path: str) -> None:
@@ -352,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.hostile:
             os.chmod(pool.base, 0o755)  # nobody reaches the mount through it
         h = Harness(pool.members, pool.mnt, journals, args.hostile)
+        if args.hostile:
+            run_mxfs("quota", pool.mnt, "--user", str(NOBODY), "--bytes", str(HOSTILE_QUOTA))
         write_model(os.path.join(pool.mnt, "model.st"))
         h.start_clients()
         while time.monotonic() - start < seconds:
