@@ -22,7 +22,7 @@ import pytest
 from conftest import HAVE_FUSE, eventually, make_members, mkfs, mounted_pool, mxfs, one_line_error
 from pg_server import Server, server_or_skip
 
-from mxfs.fs.control import runtime_dir
+from mxfs.fs.listener import runtime_dir
 from mxfs.meta import MetaStore, lease
 from mxfs.pool import Pool
 

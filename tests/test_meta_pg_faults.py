@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, eventually, mkfs, mounted_pool
+from conftest import HAVE_FUSE, Mounted, check_pool, eventually, mkfs, mounted_pool
 from pg_server import Server, private
-from test_faults import STORM, check_pool
+from test_faults import STORM
 
-from mxfs.fs.control import runtime_dir
+from mxfs.fs.listener import runtime_dir
 from mxfs.meta import MetaStore
 from mxfs.meta.check import problems
 from mxfs.meta.inode import ROOT_INO

@@ -71,7 +71,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     options = _from_config(args)
     if args.foreground:
         return _mount_foreground(args, options)
-    from mxfs.fs.control import runtime_dir
+    from mxfs.fs.listener import runtime_dir
     from mxfs.fs.mounts import check_mountpoint, spawn_daemon
     from mxfs.fs.options import check_options
     from mxfs.pool import Pool

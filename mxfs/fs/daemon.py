@@ -19,9 +19,10 @@ import pyfuse3
 import trio
 
 from mxfs.errors import MxfsError
-from mxfs.fs.control import ControlServer, runtime_dir
+from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.limits import Limits, raise_fd_limit
+from mxfs.fs.listener import runtime_dir
 from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.mounts import check_mountpoint, ensure_runtime_dir, set_readahead
 from mxfs.fs.ops import MxfsOperations
@@ -214,7 +215,7 @@ async def _commit_groups(control: ControlServer) -> None:
         try:
             # ten times a second: the metadata member's space reserve
             if rounds % 4 == 0 and vol.store.watch_space():
-                control.trim_overdrafts()
+                control.files.trim_overdrafts()
             control.kv.flush()
             vol.store.commit_if_due()
             inos = vol.take_pending(RECLAIM_BITE)
@@ -231,7 +232,7 @@ async def _revoke(control: ControlServer) -> None:
     while True:
         await trio.sleep(1)
         try:
-            await control.revoke()
+            await control.files.revoke()
         except Exception as e:
             failures.note("revoke", None, e, trace=not isinstance(e, OSError))
 
@@ -295,7 +296,7 @@ async def _backups(control: ControlServer, every_s: int) -> None:
     while True:
         await trio.sleep(every_s)
         try:
-            await control.backup_meta()
+            await control.meta.backup_meta()
         except Exception as e:  # a full member, say: the pool goes on, the next round tries
             log.error("metadata backup failed (the next is tried in %d s): %s", every_s, e)
 

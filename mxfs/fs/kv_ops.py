@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,7 +28,9 @@ from mxfs.fs.fields import BadField, b64_field, bool_field, int_field, sums_fiel
 from mxfs.fs.kv import Chunk, KVIndex, Namespace, check_key, check_namespace
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import (
+    Handler,
     Pending,
+    Reply,
     Session,
     check_pending_room,
     drop_pending,
@@ -41,9 +44,12 @@ from mxfs.fs.volume import Volume
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool import ChunkFiles
-from mxfs.proto import MAX_FDS, OPS, ProtocolError
+from mxfs.proto import MAX_FDS, OPS
 
 log = logging.getLogger("mxfs.kv")
+
+# A KV op that works in a namespace, given it checked for what the op needs.
+InSpace = Callable[[dict[str, Any], "Session", "Namespace"], Awaitable[Reply]]
 
 KV_OPS = tuple(op for op in OPS if op.startswith("kv_"))
 INLINE_REPLY = 512 << 10  # chunk bytes one kv_get reply may carry inline
@@ -126,53 +132,70 @@ class KVOps:
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
 
-    async def handle(self, op: str, msg: dict[str, Any], session: Session
-                     ) -> tuple[dict[str, Any], list[int]]:
-        """Serve a KV op.  Those that work through many items do it in bites
-        (`fs/fair.py`): another user's request waits for a bite, not the whole."""
+    def handlers(self) -> dict[str, Handler]:
+        """The handler of each KV op.  Those that work through many items do it in
+        bites (`fs/fair.py`): another user's request waits for a bite, not the whole."""
+        in_space: dict[str, InSpace] = {
+            "kv_put": self._put, "kv_create": self._create, "kv_commit": self._commit,
+            "kv_unpin": self._unpin_keys, "kv_exists": self._exists,
+            "kv_delete": self._delete, "kv_list": self._list, "kv_config": self._config,
+            "kv_evict": self._evict_to}
+        table: dict[str, Handler] = {op: self._in_space(op, fn) for op, fn in in_space.items()}
+        table.update({"kv_get": self.get, "kv_stats": self._stats,
+                      "kv_ns_create": self._ns_create, "kv_ns_remove": self._ns_remove})
+        return table
+
+    def _in_space(self, op: str, fn: InSpace) -> Handler:
+        """`fn` given the namespace `op` works in, checked for what `op` needs of the
+        caller."""
+        async def handler(msg: dict[str, Any], session: Session) -> Reply:
+            return await fn(msg, session, self._space(op, msg, session.caller))
+        return handler
+
+    async def _stats(self, msg: dict[str, Any], session: Session) -> Reply:
         caller = session.caller
-        if op == "kv_stats":
-            ns = msg.get("namespace")
-            spaces = [self.index.space(ns, caller)] if ns is not None else [
-                s for s in self.index.spaces.values() if s.may(caller, R_OK)]
-            stats = []
-            async for some in in_bites(spaces, 8):  # (each counts its pinned chunks)
-                stats += [s.stats() for s in some]
-            return {"ok": True, "namespaces": stats}, []
-        if op in NS_OPS:
-            return await self._namespace_op(op, msg, caller), []
-        space = self._space(op, msg, caller)
-        if op == "kv_put":
-            return await self._put(msg, session, space), []
-        if op == "kv_create":
-            return self._create(msg, session, space)
-        if op == "kv_commit":
-            return self._commit(msg, session, space), []
-        if op == "kv_unpin":
-            self._unpin(session, space, _keys(msg))
-            return {"ok": True}, []
-        if op == "kv_exists":
-            return {"ok": True, "present": [k in space.chunks for k in _keys(msg)]}, []
-        if op == "kv_delete":
-            deleted = 0
-            async for keys in in_bites(_keys(msg), BITE):
-                deleted += self.index.remove(space, list(keys))
-            return {"ok": True, "deleted": deleted}, []
-        if op == "kv_list":
-            n = len(space.chunks)
-            skip = min(int_field(msg, "skip", 0), n)
-            stop = min(skip + min(int_field(msg, "limit", 1000), MAX_LIST), n)
-            items = itertools.islice(space.chunks.items(), skip, stop)
-            return {"ok": True, "chunks": [[base64.b64encode(k).decode(), c.size, c.pins]
-                                           for k, c in items]}, []
-        if op == "kv_config":
-            self.index.configure(space, caller, int_field(msg, "capacity"))
-            target = self.index.over(space)
-            evicted = 0 if target is None else await self._evict(space, target)
-            return {"ok": True, "evicted": evicted, **space.stats()}, []
-        if op == "kv_evict":
-            return {"ok": True, "evicted": await self._evict(space, int_field(msg, "keep", 0))}, []
-        raise ProtocolError(f"unknown op {op!r}")
+        ns = msg.get("namespace")
+        spaces = [self.index.space(ns, caller)] if ns is not None else [
+            s for s in self.index.spaces.values() if s.may(caller, R_OK)]
+        stats = []
+        async for some in in_bites(spaces, 8):  # (each counts its pinned chunks)
+            stats += [s.stats() for s in some]
+        return {"ok": True, "namespaces": stats}, []
+
+    async def _unpin_keys(self, msg: dict[str, Any], session: Session, space: Namespace
+                          ) -> Reply:
+        self._unpin(session, space, _keys(msg))
+        return {"ok": True}, []
+
+    async def _exists(self, msg: dict[str, Any], session: Session, space: Namespace
+                      ) -> Reply:
+        return {"ok": True, "present": [k in space.chunks for k in _keys(msg)]}, []
+
+    async def _delete(self, msg: dict[str, Any], session: Session, space: Namespace
+                      ) -> Reply:
+        deleted = 0
+        async for keys in in_bites(_keys(msg), BITE):
+            deleted += self.index.remove(space, list(keys))
+        return {"ok": True, "deleted": deleted}, []
+
+    async def _list(self, msg: dict[str, Any], session: Session, space: Namespace) -> Reply:
+        n = len(space.chunks)
+        skip = min(int_field(msg, "skip", 0), n)
+        stop = min(skip + min(int_field(msg, "limit", 1000), MAX_LIST), n)
+        items = itertools.islice(space.chunks.items(), skip, stop)
+        return {"ok": True, "chunks": [[base64.b64encode(k).decode(), c.size, c.pins]
+                                       for k, c in items]}, []
+
+    async def _config(self, msg: dict[str, Any], session: Session, space: Namespace
+                      ) -> Reply:
+        self.index.configure(space, session.caller, int_field(msg, "capacity"))
+        target = self.index.over(space)
+        evicted = 0 if target is None else await self._evict(space, target)
+        return {"ok": True, "evicted": evicted, **space.stats()}, []
+
+    async def _evict_to(self, msg: dict[str, Any], session: Session, space: Namespace
+                        ) -> Reply:
+        return {"ok": True, "evicted": await self._evict(space, int_field(msg, "keep", 0))}, []
 
     async def _evict(self, space: Namespace, target: int) -> int:
         """Evict down to `target` bytes a bite at a time; how many chunks went."""
@@ -192,23 +215,27 @@ class KVOps:
         return self.index.space(msg.get("namespace"), caller, mask, shared or not moves,
                                 create_mode=create)
 
-    async def _namespace_op(self, op: str, msg: dict[str, Any], caller: Caller
-                            ) -> dict[str, Any]:
-        """Make a namespace ahead of its users (root: for anyone, taking over a name
-        with `force`; others: for themselves), or remove one with its chunks (a bite
-        at a time; puts racing the removal are removed with it)."""
+    async def _ns_remove(self, msg: dict[str, Any], session: Session) -> Reply:
+        """Remove a namespace with its chunks, a bite at a time (puts racing the removal
+        are removed with it): its owner or root."""
+        caller = session.caller
         name = check_namespace(msg.get("namespace"))
-        if op == "kv_ns_remove":
-            space = self.index.space(name, caller)
-            if caller.uid not in (0, space.uid):
-                raise OSError(errno.EPERM, "only the namespace's owner or root removes it")
-            deleted, share = 0, Slice()
-            while space.chunks and self.index.spaces.get(name) is space:
-                deleted += self.index.remove(space, list(itertools.islice(space.chunks, BITE)))
-                await share.due()
-            if self.index.spaces.get(name) is not space:
-                raise OSError(errno.ENOENT, f"KV namespace {name!r} was removed meanwhile")
-            return {"ok": True, "deleted": deleted + self.index.drop_namespace(space)}
+        space = self.index.space(name, caller)
+        if caller.uid not in (0, space.uid):
+            raise OSError(errno.EPERM, "only the namespace's owner or root removes it")
+        deleted, share = 0, Slice()
+        while space.chunks and self.index.spaces.get(name) is space:
+            deleted += self.index.remove(space, list(itertools.islice(space.chunks, BITE)))
+            await share.due()
+        if self.index.spaces.get(name) is not space:
+            raise OSError(errno.ENOENT, f"KV namespace {name!r} was removed meanwhile")
+        return {"ok": True, "deleted": deleted + self.index.drop_namespace(space)}, []
+
+    async def _ns_create(self, msg: dict[str, Any], session: Session) -> Reply:
+        """Make a namespace ahead of its users (root: for anyone, taking over a name
+        with `force`; others: for themselves)."""
+        caller = session.caller
+        name = check_namespace(msg.get("namespace"))
         uid = int_field(msg, "uid", caller.uid)
         gid = int_field(msg, "gid", caller.gid)
         force = bool_field(msg, "force")
@@ -219,7 +246,7 @@ class KVOps:
             self.index.check_room(caller.uid)
         space = self.index.create(name, uid, gid, _mode(msg, 0o700) or 0,
                                   int_field(msg, "capacity", 0), replace=force)
-        return {"ok": True, **space.stats()}
+        return {"ok": True, **space.stats()}, []
 
     def _room(self, space: Namespace, size: int, uid: int) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
@@ -240,8 +267,7 @@ class KVOps:
                           "least recently used chunks are being evicted")
         return root
 
-    async def _put(self, msg: dict[str, Any], session: Session, space: Namespace
-                   ) -> dict[str, Any]:
+    async def _put(self, msg: dict[str, Any], session: Session, space: Namespace) -> Reply:
         """Small chunks in one request: the daemon writes them (no descriptors passed),
         PUT_BITE at a time."""
         keys, data = _keys(msg), msg.get("data")
@@ -276,10 +302,10 @@ class KVOps:
             finally:
                 self.vol.release(entry.node.ino)
             stored.append(True)
-        return {"ok": True, "stored": stored, "evicted": self.index.enforce(space)}
+        return {"ok": True, "stored": stored, "evicted": self.index.enforce(space)}, []
 
-    def _create(self, msg: dict[str, Any], session: Session, space: Namespace
-                ) -> tuple[dict[str, Any], list[int]]:
+    async def _create(self, msg: dict[str, Any], session: Session, space: Namespace
+                      ) -> Reply:
         key, size = _key(msg), int_field(msg, "size")
         if key in space.chunks:
             return {"ok": True, "exists": True}, []  # the cheap answer to a repeated put
@@ -291,8 +317,8 @@ class KVOps:
         return {"ok": True, "exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds
 
-    def _commit(self, msg: dict[str, Any], session: Session, space: Namespace
-                ) -> dict[str, Any]:
+    async def _commit(self, msg: dict[str, Any], session: Session, space: Namespace
+                      ) -> Reply:
         pending = session.pending.get(int_field(msg, "ino"))
         if pending is None or pending.path:
             raise OSError(errno.EBADF, f"inode {msg.get('ino')} is not a KV chunk written here")
@@ -313,10 +339,9 @@ class KVOps:
         session.let_go(entry.node.ino)
         self.vol.release(entry.node.ino)
         evicted = self.index.enforce(space) if stored else 0
-        return {"ok": True, "stored": stored, "evicted": evicted}
+        return {"ok": True, "stored": stored, "evicted": evicted}, []
 
-    async def get(self, msg: dict[str, Any], session: Session
-                  ) -> tuple[dict[str, Any], list[int]]:
+    async def get(self, msg: dict[str, Any], session: Session) -> Reply:
         """Layout, checksums and read descriptors of each present key (None: a miss);
         with "odirect", an O_DIRECT descriptor beside each buffered one, so that cold
         chunks go from the members to the engine's buffer without the page cache.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,9 @@ from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io import PAGE
 from mxfs.meta import Inode
 from mxfs.pool.revoke import writers_remain
+
+# What serving a request gives: the reply's fields and descriptors to pass with it.
+Reply = tuple[dict[str, Any], list[int]]
 
 
 @dataclass
@@ -176,3 +180,7 @@ def read_fds(vol: Volume, node: Inode, odirect: bool = False
              ) -> tuple[dict[str, list[int]], list[int]]:
     """Read-only descriptors of a file's chunk files (see Pool.open_for_read)."""
     return vol.pool.open_for_read(node.ino, vol.layout(node), node.size, odirect)
+
+
+# A control operation: serves one request of a connection.
+Handler = Callable[[dict[str, Any], Session], Awaitable[Reply]]

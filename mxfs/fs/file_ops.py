@@ -1,0 +1,223 @@
+"""The file operations of the control socket: the direct read and write paths.
+
+`open_read` hands a caller read descriptors of a file's chunk files (after the
+permission checks the mount would make); `create` makes a hidden file and hands its
+writer write descriptors; `commit` settles, names, seals and makes it durable in one
+step, `abort` drops it.  The unpublished files every connection holds are kept to
+their writers' declared sizes here (`revoke`, `trim_overdrafts`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import trio
+
+from mxfs.fs.access import (
+    R_OK,
+    may,
+    may_replace,
+    owner_for,
+    resolve_for,
+    resolve_parent_for,
+)
+from mxfs.fs.fields import bool_field, int_field, path_field, sums_field
+from mxfs.fs.limits import Limits
+from mxfs.fs.meta_ops import durable
+from mxfs.fs.session import (
+    Handler,
+    Pending,
+    Reply,
+    Session,
+    check_pending_room,
+    cut_back,
+    drop_pending,
+    open_hidden,
+    overdrew,
+    read_fds,
+    refuse_if_writers,
+)
+from mxfs.fs.volume import Volume
+from mxfs.meta import Inode
+from mxfs.proto import MAX_FDS
+
+log = logging.getLogger("mxfs.control")
+
+
+class FileOps:
+    def __init__(self, vol: Volume, mountpoint: str, limits: Limits,
+                 sessions: Callable[[], Iterable[Session]],
+                 writeback_cache: bool = False,
+                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
+                 settle: Callable[[int], Awaitable[None]] | None = None) -> None:
+        self.vol = vol
+        self.mountpoint = mountpoint
+        self.limits = limits
+        self.sessions = sessions  # every connection's (their unpublished files)
+        self.writeback_cache = writeback_cache
+        # Told about names that commits create or replace, so the kernel's cached
+        # entries (including "no such name") are dropped.
+        self.entry_changed = entry_changed
+        # Waits until the mount's answered writes of an inode are on its members, so a
+        # direct reader sees them (the mount lands writes behind their answers).
+        self.settle = settle
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"layout": self.layout, "open_read": self.open_read, "create": self.create,
+                "commit": self.commit, "abort": self.abort}
+
+    def _describe(self, node: Inode) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": True, "ino": node.ino, "size": node.apparent_size,
+                               "generation": node.generation, "mode": node.mode,
+                               "sealed": self.vol.store.is_sealed(node.ino)}
+        if node.is_reg:
+            out["layout"] = self.vol.layout(node).describe()
+        return out
+
+    async def open_read(self, msg: dict[str, Any], session: Session) -> Reply:
+        """Read-only descriptors of a file's chunk files, if the caller may read it
+        (with "odirect": O_DIRECT ones too, for reads that bypass the page cache)."""
+        path, caller = path_field(msg), session.caller
+        node = resolve_for(self.vol.store, path, caller, mountpoint=self.mountpoint)
+        if node.is_dir:
+            raise OSError(errno.EISDIR, f"{path} is a directory")
+        if not node.is_reg:
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if not may(node, caller, R_OK):
+            raise OSError(errno.EACCES, f"{path}: read permission denied")
+        entry = self.vol.open_inodes.get(node.ino)
+        if self.writeback_cache and entry is not None and entry.wrote:
+            # Its newest bytes may still sit in the kernel's writeback cache.
+            raise OSError(errno.EBUSY, f"{path} is open for writing through the mount")
+        if self.settle is not None and entry is not None:
+            await self.settle(node.ino)
+        # Two descriptors a member with O_DIRECT: only while one message can carry them.
+        members = len(self.vol.layout(node).used_members())
+        odirect = bool_field(msg, "odirect") and 2 * members <= MAX_FDS
+        which, fds = read_fds(self.vol, node, odirect=odirect)
+        return {**self._describe(node), **which}, fds
+
+    # ---- direct writes -------------------------------------------------------
+
+    async def create(self, msg: dict[str, Any], session: Session) -> Reply:
+        """A hidden file to be published at `path`, and write descriptors of its chunk files.
+
+        The caller must be allowed to create `path` (as the mount would), and the
+        declared `size` must fit without eating the metadata store's reserve: it is
+        also the most the commit will accept.
+        """
+        path, caller = path_field(msg), session.caller
+        size = int_field(msg, "size", 0)
+        mode = int_field(msg, "mode", 0o644) & 0o7777
+        exclusive = bool_field(msg, "exclusive")
+        check_pending_room(session, self.limits)
+        self.vol.quotas.room(caller.uid, size, 1)
+        parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
+        if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
+            raise OSError(errno.EEXIST, f"{path} exists")
+        layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)
+        for m in layout.used_members():
+            self.vol.pool.check_space(m, -(-size // layout.width))
+        mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
+                              caller.gids.__contains__)
+        entry, members, fds = open_hidden(self.vol, parent, mode, caller.uid, gid)
+        session.hold(Pending(entry, path, size))
+        reply = self._describe(entry.node)
+        reply["members"] = members
+        return reply, fds
+
+    def _pending(self, msg: dict[str, Any], session: Session) -> Pending:
+        pending = session.pending.get(int_field(msg, "ino"))
+        if pending is None:
+            raise OSError(errno.EBADF, f"inode {msg.get('ino')} is not being written here")
+        return pending
+
+    async def commit(self, msg: dict[str, Any], session: Session) -> Reply:
+        """Publish a hidden file: settle its bytes, name it, seal it, make it durable.
+
+        A writer that wrote past the size it declared at create is refused and its
+        file reclaimed (its descriptors cannot be taken back, but its space can).
+        """
+        pending = self._pending(msg, session)
+        entry, node = pending.entry, pending.entry.node
+        size = int_field(msg, "size")
+        replace = bool_field(msg, "replace", True)
+        sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
+        overdrawn = await trio.to_thread.run_sync(overdrew, self.vol, pending)
+        if size > pending.declared or overdrawn:
+            drop_pending(self.vol, session, node.ino)
+            raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
+                          "create: refused, and the file's space reclaimed")
+        await trio.to_thread.run_sync(refuse_if_writers, self.vol, pending)
+        # No other request of this connection runs meanwhile (one at a time), so the
+        # file is still this session's after the awaits.
+        await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
+        parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller,
+                                          self.mountpoint)
+        old = self.vol.store.entry_ino(parent.ino, name)
+        if old is not None and replace:
+            may_replace(parent, self.vol.store.get(old), session.caller)
+        self.vol.publish(entry, parent.ino, name, size, replace, sum_unit, sums)
+        session.let_go(node.ino)
+        self.vol.release(node.ino)
+        lost = self.vol.store.groups_lost
+        try:
+            await durable(self.vol.store)
+        except OSError as e:
+            if self.vol.store.groups_lost != lost:  # its group went: it was never named
+                raise
+            # Named in memory and in the open group (SQLite keeps it past a full member)
+            raise OSError(e.errno, f"the file is published but not yet durable ({e.strerror}"
+                          "); it is kept if the daemon lives until its next commit") from None
+        finally:  # the mount shows what the daemon holds, durable or not
+            if self.entry_changed is not None:
+                await self.entry_changed(parent.ino, name)
+        return self._describe(node), []
+
+    async def abort(self, msg: dict[str, Any], session: Session) -> Reply:
+        drop_pending(self.vol, session, self._pending(msg, session).entry.node.ino)
+        return {"ok": True}, []
+
+    async def layout(self, msg: dict[str, Any], session: Session) -> Reply:
+        node = resolve_for(self.vol.store, path_field(msg), session.caller,
+                           mountpoint=self.mountpoint)
+        return self._describe(node), []
+
+    def release(self, session: Session) -> None:
+        """A connection ended: its unpublished files are dropped (each one tried; the
+        first failure raised after)."""
+        failed: Exception | None = None
+        for ino in list(session.pending):
+            try:
+                drop_pending(self.vol, session, ino)
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
+
+    def _all_pending(self) -> list[Pending]:
+        return [p for s in self.sessions() for p in s.pending.values()]
+
+    def trim_overdrafts(self) -> int:
+        """Now, on this thread: cut every unpublished file's chunk files back to what its
+        writer declared (the metadata member runs short).  How many were cut."""
+        cut = cut_back(self.vol, self._all_pending())
+        if cut:
+            log.warning("metadata member short of space: cut %d chunk files of unpublished "
+                        "files back to their declared sizes", cut)
+        return cut
+
+    async def revoke(self) -> None:
+        """Once a second (a task of the daemon): unpublished files cut back to their
+        declared sizes, held chunk files of dropped ones cut or removed (pool/revoke.py);
+        in a worker thread, as both stat and truncate files."""
+        cut = await trio.to_thread.run_sync(cut_back, self.vol, self._all_pending())
+        if cut:
+            log.warning("cut %d chunk files of unpublished files back to the sizes their "
+                        "writers declared", cut)
+        if self.vol.held.files:
+            await trio.to_thread.run_sync(self.vol.held.sweep)
+

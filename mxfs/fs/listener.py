@@ -1,0 +1,309 @@
+"""The control socket's listener: connections, their limits, frames and replies.
+
+A Unix socket beside the mount.  Each connection is served in its own trio task; the
+caller's identity comes from SO_PEERCRED (taken at connect).  This module knows no
+op: it admits connections against the limits, reads one framed request at a time
+within the timeouts, hands it to `dispatch` (`fs/control.py`), and sends the reply
+with its descriptors, counted against the receiver until read (`fs/inflight.py`).  A
+malformed, oversized or unknown message gets an error reply and the connection is
+closed, while the daemon goes on serving others.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import logging
+import math
+import os
+import socket
+import struct
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+
+from mxfs.fs.access import Caller, supplementary_groups
+from mxfs.fs.failures import FailureLog
+from mxfs.fs.fields import check_request
+from mxfs.fs.foreign_fds import Closer, refuse_rights
+from mxfs.fs.inflight import park, unread_bytes
+from mxfs.fs.limits import Limits, fd_limit
+from mxfs.fs.mounts import ensure_runtime_dir
+from mxfs.fs.session import Reply, Session
+from mxfs.proto import HEADER, MAX_VALUES, ProtocolError, decode_payload, encode, parse_header
+from mxfs.proto.framing import ancillary_space, fds_from_ancdata
+
+log = logging.getLogger("mxfs.control")
+# Refused connections answered at once (each holds a descriptor until its reply is taken).
+MAX_REFUSING = 64
+
+
+def runtime_dir() -> str:
+    """Where sockets and logs of running daemons live."""
+    if os.geteuid() == 0:
+        return "/run/mxfs"
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/mxfs-{os.getuid()}"
+    return os.path.join(base, "mxfs") if "XDG_RUNTIME_DIR" in os.environ else base
+
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
+
+
+def peer_caller(sock: Any) -> Caller:
+    """Who is at the other end, as of connect: SO_PEERCRED and SO_PEERGROUPS (taken by
+    the kernel then, so a pid that exited and was reused cannot lend its groups)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 65536)
+        groups = set(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    except OSError:  # an older kernel: the groups from /proc
+        groups = supplementary_groups(pid)
+    return Caller(pid, uid, gid, frozenset(groups | {gid}))
+
+
+class Listener:
+    """Accepts, admits and frames; `dispatch` serves each request, `end` what a
+    connection held when it closes."""
+
+    def __init__(self, path: str, limits: Limits,
+                 dispatch: Callable[[dict[str, Any], Session], Awaitable[Reply]],
+                 new_session: Callable[[Caller, Any], Session],
+                 end: Callable[[Session], None]) -> None:
+        self.path = path
+        self.limits = limits
+        self.dispatch = dispatch
+        self.new_session = new_session
+        self._end = end
+        self.conns: Counter[int] = Counter()  # open connections by uid
+        self.sessions: dict[int, Session] = {}
+        self.refusing = 0  # refused connections being answered
+        self.failures = FailureLog(log)
+        self.closer = Closer()  # descriptors clients sent anyway (kernels before 6.16)
+
+    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        ensure_runtime_dir(os.path.dirname(self.path))
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if not refuse_rights(listener):
+            log.info("this kernel cannot refuse sent descriptors: they are closed off "
+                     "the daemon's thread")
+        await listener.bind(self.path)
+        os.chmod(self.path, 0o666)  # anyone may connect; each request is checked
+        listener.listen(512)
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    try:
+                        conn, _ = await listener.accept()
+                    except OSError as e:  # out of descriptors: refuse by waiting, go on
+                        self.failures.note("accept", None, e)
+                        await trio.sleep(0.05)
+                        continue
+                    nursery.start_soon(self._connection, conn)
+        finally:
+            listener.close()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    async def _recv_exact(self, conn: Any, n: int) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            chunk = await conn.recv(min(n - got, 1 << 16))
+            if not chunk:
+                raise ConnectionError("peer closed mid-message")
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    def _admit(self, caller: Caller) -> OSError | None:
+        """Why a new connection of `caller` is refused (a limit is reached), or None."""
+        lim = self.limits
+        total = sum(self.conns.values())
+        if total >= lim.max_conns or total + lim.fd_reserve >= fd_limit():
+            return OSError(errno.ENFILE, f"the daemon holds {total} control connections, its "
+                           "limit (mount option max_conns); try again later")
+        if caller.uid != 0 and self.conns[caller.uid] >= lim.max_conns_per_user:
+            return OSError(errno.EMFILE, f"uid {caller.uid} holds {self.conns[caller.uid]} "
+                           "control connections, the limit (mount option "
+                           "max_conns_per_user); close some")
+        return None
+
+    async def _connection(self, conn: Any) -> None:
+        """One connection, inside a boundary: nothing it does ends the server."""
+        try:
+            await self._connected(conn)
+        except Exception as e:
+            self.failures.note("connection", None, e)
+
+    async def _connected(self, conn: Any) -> None:
+        with conn:
+            try:
+                caller = peer_caller(conn)
+            except OSError:
+                return
+            refusal = self._admit(caller)
+            if refusal is not None:
+                self.failures.note("connect", caller, refusal, trace=False)
+                if self.refusing < MAX_REFUSING:  # past it, a flood is closed unanswered
+                    self.refusing += 1
+                    try:
+                        await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
+                                               refusal.strerror or "refused")
+                    finally:
+                        self.refusing -= 1
+                return
+            session = self.new_session(caller, conn)
+            self.conns[caller.uid] += 1
+            self.sessions[id(session)] = session
+            try:
+                await self._serve(conn, session)
+            except Exception as e:
+                self.failures.note("connection", caller, e)
+            finally:
+                self._end(session)
+                if session.sent_fds and unread_bytes(conn):
+                    await park(conn)  # its descriptors in flight: still counted
+                del self.sessions[id(session)]
+                self.conns[caller.uid] -= 1
+                if not self.conns[caller.uid]:
+                    del self.conns[caller.uid]
+
+    async def _read_request(self, conn: Any, session: Session) -> dict[str, Any] | None:
+        """The next request, or None when the connection is over (closed, idle, too slow).
+
+        A connection holding nothing is closed after `idle_timeout`; once a message
+        has begun it must arrive whole within `frame_timeout`.
+        """
+        lim = self.limits
+        head = None
+        holds = session.pending or session.pinned
+        with trio.move_on_after(math.inf if holds else lim.idle_timeout):
+            try:
+                head, anc, _, _ = await conn.recvmsg(HEADER.size, ancillary_space())
+            except OSError:
+                return None
+            # No request carries descriptors; never closed here (see foreign_fds).
+            self.closer.close_all(fds_from_ancdata(anc))
+        if not head:
+            return None  # closed, or idle too long
+        try:
+            with trio.fail_after(lim.frame_timeout):
+                if len(head) < HEADER.size:
+                    head += await self._recv_exact(conn, HEADER.size - len(head))
+                _, _, length = parse_header(head)
+                msg = decode_payload(await self._recv_exact(conn, length), MAX_VALUES)
+            check_request(msg)
+            return msg
+        except trio.TooSlowError:
+            self.failures.note("slow", session.caller,
+                               TimeoutError("a request not sent whole in time"), trace=False)
+        except ProtocolError as e:
+            await self._refuse(conn, session.caller, None, e)
+        except OSError:
+            pass  # the peer went away mid-message
+        return None
+
+    async def _serve(self, conn: Any, session: Session) -> None:
+        while True:
+            msg = await self._read_request(conn, session)
+            if msg is None:
+                return
+            op = msg["op"]
+            fds: list[int] = []
+            try:
+                reply, fds = await self.dispatch(msg, session)
+            except ProtocolError as e:
+                await self._refuse(conn, session.caller, msg.get("id"), e)
+                return
+            except OSError as e:
+                code = e.errno or errno.EIO
+                reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
+            except Exception as e:  # a bug or an unforeseen value: this request alone fails
+                self.failures.note(op, session.caller, e)
+                reply = {"ok": False, "errno": errno.EIO,
+                         "error": f"internal error serving {op} (logged by the daemon)"}
+            if fds:
+                reply, fds = self._admit_fds(session, reply, fds)
+            reply["id"] = msg.get("id")
+            del msg  # not held while the connection waits for its next request
+            try:
+                with trio.move_on_after(self.limits.frame_timeout) as scope:
+                    try:
+                        sent = await self._send(conn, reply, fds)
+                    except ProtocolError as e:  # a reply over the limits: say so, stay up
+                        sent = await self._send(conn, {"id": reply["id"], "ok": False,
+                                                       "errno": errno.E2BIG, "error": str(e)})
+                session.sent_fds += len(fds)
+                if not sent or scope.cancelled_caught:
+                    return  # the peer went away or does not read its replies
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the peer holds its own copies now
+            del reply
+
+    def fds_in_flight(self, uid: int) -> int:
+        """Descriptors sent to `uid`'s connections that they have not read yet (a
+        connection with nothing unread has taken all it was sent)."""
+        total = 0
+        for s in self.sessions.values():
+            if s.caller.uid == uid and s.sent_fds:
+                if not unread_bytes(s.conn):
+                    s.sent_fds = 0
+                total += s.sent_fds
+        return total
+
+    def _admit_fds(self, session: Session, reply: dict[str, Any], fds: list[int]
+                   ) -> tuple[dict[str, Any], list[int]]:
+        """The reply as it may go: with its descriptors, or, past the caller's bound of
+        descriptors in flight (root: none), an EMFILE without them."""
+        uid, lim = session.caller.uid, self.limits.max_fds_in_flight_per_user
+        if uid == 0:
+            return reply, fds
+        held = self.fds_in_flight(uid)
+        if held + len(fds) <= lim:
+            return reply, fds
+        for fd in fds:
+            os.close(fd)
+        return {"ok": False, "errno": errno.EMFILE,
+                "error": f"uid {uid} has {held} descriptors sent to it and not yet received "
+                         f"(replies left unread), the limit (mount option "
+                         "max_fds_in_flight_per_user): read your replies"}, []
+
+    async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
+        self.failures.note("protocol", caller, err, trace=False)
+        await self._close_with(conn, msg_id, errno.EPROTO, str(err))
+
+    async def _close_with(self, conn: Any, msg_id: Any, code: int, error: str) -> None:
+        """Send one refusal, then close gracefully: unread input would turn our close
+        into a reset that destroys the reply before the peer reads it."""
+        with trio.move_on_after(self.limits.frame_timeout):
+            if not await self._send(conn, {"id": msg_id, "ok": False, "errno": code,
+                                           "error": error}):
+                return
+            try:
+                conn.shutdown(socket.SHUT_WR)
+                with trio.move_on_after(1):
+                    while await conn.recv(1 << 16):
+                        pass
+            except OSError:
+                pass
+
+    async def _send(self, conn: Any, reply: dict[str, Any], fds: Sequence[int] = ()) -> bool:
+        data = memoryview(encode(reply, len(fds)))
+        try:
+            if fds:
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+                data = data[await conn.sendmsg([data], anc):]
+            while data:
+                data = data[await conn.send(data):]
+        except OSError:
+            return False
+        return True
+

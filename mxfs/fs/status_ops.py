@@ -1,0 +1,116 @@
+"""The status operations of the control socket: `hello`, `stat` (what `mxfs status`
+shows), `metrics`, `df` and `quota`; the pool and what each user holds of it."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+from mxfs import __version__
+from mxfs.fs import quota
+from mxfs.fs.kv_ops import KVOps
+from mxfs.fs.limits import Limits, fd_limit, open_fds
+from mxfs.fs.listener import Listener
+from mxfs.fs.metrics import Metrics
+from mxfs.fs.session import Handler, Reply, Session
+from mxfs.fs.surveys import Surveys
+from mxfs.fs.volume import Volume
+from mxfs.fs.wake import WakeLatency
+from mxfs.io.batch import ENGINE, native_engine, taken_back
+from mxfs.meta.survey import bytes_by_use
+from mxfs.proto import OPS, VERSION
+
+
+class StatusOps:
+    def __init__(self, vol: Volume, mountpoint: str, limits: Limits, listener: Listener,
+                 kv: KVOps, pending_by_uid: Counter[int], metrics: Metrics,
+                 wake: WakeLatency | None = None) -> None:
+        self.vol = vol
+        self.mountpoint = mountpoint
+        self.limits = limits
+        self.listener = listener  # connections and what was sent on them
+        self.kv = kv  # leases and chunks by uid
+        self.pending_by_uid = pending_by_uid  # unpublished files by uid
+        self.metrics = metrics
+        self.wake = wake  # the CPU latency limit held while busy (-o wake_latency_us)
+        self.surveys = Surveys(vol.pool.meta_location, vol.store.commit)
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"hello": self._hello, "stat": self._stat, "metrics": self._metrics,
+                "df": self._df, "quota": self._quota}
+
+    async def _hello(self, msg: dict[str, Any], session: Session) -> Reply:
+        return {"ok": True, "version": VERSION, "server": f"mxfs {__version__}",
+                "pid": os.getpid(), "pool_uuid": self.vol.pool.uuid, "ops": list(OPS),
+                "uid": session.caller.uid}, []
+
+    async def _stat(self, msg: dict[str, Any], session: Session) -> Reply:
+        status = await self.status()
+        uid = session.caller.uid
+        if uid != 0:  # names of lost files may sit under others' 0700 folders
+            status["lost_examples"] = []
+            status["limits"]["by_user"] = {}  # (nor who else uses the daemon)
+            status["quotas"] = self.vol.quotas.report(uid) if self.vol.quotas.limits else None
+        return {"ok": True, **status}, []
+
+    async def _metrics(self, msg: dict[str, Any], session: Session) -> Reply:
+        return {"ok": True, **self.metrics.snapshot(), "members": self.vol.pool.usage()}, []
+
+    async def _df(self, msg: dict[str, Any], session: Session) -> Reply:
+        return {"ok": True, "members": self.vol.pool.usage(),
+                "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
+
+    async def _quota(self, msg: dict[str, Any], session: Session) -> Reply:
+        return quota.serve(self.vol.quotas, msg, session.caller.uid), []
+
+    async def status(self) -> dict[str, Any]:
+        """The pool as `mxfs status` shows it."""
+        pool = self.vol.pool
+        lost, names = 0, []
+        if pool.failed:
+            lost, names = await self.surveys.get(
+                "lost", lambda store: self.vol.lost_files(limit=100, store=store))
+        health = {"degraded": bool(pool.failed), "lost_files": lost, "lost_examples": names}
+        return {**health, "pool_uuid": pool.uuid, "label": pool.label,
+                "stripe_unit": pool.stripe_unit,
+                "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.listener.path,
+                "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
+                "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
+                "native_engine": native_engine()[1], "io_taken_back": taken_back(),
+                "limits": self.usage_of_limits(),
+                "quotas": self.vol.quotas.report() if self.vol.quotas.limits else None,
+                "wake_latency": self.wake.state() if self.wake else None}
+
+    def usage_of_limits(self) -> dict[str, Any]:
+        """How close the daemon is to each limit (what `mxfs status` shows)."""
+        busiest = self.listener.conns.most_common(1)
+        return {**{k: getattr(self.limits, k) for k in Limits.options()},
+                "connections": sum(self.listener.conns.values()), "users": len(self.listener.conns),
+                "fds_in_flight": sum(s.sent_fds for s in self.listener.sessions.values()),
+                "busiest_user": list(busiest[0]) if busiest else None,
+                "fds_open": open_fds(), "fds_max": fd_limit(), "by_user": self.by_user()}
+
+    def by_user(self, most: int = 20) -> dict[str, dict[str, int]]:
+        """What each uid holds against its limits (the `most` busiest, by connections
+        then KV chunks): for `mxfs status`, root's view."""
+        held: dict[int, dict[str, int]] = {}
+
+        def of(uid: int) -> dict[str, int]:
+            return held.setdefault(uid, {"connections": 0, "pending": 0, "pins": 0,
+                                         "fds_in_flight": 0, "kv_chunks": 0})
+        for uid, n in self.listener.conns.items():
+            of(uid)["connections"] = n
+        for uid, n in self.pending_by_uid.items():
+            of(uid)["pending"] = n
+        for uid, n in self.kv.pinned_by_uid.items():
+            of(uid)["pins"] = n
+        for uid, n in self.kv.index.chunks_by_uid.items():
+            if n:
+                of(uid)["kv_chunks"] = n
+        for s in self.listener.sessions.values():
+            if s.sent_fds:
+                of(s.caller.uid)["fds_in_flight"] += s.sent_fds
+        top = sorted(held.items(), key=lambda kv: (-kv[1]["connections"],
+                                                   -kv[1]["kv_chunks"]))[:most]
+        return {str(uid): counts for uid, counts in top}
