@@ -2,6 +2,7 @@
 #   make demo   build a 4-member demo pool, mount it, write and read through it, measure
 #   make test   run the test suite (real FUSE mounts: needs root and /dev/fuse), then the
 #               engine tests (vLLM, SGLang, LMCache) in their own virtualenv
+#   make test-fast  the units and a few smoke mounts, in about a minute: between edits
 #   make lint   ruff and mypy
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ ENGINES ?= .venv-engines
 ENGINE_TESTS := tests/test_vllm.py tests/test_kv_adapters.py tests/test_kv_lmcache.py \
 	tests/test_kv_vllm.py tests/test_bench_peers.py
 
-.PHONY: demo test test-engines install engines lint bench clean
+.PHONY: demo test test-fast test-engines install engines lint bench clean
 
 install: $(VENV)/.installed
 
@@ -27,9 +28,13 @@ $(ENGINES)/.installed: pyproject.toml tools/install_engines.sh tools/engines-con
 demo: install
 	$(VENV)/bin/mxfs demo
 
+# Every layer but the engines' (conftest.LAYERS); the suite's time is printed at its end.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not engines" --durations=5
 	$(MAKE) --no-print-directory test-engines
+
+test-fast: install
+	$(PY) -m pytest -q -m "(unit and not pg) or smoke"
 
 # The engines' own classes drive the adapters and the loader; here nothing may skip.
 test-engines: engines

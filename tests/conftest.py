@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +23,50 @@ needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"
 REQUIRE_ENGINES = bool(os.environ.get("MXFS_REQUIRE_ENGINES"))
 
 
+# The suite's layers (pytest -m LAYER; docs in CONTRIBUTING.md).  A module's layer is
+# named here, or `mount` (the default: it mounts real pools); a test may add `pg` (it
+# needs PostgreSQL).  `unit` modules need no root, no mount and no server, and run in
+# under a minute: `make test-fast` runs them with the `smoke` mount tests.
+LAYERS = {
+    "unit": {"test_header_fuzz", "test_io_engine", "test_kv_keys", "test_layout",
+             "test_meta_conformance", "test_meta_sqlite", "test_ttft_model"},
+    "faults": {"test_faults", "test_hostile", "test_shared_node", "test_soak", "test_quota",
+               "test_tenancy", "test_meta_pg_faults", "test_offline_lock"},
+    "pg": {"test_meta_pg_mount", "test_lease"},
+    "engines": {"test_vllm", "test_kv_adapters", "test_kv_lmcache", "test_kv_vllm",
+                "test_bench_peers"},
+}
+_LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for layer, what in (("unit", "no root, no mount, no server; seconds"),
+                        ("mount", "mounts real pools through FUSE (root, /dev/fuse)"),
+                        ("faults", "faults, hostile users, crashes and soaks"),
+                        ("pg", "needs a PostgreSQL server of ours"),
+                        ("engines", "vLLM, SGLang, LMCache (make test-engines)"),
+                        ("smoke", "a few mount tests that make test-fast adds to the units")):
+        config.addinivalue_line("markers", f"{layer}: {what}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        item.add_marker(_LAYER_OF.get(module, "mount"))
+        if module in LAYERS["pg"] or "[postgresql" in item.nodeid:
+            item.add_marker("pg")
+
+
+@pytest.fixture(autouse=True)
+def _layer(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tell `mxfs` which layer runs: a unit test that mounts fails (move it, or its
+    module, out of `unit`)."""
+    unit = request.node.get_closest_marker("unit") is not None
+    os.environ["MXFS_TEST_UNIT"] = "1" if unit else ""
+    yield
+    os.environ.pop("MXFS_TEST_UNIT", None)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
@@ -33,11 +79,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 def mxfs(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""
+    if args[:1] == ("mount",):
+        _not_in_a_unit()
     res = subprocess.run([sys.executable, "-m", "mxfs", *args], capture_output=True, text=True,
                          timeout=timeout)
     if check and res.returncode != 0:
         raise AssertionError(f"mxfs {' '.join(args)} failed ({res.returncode}): {res.stderr}")
     return res
+
+
+def _not_in_a_unit() -> None:
+    assert not os.environ.get("MXFS_TEST_UNIT"), \
+        "a unit test mounts a pool: its module belongs in another layer (conftest.LAYERS)"
 
 
 def one_line_error(res: subprocess.CompletedProcess) -> str:
@@ -85,6 +138,7 @@ class Mounted:
     path: Path
     members: list[str]
     pid: int = 0
+    check: bool = True  # checked for soundness after its last unmount (`unmount_and_check`)
 
     def daemon_pid(self) -> int:
         from mxfs.client import ControlClient
@@ -114,19 +168,71 @@ def force_unmount(path: str) -> None:
         subprocess.run(["umount", "-l", path], capture_output=True)
 
 
+def chunk_files(members: list[str]) -> list[str]:
+    return [os.path.join(dp, f) for m in members for dp, _, fs in os.walk(os.path.join(m, "chunks"))
+            for f in fs]
+
+
+def check_pool(members: list[str]) -> None:
+    """The metadata passes SQLite's check and ours: no dangling entries, no leaked chunks."""
+    from mxfs.fs.volume import Volume
+
+    vol = Volume.open(members[0])
+    try:
+        assert vol.problems() == []
+    finally:
+        vol.store.close()
+
+
+def kill_daemon(m: Mounted) -> None:
+    from mxfs.proc import running
+
+    pid = m.daemon_pid()
+    os.kill(pid, signal.SIGKILL)
+    assert eventually(lambda: not running(pid))
+    # the dead mount answers ENOTCONN until it is detached
+    mxfs("umount", str(m.path))
+
+
+def unmount_and_check(m: Mounted) -> None:
+    """Unmount; a pool that unmounted cleanly must then be sound (`check_pool`): every
+    mount test ends checked, so a test that leaves damage behind fails where it made it."""
+    clean = is_mounted(str(m.path)) and mxfs("umount", str(m.path), check=False).returncode == 0
+    force_unmount(str(m.path))
+    if clean and m.check:
+        check_pool(m.members)
+
+
 @contextmanager
-def mounted_pool(members: list[str], *options: str) -> Iterator[Mounted]:
-    """The pool on `members` mounted (allow_other, and `options`) on a fresh folder under
-    /tmp itself, not pytest's private folder, so other users can reach it; unmounted
-    after."""
+def mount_with(members: list[str], *options: str, prefix: list[str] | None = None,
+               allow_other: bool = True, check: bool = True) -> Iterator[Mounted]:
+    """The pool on `members` mounted with `options` (and a command prefix such as
+    prlimit) on a fresh folder under /tmp itself, not pytest's private folder, so other
+    users can reach it; unmounted and checked after (`check=False`: a test that breaks
+    the pool on purpose)."""
+    _not_in_a_unit()
     mp = Path(tempfile.mkdtemp(prefix="mxfs-mnt-"))
     os.chmod(mp, 0o755)
-    mxfs("mount", "-o", ",".join(["allow_other", *options]), members[0], str(mp))
+    opts = ",".join((["allow_other"] if allow_other else []) + list(options)) or "rw"
+    cmd = [*(prefix or []), sys.executable, "-m", "mxfs", "mount", "-o", opts, members[0],
+           str(mp)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    m = Mounted(mp, members, check=check)
     try:
-        yield Mounted(mp, members)
+        yield m
     finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
+        try:
+            unmount_and_check(m)
+        finally:
+            force_unmount(str(mp))
+            os.rmdir(mp)
+
+
+def mounted_pool(members: list[str], *options: str, check: bool = True
+                 ) -> contextlib.AbstractContextManager[Mounted]:
+    """The pool on `members` mounted (allow_other, and `options`); see `mount_with`."""
+    return mount_with(members, *options, check=check)
 
 
 @contextmanager
@@ -191,10 +297,5 @@ def loop_members(tmp_path: Path) -> Iterator[list[str]]:
 def loop_pool(loop_members: list[str]) -> Iterator[Mounted]:
     """A pool of the loop-device members, mounted; unmounted and removed afterwards."""
     mkfs(loop_members)
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-loop-"))
-    mxfs("mount", loop_members[0], str(mp))
-    try:
-        yield Mounted(mp, loop_members)
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
+    with mount_with(loop_members, allow_other=False) as m:
+        yield m

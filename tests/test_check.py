@@ -8,8 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from conftest import Mounted, mxfs, one_line_error
-from test_faults import check_pool
+from conftest import Mounted, check_pool, mxfs, one_line_error
 
 import mxfs.ckpt as ck
 from mxfs.client import ControlClient

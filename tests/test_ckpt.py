@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import Mounted, eventually, mxfs, one_line_error
-from test_faults import check_pool
+from conftest import Mounted, check_pool, eventually, mxfs, one_line_error
 
 import mxfs.ckpt as ck
 from mxfs.ckpt import catalog

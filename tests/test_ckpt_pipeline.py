@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Mounted
+from conftest import Mounted, check_pool
 from test_ckpt import assert_same
-from test_faults import check_pool
 
 import mxfs.ckpt as ck
 from mxfs.ckpt import writing

@@ -74,6 +74,7 @@ def test_split_direct_covers_the_range_and_aligns_what_goes_direct(
         assert all(op.fd == 10 for op in ops)
 
 
+@pytest.mark.smoke
 def test_forced_direct_reads_equal_the_file_at_any_offset(mounted: Mounted) -> None:
     data = write(mounted.path / "f.bin", 3 * 65536 * 4 + 12345)
     rng = random.Random(3)

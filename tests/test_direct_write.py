@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import Mounted, eventually
-from test_faults import check_pool, chunk_files, kill_daemon
+from conftest import Mounted, check_pool, chunk_files, eventually, kill_daemon
 
 from mxfs.client import ControlClient
 from mxfs.client.writer import create_file
@@ -34,6 +33,7 @@ def write_file(path: str, data: bytes, **kw: object) -> list[int]:
         return w.commit(len(data))
 
 
+@pytest.mark.smoke
 def test_commit_publishes_whole_sealed_file_at_once(mounted: Mounted) -> None:
     p = str(mounted.path / "model.bin")
     assert not os.path.exists(p)  # the kernel now caches "no such name"

@@ -6,41 +6,16 @@ import errno
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import Mounted, eventually, mxfs, one_line_error
+from conftest import Mounted, check_pool, chunk_files, eventually, kill_daemon, mxfs, one_line_error
 from users import run_as
 
 from mxfs.fs.volume import Volume
-from mxfs.proc import running
-
-
-def chunk_files(members: list[str]) -> list[str]:
-    return [os.path.join(dp, f) for m in members for dp, _, fs in os.walk(os.path.join(m, "chunks"))
-            for f in fs]
-
-
-def check_pool(members: list[str]) -> None:
-    """The metadata passes SQLite's check and ours: no dangling entries, no leaked chunks."""
-    vol = Volume.open(members[0])
-    try:
-        assert vol.problems() == []
-    finally:
-        vol.store.close()
-
-
-def kill_daemon(m: Mounted) -> None:
-    pid = m.daemon_pid()
-    os.kill(pid, signal.SIGKILL)
-    assert eventually(lambda: not running(pid))
-    # the dead mount answers ENOTCONN until it is detached
-    mxfs("umount", str(m.path))
-
 
 # ---- a member runs out of space ---------------------------------------------------
 
@@ -203,6 +178,7 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
     loop_pool.remount()  # with allow_other: other users may ask the daemon
     wide, local = _spread_and_local(mp)
     subprocess.run(["umount", "-l", loop_members[2]], check=True)  # member 2 vanishes
+    loop_pool.check = False  # (the pool is broken on purpose: no soundness check after)
     mxfs("status", str(mp), check=False)
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")  # so the read reaches the daemon, not the kernel's cache

@@ -12,10 +12,7 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,9 +20,9 @@ from conftest import (
     HAVE_FUSE,
     Mounted,
     eventually,
-    force_unmount,
     make_members,
     mkfs,
+    mount_with,
     raw_socket,
 )
 
@@ -42,24 +39,6 @@ def daemon_figures(pid: int) -> tuple[int, int]:
     with open(f"/proc/{pid}/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
-
-
-@contextmanager
-def mount_with(members: list[str], *options: str, prefix: list[str] | None = None,
-               allow_other: bool = True) -> Iterator[Mounted]:
-    """Mount `members` with extra -o options (and a command prefix such as prlimit)."""
-    mp = Path(tempfile.mkdtemp(prefix="mxfs-hostile-"))
-    os.chmod(mp, 0o755)
-    opts = ",".join((["allow_other"] if allow_other else []) + list(options)) or "rw"
-    cmd = [*(prefix or []), sys.executable, "-m", "mxfs", "mount", "-o", opts, members[0],
-           str(mp)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    try:
-        yield Mounted(mp, members)
-    finally:
-        force_unmount(str(mp))
-        os.rmdir(mp)
 
 
 def test_fuzzer_as_nobody_leaves_the_daemon_serving_and_the_pool_clean(

@@ -13,9 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Mounted, eventually, make_members, mkfs, mxfs, one_line_error
-from test_faults import check_pool, chunk_files, kill_daemon
-from test_hostile import mount_with
+from conftest import (
+    Mounted,
+    check_pool,
+    chunk_files,
+    eventually,
+    kill_daemon,
+    make_members,
+    mkfs,
+    mount_with,
+    mxfs,
+    one_line_error,
+)
 
 from mxfs.io.residency import Residency
 from mxfs.kv import KVStore
@@ -45,6 +54,7 @@ def test_put_get_round_trip_first_writer_wins(mounted: Mounted, size: int) -> No
         assert kv.delete("a") and not kv.exists("a") and kv.get("a") is None
 
 
+@pytest.mark.smoke
 def test_batches_prefix_exists_and_odd_keys(mounted: Mounted) -> None:
     with KVStore(str(mounted.path), "b") as kv:
         keys = [f"chunk-{i}" for i in range(40)]

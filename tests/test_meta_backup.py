@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Mounted, eventually, mxfs, one_line_error
-from test_faults import check_pool, chunk_files
+from conftest import Mounted, check_pool, chunk_files, eventually, mxfs, one_line_error
 
 
 def _corrupt(m: Mounted) -> None:

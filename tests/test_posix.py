@@ -14,6 +14,7 @@ from conftest import Mounted, eventually, mxfs
 UNIT = 64 * 1024
 
 
+@pytest.mark.smoke
 def test_striped_write_and_read_back_across_members(mounted: Mounted) -> None:
     data = os.urandom(UNIT * 9 + 1234)
     p = mounted.path / "striped"
