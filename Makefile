@@ -10,7 +10,7 @@ ENGINES ?= .venv-engines
 ENGINE_TESTS := tests/test_vllm.py tests/test_kv_adapters.py tests/test_kv_lmcache.py \
 	tests/test_kv_vllm.py tests/test_bench_peers.py
 
-.PHONY: demo test test-fast test-engines install engines lint bench clean
+.PHONY: demo test test-fast test-engines install engines lint lint-engines bench clean
 
 install: $(VENV)/.installed
 
@@ -37,13 +37,18 @@ test-fast: install
 	$(PY) -m pytest -q -m "(unit and not pg) or smoke"
 
 # The engines' own classes drive the adapters and the loader; here nothing may skip.
-test-engines: engines
+test-engines: engines lint-engines
 	MXFS_REQUIRE_ENGINES=1 $(ENGINES)/bin/python -m pytest -q $(ENGINE_TESTS)
 
 # mypy's files and settings: [tool.mypy] in pyproject.toml (its cache: .mypy_cache)
 lint: install
 	$(VENV)/bin/ruff check mxfs tools tests
 	$(VENV)/bin/mypy
+
+# The adapters type-checked against the engines' real classes (in their virtualenv).
+lint-engines: engines
+	$(ENGINES)/bin/python -m mypy --config-file tools/mypy-engines.ini mxfs/kv/adapters \
+		mxfs/load/vllm_plugin.py
 
 bench: install
 	$(PY) tools/bench_fs.py

@@ -30,8 +30,7 @@ from mxfs.admin.offline_put import put_files
 from mxfs.cli.measure import drop_caches
 from mxfs.client.direct import DirectFile, open_reader
 from mxfs.io import read_batch
-from mxfs.load.staging import aligned_host
-from mxfs.load.tensors import writable_view
+from mxfs.load.staging import aligned_host, writable_view
 
 BATCH = 16  # chunks a get asks for at once (KVStore's own bound with 4 members)
 

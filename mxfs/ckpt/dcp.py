@@ -208,7 +208,8 @@ class Writer(StorageWriter):
         t.join()
         if "error" in out:
             raise out["error"]
-        return out["info"]
+        info: dict[str, Any] = out["info"]
+        return info
 
     def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
         """The commit: manifest with DCP's metadata, then the folder renamed into place."""

@@ -26,7 +26,8 @@ from mxfs.ckpt.tree import unflatten
 from mxfs.client.direct import DirectFile, open_reader
 from mxfs.io.batch import executor
 from mxfs.io.checksum import unpack_sums
-from mxfs.load.tensors import check_device, writable_view
+from mxfs.load.staging import writable_view
+from mxfs.load.tensors import check_device
 
 
 class CheckpointCorrupt(CheckpointError):

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from mxfs.ckpt.image import ALIGN, Plan, round_up
-from mxfs.load.staging import aligned_host
-from mxfs.load.tensors import writable_view
+from mxfs.load.staging import aligned_host, writable_view
 
 # Bytes of CUDA copies queued between two events the writer can wait on.
 CUDA_GROUP = 32 << 20

@@ -6,12 +6,16 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from mxfs.errors import MxfsError
 from mxfs.units import parse_size
 
+if TYPE_CHECKING:  # (imported when run: the command starts without the daemon's code)
+    from mxfs.fs.volume import Volume
 
-def _open_pool_offline(spec: str, repair: bool) -> object:
+
+def _open_pool_offline(spec: str, repair: bool) -> Volume:
     """The pool, held (lock taken before the store is opened) so no mount starts meanwhile."""
     from mxfs.fs.volume import Volume
 
@@ -29,10 +33,10 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
     vol = _open_pool_offline(args.pool, args.repair)
     try:
-        findings = fsck(vol, args.repair)  # type: ignore[arg-type]
+        findings = fsck(vol, args.repair)
     finally:
-        vol.store.close()  # type: ignore[attr-defined]
-        vol.unlock()  # type: ignore[attr-defined]
+        vol.store.close()
+        vol.unlock()
     left = [f for f in findings if not f.repaired]
     code = 0 if not findings else (1 if not left else 4)
     if args.json:

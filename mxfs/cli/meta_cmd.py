@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from mxfs.pool import Pool
 
 
-def _pool_of(target: str) -> object:
+def _pool_of(target: str) -> Pool:
     """The pool a mount point or member path names."""
     from mxfs.client.control import ControlClient, mount_root
     from mxfs.pool import Pool
@@ -47,8 +47,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from mxfs.meta import backup
 
     pool = _pool_of(args.pool)
-    found = [(c, backup.problem(c.path, pool.uuid))  # type: ignore[attr-defined]
-             for d in pool.backup_dirs() for c in backup.copies(d)]  # type: ignore[attr-defined]
+    found = [(c, backup.problem(c.path, pool.uuid))
+             for d in pool.backup_dirs() for c in backup.copies(d)]
     found.sort(key=lambda x: -x[0].taken_ns)
     if args.json:
         print(json.dumps([{"path": c.path, "taken_ns": c.taken_ns, "problem": p}
@@ -68,7 +68,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     pool = _pool_of(args.pool)
     try:
-        store = MetaStore.open(pool.meta_location, readonly=True)  # type: ignore[attr-defined]
+        store = MetaStore.open(pool.meta_location, readonly=True)
     except Unusable as e:
         raise MxfsError(str(e), "restore it from a backup (mxfs meta restore)") from None
     try:

@@ -463,7 +463,7 @@ class KVStore:
         return [False] * len(keys) if found is None else list(found[0]["present"])
 
     def delete(self, key: Key) -> bool:
-        return self._call("kv_delete", keys=[_b64(key)])["deleted"] == 1
+        return bool(self._call("kv_delete", keys=[_b64(key)])["deleted"] == 1)
 
     def pin(self, keys: Sequence[Key]) -> list[bool]:
         """A read lease on each stored key: eviction skips it until `unpin` (or until this
@@ -499,7 +499,8 @@ class KVStore:
 
     def usage(self) -> dict[str, Any]:
         """Chunks, bytes, capacity, hits, misses, puts, evictions of this namespace."""
-        return self._call("kv_stats")["namespaces"][0]
+        stats: dict[str, Any] = self._call("kv_stats")["namespaces"][0]
+        return stats
 
     def set_capacity(self, capacity: int) -> int:
         """Bound the namespace (0: the pool only); returns how many chunks were evicted."""

@@ -73,7 +73,7 @@ def header_length(path: str, prefix: bytes, file_size: int) -> int:
     if len(prefix) < 8 or file_size < 8:
         raise HeaderError(f"{path}: too short to be a safetensors file ({file_size} bytes)",
                           "check that the file was copied completely")
-    (n,) = struct.unpack("<Q", prefix[:8])
+    n: int = struct.unpack("<Q", prefix[:8])[0]
     if n > MAX_HEADER:
         raise HeaderError(f"{path}: header length {n} is over the {MAX_HEADER} byte limit",
                           "the file is corrupt or not safetensors")

@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from mxfs.client.direct import open_reader
+from mxfs.client.direct import Reader, open_reader
 from mxfs.errors import MxfsError
 from mxfs.load.header import TensorInfo
 from mxfs.load.options import FileLoad, LoadOptions, LoadReport
-from mxfs.load.tensors import check_device, load_file, read_header, torch_dtype, writable_view
+from mxfs.load.staging import writable_view
+from mxfs.load.tensors import check_device, load_file, read_header, torch_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
 ShardRule = Callable[[str, tuple[int, ...]], "int | None"]
@@ -95,7 +96,7 @@ def slice_bounds(length: int, rank: int, size: int) -> tuple[int, int]:
     return start, min(start + step, length)
 
 
-def _read_slice(reader, info: TensorInfo, dim: int, rank: int, size: int  # noqa: ANN001
+def _read_slice(reader: Reader, info: TensorInfo, dim: int, rank: int, size: int
                 ) -> torch.Tensor:
     """Only the bytes of rank's slice along `dim`: one contiguous run per outer index."""
     dtype = torch_dtype(info, reader.path)

@@ -36,7 +36,7 @@ ST_DTYPES = {name: getattr(torch, attr, None) for name, attr in {
 
 
 def torch_dtype(info: TensorInfo, path: str) -> torch.dtype:
-    dt = ST_DTYPES.get(info.dtype)
+    dt: torch.dtype | None = ST_DTYPES.get(info.dtype)
     if dt is None:
         raise HeaderError(f"{path}: tensor {info.name!r} has dtype {info.dtype}, which this "
                           f"torch ({torch.__version__}) cannot hold", "use a newer torch")

@@ -1,5 +1,6 @@
 """The metadata store: the namespace rules (`store.py`) over engine primitives
-(`engine.py`), served by an engine that `location.py` picks (SQLite today)."""
+(`engine.py`), served by an engine that `location.py` picks (SQLite, or PostgreSQL
+for a `postgresql://` location)."""
 
 from mxfs.meta.engine import Unusable
 from mxfs.meta.inode import ROOT_INO, Entry, Inode, LayoutPicker

@@ -8,6 +8,8 @@ which engine runs.
 
 from __future__ import annotations
 
+from typing import Any
+
 from mxfs.meta.engine import Engine, Unusable
 
 _SCHEMES = ("postgresql://", "postgres://")
@@ -21,7 +23,8 @@ def is_server(where: str) -> bool:
 def connect(where: str, readonly: bool = False) -> Engine:
     """An engine connection to the existing store at `where` (`Unusable` if none)."""
     if is_server(where):
-        return _pg().PgEngine.open(where, readonly=readonly)
+        engine: Engine = _pg().PgEngine.open(where, readonly=readonly)
+        return engine
     from mxfs.meta.sqlite_engine import SqliteEngine
     return SqliteEngine.open(where, readonly=readonly)
 
@@ -29,7 +32,8 @@ def connect(where: str, readonly: bool = False) -> Engine:
 def create(where: str) -> Engine:
     """A new, empty store at `where` (a store there before is gone)."""
     if is_server(where):
-        return _pg().PgEngine.create(where)
+        engine: Engine = _pg().PgEngine.create(where)
+        return engine
     from mxfs.meta.sqlite_engine import SqliteEngine
     return SqliteEngine.create(where)
 
@@ -50,10 +54,10 @@ def set_aside(where: str) -> None:
 
 def public(where: str) -> str:
     """`where` as it may be written down and shown: a URL loses its password."""
-    return _pg().public(where) if is_server(where) else where
+    return str(_pg().public(where)) if is_server(where) else where
 
 
-def _pg():  # noqa: ANN202 - the module, imported only where a server is named
+def _pg() -> Any:  # the module, imported only where a server is named
     try:
         from mxfs.meta import pg_engine
     except ImportError as e:

@@ -124,13 +124,15 @@ def _gone(conn: Conn | None) -> bool:
 
 
 def _pipe(conn: Conn) -> psycopg.Pipeline:
-    return conn.mxfs_pipeline[1]  # type: ignore[attr-defined]
+    pipe: psycopg.Pipeline = conn.mxfs_pipeline[1]  # type: ignore[attr-defined]
+    return pipe
 
 
 def _cur(conn: Conn) -> psycopg.Cursor[Any]:
     """The connection's one cursor: a new one per statement costs more than the
     statement (each answer is taken before the next statement that answers)."""
-    return conn.mxfs_cursor  # type: ignore[attr-defined]
+    cur: psycopg.Cursor[Any] = conn.mxfs_cursor  # type: ignore[attr-defined]
+    return cur
 
 
 def _close(conn: Conn) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mxfs.meta.schema import BLOB, INT, TABLES, TEXT, Table
 
@@ -137,7 +138,11 @@ def delete(d: Dialect, name: str, where: Sequence[str]) -> str:
     return f"DELETE FROM {t.name}{_where(d, t, where)}"
 
 
-def statement(d: Dialect, key: tuple) -> str:
+# A statement's shape, its key among the texts: (op, table, *what it names).
+Shape = tuple[Any, ...]
+
+
+def statement(d: Dialect, key: Shape) -> str:
     """The text of a primitive's statement from its shape: (op, table, *what it names)."""
     op, name, *rest = key
     if op == "get":
@@ -166,7 +171,7 @@ def statement(d: Dialect, key: tuple) -> str:
 
 def scan_shape(table: str, columns: Sequence[str], where: Mapping[str, object],
                order: str | None, after: object, limit: int | None
-               ) -> tuple[tuple, list[object]]:
+               ) -> tuple[Shape, list[object]]:
     """A scan's statement key and its parameters, in the order the text binds them."""
     key = ("scan", table, tuple(where), tuple(columns), order, after is not None,
            limit is not None)
@@ -178,7 +183,7 @@ def scan_shape(table: str, columns: Sequence[str], where: Mapping[str, object],
     return key, params
 
 
-class Statements(dict[tuple, str]):
+class Statements(dict[Shape, str]):
     """One dialect's statement texts by shape, each built on first use: a dict, so the
     primitives on every namespace change pay one lookup for their text."""
 
@@ -186,6 +191,6 @@ class Statements(dict[tuple, str]):
         super().__init__()
         self.dialect = d
 
-    def __missing__(self, key: tuple) -> str:
+    def __missing__(self, key: Shape) -> str:
         text = self[key] = statement(self.dialect, key)
         return text

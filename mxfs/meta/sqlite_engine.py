@@ -203,7 +203,8 @@ class SqliteEngine(Engine):
         key = ("get", table, tuple(where), tuple(columns))
         text = self._sql[key]
         try:
-            return self.db.execute(text, tuple(where.values())).fetchone()
+            row: Row | None = self.db.execute(text, tuple(where.values())).fetchone()
+            return row
         except sqlite3.Error as e:
             raise self._error(e) from None
         except OverflowError as e:
@@ -236,10 +237,10 @@ class SqliteEngine(Engine):
 
     def count(self, table: str, where: Where | None = None) -> int:
         where = where or {}
-        return self._run(self._sql[("count", table, tuple(where))],
-                         tuple(where.values())).fetchone()[0]
+        return int(self._run(self._sql[("count", table, tuple(where))],
+                             tuple(where.values())).fetchone()[0])
 
-    def _write(self, key: tuple, params: Sequence[object]) -> sqlite3.Cursor:
+    def _write(self, key: sql.Shape, params: Sequence[object]) -> sqlite3.Cursor:
         if self.readonly:
             raise fail(errno.EROFS, "the metadata store is open read-only")
         text = self._sql[key]
@@ -311,7 +312,7 @@ class SqliteEngine(Engine):
         row = self._run("SELECT value FROM sequences WHERE name=?", (sequence,)).fetchone()
         if row is None:
             raise ValueError(f"no sequence {sequence!r}")
-        return max(row[0], self._floor.get(sequence, 0))
+        return max(int(row[0]), self._floor.get(sequence, 0))
 
     def sequences(self) -> dict[str, int]:
         """The last number each sequence handed out."""

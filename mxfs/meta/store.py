@@ -350,7 +350,7 @@ class MetaStore:
         row = self.engine.get("dentries", {"ino": dir_ino}, ("parent",))
         if row is None:
             raise fail(errno.ENOENT)
-        return row[0]
+        return int(row[0])
 
     def sole_writer(self, on: bool) -> None:
         """No other writer changes the rows from now on (a daemon holding the pool's

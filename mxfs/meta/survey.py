@@ -8,6 +8,7 @@ import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from mxfs.meta.inode import ROOT_INO
 from mxfs.meta.store import MetaStore
@@ -58,7 +59,7 @@ def inode_numbers(store: MetaStore) -> set[int]:
     return {r[0] for r in store.engine.scan("inodes", ("ino",))}
 
 
-def _file(row: tuple) -> FileRow | None:
+def _file(row: tuple[Any, ...]) -> FileRow | None:
     ino, mode, size, unit, width, first = row
     if not stat.S_ISREG(mode) or unit is None or width is None or first is None:
         return None

@@ -15,6 +15,7 @@ import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.pool.pool import Pool
@@ -68,14 +69,14 @@ def pool_lock(pool: Pool, who: str) -> Iterator[None]:
         release_pool_lock(fd)
 
 
-def write_lock_info(fd: int, info: dict) -> None:
+def write_lock_info(fd: int, info: dict[str, Any]) -> None:
     if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
         os.fchmod(fd, 0o600)  # made by an older version: private from now on
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
 
 
-def describe_holder(holder: dict | None) -> str:
+def describe_holder(holder: dict[str, Any] | None) -> str:
     """What holds a pool, as the end of "pool X is ...": a mount, a tool, or readers."""
     if holder is None:
         return "mounted or read offline (OfflinePool) by another process"
@@ -85,7 +86,7 @@ def describe_holder(holder: dict | None) -> str:
     return f"in use by {holder.get('tool') or 'another process'}{pid}"
 
 
-def _holder_fix(holder: dict | None) -> str:
+def _holder_fix(holder: dict[str, Any] | None) -> str:
     if holder is not None and holder.get("mountpoint"):
         return "unmount it first (mxfs umount)"
     if holder is not None and holder.get("tool") == "mxfs mount":
@@ -100,7 +101,7 @@ def _private_lock(path: str) -> MxfsError:
                      "run as root, or ask through the mount point")
 
 
-def read_lock_info(pool: Pool) -> dict | None:
+def read_lock_info(pool: Pool) -> dict[str, Any] | None:
     """Who holds the pool exclusively (pid, tool, mountpoint or None, socket), or None
     when nobody does (or only offline readers do)."""
     path = os.path.join(pool.meta_dir, LOCK_NAME)

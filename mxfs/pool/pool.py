@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.io import DEFAULT_STRIPE_UNIT, PAGE, Layout
@@ -224,7 +225,7 @@ def _refuse_duplicates(paths: list[str], how: str) -> None:
                             "list each member once")
 
 
-def read_pool_config(path: str) -> dict:
+def read_pool_config(path: str) -> dict[str, Any]:
     """A pool config file: members = [...], and optionally mountpoint and options."""
     try:
         with open(path, "rb") as f:
@@ -530,10 +531,10 @@ class Pool:
         return out
 
 
-def pool_totals(members: list[dict]) -> dict[str, int]:
+def pool_totals(members: list[dict[str, Any]]) -> dict[str, int]:
     """Size, used and free of the pool, counting each filesystem once: folder members
     on one disk (as in the demo) share its space and must not add it up N times."""
-    seen: dict[object, dict] = {}
+    seen: dict[object, dict[str, Any]] = {}
     for m in members:
         if m.get("failed"):
             continue

@@ -98,13 +98,13 @@ class MxfsL2Adapter(L2AdapterInterface):
     # ---- tasks ------------------------------------------------------------------------
 
     def get_store_event_fd(self) -> int:
-        return self._events["store"].fileno()
+        return int(self._events["store"].fileno())
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._events["lookup"].fileno()
+        return int(self._events["lookup"].fileno())
 
     def get_load_event_fd(self) -> int:
-        return self._events["load"].fileno()
+        return int(self._events["load"].fileno())
 
     def _run(self, kind: str, fn: Callable[[], Any], failed: Callable[[], Any]) -> int:
         task = next(self._ids)

@@ -308,7 +308,9 @@ class MxfsOffloadingSpec(TieringOffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return super().build_metric_definitions(with_mxfs_tier(extra_config))
+        defined: dict[str, Any] = super().build_metric_definitions(
+            with_mxfs_tier(extra_config))
+        return defined
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(dataclasses.replace(
