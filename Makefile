@@ -7,8 +7,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ENGINES ?= .venv-engines
-ENGINE_TESTS := tests/test_vllm.py tests/test_kv_adapters.py tests/test_kv_lmcache.py \
-	tests/test_kv_vllm.py tests/test_bench_peers.py
 
 .PHONY: demo test test-fast test-engines install engines lint lint-engines bench clean
 
@@ -28,17 +26,17 @@ $(ENGINES)/.installed: pyproject.toml tools/install_engines.sh tools/engines-con
 demo: install
 	$(VENV)/bin/mxfs demo
 
-# Every layer but the engines' (conftest.LAYERS); the suite's time is printed at its end.
+# Every layer; the engines' virtualenv is made and checked while the main suite runs
+# (tools/run_tests.sh prints the times).
 test: install
-	$(PY) -m pytest -q -m "not engines" --durations=5
-	$(MAKE) --no-print-directory test-engines
+	bash tools/run_tests.sh $(VENV) $(ENGINES)
 
 test-fast: install
 	$(PY) -m pytest -q -m "(unit and not pg) or smoke"
 
 # The engines' own classes drive the adapters and the loader; here nothing may skip.
 test-engines: engines lint-engines
-	MXFS_REQUIRE_ENGINES=1 $(ENGINES)/bin/python -m pytest -q $(ENGINE_TESTS)
+	MXFS_REQUIRE_ENGINES=1 $(ENGINES)/bin/python -m pytest -q -m engines
 
 # mypy's files and settings: [tool.mypy] in pyproject.toml (its cache: .mypy_cache)
 lint: install

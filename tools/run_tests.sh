@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# make test: the main suite, while the engines' virtualenv is made (if missing) and the
+# adapters are type-checked against the engines' classes in the background; then the
+# engine tests, where nothing may skip.  Prints each part's time.
+#   usage: tools/run_tests.sh VENV ENGINES_VENV
+set -uo pipefail
+venv=${1:-.venv} engines=${2:-.venv-engines}
+start=$SECONDS
+log=$(mktemp)
+( make --no-print-directory ENGINES="$engines" VENV="$venv" engines lint-engines >"$log" 2>&1 ) &
+bg=$!
+"$venv/bin/python" -m pytest -q -m "not engines" --durations=5
+main=$?
+echo "test: main suite done at $((SECONDS - start)) s"
+wait "$bg"
+eng=$?
+if [ "$eng" -ne 0 ]; then
+  tail -n 40 "$log"
+  echo "test: making the engines' virtualenv or type-checking the adapters failed" >&2
+  exit 1
+fi
+tail -n 2 "$log"
+[ "$main" -eq 0 ] || exit "$main"
+t=$SECONDS
+MXFS_REQUIRE_ENGINES=1 "$engines/bin/python" -m pytest -q -m engines
+rc=$?
+echo "test: engine tests took $((SECONDS - t)) s; make test took $((SECONDS - start)) s"
+exit "$rc"
