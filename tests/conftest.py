@@ -175,7 +175,7 @@ def chunk_files(members: list[str]) -> list[str]:
 
 def check_pool(members: list[str]) -> None:
     """The metadata passes SQLite's check and ours: no dangling entries, no leaked chunks."""
-    from mxfs.fs.volume import Volume
+    from mxfs.vol.volume import Volume
 
     vol = Volume.open(members[0])
     try:

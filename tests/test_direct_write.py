@@ -17,7 +17,7 @@ from conftest import Mounted, check_pool, chunk_files, eventually, kill_daemon
 
 from mxfs.client import ControlClient
 from mxfs.client.writer import create_file
-from mxfs.fs.volume import Volume
+from mxfs.vol.volume import Volume
 
 
 def aligned(data: bytes) -> mmap.mmap:

@@ -15,7 +15,7 @@ import pytest
 from conftest import Mounted, check_pool, chunk_files, eventually, kill_daemon, mxfs, one_line_error
 from users import run_as
 
-from mxfs.fs.volume import Volume
+from mxfs.vol.volume import Volume
 
 # ---- a member runs out of space ---------------------------------------------------
 

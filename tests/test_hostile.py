@@ -66,7 +66,7 @@ def test_fuzzer_as_nobody_leaves_the_daemon_serving_and_the_pool_clean(
     assert (fz / "a").read_bytes() == b"root's file"
     (mounted.path / "after").mkdir()
     mounted.umount()
-    from mxfs.fs.volume import Volume
+    from mxfs.vol.volume import Volume
 
     vol = Volume.open(mounted.members[0])
     try:

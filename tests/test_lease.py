@@ -22,9 +22,9 @@ import pytest
 from conftest import HAVE_FUSE, eventually, make_members, mkfs, mounted_pool, mxfs, one_line_error
 from pg_server import Server, server_or_skip
 
-from mxfs.fs.listener import runtime_dir
 from mxfs.meta import MetaStore, lease
 from mxfs.pool import Pool
+from mxfs.vol.mounts import runtime_dir
 
 UUID = "00000000-0000-4000-8000-000000000016"
 

@@ -24,13 +24,13 @@ from conftest import HAVE_FUSE, Mounted, check_pool, eventually, mkfs, mounted_p
 from pg_server import Server, private
 from test_faults import STORM
 
-from mxfs.fs.listener import runtime_dir
 from mxfs.meta import MetaStore
 from mxfs.meta.check import problems
 from mxfs.meta.inode import ROOT_INO
 from mxfs.meta.pg_engine import PgEngine
 from mxfs.pool import Pool
 from mxfs.proc import running
+from mxfs.vol.mounts import runtime_dir
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from conftest import Mounted, eventually, is_mounted, mxfs, one_line_error
 # The CLI, with take_pool_lock wrapped: once the lock is held, the process stops itself.
 HELD = """
 import os, signal, sys
-import mxfs.fs.volume as v
+import mxfs.vol.volume as v
 import mxfs.pool.lock as lk
 take = lk.take_pool_lock
 def take_and_stop(*a, **k):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import eventually, make_members, mkfs, mxfs, needs_fuse, one_line_error
 
-from mxfs.fs.mounts import wait_pid_gone
 from mxfs.pool import read_superblock
 from mxfs.proc import running
+from mxfs.vol.mounts import wait_pid_gone
 
 
 def write_config(path: Path, members: list[str]) -> None:

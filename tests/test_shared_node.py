@@ -133,7 +133,7 @@ def test_a_runtime_folder_another_user_made_first_is_refused(tmp_path: Path) -> 
     """A non-root daemon's log and socket live in /tmp/mxfs-UID without XDG_RUNTIME_DIR:
     a folder of that name someone else made, linked or opened up is not used."""
     from mxfs.errors import MxfsError
-    from mxfs.fs.mounts import ensure_runtime_dir, open_private_log
+    from mxfs.vol.mounts import ensure_runtime_dir, open_private_log
 
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -346,7 +346,7 @@ def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
 def test_a_walk_through_long_link_chains_is_cut_short(pool: Mounted) -> None:
     """40 links of 1,600 components each would be 64,000 lookups on the daemon's
     thread for one request; past MAX_WALK components the walk is ELOOP."""
-    from mxfs.fs.access import MAX_WALK
+    from mxfs.vol.access import MAX_WALK
 
     home = pool.path / "walks"
     home.mkdir()

@@ -18,8 +18,8 @@ import pytest
 from conftest import HAVE_FUSE, Mounted, mxfs
 from users import TEAM, ensure_users, run_as
 
-from mxfs.fs.kv import MAX_CHUNK
 from mxfs.kv import KVStore
+from mxfs.vol.kv_index import MAX_CHUNK
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
 

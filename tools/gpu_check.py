@@ -161,7 +161,7 @@ def child(args: argparse.Namespace, part: str, base: str, mount: str, why: str,
 
 def make_pool(base: str, no_fuse: bool, fuse: dict[str, Any]) -> tuple[str, str]:
     """A 4-member pool in base/pool, mounted where FUSE works: (mount point or "", why not)."""
-    from mxfs.fs.format import format_pool
+    from mxfs.vol.format import format_pool
 
     members = [os.path.join(base, "pool", f"member{i}") for i in range(4)]
     for m in members:

@@ -30,10 +30,10 @@ from safetensors.torch import save_file
 from mxfs.admin.offline_put import put_files
 from mxfs.cli.measure import drop_caches
 from mxfs.client.direct import open_reader
-from mxfs.fs.format import format_pool
 from mxfs.load import load_file
 from mxfs.load.gds import GdsReader, Unavailable
 from mxfs.load.tensors import touch_pages
+from mxfs.vol.format import format_pool
 
 HIDDEN, FFN = 4096, 11008  # Llama-2-7B-like layers, shrunk for small sizes
 

@@ -269,7 +269,7 @@ class Harness:
         run_mxfs("umount", self.mnt)  # detaches the dead mount
 
     def check_offline(self) -> None:
-        from mxfs.fs.volume import Volume
+        from mxfs.vol.volume import Volume
 
         vol = Volume.open(self.members[0])
         try:

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from mxfs.fs.volume import Volume
 from mxfs.io import Layout
 from mxfs.meta import ROOT_INO, MetaStore, check
 from mxfs.meta.survey import inode_numbers, path_of, sealed_files
+from mxfs.vol.volume import Volume
 
 LOST_FOUND = b"lost+found"
 

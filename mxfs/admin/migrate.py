@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 from mxfs.errors import MxfsError
-from mxfs.fs.format import refuse_other_pool
 from mxfs.meta import MetaStore, Unusable, location
 from mxfs.meta.check import problems
 from mxfs.meta.dump import copy_rows
@@ -20,6 +19,7 @@ from mxfs.meta.schema import TABLES
 from mxfs.pool import Pool
 from mxfs.pool.lock import pool_lock
 from mxfs.pool.superblock import read_superblock, write_superblock
+from mxfs.vol.format import refuse_other_pool
 
 MEMBER = "member"  # --to member: the embedded store on the metadata member
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mxfs.errors import MxfsError
-from mxfs.fs.volume import Volume
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
+from mxfs.vol.volume import Volume
 
 PIECE = 64 << 20  # bytes read from the source and written to the members at a time
 

@@ -12,12 +12,12 @@ from mxfs.errors import MxfsError
 from mxfs.units import parse_size
 
 if TYPE_CHECKING:  # (imported when run: the command starts without the daemon's code)
-    from mxfs.fs.volume import Volume
+    from mxfs.vol.volume import Volume
 
 
 def _open_pool_offline(spec: str, repair: bool) -> Volume:
     """The pool, held (lock taken before the store is opened) so no mount starts meanwhile."""
-    from mxfs.fs.volume import Volume
+    from mxfs.vol.volume import Volume
 
     try:
         return Volume.open(spec, hold="mxfs fsck --repair" if repair else "mxfs fsck")

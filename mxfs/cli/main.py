@@ -35,7 +35,7 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 # ---- mkfs ------------------------------------------------------------------
 
 def cmd_mkfs(args: argparse.Namespace) -> int:
-    from mxfs.fs.format import format_pool
+    from mxfs.vol.format import format_pool
 
     unit = parse_size(args.stripe_unit)
     pool = format_pool(args.member, unit, label=args.label, force=args.force, meta=args.meta)
@@ -71,10 +71,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     options = _from_config(args)
     if args.foreground:
         return _mount_foreground(args, options)
-    from mxfs.fs.listener import runtime_dir
-    from mxfs.fs.mounts import check_mountpoint, spawn_daemon
     from mxfs.fs.options import check_options
     from mxfs.pool import Pool
+    from mxfs.vol.mounts import check_mountpoint, runtime_dir, spawn_daemon
 
     # Check what we can here, so the common mistakes need no daemon log.
     check_options(options)
@@ -135,7 +134,7 @@ def _mount_foreground(args: argparse.Namespace, options: list[str]) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     from mxfs.client import ControlClient
-    from mxfs.fs.mounts import FSTYPE, mount_table, unmount, wait_pid_gone
+    from mxfs.vol.mounts import FSTYPE, mount_table, unmount, wait_pid_gone
 
     mp = os.path.abspath(args.mountpoint)
     kind = mount_table().get(mp)
@@ -238,7 +237,7 @@ def _format_status(s: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from mxfs.fs.mounts import FSTYPE, mount_table
+    from mxfs.vol.mounts import FSTYPE, mount_table
 
     if args.target:
         target = os.path.abspath(args.target)

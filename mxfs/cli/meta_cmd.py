@@ -98,9 +98,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 def _restore_held(pool: Pool, file: str, spec: str) -> str:
     """Load `file`, check it is this pool's, put it in place and recover; the kept store."""
-    from mxfs.fs.volume import Volume
     from mxfs.meta import Unusable
     from mxfs.meta.dump import restore
+    from mxfs.vol.volume import Volume
 
     if not os.path.isfile(file):
         raise MxfsError(f"{file} does not exist", "give a dump made by mxfs meta dump")

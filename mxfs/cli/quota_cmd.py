@@ -1,6 +1,6 @@
 """`mxfs quota MOUNT`: show or set how many bytes and inodes each user may own.
 
-Everyone sees their own line; root sees every user's and sets limits (`fs/quota.py`
+Everyone sees their own line; root sees every user's and sets limits (`vol/quota.py`
 enforces them in the daemon and keeps them in the metadata store).
 """
 

@@ -24,10 +24,8 @@ from typing import Any
 
 import trio
 
-from mxfs.fs.access import Caller
 from mxfs.fs.fair import Turns
 from mxfs.fs.file_ops import FileOps
-from mxfs.fs.kv import KVIndex
 from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits
 from mxfs.fs.listener import Listener
@@ -35,9 +33,11 @@ from mxfs.fs.meta_ops import MetaOps
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.session import Handler, Reply, Session
 from mxfs.fs.status_ops import StatusOps
-from mxfs.fs.volume import Volume
 from mxfs.fs.wake import WakeLatency
 from mxfs.proto import OPS, ProtocolError
+from mxfs.vol.access import Caller
+from mxfs.vol.kv_index import KVIndex
+from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
 

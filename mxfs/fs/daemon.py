@@ -22,16 +22,15 @@ from mxfs.errors import MxfsError
 from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.limits import Limits, raise_fd_limit
-from mxfs.fs.listener import runtime_dir
 from mxfs.fs.metrics import Metrics, serve_prometheus
-from mxfs.fs.mounts import check_mountpoint, ensure_runtime_dir, set_readahead
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import check_options
-from mxfs.fs.volume import Volume
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
 from mxfs.meta import backup, lease
+from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
+from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.daemon")
 

@@ -16,14 +16,6 @@ from typing import Any
 
 import trio
 
-from mxfs.fs.access import (
-    R_OK,
-    may,
-    may_replace,
-    owner_for,
-    resolve_for,
-    resolve_parent_for,
-)
 from mxfs.fs.fields import bool_field, int_field, path_field, sums_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.meta_ops import durable
@@ -40,9 +32,17 @@ from mxfs.fs.session import (
     read_fds,
     refuse_if_writers,
 )
-from mxfs.fs.volume import Volume
 from mxfs.meta import Inode
 from mxfs.proto import MAX_FDS
+from mxfs.vol.access import (
+    R_OK,
+    may,
+    may_replace,
+    owner_for,
+    resolve_for,
+    resolve_parent_for,
+)
+from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
 

@@ -22,10 +22,8 @@ from typing import Any
 
 import trio
 
-from mxfs.fs.access import R_OK, W_OK, Caller
 from mxfs.fs.fair import BITE, Slice, in_bites
 from mxfs.fs.fields import BadField, b64_field, bool_field, int_field, sums_field
-from mxfs.fs.kv import Chunk, KVIndex, Namespace, check_key, check_namespace
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import (
     Handler,
@@ -40,11 +38,13 @@ from mxfs.fs.session import (
     refuse_if_degraded,
     refuse_if_writers,
 )
-from mxfs.fs.volume import Volume
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool import ChunkFiles
 from mxfs.proto import MAX_FDS, OPS
+from mxfs.vol.access import R_OK, W_OK, Caller
+from mxfs.vol.kv_index import Chunk, KVIndex, Namespace, check_key, check_namespace
+from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.kv")
 

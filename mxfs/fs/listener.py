@@ -24,28 +24,20 @@ from typing import Any
 
 import trio
 
-from mxfs.fs.access import Caller, supplementary_groups
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import check_request
 from mxfs.fs.foreign_fds import Closer, refuse_rights
 from mxfs.fs.inflight import park, unread_bytes
 from mxfs.fs.limits import Limits, fd_limit
-from mxfs.fs.mounts import ensure_runtime_dir
 from mxfs.fs.session import Reply, Session
 from mxfs.proto import HEADER, MAX_VALUES, ProtocolError, decode_payload, encode, parse_header
 from mxfs.proto.framing import ancillary_space, fds_from_ancdata
+from mxfs.vol.access import Caller, supplementary_groups
+from mxfs.vol.mounts import ensure_runtime_dir
 
 log = logging.getLogger("mxfs.control")
 # Refused connections answered at once (each holds a descriptor until its reply is taken).
 MAX_REFUSING = 64
-
-
-def runtime_dir() -> str:
-    """Where sockets and logs of running daemons live."""
-    if os.geteuid() == 0:
-        return "/run/mxfs"
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/mxfs-{os.getuid()}"
-    return os.path.join(base, "mxfs") if "XDG_RUNTIME_DIR" in os.environ else base
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13

@@ -10,8 +10,8 @@ from typing import Any
 import trio
 
 from mxfs.fs.session import Handler, Reply, Session
-from mxfs.fs.volume import Volume
 from mxfs.meta import MetaStore
+from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
 

@@ -18,14 +18,14 @@ from typing import Any
 import pyfuse3
 import trio
 
-from mxfs.fs.access import owner_for
 from mxfs.fs.metrics import Metrics
-from mxfs.fs.volume import OpenInode, Volume
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
 from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW, pool_totals
 from mxfs.proto import names
+from mxfs.vol.access import owner_for
+from mxfs.vol.volume import OpenInode, Volume
 
 log = logging.getLogger("mxfs.fs")
 

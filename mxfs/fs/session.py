@@ -9,13 +9,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mxfs.fs.access import Caller
 from mxfs.fs.limits import Limits
-from mxfs.fs.quota import Quotas
-from mxfs.fs.volume import OpenInode, Volume
 from mxfs.io import PAGE
 from mxfs.meta import Inode
 from mxfs.pool.revoke import writers_remain
+from mxfs.vol.access import Caller
+from mxfs.vol.quota import Quotas
+from mxfs.vol.volume import OpenInode, Volume
 
 # What serving a request gives: the reply's fields and descriptors to pass with it.
 Reply = tuple[dict[str, Any], list[int]]

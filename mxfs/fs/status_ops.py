@@ -3,23 +3,25 @@ shows), `metrics`, `df` and `quota`; the pool and what each user holds of it."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import Counter
 from typing import Any
 
 from mxfs import __version__
-from mxfs.fs import quota
+from mxfs.fs.fields import bool_field, int_field
 from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
 from mxfs.fs.listener import Listener
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.session import Handler, Reply, Session
 from mxfs.fs.surveys import Surveys
-from mxfs.fs.volume import Volume
 from mxfs.fs.wake import WakeLatency
 from mxfs.io.batch import ENGINE, native_engine, taken_back
 from mxfs.meta.survey import bytes_by_use
 from mxfs.proto import OPS, VERSION
+from mxfs.vol.quota import DEFAULT, NONE, Quota, Quotas
+from mxfs.vol.volume import Volume
 
 
 class StatusOps:
@@ -62,7 +64,7 @@ class StatusOps:
                 "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
 
     async def _quota(self, msg: dict[str, Any], session: Session) -> Reply:
-        return quota.serve(self.vol.quotas, msg, session.caller.uid), []
+        return serve_quota(self.vol.quotas, msg, session.caller.uid), []
 
     async def status(self) -> dict[str, Any]:
         """The pool as `mxfs status` shows it."""
@@ -114,3 +116,26 @@ class StatusOps:
         top = sorted(held.items(), key=lambda kv: (-kv[1]["connections"],
                                                    -kv[1]["kv_chunks"]))[:most]
         return {str(uid): counts for uid, counts in top}
+
+
+def serve_quota(quotas: Quotas, msg: dict[str, Any], uid: int) -> dict[str, Any]:
+    """The `quota` request: show (a user sees its own line; root every uid, or the one
+    it names with "uid") or, for root, set.  Setting takes "uid" or "default", and
+    "bytes" and "inodes" (0 lifts a limit, an absent one is kept) or "clear"."""
+    if not bool_field(msg, "set"):
+        if uid != 0:
+            return {"ok": True, **quotas.report(uid)}
+        return {"ok": True, **quotas.report(int_field(msg, "uid") if "uid" in msg else None)}
+    if uid != 0:
+        raise OSError(errno.EPERM, "only root sets quotas")
+    if bool_field(msg, "default"):
+        who = DEFAULT
+    else:
+        who = str(int_field(msg, "uid"))
+        if who == "0":
+            raise OSError(errno.EINVAL, "root has no quota (it is never refused)")
+    old = quotas.limits.get(who, NONE)
+    quota = NONE if bool_field(msg, "clear") else Quota(
+        int_field(msg, "bytes", old.bytes), int_field(msg, "inodes", old.inodes))
+    quotas.set(who, quota)
+    return {"ok": True, **quotas.report(None if who == DEFAULT else int(who))}

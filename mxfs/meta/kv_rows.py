@@ -2,7 +2,7 @@
 
 A KV chunk is a sealed regular inode with nlink 1 whose one reference is its row
 in `kv` (not a directory entry), so the link-count rules of the namespace hold for
-it too.  The daemon's `fs/kv.py` keeps the index in memory (LRU order, capacity)
+it too.  The daemon's `vol/kv_index.py` keeps the index in memory (LRU order, capacity)
 and writes through these.
 """
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 from mxfs.errors import MxfsError
-from mxfs.fs.volume import tighten
 from mxfs.meta import MetaStore, Unusable, location
 from mxfs.pool import Pool, format_members
 from mxfs.pool.lock import refuse_in_use
+from mxfs.vol.volume import tighten
 
 
 def format_pool(members: list[str], stripe_unit: int, label: str = "",

@@ -22,10 +22,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mxfs.fs.access import R_OK, W_OK, Caller
-from mxfs.fs.volume import Volume
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.proto.names import MAX_KEY
+from mxfs.vol.access import R_OK, W_OK, Caller
+from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.kv")
 

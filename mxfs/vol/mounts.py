@@ -127,6 +127,14 @@ def last_line(path: str, start: int) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
+def runtime_dir() -> str:
+    """Where sockets and logs of running daemons live."""
+    if os.geteuid() == 0:
+        return "/run/mxfs"
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/mxfs-{os.getuid()}"
+    return os.path.join(base, "mxfs") if "XDG_RUNTIME_DIR" in os.environ else base
+
+
 def ensure_runtime_dir(path: str) -> None:
     """Make (or check) the folder of the daemon's log and control socket: it must be a
     real folder of this user's that nobody else can write, or another user who made

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mxfs.fs.fields import bool_field, int_field
 from mxfs.meta import MetaStore
 from mxfs.units import format_size
 
@@ -137,25 +136,3 @@ class Quotas:
         return {"users": rows, "default": {"bytes_limit": default.bytes,
                                            "inodes_limit": default.inodes}}
 
-
-def serve(quotas: Quotas, msg: dict[str, Any], uid: int) -> dict[str, Any]:
-    """The `quota` request: show (a user sees its own line; root every uid, or the one
-    it names with "uid") or, for root, set.  Setting takes "uid" or "default", and
-    "bytes" and "inodes" (0 lifts a limit, an absent one is kept) or "clear"."""
-    if not bool_field(msg, "set"):
-        if uid != 0:
-            return {"ok": True, **quotas.report(uid)}
-        return {"ok": True, **quotas.report(int_field(msg, "uid") if "uid" in msg else None)}
-    if uid != 0:
-        raise OSError(errno.EPERM, "only root sets quotas")
-    if bool_field(msg, "default"):
-        who = DEFAULT
-    else:
-        who = str(int_field(msg, "uid"))
-        if who == "0":
-            raise OSError(errno.EINVAL, "root has no quota (it is never refused)")
-    old = quotas.limits.get(who, NONE)
-    quota = NONE if bool_field(msg, "clear") else Quota(
-        int_field(msg, "bytes", old.bytes), int_field(msg, "inodes", old.inodes))
-    quotas.set(who, quota)
-    return {"ok": True, **quotas.report(None if who == DEFAULT else int(who))}

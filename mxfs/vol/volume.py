@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
-from mxfs.fs.quota import Quotas
-from mxfs.fs.spares import Spares
 from mxfs.io import Layout
 from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
@@ -26,6 +24,8 @@ from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.revoke import Held
+from mxfs.vol.quota import Quotas
+from mxfs.vol.spares import Spares
 
 log = logging.getLogger("mxfs.volume")
 
@@ -223,7 +223,7 @@ class Volume:
         return self.acquire(node)
 
     def take_spare(self, uid: int, gid: int) -> OpenInode:
-        """A committed hidden file with the root's layout, held open (`fs/spares.py`)."""
+        """A committed hidden file with the root's layout, held open (`vol/spares.py`)."""
         return self.acquire(*self.spares.take(uid, gid))
 
     def settle_hidden(self, entry: OpenInode, size: int, sync: bool = True) -> None:
