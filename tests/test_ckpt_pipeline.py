@@ -21,7 +21,7 @@ from test_ckpt import assert_same
 
 import mxfs.ckpt as ck
 from mxfs.ckpt import writing
-from mxfs.ckpt.staging import StagingFailed, Watermark
+from mxfs.ckpt.host_buffer import StagingFailed, Watermark
 
 MiB = 1 << 20
 

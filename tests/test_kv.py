@@ -28,7 +28,7 @@ from conftest import (
 
 from mxfs.io.residency import Residency
 from mxfs.kv import KVStore
-from mxfs.kv.store import INLINE
+from mxfs.kv.kvstore import INLINE
 
 
 def blob(i: int, n: int) -> bytes:
@@ -208,7 +208,7 @@ def test_a_batch_put_of_any_length_stays_within_the_daemons_pending_limit(
 FEW_FDS = r"""
 import resource, sys
 from mxfs.kv import KVStore
-from mxfs.kv.store import INLINE
+from mxfs.kv.kvstore import INLINE
 limit = int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 kv = KVStore(sys.argv[1], "fds")
@@ -232,7 +232,7 @@ def test_batches_hold_no_more_descriptors_than_the_process_may(mounted: Mounted,
 AT_LIMIT = r"""
 import os, sys
 from mxfs.kv import KVStore
-from mxfs.kv.store import INLINE
+from mxfs.kv.kvstore import INLINE
 kv = KVStore(sys.argv[1], "lim")
 keys = [f"k{i}" for i in range(kv.batch)]
 assert kv.batch_put(keys, [bytes([i]) * (INLINE + 1) for i in range(len(keys))])

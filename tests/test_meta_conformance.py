@@ -578,7 +578,7 @@ def test_a_sole_writers_change_that_fails_after_writing_leaves_no_part(store: Me
     e = store.engine
 
     def change() -> None:
-        store._set(store.get(a.ino), {"uid": 7})
+        store.write_fields(store.get(a.ino), {"uid": 7})
         e.put("dentries", {"id": e.next_id("dentry"), "parent": ROOT_INO, "name": b"a",
                            "ino": a.ino})  # (parent, name) is taken: a bug, say
 
@@ -657,7 +657,7 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
         errno.EEXIST
 
     def grew_then_failed() -> None:
-        store._set(store.get(b.ino), {"size": 1 << 30})
+        store.write_fields(store.get(b.ino), {"size": 1 << 30})
         store.create(ROOT_INO, b"gone", REG, 9, 9, layout_for=pick)
         raise OSError(errno.EIO, "the change fails after growing a file and making one")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.kv.keys import ChunkKey, lmcache_hashes
-from mxfs.kv.store import KVStore
+from mxfs.kv.kvstore import KVStore
 from mxfs.proto.framing import ProtocolError
 
 log = logging.getLogger("mxfs.bench")

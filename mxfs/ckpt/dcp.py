@@ -33,9 +33,9 @@ from torch.futures import Future
 
 from mxfs.ckpt import catalog
 from mxfs.ckpt.catalog import CheckpointError
+from mxfs.ckpt.host_buffer import Staging, Watermark, stage
 from mxfs.ckpt.image import dtype_named, plan
 from mxfs.ckpt.reader import CheckpointCorrupt, read_ranges
-from mxfs.ckpt.staging import Staging, Watermark, stage
 from mxfs.ckpt.tree import flatten, unflatten
 from mxfs.ckpt.writing import write_image
 

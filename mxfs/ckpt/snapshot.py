@@ -25,8 +25,8 @@ from typing import Any
 from mxfs import __version__
 from mxfs.ckpt import catalog, writing
 from mxfs.ckpt.catalog import CheckpointError
+from mxfs.ckpt.host_buffer import Staging, StagingFailed, Watermark, stage
 from mxfs.ckpt.image import Plan, plan, signature
-from mxfs.ckpt.staging import Staging, StagingFailed, Watermark, stage
 from mxfs.ckpt.tree import flatten
 from mxfs.ckpt.worker import WriterProcess
 from mxfs.ckpt.writing import Job, write_snapshot

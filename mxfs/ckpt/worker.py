@@ -21,7 +21,7 @@ from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mxfs.ckpt.staging import Staging, StagingFailed
+from mxfs.ckpt.host_buffer import Staging, StagingFailed
 from mxfs.ckpt.writing import Job, write_snapshot
 from mxfs.proc import python_module
 

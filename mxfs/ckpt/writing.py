@@ -20,8 +20,8 @@ from typing import Any
 import zstandard
 
 from mxfs.ckpt import catalog
+from mxfs.ckpt.host_buffer import Staging
 from mxfs.ckpt.image import Plan, compressed_plan, frame_count
-from mxfs.ckpt.staging import Staging
 from mxfs.client.writer import create_file
 from mxfs.io.batch import executor
 from mxfs.io.checksum import pack_sums

@@ -8,7 +8,7 @@ saving (`mxfs.ckpt` against `torch.save`) and KV gets (`KVStore` against one fil
 chunk).  Medians of repeats.  It writes `report.md`, `results.json` and PNG plots to a
 folder; `mxfs bench compare A B` sets two such folders side by side (a baseline and a
 candidate: the gate figures).  The benches with a real model, `mxfs bench ttft`
-(`cli/bench_ttft.py`) and `mxfs bench gates` (`cli/gates.py`), are registered beside
+(`cli/bench_ttft.py`) and `mxfs bench gates` (`cli/gates_cmd.py`), are registered beside
 these in `cli/observe_cmd.py`.
 """
 

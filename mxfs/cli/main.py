@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from mxfs import __version__
 from mxfs.errors import MxfsError, UsageError
 from mxfs.pool.pool import pool_totals
-from mxfs.proto.names import LAYOUT_XATTR
+from mxfs.proto.constants import LAYOUT_XATTR
 from mxfs.units import format_size, parse_size
 
 

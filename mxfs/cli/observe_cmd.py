@@ -156,7 +156,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_ttft_verbs(verbs: argparse._SubParsersAction) -> None:
     """`mxfs bench ttft` and `mxfs bench gates`, beside `run` and `compare`."""
-    from mxfs.cli import bench_ttft, gates
+    from mxfs.cli import bench_ttft, gates_cmd
 
     v = verbs.add_parser("ttft", help="TTFT and throughput of a real model (transformers) "
                          "with KV reused through the pool, against recomputing")
@@ -169,8 +169,8 @@ def add_ttft_verbs(verbs: argparse._SubParsersAction) -> None:
                          "pass or fail each, in one report")
     v.add_argument("target", nargs="?", help="a mount point (default: a scratch pool)")
     v.add_argument("--out", required=True, help="folder for report.md, gates.json, g2/, g3/")
-    gates.add_options(v)
+    gates_cmd.add_options(v)
     bench_ttft.add_options(v)
     v.add_argument("--json", action="store_true")
-    v.set_defaults(func=gates.cmd_bench_gates)
+    v.set_defaults(func=gates_cmd.cmd_bench_gates)
 

@@ -1,4 +1,5 @@
-"""A blocking client of the daemon's control socket.
+"""A blocking client of the daemon's control socket (whose server side is
+`fs/control.py`: the same protocol, two layers).
 
 The socket is found from the mount itself (the `user.mxfs.control` xattr of
 its root), so a client needs nothing but the mount point.
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mxfs.proto import VERSION, recv_message, send_message
-from mxfs.proto.names import CONTROL_XATTR
+from mxfs.proto.constants import CONTROL_XATTR
 
 
 class ControlError(OSError):

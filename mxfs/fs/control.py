@@ -1,4 +1,5 @@
-"""The control socket's services, and the dispatch of each request to one of them.
+"""The control socket's services, and the dispatch of each request to one of them
+(the server side of `client/control.py`: the same protocol, two layers).
 
 The listener (`fs/listener.py`) accepts connections, admits them against the limits
 and reads one framed request at a time; `dispatch` hands each to the handler of the

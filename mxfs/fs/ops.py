@@ -23,14 +23,14 @@ from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Inode
 from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW, pool_totals
-from mxfs.proto import names
+from mxfs.proto import constants
 from mxfs.vol.access import owner_for
 from mxfs.vol.volume import OpenInode, Volume
 
 log = logging.getLogger("mxfs.fs")
 
-LAYOUT_XATTR = names.LAYOUT_XATTR.encode()
-CONTROL_XATTR = names.CONTROL_XATTR.encode()
+LAYOUT_XATTR = constants.LAYOUT_XATTR.encode()
+CONTROL_XATTR = constants.CONTROL_XATTR.encode()
 ACL_PREFIX = b"system.posix_acl_"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536

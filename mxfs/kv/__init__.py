@@ -5,6 +5,6 @@ the chained token-chunk hashes of LMCache, SGLang and vLLM; `adapters` plugs the
 store into those engines (imported only where the engine is installed).
 """
 
-from mxfs.kv.store import KVStore, key_bytes
+from mxfs.kv.kvstore import KVStore, key_bytes
 
 __all__ = ["KVStore", "key_bytes"]

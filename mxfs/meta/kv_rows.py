@@ -27,9 +27,9 @@ class Rules(Protocol):
     def txn(self, fn: Callable[[], T]) -> T: ...
     def get(self, ino: int) -> Inode: ...
     def seal_of(self, ino: int) -> tuple[int, bytes] | None: ...
-    def _set(self, node: Inode, values: dict[str, object]) -> None: ...
-    def _seal(self, ino: int, sum_unit: int, sums: bytes) -> None: ...
-    def _drop_link(self, node: Inode, now: int) -> None: ...
+    def write_fields(self, node: Inode, values: dict[str, object]) -> None: ...
+    def seal(self, ino: int, sum_unit: int, sums: bytes) -> None: ...
+    def drop_link(self, node: Inode, now: int) -> None: ...
 
 
 class KVRows:
@@ -78,8 +78,8 @@ class KVRows:
                 raise fail(errno.EEXIST)
             self.engine.remove("orphans", {"ino": ino})
             now = time.time_ns()
-            store._set(node, {"nlink": 1, "size": size, "mtime_ns": now, "ctime_ns": now})
-            store._seal(ino, sum_unit, sums)
+            store.write_fields(node, {"nlink": 1, "size": size, "mtime_ns": now, "ctime_ns": now})
+            store.seal(ino, sum_unit, sums)
         store.txn(change)
 
     def remove(self, entries: list[tuple[str, bytes, int]]) -> list[Inode]:
@@ -92,7 +92,7 @@ class KVRows:
             for ns, key, ino in entries:
                 self.engine.delete("kv", {"ns": ns, "key": key})
                 node = store.get(ino)
-                store._drop_link(node, now)
+                store.drop_link(node, now)
                 nodes.append(node)
             return nodes
         return store.txn(change)

@@ -228,7 +228,7 @@ class MetaStore:
         self._cache[ino] = node
         return node
 
-    def _set(self, node: Inode, values: dict[str, object]) -> None:
+    def write_fields(self, node: Inode, values: dict[str, object]) -> None:
         """Write fields of an inode row and of its cached object (inside a change)."""
         assert self.engine.in_change
         journal = self._journal
@@ -275,18 +275,18 @@ class MetaStore:
                 if value is not None:
                     values[name] = value
             if values:
-                self._set(node, values)
+                self.write_fields(node, values)
         self.txn(change)
 
     def set_layout(self, node: Inode, unit: int, width: int) -> None:
         """A directory's default layout, or an empty file's own."""
-        self.txn(lambda: self._set(node, {"stripe_unit": unit, "stripe_width": width}))
+        self.txn(lambda: self.write_fields(node, {"stripe_unit": unit, "stripe_width": width}))
 
     def begin_write(self, node: Inode) -> None:
         """Before the first write of an open: direct readers see a new generation, and
         the chunk files may now outgrow the recorded size (`dirty_data`)."""
         def change() -> None:
-            self._set(node, {"generation": node.generation + 1})
+            self.write_fields(node, {"generation": node.generation + 1})
             self.mark_dirty_data(node.ino)
         self.txn(change)
 
@@ -297,20 +297,20 @@ class MetaStore:
             shrink = size < node.size
             if shrink:
                 self.mark_dirty_data(node.ino)
-            self._set(node, {"size": size, "generation": node.generation + 1})
+            self.write_fields(node, {"size": size, "generation": node.generation + 1})
             return shrink
         return self.txn(change)
 
     def flush(self, node: Inode) -> None:
         if node.dirty:
-            self.txn(lambda: self._set(node, self._data_fields(node)))
+            self.txn(lambda: self.write_fields(node, self._data_fields(node)))
 
     def flush_all(self) -> None:
         dirty = [n for n in self._cache.values() if n.dirty]
         if dirty:
             def change() -> None:
                 for n in dirty:
-                    self._set(n, self._data_fields(n))
+                    self.write_fields(n, self._data_fields(n))
             self.txn(change)
 
     def forget(self, ino: int) -> None:
@@ -418,7 +418,7 @@ class MetaStore:
             values = {**self._data_fields(d), "mtime_ns": now, "ctime_ns": now}
             if nlink_delta:
                 values["nlink"] = d.nlink + nlink_delta
-            self._set(d, values)
+            self.write_fields(d, values)
             return
         self._journal += [(d, "mtime_ns", d.mtime_ns), (d, "ctime_ns", d.ctime_ns),
                           (d, "dirty", d.dirty)]
@@ -435,7 +435,7 @@ class MetaStore:
 
         def change() -> None:
             for d in live:
-                self._set(d, self._data_fields(d))
+                self.write_fields(d, self._data_fields(d))
         try:
             self.txn(change)
         except BaseException:
@@ -522,11 +522,11 @@ class MetaStore:
                 if old.is_dir:
                     raise fail(errno.EISDIR)
                 self._remove_entry(parent, name, old.ino)
-                self._drop_link(old, now)
+                self.drop_link(old, now)
             self._add_entry(parent, name, ino)
             self.engine.remove("orphans", {"ino": ino})
-            self._set(node, {"nlink": 1, "size": size, "ctime_ns": now, "mtime_ns": now})
-            self._seal(ino, sum_unit, sums)
+            self.write_fields(node, {"nlink": 1, "size": size, "ctime_ns": now, "mtime_ns": now})
+            self.seal(ino, sum_unit, sums)
             self._touch_dir(d, now)
             return old if old is not None and old.nlink == 0 else None
         return self.txn(change)
@@ -545,15 +545,15 @@ class MetaStore:
                 raise fail(errno.EEXIST)
             now = time.time_ns()
             self._add_entry(parent, name, ino)
-            self._set(node, {"nlink": node.nlink + 1, "ctime_ns": now})
+            self.write_fields(node, {"nlink": node.nlink + 1, "ctime_ns": now})
             self._touch_dir(d, now)
             return node
         return self.txn(change)
 
-    def _drop_link(self, node: Inode, now: int) -> None:
+    def drop_link(self, node: Inode, now: int) -> None:
         """One link fewer; at zero the inode becomes an orphan awaiting reclaim."""
         nlink = 0 if node.is_dir else max(node.nlink - 1, 0)
-        self._set(node, {"nlink": nlink, "ctime_ns": now})
+        self.write_fields(node, {"nlink": nlink, "ctime_ns": now})
         if nlink == 0:
             self.engine.upsert("orphans", {"ino": node.ino})  # (unless it is one)
 
@@ -569,7 +569,7 @@ class MetaStore:
                 raise fail(errno.EISDIR)
             now = time.time_ns()
             self._remove_entry(parent, name, ino)
-            self._drop_link(node, now)
+            self.drop_link(node, now)
             self._touch_dir(d, now)
             return node
         return self.txn(change)
@@ -591,7 +591,7 @@ class MetaStore:
                 raise fail(errno.ENOTEMPTY)
             now = time.time_ns()
             self._remove_entry(parent, name, ino)
-            self._drop_link(node, now)
+            self.drop_link(node, now)
             self._touch_dir(d, now, -1)
             return node
         return self.txn(change)
@@ -636,9 +636,9 @@ class MetaStore:
             now = time.time_ns()
             if dst is not None:
                 self._remove_entry(new_parent, new_name, dst.ino)
-                self._drop_link(dst, now)
+                self.drop_link(dst, now)
             self._move_entry(old_parent, old_name, src.ino, new_parent, new_name)
-            self._set(src, {"ctime_ns": now})
+            self.write_fields(src, {"ctime_ns": now})
             moved_dir = src.is_dir and old_parent != new_parent
             replaced_dir = dst is not None and dst.is_dir
             if old_parent == new_parent:
@@ -660,7 +660,7 @@ class MetaStore:
         self._point_entry(od.ino, old_name, src.ino, dst.ino)
         self._point_entry(nd.ino, new_name, dst.ino, src.ino)
         for n in (src, dst):
-            self._set(n, {"ctime_ns": now})
+            self.write_fields(n, {"ctime_ns": now})
         delta = int(src.is_dir) - int(dst.is_dir)
         if od.ino == nd.ino:
             self._touch_dir(od, now)
@@ -708,14 +708,14 @@ class MetaStore:
     def setxattr(self, node: Inode, name: bytes, value: bytes) -> None:
         def change() -> None:
             self.engine.upsert("xattrs", {"ino": node.ino, "name": name, "value": value})
-            self._set(node, {"ctime_ns": time.time_ns()})
+            self.write_fields(node, {"ctime_ns": time.time_ns()})
         self.txn(change)
 
     def removexattr(self, node: Inode, name: bytes) -> bool:
         def change() -> bool:
             if not self.engine.delete("xattrs", {"ino": node.ino, "name": name}):
                 return False
-            self._set(node, {"ctime_ns": time.time_ns()})
+            self.write_fields(node, {"ctime_ns": time.time_ns()})
             return True
         return self.txn(change)
 
@@ -787,7 +787,7 @@ class MetaStore:
 
     # ---- sealed files ------------------------------------------------------
 
-    def _seal(self, ino: int, sum_unit: int, sums: bytes) -> None:
+    def seal(self, ino: int, sum_unit: int, sums: bytes) -> None:
         """Record a direct-committed file's checksums (inside its publishing change)."""
         self.engine.upsert("sealed", {"ino": ino, "sum_unit": sum_unit, "sums": sums})
         self._seal_known(ino, True)
@@ -810,7 +810,7 @@ class MetaStore:
     # ---- repairs (fsck, on a held pool) -------------------------------------
 
     def repair_nlink(self, ino: int, nlink: int) -> None:
-        self.txn(lambda: self._set(self.get(ino), {"nlink": nlink}))
+        self.txn(lambda: self.write_fields(self.get(ino), {"nlink": nlink}))
 
     def drop_entry(self, parent: int, name: bytes) -> None:
         """Remove an entry without touching its inode (it points nowhere)."""
@@ -826,6 +826,6 @@ class MetaStore:
             node, d = self.get(ino), self._dir(parent)
             now = time.time_ns()
             self._add_entry(parent, name, ino)
-            self._set(node, {"nlink": 2 if node.is_dir else 1, "ctime_ns": now})
+            self.write_fields(node, {"nlink": 2 if node.is_dir else 1, "ctime_ns": now})
             self._touch_dir(d, now, 1 if node.is_dir else 0)
         self.txn(change)

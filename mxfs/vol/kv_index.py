@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mxfs.pool.pool import META_ROW, pool_totals
-from mxfs.proto.names import MAX_KEY
+from mxfs.proto.constants import MAX_KEY
 from mxfs.vol.access import R_OK, W_OK, Caller
 from mxfs.vol.volume import Volume
 
@@ -106,7 +106,7 @@ def check_namespace(name: object) -> str:
     return name
 
 
-# Names an engine picks by default for a user (mxfs.kv.store.default_namespace):
+# Names an engine picks by default for a user (mxfs.kv.kvstore.default_namespace):
 # "<engine>-uid<N>" belongs to uid N alone, so nobody can take a victim's name first.
 _RESERVED = re.compile(r"-uid([0-9]+)\Z")
 # What a new namespace may be called: a name engines, paths and metric labels all take

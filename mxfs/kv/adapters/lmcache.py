@@ -34,7 +34,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from mxfs.errors import MxfsError
 from mxfs.kv.keys import lmcache_object_key
-from mxfs.kv.store import KVStore, default_namespace
+from mxfs.kv.kvstore import KVStore, default_namespace
 
 log = logging.getLogger("mxfs.kv.lmcache")
 

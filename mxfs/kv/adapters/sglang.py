@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from mxfs.kv.store import KVStore, default_namespace
+from mxfs.kv.kvstore import KVStore, default_namespace
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer, PoolTransferResult

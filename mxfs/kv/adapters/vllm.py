@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from mxfs.errors import MxfsError
 from mxfs.kv.keys import VllmRun
-from mxfs.kv.store import KVStore, default_namespace
+from mxfs.kv.kvstore import KVStore, default_namespace
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

@@ -31,7 +31,7 @@ from mxfs.errors import MxfsError
 from mxfs.io import read_batch, write_batch
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.proto import MAX_FDS
-from mxfs.proto.names import MAX_KEY
+from mxfs.proto.constants import MAX_KEY
 
 log = logging.getLogger("mxfs.kv")
 
