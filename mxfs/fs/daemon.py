@@ -12,7 +12,8 @@ import os
 import signal
 import socket
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pyfuse3
@@ -156,7 +157,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             if vol.restored_from:
                 notes.append(f"the metadata store was recovered from the backup "
                              f"{vol.restored_from}; changes made after that backup are lost")
-            trio.run(_serve, control, ops, lambda: ready(None, notes), readahead, backup_s)
+            daemon = Daemon(vol, ops, control, readahead, backup_s)
+            trio.run(daemon.serve, lambda: ready(None, notes))
             clean = True
         finally:
             pyfuse3.close(unmount=True)
@@ -168,93 +170,116 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         log.info("pool %s unmounted from %s (clean=%s)", vol.pool.uuid, mp, clean)
 
 
-async def _serve(control: ControlServer, ops: MxfsOperations, ready: Callable[[], None],
-                 readahead_kib: int, backup_s: int) -> None:
-    async with trio.open_nursery() as nursery:
-        ops.nursery = nursery  # writes through the mount land behind their answers here
-        await nursery.start(control.serve)
-        nursery.start_soon(_stop_on_signal)
-        nursery.start_soon(_commit_groups, control)
-        nursery.start_soon(_keep_lease, control)
-        nursery.start_soon(_revoke, control)
-        if backup_s > 0 and backup.supported(control.vol.store):  # a server's are its operator's
-            nursery.start_soon(_backups, control, backup_s)
-        nursery.start_soon(_announce, control, ready, readahead_kib)
-        if control.wake is not None:
-            nursery.start_soon(control.wake.run)
-        await pyfuse3.main(min_tasks=4, max_tasks=64)
-        nursery.cancel_scope.cancel()
+@dataclass
+class Daemon:
+    """One mounted pool's parts, started and stopped together: the volume, the FUSE
+    operations, the control socket and its services, and the background tasks that
+    keep them (`tasks`).  A new service is a module and a line in `tasks`."""
 
+    vol: Volume
+    ops: MxfsOperations
+    control: ControlServer
+    readahead_kib: int
+    backup_s: int
 
-async def _announce(control: ControlServer, ready: Callable[[], None], kib: int) -> None:
-    """Once the mount answers (FUSE INIT done): raise its readahead (INIT resets it), then
-    tell whoever started us, and systemd, that the pool is ready."""
-    await trio.to_thread.run_sync(os.stat, control.mountpoint)  # answered only after INIT
-    if not set_readahead(control.mountpoint, kib):
-        log.info("could not raise readahead of %s to %d KiB (needs root)",
-                 control.mountpoint, kib)
-    log.info("pool %s mounted on %s, control socket %s, I/O engine %s",
-             control.vol.pool.uuid, control.mountpoint, control.path, ENGINE)
-    ready()
-    notify_systemd("READY=1")
+    def tasks(self) -> list[Callable[[], Awaitable[None]]]:
+        """The background tasks, each run until the mount ends."""
+        tasks: list[Callable[[], Awaitable[None]]] = [
+            _stop_on_signal, self._commit_groups, self._keep_lease, self._revoke]
+        if self.backup_s > 0 and backup.supported(self.vol.store):  # a server's are its
+            tasks.append(self._backups)  # operator's to back up
+        if self.control.wake is not None:
+            tasks.append(self.control.wake.run)
+        return tasks
 
+    async def serve(self, ready: Callable[[], None]) -> None:
+        """Serve until unmounted or signalled; `ready` once the mount answers."""
+        async with trio.open_nursery() as nursery:
+            self.ops.nursery = nursery  # writes through the mount land behind their answers
+            await nursery.start(self.control.serve)
+            for task in self.tasks():
+                nursery.start_soon(task)
+            nursery.start_soon(self._announce, ready)
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            nursery.cancel_scope.cancel()
 
-async def _commit_groups(control: ControlServer) -> None:
-    """End each group of metadata changes within GROUP_COMMIT_S of its first change
-    (KV access times included), then free the data of files whose last link and last
-    open went.  A failure (a full or read-only metadata member) is logged and tried
-    again on the next round: the daemon never ends of it."""
-    vol = control.vol
-    vol.store.group_changes(GROUP_COMMIT_S)
-    failures = FailureLog(log)
-    rounds = 0
-    while True:
-        await trio.sleep(GROUP_COMMIT_S / 2)
-        rounds += 1
-        try:
-            # ten times a second: the metadata member's space reserve
-            if rounds % 4 == 0 and vol.store.watch_space():
-                control.files.trim_overdrafts()
-            control.kv.flush()
-            vol.store.commit_if_due()
-            inos = vol.take_pending(RECLAIM_BITE)
-            if inos:
-                await trio.to_thread.run_sync(vol.remove_chunks, inos)
-                vol.drop_inodes(inos)
-        except Exception as e:  # OSError from the store, or anything unforeseen
-            failures.note("commit", None, e, trace=not isinstance(e, OSError))
+    async def _announce(self, ready: Callable[[], None]) -> None:
+        """Once the mount answers (FUSE INIT done): raise its readahead (INIT resets it),
+        then tell whoever started us, and systemd, that the pool is ready."""
+        mp, kib = self.control.mountpoint, self.readahead_kib
+        await trio.to_thread.run_sync(os.stat, mp)  # answered only after INIT
+        if not set_readahead(mp, kib):
+            log.info("could not raise readahead of %s to %d KiB (needs root)", mp, kib)
+        log.info("pool %s mounted on %s, control socket %s, I/O engine %s",
+                 self.vol.pool.uuid, mp, self.control.path, ENGINE)
+        ready()
+        notify_systemd("READY=1")
 
+    async def _commit_groups(self) -> None:
+        """End each group of metadata changes within GROUP_COMMIT_S of its first change
+        (KV access times included), then free the data of files whose last link and last
+        open went.  A failure (a full or read-only metadata member) is logged and tried
+        again on the next round: the daemon never ends of it."""
+        vol, control = self.vol, self.control
+        vol.store.group_changes(GROUP_COMMIT_S)
+        failures = FailureLog(log)
+        rounds = 0
+        while True:
+            await trio.sleep(GROUP_COMMIT_S / 2)
+            rounds += 1
+            try:
+                # ten times a second: the metadata member's space reserve
+                if rounds % 4 == 0 and vol.store.watch_space():
+                    control.files.trim_overdrafts()
+                control.kv.flush()
+                vol.store.commit_if_due()
+                inos = vol.take_pending(RECLAIM_BITE)
+                if inos:
+                    await trio.to_thread.run_sync(vol.remove_chunks, inos)
+                    vol.drop_inodes(inos)
+            except Exception as e:  # OSError from the store, or anything unforeseen
+                failures.note("commit", None, e, trace=not isinstance(e, OSError))
 
-async def _revoke(control: ControlServer) -> None:
-    """Once a second: what direct writers hold past their word is taken back."""
-    failures = FailureLog(log)
-    while True:
-        await trio.sleep(1)
-        try:
-            await control.files.revoke()
-        except Exception as e:
-            failures.note("revoke", None, e, trace=not isinstance(e, OSError))
+    async def _revoke(self) -> None:
+        """Once a second: what direct writers hold past their word is taken back."""
+        failures = FailureLog(log)
+        while True:
+            await trio.sleep(1)
+            try:
+                await self.control.files.revoke()
+            except Exception as e:
+                failures.note("revoke", None, e, trace=not isinstance(e, OSError))
 
-
-async def _keep_lease(control: ControlServer) -> None:
-    """Renew the pool's lease every RENEW_S.  A store that cannot be reached is logged
-    once and tried again (the lease runs on until TTL_S); a lease another host has taken
-    (this one ran out) makes this daemon refuse every change from then on (EROFS)."""
-    vol = control.vol
-    failures = FailureLog(log)
-    while vol.lease is not None:
-        await trio.sleep(lease.RENEW_S)
-        try:
-            if lease.renew(vol.store, vol.lease):
+    async def _keep_lease(self) -> None:
+        """Renew the pool's lease every RENEW_S.  A store that cannot be reached is logged
+        once and tried again (the lease runs on until TTL_S); a lease another host has
+        taken (this one ran out) makes this daemon refuse every change from then on
+        (EROFS)."""
+        vol = self.vol
+        failures = FailureLog(log)
+        while vol.lease is not None:
+            await trio.sleep(lease.RENEW_S)
+            try:
+                if lease.renew(vol.store, vol.lease):
+                    continue
+            except OSError as e:
+                failures.note("lease", None, e)
                 continue
-        except OSError as e:
-            failures.note("lease", None, e)
-            continue
-        log.error("the pool's lease was taken by %s: this mount refuses changes from now "
-                  "on; unmount it", (lease.holder(vol.store) or vol.lease).describe())
-        vol.store.engine.readonly = True
-        vol.store.sole_writer(False)  # (the new holder changes them)
-        vol.lease = None
+            log.error("the pool's lease was taken by %s: this mount refuses changes from now "
+                      "on; unmount it", (lease.holder(vol.store) or vol.lease).describe())
+            vol.store.engine.readonly = True
+            vol.store.sole_writer(False)  # (the new holder changes them)
+            vol.lease = None
+
+    async def _backups(self) -> None:
+        """Copy the metadata store to the next member every `backup_s` seconds."""
+        while True:
+            await trio.sleep(self.backup_s)
+            try:
+                await self.control.meta.backup_meta()
+            except Exception as e:  # a full member, say: the pool goes on, the next tries
+                log.error("metadata backup failed (the next is tried in %d s): %s",
+                          self.backup_s, e)
 
 
 def pool_gauges(control: ControlServer) -> Iterator[Any]:
@@ -288,16 +313,6 @@ def pool_gauges(control: ControlServer) -> Iterator[Any]:
         for uid, n in sorted(by_uid.items()):
             g.add_metric([str(uid)], float(n))
         yield g
-
-
-async def _backups(control: ControlServer, every_s: int) -> None:
-    """Copy the metadata store to the next member every `every_s` seconds."""
-    while True:
-        await trio.sleep(every_s)
-        try:
-            await control.meta.backup_meta()
-        except Exception as e:  # a full member, say: the pool goes on, the next round tries
-            log.error("metadata backup failed (the next is tried in %d s): %s", every_s, e)
 
 
 async def _stop_on_signal() -> None:
