@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,6 +92,28 @@ def mxfs(*args: str, check: bool = True, timeout: float = 120) -> subprocess.Com
 def _not_in_a_unit() -> None:
     assert not os.environ.get("MXFS_TEST_UNIT"), \
         "a unit test mounts a pool: its module belongs in another layer (conftest.LAYERS)"
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Two saved states are the same: tensors bit for bit (dtype and shape too), the
+    containers and plain values equal and of one type."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point and a.itemsize == 1
+                           else a, b.view(torch.uint8) if b.dtype.is_floating_point
+                           and b.itemsize == 1 else b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}.{i}")
+    else:
+        assert a == b and type(a) is type(b), where
 
 
 def one_line_error(res: subprocess.CompletedProcess) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import Mounted, check_pool, eventually, mxfs, one_line_error
+from conftest import Mounted, assert_same, check_pool, eventually, mxfs, one_line_error
 
 import mxfs.ckpt as ck
 from mxfs.ckpt import catalog
@@ -52,24 +52,6 @@ def training_state(seed: int = 0, n: int = 64) -> dict[str, Any]:
                                "foreach": None, "amsgrad": False, "max": float("inf")}]}
     return {"model": model, "optim": optim, "step": 1000 + seed, "run": "demo", "blob": b"\x00x",
             "dtype": torch.bfloat16, "shape": torch.Size([2, 3])}
-
-
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point and a.itemsize == 1
-                           else a, b.view(torch.uint8) if b.dtype.is_floating_point
-                           and b.itemsize == 1 else b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}.{i}")
-    else:
-        assert a == b and type(a) is type(b), where
 
 
 @pytest.fixture(params=["mxfs", "plain"])

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Mounted, check_pool
-from test_ckpt import assert_same
+from conftest import Mounted, assert_same, check_pool
 
 import mxfs.ckpt as ck
 from mxfs.ckpt import writing

@@ -22,6 +22,7 @@ import test_meta_backup
 from conftest import (
     HAVE_FUSE,
     Mounted,
+    check_pool,
     force_unmount,
     make_members,
     mkfs,
@@ -45,7 +46,6 @@ from test_direct_write import (  # noqa: F401
     test_replace_is_atomic_and_exclusive_commits_let_the_first_writer_win,
 )
 from test_faults import (  # noqa: F401
-    check_pool,
     test_file_deleted_while_open_is_reclaimed_after_a_crash,
     test_sigkill_during_write_storm_loses_nothing_synced,
 )
