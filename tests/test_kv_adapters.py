@@ -106,6 +106,24 @@ def test_sglang_backend_loaded_by_the_dynamic_factory(mounted: Mounted) -> None:
     other_rank.close()
 
 
+def test_sglang_clear_and_stats_before_and_after_the_first_put(mounted: Mounted) -> None:
+    """SGLang calls clear() when a user flushes the cache, also before anything was
+    stored: the namespace is then empty, not an error; after puts, clear() empties it."""
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    from mxfs.kv.keys import sglang_hashes
+
+    backend = sglang_backend(mounted, tp_rank=0)
+    backend.clear()
+    assert backend.get_stats()["chunks"] == 0
+    keys = sglang_hashes(list(range(64 * 3)), 64)
+    pages = [torch.full((4096,), i, dtype=torch.bfloat16) for i in range(3)]
+    assert backend.batch_set(keys, pages) is True
+    assert backend.batch_exists(keys) == 3
+    backend.clear()
+    assert backend.batch_exists(keys) == 0 and backend.get_stats()["chunks"] == 0
+    backend.close()
+
+
 def test_sglang_config_reads_through_the_page_cache_when_asked(mounted: Mounted) -> None:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory

@@ -498,9 +498,21 @@ class KVStore:
         self._call("kv_unpin", keys=[_b64(k) for k in keys])
 
     def usage(self) -> dict[str, Any]:
-        """Chunks, bytes, capacity, hits, misses, puts, evictions of this namespace."""
+        """Chunks, bytes, capacity, hits, misses, puts, evictions of this namespace
+        (ENOENT before anything was put into it)."""
         stats: dict[str, Any] = self._call("kv_stats")["namespaces"][0]
         return stats
+
+    def clear(self) -> int:
+        """Evict every chunk of this namespace that no reader holds (an engine's "flush
+        the cache"); how many went.  A namespace nothing was put into yet has nothing to
+        clear."""
+        try:
+            return int(self._call("kv_evict", keep=0)["evicted"])
+        except ControlError as e:
+            if e.errno == errno.ENOENT:
+                return 0
+            raise
 
     def set_capacity(self, capacity: int) -> int:
         """Bound the namespace (0: the pool only); returns how many chunks were evicted."""

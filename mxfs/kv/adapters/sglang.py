@@ -14,6 +14,7 @@ through the v2 interface.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -318,10 +319,17 @@ class MxfsHiCacheStorage(HiCacheStorage):
         return self._batch_io_v2(transfers, write=True)
 
     def clear(self) -> None:
-        self.store._call("kv_evict", keep=0)
+        self.store.clear()
 
     def get_stats(self) -> dict[str, Any]:
-        return self.store.usage()
+        """The namespace's stats from the daemon (zeros before the first put)."""
+        try:
+            return self.store.usage()
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return {"namespace": self.store.namespace, "chunks": 0, "bytes": 0, "hits": 0,
+                    "misses": 0, "puts": 0, "evictions": 0}
 
     def close(self) -> None:
         self.store.close()
