@@ -623,10 +623,11 @@ def test_a_sole_writer_keeps_count_of_its_inodes(store: MetaStore, where: str) -
     other.close()
 
 
-def _tally(store: MetaStore) -> tuple[dict[int, int], dict[int, int]]:
+def _tally(store: MetaStore) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
     usage = store.count_usage()
     return ({u: n for u, n in usage.bytes.items() if n},
-            {u: n for u, n in usage.inodes.items() if n})
+            {u: n for u, n in usage.inodes.items() if n},
+            {u: n for u, n in usage.xattrs.items() if n})
 
 
 def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
@@ -650,14 +651,21 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     store.touch(a, size=5000)  # a write past the end: memory first
     assert store.usage.bytes[7] == 5000 and store.usage.inodes[7] == 2
     store.resize(b, 300)
+    store.setxattr(a, b"user.x", b"v" * 100)
+    store.setxattr(a, b"user.x", b"v" * 40)  # replaced: charged the difference
+    store.setxattr(a, b"user.y", b"w" * 10)
+    assert store.removexattr(a, b"user.y") and not store.removexattr(a, b"user.y")
+    assert store.usage.xattrs[7] == len(b"user.x") + 40
     agrees()
-    store.set_attrs(a, uid=8)  # chown moves the file's bytes and inode
+    store.set_attrs(a, uid=8)  # chown moves the file's bytes, inode and xattrs
     assert store.usage.bytes[7] == 0 and store.usage.bytes[8] == 5300
+    assert store.usage.xattrs[7] == 0 and store.usage.xattrs[8] == 46
     assert errno_of(lambda: store.create(ROOT_INO, b"a", REG, 7, 7, layout_for=pick)) == \
         errno.EEXIST
 
     def grew_then_failed() -> None:
         store.write_fields(store.get(b.ino), {"size": 1 << 30})
+        store.setxattr(store.get(b.ino), b"user.big", b"z" * 1000)
         store.create(ROOT_INO, b"gone", REG, 9, 9, layout_for=pick)
         raise OSError(errno.EIO, "the change fails after growing a file and making one")
 
@@ -680,6 +688,7 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     assert b.ino not in store._cache
     store.drop_inodes([b.ino])
     assert 8 not in store.usage.bytes and 8 not in store.usage.inodes
+    assert 8 not in store.usage.xattrs  # (a's went with it)
     agrees()
     assert store.usage.counted or store.groups_lost  # kept, not counted again
 

@@ -127,6 +127,38 @@ print(json.dumps([too_big, second, reserved, kv_big, kv_small, c.call("quota")])
     quota(pool, "--user", alice.name, "--clear")
 
 
+def test_extended_attributes_count_against_the_owners_byte_quota(pool: Mounted) -> None:
+    """xattrs live in the metadata store: a tenant setting 64 KiB values on file after
+    file is stopped by its byte quota (EDQUOT), not only by the per-inode bound, and
+    what it set is shown as its own."""
+    alice = ensure_users()["alice"]
+    d = home(pool, alice)
+    for f in d.iterdir():
+        f.unlink()
+    quota(pool, "--user", alice.name, "--bytes", "1MiB")
+    script = f"""
+d = {str(d)!r}
+set_ = 0
+for i in range(64):
+    f = d + f"/x{{i}}"
+    open(f, "wb").close()
+    try:
+        for j in range(3):
+            os.setxattr(f, f"user.v{{j}}".encode(), b"v" * 65536)
+            set_ += 1
+    except OSError as e:
+        print(json.dumps([set_, e.errno]))
+        break
+"""
+    made, code = run_as(alice, script)
+    assert code == errno.EDQUOT and 12 <= made <= 16  # 1 MiB of 64 KiB values
+    line = line_of(quota(pool, "--user", alice.name), alice.uid)
+    assert line["xattr_bytes"] >= made * 65536 and line["bytes"] <= 1 << 20
+    for f in d.iterdir():
+        f.unlink()
+    quota(pool, "--user", alice.name, "--clear")
+
+
 def test_quotas_and_usage_survive_a_remount_and_show_in_status(pool: Mounted) -> None:
     bob = ensure_users()["bob"]
     d = home(pool, bob)

@@ -534,10 +534,12 @@ class MxfsOperations(pyfuse3.Operations):
             # No POSIX ACLs: refusing makes cp -a, tar and rsync fall back to chmod,
             # where a stored-but-ignored ACL would silently lose the mode.
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
-        names, held = self.store.xattr_usage(inode, but=name)
+        names, held, replaced = self.store.xattr_usage(inode, but=name)
         if names >= MAX_XATTRS or held + len(value) > MAX_XATTR_BYTES:
             # One inode's xattrs live in one store; without a bound they fill its disk.
             raise pyfuse3.FUSEError(errno.ENOSPC)
+        # ... and count against the owner's byte quota (they are its metadata)
+        self.vol.quotas.room(node.uid, len(name) + len(value) - replaced)
         self.vol.pool.check_meta_room(META_ROW + len(name) + len(value))
         self.store.setxattr(node, name, value)
 

@@ -51,6 +51,7 @@ log = logging.getLogger("mxfs.meta")
 T = TypeVar("T")
 _CACHE_LIMIT = 200_000
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
+_XATTRS = "\0xattrs"  # journal mark: (uid, bytes) added to a uid's xattr tally
 
 
 class MetaStore:
@@ -162,6 +163,9 @@ class MetaStore:
                 if self._cache.get(node.ino) is node:
                     del self._cache[node.ino]
                 self.usage.add(node.uid, node.mode, node.size, -1)
+            elif name == _XATTRS:
+                assert isinstance(old, tuple)
+                self.usage.add_xattrs(old[0], -old[1])
             else:
                 self.usage.change(node, name, old)
                 setattr(node, name, old)
@@ -234,6 +238,11 @@ class MetaStore:
         journal = self._journal
         for name, value in values.items():
             journal.append((node, name, getattr(node, name)))
+            if name == "uid" and value != node.uid and self.usage.counted:
+                moved = self._xattr_bytes(node.ino)  # a chown takes its xattrs along
+                self._charge_xattrs(node, node.uid, -moved)
+                assert isinstance(value, int)
+                self._charge_xattrs(node, value, moved)
             self.usage.change(node, name, value)
             setattr(node, name, value)
         self.engine.patch("inodes", {"ino": node.ino}, values)
@@ -695,26 +704,50 @@ class MetaStore:
         return [bytes(r[0]) for r in self.engine.scan("xattrs", ("name",), {"ino": ino},
                                                       order="name")]
 
-    def xattr_usage(self, ino: int, but: bytes = b"") -> tuple[int, int]:
+    def xattr_usage(self, ino: int, but: bytes = b"") -> tuple[int, int, int]:
         """(names, bytes of names and values) of an inode's xattrs, leaving out `but`
-        (the one about to be replaced)."""
-        names = held = 0
+        (the one about to be replaced), and the bytes of `but` (0 if it has none)."""
+        names = held = replaced = 0
         for name, value in self.engine.scan("xattrs", ("name", "value"), {"ino": ino}):
             if bytes(name) != but:
                 names += 1
                 held += len(name) + len(value)
-        return names, held
+            else:
+                replaced = len(name) + len(value)
+        return names, held, replaced
+
+    def _xattr_bytes(self, ino: int) -> int:
+        return sum(len(n) + len(v) for n, v in
+                   self.engine.scan("xattrs", ("name", "value"), {"ino": ino}))
+
+    def _charge_xattrs(self, node: Inode, uid: int, delta: int) -> None:
+        """Add `delta` bytes to `uid`'s xattr tally, put back if the change fails."""
+        if delta and self.usage.counted:
+            self.usage.add_xattrs(uid, delta)
+            self._journal.append((node, _XATTRS, (uid, delta)))
+
+    def _old_xattr(self, node: Inode, name: bytes) -> int | None:
+        """Bytes of `node`'s xattr `name` (name and value) when usage is counted and it
+        has one (inside a change)."""
+        if not self.usage.counted:
+            return None
+        row = self.engine.get("xattrs", {"ino": node.ino, "name": name}, ("value",))
+        return None if row is None else len(name) + len(row[0])
 
     def setxattr(self, node: Inode, name: bytes, value: bytes) -> None:
         def change() -> None:
+            old = self._old_xattr(node, name)
             self.engine.upsert("xattrs", {"ino": node.ino, "name": name, "value": value})
+            self._charge_xattrs(node, node.uid, len(name) + len(value) - (old or 0))
             self.write_fields(node, {"ctime_ns": time.time_ns()})
         self.txn(change)
 
     def removexattr(self, node: Inode, name: bytes) -> bool:
         def change() -> bool:
+            old = self._old_xattr(node, name)
             if not self.engine.delete("xattrs", {"ino": node.ino, "name": name}):
                 return False
+            self._charge_xattrs(node, node.uid, -(old or 0))
             self.write_fields(node, {"ctime_ns": time.time_ns()})
             return True
         return self.txn(change)
@@ -739,6 +772,11 @@ class MetaStore:
         if not inos:
             return
         gone = self._owners(inos) if self.usage.counted else []
+        xattrs: dict[int, int] = {}
+        if gone:
+            for ino, name, value in self.engine.get_many("xattrs", "ino", inos,
+                                                         ("ino", "name", "value")):
+                xattrs[ino] = xattrs.get(ino, 0) + len(name) + len(value)
 
         def change() -> None:
             for table in ("inodes", "xattrs", "orphans", "dirty_data", "sealed"):
@@ -747,32 +785,36 @@ class MetaStore:
         for ino in inos:
             self._cache.pop(ino, None)
         self._sole.dropped(inos)
-        for uid, mode, size in gone:
+        for ino, uid, mode, size in gone:
             self.usage.add(uid, mode, size, -1)
+            self.usage.add_xattrs(uid, -xattrs.get(ino, 0))
 
-    def _owners(self, inos: list[int]) -> list[tuple[int, int, int]]:
-        """(uid, mode, size) of each of `inos` as memory has it (the rows for the
+    def _owners(self, inos: list[int]) -> list[tuple[int, int, int, int]]:
+        """(ino, uid, mode, size) of each of `inos` as memory has it (the rows for the
         inodes it does not hold)."""
-        cached = [self._cache[i] for i in inos if i in self._cache]
-        out = [(n.uid, n.mode, n.size) for n in cached]
+        cached = [self._cache[i] for i in set(inos) if i in self._cache]
+        out = [(n.ino, n.uid, n.mode, n.size) for n in cached]
         held = {n.ino for n in cached}
-        rest = [i for i in inos if i not in held]
+        rest = [i for i in set(inos) if i not in held]
         if rest:
-            out += [(r[0], r[1], r[2]) for r in
-                    self.engine.get_many("inodes", "ino", rest, ("uid", "mode", "size"))]
+            out += [(r[0], r[1], r[2], r[3]) for r in self.engine.get_many(
+                "inodes", "ino", rest, ("ino", "uid", "mode", "size"))]
         return out
 
     def count_usage(self) -> Usage:
         """Bytes and inodes by uid (`meta/usage.py`): counted from every row the first
         time (and after a lost group), memory's sizes of open files included."""
         if not self.usage.counted:
+            xattrs: dict[int, int] = {}
+            for ino, name, value in self.engine.scan("xattrs", ("ino", "name", "value")):
+                xattrs[ino] = xattrs.get(ino, 0) + len(name) + len(value)
             cache = self._cache
             rows = []
             for ino, uid, mode, size in self.engine.scan("inodes",
                                                          ("ino", "uid", "mode", "size")):
                 node = cache.get(ino)
-                rows.append((uid, mode, size) if node is None else
-                            (node.uid, node.mode, node.size))
+                rows.append((uid, mode, size, xattrs.get(ino, 0)) if node is None else
+                            (node.uid, node.mode, node.size, xattrs.get(ino, 0)))
             self.usage.recount(rows)
         return self.usage
 

@@ -1,8 +1,10 @@
 """Bytes and inodes each uid owns, kept up to date as the namespace changes (quotas).
 
-A uid owns the inodes whose `uid` it is, and the bytes of its regular files' sizes
-(apparent sizes: a sparse file counts its size; a KV chunk is a regular file too).
-Unlinked files still open count until they are reclaimed, as on any filesystem.
+A uid owns the inodes whose `uid` it is, the bytes of its regular files' sizes
+(apparent sizes: a sparse file counts its size; a KV chunk is a regular file too), and
+the bytes of its inodes' extended attributes (names and values), which live in the
+metadata store.  Unlinked files still open count until they are reclaimed, as on any
+filesystem.
 
 Nothing is stored: the tally is counted from the rows once (`MetaStore.count_usage`,
 a scan of every inode, which a daemon does only when a quota is set or asked about),
@@ -27,15 +29,17 @@ class Usage:
         self.counted = False
         self.bytes: Counter[int] = Counter()
         self.inodes: Counter[int] = Counter()
+        self.xattrs: Counter[int] = Counter()  # bytes of xattr names and values
 
-    def recount(self, rows: Iterable[tuple[int, int, int]]) -> None:
-        """Start again from (uid, mode, size) of every inode."""
-        self.bytes.clear()
-        self.inodes.clear()
-        for uid, mode, size in rows:
+    def recount(self, rows: Iterable[tuple[int, int, int, int]]) -> None:
+        """Start again from (uid, mode, size, xattr bytes) of every inode."""
+        self.forget()
+        for uid, mode, size, xattrs in rows:
             self.inodes[uid] += 1
             if stat.S_ISREG(mode):
                 self.bytes[uid] += size
+            if xattrs:
+                self.xattrs[uid] += xattrs
         self.counted = True
 
     def forget(self) -> None:
@@ -43,6 +47,13 @@ class Usage:
         self.counted = False
         self.bytes.clear()
         self.inodes.clear()
+        self.xattrs.clear()
+
+    def add_xattrs(self, uid: int, delta: int) -> None:
+        if self.counted and delta:
+            self.xattrs[uid] += delta
+            if not self.xattrs[uid]:
+                del self.xattrs[uid]
 
     def add(self, uid: int, mode: int, size: int, sign: int = 1) -> None:
         """An inode born (sign 1) or gone for good (sign -1)."""
@@ -67,3 +78,7 @@ class Usage:
         if not self.inodes[uid] and not self.bytes[uid]:
             del self.inodes[uid]
             del self.bytes[uid]
+
+    def owned_bytes(self, uid: int) -> int:
+        """What a byte quota counts: file sizes and xattrs."""
+        return self.bytes[uid] + self.xattrs[uid]

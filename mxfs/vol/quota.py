@@ -3,7 +3,8 @@
 Limits live in the metadata store's settings (`quota.UID`, and `quota.default` for
 every uid without one of its own), so they survive remounts and travel with dumps;
 `mxfs quota` sets them through the daemon.  What a uid owns is the store's tally
-(`meta/usage.py`: its inodes, and its regular files' sizes, KV chunks among them)
+(`meta/usage.py`: its inodes, its regular files' sizes, KV chunks among them, and its
+inodes' extended attributes)
 plus what its unpublished direct writes and KV chunks declared (`reserved`): a
 direct writer is charged its declared size when it creates the file, and its chunk
 files are cut back to that size (`fs/session.py`), so descriptors a writer holds
@@ -77,7 +78,7 @@ class Quotas:
             return
         usage = self.store.count_usage()
         if quota.bytes and nbytes > 0:
-            owned = usage.bytes[uid] + self.reserved[uid]
+            owned = usage.owned_bytes(uid) + self.reserved[uid]
             if owned + nbytes > quota.bytes:
                 owned -= self.freeing(uid)[0]
             if owned + nbytes > quota.bytes:
@@ -123,12 +124,13 @@ class Quotas:
         else:
             named = {int(k) for k in self.limits if k != DEFAULT}
             owners = sorted(set(usage.inodes) | set(self.reserved),
-                            key=lambda u: -usage.bytes[u])
+                            key=lambda u: -usage.owned_bytes(u))
             uids = sorted(named | set(owners[:most]))
         rows = []
         for u in uids:
             quota = self.of(u) if u != 0 else NONE
-            rows.append({"uid": u, "bytes": usage.bytes[u], "reserved": self.reserved[u],
+            rows.append({"uid": u, "bytes": usage.owned_bytes(u), "xattr_bytes": usage.xattrs[u],
+                         "reserved": self.reserved[u],
                          "inodes": usage.inodes[u], "bytes_limit": quota.bytes,
                          "inodes_limit": quota.inodes,
                          "own": str(u) in self.limits})
