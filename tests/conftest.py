@@ -25,8 +25,9 @@ REQUIRE_ENGINES = bool(os.environ.get("MXFS_REQUIRE_ENGINES"))
 
 
 # The suite's layers (pytest -m LAYER; docs in CONTRIBUTING.md).  A module's layer is
-# named here, or `mount` (the default: it mounts real pools); a test may add `pg` (it
-# needs PostgreSQL).  `unit` modules need no root, no mount and no server, and run in
+# named here, or `mount` (the default: it mounts real pools); a test of another module
+# that needs nothing may say `@pytest.mark.unit` itself; `pg` is added to tests that
+# need PostgreSQL.  `unit` modules need no root, no mount and no server, and run in
 # under a minute: `make test-fast` runs them with the `smoke` mount tests.
 LAYERS = {
     "unit": {"test_header_fuzz", "test_io_engine", "test_kv_keys", "test_layout",
@@ -53,7 +54,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-        item.add_marker(_LAYER_OF.get(module, "mount"))
+        if item.get_closest_marker("unit") is None:  # (a pure test in a mount module)
+            item.add_marker(_LAYER_OF.get(module, "mount"))
         if module in LAYERS["pg"] or "[postgresql" in item.nodeid:
             item.add_marker("pg")
 

@@ -86,6 +86,7 @@ def test_save_and_load_give_back_every_dtype_and_structure(where: Path,
         assert set(safetensors.torch.load_file(data)) >= {"model.embed"}  # still a container
 
 
+@pytest.mark.unit
 def test_values_that_need_pickle_are_refused_naming_where(tmp_path: Path) -> None:
     with pytest.raises(MxfsError, match=r"model\.fn .*pickle"):
         ck.save({"model": {"fn": object()}}, str(tmp_path / "x"))

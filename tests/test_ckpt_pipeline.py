@@ -132,6 +132,7 @@ def test_compressed_saves_wait_for_the_whole_image_and_load_equal(
         saver.staging.release()
 
 
+@pytest.mark.unit
 def test_watermark_waits_for_staging_and_fails_its_waiters() -> None:
     mark = Watermark(100)
     got: list[Any] = []

@@ -44,6 +44,7 @@ def write(path: Path, n: int, seed: int = 1) -> bytes:
     return data
 
 
+@pytest.mark.unit
 @settings(max_examples=1000, deadline=None)
 @given(offset=hs.integers(0, 3 * DIO_ALIGN), length=hs.integers(0, 5 * DIO_ALIGN),
        shift=hs.integers(0, DIO_ALIGN - 1), cut=hs.integers(0, 5 * DIO_ALIGN))

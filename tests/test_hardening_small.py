@@ -225,6 +225,7 @@ def _bad_headers() -> list[dict[str, object]]:
     return cases
 
 
+@pytest.mark.unit
 def test_every_malformed_header_is_a_header_error() -> None:
     good = json.dumps({"t": _good()}).encode()
     assert parse_header("f", good, 8 + len(good) + 16).tensors["t"].nbytes == 16

@@ -103,6 +103,7 @@ def test_a_descriptor_of_a_file_on_the_mount_sent_to_the_daemon_hangs_nobody(
     assert victim.read_bytes() == b"x" * 4096
 
 
+@pytest.mark.unit
 def test_descriptors_that_arrive_anyway_are_closed_off_the_callers_thread() -> None:
     r, w = os.pipe()
     Closer().close_all([r, w])
@@ -315,6 +316,7 @@ def test_a_big_namespace_is_removed_while_others_are_served(pool: Mounted) -> No
     assert any(0 < k < n for k in seen), "nobody was served while the namespace went"
 
 
+@pytest.mark.unit
 def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
     from mxfs.fs.fair import Turns
 

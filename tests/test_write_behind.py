@@ -32,6 +32,7 @@ def run_queue(body) -> None:  # type: ignore[no-untyped-def]
     trio.run(main)
 
 
+@pytest.mark.unit
 def test_writes_land_in_arrival_order_and_drain_waits_for_all() -> None:
     landed: list[int] = []
     gates = [threading.Event() for _ in range(3)]
@@ -55,6 +56,7 @@ def test_writes_land_in_arrival_order_and_drain_waits_for_all() -> None:
     run_queue(body)
 
 
+@pytest.mark.unit
 def test_depth_bounds_the_writes_held() -> None:
     gate = threading.Event()
     started = []
@@ -79,6 +81,7 @@ def test_depth_bounds_the_writes_held() -> None:
     run_queue(body)
 
 
+@pytest.mark.unit
 def test_the_daemons_budget_bounds_what_all_queues_hold() -> None:
     gate = threading.Event()
     started = []
@@ -106,6 +109,7 @@ def test_the_daemons_budget_bounds_what_all_queues_hold() -> None:
     run_queue(body)
 
 
+@pytest.mark.unit
 def test_a_failure_is_raised_once_by_the_next_write_and_a_bug_is_eio() -> None:
     def full() -> None:
         raise OSError(errno.ENOSPC, "no space")
