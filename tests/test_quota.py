@@ -29,6 +29,15 @@ def home(pool: Mounted, user: User) -> Path:
     return d
 
 
+def empty_home_with_quota(pool: Mounted, user: User, *limits: str) -> Path:
+    """`user`'s folder on the pool, emptied, and `limits` set as its quota."""
+    d = home(pool, user)
+    for f in d.iterdir():
+        f.unlink()
+    quota(pool, "--user", user.name, *limits)
+    return d
+
+
 def line_of(report: dict, uid: int) -> dict:
     return next(r for r in report["users"] if r["uid"] == uid)
 
@@ -96,10 +105,7 @@ def test_direct_writes_and_kv_puts_are_charged_what_they_declare(pool: Mounted) 
     descriptors cannot take it past the quota: the chunk files are cut back to what it
     declared), and a KV chunk its size, against the writer's uid."""
     alice = ensure_users()["alice"]
-    d = home(pool, alice)
-    for f in d.iterdir():
-        f.unlink()
-    quota(pool, "--user", alice.name, "--bytes", "1MiB")
+    d = empty_home_with_quota(pool, alice, "--bytes", "1MiB")
     script = f"""
 import base64
 from mxfs.client.writer import create_file
@@ -132,10 +138,7 @@ def test_extended_attributes_count_against_the_owners_byte_quota(pool: Mounted) 
     file is stopped by its byte quota (EDQUOT), not only by the per-inode bound, and
     what it set is shown as its own."""
     alice = ensure_users()["alice"]
-    d = home(pool, alice)
-    for f in d.iterdir():
-        f.unlink()
-    quota(pool, "--user", alice.name, "--bytes", "1MiB")
+    d = empty_home_with_quota(pool, alice, "--bytes", "1MiB")
     script = f"""
 d = {str(d)!r}
 set_ = 0

@@ -48,12 +48,11 @@ class StatusOps:
                 "uid": session.caller.uid}, []
 
     async def _stat(self, msg: dict[str, Any], session: Session) -> Reply:
-        status = await self.status()
         uid = session.caller.uid
+        status = await self.status(uid)
         if uid != 0:  # names of lost files may sit under others' 0700 folders
             status["lost_examples"] = []
             status["limits"]["by_user"] = {}  # (nor who else uses the daemon)
-            status["quotas"] = self.vol.quotas.report(uid) if self.vol.quotas.limits else None
         return {"ok": True, **status}, []
 
     async def _metrics(self, msg: dict[str, Any], session: Session) -> Reply:
@@ -66,8 +65,11 @@ class StatusOps:
     async def _quota(self, msg: dict[str, Any], session: Session) -> Reply:
         return serve_quota(self.vol.quotas, msg, session.caller.uid), []
 
-    async def status(self) -> dict[str, Any]:
-        """The pool as `mxfs status` shows it."""
+    async def status(self, viewer: int = 0) -> dict[str, Any]:
+        """The pool as `mxfs status` shows it (the quota lines: `viewer`'s own, or every
+        uid's to root)."""
+        quotas = self.vol.quotas
+        shown = None if not quotas.limits else quotas.report(None if viewer == 0 else viewer)
         pool = self.vol.pool
         lost, names = 0, []
         if pool.failed:
@@ -81,7 +83,7 @@ class StatusOps:
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
                 "native_engine": native_engine()[1], "io_taken_back": taken_back(),
                 "limits": self.usage_of_limits(),
-                "quotas": self.vol.quotas.report() if self.vol.quotas.limits else None,
+                "quotas": shown,
                 "wake_latency": self.wake.state() if self.wake else None}
 
     def usage_of_limits(self) -> dict[str, Any]:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import errno
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from mxfs.meta import MetaStore
+from mxfs.meta import Inode, MetaStore
 from mxfs.units import format_size
 
 PREFIX = "quota."
@@ -48,6 +48,39 @@ class Quota:
 
 
 NONE = Quota()
+
+
+class Freeing:
+    """Bytes and inodes, by owner, of orphans queued to be freed (no longer open; the
+    daemon frees them within a round): kept as they are queued and dropped, so a quota
+    check that looks at them costs nothing however long the queue."""
+
+    def __init__(self) -> None:
+        self._queued: dict[int, tuple[int, int]] = {}  # ino -> (uid, bytes)
+        self.bytes: Counter[int] = Counter()
+        self.inodes: Counter[int] = Counter()
+
+    def add(self, node: Inode) -> None:
+        if node.ino in self._queued:
+            return
+        nbytes = node.size if node.is_reg else 0
+        self._queued[node.ino] = (node.uid, nbytes)
+        self.bytes[node.uid] += nbytes
+        self.inodes[node.uid] += 1
+
+    def drop(self, inos: Iterable[int]) -> None:
+        for ino in inos:
+            queued = self._queued.pop(ino, None)
+            if queued is None:
+                continue
+            uid, nbytes = queued
+            self.bytes[uid] -= nbytes
+            self.inodes[uid] -= 1
+            if not self.inodes[uid]:
+                del self.inodes[uid], self.bytes[uid]
+
+    def of(self, uid: int) -> tuple[int, int]:
+        return self.bytes[uid], self.inodes[uid]
 
 
 class Quotas:

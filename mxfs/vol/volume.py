@@ -24,7 +24,7 @@ from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.revoke import Held
-from mxfs.vol.quota import Quotas
+from mxfs.vol.quota import Freeing, Quotas
 from mxfs.vol.spares import Spares
 
 log = logging.getLogger("mxfs.volume")
@@ -58,11 +58,11 @@ class Volume:
         self.open_inodes: dict[int, OpenInode] = {}
         # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
         self.pending_reclaim: list[int] = []
-        self.reclaiming: list[int] = []  # taken from it, their chunk files being removed
+        self.freeing = Freeing()  # what the queued orphans hold, by owner (for quotas)
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self.held = Held(pool)  # chunk files of dropped files whose writers hold on
-        self.quotas = Quotas(store, self.freeing)  # per-user limits on bytes and inodes
+        self.quotas = Quotas(store, self.freeing.of)  # per-user limits on bytes and inodes
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
         # Set when mount found the store damaged and put a backup in its place.
@@ -189,7 +189,7 @@ class Volume:
         if entry.chunks is not None:
             entry.chunks.close()
         if node.nlink == 0:
-            self.pending_reclaim.append(node.ino)
+            self._queue_reclaim(node)
             return
         self.store.flush(node)
         if entry.wrote:
@@ -252,7 +252,11 @@ class Volume:
     def unlinked(self, node: Inode) -> None:
         """After a namespace change dropped `node`'s last link: reclaim unless open."""
         if node.nlink == 0 and node.ino not in self.open_inodes:
-            self.pending_reclaim.append(node.ino)
+            self._queue_reclaim(node)
+
+    def _queue_reclaim(self, node: Inode) -> None:
+        self.pending_reclaim.append(node.ino)
+        self.freeing.add(node)
 
     def reclaim(self, ino: int) -> None:
         """Free an orphan: chunk files first, then the row (a crash between is redone)."""
@@ -270,11 +274,12 @@ class Volume:
         if inos:
             try:
                 self.store.commit()
-                inos = self.store.orphans_among(inos)
+                orphans = self.store.orphans_among(inos)
             except OSError:
                 self.pending_reclaim = inos + self.pending_reclaim  # tried again next round
                 raise
-        self.reclaiming = inos
+            self.freeing.drop(set(inos) - set(orphans))  # (their change was lost)
+            inos = orphans
         return inos
 
     def remove_chunks(self, inos: list[int]) -> None:
@@ -289,21 +294,7 @@ class Volume:
 
     def drop_inodes(self, inos: list[int]) -> None:
         self.store.drop_inodes(inos)
-        self.reclaiming = []
-
-    def freeing(self, uid: int) -> tuple[int, int]:
-        """Bytes and inodes of `uid`'s orphans that are no longer open and wait to be
-        freed (quotas do not hold them against it)."""
-        nbytes = inodes = 0
-        for ino in self.pending_reclaim + self.reclaiming:
-            try:
-                node = self.store.get(ino)
-            except OSError:
-                continue
-            if node.uid == uid:
-                inodes += 1
-                nbytes += node.size if node.is_reg else 0
-        return nbytes, inodes
+        self.freeing.drop(inos)
 
     def reclaim_pending(self) -> None:
         inos = self.take_pending()
