@@ -18,6 +18,12 @@ from typing import Any
 
 import pytest
 
+# A test fails on a WARNING or ERROR its daemons log that it does not expect.
+pytest_plugins = ["daemon_log"]
+
+# What a daemon logs after a crash it recovered from: tests that kill one expect it.
+CRASH = r"recovered pool \S+: unclean=True"
+
 HAVE_FUSE = os.geteuid() == 0 and os.path.exists("/dev/fuse")
 needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
 # Set by `make test-engines`: there an engine that does not import is a failure, not a skip.
@@ -42,6 +48,8 @@ _LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in mo
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "also_postgres: run again with the pool's metadata "
+                            "on a PostgreSQL server (the test's pool is `mounted`)")
     for layer, what in (("unit", "no root, no mount, no server; seconds"),
                         ("mount", "mounts real pools through FUSE (root, /dev/fuse)"),
                         ("faults", "faults, hostile users, crashes and soaks"),
@@ -56,8 +64,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
         if item.get_closest_marker("unit") is None:  # (a pure test in a mount module)
             item.add_marker(_LAYER_OF.get(module, "mount"))
-        if module in LAYERS["pg"] or "[postgresql" in item.nodeid:
+        params = getattr(item, "callspec", None)
+        on_pg = "[postgresql" in item.nodeid or params is not None and \
+            params.params.get("meta_engine") == "postgresql"
+        if module in LAYERS["pg"] or on_pg:
             item.add_marker("pg")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked `also_postgres` runs twice: its pool's metadata in SQLite on member
+    0, then on a PostgreSQL server (the `pg` layer)."""
+    if metafunc.definition.get_closest_marker("also_postgres") is not None and \
+            "meta_engine" in metafunc.fixturenames:
+        metafunc.parametrize("meta_engine", ["sqlite", "postgresql"], indirect=True)
 
 
 @pytest.fixture(autouse=True)
@@ -209,6 +228,37 @@ def check_pool(members: list[str]) -> None:
         vol.store.close()
 
 
+# A writer of files it fsyncs and renames into place, printing "synced NAME SHA256" for
+# each (and "gone NAME" for each it removed): what a crash must never lose.
+STORM = r"""
+import hashlib, os, sys
+root, worker = sys.argv[1], int(sys.argv[2])
+i = 0
+while True:
+    i += 1
+    name = f"w{worker}-{i}"
+    data = hashlib.shake_256(name.encode()).digest(1000 + (i * 7919 + worker * 104729) % 400_000)
+    try:
+        with open(os.path.join(root, name + ".tmp"), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(os.path.join(root, name + ".tmp"), os.path.join(root, name))
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        if i % 5 == 0:
+            os.unlink(os.path.join(root, f"w{worker}-{i - 1}"))
+            print("gone", f"w{worker}-{i - 1}", flush=True)
+        print("synced", name, hashlib.sha256(data).hexdigest(), flush=True)
+        # unsynced tail: may be lost, must never corrupt anything
+        with open(os.path.join(root, name + ".scratch"), "wb") as f:
+            f.write(data[:5000])
+    except OSError:
+        sys.exit(0)
+"""
+
+
 def kill_daemon(m: Mounted) -> None:
     from mxfs.proc import running
 
@@ -276,11 +326,34 @@ def members(tmp_path: Path) -> list[str]:
     return make_members(tmp_path)
 
 
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[Any]:
+    """A PostgreSQL server of the session's own (each pool gets a database of it)."""
+    from pg_server import server_or_skip
+
+    yield from server_or_skip()
+
+
 @pytest.fixture
-def mounted(tmp_path: Path, members: list[str]) -> Iterator[Mounted]:
+def meta_engine(request: pytest.FixtureRequest) -> str:
+    """Where the test's pool keeps its metadata: "sqlite" (member 0), or "postgresql"
+    for the second run of a test marked `also_postgres`."""
+    return str(getattr(request, "param", "sqlite"))
+
+
+@pytest.fixture
+def meta_args(request: pytest.FixtureRequest, meta_engine: str) -> list[str]:
+    """The mkfs arguments that put the pool's metadata where `meta_engine` says."""
+    if meta_engine == "sqlite":
+        return []
+    return ["--meta", request.getfixturevalue("pg_cluster").database()]
+
+
+@pytest.fixture
+def mounted(tmp_path: Path, members: list[str], meta_args: list[str]) -> Iterator[Mounted]:
     if not HAVE_FUSE:
         pytest.skip("needs root and /dev/fuse")
-    mkfs(members)
+    mkfs(members, "64KiB", *meta_args)
     with mounted_pool(members) as m:
         yield m
 

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import Mounted, check_pool, mxfs, one_line_error
 
@@ -28,6 +29,7 @@ def damage(m: Mounted, fn: Callable[[Engine], object]) -> None:
         store.close()
 
 
+@pytest.mark.also_postgres
 def test_fsck_reports_then_repairs_each_kind_of_damage(mounted: Mounted) -> None:
     (mounted.path / "d").mkdir()
     (mounted.path / "d" / "keep").write_bytes(b"k" * 300_000)
@@ -78,6 +80,7 @@ def test_fsck_refuses_a_mounted_pool_and_bad_input(mounted: Mounted) -> None:
     assert "/nonexistent/member" in line
 
 
+@pytest.mark.also_postgres
 def test_scrub_names_the_damaged_sealed_files_and_members_online(mounted: Mounted) -> None:
     ck.save({"w": torch.randn(200_000)}, str(mounted.path / "ckpt")).wait()
     with KVStore(str(mounted.path), "s") as kv:

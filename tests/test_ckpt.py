@@ -180,6 +180,7 @@ ck.save(state, path).wait()
 
 @pytest.mark.parametrize("step", ["after-staging", "mid-write", "before-commit",
                                   "during-commit", "before-rename"])
+@pytest.mark.also_postgres
 def test_writer_killed_at_each_step_leaves_the_previous_checkpoint(mounted: Mounted,
                                                                     step: str) -> None:
     root = mounted.path / "ckpts"
@@ -257,6 +258,7 @@ def test_a_member_filling_up_fails_the_save_in_wait_and_gives_space_back(
     check_pool(loop_members)
 
 
+@pytest.mark.also_postgres
 def test_ckpt_cli_lists_removes_and_prunes(mounted: Mounted) -> None:
     root = mounted.path / "r"
     for i in range(4):

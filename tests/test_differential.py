@@ -7,6 +7,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -150,13 +151,14 @@ class SameAsPlainFolder(RuleBasedStateMachine):
             assert snapshot(ROOTS["mxfs"]) == snapshot(ROOTS["plain"])
 
 
-@pytest.fixture(scope="module")
-def roots() -> Iterator[None]:
+@contextmanager
+def _roots(*mkfs_args: str) -> Iterator[None]:
+    """A pool mounted beside a plain folder: the roots the machine compares."""
     if not HAVE_FUSE:
         pytest.skip("needs root and /dev/fuse")
     base = Path(tempfile.mkdtemp(prefix="mxfs-diff-"))
     members = make_members(base)
-    mkfs(members)
+    mkfs(members, "64KiB", *mkfs_args)
     mp = base / "mnt"
     mp.mkdir()
     (base / "plain").mkdir()
@@ -175,6 +177,27 @@ SameAsPlainFolder.TestCase.settings = settings(
     suppress_health_check=list(HealthCheck))
 
 
+@pytest.fixture(scope="module")
+def roots() -> Iterator[None]:
+    with _roots():
+        yield
+
+
+@pytest.fixture(scope="module")
+def roots_on_postgres(pg_cluster: Any) -> Iterator[None]:
+    with _roots("--meta", pg_cluster.database()):
+        yield
+
+
 @pytest.mark.usefixtures("roots")
 class TestDifferential(SameAsPlainFolder.TestCase):
     pass
+
+
+@pytest.mark.pg
+@pytest.mark.usefixtures("roots_on_postgres")
+class TestDifferentialOnPostgres(SameAsPlainFolder.TestCase):
+    """The same machine on a pool whose metadata is on a PostgreSQL server."""
+
+    settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                        suppress_health_check=list(HealthCheck))

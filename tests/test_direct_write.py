@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import Mounted, check_pool, chunk_files, eventually, kill_daemon
+from conftest import CRASH, Mounted, check_pool, chunk_files, eventually, kill_daemon
 
 from mxfs.client import ControlClient
 from mxfs.client.writer import create_file
@@ -34,6 +34,7 @@ def write_file(path: str, data: bytes, **kw: object) -> list[int]:
 
 
 @pytest.mark.smoke
+@pytest.mark.also_postgres
 def test_commit_publishes_whole_sealed_file_at_once(mounted: Mounted) -> None:
     p = str(mounted.path / "model.bin")
     assert not os.path.exists(p)  # the kernel now caches "no such name"
@@ -66,6 +67,7 @@ def test_commit_publishes_whole_sealed_file_at_once(mounted: Mounted) -> None:
         vol.store.close()
 
 
+@pytest.mark.also_postgres
 def test_replace_is_atomic_and_exclusive_commits_let_the_first_writer_win(
         mounted: Mounted) -> None:
     p = str(mounted.path / "latest")
@@ -131,6 +133,8 @@ def test_writer_killed_before_commit_leaves_nothing_and_space_returns(
     check_pool(mounted.members)
 
 
+@pytest.mark.also_postgres
+@pytest.mark.daemon_log(CRASH)
 def test_daemon_killed_with_a_file_half_written_reclaims_it_at_mount(mounted: Mounted) -> None:
     write_file(str(mounted.path / "kept"), b"k" * 100_000)
     w = create_file(str(mounted.path / "half"), 1 << 20)

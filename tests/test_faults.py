@@ -12,7 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Mounted, check_pool, chunk_files, eventually, kill_daemon, mxfs, one_line_error
+from conftest import (
+    CRASH,
+    STORM,
+    Mounted,
+    check_pool,
+    chunk_files,
+    eventually,
+    kill_daemon,
+    mxfs,
+    one_line_error,
+)
 from users import run_as
 
 from mxfs.vol.volume import Volume
@@ -47,35 +57,9 @@ def test_full_member_gives_enospc_and_harms_nothing(loop_pool: Mounted) -> None:
 
 # ---- SIGKILL during a storm of writes -----------------------------------------------
 
-STORM = r"""
-import hashlib, os, sys
-root, worker = sys.argv[1], int(sys.argv[2])
-i = 0
-while True:
-    i += 1
-    name = f"w{worker}-{i}"
-    data = hashlib.shake_256(name.encode()).digest(1000 + (i * 7919 + worker * 104729) % 400_000)
-    try:
-        with open(os.path.join(root, name + ".tmp"), "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(os.path.join(root, name + ".tmp"), os.path.join(root, name))
-        fd = os.open(root, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        if i % 5 == 0:
-            os.unlink(os.path.join(root, f"w{worker}-{i - 1}"))
-            print("gone", f"w{worker}-{i - 1}", flush=True)
-        print("synced", name, hashlib.sha256(data).hexdigest(), flush=True)
-        # unsynced tail: may be lost, must never corrupt anything
-        with open(os.path.join(root, name + ".scratch"), "wb") as f:
-            f.write(data[:5000])
-    except OSError:
-        sys.exit(0)
-"""
 
-
+@pytest.mark.also_postgres
+@pytest.mark.daemon_log(CRASH)
 def test_sigkill_during_write_storm_loses_nothing_synced(mounted: Mounted) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", STORM, str(mounted.path), str(w)],
                               stdout=subprocess.PIPE, text=True) for w in range(4)]
@@ -102,6 +86,8 @@ def test_sigkill_during_write_storm_loses_nothing_synced(mounted: Mounted) -> No
     check_pool(mounted.members)
 
 
+@pytest.mark.also_postgres
+@pytest.mark.daemon_log(CRASH)
 def test_file_deleted_while_open_is_reclaimed_after_a_crash(mounted: Mounted) -> None:
     p = mounted.path / "victim"
     p.write_bytes(os.urandom(1 << 20))
@@ -123,6 +109,7 @@ def test_file_deleted_while_open_is_reclaimed_after_a_crash(mounted: Mounted) ->
     check_pool(mounted.members)
 
 
+@pytest.mark.daemon_log(CRASH)
 def test_unsynced_tail_is_trimmed_after_a_crash(mounted: Mounted) -> None:
     p = mounted.path / "f"
     synced = os.urandom(300_000)
@@ -171,6 +158,8 @@ print(json.dumps(recv_message(s)[0]))
 """
 
 
+@pytest.mark.daemon_log(r"member 2 \(.*\) failed: its superblock",
+                        r"mounted read-only and degraded")
 def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
         loop_pool: Mounted) -> None:
     mp, loop_members = loop_pool.path, loop_pool.members

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    CRASH,
     Mounted,
     check_pool,
     chunk_files,
@@ -36,6 +37,7 @@ def blob(i: int, n: int) -> bytes:
 
 
 @pytest.mark.parametrize("size", [1000, INLINE + 1, 3 << 20])  # inline, direct, multi-member
+@pytest.mark.also_postgres
 def test_put_get_round_trip_first_writer_wins(mounted: Mounted, size: int) -> None:
     with KVStore(str(mounted.path), "m") as kv:
         assert kv.put("a", blob(1, size)) is True
@@ -318,6 +320,7 @@ def test_processes_share_one_store(mounted: Mounted) -> None:
         assert kv.usage()["chunks"] == 200
 
 
+@pytest.mark.also_postgres
 def test_capacity_evicts_least_recently_used_but_never_pinned(mounted: Mounted) -> None:
     with KVStore(str(mounted.path), "cap", capacity=10 * 100_000) as kv, \
             KVStore(str(mounted.path), "cap") as reader:
@@ -336,6 +339,8 @@ def test_capacity_evicts_least_recently_used_but_never_pinned(mounted: Mounted) 
         assert kv.usage()["bytes"] <= 100_000
 
 
+@pytest.mark.also_postgres
+@pytest.mark.daemon_log(CRASH)
 def test_index_persists_across_remount_and_daemon_crash(mounted: Mounted) -> None:
     with KVStore(str(mounted.path), "p") as kv:
         kv.batch_put([f"k{i}" for i in range(20)], [blob(i, 50_000) for i in range(20)])

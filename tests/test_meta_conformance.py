@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from pg_server import Server, server_or_skip
 
 from mxfs.meta import ROOT_INO, MetaStore, Unusable
 from mxfs.meta import check as meta_check
@@ -36,16 +35,11 @@ def pick(ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
     return unit or UNIT, width or 4, ino % 4
 
 
-@pytest.fixture(scope="session")
-def pg() -> Iterator[Server]:
-    yield from server_or_skip()
-
-
 @pytest.fixture(params=ENGINES)
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """Where a fresh store of the engine under test lives."""
     if request.param == "postgresql":
-        return request.getfixturevalue("pg").database()
+        return request.getfixturevalue("pg_cluster").database()
     folder = tmp_path / "meta"
     folder.mkdir()
     return str(folder)

@@ -20,9 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, check_pool, eventually, mkfs, mounted_pool
+from conftest import HAVE_FUSE, STORM, Mounted, check_pool, eventually, mkfs, mounted_pool
 from pg_server import Server, private
-from test_faults import STORM
 
 from mxfs.meta import MetaStore
 from mxfs.meta.check import problems
@@ -31,6 +30,12 @@ from mxfs.meta.pg_engine import PgEngine
 from mxfs.pool import Pool
 from mxfs.proc import running
 from mxfs.vol.mounts import runtime_dir
+
+# What the daemons say as their server goes away, fills up or comes back.
+pytestmark = pytest.mark.daemon_log(
+    r"the metadata server \S+ (went away|cannot be reached|is full)",
+    r"metadata store: (the open group of changes was rolled back|a group of changes was lost)",
+    r"commit for the daemon failed")
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from mxfs.meta import MetaStore
 from mxfs.pool import Pool
 
 
+@pytest.mark.also_postgres
 def test_put_files_read_back_through_the_mount_sealed_and_scrubbed(
         mounted: Mounted, tmp_path: Path) -> None:
     src = tmp_path / "src"
@@ -74,6 +75,7 @@ def test_put_refuses_bad_input_in_one_line(mounted: Mounted, tmp_path: Path) -> 
     assert not (mounted.path / "f.bin").exists() and (mounted.path / "g.bin").exists()
 
 
+@pytest.mark.also_postgres
 def test_a_put_killed_midway_leaves_nothing(mounted: Mounted, tmp_path: Path) -> None:
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:

@@ -15,6 +15,7 @@ UNIT = 64 * 1024
 
 
 @pytest.mark.smoke
+@pytest.mark.also_postgres
 def test_striped_write_and_read_back_across_members(mounted: Mounted) -> None:
     data = os.urandom(UNIT * 9 + 1234)
     p = mounted.path / "striped"
@@ -32,6 +33,7 @@ def test_striped_write_and_read_back_across_members(mounted: Mounted) -> None:
             assert f.read(n) == data[off:off + n]
 
 
+@pytest.mark.also_postgres
 def test_holes_read_as_zeros(mounted: Mounted) -> None:
     p = mounted.path / "sparse"
     with open(p, "wb") as f:
@@ -42,6 +44,7 @@ def test_holes_read_as_zeros(mounted: Mounted) -> None:
     assert data[:-3] == bytes(5 * UNIT + 3) and data[-3:] == b"end"
 
 
+@pytest.mark.also_postgres
 def test_truncate_down_then_up_reads_zeros(mounted: Mounted) -> None:
     p = mounted.path / "t"
     p.write_bytes(b"x" * (3 * UNIT))
@@ -55,6 +58,7 @@ def test_truncate_down_then_up_reads_zeros(mounted: Mounted) -> None:
     assert p.read_bytes() == b"xxxxx"
 
 
+@pytest.mark.also_postgres
 def test_open_flags_trunc_append_excl(mounted: Mounted) -> None:
     p = mounted.path / "f"
     p.write_bytes(b"hello world")
@@ -72,6 +76,7 @@ def test_open_flags_trunc_append_excl(mounted: Mounted) -> None:
         os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
 
 
+@pytest.mark.also_postgres
 def test_directories_and_errors(mounted: Mounted) -> None:
     d = mounted.path / "d"
     d.mkdir()
@@ -101,6 +106,7 @@ def test_directories_and_errors(mounted: Mounted) -> None:
     assert sorted(os.listdir(d)) == ["file"]
 
 
+@pytest.mark.also_postgres
 def test_rename_replace_noreplace_exchange(mounted: Mounted) -> None:
     import ctypes
 
@@ -141,6 +147,7 @@ def test_rename_replace_noreplace_exchange(mounted: Mounted) -> None:
     assert e.value.errno == errno.ENOTEMPTY
 
 
+@pytest.mark.also_postgres
 def test_hard_links_and_symlinks(mounted: Mounted) -> None:
     a = mounted.path / "a"
     a.write_bytes(b"data" * 50_000)
@@ -161,6 +168,7 @@ def test_hard_links_and_symlinks(mounted: Mounted) -> None:
     assert e.value.errno in (errno.EPERM, errno.EISDIR)
 
 
+@pytest.mark.also_postgres
 def test_mknod_fifo_and_socket(mounted: Mounted) -> None:
     os.mkfifo(mounted.path / "fifo", 0o640)
     assert stat.S_ISFIFO(os.stat(mounted.path / "fifo").st_mode)
@@ -171,6 +179,7 @@ def test_mknod_fifo_and_socket(mounted: Mounted) -> None:
     assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
 
 
+@pytest.mark.also_postgres
 def test_chmod_chown_utimens_and_ctime(mounted: Mounted) -> None:
     p = mounted.path / "f"
     p.write_text("x")
@@ -191,6 +200,7 @@ def test_chmod_chown_utimens_and_ctime(mounted: Mounted) -> None:
     assert not os.stat(p).st_mode & stat.S_ISUID
 
 
+@pytest.mark.also_postgres
 def test_mtime_and_ctime_follow_writes_and_entries(mounted: Mounted) -> None:
     d = mounted.path / "d"
     d.mkdir()
@@ -217,6 +227,7 @@ def test_atime_is_relatime(mounted: Mounted) -> None:
     assert os.stat(p).st_atime_ns > 2_000_000_000
 
 
+@pytest.mark.also_postgres
 def test_xattrs_get_set_list_remove(mounted: Mounted) -> None:
     p = mounted.path / "f"
     p.write_text("x")
@@ -271,6 +282,7 @@ def test_only_the_root_names_the_control_socket(mounted: Mounted) -> None:
                                                          ).decode()
 
 
+@pytest.mark.also_postgres
 def test_layout_xattr_and_setstripe(mounted: Mounted) -> None:
     d = mounted.path / "models"
     d.mkdir()
@@ -305,6 +317,7 @@ def test_statfs_sums_members_on_their_own_devices(loop_pool: Mounted) -> None:
     assert abs(st.f_blocks * st.f_frsize - total) < 4 << 20
 
 
+@pytest.mark.also_postgres
 def test_open_unlinked_file_keeps_data_until_last_close(mounted: Mounted) -> None:
     p = mounted.path / "tmp"
     data = os.urandom(3 * UNIT)
@@ -319,6 +332,7 @@ def test_open_unlinked_file_keeps_data_until_last_close(mounted: Mounted) -> Non
     assert eventually(lambda: not os.path.exists(chunk))
 
 
+@pytest.mark.also_postgres
 def test_readdir_is_stable_while_entries_change(mounted: Mounted) -> None:
     d = mounted.path / "d"
     d.mkdir()
@@ -340,6 +354,7 @@ def test_readdir_is_stable_while_entries_change(mounted: Mounted) -> None:
     assert survivors <= set(seen)
 
 
+@pytest.mark.also_postgres
 def test_permissions_are_enforced_for_other_users(mounted: Mounted) -> None:
     import subprocess
     import sys

@@ -10,12 +10,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from conftest import needs_fuse
+import pytest
+from conftest import CRASH, needs_fuse
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 
 
 @needs_fuse
+@pytest.mark.daemon_log(CRASH)
 def test_crash_cycles_lose_nothing_fsynced_or_committed(tmp_path: Path) -> None:
     """With a hostile user (nobody) flooding the daemon meanwhile: its pool lives where
     nobody can reach it, not in pytest's private folder."""

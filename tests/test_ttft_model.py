@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import ttft_model as tm  # noqa: E402
+import ttft_model as tm
 
 
 @pytest.mark.parametrize("name", list(tm.MODELS))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Fuzz the safetensors header parser: N cases of the property in tests/test_header_fuzz.py.
+"""Fuzz the safetensors header parser: N cases of the property in tools/header_cases.py.
 
-Two generators: hypothesis' broken headers (tests/strategies.py), and typed-field
+Two generators: hypothesis' broken headers (tools/header_cases.py), and typed-field
 mutations of valid headers (lists, objects, booleans, floats, huge and negative
 numbers where strings and ints belong; offsets that overlap, run out of range or
 do not match dtype x shape).  Either way only HeaderError may come out.
@@ -14,18 +14,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import random
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from header_cases import check_one, headers
+from hypothesis import HealthCheck, given, settings
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from strategies import headers  # noqa: E402
-from test_header_fuzz import check_one  # noqa: E402
-
-from mxfs.load.header import DTYPE_BITS, MAX_DIM, HeaderError, parse_header  # noqa: E402
+from mxfs.load.header import DTYPE_BITS, MAX_DIM, HeaderError, parse_header
 
 # Values of the wrong type or size for any field of a header.
 JUNK: list[object] = [

@@ -1,4 +1,6 @@
-"""Hypothesis strategies for safetensors headers, valid and broken (tests and tools/fuzz_header.py).
+"""Safetensors headers, valid and broken, and the property every one must meet: for
+`tests/test_header_fuzz.py` (a few thousand cases) and `tools/fuzz_header.py` (as many
+as you let it run).
 
 Here, not in mxfs/: hypothesis is a test dependency, not a runtime one.
 """
@@ -9,7 +11,7 @@ import json
 
 from hypothesis import strategies as st
 
-from mxfs.load.header import DTYPE_BITS
+from mxfs.load.header import DTYPE_BITS, HeaderError, header_length, parse_header
 
 _INTS = st.one_of(st.integers(-3, 70), st.integers(-(2**64), 2**64), st.just(2**80),
                   st.booleans(), st.floats(allow_nan=True), st.text(max_size=3), st.none())
@@ -53,3 +55,20 @@ def headers(draw: st.DrawFn) -> tuple[bytes, int]:
             cut = draw(st.integers(0, len(raw) - 1))
             raw = raw[:cut]
     return raw, draw(st.integers(0, 500))
+
+
+def check_one(raw: bytes, data_size: int) -> None:
+    """Either a header whose every tensor lies inside the data, or one HeaderError."""
+    file_size = 8 + len(raw) + data_size
+    prefix = len(raw).to_bytes(8, "little")
+    try:
+        n = header_length("f", prefix, file_size)
+        h = parse_header("f", raw[:n], file_size)
+    except HeaderError as e:
+        assert str(e).startswith("f: ")
+        return
+    spans = sorted((t.begin, t.end) for t in h.tensors.values() if t.nbytes)
+    for t in h.tensors.values():
+        assert h.data_start <= t.begin <= t.end <= file_size
+    for (_, end), (begin, _) in zip(spans, spans[1:], strict=False):
+        assert begin >= end
