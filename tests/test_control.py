@@ -69,6 +69,7 @@ def test_pipelined_requests_are_answered_in_order_each_refused_alone(mounted: Mo
     HEADER.pack(b"MXFS", VERSION, 0, 2) + b"[]",                 # not an object
     HEADER.pack(b"MXFS", VERSION, 0, 14) + b'{"op":"fly"}  ',    # unknown op
 ])
+@pytest.mark.daemon_log(r"protocol for pid \d+ uid \d+ failed \(ProtocolError")
 def test_malformed_messages_are_refused_and_others_still_served(mounted: Mounted,
                                                                 bad: bytes) -> None:
     with ControlClient(str(mounted.path)) as good:
@@ -238,3 +239,66 @@ def test_wrong_credentials_are_refused_for_admin_and_kv_requests(mounted: Mounte
     assert out == {"meta_backup": errno.EPERM, "kv_stats": errno.EACCES, "put": errno.EACCES}
     with ControlClient(str(mounted.path)) as c:
         assert c.call("kv_stats", namespace="roots")["namespaces"][0]["chunks"] == 1
+
+
+def test_every_op_replies_as_its_declaration_says(mounted: Mounted) -> None:
+    """Each op served once with good fields: its reply (less the envelope) holds what
+    `proto/messages.py` declares, no more, no less; a field no op takes is refused."""
+    from mxfs.io.checksum import block_sums, pack_sums
+    from mxfs.proto import BY_NAME
+
+    (mounted.path / "f").write_bytes(b"y" * 70_000)
+    seen = set()
+
+    def ask(c: ControlClient, op: str, **fields: object) -> tuple[dict, list[int]]:
+        reply, fds = c.call_with_fds(op, **fields)
+        assert reply.pop("ok") is True and reply.pop("id") is not None
+        assert BY_NAME[op].stray(reply) is None, (op, reply)
+        seen.add(op)
+        return reply, fds
+
+    def close(fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+
+    def sums(data: bytes, unit: int) -> str:
+        return base64.b64encode(pack_sums(block_sums(data, unit))).decode()
+
+    key = base64.b64encode(b"k1").decode()
+    with ControlClient(str(mounted.path)) as c:
+        for op in ("hello", "stat", "metrics", "df", "quota", "meta_sync", "meta_backup"):
+            ask(c, op)
+        ask(c, "layout", path="/f")
+        close(ask(c, "open_read", path="/f", odirect=True)[1])
+        made, fds = ask(c, "create", path="/g", size=5, mode=0o600)
+        os.pwrite(fds[0], b"hello", 0)
+        close(fds)
+        unit = made["layout"]["stripe_unit"]
+        ask(c, "commit", ino=made["ino"], size=5, sum_unit=unit, sums=sums(b"hello", unit))
+        dropped, fds = ask(c, "create", path="/h", size=0)
+        close(fds)
+        ask(c, "abort", ino=dropped["ino"])
+        ns = {"namespace": "decl", "shared": False}
+        ask(c, "kv_ns_create", namespace="decl", capacity=1 << 30)
+        ask(c, "kv_put", **ns, keys=[key], data=[base64.b64encode(b"v" * 100).decode()])
+        chunk, fds = ask(c, "kv_create", **ns, key=base64.b64encode(b"k2").decode(), size=3)
+        os.pwrite(fds[0], b"abc", 0)
+        close(fds)
+        ask(c, "kv_commit", **ns, ino=chunk["ino"], key=base64.b64encode(b"k2").decode(),
+            size=3, sum_unit=unit, sums=sums(b"abc", unit))
+        close(ask(c, "kv_get", **ns, keys=[key, base64.b64encode(b"k2").decode()],
+                  pin=True, inline_max=64)[1])
+        ask(c, "kv_unpin", **ns, keys=[key])
+        ask(c, "kv_exists", **ns, keys=[key])
+        ask(c, "kv_list", **ns, limit=10)
+        ask(c, "kv_stats", namespace="decl")
+        ask(c, "kv_config", **ns, capacity=1 << 20)
+        ask(c, "kv_evict", **ns, keep=1 << 20)
+        ask(c, "kv_delete", **ns, keys=[key])
+        ask(c, "kv_ns_remove", namespace="decl")
+        with pytest.raises(ControlError) as e:
+            c.call("layout", path="/f", recursive=True)
+        assert e.value.errno == errno.EINVAL and "'recursive'" in e.value.strerror
+        assert c.layout(str(mounted.path / "g"))["size"] == 5  # the connection goes on
+    assert seen == set(BY_NAME)
+    assert (mounted.path / "g").read_bytes() == b"hello"

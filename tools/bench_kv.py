@@ -194,7 +194,7 @@ def chunk_round(kv: KVStore, pool: ScratchPool, size: int, count: int, batch: in
     os.sync()
     drop_caches()
     res["files_get"] = nbytes / files_get(pool.plain, chunks, outs[0]) / 1e9
-    kv._call("kv_evict", keep=0)  # free the space for the next round
+    kv.clear()  # free the space for the next round
     for n in os.listdir(pool.plain):
         os.unlink(os.path.join(pool.plain, n))
     return res
@@ -253,7 +253,7 @@ def small_round(kv: KVStore, r: int, n: int) -> dict[str, float]:
     for i in range(0, len(many), 100):
         kv.batch_put(many[i:i + 100], [b"e"] * len(many[i:i + 100]))
     before = kv.usage()["chunks"]
-    secs = timed(lambda: kv._call("kv_evict", keep=0))
+    secs = timed(lambda: kv.clear())
     res["evict"] = (before - kv.usage()["chunks"]) / secs
     time.sleep(min(5.0, n / 400))  # let the daemon reclaim the evicted chunk files
     return res

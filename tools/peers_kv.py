@@ -150,7 +150,7 @@ class Arm:
 def evict(mount: str, namespace: str) -> None:
     """Drop an mxfs arm's chunks (its namespace) for the next round."""
     with KVStore(mount, namespace) as kv:
-        kv._call("kv_evict", keep=0)
+        kv.clear()
 
 
 # ---- SGLang ------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def clear_namespace(mount: str, namespace: str) -> None:
 
     try:
         with KVStore(mount, namespace) as kv:
-            kv._call("kv_evict", keep=0)
+            kv.clear()
     except OSError as e:
         if e.errno != errno.ENOENT:
             raise

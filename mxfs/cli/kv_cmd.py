@@ -4,22 +4,25 @@ sees it."""
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mxfs.cli.ckpt_cmd import json_everywhere
 from mxfs.errors import MxfsError
+from mxfs.proto.messages import KV_NS_CREATE, KV_NS_REMOVE, KV_STATS, KVNsCreateRequest
 from mxfs.units import format_size, parse_size
 
+if TYPE_CHECKING:
+    from mxfs.kv import KVStore
 
-def _store(mount: str, namespace: str) -> Any:
+
+def _store(mount: str, namespace: str) -> KVStore:
     from mxfs.client.control import ControlError
     from mxfs.kv import KVStore
 
     kv = KVStore(mount, namespace, shared=True)  # an operator looks at anyone's it may
     try:
-        kv.client.call("kv_stats", namespace=namespace)
+        kv.client.request(KV_STATS({"namespace": namespace}))
     except ControlError as e:
         kv.close()
         raise MxfsError(f"{e.strerror}", f"list namespaces with: mxfs kv stats {mount}"
@@ -37,14 +40,13 @@ def _show(key: bytes) -> str:
     return "0x" + key.hex()
 
 
-def _keys(kv: Any) -> list[tuple[bytes, int, int]]:
-    out, skip = [], 0
+def _keys(kv: KVStore) -> list[tuple[bytes, int, int]]:
+    out: list[tuple[bytes, int, int]] = []
     while True:
-        page = kv._call("kv_list", skip=skip, limit=1000)["chunks"]
-        out += [(base64.b64decode(k), size, pins) for k, size, pins in page]
+        page = kv.list_chunks(skip=len(out))
+        out += page
         if len(page) < 1000:
             return out
-        skip += len(page)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -55,7 +57,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if root is None:
         raise MxfsError(f"{args.mount} is not on an mxfs mount", "give a mount point")
     with ControlClient(root) as c:
-        spaces = c.call("kv_stats")["namespaces"]
+        spaces = c.request(KV_STATS())["namespaces"]
     if args.json:
         print(json.dumps({"namespaces": spaces}, indent=2))
         return 0
@@ -88,7 +90,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_evict(args: argparse.Namespace) -> int:
     kv = _store(args.mount, args.namespace)
     try:
-        n = kv._call("kv_evict", keep=parse_size(args.keep))["evicted"]
+        n = kv.evict(parse_size(args.keep))
     finally:
         kv.close()
     print(json.dumps({"evicted": n}) if args.json else f"evicted {n} chunks")
@@ -152,15 +154,16 @@ def cmd_create(args: argparse.Namespace) -> int:
         mode = int(args.mode, 8)
     except ValueError:
         raise MxfsError(f"mode {args.mode!r} is not octal", "write it like 0750") from None
-    fields: dict[str, Any] = {"namespace": args.namespace, "mode": mode,
-                              "capacity": parse_size(args.capacity), "force": args.force}
-    for key, text, kind in (("uid", args.owner, "user"), ("gid", args.group, "group")):
-        value = _id_of(text, kind)
-        if value is not None:
-            fields[key] = value
+    fields: KVNsCreateRequest = {"namespace": args.namespace, "mode": mode,
+                                 "capacity": parse_size(args.capacity), "force": args.force}
+    uid, gid = _id_of(args.owner, "user"), _id_of(args.group, "group")
+    if uid is not None:
+        fields["uid"] = uid
+    if gid is not None:
+        fields["gid"] = gid
     with _control(args.mount) as c:
         try:
-            s = c.call("kv_ns_create", **fields)
+            s = c.request(KV_NS_CREATE(fields))
         except ControlError as e:
             raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
                             "root may take a name over with --force" if e.errno == 17 else
@@ -176,7 +179,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
     with _control(args.mount) as c:
         try:
-            n = c.call("kv_ns_remove", namespace=args.namespace)["deleted"]
+            n = c.request(KV_NS_REMOVE({"namespace": args.namespace}))["deleted"]
         except ControlError as e:
             raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
                             "list namespaces with: mxfs kv stats MOUNT") from None

@@ -163,12 +163,9 @@ def _status_of_mount(mp: str) -> dict[str, Any]:
 
     try:
         with ControlClient(mp, timeout=10) as c:
-            data = c.stat()
+            return dict(c.stat())
     except OSError as e:
         return {"mountpoint": mp, "error": f"daemon not answering ({e.strerror or e})"}
-    data.pop("ok", None)
-    data.pop("id", None)
-    return data
 
 
 def _status_of_pool(spec: str) -> dict[str, Any]:

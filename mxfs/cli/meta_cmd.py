@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from mxfs.errors import MxfsError
+from mxfs.proto.messages import META_BACKUP, META_SYNC
 
 if TYPE_CHECKING:
     from mxfs.pool import Pool
@@ -26,7 +27,7 @@ def _pool_of(target: str) -> Pool:
             target = c.stat()["members"][0]["path"]
             # What the daemon holds in memory (sizes of files being written, the open
             # group of changes) goes into the store first: the dump is what users saw.
-            c.call("meta_sync")
+            c.request(META_SYNC())
     return Pool.open(target)
 
 
@@ -38,7 +39,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
         raise MxfsError(f"{args.mount} is not an mxfs mount",
                         "give the mount point (an unmounted pool needs no online copy)")
     with ControlClient(root, timeout=600) as c:
-        path = c.call("meta_backup")["path"]
+        path = c.request(META_BACKUP())["path"]
     print(json.dumps({"backup": path}) if args.json else f"metadata backed up to {path}")
     return 0
 

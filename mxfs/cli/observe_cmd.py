@@ -11,6 +11,7 @@ from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.pool.pool import pool_totals
+from mxfs.proto.messages import DF, METRICS, MetricsReply
 from mxfs.units import format_size
 
 
@@ -34,7 +35,7 @@ def shown_use(use: dict[str, int], used: int) -> tuple[dict[str, int], bool]:
 
 def cmd_df(args: argparse.Namespace) -> int:
     with _client(args.mount) as c:
-        info = c.call("df")
+        info = c.request(DF())
     members, use = info["members"], info["by_use"]
     pool = pool_totals(members)
     shown, scaled = shown_use(use, pool["used"])
@@ -60,7 +61,7 @@ def cmd_df(args: argparse.Namespace) -> int:
     return 0
 
 
-def rates(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def rates(a: MetricsReply, b: MetricsReply) -> dict[str, Any]:
     """Per-second rates between two `metrics` snapshots."""
     dt = max(b["time"] - a["time"], 1e-6)
     before_io = {(m, w): (n, ops) for m, w, n, ops in a["io"]}
@@ -93,11 +94,11 @@ def _render(r: dict[str, Any]) -> str:
 
 def cmd_top(args: argparse.Namespace) -> int:
     with _client(args.mount) as c:
-        prev = c.call("metrics")
+        prev = c.request(METRICS())
         n = 0
         while args.count == 0 or n < args.count:
             time.sleep(args.interval)
-            now = c.call("metrics")
+            now = c.request(METRICS())
             r = rates(prev, now)
             print(json.dumps(r) if args.json else _render(r), flush=True)
             prev, n = now, n + 1

@@ -12,6 +12,7 @@ import pwd
 from typing import Any
 
 from mxfs.errors import MxfsError, UsageError
+from mxfs.proto.messages import QUOTA, QuotaReport, QuotaRequest
 from mxfs.units import format_size, parse_size
 
 
@@ -34,7 +35,7 @@ def _count(text: str) -> int:
     return n
 
 
-def quota_lines(report: dict[str, Any], indent: str = "") -> list[str]:
+def quota_lines(report: QuotaReport, indent: str = "") -> list[str]:
     """One line per user: what it owns against its limits (for `quota` and `status`)."""
     def limit(n: int, fmt: Any) -> str:
         return f" of {fmt(n)}" if n else " (no limit)"
@@ -63,7 +64,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
     root = mount_root(args.mount)
     if root is None:
         raise MxfsError(f"{args.mount} is not on an mxfs mount", "give a mount point (mxfs status)")
-    fields: dict[str, Any] = {}
+    fields: QuotaRequest = {}
     if args.user is not None:
         fields["uid"] = _uid(args.user)
     setting = args.bytes is not None or args.inodes is not None or args.clear
@@ -73,7 +74,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
         if args.user is None and not args.default:
             raise UsageError("setting a quota needs --user or --default",
                              "name whose quota it is")
-        fields.update({"set": True, "default": args.default, "clear": args.clear})
+        fields.update({"set": True, "default": bool(args.default), "clear": bool(args.clear)})
         if args.bytes is not None:
             fields["bytes"] = parse_size(args.bytes)
         if args.inodes is not None:
@@ -82,8 +83,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
         raise UsageError("--default only goes with --bytes, --inodes or --clear",
                          "every user's line shows the limits that hold for it")
     with ControlClient(root, timeout=60) as c:
-        report = c.call("quota", **fields)
-    report.pop("ok", None)
+        report = c.request(QUOTA(fields))
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -13,11 +13,12 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from mxfs.proto import VERSION, recv_message, send_message
 from mxfs.proto.constants import CONTROL_XATTR
+from mxfs.proto.messages import LAYOUT, STAT, FileReply, Rep, Request, StatReply
 
 
 class ControlError(OSError):
@@ -53,6 +54,13 @@ def find_socket(mountpoint: str) -> str:
         if e.errno in (errno.ENODATA, errno.ENOTSUP):
             raise ControlError(e.errno, f"{mountpoint} is not an mxfs mount") from None
         raise
+
+
+def _fields(reply: dict[str, Any]) -> dict[str, Any]:
+    """A reply without its envelope: what its op declares."""
+    reply.pop("ok", None)
+    reply.pop("id", None)
+    return reply
 
 
 class ControlClient:
@@ -164,6 +172,31 @@ class ControlClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---- typed requests: what the library sends (proto/messages.py declares each op) ----
+
+    def request(self, req: Request[Any, Rep]) -> Rep:
+        """Send one request (`OP(fields)`) and wait for its reply; ControlError on
+        refusal."""
+        reply, fds = self.request_with_fds(req)
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def request_with_fds(self, req: Request[Any, Rep]) -> tuple[Rep, list[int]]:
+        """Like `request`, keeping the descriptors that came with the reply (caller
+        closes)."""
+        reply, fds = self.call_with_fds(req.op.name, **req.fields)
+        return cast(Rep, _fields(reply)), fds
+
+    def request_many(self, requests: Sequence[Request[Any, Rep]], window: int = 16
+                     ) -> list[tuple[Rep, list[int]] | ControlError]:
+        """`call_many` of typed requests (of one op: their replies share a type)."""
+        out = self.call_many([(r.op.name, r.fields) for r in requests], window)
+        return [got if isinstance(got, ControlError) else (cast(Rep, _fields(got[0])), got[1])
+                for got in out]
+
+    # ---- raw requests: any op and fields (the typed ones' base; tests send anything) ----
+
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and wait for its reply; raises ControlError on refusal."""
         reply, fds = self.call_with_fds(op, **fields)
@@ -189,7 +222,7 @@ class ControlClient:
                 if self.broken:
                     self.sock.close()
 
-    def call_many(self, requests: Sequence[tuple[str, dict[str, Any]]], window: int = 16
+    def call_many(self, requests: Sequence[tuple[str, Mapping[str, Any]]], window: int = 16
                   ) -> list[tuple[dict[str, Any], list[int]] | ControlError]:
         """Send `requests` back to back, at most `window` ahead of their replies, and give
         each one's reply and descriptors (the caller closes them), or the ControlError it
@@ -253,8 +286,8 @@ class ControlClient:
             raise ControlError(errno.EXDEV, f"{path} is not inside {self.mountpoint}")
         return "/" if rel == "." else "/" + rel
 
-    def stat(self) -> dict[str, Any]:
-        return self.call("stat")
+    def stat(self) -> StatReply:
+        return self.request(STAT())
 
-    def layout(self, path: str) -> dict[str, Any]:
-        return self.call("layout", path=self.pool_path(path))
+    def layout(self, path: str) -> FileReply:
+        return self.request(LAYOUT({"path": self.pool_path(path)}))

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import mmap
 import os
+from collections.abc import Mapping
 from contextlib import suppress
 from typing import Any
 
@@ -19,6 +20,7 @@ from mxfs.errors import MxfsError
 from mxfs.io import PAGE, Layout, Piece, ReadOp, read_batch
 from mxfs.io.batch import executor
 from mxfs.io.residency import Residency
+from mxfs.proto.messages import LAYOUT, OPEN_READ
 
 # Requests are cut into segments this big, so each member serves several at a time.
 SEGMENT = 16 << 20
@@ -111,7 +113,7 @@ class DirectFile(Reader):
     """A file on an mxfs mount, read straight from its chunk files in parallel."""
 
     def __init__(self, path: str, client: ControlClient | None,
-                 opened: tuple[dict[str, Any], list[int]] | None = None) -> None:
+                 opened: tuple[Mapping[str, Any], list[int]] | None = None) -> None:
         """Open `path` with `open_read`, or wrap what another request handed over
         (`opened`: its reply, with size, layout and members, and the descriptors;
         without a client when an unmounted pool was opened directly)."""
@@ -120,7 +122,9 @@ class DirectFile(Reader):
         if opened is None:
             assert client is not None
             self._pool_path = client.pool_path(path)
-            opened = client.call_with_fds("open_read", path=self._pool_path, odirect=True)
+            read = client.request_with_fds(OPEN_READ({"path": self._pool_path,
+                                                      "odirect": True}))
+            opened = read
         reply, fds = opened
         try:
             self.size = int(reply["size"])
@@ -207,12 +211,12 @@ class DirectFile(Reader):
         if self.client is None or not self._pool_path:
             return  # an unmounted pool, held by a shared lock: nothing can change it
         try:
-            now = self.client.call("layout", path=self._pool_path)
+            now = self.client.request(LAYOUT({"path": self._pool_path}))
         except ControlError as e:
             if e.errno != errno.ENOENT:
                 raise
-            now = {}
-        if (now.get("ino"), now.get("generation"), now.get("size")) != \
+            now = None
+        if now is None or (now["ino"], now["generation"], now["size"]) != \
                 (self.ino, self.generation, self.size):
             raise FileChanged(f"{self.path} was replaced or written while it was read",
                               "load it again once its writer is done")

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import os
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError
@@ -23,6 +24,11 @@ from mxfs.client.direct import DIO_ALIGN, SEGMENT, address_of, control_client_fo
 from mxfs.io import Layout, WriteOp, write_batch
 from mxfs.io.batch import sync_all
 from mxfs.io.checksum import block_sums, pack_sums
+from mxfs.proto.messages import ABORT, COMMIT, CREATE, InodeRequest, SumsFields
+
+
+class Finished(InodeRequest, SumsFields):
+    """What a commit-like request says of the file it publishes."""
 
 # Checksum block of files written outside mxfs (an mxfs file uses its stripe unit).
 PLAIN_SUM_UNIT = 1 << 20
@@ -94,7 +100,7 @@ class FileWriter:
 class DirectWriter(FileWriter):
     """A hidden mxfs file written straight to its chunk files."""
 
-    def __init__(self, label: str, client: ControlClient, reply: dict[str, Any],
+    def __init__(self, label: str, client: ControlClient, reply: Mapping[str, Any],
                  fds: list[int], size: int, direct: bool) -> None:
         """`reply` and `fds` come from a create-like request (`create`, `kv_create`)."""
         super().__init__()
@@ -144,38 +150,34 @@ class DirectWriter(FileWriter):
         return ops
 
     def commit(self, size: int, replace: bool = True) -> list[int]:
-        return self.finish("commit", size, sync=True, replace=replace)[0]
-
-    def finish(self, op: str, size: int, sync: bool, **fields: Any
-               ) -> tuple[list[int], dict[str, Any]]:
-        """Send the commit-like request `op` for `size` bytes, fsyncing first if `sync`."""
-        sums, (op, message) = self.finish_request(op, size, sync, **fields)
+        """Publish the file at `size` bytes: fsynced, then named, sealed and durable."""
+        sums, fields = self.finish_request(size, sync=True)
         try:
-            reply = self.client.call(op, **message)
+            self.client.request(COMMIT({**fields, "replace": replace}))
         except ControlError as e:
             raise OSError(e.errno, f"{self.path}: {e.strerror}") from None
         self.done = True
-        return sums, reply
+        return sums
 
-    def finish_request(self, op: str, size: int, sync: bool, **fields: Any
-                       ) -> tuple[list[int], tuple[str, dict[str, Any]]]:
-        """The checksums and the commit-like request `finish` sends (after the fsync, if
-        `sync`, and with the descriptors closed), for a caller sending many at once
-        (`ControlClient.call_many`), which sets `done` once the daemon took it."""
+    def finish_request(self, size: int, sync: bool) -> tuple[list[int], Finished]:
+        """The checksums, and the fields a commit-like request (`commit`, `kv_commit`)
+        carries for `size` bytes, after the fsync (if `sync`) with the descriptors
+        closed; a caller sending many at once (`ControlClient.request_many`) sets `done`
+        once the daemon took each."""
         sums = self.sums(size)
         packed = pack_sums(sums)
         if sync:
             sync_all(list(self.fds.values()))
         self._close_fds()
-        return sums, (op, {"ino": self.ino, "size": size, "sum_unit": self.sum_unit,
-                           "sums": base64.b64encode(packed).decode(), **fields})
+        return sums, {"ino": self.ino, "size": size, "sum_unit": self.sum_unit,
+                      "sums": base64.b64encode(packed).decode()}
 
     def abort(self) -> None:
         self._close_fds()
         if not self.done:
             self.done = True
             try:
-                self.client.call("abort", ino=self.ino)
+                self.client.request(ABORT({"ino": self.ino}))
             except (ControlError, OSError):
                 pass  # the daemon drops it anyway when this connection closes
 
@@ -266,8 +268,9 @@ def create_file(path: str, size: int = 0, mode: int = 0o644, exclusive: bool = F
             raise FileExistsError(errno.EEXIST, f"{path} exists")
         return PlainWriter(path, mode, direct)
     try:
-        reply, fds = client.call_with_fds("create", path=client.pool_path(path), size=size,
-                                          mode=mode, exclusive=exclusive)
+        reply, fds = client.request_with_fds(CREATE({
+            "path": client.pool_path(path), "size": size, "mode": mode,
+            "exclusive": exclusive}))
     except ControlError as e:
         raise OSError(e.errno, f"{path}: {e.strerror}") from None
     return DirectWriter(path, client, reply, fds, size, direct)

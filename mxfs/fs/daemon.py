@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,7 +286,7 @@ def pool_gauges(control: ControlServer) -> Iterator[Any]:
     """Prometheus gauges read at scrape time: members, inodes, KV namespaces."""
     from prometheus_client.core import GaugeMetricFamily
 
-    members = control.vol.pool.usage()
+    members: list[Mapping[str, Any]] = list(control.vol.pool.usage())  # read by name
     for name, what in (("size", "Member capacity"), ("free", "Member free space"),
                        ("used", "Member space used")):
         g = GaugeMetricFamily(f"mxfs_member_{name}_bytes", what, labels=["member"])
@@ -306,7 +306,8 @@ def pool_gauges(control: ControlServer) -> Iterator[Any]:
         # By owner, not by name: namespace names are their owners' (kv_stats hides
         # others' from a caller), and anyone on the host may read /metrics.
         by_uid: Counter[int] = Counter()
-        for s in control.kv.index.stats():
+        spaces: list[Mapping[str, Any]] = list(control.kv.index.stats())
+        for s in spaces:
             by_uid[int(s["uid"])] += int(s[key])
         g = GaugeMetricFamily(f"mxfs_kv_{key}", what + " by the namespaces' owner",
                               labels=["uid"])

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import base64
 import errno
+from collections.abc import Mapping
 from typing import Any
 
 from mxfs.meta import NAME_MAX
+from mxfs.proto import BY_NAME, OPS, Op, ProtocolError
+
+# A request as it arrives: an untrusted JSON object, its values checked by these helpers.
+Msg = Mapping[str, Any]
 
 INT_MAX = (1 << 63) - 1
 PATH_MAX = 4096
@@ -23,11 +28,11 @@ PATH_MAX = 4096
 class BadField(OSError):
     """A request field of the wrong type or out of range (EINVAL unless told)."""
 
-    def __init__(self, msg: dict[str, Any], what: str, code: int = errno.EINVAL) -> None:
+    def __init__(self, msg: Msg, what: str, code: int = errno.EINVAL) -> None:
         super().__init__(code, f"{str(msg.get('op'))[:32]}: {what}")
 
 
-def int_field(msg: dict[str, Any], key: str, default: int | None = None) -> int:
+def int_field(msg: Msg, key: str, default: int | None = None) -> int:
     """A non-negative integer that fits the store (below 2^63)."""
     value = msg.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT_MAX:
@@ -35,14 +40,14 @@ def int_field(msg: dict[str, Any], key: str, default: int | None = None) -> int:
     return value
 
 
-def bool_field(msg: dict[str, Any], key: str, default: bool = False) -> bool:
+def bool_field(msg: Msg, key: str, default: bool = False) -> bool:
     value = msg.get(key, default)
     if not isinstance(value, bool):
         raise BadField(msg, f"{key!r} must be true or false")
     return value
 
 
-def str_field(msg: dict[str, Any], key: str, max_bytes: int = PATH_MAX) -> str:
+def str_field(msg: Msg, key: str, max_bytes: int = PATH_MAX) -> str:
     """A string that encodes as UTF-8, holds no NUL and is at most `max_bytes` long."""
     value = msg.get(key)
     if not isinstance(value, str):
@@ -58,7 +63,7 @@ def str_field(msg: dict[str, Any], key: str, max_bytes: int = PATH_MAX) -> str:
     return value
 
 
-def path_field(msg: dict[str, Any]) -> str:
+def path_field(msg: Msg) -> str:
     """A pool path: a valid string whose every component the mount would accept."""
     path = str_field(msg, "path")
     for part in path.split("/"):
@@ -68,7 +73,7 @@ def path_field(msg: dict[str, Any]) -> str:
     return path
 
 
-def b64_field(msg: dict[str, Any], key: str, default: str | None = None) -> bytes:
+def b64_field(msg: Msg, key: str, default: str | None = None) -> bytes:
     value = msg.get(key, default)
     if not isinstance(value, str):
         raise BadField(msg, f"needs a base64 string {key!r}")
@@ -78,7 +83,7 @@ def b64_field(msg: dict[str, Any], key: str, default: str | None = None) -> byte
         raise BadField(msg, f"{key!r} is not base64") from None
 
 
-def sums_field(msg: dict[str, Any], unit: int, size: int) -> tuple[int, bytes]:
+def sums_field(msg: Msg, unit: int, size: int) -> tuple[int, bytes]:
     """(sum_unit, packed xxh3 sums) of a commit, checked against the file's size."""
     sum_unit = int_field(msg, "sum_unit")
     sums = b64_field(msg, "sums", "")
@@ -91,19 +96,27 @@ def sums_field(msg: dict[str, Any], unit: int, size: int) -> tuple[int, bytes]:
     return sum_unit, sums
 
 
-def check_request(msg: dict[str, Any]) -> None:
+def check_fields(msg: Msg, op: Op[Any, Any]) -> None:
+    """Refuse a field `op` does not take (EINVAL for this request alone): a client's
+    mistake, or a probe, told at once rather than ignored."""
+    unknown = op.unknown(msg)
+    if unknown:
+        raise BadField(msg, f"does not take {', '.join(map(repr, unknown[:4]))[:200]} (it "
+                       f"takes {', '.join(sorted(op.fields)) or 'no fields'})")
+
+
+def check_request(msg: Msg) -> None:
     """The envelope of a request: a known op and an id the reply can carry back.
 
     ProtocolError (the connection is dropped): an unknown op means the peer
     speaks another protocol.
     """
-    from mxfs.proto import OPS, ProtocolError
-
     op = msg.get("op")
-    if not isinstance(op, str) or op not in OPS:
+    if not isinstance(op, str) or op not in BY_NAME:
         raise ProtocolError(f"unknown op {str(op)[:40]!r} (this daemon serves "
                             f"{', '.join(OPS)})")
     msg_id = msg.get("id")
     if not (msg_id is None or isinstance(msg_id, int) and not isinstance(msg_id, bool)
             and abs(msg_id) <= INT_MAX or isinstance(msg_id, str) and len(msg_id) <= 64):
         raise ProtocolError("'id' must be an integer or a string of at most 64 characters")
+

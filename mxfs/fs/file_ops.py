@@ -12,17 +12,16 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
 
 import trio
 
-from mxfs.fs.fields import bool_field, int_field, path_field, sums_field
+from mxfs.fs.fields import Msg, bool_field, int_field, path_field, sums_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.meta_ops import durable
 from mxfs.fs.session import (
+    Answer,
     Handler,
     Pending,
-    Reply,
     Session,
     check_pending_room,
     cut_back,
@@ -34,6 +33,7 @@ from mxfs.fs.session import (
 )
 from mxfs.meta import Inode
 from mxfs.proto import MAX_FDS
+from mxfs.proto.messages import CreateReply, Empty, FileReply, OpenReadReply
 from mxfs.vol.access import (
     R_OK,
     may,
@@ -69,15 +69,15 @@ class FileOps:
         return {"layout": self.layout, "open_read": self.open_read, "create": self.create,
                 "commit": self.commit, "abort": self.abort}
 
-    def _describe(self, node: Inode) -> dict[str, Any]:
-        out: dict[str, Any] = {"ok": True, "ino": node.ino, "size": node.apparent_size,
-                               "generation": node.generation, "mode": node.mode,
-                               "sealed": self.vol.store.is_sealed(node.ino)}
+    def _describe(self, node: Inode) -> FileReply:
+        out: FileReply = {"ino": node.ino, "size": node.apparent_size,
+                          "generation": node.generation, "mode": node.mode,
+                          "sealed": self.vol.store.is_sealed(node.ino)}
         if node.is_reg:
             out["layout"] = self.vol.layout(node).describe()
         return out
 
-    async def open_read(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def open_read(self, msg: Msg, session: Session) -> Answer[OpenReadReply]:
         """Read-only descriptors of a file's chunk files, if the caller may read it
         (with "odirect": O_DIRECT ones too, for reads that bypass the page cache)."""
         path, caller = path_field(msg), session.caller
@@ -102,7 +102,7 @@ class FileOps:
 
     # ---- direct writes -------------------------------------------------------
 
-    async def create(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def create(self, msg: Msg, session: Session) -> Answer[CreateReply]:
         """A hidden file to be published at `path`, and write descriptors of its chunk files.
 
         The caller must be allowed to create `path` (as the mount would), and the
@@ -125,17 +125,15 @@ class FileOps:
                               caller.gids.__contains__)
         entry, members, fds = open_hidden(self.vol, parent, mode, caller.uid, gid)
         session.hold(Pending(entry, path, size))
-        reply = self._describe(entry.node)
-        reply["members"] = members
-        return reply, fds
+        return {**self._describe(entry.node), "members": members}, fds
 
-    def _pending(self, msg: dict[str, Any], session: Session) -> Pending:
+    def _pending(self, msg: Msg, session: Session) -> Pending:
         pending = session.pending.get(int_field(msg, "ino"))
         if pending is None:
             raise OSError(errno.EBADF, f"inode {msg.get('ino')} is not being written here")
         return pending
 
-    async def commit(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def commit(self, msg: Msg, session: Session) -> Answer[FileReply]:
         """Publish a hidden file: settle its bytes, name it, seal it, make it durable.
 
         A writer that wrote past the size it declared at create is refused and its
@@ -177,11 +175,11 @@ class FileOps:
                 await self.entry_changed(parent.ino, name)
         return self._describe(node), []
 
-    async def abort(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def abort(self, msg: Msg, session: Session) -> Answer[Empty]:
         drop_pending(self.vol, session, self._pending(msg, session).entry.node.ino)
-        return {"ok": True}, []
+        return {}, []
 
-    async def layout(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def layout(self, msg: Msg, session: Session) -> Answer[FileReply]:
         node = resolve_for(self.vol.store, path_field(msg), session.caller,
                            mountpoint=self.mountpoint)
         return self._describe(node), []

@@ -18,14 +18,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import trio
 
 from mxfs.fs.fair import BITE, Slice, in_bites
-from mxfs.fs.fields import BadField, b64_field, bool_field, int_field, sums_field
+from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import (
+    Answer,
     Handler,
     Pending,
     Reply,
@@ -42,6 +42,22 @@ from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool import ChunkFiles
 from mxfs.proto import MAX_FDS, OPS
+from mxfs.proto.messages import (
+    ChunkReply,
+    DeletedReply,
+    Empty,
+    EvictedReply,
+    KVCommitReply,
+    KVConfigReply,
+    KVCreateReply,
+    KVExistsReply,
+    KVGetReply,
+    KVListReply,
+    KVPutReply,
+    KVStatsReply,
+    NamespaceStats,
+    ReadFds,
+)
 from mxfs.vol.access import R_OK, W_OK, Caller
 from mxfs.vol.kv_index import Chunk, KVIndex, Namespace, check_key, check_namespace
 from mxfs.vol.volume import Volume
@@ -49,7 +65,7 @@ from mxfs.vol.volume import Volume
 log = logging.getLogger("mxfs.kv")
 
 # A KV op that works in a namespace, given it checked for what the op needs.
-InSpace = Callable[[dict[str, Any], "Session", "Namespace"], Awaitable[Reply]]
+InSpace = Callable[[Msg, Session, Namespace], Awaitable[Reply]]
 
 KV_OPS = tuple(op for op in OPS if op.startswith("kv_"))
 INLINE_REPLY = 512 << 10  # chunk bytes one kv_get reply may carry inline
@@ -82,7 +98,7 @@ _NEEDS = {"kv_put": (W_OK, True), "kv_create": (W_OK, True), "kv_commit": (W_OK,
           "kv_config": (0, False)}
 
 
-def _keys(msg: dict[str, Any]) -> list[bytes]:
+def _keys(msg: Msg) -> list[bytes]:
     raw = msg.get("keys")
     if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
         raise BadField(msg, "needs 'keys': a list of base64 strings")
@@ -94,7 +110,7 @@ def _keys(msg: dict[str, Any]) -> list[bytes]:
         raise BadField(msg, "a key is not base64") from None
 
 
-def _sizes(msg: dict[str, Any], n: int) -> list[int | None]:
+def _sizes(msg: Msg, n: int) -> list[int | None]:
     """The sizes of the caller's buffers, one a key (None: any size), from "sizes"."""
     raw = msg.get("sizes")
     if raw is None:
@@ -106,17 +122,17 @@ def _sizes(msg: dict[str, Any], n: int) -> list[int | None]:
     return raw
 
 
-def _sums(chunk: Chunk) -> dict[str, Any]:
+def _sums(chunk: Chunk) -> ChunkReply:
     """What a reader checks a chunk's bytes against."""
     return {"size": chunk.size, "sum_unit": chunk.sum_unit,
             "sums": base64.b64encode(chunk.sums).decode()}
 
 
-def _key(msg: dict[str, Any]) -> bytes:
+def _key(msg: Msg) -> bytes:
     return check_key(b64_field(msg, "key"))
 
 
-def _mode(msg: dict[str, Any], default: int | None) -> int | None:
+def _mode(msg: Msg, default: int | None) -> int | None:
     if msg.get("mode") is None:
         return default
     mode = int_field(msg, "mode")
@@ -148,11 +164,11 @@ class KVOps:
     def _in_space(self, op: str, fn: InSpace) -> Handler:
         """`fn` given the namespace `op` works in, checked for what `op` needs of the
         caller."""
-        async def handler(msg: dict[str, Any], session: Session) -> Reply:
+        async def handler(msg: Msg, session: Session) -> Reply:
             return await fn(msg, session, self._space(op, msg, session.caller))
         return handler
 
-    async def _stats(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def _stats(self, msg: Msg, session: Session) -> Answer[KVStatsReply]:
         caller = session.caller
         ns = msg.get("namespace")
         spaces = [self.index.space(ns, caller)] if ns is not None else [
@@ -160,42 +176,42 @@ class KVOps:
         stats = []
         async for some in in_bites(spaces, 8):  # (each counts its pinned chunks)
             stats += [s.stats() for s in some]
-        return {"ok": True, "namespaces": stats}, []
+        return {"namespaces": stats}, []
 
-    async def _unpin_keys(self, msg: dict[str, Any], session: Session, space: Namespace
-                          ) -> Reply:
+    async def _unpin_keys(self, msg: Msg, session: Session, space: Namespace
+                          ) -> Answer[Empty]:
         self._unpin(session, space, _keys(msg))
-        return {"ok": True}, []
+        return {}, []
 
-    async def _exists(self, msg: dict[str, Any], session: Session, space: Namespace
-                      ) -> Reply:
-        return {"ok": True, "present": [k in space.chunks for k in _keys(msg)]}, []
+    async def _exists(self, msg: Msg, session: Session, space: Namespace
+                      ) -> Answer[KVExistsReply]:
+        return {"present": [k in space.chunks for k in _keys(msg)]}, []
 
-    async def _delete(self, msg: dict[str, Any], session: Session, space: Namespace
-                      ) -> Reply:
+    async def _delete(self, msg: Msg, session: Session, space: Namespace
+                      ) -> Answer[DeletedReply]:
         deleted = 0
         async for keys in in_bites(_keys(msg), BITE):
             deleted += self.index.remove(space, list(keys))
-        return {"ok": True, "deleted": deleted}, []
+        return {"deleted": deleted}, []
 
-    async def _list(self, msg: dict[str, Any], session: Session, space: Namespace) -> Reply:
+    async def _list(self, msg: Msg, session: Session, space: Namespace) -> Answer[KVListReply]:
         n = len(space.chunks)
         skip = min(int_field(msg, "skip", 0), n)
         stop = min(skip + min(int_field(msg, "limit", 1000), MAX_LIST), n)
         items = itertools.islice(space.chunks.items(), skip, stop)
-        return {"ok": True, "chunks": [[base64.b64encode(k).decode(), c.size, c.pins]
+        return {"chunks": [[base64.b64encode(k).decode(), c.size, c.pins]
                                        for k, c in items]}, []
 
-    async def _config(self, msg: dict[str, Any], session: Session, space: Namespace
-                      ) -> Reply:
+    async def _config(self, msg: Msg, session: Session, space: Namespace
+                      ) -> Answer[KVConfigReply]:
         self.index.configure(space, session.caller, int_field(msg, "capacity"))
         target = self.index.over(space)
         evicted = 0 if target is None else await self._evict(space, target)
-        return {"ok": True, "evicted": evicted, **space.stats()}, []
+        return {"evicted": evicted, **space.stats()}, []
 
-    async def _evict_to(self, msg: dict[str, Any], session: Session, space: Namespace
-                        ) -> Reply:
-        return {"ok": True, "evicted": await self._evict(space, int_field(msg, "keep", 0))}, []
+    async def _evict_to(self, msg: Msg, session: Session, space: Namespace
+                        ) -> Answer[EvictedReply]:
+        return {"evicted": await self._evict(space, int_field(msg, "keep", 0))}, []
 
     async def _evict(self, space: Namespace, target: int) -> int:
         """Evict down to `target` bytes a bite at a time; how many chunks went."""
@@ -205,7 +221,7 @@ class KVOps:
             self.index.drop(list(bite))
         return len(victims)
 
-    def _space(self, op: str, msg: dict[str, Any], caller: Caller) -> Namespace:
+    def _space(self, op: str, msg: Msg, caller: Caller) -> Namespace:
         """The namespace `op` works in, checked for what it needs of the caller."""
         mask, moves = _NEEDS[op]
         shared = bool_field(msg, "shared")
@@ -215,7 +231,7 @@ class KVOps:
         return self.index.space(msg.get("namespace"), caller, mask, shared or not moves,
                                 create_mode=create)
 
-    async def _ns_remove(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def _ns_remove(self, msg: Msg, session: Session) -> Answer[DeletedReply]:
         """Remove a namespace with its chunks, a bite at a time (puts racing the removal
         are removed with it): its owner or root."""
         caller = session.caller
@@ -229,9 +245,9 @@ class KVOps:
             await share.due()
         if self.index.spaces.get(name) is not space:
             raise OSError(errno.ENOENT, f"KV namespace {name!r} was removed meanwhile")
-        return {"ok": True, "deleted": deleted + self.index.drop_namespace(space)}, []
+        return {"deleted": deleted + self.index.drop_namespace(space)}, []
 
-    async def _ns_create(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def _ns_create(self, msg: Msg, session: Session) -> Answer[NamespaceStats]:
         """Make a namespace ahead of its users (root: for anyone, taking over a name
         with `force`; others: for themselves)."""
         caller = session.caller
@@ -246,7 +262,7 @@ class KVOps:
             self.index.check_room(caller.uid)
         space = self.index.create(name, uid, gid, _mode(msg, 0o700) or 0,
                                   int_field(msg, "capacity", 0), replace=force)
-        return {"ok": True, **space.stats()}, []
+        return {**space.stats()}, []
 
     def _room(self, space: Namespace, size: int, uid: int) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
@@ -267,7 +283,7 @@ class KVOps:
                           "least recently used chunks are being evicted")
         return root
 
-    async def _put(self, msg: dict[str, Any], session: Session, space: Namespace) -> Reply:
+    async def _put(self, msg: Msg, session: Session, space: Namespace) -> Answer[KVPutReply]:
         """Small chunks in one request: the daemon writes them (no descriptors passed),
         PUT_BITE at a time."""
         keys, data = _keys(msg), msg.get("data")
@@ -302,23 +318,23 @@ class KVOps:
             finally:
                 self.vol.release(entry.node.ino)
             stored.append(True)
-        return {"ok": True, "stored": stored, "evicted": self.index.enforce(space)}, []
+        return {"stored": stored, "evicted": self.index.enforce(space)}, []
 
-    async def _create(self, msg: dict[str, Any], session: Session, space: Namespace
-                      ) -> Reply:
+    async def _create(self, msg: Msg, session: Session, space: Namespace
+                      ) -> Answer[KVCreateReply]:
         key, size = _key(msg), int_field(msg, "size")
         if key in space.chunks:
-            return {"ok": True, "exists": True}, []  # the cheap answer to a repeated put
+            return {"exists": True}, []  # the cheap answer to a repeated put
         check_pending_room(session, self.limits)
         root = self._room(space, size, session.caller.uid)
         entry, members, fds = open_hidden(self.vol, root, 0o600, session.caller.uid,
                                           session.caller.gid)
         session.hold(Pending(entry, "", size))
-        return {"ok": True, "exists": False, "ino": entry.node.ino,
+        return {"exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds
 
-    async def _commit(self, msg: dict[str, Any], session: Session, space: Namespace
-                      ) -> Reply:
+    async def _commit(self, msg: Msg, session: Session, space: Namespace
+                      ) -> Answer[KVCommitReply]:
         pending = session.pending.get(int_field(msg, "ino"))
         if pending is None or pending.path:
             raise OSError(errno.EBADF, f"inode {msg.get('ino')} is not a KV chunk written here")
@@ -339,9 +355,9 @@ class KVOps:
         session.let_go(entry.node.ino)
         self.vol.release(entry.node.ino)
         evicted = self.index.enforce(space) if stored else 0
-        return {"ok": True, "stored": stored, "evicted": evicted}, []
+        return {"stored": stored, "evicted": evicted}, []
 
-    async def get(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def get(self, msg: Msg, session: Session) -> Answer[KVGetReply]:
         """Layout, checksums and read descriptors of each present key (None: a miss);
         with "odirect", an O_DIRECT descriptor beside each buffered one, so that cold
         chunks go from the members to the engine's buffer without the page cache.
@@ -355,7 +371,7 @@ class KVOps:
         odirect = bool_field(msg, "odirect")
         inline_max = int_field(msg, "inline_max", 0)
         budget = INLINE_REPLY  # base64 of what rides inline must stay under MAX_PAYLOAD
-        out: list[dict[str, Any] | None] = []
+        out: list[ChunkReply | None] = []
         wanted: list[tuple[int, bytes, Chunk, Inode]] = []  # (slot in out, key, chunk, node)
         most = 0  # descriptors the opens may return, at most
         keys = _keys(msg)
@@ -403,23 +419,23 @@ class KVOps:
                 session.pins[(space.name, key)] += 1
                 session.pinned += 1
                 self.pinned_by_uid[uid] += 1
-        return {"ok": True, "chunks": out}, fds
+        return {"chunks": out}, fds
 
     async def _open_all(self, nodes: list[Inode], odirect: bool
-                        ) -> list[tuple[dict[str, list[int]], list[int]]]:
+                        ) -> list[tuple[ReadFds, list[int]]]:
         """`read_fds` of each node.  The first node's files are opened here; if that
         waited on a member (their inodes were not cached), the rest are opened all at
         once in worker threads, else here too (a hop to threads costs more than warm
         opens).  On a failure every descriptor opened is closed and the error raised."""
-        done: list[tuple[dict[str, list[int]], list[int]]] = []
+        done: list[tuple[ReadFds, list[int]]] = []
 
-        def one(node: Inode) -> tuple[dict[str, list[int]], list[int]] | Exception:
+        def one(node: Inode) -> tuple[ReadFds, list[int]] | Exception:
             try:
                 return read_fds(self.vol, node, odirect=odirect)
             except Exception as e:  # noqa: BLE001 - every opened descriptor is accounted
                 return e
 
-        def at_once(later: list[Inode]) -> list[tuple[dict[str, list[int]], list[int]]
+        def at_once(later: list[Inode]) -> list[tuple[ReadFds, list[int]]
                                                  | Exception]:
             return list(_OPENERS.map(one, later))
 

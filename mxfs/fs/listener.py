@@ -25,11 +25,11 @@ from typing import Any
 import trio
 
 from mxfs.fs.failures import FailureLog
-from mxfs.fs.fields import check_request
+from mxfs.fs.fields import Msg, check_request
 from mxfs.fs.foreign_fds import Closer, refuse_rights
 from mxfs.fs.inflight import park, unread_bytes
 from mxfs.fs.limits import Limits, fd_limit
-from mxfs.fs.session import Reply, Session
+from mxfs.fs.session import Session
 from mxfs.proto import HEADER, MAX_VALUES, ProtocolError, decode_payload, encode, parse_header
 from mxfs.proto.framing import ancillary_space, fds_from_ancdata
 from mxfs.vol.access import Caller, supplementary_groups
@@ -61,7 +61,7 @@ class Listener:
     connection held when it closes."""
 
     def __init__(self, path: str, limits: Limits,
-                 dispatch: Callable[[dict[str, Any], Session], Awaitable[Reply]],
+                 dispatch: Callable[[Msg, Session], Awaitable[tuple[dict[str, Any], list[int]]]],
                  new_session: Callable[[Caller, Any], Session],
                  end: Callable[[Session], None]) -> None:
         self.path = path

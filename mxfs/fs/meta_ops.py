@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any
 
 import trio
 
-from mxfs.fs.session import Handler, Reply, Session
+from mxfs.fs.fields import Msg
+from mxfs.fs.session import Answer, Handler, Session
 from mxfs.meta import MetaStore
+from mxfs.proto.messages import BackupReply, Empty
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
@@ -41,13 +42,13 @@ class MetaOps:
         log.info("metadata backed up to %s", path)
         return path
 
-    async def _backup(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def _backup(self, msg: Msg, session: Session) -> Answer[BackupReply]:
         if session.caller.uid != 0:
             raise OSError(errno.EPERM, "only root backs up the metadata store")
-        return {"ok": True, "path": await self.backup_meta()}, []
+        return {"path": await self.backup_meta()}, []
 
-    async def _sync(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def _sync(self, msg: Msg, session: Session) -> Answer[Empty]:
         if session.caller.uid != 0:
             raise OSError(errno.EPERM, "only root syncs the metadata store")
         await self.sync_meta()
-        return {"ok": True}, []
+        return {}, []

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mxfs.io.batch import taken_back
+from mxfs.proto.messages import MetricsSnapshot
 
 # Latency buckets (seconds) of the request histograms.
 BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
@@ -53,7 +54,7 @@ class Metrics:
             self.io_bytes[(member, what)] += nbytes
             self.io_ops[(member, what)] += 1
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> MetricsSnapshot:
         """Every counter, JSON-ready (what `mxfs top` and `mxfs status --json` read)."""
         with self._lock:
             return {

@@ -5,20 +5,25 @@ from __future__ import annotations
 import errno
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from mxfs.fs.fields import Msg
 from mxfs.fs.limits import Limits
 from mxfs.io import PAGE
 from mxfs.meta import Inode
 from mxfs.pool.revoke import writers_remain
+from mxfs.proto.messages import ReadFds
 from mxfs.vol.access import Caller
 from mxfs.vol.quota import Quotas
 from mxfs.vol.volume import OpenInode, Volume
 
-# What serving a request gives: the reply's fields and descriptors to pass with it.
-Reply = tuple[dict[str, Any], list[int]]
+# What serving a request gives: the reply's fields (its op's reply in `proto/messages.py`)
+# and descriptors to pass with it.
+Rep = TypeVar("Rep", bound=Mapping[str, Any])
+Answer = tuple[Rep, list[int]]
+Reply = Answer[Mapping[str, Any]]
 
 
 @dataclass
@@ -176,11 +181,10 @@ def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int
     return entry, members, fds
 
 
-def read_fds(vol: Volume, node: Inode, odirect: bool = False
-             ) -> tuple[dict[str, list[int]], list[int]]:
+def read_fds(vol: Volume, node: Inode, odirect: bool = False) -> tuple[ReadFds, list[int]]:
     """Read-only descriptors of a file's chunk files (see Pool.open_for_read)."""
     return vol.pool.open_for_read(node.ino, vol.layout(node), node.size, odirect)
 
 
 # A control operation: serves one request of a connection.
-Handler = Callable[[dict[str, Any], Session], Awaitable[Reply]]
+Handler = Callable[[Msg, Session], Awaitable[Reply]]

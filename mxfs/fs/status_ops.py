@@ -9,17 +9,18 @@ from collections import Counter
 from typing import Any
 
 from mxfs import __version__
-from mxfs.fs.fields import bool_field, int_field
+from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
 from mxfs.fs.listener import Listener
 from mxfs.fs.metrics import Metrics
-from mxfs.fs.session import Handler, Reply, Session
+from mxfs.fs.session import Answer, Handler, Session
 from mxfs.fs.surveys import Surveys
 from mxfs.fs.wake import WakeLatency
 from mxfs.io.batch import ENGINE, native_engine, taken_back
 from mxfs.meta.survey import bytes_by_use
 from mxfs.proto import OPS, VERSION
+from mxfs.proto.messages import DfReply, HelloReply, MetricsReply, QuotaReport, StatReply
 from mxfs.vol.quota import DEFAULT, NONE, Quota, Quotas
 from mxfs.vol.volume import Volume
 
@@ -42,30 +43,30 @@ class StatusOps:
         return {"hello": self._hello, "stat": self._stat, "metrics": self._metrics,
                 "df": self._df, "quota": self._quota}
 
-    async def _hello(self, msg: dict[str, Any], session: Session) -> Reply:
-        return {"ok": True, "version": VERSION, "server": f"mxfs {__version__}",
+    async def _hello(self, msg: Msg, session: Session) -> Answer[HelloReply]:
+        return {"version": VERSION, "server": f"mxfs {__version__}",
                 "pid": os.getpid(), "pool_uuid": self.vol.pool.uuid, "ops": list(OPS),
                 "uid": session.caller.uid}, []
 
-    async def _stat(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def _stat(self, msg: Msg, session: Session) -> Answer[StatReply]:
         uid = session.caller.uid
         status = await self.status(uid)
         if uid != 0:  # names of lost files may sit under others' 0700 folders
             status["lost_examples"] = []
             status["limits"]["by_user"] = {}  # (nor who else uses the daemon)
-        return {"ok": True, **status}, []
+        return {**status}, []
 
-    async def _metrics(self, msg: dict[str, Any], session: Session) -> Reply:
-        return {"ok": True, **self.metrics.snapshot(), "members": self.vol.pool.usage()}, []
+    async def _metrics(self, msg: Msg, session: Session) -> Answer[MetricsReply]:
+        return {**self.metrics.snapshot(), "members": self.vol.pool.usage()}, []
 
-    async def _df(self, msg: dict[str, Any], session: Session) -> Reply:
-        return {"ok": True, "members": self.vol.pool.usage(),
+    async def _df(self, msg: Msg, session: Session) -> Answer[DfReply]:
+        return {"members": self.vol.pool.usage(),
                 "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
 
-    async def _quota(self, msg: dict[str, Any], session: Session) -> Reply:
+    async def _quota(self, msg: Msg, session: Session) -> Answer[QuotaReport]:
         return serve_quota(self.vol.quotas, msg, session.caller.uid), []
 
-    async def status(self, viewer: int = 0) -> dict[str, Any]:
+    async def status(self, viewer: int = 0) -> StatReply:
         """The pool as `mxfs status` shows it (the quota lines: `viewer`'s own, or every
         uid's to root)."""
         quotas = self.vol.quotas
@@ -75,8 +76,8 @@ class StatusOps:
         if pool.failed:
             lost, names = await self.surveys.get(
                 "lost", lambda store: self.vol.lost_files(limit=100, store=store))
-        health = {"degraded": bool(pool.failed), "lost_files": lost, "lost_examples": names}
-        return {**health, "pool_uuid": pool.uuid, "label": pool.label,
+        return {"degraded": bool(pool.failed), "lost_files": lost, "lost_examples": names,
+                "pool_uuid": pool.uuid, "label": pool.label,
                 "stripe_unit": pool.stripe_unit,
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.listener.path,
                 "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
@@ -120,14 +121,14 @@ class StatusOps:
         return {str(uid): counts for uid, counts in top}
 
 
-def serve_quota(quotas: Quotas, msg: dict[str, Any], uid: int) -> dict[str, Any]:
+def serve_quota(quotas: Quotas, msg: Msg, uid: int) -> QuotaReport:
     """The `quota` request: show (a user sees its own line; root every uid, or the one
     it names with "uid") or, for root, set.  Setting takes "uid" or "default", and
     "bytes" and "inodes" (0 lifts a limit, an absent one is kept) or "clear"."""
     if not bool_field(msg, "set"):
         if uid != 0:
-            return {"ok": True, **quotas.report(uid)}
-        return {"ok": True, **quotas.report(int_field(msg, "uid") if "uid" in msg else None)}
+            return {**quotas.report(uid)}
+        return {**quotas.report(int_field(msg, "uid") if "uid" in msg else None)}
     if uid != 0:
         raise OSError(errno.EPERM, "only root sets quotas")
     if bool_field(msg, "default"):
@@ -140,4 +141,4 @@ def serve_quota(quotas: Quotas, msg: dict[str, Any], uid: int) -> dict[str, Any]
     quota = NONE if bool_field(msg, "clear") else Quota(
         int_field(msg, "bytes", old.bytes), int_field(msg, "inodes", old.inodes))
     quotas.set(who, quota)
-    return {"ok": True, **quotas.report(None if who == DEFAULT else int(who))}
+    return {**quotas.report(None if who == DEFAULT else int(who))}

@@ -7,7 +7,10 @@ offset (k // W) * U + o mod U.  Each member holds one chunk file per file.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from mxfs.proto.messages import LayoutDesc
 
 PAGE = 4096
 DEFAULT_STRIPE_UNIT = 1 << 20
@@ -100,10 +103,10 @@ class Layout:
             pos += n
         return [Piece(m, starts[m], tuple(s)) for m, s in spans.items()]
 
-    def describe(self) -> dict[str, int]:
+    def describe(self) -> LayoutDesc:
         return {"stripe_unit": self.unit, "stripe_width": self.width, "first_member": self.first,
                 "pool_members": self.members}
 
     @classmethod
-    def from_description(cls, d: dict[str, int]) -> Layout:
+    def from_description(cls, d: LayoutDesc | Mapping[str, int]) -> Layout:
         return cls(d["stripe_unit"], d["stripe_width"], d["first_member"], d["pool_members"])

@@ -21,7 +21,7 @@ import os
 import resource
 import threading
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
@@ -32,6 +32,25 @@ from mxfs.io import read_batch, write_batch
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.proto import MAX_FDS
 from mxfs.proto.constants import MAX_KEY
+from mxfs.proto.messages import (
+    KV_COMMIT,
+    KV_CONFIG,
+    KV_CREATE,
+    KV_DELETE,
+    KV_EVICT,
+    KV_EXISTS,
+    KV_GET,
+    KV_LIST,
+    KV_PUT,
+    KV_STATS,
+    KV_UNPIN,
+    ChunkReply,
+    InNamespace,
+    KVGetRequest,
+    NamespaceStats,
+    Rep,
+    Request,
+)
 
 log = logging.getLogger("mxfs.kv")
 
@@ -74,7 +93,7 @@ def _fd_room() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft // 4
 
 
-def put_group(stat: dict[str, Any], members: int) -> int:
+def put_group(stat: Mapping[str, Any], members: int) -> int:
     """How many direct puts one group holds unpublished at once.
 
     No more than the daemon lets a connection hold (the `max_pending` its `stat`
@@ -186,7 +205,7 @@ class KVStore:
         self.client = ControlClient(root)
         self.namespace = namespace
         # Sent with every request: which namespace, and whether another's may be joined.
-        self._ns: dict[str, Any] = {"namespace": namespace, "shared": shared}
+        self._ns: InNamespace = {"namespace": namespace, "shared": shared}
         if mode is not None:
             self._ns["mode"] = mode
         stat = self.client.stat()
@@ -200,7 +219,7 @@ class KVStore:
         # daemon counts the last three as hits: it found the key.
         self.misses: Counter[str] = Counter()
         if capacity is not None:
-            self.client.call("kv_config", namespace=namespace, capacity=capacity)
+            self.client.request(KV_CONFIG({"namespace": namespace, "capacity": capacity}))
 
     def close(self) -> None:
         self.client.close()
@@ -211,8 +230,9 @@ class KVStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        return self.client.call(op, **self._ns, **fields)
+    def _ask(self, req: Request[Any, Rep]) -> Rep:
+        """A request (its fields beside `_ns`), refusals raised as ControlError."""
+        return self.client.request(req)
 
     # ---- writing ------------------------------------------------------------------
 
@@ -243,8 +263,9 @@ class KVStore:
         for item in small + [(-1, "", memoryview(b""))]:
             if batch and (item[0] < 0 or sum(len(v) for _, _, v in batch) + len(item[2])
                           > _INLINE_BATCH):
-                reply = self._checked("kv_put", keys=[k for _, k, _ in batch],
-                                      data=[base64.b64encode(v).decode() for _, _, v in batch])
+                reply = self._checked(KV_PUT({
+                    **self._ns, "keys": [k for _, k, _ in batch],
+                    "data": [base64.b64encode(v).decode() for _, _, v in batch]}))
                 for (i, _, _), ok in zip(batch, reply["stored"], strict=True):
                     stored[i] = bool(ok)
                 batch = []
@@ -254,11 +275,13 @@ class KVStore:
             self._put_large(large[start:start + self.put_group], stored)
         return stored
 
-    def _checked(self, op: str, **fields: Any) -> dict[str, Any]:
+    def _checked(self, req: Request[Any, Rep]) -> Rep:
+        """`_ask`, a refusal raised as the OSError it is, naming the op."""
         try:
-            return self._call(op, **fields)
+            return self._ask(req)
         except ControlError as e:
-            raise OSError(e.errno, f"KV {op.removeprefix('kv_')}: {e.strerror}") from None
+            raise OSError(e.errno, f"KV {req.op.name.removeprefix('kv_')}: {e.strerror}"
+                          ) from None
 
     def _put_large(self, items: list[tuple[int, str, memoryview]], stored: list[bool]) -> None:
         """Direct writes: hidden files, every chunk's bytes in one parallel batch, commits."""
@@ -266,9 +289,9 @@ class KVStore:
         try:
             # The group's creates, then its commits, each sent back to back: about two
             # round trips a group instead of two a chunk.
-            made = self.client.call_many([("kv_create", {**self._ns, "key": k,
+            made = self.client.request_many([KV_CREATE({**self._ns, "key": k,
                                                          "size": len(view)})
-                                          for _, k, view in items])
+                                             for _, k, view in items])
             refused: ControlError | None = None
             ops = []
             for (i, k, view), got in zip(items, made, strict=True):
@@ -276,7 +299,7 @@ class KVStore:
                     refused = refused or got
                     continue
                 reply, fds = got
-                if reply.get("exists"):
+                if reply["exists"]:
                     for fd in fds:
                         os.close(fd)
                     continue
@@ -288,15 +311,15 @@ class KVStore:
             if refused is not None:  # (the others made are aborted below)
                 raise OSError(refused.errno, f"KV put: {refused.strerror}")
             write_batch(ops)
-            commits = [w.finish_request("kv_commit", size, sync=False, **self._ns, key=k)[1]
-                       for _, w, k, size in writers]
-            for (i, w, _, _), got in zip(writers, self.client.call_many(commits),
-                                         strict=True):
-                if isinstance(got, ControlError):
-                    refused = refused or got
+            commits = [KV_COMMIT({**self._ns, **w.finish_request(size, sync=False)[1],
+                                  "key": k}) for _, w, k, size in writers]
+            for (i, w, _, _), done in zip(writers, self.client.request_many(commits),
+                                          strict=True):
+                if isinstance(done, ControlError):
+                    refused = refused or done
                     continue
                 w.done = True
-                stored[i] = bool(got[0].get("stored"))
+                stored[i] = done[0]["stored"]
             if refused is not None:
                 raise OSError(refused.errno, f"KV put: {refused.strerror}")
         finally:
@@ -327,10 +350,13 @@ class KVStore:
         wire = [_b64(k) for k in keys]
         # The buffers' sizes go along: a chunk that does not fit its buffer is a miss the
         # daemon counts as one (and opens nothing for).
-        sized = {} if outs is None else {"sizes": [_nbytes(o) for o in outs]}
+        get: KVGetRequest = {**self._ns, "keys": wire, "inline_max": INLINE,
+                             "odirect": not self.page_cache}
+        sizes = [] if outs is None else [_nbytes(o) for o in outs]
+        if outs is not None:
+            get["sizes"] = list(sizes)
         # No lease needed: the descriptors keep a chunk's bytes even if it is evicted.
-        found = self._lookup("kv_get", wire, inline_max=INLINE, odirect=not self.page_cache,
-                             **sized)
+        found = self._lookup(KV_GET(get))
         if found is None:
             self.misses["absent"] += len(keys)
             return [None] * len(keys)
@@ -339,7 +365,7 @@ class KVStore:
         misfits = set()
         for i, entry in enumerate(entries):
             if entry is not None and "sums" not in entry:  # {"size": N}: not its buffer's
-                self.misses["smaller" if entry["size"] < sized["sizes"][i] else "larger"] += 1
+                self.misses["smaller" if entry["size"] < sizes[i] else "larger"] += 1
                 entries[i] = None
                 misfits.add(i)
         files = self._chunk_files(entries, fds)
@@ -348,7 +374,7 @@ class KVStore:
             results: list[Any] = []
             bad = []
             for i, (view, entry) in enumerate(zip(views, entries, strict=True)):
-                if view is None:
+                if view is None or entry is None:
                     results.append(None)
                     continue
                 want = base64.b64decode(entry["sums"])
@@ -364,14 +390,14 @@ class KVStore:
                     device_tensor.copy_(host)
                 results.append(True if outs is not None else bytes(view))
             if bad:
-                self._call("kv_delete", keys=bad)
+                self._ask(KV_DELETE({**self._ns, "keys": bad}))
         finally:
             for f in files:
                 if f is not None:
                     f.close()
         return results
 
-    def _chunk_files(self, entries: list[dict[str, Any] | None], fds: list[int]
+    def _chunk_files(self, entries: list[ChunkReply | None], fds: list[int]
                      ) -> list[DirectFile | _Inline | None]:
         """Each reply entry as something to read from (None: a miss); takes `fds`."""
         files: list[DirectFile | _Inline | None] = []
@@ -436,16 +462,16 @@ class KVStore:
                 view[:] = stage
         return views, copies
 
-    def _lookup(self, op: str, wire: list[str], **fields: Any
-                ) -> tuple[dict[str, Any], list[int]] | None:
+    def _lookup(self, req: Request[Any, Rep]) -> tuple[Rep, list[int]] | None:
         """A lookup request (`kv_get`, `kv_exists`) of keys; None when the namespace does
         not exist: nobody stored anything in it yet, so every key is a miss."""
         try:
-            return self.client.call_with_fds(op, **self._ns, keys=wire, **fields)
+            return self.client.request_with_fds(req)
         except ControlError as e:
             if e.errno == errno.ENOENT:
                 return None
-            raise OSError(e.errno, f"KV {op.removeprefix('kv_')}: {e.strerror}") from None
+            raise OSError(e.errno, f"KV {req.op.name.removeprefix('kv_')}: {e.strerror}"
+                          ) from None
 
     # ---- the index ----------------------------------------------------------------
 
@@ -459,11 +485,11 @@ class KVStore:
 
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is stored (none are while the namespace does not exist)."""
-        found = self._lookup("kv_exists", [_b64(k) for k in keys])
+        found = self._lookup(KV_EXISTS({**self._ns, "keys": [_b64(k) for k in keys]}))
         return [False] * len(keys) if found is None else list(found[0]["present"])
 
     def delete(self, key: Key) -> bool:
-        return bool(self._call("kv_delete", keys=[_b64(key)])["deleted"] == 1)
+        return self._ask(KV_DELETE({**self._ns, "keys": [_b64(key)]}))["deleted"] == 1
 
     def pin(self, keys: Sequence[Key]) -> list[bool]:
         """A read lease on each stored key: eviction skips it until `unpin` (or until this
@@ -476,7 +502,7 @@ class KVStore:
         try:
             for start in range(0, len(keys), self.batch):
                 part = [_b64(k) for k in keys[start:start + self.batch]]
-                found = self._lookup("kv_get", part, pin=True)
+                found = self._lookup(KV_GET({**self._ns, "keys": part, "pin": True}))
                 if found is None:
                     leased += [False] * len(part)
                     continue
@@ -495,25 +521,35 @@ class KVStore:
         return leased
 
     def unpin(self, keys: Sequence[Key]) -> None:
-        self._call("kv_unpin", keys=[_b64(k) for k in keys])
+        self._ask(KV_UNPIN({**self._ns, "keys": [_b64(k) for k in keys]}))
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> NamespaceStats:
         """Chunks, bytes, capacity, hits, misses, puts, evictions of this namespace
         (ENOENT before anything was put into it)."""
-        stats: dict[str, Any] = self._call("kv_stats")["namespaces"][0]
-        return stats
+        return self._ask(KV_STATS(self._ns))["namespaces"][0]
 
     def clear(self) -> int:
         """Evict every chunk of this namespace that no reader holds (an engine's "flush
         the cache"); how many went.  A namespace nothing was put into yet has nothing to
         clear."""
+        return self.evict(0)
+
+    def evict(self, keep: int) -> int:
+        """Evict least recently used chunks no reader holds until the namespace holds at
+        most `keep` bytes; how many went (0 in a namespace nothing was put into)."""
         try:
-            return int(self._call("kv_evict", keep=0)["evicted"])
+            return self._ask(KV_EVICT({**self._ns, "keep": keep}))["evicted"]
         except ControlError as e:
             if e.errno == errno.ENOENT:
                 return 0
             raise
 
+    def list_chunks(self, skip: int = 0, limit: int = 1000) -> list[tuple[bytes, int, int]]:
+        """(key, size, pins) of the namespace's chunks from the `skip`th, at most `limit`
+        (the daemon answers at most 1000 a request)."""
+        page = self._ask(KV_LIST({**self._ns, "skip": skip, "limit": limit}))["chunks"]
+        return [(base64.b64decode(k), int(size), int(pins)) for k, size, pins in page]
+
     def set_capacity(self, capacity: int) -> int:
         """Bound the namespace (0: the pool only); returns how many chunks were evicted."""
-        return int(self._call("kv_config", capacity=capacity)["evicted"])
+        return self._ask(KV_CONFIG({**self._ns, "capacity": capacity}))["evicted"]

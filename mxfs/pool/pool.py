@@ -16,7 +16,7 @@ import shutil
 import time
 import tomllib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -31,6 +31,7 @@ from mxfs.pool.superblock import (
     superblock_path,
     write_superblock,
 )
+from mxfs.proto.messages import MemberUsage, ReadFds
 
 CHUNK_DIR = "chunks"
 BACKUP_DIR = "meta-backup"
@@ -409,7 +410,7 @@ class Pool:
         return f"{self.members[member].chunk_dir}/{ino % FANOUT:02x}/{ino}"
 
     def open_for_read(self, ino: int, layout: Layout, size: int, odirect: bool = False
-                      ) -> tuple[dict[str, list[int]], list[int]]:
+                      ) -> tuple[ReadFds, list[int]]:
         """Read-only descriptors of a file's chunk files, for a direct reader.
 
         Returns ({"members": [...], "direct_members": [...]}, fds): a buffered
@@ -514,9 +515,9 @@ class Pool:
                           f"{self.meta_member} ({self.members[self.meta_member].path})")
         self._meta_room = (at, free, since + nbytes)
 
-    def usage(self) -> list[dict[str, int | str]]:
+    def usage(self) -> list[MemberUsage]:
         """Space of each member's filesystem; "dev" tells members that share one."""
-        out: list[dict[str, int | str]] = []
+        out: list[MemberUsage] = []
         for m in self.members:
             if m.failed:
                 out.append({"index": m.index, "path": m.path, "size": 0, "free": 0, "used": 0,
@@ -531,10 +532,10 @@ class Pool:
         return out
 
 
-def pool_totals(members: list[dict[str, Any]]) -> dict[str, int]:
+def pool_totals(members: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Size, used and free of the pool, counting each filesystem once: folder members
     on one disk (as in the demo) share its space and must not add it up N times."""
-    seen: dict[object, dict[str, Any]] = {}
+    seen: dict[object, Mapping[str, Any]] = {}
     for m in members:
         if m.get("failed"):
             continue

@@ -5,7 +5,6 @@ from mxfs.proto.framing import (
     MAX_FDS,
     MAX_PAYLOAD,
     MAX_VALUES,
-    OPS,
     VERSION,
     ProtocolError,
     decode_payload,
@@ -15,7 +14,9 @@ from mxfs.proto.framing import (
     recv_message,
     send_message,
 )
+from mxfs.proto.messages import BY_NAME, OPS, Op
 
-__all__ = ["HEADER", "MAX_FDS", "MAX_PAYLOAD", "MAX_VALUES", "OPS", "VERSION", "ProtocolError",
+__all__ = ["BY_NAME", "HEADER", "MAX_FDS", "MAX_PAYLOAD", "MAX_VALUES", "OPS", "VERSION", "Op",
+           "ProtocolError",
            "decode_payload", "encode", "fds_from_ancdata", "parse_header", "recv_message",
            "send_message"]

@@ -30,11 +30,6 @@ MAX_DEPTH = 16
 # A request's lists and objects hold at most this many values in all (a batch of 4096
 # keys and their data is 8192): a 1 MiB payload of empty objects costs tens of MiB.
 MAX_VALUES = 20_000
-# Operations this version serves; direct reads and writes extend the list.
-OPS = ("hello", "stat", "layout", "open_read", "create", "commit", "abort",
-       "kv_put", "kv_create", "kv_commit", "kv_get", "kv_unpin", "kv_exists", "kv_delete",
-       "kv_stats", "kv_list", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
-       "meta_backup", "meta_sync", "metrics", "df", "quota")
 
 
 class ProtocolError(Exception):

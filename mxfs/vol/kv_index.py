@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.proto.constants import MAX_KEY
+from mxfs.proto.messages import NamespaceStats
 from mxfs.vol.access import R_OK, W_OK, Caller
 from mxfs.vol.volume import Volume
 
@@ -86,7 +87,7 @@ class Namespace:
                           f"{self.gid}, mode {self.mode:o}) does not grant "
                           f"{'write' if mask & W_OK else 'read'} to uid {caller.uid}")
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> NamespaceStats:
         return {"namespace": self.name, "uid": self.uid, "gid": self.gid,
                 "mode": f"{self.mode:o}", "chunks": len(self.chunks), "bytes": self.used,
                 "capacity": self.capacity, "hits": self.hits, "misses": self.misses,
@@ -376,7 +377,7 @@ class KVIndex:
             self._touched.clear()
             self.vol.store.kv.touch(rows)
 
-    def stats(self) -> list[dict[str, int | str]]:
+    def stats(self) -> list[NamespaceStats]:
         return [s.stats() for s in self.spaces.values()]
 
 

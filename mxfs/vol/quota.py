@@ -21,9 +21,9 @@ import errno
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from mxfs.meta import Inode, MetaStore
+from mxfs.proto.messages import QuotaReport, QuotaRow
 from mxfs.units import format_size
 
 PREFIX = "quota."
@@ -147,7 +147,7 @@ class Quotas:
             self.store.drop_setting(PREFIX + who)
             self.limits.pop(who, None)
 
-    def report(self, uid: int | None = None, most: int = 1000) -> dict[str, Any]:
+    def report(self, uid: int | None = None, most: int = 1000) -> QuotaReport:
         """What `mxfs quota` shows: each uid's usage against its limits (only `uid`'s
         when given; else every uid with a quota of its own or anything owned, the
         `most` largest by bytes), and the default."""
@@ -159,7 +159,7 @@ class Quotas:
             owners = sorted(set(usage.inodes) | set(self.reserved),
                             key=lambda u: -usage.owned_bytes(u))
             uids = sorted(named | set(owners[:most]))
-        rows = []
+        rows: list[QuotaRow] = []
         for u in uids:
             quota = self.of(u) if u != 0 else NONE
             rows.append({"uid": u, "bytes": usage.owned_bytes(u), "xattr_bytes": usage.xattrs[u],

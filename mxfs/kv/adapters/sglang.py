@@ -324,7 +324,7 @@ class MxfsHiCacheStorage(HiCacheStorage):
     def get_stats(self) -> dict[str, Any]:
         """The namespace's stats from the daemon (zeros before the first put)."""
         try:
-            return self.store.usage()
+            return dict(self.store.usage())
         except OSError as e:
             if e.errno != errno.ENOENT:
                 raise

@@ -1,0 +1,416 @@
+"""Every control operation's request and reply, defined once for the daemon and its
+clients.
+
+An `Op` ties an op's name to the TypedDict of its request fields and of its reply
+fields.  Calling it makes a typed request, `client.request(LAYOUT({"path": p}))`,
+whose reply is typed too (mypy checks the fields against the op); the daemon
+refuses a request field its op does not declare (`Op.unknown`) before any handler
+runs, and logs as a bug a reply that strays from its declaration (`Op.stray`).  The
+values themselves are still hostile until the daemon's field checks (`fs/fields.py`)
+pass them: a TypedDict says what a well-behaved peer sends, not what arrives.
+
+The envelope ("op" and "id" in a request; "id", "ok" and, when refused, "errno" and
+"error" in a reply) is the listener's and framing's, not declared per op.  (No
+`from __future__ import annotations` here: Python 3.11 reads NotRequired only from
+evaluated annotations.)
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, NotRequired, TypedDict, TypeVar, cast
+
+ENVELOPE = frozenset(("op", "id"))
+
+
+# ---- shapes inside replies ---------------------------------------------------------
+
+class LayoutDesc(TypedDict):
+    """How a file stripes (`io.Layout.describe`)."""
+
+    stripe_unit: int
+    stripe_width: int
+    first_member: int
+    pool_members: int
+
+
+class MemberUsage(TypedDict):
+    """Space of one member's filesystem (`Pool.usage`)."""
+
+    index: int
+    path: str
+    size: int
+    free: int
+    used: int
+    dev: NotRequired[int]  # members sharing a filesystem share it
+    failed: NotRequired[str]  # why the member is out of service
+
+
+class NamespaceStats(TypedDict):
+    """One KV namespace (`vol.kv_index.Namespace.stats`)."""
+
+    namespace: str
+    uid: int
+    gid: int
+    mode: str  # octal
+    chunks: int
+    bytes: int
+    capacity: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    pinned: int
+
+
+class QuotaRow(TypedDict):
+    uid: int
+    bytes: int
+    xattr_bytes: int
+    reserved: int  # declared sizes of unpublished files
+    inodes: int
+    bytes_limit: int  # 0: none
+    inodes_limit: int
+    own: bool  # a quota of its own, not the default
+
+
+class QuotaLimits(TypedDict):
+    bytes_limit: int
+    inodes_limit: int
+
+
+class QuotaReport(TypedDict):
+    """What `mxfs quota` shows (`vol.quota.Quotas.report`)."""
+
+    users: list[QuotaRow]
+    default: QuotaLimits
+
+
+class ReadFds(TypedDict):
+    """Which member each passed descriptor reads (`Pool.open_for_read`): a buffered one
+    per member in `members`, then an O_DIRECT one per member in `direct_members`."""
+
+    members: list[int]
+    direct_members: NotRequired[list[int]]
+
+
+class FileReply(TypedDict):
+    """A file as `layout`, `open_read`, `create` and `commit` describe it."""
+
+    ino: int
+    size: int
+    generation: int
+    mode: int
+    sealed: bool
+    layout: NotRequired[LayoutDesc]  # regular files
+
+
+class OpenReadReply(FileReply):
+    members: list[int]
+    direct_members: NotRequired[list[int]]
+
+
+class CreateReply(FileReply):
+    members: list[int]  # the member each write descriptor writes
+
+
+class ChunkReply(TypedDict, total=False):
+    """One key of a `kv_get`: its checksums and how to read it, or (only "size") a
+    chunk of another size than the caller's buffer."""
+
+    size: int
+    sum_unit: int
+    sums: str  # base64 of packed xxh3-64 sums, one per sum_unit
+    data: str  # base64 of the bytes, for a small chunk
+    layout: LayoutDesc
+    members: list[int]
+    direct_members: list[int]
+
+
+# ---- requests and replies, by op -------------------------------------------------
+
+class Empty(TypedDict):
+    pass
+
+
+class HelloRequest(TypedDict, total=False):
+    version: int
+
+
+class HelloReply(TypedDict):
+    version: int
+    server: str
+    pid: int
+    pool_uuid: str
+    ops: list[str]
+    uid: int
+
+
+class StatReply(TypedDict):
+    """The pool as `mxfs status` shows it."""
+
+    degraded: bool
+    lost_files: int
+    lost_examples: list[str]
+    pool_uuid: str
+    label: str
+    stripe_unit: int
+    mountpoint: str
+    pid: int
+    socket: str
+    members: list[MemberUsage]
+    inodes: int
+    open_files: int
+    io_engine: str
+    native_engine: str
+    io_taken_back: int
+    # The daemon's limits (named as the mount options) and how close it is to each.
+    limits: dict[str, Any]
+    quotas: QuotaReport | None
+    wake_latency: dict[str, object] | None
+
+
+class MetricsSnapshot(TypedDict):
+    """The daemon's counters (`fs.metrics.Metrics.snapshot`)."""
+
+    time: float
+    uptime: float
+    requests: list[list[Any]]  # [kind, op, count, seconds]
+    errors: list[list[Any]]  # [kind, op, errno name, count]
+    io: list[list[Any]]  # [member, "read"|"write", bytes, ops]
+
+
+class MetricsReply(MetricsSnapshot):
+    members: list[MemberUsage]
+
+
+class DfReply(TypedDict):
+    members: list[MemberUsage]
+    by_use: dict[str, int]
+
+
+class QuotaRequest(TypedDict, total=False):
+    set: bool  # else show
+    uid: int
+    default: bool  # set the default, not one uid's
+    bytes: int  # 0 lifts the limit; absent keeps it
+    inodes: int
+    clear: bool
+
+
+class PathRequest(TypedDict):
+    path: str  # in the pool, from its root
+
+
+class OpenReadRequest(PathRequest, total=False):
+    odirect: bool
+
+
+class CreateRequest(PathRequest, total=False):
+    size: int
+    mode: int
+    exclusive: bool
+
+
+class InodeRequest(TypedDict):
+    ino: int
+
+
+class SumsFields(TypedDict):
+    size: int
+    sum_unit: int
+    sums: str
+
+
+class CommitRequest(InodeRequest, SumsFields, total=False):
+    replace: bool
+
+
+class BackupReply(TypedDict):
+    path: str
+
+
+class InNamespace(TypedDict, total=False):
+    """What every KV request may carry: its namespace (the default one if absent),
+    whether another user's may be joined, and the mode one made by it gets."""
+
+    namespace: str
+    shared: bool
+    mode: int | None
+
+
+class KeysRequest(InNamespace):
+    keys: list[str]  # base64
+
+
+class KVPutRequest(KeysRequest):
+    data: list[str]  # base64, one a key
+
+
+class KVPutReply(TypedDict):
+    stored: list[bool]  # False: the key was stored already (the first writer wins)
+    evicted: int
+
+
+class KVCommitReply(TypedDict):
+    stored: bool
+    evicted: int
+
+
+class KVCreateRequest(InNamespace):
+    key: str
+    size: int
+
+
+class KVCreateReply(TypedDict):
+    exists: bool
+    ino: NotRequired[int]
+    layout: NotRequired[LayoutDesc]
+    members: NotRequired[list[int]]
+
+
+class KVCommitRequest(InNamespace, InodeRequest, SumsFields):
+    key: str
+
+
+class KVGetRequest(KeysRequest, total=False):
+    sizes: list[int | None]
+    pin: bool
+    odirect: bool
+    inline_max: int
+
+
+class KVGetReply(TypedDict):
+    chunks: list[ChunkReply | None]
+
+
+class KVExistsReply(TypedDict):
+    present: list[bool]
+
+
+class DeletedReply(TypedDict):
+    deleted: int
+
+
+class KVStatsReply(TypedDict):
+    namespaces: list[NamespaceStats]
+
+
+class KVListRequest(InNamespace, total=False):
+    skip: int
+    limit: int
+
+
+class KVListReply(TypedDict):
+    chunks: list[list[Any]]  # [base64 key, size, pins]
+
+
+class KVConfigRequest(InNamespace):
+    capacity: int
+
+
+class KVConfigReply(NamespaceStats):
+    evicted: int
+
+
+class KVEvictRequest(InNamespace, total=False):
+    keep: int
+
+
+class EvictedReply(TypedDict):
+    evicted: int
+
+
+class KVNsCreateRequest(TypedDict, total=False):
+    namespace: str
+    uid: int
+    gid: int
+    mode: int | None
+    capacity: int
+    force: bool
+
+
+class KVNsRemoveRequest(TypedDict):
+    namespace: str
+
+
+# ---- the ops --------------------------------------------------------------------
+
+Req = TypeVar("Req", bound=Mapping[str, Any])
+Rep = TypeVar("Rep", bound=Mapping[str, Any])
+
+
+def _keys(td: Any) -> frozenset[str]:
+    return frozenset(td.__required_keys__ | td.__optional_keys__)
+
+
+@dataclass(frozen=True)
+class Op(Generic[Req, Rep]):
+    """One operation: its name on the wire, its request's and its reply's fields."""
+
+    name: str
+    request: type[Req]
+    reply: type[Rep]
+    fields: frozenset[str] = field(init=False)
+    answers: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", _keys(self.request))
+        object.__setattr__(self, "answers", _keys(self.reply))
+
+    def __call__(self, fields: Req | None = None) -> "Request[Req, Rep]":
+        """A request of this op with `fields` (typed here, where the op is known)."""
+        return Request(self, fields if fields is not None else cast(Req, {}))
+
+    def unknown(self, msg: Mapping[str, object]) -> list[str]:
+        """The fields of a request this op does not take."""
+        return sorted(k for k in msg if k not in self.fields and k not in ENVELOPE)
+
+    def stray(self, reply: Mapping[str, object]) -> str | None:
+        """How a reply differs from its declaration (None: it does not)."""
+        required: frozenset[str] = self.reply.__required_keys__  # type: ignore[attr-defined]
+        extra, missing = set(reply) - self.answers, required - set(reply)
+        if not extra and not missing:
+            return None
+        return f"reply to {self.name}: undeclared {sorted(extra)}, missing {sorted(missing)}"
+
+
+@dataclass(frozen=True)
+class Request(Generic[Req, Rep]):
+    """One request to send: its op and its fields (made by calling the op)."""
+
+    op: Op[Req, Rep]
+    fields: Req
+
+
+HELLO = Op("hello", HelloRequest, HelloReply)
+STAT = Op("stat", Empty, StatReply)
+LAYOUT = Op("layout", PathRequest, FileReply)
+OPEN_READ = Op("open_read", OpenReadRequest, OpenReadReply)
+CREATE = Op("create", CreateRequest, CreateReply)
+COMMIT = Op("commit", CommitRequest, FileReply)
+ABORT = Op("abort", InodeRequest, Empty)
+KV_PUT = Op("kv_put", KVPutRequest, KVPutReply)
+KV_CREATE = Op("kv_create", KVCreateRequest, KVCreateReply)
+KV_COMMIT = Op("kv_commit", KVCommitRequest, KVCommitReply)
+KV_GET = Op("kv_get", KVGetRequest, KVGetReply)
+KV_UNPIN = Op("kv_unpin", KeysRequest, Empty)
+KV_EXISTS = Op("kv_exists", KeysRequest, KVExistsReply)
+KV_DELETE = Op("kv_delete", KeysRequest, DeletedReply)
+KV_STATS = Op("kv_stats", InNamespace, KVStatsReply)
+KV_LIST = Op("kv_list", KVListRequest, KVListReply)
+KV_CONFIG = Op("kv_config", KVConfigRequest, KVConfigReply)
+KV_EVICT = Op("kv_evict", KVEvictRequest, EvictedReply)
+KV_NS_CREATE = Op("kv_ns_create", KVNsCreateRequest, NamespaceStats)
+KV_NS_REMOVE = Op("kv_ns_remove", KVNsRemoveRequest, DeletedReply)
+META_BACKUP = Op("meta_backup", Empty, BackupReply)
+META_SYNC = Op("meta_sync", Empty, Empty)
+METRICS = Op("metrics", Empty, MetricsReply)
+DF = Op("df", Empty, DfReply)
+QUOTA = Op("quota", QuotaRequest, QuotaReport)
+
+# Every op this protocol version serves, by name.
+BY_NAME: dict[str, Op[Any, Any]] = {op.name: op for op in (
+    HELLO, STAT, LAYOUT, OPEN_READ, CREATE, COMMIT, ABORT, KV_PUT, KV_CREATE, KV_COMMIT,
+    KV_GET, KV_UNPIN, KV_EXISTS, KV_DELETE, KV_STATS, KV_LIST, KV_CONFIG, KV_EVICT,
+    KV_NS_CREATE, KV_NS_REMOVE, META_BACKUP, META_SYNC, METRICS, DF, QUOTA)}
+OPS = tuple(BY_NAME)
