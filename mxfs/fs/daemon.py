@@ -207,7 +207,9 @@ class Daemon:
         """Once the mount answers (FUSE INIT done): raise its readahead (INIT resets it),
         then tell whoever started us, and systemd, that the pool is ready."""
         mp, kib = self.control.mountpoint, self.readahead_kib
-        await trio.to_thread.run_sync(os.stat, mp)  # answered only after INIT
+        # Answered only after INIT; abandoned if the daemon stops first (a task that
+        # failed at start): waiting for it would wait for the INIT that never comes.
+        await trio.to_thread.run_sync(os.stat, mp, abandon_on_cancel=True)
         if not set_readahead(mp, kib):
             log.info("could not raise readahead of %s to %d KiB (needs root)", mp, kib)
         log.info("pool %s mounted on %s, control socket %s, I/O engine %s",
