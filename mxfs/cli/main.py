@@ -199,6 +199,11 @@ def _format_status(s: dict[str, Any]) -> str:
                      + (f"cannot be set ({wake['broken']})" if wake["broken"] else
                         f"{'held now' if wake['held'] else 'not held now'}, "
                         f"taken {wake['holds']} times"))
+    held = s.get("lease")
+    if held:
+        lines.append(f"  lease: {held['state']}, epoch {held['epoch']}, "
+                     f"{max(0.0, held['expires_in']):.0f} of {held['ttl']:.0f} s left"
+                     + (f" (renewals failing: {held['error']})" if held["error"] else ""))
     lim = s.get("limits")
     if lim:
         busiest = lim["busiest_user"]

@@ -25,7 +25,7 @@ from mxfs.fs.failures import FailureLog
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.ops import MxfsOperations
-from mxfs.fs.options import check_options
+from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
@@ -35,12 +35,8 @@ from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.daemon")
 
-# Options mxfs reads itself; everything else goes to FUSE and the kernel.
-OWN_OPTIONS = ("nonempty", "noatime", "io_threads", "readahead", "writeback_cache",
-               "write_behind", "meta_backup", "degraded", "metrics_port", "metrics_addr",
-               "log_json",
-               "wake_latency_us",
-               *Limits.options())
+# Options mxfs reads itself (fs/options.py); everything else goes to FUSE and the kernel.
+OWN_OPTIONS = (*NUMBERS, *FLAGS, *TEXTS)
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
@@ -102,7 +98,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
         sock = socket_path(vol.pool.uuid)
         ensure_runtime_dir(os.path.dirname(sock))
-        vol.lock(mp, sock)
+        vol.lock(mp, sock, float(own.get("lease_s") or lease.TTL_S))
         vol.store.sole_writer(True)  # (the lease: no other writer changes the rows)
     except ValueError:
         err = MxfsError("io_threads, readahead (KiB), write_behind (writes queued per file), "
@@ -253,25 +249,18 @@ class Daemon:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))
 
     async def _keep_lease(self) -> None:
-        """Renew the pool's lease every RENEW_S.  A store that cannot be reached is logged
-        once and tried again (the lease runs on until TTL_S); a lease another host has
-        taken (this one ran out) makes this daemon refuse every change from then on
-        (EROFS)."""
-        vol = self.vol
-        failures = FailureLog(log)
-        while vol.lease is not None:
-            await trio.sleep(lease.RENEW_S)
-            try:
-                if lease.renew(vol.store, vol.lease):
-                    continue
-            except OSError as e:
-                failures.note("lease", None, e)
-                continue
-            log.error("the pool's lease was taken by %s: this mount refuses changes from now "
-                      "on; unmount it", (lease.holder(vol.store) or vol.lease).describe())
-            vol.store.engine.readonly = True
-            vol.store.sole_writer(False)  # (the new holder changes them)
-            vol.lease = None
+        """Start the lease's keeper (its own thread renews: meta/lease.py) and watch it:
+        once another node took the pool, this daemon refuses every change (EROFS; its
+        keeper fenced the store) and stops trusting its caches of names."""
+        vol, keeper = self.vol, self.vol.keeper
+        if keeper is None:
+            return
+        keeper.start()
+        while keeper.state != "taken":
+            await trio.sleep(keeper.ttl / lease.RENEWALS / 4)
+        log.error("%s", vol.store.engine.fenced)
+        vol.store.sole_writer(False)  # (the new holder changes them)
+        vol.lease = None  # (not ours to give back at unmount)
 
     async def _backups(self) -> None:
         """Copy the metadata store to the next member every `backup_s` seconds."""

@@ -390,9 +390,11 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def flush(self, fh: int) -> None:
-        node = self.handles[fh].entry.node
+        handle = self.handles[fh]
+        node = handle.entry.node
         await self.settle(node.ino, report=True)  # close() returns a failed write's errno
-        self.store.flush(node)
+        if handle.flags & os.O_ACCMODE != os.O_RDONLY:  # (a reader's close changed nothing,
+            self.store.flush(node)                      # so it fails on nothing unsaved)
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:

@@ -85,7 +85,8 @@ class StatusOps:
                 "native_engine": native_engine()[1], "io_taken_back": taken_back(),
                 "limits": self.usage_of_limits(),
                 "quotas": shown,
-                "wake_latency": self.wake.state() if self.wake else None}
+                "wake_latency": self.wake.state() if self.wake else None,
+                "lease": self.vol.keeper.status() if self.vol.keeper else None}
 
     def usage_of_limits(self) -> dict[str, Any]:
         """How close the daemon is to each limit (what `mxfs status` shows)."""

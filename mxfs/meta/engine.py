@@ -60,6 +60,9 @@ class Engine(ABC):
 
     kind: str = ""  # "sqlite", "postgresql": for messages
     readonly: bool = False
+    # Why this writer may change nothing more (its lease ran out or was taken: another
+    # node serves the pool now); None while it may.  Set from any thread.
+    fenced: str | None = None
 
     def __init__(self) -> None:
         self._depth = 0  # > 0 while a change runs
@@ -68,6 +71,23 @@ class Engine(ABC):
         # Called by `commit` while a group is open, before it ends: the owner writes
         # what it held in memory for the group (in changes of its own, part of it).
         self.before_commit: Callable[[], None] = lambda: None
+
+    def _writable(self) -> None:
+        if self.readonly:
+            raise fail(errno.EROFS, "the metadata store is open read-only")
+        if self.fenced is not None:
+            raise fail(errno.EROFS, self.fenced)
+
+    def clock(self) -> float:
+        """Seconds since the epoch by the store's clock: the one clock every node that
+        shares the store agrees on (leases expire by it)."""
+        return time.time()
+
+    def set_fence(self, key: str, value: str) -> None:  # noqa: B027 (a local store's is its file lock)
+        """From now on, a group commits only while the `settings` row `key` still holds
+        `value` (checked in the group's own transaction, just before it commits): a
+        writer another node has taken the store from cannot commit one more change.  A
+        store on this node's own files needs none: the node's file lock fences it."""
 
     # ---- rows --------------------------------------------------------------------
 

@@ -1,14 +1,24 @@
-"""The pool's daemon lease: a row in the store naming who serves the pool, renewed.
+"""The pool's daemon lease: a row in the store naming who serves the pool, renewed,
+and the epoch that fences a holder who lost it.
 
 The file lock on the metadata member keeps two processes of one node apart; the
 metadata of a pool on a server can be reached from every node, so a daemon also
-holds a lease row (`settings` key "daemon_lease": host, pid, mount point, a token
-and an expiry), renews it every RENEW_S and drops it at a clean unmount.  A mount
-that finds another holder's lease unexpired is refused, naming the holder; a lease
-that ran out (its node died, or lost the server for TTL_S) is taken over.  A daemon
-that finds its lease taken refuses changes from then on (the new holder's are the
-ones that count).  Expiries are wall-clock times: the nodes' clocks must agree to
-well within TTL_S (NTP), as they must for any lease.
+holds a lease row (`settings` key "daemon_lease": host, pid, mount point, a token,
+an epoch and an expiry) and drops it at a clean unmount.  A mount that finds another
+holder's lease unexpired is refused, naming the holder; a lease that ran out (its
+node died, or lost the server for its TTL) is taken over.
+
+Liveness and fencing (3FS's rule; SCALE-OUT step 2):
+- Expiries are times of the store's clock (`Engine.clock`: the server's `now()`), so
+  nodes need not agree on theirs.
+- `Keeper` renews from a thread and a connection of its own: a busy trio loop or a
+  slow request cannot starve it.  A holder that could not renew for half its TTL
+  stops taking changes (`Engine.fenced`) until a renewal gets through, so it has
+  stopped before anyone may take the pool over.
+- Every take draws a new epoch (`settings` key "daemon_epoch"); a store on a server
+  commits a group only while that row still holds the holder's epoch
+  (`Engine.set_fence`).  A holder declared dead that wakes up (SIGSTOP, a partition)
+  cannot commit one more change, even before its keeper hears of the takeover.
 
 Only engine primitives are used, in `engine.txn` (rerun on a conflict), with a
 compare-and-swap update, so two nodes racing for a free lease get one winner.
@@ -17,18 +27,25 @@ compare-and-swap update, so two nodes racing for a free lease get one winner.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mxfs.meta.engine import Engine
 from mxfs.meta.store import MetaStore
+from mxfs.proto.messages import LeaseStatus
+
+log = logging.getLogger("mxfs.lease")
 
 KEY = "daemon_lease"
+EPOCH_KEY = "daemon_epoch"
 TTL_S = 30.0
-RENEW_S = 5.0
+RENEWALS = 6  # a keeper renews this many times a TTL
 
 
 @dataclass
@@ -39,7 +56,8 @@ class Lease:
     pid: int
     mountpoint: str
     token: str
-    expires: float
+    expires: float  # by the store's clock
+    epoch: int = 0  # drawn at take: the fence of the holder's commits
 
     def encode(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -48,19 +66,19 @@ class Lease:
     def decode(cls, text: str) -> Lease:
         d: dict[str, Any] = json.loads(text)
         return cls(str(d["host"]), int(d["pid"]), str(d["mountpoint"]), str(d["token"]),
-                   float(d["expires"]))
+                   float(d["expires"]), int(d.get("epoch", 0)))
 
     def describe(self) -> str:
-        return f"{self.host} (pid {self.pid}, mounted on {self.mountpoint})"
+        return f"{self.host} (pid {self.pid}, mounted on {self.mountpoint}, epoch {self.epoch})"
 
 
 class LeaseHeld(Exception):
     """Another holder's lease has not run out."""
 
-    def __init__(self, holder: Lease) -> None:
+    def __init__(self, holder: Lease, now: float) -> None:
         super().__init__(f"the pool is served by {holder.describe()}; its lease runs "
-                         f"{max(0.0, holder.expires - time.time()):.0f} s more")
-        self.holder = holder
+                         f"{max(0.0, holder.expires - now):.0f} s more")
+        self.holder, self.now = holder, now
 
 
 def _current(store: MetaStore) -> tuple[str, Lease] | None:
@@ -76,7 +94,7 @@ def _current(store: MetaStore) -> tuple[str, Lease] | None:
 def holder(store: MetaStore) -> Lease | None:
     """The live lease of someone serving the pool, if any."""
     cur = _current(store)
-    return cur[1] if cur is not None and cur[1].expires > time.time() else None
+    return cur[1] if cur is not None and cur[1].expires > store.engine.clock() else None
 
 
 def live_elsewhere(store: MetaStore) -> Lease | None:
@@ -86,21 +104,34 @@ def live_elsewhere(store: MetaStore) -> Lease | None:
     return lease if lease is not None and lease.host != socket.gethostname() else None
 
 
-def take(store: MetaStore, mountpoint: str, ttl: float = TTL_S) -> Lease:
-    """Hold the pool for this process (which holds the pool's file lock); `LeaseHeld`
-    if a daemon on another host holds a live lease."""
-    mine = Lease(socket.gethostname(), os.getpid(), mountpoint, uuid.uuid4().hex,
-                 time.time() + ttl)
+def take(store: MetaStore, mountpoint: str, ttl: float = TTL_S,
+         host: str | None = None) -> Lease:
+    """Hold the pool for this process (which holds the pool's file lock) under a new
+    epoch, and fence the store's commits with it; `LeaseHeld` if a daemon on another
+    host holds a live lease.  (`host`: another node's name, for tests of takeovers.)"""
+    mine = Lease(host or socket.gethostname(), os.getpid(), mountpoint, uuid.uuid4().hex, 0.0)
 
     def change() -> bool:
         cur = _current(store)
+        now = store.engine.clock()
+        if cur is not None and cur[1].expires > now and cur[1].host != mine.host:
+            raise LeaseHeld(cur[1], now)
+        row = store.engine.get("settings", {"key": EPOCH_KEY}, ("value",))
+        last = int(row[0]) if row is not None and str(row[0]).isdigit() else 0
+        mine.epoch = max(last, cur[1].epoch if cur is not None else 0) + 1
+        mine.expires = now + ttl
         if cur is None:
-            return store.engine.insert("settings", {"key": KEY, "value": mine.encode()})
-        text, lease = cur
-        if lease.expires > time.time() and lease.host != mine.host:
-            raise LeaseHeld(lease)
-        return store.engine.update("settings", {"key": KEY, "value": text},
-                                   {"value": mine.encode()}) == 1
+            if not store.engine.insert("settings", {"key": KEY, "value": mine.encode()}):
+                return False  # (another took it first: look again)
+        elif store.engine.update("settings", {"key": KEY, "value": cur[0]},
+                                 {"value": mine.encode()}) != 1:
+            return False  # (nothing written: look again)
+        if row is None:
+            store.engine.insert("settings", {"key": EPOCH_KEY, "value": str(mine.epoch)})
+        else:
+            store.engine.update("settings", {"key": EPOCH_KEY}, {"value": str(mine.epoch)})
+        store.engine.set_fence(EPOCH_KEY, str(mine.epoch))  # (this very commit passes it)
+        return True
 
     while not store.engine.txn(change):  # another node took it first: look again
         pass
@@ -111,12 +142,13 @@ def take(store: MetaStore, mountpoint: str, ttl: float = TTL_S) -> Lease:
 def renew(store: MetaStore, lease: Lease, ttl: float = TTL_S) -> bool:
     """Extend `lease` (updated in place); False if another holder has taken the pool.
     OSError when the store cannot be reached (the lease then runs on until TTL)."""
-    new = Lease(lease.host, lease.pid, lease.mountpoint, lease.token, time.time() + ttl)
+    new = Lease(lease.host, lease.pid, lease.mountpoint, lease.token, 0.0, lease.epoch)
 
     def change() -> bool:
         cur = _current(store)
         if cur is None or cur[1].token != lease.token:
             return False
+        new.expires = store.engine.clock() + ttl
         return store.engine.update("settings", {"key": KEY, "value": cur[0]},
                                    {"value": new.encode()}) == 1
 
@@ -136,3 +168,78 @@ def drop(store: MetaStore, lease: Lease) -> None:
 
     store.engine.txn(change)
     store.commit()
+
+
+class Keeper:
+    """Renews `lease` every TTL / RENEWALS seconds from a thread of its own, on a
+    connection of its own to the store at `where`, and fences `engine` (the holder's
+    own connection) when the lease is lost: for good once another holder took it, for
+    a while when no renewal got through for half the TTL (it may be taken at the TTL).
+
+    `state` tells the daemon what happened: "held", "stale" (renewals failing; changes
+    refused meanwhile), "taken".
+    """
+
+    def __init__(self, where: str, lease: Lease, engine: Engine, ttl: float = TTL_S) -> None:
+        self.where, self.lease, self.engine, self.ttl = where, lease, engine, ttl
+        self.state = "held"
+        self.error: str = ""  # why renewals fail, while they do
+        self.renewed = time.monotonic()  # the last renewal that got through
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mxfs-lease", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.ttl)
+
+    def status(self) -> LeaseStatus:
+        """What `mxfs status` shows of the lease."""
+        late = time.monotonic() - self.renewed
+        return {"host": self.lease.host, "pid": self.lease.pid, "epoch": self.lease.epoch,
+                "ttl": self.ttl, "expires_in": round(self.ttl - late, 1),
+                "state": self.state, "error": self.error}
+
+    def _run(self) -> None:
+        store: MetaStore | None = None
+        try:
+            while not self._stop.wait(self.ttl / RENEWALS) and self.state != "taken":
+                try:
+                    if store is None:
+                        store = MetaStore.open(self.where)
+                    if renew(store, self.lease, self.ttl):
+                        self._renewed()
+                    else:
+                        self._taken(store)
+                except OSError as e:  # the store is away: the lease runs on until TTL
+                    self._failed(e)
+        finally:
+            if store is not None:
+                try:
+                    store.close()
+                except OSError:
+                    pass
+
+    def _renewed(self) -> None:
+        self.renewed, self.error = time.monotonic(), ""
+        if self.state == "stale":
+            self.state, self.engine.fenced = "held", None
+            log.warning("the pool's lease is renewed again: changes are taken again")
+
+    def _taken(self, store: MetaStore) -> None:
+        other = holder(store)
+        self.engine.fenced = (f"the pool's lease was taken by "
+                              f"{other.describe() if other else 'another node'}: this "
+                              "mount refuses changes from now on; unmount it")
+        self.state = "taken"
+
+    def _failed(self, e: OSError) -> None:
+        self.error = str(e)
+        late = time.monotonic() - self.renewed
+        if self.state == "held" and late > self.ttl / 2:
+            self.state = "stale"
+            self.engine.fenced = (f"the pool's lease could not be renewed for {late:.0f} s "
+                                  f"({e}): changes are refused until it is")
+            log.error("%s", self.engine.fenced)

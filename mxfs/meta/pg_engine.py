@@ -123,6 +123,10 @@ def _gone(conn: Conn | None) -> bool:
     return conn is None or conn.closed or conn.broken
 
 
+# The fence a group passes before it commits (`PgEngine.set_fence`).
+_FENCE = "UPDATE settings SET value = value WHERE key = %s AND value = %s"
+
+
 def _pipe(conn: Conn) -> psycopg.Pipeline:
     pipe: psycopg.Pipeline = conn.mxfs_pipeline[1]  # type: ignore[attr-defined]
     return pipe
@@ -231,6 +235,7 @@ class PgEngine(Engine):
         self._group_started = 0.0
         self._redial: _Redial | None = None  # set while the server is away
         self._away = ""  # why it is away, for each refused request
+        self._fence: tuple[str, str] | None = None  # (settings key, value): `set_fence`
         self._full_said = -FULL_QUIET_S  # when "full" was last logged
         self._queued = 0  # statements sent and not yet waited for
         self._savepoints = True  # each change undoable alone (off: `sole_writer`)
@@ -445,10 +450,6 @@ class PgEngine(Engine):
             log.error("%s: changes that need room fail with ENOSPC", err.strerror)
         return err
 
-    def _writable(self) -> None:
-        if self.readonly:
-            raise fail(errno.EROFS, "the metadata store is open read-only")
-
     # ---- rows --------------------------------------------------------------------
 
     def get(self, table: str, where: Where, columns: Sequence[str]) -> Row | None:
@@ -661,6 +662,45 @@ class PgEngine(Engine):
     def sole_writer(self, on: bool) -> None:
         self._savepoints = not on
 
+    def clock(self) -> float:
+        """The server's clock (every node's daemon reads the same one)."""
+        row = self._exec("SELECT extract(epoch FROM clock_timestamp())::float8",
+                         again=True).fetchone()
+        assert row is not None
+        return float(row[0])
+
+    def set_fence(self, key: str, value: str) -> None:
+        self._fence = (key, value)
+
+    def _check_fence(self, conn: Conn) -> None:
+        """The fence, in the open group's transaction, just before its COMMIT: the row
+        must still hold this writer's value.  Touching it (an update to itself) also
+        makes a takeover committed since the group's snapshot a serialization failure.
+        A group that fails it is rolled back and the writer fenced for good."""
+        assert self._fence is not None
+        key, value = self._fence
+        why = f"another node took the pool (its {key} is no longer {value})"
+        try:
+            cur = _cur(conn).execute(_FENCE, (key, value))
+            _pipe(conn).sync()
+            held = cur.rowcount == 1
+        except psycopg.Error as e:
+            _drain(conn)
+            err = self._error(e, conn)
+            if not isinstance(err, Conflict):
+                raise err from None
+            held = False
+        if held:
+            return
+        try:
+            conn.execute("ROLLBACK")
+            _pipe(conn).sync()
+        except psycopg.Error:
+            pass
+        _drain(conn)
+        self.fenced = f"this node may change nothing more: {why}"
+        raise fail(errno.EROFS, f"a group of changes was refused: {why}")
+
     def _lose_group(self, why: str | None) -> None:
         """Forget the open group (`why` logged if it was a group; None: said already)."""
         if why and self.grouped:
@@ -679,6 +719,8 @@ class PgEngine(Engine):
         conn = self._live()
         try:
             self._wait()  # (nothing is due between changes; a backstop)
+            if self._fence is not None:
+                self._check_fence(conn)
             cur = conn.execute("COMMIT")
             _pipe(conn).sync()
         except (psycopg.Error, OSError, Conflict) as e:

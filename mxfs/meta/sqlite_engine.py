@@ -190,10 +190,6 @@ class SqliteEngine(Engine):
             return fail(errno.EROFS, f"the metadata store cannot be written ({e})")
         return fail(errno.EIO, f"metadata store error ({e})")
 
-    def _writable(self) -> None:
-        if self.readonly:
-            raise fail(errno.EROFS, "the metadata store is open read-only")
-
     # ---- rows --------------------------------------------------------------------
 
     # The primitives below run on every namespace change: each is one statement, its

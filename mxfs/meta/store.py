@@ -103,7 +103,8 @@ class MetaStore:
 
     @property
     def readonly(self) -> bool:
-        return self.engine.readonly
+        """Changes are refused: opened read-only, or fenced (`Engine.fenced`)."""
+        return self.engine.readonly or self.engine.fenced is not None
 
     def close(self) -> None:
         self.engine.close()
@@ -439,7 +440,7 @@ class MetaStore:
         """Before a group commits: the times of the directories its changes touched."""
         dirs, self._dir_times = self._dir_times, {}
         live = [d for d in dirs.values() if d.dirty]
-        if not live or self.engine.readonly:  # (a daemon whose lease went writes nothing)
+        if not live or self.readonly:  # (a daemon whose lease went writes nothing)
             return
 
         def change() -> None:

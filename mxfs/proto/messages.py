@@ -145,6 +145,18 @@ class HelloReply(TypedDict):
     uid: int
 
 
+class LeaseStatus(TypedDict):
+    """The daemon's lease on the pool (`meta/lease.py`)."""
+
+    host: str
+    pid: int
+    epoch: int
+    ttl: float
+    expires_in: float  # by the store's clock, as of its last renewal
+    state: str  # "held", "stale" (renewals failing: changes refused), "taken"
+    error: str  # why renewals fail, while they do
+
+
 class StatReply(TypedDict):
     """The pool as `mxfs status` shows it."""
 
@@ -167,6 +179,7 @@ class StatReply(TypedDict):
     limits: dict[str, Any]
     quotas: QuotaReport | None
     wake_latency: dict[str, object] | None
+    lease: LeaseStatus | None
 
 
 class MetricsSnapshot(TypedDict):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
@@ -65,6 +64,7 @@ class Volume:
         self.quotas = Quotas(store, self.freeing.of)  # per-user limits on bytes and inodes
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
+        self.keeper: lease.Keeper | None = None  # renews it; the daemon starts it
         # Set when mount found the store damaged and put a backup in its place.
         self.restored_from: str | None = None
 
@@ -99,8 +99,9 @@ class Volume:
                                 f"not {pool.uuid}", "restore the right metadata store")
             other = lease.live_elsewhere(store) if hold is not None else None
             if other is not None:
+                now = store.engine.clock()
                 store.close()
-                raise _served_elsewhere(other)
+                raise _served_elsewhere(other, now)
         except BaseException:
             if lock_fd is not None:
                 release_pool_lock(lock_fd)
@@ -124,8 +125,11 @@ class Volume:
 
     # ---- the pool lock (a daemon or an offline writer) ---------------------
 
-    def lock(self, mountpoint: str, socket_path: str) -> None:
+    def lock(self, mountpoint: str, socket_path: str, ttl: float = lease.TTL_S) -> None:
         """Claim the pool for one daemon; a second mount is refused, naming the holder.
+        A pool whose metadata is on a server (reached from every node) is also leased
+        for `ttl` seconds, its commits fenced by the lease's epoch, and its keeper made
+        (`keeper.start()`); a store on the node's own member needs only the file lock.
 
         If `open` already holds the lock for this volume, it now names the mount.
         """
@@ -134,11 +138,15 @@ class Volume:
         else:
             write_lock_info(self._lock_fd, {"pid": os.getpid(), "tool": "mxfs mount",
                                              "mountpoint": mountpoint, "socket": socket_path})
+        if not location.is_server(self.pool.meta_location):
+            return
         try:
-            self.lease = lease.take(self.store, mountpoint)
+            self.lease = lease.take(self.store, mountpoint, ttl)
+            self.keeper = lease.Keeper(self.pool.meta_location, self.lease, self.store.engine,
+                                       ttl)
         except lease.LeaseHeld as e:
             self.unlock()
-            raise _served_elsewhere(e.holder) from None
+            raise _served_elsewhere(e.holder, e.now) from None
         except OSError as e:
             self.unlock()
             raise MxfsError(f"the pool's lease cannot be taken in its metadata store ({e})",
@@ -371,6 +379,9 @@ class Volume:
     def close(self, clean: bool = True) -> None:
         """Write everything back and mark the store clean (only after a clean unmount).
         A store made read-only (a daemon whose lease another host took) is left as is."""
+        if self.keeper is not None:
+            self.keeper.stop()
+            self.keeper = None
         if self.store.readonly:
             self.open_inodes.clear()
             self.store.close()
@@ -395,11 +406,12 @@ class Volume:
         self.unlock()
 
 
-def _served_elsewhere(holder: lease.Lease) -> MxfsError:
+def _served_elsewhere(holder: lease.Lease, now: float) -> MxfsError:
+    """`now`: by the store's clock, as the lease's expiry is."""
     return MxfsError(f"the pool is mounted on {holder.describe()}; its lease runs "
-                     f"{max(0.0, holder.expires - time.time()):.0f} s more",
+                     f"{max(0.0, holder.expires - now):.0f} s more",
                      f"unmount it there (mxfs umount {holder.mountpoint}); if that node is "
-                     f"gone, mount again once the lease has run out ({lease.TTL_S:.0f} s)")
+                     "gone, mount again once the lease has run out")
 
 
 def _recover_store(pool: Pool) -> str | None:
