@@ -21,6 +21,12 @@ import pytest
 # A test fails on a WARNING or ERROR its daemons log that it does not expect.
 pytest_plugins = ["daemon_log"]
 
+# The session's daemons keep their sockets and logs in a folder of its own, so the
+# logs a test is checked against are its session's alone (not another suite's running
+# beside it), and nothing piles up where real mounts keep theirs.
+if os.geteuid() == 0 and not os.environ.get("MXFS_RUNTIME_DIR"):
+    os.environ["MXFS_RUNTIME_DIR"] = f"/run/mxfs/tests-{os.getpid()}"
+
 # What a daemon logs after a crash it recovered from: tests that kill one expect it.
 CRASH = r"recovered pool \S+: unclean=True"
 

@@ -2,7 +2,8 @@
 
 A daemon's log is where a bug that no assertion sees shows first (an internal error
 answered as EIO, a reply that strays from its declaration, a task that died).  Every
-daemon of the test's pools logs to `runtime_dir()/UUID.log`; the lines each test added
+daemon of the session's pools logs to `runtime_dir()/UUID.log` (the session's own
+folder: conftest sets MXFS_RUNTIME_DIR); the lines each test added
 to any of them at WARNING or above must each match a pattern the test (or its module)
 expects:
 

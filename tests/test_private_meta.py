@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import HAVE_FUSE, force_unmount, make_members, mkfs, mxfs
 
+from mxfs.vol.mounts import runtime_dir
+
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
 
 # As uid/gid 65534 with no groups: which of the paths given can be opened for reading.
@@ -81,14 +83,14 @@ def test_no_local_user_can_read_the_metadata(public: Path) -> None:
     dumps = [str(public / n) for n in ("meta.sql", "meta.json.zst")]
     for d in dumps:
         mxfs("meta", "dump", d, str(mp))
-    log = f"/run/mxfs/{uuid}.log"
+    log = f"{runtime_dir()}/{uuid}.log"
     files = [str(meta / n) for n in ("mxfs.db", "mxfs.db-wal", "mxfs.db-shm", "daemon.lock")]
     files += [copy, *dumps, log]
     for f in files:
         assert _mode(f) == 0o600, f
     for d in (meta, Path(copy).parent):
         assert _mode(d) == 0o700, d
-    assert _mode("/run/mxfs") & 0o005 == 0o005  # the control sockets stay reachable
+    assert _mode(runtime_dir()) & 0o005 == 0o005  # the control sockets stay reachable
     control = public / "control.txt"  # proves the user reaches these folders at all
     control.write_text("anyone may read this")
     control.chmod(0o644)
@@ -106,7 +108,7 @@ def test_an_older_pools_loose_metadata_is_tightened_at_mount(public: Path) -> No
     copy = json.loads(mxfs("meta", "backup", "--json", str(mp)).stdout)["backup"]
     mxfs("umount", str(mp))
     meta = Path(members[0]) / "meta"
-    log = f"/run/mxfs/{uuid}.log"
+    log = f"{runtime_dir()}/{uuid}.log"
     loose = [meta / "mxfs.db", meta / "daemon.lock", Path(copy), Path(log)]
     for f in loose:  # as versions before this one left them
         f.chmod(0o644)

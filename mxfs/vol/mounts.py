@@ -128,7 +128,10 @@ def last_line(path: str, start: int) -> str:
 
 
 def runtime_dir() -> str:
-    """Where sockets and logs of running daemons live."""
+    """Where sockets and logs of running daemons live: $MXFS_RUNTIME_DIR when set (a
+    container's, or a test session's own), else /run/mxfs for root."""
+    if os.environ.get("MXFS_RUNTIME_DIR"):
+        return os.environ["MXFS_RUNTIME_DIR"]
     if os.geteuid() == 0:
         return "/run/mxfs"
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/mxfs-{os.getuid()}"
