@@ -20,6 +20,7 @@ import pyfuse3
 import trio
 
 from mxfs.errors import MxfsError
+from mxfs.fs.chunk_service import ChunkService
 from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.limits import Limits, raise_fd_limit
@@ -30,6 +31,7 @@ from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
 from mxfs.meta import backup, lease
+from mxfs.pool.key import load_key
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
 from mxfs.vol.volume import Volume
 
@@ -153,7 +155,15 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             if vol.restored_from:
                 notes.append(f"the metadata store was recovered from the backup "
                              f"{vol.restored_from}; changes made after that backup are lost")
-            daemon = Daemon(vol, ops, control, readahead, backup_s)
+            chunks = None
+            if "chunk_port" in own:
+                chunks = ChunkService(vol, load_key(vol.pool.members[0].path, create=True),
+                                      own.get("chunk_addr") or "127.0.0.1",
+                                      int(own["chunk_port"]),
+                                      lambda: vol.lease.epoch if vol.lease else 0)
+                chunks.bind()
+                control.status.chunks = chunks
+            daemon = Daemon(vol, ops, control, readahead, backup_s, chunks)
             trio.run(daemon.serve, lambda: ready(None, notes))
             clean = True
         finally:
@@ -177,6 +187,7 @@ class Daemon:
     control: ControlServer
     readahead_kib: int
     backup_s: int
+    chunks: ChunkService | None = None  # -o chunk_port: this node's ranges, to the others
 
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks, each run until the mount ends."""
@@ -193,6 +204,8 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             self.ops.nursery = nursery  # writes through the mount land behind their answers
             await nursery.start(self.control.serve)
+            if self.chunks is not None:
+                await nursery.start(self.chunks.serve)
             for task in self.tasks():
                 nursery.start_soon(task)
             nursery.start_soon(self._announce, ready)

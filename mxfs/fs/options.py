@@ -16,10 +16,11 @@ NUMBERS: dict[str, tuple[int, int]] = {
     "io_threads": (1, 1024), "readahead": (0, 1 << 20), "write_behind": (0, 1 << 16),
     "meta_backup": (0, 1 << 31), "metrics_port": (1, 65535),
     "wake_latency_us": (0, (1 << 31) - 1), "lease_s": (2, 3600),
+    "chunk_port": (0, 65535),
     **{name: (1, 1 << 40) for name in Limits.options()},
 }
 FLAGS = ("nonempty", "noatime", "writeback_cache", "degraded", "log_json")
-TEXTS = ("metrics_addr",)
+TEXTS = ("metrics_addr", "chunk_addr")
 # What FUSE and the kernel take (libfuse 3's mount options and the generic ones).
 FUSE = ("allow_other", "allow_root", "default_permissions", "ro", "rw", "nosuid", "suid",
         "nodev", "dev", "noexec", "exec", "atime", "relatime", "norelatime", "strictatime",

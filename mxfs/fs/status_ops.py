@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 from mxfs import __version__
+from mxfs.fs.chunk_service import ChunkService
 from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
@@ -38,6 +39,7 @@ class StatusOps:
         self.metrics = metrics
         self.wake = wake  # the CPU latency limit held while busy (-o wake_latency_us)
         self.surveys = Surveys(vol.pool.meta_location, vol.store.commit)
+        self.chunks: ChunkService | None = None  # the daemon's, when it serves chunks
 
     def handlers(self) -> dict[str, Handler]:
         return {"hello": self._hello, "stat": self._stat, "metrics": self._metrics,
@@ -86,7 +88,8 @@ class StatusOps:
                 "limits": self.usage_of_limits(),
                 "quotas": shown,
                 "wake_latency": self.wake.state() if self.wake else None,
-                "lease": self.vol.keeper.status() if self.vol.keeper else None}
+                "lease": self.vol.keeper.status() if self.vol.keeper else None,
+                "chunk_service": self.chunks.status() if self.chunks else None}
 
     def usage_of_limits(self) -> dict[str, Any]:
         """How close the daemon is to each limit (what `mxfs status` shows)."""

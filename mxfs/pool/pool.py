@@ -23,6 +23,7 @@ from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.io import DEFAULT_STRIPE_UNIT, PAGE, Layout
+from mxfs.pool.key import KEY_NAME
 from mxfs.pool.superblock import (
     SUPERBLOCK_NAME,
     Superblock,
@@ -66,7 +67,8 @@ class Member:
         self.chunk_dir = os.path.join(self.path, CHUNK_DIR)
 
 
-_OURS = {SUPERBLOCK_NAME, CHUNK_DIR, META_DIR, BACKUP_DIR, SUPERBLOCK_NAME + ".tmp", _WIPE_DIR}
+_OURS = {SUPERBLOCK_NAME, CHUNK_DIR, META_DIR, BACKUP_DIR, SUPERBLOCK_NAME + ".tmp", _WIPE_DIR,
+         KEY_NAME}
 # Stripe units beyond this are a typo (1TiB for 1MiB), not a layout: refused at mkfs.
 MAX_STRIPE_UNIT = 1 << 30
 

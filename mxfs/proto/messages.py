@@ -180,6 +180,7 @@ class StatReply(TypedDict):
     quotas: QuotaReport | None
     wake_latency: dict[str, object] | None
     lease: LeaseStatus | None
+    chunk_service: dict[str, Any] | None  # addr, port, connections, served_bytes
 
 
 class MetricsSnapshot(TypedDict):

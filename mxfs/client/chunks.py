@@ -1,0 +1,106 @@
+"""A client of another node's chunk service (`fs/chunk_service.py`): ranges of the chunk
+files on its members, read over TCP after both sides proved the pool key.
+
+One connection, one request at a time (a reader wanting parallel reads opens one a
+member).  Every answer carries the serving node's epoch; an answer under another epoch
+than the connection began with means the node lost the pool and joined again since,
+and its bytes are refused (`StaleNode`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import uuid
+
+from mxfs.proto.chunk_wire import (
+    ACCEPT,
+    ANSWER,
+    CHALLENGE,
+    HELLO,
+    MAGIC,
+    MAX_READ,
+    PROOF,
+    READ,
+    VERSION,
+    WireError,
+    check_magic,
+    check_proof,
+    proof,
+)
+
+
+class StaleNode(OSError):
+    """The serving node's epoch changed: what it sends is not the pool's any more."""
+
+
+class ChunkClient:
+    def __init__(self, host: str, port: int, key: bytes, pool_uuid: str,
+                 timeout: float = 30.0) -> None:
+        self.where = f"{host}:{port}"
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            self.epoch = self._handshake(key, pool_uuid)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _handshake(self, key: bytes, pool_uuid: str) -> int:
+        client_nonce = os.urandom(16)
+        self.sock.sendall(HELLO.pack(MAGIC, VERSION, uuid.UUID(pool_uuid).bytes, client_nonce))
+        magic, version, server_nonce, theirs, epoch = CHALLENGE.unpack(
+            self._recv(CHALLENGE.size))
+        check_magic(magic, version)
+        check_proof(proof(key, b"server", pool_uuid, client_nonce, server_nonce), theirs)
+        self.sock.sendall(PROOF.pack(proof(key, b"client", pool_uuid, client_nonce,
+                                           server_nonce)))
+        if self._recv(len(ACCEPT)) != ACCEPT:
+            raise WireError(f"{self.where} did not accept this node")
+        return int(epoch)
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self._recv_into(memoryview(buf))
+        return bytes(buf)
+
+    def _recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise WireError(f"{self.where} closed the connection (it does not take "
+                                "this pool's key, or went away)")
+            got += k
+
+    def read_into(self, ino: int, member: int, offset: int, out: memoryview) -> int:
+        """Read the chunk file of `ino` on `member` from `offset` into `out`; how many
+        bytes it held (fewer at its end; 0 for one never written)."""
+        if len(out) > MAX_READ:
+            raise ValueError(f"at most {MAX_READ} bytes a request")
+        self.sock.sendall(READ.pack(b"READ", ino, member, offset, len(out)))
+        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
+        if code:
+            raise OSError(code, f"{self.where}: {os.strerror(code)} (inode {ino}, member "
+                          f"{member})")
+        if n > len(out):
+            raise WireError(f"{self.where} sent {n} bytes for {len(out)} asked")
+        self._recv_into(out[:n])
+        if epoch != self.epoch:
+            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
+                            f"{epoch}): its bytes are not trusted")
+        return int(n)
+
+    def read(self, ino: int, member: int, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        n = self.read_into(ino, member, offset, memoryview(buf))
+        return bytes(buf[:n])
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> ChunkClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

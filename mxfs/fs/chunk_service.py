@@ -1,0 +1,199 @@
+"""The chunk service: this node's member ranges, served to the pool's other nodes.
+
+A daemon mounted with `-o chunk_port=N` listens on TCP (`chunk_addr`, loopback unless
+named) for the pool's other nodes (`client/chunks.py`): each connection proves the pool
+key both ways first (`proto/chunk_wire.py`), then asks for ranges of chunk files, which
+go out with sendfile from a worker thread, never through Python buffers.  A request is
+checked as the direct path checks one (a member of this pool in service, an inode
+that is a regular file, at most MAX_READ bytes); a daemon fenced off the pool
+(`meta/lease.py`: its lease went) answers ESTALE, never bytes the pool no longer
+stands behind.  Every answer carries the lease's epoch.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from mxfs.errors import MxfsError
+from mxfs.fs.failures import FailureLog
+from mxfs.proto.chunk_wire import (
+    ACCEPT,
+    ANSWER,
+    CHALLENGE,
+    HELLO,
+    MAGIC,
+    MAX_READ,
+    PROOF,
+    READ,
+    VERSION,
+    WireError,
+    check_magic,
+    check_proof,
+    proof,
+)
+from mxfs.vol.volume import Volume
+
+log = logging.getLogger("mxfs.chunks")
+
+HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
+IDLE_S = 600.0  # a connection with no request for this long is closed
+SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
+
+
+class ChunkService:
+    def __init__(self, vol: Volume, key: bytes, host: str, port: int,
+                 epoch: Callable[[], int]) -> None:
+        self.vol, self.key, self.host, self.port = vol, key, host, port
+        self.epoch = epoch  # the lease's, 0 for a pool with none
+        self.connections = 0
+        self.served_bytes = 0
+        self._senders = trio.CapacityLimiter(SENDERS)
+        self._failures = FailureLog(log)
+        self._sock: socket.socket | None = None
+
+    def bind(self) -> None:
+        """Open the listening socket now (before the daemon reports ready), so a port in
+        use is one clear line at mount."""
+        try:
+            self._sock = socket.create_server((self.host, self.port), backlog=128)
+        except OSError as e:
+            raise MxfsError(f"the chunk service cannot listen on {self.host}:{self.port} "
+                            f"({e.strerror})", "choose a free port (-o chunk_port=N) and an "
+                            "address of this host (-o chunk_addr=IP)") from None
+        self.port = self._sock.getsockname()[1]
+
+    def status(self) -> dict[str, Any]:
+        return {"addr": self.host, "port": self.port, "connections": self.connections,
+                "served_bytes": self.served_bytes}
+
+    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        if self._sock is None:
+            self.bind()
+        assert self._sock is not None
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
+        log.info("chunk service on %s:%d", self.host, self.port)
+        task_status.started()
+        await trio.serve_listeners(self._connection, [listener])
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        try:
+            async with stream:
+                if await self._handshake(stream):
+                    await self._requests(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the peer went away
+        finally:
+            self.connections -= 1
+
+    async def _handshake(self, stream: trio.SocketStream) -> bool:
+        """The mutual proof of the pool key; False (and logged) when the peer fails it."""
+        pool_uuid = self.vol.pool.uuid
+        try:
+            with trio.fail_after(HANDSHAKE_S):
+                magic, version, their_pool, client_nonce = HELLO.unpack(
+                    await _recv_exact(stream, HELLO.size))
+                check_magic(magic, version)
+                if their_pool != _uuid_bytes(pool_uuid):
+                    raise WireError("the peer is a node of another pool")
+                server_nonce = os.urandom(16)
+                mine = proof(self.key, b"server", pool_uuid, client_nonce, server_nonce)
+                await stream.send_all(CHALLENGE.pack(MAGIC, VERSION, server_nonce, mine,
+                                                     self.epoch()))
+                (theirs,) = PROOF.unpack(await _recv_exact(stream, PROOF.size))
+                check_proof(proof(self.key, b"client", pool_uuid, client_nonce,
+                                  server_nonce), theirs)
+                await stream.send_all(ACCEPT)
+                return True
+        except (WireError, trio.TooSlowError, EOFError) as e:
+            self._failures.note("chunk handshake", None, e, trace=False)
+            return False
+
+    async def _requests(self, stream: trio.SocketStream) -> None:
+        out = stream.socket.fileno()
+        while True:
+            with trio.move_on_after(IDLE_S):
+                try:
+                    raw = await _recv_exact(stream, READ.size)
+                except EOFError:
+                    return
+                tag, ino, member, offset, length = READ.unpack(raw)
+                if tag != b"READ":
+                    self._failures.note("chunk request", None,
+                                        WireError(f"unknown request {tag!r}"), trace=False)
+                    return
+                try:
+                    fd, n = self._open(ino, member, offset, length)
+                except OSError as e:
+                    await stream.send_all(ANSWER.pack(e.errno or errno.EIO, self.epoch(), 0))
+                    continue
+                try:
+                    await stream.send_all(ANSWER.pack(0, self.epoch(), n))
+                    if n:
+                        await trio.to_thread.run_sync(_send_file, out, fd, offset,
+                                                      n, limiter=self._senders)
+                        self.served_bytes += n
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
+                continue
+            return  # idle too long
+
+    def _open(self, ino: int, member: int, offset: int, length: int) -> tuple[int, int]:
+        """A descriptor of the chunk file and how many of the bytes asked for it holds
+        (-1 and 0: never written, all zeros)."""
+        vol = self.vol
+        if vol.store.readonly:
+            raise OSError(errno.ESTALE, "this node no longer serves the pool")
+        if not 0 <= member < len(vol.pool.members):
+            raise OSError(errno.EINVAL, f"member {member} is not one of this pool's")
+        if length > MAX_READ:
+            raise OSError(errno.EINVAL, f"at most {MAX_READ} bytes a request")
+        vol.pool.check([member])
+        if not vol.store.get(ino).is_reg:
+            raise OSError(errno.EINVAL, f"inode {ino} is not a regular file")
+        try:
+            fd = os.open(vol.pool.chunk_path(member, ino), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return -1, 0
+        size = os.fstat(fd).st_size
+        return fd, max(0, min(length, size - offset))
+
+
+def _uuid_bytes(pool_uuid: str) -> bytes:
+    return uuid.UUID(pool_uuid).bytes
+
+
+async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = await stream.receive_some(n - got)
+        if not chunk:
+            raise EOFError("the peer closed the connection")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _send_file(out_fd: int, in_fd: int, offset: int, n: int) -> None:
+    """sendfile all `n` bytes to a non-blocking socket (waiting while it is full)."""
+    while n:
+        try:
+            sent = os.sendfile(out_fd, in_fd, offset, n)
+        except BlockingIOError:
+            select.select([], [out_fd], [], IDLE_S)
+            continue
+        if sent == 0:  # the file shrank under us: the peer's read would hang
+            raise OSError(errno.EIO, "the chunk file shrank while it was sent")
+        offset += sent
+        n -= sent

@@ -1,0 +1,76 @@
+"""The pool key: the secret the nodes of one pool prove to each other (the chunk
+service, `proto/chunk_wire.py`).
+
+32 random bytes in `mxfs.key` beside member 0's superblock, readable by root alone; made
+the first time a daemon serves chunks, copied by the operator to every node that joins
+(with the member folders' superblocks it is all a node needs).  A key file anyone else
+may read is refused: whoever reads it can pose as a node.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from mxfs.errors import MxfsError
+from mxfs.proto.chunk_wire import KEY_BYTES
+
+KEY_NAME = "mxfs.key"
+
+
+def key_path(member0: str) -> str:
+    return os.path.join(member0, KEY_NAME)
+
+
+def load_key(member0: str, create: bool = False) -> bytes:
+    """The pool key kept on member 0 (made there first if `create` and absent)."""
+    path = key_path(member0)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not create:
+            raise MxfsError(f"the pool key {path} is missing",
+                            "copy it from a node of the pool (root's, mode 0600)") from None
+        return _make(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise MxfsError(f"the pool key {path} is a symbolic link",
+                            "replace it with the key file itself") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o077 or st.st_uid != os.geteuid():
+            raise MxfsError(f"the pool key {path} may be read by others "
+                            f"(mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid})",
+                            f"chown root {path} && chmod 600 {path}")
+        key = os.read(fd, KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(key) != KEY_BYTES:
+        raise MxfsError(f"the pool key {path} is damaged ({len(key)} bytes, not {KEY_BYTES})",
+                        "copy it again from a node of the pool")
+    return key
+
+
+def _make(path: str) -> bytes:
+    key = os.urandom(KEY_BYTES)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # the first maker wins; a racer reads the winner's
+    except FileExistsError:
+        os.unlink(tmp)
+        return load_key(os.path.dirname(path))
+    os.unlink(tmp)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return key

@@ -1,0 +1,64 @@
+"""The chunk service's wire format: how one node reads another node's member ranges.
+
+A TCP connection starts with a mutual proof of the pool key (a secret every node of the
+pool holds, root's alone: `Pool.key`), so a host that is not a node of the pool reads
+nothing, and a node never talks to an impostor:
+
+    client -> server   HELLO  b"MXCH", version, pool uuid, client nonce
+    server -> client   CHALLENGE  b"MXCH", version, server nonce, server proof, epoch
+    client -> server   PROOF  client proof
+    server -> client   b"MXOK" (or the connection closes: a wrong key, another pool)
+
+A proof is HMAC-SHA256 of the key over a role, the pool uuid and both nonces; fresh
+nonces on both sides make a recorded exchange worthless.  The server's epoch (its lease's,
+`meta/lease.py`) rides in the challenge and in every reply, so a reader can refuse
+bytes from a node that is no longer the pool's.
+
+Then requests, one at a time: READ (inode, member, offset in the member's chunk file,
+length), answered by a header (0 or an errno, the epoch, how many bytes follow) and
+those bytes, sent from the chunk file with sendfile.  A range past the chunk file's end
+is short; a chunk file never written reads as no bytes (the reader fills zeros, as the
+direct path does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+import uuid
+
+MAGIC = b"MXCH"
+VERSION = 1
+NONCE = 16
+KEY_BYTES = 32
+MAX_READ = 64 << 20  # bytes one READ may ask for
+
+HELLO = struct.Struct("!4sH16s16s")  # magic, version, pool uuid, client nonce
+CHALLENGE = struct.Struct("!4sH16s32sQ")  # magic, version, server nonce, proof, epoch
+PROOF = struct.Struct("!32s")
+ACCEPT = b"MXOK"
+READ = struct.Struct("!4sQIQQ")  # b"READ", inode, member, offset, length
+ANSWER = struct.Struct("!iQQ")  # 0 or errno, epoch, bytes that follow
+
+
+class WireError(Exception):
+    """The peer broke the protocol or failed the proof: the connection is dropped."""
+
+
+def proof(key: bytes, role: bytes, pool_uuid: str, client_nonce: bytes,
+          server_nonce: bytes) -> bytes:
+    return hmac.new(key, role + uuid.UUID(pool_uuid).bytes + client_nonce + server_nonce,
+                    hashlib.sha256).digest()
+
+
+def check_proof(expected: bytes, got: bytes) -> None:
+    if not hmac.compare_digest(expected, got):
+        raise WireError("the peer does not hold this pool's key")
+
+
+def check_magic(magic: bytes, version: int) -> None:
+    if magic != MAGIC:
+        raise WireError("not an mxfs chunk service peer")
+    if version != VERSION:
+        raise WireError(f"chunk protocol version {version} is not supported (this is {VERSION})")

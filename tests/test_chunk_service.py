@@ -1,0 +1,140 @@
+"""The chunk service (issue 27: a node reads other nodes' member ranges through them).
+
+Through a real mount serving chunks on a real TCP port: every stripe of a file read
+through the service is the file's bytes; a client without the pool's key learns
+nothing and is told so, a peer that fails its proof is dropped, and neither stops the
+service; bad requests get their errno and the connection goes on; the key is root's
+alone and a key file others may read is refused at mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import HAVE_FUSE, Mounted, make_members, mkfs, mounted_pool, mxfs, one_line_error
+
+from mxfs.client import ControlClient
+from mxfs.client.chunks import ChunkClient
+from mxfs.io import Layout
+from mxfs.pool.key import KEY_NAME, load_key
+from mxfs.proto.chunk_wire import CHALLENGE, HELLO, MAGIC, MAX_READ, PROOF, VERSION, WireError
+
+pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
+              pytest.mark.daemon_log(r"chunk handshake .* failed")]
+
+
+def _service(m: Mounted) -> tuple[str, int, str]:
+    with ControlClient(str(m.path)) as c:
+        st = c.stat()
+    svc = st["chunk_service"]
+    assert svc is not None
+    return svc["addr"], int(svc["port"]), st["pool_uuid"]
+
+
+def _first_member(m: Mounted, name: str) -> tuple[int, int]:
+    """A small file's inode and the member its one stripe is on."""
+    with ControlClient(str(m.path)) as c:
+        lay = c.layout(str(m.path / name))
+    return lay["ino"], lay["layout"]["first_member"]
+
+
+def _dropped(s: socket.socket) -> bool:
+    """Whether the service closed the connection (a reset: it left bytes unread)."""
+    try:
+        return s.recv(16) == b""
+    except ConnectionResetError:
+        return True
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def serving(tmp_path: Path) -> Iterator[Mounted]:
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "chunk_port=0") as m:
+        yield m
+
+
+def test_every_stripe_read_through_the_service_is_the_files_bytes(serving: Mounted) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 12_345)  # stripes on every member, a short tail
+    (serving.path / "model.bin").write_bytes(data)
+    host, port, pool = _service(serving)
+    key = load_key(serving.members[0])
+    with ControlClient(str(serving.path)) as c:
+        lay = c.layout(str(serving.path / "model.bin"))
+    layout = Layout.from_description(lay["layout"])
+    got = bytearray(len(data))
+    with ChunkClient(host, port, key, pool) as chunks:
+        for piece in layout.plan(0, len(data)):
+            part = chunks.read(lay["ino"], piece.member, piece.chunk_offset, piece.length)
+            view = memoryview(part)
+            for o, n in piece.spans:
+                got[o:o + n] = view[:n]
+                view = view[n:]
+        assert chunks.read(lay["ino"], 0, 1 << 40, 4096) == b""  # past the end: nothing
+    assert bytes(got) == data
+    with ControlClient(str(serving.path)) as c:
+        assert c.stat()["chunk_service"]["served_bytes"] >= len(data)  # type: ignore[index]
+
+
+def test_a_host_without_the_key_gets_nothing_and_the_service_goes_on(serving: Mounted) -> None:
+    (serving.path / "f").write_bytes(b"secret" * 1000)
+    host, port, pool = _service(serving)
+    with pytest.raises(WireError, match="does not hold this pool's key"):
+        ChunkClient(host, port, os.urandom(32), pool)  # the server's proof fails here
+    # A peer that fakes its half: the challenge is answered, the bad proof dropped.
+    s = socket.create_connection((host, port), timeout=10)
+    s.sendall(HELLO.pack(MAGIC, VERSION, uuid.UUID(pool).bytes, os.urandom(16)))
+    assert len(s.recv(CHALLENGE.size, socket.MSG_WAITALL)) == CHALLENGE.size
+    s.sendall(PROOF.pack(os.urandom(32)))
+    assert _dropped(s)  # nothing accepted
+    with pytest.raises(WireError, match="another pool|closed"):  # right key, other pool
+        ChunkClient(host, port, load_key(serving.members[0]), str(uuid.uuid4()))
+    garbage = socket.create_connection((host, port), timeout=10)
+    garbage.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 100)
+    assert _dropped(garbage)
+    ino, first = _first_member(serving, "f")
+    with ChunkClient(host, port, load_key(serving.members[0]), pool) as chunks:
+        assert chunks.read(ino, first, 0, 6) == b"secret"
+
+
+def test_bad_requests_get_their_errno_and_the_connection_goes_on(serving: Mounted) -> None:
+    (serving.path / "d").mkdir()
+    (serving.path / "f").write_bytes(b"y" * 100)
+    host, port, pool = _service(serving)
+    (ino, first), d = _first_member(serving, "f"), os.stat(serving.path / "d").st_ino
+    with ChunkClient(host, port, load_key(serving.members[0]), pool) as chunks:
+        for args, code in (((ino, 9, 0, 10), errno.EINVAL),       # not a member
+                           ((999_999, 0, 0, 10), errno.ENOENT),   # no such inode
+                           ((d, 0, 0, 10), errno.EINVAL)):        # a directory
+            with pytest.raises(OSError) as e:
+                chunks.read(*args)
+            assert e.value.errno == code, args
+        with pytest.raises(ValueError):
+            chunks.read(ino, 0, 0, MAX_READ + 1)
+        assert chunks.read(ino, first, 0, 100) == b"y" * 100
+        assert chunks.read(ino, (first + 1) % 4, 0, 100) == b""  # a chunk file never written
+
+
+def test_the_key_is_roots_alone_and_a_loose_one_is_refused(tmp_path: Path) -> None:
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "chunk_port=0"):
+        pass
+    path = Path(members[0], KEY_NAME)
+    assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_bytes()) == 32
+    key = path.read_bytes()
+    with mounted_pool(members, "chunk_port=0"):  # the same key next time
+        assert path.read_bytes() == key
+    path.chmod(0o644)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    line = one_line_error(mxfs("mount", "-o", "chunk_port=0", members[0], str(mp), check=False))
+    assert KEY_NAME in line and "chmod 600" in line
