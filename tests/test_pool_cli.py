@@ -130,6 +130,23 @@ def test_mount_point_missing_not_empty_or_busy(tmp_path: Path, members: list[str
 
 
 @needs_fuse
+def test_status_reports_a_stopped_daemon_instead_of_hanging(mounted) -> None:
+    """Finding a daemon's socket touches its mount, which a stopped daemon never
+    answers: status says so (exit 2) instead of waiting with it."""
+    import signal
+
+    pid = mounted.daemon_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        res = mxfs("status", str(mounted.path), check=False, timeout=120)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert res.returncode == 2 and "daemon not answering" in res.stdout, res
+    assert "stopped or hung" in res.stdout
+    assert str(mounted.path) in mxfs("status", str(mounted.path)).stdout  # answers again
+
+
+@needs_fuse
 def test_status_reports_members_capacity_and_daemon(tmp_path: Path, mounted) -> None:
     res = json.loads(mxfs("status", "--json", str(mounted.path)).stdout)
     assert res["mountpoint"] == str(mounted.path)

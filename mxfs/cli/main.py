@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -158,14 +159,30 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 # ---- status ----------------------------------------------------------------
 
+STATUS_WAIT_S = 15.0  # a daemon that has not answered `mxfs status` by then is reported
+
+
 def _status_of_mount(mp: str) -> dict[str, Any]:
+    """The daemon's status, asked from a thread of its own: finding the socket touches
+    the mount, and a hung daemon's mount would hang the asker (the thread is left)."""
     from mxfs.client import ControlClient
 
-    try:
-        with ControlClient(mp, timeout=10) as c:
-            return dict(c.stat())
-    except OSError as e:
-        return {"mountpoint": mp, "error": f"daemon not answering ({e.strerror or e})"}
+    got: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            with ControlClient(mp, timeout=10) as c:
+                got.update(c.stat())
+        except OSError as e:
+            got.update(error=f"daemon not answering ({e.strerror or e})")
+
+    t = threading.Thread(target=ask, name="mxfs-status", daemon=True)
+    t.start()
+    t.join(STATUS_WAIT_S)
+    if t.is_alive() or "error" in got:
+        return {"mountpoint": mp, "error": got.get("error") or "daemon not answering (its "
+                f"mount did not answer in {STATUS_WAIT_S:.0f} s: stopped or hung)"}
+    return got
 
 
 def _status_of_pool(spec: str) -> dict[str, Any]:
