@@ -26,6 +26,7 @@ compare-and-swap update, so two nodes racing for a free lease get one winner.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -215,6 +216,9 @@ class Keeper:
                         self._taken(store)
                 except OSError as e:  # the store is away: the lease runs on until TTL
                     self._failed(e)
+                except Exception as e:  # a bug must not end renewals unnoticed
+                    log.exception("renewing the pool's lease failed")
+                    self._failed(OSError(errno.EIO, f"{type(e).__name__}: {e}"))
         finally:
             if store is not None:
                 try:
