@@ -54,9 +54,12 @@ def _dropped(s: socket.socket) -> bool:
         s.close()
 
 
-@pytest.fixture
-def serving(tmp_path: Path) -> Iterator[Mounted]:
-    members = make_members(tmp_path)
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
+    """One pool serving chunks for the module's tests (each writes files of its own)."""
+    if not HAVE_FUSE:
+        pytest.skip("needs root and /dev/fuse")
+    members = make_members(tmp_path_factory.mktemp("pool"))
     mkfs(members)
     with mounted_pool(members, "chunk_port=0") as m:
         yield m
@@ -107,9 +110,9 @@ def test_a_host_without_the_key_gets_nothing_and_the_service_goes_on(serving: Mo
 
 def test_bad_requests_get_their_errno_and_the_connection_goes_on(serving: Mounted) -> None:
     (serving.path / "d").mkdir()
-    (serving.path / "f").write_bytes(b"y" * 100)
+    (serving.path / "g").write_bytes(b"y" * 100)
     host, port, pool = _service(serving)
-    (ino, first), d = _first_member(serving, "f"), os.stat(serving.path / "d").st_ino
+    (ino, first), d = _first_member(serving, "g"), os.stat(serving.path / "d").st_ino
     with ChunkClient(host, port, load_key(serving.members[0]), pool) as chunks:
         for args, code in (((ino, 9, 0, 10), errno.EINVAL),       # not a member
                            ((999_999, 0, 0, 10), errno.ENOENT),   # no such inode

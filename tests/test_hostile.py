@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.daemon_log(r"protocol for pid \d+ uid \d+ failed \(ProtocolError",
                            r"connect for pid \d+ uid \d+ failed .*control connections",
                            r"slow for pid \d+ uid \d+ failed .*not sent whole in time",
-                           r"metadata member short of space: cut \d+ chunk files",
+                           r"cut \d+ chunk files of unpublished files back",
                            r"metadata member \S+ is full"),
 ]
 ROOT = Path(__file__).resolve().parent.parent

@@ -138,7 +138,7 @@ def test_status_reports_a_stopped_daemon_instead_of_hanging(mounted) -> None:
     pid = mounted.daemon_pid()
     os.kill(pid, signal.SIGSTOP)
     try:
-        res = mxfs("status", str(mounted.path), check=False, timeout=120)
+        res = mxfs("status", "--timeout", "2", str(mounted.path), check=False, timeout=120)
     finally:
         os.kill(pid, signal.SIGCONT)
     assert res.returncode == 2 and "daemon not answering" in res.stdout, res

@@ -175,6 +175,7 @@ print(json.dumps([make("sglang-uid{bob.uid}"), make("vllm-uid{alice.uid}"),
     assert stolen == errno.EACCES and own == "ok" and unreserved == "ok"
 
 
+@pytest.mark.daemon_log(r"metadata member \S+ is full")
 def test_xattrs_cannot_fill_the_metadata_member(loop_pool: Mounted) -> None:
     """A tenant setting 64 KiB xattrs on file after file is stopped (ENOSPC) while the
     metadata member still has room to commit what others were answered for: every

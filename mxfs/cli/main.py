@@ -162,7 +162,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 STATUS_WAIT_S = 15.0  # a daemon that has not answered `mxfs status` by then is reported
 
 
-def _status_of_mount(mp: str) -> dict[str, Any]:
+def _status_of_mount(mp: str, wait: float = STATUS_WAIT_S) -> dict[str, Any]:
     """The daemon's status, asked from a thread of its own: finding the socket touches
     the mount, and a hung daemon's mount would hang the asker (the thread is left)."""
     from mxfs.client import ControlClient
@@ -178,10 +178,10 @@ def _status_of_mount(mp: str) -> dict[str, Any]:
 
     t = threading.Thread(target=ask, name="mxfs-status", daemon=True)
     t.start()
-    t.join(STATUS_WAIT_S)
+    t.join(wait)
     if t.is_alive() or "error" in got:
         return {"mountpoint": mp, "error": got.get("error") or "daemon not answering (its "
-                f"mount did not answer in {STATUS_WAIT_S:.0f} s: stopped or hung)"}
+                f"mount did not answer in {wait:g} s: stopped or hung)"}
     return got
 
 
@@ -261,9 +261,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.target:
         target = os.path.abspath(args.target)
         kind = mount_table().get(target)
-        found = [_status_of_mount(target) if kind == FSTYPE else _status_of_pool(args.target)]
+        found = [_status_of_mount(target, args.timeout) if kind == FSTYPE
+                 else _status_of_pool(args.target)]
     else:
-        found = [_status_of_mount(mp) for mp, kind in mount_table().items() if kind == FSTYPE]
+        found = [_status_of_mount(mp, args.timeout) for mp, kind in mount_table().items()
+                 if kind == FSTYPE]
     if args.json:
         print(json.dumps(found if not args.target else found[0], indent=2))
     elif not found:
@@ -446,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="members, capacity, usage and daemon of pools")
     s.add_argument("target", nargs="?", help="a mount point or pool (default: every mount)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--timeout", type=float, default=STATUS_WAIT_S, metavar="SECONDS",
+                   help="how long to wait for each daemon's answer (default %(default)s)")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("getstripe", help="show a file's or directory's stripe layout")
