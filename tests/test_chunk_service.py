@@ -141,3 +141,56 @@ def test_the_key_is_roots_alone_and_a_loose_one_is_refused(tmp_path: Path) -> No
     mp.mkdir()
     line = one_line_error(mxfs("mount", "-o", "chunk_port=0", members[0], str(mp), check=False))
     assert KEY_NAME in line and "chmod 600" in line
+
+
+READ_AS_NODE = r"""
+import hashlib, json, sys
+from mxfs.client.chunks import ChunkClient
+host, port, key_path, pool, ino, member, length, timeout = sys.argv[1:9]
+key = open(key_path, "rb").read() if key_path != "-" else b"k" * 32
+try:
+    with ChunkClient(host, int(port), key, pool, timeout=float(timeout)) as c:
+        data = c.read(int(ino), int(member), 0, int(length))
+    print(json.dumps({"sha": hashlib.sha256(data).hexdigest(), "n": len(data)}))
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__, "why": str(e)}))
+"""
+
+
+@pytest.mark.nodes
+def test_a_node_in_its_own_network_reads_through_the_service_and_a_cut_link_fails_it(
+        tmp_path: Path) -> None:
+    """Node B, a process in a network namespace of its own joined by a veth pair, reads a
+    stripe over that link with the pool key; a host of that network without the key
+    reads nothing; with the link cut B's read fails within its timeout, and once healed
+    it reads again."""
+    import hashlib
+    import json
+    import sys
+
+    from conftest import node_net
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with node_net() as net, mounted_pool(members, "chunk_port=0",
+                                         f"chunk_addr={net.host_ip}") as m:
+        data = os.urandom(50_000)
+        (m.path / "f").write_bytes(data)
+        ino, first = _first_member(m, "f")
+        _, port, pool = _service(m)
+        key_file = str(Path(members[0], KEY_NAME))
+
+        def as_node(key: str, timeout: str = "10") -> dict:
+            res = net.run(sys.executable, "-c", READ_AS_NODE, net.host_ip, str(port), key,
+                          pool, str(ino), str(first), str(len(data)), timeout)
+            assert res.returncode == 0, res.stderr
+            return json.loads(res.stdout)
+
+        assert as_node(key_file) == {"sha": hashlib.sha256(data).hexdigest(), "n": len(data)}
+        assert as_node("-")["error"] == "WireError"  # no key: nothing
+        net.cut()
+        try:
+            assert as_node(key_file, timeout="2")["error"] in ("TimeoutError", "OSError")
+        finally:
+            net.cut(down=False)
+        assert as_node(key_file)["n"] == len(data)

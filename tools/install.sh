@@ -13,7 +13,8 @@ command -v getfattr >/dev/null || need+=(attr)
 command -v rsync >/dev/null || need+=(rsync)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v git >/dev/null || need+=(git)
-command -v mkfs.xfs >/dev/null || need+=(xfsprogs)  # the benches' members rig (tools/rig.py)
+command -v mkfs.xfs >/dev/null || need+=(xfsprogs)
+command -v ip >/dev/null || need+=(iproute2)  # tests of several nodes: network namespaces  # the benches' members rig (tools/rig.py)
 # PostgreSQL's server binaries: the shared metadata engine; its tests run a cluster of their own
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 [ -f /usr/include/liburing.h ] || need+=(liburing-dev)  # the native I/O engine builds on it
