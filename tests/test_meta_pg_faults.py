@@ -36,7 +36,8 @@ pytestmark = pytest.mark.daemon_log(
     r"the metadata server \S+ (went away|cannot be reached|is full)",
     r"metadata store: (the open group of changes was rolled back|a group of changes was lost)",
     r"commit for the daemon failed",
-    r"the pool's lease (could not be renewed|is renewed again)")
+    r"the pool's lease (could not be renewed|is renewed again)",
+    r"recovered pool \S+: unclean=")  # (what an outage left: trimmed tails, orphans)
 
 
 @pytest.fixture
