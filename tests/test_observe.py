@@ -124,7 +124,10 @@ def test_wake_latency_is_held_while_requests_flow(mounted: Mounted, tmp_path: Pa
         busy.set()
         worker.join()
     assert eventually(lambda: _cpu_latency_limit() == before, timeout=10)  # let go when idle
-    assert "not held now, taken 1 times" in mxfs("status", str(mounted.path)).stdout
+    # Taken at least once (again after any pause long enough for it to be let go: the
+    # count depends on how the machine schedules the requests), and let go now.
+    taken = re.search(r"not held now, taken (\d+) times", mxfs("status", str(mounted.path)).stdout)
+    assert taken is not None and int(taken.group(1)) >= 1
     (empty := tmp_path / "elsewhere").mkdir()
     for bad in ("-1", str(1 << 31)):  # the kernel takes a signed 32-bit count
         line = one_line_error(mxfs("mount", "-o", f"wake_latency_us={bad}", mounted.members[0],
