@@ -9,7 +9,7 @@ start=$SECONDS
 log=$(mktemp)
 ( make --no-print-directory ENGINES="$engines" VENV="$venv" engines lint-engines >"$log" 2>&1 ) &
 bg=$!
-"$venv/bin/python" -m pytest -q -m "not engines" --durations=5
+"$venv/bin/python" -m pytest -q -m "not engines" --durations=30
 main=$?
 echo "test: main suite done at $((SECONDS - start)) s"
 wait "$bg"
