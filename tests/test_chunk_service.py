@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,16 @@ from mxfs.client import ControlClient
 from mxfs.client.chunks import ChunkClient
 from mxfs.io import Layout
 from mxfs.pool.key import KEY_NAME, load_key
-from mxfs.proto.chunk_wire import CHALLENGE, HELLO, MAGIC, MAX_READ, PROOF, VERSION, WireError
+from mxfs.proto.chunk_wire import (
+    CHALLENGE,
+    HELLO,
+    MAGIC,
+    MAX_READ,
+    PROOF,
+    READ,
+    VERSION,
+    WireError,
+)
 
 pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
               pytest.mark.daemon_log(r"chunk handshake .* failed")]
@@ -141,6 +151,59 @@ def test_the_key_is_roots_alone_and_a_loose_one_is_refused(tmp_path: Path) -> No
     mp.mkdir()
     line = one_line_error(mxfs("mount", "-o", "chunk_port=0", members[0], str(mp), check=False))
     assert KEY_NAME in line and "chmod 600" in line
+
+
+@pytest.mark.daemon_log(r"chunk connection .* failed")
+def test_silent_connections_hold_their_own_addresss_slots_and_a_stalled_reader_only_itself(
+        serving: Mounted) -> None:
+    """A host that opens connections and never proves the key fills its address's
+    handshake slots (max_chunk_handshakes_per_peer, 8) and no more: its next connection is
+    closed at once and counted, while a node at another address connects and reads.  A
+    peer that asks for a large range and never reads it holds one sender, not the
+    service."""
+    data = os.urandom(64 << 20)  # 16 MiB on each member: more than the sockets buffer
+    (serving.path / "big").write_bytes(data)
+    host, port, pool = _service(serving)
+    key = load_key(serving.members[0])
+    with ControlClient(str(serving.path)) as c:
+        lay = c.layout(str(serving.path / "big"))
+    ino, first = lay["ino"], lay["layout"]["first_member"]
+
+    def chunk_stat() -> dict:
+        with ControlClient(str(serving.path)) as c:
+            return c.stat()["chunk_service"]  # type: ignore[return-value]
+
+    refused = chunk_stat()["refused"]
+    silent = [socket.create_connection((host, port), timeout=10, source_address=("127.0.0.1", 0))
+              for _ in range(8)]
+    try:
+        for _ in range(100):  # the service has accepted all eight
+            if chunk_stat()["connections"] >= 8:
+                break
+            time.sleep(0.05)
+        with ChunkClient(host, port, key, pool, source="127.0.0.2") as other:
+            assert other.read(ino, first, 0, 4096) == data[:4096]
+        ninth = socket.create_connection((host, port), timeout=20,
+                                         source_address=("127.0.0.1", 0))
+        assert _dropped(ninth)
+        assert chunk_stat()["refused"] == refused + 1
+    finally:
+        for s in silent:
+            s.close()
+    # A reader that stops reading a 16 MiB answer; another is served meanwhile.
+    stalled = ChunkClient(host, port, key, pool)
+    try:
+        stalled.sock.sendall(READ.pack(b"READ", ino, first, 0, 16 << 20))
+        with ChunkClient(host, port, key, pool) as other:
+            assert other.read(ino, first, 4096, 4096) == data[4096:8192]
+    finally:
+        stalled.close()
+    for _ in range(100):  # the service saw them all go
+        if chunk_stat()["connections"] == 0:
+            break
+        time.sleep(0.05)
+    with ChunkClient(host, port, key, pool, source="127.0.0.1") as again:  # slots freed
+        assert again.read(ino, first, 0, 10) == data[:10]
 
 
 READ_AS_NODE = r"""

@@ -37,9 +37,12 @@ class StaleNode(OSError):
 
 class ChunkClient:
     def __init__(self, host: str, port: int, key: bytes, pool_uuid: str,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, source: str | None = None) -> None:
+        """Connect and prove the key; `source`: this node's address to connect from
+        (on a host with several networks, the one the pool's nodes are on)."""
         self.where = f"{host}:{port}"
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock = socket.create_connection((host, port), timeout=timeout,
+                                             source_address=(source, 0) if source else None)
         try:
             self.epoch = self._handshake(key, pool_uuid)
         except BaseException:

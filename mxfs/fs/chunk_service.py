@@ -8,6 +8,14 @@ checked as the direct path checks one (a member of this pool in service, an inod
 that is a regular file, at most MAX_READ bytes); a daemon fenced off the pool
 (`meta/lease.py`: its lease went) answers ESTALE, never bytes the pool no longer
 stands behind.  Every answer carries the lease's epoch.
+
+Anyone who can reach the port can connect, so connections are admitted against
+`Limits`: at most `max_chunk_conns` in all (and never into the descriptors the daemon
+keeps back), and at most `max_chunk_handshakes_per_peer` of one address that have not
+yet proved the key, so a host that opens connections and stays silent holds its own
+slots only, never another node's.  A refused connection is closed at once.  A peer
+that stops reading stalls one sender for SEND_STALL_S at most, then loses its
+connection.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import os
 import select
 import socket
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +34,7 @@ import trio
 
 from mxfs.errors import MxfsError
 from mxfs.fs.failures import FailureLog
+from mxfs.fs.limits import Limits, fd_limit
 from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
@@ -47,14 +57,20 @@ log = logging.getLogger("mxfs.chunks")
 HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
 IDLE_S = 600.0  # a connection with no request for this long is closed
 SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
+SEND_STALL_S = 30.0  # a peer that takes no bytes for this long loses its connection
 
 
 class ChunkService:
     def __init__(self, vol: Volume, key: bytes, host: str, port: int,
-                 epoch: Callable[[], int]) -> None:
+                 epoch: Callable[[], int], limits: Limits | None = None,
+                 other_fds: Callable[[], int] = lambda: 0) -> None:
         self.vol, self.key, self.host, self.port = vol, key, host, port
         self.epoch = epoch  # the lease's, 0 for a pool with none
+        self.limits = limits or Limits()
+        self.other_fds = other_fds  # descriptors the daemon's other services hold
         self.connections = 0
+        self.handshaking: Counter[str] = Counter()  # by peer address
+        self.refused = 0
         self.served_bytes = 0
         self._senders = trio.CapacityLimiter(SENDERS)
         self._failures = FailureLog(log)
@@ -73,7 +89,7 @@ class ChunkService:
 
     def status(self) -> dict[str, Any]:
         return {"addr": self.host, "port": self.port, "connections": self.connections,
-                "served_bytes": self.served_bytes}
+                "refused": self.refused, "served_bytes": self.served_bytes}
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -85,16 +101,46 @@ class ChunkService:
         task_status.started()
         await trio.serve_listeners(self._connection, [listener])
 
+    def _admit(self, peer: str) -> str | None:
+        """Why a new connection from `peer` is refused (a limit is reached), or None."""
+        lim = self.limits
+        if self.connections >= lim.max_chunk_conns:
+            return f"{self.connections} connections, the limit (max_chunk_conns)"
+        if self.connections + self.other_fds() + lim.fd_reserve >= fd_limit():
+            return "the daemon's descriptors are nearly all in use"
+        if self.handshaking[peer] >= lim.max_chunk_handshakes_per_peer:
+            return (f"{peer} has {self.handshaking[peer]} connections that have not proved "
+                    "the pool key, the limit (max_chunk_handshakes_per_peer)")
+        return None
+
     async def _connection(self, stream: trio.SocketStream) -> None:
+        peer = _peer_address(stream)
+        why = self._admit(peer)
+        if why is not None:
+            self.refused += 1
+            self._failures.note("chunk connection", None, OSError(errno.EMFILE, why),
+                                trace=False)
+            await stream.aclose()
+            return
         self.connections += 1
+        self.handshaking[peer] += 1
         try:
             async with stream:
-                if await self._handshake(stream):
+                try:
+                    proved = await self._handshake(stream)
+                finally:
+                    self._end_handshake(peer)
+                if proved:
                     await self._requests(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # the peer went away
         finally:
             self.connections -= 1
+
+    def _end_handshake(self, peer: str) -> None:
+        self.handshaking[peer] -= 1
+        if not self.handshaking[peer]:
+            del self.handshaking[peer]
 
     async def _handshake(self, stream: trio.SocketStream) -> bool:
         """The mutual proof of the pool key; False (and logged) when the peer fails it."""
@@ -170,6 +216,13 @@ class ChunkService:
         return fd, max(0, min(length, size - offset))
 
 
+def _peer_address(stream: trio.SocketStream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except OSError:  # gone already
+        return "?"
+
+
 def _uuid_bytes(pool_uuid: str) -> bytes:
     return uuid.UUID(pool_uuid).bytes
 
@@ -186,12 +239,16 @@ async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
 
 
 def _send_file(out_fd: int, in_fd: int, offset: int, n: int) -> None:
-    """sendfile all `n` bytes to a non-blocking socket (waiting while it is full)."""
+    """sendfile all `n` bytes to a non-blocking socket, waiting while it is full, but
+    never more than SEND_STALL_S for room (TimeoutError: the peer stopped reading)."""
+    writable = select.poll()
+    writable.register(out_fd, select.POLLOUT)
     while n:
         try:
             sent = os.sendfile(out_fd, in_fd, offset, n)
         except BlockingIOError:
-            select.select([], [out_fd], [], IDLE_S)
+            if not writable.poll(SEND_STALL_S * 1000):
+                raise TimeoutError(f"the peer took no bytes for {SEND_STALL_S:.0f} s") from None
             continue
         if sent == 0:  # the file shrank under us: the peer's read would hang
             raise OSError(errno.EIO, "the chunk file shrank while it was sent")

@@ -160,7 +160,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 chunks = ChunkService(vol, load_key(vol.pool.members[0].path, create=True),
                                       own.get("chunk_addr") or "127.0.0.1",
                                       int(own["chunk_port"]),
-                                      lambda: vol.lease.epoch if vol.lease else 0)
+                                      lambda: vol.lease.epoch if vol.lease else 0,
+                                      control.limits, control.listener.connections)
+                control.listener.other_fds = lambda: chunks.connections if chunks else 0
                 chunks.bind()
                 control.status.chunks = chunks
             daemon = Daemon(vol, ops, control, readahead, backup_s, chunks)

@@ -29,6 +29,8 @@ class Limits:
     max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)
     idle_timeout: int = 3600        # s: a connection holding nothing is closed when idle so long
     frame_timeout: int = 10         # s: a started request must arrive whole, a reply be taken
+    max_chunk_conns: int = 256      # chunk service connections (fs/chunk_service.py), all peers
+    max_chunk_handshakes_per_peer: int = 8  # of one address not yet past the key proof
     fd_reserve: int = 256           # descriptors kept back for FUSE, members and the store
 
     @classmethod

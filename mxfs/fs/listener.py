@@ -70,6 +70,7 @@ class Listener:
         self.new_session = new_session
         self._end = end
         self.conns: Counter[int] = Counter()  # open connections by uid
+        self.other_fds: Callable[[], int] = lambda: 0  # held by other services (chunks)
         self.sessions: dict[int, Session] = {}
         self.refusing = 0  # refused connections being answered
         self.failures = FailureLog(log)
@@ -114,11 +115,14 @@ class Listener:
             got += len(chunk)
         return b"".join(parts)
 
+    def connections(self) -> int:
+        return sum(self.conns.values())
+
     def _admit(self, caller: Caller) -> OSError | None:
         """Why a new connection of `caller` is refused (a limit is reached), or None."""
         lim = self.limits
-        total = sum(self.conns.values())
-        if total >= lim.max_conns or total + lim.fd_reserve >= fd_limit():
+        total = self.connections()
+        if total >= lim.max_conns or total + self.other_fds() + lim.fd_reserve >= fd_limit():
             return OSError(errno.ENFILE, f"the daemon holds {total} control connections, its "
                            "limit (mount option max_conns); try again later")
         if caller.uid != 0 and self.conns[caller.uid] >= lim.max_conns_per_user:
