@@ -25,7 +25,9 @@ pytest_plugins = ["daemon_log"]
 # The session's daemons keep their sockets and logs in a folder of its own, so the
 # logs a test is checked against are its session's alone (not another suite's running
 # beside it), and nothing piles up where real mounts keep theirs.
-if os.geteuid() == 0 and not os.environ.get("MXFS_RUNTIME_DIR"):
+# (pytest-xdist's workers inherit the controller's environment: each takes its own.)
+if os.geteuid() == 0 and (os.environ.get("PYTEST_XDIST_WORKER")
+                          or not os.environ.get("MXFS_RUNTIME_DIR")):
     os.environ["MXFS_RUNTIME_DIR"] = f"/run/mxfs/tests-{os.getpid()}"
 
 # What a daemon logs after a crash it recovered from: tests that kill one expect it.

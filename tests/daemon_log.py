@@ -100,3 +100,12 @@ def _daemon_log(request: pytest.FixtureRequest) -> Iterator[None]:
     pytest.fail(f"a daemon logged {len(unexpected)} WARNING/ERROR line(s) this test does "
                 f"not expect (mark it @pytest.mark.daemon_log(PATTERN) if it should):\n  "
                 f"{shown}", pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A passed session's own runtime folder goes with it (a failed one's logs stay)."""
+    folder = os.environ.get("MXFS_RUNTIME_DIR", "")
+    if exitstatus == 0 and os.path.basename(folder).startswith("tests-"):
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import grp
 import json
 import pwd
@@ -22,7 +23,14 @@ class User:
 
 
 def ensure_users() -> dict[str, User]:
-    """mxfs-alice and mxfs-bob (bob in group mxfs-team), made with useradd if missing."""
+    """mxfs-alice and mxfs-bob (bob in group mxfs-team), made with useradd if missing
+    (under a lock: test processes running side by side would race to add them)."""
+    with open("/run/lock/mxfs-test-users", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_users()
+
+
+def _ensure_users() -> dict[str, User]:
     try:
         grp.getgrnam(TEAM)
     except KeyError:

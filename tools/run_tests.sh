@@ -9,7 +9,10 @@ start=$SECONDS
 log=$(mktemp)
 ( make --no-print-directory ENGINES="$engines" VENV="$venv" engines lint-engines >"$log" 2>&1 ) &
 bg=$!
-"$venv/bin/python" -m pytest -q -m "not engines" --durations=30
+# Two workers, a test module each at a time (its module-scoped pools stay on one): most
+# of a mount test is waiting on daemons and subprocesses, so two share the 2 CPUs well.
+"$venv/bin/python" -m pytest -q -m "not engines" -n "${MXFS_TEST_WORKERS:-2}" \
+  --dist loadfile --durations=30
 main=$?
 echo "test: main suite done at $((SECONDS - start)) s"
 wait "$bg"
