@@ -146,12 +146,37 @@ def test_cold_instance_gets_the_prefix_and_tokens_equal_recompute(
     for row in res["rows"]:
         whole = row["context"] // CHUNK * CHUNK
         assert row["pool_tokens"] == whole and row["put_refused"] == 0
+        assert 0 <= row["policy_pool_tokens"] <= whole
         assert row["computed_tokens"] == row["prompt_tokens"] - whole
         assert row["read_bytes"] == whole * pair[0].hello.result()["kv_bytes_per_token"]
         part = row["partial"]
-        assert part["tokens_equal"]
+        assert part["tokens_equal"]  # reading every hit and with the policy alike
         assert part["pool_tokens"] == part["shared_tokens"] // CHUNK * CHUNK
+        assert 0 <= part["policy_pool_tokens"] <= part["pool_tokens"]
         assert row["pool_failures"] == {}
+
+
+@needs_fuse
+def test_the_reuse_policy_reads_a_prefix_only_where_reading_beats_computing(
+        pair: list[instances.Instance]) -> None:
+    """With the policy on, an instance reads the pool's chunks of a prefix when the pool
+    is fast and none when it is slow (its rate pinned, as for a throttled pool), and the
+    tokens are a recompute's either way."""
+    a, b = pair
+    tokens = reuse.prompt(7, 4 * CHUNK + 30, a.hello.result()["vocab"])
+    ref = serve(a, tokens, put=True)
+    try:
+        assert b.call("pool_rate", read_bps=1.0)["read_bps"] == 1.0  # 1 byte/s
+        slow = serve(b, tokens, read=True, policy=True)
+        assert slow["pool_tokens"] == 0 and slow["read_chunks_planned"] == 0
+        assert slow["computed_tokens"] == len(tokens)
+        b.call("pool_rate", read_bps=1e15)
+        fast = serve(b, tokens, read=True, policy=True)
+        assert fast["pool_tokens"] == 4 * CHUNK
+        assert slow["tokens"] == fast["tokens"] == ref["tokens"]
+    finally:
+        b.call("pool_rate", read_bps=0)  # measured again, for the next test
+    assert serve(b, tokens, read=True)["pool_tokens"] == 4 * CHUNK  # without it: every hit
 
 
 @needs_fuse

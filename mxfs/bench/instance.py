@@ -8,7 +8,9 @@ JSON line each.  Serving a prompt, as an engine with an external KV tier does:
    last token can come from a cache, so at least one token is always computed;
 2. chunks found in this instance's own memory are used first (`local`, an LRU bounded
    in tokens, like HBM), then the pool is asked for the rest of the prefix (`read`) and
-   the hits are read straight into a reused, page-aligned buffer;
+   the hits are read straight into a reused, page-aligned buffer; with `policy`, only
+   as many of them as are faster to read than to compute (`mxfs.kv.reuse_policy`,
+   from the read bandwidth and prefill rate this instance measured);
 3. transformers' `DynamicCache` is built from those chunks and only the rest of the
    prompt is prefilled; the first greedy token ends the TTFT clock, then the rest are
    decoded;
@@ -35,6 +37,7 @@ from typing import Any
 
 from mxfs.bench.lm import LAYOUT, LM, build
 from mxfs.bench.tier import PoolTier, chunk_keys
+from mxfs.kv.reuse_policy import ReusePolicy
 
 
 class Engine:
@@ -52,6 +55,8 @@ class Engine:
         self.chunk_bytes = lm.kv_bytes_per_token() * chunk_tokens
         self._buf: Any = None
         self._reserve(max_tokens // chunk_tokens)
+        self.policy = ReusePolicy(chunk_tokens, self.chunk_bytes,
+                                  lm.ttft_model().prefill_flops)
 
     def _reserve(self, chunks: int) -> Any:
         """The reused read buffer: page-aligned, touched once, so gets go O_DIRECT into it
@@ -68,7 +73,7 @@ class Engine:
         return chunk_keys(tokens, self.lm.model_id, self.lm.dtype, LAYOUT, self.chunk)
 
     def serve(self, tokens: list[int], new_tokens: int, read: bool, put: bool,
-              local: bool) -> dict[str, Any]:
+              local: bool, policy: bool = False) -> dict[str, Any]:
         if not tokens or not all(isinstance(t, int) and 0 <= t < self.lm.size.vocab
                                  for t in tokens):
             raise ValueError(f"tokens must be a non-empty list of ids below {self.lm.size.vocab}")
@@ -82,22 +87,26 @@ class Engine:
             self.local.move_to_end(keys[n_local])
             parts.append(self.local[keys[n_local]])
             n_local += 1
-        n_pool, read_s = 0, 0.0
+        n_pool, read_s, found = 0, 0.0, 0
         if read and self.tier is not None and n_local < usable:
             t0 = time.monotonic()
             want = keys[n_local:usable]
             found = self.tier.prefix(want)
+            if found and policy:
+                found = self.policy.plan(len(tokens), found, n_local * self.chunk).read_chunks
             if found:
                 buf = self._reserve(found)
                 n_pool = self.tier.get(want[:found], [buf[i] for i in range(found)])
                 parts += [buf[i] for i in range(n_pool)]
             read_s = time.monotonic() - t0
+            self.policy.observe_read(n_pool * self.chunk_bytes, read_s)
         done = n_local + n_pool
         t_build = time.monotonic()
         cache = self.lm.cache_from_chunks(parts)
         t_prefill = time.monotonic()
         first = self.lm.step(tokens[done * self.chunk:], cache)
         t_first = time.monotonic()
+        self.policy.observe_prefill(len(tokens), done * self.chunk, t_first - t_prefill)
         out = self.lm.decode(first, cache, new_tokens)
         t_done = time.monotonic()
         fresh = self.lm.chunks_of(cache, done, len(keys), self.chunk) \
@@ -120,6 +129,7 @@ class Engine:
                 "local_tokens": n_local * self.chunk, "pool_tokens": n_pool * self.chunk,
                 "computed_tokens": len(tokens) - done * self.chunk,
                 "looked_up": len(keys[n_local:usable]) if read else 0,
+                "read_chunks_planned": found,
                 "read_bytes": n_pool * self.chunk_bytes, "read_s": read_s,
                 "build_s": t_prefill - t_build, "prefill_s": t_first - t_prefill,
                 "put_chunks": stored, "put_refused": refused,
@@ -197,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     warmup = torch.randint(0, lm.size.vocab, (min(args.max_tokens, 1024),), generator=g)
     cache = lm.new_cache()
     lm.decode(lm.step(warmup.tolist(), cache), cache, 4)  # first-call costs, outside clocks
+    t0 = time.monotonic()
+    lm.step(warmup.tolist(), lm.new_cache())
+    engine.policy.observe_prefill(len(warmup), 0, time.monotonic() - t0)  # a first rate
     _reply(out, {"op": "hello", "pid": os.getpid(), "model_id": lm.model_id,
                  "params": lm.params, "vocab": lm.size.vocab, "layer_params": lm.layer_params,
                  "kv_bytes_per_token": lm.kv_bytes_per_token(),
@@ -223,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             if op == "serve":
                 res = engine.serve(list(req["tokens"]), int(req.get("new_tokens", 8)),
                                    bool(req.get("read", True)), bool(req.get("put", True)),
-                                   bool(req.get("local", False)))
+                                   bool(req.get("local", False)),
+                                   bool(req.get("policy", False)))
             elif op == "warm":
                 res = engine.warm(list(req["tokens"]))
             elif op == "reset":
@@ -236,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                 res = {"threads": torch.get_num_threads()}
             elif op == "flops":
                 res = engine.flops()
+            elif op == "pool_rate":  # a pool of a known read rate (a throttled one)
+                engine.policy.pin_read_rate(float(req["read_bps"]) or None)
+                res = {"read_bps": engine.policy.read_bps}
             else:
                 raise ValueError(f"unknown op {op!r}")
         except (ValueError, KeyError, TypeError) as e:

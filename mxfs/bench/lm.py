@@ -6,6 +6,13 @@ without downloading anything.  Its id names the weights themselves (an xxh3 of e
 parameter as served): keys made from it can never hand one model's KV to another,
 even if a library upgrade changed how weights are initialised.
 
+Attention is transformers' SDPA, except for a prefill after a cached prefix on the CPU
+(`prefix_attention`): SDPA's fast kernel takes only a square causal mask, so there
+transformers builds an explicit mask and SDPA takes a path that made the prefill of
+the second half of a 16k-token prompt cost more than the whole prompt; split into the
+prefix (no mask) and the new tokens (square, causal), merged by their log-sum-exps, it
+costs what the new tokens cost.
+
 The KV cache is transformers' own `DynamicCache`.  A chunk of it, as the pool stores
 it, is one contiguous tensor [layers, 2 (K, V), kv_heads, chunk_tokens, head_dim];
 `LAYOUT` names that layout in the chunk keys.
@@ -166,6 +173,57 @@ def fingerprint(model: Any) -> str:
     return h.hexdigest()
 
 
+ATTENTION = "mxfs_prefix_sdpa"
+
+
+def prefix_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                     dropout: float = 0.0, scaling: float | None = None, **kwargs: Any
+                     ) -> tuple[Any, None]:
+    """transformers' attention interface: SDPA, with a prefill after a cached prefix
+    on the CPU done as two flash calls, the new tokens' queries against the prefix
+    (nothing masked: it precedes them all) and against themselves (causal), merged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    prefix = kv_len - q_len
+    if (query.device.type != "cpu" or query.shape[0] != 1 or q_len < 2 or prefix <= 0
+            or dropout or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None
+            or not _plain_causal(attention_mask, q_len, kv_len)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    torch = _torch()
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    old, old_lse = flash(query, key[:, :, :prefix], value[:, :, :prefix], 0.0, False,
+                         scale=scaling)[:2]
+    new, new_lse = flash(query, key[:, :, prefix:], value[:, :, prefix:], 0.0, True,
+                         scale=scaling)[:2]
+    top = torch.maximum(old_lse, new_lse)
+    w_old = torch.exp(old_lse - top).unsqueeze(-1)
+    w_new = torch.exp(new_lse - top).unsqueeze(-1)
+    out = (old.float() * w_old + new.float() * w_new) / (w_old + w_new)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _plain_causal(mask: Any, q_len: int, kv_len: int) -> bool:
+    """Is `mask` (None, or boolean [1, 1, q, kv]) causal after a prefix, hiding nothing
+    else (no padding)?  Its first and last rows say so for a mask transformers built
+    for one unpadded sequence."""
+    if mask is None:
+        return True
+    if mask.dtype != _torch().bool or tuple(mask.shape[-2:]) != (q_len, kv_len) \
+            or mask.shape[0] != 1:
+        return False
+    first, last = mask[0, 0, 0], mask[0, 0, -1]
+    prefix = kv_len - q_len
+    return bool(last.all()) and bool(first[:prefix + 1].all()) \
+        and not bool(first[prefix + 1:].any())
+
+
 def build(arch: str = "llama", size: str = "small", seed: int = 0, dtype: str = "float32",
           device: str = "cpu", max_tokens: int = 65536) -> LM:
     """The model, its weights drawn from `seed` on the CPU, then moved and cast."""
@@ -184,9 +242,14 @@ def build(arch: str = "llama", size: str = "small", seed: int = 0, dtype: str = 
               num_hidden_layers=s.layers, num_attention_heads=s.heads,
               num_key_value_heads=s.kv_heads, max_position_embeddings=max_tokens,
               tie_word_embeddings=False)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, prefix_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTENTION)
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters \

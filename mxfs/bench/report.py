@@ -60,6 +60,9 @@ def _s(x: float) -> str:
     return "n/a" if x != x else f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
+NAN = float("nan")
+
+
 def markdown(result: dict[str, Any]) -> list[str]:
     """The report's body (without a title), as Markdown lines."""
     m, rs = result["model"], result["reuse"]
@@ -80,17 +83,19 @@ def markdown(result: dict[str, Any]) -> list[str]:
               f"Instance 1 recomputes a prompt (context + a {rs['question_tokens']}-token "
               f"question) and puts its chunks; instance 2, another process, serves the same "
               f"prompt from the pool. Medians of {rs['repeat']}; TTFT in seconds, the "
-              f"model's prediction in brackets. Cold: page cache dropped before each "
+              f"model's prediction in brackets; policy cold: with the reuse policy, the "
+              f"tokens it read in square brackets. Cold: page cache dropped before each "
               f"request{'' if all(r['dropped'] for r in rs['rows']) else ' (could not: not root)'}"
               f"; warm: after one buffered read of the chunks.", "",
-              "| context | recompute | reuse cold | reuse warm | TTFT cut (cold) | KV read | "
-              "cold GB/s | warm GB/s | from pool / computed | tokens = recompute |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+              "| context | recompute | reuse cold | policy cold | reuse warm | TTFT cut (cold) "
+              "| KV read | cold GB/s | warm GB/s | from pool / computed | tokens = recompute |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in rs["rows"]:
         lines.append(
             f"| {r['context']:,} | {_s(med(r['recompute_s']))} "
             f"({_s(r['predicted_recompute_s'])}) | {_s(med(r['reuse_cold_s']))} "
-            f"({_s(r['predicted_cold_s'])}) | {_s(med(r['reuse_warm_s']))} "
+            f"({_s(r['predicted_cold_s'])}) | {_s(med(r.get('policy_cold_s', [])))} "
+            f"[{r.get('policy_pool_tokens', 0):,} read] | {_s(med(r['reuse_warm_s']))} "
             f"({_s(r['predicted_warm_s'])}) | {ttft_cut(r):.0%} | "
             f"{r['read_bytes'] / 1e6:.0f} MB | {med(r['cold_gbps']):.2f} | "
             f"{med(r['warm_gbps']):.2f} | {r['pool_tokens']:,} / {r['computed_tokens']:,} | "
@@ -106,14 +111,18 @@ def markdown(result: dict[str, Any]) -> list[str]:
     parts = [r for r in rs["rows"] if "partial" in r]
     if parts:
         lines += ["", "Partial hits: a prompt sharing only the first half of the context "
-                  "(cold, one request each).", "",
+                  "(cold, one request each), reading every hit, then with the reuse "
+                  "policy (`mxfs.kv.reuse_policy`: it reads only what is faster to read "
+                  "than to compute, by the rates this instance measured).", "",
                   "| context | shared | from pool / computed | recompute | reuse | "
-                  "tokens = recompute |", "|---:|---:|---:|---:|---:|:---:|"]
+                  "policy: from pool | policy: TTFT | tokens = recompute |",
+                  "|---:|---:|---:|---:|---:|---:|---:|:---:|"]
         for r in parts:
             p = r["partial"]
             lines.append(f"| {r['context']:,} | {p['shared_tokens']:,} | "
                          f"{p['pool_tokens']:,} / {p['computed_tokens']:,} | "
                          f"{_s(p['recompute_s'])} | {_s(p['reuse_cold_s'])} | "
+                         f"{p.get('policy_pool_tokens', 0):,} | {_s(p.get('policy_s', NAN))} | "
                          f"{'yes' if p['tokens_equal'] else '**no**'} |")
     lines += ["", "![TTFT against context length](ttft.png)", ""]
     sv = result.get("serving")

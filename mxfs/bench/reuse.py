@@ -3,11 +3,12 @@
 For each context length: instance 1 serves a long prompt (a document and a question)
 by recomputing it, `repeat` times, and puts its complete chunks in the pool the last
 time.  Instance 2, another process that never saw the prompt, serves the same prompt
-from the pool: cold (page cache dropped before each request) and warm (after one
-buffered read put the chunks in the page cache), prefilling only the question.  Then
-a partial hit: a prompt sharing only the first half of the document, whose second
-half instance 2 computes.  Every answer's greedy tokens are compared with a full
-recompute of the same prompt.
+from the pool: cold (page cache dropped before each request), cold with the reuse
+policy (`mxfs.kv.reuse_policy`: only the chunks faster to read than to compute), and
+warm (after one buffered read put the chunks in the page cache), prefilling only the
+question.  Then a partial hit: a prompt sharing only the first half of the document,
+whose second half instance 2 computes, reading every hit and with the policy.  Every
+answer's greedy tokens are compared with a full recompute of the same prompt.
 """
 
 from __future__ import annotations
@@ -48,15 +49,21 @@ def one_length(first: Instance, second: Instance, n: int, repeat: int, new_token
     put = recompute[-1]
     row.update(recompute_s=[r["ttft_s"] for r in recompute], put_bytes=put["put_bytes"],
                put_s=put["put_s"], put_refused=put["put_refused"])
-    cold, dropped = [], True
+    cold, policy, dropped = [], [], True
     for _ in range(repeat):
         dropped = drop() and dropped
         cold.append(_serve(second, tokens, new_tokens, read=True, local=False, put=False))
+    for _ in range(repeat):  # (before the warm reads: its measured rate is the cold one)
+        dropped = drop() and dropped
+        policy.append(_serve(second, tokens, new_tokens, read=True, local=False, put=False,
+                             policy=True))
     second.call("warm", tokens=tokens)
     warm = [_serve(second, tokens, new_tokens, read=True, local=False, put=False)
             for _ in range(repeat)]
-    equal = equal and all(r["tokens"] == ref for r in cold + warm)
+    equal = equal and all(r["tokens"] == ref for r in cold + policy + warm)
     row.update(reuse_cold_s=[r["ttft_s"] for r in cold], reuse_warm_s=[r["ttft_s"] for r in warm],
+               policy_cold_s=[r["ttft_s"] for r in policy],
+               policy_pool_tokens=policy[-1]["pool_tokens"],
                cold_gbps=[_gbps(r) for r in cold], warm_gbps=[_gbps(r) for r in warm],
                cold_parts={k: [r[k] for r in cold] for k in ("read_s", "build_s", "prefill_s")},
                read_bytes=cold[-1]["read_bytes"], pool_tokens=cold[-1]["pool_tokens"],
@@ -71,15 +78,20 @@ def one_length(first: Instance, second: Instance, n: int, repeat: int, new_token
 
 def _partial(inst: Instance, tokens: list[int], n: int, new_tokens: int,
              drop: Callable[[], bool], seed: int, vocab: int) -> dict[str, Any]:
-    """A prompt sharing the first half of the document: half from the pool, half computed."""
+    """A prompt sharing the first half of the document: half from the pool, half computed;
+    then again with the reuse policy deciding how much of the half to read."""
     half = n // 2
     other = tokens[:half] + prompt(seed * 7 + n, len(tokens) - half, vocab)
     ref = _serve(inst, other, new_tokens, read=False, local=False, put=False)
     drop()
     got = _serve(inst, other, new_tokens, read=True, local=False, put=False)
+    drop()
+    pol = _serve(inst, other, new_tokens, read=True, local=False, put=False, policy=True)
     return {"shared_tokens": half, "pool_tokens": got["pool_tokens"],
             "computed_tokens": got["computed_tokens"], "recompute_s": ref["ttft_s"],
-            "reuse_cold_s": got["ttft_s"], "tokens_equal": got["tokens"] == ref["tokens"]}
+            "reuse_cold_s": got["ttft_s"], "policy_pool_tokens": pol["pool_tokens"],
+            "policy_s": pol["ttft_s"],
+            "tokens_equal": got["tokens"] == ref["tokens"] == pol["tokens"]}
 
 
 def run(first: Instance, second: Instance, lengths: list[int], repeat: int, new_tokens: int,
