@@ -71,3 +71,34 @@ def test_a_pinned_rate_is_not_moved_by_measurements() -> None:
     assert p.plan(16384, 64).read_chunks == 64
     with pytest.raises(ValueError):
         ReusePolicy(0, CHUNK_BYTES, QWEN.prefill_flops)
+
+
+def test_short_prefills_fixed_costs_are_not_taken_for_a_slow_accelerator() -> None:
+    """Prefills of a few tokens are mostly fixed costs: fitted as a line through every
+    prefill seen, they do not make a long one look slower than it is."""
+    def flops(n: int, cached: int) -> float:
+        return (n - cached) * 1e9
+
+    def truth(n: int, cached: int) -> float:
+        return 0.05 + flops(n, cached) * 1e-12  # 50 ms a prefill, 1 TFLOP/s
+
+    p = ReusePolicy(CHUNK, CHUNK_BYTES, flops)
+    p.observe_prefill(1024, 0, truth(1024, 0))
+    for _ in range(3):  # three 64-token prefills after a cached prefix
+        p.observe_prefill(4096 + 64, 4096, truth(4096 + 64, 4096))
+    assert p.compute_s(4096, 0) == pytest.approx(truth(4096, 0), rel=1e-6)
+    assert p.overhead_s == pytest.approx(0.05)
+
+
+def test_a_policy_that_reads_nothing_probes_the_pool_now_and_then() -> None:
+    """Reading nothing measures nothing: one plan in PROBE_EVERY reads a chunk, so a
+    pool that got fast is seen and read again."""
+    from mxfs.kv.reuse_policy import PROBE_EVERY
+
+    p = policy()
+    p.observe_read(CHUNK_BYTES, 10.0)  # a crawling pool
+    plans = [p.plan(16384, 64).read_chunks for _ in range(PROBE_EVERY)]
+    assert plans == [0] * (PROBE_EVERY - 1) + [1]
+    for _ in range(10):
+        p.observe_read(CHUNK_BYTES, 0.001)  # the probe found it fast
+    assert p.plan(16384, 64).read_chunks == 64

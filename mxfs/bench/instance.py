@@ -88,12 +88,14 @@ class Engine:
             parts.append(self.local[keys[n_local]])
             n_local += 1
         n_pool, read_s, found = 0, 0.0, 0
+        planned: dict[str, Any] = {}
         if read and self.tier is not None and n_local < usable:
             t0 = time.monotonic()
             want = keys[n_local:usable]
             found = self.tier.prefix(want)
             if found and policy:
-                found = self.policy.plan(len(tokens), found, n_local * self.chunk).read_chunks
+                plan = self.policy.plan(len(tokens), found, n_local * self.chunk)
+                found, planned = plan.read_chunks, asdict(plan)
             if found:
                 buf = self._reserve(found)
                 n_pool = self.tier.get(want[:found], [buf[i] for i in range(found)])
@@ -129,7 +131,7 @@ class Engine:
                 "local_tokens": n_local * self.chunk, "pool_tokens": n_pool * self.chunk,
                 "computed_tokens": len(tokens) - done * self.chunk,
                 "looked_up": len(keys[n_local:usable]) if read else 0,
-                "read_chunks_planned": found,
+                "read_chunks_planned": found, "plan": planned,
                 "read_bytes": n_pool * self.chunk_bytes, "read_s": read_s,
                 "build_s": t_prefill - t_build, "prefill_s": t_first - t_prefill,
                 "put_chunks": stored, "put_refused": refused,
@@ -147,6 +149,20 @@ class Engine:
         keys = self.keys(tokens)
         n = self.tier.warm(keys, [self.chunk_bytes] * len(keys)) if self.tier else 0
         return {"warmed_bytes": n}
+
+    def calibrate(self, lengths: list[int]) -> dict[str, Any]:
+        """Prefill prompts of these lengths, timed, for the reuse policy's first rates
+        (asked while nothing else runs: instances warming up side by side would time
+        each other)."""
+        torch = self.torch
+        g = torch.Generator().manual_seed(54321)
+        for n in sorted(lengths):
+            ids = torch.randint(0, self.lm.size.vocab, (n,), generator=g).tolist()
+            t0 = time.monotonic()
+            self.lm.step(ids, self.lm.new_cache())
+            self.policy.observe_prefill(n, 0, time.monotonic() - t0)
+        return {"seconds_per_flop": self.policy.seconds_per_flop,
+                "overhead_s": self.policy.overhead_s}
 
     def flops(self) -> dict[str, Any]:
         """This device's matrix-multiply FLOP/s at the model's shapes, in its dtype: the
@@ -207,9 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     warmup = torch.randint(0, lm.size.vocab, (min(args.max_tokens, 1024),), generator=g)
     cache = lm.new_cache()
     lm.decode(lm.step(warmup.tolist(), cache), cache, 4)  # first-call costs, outside clocks
-    t0 = time.monotonic()
-    lm.step(warmup.tolist(), lm.new_cache())
-    engine.policy.observe_prefill(len(warmup), 0, time.monotonic() - t0)  # a first rate
     _reply(out, {"op": "hello", "pid": os.getpid(), "model_id": lm.model_id,
                  "params": lm.params, "vocab": lm.size.vocab, "layer_params": lm.layer_params,
                  "kv_bytes_per_token": lm.kv_bytes_per_token(),
@@ -250,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = {"threads": torch.get_num_threads()}
             elif op == "flops":
                 res = engine.flops()
+            elif op == "calibrate":
+                res = engine.calibrate([int(n) for n in req["lengths"]])
             elif op == "pool_rate":  # a pool of a known read rate (a throttled one)
                 engine.policy.pin_read_rate(float(req["read_bps"]) or None)
                 res = {"read_bps": engine.policy.read_bps}

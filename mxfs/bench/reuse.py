@@ -97,6 +97,8 @@ def _partial(inst: Instance, tokens: list[int], n: int, new_tokens: int,
 def run(first: Instance, second: Instance, lengths: list[int], repeat: int, new_tokens: int,
         drop: Callable[[], bool], say: Callable[[str], None], seed: int = 0,
         partial: bool = True) -> dict[str, Any]:
+    # The reusing instance's reuse policy gets its first prefill rates, short and long.
+    second.call("calibrate", lengths=sorted({min(lengths), max(lengths)}))
     rows = []
     for n in lengths:
         say(f"reuse: {n} tokens of context, {repeat} rounds each way")

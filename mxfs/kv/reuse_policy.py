@@ -9,15 +9,19 @@ For a prompt of n tokens whose first `found` chunks (of `chunk_tokens`) are in t
 pool, reading the first c of them costs
 
     read(c)    = latency + c x chunk_bytes / read bandwidth        (0 for c = 0)
-    compute(c) = prefill_flops(n, c x chunk_tokens) x seconds per FLOP
+    compute(c) = overhead + prefill_flops(n, c x chunk_tokens) x seconds per FLOP
 
 (the prefill of the other tokens against the c read: `mxfs.kv.ttft.Model.prefill_flops`)
 and `plan` picks the c in 0..found with the least read(c) + compute(c); a tie reads
 more (it spares the accelerator).  Both rates are measured as requests run (`observe_read`
-after each get, `observe_prefill` after each prefill; a moving average each), or set
-where they are known (`read_bps`, `seconds_per_flop`).  Until a read was measured the
+after each get: a moving average; `observe_prefill` after each prefill: a line fitted
+through the prefills seen, recent ones weighing more, so that a short prefill's fixed
+costs are not taken for a slow accelerator), or set where they are known (`read_bps`,
+`seconds_per_flop`).  Until a read was measured the
 policy reads every hit (that read measures the pool); until a prefill was measured it
-reads too (nothing to weigh it against).  Stdlib only, like `mxfs.kv.ttft`.
+reads too (nothing to weigh it against).  A policy that stopped reading would never see
+the pool get faster, so every PROBE_EVERY-th plan that reads nothing reads one chunk.
+Stdlib only, like `mxfs.kv.ttft`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-SMOOTHING = 0.3  # weight of the newest measurement in the moving averages
+SMOOTHING = 0.3  # weight of the newest read in the read rate's moving average
+FORGET = 0.9  # each prefill seen weighs this much less with every newer one
+PROBE_EVERY = 16  # plans reading nothing in a row before one reads a chunk to measure
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,9 @@ class Plan:
     expected_s: float | None
     read_all_s: float | None
     compute_all_s: float | None
+    read_bps: float | None = None  # the rates it weighed them by
+    seconds_per_flop: float | None = None
+    overhead_s: float = 0.0
 
 
 class ReusePolicy:
@@ -52,10 +61,20 @@ class ReusePolicy:
             raise ValueError("chunk_tokens and chunk_bytes must be positive")
         self.chunk_tokens, self.chunk_bytes = chunk_tokens, chunk_bytes
         self.prefill_flops = prefill_flops
-        self.read_bps, self.seconds_per_flop = read_bps, seconds_per_flop
+        self.read_bps, self.given_spf = read_bps, seconds_per_flop
         self.latency_s = latency_s
+        self._prefills = _Line()
+        self._unread = 0  # plans in a row that read nothing
         self.fixed_read = read_bps is not None  # measurements do not move a given rate
-        self.fixed_compute = seconds_per_flop is not None
+
+    @property
+    def seconds_per_flop(self) -> float | None:
+        return self.given_spf if self.given_spf is not None else self._prefills.fit()[0]
+
+    @property
+    def overhead_s(self) -> float:
+        """What every prefill costs besides its FLOPs (launches, the first token's step)."""
+        return 0.0 if self.given_spf is not None else self._prefills.fit()[1]
 
     def pin_read_rate(self, read_bps: float | None) -> None:
         """Take the pool's read rate as given (a throttled pool, a known link), or, with
@@ -72,9 +91,8 @@ class ReusePolicy:
         """A prefill of `prompt_tokens` with the first `cached_tokens` at hand took
         `seconds`."""
         flops = self.prefill_flops(prompt_tokens, cached_tokens)
-        if self.fixed_compute or flops <= 0 or seconds <= 0:
-            return
-        self.seconds_per_flop = _smooth(self.seconds_per_flop, seconds / flops)
+        if flops > 0 and seconds > 0:
+            self._prefills.add(flops, seconds)
 
     def read_s(self, chunks: int) -> float | None:
         if chunks == 0:
@@ -84,9 +102,10 @@ class ReusePolicy:
         return self.latency_s + chunks * self.chunk_bytes / self.read_bps
 
     def compute_s(self, prompt_tokens: int, cached_tokens: int) -> float | None:
-        if self.seconds_per_flop is None:
+        spf = self.seconds_per_flop
+        if spf is None:
             return None
-        return self.prefill_flops(prompt_tokens, cached_tokens) * self.seconds_per_flop
+        return self.overhead_s + self.prefill_flops(prompt_tokens, cached_tokens) * spf
 
     def plan(self, prompt_tokens: int, found_chunks: int, have_tokens: int = 0) -> Plan:
         """How many of the `found_chunks` chunks the pool holds after the prompt's first
@@ -94,8 +113,9 @@ class ReusePolicy:
         found = max(0, min(found_chunks, (prompt_tokens - have_tokens) // self.chunk_tokens))
         read_all = self.read_s(found)
         compute_all = self.compute_s(prompt_tokens, have_tokens)
+        rates = (self.read_bps, self.seconds_per_flop, self.overhead_s)
         if read_all is None or compute_all is None:
-            return Plan(found, found, None, read_all, compute_all)
+            return Plan(found, found, None, read_all, compute_all, *rates)
         best, best_s = 0, compute_all
         for c in range(1, found + 1):
             read = self.read_s(c)
@@ -103,7 +123,43 @@ class ReusePolicy:
             assert read is not None and compute is not None
             if read + compute <= best_s:
                 best, best_s = c, read + compute
-        return Plan(best, found, best_s, read_all, compute_all)
+        if found and not best:
+            self._unread += 1
+            if self._unread >= PROBE_EVERY:  # look at the pool's rate again
+                self._unread, best = 0, 1
+                best_s = self.read_s(1) + self.compute_s(prompt_tokens,  # type: ignore[operator]
+                                                         have_tokens + self.chunk_tokens)
+        elif best:
+            self._unread = 0
+        return Plan(best, found, best_s, read_all, compute_all, *rates)
+
+
+class _Line:
+    """seconds = overhead + FLOPs x slope, least squares over the prefills seen, each
+    weighing FORGET less with every newer one.  With one size seen (or a fit that
+    noise made slope the wrong way) the line goes through the origin instead, fitted
+    to the same points (the largest prefills weigh most, as for the decisions that
+    matter: whether to read a long prefix)."""
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        f = FORGET
+        self.w, self.x, self.y = f * self.w + 1, f * self.x + x, f * self.y + y
+        self.xx, self.xy = f * self.xx + x * x, f * self.xy + x * y
+
+    def fit(self) -> tuple[float | None, float]:
+        """(slope, overhead); (None, 0) before any prefill."""
+        if not self.x:
+            return None, 0.0
+        spread = self.w * self.xx - self.x * self.x
+        if spread > 1e-6 * self.w * self.xx:
+            slope = (self.w * self.xy - self.x * self.y) / spread
+            overhead = (self.y - slope * self.x) / self.w
+            if slope > 0 and overhead >= 0:
+                return slope, overhead
+        return self.xy / self.xx, 0.0
 
 
 def _smooth(old: float | None, new: float) -> float:
