@@ -454,3 +454,31 @@ def test_kv_cli_stats_ls_evict_verify(mounted: Mounted) -> None:
     assert "2 chunks" in mxfs("kv", "stats", str(mounted.path)).stdout
     line = one_line_error(mxfs("kv", "ls", str(mounted.path), "nosuch", check=False))
     assert "nosuch" in line
+
+
+def test_a_store_with_a_reuse_policy_reads_a_prefix_only_where_it_pays(mounted: Mounted
+                                                                       ) -> None:
+    """Gets tell the policy the pool's read rate; `prefix_to_read` is the prefix hit,
+    cut to nothing when the pool is (pinned as) too slow to beat computing it."""
+    from mxfs.kv.reuse_policy import ReusePolicy
+
+    chunk = 64 << 10
+
+    def flops(n: int, cached: int) -> float:
+        return (n - cached) * 1e9
+
+    policy = ReusePolicy(256, chunk, flops, seconds_per_flop=1e-12)  # 1 ms a token
+    with KVStore(str(mounted.path), "policy", policy=policy) as kv:
+        keys = [f"p{i}" for i in range(4)]
+        kv.batch_put(keys, [blob(i, chunk) for i in range(4)])
+        assert kv.prefix_to_read([*keys, "absent"], 5 * 256) == 4  # not measured: all
+        outs = [bytearray(chunk) for _ in keys]
+        assert kv.batch_get(keys, outs) == [True] * 4
+        assert policy.read_bps is not None and policy.read_bps > 0  # the get measured it
+        policy.pin_read_rate(1.0)  # a byte a second: computing 1,280 tokens (1.3 s) wins
+        assert kv.prefix_to_read(keys, 5 * 256) == 0
+        policy.pin_read_rate(1e12)
+        assert kv.prefix_to_read(keys, 5 * 256) == 4
+        assert kv.prefix_to_read(keys, 5 * 256, have_tokens=2 * 256) == 3  # what fits after
+    with KVStore(str(mounted.path), "policy") as plain:  # no policy: the prefix hit
+        assert plain.prefix_to_read(keys, 5 * 256) == 4

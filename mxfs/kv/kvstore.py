@@ -20,6 +20,7 @@ import logging
 import os
 import resource
 import threading
+import time
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from mxfs.client.writer import DirectWriter
 from mxfs.errors import MxfsError
 from mxfs.io import read_batch, write_batch
 from mxfs.io.checksum import block_sums, pack_sums
+from mxfs.kv.reuse_policy import ReusePolicy
 from mxfs.proto import MAX_FDS
 from mxfs.proto.constants import MAX_KEY
 from mxfs.proto.messages import (
@@ -188,7 +190,8 @@ class KVStore:
 
     def __init__(self, mount: str, namespace: str = "default", *,
                  capacity: int | None = None, shared: bool = False,
-                 mode: int | None = None, page_cache: bool = False) -> None:
+                 mode: int | None = None, page_cache: bool = False,
+                 policy: ReusePolicy | None = None) -> None:
         """`namespace` is made on the first put, private to this user (or with `mode`,
         e.g. 0o750 to let its group read).  A namespace another user owns is used
         only with `shared=True`: chunks are trusted as their writers are.
@@ -196,7 +199,10 @@ class KVStore:
         Gets read cold chunks with O_DIRECT: the engine's own host tier is the cache,
         and the chunk is not held twice.  `page_cache=True` reads through the page
         cache instead: a chunk read again while it stays cached is a memory copy,
-        at the cost of slower cold reads and the memory the cache holds."""
+        at the cost of slower cold reads and the memory the cache holds.
+
+        `policy` (`mxfs.kv.reuse_policy`): every get tells it the pool's read rate, and
+        `prefix_to_read` asks it how much of a prefix hit is worth reading."""
         root = mount_root(mount)
         if root is None:
             raise MxfsError(f"{mount} is not on an mxfs mount",
@@ -218,6 +224,7 @@ class KVStore:
         # dropped), "smaller"/"larger" (a chunk of another size than its buffer).  The
         # daemon counts the last three as hits: it found the key.
         self.misses: Counter[str] = Counter()
+        self.policy = policy
         if capacity is not None:
             self.client.request(KV_CONFIG({"namespace": namespace, "capacity": capacity}))
 
@@ -340,10 +347,14 @@ class KVStore:
         A miss is per key, the rest served: a key not stored, a chunk failing its
         checksum, or a buffer that is not exactly its chunk's size (counted in `misses`)."""
         results: list[Any] = []
+        start_s = time.perf_counter()
         for start in range(0, len(keys), self.batch):
             part = list(keys[start:start + self.batch])
             results += self._get_some(part, None if outs is None else
                                       list(outs[start:start + self.batch]))
+        if self.policy is not None:
+            got = [r if outs is None else outs[i] for i, r in enumerate(results) if r is not None]
+            self.policy.observe_read(sum(_nbytes(b) for b in got), time.perf_counter() - start_s)
         return results
 
     def _get_some(self, keys: list[Key], outs: list[Any] | None) -> list[Any]:
@@ -482,6 +493,16 @@ class KVStore:
         """How many of `keys`, from the first, are stored without a gap (a prefix hit)."""
         present = self.exists_many(keys)
         return next((i for i, p in enumerate(present) if not p), len(present))
+
+    def prefix_to_read(self, keys: Sequence[Key], prompt_tokens: int, have_tokens: int = 0
+                       ) -> int:
+        """How many of `keys` (the chunks of a prompt of `prompt_tokens` after the
+        `have_tokens` the caller holds already), from the first, to get: the prefix hit,
+        cut by the store's `policy` to what reads faster than it computes."""
+        found = self.batch_exists(keys)
+        if not found or self.policy is None:
+            return found
+        return self.policy.plan(prompt_tokens, found, have_tokens).read_chunks
 
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is stored (none are while the namespace does not exist)."""
