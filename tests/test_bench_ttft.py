@@ -165,6 +165,7 @@ def test_the_reuse_policy_reads_a_prefix_only_where_reading_beats_computing(
     a, b = pair
     tokens = reuse.prompt(7, 4 * CHUNK + 30, a.hello.result()["vocab"])
     ref = serve(a, tokens, put=True)
+    assert b.call("calibrate", lengths=[CHUNK, 4 * CHUNK])["seconds_per_flop"] > 0
     try:
         assert b.call("pool_rate", read_bps=1.0)["read_bps"] == 1.0  # 1 byte/s
         slow = serve(b, tokens, read=True, policy=True)
