@@ -92,6 +92,16 @@ def test_every_stripe_read_through_the_service_is_the_files_bytes(serving: Mount
                 got[o:o + n] = view[:n]
                 view = view[n:]
         assert chunks.read(lay["ino"], 0, 1 << 40, 4096) == b""  # past the end: nothing
+        # Each member's whole chunk file at once, every stripe unit received in place.
+        placed = memoryview(bytearray(len(data)))
+        for m in layout.used_members():
+            views, c_off, end = [], 0, layout.chunk_length(m, len(data))
+            while c_off < end:
+                k = min(layout.unit - c_off % layout.unit, end - c_off)
+                views.append(placed[layout.file_offset(m, c_off):][:k])
+                c_off += k
+            assert chunks.read_scatter(lay["ino"], m, 0, views) == end
+        assert bytes(placed) == data
     assert bytes(got) == data
     with ControlClient(str(serving.path)) as c:
         assert c.stat()["chunk_service"]["served_bytes"] >= len(data)  # type: ignore[index]

@@ -8,8 +8,9 @@ the page cache (warm: the network path is what is measured) four ways:
   raw          the chunk files read straight, one thread per member (the ceiling)
   direct       mxfs's direct path (`DirectFile`), as `mxfs.load` reads
   chunks       every stripe through the chunk service over loopback TCP, one
-               connection and thread per member (`ChunkClient.read_into`): what a node
-               reading another node's members gets, less the wire
+               connection and thread per member (`ChunkClient.read_scatter`: each
+               stripe unit received straight into its place): what a node reading
+               another node's members gets, less the wire
   mount        the file read through the FUSE mount
 
 Prints medians of `--repeat` rounds in GB/s and each as a ratio of raw.
@@ -72,15 +73,15 @@ def through_chunks(addr: tuple[str, int], key: bytes, pool: str, ino: int, layou
     def member(m: int) -> None:
         with ChunkClient(*addr, key, pool) as c:
             total = layout.chunk_length(m, size)
-            stage = bytearray(min(PIECE, max(total, 1)))
             for off in range(0, total, PIECE):
-                n = c.read_into(ino, m, off, memoryview(stage)[:min(PIECE, total - off)])
-                c_off = off
-                while c_off < off + n:  # each stripe unit back to its place in the file
-                    k = min(layout.unit - c_off % layout.unit, off + n - c_off)
+                end = min(off + PIECE, total)
+                views, c_off = [], off
+                while c_off < end:  # each stripe unit straight to its place in the file
+                    k = min(layout.unit - c_off % layout.unit, end - c_off)
                     f_off = layout.file_offset(m, c_off)
-                    view[f_off:f_off + k] = stage[c_off - off:c_off - off + k]
+                    views.append(view[f_off:f_off + k])
                     c_off += k
+                c.read_scatter(ino, m, off, views)
 
     with ThreadPoolExecutor(len(layout.used_members())) as ex:
         list(ex.map(member, layout.used_members()))

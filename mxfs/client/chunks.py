@@ -79,16 +79,31 @@ class ChunkClient:
     def read_into(self, ino: int, member: int, offset: int, out: memoryview) -> int:
         """Read the chunk file of `ino` on `member` from `offset` into `out`; how many
         bytes it held (fewer at its end; 0 for one never written)."""
-        if len(out) > MAX_READ:
+        return self.read_scatter(ino, member, offset, [out])
+
+    def read_scatter(self, ino: int, member: int, offset: int, views: list[memoryview]
+                     ) -> int:
+        """Read the chunk file of `ino` on `member` from `offset` straight into `views`,
+        in order (a member's run of stripe units into their places in a file's buffer,
+        no copy in between); how many bytes it held (fewer at its end: the views past
+        them are left as they were)."""
+        total = sum(len(v) for v in views)
+        if total > MAX_READ:
             raise ValueError(f"at most {MAX_READ} bytes a request")
-        self.sock.sendall(READ.pack(b"READ", ino, member, offset, len(out)))
+        self.sock.sendall(READ.pack(b"READ", ino, member, offset, total))
         code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
         if code:
             raise OSError(code, f"{self.where}: {os.strerror(code)} (inode {ino}, member "
                           f"{member})")
-        if n > len(out):
-            raise WireError(f"{self.where} sent {n} bytes for {len(out)} asked")
-        self._recv_into(out[:n])
+        if n > total:
+            raise WireError(f"{self.where} sent {n} bytes for {total} asked")
+        left = n
+        for v in views:
+            if not left:
+                break
+            part = v[:min(len(v), left)]
+            self._recv_into(part)
+            left -= len(part)
         if epoch != self.epoch:
             raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
                             f"{epoch}): its bytes are not trusted")
