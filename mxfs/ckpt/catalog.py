@@ -9,6 +9,7 @@ the newest checkpoint, replaced atomically after the rename.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -137,11 +138,11 @@ def claim_partial(path: str) -> str:
     if os.path.isdir(partial):
         if not is_stale(partial):
             raise CheckpointError(f"another process is saving {path} right now",
-                                  "save under another name, or wait for it")
+                                  "save under another name, or wait for it (if none is: "
+                                  f"its machine or container is gone, rm -r {partial})")
         shutil.rmtree(partial)
     os.makedirs(partial)
-    with open(os.path.join(partial, OWNER), "w") as f:
-        json.dump({"pid": os.getpid()}, f)
+    _write_owner(partial)
     return partial
 
 
@@ -159,22 +160,64 @@ def publish(partial: str, path: str, manifest: dict[str, Any]) -> None:
     """
     write_small(os.path.join(partial, MANIFEST),
                 json.dumps(manifest, separators=(",", ":")).encode())
-    os.unlink(os.path.join(partial, OWNER))
     sync_dir(partial)
     root = os.path.dirname(path)
     os.rename(partial, path)
     sync_dir(root)
+    # Only now: until the rename the owner says whose the folder is (a crash leaving it
+    # in the checkpoint is harmless: nothing reads it there).
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, OWNER))
     set_latest(root, os.path.basename(path))
 
 
+# A save of another machine or container is judged by its folder's age, not its pid:
+# nothing of it changed for this long (a save writes all the while) and it is left over.
+FOREIGN_STALE_S = 3600.0
+
+
+def _owner_id() -> str:
+    """Where a pid means this process's pid: this boot of this machine, this pid
+    namespace (a container has its own; another node has another boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return "?"
+
+
+def _write_owner(folder: str) -> None:
+    with open(os.path.join(folder, OWNER), "w") as f:
+        json.dump({"pid": os.getpid(), "where": _owner_id()}, f)
+
+
 def is_stale(partial: str) -> bool:
-    """Was this partial save left by a process that is gone?"""
+    """Was this partial save (or removal) left by a process that is gone?
+
+    Its pid answers only where it was written in this machine's boot and this pid
+    namespace: a save of another node or container (one pool mounted into several)
+    is left over only once nothing in its folder changed for FOREIGN_STALE_S; until
+    then its pid, meaningless here, must not get it removed mid-write."""
     try:
         with open(os.path.join(partial, OWNER)) as f:
-            pid = int(json.load(f)["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return True
+            owner = json.load(f)
+        pid, where = int(owner["pid"]), str(owner.get("where", ""))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return _idle_for(partial) >= FOREIGN_STALE_S  # unreadable: maybe being written
+    if where != _owner_id():
+        return _idle_for(partial) >= FOREIGN_STALE_S
     return pid != os.getpid() and not running(pid)
+
+
+def _idle_for(folder: str) -> float:
+    """Seconds since anything in `folder` (or the folder) last changed."""
+    try:
+        newest = max([os.stat(folder).st_mtime] +
+                     [e.stat().st_mtime for e in os.scandir(folder)])
+    except OSError:
+        return 0.0  # going or gone: not ours to judge
+    return time.time() - newest
 
 
 def partials(root: str) -> list[str]:
@@ -191,8 +234,7 @@ def remove(path: str) -> None:
     root, name = os.path.split(path)
     hidden = os.path.join(root, f".{name}.removing")
     os.rename(path, hidden)  # gone from listings at once, even if the removal is cut short
-    with open(os.path.join(hidden, OWNER), "w") as f:
-        json.dump({"pid": os.getpid()}, f)
+    _write_owner(hidden)
     if latest_name(root) == name:
         left = list_checkpoints(root)
         set_latest(root, left[-1].name if left else None)

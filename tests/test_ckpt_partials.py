@@ -1,0 +1,73 @@
+"""Leftover partial saves: whose they are, and when another process may clear them.
+
+A pid says whether a save is alive only in the boot and pid namespace it came from:
+a save written by another container (or node) sharing the pool is left alone while its
+folder is fresh, however its pid reads here.  Plain folders: the catalog's rules do not
+depend on the mount.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mxfs.ckpt import catalog
+from mxfs.ckpt.catalog import FOREIGN_STALE_S, OWNER, CheckpointError
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _partial(root: Path, name: str, owner: dict | None) -> Path:
+    folder = Path(catalog.partial_path(str(root / name)))
+    folder.mkdir()
+    if owner is not None:
+        (folder / OWNER).write_text(json.dumps(owner))
+    return folder
+
+
+def _age(folder: Path, seconds: float) -> None:
+    old = time.time() - seconds
+    for p in [folder, *folder.iterdir()]:
+        os.utime(p, (old, old))
+
+
+def test_a_dead_save_of_this_namespace_is_stale_and_a_live_one_is_not(tmp_path: Path) -> None:
+    mine = catalog.claim_partial(str(tmp_path / "step-1"))
+    assert not catalog.is_stale(mine)  # this process's own
+    owner = json.loads(Path(mine, OWNER).read_text())
+    dead = _partial(tmp_path, "step-2", {**owner, "pid": _dead_pid()})
+    assert catalog.is_stale(str(dead))
+    assert catalog.partials(str(tmp_path)) == [str(dead)]
+    with pytest.raises(CheckpointError, match="saving .* right now"):
+        catalog.claim_partial(str(tmp_path / "step-1"))
+
+
+def test_another_containers_save_is_left_alone_until_it_has_been_idle_long(
+        tmp_path: Path) -> None:
+    """A save from another pid namespace or machine, its pid dead here: fresh, it is not
+    stale (its owner may be writing it right now), prune leaves it and a save of the same
+    name is refused with the fix; idle past FOREIGN_STALE_S, it is cleared."""
+    foreign = _partial(tmp_path, "step-3", {"pid": _dead_pid(), "where": "other-boot/pid:[1]"})
+    legacy = _partial(tmp_path, "step-4", {"pid": _dead_pid()})  # written before "where"
+    half = _partial(tmp_path, "step-5", None)  # made, its owner not written yet
+    for p in (foreign, legacy, half):
+        assert not catalog.is_stale(str(p))
+    assert catalog.prune(str(tmp_path), keep=1) == []
+    assert foreign.exists() and legacy.exists() and half.exists()
+    with pytest.raises(CheckpointError, match=r"rm -r .*step-3"):
+        catalog.claim_partial(str(tmp_path / "step-3"))
+    for p in (foreign, legacy, half):
+        _age(p, FOREIGN_STALE_S + 60)
+    assert sorted(catalog.prune(str(tmp_path), keep=1)) == sorted(
+        str(p) for p in (foreign, legacy, half))
+    assert not foreign.exists()
