@@ -210,11 +210,12 @@ def prefix_attention(module: Any, query: Any, key: Any, value: Any, attention_ma
 
 
 def _plain_causal(mask: Any, q_len: int, kv_len: int) -> bool:
-    """Is `mask` (None, or boolean [1, 1, q, kv]) causal after a prefix, hiding nothing
-    else (no padding)?  Its first and last rows say so for a mask transformers built
-    for one unpadded sequence."""
+    """Is `mask` (boolean [1, 1, q, kv]) causal after a prefix, hiding nothing else (no
+    padding)?  Its first and last rows say so for a mask transformers built for one
+    unpadded sequence.  (None is not: with more keys than queries transformers means
+    by it a static cache's empty tail, which SDPA's own path crops.)"""
     if mask is None:
-        return True
+        return False
     if mask.dtype != _torch().bool or tuple(mask.shape[-2:]) != (q_len, kv_len) \
             or mask.shape[0] != 1:
         return False
