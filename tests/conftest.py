@@ -460,3 +460,17 @@ def loop_pool(loop_members: list[str]) -> Iterator[Mounted]:
     mkfs(loop_members)
     with mount_with(loop_members, allow_other=False) as m:
         yield m
+
+
+@contextmanager
+def steady_page_cache() -> Iterator[None]:
+    """No drop of the page cache (mxfs.cli.measure.drop_caches, in any test process or
+    benchmark) while this is held: for a test checking what a read left cached, beside
+    other workers that drop it.  Never drop caches inside it."""
+    import fcntl
+
+    from mxfs.cli.measure import CACHE_LOCK
+
+    with open(CACHE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -10,11 +10,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, force_unmount, make_members, mkfs
+from conftest import HAVE_FUSE, Mounted, force_unmount, make_members, mkfs, steady_page_cache
 from conftest import mxfs as mxfs_cli
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+from mxfs.cli.measure import drop_caches
 from mxfs.client.direct import (
     DIO_ALIGN,
     DirectFile,
@@ -30,12 +31,6 @@ from mxfs.proto import MAX_FDS
 
 def is_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def write(path: Path, n: int, seed: int = 1) -> bytes:
@@ -104,11 +99,12 @@ def test_auto_reads_cached_pieces_buffered_and_cold_ones_direct(mounted: Mounted
         assert isinstance(r, DirectFile)
         buf = aligned_like(len(data), 0)
         r.read_into(0, buf)  # buffered or not, this reads it; now make it cached:
-        for m, fd in r.fds.items():
-            os.pread(fd, os.fstat(fd).st_size, 0)
-            assert Residency(fd, 0, os.fstat(fd).st_size).cached_fraction(
-                0, os.fstat(fd).st_size) == 1.0, m
-        warm = r.plan_reads([(0, buf)])
+        with steady_page_cache():
+            for m, fd in r.fds.items():
+                os.pread(fd, os.fstat(fd).st_size, 0)
+                assert Residency(fd, 0, os.fstat(fd).st_size).cached_fraction(
+                    0, os.fstat(fd).st_size) == 1.0, m
+            warm = r.plan_reads([(0, buf)])
         assert not any(op.fd in r.direct_fds.values() for op in warm)
         drop_caches()
         for fd in r.fds.values():

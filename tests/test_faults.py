@@ -25,6 +25,7 @@ from conftest import (
 )
 from users import run_as
 
+from mxfs.cli.measure import drop_caches
 from mxfs.vol.volume import Volume
 
 # ---- a member runs out of space ---------------------------------------------------
@@ -169,8 +170,7 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
     subprocess.run(["umount", "-l", loop_members[2]], check=True)  # member 2 vanishes
     loop_pool.check = False  # (the pool is broken on purpose: no soundness check after)
     mxfs("status", str(mp), check=False)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")  # so the read reaches the daemon, not the kernel's cache
+    drop_caches()  # so the read reaches the daemon, not the kernel's cache
     with pytest.raises(OSError) as err:
         wide.read_bytes()
     assert err.value.errno == errno.EIO
@@ -205,8 +205,7 @@ def test_a_member_made_read_only_refuses_writes_but_serves_reads(
     wide, local = _spread_and_local(mp)
     data = wide.read_bytes()
     subprocess.run(["mount", "-o", "remount,ro", loop_members[2]], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+    drop_caches()
     assert wide.read_bytes() == data  # reads go on
     with pytest.raises(OSError) as err, open(wide, "r+b") as f:
         f.write(b"x" * (4 << 20))

@@ -25,8 +25,10 @@ from conftest import (
     mount_with,
     mxfs,
     one_line_error,
+    steady_page_cache,
 )
 
+from mxfs.cli.measure import drop_caches
 from mxfs.io.residency import Residency
 from mxfs.kv import KVStore
 from mxfs.kv.kvstore import INLINE
@@ -123,16 +125,14 @@ def test_cold_gets_go_around_the_page_cache(mounted: Mounted) -> None:
     with KVStore(str(mounted.path), "cold") as kv:
         assert kv.batch_put(["a", "b"], [blob(1, sizes[0]), blob(2, sizes[1])]) == [True] * 2
         for outs in ([bytearray(n) for n in sizes], [mmap.mmap(-1, n) for n in sizes]):
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
+            drop_caches()
             assert kv.batch_get(["a", "b"], outs) == [True, True]
             assert bytes(outs[0]) == blob(1, sizes[0]) and bytes(outs[1]) == blob(2, sizes[1])
             # only the block under the short tail is read through the cache
             assert cached_chunk_bytes(mounted.members) <= 64 << 10, type(outs[0])
         assert kv.batch_get(["a", "b"], [bytearray(n) for n in sizes]) == [True, True]
-    with KVStore(str(mounted.path), "cold", page_cache=True) as kv:  # asked for: cached
-        outs = [bytearray(n) for n in sizes]
+    with KVStore(str(mounted.path), "cold", page_cache=True) as kv, steady_page_cache():
+        outs = [bytearray(n) for n in sizes]  # asked for: cached
         assert kv.batch_get(["a", "b"], outs) == [True, True]
         assert bytes(outs[0]) == blob(1, sizes[0]) and bytes(outs[1]) == blob(2, sizes[1])
         assert cached_chunk_bytes(mounted.members) >= sum(sizes)
@@ -171,9 +171,7 @@ def test_threads_sharing_a_store_get_their_own_bytes(mounted: Mounted) -> None:
     keys = [f"t{i}" for i in range(16)]
     with KVStore(str(mounted.path), "threads") as kv:
         assert kv.batch_put(keys, [blob(i, n) for i in range(16)]) == [True] * 16
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+        drop_caches()
         wrong: list[str] = []
 
         def reader(first: int) -> None:

@@ -16,6 +16,7 @@ st = pytest.importorskip("safetensors.torch")
 
 from conftest import Mounted, mxfs, one_line_error  # noqa: E402
 
+from mxfs.cli.measure import drop_caches  # noqa: E402
 from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  # noqa: E402
 from mxfs.errors import MxfsError  # noqa: E402
 from mxfs.load import HeaderError, load_file, load_model, safe_open  # noqa: E402
@@ -101,9 +102,7 @@ def test_a_mapped_load_reads_every_member_into_the_cache_first(mounted: Mounted)
     (WILLNEED would leave all but the first few MiB of each member to page faults)."""
     path = mounted.path / "cold.safetensors"
     st.save_file({"w": torch.arange(16 << 20, dtype=torch.float32)}, str(path))  # 64 MiB
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+    drop_caches()
     ino = os.stat(path).st_ino
     sizes = [os.stat(Path(m, "chunks", f"{ino % 256:02x}", str(ino))).st_size
              for m in mounted.members]

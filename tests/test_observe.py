@@ -22,6 +22,7 @@ import trio
 from conftest import Mounted, eventually, mxfs, one_line_error
 
 import mxfs.ckpt as ck
+from mxfs.cli.measure import drop_caches
 from mxfs.fs.wake import WakeLatency
 from mxfs.kv import KVStore
 
@@ -46,8 +47,7 @@ def test_top_shows_member_bytes_and_requests(mounted: Mounted) -> None:
     (mounted.path / "f").write_bytes(os.urandom(8 << 20))
     with ControlClient(str(mounted.path)) as c:
         before = c.call("metrics")
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")  # so the reads reach the daemon
+        drop_caches()  # so the reads reach the daemon
         (mounted.path / "f").read_bytes()
         after = c.call("metrics")
     sample = rates(before, after)
