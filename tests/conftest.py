@@ -469,8 +469,11 @@ def steady_page_cache() -> Iterator[None]:
     other workers that drop it.  Never drop caches inside it."""
     import fcntl
 
-    from mxfs.cli.measure import CACHE_LOCK
+    from mxfs.cli.measure import page_cache_lock
 
-    with open(CACHE_LOCK, "a") as lock:
+    lock = page_cache_lock()
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(lock)
