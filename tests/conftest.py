@@ -297,8 +297,10 @@ def node_net() -> Iterator[NodeNet]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and ip (iproute2)")
     tag = f"{os.getpid() % 10000}{len(_NETS)}"
-    net = NodeNet(f"mxfs-node-{tag}", f"mxh{tag}", f"10.231.{len(_NETS) % 250}.1",
-                  f"10.231.{len(_NETS) % 250}.2")
+    # A subnet of this session's own: xdist workers make theirs at the same time.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    subnet = f"10.{231 + worker % 20}.{len(_NETS) % 250}"
+    net = NodeNet(f"mxfs-node-{tag}", f"mxh{tag}", f"{subnet}.1", f"{subnet}.2")
     _NETS.append(net.ns)
     peer = f"mxn{tag}"
     steps = [["ip", "netns", "add", net.ns],

@@ -21,7 +21,7 @@ import pytest
 from conftest import HAVE_FUSE, Mounted, make_members, mkfs, mounted_pool, mxfs, one_line_error
 
 from mxfs.client import ControlClient
-from mxfs.client.chunks import ChunkClient
+from mxfs.io.chunk_client import ChunkClient
 from mxfs.io import Layout
 from mxfs.pool.key import KEY_NAME, load_key
 from mxfs.proto.chunk_wire import (
@@ -218,7 +218,7 @@ def test_silent_connections_hold_their_own_addresss_slots_and_a_stalled_reader_o
 
 READ_AS_NODE = r"""
 import hashlib, json, sys
-from mxfs.client.chunks import ChunkClient
+from mxfs.io.chunk_client import ChunkClient
 host, port, key_path, pool, ino, member, length, timeout = sys.argv[1:9]
 key = open(key_path, "rb").read() if key_path != "-" else b"k" * 32
 try:

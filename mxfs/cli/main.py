@@ -237,9 +237,17 @@ def _format_status(s: dict[str, Any]) -> str:
 
         lines.append("  quotas (mxfs quota):")
         lines += quota_lines(s["quotas"], indent="    ")
+    for n in s.get("nodes") or []:
+        here = " (this node)" if n["name"] == s.get("node") else ""
+        lines.append(f"  node {n['name']}{here}: {n['role']}, {n['state']}, epoch {n['epoch']}, "
+                     f"{n['members']} members, chunks at {n['addr'] or '(none)'}; "
+                     f"{n['host']} pid {n['pid']} on {n['mountpoint']}")
     for m in s["members"]:
         if m.get("failed"):
             lines.append(f"  member {m['index']}: {m['path']}  FAILED: {m['failed']}")
+            continue
+        if m.get("node"):
+            lines.append(f"  member {m['index']}: node {m['node']}'s")
             continue
         lines.append(f"  member {m['index']}: {m['path']}  {format_size(m['used'])} used of "
                      f"{format_size(m['size'])}, {format_size(m['free'])} free")
@@ -483,13 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_load_bench)
 
-    from mxfs.cli import check_cmd, ckpt_cmd, kv_cmd, meta_cmd, observe_cmd, quota_cmd
+    from mxfs.cli import check_cmd, ckpt_cmd, kv_cmd, meta_cmd, node_cmd, observe_cmd, quota_cmd
 
     ckpt_cmd.add_parser(sub)
     kv_cmd.add_parser(sub)
     check_cmd.add_parsers(sub)
     meta_cmd.add_parser(sub)
     quota_cmd.add_parser(sub)
+    node_cmd.add_parser(sub)
     observe_cmd.add_parsers(sub)
     observe_cmd.add_bench_parser(sub)
 

@@ -440,8 +440,8 @@ def open_reader(path: str, direct: bool = True, pool: Any = None,
     try:
         return _with_policy(DirectFile(path, client), odirect)
     except ControlError as e:
-        if e.errno == errno.EXDEV:  # a link out of the mount: the kernel reads it
-            return PlainFile(path)
+        if e.errno in (errno.EXDEV, errno.EREMOTE):  # a link out of the mount, or a
+            return PlainFile(path)  # file on another node's members: the mount reads it
         if e.errno == errno.ENOENT:
             raise FileNotFoundError(errno.ENOENT, f"{path}: no such file") from None
         if e.errno in (errno.EACCES, errno.EPERM):

@@ -1,7 +1,7 @@
 """The chunk service: this node's member ranges, served to the pool's other nodes.
 
 A daemon mounted with `-o chunk_port=N` listens on TCP (`chunk_addr`, loopback unless
-named) for the pool's other nodes (`client/chunks.py`): each connection proves the pool
+named) for the pool's other nodes (`io/chunk_client.py`): each connection proves the pool
 key both ways first (`proto/chunk_wire.py`), then asks for ranges of chunk files, which
 go out with sendfile from a worker thread, never through Python buffers.  A request is
 checked as the direct path checks one (a member of this pool in service, an inode

@@ -31,7 +31,7 @@ from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
 from mxfs.meta import backup, lease
-from mxfs.pool.key import load_key
+from mxfs.pool.key import key_id, load_key
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
 from mxfs.vol.volume import Volume
 
@@ -76,8 +76,11 @@ def notify_systemd(state: str) -> None:
             log.warning("could not notify systemd: %s", e)
 
 
-def socket_path(pool_uuid: str) -> str:
-    return os.path.join(runtime_dir(), f"{pool_uuid}.sock")
+def socket_path(pool_uuid: str, node: str = "") -> str:
+    """The control socket of the pool's daemon (a reading node's has its name: nodes
+    of one pool may share a host, as in the tests)."""
+    return os.path.join(runtime_dir(), f"{pool_uuid}-{node}.sock" if node
+                        else f"{pool_uuid}.sock")
 
 
 def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
@@ -98,10 +101,18 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         limits = Limits.from_options(own)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
-        sock = socket_path(vol.pool.uuid)
+        reading = bool(vol.pool.node)  # a reading node (mxfs node add): no members here
+        if reading and "chunk_port" in own:
+            vol.close(clean=False)
+            raise MxfsError(f"node {vol.pool.node} holds no members: it has no chunks to "
+                            "serve", "leave chunk_port out on a reading node")
+        sock = socket_path(vol.pool.uuid, vol.pool.node)
         ensure_runtime_dir(os.path.dirname(sock))
-        vol.lock(mp, sock, float(own.get("lease_s") or lease.TTL_S))
-        vol.store.sole_writer(True)  # (the lease: no other writer changes the rows)
+        vol.lock(mp, sock, float(own.get("lease_s") or lease.TTL_S), own.get("node", ""))
+        if reading:
+            vol.store.follow = True  # (the writer node changes the rows: read them afresh)
+        else:
+            vol.store.sole_writer(True)  # (the lease: no other writer changes the rows)
     except ValueError:
         err = MxfsError("io_threads, readahead (KiB), write_behind (writes queued per file), "
                         "meta_backup (s), metrics_port, wake_latency_us and the "
@@ -128,6 +139,11 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         name = vol.pool.label or vol.pool.uuid[:8]
         fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
         notes = []
+        if reading:
+            fuse_opts.add("ro")
+            owner = vol.pool.remote.owner if vol.pool.remote else None
+            log.info("node %s reads the pool (read-only); its members are node %s's, read "
+                     "through its chunk service", vol.pool.node, owner.node if owner else "?")
         if vol.pool.failed:
             fuse_opts.add("ro")  # serve what survives; write nothing to a broken stripe set
             notes.append("mounted read-only and degraded: " + "; ".join(
@@ -157,14 +173,15 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                              f"{vol.restored_from}; changes made after that backup are lost")
             chunks = None
             if "chunk_port" in own:
-                chunks = ChunkService(vol, load_key(vol.pool.members[0].path, create=True),
-                                      own.get("chunk_addr") or "127.0.0.1",
+                key = load_key(vol.pool.members[0].path, create=True)
+                chunks = ChunkService(vol, key, own.get("chunk_addr") or "127.0.0.1",
                                       int(own["chunk_port"]),
                                       lambda: vol.lease.epoch if vol.lease else 0,
                                       control.limits, control.listener.connections)
                 control.listener.other_fds = lambda: chunks.connections if chunks else 0
                 chunks.bind()
                 control.status.chunks = chunks
+                vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))
             daemon = Daemon(vol, ops, control, readahead, backup_s, chunks)
             trio.run(daemon.serve, lambda: ready(None, notes))
             clean = True

@@ -42,6 +42,9 @@ DAY_NS = 86_400 * 10**9
 # kernel may trust names, attributes and absent names for long.  Changes made
 # behind its back (direct-path commits) must invalidate what they touch.
 TIMEOUT = 300.0
+# How long the kernel keeps names and attributes on a reading node (another node writes
+# the pool, and nothing tells this one yet): a backstop after which it asks again.
+FOLLOW_TIMEOUT = 1.0
 
 
 def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -132,6 +135,11 @@ class MxfsOperations(pyfuse3.Operations):
         self.write_behind = write_behind  # writes queued per inode; 0: none
         self.behind_budget = trio.Semaphore(BUDGET)  # ... and in the whole daemon
         self.behind: dict[int, WriteBehind] = {}
+        # A reading node (`MetaStore.follow`): the kernel asks again soon, and keeps a
+        # file's cached pages across opens only while the file is as it was when they
+        # were read (close-to-open, as NFS gives it): ino -> (mtime, ctime, size).
+        self.timeout = FOLLOW_TIMEOUT if self.store.follow else TIMEOUT
+        self._seen: dict[int, tuple[int, int, int]] = {}
 
     async def entry_changed(self, parent: int, name: bytes) -> None:
         """A name changed behind the kernel's back (a direct commit): drop its cached entry.
@@ -152,8 +160,8 @@ class MxfsOperations(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0
-        a.entry_timeout = TIMEOUT
-        a.attr_timeout = TIMEOUT
+        a.entry_timeout = self.timeout
+        a.attr_timeout = self.timeout
         a.st_mode = node.mode
         a.st_nlink = node.nlink
         a.st_uid = node.uid
@@ -162,7 +170,8 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_size = node.apparent_size
         a.st_blksize = node.stripe_unit if node.is_reg and node.stripe_unit else 4096
         a.st_blocks = (node.size + 511) // 512
-        if node.is_reg and node.first_member is not None and node.size:
+        if node.is_reg and node.first_member is not None and node.size \
+                and not self.vol.pool.node:  # (a reading node's members are elsewhere)
             # What the chunk files hold (du of a sparse file is not its size): <= width
             # stats; an empty file holds nothing (creates and readdirs skip the stats).
             a.st_blocks = 0
@@ -190,7 +199,7 @@ class MxfsOperations(pyfuse3.Operations):
                 raise
             absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
             absent.st_ino = 0
-            absent.entry_timeout = TIMEOUT
+            absent.entry_timeout = self.timeout
             return absent
 
     @_errors
@@ -300,8 +309,15 @@ class MxfsOperations(pyfuse3.Operations):
         self.next_fh += 1
         self.handles[fh] = Handle(self.vol.acquire(node), flags, self.store.groups_lost)
         # Every change to a file passes through this daemon, so the kernel's cached
-        # pages of it stay valid between opens.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        # pages of it stay valid between opens; on a reading node, while it is unchanged.
+        keep = True
+        if self.store.follow:
+            now = (node.mtime_ns, node.ctime_ns, node.size)
+            keep = self._seen.get(node.ino) == now
+            self._seen[node.ino] = now
+            if len(self._seen) > 100_000:
+                self._seen.clear()
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
@@ -395,6 +411,8 @@ class MxfsOperations(pyfuse3.Operations):
         await self.settle(node.ino, report=True)  # close() returns a failed write's errno
         if handle.flags & os.O_ACCMODE != os.O_RDONLY:  # (a reader's close changed nothing,
             self.store.flush(node)                      # so it fails on nothing unsaved)
+            if self.vol.readers:  # close-to-open for the pool's reading nodes: what
+                self.store.commit()  # this close wrote, their next open sees
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:

@@ -20,7 +20,7 @@ NUMBERS: dict[str, tuple[int, int]] = {
     **{name: (1, 1 << 40) for name in Limits.options()},
 }
 FLAGS = ("nonempty", "noatime", "writeback_cache", "degraded", "log_json")
-TEXTS = ("metrics_addr", "chunk_addr")
+TEXTS = ("metrics_addr", "chunk_addr", "node")
 # What FUSE and the kernel take (libfuse 3's mount options and the generic ones).
 FUSE = ("allow_other", "allow_root", "default_permissions", "ro", "rw", "nosuid", "suid",
         "nodev", "dev", "noexec", "exec", "atime", "relatime", "norelatime", "strictatime",

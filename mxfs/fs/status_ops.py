@@ -19,9 +19,17 @@ from mxfs.fs.session import Answer, Handler, Session
 from mxfs.fs.surveys import Surveys
 from mxfs.fs.wake import WakeLatency
 from mxfs.io.batch import ENGINE, native_engine, taken_back
+from mxfs.meta import lease
 from mxfs.meta.survey import bytes_by_use
 from mxfs.proto import OPS, VERSION
-from mxfs.proto.messages import DfReply, HelloReply, MetricsReply, QuotaReport, StatReply
+from mxfs.proto.messages import (
+    DfReply,
+    HelloReply,
+    MetricsReply,
+    NodeStatus,
+    QuotaReport,
+    StatReply,
+)
 from mxfs.vol.quota import DEFAULT, NONE, Quota, Quotas
 from mxfs.vol.volume import Volume
 
@@ -89,7 +97,18 @@ class StatusOps:
                 "quotas": shown,
                 "wake_latency": self.wake.state() if self.wake else None,
                 "lease": self.vol.keeper.status() if self.vol.keeper else None,
-                "chunk_service": self.chunks.status() if self.chunks else None}
+                "chunk_service": self.chunks.status() if self.chunks else None,
+                "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
+                "nodes": self._nodes()}
+
+    def _nodes(self) -> list[NodeStatus]:
+        """Every node of a pool on a metadata server (none for one on a member)."""
+        if not self.vol.pool.meta_url:
+            return []
+        try:
+            return lease.nodes(self.vol.store)
+        except OSError:  # the server is away: status says so in the lease line
+            return []
 
     def usage_of_limits(self) -> dict[str, Any]:
         """How close the daemon is to each limit (what `mxfs status` shows)."""

@@ -20,6 +20,12 @@ Liveness and fencing (3FS's rule; SCALE-OUT step 2):
   (`Engine.set_fence`).  A holder declared dead that wakes up (SIGSTOP, a partition)
   cannot commit one more change, even before its keeper hears of the takeover.
 
+Nodes that read the pool (`mxfs node add`: no members, a read-only mount) hold a lease
+row of their own ("node:NAME", epochs from "node_epoch", no fence: they change
+nothing), renewed the same way; `nodes` lists every node and whether it is alive.
+The writer's lease names its node, its chunk service's address and its members, so
+a reading node knows whom to ask for each member's ranges (`pool/remote.py`).
+
 Only engine primitives are used, in `engine.txn` (rerun on a conflict), with a
 compare-and-swap update, so two nodes racing for a free lease get one winner.
 """
@@ -34,17 +40,20 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mxfs.meta.engine import Engine
 from mxfs.meta.store import MetaStore
-from mxfs.proto.messages import LeaseStatus
+from mxfs.proto.messages import LeaseStatus, NodeStatus
 
 log = logging.getLogger("mxfs.lease")
 
 KEY = "daemon_lease"
 EPOCH_KEY = "daemon_epoch"
+NODE_PREFIX = "node:"  # a reading node's lease: "node:NAME"
+NODE_EPOCH_KEY = "node_epoch"  # (not the writer's fence: a reader must not move it)
 TTL_S = 30.0
 RENEWALS = 6  # a keeper renews this many times a TTL
 
@@ -59,6 +68,9 @@ class Lease:
     token: str
     expires: float  # by the store's clock
     epoch: int = 0  # drawn at take: the fence of the holder's commits
+    node: str = ""  # the node's name (its host name unless named)
+    addr: str = ""  # its chunk service, "IP:PORT" ("": it serves none)
+    members: int = 0  # how many members it owns (the writer: every member)
 
     def encode(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -67,10 +79,15 @@ class Lease:
     def decode(cls, text: str) -> Lease:
         d: dict[str, Any] = json.loads(text)
         return cls(str(d["host"]), int(d["pid"]), str(d["mountpoint"]), str(d["token"]),
-                   float(d["expires"]), int(d.get("epoch", 0)))
+                   float(d["expires"]), int(d.get("epoch", 0)), str(d.get("node", "")),
+                   str(d.get("addr", "")), int(d.get("members", 0)))
+
+    @property
+    def name(self) -> str:
+        return self.node or self.host
 
     def describe(self) -> str:
-        return f"{self.host} (pid {self.pid}, mounted on {self.mountpoint}, epoch {self.epoch})"
+        return f"{self.name} (pid {self.pid}, mounted on {self.mountpoint}, epoch {self.epoch})"
 
 
 class LeaseHeld(Exception):
@@ -82,8 +99,8 @@ class LeaseHeld(Exception):
         self.holder, self.now = holder, now
 
 
-def _current(store: MetaStore) -> tuple[str, Lease] | None:
-    row = store.engine.get("settings", {"key": KEY}, ("value",))
+def _current(store: MetaStore, key: str = KEY) -> tuple[str, Lease] | None:
+    row = store.engine.get("settings", {"key": key}, ("value",))
     if row is None:
         return None
     try:
@@ -105,33 +122,45 @@ def live_elsewhere(store: MetaStore) -> Lease | None:
     return lease if lease is not None and lease.host != socket.gethostname() else None
 
 
+def node_key(name: str) -> str:
+    """The settings key of a reading node's lease."""
+    return NODE_PREFIX + name
+
+
 def take(store: MetaStore, mountpoint: str, ttl: float = TTL_S,
-         host: str | None = None) -> Lease:
+         host: str | None = None, node: str = "", addr: str = "", members: int = 0,
+         key: str = KEY) -> Lease:
     """Hold the pool for this process (which holds the pool's file lock) under a new
     epoch, and fence the store's commits with it; `LeaseHeld` if a daemon on another
-    host holds a live lease.  (`host`: another node's name, for tests of takeovers.)"""
-    mine = Lease(host or socket.gethostname(), os.getpid(), mountpoint, uuid.uuid4().hex, 0.0)
+    host holds a live lease.  (`host`: another node's name, for tests of takeovers.)
+
+    With `key` a reading node's (`node_key`), the lease is that node's alone: its
+    epoch comes from its own counter and fences nothing."""
+    mine = Lease(host or socket.gethostname(), os.getpid(), mountpoint, uuid.uuid4().hex, 0.0,
+                 node=node, addr=addr, members=members)
+    epoch_key = EPOCH_KEY if key == KEY else NODE_EPOCH_KEY
 
     def change() -> bool:
-        cur = _current(store)
+        cur = _current(store, key)
         now = store.engine.clock()
         if cur is not None and cur[1].expires > now and cur[1].host != mine.host:
             raise LeaseHeld(cur[1], now)
-        row = store.engine.get("settings", {"key": EPOCH_KEY}, ("value",))
+        row = store.engine.get("settings", {"key": epoch_key}, ("value",))
         last = int(row[0]) if row is not None and str(row[0]).isdigit() else 0
         mine.epoch = max(last, cur[1].epoch if cur is not None else 0) + 1
         mine.expires = now + ttl
         if cur is None:
-            if not store.engine.insert("settings", {"key": KEY, "value": mine.encode()}):
+            if not store.engine.insert("settings", {"key": key, "value": mine.encode()}):
                 return False  # (another took it first: look again)
-        elif store.engine.update("settings", {"key": KEY, "value": cur[0]},
+        elif store.engine.update("settings", {"key": key, "value": cur[0]},
                                  {"value": mine.encode()}) != 1:
             return False  # (nothing written: look again)
         if row is None:
-            store.engine.insert("settings", {"key": EPOCH_KEY, "value": str(mine.epoch)})
+            store.engine.insert("settings", {"key": epoch_key, "value": str(mine.epoch)})
         else:
-            store.engine.update("settings", {"key": EPOCH_KEY}, {"value": str(mine.epoch)})
-        store.engine.set_fence(EPOCH_KEY, str(mine.epoch))  # (this very commit passes it)
+            store.engine.update("settings", {"key": epoch_key}, {"value": str(mine.epoch)})
+        if key == KEY:
+            store.engine.set_fence(EPOCH_KEY, str(mine.epoch))  # (this very commit passes)
         return True
 
     while not store.engine.txn(change):  # another node took it first: look again
@@ -140,17 +169,17 @@ def take(store: MetaStore, mountpoint: str, ttl: float = TTL_S,
     return mine
 
 
-def renew(store: MetaStore, lease: Lease, ttl: float = TTL_S) -> bool:
+def renew(store: MetaStore, lease: Lease, ttl: float = TTL_S, key: str = KEY) -> bool:
     """Extend `lease` (updated in place); False if another holder has taken the pool.
     OSError when the store cannot be reached (the lease then runs on until TTL)."""
-    new = Lease(lease.host, lease.pid, lease.mountpoint, lease.token, 0.0, lease.epoch)
+    new = Lease(**lease.__dict__)
 
     def change() -> bool:
-        cur = _current(store)
+        cur = _current(store, key)
         if cur is None or cur[1].token != lease.token:
             return False
         new.expires = store.engine.clock() + ttl
-        return store.engine.update("settings", {"key": KEY, "value": cur[0]},
+        return store.engine.update("settings", {"key": key, "value": cur[0]},
                                    {"value": new.encode()}) == 1
 
     if not store.engine.txn(change):
@@ -160,15 +189,42 @@ def renew(store: MetaStore, lease: Lease, ttl: float = TTL_S) -> bool:
     return True
 
 
-def drop(store: MetaStore, lease: Lease) -> None:
+def drop(store: MetaStore, lease: Lease, key: str = KEY) -> None:
     """Give the pool up (a clean unmount), if the lease is still ours."""
     def change() -> None:
-        cur = _current(store)
+        cur = _current(store, key)
         if cur is not None and cur[1].token == lease.token:
-            store.engine.delete("settings", {"key": KEY, "value": cur[0]})
+            store.engine.delete("settings", {"key": key, "value": cur[0]})
 
     store.engine.txn(change)
     store.commit()
+
+
+def writer(store: MetaStore) -> tuple[Lease, bool] | None:
+    """The writer node's lease as last written (its node, chunk service and members),
+    and whether it is alive; None if no writer ever held the pool (or gave it back)."""
+    cur = _current(store)
+    return None if cur is None else (cur[1], cur[1].expires > store.engine.clock())
+
+
+def nodes(store: MetaStore) -> list[NodeStatus]:
+    """Every node that holds (or held, and did not give back) a lease on the pool: the
+    writer first, then the reading nodes by name, each alive or dead by the store's
+    clock."""
+    now = store.engine.clock()
+    found: list[tuple[str, Lease]] = []
+    cur = _current(store)
+    if cur is not None:
+        found.append(("writer", cur[1]))
+    for key, text in sorted(store.settings(NODE_PREFIX)):
+        try:
+            found.append(("reader", Lease.decode(text)))
+        except (ValueError, KeyError, TypeError):
+            found.append(("reader", Lease("?", 0, "?", "", 0.0, node=key[len(NODE_PREFIX):])))
+    return [{"name": held.name, "role": role, "host": held.host, "pid": held.pid,
+             "mountpoint": held.mountpoint, "addr": held.addr, "members": held.members,
+             "epoch": held.epoch, "state": "alive" if held.expires > now else "dead",
+             "expires_in": round(held.expires - now, 1)} for role, held in found]
 
 
 class Keeper:
@@ -181,8 +237,12 @@ class Keeper:
     refused meanwhile), "taken".
     """
 
-    def __init__(self, where: str, lease: Lease, engine: Engine, ttl: float = TTL_S) -> None:
+    def __init__(self, where: str, lease: Lease, engine: Engine, ttl: float = TTL_S,
+                 key: str = KEY, watch: Callable[[MetaStore], None] | None = None) -> None:
+        """`key`: the lease's row (a reading node's: `node_key`); `watch`: called after
+        each renewal with the keeper's store (a reading node reads the writer's lease)."""
         self.where, self.lease, self.engine, self.ttl = where, lease, engine, ttl
+        self.key, self.watch = key, watch
         self.state = "held"
         self.error: str = ""  # why renewals fail, while they do
         self.renewed = time.monotonic()  # the last renewal that got through
@@ -210,8 +270,10 @@ class Keeper:
                 try:
                     if store is None:
                         store = MetaStore.open(self.where)
-                    if renew(store, self.lease, self.ttl):
+                    if renew(store, self.lease, self.ttl, self.key):
                         self._renewed()
+                        if self.watch is not None:
+                            self.watch(store)
                     else:
                         self._taken(store)
                 except OSError as e:  # the store is away: the lease runs on until TTL

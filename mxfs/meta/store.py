@@ -72,6 +72,7 @@ class MetaStore:
         self.groups_lost = 0
         self.kv = KVRows(self)
         self.usage = Usage()  # bytes and inodes by uid, once counted (`count_usage`)
+        self.follow = False  # another node writes the rows: inodes are read afresh (`get`)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -221,12 +222,21 @@ class MetaStore:
     # ---- inodes ----------------------------------------------------------
 
     def get(self, ino: int) -> Inode:
+        """The inode, from memory when it is there; a follower (`follow`: another node
+        writes the rows) reads its row every time, into the object it already holds,
+        so open handles see what the writer made of it."""
         node = self._cache.get(ino)
-        if node is not None:
+        if node is not None and not self.follow:
             return node
         row = self.engine.get("inodes", {"ino": ino}, INODE_COLUMNS)
         if row is None:
+            if node is not None:
+                del self._cache[ino]
             raise fail(errno.ENOENT)
+        if node is not None:
+            for name, value in zip(INODE_COLUMNS, row, strict=True):
+                setattr(node, name, value)
+            return node
         node = Inode(*row)
         if len(self._cache) >= _CACHE_LIMIT:
             self._cache = {i: n for i, n in self._cache.items() if n.dirty}

@@ -10,6 +10,8 @@ may read is refused: whoever reads it can pose as a node.
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import os
 import stat
 
@@ -25,7 +27,31 @@ def key_path(member0: str) -> str:
 
 def load_key(member0: str, create: bool = False) -> bytes:
     """The pool key kept on member 0 (made there first if `create` and absent)."""
-    path = key_path(member0)
+    return read_key(key_path(member0), create)
+
+
+def key_id(key: bytes, pool_uuid: str) -> str:
+    """A name of the key that tells nothing of it: kept in the metadata store, so a
+    node joining with a copied key (`mxfs node add`) can tell it is the pool's."""
+    return hmac.new(key, b"mxfs key id " + pool_uuid.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def install_key(key: bytes, path: str) -> None:
+    """Write `key` to `path`, root's and 0600, whole or not at all."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_key(path: str, create: bool = False) -> bytes:
+    """The pool key in the file `path` (made there first if `create` and absent)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -66,7 +92,7 @@ def _make(path: str) -> bytes:
         os.link(tmp, path)  # the first maker wins; a racer reads the winner's
     except FileExistsError:
         os.unlink(tmp)
-        return load_key(os.path.dirname(path))
+        return read_key(path)
     os.unlink(tmp)
     dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

@@ -24,6 +24,8 @@ from typing import Any
 from mxfs.errors import MxfsError
 from mxfs.io import DEFAULT_STRIPE_UNIT, PAGE, Layout
 from mxfs.pool.key import KEY_NAME
+from mxfs.pool.node_config import NodeConfig, read_node_config
+from mxfs.pool.remote import RemoteMembers
 from mxfs.pool.superblock import (
     SUPERBLOCK_NAME,
     Superblock,
@@ -62,6 +64,7 @@ class Member:
     path: str
     failed: str | None = None  # why it is out of service (missing at mount, I/O errors)
     chunk_dir: str = field(init=False)  # (made once: chunk paths are made per request)
+    node: str = ""  # the node that owns it, where that is not this one (`Pool.remote`)
 
     def __post_init__(self) -> None:
         self.chunk_dir = os.path.join(self.path, CHUNK_DIR)
@@ -288,6 +291,12 @@ class Pool:
         self.members = members
         self.meta_member = sb.meta_member
         self.meta_url = sb.meta  # a metadata server's URL, or "" (the embedded store)
+        # A reading node's pool (`open_node`): its name, where its lock lives, and the
+        # owner's chunk service that serves every member (`pool/remote.py`).
+        self.node = ""
+        self.state_dir = ""
+        self.key_file = ""
+        self.remote: RemoteMembers | None = None
         # Told of each member's share of chunk I/O: (member, "read" | "write", bytes).
         self.on_io: Callable[[int, str, int], None] | None = None
         # check_meta_room's last measure: (when, free bytes then, growth let through since)
@@ -296,7 +305,11 @@ class Pool:
     @classmethod
     def open(cls, spec: str, degraded: bool = False) -> Pool:
         """Open and check every member; with `degraded`, members that are missing or
-        unreadable are marked failed (their files' stripes are lost) instead of refused."""
+        unreadable are marked failed (their files' stripes are lost) instead of refused.
+        A reading node's config (`mxfs node add`) opens a pool of no local member:
+        `Volume.open` then names its members from the store (`own_remote`)."""
+        if os.path.isfile(spec) and (node := read_node_config(spec)) is not None:
+            return cls.open_node(node)
         paths, source = _member_paths(spec)
         lost: dict[int, str] = {}
         _refuse_duplicates([p for p in paths if os.path.isdir(p)], "listed")
@@ -355,6 +368,23 @@ class Pool:
                 _tighten(m.chunk_dir)
         return cls(reference, members)
 
+    @classmethod
+    def open_node(cls, conf: NodeConfig) -> Pool:
+        """A reading node's pool: the metadata server and the key from its config, the
+        members not yet known (`own_remote`)."""
+        sb = Superblock(pool_uuid=conf.pool, member_index=0, member_count=0,
+                        stripe_unit=DEFAULT_STRIPE_UNIT, label=conf.label, meta=conf.meta)
+        pool = cls(sb, [])
+        pool.node, pool.state_dir, pool.key_file = conf.node, conf.state, conf.key
+        return pool
+
+    def own_remote(self, count: int, stripe_unit: int, owner: str, remote: RemoteMembers
+                   ) -> None:
+        """Name the `count` members, every one owned by the node `owner`, read through
+        `remote`."""
+        self.members = [Member(i, f"{owner}:member{i}", node=owner) for i in range(count)]
+        self.stripe_unit, self.remote = stripe_unit, remote
+
     @property
     def failed(self) -> list[Member]:
         return [m for m in self.members if m.failed]
@@ -385,6 +415,10 @@ class Pool:
 
     @property
     def meta_dir(self) -> str:
+        """The metadata member's `meta/` (a reading node's own state folder): the pool
+        lock, and the embedded store."""
+        if self.node:
+            return self.state_dir
         return os.path.join(self.members[self.meta_member].path, META_DIR)
 
     @property
@@ -401,7 +435,7 @@ class Pool:
 
     def backup_dirs(self) -> list[str]:
         """Every member's backup folder (recovery looks in all of them)."""
-        return [os.path.join(m.path, BACKUP_DIR) for m in self.members]
+        return [os.path.join(m.path, BACKUP_DIR) for m in self.members if not m.node]
 
     def layout_for(self, ino: int, unit: int | None = None, width: int | None = None) -> Layout:
         """The layout a new file gets: defaults filled in, first member spread by inode."""
@@ -423,6 +457,9 @@ class Pool:
         """
         held = layout.holding(size)
         self.check(held)
+        if far := [m for m in held if self.members[m].node]:
+            raise OSError(errno.EREMOTE, f"member {far[0]} is node "
+                          f"{self.members[far[0]].node}'s: read through the mount")
         members: list[int] = []
         direct: list[int] = []
         fds: list[int] = []
@@ -453,7 +490,7 @@ class Pool:
     def remove_chunks(self, ino: int) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written).
         Readers holding descriptors (direct reads, KV gets) go on reading them."""
-        for m in range(len(self.members)):
+        for m in self.local_members():
             try:
                 os.unlink(self.chunk_path(m, ino))
             except FileNotFoundError:
@@ -463,7 +500,7 @@ class Pool:
         """Cut every chunk file of a never-published `ino` to nothing, so that the
         writer still holding its descriptors (whose file was refused or dropped)
         cannot keep the space; nobody else ever held them."""
-        for m in range(len(self.members)):
+        for m in self.local_members():
             try:
                 os.truncate(self.chunk_path(m, ino), 0)
             except FileNotFoundError:
@@ -472,6 +509,8 @@ class Pool:
     def truncate_chunks(self, ino: int, layout: Layout, size: int) -> None:
         """Cut every chunk file of `ino` to what a file of `size` bytes needs."""
         for m in layout.used_members():
+            if self.members[m].node:
+                raise OSError(errno.EROFS, f"member {m} is node {self.members[m].node}'s")
             want = layout.chunk_length(m, size)
             path = self.chunk_path(m, ino)
             try:
@@ -484,14 +523,22 @@ class Pool:
         """Every (member, inode) that has a chunk file, for the invariant check."""
         found = []
         for m in self.members:
+            if m.node:
+                continue
             for sub in os.listdir(m.chunk_dir):
                 for name in os.listdir(os.path.join(m.chunk_dir, sub)):
                     if name.isdigit():
                         found.append((m.index, int(name)))
         return found
 
+    def local_members(self) -> list[int]:
+        """The members this node holds itself (every one, but on a reading node)."""
+        return [m.index for m in self.members if not m.node]
+
     def check_space(self, member: int, nbytes: int) -> None:
         """Refuse a write that would eat the reserve the metadata store needs."""
+        if self.members[member].node:
+            raise OSError(errno.EROFS, f"member {member} is node {self.members[member].node}'s")
         if member != self.meta_member:
             return
         st = os.statvfs(self.members[member].path)
@@ -521,6 +568,10 @@ class Pool:
         """Space of each member's filesystem; "dev" tells members that share one."""
         out: list[MemberUsage] = []
         for m in self.members:
+            if m.node:
+                out.append({"index": m.index, "path": m.path, "size": 0, "free": 0, "used": 0,
+                            "node": m.node})
+                continue
             if m.failed:
                 out.append({"index": m.index, "path": m.path, "size": 0, "free": 0, "used": 0,
                             "failed": m.failed})
@@ -539,7 +590,7 @@ def pool_totals(members: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     on one disk (as in the demo) share its space and must not add it up N times."""
     seen: dict[object, Mapping[str, Any]] = {}
     for m in members:
-        if m.get("failed"):
+        if m.get("failed") or m.get("node"):
             continue
         dev = m.get("dev")
         if dev is None:  # a daemon from before "dev": ask here

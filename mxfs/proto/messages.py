@@ -43,6 +43,7 @@ class MemberUsage(TypedDict):
     used: int
     dev: NotRequired[int]  # members sharing a filesystem share it
     failed: NotRequired[str]  # why the member is out of service
+    node: NotRequired[str]  # the node that owns it, where that is not this one
 
 
 class NamespaceStats(TypedDict):
@@ -157,6 +158,21 @@ class LeaseStatus(TypedDict):
     error: str  # why renewals fail, while they do
 
 
+class NodeStatus(TypedDict):
+    """A node of the pool, from its lease row (`meta/lease.py` `nodes`)."""
+
+    name: str
+    role: str  # "writer" (owns the members, changes the pool) or "reader"
+    host: str
+    pid: int
+    mountpoint: str
+    addr: str  # its chunk service, "IP:PORT" ("": none)
+    members: int  # how many it owns
+    epoch: int
+    state: str  # "alive" or "dead" (its lease ran out), by the store's clock
+    expires_in: float
+
+
 class StatReply(TypedDict):
     """The pool as `mxfs status` shows it."""
 
@@ -181,6 +197,8 @@ class StatReply(TypedDict):
     wake_latency: dict[str, object] | None
     lease: LeaseStatus | None
     chunk_service: dict[str, Any] | None  # addr, port, connections, served_bytes
+    node: str  # this daemon's node ("": a pool of one node)
+    nodes: list[NodeStatus]  # every node of a pool on a metadata server
 
 
 class MetricsSnapshot(TypedDict):

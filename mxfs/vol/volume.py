@@ -9,9 +9,12 @@ trio code, so tools can use it on an unmounted pool.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
@@ -20,8 +23,10 @@ from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
+from mxfs.pool.key import read_key
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW
+from mxfs.pool.remote import Owner, RemoteMembers
 from mxfs.pool.revoke import Held
 from mxfs.vol.quota import Freeing, Quotas
 from mxfs.vol.spares import Spares
@@ -65,6 +70,9 @@ class Volume:
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
         self.keeper: lease.Keeper | None = None  # renews it; the daemon starts it
+        # Reading nodes alive (the writer's keeper counts them): while there are any, a
+        # close commits at once, so their next open sees it (close-to-open).
+        self.readers = 0
         # Set when mount found the store damaged and put a backup in its place.
         self.restored_from: str | None = None
 
@@ -84,11 +92,12 @@ class Volume:
             hold = "mxfs mount"
         lock_fd = take_pool_lock(pool, hold) if hold is not None else None
         try:
-            tighten(pool)  # before the store is opened: files it makes take its modes
-            restored = _recover_store(pool) if recover_meta else None
+            if not pool.node:
+                tighten(pool)  # before the store is opened: files it makes take its modes
+            restored = _recover_store(pool) if recover_meta and not pool.node else None
             where = location.public(pool.meta_location)
-            try:
-                store = MetaStore.open(pool.meta_location, readonly=readonly)
+            try:  # (a reading node changes nothing: its store is read-only)
+                store = MetaStore.open(pool.meta_location, readonly=readonly or bool(pool.node))
                 uuid = store.setting("pool_uuid")
             except (Unusable, OSError) as e:
                 raise MxfsError(f"metadata store in {where} cannot be opened ({e})",
@@ -97,7 +106,14 @@ class Volume:
                 store.close()
                 raise MxfsError(f"metadata store in {where} belongs to pool {uuid}, "
                                 f"not {pool.uuid}", "restore the right metadata store")
-            other = lease.live_elsewhere(store) if hold is not None else None
+            if pool.node:
+                try:
+                    join_owner(pool, store)
+                except BaseException:
+                    store.close()
+                    raise
+            other = lease.live_elsewhere(store) if hold is not None and not pool.node \
+                else None
             if other is not None:
                 now = store.engine.clock()
                 store.close()
@@ -125,11 +141,15 @@ class Volume:
 
     # ---- the pool lock (a daemon or an offline writer) ---------------------
 
-    def lock(self, mountpoint: str, socket_path: str, ttl: float = lease.TTL_S) -> None:
+    def lock(self, mountpoint: str, socket_path: str, ttl: float = lease.TTL_S,
+             node_name: str = "", addr: str = "") -> None:
         """Claim the pool for one daemon; a second mount is refused, naming the holder.
         A pool whose metadata is on a server (reached from every node) is also leased
         for `ttl` seconds, its commits fenced by the lease's epoch, and its keeper made
         (`keeper.start()`); a store on the node's own member needs only the file lock.
+        The writer's lease names its node (`node_name`, else its host) and chunk
+        service (`addr`, "IP:PORT"), for the reading nodes.  A reading node holds a
+        lease of its own node instead (`_lock_node`).
 
         If `open` already holds the lock for this volume, it now names the mount.
         """
@@ -140,10 +160,16 @@ class Volume:
                                              "mountpoint": mountpoint, "socket": socket_path})
         if not location.is_server(self.pool.meta_location):
             return
+        if self.pool.node:
+            self._lock_node(mountpoint, ttl)
+            return
         try:
-            self.lease = lease.take(self.store, mountpoint, ttl)
+            self.lease = lease.take(self.store, mountpoint, ttl, node=node_name, addr=addr,
+                                    members=len(self.pool.members))
+            self.store.set_setting(MEMBERS_KEY, json.dumps(
+                {"count": len(self.pool.members), "stripe_unit": self.pool.stripe_unit}))
             self.keeper = lease.Keeper(self.pool.meta_location, self.lease, self.store.engine,
-                                       ttl)
+                                       ttl, watch=self._count_readers)
         except lease.LeaseHeld as e:
             self.unlock()
             raise _served_elsewhere(e.holder, e.now) from None
@@ -151,6 +177,45 @@ class Volume:
             self.unlock()
             raise MxfsError(f"the pool's lease cannot be taken in its metadata store ({e})",
                             "check the metadata store (mxfs status) and mount again") from None
+
+    def announce(self, addr: str, key_name: str) -> None:
+        """Tell the pool's other nodes where this writer's chunk service listens (in its
+        lease) and which key it takes (`pool.key.key_id`, so a joining node can check
+        the key it was given).  Nothing for a pool with no lease (one node)."""
+        if self.lease is None:
+            return
+        self.lease.addr = addr
+        if not lease.renew(self.store, self.lease, self.keeper.ttl if self.keeper else
+                           lease.TTL_S):
+            raise MxfsError("the pool's lease was taken while mounting",
+                            "see mxfs status for the node that holds it")
+        self.store.set_setting(KEY_ID_KEY, key_name)
+
+    def _count_readers(self, store: MetaStore) -> None:
+        """The writer's keeper, after each renewal: how many reading nodes are alive."""
+        self.readers = sum(1 for n in lease.nodes(store)
+                           if n["role"] == "reader" and n["state"] == "alive")
+
+    def _lock_node(self, mountpoint: str, ttl: float) -> None:
+        """A reading node's lease: its own row, renewed by a keeper that also reads the
+        writer's lease each time, so the node knows whom to ask for the members."""
+        where, key = self.pool.meta_location, lease.node_key(self.pool.node)
+        try:
+            with contextlib.closing(MetaStore.open(where)) as store:
+                self.lease = lease.take(store, mountpoint, ttl, node=self.pool.node, key=key)
+        except lease.LeaseHeld as e:
+            self.unlock()
+            raise MxfsError(f"node name {self.pool.node} is in use: "
+                            f"{e.holder.describe()} holds it",
+                            "give this node another name (mxfs node add --name)") from None
+        except OSError as e:
+            self.unlock()
+            raise MxfsError(f"the node's lease cannot be taken in the metadata store ({e})",
+                            "check the metadata server and mount again") from None
+        remote = self.pool.remote
+        assert remote is not None  # (join_owner)
+        self.keeper = lease.Keeper(where, self.lease, self.store.engine, ttl, key=key,
+                                   watch=lambda store: remote.update(owner_of(store)))
 
     @property
     def holds_lock(self) -> bool:
@@ -340,7 +405,10 @@ class Volume:
     # ---- mount-time recovery and checks ------------------------------------
 
     def recover(self) -> Recovery:
-        """Reclaim orphans and trim chunk files past recorded sizes; mark the store in use."""
+        """Reclaim orphans and trim chunk files past recorded sizes; mark the store in use.
+        (A reading node repairs nothing: the pool is its writer node's to recover.)"""
+        if self.pool.node:
+            return Recovery(unclean=False)
         report = Recovery(unclean=self.store.setting("clean") != "1")
         self.held.adopt()
         if self.restored_from is not None:
@@ -382,6 +450,15 @@ class Volume:
         if self.keeper is not None:
             self.keeper.stop()
             self.keeper = None
+        if self.pool.remote is not None:
+            self.pool.remote.close()
+        if self.pool.node and self.lease is not None:
+            try:
+                with contextlib.closing(MetaStore.open(self.pool.meta_location)) as store:
+                    lease.drop(store, self.lease, lease.node_key(self.pool.node))
+            except OSError as e:  # it runs out by itself
+                log.warning("the node's lease could not be given back (%s)", e)
+            self.lease = None
         if self.store.readonly:
             self.open_inodes.clear()
             self.store.close()
@@ -404,6 +481,49 @@ class Volume:
             self.lease = None
         self.store.close()
         self.unlock()
+
+
+MEMBERS_KEY = "members"  # what the writer last said of its members, for reading nodes
+KEY_ID_KEY = "key_id"  # the pool key's name (`pool.key.key_id`), for joining nodes
+
+
+def owner_of(store: MetaStore) -> Owner | None:
+    """The node owning the members, as the writer's lease says (None: no writer)."""
+    held = lease.writer(store)
+    if held is None:
+        return None
+    return Owner(held[0].name, held[0].addr, held[0].epoch, held[1])
+
+
+def join_owner(pool: Pool, store: MetaStore) -> None:
+    """Name a reading node's members (every one the writer node's) from the store, and
+    the service that reads them (`pool/remote.py`)."""
+    text = store.setting(MEMBERS_KEY)
+    if text is None:
+        raise MxfsError(f"pool {pool.uuid} has no members named in its metadata store",
+                        "mount it once on its writer node (the one holding its members)")
+    known = json.loads(text)
+    key = read_key(pool.key_file)
+    where = pool.meta_location
+    lookups: list[MetaStore] = []  # one connection of its own, for the readers' threads
+    lock = threading.Lock()
+
+    def refresh() -> Owner | None:
+        with lock:
+            if not lookups:
+                lookups.append(MetaStore.open(where, readonly=True))
+            try:
+                return owner_of(lookups[0])
+            except OSError:
+                with contextlib.suppress(OSError):
+                    lookups.pop().close()
+                raise
+
+    remote = RemoteMembers(key, pool.uuid, refresh)
+    owner = owner_of(store)
+    remote.update(owner)
+    pool.own_remote(int(known["count"]), int(known["stripe_unit"]),
+                    owner.node if owner else "?", remote)
 
 
 def _served_elsewhere(holder: lease.Lease, now: float) -> MxfsError:

@@ -1,0 +1,106 @@
+"""`mxfs node add` / `mxfs node remove`: nodes that read a pool held by another node.
+
+A reading node holds no member: it needs the pool's metadata server, the pool key
+copied from the writer node (`mxfs.key` beside member 0's superblock), and a name.
+`node add` checks all three against the store (the key by its name, `key_id`, which
+the writer publishes when it serves chunks) and writes the node config that
+`mxfs mount CONFIG MOUNTPOINT` takes (`pool/node_config.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+
+from mxfs.errors import MxfsError
+from mxfs.meta import MetaStore, lease, location
+from mxfs.pool.key import install_key, key_id, read_key
+from mxfs.pool.node_config import NodeConfig, write_node_config
+from mxfs.vol.volume import KEY_ID_KEY, MEMBERS_KEY
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def _open_store(url: str) -> MetaStore:
+    if not location.is_server(url):
+        raise MxfsError(f"{url} is not a metadata server's URL",
+                        "give the pool's postgresql:// URL (mxfs status on the writer node)")
+    try:
+        return MetaStore.open(url, readonly=True)
+    except OSError as e:
+        raise MxfsError(f"the metadata server {location.public(url)} cannot be reached ({e})",
+                        "check the URL and that this node may connect to it") from None
+
+
+def cmd_node_add(args: argparse.Namespace) -> int:
+    if not NAME.fullmatch(args.name):
+        raise MxfsError(f"node name {args.name!r} is not one",
+                        "use letters, digits, '.', '_' and '-' (at most 63)")
+    key = read_key(args.key)
+    with contextlib.closing(_open_store(args.meta)) as store:
+        pool = store.setting("pool_uuid")
+        if pool is None:
+            raise MxfsError(f"{location.public(args.meta)} holds no mxfs pool",
+                            "give the URL the pool was made with (mxfs mkfs --meta)")
+        published = store.setting(KEY_ID_KEY)
+        if published is None:
+            raise MxfsError(f"pool {pool}'s writer node has never served chunks",
+                            "mount it there with -o chunk_port=N,chunk_addr=IP first")
+        if published != key_id(key, pool):
+            raise MxfsError(f"the key {args.key} is not pool {pool}'s",
+                            "copy mxfs.key from member 0 of the pool's writer node")
+        if store.setting(MEMBERS_KEY) is None:
+            raise MxfsError(f"pool {pool} has no members named in its store",
+                            "mount it once on its writer node")
+        for n in lease.nodes(store):
+            if n["name"] == args.name and (n["role"] == "writer" or n["state"] == "alive"):
+                raise MxfsError(f"node name {args.name} is in use ({n['role']} on "
+                                f"{n['host']}, {n['state']})", "pick another --name")
+    config = os.path.abspath(args.config)
+    os.makedirs(os.path.dirname(config), mode=0o755, exist_ok=True)
+    stem = os.path.splitext(config)[0]
+    key_file = stem + ".key"
+    if os.path.realpath(args.key) != os.path.realpath(key_file):
+        install_key(key, key_file)
+    state = os.path.abspath(args.state or stem + ".state")
+    os.makedirs(state, mode=0o700, exist_ok=True)
+    write_node_config(NodeConfig(config, pool, args.name, args.meta, key_file, state,
+                                 args.label or ""))
+    print(f"node {args.name} joined pool {pool}: mount it with mxfs mount {config} "
+          "MOUNTPOINT")
+    return 0
+
+
+def cmd_node_remove(args: argparse.Namespace) -> int:
+    with contextlib.closing(MetaStore.open(args.meta)) as store:
+        for n in lease.nodes(store):
+            if n["name"] != args.name or n["role"] != "reader":
+                continue
+            if n["state"] == "alive":
+                raise MxfsError(f"node {args.name} is alive (pid {n['pid']} on {n['host']})",
+                                f"unmount it there first (mxfs umount {n['mountpoint']})")
+            store.drop_setting(lease.node_key(args.name))
+            print(f"node {args.name} removed from pool {store.setting('pool_uuid')}")
+            return 0
+    raise MxfsError(f"no reading node {args.name} in that pool",
+                    "see the nodes with mxfs status on a node of the pool")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="join a node that reads the pool, or take one out")
+    nodes = p.add_subparsers(dest="node_cmd", required=True)
+    s = nodes.add_parser("add", help="join this host as a reading node (no members)")
+    s.add_argument("--meta", required=True, help="the pool's metadata server URL")
+    s.add_argument("--key", required=True,
+                   help="the pool key, copied from member 0 of the writer node (0600)")
+    s.add_argument("--name", required=True, help="this node's name in the pool")
+    s.add_argument("--config", required=True, help="where to write the node config (TOML)")
+    s.add_argument("--state", help="this node's lock folder (default: beside the config)")
+    s.add_argument("--label", help="a label for the mount (default: none)")
+    s.set_defaults(func=cmd_node_add)
+    s = nodes.add_parser("remove", help="forget a dead reading node")
+    s.add_argument("--meta", required=True, help="the pool's metadata server URL")
+    s.add_argument("name")
+    s.set_defaults(func=cmd_node_remove)

@@ -1,0 +1,184 @@
+"""Members another node owns, read through its chunk service.
+
+A reading node (`mxfs node add`) holds no member: every member is the writer node's,
+whose lease (`meta/lease.py`) names its chunk service and epoch.  `RemoteMembers`
+keeps that view of the owner (`Owner`, refreshed by the node's lease keeper and again
+whenever the owner answers unlike the view), a few connections to it (each proved
+with the pool key), and reads a member's chunk range straight into a file's buffer
+(`ChunkClient.read_scatter`).  An owner that is dead (its lease ran out), serves no
+chunks, cannot be reached, or answers under another epoch than the pool's store
+gives it reads EIO naming the node: never bytes the pool does not stand behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mxfs.io.chunk_client import ChunkClient
+from mxfs.proto.chunk_wire import MAX_READ, WireError
+
+log = logging.getLogger("mxfs.remote")
+
+IDLE_CONNS = 8  # connections kept open to the owner between reads
+TIMEOUT_S = 30.0  # connect, prove and each receive
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The node that owns the members, as its lease in the store says."""
+
+    node: str
+    addr: str  # its chunk service, "IP:PORT" ("": it serves none)
+    epoch: int
+    alive: bool
+
+    def why_not(self) -> str | None:
+        """Why its members cannot be read now, or None."""
+        if not self.alive:
+            return f"node {self.node} is dead (its lease ran out)"
+        if not self.addr:
+            return (f"node {self.node} serves no chunks (mount it there with "
+                    "-o chunk_port=N,chunk_addr=IP)")
+        return None
+
+
+class RemoteMembers:
+    """Reads of the owner's members for this node; thread-safe (worker threads read)."""
+
+    def __init__(self, key: bytes, pool_uuid: str,
+                 refresh: Callable[[], Owner | None], timeout: float = TIMEOUT_S) -> None:
+        """`refresh`: reads the owner's lease from the store again (blocking)."""
+        self.key, self.pool_uuid, self.refresh, self.timeout = key, pool_uuid, refresh, timeout
+        self.owner: Owner | None = None
+        self._idle: list[ChunkClient] = []
+        self._lock = threading.Lock()
+        self._said: str | None = None  # the last failure logged (once per kind)
+
+    def update(self, owner: Owner | None) -> None:
+        """A new view of the owner; connections to another epoch or address are closed."""
+        with self._lock:
+            old, self.owner = self.owner, owner
+            if owner != old and (owner is None or old is None or owner.epoch != old.epoch
+                                 or owner.addr != old.addr):
+                for c in self._idle:
+                    c.close()
+                self._idle.clear()
+        if owner is not None and owner.why_not() is None and self._said is not None:
+            log.warning("node %s (%s, epoch %d) serves its members again", owner.node,
+                        owner.addr, owner.epoch)
+            self._said = None
+
+    def read(self, ino: int, member: int, offset: int, views: list[memoryview]) -> None:
+        """Fill `views`, in order, from the chunk file of `ino` on `member` at `offset`;
+        bytes past its end (or of one never written) read as zeros.  EIO naming the
+        node when it cannot serve them."""
+        groups: list[list[memoryview]] = [[]]
+        size = 0
+        for v in views:
+            for at in range(0, len(v), MAX_READ):
+                part = v[at:at + MAX_READ]
+                if size + len(part) > MAX_READ:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(part)
+                size += len(part)
+        reused, client = self._client()
+        try:
+            self._read_groups(client, ino, member, offset, groups)
+        except (OSError, WireError) as e:
+            client.close()
+            if not reused:
+                raise self._failed(f"could not serve member {member} of inode {ino} ({e})"
+                                   ) from None
+            # An idle connection the owner closed meanwhile (its idle limit, a restart):
+            # once more on a new one.
+            reused, client = self._client(fresh=True)
+            try:
+                self._read_groups(client, ino, member, offset, groups)
+            except (OSError, WireError) as e2:
+                client.close()
+                raise self._failed(f"could not serve member {member} of inode {ino} ({e2})"
+                                   ) from None
+        self._give_back(client)
+
+    @staticmethod
+    def _read_groups(client: ChunkClient, ino: int, member: int, offset: int,
+                     groups: list[list[memoryview]]) -> None:
+        for group in groups:
+            n = client.read_scatter(ino, member, offset, group)
+            offset += sum(len(v) for v in group)
+            for v in group:  # past the chunk file's end: a hole
+                if n < len(v):
+                    v[n:] = bytes(len(v) - n)
+                n = max(0, n - len(v))
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._idle:
+                c.close()
+            self._idle.clear()
+
+    def _client(self, fresh: bool = False) -> tuple[bool, ChunkClient]:
+        """An idle connection to the owner (True: reused), or a new one whose epoch is
+        the owner's."""
+        with self._lock:
+            owner = self.owner
+            if owner is not None and self._idle and not fresh:
+                return True, self._idle.pop()
+        if owner is None or owner.why_not() is not None:
+            owner = self._refreshed()
+        last: Exception | None = None
+        for attempt in range(2):
+            why = owner.why_not()
+            if why is not None:
+                raise self._failed("", owner, why)
+            host, _, port = owner.addr.rpartition(":")
+            try:
+                client = ChunkClient(host, int(port), self.key, self.pool_uuid, self.timeout)
+            except (OSError, WireError) as e:
+                last = e
+            else:
+                if client.epoch == owner.epoch:
+                    return False, client
+                client.close()
+                last = OSError(errno.ESTALE, f"it answers under epoch {client.epoch}, the "
+                               f"pool's store gives it {owner.epoch}")
+            if attempt == 0:
+                owner = self._refreshed()  # it may have come back since the view was read
+        raise self._failed(f"cannot be reached at {owner.addr} ({last})", owner)
+
+    def _refreshed(self) -> Owner:
+        try:
+            owner = self.refresh()
+        except OSError as e:
+            raise self._failed(f"cannot be looked up: the metadata store is not reachable "
+                               f"({e})") from None
+        if owner is None:
+            raise OSError(errno.EIO, "no node owns the pool's members (the writer node "
+                          "gave the pool back): mount it on its owner node")
+        self.update(owner)
+        return owner
+
+    def _give_back(self, client: ChunkClient) -> None:
+        with self._lock:
+            if self.owner is not None and client.epoch == self.owner.epoch \
+                    and len(self._idle) < IDLE_CONNS:
+                self._idle.append(client)
+                return
+        client.close()
+
+    def _failed(self, what: str, owner: Owner | None = None, why: str | None = None
+                ) -> OSError:
+        """EIO naming the node; logged once for each kind of failure, not per read."""
+        owner = owner or self.owner
+        name = f"node {owner.node}" if owner else "the owner node"
+        text = why or f"{name} {what}"
+        kind = why or f"{name} unreachable"
+        if kind != self._said:
+            self._said = kind
+            log.error("%s: stripes on its members read EIO", text)
+        return OSError(errno.EIO, text)

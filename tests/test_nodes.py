@@ -1,0 +1,173 @@
+"""A pool across nodes, on this machine: the writer node mounted here, a reading node in
+a network namespace of its own (`conftest.node_net`), its daemon started with
+`nsenter --net` so that its mount is visible here; the metadata on the session's
+PostgreSQL server.  The reading node reads every member through the writer's chunk
+service, sees the writer's changes from one open to the next, writes nothing, and
+reads EIO, never stale bytes, while the writer is dead.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+from conftest import (
+    HAVE_FUSE,
+    Mounted,
+    eventually,
+    make_members,
+    mkfs,
+    mount_with,
+    mounted_pool,
+    mxfs,
+    node_net,
+)
+
+from mxfs.client.direct import open_reader
+from mxfs.pool.key import KEY_NAME
+
+pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
+              pytest.mark.nodes]
+
+
+def _status(m: Mounted) -> dict[str, Any]:
+    return json.loads(mxfs("status", "--json", str(m.path)).stdout)
+
+
+def _digest(path: Path) -> str:
+    return xxhash.xxh3_128_hexdigest(path.read_bytes())
+
+
+def _join(tmp_path: Path, url: str, key: str, name: str = "b") -> str:
+    config = str(tmp_path / name / "node.toml")
+    res = mxfs("node", "add", "--meta", url, "--key", key, "--name", name, "--config", config)
+    assert f"node {name} joined pool" in res.stdout
+    return config
+
+
+@pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not serve)",
+                        r"recovered pool", r"serves its members again")
+def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
+    url = pg_cluster.database()
+    members = make_members(tmp_path / "a")
+    mkfs(members, "64KiB", "--meta", url)
+    key = str(Path(members[0], KEY_NAME))
+    writer_opts = ("chunk_port=0", "lease_s=3", "node=a")
+    with node_net() as net:
+        ns = ["nsenter", f"--net=/var/run/netns/{net.ns}"]
+        with mounted_pool(members, *writer_opts, f"chunk_addr={net.host_ip}") as a:
+            model = os.urandom(3 << 20)  # 48 stripe units: every member several times
+            (a.path / "models").mkdir()
+            (a.path / "models" / "m.bin").write_bytes(model)
+            unread = os.urandom(1 << 20)
+            (a.path / "unread.bin").write_bytes(unread)
+
+            # Joining checks the key against the pool's own name for it.
+            bad = tmp_path / "bad.key"
+            bad.write_bytes(os.urandom(32))
+            bad.chmod(0o600)
+            res = mxfs("node", "add", "--meta", url, "--key", str(bad), "--name", "b",
+                       "--config", str(tmp_path / "bad.toml"), check=False)
+            assert res.returncode != 0 and "is not pool" in res.stderr, res.stderr
+            assert not (tmp_path / "bad.toml").exists()
+            config = _join(tmp_path, url, key)
+            assert os.stat(config).st_mode & 0o777 == 0o600
+
+            with mount_with([config], prefix=ns, check=False) as b:
+                # Every member read through the writer's chunk service, here and by
+                # the loader (the direct path hands remote files to the mount).
+                assert _digest(b.path / "models" / "m.bin") == xxhash.xxh3_128_hexdigest(model)
+                with open_reader(str(b.path / "models" / "m.bin")) as f:
+                    buf = bytearray(len(model))
+                    f.read_into(0, memoryview(buf))
+                    assert bytes(buf) == model
+                status = _status(b)
+                assert status["node"] == "b"
+                nodes = {n["name"]: n for n in status["nodes"]}
+                assert nodes["a"]["role"] == "writer" and nodes["a"]["state"] == "alive"
+                assert nodes["a"]["addr"].startswith(net.host_ip + ":")
+                assert nodes["a"]["members"] == len(members)
+                assert nodes["b"]["role"] == "reader" and nodes["b"]["state"] == "alive"
+                assert all(m["node"] == "a" for m in status["members"])
+                assert {n["name"] for n in _status(a)["nodes"]} == {"a", "b"}
+
+                # It changes nothing.
+                for change in (lambda: (b.path / "new").write_bytes(b"x"),
+                               lambda: (b.path / "models" / "m.bin").write_bytes(b"x"),
+                               lambda: (b.path / "models" / "m.bin").unlink(),
+                               lambda: (b.path / "d").mkdir()):
+                    with pytest.raises(OSError) as e:
+                        change()
+                    assert e.value.errno == errno.EROFS
+                assert _digest(b.path / "models" / "m.bin") == xxhash.xxh3_128_hexdigest(model)
+
+                # Close-to-open: what the writer closed, the reader's next open sees.
+                model2 = os.urandom(len(model))
+                (a.path / "models" / "m.bin").write_bytes(model2)
+                late = os.urandom(70_000)
+                (a.path / "models" / "late.bin").write_bytes(late)
+                assert eventually(lambda: (b.path / "models" / "late.bin").exists(), 10)
+                assert (b.path / "models" / "late.bin").read_bytes() == late
+                assert eventually(lambda: _digest(b.path / "models" / "m.bin") ==
+                                  xxhash.xxh3_128_hexdigest(model2), 10)
+
+                # The writer dies: what the reader has not cached reads EIO, not bytes.
+                os.kill(a.daemon_pid(), signal.SIGKILL)
+                with pytest.raises(OSError) as e:
+                    (b.path / "unread.bin").read_bytes()
+                assert e.value.errno == errno.EIO
+                mxfs("umount", str(a.path))
+                assert eventually(lambda: {n["name"]: n["state"] for n in _status(b)["nodes"]}
+                                  .get("a") == "dead", 15)
+                with pytest.raises(OSError) as e:
+                    (b.path / "unread.bin").read_bytes()
+                assert e.value.errno == errno.EIO
+
+                # It comes back (a new epoch): its members read again.
+                res = mxfs("mount", "-o", ",".join(("allow_other", *writer_opts,
+                                                    f"chunk_addr={net.host_ip}")),
+                           members[0], str(a.path))
+                assert res.returncode == 0
+                deadline = time.monotonic() + 15
+                while True:
+                    try:
+                        got = (b.path / "unread.bin").read_bytes()
+                        break
+                    except OSError as e2:
+                        assert e2.errno == errno.EIO
+                        assert time.monotonic() < deadline, "the writer's members stay EIO"
+                        time.sleep(0.2)
+                assert got == unread
+            # The reading node gave its lease back at unmount.
+            assert {n["name"] for n in _status(a)["nodes"]} == {"a"}
+
+
+def test_node_add_refuses(tmp_path: Path, pg_cluster: Any) -> None:
+    """What `mxfs node add` refuses, each with one line: a pool whose writer never
+    served chunks, a bad name, a key others may read."""
+    url = pg_cluster.database()
+    members = make_members(tmp_path / "a")
+    mkfs(members, "64KiB", "--meta", url)
+    key = tmp_path / "k"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+
+    def add(*extra: str) -> str:
+        res = mxfs("node", "add", "--meta", url, "--key", str(key), "--config",
+                   str(tmp_path / "n.toml"), *extra, check=False)
+        assert res.returncode != 0 and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) <= 2, res.stderr
+        return res.stderr
+
+    assert "never served chunks" in add("--name", "b")
+    assert "is not one" in add("--name", "../x")
+    key.chmod(0o644)
+    assert "may be read by others" in add("--name", "b")
+    assert not (tmp_path / "n.toml").exists()
