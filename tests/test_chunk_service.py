@@ -21,8 +21,8 @@ import pytest
 from conftest import HAVE_FUSE, Mounted, make_members, mkfs, mounted_pool, mxfs, one_line_error
 
 from mxfs.client import ControlClient
-from mxfs.io.chunk_client import ChunkClient
 from mxfs.io import Layout
+from mxfs.io.chunk_client import ChunkClient
 from mxfs.pool.key import KEY_NAME, load_key
 from mxfs.proto.chunk_wire import (
     CHALLENGE,

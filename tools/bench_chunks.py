@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 from mxfs.cli.measure import write_file  # noqa: E402
 from mxfs.client import ControlClient  # noqa: E402
-from mxfs.io.chunk_client import ChunkClient  # noqa: E402
 from mxfs.client.direct import DirectFile  # noqa: E402
 from mxfs.io import Layout  # noqa: E402
+from mxfs.io.chunk_client import ChunkClient  # noqa: E402
 from mxfs.pool import Pool  # noqa: E402
 from mxfs.pool.key import load_key  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
