@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import netns
 import pytest
+from netns import NodeNet
 
 # A test fails on a WARNING or ERROR its daemons log that it does not expect.
 pytest_plugins = ["daemon_log"]
@@ -270,55 +271,17 @@ while True:
 """
 
 
-@dataclass
-class NodeNet:
-    """Another node on this machine: a network namespace joined to the host by a veth
-    pair (the host side `link`, at `host_ip`; the node at `node_ip`)."""
-
-    ns: str
-    link: str
-    host_ip: str
-    node_ip: str
-
-    def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run a command as a process of that node (`ip netns exec`: its own network;
-        the files are this machine's)."""
-        return subprocess.run(["ip", "netns", "exec", self.ns, *argv], capture_output=True,
-                              text=True, timeout=timeout)
-
-    def cut(self, down: bool = True) -> None:
-        """Partition the node from the host (or heal it)."""
-        subprocess.run(["ip", "link", "set", self.link, "down" if down else "up"], check=True)
-
-
 @contextmanager
 def node_net() -> Iterator[NodeNet]:
     """A second node in a network namespace of its own, removed afterwards."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and ip (iproute2)")
+    if not netns.usable():
+        pytest.skip("needs root, ip (iproute2) and nsenter")
     tag = f"{os.getpid() % 10000}{len(_NETS)}"
     # A subnet of this session's own: xdist workers make theirs at the same time.
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    subnet = f"10.{231 + worker % 20}.{len(_NETS) % 250}"
-    net = NodeNet(f"mxfs-node-{tag}", f"mxh{tag}", f"{subnet}.1", f"{subnet}.2")
-    _NETS.append(net.ns)
-    peer = f"mxn{tag}"
-    steps = [["ip", "netns", "add", net.ns],
-             ["ip", "link", "add", net.link, "type", "veth", "peer", "name", peer],
-             ["ip", "link", "set", peer, "netns", net.ns],
-             ["ip", "addr", "add", f"{net.host_ip}/24", "dev", net.link],
-             ["ip", "link", "set", net.link, "up"],
-             ["ip", "netns", "exec", net.ns, "ip", "addr", "add", f"{net.node_ip}/24", "dev",
-              peer],
-             ["ip", "netns", "exec", net.ns, "ip", "link", "set", peer, "up"],
-             ["ip", "netns", "exec", net.ns, "ip", "link", "set", "lo", "up"]]
-    try:
-        for step in steps:
-            subprocess.run(step, check=True, capture_output=True)
+    _NETS.append(tag)
+    with netns.node_net(tag, f"10.{231 + worker % 20}.{len(_NETS) % 250}") as net:
         yield net
-    finally:
-        subprocess.run(["ip", "link", "del", net.link], capture_output=True)
-        subprocess.run(["ip", "netns", "del", net.ns], capture_output=True)
 
 
 _NETS: list[str] = []  # namespaces made this session (their names stay unique)

@@ -61,7 +61,7 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
     key = str(Path(members[0], KEY_NAME))
     writer_opts = ("chunk_port=0", "lease_s=3", "node=a")
     with node_net() as net:
-        ns = ["nsenter", f"--net=/var/run/netns/{net.ns}"]
+        ns = net.enter
         with mounted_pool(members, *writer_opts, f"chunk_addr={net.host_ip}") as a:
             model = os.urandom(3 << 20)  # 48 stripe units: every member several times
             (a.path / "models").mkdir()

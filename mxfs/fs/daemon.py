@@ -323,6 +323,11 @@ def pool_gauges(control: ControlServer) -> Iterator[Any]:
     yield failed
     yield GaugeMetricFamily("mxfs_inodes", "Inodes in the pool",
                             value=control.vol.store.count_inodes())
+    alive = GaugeMetricFamily("mxfs_node_alive", "1 while the node's lease is live (a pool "
+                              "on a metadata server)", labels=["node", "role"])
+    for node in control.status.nodes():
+        alive.add_metric([node["name"], node["role"]], 1 if node["state"] == "alive" else 0)
+    yield alive
     for key, what in (("chunks", "KV chunks"), ("bytes", "KV bytes"), ("hits", "KV hits"),
                       ("misses", "KV misses"), ("puts", "KV puts"),
                       ("evictions", "KV evictions")):

@@ -99,9 +99,9 @@ class StatusOps:
                 "lease": self.vol.keeper.status() if self.vol.keeper else None,
                 "chunk_service": self.chunks.status() if self.chunks else None,
                 "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
-                "nodes": self._nodes()}
+                "nodes": self.nodes()}
 
-    def _nodes(self) -> list[NodeStatus]:
+    def nodes(self) -> list[NodeStatus]:
         """Every node of a pool on a metadata server (none for one on a member)."""
         if not self.vol.pool.meta_url:
             return []

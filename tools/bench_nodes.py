@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Benchmark a pool across nodes (issue 27): a reading node in a network namespace of its
+own reads a file that the writer node holds, side by side in one run with the transport's
+own ceiling.
+
+The writer node is this host, the reading node a namespace joined to it by a veth pair
+(`tools/netns.py`), as the tests run them; the metadata is on PostgreSQL (`--meta`: an
+empty database).  The writer's chunk files stay in its page cache (read once first):
+what is measured is the path between the nodes.  Arms, in GB/s, medians of `--repeat`:
+
+  sendfile  the ceiling: the file's chunk files sent whole with plain sendfile over TCP
+            to a process in the reading node's namespace, a connection per member
+  chunks    the same bytes through the writer's chunk service (`ChunkClient`, a
+            connection and thread per member, each stripe unit received in its place)
+  node      the file read through the reading node's mount (FUSE, its daemon, the chunk
+            service), its page cache for the file dropped before each round
+  local     the file read through the writer's own mount, for reference
+
+Needs root, iproute2 and nsenter.
+
+    python tools/bench_nodes.py --meta 'postgresql:///bench?host=/run/pg' --size 512MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_chunks import read_all, through_chunks  # noqa: E402
+from netns import node_net, usable  # noqa: E402
+
+from mxfs.cli.demo import bench_args, run_mxfs, save_results, scratch_pool  # noqa: E402
+from mxfs.cli.measure import write_file  # noqa: E402
+from mxfs.client import ControlClient  # noqa: E402
+from mxfs.io import Layout  # noqa: E402
+from mxfs.pool import Pool  # noqa: E402
+from mxfs.pool.key import key_path, read_key  # noqa: E402
+from mxfs.proc import python_module  # noqa: E402
+from mxfs.units import format_size, parse_size  # noqa: E402
+
+ARMS = ("sendfile", "chunks", "node", "local")
+
+
+class SendfileServer:
+    """The ceiling's sender: each connection names a chunk file (its index, one line),
+    which goes out whole with sendfile."""
+
+    def __init__(self, host: str, paths: list[str]) -> None:
+        self.paths = paths
+        self.sock = socket.create_server((host, 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._send, args=(conn,), daemon=True).start()
+
+    def _send(self, conn: socket.socket) -> None:
+        with conn, open(self.paths[int(conn.makefile().readline())], "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            sent = 0
+            while sent < size:
+                sent += os.sendfile(conn.fileno(), f.fileno(), sent, size - sent)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def client_sendfile(host: str, port: int, sizes: list[int]) -> float:
+    """In the reading node: receive every chunk file at once; seconds taken."""
+    def one(i: int) -> None:
+        buf = memoryview(bytearray(sizes[i]))
+        with socket.create_connection((host, port)) as s:
+            s.sendall(f"{i}\n".encode())
+            got = 0
+            while got < len(buf):
+                n = s.recv_into(buf[got:])
+                if not n:
+                    raise OSError(f"connection {i} ended at {got} of {len(buf)} bytes")
+                got += n
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(sizes)) as ex:
+        list(ex.map(one, range(len(sizes))))
+    return time.perf_counter() - start
+
+
+def client_chunks(spec: dict[str, Any]) -> float:
+    """In the reading node: the file through the chunk service; seconds taken."""
+    buf = bytearray(spec["size"])
+    layout = Layout.from_description(spec["layout"])
+    start = time.perf_counter()
+    through_chunks((spec["host"], spec["port"]), read_key(spec["key"]), spec["pool"],
+                   spec["ino"], layout, spec["size"], buf)
+    return time.perf_counter() - start
+
+
+def in_node(enter: list[str], *args: str) -> float:
+    """Run this script's client side in the reading node; the seconds it measured."""
+    res = subprocess.run([*enter, sys.executable, os.path.abspath(__file__), "--client",
+                          *args], capture_output=True, text=True, timeout=600)
+    if res.returncode:
+        raise SystemExit(f"the reading node's client failed: {res.stderr.strip()}")
+    return float(res.stdout)
+
+
+def uncached_read(path: str, buf: bytearray) -> float:
+    """Read `path` through a mount, its pages there dropped first; seconds taken."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    start = time.perf_counter()
+    read_all(path, buf)
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        mode, rest = sys.argv[2], sys.argv[3:]
+        if mode == "sendfile":
+            print(client_sendfile(rest[0], int(rest[1]), [int(n) for n in rest[2:]]))
+        else:
+            print(client_chunks(json.loads(rest[0])))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_args(ap)
+    ap.add_argument("--meta", required=True, help="an empty PostgreSQL database's URL")
+    ap.add_argument("--size", default="512MiB")
+    args = ap.parse_args()
+    if not usable():
+        raise SystemExit("bench_nodes needs root, iproute2 and nsenter")
+    size = parse_size(args.size)
+    rounds: dict[str, list[float]] = {k: [] for k in ARMS}
+    with node_net(f"b{os.getpid() % 10000}", "10.239.0") as net, \
+            scratch_pool("mxfs-bench-nodes-", args.dir,
+                         mkfs=("--stripe-unit", args.stripe_unit, "--meta", args.meta),
+                         mount=("-o", f"allow_other,chunk_port=0,chunk_addr={net.host_ip},"
+                                "node=a")) as pool:
+        path = os.path.join(pool.mnt, "model.bin")
+        block = os.urandom(64 << 20)
+        size = max(1, size // len(block)) * len(block)
+        write_file(path, size, memoryview(block))
+        data = block * (size // len(block))
+        with ControlClient(pool.mnt) as c:
+            st, lay = c.stat(), c.layout(path)
+        svc = st["chunk_service"]
+        assert svc is not None
+        layout = Layout.from_description(lay["layout"])
+        members = Pool.open(pool.members[0])
+        chunk_paths = [members.chunk_path(m, lay["ino"]) for m in layout.used_members()]
+        sizes = [os.path.getsize(p) for p in chunk_paths]
+        config = os.path.join(pool.base, "node-b", "node.toml")
+        run_mxfs("node", "add", "--meta", args.meta, "--key", key_path(pool.members[0]),
+                 "--name", "b", "--config", config)
+        node_mnt = tempfile.mkdtemp(prefix="mnt-b-", dir=pool.base)
+        subprocess.run([*net.enter, *python_module("mxfs", "mount", "-o", "allow_other",
+                                                   config, node_mnt)],
+                       check=True, capture_output=True)
+        server = SendfileServer(net.host_ip, chunk_paths)
+        spec = json.dumps({"host": svc["addr"], "port": svc["port"], "pool": st["pool_uuid"],
+                           "key": key_path(pool.members[0]), "ino": lay["ino"],
+                           "layout": lay["layout"], "size": size})
+        buf = bytearray(size)
+        try:
+            for p in chunk_paths:  # the writer's chunk files into its page cache
+                read_all(p, bytearray(os.path.getsize(p)))
+            for i in range(args.repeat):
+                times = {"sendfile": in_node(net.enter, "sendfile", net.host_ip,
+                                             str(server.port), *map(str, sizes)),
+                         "chunks": in_node(net.enter, "chunks", spec),
+                         "node": uncached_read(os.path.join(node_mnt, "model.bin"), buf)}
+                if i == 0:
+                    assert buf == data, "the reading node read other bytes"
+                times["local"] = uncached_read(path, buf)
+                for k, t in times.items():
+                    rounds[k].append(size / t / 1e9)
+        finally:
+            server.close()
+            subprocess.run(python_module("mxfs", "umount", node_mnt), capture_output=True)
+    medians = {k: statistics.median(v) for k, v in rounds.items()}
+    print(f"{format_size(size)} held by the writer node, read by a node in a network "
+          f"namespace (veth), median of {args.repeat}:")
+    for k, gbps in medians.items():
+        print(f"  {k:9s} {gbps:6.2f} GB/s  {gbps / medians['sendfile']:.2f} of sendfile")
+    save_results(args, rounds=rounds, medians=medians)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

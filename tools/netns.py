@@ -1,0 +1,79 @@
+"""Another node on this machine: a network namespace joined to the host by a veth pair.
+
+The tests (`conftest.node_net`) and the multi-node benchmark (`tools/bench_nodes.py`)
+run a pool's other nodes this way: a daemon started under `nsenter --net` (the `enter`
+prefix) has the node's network and this machine's files and mounts, so its FUSE mount
+is visible here.  Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class NodeNet:
+    """The node's namespace `ns`, the host side of its link `link` at `host_ip`, the
+    node at `node_ip`."""
+
+    ns: str
+    link: str
+    host_ip: str
+    node_ip: str
+    peer: str = ""  # the node's side of the link, inside `ns`
+
+    @property
+    def enter(self) -> list[str]:
+        """A command prefix that runs a process in the node's network only."""
+        return ["nsenter", f"--net=/var/run/netns/{self.ns}"]
+
+    def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run a command as a process of that node (`ip netns exec`: its own network;
+        the files are this machine's)."""
+        return subprocess.run(["ip", "netns", "exec", self.ns, *argv], capture_output=True,
+                              text=True, timeout=timeout)
+
+    def cut(self, down: bool = True) -> None:
+        """Partition the node from the host (or heal it).  Healing also forgets the
+        neighbours each side failed to resolve while cut: the kernel would answer
+        EHOSTUNREACH for a few seconds more, which is no partition any longer."""
+        subprocess.run(["ip", "link", "set", self.link, "down" if down else "up"], check=True)
+        if not down:
+            subprocess.run(["ip", "neigh", "flush", "dev", self.link], capture_output=True)
+            subprocess.run(["ip", "-n", self.ns, "neigh", "flush", "dev", self.peer],
+                           capture_output=True)
+
+
+@contextmanager
+def node_net(tag: str, subnet: str) -> Iterator[NodeNet]:
+    """A node in a namespace of its own (named by `tag`, at `subnet`.2, the host at
+    `subnet`.1, e.g. "10.231.0"), removed afterwards."""
+    peer = f"mxn{tag}"
+    net = NodeNet(f"mxfs-node-{tag}", f"mxh{tag}", f"{subnet}.1", f"{subnet}.2", peer)
+    steps = [["ip", "netns", "add", net.ns],
+             ["ip", "link", "add", net.link, "type", "veth", "peer", "name", peer],
+             ["ip", "link", "set", peer, "netns", net.ns],
+             ["ip", "addr", "add", f"{net.host_ip}/24", "dev", net.link],
+             ["ip", "link", "set", net.link, "up"],
+             ["ip", "netns", "exec", net.ns, "ip", "addr", "add", f"{net.node_ip}/24", "dev",
+              peer],
+             ["ip", "netns", "exec", net.ns, "ip", "link", "set", peer, "up"],
+             ["ip", "netns", "exec", net.ns, "ip", "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True)
+        yield net
+    finally:
+        subprocess.run(["ip", "link", "del", net.link], capture_output=True)
+        subprocess.run(["ip", "netns", "del", net.ns], capture_output=True)
+
+
+def usable() -> bool:
+    """Can this process make namespaces (root, with iproute2)?"""
+    from shutil import which
+
+    return os.geteuid() == 0 and which("ip") is not None and which("nsenter") is not None
