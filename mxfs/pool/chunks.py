@@ -16,6 +16,7 @@ from typing import Any
 from mxfs.io import Layout, Piece, ReadOp, WriteOp, read_batch, write_batch
 from mxfs.io.batch import executor, sync_all
 from mxfs.pool.pool import Pool
+from mxfs.pool.read_ahead import ReadAhead
 
 
 class ChunkFiles:
@@ -29,6 +30,9 @@ class ChunkFiles:
         self._readonly: set[int] = set()  # members whose filesystem refused writing
         self._lock = threading.Lock()
         self._closed = False
+        # Another node's stripes, read in order, come in windows (`pool/read_ahead.py`).
+        self._ahead = ReadAhead(layout.unit * layout.width, self._read_now) \
+            if any(pool.members[m].node for m in layout.used_members()) else None
 
     def fd(self, member: int, create: bool) -> int | None:
         fd = self._fds.get(member)
@@ -71,7 +75,11 @@ class ChunkFiles:
     def read(self, offset: int, buf: memoryview) -> None:
         """Fill `buf` with file bytes from `offset` (the caller clips to the file size):
         this node's members read here, another node's through its chunk service, all
-        at once."""
+        at once (or from the windows read ahead of a file read in order)."""
+        if self._ahead is None or not self._ahead.read(offset, buf):
+            self._read_now(offset, buf)
+
+    def _read_now(self, offset: int, buf: memoryview) -> None:
         pieces = self.layout.plan(offset, len(buf))
         self.pool.check({p.member for p in pieces})
         far = [p for p in pieces if self.pool.members[p.member].node]
@@ -168,6 +176,8 @@ class ChunkFiles:
                 os.close(self._open(self.layout.first, create=True))
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
         with self._lock:
             self._closed = True
             for fd in self._fds.values():

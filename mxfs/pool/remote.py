@@ -23,7 +23,8 @@ from mxfs.proto.chunk_wire import MAX_READ, WireError
 
 log = logging.getLogger("mxfs.remote")
 
-IDLE_CONNS = 8  # connections kept open to the owner between reads
+IDLE_CONNS = 16  # connections kept open to the owner between reads (windows ahead:
+                 # 4 members x 4 windows in flight)
 TIMEOUT_S = 30.0  # connect, prove and each receive
 
 
