@@ -45,6 +45,26 @@ def _digest(path: Path) -> str:
     return xxhash.xxh3_128_hexdigest(path.read_bytes())
 
 
+def _log(m: Mounted) -> str:
+    """A reading node's daemon log (beside its control socket)."""
+    status = _status(m)
+    return (Path(status["socket"]).parent /
+            f"{status['pool_uuid']}-{status['node']}.log").read_text()
+
+
+def _node_state(m: Mounted, name: str) -> str | None:
+    return {n["name"]: n["state"] for n in _status(m)["nodes"]}.get(name)
+
+
+def _reads(path: Path) -> bytes | None:
+    """The file's bytes, or None while it reads EIO."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        assert e.errno == errno.EIO
+        return None
+
+
 def _join(tmp_path: Path, url: str, key: str, name: str = "b") -> str:
     config = str(tmp_path / name / "node.toml")
     res = mxfs("node", "add", "--meta", url, "--key", key, "--name", name, "--config", config)
@@ -80,7 +100,7 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
             config = _join(tmp_path, url, key)
             assert os.stat(config).st_mode & 0o777 == 0o600
 
-            with mount_with([config], prefix=ns, check=False) as b:
+            with mount_with([config], "lease_s=3", prefix=ns, check=False) as b:
                 # Every member read through the writer's chunk service, here and by
                 # the loader (the direct path hands remote files to the mount).
                 assert _digest(b.path / "models" / "m.bin") == xxhash.xxh3_128_hexdigest(model)
@@ -117,6 +137,33 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert (b.path / "models" / "late.bin").read_bytes() == late
                 assert eventually(lambda: _digest(b.path / "models" / "m.bin") ==
                                   xxhash.xxh3_128_hexdigest(model2), 10)
+
+                # Tools that work on the members say where to run them; KV puts are
+                # the writer's too.
+                res = mxfs("scrub", str(b.path), check=False)
+                assert res.returncode != 0 and "run it on node a" in res.stderr, res.stderr
+                assert "members are node a's" in mxfs("df", str(b.path)).stdout
+                from mxfs.kv import KVStore
+                with pytest.raises(OSError) as e:
+                    KVStore(str(b.path), namespace="t").put(b"k" * 32, b"v" * 100)
+                assert e.value.errno == errno.EROFS
+
+                # The writer stopped past its lease: dead to the reader, whose reads of
+                # it fail at once (no wait on a node that does not answer); woken, it
+                # renews its lease (nobody took it) and is read again.
+                a_pid = a.daemon_pid()
+                os.kill(a_pid, signal.SIGSTOP)
+                try:
+                    assert eventually(lambda: _node_state(b, "a") == "dead", 15)
+                    with pytest.raises(OSError) as e:
+                        (b.path / "unread.bin").read_bytes()
+                    assert e.value.errno == errno.EIO
+                    # (refused by the lease, not by a receive left to time out)
+                    assert "node a is dead (its lease ran out)" in _log(b)
+                finally:
+                    os.kill(a_pid, signal.SIGCONT)
+                assert eventually(lambda: _node_state(b, "a") == "alive", 15)
+                assert eventually(lambda: _reads(b.path / "models" / "late.bin") == late, 15)
 
                 # The writer dies: what the reader has not cached reads EIO, not bytes.
                 os.kill(a.daemon_pid(), signal.SIGKILL)

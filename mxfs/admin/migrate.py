@@ -28,6 +28,7 @@ def migrate(spec: str, to: str, force: bool = False) -> tuple[str, int]:
     """Copy the pool's store to `to` (a URL, or MEMBER) and switch the pool to it;
     (where it lives now, rows copied)."""
     pool = Pool.open(spec)
+    pool.require_members("mxfs meta migrate")
     with pool_lock(pool, "mxfs meta migrate"):
         return _migrate_held(pool, to, force)
 

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from mxfs.cli.node_cmd import member_spec
 from mxfs.errors import MxfsError
 from mxfs.units import parse_size
 
@@ -61,10 +62,11 @@ def cmd_scrub(args: argparse.Namespace) -> int:
     root = mount_root(args.target) if os.path.isdir(args.target) else None
     if root is not None:
         with ControlClient(root) as c:
-            spec = c.stat()["members"][0]["path"]
+            spec = member_spec(c.stat(), "mxfs scrub")
     else:
         spec = args.target
     pool = Pool.open(spec)
+    pool.require_members("mxfs scrub")
     store = MetaStore.open(pool.meta_location, readonly=True)
     show = not args.json and sys.stderr.isatty()
     try:

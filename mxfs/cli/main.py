@@ -80,7 +80,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     check_options(options)
     check_mountpoint(args.mountpoint, nonempty="nonempty" in options)
     pool = Pool.open(args.pool, degraded="degraded" in options)
-    log_path = os.path.join(runtime_dir(), f"{pool.uuid}.log")
+    # (a reading node's has its name: nodes of one pool may share a host, as in tests)
+    log_path = os.path.join(runtime_dir(), f"{pool.uuid}-{pool.node}.log" if pool.node
+                            else f"{pool.uuid}.log")
     # Absolute: the daemon runs from a neutral folder, not the caller's.
     argv = ["mount", "-f", os.path.abspath(args.pool), os.path.abspath(args.mountpoint)]
     if options:

@@ -9,6 +9,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from mxfs.cli.node_cmd import member_spec
 from mxfs.errors import MxfsError
 from mxfs.proto.messages import META_BACKUP, META_SYNC
 
@@ -24,7 +25,7 @@ def _pool_of(target: str) -> Pool:
     root = mount_root(target) if os.path.isdir(target) else None
     if root is not None:
         with ControlClient(root, timeout=600) as c:
-            target = c.stat()["members"][0]["path"]
+            target = member_spec(c.stat(), "mxfs meta dump")
             # What the daemon holds in memory (sizes of files being written, the open
             # group of changes) goes into the store first: the dump is what users saw.
             c.request(META_SYNC())
@@ -90,6 +91,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from mxfs.pool.lock import pool_lock
 
     pool = Pool.open(args.pool)
+    pool.require_members("mxfs meta restore")
     with pool_lock(pool, "mxfs meta restore"):
         kept = _restore_held(pool, args.file, args.pool)
     print(json.dumps({"restored": args.file, "previous": kept}) if args.json

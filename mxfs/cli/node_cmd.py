@@ -13,6 +13,8 @@ import argparse
 import contextlib
 import os
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.meta import MetaStore, lease, location
@@ -21,6 +23,16 @@ from mxfs.pool.node_config import NodeConfig, write_node_config
 from mxfs.vol.volume import KEY_ID_KEY, MEMBERS_KEY
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def member_spec(stat: Mapping[str, Any], what: str) -> str:
+    """The member path a tool opens the pool of a mount by (its `stat` reply); a reading
+    node's mount has none: `what` runs on the writer node."""
+    first = stat["members"][0]
+    if first.get("node"):
+        raise MxfsError(f"{what} works on the pool's members, and node {stat.get('node')} "
+                        "holds none", f"run it on node {first['node']}, which holds them")
+    return str(first["path"])
 
 
 def _open_store(url: str) -> MetaStore:

@@ -43,6 +43,10 @@ def cmd_df(args: argparse.Namespace) -> int:
         print(json.dumps({"members": members, "pool": pool, "by_use": use,
                           "by_use_shown": shown, "by_use_scaled": scaled}, indent=2))
         return 0
+    far = sorted({m["node"] for m in members if m.get("node")})
+    if far and not args.json:
+        print(f"the members are node {', '.join(far)}'s: run mxfs df there for their space")
+        return 0
     print(f"{'member':>6}  {'size':>10}  {'used':>10}  {'free':>10}  path")
     for m in members:
         state = f"  FAILED: {m['failed']}" if m.get("failed") else ""

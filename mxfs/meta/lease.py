@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mxfs.meta.engine import Engine
@@ -71,6 +71,10 @@ class Lease:
     node: str = ""  # the node's name (its host name unless named)
     addr: str = ""  # its chunk service, "IP:PORT" ("": it serves none)
     members: int = 0  # how many members it owns (the writer: every member)
+    ttl: float = 0.0  # how long each renewal holds it, seconds
+    # The writer's: the reading nodes it knows alive, and so commits every close for
+    # (a reading node's mount waits to be named here: `await_writer`).
+    readers: list[str] = field(default_factory=list)
 
     def encode(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -80,7 +84,8 @@ class Lease:
         d: dict[str, Any] = json.loads(text)
         return cls(str(d["host"]), int(d["pid"]), str(d["mountpoint"]), str(d["token"]),
                    float(d["expires"]), int(d.get("epoch", 0)), str(d.get("node", "")),
-                   str(d.get("addr", "")), int(d.get("members", 0)))
+                   str(d.get("addr", "")), int(d.get("members", 0)), float(d.get("ttl", 0)),
+                   [str(r) for r in d.get("readers", [])])
 
     @property
     def name(self) -> str:
@@ -137,7 +142,7 @@ def take(store: MetaStore, mountpoint: str, ttl: float = TTL_S,
     With `key` a reading node's (`node_key`), the lease is that node's alone: its
     epoch comes from its own counter and fences nothing."""
     mine = Lease(host or socket.gethostname(), os.getpid(), mountpoint, uuid.uuid4().hex, 0.0,
-                 node=node, addr=addr, members=members)
+                 node=node, addr=addr, members=members, ttl=ttl)
     epoch_key = EPOCH_KEY if key == KEY else NODE_EPOCH_KEY
 
     def change() -> bool:
@@ -172,7 +177,7 @@ def take(store: MetaStore, mountpoint: str, ttl: float = TTL_S,
 def renew(store: MetaStore, lease: Lease, ttl: float = TTL_S, key: str = KEY) -> bool:
     """Extend `lease` (updated in place); False if another holder has taken the pool.
     OSError when the store cannot be reached (the lease then runs on until TTL)."""
-    new = Lease(**lease.__dict__)
+    new = Lease(**{**lease.__dict__, "readers": list(lease.readers)})
 
     def change() -> bool:
         cur = _current(store, key)
@@ -205,6 +210,29 @@ def writer(store: MetaStore) -> tuple[Lease, bool] | None:
     and whether it is alive; None if no writer ever held the pool (or gave it back)."""
     cur = _current(store)
     return None if cur is None else (cur[1], cur[1].expires > store.engine.clock())
+
+
+def alive_readers(store: MetaStore) -> list[str]:
+    """The names of the reading nodes whose leases are live."""
+    return sorted(n["name"] for n in nodes(store)
+                  if n["role"] == "reader" and n["state"] == "alive")
+
+
+def await_writer(store: MetaStore, name: str) -> bool:
+    """Wait until the writer's lease names the reading node `name` among the readers it
+    knows (it then commits every close: close-to-open holds from the moment this
+    node's mount is ready), or no live writer holds the pool; False if the writer did
+    not within two of its renewals and a second."""
+    held = writer(store)
+    ttl = held[0].ttl if held is not None and held[0].ttl > 0 else TTL_S
+    limit = time.monotonic() + 1.0 + 2 * ttl / RENEWALS
+    while True:
+        if held is None or not held[1] or name in held[0].readers:
+            return True
+        if time.monotonic() >= limit:
+            return False
+        time.sleep(0.05)
+        held = writer(store)
 
 
 def nodes(store: MetaStore) -> list[NodeStatus]:

@@ -26,6 +26,7 @@ class OfflinePool:
             raise MxfsError("reading an unmounted pool needs root (chunk files are root's)",
                             "run as root, or mount the pool and read through the mount")
         self.pool = Pool.open(spec)
+        self.pool.require_members("reading an unmounted pool")
         path = os.path.join(self.pool.meta_dir, LOCK_NAME)
         self._lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:

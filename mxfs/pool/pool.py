@@ -385,6 +385,13 @@ class Pool:
         self.members = [Member(i, f"{owner}:member{i}", node=owner) for i in range(count)]
         self.stripe_unit, self.remote = stripe_unit, remote
 
+    def require_members(self, what: str) -> None:
+        """Refuse `what` (a tool that works on the members themselves) on a reading
+        node, which holds none."""
+        if self.node:
+            raise MxfsError(f"{what} works on the pool's members, and node {self.node} "
+                            "holds none", "run it on the writer node (mxfs status shows it)")
+
     @property
     def failed(self) -> list[Member]:
         return [m for m in self.members if m.failed]

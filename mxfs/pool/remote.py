@@ -128,7 +128,7 @@ class RemoteMembers:
         the owner's."""
         with self._lock:
             owner = self.owner
-            if owner is not None and self._idle and not fresh:
+            if owner is not None and owner.why_not() is None and self._idle and not fresh:
                 return True, self._idle.pop()
         if owner is None or owner.why_not() is not None:
             owner = self._refreshed()

@@ -90,6 +90,8 @@ class Volume:
         pool = Pool.open(spec, degraded=degraded)
         if hold is None and recover_meta:
             hold = "mxfs mount"
+        if hold is not None and hold != "mxfs mount":
+            pool.require_members(hold)
         lock_fd = take_pool_lock(pool, hold) if hold is not None else None
         try:
             if not pool.node:
@@ -170,6 +172,7 @@ class Volume:
                 {"count": len(self.pool.members), "stripe_unit": self.pool.stripe_unit}))
             self.keeper = lease.Keeper(self.pool.meta_location, self.lease, self.store.engine,
                                        ttl, watch=self._count_readers)
+            self._count_readers(self.store)  # (those already there: before serving)
         except lease.LeaseHeld as e:
             self.unlock()
             raise _served_elsewhere(e.holder, e.now) from None
@@ -192,9 +195,16 @@ class Volume:
         self.store.set_setting(KEY_ID_KEY, key_name)
 
     def _count_readers(self, store: MetaStore) -> None:
-        """The writer's keeper, after each renewal: how many reading nodes are alive."""
-        self.readers = sum(1 for n in lease.nodes(store)
-                           if n["role"] == "reader" and n["state"] == "alive")
+        """The writer's keeper, after each renewal: which reading nodes are alive.  A new
+        one is counted (closes commit at once from now on) before its name goes into
+        the lease, which its mount waits for (`lease.await_writer`)."""
+        names = lease.alive_readers(store)
+        self.readers = len(names)
+        held = self.lease
+        if held is not None and names != held.readers:
+            held.readers = names
+            if self.keeper is not None:
+                lease.renew(store, held, self.keeper.ttl)
 
     def _lock_node(self, mountpoint: str, ttl: float) -> None:
         """A reading node's lease: its own row, renewed by a keeper that also reads the
@@ -214,6 +224,10 @@ class Volume:
                             "check the metadata server and mount again") from None
         remote = self.pool.remote
         assert remote is not None  # (join_owner)
+        if not lease.await_writer(self.store, self.pool.node):
+            log.warning("the writer node has not seen node %s join within two of its "
+                        "renewals: what it closes may show here a little later until it "
+                        "does", self.pool.node)
         self.keeper = lease.Keeper(where, self.lease, self.store.engine, ttl, key=key,
                                    watch=lambda store: remote.update(owner_of(store)))
 
