@@ -18,7 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, make_members, mkfs, mounted_pool, mxfs, one_line_error
+from conftest import (
+    HAVE_FUSE,
+    Mounted,
+    eventually,
+    make_members,
+    mkfs,
+    mounted_pool,
+    mxfs,
+    one_line_error,
+)
 
 from mxfs.client import ControlClient
 from mxfs.io import Layout
@@ -45,6 +54,13 @@ def _service(m: Mounted) -> tuple[str, int, str]:
     svc = st["chunk_service"]
     assert svc is not None
     return svc["addr"], int(svc["port"]), st["pool_uuid"]
+
+
+def _log_of(m: Mounted) -> str:
+    """The daemon's log, beside its control socket."""
+    with ControlClient(str(m.path)) as c:
+        st = c.stat()
+    return str(Path(st["socket"]).parent / f"{st['pool_uuid']}.log")
 
 
 def _first_member(m: Mounted, name: str) -> tuple[int, int]:
@@ -168,7 +184,8 @@ def test_silent_connections_hold_their_own_addresss_slots_and_a_stalled_reader_o
         serving: Mounted) -> None:
     """A host that opens connections and never proves the key fills its address's
     handshake slots (max_chunk_handshakes_per_peer, 8) and no more: its next connection is
-    closed at once and counted, while a node at another address connects and reads.  A
+    closed at once and counted, from any loopback address (a local user reaches all of
+    127.0.0.0/8: they count as one), while a node connected before goes on reading.  A
     peer that asks for a large range and never reads it holds one sender, not the
     service."""
     data = os.urandom(64 << 20)  # 16 MiB on each member: more than the sockets buffer
@@ -184,20 +201,22 @@ def test_silent_connections_hold_their_own_addresss_slots_and_a_stalled_reader_o
             return c.stat()["chunk_service"]  # type: ignore[return-value]
 
     refused = chunk_stat()["refused"]
+    node = ChunkClient(host, port, key, pool, source="127.0.0.3")  # proved before
     silent = [socket.create_connection((host, port), timeout=10, source_address=("127.0.0.1", 0))
               for _ in range(8)]
     try:
         for _ in range(100):  # the service has accepted all eight
-            if chunk_stat()["connections"] >= 8:
+            if chunk_stat()["connections"] >= 9:
                 break
             time.sleep(0.05)
-        with ChunkClient(host, port, key, pool, source="127.0.0.2") as other:
-            assert other.read(ino, first, 0, 4096) == data[:4096]
-        ninth = socket.create_connection((host, port), timeout=20,
-                                         source_address=("127.0.0.1", 0))
-        assert _dropped(ninth)
-        assert chunk_stat()["refused"] == refused + 1
+        assert node.read(ino, first, 0, 4096) == data[:4096]
+        for source in ("127.0.0.1", "127.0.0.2", "127.1.2.3"):
+            late = socket.create_connection((host, port), timeout=20,
+                                            source_address=(source, 0))
+            assert _dropped(late), source
+        assert chunk_stat()["refused"] == refused + 3
     finally:
+        node.close()
         for s in silent:
             s.close()
     # A reader that stops reading a 16 MiB answer; another is served meanwhile.
@@ -268,3 +287,38 @@ def test_a_node_in_its_own_network_reads_through_the_service_and_a_cut_link_fail
             net.cut(down=False)
         healed = as_node(key_file)
         assert healed.get("n") == len(data), healed
+
+
+@pytest.mark.nodes
+@pytest.mark.daemon_log(r"chunk connection .* failed")
+def test_unproved_connections_of_every_address_together_stay_under_their_cap(
+        tmp_path: Path) -> None:
+    """Connections that have not proved the key are capped in all
+    (max_chunk_handshakes), whatever addresses they come from: past the cap a new one is
+    closed at once, while a node that proved the key before goes on reading."""
+    from conftest import node_net
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with node_net() as net, mounted_pool(members, "chunk_port=0", "chunk_addr=0.0.0.0",
+                                         "max_chunk_handshakes=10") as m:
+        data = os.urandom(50_000)
+        (m.path / "f").write_bytes(data)
+        ino, first = _first_member(m, "f")
+        _, port, pool = _service(m)
+        node = ChunkClient("127.0.0.1", port, load_key(members[0]), pool)
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10,
+                                           source_address=(src, 0))
+                  for src in ["127.0.0.1"] * 8 + [net.host_ip] * 2]
+        try:
+            with ControlClient(str(m.path)) as c:
+                assert eventually(lambda: c.stat()["chunk_service"]["connections"] >= 11)
+            late = socket.create_connection(("127.0.0.1", port), timeout=20,
+                                            source_address=(net.host_ip, 0))
+            assert _dropped(late)  # its address has 2 of its 8: the cap in all said no
+            assert node.read(ino, first, 0, len(data)) == data
+        finally:
+            node.close()
+            for s in silent:
+                s.close()
+        assert "max_chunk_handshakes)" in Path(_log_of(m)).read_text()

@@ -11,9 +11,11 @@ stands behind.  Every answer carries the lease's epoch.
 
 Anyone who can reach the port can connect, so connections are admitted against
 `Limits`: at most `max_chunk_conns` in all (and never into the descriptors the daemon
-keeps back), and at most `max_chunk_handshakes_per_peer` of one address that have not
-yet proved the key, so a host that opens connections and stays silent holds its own
-slots only, never another node's.  A refused connection is closed at once.  A peer
+keeps back), at most `max_chunk_handshakes_per_peer` of one address that have not
+yet proved the key (every loopback address counted as one: a local user reaches all of
+127.0.0.0/8), and at most `max_chunk_handshakes` unproved in all, below
+`max_chunk_conns`: a host that opens connections and stays silent holds its own slots
+only, never the room of the nodes already proved.  A refused connection is closed at once.  A peer
 that stops reading stalls one sender for SEND_STALL_S at most, then loses its
 connection.
 """
@@ -21,6 +23,7 @@ connection.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import select
@@ -111,6 +114,9 @@ class ChunkService:
         if self.handshaking[peer] >= lim.max_chunk_handshakes_per_peer:
             return (f"{peer} has {self.handshaking[peer]} connections that have not proved "
                     "the pool key, the limit (max_chunk_handshakes_per_peer)")
+        if sum(self.handshaking.values()) >= lim.max_chunk_handshakes:
+            return (f"{sum(self.handshaking.values())} connections have not proved the pool "
+                    "key, the limit (max_chunk_handshakes)")
         return None
 
     async def _connection(self, stream: trio.SocketStream) -> None:
@@ -217,10 +223,15 @@ class ChunkService:
 
 
 def _peer_address(stream: trio.SocketStream) -> str:
+    """Whom a connection's handshake slots are counted to: its address, with every
+    loopback address one peer (any local user may connect from all of 127.0.0.0/8)."""
     try:
-        return str(stream.socket.getpeername()[0])
-    except OSError:  # gone already
+        addr = ipaddress.ip_address(str(stream.socket.getpeername()[0]))
+    except (OSError, ValueError):  # gone already
         return "?"
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return "loopback" if addr.is_loopback else str(addr)
 
 
 def _uuid_bytes(pool_uuid: str) -> bytes:

@@ -31,6 +31,7 @@ class Limits:
     frame_timeout: int = 10         # s: a started request must arrive whole, a reply be taken
     max_chunk_conns: int = 256      # chunk service connections (fs/chunk_service.py), all peers
     max_chunk_handshakes_per_peer: int = 8  # of one address not yet past the key proof
+    max_chunk_handshakes: int = 64  # of all peers not yet past it (room kept for nodes)
     fd_reserve: int = 256           # descriptors kept back for FUSE, members and the store
 
     @classmethod
