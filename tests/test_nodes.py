@@ -144,8 +144,11 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert res.returncode != 0 and "run it on node a" in res.stderr, res.stderr
                 assert "members are node a's" in mxfs("df", str(b.path)).stdout
                 from mxfs.kv import KVStore
+                KVStore(str(a.path), namespace="t").put(b"k" * 32, b"v" * 100)
+                on_b = KVStore(str(b.path), namespace="t")
+                assert on_b.get(b"k" * 32) is None  # (the index is the writer's)
                 with pytest.raises(OSError) as e:
-                    KVStore(str(b.path), namespace="t").put(b"k" * 32, b"v" * 100)
+                    on_b.put(b"j" * 32, b"v" * 100)
                 assert e.value.errno == errno.EROFS
 
                 # The writer stopped past its lease: dead to the reader, whose reads of
@@ -218,3 +221,56 @@ def test_node_add_refuses(tmp_path: Path, pg_cluster: Any) -> None:
     key.chmod(0o644)
     assert "may be read by others" in add("--name", "b")
     assert not (tmp_path / "n.toml").exists()
+
+
+@pytest.mark.daemon_log(r"lease could not be renewed", r"lease is renewed again",
+                        r"node \S+ (is dead|cannot be reached|could not serve)",
+                        r"serves its members again", r"metadata server .* cannot be reached")
+def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> None:
+    """The metadata server stops and starts again: the writer, unable to renew, stops
+    serving chunks (the reading node's reads of it fail, never stale); once the server
+    is back both nodes renew and the reading node reads again, without a remount."""
+    from pg_server import private
+
+    server_gen = private()
+    server = next(server_gen)
+    try:
+        url = server.database()
+        members = make_members(tmp_path / "a")
+        mkfs(members, "64KiB", "--meta", url)
+        with node_net() as net, \
+                mounted_pool(members, "chunk_port=0", "lease_s=3", "node=a",
+                             f"chunk_addr={net.host_ip}") as a:
+            files = {f"f{i}": os.urandom(300_000) for i in range(3)}
+            for name, data in files.items():
+                (a.path / name).write_bytes(data)
+            config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
+            with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
+                assert (b.path / "f0").read_bytes() == files["f0"]
+                fd = os.open(b.path / "f1", os.O_RDONLY)  # opened before the outage
+                try:
+                    server.stop()
+                    try:
+                        # the writer fences itself at half its lease: it serves nothing
+                        assert eventually(lambda: _reads_fd(fd) is None, 15)
+                    finally:
+                        server.start()
+                    assert eventually(lambda: _reads_fd(fd) == files["f1"], 30)
+                finally:
+                    os.close(fd)
+                assert eventually(lambda: _reads(b.path / "f2") == files["f2"], 30)
+                assert {n["name"]: n["state"] for n in _status(b)["nodes"]} == \
+                    {"a": "alive", "b": "alive"}
+    finally:
+        for _ in server_gen:
+            pass
+
+
+def _reads_fd(fd: int) -> bytes | None:
+    """An open file's bytes read afresh (its cached pages dropped), or None on EIO."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    try:
+        return os.pread(fd, 1 << 20, 0)
+    except OSError as e:
+        assert e.errno == errno.EIO
+        return None

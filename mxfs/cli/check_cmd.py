@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from mxfs.cli.node_cmd import member_spec
 from mxfs.errors import MxfsError
+from mxfs.meta import lease
 from mxfs.units import parse_size
 
 if TYPE_CHECKING:  # (imported when run: the command starts without the daemon's code)
@@ -35,14 +36,19 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     vol = _open_pool_offline(args.pool, args.repair)
     try:
         findings = fsck(vol, args.repair)
+        nodes = lease.nodes(vol.store) if vol.pool.meta_url else []
     finally:
         vol.store.close()
         vol.unlock()
     left = [f for f in findings if not f.repaired]
     code = 0 if not findings else (1 if not left else 4)
     if args.json:
-        print(json.dumps({"findings": [vars(f) for f in findings], "exit": code}, indent=2))
+        print(json.dumps({"findings": [vars(f) for f in findings], "nodes": nodes,
+                          "exit": code}, indent=2))
     else:
+        for n in nodes:  # (a pool across nodes: who else holds a lease on it)
+            print(f"node {n['name']}: {n['role']}, {n['state']}, epoch {n['epoch']}, "
+                  f"{n['host']} pid {n['pid']} on {n['mountpoint']}")
         for f in findings:
             print(f.line())
         print("clean" if not findings else

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mxfs.meta.engine import Engine
+from mxfs.meta.engine import Engine, Unusable
 from mxfs.meta.store import MetaStore
 from mxfs.proto.messages import LeaseStatus, NodeStatus
 
@@ -304,8 +304,9 @@ class Keeper:
                             self.watch(store)
                     else:
                         self._taken(store)
-                except OSError as e:  # the store is away: the lease runs on until TTL
-                    self._failed(e)
+                except (OSError, Unusable) as e:  # the store is away (Unusable: could not
+                    self._failed(e if isinstance(e, OSError)  # connect again): the lease
+                                 else OSError(errno.EIO, str(e)))  # runs on until TTL
                 except Exception as e:  # a bug must not end renewals unnoticed
                     log.exception("renewing the pool's lease failed")
                     self._failed(OSError(errno.EIO, f"{type(e).__name__}: {e}"))

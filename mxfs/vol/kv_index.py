@@ -145,7 +145,14 @@ class KVIndex:
         self.load()
 
     def load(self) -> None:
-        """Read the index from the store (least recently used first)."""
+        """Read the index from the store (least recently used first).  A reading node
+        loads none: the index is the writer node's (in its memory), and a chunk
+        served from a stale copy here would be read from the other node on the one
+        thread that serves everyone; every get there is a miss, every put refused."""
+        if self.vol.pool.node:
+            log.info("KV on reading node %s: every get is a miss and puts are refused "
+                     "(the KV index is the writer node's)", self.vol.pool.node)
+            return
         store = self.vol.store
         for ns, uid, gid, mode, capacity in store.kv.namespaces():
             self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
