@@ -143,10 +143,18 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 res = mxfs("scrub", str(b.path), check=False)
                 assert res.returncode != 0 and "run it on node a" in res.stderr, res.stderr
                 assert "members are node a's" in mxfs("df", str(b.path)).stdout
+                # A KV chunk put on the writer is a hit on the reading node (copied over
+                # from the writer, its checksums checked); puts are the writer's.
                 from mxfs.kv import KVStore
-                KVStore(str(a.path), namespace="t").put(b"k" * 32, b"v" * 100)
+                small, large = os.urandom(100), os.urandom(3 << 20)
+                on_a = KVStore(str(a.path), namespace="t", mode=0o755)
+                on_a.put(b"s" * 32, small)
+                on_a.put(b"l" * 32, large)
                 on_b = KVStore(str(b.path), namespace="t")
-                assert on_b.get(b"k" * 32) is None  # (the index is the writer's)
+                assert on_b.get(b"s" * 32) == small
+                assert on_b.get(b"l" * 32) == large
+                assert on_b.get(b"m" * 32) is None
+                assert on_b.batch_exists([b"s" * 32, b"l" * 32, b"m" * 32]) == 2
                 with pytest.raises(OSError) as e:
                     on_b.put(b"j" * 32, b"v" * 100)
                 assert e.value.errno == errno.EROFS

@@ -23,6 +23,8 @@ import trio
 
 from mxfs.fs.fair import BITE, Slice, in_bites
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
+from mxfs.fs.kv_fields import keys_field, sizes_field
+from mxfs.fs.kv_follow import COPIERS, FollowerKV
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import (
     Answer,
@@ -87,7 +89,6 @@ _OPENERS = ThreadPoolExecutor(8, thread_name_prefix="mxfs-kv-open")
 _OPENING = trio.CapacityLimiter(2)
 
 
-MAX_BATCH = 4096  # keys in one request
 MAX_LIST = 1000  # chunks one kv_list reply names (page with skip, as `mxfs kv ls` does)
 NS_OPS = ("kv_ns_create", "kv_ns_remove")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
@@ -96,30 +97,6 @@ _NEEDS = {"kv_put": (W_OK, True), "kv_create": (W_OK, True), "kv_commit": (W_OK,
           "kv_get": (R_OK, True), "kv_exists": (R_OK, True), "kv_unpin": (0, False),
           "kv_list": (R_OK, False), "kv_delete": (W_OK, False), "kv_evict": (W_OK, False),
           "kv_config": (0, False)}
-
-
-def _keys(msg: Msg) -> list[bytes]:
-    raw = msg.get("keys")
-    if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
-        raise BadField(msg, "needs 'keys': a list of base64 strings")
-    if len(raw) > MAX_BATCH:
-        raise BadField(msg, f"at most {MAX_BATCH} keys a request", errno.E2BIG)
-    try:
-        return [check_key(base64.b64decode(k, validate=True)) for k in raw]
-    except ValueError:
-        raise BadField(msg, "a key is not base64") from None
-
-
-def _sizes(msg: Msg, n: int) -> list[int | None]:
-    """The sizes of the caller's buffers, one a key (None: any size), from "sizes"."""
-    raw = msg.get("sizes")
-    if raw is None:
-        return [None] * n
-    if not isinstance(raw, list) or len(raw) != n or not all(
-            s is None or isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= 1 << 62
-            for s in raw):
-        raise BadField(msg, "'sizes' holds one buffer size (or null) a key")
-    return raw
 
 
 def _sums(chunk: Chunk) -> ChunkReply:
@@ -159,6 +136,12 @@ class KVOps:
         table: dict[str, Handler] = {op: self._in_space(op, fn) for op, fn in in_space.items()}
         table.update({"kv_get": self.get, "kv_stats": self._stats,
                       "kv_ns_create": self._ns_create, "kv_ns_remove": self._ns_remove})
+        if self.vol.pool.node:  # a reading node: the writer's chunks, copied over
+            follower = FollowerKV(self.vol, self.index, trio.CapacityLimiter(COPIERS))
+            table.update({"kv_get": follower.get, "kv_exists": follower.exists})
+            table.update({op: follower.refuse for op in (
+                "kv_put", "kv_create", "kv_commit", "kv_delete", "kv_config", "kv_evict",
+                "kv_ns_create", "kv_ns_remove")})
         return table
 
     def _in_space(self, op: str, fn: InSpace) -> Handler:
@@ -180,17 +163,17 @@ class KVOps:
 
     async def _unpin_keys(self, msg: Msg, session: Session, space: Namespace
                           ) -> Answer[Empty]:
-        self._unpin(session, space, _keys(msg))
+        self._unpin(session, space, keys_field(msg))
         return {}, []
 
     async def _exists(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[KVExistsReply]:
-        return {"present": [k in space.chunks for k in _keys(msg)]}, []
+        return {"present": [k in space.chunks for k in keys_field(msg)]}, []
 
     async def _delete(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[DeletedReply]:
         deleted = 0
-        async for keys in in_bites(_keys(msg), BITE):
+        async for keys in in_bites(keys_field(msg), BITE):
             deleted += self.index.remove(space, list(keys))
         return {"deleted": deleted}, []
 
@@ -286,7 +269,7 @@ class KVOps:
     async def _put(self, msg: Msg, session: Session, space: Namespace) -> Answer[KVPutReply]:
         """Small chunks in one request: the daemon writes them (no descriptors passed),
         PUT_BITE at a time."""
-        keys, data = _keys(msg), msg.get("data")
+        keys, data = keys_field(msg), msg.get("data")
         if not isinstance(data, list) or len(data) != len(keys):
             raise BadField(msg, "needs 'data': one base64 string per key")
         refuse_if_degraded(self.vol)
@@ -318,7 +301,15 @@ class KVOps:
             finally:
                 self.vol.release(entry.node.ino)
             stored.append(True)
-        return {"stored": stored, "evicted": self.index.enforce(space)}, []
+        evicted = self.index.enforce(space)
+        self._visible()
+        return {"stored": stored, "evicted": evicted}, []
+
+    def _visible(self) -> None:
+        """While reading nodes are alive, what a put stored is committed before it is
+        answered: their next lookup finds it (`fs/kv_follow.py`)."""
+        if self.vol.readers:
+            self.vol.store.commit()
 
     async def _create(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[KVCreateReply]:
@@ -355,6 +346,7 @@ class KVOps:
         session.let_go(entry.node.ino)
         self.vol.release(entry.node.ino)
         evicted = self.index.enforce(space) if stored else 0
+        self._visible()
         return {"stored": stored, "evicted": evicted}, []
 
     async def get(self, msg: Msg, session: Session) -> Answer[KVGetReply]:
@@ -374,8 +366,8 @@ class KVOps:
         out: list[ChunkReply | None] = []
         wanted: list[tuple[int, bytes, Chunk, Inode]] = []  # (slot in out, key, chunk, node)
         most = 0  # descriptors the opens may return, at most
-        keys = _keys(msg)
-        sizes = _sizes(msg, len(keys))
+        keys = keys_field(msg)
+        sizes = sizes_field(msg, len(keys))
         for key, want in zip(keys, sizes, strict=True):
             if want is not None and (have := space.chunks.get(key)) is not None and \
                     have.size != want:  # the caller's buffer cannot take it: its miss

@@ -1,0 +1,145 @@
+"""KV gets on a reading node: the writer's chunks, found in the store and copied over.
+
+A reading node holds no KV index (the writer's lives in the writer's memory), so a
+lookup there reads each key's row and seal from the store, and each chunk found is
+copied from the writer node through its chunk service, in worker threads, into a sealed
+memfd that goes to the caller as a one-member chunk file with the chunk's checksums,
+which the caller checks: a prefix another node computed is a hit on this one.  The copy
+is the caller's own, so it needs no read lease; a chunk evicted meanwhile, or a writer
+that cannot serve it, is a miss.  Namespaces (their owners and modes) are read from the
+store on each request, so access is judged as the writer judges it.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import fcntl
+import logging
+import os
+
+import trio
+
+from mxfs.fs.fields import Msg, bool_field, int_field
+from mxfs.fs.kv_fields import keys_field, sizes_field
+from mxfs.fs.session import Answer, Session
+from mxfs.io import PAGE, Layout
+from mxfs.pool import ChunkFiles
+from mxfs.proto.messages import ChunkReply, Empty, KVExistsReply, KVGetReply
+from mxfs.vol.access import R_OK
+from mxfs.vol.kv_index import KVIndex, Namespace, check_namespace
+from mxfs.vol.volume import Volume
+
+log = logging.getLogger("mxfs.kv")
+
+MAX_COPY = 256 << 20  # bytes one get may copy over from the writer
+COPIERS = 4  # chunks copied at once (worker threads), for every caller together
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+class FollowerKV:
+    def __init__(self, vol: Volume, index: KVIndex, limiter: trio.CapacityLimiter) -> None:
+        self.vol, self.index, self.limiter = vol, index, limiter
+
+    def space(self, msg: Msg, session: Session) -> Namespace:
+        """The namespace asked for, as the store has it now, checked for reading."""
+        name = check_namespace(msg.get("namespace"))
+        row = self.vol.store.engine.get("kv_ns", {"ns": name},
+                                        ("uid", "gid", "mode", "capacity"))
+        if row is None:
+            self.index.spaces.pop(name, None)
+        else:
+            self.index.spaces[name] = Namespace(name, *row)
+        return self.index.space(name, session.caller, R_OK, bool_field(msg, "shared"))
+
+    async def refuse(self, msg: Msg, session: Session) -> Answer[Empty]:
+        """Every change of the KV tier is the writer node's."""
+        raise OSError(errno.EROFS, f"node {self.vol.pool.node} reads the pool: KV chunks "
+                      "are put and removed on the writer node")
+
+    def _row(self, space: Namespace, key: bytes) -> tuple[int, int] | None:
+        row = self.vol.store.engine.get("kv", {"ns": space.name, "key": key}, ("ino", "size"))
+        return (int(row[0]), int(row[1])) if row else None
+
+    async def exists(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
+        space = self.space(msg, session)
+        return {"present": [self._row(space, k) is not None
+                            for k in keys_field(msg)]}, []
+
+    async def get(self, msg: Msg, session: Session) -> Answer[KVGetReply]:
+        space = self.space(msg, session)
+        keys = keys_field(msg)
+        sizes = sizes_field(msg, len(keys))
+        inline_max = int_field(msg, "inline_max", 0)
+        out: list[ChunkReply | None] = []
+        fds: list[int] = []
+        copied = 0
+        try:
+            for key, want in zip(keys, sizes, strict=True):
+                found = self._row(space, key)
+                seal = self.vol.store.seal_of(found[0]) if found else None
+                if found is None or seal is None:
+                    space.misses += 1
+                    out.append(None)
+                    continue
+                ino, size = found
+                sums: ChunkReply = {"size": size, "sum_unit": seal[0],
+                                    "sums": base64.b64encode(seal[1]).decode()}
+                if want is not None and want != size:
+                    space.misses += 1
+                    out.append({"size": size})
+                    continue
+                copied += size
+                if copied > MAX_COPY:
+                    out.append(None)  # (past what one request copies: a miss)
+                    continue
+                node = self.vol.store.get(ino)
+                try:
+                    fd = await trio.to_thread.run_sync(self._copy, ino, node.stripe_unit,
+                                                       node.stripe_width, node.first_member,
+                                                       size, limiter=self.limiter)
+                except OSError as e:
+                    log.info("KV chunk %d of namespace %s not copied from the writer: %s",
+                             ino, space.name, e)
+                    space.misses += 1
+                    out.append(None)
+                    continue
+                space.hits += 1
+                if size <= inline_max:
+                    try:
+                        data = os.pread(fd, size, 0)
+                    finally:
+                        os.close(fd)
+                    out.append({**sums, "data": base64.b64encode(data).decode()})
+                    continue
+                fds.append(fd)
+                unit = max(PAGE, -(-size // PAGE) * PAGE)
+                out.append({**sums, "layout": Layout(unit, 1, 0, 1).describe(),
+                            "members": [0], "direct_members": []})
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return {"chunks": out}, fds
+
+    def _copy(self, ino: int, unit: int | None, width: int | None, first: int | None,
+              size: int) -> int:
+        """Blocking: the chunk's bytes from the writer into a sealed memfd."""
+        assert unit and width and first is not None
+        buf = bytearray(size)
+        chunks = ChunkFiles(self.vol.pool, ino,
+                            Layout(unit, width, first, len(self.vol.pool.members)))
+        try:
+            chunks.read(0, memoryview(buf))
+        finally:
+            chunks.close()
+        fd = os.memfd_create(f"mxfs-kv-{ino}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            view, at = memoryview(buf), 0
+            while at < size:
+                at += os.pwrite(fd, view[at:], at)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
