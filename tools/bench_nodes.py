@@ -16,6 +16,10 @@ what is measured is the path between the nodes.  Arms, in GB/s, medians of `--re
             service), its page cache for the file dropped before each round
   local     the file read through the writer's own mount, for reference
 
+and KV chunks put on the writer (`--kv-chunks` of 2 MiB), read back with `batch_get`:
+  kv local  on the writer, from its page cache
+  kv node   on the reading node: looked up in the store, copied over from the writer
+
 Needs root, iproute2 and nsenter.
 
     python tools/bench_nodes.py --meta 'postgresql:///bench?host=/run/pg' --size 512MiB
@@ -45,12 +49,14 @@ from mxfs.cli.demo import bench_args, run_mxfs, save_results, scratch_pool  # no
 from mxfs.cli.measure import write_file  # noqa: E402
 from mxfs.client import ControlClient  # noqa: E402
 from mxfs.io import Layout  # noqa: E402
+from mxfs.kv import KVStore  # noqa: E402
 from mxfs.pool import Pool  # noqa: E402
 from mxfs.pool.key import key_path, read_key  # noqa: E402
 from mxfs.proc import python_module  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
 
-ARMS = ("sendfile", "chunks", "node", "local")
+ARMS = ("sendfile", "chunks", "node", "local", "kv local", "kv node")
+KV_CHUNK = 2 << 20
 
 
 class SendfileServer:
@@ -146,6 +152,7 @@ def main() -> int:
     bench_args(ap)
     ap.add_argument("--meta", required=True, help="an empty PostgreSQL database's URL")
     ap.add_argument("--size", default="512MiB")
+    ap.add_argument("--kv-chunks", type=int, default=64)
     args = ap.parse_args()
     if not usable():
         raise SystemExit("bench_nodes needs root, iproute2 and nsenter")
@@ -181,10 +188,22 @@ def main() -> int:
                            "key": key_path(pool.members[0]), "ino": lay["ino"],
                            "layout": lay["layout"], "size": size})
         buf = bytearray(size)
+        keys = [f"bench-{i:08d}".encode().ljust(32, b".") for i in range(args.kv_chunks)]
+        values = [os.urandom(KV_CHUNK) for _ in keys]
+        KVStore(pool.mnt, namespace="bench", mode=0o755).batch_put(keys, values)
+        kv_bytes = len(keys) * KV_CHUNK
         try:
             for p in chunk_paths:  # the writer's chunk files into its page cache
                 read_all(p, bytearray(os.path.getsize(p)))
             for i in range(args.repeat):
+                for arm, mount in (("kv local", pool.mnt), ("kv node", node_mnt)):
+                    kv = KVStore(mount, namespace="bench")
+                    start = time.perf_counter()
+                    got = kv.batch_get(keys)
+                    rounds[arm].append(kv_bytes / (time.perf_counter() - start) / 1e9)
+                    if got != values:
+                        raise SystemExit(f"{arm}: KV chunks read back differ")
+                    kv.close()
                 times = {"sendfile": in_node(net.enter, "sendfile", net.host_ip,
                                              str(server.port), *map(str, sizes)),
                          "chunks": in_node(net.enter, "chunks", spec),
@@ -201,7 +220,13 @@ def main() -> int:
     print(f"{format_size(size)} held by the writer node, read by a node in a network "
           f"namespace (veth), median of {args.repeat}:")
     for k, gbps in medians.items():
+        if k.startswith("kv"):
+            continue
         print(f"  {k:9s} {gbps:6.2f} GB/s  {gbps / medians['sendfile']:.2f} of sendfile")
+    print(f"{args.kv_chunks} KV chunks of {format_size(KV_CHUNK)} put on the writer, "
+          f"batch_get: on the writer {medians['kv local']:.2f} GB/s, on the reading node "
+          f"{medians['kv node']:.2f} GB/s ({medians['kv node'] / medians['sendfile']:.2f} "
+          "of sendfile)")
     save_results(args, rounds=rounds, medians=medians)
     return 0
 

@@ -10,6 +10,7 @@ from mxfs.fs.fields import BadField, Msg
 from mxfs.vol.kv_index import check_key
 
 MAX_BATCH = 4096  # keys in one request
+INLINE_REPLY = 512 << 10  # chunk bytes one kv_get reply may carry inline
 
 
 def keys_field(msg: Msg) -> list[bytes]:

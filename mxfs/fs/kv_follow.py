@@ -21,9 +21,10 @@ import os
 import trio
 
 from mxfs.fs.fields import Msg, bool_field, int_field
-from mxfs.fs.kv_fields import keys_field, sizes_field
+from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.session import Answer, Session
 from mxfs.io import PAGE, Layout
+from mxfs.meta import Inode
 from mxfs.pool import ChunkFiles
 from mxfs.proto.messages import ChunkReply, Empty, KVExistsReply, KVGetReply
 from mxfs.vol.access import R_OK
@@ -72,63 +73,69 @@ class FollowerKV:
         sizes = sizes_field(msg, len(keys))
         inline_max = int_field(msg, "inline_max", 0)
         out: list[ChunkReply | None] = []
-        fds: list[int] = []
+        wanted: list[tuple[int, Inode, ChunkReply]] = []  # (slot in out, node, sums)
         copied = 0
+        for key, want in zip(keys, sizes, strict=True):
+            found = self._row(space, key)
+            seal = self.vol.store.seal_of(found[0]) if found else None
+            if found is None or seal is None or copied + found[1] > MAX_COPY:
+                space.misses += 1  # (past what one request copies: a miss too)
+                out.append(None)
+                continue
+            sums: ChunkReply = {"size": found[1], "sum_unit": seal[0],
+                                "sums": base64.b64encode(seal[1]).decode()}
+            if want is not None and want != found[1]:
+                space.misses += 1
+                out.append({"size": found[1]})
+                continue
+            copied += found[1]
+            wanted.append((len(out), self.vol.store.get(found[0]), sums))
+            out.append(None)
+        memfds: dict[int, int] = {}  # slot -> the copy
+
+        async def copy(slot: int, node: Inode) -> None:
+            try:
+                memfds[slot] = await trio.to_thread.run_sync(self._copy, node,
+                                                             limiter=self.limiter)
+            except OSError as e:
+                log.info("KV chunk %d of namespace %s not copied from the writer: %s",
+                         node.ino, space.name, e)
+
         try:
-            for key, want in zip(keys, sizes, strict=True):
-                found = self._row(space, key)
-                seal = self.vol.store.seal_of(found[0]) if found else None
-                if found is None or seal is None:
+            async with trio.open_nursery() as nursery:  # every chunk at once, 4 at a time
+                for slot, node, _ in wanted:
+                    nursery.start_soon(copy, slot, node)
+            fds: list[int] = []
+            budget = INLINE_REPLY
+            for slot, node, sums in wanted:
+                fd = memfds.pop(slot, None)
+                if fd is None:
                     space.misses += 1
-                    out.append(None)
-                    continue
-                ino, size = found
-                sums: ChunkReply = {"size": size, "sum_unit": seal[0],
-                                    "sums": base64.b64encode(seal[1]).decode()}
-                if want is not None and want != size:
-                    space.misses += 1
-                    out.append({"size": size})
-                    continue
-                copied += size
-                if copied > MAX_COPY:
-                    out.append(None)  # (past what one request copies: a miss)
-                    continue
-                node = self.vol.store.get(ino)
-                try:
-                    fd = await trio.to_thread.run_sync(self._copy, ino, node.stripe_unit,
-                                                       node.stripe_width, node.first_member,
-                                                       size, limiter=self.limiter)
-                except OSError as e:
-                    log.info("KV chunk %d of namespace %s not copied from the writer: %s",
-                             ino, space.name, e)
-                    space.misses += 1
-                    out.append(None)
                     continue
                 space.hits += 1
-                if size <= inline_max:
+                if node.size <= min(inline_max, budget):
+                    budget -= node.size
                     try:
-                        data = os.pread(fd, size, 0)
+                        data = os.pread(fd, node.size, 0)
                     finally:
                         os.close(fd)
-                    out.append({**sums, "data": base64.b64encode(data).decode()})
+                    out[slot] = {**sums, "data": base64.b64encode(data).decode()}
                     continue
                 fds.append(fd)
-                unit = max(PAGE, -(-size // PAGE) * PAGE)
-                out.append({**sums, "layout": Layout(unit, 1, 0, 1).describe(),
-                            "members": [0], "direct_members": []})
+                unit = max(PAGE, -(-node.size // PAGE) * PAGE)
+                out[slot] = {**sums, "layout": Layout(unit, 1, 0, 1).describe(),
+                             "members": [0], "direct_members": []}
         except BaseException:
-            for fd in fds:
+            for fd in [*memfds.values(), *fds]:
                 os.close(fd)
             raise
         return {"chunks": out}, fds
 
-    def _copy(self, ino: int, unit: int | None, width: int | None, first: int | None,
-              size: int) -> int:
+    def _copy(self, node: Inode) -> int:
         """Blocking: the chunk's bytes from the writer into a sealed memfd."""
-        assert unit and width and first is not None
+        ino, size = node.ino, node.size
         buf = bytearray(size)
-        chunks = ChunkFiles(self.vol.pool, ino,
-                            Layout(unit, width, first, len(self.vol.pool.members)))
+        chunks = ChunkFiles(self.vol.pool, ino, self.vol.layout(node))
         try:
             chunks.read(0, memoryview(buf))
         finally:

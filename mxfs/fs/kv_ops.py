@@ -23,7 +23,7 @@ import trio
 
 from mxfs.fs.fair import BITE, Slice, in_bites
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
-from mxfs.fs.kv_fields import keys_field, sizes_field
+from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_follow import COPIERS, FollowerKV
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import (
@@ -70,7 +70,6 @@ log = logging.getLogger("mxfs.kv")
 InSpace = Callable[[Msg, Session, Namespace], Awaitable[Reply]]
 
 KV_OPS = tuple(op for op in OPS if op.startswith("kv_"))
-INLINE_REPLY = 512 << 10  # chunk bytes one kv_get reply may carry inline
 # A chunk's files opened slower than this waited on a member: open the rest at once
 # (MXFS_KV_COLD_OPEN_US in the daemon's environment; 0: every batch at once).
 def _cold_open_s() -> float:
