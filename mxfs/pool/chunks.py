@@ -41,6 +41,8 @@ class ChunkFiles:
         with self._lock:
             if member in self._fds and not (create and member in self._readonly):
                 return self._fds[member]
+            if self._closed:  # (a window read ahead that ends after the last close)
+                raise OSError(errno.EBADF, f"inode {self.ino} was closed")
             self.pool.check([member])
             try:
                 fd = self._open(member, create)
