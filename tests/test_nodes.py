@@ -29,6 +29,7 @@ from conftest import (
     mxfs,
     node_net,
 )
+from users import ensure_users, run_as
 
 from mxfs.client.direct import open_reader
 from mxfs.pool.key import KEY_NAME
@@ -100,7 +101,8 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
             config = _join(tmp_path, url, key)
             assert os.stat(config).st_mode & 0o777 == 0o600
 
-            with mount_with([config], "lease_s=3", prefix=ns, check=False) as b:
+            with mount_with([config], "lease_s=3", "max_kv_lent_per_user=4194304",
+                            prefix=ns, check=False) as b:
                 # Every member read through the writer's chunk service, here and by
                 # the loader (the direct path hands remote files to the mount).
                 assert _digest(b.path / "models" / "m.bin") == xxhash.xxh3_128_hexdigest(model)
@@ -158,6 +160,13 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 with pytest.raises(OSError) as e:
                     on_b.put(b"j" * 32, b"v" * 100)
                 assert e.value.errno == errno.EROFS
+                # A copy is lent to its caller (memory of the node's daemon): one user
+                # gets at most max_kv_lent_per_user (here 4 MiB) at once, the rest miss.
+                got = run_as(ensure_users()["alice"], """
+kv = mxfs.kv.KVStore(sys.argv[1], namespace="t", shared=True)
+print(json.dumps([kv.get(b"l" * 32) is not None, kv.get(b"l" * 32) is not None]))
+""", str(b.path))
+                assert got == [True, False]
 
                 # The writer stopped past its lease: dead to the reader, whose reads of
                 # it fail at once (no wait on a node that does not answer); woken, it

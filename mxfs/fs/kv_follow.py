@@ -6,7 +6,14 @@ copied from the writer node through its chunk service, in worker threads, into a
 memfd that goes to the caller as a one-member chunk file with the chunk's checksums,
 which the caller checks: a prefix another node computed is a hit on this one.  The copy
 is the caller's own, so it needs no read lease; a chunk evicted meanwhile, or a writer
-that cannot serve it, is a miss.  Namespaces (their owners and modes) are read from the
+that cannot serve it, is a miss.
+
+A memfd's pages are this daemon's memory for as long as anyone holds the descriptor,
+so a copy is only lent: the daemon keeps a descriptor of it and cuts it to nothing
+LEND_S seconds later (it is sealed against writes and growth, not shrinking), and one
+uid has at most `max_kv_lent_per_user` bytes lent at once (past it, a miss).  A caller
+reads its copy at once; one that keeps it past LEND_S reads a short file, which its
+checksums refuse.  Namespaces (their owners and modes) are read from the
 store on each request, so access is judged as the writer judges it.
 """
 
@@ -17,11 +24,14 @@ import errno
 import fcntl
 import logging
 import os
+import time
+from collections import Counter, deque
 
 import trio
 
 from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
+from mxfs.fs.limits import Limits
 from mxfs.fs.session import Answer, Session
 from mxfs.io import PAGE, Layout
 from mxfs.meta import Inode
@@ -35,12 +45,37 @@ log = logging.getLogger("mxfs.kv")
 
 MAX_COPY = 256 << 20  # bytes one get may copy over from the writer
 COPIERS = 4  # chunks copied at once (worker threads), for every caller together
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+LEND_S = 30.0  # seconds a copy is the caller's to read
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE  # (not SHRINK: taken back)
 
 
 class FollowerKV:
-    def __init__(self, vol: Volume, index: KVIndex, limiter: trio.CapacityLimiter) -> None:
-        self.vol, self.index, self.limiter = vol, index, limiter
+    def __init__(self, vol: Volume, index: KVIndex, limits: Limits,
+                 limiter: trio.CapacityLimiter) -> None:
+        self.vol, self.index, self.limits, self.limiter = vol, index, limits, limiter
+        self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
+        self.lent_by_uid: Counter[int] = Counter()
+
+    def take_back(self) -> None:
+        """Cut the copies lent more than LEND_S ago to nothing, freeing their pages
+        whoever still holds them."""
+        now = time.monotonic()
+        while self._lent and self._lent[0][0] <= now:
+            _, fd, uid, size = self._lent.popleft()
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+            self.lent_by_uid[uid] -= size
+            if self.lent_by_uid[uid] <= 0:
+                del self.lent_by_uid[uid]
+
+    def _lend(self, fd: int, uid: int, size: int) -> None:
+        self._lent.append((time.monotonic() + LEND_S, os.dup(fd), uid, size))
+        self.lent_by_uid[uid] += size
+
+    def _may_lend(self, uid: int, size: int) -> bool:
+        return uid == 0 or self.lent_by_uid[uid] + size <= self.limits.max_kv_lent_per_user
 
     def space(self, msg: Msg, session: Session) -> Namespace:
         """The namespace asked for, as the store has it now, checked for reading."""
@@ -68,7 +103,9 @@ class FollowerKV:
                             for k in keys_field(msg)]}, []
 
     async def get(self, msg: Msg, session: Session) -> Answer[KVGetReply]:
+        self.take_back()
         space = self.space(msg, session)
+        uid = session.caller.uid
         keys = keys_field(msg)
         sizes = sizes_field(msg, len(keys))
         inline_max = int_field(msg, "inline_max", 0)
@@ -78,9 +115,10 @@ class FollowerKV:
         for key, want in zip(keys, sizes, strict=True):
             found = self._row(space, key)
             seal = self.vol.store.seal_of(found[0]) if found else None
-            if found is None or seal is None or copied + found[1] > MAX_COPY:
-                space.misses += 1  # (past what one request copies: a miss too)
-                out.append(None)
+            if found is None or seal is None or copied + found[1] > MAX_COPY or \
+                    not self._may_lend(uid, copied + found[1]):
+                space.misses += 1  # (past what one request copies or one uid is lent:
+                out.append(None)   # a miss too)
                 continue
             sums: ChunkReply = {"size": found[1], "sum_unit": seal[0],
                                 "sums": base64.b64encode(seal[1]).decode()}
@@ -121,6 +159,8 @@ class FollowerKV:
                         os.close(fd)
                     out[slot] = {**sums, "data": base64.b64encode(data).decode()}
                     continue
+                if uid != 0:  # (root's copies are root's to hold)
+                    self._lend(fd, uid, node.size)
                 fds.append(fd)
                 unit = max(PAGE, -(-node.size // PAGE) * PAGE)
                 out[slot] = {**sums, "layout": Layout(unit, 1, 0, 1).describe(),

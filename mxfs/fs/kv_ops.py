@@ -123,6 +123,9 @@ class KVOps:
         self.index = index
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
+        # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
+        self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS)) \
+            if vol.pool.node else None
 
     def handlers(self) -> dict[str, Handler]:
         """The handler of each KV op.  Those that work through many items do it in
@@ -135,8 +138,7 @@ class KVOps:
         table: dict[str, Handler] = {op: self._in_space(op, fn) for op, fn in in_space.items()}
         table.update({"kv_get": self.get, "kv_stats": self._stats,
                       "kv_ns_create": self._ns_create, "kv_ns_remove": self._ns_remove})
-        if self.vol.pool.node:  # a reading node: the writer's chunks, copied over
-            follower = FollowerKV(self.vol, self.index, trio.CapacityLimiter(COPIERS))
+        if (follower := self.follower) is not None:
             table.update({"kv_get": follower.get, "kv_exists": follower.exists})
             table.update({op: follower.refuse for op in (
                 "kv_put", "kv_create", "kv_commit", "kv_delete", "kv_config", "kv_evict",
@@ -482,3 +484,5 @@ class KVOps:
 
     def flush(self) -> None:
         self.index.flush()
+        if self.follower is not None:
+            self.follower.take_back()
