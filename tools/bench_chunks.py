@@ -26,11 +26,12 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
+from mxfs.cli.demo import ScratchPool, bench_args, save_results, scratch_pool  # noqa: E402
 from mxfs.cli.measure import write_file  # noqa: E402
 from mxfs.client import ControlClient  # noqa: E402
 from mxfs.client.direct import DirectFile  # noqa: E402
@@ -56,6 +57,31 @@ def read_all(path: str, buf: bytearray) -> None:
             got += n
     finally:
         os.close(fd)
+
+
+@dataclass
+class ServedFile:
+    """A file written through a scratch pool's mount (whole 64 MiB blocks of random
+    bytes), what the daemon says of it, and its chunk files on the members."""
+
+    size: int
+    data: bytes
+    stat: Any
+    layout_reply: Any
+    layout: Layout
+    chunk_paths: list[str]
+
+
+def served_file(pool: ScratchPool, path: str, size: int) -> ServedFile:
+    block = os.urandom(64 << 20)
+    size = max(1, size // len(block)) * len(block)
+    write_file(path, size, memoryview(block))
+    with ControlClient(pool.mnt) as c:
+        st, lay = c.stat(), c.layout(path)
+    layout = Layout.from_description(lay["layout"])
+    members = Pool.open(pool.members[0])
+    return ServedFile(size, block * (size // len(block)), st, lay, layout,
+                      [members.chunk_path(m, lay["ino"]) for m in layout.used_members()])
 
 
 def timed(fn: Any) -> float:
@@ -97,18 +123,13 @@ def main() -> int:
     with scratch_pool("mxfs-bench-chunks-", args.dir, mkfs=("--stripe-unit", args.stripe_unit),
                       mount=("-o", "chunk_port=0")) as pool:
         path = os.path.join(pool.mnt, "big.bin")
-        block = os.urandom(64 << 20)
-        size = max(1, size // len(block)) * len(block)
-        write_file(path, size, memoryview(block))
-        data = block * (size // len(block))
-        with ControlClient(pool.mnt) as c:
-            st, lay = c.stat(), c.layout(path)
+        served = served_file(pool, path, size)
+        size, data, st, lay, layout, chunk_paths = (
+            served.size, served.data, served.stat, served.layout_reply, served.layout,
+            served.chunk_paths)
         svc = st["chunk_service"]
         assert svc is not None
         addr, key = (svc["addr"], int(svc["port"])), load_key(pool.members[0])
-        layout = Layout.from_description(lay["layout"])
-        members = Pool.open(pool.members[0])
-        chunk_paths = [members.chunk_path(m, lay["ino"]) for m in layout.used_members()]
         bufs = [bytearray(os.path.getsize(p)) for p in chunk_paths]
         buf = bytearray(size)
         for _ in range(args.repeat + 1):  # (the first round warms the page cache)

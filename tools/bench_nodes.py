@@ -42,15 +42,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_chunks import PIECE, read_all, through_chunks  # noqa: E402
+from bench_chunks import PIECE, read_all, served_file, through_chunks  # noqa: E402
 from netns import node_net, usable  # noqa: E402
 
 from mxfs.cli.demo import bench_args, run_mxfs, save_results, scratch_pool  # noqa: E402
-from mxfs.cli.measure import write_file  # noqa: E402
-from mxfs.client import ControlClient  # noqa: E402
 from mxfs.io import Layout  # noqa: E402
 from mxfs.kv import KVStore  # noqa: E402
-from mxfs.pool import Pool  # noqa: E402
 from mxfs.pool.key import key_path, read_key  # noqa: E402
 from mxfs.proc import python_module  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
@@ -164,17 +161,11 @@ def main() -> int:
                          mount=("-o", f"allow_other,chunk_port=0,chunk_addr={net.host_ip},"
                                 "node=a")) as pool:
         path = os.path.join(pool.mnt, "model.bin")
-        block = os.urandom(64 << 20)
-        size = max(1, size // len(block)) * len(block)
-        write_file(path, size, memoryview(block))
-        data = block * (size // len(block))
-        with ControlClient(pool.mnt) as c:
-            st, lay = c.stat(), c.layout(path)
+        served = served_file(pool, path, size)
+        size, data, st, lay, chunk_paths = (
+            served.size, served.data, served.stat, served.layout_reply, served.chunk_paths)
         svc = st["chunk_service"]
         assert svc is not None
-        layout = Layout.from_description(lay["layout"])
-        members = Pool.open(pool.members[0])
-        chunk_paths = [members.chunk_path(m, lay["ino"]) for m in layout.used_members()]
         sizes = [os.path.getsize(p) for p in chunk_paths]
         config = os.path.join(pool.base, "node-b", "node.toml")
         run_mxfs("node", "add", "--meta", args.meta, "--key", key_path(pool.members[0]),
