@@ -398,6 +398,8 @@ def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
         for _ in range(20):  # 80 descriptors asked for, none read
             greedy.sendall(request)
         assert eventually(lambda: _in_flight(m) == 40)
+        # every one answered before any is read (reading frees room for the rest)
+        assert eventually(lambda: _answered(m, "open_read") >= 20)
         late.sendall(request)
         reply, fds = recv_message(late)  # the first 10 replies hold all 40 it may have
         assert not reply["ok"] and reply["errno"] == errno.EMFILE, reply
@@ -421,6 +423,12 @@ def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
         greedy.close()  # the peer lets go: its descriptors are closed by the kernel
         assert eventually(lambda: _asks(late, request))
         late.close()
+
+
+def _answered(m: Mounted, op: str) -> int:
+    """How many requests of `op` the daemon has answered (its metrics)."""
+    with ControlClient(str(m.path)) as c:
+        return sum(int(n) for _, o, n, _ in c.call("metrics")["requests"] if o == op)
 
 
 def _in_flight(m: Mounted) -> int:
