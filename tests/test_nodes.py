@@ -12,7 +12,9 @@ import errno
 import json
 import os
 import signal
+import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -242,11 +244,13 @@ def test_node_add_refuses(tmp_path: Path, pg_cluster: Any) -> None:
 
 @pytest.mark.daemon_log(r"lease could not be renewed", r"lease is renewed again",
                         r"node \S+ (is dead|cannot be reached|could not serve)",
-                        r"serves its members again", r"metadata server .* cannot be reached")
+                        r"serves its members again", r"metadata server .* cannot be reached",
+                        r"the change feed cannot be read")
 def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> None:
     """The metadata server stops and starts again: the writer, unable to renew, stops
-    serving chunks (the reading node's reads of it fail, never stale); once the server
-    is back both nodes renew and the reading node reads again, without a remount."""
+    serving chunks (asked straight, it refuses; the reading node reads what it already
+    held of an open file or EIO, never other bytes); once the server is back both nodes
+    renew and the reading node reads again, without a remount."""
     from pg_server import private
 
     server_gen = private()
@@ -265,11 +269,15 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
             with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
                 assert (b.path / "f0").read_bytes() == files["f0"]
                 fd = os.open(b.path / "f1", os.O_RDONLY)  # opened before the outage
+                served = _chunk_service(a, members[0])
+                ino = os.stat(a.path / "f1").st_ino
+                assert served(ino) is not None
                 try:
                     server.stop()
                     try:
                         # the writer fences itself at half its lease: it serves nothing
-                        assert eventually(lambda: _reads_fd(fd) is None, 15)
+                        assert eventually(lambda: served(ino) is None, 15)
+                        assert _reads_fd(fd) in (None, files["f1"])
                     finally:
                         server.start()
                     assert eventually(lambda: _reads_fd(fd) == files["f1"], 30)
@@ -283,6 +291,25 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
             pass
 
 
+def _chunk_service(m: Mounted, member0: str) -> Callable[[int], bytes | None]:
+    """Ask the node's chunk service straight for the first 4 KiB of an inode on member
+    0 (the file's bytes, or None when it refuses or cannot be reached)."""
+    from mxfs.io.chunk_client import ChunkClient
+    from mxfs.pool.key import load_key
+
+    status = _status(m)
+    addr = status["chunk_service"]
+    key = load_key(member0)
+
+    def read(ino: int) -> bytes | None:
+        try:
+            with ChunkClient(addr["addr"], int(addr["port"]), key, status["pool_uuid"]) as c:
+                return c.read(ino, 0, 0, 4096)
+        except OSError:
+            return None
+    return read
+
+
 def _reads_fd(fd: int) -> bytes | None:
     """An open file's bytes read afresh (its cached pages dropped), or None on EIO."""
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -291,3 +318,96 @@ def _reads_fd(fd: int) -> bytes | None:
     except OSError as e:
         assert e.errno == errno.EIO
         return None
+
+
+def _fuse_answered(m: Mounted, op: str) -> int:
+    from mxfs.client.control import ControlClient
+    with ControlClient(str(m.path)) as c:
+        return sum(int(n) for kind, o, n, _ in c.call("metrics")["requests"]
+                   if (kind, o) == ("fuse", op))
+
+
+def _published(url: str) -> int:
+    """The last change feed row committed (read straight from the server)."""
+    import psycopg
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _caught_up(b: Mounted, url: str) -> None:
+    """Wait until the reading node has read the change feed to its last row."""
+    want = _published(url)
+    assert eventually(lambda: (_status(b)["feed"] or {}).get("seq", 0) >= want, 15), \
+        _status(b)["feed"]
+
+
+@pytest.mark.daemon_log(r"the change feed cannot be read", r"the change feed is read again")
+def test_a_reading_node_drops_what_the_writer_changed_as_it_commits(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """The reading node's kernel keeps names, absent names, attributes and pages for
+    long (the feed's backstop, 60 s), and every change the writer commits is dropped
+    from it as the feed brings it: a name made, renamed or removed, a mode changed, a
+    file rewritten in place are seen at once, not after a timeout.  The feed's own
+    connection killed by the server: rows missed meanwhile are read on reconnecting."""
+    url = pg_cluster.database()
+    members = make_members(tmp_path / "a")
+    mkfs(members, "64KiB", "--meta", url)
+    with node_net() as net, \
+            mounted_pool(members, "chunk_port=0", "lease_s=3", "node=a",
+                         f"chunk_addr={net.host_ip}") as a:
+        d = a.path / "d"
+        d.mkdir()
+        for name in ("f1", "g", "h"):
+            (d / name).write_bytes(name.encode())
+        big = os.urandom(1 << 20)
+        (d / "big").write_bytes(big)
+        config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
+        with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
+            bd = b.path / "d"
+            assert eventually(lambda: _status(b)["feed"]["live"], 15)
+            assert _status(a)["feed"]["role"] == "publishes"
+            # What the reading node's kernel now holds: an absent name, a listing,
+            # attributes, a file's pages.
+            assert not (bd / "x").exists()
+            assert sorted(os.listdir(bd)) == ["big", "f1", "g", "h"]
+            assert stat.S_IMODE((bd / "h").stat().st_mode) == 0o644
+            assert (bd / "big").read_bytes() == big
+            # ... and keeps past the 1 s a reading node without the feed would.
+            lookups = _fuse_answered(b, "lookup")
+            time.sleep(1.5)
+            assert not (bd / "x").exists()
+            (bd / "h").stat()
+            assert _fuse_answered(b, "lookup") == lookups
+
+            (d / "x").write_bytes(b"new")
+            (d / "f1").rename(d / "f2")
+            (d / "g").unlink()
+            (d / "h").chmod(0o600)
+            big2 = os.urandom(len(big))
+            with open(d / "big", "r+b") as f:  # in place: same size, new bytes
+                f.write(big2)
+            _caught_up(b, url)
+            assert (bd / "x").read_bytes() == b"new"
+            assert sorted(os.listdir(bd)) == ["big", "f2", "h", "x"]
+            assert not (bd / "g").exists()
+            assert stat.S_IMODE((bd / "h").stat().st_mode) == 0o600
+            assert (bd / "big").read_bytes() == big2
+            assert _status(b)["feed"]["invalidations"] > 0
+
+            # The server ends the feed's connection; what the writer changes meanwhile
+            # is read once the node has connected again.
+            import psycopg
+            with psycopg.connect(url, autocommit=True) as conn:
+                killed = conn.execute("SELECT count(pg_terminate_backend(pid)) FROM "
+                                      "pg_stat_activity WHERE application_name = "
+                                      "'mxfs change feed'").fetchone()
+            assert killed is not None and killed[0] >= 1
+            assert not (bd / "y").exists()
+            (d / "y").write_bytes(b"y")
+            (d / "x").unlink()
+            _caught_up(b, url)
+            assert (bd / "y").read_bytes() == b"y"
+            assert not (bd / "x").exists()
+            assert _status(b)["feed"]["live"]

@@ -239,6 +239,14 @@ def _format_status(s: dict[str, Any]) -> str:
 
         lines.append("  quotas (mxfs quota):")
         lines += quota_lines(s["quotas"], indent="    ")
+    feed = s.get("feed")
+    if feed and feed["role"] == "publishes":
+        lines.append(f"  change feed: {feed['published']} groups of changes published "
+                     "for the reading nodes")
+    elif feed:
+        lines.append("  change feed: " + (f"read to row {feed['seq']}, "
+                     f"{feed['invalidations']} kernel invalidations" if feed["live"] else
+                     f"NOT READ ({feed['error']}): the kernel asks again every second"))
     for n in s.get("nodes") or []:
         here = " (this node)" if n["name"] == s.get("node") else ""
         lines.append(f"  node {n['name']}{here}: {n['role']}, {n['state']}, epoch {n['epoch']}, "

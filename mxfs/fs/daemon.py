@@ -23,6 +23,7 @@ from mxfs.errors import MxfsError
 from mxfs.fs.chunk_service import ChunkService
 from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
+from mxfs.fs.feed_follower import FeedFollower
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.ops import MxfsOperations
@@ -30,7 +31,7 @@ from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
-from mxfs.meta import backup, lease
+from mxfs.meta import backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
 from mxfs.vol.volume import Volume
@@ -139,6 +140,11 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         name = vol.pool.label or vol.pool.uuid[:8]
         fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
         notes = []
+        feed = None
+        if reading and location.is_server(vol.pool.meta_location):
+            # (connected before the mount: the kernel holds nothing the feed missed)
+            feed = FeedFollower(vol.pool.meta_location, vol.pool.uuid, vol.pool.node,
+                                ops.kernel, ops.kernel_held, ops.data_changed)
         if reading:
             fuse_opts.add("ro")
             owner = vol.pool.remote.owner if vol.pool.remote else None
@@ -182,7 +188,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 chunks.bind()
                 control.status.chunks = chunks
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))
-            daemon = Daemon(vol, ops, control, readahead, backup_s, chunks)
+            control.status.feed = feed
+            daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed)
             trio.run(daemon.serve, lambda: ready(None, notes))
             clean = True
         finally:
@@ -207,6 +214,7 @@ class Daemon:
     readahead_kib: int
     backup_s: int
     chunks: ChunkService | None = None  # -o chunk_port: this node's ranges, to the others
+    feed: FeedFollower | None = None  # a reading node's: the writer's changes, as they commit
 
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks, each run until the mount ends."""
@@ -216,6 +224,10 @@ class Daemon:
             tasks.append(self._backups)  # operator's to back up
         if self.control.wake is not None:
             tasks.append(self.control.wake.run)
+        if self.feed is not None:
+            tasks.append(self.feed.run)
+        if self.vol.store.feed is not None:
+            tasks.append(self._prune_feed)
         return tasks
 
     async def serve(self, ready: Callable[[], None]) -> None:
@@ -293,6 +305,16 @@ class Daemon:
         log.error("%s", vol.store.engine.fenced)
         vol.store.sole_writer(False)  # (the new holder changes them)
         vol.lease = None  # (not ours to give back at unmount)
+
+    async def _prune_feed(self) -> None:
+        """A writer: the change feed's rows older than its retention go, once a minute."""
+        failures = FailureLog(log)
+        while True:
+            await trio.sleep(60)
+            try:
+                change_feed.prune(self.vol.store)
+            except Exception as e:
+                failures.note("prune", None, e, trace=not isinstance(e, OSError))
 
     async def _backups(self) -> None:
         """Copy the metadata store to the next member every `backup_s` seconds."""

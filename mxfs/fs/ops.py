@@ -18,6 +18,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.io import Layout
@@ -38,13 +39,6 @@ XATTR_SIZE_MAX = 65536
 MAX_XATTRS = 256
 MAX_XATTR_BYTES = 256 << 10
 DAY_NS = 86_400 * 10**9
-# Every change passes through this daemon and the kernel sees it go by, so the
-# kernel may trust names, attributes and absent names for long.  Changes made
-# behind its back (direct-path commits) must invalidate what they touch.
-TIMEOUT = 300.0
-# How long the kernel keeps names and attributes on a reading node (another node writes
-# the pool, and nothing tells this one yet): a backstop after which it asks again.
-FOLLOW_TIMEOUT = 1.0
 
 
 def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -135,11 +129,27 @@ class MxfsOperations(pyfuse3.Operations):
         self.write_behind = write_behind  # writes queued per inode; 0: none
         self.behind_budget = trio.Semaphore(BUDGET)  # ... and in the whole daemon
         self.behind: dict[int, WriteBehind] = {}
-        # A reading node (`MetaStore.follow`): the kernel asks again soon, and keeps a
-        # file's cached pages across opens only while the file is as it was when they
-        # were read (close-to-open, as NFS gives it): ino -> (mtime, ctime, size).
-        self.timeout = FOLLOW_TIMEOUT if self.store.follow else TIMEOUT
+        # How long the kernel keeps answers (`fs/kernel_cache.py`).  On a reading node
+        # (`MetaStore.follow`) it also keeps a file's cached pages across opens only
+        # while the file is as it was when they were read (close-to-open, as NFS gives
+        # it): ino -> (mtime, ctime, size).
+        self.kernel = KernelCache(self.store.follow)
         self._seen: dict[int, tuple[int, int, int]] = {}
+
+    def kernel_held(self) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """(inodes, entries) the kernel may hold answers or pages of: what a reading
+        node invalidates when the change feed cannot say what changed.  (Called from
+        the feed's thread.)"""
+        inos, names = self.kernel.held()
+        return sorted(set(inos) | set(list(self.vol.open_inodes))), names
+
+    def data_changed(self, ino: int) -> None:
+        """Another node changed the file's data: what this daemon read ahead of it is
+        dropped (the kernel's pages go by the feed's invalidation).  (The feed's
+        thread; a file closed meanwhile is nothing to drop.)"""
+        entry = self.vol.open_inodes.get(ino)
+        if entry is not None and entry.chunks is not None:
+            entry.chunks.drop_read_ahead()
 
     async def entry_changed(self, parent: int, name: bytes) -> None:
         """A name changed behind the kernel's back (a direct commit): drop its cached entry.
@@ -156,12 +166,15 @@ class MxfsOperations(pyfuse3.Operations):
 
     # ---- attributes --------------------------------------------------------
 
-    def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
+    def attrs(self, node: Inode, entry: tuple[int, bytes] | None = None
+              ) -> pyfuse3.EntryAttributes:
+        """The kernel's view of `node`, reached by `entry` (directory, name) if the
+        kernel will keep that name too (lookup, readdirplus, create)."""
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0
-        a.entry_timeout = self.timeout
-        a.attr_timeout = self.timeout
+        a.attr_timeout = self.kernel.timeout(node.ino)
+        a.entry_timeout = self.kernel.timeout(entry) if entry is not None else a.attr_timeout
         a.st_mode = node.mode
         a.st_nlink = node.nlink
         a.st_uid = node.uid
@@ -193,13 +206,13 @@ class MxfsOperations(pyfuse3.Operations):
         if len(name) > NAME_MAX:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         try:
-            return self.attrs(self.store.lookup(parent_inode, name))
+            return self.attrs(self.store.lookup(parent_inode, name), (parent_inode, name))
         except FileNotFoundError:
             if not self.store.get(parent_inode).is_dir:
                 raise
             absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
             absent.st_ino = 0
-            absent.entry_timeout = self.timeout
+            absent.entry_timeout = self.kernel.timeout((parent_inode, name))
             return absent
 
     @_errors
@@ -472,7 +485,8 @@ class MxfsOperations(pyfuse3.Operations):
         while True:
             entries = self.store.readdir(node.ino, after)
             for e in entries:
-                if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode), e.cookie + 2):
+                if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode, (node.ino, e.name)),
+                                             e.cookie + 2):
                     return
                 after = e.cookie
             if not entries:

@@ -10,6 +10,7 @@ from typing import Any
 
 from mxfs import __version__
 from mxfs.fs.chunk_service import ChunkService
+from mxfs.fs.feed_follower import FeedFollower
 from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
@@ -24,6 +25,7 @@ from mxfs.meta.survey import bytes_by_use
 from mxfs.proto import OPS, VERSION
 from mxfs.proto.messages import (
     DfReply,
+    FeedStatus,
     HelloReply,
     MetricsReply,
     NodeStatus,
@@ -48,6 +50,7 @@ class StatusOps:
         self.wake = wake  # the CPU latency limit held while busy (-o wake_latency_us)
         self.surveys = Surveys(vol.pool.meta_location, vol.store.commit)
         self.chunks: ChunkService | None = None  # the daemon's, when it serves chunks
+        self.feed: FeedFollower | None = None  # a reading node's (`fs/feed_follower.py`)
 
     def handlers(self) -> dict[str, Handler]:
         return {"hello": self._hello, "stat": self._stat, "metrics": self._metrics,
@@ -98,8 +101,18 @@ class StatusOps:
                 "wake_latency": self.wake.state() if self.wake else None,
                 "lease": self.vol.keeper.status() if self.vol.keeper else None,
                 "chunk_service": self.chunks.status() if self.chunks else None,
+                "feed": self.feed_status(),
                 "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
                 "nodes": self.nodes()}
+
+    def feed_status(self) -> FeedStatus | None:
+        """The change feed: what a reading node read of it, or what a writer published."""
+        if self.feed is not None:
+            return self.feed.status()
+        noted = self.vol.store.feed
+        if noted is not None:
+            return {"role": "publishes", "published": noted.published}
+        return None
 
     def nodes(self) -> list[NodeStatus]:
         """Every node of a pool on a metadata server (none for one on a member)."""

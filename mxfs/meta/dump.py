@@ -73,6 +73,8 @@ def dump(store: MetaStore, out: str) -> int:
 def _write_json(engine: Engine, stream: IO[bytes]) -> int:
     tables, rows = {}, 0
     for t in TABLES.values():
+        if t.transient:
+            continue
         data = [[_json_value(v) for v in r] for r in engine.scan(t.name, t.names)]
         tables[t.name] = {"columns": list(t.names), "rows": data}
         rows += len(data)
@@ -136,6 +138,8 @@ def copy_rows(src: Engine, dst: Engine) -> int:
         for t in TABLES.values():
             dst.delete(t.name, {})
         for t in TABLES.values():
+            if t.transient:
+                continue
             for r in list(src.scan(t.name, t.names)):
                 row = dict(zip(t.names, r, strict=True))
                 if t.name == "settings" and row["key"] == "schema_version":

@@ -171,6 +171,20 @@ class Engine(ABC):
         """Go on from `values` (a copy's), never back below what was handed out; within
         a change."""
 
+    def publish(self, row: Mapping[str, object], channel: str) -> None:
+        """Add a row of the change feed (`meta/change_feed.py`) to the open group, as
+        it commits (`before_commit`), numbered after every row committed before it.  A
+        server engine also tells `channel`'s listeners, at commit."""
+        self._depth += 1  # (part of the group's transaction, as a change's writes are)
+        try:
+            self._publish(row, channel)
+        finally:
+            self._depth -= 1
+
+    def _publish(self, row: Mapping[str, object], channel: str) -> None:
+        """(One writer here: the file lock orders the numbers.)"""
+        self.put("changes", {"seq": self.next_id("change"), **row})
+
     # ---- changes -----------------------------------------------------------------
 
     @abstractmethod

@@ -8,7 +8,7 @@ which engine runs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from mxfs.meta.engine import Engine, Unusable
 
@@ -27,6 +27,25 @@ def connect(where: str, readonly: bool = False) -> Engine:
         return engine
     from mxfs.meta.sqlite_engine import SqliteEngine
     return SqliteEngine.open(where, readonly=readonly)
+
+
+class Listener(Protocol):
+    """Waits for a channel's notifications (`meta/change_feed.py`)."""
+
+    def wait(self, timeout: float) -> None:
+        """Return at the next notification, or after `timeout` seconds; EIO if the
+        connection is lost."""
+
+    def close(self) -> None: ...
+
+
+def listen(where: str, channel: str) -> Listener | None:
+    """A connection of its own listening on `channel` (None: a store on a node's own
+    member, which no other node reads; `Unusable` if the server cannot be reached)."""
+    if not is_server(where):
+        return None
+    listener: Listener = _pg().PgListener(where, channel)
+    return listener
 
 
 def create(where: str) -> Engine:

@@ -101,6 +101,15 @@ def _seq(name: str) -> str:
     return f"mxfs_seq_{name}"
 
 
+# A change feed row is numbered under a lock held to its commit: a number is drawn only
+# after every smaller one committed (or was rolled back), so a follower that read up to
+# N never misses a row numbered below N that commits later.
+_FEED_LOCK = 0x6D786673  # "mxfs"
+_PUBLISH = ("INSERT INTO changes (seq, node, epoch, at, body) SELECT "
+            f"nextval('{_seq('change')}'), %s, %s, %s, %s FROM "
+            "(SELECT pg_advisory_xact_lock(%s)) AS held")
+
+
 def public(url: str) -> str:
     """`url` without a password (in its user part or as a parameter): what a
     superblock may record and a message may show."""
@@ -217,6 +226,35 @@ class _Redial:
             if self._conn is not None:
                 _close(self._conn)
                 self._conn = None
+
+
+class PgListener:
+    """A connection of its own, waiting for NOTIFY on one channel (`location.listen`).
+    A plain connection: its waits are bounded by the caller's timeout, and whoever
+    reads the rows after each wait finds a server that stopped answering."""
+
+    def __init__(self, url: str, channel: str) -> None:
+        have = conninfo_to_dict(url)
+        waits = {k: v for k, v in _WAITS.items() if k not in have}
+        try:
+            self.conn = psycopg.Connection.connect(
+                make_conninfo(url, **waits, application_name="mxfs change feed"),
+                autocommit=True)
+            self.conn.execute(f"LISTEN {channel}")  # (an identifier: `change_feed.channel`)
+        except psycopg.Error as e:
+            raise Unusable(f"the metadata server {public(url)} cannot be reached "
+                           f"({_line(e)})") from None
+
+    def wait(self, timeout: float) -> None:
+        try:
+            for _ in self.conn.notifies(timeout=timeout, stop_after=1):
+                pass
+        except psycopg.Error as e:
+            raise fail(errno.EIO, f"the change feed's connection was lost ({_line(e)})") \
+                from None
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 class PgEngine(Engine):
@@ -348,10 +386,30 @@ class PgEngine(Engine):
             eng.close()
             raise Unusable(f"{public(url)} holds no mxfs metadata store ({e})") from None
         version = int(row[0]) if row else 0
+        if version == 4 and not readonly:
+            try:
+                eng.txn(eng._add_feed)
+                version = SCHEMA_VERSION
+                log.info("metadata store %s: schema 4 migrated to %d", public(url), version)
+            except OSError as e:
+                eng.close()
+                raise Unusable(f"{public(url)}: schema 4 cannot be migrated ({e})") from None
         if version != SCHEMA_VERSION:
             eng.close()
             raise Unusable(f"{public(url)}: metadata schema {version} is not {SCHEMA_VERSION}")
         return eng
+
+    def _add_feed(self) -> None:
+        """Schema 4 -> 5: the change feed (one migrator at a time: the table lock)."""
+        self._exec("LOCK TABLE settings IN EXCLUSIVE MODE")
+        row = self._exec("SELECT value FROM settings WHERE key='schema_version'").fetchone()
+        if row is not None and int(row[0]) >= 5:
+            return
+        for stmt in sql.create_table(_D, TABLES["changes"]):
+            self._exec(stmt)
+        self._exec(f"CREATE SEQUENCE {_seq('change')} INCREMENT BY {BLOCK}")
+        self._exec("UPDATE settings SET value=%s WHERE key='schema_version'",
+                   (str(SCHEMA_VERSION),))
 
     # ---- statements ------------------------------------------------------------
 
@@ -551,6 +609,10 @@ class PgEngine(Engine):
             nxt, end = int(row[0]), int(row[0]) + BLOCK
         self._blocks[sequence] = (nxt + 1, end)
         return nxt
+
+    def _publish(self, row: Mapping[str, object], channel: str) -> None:
+        self._send(_PUBLISH, (row["node"], row["epoch"], row["at"], row["body"], _FEED_LOCK))
+        self._send("SELECT pg_notify(%s, '')", (channel,))
 
     def sequences(self) -> dict[str, int]:
         """An upper bound of the numbers each sequence handed out."""

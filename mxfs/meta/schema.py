@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 INT, TEXT, BLOB = "int", "text", "blob"
 
@@ -30,6 +30,7 @@ class Table:
     key: tuple[str, ...]
     indexes: tuple[tuple[str, ...], ...] = ()
     rekeyed: bool = False  # rows change their key (renames): engines may keep them apart
+    transient: bool = False  # kept a while for the running nodes: not dumped or copied
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -66,7 +67,12 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("kv_ns", _cols("ns:text uid:int gid:int mode:int capacity:int"), ("ns",)),
     Table("kv", _cols("ns:text key:blob ino:int size:int atime:int"), ("ns", "key"),
           indexes=(("ino",),)),
+    # The change feed (`meta/change_feed.py`): what each committed group of a node
+    # changed, for the other nodes to drop from their caches; kept some minutes.
+    Table("changes", _cols("seq:int node:text epoch:int at:int body:blob"), ("seq",),
+          transient=True),
 )}
 
-# Sequences every engine provides: inode numbers and directory entry ids (cookies).
-SEQUENCES = ("ino", "dentry")
+# Sequences every engine provides: inode numbers, directory entry ids (cookies), and
+# the change feed's numbers.
+SEQUENCES = ("ino", "dentry", "change")

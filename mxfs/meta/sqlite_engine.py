@@ -33,7 +33,7 @@ _SEQUENCES_DDL = "CREATE TABLE sequences(name TEXT PRIMARY KEY, value INTEGER NO
 
 # Statements that bring a store of schema version N (the key) to N + 1.  Versions 1-3
 # numbered inodes and entries with AUTOINCREMENT; 4 draws them from `sequences`,
-# starting past every number the old counters handed out.
+# starting past every number the old counters handed out; 5 adds the change feed.
 _MIGRATIONS = {
     1: ["CREATE TABLE sealed(ino INTEGER PRIMARY KEY, sum_unit INTEGER NOT NULL,"
         " sums BLOB NOT NULL)"],
@@ -47,6 +47,7 @@ _MIGRATIONS = {
         " WHERE name='inodes'), 0), coalesce((SELECT max(ino) FROM inodes), 0))",
         "INSERT INTO sequences SELECT 'dentry', max(coalesce((SELECT seq FROM sqlite_sequence"
         " WHERE name='dentries'), 0), coalesce((SELECT max(id) FROM dentries), 0))"],
+    4: [*sql.create_table(_D, TABLES["changes"]), "INSERT INTO sequences VALUES ('change', 0)"],
 }
 
 

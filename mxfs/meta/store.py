@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from mxfs.meta import location
+from mxfs.meta.change_feed import Noted
 from mxfs.meta.engine import Conflict, Engine, fail
 from mxfs.meta.inode import ROOT_INO, Entry, Inode, LayoutPicker
 from mxfs.meta.kv_rows import KVRows
@@ -65,7 +66,7 @@ class MetaStore:
         # (directory, name) -> its inode, or None: no such entry
         self._sole = SoleCache()  # names, seals, the inode count (`sole_writer`)
         engine.on_group_lost = self._group_lost
-        engine.before_commit = self._write_dir_times
+        engine.before_commit = self._before_commit
         self._dir_times: dict[int, Inode] = {}  # directories whose times wait for commit
         # Groups of changes lost so far: an fsync that has not heard of a loss since
         # its handle last synced must fail, as the loss may have held its changes.
@@ -73,6 +74,9 @@ class MetaStore:
         self.kv = KVRows(self)
         self.usage = Usage()  # bytes and inodes by uid, once counted (`count_usage`)
         self.follow = False  # another node writes the rows: inodes are read afresh (`get`)
+        # What each group changed, published as it commits (`meta/change_feed.py`): set
+        # on a writer whose pool other nodes may mount.
+        self.feed: Noted | None = None
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -135,6 +139,8 @@ class MetaStore:
             return fn()
         self._journal.clear()
         self._sole.begin()
+        if self.feed is not None:
+            self.feed.mark()
         try:
             try:
                 result = self.engine.txn(fn, undo=self._undo_memory)
@@ -154,9 +160,13 @@ class MetaStore:
         """After a commit may have happened: a committed group's journal is spent."""
         if self.engine.group_age() is None:
             self._group_journal.clear()
+            if self.feed is not None:
+                self.feed.settled()
 
     def _undo_memory(self) -> None:
         self._sole.undo(births=sum(1 for _, name, _ in self._journal if name == _BORN))
+        if self.feed is not None:
+            self.feed.undo()
         self._put_back(self._journal)
 
     def _put_back(self, journal: list[tuple[Inode, str, object]]) -> None:
@@ -182,6 +192,8 @@ class MetaStore:
         self._sole.forget()
         self._dir_times.clear()
         self.usage.forget()
+        if self.feed is not None:
+            self.feed.lose()
         self.groups_lost += 1
 
     def group_changes(self, max_age: float) -> None:
@@ -247,6 +259,8 @@ class MetaStore:
         """Write fields of an inode row and of its cached object (inside a change)."""
         assert self.engine.in_change
         journal = self._journal
+        if self.feed is not None:
+            self.feed.ino(node.ino, data="size" in values or "mtime_ns" in values)
         for name, value in values.items():
             journal.append((node, name, getattr(node, name)))
             if name == "uid" and value != node.uid and self.usage.counted:
@@ -409,6 +423,7 @@ class MetaStore:
         cookie = self.engine.next_id("dentry")
         self.engine.put("dentries", {"id": cookie, "parent": parent, "name": name, "ino": ino})
         self._name((parent, name), ino)
+        self._entry_changed(parent, name)
 
     def _remove_entry(self, parent: int, name: bytes, ino: int) -> None:
         """(`ino`: what the change read the entry to name; if it names another now, or
@@ -416,6 +431,7 @@ class MetaStore:
         self.engine.remove("dentries", {"parent": parent, "name": name, "ino": ino},
                            expect=True)
         self._name((parent, name), None)
+        self._entry_changed(parent, name)
 
     def _move_entry(self, parent: int, name: bytes, ino: int, new_parent: int,
                     new_name: bytes) -> None:
@@ -423,12 +439,15 @@ class MetaStore:
                           {"parent": new_parent, "name": new_name}, expect=True)
         self._name((parent, name), None)
         self._name((new_parent, new_name), ino)
+        self._entry_changed(parent, name)
+        self._entry_changed(new_parent, new_name)
 
     def _point_entry(self, parent: int, name: bytes, ino: int, new_ino: int) -> None:
         """The entry that names `ino` names `new_ino` instead."""
         self.engine.patch("dentries", {"parent": parent, "name": name, "ino": ino},
                           {"ino": new_ino}, expect=True)
         self._name((parent, name), new_ino)
+        self._entry_changed(parent, name)
 
     def _touch_dir(self, d: Inode, now: int, nlink_delta: int = 0) -> None:
         """A directory's times (and link count) after a change of its entries.  In a
@@ -445,6 +464,20 @@ class MetaStore:
         d.mtime_ns = d.ctime_ns = now
         d.dirty = True  # (kept in memory until written)
         self._dir_times[d.ino] = d
+
+    def _entry_changed(self, parent: int, name: bytes) -> None:
+        if self.feed is not None:
+            self.feed.name(parent, name)
+
+    def _before_commit(self) -> None:
+        """As a group commits: the directory times it held, then what it changed."""
+        self._write_dir_times()
+        feed = self.feed
+        if feed is None or self.readonly:
+            return
+        change = feed.take()
+        if change is not None:  # (in the group's transaction, which is open)
+            self.engine.publish(feed.row(change), feed.channel)
 
     def _write_dir_times(self) -> None:
         """Before a group commits: the times of the directories its changes touched."""
@@ -792,6 +825,9 @@ class MetaStore:
         def change() -> None:
             for table in ("inodes", "xattrs", "orphans", "dirty_data", "sealed"):
                 self.engine.remove_many(table, "ino", inos)
+            if self.feed is not None:
+                for ino in inos:
+                    self.feed.ino(ino, data=True)
         self.txn(change)
         for ino in inos:
             self._cache.pop(ino, None)
@@ -870,6 +906,7 @@ class MetaStore:
         def change() -> None:
             self.engine.remove("dentries", {"parent": parent, "name": name})
             self._name((parent, name), None)
+            self._entry_changed(parent, name)
         self.txn(change)
 
     def adopt(self, ino: int, parent: int, name: bytes) -> None:

@@ -177,6 +177,12 @@ class ChunkFiles:
             if not self._closed and self.layout.first not in self._fds:
                 os.close(self._open(self.layout.first, create=True))
 
+    def drop_read_ahead(self) -> None:
+        """The file changed on its owner node: windows fetched before are not its bytes
+        (any thread; reads go on, fetched afresh)."""
+        if self._ahead is not None:
+            self._ahead.close()
+
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead.close()

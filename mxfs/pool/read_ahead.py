@@ -111,6 +111,7 @@ class ReadAhead:
         return data
 
     def close(self) -> None:
+        """Drop every window (it may be read again: windows are fetched afresh)."""
         with self._lock:
             for w in list(self._windows):
                 self._drop(w)

@@ -173,6 +173,17 @@ class NodeStatus(TypedDict):
     expires_in: float
 
 
+class FeedStatus(TypedDict, total=False):
+    """The change feed as a node sees it (`meta/change_feed.py`)."""
+
+    role: str  # "publishes" (the writer) or "follows" (a reading node)
+    live: bool  # a follower reads it (while not: the kernel keeps answers 1 s)
+    seq: int  # the last row a follower read
+    invalidations: int  # kernel entries and inodes a follower invalidated
+    error: str  # why a follower cannot read it, while it cannot
+    published: int  # groups a writer published
+
+
 class StatReply(TypedDict):
     """The pool as `mxfs status` shows it."""
 
@@ -197,6 +208,7 @@ class StatReply(TypedDict):
     wake_latency: dict[str, object] | None
     lease: LeaseStatus | None
     chunk_service: dict[str, Any] | None  # addr, port, connections, served_bytes
+    feed: FeedStatus | None  # the change feed, on a pool on a metadata server
     node: str  # this daemon's node ("": a pool of one node)
     nodes: list[NodeStatus]  # every node of a pool on a metadata server
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
-from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
+from mxfs.meta import Inode, MetaStore, Unusable, backup, change_feed, lease, location
+from mxfs.meta.change_feed import Noted
 from mxfs.meta.check import problems as store_problems
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
@@ -168,6 +169,10 @@ class Volume:
         try:
             self.lease = lease.take(self.store, mountpoint, ttl, node=node_name, addr=addr,
                                     members=len(self.pool.members))
+            # Each group the writer commits is published for the reading nodes, the
+            # first as "everything": what happened before this session is unknown.
+            self.store.feed = Noted(self.lease.name, self.lease.epoch,
+                                    change_feed.channel(self.pool.uuid))
             self.store.set_setting(MEMBERS_KEY, json.dumps(
                 {"count": len(self.pool.members), "stripe_unit": self.pool.stripe_unit}))
             self.keeper = lease.Keeper(self.pool.meta_location, self.lease, self.store.engine,

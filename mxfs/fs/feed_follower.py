@@ -1,0 +1,145 @@
+"""A reading node follows the pool's change feed (`meta/change_feed.py`): what the
+writer node changed is invalidated in this node's kernel as it commits, so the kernel
+keeps answers long (`fs/kernel_cache.py`) and a name made on the writer shows here at
+once, not after a timeout.
+
+A thread of its own waits for the server's notifications (a connection of its own) and
+reads the rows past the last it saw (another, read-only).  The kernel's invalidation
+calls wait until the kernel has dropped what it held, which may take a FUSE request
+answered meanwhile, so they run there, never on trio's thread.  If the server cannot
+be reached, answers turn short until the feed is read again; the rows missed meanwhile
+are read then (or, if they were pruned, everything the kernel may hold is invalidated).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections.abc import Callable
+
+import pyfuse3
+import trio
+
+from mxfs.fs.kernel_cache import FOLLOW_TIMEOUT, KernelCache
+from mxfs.meta import MetaStore, location
+from mxfs.meta.change_feed import Change, FeedReader, channel
+from mxfs.meta.engine import Unusable
+from mxfs.proto.messages import FeedStatus
+
+log = logging.getLogger("mxfs.fs")
+
+POLL_S = 1.0  # rows are read at least this often: a lost notification, a dead server
+RETRY_S = 1.0  # between tries to reach a server that went away
+
+Held = Callable[[], tuple[list[int], list[tuple[int, bytes]]]]
+
+
+class FeedFollower:
+    """`held`: the inodes and entries the kernel may hold (for "everything");
+    `data_changed(ino)`: drop what the daemon itself holds of a file's bytes."""
+
+    def __init__(self, where: str, pool_uuid: str, node: str, kernel: KernelCache,
+                 held: Held, data_changed: Callable[[int], None]) -> None:
+        self.where = where
+        self.channel = channel(pool_uuid)
+        self.kernel = kernel
+        self.held = held
+        self.data_changed = data_changed
+        self.applied = 0  # the last row read (status)
+        self.invalidations = 0  # the kernel's entries and inodes invalidated (status)
+        self.error = ""  # why the feed cannot be read, while it cannot
+        self._stop = threading.Event()
+        # Connected now, before the kernel holds anything: a change committed from now
+        # on is read (`FeedReader` starts at the present).
+        self._conn: tuple[MetaStore, location.Listener | None] | None = self._open(None)
+        self._reader = FeedReader(self._conn[0], node)
+
+    def _open(self, reader: FeedReader | None) -> tuple[MetaStore, location.Listener | None]:
+        store = MetaStore.open(self.where, readonly=True)
+        try:
+            listener = location.listen(self.where, self.channel)
+        except BaseException:
+            store.close()
+            raise
+        if reader is not None:
+            reader.store = store
+        return store, listener
+
+    def status(self) -> FeedStatus:
+        return {"role": "follows", "live": self.kernel.feed_live, "seq": self.applied,
+                "invalidations": self.invalidations, "error": self.error}
+
+    async def run(self) -> None:
+        """The daemon's task: the thread runs while the mount does."""
+        thread = threading.Thread(target=self._follow, name="mxfs-feed", daemon=True)
+        thread.start()
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._stop.set()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join, POLL_S + 5)
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._conn is None:
+                    self._conn = self._open(self._reader)
+                    log.info("the change feed is read again: the kernel keeps answers "
+                             "long again")
+                change, self.applied = self._reader.read()
+                self.kernel.feed_live = True
+                self.error = ""
+                if change:
+                    self._apply(change)
+                listener = self._conn[1]
+                if listener is None:  # (no server: nobody else writes; never here)
+                    self._stop.wait(POLL_S)
+                else:
+                    listener.wait(POLL_S)
+            except (OSError, Unusable) as e:
+                if self.kernel.feed_live or not self.error:
+                    log.warning("the change feed cannot be read (%s): the kernel asks "
+                                "again every %g s until it can", e, FOLLOW_TIMEOUT)
+                self.kernel.feed_live = False
+                self.error = str(e)
+                self._close()
+                self._stop.wait(RETRY_S)
+        self._close()
+
+    def _close(self) -> None:
+        if self._conn is None:
+            return
+        store, listener = self._conn
+        self._conn = None
+        for part in (listener, store):
+            try:
+                if part is not None:
+                    part.close()
+            except Exception:  # (a connection already lost)
+                pass
+
+    def _apply(self, change: Change) -> None:
+        """Invalidate in the kernel what `change` touched: names, attributes, and the
+        cached pages (a file's data, a directory's listing) of what changed data."""
+        if change.everything:
+            inos, names = self.held()
+            data, attrs = set(inos), set()
+        else:
+            names, data, attrs = list(change.names), change.data, change.inos - change.data
+        for parent, name in names:
+            self._invalidate(pyfuse3.invalidate_entry, parent, name)
+        for ino in data:
+            self.data_changed(ino)
+            self._invalidate(pyfuse3.invalidate_inode, ino, False)
+        for ino in attrs:
+            self._invalidate(pyfuse3.invalidate_inode, ino, True)
+
+    def _invalidate(self, call: Callable[..., None], *args: object) -> None:
+        try:
+            call(*args)
+            self.invalidations += 1
+        except OSError as e:
+            if e.errno != errno.ENOENT and not self._stop.is_set():  # (ENOENT: not held)
+                log.warning("invalidating %s in the kernel: %s", args, e)

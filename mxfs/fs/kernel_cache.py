@@ -1,0 +1,59 @@
+"""How long the kernel may keep this daemon's answers (names, absent names, attributes),
+and, on a reading node, which of them it may still hold.
+
+Where every change passes through this daemon (one node), the kernel sees each go by
+and may keep answers for long (TIMEOUT); changes made behind its back (direct-path
+commits) invalidate what they touch.  A reading node's rows change on another node:
+while it follows the change feed (`fs/feed_follower.py`) what changed is invalidated as
+it commits, so answers are kept FEED_TIMEOUT, a backstop; without the feed (not yet
+reached, or lost) the kernel asks again after FOLLOW_TIMEOUT.  When the feed cannot say
+what changed (it was pruned past this node, a new writer session began) every answer
+the kernel may still hold is invalidated: that is why they are remembered here, each
+until its timeout has run out, at most HELD_LIMIT (past it answers are short again).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+TIMEOUT = 300.0
+FEED_TIMEOUT = 60.0
+FOLLOW_TIMEOUT = 1.0
+HELD_LIMIT = 200_000
+
+Key = int | tuple[int, bytes]  # an inode's attributes, or a (directory, name) entry
+
+
+class KernelCache:
+    def __init__(self, follow: bool) -> None:
+        self.follow = follow  # another node changes the rows
+        self.feed_live = False  # ... and this node hears of each change as it commits
+        self._held: dict[Key, float] = {}  # key -> when its answer runs out
+        self._lock = threading.Lock()  # (`held` is asked from the feed's thread)
+
+    def timeout(self, key: Key) -> float:
+        """The timeout of an answer about `key`, given now."""
+        if not self.follow:
+            return TIMEOUT
+        if not self.feed_live:
+            return FOLLOW_TIMEOUT
+        now = time.monotonic()
+        with self._lock:
+            if len(self._held) >= HELD_LIMIT and key not in self._held:
+                self._expire(now)
+                if len(self._held) >= HELD_LIMIT:
+                    return FOLLOW_TIMEOUT
+            self._held[key] = now + FEED_TIMEOUT
+        return FEED_TIMEOUT
+
+    def _expire(self, now: float) -> None:
+        self._held = {k: t for k, t in self._held.items() if t > now}
+
+    def held(self) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """(inodes, entries) whose answers the kernel may still hold."""
+        with self._lock:
+            self._expire(time.monotonic())
+            inos = [k for k in self._held if isinstance(k, int)]
+            names = [k for k in self._held if not isinstance(k, int)]
+        return inos, names

@@ -1,0 +1,197 @@
+"""The change feed, driven through `MetaStore` on every engine (no FUSE): what a group
+of changes touched is published as it commits, read back by a follower in order, and
+nothing of a change that failed or a group that was lost is ever published."""
+
+from __future__ import annotations
+
+import errno
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mxfs.meta import ROOT_INO, MetaStore
+from mxfs.meta.change_feed import (
+    MAX_NOTED,
+    PRUNED_KEY,
+    Change,
+    FeedReader,
+    Noted,
+    channel,
+    prune,
+)
+
+UNIT = 1 << 20
+UUID = "00000000-0000-4000-8000-000000000027"
+REG, DIR = stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755
+
+pytestmark = pytest.mark.unit
+
+
+def pick(ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
+    return unit or UNIT, width or 4, ino % 4
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("pg_cluster").database())
+    folder = tmp_path / "meta"
+    folder.mkdir()
+    return str(folder)
+
+
+@pytest.fixture
+def writer(where: str) -> Iterator[MetaStore]:
+    """A store publishing its changes, as a writer daemon's (grouped, sole writer)."""
+    s = MetaStore.format(where, UUID, UNIT)
+    s.sole_writer(True)
+    s.feed = Noted("a", 7, channel(UUID))
+    s.group_changes(60.0)
+    yield s
+    s.close()
+
+
+def test_bodies_round_trip_and_damage_reads_as_everything() -> None:
+    c = Change({5, 1 << 40}, {(1, b"x"), (9, b"\xff" * 255)}, data={5, 6})
+    assert Change.decode(c.encode()) == c
+    assert Change.decode(Change(everything=True).encode()).everything
+    big = Change(set(range(MAX_NOTED + 1)))
+    assert Change.decode(big.encode()) == Change(everything=True)
+    body = c.encode()
+    for bad in (b"", body[:-3], b"\x00" * 3):
+        assert Change.decode(bad).everything, bad
+
+
+def test_groups_are_published_as_they_commit(writer: MetaStore, where: str) -> None:
+    follower = MetaStore.open(where, readonly=True)
+    try:
+        feed = FeedReader(follower, own_node="b")
+        got, _ = feed.read()
+        assert not got  # it starts at the present
+        d = writer.create(ROOT_INO, b"d", DIR, 0, 0, layout_for=pick)
+        f = writer.create(d.ino, b"f", REG, 0, 0, layout_for=pick)
+        got, _ = feed.read()
+        assert not got  # the group is open: nothing committed, nothing published
+        writer.commit()
+        got, first = feed.read()
+        assert got.everything  # a writer's first group: its session starts
+        # A failed change notes nothing; the next group names what it touched.
+        with pytest.raises(OSError) as e:
+            writer.create(d.ino, b"f", REG, 0, 0, layout_for=pick)
+        assert e.value.errno == errno.EEXIST
+        writer.rename(d.ino, b"f", ROOT_INO, b"g")
+        writer.set_attrs(writer.get(d.ino), mode=DIR | 0o700)
+        writer.commit()
+        got, second = feed.read()
+        assert second > first and not got.everything
+        assert got.names == {(d.ino, b"f"), (ROOT_INO, b"g")}
+        assert {ROOT_INO, d.ino} <= got.data  # (directories' times: their listings)
+        assert f.ino in got.inos | got.data
+        assert writer.feed is not None and writer.feed.published == 2
+        # Nothing changed, nothing published.
+        writer.commit()
+        assert not feed.read()[0]
+        # A follower's own node's changes are not news to it.
+        assert not FeedReader(follower, own_node="a").read()[0]
+    finally:
+        follower.close()
+
+
+@pytest.mark.pg
+def test_a_lost_group_publishes_nothing(pg_cluster: object) -> None:
+    """The server drops the writer's connection mid-group: that group's changes are
+    not published, the next group's are."""
+    url = pg_cluster.database()  # type: ignore[attr-defined]
+    writer = MetaStore.format(url, UUID, UNIT)
+    writer.feed = Noted("a", 7, channel(UUID))
+    writer.group_changes(60.0)
+    follower = MetaStore.open(url)
+    try:
+        writer.create(ROOT_INO, b"first", REG, 0, 0, layout_for=pick)
+        writer.commit()
+        feed = FeedReader(follower)
+        writer.create(ROOT_INO, b"lost", REG, 0, 0, layout_for=pick)
+        pid = writer.engine.conn.info.backend_pid  # type: ignore[attr-defined]
+        follower.engine._exec("SELECT pg_terminate_backend(%s)", (pid,))  # type: ignore[attr-defined]
+        with pytest.raises(OSError):
+            writer.commit()
+        deadline = time.monotonic() + 30
+        while True:  # (refused until the engine has dialled again)
+            try:
+                writer.create(ROOT_INO, b"kept", REG, 0, 0, layout_for=pick)
+                break
+            except OSError as e:
+                assert e.errno == errno.EIO and time.monotonic() < deadline
+                time.sleep(0.2)
+        writer.commit()
+        got, _ = feed.read()
+        assert got.names == {(ROOT_INO, b"kept")}
+    finally:
+        follower.close()
+        writer.close()
+
+
+def test_pruned_rows_tell_a_late_follower_everything(writer: MetaStore, where: str) -> None:
+    follower = MetaStore.open(where, readonly=True)
+    try:
+        late = FeedReader(follower)
+        writer.create(ROOT_INO, b"w", REG, 0, 0, layout_for=pick)
+        writer.commit()
+        writer.create(ROOT_INO, b"x", REG, 0, 0, layout_for=pick)
+        writer.commit()
+        current = FeedReader(follower)
+        assert prune(writer, retain_s=3600) == 0  # nothing old enough
+        assert prune(writer, retain_s=0) == 2
+        assert int(writer.setting(PRUNED_KEY) or 0) > late.last
+        assert late.read()[0].everything
+        assert not current.read()[0]  # it had seen all that was pruned
+        writer.create(ROOT_INO, b"y", REG, 0, 0, layout_for=pick)
+        writer.commit()
+        assert current.read()[0].names == {(ROOT_INO, b"y")}
+    finally:
+        follower.close()
+
+
+@pytest.mark.pg
+def test_rows_are_read_in_commit_order_by_a_follower_racing_two_writers(
+        pg_cluster: object) -> None:
+    """Two writers publish at once: a follower reading all the while never skips a
+    row (a number drawn before another commits is never seen after it)."""
+    url = pg_cluster.database()  # type: ignore[attr-defined]
+    MetaStore.format(url, UUID, UNIT).close()
+    names: set[tuple[int, bytes]] = set()
+    stop = threading.Event()
+    follower = MetaStore.open(url, readonly=True)
+    feed = FeedReader(follower)
+
+    def follow() -> None:
+        while not stop.is_set():
+            names.update(feed.read()[0].names)
+
+    def write(tag: str) -> None:
+        s = MetaStore.open(url)
+        s.feed = Noted(tag, 1, channel(UUID))
+        s.feed.everything = False
+        try:
+            for i in range(60):
+                s.txn(lambda i=i: s.create(ROOT_INO, f"{tag}{i}".encode(), REG, 0, 0,
+                                           layout_for=pick))
+        finally:
+            s.close()
+
+    reader = threading.Thread(target=follow)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(t,)) for t in "pq"]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    stop.set()
+    reader.join()
+    names.update(feed.read()[0].names)
+    follower.close()
+    assert names == {(ROOT_INO, f"{t}{i}".encode()) for t in "pq" for i in range(60)}
