@@ -20,6 +20,14 @@ and KV chunks put on the writer (`--kv-chunks` of 2 MiB), read back with `batch_
   kv local  on the writer, from its page cache
   kv node   on the reading node: looked up in the store, copied over from the writer
 
+and the metadata (`--files` empty files in one folder, made on the writer):
+  stat local  stats a second of every file through the writer's mount, a pass after
+              a pass (the kernel's cache warm), then 1.5 s idle, then the pass timed
+  stat node   the same through the reading node's mount: with the change feed its
+              kernel keeps answers past the 1.5 s, without it it asks after 1 s
+  lag         ms from the writer's close of a new file to the reading node seeing it,
+              where its kernel held the name as absent (median of `--lags`)
+
 Needs root, iproute2 and nsenter.
 
     python tools/bench_nodes.py --meta 'postgresql:///bench?host=/run/pg' --size 512MiB
@@ -52,7 +60,8 @@ from mxfs.pool.key import key_path, read_key  # noqa: E402
 from mxfs.proc import python_module  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
 
-ARMS = ("sendfile", "chunks", "node", "local", "kv local", "kv node")
+ARMS = ("sendfile", "chunks", "node", "local", "kv local", "kv node", "stat local",
+        "stat node", "lag")
 KV_CHUNK = 2 << 20
 
 
@@ -137,6 +146,34 @@ def uncached_read(path: str, buf: bytearray) -> float:
     return time.perf_counter() - start
 
 
+def stat_rate(folder: str, names: list[str]) -> float:
+    """Stats a second of every name in `folder`, warm then after 1.5 s idle."""
+    paths = [os.path.join(folder, n) for n in names]
+    for p in paths:
+        os.stat(p)
+    time.sleep(1.5)
+    start = time.perf_counter()
+    for p in paths:
+        os.stat(p)
+    return len(paths) / (time.perf_counter() - start)
+
+
+def visible_after(writer_dir: str, node_dir: str, name: str) -> float:
+    """Seconds from the writer's close of a new file to the reading node seeing it
+    (whose kernel was just told the name is absent)."""
+    seen = os.path.join(node_dir, name)
+    if os.path.exists(seen):
+        raise SystemExit(f"{seen} exists before it was made")
+    start = time.perf_counter()
+    with open(os.path.join(writer_dir, name), "wb") as f:
+        f.write(b"x")
+    while not os.path.exists(seen):
+        if time.perf_counter() - start > 10:
+            raise SystemExit(f"{seen} did not show on the reading node in 10 s")
+        time.sleep(0.0005)
+    return time.perf_counter() - start
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         mode, rest = sys.argv[2], sys.argv[3:]
@@ -150,6 +187,8 @@ def main() -> int:
     ap.add_argument("--meta", required=True, help="an empty PostgreSQL database's URL")
     ap.add_argument("--size", default="512MiB")
     ap.add_argument("--kv-chunks", type=int, default=64)
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--lags", type=int, default=20)
     args = ap.parse_args()
     if not usable():
         raise SystemExit("bench_nodes needs root, iproute2 and nsenter")
@@ -183,6 +222,12 @@ def main() -> int:
         values = [os.urandom(KV_CHUNK) for _ in keys]
         KVStore(pool.mnt, namespace="bench", mode=0o755).batch_put(keys, values)
         kv_bytes = len(keys) * KV_CHUNK
+        names = [f"f{i:06d}" for i in range(args.files)]
+        os.mkdir(os.path.join(pool.mnt, "meta"))
+        for n in names:
+            with open(os.path.join(pool.mnt, "meta", n), "wb"):
+                pass
+        os.mkdir(os.path.join(pool.mnt, "lag"))
         try:
             for p in chunk_paths:  # the writer's chunk files into its page cache
                 read_all(p, bytearray(os.path.getsize(p)))
@@ -204,20 +249,28 @@ def main() -> int:
                 times["local"] = uncached_read(path, buf)
                 for k, t in times.items():
                     rounds[k].append(size / t / 1e9)
+                for arm, mount in (("stat local", pool.mnt), ("stat node", node_mnt)):
+                    rounds[arm].append(stat_rate(os.path.join(mount, "meta"), names))
+                rounds["lag"].append(1000 * statistics.median(
+                    visible_after(os.path.join(pool.mnt, "lag"), os.path.join(node_mnt, "lag"),
+                                  f"r{i}-{k}") for k in range(args.lags)))
         finally:
             server.close()
             subprocess.run(python_module("mxfs", "umount", node_mnt), capture_output=True)
     medians = {k: statistics.median(v) for k, v in rounds.items()}
     print(f"{format_size(size)} held by the writer node, read by a node in a network "
           f"namespace (veth), median of {args.repeat}:")
-    for k, gbps in medians.items():
-        if k.startswith("kv"):
-            continue
+    for k in ("sendfile", "chunks", "node", "local"):
+        gbps = medians[k]
         print(f"  {k:9s} {gbps:6.2f} GB/s  {gbps / medians['sendfile']:.2f} of sendfile")
     print(f"{args.kv_chunks} KV chunks of {format_size(KV_CHUNK)} put on the writer, "
           f"batch_get: on the writer {medians['kv local']:.2f} GB/s, on the reading node "
           f"{medians['kv node']:.2f} GB/s ({medians['kv node'] / medians['sendfile']:.2f} "
           "of sendfile)")
+    print(f"{args.files} files stat'ed after 1.5 s idle: on the writer "
+          f"{medians['stat local']:.0f}/s, on the reading node {medians['stat node']:.0f}/s "
+          f"({medians['stat node'] / medians['stat local']:.2f} of the writer); a new file "
+          f"seen on the reading node {medians['lag']:.1f} ms after its close (median)")
     save_results(args, rounds=rounds, medians=medians)
     return 0
 
