@@ -718,6 +718,10 @@ def test_get_many_reads_rows_by_key_in_few_statements(store: MetaStore, where: s
     assert e.get_many("inodes", "ino", [], ("ino",)) == []
     assert e.get_many("dentries", "ino", [files[5].ino], ("name",)) == [(b"f5",)]
     assert e.get_many("inodes", "ino", [10**12], ("ino",)) == []
+    # ... and only rows matching `where` besides (the keys bind before it)
+    names = [b"f%d" % i for i in range(1100)] + [b"nope"]
+    assert len(e.get_many("dentries", "name", names, ("ino",), {"parent": d.ino})) == 1100
+    assert e.get_many("dentries", "name", names, ("ino",), {"parent": ROOT_INO}) == []
     # readdir of a store that caches nothing reads the inodes that way
     other = fresh(where)
     listed = []

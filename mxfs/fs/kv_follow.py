@@ -1,10 +1,12 @@
 """KV gets on a reading node: the writer's chunks, found in the store and copied over.
 
 A reading node holds no KV index (the writer's lives in the writer's memory), so a
-lookup there reads each key's row and seal from the store, and each chunk found is
-copied from the writer node through its chunk service, in worker threads, into a sealed
-memfd that goes to the caller as a one-member chunk file with the chunk's checksums,
-which the caller checks: a prefix another node computed is a hit on this one.  The copy
+lookup there reads the keys' rows, seals and inodes from the store, a few statements a
+request whatever its keys, in a worker thread on a connection of its own
+(`fs/store_worker.py`: never a round trip on trio's thread), and each chunk found is
+copied from the writer node through its chunk service, in worker threads, straight into
+a sealed memfd that goes to the caller as a one-member chunk file with the chunk's
+checksums, which the caller checks: a prefix another node computed is a hit on this one.  The copy
 is the caller's own, so it needs no read lease; a chunk evicted meanwhile, or a writer
 that cannot serve it, is a miss.
 
@@ -23,9 +25,11 @@ import base64
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import time
 from collections import Counter, deque
+from dataclasses import dataclass, field
 
 import trio
 
@@ -33,8 +37,10 @@ from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import Answer, Session
+from mxfs.fs.store_worker import StoreWorker
 from mxfs.io import PAGE, Layout
-from mxfs.meta import Inode
+from mxfs.meta import Inode, MetaStore
+from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.pool import ChunkFiles
 from mxfs.proto.messages import ChunkReply, Empty, KVExistsReply, KVGetReply
 from mxfs.vol.access import R_OK
@@ -49,10 +55,41 @@ LEND_S = 30.0  # seconds a copy is the caller's to read
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE  # (not SHRINK: taken back)
 
 
+@dataclass
+class _Found:
+    """What the store holds of a namespace and some of its keys."""
+
+    space: tuple[int, int, int, int] | None = None  # (uid, gid, mode, capacity)
+    rows: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key: (ino, size)
+    seals: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # ino: (unit, sums)
+    nodes: dict[int, Inode] = field(default_factory=dict)
+
+
+def _look(store: MetaStore, name: str, keys: list[bytes], chunks: bool) -> _Found:
+    """(Blocking.)  The namespace's row and its keys' rows; with `chunks`, the seals
+    and inodes of what they name too."""
+    e = store.engine
+    row = e.get("kv_ns", {"ns": name}, ("uid", "gid", "mode", "capacity"))
+    found = _Found(None if row is None else (int(row[0]), int(row[1]), int(row[2]),
+                                             int(row[3])))
+    if row is None or not keys:
+        return found
+    found.rows = {bytes(k): (int(ino), int(size)) for k, ino, size in
+                  e.get_many("kv", "key", keys, ("key", "ino", "size"), {"ns": name})}
+    if chunks and found.rows:
+        inos = [ino for ino, _ in found.rows.values()]
+        found.seals = {int(ino): (int(unit), bytes(sums)) for ino, unit, sums in
+                       e.get_many("sealed", "ino", inos, ("ino", "sum_unit", "sums"))}
+        found.nodes = {int(r[0]): Inode(*r) for r in
+                       e.get_many("inodes", "ino", inos, INODE_COLUMNS)}
+    return found
+
+
 class FollowerKV:
     def __init__(self, vol: Volume, index: KVIndex, limits: Limits,
                  limiter: trio.CapacityLimiter) -> None:
         self.vol, self.index, self.limits, self.limiter = vol, index, limits, limiter
+        self.lookups = StoreWorker(vol.pool.meta_location)
         self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
         self.lent_by_uid: Counter[int] = Counter()
 
@@ -77,46 +114,45 @@ class FollowerKV:
     def _may_lend(self, uid: int, size: int) -> bool:
         return uid == 0 or self.lent_by_uid[uid] + size <= self.limits.max_kv_lent_per_user
 
-    def space(self, msg: Msg, session: Session) -> Namespace:
-        """The namespace asked for, as the store has it now, checked for reading."""
+    async def _lookup(self, msg: Msg, session: Session, keys: list[bytes], chunks: bool
+                      ) -> tuple[Namespace, _Found]:
+        """The namespace asked for, as the store has it now, checked for reading, and
+        what the store holds of `keys` (`_look`)."""
         name = check_namespace(msg.get("namespace"))
-        row = self.vol.store.engine.get("kv_ns", {"ns": name},
-                                        ("uid", "gid", "mode", "capacity"))
-        if row is None:
+        found = await self.lookups.run(lambda store: _look(store, name, keys, chunks))
+        if found.space is None:
             self.index.spaces.pop(name, None)
         else:
-            self.index.spaces[name] = Namespace(name, *row)
-        return self.index.space(name, session.caller, R_OK, bool_field(msg, "shared"))
+            self.index.spaces[name] = Namespace(name, *found.space)
+        space = self.index.space(name, session.caller, R_OK, bool_field(msg, "shared"))
+        return space, found
 
     async def refuse(self, msg: Msg, session: Session) -> Answer[Empty]:
         """Every change of the KV tier is the writer node's."""
         raise OSError(errno.EROFS, f"node {self.vol.pool.node} reads the pool: KV chunks "
                       "are put and removed on the writer node")
 
-    def _row(self, space: Namespace, key: bytes) -> tuple[int, int] | None:
-        row = self.vol.store.engine.get("kv", {"ns": space.name, "key": key}, ("ino", "size"))
-        return (int(row[0]), int(row[1])) if row else None
-
     async def exists(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
-        space = self.space(msg, session)
-        return {"present": [self._row(space, k) is not None
-                            for k in keys_field(msg)]}, []
+        keys = keys_field(msg)
+        _, found = await self._lookup(msg, session, keys, chunks=False)
+        return {"present": [k in found.rows for k in keys]}, []
 
     async def get(self, msg: Msg, session: Session) -> Answer[KVGetReply]:
         self.take_back()
-        space = self.space(msg, session)
         uid = session.caller.uid
         keys = keys_field(msg)
         sizes = sizes_field(msg, len(keys))
+        space, looked = await self._lookup(msg, session, keys, chunks=True)
         inline_max = int_field(msg, "inline_max", 0)
         out: list[ChunkReply | None] = []
         wanted: list[tuple[int, Inode, ChunkReply]] = []  # (slot in out, node, sums)
         copied = 0
         for key, want in zip(keys, sizes, strict=True):
-            found = self._row(space, key)
-            seal = self.vol.store.seal_of(found[0]) if found else None
-            if found is None or seal is None or copied + found[1] > MAX_COPY or \
-                    not self._may_lend(uid, copied + found[1]):
+            found = looked.rows.get(key)
+            seal = looked.seals.get(found[0]) if found else None
+            node = looked.nodes.get(found[0]) if found else None
+            if found is None or seal is None or node is None or \
+                    copied + found[1] > MAX_COPY or not self._may_lend(uid, copied + found[1]):
                 space.misses += 1  # (past what one request copies or one uid is lent:
                 out.append(None)   # a miss too)
                 continue
@@ -127,7 +163,7 @@ class FollowerKV:
                 out.append({"size": found[1]})
                 continue
             copied += found[1]
-            wanted.append((len(out), self.vol.store.get(found[0]), sums))
+            wanted.append((len(out), node, sums))
             out.append(None)
         memfds: dict[int, int] = {}  # slot -> the copy
 
@@ -172,20 +208,20 @@ class FollowerKV:
         return {"chunks": out}, fds
 
     def _copy(self, node: Inode) -> int:
-        """Blocking: the chunk's bytes from the writer into a sealed memfd."""
+        """Blocking: the chunk's bytes from the writer straight into a sealed memfd
+        (received into its mapping: no buffer between)."""
         ino, size = node.ino, node.size
-        buf = bytearray(size)
-        chunks = ChunkFiles(self.vol.pool, ino, self.vol.layout(node))
-        try:
-            chunks.read(0, memoryview(buf))
-        finally:
-            chunks.close()
         fd = os.memfd_create(f"mxfs-kv-{ino}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            view, at = memoryview(buf), 0
-            while at < size:
-                at += os.pwrite(fd, view[at:], at)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            os.ftruncate(fd, size)
+            if size:
+                chunks = ChunkFiles(self.vol.pool, ino, self.vol.layout(node))
+                try:
+                    with mmap.mmap(fd, size) as m, memoryview(m) as view:
+                        chunks.read(0, view)
+                finally:
+                    chunks.close()
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # (its mapping gone: writes seal)
         except BaseException:
             os.close(fd)
             raise

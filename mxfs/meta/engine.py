@@ -97,9 +97,10 @@ class Engine(ABC):
 
     @abstractmethod
     def get_many(self, table: str, column: str, keys: Iterable[object],
-                 columns: Sequence[str]) -> list[Row]:
-        """The named columns of every row whose `column` is one of `keys`, in few
-        statements (not one per key): in no particular order, none for a missing key."""
+                 columns: Sequence[str], where: Where | None = None) -> list[Row]:
+        """The named columns of every row whose `column` is one of `keys` (and that
+        matches `where`, equalities), in few statements (not one per key): in no
+        particular order, none for a missing key."""
 
     @abstractmethod
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,

@@ -515,12 +515,14 @@ class PgEngine(Engine):
         return self._exec(text, tuple(where.values()), again=True).fetchone()
 
     def get_many(self, table: str, column: str, keys: Iterable[object],
-                 columns: Sequence[str]) -> list[Row]:
+                 columns: Sequence[str], where: Where | None = None) -> list[Row]:
         keys = list(dict.fromkeys(keys))
-        text = self._sql[("get_many", table, column, tuple(columns), 0)]
+        where = where or {}
+        text = self._sql[("get_many", table, column, tuple(columns), 0, tuple(where))]
         out: list[Row] = []
         for i in range(0, len(keys), MANY):
-            out += self._exec(text, (keys[i:i + MANY],), again=True).fetchall()
+            out += self._exec(text, (keys[i:i + MANY], *where.values()),
+                              again=True).fetchall()
         return out
 
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,

@@ -83,10 +83,13 @@ def _one_of(d: Dialect, column: str, n: int) -> str:
     return f" WHERE {column} {keys}"
 
 
-def select_in(d: Dialect, name: str, columns: Sequence[str], column: str, n: int) -> str:
+def select_in(d: Dialect, name: str, columns: Sequence[str], column: str, n: int,
+              where: Sequence[str] = ()) -> str:
+    """(The keys bind first, then `where`'s values.)"""
     t = table(name)
-    _check(t, [*columns, column])
-    return f"SELECT {', '.join(columns)} FROM {t.name}{_one_of(d, column, n)}"
+    _check(t, [*columns, column, *where])
+    also = "".join(f" AND {c}={d.mark}" for c in where)
+    return f"SELECT {', '.join(columns)} FROM {t.name}{_one_of(d, column, n)}{also}"
 
 
 def delete_in(d: Dialect, name: str, column: str, n: int) -> str:
@@ -148,7 +151,7 @@ def statement(d: Dialect, key: Shape) -> str:
     if op == "get":
         return select(d, name, rest[1], rest[0])
     if op == "get_many":
-        return select_in(d, name, rest[1], rest[0], rest[2])
+        return select_in(d, name, rest[1], rest[0], rest[2], rest[3])
     if op == "put":
         return put(d, name, rest[0])
     if op == "scan":

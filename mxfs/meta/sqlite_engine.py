@@ -208,13 +208,15 @@ class SqliteEngine(Engine):
             raise _overflow(e) from None
 
     def get_many(self, table: str, column: str, keys: Iterable[object],
-                 columns: Sequence[str]) -> list[Row]:
+                 columns: Sequence[str], where: Where | None = None) -> list[Row]:
         keys = list(dict.fromkeys(keys))
+        where = where or {}
         out: list[Row] = []
         for i in range(0, len(keys), _MANY):
             part = _padded(keys[i:i + _MANY])
-            text = self._sql[("get_many", table, column, tuple(columns), len(part))]
-            out += self._run(text, part).fetchall()
+            text = self._sql[("get_many", table, column, tuple(columns), len(part),
+                              tuple(where))]
+            out += self._run(text, (*part, *where.values())).fetchall()
         return out
 
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
