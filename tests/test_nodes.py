@@ -411,3 +411,46 @@ def test_a_reading_node_drops_what_the_writer_changed_as_it_commits(
             assert (bd / "y").read_bytes() == b"y"
             assert not (bd / "x").exists()
             assert _status(b)["feed"]["live"]
+
+
+def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A reading node looks KV keys up in the metadata server; a lookup the server is
+    slow to answer (here: the table locked) waits in a worker thread, while the
+    daemon goes on answering other requests; it is answered once the server is."""
+    import threading
+
+    import psycopg
+
+    from mxfs.client.control import ControlClient
+    from mxfs.kv import KVStore
+
+    url = pg_cluster.database()
+    members = make_members(tmp_path / "a")
+    mkfs(members, "64KiB", "--meta", url)
+    with node_net() as net, \
+            mounted_pool(members, "chunk_port=0", "lease_s=3", "node=a",
+                         f"chunk_addr={net.host_ip}") as a:
+        KVStore(str(a.path), namespace="t", mode=0o755).put(b"k" * 32, b"v" * 100)
+        config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
+        with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
+            keys = [b"k" * 32] + [os.urandom(32) for _ in range(4095)]
+            kv = KVStore(str(b.path), namespace="t")
+            assert kv.batch_exists(keys) == 1
+            got: list[object] = []
+            with psycopg.connect(url) as lock:
+                lock.execute("LOCK TABLE kv IN ACCESS EXCLUSIVE MODE")
+                asking = threading.Thread(target=lambda: got.append(kv.batch_exists(keys)))
+                asking.start()
+                try:
+                    assert eventually(lambda: lock.execute(
+                        "SELECT count(*) FROM pg_locks WHERE relation = 'kv'::regclass "
+                        "AND NOT granted").fetchone() == (1,), 15)
+                    with ControlClient(str(b.path)) as c:  # answered meanwhile
+                        assert c.call("hello")["pool_uuid"]
+                    assert asking.is_alive() and not got  # (the lookup still waits)
+                finally:
+                    lock.rollback()
+                asking.join(30)
+            assert got == [1]
+            kv.close()
