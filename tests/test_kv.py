@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -292,6 +293,7 @@ def test_pin_says_which_keys_it_leased(mounted: Mounted) -> None:
 
 SHARER = r"""
 import sys
+import time
 from mxfs.kv import KVStore
 kv = KVStore(sys.argv[1], "shared")
 me = int(sys.argv[2])
@@ -480,3 +482,44 @@ def test_a_store_with_a_reuse_policy_reads_a_prefix_only_where_it_pays(mounted: 
         assert kv.prefix_to_read(keys, 5 * 256, have_tokens=2 * 256) == 3  # what fits after
     with KVStore(str(mounted.path), "policy") as plain:  # no policy: the prefix hit
         assert plain.prefix_to_read(keys, 5 * 256) == 4
+
+
+def test_concurrent_misses_are_computed_once(mounted: Mounted) -> None:
+    """Two clients miss the same keys at once: the first claims them, the second is
+    told they are busy and waits for the first's puts, then gets them; a claim given
+    up (its connection closed) or run out frees its keys at once."""
+    import threading
+
+    a = KVStore(str(mounted.path), "claims")
+    b = KVStore(str(mounted.path), "claims")
+    try:
+        k1, k2, k3 = b"c1" * 16, b"c2" * 16, b"c3" * 16
+        assert a.claim([k1, k2]) == ["yours", "yours"]
+        assert a.claim([k1]) == ["yours"]  # (one's own claim: still its own)
+        assert b.claim([k1, k3]) == ["busy", "yours"]
+        waited: list[list[bool]] = []
+        waiter = threading.Thread(target=lambda: waited.append(b.wait([k1], 30)))
+        waiter.start()
+        value = os.urandom(3 << 20)  # (a chunk put through descriptors: create, commit)
+        a.put(k1, value)
+        waiter.join(30)
+        assert waited == [[True]]
+        assert b.get(k1) == value
+        assert b.claim([k1]) == ["stored"]
+        # The claimer goes away without putting k2: the waiter goes on, nothing stored,
+        # and the key is free to claim.
+        waiter = threading.Thread(target=lambda: waited.append(b.wait([k2], 30)))
+        waiter.start()
+        a.close()
+        waiter.join(30)
+        assert waited[-1] == [False]
+        assert b.claim([k2]) == ["yours"]
+        # A claim runs out.
+        c = KVStore(str(mounted.path), "claims")
+        assert c.claim([b"c4" * 16], seconds=0.2) == ["yours"]
+        time.sleep(0.5)
+        assert b.claim([b"c4" * 16]) == ["yours"]
+        c.close()
+    finally:
+        a.close()
+        b.close()

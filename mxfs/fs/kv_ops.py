@@ -23,6 +23,7 @@ import trio
 
 from mxfs.fs.fair import BITE, Slice, in_bites
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
+from mxfs.fs.kv_claims import CLAIM_S, Claims
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_follow import COPIERS, FollowerKV
 from mxfs.fs.limits import Limits
@@ -49,6 +50,7 @@ from mxfs.proto.messages import (
     DeletedReply,
     Empty,
     EvictedReply,
+    KVClaimReply,
     KVCommitReply,
     KVConfigReply,
     KVCreateReply,
@@ -94,6 +96,7 @@ NS_OPS = ("kv_ns_create", "kv_ns_remove")
 # caller who does not own the namespace must then have asked to share it).
 _NEEDS = {"kv_put": (W_OK, True), "kv_create": (W_OK, True), "kv_commit": (W_OK, True),
           "kv_get": (R_OK, True), "kv_exists": (R_OK, True), "kv_unpin": (0, False),
+          "kv_claim": (W_OK, True), "kv_wait": (R_OK, True),
           "kv_list": (R_OK, False), "kv_delete": (W_OK, False), "kv_evict": (W_OK, False),
           "kv_config": (0, False)}
 
@@ -123,6 +126,7 @@ class KVOps:
         self.index = index
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
+        self.claims = Claims(self.limits.max_kv_claims_per_conn)  # keys being computed
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS)) \
             if vol.pool.node else None
@@ -133,6 +137,7 @@ class KVOps:
         in_space: dict[str, InSpace] = {
             "kv_put": self._put, "kv_create": self._create, "kv_commit": self._commit,
             "kv_unpin": self._unpin_keys, "kv_exists": self._exists,
+            "kv_claim": self._claim, "kv_wait": self._wait,
             "kv_delete": self._delete, "kv_list": self._list, "kv_config": self._config,
             "kv_evict": self._evict_to}
         table: dict[str, Handler] = {op: self._in_space(op, fn) for op, fn in in_space.items()}
@@ -142,7 +147,7 @@ class KVOps:
             table.update({"kv_get": follower.get, "kv_exists": follower.exists})
             table.update({op: follower.refuse for op in (
                 "kv_put", "kv_create", "kv_commit", "kv_delete", "kv_config", "kv_evict",
-                "kv_ns_create", "kv_ns_remove")})
+                "kv_ns_create", "kv_ns_remove", "kv_claim", "kv_wait")})
         return table
 
     def _in_space(self, op: str, fn: InSpace) -> Handler:
@@ -170,6 +175,17 @@ class KVOps:
     async def _exists(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[KVExistsReply]:
         return {"present": [k in space.chunks for k in keys_field(msg)]}, []
+
+    async def _claim(self, msg: Msg, session: Session, space: Namespace
+                     ) -> Answer[KVClaimReply]:
+        ms = int_field(msg, "ms", int(CLAIM_S * 1000))
+        return {"state": self.claims.claim(space, keys_field(msg), session, ms / 1000)}, []
+
+    async def _wait(self, msg: Msg, session: Session, space: Namespace
+                    ) -> Answer[KVExistsReply]:
+        ms = int_field(msg, "ms", int(CLAIM_S * 1000))
+        return {"present": await self.claims.wait(space, keys_field(msg), session,
+                                                  ms / 1000)}, []
 
     async def _delete(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[DeletedReply]:
@@ -211,7 +227,8 @@ class KVOps:
         shared = bool_field(msg, "shared")
         # Puts (and setting a capacity) may make the namespace on first use: private
         # to its maker unless the request gives a mode.  Other ops need one that exists.
-        create = _mode(msg, 0o700) if op in ("kv_put", "kv_create", "kv_config") else None
+        create = _mode(msg, 0o700) if op in ("kv_put", "kv_create", "kv_config",
+                                             "kv_claim") else None
         return self.index.space(msg.get("namespace"), caller, mask, shared or not moves,
                                 create_mode=create)
 
@@ -229,6 +246,7 @@ class KVOps:
             await share.due()
         if self.index.spaces.get(name) is not space:
             raise OSError(errno.ENOENT, f"KV namespace {name!r} was removed meanwhile")
+        self.claims.dropped(name)
         return {"deleted": deleted + self.index.drop_namespace(space)}, []
 
     async def _ns_create(self, msg: Msg, session: Session) -> Answer[NamespaceStats]:
@@ -299,6 +317,7 @@ class KVOps:
                 unit = self.vol.layout(entry.node).unit
                 self.index.insert(space, key, entry.node.ino, len(raw), unit,
                                   pack_sums(block_sums(raw, unit)))
+                self.claims.stored(space, key)
             finally:
                 self.vol.release(entry.node.ino)
             stored.append(True)
@@ -344,6 +363,7 @@ class KVOps:
             self.index.insert(space, key, entry.node.ino, size, sum_unit, sums)
         except FileExistsError:
             stored = False  # another writer won; this copy is dropped below
+        self.claims.stored(space, key)
         session.let_go(entry.node.ino)
         self.vol.release(entry.node.ino)
         evicted = self.index.enforce(space) if stored else 0
@@ -471,7 +491,8 @@ class KVOps:
                     chunk.pins -= 1
 
     def release(self, session: Session) -> None:
-        """The connection closed: its read leases end."""
+        """The connection closed: its read leases and claims end."""
+        self.claims.release(session)
         for (ns, key), n in session.pins.items():
             chunk = self.index.spaces[ns].chunks.get(key) if ns in self.index.spaces else None
             if chunk is not None:

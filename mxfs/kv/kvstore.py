@@ -35,6 +35,7 @@ from mxfs.kv.reuse_policy import ReusePolicy
 from mxfs.proto import MAX_FDS
 from mxfs.proto.constants import MAX_KEY
 from mxfs.proto.messages import (
+    KV_CLAIM,
     KV_COMMIT,
     KV_CONFIG,
     KV_CREATE,
@@ -46,6 +47,7 @@ from mxfs.proto.messages import (
     KV_PUT,
     KV_STATS,
     KV_UNPIN,
+    KV_WAIT,
     ChunkReply,
     InNamespace,
     KVGetRequest,
@@ -508,6 +510,24 @@ class KVStore:
         """Whether each key is stored (none are while the namespace does not exist)."""
         found = self._lookup(KV_EXISTS({**self._ns, "keys": [_b64(k) for k in keys]}))
         return [False] * len(keys) if found is None else list(found[0]["present"])
+
+    # ---- computing a miss once ------------------------------------------------------
+
+    def claim(self, keys: Sequence[Key], seconds: float = 10.0) -> list[str]:
+        """Claim the missing `keys` this caller is about to compute and put, so that
+        others missing them at once wait for its puts (`wait`) instead of computing them
+        too.  Each key: "yours" (claimed: compute and put it), "stored" (get it), or
+        "busy" (another is computing it: `wait`, then get what was put).  A claim ends
+        at its key's put, at this store's close, or after `seconds` (at most 60)."""
+        return list(self._ask(KV_CLAIM({**self._ns, "keys": [_b64(k) for k in keys],
+                                        "ms": int(seconds * 1000)}))["state"])
+
+    def wait(self, keys: Sequence[Key], seconds: float = 10.0) -> list[bool]:
+        """Wait until no one else's claim on `keys` is live (each put, given up or run
+        out), at most `seconds` (at most 60); then whether each key is stored."""
+        got = self._lookup(KV_WAIT({**self._ns, "keys": [_b64(k) for k in keys],
+                                    "ms": int(seconds * 1000)}))
+        return [False] * len(keys) if got is None else list(got[0]["present"])
 
     def delete(self, key: Key) -> bool:
         return self._ask(KV_DELETE({**self._ns, "keys": [_b64(key)]}))["deleted"] == 1

@@ -331,6 +331,18 @@ class KVExistsReply(TypedDict):
     present: list[bool]
 
 
+class KVClaimRequest(KeysRequest, total=False):
+    ms: int  # how long the claims last (`fs/kv_claims.py`)
+
+
+class KVClaimReply(TypedDict):
+    state: list[str]  # each key: "yours", "stored" or "busy"
+
+
+class KVWaitRequest(KeysRequest, total=False):
+    ms: int  # how long to wait at most
+
+
 class DeletedReply(TypedDict):
     deleted: int
 
@@ -439,6 +451,8 @@ KV_COMMIT = Op("kv_commit", KVCommitRequest, KVCommitReply)
 KV_GET = Op("kv_get", KVGetRequest, KVGetReply)
 KV_UNPIN = Op("kv_unpin", KeysRequest, Empty)
 KV_EXISTS = Op("kv_exists", KeysRequest, KVExistsReply)
+KV_CLAIM = Op("kv_claim", KVClaimRequest, KVClaimReply)
+KV_WAIT = Op("kv_wait", KVWaitRequest, KVExistsReply)
 KV_DELETE = Op("kv_delete", KeysRequest, DeletedReply)
 KV_STATS = Op("kv_stats", InNamespace, KVStatsReply)
 KV_LIST = Op("kv_list", KVListRequest, KVListReply)
@@ -455,6 +469,6 @@ QUOTA = Op("quota", QuotaRequest, QuotaReport)
 # Every op this protocol version serves, by name.
 BY_NAME: dict[str, Op[Any, Any]] = {op.name: op for op in (
     HELLO, STAT, LAYOUT, OPEN_READ, CREATE, COMMIT, ABORT, KV_PUT, KV_CREATE, KV_COMMIT,
-    KV_GET, KV_UNPIN, KV_EXISTS, KV_DELETE, KV_STATS, KV_LIST, KV_CONFIG, KV_EVICT,
-    KV_NS_CREATE, KV_NS_REMOVE, META_BACKUP, META_SYNC, METRICS, DF, QUOTA)}
+    KV_GET, KV_UNPIN, KV_EXISTS, KV_CLAIM, KV_WAIT, KV_DELETE, KV_STATS, KV_LIST,
+    KV_CONFIG, KV_EVICT, KV_NS_CREATE, KV_NS_REMOVE, META_BACKUP, META_SYNC, METRICS, DF, QUOTA)}
 OPS = tuple(BY_NAME)
