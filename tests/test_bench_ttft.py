@@ -298,6 +298,27 @@ def test_serving_reuses_across_instances_and_tokens_equal_without_pool(
 
 
 @needs_fuse
+def test_instances_missing_one_prompt_at_once_compute_it_once(
+        pair: list[instances.Instance]) -> None:
+    """The same long prompt sent to both instances at once: one claims its chunks and
+    computes them, the other waits for its puts and reads them (`kv_claims`), so the
+    prompt's chunks are computed once between them, and both answer the same tokens."""
+    import random
+    rng = random.Random(11)
+    vocab = pair[0].hello.result()["vocab"]
+    tokens = [rng.randrange(vocab) for _ in range(12 * CHUNK + 5)]
+    whole = 12 * CHUNK
+    futures = [inst.submit("serve", tokens=tokens, new_tokens=6, read=True, put=True,
+                           local=False) for inst in pair]
+    got = [f.result(timeout=600) for f in futures]
+    assert got[0]["tokens"] == got[1]["tokens"]
+    computed = sorted(g["computed_tokens"] for g in got)
+    assert computed == [len(tokens) - whole, len(tokens)], got
+    assert sorted(g["pool_tokens"] for g in got) == [0, whole]
+    assert sum(g["put_chunks"] for g in got) == whole // CHUNK
+
+
+@needs_fuse
 def test_pool_unmounted_mid_run_instances_recompute_and_go_on(
         mounted: Mounted, tmp_path: Path) -> None:
     [inst] = instances.start(TINY, 1, str(mounted.path), str(tmp_path), threads=1,

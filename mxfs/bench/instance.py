@@ -87,12 +87,17 @@ class Engine:
             self.local.move_to_end(keys[n_local])
             parts.append(self.local[keys[n_local]])
             n_local += 1
-        n_pool, read_s, found = 0, 0.0, 0
+        n_pool, read_s, found, waited_s = 0, 0.0, 0, 0.0
         planned: dict[str, Any] = {}
         if read and self.tier is not None and n_local < usable:
             t0 = time.monotonic()
             want = keys[n_local:usable]
             found = self.tier.prefix(want)
+            # What another instance is computing right now is waited for, not computed
+            # again; what this one computes, the others wait for (`kv_claims`).
+            if put and found < len(want) and self.tier.wait_for_others(want[found:]):
+                found = self.tier.prefix(want)
+            waited_s = time.monotonic() - t0
             if found and policy:
                 plan = self.policy.plan(len(tokens), found, n_local * self.chunk)
                 found, planned = plan.read_chunks, asdict(plan)
@@ -109,10 +114,18 @@ class Engine:
         first = self.lm.step(tokens[done * self.chunk:], cache)
         t_first = time.monotonic()
         self.policy.observe_prefill(len(tokens), done * self.chunk, t_first - t_prefill)
-        out = self.lm.decode(first, cache, new_tokens)
-        t_done = time.monotonic()
+        # The prompt's new chunks are put before decoding: instances waiting on this
+        # one's claim go on as soon as its prefill is done.
         fresh = self.lm.chunks_of(cache, done, len(keys), self.chunk) \
             if (put or local) and len(keys) > done else []
+        stored = refused = 0
+        put_s = 0.0
+        if put and self.tier is not None and fresh:
+            t0 = time.monotonic()
+            stored, refused = self.tier.put(keys[done:], fresh)
+            put_s = time.monotonic() - t0
+        out = self.lm.decode(first, cache, new_tokens)
+        t_done = time.monotonic()
         if local and self.local_chunks:
             got = [(keys[n_local + i], parts[n_local + i].clone()) for i in range(n_pool)]
             for k, t in got + list(zip(keys[done:], fresh, strict=True)):
@@ -120,17 +133,12 @@ class Engine:
                 self.local.move_to_end(k)
             while len(self.local) > self.local_chunks:
                 self.local.popitem(last=False)
-        stored = refused = 0
-        put_s = 0.0
-        if put and self.tier is not None and fresh:
-            t0 = time.monotonic()
-            stored, refused = self.tier.put(keys[done:], fresh)
-            put_s = time.monotonic() - t0
         return {"tokens": out, "received_at": t_in, "first_at": t_first, "done_at": t_done,
                 "ttft_s": t_first - t_in, "prompt_tokens": len(tokens),
                 "local_tokens": n_local * self.chunk, "pool_tokens": n_pool * self.chunk,
                 "computed_tokens": len(tokens) - done * self.chunk,
                 "looked_up": len(keys[n_local:usable]) if read else 0,
+                "lookup_s": waited_s,
                 "read_chunks_planned": found, "plan": planned,
                 "read_bytes": n_pool * self.chunk_bytes, "read_s": read_s,
                 "build_s": t_prefill - t_build, "prefill_s": t_first - t_prefill,

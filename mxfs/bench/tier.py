@@ -23,6 +23,10 @@ log = logging.getLogger("mxfs.bench")
 
 HASH_ALGO = "lmcache-blake3"
 FAILURES = (OSError, MxfsError, ProtocolError, ValueError, KeyError, EOFError)
+# An instance's claim on the chunks it computes lasts this long (a long prefill, its
+# put), and one waits that long at most for another instance's (`wait_for_others`).
+CLAIM_S = 30.0
+WAIT_S = 30.0
 
 
 def chunk_keys(tokens: Sequence[int], model_id: str, dtype: str, layout: str,
@@ -92,6 +96,23 @@ class PoolTier:
         except FAILURES as e:
             self._failed("lookup", e)
             return 0
+
+    def wait_for_others(self, keys: Sequence[bytes]) -> bool:
+        """Claim `keys`, about to be computed and put (`KVStore.claim`); wait, bounded,
+        for those another instance is computing.  True if any is stored meanwhile or
+        was being computed elsewhere (look the prefix up again)."""
+        kv = self._store() if keys else None
+        if kv is None:
+            return False
+        try:
+            states = kv.claim(keys, seconds=CLAIM_S)
+            busy = [k for k, s in zip(keys, states, strict=True) if s == "busy"]
+            if busy:
+                kv.wait(busy, seconds=WAIT_S)
+            return bool(busy) or "stored" in states
+        except FAILURES as e:
+            self._failed("claim", e)
+            return False
 
     def get(self, keys: Sequence[bytes], outs: Sequence[Any]) -> int:
         """Read chunks into `outs`; how many from the first arrived whole and checked (a
