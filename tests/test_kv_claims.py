@@ -28,7 +28,7 @@ def _run(fn: object) -> None:
 def test_states_and_what_ends_a_claim() -> None:
     async def main() -> None:
         space = Namespace("n", 0, 0, 0o777, 0)
-        claims = Claims(per_conn=8)
+        claims = Claims(per_user=8)
         a, b = _session(), _session()
         assert claims.claim(space, [b"k1", b"k2"], a, 10) == [YOURS, YOURS]
         assert claims.claim(space, [b"k1", b"k3"], b, 10) == [BUSY, YOURS]
@@ -48,7 +48,7 @@ def test_states_and_what_ends_a_claim() -> None:
 def test_a_wait_ends_with_the_claim_or_its_bound() -> None:
     async def main() -> None:
         space = Namespace("n", 0, 0, 0o777, 0)
-        claims = Claims(per_conn=8)
+        claims = Claims(per_user=8)
         a, b = _session(), _session()
         claims.claim(space, [b"k"], a, 5)
         start = trio.current_time()
@@ -77,15 +77,19 @@ def test_a_wait_ends_with_the_claim_or_its_bound() -> None:
     _run(main)
 
 
-def test_one_connection_holds_at_most_its_limit() -> None:
+def test_one_uid_holds_at_most_its_limit() -> None:
     async def main() -> None:
         space = Namespace("n", 0, 0, 0o777, 0)
-        claims = Claims(per_conn=2)
-        a = _session()
-        claims.claim(space, [b"a", b"b"], a, 10)
+        claims = Claims(per_user=2)
+        a, a2 = _session(1000), _session(1000)
+        claims.claim(space, [b"a"], a, 10)
+        claims.claim(space, [b"b"], a2, 1)
         assert claims.claim(space, [b"a"], a, 10) == [YOURS]  # (renewing is not more)
-        with pytest.raises(OSError) as e:
+        with pytest.raises(OSError) as e:  # (its two connections together)
             claims.claim(space, [b"c"], a, 10)
         assert e.value.errno == errno.EDQUOT
-        assert claims.claim(space, [b"c"], _session(), 10) == [YOURS]
+        assert claims.claim(space, [b"c"], _session(1001), 10) == [YOURS]
+        assert claims.claim(space, [b"d", b"e", b"f"], _session(0), 10) == [YOURS] * 3
+        await trio.sleep(2)  # a2's claim ran out: room again
+        assert claims.claim(space, [b"c2"], a, 10) == [YOURS]
     _run(main)

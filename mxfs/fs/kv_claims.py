@@ -10,14 +10,16 @@ or their claim ends, then gets what was put and computes the rest.
 A claim ends when its key is stored, when its connection closes, or CLAIM_S seconds
 after it was made (at most MAX_CLAIM_S, whatever the client asks): a client that dies
 or never puts costs the others one bounded wait, never a hang.  Claims are taken only
-in a namespace the caller may write, at most `max_kv_claims_per_conn` a connection, and
-a wait lasts at most MAX_WAIT_S: a tenant can delay others' computing by its claims'
-time, no more.
+in a namespace the caller may write, at most `max_kv_claims_per_user` for all of one
+uid's connections (a claim holds its key, up to 1 KiB, in the daemon's memory; root:
+no limit), and a wait lasts at most MAX_WAIT_S: a tenant can delay others' computing by
+its claims' time, no more.
 """
 
 from __future__ import annotations
 
 import errno
+from collections import Counter
 from dataclasses import dataclass, field
 
 import trio
@@ -40,10 +42,11 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, per_conn: int) -> None:
-        self.per_conn = per_conn  # claims one connection may hold at once
+    def __init__(self, per_user: int) -> None:
+        self.per_user = per_user  # claims one uid may hold at once (root: any number)
         self._held: dict[tuple[str, bytes], Claim] = {}
         self._by_session: dict[int, set[tuple[str, bytes]]] = {}  # id(session): keys
+        self._by_uid: Counter[int] = Counter()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -60,6 +63,10 @@ class Claims:
         if claim is None:
             return
         claim.done.set()
+        uid = claim.session.caller.uid
+        self._by_uid[uid] -= 1
+        if self._by_uid[uid] <= 0:
+            del self._by_uid[uid]
         mine = self._by_session.get(id(claim.session))
         if mine is not None:
             mine.discard(key)
@@ -83,12 +90,10 @@ class Claims:
             if held is not None and held.session is not session:
                 out.append(BUSY)
                 continue
-            if held is None and len(mine) >= self.per_conn:
-                raise OSError(errno.EDQUOT, f"this connection holds {len(mine)} KV claims, "
-                              "as many as it may (max_kv_claims_per_conn): put or wait "
-                              "on those first")
             if held is None:
+                self._room(session.caller.uid)
                 self._held[k] = Claim(session, until)
+                self._by_uid[session.caller.uid] += 1
                 mine.add(k)
             else:
                 held.until = until
@@ -96,6 +101,17 @@ class Claims:
         if mine:
             self._by_session[id(session)] = mine
         return out
+
+    def _room(self, uid: int) -> None:
+        """EDQUOT if `uid` holds as many claims as it may (those run out dropped first)."""
+        if uid == 0 or self._by_uid[uid] < self.per_user:
+            return
+        now = trio.current_time()
+        for k in [k for k, c in self._held.items() if c.until <= now]:
+            self._end(k)
+        if self._by_uid[uid] >= self.per_user:
+            raise OSError(errno.EDQUOT, f"uid {uid} holds {self._by_uid[uid]} KV claims, as "
+                          "many as it may (max_kv_claims_per_user): put those keys first")
 
     async def wait(self, space: Namespace, keys: list[bytes], session: Session,
                    seconds: float) -> list[bool]:

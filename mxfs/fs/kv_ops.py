@@ -126,7 +126,7 @@ class KVOps:
         self.index = index
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
-        self.claims = Claims(self.limits.max_kv_claims_per_conn)  # keys being computed
+        self.claims = Claims(self.limits.max_kv_claims_per_user)  # keys being computed
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS)) \
             if vol.pool.node else None

@@ -28,7 +28,7 @@ class Limits:
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
     max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid
-    max_kv_claims_per_conn: int = 4096  # KV keys one connection claims to compute at once
+    max_kv_claims_per_user: int = 16384  # KV keys one uid claims to compute at once
     idle_timeout: int = 3600        # s: a connection holding nothing is closed when idle so long
     frame_timeout: int = 10         # s: a started request must arrive whole, a reply be taken
     max_chunk_conns: int = 256      # chunk service connections (fs/chunk_service.py), all peers
