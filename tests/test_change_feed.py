@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mxfs.meta import ROOT_INO, MetaStore
+from mxfs.meta import ROOT_INO, MetaStore, change_feed
 from mxfs.meta.change_feed import (
     MAX_NOTED,
     PRUNED_KEY,
@@ -135,7 +135,8 @@ def test_a_lost_group_publishes_nothing(pg_cluster: object) -> None:
         writer.close()
 
 
-def test_pruned_rows_tell_a_late_follower_everything(writer: MetaStore, where: str) -> None:
+def test_pruned_rows_tell_a_late_follower_everything(writer: MetaStore, where: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     follower = MetaStore.open(where, readonly=True)
     try:
         late = FeedReader(follower)
@@ -145,6 +146,7 @@ def test_pruned_rows_tell_a_late_follower_everything(writer: MetaStore, where: s
         writer.commit()
         current = FeedReader(follower)
         assert prune(writer, retain_s=3600) == 0  # nothing old enough
+        monkeypatch.setattr(change_feed, "PRUNE_BATCH", 1)  # (batch after batch)
         assert prune(writer, retain_s=0) == 2
         assert int(writer.setting(PRUNED_KEY) or 0) > late.last
         assert late.read()[0].everything

@@ -28,6 +28,7 @@ from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
+from mxfs.fs.store_worker import StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
@@ -307,12 +308,16 @@ class Daemon:
         vol.lease = None  # (not ours to give back at unmount)
 
     async def _prune_feed(self) -> None:
-        """A writer: the change feed's rows older than its retention go, once a minute."""
+        """A writer: the change feed's rows older than its retention go, once a minute,
+        on a connection of their own in a worker thread (never on trio's)."""
         failures = FailureLog(log)
+        pruner = StoreWorker(self.vol.pool.meta_location, readonly=False)
         while True:
             await trio.sleep(60)
+            if self.vol.store.readonly:  # (fenced: the pool is another node's now)
+                continue
             try:
-                change_feed.prune(self.vol.store)
+                await pruner.run(change_feed.prune)
             except Exception as e:
                 failures.note("prune", None, e, trace=not isinstance(e, OSError))
 

@@ -31,6 +31,7 @@ RETAIN_S = 600
 PRUNED_KEY = "changes_pruned"  # setting: every row numbered up to it was pruned
 MAX_NOTED = 20_000
 READ_BATCH = 256  # rows a follower reads at once
+PRUNE_BATCH = 10_000  # rows pruned in one change
 COLUMNS = ("seq", "node", "epoch", "body")
 
 _HEAD = struct.Struct("!BIII")  # flags, inodes, inodes with new data, names
@@ -171,19 +172,27 @@ class Noted:
 
 def prune(store: MetaStore, retain_s: float = RETAIN_S) -> int:
     """Drop feed rows older than `retain_s` (by this node's clock, which wrote them),
-    raising the pruned mark first; rows dropped.  A writer calls it now and then."""
+    PRUNE_BATCH at a time, each batch raising the pruned mark as it goes; rows dropped.
+    A writer calls it now and then, on a connection of its own (`fs/daemon.py`): a
+    tenant that commits in a loop (fsync after fsync) adds a row each time."""
     cutoff = time.time_ns() - int(retain_s * 1e9)
-    old = [seq for seq, at in store.engine.scan("changes", ("seq", "at"), order="seq",
-                                                limit=10_000) if at < cutoff]
-    if not old:
-        return 0
+    dropped = 0
+    while True:
+        rows = list(store.engine.scan("changes", ("seq", "at"), order="seq",
+                                      limit=PRUNE_BATCH))
+        old = [seq for seq, at in rows if at < cutoff]
+        if not old:
+            return dropped
 
-    def change() -> None:
-        mark = int(store.setting(PRUNED_KEY) or 0)
-        store.engine.upsert("settings", {"key": PRUNED_KEY, "value": str(max(mark, old[-1]))})
-        store.engine.remove_many("changes", "seq", old)
-    store.txn(change)
-    return len(old)
+        def change(old: list[int] = old) -> None:
+            mark = int(store.setting(PRUNED_KEY) or 0)
+            store.engine.upsert("settings", {"key": PRUNED_KEY,
+                                             "value": str(max(mark, old[-1]))})
+            store.engine.remove_many("changes", "seq", old)
+        store.txn(change)
+        dropped += len(old)
+        if len(old) < len(rows) or len(rows) < PRUNE_BATCH:
+            return dropped
 
 
 class FeedReader:
