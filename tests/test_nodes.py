@@ -147,6 +147,10 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 res = mxfs("scrub", str(b.path), check=False)
                 assert res.returncode != 0 and "run it on node a" in res.stderr, res.stderr
                 assert "members are node a's" in mxfs("df", str(b.path)).stdout
+                # Its statfs is the writer's members' space, as the writer published it
+                # (never a count of every row of the store).
+                assert os.statvfs(b.path).f_blocks == os.statvfs(a.path).f_blocks > 0
+                assert _status(b)["inodes"] > 0
                 # A KV chunk put on the writer is a hit on the reading node (copied over
                 # from the writer, its checksums checked); puts are the writer's.
                 from mxfs.kv import KVStore

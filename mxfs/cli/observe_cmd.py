@@ -44,14 +44,15 @@ def cmd_df(args: argparse.Namespace) -> int:
                           "by_use_shown": shown, "by_use_scaled": scaled}, indent=2))
         return 0
     far = sorted({m["node"] for m in members if m.get("node")})
-    if far and not args.json:
-        print(f"the members are node {', '.join(far)}'s: run mxfs df there for their space")
-        return 0
+    if far:
+        print(f"the members are node {', '.join(far)}'s: their space as it last published "
+              "it (every 10 s)")
     print(f"{'member':>6}  {'size':>10}  {'used':>10}  {'free':>10}  path")
     for m in members:
         state = f"  FAILED: {m['failed']}" if m.get("failed") else ""
+        where = f"(node {m['node']})" if m.get("node") else m["path"]
         print(f"{m['index']:>6}  {format_size(m['size']):>10}  {format_size(m['used']):>10}  "
-              f"{format_size(m['free']):>10}  {m['path']}{state}")
+              f"{format_size(m['free']):>10}  {where}{state}")
     shared = (f"  ({len(members)} members on {pool['filesystems']} filesystem"
               f"{'s' if pool['filesystems'] != 1 else ''}, each counted once)"
               if pool["filesystems"] < len(members) else "")

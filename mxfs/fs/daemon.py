@@ -35,7 +35,7 @@ from mxfs.io.batch import ENGINE
 from mxfs.meta import backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
-from mxfs.vol.volume import Volume
+from mxfs.vol.volume import STATS_EVERY_S, Volume
 
 log = logging.getLogger("mxfs.daemon")
 
@@ -227,8 +227,8 @@ class Daemon:
             tasks.append(self.control.wake.run)
         if self.feed is not None:
             tasks.append(self.feed.run)
-        if self.vol.store.feed is not None:
-            tasks.append(self._prune_feed)
+        if self.vol.store.feed is not None:  # a writer whose pool other nodes may mount
+            tasks += [self._prune_feed, self._publish_stats]
         return tasks
 
     async def serve(self, ready: Callable[[], None]) -> None:
@@ -321,6 +321,17 @@ class Daemon:
             except Exception as e:
                 failures.note("prune", None, e, trace=not isinstance(e, OSError))
 
+    async def _publish_stats(self) -> None:
+        """A writer: its members' space and the inode count, for the reading nodes."""
+        failures = FailureLog(log)
+        while True:
+            try:
+                if not self.vol.store.readonly:
+                    self.vol.publish_stats()
+            except Exception as e:
+                failures.note("stats", None, e, trace=not isinstance(e, OSError))
+            await trio.sleep(STATS_EVERY_S)
+
     async def _backups(self) -> None:
         """Copy the metadata store to the next member every `backup_s` seconds."""
         while True:
@@ -336,7 +347,7 @@ def pool_gauges(control: ControlServer) -> Iterator[Any]:
     """Prometheus gauges read at scrape time: members, inodes, KV namespaces."""
     from prometheus_client.core import GaugeMetricFamily
 
-    members: list[Mapping[str, Any]] = list(control.vol.pool.usage())  # read by name
+    members: list[Mapping[str, Any]] = list(control.vol.usage())  # read by name
     for name, what in (("size", "Member capacity"), ("free", "Member free space"),
                        ("used", "Member space used")):
         g = GaugeMetricFamily(f"mxfs_member_{name}_bytes", what, labels=["member"])
@@ -349,7 +360,7 @@ def pool_gauges(control: ControlServer) -> Iterator[Any]:
         failed.add_metric([str(m["index"])], 1 if m.get("failed") else 0)
     yield failed
     yield GaugeMetricFamily("mxfs_inodes", "Inodes in the pool",
-                            value=control.vol.store.count_inodes())
+                            value=control.vol.count_inodes())
     alive = GaugeMetricFamily("mxfs_node_alive", "1 while the node's lease is live (a pool "
                               "on a metadata server)", labels=["node", "role"])
     for node in control.status.nodes():

@@ -512,13 +512,13 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
-        total = pool_totals(self.vol.pool.usage())  # members sharing a disk count once
+        total = pool_totals(self.vol.usage())  # members sharing a disk count once
         bsize = 4096
         s.f_bsize = s.f_frsize = bsize
         s.f_blocks = total["size"] // bsize
         s.f_bfree = (total["size"] - total["used"]) // bsize
         s.f_bavail = total["free"] // bsize
-        used = self.store.count_inodes()
+        used = self.vol.count_inodes()
         s.f_files = max(used * 2, 1 << 24)
         s.f_ffree = s.f_favail = s.f_files - used
         s.f_namemax = NAME_MAX

@@ -70,10 +70,10 @@ class StatusOps:
         return {**status}, []
 
     async def _metrics(self, msg: Msg, session: Session) -> Answer[MetricsReply]:
-        return {**self.metrics.snapshot(), "members": self.vol.pool.usage()}, []
+        return {**self.metrics.snapshot(), "members": self.vol.usage()}, []
 
     async def _df(self, msg: Msg, session: Session) -> Answer[DfReply]:
-        return {"members": self.vol.pool.usage(),
+        return {"members": self.vol.usage(),
                 "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
 
     async def _quota(self, msg: Msg, session: Session) -> Answer[QuotaReport]:
@@ -93,7 +93,7 @@ class StatusOps:
                 "pool_uuid": pool.uuid, "label": pool.label,
                 "stripe_unit": pool.stripe_unit,
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.listener.path,
-                "members": pool.usage(), "inodes": self.vol.store.count_inodes(),
+                "members": self.vol.usage(), "inodes": self.vol.count_inodes(),
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
                 "native_engine": native_engine()[1], "io_taken_back": taken_back(),
                 "limits": self.usage_of_limits(),

@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
@@ -29,6 +31,7 @@ from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import Owner, RemoteMembers
 from mxfs.pool.revoke import Held
+from mxfs.proto.messages import MemberUsage
 from mxfs.vol.quota import Freeing, Quotas
 from mxfs.vol.spares import Spares
 
@@ -76,6 +79,9 @@ class Volume:
         self.readers = 0
         # Set when mount found the store damaged and put a backup in its place.
         self.restored_from: str | None = None
+        # A reading node's view of what the writer published (`publish_stats`): when it
+        # was read, and the stats.
+        self._stats: tuple[float, dict[str, Any] | None] = (-STATS_FRESH_S, None)
 
     @classmethod
     def open(cls, spec: str, readonly: bool = False, recover_meta: bool = False,
@@ -198,6 +204,50 @@ class Volume:
             raise MxfsError("the pool's lease was taken while mounting",
                             "see mxfs status for the node that holds it")
         self.store.set_setting(KEY_ID_KEY, key_name)
+
+    # ---- space and inodes, on every node ------------------------------------
+
+    def publish_stats(self) -> None:
+        """The writer: its members' space and the inode count, in the store for the
+        reading nodes (their statfs and status would otherwise count every row, and
+        they cannot see the members)."""
+        self.store.set_setting(STATS_KEY, json.dumps(
+            {"inodes": self.store.count_inodes(), "members": self.pool.usage()}))
+
+    def _published(self) -> dict[str, Any] | None:
+        """A reading node: what the writer last published, read at most every
+        STATS_FRESH_S seconds (statfs may be asked in a loop by anyone)."""
+        at, stats = self._stats
+        if time.monotonic() - at >= STATS_FRESH_S:
+            try:
+                text = self.store.setting(STATS_KEY)
+                stats = json.loads(text) if text else None
+            except (OSError, ValueError):
+                stats = None
+            self._stats = (time.monotonic(), stats)
+        return stats
+
+    def usage(self) -> list[MemberUsage]:
+        """Each member's space (`Pool.usage`); another node's as its writer published
+        it, "node" naming whose it is."""
+        out = self.pool.usage()
+        if not self.pool.node:
+            return out
+        theirs = {m["index"]: m for m in (self._published() or {}).get("members", [])}
+        for m in out:
+            pub = theirs.get(m["index"])
+            if pub is not None and m.get("node"):
+                m["size"], m["free"], m["used"] = (int(pub.get(k, 0)) for k in
+                                                   ("size", "free", "used"))
+                if "dev" in pub:  # (members sharing a disk on the writer count once)
+                    m["dev"] = int(pub["dev"])
+        return out
+
+    def count_inodes(self) -> int:
+        """How many inodes the pool holds (a reading node: as the writer published it)."""
+        if not self.pool.node:
+            return self.store.count_inodes()
+        return int((self._published() or {}).get("inodes", 0))
 
     def _count_readers(self, store: MetaStore) -> None:
         """The writer's keeper, after each renewal: which reading nodes are alive.  A new
@@ -503,6 +553,9 @@ class Volume:
 
 
 MEMBERS_KEY = "members"  # what the writer last said of its members, for reading nodes
+STATS_KEY = "pool_stats"  # its members' space and the inode count (`publish_stats`)
+STATS_FRESH_S = 5.0  # a reading node reads them at most this often
+STATS_EVERY_S = 10.0  # the writer publishes them this often
 KEY_ID_KEY = "key_id"  # the pool key's name (`pool.key.key_id`), for joining nodes
 
 
