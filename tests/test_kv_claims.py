@@ -35,6 +35,9 @@ def test_states_and_what_ends_a_claim() -> None:
         space.chunks[b"k1"] = Chunk(ino=5, size=1, atime=0, sum_unit=1, sums=b"")
         claims.stored(space, b"k1")
         assert claims.claim(space, [b"k1"], b, 10) == [STORED]
+        assert claims.claim(space, [b"k3"], b, 0) == [YOURS]  # given up: free
+        assert claims.claim(space, [b"k3"], a, 10) == [YOURS]
+        assert claims.claim(space, [b"k3"], b, 0) == [BUSY]  # (a's, not b's to give up)
         claims.release(a)  # a's connection closed: k2 is free
         assert claims.claim(space, [b"k2"], b, 10) == [YOURS]
         assert claims.claim(space, [b"k4"], a, 1) == [YOURS]

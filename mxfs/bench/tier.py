@@ -136,6 +136,10 @@ class PoolTier:
             stored = kv.batch_put(keys, bufs)
         except FAILURES as e:
             self._failed("put", e)
+            try:  # (claimed in `wait_for_others`: those waiting on them go on now)
+                kv.unclaim(keys)
+            except FAILURES:
+                pass
             return 0, len(keys)
         return sum(stored), 0
 

@@ -7,9 +7,10 @@ each key is its to compute ("yours"), stored already ("stored"), or another clie
 compute ("busy"), and for those a client waits (`kv_wait`, bounded) until they are put,
 or their claim ends, then gets what was put and computes the rest.
 
-A claim ends when its key is stored, when its connection closes, or CLAIM_S seconds
-after it was made (at most MAX_CLAIM_S, whatever the client asks): a client that dies
-or never puts costs the others one bounded wait, never a hang.  Claims are taken only
+A claim ends when its key is stored, when its client gives it up (it will not put
+the key after all), when its connection closes, or CLAIM_S seconds after it was made
+(at most MAX_CLAIM_S, whatever the client asks): a client that dies or never puts
+costs the others one bounded wait, never a hang.  Claims are taken only
 in a namespace the caller may write, at most `max_kv_claims_per_user` for all of one
 uid's connections (a claim holds its key, up to 1 KiB, in the daemon's memory; root:
 no limit), and a wait lasts at most MAX_WAIT_S: a tenant can delay others' computing by
@@ -76,8 +77,16 @@ class Claims:
     def claim(self, space: Namespace, keys: list[bytes], session: Session,
               seconds: float) -> list[str]:
         """Each key's state for `session`: YOURS (claimed now, or already), STORED, or
-        BUSY (another connection's claim is live)."""
-        seconds = min(max(seconds, 0.001), MAX_CLAIM_S)
+        BUSY (another connection's claim is live).  `seconds` <= 0 gives the session's
+        claims on `keys` up (it will not put them: the waiters go on)."""
+        if seconds <= 0:
+            for key in keys:
+                held = self._held.get((space.name, key))
+                if held is not None and held.session is session:
+                    self._end((space.name, key))
+            return [STORED if key in space.chunks else BUSY if self._live((space.name, key))
+                    else YOURS for key in keys]
+        seconds = min(seconds, MAX_CLAIM_S)
         until = trio.current_time() + seconds
         mine = self._by_session.get(id(session), set())
         out = []

@@ -522,6 +522,11 @@ class KVStore:
         return list(self._ask(KV_CLAIM({**self._ns, "keys": [_b64(k) for k in keys],
                                         "ms": int(seconds * 1000)}))["state"])
 
+    def unclaim(self, keys: Sequence[Key]) -> None:
+        """Give up this store's claims on `keys` (they will not be put after all): those
+        waiting on them go on at once."""
+        self._ask(KV_CLAIM({**self._ns, "keys": [_b64(k) for k in keys], "ms": 0}))
+
     def wait(self, keys: Sequence[Key], seconds: float = 10.0) -> list[bool]:
         """Wait until no one else's claim on `keys` is live (each put, given up or run
         out), at most `seconds` (at most 60); then whether each key is stored."""
