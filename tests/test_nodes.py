@@ -458,3 +458,47 @@ def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
                 asking.join(30)
             assert got == [1]
             kv.close()
+
+
+def test_a_slow_reading_node_stalls_nobody_else(tmp_path: Path, pg_cluster: Any) -> None:
+    """The reading node's link limited to 4 Mbit/s (tc tbf): its reads are slow and
+    whole, and while one is in flight the writer node's own users are answered (the
+    chunk service sends from worker threads, never from the daemon's one thread)."""
+    import threading
+
+    from mxfs.client.control import ControlClient
+    from mxfs.kv import KVStore
+
+    url = pg_cluster.database()
+    members = make_members(tmp_path / "a")
+    mkfs(members, "64KiB", "--meta", url)
+    with node_net() as net, \
+            mounted_pool(members, "chunk_port=0", "lease_s=3", "node=a",
+                         f"chunk_addr={net.host_ip}") as a:
+        data = os.urandom(2 << 20)
+        (a.path / "big.bin").write_bytes(data)
+        chunk = os.urandom(1 << 20)
+        KVStore(str(a.path), namespace="t", mode=0o755).put(b"s" * 32, chunk)
+        config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
+        with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
+            net.slow("4mbit")  # ~0.5 MB/s: the file takes seconds
+            try:
+                got: list[bytes] = []
+                reading = threading.Thread(
+                    target=lambda: got.append((b.path / "big.bin").read_bytes()))
+                reading.start()
+                try:
+                    # Meanwhile, on the writer: a write, a read, a control request.
+                    (a.path / "other.bin").write_bytes(b"x" * 100_000)
+                    assert (a.path / "other.bin").read_bytes() == b"x" * 100_000
+                    with ControlClient(str(a.path)) as c:
+                        assert c.call("hello")["pool_uuid"]
+                    assert reading.is_alive()  # (the slow read was still in flight)
+                finally:
+                    reading.join(120)
+                assert got == [data]
+                kv = KVStore(str(b.path), namespace="t", shared=True)
+                assert kv.get(b"s" * 32) == chunk  # a KV copy over the slow link, whole
+                kv.close()
+            finally:
+                net.slow(None)

@@ -47,6 +47,17 @@ class NodeNet:
             subprocess.run(["ip", "-n", self.ns, "neigh", "flush", "dev", self.peer],
                            capture_output=True)
 
+    def slow(self, rate: str | None) -> None:
+        """Limit what the host sends the node to `rate` (tc's tbf: "4mbit"), as a slow
+        or distant node's link; None lifts the limit."""
+        if rate is None:
+            subprocess.run(["tc", "qdisc", "del", "dev", self.link, "root"],
+                           capture_output=True)
+            return
+        subprocess.run(["tc", "qdisc", "replace", "dev", self.link, "root", "tbf", "rate",
+                        rate, "burst", "32kbit", "latency", "500ms"], check=True,
+                       capture_output=True)
+
 
 @contextmanager
 def node_net(tag: str, subnet: str) -> Iterator[NodeNet]:
