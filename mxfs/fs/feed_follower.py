@@ -68,7 +68,8 @@ class FeedFollower:
 
     def status(self) -> FeedStatus:
         return {"role": "follows", "live": self.kernel.feed_live, "seq": self.applied,
-                "invalidations": self.invalidations, "error": self.error}
+                "invalidations": self.invalidations, "error": self.error,
+                "answers_s": self.kernel.answers_s}
 
     async def run(self) -> None:
         """The daemon's task: the thread runs while the mount does."""

@@ -32,6 +32,12 @@ class KernelCache:
         self._held: dict[Key, float] = {}  # key -> when its answer runs out
         self._lock = threading.Lock()  # (`held` is asked from the feed's thread)
 
+    @property
+    def answers_s(self) -> float:
+        """How long the kernel keeps an answer given now (without the HELD_LIMIT)."""
+        return TIMEOUT if not self.follow else FEED_TIMEOUT if self.feed_live \
+            else FOLLOW_TIMEOUT
+
     def timeout(self, key: Key) -> float:
         """The timeout of an answer about `key`, given now."""
         if not self.follow:

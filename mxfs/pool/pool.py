@@ -597,10 +597,12 @@ def pool_totals(members: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     on one disk (as in the demo) share its space and must not add it up N times."""
     seen: dict[object, Mapping[str, Any]] = {}
     for m in members:
-        if m.get("failed") or m.get("node"):
+        if m.get("failed"):
             continue
         dev = m.get("dev")
-        if dev is None:  # a daemon from before "dev": ask here
+        if m.get("node"):  # another node's (as it published it): its devices are its own
+            dev = (m["node"], dev if dev is not None else m["path"])
+        elif dev is None:  # a daemon from before "dev": ask here
             try:
                 dev = os.stat(m["path"]).st_dev
             except OSError:
