@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 
 from mxfs.meta import ROOT_INO, MetaStore, change_feed
-from mxfs.meta.change_feed import (
-    MAX_NOTED,
-    PRUNED_KEY,
-    Change,
-    FeedReader,
-    Noted,
-    channel,
-    prune,
-)
+from mxfs.meta.change_feed import PRUNED_KEY, FeedReader, prune
+from mxfs.meta.feed_notes import MAX_NOTED, Change, Noted, channel
 
 UNIT = 1 << 20
 UUID = "00000000-0000-4000-8000-000000000027"

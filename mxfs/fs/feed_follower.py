@@ -23,8 +23,9 @@ import trio
 
 from mxfs.fs.kernel_cache import FOLLOW_TIMEOUT, KernelCache
 from mxfs.meta import MetaStore, location
-from mxfs.meta.change_feed import Change, FeedReader, channel
+from mxfs.meta.change_feed import FeedReader
 from mxfs.meta.engine import Unusable
+from mxfs.meta.feed_notes import Change, channel
 from mxfs.proto.messages import FeedStatus
 
 log = logging.getLogger("mxfs.fs")

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from mxfs.meta import location
-from mxfs.meta.change_feed import Noted
 from mxfs.meta.engine import Conflict, Engine, fail
+from mxfs.meta.feed_notes import Noted
 from mxfs.meta.inode import ROOT_INO, Entry, Inode, LayoutPicker
 from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name

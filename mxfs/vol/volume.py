@@ -21,9 +21,9 @@ from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
-from mxfs.meta import Inode, MetaStore, Unusable, backup, change_feed, lease, location
-from mxfs.meta.change_feed import Noted
+from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
+from mxfs.meta.feed_notes import Noted, channel
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.key import read_key
@@ -178,7 +178,7 @@ class Volume:
             # Each group the writer commits is published for the reading nodes, the
             # first as "everything": what happened before this session is unknown.
             self.store.feed = Noted(self.lease.name, self.lease.epoch,
-                                    change_feed.channel(self.pool.uuid))
+                                    channel(self.pool.uuid))
             self.store.set_setting(MEMBERS_KEY, json.dumps(
                 {"count": len(self.pool.members), "stripe_unit": self.pool.stripe_unit}))
             self.keeper = lease.Keeper(self.pool.meta_location, self.lease, self.store.engine,
