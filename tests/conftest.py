@@ -362,6 +362,17 @@ def pg_cluster() -> Iterator[Any]:
     yield from server_or_skip()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a fresh metadata store of each engine lives: a folder, or a database of the
+    session's PostgreSQL server (the tests that drive `MetaStore` without FUSE)."""
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("pg_cluster").database())
+    folder = tmp_path / "meta"
+    folder.mkdir()
+    return str(folder)
+
+
 @pytest.fixture
 def meta_engine(request: pytest.FixtureRequest) -> str:
     """Where the test's pool keeps its metadata: "sqlite" (member 0), or "postgresql"

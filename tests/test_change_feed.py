@@ -9,7 +9,6 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,13 +27,9 @@ def pick(ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
     return unit or UNIT, width or 4, ino % 4
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "postgresql":
-        return str(request.getfixturevalue("pg_cluster").database())
-    folder = tmp_path / "meta"
-    folder.mkdir()
-    return str(folder)
+@pytest.fixture
+def where(store_where: str) -> str:
+    return store_where
 
 
 @pytest.fixture

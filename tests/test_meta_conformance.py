@@ -27,7 +27,6 @@ from mxfs.meta.schema import TABLES
 
 UNIT = 1 << 20
 UUID = "00000000-0000-4000-8000-000000000015"
-ENGINES = ["sqlite", "postgresql"]
 REG, DIR = stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755
 
 
@@ -35,14 +34,10 @@ def pick(ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
     return unit or UNIT, width or 4, ino % 4
 
 
-@pytest.fixture(params=ENGINES)
-def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Where a fresh store of the engine under test lives."""
-    if request.param == "postgresql":
-        return request.getfixturevalue("pg_cluster").database()
-    folder = tmp_path / "meta"
-    folder.mkdir()
-    return str(folder)
+@pytest.fixture
+def where(store_where: str) -> str:
+    """Where a fresh store of the engine under test lives (`conftest.store_where`)."""
+    return store_where
 
 
 @pytest.fixture

@@ -8,16 +8,19 @@ reads EIO, never stale bytes, while the writer is dead.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import signal
 import stat
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import xxhash
 from conftest import (
@@ -31,10 +34,14 @@ from conftest import (
     mxfs,
     node_net,
 )
+from netns import NodeNet
 from users import ensure_users, run_as
 
+from mxfs.client.control import ControlClient
 from mxfs.client.direct import open_reader
-from mxfs.pool.key import KEY_NAME
+from mxfs.io.chunk_client import ChunkClient
+from mxfs.kv import KVStore
+from mxfs.pool.key import KEY_NAME, load_key
 
 pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
               pytest.mark.nodes]
@@ -73,6 +80,26 @@ def _join(tmp_path: Path, url: str, key: str, name: str = "b") -> str:
     res = mxfs("node", "add", "--meta", url, "--key", key, "--name", name, "--config", config)
     assert f"node {name} joined pool" in res.stdout
     return config
+
+
+WRITER = ("chunk_port=0", "lease_s=3", "node=a")  # node a: the members, chunks served
+
+
+@contextlib.contextmanager
+def _writer_node(tmp_path: Path, url: str) -> Iterator[tuple[NodeNet, Mounted, list[str]]]:
+    """A pool on `url` mounted here as writer node a, and a namespace for a second
+    node: (its network, a's mount, a's members)."""
+    members = make_members(tmp_path / "a")
+    mkfs(members, "64KiB", "--meta", url)
+    with node_net() as net, mounted_pool(members, *WRITER, f"chunk_addr={net.host_ip}") as a:
+        yield net, a, members
+
+
+def _reading_node(tmp_path: Path, url: str, net: NodeNet, members: list[str]
+                  ) -> contextlib.AbstractContextManager[Mounted]:
+    """Node b joined (`mxfs node add`, with a's key) and mounted in `net`."""
+    config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
+    return mount_with([config], "lease_s=3", prefix=net.enter, check=False)
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not serve)",
@@ -153,7 +180,6 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert _status(b)["inodes"] > 0
                 # A KV chunk put on the writer is a hit on the reading node (copied over
                 # from the writer, its checksums checked); puts are the writer's.
-                from mxfs.kv import KVStore
                 small, large = os.urandom(100), os.urandom(3 << 20)
                 on_a = KVStore(str(a.path), namespace="t", mode=0o755)
                 on_a.put(b"s" * 32, small)
@@ -261,16 +287,11 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
     server = next(server_gen)
     try:
         url = server.database()
-        members = make_members(tmp_path / "a")
-        mkfs(members, "64KiB", "--meta", url)
-        with node_net() as net, \
-                mounted_pool(members, "chunk_port=0", "lease_s=3", "node=a",
-                             f"chunk_addr={net.host_ip}") as a:
+        with _writer_node(tmp_path, url) as (net, a, members):
             files = {f"f{i}": os.urandom(300_000) for i in range(3)}
             for name, data in files.items():
                 (a.path / name).write_bytes(data)
-            config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
-            with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
+            with _reading_node(tmp_path, url, net, members) as b:
                 assert (b.path / "f0").read_bytes() == files["f0"]
                 fd = os.open(b.path / "f1", os.O_RDONLY)  # opened before the outage
                 served = _chunk_service(a, members[0])
@@ -298,9 +319,6 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
 def _chunk_service(m: Mounted, member0: str) -> Callable[[int], bytes | None]:
     """Ask the node's chunk service straight for the first 4 KiB of an inode on member
     0 (the file's bytes, or None when it refuses or cannot be reached)."""
-    from mxfs.io.chunk_client import ChunkClient
-    from mxfs.pool.key import load_key
-
     status = _status(m)
     addr = status["chunk_service"]
     key = load_key(member0)
@@ -326,7 +344,6 @@ def _reads_fd(fd: int) -> bytes | None:
 
 def _published(url: str) -> int:
     """The last change feed row committed (read straight from the server)."""
-    import psycopg
     with psycopg.connect(url) as conn:
         row = conn.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()
     assert row is not None
@@ -349,19 +366,14 @@ def test_a_reading_node_drops_what_the_writer_changed_as_it_commits(
     file rewritten in place are seen at once, not after a timeout.  The feed's own
     connection killed by the server: rows missed meanwhile are read on reconnecting."""
     url = pg_cluster.database()
-    members = make_members(tmp_path / "a")
-    mkfs(members, "64KiB", "--meta", url)
-    with node_net() as net, \
-            mounted_pool(members, "chunk_port=0", "lease_s=3", "node=a",
-                         f"chunk_addr={net.host_ip}") as a:
+    with _writer_node(tmp_path, url) as (net, a, members):
         d = a.path / "d"
         d.mkdir()
         for name in ("f1", "g", "h"):
             (d / name).write_bytes(name.encode())
         big = os.urandom(1 << 20)
         (d / "big").write_bytes(big)
-        config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
-        with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
+        with _reading_node(tmp_path, url, net, members) as b:
             bd = b.path / "d"
             assert eventually(lambda: _status(b)["feed"]["live"], 15)
             assert _status(a)["feed"]["role"] == "publishes"
@@ -393,7 +405,6 @@ def test_a_reading_node_drops_what_the_writer_changed_as_it_commits(
 
             # The server ends the feed's connection; what the writer changes meanwhile
             # is read once the node has connected again.
-            import psycopg
             with psycopg.connect(url, autocommit=True) as conn:
                 killed = conn.execute("SELECT count(pg_terminate_backend(pid)) FROM "
                                       "pg_stat_activity WHERE application_name = "
@@ -413,22 +424,10 @@ def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
     """A reading node looks KV keys up in the metadata server; a lookup the server is
     slow to answer (here: the table locked) waits in a worker thread, while the
     daemon goes on answering other requests; it is answered once the server is."""
-    import threading
-
-    import psycopg
-
-    from mxfs.client.control import ControlClient
-    from mxfs.kv import KVStore
-
     url = pg_cluster.database()
-    members = make_members(tmp_path / "a")
-    mkfs(members, "64KiB", "--meta", url)
-    with node_net() as net, \
-            mounted_pool(members, "chunk_port=0", "lease_s=3", "node=a",
-                         f"chunk_addr={net.host_ip}") as a:
+    with _writer_node(tmp_path, url) as (net, a, members):
         KVStore(str(a.path), namespace="t", mode=0o755).put(b"k" * 32, b"v" * 100)
-        config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
-        with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
+        with _reading_node(tmp_path, url, net, members) as b:
             keys = [b"k" * 32] + [os.urandom(32) for _ in range(4095)]
             kv = KVStore(str(b.path), namespace="t")
             assert kv.batch_exists(keys) == 1
@@ -455,23 +454,13 @@ def test_a_slow_reading_node_stalls_nobody_else(tmp_path: Path, pg_cluster: Any)
     """The reading node's link limited to 4 Mbit/s (tc tbf): its reads are slow and
     whole, and while one is in flight the writer node's own users are answered (the
     chunk service sends from worker threads, never from the daemon's one thread)."""
-    import threading
-
-    from mxfs.client.control import ControlClient
-    from mxfs.kv import KVStore
-
     url = pg_cluster.database()
-    members = make_members(tmp_path / "a")
-    mkfs(members, "64KiB", "--meta", url)
-    with node_net() as net, \
-            mounted_pool(members, "chunk_port=0", "lease_s=3", "node=a",
-                         f"chunk_addr={net.host_ip}") as a:
+    with _writer_node(tmp_path, url) as (net, a, members):
         data = os.urandom(2 << 20)
         (a.path / "big.bin").write_bytes(data)
         chunk = os.urandom(1 << 20)
         KVStore(str(a.path), namespace="t", mode=0o755).put(b"s" * 32, chunk)
-        config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
-        with mount_with([config], "lease_s=3", prefix=net.enter, check=False) as b:
+        with _reading_node(tmp_path, url, net, members) as b:
             net.slow("4mbit")  # ~0.5 MB/s: the file takes seconds
             try:
                 got: list[bytes] = []
