@@ -32,7 +32,7 @@ from mxfs.fs.store_worker import StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
-from mxfs.meta import backup, change_feed, lease, location
+from mxfs.meta import Unusable, backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
 from mxfs.vol.volume import STATS_EVERY_S, Volume
@@ -144,8 +144,13 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         feed = None
         if reading and location.is_server(vol.pool.meta_location):
             # (connected before the mount: the kernel holds nothing the feed missed)
-            feed = FeedFollower(vol.pool.meta_location, vol.pool.uuid, vol.pool.node,
-                                ops.kernel, ops.kernel_held, ops.data_changed)
+            try:
+                feed = FeedFollower(vol.pool.meta_location, vol.pool.uuid, vol.pool.node,
+                                    ops.kernel, ops.kernel_held, ops.data_changed)
+            except (OSError, Unusable) as e:
+                raise MxfsError(f"the pool's change feed cannot be followed ({e})",
+                                "check the metadata server (mxfs status on the writer "
+                                "node) and mount again") from None
         if reading:
             fuse_opts.add("ro")
             owner = vol.pool.remote.owner if vol.pool.remote else None

@@ -139,9 +139,11 @@ class FeedFollower:
             self._invalidate(pyfuse3.invalidate_inode, ino, True)
 
     def _invalidate(self, call: Callable[..., None], *args: object) -> None:
+        if self._stop.is_set():  # (the mount is ending: FUSE's session may be gone)
+            return
         try:
             call(*args)
             self.invalidations += 1
         except OSError as e:
-            if e.errno != errno.ENOENT and not self._stop.is_set():  # (ENOENT: not held)
+            if e.errno != errno.ENOENT:  # (ENOENT: the kernel held nothing of it)
                 log.warning("invalidating %s in the kernel: %s", args, e)

@@ -31,6 +31,7 @@ from mxfs.vol.kv_index import Namespace
 CLAIM_S = 10.0  # how long a claim lasts unless the client says
 MAX_CLAIM_S = 60.0
 MAX_WAIT_S = 60.0
+SWEEP_S = 1.0  # a uid at its limit has claims run out dropped at most this often
 
 YOURS, STORED, BUSY = "yours", "stored", "busy"
 
@@ -48,6 +49,7 @@ class Claims:
         self._held: dict[tuple[str, bytes], Claim] = {}
         self._by_session: dict[int, set[tuple[str, bytes]]] = {}  # id(session): keys
         self._by_uid: Counter[int] = Counter()
+        self._swept: dict[int, float] = {}  # uid: when claims run out were last dropped
 
     def __len__(self) -> int:
         return len(self._held)
@@ -116,8 +118,10 @@ class Claims:
         if uid == 0 or self._by_uid[uid] < self.per_user:
             return
         now = trio.current_time()
-        for k in [k for k, c in self._held.items() if c.until <= now]:
-            self._end(k)
+        if now - self._swept.get(uid, -SWEEP_S) >= SWEEP_S:  # (a scan of every claim:
+            self._swept[uid] = now                              # once a second a uid)
+            for k in [k for k, c in self._held.items() if c.until <= now]:
+                self._end(k)
         if self._by_uid[uid] >= self.per_user:
             raise OSError(errno.EDQUOT, f"uid {uid} holds {self._by_uid[uid]} KV claims, as "
                           "many as it may (max_kv_claims_per_user): put those keys first")
