@@ -22,6 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import torch
 import xxhash
 from conftest import (
     HAVE_FUSE,
@@ -35,13 +36,17 @@ from conftest import (
     node_net,
 )
 from netns import NodeNet
+from safetensors.torch import save_file
 from users import ensure_users, run_as
 
 from mxfs.client.control import ControlClient
-from mxfs.client.direct import open_reader
+from mxfs.client.direct import PlainFile, RemoteFile, open_reader
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
+from mxfs.load import load_file
 from mxfs.pool.key import KEY_NAME, load_key
+from mxfs.proto.chunk_wire import ANSWER, READ, WireError
+from mxfs.proto.messages import CLOSE_READ, OPEN_READ
 
 pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
               pytest.mark.nodes]
@@ -95,11 +100,11 @@ def _writer_node(tmp_path: Path, url: str) -> Iterator[tuple[NodeNet, Mounted, l
         yield net, a, members
 
 
-def _reading_node(tmp_path: Path, url: str, net: NodeNet, members: list[str]
-                  ) -> contextlib.AbstractContextManager[Mounted]:
+def _reading_node(tmp_path: Path, url: str, net: NodeNet, members: list[str],
+                  *options: str) -> contextlib.AbstractContextManager[Mounted]:
     """Node b joined (`mxfs node add`, with a's key) and mounted in `net`."""
     config = _join(tmp_path, url, str(Path(members[0], KEY_NAME)))
-    return mount_with([config], "lease_s=3", prefix=net.enter, check=False)
+    return mount_with([config], "lease_s=3", *options, prefix=net.enter, check=False)
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not serve)",
@@ -482,3 +487,122 @@ def test_a_slow_reading_node_stalls_nobody_else(tmp_path: Path, pg_cluster: Any)
                 kv.close()
             finally:
                 net.slow(None)
+
+
+def _grant(b: Mounted, name: str) -> tuple[ControlClient, dict[str, Any], list[ChunkClient]]:
+    """A connection of its own to b's daemon, and the scoped connections to the owner
+    its `open_read` of `name` hands over (taken up without the key)."""
+    client = ControlClient(str(b.path))
+    reply, fds = client.request_with_fds(OPEN_READ({"path": "/" + name, "remote": True}))
+    grant = reply["remote"]
+    return client, dict(reply), [ChunkClient.adopt(fd, grant["addr"], grant["epoch"])
+                                 for fd in fds]
+
+
+def _refused(conn: ChunkClient, ino: int, member: int = 0) -> int:
+    """The errno the owner answers a READ with (0: it sent the bytes; -1: the
+    connection is shut)."""
+    try:
+        conn.read(ino, member, 0, 4096)
+        return 0
+    except OSError as e:
+        return e.errno or -1
+    except WireError:
+        return -1
+
+
+def _served(a: Mounted) -> int:
+    return int(_status(a)["chunk_service"]["served_bytes"])
+
+
+def test_a_reading_node_reads_straight_from_the_owner(tmp_path: Path, pg_cluster: Any
+                                                      ) -> None:
+    """The direct path on a reading node: its daemon hands a reader connections to the
+    owner's chunk service scoped to one file; the reader moves the bytes, can reach
+    nothing else, and loses them when its right ends."""
+    url = pg_cluster.database()
+    users = ensure_users()
+    with _writer_node(tmp_path, url) as (net, a, members):
+        tensors = {"w": torch.randn(300, 1000), "b": torch.arange(10)}
+        save_file(tensors, str(a.path / "m.safetensors"))
+        (a.path / "m.safetensors").chmod(0o644)
+        (a.path / "secret.bin").write_bytes(os.urandom(1 << 20))
+        (a.path / "secret.bin").chmod(0o600)
+        big = os.urandom(64 << 20)  # 16 MiB a member: more than a socket holds
+        (a.path / "big.bin").write_bytes(big)
+        warm = os.urandom(4 << 20)
+        (a.path / "warm.bin").write_bytes(warm)
+        secret_ino = (a.path / "secret.bin").stat().st_ino
+        with _reading_node(tmp_path, url, net, members, "max_remote_reads_per_user=8") as b:
+            # The loader reads the owner's chunk service itself, not b's mount.
+            with open_reader(str(b.path / "m.safetensors")) as f:
+                assert isinstance(f, RemoteFile)
+            before = _served(a)
+            got = load_file(str(b.path / "m.safetensors"))
+            assert set(got) == set(tensors)
+            assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+            assert _served(a) - before >= (a.path / "m.safetensors").stat().st_size - 4096
+            assert _status(b)["remote_reads"]["grants"] == 0  # closed with the reader
+            # What b's page cache holds through its mount is read from there.
+            assert (b.path / "warm.bin").read_bytes() == warm
+            before = _served(a)
+            with open_reader(str(b.path / "warm.bin")) as f:
+                assert isinstance(f, RemoteFile)
+                buf = bytearray(len(warm))
+                f.read_into(0, memoryview(buf))
+            assert bytes(buf) == warm and _served(a) == before
+
+            # Another user: what they may read, as the mount would judge it.
+            got_alice = run_as(users["alice"], """
+from mxfs.client.direct import open_reader, RemoteFile
+out = []
+with open_reader(sys.argv[1] + "/m.safetensors") as f:
+    out.append(isinstance(f, RemoteFile))
+out.append(attempt(open_reader, sys.argv[1] + "/secret.bin"))
+print(json.dumps(out))
+""", str(b.path))
+            assert got_alice == [True, errno.EACCES]
+
+            # A scoped connection reads its file and nothing else, and cannot be widened.
+            client, reply, conns = _grant(b, "m.safetensors")
+            assert len(conns) == len(members)
+            assert _refused(conns[0], reply["ino"]) == 0
+            assert _refused(conns[0], secret_ino) == errno.EPERM
+            with pytest.raises(OSError) as e:
+                conns[1].scope(secret_ino, 1)
+            assert e.value.errno == errno.EPERM
+            # Its right ends with the control connection that was handed it (the
+            # daemon shuts the sockets down, the reader's copies with them).
+            client.close()
+            assert eventually(lambda: _refused(conns[2], reply["ino"]) != 0, 10)
+            # ... with close_read, and when the file goes on the owner.
+            client, reply, conns = _grant(b, "warm.bin")
+            client.request(CLOSE_READ({"grant": reply["remote"]["grant"]}))
+            assert _refused(conns[0], reply["ino"]) != 0
+            client.close()
+            client, reply, conns = _grant(b, "warm.bin")
+            (a.path / "warm.bin").unlink()
+            assert _refused(conns[0], reply["ino"]) == errno.ESTALE
+            client.close()
+
+            # One uid holds max_remote_reads_per_user connections (8: two files of
+            # four members); past them its reads go through the mount.
+            held = [_grant(b, "big.bin"), _grant(b, "big.bin")]
+            with open_reader(str(b.path / "m.safetensors")) as f:
+                assert isinstance(f, PlainFile)
+            assert _status(b)["remote_reads"]["refused"] >= 1
+            # Readers that stop reading hold no sender of the owner's: all eight ask
+            # for 16 MiB and take none, and the owner still serves b's mount.
+            ino = held[0][1]["ino"]
+            for i, conn in enumerate(held[0][2] + held[1][2]):
+                conn.sock.sendall(READ.pack(b"READ", ino, i % len(members), 0, 16 << 20))
+            time.sleep(1)  # (their sends fill the sockets and stall)
+            assert (b.path / "secret.bin").stat().st_size == 1 << 20
+            assert _digest(b.path / "big.bin") == xxhash.xxh3_128_hexdigest(big)
+            # ... and the stalled ones were kept, not dropped: each gets all it asked.
+            stalled = held[1][2][0]
+            code, _, n = ANSWER.unpack(stalled._recv(ANSWER.size))
+            assert (code, n) == (0, 16 << 20)
+            assert len(stalled._recv(n)) == n
+            for client, _, _ in held:
+                client.close()

@@ -247,6 +247,13 @@ def _format_status(s: dict[str, Any]) -> str:
         lines.append("  change feed: " + (f"read to row {feed['seq']}, "
                      f"{feed['invalidations']} kernel invalidations" if feed["live"] else
                      f"NOT READ ({feed['error']}): the kernel asks again every second"))
+    remote = s.get("remote_reads")
+    if remote:
+        lines.append(f"  direct reads of other nodes: {remote['grants']} files open, "
+                     f"{remote['connections']} connections to their owners"
+                     + (f"; {remote['refused']} opens read through the mount (limits "
+                        "max_remote_reads, max_remote_reads_per_user)" if remote["refused"]
+                        else ""))
     for n in s.get("nodes") or []:
         here = " (this node)" if n["name"] == s.get("node") else ""
         lines.append(f"  node {n['name']}{here}: {n['role']}, {n['state']}, epoch {n['epoch']}, "

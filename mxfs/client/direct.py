@@ -1,8 +1,10 @@
 """Files read beside the mount: chunk descriptors from the daemon, bytes moved here.
 
 `open_reader(path)` gives a `DirectFile` for a file on an mxfs mount (the daemon
-checks the caller may read it and passes read-only chunk descriptors), or a
-`PlainFile` for any other file, with one interface, so loaders need not care.
+checks the caller may read it and passes read-only chunk descriptors), a `RemoteFile`
+for one whose members another node owns (the daemon passes connections to the
+owner, scoped to the file: `client/remote_file.py`), or a `PlainFile` for any other
+file, with one interface (`client/reader.py`), so loaders need not care.
 """
 
 from __future__ import annotations
@@ -16,14 +18,25 @@ from contextlib import suppress
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
+from mxfs.client.reader import (
+    HUGE_PAGE,
+    SEGMENT,
+    FileChanged,
+    PlainFile,
+    Reader,
+    check_range,
+    check_same,
+)
+from mxfs.client.remote_file import RemoteFile
 from mxfs.errors import MxfsError
 from mxfs.io import PAGE, Layout, Piece, ReadOp, read_batch
 from mxfs.io.batch import executor
 from mxfs.io.residency import Residency
-from mxfs.proto.messages import LAYOUT, OPEN_READ
+from mxfs.proto.messages import OPEN_READ
 
-# Requests are cut into segments this big, so each member serves several at a time.
-SEGMENT = 16 << 20
+__all__ = ["DIO_ALIGN", "SEGMENT", "DirectFile", "FileChanged", "PlainFile", "Reader",
+           "RemoteFile", "aligned_like", "open_reader"]
+
 # What O_DIRECT asks of file offsets, lengths and buffer addresses (the largest
 # logical block size in use; XFS and ext4 on NVMe need 512 or 4096): the page.
 DIO_ALIGN = PAGE
@@ -31,94 +44,25 @@ DIO_ALIGN = PAGE
 DIRECT_RUN = int(os.environ.get("MXFS_DIRECT_RUN", 32 << 20))
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 _MAP_FIXED = 0x10
-HUGE_PAGE = 2 << 20  # a PMD's reach on x86-64 and arm64 (4 KiB pages)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long]
 
 
-class FileChanged(MxfsError):
-    """The file was replaced or written while it was being read."""
-
-
-class Reader:
-    """A file to read by ranges (all at once), check for changes, and close."""
-
-    path: str
-    size: int
-
-    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
-        raise NotImplementedError
-
-    def check_unchanged(self) -> None:
-        raise NotImplementedError
-
-    def map(self) -> mmap.mmap:
-        """The whole file mapped copy-on-write, bytes paged in from the page cache."""
-        raise NotImplementedError
-
-    def mappings(self) -> int:
-        """How many kernel mappings `map` makes (the kernel allows ~65k a process)."""
-        return 1
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def read_into(self, offset: int, buf: memoryview) -> None:
-        """Fill `buf` from file `offset`; holes read as zeros."""
-        self.read_many([(offset, buf)])
-
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class PlainFile(Reader):
-    """A file on any filesystem, read with parallel preadv."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        st = os.fstat(self.fd)
-        self.size = st.st_size
-        self._stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
-        """Fill each buffer from its file offset; all ranges in one parallel batch."""
-        ops = []
-        for offset, buf in ranges:
-            _check_range(self, offset, len(buf))
-            ops += [ReadOp(self.fd, offset + o, [buf[o:o + SEGMENT]])
-                    for o in range(0, len(buf), SEGMENT)]
-        read_batch(ops)
-
-    def check_unchanged(self) -> None:
-        st = os.stat(self.path)
-        if (st.st_ino, st.st_mtime_ns, st.st_size) != self._stamp:
-            raise FileChanged(f"{self.path} changed while it was read",
-                              "load it again once its writer is done")
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def map(self) -> mmap.mmap:
-        return mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE,
-                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-
 class DirectFile(Reader):
     """A file on an mxfs mount, read straight from its chunk files in parallel."""
 
     def __init__(self, path: str, client: ControlClient | None,
-                 opened: tuple[Mapping[str, Any], list[int]] | None = None) -> None:
+                 opened: tuple[Mapping[str, Any], list[int]] | None = None,
+                 pool_path: str = "") -> None:
         """Open `path` with `open_read`, or wrap what another request handed over
         (`opened`: its reply, with size, layout and members, and the descriptors;
-        without a client when an unmounted pool was opened directly)."""
+        without a client when an unmounted pool was opened directly; `pool_path`: the
+        file's path in the pool, when `check_unchanged` should look it up)."""
         self.path = path
         self.client = client
+        self._pool_path = pool_path
         if opened is None:
             assert client is not None
             self._pool_path = client.pool_path(path)
@@ -155,7 +99,7 @@ class DirectFile(Reader):
         """
         planned = []
         for offset, buf in ranges:
-            _check_range(self, offset, len(buf))
+            check_range(self, offset, len(buf))
             for seg in range(0, len(buf), SEGMENT):
                 part = buf[seg:seg + SEGMENT]
                 planned += [(p, [part[o:o + n] for o, n in p.spans])
@@ -210,16 +154,8 @@ class DirectFile(Reader):
         """Raise FileChanged if the path now names another file or other bytes."""
         if self.client is None or not self._pool_path:
             return  # an unmounted pool, held by a shared lock: nothing can change it
-        try:
-            now = self.client.request(LAYOUT({"path": self._pool_path}))
-        except ControlError as e:
-            if e.errno != errno.ENOENT:
-                raise
-            now = None
-        if now is None or (now["ino"], now["generation"], now["size"]) != \
-                (self.ino, self.generation, self.size):
-            raise FileChanged(f"{self.path} was replaced or written while it was read",
-                              "load it again once its writer is done")
+        check_same(self.client, self._pool_path, (self.ino, self.generation, self.size),
+                   self.path)
 
     def close(self) -> None:
         for fd in [*self.fds.values(), *self.direct_fds.values()]:
@@ -389,11 +325,6 @@ def aligned_like(nbytes: int, offset: int) -> memoryview:
     return memoryview(raw)[offset % DIO_ALIGN:offset % DIO_ALIGN + nbytes]
 
 
-def _check_range(f: Reader, offset: int, n: int) -> None:
-    if offset < 0 or offset + n > f.size:
-        raise ValueError(f"read of [{offset}, {offset + n}) is outside {f.path} ({f.size} bytes)")
-
-
 _clients: dict[str, ControlClient] = {}
 
 
@@ -438,10 +369,15 @@ def open_reader(path: str, direct: bool = True, pool: Any = None,
     if client is None:
         return PlainFile(path)
     try:
-        return _with_policy(DirectFile(path, client), odirect)
+        pool_path = client.pool_path(path)
+        reply, fds = client.request_with_fds(OPEN_READ({"path": pool_path, "odirect": True,
+                                                        "remote": True}))
+        if "remote" in reply:  # on a reading node: connections to the owner node
+            return RemoteFile(path, client, pool_path, reply, fds)
+        return _with_policy(DirectFile(path, client, (reply, fds), pool_path), odirect)
     except ControlError as e:
-        if e.errno in (errno.EXDEV, errno.EREMOTE):  # a link out of the mount, or a
-            return PlainFile(path)  # file on another node's members: the mount reads it
+        if e.errno in (errno.EXDEV, errno.EREMOTE):  # a link out of the mount, or a file
+            return PlainFile(path)  # on another node's members with no direct read left
         if e.errno == errno.ENOENT:
             raise FileNotFoundError(errno.ENOENT, f"{path}: no such file") from None
         if e.errno in (errno.EACCES, errno.EPERM):

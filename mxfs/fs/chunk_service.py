@@ -15,9 +15,13 @@ keeps back), at most `max_chunk_handshakes_per_peer` of one address that have no
 yet proved the key (every loopback address counted as one: a local user reaches all of
 127.0.0.0/8), and at most `max_chunk_handshakes` unproved in all, below
 `max_chunk_conns`: a host that opens connections and stays silent holds its own slots
-only, never the room of the nodes already proved.  A refused connection is closed at once.  A peer
-that stops reading stalls one sender for SEND_STALL_S at most, then loses its
-connection.
+only, never the room of the nodes already proved.  A refused connection is closed at once.
+
+A connection may be scoped to one file (SCOPE, `proto/chunk_wire.py`) and handed by a
+reading node's daemon to a local reader, who is not trusted: so a sender thread is
+held only while bytes move.  A peer that stops reading gives its thread back after
+ROOM_WAIT_S and waits for room on trio's loop, SEND_STALL_S at most, then loses its
+connection; readers that stall cannot take the senders from the others.
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ from mxfs.proto.chunk_wire import (
     MAGIC,
     MAX_READ,
     PROOF,
-    READ,
+    READ_BODY,
+    SCOPE_BODY,
+    SCOPE_S,
+    TAG,
     VERSION,
     WireError,
     check_magic,
@@ -61,6 +68,7 @@ HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
 IDLE_S = 600.0  # a connection with no request for this long is closed
 SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
 SEND_STALL_S = 30.0  # a peer that takes no bytes for this long loses its connection
+ROOM_WAIT_S = 0.02  # a sender thread waits this long for room in a socket, then lets go
 
 
 class ChunkService:
@@ -172,28 +180,39 @@ class ChunkService:
             return False
 
     async def _requests(self, stream: trio.SocketStream) -> None:
-        out = stream.socket.fileno()
+        scope: tuple[int, int] | None = None  # (inode, generation) once narrowed
+        until = 0.0
         while True:
             with trio.move_on_after(IDLE_S):
                 try:
-                    raw = await _recv_exact(stream, READ.size)
+                    tag = await _recv_exact(stream, TAG)
                 except EOFError:
                     return
-                tag, ino, member, offset, length = READ.unpack(raw)
+                if tag == b"SCOP":
+                    ino, generation = SCOPE_BODY.unpack(
+                        await _recv_exact(stream, SCOPE_BODY.size))
+                    code = self._may_scope(scope, ino, generation)
+                    if not code:
+                        scope, until = (ino, generation), trio.current_time() + SCOPE_S
+                    await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
+                    continue
                 if tag != b"READ":
                     self._failures.note("chunk request", None,
                                         WireError(f"unknown request {tag!r}"), trace=False)
                     return
+                ino, member, offset, length = READ_BODY.unpack(
+                    await _recv_exact(stream, READ_BODY.size))
+                if scope is not None and trio.current_time() > until:
+                    return  # a scoped connection's time is up: the reader asks anew
                 try:
-                    fd, n = self._open(ino, member, offset, length)
+                    fd, n = self._open(ino, member, offset, length, scope)
                 except OSError as e:
                     await stream.send_all(ANSWER.pack(e.errno or errno.EIO, self.epoch(), 0))
                     continue
                 try:
                     await stream.send_all(ANSWER.pack(0, self.epoch(), n))
                     if n:
-                        await trio.to_thread.run_sync(_send_file, out, fd, offset,
-                                                      n, limiter=self._senders)
+                        await self._send(stream, fd, offset, n)
                         self.served_bytes += n
                 finally:
                     if fd >= 0:
@@ -201,9 +220,37 @@ class ChunkService:
                 continue
             return  # idle too long
 
-    def _open(self, ino: int, member: int, offset: int, length: int) -> tuple[int, int]:
+    async def _send(self, stream: trio.SocketStream, fd: int, offset: int, n: int) -> None:
+        """sendfile `n` bytes; a sender thread only while the socket takes them, and
+        waits for room on trio's loop (SEND_STALL_S at most: TimeoutError)."""
+        out = stream.socket.fileno()
+        while n:
+            sent = await trio.to_thread.run_sync(_send_file, out, fd, offset, n,
+                                                 limiter=self._senders)
+            offset, n = offset + sent, n - sent
+            if n:
+                with trio.move_on_after(SEND_STALL_S):
+                    await stream.socket.wait_writable()
+                    continue
+                raise TimeoutError(f"the peer took no bytes for {SEND_STALL_S:.0f} s")
+
+    def _may_scope(self, scope: tuple[int, int] | None, ino: int, generation: int) -> int:
+        """0 if the connection may be narrowed to (ino, generation), else the errno."""
+        if scope is not None:
+            return errno.EPERM  # narrowed once, for good
+        try:
+            node = self.vol.store.get(ino)
+        except OSError:
+            return errno.ESTALE
+        if node.generation != generation or not node.nlink:
+            return errno.ESTALE
+        return 0 if node.is_reg else errno.EINVAL
+
+    def _open(self, ino: int, member: int, offset: int, length: int,
+              scope: tuple[int, int] | None = None) -> tuple[int, int]:
         """A descriptor of the chunk file and how many of the bytes asked for it holds
-        (-1 and 0: never written, all zeros)."""
+        (-1 and 0: never written, all zeros).  A scoped connection reads its inode
+        only, while it keeps its generation."""
         vol = self.vol
         if vol.store.readonly:
             raise OSError(errno.ESTALE, "this node no longer serves the pool")
@@ -211,8 +258,18 @@ class ChunkService:
             raise OSError(errno.EINVAL, f"member {member} is not one of this pool's")
         if length > MAX_READ:
             raise OSError(errno.EINVAL, f"at most {MAX_READ} bytes a request")
+        if scope is not None and ino != scope[0]:
+            raise OSError(errno.EPERM, f"this connection reads inode {scope[0]} only")
         vol.pool.check([member])
-        if not vol.store.get(ino).is_reg:
+        try:
+            node = vol.store.get(ino)
+        except OSError:
+            if scope is None:
+                raise
+            raise OSError(errno.ESTALE, f"inode {ino} is gone") from None
+        if scope is not None and (node.generation != scope[1] or not node.nlink):
+            raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
+        if not node.is_reg:
             raise OSError(errno.EINVAL, f"inode {ino} is not a regular file")
         try:
             fd = os.open(vol.pool.chunk_path(member, ino), os.O_RDONLY | os.O_CLOEXEC)
@@ -249,19 +306,20 @@ async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
     return b"".join(parts)
 
 
-def _send_file(out_fd: int, in_fd: int, offset: int, n: int) -> None:
-    """sendfile all `n` bytes to a non-blocking socket, waiting while it is full, but
-    never more than SEND_STALL_S for room (TimeoutError: the peer stopped reading)."""
+def _send_file(out_fd: int, in_fd: int, offset: int, n: int) -> int:
+    """sendfile up to `n` bytes to a non-blocking socket; how many went before it stayed
+    full for ROOM_WAIT_S (the caller waits for room without holding a thread)."""
     writable = select.poll()
     writable.register(out_fd, select.POLLOUT)
-    while n:
+    done = 0
+    while done < n:
         try:
-            sent = os.sendfile(out_fd, in_fd, offset, n)
+            sent = os.sendfile(out_fd, in_fd, offset + done, n - done)
         except BlockingIOError:
-            if not writable.poll(SEND_STALL_S * 1000):
-                raise TimeoutError(f"the peer took no bytes for {SEND_STALL_S:.0f} s") from None
+            if not writable.poll(ROOM_WAIT_S * 1000):
+                return done
             continue
         if sent == 0:  # the file shrank under us: the peer's read would hang
             raise OSError(errno.EIO, "the chunk file shrank while it was sent")
-        offset += sent
-        n -= sent
+        done += sent
+    return done

@@ -8,6 +8,7 @@ module that owns its op, in the caller's turn (`fs/fair.py`) and timed
 
     status   hello, stat, metrics, df, quota         fs/status_ops.py
     files    layout, open_read, create, commit, abort fs/file_ops.py
+    remote   close_read                               fs/remote_reads.py
     kv       kv_*                                     fs/kv_ops.py
     meta     meta_backup, meta_sync                   fs/meta_ops.py
 
@@ -33,6 +34,7 @@ from mxfs.fs.limits import Limits
 from mxfs.fs.listener import Listener
 from mxfs.fs.meta_ops import MetaOps
 from mxfs.fs.metrics import Metrics
+from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Handler, Session
 from mxfs.fs.status_ops import StatusOps
 from mxfs.fs.wake import WakeLatency
@@ -66,15 +68,19 @@ class ControlServer:
                                  self._end_session)
         self.kv = KVOps(volume, KVIndex(volume, self.limits.max_namespaces_per_user),
                         self.limits)
+        self.remote = RemoteReads(volume, self.limits)
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,
-                             settle=settle)
+                             settle=settle,
+                             remote=self.remote if volume.pool.remote is not None else None)
         self.meta = MetaOps(volume)
         self.status = StatusOps(volume, mountpoint, self.limits, self.listener, self.kv,
                                 self.pending_by_uid, self.metrics, wake)
+        if volume.pool.remote is not None:
+            self.status.remote = self.remote
         self.handlers: dict[str, Handler] = {}
-        for service in (self.status, self.files, self.kv, self.meta):
+        for service in (self.status, self.files, self.remote, self.kv, self.meta):
             for op, handler in service.handlers().items():
                 assert op not in self.handlers, f"two services serve {op}"
                 self.handlers[op] = handler
@@ -110,7 +116,7 @@ class ControlServer:
 
     def _end_session(self, session: Session) -> None:
         """A connection closed: what it held goes (its unpublished files, its leases)."""
-        for release in (self.files.release, self.kv.release):
+        for release in (self.files.release, self.remote.release, self.kv.release):
             try:
                 release(session)
             except Exception as e:

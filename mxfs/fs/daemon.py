@@ -246,7 +246,10 @@ class Daemon:
             for task in self.tasks():
                 nursery.start_soon(task)
             nursery.start_soon(self._announce, ready)
-            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            try:
+                await pyfuse3.main(min_tasks=4, max_tasks=64)
+            finally:
+                self.control.remote.close_all()  # readers' connections end with the mount
             nursery.cancel_scope.cancel()
 
     async def _announce(self, ready: Callable[[], None]) -> None:
@@ -289,11 +292,13 @@ class Daemon:
                 failures.note("commit", None, e, trace=not isinstance(e, OSError))
 
     async def _revoke(self) -> None:
-        """Once a second: what direct writers hold past their word is taken back."""
+        """Once a second: what direct writers hold past their word is taken back, and
+        readers' connections to other nodes past their time are shut."""
         failures = FailureLog(log)
         while True:
             await trio.sleep(1)
             try:
+                self.control.remote.sweep()
                 await self.control.files.revoke()
             except Exception as e:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))

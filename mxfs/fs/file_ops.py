@@ -1,7 +1,8 @@
 """The file operations of the control socket: the direct read and write paths.
 
 `open_read` hands a caller read descriptors of a file's chunk files (after the
-permission checks the mount would make); `create` makes a hidden file and hands its
+permission checks the mount would make), or on a reading node connections to their
+owner scoped to the file (`fs/remote_reads.py`); `create` makes a hidden file and hands its
 writer write descriptors; `commit` settles, names, seals and makes it durable in one
 step, `abort` drops it.  The unpublished files every connection holds are kept to
 their writers' declared sizes here (`revoke`, `trim_overdrafts`).
@@ -18,6 +19,7 @@ import trio
 from mxfs.fs.fields import Msg, bool_field, int_field, path_field, sums_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.meta_ops import durable
+from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
     Answer,
     Handler,
@@ -52,7 +54,8 @@ class FileOps:
                  sessions: Callable[[], Iterable[Session]],
                  writeback_cache: bool = False,
                  entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
-                 settle: Callable[[int], Awaitable[None]] | None = None) -> None:
+                 settle: Callable[[int], Awaitable[None]] | None = None,
+                 remote: RemoteReads | None = None) -> None:
         self.vol = vol
         self.mountpoint = mountpoint
         self.limits = limits
@@ -64,6 +67,8 @@ class FileOps:
         # Waits until the mount's answered writes of an inode are on its members, so a
         # direct reader sees them (the mount lands writes behind their answers).
         self.settle = settle
+        # Direct reads of other nodes' members (a reading node): fs/remote_reads.py.
+        self.remote = remote
 
     def handlers(self) -> dict[str, Handler]:
         return {"layout": self.layout, "open_read": self.open_read, "create": self.create,
@@ -97,7 +102,17 @@ class FileOps:
         # Two descriptors a member with O_DIRECT: only while one message can carry them.
         members = len(self.vol.layout(node).used_members())
         odirect = bool_field(msg, "odirect") and 2 * members <= MAX_FDS
-        which, fds = read_fds(self.vol, node, odirect=odirect)
+        try:
+            which, fds = read_fds(self.vol, node, odirect=odirect)
+        except OSError as e:
+            # Another node's members (a reading node): connections to their owner,
+            # scoped to this file, for a caller that takes them; else the mount reads it.
+            if e.errno != errno.EREMOTE or self.remote is None or \
+                    not bool_field(msg, "remote"):
+                raise
+            held = len(self.vol.layout(node).holding(node.size))
+            grant, fds = await self.remote.open(node, max(held, 1), session)
+            return {**self._describe(node), "members": [], "remote": grant}, fds
         return {**self._describe(node), **which}, fds
 
     # ---- direct writes -------------------------------------------------------

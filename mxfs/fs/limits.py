@@ -29,6 +29,8 @@ class Limits:
     max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid
     max_kv_claims_per_user: int = 16384  # KV keys one uid claims to compute at once
+    max_remote_reads: int = 64      # chunk-service connections a reading node hands readers
+    max_remote_reads_per_user: int = 16  # ... to one uid (fs/remote_reads.py)
     idle_timeout: int = 3600        # s: a connection holding nothing is closed when idle so long
     frame_timeout: int = 10         # s: a started request must arrive whole, a reply be taken
     max_chunk_conns: int = 256      # chunk service connections (fs/chunk_service.py), all peers

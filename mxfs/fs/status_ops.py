@@ -16,6 +16,7 @@ from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
 from mxfs.fs.listener import Listener
 from mxfs.fs.metrics import Metrics
+from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Answer, Handler, Session
 from mxfs.fs.surveys import Surveys
 from mxfs.fs.wake import WakeLatency
@@ -51,6 +52,7 @@ class StatusOps:
         self.surveys = Surveys(vol.pool.meta_location, vol.store.commit)
         self.chunks: ChunkService | None = None  # the daemon's, when it serves chunks
         self.feed: FeedFollower | None = None  # a reading node's (`fs/feed_follower.py`)
+        self.remote: RemoteReads | None = None  # a reading node's (`fs/remote_reads.py`)
 
     def handlers(self) -> dict[str, Handler]:
         return {"hello": self._hello, "stat": self._stat, "metrics": self._metrics,
@@ -102,6 +104,7 @@ class StatusOps:
                 "lease": self.vol.keeper.status() if self.vol.keeper else None,
                 "chunk_service": self.chunks.status() if self.chunks else None,
                 "feed": self.feed_status(),
+                "remote_reads": self.remote.status() if self.remote else None,
                 "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
                 "nodes": self.nodes()}
 

@@ -4,7 +4,9 @@ files on its members, read over TCP after both sides proved the pool key.
 One connection, one request at a time (a reader wanting parallel reads opens one a
 member).  Every answer carries the serving node's epoch; an answer under another epoch
 than the connection began with means the node lost the pool and joined again since,
-and its bytes are refused (`StaleNode`).
+and its bytes are refused (`StaleNode`).  A connection a reading node's daemon proved
+and scoped to one file (`scope`) is handed to a local reader, who takes it up with
+`adopt`, without the key.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mxfs.proto.chunk_wire import (
     MAX_READ,
     PROOF,
     READ,
+    SCOPE,
     VERSION,
     WireError,
     check_magic,
@@ -48,6 +51,26 @@ class ChunkClient:
         except BaseException:
             self.sock.close()
             raise
+
+    @classmethod
+    def adopt(cls, fd: int, where: str, epoch: int, timeout: float = 30.0) -> ChunkClient:
+        """A connection proved and scoped elsewhere (a descriptor its daemon sent)."""
+        self = cls.__new__(cls)
+        self.where, self.epoch = where, epoch
+        self.sock = socket.socket(fileno=fd)
+        self.sock.settimeout(timeout)  # (its descriptor may come non-blocking)
+        return self
+
+    def scope(self, ino: int, generation: int) -> None:
+        """Narrow this connection for good to reading `ino` while it has `generation`."""
+        self.sock.sendall(SCOPE.pack(b"SCOP", ino, generation))
+        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
+        if code or n:
+            raise OSError(code or errno.EPROTO, f"{self.where} would not scope a connection "
+                          f"to inode {ino}: {os.strerror(code) if code else 'bytes followed'}")
+        if epoch != self.epoch:
+            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
+                            f"{epoch})")
 
     def _handshake(self, key: bytes, pool_uuid: str) -> int:
         client_nonce = os.urandom(16)
@@ -109,6 +132,17 @@ class ChunkClient:
                             f"{epoch}): its bytes are not trusted")
         return int(n)
 
+    def fill(self, ino: int, member: int, offset: int, views: list[memoryview]) -> None:
+        """Fill `views`, in order, from the chunk file of `ino` on `member` at `offset`,
+        MAX_READ bytes a request; bytes past its end (or of one never written) are zeros."""
+        for group in _groups(views):
+            n = self.read_scatter(ino, member, offset, group)
+            offset += sum(len(v) for v in group)
+            for v in group:  # past the chunk file's end: a hole
+                if n < len(v):
+                    v[n:] = bytes(len(v) - n)
+                n = max(0, n - len(v))
+
     def read(self, ino: int, member: int, offset: int, length: int) -> bytes:
         buf = bytearray(length)
         n = self.read_into(ino, member, offset, memoryview(buf))
@@ -122,3 +156,18 @@ class ChunkClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _groups(views: list[memoryview]) -> list[list[memoryview]]:
+    """`views` cut and grouped into requests of at most MAX_READ bytes each."""
+    groups: list[list[memoryview]] = [[]]
+    size = 0
+    for v in views:
+        for at in range(0, len(v), MAX_READ):
+            part = v[at:at + MAX_READ]
+            if size + len(part) > MAX_READ:
+                groups.append([])
+                size = 0
+            groups[-1].append(part)
+            size += len(part)
+    return groups

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mxfs.client.direct import DIO_ALIGN, DirectFile, Reader
+from mxfs.client.direct import DIO_ALIGN, DirectFile, Reader, RemoteFile
 from mxfs.io import Layout
 
 log = logging.getLogger("mxfs.load")
@@ -93,6 +93,9 @@ class GdsReader:
         policy = policy or os.environ.get("MXFS_GDS") or "auto"
         if device.type != "cuda":
             raise Unavailable(f"GPUDirect Storage serves CUDA devices, not {device}")
+        if isinstance(reader, RemoteFile):
+            raise Unavailable(f"{reader.path} is on another node's members (its bytes come "
+                              "over the network, not from a local device)")
         if not isinstance(reader, DirectFile):
             raise Unavailable(f"{reader.path} is not on an mxfs pool")
         if policy == "off":

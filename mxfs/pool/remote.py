@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mxfs.io.chunk_client import ChunkClient
-from mxfs.proto.chunk_wire import MAX_READ, WireError
+from mxfs.proto.chunk_wire import WireError
 
 log = logging.getLogger("mxfs.remote")
 
@@ -77,19 +77,9 @@ class RemoteMembers:
         """Fill `views`, in order, from the chunk file of `ino` on `member` at `offset`;
         bytes past its end (or of one never written) read as zeros.  EIO naming the
         node when it cannot serve them."""
-        groups: list[list[memoryview]] = [[]]
-        size = 0
-        for v in views:
-            for at in range(0, len(v), MAX_READ):
-                part = v[at:at + MAX_READ]
-                if size + len(part) > MAX_READ:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(part)
-                size += len(part)
         reused, client = self._client()
         try:
-            self._read_groups(client, ino, member, offset, groups)
+            client.fill(ino, member, offset, views)
         except (OSError, WireError) as e:
             client.close()
             if not reused:
@@ -99,23 +89,17 @@ class RemoteMembers:
             # once more on a new one.
             reused, client = self._client(fresh=True)
             try:
-                self._read_groups(client, ino, member, offset, groups)
+                client.fill(ino, member, offset, views)
             except (OSError, WireError) as e2:
                 client.close()
                 raise self._failed(f"could not serve member {member} of inode {ino} ({e2})"
                                    ) from None
         self._give_back(client)
 
-    @staticmethod
-    def _read_groups(client: ChunkClient, ino: int, member: int, offset: int,
-                     groups: list[list[memoryview]]) -> None:
-        for group in groups:
-            n = client.read_scatter(ino, member, offset, group)
-            offset += sum(len(v) for v in group)
-            for v in group:  # past the chunk file's end: a hole
-                if n < len(v):
-                    v[n:] = bytes(len(v) - n)
-                n = max(0, n - len(v))
+    def connect(self) -> ChunkClient:
+        """A new connection to the owner, proved, under the epoch the store gives it
+        (EIO naming the node when there is none to be had)."""
+        return self._client(fresh=True)[1]
 
     def close(self) -> None:
         with self._lock:

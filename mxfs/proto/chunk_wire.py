@@ -14,11 +14,19 @@ nonces on both sides make a recorded exchange worthless.  The server's epoch (it
 `meta/lease.py`) rides in the challenge and in every reply, so a reader can refuse
 bytes from a node that is no longer the pool's.
 
-Then requests, one at a time: READ (inode, member, offset in the member's chunk file,
-length), answered by a header (0 or an errno, the epoch, how many bytes follow) and
-those bytes, sent from the chunk file with sendfile.  A range past the chunk file's end
-is short; a chunk file never written reads as no bytes (the reader fills zeros, as the
-direct path does).
+Then requests, one at a time, each a 4-byte tag and its body: READ (inode, member,
+offset in the member's chunk file, length), answered by a header (0 or an errno, the
+epoch, how many bytes follow) and those bytes, sent from the chunk file with sendfile.
+A range past the chunk file's end is short; a chunk file never written reads as no
+bytes (the reader fills zeros, as the direct path does).
+
+SCOPE (inode, generation), answered by a header with no bytes, narrows a connection
+for good to one file: it then reads that inode only, and only while the inode keeps
+that generation and a name (ESTALE once the file is removed, EPERM for any other
+inode or a second SCOPE), for at most SCOPE_S.  A reading node's daemon proves the key, scopes the
+connection, and hands it to a local reader that may read that file
+(`fs/remote_reads.py`): the reader moves the bytes itself but holds no key and can
+reach nothing else.
 """
 
 from __future__ import annotations
@@ -33,12 +41,17 @@ VERSION = 1
 NONCE = 16
 KEY_BYTES = 32
 MAX_READ = 64 << 20  # bytes one READ may ask for
+SCOPE_S = 600.0  # a scoped connection serves this long at most, then is closed
 
 HELLO = struct.Struct("!4sH16s16s")  # magic, version, pool uuid, client nonce
 CHALLENGE = struct.Struct("!4sH16s32sQ")  # magic, version, server nonce, proof, epoch
 PROOF = struct.Struct("!32s")
 ACCEPT = b"MXOK"
+TAG = 4  # bytes of a request's tag
 READ = struct.Struct("!4sQIQQ")  # b"READ", inode, member, offset, length
+READ_BODY = struct.Struct("!QIQQ")  # (READ past its tag)
+SCOPE = struct.Struct("!4sQQ")  # b"SCOP", inode, generation
+SCOPE_BODY = struct.Struct("!QQ")
 ANSWER = struct.Struct("!iQQ")  # 0 or errno, epoch, bytes that follow
 
 

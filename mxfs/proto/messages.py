@@ -105,9 +105,26 @@ class FileReply(TypedDict):
     layout: NotRequired[LayoutDesc]  # regular files
 
 
+class RemoteGrant(TypedDict):
+    """Connections to the owner node's chunk service, scoped to the file, that a reading
+    node's `open_read` sends in place of chunk files (`fs/remote_reads.py`)."""
+
+    grant: int  # what `close_read` ends
+    node: str  # the owner
+    addr: str  # its chunk service, "IP:PORT"
+    epoch: int  # the owner's, which every answer on them must carry
+
+
+class RemoteReadsStatus(TypedDict):
+    grants: int  # files open for direct reads of other nodes' members
+    connections: int  # chunk-service connections those readers hold
+    refused: int  # opens sent to the mount instead (a limit was reached)
+
+
 class OpenReadReply(FileReply):
     members: list[int]
     direct_members: NotRequired[list[int]]
+    remote: NotRequired[RemoteGrant]  # (then every descriptor is one of its connections)
 
 
 class CreateReply(FileReply):
@@ -210,6 +227,7 @@ class StatReply(TypedDict):
     lease: LeaseStatus | None
     chunk_service: dict[str, Any] | None  # addr, port, connections, served_bytes
     feed: FeedStatus | None  # the change feed, on a pool on a metadata server
+    remote_reads: RemoteReadsStatus | None  # a reading node's direct reads of other nodes
     node: str  # this daemon's node ("": a pool of one node)
     nodes: list[NodeStatus]  # every node of a pool on a metadata server
 
@@ -248,6 +266,11 @@ class PathRequest(TypedDict):
 
 class OpenReadRequest(PathRequest, total=False):
     odirect: bool
+    remote: bool  # the caller takes scoped chunk-service connections (a reading node)
+
+
+class GrantRequest(TypedDict):
+    grant: int
 
 
 class CreateRequest(PathRequest, total=False):
@@ -443,6 +466,7 @@ HELLO = Op("hello", HelloRequest, HelloReply)
 STAT = Op("stat", Empty, StatReply)
 LAYOUT = Op("layout", PathRequest, FileReply)
 OPEN_READ = Op("open_read", OpenReadRequest, OpenReadReply)
+CLOSE_READ = Op("close_read", GrantRequest, Empty)
 CREATE = Op("create", CreateRequest, CreateReply)
 COMMIT = Op("commit", CommitRequest, FileReply)
 ABORT = Op("abort", InodeRequest, Empty)
@@ -469,7 +493,7 @@ QUOTA = Op("quota", QuotaRequest, QuotaReport)
 
 # Every op this protocol version serves, by name.
 BY_NAME: dict[str, Op[Any, Any]] = {op.name: op for op in (
-    HELLO, STAT, LAYOUT, OPEN_READ, CREATE, COMMIT, ABORT, KV_PUT, KV_CREATE, KV_COMMIT,
-    KV_GET, KV_UNPIN, KV_EXISTS, KV_CLAIM, KV_WAIT, KV_DELETE, KV_STATS, KV_LIST,
+    HELLO, STAT, LAYOUT, OPEN_READ, CLOSE_READ, CREATE, COMMIT, ABORT, KV_PUT, KV_CREATE,
+    KV_COMMIT, KV_GET, KV_UNPIN, KV_EXISTS, KV_CLAIM, KV_WAIT, KV_DELETE, KV_STATS, KV_LIST,
     KV_CONFIG, KV_EVICT, KV_NS_CREATE, KV_NS_REMOVE, META_BACKUP, META_SYNC, METRICS, DF, QUOTA)}
 OPS = tuple(BY_NAME)

@@ -1,0 +1,114 @@
+"""What every reader of a file offers (`Reader`), and the plain one (`PlainFile`).
+
+Loaders take a `Reader` and need not care where the bytes come from: a plain file
+(`PlainFile`), an mxfs file's chunk files on this node (`client/direct.py`), or
+another node's members through its chunk service (`client/remote_file.py`).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from typing import Any
+
+from mxfs.client.control import ControlClient, ControlError
+from mxfs.errors import MxfsError
+from mxfs.io import ReadOp, read_batch
+from mxfs.proto.messages import LAYOUT
+
+# Requests are cut into segments this big, so each member serves several at a time.
+SEGMENT = 16 << 20
+HUGE_PAGE = 2 << 20  # a PMD's reach on x86-64 and arm64 (4 KiB pages)
+
+
+class FileChanged(MxfsError):
+    """The file was replaced or written while it was being read."""
+
+
+class Reader:
+    """A file to read by ranges (all at once), check for changes, and close."""
+
+    path: str
+    size: int
+
+    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
+        raise NotImplementedError
+
+    def check_unchanged(self) -> None:
+        raise NotImplementedError
+
+    def map(self) -> mmap.mmap:
+        """The whole file mapped copy-on-write, bytes paged in from the page cache."""
+        raise NotImplementedError
+
+    def mappings(self) -> int:
+        """How many kernel mappings `map` makes (the kernel allows ~65k a process)."""
+        return 1
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill `buf` from file `offset`; holes read as zeros."""
+        self.read_many([(offset, buf)])
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PlainFile(Reader):
+    """A file on any filesystem, read with parallel preadv."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
+        self.size = st.st_size
+        self._stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def read_many(self, ranges: list[tuple[int, memoryview]]) -> None:
+        """Fill each buffer from its file offset; all ranges in one parallel batch."""
+        ops = []
+        for offset, buf in ranges:
+            check_range(self, offset, len(buf))
+            ops += [ReadOp(self.fd, offset + o, [buf[o:o + SEGMENT]])
+                    for o in range(0, len(buf), SEGMENT)]
+        read_batch(ops)
+
+    def check_unchanged(self) -> None:
+        st = os.stat(self.path)
+        if (st.st_ino, st.st_mtime_ns, st.st_size) != self._stamp:
+            raise FileChanged(f"{self.path} changed while it was read",
+                              "load it again once its writer is done")
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def map(self) -> mmap.mmap:
+        return mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def check_same(client: ControlClient, pool_path: str, stamp: tuple[Any, Any, int],
+               path: str) -> None:
+    """Raise FileChanged if `pool_path` no longer names the file of `stamp` (inode,
+    generation, size) as it was opened."""
+    try:
+        now = client.request(LAYOUT({"path": pool_path}))
+    except ControlError as e:
+        if e.errno != errno.ENOENT:
+            raise
+        raise FileChanged(f"{path} was removed while it was read",
+                          "load it again once its writer is done") from None
+    if (now["ino"], now["generation"], now["size"]) != stamp:
+        raise FileChanged(f"{path} was replaced or written while it was read",
+                          "load it again once its writer is done")
+
+
+def check_range(f: Reader, offset: int, n: int) -> None:
+    if offset < 0 or offset + n > f.size:
+        raise ValueError(f"read of [{offset}, {offset + n}) is outside {f.path} ({f.size} bytes)")

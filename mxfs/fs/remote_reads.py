@@ -1,0 +1,164 @@
+"""Direct reads on a reading node: connections to the owner's chunk service, each
+narrowed to one file, handed to the reader.
+
+On the owner node the direct path hands a reader the file's chunk files.  A reading
+node holds none: its daemon would otherwise have to carry every byte of a model
+through its own process (the mount reads at a quarter of what the link carries, six
+copies a byte on two CPUs).  So `open_read` there, once the caller may read the
+file, opens connections to the owner's chunk service itself (the pool key proved
+both ways), narrows each for good to this inode and generation (SCOPE,
+`proto/chunk_wire.py`), and sends them to the caller; the caller (`client/remote_file.py`)
+asks for its member ranges and receives the bytes straight into its buffers.  It
+holds no key, and the owner serves such a connection that inode only, while it is
+that file, for SCOPE_S at most.
+
+The connections cost the owner's service and this daemon descriptors, so they are a
+right that ends: the daemon keeps its own copy of each (a `Grant`) and shuts it down
+(for the reader too: a shutdown acts on the socket, not the descriptor) when the
+reader closes the file (`close_read`), when its control connection ends, after
+GRANT_S, and at unmount.  One uid holds at most `max_remote_reads_per_user`
+connections and all users `max_remote_reads`; past either, the open answers EREMOTE
+and the reader reads through the mount, as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import socket
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from mxfs.fs.fields import Msg, int_field
+from mxfs.fs.limits import Limits
+from mxfs.fs.session import Answer, Handler, Session
+from mxfs.io.chunk_client import ChunkClient
+from mxfs.meta import Inode
+from mxfs.proto.chunk_wire import SCOPE_S, WireError
+from mxfs.proto.messages import Empty, RemoteGrant, RemoteReadsStatus
+from mxfs.vol.volume import Volume
+
+log = logging.getLogger("mxfs.control")
+
+CONNS = 8  # connections one open gets at most (a member each, up to this)
+GRANT_S = SCOPE_S  # the daemon shuts a grant down after this, as the owner would
+
+
+@dataclass
+class Grant:
+    """Connections one open handed to one reader."""
+
+    id: int
+    session: Session
+    socks: list[socket.socket]
+    until: float  # trio's clock
+
+    @property
+    def uid(self) -> int:
+        return self.session.caller.uid
+
+
+class RemoteReads:
+    def __init__(self, vol: Volume, limits: Limits) -> None:
+        self.vol, self.limits = vol, limits
+        self.grants: dict[int, Grant] = {}
+        self.by_uid: Counter[int] = Counter()  # connections held (and being opened)
+        self.held = 0
+        self.refused = 0  # opens sent to the mount: a limit was reached
+        self._ids = itertools.count(1)
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"close_read": self.close_read}
+
+    def status(self) -> RemoteReadsStatus:
+        return {"grants": len(self.grants), "connections": self.held,
+                "refused": self.refused}
+
+    async def open(self, node: Inode, members: int, session: Session
+                   ) -> tuple[RemoteGrant, list[int]]:
+        """Connections to the owner scoped to `node` (a connection a member holding its
+        bytes, up to CONNS) and their descriptors for the caller; EREMOTE past the
+        limits (the caller reads through the mount)."""
+        self.sweep()
+        uid, lim = session.caller.uid, self.limits
+        n = min(members, CONNS, lim.max_remote_reads - self.held,
+                lim.max_remote_reads_per_user - self.by_uid[uid])
+        if n < 1:
+            self.refused += 1
+            raise OSError(errno.EREMOTE, "this node's direct reads of other nodes are all "
+                          "in use (max_remote_reads, max_remote_reads_per_user): read "
+                          "through the mount")
+        self._count(uid, n)  # before the wait: opens meanwhile see them taken
+        try:
+            socks, owner = await trio.to_thread.run_sync(self._connect, node, n)
+        except BaseException:
+            self._count(uid, -n)
+            raise
+        grant = Grant(next(self._ids), session, socks, trio.current_time() + GRANT_S)
+        self.grants[grant.id] = grant
+        return ({"grant": grant.id, "node": owner.node, "addr": owner.addr,
+                 "epoch": owner.epoch},
+                [os.dup(s.fileno()) for s in socks])
+
+    def _connect(self, node: Inode, n: int) -> tuple[list[socket.socket], Any]:
+        """(Blocking.)  `n` proved connections to the owner, each scoped to `node`."""
+        remote = self.vol.pool.remote
+        assert remote is not None  # (a reading node's pool)
+        clients: list[ChunkClient] = []
+        try:
+            for _ in range(n):
+                clients.append(remote.connect())
+                clients[-1].scope(node.ino, node.generation)
+        except (OSError, WireError) as e:
+            for c in clients:
+                c.close()
+            if isinstance(e, OSError) and e.errno == errno.ESTALE:
+                raise OSError(errno.ESTALE, f"inode {node.ino} changed on its owner node "
+                              "while it was opened: open it again") from None
+            raise OSError(errno.EIO, str(e)) from None
+        assert remote.owner is not None
+        return [c.sock for c in clients], remote.owner
+
+    async def close_read(self, msg: Msg, session: Session) -> Answer[Empty]:
+        """A reader is done with a grant of this connection's; one that ended already
+        (its time ran out, the mount went) or is not the connection's is left alone."""
+        grant = self.grants.get(int_field(msg, "grant"))
+        if grant is not None and grant.session is session:
+            self._end(grant)
+        return {}, []
+
+    def release(self, session: Session) -> None:
+        """A connection closed: the reads it was handed end."""
+        for grant in [g for g in self.grants.values() if g.session is session]:
+            self._end(grant)
+
+    def sweep(self) -> None:
+        """End the grants whose time is up."""
+        now = trio.current_time()
+        for grant in [g for g in self.grants.values() if g.until < now]:
+            self._end(grant)
+
+    def close_all(self) -> None:
+        for grant in list(self.grants.values()):
+            self._end(grant)
+
+    def _end(self, grant: Grant) -> None:
+        del self.grants[grant.id]
+        self._count(grant.uid, -len(grant.socks))
+        for s in grant.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # the reader's copy too
+            except OSError:
+                pass  # the owner closed it already
+            s.close()
+
+    def _count(self, uid: int, n: int) -> None:
+        self.held += n
+        self.by_uid[uid] += n
+        if not self.by_uid[uid]:
+            del self.by_uid[uid]
