@@ -14,6 +14,8 @@ what is measured is the path between the nodes.  Arms, in GB/s, medians of `--re
             connection and thread per member, each stripe unit received in its place)
   node      the file read through the reading node's mount (FUSE, its daemon, the chunk
             service), its page cache for the file dropped before each round
+  direct    the direct path on the reading node (`open_reader`: connections to the chunk
+            service its daemon scoped to the file, a member each), from its open
   local     the file read through the writer's own mount, for reference
 
 and KV chunks put on the writer (`--kv-chunks` of 2 MiB), read back with `batch_get`:
@@ -54,13 +56,14 @@ from bench_chunks import PIECE, read_all, served_file, through_chunks  # noqa: E
 from netns import node_net, usable  # noqa: E402
 
 from mxfs.cli.demo import bench_args, run_mxfs, save_results, scratch_pool  # noqa: E402
+from mxfs.client.direct import RemoteFile, open_reader  # noqa: E402
 from mxfs.io import Layout  # noqa: E402
 from mxfs.kv import KVStore  # noqa: E402
 from mxfs.pool.key import key_path, read_key  # noqa: E402
 from mxfs.proc import python_module  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
 
-ARMS = ("sendfile", "chunks", "node", "local", "kv local", "kv node", "stat local",
+ARMS = ("sendfile", "chunks", "direct", "node", "local", "kv local", "kv node", "stat local",
         "stat node", "lag")
 KV_CHUNK = 2 << 20
 
@@ -134,15 +137,31 @@ def in_node(enter: list[str], *args: str) -> float:
     return float(res.stdout)
 
 
-def uncached_read(path: str, buf: bytearray) -> float:
-    """Read `path` through a mount, its pages there dropped first; seconds taken."""
+def drop_cached(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def uncached_read(path: str, buf: bytearray) -> float:
+    """Read `path` through a mount, its pages there dropped first; seconds taken."""
+    drop_cached(path)
     start = time.perf_counter()
     read_all(path, buf)
+    return time.perf_counter() - start
+
+
+def direct_read(path: str, buf: bytearray) -> float:
+    """Read `path` on a reading node's mount by the direct path (its pages in the mount
+    dropped first, so none is read from there); seconds taken, from the open."""
+    drop_cached(path)
+    start = time.perf_counter()
+    with open_reader(path) as f:
+        if not isinstance(f, RemoteFile):
+            raise SystemExit(f"{path} opened as {type(f).__name__}, not by the direct path")
+        f.read_into(0, memoryview(buf))
     return time.perf_counter() - start
 
 
@@ -243,7 +262,10 @@ def main() -> int:
                 times = {"sendfile": in_node(net.enter, "sendfile", net.host_ip,
                                              str(server.port), *map(str, sizes)),
                          "chunks": in_node(net.enter, "chunks", spec),
-                         "node": uncached_read(os.path.join(node_mnt, "model.bin"), buf)}
+                         "direct": direct_read(os.path.join(node_mnt, "model.bin"), buf)}
+                if i == 0:
+                    assert buf == data, "the reading node's direct path read other bytes"
+                times["node"] = uncached_read(os.path.join(node_mnt, "model.bin"), buf)
                 if i == 0:
                     assert buf == data, "the reading node read other bytes"
                 times["local"] = uncached_read(path, buf)
@@ -260,7 +282,7 @@ def main() -> int:
     medians = {k: statistics.median(v) for k, v in rounds.items()}
     print(f"{format_size(size)} held by the writer node, read by a node in a network "
           f"namespace (veth), median of {args.repeat}:")
-    for k in ("sendfile", "chunks", "node", "local"):
+    for k in ("sendfile", "chunks", "direct", "node", "local"):
         gbps = medians[k]
         print(f"  {k:9s} {gbps:6.2f} GB/s  {gbps / medians['sendfile']:.2f} of sendfile")
     print(f"{args.kv_chunks} KV chunks of {format_size(KV_CHUNK)} put on the writer, "

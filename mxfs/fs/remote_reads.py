@@ -23,6 +23,7 @@ and the reader reads through the mount, as before.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import itertools
 import logging
@@ -37,6 +38,7 @@ import trio
 from mxfs.fs.fields import Msg, int_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import Answer, Handler, Session
+from mxfs.io.batch import executor
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.meta import Inode
 from mxfs.proto.chunk_wire import SCOPE_S, WireError
@@ -106,21 +108,33 @@ class RemoteReads:
                 [os.dup(s.fileno()) for s in socks])
 
     def _connect(self, node: Inode, n: int) -> tuple[list[socket.socket], Any]:
-        """(Blocking.)  `n` proved connections to the owner, each scoped to `node`."""
+        """(Blocking.)  `n` proved connections to the owner, each scoped to `node`,
+        made at once (a few round trips each)."""
         remote = self.vol.pool.remote
         assert remote is not None  # (a reading node's pool)
-        clients: list[ChunkClient] = []
-        try:
-            for _ in range(n):
-                clients.append(remote.connect())
-                clients[-1].scope(node.ino, node.generation)
-        except (OSError, WireError) as e:
+
+        def one() -> ChunkClient:
+            client = remote.connect()
+            try:
+                client.scope(node.ino, node.generation)
+            except BaseException:
+                client.close()
+                raise
+            return client
+
+        futures = [executor().submit(one) for _ in range(n)]
+        concurrent.futures.wait(futures)
+        clients = [f.result() for f in futures if f.exception() is None]
+        failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        if failed is not None:
             for c in clients:
                 c.close()
-            if isinstance(e, OSError) and e.errno == errno.ESTALE:
+            if isinstance(failed, OSError) and failed.errno == errno.ESTALE:
                 raise OSError(errno.ESTALE, f"inode {node.ino} changed on its owner node "
                               "while it was opened: open it again") from None
-            raise OSError(errno.EIO, str(e)) from None
+            if isinstance(failed, (OSError, WireError)):
+                raise OSError(errno.EIO, str(failed)) from None
+            raise failed
         assert remote.owner is not None
         return [c.sock for c in clients], remote.owner
 

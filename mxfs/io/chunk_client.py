@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import struct
 import uuid
 
 from mxfs.proto.chunk_wire import (
@@ -51,6 +52,7 @@ class ChunkClient:
         except BaseException:
             self.sock.close()
             raise
+        _kernel_timeouts(self.sock, timeout)
 
     @classmethod
     def adopt(cls, fd: int, where: str, epoch: int, timeout: float = 30.0) -> ChunkClient:
@@ -58,7 +60,7 @@ class ChunkClient:
         self = cls.__new__(cls)
         self.where, self.epoch = where, epoch
         self.sock = socket.socket(fileno=fd)
-        self.sock.settimeout(timeout)  # (its descriptor may come non-blocking)
+        _kernel_timeouts(self.sock, timeout)
         return self
 
     def scope(self, ino: int, generation: int) -> None:
@@ -93,7 +95,7 @@ class ChunkClient:
     def _recv_into(self, view: memoryview) -> None:
         got = 0
         while got < len(view):
-            k = self.sock.recv_into(view[got:])
+            k = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
             if not k:
                 raise WireError(f"{self.where} closed the connection (it does not take "
                                 "this pool's key, or went away)")
@@ -156,6 +158,16 @@ class ChunkClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:
+    """Blocking, with the kernel's send and receive timeouts: a receive with MSG_WAITALL
+    then takes a whole stripe unit in one call (Python's own timeouts poll before every
+    call and take what has arrived, a few hundred KiB at a time)."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def _groups(views: list[memoryview]) -> list[list[memoryview]]:
