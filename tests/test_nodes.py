@@ -606,3 +606,29 @@ print(json.dumps(out))
             assert len(stalled._recv(n)) == n
             for client, _, _ in held:
                 client.close()
+
+            # Readers that flood the owner with tiny requests are served a few at a
+            # time (SCOPED_AT_ONCE); the rest wait their turn, off trio's thread.
+            held = [_grant(b, "m.safetensors"), _grant(b, "m.safetensors")]
+            stop = threading.Event()
+
+            def flood(conn: ChunkClient, ino: int) -> None:
+                while not stop.is_set():
+                    conn.sock.sendall(READ.pack(b"READ", ino, 0, 0, 1) * 64)
+                    for _ in range(64):
+                        conn._recv(ANSWER.size + 1)
+
+            floods = [threading.Thread(target=flood, args=(conn, reply["ino"]), daemon=True)
+                      for _, reply, conns in held for conn in conns]
+            for t in floods:
+                t.start()
+            try:
+                assert eventually(lambda: _status(a)["chunk_service"]["scoped_waiting"] > 0,
+                                  10)
+                assert (a.path / "m.safetensors").read_bytes()  # (the owner's own mount)
+            finally:
+                stop.set()
+                for t in floods:
+                    t.join()
+                for client, _, _ in held:
+                    client.close()

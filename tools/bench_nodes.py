@@ -22,6 +22,11 @@ and KV chunks put on the writer (`--kv-chunks` of 2 MiB), read back with `batch_
   kv local  on the writer, from its page cache
   kv node   on the reading node: looked up in the store, copied over from the writer
 
+and a flood from a reading node's local readers (`--flood`, microseconds):
+  open idle   open+close of a file through the writer's mount, p50 and p99 of 2000
+  open flood  the same while 16 connections the reading node handed its readers
+              (scoped to one file) send 1-byte READs as fast as they are answered
+
 and the metadata (`--files` empty files in one folder, made on the writer):
   stat local  stats a second of every file through the writer's mount, a pass after
               a pass (the kernel's cache warm), then 1.5 s idle, then the pass timed
@@ -56,15 +61,20 @@ from bench_chunks import PIECE, read_all, served_file, through_chunks  # noqa: E
 from netns import node_net, usable  # noqa: E402
 
 from mxfs.cli.demo import bench_args, run_mxfs, save_results, scratch_pool  # noqa: E402
+from mxfs.client.control import ControlClient  # noqa: E402
 from mxfs.client.direct import RemoteFile, open_reader  # noqa: E402
 from mxfs.io import Layout  # noqa: E402
+from mxfs.io.chunk_client import ChunkClient  # noqa: E402
 from mxfs.kv import KVStore  # noqa: E402
 from mxfs.pool.key import key_path, read_key  # noqa: E402
 from mxfs.proc import python_module  # noqa: E402
+from mxfs.proto.chunk_wire import ANSWER, READ  # noqa: E402
+from mxfs.proto.messages import OPEN_READ  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
 
 ARMS = ("sendfile", "chunks", "direct", "node", "local", "kv local", "kv node", "stat local",
-        "stat node", "lag")
+        "stat node", "lag", "open idle p50", "open idle p99", "open flood p50",
+        "open flood p99", "flood reads")
 KV_CHUNK = 2 << 20
 
 
@@ -193,6 +203,54 @@ def visible_after(writer_dir: str, node_dir: str, name: str) -> float:
     return time.perf_counter() - start
 
 
+def open_latency(path: str, n: int = 2000) -> tuple[float, float]:
+    """p50 and p99 of open+close of `path`, microseconds."""
+    took = []
+    for _ in range(n):
+        start = time.perf_counter()
+        os.close(os.open(path, os.O_RDONLY))
+        took.append(time.perf_counter() - start)
+    took.sort()
+    return took[n // 2] * 1e6, took[n * 99 // 100] * 1e6
+
+
+def flooded(node_mnt: str, name: str, conns: int, measure: Any) -> tuple[Any, float]:
+    """`measure()` while `conns` scoped connections from the reading node's daemon (a
+    local reader's, as `open_read` hands them) send 1-byte READs back to back; its
+    result and the READs answered a second."""
+    client = ControlClient(node_mnt)
+    socks = []
+    while len(socks) < conns:
+        reply, fds = client.request_with_fds(OPEN_READ({"path": "/" + name, "remote": True}))
+        grant = reply["remote"]
+        socks += [(ChunkClient.adopt(fd, grant["addr"], grant["epoch"]), reply["ino"])
+                  for fd in fds]
+    stop = threading.Event()
+    answered = [0]
+
+    def flood(conn: ChunkClient, ino: int) -> None:
+        while not stop.is_set():
+            conn.sock.sendall(READ.pack(b"READ", ino, 0, 0, 1) * 64)
+            for _ in range(64):
+                conn._recv(ANSWER.size + 1)
+            answered[0] += 64
+
+    threads = [threading.Thread(target=flood, args=pair, daemon=True) for pair in socks]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    before, start = answered[0], time.perf_counter()
+    try:
+        got = measure()
+    finally:
+        rate = (answered[0] - before) / (time.perf_counter() - start)
+        stop.set()
+        for t in threads:
+            t.join()
+        client.close()
+    return got, rate
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         mode, rest = sys.argv[2], sys.argv[3:]
@@ -208,6 +266,8 @@ def main() -> int:
     ap.add_argument("--kv-chunks", type=int, default=64)
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--lags", type=int, default=20)
+    ap.add_argument("--flood", type=int, default=16,
+                    help="scoped connections that flood the writer (0: no flood arm)")
     args = ap.parse_args()
     if not usable():
         raise SystemExit("bench_nodes needs root, iproute2 and nsenter")
@@ -273,6 +333,14 @@ def main() -> int:
                     rounds[k].append(size / t / 1e9)
                 for arm, mount in (("stat local", pool.mnt), ("stat node", node_mnt)):
                     rounds[arm].append(stat_rate(os.path.join(mount, "meta"), names))
+                if args.flood:
+                    idle = open_latency(path)
+                    (busy, rate) = flooded(node_mnt, "model.bin", args.flood,
+                                           lambda: open_latency(path))
+                    for arm, v in zip(("open idle p50", "open idle p99", "open flood p50",
+                                       "open flood p99", "flood reads"), (*idle, *busy, rate),
+                                      strict=True):
+                        rounds[arm].append(v)
                 rounds["lag"].append(1000 * statistics.median(
                     visible_after(os.path.join(pool.mnt, "lag"), os.path.join(node_mnt, "lag"),
                                   f"r{i}-{k}") for k in range(args.lags)))
@@ -293,6 +361,11 @@ def main() -> int:
           f"{medians['stat local']:.0f}/s, on the reading node {medians['stat node']:.0f}/s "
           f"({medians['stat node'] / medians['stat local']:.2f} of the writer); a new file "
           f"seen on the reading node {medians['lag']:.1f} ms after its close (median)")
+    if args.flood:
+        print(f"open+close on the writer's mount, p50/p99: idle {medians['open idle p50']:.0f}/"
+              f"{medians['open idle p99']:.0f} us, while {args.flood} of the reading node's "
+              f"scoped connections flood it ({medians['flood reads']:.0f} READs/s answered) "
+              f"{medians['open flood p50']:.0f}/{medians['open flood p99']:.0f} us")
     save_results(args, rounds=rounds, medians=medians)
     return 0
 

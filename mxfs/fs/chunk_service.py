@@ -26,6 +26,7 @@ connection; readers that stall cannot take the senders from the others.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -69,6 +70,7 @@ IDLE_S = 600.0  # a connection with no request for this long is closed
 SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
 SEND_STALL_S = 30.0  # a peer that takes no bytes for this long loses its connection
 ROOM_WAIT_S = 0.02  # a sender thread waits this long for room in a socket, then lets go
+SCOPED_AT_ONCE = 2  # requests of scoped connections (local readers) in service at once
 
 
 class ChunkService:
@@ -84,6 +86,10 @@ class ChunkService:
         self.refused = 0
         self.served_bytes = 0
         self._senders = trio.CapacityLimiter(SENDERS)
+        # Scoped connections are held by readers the service does not trust: however
+        # many flood it with requests, this many are in service at once and the rest
+        # wait without costing trio's thread (FUSE and the nodes go on being served).
+        self._scoped = trio.CapacityLimiter(SCOPED_AT_ONCE)
         self._failures = FailureLog(log)
         self._sock: socket.socket | None = None
 
@@ -100,7 +106,8 @@ class ChunkService:
 
     def status(self) -> dict[str, Any]:
         return {"addr": self.host, "port": self.port, "connections": self.connections,
-                "refused": self.refused, "served_bytes": self.served_bytes}
+                "refused": self.refused, "served_bytes": self.served_bytes,
+                "scoped_waiting": self._scoped.statistics().tasks_waiting}
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -204,29 +211,41 @@ class ChunkService:
                     await _recv_exact(stream, READ_BODY.size))
                 if scope is not None and trio.current_time() > until:
                     return  # a scoped connection's time is up: the reader asks anew
-                try:
-                    fd, n = self._open(ino, member, offset, length, scope)
-                except OSError as e:
-                    await stream.send_all(ANSWER.pack(e.errno or errno.EIO, self.epoch(), 0))
-                    continue
-                try:
-                    await stream.send_all(ANSWER.pack(0, self.epoch(), n))
-                    if n:
-                        await self._send(stream, fd, offset, n)
-                        self.served_bytes += n
-                finally:
-                    if fd >= 0:
-                        os.close(fd)
+                await self._read(stream, ino, member, offset, length, scope)
                 continue
             return  # idle too long
 
-    async def _send(self, stream: trio.SocketStream, fd: int, offset: int, n: int) -> None:
+    async def _read(self, stream: trio.SocketStream, ino: int, member: int, offset: int,
+                    length: int, scope: tuple[int, int] | None) -> None:
+        """Answer one READ: its header, then its bytes.  A scoped connection's steps
+        that cost trio's thread or a sender go through the scoped gate; its waits for
+        room in its socket do not (a reader that stops reading holds nothing)."""
+        gate = self._scoped if scope is not None else contextlib.nullcontext()
+        async with gate:
+            try:
+                fd, n = self._open(ino, member, offset, length, scope)
+            except OSError as e:
+                fd, n, code = -1, 0, e.errno or errno.EIO
+            else:
+                code = 0
+        try:
+            await stream.send_all(ANSWER.pack(code, self.epoch(), n))
+            if n:
+                await self._send(stream, fd, offset, n, gate)
+                self.served_bytes += n
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    async def _send(self, stream: trio.SocketStream, fd: int, offset: int, n: int,
+                    gate: contextlib.AbstractAsyncContextManager[Any]) -> None:
         """sendfile `n` bytes; a sender thread only while the socket takes them, and
         waits for room on trio's loop (SEND_STALL_S at most: TimeoutError)."""
         out = stream.socket.fileno()
         while n:
-            sent = await trio.to_thread.run_sync(_send_file, out, fd, offset, n,
-                                                 limiter=self._senders)
+            async with gate:
+                sent = await trio.to_thread.run_sync(_send_file, out, fd, offset, n,
+                                                     limiter=self._senders)
             offset, n = offset + sent, n - sent
             if n:
                 with trio.move_on_after(SEND_STALL_S):

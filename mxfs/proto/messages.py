@@ -225,7 +225,8 @@ class StatReply(TypedDict):
     quotas: QuotaReport | None
     wake_latency: dict[str, object] | None
     lease: LeaseStatus | None
-    chunk_service: dict[str, Any] | None  # addr, port, connections, served_bytes
+    chunk_service: dict[str, Any] | None  # addr, port, connections, served_bytes,
+    # scoped_waiting (local readers' requests waiting their turn)
     feed: FeedStatus | None  # the change feed, on a pool on a metadata server
     remote_reads: RemoteReadsStatus | None  # a reading node's direct reads of other nodes
     node: str  # this daemon's node ("": a pool of one node)
