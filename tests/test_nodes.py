@@ -8,6 +8,7 @@ reads EIO, never stale bytes, while the writer is dead.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import json
@@ -41,12 +42,13 @@ from users import ensure_users, run_as
 
 from mxfs.client.control import ControlClient
 from mxfs.client.direct import PlainFile, RemoteFile, open_reader
+from mxfs.io import Layout
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
 from mxfs.load import load_file
 from mxfs.pool.key import KEY_NAME, load_key
 from mxfs.proto.chunk_wire import ANSWER, READ, WireError
-from mxfs.proto.messages import CLOSE_READ, OPEN_READ
+from mxfs.proto.messages import CLOSE_READ, KV_GET, OPEN_READ
 
 pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
               pytest.mark.nodes]
@@ -197,13 +199,23 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 with pytest.raises(OSError) as e:
                     on_b.put(b"j" * 32, b"v" * 100)
                 assert e.value.errno == errno.EROFS
-                # A copy is lent to its caller (memory of the node's daemon): one user
-                # gets at most max_kv_lent_per_user (here 4 MiB) at once, the rest miss.
+                # KVStore reads a chunk from the writer itself (connections scoped to
+                # the get's chunks); for a caller that does not take connections the
+                # daemon copies it, and a copy is lent (memory of the node's daemon):
+                # one user gets at most max_kv_lent_per_user (here 4 MiB) at once.
                 got = run_as(ensure_users()["alice"], """
+import base64
+from mxfs.client.control import ControlClient
 kv = mxfs.kv.KVStore(sys.argv[1], namespace="t", shared=True)
-print(json.dumps([kv.get(b"l" * 32) is not None, kv.get(b"l" * 32) is not None]))
+out = [kv.get(b"l" * 32) is not None for _ in range(3)]
+c = ControlClient(sys.argv[1])
+key = base64.b64encode(b"l" * 32).decode()
+for _ in range(2):
+    reply, fds = c.call_with_fds("kv_get", namespace="t", keys=[key], shared=True)
+    out.append(reply["chunks"][0] is not None and "ino" not in reply["chunks"][0])
+print(json.dumps(out))
 """, str(b.path))
-                assert got == [True, False]
+                assert got == [True, True, True, True, False]
 
                 # The writer stopped past its lease: dead to the reader, whose reads of
                 # it fail at once (no wait on a node that does not answer); woken, it
@@ -569,7 +581,7 @@ print(json.dumps(out))
             assert _refused(conns[0], reply["ino"]) == 0
             assert _refused(conns[0], secret_ino) == errno.EPERM
             with pytest.raises(OSError) as e:
-                conns[1].scope(secret_ino, 1)
+                conns[1].scope([(secret_ino, 1)])
             assert e.value.errno == errno.EPERM
             # Its right ends with the control connection that was handed it (the
             # daemon shuts the sockets down, the reader's copies with them).
@@ -583,6 +595,33 @@ print(json.dumps(out))
             client, reply, conns = _grant(b, "warm.bin")
             (a.path / "warm.bin").unlink()
             assert _refused(conns[0], reply["ino"]) == errno.ESTALE
+            client.close()
+
+            # A KV get sends connections scoped to the chunks it found: another chunk
+            # is refused on them, and a chunk removed on the writer reads ESTALE.
+            on_a = KVStore(str(a.path), namespace="t", mode=0o755)
+            chunks = {k: os.urandom(1 << 20) for k in (b"k" * 32, b"j" * 32)}
+            for k, v in chunks.items():
+                on_a.put(k, v)
+            assert KVStore(str(b.path), namespace="t").batch_get(list(chunks)) == \
+                list(chunks.values())
+            client = ControlClient(str(b.path))
+            inos = []
+            for k in chunks:
+                reply, fds = client.request_with_fds(KV_GET(
+                    {"namespace": "t", "keys": [base64.b64encode(k).decode()],
+                     "remote": True}))
+                entry = reply["chunks"][0]
+                assert entry is not None and "ino" in entry
+                kv_conns = [ChunkClient.adopt(fd, reply["remote"]["addr"],
+                                              reply["remote"]["epoch"]) for fd in fds]
+                inos.append((entry["ino"], Layout.from_description(entry["layout"])
+                             .plan(0, entry["size"])[0].member))
+            (k_ino, k_member), (j_ino, j_member) = inos
+            assert _refused(kv_conns[0], j_ino, j_member) == 0
+            assert _refused(kv_conns[0], k_ino, k_member) == errno.EPERM
+            on_a.delete(b"j" * 32)
+            assert _refused(kv_conns[0], j_ino, j_member) == errno.ESTALE
             client.close()
 
             # One uid holds max_remote_reads_per_user connections (8: two files of

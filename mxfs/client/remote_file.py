@@ -32,7 +32,7 @@ from mxfs.io.residency import Residency
 from mxfs.proto.chunk_wire import WireError
 from mxfs.proto.messages import CLOSE_READ
 
-Run = tuple[int, list[memoryview]]  # a member's chunk offset, and the views it fills
+Run = tuple[int, int, int, list[memoryview]]  # inode, member, chunk offset, views it fills
 
 
 class RemoteFile(Reader):
@@ -89,28 +89,18 @@ class RemoteFile(Reader):
         return Residency(self.mount_fd, offset, offset + n).cached_fraction(offset, n) >= 0.5
 
     def _fetch(self, ranges: list[tuple[int, memoryview]]) -> None:
-        """Every member's runs over the connections (a member to one), all at once;
-        returns once every receive has ended, the first failure raised after."""
-        runs: dict[int, list[Run]] = {}
+        """Every member's runs over the connections, all at once; the first failure
+        raised once every receive has ended."""
+        by_member: dict[int, list[tuple[int, list[memoryview]]]] = {}
         for offset, buf in ranges:
             for p in self.layout.plan(offset, len(buf)):
-                runs.setdefault(p.member, []).append(
+                by_member.setdefault(p.member, []).append(
                     (p.chunk_offset, [buf[o:o + n] for o, n in p.spans]))
-        members = sorted(runs)
-        k = len(self.conns)
-        if not k:
-            raise OSError(errno.EIO, "no connection to the owner node was handed over")
-
-        def fetch(conn: ChunkClient, mine: list[int]) -> None:
-            for m in mine:
-                for chunk_offset, views in _merged(runs[m]):
-                    conn.fill(self.ino, m, chunk_offset, views)
-
-        futures = [executor().submit(fetch, conn, members[i::k])
-                   for i, conn in enumerate(self.conns) if members[i::k]]
-        concurrent.futures.wait(futures)  # no receive outlives the caller's buffers
-        for f in futures:
-            f.result()
+        runs = [(self.ino, m, at, views) for m, member_runs in sorted(by_member.items())
+                for at, views in _merged(member_runs)]
+        failed = next((e for e in fetch(self.conns, runs) if e is not None), None)
+        if failed is not None:
+            raise failed
 
     def check_unchanged(self) -> None:
         check_same(self.client, self._pool_path, (self.ino, self.generation, self.size),
@@ -141,9 +131,38 @@ class RemoteFile(Reader):
         self.conns = []
 
 
-def _merged(runs: list[Run]) -> list[Run]:
+def fetch(conns: list[ChunkClient], runs: list[Run]) -> list[Exception | None]:
+    """Fill each run (inode, member, chunk offset, views) over `conns`, a member's runs
+    on one connection (its requests sent ahead, `ChunkClient.fill_many`), the
+    connections at once; returns once every receive has ended (none outlives the
+    caller's buffers): each run's failure, or None.  A run the node refused fails
+    alone; a connection that broke fails the runs left on it."""
+    errors: list[Exception | None] = [None] * len(runs)
+    if not conns:
+        return [OSError(errno.EIO, "no connection to the owner node was handed over")
+                for _ in runs]
+    by_member: dict[int, list[int]] = {}
+    for i, run in enumerate(runs):
+        by_member.setdefault(run[1], []).append(i)
+    members = sorted(by_member)
+
+    def work(conn: ChunkClient, mine: list[int]) -> None:
+        order = [i for m in mine for i in by_member[m]]
+        for i, failed in zip(order, conn.fill_many([runs[i] for i in order]), strict=True):
+            errors[i] = failed
+
+    k = len(conns)
+    futures = [executor().submit(work, conn, members[i::k])
+               for i, conn in enumerate(conns) if members[i::k]]
+    concurrent.futures.wait(futures)
+    for f in futures:
+        f.result()  # (work raises nothing it does not record; a bug would show here)
+    return errors
+
+
+def _merged(runs: list[tuple[int, list[memoryview]]]) -> list[tuple[int, list[memoryview]]]:
     """A member's runs in chunk order, those that continue one another joined."""
-    out: list[Run] = []
+    out: list[tuple[int, list[memoryview]]] = []
     end = -1
     for offset, views in sorted(runs, key=lambda r: r[0]):
         if offset == end:

@@ -43,6 +43,8 @@ import trio
 from mxfs.errors import MxfsError
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.limits import Limits, fd_limit
+from mxfs.io import PAGE
+from mxfs.io.residency import cached_pages
 from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
@@ -50,9 +52,11 @@ from mxfs.proto.chunk_wire import (
     HELLO,
     MAGIC,
     MAX_READ,
+    MAX_SCOPE,
     PROOF,
     READ_BODY,
-    SCOPE_BODY,
+    SCOPE_COUNT,
+    SCOPE_ITEM,
     SCOPE_S,
     TAG,
     VERSION,
@@ -70,7 +74,11 @@ IDLE_S = 600.0  # a connection with no request for this long is closed
 SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
 SEND_STALL_S = 30.0  # a peer that takes no bytes for this long loses its connection
 ROOM_WAIT_S = 0.02  # a sender thread waits this long for room in a socket, then lets go
+INLINE_SEND = 128 << 10  # a read this small whose pages are cached is sent from trio's
+                         # thread (larger ones copy in a sender thread, off the loop)
 SCOPED_AT_ONCE = 2  # requests of scoped connections (local readers) in service at once
+SCOPED_SLOT_S = 0.0005  # ... each asking for less than SCOPED_SMALL holding its place this
+SCOPED_SMALL = 256 << 10  # long at least: a flood of tiny READs gets 4,000 a second)
 
 
 class ChunkService:
@@ -187,7 +195,7 @@ class ChunkService:
             return False
 
     async def _requests(self, stream: trio.SocketStream) -> None:
-        scope: tuple[int, int] | None = None  # (inode, generation) once narrowed
+        scope: dict[int, int] | None = None  # inode: generation, once narrowed
         until = 0.0
         while True:
             with trio.move_on_after(IDLE_S):
@@ -196,11 +204,16 @@ class ChunkService:
                 except EOFError:
                     return
                 if tag == b"SCOP":
-                    ino, generation = SCOPE_BODY.unpack(
-                        await _recv_exact(stream, SCOPE_BODY.size))
-                    code = self._may_scope(scope, ino, generation)
+                    (count,) = SCOPE_COUNT.unpack(await _recv_exact(stream, SCOPE_COUNT.size))
+                    if count > MAX_SCOPE:
+                        self._failures.note("chunk scope", None, WireError(
+                            f"a scope of {count} files (at most {MAX_SCOPE})"), trace=False)
+                        return
+                    items = await _recv_exact(stream, count * SCOPE_ITEM.size)
+                    code = errno.EPERM if scope is not None else 0  # narrowed once, for good
                     if not code:
-                        scope, until = (ino, generation), trio.current_time() + SCOPE_S
+                        scope = dict(SCOPE_ITEM.iter_unpack(items))
+                        until = trio.current_time() + SCOPE_S
                     await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
                     continue
                 if tag != b"READ":
@@ -216,60 +229,60 @@ class ChunkService:
             return  # idle too long
 
     async def _read(self, stream: trio.SocketStream, ino: int, member: int, offset: int,
-                    length: int, scope: tuple[int, int] | None) -> None:
-        """Answer one READ: its header, then its bytes.  A scoped connection's steps
-        that cost trio's thread or a sender go through the scoped gate; its waits for
-        room in its socket do not (a reader that stops reading holds nothing)."""
-        gate = self._scoped if scope is not None else contextlib.nullcontext()
-        async with gate:
-            try:
-                fd, n = self._open(ino, member, offset, length, scope)
-            except OSError as e:
-                fd, n, code = -1, 0, e.errno or errno.EIO
-            else:
-                code = 0
+                    length: int, scope: dict[int, int] | None) -> None:
+        """Answer one READ: its header, then its bytes.  A scoped connection's request
+        is served inside the scoped gate, all but its waits for room in its socket
+        (a reader that stops reading holds nothing; readers that flood the service
+        get SCOPED_AT_ONCE requests of trio's thread at a time)."""
+        gate: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+        if scope is not None:
+            gate = self._scoped
+            await _room(stream)
+        fd, n, code = -1, 0, 0
         try:
-            await stream.send_all(ANSWER.pack(code, self.epoch(), n))
+            async with gate:
+                done = trio.current_time() + SCOPED_SLOT_S
+                try:
+                    fd, n = self._open(ino, member, offset, length, scope)
+                except OSError as e:
+                    code = e.errno or errno.EIO
+                await stream.send_all(ANSWER.pack(code, self.epoch(), n))
+                if n and n <= INLINE_SEND and _all_cached(fd, offset, n):
+                    # Cached and small: sent from trio's thread, what the socket takes
+                    # now (a thread hop costs as much as the copy; KV chunks go so).
+                    try:
+                        sent = os.sendfile(stream.socket.fileno(), fd, offset, n)
+                    except BlockingIOError:
+                        sent = 0
+                    self.served_bytes += sent
+                    offset, n = offset + sent, n - sent
+                if scope is not None and length < SCOPED_SMALL:
+                    await trio.sleep_until(done)
             if n:
                 await self._send(stream, fd, offset, n, gate)
-                self.served_bytes += n
         finally:
             if fd >= 0:
                 os.close(fd)
 
     async def _send(self, stream: trio.SocketStream, fd: int, offset: int, n: int,
                     gate: contextlib.AbstractAsyncContextManager[Any]) -> None:
-        """sendfile `n` bytes; a sender thread only while the socket takes them, and
-        waits for room on trio's loop (SEND_STALL_S at most: TimeoutError)."""
+        """sendfile `n` bytes; a sender thread (through `gate`) only while the socket
+        takes them, and waits for room on trio's loop, outside it."""
         out = stream.socket.fileno()
         while n:
             async with gate:
                 sent = await trio.to_thread.run_sync(_send_file, out, fd, offset, n,
                                                      limiter=self._senders)
+            self.served_bytes += sent
             offset, n = offset + sent, n - sent
             if n:
-                with trio.move_on_after(SEND_STALL_S):
-                    await stream.socket.wait_writable()
-                    continue
-                raise TimeoutError(f"the peer took no bytes for {SEND_STALL_S:.0f} s")
-
-    def _may_scope(self, scope: tuple[int, int] | None, ino: int, generation: int) -> int:
-        """0 if the connection may be narrowed to (ino, generation), else the errno."""
-        if scope is not None:
-            return errno.EPERM  # narrowed once, for good
-        try:
-            node = self.vol.store.get(ino)
-        except OSError:
-            return errno.ESTALE
-        if node.generation != generation or not node.nlink:
-            return errno.ESTALE
-        return 0 if node.is_reg else errno.EINVAL
+                await _room(stream)
 
     def _open(self, ino: int, member: int, offset: int, length: int,
-              scope: tuple[int, int] | None = None) -> tuple[int, int]:
+              scope: dict[int, int] | None = None) -> tuple[int, int]:
         """A descriptor of the chunk file and how many of the bytes asked for it holds
-        (-1 and 0: never written, all zeros).  A scoped connection reads its inode
-        only, while it keeps its generation."""
+        (-1 and 0: never written, all zeros).  A scoped connection reads its inodes
+        only, each while it keeps its generation and a link."""
         vol = self.vol
         if vol.store.readonly:
             raise OSError(errno.ESTALE, "this node no longer serves the pool")
@@ -277,8 +290,8 @@ class ChunkService:
             raise OSError(errno.EINVAL, f"member {member} is not one of this pool's")
         if length > MAX_READ:
             raise OSError(errno.EINVAL, f"at most {MAX_READ} bytes a request")
-        if scope is not None and ino != scope[0]:
-            raise OSError(errno.EPERM, f"this connection reads inode {scope[0]} only")
+        if scope is not None and ino not in scope:
+            raise OSError(errno.EPERM, f"this connection may not read inode {ino}")
         vol.pool.check([member])
         try:
             node = vol.store.get(ino)
@@ -286,7 +299,7 @@ class ChunkService:
             if scope is None:
                 raise
             raise OSError(errno.ESTALE, f"inode {ino} is gone") from None
-        if scope is not None and (node.generation != scope[1] or not node.nlink):
+        if scope is not None and (node.generation != scope[ino] or not node.nlink):
             raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
         if not node.is_reg:
             raise OSError(errno.EINVAL, f"inode {ino} is not a regular file")
@@ -323,6 +336,22 @@ async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
         parts.append(chunk)
         got += len(chunk)
     return b"".join(parts)
+
+
+async def _room(stream: trio.SocketStream) -> None:
+    """Wait until the socket takes bytes, SEND_STALL_S at most (TimeoutError: the peer
+    stopped reading)."""
+    with trio.move_on_after(SEND_STALL_S):
+        await stream.socket.wait_writable()
+        return
+    raise TimeoutError(f"the peer took no bytes for {SEND_STALL_S:.0f} s")
+
+
+def _all_cached(fd: int, offset: int, n: int) -> bool:
+    """Whether every page of [offset, offset + n) of `fd` is in the page cache (so a
+    sendfile of it never waits for the disk); False where the kernel cannot say."""
+    pages = -(-(offset + n) // PAGE) - offset // PAGE
+    return cached_pages(fd, offset, n) == pages
 
 
 def _send_file(out_fd: int, in_fd: int, offset: int, n: int) -> int:

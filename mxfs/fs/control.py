@@ -66,9 +66,9 @@ class ControlServer:
         self.pending_by_uid: Counter[int] = Counter()  # unpublished files, all connections
         self.listener = Listener(path, self.limits, self.dispatch, self._session,
                                  self._end_session)
+        self.remote = RemoteReads(volume, self.limits)  # (a reading node's direct path)
         self.kv = KVOps(volume, KVIndex(volume, self.limits.max_namespaces_per_user),
-                        self.limits)
-        self.remote = RemoteReads(volume, self.limits)
+                        self.limits, self.remote)
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,

@@ -111,7 +111,7 @@ class FileOps:
                     not bool_field(msg, "remote"):
                 raise
             held = len(self.vol.layout(node).holding(node.size))
-            grant, fds = await self.remote.open(node, max(held, 1), session)
+            grant, fds = await self.remote.open([node], max(held, 1), session)
             return {**self._describe(node), "members": [], "remote": grant}, fds
         return {**self._describe(node), **which}, fds
 

@@ -1,14 +1,18 @@
-"""KV gets on a reading node: the writer's chunks, found in the store and copied over.
+"""KV gets on a reading node: the writer's chunks, found in the store and read over.
 
 A reading node holds no KV index (the writer's lives in the writer's memory), so a
 lookup there reads the keys' rows, seals and inodes from the store, a few statements a
 request whatever its keys, in a worker thread on a connection of its own
-(`fs/store_worker.py`: never a round trip on trio's thread), and each chunk found is
-copied from the writer node through its chunk service, in worker threads, straight into
-a sealed memfd that goes to the caller as a one-member chunk file with the chunk's
-checksums, which the caller checks: a prefix another node computed is a hit on this one.  The copy
-is the caller's own, so it needs no read lease; a chunk evicted meanwhile, or a writer
-that cannot serve it, is a miss.
+(`fs/store_worker.py`: never a round trip on trio's thread): a prefix another node
+computed is a hit on this one.  A caller that takes them (`KVStore`) gets connections
+to the writer's chunk service scoped to the chunks found (`fs/remote_reads.py`, the
+reading node's direct path) and receives their bytes itself, checking their checksums;
+a chunk evicted meanwhile reads ESTALE there, a miss.  Small chunks, callers that do
+not take connections, and gets past the limits on them are served by copies: each
+chunk copied from the writer through its chunk service, in worker threads, straight
+into a sealed memfd that goes to the caller as a one-member chunk file with the chunk's
+checksums.  A copy is the caller's own, so it needs no read lease; a chunk evicted
+meanwhile, or a writer that cannot serve it, is a miss.
 
 A memfd's pages are this daemon's memory for as long as anyone holds the descriptor,
 so a copy is only lent: the daemon keeps a descriptor of it and cuts it to nothing
@@ -36,13 +40,15 @@ import trio
 from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.limits import Limits
+from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Answer, Session
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.io import PAGE, Layout
 from mxfs.meta import Inode, MetaStore
 from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.pool import ChunkFiles
-from mxfs.proto.messages import ChunkReply, Empty, KVExistsReply, KVGetReply
+from mxfs.proto.chunk_wire import MAX_SCOPE
+from mxfs.proto.messages import ChunkReply, Empty, KVExistsReply, KVGetReply, RemoteGrant
 from mxfs.vol.access import R_OK
 from mxfs.vol.kv_index import KVIndex, Namespace, check_namespace
 from mxfs.vol.volume import Volume
@@ -87,8 +93,9 @@ def _look(store: MetaStore, name: str, keys: list[bytes], chunks: bool) -> _Foun
 
 class FollowerKV:
     def __init__(self, vol: Volume, index: KVIndex, limits: Limits,
-                 limiter: trio.CapacityLimiter) -> None:
+                 limiter: trio.CapacityLimiter, remote: RemoteReads | None = None) -> None:
         self.vol, self.index, self.limits, self.limiter = vol, index, limits, limiter
+        self.remote = remote  # scoped connections to the writer (`fs/remote_reads.py`)
         self.lookups = StoreWorker(vol.pool.meta_location)
         self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
         self.lent_by_uid: Counter[int] = Counter()
@@ -145,16 +152,14 @@ class FollowerKV:
         space, looked = await self._lookup(msg, session, keys, chunks=True)
         inline_max = int_field(msg, "inline_max", 0)
         out: list[ChunkReply | None] = []
-        wanted: list[tuple[int, Inode, ChunkReply]] = []  # (slot in out, node, sums)
-        copied = 0
+        found_all: list[tuple[int, Inode, ChunkReply]] = []  # (slot in out, node, sums)
         for key, want in zip(keys, sizes, strict=True):
             found = looked.rows.get(key)
             seal = looked.seals.get(found[0]) if found else None
             node = looked.nodes.get(found[0]) if found else None
-            if found is None or seal is None or node is None or \
-                    copied + found[1] > MAX_COPY or not self._may_lend(uid, copied + found[1]):
-                space.misses += 1  # (past what one request copies or one uid is lent:
-                out.append(None)   # a miss too)
+            if found is None or seal is None or node is None:
+                space.misses += 1
+                out.append(None)
                 continue
             sums: ChunkReply = {"size": found[1], "sum_unit": seal[0],
                                 "sums": base64.b64encode(seal[1]).decode()}
@@ -162,9 +167,53 @@ class FollowerKV:
                 space.misses += 1
                 out.append({"size": found[1]})
                 continue
-            copied += found[1]
-            wanted.append((len(out), node, sums))
+            found_all.append((len(out), node, sums))
             out.append(None)
+        # Chunks past the inline size go to a caller that takes them as connections to
+        # the writer, scoped to those chunks: it receives their bytes itself.
+        grant: RemoteGrant | None = None
+        conns: list[int] = []
+        far = [w for w in found_all if w[1].size > inline_max]
+        if far and bool_field(msg, "remote") and self.remote is not None:
+            grant, conns = await self._grant([node for _, node, _ in far], session)
+        if grant is not None:
+            for slot, node, sums in far:
+                space.hits += 1
+                out[slot] = {**sums, "ino": node.ino,
+                             "layout": self.vol.layout(node).describe()}
+            found_all = [w for w in found_all if w[1].size <= inline_max]
+        reply, fds = await self._copied(space, uid, found_all, out, inline_max)
+        if grant is not None:
+            reply["remote"] = grant
+        return reply, fds + conns
+
+    async def _grant(self, nodes: list[Inode], session: Session
+                     ) -> tuple[RemoteGrant | None, list[int]]:
+        """Scoped connections to the writer for these chunks, or (None, []) where the
+        limits or the writer say no: then they are copied over, as for any caller."""
+        assert self.remote is not None
+        if len(nodes) > MAX_SCOPE:
+            return None, []
+        try:
+            return await self.remote.open(nodes, len(self.vol.pool.members), session)
+        except OSError as e:
+            if e.errno not in (errno.EREMOTE, errno.EIO):
+                raise
+            return None, []
+
+    async def _copied(self, space: Namespace, uid: int,
+                      wanted: list[tuple[int, Inode, ChunkReply]], out: list[ChunkReply | None],
+                      inline_max: int) -> Answer[KVGetReply]:
+        """The chunks copied from the writer into memfds lent to the caller (or inline
+        in the reply), at most MAX_COPY a request and what the uid may be lent."""
+        copied = 0
+        todo = []
+        for slot, node, sums in wanted:
+            if copied + node.size > MAX_COPY or not self._may_lend(uid, copied + node.size):
+                space.misses += 1  # (past what one request copies or one uid is lent)
+                continue
+            copied += node.size
+            todo.append((slot, node, sums))
         memfds: dict[int, int] = {}  # slot -> the copy
 
         async def copy(slot: int, node: Inode) -> None:
@@ -175,13 +224,13 @@ class FollowerKV:
                 log.info("KV chunk %d of namespace %s not copied from the writer: %s",
                          node.ino, space.name, e)
 
+        fds: list[int] = []
         try:
             async with trio.open_nursery() as nursery:  # every chunk at once, 4 at a time
-                for slot, node, _ in wanted:
+                for slot, node, _ in todo:
                     nursery.start_soon(copy, slot, node)
-            fds: list[int] = []
             budget = INLINE_REPLY
-            for slot, node, sums in wanted:
+            for slot, node, sums in todo:
                 fd = memfds.pop(slot, None)
                 if fd is None:
                     space.misses += 1

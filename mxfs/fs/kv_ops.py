@@ -27,6 +27,7 @@ from mxfs.fs.kv_claims import CLAIM_S, Claims
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_follow import COPIERS, FollowerKV
 from mxfs.fs.limits import Limits
+from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
     Answer,
     Handler,
@@ -121,15 +122,16 @@ def _mode(msg: Msg, default: int | None) -> int | None:
 
 
 class KVOps:
-    def __init__(self, vol: Volume, index: KVIndex, limits: Limits | None = None) -> None:
+    def __init__(self, vol: Volume, index: KVIndex, limits: Limits | None = None,
+                 remote: RemoteReads | None = None) -> None:
         self.vol = vol
         self.index = index
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
         self.claims = Claims(self.limits.max_kv_claims_per_user)  # keys being computed
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
-        self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS)) \
-            if vol.pool.node else None
+        self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
+                                   remote) if vol.pool.node else None
 
     def handlers(self) -> dict[str, Handler]:
         """The handler of each KV op.  Those that work through many items do it in

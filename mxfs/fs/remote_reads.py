@@ -81,11 +81,11 @@ class RemoteReads:
         return {"grants": len(self.grants), "connections": self.held,
                 "refused": self.refused}
 
-    async def open(self, node: Inode, members: int, session: Session
+    async def open(self, files: list[Inode], members: int, session: Session
                    ) -> tuple[RemoteGrant, list[int]]:
-        """Connections to the owner scoped to `node` (a connection a member holding its
-        bytes, up to CONNS) and their descriptors for the caller; EREMOTE past the
-        limits (the caller reads through the mount)."""
+        """Connections to the owner scoped to `files` (a connection a member holding
+        their bytes, up to CONNS) and their descriptors for the caller; EREMOTE past
+        the limits (the caller reads through the mount, or has the bytes copied)."""
         self.sweep()
         uid, lim = session.caller.uid, self.limits
         n = min(members, CONNS, lim.max_remote_reads - self.held,
@@ -97,7 +97,8 @@ class RemoteReads:
                           "through the mount")
         self._count(uid, n)  # before the wait: opens meanwhile see them taken
         try:
-            socks, owner = await trio.to_thread.run_sync(self._connect, node, n)
+            socks, owner = await trio.to_thread.run_sync(
+                self._connect, [(f.ino, f.generation) for f in files], n)
         except BaseException:
             self._count(uid, -n)
             raise
@@ -107,16 +108,17 @@ class RemoteReads:
                  "epoch": owner.epoch},
                 [os.dup(s.fileno()) for s in socks])
 
-    def _connect(self, node: Inode, n: int) -> tuple[list[socket.socket], Any]:
-        """(Blocking.)  `n` proved connections to the owner, each scoped to `node`,
-        made at once (a few round trips each)."""
+    def _connect(self, files: list[tuple[int, int]], n: int
+                 ) -> tuple[list[socket.socket], Any]:
+        """(Blocking.)  `n` proved connections to the owner, each scoped to `files`
+        (inode, generation), made at once (a few round trips each)."""
         remote = self.vol.pool.remote
         assert remote is not None  # (a reading node's pool)
 
         def one() -> ChunkClient:
             client = remote.connect()
             try:
-                client.scope(node.ino, node.generation)
+                client.scope(files)
             except BaseException:
                 client.close()
                 raise
@@ -129,9 +131,6 @@ class RemoteReads:
         if failed is not None:
             for c in clients:
                 c.close()
-            if isinstance(failed, OSError) and failed.errno == errno.ESTALE:
-                raise OSError(errno.ESTALE, f"inode {node.ino} changed on its owner node "
-                              "while it was opened: open it again") from None
             if isinstance(failed, (OSError, WireError)):
                 raise OSError(errno.EIO, str(failed)) from None
             raise failed

@@ -27,6 +27,7 @@ from mxfs.proto.chunk_wire import (
     PROOF,
     READ,
     SCOPE,
+    SCOPE_ITEM,
     VERSION,
     WireError,
     check_magic,
@@ -34,9 +35,15 @@ from mxfs.proto.chunk_wire import (
     proof,
 )
 
+PIPELINE = 16  # READs one connection sends ahead of the answer it is receiving
+
 
 class StaleNode(OSError):
     """The serving node's epoch changed: what it sends is not the pool's any more."""
+
+
+class Refused(OSError):
+    """The node answered one request with an errno; the connection goes on."""
 
 
 class ChunkClient:
@@ -63,13 +70,16 @@ class ChunkClient:
         _kernel_timeouts(self.sock, timeout)
         return self
 
-    def scope(self, ino: int, generation: int) -> None:
-        """Narrow this connection for good to reading `ino` while it has `generation`."""
-        self.sock.sendall(SCOPE.pack(b"SCOP", ino, generation))
+    def scope(self, files: list[tuple[int, int]]) -> None:
+        """Narrow this connection for good to reading `files` (inode, generation), each
+        while it keeps that generation."""
+        self.sock.sendall(SCOPE.pack(b"SCOP", len(files)) +
+                          b"".join(SCOPE_ITEM.pack(*f) for f in files))
         code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
         if code or n:
             raise OSError(code or errno.EPROTO, f"{self.where} would not scope a connection "
-                          f"to inode {ino}: {os.strerror(code) if code else 'bytes followed'}")
+                          f"to {len(files)} files: "
+                          f"{os.strerror(code) if code else 'bytes followed'}")
         if epoch != self.epoch:
             raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
                             f"{epoch})")
@@ -116,9 +126,15 @@ class ChunkClient:
         if total > MAX_READ:
             raise ValueError(f"at most {MAX_READ} bytes a request")
         self.sock.sendall(READ.pack(b"READ", ino, member, offset, total))
+        return self._answer(ino, member, views)
+
+    def _answer(self, ino: int, member: int, views: list[memoryview]) -> int:
+        """Receive one READ's answer into `views`; how many bytes came (Refused: the
+        node answered an errno)."""
+        total = sum(len(v) for v in views)
         code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
         if code:
-            raise OSError(code, f"{self.where}: {os.strerror(code)} (inode {ino}, member "
+            raise Refused(code, f"{self.where}: {os.strerror(code)} (inode {ino}, member "
                           f"{member})")
         if n > total:
             raise WireError(f"{self.where} sent {n} bytes for {total} asked")
@@ -137,13 +153,47 @@ class ChunkClient:
     def fill(self, ino: int, member: int, offset: int, views: list[memoryview]) -> None:
         """Fill `views`, in order, from the chunk file of `ino` on `member` at `offset`,
         MAX_READ bytes a request; bytes past its end (or of one never written) are zeros."""
-        for group in _groups(views):
-            n = self.read_scatter(ino, member, offset, group)
-            offset += sum(len(v) for v in group)
-            for v in group:  # past the chunk file's end: a hole
-                if n < len(v):
-                    v[n:] = bytes(len(v) - n)
-                n = max(0, n - len(v))
+        failed = self.fill_many([(ino, member, offset, views)])[0]
+        if failed is not None:
+            raise failed
+
+    def fill_many(self, runs: list[tuple[int, int, int, list[memoryview]]],
+                  depth: int = PIPELINE) -> list[Exception | None]:
+        """Fill each run (inode, member, chunk offset, views) as `fill` does, up to
+        `depth` requests sent ahead of the answer being received, so the node goes
+        from one to the next without waiting for a round trip; each run's failure, or
+        None.  A run the node refused fails alone; once the connection breaks (or the
+        node's epoch changes), every run not yet done fails with it."""
+        asks: list[tuple[int, int, int, int, list[memoryview]]] = []  # (run, ino, ...)
+        for r, (ino, member, offset, views) in enumerate(runs):
+            for group in _groups(views):
+                asks.append((r, ino, member, offset, group))
+                offset += sum(len(v) for v in group)
+        errors: list[Exception | None] = [None] * len(runs)
+        sent = 0
+        try:
+            for k, (r, ino, member, _, group) in enumerate(asks):
+                ahead = asks[sent:k + depth]
+                if ahead:
+                    self.sock.sendall(b"".join(
+                        READ.pack(b"READ", a[1], a[2], a[3], sum(len(v) for v in a[4]))
+                        for a in ahead))
+                    sent += len(ahead)
+                try:
+                    n = self._answer(ino, member, group)
+                except Refused as e:
+                    errors[r] = e
+                    continue
+                for v in group:  # past the chunk file's end: a hole
+                    if n < len(v):
+                        v[n:] = bytes(len(v) - n)
+                    n = max(0, n - len(v))
+        except (OSError, WireError) as e:
+            done = {a[0] for a in asks[:k]} - {a[0] for a in asks[k:]}
+            for r in range(len(runs)):
+                if r not in done and errors[r] is None:
+                    errors[r] = e
+        return errors
 
     def read(self, ino: int, member: int, offset: int, length: int) -> bytes:
         buf = bytearray(length)

@@ -23,18 +23,22 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
+from contextlib import suppress
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError, mount_root
 from mxfs.client.direct import DIO_ALIGN, DirectFile, address_of, aligned_like
+from mxfs.client.remote_file import Run, fetch
 from mxfs.client.writer import DirectWriter
 from mxfs.errors import MxfsError
-from mxfs.io import read_batch, write_batch
+from mxfs.io import Layout, read_batch, write_batch
 from mxfs.io.checksum import block_sums, pack_sums
+from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv.reuse_policy import ReusePolicy
 from mxfs.proto import MAX_FDS
 from mxfs.proto.constants import MAX_KEY
 from mxfs.proto.messages import (
+    CLOSE_READ,
     KV_CLAIM,
     KV_COMMIT,
     KV_CONFIG,
@@ -62,6 +66,8 @@ log = logging.getLogger("mxfs.kv")
 INLINE = 256 << 10
 _INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a third)
 STAGING_MAX = 64 << 20  # the most of one get that goes through a store's staging buffer
+REMOTE_BATCH = 64  # keys one lookup asks for on a reading node (its reply's checksums
+                   # stay well inside a message)
 # The daemon's default bound on a connection's unpublished files (`max_pending` in
 # mxfs/fs/limits.py), for a daemon that does not report its own.
 MAX_PENDING = 256
@@ -153,6 +159,26 @@ class _Inline:
         pass
 
 
+class _RemoteChunk:
+    """A chunk another node holds, read over the connections to it that the get sent
+    (scoped to the get's chunks: a reading node's direct path)."""
+
+    def __init__(self, entry: ChunkReply) -> None:
+        self.size = int(entry["size"])
+        self.ino = int(entry["ino"])
+        self.layout = Layout.from_description(entry["layout"])
+
+    def runs(self, view: memoryview) -> list[Run]:
+        return [(self.ino, p.member, p.chunk_offset, [view[o:o + n] for o, n in p.spans])
+                for p in self.layout.plan(0, self.size)]
+
+    def close(self) -> None:
+        pass
+
+
+Chunk = DirectFile | _Inline | _RemoteChunk
+
+
 class _Staging:
     """A page-aligned buffer, touched once and kept (one a thread), that cold chunks are
     read into with O_DIRECT when the caller's buffer is not page-aligned (a bytearray,
@@ -219,7 +245,11 @@ class KVStore:
         stat = self.client.stat()
         self.members = len(stat["members"])
         self.page_cache = page_cache
-        self.batch = get_part(self.members)  # keys a lookup asks for at once
+        # Keys a lookup asks for at once.  On a reading node (every member another
+        # node's) a get sends a few connections whatever its keys, not descriptors a
+        # chunk: its lookups take REMOTE_BATCH keys.
+        remote = all(m.get("node") for m in stat["members"])
+        self.batch = REMOTE_BATCH if remote else get_part(self.members)
         self._local = threading.local()  # each thread's staging buffer: threads share stores
         self.put_group = put_group(stat, self.members)
         # Misses by reason: "absent" (not stored, or no namespace yet), "checksum" (damaged,
@@ -364,7 +394,7 @@ class KVStore:
         # The buffers' sizes go along: a chunk that does not fit its buffer is a miss the
         # daemon counts as one (and opens nothing for).
         get: KVGetRequest = {**self._ns, "keys": wire, "inline_max": INLINE,
-                             "odirect": not self.page_cache}
+                             "odirect": not self.page_cache, "remote": True}
         sizes = [] if outs is None else [_nbytes(o) for o in outs]
         if outs is not None:
             get["sizes"] = list(sizes)
@@ -381,9 +411,12 @@ class KVStore:
                 self.misses["smaller" if entry["size"] < sizes[i] else "larger"] += 1
                 entries[i] = None
                 misfits.add(i)
-        files = self._chunk_files(entries, fds)
+        files, rest = self._chunk_files(entries, fds)
+        grant = reply.get("remote")
+        conns = [ChunkClient.adopt(fd, grant["addr"], grant["epoch"]) for fd in rest] \
+            if grant is not None else []
         try:
-            views, copies = self._read_into(keys, files, outs, misfits)
+            views, copies = self._read_into(keys, files, outs, misfits, conns)
             results: list[Any] = []
             bad = []
             for i, (view, entry) in enumerate(zip(views, entries, strict=True)):
@@ -408,18 +441,26 @@ class KVStore:
             for f in files:
                 if f is not None:
                     f.close()
+            for c in conns:
+                c.close()
+            if grant is not None:  # (a daemon gone took its grants along)
+                with suppress(ControlError, OSError):
+                    self.client.request(CLOSE_READ({"grant": grant["grant"]}))
         return results
 
     def _chunk_files(self, entries: list[ChunkReply | None], fds: list[int]
-                     ) -> list[DirectFile | _Inline | None]:
-        """Each reply entry as something to read from (None: a miss); takes `fds`."""
-        files: list[DirectFile | _Inline | None] = []
+                     ) -> tuple[list[Chunk | None], list[int]]:
+        """Each reply entry as something to read from (None: a miss), and the
+        descriptors left after theirs (the reply's connections); takes `fds`."""
+        files: list[Chunk | None] = []
         try:
             for entry in entries:
                 if entry is None:
                     files.append(None)
                 elif "data" in entry:
                     files.append(_Inline(base64.b64decode(entry["data"])))
+                elif "ino" in entry:
+                    files.append(_RemoteChunk(entry))
                 else:
                     n = len(entry["members"]) + len(entry.get("direct_members", []))
                     mine, fds = fds[:n], fds[n:]
@@ -432,10 +473,11 @@ class KVStore:
             for fd in fds:
                 os.close(fd)
             raise
-        return files
+        return files, fds
 
-    def _read_into(self, keys: list[Key], files: list[DirectFile | _Inline | None],
-                   outs: list[Any] | None, misfits: Collection[int] = ()
+    def _read_into(self, keys: list[Key], files: list[Chunk | None],
+                   outs: list[Any] | None, misfits: Collection[int] = (),
+                   conns: list[ChunkClient] | None = None
                    ) -> tuple[list[memoryview | None], list[Any]]:
         """Every found chunk read, all members at once: (its bytes' view, device copy-back)
         per key; no view where the key missed, or its buffer is not exactly the chunk's
@@ -443,6 +485,8 @@ class KVStore:
         views: list[memoryview | None] = [None] * len(files)
         copies: list[Any] = [None] * len(files)
         reads: list[tuple[DirectFile, memoryview]] = []
+        runs: list[Run] = []  # another node's chunks' runs, and the key of each
+        run_of: list[int] = []
         for i, f in enumerate(files):
             if f is None:
                 if i not in misfits:  # (those were counted by their size)
@@ -461,8 +505,18 @@ class KVStore:
             views[i], copies[i] = view, copy
             if isinstance(f, _Inline):
                 view[:] = f.data
+            elif isinstance(f, _RemoteChunk):
+                for run in f.runs(view):
+                    runs.append(run)
+                    run_of.append(i)
             else:
                 reads.append((f, view))
+        for i, failed in zip(run_of, fetch(conns or [], runs), strict=True):
+            if failed is not None and views[i] is not None:
+                log.info("KV chunk %r of namespace %s not read from its node: %s",
+                         key_bytes(keys[i])[:64], self.namespace, failed)
+                self.misses["gone"] += 1  # (evicted since the lookup, or its node away)
+                views[i] = None
         if not hasattr(self._local, "staging"):
             self._local.staging = _Staging()
         staged = self._local.staging.take(reads)

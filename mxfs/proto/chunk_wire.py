@@ -20,13 +20,14 @@ epoch, how many bytes follow) and those bytes, sent from the chunk file with sen
 A range past the chunk file's end is short; a chunk file never written reads as no
 bytes (the reader fills zeros, as the direct path does).
 
-SCOPE (inode, generation), answered by a header with no bytes, narrows a connection
-for good to one file: it then reads that inode only, and only while the inode keeps
-that generation and a name (ESTALE once the file is removed, EPERM for any other
-inode or a second SCOPE), for at most SCOPE_S.  A reading node's daemon proves the key, scopes the
-connection, and hands it to a local reader that may read that file
-(`fs/remote_reads.py`): the reader moves the bytes itself but holds no key and can
-reach nothing else.
+SCOPE (a count, then that many (inode, generation) pairs, at most MAX_SCOPE),
+answered by a header with no bytes, narrows a connection for good to those files (a
+file a reader opened, or the chunks of one KV get): it then reads those inodes only,
+each only while it keeps its generation and a link (ESTALE once it is removed, EPERM
+for any other inode or a second SCOPE), for at most SCOPE_S.  A reading node's daemon
+proves the key, scopes the connection, and hands it to a local reader that may read
+those files (`fs/remote_reads.py`): the reader moves the bytes itself but holds no key
+and can reach nothing else.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ ACCEPT = b"MXOK"
 TAG = 4  # bytes of a request's tag
 READ = struct.Struct("!4sQIQQ")  # b"READ", inode, member, offset, length
 READ_BODY = struct.Struct("!QIQQ")  # (READ past its tag)
-SCOPE = struct.Struct("!4sQQ")  # b"SCOP", inode, generation
-SCOPE_BODY = struct.Struct("!QQ")
+SCOPE = struct.Struct("!4sI")  # b"SCOP", how many (inode, generation) pairs follow
+SCOPE_COUNT = struct.Struct("!I")  # (SCOPE past its tag)
+SCOPE_ITEM = struct.Struct("!QQ")  # inode, generation
+MAX_SCOPE = 4096  # files one connection may be scoped to
 ANSWER = struct.Struct("!iQQ")  # 0 or errno, epoch, bytes that follow
 
 

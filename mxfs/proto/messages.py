@@ -142,6 +142,7 @@ class ChunkReply(TypedDict, total=False):
     layout: LayoutDesc
     members: list[int]
     direct_members: list[int]
+    ino: int  # read over the reply's `remote` connections (a reading node's)
 
 
 # ---- requests and replies, by op -------------------------------------------------
@@ -346,10 +347,13 @@ class KVGetRequest(KeysRequest, total=False):
     pin: bool
     odirect: bool
     inline_max: int
+    remote: bool  # the caller takes scoped chunk-service connections (a reading node)
 
 
 class KVGetReply(TypedDict):
     chunks: list[ChunkReply | None]
+    # Connections to the owner scoped to the chunks with an "ino": the last descriptors.
+    remote: NotRequired[RemoteGrant]
 
 
 class KVExistsReply(TypedDict):
