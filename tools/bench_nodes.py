@@ -220,7 +220,7 @@ def flooded(node_mnt: str, name: str, conns: int, measure: Any) -> tuple[Any, fl
     local reader's, as `open_read` hands them) send 1-byte READs back to back; its
     result and the READs answered a second."""
     client = ControlClient(node_mnt)
-    socks = []
+    socks: list[tuple[ChunkClient, int]] = []
     while len(socks) < conns:
         reply, fds = client.request_with_fds(OPEN_READ({"path": "/" + name, "remote": True}))
         grant = reply["remote"]
