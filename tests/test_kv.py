@@ -30,6 +30,7 @@ from conftest import (
 )
 
 from mxfs.cli.measure import drop_caches
+from mxfs.io import memory
 from mxfs.io.residency import Residency
 from mxfs.kv import KVStore
 from mxfs.kv.kvstore import INLINE
@@ -118,11 +119,15 @@ def cached_chunk_bytes(members: list[str]) -> int:
     return total
 
 
-def test_cold_gets_go_around_the_page_cache(mounted: Mounted) -> None:
-    """A cold chunk goes from the members to the caller's buffer with O_DIRECT, whether
-    the buffer is page-aligned or not (then through the store's staging buffer): it is
-    held once, in the engine, not a second time in the page cache."""
+def test_cold_gets_go_around_the_page_cache(mounted: Mounted,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without memory to spare (or asked to), a cold chunk goes from the members to the
+    caller's buffer with O_DIRECT, whether the buffer is page-aligned or not (then
+    through the store's staging buffer): it is held once, in the engine, not a second
+    time in the page cache.  With memory to spare (or asked to), through the cache."""
     sizes = [3 << 20, (2 << 20) + 1000]  # over several members; a tail short of a block
+    monkeypatch.setattr(memory, "SPARE", 2.0)  # no node has twice its memory available
+    monkeypatch.setattr(memory, "_seen", (0.0, False))
     with KVStore(str(mounted.path), "cold") as kv:
         assert kv.batch_put(["a", "b"], [blob(1, sizes[0]), blob(2, sizes[1])]) == [True] * 2
         for outs in ([bytearray(n) for n in sizes], [mmap.mmap(-1, n) for n in sizes]):
@@ -137,6 +142,22 @@ def test_cold_gets_go_around_the_page_cache(mounted: Mounted) -> None:
         assert kv.batch_get(["a", "b"], outs) == [True, True]
         assert bytes(outs[0]) == blob(1, sizes[0]) and bytes(outs[1]) == blob(2, sizes[1])
         assert cached_chunk_bytes(mounted.members) >= sum(sizes)
+    monkeypatch.setattr(memory, "SPARE", 0.0)  # every node has memory to spare
+    monkeypatch.setattr(memory, "_seen", (0.0, False))
+    drop_caches()
+    with KVStore(str(mounted.path), "cold") as kv, steady_page_cache():
+        outs = [bytearray(n) for n in sizes]
+        assert kv.batch_get(["a", "b"], outs) == [True, True]
+        assert bytes(outs[0]) == blob(1, sizes[0]) and bytes(outs[1]) == blob(2, sizes[1])
+        assert cached_chunk_bytes(mounted.members) >= sum(sizes)
+
+
+@pytest.mark.unit
+def test_memory_to_spare_is_a_quarter_of_the_node() -> None:
+    assert memory.spare(25, 100) and memory.spare(90, 100)
+    assert not memory.spare(24, 100) and not memory.spare(0, 0)
+    available, total = memory.meminfo()
+    assert 0 < available <= total
 
 
 def test_a_batch_opened_at_once_comes_back_whole_and_leaks_nothing(

@@ -128,9 +128,10 @@ def test_sglang_config_reads_through_the_page_cache_when_asked(mounted: Mounted)
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    for asked in (False, True):
+    for asked in (False, True, None):  # (None: not set, the store's own rule)
         config = sglang_config(mounted)
-        config.extra_config["page_cache"] = asked
+        if asked is not None:
+            config.extra_config["page_cache"] = asked
         backend = StorageBackendFactory.create_backend("dynamic", config, None)
         assert backend.store.page_cache is asked
         backend.close()

@@ -34,6 +34,7 @@ from mxfs.errors import MxfsError
 from mxfs.io import Layout, read_batch, write_batch
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.io.chunk_client import ChunkClient
+from mxfs.io.memory import has_spare
 from mxfs.kv.reuse_policy import ReusePolicy
 from mxfs.proto import MAX_FDS
 from mxfs.proto.constants import MAX_KEY
@@ -78,6 +79,12 @@ def default_namespace(engine: str) -> str:
     """An engine adapter's namespace when none is configured: one per engine and user,
     so service users never collide on a name (and none is someone else's to plant)."""
     return f"{engine}-uid{os.getuid()}"
+
+
+def page_cache_option(value: Any) -> bool | None:
+    """An engine config's "page_cache": absent (None) is the rule of `KVStore`; else
+    true or false."""
+    return None if value is None else bool(value)
 
 
 def key_bytes(key: Key | Any) -> bytes:
@@ -218,16 +225,17 @@ class KVStore:
 
     def __init__(self, mount: str, namespace: str = "default", *,
                  capacity: int | None = None, shared: bool = False,
-                 mode: int | None = None, page_cache: bool = False,
+                 mode: int | None = None, page_cache: bool | None = None,
                  policy: ReusePolicy | None = None) -> None:
         """`namespace` is made on the first put, private to this user (or with `mode`,
         e.g. 0o750 to let its group read).  A namespace another user owns is used
         only with `shared=True`: chunks are trusted as their writers are.
 
-        Gets read cold chunks with O_DIRECT: the engine's own host tier is the cache,
-        and the chunk is not held twice.  `page_cache=True` reads through the page
-        cache instead: a chunk read again while it stays cached is a memory copy,
-        at the cost of slower cold reads and the memory the cache holds.
+        Gets read through the page cache while the node has memory to spare (a
+        quarter of it available, `io/memory.py`): a chunk read again while it stays
+        cached is a memory copy.  When it has not, cold chunks are read with O_DIRECT:
+        the engine's own host tier is the cache, and the chunk is not held twice.
+        `page_cache=True` or `False` makes either the rule.
 
         `policy` (`mxfs.kv.reuse_policy`): every get tells it the pool's read rate, and
         `prefix_to_read` asks it how much of a prefix hit is worth reading."""
@@ -394,7 +402,7 @@ class KVStore:
         # The buffers' sizes go along: a chunk that does not fit its buffer is a miss the
         # daemon counts as one (and opens nothing for).
         get: KVGetRequest = {**self._ns, "keys": wire, "inline_max": INLINE,
-                             "odirect": not self.page_cache, "remote": True}
+                             "odirect": not self._buffered(), "remote": True}
         sizes = [] if outs is None else [_nbytes(o) for o in outs]
         if outs is not None:
             get["sizes"] = list(sizes)
@@ -447,6 +455,10 @@ class KVStore:
                 with suppress(ControlError, OSError):
                     self.client.request(CLOSE_READ({"grant": grant["grant"]}))
         return results
+
+    def _buffered(self) -> bool:
+        """Whether this get reads through the page cache (see `__init__`)."""
+        return self.page_cache if self.page_cache is not None else has_spare()
 
     def _chunk_files(self, entries: list[ChunkReply | None], fds: list[int]
                      ) -> tuple[list[Chunk | None], list[int]]:

@@ -17,6 +17,7 @@ import torch
 
 from mxfs.client.direct import DirectFile, Reader, aligned_like, open_reader
 from mxfs.errors import MxfsError
+from mxfs.io.memory import meminfo
 from mxfs.load.gds import GdsReader, Unavailable, open_gds
 from mxfs.load.header import Header, HeaderError, TensorInfo, header_length, parse_header
 from mxfs.load.options import MODES, FileLoad, LoadReport
@@ -159,14 +160,8 @@ def fits_in_memory(nbytes: int) -> bool:
     """Would `nbytes` more of page cache take at most half the memory available now?
     (A mapped load reads ahead only then: past it, its first pages would be evicted
     before they are touched.)"""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return nbytes <= int(line.split()[1]) * 1024 // 2
-    except (OSError, ValueError):
-        pass
-    return False
+    available, _ = meminfo()
+    return nbytes <= available // 2
 
 
 def _open_gds(reader: Reader, dev: torch.device, mode: str, policy: str | None

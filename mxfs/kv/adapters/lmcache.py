@@ -34,7 +34,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from mxfs.errors import MxfsError
 from mxfs.kv.keys import lmcache_object_key
-from mxfs.kv.kvstore import KVStore, default_namespace
+from mxfs.kv.kvstore import KVStore, default_namespace, page_cache_option
 
 log = logging.getLogger("mxfs.kv.lmcache")
 
@@ -69,7 +69,7 @@ class MxfsL2Adapter(L2AdapterInterface):
             self.store = KVStore(conf["mount"],
                                  conf.get("namespace") or default_namespace("lmcache"),
                                  capacity=self.capacity or None, shared=bool(conf.get("shared")),
-                                 page_cache=bool(conf.get("page_cache")))
+                                 page_cache=page_cache_option(conf.get("page_cache")))
         except MxfsError as e:
             raise OSError(errno.ENODEV, f"mxfs L2 adapter: {e}") from None
         self._events = {kind: create_event_notifier() for kind in ("store", "lookup", "load")}

@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from mxfs.kv.kvstore import KVStore, default_namespace
+from mxfs.kv.kvstore import KVStore, default_namespace, page_cache_option
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer, PoolTransferResult
@@ -86,7 +86,7 @@ class MxfsHiCacheStorage(HiCacheStorage):
         self.store = KVStore(mount, extra.get("namespace") or default_namespace("sglang"),
                              capacity=int(capacity) if capacity is not None else None,
                              shared=bool(extra.get("shared")),
-                             page_cache=bool(extra.get("page_cache")))
+                             page_cache=page_cache_option(extra.get("page_cache")))
         self.config_suffix, self.tp_config_suffix = storage_suffixes(storage_config)
         self.suffix = self.config_suffix
         self.mem_pool_host: Any = None

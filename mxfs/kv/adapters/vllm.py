@@ -97,7 +97,7 @@ class MxfsTier(SecondaryTierManager):
                  capacity: int | None = None, shared: bool = False,
                  enable_kv_events: bool = False, locality: str | None = None,
                  backpressure_detector: BackpressureDetector | None = None,
-                 page_cache: bool = False) -> None:
+                 page_cache: bool | None = None) -> None:
         """The tier config's fields; a mount that is not there refuses to start (as
         vLLM's fs tier does with a root it cannot make), a pool lost later fails jobs."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
