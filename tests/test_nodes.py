@@ -47,7 +47,7 @@ from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
 from mxfs.load import load_file
 from mxfs.pool.key import KEY_NAME, load_key
-from mxfs.proto.chunk_wire import ANSWER, READ, WireError
+from mxfs.proto.chunk_wire import ANSWER, MAX_SCOPE, READ, WireError
 from mxfs.proto.messages import CLOSE_READ, KV_GET, OPEN_READ
 
 pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
@@ -527,6 +527,7 @@ def _served(a: Mounted) -> int:
     return int(_status(a)["chunk_service"]["served_bytes"])
 
 
+@pytest.mark.daemon_log(r"chunk (request|scope) for the daemon failed")
 def test_a_reading_node_reads_straight_from_the_owner(tmp_path: Path, pg_cluster: Any
                                                       ) -> None:
     """The direct path on a reading node: its daemon hands a reader connections to the
@@ -645,6 +646,16 @@ print(json.dumps(out))
             assert len(stalled._recv(n)) == n
             for client, _, _ in held:
                 client.close()
+
+            # Garbage on a scoped connection, or a scope past MAX_SCOPE, ends that
+            # connection and no other.
+            client, reply, conns = _grant(b, "m.safetensors")
+            conns[0].sock.sendall(os.urandom(4096))
+            conns[1].sock.sendall(b"SCOP" + (MAX_SCOPE + 1).to_bytes(4, "big"))
+            for conn in conns[:2]:
+                assert eventually(lambda c=conn: _refused(c, reply["ino"]) != 0, 10)
+            assert _refused(conns[2], reply["ino"]) == 0
+            client.close()
 
             # Readers that flood the owner with tiny requests are served a few at a
             # time (SCOPED_AT_ONCE); the rest wait their turn, off trio's thread.
