@@ -631,6 +631,8 @@ print(json.dumps(out))
             with open_reader(str(b.path / "m.safetensors")) as f:
                 assert isinstance(f, PlainFile)
             assert _status(b)["remote_reads"]["refused"] >= 1
+            shown = mxfs("status", str(b.path)).stdout
+            assert "direct reads of other nodes: 2 files open, 8 connections" in shown, shown
             # Readers that stop reading hold no sender of the owner's: all eight ask
             # for 16 MiB and take none, and the owner still serves b's mount.
             ino = held[0][1]["ino"]
