@@ -72,8 +72,7 @@ class ControlServer:
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,
-                             settle=settle,
-                             remote=self.remote if volume.pool.remote is not None else None)
+                             settle=settle, remote=self.remote)
         self.meta = MetaOps(volume)
         self.status = StatusOps(volume, mountpoint, self.limits, self.listener, self.kv,
                                 self.pending_by_uid, self.metrics, wake)

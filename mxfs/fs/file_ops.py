@@ -100,7 +100,8 @@ class FileOps:
         if self.settle is not None and entry is not None:
             await self.settle(node.ino)
         # Two descriptors a member with O_DIRECT: only while one message can carry them.
-        members = len(self.vol.layout(node).used_members())
+        layout = self.vol.layout(node)
+        members = len(layout.used_members())
         odirect = bool_field(msg, "odirect") and 2 * members <= MAX_FDS
         try:
             which, fds = read_fds(self.vol, node, odirect=odirect)
@@ -110,7 +111,7 @@ class FileOps:
             if e.errno != errno.EREMOTE or self.remote is None or \
                     not bool_field(msg, "remote"):
                 raise
-            held = len(self.vol.layout(node).holding(node.size))
+            held = len(layout.holding(node.size))
             grant, fds = await self.remote.open([node], max(held, 1), session)
             return {**self._describe(node), "members": [], "remote": grant}, fds
         return {**self._describe(node), **which}, fds

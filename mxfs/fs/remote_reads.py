@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import itertools
-import logging
 import os
 import socket
 from collections import Counter
@@ -44,8 +43,6 @@ from mxfs.meta import Inode
 from mxfs.proto.chunk_wire import SCOPE_S, WireError
 from mxfs.proto.messages import Empty, RemoteGrant, RemoteReadsStatus
 from mxfs.vol.volume import Volume
-
-log = logging.getLogger("mxfs.control")
 
 CONNS = 8  # connections one open gets at most (a member each, up to this)
 GRANT_S = SCOPE_S  # the daemon shuts a grant down after this, as the owner would
