@@ -60,6 +60,14 @@ def _size(text: str) -> int:
     return n
 
 
+def _parts(text: str) -> list[str]:
+    parts = [p for p in text.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS[1:]))
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: name some of {', '.join(PARTS[1:])}")
+    return [p for p in PARTS[1:] if p in parts]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = _Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=_size, default=parse_size("4GiB"), help="model bytes")
@@ -73,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=420, help="seconds for the whole run")
     ap.add_argument("--no-fuse", action="store_true",
                     help="take the unmounted path even where FUSE works (as without it)")
+    ap.add_argument("--parts", type=_parts, default=list(PARTS[1:]),
+                    help="which of loads,checkpoint,kv to run (default all; a rerun of "
+                         "one gets the whole budget)")
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--mount", default="", help=argparse.SUPPRESS)
@@ -207,7 +218,7 @@ def checks_passed(results: dict[str, Any]) -> tuple[bool, list[str]]:
     """Whether every part gave figures or a reason, and every byte check that ran passed."""
     problems = []
     for part in PARTS[1:]:
-        r = results.get(part, {})
+        r = results.get(part, {})  # a part --parts left out has nothing to check
         for key in ("error", "mounted_run_error"):
             if key in r:
                 problems.append(f"{part}: {r[key]}")
@@ -245,9 +256,10 @@ def main() -> int:
             env["pool_error"] = why = f"the scratch pool could not be made ({e})"
         env["pool_mounted"] = bool(mnt)
         results: dict[str, Any] = {"environment": env}
-        for i, part in enumerate(PARTS):
+        parts = ["gpu", *args.parts]
+        for i, part in enumerate(parts):
             # What earlier parts left unused goes to this one; later ones keep their shares.
-            later = args.budget * sum(SHARE[p] for p in PARTS[i + 1:])
+            later = args.budget * sum(SHARE[p] for p in parts[i + 1:])
             limit = max(10.0, args.budget - (time.monotonic() - started) - later - 5)
             print(f"gpu_check: {part} (at most {limit:.0f} s)", file=sys.stderr, flush=True)
             results[part] = child(args, part, base, mnt, why, limit)

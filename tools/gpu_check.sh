@@ -12,7 +12,8 @@
 #   .whl/lib/        libfuse3.so.3 (pyfuse3 needs it; the image has no libfuse3)
 #   .whl/native/     mxfs's io_uring engine built for cp312, liburing linked in
 # There, from the repo root, with .whl/ carried along:
-#   tools/gpu_check.sh            (SIZE=4GiB REPEAT=3 BUDGET=420 OUT=dir to change them)
+#   tools/gpu_check.sh            (SIZE=4GiB REPEAT=3 BUDGET=420 OUT=dir to change them;
+#                                  PARTS=loads to rerun one part with the whole budget)
 # Whatever is missing there (FUSE, io_uring, GDS) is recorded and its unmounted or
 # buffered path runs instead; OUT/gpu_check.json and OUT/gpu_check.md hold everything.
 set -euo pipefail
@@ -55,4 +56,4 @@ engine=.whl/native/_engine.cpython-312-x86_64-linux-gnu.so
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 timeout 470 python3 tools/gpu_check.py --size "${SIZE:-4GiB}" --repeat "${REPEAT:-3}" \
-  --budget "${BUDGET:-420}" --out "${OUT:-gpu-check-out}"
+  --budget "${BUDGET:-420}" --parts "${PARTS:-loads,checkpoint,kv}" --out "${OUT:-gpu-check-out}"

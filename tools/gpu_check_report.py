@@ -110,8 +110,10 @@ def markdown(results: dict[str, Any]) -> str:
     g = env.get("gpu", {})
     lines = [f"# GPU check: {g.get('gpu_name', '?')}, torch {g.get('torch', '?')}, "
              f"{results['seconds']:.0f} s", ""]
-    lines += environment(env) + loads(results["loads"]) + checkpoint(results["checkpoint"])
-    lines += kv(results["kv"])
+    lines += environment(env)
+    for part, show in (("loads", loads), ("checkpoint", checkpoint), ("kv", kv)):
+        if part in results:  # --parts runs some of them
+            lines += show(results[part])
     lines.append("all parts ran and every byte check passed" if results["ok"] else
                  "PROBLEMS: " + "; ".join(results["problems"]))
     return "\n".join(lines)

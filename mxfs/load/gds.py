@@ -60,6 +60,7 @@ def plan(layout: Layout, offset: int, nbytes: int, lengths: dict[int, int]) -> l
 def _kvikio() -> Any:
     try:
         import kvikio
+        import kvikio.defaults  # noqa: F401 - kvikio 26.x no longer imports it with the package
     except ImportError:
         raise Unavailable("kvikio is not installed (pip install kvikio-cu12, or kvikio-cu13 "
                           "for CUDA 13)") from None
