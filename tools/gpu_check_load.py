@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from mxfs.admin.offline_put import put_files
 from mxfs.cli.measure import drop_caches
-from mxfs.client.direct import open_reader
+from mxfs.client.direct import DirectFile, open_reader
 from mxfs.load import load_file
 from mxfs.load.gds import GdsReader, Unavailable
 from mxfs.load.tensors import touch_pages
@@ -119,6 +119,13 @@ def _timed_load(fn: Callable[[], Any], dev: torch.device) -> float:
     return timed(go, dev)[0]
 
 
+def cache_model(pool: Any) -> None:
+    """The model's chunk files in the page cache, every member at once (`mxfs warm`)."""
+    with open_reader("/model.safetensors", pool=pool) as r:
+        assert isinstance(r, DirectFile)  # an unmounted pool's file
+        r.cache()
+
+
 def run(args: argparse.Namespace, work: str, emit: Callable[[dict[str, Any]], None]
         ) -> dict[str, Any]:
     """The loads, every round handed to `emit` as it ends (a timeout keeps them)."""
@@ -176,6 +183,8 @@ def run(args: argparse.Namespace, work: str, emit: Callable[[dict[str, Any]], No
             for name, arm in arms.items():
                 drop_caches()
                 cold = _timed_load(arm, dev)
+                if name.startswith("b_mxfs"):
+                    cache_model(pool)
                 warm = _timed_load(arm, dev)
                 result[name] = {"cold": gbps(nbytes, cold), "warm": gbps(nbytes, warm)}
             out["rounds"].append(result)
@@ -183,5 +192,6 @@ def run(args: argparse.Namespace, work: str, emit: Callable[[dict[str, Any]], No
                                    for k in ("cold", "warm")} for arm in result}
             emit(out)
     out["note"] = ("mxfs arms read uncached stripes O_DIRECT, which leaves the page cache "
-                   "empty: their warm runs are cold again; only safetensors' warm is cached")
+                   "empty: before their warm runs the chunk files are read into it (as "
+                   "`mxfs warm` does), so warm is a load from the node's memory for every arm")
     return out
