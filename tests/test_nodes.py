@@ -186,7 +186,7 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert os.statvfs(b.path).f_blocks == os.statvfs(a.path).f_blocks > 0
                 assert _status(b)["inodes"] > 0
                 # A KV chunk put on the writer is a hit on the reading node (copied over
-                # from the writer, its checksums checked); puts are the writer's.
+                # from the writer, its checksums checked); deletes are the writer's.
                 small, large = os.urandom(100), os.urandom(3 << 20)
                 on_a = KVStore(str(a.path), namespace="t", mode=0o755)
                 on_a.put(b"s" * 32, small)
@@ -197,7 +197,7 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert on_b.get(b"m" * 32) is None
                 assert on_b.batch_exists([b"s" * 32, b"l" * 32, b"m" * 32]) == 2
                 with pytest.raises(OSError) as e:
-                    on_b.put(b"j" * 32, b"v" * 100)
+                    on_b.delete(b"s" * 32)
                 assert e.value.errno == errno.EROFS
                 # KVStore reads a chunk from the writer itself (connections scoped to
                 # the get's chunks); for a caller that does not take connections the
@@ -465,6 +465,64 @@ def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
                 asking.join(30)
             assert got == [1]
             kv.close()
+
+
+@pytest.mark.daemon_log(r"chunk request for the daemon failed")
+def test_kv_puts_on_a_reading_node_are_stored_for_the_pool(tmp_path: Path, pg_cluster: Any
+                                                           ) -> None:
+    """A prefix an instance on a reading node computed is a hit on every node: its
+    chunks go to the writer's chunk service (small ones in the request, large ones
+    through a memfd of the node's daemon) and are judged there as that user's puts."""
+    url = pg_cluster.database()
+    with _writer_node(tmp_path, url) as (net, a, members):
+        (a.path / "f.bin").write_bytes(os.urandom(100_000))
+        with _reading_node(tmp_path, url, net, members, "max_kv_lent_per_user=4194304") as b:
+            small, large = os.urandom(100), os.urandom(3 << 20)
+            on_b = KVStore(str(b.path), namespace="t", mode=0o755)
+            assert on_b.batch_put([b"s" * 32, b"l" * 32], [small, large]) == [True, True]
+            assert on_b.batch_put([b"s" * 32, b"l" * 32], [small, large]) == [False, False]
+            on_a = KVStore(str(a.path), namespace="t")
+            assert on_a.get(b"s" * 32) == small and on_a.get(b"l" * 32) == large
+            assert on_b.get(b"l" * 32) == large and on_b.batch_exists([b"s" * 32]) == 1
+            # As the user's puts on the writer: root's namespace (0755) refuses alice's;
+            # her own is hers there (its owner, her quota).
+            got = run_as(ensure_users()["alice"], """
+import errno
+kv = mxfs.kv.KVStore(sys.argv[1], namespace="t", shared=True)
+try:
+    kv.put(b"x" * 32, b"v" * 100)
+    out = ["stored"]
+except OSError as e:
+    out = [errno.errorcode[e.errno]]
+mine = mxfs.kv.KVStore(sys.argv[1], namespace="alices")
+out += mine.batch_put([b"a" * 32, b"b" * 32], [b"v" * 100, b"w" * (2 << 20)])
+print(json.dumps(out))
+""", str(b.path))
+            assert got == ["EACCES", True, True]
+            alices = {n["namespace"]: n for n in ControlClient(str(a.path)).call(
+                "kv_stats")["namespaces"]}["alices"]
+            assert (alices["uid"], alices["chunks"]) == (ensure_users()["alice"].uid, 2)
+            # A chunk being written is memory of b's daemon: one uid holds 4 MiB of them
+            # at most here, and they go with the connection that did not commit them.
+            key = base64.b64encode(b"p" * 32).decode()
+            for _ in range(2):
+                with ControlClient(str(b.path)) as c:
+                    reply, fds = c.call_with_fds("kv_create", namespace="t", key=key,
+                                                 size=3 << 20)
+                    with pytest.raises(OSError) as e:
+                        c.call_with_fds("kv_create", namespace="t", key=key, size=3 << 20)
+                    assert e.value.errno == errno.ENOSPC
+                    for fd in fds:
+                        os.close(fd)
+            # A connection scoped for a local reader reads; a put on it ends it.
+            client, _, conns = _grant(b, "f.bin")
+            with pytest.raises((OSError, WireError)):
+                conns[0].kv_put((0, 0, []), "t", 0, False, b"z" * 32, b"v" * 100)
+            assert _refused(conns[0], 1) in (-1, errno.EPIPE, errno.ECONNRESET)  # (shut)
+            assert on_a.get(b"z" * 32) is None
+            client.close()
+            on_a.close()
+            on_b.close()
 
 
 def test_a_slow_reading_node_stalls_nobody_else(tmp_path: Path, pg_cluster: Any) -> None:

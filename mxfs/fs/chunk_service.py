@@ -35,7 +35,7 @@ import select
 import socket
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -49,10 +49,17 @@ from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
     CHALLENGE,
+    GROUP,
     HELLO,
+    KPUT_BODY,
+    KPUT_SHARED,
     MAGIC,
+    MAX_KPUT,
+    MAX_KPUT_GROUPS,
+    MAX_KPUT_NAME,
     MAX_READ,
     MAX_SCOPE,
+    MAX_WHY,
     PROOF,
     READ_BODY,
     SCOPE_COUNT,
@@ -65,9 +72,14 @@ from mxfs.proto.chunk_wire import (
     check_proof,
     proof,
 )
+from mxfs.vol.access import Caller
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.chunks")
+
+# Stores a KV chunk another node's user put: (caller, namespace, mode or None, shared,
+# key, bytes) -> stored (False: the key was there); OSError when refused.
+KVPut = Callable[[Caller, str, "int | None", bool, bytes, bytearray], Awaitable[bool]]
 
 HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
 IDLE_S = 600.0  # a connection with no request for this long is closed
@@ -79,6 +91,7 @@ INLINE_SEND = 128 << 10  # a read this small whose pages are cached is sent from
 SCOPED_AT_ONCE = 2  # requests of scoped connections (local readers) in service at once
 SCOPED_SLOT_S = 0.0005  # ... each asking for less than SCOPED_SMALL holding its place this
 SCOPED_SMALL = 256 << 10  # long at least: a flood of tiny READs gets 4,000 a second)
+PUTS_AT_ONCE = 4  # KV chunks being received at once (each held whole: MAX_KPUT bytes)
 
 
 class ChunkService:
@@ -100,6 +113,8 @@ class ChunkService:
         self._scoped = trio.CapacityLimiter(SCOPED_AT_ONCE)
         self._failures = FailureLog(log)
         self._sock: socket.socket | None = None
+        self.kv_put: KVPut | None = None  # the daemon's KV tier, where it has one
+        self._puts = trio.CapacityLimiter(PUTS_AT_ONCE)
 
     def bind(self) -> None:
         """Open the listening socket now (before the daemon reports ready), so a port in
@@ -161,8 +176,10 @@ class ChunkService:
                     self._end_handshake(peer)
                 if proved:
                     await self._requests(stream)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, EOFError):
             pass  # the peer went away
+        except WireError as e:  # a request past the protocol's limits: this peer goes
+            self._failures.note("chunk request", None, e, trace=False)
         finally:
             self.connections -= 1
 
@@ -216,6 +233,13 @@ class ChunkService:
                         until = trio.current_time() + SCOPE_S
                     await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
                     continue
+                if tag == b"KPUT":
+                    if scope is not None:  # a local reader's: it reads, never writes
+                        self._failures.note("chunk request", None, WireError(
+                            "a KV put on a scoped connection"), trace=False)
+                        return
+                    await self._kv_put(stream)
+                    continue
                 if tag != b"READ":
                     self._failures.note("chunk request", None,
                                         WireError(f"unknown request {tag!r}"), trace=False)
@@ -227,6 +251,36 @@ class ChunkService:
                 await self._read(stream, ino, member, offset, length, scope)
                 continue
             return  # idle too long
+
+    async def _kv_put(self, stream: trio.SocketStream) -> None:
+        """Receive one KPUT and answer it: stored, there already (EEXIST) or why not."""
+        uid, gid, mode, flags, ngroups, ns_len, key_len, size = KPUT_BODY.unpack(
+            await _recv_exact(stream, KPUT_BODY.size))
+        if ngroups > MAX_KPUT_GROUPS or max(ns_len, key_len) > MAX_KPUT_NAME or \
+                size > MAX_KPUT:
+            raise WireError(f"a KV put of {size} bytes, {ngroups} groups, names of "
+                            f"{ns_len} and {key_len} bytes: past the limits")
+        groups = [g for (g,) in GROUP.iter_unpack(await _recv_exact(stream, 4 * ngroups))]
+        namespace = (await _recv_exact(stream, ns_len)).decode(errors="replace")
+        key = await _recv_exact(stream, key_len)
+        code, why = 0, ""
+        async with self._puts:
+            data = bytearray(size)
+            await _recv_into(stream, memoryview(data))
+            try:
+                if self.kv_put is None:
+                    raise OSError(errno.EROFS, f"node {self.vol.pool.node or 'writer'} "
+                                  "keeps no KV tier")
+                if self.vol.store.readonly:
+                    raise OSError(errno.ESTALE, "this node no longer serves the pool")
+                caller = Caller(0, uid, gid, frozenset([gid, *groups]))
+                stored = await self.kv_put(caller, namespace, mode or None,
+                                           bool(flags & KPUT_SHARED), key, data)
+                code = 0 if stored else errno.EEXIST
+            except OSError as e:
+                code, why = e.errno or errno.EIO, e.strerror or str(e)
+        said = why.encode()[:MAX_WHY]
+        await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _read(self, stream: trio.SocketStream, ino: int, member: int, offset: int,
                     length: int, scope: dict[int, int] | None) -> None:
@@ -336,6 +390,16 @@ async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
         parts.append(chunk)
         got += len(chunk)
     return b"".join(parts)
+
+
+async def _recv_into(stream: trio.SocketStream, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        chunk = await stream.receive_some(min(len(view) - got, 1 << 20))
+        if not chunk:
+            raise EOFError("the peer closed the connection")
+        view[got:got + len(chunk)] = chunk
+        got += len(chunk)
 
 
 async def _room(stream: trio.SocketStream) -> None:

@@ -135,9 +135,10 @@ class FollowerKV:
         return space, found
 
     async def refuse(self, msg: Msg, session: Session) -> Answer[Empty]:
-        """Every change of the KV tier is the writer node's."""
+        """Deletes, evictions, claims and namespaces are the writer node's (puts are
+        sent on to it: `fs/kv_forward.py`)."""
         raise OSError(errno.EROFS, f"node {self.vol.pool.node} reads the pool: KV chunks "
-                      "are put and removed on the writer node")
+                      "are removed, claimed and configured on the writer node")
 
     async def exists(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
         keys = keys_field(msg)

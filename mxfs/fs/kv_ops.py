@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import trio
 
@@ -26,6 +27,7 @@ from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums
 from mxfs.fs.kv_claims import CLAIM_S, Claims
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_follow import COPIERS, FollowerKV
+from mxfs.fs.kv_forward import ForwardedPuts
 from mxfs.fs.limits import Limits
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
@@ -68,6 +70,7 @@ from mxfs.vol.kv_index import Chunk, KVIndex, Namespace, check_key, check_namesp
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.kv")
+T = TypeVar("T")
 
 # A KV op that works in a namespace, given it checked for what the op needs.
 InSpace = Callable[[Msg, Session, Namespace], Awaitable[Reply]]
@@ -91,6 +94,7 @@ _OPENERS = ThreadPoolExecutor(8, thread_name_prefix="mxfs-kv-open")
 _OPENING = trio.CapacityLimiter(2)
 
 
+INLINE_WRITE = 256 << 10  # a chunk this small is written on trio's thread (as kv_put's)
 MAX_LIST = 1000  # chunks one kv_list reply names (page with skip, as `mxfs kv ls` does)
 NS_OPS = ("kv_ns_create", "kv_ns_remove")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
@@ -121,6 +125,20 @@ def _mode(msg: Msg, default: int | None) -> int | None:
     return mode
 
 
+def _write_chunk(chunks: ChunkFiles | None, data: bytearray, unit: int) -> bytes:
+    """Write a whole chunk into a spare's chunk files; its packed checksums."""
+    assert chunks is not None
+    chunks.write(0, memoryview(data))
+    return pack_sums(block_sums(memoryview(data), unit))
+
+
+async def _off_loop(nbytes: int, fn: Callable[[], T]) -> T:
+    """`fn` on trio's thread when `nbytes` is a small write, else in a worker thread."""
+    if nbytes <= INLINE_WRITE:
+        return fn()
+    return await trio.to_thread.run_sync(fn)
+
+
 class KVOps:
     def __init__(self, vol: Volume, index: KVIndex, limits: Limits | None = None,
                  remote: RemoteReads | None = None) -> None:
@@ -132,6 +150,8 @@ class KVOps:
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
                                    remote) if vol.pool.node else None
+        # ... and its puts, sent on to the writer (fs/kv_forward.py).
+        self.forward = ForwardedPuts(vol.pool.remote, self.limits) if vol.pool.node else None
 
     def handlers(self) -> dict[str, Handler]:
         """The handler of each KV op.  Those that work through many items do it in
@@ -147,8 +167,11 @@ class KVOps:
                       "kv_ns_create": self._ns_create, "kv_ns_remove": self._ns_remove})
         if (follower := self.follower) is not None:
             table.update({"kv_get": follower.get, "kv_exists": follower.exists})
+            assert self.forward is not None
+            table.update({"kv_put": self.forward.put, "kv_create": self.forward.create,
+                          "kv_commit": self.forward.commit})
             table.update({op: follower.refuse for op in (
-                "kv_put", "kv_create", "kv_commit", "kv_delete", "kv_config", "kv_evict",
+                "kv_delete", "kv_config", "kv_evict",
                 "kv_ns_create", "kv_ns_remove", "kv_claim", "kv_wait")})
         return table
 
@@ -327,6 +350,33 @@ class KVOps:
         self._visible()
         return {"stored": stored, "evicted": evicted}, []
 
+    async def put_from_node(self, caller: Caller, namespace: str, mode: int | None,
+                            shared: bool, key: bytes, data: bytearray) -> bool:
+        """A chunk a reading node's user put (`fs/chunk_service.py`, KPUT), judged as
+        that caller's put here: True if stored, False if the key was there.  Larger
+        chunks are hashed and written off trio's thread."""
+        space = self.index.space(namespace, caller, W_OK, shared,
+                                 create_mode=0o700 if mode is None else mode & 0o777)
+        check_key(key)
+        if key in space.chunks:
+            return False
+        refuse_if_degraded(self.vol)
+        self._room(space, len(data), caller.uid)
+        entry = self.vol.take_spare(caller.uid, caller.gid)
+        try:
+            assert entry.chunks is not None
+            unit = self.vol.layout(entry.node).unit
+            sums = await _off_loop(len(data), lambda: _write_chunk(entry.chunks, data, unit))
+            if key in space.chunks or self.index.spaces.get(space.name) is not space:
+                return False  # put meanwhile (or its namespace removed): first wins
+            self.index.insert(space, key, entry.node.ino, len(data), unit, sums)
+            self.claims.stored(space, key)
+        finally:
+            self.vol.release(entry.node.ino)
+        self.index.enforce(space)
+        self._visible()
+        return True
+
     def _visible(self) -> None:
         """While reading nodes are alive, what a put stored is committed before it is
         answered: their next lookup finds it (`fs/kv_follow.py`)."""
@@ -493,8 +543,11 @@ class KVOps:
                     chunk.pins -= 1
 
     def release(self, session: Session) -> None:
-        """The connection closed: its read leases and claims end."""
+        """The connection closed: its read leases and claims end (and on a reading
+        node, the puts it did not commit)."""
         self.claims.release(session)
+        if self.forward is not None:
+            self.forward.release(session)
         for (ns, key), n in session.pins.items():
             chunk = self.index.spaces[ns].chunks.get(key) if ns in self.index.spaces else None
             if chunk is not None:

@@ -21,9 +21,13 @@ from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
     CHALLENGE,
+    GROUP,
     HELLO,
+    KPUT,
+    KPUT_SHARED,
     MAGIC,
     MAX_READ,
+    MAX_WHY,
     PROOF,
     READ,
     SCOPE,
@@ -194,6 +198,39 @@ class ChunkClient:
                 if r not in done and errors[r] is None:
                     errors[r] = e
         return errors
+
+    def kv_put(self, who: tuple[int, int, list[int]], namespace: str, mode: int,
+               shared: bool, key: bytes, chunk: bytes | memoryview | tuple[int, int]
+               ) -> bool:
+        """Store a KV chunk on the node as a put of `who` (uid, gid, groups) would be:
+        True if stored, False if the key was stored already; Refused (the node's errno
+        and line) when it is not.  `chunk`: the bytes, or (descriptor, size) to send
+        the first `size` bytes of with sendfile."""
+        uid, gid, groups = who
+        ns = namespace.encode()
+        size = chunk[1] if isinstance(chunk, tuple) else len(chunk)
+        self.sock.sendall(KPUT.pack(b"KPUT", uid, gid, mode, KPUT_SHARED if shared else 0,
+                                    len(groups), len(ns), len(key), size)
+                          + b"".join(GROUP.pack(g) for g in groups) + ns + key)
+        if isinstance(chunk, tuple):
+            fd, done = chunk[0], 0
+            while done < size:
+                sent = os.sendfile(self.sock.fileno(), fd, done, size - done)
+                if not sent:
+                    raise OSError(errno.EIO, "the chunk's file shrank while it was sent")
+                done += sent
+        else:
+            self.sock.sendall(chunk)
+        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
+        if n > MAX_WHY:
+            raise WireError(f"{self.where} sent a {n}-byte reason")
+        why = self._recv(n).decode(errors="replace") if n else ""
+        if epoch != self.epoch:
+            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
+                            f"{epoch})")
+        if code and code != errno.EEXIST:
+            raise Refused(code, why or os.strerror(code))
+        return not code
 
     def read(self, ino: int, member: int, offset: int, length: int) -> bytes:
         buf = bytearray(length)

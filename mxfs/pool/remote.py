@@ -17,11 +17,14 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from mxfs.io.chunk_client import ChunkClient
+from mxfs.io.chunk_client import ChunkClient, Refused
 from mxfs.proto.chunk_wire import WireError
 
 log = logging.getLogger("mxfs.remote")
+
+T = TypeVar("T")
 
 IDLE_CONNS = 16  # connections kept open to the owner between reads (windows ahead:
                  # 4 members x 4 windows in flight)
@@ -77,24 +80,41 @@ class RemoteMembers:
         """Fill `views`, in order, from the chunk file of `ino` on `member` at `offset`;
         bytes past its end (or of one never written) read as zeros.  EIO naming the
         node when it cannot serve them."""
+        self._call(lambda c: c.fill(ino, member, offset, views),
+                   f"could not serve member {member} of inode {ino}")
+
+    def kv_put(self, who: tuple[int, int, list[int]], namespace: str, mode: int,
+               shared: bool, key: bytes, chunk: bytes | memoryview | tuple[int, int]
+               ) -> bool:
+        """Store a KV chunk on the owner as `who`'s put (`ChunkClient.kv_put`): True if
+        stored, False if the key was there; the owner's refusal as the OSError it
+        answered, EIO naming the node when it cannot be asked."""
+        return self._call(lambda c: c.kv_put(who, namespace, mode, shared, key, chunk),
+                          "could not store a KV chunk", refusals=True)
+
+    def _call(self, fn: Callable[[ChunkClient], T], what: str, refusals: bool = False
+              ) -> T:
+        """`fn` on a connection to the owner, once more on a new one if an idle
+        connection the owner closed meanwhile (its idle limit, a restart) fails;
+        `refusals`: an errno the owner answered is the caller's, not a failure."""
         reused, client = self._client()
-        try:
-            client.fill(ino, member, offset, views)
-        except (OSError, WireError) as e:
+        while True:
+            try:
+                out = fn(client)
+            except Refused as e:
+                if refusals:
+                    self._give_back(client)
+                    raise OSError(e.errno, e.strerror) from None
+                failed: Exception = e
+            except (OSError, WireError) as e:
+                failed = e
+            else:
+                self._give_back(client)
+                return out
             client.close()
             if not reused:
-                raise self._failed(f"could not serve member {member} of inode {ino} ({e})"
-                                   ) from None
-            # An idle connection the owner closed meanwhile (its idle limit, a restart):
-            # once more on a new one.
+                raise self._failed(f"{what} ({failed})") from None
             reused, client = self._client(fresh=True)
-            try:
-                client.fill(ino, member, offset, views)
-            except (OSError, WireError) as e2:
-                client.close()
-                raise self._failed(f"could not serve member {member} of inode {ino} ({e2})"
-                                   ) from None
-        self._give_back(client)
 
     def connect(self) -> ChunkClient:
         """A new connection to the owner, proved, under the epoch the store gives it

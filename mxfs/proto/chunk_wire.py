@@ -28,6 +28,14 @@ for any other inode or a second SCOPE), for at most SCOPE_S.  A reading node's d
 proves the key, scopes the connection, and hands it to a local reader that may read
 those files (`fs/remote_reads.py`): the reader moves the bytes itself but holds no key
 and can reach nothing else.
+
+KPUT (the caller's uid, gid and groups, the namespace's mode for a first put (0:
+private), flags (KPUT_SHARED), then the namespace, the key and `size` bytes of chunk)
+stores a KV chunk a reading node's user put: the owner judges it as a put of that
+caller on its own control socket (nodes vouch for their users, as NFS clients do).
+The answer is 0 (stored), EEXIST (the key was stored already: first wins) or the
+errno of a refusal, followed by as many bytes of a line saying why.  Only a node's own
+connections put: a scoped connection that tries is closed.
 """
 
 from __future__ import annotations
@@ -56,6 +64,16 @@ SCOPE_COUNT = struct.Struct("!I")  # (SCOPE past its tag)
 SCOPE_ITEM = struct.Struct("!QQ")  # inode, generation
 MAX_SCOPE = 4096  # files one connection may be scoped to
 ANSWER = struct.Struct("!iQQ")  # 0 or errno, epoch, bytes that follow
+# b"KPUT", uid, gid, mode, flags, groups, namespace bytes, key bytes, chunk bytes; then
+# the groups (GROUP each), the namespace, the key and the chunk
+KPUT = struct.Struct("!4sIIIIHHHQ")
+KPUT_BODY = struct.Struct("!IIIIHHHQ")  # (KPUT past its tag)
+GROUP = struct.Struct("!I")
+KPUT_SHARED = 1  # the caller asked to use a namespace another user owns
+MAX_KPUT_GROUPS = 64
+MAX_KPUT_NAME = 4096  # bytes of a namespace or a key
+MAX_KPUT = MAX_READ  # bytes of one chunk
+MAX_WHY = 4096  # bytes of the line a refused KPUT is answered with
 
 
 class WireError(Exception):
