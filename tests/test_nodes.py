@@ -468,11 +468,12 @@ def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
 
 
 @pytest.mark.daemon_log(r"chunk request for the daemon failed")
-def test_kv_puts_on_a_reading_node_are_stored_for_the_pool(tmp_path: Path, pg_cluster: Any
-                                                           ) -> None:
+def test_kv_puts_and_claims_on_a_reading_node_are_the_pools(tmp_path: Path, pg_cluster: Any
+                                                            ) -> None:
     """A prefix an instance on a reading node computed is a hit on every node: its
     chunks go to the writer's chunk service (small ones in the request, large ones
-    through a memfd of the node's daemon) and are judged there as that user's puts."""
+    through a memfd of the node's daemon) and are judged there as that user's puts;
+    its claims are the writer's too, so two nodes missing one prefix compute it once."""
     url = pg_cluster.database()
     with _writer_node(tmp_path, url) as (net, a, members):
         (a.path / "f.bin").write_bytes(os.urandom(100_000))
@@ -484,21 +485,22 @@ def test_kv_puts_on_a_reading_node_are_stored_for_the_pool(tmp_path: Path, pg_cl
             on_a = KVStore(str(a.path), namespace="t")
             assert on_a.get(b"s" * 32) == small and on_a.get(b"l" * 32) == large
             assert on_b.get(b"l" * 32) == large and on_b.batch_exists([b"s" * 32]) == 1
-            # As the user's puts on the writer: root's namespace (0755) refuses alice's;
-            # her own is hers there (its owner, her quota).
+            # As the user's puts on the writer: root's namespace (0755) refuses alice's
+            # puts and claims; her own is hers there (its owner, her quota).
             got = run_as(ensure_users()["alice"], """
 import errno
 kv = mxfs.kv.KVStore(sys.argv[1], namespace="t", shared=True)
-try:
-    kv.put(b"x" * 32, b"v" * 100)
-    out = ["stored"]
-except OSError as e:
-    out = [errno.errorcode[e.errno]]
+out = []
+for attempt in (lambda: kv.put(b"x" * 32, b"v" * 100), lambda: kv.claim([b"x" * 32])):
+    try:
+        out.append(str(attempt()))
+    except OSError as e:
+        out.append(errno.errorcode[e.errno])
 mine = mxfs.kv.KVStore(sys.argv[1], namespace="alices")
 out += mine.batch_put([b"a" * 32, b"b" * 32], [b"v" * 100, b"w" * (2 << 20)])
 print(json.dumps(out))
 """, str(b.path))
-            assert got == ["EACCES", True, True]
+            assert got == ["EACCES", "EACCES", True, True]
             alices = {n["namespace"]: n for n in ControlClient(str(a.path)).call(
                 "kv_stats")["namespaces"]}["alices"]
             assert (alices["uid"], alices["chunks"]) == (ensure_users()["alice"].uid, 2)
@@ -514,6 +516,29 @@ print(json.dumps(out))
                     assert e.value.errno == errno.ENOSPC
                     for fd in fds:
                         os.close(fd)
+            # Instances on two nodes that miss one prefix compute it once: the claims
+            # are the writer's, whichever node they are made on, and a wait on one
+            # node ends with a put on the other.
+            for first, second in ((on_b, on_a), (on_a, on_b)):
+                keys = [os.urandom(32) for _ in range(3)]
+                assert first.claim(keys) == ["yours"] * 3
+                assert second.claim(keys) == ["busy"] * 3
+                waited: list[list[bool]] = []
+                waiting = threading.Thread(target=lambda: waited.append(second.wait(keys)))
+                waiting.start()
+                time.sleep(0.2)
+                assert not waited  # (waits for the puts)
+                first.batch_put(keys, [b"c" * 100, b"d" * (1 << 20), b"e" * 100])
+                waiting.join(15)
+                assert waited == [[True] * 3]
+                assert second.claim(keys) == ["stored"] * 3
+            # Claims made on b end when their connection closes there.
+            keys = [os.urandom(32)]
+            leaving = KVStore(str(b.path), namespace="t")
+            assert leaving.claim(keys) == ["yours"]
+            assert on_a.claim(keys) == ["busy"]
+            leaving.close()
+            assert eventually(lambda: on_a.claim(keys) == ["yours"], 10)
             # A connection scoped for a local reader reads; a put on it ends it.
             client, _, conns = _grant(b, "f.bin")
             with pytest.raises((OSError, WireError)):

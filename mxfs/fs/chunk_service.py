@@ -35,8 +35,8 @@ import select
 import socket
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import trio
 
@@ -49,11 +49,16 @@ from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
     CHALLENGE,
+    CLAIM_STATES,
     GROUP,
     HELLO,
+    KEY_LEN,
+    KEYS_BODY,
+    KEYS_RELEASE,
     KPUT_BODY,
     KPUT_SHARED,
     MAGIC,
+    MAX_KEYS,
     MAX_KPUT,
     MAX_KPUT_GROUPS,
     MAX_KPUT_NAME,
@@ -77,9 +82,22 @@ from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.chunks")
 
-# Stores a KV chunk another node's user put: (caller, namespace, mode or None, shared,
-# key, bytes) -> stored (False: the key was there); OSError when refused.
-KVPut = Callable[[Caller, str, "int | None", bool, bytes, bytearray], Awaitable[bool]]
+
+
+class NodeKV(Protocol):
+    """The writer's KV tier, as other nodes' users reach it (`fs/kv_ops.py`): each call
+    judged as that caller's request on this node; OSError when refused."""
+
+    async def put_from_node(self, caller: Caller, namespace: str, mode: int | None,
+                            shared: bool, key: bytes, data: bytearray) -> bool: ...
+
+    async def claim_from_node(self, caller: Caller, namespace: str, shared: bool,
+                              keys: list[bytes], seconds: float, holder: bytes,
+                              release: bool) -> list[str]: ...
+
+    async def wait_from_node(self, caller: Caller, namespace: str, shared: bool,
+                             keys: list[bytes], seconds: float, holder: bytes
+                             ) -> list[bool]: ...
 
 HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
 IDLE_S = 600.0  # a connection with no request for this long is closed
@@ -113,7 +131,7 @@ class ChunkService:
         self._scoped = trio.CapacityLimiter(SCOPED_AT_ONCE)
         self._failures = FailureLog(log)
         self._sock: socket.socket | None = None
-        self.kv_put: KVPut | None = None  # the daemon's KV tier, where it has one
+        self.kv: NodeKV | None = None  # the daemon's KV tier, where it has one
         self._puts = trio.CapacityLimiter(PUTS_AT_ONCE)
 
     def bind(self) -> None:
@@ -233,12 +251,13 @@ class ChunkService:
                         until = trio.current_time() + SCOPE_S
                     await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
                     continue
-                if tag == b"KPUT":
-                    if scope is not None:  # a local reader's: it reads, never writes
+                if tag in (b"KPUT", b"KCLM", b"KWAI"):
+                    if scope is not None:  # a local reader's: it reads, nothing else
                         self._failures.note("chunk request", None, WireError(
-                            "a KV put on a scoped connection"), trace=False)
+                            f"a KV {tag.decode()} on a scoped connection"), trace=False)
                         return
-                    await self._kv_put(stream)
+                    await (self._kv_put(stream) if tag == b"KPUT" else
+                           self._kv_keys(stream, tag))
                     continue
                 if tag != b"READ":
                     self._failures.note("chunk request", None,
@@ -268,18 +287,55 @@ class ChunkService:
             data = bytearray(size)
             await _recv_into(stream, memoryview(data))
             try:
-                if self.kv_put is None:
-                    raise OSError(errno.EROFS, f"node {self.vol.pool.node or 'writer'} "
-                                  "keeps no KV tier")
-                if self.vol.store.readonly:
-                    raise OSError(errno.ESTALE, "this node no longer serves the pool")
+                kv = self._kv_tier()
                 caller = Caller(0, uid, gid, frozenset([gid, *groups]))
-                stored = await self.kv_put(caller, namespace, mode or None,
-                                           bool(flags & KPUT_SHARED), key, data)
+                stored = await kv.put_from_node(caller, namespace, mode or None,
+                                                bool(flags & KPUT_SHARED), key, data)
                 code = 0 if stored else errno.EEXIST
             except OSError as e:
                 code, why = e.errno or errno.EIO, e.strerror or str(e)
         said = why.encode()[:MAX_WHY]
+        await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
+
+    def _kv_tier(self) -> NodeKV:
+        if self.kv is None:
+            raise OSError(errno.EROFS, f"node {self.vol.pool.node or 'writer'} keeps no KV "
+                          "tier")
+        if self.vol.store.readonly:
+            raise OSError(errno.ESTALE, "this node no longer serves the pool")
+        return self.kv
+
+    async def _kv_keys(self, stream: trio.SocketStream, tag: bytes) -> None:
+        """Receive one KCLM or KWAI and answer it: a byte a key, or why not."""
+        uid, gid, flags, ngroups, ns_len, nkeys, ms, holder = KEYS_BODY.unpack(
+            await _recv_exact(stream, KEYS_BODY.size))
+        if ngroups > MAX_KPUT_GROUPS or ns_len > MAX_KPUT_NAME or nkeys > MAX_KEYS:
+            raise WireError(f"a KV {tag.decode()} of {nkeys} keys, {ngroups} groups, a "
+                            f"namespace of {ns_len} bytes: past the limits")
+        groups = [g for (g,) in GROUP.iter_unpack(await _recv_exact(stream, 4 * ngroups))]
+        namespace = (await _recv_exact(stream, ns_len)).decode(errors="replace")
+        keys = []
+        for _ in range(nkeys):
+            (n,) = KEY_LEN.unpack(await _recv_exact(stream, KEY_LEN.size))
+            if n > MAX_KPUT_NAME:
+                raise WireError(f"a key of {n} bytes")
+            keys.append(await _recv_exact(stream, n))
+        code, said = 0, b""
+        try:
+            kv = self._kv_tier()
+            caller = Caller(0, uid, gid, frozenset([gid, *groups]))
+            shared = bool(flags & KPUT_SHARED)
+            if tag == b"KCLM":
+                states = await kv.claim_from_node(caller, namespace, shared, keys,
+                                                  ms / 1000, holder,
+                                                  bool(flags & KEYS_RELEASE))
+                said = bytes(CLAIM_STATES.index(st) for st in states)
+            else:
+                present = await kv.wait_from_node(caller, namespace, shared, keys,
+                                                  ms / 1000, holder)
+                said = bytes(int(p) for p in present)
+        except OSError as e:
+            code, said = e.errno or errno.EIO, (e.strerror or str(e)).encode()[:MAX_WHY]
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _read(self, stream: trio.SocketStream, ino: int, member: int, offset: int,

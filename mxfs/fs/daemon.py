@@ -191,7 +191,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                       lambda: vol.lease.epoch if vol.lease else 0,
                                       control.limits, control.listener.connections)
                 if control.kv.follower is None:  # the writer: other nodes' users put here
-                    chunks.kv_put = control.kv.put_from_node
+                    chunks.kv = control.kv
                 control.listener.other_fds = lambda: chunks.connections if chunks else 0
                 chunks.bind()
                 control.status.chunks = chunks

@@ -152,6 +152,10 @@ class Claims:
         for k in [k for k in self._held if k[0] == name]:
             self._end(k)
 
+    def holds(self, session: Session) -> bool:
+        """Whether `session` holds a claim (live or run out, not yet dropped)."""
+        return id(session) in self._by_session
+
     def release(self, session: Session) -> None:
         """The connection closed: its claims are over."""
         for k in list(self._by_session.get(id(session), ())):

@@ -1,4 +1,4 @@
-"""KV puts on a reading node: sent on to the writer, whose KV tier holds the pool's chunks.
+"""KV puts and claims on a reading node: sent on to the writer, whose KV tier holds them.
 
 A reading node keeps no KV index and no members, so what its users put goes to the
 writer node's chunk service (KPUT, `proto/chunk_wire.py`), which judges each chunk as
@@ -13,7 +13,15 @@ descriptors, so nothing a caller holds is ever sent on.
 A memfd's pages are memory this node holds for the caller, so one uid has at most
 `max_kv_lent_per_user` bytes of them at once (the limit of KV copies lent to it,
 `fs/kv_follow.py`), and each goes once its commit is answered or its connection
-closes.  Claims, deletes and evictions stay the writer node's.
+closes.
+
+Claims and waits (`fs/kv_claims.py`) go to the writer too (KCLM, KWAI), each
+connection of this node known there by 16 random bytes of its own, so instances on two
+nodes that miss one prefix compute it once.  When the connection closes its claims
+are given up there (from a thread of its own: nobody waits for it); a node that dies
+leaves them to run out.  A wait holds a connection to the writer and a thread here,
+so it lasts WAIT_S at most, and WAITERS wait at once (past them, the claim is
+reported busy and the instance computes).  Deletes and evictions stay the writer's.
 """
 
 from __future__ import annotations
@@ -22,24 +30,44 @@ import base64
 import errno
 import fcntl
 import itertools
+import logging
 import os
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
 import trio
 
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field
+from mxfs.fs.kv_claims import CLAIM_S, MAX_CLAIM_S
 from mxfs.fs.kv_fields import keys_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import Answer, Session
 from mxfs.io.layout import Layout
 from mxfs.pool.remote import RemoteMembers
-from mxfs.proto.chunk_wire import MAX_KPUT, MAX_KPUT_GROUPS
-from mxfs.proto.messages import KVCommitReply, KVCreateReply, KVPutReply
+from mxfs.proto.chunk_wire import (
+    CLAIM_STATES,
+    KEYS_RELEASE,
+    KPUT_SHARED,
+    MAX_KEYS,
+    MAX_KPUT,
+    MAX_KPUT_GROUPS,
+)
+from mxfs.proto.messages import (
+    KVClaimReply,
+    KVCommitReply,
+    KVCreateReply,
+    KVExistsReply,
+    KVPutReply,
+)
 from mxfs.vol.access import Caller
 from mxfs.vol.kv_index import check_key, check_namespace
 
+log = logging.getLogger("mxfs.kv")
+
 SENDERS = 4  # chunks sent on to the writer at once (worker threads), all callers together
+WAITERS = 8  # waits for others' claims at once, all callers together
+WAIT_S = 20.0  # a wait's longest here (below the chunk connections' receive timeout)
 _SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _MEMFD_UNIT = 1 << 30  # the one-member layout a caller writes its memfd through
 
@@ -53,8 +81,8 @@ class _Pending:
     uid: int
 
 
-class ForwardedPuts:
-    """`kv_put`, `kv_create` and `kv_commit` of a reading node."""
+class ForwardedKV:
+    """`kv_put`, `kv_create`, `kv_commit`, `kv_claim` and `kv_wait` of a reading node."""
 
     def __init__(self, remote: RemoteMembers | None, limits: Limits) -> None:
         self.remote = remote
@@ -63,6 +91,8 @@ class ForwardedPuts:
         self._handles = itertools.count(1)
         self._pending: dict[int, dict[int, _Pending]] = {}  # by id(session)
         self.held_by_uid: Counter[int] = Counter()  # bytes of memfds, by caller
+        self._waiters = trio.CapacityLimiter(WAITERS)
+        self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
 
     async def put(self, msg: Msg, session: Session) -> Answer[KVPutReply]:
         keys, data = keys_field(msg), msg.get("data")
@@ -122,20 +152,51 @@ class ForwardedPuts:
             self._drop(session, handle)
         return {"stored": stored, "evicted": 0}, []
 
+    async def claim(self, msg: Msg, session: Session) -> Answer[KVClaimReply]:
+        ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(MAX_CLAIM_S * 1000))
+        holder = self._holders.setdefault(id(session), os.urandom(16))
+        said = await self._keys(b"KCLM", msg, session.caller, ms, holder, self._senders)
+        return {"state": [CLAIM_STATES[b] for b in said]}, []
+
+    async def wait(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
+        ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(WAIT_S * 1000))
+        holder = self._holders.get(id(session), bytes(16))
+        if self._waiters.available_tokens == 0:  # as many waits as may hold connections
+            return {"present": [False] * len(keys_field(msg))}, []
+        said = await self._keys(b"KWAI", msg, session.caller, ms, holder, self._waiters)
+        return {"present": [bool(b) for b in said]}, []
+
+    async def _keys(self, tag: bytes, msg: Msg, caller: Caller, ms: int, holder: bytes,
+                    limiter: trio.CapacityLimiter) -> bytes:
+        keys = [check_key(k) for k in keys_field(msg)]
+        if len(keys) > MAX_KEYS:
+            raise OSError(errno.E2BIG, f"at most {MAX_KEYS} keys a claim or wait on a "
+                          "reading node")
+        remote = self._remote()
+        namespace = check_namespace(msg.get("namespace"))
+        flags = KPUT_SHARED if bool_field(msg, "shared") else 0
+        who = _who(caller)
+        return await trio.to_thread.run_sync(
+            lambda: remote.kv_keys(tag, who, namespace, flags, keys, max(ms, 0), holder),
+            limiter=limiter)
+
+    def _remote(self) -> RemoteMembers:
+        if self.remote is None:
+            raise OSError(errno.EIO, "this node reaches no writer node")
+        return self.remote
+
     async def _send(self, msg: Msg, caller: Caller, key: bytes,
                     chunk: bytes | tuple[int, int]) -> bool:
         """One chunk to the writer as `caller`'s put: stored, or there already."""
-        if self.remote is None:
-            raise OSError(errno.EIO, "this node reaches no writer node")
+        remote = self._remote()
         namespace = check_namespace(msg.get("namespace"))
         mode = int_field(msg, "mode", 0) if msg.get("mode") is not None else 0
         if mode > 0o777:
             raise BadField(msg, "'mode' is a permission mode from 0 to 0777")
-        groups = sorted(caller.gids - {caller.gid})[:MAX_KPUT_GROUPS]
-        remote = self.remote
+        who = _who(caller)
         return await trio.to_thread.run_sync(
-            lambda: remote.kv_put((caller.uid, caller.gid, groups), namespace, mode,
-                                  bool_field(msg, "shared"), check_key(key), chunk),
+            lambda: remote.kv_put(who, namespace, mode, bool_field(msg, "shared"),
+                                  check_key(key), chunk),
             limiter=self._senders)
 
     def _drop(self, session: Session, handle: int) -> None:
@@ -150,6 +211,26 @@ class ForwardedPuts:
             del self._pending[id(session)]
 
     def release(self, session: Session) -> None:
-        """The connection closed: the chunks it did not commit go."""
+        """The connection closed: the chunks it did not commit go, and its claims on
+        the writer end (told from a thread of its own)."""
         for handle in list(self._pending.get(id(session), {})):
             self._drop(session, handle)
+        holder = self._holders.pop(id(session), None)
+        if holder is not None and self.remote is not None:
+            remote, who = self.remote, _who(session.caller)
+            threading.Thread(target=_give_up, args=(remote, who, holder), daemon=True,
+                             name="mxfs-kv-unclaim").start()
+
+
+def _who(caller: Caller) -> tuple[int, int, list[int]]:
+    """A caller as the writer is told it: uid, gid and (some of) its other groups."""
+    return caller.uid, caller.gid, sorted(caller.gids - {caller.gid})[:MAX_KPUT_GROUPS]
+
+
+def _give_up(remote: RemoteMembers, who: tuple[int, int, list[int]], holder: bytes) -> None:
+    """End a closed connection's claims on the writer (they run out anyway)."""
+    try:
+        remote.kv_keys(b"KCLM", who, "-", KEYS_RELEASE, [], 0, holder)
+    except OSError as e:
+        log.info("claims of a closed connection were not given up on the writer (%s); "
+                 "they run out", e)

@@ -27,7 +27,7 @@ from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums
 from mxfs.fs.kv_claims import CLAIM_S, Claims
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_follow import COPIERS, FollowerKV
-from mxfs.fs.kv_forward import ForwardedPuts
+from mxfs.fs.kv_forward import ForwardedKV
 from mxfs.fs.limits import Limits
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
@@ -147,11 +147,13 @@ class KVOps:
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
         self.claims = Claims(self.limits.max_kv_claims_per_user)  # keys being computed
+        # Other nodes' connections that hold claims here (KCLM: `fs/chunk_service.py`).
+        self._holders: dict[bytes, Session] = {}
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
                                    remote) if vol.pool.node else None
         # ... and its puts, sent on to the writer (fs/kv_forward.py).
-        self.forward = ForwardedPuts(vol.pool.remote, self.limits) if vol.pool.node else None
+        self.forward = ForwardedKV(vol.pool.remote, self.limits) if vol.pool.node else None
 
     def handlers(self) -> dict[str, Handler]:
         """The handler of each KV op.  Those that work through many items do it in
@@ -168,11 +170,11 @@ class KVOps:
         if (follower := self.follower) is not None:
             table.update({"kv_get": follower.get, "kv_exists": follower.exists})
             assert self.forward is not None
-            table.update({"kv_put": self.forward.put, "kv_create": self.forward.create,
-                          "kv_commit": self.forward.commit})
+            fwd = self.forward
+            table.update({"kv_put": fwd.put, "kv_create": fwd.create, "kv_commit": fwd.commit,
+                          "kv_claim": fwd.claim, "kv_wait": fwd.wait})
             table.update({op: follower.refuse for op in (
-                "kv_delete", "kv_config", "kv_evict",
-                "kv_ns_create", "kv_ns_remove", "kv_claim", "kv_wait")})
+                "kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove")})
         return table
 
     def _in_space(self, op: str, fn: InSpace) -> Handler:
@@ -376,6 +378,40 @@ class KVOps:
         self.index.enforce(space)
         self._visible()
         return True
+
+    async def claim_from_node(self, caller: Caller, namespace: str, shared: bool,
+                              keys: list[bytes], seconds: float, holder: bytes,
+                              release: bool) -> list[str]:
+        """`kv_claim` of a reading node's connection (`holder`), as that caller's here;
+        `release`: the connection closed, its claims end."""
+        session = self._holders.get(holder)
+        if release:
+            if session is not None:
+                self.claims.release(session)
+                del self._holders[holder]
+            return []
+        keys = [check_key(k) for k in keys]
+        space = self.index.space(namespace, caller, W_OK, shared, create_mode=0o700)
+        if session is None:
+            session = self._holders[holder] = Session(caller)
+        try:
+            return self.claims.claim(space, keys, session, seconds)
+        finally:
+            self._forget_idle(holder, session)
+
+    async def wait_from_node(self, caller: Caller, namespace: str, shared: bool,
+                             keys: list[bytes], seconds: float, holder: bytes
+                             ) -> list[bool]:
+        """`kv_wait` of a reading node's connection (`holder`), as that caller's here."""
+        keys = [check_key(k) for k in keys]
+        space = self.index.space(namespace, caller, R_OK, shared)
+        session = self._holders.get(holder) or Session(caller)
+        return await self.claims.wait(space, keys, session, seconds)
+
+    def _forget_idle(self, holder: bytes, session: Session) -> None:
+        """A reading node's connection that holds no claim is not remembered."""
+        if not self.claims.holds(session) and self._holders.get(holder) is session:
+            del self._holders[holder]
 
     def _visible(self) -> None:
         """While reading nodes are alive, what a put stored is committed before it is

@@ -23,6 +23,8 @@ from mxfs.proto.chunk_wire import (
     CHALLENGE,
     GROUP,
     HELLO,
+    KEY_LEN,
+    KEYS_BODY,
     KPUT,
     KPUT_SHARED,
     MAGIC,
@@ -231,6 +233,29 @@ class ChunkClient:
         if code and code != errno.EEXIST:
             raise Refused(code, why or os.strerror(code))
         return not code
+
+    def kv_keys(self, tag: bytes, who: tuple[int, int, list[int]], namespace: str,
+                flags: int, keys: list[bytes], ms: int, holder: bytes) -> bytes:
+        """A KCLM or KWAI (`proto/chunk_wire.py`) as `who`: the answer's byte a key;
+        Refused (the node's errno and line) when it is not served."""
+        uid, gid, groups = who
+        ns = namespace.encode()
+        self.sock.sendall(tag + KEYS_BODY.pack(uid, gid, flags, len(groups), len(ns),
+                                               len(keys), ms, holder)
+                          + b"".join(GROUP.pack(g) for g in groups) + ns
+                          + b"".join(KEY_LEN.pack(len(k)) + k for k in keys))
+        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
+        if n > max(MAX_WHY, len(keys)):
+            raise WireError(f"{self.where} sent {n} bytes for {len(keys)} keys")
+        said = self._recv(n) if n else b""
+        if epoch != self.epoch:
+            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
+                            f"{epoch})")
+        if code:
+            raise Refused(code, said.decode(errors="replace") or os.strerror(code))
+        if n != len(keys):
+            raise WireError(f"{self.where} answered {n} of {len(keys)} keys")
+        return said
 
     def read(self, ino: int, member: int, offset: int, length: int) -> bytes:
         buf = bytearray(length)

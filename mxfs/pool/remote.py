@@ -92,6 +92,13 @@ class RemoteMembers:
         return self._call(lambda c: c.kv_put(who, namespace, mode, shared, key, chunk),
                           "could not store a KV chunk", refusals=True)
 
+    def kv_keys(self, tag: bytes, who: tuple[int, int, list[int]], namespace: str,
+                flags: int, keys: list[bytes], ms: int, holder: bytes) -> bytes:
+        """A KCLM or KWAI to the owner (`ChunkClient.kv_keys`), refusals and failures
+        as for `kv_put`."""
+        return self._call(lambda c: c.kv_keys(tag, who, namespace, flags, keys, ms, holder),
+                          "could not claim or wait for KV keys", refusals=True)
+
     def _call(self, fn: Callable[[ChunkClient], T], what: str, refusals: bool = False
               ) -> T:
         """`fn` on a connection to the owner, once more on a new one if an idle

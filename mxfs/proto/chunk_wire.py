@@ -34,8 +34,16 @@ private), flags (KPUT_SHARED), then the namespace, the key and `size` bytes of c
 stores a KV chunk a reading node's user put: the owner judges it as a put of that
 caller on its own control socket (nodes vouch for their users, as NFS clients do).
 The answer is 0 (stored), EEXIST (the key was stored already: first wins) or the
-errno of a refusal, followed by as many bytes of a line saying why.  Only a node's own
-connections put: a scoped connection that tries is closed.
+errno of a refusal, followed by as many bytes of a line saying why.
+
+KCLM and KWAI (the caller as for KPUT, flags, the claim's or the wait's milliseconds,
+a holder: 16 bytes the reading node drew for one of its connections; then the
+namespace and the keys, each after its length) claim keys to compute and wait for
+others' claims (`fs/kv_claims.py`) as that caller's connection on the owner would: the
+answer's bytes are one a key (KCLM: 0 yours, 1 stored, 2 busy; KWAI: 1 stored), or a
+line saying why not.  KCLM with KEYS_RELEASE ends every claim of the holder (its
+connection closed).  Only a node's own connections put, claim or wait: a scoped
+connection that tries is closed.
 """
 
 from __future__ import annotations
@@ -74,6 +82,12 @@ MAX_KPUT_GROUPS = 64
 MAX_KPUT_NAME = 4096  # bytes of a namespace or a key
 MAX_KPUT = MAX_READ  # bytes of one chunk
 MAX_WHY = 4096  # bytes of the line a refused KPUT is answered with
+# (KCLM, KWAI past their tags) uid, gid, flags, groups, namespace bytes, keys, ms, holder
+KEYS_BODY = struct.Struct("!IIIHHHI16s")
+KEY_LEN = struct.Struct("!H")
+KEYS_RELEASE = 2  # (KCLM) every claim of the holder ends
+MAX_KEYS = 1024  # keys one KCLM or KWAI names
+CLAIM_STATES = ("yours", "stored", "busy")  # KCLM's answer bytes, by value
 
 
 class WireError(Exception):
