@@ -524,7 +524,8 @@ print(json.dumps(out))
                 assert first.claim(keys) == ["yours"] * 3
                 assert second.claim(keys) == ["busy"] * 3
                 waited: list[list[bool]] = []
-                waiting = threading.Thread(target=lambda: waited.append(second.wait(keys)))
+                waiting = threading.Thread(target=lambda w=waited, s=second, k=keys:
+                                           w.append(s.wait(k)))
                 waiting.start()
                 time.sleep(0.2)
                 assert not waited  # (waits for the puts)
