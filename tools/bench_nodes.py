@@ -22,6 +22,9 @@ and KV chunks put on the writer (`--kv-chunks` of 2 MiB), read back with `batch_
 buffers made beforehand, as an engine's host pool is:
   kv local  on the writer, from its page cache
   kv node   on the reading node: looked up in the store, copied over from the writer
+and the same number of new chunks put (`batch_put`):
+  kv put local  on the writer (its members)
+  kv put node   on the reading node (sent on to the writer's chunk service)
 
 and a flood from a reading node's local readers (`--flood`, microseconds):
   open idle   open+close of a file through the writer's mount, p50 and p99 of 2000
@@ -73,7 +76,8 @@ from mxfs.proto.chunk_wire import ANSWER, READ  # noqa: E402
 from mxfs.proto.messages import OPEN_READ  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
 
-ARMS = ("sendfile", "chunks", "direct", "node", "local", "kv local", "kv node", "stat local",
+ARMS = ("sendfile", "chunks", "direct", "node", "local", "kv local", "kv node", "kv put local",
+        "kv put node", "stat local",
         "stat node", "lag", "open idle p50", "open idle p99", "open flood p50",
         "open flood p99", "flood reads")
 KV_CHUNK = 2 << 20
@@ -324,6 +328,14 @@ def main() -> int:
                     if not all(got) or outs != values:
                         raise SystemExit(f"{arm}: KV chunks read back differ")
                     kv.close()
+                for arm, mount in (("kv put local", pool.mnt), ("kv put node", node_mnt)):
+                    kv = KVStore(mount, namespace="bench")
+                    fresh = [f"{arm}-{i}-{k}".encode().ljust(32, b".") for k in range(len(keys))]
+                    start = time.perf_counter()
+                    if not all(kv.batch_put(fresh, values)):
+                        raise SystemExit(f"{arm}: KV chunks not stored")
+                    rounds[arm].append(kv_bytes / (time.perf_counter() - start) / 1e9)
+                    kv.close()
                 times = {"sendfile": in_node(net.enter, "sendfile", net.host_ip,
                                              str(server.port), *map(str, sizes)),
                          "chunks": in_node(net.enter, "chunks", spec),
@@ -362,6 +374,10 @@ def main() -> int:
           f"batch_get: on the writer {medians['kv local']:.2f} GB/s, on the reading node "
           f"{medians['kv node']:.2f} GB/s ({medians['kv node'] / medians['sendfile']:.2f} "
           "of sendfile)")
+    print(f"{args.kv_chunks} new KV chunks, batch_put: on the writer "
+          f"{medians['kv put local']:.2f} GB/s, on the reading node "
+          f"{medians['kv put node']:.2f} GB/s ({medians['kv put node'] / medians['sendfile']:.2f}"
+          " of sendfile)")
     print(f"{args.files} files stat'ed after 1.5 s idle: on the writer "
           f"{medians['stat local']:.0f}/s, on the reading node {medians['stat node']:.0f}/s "
           f"({medians['stat node'] / medians['stat local']:.2f} of the writer); a new file "
