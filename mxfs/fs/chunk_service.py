@@ -449,8 +449,12 @@ async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
 
 
 async def _recv_into(stream: trio.SocketStream, view: memoryview) -> None:
+    """Receive a KV chunk's bytes, ACKing each part at once: a connection that mostly
+    carries requests and answers has the kernel delay its ACKs, and a sender at the
+    start of its window then waits for one (60-70 ms of every few 2 MiB puts)."""
     got = 0
     while got < len(view):
+        stream.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
         chunk = await stream.receive_some(min(len(view) - got, 1 << 20))
         if not chunk:
             raise EOFError("the peer closed the connection")
