@@ -146,12 +146,12 @@ class KVIndex:
 
     def load(self) -> None:
         """Read the index from the store (least recently used first).  A reading node
-        loads none: the index is the writer node's (in its memory), and a chunk
-        served from a stale copy here would be read from the other node on the one
-        thread that serves everyone; every get there is a miss, every put refused."""
+        loads none: the index is the writer node's (in its memory); its gets look keys
+        up in the store (`fs/kv_follow.py`) and its puts and claims go to the writer
+        (`fs/kv_forward.py`)."""
         if self.vol.pool.node:
-            log.info("KV on reading node %s: every get is a miss and puts are refused "
-                     "(the KV index is the writer node's)", self.vol.pool.node)
+            log.info("KV on reading node %s: looked up in the store, put and claimed on "
+                     "the writer node (whose index it is)", self.vol.pool.node)
             return
         store = self.vol.store
         for ns, uid, gid, mode, capacity in store.kv.namespaces():
