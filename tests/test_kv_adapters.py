@@ -9,6 +9,9 @@ KV storage code imports, pinned by tools/engines-constraints.txt), where nothing
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from conftest import Mounted
@@ -358,3 +361,31 @@ def test_sglang_v2_extra_pools_match_hicache_file(mounted: Mounted, tmp_path: ob
     assert (h.kv_hit_pages, h.extra_pool_hit_pages) == (0, {PoolName.KV: 6})
     other.close()
     ours.close()
+
+
+def test_sglang_pages_are_shared_by_the_nodes_of_a_pool(tmp_path: Path,
+                                                        pg_cluster: Any) -> None:
+    """SGLang instances on two nodes of one pool: pages one sets (on the writer or on a
+    reading node) are hits for the other, through SGLang's own storage interface."""
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    from test_nodes import _reading_node, _writer_node
+
+    from mxfs.kv.keys import sglang_hashes
+
+    url = pg_cluster.database()
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        on_a, on_b = sglang_backend(a, tp_rank=0), sglang_backend(b, tp_rank=0)
+        keys = sglang_hashes(list(range(64 * 4)), 64)
+        for setter, getter, half in ((on_b, on_a, keys[:2]), (on_a, on_b, keys[2:])):
+            pool, other = (HostPool(pages=4, width=4096) for _ in range(2))  # 512 KiB pages
+            setter.register_mem_pool_host(pool)
+            getter.register_mem_pool_host(other)
+            pool.kv_buffer.copy_(torch.randn(4 * 64, 4096).bfloat16())
+            assert setter.batch_set_v1(half, torch.arange(0, 2 * 64)) == [True, True]
+            assert getter.batch_exists(half) == 2
+            assert getter.batch_get_v1(half, torch.arange(2 * 64, 4 * 64)) == [True, True]
+            assert torch.equal(other.kv_buffer[2 * 64:4 * 64], pool.kv_buffer[:2 * 64])
+        assert on_a.batch_exists(keys) == 4 and on_b.batch_exists(keys) == 4
+        on_a.close()
+        on_b.close()
