@@ -123,10 +123,25 @@ class RemoteMembers:
                 raise self._failed(f"{what} ({failed})") from None
             reused, client = self._client(fresh=True)
 
-    def connect(self) -> ChunkClient:
-        """A new connection to the owner, proved, under the epoch the store gives it
-        (EIO naming the node when there is none to be had)."""
-        return self._client(fresh=True)[1]
+    def connect(self, idle: bool = False) -> tuple[bool, ChunkClient]:
+        """A connection to the owner, proved, under the epoch the store gives it, for a
+        caller to keep (EIO naming the node when there is none to be had); with `idle`,
+        one of the kept ones if any (True: the owner may have closed it meanwhile)."""
+        return self._client(fresh=not idle)
+
+    def top_up(self, n: int) -> None:
+        """(Blocking.)  Make up to `n` new connections and keep them (IDLE_CONNS at most),
+        so the next callers that take connections away find them proved already; a
+        failure is left to those callers."""
+        for _ in range(n):
+            with self._lock:
+                if len(self._idle) >= IDLE_CONNS:
+                    return
+            try:
+                client = self._client(fresh=True)[1]
+            except OSError:
+                return
+            self._give_back(client)
 
     def close(self) -> None:
         with self._lock:
