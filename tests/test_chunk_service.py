@@ -36,6 +36,8 @@ from mxfs.pool.key import KEY_NAME, load_key
 from mxfs.proto.chunk_wire import (
     CHALLENGE,
     HELLO,
+    KEYS_BODY,
+    KPUT_BODY,
     MAGIC,
     MAX_READ,
     PROOF,
@@ -43,6 +45,7 @@ from mxfs.proto.chunk_wire import (
     VERSION,
     WireError,
 )
+from mxfs.proto.constants import MAX_KEY
 
 pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
               pytest.mark.daemon_log(r"chunk handshake .* failed")]
@@ -160,6 +163,46 @@ def test_bad_requests_get_their_errno_and_the_connection_goes_on(serving: Mounte
             chunks.read(ino, 0, 0, MAX_READ + 1)
         assert chunks.read(ino, first, 0, 100) == b"y" * 100
         assert chunks.read(ino, (first + 1) % 4, 0, 100) == b""  # a chunk file never written
+
+
+@pytest.mark.daemon_log(r"chunk request for the daemon failed")
+def test_bad_kv_requests_of_a_node_get_their_errno_or_lose_their_connection(
+        serving: Mounted) -> None:
+    """A node's KV puts, claims and waits with bad fields are answered with their errno
+    (the connection goes on); past the protocol's limits the connection ends; the
+    service serves on either way."""
+    host, port, pool = _service(serving)
+    key = load_key(serving.members[0])
+    root = (0, 0, [])
+    with ChunkClient(host, port, key, pool) as c:
+        for what, call, code in (
+                ("a bad namespace", lambda: c.kv_put(root, "no/such name", 0, False, b"k",
+                                                     b"v"), errno.EINVAL),
+                ("an empty key", lambda: c.kv_put(root, "kvbad", 0, False, b"", b"v"),
+                 errno.EINVAL),
+                ("a key too long", lambda: c.kv_put(root, "kvbad", 0, False,
+                                                    b"k" * (MAX_KEY + 1), b"v"), errno.EINVAL),
+                ("a claim of an empty key", lambda: c.kv_keys(b"KCLM", root, "kvbad", 0,
+                                                              [b""], 1000, bytes(16)),
+                 errno.EINVAL),
+                ("a wait in no namespace", lambda: c.kv_keys(b"KWAI", root, "kvnone", 0,
+                                                             [b"k"], 10, bytes(16)),
+                 errno.ENOENT)):
+            with pytest.raises(OSError) as e:
+                call()
+            assert e.value.errno == code, what
+        assert c.kv_put(root, "kvbad", 0, False, b"k" * 32, b"v" * 10) is True
+        assert c.kv_put(root, "kvbad", 0, False, b"k" * 32, b"v" * 10) is False
+        assert c.kv_keys(b"KCLM", root, "kvbad", 0, [b"k" * 32, b"j" * 32], 1000,
+                         bytes(16)) == bytes([1, 0])  # stored, yours
+    with ChunkClient(host, port, key, pool) as c:  # past the limits: the connection ends
+        c.sock.sendall(b"KPUT" + KPUT_BODY.pack(0, 0, 0, 0, 1000, 5, 1, 1))
+        assert _dropped(c.sock)
+    with ChunkClient(host, port, key, pool) as c:
+        c.sock.sendall(b"KCLM" + KEYS_BODY.pack(0, 0, 0, 0, 5, 60_000, 10, bytes(16)))
+        assert _dropped(c.sock)
+    with ChunkClient(host, port, key, pool) as c:
+        assert c.kv_put(root, "kvbad", 0, False, b"m" * 32, b"w" * 10) is True
 
 
 def test_the_key_is_roots_alone_and_a_loose_one_is_refused(tmp_path: Path) -> None:

@@ -294,6 +294,9 @@ class ChunkService:
                 code = 0 if stored else errno.EEXIST
             except OSError as e:
                 code, why = e.errno or errno.EIO, e.strerror or str(e)
+            except Exception as e:  # a bug of ours: this put fails, never the service
+                self._failures.note("KV put from a node", None, e)
+                code, why = errno.EIO, f"the node failed this put ({type(e).__name__})"
         said = why.encode()[:MAX_WHY]
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
@@ -336,6 +339,9 @@ class ChunkService:
                 said = bytes(int(p) for p in present)
         except OSError as e:
             code, said = e.errno or errno.EIO, (e.strerror or str(e)).encode()[:MAX_WHY]
+        except Exception as e:  # a bug of ours: this request fails, never the service
+            self._failures.note(f"KV {tag.decode()} from a node", None, e)
+            code, said = errno.EIO, f"the node failed this request ({type(e).__name__})".encode()
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _read(self, stream: trio.SocketStream, ino: int, member: int, offset: int,
