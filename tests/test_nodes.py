@@ -514,8 +514,13 @@ print(json.dumps(out))
                     with pytest.raises(OSError) as e:
                         c.call_with_fds("kv_create", namespace="t", key=key, size=3 << 20)
                     assert e.value.errno == errno.ENOSPC
+                    assert _status(b)["kv_forward"]["writing"] == 3 << 20
                     for fd in fds:
                         os.close(fd)
+            assert eventually(lambda: _status(b)["kv_forward"]["writing"] == 0, 5)
+            forwarded = _status(b)["kv_forward"]
+            assert forwarded["puts"] >= 6 and forwarded["put_bytes"] >= 2 * (3 << 20)
+            assert "KV sent on to the writer: " in mxfs("status", str(b.path)).stdout
             # Instances on two nodes that miss one prefix compute it once: the claims
             # are the writer's, whichever node they are made on, and a wait on one
             # node ends with a put on the other.

@@ -254,6 +254,11 @@ def _format_status(s: dict[str, Any]) -> str:
                      + (f"; {remote['refused']} opens read through the mount (limits "
                         "max_remote_reads, max_remote_reads_per_user)" if remote["refused"]
                         else ""))
+    fwd = s.get("kv_forward")
+    if fwd and (fwd["puts"] or fwd["claims"] or fwd["writing"]):
+        lines.append(f"  KV sent on to the writer: {fwd['puts']} chunks put "
+                     f"({format_size(fwd['put_bytes'])}), {fwd['claims']} claims and waits; "
+                     f"{format_size(fwd['writing'])} being written here")
     for n in s.get("nodes") or []:
         here = " (this node)" if n["name"] == s.get("node") else ""
         lines.append(f"  node {n['name']}{here}: {n['role']}, {n['state']}, epoch {n['epoch']}, "

@@ -58,6 +58,7 @@ from mxfs.proto.messages import (
     KVCommitReply,
     KVCreateReply,
     KVExistsReply,
+    KVForwardStatus,
     KVPutReply,
 )
 from mxfs.vol.access import Caller
@@ -93,6 +94,11 @@ class ForwardedKV:
         self.held_by_uid: Counter[int] = Counter()  # bytes of memfds, by caller
         self._waiters = trio.CapacityLimiter(WAITERS)
         self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
+        self.puts = self.put_bytes = self.claims = 0
+
+    def status(self) -> KVForwardStatus:
+        return {"puts": self.puts, "put_bytes": self.put_bytes,
+                "writing": sum(self.held_by_uid.values()), "claims": self.claims}
 
     async def put(self, msg: Msg, session: Session) -> Answer[KVPutReply]:
         keys, data = keys_field(msg), msg.get("data")
@@ -174,6 +180,7 @@ class ForwardedKV:
                           "reading node")
         remote = self._remote()
         namespace = check_namespace(msg.get("namespace"))
+        self.claims += 1
         flags = KPUT_SHARED if bool_field(msg, "shared") else 0
         who = _who(caller)
         return await trio.to_thread.run_sync(
@@ -190,6 +197,8 @@ class ForwardedKV:
         """One chunk to the writer as `caller`'s put: stored, or there already."""
         remote = self._remote()
         namespace = check_namespace(msg.get("namespace"))
+        self.puts += 1
+        self.put_bytes += chunk[1] if isinstance(chunk, tuple) else len(chunk)
         mode = int_field(msg, "mode", 0) if msg.get("mode") is not None else 0
         if mode > 0o777:
             raise BadField(msg, "'mode' is a permission mode from 0 to 0777")

@@ -105,6 +105,7 @@ class StatusOps:
                 "chunk_service": self.chunks.status() if self.chunks else None,
                 "feed": self.feed_status(),
                 "remote_reads": self.remote.status() if self.remote else None,
+                "kv_forward": self.kv.forward.status() if self.kv.forward else None,
                 "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
                 "nodes": self.nodes()}
 

@@ -121,6 +121,13 @@ class RemoteReadsStatus(TypedDict):
     refused: int  # opens sent to the mount instead (a limit was reached)
 
 
+class KVForwardStatus(TypedDict):
+    puts: int  # KV chunks this reading node sent on to the writer (stored or not)
+    put_bytes: int
+    writing: int  # bytes of chunks callers are writing into this daemon's memory now
+    claims: int  # claims and waits sent on to the writer
+
+
 class OpenReadReply(FileReply):
     members: list[int]
     direct_members: NotRequired[list[int]]
@@ -230,6 +237,7 @@ class StatReply(TypedDict):
     # scoped_waiting (local readers' requests waiting their turn)
     feed: FeedStatus | None  # the change feed, on a pool on a metadata server
     remote_reads: RemoteReadsStatus | None  # a reading node's direct reads of other nodes
+    kv_forward: KVForwardStatus | None  # a reading node's KV puts and claims on the writer
     node: str  # this daemon's node ("": a pool of one node)
     nodes: list[NodeStatus]  # every node of a pool on a metadata server
 
