@@ -477,7 +477,8 @@ def test_kv_puts_and_claims_on_a_reading_node_are_the_pools(tmp_path: Path, pg_c
     url = pg_cluster.database()
     with _writer_node(tmp_path, url) as (net, a, members):
         (a.path / "f.bin").write_bytes(os.urandom(100_000))
-        with _reading_node(tmp_path, url, net, members, "max_kv_lent_per_user=4194304") as b:
+        with _reading_node(tmp_path, url, net, members, "max_kv_lent_per_user=4194304",
+                           "max_pending=8") as b:
             small, large = os.urandom(100), os.urandom(3 << 20)
             on_b = KVStore(str(b.path), namespace="t", mode=0o755)
             assert on_b.batch_put([b"s" * 32, b"l" * 32], [small, large]) == [True, True]
@@ -518,6 +519,16 @@ print(json.dumps(out))
                     for fd in fds:
                         os.close(fd)
             assert eventually(lambda: _status(b)["kv_forward"]["writing"] == 0, 5)
+            # ... and each is a descriptor of b's daemon, whatever its size: at most
+            # max_pending (here 8) at once on a connection.
+            with ControlClient(str(b.path)) as c:
+                for _ in range(8):
+                    for fd in c.call_with_fds("kv_create", namespace="t", key=key,
+                                              size=0)[1]:
+                        os.close(fd)
+                with pytest.raises(OSError) as e:
+                    c.call_with_fds("kv_create", namespace="t", key=key, size=0)
+                assert e.value.errno == errno.EMFILE
             forwarded = _status(b)["kv_forward"]
             assert forwarded["puts"] >= 6 and forwarded["put_bytes"] >= 2 * (3 << 20)
             assert "KV sent on to the writer: " in mxfs("status", str(b.path)).stdout

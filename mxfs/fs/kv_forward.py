@@ -92,6 +92,7 @@ class ForwardedKV:
         self._handles = itertools.count(1)
         self._pending: dict[int, dict[int, _Pending]] = {}  # by id(session)
         self.held_by_uid: Counter[int] = Counter()  # bytes of memfds, by caller
+        self.count_by_uid: Counter[int] = Counter()  # ... and how many
         self._waiters = trio.CapacityLimiter(WAITERS)
         self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
         self.puts = self.put_bytes = self.claims = 0
@@ -122,7 +123,15 @@ class ForwardedKV:
         if size > MAX_KPUT:
             raise OSError(errno.EFBIG, f"a KV chunk put on a reading node is at most "
                           f"{MAX_KPUT} bytes")
-        uid = session.caller.uid
+        uid, lim = session.caller.uid, self.limits
+        # Each is a descriptor of this daemon's, whatever its size: counted as the
+        # writer counts unpublished files.
+        if len(self._pending.get(id(session), {})) >= lim.max_pending:
+            raise OSError(errno.EMFILE, f"this connection is writing {lim.max_pending} KV "
+                          "chunks, the limit (mount option max_pending): commit some")
+        if uid != 0 and self.count_by_uid[uid] >= lim.max_pending_per_user:
+            raise OSError(errno.EMFILE, f"uid {uid} is writing {lim.max_pending_per_user} "
+                          "KV chunks, the limit (mount option max_pending_per_user)")
         if self.held_by_uid[uid] + size > self.limits.max_kv_lent_per_user:
             raise OSError(errno.ENOSPC, f"uid {uid} is writing {self.held_by_uid[uid]} bytes "
                           "of KV chunks on this node, the limit (max_kv_lent_per_user): "
@@ -139,6 +148,7 @@ class ForwardedKV:
         handle = next(self._handles)
         self._pending.setdefault(id(session), {})[handle] = _Pending(fd, size, uid)
         self.held_by_uid[uid] += size
+        self.count_by_uid[uid] += 1
         layout = Layout(_MEMFD_UNIT, 1, 0, 1)
         return {"exists": False, "ino": handle, "layout": layout.describe(),
                 "members": [0]}, [theirs]
@@ -214,8 +224,9 @@ class ForwardedKV:
             return
         os.close(pending.fd)
         self.held_by_uid[pending.uid] -= pending.size
-        if self.held_by_uid[pending.uid] <= 0:
-            del self.held_by_uid[pending.uid]
+        self.count_by_uid[pending.uid] -= 1
+        if self.count_by_uid[pending.uid] <= 0:
+            del self.held_by_uid[pending.uid], self.count_by_uid[pending.uid]
         if not self._pending.get(id(session), True):
             del self._pending[id(session)]
 
