@@ -227,6 +227,15 @@ print(json.dumps(out))
                     with pytest.raises(OSError) as e:
                         (b.path / "unread.bin").read_bytes()
                     assert e.value.errno == errno.EIO
+                    # KV puts and claims there fail at once too (the engine goes on
+                    # without caching), small or large, never waiting on the dead node.
+                    for value in (b"v" * 100, os.urandom(1 << 20)):
+                        with pytest.raises(OSError) as e:
+                            on_b.put(os.urandom(32), value)
+                        assert e.value.errno == errno.EIO and "node a is dead" in str(e.value)
+                    with pytest.raises(OSError) as e:
+                        on_b.claim([os.urandom(32)])
+                    assert e.value.errno == errno.EIO
                     # (refused by the lease, not by a receive left to time out)
                     assert "node a is dead (its lease ran out)" in _log(b)
                 finally:
