@@ -26,6 +26,10 @@ def test_demo_runs_the_three_jobs_and_cleans_up(tmp_path: Path) -> None:
     assert 0 < ck["blocked_s"] <= ck["durable_s"] and ck["torch_save_s"] > 0
     kv = jobs["kv"]
     assert kv["gbps"] > 0 and kv["recompute_s"] > 0 and kv["load_s"] > 0
+    # The reuse policy reads only what is faster to read than to compute: never slower
+    # than recomputing, and all of the prefix where reading it all wins.
+    assert kv["policy_s"] <= kv["recompute_s"] * (1 + 1e-9)
+    assert kv["policy_s"] <= kv["load_s"] * (1 + 1e-9) or kv["policy_chunks"] < kv["chunks"]
     assert [s["step"] for s in out["steps"]][0] == "write"
     assert not os.path.exists(scratch) or os.listdir(scratch) == []
 
@@ -34,3 +38,21 @@ def test_demo_text_shows_both_tables(tmp_path: Path) -> None:
     text = mxfs("demo", "--size", "64MiB", "--dir", str(tmp_path / "d"), timeout=600).stdout
     assert "what mxfs is for" in text and "torch.save" in text and "TTFT" in text
     assert "mxfs vs a plain folder" in text and "verified" in text
+    assert "as the reuse policy reads it" in text
+
+
+def test_every_row_where_mxfs_is_behind_says_why() -> None:
+    from mxfs.cli.demo import BEHIND_WHY
+    from mxfs.cli.demo_jobs import behind_why
+
+    model = {"mxfs_s": 1.0, "safetensors_mount_s": 0.9, "safetensors_plain_s": 1.2}
+    ckpt = {"durable_s": 1.0, "torch_save_s": 0.8, "blocked_s": 0.1}
+    kv = {"recompute_s": 3.0, "load_s": 4.0, "break_even_gbps": 1.4, "gbps": 1.1}
+    said = behind_why(model, ckpt, kv)
+    assert [line.split(":")[0] for line in said] == [
+        "load, cold", "until durable", "reading the whole prefix"]
+    assert "0.90x" in said[0] and "0.80x" in said[1] and "1.4 GB/s" in said[2]
+    ahead = behind_why({**model, "safetensors_mount_s": 1.1}, {**ckpt, "torch_save_s": 2.0},
+                       {**kv, "load_s": 2.0})
+    assert ahead == []
+    assert set(BEHIND_WHY) == {"write", "read (cold)", "re-read (warm)"}
