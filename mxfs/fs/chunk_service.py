@@ -110,6 +110,7 @@ SCOPED_AT_ONCE = 2  # requests of scoped connections (local readers) in service 
 SCOPED_SLOT_S = 0.0005  # ... each asking for less than SCOPED_SMALL holding its place this
 SCOPED_SMALL = 256 << 10  # long at least: a flood of tiny READs gets 4,000 a second)
 PUTS_AT_ONCE = 4  # KV chunks being received at once (each held whole: MAX_KPUT bytes)
+PUT_RECV_S = 30.0  # ... each within this, or its connection goes
 
 
 class ChunkService:
@@ -285,7 +286,10 @@ class ChunkService:
         code, why = 0, ""
         async with self._puts:
             data = bytearray(size)
-            await _recv_into(stream, memoryview(data))
+            with trio.move_on_after(PUT_RECV_S) as late:  # a stalled node holds no slot
+                await _recv_into(stream, memoryview(data))
+            if late.cancelled_caught:
+                raise WireError(f"a KV put's {size} bytes did not come within {PUT_RECV_S:.0f} s")
             try:
                 kv = self._kv_tier()
                 caller = Caller(0, uid, gid, frozenset([gid, *groups]))
