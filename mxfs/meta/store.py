@@ -67,6 +67,9 @@ class MetaStore:
         self._sole = SoleCache()  # names, seals, the inode count (`sole_writer`)
         engine.on_group_lost = self._group_lost
         engine.before_commit = self._before_commit
+        # Told when no group is open (all committed): the pool's metadata room counts
+        # what the open group will write at its commit until then.
+        self.on_settled: Callable[[], None] = lambda: None
         self._dir_times: dict[int, Inode] = {}  # directories whose times wait for commit
         # Groups of changes lost so far: an fsync that has not heard of a loss since
         # its handle last synced must fail, as the loss may have held its changes.
@@ -162,6 +165,7 @@ class MetaStore:
             self._group_journal.clear()
             if self.feed is not None:
                 self.feed.settled()
+            self.on_settled()
 
     def _undo_memory(self) -> None:
         self._sole.undo(births=sum(1 for _, name, _ in self._journal if name == _BORN))

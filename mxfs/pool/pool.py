@@ -301,6 +301,9 @@ class Pool:
         self.on_io: Callable[[int, str, int], None] | None = None
         # check_meta_room's last measure: (when, free bytes then, growth let through since)
         self._meta_room = (-math.inf, 0, 0)
+        # Growth let through since the store last committed: the open group's pages may
+        # sit in SQLite's memory, unseen by statvfs until its commit writes them.
+        self._meta_uncommitted = 0
 
     @classmethod
     def open(cls, spec: str, degraded: bool = False) -> Pool:
@@ -564,12 +567,19 @@ class Pool:
         if now - at > META_MEASURE_S or since > META_MEASURE_BYTES:
             st = os.statvfs(self.members[self.meta_member].path)
             at, free, since = now, st.f_bavail * st.f_frsize, 0
-        if free - since - nbytes < META_GROWTH_FLOOR:
+        if free - max(since, self._meta_uncommitted) - nbytes < META_GROWTH_FLOOR:
             self._meta_room = (at, free, since)
             raise OSError(errno.ENOSPC, "the metadata member is nearly full: names, xattrs "
                           "and KV chunks are refused until space is freed on member "
                           f"{self.meta_member} ({self.members[self.meta_member].path})")
         self._meta_room = (at, free, since + nbytes)
+        self._meta_uncommitted += nbytes
+
+    def meta_committed(self) -> None:
+        """The store committed everything: its growth is on disk, for statvfs to see."""
+        if self._meta_uncommitted:
+            self._meta_uncommitted = 0
+            self._meta_room = (-math.inf, 0, 0)  # measured afresh at the next check
 
     def usage(self) -> list[MemberUsage]:
         """Space of each member's filesystem; "dev" tells members that share one."""

@@ -63,6 +63,7 @@ class Volume:
     def __init__(self, pool: Pool, store: MetaStore, lock_fd: int | None = None) -> None:
         self.pool = pool
         self.store = store
+        store.on_settled = pool.meta_committed
         self.open_inodes: dict[int, OpenInode] = {}
         # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
         self.pending_reclaim: list[int] = []
