@@ -35,7 +35,7 @@ import select
 import socket
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
@@ -83,7 +83,6 @@ from mxfs.vol.volume import Volume
 log = logging.getLogger("mxfs.chunks")
 
 
-
 class NodeKV(Protocol):
     """The writer's KV tier, as other nodes' users reach it (`fs/kv_ops.py`): each call
     judged as that caller's request on this node; OSError when refused."""
@@ -98,6 +97,7 @@ class NodeKV(Protocol):
     async def wait_from_node(self, caller: Caller, namespace: str, shared: bool,
                              keys: list[bytes], seconds: float, holder: bytes
                              ) -> list[bool]: ...
+
 
 HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
 IDLE_S = 600.0  # a connection with no request for this long is closed
@@ -280,37 +280,22 @@ class ChunkService:
                 size > MAX_KPUT:
             raise WireError(f"a KV put of {size} bytes, {ngroups} groups, names of "
                             f"{ns_len} and {key_len} bytes: past the limits")
-        groups = [g for (g,) in GROUP.iter_unpack(await _recv_exact(stream, 4 * ngroups))]
-        namespace = (await _recv_exact(stream, ns_len)).decode(errors="replace")
+        caller, namespace = await _caller(stream, uid, gid, ngroups, ns_len)
         key = await _recv_exact(stream, key_len)
-        code, why = 0, ""
         async with self._puts:
             data = bytearray(size)
             with trio.move_on_after(PUT_RECV_S) as late:  # a stalled node holds no slot
                 await _recv_into(stream, memoryview(data))
             if late.cancelled_caught:
                 raise WireError(f"a KV put's {size} bytes did not come within {PUT_RECV_S:.0f} s")
-            try:
-                kv = self._kv_tier()
-                caller = Caller(0, uid, gid, frozenset([gid, *groups]))
-                stored = await kv.put_from_node(caller, namespace, mode or None,
-                                                bool(flags & KPUT_SHARED), key, data)
-                code = 0 if stored else errno.EEXIST
-            except OSError as e:
-                code, why = e.errno or errno.EIO, e.strerror or str(e)
-            except Exception as e:  # a bug of ours: this put fails, never the service
-                self._failures.note("KV put from a node", None, e)
-                code, why = errno.EIO, f"the node failed this put ({type(e).__name__})"
-        said = why.encode()[:MAX_WHY]
-        await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
-    def _kv_tier(self) -> NodeKV:
-        if self.kv is None:
-            raise OSError(errno.EROFS, f"node {self.vol.pool.node or 'writer'} keeps no KV "
-                          "tier")
-        if self.vol.store.readonly:
-            raise OSError(errno.ESTALE, "this node no longer serves the pool")
-        return self.kv
+            async def put() -> tuple[int, bytes]:
+                stored = await self._kv_tier().put_from_node(
+                    caller, namespace, mode or None, bool(flags & KPUT_SHARED), key, data)
+                return (0 if stored else errno.EEXIST), b""
+
+            code, said = await self._judged("KV put from a node", put)
+        await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _kv_keys(self, stream: trio.SocketStream, tag: bytes) -> None:
         """Receive one KCLM or KWAI and answer it: a byte a key, or why not."""
@@ -319,34 +304,47 @@ class ChunkService:
         if ngroups > MAX_KPUT_GROUPS or ns_len > MAX_KPUT_NAME or nkeys > MAX_KEYS:
             raise WireError(f"a KV {tag.decode()} of {nkeys} keys, {ngroups} groups, a "
                             f"namespace of {ns_len} bytes: past the limits")
-        groups = [g for (g,) in GROUP.iter_unpack(await _recv_exact(stream, 4 * ngroups))]
-        namespace = (await _recv_exact(stream, ns_len)).decode(errors="replace")
+        caller, namespace = await _caller(stream, uid, gid, ngroups, ns_len)
         keys = []
         for _ in range(nkeys):
             (n,) = KEY_LEN.unpack(await _recv_exact(stream, KEY_LEN.size))
             if n > MAX_KPUT_NAME:
                 raise WireError(f"a key of {n} bytes")
             keys.append(await _recv_exact(stream, n))
-        code, said = 0, b""
-        try:
+        shared = bool(flags & KPUT_SHARED)
+
+        async def answer() -> tuple[int, bytes]:
             kv = self._kv_tier()
-            caller = Caller(0, uid, gid, frozenset([gid, *groups]))
-            shared = bool(flags & KPUT_SHARED)
             if tag == b"KCLM":
-                states = await kv.claim_from_node(caller, namespace, shared, keys,
-                                                  ms / 1000, holder,
-                                                  bool(flags & KEYS_RELEASE))
-                said = bytes(CLAIM_STATES.index(st) for st in states)
-            else:
-                present = await kv.wait_from_node(caller, namespace, shared, keys,
-                                                  ms / 1000, holder)
-                said = bytes(int(p) for p in present)
-        except OSError as e:
-            code, said = e.errno or errno.EIO, (e.strerror or str(e)).encode()[:MAX_WHY]
-        except Exception as e:  # a bug of ours: this request fails, never the service
-            self._failures.note(f"KV {tag.decode()} from a node", None, e)
-            code, said = errno.EIO, f"the node failed this request ({type(e).__name__})".encode()
+                states = await kv.claim_from_node(caller, namespace, shared, keys, ms / 1000,
+                                                  holder, bool(flags & KEYS_RELEASE))
+                return 0, bytes(CLAIM_STATES.index(st) for st in states)
+            present = await kv.wait_from_node(caller, namespace, shared, keys, ms / 1000,
+                                              holder)
+            return 0, bytes(int(p) for p in present)
+
+        code, said = await self._judged(f"KV {tag.decode()} from a node", answer)
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
+
+    async def _judged(self, what: str, work: Callable[[], Awaitable[tuple[int, bytes]]]
+                      ) -> tuple[int, bytes]:
+        """`work`'s (code, bytes), or a refusal's errno and line; a failure of ours is
+        logged and answered EIO, never the service's end."""
+        try:
+            return await work()
+        except OSError as e:
+            return e.errno or errno.EIO, (e.strerror or str(e)).encode()[:MAX_WHY]
+        except Exception as e:
+            self._failures.note(what, None, e)
+            return errno.EIO, f"the node failed this request ({type(e).__name__})".encode()
+
+    def _kv_tier(self) -> NodeKV:
+        if self.kv is None:
+            raise OSError(errno.EROFS, f"node {self.vol.pool.node or 'writer'} keeps no KV "
+                          "tier")
+        if self.vol.store.readonly:
+            raise OSError(errno.ESTALE, "this node no longer serves the pool")
+        return self.kv
 
     async def _read(self, stream: trio.SocketStream, ino: int, member: int, offset: int,
                     length: int, scope: dict[int, int] | None) -> None:
@@ -456,6 +454,15 @@ async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
         parts.append(chunk)
         got += len(chunk)
     return b"".join(parts)
+
+
+async def _caller(stream: trio.SocketStream, uid: int, gid: int, ngroups: int, ns_len: int
+                  ) -> tuple[Caller, str]:
+    """The caller a node's KV request names (its groups follow the header) and the
+    namespace after them."""
+    groups = [g for (g,) in GROUP.iter_unpack(await _recv_exact(stream, 4 * ngroups))]
+    namespace = (await _recv_exact(stream, ns_len)).decode(errors="replace")
+    return Caller(0, uid, gid, frozenset([gid, *groups])), namespace
 
 
 async def _recv_into(stream: trio.SocketStream, view: memoryview) -> None:

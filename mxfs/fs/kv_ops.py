@@ -125,7 +125,7 @@ def _mode(msg: Msg, default: int | None) -> int | None:
     return mode
 
 
-def _write_chunk(chunks: ChunkFiles | None, data: bytearray, unit: int) -> bytes:
+def _write_chunk(chunks: ChunkFiles | None, data: bytes | bytearray, unit: int) -> bytes:
     """Write a whole chunk into a spare's chunk files; its packed checksums."""
     assert chunks is not None
     chunks.write(0, memoryview(data))
@@ -336,18 +336,7 @@ class KVOps:
                 raw = base64.b64decode(b64, validate=True)
             except ValueError:
                 raise BadField(msg, "'data' is not base64") from None
-            self._room(space, len(raw), session.caller.uid)
-            entry = self.vol.take_spare(session.caller.uid, session.caller.gid)
-            try:
-                assert entry.chunks is not None
-                entry.chunks.write(0, memoryview(raw))
-                unit = self.vol.layout(entry.node).unit
-                self.index.insert(space, key, entry.node.ino, len(raw), unit,
-                                  pack_sums(block_sums(raw, unit)))
-                self.claims.stored(space, key)
-            finally:
-                self.vol.release(entry.node.ino)
-            stored.append(True)
+            stored.append(await self._store(space, key, raw, session.caller))
         evicted = self.index.enforce(space)
         self._visible()
         return {"stored": stored, "evicted": evicted}, []
@@ -360,23 +349,31 @@ class KVOps:
         space = self.index.space(namespace, caller, W_OK, shared,
                                  create_mode=0o700 if mode is None else mode & 0o777)
         check_key(key)
+        refuse_if_degraded(self.vol)
+        stored = await self._store(space, key, data, caller)
+        if stored:
+            self.index.enforce(space)
+            self._visible()
+        return stored
+
+    async def _store(self, space: Namespace, key: bytes, data: bytes | bytearray,
+                     caller: Caller) -> bool:
+        """One chunk of `caller`'s into a spare, hashed and indexed (larger ones written
+        off trio's thread): False if the key is stored (first wins), also meanwhile,
+        or its namespace went meanwhile.  The caller enforces the capacity and commits."""
         if key in space.chunks:
             return False
-        refuse_if_degraded(self.vol)
         self._room(space, len(data), caller.uid)
         entry = self.vol.take_spare(caller.uid, caller.gid)
         try:
-            assert entry.chunks is not None
             unit = self.vol.layout(entry.node).unit
             sums = await _off_loop(len(data), lambda: _write_chunk(entry.chunks, data, unit))
             if key in space.chunks or self.index.spaces.get(space.name) is not space:
-                return False  # put meanwhile (or its namespace removed): first wins
+                return False
             self.index.insert(space, key, entry.node.ino, len(data), unit, sums)
             self.claims.stored(space, key)
         finally:
             self.vol.release(entry.node.ino)
-        self.index.enforce(space)
-        self._visible()
         return True
 
     async def claim_from_node(self, caller: Caller, namespace: str, shared: bool,

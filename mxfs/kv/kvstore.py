@@ -145,17 +145,17 @@ def _on_device(buf: Any) -> bool:
 
 
 def _view(buf: Any, writable: bool) -> tuple[memoryview, Any]:
-    """(byte view, torch tensor to copy back into or None) of a buffer or a tensor."""
+    """(byte view, the host copy it views or None) of a buffer or a tensor; a device
+    tensor is copied to the host to be read (gets into one go through `_DeviceHost`)."""
     if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # a torch tensor
         if not buf.is_contiguous():
             raise ValueError("KV buffers must be contiguous tensors")
-        back = None
+        copy = None
         if buf.device.type != "cpu":
-            back, buf = buf, buf.to("cpu") if not writable else \
-                buf.new_empty(buf.shape, device="cpu", pin_memory=True)
+            assert not writable, "a device buffer is written through _DeviceHost"
+            copy = buf = buf.to("cpu")
         n = buf.numel() * buf.element_size()
-        return memoryview((ctypes.c_char * n).from_address(buf.data_ptr())).cast("B"), \
-            (back, buf) if back is not None else None
+        return memoryview((ctypes.c_char * n).from_address(buf.data_ptr())).cast("B"), copy
     view = memoryview(buf).cast("B")
     if writable and view.readonly:
         raise ValueError("the output buffer is read-only")
