@@ -357,6 +357,54 @@ def test_a_hung_server_is_away_after_the_wait_bound_not_forever(
         store.close()
 
 
+# A writer that creates b"held" in an open group, then waits for the test's word to
+# commit it; it says how the commit ended.
+HOLDER = r"""
+import sys
+from mxfs.meta import MetaStore
+from mxfs.meta.inode import ROOT_INO
+store = MetaStore.open(sys.argv[1])
+store.group_changes(3600)
+store.create(ROOT_INO, b"held", 0o100644, 0, 0, layout_for=lambda i, u, w: (u or 65536, 1, 0))
+print("holding", flush=True)
+sys.stdin.readline()
+try:
+    store.commit()
+    print("committed")
+except OSError as e:
+    print("lost", e.errno)
+"""
+
+
+def test_a_writer_stopped_inside_a_transaction_does_not_hold_its_rows(pg_cluster: Server) -> None:
+    """A process stopped (SIGSTOP) with a group open holds the rows it wrote (here a
+    directory entry's name): the server ends its transaction after IDLE_TXN_MS, so
+    another writer of that name gets through instead of failing EBUSY after every
+    retry, and the woken holder's commit is refused, never applied late."""
+    url = pg_cluster.database()
+    MetaStore.format(url, "stopped", 65536).close()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, url], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = MetaStore.open(url)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            mine = store.create(ROOT_INO, b"held", 0o100644, 0, 0,
+                                layout_for=lambda ino, unit, width: (unit or 65536, 1, 0))
+            store.commit()
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        out, err = holder.communicate("commit\n", timeout=60)
+        assert out.split()[0] == "lost" and int(out.split()[1]) == errno.EIO, (out, err)
+        assert store.entry_ino(ROOT_INO, b"held") == mine.ino
+        assert problems(store) == []
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        store.close()
+
+
 def test_a_lost_group_puts_memory_back_and_holds_commits_off(own_pg: Server) -> None:
     import psycopg
 

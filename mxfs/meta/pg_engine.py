@@ -17,6 +17,9 @@ that fsyncs right after its change hears of the loss: nothing the server did not
 commit is taken as done.  Every wait is bounded: connect_timeout, TCP keepalives and
 tcp_user_timeout (unless the URL sets its own), lock_timeout and statement_timeout, and
 on the client every wait for an answer (WAIT_S: a Unix socket has no TCP timeouts).
+Every hold is bounded too: a process that stops inside a transaction (SIGSTOP, a hung
+thread) has it ended by the server after IDLE_TXN_MS, so the rows it locked (the
+lease's, a directory's) are not held from everyone else for as long as it sleeps.
 The connection is in pipeline mode: a change's writes that give no answer (`put`,
 `patch`, `remove`, `upsert`) and its SAVEPOINT are sent without waiting, and waited for
 with the next statement that answers, or at the change's end with its RELEASE
@@ -65,6 +68,11 @@ _CONFLICTS = (pgerr.SerializationFailure, pgerr.DeadlockDetected, pgerr.LockNotA
 RETRY_S = 1.0
 # No statement runs longer than this (a backstop: row locks wait busy_ms).
 STATEMENT_MS = 60_000
+# A transaction left idle this long is ended by the server, its locks with it: a group
+# commits within GROUP_COMMIT_S (50 ms), so only a stopped or hung process gets near it,
+# and it stays well inside a lease's TTL (30 s), so a node that took a stopped holder's
+# lease over is not kept from its rows for longer than the takeover itself waited.
+IDLE_TXN_MS = 10_000
 # No wait on the server's answer lasts longer than this (`_Bounded`).
 WAIT_S = STATEMENT_MS / 1000 + 5
 # Statements sent without waiting, at most, before the engine waits for them anyway.
@@ -294,6 +302,7 @@ class PgEngine(Engine):
             # Another writer's row lock is waited for busy_ms, then it is a conflict.
             conn.execute(f"SET lock_timeout = {max(int(self.busy_ms), 1)}")
             conn.execute(f"SET statement_timeout = {STATEMENT_MS}")
+            conn.execute(f"SET idle_in_transaction_session_timeout = {IDLE_TXN_MS}")
             held = conn.pipeline()
             conn.mxfs_pipeline = (held, held.__enter__())  # type: ignore[attr-defined]
             conn.mxfs_cursor = conn.cursor()  # type: ignore[attr-defined]
