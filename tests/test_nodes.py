@@ -572,8 +572,20 @@ print(json.dumps(out))
             assert _refused(conns[0], 1) in (-1, errno.EPIPE, errno.ECONNRESET)  # (shut)
             assert on_a.get(b"z" * 32) is None
             client.close()
-            on_a.close()
             on_b.close()
+            # A node that dies holding claims never gives them up: they run out, and the
+            # writer forgets the connection that held them.
+            keys = [os.urandom(32)]
+            dying = KVStore(str(b.path), namespace="t")
+            assert dying.claim(keys, seconds=2) == ["yours"]
+            with ControlClient(str(a.path)) as c:
+                assert c.call("kv_stats")["node_claimants"] == 1
+                os.kill(b.daemon_pid(), signal.SIGKILL)
+                assert on_a.claim(keys, seconds=0) == ["busy"]
+                assert eventually(lambda: c.call("kv_stats")["node_claimants"] == 0, 10)
+                assert on_a.claim(keys) == ["yours"]
+            on_a.close()
+            dying.close()
 
 
 def test_a_slow_reading_node_stalls_nobody_else(tmp_path: Path, pg_cluster: Any) -> None:

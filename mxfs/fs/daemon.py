@@ -294,13 +294,15 @@ class Daemon:
                 failures.note("commit", None, e, trace=not isinstance(e, OSError))
 
     async def _revoke(self) -> None:
-        """Once a second: what direct writers hold past their word is taken back, and
-        readers' connections to other nodes past their time are shut."""
+        """Once a second: what direct writers hold past their word is taken back,
+        readers' connections to other nodes past their time are shut, and KV claims of
+        other nodes' connections that ran out are dropped."""
         failures = FailureLog(log)
         while True:
             await trio.sleep(1)
             try:
                 self.control.remote.sweep()
+                self.control.kv.sweep()
                 await self.control.files.revoke()
             except Exception as e:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))

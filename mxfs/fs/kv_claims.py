@@ -120,8 +120,7 @@ class Claims:
         now = trio.current_time()
         if now - self._swept.get(uid, -SWEEP_S) >= SWEEP_S:  # (a scan of every claim:
             self._swept[uid] = now                              # once a second a uid)
-            for k in [k for k, c in self._held.items() if c.until <= now]:
-                self._end(k)
+            self.drop_run_out()
         if self._by_uid[uid] >= self.per_user:
             raise OSError(errno.EDQUOT, f"uid {uid} holds {self._by_uid[uid]} KV claims, as "
                           "many as it may (max_kv_claims_per_user): put those keys first")
@@ -150,6 +149,12 @@ class Claims:
     def dropped(self, name: str) -> None:
         """The namespace was removed: its claims are over."""
         for k in [k for k in self._held if k[0] == name]:
+            self._end(k)
+
+    def drop_run_out(self) -> None:
+        """End every claim whose time ran out (a scan of all of them)."""
+        now = trio.current_time()
+        for k in [k for k, c in self._held.items() if c.until <= now]:
             self._end(k)
 
     def holds(self, session: Session) -> bool:

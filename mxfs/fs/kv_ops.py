@@ -192,7 +192,8 @@ class KVOps:
         stats = []
         async for some in in_bites(spaces, 8):  # (each counts its pinned chunks)
             stats += [s.stats() for s in some]
-        return {"namespaces": stats}, []
+        return {"namespaces": stats, "claims": len(self.claims),
+                "node_claimants": len(self._holders)}, []
 
     async def _unpin_keys(self, msg: Msg, session: Session, space: Namespace
                           ) -> Answer[Empty]:
@@ -404,6 +405,16 @@ class KVOps:
         space = self.index.space(namespace, caller, R_OK, shared)
         session = self._holders.get(holder) or Session(caller)
         return await self.claims.wait(space, keys, session, seconds)
+
+    def sweep(self) -> None:
+        """Now and then (the daemon, once a second): claims run out are dropped, and
+        other nodes' connections that hold none forgotten; a node that died holding
+        claims never says it let them go."""
+        if not self._holders:
+            return
+        self.claims.drop_run_out()
+        for holder, session in list(self._holders.items()):
+            self._forget_idle(holder, session)
 
     def _forget_idle(self, holder: bytes, session: Session) -> None:
         """A reading node's connection that holds no claim is not remembered."""

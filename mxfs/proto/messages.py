@@ -386,6 +386,8 @@ class DeletedReply(TypedDict):
 
 class KVStatsReply(TypedDict):
     namespaces: list[NamespaceStats]
+    claims: int  # compute claims held now, in every namespace
+    node_claimants: int  # other nodes' connections remembered as holding claims here
 
 
 class KVListRequest(InNamespace, total=False):
