@@ -476,6 +476,22 @@ def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
             kv.close()
 
 
+# Waits on one key from as many connections of one user at once; what each answered.
+WAITS = """
+import base64, threading
+key, n = base64.b64decode(sys.argv[2]), int(sys.argv[3])
+out = [None] * n
+def one(i):
+    out[i] = mxfs.kv.KVStore(sys.argv[1], namespace="t", shared=True).wait([key], 20)[0]
+threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.daemon_log(r"chunk request for the daemon failed")
 def test_kv_puts_and_claims_on_a_reading_node_are_the_pools(tmp_path: Path, pg_cluster: Any
                                                             ) -> None:
@@ -558,6 +574,27 @@ print(json.dumps(out))
                 waiting.join(15)
                 assert waited == [[True] * 3]
                 assert second.claim(keys) == ["stored"] * 3
+            # One user's waits leave room for another's: past WAITERS_PER_USER, alice's
+            # are answered at once (not stored yet), while bob's still waits for the put.
+            keys = [os.urandom(32)]
+            assert on_a.claim(keys, seconds=30) == ["yours"]
+            answers: dict[str, list[bool]] = {}
+
+            def waits(name: str, n: int) -> None:
+                answers[name] = run_as(ensure_users()[name], WAITS, str(b.path),
+                                       base64.b64encode(keys[0]).decode(), str(n))
+            alice = threading.Thread(target=waits, args=("alice", 8))
+            alice.start()
+            assert eventually(lambda: "alice" not in answers and
+                              _status(b)["kv_forward"]["waiting"] == 4, 15)
+            bob = threading.Thread(target=waits, args=("bob", 1))
+            bob.start()
+            assert eventually(lambda: _status(b)["kv_forward"]["waiting"] == 5, 15)
+            on_a.batch_put(keys, [b"w" * 100])
+            alice.join(30)
+            bob.join(30)
+            assert answers["bob"] == [True]
+            assert sorted(answers["alice"]) == [False] * 4 + [True] * 4
             # Claims made on b end when their connection closes there.
             keys = [os.urandom(32)]
             leaving = KVStore(str(b.path), namespace="t")

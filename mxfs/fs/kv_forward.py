@@ -20,8 +20,10 @@ connection of this node known there by 16 random bytes of its own, so instances 
 nodes that miss one prefix compute it once.  When the connection closes its claims
 are given up there (from a thread of its own: nobody waits for it); a node that dies
 leaves them to run out.  A wait holds a connection to the writer and a thread here,
-so it lasts WAIT_S at most, and WAITERS wait at once (past them, the claim is
-reported busy and the instance computes).  Deletes and evictions stay the writer's.
+so it lasts WAIT_S at most, WAITERS wait at once, and one uid (but root) holds at most
+WAITERS_PER_USER of them: past either, the wait is answered at once with what is
+stored and the instance computes the rest, so a tenant's waits cannot take every
+other tenant's.  Deletes and evictions stay the writer's.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ from mxfs.vol.kv_index import check_key, check_namespace
 log = logging.getLogger("mxfs.kv")
 
 SENDERS = 4  # chunks sent on to the writer at once (worker threads), all callers together
-WAITERS = 8  # waits for others' claims at once, all callers together
+WAITERS = 16  # waits for others' claims at once, all callers together
+WAITERS_PER_USER = 4  # ... and of one uid (root: up to WAITERS)
 WAIT_S = 20.0  # a wait's longest here (below the chunk connections' receive timeout)
 _SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _MEMFD_UNIT = 1 << 30  # the one-member layout a caller writes its memfd through
@@ -94,12 +97,14 @@ class ForwardedKV:
         self.held_by_uid: Counter[int] = Counter()  # bytes of memfds, by caller
         self.count_by_uid: Counter[int] = Counter()  # ... and how many
         self._waiters = trio.CapacityLimiter(WAITERS)
+        self.waiting_by_uid: Counter[int] = Counter()
         self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
         self.puts = self.put_bytes = self.claims = 0
 
     def status(self) -> KVForwardStatus:
         return {"puts": self.puts, "put_bytes": self.put_bytes,
-                "writing": sum(self.held_by_uid.values()), "claims": self.claims}
+                "writing": sum(self.held_by_uid.values()), "claims": self.claims,
+                "waiting": int(self._waiters.borrowed_tokens)}
 
     async def put(self, msg: Msg, session: Session) -> Answer[KVPutReply]:
         keys, data = keys_field(msg), msg.get("data")
@@ -177,9 +182,19 @@ class ForwardedKV:
     async def wait(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
         ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(WAIT_S * 1000))
         holder = self._holders.get(id(session), bytes(16))
-        if self._waiters.available_tokens == 0:  # as many waits as may hold connections
-            return {"present": [False] * len(keys_field(msg))}, []
-        said = await self._keys(b"KWAI", msg, session.caller, ms, holder, self._waiters)
+        uid = session.caller.uid
+        if ms <= 0 or self._waiters.available_tokens == 0 or (  # as many as may hold
+                uid != 0 and self.waiting_by_uid[uid] >= WAITERS_PER_USER):  # connections
+            # What is stored, at once: the instance computes the rest.
+            said = await self._keys(b"KWAI", msg, session.caller, 0, holder, self._senders)
+            return {"present": [bool(b) for b in said]}, []
+        self.waiting_by_uid[uid] += 1
+        try:
+            said = await self._keys(b"KWAI", msg, session.caller, ms, holder, self._waiters)
+        finally:
+            self.waiting_by_uid[uid] -= 1
+            if self.waiting_by_uid[uid] <= 0:
+                del self.waiting_by_uid[uid]
         return {"present": [bool(b) for b in said]}, []
 
     async def _keys(self, tag: bytes, msg: Msg, caller: Caller, ms: int, holder: bytes,

@@ -126,6 +126,7 @@ class KVForwardStatus(TypedDict):
     put_bytes: int
     writing: int  # bytes of chunks callers are writing into this daemon's memory now
     claims: int  # claims and waits sent on to the writer
+    waiting: int  # waits in progress there now (at most kv_forward.WAITERS)
 
 
 class OpenReadReply(FileReply):
