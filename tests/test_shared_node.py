@@ -16,9 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -290,7 +292,6 @@ def test_a_big_namespace_is_removed_while_others_are_served(pool: Mounted) -> No
     """Removing 16,384 chunks goes a slice at a time: another user's requests are
     answered while it runs (they see the namespace part-removed), and kv_list pages."""
     import base64
-    import threading
 
     one = base64.b64encode(b"x").decode()
     n = 16384
@@ -344,6 +345,50 @@ def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
     trio.run(main)
     assert most == {5: 3, 0: 10}
     assert turns.waiting() == {}
+
+
+@pytest.mark.unit
+def test_store_worker_calls_take_turns_by_uid(tmp_path: Path) -> None:
+    """A reading node's lookups share one store connection: a user with eight calls
+    queued waits behind its own, and another user's call waits for one of them besides
+    the one running, not for all eight; a call cancelled in line leaves the line
+    working."""
+    from mxfs.fs.store_worker import StoreWorker
+    from mxfs.meta import MetaStore
+
+    MetaStore.format(str(tmp_path), "0" * 32, 1 << 20).close()
+    worker = StoreWorker(str(tmp_path))
+    ran: list[str] = []
+    gate = threading.Event()
+
+    def call(name: str) -> Any:
+        def fn(store: MetaStore) -> None:
+            gate.wait(10)  # (the first call holds the worker until every other queued)
+            ran.append(name)
+        return fn
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for i in range(8):  # (hog0 first: trio starts tasks in no set order)
+                nursery.start_soon(worker.run, call(f"hog{i}"), 5)
+                await trio.testing.wait_all_tasks_blocked()
+            gone = trio.CancelScope()
+
+            async def cancelled() -> None:
+                with gone:
+                    await worker.run(call("cancelled"), 6)
+            nursery.start_soon(cancelled)
+            await trio.testing.wait_all_tasks_blocked()
+            gone.cancel()
+            nursery.start_soon(worker.run, call("victim"), 7)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+
+    trio.run(main)
+    worker.close()
+    # Round robin: the uid in line first (the hog's) has one call, then the victim's.
+    assert ran[:3] == ["hog0", "hog1", "victim"]
+    assert sorted(ran[3:]) == [f"hog{i}" for i in range(2, 8)]
 
 
 def test_a_walk_through_long_link_chains_is_cut_short(pool: Mounted) -> None:

@@ -10,16 +10,26 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   list       back-to-back kv_list asking for 100,000 names
   deletes    back-to-back kv_delete of 4,096 keys a request (half of them present)
   walks      back-to-back `layout` of a path through 40 symbolic links of long paths
+  waits      8 connections waiting (kv_wait, 20 s) on a key its own claim holds
+  misses     8 threads stat'ing names that do not exist (each a lookup the daemon answers)
+  lookups    8 connections asking kv_exists of 4,096 absent keys a request
+
+With `--meta URL` (an empty PostgreSQL database) both users work on a reading node (a
+network namespace of its own, `tools/bench_nodes.py`), whose KV puts, claims and waits
+go to the writer and whose lookups are the store's: arms none, puts, waits, misses,
+lookups.
 
 Reports the victim's median, p99 and worst latency in ms for each (medians over
 --repeat rounds).  Run as root (it mounts a scratch pool and drops to the two uids).
 
     python tools/bench_fair.py --chunks 65536 --seconds 5 --repeat 3
+    python tools/bench_fair.py --meta 'postgresql:///fair?host=/run/pg' --repeat 3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,10 +37,15 @@ import subprocess
 import sys
 import time
 
-from mxfs.cli.demo import bench_args, save_results, scratch_pool
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_nodes import two_nodes  # noqa: E402
+
+from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 
 VICTIM, HOG = 65533, 65534
-ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks")
+ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups")
+NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
 HOG_CODE = r"""
@@ -66,13 +81,41 @@ if arm == "deletes":
     put_range("hog", 0, 2048)
 if arm == "list":
     put_range("hog-list", 0, 16384)
+def crowd(work, connect=lambda: ControlClient(mnt)):
+    # work(conn, k) over and over from 8 threads, a connection each, until the end
+    import threading
+    conns = [connect() for _ in range(8)]
+    done = []
+    def run(conn):
+        k = 0
+        while time.monotonic() < end:
+            work(conn, k)
+            k += 1
+        done.append(k)
+    threads = [threading.Thread(target=run, args=(conn,)) for conn in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done)
+if arm == "waits":  # a claim of its own, waited on from 8 other connections
+    c.call("kv_claim", namespace="hog", keys=[key(0)], ms=60000)
 print("ready", flush=True)
 sys.stdin.readline()
 end = time.monotonic() + seconds
 n = 0
+if arm == "waits":
+    n = crowd(lambda w, k: w.call("kv_wait", namespace="hog", keys=[key(0)],
+                                    ms=int(seconds * 1000)))
+if arm == "misses":
+    n = crowd(lambda w, k: os.path.exists(os.path.join(mnt, f"no-{os.urandom(8).hex()}")),
+              connect=lambda: None)
+if arm == "lookups":
+    n = crowd(lambda w, k: w.call("kv_exists", namespace="hog", keys=[
+        base64.b64encode(os.urandom(16)).decode() for _ in range(4096)]))
 if arm == "ns_remove":
     c.call("kv_ns_remove", namespace="hog"); n = 1
-while arm not in ("none", "ns_remove") and time.monotonic() < end:
+while arm in ("puts", "list", "deletes", "walks") and time.monotonic() < end:
     if arm == "puts":
         put_range("hog", n * 4096, 4096)
     elif arm == "list":
@@ -141,19 +184,29 @@ def main() -> int:
     bench_args(ap)
     ap.add_argument("--chunks", type=int, default=65536, help="chunks ns_remove removes")
     ap.add_argument("--seconds", type=float, default=5, help="how long the victim measures")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", help=f"default: {','.join(ARMS)}; with --meta: "
+                    f"{','.join(NODE_ARMS)}")
+    ap.add_argument("--meta", help="an empty PostgreSQL database: both users on a "
+                    "reading node of a pool whose metadata it holds")
     args = ap.parse_args()
-    arms = args.arms.split(",")
+    arms = (args.arms or ",".join(NODE_ARMS if args.meta else ARMS)).split(",")
     results: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
-    with scratch_pool("mxfs-fair-", args.dir, mount=["-o", "allow_other"]) as pool:
+    with contextlib.ExitStack() as stack:
+        if args.meta:
+            _, pool, mnt = stack.enter_context(two_nodes(args.meta, args.dir,
+                                                         args.stripe_unit))
+        else:
+            pool = stack.enter_context(scratch_pool("mxfs-fair-", args.dir,
+                                                    mount=["-o", "allow_other"]))
+            mnt = pool.mnt
         os.chmod(pool.base, 0o755)  # the two users reach the mount through it
-        hog_home = os.path.join(pool.mnt, "hog")
+        hog_home = os.path.join(pool.mnt, "hog")  # (made on the writer)
         os.makedirs(hog_home, exist_ok=True)
         os.chown(hog_home, HOG, HOG)
         for r in range(args.repeat):
             for arm in arms:
                 # The victim waits at most as long as the hog's longest request.
-                res = one_round(pool.mnt, arm, args.seconds, args.chunks)
+                res = one_round(mnt, arm, args.seconds, args.chunks)
                 results[arm].append(res)
                 print(f"round {r + 1} {arm:10s} median {res['median']:8.2f} ms  p99 "
                       f"{res['p99']:8.2f}  worst {res['worst']:8.2f}  ({res['lookups']:.0f} "

@@ -47,6 +47,7 @@ Needs root, iproute2 and nsenter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -56,15 +57,22 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_chunks import PIECE, read_all, served_file, through_chunks  # noqa: E402
-from netns import node_net, usable  # noqa: E402
+from netns import NodeNet, node_net, usable  # noqa: E402
 
-from mxfs.cli.demo import bench_args, run_mxfs, save_results, scratch_pool  # noqa: E402
+from mxfs.cli.demo import (  # noqa: E402
+    ScratchPool,
+    bench_args,
+    run_mxfs,
+    save_results,
+    scratch_pool,
+)
 from mxfs.client.control import ControlClient  # noqa: E402
 from mxfs.client.direct import RemoteFile, open_reader  # noqa: E402
 from mxfs.io import Layout  # noqa: E402
@@ -256,6 +264,30 @@ def flooded(node_mnt: str, name: str, conns: int, measure: Any) -> tuple[Any, fl
     return got, rate
 
 
+@contextlib.contextmanager
+def two_nodes(meta: str, where: str, stripe_unit: str
+              ) -> Iterator[tuple[NodeNet, ScratchPool, str]]:
+    """A scratch pool with its metadata at `meta` (an empty PostgreSQL database) mounted
+    here as writer node a, and reading node b joined and mounted in a network namespace
+    of its own: (b's network, the pool, b's mount point)."""
+    with node_net(f"b{os.getpid() % 10000}", "10.239.0") as net, \
+            scratch_pool("mxfs-bench-nodes-", where,
+                         mkfs=("--stripe-unit", stripe_unit, "--meta", meta),
+                         mount=("-o", f"allow_other,chunk_port=0,chunk_addr={net.host_ip},"
+                                "node=a")) as pool:
+        config = os.path.join(pool.base, "node-b", "node.toml")
+        run_mxfs("node", "add", "--meta", meta, "--key", key_path(pool.members[0]),
+                 "--name", "b", "--config", config)
+        node_mnt = tempfile.mkdtemp(prefix="mnt-b-", dir=pool.base)
+        subprocess.run([*net.enter, *python_module("mxfs", "mount", "-o", "allow_other",
+                                                   config, node_mnt)],
+                       check=True, capture_output=True)
+        try:
+            yield net, pool, node_mnt
+        finally:
+            subprocess.run(python_module("mxfs", "umount", node_mnt), capture_output=True)
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         mode, rest = sys.argv[2], sys.argv[3:]
@@ -278,11 +310,7 @@ def main() -> int:
         raise SystemExit("bench_nodes needs root, iproute2 and nsenter")
     size = parse_size(args.size)
     rounds: dict[str, list[float]] = {k: [] for k in ARMS}
-    with node_net(f"b{os.getpid() % 10000}", "10.239.0") as net, \
-            scratch_pool("mxfs-bench-nodes-", args.dir,
-                         mkfs=("--stripe-unit", args.stripe_unit, "--meta", args.meta),
-                         mount=("-o", f"allow_other,chunk_port=0,chunk_addr={net.host_ip},"
-                                "node=a")) as pool:
+    with two_nodes(args.meta, args.dir, args.stripe_unit) as (net, pool, node_mnt):
         path = os.path.join(pool.mnt, "model.bin")
         served = served_file(pool, path, size)
         size, data, st, lay, chunk_paths = (
@@ -290,13 +318,6 @@ def main() -> int:
         svc = st["chunk_service"]
         assert svc is not None
         sizes = [os.path.getsize(p) for p in chunk_paths]
-        config = os.path.join(pool.base, "node-b", "node.toml")
-        run_mxfs("node", "add", "--meta", args.meta, "--key", key_path(pool.members[0]),
-                 "--name", "b", "--config", config)
-        node_mnt = tempfile.mkdtemp(prefix="mnt-b-", dir=pool.base)
-        subprocess.run([*net.enter, *python_module("mxfs", "mount", "-o", "allow_other",
-                                                   config, node_mnt)],
-                       check=True, capture_output=True)
         server = SendfileServer(net.host_ip, chunk_paths)
         spec = json.dumps({"host": svc["addr"], "port": svc["port"], "pool": st["pool_uuid"],
                            "key": key_path(pool.members[0]), "ino": lay["ino"],
@@ -363,7 +384,6 @@ def main() -> int:
                                   f"r{i}-{k}") for k in range(args.lags)))
         finally:
             server.close()
-            subprocess.run(python_module("mxfs", "umount", node_mnt), capture_output=True)
     medians = {k: statistics.median(v) for k, v in rounds.items() if v}
     print(f"{format_size(size)} held by the writer node, read by a node in a network "
           f"namespace (veth), median of {args.repeat}:")

@@ -2,17 +2,18 @@
 
 A reading node holds no KV index (the writer's lives in the writer's memory), so a
 lookup there reads the keys' rows, seals and inodes from the store, a few statements a
-request whatever its keys, in a worker thread on a connection of its own
-(`fs/store_worker.py`: never a round trip on trio's thread): a prefix another node
-computed is a hit on this one.  A caller that takes them (`KVStore`) gets connections
-to the writer's chunk service scoped to the chunks found (`fs/remote_reads.py`, the
-reading node's direct path) and receives their bytes itself, checking their checksums;
-a chunk evicted meanwhile reads ESTALE there, a miss.  Small chunks, callers that do
-not take connections, and gets past the limits on them are served by copies: each
-chunk copied from the writer through its chunk service, in worker threads, straight
-into a sealed memfd that goes to the caller as a one-member chunk file with the chunk's
-checksums.  A copy is the caller's own, so it needs no read lease; a chunk evicted
-meanwhile, or a writer that cannot serve it, is a miss.
+BITE of keys, in a worker thread on a connection of its own (`fs/store_worker.py`:
+never a round trip on trio's thread; users take turns there a bite at a time): a
+prefix another node computed is a hit on this one. A caller that takes them
+(`KVStore`) gets connections to the writer's chunk service scoped to the chunks found
+(`fs/remote_reads.py`, the reading node's direct path) and receives their bytes
+itself, checking their checksums; a chunk evicted meanwhile reads ESTALE there, a
+miss. Small chunks, callers that do not take connections, and gets past the limits on
+them are served by copies: each chunk copied from the writer through its chunk
+service, in worker threads, straight into a sealed memfd that goes to the caller as a
+one-member chunk file with the chunk's checksums. A copy is the caller's own, so it
+needs no read lease; a chunk evicted meanwhile, or a writer that cannot serve it, is a
+miss.
 
 A memfd's pages are this daemon's memory for as long as anyone holds the descriptor,
 so a copy is only lent: the daemon keeps a descriptor of it and cuts it to nothing
@@ -33,6 +34,7 @@ import mmap
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -56,6 +58,7 @@ from mxfs.vol.volume import Volume
 log = logging.getLogger("mxfs.kv")
 
 MAX_COPY = 256 << 20  # bytes one get may copy over from the writer
+BITE = 128  # keys a turn of the store's worker (4,096 keys: 111 ms in bites, 106 ms whole)
 COPIERS = 4  # chunks copied at once (worker threads), for every caller together
 LEND_S = 30.0  # seconds a copy is the caller's to read
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE  # (not SHRINK: taken back)
@@ -126,7 +129,16 @@ class FollowerKV:
         """The namespace asked for, as the store has it now, checked for reading, and
         what the store holds of `keys` (`_look`)."""
         name = check_namespace(msg.get("namespace"))
-        found = await self.lookups.run(lambda store: _look(store, name, keys, chunks))
+        uid = session.caller.uid
+
+        def look(bite: list[bytes]) -> Callable[[MetaStore], _Found]:
+            return lambda store: _look(store, name, bite, chunks)
+        found = await self.lookups.run(look(keys[:BITE]), uid)
+        for start in range(BITE, len(keys), BITE):  # a bite a turn (fs/store_worker.py)
+            more = await self.lookups.run(look(keys[start:start + BITE]), uid)
+            found.rows.update(more.rows)
+            found.seals.update(more.seals)
+            found.nodes.update(more.nodes)
         if found.space is None:
             self.index.spaces.pop(name, None)
         else:
