@@ -35,6 +35,7 @@ from conftest import (
     mounted_pool,
     mxfs,
     node_net,
+    raw_socket,
 )
 from netns import NodeNet
 from safetensors.torch import save_file
@@ -47,6 +48,7 @@ from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
 from mxfs.load import load_file
 from mxfs.pool.key import KEY_NAME, load_key
+from mxfs.proto import HEADER, encode
 from mxfs.proto.chunk_wire import ANSWER, MAX_SCOPE, READ, WireError
 from mxfs.proto.messages import CLOSE_READ, KV_GET, OPEN_READ
 
@@ -337,6 +339,55 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
                 assert eventually(lambda: _reads(b.path / "f2") == files["f2"], 30)
                 assert {n["name"]: n["state"] for n in _status(b)["nodes"]} == \
                     {"a": "alive", "b": "alive"}
+    finally:
+        for _ in server_gen:
+            pass
+
+
+@pytest.mark.daemon_log(r"lease could not be renewed", r"lease is renewed again",
+                        r"node \S+ (is dead|cannot be reached|could not serve)",
+                        r"serves its members again", r"metadata server .* (cannot be "
+                        r"reached|went away|is back)", r"the change feed cannot be read")
+def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_path: Path
+                                                                          ) -> None:
+    """The metadata server stops answering (SIGSTOP): a lookup on the reading node waits
+    for it at most NODE_WAIT_S on the daemon's one thread, not the minute a long
+    statement may take, so another user is answered while the server is still hung, and
+    what needs the server fails (EIO) instead of hanging."""
+    from pg_server import private
+
+    server_gen = private()
+    server = next(server_gen)
+    try:
+        url = server.database()
+        with _writer_node(tmp_path, url) as (net, a, members), \
+                _reading_node(tmp_path, url, net, members) as b:
+            (a.path / "f").write_bytes(b"f")
+            assert eventually(lambda: _reads(b.path / "f") == b"f", 15)
+            other = raw_socket(b, timeout=30)  # (its socket found while all is well)
+            procs = server.processes()
+            for pid in procs:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                failed: list[int] = []
+
+                def look() -> None:
+                    try:
+                        os.stat(b.path / "never-looked-up")
+                    except OSError as e:
+                        failed.append(e.errno)
+                looking = threading.Thread(target=look)
+                looking.start()
+                time.sleep(0.5)  # (the lookup is the daemon's now, waiting on the server)
+                other.sendall(encode({"op": "hello", "id": 1}))
+                assert other.recv(HEADER.size), "the reading node did not answer"
+                looking.join(30)
+                assert failed == [errno.EIO]
+            finally:
+                for pid in procs:
+                    os.kill(pid, signal.SIGCONT)
+                other.close()
+            assert eventually(lambda: _reads(b.path / "f") == b"f", 30)
     finally:
         for _ in server_gen:
             pass

@@ -285,6 +285,13 @@ class Engine(ABC):
     def integrity(self) -> list[str]:
         """Damage the engine itself finds in its storage, one line each (none: sound)."""
 
+    def bound_waits(self, seconds: float) -> None:
+        """From now on no wait for the store's answer lasts past `seconds`: a daemon
+        serving every user from one thread treats a server that stopped answering as
+        away after that long, not after the bound a long statement needs (mount-time
+        scans).  An engine on local files has nothing to bound."""
+        return None
+
     def watch_space(self) -> bool:
         """Called now and then by the daemon: True while the store's storage is nearly
         full (the daemon then cuts back direct writers that wrote past their size)."""

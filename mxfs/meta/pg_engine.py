@@ -96,12 +96,15 @@ class _Bounded(psycopg.Connection[Any]):
     its statement_timeout.  Past the bound the connection is closed: what it was in the
     middle of is unknown, so it is lost, and the server is away until a redial."""
 
+    mxfs_wait_s = WAIT_S  # (`PgEngine.bound_waits`)
+
     def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
+        bound = min(WAIT_S, self.mxfs_wait_s)
         try:
-            return super().wait(gen, interval, WAIT_S if timeout is None else timeout)
+            return super().wait(gen, interval, bound if timeout is None else timeout)
         except pgerr._WaitTimeout:
             self.pgconn.finish()
-            raise psycopg.OperationalError(f"no answer from the server in {WAIT_S:g} s") \
+            raise psycopg.OperationalError(f"no answer from the server in {bound:g} s") \
                 from None
 
 
@@ -289,6 +292,7 @@ class PgEngine(Engine):
         # The change's `expect` writes: a cursor of each, with its table, checked by
         # `_settle` once their answers are in.
         self._expects: list[tuple[psycopg.Cursor[Any], str]] = []
+        self._wait_s = WAIT_S  # the longest wait for an answer (`bound_waits`)
         self.conn = self._connect()
 
     def _connect(self) -> Conn:
@@ -297,6 +301,7 @@ class PgEngine(Engine):
         waits = {k: v for k, v in _WAITS.items() if k not in have}
         try:
             conn = _Bounded.connect(make_conninfo(self.url, **waits), autocommit=True)
+            conn.mxfs_wait_s = self._wait_s
             if self.readonly:
                 conn.execute("SET default_transaction_read_only = on")
             # Another writer's row lock is waited for busy_ms, then it is a conflict.
@@ -310,6 +315,11 @@ class PgEngine(Engine):
             raise Unusable(f"the metadata server {public(self.url)} cannot be reached "
                            f"({_line(e)})") from None
         return conn
+
+    def bound_waits(self, seconds: float) -> None:
+        if isinstance(self.conn, _Bounded):
+            self.conn.mxfs_wait_s = seconds
+        self._wait_s = seconds
 
     def _live(self) -> Conn:
         """The connection; one that was lost is made again outside a group.  While the
