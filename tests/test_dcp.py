@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,6 +108,31 @@ def test_ranks_save_async_save_and_load_through_mxfs(mounted: Mounted, world: in
     assert torch.equal(got["model"]["b"], torch.arange(10.0))
     with pytest.raises(ck.CheckpointError, match="DCP checkpoint"):
         ck.load(str(root / "sync"))
+
+
+def test_a_load_reads_a_file_in_batches_and_fills_every_tensor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader holds about READ_BATCH bytes of a file at once: with a batch smaller
+    than one tensor, every tensor is its own read, and the state loads whole."""
+    from mxfs.ckpt import dcp as mxfs_dcp
+
+    state = {f"w{i}": torch.randn(64, 33 + i) for i in range(9)}
+    state["meta"] = {"step": 7}  # (a bytes item among the tensors)
+    dcp.save(state, storage_writer=Writer(tmp_path / "c"))
+    reads: list[int] = []
+    real = mxfs_dcp.read_ranges
+
+    def counted(path: str, info: dict[str, Any], ranges: list[tuple[int, int]]) -> Any:
+        reads.append(len(ranges))
+        return real(path, info, ranges)
+    monkeypatch.setattr(mxfs_dcp, "read_ranges", counted)
+    monkeypatch.setattr(mxfs_dcp, "READ_BATCH", 4096)
+    got = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    got["meta"] = {"step": 0}
+    dcp.load(got, storage_reader=Reader(tmp_path / "c"))
+    assert all(torch.equal(got[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
+    assert got["meta"] == {"step": 7}
+    assert len(reads) >= 9 and max(reads) <= 2
 
 
 def test_single_process_dcp_on_a_plain_folder_and_refusals(tmp_path: Path) -> None:

@@ -39,6 +39,10 @@ from mxfs.ckpt.reader import CheckpointCorrupt, read_ranges
 from mxfs.ckpt.tree import flatten, unflatten
 from mxfs.ckpt.writing import write_image
 
+# Bytes of one file a load reads (and verifies) at once: it holds that much besides the
+# state it fills (the whole file at once held a rank's shard twice).
+READ_BATCH = 256 << 20
+
 # ---- DCP metadata <-> JSON -----------------------------------------------------------
 
 
@@ -48,6 +52,25 @@ def _index(i: md.MetadataIndex) -> list[Any]:
 
 def _unindex(v: list[Any]) -> md.MetadataIndex:
     return md.MetadataIndex(v[0], torch.Size(v[1]) if v[1] is not None else None, v[2])
+
+
+def _batches(reqs: list[Any], storage_data: dict[Any, Any]) -> list[list[Any]]:
+    """`reqs` of one file in file order, in batches of about READ_BATCH bytes: a load
+    holds one batch of the file besides the state it fills, not the whole file."""
+    def where(r: Any) -> tuple[int, int]:
+        d = storage_data[r.storage_index]
+        return int(d["offset"]), int(d["length"])
+
+    out: list[list[Any]] = []
+    held = 0
+    for r in sorted(reqs, key=where):
+        n = where(r)[1]
+        if not out or held + n > READ_BATCH:
+            out.append([])
+            held = 0
+        out[-1].append(r)
+        held += n
+    return out
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -288,25 +311,32 @@ class Reader(StorageReader):
             per_file[self.storage_data[req.storage_index]["file"]].append(req)
         for fname, reqs in per_file.items():
             info = self.manifest["files"][fname]
-            wanted = [(int(self.storage_data[r.storage_index]["offset"]),
-                       int(self.storage_data[r.storage_index]["length"])) for r in reqs]
-            got = read_ranges(os.path.join(self.path, fname), info, wanted)
-            for req, raw in zip(reqs, got, strict=True):
-                d = self.storage_data[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(bytes(raw.numpy())))
-                    continue
-                t = raw.view(_dtype(d["dtype"])).view(d["shape"]) if raw.numel() else \
-                    torch.empty(d["shape"], dtype=_dtype(d["dtype"]))
-                t = _narrow(t, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != t.size():
-                    raise CheckpointCorrupt(f"{fname}: {req.storage_index.fqn} has shape "
-                                            f"{tuple(t.size())}, the plan wants "
-                                            f"{tuple(target.size())}",
-                                            "load with the state dict it was saved from")
-                target.copy_(t)
-                planner.commit_tensor(req, target)
+            for some in _batches(reqs, self.storage_data):
+                self._load(planner, os.path.join(self.path, fname), info, some)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _load(self, planner: LoadPlanner, path: str, info: dict[str, Any],
+              reqs: list[Any]) -> None:
+        """Read `reqs`' ranges of one file (verified) and hand each to the planner."""
+        fname = os.path.basename(path)
+        wanted = [(int(self.storage_data[r.storage_index]["offset"]),
+                   int(self.storage_data[r.storage_index]["length"])) for r in reqs]
+        got = read_ranges(path, info, wanted)
+        for req, raw in zip(reqs, got, strict=True):
+            d = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(bytes(raw.numpy())))
+                continue
+            t = raw.view(_dtype(d["dtype"])).view(d["shape"]) if raw.numel() else \
+                torch.empty(d["shape"], dtype=_dtype(d["dtype"]))
+            t = _narrow(t, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != t.size():
+                raise CheckpointCorrupt(f"{fname}: {req.storage_index.fqn} has shape "
+                                        f"{tuple(t.size())}, the plan wants "
+                                        f"{tuple(target.size())}",
+                                        "load with the state dict it was saved from")
+            target.copy_(t)
+            planner.commit_tensor(req, target)
