@@ -257,7 +257,8 @@ def _format_status(s: dict[str, Any]) -> str:
     fwd = s.get("kv_forward")
     if fwd and (fwd["puts"] or fwd["claims"] or fwd["writing"]):
         lines.append(f"  KV sent on to the writer: {fwd['puts']} chunks put "
-                     f"({format_size(fwd['put_bytes'])}), {fwd['claims']} claims and waits; "
+                     f"({format_size(fwd['put_bytes'])}), {fwd['claims']} claims and waits "
+                     f"({fwd['waiting']} waiting now); "
                      f"{format_size(fwd['writing'])} being written here")
     for n in s.get("nodes") or []:
         here = " (this node)" if n["name"] == s.get("node") else ""
