@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import os
-import threading
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -33,15 +32,17 @@ from torch.futures import Future
 
 from mxfs.ckpt import catalog
 from mxfs.ckpt.catalog import CheckpointError
-from mxfs.ckpt.host_buffer import Staging, Watermark, stage
+from mxfs.ckpt.host_buffer import ImageWindows
 from mxfs.ckpt.image import dtype_named, plan
 from mxfs.ckpt.reader import CheckpointCorrupt, read_ranges
 from mxfs.ckpt.tree import flatten, unflatten
-from mxfs.ckpt.writing import write_image
+from mxfs.ckpt.writing import write_windows
 
 # Bytes of one file a load reads (and verifies) at once: it holds that much besides the
 # state it fills (the whole file at once held a rank's shard twice).
 READ_BATCH = 256 << 20
+# Bytes of a file a save gathers at once (two such buffers: one filled, one written).
+WINDOW = 64 << 20
 
 # ---- DCP metadata <-> JSON -----------------------------------------------------------
 
@@ -140,7 +141,6 @@ class Writer(StorageWriter):
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
         self.path = os.path.abspath(path) if path is not None else None
-        self.staging = Staging()
         self.save_id = ""
         self.is_coordinator = False
 
@@ -190,9 +190,11 @@ class Writer(StorageWriter):
                 assert isinstance(data, torch.Tensor)
                 named.append((_key(item.index), data.detach()))
         p = plan_file(named)
-        buf = self.staging.ensure(p.size)
         partial = catalog.partial_path(self.path)
-        info = self._stage_and_write(p, named, buf, os.path.join(partial, fname))
+        # DCP keeps these tensors unchanged until write_data returns (its async_save hands
+        # over its own staged copy): gathered a window at a time, not staged whole.
+        info = write_windows(os.path.join(partial, fname), p.size, ImageWindows(p, named).fill,
+                             WINDOW)
         slots = {s.name: s for s in p.slots}
         results = []
         for n, item in enumerate(plan.items):
@@ -205,34 +207,6 @@ class Writer(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
-
-    def _stage_and_write(self, p: Any, named: list[tuple[str, torch.Tensor]], buf: torch.Tensor,
-                         path: str) -> dict[str, Any]:
-        """Stage into `buf` while a thread writes each range of it as staging passes it
-        (the same pipeline as `Checkpointer.save`); the file's manifest entry."""
-        mark = Watermark(p.size)
-        out: dict[str, Any] = {}
-
-        def write() -> None:
-            try:
-                out["info"] = write_image(path, self.staging.view(p.size), p.size,
-                                          ready=mark.wait_until)
-            except BaseException as e:  # noqa: BLE001 - raised below, in the caller
-                out["error"] = e
-
-        t = threading.Thread(target=write, name="mxfs-dcp-writer", daemon=True)
-        t.start()
-        try:
-            stage(p, named, buf, mark)
-        except BaseException as e:
-            mark.fail(e)  # the writer aborts its file
-            t.join()
-            raise
-        t.join()
-        if "error" in out:
-            raise out["error"]
-        info: dict[str, Any] = out["info"]
-        return info
 
     def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
         """The commit: manifest with DCP's metadata, then the folder renamed into place."""

@@ -197,6 +197,47 @@ def stage(plan: Plan, named: Sequence[tuple[str, torch.Tensor]], buf: torch.Tens
     return events or None
 
 
+class ImageWindows:
+    """A file image's bytes a window at a time, gathered from the header and the tensors
+    themselves, with no staging of the whole image: for a writer whose tensors stay
+    unchanged until its write is done (DCP's `write_data`).  Windows come in file order."""
+
+    def __init__(self, plan: Plan, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.header = plan.header
+        self.slots = sorted((s for s in plan.slots if s.nbytes), key=lambda s: s.offset)
+        tensors = dict(named)
+        self.src = {s.name: _flat_bytes(tensors[s.name]) for s in self.slots}
+        self._next = 0  # the first slot that may reach the next window
+
+    def fill(self, buf: torch.Tensor, start: int, end: int) -> None:
+        """The image's bytes [start, end) into `buf` (gaps between slots zero)."""
+        pos = start
+        if pos < len(self.header):
+            k = min(end, len(self.header))
+            buf[:k - start].copy_(torch.frombuffer(bytearray(self.header[pos:k]),
+                                                   dtype=torch.uint8))
+            pos = k
+        while self._next < len(self.slots) and \
+                self.slots[self._next].offset + self.slots[self._next].nbytes <= start:
+            self._next += 1
+        for slot in self.slots[self._next:]:
+            if slot.offset >= end:
+                break
+            lo, hi = max(pos, slot.offset), min(end, slot.offset + slot.nbytes)
+            buf[pos - start:lo - start].zero_()
+            buf[lo - start:hi - start].copy_(self.src[slot.name][lo - slot.offset:
+                                                                 hi - slot.offset])
+            pos = hi
+        buf[pos - start:end - start].zero_()
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (a view where it is contiguous)."""
+    if t.device.type == "meta":
+        raise ValueError("a tensor on the meta device has no data")
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _record(streams: dict[torch.device, Any]) -> list[Any]:
     """An event on every side stream: all copies queued so far have landed once they have."""
     events = []

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import base64
 import os
+import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import zstandard
 
 from mxfs.ckpt import catalog
@@ -124,5 +126,56 @@ def write_image(path: str, image: memoryview, size: int,
             w.write_at(off, image[off:off + -(-n // 4096) * 4096], valid=n)
             progress(off + n)
         sums = w.commit(size)
-    return {"size": size, "sum_unit": w.sum_unit,
+    return _entry(size, w.sum_unit, sums)
+
+
+def write_windows(path: str, size: int, fill: Callable[[torch.Tensor, int, int], None],
+                  window: int = WRITE_STEP) -> dict[str, Any]:
+    """Write a file image of `size` bytes a window at a time and commit it; returns its
+    manifest entry (as `write_image`).  `fill(buf, start, end)` puts the image's bytes
+    [start, end) into `buf`, on the caller's thread, while a thread writes the window
+    filled before: two buffers of `window` bytes, never the whole image."""
+    with create_file(path, size) as w:
+        step = w.sum_unit * max(1, window // w.sum_unit)
+        bufs = [Staging(), Staging()]
+        views = [(b.ensure(step), b.view(step)) for b in bufs]
+        free: queue.Queue[int] = queue.Queue()
+        free.put(0)
+        free.put(1)
+        todo: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            while (item := todo.get()) is not None:
+                i, off, n = item
+                if not failed:
+                    try:
+                        w.write_at(off, views[i][1][:-(-n // 4096) * 4096], valid=n)
+                    except BaseException as e:  # noqa: BLE001 - raised by the caller
+                        failed.append(e)
+                free.put(i)
+
+        writer = threading.Thread(target=run, name="mxfs-ckpt-windows", daemon=True)
+        writer.start()
+        try:
+            for off in range(0, size, step):
+                i = free.get()
+                if failed:
+                    break
+                n = min(step, size - off)
+                fill(views[i][0][:n], off, off + n)
+                todo.put((i, off, n))
+        finally:
+            todo.put(None)
+            writer.join()
+        if failed:
+            raise failed[0]
+        sums = w.commit(size)
+    for b in bufs:
+        b.release()
+    return _entry(size, w.sum_unit, sums)
+
+
+def _entry(size: int, sum_unit: int, sums: Any) -> dict[str, Any]:
+    return {"size": size, "sum_unit": sum_unit,
             "sums": base64.b64encode(pack_sums(sums)).decode()}
