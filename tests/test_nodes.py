@@ -351,7 +351,7 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
 def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_path: Path
                                                                           ) -> None:
     """The metadata server stops answering (SIGSTOP): a lookup on the reading node waits
-    for it at most NODE_WAIT_S on the daemon's one thread, not the minute a long
+    for it at most SERVE_WAIT_S on the daemon's one thread, not the minute a long
     statement may take, so another user is answered while the server is still hung, and
     what needs the server fails (EIO) instead of hanging."""
     from pg_server import private
@@ -364,6 +364,10 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 _reading_node(tmp_path, url, net, members) as b:
             (a.path / "f").write_bytes(b"f")
             assert eventually(lambda: _reads(b.path / "f") == b"f", 15)
+            key = base64.b64encode(b"k" * 32).decode()
+            KVStore(str(a.path), namespace="t", mode=0o755).put(b"k" * 32, b"v")
+            kv = ControlClient(str(b.path), timeout=30)
+            assert kv.call("kv_exists", namespace="t", keys=[key])["present"] == [True]
             other = raw_socket(b, timeout=30)  # (its socket found while all is well)
             procs = server.processes()
             for pid in procs:
@@ -383,11 +387,25 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 assert other.recv(HEADER.size), "the reading node did not answer"
                 looking.join(30)
                 assert failed == [errno.EIO]
+                # KV lookups (the store's worker thread) are bounded the same way, and
+                # then refused at once while the server stays away.
+                for _ in range(2):
+                    with pytest.raises(OSError) as e:
+                        kv.call("kv_exists", namespace="t", keys=[key])
+                    assert e.value.errno == errno.EIO
             finally:
                 for pid in procs:
                     os.kill(pid, signal.SIGCONT)
                 other.close()
             assert eventually(lambda: _reads(b.path / "f") == b"f", 30)
+
+            def looks_up() -> bool:
+                try:
+                    return kv.call("kv_exists", namespace="t", keys=[key])["present"] == [True]
+                except OSError:
+                    return False
+            assert eventually(looks_up, 30)  # (the same store, dialled again)
+            kv.close()
     finally:
         for _ in server_gen:
             pass

@@ -28,7 +28,7 @@ from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Metrics, serve_prometheus
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
-from mxfs.fs.store_worker import StoreWorker
+from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
@@ -44,10 +44,6 @@ OWN_OPTIONS = (*NUMBERS, *FLAGS, *TEXTS)
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
-# A reading node's requests wait for the metadata server at most this long (its point
-# lookups take milliseconds): a server that stopped answering holds every user of the
-# node this long once, then is away (EIO at once) until it answers again.
-NODE_WAIT_S = 5.0
 RECLAIM_BITE = 512  # orphans freed a round (every GROUP_COMMIT_S / 2): 20,000 a second
 
 # Called once: with the error that stopped the mount, or None and warnings for the user.
@@ -137,7 +133,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         if vol.quotas.limits:
             vol.store.count_usage()  # (before serving, not on a tenant's first write)
         if vol.pool.node:  # its requests' lookups are round trips on trio's thread
-            vol.store.engine.bound_waits(NODE_WAIT_S)
+            vol.store.engine.bound_waits(SERVE_WAIT_S)
         metrics = Metrics()
         vol.pool.on_io = metrics.io
         ops = MxfsOperations(vol, control_path=sock, noatime="noatime" in own,

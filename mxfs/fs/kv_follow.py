@@ -44,7 +44,7 @@ from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Answer, Session
-from mxfs.fs.store_worker import StoreWorker
+from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.io import PAGE, Layout
 from mxfs.meta import Inode, MetaStore
 from mxfs.meta.schema import INODE_COLUMNS
@@ -99,7 +99,7 @@ class FollowerKV:
                  limiter: trio.CapacityLimiter, remote: RemoteReads | None = None) -> None:
         self.vol, self.index, self.limits, self.limiter = vol, index, limits, limiter
         self.remote = remote  # scoped connections to the writer (`fs/remote_reads.py`)
-        self.lookups = StoreWorker(vol.pool.meta_location)
+        self.lookups = StoreWorker(vol.pool.meta_location, wait_s=SERVE_WAIT_S)
         self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
         self.lent_by_uid: Counter[int] = Counter()
 

@@ -30,10 +30,20 @@ from mxfs.meta import MetaStore, Unusable
 T = TypeVar("T")
 
 
+# A request served from the store waits for the metadata server at most this long (its
+# reads take milliseconds): a server that stopped answering holds a node's users this
+# long once, then is away (EIO at once) until it answers again (`Engine.bound_waits`).
+SERVE_WAIT_S = 5.0
+
+
 class StoreWorker:
-    def __init__(self, where: str, readonly: bool = True) -> None:
+    def __init__(self, where: str, readonly: bool = True, wait_s: float | None = None
+                 ) -> None:
+        """`wait_s`: the store's bound on every wait for the server (`SERVE_WAIT_S` for
+        requests' lookups; None: a long statement's bound, for maintenance)."""
         self.where = where  # the store's location (`meta/location.py`)
         self.readonly = readonly
+        self.wait_s = wait_s
         self._store: MetaStore | None = None
         self._busy = False  # a call runs (one at a time: a store is one thread's)
         # Calls waiting, by uid, in the order their uids take turns.
@@ -84,11 +94,11 @@ class StoreWorker:
             except Unusable as e:  # (a server away, say)
                 raise OSError(errno.EIO, f"the metadata store cannot be read now: {e}") \
                     from None
-        try:
-            return fn(self._store)
-        except OSError:
-            self.close()  # (its connection may be the reason: a new one next time)
-            raise
+            if self.wait_s is not None:
+                self._store.engine.bound_waits(self.wait_s)
+        # (Kept after a failure: an engine on a server dials again by itself, and while
+        # the server is away it refuses at once instead of each call waiting to connect.)
+        return fn(self._store)
 
     def close(self) -> None:
         store, self._store = self._store, None
