@@ -15,11 +15,12 @@ import tempfile
 import threading
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import trio
-from conftest import Mounted, eventually, mxfs, one_line_error
+from conftest import Mounted, eventually, mkfs, mounted_pool, mxfs, one_line_error
 
 import mxfs.ckpt as ck
 from mxfs.cli.measure import drop_caches
@@ -91,6 +92,47 @@ def test_prometheus_endpoint(mounted: Mounted) -> None:
     assert f"0100007F:{port:04X}" in listening
     assert re.search(r'mxfs_requests_total\{kind="control",op="kv_get"\} [1-9]', text)
     assert re.search(r'^mxfs_io_requests_taken_back_total 0\.0$', text, re.M)  # none lost
+
+
+def test_scrapes_never_touch_the_store_beside_the_daemon(members: list[str], pg_cluster: Any
+                                                         ) -> None:
+    """Anyone on the host may scrape /metrics, as often as they like: the pool gauges
+    (nodes, inodes, KV) are gathered on the daemon's own thread, not the scraper's, so a
+    scrape storm beside a write storm on a pool on PostgreSQL breaks nothing (the store's
+    connection is the daemon thread's alone) and every fsynced file reads back."""
+    mkfs(members, "64KiB", "--meta", pg_cluster.database())
+    port = _free_port()
+    with mounted_pool(members, f"metrics_port={port}") as m:
+        assert eventually(lambda: _scrape(port) is not None)
+        stop = threading.Event()
+        scraped: list[str] = []
+
+        def scrape() -> None:
+            while not stop.is_set():
+                text = _scrape(port)
+                if text is not None:
+                    scraped.append(text)
+        scrapers = [threading.Thread(target=scrape) for _ in range(3)]
+        for t in scrapers:
+            t.start()
+        written = {}
+        try:
+            for i in range(300):
+                data = os.urandom(100 + i)
+                with open(m.path / f"f{i}", "wb") as f:
+                    f.write(data)
+                    os.fsync(f.fileno())
+                written[f"f{i}"] = data
+        finally:
+            stop.set()
+            for t in scrapers:
+                t.join(30)
+        assert len(scraped) > 20, "too few scrapes to test anything"
+        assert all(re.search(r'^mxfs_node_alive\{node="[^"]+",role="writer"\} 1\.0$', t, re.M)
+                   for t in scraped[-3:])
+        m.umount()
+        m.remount()
+        assert all((m.path / n).read_bytes() == d for n, d in written.items())
 
 
 def _cpu_latency_limit() -> int:

@@ -25,7 +25,7 @@ from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.feed_follower import FeedFollower
 from mxfs.fs.limits import Limits, raise_fd_limit
-from mxfs.fs.metrics import Metrics, serve_prometheus
+from mxfs.fs.metrics import Gauges, Metrics, serve_prometheus
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
@@ -173,10 +173,10 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                     entry_changed=ops.entry_changed, metrics=metrics,
                                     limits=limits, only_uid=None if "allow_other" in fuse_opts
                                     else os.getuid(), settle=ops.settle, wake=wake)
+            gauges = Gauges(lambda: list(pool_gauges(control)))
             if metrics_port:
                 try:
-                    serve_prometheus(metrics, metrics_addr, metrics_port,
-                                     lambda: pool_gauges(control))
+                    serve_prometheus(metrics, metrics_addr, metrics_port, gauges)
                 except OSError as e:
                     raise MxfsError(f"metrics address {metrics_addr} port {metrics_port} "
                                     f"cannot be opened ({e.strerror})",
@@ -199,7 +199,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 control.status.chunks = chunks
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))
             control.status.feed = feed
-            daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed)
+            daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed, gauges)
             trio.run(daemon.serve, lambda: ready(None, notes))
             clean = True
         finally:
@@ -225,6 +225,7 @@ class Daemon:
     backup_s: int
     chunks: ChunkService | None = None  # -o chunk_port: this node's ranges, to the others
     feed: FeedFollower | None = None  # a reading node's: the writer's changes, as they commit
+    gauges: Gauges | None = None  # /metrics' pool gauges, gathered on this loop
 
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks, each run until the mount ends."""
@@ -242,6 +243,8 @@ class Daemon:
 
     async def serve(self, ready: Callable[[], None]) -> None:
         """Serve until unmounted or signalled; `ready` once the mount answers."""
+        if self.gauges is not None:  # (gathered on this loop's thread, not the scraper's)
+            self.gauges.token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self.ops.nursery = nursery  # writes through the mount land behind their answers
             await nursery.start(self.control.serve)

@@ -5,6 +5,12 @@ latency per operation (and the errno when they fail); chunk I/O records bytes an
 operations per member.  `snapshot()` is what `mxfs top` polls over the control
 socket; `serve_prometheus(port)` exposes the same, plus pool and KV gauges, at
 http://host:port/metrics for Prometheus.
+
+Anyone on the host may scrape, as often as they like, from prometheus_client's thread;
+the gauges read the store and the KV index, which are the daemon's trio thread's alone
+(a scrape beside a write storm once broke the store's connection: EIO on the mount).
+So `Gauges` gathers them on that thread (`trio.from_thread`), at most once every
+GAUGES_S, and every scrape in between gets the last gathering.
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import trio
+
 from mxfs.io.batch import taken_back
 from mxfs.proto.messages import MetricsSnapshot
+
+GAUGES_S = 1.0  # the pool gauges are gathered at most this often, whatever the scrapes
 
 # Latency buckets (seconds) of the request histograms.
 BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
@@ -84,6 +94,28 @@ class _Timer:
         if exc is not None:
             err = getattr(exc, "errno", None) or 5  # EIO when it carries none
         self.metrics.request(self.kind, self.op, time.perf_counter() - self.start, err)
+
+
+class Gauges:
+    """The pool gauges for /metrics, gathered by `gather()` on the daemon's trio thread
+    (once `token` is set: until then, none) at most once every GAUGES_S."""
+
+    def __init__(self, gather: Callable[[], list[Any]]) -> None:
+        self.gather = gather
+        self.token: trio.lowlevel.TrioToken | None = None  # the daemon's loop, once it runs
+        self._lock = threading.Lock()
+        self._at = -GAUGES_S
+        self._last: list[Any] = []
+
+    def __call__(self) -> Iterator[Any]:
+        with self._lock:
+            if self.token is not None and time.monotonic() - self._at >= GAUGES_S:
+                try:
+                    self._last = trio.from_thread.run_sync(self.gather, trio_token=self.token)
+                except trio.RunFinishedError:  # (unmounting)
+                    self._last = []
+                self._at = time.monotonic()
+            yield from self._last
 
 
 def serve_prometheus(metrics: Metrics, addr: str, port: int,
