@@ -206,7 +206,7 @@ class ImageWindows:
         self.header = plan.header
         self.slots = sorted((s for s in plan.slots if s.nbytes), key=lambda s: s.offset)
         tensors = dict(named)
-        self.src = {s.name: _flat_bytes(tensors[s.name]) for s in self.slots}
+        self.src = {s.name: _flat_bytes(s.name, tensors[s.name]) for s in self.slots}
         self._next = 0  # the first slot that may reach the next window
 
     def fill(self, buf: torch.Tensor, start: int, end: int) -> None:
@@ -231,10 +231,10 @@ class ImageWindows:
         buf[pos - start:end - start].zero_()
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def _flat_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 tensor (a view where it is contiguous)."""
     if t.device.type == "meta":
-        raise ValueError("a tensor on the meta device has no data")
+        raise ValueError(f"tensor {name} is on the meta device: it has no data")
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
