@@ -171,8 +171,6 @@ def write_windows(path: str, size: int, fill: Callable[[torch.Tensor, int, int],
         if failed:
             raise failed[0]
         sums = w.commit(size)
-    for b in bufs:
-        b.release()
     return _entry(size, w.sum_unit, sums)
 
 

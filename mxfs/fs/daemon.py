@@ -173,8 +173,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                     entry_changed=ops.entry_changed, metrics=metrics,
                                     limits=limits, only_uid=None if "allow_other" in fuse_opts
                                     else os.getuid(), settle=ops.settle, wake=wake)
-            gauges = Gauges(lambda: list(pool_gauges(control)))
-            if metrics_port:
+            gauges = Gauges(lambda: list(pool_gauges(control))) if metrics_port else None
+            if gauges is not None:
                 try:
                     serve_prometheus(metrics, metrics_addr, metrics_port, gauges)
                 except OSError as e:

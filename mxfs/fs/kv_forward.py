@@ -187,14 +187,15 @@ class ForwardedKV:
                 uid != 0 and self.waiting_by_uid[uid] >= WAITERS_PER_USER):  # connections
             # What is stored, at once: the instance computes the rest.
             said = await self._keys(b"KWAI", msg, session.caller, 0, holder, self._senders)
-            return {"present": [bool(b) for b in said]}, []
-        self.waiting_by_uid[uid] += 1
-        try:
-            said = await self._keys(b"KWAI", msg, session.caller, ms, holder, self._waiters)
-        finally:
-            self.waiting_by_uid[uid] -= 1
-            if self.waiting_by_uid[uid] <= 0:
-                del self.waiting_by_uid[uid]
+        else:
+            self.waiting_by_uid[uid] += 1
+            try:
+                said = await self._keys(b"KWAI", msg, session.caller, ms, holder,
+                                        self._waiters)
+            finally:
+                self.waiting_by_uid[uid] -= 1
+                if self.waiting_by_uid[uid] <= 0:
+                    del self.waiting_by_uid[uid]
         return {"present": [bool(b) for b in said]}, []
 
     async def _keys(self, tag: bytes, msg: Msg, caller: Caller, ms: int, holder: bytes,
