@@ -21,6 +21,7 @@ from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  
 from mxfs.errors import MxfsError  # noqa: E402
 from mxfs.load import HeaderError, load_file, load_model, safe_open  # noqa: E402
 from mxfs.load.options import LoadOptions, LoadReport  # noqa: E402
+from mxfs.load.staging import read_to_device  # noqa: E402
 from mxfs.proc import running  # noqa: E402
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
@@ -382,6 +383,20 @@ def test_stream_mode_equals_safetensors_through_bounded_staging(mounted: Mounted
     want = st.load_file(path)
     assert list(got) == list(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize(("buffers", "reads"), [(1, 1), (2, 1), (3, 2), (8, 4), (4, 9)])
+def test_staging_with_reads_in_flight_moves_every_byte_once(mounted: Mounted, buffers: int,
+                                                            reads: int) -> None:
+    """Any number of buffers and reads in flight (more reads than buffers allow are
+    fewer): a range that starts and ends off the page boundary comes back whole."""
+    path = mounted.path / "staged.bin"
+    data = os.urandom(3 * 1024 * 1024 + 12345)
+    path.write_bytes(data)
+    with open_reader(str(path)) as r:
+        got = read_to_device(r, 4097, len(data) - 4097 - 99, torch.device("cpu"),
+                             staging=192 << 10, buffers=buffers, reads=reads)
+    assert bytes(got.numpy()) == data[4097:len(data) - 99]
 
 
 def test_devices_this_machine_lacks_are_one_clear_error(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 A 4-member pool of folders of its own; a synthetic model put in offline (`mxfs put`'s
 code: no FUSE needed), opened with OfflinePool and loaded to the device, cold (caches
 dropped) and warm, each round:
-  (a) raw: parallel O_DIRECT reads of the model's chunk files into host memory
+  (a) raw: parallel O_DIRECT reads of the model's chunk files into host memory; and
+      (a') the same bytes copied from pinned host memory to the device: the host link's
+      ceiling for any load to it
   (b) mxfs.load through pinned staging buffers (mode "stream")
   (b') mxfs.load with GPUDirect Storage through kvikio (mode "gds"), or why not
   (c) safetensors.torch.load_file(device=...) from a plain folder
@@ -119,6 +121,16 @@ def _timed_load(fn: Callable[[], Any], dev: torch.device) -> float:
     return timed(go, dev)[0]
 
 
+def _pinned_copy(nbytes: int, dev: torch.device) -> Callable[[], None]:
+    """`nbytes` from pinned host memory to the device: the link's ceiling."""
+    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+    def copy() -> None:
+        device.copy_(host, non_blocking=True)
+    return copy
+
+
 def cache_model(pool: Any) -> None:
     """The model's chunk files in the page cache, every member at once (`mxfs warm`)."""
     with open_reader("/model.safetensors", pool=pool) as r:
@@ -165,6 +177,8 @@ def run(args: argparse.Namespace, work: str, emit: Callable[[dict[str, Any]], No
                                                    pool=pool)
         except Unavailable as e:
             out["gds_unavailable"] = str(e)
+        if dev.type == "cuda":
+            arms["a_pinned_to_device"] = _pinned_copy(nbytes, dev)
         peers, out["skipped"] = peer_arms(plain, dev)
         want = st_load_file(plain, device=str(dev))
         for name in ("b_mxfs_stream", "b_mxfs_gds"):

@@ -97,7 +97,7 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     safetensors does with one file: nothing is copied and cached pages cost no
     memory of their own (the file must not be truncated while they live).  mode "read" reads
     every byte now, every member at once, into one buffer the tensors share.
-    mode "stream" moves the bytes through two host buffers of `staging` bytes in
+    mode "stream" moves the bytes through a few host buffers of `staging` bytes in
     all, reads overlapped with copies to the device (pinned memory and a side
     stream on CUDA), into one device buffer the tensors share: host memory stays
     bounded and the model is never held twice.  mode "gds" reads the chunk files
