@@ -351,9 +351,9 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
 def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_path: Path
                                                                           ) -> None:
     """The metadata server stops answering (SIGSTOP): a lookup on the reading node waits
-    for it at most SERVE_WAIT_S on the daemon's one thread, not the minute a long
-    statement may take, so another user is answered while the server is still hung, and
-    what needs the server fails (EIO) instead of hanging."""
+    for it in the store's worker thread, at most SERVE_WAIT_S, not the minute a long
+    statement may take; meanwhile the daemon's loop serves what needs no server (a read
+    of an open file, a hello), and what needs the server fails (EIO) instead of hanging."""
     from pg_server import private
 
     server_gen = private()
@@ -369,6 +369,7 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
             kv = ControlClient(str(b.path), timeout=30)
             assert kv.call("kv_exists", namespace="t", keys=[key])["present"] == [True]
             other = raw_socket(b, timeout=30)  # (its socket found while all is well)
+            held = os.open(b.path / "f", os.O_RDONLY)
             procs = server.processes()
             for pid in procs:
                 os.kill(pid, signal.SIGSTOP)
@@ -383,8 +384,13 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 looking = threading.Thread(target=look)
                 looking.start()
                 time.sleep(0.5)  # (the lookup is the daemon's now, waiting on the server)
+                os.posix_fadvise(held, 0, 0, os.POSIX_FADV_DONTNEED)
+                assert os.pread(held, 1, 0) == b"f"  # (the daemon's read: no server needed)
                 other.sendall(encode({"op": "hello", "id": 1}))
                 assert other.recv(HEADER.size), "the reading node did not answer"
+                # ... both answered while the lookup still waits on the server (on the
+                # loop, it held them until it gave up)
+                assert looking.is_alive()
                 looking.join(30)
                 assert failed == [errno.EIO]
                 # KV lookups (the store's worker thread) are bounded the same way, and
@@ -397,6 +403,7 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 for pid in procs:
                     os.kill(pid, signal.SIGCONT)
                 other.close()
+                os.close(held)
             assert eventually(lambda: _reads(b.path / "f") == b"f", 30)
 
             def looks_up() -> bool:

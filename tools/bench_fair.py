@@ -81,6 +81,8 @@ if arm == "deletes":
     put_range("hog", 0, 2048)
 if arm == "list":
     put_range("hog-list", 0, 16384)
+if arm == "lookups":  # (its namespace made, with one key: lookups of others miss)
+    put_range("hog", 0, 1)
 def crowd(work, connect=lambda: ControlClient(mnt)):
     # work(conn, k) over and over from 8 threads, a connection each, until the end
     import threading

@@ -1,8 +1,13 @@
 """The FUSE request handlers (pyfuse3, on trio).
 
 Metadata work runs on the trio thread against the volume's store (one writer,
-no locks); chunk I/O runs in worker threads so a large read or write is served
-by every member it spans while other requests go on.
+no locks), which answers from memory; on a reading node, whose store reads every
+inode afresh from the metadata server, the reads of lookups, getattrs, opens,
+readdirs, readlinks and xattrs run in the store's worker thread instead, users
+taking turns (`fs/store_worker.py`), so a round trip (or a server that stopped
+answering) holds up no one else's request on the loop.  Chunk I/O runs in worker
+threads so a large read or write is served by every member it spans while other
+requests go on.
 """
 
 from __future__ import annotations
@@ -13,22 +18,24 @@ import os
 import stat
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import pyfuse3
 import trio
 
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.metrics import Metrics
+from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.io import Layout
-from mxfs.meta import NAME_MAX, ROOT_INO, Inode
+from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW, pool_totals
 from mxfs.proto import constants
 from mxfs.vol.access import owner_for
 from mxfs.vol.volume import OpenInode, Volume
 
 log = logging.getLogger("mxfs.fs")
+T = TypeVar("T")
 
 LAYOUT_XATTR = constants.LAYOUT_XATTR.encode()
 CONTROL_XATTR = constants.CONTROL_XATTR.encode()
@@ -89,12 +96,13 @@ def parse_layout(raw: bytes) -> tuple[int | None, int | None]:
 class Handle:
     """One open file description."""
 
-    __slots__ = ("entry", "flags", "losses")
+    __slots__ = ("entry", "flags", "losses", "uid")
 
-    def __init__(self, entry: OpenInode, flags: int, losses: int) -> None:
+    def __init__(self, entry: OpenInode, flags: int, losses: int, uid: int = 0) -> None:
         self.entry = entry
         self.flags = flags
         self.losses = losses  # the store's lost groups when this handle last synced
+        self.uid = uid  # who opened it (a readdir's turn on a reading node is theirs)
 
     def heard_losses(self, lost: int) -> None:
         """EIO, once, if the metadata store lost a group of changes since this handle
@@ -118,6 +126,11 @@ class MxfsOperations(pyfuse3.Operations):
         self.enable_writeback_cache = writeback_cache
         self.vol = volume
         self.store = volume.store
+        # On a reading node: the worker thread its store's reads run in, on a connection
+        # of its own (not the KV lookups': a slow batch of keys holds no lookup up).
+        self.reads = StoreWorker(volume.pool.meta_location, wait_s=SERVE_WAIT_S,
+                                 prepare=lambda s: s.read_beside(volume.store)) \
+            if self.store.follow else None
         self.control_path = control_path
         self.noatime = noatime
         self.handles: dict[int, Handle] = {}
@@ -200,25 +213,31 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_ctime_ns = node.ctime_ns
         return a
 
+    async def _read_meta(self, uid: int, fn: Callable[[MetaStore], T]) -> T:
+        """`fn(store)`: here, or on a reading node in its store's worker thread, in
+        `uid`'s turn (each read there is a round trip to the metadata server)."""
+        if self.reads is None:
+            return fn(self.store)
+        return await self.reads.run(fn, uid)
+
     @_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
                      ) -> pyfuse3.EntryAttributes:
         if len(name) > NAME_MAX:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-        try:
-            return self.attrs(self.store.lookup(parent_inode, name), (parent_inode, name))
-        except FileNotFoundError:
-            if not self.store.get(parent_inode).is_dir:
-                raise
-            absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
-            absent.st_ino = 0
-            absent.entry_timeout = self.kernel.timeout((parent_inode, name))
-            return absent
+        node = await self._read_meta(ctx.uid, lambda s: _lookup(s, parent_inode, name))
+        if node is not None:
+            return self.attrs(node, (parent_inode, name))
+        absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
+        absent.st_ino = 0
+        absent.entry_timeout = self.kernel.timeout((parent_inode, name))
+        return absent
 
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
                       ) -> pyfuse3.EntryAttributes:
-        return self.attrs(self.store.get(inode))
+        uid = ctx.uid if ctx is not None else 0
+        return self.attrs(await self._read_meta(uid, lambda s: s.get(inode)))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         try:
@@ -285,7 +304,7 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        node = self.store.get(inode)
+        node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         if node.target is None:
             raise pyfuse3.FUSEError(errno.EINVAL)
         return node.target
@@ -317,10 +336,10 @@ class MxfsOperations(pyfuse3.Operations):
 
     # ---- files -------------------------------------------------------------
 
-    def _open_handle(self, node: Inode, flags: int) -> pyfuse3.FileInfo:
+    def _open_handle(self, node: Inode, flags: int, uid: int) -> pyfuse3.FileInfo:
         fh = self.next_fh
         self.next_fh += 1
-        self.handles[fh] = Handle(self.vol.acquire(node), flags, self.store.groups_lost)
+        self.handles[fh] = Handle(self.vol.acquire(node), flags, self.store.groups_lost, uid)
         # Every change to a file passes through this daemon, so the kernel's cached
         # pages of it stay valid between opens; on a reading node, while it is unchanged.
         keep = True
@@ -335,7 +354,7 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
                    ) -> pyfuse3.FileInfo:
-        node = self.store.get(inode)
+        node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if node.is_reg and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
@@ -350,14 +369,14 @@ class MxfsOperations(pyfuse3.Operations):
             # Reads may be served from the kernel's cache without reaching us, so
             # relatime is also applied when a file is opened for reading.
             self._relatime(node)
-        return self._open_handle(node, flags)
+        return self._open_handle(node, flags, ctx.uid)
 
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node = self._create(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx)
-        return self._open_handle(node, flags), self.attrs(node)
+        return self._open_handle(node, flags, ctx.uid), self.attrs(node)
 
     @_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -463,27 +482,30 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        node = self.store.get(inode)
+        node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         if not node.is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         fh = self.next_fh
         self.next_fh += 1
-        self.handles[fh] = Handle(self.vol.acquire(node), 0, self.store.groups_lost)
+        self.handles[fh] = Handle(self.vol.acquire(node), 0, self.store.groups_lost, ctx.uid)
         return fh
 
     @_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        node = self.handles[fh].entry.node
+        handle = self.handles[fh]
+        node = handle.entry.node
         # Offsets: 1 after ".", 2 after "..", then 2 + the entry's cookie.
         if start_id < 1 and not pyfuse3.readdir_reply(token, b".", self.attrs(node), 1):
             return
         if start_id < 2:
-            parent = self.store.get(self.store.parent_of(node.ino))
+            parent = await self._read_meta(handle.uid, lambda s: s.get(s.parent_of(node.ino)))
             if not pyfuse3.readdir_reply(token, b"..", self.attrs(parent), 2):
                 return
         after = max(start_id - 2, 0)
         while True:
-            entries = self.store.readdir(node.ino, after)
+            def page(s: MetaStore, after: int = after) -> list[Entry]:
+                return s.readdir(node.ino, after)
+            entries = await self._read_meta(handle.uid, page)
             for e in entries:
                 if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode, (node.ino, e.name)),
                                              e.cookie + 2):
@@ -539,14 +561,14 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        node = self.store.get(inode)
-        if name == LAYOUT_XATTR:
-            return self._layout_of(node)
         if name == CONTROL_XATTR:  # (a name no file can be given: setxattr refuses it)
             if inode == ROOT_INO and self.control_path:
-                return self.control_path.encode()
+                return self.control_path.encode()  # (clients find the daemon: no server)
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        value = self.store.getxattr(inode, name)
+        node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
+        if name == LAYOUT_XATTR:
+            return self._layout_of(node)
+        value = await self._read_meta(ctx.uid, lambda s: s.getxattr(inode, name))
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
@@ -606,8 +628,10 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        self.store.get(inode)
-        return self.store.listxattr(inode)
+        def read(s: MetaStore) -> list[bytes]:
+            s.get(inode)
+            return s.listxattr(inode)
+        return await self._read_meta(ctx.uid, read)
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -618,3 +642,14 @@ class MxfsOperations(pyfuse3.Operations):
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         return True
+
+
+def _lookup(store: MetaStore, parent: int, name: bytes) -> Inode | None:
+    """The inode `name` names in `parent`; None where `parent` is a directory without it
+    (ENOENT or ENOTDIR where `parent` is gone or no directory)."""
+    try:
+        return store.lookup(parent, name)
+    except FileNotFoundError:
+        if not store.get(parent).is_dir:
+            raise
+        return None

@@ -1,11 +1,12 @@
 """A store connection of the daemon's own (read-only unless asked), used from a worker
 thread, one call at a time.
 
-Reads that a request needs from a metadata server (a reading node's KV lookups) are
-round trips; on trio's thread each would hold every other request up for as long as it
-takes, and a request may name thousands of keys.  So they run here, batched by the
-caller (`Engine.get_many`), on a connection kept open between calls (a new one per call
-costs more than the reads) and made again after it failed.  (A writer prunes its
+Reads that a request needs from a metadata server (a reading node's KV lookups, and on
+a worker of their own the reads of its FUSE lookups, getattrs, opens, readdirs and
+xattrs) are round trips; on trio's thread each would hold every other request up for
+as long as it takes, and a request may name thousands of keys.  So they run here,
+batched by the caller (`Engine.get_many`), on a connection kept open between calls (a
+new one per call costs more than the reads) and made again after it failed.  (A writer prunes its
 change feed on one too: `fs/daemon.py`.)
 
 Calls take turns by uid, round robin, not in the order they came: a user with many
@@ -37,13 +38,15 @@ SERVE_WAIT_S = 5.0
 
 
 class StoreWorker:
-    def __init__(self, where: str, readonly: bool = True, wait_s: float | None = None
-                 ) -> None:
+    def __init__(self, where: str, readonly: bool = True, wait_s: float | None = None,
+                 prepare: Callable[[MetaStore], None] | None = None) -> None:
         """`wait_s`: the store's bound on every wait for the server (`SERVE_WAIT_S` for
-        requests' lookups; None: a long statement's bound, for maintenance)."""
+        requests' lookups; None: a long statement's bound, for maintenance); `prepare`
+        is given the store once opened (a follower's: `MetaStore.read_beside`)."""
         self.where = where  # the store's location (`meta/location.py`)
         self.readonly = readonly
         self.wait_s = wait_s
+        self.prepare = prepare
         self._store: MetaStore | None = None
         self._busy = False  # a call runs (one at a time: a store is one thread's)
         # Calls waiting, by uid, in the order their uids take turns.
@@ -96,6 +99,8 @@ class StoreWorker:
                     from None
             if self.wait_s is not None:
                 self._store.engine.bound_waits(self.wait_s)
+            if self.prepare is not None:
+                self.prepare(self._store)
         # (Kept after a failure: an engine on a server dials again by itself, and while
         # the server is away it refuses at once instead of each call waiting to connect.)
         return fn(self._store)

@@ -192,7 +192,7 @@ class MetaStore:
         running, then the group's earlier ones), clean inodes read again from the rows."""
         self._put_back(self._journal)
         self._put_back(self._group_journal)
-        self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+        self._trim()
         self._sole.forget()
         self._dir_times.clear()
         self.usage.forget()
@@ -247,17 +247,31 @@ class MetaStore:
         row = self.engine.get("inodes", {"ino": ino}, INODE_COLUMNS)
         if row is None:
             if node is not None:
-                del self._cache[ino]
+                self._cache.pop(ino, None)
             raise fail(errno.ENOENT)
-        if node is not None:
-            for name, value in zip(INODE_COLUMNS, row, strict=True):
-                setattr(node, name, value)
-            return node
-        node = Inode(*row)
-        if len(self._cache) >= _CACHE_LIMIT:
-            self._cache = {i: n for i, n in self._cache.items() if n.dirty}
-        self._cache[ino] = node
+        if node is None:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._trim()
+            # (setdefault: a store reading beside this one (`read_beside`) may have
+            # made it meanwhile; every holder must have the one object)
+            node = self._cache.setdefault(ino, Inode(*row))
+        for name, value in zip(INODE_COLUMNS, row, strict=True):
+            setattr(node, name, value)
         return node
+
+    def _trim(self) -> None:
+        """Forget every inode with no unsaved change, in place (the dict may be shared)."""
+        for ino, node in list(self._cache.items()):
+            if not node.dirty:
+                self._cache.pop(ino, None)
+
+    def read_beside(self, main: MetaStore) -> None:
+        """Read the rows afresh (`follow`) into `main`'s inodes: this store's connection
+        serves a follower daemon's reads from a worker thread (`fs/store_worker.py`),
+        and what it reads is what the daemon's handles and handlers hold.  Only for a
+        follower: its inodes are never changed here, only refreshed from the rows."""
+        self.follow = True
+        self._cache = main._cache
 
     def write_fields(self, node: Inode, values: dict[str, object]) -> None:
         """Write fields of an inode row and of its cached object (inside a change)."""
@@ -354,7 +368,7 @@ class MetaStore:
     def forget(self, ino: int) -> None:
         node = self._cache.get(ino)
         if node is not None and not node.dirty:
-            del self._cache[ino]
+            self._cache.pop(ino, None)
 
     def count_inodes(self) -> int:
         """How many inodes the pool holds.  A sole writer counts the rows once and then
@@ -738,7 +752,7 @@ class MetaStore:
         if len(missing) < 2:
             return
         if len(self._cache) + len(missing) >= _CACHE_LIMIT:
-            self._cache = {i: n for i, n in self._cache.items() if n.dirty}
+            self._trim()
         for row in self.engine.get_many("inodes", "ino", missing, INODE_COLUMNS):
             self._cache.setdefault(row[0], Inode(*row))
 
