@@ -370,6 +370,7 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
             assert kv.call("kv_exists", namespace="t", keys=[key])["present"] == [True]
             other = raw_socket(b, timeout=30)  # (its socket found while all is well)
             held = os.open(b.path / "f", os.O_RDONLY)
+            paths = ControlClient(str(b.path), timeout=30)
             procs = server.processes()
             for pid in procs:
                 os.kill(pid, signal.SIGSTOP)
@@ -377,6 +378,10 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 failed: list[int] = []
 
                 def look() -> None:
+                    try:  # a control request's walk of a path (the store's worker too)
+                        paths.call("layout", path="/f")
+                    except OSError as e:
+                        failed.append(e.errno)
                     try:
                         os.stat(b.path / "never-looked-up")
                     except OSError as e:
@@ -392,7 +397,7 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 # loop, it held them until it gave up)
                 assert looking.is_alive()
                 looking.join(30)
-                assert failed == [errno.EIO]
+                assert failed == [errno.EIO, errno.EIO]
                 # KV lookups (the store's worker thread) are bounded the same way, and
                 # then refused at once while the server stays away.
                 for _ in range(2):
@@ -403,6 +408,7 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 for pid in procs:
                     os.kill(pid, signal.SIGCONT)
                 other.close()
+                paths.close()
                 os.close(held)
             assert eventually(lambda: _reads(b.path / "f") == b"f", 30)
 

@@ -37,6 +37,7 @@ from mxfs.fs.metrics import Metrics
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Handler, Session
 from mxfs.fs.status_ops import StatusOps
+from mxfs.fs.store_worker import StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.proto import BY_NAME, OPS
 from mxfs.proto.messages import HELLO
@@ -54,7 +55,9 @@ class ControlServer:
                  metrics: Metrics | None = None, limits: Limits | None = None,
                  only_uid: int | None = None,
                  settle: Callable[[int], Awaitable[None]] | None = None,
-                 wake: WakeLatency | None = None) -> None:
+                 wake: WakeLatency | None = None, reads: StoreWorker | None = None
+                 ) -> None:
+        """`reads`: a reading node's worker for its store's reads (`fs/ops.py`)."""
         self.vol = volume
         self.mountpoint = mountpoint
         # A mount without allow_other serves its owner alone; so does this socket.
@@ -72,7 +75,7 @@ class ControlServer:
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,
-                             settle=settle, remote=self.remote)
+                             settle=settle, remote=self.remote, reads=reads)
         self.meta = MetaOps(volume)
         self.status = StatusOps(volume, mountpoint, self.limits, self.listener, self.kv,
                                 self.pending_by_uid, self.metrics, wake)

@@ -172,7 +172,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
                                     entry_changed=ops.entry_changed, metrics=metrics,
                                     limits=limits, only_uid=None if "allow_other" in fuse_opts
-                                    else os.getuid(), settle=ops.settle, wake=wake)
+                                    else os.getuid(), settle=ops.settle, wake=wake,
+                                    reads=ops.reads)
             gauges = Gauges(lambda: list(pool_gauges(control))) if metrics_port else None
             if gauges is not None:
                 try:

@@ -33,7 +33,8 @@ from mxfs.fs.session import (
     read_fds,
     refuse_if_writers,
 )
-from mxfs.meta import Inode
+from mxfs.fs.store_worker import StoreWorker
+from mxfs.meta import Inode, MetaStore
 from mxfs.proto import MAX_FDS
 from mxfs.proto.messages import CreateReply, Empty, FileReply, OpenReadReply
 from mxfs.vol.access import (
@@ -55,7 +56,8 @@ class FileOps:
                  writeback_cache: bool = False,
                  entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
                  settle: Callable[[int], Awaitable[None]] | None = None,
-                 remote: RemoteReads | None = None) -> None:
+                 remote: RemoteReads | None = None, reads: StoreWorker | None = None
+                 ) -> None:
         self.vol = vol
         self.mountpoint = mountpoint
         self.limits = limits
@@ -69,24 +71,38 @@ class FileOps:
         self.settle = settle
         # Direct reads of other nodes' members (a reading node): fs/remote_reads.py.
         self.remote = remote
+        # A reading node's store reads (round trips to the server), off trio's thread:
+        # the FUSE handlers' worker (`fs/ops.py`), users taking turns.
+        self.reads = reads
 
     def handlers(self) -> dict[str, Handler]:
         return {"layout": self.layout, "open_read": self.open_read, "create": self.create,
                 "commit": self.commit, "abort": self.abort}
 
-    def _describe(self, node: Inode) -> FileReply:
+    def _describe(self, node: Inode, sealed: bool | None = None) -> FileReply:
+        if sealed is None:
+            sealed = self.vol.store.is_sealed(node.ino)
         out: FileReply = {"ino": node.ino, "size": node.apparent_size,
-                          "generation": node.generation, "mode": node.mode,
-                          "sealed": self.vol.store.is_sealed(node.ino)}
+                          "generation": node.generation, "mode": node.mode, "sealed": sealed}
         if node.is_reg:
             out["layout"] = self.vol.layout(node).describe()
         return out
+
+    async def _find(self, path: str, session: Session) -> tuple[Inode, bool]:
+        """The inode `path` names, walked as the caller, and whether it is sealed: read
+        here, or on a reading node in its store's worker, in the caller's turn."""
+        def find(store: MetaStore) -> tuple[Inode, bool]:
+            node = resolve_for(store, path, session.caller, mountpoint=self.mountpoint)
+            return node, store.is_sealed(node.ino)
+        if self.reads is None:
+            return find(self.vol.store)
+        return await self.reads.run(find, session.caller.uid)
 
     async def open_read(self, msg: Msg, session: Session) -> Answer[OpenReadReply]:
         """Read-only descriptors of a file's chunk files, if the caller may read it
         (with "odirect": O_DIRECT ones too, for reads that bypass the page cache)."""
         path, caller = path_field(msg), session.caller
-        node = resolve_for(self.vol.store, path, caller, mountpoint=self.mountpoint)
+        node, sealed = await self._find(path, session)
         if node.is_dir:
             raise OSError(errno.EISDIR, f"{path} is a directory")
         if not node.is_reg:
@@ -113,8 +129,8 @@ class FileOps:
                 raise
             held = len(layout.holding(node.size))
             grant, fds = await self.remote.open([node], max(held, 1), session)
-            return {**self._describe(node), "members": [], "remote": grant}, fds
-        return {**self._describe(node), **which}, fds
+            return {**self._describe(node, sealed), "members": [], "remote": grant}, fds
+        return {**self._describe(node, sealed), **which}, fds
 
     # ---- direct writes -------------------------------------------------------
 
@@ -196,9 +212,8 @@ class FileOps:
         return {}, []
 
     async def layout(self, msg: Msg, session: Session) -> Answer[FileReply]:
-        node = resolve_for(self.vol.store, path_field(msg), session.caller,
-                           mountpoint=self.mountpoint)
-        return self._describe(node), []
+        node, sealed = await self._find(path_field(msg), session)
+        return self._describe(node, sealed), []
 
     def release(self, session: Session) -> None:
         """A connection ended: its unpublished files are dropped (each one tried; the

@@ -3,7 +3,7 @@
 Metadata work runs on the trio thread against the volume's store (one writer,
 no locks), which answers from memory; on a reading node, whose store reads every
 inode afresh from the metadata server, the reads of lookups, getattrs, opens,
-readdirs, readlinks and xattrs run in the store's worker thread instead, users
+readdirs, readlinks, xattrs and statfs run in the store's worker thread instead, users
 taking turns (`fs/store_worker.py`), so a round trip (or a server that stopped
 answering) holds up no one else's request on the loop.  Chunk I/O runs in worker
 threads so a large read or write is served by every member it spans while other
@@ -533,6 +533,8 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        if self.reads is not None:  # (what the writer published, read off the loop)
+            await self.reads.run(self.vol.published, ctx.uid)
         s = pyfuse3.StatvfsData()
         total = pool_totals(self.vol.usage())  # members sharing a disk count once
         bsize = 4096

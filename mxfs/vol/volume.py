@@ -215,13 +215,14 @@ class Volume:
         self.store.set_setting(STATS_KEY, json.dumps(
             {"inodes": self.store.count_inodes(), "members": self.pool.usage()}))
 
-    def _published(self) -> dict[str, Any] | None:
+    def published(self, store: MetaStore | None = None) -> dict[str, Any] | None:
         """A reading node: what the writer last published, read at most every
-        STATS_FRESH_S seconds (statfs may be asked in a loop by anyone)."""
+        STATS_FRESH_S seconds (statfs may be asked in a loop by anyone), from `store`
+        (a worker's: the read is a round trip) or the volume's."""
         at, stats = self._stats
         if time.monotonic() - at >= STATS_FRESH_S:
             try:
-                text = self.store.setting(STATS_KEY)
+                text = (store or self.store).setting(STATS_KEY)
                 stats = json.loads(text) if text else None
             except (OSError, ValueError):
                 stats = None
@@ -234,7 +235,7 @@ class Volume:
         out = self.pool.usage()
         if not self.pool.node:
             return out
-        theirs = {m["index"]: m for m in (self._published() or {}).get("members", [])}
+        theirs = {m["index"]: m for m in (self.published() or {}).get("members", [])}
         for m in out:
             pub = theirs.get(m["index"])
             if pub is not None and m.get("node"):
@@ -248,7 +249,7 @@ class Volume:
         """How many inodes the pool holds (a reading node: as the writer published it)."""
         if not self.pool.node:
             return self.store.count_inodes()
-        return int((self._published() or {}).get("inodes", 0))
+        return int((self.published() or {}).get("inodes", 0))
 
     def _count_readers(self, store: MetaStore) -> None:
         """The writer's keeper, after each renewal: which reading nodes are alive.  A new
