@@ -291,6 +291,7 @@ def test_every_op_replies_as_its_declaration_says(mounted: Mounted) -> None:
                   pin=True, inline_max=64)[1])
         ask(c, "kv_unpin", **ns, keys=[key])
         ask(c, "kv_exists", **ns, keys=[key])
+        close(ask(c, "kv_view", **ns)[1])
         k3 = base64.b64encode(b"k3").decode()
         ask(c, "kv_claim", **ns, keys=[key, k3], ms=1000)
         ask(c, "kv_wait", **ns, keys=[k3], ms=10)

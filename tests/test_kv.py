@@ -544,3 +544,77 @@ def test_concurrent_misses_are_computed_once(mounted: Mounted) -> None:
     finally:
         a.close()
         b.close()
+
+
+def _asked(mount: Path, op: str) -> int:
+    """How many `op` requests the daemon has served."""
+    from mxfs.client.control import ControlClient
+
+    with ControlClient(str(mount)) as c:
+        return sum(n for _, o, n, _ in c.call("metrics")["requests"] if o == op)
+
+
+def test_exists_is_answered_from_the_namespaces_table_kept_current(mounted: Mounted) -> None:
+    """After one `kv_view`, exists and batch_exists ask the daemon nothing, and see
+    every put, delete and eviction of any process at once, through a table that
+    fills up and is replaced, until the namespace goes."""
+    keys = [f"k{i}" for i in range(800)]
+    with KVStore(str(mounted.path), "viewed") as kv, \
+            KVStore(str(mounted.path), "viewed") as other:
+        assert kv.batch_put(keys[:10], [b"v"] * 10) == [True] * 10
+        asked = _asked(mounted.path, "kv_exists")
+        assert kv.exists_many(keys[:12]) == [True] * 10 + [False] * 2
+        assert other.put(keys[10], b"w")  # another store's put: seen at once
+        assert kv.batch_exists(keys[:12]) == 11
+        assert other.delete(keys[3])
+        assert kv.exists_many(keys[:5]) == [True, True, True, False, True]
+        # 790 more keys: past the first table's room (1,024 slots), a larger one
+        assert other.batch_put(keys[11:], [b"x"] * 789) == [True] * 789
+        assert kv.exists_many(keys) == [i != 3 for i in range(800)]
+        assert kv.exists_many(["absent", keys[799]]) == [False, True]
+        assert _asked(mounted.path, "kv_exists") == asked  # none of it asked the daemon
+        kv.evict(0)
+        assert kv.exists_many(keys[:3]) == [False] * 3
+        other.client.call("kv_ns_remove", namespace="viewed")
+        assert kv.exists_many(keys[:3]) == [False] * 3 and kv.batch_exists(keys) == 0
+        kv.put("again", b"v")  # a new namespace of the name: its own table
+        assert kv.exists_many(["again", keys[0]]) == [True, False]
+
+
+def test_a_views_descriptor_reads_and_nothing_more_and_is_wiped_with_its_namespace(
+        mounted: Mounted) -> None:
+    """The table a client is handed is read-only whatever it tries, and shows nothing
+    once its namespace is removed (the daemon cannot take a mapping back)."""
+    from mxfs.client.control import ControlClient
+    from mxfs.proto.presence import GONE, HEADER_SIZE, read_header
+
+    with KVStore(str(mounted.path), "sealed") as kv:
+        kv.batch_put(["a", "b"], [b"1", b"2"])
+        with ControlClient(str(mounted.path)) as c:
+            reply, fds = c.call_with_fds("kv_view", namespace="sealed")
+        fd = fds[0]
+        try:
+            with pytest.raises(OSError) as e:
+                os.write(fd, b"x")
+            assert e.value.errno == errno.EBADF  # a read-only descriptor
+            again = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # (root may reopen it)
+            try:
+                with pytest.raises(OSError) as e:
+                    os.pwrite(again, b"x" * 8, HEADER_SIZE)
+                assert e.value.errno == errno.EPERM  # sealed against writes
+                with pytest.raises(OSError):
+                    mmap.mmap(again, reply["size"], mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE)
+                with pytest.raises(OSError):
+                    os.ftruncate(again, 0)
+            finally:
+                os.close(again)
+            table = mmap.mmap(fd, reply["size"], mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        assert read_header(memoryview(table))[3] == 2  # its two keys
+        assert any(table[HEADER_SIZE:])
+        kv.client.call("kv_ns_remove", namespace="sealed")
+        state, _, _, count = read_header(memoryview(table))
+        assert state == GONE and count == 0 and not any(table[HEADER_SIZE:])
+        table.close()

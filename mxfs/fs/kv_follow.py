@@ -50,7 +50,14 @@ from mxfs.meta import Inode, MetaStore
 from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.pool import ChunkFiles
 from mxfs.proto.chunk_wire import MAX_SCOPE
-from mxfs.proto.messages import ChunkReply, Empty, KVExistsReply, KVGetReply, RemoteGrant
+from mxfs.proto.messages import (
+    ChunkReply,
+    Empty,
+    KVExistsReply,
+    KVGetReply,
+    KVViewReply,
+    RemoteGrant,
+)
 from mxfs.vol.access import R_OK
 from mxfs.vol.kv_index import KVIndex, Namespace, check_namespace
 from mxfs.vol.volume import Volume
@@ -151,6 +158,11 @@ class FollowerKV:
         sent on to it: `fs/kv_forward.py`)."""
         raise OSError(errno.EROFS, f"node {self.vol.pool.node} reads the pool: KV chunks "
                       "are removed, claimed and configured on the writer node")
+
+    async def no_view(self, msg: Msg, session: Session) -> Answer[KVViewReply]:
+        """A reading node holds no index to mirror: its lookups are the store's."""
+        raise OSError(errno.EOPNOTSUPP, f"node {self.vol.pool.node} looks KV keys up in "
+                      "the metadata store: it keeps no view of them (ask kv_exists)")
 
     async def exists(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
         keys = keys_field(msg)

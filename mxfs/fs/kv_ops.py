@@ -62,9 +62,11 @@ from mxfs.proto.messages import (
     KVListReply,
     KVPutReply,
     KVStatsReply,
+    KVViewReply,
     NamespaceStats,
     ReadFds,
 )
+from mxfs.proto.presence import HEADER_SIZE
 from mxfs.vol.access import R_OK, W_OK, Caller
 from mxfs.vol.kv_index import Chunk, KVIndex, Namespace, check_key, check_namespace
 from mxfs.vol.volume import Volume
@@ -100,7 +102,8 @@ NS_OPS = ("kv_ns_create", "kv_ns_remove")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
 # caller who does not own the namespace must then have asked to share it).
 _NEEDS = {"kv_put": (W_OK, True), "kv_create": (W_OK, True), "kv_commit": (W_OK, True),
-          "kv_get": (R_OK, True), "kv_exists": (R_OK, True), "kv_unpin": (0, False),
+          "kv_get": (R_OK, True), "kv_exists": (R_OK, True), "kv_view": (R_OK, True),
+          "kv_unpin": (0, False),
           "kv_claim": (W_OK, True), "kv_wait": (R_OK, True),
           "kv_list": (R_OK, False), "kv_delete": (W_OK, False), "kv_evict": (W_OK, False),
           "kv_config": (0, False)}
@@ -160,7 +163,7 @@ class KVOps:
         bites (`fs/fair.py`): another user's request waits for a bite, not the whole."""
         in_space: dict[str, InSpace] = {
             "kv_put": self._put, "kv_create": self._create, "kv_commit": self._commit,
-            "kv_unpin": self._unpin_keys, "kv_exists": self._exists,
+            "kv_unpin": self._unpin_keys, "kv_exists": self._exists, "kv_view": self._view,
             "kv_claim": self._claim, "kv_wait": self._wait,
             "kv_delete": self._delete, "kv_list": self._list, "kv_config": self._config,
             "kv_evict": self._evict_to}
@@ -168,7 +171,8 @@ class KVOps:
         table.update({"kv_get": self.get, "kv_stats": self._stats,
                       "kv_ns_create": self._ns_create, "kv_ns_remove": self._ns_remove})
         if (follower := self.follower) is not None:
-            table.update({"kv_get": follower.get, "kv_exists": follower.exists})
+            table.update({"kv_get": follower.get, "kv_exists": follower.exists,
+                          "kv_view": follower.no_view})
             assert self.forward is not None
             fwd = self.forward
             table.update({"kv_put": fwd.put, "kv_create": fwd.create, "kv_commit": fwd.commit,
@@ -203,6 +207,13 @@ class KVOps:
     async def _exists(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[KVExistsReply]:
         return {"present": [k in space.chunks for k in keys_field(msg)]}, []
+
+    async def _view(self, msg: Msg, session: Session, space: Namespace
+                    ) -> Answer[KVViewReply]:
+        """A read-only descriptor of the namespace's presence table: the caller answers
+        exists from it without asking (`proto/presence.py`)."""
+        table = self.index.view(space)
+        return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
 
     async def _claim(self, msg: Msg, session: Session, space: Namespace
                      ) -> Answer[KVClaimReply]:

@@ -35,6 +35,7 @@ from mxfs.io import Layout, read_batch, write_batch
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.io.memory import has_spare
+from mxfs.kv.key_view import KeyViews
 from mxfs.kv.reuse_policy import ReusePolicy
 from mxfs.proto import MAX_FDS
 from mxfs.proto.constants import MAX_KEY
@@ -52,6 +53,7 @@ from mxfs.proto.messages import (
     KV_PUT,
     KV_STATS,
     KV_UNPIN,
+    KV_VIEW,
     KV_WAIT,
     ChunkReply,
     InNamespace,
@@ -324,6 +326,8 @@ class KVStore:
         # daemon counts the last three as hits: it found the key.
         self.misses: Counter[str] = Counter()
         self.policy = policy
+        # Exists answered from the daemon's table of the namespace's keys (`kv/key_view.py`).
+        self.views = KeyViews(self._ask_view)
         if capacity is not None:
             self.client.request(KV_CONFIG({"namespace": namespace, "capacity": capacity}))
 
@@ -642,9 +646,21 @@ class KVStore:
         return self.policy.plan(prompt_tokens, found, have_tokens).read_chunks
 
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        """Whether each key is stored (none are while the namespace does not exist)."""
+        """Whether each key is stored (none are while the namespace does not exist):
+        from the namespace's key table where the daemon keeps one, else asked."""
+        seen = self.views.present([key_bytes(k) for k in keys])
+        if seen is not None:
+            return seen
         found = self._lookup(KV_EXISTS({**self._ns, "keys": [_b64(k) for k in keys]}))
         return [False] * len(keys) if found is None else list(found[0]["present"])
+
+    def _ask_view(self) -> tuple[int, int]:
+        reply, fds = self.client.request_with_fds(KV_VIEW(self._ns))
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ControlError(errno.EPROTO, "kv_view answered without its table")
+        return fds[0], int(reply["size"])
 
     # ---- computing a miss once ------------------------------------------------------
 

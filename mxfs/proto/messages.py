@@ -369,6 +369,10 @@ class KVExistsReply(TypedDict):
     present: list[bool]
 
 
+class KVViewReply(TypedDict):
+    size: int  # bytes of the table the descriptor holds (`proto/presence.py`)
+
+
 class KVClaimRequest(KeysRequest, total=False):
     ms: int  # how long the claims last (`fs/kv_claims.py`)
 
@@ -492,6 +496,7 @@ KV_COMMIT = Op("kv_commit", KVCommitRequest, KVCommitReply)
 KV_GET = Op("kv_get", KVGetRequest, KVGetReply)
 KV_UNPIN = Op("kv_unpin", KeysRequest, Empty)
 KV_EXISTS = Op("kv_exists", KeysRequest, KVExistsReply)
+KV_VIEW = Op("kv_view", InNamespace, KVViewReply)
 KV_CLAIM = Op("kv_claim", KVClaimRequest, KVClaimReply)
 KV_WAIT = Op("kv_wait", KVWaitRequest, KVExistsReply)
 KV_DELETE = Op("kv_delete", KeysRequest, DeletedReply)
@@ -510,6 +515,7 @@ QUOTA = Op("quota", QuotaRequest, QuotaReport)
 # Every op this protocol version serves, by name.
 BY_NAME: dict[str, Op[Any, Any]] = {op.name: op for op in (
     HELLO, STAT, LAYOUT, OPEN_READ, CLOSE_READ, CREATE, COMMIT, ABORT, KV_PUT, KV_CREATE,
-    KV_COMMIT, KV_GET, KV_UNPIN, KV_EXISTS, KV_CLAIM, KV_WAIT, KV_DELETE, KV_STATS, KV_LIST,
-    KV_CONFIG, KV_EVICT, KV_NS_CREATE, KV_NS_REMOVE, META_BACKUP, META_SYNC, METRICS, DF, QUOTA)}
+    KV_COMMIT, KV_GET, KV_UNPIN, KV_EXISTS, KV_VIEW, KV_CLAIM, KV_WAIT, KV_DELETE, KV_STATS,
+    KV_LIST, KV_CONFIG, KV_EVICT, KV_NS_CREATE, KV_NS_REMOVE, META_BACKUP, META_SYNC, METRICS,
+    DF, QUOTA)}
 OPS = tuple(BY_NAME)

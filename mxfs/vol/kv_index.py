@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.proto.constants import MAX_KEY
 from mxfs.proto.messages import NamespaceStats
+from mxfs.proto.presence import GONE, MOVED
 from mxfs.vol.access import R_OK, W_OK, Caller
+from mxfs.vol.kv_presence import PresenceTable
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.kv")
@@ -64,6 +66,7 @@ class Namespace:
     misses: int = 0
     puts: int = 0
     evictions: int = 0
+    view: PresenceTable | None = None  # its keys for readers' exists, once one asked
 
     def may(self, caller: Caller, mask: int) -> bool:
         """Would the mode bits grant `mask` (R_OK, W_OK) to `caller`, as on a directory?
@@ -221,6 +224,9 @@ class KVIndex:
         """Delete a namespace and every chunk in it; how many chunks went."""
         n = self.remove(space, list(space.chunks))
         self.vol.store.kv.drop_namespace(space.name)
+        if space.view is not None:
+            space.view.retire(GONE)
+            space.view = None
         del self.spaces[space.name]
         self._owned[space.uid] -= 1
         return n
@@ -255,6 +261,19 @@ class KVIndex:
         space.used += size
         space.puts += 1
         self.chunks_by_uid[space.uid] += 1
+        if (view := space.view) is not None:
+            if view.full():  # a larger one, the key in it, replaces it
+                space.view = PresenceTable(space.chunks)
+                view.retire(MOVED)
+            else:
+                view.add(key)
+
+    def view(self, space: Namespace) -> PresenceTable:
+        """The namespace's presence table (`proto/presence.py`), made on first ask and
+        kept current from then on."""
+        if space.view is None:
+            space.view = PresenceTable(space.chunks)
+        return space.view
 
     def remove(self, space: Namespace, keys: list[bytes]) -> int:
         """Delete chunks now (pinned ones too: readers keep their descriptors)."""
@@ -268,6 +287,8 @@ class KVIndex:
         entries = []
         for space, key in victims:
             chunk = space.chunks.pop(key)
+            if space.view is not None:
+                space.view.remove(key)
             space.used -= chunk.size
             self.chunks_by_uid[space.uid] -= 1
             self._touched.pop((space.name, key), None)

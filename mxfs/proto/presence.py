@@ -1,0 +1,61 @@
+"""A KV namespace's keys as a hash set in shared memory: the format daemon and clients share.
+
+`kv_exists` is a round trip to the daemon for every batch, and an engine asks it for
+every request it schedules (SGLang's `batch_exists`), where a file store answers with a
+stat a key from the dentry cache. So the daemon keeps, for each namespace a client asked
+to see (`kv_view`), the hashes of its keys in a memfd it writes as chunks are put,
+deleted and evicted, and hands the client a read-only descriptor of it: the client
+answers exists from its own mapping, as current as a `kv_exists` would be.
+
+Layout: a header of HEADER_SIZE bytes (magic, version, state, slots, seed, count), then
+`slots` 8-byte slots in the machine's byte order (daemon and clients share the machine),
+open addressing with linear probing. A slot holds
+0 (empty), 1 (a key that went) or a key's xxh3-64 under the table's seed (2 added to
+values below 2). The daemon changes one slot with one aligned 8-byte store, so a reader
+sees a key present or not, never half of one; it never rearranges slots in place (a
+table too full is replaced by a new one, the old marked MOVED). A hash is not the key:
+two keys of one hash (one in 2**64 a pair) make a false "present", and the get that
+follows finds no chunk, as for a chunk evicted between the two.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+MAGIC = b"MXKVSET1"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQQ")  # magic, version, state, slots, seed, count
+HEADER_SIZE = 64  # slots start here (a cache line: the header's writes touch no slot)
+EMPTY, GONE_KEY = 0, 1
+LIVE, MOVED, GONE = 0, 1, 2  # table states: in use; replaced (ask again); namespace gone
+
+
+def slot_hash(seed: int, key: bytes) -> int:
+    """What a key's slot holds (never EMPTY or GONE_KEY)."""
+    h = xxhash.xxh3_64_intdigest(key, seed)
+    return h + 2 if h < 2 else h
+
+
+def read_header(buf: memoryview) -> tuple[int, int, int, int]:
+    """(state, slots, seed, count) of a table; ValueError if it is not one."""
+    magic, version, state, slots, seed, count = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or version != VERSION or slots & (slots - 1) or \
+            len(buf) < HEADER_SIZE + 8 * slots:
+        raise ValueError("not a KV presence table of this version")
+    return state, slots, seed, count
+
+
+def contains(slots: memoryview, h: int) -> bool:
+    """Whether hash `h` is in the table whose slots (a memoryview of format "Q") these are."""
+    mask = len(slots) - 1
+    i = h & mask
+    for _ in range(len(slots)):
+        v = slots[i]
+        if v == h:
+            return True
+        if v == EMPTY:
+            return False
+        i = (i + 1) & mask
+    return False

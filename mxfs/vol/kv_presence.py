@@ -1,0 +1,127 @@
+"""The daemon's side of a namespace's presence table (`proto/presence.py`): a memfd it
+writes as the namespace's chunks come and go, handed to readers read-only.
+
+Made when a client first asks to see a namespace (`kv_view`), kept current by the KV
+index (`vol/kv_index.py`: every insert and drop), and retired when it fills up (a
+larger one replaces it, the old marked MOVED) or when the namespace is removed (marked
+GONE): a retired table is wiped, so a reader's mapping, which the daemon cannot take
+back, shows nothing it may no longer see. The memfd is sealed against growing,
+shrinking and any new writable mapping or write; readers get a read-only descriptor of
+it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+from collections.abc import Collection
+
+from mxfs.proto.presence import (
+    EMPTY,
+    GONE,
+    GONE_KEY,
+    HEADER,
+    HEADER_SIZE,
+    LIVE,
+    MAGIC,
+    MOVED,
+    VERSION,
+    slot_hash,
+)
+
+MIN_SLOTS = 1024
+FULL = 0.6  # the share of slots in use (keys and gone keys) past which a table is replaced
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+
+
+class PresenceTable:
+    """One namespace's key hashes in a sealed memfd; written here only."""
+
+    def __init__(self, keys: Collection[bytes]) -> None:
+        slots = MIN_SLOTS
+        while len(keys) * 2 > slots * FULL:  # room to double before it is replaced
+            slots *= 2
+        self.slots = slots
+        self.seed = secrets.randbits(64)
+        self.count = self.gone = 0
+        size = HEADER_SIZE + 8 * slots
+        self.fd = os.memfd_create("mxfs-kv-view", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED,
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)  # (this mapping stays writable)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._slots = memoryview(self.map)[HEADER_SIZE:].cast("Q")
+        for key in keys:
+            self._insert(slot_hash(self.seed, key))
+        self._header(LIVE)
+
+    def _header(self, state: int) -> None:
+        HEADER.pack_into(self.map, 0, MAGIC, VERSION, state, self.slots, self.seed,
+                         self.count)
+
+    def _insert(self, h: int) -> None:
+        """Into the first free slot of its chain, unless the chain holds it already (a
+        removed key's slot is reused only once the whole chain is known not to)."""
+        mask = self.slots - 1
+        i = h & mask
+        free = -1
+        for _ in range(self.slots):  # (never all taken: `full` keeps 40% empty)
+            if (v := self._slots[i]) == EMPTY:
+                break
+            if v == h:
+                return
+            if v == GONE_KEY and free < 0:
+                free = i
+            i = (i + 1) & mask
+        if free >= 0:
+            i = free
+            self.gone -= 1
+        self._slots[i] = h  # (one aligned 8-byte store: readers see it whole)
+        self.count += 1
+
+    def full(self) -> bool:
+        """Would one more key take it past FULL (then replace it: `retire(MOVED)`)."""
+        return (self.count + self.gone + 1) > self.slots * FULL
+
+    def add(self, key: bytes) -> None:
+        self._insert(slot_hash(self.seed, key))
+        self._header(LIVE)  # (the count)
+
+    def remove(self, key: bytes) -> None:
+        h = slot_hash(self.seed, key)
+        mask = self.slots - 1
+        i = h & mask
+        for _ in range(self.slots):
+            v = self._slots[i]
+            if v == EMPTY:
+                return
+            if v == h:
+                self._slots[i] = GONE_KEY  # (keeps the probe chains of later keys whole)
+                self.count -= 1
+                self.gone += 1
+                self._header(LIVE)
+                return
+            i = (i + 1) & mask
+
+    def reader_fd(self) -> int:
+        """A new read-only descriptor of the table, for a reader (the caller sends and
+        closes it)."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def retire(self, state: int) -> None:
+        """Wipe it and mark it MOVED (a new table took its place) or GONE (the namespace
+        went): readers' mappings then show nothing, and say why."""
+        assert state in (MOVED, GONE)
+        self.count = self.gone = 0
+        self._header(state)  # (first: a reader that sees the state asks again)
+        self._slots[:] = memoryview(bytes(8 * self.slots)).cast("Q")
+        self._slots.release()
+        self.map.close()
+        os.close(self.fd)
