@@ -4,9 +4,10 @@ KV puts come by the thousand a second.  Each needs a hidden inode that is commit
 before any chunk file of it exists, and then a chunk file: made one by one on the
 daemon's thread, that is a commit and a file create per put (a create costs 0.1-1 ms
 on a busy ext4, most of a small put).  So spares are made and committed BATCH at a
-time, with the root's layout (every KV chunk's), and worker threads (MAKERS) create
-each one's chunk file on its first member while puts go on: a put takes a spare whose
-file is ready, or creates it itself (`ChunkFiles` serializes the two).
+time, with the root's layout (every KV chunk's), the next batch while LOW are left,
+and worker threads (MAKERS) create each one's chunk file on its first member while
+puts go on: a put takes a spare whose file is ready, or creates it itself
+(`ChunkFiles` serializes the two).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mxfs.pool import ChunkFiles, Pool
 log = logging.getLogger("mxfs.fs")
 
 BATCH = 64
+LOW = BATCH // 2  # spares left when the next batch is made: its files are made meanwhile
 # Threads making chunk files ahead: creates in the members' folders run in parallel.
 MAKERS = 4
 
@@ -37,7 +39,7 @@ class Spares:
     def take(self, uid: int, gid: int) -> tuple[Inode, ChunkFiles]:
         """A committed hidden file (mode 0600) owned by `uid`:`gid`, and its chunk
         files (the caller holds them open: `Volume.acquire`)."""
-        if not self._ready:
+        if len(self._ready) <= LOW:  # the next batch, while this one's files are made
             self._make()
         node, chunks = self._ready.pop()
         if (node.uid, node.gid) != (uid, gid):
@@ -49,10 +51,11 @@ class Spares:
         made = store.txn(lambda: [store.create_hidden(ROOT_INO, 0o600, 0, 0, self.pick)
                                   for _ in range(BATCH)])
         store.commit()  # only once committed: no chunk file before its inode
-        self._ready = [(n, ChunkFiles(self.pool, n.ino, self.layout(n))) for n in made]
+        batch = [(n, ChunkFiles(self.pool, n.ino, self.layout(n))) for n in made]
+        self._ready[:0] = batch  # taken from the end: after those made before
         if self._worker is None:
             self._worker = ThreadPoolExecutor(MAKERS, thread_name_prefix="mxfs-spares")
-        ahead = [c for _, c in reversed(self._ready)]  # (the next one taken first)
+        ahead = [c for _, c in reversed(batch)]  # (the next one taken first)
         for k in range(MAKERS):
             self._worker.submit(_prepare, ahead[k::MAKERS])
 
