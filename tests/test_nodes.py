@@ -352,8 +352,9 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                                                                           ) -> None:
     """The metadata server stops answering (SIGSTOP): a lookup on the reading node waits
     for it in the store's worker thread, at most SERVE_WAIT_S, not the minute a long
-    statement may take; meanwhile the daemon's loop serves what needs no server (a read
-    of an open file, a hello), and what needs the server fails (EIO) instead of hanging."""
+    statement may take, as do `mxfs status` and a control request's path walk;
+    meanwhile the daemon's loop serves what needs no server (a read of an open file, a
+    hello), and what needs the server fails (EIO) instead of hanging."""
     from pg_server import private
 
     server_gen = private()
@@ -376,8 +377,13 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 os.kill(pid, signal.SIGSTOP)
             try:
                 failed: list[int] = []
+                stated = threading.Event()
 
                 def look() -> None:
+                    # `mxfs status` (the nodes and what the writer published, read in
+                    # the store's worker): answered once the server is given up on
+                    if paths.call("stat")["pool_uuid"]:
+                        stated.set()
                     try:  # a control request's walk of a path (the store's worker too)
                         paths.call("layout", path="/f")
                     except OSError as e:
@@ -393,11 +399,11 @@ def test_a_hung_metadata_server_holds_a_reading_nodes_users_a_short_while(tmp_pa
                 assert os.pread(held, 1, 0) == b"f"  # (the daemon's read: no server needed)
                 other.sendall(encode({"op": "hello", "id": 1}))
                 assert other.recv(HEADER.size), "the reading node did not answer"
-                # ... both answered while the lookup still waits on the server (on the
+                # ... both answered while the status still waits on the server (on the
                 # loop, it held them until it gave up)
-                assert looking.is_alive()
+                assert not stated.is_set() and looking.is_alive()
                 looking.join(30)
-                assert failed == [errno.EIO, errno.EIO]
+                assert stated.is_set() and failed == [errno.EIO, errno.EIO]
                 # KV lookups (the store's worker thread) are bounded the same way, and
                 # then refused at once while the server stays away.
                 for _ in range(2):

@@ -78,7 +78,7 @@ class ControlServer:
                              settle=settle, remote=self.remote, reads=reads)
         self.meta = MetaOps(volume)
         self.status = StatusOps(volume, mountpoint, self.limits, self.listener, self.kv,
-                                self.pending_by_uid, self.metrics, wake)
+                                self.pending_by_uid, self.metrics, wake, reads)
         if volume.pool.remote is not None:
             self.status.remote = self.remote
         self.handlers: dict[str, Handler] = {}

@@ -18,10 +18,11 @@ from mxfs.fs.listener import Listener
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Answer, Handler, Session
+from mxfs.fs.store_worker import StoreWorker
 from mxfs.fs.surveys import Surveys
 from mxfs.fs.wake import WakeLatency
 from mxfs.io.batch import ENGINE, native_engine, taken_back
-from mxfs.meta import lease
+from mxfs.meta import MetaStore, lease
 from mxfs.meta.survey import bytes_by_use
 from mxfs.proto import OPS, VERSION
 from mxfs.proto.messages import (
@@ -40,7 +41,7 @@ from mxfs.vol.volume import Volume
 class StatusOps:
     def __init__(self, vol: Volume, mountpoint: str, limits: Limits, listener: Listener,
                  kv: KVOps, pending_by_uid: Counter[int], metrics: Metrics,
-                 wake: WakeLatency | None = None) -> None:
+                 wake: WakeLatency | None = None, reads: StoreWorker | None = None) -> None:
         self.vol = vol
         self.mountpoint = mountpoint
         self.limits = limits
@@ -53,6 +54,8 @@ class StatusOps:
         self.chunks: ChunkService | None = None  # the daemon's, when it serves chunks
         self.feed: FeedFollower | None = None  # a reading node's (`fs/feed_follower.py`)
         self.remote: RemoteReads | None = None  # a reading node's (`fs/remote_reads.py`)
+        # A reading node's store reads (round trips to the server), off trio's thread.
+        self.reads = reads
 
     def handlers(self) -> dict[str, Handler]:
         return {"hello": self._hello, "stat": self._stat, "metrics": self._metrics,
@@ -72,18 +75,30 @@ class StatusOps:
         return {**status}, []
 
     async def _metrics(self, msg: Msg, session: Session) -> Answer[MetricsReply]:
+        await self._published(session.caller.uid)
         return {**self.metrics.snapshot(), "members": self.vol.usage()}, []
 
     async def _df(self, msg: Msg, session: Session) -> Answer[DfReply]:
+        await self._published(session.caller.uid)
         return {"members": self.vol.usage(),
                 "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
 
     async def _quota(self, msg: Msg, session: Session) -> Answer[QuotaReport]:
         return serve_quota(self.vol.quotas, msg, session.caller.uid), []
 
+    async def _published(self, uid: int) -> None:
+        """A reading node: what the writer published of the pool (members' space,
+        inodes), read now if it is stale, in `uid`'s turn of the store worker, so that
+        what follows finds it read (a hung server holds this caller, not the loop)."""
+        if self.reads is not None:
+            await self.reads.run(self.vol.published, uid)
+
     async def status(self, viewer: int = 0) -> StatReply:
         """The pool as `mxfs status` shows it (the quota lines: `viewer`'s own, or every
         uid's to root)."""
+        await self._published(viewer)
+        nodes = await self.reads.run(self.nodes, viewer) if self.reads is not None \
+            else self.nodes()
         quotas = self.vol.quotas
         shown = None if not quotas.limits else quotas.report(None if viewer == 0 else viewer)
         pool = self.vol.pool
@@ -107,7 +122,7 @@ class StatusOps:
                 "remote_reads": self.remote.status() if self.remote else None,
                 "kv_forward": self.kv.forward.status() if self.kv.forward else None,
                 "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
-                "nodes": self.nodes()}
+                "nodes": nodes}
 
     def feed_status(self) -> FeedStatus | None:
         """The change feed: what a reading node read of it, or what a writer published."""
@@ -118,12 +133,13 @@ class StatusOps:
             return {"role": "publishes", "published": noted.published}
         return None
 
-    def nodes(self) -> list[NodeStatus]:
-        """Every node of a pool on a metadata server (none for one on a member)."""
+    def nodes(self, store: MetaStore | None = None) -> list[NodeStatus]:
+        """Every node of a pool on a metadata server (none for one on a member), read
+        from `store` (a worker's) or the volume's."""
         if not self.vol.pool.meta_url:
             return []
         try:
-            return lease.nodes(self.vol.store)
+            return lease.nodes(store or self.vol.store)
         except OSError:  # the server is away: status says so in the lease line
             return []
 
