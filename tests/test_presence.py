@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mxfs.proto.presence import GONE, HEADER_SIZE, LIVE, MOVED, contains, read_header, slot_hash
-from mxfs.vol.kv_presence import FULL, MIN_SLOTS, PresenceTable
+from mxfs.vol.kv_presence import CAP, FULL, MIN_SLOTS, PresenceTable, Successor
 
 pytestmark = pytest.mark.unit
 
@@ -73,3 +73,38 @@ def test_a_table_starts_sized_for_twice_its_keys_and_retired_shows_nothing() -> 
 def test_what_is_not_a_table_is_refused() -> None:
     with pytest.raises(ValueError):
         read_header(memoryview(bytearray(HEADER_SIZE + 8 * 1024)))
+
+
+def test_a_successor_filled_in_bites_holds_the_keys_as_they_are_at_its_end() -> None:
+    """While a larger table is filled a bite at a time (the daemon serves others
+    between bites), keys come and go: the filled table holds exactly the keys there
+    at the end, whichever side of its copy each change fell on."""
+    keys = {b"k%d" % i: None for i in range(5000)}
+    growing = Successor(keys)
+    r = Reader(growing.table)
+    assert growing.table.slots * FULL >= 2 * len(keys)
+    bites = 0
+    while not growing.fill(keys, 700):  # (copied from the end: k4999 first)
+        bites += 1
+        copied, later = b"k%d" % (5000 - 700 * bites), b"k%d" % (4999 - 700 * bites)
+        for gone in (copied, later):  # between bites, one copied key goes, and one not
+            del keys[gone]            # copied yet; a new key comes, and the copied one
+            growing.table.remove(gone)  # comes back
+        for new in (b"new%d" % bites, copied):
+            keys[new] = None
+            growing.table.add(new)
+    assert bites == 5000 // 700
+    assert r.state()[3] == len(keys) == 5000
+    assert all(r.has(k) for k in keys)
+    assert not any(r.has(b"k%d" % (4999 - 700 * b)) for b in range(1, bites + 1))
+
+
+def test_a_table_past_full_takes_keys_up_to_its_cap_while_its_successor_fills() -> None:
+    table = PresenceTable()
+    n = 0
+    while table.can_take():
+        table.add(b"c%d" % n)
+        n += 1
+    assert table.full() and n == int(table.slots * CAP)
+    r = Reader(table)
+    assert all(r.has(b"c%d" % i) for i in range(n)) and not r.has(b"absent")

@@ -185,7 +185,10 @@ class KVOps:
         """`fn` given the namespace `op` works in, checked for what `op` needs of the
         caller."""
         async def handler(msg: Msg, session: Session) -> Reply:
-            return await fn(msg, session, self._space(op, msg, session.caller))
+            space = self._space(op, msg, session.caller)
+            reply = await fn(msg, session, space)
+            await self._grow_view(space)  # (a put took its table past FULL)
+            return reply
         return handler
 
     async def _stats(self, msg: Msg, session: Session) -> Answer[KVStatsReply]:
@@ -212,8 +215,22 @@ class KVOps:
                     ) -> Answer[KVViewReply]:
         """A read-only descriptor of the namespace's presence table: the caller answers
         exists from it without asking (`proto/presence.py`)."""
-        table = self.index.view(space)
+        if space.view is None:
+            self.index.start_view(space)
+            await self._grow_view(space)
+        table = space.view
+        if table is None:  # (the namespace was removed while its table was filled)
+            raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
         return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
+
+    async def _grow_view(self, space: Namespace) -> None:
+        """Fill the namespace's next presence table, a bite at a time, other requests
+        served between bites (`fs/fair.py`)."""
+        share = Slice()
+        while space.next_view is not None:
+            self.index.grow_view(space)
+            if space.next_view is not None:
+                await share.due()
 
     async def _claim(self, msg: Msg, session: Session, space: Namespace
                      ) -> Answer[KVClaimReply]:
@@ -366,6 +383,7 @@ class KVOps:
         if stored:
             self.index.enforce(space)
             self._visible()
+            await self._grow_view(space)
         return stored
 
     async def _store(self, space: Namespace, key: bytes, data: bytes | bytearray,

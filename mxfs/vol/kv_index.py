@@ -27,10 +27,12 @@ from mxfs.proto.constants import MAX_KEY
 from mxfs.proto.messages import NamespaceStats
 from mxfs.proto.presence import GONE, MOVED
 from mxfs.vol.access import R_OK, W_OK, Caller
-from mxfs.vol.kv_presence import PresenceTable
+from mxfs.vol.kv_presence import PresenceTable, Successor
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.kv")
+
+VIEW_BITE = 8192  # keys copied into a presence table being filled between yields
 
 # Eviction starts above HIGH x capacity and stops at LOW x capacity.
 HIGH, LOW = 1.0, 0.9
@@ -67,6 +69,9 @@ class Namespace:
     puts: int = 0
     evictions: int = 0
     view: PresenceTable | None = None  # its keys for readers' exists, once one asked
+    # A larger table being filled a bite at a time (`KVIndex.grow_view`): it takes the
+    # view's place once full.
+    next_view: Successor | None = None
 
     def may(self, caller: Caller, mask: int) -> bool:
         """Would the mode bits grant `mask` (R_OK, W_OK) to `caller`, as on a directory?
@@ -224,9 +229,9 @@ class KVIndex:
         """Delete a namespace and every chunk in it; how many chunks went."""
         n = self.remove(space, list(space.chunks))
         self.vol.store.kv.drop_namespace(space.name)
-        if space.view is not None:
-            space.view.retire(GONE)
-            space.view = None
+        for table in _tables(space):
+            table.retire(GONE)
+        space.view = space.next_view = None
         del self.spaces[space.name]
         self._owned[space.uid] -= 1
         return n
@@ -261,19 +266,29 @@ class KVIndex:
         space.used += size
         space.puts += 1
         self.chunks_by_uid[space.uid] += 1
+        if space.next_view is not None:
+            space.next_view.table.add(key)
         if (view := space.view) is not None:
-            if view.full():  # a larger one, the key in it, replaces it
-                space.view = PresenceTable(space.chunks)
-                view.retire(MOVED)
-            else:
+            if view.full() and space.next_view is None:
+                self.start_view(space)  # (a copy of the keys: this one among them)
+            if view.can_take():
                 view.add(key)
 
-    def view(self, space: Namespace) -> PresenceTable:
-        """The namespace's presence table (`proto/presence.py`), made on first ask and
-        kept current from then on."""
-        if space.view is None:
-            space.view = PresenceTable(space.chunks)
-        return space.view
+    def start_view(self, space: Namespace) -> None:
+        """Begin a presence table (`proto/presence.py`) for the namespace's keys: its
+        first, or a larger one for a table past FULL.  The caller fills it (`grow_view`)
+        a bite at a time: copying a million keys holds a thread half a second."""
+        if space.next_view is None:
+            space.next_view = Successor(space.chunks)
+
+    def grow_view(self, space: Namespace, bite: int = VIEW_BITE) -> None:
+        """Copy a bite of keys into the table being filled; the last bite puts it in the
+        view's place (the old one retired MOVED: its readers ask for the new)."""
+        growing = space.next_view
+        if growing is not None and growing.fill(space.chunks, bite):
+            if space.view is not None:
+                space.view.retire(MOVED)
+            space.view, space.next_view = growing.table, None
 
     def remove(self, space: Namespace, keys: list[bytes]) -> int:
         """Delete chunks now (pinned ones too: readers keep their descriptors)."""
@@ -287,8 +302,8 @@ class KVIndex:
         entries = []
         for space, key in victims:
             chunk = space.chunks.pop(key)
-            if space.view is not None:
-                space.view.remove(key)
+            for table in _tables(space):
+                table.remove(key)
             space.used -= chunk.size
             self.chunks_by_uid[space.uid] -= 1
             self._touched.pop((space.name, key), None)
@@ -434,3 +449,9 @@ def _above_floor(path: str) -> int:
     """Bytes free on `path`'s filesystem above the POOL_FREE_MIN it keeps."""
     st = os.statvfs(path)
     return int(st.f_bavail * st.f_frsize - st.f_blocks * st.f_frsize * POOL_FREE_MIN)
+
+
+def _tables(space: Namespace) -> list[PresenceTable]:
+    """The namespace's presence tables: the one readers map, the one being filled."""
+    tables = [] if space.next_view is None else [space.next_view.table]
+    return tables if space.view is None else [space.view, *tables]

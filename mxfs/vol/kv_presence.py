@@ -16,7 +16,7 @@ import fcntl
 import mmap
 import os
 import secrets
-from collections.abc import Collection
+from collections.abc import Collection, Container
 
 from mxfs.proto.presence import (
     EMPTY,
@@ -33,6 +33,7 @@ from mxfs.proto.presence import (
 
 MIN_SLOTS = 1024
 FULL = 0.6  # the share of slots in use (keys and gone keys) past which a table is replaced
+CAP = 0.85  # ... and past which it takes no more keys (probes stay short; 15% stay empty)
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
@@ -40,9 +41,11 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.
 class PresenceTable:
     """One namespace's key hashes in a sealed memfd; written here only."""
 
-    def __init__(self, keys: Collection[bytes]) -> None:
+    def __init__(self, keys: Collection[bytes] = (), room: int = 0) -> None:
+        """A table holding `keys`, sized for `room` keys or theirs, whichever is more,
+        to double before it is replaced."""
         slots = MIN_SLOTS
-        while len(keys) * 2 > slots * FULL:  # room to double before it is replaced
+        while max(len(keys), room) * 2 > slots * FULL:
             slots *= 2
         self.slots = slots
         self.seed = secrets.randbits(64)
@@ -72,7 +75,7 @@ class PresenceTable:
         mask = self.slots - 1
         i = h & mask
         free = -1
-        for _ in range(self.slots):  # (never all taken: `full` keeps 40% empty)
+        for _ in range(self.slots):  # (never all taken: CAP keeps 15% empty)
             if (v := self._slots[i]) == EMPTY:
                 break
             if v == h:
@@ -87,8 +90,13 @@ class PresenceTable:
         self.count += 1
 
     def full(self) -> bool:
-        """Would one more key take it past FULL (then replace it: `retire(MOVED)`)."""
+        """Would one more key take it past FULL (time to make a larger one)."""
         return (self.count + self.gone + 1) > self.slots * FULL
+
+    def can_take(self) -> bool:
+        """Whether one more key stays within CAP, while its successor is being filled
+        (past it a key put meanwhile reads absent here until the successor is in)."""
+        return (self.count + self.gone + 1) <= self.slots * CAP
 
     def add(self, key: bytes) -> None:
         self._insert(slot_hash(self.seed, key))
@@ -125,3 +133,22 @@ class PresenceTable:
         self._slots.release()
         self.map.close()
         os.close(self.fd)
+
+
+class Successor:
+    """A table being filled from a copy of a namespace's keys a bite at a time, while
+    the namespace changes: its changes go into the table at once (`table.add`,
+    `table.remove`), and a copied key only if it is still there."""
+
+    def __init__(self, keys: Collection[bytes]) -> None:
+        self.table = PresenceTable(room=len(keys))
+        self._todo = list(keys)
+
+    def fill(self, now: Container[bytes], bite: int) -> bool:
+        """Copy up to `bite` keys (those still in `now`, the namespace's); whether every
+        key is copied."""
+        for key in self._todo[-bite:]:
+            if key in now:
+                self.table.add(key)
+        del self._todo[-bite:]
+        return not self._todo
