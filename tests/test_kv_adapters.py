@@ -140,6 +140,45 @@ def test_sglang_config_reads_through_the_page_cache_when_asked(mounted: Mounted)
         backend.close()
 
 
+def test_sglang_reports_only_the_hits_that_read_faster_than_they_compute(
+        mounted: Mounted) -> None:
+    """With the instance's prefill rate given, a lookup reports the hit pages that the
+    pool, at the rate this backend's gets measured, delivers faster than the instance
+    would compute them: all of them for a slow instance, none for an instance that
+    computes faster than anything reads (but one in 16 lookups, to see the pool again),
+    every hit before any get measured the pool; a rate that is not one is refused."""
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from mxfs.kv.keys import sglang_hashes
+    from mxfs.kv.reuse_policy import PROBE_EVERY
+
+    keys = sglang_hashes(list(range(64 * 4)), 64)
+    seen = {}
+    for name, rate in (("slow", 1e-3), ("fast", 1e15)):
+        config = sglang_config(mounted)
+        config.extra_config["prefill_tokens_per_s"] = rate
+        backend = StorageBackendFactory.create_backend("dynamic", config, None)
+        pool = HostPool()
+        backend.register_mem_pool_host(pool)
+        pool.kv_buffer.normal_()
+        if name == "slow":
+            assert backend.batch_set_v1(keys, torch.arange(0, 4 * 64)) == [True] * 4
+        assert backend.batch_exists(keys) == 4  # the pool not measured yet: every hit
+        assert backend.batch_get_v1(keys, torch.arange(0, 4 * 64)) == [True] * 4
+        held = HiCacheStorageExtraInfo(prefix_keys=keys[:1])  # (one page held already)
+        seen[name] = [backend.batch_exists(keys[1:], held) for _ in range(PROBE_EVERY)]
+        backend.close()
+    assert seen["slow"] == [3] * PROBE_EVERY
+    assert seen["fast"] == [0] * (PROBE_EVERY - 1) + [1]
+    for bad in ("fast", 0, -5, float("inf")):
+        config = sglang_config(mounted)
+        config.extra_config["prefill_tokens_per_s"] = bad
+        with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+            StorageBackendFactory.create_backend("dynamic", config, None)
+
+
 def test_sglang_lookups_before_any_store_are_misses(mounted: Mounted) -> None:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer

@@ -3,13 +3,21 @@
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
       '{"backend_name": "mxfs", "module_path": "mxfs.kv.adapters.sglang",
         "class_name": "MxfsHiCacheStorage", "interface_v1": 1,
-        "mount": "/mnt/kv", "namespace": "sglang"}'
+        "mount": "/mnt/kv", "namespace": "sglang", "prefill_tokens_per_s": 20000}'
 
 Keys are SGLang's page hashes with the model and parallel shard appended exactly as
 its own file backend (HiCacheFile) does: tensor, pipeline, attention context and
 decode context parallel ranks, so ranks and models never share chunks by mistake,
 and a hybrid model's extra pools (Mamba, SWA, DSA...) are stored as `key.{pool}`
 through the v2 interface.
+
+With "prefill_tokens_per_s" (the instance's prefill rate, tokens a second), a lookup
+reports only the hit pages that read faster than they compute, by the store's reuse
+policy (`mxfs.kv.reuse_policy`: the read rate measured from this backend's gets), so
+a slow pool never makes a request slower than recomputing it: SGLang loads what
+`batch_exists` reports and prefills the rest. Computing a page is taken to cost the
+same at any position (the rate given), which underestimates long contexts'
+attention: the policy then leans to recomputing, never to a read that loses.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from mxfs.kv.kvstore import KVStore, default_namespace, page_cache_option
+from mxfs.kv.reuse_policy import ReusePolicy
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer, PoolTransferResult
@@ -62,6 +71,20 @@ def storage_suffixes(config: HiCacheStorageConfig) -> tuple[str, str]:
     return suffix, tp_suffix
 
 
+def prefill_rate(value: Any) -> float | None:
+    """An engine config's "prefill_tokens_per_s": absent (None), or a positive rate."""
+    if value is None:
+        return None
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        rate = 0.0
+    if not rate > 0 or rate == float("inf"):
+        raise ValueError(f"mxfs HiCache backend: \"prefill_tokens_per_s\" is {value!r}: give "
+                         "the instance's prefill rate in tokens a second, e.g. 20000")
+    return rate
+
+
 def _storages(pool: Any) -> set[int]:
     """Where the host pool's own buffers live (their storages' addresses)."""
     ptrs = set()
@@ -87,6 +110,7 @@ class MxfsHiCacheStorage(HiCacheStorage):
                              capacity=int(capacity) if capacity is not None else None,
                              shared=bool(extra.get("shared")),
                              page_cache=page_cache_option(extra.get("page_cache")))
+        self.prefill_rate = prefill_rate(extra.get("prefill_tokens_per_s"))
         self.config_suffix, self.tp_config_suffix = storage_suffixes(storage_config)
         self.suffix = self.config_suffix
         self.mem_pool_host: Any = None
@@ -148,7 +172,25 @@ class MxfsHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        return self.store.batch_exists([self._k(k) for k in keys])
+        """The hit pages from the first; with a prefill rate, only those worth reading."""
+        stored = [self._k(k) for k in keys]
+        policy = self.store.policy
+        if policy is None:
+            return self.store.batch_exists(stored)
+        held = extra_info.prefix_keys if extra_info is not None else None
+        have = len(held or ()) * policy.chunk_tokens  # (the instance holds those pages)
+        return self.store.prefix_to_read(stored, have + len(keys) * policy.chunk_tokens, have)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The host pool, whose pages say what a page holds: its tokens and bytes, the
+        reuse policy's units."""
+        super().register_mem_pool_host(mem_pool_host)
+        if self.prefill_rate is not None:
+            page = mem_pool_host.get_dummy_flat_data_page()
+            self.store.policy = ReusePolicy(
+                int(mem_pool_host.page_size), page.numel() * page.element_size(),
+                lambda prompt, cached: float(prompt - cached),  # (tokens to compute)
+                seconds_per_flop=1.0 / self.prefill_rate)
 
     # ---- host pool pages ----------------------------------------------------------------
 
