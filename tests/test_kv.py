@@ -618,3 +618,32 @@ def test_a_views_descriptor_reads_and_nothing_more_and_is_wiped_with_its_namespa
         state, _, _, count = read_header(memoryview(table))
         assert state == GONE and count == 0 and not any(table[HEADER_SIZE:])
         table.close()
+
+
+def test_a_chunk_up_to_4mib_is_one_file_and_a_batch_spreads_over_the_members(
+        mounted: Mounted) -> None:
+    """A KV chunk up to ONE_MEMBER_MAX lies whole on one member (one file to make and
+    open, where striped over this pool's 64 KiB units it was four), members taken in
+    turn so a batch still reads from all of them; a larger chunk stripes as files do."""
+    from mxfs.vol.spares import ONE_MEMBER_MAX
+
+    def holding() -> dict[str, int]:  # chunk files with bytes in them, by member
+        found: dict[str, int] = {}
+        for f in chunk_files(mounted.members):
+            if os.path.getsize(f):
+                member = next(m for m in mounted.members if f.startswith(m + os.sep))
+                found[member] = found.get(member, 0) + 1
+        return found
+
+    small = [blob(i, 2 << 20) for i in range(8)]
+    with KVStore(str(mounted.path), "placed") as kv:
+        assert kv.batch_put([f"s{i}" for i in range(8)], small) == [True] * 8
+        placed = holding()
+        assert sum(placed.values()) == 8 and len(placed) == len(mounted.members)
+        large = blob(9, ONE_MEMBER_MAX + (1 << 20))
+        assert kv.put("large", large)
+        after = holding()
+        assert all(after[m] == placed[m] + 1 for m in mounted.members)
+        drop_caches()
+        got = kv.batch_get([f"s{i}" for i in range(8)] + ["large"])
+        assert [bytes(g) for g in got] == small + [large]

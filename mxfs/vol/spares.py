@@ -4,10 +4,12 @@ KV puts come by the thousand a second.  Each needs a hidden inode that is commit
 before any chunk file of it exists, and then a chunk file: made one by one on the
 daemon's thread, that is a commit and a file create per put (a create costs 0.1-1 ms
 on a busy ext4, most of a small put).  So spares are made and committed BATCH at a
-time, with the root's layout (every KV chunk's), the next batch while LOW are left,
-and worker threads (MAKERS) create each one's chunk file on its first member while
-puts go on: a put takes a spare whose file is ready, or creates it itself
-(`ChunkFiles` serializes the two).
+time, the next batch while LOW are left, and worker threads (MAKERS) create each one's
+chunk file while puts go on: a put takes a spare whose file is ready, or creates it
+itself (`ChunkFiles` serializes the two).  A spare lies on one member (the root's
+stripe unit, width 1; members taken in turn by inode): a chunk of up to
+`ONE_MEMBER_MAX` is one file, where striped it was one a member it touched, and a
+batch of chunks still spreads over every member.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mxfs.pool import ChunkFiles, Pool
 log = logging.getLogger("mxfs.fs")
 
 BATCH = 64
+ONE_MEMBER_MAX = 4 << 20  # KV chunks up to this size are spares, on one member each
 LOW = BATCH // 2  # spares left when the next batch is made: its files are made meanwhile
 # Threads making chunk files ahead: creates in the members' folders run in parallel.
 MAKERS = 4
@@ -48,7 +51,10 @@ class Spares:
 
     def _make(self) -> None:
         store = self.store
-        made = store.txn(lambda: [store.create_hidden(ROOT_INO, 0o600, 0, 0, self.pick)
+        def one_member(ino: int, unit: int | None, width: int | None
+                       ) -> tuple[int, int, int]:
+            return self.pick(ino, unit, 1)
+        made = store.txn(lambda: [store.create_hidden(ROOT_INO, 0o600, 0, 0, one_member)
                                   for _ in range(BATCH)])
         store.commit()  # only once committed: no chunk file before its inode
         batch = [(n, ChunkFiles(self.pool, n.ino, self.layout(n))) for n in made]
