@@ -475,8 +475,9 @@ class KVOps:
 
     def _open_spare(self, caller: Caller) -> tuple[OpenInode, list[int], list[int]]:
         """A spare of `caller`'s (`vol/spares.py`) and a write descriptor of its chunk
-        file: (entry, [member], [fd]).  Opening the file its maker made is a lookup;
-        a commit and a create each, as `open_hidden` costs, held this thread 1-4 ms."""
+        file: (entry, [member], [fd]).  Opening the file its maker made is a lookup,
+        where `open_hidden` commits the store and creates a file a member on this
+        thread (1-4 ms on one disk here)."""
         refuse_if_degraded(self.vol)
         entry = self.vol.take_spare(caller.uid, caller.gid)
         member = self.vol.layout(entry.node).first
