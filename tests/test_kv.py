@@ -573,6 +573,11 @@ def test_exists_is_answered_from_the_namespaces_table_kept_current(mounted: Moun
         assert kv.exists_many(keys) == [i != 3 for i in range(800)]
         assert kv.exists_many(["absent", keys[799]]) == [False, True]
         assert _asked(mounted.path, "kv_exists") == asked  # none of it asked the daemon
+        gets = _asked(mounted.path, "kv_get")
+        assert kv.pin(["absent", "gone", keys[3]]) == [False] * 3  # (LMCache's lookups)
+        assert _asked(mounted.path, "kv_get") == gets  # absent keys are not asked for
+        assert kv.pin(["absent", keys[4], keys[3], keys[5]]) == [False, True, False, True]
+        kv.unpin([keys[4], keys[5]])
         kv.evict(0)
         assert kv.exists_many(keys[:3]) == [False] * 3
         other.client.call("kv_ns_remove", namespace="viewed")

@@ -693,8 +693,17 @@ class KVStore:
         store's connection ends).  Which keys were leased: True for each, False for keys
         not stored; a caller that says "found" should say it of exactly these.
 
-        Asked `batch` keys at a time (the daemon passes a descriptor per member a chunk
-        is on); if a later request fails, the leases taken are given back and it raises."""
+        Keys the namespace's table (`kv/key_view.py`) says are not stored are answered
+        without asking; the rest are asked `batch` keys at a time (the daemon passes a
+        descriptor per member a chunk is on); if a later request fails, the leases
+        taken are given back and it raises."""
+        seen = self.views.present([key_bytes(k) for k in keys])
+        if seen is None:
+            return self._pin(keys)
+        leased = iter(self._pin([k for k, there in zip(keys, seen, strict=True) if there]))
+        return [there and next(leased) for there in seen]
+
+    def _pin(self, keys: Sequence[Key]) -> list[bool]:
         leased: list[bool] = []
         try:
             for start in range(0, len(keys), self.batch):
