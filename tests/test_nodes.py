@@ -596,8 +596,16 @@ def test_kv_puts_and_claims_on_a_reading_node_are_the_pools(tmp_path: Path, pg_c
             on_b = KVStore(str(b.path), namespace="t", mode=0o755)
             assert on_b.batch_put([b"s" * 32, b"l" * 32], [small, large]) == [True, True]
             assert on_b.batch_put([b"s" * 32, b"l" * 32], [small, large]) == [False, False]
+            # several large chunks: sent on over connections of the store's own, at once
+            many, names = [os.urandom(512 << 10) for _ in range(6)], [b"%02d" % i * 16
+                                                                      for i in range(6)]
+            conns = on_b.client.stat()["limits"]["connections"]
+            assert on_b.batch_put(names, many) == [True] * 6
+            assert on_b.client.stat()["limits"]["connections"] == conns + 3
+            assert on_b.batch_put(names, many) == [False] * 6
             on_a = KVStore(str(a.path), namespace="t")
             assert on_a.get(b"s" * 32) == small and on_a.get(b"l" * 32) == large
+            assert [bytes(g) for g in on_a.batch_get(names)] == many
             assert on_b.get(b"l" * 32) == large and on_b.batch_exists([b"s" * 32]) == 1
             # As the user's puts on the writer: root's namespace (0755) refuses alice's
             # puts and claims; her own is hers there (its owner, her quota).

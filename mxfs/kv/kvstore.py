@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any
 
@@ -69,6 +70,7 @@ log = logging.getLogger("mxfs.kv")
 INLINE = 256 << 10
 _INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a third)
 STAGING_MAX = 64 << 20  # the most of one get that goes through a store's staging buffer
+PUT_CONNECTIONS = 4  # a reading node's connections a group of large puts is split over
 REMOTE_BATCH = 64  # keys one lookup asks for on a reading node (its reply's checksums
                    # stay well inside a message)
 # The daemon's default bound on a connection's unpublished files (`max_pending` in
@@ -319,6 +321,9 @@ class KVStore:
         # chunk: its lookups take REMOTE_BATCH keys.
         remote = all(m.get("node") for m in stat["members"])
         self.batch = REMOTE_BATCH if remote else get_part(self.members)
+        # A reading node sends each chunk on to the writer at its commit, one commit of
+        # a connection at a time: its puts go over connections of their own, in parallel.
+        self._put_conns: list[ControlClient] | None = [] if remote else None
         self._local = threading.local()  # each thread's staging buffer: threads share stores
         self.put_group = put_group(stat, self.members)
         # Misses by reason: "absent" (not stored, or no namespace yet), "checksum" (damaged,
@@ -333,6 +338,8 @@ class KVStore:
 
     def close(self) -> None:
         self.client.close()
+        for c in self._put_conns or ():
+            c.close()
 
     def __enter__(self) -> KVStore:
         return self
@@ -394,14 +401,39 @@ class KVStore:
                           ) from None
 
     def _put_large(self, items: list[tuple[int, str, memoryview]], stored: list[bool]) -> None:
+        """A group of large chunks: on a reading node split over PUT_CONNECTIONS
+        connections at once (each commit there waits for the writer to store its chunk),
+        else in one batch on the store's connection."""
+        if self._put_conns is None or len(items) < 2:
+            self._put_group(self.client, items, stored)
+            return
+        n = min(PUT_CONNECTIONS, len(items))
+        while len(self._put_conns) < n - 1:
+            self._put_conns.append(ControlClient(self.client.mountpoint))
+        conns = [self.client, *self._put_conns[:n - 1]]
+        with ThreadPoolExecutor(n - 1, thread_name_prefix="mxfs-kv-put") as pool:
+            parts = [pool.submit(self._put_group, c, items[i::n], stored)
+                     for i, c in enumerate(conns[1:], 1)]
+            first: BaseException | None = None
+            try:
+                self._put_group(conns[0], items[0::n], stored)
+            except BaseException as e:
+                first = e
+            failed = [f.exception() for f in parts]  # (each part ends before this returns)
+        for err in [first, *failed]:
+            if err is not None:
+                raise err
+
+    def _put_group(self, client: ControlClient, items: list[tuple[int, str, memoryview]],
+                   stored: list[bool]) -> None:
         """Direct writes: hidden files, every chunk's bytes in one parallel batch, commits."""
         writers: list[tuple[int, DirectWriter, str, int]] = []
         try:
             # The group's creates, then its commits, each sent back to back: about two
             # round trips a group instead of two a chunk.
-            made = self.client.request_many([KV_CREATE({**self._ns, "key": k,
-                                                         "size": len(view)})
-                                             for _, k, view in items])
+            made = client.request_many([KV_CREATE({**self._ns, "key": k,
+                                                    "size": len(view)})
+                                        for _, k, view in items])
             refused: ControlError | None = None
             ops = []
             for (i, k, view), got in zip(items, made, strict=True):
@@ -413,7 +445,7 @@ class KVStore:
                     for fd in fds:
                         os.close(fd)
                     continue
-                w = DirectWriter(f"kv:{self.namespace}", self.client, reply, fds, len(view),
+                w = DirectWriter(f"kv:{self.namespace}", client, reply, fds, len(view),
                                  direct=True)
                 writers.append((i, w, k, len(view)))
                 if refused is None:
@@ -423,7 +455,7 @@ class KVStore:
             write_batch(ops)
             commits = [KV_COMMIT({**self._ns, **w.finish_request(size, sync=False)[1],
                                   "key": k}) for _, w, k, size in writers]
-            for (i, w, _, _), done in zip(writers, self.client.request_many(commits),
+            for (i, w, _, _), done in zip(writers, client.request_many(commits),
                                           strict=True):
                 if isinstance(done, ControlError):
                     refused = refused or done
