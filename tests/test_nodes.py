@@ -599,9 +599,8 @@ def test_kv_puts_and_claims_on_a_reading_node_are_the_pools(tmp_path: Path, pg_c
             # several large chunks: sent on over connections of the store's own, at once
             many, names = [os.urandom(512 << 10) for _ in range(6)], [b"%02d" % i * 16
                                                                       for i in range(6)]
-            conns = on_b.client.stat()["limits"]["connections"]
             assert on_b.batch_put(names, many) == [True] * 6
-            assert on_b.client.stat()["limits"]["connections"] == conns + 3
+            assert len(on_b._put_conns or ()) == 3  # (the store's, besides its first)
             assert on_b.batch_put(names, many) == [False] * 6
             on_a = KVStore(str(a.path), namespace="t")
             assert on_a.get(b"s" * 32) == small and on_a.get(b"l" * 32) == large
