@@ -36,7 +36,9 @@ class Reader:
 
 def test_keys_come_and_go_and_removed_slots_keep_later_keys_found() -> None:
     keys = [b"k%d" % i for i in range(int(MIN_SLOTS * FULL) - 1)]
-    table = PresenceTable(keys[:100])
+    table = PresenceTable()
+    for k in keys[:100]:
+        table.add(k)
     r = Reader(table)
     assert r.state()[0] == LIVE and r.state()[3] == 100
     for k in keys[100:]:
@@ -61,7 +63,9 @@ def test_keys_come_and_go_and_removed_slots_keep_later_keys_found() -> None:
 
 def test_a_table_starts_sized_for_twice_its_keys_and_retired_shows_nothing() -> None:
     keys = [b"x%d" % i for i in range(MIN_SLOTS)]
-    table = PresenceTable(keys)
+    table = PresenceTable(room=len(keys))
+    for k in keys:
+        table.add(k)
     assert table.slots >= 2 * len(keys) / FULL and not table.full()
     r = Reader(table)
     assert all(r.has(k) for k in keys) and not r.has(b"absent")

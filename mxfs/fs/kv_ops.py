@@ -39,6 +39,7 @@ from mxfs.fs.session import (
     check_pending_room,
     drop_pending,
     open_hidden,
+    open_writers,
     overdrew,
     read_fds,
     refuse_if_degraded,
@@ -479,20 +480,7 @@ class KVOps:
         where `open_hidden` commits the store and creates a file a member on this
         thread (1-4 ms on one disk here)."""
         refuse_if_degraded(self.vol)
-        entry = self.vol.take_spare(caller.uid, caller.gid)
-        member = self.vol.layout(entry.node).first
-        try:
-            self.vol.pool.check([member])
-            try:
-                fd = os.open(self.vol.pool.chunk_path(member, entry.node.ino),
-                             os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError as e:
-                self.vol.pool.probe(member, e)
-                raise
-        except OSError:
-            self.vol.release(entry.node.ino)  # (an orphan: reclaimed)
-            raise
-        return entry, [member], [fd]
+        return open_writers(self.vol, self.vol.take_spare(caller.uid, caller.gid))
 
     async def _commit(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[KVCommitReply]:

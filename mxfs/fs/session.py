@@ -160,7 +160,12 @@ def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int
                 ) -> tuple[OpenInode, list[int], list[int]]:
     """A hidden file and write descriptors of its chunk files: (entry, members, fds)."""
     refuse_if_degraded(vol)
-    entry = vol.create_hidden(parent, mode, uid, gid)
+    return open_writers(vol, vol.create_hidden(parent, mode, uid, gid))
+
+
+def open_writers(vol: Volume, entry: OpenInode) -> tuple[OpenInode, list[int], list[int]]:
+    """Write descriptors of a held hidden file's chunk files, made where missing:
+    (entry, members, fds).  On failure the file is let go (an orphan: reclaimed)."""
     node = entry.node
     members, fds = [], []
     try:

@@ -14,15 +14,13 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from mxfs.client.control import ControlError
-from mxfs.proto.presence import HEADER_SIZE, LIVE, contains, read_header, slot_hash
+from mxfs.proto.presence import HEADER_SIZE, LIVE, contains, read_header, slot_hash, state_of
 
-_STATE = struct.Struct("<I")  # the header's state field, at offset 12
 RETRY_S = 1.0  # a namespace that does not exist yet: asked for again at most this often
 
 
@@ -38,7 +36,7 @@ class KeyView:
         self._slots = memoryview(self._map)[HEADER_SIZE:HEADER_SIZE + 8 * slots].cast("Q")
 
     def live(self) -> bool:
-        return bool(_STATE.unpack_from(self._map, 12)[0] == LIVE)
+        return state_of(self._map) == LIVE
 
     def present(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Whether each key is stored; None once the daemon retired this table."""

@@ -324,6 +324,7 @@ class KVStore:
         # A reading node sends each chunk on to the writer at its commit, one commit of
         # a connection at a time: its puts go over connections of their own, in parallel.
         self._put_conns: list[ControlClient] | None = [] if remote else None
+        self._put_threads: ThreadPoolExecutor | None = None  # (their senders, once made)
         self._local = threading.local()  # each thread's staging buffer: threads share stores
         self.put_group = put_group(stat, self.members)
         # Misses by reason: "absent" (not stored, or no namespace yet), "checksum" (damaged,
@@ -340,6 +341,8 @@ class KVStore:
         self.client.close()
         for c in self._put_conns or ():
             c.close()
+        if self._put_threads is not None:
+            self._put_threads.shutdown()
 
     def __enter__(self) -> KVStore:
         return self
@@ -410,16 +413,18 @@ class KVStore:
         n = min(PUT_CONNECTIONS, len(items))
         while len(self._put_conns) < n - 1:
             self._put_conns.append(ControlClient(self.client.mountpoint))
+        if self._put_threads is None:
+            self._put_threads = ThreadPoolExecutor(PUT_CONNECTIONS - 1,
+                                                   thread_name_prefix="mxfs-kv-put")
         conns = [self.client, *self._put_conns[:n - 1]]
-        with ThreadPoolExecutor(n - 1, thread_name_prefix="mxfs-kv-put") as pool:
-            parts = [pool.submit(self._put_group, c, items[i::n], stored)
-                     for i, c in enumerate(conns[1:], 1)]
-            first: BaseException | None = None
-            try:
-                self._put_group(conns[0], items[0::n], stored)
-            except BaseException as e:
-                first = e
-            failed = [f.exception() for f in parts]  # (each part ends before this returns)
+        parts = [self._put_threads.submit(self._put_group, c, items[i::n], stored)
+                 for i, c in enumerate(conns[1:], 1)]
+        first: BaseException | None = None
+        try:
+            self._put_group(conns[0], items[0::n], stored)
+        except BaseException as e:
+            first = e
+        failed = [f.exception() for f in parts]  # (each part ends before this returns)
         for err in [first, *failed]:
             if err is not None:
                 raise err

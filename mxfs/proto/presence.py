@@ -21,12 +21,18 @@ follows finds no chunk, as for a chunk evicted between the two.
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 import xxhash
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 MAGIC = b"MXKVSET1"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQQQ")  # magic, version, state, slots, seed, count
+_STATE = struct.Struct("<I")  # the header's state alone, at STATE_AT
+STATE_AT = 12
 HEADER_SIZE = 64  # slots start here (a cache line: the header's writes touch no slot)
 EMPTY, GONE_KEY = 0, 1
 LIVE, MOVED, GONE = 0, 1, 2  # table states: in use; replaced (ask again); namespace gone
@@ -47,15 +53,26 @@ def read_header(buf: memoryview) -> tuple[int, int, int, int]:
     return state, slots, seed, count
 
 
-def contains(slots: memoryview, h: int) -> bool:
-    """Whether hash `h` is in the table whose slots (a memoryview of format "Q") these are."""
+def state_of(buf: ReadableBuffer) -> int:
+    """A table's state (LIVE, MOVED, GONE), read alone: readers ask it at every lookup."""
+    return int(_STATE.unpack_from(buf, STATE_AT)[0])
+
+
+def find(slots: memoryview, h: int) -> int:
+    """The slot holding hash `h` in the table whose slots (a memoryview of format "Q")
+    these are, or -1."""
     mask = len(slots) - 1
     i = h & mask
     for _ in range(len(slots)):
         v = slots[i]
         if v == h:
-            return True
+            return i
         if v == EMPTY:
-            return False
+            return -1
         i = (i + 1) & mask
-    return False
+    return -1
+
+
+def contains(slots: memoryview, h: int) -> bool:
+    """Whether hash `h` is in the table whose slots these are."""
+    return find(slots, h) >= 0

@@ -28,6 +28,7 @@ from mxfs.proto.presence import (
     MAGIC,
     MOVED,
     VERSION,
+    find,
     slot_hash,
 )
 
@@ -41,11 +42,10 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.
 class PresenceTable:
     """One namespace's key hashes in a sealed memfd; written here only."""
 
-    def __init__(self, keys: Collection[bytes] = (), room: int = 0) -> None:
-        """A table holding `keys`, sized for `room` keys or theirs, whichever is more,
-        to double before it is replaced."""
+    def __init__(self, room: int = 0) -> None:
+        """An empty table sized for `room` keys to double before it is replaced."""
         slots = MIN_SLOTS
-        while max(len(keys), room) * 2 > slots * FULL:
+        while room * 2 > slots * FULL:
             slots *= 2
         self.slots = slots
         self.seed = secrets.randbits(64)
@@ -61,8 +61,6 @@ class PresenceTable:
             os.close(self.fd)
             raise
         self._slots = memoryview(self.map)[HEADER_SIZE:].cast("Q")
-        for key in keys:
-            self._insert(slot_hash(self.seed, key))
         self._header(LIVE)
 
     def _header(self, state: int) -> None:
@@ -103,20 +101,12 @@ class PresenceTable:
         self._header(LIVE)  # (the count)
 
     def remove(self, key: bytes) -> None:
-        h = slot_hash(self.seed, key)
-        mask = self.slots - 1
-        i = h & mask
-        for _ in range(self.slots):
-            v = self._slots[i]
-            if v == EMPTY:
-                return
-            if v == h:
-                self._slots[i] = GONE_KEY  # (keeps the probe chains of later keys whole)
-                self.count -= 1
-                self.gone += 1
-                self._header(LIVE)
-                return
-            i = (i + 1) & mask
+        i = find(self._slots, slot_hash(self.seed, key))
+        if i >= 0:
+            self._slots[i] = GONE_KEY  # (keeps the probe chains of later keys whole)
+            self.count -= 1
+            self.gone += 1
+            self._header(LIVE)
 
     def reader_fd(self) -> int:
         """A new read-only descriptor of the table, for a reader (the caller sends and
