@@ -652,3 +652,24 @@ def test_a_chunk_up_to_4mib_is_one_file_and_a_batch_spreads_over_the_members(
         drop_caches()
         got = kv.batch_get([f"s{i}" for i in range(8)] + ["large"])
         assert [bytes(g) for g in got] == small + [large]
+
+
+def test_a_spares_file_is_made_once_so_no_writer_of_the_daemon_outlives_its_take(
+        members: list[str]) -> None:
+    """A spare's chunk file is made by whoever gets to it first: the spares' thread, or
+    the put that took the spare before it. A maker reaching a taken spare later opens
+    nothing (a descriptor for writing it, open when the put commits, refused the
+    commit with EBUSY: seen once in CI)."""
+    from mxfs.pool import ChunkFiles, Pool
+
+    mkfs(members, "64KiB")
+    pool = Pool.open(members[0])
+    layout = pool.layout_for(7, None, 1)
+    chunks = ChunkFiles(pool, 7, layout)
+    path = pool.chunk_path(layout.first, 7)
+    chunks.prepare()  # (the put's, on taking it)
+    assert os.path.exists(path)
+    os.unlink(path)
+    chunks.prepare()  # (the maker's, late)
+    assert not os.path.exists(path)
+    chunks.close()

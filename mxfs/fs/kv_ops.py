@@ -480,7 +480,13 @@ class KVOps:
         where `open_hidden` commits the store and creates a file a member on this
         thread (1-4 ms on one disk here)."""
         refuse_if_degraded(self.vol)
-        return open_writers(self.vol, self.vol.take_spare(caller.uid, caller.gid))
+        entry = self.vol.take_spare(caller.uid, caller.gid)
+        assert entry.chunks is not None
+        try:  # (done by its maker, or here and never by it: no writer of ours left)
+            entry.chunks.prepare()
+        except OSError:
+            pass  # open_writers makes the file, probing and reporting its member
+        return open_writers(self.vol, entry)
 
     async def _commit(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[KVCommitReply]:

@@ -30,6 +30,7 @@ class ChunkFiles:
         self._readonly: set[int] = set()  # members whose filesystem refused writing
         self._lock = threading.Lock()
         self._closed = False
+        self._prepared = False  # (`prepare` opens the first member's file once at most)
         # Another node's stripes, read in order, come in windows (`pool/read_ahead.py`).
         self._ahead = ReadAhead(layout.unit * layout.width, self._read_now) \
             if any(pool.members[m].node for m in layout.used_members()) else None
@@ -169,13 +170,19 @@ class ChunkFiles:
 
     def prepare(self) -> None:
         """Create the chunk file of the first member (where every file's first byte
-        goes) ahead of the writes, from a worker thread; nothing once closed.  Its
-        descriptor is closed again (spares hold none): opening a file that exists costs
-        a lookup, creating one a journal entry.  An error is left to the write that
-        needs the file, which reports and probes it."""
+        goes) ahead of the writes, from a worker thread; nothing once closed, and
+        nothing the second time: whoever calls it first (the spares' thread, or a put
+        that took the file before it) makes the file, and a later call opens nothing,
+        so no descriptor for writing it is open here once the first call returned (a
+        commit refuses a file that has one: `refuse_if_writers`).  Its descriptor is
+        closed again (spares hold none): opening a file that exists costs a lookup,
+        creating one a journal entry.  An error is left to the write that needs the
+        file, which reports and probes it."""
         with self._lock:
-            if not self._closed and self.layout.first not in self._fds:
-                os.close(self._open(self.layout.first, create=True))
+            if self._prepared or self._closed or self.layout.first in self._fds:
+                return
+            self._prepared = True
+            os.close(self._open(self.layout.first, create=True))
 
     def drop_read_ahead(self) -> None:
         """The file changed on its owner node: windows fetched before are not its bytes
