@@ -200,6 +200,48 @@ def test_lmcache_locks_balance_and_locked_chunks_stay(mounted: Mounted) -> None:
     adapter.close()
 
 
+def test_lmcache_reports_only_the_hits_that_read_faster_than_they_compute(
+        mounted: Mounted) -> None:
+    """With the instance's prefill rate given, a lookup reports found the chunks that
+    the pool, at the rate this adapter's loads measured, delivers faster than the
+    instance computes them, and holds no lock on the others: all of them for a slow
+    instance, none for one that computes faster than anything reads (but one in 16
+    lookups, to see the pool again); every hit before a load measured the pool; rows
+    (object groups) are cut at one chunk position; bad settings are refused."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from mxfs.kv.reuse_policy import PROBE_EVERY
+
+    keys = object_keys(4)
+    rows = keys + [ObjectKey(k.chunk_hash, k.model_name, k.kv_rank, 1) for k in keys]
+    data = [torch.full((64, 64), i, dtype=torch.bfloat16) for i in range(8)]
+    writer = adapter_for(mounted)
+    assert stored(writer, writer.submit_store_task(rows, [obj(t) for t in data])) \
+        .is_successful()
+    writer.close()
+    seen = {}
+    for name, rate in (("slow", 1e-3), ("fast", 1e15)):
+        adapter = adapter_for(mounted, prefill_tokens_per_s=rate, chunk_tokens=256)
+        assert lookup(adapter, rows) == [True] * 8  # the pool not measured yet
+        adapter.submit_unlock(rows)
+        outs = [torch.zeros(64, 64, dtype=torch.bfloat16) for _ in range(8)]
+        assert load(adapter, rows, outs) == [True] * 8  # measures it
+        seen[name] = []
+        for _ in range(PROBE_EVERY):
+            found = lookup(adapter, rows)
+            seen[name].append(found[:4])
+            assert found[4:] == found[:4]  # both object groups cut alike
+            adapter.submit_unlock([k for k, f in zip(rows, found, strict=True) if f])
+            assert eventually(lambda: pinned(mounted) == 0)  # the cut ones unlocked too
+        adapter.close()
+    assert seen["slow"] == [[True] * 4] * PROBE_EVERY
+    assert seen["fast"] == [[False] * 4] * (PROBE_EVERY - 1) + [[True] + [False] * 3]
+    for bad in ({"prefill_tokens_per_s": "fast"}, {"prefill_tokens_per_s": 0},
+                {"prefill_tokens_per_s": 1e4, "chunk_tokens": -1}):
+        with pytest.raises(ValueError, match="prefill_tokens_per_s|chunk_tokens"):
+            adapter_for(mounted, **bad)
+
+
 def test_lmcache_errors_are_failed_tasks(mounted: Mounted) -> None:
     full = adapter_for(mounted, namespace="tiny", capacity=4096)
     keys = object_keys(2)

@@ -263,6 +263,46 @@ def test_vllm_chunks_move_between_engines_through_the_pool(mounted: Mounted,
         assert engine.mmap.closed
 
 
+def test_vllm_reports_only_the_hits_that_read_faster_than_they_compute(
+        mounted: Mounted, engines: list[Engine]) -> None:
+    """With the instance's prefill rate given, a request's lookups report the hit chunks
+    that the pool, at the rate this tier's loads measured, delivers faster than the
+    instance computes them: all of them for a slow instance, none for one that computes
+    faster than anything reads (but one in 16 lookups, to see the pool again); every hit
+    before a load measured the pool; a key past the request's first miss is untouched;
+    a rate that is not one is refused."""
+    from mxfs.kv.reuse_policy import PROBE_EVERY
+
+    keys = offload_keys(4, salt=900)
+    writer = Engine(offload_config(mxfs_extra(mounted)))
+    engines.append(writer)
+    writer.store(keys, rows_of(4, writer.row, 1))
+    lost, late = offload_keys(1, salt=999)[0], keys[3]  # a miss, then a hit after it
+
+    def ask(tier: MxfsTier, asked: list[bytes], first_chunk: int) -> list[bool]:
+        """The tier's verdicts on `asked`, the chunks of one request from `first_chunk`
+        (the ones before it held by vLLM's own tiers)."""
+        ctx = ReqContext(req_id=uuid.uuid4().hex)
+        for i, k in enumerate(asked):
+            ctx.set_offload_key_position(k, (first_chunk + i + 1) * 16)
+        return list(tier._lookups.batch_lookup(asked, ctx))
+
+    seen = {}
+    for name, rate in (("slow", 1e-3), ("fast", 1e15)):
+        engine = Engine(offload_config(mxfs_extra(mounted, prefill_tokens_per_s=rate)))
+        engines.append(engine)
+        assert ask(engine.tier, keys[:3], 0) == [True] * 3  # the pool not measured yet
+        assert engine.lookup(keys) == [LookupResult.HIT] * 4  # promoted: loads measure it
+        seen[name] = [ask(engine.tier, keys[1:3] + [lost, late], 1)
+                      for _ in range(PROBE_EVERY)]
+    assert seen["slow"] == [[True, True, False, True]] * PROBE_EVERY
+    assert seen["fast"] == [[False, False, False, True]] * (PROBE_EVERY - 1) + \
+        [[True, False, False, True]]
+    for bad in ("fast", 0, -5, float("inf")):
+        with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+            Engine(offload_config(mxfs_extra(mounted, prefill_tokens_per_s=bad)))
+
+
 def test_vllm_errors_are_failed_jobs_and_misses(mounted: Mounted, engines: list[Engine],
                                                 tmp_path: Any) -> None:
     with pytest.raises(OSError, match="not on an mxfs mount"):  # refused at start

@@ -21,6 +21,10 @@ costs are not taken for a slow accelerator), or set where they are known (`read_
 policy reads every hit (that read measures the pool); until a prefill was measured it
 reads too (nothing to weigh it against).  A policy that stopped reading would never see
 the pool get faster, so every PROBE_EVERY-th plan that reads nothing reads one chunk.
+Engine adapters that are given only the instance's prefill rate (tokens a second:
+SGLang, vLLM and LMCache report no prefill times to a storage backend) take
+`per_token_policy`: each token costs the same to compute, which underestimates a long
+context's attention, so such a policy leans to recomputing, never to a read that loses.
 Stdlib only, like `mxfs.kv.ttft`.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 SMOOTHING = 0.3  # weight of the newest read in the read rate's moving average
 FORGET = 0.9  # each prefill seen weighs this much less with every newer one
@@ -132,6 +137,30 @@ class ReusePolicy:
         elif best:
             self._unread = 0
         return Plan(best, found, best_s, read_all, compute_all, *rates)
+
+
+def prefill_rate(value: Any, who: str) -> float | None:
+    """An engine config's "prefill_tokens_per_s": absent (None), or a positive rate;
+    anything else refused naming the key (`who`: the adapter, for the message)."""
+    if value is None:
+        return None
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        rate = 0.0
+    if not rate > 0 or rate == float("inf"):
+        raise ValueError(f"{who}: \"prefill_tokens_per_s\" is {value!r}: give the "
+                         "instance's prefill rate in tokens a second, e.g. 20000")
+    return rate
+
+
+def per_token_policy(chunk_tokens: int, chunk_bytes: int, tokens_per_s: float
+                     ) -> ReusePolicy:
+    """A policy for an instance known only by its prefill rate: every token's compute
+    costs the same (see the module's docstring), the pool's rate measured by gets."""
+    return ReusePolicy(chunk_tokens, chunk_bytes,
+                       lambda prompt, cached: float(prompt - cached),  # (tokens to compute)
+                       seconds_per_flop=1.0 / tokens_per_s)
 
 
 class _Line:

@@ -14,6 +14,16 @@ on every path; mxfs's eviction skips locked chunks, and so does `delete`.  The
 capacity is mxfs's to enforce (LMCache is told of none, so its own eviction never
 deletes for space); stores, loads and deletes are reported to LMCache's listeners
 as its own adapters report them.
+
+With "prefill_tokens_per_s" (the instance's prefill rate) and "chunk_tokens"
+(LMCache's chunk_size; 256 by default, as LMCache's), a lookup reports found only the
+chunks from a request's first that the pool, at the rate this adapter's loads
+measured, delivers faster than the instance computes them
+(`mxfs.kv.reuse_policy.per_token_policy`); LMCache computes the rest.  A request's
+keys come row by row (one row of chunks per object group); a chunk position counts as
+found when every row holds it.  Chunks LMCache's L1 holds are asked here too and
+counted as reads, which leans to computing, never to a read that loses.  The keys
+cut are unlocked at once: only keys reported found are LMCache's to unlock.
 """
 
 from __future__ import annotations
@@ -35,18 +45,25 @@ from lmcache.v1.platform import create_event_notifier
 from mxfs.errors import MxfsError
 from mxfs.kv.keys import lmcache_object_key
 from mxfs.kv.kvstore import KVStore, default_namespace, page_cache_option
+from mxfs.kv.reuse_policy import per_token_policy, prefill_rate
 
 log = logging.getLogger("mxfs.kv.lmcache")
 
 # Objects per put: what stored before a failure is still reported to LMCache's listeners.
 PUT_SLICE = 64
 UNPIN_SLICE = 1024  # keys per unpin request
+DEFAULT_CHUNK_TOKENS = 256  # LMCache's default chunk_size
 
 
 def object_key(key: Any) -> bytes:
     """An LMCache ObjectKey as an mxfs key: `model@kv_rank@group@hash[@salt]`."""
     return lmcache_object_key(key.chunk_hash, key.model_name, key.kv_rank,
                               key.object_group_id, key.cache_salt).encode()
+
+
+def _row_of(key: Any) -> tuple[Any, ...]:
+    """Which row of a request's keys `key` is in: everything but its chunk."""
+    return (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
 
 
 def _bits(flags: list[bool]) -> Any:
@@ -81,6 +98,14 @@ class MxfsL2Adapter(L2AdapterInterface):
         self._held: Counter[bytes] = Counter()
         self._connection = self.store.client.connections
         self._pinning = threading.Lock()  # a delete never races a lock of the same key
+        self.prefill_rate = prefill_rate(conf.get("prefill_tokens_per_s"), "mxfs L2 adapter")
+        try:
+            self.chunk_tokens = int(conf.get("chunk_tokens", DEFAULT_CHUNK_TOKENS))
+        except (TypeError, ValueError):
+            self.chunk_tokens = 0
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"mxfs L2 adapter: \"chunk_tokens\" is "
+                             f"{conf.get('chunk_tokens')!r}: give LMCache's chunk_size")
 
     # ---- the pool ---------------------------------------------------------------------
 
@@ -175,6 +200,11 @@ class MxfsL2Adapter(L2AdapterInterface):
                             if ok:
                                 self._held[w] += 1
                 found[start:start + len(part)] = leased
+            cut = self._not_worth_reading(keys, found)
+            if cut:
+                self._drop_leases([wire[i] for i in cut])
+                for i in cut:
+                    found[i] = False
             return _bits(found)
 
         return self._run("lookup", lookup, lambda: Bitmap(len(keys)))
@@ -182,15 +212,32 @@ class MxfsL2Adapter(L2AdapterInterface):
     def query_lookup_and_lock_result(self, task_id: int) -> Any:
         return self._take("lookup", task_id)
 
-    def submit_unlock(self, keys: list[Any]) -> None:
-        """Ends the leases of keys this adapter locked (others it never reported found).
+    def _not_worth_reading(self, keys: list[Any], found: list[bool]) -> list[int]:
+        """The found keys that the reuse policy says to compute rather than read (none
+        without a policy, or rows of unequal length, which this cannot line up)."""
+        policy = self.store.policy
+        if policy is None:
+            return []
+        rows: dict[tuple[Any, ...], list[int]] = {}
+        for i, k in enumerate(keys):
+            rows.setdefault(_row_of(k), []).append(i)
+        width = len(next(iter(rows.values()), []))
+        if any(len(r) != width for r in rows.values()):
+            return []
+        whole = next((c for c in range(width) if not all(found[r[c]] for r in rows.values())),
+                     width)
+        if not whole:
+            return []
+        read = policy.plan(width * self.chunk_tokens, whole).read_chunks
+        return [r[c] for r in rows.values() for c in range(read, whole)]
 
-        An unpin that fails leaves no lease behind: either the connection broke (its
-        leases ended with it) or the namespace is gone (with its chunks)."""
+    def _drop_leases(self, wire: list[bytes]) -> None:
+        """Unpin `wire` (each locked once more by this adapter), as LMCache's unlock
+        would."""
         mine = []
         with self._lock:
             self._leases_current()
-            for w in (object_key(k) for k in keys):
+            for w in wire:
                 if self._held[w] > 0:
                     self._held[w] -= 1
                     if not self._held[w]:
@@ -198,6 +245,13 @@ class MxfsL2Adapter(L2AdapterInterface):
                     mine.append(w)
         if mine:
             self._pool.submit(self._unpin, mine)
+
+    def submit_unlock(self, keys: list[Any]) -> None:
+        """Ends the leases of keys this adapter locked (others it never reported found).
+
+        An unpin that fails leaves no lease behind: either the connection broke (its
+        leases ended with it) or the namespace is gone (with its chunks)."""
+        self._drop_leases([object_key(k) for k in keys])
 
     def _unpin(self, wire: list[bytes]) -> None:
         try:
@@ -212,6 +266,12 @@ class MxfsL2Adapter(L2AdapterInterface):
             bufs = [o.byte_array for o in objects]
             hits: list[bool] = []
             kv = self.store
+            if self.prefill_rate is not None and kv.policy is None and bufs:
+                # the policy's unit: a chunk position, an object of every row
+                columns = len(keys) // max(1, len({_row_of(k) for k in keys}))
+                kv.policy = per_token_policy(
+                    self.chunk_tokens, max(1, sum(len(b) for b in bufs) // max(1, columns)),
+                    self.prefill_rate)
             for start in range(0, len(wire), kv.batch):  # a failed part fails alone
                 end = start + kv.batch
                 try:  # a chunk of another size than its buffer is a miss, the rest served

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from mxfs.kv.kvstore import KVStore, default_namespace, page_cache_option
-from mxfs.kv.reuse_policy import ReusePolicy
+from mxfs.kv.reuse_policy import per_token_policy, prefill_rate
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer, PoolTransferResult
@@ -71,20 +71,6 @@ def storage_suffixes(config: HiCacheStorageConfig) -> tuple[str, str]:
     return suffix, tp_suffix
 
 
-def prefill_rate(value: Any) -> float | None:
-    """An engine config's "prefill_tokens_per_s": absent (None), or a positive rate."""
-    if value is None:
-        return None
-    try:
-        rate = float(value)
-    except (TypeError, ValueError):
-        rate = 0.0
-    if not rate > 0 or rate == float("inf"):
-        raise ValueError(f"mxfs HiCache backend: \"prefill_tokens_per_s\" is {value!r}: give "
-                         "the instance's prefill rate in tokens a second, e.g. 20000")
-    return rate
-
-
 def _storages(pool: Any) -> set[int]:
     """Where the host pool's own buffers live (their storages' addresses)."""
     ptrs = set()
@@ -110,7 +96,8 @@ class MxfsHiCacheStorage(HiCacheStorage):
                              capacity=int(capacity) if capacity is not None else None,
                              shared=bool(extra.get("shared")),
                              page_cache=page_cache_option(extra.get("page_cache")))
-        self.prefill_rate = prefill_rate(extra.get("prefill_tokens_per_s"))
+        self.prefill_rate = prefill_rate(extra.get("prefill_tokens_per_s"),
+                                         "mxfs HiCache backend")
         self.config_suffix, self.tp_config_suffix = storage_suffixes(storage_config)
         self.suffix = self.config_suffix
         self.mem_pool_host: Any = None
@@ -187,10 +174,9 @@ class MxfsHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         if self.prefill_rate is not None:
             page = mem_pool_host.get_dummy_flat_data_page()
-            self.store.policy = ReusePolicy(
+            self.store.policy = per_token_policy(
                 int(mem_pool_host.page_size), page.numel() * page.element_size(),
-                lambda prompt, cached: float(prompt - cached),  # (tokens to compute)
-                seconds_per_flop=1.0 / self.prefill_rate)
+                self.prefill_rate)
 
     # ---- host pool pages ----------------------------------------------------------------
 

@@ -3,7 +3,7 @@
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "MxfsOffloadingSpec",
         "spec_module_path": "mxfs.kv.adapters.vllm", "cpu_bytes_to_use": 8589934592,
-        "mxfs": {"mount": "/mnt/kv", "namespace": "vllm"}}}'
+        "mxfs": {"mount": "/mnt/kv", "namespace": "vllm", "prefill_tokens_per_s": 20000}}}'
 
 vLLM's tiering manager keeps hot chunks in its CPU tier (one shared offload region,
 a row per chunk holding every worker's bytes) and hands them to secondary tiers;
@@ -13,6 +13,13 @@ their own, rows moved straight between the region and the pool.  Chunks are name
 exactly as vLLM's storage tiers name them (`FileMapper`: model, run digest, rank,
 block hash, KV group), so runs that differ in anything that shapes the bytes never
 share a chunk.  Errors become failed jobs and misses, never exceptions in vLLM.
+
+With "prefill_tokens_per_s" (the instance's prefill rate), a request's lookups report
+only the hit chunks that the pool, at the rate this tier's loads measured, delivers
+faster than the instance computes them (`mxfs.kv.reuse_policy.per_token_policy`); the
+others are misses to vLLM, which computes them.  The tokens before a request's first
+key asked here (held by vLLM's own tiers) are taken from the positions vLLM's
+scheduler records for its keys.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from mxfs.errors import MxfsError
 from mxfs.kv.keys import VllmRun
 from mxfs.kv.kvstore import KVStore, default_namespace
+from mxfs.kv.reuse_policy import ReusePolicy, per_token_policy, prefill_rate
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -86,7 +94,8 @@ class _Lookups(AsyncLookupManager):
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier.present([self._tier.chunk_key(k) for k in keys])
+        present = self._tier.present([self._tier.chunk_key(k) for k in keys])
+        return self._tier.worth_reading(keys, present, req_context)
 
 
 class MxfsTier(SecondaryTierManager):
@@ -97,7 +106,7 @@ class MxfsTier(SecondaryTierManager):
                  capacity: int | None = None, shared: bool = False,
                  enable_kv_events: bool = False, locality: str | None = None,
                  backpressure_detector: BackpressureDetector | None = None,
-                 page_cache: bool | None = None) -> None:
+                 page_cache: bool | None = None, prefill_tokens_per_s: Any = None) -> None:
         """The tier config's fields; a mount that is not there refuses to start (as
         vLLM's fs tier does with a root it cannot make), a pool lost later fails jobs."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -108,6 +117,11 @@ class MxfsTier(SecondaryTierManager):
         self._args = (mount, namespace or default_namespace("vllm"), capacity, shared,
                       page_cache)
         self._conn = threading.Lock()  # guards replacing a broken store
+        rate = prefill_rate(prefill_tokens_per_s, "mxfs vLLM tier")
+        cache = offloading_spec.config.cache
+        self.chunk_tokens = cache.tokens_per_hash * cache.blocks_per_chunk
+        self.policy: ReusePolicy | None = None if rate is None else \
+            per_token_policy(self.chunk_tokens, self.block_size_bytes, rate)
         self.store = self._open()
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -130,7 +144,7 @@ class MxfsTier(SecondaryTierManager):
         mount, namespace, capacity, shared, page_cache = self._args
         try:
             return KVStore(mount, namespace, capacity=capacity, shared=shared,
-                           page_cache=page_cache)
+                           page_cache=page_cache, policy=self.policy)
         except MxfsError as e:
             raise OSError(errno.ENODEV, f"mxfs vLLM tier: {e}") from None
 
@@ -156,6 +170,26 @@ class MxfsTier(SecondaryTierManager):
             if e.errno != errno.ENOENT:
                 raise
             return [False] * len(names)
+        return out
+
+    def worth_reading(self, keys: list[OffloadKey], present: list[bool],
+                      req_context: ReqContext) -> list[bool]:
+        """`present` cut by the reuse policy: in each run of one request's keys in
+        prefix order (a KV group's, as vLLM's scheduler asks them), the hit from the
+        run's first key is reported only as far as reading it beats computing it (vLLM
+        stops at the first miss).  Without a policy, `present` as it is."""
+        if self.policy is None:
+            return present
+        out = list(present)
+        positions = [req_context.get_offload_key_position(k) for k in keys]
+        for start, end in _runs(positions):
+            first = positions[start]
+            have = max(0, first - self.chunk_tokens) if first is not None else 0
+            found = next((i for i in range(start, end) if not present[i]), end) - start
+            if found:
+                read = self.policy.plan(have + (end - start) * self.chunk_tokens, found,
+                                        have).read_chunks
+                out[start + read:start + found] = [False] * (found - read)
         return out
 
     # ---- the scheduler's calls --------------------------------------------------------
@@ -288,6 +322,19 @@ class MxfsTier(SecondaryTierManager):
                             e)
                 continue
             ok[start:end] = [bool(g) for g in got]
+
+
+def _runs(positions: list[int | None]) -> list[tuple[int, int]]:
+    """[start, end) of each run of rising token positions (a key with none: a run of
+    its own)."""
+    runs, start = [], 0
+    for i in range(1, len(positions) + 1):
+        prev = positions[i - 1]
+        if i == len(positions) or prev is None or positions[i] is None \
+                or positions[i] <= prev:  # type: ignore[operator]
+            runs.append((start, i))
+            start = i
+    return runs
 
 
 def with_mxfs_tier(extra: Mapping[str, Any]) -> dict[str, Any]:
