@@ -720,6 +720,41 @@ print(json.dumps(out))
             dying.close()
 
 
+def test_kv_pins_on_a_reading_node_are_leases_on_the_writer(tmp_path: Path,
+                                                             pg_cluster: Any) -> None:
+    """A key a store on a reading node pinned (LMCache's "lookup and lock") stays on
+    the writer until it is unpinned: the writer's eviction skips it, as it skips its
+    own users' pins; the pins end with the connection that took them, and with the
+    node, once its lease runs out (a dead node never says it let them go)."""
+    url = pg_cluster.database()
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        on_a = KVStore(str(a.path), namespace="t", mode=0o755)
+        keys = [b"%02d" % i * 16 for i in range(4)]
+        assert on_a.batch_put(keys, [os.urandom(1 << 20) for _ in keys]) == [True] * 4
+        on_b = KVStore(str(b.path), namespace="t")
+        assert on_b.pin(keys[:2] + [b"n" * 32]) == [True, True, False]
+        assert on_a.usage()["pinned"] == 2
+        assert on_a.set_capacity(1) == 2  # only the two unpinned go
+        assert on_a.exists_many(keys) == [True, True, False, False]
+        on_b.unpin(keys[:1])
+        assert on_a.set_capacity(1) == 1 and on_a.exists_many(keys[:2]) == [False, True]
+        on_b.close()  # its connection's pins end with it
+        assert eventually(lambda: on_a.usage()["pinned"] == 0, 10)
+        assert on_a.set_capacity(0) == 0  # (the pool's room only)
+        assert on_a.batch_put(keys, [os.urandom(1 << 20) for _ in keys]) == \
+            [True, False, True, True]
+        dying = KVStore(str(b.path), namespace="t")
+        assert dying.pin(keys) == [True] * 4 and on_a.usage()["pinned"] == 4
+        os.kill(b.daemon_pid(), signal.SIGKILL)
+        time.sleep(1)
+        assert on_a.usage()["pinned"] == 4  # (held while its lease may be renewed)
+        assert eventually(lambda: on_a.usage()["pinned"] == 0, 15)
+        assert on_a.set_capacity(1) == 4
+        dying.close()
+        on_a.close()
+
+
 def test_a_slow_reading_node_stalls_nobody_else(tmp_path: Path, pg_cluster: Any) -> None:
     """The reading node's link limited to 4 Mbit/s (tc tbf): its reads are slow and
     whole, and while one is in flight the writer node's own users are answered (the

@@ -53,6 +53,7 @@ from mxfs.proto.chunk_wire import (
     GROUP,
     HELLO,
     KEY_LEN,
+    KEY_TAGS,
     KEYS_BODY,
     KEYS_RELEASE,
     KPUT_BODY,
@@ -62,9 +63,11 @@ from mxfs.proto.chunk_wire import (
     MAX_KPUT,
     MAX_KPUT_GROUPS,
     MAX_KPUT_NAME,
+    MAX_NODE_NAME,
     MAX_READ,
     MAX_SCOPE,
     MAX_WHY,
+    NODE,
     PROOF,
     READ_BODY,
     SCOPE_COUNT,
@@ -97,6 +100,13 @@ class NodeKV(Protocol):
     async def wait_from_node(self, caller: Caller, namespace: str, shared: bool,
                              keys: list[bytes], seconds: float, holder: bytes
                              ) -> list[bool]: ...
+
+    async def pin_from_node(self, caller: Caller, namespace: str, shared: bool,
+                            keys: list[bytes], holder: bytes, node: tuple[str, int]
+                            ) -> list[bool]: ...
+
+    async def unpin_from_node(self, caller: Caller, namespace: str, shared: bool,
+                              keys: list[bytes], holder: bytes) -> None: ...
 
 
 HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
@@ -252,7 +262,7 @@ class ChunkService:
                         until = trio.current_time() + SCOPE_S
                     await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
                     continue
-                if tag in (b"KPUT", b"KCLM", b"KWAI"):
+                if tag == b"KPUT" or tag in KEY_TAGS:
                     if scope is not None:  # a local reader's: it reads, nothing else
                         self._failures.note("chunk request", None, WireError(
                             f"a KV {tag.decode()} on a scoped connection"), trace=False)
@@ -298,7 +308,8 @@ class ChunkService:
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _kv_keys(self, stream: trio.SocketStream, tag: bytes) -> None:
-        """Receive one KCLM or KWAI and answer it: a byte a key, or why not."""
+        """Receive one KCLM, KWAI, KPIN or KUNP and answer it: a byte a key, or why
+        not."""
         uid, gid, flags, ngroups, ns_len, nkeys, ms, holder = KEYS_BODY.unpack(
             await _recv_exact(stream, KEYS_BODY.size))
         if ngroups > MAX_KPUT_GROUPS or ns_len > MAX_KPUT_NAME or nkeys > MAX_KEYS:
@@ -312,9 +323,21 @@ class ChunkService:
                 raise WireError(f"a key of {n} bytes")
             keys.append(await _recv_exact(stream, n))
         shared = bool(flags & KPUT_SHARED)
+        node = ("", 0)
+        if tag in (b"KPIN", b"KUNP"):
+            epoch, name_len = NODE.unpack(await _recv_exact(stream, NODE.size))
+            if name_len > MAX_NODE_NAME:
+                raise WireError(f"a node name of {name_len} bytes")
+            node = ((await _recv_exact(stream, name_len)).decode(errors="replace"), epoch)
 
         async def answer() -> tuple[int, bytes]:
             kv = self._kv_tier()
+            if tag == b"KPIN":
+                leased = await kv.pin_from_node(caller, namespace, shared, keys, holder, node)
+                return 0, bytes(int(p) for p in leased)
+            if tag == b"KUNP":
+                await kv.unpin_from_node(caller, namespace, shared, keys, holder)
+                return 0, bytes([1]) * len(keys)
             if tag == b"KCLM":
                 states = await kv.claim_from_node(caller, namespace, shared, keys, ms / 1000,
                                                   holder, bool(flags & KEYS_RELEASE))

@@ -170,6 +170,9 @@ class FollowerKV:
         return {"present": [k in found.rows for k in keys]}, []
 
     async def get(self, msg: Msg, session: Session) -> Answer[KVGetReply]:
+        if bool_field(msg, "pin"):  # (a lease here would hold nothing on the writer)
+            raise OSError(errno.EOPNOTSUPP, f"node {self.vol.pool.node} leases KV chunks "
+                          "on the writer: ask kv_pin")
         self.take_back()
         uid = session.caller.uid
         keys = keys_field(msg)

@@ -1,4 +1,5 @@
-"""KV puts and claims on a reading node: sent on to the writer, whose KV tier holds them.
+"""KV puts, claims and pins on a reading node: sent on to the writer, whose KV tier
+holds them.
 
 A reading node keeps no KV index and no members, so what its users put goes to the
 writer node's chunk service (KPUT, `proto/chunk_wire.py`), which judges each chunk as
@@ -23,7 +24,13 @@ leaves them to run out.  A wait holds a connection to the writer and a thread he
 so it lasts WAIT_S at most, WAITERS wait at once, and one uid (but root) holds at most
 WAITERS_PER_USER of them: past either, the wait is answered at once with what is
 stored and the instance computes the rest, so a tenant's waits cannot take every
-other tenant's.  Deletes and evictions stay the writer's.
+other tenant's.
+
+Pins (`KVStore.pin`, LMCache's "lookup and lock") are read leases on the writer (KPIN,
+KUNP), held there by the connection's holder and this node's name and epoch: they end
+with an unpin, with the connection (as its claims do), or, should this node die, once
+its lease runs out there, so a dead node holds nothing back from eviction for long.
+Deletes and evictions stay the writer's.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import logging
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -56,11 +64,13 @@ from mxfs.proto.chunk_wire import (
     MAX_KPUT_GROUPS,
 )
 from mxfs.proto.messages import (
+    Empty,
     KVClaimReply,
     KVCommitReply,
     KVCreateReply,
     KVExistsReply,
     KVForwardStatus,
+    KVPinReply,
     KVPutReply,
 )
 from mxfs.vol.access import Caller
@@ -88,9 +98,12 @@ class _Pending:
 class ForwardedKV:
     """`kv_put`, `kv_create`, `kv_commit`, `kv_claim` and `kv_wait` of a reading node."""
 
-    def __init__(self, remote: RemoteMembers | None, limits: Limits) -> None:
+    def __init__(self, remote: RemoteMembers | None, limits: Limits,
+                 node: Callable[[], tuple[str, int]]) -> None:
+        """`node`: this node's name and its lease's epoch, now."""
         self.remote = remote
         self.limits = limits
+        self.node = node
         self._senders = trio.CapacityLimiter(SENDERS)
         self._handles = itertools.count(1)
         self._pending: dict[int, dict[int, _Pending]] = {}  # by id(session)
@@ -99,11 +112,12 @@ class ForwardedKV:
         self._waiters = trio.CapacityLimiter(WAITERS)
         self.waiting_by_uid: Counter[int] = Counter()
         self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
-        self.puts = self.put_bytes = self.claims = 0
+        self.puts = self.put_bytes = self.claims = self.pins = 0
 
     def status(self) -> KVForwardStatus:
         return {"puts": self.puts, "put_bytes": self.put_bytes,
                 "writing": sum(self.held_by_uid.values()), "claims": self.claims,
+                "pins": self.pins,
                 "waiting": int(self._waiters.borrowed_tokens)}
 
     async def put(self, msg: Msg, session: Session) -> Answer[KVPutReply]:
@@ -176,13 +190,30 @@ class ForwardedKV:
     async def claim(self, msg: Msg, session: Session) -> Answer[KVClaimReply]:
         ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(MAX_CLAIM_S * 1000))
         holder = self._holders.setdefault(id(session), os.urandom(16))
+        self.claims += 1
         said = await self._keys(b"KCLM", msg, session.caller, ms, holder, self._senders)
         return {"state": [CLAIM_STATES[b] for b in said]}, []
+
+    async def pin(self, msg: Msg, session: Session) -> Answer[KVPinReply]:
+        holder = self._holders.setdefault(id(session), os.urandom(16))
+        self.pins += 1
+        said = await self._keys(b"KPIN", msg, session.caller, 0, holder, self._senders,
+                                self.node())
+        return {"pinned": [bool(b) for b in said]}, []
+
+    async def unpin(self, msg: Msg, session: Session) -> Answer[Empty]:
+        holder = self._holders.get(id(session))
+        if holder is not None:  # (a connection that never pinned here holds nothing)
+            self.pins += 1
+            await self._keys(b"KUNP", msg, session.caller, 0, holder, self._senders,
+                             self.node())
+        return {}, []
 
     async def wait(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
         ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(WAIT_S * 1000))
         holder = self._holders.get(id(session), bytes(16))
         uid = session.caller.uid
+        self.claims += 1
         if ms <= 0 or self._waiters.available_tokens == 0 or (  # as many as may hold
                 uid != 0 and self.waiting_by_uid[uid] >= WAITERS_PER_USER):  # connections
             # What is stored, at once: the instance computes the rest.
@@ -199,18 +230,19 @@ class ForwardedKV:
         return {"present": [bool(b) for b in said]}, []
 
     async def _keys(self, tag: bytes, msg: Msg, caller: Caller, ms: int, holder: bytes,
-                    limiter: trio.CapacityLimiter) -> bytes:
+                    limiter: trio.CapacityLimiter, node: tuple[str, int] | None = None
+                    ) -> bytes:
         keys = [check_key(k) for k in keys_field(msg)]
         if len(keys) > MAX_KEYS:
-            raise OSError(errno.E2BIG, f"at most {MAX_KEYS} keys a claim or wait on a "
-                          "reading node")
+            raise OSError(errno.E2BIG, f"at most {MAX_KEYS} keys a claim, wait or pin on "
+                          "a reading node")
         remote = self._remote()
         namespace = check_namespace(msg.get("namespace"))
-        self.claims += 1
         flags = KPUT_SHARED if bool_field(msg, "shared") else 0
         who = _who(caller)
         return await trio.to_thread.run_sync(
-            lambda: remote.kv_keys(tag, who, namespace, flags, keys, max(ms, 0), holder),
+            lambda: remote.kv_keys(tag, who, namespace, flags, keys, max(ms, 0), holder,
+                                   node),
             limiter=limiter)
 
     def _remote(self) -> RemoteMembers:
@@ -247,8 +279,8 @@ class ForwardedKV:
             del self._pending[id(session)]
 
     def release(self, session: Session) -> None:
-        """The connection closed: the chunks it did not commit go, and its claims on
-        the writer end (told from a thread of its own)."""
+        """The connection closed: the chunks it did not commit go, and its claims and
+        pins on the writer end (told from a thread of its own)."""
         for handle in list(self._pending.get(id(session), {})):
             self._drop(session, handle)
         holder = self._holders.pop(id(session), None)
@@ -264,9 +296,10 @@ def _who(caller: Caller) -> tuple[int, int, list[int]]:
 
 
 def _give_up(remote: RemoteMembers, who: tuple[int, int, list[int]], holder: bytes) -> None:
-    """End a closed connection's claims on the writer (they run out anyway)."""
+    """End a closed connection's claims and pins on the writer (they run out anyway:
+    the claims by their time, the pins with this node's lease)."""
     try:
         remote.kv_keys(b"KCLM", who, "-", KEYS_RELEASE, [], 0, holder)
     except OSError as e:
-        log.info("claims of a closed connection were not given up on the writer (%s); "
-                 "they run out", e)
+        log.info("claims and pins of a closed connection were not given up on the writer "
+                 "(%s); they run out", e)

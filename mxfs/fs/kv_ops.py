@@ -61,6 +61,7 @@ from mxfs.proto.messages import (
     KVExistsReply,
     KVGetReply,
     KVListReply,
+    KVPinReply,
     KVPutReply,
     KVStatsReply,
     KVViewReply,
@@ -105,7 +106,7 @@ NS_OPS = ("kv_ns_create", "kv_ns_remove")
 # caller who does not own the namespace must then have asked to share it).
 _NEEDS = {"kv_put": (W_OK, True), "kv_create": (W_OK, True), "kv_commit": (W_OK, True),
           "kv_get": (R_OK, True), "kv_exists": (R_OK, True), "kv_view": (R_OK, True),
-          "kv_unpin": (0, False),
+          "kv_pin": (R_OK, True), "kv_unpin": (0, False),
           "kv_claim": (W_OK, True), "kv_wait": (R_OK, True),
           "kv_list": (R_OK, False), "kv_delete": (W_OK, False), "kv_evict": (W_OK, False),
           "kv_config": (0, False)}
@@ -152,20 +153,24 @@ class KVOps:
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
         self.claims = Claims(self.limits.max_kv_claims_per_user)  # keys being computed
-        # Other nodes' connections that hold claims here (KCLM: `fs/chunk_service.py`).
+        # Other nodes' connections that hold claims or pins here (KCLM, KPIN:
+        # `fs/chunk_service.py`), and for those that pinned, their node and its epoch.
         self._holders: dict[bytes, Session] = {}
+        self._holder_nodes: dict[bytes, tuple[str, int]] = {}
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
                                    remote) if vol.pool.node else None
         # ... and its puts, sent on to the writer (fs/kv_forward.py).
-        self.forward = ForwardedKV(vol.pool.remote, self.limits) if vol.pool.node else None
+        self.forward = ForwardedKV(vol.pool.remote, self.limits, self._node) \
+            if vol.pool.node else None
 
     def handlers(self) -> dict[str, Handler]:
         """The handler of each KV op.  Those that work through many items do it in
         bites (`fs/fair.py`): another user's request waits for a bite, not the whole."""
         in_space: dict[str, InSpace] = {
             "kv_put": self._put, "kv_create": self._create, "kv_commit": self._commit,
-            "kv_unpin": self._unpin_keys, "kv_exists": self._exists, "kv_view": self._view,
+            "kv_pin": self._pin_keys, "kv_unpin": self._unpin_keys,
+            "kv_exists": self._exists, "kv_view": self._view,
             "kv_claim": self._claim, "kv_wait": self._wait,
             "kv_delete": self._delete, "kv_list": self._list, "kv_config": self._config,
             "kv_evict": self._evict_to}
@@ -178,7 +183,8 @@ class KVOps:
             assert self.forward is not None
             fwd = self.forward
             table.update({"kv_put": fwd.put, "kv_create": fwd.create, "kv_commit": fwd.commit,
-                          "kv_claim": fwd.claim, "kv_wait": fwd.wait})
+                          "kv_claim": fwd.claim, "kv_wait": fwd.wait, "kv_pin": fwd.pin,
+                          "kv_unpin": fwd.unpin})
             table.update({op: follower.refuse for op in (
                 "kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove")})
         return table
@@ -203,6 +209,26 @@ class KVOps:
             stats += [s.stats() for s in some]
         return {"namespaces": stats, "claims": len(self.claims),
                 "node_claimants": len(self._holders)}, []
+
+    def _node(self) -> tuple[str, int]:
+        """This reading node's name and the epoch of its lease (what its pins on the
+        writer live as long as)."""
+        held = self.vol.lease
+        return self.vol.pool.node, held.epoch if held is not None else 0
+
+    async def _pin_keys(self, msg: Msg, session: Session, space: Namespace
+                        ) -> Answer[KVPinReply]:
+        return {"pinned": self._pin(session, space, keys_field(msg))}, []
+
+    def _pin(self, session: Session, space: Namespace, keys: list[bytes]) -> list[bool]:
+        """Read leases of `session` on the stored `keys` (all or none: past a limit,
+        EMFILE); which were stored."""
+        found = [self.index.lookup(space, k) for k in keys]
+        self._check_pins(session, sum(c is not None for c in found))
+        for key, chunk in zip(keys, found, strict=True):
+            if chunk is not None:
+                self._lease(session, space, key, chunk)
+        return [c is not None for c in found]
 
     async def _unpin_keys(self, msg: Msg, session: Session, space: Namespace
                           ) -> Answer[Empty]:
@@ -413,16 +439,12 @@ class KVOps:
                               release: bool) -> list[str]:
         """`kv_claim` of a reading node's connection (`holder`), as that caller's here;
         `release`: the connection closed, its claims end."""
-        session = self._holders.get(holder)
         if release:
-            if session is not None:
-                self.claims.release(session)
-                del self._holders[holder]
+            self._let_go(holder)
             return []
         keys = [check_key(k) for k in keys]
         space = self.index.space(namespace, caller, W_OK, shared, create_mode=0o700)
-        if session is None:
-            session = self._holders[holder] = Session(caller)
+        session = self._holder(holder, caller)
         try:
             return self.claims.claim(space, keys, session, seconds)
         finally:
@@ -437,20 +459,69 @@ class KVOps:
         session = self._holders.get(holder) or Session(caller)
         return await self.claims.wait(space, keys, session, seconds)
 
+    async def pin_from_node(self, caller: Caller, namespace: str, shared: bool,
+                            keys: list[bytes], holder: bytes, node: tuple[str, int]
+                            ) -> list[bool]:
+        """`pin` of a reading node's connection (`holder`) on `node` (its name and
+        epoch), as that caller's here: which keys were leased."""
+        keys = [check_key(k) for k in keys]
+        space = self.index.space(namespace, caller, R_OK, shared)
+        session = self._holder(holder, caller)
+        self._holder_nodes[holder] = node
+        try:
+            return self._pin(session, space, keys)
+        finally:
+            self._forget_idle(holder, session)
+
+    async def unpin_from_node(self, caller: Caller, namespace: str, shared: bool,
+                              keys: list[bytes], holder: bytes) -> None:
+        """`unpin` of a reading node's connection (`holder`), as that caller's here."""
+        session = self._holders.get(holder)
+        if session is None:
+            return
+        space = self.index.space(namespace, caller, R_OK, shared)
+        self._unpin(session, space, [check_key(k) for k in keys])
+        self._forget_idle(holder, session)
+
     def sweep(self) -> None:
-        """Now and then (the daemon, once a second): claims run out are dropped, and
-        other nodes' connections that hold none forgotten; a node that died holding
-        claims never says it let them go."""
+        """Now and then (the daemon, once a second): claims run out are dropped, the
+        pins of nodes whose lease ran out (or that joined again since) end, and other
+        nodes' connections that hold neither are forgotten; a node that died never
+        says it let them go."""
         if not self._holders:
             return
         self.claims.drop_run_out()
+        alive = self.vol.reader_epochs
+        for holder, (name, epoch) in list(self._holder_nodes.items()):
+            if alive.get(name, epoch + 1) > epoch:  # (a newer epoch: not counted yet)
+                log.info("KV pins of node %s (epoch %d) end: its lease ran out", name,
+                         epoch)
+                self._let_go(holder)
         for holder, session in list(self._holders.items()):
             self._forget_idle(holder, session)
 
+    def _holder(self, holder: bytes, caller: Caller) -> Session:
+        """The session here of a reading node's connection, made on its first request."""
+        session = self._holders.get(holder)
+        if session is None:
+            session = self._holders[holder] = Session(caller)
+        return session
+
+    def _let_go(self, holder: bytes) -> None:
+        """A reading node's connection closed (or its node died): its claims and pins
+        end."""
+        session = self._holders.pop(holder, None)
+        self._holder_nodes.pop(holder, None)
+        if session is not None:
+            self.release(session)
+
     def _forget_idle(self, holder: bytes, session: Session) -> None:
-        """A reading node's connection that holds no claim is not remembered."""
-        if not self.claims.holds(session) and self._holders.get(holder) is session:
+        """A reading node's connection that holds no claim and no pin is not
+        remembered."""
+        if not self.claims.holds(session) and not session.pinned and \
+                self._holders.get(holder) is session:
             del self._holders[holder]
+            self._holder_nodes.pop(holder, None)
 
     def _visible(self) -> None:
         """While reading nodes are alive, what a put stored is committed before it is
@@ -554,14 +625,8 @@ class KVOps:
                               "descriptors)")
             wanted.append((len(out), key, chunk, node))
             out.append(None)
-        if pin and session.pinned + len(wanted) > self.limits.max_pins:
-            raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
-                          " KV read leases, the limit (mount option max_pins)")
-        uid = session.caller.uid
-        if pin and uid != 0 and \
-                self.pinned_by_uid[uid] + len(wanted) > self.limits.max_pins_per_user:
-            raise OSError(errno.EMFILE, f"uid {uid} holds {self.pinned_by_uid[uid]} KV read "
-                          "leases, the limit (mount option max_pins_per_user)")
+        if pin:
+            self._check_pins(session, len(wanted))
         opened = await self._open_all([n for _, _, _, n in wanted], odirect)
         fds: list[int] = []
         for (slot, key, chunk, node), (which, got) in zip(wanted, opened, strict=True):
@@ -572,11 +637,25 @@ class KVOps:
             fds += got
             out[slot] = {**_sums(chunk), "layout": self.vol.layout(node).describe(), **which}
             if pin:  # only once the whole request is answered
-                chunk.pins += 1
-                session.pins[(space.name, key)] += 1
-                session.pinned += 1
-                self.pinned_by_uid[uid] += 1
+                self._lease(session, space, key, chunk)
         return {"chunks": out}, fds
+
+    def _check_pins(self, session: Session, more: int) -> None:
+        """Refuse `more` read leases past the connection's or its uid's limit."""
+        if session.pinned + more > self.limits.max_pins:
+            raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
+                          " KV read leases, the limit (mount option max_pins)")
+        uid = session.caller.uid
+        if uid != 0 and self.pinned_by_uid[uid] + more > self.limits.max_pins_per_user:
+            raise OSError(errno.EMFILE, f"uid {uid} holds {self.pinned_by_uid[uid]} KV read "
+                          "leases, the limit (mount option max_pins_per_user)")
+
+    def _lease(self, session: Session, space: Namespace, key: bytes, chunk: Chunk) -> None:
+        """A read lease of `session` on `key`'s chunk: eviction skips it until unpinned."""
+        chunk.pins += 1
+        session.pins[(space.name, key)] += 1
+        session.pinned += 1
+        self.pinned_by_uid[session.caller.uid] += 1
 
     async def _open_all(self, nodes: list[Inode], odirect: bool
                         ) -> list[tuple[ReadFds, list[int]]]:

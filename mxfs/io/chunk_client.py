@@ -30,6 +30,7 @@ from mxfs.proto.chunk_wire import (
     MAGIC,
     MAX_READ,
     MAX_WHY,
+    NODE,
     PROOF,
     READ,
     SCOPE,
@@ -238,15 +239,21 @@ class ChunkClient:
         return not code
 
     def kv_keys(self, tag: bytes, who: tuple[int, int, list[int]], namespace: str,
-                flags: int, keys: list[bytes], ms: int, holder: bytes) -> bytes:
-        """A KCLM or KWAI (`proto/chunk_wire.py`) as `who`: the answer's byte a key;
-        Refused (the node's errno and line) when it is not served."""
+                flags: int, keys: list[bytes], ms: int, holder: bytes,
+                node: tuple[str, int] | None = None) -> bytes:
+        """A KCLM, KWAI, KPIN or KUNP (`proto/chunk_wire.py`) as `who` (KPIN and KUNP
+        with `node`: this node's name and epoch): the answer's byte a key; Refused (the
+        node's errno and line) when it is not served."""
         uid, gid, groups = who
         ns = namespace.encode()
+        tail = b""
+        if node is not None:
+            name = node[0].encode()
+            tail = NODE.pack(node[1], len(name)) + name
         self.sock.sendall(tag + KEYS_BODY.pack(uid, gid, flags, len(groups), len(ns),
                                                len(keys), ms, holder)
                           + b"".join(GROUP.pack(g) for g in groups) + ns
-                          + b"".join(KEY_LEN.pack(len(k)) + k for k in keys))
+                          + b"".join(KEY_LEN.pack(len(k)) + k for k in keys) + tail)
         code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
         if n > max(MAX_WHY, len(keys)):
             raise WireError(f"{self.where} sent {n} bytes for {len(keys)} keys")

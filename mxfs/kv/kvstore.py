@@ -51,6 +51,7 @@ from mxfs.proto.messages import (
     KV_EXISTS,
     KV_GET,
     KV_LIST,
+    KV_PIN,
     KV_PUT,
     KV_STATS,
     KV_UNPIN,
@@ -71,6 +72,7 @@ INLINE = 256 << 10
 _INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a third)
 STAGING_MAX = 64 << 20  # the most of one get that goes through a store's staging buffer
 PUT_CONNECTIONS = 4  # a reading node's connections a group of large puts is split over
+PIN_BATCH = 1024  # keys one pin request leases (a reading node sends on MAX_KEYS at most)
 REMOTE_BATCH = 64  # keys one lookup asks for on a reading node (its reply's checksums
                    # stay well inside a message)
 # The daemon's default bound on a connection's unpublished files (`max_pending` in
@@ -733,7 +735,8 @@ class KVStore:
         Keys the namespace's table (`kv/key_view.py`) says are not stored are answered
         without asking; the rest are asked `batch` keys at a time (the daemon passes a
         descriptor per member a chunk is on); if a later request fails, the leases
-        taken are given back and it raises."""
+        taken are given back and it raises.  A lease costs the daemon no descriptor
+        (`kv_pin`): up to PIN_BATCH keys a request."""
         seen = self.views.present([key_bytes(k) for k in keys])
         if seen is None:
             return self._pin(keys)
@@ -743,16 +746,10 @@ class KVStore:
     def _pin(self, keys: Sequence[Key]) -> list[bool]:
         leased: list[bool] = []
         try:
-            for start in range(0, len(keys), self.batch):
-                part = [_b64(k) for k in keys[start:start + self.batch]]
-                found = self._lookup(KV_GET({**self._ns, "keys": part, "pin": True}))
-                if found is None:
-                    leased += [False] * len(part)
-                    continue
-                reply, fds = found
-                for fd in fds:
-                    os.close(fd)
-                leased += [c is not None for c in reply["chunks"]]
+            for start in range(0, len(keys), PIN_BATCH):
+                part = [_b64(k) for k in keys[start:start + PIN_BATCH]]
+                found = self._lookup(KV_PIN({**self._ns, "keys": part}))
+                leased += [False] * len(part) if found is None else found[0]["pinned"]
         except BaseException:
             taken = [k for k, ok in zip(keys, leased, strict=False) if ok]
             if taken:

@@ -212,10 +212,10 @@ def writer(store: MetaStore) -> tuple[Lease, bool] | None:
     return None if cur is None else (cur[1], cur[1].expires > store.engine.clock())
 
 
-def alive_readers(store: MetaStore) -> list[str]:
-    """The names of the reading nodes whose leases are live."""
-    return sorted(n["name"] for n in nodes(store)
-                  if n["role"] == "reader" and n["state"] == "alive")
+def alive_readers(store: MetaStore) -> dict[str, int]:
+    """The reading nodes whose leases are live, each with its epoch."""
+    return {n["name"]: n["epoch"] for n in nodes(store)
+            if n["role"] == "reader" and n["state"] == "alive"}
 
 
 def await_writer(store: MetaStore, name: str) -> bool:

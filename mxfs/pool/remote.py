@@ -93,11 +93,13 @@ class RemoteMembers:
                           "could not store a KV chunk", refusals=True)
 
     def kv_keys(self, tag: bytes, who: tuple[int, int, list[int]], namespace: str,
-                flags: int, keys: list[bytes], ms: int, holder: bytes) -> bytes:
-        """A KCLM or KWAI to the owner (`ChunkClient.kv_keys`), refusals and failures
-        as for `kv_put`."""
-        return self._call(lambda c: c.kv_keys(tag, who, namespace, flags, keys, ms, holder),
-                          "could not claim or wait for KV keys", refusals=True)
+                flags: int, keys: list[bytes], ms: int, holder: bytes,
+                node: tuple[str, int] | None = None) -> bytes:
+        """A KCLM, KWAI, KPIN or KUNP to the owner (`ChunkClient.kv_keys`), refusals
+        and failures as for `kv_put`."""
+        return self._call(lambda c: c.kv_keys(tag, who, namespace, flags, keys, ms, holder,
+                                              node),
+                          "could not claim, wait for or pin KV keys", refusals=True)
 
     def _call(self, fn: Callable[[ChunkClient], T], what: str, refusals: bool = False
               ) -> T:

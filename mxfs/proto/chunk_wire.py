@@ -41,9 +41,15 @@ a holder: 16 bytes the reading node drew for one of its connections; then the
 namespace and the keys, each after its length) claim keys to compute and wait for
 others' claims (`fs/kv_claims.py`) as that caller's connection on the owner would: the
 answer's bytes are one a key (KCLM: 0 yours, 1 stored, 2 busy; KWAI: 1 stored), or a
-line saying why not.  KCLM with KEYS_RELEASE ends every claim of the holder (its
-connection closed).  Only a node's own connections put, claim or wait: a scoped
-connection that tries is closed.
+line saying why not.  KCLM with KEYS_RELEASE ends every claim and pin of the holder
+(its connection closed).
+
+KPIN and KUNP (as KCLM, the milliseconds unused; after the keys NODE: the pinning
+node's epoch and name) take and end read leases on keys (`KVStore.pin`): the answer's
+bytes are one a key (KPIN: 1 leased, 0 not stored; KUNP: 1 each).  The owner holds a
+holder's pins until KUNP, KCLM with KEYS_RELEASE, or the node's lease under that epoch
+running out: a node that dies never says it let them go.  Only a node's own
+connections put, claim, wait or pin: a scoped connection that tries is closed.
 """
 
 from __future__ import annotations
@@ -85,8 +91,11 @@ MAX_WHY = 4096  # bytes of the line a refused KPUT is answered with
 # (KCLM, KWAI past their tags) uid, gid, flags, groups, namespace bytes, keys, ms, holder
 KEYS_BODY = struct.Struct("!IIIHHHI16s")
 KEY_LEN = struct.Struct("!H")
-KEYS_RELEASE = 2  # (KCLM) every claim of the holder ends
-MAX_KEYS = 1024  # keys one KCLM or KWAI names
+KEYS_RELEASE = 2  # (KCLM) every claim and pin of the holder ends
+MAX_KEYS = 1024  # keys one KCLM, KWAI, KPIN or KUNP names
+NODE = struct.Struct("!QH")  # (KPIN, KUNP, after the keys) the node's epoch, name bytes
+MAX_NODE_NAME = 63  # bytes of a node's name (`mxfs node add --name`)
+KEY_TAGS = (b"KCLM", b"KWAI", b"KPIN", b"KUNP")  # requests of KEYS_BODY
 CLAIM_STATES = ("yours", "stored", "busy")  # KCLM's answer bytes, by value
 
 

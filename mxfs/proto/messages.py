@@ -126,6 +126,7 @@ class KVForwardStatus(TypedDict):
     put_bytes: int
     writing: int  # bytes of chunks callers are writing into this daemon's memory now
     claims: int  # claims and waits sent on to the writer
+    pins: int  # pin and unpin requests sent on to the writer (its leases)
     waiting: int  # waits in progress there now (at most kv_forward.WAITERS)
 
 
@@ -369,6 +370,10 @@ class KVExistsReply(TypedDict):
     present: list[bool]
 
 
+class KVPinReply(TypedDict):
+    pinned: list[bool]  # which keys were leased (False: not stored)
+
+
 class KVViewReply(TypedDict):
     size: int  # bytes of the table the descriptor holds (`proto/presence.py`)
 
@@ -494,6 +499,7 @@ KV_PUT = Op("kv_put", KVPutRequest, KVPutReply)
 KV_CREATE = Op("kv_create", KVCreateRequest, KVCreateReply)
 KV_COMMIT = Op("kv_commit", KVCommitRequest, KVCommitReply)
 KV_GET = Op("kv_get", KVGetRequest, KVGetReply)
+KV_PIN = Op("kv_pin", KeysRequest, KVPinReply)
 KV_UNPIN = Op("kv_unpin", KeysRequest, Empty)
 KV_EXISTS = Op("kv_exists", KeysRequest, KVExistsReply)
 KV_VIEW = Op("kv_view", InNamespace, KVViewReply)
@@ -515,7 +521,7 @@ QUOTA = Op("quota", QuotaRequest, QuotaReport)
 # Every op this protocol version serves, by name.
 BY_NAME: dict[str, Op[Any, Any]] = {op.name: op for op in (
     HELLO, STAT, LAYOUT, OPEN_READ, CLOSE_READ, CREATE, COMMIT, ABORT, KV_PUT, KV_CREATE,
-    KV_COMMIT, KV_GET, KV_UNPIN, KV_EXISTS, KV_VIEW, KV_CLAIM, KV_WAIT, KV_DELETE, KV_STATS,
+    KV_COMMIT, KV_GET, KV_PIN, KV_UNPIN, KV_EXISTS, KV_VIEW, KV_CLAIM, KV_WAIT, KV_DELETE, KV_STATS,
     KV_LIST, KV_CONFIG, KV_EVICT, KV_NS_CREATE, KV_NS_REMOVE, META_BACKUP, META_SYNC, METRICS,
     DF, QUOTA)}
 OPS = tuple(BY_NAME)

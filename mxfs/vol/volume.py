@@ -78,6 +78,9 @@ class Volume:
         # Reading nodes alive (the writer's keeper counts them): while there are any, a
         # close commits at once, so their next open sees it (close-to-open).
         self.readers = 0
+        # ... each with the epoch it joined under (what other nodes hold here, such as
+        # KV pins, ends with their epoch: `fs/kv_ops.py`).
+        self.reader_epochs: dict[str, int] = {}
         # Set when mount found the store damaged and put a backup in its place.
         self.restored_from: str | None = None
         # A reading node's view of what the writer published (`publish_stats`): when it
@@ -255,7 +258,9 @@ class Volume:
         """The writer's keeper, after each renewal: which reading nodes are alive.  A new
         one is counted (closes commit at once from now on) before its name goes into
         the lease, which its mount waits for (`lease.await_writer`)."""
-        names = lease.alive_readers(store)
+        alive = lease.alive_readers(store)
+        names = sorted(alive)
+        self.reader_epochs = alive
         self.readers = len(names)
         held = self.lease
         if held is not None and names != held.readers:
