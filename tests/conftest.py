@@ -453,3 +453,11 @@ def steady_page_cache() -> Iterator[None]:
         yield
     finally:
         os.close(lock)
+
+
+def requests_served(mount: Path, op: str) -> int:
+    """How many `op` requests the daemon of `mount` has served."""
+    from mxfs.client.control import ControlClient
+
+    with ControlClient(str(mount)) as c:
+        return sum(n for _, o, n, _ in c.call("metrics")["requests"] if o == op)

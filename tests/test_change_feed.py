@@ -5,6 +5,7 @@ nothing of a change that failed or a group that was lost is ever published."""
 from __future__ import annotations
 
 import errno
+import os
 import stat
 import threading
 import time
@@ -14,7 +15,15 @@ import pytest
 
 from mxfs.meta import ROOT_INO, MetaStore, change_feed
 from mxfs.meta.change_feed import PRUNED_KEY, FeedReader, prune
-from mxfs.meta.feed_notes import MAX_NOTED, Change, Noted, channel
+from mxfs.meta.feed_notes import (
+    KV_GONE,
+    KV_REMOVED,
+    KV_STORED,
+    MAX_NOTED,
+    Change,
+    Noted,
+    channel,
+)
 
 UNIT = 1 << 20
 UUID = "00000000-0000-4000-8000-000000000027"
@@ -52,6 +61,14 @@ def test_bodies_round_trip_and_damage_reads_as_everything() -> None:
     body = c.encode()
     for bad in (b"", body[:-3], b"\x00" * 3):
         assert Change.decode(bad).everything, bad
+    # KV notes ride in order after the names; too many bytes of keys: "every KV key"
+    kv = Change({5}, kv=[(KV_STORED, "t", b"k1"), (KV_REMOVED, "t", b"k1"),
+                         (KV_GONE, "\u00e9t\u00e9", b"")])
+    assert Change.decode(kv.encode()) == kv
+    assert Change.decode(kv.encode()[:-1]).everything
+    many = Change(kv=[(KV_STORED, "t", os.urandom(4096)) for _ in range(300)])
+    assert Change.decode(many.encode()) == Change(kv_everything=True)
+    assert Change.decode(many.encode()).kv_unknown and not Change(kv=kv.kv).kv_unknown
 
 
 def test_groups_are_published_as_they_commit(writer: MetaStore, where: str) -> None:

@@ -26,6 +26,7 @@ from conftest import (
     mount_with,
     mxfs,
     one_line_error,
+    requests_served,
     steady_page_cache,
 )
 
@@ -546,14 +547,6 @@ def test_concurrent_misses_are_computed_once(mounted: Mounted) -> None:
         b.close()
 
 
-def _asked(mount: Path, op: str) -> int:
-    """How many `op` requests the daemon has served."""
-    from mxfs.client.control import ControlClient
-
-    with ControlClient(str(mount)) as c:
-        return sum(n for _, o, n, _ in c.call("metrics")["requests"] if o == op)
-
-
 def test_exists_is_answered_from_the_namespaces_table_kept_current(mounted: Mounted) -> None:
     """After one `kv_view`, exists and batch_exists ask the daemon nothing, and see
     every put, delete and eviction of any process at once, through a table that
@@ -562,7 +555,7 @@ def test_exists_is_answered_from_the_namespaces_table_kept_current(mounted: Moun
     with KVStore(str(mounted.path), "viewed") as kv, \
             KVStore(str(mounted.path), "viewed") as other:
         assert kv.batch_put(keys[:10], [b"v"] * 10) == [True] * 10
-        asked = _asked(mounted.path, "kv_exists")
+        asked = requests_served(mounted.path, "kv_exists")
         assert kv.exists_many(keys[:12]) == [True] * 10 + [False] * 2
         assert other.put(keys[10], b"w")  # another store's put: seen at once
         assert kv.batch_exists(keys[:12]) == 11
@@ -572,10 +565,10 @@ def test_exists_is_answered_from_the_namespaces_table_kept_current(mounted: Moun
         assert other.batch_put(keys[11:], [b"x"] * 789) == [True] * 789
         assert kv.exists_many(keys) == [i != 3 for i in range(800)]
         assert kv.exists_many(["absent", keys[799]]) == [False, True]
-        assert _asked(mounted.path, "kv_exists") == asked  # none of it asked the daemon
-        gets = _asked(mounted.path, "kv_get")
+        assert requests_served(mounted.path, "kv_exists") == asked  # none asked the daemon
+        pins = requests_served(mounted.path, "kv_pin")
         assert kv.pin(["absent", "gone", keys[3]]) == [False] * 3  # (LMCache's lookups)
-        assert _asked(mounted.path, "kv_get") == gets  # absent keys are not asked for
+        assert requests_served(mounted.path, "kv_pin") == pins  # absent keys: not asked
         assert kv.pin(["absent", keys[4], keys[3], keys[5]]) == [False, True, False, True]
         kv.unpin([keys[4], keys[5]])
         kv.evict(0)

@@ -36,6 +36,7 @@ from conftest import (
     mxfs,
     node_net,
     raw_socket,
+    requests_served,
 )
 from netns import NodeNet
 from safetensors.torch import save_file
@@ -535,20 +536,22 @@ def test_a_reading_node_drops_what_the_writer_changed_as_it_commits(
 
 def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
         tmp_path: Path, pg_cluster: Any) -> None:
-    """A reading node looks KV keys up in the metadata server; a lookup the server is
-    slow to answer (here: the table locked) waits in a worker thread, while the
-    daemon goes on answering other requests; it is answered once the server is."""
+    """A reading node looks a get's KV keys up in the metadata server; a lookup the
+    server is slow to answer (here: the table locked) waits in a worker thread, while
+    the daemon goes on answering other requests (and exists, from the node's table,
+    is answered without the server); it is answered once the server is."""
     url = pg_cluster.database()
     with _writer_node(tmp_path, url) as (net, a, members):
         KVStore(str(a.path), namespace="t", mode=0o755).put(b"k" * 32, b"v" * 100)
         with _reading_node(tmp_path, url, net, members) as b:
             keys = [b"k" * 32] + [os.urandom(32) for _ in range(4095)]
             kv = KVStore(str(b.path), namespace="t")
-            assert kv.batch_exists(keys) == 1
+            assert kv.batch_exists(keys) == 1  # (the namespace's table, mapped)
             got: list[object] = []
             with psycopg.connect(url) as lock:
                 lock.execute("LOCK TABLE kv IN ACCESS EXCLUSIVE MODE")
-                asking = threading.Thread(target=lambda: got.append(kv.batch_exists(keys)))
+                asking = threading.Thread(target=lambda: got.append(
+                    sum(g is not None for g in kv.batch_get(keys))))
                 asking.start()
                 try:
                     assert eventually(lambda: lock.execute(
@@ -556,6 +559,7 @@ def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
                         "AND NOT granted").fetchone() == (1,), 15)
                     with ControlClient(str(b.path)) as c:  # answered meanwhile
                         assert c.call("hello")["pool_uuid"]
+                    assert kv.batch_exists(keys) == 1  # (the table: no server asked)
                     assert asking.is_alive() and not got  # (the lookup still waits)
                 finally:
                     lock.rollback()
@@ -752,6 +756,44 @@ def test_kv_pins_on_a_reading_node_are_leases_on_the_writer(tmp_path: Path,
         assert eventually(lambda: on_a.usage()["pinned"] == 0, 15)
         assert on_a.set_capacity(1) == 4
         dying.close()
+        on_a.close()
+
+
+def test_kv_lookups_on_a_reading_node_read_a_table_the_feed_keeps(tmp_path: Path,
+                                                                   pg_cluster: Any) -> None:
+    """A store on a reading node answers exists from a presence table that node keeps
+    by the writer's change feed, asking its daemon nothing: keys stored on the writer
+    show once the feed row is read, the node's own puts at once, deleted and evicted
+    keys go, and a removed namespace's table says so (all misses, then a new table
+    once the namespace is made again)."""
+    url = pg_cluster.database()
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        on_a = KVStore(str(a.path), namespace="t", mode=0o777)
+        first = [b"f%05d" % i for i in range(3000)]  # (filled in bites: more than one)
+        assert on_a.batch_put(first, [b"v" * 100] * len(first)) == [True] * len(first)
+        on_b = KVStore(str(b.path), namespace="t", shared=True)
+        asked = requests_served(b.path, "kv_exists")
+        assert on_b.exists_many(first + [b"none"]) == [True] * len(first) + [False]
+        more = [b"m%03d" % i for i in range(50)]
+        assert on_a.batch_put(more, [b"w" * 5000] * 50) == [True] * 50
+        assert eventually(lambda: on_b.exists_many(more) == [True] * 50, 10)
+        mine = [b"b%03d" % i for i in range(20)]
+        assert on_b.batch_put(mine, [b"x" * 100] * 20) == [True] * 20
+        assert on_b.exists_many(mine) == [True] * 20  # (its own: at once)
+        # the oldest go first: all but some of `first` (more and mine stay)
+        assert on_a.delete(first[0]) and on_a.set_capacity(50 * 5000 + 20 * 100 +
+                                                           1500 * 100) > 1000
+        left = on_a.exists_many(first)
+        assert not left[0] and 0 < sum(left) < len(first) - 1000
+        assert eventually(lambda: on_b.exists_many(first) == left, 10)
+        assert requests_served(b.path, "kv_exists") == asked  # none of it asked b
+        on_a.client.call("kv_ns_remove", namespace="t")
+        assert eventually(lambda: on_b.exists_many(more + mine) == [False] * 70, 10)
+        assert on_a.put(b"again", b"v")  # made again: a new table, asked for anew
+        assert eventually(lambda: on_b.exists_many([b"again", more[0]]) == [True, False],
+                          10)
+        on_b.close()
         on_a.close()
 
 

@@ -25,6 +25,13 @@ buffers made beforehand, as an engine's host pool is:
 and the same number of new chunks put (`batch_put`):
   kv put local  on the writer (its members)
   kv put node   on the reading node (sent on to the writer's chunk service)
+and lookups (`exists_many` of those keys until 4,096 were asked, keys a second, a new
+store each round: its first lookup maps the namespace's presence table):
+  kv exists local  on the writer (the table its KV index keeps)
+  kv exists node   on the reading node (the table its change feed keeps)
+  kv exists asked  on the reading node, each call asking its daemon (`kv_exists`: the
+                   store read), as every lookup there did before it kept tables
+  kv lag   ms from a put on the writer to a reading node's store seeing the key
 
 and a flood from a reading node's local readers (`--flood`, microseconds):
   open idle   open+close of a file through the writer's mount, p50 and p99 of 2000
@@ -85,7 +92,8 @@ from mxfs.proto.messages import OPEN_READ  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
 
 ARMS = ("sendfile", "chunks", "direct", "node", "local", "kv local", "kv node", "kv put local",
-        "kv put node", "stat local",
+        "kv put node", "kv exists local", "kv exists node", "kv exists asked",
+        "kv lag", "stat local",
         "stat node", "lag", "open idle p50", "open idle p99", "open flood p50",
         "open flood p99", "flood reads")
 KV_CHUNK = 2 << 20
@@ -214,6 +222,42 @@ def visible_after(writer_dir: str, node_dir: str, name: str) -> float:
             raise SystemExit(f"{seen} did not show on the reading node in 10 s")
         time.sleep(0.0005)
     return time.perf_counter() - start
+
+
+def exists_rate(mount: str, keys: list[bytes], ask: bool = False, asked: int = 4096
+                ) -> float:
+    """Keys a second `exists_many` answers on `mount`, `keys` a call until `asked`
+    (with `ask`, each call asks the daemon: the store holds no table)."""
+    kv = KVStore(mount, namespace="bench")
+    if ask:
+        kv.views._never = True  # (as a daemon that keeps no table is answered)
+    start, n = time.perf_counter(), 0
+    while n < asked:
+        if not all(kv.exists_many(keys)):
+            raise SystemExit(f"a lookup on {mount} missed keys that are stored")
+        n += len(keys)
+    took = time.perf_counter() - start
+    kv.close()
+    return n / took
+
+
+def kv_seen_after(writer: str, node: str, key: bytes) -> float:
+    """Seconds from a put on the writer to a store on the reading node seeing the key
+    (the store already holds the namespace's table)."""
+    on_node = KVStore(node, namespace="bench")
+    if on_node.exists_many([key])[0]:
+        raise SystemExit(f"KV key {key!r} is there before it was put")
+    on_writer = KVStore(writer, namespace="bench")
+    start = time.perf_counter()
+    on_writer.put(key, b"v" * 100)
+    while not on_node.exists_many([key])[0]:
+        if time.perf_counter() - start > 10:
+            raise SystemExit(f"KV key {key!r} did not show on the reading node in 10 s")
+        time.sleep(0.0005)
+    took = time.perf_counter() - start
+    on_node.close()
+    on_writer.close()
+    return took
 
 
 def open_latency(path: str, n: int = 2000) -> tuple[float, float]:
@@ -357,6 +401,12 @@ def main() -> int:
                         raise SystemExit(f"{arm}: KV chunks not stored")
                     rounds[arm].append(kv_bytes / (time.perf_counter() - start) / 1e9)
                     kv.close()
+                for arm, mount in (("kv exists local", pool.mnt), ("kv exists node", node_mnt),
+                                   ("kv exists asked", node_mnt)):
+                    rounds[arm].append(exists_rate(mount, keys, ask=arm.endswith("asked")))
+                rounds["kv lag"].append(1000 * statistics.median(
+                    kv_seen_after(pool.mnt, node_mnt, f"lag-{i}-{k}".encode())
+                    for k in range(args.lags)))
                 times = {"sendfile": in_node(net.enter, "sendfile", net.host_ip,
                                              str(server.port), *map(str, sizes)),
                          "chunks": in_node(net.enter, "chunks", spec),
@@ -398,6 +448,12 @@ def main() -> int:
           f"{medians['kv put local']:.2f} GB/s, on the reading node "
           f"{medians['kv put node']:.2f} GB/s ({medians['kv put node'] / medians['sendfile']:.2f}"
           " of sendfile)")
+    print(f"KV lookups (exists_many of {len(keys)} keys): on the writer "
+          f"{medians['kv exists local']:,.0f} keys/s, on the reading node "
+          f"{medians['kv exists node']:,.0f} keys/s from its table, "
+          f"{medians['kv exists asked']:,.0f} keys/s asking its daemon; a key put on the "
+          "writer seen on the "
+          f"reading node {medians['kv lag']:.1f} ms after (median)")
     print(f"{args.files} files stat'ed after 1.5 s idle: on the writer "
           f"{medians['stat local']:.0f}/s, on the reading node {medians['stat node']:.0f}/s "
           f"({medians['stat node'] / medians['stat local']:.2f} of the writer); a new file "

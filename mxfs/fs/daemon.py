@@ -200,6 +200,10 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 control.status.chunks = chunks
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))
             control.status.feed = feed
+            if feed is not None and control.kv.follower is not None:
+                views = control.kv.follower.views  # (kept by the feed: fs/kv_views.py)
+                feed.on_kv = views.from_feed
+                views.live = lambda: feed.kernel.feed_live
             daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed, gauges)
             trio.run(daemon.serve, lambda: ready(None, notes))
             clean = True

@@ -47,6 +47,9 @@ class FeedFollower:
         self.kernel = kernel
         self.held = held
         self.data_changed = data_changed
+        # KV keys stored and dropped on the writer (a reading node's presence tables:
+        # `fs/kv_views.py`); told "everything" when the feed is lost.
+        self.on_kv: Callable[[Change], None] | None = None
         self.applied = 0  # the last row read (status)
         self.invalidations = 0  # the kernel's entries and inodes invalidated (status)
         self.error = ""  # why the feed cannot be read, while it cannot
@@ -106,6 +109,8 @@ class FeedFollower:
                                 "again every %g s until it can", e, FOLLOW_TIMEOUT)
                 self.kernel.feed_live = False
                 self.error = str(e)
+                if self.on_kv is not None:  # (what the feed misses, tables would miss)
+                    self.on_kv(Change(everything=True))
                 self._close()
                 self._stop.wait(RETRY_S)
         self._close()
@@ -125,6 +130,8 @@ class FeedFollower:
     def _apply(self, change: Change) -> None:
         """Invalidate in the kernel what `change` touched: names, attributes, and the
         cached pages (a file's data, a directory's listing) of what changed data."""
+        if self.on_kv is not None and (change.kv or change.kv_unknown):
+            self.on_kv(change)
         if change.everything:
             inos, names = self.held()
             data, attrs = set(inos), set()

@@ -41,6 +41,7 @@ import trio
 
 from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
+from mxfs.fs.kv_views import FollowerViews
 from mxfs.fs.limits import Limits
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Answer, Session
@@ -58,6 +59,7 @@ from mxfs.proto.messages import (
     KVViewReply,
     RemoteGrant,
 )
+from mxfs.proto.presence import HEADER_SIZE
 from mxfs.vol.access import R_OK
 from mxfs.vol.kv_index import KVIndex, Namespace, check_namespace
 from mxfs.vol.volume import Volume
@@ -107,6 +109,7 @@ class FollowerKV:
         self.vol, self.index, self.limits, self.limiter = vol, index, limits, limiter
         self.remote = remote  # scoped connections to the writer (`fs/remote_reads.py`)
         self.lookups = StoreWorker(vol.pool.meta_location, wait_s=SERVE_WAIT_S)
+        self.views = FollowerViews(self.lookups)  # `kv_view` here
         self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
         self.lent_by_uid: Counter[int] = Counter()
 
@@ -159,10 +162,12 @@ class FollowerKV:
         raise OSError(errno.EROFS, f"node {self.vol.pool.node} reads the pool: KV chunks "
                       "are removed, claimed and configured on the writer node")
 
-    async def no_view(self, msg: Msg, session: Session) -> Answer[KVViewReply]:
-        """A reading node holds no index to mirror: its lookups are the store's."""
-        raise OSError(errno.EOPNOTSUPP, f"node {self.vol.pool.node} looks KV keys up in "
-                      "the metadata store: it keeps no view of them (ask kv_exists)")
+    async def view(self, msg: Msg, session: Session) -> Answer[KVViewReply]:
+        """The namespace's presence table on this node, kept by the change feed
+        (`fs/kv_views.py`); read permission (and `shared`) as `kv_exists`."""
+        space, _ = await self._lookup(msg, session, [], chunks=False)
+        table = await self.views.table(space.name, session.caller.uid)
+        return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
 
     async def exists(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
         keys = keys_field(msg)

@@ -99,11 +99,14 @@ class ForwardedKV:
     """`kv_put`, `kv_create`, `kv_commit`, `kv_claim` and `kv_wait` of a reading node."""
 
     def __init__(self, remote: RemoteMembers | None, limits: Limits,
-                 node: Callable[[], tuple[str, int]]) -> None:
-        """`node`: this node's name and its lease's epoch, now."""
+                 node: Callable[[], tuple[str, int]],
+                 stored: Callable[[str, bytes], None]) -> None:
+        """`node`: this node's name and its lease's epoch, now; `stored(namespace,
+        key)`: a put sent on is stored (this node's presence tables show it at once)."""
         self.remote = remote
         self.limits = limits
         self.node = node
+        self.stored = stored
         self._senders = trio.CapacityLimiter(SENDERS)
         self._handles = itertools.count(1)
         self._pending: dict[int, dict[int, _Pending]] = {}  # by id(session)
@@ -261,10 +264,12 @@ class ForwardedKV:
         if mode > 0o777:
             raise BadField(msg, "'mode' is a permission mode from 0 to 0777")
         who = _who(caller)
-        return await trio.to_thread.run_sync(
+        stored = await trio.to_thread.run_sync(
             lambda: remote.kv_put(who, namespace, mode, bool_field(msg, "shared"),
                                   check_key(key), chunk),
             limiter=self._senders)
+        self.stored(namespace, key)  # (stored now, or by another before)
+        return stored
 
     def _drop(self, session: Session, handle: int) -> None:
         pending = self._pending.get(id(session), {}).pop(handle, None)

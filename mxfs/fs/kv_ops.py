@@ -161,8 +161,8 @@ class KVOps:
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
                                    remote) if vol.pool.node else None
         # ... and its puts, sent on to the writer (fs/kv_forward.py).
-        self.forward = ForwardedKV(vol.pool.remote, self.limits, self._node) \
-            if vol.pool.node else None
+        self.forward = ForwardedKV(vol.pool.remote, self.limits, self._node,
+                                   self.follower.views.put) if self.follower else None
 
     def handlers(self) -> dict[str, Handler]:
         """The handler of each KV op.  Those that work through many items do it in
@@ -179,7 +179,7 @@ class KVOps:
                       "kv_ns_create": self._ns_create, "kv_ns_remove": self._ns_remove})
         if (follower := self.follower) is not None:
             table.update({"kv_get": follower.get, "kv_exists": follower.exists,
-                          "kv_view": follower.no_view})
+                          "kv_view": follower.view})
             assert self.forward is not None
             fwd = self.forward
             table.update({"kv_put": fwd.put, "kv_create": fwd.create, "kv_commit": fwd.commit,

@@ -4,9 +4,11 @@ The daemon keeps a table of a namespace's key hashes current in shared memory on
 client asks for it (`kv_view`, `proto/presence.py`); `KVStore.exists_many` and
 `batch_exists` (which engines ask for every request they schedule) read it instead of
 asking the daemon. A table the daemon replaced (it filled up) or retired (its
-namespace went) says so, and the next ask gets the current one. Where there is no
-table to have (a reading node, whose lookups are the metadata store's; a daemon that
-predates views) the store asks the daemon, as before.
+namespace went) says so, and the next ask gets the current one. A reading node keeps
+tables by the writer's change feed (`fs/kv_views.py`), and while it cannot read the
+feed answers EAGAIN: the store asks the daemon meanwhile and for a view again a
+second later. Where there is no table to have (a daemon that predates views, a
+namespace not the caller's to read) the store asks the daemon, as before.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class KeyViews:
         try:
             fd, size = self._ask()
         except ControlError as e:
-            if e.errno == errno.ENOENT:  # no namespace yet: every key is absent, ask later
+            if e.errno in (errno.ENOENT, errno.EAGAIN):  # no namespace yet (every key is
+                # absent), or a reading node that cannot follow its feed now: ask later
                 self._retry_at = time.monotonic() + RETRY_S
             else:  # (a reading node, an older daemon, a namespace not ours to read)
                 self._never = True

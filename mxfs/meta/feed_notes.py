@@ -2,9 +2,11 @@
 writer's half of the change feed (`meta/change_feed.py` reads the rows).
 
 `Noted` collects, in each open group, the inodes whose rows were written (apart: those
-whose data changed, size or mtime) and the names added, removed or moved; a failed
-change's notes are dropped, a lost group's too.  `Change` is one group's (or several
-merged), encoded compactly in its row; a body this version cannot read is "everything".
+whose data changed, size or mtime), the names added, removed or moved, and the KV keys
+stored and dropped and namespaces removed, in order (reading nodes keep their
+namespaces' presence tables by them: `fs/kv_views.py`); a failed change's notes are
+dropped, a lost group's too.  `Change` is one group's (or several merged), encoded
+compactly in its row; a body this version cannot read is "everything".
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import time
 from dataclasses import dataclass, field
 
 MAX_NOTED = 20_000  # past it a group is published as "everything"
+MAX_KV_BYTES = 1 << 20  # KV keys one row carries; past it, "every KV key" (kv_everything)
+KV_REMOVED, KV_STORED, KV_GONE = 0, 1, 2  # what a KV note says: a key, or a namespace
 
 _HEAD = struct.Struct("!BIII")  # flags, inodes, inodes with new data, names
 _INO = struct.Struct("!q")
 _NAME = struct.Struct("!qH")  # directory, length of the name that follows
+_KV = struct.Struct("!BI")  # (after the names) flags (_EVERYTHING: of KV), KV notes
+_KV_NOTE = struct.Struct("!BHH")  # what, namespace bytes, key bytes (then both)
 _EVERYTHING = 1
 _DATA = b""  # (a name is never empty)
 
@@ -35,12 +41,22 @@ class Change:
     names: set[tuple[int, bytes]] = field(default_factory=set)
     everything: bool = False
     data: set[int] = field(default_factory=set)  # data changed (size, mtime) too
+    # KV keys stored and removed, namespaces gone, in commit order: (what, ns, key)
+    kv: list[tuple[int, str, bytes]] = field(default_factory=list)
+    kv_everything: bool = False  # KV keys changed that are not listed (too many)
 
     def __bool__(self) -> bool:
-        return self.everything or bool(self.inos or self.data or self.names)
+        return self.everything or self.kv_everything or \
+            bool(self.inos or self.data or self.names or self.kv)
+
+    @property
+    def kv_unknown(self) -> bool:
+        """Whether KV keys changed that `kv` does not list."""
+        return self.everything or self.kv_everything
 
     def merge(self, other: Change) -> None:
         self.everything |= other.everything
+        self.kv_everything |= other.kv_everything
         if self.everything:
             self.inos.clear()
             self.data.clear()
@@ -49,6 +65,10 @@ class Change:
             self.inos |= other.inos
             self.data |= other.data
             self.names |= other.names
+        if self.kv_unknown:
+            self.kv.clear()
+        else:
+            self.kv += other.kv
 
     def encode(self) -> bytes:
         if self.everything or len(self.inos) + len(self.data) + len(self.names) > MAX_NOTED:
@@ -58,6 +78,14 @@ class Change:
         out += [_INO.pack(i) for i in sorted(self.data)]
         for parent, name in sorted(self.names):
             out += [_NAME.pack(parent, len(name)), name]
+        kv_bytes = sum(len(ns) + len(key) for _, ns, key in self.kv)
+        if self.kv_everything or len(self.kv) > MAX_NOTED or kv_bytes > MAX_KV_BYTES:
+            out.append(_KV.pack(_EVERYTHING, 0))
+        elif self.kv:
+            out.append(_KV.pack(0, len(self.kv)))
+            for what, ns, key in self.kv:
+                raw = ns.encode()
+                out += [_KV_NOTE.pack(what, len(raw), len(key)), raw, key]
         return b"".join(out)
 
     @classmethod
@@ -81,8 +109,22 @@ class Change:
                     raise ValueError("a name runs past the body")
                 at += n
                 names.add((parent, name))
-            return cls(inos, names, data=data)
-        except (struct.error, ValueError):
+            kv: list[tuple[int, str, bytes]] = []
+            if at < len(body):
+                kv_flags, n_kv = _KV.unpack_from(body, at)
+                at += _KV.size
+                if kv_flags & _EVERYTHING:
+                    return cls(inos, names, data=data, kv_everything=True)
+                for _ in range(n_kv):
+                    what, n_ns, n_key = _KV_NOTE.unpack_from(body, at)
+                    at += _KV_NOTE.size
+                    ns, key = bytes(body[at:at + n_ns]), bytes(body[at + n_ns:at + n_ns + n_key])
+                    if len(ns) + len(key) != n_ns + n_key:
+                        raise ValueError("a KV note runs past the body")
+                    at += n_ns + n_key
+                    kv.append((what, ns.decode(), key))
+            return cls(inos, names, data=data, kv=kv)
+        except (struct.error, ValueError):  # (UnicodeDecodeError is one)
             return cls(everything=True)
 
 
@@ -97,7 +139,8 @@ class Noted:
         self.channel = channel
         # (inode, None) or (inode, b"") when its data changed, or (directory, name)
         self._items: list[tuple[int, bytes | None]] = []
-        self._mark = 0
+        self._kv: list[tuple[int, str, bytes]] = []
+        self._mark = self._kv_mark = 0
         self.everything = True  # until a first group commits: a writer's session starts
         self._sent = False  # the open group's row is written
         self.published = 0  # groups published (status)
@@ -108,27 +151,34 @@ class Noted:
     def name(self, parent: int, name: bytes) -> None:
         self._items.append((parent, name))
 
+    def kv(self, what: int, ns: str, key: bytes = b"") -> None:
+        """A KV key stored or removed (KV_STORED, KV_REMOVED), a namespace gone (KV_GONE)."""
+        self._kv.append((what, ns, key))
+
     def mark(self) -> None:
         """A change starts."""
-        self._mark = len(self._items)
+        self._mark, self._kv_mark = len(self._items), len(self._kv)
 
     def undo(self) -> None:
         """The running change failed: what it noted did not happen."""
         del self._items[self._mark:]
+        del self._kv[self._kv_mark:]
 
     def lose(self) -> None:
         """The whole group was lost: nothing of it happened, its row included."""
         self._items.clear()
-        self._mark = 0
+        self._kv.clear()
+        self._mark = self._kv_mark = 0
         self._sent = False
 
     def take(self) -> Change | None:
         """What the group changed, to publish as it commits (None: nothing new)."""
         items, self._items, self._mark = self._items, [], 0
-        if not items and (self._sent or not self.everything):
+        kv, self._kv, self._kv_mark = self._kv, [], 0
+        if not items and not kv and (self._sent or not self.everything):
             return None
         self._sent = True
-        change = Change(everything=self.everything)
+        change = Change(everything=self.everything, kv=kv)
         if not change.everything:
             for a, b in items:
                 if b is None:

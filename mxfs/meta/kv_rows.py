@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
 from mxfs.meta.engine import Engine, fail
+from mxfs.meta.feed_notes import KV_GONE, KV_REMOVED, KV_STORED
 from mxfs.meta.inode import Inode
 
 T = TypeVar("T")
@@ -30,6 +31,7 @@ class Rules(Protocol):
     def write_fields(self, node: Inode, values: dict[str, object]) -> None: ...
     def seal(self, ino: int, sum_unit: int, sums: bytes) -> None: ...
     def drop_link(self, node: Inode, now: int) -> None: ...
+    def note_kv(self, what: int, ns: str, key: bytes = b"") -> None: ...
 
 
 class KVRows:
@@ -46,7 +48,10 @@ class KVRows:
             "kv_ns", {"ns": ns, "uid": uid, "gid": gid, "mode": mode, "capacity": capacity}))
 
     def drop_namespace(self, ns: str) -> None:
-        self.store.txn(lambda: self.engine.delete("kv_ns", {"ns": ns}))
+        def change() -> None:
+            self.engine.delete("kv_ns", {"ns": ns})
+            self.store.note_kv(KV_GONE, ns)
+        self.store.txn(change)
 
     def chunks(self) -> Iterator[tuple[str, bytes, int, int, int, int, bytes]]:
         """(ns, key, ino, size, atime, sum_unit, sums) of every chunk, least recently
@@ -80,6 +85,7 @@ class KVRows:
             now = time.time_ns()
             store.write_fields(node, {"nlink": 1, "size": size, "mtime_ns": now, "ctime_ns": now})
             store.seal(ino, sum_unit, sums)
+            store.note_kv(KV_STORED, ns, key)
         store.txn(change)
 
     def remove(self, entries: list[tuple[str, bytes, int]]) -> list[Inode]:
@@ -91,6 +97,7 @@ class KVRows:
             now = time.time_ns()
             for ns, key, ino in entries:
                 self.engine.delete("kv", {"ns": ns, "key": key})
+                store.note_kv(KV_REMOVED, ns, key)
                 node = store.get(ino)
                 store.drop_link(node, now)
                 nodes.append(node)
@@ -99,7 +106,16 @@ class KVRows:
 
     def drop_entry(self, ns: str, key: bytes) -> None:
         """Remove an index row alone (fsck: it points to a missing inode)."""
-        self.store.txn(lambda: self.engine.delete("kv", {"ns": ns, "key": key}))
+        def change() -> None:
+            self.engine.delete("kv", {"ns": ns, "key": key})
+            self.store.note_kv(KV_REMOVED, ns, key)
+        self.store.txn(change)
+
+    def keys_after(self, ns: str, after: bytes | None, limit: int) -> list[bytes]:
+        """Up to `limit` keys of namespace `ns` past `after`, in order (a reading node
+        filling a presence table a bite at a time)."""
+        return [bytes(k) for (k,) in self.engine.scan("kv", ("key",), {"ns": ns}, order="key",
+                                                       after=after, limit=limit)]
 
     def touch(self, rows: list[tuple[int, str, bytes]]) -> None:
         """Write back access times: (atime, ns, key)."""

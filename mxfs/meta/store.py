@@ -487,6 +487,12 @@ class MetaStore:
         if self.feed is not None:
             self.feed.name(parent, name)
 
+    def note_kv(self, what: int, ns: str, key: bytes = b"") -> None:
+        """Inside a change: a KV key stored or removed, or a namespace gone, for the
+        change feed (`meta/feed_notes.py`)."""
+        if self.feed is not None:
+            self.feed.kv(what, ns, key)
+
     def _before_commit(self) -> None:
         """As a group commits: the directory times it held, then what it changed."""
         self._write_dir_times()

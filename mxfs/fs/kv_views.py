@@ -1,0 +1,132 @@
+"""A reading node's presence tables: `kv_view` there, kept current by the change feed.
+
+Engines ask whether keys are stored for every request they schedule; on the writer
+they read the namespace's presence table (`vol/kv_presence.py`) instead of asking.  A
+reading node holds no KV index, but the writer's change feed carries every key it
+stores and drops and every namespace it removes, in commit order
+(`meta/feed_notes.py`), so a reading node keeps tables of its own: filled from the
+store a bite at a time (BITE keys a turn of its store worker, other requests served
+between), then moved by each feed row as the feed follower reads it, and by the puts
+its own users sent on (answered once stored: read-your-writes on this node).  A row
+read while a table fills and a bite read after it converge on the store's state: the
+last change of each key wins either way.
+
+The tables are only as current as the feed: a key another node stored shows here once
+the feed row is read (a few milliseconds after its commit).  When the feed cannot be
+read, or says "everything" (rows pruned, a group too large to list), every table is
+retired MOVED and `kv_view` answers EAGAIN until the feed is read again: clients ask
+`kv_exists` meanwhile, which reads the store.  A table that fills up is retired MOVED
+too; the next `kv_view` makes a larger one.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable
+
+import trio
+
+from mxfs.fs.store_worker import StoreWorker
+from mxfs.meta import MetaStore
+from mxfs.meta.feed_notes import KV_GONE, KV_STORED, Change
+from mxfs.proto.presence import GONE, MOVED
+from mxfs.vol.kv_presence import PresenceTable
+
+log = logging.getLogger("mxfs.kv")
+
+BITE = 8192  # keys read from the store in one turn of the worker
+
+
+class FollowerViews:
+    """The presence tables of the namespaces this node's clients asked to see."""
+
+    def __init__(self, worker: StoreWorker) -> None:
+        self.worker = worker
+        self.live: Callable[[], bool] = lambda: False  # the feed is being read (daemon)
+        self.tables: dict[str, PresenceTable] = {}
+        self._filling: dict[str, trio.Event] = {}
+        self._token: trio.lowlevel.TrioToken | None = None
+
+    async def table(self, ns: str, uid: int) -> PresenceTable:
+        """The namespace's table, filled from the store if this node holds none (the
+        caller checked that `uid` may read it); EAGAIN while the feed cannot keep it."""
+        if not self.live():
+            raise OSError(errno.EAGAIN, "this node cannot read the pool's change feed now: "
+                          "its KV lookups ask the metadata store (kv_exists)")
+        self._token = trio.lowlevel.current_trio_token()
+        while (filling := self._filling.get(ns)) is not None:
+            await filling.wait()
+        if (table := self.tables.get(ns)) is not None:
+            return table
+        done = self._filling[ns] = trio.Event()
+        try:
+            return await self._fill(ns, uid)
+        finally:
+            del self._filling[ns]
+            done.set()
+
+    async def _fill(self, ns: str, uid: int) -> PresenceTable:
+        count = await self.worker.run(lambda s: s.engine.count("kv", {"ns": ns}), uid)
+        table = self.tables[ns] = PresenceTable(room=count)
+        after: bytes | None = None
+        while True:
+            def bite(store: MetaStore, after: bytes | None = after) -> list[bytes]:
+                return store.kv.keys_after(ns, after, BITE)
+            keys = await self.worker.run(bite, uid)
+            if self.tables.get(ns) is not table:  # retired meanwhile (the feed, full)
+                raise OSError(errno.EAGAIN, f"KV namespace {ns!r}'s table was replaced "
+                              "while it filled: ask again")
+            for key in keys:
+                self._add(ns, table, key)
+            if self.tables.get(ns) is not table:
+                raise OSError(errno.EAGAIN, f"KV namespace {ns!r} grew while its table "
+                              "filled: ask again")
+            if len(keys) < BITE:
+                return table
+            after = keys[-1]
+
+    def put(self, ns: str, key: bytes) -> None:
+        """A put this node sent on was stored (or was there): it shows here at once."""
+        if (table := self.tables.get(ns)) is not None:
+            self._add(ns, table, key)
+
+    def from_feed(self, change: Change) -> None:
+        """(The feed follower's thread.)  Apply a feed row's KV notes on trio's thread;
+        with `change.kv_unknown` (or the feed lost), retire every table."""
+        token = self._token
+        if token is None:  # (no table was ever asked for: nothing to keep)
+            return
+        try:
+            trio.from_thread.run_sync(self._apply, change, trio_token=token)
+        except trio.RunFinishedError:
+            pass
+
+    def _apply(self, change: Change) -> None:
+        if change.kv_unknown:
+            self.retire_all()
+            return
+        for what, ns, key in change.kv:
+            table = self.tables.get(ns)
+            if table is None:
+                continue
+            if what == KV_GONE:
+                del self.tables[ns]
+                table.retire(GONE)
+            elif what == KV_STORED:
+                self._add(ns, table, key)
+            else:
+                table.remove(key)
+
+    def _add(self, ns: str, table: PresenceTable, key: bytes) -> None:
+        if not table.full():
+            table.add(key)
+            return
+        del self.tables[ns]  # (full: the next kv_view makes a larger one)
+        table.retire(MOVED)
+
+    def retire_all(self) -> None:
+        """Every table goes MOVED (their readers ask again, or ask the store)."""
+        tables, self.tables = self.tables, {}
+        for table in tables.values():
+            table.retire(MOVED)
