@@ -189,7 +189,7 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert os.statvfs(b.path).f_blocks == os.statvfs(a.path).f_blocks > 0
                 assert _status(b)["inodes"] > 0
                 # A KV chunk put on the writer is a hit on the reading node (copied over
-                # from the writer, its checksums checked); deletes are the writer's.
+                # from the writer, its checksums checked).
                 small, large = os.urandom(100), os.urandom(3 << 20)
                 on_a = KVStore(str(a.path), namespace="t", mode=0o755)
                 on_a.put(b"s" * 32, small)
@@ -199,9 +199,6 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert on_b.get(b"l" * 32) == large
                 assert on_b.get(b"m" * 32) is None
                 assert on_b.batch_exists([b"s" * 32, b"l" * 32, b"m" * 32]) == 2
-                with pytest.raises(OSError) as e:
-                    on_b.delete(b"s" * 32)
-                assert e.value.errno == errno.EROFS
                 # KVStore reads a chunk from the writer itself (connections scoped to
                 # the get's chunks); for a caller that does not take connections the
                 # daemon copies it, and a copy is lent (memory of the node's daemon):
@@ -722,6 +719,53 @@ print(json.dumps(out))
                 assert on_a.claim(keys) == ["yours"]
             on_a.close()
             dying.close()
+
+
+def test_kv_requests_on_a_reading_node_are_the_writers(tmp_path: Path,
+                                                        pg_cluster: Any) -> None:
+    """Deletes, capacities, evictions, namespaces, lists and stats asked on a reading
+    node are asked of the writer as that caller's requests there: they change (and
+    show) the pool's one index, under the writer's rules for that user."""
+    url = pg_cluster.database()
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        on_a = KVStore(str(a.path), namespace="t", mode=0o755)
+        keys = [b"%02d" % i * 16 for i in range(6)]
+        assert on_a.batch_put(keys, [os.urandom(100_000) for _ in keys]) == [True] * 6
+        on_b = KVStore(str(b.path), namespace="t")
+        assert on_b.delete(keys[0]) and not on_b.delete(keys[0])
+        assert on_a.exists_many(keys[:2]) == [False, True]
+        assert on_b.usage()["chunks"] == on_a.usage()["chunks"] == 5
+        assert on_b.set_capacity(250_000) == 3 and on_a.usage()["capacity"] == 250_000
+        listed = mxfs("kv", "ls", str(b.path), "t").stdout
+        assert base64.b64encode(keys[5]).decode() in listed or keys[5].decode() in listed
+        assert "t" in mxfs("kv", "stats", str(b.path)).stdout
+        # As the user's requests on the writer: alice may not delete root's chunks or
+        # remove its namespace; her own namespace is hers to make and remove.
+        got = run_as(ensure_users()["alice"], """
+import errno
+kv = mxfs.kv.KVStore(sys.argv[1], namespace="t", shared=True)
+out = []
+for attempt in (lambda: kv.delete(sys.argv[2].encode()), kv.clear,
+                lambda: kv.client.call("kv_ns_remove", namespace="t")):
+    try:
+        out.append(str(attempt()))
+    except OSError as e:
+        out.append(errno.errorcode[e.errno])
+mine = mxfs.kv.KVStore(sys.argv[1], namespace="alices")
+out.append(mine.clear())  # (nothing put yet: nothing to clear)
+mine.client.call("kv_ns_create", namespace="alices", mode=0o700, capacity=0)
+out.append(mine.put(b"k", b"v"))
+mine.client.call("kv_ns_remove", namespace="alices")
+print(json.dumps(out))
+""", str(b.path), keys[5].decode())
+        assert got == ["EACCES", "EACCES", "EPERM", 0, True], got
+        assert "alices" not in {n["namespace"] for n in on_a.client.call("kv_stats")
+                                ["namespaces"]}
+        assert on_b.clear() == 2 and on_a.usage()["chunks"] == 0
+        assert _status(b)["kv_forward"]["requests"] >= 6
+        on_b.close()
+        on_a.close()
 
 
 def test_kv_pins_on_a_reading_node_are_leases_on_the_writer(tmp_path: Path,

@@ -255,10 +255,12 @@ def _format_status(s: dict[str, Any]) -> str:
                         "max_remote_reads, max_remote_reads_per_user)" if remote["refused"]
                         else ""))
     fwd = s.get("kv_forward")
-    if fwd and (fwd["puts"] or fwd["claims"] or fwd["pins"] or fwd["writing"]):
+    if fwd and (fwd["puts"] or fwd["claims"] or fwd["pins"] or fwd["requests"]
+                or fwd["writing"]):
         lines.append(f"  KV sent on to the writer: {fwd['puts']} chunks put "
                      f"({format_size(fwd['put_bytes'])}), {fwd['claims']} claims and waits "
-                     f"({fwd['waiting']} waiting now), {fwd['pins']} pins and unpins; "
+                     f"({fwd['waiting']} waiting now), {fwd['pins']} pins and unpins, "
+                     f"{fwd['requests']} other requests; "
                      f"{format_size(fwd['writing'])} being written here")
     for n in s.get("nodes") or []:
         here = " (this node)" if n["name"] == s.get("node") else ""

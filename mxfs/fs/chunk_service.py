@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import json
 import logging
 import os
 import select
@@ -58,11 +59,13 @@ from mxfs.proto.chunk_wire import (
     KEYS_RELEASE,
     KPUT_BODY,
     KPUT_SHARED,
+    KREQ_BODY,
     MAGIC,
     MAX_KEYS,
     MAX_KPUT,
     MAX_KPUT_GROUPS,
     MAX_KPUT_NAME,
+    MAX_KREQ,
     MAX_NODE_NAME,
     MAX_READ,
     MAX_SCOPE,
@@ -107,6 +110,9 @@ class NodeKV(Protocol):
 
     async def unpin_from_node(self, caller: Caller, namespace: str, shared: bool,
                               keys: list[bytes], holder: bytes) -> None: ...
+
+    async def request_from_node(self, caller: Caller, op: str, msg: dict[str, Any]
+                                ) -> dict[str, Any]: ...
 
 
 HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
@@ -262,12 +268,13 @@ class ChunkService:
                         until = trio.current_time() + SCOPE_S
                     await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
                     continue
-                if tag == b"KPUT" or tag in KEY_TAGS:
+                if tag == b"KPUT" or tag == b"KREQ" or tag in KEY_TAGS:
                     if scope is not None:  # a local reader's: it reads, nothing else
                         self._failures.note("chunk request", None, WireError(
                             f"a KV {tag.decode()} on a scoped connection"), trace=False)
                         return
                     await (self._kv_put(stream) if tag == b"KPUT" else
+                           self._kv_request(stream) if tag == b"KREQ" else
                            self._kv_keys(stream, tag))
                     continue
                 if tag != b"READ":
@@ -347,6 +354,33 @@ class ChunkService:
             return 0, bytes(int(p) for p in present)
 
         code, said = await self._judged(f"KV {tag.decode()} from a node", answer)
+        await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
+
+    async def _kv_request(self, stream: trio.SocketStream) -> None:
+        """Receive one KREQ and answer it: the reply as JSON, or why not."""
+        uid, gid, ngroups, op_len, size = KREQ_BODY.unpack(
+            await _recv_exact(stream, KREQ_BODY.size))
+        if ngroups > MAX_KPUT_GROUPS or op_len > 64 or size > MAX_KREQ:
+            raise WireError(f"a KV request of {size} bytes, {ngroups} groups, an op name "
+                            f"of {op_len} bytes: past the limits")
+        caller, op = await _caller(stream, uid, gid, ngroups, op_len)
+        body = await _recv_exact(stream, size)
+
+        async def answer() -> tuple[int, bytes]:
+            try:
+                msg = json.loads(body)
+            except ValueError:
+                raise OSError(errno.EINVAL, f"{op[:32]}: the request is not JSON") from None
+            if not isinstance(msg, dict):
+                raise OSError(errno.EINVAL, f"{op[:32]}: the request is not an object")
+            reply = await self._kv_tier().request_from_node(caller, op, msg)
+            out = json.dumps(reply).encode()
+            if len(out) > MAX_KREQ:
+                raise OSError(errno.E2BIG, f"the {op} reply is over {MAX_KREQ} bytes: ask "
+                              "for less (kv_list: a page at a time)")
+            return 0, out
+
+        code, said = await self._judged(f"KV {op[:32]} from a node", answer)
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _judged(self, what: str, work: Callable[[], Awaitable[tuple[int, bytes]]]

@@ -53,7 +53,6 @@ from mxfs.pool import ChunkFiles
 from mxfs.proto.chunk_wire import MAX_SCOPE
 from mxfs.proto.messages import (
     ChunkReply,
-    Empty,
     KVExistsReply,
     KVGetReply,
     KVViewReply,
@@ -155,12 +154,6 @@ class FollowerKV:
             self.index.spaces[name] = Namespace(name, *found.space)
         space = self.index.space(name, session.caller, R_OK, bool_field(msg, "shared"))
         return space, found
-
-    async def refuse(self, msg: Msg, session: Session) -> Answer[Empty]:
-        """Deletes, evictions, claims and namespaces are the writer node's (puts are
-        sent on to it: `fs/kv_forward.py`)."""
-        raise OSError(errno.EROFS, f"node {self.vol.pool.node} reads the pool: KV chunks "
-                      "are removed, claimed and configured on the writer node")
 
     async def view(self, msg: Msg, session: Session) -> Answer[KVViewReply]:
         """The namespace's presence table on this node, kept by the change feed

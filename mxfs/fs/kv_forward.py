@@ -30,7 +30,9 @@ Pins (`KVStore.pin`, LMCache's "lookup and lock") are read leases on the writer 
 KUNP), held there by the connection's holder and this node's name and epoch: they end
 with an unpin, with the connection (as its claims do), or, should this node die, once
 its lease runs out there, so a dead node holds nothing back from eviction for long.
-Deletes and evictions stay the writer's.
+Deletes, capacities, evictions, namespaces made and removed, lists and stats are the
+writer's index's: each is asked of it as the caller's request (KREQ), its reply passed
+on.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -52,7 +54,7 @@ from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field
 from mxfs.fs.kv_claims import CLAIM_S, MAX_CLAIM_S
 from mxfs.fs.kv_fields import keys_field
 from mxfs.fs.limits import Limits
-from mxfs.fs.session import Answer, Session
+from mxfs.fs.session import Answer, Reply, Session
 from mxfs.io.layout import Layout
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.chunk_wire import (
@@ -115,12 +117,12 @@ class ForwardedKV:
         self._waiters = trio.CapacityLimiter(WAITERS)
         self.waiting_by_uid: Counter[int] = Counter()
         self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
-        self.puts = self.put_bytes = self.claims = self.pins = 0
+        self.puts = self.put_bytes = self.claims = self.pins = self.requests = 0
 
     def status(self) -> KVForwardStatus:
         return {"puts": self.puts, "put_bytes": self.put_bytes,
                 "writing": sum(self.held_by_uid.values()), "claims": self.claims,
-                "pins": self.pins,
+                "pins": self.pins, "requests": self.requests,
                 "waiting": int(self._waiters.borrowed_tokens)}
 
     async def put(self, msg: Msg, session: Session) -> Answer[KVPutReply]:
@@ -247,6 +249,18 @@ class ForwardedKV:
             lambda: remote.kv_keys(tag, who, namespace, flags, keys, max(ms, 0), holder,
                                    node),
             limiter=limiter)
+
+    def asked(self, op: str) -> Callable[[Msg, Session], Awaitable[Reply]]:
+        """The handler of `op` (one of FORWARDED_OPS) here: asked of the writer as the
+        caller (KREQ), its reply passed on."""
+        async def handler(msg: Msg, session: Session) -> Reply:
+            remote, who = self._remote(), _who(session.caller)
+            body = {k: v for k, v in msg.items() if k != "op"}
+            self.requests += 1
+            reply = await trio.to_thread.run_sync(
+                lambda: remote.kv_request(who, op, body), limiter=self._senders)
+            return reply, []
+        return handler
 
     def _remote(self) -> RemoteMembers:
         if self.remote is None:

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -49,6 +49,7 @@ from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool import ChunkFiles
 from mxfs.proto import MAX_FDS, OPS
+from mxfs.proto.chunk_wire import FORWARDED_OPS
 from mxfs.proto.messages import (
     ChunkReply,
     DeletedReply,
@@ -157,6 +158,7 @@ class KVOps:
         # `fs/chunk_service.py`), and for those that pinned, their node and its epoch.
         self._holders: dict[bytes, Session] = {}
         self._holder_nodes: dict[bytes, tuple[str, int]] = {}
+        self._table: dict[str, Handler] | None = None  # (other nodes' KREQs: handlers())
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
                                    remote) if vol.pool.node else None
@@ -185,8 +187,7 @@ class KVOps:
             table.update({"kv_put": fwd.put, "kv_create": fwd.create, "kv_commit": fwd.commit,
                           "kv_claim": fwd.claim, "kv_wait": fwd.wait, "kv_pin": fwd.pin,
                           "kv_unpin": fwd.unpin})
-            table.update({op: follower.refuse for op in (
-                "kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove")})
+            table.update({op: fwd.asked(op) for op in FORWARDED_OPS})
         return table
 
     def _in_space(self, op: str, fn: InSpace) -> Handler:
@@ -458,6 +459,23 @@ class KVOps:
         space = self.index.space(namespace, caller, R_OK, shared)
         session = self._holders.get(holder) or Session(caller)
         return await self.claims.wait(space, keys, session, seconds)
+
+    async def request_from_node(self, caller: Caller, op: str, msg: dict[str, Any]
+                                ) -> dict[str, Any]:
+        """One of FORWARDED_OPS a reading node's user asked there, answered as that
+        caller's request here (a connection of its own, ended with the request)."""
+        if op not in FORWARDED_OPS:
+            raise OSError(errno.EPERM, f"{op[:32]} is not asked of another node")
+        if self._table is None:
+            self._table = self.handlers()
+        session = Session(caller)
+        try:
+            reply, fds = await self._table[op]({**msg, "op": op}, session)
+        finally:
+            self.release(session)
+        for fd in fds:  # (none of these ops answers with descriptors)
+            os.close(fd)
+        return dict(reply)
 
     async def pin_from_node(self, caller: Caller, namespace: str, shared: bool,
                             keys: list[bytes], holder: bytes, node: tuple[str, int]

@@ -12,10 +12,12 @@ and scoped to one file (`scope`) is handed to a local reader, who takes it up wi
 from __future__ import annotations
 
 import errno
+import json
 import os
 import socket
 import struct
 import uuid
+from typing import Any
 
 from mxfs.proto.chunk_wire import (
     ACCEPT,
@@ -27,7 +29,9 @@ from mxfs.proto.chunk_wire import (
     KEYS_BODY,
     KPUT,
     KPUT_SHARED,
+    KREQ_BODY,
     MAGIC,
+    MAX_KREQ,
     MAX_READ,
     MAX_WHY,
     NODE,
@@ -266,6 +270,34 @@ class ChunkClient:
         if n != len(keys):
             raise WireError(f"{self.where} answered {n} of {len(keys)} keys")
         return said
+
+    def kv_request(self, who: tuple[int, int, list[int]], op: str, msg: dict[str, Any]
+                   ) -> dict[str, Any]:
+        """A KREQ (`proto/chunk_wire.py`): the owner's reply to `op` asked as `who`;
+        Refused (the node's errno and line) when it is not served."""
+        uid, gid, groups = who
+        name, body = op.encode(), json.dumps(msg).encode()
+        if len(body) > MAX_KREQ:
+            raise Refused(errno.E2BIG, f"a {op} request of {len(body)} bytes (at most "
+                          f"{MAX_KREQ} to another node)")
+        self.sock.sendall(b"KREQ" + KREQ_BODY.pack(uid, gid, len(groups), len(name), len(body))
+                          + b"".join(GROUP.pack(g) for g in groups) + name + body)
+        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
+        if n > MAX_KREQ:
+            raise WireError(f"{self.where} sent a {n}-byte answer")
+        said = self._recv(n) if n else b""
+        if epoch != self.epoch:
+            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
+                            f"{epoch})")
+        if code:
+            raise Refused(code, said.decode(errors="replace") or os.strerror(code))
+        try:
+            reply = json.loads(said)
+        except ValueError:
+            raise WireError(f"{self.where} answered {op} with no JSON") from None
+        if not isinstance(reply, dict):
+            raise WireError(f"{self.where} answered {op} with no object")
+        return reply
 
     def read(self, ino: int, member: int, offset: int, length: int) -> bytes:
         buf = bytearray(length)

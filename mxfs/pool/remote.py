@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from mxfs.io.chunk_client import ChunkClient, Refused
 from mxfs.proto.chunk_wire import WireError
@@ -100,6 +100,13 @@ class RemoteMembers:
         return self._call(lambda c: c.kv_keys(tag, who, namespace, flags, keys, ms, holder,
                                               node),
                           "could not claim, wait for or pin KV keys", refusals=True)
+
+    def kv_request(self, who: tuple[int, int, list[int]], op: str, msg: dict[str, Any]
+                   ) -> dict[str, Any]:
+        """A KREQ to the owner (`ChunkClient.kv_request`): its reply to `op` asked as
+        `who`; refusals and failures as for `kv_put`."""
+        return self._call(lambda c: c.kv_request(who, op, msg), f"could not answer {op}",
+                          refusals=True)
 
     def _call(self, fn: Callable[[ChunkClient], T], what: str, refusals: bool = False
               ) -> T:

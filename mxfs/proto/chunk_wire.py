@@ -48,8 +48,14 @@ KPIN and KUNP (as KCLM, the milliseconds unused; after the keys NODE: the pinnin
 node's epoch and name) take and end read leases on keys (`KVStore.pin`): the answer's
 bytes are one a key (KPIN: 1 leased, 0 not stored; KUNP: 1 each).  The owner holds a
 holder's pins until KUNP, KCLM with KEYS_RELEASE, or the node's lease under that epoch
-running out: a node that dies never says it let them go.  Only a node's own
-connections put, claim, wait or pin: a scoped connection that tries is closed.
+running out: a node that dies never says it let them go.
+
+KREQ (the caller as for KPUT, then a control op's name and its request as JSON, at
+most MAX_KREQ bytes) runs one of the writer's KV requests that change or list its
+index (FORWARDED_OPS: deletes, capacities, evictions, namespaces, lists, stats) as
+that caller's on its control socket; the answer's bytes are its reply as JSON, or a
+line saying why not.  Only a node's own connections put, claim, wait, pin or ask: a
+scoped connection that tries is closed.
 """
 
 from __future__ import annotations
@@ -96,6 +102,12 @@ MAX_KEYS = 1024  # keys one KCLM, KWAI, KPIN or KUNP names
 NODE = struct.Struct("!QH")  # (KPIN, KUNP, after the keys) the node's epoch, name bytes
 MAX_NODE_NAME = 63  # bytes of a node's name (`mxfs node add --name`)
 KEY_TAGS = (b"KCLM", b"KWAI", b"KPIN", b"KUNP")  # requests of KEYS_BODY
+# (KREQ past its tag) uid, gid, groups, op name bytes, request bytes; then the groups,
+# the op's name and the request (JSON)
+KREQ_BODY = struct.Struct("!IIHHI")
+MAX_KREQ = 1 << 20  # bytes of a KREQ's request, and of its answer
+FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
+                 "kv_list", "kv_stats")
 CLAIM_STATES = ("yours", "stored", "busy")  # KCLM's answer bytes, by value
 
 

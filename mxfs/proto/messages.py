@@ -127,6 +127,7 @@ class KVForwardStatus(TypedDict):
     writing: int  # bytes of chunks callers are writing into this daemon's memory now
     claims: int  # claims and waits sent on to the writer
     pins: int  # pin and unpin requests sent on to the writer (its leases)
+    requests: int  # deletes, capacities, evictions, namespaces, lists, stats asked of it
     waiting: int  # waits in progress there now (at most kv_forward.WAITERS)
 
 
