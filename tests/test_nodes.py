@@ -306,7 +306,8 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
     """The metadata server stops and starts again: the writer, unable to renew, stops
     serving chunks (asked straight, it refuses; the reading node reads what it already
     held of an open file or EIO, never other bytes); once the server is back both nodes
-    renew and the reading node reads again, without a remount."""
+    renew and the reading node reads again, without a remount, and its KV lookups,
+    which lost their table with the feed, have one again (a key put since shows)."""
     from pg_server import private
 
     server_gen = private()
@@ -319,6 +320,10 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
                 (a.path / name).write_bytes(data)
             with _reading_node(tmp_path, url, net, members) as b:
                 assert (b.path / "f0").read_bytes() == files["f0"]
+                on_a = KVStore(str(a.path), namespace="t", mode=0o755)
+                assert on_a.put(b"k1", b"v")
+                on_b = KVStore(str(b.path), namespace="t")
+                assert on_b.exists_many([b"k1", b"k2"]) == [True, False]  # (its table)
                 fd = os.open(b.path / "f1", os.O_RDONLY)  # opened before the outage
                 served = _chunk_service(a, members[0])
                 ino = os.stat(a.path / "f1").st_ino
@@ -337,6 +342,23 @@ def test_a_reading_node_rides_out_a_metadata_server_restart(tmp_path: Path) -> N
                 assert eventually(lambda: _reads(b.path / "f2") == files["f2"], 30)
                 assert {n["name"]: n["state"] for n in _status(b)["nodes"]} == \
                     {"a": "alive", "b": "alive"}
+
+                def put_again() -> bool:
+                    try:
+                        return on_a.put(b"k2", b"w")
+                    except OSError:  # (the writer renews first)
+                        return False
+                assert eventually(put_again, 30)
+                assert eventually(lambda: on_b.exists_many([b"k1", b"k2"]) == [True, True],
+                                  15)
+
+                def from_its_table() -> bool:
+                    asked = requests_served(b.path, "kv_exists")
+                    return on_b.exists_many([b"k1", b"k3"]) == [True, False] and \
+                        requests_served(b.path, "kv_exists") == asked
+                assert eventually(from_its_table, 15)
+                on_b.close()
+                on_a.close()
     finally:
         for _ in server_gen:
             pass
