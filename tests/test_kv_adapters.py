@@ -428,3 +428,41 @@ def test_sglang_pages_are_shared_by_the_nodes_of_a_pool(tmp_path: Path,
         assert on_a.batch_exists(keys) == 4 and on_b.batch_exists(keys) == 4
         on_a.close()
         on_b.close()
+
+
+def test_sglang_pages_stored_on_one_node_are_hits_on_another(tmp_path: Path,
+                                                             pg_cluster: Any) -> None:
+    """Through SGLang's own backend factory on two nodes of one pool: pages an instance
+    on the writer stored are hits on a reading node (its lookups from its own table,
+    the pages read from the writer), and pages stored on the reading node are hits on
+    the writer, byte for byte."""
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    from conftest import eventually
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from test_nodes import _reading_node, _writer_node
+
+    from mxfs.kv.keys import sglang_hashes
+
+    keys = sglang_hashes(list(range(64 * 8)), 64)
+    url = pg_cluster.database()
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        pools, backends = {}, {}
+        for name, m in (("a", a), ("b", b)):
+            pools[name] = HostPool(width=16384)  # 2 MiB pages: chunk files, not inline
+            pools[name].kv_buffer.normal_()
+            backends[name] = StorageBackendFactory.create_backend("dynamic",
+                                                                  sglang_config(m), None)
+            backends[name].register_mem_pool_host(pools[name])
+        first, second = torch.arange(0, 4 * 64), torch.arange(4 * 64, 8 * 64)
+        assert backends["a"].batch_set_v1(keys[:4], first) == [True] * 4
+        assert eventually(lambda: backends["b"].batch_exists(keys[:4]) == 4, 10)
+        assert backends["b"].batch_get_v1(keys[:4], first) == [True] * 4
+        assert torch.equal(pools["b"].kv_buffer[:4 * 64], pools["a"].kv_buffer[:4 * 64])
+        assert backends["b"].batch_set_v1(keys[4:], second) == [True] * 4
+        assert backends["b"].batch_exists(keys) == 8  # (its own puts: at once)
+        assert backends["a"].batch_exists(keys) == 8
+        assert backends["a"].batch_get_v1(keys[4:], second) == [True] * 4
+        assert torch.equal(pools["a"].kv_buffer[4 * 64:], pools["b"].kv_buffer[4 * 64:])
+        for backend in backends.values():
+            backend.close()
