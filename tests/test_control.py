@@ -289,10 +289,11 @@ def test_every_op_replies_as_its_declaration_says(mounted: Mounted) -> None:
             size=3, sum_unit=unit, sums=sums(b"abc", unit))
         close(ask(c, "kv_get", **ns, keys=[key, base64.b64encode(b"k2").decode()],
                   pin=True, inline_max=64)[1])
-        ask(c, "kv_unpin", **ns, keys=[key])
+        assert ask(c, "kv_pin", **ns, keys=[key, k3 := base64.b64encode(b"k3").decode()]
+                   )[0]["pinned"] == [True, False]
+        ask(c, "kv_unpin", **ns, keys=[key, key])
         ask(c, "kv_exists", **ns, keys=[key])
         close(ask(c, "kv_view", **ns)[1])
-        k3 = base64.b64encode(b"k3").decode()
         ask(c, "kv_claim", **ns, keys=[key, k3], ms=1000)
         ask(c, "kv_wait", **ns, keys=[k3], ms=10)
         ask(c, "kv_list", **ns, limit=10)
