@@ -854,6 +854,10 @@ def test_kv_lookups_on_a_reading_node_read_a_table_the_feed_keeps(tmp_path: Path
         assert not left[0] and 0 < sum(left) < len(first) - 1000
         assert eventually(lambda: on_b.exists_many(first) == left, 10)
         assert requests_served(b.path, "kv_exists") == asked  # none of it asked b
+        views = _status(b)["kv_views"]
+        assert views["live"] and views["tables"] == 1 and views["keys"] == sum(
+            on_a.exists_many(first + more + mine))
+        assert "KV lookups: 1 namespaces' keys" in mxfs("status", str(b.path)).stdout
         on_a.client.call("kv_ns_remove", namespace="t")
         assert eventually(lambda: on_b.exists_many(more + mine) == [False] * 70, 10)
         assert on_a.put(b"again", b"v")  # made again: a new table, asked for anew

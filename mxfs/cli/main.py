@@ -262,6 +262,11 @@ def _format_status(s: dict[str, Any]) -> str:
                      f"({fwd['waiting']} waiting now), {fwd['pins']} pins and unpins, "
                      f"{fwd['requests']} other requests; "
                      f"{format_size(fwd['writing'])} being written here")
+    views = s.get("kv_views")
+    if views:
+        lines.append(f"  KV lookups: {views['tables']} namespaces' keys ({views['keys']}) "
+                     "held here, kept by the change feed" if views["live"] else
+                     "  KV lookups ask the metadata store: the change feed cannot be read")
     for n in s.get("nodes") or []:
         here = " (this node)" if n["name"] == s.get("node") else ""
         lines.append(f"  node {n['name']}{here}: {n['role']}, {n['state']}, epoch {n['epoch']}, "

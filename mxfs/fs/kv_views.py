@@ -30,6 +30,7 @@ import trio
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.meta import MetaStore
 from mxfs.meta.feed_notes import KV_GONE, KV_STORED, Change
+from mxfs.proto.messages import KVViewsStatus
 from mxfs.proto.presence import GONE, MOVED
 from mxfs.vol.kv_presence import PresenceTable
 
@@ -47,6 +48,10 @@ class FollowerViews:
         self.tables: dict[str, PresenceTable] = {}
         self._filling: dict[str, trio.Event] = {}
         self._token: trio.lowlevel.TrioToken | None = None
+
+    def status(self) -> KVViewsStatus:
+        return {"tables": len(self.tables),
+                "keys": sum(t.count for t in self.tables.values()), "live": self.live()}
 
     async def table(self, ns: str, uid: int) -> PresenceTable:
         """The namespace's table, filled from the store if this node holds none (the

@@ -121,6 +121,7 @@ class StatusOps:
                 "feed": self.feed_status(),
                 "remote_reads": self.remote.status() if self.remote else None,
                 "kv_forward": self.kv.forward.status() if self.kv.forward else None,
+                "kv_views": self.kv.follower.views.status() if self.kv.follower else None,
                 "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
                 "nodes": nodes}
 

@@ -131,6 +131,12 @@ class KVForwardStatus(TypedDict):
     waiting: int  # waits in progress there now (at most kv_forward.WAITERS)
 
 
+class KVViewsStatus(TypedDict):
+    tables: int  # namespaces whose presence table a reading node keeps (`kv_view`)
+    keys: int  # keys in them
+    live: bool  # kept by the change feed now (else lookups ask the metadata store)
+
+
 class OpenReadReply(FileReply):
     members: list[int]
     direct_members: NotRequired[list[int]]
@@ -241,6 +247,7 @@ class StatReply(TypedDict):
     feed: FeedStatus | None  # the change feed, on a pool on a metadata server
     remote_reads: RemoteReadsStatus | None  # a reading node's direct reads of other nodes
     kv_forward: KVForwardStatus | None  # a reading node's KV puts and claims on the writer
+    kv_views: KVViewsStatus | None  # a reading node's presence tables (`fs/kv_views.py`)
     node: str  # this daemon's node ("": a pool of one node)
     nodes: list[NodeStatus]  # every node of a pool on a metadata server
 
