@@ -34,12 +34,17 @@ from mxfs.io import Layout
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.pool.key import KEY_NAME, load_key
 from mxfs.proto.chunk_wire import (
+    ANSWER,
     CHALLENGE,
     HELLO,
+    KEY_LEN,
     KEYS_BODY,
     KPUT_BODY,
+    KREQ_BODY,
     MAGIC,
+    MAX_KREQ,
     MAX_READ,
+    NODE,
     PROOF,
     READ,
     VERSION,
@@ -168,9 +173,9 @@ def test_bad_requests_get_their_errno_and_the_connection_goes_on(serving: Mounte
 @pytest.mark.daemon_log(r"chunk request for the daemon failed")
 def test_bad_kv_requests_of_a_node_get_their_errno_or_lose_their_connection(
         serving: Mounted) -> None:
-    """A node's KV puts, claims and waits with bad fields are answered with their errno
-    (the connection goes on); past the protocol's limits the connection ends; the
-    service serves on either way."""
+    """A node's KV puts, claims, waits, pins and index requests with bad fields are
+    answered with their errno (the connection goes on); past the protocol's limits the
+    connection ends; the service serves on either way."""
     host, port, pool = _service(serving)
     key = load_key(serving.members[0])
     root = (0, 0, [])
@@ -187,6 +192,13 @@ def test_bad_kv_requests_of_a_node_get_their_errno_or_lose_their_connection(
                  errno.EINVAL),
                 ("a wait in no namespace", lambda: c.kv_keys(b"KWAI", root, "kvnone", 0,
                                                              [b"k"], 10, bytes(16)),
+                 errno.ENOENT),
+                ("an op not asked of another node", lambda: c.kv_request(root, "kv_put",
+                                                                         {}), errno.EPERM),
+                ("a request's bad field", lambda: c.kv_request(
+                    root, "kv_delete", {"namespace": "kvbad", "keys": "k"}), errno.EINVAL),
+                ("a pin in no namespace", lambda: c.kv_keys(b"KPIN", root, "kvnone", 0,
+                                                            [b"k"], 0, bytes(16), ("n", 1)),
                  errno.ENOENT)):
             with pytest.raises(OSError) as e:
                 call()
@@ -195,13 +207,29 @@ def test_bad_kv_requests_of_a_node_get_their_errno_or_lose_their_connection(
         assert c.kv_put(root, "kvbad", 0, False, b"k" * 32, b"v" * 10) is False
         assert c.kv_keys(b"KCLM", root, "kvbad", 0, [b"k" * 32, b"j" * 32], 1000,
                          bytes(16)) == bytes([1, 0])  # stored, yours
+        assert c.kv_keys(b"KPIN", root, "kvbad", 0, [b"j" * 32, b"k" * 32], 0, bytes(16),
+                         ("n", 1)) == bytes([0, 1])  # (leased what is stored)
+        assert c.kv_keys(b"KUNP", root, "kvbad", 0, [b"k" * 32], 0, bytes(16),
+                         ("n", 1)) == bytes([1])
+        stats = c.kv_request(root, "kv_stats", {"namespace": "kvbad"})["namespaces"]
+        assert stats[0]["chunks"] == 1 and stats[0]["pinned"] == 0
     with ChunkClient(host, port, key, pool) as c:  # past the limits: the connection ends
         c.sock.sendall(b"KPUT" + KPUT_BODY.pack(0, 0, 0, 0, 1000, 5, 1, 1))
         assert _dropped(c.sock)
     with ChunkClient(host, port, key, pool) as c:
         c.sock.sendall(b"KCLM" + KEYS_BODY.pack(0, 0, 0, 0, 5, 60_000, 10, bytes(16)))
         assert _dropped(c.sock)
-    with ChunkClient(host, port, key, pool) as c:
+    with ChunkClient(host, port, key, pool) as c:  # a node name past its limit
+        c.sock.sendall(b"KPIN" + KEYS_BODY.pack(0, 0, 0, 0, 5, 1, 0, bytes(16)) + b"kvbad"
+                       + KEY_LEN.pack(1) + b"k" + NODE.pack(1, 200) + b"n" * 200)
+        assert _dropped(c.sock)
+    with ChunkClient(host, port, key, pool) as c:  # a request past its limit
+        c.sock.sendall(b"KREQ" + KREQ_BODY.pack(0, 0, 0, 8, MAX_KREQ + 1) + b"kv_stats")
+        assert _dropped(c.sock)
+    with ChunkClient(host, port, key, pool) as c:  # not JSON: refused, the connection goes on
+        c.sock.sendall(b"KREQ" + KREQ_BODY.pack(0, 0, 0, 8, 3) + b"kv_stats" + b"{{{")
+        code, _, n = ANSWER.unpack(c.sock.recv(ANSWER.size, socket.MSG_WAITALL))
+        assert code == errno.EINVAL and b"JSON" in c.sock.recv(n, socket.MSG_WAITALL)
         assert c.kv_put(root, "kvbad", 0, False, b"m" * 32, b"w" * 10) is True
 
 
