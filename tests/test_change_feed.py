@@ -71,6 +71,28 @@ def test_bodies_round_trip_and_damage_reads_as_everything() -> None:
     assert Change.decode(many.encode()).kv_unknown and not Change(kv=kv.kv).kv_unknown
 
 
+def test_kv_keys_are_listed_only_while_reading_nodes_keep_tables() -> None:
+    """A writer with no reading node alive lists no KV key in the feed: a group that
+    changed any says "every KV key" (a few bytes), which a node that kept tables
+    anyway (its lease lapsed meanwhile) answers by dropping them."""
+    noted = Noted("a", 7, channel(UUID))
+    assert noted.take() is not None  # (a session's first group: everything)
+    noted.settled()
+    noted.kv(KV_STORED, "t", b"k1")
+    listed = noted.take()
+    assert listed is not None and listed.kv == [(KV_STORED, "t", b"k1")]
+    assert not listed.kv_unknown
+    noted.settled()
+    noted.list_kv = False
+    noted.kv(KV_STORED, "t", b"k2")
+    noted.kv(KV_REMOVED, "t", b"k1")
+    unlisted = noted.take()
+    assert unlisted is not None and unlisted.kv == [] and unlisted.kv_unknown
+    assert Change.decode(unlisted.encode()) == Change(kv_everything=True)
+    noted.settled()
+    assert noted.take() is None  # (nothing since)
+
+
 def test_groups_are_published_as_they_commit(writer: MetaStore, where: str) -> None:
     follower = MetaStore.open(where, readonly=True)
     try:

@@ -144,6 +144,10 @@ class Noted:
         self.everything = True  # until a first group commits: a writer's session starts
         self._sent = False  # the open group's row is written
         self.published = 0  # groups published (status)
+        # Whether KV keys are listed (while reading nodes are alive: they keep tables by
+        # them); else a group that changed any says only "every KV key" (a few bytes).
+        self.list_kv = True
+        self._kv_unlisted = False
 
     def ino(self, ino: int, data: bool = False) -> None:
         self._items.append((ino, _DATA if data else None))
@@ -153,7 +157,10 @@ class Noted:
 
     def kv(self, what: int, ns: str, key: bytes = b"") -> None:
         """A KV key stored or removed (KV_STORED, KV_REMOVED), a namespace gone (KV_GONE)."""
-        self._kv.append((what, ns, key))
+        if self.list_kv:
+            self._kv.append((what, ns, key))
+        else:
+            self._kv_unlisted = True
 
     def mark(self) -> None:
         """A change starts."""
@@ -168,6 +175,7 @@ class Noted:
         """The whole group was lost: nothing of it happened, its row included."""
         self._items.clear()
         self._kv.clear()
+        self._kv_unlisted = False
         self._mark = self._kv_mark = 0
         self._sent = False
 
@@ -175,10 +183,11 @@ class Noted:
         """What the group changed, to publish as it commits (None: nothing new)."""
         items, self._items, self._mark = self._items, [], 0
         kv, self._kv, self._kv_mark = self._kv, [], 0
-        if not items and not kv and (self._sent or not self.everything):
+        unlisted, self._kv_unlisted = self._kv_unlisted, False
+        if not items and not kv and not unlisted and (self._sent or not self.everything):
             return None
         self._sent = True
-        change = Change(everything=self.everything, kv=kv)
+        change = Change(everything=self.everything, kv=kv, kv_everything=unlisted)
         if not change.everything:
             for a, b in items:
                 if b is None:

@@ -262,6 +262,8 @@ class Volume:
         names = sorted(alive)
         self.reader_epochs = alive
         self.readers = len(names)
+        if self.store.feed is not None:  # (KV keys in the feed: for reading nodes' tables)
+            self.store.feed.list_kv = bool(names)
         held = self.lease
         if held is not None and names != held.readers:
             held.readers = names
