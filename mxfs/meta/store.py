@@ -14,8 +14,11 @@ and the journals of a group's changes are kept until it commits: a group the eng
 loses (a conflict, a full or lost server) puts memory back to the last commit, so
 cached inodes, open files' among them, never run ahead of the rows.
 
-A daemon, the pool's one writer while it holds the lease (`sole_writer`), also keeps
-names, seals and the inode count (`meta/sole_cache.py`), so the kernel's lookup before
+Only the pool's one writer, a daemon while it holds the lease (`sole_writer`), answers
+inodes from memory; a store beside other writers (tools, several processes, another
+node) reads an inode's row at every `get`, into the object it holds, so no change
+writes back a field another writer changed since it was cached.  The sole writer also
+keeps names, seals and the inode count (`meta/sole_cache.py`), so the kernel's lookup before
 an unlink, a rename or a create spares the change its reads.  The rows check what the
 cache says: a change removes or moves an entry only where it still names the inode it
 was read to name (`expect`), and a taken name fails its insert, so a cached read
@@ -238,11 +241,15 @@ class MetaStore:
     # ---- inodes ----------------------------------------------------------
 
     def get(self, ino: int) -> Inode:
-        """The inode, from memory when it is there; a follower (`follow`: another node
-        writes the rows) reads its row every time, into the object it already holds,
-        so open handles see what the writer made of it."""
+        """The inode, from memory when it is there and no one else writes the rows (the
+        sole writer, `sole_writer`); otherwise (a follower, `follow`, or a store beside
+        other writers: tools, several processes) its row is read every time, into the
+        object it already holds (unless memory holds data fields not yet written,
+        `dirty`), so open handles see what the others made of it, and a change never
+        writes back fields another writer changed since they were cached (a link count
+        was lost so)."""
         node = self._cache.get(ino)
-        if node is not None and not self.follow:
+        if node is not None and (node.dirty or self._sole.on and not self.follow):
             return node
         row = self.engine.get("inodes", {"ino": ino}, INODE_COLUMNS)
         if row is None:
