@@ -231,15 +231,7 @@ class ChunkClient:
                 done += sent
         else:
             self.sock.sendall(chunk)
-        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
-        if n > MAX_WHY:
-            raise WireError(f"{self.where} sent a {n}-byte reason")
-        why = self._recv(n).decode(errors="replace") if n else ""
-        if epoch != self.epoch:
-            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
-                            f"{epoch})")
-        if code and code != errno.EEXIST:
-            raise Refused(code, why or os.strerror(code))
+        code, said = self._kv_answer(MAX_WHY, "reason", errno.EEXIST)
         return not code
 
     def kv_keys(self, tag: bytes, who: tuple[int, int, list[int]], namespace: str,
@@ -258,17 +250,9 @@ class ChunkClient:
                                                len(keys), ms, holder)
                           + b"".join(GROUP.pack(g) for g in groups) + ns
                           + b"".join(KEY_LEN.pack(len(k)) + k for k in keys) + tail)
-        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
-        if n > max(MAX_WHY, len(keys)):
-            raise WireError(f"{self.where} sent {n} bytes for {len(keys)} keys")
-        said = self._recv(n) if n else b""
-        if epoch != self.epoch:
-            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
-                            f"{epoch})")
-        if code:
-            raise Refused(code, said.decode(errors="replace") or os.strerror(code))
-        if n != len(keys):
-            raise WireError(f"{self.where} answered {n} of {len(keys)} keys")
+        _, said = self._kv_answer(max(MAX_WHY, len(keys)), f"answer to {len(keys)} keys")
+        if len(said) != len(keys):
+            raise WireError(f"{self.where} answered {len(said)} of {len(keys)} keys")
         return said
 
     def kv_request(self, who: tuple[int, int, list[int]], op: str, msg: dict[str, Any]
@@ -282,15 +266,7 @@ class ChunkClient:
                           f"{MAX_KREQ} to another node)")
         self.sock.sendall(b"KREQ" + KREQ_BODY.pack(uid, gid, len(groups), len(name), len(body))
                           + b"".join(GROUP.pack(g) for g in groups) + name + body)
-        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
-        if n > MAX_KREQ:
-            raise WireError(f"{self.where} sent a {n}-byte answer")
-        said = self._recv(n) if n else b""
-        if epoch != self.epoch:
-            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
-                            f"{epoch})")
-        if code:
-            raise Refused(code, said.decode(errors="replace") or os.strerror(code))
+        _, said = self._kv_answer(MAX_KREQ, "answer")
         try:
             reply = json.loads(said)
         except ValueError:
@@ -298,6 +274,21 @@ class ChunkClient:
         if not isinstance(reply, dict):
             raise WireError(f"{self.where} answered {op} with no object")
         return reply
+
+    def _kv_answer(self, most: int, what: str, fine: int = 0) -> tuple[int, bytes]:
+        """A KV request's answer: (its code, its bytes), at most `most` of them, under
+        the epoch this connection was proved with; a refusal (a code but `fine`) is
+        Refused with the line the node sent."""
+        code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
+        if n > most:
+            raise WireError(f"{self.where} sent a {n}-byte {what}")
+        said = self._recv(n) if n else b""
+        if epoch != self.epoch:
+            raise StaleNode(errno.ESTALE, f"{self.where} changed epoch ({self.epoch} -> "
+                            f"{epoch})")
+        if code and code != fine:
+            raise Refused(code, said.decode(errors="replace") or os.strerror(code))
+        return code, said
 
     def read(self, ino: int, member: int, offset: int, length: int) -> bytes:
         buf = bytearray(length)
