@@ -13,8 +13,10 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -788,6 +790,88 @@ print(json.dumps(out))
         assert _status(b)["kv_forward"]["requests"] >= 6
         on_b.close()
         on_a.close()
+
+
+# Puts from many connections of one user, each counted in a progress file once answered,
+# until a stop file shows (or a minute passed); how many were answered.
+FLOOD = """
+import threading, time
+where, progress, stop, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+fd = os.open(progress, os.O_WRONLY | os.O_APPEND)
+done = [0] * n
+def one(i):
+    kv, end = mxfs.kv.KVStore(where, namespace="alices"), time.monotonic() + 60
+    while not os.path.exists(stop) and time.monotonic() < end:
+        try:
+            kv.put(os.urandom(32), b"v" * 16384)
+        except OSError:
+            pass
+        os.write(fd, b".")
+        done[i] += 1
+threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(sum(done)))
+"""
+
+# One put after another, each beside the flood: how many of its puts were answered
+# during each (the progress file's growth).
+BESIDE = """
+where, progress = sys.argv[1], sys.argv[2]
+kv = mxfs.kv.KVStore(where, namespace=sys.argv[3])
+kv.put(b"first" * 8, b"v")  # (the namespace made)
+during = []
+for i in range(5):
+    before = os.path.getsize(progress)
+    kv.put(b"%02d" % i * 16, b"v" * 100)
+    during.append(os.path.getsize(progress) - before)
+print(json.dumps(during))
+"""
+
+
+def test_a_users_flood_of_kv_requests_on_a_reading_node_leaves_others_their_turn(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A reading node sends KV requests on to the writer from a few threads; one
+    user's 48 puts at once get three of them at most, and the rest wait in that user's
+    turn: another user's put (bob's; root's) is sent on while the flood goes on, not
+    after every put queued before it (it waited for dozens, first come first served)."""
+    url = pg_cluster.database()
+    users = ensure_users()
+    work = Path(tempfile.mkdtemp(prefix="mxfs-flood-"))  # (tmp_path: root's alone)
+    work.chmod(0o777)
+    progress, stop = work / "progress", work / "stop"
+    progress.touch()
+    progress.chmod(0o666)
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members, "max_active_per_user=64") as b:
+        flooded: list[int] = []
+        flood = threading.Thread(target=lambda: flooded.append(run_as(
+            users["alice"], FLOOD, str(b.path), str(progress), str(stop), "48")))
+        flood.start()
+        try:
+            assert eventually(lambda: _status(b)["kv_forward"]["queued"] >= 30, 30)
+            sending = _status(b)["kv_forward"]["sending"]
+            bobs = run_as(users["bob"], BESIDE, str(b.path), str(progress), "bobs")
+            on_b, roots = KVStore(str(b.path), namespace="roots"), []
+            on_b.put(b"first" * 8, b"v")
+            for i in range(5):
+                before = progress.stat().st_size
+                on_b.put(b"%02d" % i * 16, b"v" * 100)
+                roots.append(progress.stat().st_size - before)
+            on_b.close()
+            still = _status(b)["kv_forward"]["queued"]
+        finally:
+            stop.touch()
+            flood.join(90)
+            shutil.rmtree(work)
+        assert flooded and flooded[0] > 60
+        assert still >= 30  # (the flood went on throughout)
+        assert sending == 3  # (alice's three; the fourth kept for other users)
+        # Each of bob's and root's puts waited for one of alice's at most, while her
+        # three in service ran; never behind the dozens queued.
+        assert max(bobs) <= 12 and max(roots) <= 12, (bobs, roots)
 
 
 def test_kv_pins_on_a_reading_node_are_leases_on_the_writer(tmp_path: Path,

@@ -348,6 +348,65 @@ def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
 
 
 @pytest.mark.unit
+def test_shared_slots_go_round_the_users_and_one_holds_a_few() -> None:
+    """Four slots, one uid (but root) holding three at most: a flood of one uid leaves
+    the fourth to another at once; freed slots go to the uid that waited longest, each
+    in turn; a call cancelled in line, or cancelled just as a slot passed to it,
+    leaves every slot usable."""
+    from mxfs.fs.fair import RoundRobin
+
+    line = RoundRobin(4, 3)
+    order: list[int] = []
+    releases: dict[int, trio.Event] = {}
+
+    async def call(uid: int, n: int) -> None:
+        async with line.slot(uid):
+            order.append(uid)
+            releases[n] = trio.Event()
+            await releases[n].wait()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for n in range(10):
+                nursery.start_soon(call, 5, n)
+                await trio.testing.wait_all_tasks_blocked()
+            assert (line.busy(), line.queued()) == (3, 7)
+            nursery.start_soon(call, 6, 100)
+            await trio.testing.wait_all_tasks_blocked()
+            assert order == [5, 5, 5, 6] and line.queued() == 7
+            for n, uid in ((101, 6), (102, 0), (103, 7)):
+                nursery.start_soon(call, uid, n)
+                await trio.testing.wait_all_tasks_blocked()
+            gone = trio.CancelScope()
+
+            async def cancelled() -> None:
+                with gone:
+                    await call(8, 200)
+            nursery.start_soon(cancelled)
+            await trio.testing.wait_all_tasks_blocked()
+            gone.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert line.queued() == 10
+            # One slot frees at a time: uid 5 (in line first), then 6, 0, 7, 5 again;
+            # then only 5 waits, holding three: the fourth stays free for others.
+            for n in (0, 100, 1, 101, 102, 103):
+                releases[n].set()
+                await trio.testing.wait_all_tasks_blocked()
+            assert order[4:] == [5, 6, 0, 7, 5]
+            assert (line.busy(), line.queued()) == (3, 5)
+            for n in list(releases):
+                releases[n].set()
+            while line.busy():
+                for n in list(releases):
+                    releases[n].set()
+                await trio.testing.wait_all_tasks_blocked()
+        assert (line.busy(), line.queued()) == (0, 0)
+
+    trio.run(main)
+    assert order.count(5) == 10 and order.count(8) == 0
+
+
+@pytest.mark.unit
 def test_store_worker_calls_take_turns_by_uid(tmp_path: Path) -> None:
     """A reading node's lookups share one store connection: a user with eight calls
     queued waits behind its own, and another user's call waits for one of them besides

@@ -261,7 +261,8 @@ def _format_status(s: dict[str, Any]) -> str:
                      f"({format_size(fwd['put_bytes'])}), {fwd['claims']} claims and waits "
                      f"({fwd['waiting']} waiting now), {fwd['pins']} pins and unpins, "
                      f"{fwd['requests']} other requests; "
-                     f"{format_size(fwd['writing'])} being written here")
+                     f"{format_size(fwd['writing'])} being written here; "
+                     f"{fwd['sending']} requests being sent, {fwd['queued']} queued")
     views = s.get("kv_views")
     if views:
         lines.append(f"  KV lookups: {views['tables']} namespaces' keys ({views['keys']}) "

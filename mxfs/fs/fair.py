@@ -11,11 +11,16 @@ Two rules, both cheap:
   over all its connections; the rest wait for a turn (`Turns.turn`).  A user with
   hundreds of connections therefore adds a few bites to another user's wait, not
   hundreds.  Root is trusted and not held to it.
+
+And what requests share off the thread (a store connection, the threads a reading node
+sends KV on with) is handed out by uid in turn (`RoundRobin`), not first come first
+served: a user with many calls queued waits behind its own.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -86,3 +91,75 @@ class Turns:
     def waiting(self) -> dict[int, int]:
         """Requests in service or waiting for a turn, by uid (for `mxfs status`)."""
         return dict(self._users)
+
+
+class RoundRobin:
+    """`slots` things used at once (a store connection; sender threads), handed out by
+    uid in turn: a freed one goes to the first waiting call of the uid that waited
+    longest for one, which then goes to the back of the line of uids.  One uid (but
+    root) holds at most `per_user` at once, so another user's call waits for one of
+    them to free, never behind every call of the first (the writer of 48 puts queued
+    ahead of it, first come first served)."""
+
+    def __init__(self, slots: int, per_user: int | None = None) -> None:
+        self.slots = slots
+        self.per_user = per_user
+        self._free = slots
+        self._held: Counter[int] = Counter()
+        self._waiting: OrderedDict[int, deque[trio.Event]] = OrderedDict()
+
+    @asynccontextmanager
+    async def slot(self, uid: int) -> AsyncIterator[None]:
+        if self._free and uid not in self._waiting and self._may(uid):
+            self._take(uid)
+        else:
+            turn = trio.Event()
+            self._waiting.setdefault(uid, deque()).append(turn)
+            try:
+                await turn.wait()
+            except BaseException:  # cancelled: out of the line, or the slot passed on
+                if turn.is_set():
+                    self._give(uid)
+                else:
+                    self._forget(uid, turn)
+                raise
+        try:
+            yield
+        finally:
+            self._give(uid)
+
+    def busy(self) -> int:
+        return self.slots - self._free
+
+    def queued(self) -> int:
+        return sum(len(calls) for calls in self._waiting.values())
+
+    def _may(self, uid: int) -> bool:
+        return uid == 0 or self.per_user is None or self._held[uid] < self.per_user
+
+    def _take(self, uid: int) -> None:
+        self._free -= 1
+        self._held[uid] += 1
+
+    def _give(self, uid: int) -> None:
+        self._free += 1
+        self._held[uid] -= 1
+        if self._held[uid] <= 0:
+            del self._held[uid]
+        while self._free:
+            uid = next((u for u in self._waiting if self._may(u)), -1)
+            if uid < 0:
+                return
+            calls = self._waiting.pop(uid)
+            turn = calls.popleft()
+            if calls:
+                self._waiting[uid] = calls  # (to the back of the line of uids)
+            self._take(uid)
+            turn.set()
+
+    def _forget(self, uid: int, turn: trio.Event) -> None:
+        calls = self._waiting.get(uid)
+        if calls is not None:
+            calls.remove(turn)
+            if not calls:
+                del self._waiting[uid]

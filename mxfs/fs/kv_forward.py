@@ -33,6 +33,11 @@ its lease runs out there, so a dead node holds nothing back from eviction for lo
 Deletes, capacities, evictions, namespaces made and removed, lists and stats are the
 writer's index's: each is asked of it as the caller's request (KREQ), its reply passed
 on.
+
+Every round trip but a wait runs on one of SENDERS threads, handed out by uid in turn
+(`fs/fair.RoundRobin`), one uid (but root) holding SENDERS_PER_USER at most: a user
+with dozens of puts queued here makes another's request wait for one of them, not for
+all of them (first come, first served, it waited for every one queued before it).
 """
 
 from __future__ import annotations
@@ -47,9 +52,11 @@ import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
+from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field
 from mxfs.fs.kv_claims import CLAIM_S, MAX_CLAIM_S
 from mxfs.fs.kv_fields import keys_field
@@ -79,8 +86,10 @@ from mxfs.vol.access import Caller
 from mxfs.vol.kv_index import check_key, check_namespace
 
 log = logging.getLogger("mxfs.kv")
+T = TypeVar("T")
 
-SENDERS = 4  # chunks sent on to the writer at once (worker threads), all callers together
+SENDERS = 4  # requests sent on to the writer at once (worker threads), all callers together
+SENDERS_PER_USER = 3  # ... of one uid (root: all), handed out by uid in turn (fs/fair.py)
 WAITERS = 16  # waits for others' claims at once, all callers together
 WAITERS_PER_USER = 4  # ... and of one uid (root: up to WAITERS)
 WAIT_S = 20.0  # a wait's longest here (below the chunk connections' receive timeout)
@@ -109,7 +118,8 @@ class ForwardedKV:
         self.limits = limits
         self.node = node
         self.stored = stored
-        self._senders = trio.CapacityLimiter(SENDERS)
+        self._senders = RoundRobin(SENDERS, SENDERS_PER_USER)
+        self._threads = trio.CapacityLimiter(SENDERS)  # (a slot of _senders holds one)
         self._handles = itertools.count(1)
         self._pending: dict[int, dict[int, _Pending]] = {}  # by id(session)
         self.held_by_uid: Counter[int] = Counter()  # bytes of memfds, by caller
@@ -123,7 +133,8 @@ class ForwardedKV:
         return {"puts": self.puts, "put_bytes": self.put_bytes,
                 "writing": sum(self.held_by_uid.values()), "claims": self.claims,
                 "pins": self.pins, "requests": self.requests,
-                "waiting": int(self._waiters.borrowed_tokens)}
+                "waiting": int(self._waiters.borrowed_tokens),
+                "sending": self._senders.busy(), "queued": self._senders.queued()}
 
     async def put(self, msg: Msg, session: Session) -> Answer[KVPutReply]:
         keys, data = keys_field(msg), msg.get("data")
@@ -196,22 +207,20 @@ class ForwardedKV:
         ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(MAX_CLAIM_S * 1000))
         holder = self._holders.setdefault(id(session), os.urandom(16))
         self.claims += 1
-        said = await self._keys(b"KCLM", msg, session.caller, ms, holder, self._senders)
+        said = await self._keys(b"KCLM", msg, session.caller, ms, holder)
         return {"state": [CLAIM_STATES[b] for b in said]}, []
 
     async def pin(self, msg: Msg, session: Session) -> Answer[KVPinReply]:
         holder = self._holders.setdefault(id(session), os.urandom(16))
         self.pins += 1
-        said = await self._keys(b"KPIN", msg, session.caller, 0, holder, self._senders,
-                                self.node())
+        said = await self._keys(b"KPIN", msg, session.caller, 0, holder, self.node())
         return {"pinned": [bool(b) for b in said]}, []
 
     async def unpin(self, msg: Msg, session: Session) -> Answer[Empty]:
         holder = self._holders.get(id(session))
         if holder is not None:  # (a connection that never pinned here holds nothing)
             self.pins += 1
-            await self._keys(b"KUNP", msg, session.caller, 0, holder, self._senders,
-                             self.node())
+            await self._keys(b"KUNP", msg, session.caller, 0, holder, self.node())
         return {}, []
 
     async def wait(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
@@ -222,12 +231,12 @@ class ForwardedKV:
         if ms <= 0 or self._waiters.available_tokens == 0 or (  # as many as may hold
                 uid != 0 and self.waiting_by_uid[uid] >= WAITERS_PER_USER):  # connections
             # What is stored, at once: the instance computes the rest.
-            said = await self._keys(b"KWAI", msg, session.caller, 0, holder, self._senders)
+            said = await self._keys(b"KWAI", msg, session.caller, 0, holder)
         else:
             self.waiting_by_uid[uid] += 1
             try:
                 said = await self._keys(b"KWAI", msg, session.caller, ms, holder,
-                                        self._waiters)
+                                        waits=True)
             finally:
                 self.waiting_by_uid[uid] -= 1
                 if self.waiting_by_uid[uid] <= 0:
@@ -235,8 +244,7 @@ class ForwardedKV:
         return {"present": [bool(b) for b in said]}, []
 
     async def _keys(self, tag: bytes, msg: Msg, caller: Caller, ms: int, holder: bytes,
-                    limiter: trio.CapacityLimiter, node: tuple[str, int] | None = None
-                    ) -> bytes:
+                    node: tuple[str, int] | None = None, waits: bool = False) -> bytes:
         keys = [check_key(k) for k in keys_field(msg)]
         if len(keys) > MAX_KEYS:
             raise OSError(errno.E2BIG, f"at most {MAX_KEYS} keys a claim, wait or pin on "
@@ -245,10 +253,12 @@ class ForwardedKV:
         namespace = check_namespace(msg.get("namespace"))
         flags = KPUT_SHARED if bool_field(msg, "shared") else 0
         who = _who(caller)
-        return await trio.to_thread.run_sync(
-            lambda: remote.kv_keys(tag, who, namespace, flags, keys, max(ms, 0), holder,
-                                   node),
-            limiter=limiter)
+
+        def ask() -> bytes:
+            return remote.kv_keys(tag, who, namespace, flags, keys, max(ms, 0), holder, node)
+        if waits:  # (a wait holds its thread up to WAIT_S: threads of their own)
+            return await trio.to_thread.run_sync(ask, limiter=self._waiters)
+        return await self._off_loop(caller, ask)
 
     def asked(self, op: str) -> Callable[[Msg, Session], Awaitable[Reply]]:
         """The handler of `op` (one of FORWARDED_OPS) here: asked of the writer as the
@@ -257,10 +267,16 @@ class ForwardedKV:
             remote, who = self._remote(), _who(session.caller)
             body = {k: v for k, v in msg.items() if k != "op"}
             self.requests += 1
-            reply = await trio.to_thread.run_sync(
-                lambda: remote.kv_request(who, op, body), limiter=self._senders)
+            reply = await self._off_loop(session.caller,
+                                         lambda: remote.kv_request(who, op, body))
             return reply, []
         return handler
+
+    async def _off_loop(self, caller: Caller, fn: Callable[[], T]) -> T:
+        """`fn()` (a round trip to the writer) on a sender thread, in the caller's
+        turn: a user with many requests queued waits behind its own."""
+        async with self._senders.slot(caller.uid):
+            return await trio.to_thread.run_sync(fn, limiter=self._threads)
 
     def _remote(self) -> RemoteMembers:
         if self.remote is None:
@@ -278,10 +294,9 @@ class ForwardedKV:
         if mode > 0o777:
             raise BadField(msg, "'mode' is a permission mode from 0 to 0777")
         who = _who(caller)
-        stored = await trio.to_thread.run_sync(
-            lambda: remote.kv_put(who, namespace, mode, bool_field(msg, "shared"),
-                                  check_key(key), chunk),
-            limiter=self._senders)
+        shared = bool_field(msg, "shared")
+        stored = await self._off_loop(caller, lambda: remote.kv_put(
+            who, namespace, mode, shared, check_key(key), chunk))
         self.stored(namespace, key)  # (stored now, or by another before)
         return stored
 

@@ -20,12 +20,12 @@ first served.
 from __future__ import annotations
 
 import errno
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TypeVar
 
 import trio
 
+from mxfs.fs.fair import RoundRobin
 from mxfs.meta import MetaStore, Unusable
 
 T = TypeVar("T")
@@ -48,47 +48,13 @@ class StoreWorker:
         self.wait_s = wait_s
         self.prepare = prepare
         self._store: MetaStore | None = None
-        self._busy = False  # a call runs (one at a time: a store is one thread's)
-        # Calls waiting, by uid, in the order their uids take turns.
-        self._waiting: OrderedDict[int, deque[trio.Event]] = OrderedDict()
+        self._line = RoundRobin(1)  # one call at a time: a store is one thread's
 
     async def run(self, fn: Callable[[MetaStore], T], uid: int = 0) -> T:
         """`fn(store)` in a worker thread, in `uid`'s turn; OSError (EIO) if the store
         cannot be read."""
-        if self._busy:
-            turn = trio.Event()
-            self._waiting.setdefault(uid, deque()).append(turn)
-            try:
-                await turn.wait()
-            except BaseException:  # cancelled: out of the line, or the turn passed on
-                if turn.is_set():
-                    self._next()
-                else:
-                    self._forget(uid, turn)
-                raise
-        self._busy = True
-        try:
+        async with self._line.slot(uid):
             return await trio.to_thread.run_sync(self._run, fn)
-        finally:
-            self._next()
-
-    def _next(self) -> None:
-        """The turn goes to the first call of the uid that waited longest for one."""
-        if not self._waiting:
-            self._busy = False
-            return
-        uid, calls = self._waiting.popitem(last=False)
-        turn = calls.popleft()
-        if calls:
-            self._waiting[uid] = calls  # (to the back of the line of uids)
-        turn.set()
-
-    def _forget(self, uid: int, turn: trio.Event) -> None:
-        calls = self._waiting.get(uid)
-        if calls is not None:
-            calls.remove(turn)
-            if not calls:
-                del self._waiting[uid]
 
     def _run(self, fn: Callable[[MetaStore], T]) -> T:
         if self._store is None:

@@ -129,6 +129,8 @@ class KVForwardStatus(TypedDict):
     pins: int  # pin and unpin requests sent on to the writer (its leases)
     requests: int  # deletes, capacities, evictions, namespaces, lists, stats asked of it
     waiting: int  # waits in progress there now (at most kv_forward.WAITERS)
+    sending: int  # requests being sent on now (at most kv_forward.SENDERS)
+    queued: int  # ... and waiting for a sender, in their users' turns
 
 
 class KVViewsStatus(TypedDict):
