@@ -10,6 +10,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from mxfs.meta.change_feed import PRUNED_KEY, FeedReader, prune
 from mxfs.meta.feed_notes import (
     KV_GONE,
     KV_REMOVED,
+    KV_RESET,
     KV_STORED,
     MAX_NOTED,
     Change,
@@ -66,9 +68,54 @@ def test_bodies_round_trip_and_damage_reads_as_everything() -> None:
                          (KV_GONE, "\u00e9t\u00e9", b"")])
     assert Change.decode(kv.encode()) == kv
     assert Change.decode(kv.encode()[:-1]).everything
-    many = Change(kv=[(KV_STORED, "t", os.urandom(4096)) for _ in range(300)])
-    assert Change.decode(many.encode()) == Change(kv_everything=True)
-    assert Change.decode(many.encode()).kv_unknown and not Change(kv=kv.kv).kv_unknown
+    assert not Change(kv=kv.kv).kv_unknown
+    # ... as many as fit: past MAX_KV_BYTES or MAX_NOTED the namespaces with the most
+    # are each one "every key of it" note; the others' notes keep their order
+    many = Change(kv=[(KV_STORED, "t", os.urandom(4096)) for _ in range(300)] +
+                  [(KV_REMOVED, "s", b"k1"), (KV_STORED, "s", b"k2")] +
+                  [(KV_REMOVED, "u", b"%06d" % i) for i in range(MAX_NOTED)])
+    assert Change.decode(many.encode()) == Change(kv=[
+        (KV_REMOVED, "s", b"k1"), (KV_STORED, "s", b"k2"), (KV_RESET, "t", b""),
+        (KV_RESET, "u", b"")])
+    # ... and past that (more namespaces than a row lists): "every KV key"
+    spread = Change(kv=[(KV_STORED, f"n{i}", b"k") for i in range(MAX_NOTED + 1)])
+    assert Change.decode(spread.encode()) == Change(kv_everything=True)
+    assert Change.decode(spread.encode()).kv_unknown
+    unknown = Change(kv=[(KV_RESET + 1, "t", b"k")]).encode()
+    assert Change.decode(unknown).everything  # (a note this version cannot read)
+
+
+def test_a_reading_node_refills_only_the_namespaces_a_row_could_not_list(
+        tmp_path: Path) -> None:
+    """A reading node's presence tables follow each row's KV notes; a namespace told
+    as "every key of it" is retired (its readers ask for a new table), the others
+    keep what they hold and move by their notes."""
+    from mxfs.fs.kv_views import FollowerViews
+    from mxfs.fs.store_worker import StoreWorker
+    from mxfs.proto.presence import LIVE, MOVED, state_of
+    from mxfs.vol.kv_presence import PresenceTable
+
+    views = FollowerViews(StoreWorker(str(tmp_path)))  # (never opened: no fill here)
+    big, small = PresenceTable(room=64), PresenceTable(room=64)
+    views.tables = {"big": big, "small": small}
+    for key in (b"a" * 32, b"b" * 32):
+        small.add(key)
+        big.add(key)
+    seen = {name: os.fdopen(t.reader_fd(), "rb")  # (what a client reads)
+            for name, t in (("big", big), ("small", small))}
+
+    def state(name: str) -> int:
+        return state_of(os.pread(seen[name].fileno(), 64, 0))
+    flood = Change(kv=[(KV_REMOVED, "big", b"%031d" % i) for i in range(MAX_NOTED)] +
+                   [(KV_STORED, "small", b"c" * 32), (KV_REMOVED, "small", b"a" * 32)])
+    views._apply(Change.decode(flood.encode()))
+    assert list(views.tables) == ["small"] and views.tables["small"] is small
+    assert small.count == 2 and state("small") == LIVE and state("big") == MOVED
+    views._apply(Change.decode(Change(kv=[(KV_STORED, f"n{i}", b"k")
+                                          for i in range(MAX_NOTED + 1)]).encode()))
+    assert views.tables == {} and state("small") == MOVED
+    for f in seen.values():
+        f.close()
 
 
 def test_kv_keys_are_listed_only_while_reading_nodes_keep_tables() -> None:

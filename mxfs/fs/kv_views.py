@@ -14,7 +14,7 @@ last change of each key wins either way.
 The tables are only as current as the feed: a key another node stored shows here once
 the feed row is read (a few milliseconds after its commit).  When the feed cannot be
 read, or says "everything" (rows pruned, a group too large to list), every table is
-retired MOVED and `kv_view` answers EAGAIN until the feed is read again: clients ask
+retired MOVED (a row that could not list one namespace's keys retires that one's) and `kv_view` answers EAGAIN until the feed is read again: clients ask
 `kv_exists` meanwhile, which reads the store.  A table that fills up is retired MOVED
 too; the next `kv_view` makes a larger one.
 """
@@ -29,7 +29,7 @@ import trio
 
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.meta import MetaStore
-from mxfs.meta.feed_notes import KV_GONE, KV_STORED, Change
+from mxfs.meta.feed_notes import KV_GONE, KV_RESET, KV_STORED, Change
 from mxfs.proto.messages import KVViewsStatus
 from mxfs.proto.presence import GONE, MOVED
 from mxfs.vol.kv_presence import PresenceTable
@@ -115,9 +115,9 @@ class FollowerViews:
             table = self.tables.get(ns)
             if table is None:
                 continue
-            if what == KV_GONE:
+            if what in (KV_GONE, KV_RESET):  # (reset: refilled at the next kv_view)
                 del self.tables[ns]
-                table.retire(GONE)
+                table.retire(GONE if what == KV_GONE else MOVED)
             elif what == KV_STORED:
                 self._add(ns, table, key)
             else:

@@ -5,7 +5,10 @@ writer's half of the change feed (`meta/change_feed.py` reads the rows).
 whose data changed, size or mtime), the names added, removed or moved, and the KV keys
 stored and dropped and namespaces removed, in order (reading nodes keep their
 namespaces' presence tables by them: `fs/kv_views.py`); a failed change's notes are
-dropped, a lost group's too.  `Change` is one group's (or several merged), encoded
+dropped, a lost group's too.  A row carries MAX_KV_BYTES of KV notes at most: past it
+the namespaces with the most are each told as one "every key of it" note (KV_RESET),
+so one tenant's eviction of 65,536 keys makes reading nodes refill that namespace's
+table, not every tenant's.  `Change` is one group's (or several merged), encoded
 compactly in its row; a body this version cannot read is "everything".
 """
 
@@ -16,8 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 MAX_NOTED = 20_000  # past it a group is published as "everything"
-MAX_KV_BYTES = 1 << 20  # KV keys one row carries; past it, "every KV key" (kv_everything)
-KV_REMOVED, KV_STORED, KV_GONE = 0, 1, 2  # what a KV note says: a key, or a namespace
+MAX_KV_BYTES = 1 << 20  # KV keys one row carries; past it, the largest namespaces reset
+# What a KV note says: a key stored or removed, a namespace gone, or any of its keys
+# may have changed (its notes did not fit in the row).
+KV_REMOVED, KV_STORED, KV_GONE, KV_RESET = 0, 1, 2, 3
 
 _HEAD = struct.Struct("!BIII")  # flags, inodes, inodes with new data, names
 _INO = struct.Struct("!q")
@@ -78,12 +83,12 @@ class Change:
         out += [_INO.pack(i) for i in sorted(self.data)]
         for parent, name in sorted(self.names):
             out += [_NAME.pack(parent, len(name)), name]
-        kv_bytes = sum(len(ns) + len(key) for _, ns, key in self.kv)
-        if self.kv_everything or len(self.kv) > MAX_NOTED or kv_bytes > MAX_KV_BYTES:
+        kv = None if self.kv_everything else _fitted(self.kv)
+        if kv is None:
             out.append(_KV.pack(_EVERYTHING, 0))
-        elif self.kv:
-            out.append(_KV.pack(0, len(self.kv)))
-            for what, ns, key in self.kv:
+        elif kv:
+            out.append(_KV.pack(0, len(kv)))
+            for what, ns, key in kv:
                 raw = ns.encode()
                 out += [_KV_NOTE.pack(what, len(raw), len(key)), raw, key]
         return b"".join(out)
@@ -117,6 +122,8 @@ class Change:
                     return cls(inos, names, data=data, kv_everything=True)
                 for _ in range(n_kv):
                     what, n_ns, n_key = _KV_NOTE.unpack_from(body, at)
+                    if what > KV_RESET:
+                        raise ValueError(f"a KV note says {what}, unknown here")
                     at += _KV_NOTE.size
                     ns, key = bytes(body[at:at + n_ns]), bytes(body[at + n_ns:at + n_ns + n_key])
                     if len(ns) + len(key) != n_ns + n_key:
@@ -126,6 +133,32 @@ class Change:
             return cls(inos, names, data=data, kv=kv)
         except (struct.error, ValueError):  # (UnicodeDecodeError is one)
             return cls(everything=True)
+
+
+def _fitted(kv: list[tuple[int, str, bytes]]) -> list[tuple[int, str, bytes]] | None:
+    """KV notes as a row carries them: the namespaces with the most bytes of notes each
+    told as one KV_RESET (after the others' notes, which keep their order) until the
+    rest fit; None if even that does not (thousands of namespaces: "every KV key")."""
+    count = len(kv)
+    size = sum(len(ns.encode()) + len(key) for _, ns, key in kv)
+    if count <= MAX_NOTED and size <= MAX_KV_BYTES:
+        return kv
+    per: dict[str, list[int]] = {}  # namespace: [notes, bytes]
+    for _, ns, key in kv:
+        tally = per.setdefault(ns, [0, 0])
+        tally[0] += 1
+        tally[1] += len(ns.encode()) + len(key)
+    reset: list[str] = []
+    for ns, (notes, nbytes) in sorted(per.items(), key=lambda item: -item[1][1]):
+        if count <= MAX_NOTED and size <= MAX_KV_BYTES:
+            break
+        reset.append(ns)
+        count -= notes - 1
+        size -= nbytes - len(ns.encode())
+    if count > MAX_NOTED or size > MAX_KV_BYTES:
+        return None
+    gone = set(reset)
+    return [n for n in kv if n[1] not in gone] + [(KV_RESET, ns, b"") for ns in reset]
 
 
 class Noted:
