@@ -14,9 +14,10 @@ last change of each key wins either way.
 The tables are only as current as the feed: a key another node stored shows here once
 the feed row is read (a few milliseconds after its commit).  When the feed cannot be
 read, or says "everything" (rows pruned, a group too large to list), every table is
-retired MOVED (a row that could not list one namespace's keys retires that one's) and `kv_view` answers EAGAIN until the feed is read again: clients ask
+retired MOVED and `kv_view` answers EAGAIN until the feed is read again: clients ask
 `kv_exists` meanwhile, which reads the store.  A table that fills up is retired MOVED
-too; the next `kv_view` makes a larger one.
+too, as is one whose keys a row could not list (KV_RESET); the next `kv_view` makes a
+new one.
 """
 
 from __future__ import annotations
