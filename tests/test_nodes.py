@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -949,6 +950,52 @@ def test_kv_lookups_on_a_reading_node_read_a_table_the_feed_keeps(tmp_path: Path
                           10)
         on_b.close()
         on_a.close()
+
+
+@pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)",
+                        r"serves its members again")
+def test_a_node_cut_off_from_the_owner_reads_eio_never_old_bytes(tmp_path: Path,
+                                                                 pg_cluster: Any) -> None:
+    """The reading node's link to the writer goes down (both ways), then only the
+    writer's packets to it are dropped (a one-way partition): files it has not cached
+    read EIO, again and again, never bytes the writer has since replaced; KV puts fail;
+    its daemon answers meanwhile; healed, every file reads its current bytes."""
+    url = pg_cluster.database()
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        old, new = os.urandom(1 << 20), os.urandom(1 << 20)
+        cold = {name: os.urandom(1 << 20) for name in ("cold1.bin", "cold2.bin")}
+        (a.path / "kept.bin").write_bytes(old)
+        for name, data in cold.items():
+            (a.path / name).write_bytes(data)
+        assert (b.path / "kept.bin").read_bytes() == old  # (its pages cached on b)
+        on_b = KVStore(str(b.path), namespace="t", mode=0o755)
+        assert on_b.put(b"k" * 32, b"v" * 100)
+        one_way = ["ip", "route", "add", "blackhole", f"{net.node_ip}/32"]
+        for cut, heal, name in ((net.cut, lambda: net.cut(down=False), "cold1.bin"),
+                                (lambda: subprocess.run(one_way, check=True),
+                                 lambda: subprocess.run(["ip", "route", "del", *one_way[3:]],
+                                                        check=True), "cold2.bin")):
+            cut()
+            try:
+                for _ in range(2):
+                    assert _reads(b.path / name) is None
+                with ControlClient(str(b.path)) as c:
+                    assert c.call("hello")["pool_uuid"]
+                with pytest.raises(OSError) as e:
+                    on_b.put(os.urandom(32), b"v" * 100)
+                assert e.value.errno == errno.EIO
+                (a.path / "kept.bin").write_bytes(new)  # (the feed tells b: not the network)
+                assert eventually(lambda: _reads(b.path / "kept.bin") != old, 15)
+                assert _reads(b.path / "kept.bin") is None
+            finally:
+                heal()
+            assert eventually(lambda: _reads(b.path / name) == cold[name], 30)
+            assert _reads(b.path / "kept.bin") == new
+            old, new = new, os.urandom(1 << 20)
+        assert on_b.put(b"j" * 32, b"v" * 100) and on_b.get(b"k" * 32) == b"v" * 100
+        on_b.close()
+        assert "cannot be reached" in _log(b)
 
 
 def test_a_slow_reading_node_stalls_nobody_else(tmp_path: Path, pg_cluster: Any) -> None:

@@ -47,6 +47,8 @@ from mxfs.proto.chunk_wire import (
 )
 
 PIPELINE = 16  # READs one connection sends ahead of the answer it is receiving
+CONNECT_S = 5.0  # a connection to a node is made within this (a LAN takes milliseconds)
+UNACKED_S = 8.0  # a request the node has not acknowledged for this long: cut off
 
 
 class StaleNode(OSError):
@@ -63,8 +65,9 @@ class ChunkClient:
         """Connect and prove the key; `source`: this node's address to connect from
         (on a host with several networks, the one the pool's nodes are on)."""
         self.where = f"{host}:{port}"
-        self.sock = socket.create_connection((host, port), timeout=timeout,
+        self.sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_S),
                                              source_address=(source, 0) if source else None)
+        self.sock.settimeout(timeout)
         # Requests are small writes the owner answers at once: each goes out whole
         # (Nagle would hold a short last segment until the owner's ACK).
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -308,11 +311,15 @@ class ChunkClient:
 def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:
     """Blocking, with the kernel's send and receive timeouts: a receive with MSG_WAITALL
     then takes a whole stripe unit in one call (Python's own timeouts poll before every
-    call and take what has arrived, a few hundred KiB at a time)."""
+    call and take what has arrived, a few hundred KiB at a time).  And bytes sent that
+    the peer has not acknowledged for UNACKED_S end the connection: a request to a
+    node cut off (a link down, a one-way partition) fails then, while a node merely
+    slow to answer acknowledges the request at once and is waited for `timeout`."""
     sock.settimeout(None)
     tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(UNACKED_S * 1000))
 
 
 def _groups(views: list[memoryview]) -> list[list[memoryview]]:

@@ -8,6 +8,12 @@ with the pool key), and reads a member's chunk range straight into a file's buff
 (`ChunkClient.read_scatter`).  An owner that is dead (its lease ran out), serves no
 chunks, cannot be reached, or answers under another epoch than the pool's store
 gives it reads EIO naming the node: never bytes the pool does not stand behind.
+
+A node cut off (a link down, a partition) fails a request in UNACKED_S at most and a
+connection in CONNECT_S (`io/chunk_client.py`); its idle connections are dropped with
+the first that failed (each would wait as long), and for AWAY_S after a connection
+could not be made every call fails at once, so readers of a node that cannot be
+reached get EIO in seconds, not one wait after another.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,7 +35,8 @@ T = TypeVar("T")
 
 IDLE_CONNS = 16  # connections kept open to the owner between reads (windows ahead:
                  # 4 members x 4 windows in flight)
-TIMEOUT_S = 30.0  # connect, prove and each receive
+TIMEOUT_S = 30.0  # prove and each receive (a connection: CONNECT_S)
+AWAY_S = 2.0  # after a connection to the owner could not be made, calls fail at once
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class RemoteMembers:
         self._idle: list[ChunkClient] = []
         self._lock = threading.Lock()
         self._said: str | None = None  # the last failure logged (once per kind)
+        self._away: tuple[float, str] | None = None  # unreachable until, and why
 
     def update(self, owner: Owner | None) -> None:
         """A new view of the owner; connections to another epoch or address are closed."""
@@ -71,6 +80,7 @@ class RemoteMembers:
                 for c in self._idle:
                     c.close()
                 self._idle.clear()
+                self._away = None
         if owner is not None and owner.why_not() is None and self._said is not None:
             log.warning("node %s (%s, epoch %d) serves its members again", owner.node,
                         owner.addr, owner.epoch)
@@ -130,6 +140,7 @@ class RemoteMembers:
             client.close()
             if not reused:
                 raise self._failed(f"{what} ({failed})") from None
+            self.close()  # (kept connections to it would fail as this one did)
             reused, client = self._client(fresh=True)
 
     def connect(self, idle: bool = False) -> tuple[bool, ChunkClient]:
@@ -167,6 +178,9 @@ class RemoteMembers:
                 return True, self._idle.pop()
         if owner is None or owner.why_not() is not None:
             owner = self._refreshed()
+        away = self._away
+        if away is not None and time.monotonic() < away[0]:
+            raise OSError(errno.EIO, away[1])
         last: Exception | None = None
         for attempt in range(2):
             why = owner.why_not()
@@ -179,13 +193,18 @@ class RemoteMembers:
                 last = e
             else:
                 if client.epoch == owner.epoch:
+                    self._away = None
                     return False, client
                 client.close()
                 last = OSError(errno.ESTALE, f"it answers under epoch {client.epoch}, the "
                                f"pool's store gives it {owner.epoch}")
-            if attempt == 0:
-                owner = self._refreshed()  # it may have come back since the view was read
-        raise self._failed(f"cannot be reached at {owner.addr} ({last})", owner)
+            if attempt == 0:  # it may have come back since the view was read
+                tried, owner = owner, self._refreshed()
+                if (owner.addr, owner.epoch) == (tried.addr, tried.epoch):
+                    break  # (the same node at the same address: no second wait)
+        failed = self._failed(f"cannot be reached at {owner.addr} ({last})", owner)
+        self._away = (time.monotonic() + AWAY_S, str(failed.strerror))
+        raise failed
 
     def _refreshed(self) -> Owner:
         try:
