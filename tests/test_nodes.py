@@ -986,11 +986,11 @@ def test_a_node_cut_off_from_the_owner_reads_eio_never_old_bytes(tmp_path: Path,
                     on_b.put(os.urandom(32), b"v" * 100)
                 assert e.value.errno == errno.EIO
                 (a.path / "kept.bin").write_bytes(new)  # (the feed tells b: not the network)
-                assert eventually(lambda: _reads(b.path / "kept.bin") != old, 15)
+                assert eventually(lambda o=old: _reads(b.path / "kept.bin") != o, 15)
                 assert _reads(b.path / "kept.bin") is None
             finally:
                 heal()
-            assert eventually(lambda: _reads(b.path / name) == cold[name], 30)
+            assert eventually(lambda n=name: _reads(b.path / n) == cold[n], 30)
             assert _reads(b.path / "kept.bin") == new
             old, new = new, os.urandom(1 << 20)
         assert on_b.put(b"j" * 32, b"v" * 100) and on_b.get(b"k" * 32) == b"v" * 100
