@@ -17,6 +17,11 @@ yet proved the key (every loopback address counted as one: a local user reaches 
 `max_chunk_conns`: a host that opens connections and stays silent holds its own slots
 only, never the room of the nodes already proved.  A refused connection is closed at once.
 
+The pool's writer node writes the stripes it places on this node's members through
+it (WRIT, SYNC, TRUN, REMV): each done in a worker thread, under the epoch of the
+writer's lease this node knows (`writer_epoch`), on a member this node holds; at most
+WRITES_AT_ONCE writes are received at once, each within PUT_RECV_S.
+
 A connection may be scoped to one file (SCOPE, `proto/chunk_wire.py`) and handed by a
 reading node's daemon to a local reader, who is not trusted: so a sender thread is
 held only while bytes move.  A peer that stops reading gives its thread back after
@@ -50,6 +55,8 @@ from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
     CHALLENGE,
+    CHUNK_OP,
+    CHUNK_OPS,
     CLAIM_STATES,
     GROUP,
     HELLO,
@@ -70,6 +77,7 @@ from mxfs.proto.chunk_wire import (
     MAX_READ,
     MAX_SCOPE,
     MAX_WHY,
+    MAX_WRITE,
     NODE,
     PROOF,
     READ_BODY,
@@ -127,6 +135,7 @@ SCOPED_SLOT_S = 0.0005  # ... each asking for less than SCOPED_SMALL holding its
 SCOPED_SMALL = 256 << 10  # long at least: a flood of tiny READs gets 4,000 a second)
 PUTS_AT_ONCE = 4  # KV chunks being received at once (each held whole: MAX_KPUT bytes)
 PUT_RECV_S = 30.0  # ... each within this, or its connection goes
+WRITES_AT_ONCE = 4  # the writer's chunk writes being received at once (each held whole)
 
 
 class ChunkService:
@@ -150,6 +159,11 @@ class ChunkService:
         self._sock: socket.socket | None = None
         self.kv: NodeKV | None = None  # the daemon's KV tier, where it has one
         self._puts = trio.CapacityLimiter(PUTS_AT_ONCE)
+        self._writes = trio.CapacityLimiter(WRITES_AT_ONCE)
+        # The epoch of the pool's writer node's lease as this node knows it (its own on
+        # the writer; None: no live writer): the only one whose chunk writes it does.
+        self.writer_epoch: Callable[[], int | None] = epoch
+        self.written_bytes = 0
 
     def bind(self) -> None:
         """Open the listening socket now (before the daemon reports ready), so a port in
@@ -165,6 +179,7 @@ class ChunkService:
     def status(self) -> dict[str, Any]:
         return {"addr": self.host, "port": self.port, "connections": self.connections,
                 "refused": self.refused, "served_bytes": self.served_bytes,
+                "written_bytes": self.written_bytes,
                 "scoped_waiting": self._scoped.statistics().tasks_waiting}
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -268,11 +283,14 @@ class ChunkService:
                         until = trio.current_time() + SCOPE_S
                     await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
                     continue
-                if tag == b"KPUT" or tag == b"KREQ" or tag in KEY_TAGS:
+                if tag == b"KPUT" or tag == b"KREQ" or tag in KEY_TAGS or tag in CHUNK_OPS:
                     if scope is not None:  # a local reader's: it reads, nothing else
                         self._failures.note("chunk request", None, WireError(
-                            f"a KV {tag.decode()} on a scoped connection"), trace=False)
+                            f"a {tag.decode()} on a scoped connection"), trace=False)
                         return
+                    if tag in CHUNK_OPS:
+                        await self._chunk_op(stream, tag)
+                        continue
                     await (self._kv_put(stream) if tag == b"KPUT" else
                            self._kv_request(stream) if tag == b"KREQ" else
                            self._kv_keys(stream, tag))
@@ -382,6 +400,50 @@ class ChunkService:
 
         code, said = await self._judged(f"KV {op[:32]} from a node", answer)
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
+
+    async def _chunk_op(self, stream: trio.SocketStream, tag: bytes) -> None:
+        """Receive one WRIT, SYNC, TRUN or REMV of the writer node and answer it: done,
+        or the errno and why not."""
+        epoch, ino, member, offset, length = CHUNK_OP.unpack(
+            await _recv_exact(stream, CHUNK_OP.size))
+        if tag != b"WRIT":
+            code, said = await self._judged(f"chunk {tag.decode()} from the writer",
+                                            lambda: self._change(tag, epoch, ino, member,
+                                                                 offset, None))
+        else:
+            if length > MAX_WRITE:
+                raise WireError(f"a chunk write of {length} bytes (at most {MAX_WRITE})")
+            async with self._writes:
+                data = bytearray(length)
+                with trio.move_on_after(PUT_RECV_S) as late:  # a stalled peer holds no slot
+                    await _recv_into(stream, memoryview(data))
+                if late.cancelled_caught:
+                    raise WireError(f"a chunk write's {length} bytes did not come within "
+                                    f"{PUT_RECV_S:.0f} s")
+                code, said = await self._judged("chunk write from the writer",
+                                                lambda: self._change(tag, epoch, ino, member,
+                                                                     offset, data))
+        await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
+
+    async def _change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int,
+                      data: bytearray | None) -> tuple[int, bytes]:
+        """Do one chunk change for the writer (checked first: its epoch, our member)."""
+        pool = self.vol.pool
+        writer = self.writer_epoch()
+        if writer is None or epoch != writer:
+            raise OSError(errno.ESTALE, f"a chunk change under epoch {epoch}, and the pool's "
+                          f"writer holds {'no live lease' if writer is None else writer}")
+        if not 0 <= member < len(pool.members):
+            raise OSError(errno.EINVAL, f"member {member} is not one of this pool's")
+        if pool.members[member].node:
+            raise OSError(errno.EREMOTE, f"member {member} is node "
+                          f"{pool.members[member].node}'s")
+        pool.check([member])
+        path = pool.chunk_path(member, ino)
+        await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data)
+        if data is not None:
+            self.written_bytes += len(data)
+        return 0, b""
 
     async def _judged(self, what: str, work: Callable[[], Awaitable[tuple[int, bytes]]]
                       ) -> tuple[int, bytes]:
@@ -552,6 +614,35 @@ def _all_cached(fd: int, offset: int, n: int) -> bool:
     sendfile of it never waits for the disk); False where the kernel cannot say."""
     pages = -(-(offset + n) // PAGE) - offset // PAGE
     return cached_pages(fd, offset, n) == pages
+
+
+def _change_chunk(tag: bytes, path: str, offset: int, data: bytearray | None) -> None:
+    """(A worker thread.)  WRIT `data` at `offset`, SYNC (offset 1: data only), TRUN to
+    `offset` bytes if longer, or REMV the chunk file at `path`."""
+    if tag == b"WRIT":
+        assert data is not None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        finally:
+            os.close(fd)
+        return
+    try:
+        if tag == b"REMV":
+            os.unlink(path)
+        elif tag == b"TRUN":
+            if os.stat(path).st_size > offset:
+                os.truncate(path, offset)
+        else:  # SYNC
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                (os.fdatasync if offset == 1 else os.fsync)(fd)
+            finally:
+                os.close(fd)
+    except FileNotFoundError:
+        pass  # never written: nothing to cut, remove or make durable
 
 
 def _send_file(out_fd: int, in_fd: int, offset: int, n: int) -> int:

@@ -23,6 +23,7 @@ from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
     CHALLENGE,
+    CHUNK_OP,
     GROUP,
     HELLO,
     KEY_LEN,
@@ -34,6 +35,7 @@ from mxfs.proto.chunk_wire import (
     MAX_KREQ,
     MAX_READ,
     MAX_WHY,
+    MAX_WRITE,
     NODE,
     PROOF,
     READ,
@@ -236,6 +238,23 @@ class ChunkClient:
             self.sock.sendall(chunk)
         code, said = self._kv_answer(MAX_WHY, "reason", errno.EEXIST)
         return not code
+
+    def change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int = 0,
+               views: list[memoryview] | None = None) -> None:
+        """A chunk change of the pool's writer node (under its lease's `epoch`) on a
+        member this node holds: WRIT `views` at `offset`, SYNC (offset 1: data only),
+        TRUN to `offset` bytes, REMV; Refused (the node's errno and line) when it will
+        not."""
+        views = views or []
+        if views and tag != b"WRIT":
+            raise ValueError(f"a {tag.decode()} carries no bytes")
+        length = sum(len(v) for v in views)
+        if length > MAX_WRITE:
+            raise ValueError(f"at most {MAX_WRITE} bytes a chunk write")
+        self.sock.sendall(tag + CHUNK_OP.pack(epoch, ino, member, offset, length))
+        for v in views:
+            self.sock.sendall(v)
+        self._kv_answer(MAX_WHY, "reason")
 
     def kv_keys(self, tag: bytes, who: tuple[int, int, list[int]], namespace: str,
                 flags: int, keys: list[bytes], ms: int, holder: bytes,

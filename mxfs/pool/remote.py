@@ -39,6 +39,9 @@ TIMEOUT_S = 30.0  # prove and each receive (a connection: CONNECT_S)
 AWAY_S = 2.0  # after a connection to the owner could not be made, calls fail at once
 
 
+_CHANGES = {b"WRIT": "write", b"SYNC": "sync", b"TRUN": "truncate", b"REMV": "remove"}
+
+
 @dataclass(frozen=True)
 class Owner:
     """The node that owns the members, as its lease in the store says."""
@@ -92,6 +95,16 @@ class RemoteMembers:
         node when it cannot serve them."""
         self._call(lambda c: c.fill(ino, member, offset, views),
                    f"could not serve member {member} of inode {ino}")
+
+    def change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int = 0,
+               views: list[memoryview] | None = None) -> None:
+        """A chunk change on the owner's member as the pool's writer under `epoch`
+        (`ChunkClient.change`: WRIT, SYNC, TRUN, REMV; each may be done twice, so a
+        connection that failed is retried); the owner's refusal as its OSError, EIO
+        naming the node when it cannot be asked."""
+        self._call(lambda c: c.change(tag, epoch, ino, member, offset, views),
+                   f"could not {_CHANGES[tag]} member {member} of inode {ino}",
+                   refusals=True)
 
     def kv_put(self, who: tuple[int, int, list[int]], namespace: str, mode: int,
                shared: bool, key: bytes, chunk: bytes | memoryview | tuple[int, int]

@@ -56,6 +56,17 @@ index (FORWARDED_OPS: deletes, capacities, evictions, namespaces, lists, stats) 
 that caller's on its control socket; the answer's bytes are its reply as JSON, or a
 line saying why not.  Only a node's own connections put, claim, wait, pin or ask: a
 scoped connection that tries is closed.
+
+WRIT, SYNC, TRUN and REMV (each CHUNK_OP: the writer's epoch, the inode, the member,
+an offset and a length) change the chunk files of this node's own members for the
+pool's writer node, which places a file's stripes on other nodes' members and writes
+them through their owners: WRIT writes `length` bytes that follow at `offset` (the
+chunk file made if it is not there), SYNC makes the chunk file durable (offset 1:
+its data only), TRUN cuts it to `offset` bytes if it is longer, REMV removes it (one
+never written is fine).  The owner does it only under the epoch of the writer's lease
+it knows (ESTALE otherwise: a writer declared dead that wakes up changes nothing) and
+only on a member it holds in service (EREMOTE: another node's); the answer is 0 or the
+errno, then a line saying why.  A scoped connection that tries is closed.
 """
 
 from __future__ import annotations
@@ -106,6 +117,11 @@ KEY_TAGS = (b"KCLM", b"KWAI", b"KPIN", b"KUNP")  # requests of KEYS_BODY
 # the op's name and the request (JSON)
 KREQ_BODY = struct.Struct("!IIHHI")
 MAX_KREQ = 1 << 20  # bytes of a KREQ's request, and of its answer
+# (WRIT, SYNC, TRUN, REMV past their tags) the writer's epoch, inode, member, offset,
+# length (WRIT: the bytes that follow)
+CHUNK_OP = struct.Struct("!QQIQQ")
+CHUNK_OPS = (b"WRIT", b"SYNC", b"TRUN", b"REMV")
+MAX_WRITE = MAX_READ  # bytes one WRIT carries
 FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
                  "kv_list", "kv_stats")
 CLAIM_STATES = ("yours", "stored", "busy")  # KCLM's answer bytes, by value
