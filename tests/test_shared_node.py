@@ -318,6 +318,50 @@ def test_a_big_namespace_is_removed_while_others_are_served(pool: Mounted) -> No
     assert any(0 < k < n for k in seen), "nobody was served while the namespace went"
 
 
+def test_a_put_that_evicts_thousands_of_chunks_leaves_others_served(pool: Mounted) -> None:
+    """A put that takes a namespace over its capacity evicts its least recently used
+    chunks down to the low watermark a bite at a time: another user's requests are
+    answered meanwhile (they see the namespace part-evicted).  It evicted them all in
+    one stroke before, holding every user for as long as 16,384 removals take."""
+    import base64
+
+    n, small = 16384, base64.b64encode(b"x" * 16).decode()
+    with ControlClient(str(pool.path)) as c:
+        for start in range(0, n, 4096):
+            keys = [base64.b64encode(b"e%06d" % i).decode() for i in range(start, start + 4096)]
+            c.call("kv_put", namespace="evicted", keys=keys, data=[small] * 4096)
+        c.call("kv_config", namespace="evicted", capacity=700 << 10)  # (not over it yet)
+    seen: list[int] = []
+    done = threading.Event()
+    big = base64.b64encode(os.urandom(600 << 10)).decode()
+
+    replies: list[Any] = []
+
+    def put() -> None:
+        try:
+            with ControlClient(str(pool.path)) as r:
+                replies.append(r.call("kv_put", namespace="evicted", data=[big],
+                                      keys=[base64.b64encode(b"big").decode()]))
+        finally:
+            done.set()
+
+    putter = threading.Thread(target=put)
+    with ControlClient(str(pool.path)) as other:
+        putter.start()
+        while not done.is_set():
+            stats = other.call("kv_stats")["namespaces"]
+            seen += [s["chunks"] for s in stats if s["namespace"] == "evicted"]
+    putter.join()
+    assert replies and replies[0]["stored"] == [True], replies
+    evicted = replies[0]["evicted"]  # (down to 90% of 700 KiB: 14,000 and more)
+    assert evicted > n // 2
+    with ControlClient(str(pool.path)) as c:
+        assert {s["namespace"]: s["chunks"] for s in c.call("kv_stats")["namespaces"]
+                }["evicted"] == n + 1 - evicted
+        c.call("kv_ns_remove", namespace="evicted")
+    assert any(n + 1 - evicted < k < n for k in seen), "nobody was served meanwhile"
+
+
 @pytest.mark.unit
 def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
     from mxfs.fs.fair import Turns

@@ -302,9 +302,22 @@ class KVOps:
         """Evict down to `target` bytes a bite at a time; how many chunks went."""
         victims = self.index.victims(space, target)
         space.evictions += len(victims)
-        async for bite in in_bites(victims, BITE):
-            self.index.drop(list(bite))
+        await self._drop_in_bites(victims)
         return len(victims)
+
+    async def _enforce(self, space: Namespace) -> int:
+        """After a put: above the namespace's capacity, evict down to its low watermark,
+        a bite at a time (one put over a capacity of 65,536 chunks held every user
+        for 48 s when it evicted them all at once)."""
+        target = self.index.over(space)
+        return 0 if target is None else await self._evict(space, target)
+
+    async def _drop_in_bites(self, victims: list[tuple[Namespace, bytes]]) -> None:
+        """Evict `victims` a bite at a time, other requests served between: each bite
+        skips what went or was pinned meanwhile, and namespaces removed meanwhile."""
+        async for bite in in_bites(victims, BITE):
+            self.index.drop([(s, k) for s, k in bite if self.index.spaces.get(s.name) is s
+                             and k in s.chunks and not s.chunks[k].pins])
 
     def _space(self, op: str, msg: Msg, caller: Caller) -> Namespace:
         """The namespace `op` works in, checked for what it needs of the caller."""
@@ -351,7 +364,7 @@ class KVOps:
                                   int_field(msg, "capacity", 0), replace=force)
         return {**space.stats()}, []
 
-    def _room(self, space: Namespace, size: int, uid: int) -> Inode:
+    async def _room(self, space: Namespace, size: int, uid: int) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
         owner has as many chunks as one uid may, or the writer `uid` is at its quota);
         returns the layout parent."""
@@ -365,7 +378,9 @@ class KVOps:
         root = self.vol.store.get(ROOT_INO)
         layout = self.vol.pool.layout_for(0, root.stripe_unit, root.stripe_width)
         members = list(range(len(self.vol.pool.members)))[:max(1, layout.width)]
-        if not self.index.make_room(members, -(-size // layout.width)):
+        victims = self.index.make_room(members, -(-size // layout.width))
+        if victims is not None:
+            await self._drop_in_bites(victims)
             raise OSError(errno.ENOSPC, "the pool is short of space for KV chunks; "
                           "least recently used chunks are being evicted")
         return root
@@ -395,7 +410,7 @@ class KVOps:
             except ValueError:
                 raise BadField(msg, "'data' is not base64") from None
             stored.append(await self._store(space, key, raw, session.caller))
-        evicted = self.index.enforce(space)
+        evicted = await self._enforce(space)
         self._visible()
         return {"stored": stored, "evicted": evicted}, []
 
@@ -410,7 +425,7 @@ class KVOps:
         refuse_if_degraded(self.vol)
         stored = await self._store(space, key, data, caller)
         if stored:
-            self.index.enforce(space)
+            await self._enforce(space)
             self._visible()
             await self._grow_view(space)
         return stored
@@ -422,7 +437,9 @@ class KVOps:
         or its namespace went meanwhile.  The caller enforces the capacity and commits."""
         if key in space.chunks:
             return False
-        self._room(space, len(data), caller.uid)
+        await self._room(space, len(data), caller.uid)
+        if key in space.chunks or self.index.spaces.get(space.name) is not space:
+            return False  # (stored, or its namespace removed, while others ran)
         entry = self.vol.take_spare(caller.uid, caller.gid)
         try:
             unit = self.vol.layout(entry.node).unit
@@ -554,7 +571,9 @@ class KVOps:
             return {"exists": True}, []  # the cheap answer to a repeated put
         check_pending_room(session, self.limits)
         caller = session.caller
-        root = self._room(space, size, caller.uid)
+        root = await self._room(space, size, caller.uid)
+        if self.index.spaces.get(space.name) is not space:
+            raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
         if size <= ONE_MEMBER_MAX:  # a spare: committed, its one chunk file made ahead
             entry, members, fds = self._open_spare(caller)
         else:  # striped over the members, as the root's files are
@@ -599,7 +618,7 @@ class KVOps:
         self.claims.stored(space, key)
         session.let_go(entry.node.ino)
         self.vol.release(entry.node.ino)
-        evicted = self.index.enforce(space) if stored else 0
+        evicted = await self._enforce(space) if stored else 0
         self._visible()
         return {"stored": stored, "evicted": evicted}, []
 

@@ -342,11 +342,6 @@ class KVIndex:
             return int(space.capacity * LOW)
         return None
 
-    def enforce(self, space: Namespace) -> int:
-        """After a put: above the namespace's capacity, evict down to its low watermark."""
-        target = self.over(space)
-        return 0 if target is None else self.evict(space, target)
-
     def refuse_hopeless(self, space: Namespace, size: int) -> None:
         """Refuse, before anything is evicted, a chunk that could never fit or is no KV
         chunk at all: over MAX_CHUNK (a declared size evicts before a byte is written,
@@ -365,9 +360,11 @@ class KVIndex:
             raise OSError(errno.ENOSPC, f"a chunk of {size} bytes is over the pool's free "
                           f"space ({free} bytes, with every KV chunk evicted)")
 
-    def make_room(self, members: list[int], size: int) -> bool:
-        """Is there room for a chunk of `size` on `members`?  If not, evict pool-wide so
-        later puts find room (see `fair_victims`)."""
+    def make_room(self, members: list[int], size: int
+                  ) -> list[tuple[Namespace, bytes]] | None:
+        """None if there is room for a chunk of `size` on `members`; else the chunks to
+        evict pool-wide so later puts find room (see `fair_victims`), for the caller to
+        drop a bite at a time."""
         short = 0
         for m in members:
             room = self._member_room.get(m)
@@ -376,17 +373,15 @@ class KVIndex:
                 room = self._member_room[m] = _Room(functools.partial(_above_floor, path))
             short = max(short, size - room.free(size))
         if short <= 0:
-            return True
+            return None
         need = short * len(self.vol.pool.members) * 2  # bytes are spread over all members
         victims = self.fair_victims(need)
         for space, _ in victims:
             space.evictions += 1
-        freed = sum(s.chunks[k].size for s, k in victims)
-        self._drop(victims)
         if victims:
-            log.info("KV: pool short of space, evicted %d chunks (%d bytes)", len(victims),
-                     freed)
-        return False
+            log.info("KV: pool short of space, evicting %d chunks (%d bytes)", len(victims),
+                     sum(s.chunks[k].size for s, k in victims))
+        return victims
 
     def fair_victims(self, need: int) -> list[tuple[Namespace, bytes]]:
         """Unpinned chunks worth `need` bytes, taken from namespaces in proportion to how
