@@ -239,8 +239,8 @@ def test_chunk_bytes_go_only_after_their_change_is_on_stable_storage(tmp_path: P
     engine_sync, remove, cut = vol.store.engine.sync, vol.pool.remove_chunks, \
         vol.pool.truncate_chunks
     vol.store.engine.sync = lambda: (events.append("sync"), engine_sync())[1]  # type: ignore
-    vol.pool.remove_chunks = lambda ino: (events.append("remove"), remove(ino))[1]  # type: ignore
-    vol.pool.truncate_chunks = lambda *a: (events.append("cut"), cut(*a))[1]  # type: ignore
+    vol.pool.remove_chunks = lambda *a: (events.append("remove"), remove(*a))[1]  # type: ignore
+    vol.pool.truncate_chunks = lambda *a, **k: (events.append("cut"), cut(*a, **k))[1]  # type: ignore
     try:
         vol.store.group_changes(3600)
         root = vol.store.get(ROOT_INO)

@@ -52,6 +52,7 @@ from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
 from mxfs.load import load_file
 from mxfs.pool.key import KEY_NAME, load_key
+from mxfs.pool.superblock import read_superblock
 from mxfs.proto import HEADER, encode
 from mxfs.proto.chunk_wire import ANSWER, MAX_SCOPE, READ, WireError
 from mxfs.proto.messages import CLOSE_READ, KV_GET, OPEN_READ
@@ -953,7 +954,8 @@ def test_kv_lookups_on_a_reading_node_read_a_table_the_feed_keeps(tmp_path: Path
 
 
 @pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)",
-                        r"serves its members again")
+                        r"serves its members again",
+                        r"chunk handshake .* failed")  # (one begun as the link went)
 def test_a_node_cut_off_from_the_owner_reads_eio_never_old_bytes(tmp_path: Path,
                                                                  pg_cluster: Any) -> None:
     """The reading node's link to the writer goes down (both ways), then only the
@@ -1215,3 +1217,123 @@ print(json.dumps(out))
                     t.join()
                 for client, _, _ in held:
                     client.close()
+
+
+def _cold(path: Path) -> bytes | None:
+    """The file's bytes read past the kernel's cache of them (None while EIO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        assert e.errno == errno.EIO
+        return None
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        out = bytearray()
+        while chunk := os.read(fd, 1 << 20):
+            out += chunk
+        return bytes(out)
+    except OSError as e:
+        assert e.errno == errno.EIO, e
+        return None
+    finally:
+        os.close(fd)
+
+
+def _used(m: Mounted, path: Path) -> tuple[int, set[int], Layout]:
+    with ControlClient(str(m.path)) as c:
+        lay = c.layout(str(path))
+    layout = Layout.from_description(lay["layout"])
+    return lay["ino"], set(layout.used_members()), layout
+
+
+def _chunk(member: str, ino: int) -> Path:
+    return Path(member, "chunks", f"{ino % 256:02x}", str(ino))
+
+
+@pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",
+                        r"serves its members again", r"is left there")
+def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A pool made with two of its members on node b (`mxfs mkfs --member b:PATH`):
+    b joins with those folders and serves them; the writer places a new file on its
+    own members, and a directory set --across-nodes on every member, whose stripes on
+    b it writes, syncs, cuts and removes through b's chunk service; each node reads
+    every stripe (its own locally, the other's through it).  With b dead, what has
+    stripes there reads EIO on the writer, and files on its own members read on."""
+    url = pg_cluster.database()
+    mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
+    mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
+    assert not any(Path(p, "chunks").exists() for p in theirs)  # (b's to make)
+    with node_net() as net, \
+            mounted_pool(mine, *WRITER, f"chunk_addr={net.host_ip}") as a:
+        key, config = str(Path(mine[0], KEY_NAME)), str(tmp_path / "b" / "node.toml")
+        join = ["node", "add", "--meta", url, "--key", key, "--name", "b", "--config", config]
+        res = mxfs(*join, "--member", theirs[0], check=False)
+        assert res.returncode != 0 and "gives node b 2 members (2, 3), and 1" in res.stderr
+        mxfs(*join, "--member", theirs[0], "--member", theirs[1])
+        assert [read_superblock(p).member_index for p in theirs] == [2, 3]
+        with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
+                        prefix=net.enter, check=False) as b:
+            own = os.urandom(1 << 20)
+            (a.path / "own.bin").write_bytes(own)
+            assert _used(a, a.path / "own.bin")[1] <= {0, 1}  # (the writer's own)
+            (a.path / "models").mkdir()
+            mxfs("setstripe", "--across-nodes", str(a.path / "models"))
+            model = os.urandom((3 << 20) + 5000)
+            (a.path / "models" / "m.bin").write_bytes(model)
+            ino, used, layout = _used(a, a.path / "models" / "m.bin")
+            assert used == {0, 1, 2, 3}
+            for m, folder in ((2, theirs[0]), (3, theirs[1])):
+                assert _chunk(folder, ino).stat().st_size == layout.chunk_length(m, len(model))
+            assert _cold(a.path / "models" / "m.bin") == model
+            assert eventually(lambda: _cold(b.path / "models" / "m.bin") == model, 15)
+            assert _cold(b.path / "own.bin") == own
+            # b's service changes its files for the writer's epoch only, on its members.
+            addr = {n["name"]: n for n in _status(a)["nodes"]}["b"]["addr"]
+            host, _, port = addr.rpartition(":")
+            with ChunkClient(host, int(port), load_key(mine[0]),
+                             _status(a)["pool_uuid"]) as raw:
+                epoch = _status(a)["lease"]["epoch"]
+                for tag, ep, member, code in ((b"TRUN", epoch + 1, 2, errno.ESTALE),
+                                              (b"REMV", epoch, 0, errno.EREMOTE),
+                                              (b"REMV", epoch, 7, errno.EINVAL)):
+                    with pytest.raises(OSError) as e:
+                        raw.change(tag, ep, ino, member)
+                    assert e.value.errno == code, (tag, member)
+                assert raw.read(ino, 2, 0, 10) == _chunk(theirs[0], ino).read_bytes()[:10]
+            assert _cold(a.path / "models" / "m.bin") == model
+            # Changed in place, made durable, cut: through b for its stripes.
+            with open(a.path / "models" / "m.bin", "r+b") as f:
+                f.seek(100_000)
+                f.write(b"x" * 300_000)
+                f.flush()
+                os.fsync(f.fileno())
+            model = model[:100_000] + b"x" * 300_000 + model[400_000:]
+            assert _cold(a.path / "models" / "m.bin") == model
+            os.truncate(a.path / "models" / "m.bin", 200_000)
+            for m, folder in ((2, theirs[0]), (3, theirs[1])):
+                assert _chunk(folder, ino).stat().st_size == layout.chunk_length(m, 200_000)
+            assert _cold(a.path / "models" / "m.bin") == model[:200_000]
+            assert eventually(lambda: _cold(b.path / "models" / "m.bin") == model[:200_000],
+                              15)
+            # Removed: its chunk files on b go too (freed after the commit).
+            (a.path / "models" / "m.bin").unlink()
+            assert eventually(lambda: not _chunk(theirs[0], ino).exists() and
+                              not _chunk(theirs[1], ino).exists(), 15)
+            later = os.urandom(2 << 20)
+            (a.path / "models" / "later.bin").write_bytes(later)
+            assert _cold(b.path / "own.bin") == own
+            # b dies: its stripes read EIO on the writer, never other bytes; files on
+            # the writer's own members read on; b back (a new epoch), all read again.
+            os.kill(b.daemon_pid(), signal.SIGKILL)
+            assert eventually(lambda: _cold(a.path / "models" / "later.bin") is None, 20)
+            assert _cold(a.path / "own.bin") == own
+            with pytest.raises(OSError) as e:
+                (a.path / "models" / "new.bin").write_bytes(os.urandom(1 << 20))
+            assert e.value.errno == errno.EIO
+            mxfs("umount", str(b.path), check=False)
+        with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
+                        prefix=net.enter, check=False) as b:
+            assert eventually(lambda: _cold(a.path / "models" / "later.bin") == later, 20)
+            assert _cold(b.path / "models" / "later.bin") == later
+            (a.path / "models" / "new.bin").unlink(missing_ok=True)

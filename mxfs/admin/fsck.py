@@ -87,7 +87,9 @@ def fsck(vol: Volume, repair: bool) -> list[Finding]:
     def cut_to_size(ino: int) -> None:
         node = store.get(ino)
         if node.is_reg:
-            vol.pool.truncate_chunks(ino, vol.layout(node), node.size)
+            # (other nodes' members: the writer cuts them when it next truncates; reads
+            # stop at the size meanwhile)
+            vol.pool.truncate_chunks(ino, vol.layout(node), node.size, far=False)
         store.clear_dirty_data(ino)
 
     for ino in store.dirty_data():
@@ -125,6 +127,8 @@ def _chunk_findings(vol: Volume, repair: bool) -> list[Finding]:
         f_ = s.file
         lay = Layout(f_.stripe_unit, f_.stripe_width, f_.first_member, len(vol.pool.members))
         for m in lay.used_members():
+            if vol.pool.members[m].node:
+                continue  # another node's: its owner holds those bytes
             want = lay.chunk_length(m, f_.size)
             try:
                 have = os.stat(vol.pool.chunk_path(m, f_.ino)).st_size

@@ -53,8 +53,11 @@ def sealed_files(store: MetaStore, members: int) -> Iterator[Sealed]:
 
 def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[tuple[int, int,
                                                                                       str]]:
-    """(begin, end, why) of each bad block of one sealed file."""
-    bad = []
+    """(begin, end, why) of each bad block of one sealed file (none for one with stripes
+    on other nodes' members: their owners hold those bytes)."""
+    bad: list[tuple[int, int, str]] = []
+    if pool.far(f.layout.used_members()):
+        return bad
     fds: dict[int, int | None] = {}
     try:
         for k, want in enumerate(f.sums):

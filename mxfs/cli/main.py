@@ -372,13 +372,20 @@ def cmd_setstripe(args: argparse.Namespace) -> int:
         if unit < 1:
             raise UsageError(f"--unit {args.unit} is not a size", "give one like 1MiB")
         parts.append(f"stripe_unit={unit}")
+    if args.across_nodes and args.width is not None:
+        raise UsageError("--across-nodes and --width both name the width",
+                         "give one of them")
+    _on_mxfs(args.path)
+    if args.across_nodes:  # every member of the pool, whichever node holds it
+        from mxfs.client.control import mount_root
+
+        args.width = len(_status_of_mount(str(mount_root(args.path))).get("members") or [1])
     if args.width is not None:
         if args.width < 1:
             raise UsageError(f"--width {args.width} is not positive", "give 1 or more")
         parts.append(f"stripe_width={args.width}")
     if not parts:
-        raise UsageError("nothing to set", "give --unit SIZE and/or --width N")
-    _on_mxfs(args.path)
+        raise UsageError("nothing to set", "give --unit SIZE, --width N or --across-nodes")
     try:
         os.setxattr(args.path, LAYOUT_XATTR, " ".join(parts).encode())
     except OSError as e:
@@ -459,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("mkfs", help="make a pool from empty member folders")
     s.add_argument("--member", action="append", required=True, metavar="PATH",
-                   help="a member folder (repeat for each member)")
+                   help="a member folder (repeat for each member); NODE:PATH names one "
+                        "that node NODE holds (it joins with mxfs node add --member PATH)")
     s.add_argument("--stripe-unit", default="1MiB", help="stripe unit, a multiple of 4 KiB")
     s.add_argument("--label", default="", help="a name for the pool")
     s.add_argument("--force", action="store_true", help="wipe members of an old pool")
@@ -500,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--unit", help="stripe unit, e.g. 4MiB")
     s.add_argument("--width", type=int, help="number of members to stripe over")
+    s.add_argument("--across-nodes", action="store_true",
+                   help="stripe over every member of the pool, whichever node holds it "
+                        "(new files default to the writer node's own members)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_setstripe)
 

@@ -1,7 +1,9 @@
 """`mxfs node add` / `mxfs node remove`: nodes that read a pool held by another node.
 
-A reading node holds no member: it needs the pool's metadata server, the pool key
-copied from the writer node (`mxfs.key` beside member 0's superblock), and a name.
+A reading node needs the pool's metadata server, the pool key copied from the writer
+node (`mxfs.key` beside member 0's superblock), and a name; and, where the pool gives
+it members (`mxfs mkfs --member NODE:PATH`), a folder for each (`--member`), which
+it makes members of the pool and serves (the writer writes them through it).
 `node add` checks all three against the store (the key by its name, `key_id`, which
 the writer publishes when it serves chunks) and writes the node config that
 `mxfs mount CONFIG MOUNTPOINT` takes (`pool/node_config.py`).
@@ -11,18 +13,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.meta import MetaStore, lease, location
 from mxfs.pool.key import install_key, key_id, read_key
-from mxfs.pool.node_config import NodeConfig, write_node_config
+from mxfs.pool.node_config import NODE_NAME, NodeConfig, write_node_config
+from mxfs.pool.pool import format_node_members
+from mxfs.pool.superblock import Superblock
 from mxfs.vol.volume import KEY_ID_KEY, MEMBERS_KEY
-
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 def member_spec(stat: Mapping[str, Any], what: str) -> str:
@@ -47,7 +49,7 @@ def _open_store(url: str) -> MetaStore:
 
 
 def cmd_node_add(args: argparse.Namespace) -> int:
-    if not NAME.fullmatch(args.name):
+    if not NODE_NAME.fullmatch(args.name):
         raise MxfsError(f"node name {args.name!r} is not one",
                         "use letters, digits, '.', '_' and '-' (at most 63)")
     key = read_key(args.key)
@@ -63,13 +65,15 @@ def cmd_node_add(args: argparse.Namespace) -> int:
         if published != key_id(key, pool):
             raise MxfsError(f"the key {args.key} is not pool {pool}'s",
                             "copy mxfs.key from member 0 of the pool's writer node")
-        if store.setting(MEMBERS_KEY) is None:
+        members = store.setting(MEMBERS_KEY)
+        if members is None:
             raise MxfsError(f"pool {pool} has no members named in its store",
                             "mount it once on its writer node")
         for n in lease.nodes(store):
             if n["name"] == args.name and (n["role"] == "writer" or n["state"] == "alive"):
                 raise MxfsError(f"node name {args.name} is in use ({n['role']} on "
                                 f"{n['host']}, {n['state']})", "pick another --name")
+    paths = _own_members(json.loads(members), args.name, args.member or [], pool)
     config = os.path.abspath(args.config)
     os.makedirs(os.path.dirname(config), mode=0o755, exist_ok=True)
     stem = os.path.splitext(config)[0]
@@ -79,10 +83,33 @@ def cmd_node_add(args: argparse.Namespace) -> int:
     state = os.path.abspath(args.state or stem + ".state")
     os.makedirs(state, mode=0o700, exist_ok=True)
     write_node_config(NodeConfig(config, pool, args.name, args.meta, key_file, state,
-                                 args.label or ""))
+                                 args.label or "", paths))
     print(f"node {args.name} joined pool {pool}: mount it with mxfs mount {config} "
           "MOUNTPOINT")
     return 0
+
+
+def _own_members(known: Mapping[str, Any], name: str, given: list[str], pool: str
+                 ) -> list[str]:
+    """The member folders this node holds (made members of the pool if they are not
+    yet), as many as the pool gives it (`mxfs mkfs --member NAME:PATH`)."""
+    indices = [i for i, owner in enumerate(known.get("owners") or []) if owner == name]
+    if len(given) != len(indices):
+        where = ", ".join(map(str, indices))
+        raise MxfsError(f"pool {pool} gives node {name} {len(indices)} members"
+                        + (f" ({where})" if indices else "") + f", and {len(given)} were "
+                        "given", f"name {'each with --member PATH' if indices else 'none'}"
+                        " (mxfs mkfs --member NODE:PATH names a node's members)")
+    if not indices:
+        return []
+    model = Superblock.from_bytes(str(known["superblock"]).encode())
+    paths = [os.path.realpath(p) for p in given]
+    for p in paths:
+        if not os.path.isdir(p):
+            raise MxfsError(f"member {p} is not an existing folder",
+                            "create it or mount the member device there")
+    format_node_members(paths, indices, model)
+    return paths
 
 
 def cmd_node_remove(args: argparse.Namespace) -> int:
@@ -111,6 +138,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--config", required=True, help="where to write the node config (TOML)")
     s.add_argument("--state", help="this node's lock folder (default: beside the config)")
     s.add_argument("--label", help="a label for the mount (default: none)")
+    s.add_argument("--member", action="append", metavar="PATH",
+                   help="a folder of this node's that holds a member the pool gives it "
+                        "(mxfs mkfs --member NODE:PATH), in index order; repeat for each")
     s.set_defaults(func=cmd_node_add)
     s = nodes.add_parser("remove", help="forget a dead reading node")
     s.add_argument("--meta", required=True, help="the pool's metadata server URL")

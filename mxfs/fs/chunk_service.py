@@ -19,8 +19,11 @@ only, never the room of the nodes already proved.  A refused connection is close
 
 The pool's writer node writes the stripes it places on this node's members through
 it (WRIT, SYNC, TRUN, REMV): each done in a worker thread, under the epoch of the
-writer's lease this node knows (`writer_epoch`), on a member this node holds; at most
-WRITES_AT_ONCE writes are received at once, each within PUT_RECV_S.
+writer's lease this node knows (`writer_epoch`), on a member this node holds (the
+writer's own service refuses them: nobody changes its files but itself); at most
+WRITES_AT_ONCE are in service at once, a write received within PUT_RECV_S.  The pool
+key is what makes a peer a node: every node that holds it is trusted to name the
+writer's epoch honestly, as it is trusted to name its users.
 
 A connection may be scoped to one file (SCOPE, `proto/chunk_wire.py`) and handed by a
 reading node's daemon to a local reader, who is not trusted: so a sender thread is
@@ -163,6 +166,9 @@ class ChunkService:
         # The epoch of the pool's writer node's lease as this node knows it (its own on
         # the writer; None: no live writer): the only one whose chunk writes it does.
         self.writer_epoch: Callable[[], int | None] = epoch
+        # Whether this node serves the pool: the writer while its store takes changes,
+        # a node holding members while its own lease is held.
+        self.serving: Callable[[], bool] = lambda: not vol.store.readonly
         self.written_bytes = 0
 
     def bind(self) -> None:
@@ -407,9 +413,10 @@ class ChunkService:
         epoch, ino, member, offset, length = CHUNK_OP.unpack(
             await _recv_exact(stream, CHUNK_OP.size))
         if tag != b"WRIT":
-            code, said = await self._judged(f"chunk {tag.decode()} from the writer",
-                                            lambda: self._change(tag, epoch, ino, member,
-                                                                 offset, None))
+            async with self._writes:
+                code, said = await self._judged(f"chunk {tag.decode()} from the writer",
+                                                lambda: self._change(tag, epoch, ino, member,
+                                                                     offset, None))
         else:
             if length > MAX_WRITE:
                 raise WireError(f"a chunk write of {length} bytes (at most {MAX_WRITE})")
@@ -429,6 +436,11 @@ class ChunkService:
                       data: bytearray | None) -> tuple[int, bytes]:
         """Do one chunk change for the writer (checked first: its epoch, our member)."""
         pool = self.vol.pool
+        if not pool.node:  # (nobody else holds the pool's epoch here to change our files)
+            raise OSError(errno.EPERM, "the writer node writes its own members: chunk "
+                          "changes go to the nodes that hold members")
+        if not self.serving():
+            raise OSError(errno.ESTALE, "this node no longer serves the pool")
         writer = self.writer_epoch()
         if writer is None or epoch != writer:
             raise OSError(errno.ESTALE, f"a chunk change under epoch {epoch}, and the pool's "
@@ -521,7 +533,7 @@ class ChunkService:
         (-1 and 0: never written, all zeros).  A scoped connection reads its inodes
         only, each while it keeps its generation and a link."""
         vol = self.vol
-        if vol.store.readonly:
+        if not self.serving():
             raise OSError(errno.ESTALE, "this node no longer serves the pool")
         if not 0 <= member < len(vol.pool.members):
             raise OSError(errno.EINVAL, f"member {member} is not one of this pool's")
@@ -530,6 +542,13 @@ class ChunkService:
         if scope is not None and ino not in scope:
             raise OSError(errno.EPERM, f"this connection may not read inode {ino}")
         vol.pool.check([member])
+        if vol.pool.members[member].node:
+            raise OSError(errno.EREMOTE, f"member {member} is node "
+                          f"{vol.pool.members[member].node}'s")
+        if scope is None and vol.pool.node:
+            # A node's own member, read by another node: the writer names the inodes it
+            # placed here, whose rows this node may not have read yet.
+            return _open_chunk(vol.pool.chunk_path(member, ino), offset, length)
         try:
             node = vol.store.get(ino)
         except OSError:
@@ -540,12 +559,18 @@ class ChunkService:
             raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
         if not node.is_reg:
             raise OSError(errno.EINVAL, f"inode {ino} is not a regular file")
-        try:
-            fd = os.open(vol.pool.chunk_path(member, ino), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return -1, 0
-        size = os.fstat(fd).st_size
-        return fd, max(0, min(length, size - offset))
+        return _open_chunk(vol.pool.chunk_path(member, ino), offset, length)
+
+
+def _open_chunk(path: str, offset: int, length: int) -> tuple[int, int]:
+    """A descriptor of the chunk file at `path` and how many of [offset, offset+length)
+    it holds (-1 and 0: never written)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return -1, 0
+    size = os.fstat(fd).st_size
+    return fd, max(0, min(length, size - offset))
 
 
 def _peer_address(stream: trio.SocketStream) -> str:

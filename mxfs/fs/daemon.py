@@ -33,7 +33,7 @@ from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
 from mxfs.meta import Unusable, backup, change_feed, lease, location
-from mxfs.pool.key import key_id, load_key
+from mxfs.pool.key import key_id, load_key, read_key
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
 from mxfs.vol.volume import STATS_EVERY_S, Volume
 
@@ -103,11 +103,16 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         limits = Limits.from_options(own)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
-        reading = bool(vol.pool.node)  # a reading node (mxfs node add): no members here
-        if reading and "chunk_port" in own:
+        reading = bool(vol.pool.node)  # a reading node (mxfs node add): it writes nothing
+        if reading and "chunk_port" in own and not vol.pool.local_members():
             vol.close(clean=False)
             raise MxfsError(f"node {vol.pool.node} holds no members: it has no chunks to "
                             "serve", "leave chunk_port out on a reading node")
+        if reading and vol.pool.local_members() and "chunk_port" not in own:
+            vol.close(clean=False)
+            raise MxfsError(f"node {vol.pool.node} holds members of the pool, which the "
+                            "other nodes read and the writer writes through it",
+                            "mount it with -o chunk_port=N,chunk_addr=IP")
         sock = socket_path(vol.pool.uuid, vol.pool.node)
         ensure_runtime_dir(os.path.dirname(sock))
         vol.lock(mp, sock, float(own.get("lease_s") or lease.TTL_S), own.get("node", ""))
@@ -188,11 +193,16 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                              f"{vol.restored_from}; changes made after that backup are lost")
             chunks = None
             if "chunk_port" in own:
-                key = load_key(vol.pool.members[0].path, create=True)
+                key = read_key(vol.pool.key_file) if reading else \
+                    load_key(vol.pool.members[0].path, create=True)
                 chunks = ChunkService(vol, key, own.get("chunk_addr") or "127.0.0.1",
                                       int(own["chunk_port"]),
                                       lambda: vol.lease.epoch if vol.lease else 0,
                                       control.limits, control.listener.connections)
+                if reading:  # its own members: the writer writes them, every node reads
+                    chunks.writer_epoch = lambda: _writer_epoch(vol)
+                    chunks.serving = lambda: vol.keeper is not None and \
+                        vol.keeper.state == "held"
                 if control.kv.follower is None:  # the writer: other nodes' users put here
                     chunks.kv = control.kv
                 control.listener.other_fds = lambda: chunks.connections if chunks else 0
@@ -215,6 +225,12 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     finally:
         vol.close(clean=clean)
         log.info("pool %s unmounted from %s (clean=%s)", vol.pool.uuid, mp, clean)
+
+
+def _writer_epoch(vol: Volume) -> int | None:
+    """The epoch of the writer's lease as this node last read it; None while dead."""
+    owner = vol.pool.remote.owner if vol.pool.remote else None
+    return owner.epoch if owner is not None and owner.alive else None
 
 
 @dataclass

@@ -124,9 +124,12 @@ class FileOps:
         except OSError as e:
             # Another node's members (a reading node): connections to their owner,
             # scoped to this file, for a caller that takes them; else the mount reads it.
+            pool = self.vol.pool
             if e.errno != errno.EREMOTE or self.remote is None or \
-                    not bool_field(msg, "remote"):
-                raise
+                    not bool_field(msg, "remote") or any(
+                        pool.members[m].node != pool.members[0].node or not pool.node
+                        for m in layout.holding(node.size)):
+                raise  # (connections go to the writer node only: others read the mount)
             held = len(layout.holding(node.size))
             grant, fds = await self.remote.open([node], max(held, 1), session)
             return {**self._describe(node, sealed), "members": [], "remote": grant}, fds

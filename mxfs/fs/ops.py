@@ -261,7 +261,7 @@ class MxfsOperations(pyfuse3.Operations):
             self.vol.check_writable(node)
             await self.settle(inode)
             self.vol.quotas.room(node.uid, attr.st_size - node.size)
-            self.vol.truncate(node, attr.st_size)
+            await self._truncate(node, attr.st_size)
         mtime = attr.st_mtime_ns if fields.update_mtime else now if fields.update_size else None
         self.store.set_attrs(
             node,
@@ -362,7 +362,7 @@ class MxfsOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and node.is_reg:
             # libfuse enables atomic O_TRUNC: the kernel sends it here, not as setattr.
             await self.settle(inode)
-            self.vol.truncate(node, 0)
+            await self._truncate(node, 0)
             now = time.time_ns()
             self.store.set_attrs(node, mtime_ns=now, ctime_ns=now)
         if flags & os.O_ACCMODE != os.O_WRONLY and not self.noatime:
@@ -468,6 +468,13 @@ class MxfsOperations(pyfuse3.Operations):
             if behind is not None and behind.error is not None:
                 log.warning("inode %d: a write failed after its last flush (%s); nobody "
                             "was left to tell", ino, behind.error)
+
+    async def _truncate(self, node: Inode, size: int) -> None:
+        """Set a file's size; other nodes' chunk files are cut from a worker thread."""
+        if self.vol.truncate(node, size):
+            await trio.to_thread.run_sync(self.vol.pool.truncate_far, node.ino,
+                                          self.vol.layout(node), size, limiter=self.limiter)
+            self.vol.truncated(node)
 
     async def settle(self, ino: int, report: bool = False) -> None:
         """Every write of `ino` answered so far is on its members (then, if `report`,

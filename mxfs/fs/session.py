@@ -169,6 +169,10 @@ def open_writers(vol: Volume, entry: OpenInode) -> tuple[OpenInode, list[int], l
     node = entry.node
     members, fds = [], []
     try:
+        if far := vol.pool.far(vol.layout(node).used_members()):
+            raise OSError(errno.EREMOTE, f"this file stripes over node "
+                          f"{vol.pool.members[far[0]].node}'s members: write it through "
+                          "the mount")
         for m in vol.layout(node).used_members():
             vol.pool.check([m])
             try:  # the writer's descriptor is the only one: the daemon keeps none open

@@ -1,7 +1,9 @@
 """The chunk files of one open file, and striped reads and writes over them.
 
 Descriptors are opened lazily per member and shared by every handle of the
-inode; reads of a member that has no chunk file yet return zeros (a hole).
+inode; reads of a member that has no chunk file yet return zeros (a hole).  Members
+another node holds are read through its chunk service, and on the writer node written,
+synced and cut through it (`RemoteMembers.change`), each member's share at once.
 Methods block: the daemon calls them from worker threads.
 """
 
@@ -31,9 +33,12 @@ class ChunkFiles:
         self._lock = threading.Lock()
         self._closed = False
         self._prepared = False  # (`prepare` opens the first member's file once at most)
-        # Another node's stripes, read in order, come in windows (`pool/read_ahead.py`).
+        self._far = pool.far(layout.used_members())  # other nodes' members it uses
+        self._far_written: set[int] = set()  # ... written through their owners (to sync)
+        # On a reading node, another node's stripes read in order come in windows
+        # (`pool/read_ahead.py`); the writer, which changes them, reads them as asked.
         self._ahead = ReadAhead(layout.unit * layout.width, self._read_now) \
-            if any(pool.members[m].node for m in layout.used_members()) else None
+            if self._far and pool.node else None
 
     def fd(self, member: int, create: bool) -> int | None:
         fd = self._fds.get(member)
@@ -86,21 +91,15 @@ class ChunkFiles:
         pieces = self.layout.plan(offset, len(buf))
         self.pool.check({p.member for p in pieces})
         far = [p for p in pieces if self.pool.members[p.member].node]
-        remote = self.pool.remote
-        if far and remote is None:
-            raise OSError(errno.EIO, f"member {far[0].member} is another node's, and this "
-                          "one reaches no chunk service")
-        futures = [executor().submit(remote.read, self.ino, p.member, p.chunk_offset,
+        futures = [executor().submit(self.pool.remote_of(p.member).read, self.ino,
+                                     p.member, p.chunk_offset,
                                      [buf[o:o + n] for o, n in p.spans])
-                   for p in far] if remote is not None else []
+                   for p in far]
         try:
             self._read_local([p for p in pieces if not self.pool.members[p.member].node],
                              buf)
         finally:  # every remote read ends before `buf` goes back to the caller
-            errors = [f.exception() for f in futures]
-        for err in errors:
-            if err is not None:
-                raise err
+            _settle(futures)
         self._account(pieces, "read")
 
     def _read_local(self, pieces: list[Piece], buf: memoryview) -> None:
@@ -133,11 +132,23 @@ class ChunkFiles:
         ops = []
         if pieces is None:
             pieces = self.admit(offset, len(data))
-        for piece in pieces:
-            fd = self.fd(piece.member, create=True)
-            assert fd is not None
-            ops.append(WriteOp(fd, piece.chunk_offset, [data[o:o + n] for o, n in piece.spans]))
-        self._guard(write_batch, ops)
+        far = [p for p in pieces if self.pool.members[p.member].node]
+        futures = [executor().submit(self.pool.remote_of(p.member).change, b"WRIT",
+                                     self.pool.epoch(), self.ino, p.member, p.chunk_offset,
+                                     [data[o:o + n] for o, n in p.spans])
+                   for p in far]
+        try:
+            for piece in pieces:
+                if piece in far:
+                    continue
+                fd = self.fd(piece.member, create=True)
+                assert fd is not None
+                ops.append(WriteOp(fd, piece.chunk_offset,
+                                   [data[o:o + n] for o, n in piece.spans]))
+            self._guard(write_batch, ops)
+        finally:  # every remote write ends before `data` goes back to the caller
+            self._far_written |= {p.member for p in far}
+            _settle(futures)
         self._account(pieces, "write")
 
     def _account(self, pieces: list[Any], what: str) -> None:
@@ -165,8 +176,19 @@ class ChunkFiles:
         self.pool.truncate_chunks(self.ino, self.layout, size)
 
     def sync(self, datasync: bool = False) -> None:
-        """Make every written member durable, all members at once."""
-        sync_all(list(self._fds.values()), datasync)
+        """Make every written member durable, all members at once (other nodes' through
+        their owners)."""
+        far, self._far_written = sorted(self._far_written), set()
+        futures = [executor().submit(self.pool.remote_of(m).change, b"SYNC",
+                                     self.pool.epoch(), self.ino, m, int(datasync))
+                   for m in far]
+        try:
+            sync_all(list(self._fds.values()), datasync)
+        except BaseException:
+            self._far_written.update(far)  # (asked again at the next sync)
+            raise
+        finally:
+            _settle(futures)
 
     def prepare(self) -> None:
         """Create the chunk file of the first member (where every file's first byte
@@ -179,7 +201,8 @@ class ChunkFiles:
         creating one a journal entry.  An error is left to the write that needs the
         file, which reports and probes it."""
         with self._lock:
-            if self._prepared or self._closed or self.layout.first in self._fds:
+            if self._prepared or self._closed or self.layout.first in self._fds or \
+                    self.layout.first in self._far:
                 return
             self._prepared = True
             os.close(self._open(self.layout.first, create=True))
@@ -198,3 +221,11 @@ class ChunkFiles:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def _settle(futures: list[Any]) -> None:
+    """Wait for every one of `futures`; then raise the first failure, if any."""
+    errors = [f.exception() for f in futures]
+    for err in errors:
+        if err is not None:
+            raise err

@@ -10,6 +10,7 @@ like one listing members (`mountpoint` and `options` too), told apart by `node`:
     meta = "postgresql://db/mxfs?host=..."
     key = "/etc/mxfs/models.key"      # root's, 0600
     state = "/var/lib/mxfs/models"    # this node's lock
+    members = ["/srv/nvme0"]          # members of the pool it holds (mxfs node add --member)
 
 Root's and 0600: the URL may carry what reaches the server.
 """
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mxfs.errors import MxfsError
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # a node's name in its pool
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class NodeConfig:
     key: str
     state: str
     label: str = ""
+    members: list[str] = field(default_factory=list)  # the folders of the members it holds
 
 
 def read_node_config(path: str) -> NodeConfig | None:
@@ -56,14 +61,18 @@ def read_node_config(path: str) -> NodeConfig | None:
         raise MxfsError(f"node config {path} may be read by others "
                         f"(mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid})",
                         f"chown root {path} && chmod 600 {path}")
+    members = conf.get("members", [])
+    if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+        raise MxfsError(f"node config {path}: members is not a list of folders",
+                        "write it again with mxfs node add")
     return NodeConfig(path, conf["pool"], conf["node"], conf["meta"], conf["key"],
-                      conf["state"], str(conf.get("label", "")))
+                      conf["state"], str(conf.get("label", "")), members)
 
 
 def write_node_config(conf: NodeConfig) -> None:
     """Write `conf` to its path, 0600, whole or not at all."""
     lines = [f"{k} = {json.dumps(getattr(conf, k))}"
-             for k in ("pool", "label", "node", "meta", "key", "state")]
+             for k in ("pool", "label", "node", "meta", "key", "state", "members")]
     tmp = f"{conf.path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
                  0o600)

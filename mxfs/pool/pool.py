@@ -17,14 +17,14 @@ import time
 import tomllib
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.io import DEFAULT_STRIPE_UNIT, PAGE, Layout
 from mxfs.pool.key import KEY_NAME
-from mxfs.pool.node_config import NodeConfig, read_node_config
+from mxfs.pool.node_config import NODE_NAME, NodeConfig, read_node_config
 from mxfs.pool.remote import RemoteMembers
 from mxfs.pool.superblock import (
     SUPERBLOCK_NAME,
@@ -84,6 +84,52 @@ def check_stripe_unit(unit: int) -> None:
     if unit > MAX_STRIPE_UNIT:
         raise MxfsError(f"stripe unit {unit} is over the {MAX_STRIPE_UNIT >> 30} GiB limit",
                         "pick one such as 1MiB or 4MiB")
+
+
+def remote_member(name: str) -> tuple[str, str] | None:
+    """(node, path) of a member another node holds, named NODE:PATH (at mkfs, in a
+    superblock's list of members); None for a path of this host's."""
+    node, sep, path = name.partition(":")
+    if sep and NODE_NAME.fullmatch(node) and path.startswith("/"):
+        return node, path
+    return None
+
+
+def _make_chunk_dirs(undo: _Undo, path: str) -> None:
+    undo.mkdir(os.path.join(path, CHUNK_DIR))
+    for i in range(FANOUT):
+        os.mkdir(os.path.join(path, CHUNK_DIR, f"{i:02x}"), 0o700)
+
+
+def format_node_members(paths: list[str], indices: list[int], model: Superblock) -> None:
+    """Make `paths` the members `indices` of an existing pool (`model`: any of its
+    superblocks, as the writer published it), for the node that holds them: all or
+    nothing.  A folder that is that member of that pool already is kept as it is."""
+    undo = _Undo()
+    try:
+        for path, index in zip(paths, indices, strict=True):
+            if os.path.exists(superblock_path(path)):
+                try:
+                    sb = read_superblock(path)
+                except (OSError, SuperblockError) as e:
+                    raise MxfsError(f"member {path} has a damaged superblock ({e})",
+                                    "give an empty folder") from None
+                if (sb.pool_uuid, sb.member_index) == (model.pool_uuid, index):
+                    continue
+                raise MxfsError(f"member {path} belongs to pool {sb.pool_uuid} as member "
+                                f"{sb.member_index}", "give an empty folder")
+            _check_member(path, False)
+            _make_chunk_dirs(undo, path)
+            undo.made += [superblock_path(path) + ".tmp", superblock_path(path)]
+            write_superblock(path, replace(model, member_index=index))
+    except OSError as e:
+        undo.rollback()
+        raise MxfsError(f"member {e.filename or ''} cannot be made ({e.strerror})",
+                        "check the folder is writable and has room") from None
+    except BaseException:
+        undo.rollback()
+        raise
+    undo.commit()
 
 
 def _check_member(p: str, force: bool) -> None:
@@ -172,32 +218,41 @@ def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
     check_stripe_unit(stripe_unit)
     if not paths:
         raise MxfsError("no members given", "name each with --member PATH")
-    resolved: list[str] = []
-    for p in paths:
+    resolved: list[str] = []  # every member's name in the superblocks: a path, or NODE:PATH
+    local: list[tuple[int, str]] = []  # (index, path) of those this host holds
+    for i, p in enumerate(paths):
+        if (far := remote_member(p)) is not None:
+            resolved.append(f"{far[0]}:{far[1]}")
+            continue
         real = os.path.realpath(p)
         if not os.path.isdir(real):
             raise MxfsError(f"member {p} is not an existing folder",
                             "create it or mount the member device there")
         resolved.append(real)
-    _refuse_duplicates(resolved, "given")
-    for p in resolved:
+        local.append((i, real))
+    if remote_member(paths[0]) is not None:
+        raise MxfsError(f"member 0 ({paths[0]}) is another node's, and member 0 is the "
+                        "writer's own", "list this node's members first")
+    if len(local) < len(resolved) and not meta:
+        raise MxfsError("members of other nodes need the metadata on a server",
+                        "add --meta postgresql://HOST/DATABASE")
+    _refuse_duplicates([p for _, p in local], "given")
+    for _, p in local:
         _check_member(p, force)
     pool_uuid = str(uuid.uuid4())
     created = datetime.now(UTC).isoformat(timespec="seconds")
     undo = _Undo()
     try:
-        for p in resolved:
+        for _, p in local:
             if force and set(os.listdir(p)) & _OURS:
                 undo.move_aside(p)
-            undo.mkdir(os.path.join(p, CHUNK_DIR))
-            for i in range(FANOUT):
-                os.mkdir(os.path.join(p, CHUNK_DIR, f"{i:02x}"), 0o700)
+            _make_chunk_dirs(undo, p)
         undo.mkdir(os.path.join(resolved[0], META_DIR))
         sbs = [Superblock(pool_uuid=pool_uuid, member_index=i, member_count=len(resolved),
                           stripe_unit=stripe_unit, label=label, members=resolved,
                           meta_member=0, created=created, meta=meta)
-               for i in range(len(resolved))]
-        for p, sb in zip(resolved, sbs, strict=True):
+               for i, _ in local]
+        for (_, p), sb in zip(local, sbs, strict=True):
             undo.made += [superblock_path(p) + ".tmp", superblock_path(p)]
             write_superblock(p, sb)
         if then is not None:
@@ -255,7 +310,7 @@ def _member_paths(spec: str) -> tuple[list[str], str]:
                 or not members:
             raise MxfsError(f"pool config {spec} has no members list",
                             "add members = [\"/path/a\", \"/path/b\"]")
-        return [os.path.realpath(m) for m in members], "config"
+        return [m if remote_member(m) else os.path.realpath(m) for m in members], "config"
     if not os.path.isdir(spec):
         raise MxfsError(f"pool {spec} does not exist", "give a member folder or a pool config file")
     try:
@@ -291,12 +346,20 @@ class Pool:
         self.members = members
         self.meta_member = sb.meta_member
         self.meta_url = sb.meta  # a metadata server's URL, or "" (the embedded store)
+        self.superblock = sb  # (what a node making its members writes, member_index aside)
         # A reading node's pool (`open_node`): its name, where its lock lives, and the
         # owner's chunk service that serves every member (`pool/remote.py`).
         self.node = ""
         self.state_dir = ""
         self.key_file = ""
         self.remote: RemoteMembers | None = None
+        # Every other node that holds members, by name (the writer's is `remote`), and
+        # a reading node's own member folders (`NodeConfig.members`).
+        self.remotes: dict[str, RemoteMembers] = {}
+        self.own_paths: list[str] = []
+        # The epoch of the writer's lease, which its changes on other nodes' members
+        # carry (`RemoteMembers.change`: the owner refuses any other).
+        self.epoch: Callable[[], int] = lambda: 0
         # Told of each member's share of chunk I/O: (member, "read" | "write", bytes).
         self.on_io: Callable[[int, str, int], None] | None = None
         # check_meta_room's last measure: (when, free bytes then, growth let through since)
@@ -315,10 +378,13 @@ class Pool:
             return cls.open_node(node)
         paths, source = _member_paths(spec)
         lost: dict[int, str] = {}
+        far = {i: f for i, p in enumerate(paths) if (f := remote_member(p)) is not None}
         _refuse_duplicates([p for p in paths if os.path.isdir(p)], "listed")
         by_index: dict[int, tuple[str, Superblock]] = {}
         reference: Superblock | None = None
         for pos, p in enumerate(paths):
+            if pos in far:
+                continue  # another node's: it holds and serves it
             why = None if os.path.isdir(p) else "is missing"
             try:
                 sb = read_superblock(p) if why is None else None
@@ -352,12 +418,15 @@ class Pool:
             hint = reference.members[i] if i < len(reference.members) else "?"
             if i in by_index:
                 members.append(Member(i, by_index[i][0]))
+            elif (theirs := remote_member(hint)) is not None:  # (as mkfs named it; never
+                # a path here, though the folder may be on this host in a test)
+                members.append(Member(i, f"{theirs[0]}:{theirs[1]}", node=theirs[0]))
             elif degraded and (i in lost or source == "superblock"):
                 members.append(Member(i, hint, lost.get(i, "missing at mount")))
             else:
                 raise MxfsError(f"member {i} (last seen at {hint}) is missing from the "
                                 f"{source}", "attach it and list it")
-        if len(by_index) + sum(1 for m in members if m.failed) != count:
+        if len(by_index) + sum(1 for m in members if m.failed or m.node) != count:
             raise MxfsError(f"{len(by_index)} members given but the pool has {count}",
                             "list exactly the pool's members")
         if members[reference.meta_member].failed:
@@ -367,7 +436,7 @@ class Pool:
                             "attach it; if it is gone for good, restore its store on a new "
                             "pool from a dump (mxfs meta restore)")
         for m in members:
-            if not m.failed:
+            if not m.failed and not m.node:
                 _tighten(m.chunk_dir)
         return cls(reference, members)
 
@@ -379,14 +448,55 @@ class Pool:
                         stripe_unit=DEFAULT_STRIPE_UNIT, label=conf.label, meta=conf.meta)
         pool = cls(sb, [])
         pool.node, pool.state_dir, pool.key_file = conf.node, conf.state, conf.key
+        pool.own_paths = list(conf.members)
         return pool
 
-    def own_remote(self, count: int, stripe_unit: int, owner: str, remote: RemoteMembers
-                   ) -> None:
-        """Name the `count` members, every one owned by the node `owner`, read through
-        `remote`."""
-        self.members = [Member(i, f"{owner}:member{i}", node=owner) for i in range(count)]
-        self.stripe_unit, self.remote = stripe_unit, remote
+    def name_members(self, owners: list[str], stripe_unit: int, writer: str) -> None:
+        """A reading node's members, named from the store: each owned by the node
+        `owners` names ("": the writer node, `writer`), this node's own at the folders
+        of its config in index order (each checked to be that member of this pool)."""
+        mine = iter(self.own_paths)
+        members = []
+        for i, owner in enumerate(owners):
+            if owner != self.node:
+                node = owner or writer
+                members.append(Member(i, f"{node}:member{i}", node=node))
+                continue
+            path = next(mine, None)
+            if path is None:
+                raise MxfsError(f"member {i} is node {self.node}'s, and its config names no "
+                                "folder for it", "join again: mxfs node add --member PATH")
+            members.append(Member(i, path, self._own_failure(path, i)))
+        self.members, self.stripe_unit = members, stripe_unit
+        for m in members:
+            if not m.node and not m.failed:
+                _tighten(m.chunk_dir)
+
+    def _own_failure(self, path: str, index: int) -> str | None:
+        """Why this node's member folder cannot serve as member `index`, or None."""
+        try:
+            sb = read_superblock(path)
+        except FileNotFoundError:
+            return "has no mxfs superblock (missing at mount)"
+        except (OSError, SuperblockError) as e:
+            return f"is unreadable ({e})"
+        if (sb.pool_uuid, sb.member_index) != (self.uuid, index):
+            return f"is member {sb.member_index} of pool {sb.pool_uuid}"
+        return None
+
+    def remote_of(self, member: int) -> RemoteMembers:
+        """The chunk service of the node holding `member` (another node's): EIO if this
+        node reaches none."""
+        node = self.members[member].node
+        remote = self.remotes.get(node)
+        if remote is None:
+            raise OSError(errno.EIO, f"member {member} is node {node}'s, and this node "
+                          "reaches no chunk service of it")
+        return remote
+
+    def far(self, members: Sequence[int] | set[int]) -> list[int]:
+        """Which of `members` other nodes hold."""
+        return [m for m in members if self.members[m].node]
 
     def require_members(self, what: str) -> None:
         """Refuse `what` (a tool that works on the members themselves) on a reading
@@ -440,7 +550,8 @@ class Pool:
     @property
     def backup_dir(self) -> str:
         """Where metadata backups go: the member after the metadata member."""
-        m = self.members[(self.meta_member + 1) % len(self.members)]
+        own = [m for m in self.members if not m.node]
+        m = next((m for m in own if m.index > self.meta_member), own[0])
         return os.path.join(m.path, BACKUP_DIR)
 
     def backup_dirs(self) -> list[str]:
@@ -448,9 +559,23 @@ class Pool:
         return [os.path.join(m.path, BACKUP_DIR) for m in self.members if not m.node]
 
     def layout_for(self, ino: int, unit: int | None = None, width: int | None = None) -> Layout:
-        """The layout a new file gets: defaults filled in, first member spread by inode."""
+        """The layout a new file gets: defaults filled in, first member spread by inode.
+        In a pool whose members other nodes hold too, a file stripes over this node's
+        own members unless its width asks for more (`mxfs setstripe --across-nodes`:
+        every member): checkpoint shards and KV chunks are written where they are
+        made, a model every node loads is spread over every node."""
         n = len(self.members)
-        return Layout(unit or self.stripe_unit, min(width or n, n), ino % n, n)
+        own = [m.index for m in self.members if not m.node]
+        if own and len(own) < n and (width or 0) <= len(own):
+            width = width or len(own)
+            # Firsts whose `width` members (in order, around the pool) are all our own.
+            mine = set(own)
+            firsts = [f for f in own if all((f + k) % n in mine for k in range(width))]
+            if not firsts:  # (our members not in one run: as many as one run holds)
+                return self.layout_for(ino, unit, width - 1)
+            return Layout(unit or self.stripe_unit, width, firsts[ino % len(firsts)], n)
+        width = min(width or n, n)
+        return Layout(unit or self.stripe_unit, width, ino % n, n)
 
     def chunk_path(self, member: int, ino: int) -> str:
         return f"{self.members[member].chunk_dir}/{ino % FANOUT:02x}/{ino}"
@@ -497,14 +622,22 @@ class Pool:
             raise
         return {"members": members, "direct_members": direct}, fds
 
-    def remove_chunks(self, ino: int) -> None:
+    def remove_chunks(self, ino: int, far: Sequence[int] = ()) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written).
-        Readers holding descriptors (direct reads, KV gets) go on reading them."""
+        Readers holding descriptors (direct reads, KV gets) go on reading them.  `far`:
+        other nodes' members its layout uses, removed through their owners (blocking;
+        an owner that cannot be reached keeps them, logged: its fsck finds them)."""
         for m in self.local_members():
             try:
                 os.unlink(self.chunk_path(m, ino))
             except FileNotFoundError:
                 pass
+        for m in far:
+            try:
+                self.remote_of(m).change(b"REMV", self.epoch(), ino, m)
+            except OSError as e:
+                log.warning("the chunk file of inode %d on member %d (node %s) is left "
+                            "there: %s", ino, m, self.members[m].node, e)
 
     def cut_chunks(self, ino: int) -> None:
         """Cut every chunk file of a never-published `ino` to nothing, so that the
@@ -516,11 +649,19 @@ class Pool:
             except FileNotFoundError:
                 pass
 
-    def truncate_chunks(self, ino: int, layout: Layout, size: int) -> None:
-        """Cut every chunk file of `ino` to what a file of `size` bytes needs."""
+    def truncate_chunks(self, ino: int, layout: Layout, size: int, far: bool = True
+                        ) -> None:
+        """Cut every chunk file of `ino` to what a file of `size` bytes needs; other
+        nodes' members through their owners (blocking), unless `far` is False: the
+        caller then does `truncate_far` from a worker thread."""
         for m in layout.used_members():
             if self.members[m].node:
-                raise OSError(errno.EROFS, f"member {m} is node {self.members[m].node}'s")
+                if self.node:
+                    raise OSError(errno.EROFS, f"member {m} is node {self.members[m].node}'s")
+                if far:
+                    self.remote_of(m).change(b"TRUN", self.epoch(), ino, m,
+                                             layout.chunk_length(m, size))
+                continue
             want = layout.chunk_length(m, size)
             path = self.chunk_path(m, ino)
             try:
@@ -545,10 +686,19 @@ class Pool:
         """The members this node holds itself (every one, but on a reading node)."""
         return [m.index for m in self.members if not m.node]
 
+    def truncate_far(self, ino: int, layout: Layout, size: int) -> None:
+        """(Blocking.)  The other nodes' part of `truncate_chunks`."""
+        for m in self.far(layout.used_members()):
+            self.remote_of(m).change(b"TRUN", self.epoch(), ino, m, layout.chunk_length(m, size))
+
     def check_space(self, member: int, nbytes: int) -> None:
-        """Refuse a write that would eat the reserve the metadata store needs."""
+        """Refuse a write that would eat the reserve the metadata store needs (another
+        node's member: its owner refuses what it has no room for)."""
         if self.members[member].node:
-            raise OSError(errno.EROFS, f"member {member} is node {self.members[member].node}'s")
+            if self.node:
+                raise OSError(errno.EROFS, f"member {member} is node "
+                              f"{self.members[member].node}'s")
+            return
         if member != self.meta_member:
             return
         st = os.statvfs(self.members[member].path)

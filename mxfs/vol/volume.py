@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from mxfs.meta.check import problems as store_problems
 from mxfs.meta.feed_notes import Noted, channel
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
-from mxfs.pool.key import read_key
+from mxfs.pool.key import load_key, read_key
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import Owner, RemoteMembers
@@ -67,6 +68,7 @@ class Volume:
         self.open_inodes: dict[int, OpenInode] = {}
         # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
         self.pending_reclaim: list[int] = []
+        self._far_pending: dict[int, list[int]] = {}  # ... their other nodes' members
         self.freeing = Freeing()  # what the queued orphans hold, by owner (for quotas)
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
@@ -86,6 +88,10 @@ class Volume:
         # A reading node's view of what the writer published (`publish_stats`): when it
         # was read, and the stats.
         self._stats: tuple[float, dict[str, Any] | None] = (-STATS_FRESH_S, None)
+        # The services of the nodes whose members this node reads (or, the writer,
+        # writes), each with its owner's name (None: the writer node), kept current by
+        # the keeper after each renewal.
+        self.owner_views: list[tuple[RemoteMembers, str | None]] = []
 
     @classmethod
     def open(cls, spec: str, readonly: bool = False, recover_meta: bool = False,
@@ -119,9 +125,10 @@ class Volume:
                 store.close()
                 raise MxfsError(f"metadata store in {where} belongs to pool {uuid}, "
                                 f"not {pool.uuid}", "restore the right metadata store")
+            views: list[tuple[RemoteMembers, str | None]] = []
             if pool.node:
                 try:
-                    join_owner(pool, store)
+                    views = join_owner(pool, store)
                 except BaseException:
                     store.close()
                     raise
@@ -136,6 +143,7 @@ class Volume:
                 release_pool_lock(lock_fd)
             raise
         vol = cls(pool, store, lock_fd)
+        vol.owner_views = views
         vol.restored_from = restored
         return vol
 
@@ -184,7 +192,18 @@ class Volume:
             self.store.feed = Noted(self.lease.name, self.lease.epoch,
                                     channel(self.pool.uuid))
             self.store.set_setting(MEMBERS_KEY, json.dumps(
-                {"count": len(self.pool.members), "stripe_unit": self.pool.stripe_unit}))
+                {"count": len(self.pool.members), "stripe_unit": self.pool.stripe_unit,
+                 "owners": [m.node for m in self.pool.members],
+                 "superblock": self.pool.superblock.to_bytes().decode()}))
+            held = self.lease
+            self.pool.epoch = lambda: held.epoch
+            others = sorted({m.node for m in self.pool.members if m.node})
+            if others:  # members other nodes hold: written through them (`pool/remote.py`)
+                key = load_key(self.pool.members[0].path, create=True)
+                self.owner_views = owner_views(self.pool, key, list(others))
+                for remote, name in self.owner_views:
+                    assert name is not None
+                    self.pool.remotes[name] = remote
             self.keeper = lease.Keeper(self.pool.meta_location, self.lease, self.store.engine,
                                        ttl, watch=self._count_readers)
             self._count_readers(self.store)  # (those already there: before serving)
@@ -203,8 +222,14 @@ class Volume:
         if self.lease is None:
             return
         self.lease.addr = addr
-        if not lease.renew(self.store, self.lease, self.keeper.ttl if self.keeper else
-                           lease.TTL_S):
+        ttl = self.keeper.ttl if self.keeper else lease.TTL_S
+        if self.pool.node:  # a node serving its own members: in its own lease
+            with contextlib.closing(MetaStore.open(self.pool.meta_location)) as store:
+                if not lease.renew(store, self.lease, ttl, lease.node_key(self.pool.node)):
+                    raise MxfsError(f"node {self.pool.node}'s lease was taken while "
+                                    "mounting", "see mxfs status for who holds it")
+            return
+        if not lease.renew(self.store, self.lease, ttl):
             raise MxfsError("the pool's lease was taken while mounting",
                             "see mxfs status for the node that holds it")
         self.store.set_setting(KEY_ID_KEY, key_name)
@@ -258,6 +283,7 @@ class Volume:
         """The writer's keeper, after each renewal: which reading nodes are alive.  A new
         one is counted (closes commit at once from now on) before its name goes into
         the lease, which its mount waits for (`lease.await_writer`)."""
+        self.watch_owners(store)
         alive = lease.alive_readers(store)
         names = sorted(alive)
         self.reader_epochs = alive
@@ -276,7 +302,8 @@ class Volume:
         where, key = self.pool.meta_location, lease.node_key(self.pool.node)
         try:
             with contextlib.closing(MetaStore.open(where)) as store:
-                self.lease = lease.take(store, mountpoint, ttl, node=self.pool.node, key=key)
+                self.lease = lease.take(store, mountpoint, ttl, node=self.pool.node, key=key,
+                                        members=len(self.pool.local_members()))
         except lease.LeaseHeld as e:
             self.unlock()
             raise MxfsError(f"node name {self.pool.node} is in use: "
@@ -286,14 +313,18 @@ class Volume:
             self.unlock()
             raise MxfsError(f"the node's lease cannot be taken in the metadata store ({e})",
                             "check the metadata server and mount again") from None
-        remote = self.pool.remote
-        assert remote is not None  # (join_owner)
         if not lease.await_writer(self.store, self.pool.node):
             log.warning("the writer node has not seen node %s join within two of its "
                         "renewals: what it closes may show here a little later until it "
                         "does", self.pool.node)
         self.keeper = lease.Keeper(where, self.lease, self.store.engine, ttl, key=key,
-                                   watch=lambda store: remote.update(owner_of(store)))
+                                   watch=self.watch_owners)
+
+    def watch_owners(self, store: MetaStore) -> None:
+        """(The keeper's thread, after each renewal.)  Each owner's lease read again:
+        whom to ask for its members, and whether it is alive."""
+        for remote, name in self.owner_views:
+            remote.update(owner_of(store, name))
 
     @property
     def holds_lock(self) -> bool:
@@ -386,7 +417,8 @@ class Volume:
         self.pool.truncate_chunks(node.ino, layout, size)
         if sync:
             for m in layout.used_members():
-                entry.chunks.fd(m, create=False)
+                if not self.pool.members[m].node:
+                    entry.chunks.fd(m, create=False)
             entry.chunks.sync()
 
     def publish(self, entry: OpenInode, parent: int, name: bytes, size: int, replace: bool,
@@ -412,8 +444,25 @@ class Volume:
     def reclaim(self, ino: int) -> None:
         """Free an orphan: chunk files first, then the row (a crash between is redone)."""
         self.store.durable()  # the orphan entry is on stable storage before its data goes
-        self.pool.remove_chunks(ino)
+        self.pool.remove_chunks(ino, self._far_of([ino]).get(ino, []))
         self.store.drop_inode(ino)
+
+    def _far_of(self, inos: list[int]) -> dict[int, list[int]]:
+        """Other nodes' members the layouts of `inos` use (their rows still there), for
+        the writer to remove their chunk files through the owners."""
+        if not self.pool.far(range(len(self.pool.members))):
+            return {}
+        out = {}
+        for ino in inos:
+            try:
+                node = self.store.get(ino)
+            except OSError:
+                continue
+            far = self.pool.far(self.layout(node).used_members()) \
+                if node.is_reg and node.stripe_width else []
+            if far:
+                out[ino] = far
+        return out
 
     def take_pending(self, most: int | None = None) -> list[int]:
         """Commit, then hand over the orphans to free (their chunk files may now go):
@@ -431,6 +480,7 @@ class Volume:
                 raise
             self.freeing.drop(set(inos) - set(orphans))  # (their change was lost)
             inos = orphans
+            self._far_pending.update(self._far_of(inos))
         return inos
 
     def remove_chunks(self, inos: list[int]) -> None:
@@ -441,7 +491,7 @@ class Volume:
         if inos:
             self.store.sync()
         for ino in inos:
-            self.pool.remove_chunks(ino)
+            self.pool.remove_chunks(ino, self._far_pending.pop(ino, []))
 
     def drop_inodes(self, inos: list[int]) -> None:
         self.store.drop_inodes(inos)
@@ -452,14 +502,25 @@ class Volume:
         self.remove_chunks(inos)
         self.drop_inodes(inos)
 
-    def truncate(self, node: Inode, size: int) -> None:
-        """Set a file's size now; shrinking cuts the chunk files (crash-safe via dirty_data)."""
+    def truncate(self, node: Inode, size: int) -> bool:
+        """Set a file's size now; shrinking cuts the chunk files (crash-safe via
+        dirty_data).  True if other nodes' chunk files are left to cut: the caller
+        does that from a worker thread (`Pool.truncate_far`, round trips), then
+        `truncated`."""
         if self.store.resize(node, size):
             self.store.durable()  # a crash mid-cut is trimmed again at mount (the size
             # on stable storage first: a power cut must not keep the cut and lose it)
-            self.pool.truncate_chunks(node.ino, self.layout(node), size)
-            if node.ino not in self.open_inodes:
-                self.store.clear_dirty_data(node.ino)
+            layout = self.layout(node)
+            self.pool.truncate_chunks(node.ino, layout, size, far=False)
+            if self.pool.far(layout.used_members()):
+                return True
+            self.truncated(node)
+        return False
+
+    def truncated(self, node: Inode) -> None:
+        """Every chunk file of `node` is cut to its size."""
+        if node.ino not in self.open_inodes:
+            self.store.clear_dirty_data(node.ino)
 
     def lost_files(self, limit: int = 1000, store: MetaStore | None = None
                    ) -> tuple[int, list[str]]:
@@ -528,8 +589,8 @@ class Volume:
         if self.keeper is not None:
             self.keeper.stop()
             self.keeper = None
-        if self.pool.remote is not None:
-            self.pool.remote.close()
+        for remote, _ in self.owner_views:
+            remote.close()
         if self.pool.node and self.lease is not None:
             try:
                 with contextlib.closing(MetaStore.open(self.pool.meta_location)) as store:
@@ -568,43 +629,68 @@ STATS_EVERY_S = 10.0  # the writer publishes them this often
 KEY_ID_KEY = "key_id"  # the pool key's name (`pool.key.key_id`), for joining nodes
 
 
-def owner_of(store: MetaStore) -> Owner | None:
-    """The node owning the members, as the writer's lease says (None: no writer)."""
-    held = lease.writer(store)
-    if held is None:
-        return None
-    return Owner(held[0].name, held[0].addr, held[0].epoch, held[1])
+def owner_of(store: MetaStore, name: str | None = None) -> Owner | None:
+    """The writer node, as its lease says (None: no writer); with `name`, the node of
+    that name that holds members (None: it never joined)."""
+    if name is None:
+        held = lease.writer(store)
+        if held is None:
+            return None
+        return Owner(held[0].name, held[0].addr, held[0].epoch, held[1])
+    for n in lease.nodes(store):
+        if n["name"] == name and n["role"] == "reader":
+            return Owner(name, n["addr"], n["epoch"], n["state"] == "alive")
+    return None
 
 
-def join_owner(pool: Pool, store: MetaStore) -> None:
-    """Name a reading node's members (every one the writer node's) from the store, and
-    the service that reads them (`pool/remote.py`)."""
+def owner_views(pool: Pool, key: bytes, names: list[str | None]
+                ) -> list[tuple[RemoteMembers, str | None]]:
+    """A `RemoteMembers` for each of `names` (None: the writer node), each reading its
+    owner's lease again on one store connection of its own when it needs to (for the
+    readers' threads)."""
+    where = pool.meta_location
+    lookups: list[MetaStore] = []
+    lock = threading.Lock()
+
+    def refresher(name: str | None) -> Callable[[], Owner | None]:
+        def refresh() -> Owner | None:
+            with lock:
+                if not lookups:
+                    lookups.append(MetaStore.open(where, readonly=True))
+                try:
+                    return owner_of(lookups[0], name)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        lookups.pop().close()
+                    raise
+        return refresh
+
+    return [(RemoteMembers(key, pool.uuid, refresher(name)), name) for name in names]
+
+
+def join_owner(pool: Pool, store: MetaStore) -> list[tuple[RemoteMembers, str | None]]:
+    """Name a reading node's members from the store (the writer node's, this node's
+    own, other nodes'), and the services that read the others' (`pool/remote.py`)."""
     text = store.setting(MEMBERS_KEY)
     if text is None:
         raise MxfsError(f"pool {pool.uuid} has no members named in its metadata store",
                         "mount it once on its writer node (the one holding its members)")
     known = json.loads(text)
-    key = read_key(pool.key_file)
-    where = pool.meta_location
-    lookups: list[MetaStore] = []  # one connection of its own, for the readers' threads
-    lock = threading.Lock()
-
-    def refresh() -> Owner | None:
-        with lock:
-            if not lookups:
-                lookups.append(MetaStore.open(where, readonly=True))
-            try:
-                return owner_of(lookups[0])
-            except OSError:
-                with contextlib.suppress(OSError):
-                    lookups.pop().close()
-                raise
-
-    remote = RemoteMembers(key, pool.uuid, refresh)
-    owner = owner_of(store)
-    remote.update(owner)
-    pool.own_remote(int(known["count"]), int(known["stripe_unit"]),
-                    owner.node if owner else "?", remote)
+    count = int(known["count"])
+    owners = [str(o) for o in known.get("owners") or [""] * count]
+    writer = owner_of(store)
+    others = sorted({o for o in owners if o and o != pool.node})
+    views = owner_views(pool, read_key(pool.key_file), [None, *others])
+    for remote, name in views:
+        remote.update(owner_of(store, name))
+        pool.remotes[remote.owner.node if remote.owner else name or "?"] = remote
+    pool.remote = views[0][0]
+    pool.name_members(owners, int(known["stripe_unit"]), writer.node if writer else "?")
+    if pool.own_paths and pool.node not in owners:
+        raise MxfsError(f"node {pool.node} names member folders, and the pool gives it no "
+                        "member", "join again without --member, or make the pool with "
+                        f"{pool.node}:PATH members")
+    return views
 
 
 def _served_elsewhere(holder: lease.Lease, now: float) -> MxfsError:
