@@ -323,6 +323,10 @@ def test_silent_connections_hold_their_own_addresss_slots_and_a_stalled_reader_o
                                             source_address=(source, 0))
             assert _dropped(late), source
         assert chunk_stat()["refused"] == refused + 3
+        # A node's daemon (root: a reserved port) connecting now is not among them.
+        with ChunkClient(host, port, key, pool) as new:
+            assert new.read(ino, first, 0, 4096) == data[:4096]
+            assert new.sock.getsockname()[1] < 1024
     finally:
         node.close()
         for s in silent:
@@ -402,14 +406,16 @@ def test_a_node_in_its_own_network_reads_through_the_service_and_a_cut_link_fail
 def test_unproved_connections_of_every_address_together_stay_under_their_cap(
         tmp_path: Path) -> None:
     """Connections that have not proved the key are capped in all
-    (max_chunk_handshakes), whatever addresses they come from: past the cap a new one is
-    closed at once, while a node that proved the key before goes on reading."""
+    (max_chunk_handshakes), whatever addresses they come from; those from ports any
+    user may bind to half of it: past the cap a new one is closed at once, while a node
+    that proved the key before goes on reading, and a node's daemon connecting now
+    (root, from a reserved port) is let in and proves it."""
     from conftest import node_net
 
     members = make_members(tmp_path)
     mkfs(members)
     with node_net() as net, mounted_pool(members, "chunk_port=0", "chunk_addr=0.0.0.0",
-                                         "max_chunk_handshakes=10") as m:
+                                         "max_chunk_handshakes=20") as m:
         data = os.urandom(50_000)
         (m.path / "f").write_bytes(data)
         ino, first = _first_member(m, "f")
@@ -425,6 +431,8 @@ def test_unproved_connections_of_every_address_together_stay_under_their_cap(
                                             source_address=(net.host_ip, 0))
             assert _dropped(late)  # its address has 2 of its 8: the cap in all said no
             assert node.read(ino, first, 0, len(data)) == data
+            with ChunkClient("127.0.0.1", port, load_key(members[0]), pool) as new:
+                assert new.read(ino, first, 0, len(data)) == data
         finally:
             node.close()
             for s in silent:

@@ -15,7 +15,12 @@ keeps back), at most `max_chunk_handshakes_per_peer` of one address that have no
 yet proved the key (every loopback address counted as one: a local user reaches all of
 127.0.0.0/8), and at most `max_chunk_handshakes` unproved in all, below
 `max_chunk_conns`: a host that opens connections and stays silent holds its own slots
-only, never the room of the nodes already proved.  A refused connection is closed at once.
+only, never the room of the nodes already proved.  Nodes' daemons connect from a
+reserved port (below 1024: root's alone, `io/chunk_client.py`), and connections from
+other ports are counted apart (each address's as a peer of its own, and all of them
+to half of `max_chunk_handshakes`): a user on a node who floods the port with silent
+connections cannot take the slots its daemon proves the key in.  A refused connection
+is closed at once.
 
 The pool's writer node writes the stripes it places on this node's members through
 it (WRIT, SYNC, TRUN, REMV): each done in a worker thread, under the epoch of the
@@ -138,6 +143,7 @@ SCOPED_SLOT_S = 0.0005  # ... each asking for less than SCOPED_SMALL holding its
 SCOPED_SMALL = 256 << 10  # long at least: a flood of tiny READs gets 4,000 a second)
 PUTS_AT_ONCE = 4  # KV chunks being received at once (each held whole: MAX_KPUT bytes)
 PUT_RECV_S = 30.0  # ... each within this, or its connection goes
+UNRESERVED = " (port >= 1024)"  # a peer's connections from ports any user may bind
 WRITES_AT_ONCE = 4  # the writer's chunk writes being received at once (each held whole)
 
 
@@ -211,6 +217,10 @@ class ChunkService:
         if sum(self.handshaking.values()) >= lim.max_chunk_handshakes:
             return (f"{sum(self.handshaking.values())} connections have not proved the pool "
                     "key, the limit (max_chunk_handshakes)")
+        unreserved = sum(n for p, n in self.handshaking.items() if p.endswith(UNRESERVED))
+        if peer.endswith(UNRESERVED) and unreserved >= lim.max_chunk_handshakes // 2:
+            return (f"{unreserved} connections from unreserved ports have not proved the "
+                    "pool key, half the limit (max_chunk_handshakes)")
         return None
 
     async def _connection(self, stream: trio.SocketStream) -> None:
@@ -575,14 +585,17 @@ def _open_chunk(path: str, offset: int, length: int) -> tuple[int, int]:
 
 def _peer_address(stream: trio.SocketStream) -> str:
     """Whom a connection's handshake slots are counted to: its address, with every
-    loopback address one peer (any local user may connect from all of 127.0.0.0/8)."""
+    loopback address one peer (any local user may connect from all of 127.0.0.0/8),
+    and connections from a port any user may bind apart (UNRESERVED after it)."""
     try:
-        addr = ipaddress.ip_address(str(stream.socket.getpeername()[0]))
+        host, port = stream.socket.getpeername()[:2]
+        addr = ipaddress.ip_address(str(host))
     except (OSError, ValueError):  # gone already
-        return "?"
+        return "?" + UNRESERVED
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
-    return "loopback" if addr.is_loopback else str(addr)
+    return ("loopback" if addr.is_loopback else str(addr)) + \
+        ("" if int(port) < 1024 else UNRESERVED)
 
 
 def _uuid_bytes(pool_uuid: str) -> bytes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import socket
 import struct
 import uuid
@@ -50,6 +51,8 @@ from mxfs.proto.chunk_wire import (
 
 PIPELINE = 16  # READs one connection sends ahead of the answer it is receiving
 CONNECT_S = 5.0  # a connection to a node is made within this (a LAN takes milliseconds)
+RESERVED_LOW = 600  # a node's connections come from a port in [RESERVED_LOW, 1024) ...
+RESERVED_TRIES = 16  # ... if one of this many picked at random is free
 UNACKED_S = 8.0  # a request the node has not acknowledged for this long: cut off
 
 
@@ -67,8 +70,7 @@ class ChunkClient:
         """Connect and prove the key; `source`: this node's address to connect from
         (on a host with several networks, the one the pool's nodes are on)."""
         self.where = f"{host}:{port}"
-        self.sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_S),
-                                             source_address=(source, 0) if source else None)
+        self.sock = _connect(host, port, min(timeout, CONNECT_S), source)
         self.sock.settimeout(timeout)
         # Requests are small writes the owner answers at once: each goes out whole
         # (Nagle would hold a short last segment until the owner's ACK).
@@ -325,6 +327,30 @@ class ChunkClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _connect(host: str, port: int, timeout: float, source: str | None) -> socket.socket:
+    """A TCP connection to a node; from root, from a reserved port (below 1024, which
+    only root may bind, as NFS clients do): the service keeps room for such peers'
+    handshakes that the connections of unprivileged users on the same host cannot
+    take.  Falls back to any port when none of RESERVED_TRIES is free."""
+    if os.geteuid() == 0:
+        for _ in range(RESERVED_TRIES):
+            family, kind, proto, _, addr = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.settimeout(timeout)
+                sock.bind((source or "", random.randrange(RESERVED_LOW, 1024)))
+                sock.connect(addr)
+                return sock
+            except OSError as e:
+                sock.close()
+                if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                    raise
+    return socket.create_connection((host, port), timeout=timeout,
+                                    source_address=(source, 0) if source else None)
 
 
 def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:
