@@ -676,6 +676,25 @@ print(json.dumps(out))
                 with pytest.raises(OSError) as e:
                     c.call_with_fds("kv_create", namespace="t", key=key, size=0)
                 assert e.value.errno == errno.EMFILE
+            # Copies lent to one uid stay under max_kv_lent_per_user (4 MiB) however many
+            # of its gets copy at once: of eight 3 MiB gets at once, one is lent.
+            lent = run_as(ensure_users()["alice"], """
+import base64, threading
+from mxfs.client.control import ControlClient
+key, held, out = base64.b64encode(b"l" * 32).decode(), [], []
+def get():
+    with ControlClient(sys.argv[1]) as c:
+        reply, fds = c.call_with_fds("kv_get", namespace="t", keys=[key], shared=True)
+        out.append(reply["chunks"][0] is not None)
+        held.extend(fds)
+threads = [threading.Thread(target=get) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(sum(out)))
+""", str(b.path))
+            assert lent == 1, lent
             forwarded = _status(b)["kv_forward"]
             assert forwarded["puts"] >= 6 and forwarded["put_bytes"] >= 2 * (3 << 20)
             assert "KV sent on to the writer: " in mxfs("status", str(b.path)).stdout

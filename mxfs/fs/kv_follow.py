@@ -111,6 +111,7 @@ class FollowerKV:
         self.views = FollowerViews(self.lookups)  # `kv_view` here
         self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
         self.lent_by_uid: Counter[int] = Counter()
+        self._copying: Counter[int] = Counter()  # bytes being copied for a uid now
 
     def take_back(self) -> None:
         """Cut the copies lent more than LEND_S ago to nothing, freeing their pages
@@ -131,7 +132,11 @@ class FollowerKV:
         self.lent_by_uid[uid] += size
 
     def _may_lend(self, uid: int, size: int) -> bool:
-        return uid == 0 or self.lent_by_uid[uid] + size <= self.limits.max_kv_lent_per_user
+        """Whether `size` bytes more may be copied for `uid`: counting what is lent and
+        what other requests of its are copying now (eight gets at once each passed a
+        check that counted only what was lent)."""
+        return uid == 0 or self.lent_by_uid[uid] + self._copying[uid] + size <= \
+            self.limits.max_kv_lent_per_user
 
     async def _lookup(self, msg: Msg, session: Session, keys: list[bytes], chunks: bool
                       ) -> tuple[Namespace, _Found]:
@@ -240,6 +245,19 @@ class FollowerKV:
                 continue
             copied += node.size
             todo.append((slot, node, sums))
+        self._copying[uid] += copied
+        try:
+            return await self._copy_all(space, uid, todo, out, inline_max)
+        finally:
+            self._copying[uid] -= copied
+            if self._copying[uid] <= 0:
+                del self._copying[uid]
+
+    async def _copy_all(self, space: Namespace, uid: int,
+                        todo: list[tuple[int, Inode, ChunkReply]],
+                        out: list[ChunkReply | None], inline_max: int
+                        ) -> Answer[KVGetReply]:
+        """`_copied`'s copies, made and lent (or inlined)."""
         memfds: dict[int, int] = {}  # slot -> the copy
 
         async def copy(slot: int, node: Inode) -> None:
