@@ -48,7 +48,9 @@ import fcntl
 import itertools
 import logging
 import os
+import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -93,6 +95,7 @@ SENDERS_PER_USER = 3  # ... of one uid (root: all), handed out by uid in turn (f
 WAITERS = 16  # waits for others' claims at once, all callers together
 WAITERS_PER_USER = 4  # ... and of one uid (root: up to WAITERS)
 WAIT_S = 20.0  # a wait's longest here (below the chunk connections' receive timeout)
+GIVE_UP_TRIES = 5  # a closed connection's claims and pins: told to the writer this often
 _SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _MEMFD_UNIT = 1 << 30  # the one-member layout a caller writes its memfd through
 
@@ -127,6 +130,12 @@ class ForwardedKV:
         self._waiters = trio.CapacityLimiter(WAITERS)
         self.waiting_by_uid: Counter[int] = Counter()
         self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
+        # Closed connections' holders whose claims and pins are ended on the writer,
+        # by one thread, in turn (a thread each let a user who closed a hundred
+        # connections at once start a hundred, each dialing the writer).
+        self._given_up: queue.SimpleQueue[tuple[RemoteMembers, tuple[int, int, list[int]],
+                                                bytes, int]] = queue.SimpleQueue()
+        self._giver: threading.Thread | None = None
         self.puts = self.put_bytes = self.claims = self.pins = self.requests = 0
 
     def status(self) -> KVForwardStatus:
@@ -205,16 +214,24 @@ class ForwardedKV:
 
     async def claim(self, msg: Msg, session: Session) -> Answer[KVClaimReply]:
         ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(MAX_CLAIM_S * 1000))
-        holder = self._holders.setdefault(id(session), os.urandom(16))
         self.claims += 1
-        said = await self._keys(b"KCLM", msg, session.caller, ms, holder)
+        said = await self._keys(b"KCLM", msg, session.caller, ms, self._holder(msg, session))
         return {"state": [CLAIM_STATES[b] for b in said]}, []
 
     async def pin(self, msg: Msg, session: Session) -> Answer[KVPinReply]:
-        holder = self._holders.setdefault(id(session), os.urandom(16))
         self.pins += 1
-        said = await self._keys(b"KPIN", msg, session.caller, 0, holder, self.node())
+        said = await self._keys(b"KPIN", msg, session.caller, 0, self._holder(msg, session),
+                                self.node())
         return {"pinned": [bool(b) for b in said]}, []
+
+    def _holder(self, msg: Msg, session: Session) -> bytes:
+        """The connection's name on the writer, drawn at its first claim or pin that is
+        well formed (a connection that never held anything there costs nothing when it
+        closes)."""
+        for k in keys_field(msg):
+            check_key(k)
+        check_namespace(msg.get("namespace"))
+        return self._holders.setdefault(id(session), os.urandom(16))
 
     async def unpin(self, msg: Msg, session: Session) -> Answer[Empty]:
         holder = self._holders.get(id(session))
@@ -319,21 +336,30 @@ class ForwardedKV:
             self._drop(session, handle)
         holder = self._holders.pop(id(session), None)
         if holder is not None and self.remote is not None:
-            remote, who = self.remote, _who(session.caller)
-            threading.Thread(target=_give_up, args=(remote, who, holder), daemon=True,
-                             name="mxfs-kv-unclaim").start()
+            self._given_up.put((self.remote, _who(session.caller), holder, 0))
+            if self._giver is None:
+                self._giver = threading.Thread(target=self._give_up, daemon=True,
+                                               name="mxfs-kv-unclaim")
+                self._giver.start()
+
+    def _give_up(self) -> None:
+        """(One thread of its own.)  End closed connections' claims and pins on the
+        writer, one after another (they run out anyway: the claims by their time, the
+        pins with this node's lease); one that fails is tried again a second later, a
+        few times."""
+        while True:
+            remote, who, holder, tries = self._given_up.get()
+            try:
+                remote.kv_keys(b"KCLM", who, "-", KEYS_RELEASE, [], 0, holder)
+            except OSError as e:
+                if tries + 1 < GIVE_UP_TRIES:
+                    time.sleep(1.0)
+                    self._given_up.put((remote, who, holder, tries + 1))
+                else:
+                    log.info("claims and pins of a closed connection were not given up "
+                             "on the writer (%s); they run out", e)
 
 
 def _who(caller: Caller) -> tuple[int, int, list[int]]:
     """A caller as the writer is told it: uid, gid and (some of) its other groups."""
     return caller.uid, caller.gid, sorted(caller.gids - {caller.gid})[:MAX_KPUT_GROUPS]
-
-
-def _give_up(remote: RemoteMembers, who: tuple[int, int, list[int]], holder: bytes) -> None:
-    """End a closed connection's claims and pins on the writer (they run out anyway:
-    the claims by their time, the pins with this node's lease)."""
-    try:
-        remote.kv_keys(b"KCLM", who, "-", KEYS_RELEASE, [], 0, holder)
-    except OSError as e:
-        log.info("claims and pins of a closed connection were not given up on the writer "
-                 "(%s); they run out", e)
