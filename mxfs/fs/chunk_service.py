@@ -56,6 +56,7 @@ import trio
 
 from mxfs.errors import MxfsError
 from mxfs.fs.failures import FailureLog
+from mxfs.fs.fair import Turns
 from mxfs.fs.limits import Limits, fd_limit
 from mxfs.io import PAGE
 from mxfs.io.residency import cached_pages
@@ -167,6 +168,7 @@ class ChunkService:
         self._failures = FailureLog(log)
         self._sock: socket.socket | None = None
         self.kv: NodeKV | None = None  # the daemon's KV tier, where it has one
+        self.turns: Turns | None = None  # the control socket's requests in service by uid
         self._puts = trio.CapacityLimiter(PUTS_AT_ONCE)
         self._writes = trio.CapacityLimiter(WRITES_AT_ONCE)
         # The epoch of the pool's writer node's lease as this node knows it (its own on
@@ -333,7 +335,11 @@ class ChunkService:
                             f"{ns_len} and {key_len} bytes: past the limits")
         caller, namespace = await _caller(stream, uid, gid, ngroups, ns_len)
         key = await _recv_exact(stream, key_len)
-        async with self._puts:
+        # The caller's turn first: a user whose turns are all taken waits without a
+        # receiving slot (PUTS_AT_ONCE are every user's).
+        turn = self.turns.turn(caller.uid) if self.turns is not None \
+            else contextlib.nullcontext()
+        async with turn, self._puts:
             data = bytearray(size)
             with trio.move_on_after(PUT_RECV_S) as late:  # a stalled node holds no slot
                 await _recv_into(stream, memoryview(data))
@@ -387,7 +393,7 @@ class ChunkService:
                                               holder)
             return 0, bytes(int(p) for p in present)
 
-        code, said = await self._judged(f"KV {tag.decode()} from a node", answer)
+        code, said = await self._judged(f"KV {tag.decode()} from a node", answer, caller.uid)
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _kv_request(self, stream: trio.SocketStream) -> None:
@@ -414,7 +420,7 @@ class ChunkService:
                               "for less (kv_list: a page at a time)")
             return 0, out
 
-        code, said = await self._judged(f"KV {op[:32]} from a node", answer)
+        code, said = await self._judged(f"KV {op[:32]} from a node", answer, caller.uid)
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _chunk_op(self, stream: trio.SocketStream, tag: bytes) -> None:
@@ -467,11 +473,17 @@ class ChunkService:
             self.written_bytes += len(data)
         return 0, b""
 
-    async def _judged(self, what: str, work: Callable[[], Awaitable[tuple[int, bytes]]]
-                      ) -> tuple[int, bytes]:
+    async def _judged(self, what: str, work: Callable[[], Awaitable[tuple[int, bytes]]],
+                      uid: int | None = None) -> tuple[int, bytes]:
         """`work`'s (code, bytes), or a refusal's errno and line; a failure of ours is
-        logged and answered EIO, never the service's end."""
+        logged and answered EIO, never the service's end.  A request a node makes for
+        one of its users (`uid`) takes that user's turn, as one on the control socket
+        does (`fs/fair.Turns`): a user's requests from other nodes add up with its own
+        here, and hundreds at once wait in its line, not in everyone's."""
         try:
+            if uid is not None and self.turns is not None:
+                async with self.turns.turn(uid):
+                    return await work()
             return await work()
         except OSError as e:
             return e.errno or errno.EIO, (e.strerror or str(e)).encode()[:MAX_WHY]

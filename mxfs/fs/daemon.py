@@ -204,7 +204,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                     chunks.serving = lambda: vol.keeper is not None and \
                         vol.keeper.state == "held"
                 if control.kv.follower is None:  # the writer: other nodes' users put here
-                    chunks.kv = control.kv
+                    chunks.kv, chunks.turns = control.kv, control.turns
                 control.listener.other_fds = lambda: chunks.connections if chunks else 0
                 chunks.bind()
                 control.status.chunks = chunks
