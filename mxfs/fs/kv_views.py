@@ -37,7 +37,7 @@ from mxfs.vol.kv_presence import PresenceTable
 
 log = logging.getLogger("mxfs.kv")
 
-BITE = 8192  # keys read from the store in one turn of the worker
+BITE = 1024  # keys read from the store in one turn of the worker (~1.4 ms to add here)
 
 
 class FollowerViews:

@@ -32,7 +32,7 @@ from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.kv")
 
-VIEW_BITE = 8192  # keys copied into a presence table being filled between yields
+VIEW_BITE = 1024  # keys copied into a presence table being filled between yields (~1.4 ms)
 
 # Eviction starts above HIGH x capacity and stops at LOW x capacity.
 HIGH, LOW = 1.0, 0.9
