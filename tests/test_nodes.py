@@ -54,7 +54,7 @@ from mxfs.load import load_file
 from mxfs.pool.key import KEY_NAME, load_key
 from mxfs.pool.superblock import read_superblock
 from mxfs.proto import HEADER, encode
-from mxfs.proto.chunk_wire import ANSWER, MAX_SCOPE, READ, WireError
+from mxfs.proto.chunk_wire import ANSWER, MAX_SCOPE, READ, SCOPE_COUNT, WireError
 from mxfs.proto.messages import CLOSE_READ, KV_GET, OPEN_READ
 
 pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
@@ -1205,7 +1205,7 @@ print(json.dumps(out))
             # connection and no other.
             client, reply, conns = _grant(b, "m.safetensors")
             conns[0].sock.sendall(os.urandom(4096))
-            conns[1].sock.sendall(b"SCOP" + (MAX_SCOPE + 1).to_bytes(4, "big"))
+            conns[1].sock.sendall(b"SCOP" + SCOPE_COUNT.pack(0, MAX_SCOPE + 1))
             for conn in conns[:2]:
                 assert eventually(lambda c=conn: _refused(c, reply["ino"]) != 0, 10)
             assert _refused(conns[2], reply["ino"]) == 0
@@ -1237,6 +1237,76 @@ print(json.dumps(out))
                 for client, _, _ in held:
                     client.close()
 
+
+
+# Scoped connections to the owner, `grants` opens' worth, each asking for one byte at
+# a time (64 ahead), counted in a progress file once answered, until a stop file shows.
+READERS = """
+import threading
+from mxfs.client.control import ControlClient
+from mxfs.io.chunk_client import ChunkClient
+from mxfs.proto import chunk_wire as w
+where, progress, stop, grants = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+fd = os.open(progress, os.O_WRONLY | os.O_APPEND)
+conns, ino = [], 0
+c = ControlClient(where)
+for _ in range(grants):
+    reply, fds = c.call_with_fds("open_read", path="/f.bin", remote=True)
+    g, ino = reply["remote"], reply["ino"]
+    conns += [ChunkClient.adopt(f, g["addr"], g["epoch"]) for f in fds]
+conns = conns if grants > 1 else conns[:1]  # (one reader: one connection)
+def read(conn, ahead):
+    while not os.path.exists(stop):
+        conn.sock.sendall(w.READ.pack(b"READ", ino, 0, 0, 1) * ahead)
+        for _ in range(ahead):
+            conn._recv(w.ANSWER.size + 1)
+        os.write(fd, b"." * ahead)
+threads = [threading.Thread(target=read, args=(x, 64 if grants > 1 else 1)) for x in conns]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(len(conns)))
+"""
+
+
+def test_readers_of_two_users_take_turns_at_the_owner(tmp_path: Path, pg_cluster: Any
+                                                      ) -> None:
+    """The owner serves scoped connections' requests a few at a time, by the readers'
+    uids in turn (each SCOPE names it): alice's sixteen connections flooding it leave
+    bob's one reader about half of the turns, not a seventeenth of them."""
+    url = pg_cluster.database()
+    users = ensure_users()
+    work = Path(tempfile.mkdtemp(prefix="mxfs-turns-"))
+    work.chmod(0o777)
+    stop = work / "stop"
+    for name in ("alice", "bob"):
+        (work / name).touch()
+        (work / name).chmod(0o666)
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        (a.path / "f.bin").write_bytes(os.urandom(1 << 20))
+        (a.path / "f.bin").chmod(0o644)
+        got: dict[str, int] = {}
+        readers = [threading.Thread(target=lambda n=name, k=k: got.update({n: run_as(
+            users[n], READERS, str(b.path), str(work / n), str(stop), str(k))}))
+            for name, k in (("alice", 4), ("bob", 1))]
+        for t in readers:
+            t.start()
+        try:
+            def size(name: str) -> int:
+                return (work / name).stat().st_size
+            assert eventually(lambda: size("alice") > 2000 and size("bob") > 100, 30)
+            alice0, bob0 = size("alice"), size("bob")
+            assert eventually(lambda: size("alice") - alice0 > 20_000, 60)
+            alice1, bob1 = size("alice"), size("bob")
+        finally:
+            stop.touch()
+            for t in readers:
+                t.join(60)
+            shutil.rmtree(work)
+        assert got == {"alice": 16, "bob": 1}  # (a connection a member: four an open)
+        assert (bob1 - bob0) * 6 >= alice1 - alice0, (bob1 - bob0, alice1 - alice0)
 
 def _cold(path: Path) -> bytes | None:
     """The file's bytes read past the kernel's cache of them (None while EIO)."""

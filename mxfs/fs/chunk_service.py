@@ -56,7 +56,7 @@ import trio
 
 from mxfs.errors import MxfsError
 from mxfs.fs.failures import FailureLog
-from mxfs.fs.fair import Turns
+from mxfs.fs.fair import RoundRobin, Turns
 from mxfs.fs.limits import Limits, fd_limit
 from mxfs.io import PAGE
 from mxfs.io.residency import cached_pages
@@ -163,8 +163,10 @@ class ChunkService:
         self._senders = trio.CapacityLimiter(SENDERS)
         # Scoped connections are held by readers the service does not trust: however
         # many flood it with requests, this many are in service at once and the rest
-        # wait without costing trio's thread (FUSE and the nodes go on being served).
-        self._scoped = trio.CapacityLimiter(SCOPED_AT_ONCE)
+        # wait without costing trio's thread (FUSE and the nodes go on being served),
+        # by the readers' uids in turn (one user's sixteen connections do not leave
+        # another's one a seventeenth).
+        self._scoped = RoundRobin(SCOPED_AT_ONCE)
         self._failures = FailureLog(log)
         self._sock: socket.socket | None = None
         self.kv: NodeKV | None = None  # the daemon's KV tier, where it has one
@@ -194,7 +196,7 @@ class ChunkService:
         return {"addr": self.host, "port": self.port, "connections": self.connections,
                 "refused": self.refused, "served_bytes": self.served_bytes,
                 "written_bytes": self.written_bytes,
-                "scoped_waiting": self._scoped.statistics().tasks_waiting}
+                "scoped_waiting": self._scoped.queued()}
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -282,6 +284,7 @@ class ChunkService:
     async def _requests(self, stream: trio.SocketStream) -> None:
         scope: dict[int, int] | None = None  # inode: generation, once narrowed
         until = 0.0
+        uid = 0  # the reader a scoped connection is for
         while True:
             with trio.move_on_after(IDLE_S):
                 try:
@@ -289,7 +292,8 @@ class ChunkService:
                 except EOFError:
                     return
                 if tag == b"SCOP":
-                    (count,) = SCOPE_COUNT.unpack(await _recv_exact(stream, SCOPE_COUNT.size))
+                    reader, count = SCOPE_COUNT.unpack(
+                        await _recv_exact(stream, SCOPE_COUNT.size))
                     if count > MAX_SCOPE:
                         self._failures.note("chunk scope", None, WireError(
                             f"a scope of {count} files (at most {MAX_SCOPE})"), trace=False)
@@ -299,6 +303,7 @@ class ChunkService:
                     if not code:
                         scope = dict(SCOPE_ITEM.iter_unpack(items))
                         until = trio.current_time() + SCOPE_S
+                        uid = reader
                     await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
                     continue
                 if tag == b"KPUT" or tag == b"KREQ" or tag in KEY_TAGS or tag in CHUNK_OPS:
@@ -321,7 +326,7 @@ class ChunkService:
                     await _recv_exact(stream, READ_BODY.size))
                 if scope is not None and trio.current_time() > until:
                     return  # a scoped connection's time is up: the reader asks anew
-                await self._read(stream, ino, member, offset, length, scope)
+                await self._read(stream, ino, member, offset, length, scope, uid)
                 continue
             return  # idle too long
 
@@ -500,18 +505,19 @@ class ChunkService:
         return self.kv
 
     async def _read(self, stream: trio.SocketStream, ino: int, member: int, offset: int,
-                    length: int, scope: dict[int, int] | None) -> None:
+                    length: int, scope: dict[int, int] | None, uid: int = 0) -> None:
         """Answer one READ: its header, then its bytes.  A scoped connection's request
-        is served inside the scoped gate, all but its waits for room in its socket
-        (a reader that stops reading holds nothing; readers that flood the service
-        get SCOPED_AT_ONCE requests of trio's thread at a time)."""
-        gate: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+        is served inside the scoped gate, in its reader's uid's turn, all but its waits
+        for room in its socket (a reader that stops reading holds nothing; readers
+        that flood the service get SCOPED_AT_ONCE requests of trio's thread at a
+        time)."""
+        def gate() -> contextlib.AbstractAsyncContextManager[Any]:
+            return self._scoped.slot(uid) if scope is not None else contextlib.nullcontext()
         if scope is not None:
-            gate = self._scoped
             await _room(stream)
         fd, n, code = -1, 0, 0
         try:
-            async with gate:
+            async with gate():
                 done = trio.current_time() + SCOPED_SLOT_S
                 try:
                     fd, n = self._open(ino, member, offset, length, scope)
@@ -536,12 +542,12 @@ class ChunkService:
                 os.close(fd)
 
     async def _send(self, stream: trio.SocketStream, fd: int, offset: int, n: int,
-                    gate: contextlib.AbstractAsyncContextManager[Any]) -> None:
-        """sendfile `n` bytes; a sender thread (through `gate`) only while the socket
+                    gate: Callable[[], contextlib.AbstractAsyncContextManager[Any]]) -> None:
+        """sendfile `n` bytes; a sender thread (through a `gate()`) only while the socket
         takes them, and waits for room on trio's loop, outside it."""
         out = stream.socket.fileno()
         while n:
-            async with gate:
+            async with gate():
                 sent = await trio.to_thread.run_sync(_send_file, out, fd, offset, n,
                                                      limiter=self._senders)
             self.served_bytes += sent

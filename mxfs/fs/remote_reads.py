@@ -95,7 +95,7 @@ class RemoteReads:
         self._count(uid, n)  # before the wait: opens meanwhile see them taken
         try:
             socks, owner = await trio.to_thread.run_sync(
-                self._connect, [(f.ino, f.generation) for f in files], n)
+                self._connect, [(f.ino, f.generation) for f in files], n, uid)
         except BaseException:
             self._count(uid, -n)
             raise
@@ -105,10 +105,11 @@ class RemoteReads:
                  "epoch": owner.epoch},
                 [os.dup(s.fileno()) for s in socks])
 
-    def _connect(self, files: list[tuple[int, int]], n: int
+    def _connect(self, files: list[tuple[int, int]], n: int, uid: int
                  ) -> tuple[list[socket.socket], Any]:
         """(Blocking.)  `n` proved connections to the owner, each scoped to `files`
-        (inode, generation), made at once (a few round trips each)."""
+        (inode, generation) for a reader of `uid`, made at once (a few round trips
+        each)."""
         remote = self.vol.pool.remote
         assert remote is not None  # (a reading node's pool)
 
@@ -116,7 +117,7 @@ class RemoteReads:
             kept, client = remote.connect(idle=True)
             while True:
                 try:
-                    client.scope(files)
+                    client.scope(files, uid)
                     return client
                 except BaseException as e:
                     client.close()

@@ -91,10 +91,11 @@ class ChunkClient:
         _kernel_timeouts(self.sock, timeout)
         return self
 
-    def scope(self, files: list[tuple[int, int]]) -> None:
+    def scope(self, files: list[tuple[int, int]], uid: int = 0) -> None:
         """Narrow this connection for good to reading `files` (inode, generation), each
-        while it keeps that generation."""
-        self.sock.sendall(SCOPE.pack(b"SCOP", len(files)) +
+        while it keeps that generation, for a reader of `uid` (its requests take that
+        uid's turn on the node)."""
+        self.sock.sendall(SCOPE.pack(b"SCOP", uid, len(files)) +
                           b"".join(SCOPE_ITEM.pack(*f) for f in files))
         code, epoch, n = ANSWER.unpack(self._recv(ANSWER.size))
         if code or n:

@@ -20,9 +20,11 @@ epoch, how many bytes follow) and those bytes, sent from the chunk file with sen
 A range past the chunk file's end is short; a chunk file never written reads as no
 bytes (the reader fills zeros, as the direct path does).
 
-SCOPE (a count, then that many (inode, generation) pairs, at most MAX_SCOPE),
-answered by a header with no bytes, narrows a connection for good to those files (a
-file a reader opened, or the chunks of one KV get): it then reads those inodes only,
+SCOPE (the uid of the reader it is for, a count, then that many (inode, generation)
+pairs, at most MAX_SCOPE), answered by a header with no bytes, narrows a connection for
+good to those files (a file a reader opened, or the chunks of one KV get), whose
+requests then take that uid's turn among the scoped connections of every reader: it
+then reads those inodes only,
 each only while it keeps its generation and a link (ESTALE once it is removed, EPERM
 for any other inode or a second SCOPE), for at most SCOPE_S.  A reading node's daemon
 proves the key, scopes the connection, and hands it to a local reader that may read
@@ -77,7 +79,7 @@ import struct
 import uuid
 
 MAGIC = b"MXCH"
-VERSION = 1
+VERSION = 2  # (2: SCOPE names the reader's uid)
 NONCE = 16
 KEY_BYTES = 32
 MAX_READ = 64 << 20  # bytes one READ may ask for
@@ -90,8 +92,8 @@ ACCEPT = b"MXOK"
 TAG = 4  # bytes of a request's tag
 READ = struct.Struct("!4sQIQQ")  # b"READ", inode, member, offset, length
 READ_BODY = struct.Struct("!QIQQ")  # (READ past its tag)
-SCOPE = struct.Struct("!4sI")  # b"SCOP", how many (inode, generation) pairs follow
-SCOPE_COUNT = struct.Struct("!I")  # (SCOPE past its tag)
+SCOPE = struct.Struct("!4sII")  # b"SCOP", the reader's uid, how many (inode, generation)
+SCOPE_COUNT = struct.Struct("!II")  # (SCOPE past its tag)               pairs follow
 SCOPE_ITEM = struct.Struct("!QQ")  # inode, generation
 MAX_SCOPE = 4096  # files one connection may be scoped to
 ANSWER = struct.Struct("!iQQ")  # 0 or errno, epoch, bytes that follow
