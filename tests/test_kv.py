@@ -460,6 +460,26 @@ def _put_ok(kv: KVStore) -> bool:
         return False
 
 
+def test_kv_list_pages_by_a_cursor_and_skips_a_bounded_way(mounted: Mounted) -> None:
+    """`mxfs kv ls` pages through a namespace past 1,000 chunks by a cursor (the last
+    key of a page, in key order), each page read from the store's index; a page by
+    position (`skip`) walks at most MAX_LIST_SKIP chunks, past that EINVAL naming the
+    cursor."""
+    keys = [b"p%05d" % i for i in range(2500)]
+    with KVStore(str(mounted.path), "paged") as kv:
+        for start in range(0, len(keys), 500):
+            kv.batch_put(keys[start:start + 500], [b"v"] * 500)
+        first = kv.list_chunks(after=b"")
+        assert [k for k, _, _ in first] == keys[:1000]
+        assert [k for k, _, _ in kv.list_chunks(after=keys[2400])] == keys[2401:]
+        assert len(kv.list_chunks(skip=2000)) == 500
+        with pytest.raises(OSError) as e:
+            kv.list_chunks(skip=100_001)
+        assert e.value.errno == errno.EINVAL and "after" in str(e.value)
+    listed = json.loads(mxfs("kv", "ls", "--json", str(mounted.path), "paged").stdout)
+    assert [c["key"] for c in listed["chunks"]] == [k.decode() for k in keys]
+
+
 def test_kv_cli_stats_ls_evict_verify(mounted: Mounted) -> None:
     with KVStore(str(mounted.path), "cli") as kv:
         kv.batch_put([f"k{i}" for i in range(5)], [blob(i, 300_000) for i in range(5)])

@@ -42,8 +42,8 @@ def _show(key: bytes) -> str:
 
 def _keys(kv: KVStore) -> list[tuple[bytes, int, int]]:
     out: list[tuple[bytes, int, int]] = []
-    while True:
-        page = kv.list_chunks(skip=len(out))
+    while True:  # (in key order, a page past the last: a cursor the daemon seeks to)
+        page = kv.list_chunks(after=out[-1][0] if out else b"")
         out += page
         if len(page) < 1000:
             return out

@@ -101,7 +101,8 @@ _OPENING = trio.CapacityLimiter(2)
 
 
 INLINE_WRITE = 256 << 10  # a chunk this small is written on trio's thread (as kv_put's)
-MAX_LIST = 1000  # chunks one kv_list reply names (page with skip, as `mxfs kv ls` does)
+MAX_LIST = 1000  # chunks one kv_list reply names (page with after, as `mxfs kv ls` does)
+MAX_LIST_SKIP = 100_000  # chunks a kv_list walks past in the order of use (~20 ms)
 NS_OPS = ("kv_ns_create", "kv_ns_remove")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
 # caller who does not own the namespace must then have asked to share it).
@@ -280,12 +281,25 @@ class KVOps:
         return {"deleted": deleted}, []
 
     async def _list(self, msg: Msg, session: Session, space: Namespace) -> Answer[KVListReply]:
-        n = len(space.chunks)
-        skip = min(int_field(msg, "skip", 0), n)
-        stop = min(skip + min(int_field(msg, "limit", 1000), MAX_LIST), n)
-        items = itertools.islice(space.chunks.items(), skip, stop)
+        """A page of the namespace's chunks: past the key `after` in key order (read
+        from the store's index: a page costs its own keys), or from the `skip`-th in
+        the order of use (walked from the start: at most MAX_LIST_SKIP, so no request
+        walks a million keys on trio's thread)."""
+        limit = min(int_field(msg, "limit", 1000), MAX_LIST)
+        if msg.get("after") is not None:
+            after = b64_field(msg, "after")
+            keys = self.vol.store.kv.keys_after(space.name, after, limit)
+            items = [(k, space.chunks[k]) for k in keys if k in space.chunks]
+        else:
+            skip = int_field(msg, "skip", 0)
+            if skip > MAX_LIST_SKIP:
+                raise OSError(errno.EINVAL, f"kv_list skips at most {MAX_LIST_SKIP} chunks: "
+                              "page with 'after' (the last key of the page before)")
+            n = len(space.chunks)
+            items = list(itertools.islice(space.chunks.items(), min(skip, n),
+                                          min(skip + limit, n)))
         return {"chunks": [[base64.b64encode(k).decode(), c.size, c.pins]
-                                       for k, c in items]}, []
+                           for k, c in items]}, []
 
     async def _config(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[KVConfigReply]:

@@ -794,10 +794,17 @@ class KVStore:
                 return 0
             raise
 
-    def list_chunks(self, skip: int = 0, limit: int = 1000) -> list[tuple[bytes, int, int]]:
-        """(key, size, pins) of the namespace's chunks from the `skip`th, at most `limit`
-        (the daemon answers at most 1000 a request)."""
-        page = self._ask(KV_LIST({**self._ns, "skip": skip, "limit": limit}))["chunks"]
+    def list_chunks(self, skip: int = 0, limit: int = 1000, after: bytes | None = None
+                    ) -> list[tuple[bytes, int, int]]:
+        """(key, size, pins) of the namespace's chunks from the `skip`th least recently
+        used, or past the key `after` in key order (a cursor: the way to page through
+        many), at most `limit` (the daemon answers at most 1000 a request)."""
+        ask: dict[str, Any] = {**self._ns, "limit": limit}
+        if after is not None:
+            ask["after"] = base64.b64encode(after).decode()
+        else:
+            ask["skip"] = skip
+        page = self._ask(KV_LIST(ask))["chunks"]  # type: ignore[arg-type]
         return [(base64.b64decode(k), int(size), int(pins)) for k, size, pins in page]
 
     def set_capacity(self, capacity: int) -> int:

@@ -411,7 +411,8 @@ class KVStatsReply(TypedDict):
 
 
 class KVListRequest(InNamespace, total=False):
-    skip: int
+    skip: int  # from the skip-th, least recently used first (at most MAX_LIST_SKIP)
+    after: str  # ... or the keys past this one (base64), in key order: a cursor
     limit: int
 
 
