@@ -824,7 +824,7 @@ def one(i):
     kv, end = mxfs.kv.KVStore(where, namespace="alices"), time.monotonic() + 60
     while not os.path.exists(stop) and time.monotonic() < end:
         try:
-            kv.put(os.urandom(32), b"v" * 16384)
+            kv.put(os.urandom(32), b"v" * 200_000)
         except OSError:
             pass
         os.write(fd, b".")
@@ -891,8 +891,10 @@ def test_a_users_flood_of_kv_requests_on_a_reading_node_leaves_others_their_turn
         assert still >= 30  # (the flood went on throughout)
         assert sending == 3  # (alice's three; the fourth kept for other users)
         # Each of bob's and root's puts waited for one of alice's at most, while her
-        # three in service ran; never behind the dozens queued.
-        assert max(bobs) <= 12 and max(roots) <= 12, (bobs, roots)
+        # three in service ran (hers are larger: a few end during a small put; 0-10
+        # with the machine loaded); never behind the 30 and more queued (first come
+        # first served, 48 of hers ended during each).
+        assert max(bobs) < 24 and max(roots) < 24, (bobs, roots)
 
 
 def test_kv_pins_on_a_reading_node_are_leases_on_the_writer(tmp_path: Path,
