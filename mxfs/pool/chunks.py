@@ -35,10 +35,11 @@ class ChunkFiles:
         self._prepared = False  # (`prepare` opens the first member's file once at most)
         self._far = pool.far(layout.used_members())  # other nodes' members it uses
         self._far_written: set[int] = set()  # ... written through their owners (to sync)
-        # On a reading node, another node's stripes read in order come in windows
-        # (`pool/read_ahead.py`); the writer, which changes them, reads them as asked.
+        # Another node's stripes read in order come in windows (`pool/read_ahead.py`);
+        # the writer drops them after each write and cut (a window fetched before
+        # holds the bytes before).
         self._ahead = ReadAhead(layout.unit * layout.width, self._read_now) \
-            if self._far and pool.node else None
+            if self._far else None
 
     def fd(self, member: int, create: bool) -> int | None:
         fd = self._fds.get(member)
@@ -148,7 +149,10 @@ class ChunkFiles:
             self._guard(write_batch, ops)
         finally:  # every remote write ends before `data` goes back to the caller
             self._far_written |= {p.member for p in far}
-            _settle(futures)
+            try:
+                _settle(futures)
+            finally:
+                self.drop_read_ahead()
         self._account(pieces, "write")
 
     def _account(self, pieces: list[Any], what: str) -> None:
@@ -174,6 +178,7 @@ class ChunkFiles:
 
     def truncate(self, size: int) -> None:
         self.pool.truncate_chunks(self.ino, self.layout, size)
+        self.drop_read_ahead()
 
     def sync(self, datasync: bool = False) -> None:
         """Make every written member durable, all members at once (other nodes' through

@@ -518,9 +518,13 @@ class Volume:
         return False
 
     def truncated(self, node: Inode) -> None:
-        """Every chunk file of `node` is cut to its size."""
-        if node.ino not in self.open_inodes:
+        """Every chunk file of `node` is cut to its size (windows read ahead of it
+        before hold the bytes before: dropped)."""
+        entry = self.open_inodes.get(node.ino)
+        if entry is None:
             self.store.clear_dirty_data(node.ino)
+        elif entry.chunks is not None:
+            entry.chunks.drop_read_ahead()
 
     def lost_files(self, limit: int = 1000, store: MetaStore | None = None
                    ) -> tuple[int, list[str]]:
