@@ -438,3 +438,41 @@ def test_unproved_connections_of_every_address_together_stay_under_their_cap(
             for s in silent:
                 s.close()
         assert "max_chunk_handshakes)" in Path(_log_of(m)).read_text()
+
+
+@pytest.mark.nodes
+@pytest.mark.daemon_log(r"chunk connection .* failed")
+def test_one_address_holds_a_share_of_the_connections_proved_or_not(tmp_path: Path) -> None:
+    """A peer that proved the key (a node: it holds it) still has at most
+    max_chunk_conns_per_peer connections: its next is closed at once, while another
+    node's address is let in and reads."""
+    from conftest import node_net
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with node_net() as net, mounted_pool(members, "chunk_port=0", "chunk_addr=0.0.0.0",
+                                         "max_chunk_conns_per_peer=4") as m:
+        data = os.urandom(50_000)
+        (m.path / "f").write_bytes(data)
+        ino, first = _first_member(m, "f")
+        _, port, pool = _service(m)
+        key = load_key(members[0])
+        held = [ChunkClient("127.0.0.1", port, key, pool) for _ in range(4)]
+        try:
+            with pytest.raises((OSError, WireError)):
+                ChunkClient("127.0.0.1", port, key, pool, timeout=10)
+            with ChunkClient("127.0.0.1", port, key, pool, source=net.host_ip) as other:
+                assert other.read(ino, first, 0, len(data)) == data
+            assert held[0].read(ino, first, 0, len(data)) == data
+        finally:
+            for c in held:
+                c.close()
+
+        def again() -> bool:  # (room once the service has seen them go)
+            try:
+                with ChunkClient("127.0.0.1", port, key, pool) as c:
+                    return c.read(ino, first, 0, 100) == data[:100]
+            except (OSError, WireError):
+                return False
+        assert eventually(again, 10)
+        assert "max_chunk_conns_per_peer)" in Path(_log_of(m)).read_text()

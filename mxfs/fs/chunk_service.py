@@ -11,7 +11,8 @@ stands behind.  Every answer carries the lease's epoch.
 
 Anyone who can reach the port can connect, so connections are admitted against
 `Limits`: at most `max_chunk_conns` in all (and never into the descriptors the daemon
-keeps back), at most `max_chunk_handshakes_per_peer` of one address that have not
+keeps back), `max_chunk_conns_per_peer` of one address (proved or not: one node cannot
+take every other node's room), at most `max_chunk_handshakes_per_peer` of one address that have not
 yet proved the key (every loopback address counted as one: a local user reaches all of
 127.0.0.0/8), and at most `max_chunk_handshakes` unproved in all, below
 `max_chunk_conns`: a host that opens connections and stays silent holds its own slots
@@ -158,6 +159,7 @@ class ChunkService:
         self.other_fds = other_fds  # descriptors the daemon's other services hold
         self.connections = 0
         self.handshaking: Counter[str] = Counter()  # by peer address
+        self.by_host: Counter[str] = Counter()  # connections, proved or not, by address
         self.refused = 0
         self.served_bytes = 0
         self._senders = trio.CapacityLimiter(SENDERS)
@@ -213,6 +215,10 @@ class ChunkService:
         lim = self.limits
         if self.connections >= lim.max_chunk_conns:
             return f"{self.connections} connections, the limit (max_chunk_conns)"
+        host = peer.removesuffix(UNRESERVED)
+        if self.by_host[host] >= lim.max_chunk_conns_per_peer:
+            return (f"{host} has {self.by_host[host]} connections, the limit "
+                    "(max_chunk_conns_per_peer)")
         if self.connections + self.other_fds() + lim.fd_reserve >= fd_limit():
             return "the daemon's descriptors are nearly all in use"
         if self.handshaking[peer] >= lim.max_chunk_handshakes_per_peer:
@@ -238,6 +244,8 @@ class ChunkService:
             return
         self.connections += 1
         self.handshaking[peer] += 1
+        host = peer.removesuffix(UNRESERVED)
+        self.by_host[host] += 1
         try:
             async with stream:
                 try:
@@ -252,6 +260,9 @@ class ChunkService:
             self._failures.note("chunk request", None, e, trace=False)
         finally:
             self.connections -= 1
+            self.by_host[host] -= 1
+            if not self.by_host[host]:
+                del self.by_host[host]
 
     def _end_handshake(self, peer: str) -> None:
         self.handshaking[peer] -= 1

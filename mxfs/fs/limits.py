@@ -34,6 +34,7 @@ class Limits:
     idle_timeout: int = 3600        # s: a connection holding nothing is closed when idle so long
     frame_timeout: int = 10         # s: a started request must arrive whole, a reply be taken
     max_chunk_conns: int = 256      # chunk service connections (fs/chunk_service.py), all peers
+    max_chunk_conns_per_peer: int = 128  # ... of one address (a node uses ~100 at most)
     max_chunk_handshakes_per_peer: int = 8  # of one address not yet past the key proof
     max_chunk_handshakes: int = 64  # of all peers not yet past it (room kept for nodes)
     fd_reserve: int = 256           # descriptors kept back for FUSE, members and the store
