@@ -29,11 +29,7 @@ log = logging.getLogger("mxfs.io")
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 QUEUE_DEPTH = 32
-# A ring request without a completion this long is taken back.  A lost request must not
-# hang a daemon for good, but a disk saturated by writeback can hold a buffered read
-# past 10 s (CI saw prefetch reads of a node complete after 20 s, queued behind other
-# tests' writes): below that, a slow disk reads as a kernel fault.
-STALL_MS = 30_000
+STALL_MS = 10_000  # a ring request without a completion this long is taken back
 _RINGS = os.cpu_count() or 1
 
 
