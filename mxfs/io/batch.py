@@ -6,11 +6,12 @@ built and the kernel allows io_uring; and a pool of threads running
 preadv/pwritev, which needs no build.  MXFS_IO_ENGINE=threads picks the pool.
 `ENGINE` says which runs and why (the daemon logs it, `mxfs status` shows it).
 
-Buffered writes always run on the pool: io_uring gains nothing on them (each is a
-copy into the page cache; one that must wait goes to an io-wq worker, where writes
-to one file queue behind each other), and on kernel 6.18 one such write never got
-a worker, hanging the daemon that waited for it.  The ring takes reads and O_DIRECT
-writes, and asks back any request that gets no completion for STALL_MS (engine.c).
+Buffered reads and writes always run on the pool: the ring takes O_DIRECT requests
+only.  A buffered request that must wait goes to an io-wq worker, and on kernel 6.18
+such requests sometimes never got one: first a write, hanging the daemon that waited
+for it, then reads (CI, twice: a node's window reads of its members, ~1,300 requests
+at once, asked back after the stall time, on a disk busy with other tests' writes).
+The ring asks back any request that gets no completion for STALL_MS (engine.c).
 """
 
 from __future__ import annotations
@@ -213,8 +214,8 @@ def _use_native(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> bool:
     return _native is not None and (len(ops) > 1 or (len(ops) == 1 and len(ops[0].bufs) > 1))
 
 
-def _all_direct(ops: Sequence[WriteOp]) -> bool:
-    """Does every op write to an O_DIRECT descriptor?"""
+def _all_direct(ops: Sequence[ReadOp] | Sequence[WriteOp]) -> bool:
+    """Is every op's descriptor O_DIRECT?"""
     return all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in {op.fd for op in ops})
 
 
@@ -223,8 +224,9 @@ def _fd(op: ReadOp | WriteOp) -> int:
 
 
 def read_batch(ops: Sequence[ReadOp]) -> None:
-    """Fill every op's buffers, all ops at once; bytes past EOF read as zeros."""
-    if _use_native(ops):
+    """Fill every op's buffers, all ops at once; bytes past EOF read as zeros.
+    O_DIRECT reads go to the ring, buffered ones to the threads (see the top)."""
+    if _use_native(ops) and _all_direct(ops):
         _run_native(_triples(ops), write=False)
     elif ops:
         _run(lambda op: preadv_full(op.fd, op.bufs, op.offset), interleaved(ops, _fd))
