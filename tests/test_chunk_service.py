@@ -9,6 +9,7 @@ alone and a key file others may read is refused at mount.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -16,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -401,6 +403,25 @@ def test_a_node_in_its_own_network_reads_through_the_service_and_a_cut_link_fail
         assert healed.get("n") == len(data), healed
 
 
+@contextlib.contextmanager
+def _beside_a_node(tmp_path: Path, option: str) -> Iterator[tuple[Any, Mounted, tuple[
+        list[str], bytes, int, int, int, str]]]:
+    """A pool serving chunks on every address, with `option`, and a node's network
+    beside it: (the network, the mount, (members, a small file's bytes, its inode, its
+    member, the service's port, the pool's uuid))."""
+    from conftest import node_net
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with node_net() as net, mounted_pool(members, "chunk_port=0", "chunk_addr=0.0.0.0",
+                                         option) as m:
+        data = os.urandom(50_000)
+        (m.path / "f").write_bytes(data)
+        ino, first = _first_member(m, "f")
+        _, port, pool = _service(m)
+        yield net, m, (members, data, ino, first, port, pool)
+
+
 @pytest.mark.nodes
 @pytest.mark.daemon_log(r"chunk connection .* failed")
 def test_unproved_connections_of_every_address_together_stay_under_their_cap(
@@ -410,16 +431,8 @@ def test_unproved_connections_of_every_address_together_stay_under_their_cap(
     user may bind to half of it: past the cap a new one is closed at once, while a node
     that proved the key before goes on reading, and a node's daemon connecting now
     (root, from a reserved port) is let in and proves it."""
-    from conftest import node_net
-
-    members = make_members(tmp_path)
-    mkfs(members)
-    with node_net() as net, mounted_pool(members, "chunk_port=0", "chunk_addr=0.0.0.0",
-                                         "max_chunk_handshakes=20") as m:
-        data = os.urandom(50_000)
-        (m.path / "f").write_bytes(data)
-        ino, first = _first_member(m, "f")
-        _, port, pool = _service(m)
+    with _beside_a_node(tmp_path, "max_chunk_handshakes=20") as (net, m, served):
+        members, data, ino, first, port, pool = served
         node = ChunkClient("127.0.0.1", port, load_key(members[0]), pool)
         silent = [socket.create_connection(("127.0.0.1", port), timeout=10,
                                            source_address=(src, 0))
@@ -446,16 +459,8 @@ def test_one_address_holds_a_share_of_the_connections_proved_or_not(tmp_path: Pa
     """A peer that proved the key (a node: it holds it) still has at most
     max_chunk_conns_per_peer connections: its next is closed at once, while another
     node's address is let in and reads."""
-    from conftest import node_net
-
-    members = make_members(tmp_path)
-    mkfs(members)
-    with node_net() as net, mounted_pool(members, "chunk_port=0", "chunk_addr=0.0.0.0",
-                                         "max_chunk_conns_per_peer=4") as m:
-        data = os.urandom(50_000)
-        (m.path / "f").write_bytes(data)
-        ino, first = _first_member(m, "f")
-        _, port, pool = _service(m)
+    with _beside_a_node(tmp_path, "max_chunk_conns_per_peer=4") as (net, m, served):
+        members, data, ino, first, port, pool = served
         key = load_key(members[0])
         held = [ChunkClient("127.0.0.1", port, key, pool) for _ in range(4)]
         try:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -296,26 +296,45 @@ def test_a_big_namespace_is_removed_while_others_are_served(pool: Mounted) -> No
     one = base64.b64encode(b"x").decode()
     n = 16384
     with ControlClient(str(pool.path)) as c:
-        for start in range(0, n, 4096):
-            keys = [base64.b64encode(b"k%06d" % i).decode() for i in range(start, start + 4096)]
-            c.call("kv_put", namespace="big", keys=keys, data=[one] * 4096)
+        _fill(c, "big", b"k", n, one)
         assert len(c.call("kv_list", namespace="big", limit=100_000)["chunks"]) == 1000
+    removed: list[Any] = []
+    seen = _chunks_while(pool, "big", lambda r: removed.append(
+        r.call("kv_ns_remove", namespace="big")))
+    assert removed and removed[0]["deleted"] == n
+    assert any(0 < k < n for k in seen), "nobody was served while the namespace went"
+
+
+def _fill(c: ControlClient, namespace: str, prefix: bytes, n: int, value: str) -> None:
+    """Put `n` chunks of `value` (base64) in `namespace`, 4,096 a request."""
+    for start in range(0, n, 4096):
+        keys = [base64.b64encode(prefix + b"%06d" % i).decode()
+                for i in range(start, start + 4096)]
+        c.call("kv_put", namespace=namespace, keys=keys, data=[value] * 4096)
+
+
+def _chunks_while(pool: Mounted, namespace: str, work: Callable[[ControlClient], None]
+                  ) -> list[int]:
+    """Run `work` on a connection of its own while another asks `kv_stats` again and
+    again: the chunk counts of `namespace` that other connection was answered."""
     seen: list[int] = []
     done = threading.Event()
 
-    def remove() -> None:
-        with ControlClient(str(pool.path)) as r:
-            assert r.call("kv_ns_remove", namespace="big")["deleted"] == n
-        done.set()
+    def run() -> None:
+        try:
+            with ControlClient(str(pool.path)) as r:
+                work(r)
+        finally:
+            done.set()
 
-    remover = threading.Thread(target=remove)
+    worker = threading.Thread(target=run)
     with ControlClient(str(pool.path)) as other:
-        remover.start()
+        worker.start()
         while not done.is_set():
             stats = other.call("kv_stats")["namespaces"]
-            seen += [s["chunks"] for s in stats if s["namespace"] == "big"]
-    remover.join()
-    assert any(0 < k < n for k in seen), "nobody was served while the namespace went"
+            seen += [s["chunks"] for s in stats if s["namespace"] == namespace]
+    worker.join()
+    return seen
 
 
 def test_a_put_that_evicts_thousands_of_chunks_leaves_others_served(pool: Mounted) -> None:
@@ -327,31 +346,12 @@ def test_a_put_that_evicts_thousands_of_chunks_leaves_others_served(pool: Mounte
 
     n, small = 16384, base64.b64encode(b"x" * 16).decode()
     with ControlClient(str(pool.path)) as c:
-        for start in range(0, n, 4096):
-            keys = [base64.b64encode(b"e%06d" % i).decode() for i in range(start, start + 4096)]
-            c.call("kv_put", namespace="evicted", keys=keys, data=[small] * 4096)
+        _fill(c, "evicted", b"e", n, small)
         c.call("kv_config", namespace="evicted", capacity=700 << 10)  # (not over it yet)
-    seen: list[int] = []
-    done = threading.Event()
     big = base64.b64encode(os.urandom(600 << 10)).decode()
-
     replies: list[Any] = []
-
-    def put() -> None:
-        try:
-            with ControlClient(str(pool.path)) as r:
-                replies.append(r.call("kv_put", namespace="evicted", data=[big],
-                                      keys=[base64.b64encode(b"big").decode()]))
-        finally:
-            done.set()
-
-    putter = threading.Thread(target=put)
-    with ControlClient(str(pool.path)) as other:
-        putter.start()
-        while not done.is_set():
-            stats = other.call("kv_stats")["namespaces"]
-            seen += [s["chunks"] for s in stats if s["namespace"] == "evicted"]
-    putter.join()
+    seen = _chunks_while(pool, "evicted", lambda r: replies.append(r.call(
+        "kv_put", namespace="evicted", data=[big], keys=[base64.b64encode(b"big").decode()])))
     assert replies and replies[0]["stored"] == [True], replies
     evicted = replies[0]["evicted"]  # (down to 90% of 700 KiB: 14,000 and more)
     assert evicted > n // 2

@@ -139,9 +139,7 @@ class ChunkFiles:
                                      [data[o:o + n] for o, n in p.spans])
                    for p in far]
         try:
-            for piece in pieces:
-                if piece in far:
-                    continue
+            for piece in (p for p in pieces if not self.pool.members[p.member].node):
                 fd = self.fd(piece.member, create=True)
                 assert fd is not None
                 ops.append(WriteOp(fd, piece.chunk_offset,

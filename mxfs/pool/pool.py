@@ -658,10 +658,7 @@ class Pool:
             if self.members[m].node:
                 if self.node:
                     raise OSError(errno.EROFS, f"member {m} is node {self.members[m].node}'s")
-                if far:
-                    self.remote_of(m).change(b"TRUN", self.epoch(), ino, m,
-                                             layout.chunk_length(m, size))
-                continue
+                continue  # (below)
             want = layout.chunk_length(m, size)
             path = self.chunk_path(m, ino)
             try:
@@ -669,6 +666,8 @@ class Pool:
                     os.truncate(path, want)
             except FileNotFoundError:
                 pass
+        if far:
+            self.truncate_far(ino, layout, size)
 
     def iter_chunks(self) -> list[tuple[int, int]]:
         """Every (member, inode) that has a chunk file, for the invariant check."""
