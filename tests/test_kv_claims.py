@@ -38,7 +38,7 @@ def test_states_and_what_ends_a_claim() -> None:
         assert claims.claim(space, [b"k3"], b, 0) == [YOURS]  # given up: free
         assert claims.claim(space, [b"k3"], a, 10) == [YOURS]
         assert claims.claim(space, [b"k3"], b, 0) == [BUSY]  # (a's, not b's to give up)
-        claims.release(a)  # a's connection closed: k2 is free
+        claims.end(a, claims.take(a))  # a's connection closed: k2 is free
         assert claims.claim(space, [b"k2"], b, 10) == [YOURS]
         assert claims.claim(space, [b"k4"], a, 1) == [YOURS]
         await trio.sleep(1.5)  # it ran out
@@ -95,4 +95,48 @@ def test_one_uid_holds_at_most_its_limit() -> None:
         assert claims.claim(space, [b"d", b"e", b"f"], _session(0), 10) == [YOURS] * 3
         await trio.sleep(2)  # a2's claim ran out: room again
         assert claims.claim(space, [b"c2"], a, 10) == [YOURS]
+    _run(main)
+
+
+def test_a_closed_connections_claims_end_later_without_ending_anothers() -> None:
+    """A closed connection's claims are taken at once and ended later (a bite at a time,
+    by `KVOps.let_go`): a key stored and claimed by another connection meanwhile stays
+    that connection's claim."""
+    async def main() -> None:
+        space = Namespace("n", 0, 0, 0o777, 0)
+        claims = Claims(per_user=8)
+        a, b = _session(), _session()
+        claims.claim(space, [b"k1", b"k2"], a, 10)
+        taken = claims.take(a)
+        assert sorted(taken) == [("n", b"k1"), ("n", b"k2")] and not claims.holds(a)
+        assert claims.claim(space, [b"k2"], b, 10) == [BUSY]  # (not ended yet)
+        claims.stored(space, b"k1")
+        assert claims.claim(space, [b"k1"], b, 10) == [YOURS]
+        claims.end(a, taken)
+        assert claims.claim(space, [b"k1", b"k2"], a, 10) == [BUSY, YOURS]  # k1 b's still
+    _run(main)
+
+
+def test_claims_run_out_in_order_of_their_time() -> None:
+    """Claims run out by their own time (the soonest first, one lengthened by a renewal
+    kept), and renewals do not pile up behind them."""
+    async def main() -> None:
+        space = Namespace("n", 0, 0, 0o777, 0)
+        claims = Claims(per_user=10_000)
+        a = _session()
+        claims.claim(space, [b"short"], a, 1)
+        claims.claim(space, [b"long"], a, 3)
+        claims.claim(space, [b"short"], a, 5)  # renewed: longer than "long" now
+        for _ in range(3000):  # renewals, each an entry in the expiry heap
+            claims.claim(space, [b"long"], a, 3)
+        assert len(claims._expiry) <= 2 * 2 + 1024  # (rebuilt as they pile up)
+        await trio.sleep(2)
+        claims.drop_run_out()
+        assert len(claims) == 2
+        await trio.sleep(2)
+        claims.drop_run_out()
+        assert len(claims) == 1 and claims.claim(space, [b"short"], _session(), 1) == [BUSY]
+        await trio.sleep(2)
+        claims.drop_run_out()
+        assert len(claims) == 0
     _run(main)

@@ -362,6 +362,33 @@ def test_a_put_that_evicts_thousands_of_chunks_leaves_others_served(pool: Mounte
     assert any(n + 1 - evicted < k < n for k in seen), "nobody was served meanwhile"
 
 
+def test_a_connection_with_many_leases_lets_them_go_while_others_are_served(
+        pool: Mounted) -> None:
+    """A connection that closes holding 65,536 read leases (its limit; a dead node's
+    connections may hold hundreds of thousands) has them ended a bite at a time:
+    another connection's `kv_stats` is answered meanwhile and sees them part-ended.
+    They all ended in one stroke before, 60-100 ms of every user's time."""
+    n, small = 65536, base64.b64encode(b"x" * 16).decode()
+    keys = [base64.b64encode(b"p%06d" % i).decode() for i in range(n)]
+    with ControlClient(str(pool.path)) as c:
+        _fill(c, "leased", b"p", n, small)
+
+    def pinned(c: ControlClient) -> int:
+        return int(c.call("kv_stats", namespace="leased")["namespaces"][0]["pinned"])
+
+    with ControlClient(str(pool.path)) as other:
+        with ControlClient(str(pool.path)) as holder:
+            for start in range(0, n, 4096):
+                assert all(holder.call("kv_pin", namespace="leased",
+                                       keys=keys[start:start + 4096])["pinned"])
+            assert pinned(other) == n
+        seen = [pinned(other)]
+        while seen[-1]:
+            seen.append(pinned(other))
+        other.call("kv_ns_remove", namespace="leased")
+    assert any(0 < k < n for k in seen), f"nobody was served meanwhile: {seen[:3]}..."
+
+
 @pytest.mark.unit
 def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
     from mxfs.fs.fair import Turns

@@ -251,7 +251,8 @@ class Daemon:
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks, each run until the mount ends."""
         tasks: list[Callable[[], Awaitable[None]]] = [
-            _stop_on_signal, self._commit_groups, self._keep_lease, self._revoke]
+            _stop_on_signal, self._commit_groups, self._keep_lease, self._revoke,
+            self.control.kv.let_go]
         if self.backup_s > 0 and backup.supported(self.vol.store):  # a server's are its
             tasks.append(self._backups)  # operator's to back up
         if self.control.wake is not None:

@@ -20,7 +20,10 @@ its claims' time, no more.
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import trio
@@ -31,7 +34,6 @@ from mxfs.vol.kv_index import Namespace
 CLAIM_S = 10.0  # how long a claim lasts unless the client says
 MAX_CLAIM_S = 60.0
 MAX_WAIT_S = 60.0
-SWEEP_S = 1.0  # a uid at its limit has claims run out dropped at most this often
 
 YOURS, STORED, BUSY = "yours", "stored", "busy"
 
@@ -49,7 +51,11 @@ class Claims:
         self._held: dict[tuple[str, bytes], Claim] = {}
         self._by_session: dict[int, set[tuple[str, bytes]]] = {}  # id(session): keys
         self._by_uid: Counter[int] = Counter()
-        self._swept: dict[int, float] = {}  # uid: when claims run out were last dropped
+        # When each claim runs out, soonest first: (until, n, key); a claim lengthened
+        # or ended has stale entries, skipped when they come up (and dropped in a
+        # rebuild once they outnumber the claims).
+        self._expiry: list[tuple[float, int, tuple[str, bytes]]] = []
+        self._made = itertools.count()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -108,19 +114,18 @@ class Claims:
                 mine.add(k)
             else:
                 held.until = until
+            heapq.heappush(self._expiry, (until, next(self._made), k))
             out.append(YOURS)
         if mine:
             self._by_session[id(session)] = mine
+        self._compact()
         return out
 
     def _room(self, uid: int) -> None:
         """EDQUOT if `uid` holds as many claims as it may (those run out dropped first)."""
         if uid == 0 or self._by_uid[uid] < self.per_user:
             return
-        now = trio.current_time()
-        if now - self._swept.get(uid, -SWEEP_S) >= SWEEP_S:  # (a scan of every claim:
-            self._swept[uid] = now                              # once a second a uid)
-            self.drop_run_out()
+        self.drop_run_out()
         if self._by_uid[uid] >= self.per_user:
             raise OSError(errno.EDQUOT, f"uid {uid} holds {self._by_uid[uid]} KV claims, as "
                           "many as it may (max_kv_claims_per_user): put those keys first")
@@ -152,16 +157,37 @@ class Claims:
             self._end(k)
 
     def drop_run_out(self) -> None:
-        """End every claim whose time ran out (a scan of all of them)."""
-        now = trio.current_time()
-        for k in [k for k, c in self._held.items() if c.until <= now]:
-            self._end(k)
+        """End every claim whose time ran out: those at the head of the expiry heap,
+        not a scan of every claim."""
+        now, expiry = trio.current_time(), self._expiry
+        while expiry and expiry[0][0] <= now:
+            k = heapq.heappop(expiry)[2]
+            claim = self._held.get(k)
+            if claim is not None and claim.until <= now:
+                self._end(k)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the expiry heap once stale entries (renewals, claims ended before
+        their time) outnumber the claims: O(claims), so at most once per as many
+        changes."""
+        if len(self._expiry) > 2 * len(self._held) + 1024:
+            self._expiry = [(c.until, next(self._made), k) for k, c in self._held.items()]
+            heapq.heapify(self._expiry)
 
     def holds(self, session: Session) -> bool:
         """Whether `session` holds a claim (live or run out, not yet dropped)."""
         return id(session) in self._by_session
 
-    def release(self, session: Session) -> None:
-        """The connection closed: its claims are over."""
-        for k in list(self._by_session.get(id(session), ())):
-            self._end(k)
+    def take(self, session: Session) -> list[tuple[str, bytes]]:
+        """The connection closed: the keys of its claims, to `end` (at once, or a bite
+        at a time: `KVOps.release`).  It holds none from now on."""
+        return list(self._by_session.pop(id(session), ()))
+
+    def end(self, session: Session, keys: Iterable[tuple[str, bytes]]) -> None:
+        """`session`'s claims on `keys` (namespace, key) are over, their waiters go on
+        (a key stored and claimed again meanwhile is another's claim now: kept)."""
+        for k in keys:
+            claim = self._held.get(k)
+            if claim is not None and claim.session is session:
+                self._end(k)
