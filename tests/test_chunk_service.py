@@ -26,6 +26,7 @@ from conftest import (
     eventually,
     make_members,
     mkfs,
+    mount_with,
     mounted_pool,
     mxfs,
     one_line_error,
@@ -270,6 +271,31 @@ def test_bad_kv_requests_of_a_node_get_their_errno_or_lose_their_connection(
         code, _, n = ANSWER.unpack(c.sock.recv(ANSWER.size, socket.MSG_WAITALL))
         assert code == errno.EINVAL and b"JSON" in c.sock.recv(n, socket.MSG_WAITALL)
         assert c.kv_put(root, "kvbad", 0, False, b"m" * 32, b"w" * 10) is True
+
+
+def test_a_writer_mounted_for_its_user_alone_serves_other_nodes_that_user_alone(
+        tmp_path: Path) -> None:
+    """A writer mounted without allow_other answers only its mounting uid on its control
+    socket, and so only that uid's requests a node makes for its users: another uid's
+    put, pin and request are refused (EACCES), the mounting uid's served."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, "chunk_port=0", allow_other=False) as m:
+        host, port, pool = _service(m)
+        key = load_key(m.members[0])
+        alice = (1000, 1000, [])
+        with ChunkClient(host, port, key, pool) as c:
+            for what, call in (
+                    ("a put", lambda: c.kv_put(alice, "alone", 0, False, b"k", b"v")),
+                    ("a pin", lambda: c.kv_keys(b"KPIN", alice, "alone", 0, [b"k"], 0,
+                                                bytes(16), ("n", 1))),
+                    ("a request", lambda: c.kv_request(alice, "kv_stats", {}))):
+                with pytest.raises(OSError) as e:
+                    call()
+                assert e.value.errno == errno.EACCES and "allow_other" in str(e.value), what
+            assert c.kv_put((0, 0, []), "alone", 0, False, b"k", b"v") is True
+            assert c.kv_request((0, 0, []), "kv_stats", {"namespace": "alone"}
+                                )["namespaces"][0]["chunks"] == 1
 
 
 def test_the_key_is_roots_alone_and_a_loose_one_is_refused(tmp_path: Path) -> None:

@@ -173,6 +173,9 @@ class ChunkService:
         self._sock: socket.socket | None = None
         self.kv: NodeKV | None = None  # the daemon's KV tier, where it has one
         self.turns: Turns | None = None  # the control socket's requests in service by uid
+        # The one uid whose requests are served, as on the control socket (a daemon
+        # mounted without allow_other): other nodes' users are held to it too.
+        self.only_uid: int | None = None
         self._puts = trio.CapacityLimiter(PUTS_AT_ONCE)
         self._writes = trio.CapacityLimiter(WRITES_AT_ONCE)
         # The epoch of the pool's writer node's lease as this node knows it (its own on
@@ -363,6 +366,7 @@ class ChunkService:
                 raise WireError(f"a KV put's {size} bytes did not come within {PUT_RECV_S:.0f} s")
 
             async def put() -> tuple[int, bytes]:
+                self._check_uid(caller.uid)
                 stored = await self._kv_tier().put_from_node(
                     caller, namespace, mode or None, bool(flags & KPUT_SHARED), key, data)
                 return (0 if stored else errno.EEXIST), b""
@@ -497,6 +501,8 @@ class ChunkService:
         does (`fs/fair.Turns`): a user's requests from other nodes add up with its own
         here, and hundreds at once wait in its line, not in everyone's."""
         try:
+            if uid is not None:
+                self._check_uid(uid)
             if uid is not None and self.turns is not None:
                 async with self.turns.turn(uid):
                     return await work()
@@ -506,6 +512,12 @@ class ChunkService:
         except Exception as e:
             self._failures.note(what, None, e)
             return errno.EIO, f"the node failed this request ({type(e).__name__})".encode()
+
+    def _check_uid(self, uid: int) -> None:
+        """EACCES unless `uid` may use this daemon (`only_uid`)."""
+        if self.only_uid not in (None, uid):
+            raise OSError(errno.EACCES, "the pool's writer is mounted without allow_other: "
+                          f"only uid {self.only_uid} may use it")
 
     def _kv_tier(self) -> NodeKV:
         if self.kv is None:
