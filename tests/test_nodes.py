@@ -1428,3 +1428,56 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
             assert eventually(lambda: _cold(a.path / "models" / "later.bin") == later, 20)
             assert _cold(b.path / "models" / "later.bin") == later
             (a.path / "models" / "new.bin").unlink(missing_ok=True)
+
+
+@pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)")
+def test_a_slow_owner_holds_only_the_files_striped_over_it(tmp_path: Path,
+                                                           pg_cluster: Any) -> None:
+    """With node b's link throttled, two dozen files striped over b's members are
+    being written through the writer (each write waits on b); meanwhile the writer's
+    own files are written and read at once: b's writes wait on threads, slots and a
+    write-behind budget of their own, never on those the writer's own members are
+    served with (they took all 16 threads and the whole budget before)."""
+    url = pg_cluster.database()
+    mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
+    mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
+    with node_net() as net, \
+            mounted_pool(mine, *WRITER, f"chunk_addr={net.host_ip}") as a:
+        key, config = str(Path(mine[0], KEY_NAME)), str(tmp_path / "b" / "node.toml")
+        mxfs("node", "add", "--meta", url, "--key", key, "--name", "b", "--config", config,
+             "--member", theirs[0], "--member", theirs[1])
+        with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
+                        prefix=net.enter, check=False) as b:
+            (a.path / "models").mkdir()
+            mxfs("setstripe", "--across-nodes", str(a.path / "models"))
+            own = os.urandom(1 << 20)
+            (a.path / "own.bin").write_bytes(own)
+            blobs = [os.urandom(2 << 20) for _ in range(24)]
+            net.slow("64kbit")  # 8 KB/s: 48 MiB to b would take hours
+            try:
+                writers = [threading.Thread(target=(a.path / "models" / f"{i}.bin")
+                                            .write_bytes, args=(blob,))
+                           for i, blob in enumerate(blobs)]
+                for t in writers:
+                    t.start()
+                assert eventually(lambda: sum(
+                    1 for _ in (a.path / "models").iterdir()) == len(blobs), 10)
+                done: list[bool] = []
+
+                def own_work() -> None:  # the writer's own files, written and read
+                    (a.path / "mine.bin").write_bytes(own)
+                    done.append(_cold(a.path / "own.bin") == own and
+                                _cold(a.path / "mine.bin") == own)
+
+                worker = threading.Thread(target=own_work)
+                worker.start()
+                worker.join(30)
+                assert done == [True], "the writer's own files waited on b"
+                assert any(t.is_alive() for t in writers)  # (b's were still in flight)
+            finally:
+                net.slow(None)
+            for t in writers:
+                t.join(120)
+            for i, blob in enumerate(blobs):
+                assert _cold(a.path / "models" / f"{i}.bin") == blob
+            assert _cold(b.path / "models" / "0.bin") == blobs[0]

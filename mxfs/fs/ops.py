@@ -29,6 +29,7 @@ from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
+from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW, pool_totals
 from mxfs.proto import constants
 from mxfs.vol.access import owner_for
@@ -136,11 +137,15 @@ class MxfsOperations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self.next_fh = 1
         self.limiter = trio.CapacityLimiter(io_threads)
+        # Files with stripes on other nodes' members wait on those nodes: a slow one
+        # must not hold the threads this node's own files are served on.
+        self.far_limiter = trio.CapacityLimiter(io_threads)
         # Where writes land behind their answers (set by the daemon once trio runs;
         # without it, or with the writeback cache, each write lands before its answer).
         self.nursery: trio.Nursery | None = None
         self.write_behind = write_behind  # writes queued per inode; 0: none
         self.behind_budget = trio.Semaphore(BUDGET)  # ... and in the whole daemon
+        self.far_budget = trio.Semaphore(BUDGET)  # ... of files on other nodes (as above)
         self.behind: dict[int, WriteBehind] = {}
         # How long the kernel keeps answers (`fs/kernel_cache.py`).  On a reading node
         # (`MetaStore.follow`) it also keeps a file's cached pages across opens only
@@ -389,12 +394,16 @@ class MxfsOperations(pyfuse3.Operations):
         assert entry.chunks is not None
         await self.settle(node.ino)
         await trio.to_thread.run_sync(entry.chunks.read, off, memoryview(buf),
-                                      limiter=self.limiter)
+                                      limiter=self._limiter(entry.chunks))
         if not self.noatime:
             self._relatime(node)
         # pyfuse3 replies with any buffer (PyObject_GetBuffer), though its stub says bytes;
         # bytes(buf) would copy every read once more
         return buf  # type: ignore[return-value]
+
+    def _limiter(self, chunks: ChunkFiles) -> trio.CapacityLimiter:
+        """The threads `chunks`' I/O runs on: its own for files on other nodes."""
+        return self.far_limiter if chunks.far else self.limiter
 
     def _relatime(self, node: Inode) -> None:
         if self.store.readonly:  # reads go on where changes are refused (a fenced daemon)
@@ -419,14 +428,14 @@ class MxfsOperations(pyfuse3.Operations):
             pieces = chunks.admit(off, len(buf))  # a member out of service, no room: now
             behind = self.behind.get(node.ino)
             if behind is None:
-                behind = self.behind[node.ino] = WriteBehind(self.write_behind,
-                                                             self.behind_budget)
+                behind = self.behind[node.ino] = WriteBehind(
+                    self.write_behind, self.far_budget if chunks.far else self.behind_budget)
             await behind.submit(self.nursery,
                                 lambda: chunks.write(off, memoryview(buf), pieces),
-                                self.limiter)
+                                self._limiter(chunks))
         else:
             await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
-                                          limiter=self.limiter)
+                                          limiter=self._limiter(entry.chunks))
         if off + len(buf) > node.size:
             self.store.touch(node, size=off + len(buf))
         if not self.enable_writeback_cache:
@@ -452,7 +461,8 @@ class MxfsOperations(pyfuse3.Operations):
         entry = handle.entry
         await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
-            await trio.to_thread.run_sync(entry.chunks.sync, datasync, limiter=self.limiter)
+            await trio.to_thread.run_sync(entry.chunks.sync, datasync,
+                                          limiter=self._limiter(entry.chunks))
         self.store.flush(entry.node)
         await self._durable()
         handle.heard_losses(self.store.groups_lost)
@@ -473,7 +483,8 @@ class MxfsOperations(pyfuse3.Operations):
         """Set a file's size; other nodes' chunk files are cut from a worker thread."""
         if self.vol.truncate(node, size):
             await trio.to_thread.run_sync(self.vol.pool.truncate_far, node.ino,
-                                          self.vol.layout(node), size, limiter=self.limiter)
+                                          self.vol.layout(node), size,
+                                          limiter=self.far_limiter)
             self.vol.truncated(node)
 
     async def settle(self, ino: int, report: bool = False) -> None:

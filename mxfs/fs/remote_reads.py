@@ -37,7 +37,6 @@ import trio
 from mxfs.fs.fields import Msg, int_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import Answer, Handler, Session
-from mxfs.io.batch import executor
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.meta import Inode
 from mxfs.proto.chunk_wire import SCOPE_S, WireError
@@ -125,10 +124,10 @@ class RemoteReads:
                         raise
                 kept, client = remote.connect()  # the owner closed a kept one meanwhile
 
-        futures = [executor().submit(one) for _ in range(n)]
+        futures = [remote.submit(one) for _ in range(n)]  # (the owner's threads)
         concurrent.futures.wait(futures)
         # The next grant takes proved connections, not a handshake each (1-2 ms).
-        executor().submit(remote.top_up, n)
+        remote.submit(remote.top_up, n)
         clients = [f.result() for f in futures if f.exception() is None]
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         if failed is not None:

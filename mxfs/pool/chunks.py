@@ -13,10 +13,11 @@ import errno
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from mxfs.io import Layout, Piece, ReadOp, WriteOp, read_batch, write_batch
-from mxfs.io.batch import executor, sync_all
+from mxfs.io.batch import sync_all
 from mxfs.pool.pool import Pool
 from mxfs.pool.read_ahead import ReadAhead
 
@@ -40,6 +41,11 @@ class ChunkFiles:
         # holds the bytes before).
         self._ahead = ReadAhead(layout.unit * layout.width, self._read_now) \
             if self._far else None
+
+    @property
+    def far(self) -> bool:
+        """Whether some of its members are other nodes' (its I/O waits on them)."""
+        return bool(self._far)
 
     def fd(self, member: int, create: bool) -> int | None:
         fd = self._fds.get(member)
@@ -92,9 +98,8 @@ class ChunkFiles:
         pieces = self.layout.plan(offset, len(buf))
         self.pool.check({p.member for p in pieces})
         far = [p for p in pieces if self.pool.members[p.member].node]
-        futures = [executor().submit(self.pool.remote_of(p.member).read, self.ino,
-                                     p.member, p.chunk_offset,
-                                     [buf[o:o + n] for o, n in p.spans])
+        futures = [self._far_call(p.member, "read", self.ino, p.member, p.chunk_offset,
+                                  [buf[o:o + n] for o, n in p.spans])
                    for p in far]
         try:
             self._read_local([p for p in pieces if not self.pool.members[p.member].node],
@@ -102,6 +107,12 @@ class ChunkFiles:
         finally:  # every remote read ends before `buf` goes back to the caller
             _settle(futures)
         self._account(pieces, "read")
+
+    def _far_call(self, member: int, what: str, *args: Any) -> Future[None]:
+        """`RemoteMembers.read` or `.change` of `member`'s owner, on its threads (a
+        slow owner holds those, not the I/O threads of this node's members)."""
+        remote = self.pool.remote_of(member)
+        return remote.submit(getattr(remote, what), *args)
 
     def _read_local(self, pieces: list[Piece], buf: memoryview) -> None:
         ops = []
@@ -134,9 +145,9 @@ class ChunkFiles:
         if pieces is None:
             pieces = self.admit(offset, len(data))
         far = [p for p in pieces if self.pool.members[p.member].node]
-        futures = [executor().submit(self.pool.remote_of(p.member).change, b"WRIT",
-                                     self.pool.epoch(), self.ino, p.member, p.chunk_offset,
-                                     [data[o:o + n] for o, n in p.spans])
+        futures = [self._far_call(p.member, "change", b"WRIT", self.pool.epoch(), self.ino,
+                                  p.member, p.chunk_offset,
+                                  [data[o:o + n] for o, n in p.spans])
                    for p in far]
         try:
             for piece in (p for p in pieces if not self.pool.members[p.member].node):
@@ -182,8 +193,8 @@ class ChunkFiles:
         """Make every written member durable, all members at once (other nodes' through
         their owners)."""
         far, self._far_written = sorted(self._far_written), set()
-        futures = [executor().submit(self.pool.remote_of(m).change, b"SYNC",
-                                     self.pool.epoch(), self.ino, m, int(datasync))
+        futures = [self._far_call(m, "change", b"SYNC", self.pool.epoch(), self.ino, m,
+                                  int(datasync))
                    for m in far]
         try:
             sync_all(list(self._fds.values()), datasync)

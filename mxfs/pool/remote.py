@@ -14,6 +14,10 @@ connection in CONNECT_S (`io/chunk_client.py`); its idle connections are dropped
 the first that failed (each would wait as long), and for AWAY_S after a connection
 could not be made every call fails at once, so readers of a node that cannot be
 reached get EIO in seconds, not one wait after another.
+
+Each owner's requests run on threads of its own (`submit`, FAR_THREADS): a slow owner
+(a throttled link, a busy disk) holds those, never the I/O threads that this node's
+own members, or another owner's, are read and written on.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,6 +42,8 @@ IDLE_CONNS = 16  # connections kept open to the owner between reads (windows ahe
                  # 4 members x 4 windows in flight)
 TIMEOUT_S = 30.0  # prove and each receive (a connection: CONNECT_S)
 AWAY_S = 2.0  # after a connection to the owner could not be made, calls fail at once
+FAR_THREADS = 8  # requests to one owner at once from this node's I/O (as many as the
+                 # shared I/O pool has on two CPUs: an owner's share is not cut)
 
 
 _CHANGES = {b"WRIT": "write", b"SYNC": "sync", b"TRUN": "truncate", b"REMV": "remove"}
@@ -73,6 +80,7 @@ class RemoteMembers:
         self._lock = threading.Lock()
         self._said: str | None = None  # the last failure logged (once per kind)
         self._away: tuple[float, str] | None = None  # unreachable until, and why
+        self._threads: ThreadPoolExecutor | None = None  # (`submit`, made on first use)
 
     def update(self, owner: Owner | None) -> None:
         """A new view of the owner; connections to another epoch or address are closed."""
@@ -88,6 +96,15 @@ class RemoteMembers:
             log.warning("node %s (%s, epoch %d) serves its members again", owner.node,
                         owner.addr, owner.epoch)
             self._said = None
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `fn(*args)` (a call of this owner's) on this owner's threads."""
+        if self._threads is None:
+            with self._lock:
+                if self._threads is None:
+                    self._threads = ThreadPoolExecutor(FAR_THREADS,
+                                                       thread_name_prefix="mxfs-far")
+        return self._threads.submit(fn, *args)
 
     def read(self, ino: int, member: int, offset: int, views: list[memoryview]) -> None:
         """Fill `views`, in order, from the chunk file of `ino` on `member` at `offset`;
