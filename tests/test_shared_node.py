@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import base64
+import contextlib
 import errno
 import json
 import os
@@ -32,11 +33,13 @@ from conftest import (
     make_members,
     mkfs,
     module_pool,
+    mount_with,
     mounted_pool,
     mxfs,
     one_line_error,
     raw_socket,
 )
+from users import PRELUDE, ensure_users, run_as
 
 from mxfs.client import ControlClient
 from mxfs.fs.foreign_fds import Closer
@@ -387,6 +390,120 @@ def test_a_connection_with_many_leases_lets_them_go_while_others_are_served(
             seen.append(pinned(other))
         other.call("kv_ns_remove", namespace="leased")
     assert any(0 < k < n for k in seen), f"nobody was served meanwhile: {seen[:3]}..."
+
+
+@contextlib.contextmanager
+def _slow_member(tmp_path: Path, bps: int) -> Iterator[tuple[str, Callable[[int], None]]]:
+    """A member on an ext4 image on a loop device, and a call that holds a process's
+    reads of that device to `bps` bytes a second (a v1 block-I/O cgroup): a slow drive."""
+    cgroups = Path("/sys/fs/cgroup/blkio")
+    if not (cgroups / "blkio.throttle.read_bps_device").exists():
+        pytest.skip("needs the v1 block-I/O cgroup")
+    img, folder = tmp_path / "slow.img", tmp_path / "slow"
+    with open(img, "wb") as f:
+        f.truncate(128 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True,
+                   capture_output=True)
+    folder.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(img), str(folder)], check=True)
+    cg = cgroups / f"mxfs-test-slow-{os.getpid()}"
+    try:
+        source = subprocess.run(["findmnt", "-no", "SOURCE", str(folder)], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        dev = os.stat(source).st_rdev
+        cg.mkdir()
+        (cg / "blkio.throttle.read_bps_device").write_text(
+            f"{os.major(dev)}:{os.minor(dev)} {bps}")
+        yield str(folder), lambda pid: (cg / "cgroup.procs").write_text(str(pid))
+    finally:
+        if cg.exists():
+            for pid in (cg / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (cgroups / "cgroup.procs").write_text(pid)
+            cg.rmdir()
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+_ALICE_READS = """
+import mmap, sys, threading, time
+path, n = sys.argv[1], int(sys.argv[2])
+out = threading.Lock()
+def reader(i):
+    buf = mmap.mmap(-1, 128 << 10)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    off = i * (n // 8)
+    while True:
+        os.preadv(fd, [buf], off)
+        off = off + (128 << 10) if off + (256 << 10) <= (i + 1) * (n // 8) else i * (n // 8)
+        with out:
+            print(time.monotonic(), flush=True)
+for i in range(8):
+    threading.Thread(target=reader, args=(i,), daemon=True).start()
+time.sleep(600)
+"""
+
+_BOB_READS = """
+import time
+path = sys.argv[1]
+start = time.monotonic()
+data = open(path, "rb").read()
+print(json.dumps([start, time.monotonic(), len(data)]))
+"""
+
+
+def test_one_users_flood_of_reads_leaves_another_a_thread(tmp_path: Path) -> None:
+    """Alice keeps eight cold reads of a file on a slow member in flight through a mount
+    with four I/O threads; bob's read of a file on a fast member is served in his turn:
+    alice holds three of the four threads, and none of her reads need finish during
+    his.  First come first served, his read waited until five of hers had (the threads
+    went to whoever asked first)."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    fast = make_members(tmp_path / "fast", 1)[0]
+    with _slow_member(tmp_path, 1_000_000) as (slow, throttle):
+        mkfs([fast, slow], "64KiB")
+        with mount_with([fast, slow], "io_threads=4") as m:
+            big = m.path / "alice.bin"
+            big.write_bytes(os.urandom(16 << 20))
+            os.chown(big, alice.uid, alice.gid)
+            (m.path / "bob").mkdir()
+            mxfs("setstripe", "--width", "1", str(m.path / "bob"))
+            small = next(p for p in (m.path / "bob" / f"{i}.bin" for i in range(16))
+                         if p.write_bytes(b"b" * 100_000) and
+                         _first_member(m, p) == 0)
+            os.chown(small, bob.uid, bob.gid)
+            for chunk in Path(slow).rglob("chunks/*/*"):
+                fd = os.open(chunk, os.O_RDONLY)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            throttle(m.daemon_pid())
+            flood = _as(alice, _ALICE_READS, str(big), str(16 << 20))
+            try:
+                done: list[float] = []
+                taker = threading.Thread(target=lambda: done.extend(
+                    float(line) for line in flood.stdout), daemon=True)  # type: ignore
+                taker.start()
+                assert eventually(lambda: len(done) >= 8, 30), "alice's reads never came"
+                start, end, n = run_as(bob, _BOB_READS, str(small))
+                assert n == 100_000
+                during = sum(1 for t in list(done) if start <= t <= end)
+                assert during <= 2, f"{during} of alice's reads finished during bob's"
+            finally:
+                flood.kill()
+                flood.wait()
+
+
+def _first_member(m: Mounted, path: Path) -> int:
+    with ControlClient(str(m.path)) as c:
+        return int(c.layout(str(path))["layout"]["first_member"])
+
+
+def _as(user: Any, script: str, *args: str) -> subprocess.Popen[str]:
+    """`script` (after users.PRELUDE) run as `user` in the background, stdout piped."""
+    code = PRELUDE.format(uid=user.uid, gid=user.gid, groups=tuple(user.groups)) + script
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                            text=True)
 
 
 @pytest.mark.unit

@@ -15,6 +15,7 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,17 @@ import trio
 from conftest import Mounted, eventually
 
 from mxfs.client.direct import open_reader
-from mxfs.fs.write_behind import WriteBehind
+from mxfs.fs.write_behind import Run, WriteBehind
 
 
 def run_queue(body) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await body(nursery, WriteBehind(depth=3), trio.CapacityLimiter(8))
+            limiter = trio.CapacityLimiter(8)
+
+            async def run(write: Callable[[], None]) -> None:
+                await trio.to_thread.run_sync(write, limiter=limiter)
+            await body(nursery, WriteBehind(depth=3), run)
     trio.run(main)
 
 
@@ -41,7 +46,7 @@ def test_writes_land_in_arrival_order_and_drain_waits_for_all() -> None:
         gates[i].wait(10)
         landed.append(i)
 
-    async def body(nursery: trio.Nursery, q: WriteBehind, lim: trio.CapacityLimiter) -> None:
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
         for i in range(3):
             await q.submit(nursery, lambda i=i: write(i), lim)
         assert q.pending == 3
@@ -61,7 +66,7 @@ def test_depth_bounds_the_writes_held() -> None:
     gate = threading.Event()
     started = []
 
-    async def body(nursery: trio.Nursery, q: WriteBehind, lim: trio.CapacityLimiter) -> None:
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
         for _ in range(3):
             await q.submit(nursery, gate.wait, lim)
 
@@ -86,7 +91,7 @@ def test_the_daemons_budget_bounds_what_all_queues_hold() -> None:
     gate = threading.Event()
     started = []
 
-    async def body(nursery: trio.Nursery, q: WriteBehind, lim: trio.CapacityLimiter) -> None:
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
         budget = trio.Semaphore(2)
         files = [WriteBehind(depth=3, budget=budget) for _ in range(3)]
         await files[0].submit(nursery, gate.wait, lim)
@@ -117,7 +122,7 @@ def test_a_failure_is_raised_once_by_the_next_write_and_a_bug_is_eio() -> None:
     def bug() -> None:
         raise KeyError("a bug")
 
-    async def body(nursery: trio.Nursery, q: WriteBehind, lim: trio.CapacityLimiter) -> None:
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
         await q.submit(nursery, full, lim)
         await q.drain()
         with pytest.raises(OSError) as e:

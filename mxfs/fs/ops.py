@@ -13,6 +13,7 @@ requests go on.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
+from mxfs.fs.fair import RoundRobin
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
@@ -136,10 +138,16 @@ class MxfsOperations(pyfuse3.Operations):
         self.noatime = noatime
         self.handles: dict[int, Handle] = {}
         self.next_fh = 1
+        # Data I/O runs on `io_threads` worker threads, handed out by the opener's uid in
+        # turn (one uid, but root, holds 3 in 4): a user with dozens of reads in flight
+        # makes another's wait for a thread, not behind all of them.  Files with stripes
+        # on other nodes' members have threads of their own: a slow node must not hold
+        # those this node's own files are served on.
         self.limiter = trio.CapacityLimiter(io_threads)
-        # Files with stripes on other nodes' members wait on those nodes: a slow one
-        # must not hold the threads this node's own files are served on.
         self.far_limiter = trio.CapacityLimiter(io_threads)
+        per_user = max(1, io_threads * 3 // 4)
+        self.io_turns = RoundRobin(io_threads, per_user)
+        self.far_turns = RoundRobin(io_threads, per_user)
         # Where writes land behind their answers (set by the daemon once trio runs;
         # without it, or with the writeback cache, each write lands before its answer).
         self.nursery: trio.Nursery | None = None
@@ -393,17 +401,22 @@ class MxfsOperations(pyfuse3.Operations):
         buf = bytearray(n)
         assert entry.chunks is not None
         await self.settle(node.ino)
-        await trio.to_thread.run_sync(entry.chunks.read, off, memoryview(buf),
-                                      limiter=self._limiter(entry.chunks))
+        await self._io(entry.chunks, self.handles[fh].uid, entry.chunks.read, off,
+                       memoryview(buf))
         if not self.noatime:
             self._relatime(node)
         # pyfuse3 replies with any buffer (PyObject_GetBuffer), though its stub says bytes;
         # bytes(buf) would copy every read once more
         return buf  # type: ignore[return-value]
 
-    def _limiter(self, chunks: ChunkFiles) -> trio.CapacityLimiter:
-        """The threads `chunks`' I/O runs on: its own for files on other nodes."""
-        return self.far_limiter if chunks.far else self.limiter
+    async def _io(self, chunks: ChunkFiles, uid: int, fn: Callable[..., T], *args: Any
+                  ) -> T:
+        """`fn(*args)`, I/O of `chunks`, on a worker thread in `uid`'s turn (threads of
+        their own for files on other nodes)."""
+        turns, limiter = (self.far_turns, self.far_limiter) if chunks.far else \
+            (self.io_turns, self.limiter)
+        async with turns.slot(uid):
+            return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
 
     def _relatime(self, node: Inode) -> None:
         if self.store.readonly:  # reads go on where changes are refused (a fenced daemon)
@@ -432,10 +445,10 @@ class MxfsOperations(pyfuse3.Operations):
                     self.write_behind, self.far_budget if chunks.far else self.behind_budget)
             await behind.submit(self.nursery,
                                 lambda: chunks.write(off, memoryview(buf), pieces),
-                                self._limiter(chunks))
+                                functools.partial(self._io, chunks, handle.uid))
         else:
-            await trio.to_thread.run_sync(entry.chunks.write, off, memoryview(buf),
-                                          limiter=self._limiter(entry.chunks))
+            await self._io(entry.chunks, handle.uid, entry.chunks.write, off,
+                           memoryview(buf))
         if off + len(buf) > node.size:
             self.store.touch(node, size=off + len(buf))
         if not self.enable_writeback_cache:
@@ -461,8 +474,7 @@ class MxfsOperations(pyfuse3.Operations):
         entry = handle.entry
         await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
-            await trio.to_thread.run_sync(entry.chunks.sync, datasync,
-                                          limiter=self._limiter(entry.chunks))
+            await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync)
         self.store.flush(entry.node)
         await self._durable()
         handle.heard_losses(self.store.groups_lost)

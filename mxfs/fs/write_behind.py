@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -29,6 +29,10 @@ DEPTH = 4  # queued writes per inode: 4 MiB of 1 MiB requests held at most
 # Queued writes in the whole daemon, whatever the number of files written at once (a
 # user opening thousands must not fill the daemon's memory): 64 MiB at most.
 BUDGET = 64
+
+# How a write runs: `run(write)` calls the blocking `write` in a worker thread (the
+# daemon's: in its opener's turn for I/O threads, `MxfsOperations._io`).
+Run = Callable[[Callable[[], None]], Awaitable[None]]
 
 
 class WriteBehind:
@@ -48,10 +52,10 @@ class WriteBehind:
     def pending(self) -> int:
         return self._pending
 
-    async def submit(self, nursery: trio.Nursery, write: Callable[[], None],
-                     limiter: trio.CapacityLimiter) -> None:
-        """Queue `write` (blocking, run in a worker thread) behind the earlier ones;
-        waits only while DEPTH writes are queued.  Raises a failure of an earlier one."""
+    async def submit(self, nursery: trio.Nursery, write: Callable[[], None], run: Run
+                     ) -> None:
+        """Queue `write` (blocking, landed by `run`) behind the earlier ones; waits only
+        while DEPTH writes are queued.  Raises a failure of an earlier one."""
         self.raise_error()
         await self._slots.acquire()
         if self._budget is not None:
@@ -65,16 +69,16 @@ class WriteBehind:
         if self._pending == 0:
             self._idle = trio.Event()
         self._pending += 1
-        nursery.start_soon(self._land, before, done, write, limiter)
+        nursery.start_soon(self._land, before, done, write, run)
 
     async def _land(self, before: trio.Event | None, done: trio.Event,
-                    write: Callable[[], None], limiter: trio.CapacityLimiter) -> None:
+                    write: Callable[[], None], run: Run) -> None:
         # Shielded: an acknowledged write is finished even while the daemon stops.
         with trio.CancelScope(shield=True):
             try:
                 if before is not None:
                     await before.wait()
-                await trio.to_thread.run_sync(write, limiter=limiter)
+                await run(write)
             except OSError as e:
                 self.error = self.error or e
             except Exception:  # a bug must not end the daemon: the writer gets EIO
