@@ -1342,7 +1342,8 @@ def _chunk(member: str, ino: int) -> Path:
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",
-                        r"serves its members again", r"is left there")
+                        r"serves its members again", r"is left there",
+                        r"chunk files of removed files")
 def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
         tmp_path: Path, pg_cluster: Any) -> None:
     """A pool made with two of its members on node b (`mxfs mkfs --member b:PATH`):
@@ -1350,7 +1351,8 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
     own members, and a directory set --across-nodes on every member, whose stripes on
     b it writes, syncs, cuts and removes through b's chunk service; each node reads
     every stripe (its own locally, the other's through it).  With b dead, what has
-    stripes there reads EIO on the writer, and files on its own members read on."""
+    stripes there reads EIO on the writer, and files on its own members read on; a file
+    removed meanwhile leaves its chunk files on b, which b removes once back."""
     url = pg_cluster.database()
     mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
     mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
@@ -1413,6 +1415,9 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
                               not _chunk(theirs[1], ino).exists(), 15)
             later = os.urandom(2 << 20)
             (a.path / "models" / "later.bin").write_bytes(later)
+            (a.path / "models" / "gone.bin").write_bytes(os.urandom(1 << 20))
+            gone = _used(a, a.path / "models" / "gone.bin")[0]
+            assert _chunk(theirs[0], gone).exists()
             assert _cold(b.path / "own.bin") == own
             # b dies: its stripes read EIO on the writer, never other bytes; files on
             # the writer's own members read on; b back (a new epoch), all read again.
@@ -1422,11 +1427,19 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
             with pytest.raises(OSError) as e:
                 (a.path / "models" / "new.bin").write_bytes(os.urandom(1 << 20))
             assert e.value.errno == errno.EIO
+            # A file removed meanwhile: its chunk files on b cannot be removed now ...
+            (a.path / "models" / "gone.bin").unlink()
+            assert eventually(lambda: not _chunk(mine[0], gone).exists(), 15)  # (then b's)
+            assert _chunk(theirs[0], gone).exists()
             mxfs("umount", str(b.path), check=False)
+        # ... b removes them itself once back (here once a second old, not an hour).
         with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
-                        prefix=net.enter, check=False) as b:
+                        "stray_s=1", prefix=net.enter, check=False) as b:
+            assert eventually(lambda: not _chunk(theirs[0], gone).exists() and
+                              not _chunk(theirs[1], gone).exists(), 15)
             assert eventually(lambda: _cold(a.path / "models" / "later.bin") == later, 20)
             assert _cold(b.path / "models" / "later.bin") == later
+            assert _chunk(theirs[0], _used(a, a.path / "models" / "later.bin")[0]).exists()
             (a.path / "models" / "new.bin").unlink(missing_ok=True)
 
 

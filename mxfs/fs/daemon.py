@@ -44,6 +44,8 @@ OWN_OPTIONS = (*NUMBERS, *FLAGS, *TEXTS)
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
+STRAY_S = 3600  # a node removes chunk files without an inode once this old (stray_s=S)
+STRAY_SWEEP_S = 3600  # ... looking for them at mount and this often (stray_s if less)
 RECLAIM_BITE = 512  # orphans freed a round (every GROUP_COMMIT_S / 2): 20,000 a second
 
 # Called once: with the error that stopped the mount, or None and warnings for the user.
@@ -94,6 +96,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
         write_behind = int(own.get("write_behind", DEPTH))
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
+        stray_s = int(own.get("stray_s") or STRAY_S)
         metrics_port = int(own.get("metrics_port") or 0)
         # Loopback unless the operator names an address: /metrics has no authentication.
         metrics_addr = own.get("metrics_addr") or "127.0.0.1"
@@ -215,7 +218,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 views = control.kv.follower.views  # (kept by the feed: fs/kv_views.py)
                 feed.on_kv = views.from_feed
                 views.live = lambda: feed.kernel.feed_live
-            daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed, gauges)
+            daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed, gauges,
+                            stray_s)
             trio.run(daemon.serve, lambda: ready(None, notes))
             clean = True
         finally:
@@ -248,6 +252,7 @@ class Daemon:
     chunks: ChunkService | None = None  # -o chunk_port: this node's ranges, to the others
     feed: FeedFollower | None = None  # a reading node's: the writer's changes, as they commit
     gauges: Gauges | None = None  # /metrics' pool gauges, gathered on this loop
+    stray_s: int = STRAY_S  # a node's chunk files without an inode: removed this old
 
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks, each run until the mount ends."""
@@ -260,6 +265,8 @@ class Daemon:
             tasks.append(self.control.wake.run)
         if self.feed is not None:
             tasks.append(self.feed.run)
+        if self.vol.pool.node and self.vol.pool.local_members():  # a node's own members
+            tasks.append(self._sweep_strays)
         if self.vol.store.feed is not None:  # a writer whose pool other nodes may mount
             tasks += [self._prune_feed, self._publish_stats]
         return tasks
@@ -373,6 +380,18 @@ class Daemon:
             except Exception as e:
                 failures.note("stats", None, e, trace=not isinstance(e, OSError))
             await trio.sleep(STATS_EVERY_S)
+
+    async def _sweep_strays(self) -> None:
+        """At mount and every `stray_s` (an hour at most): chunk files on this node's members whose
+        file the writer removed while it could not reach this node (`Volume.sweep_strays`,
+        in a worker thread)."""
+        failures = FailureLog(log)
+        while True:
+            try:
+                await trio.to_thread.run_sync(self.vol.sweep_strays, self.stray_s)
+            except Exception as e:  # the store away a while, say: the next round tries
+                failures.note("stray sweep", None, e, trace=not isinstance(e, OSError))
+            await trio.sleep(min(STRAY_SWEEP_S, self.stray_s))
 
     async def _backups(self) -> None:
         """Copy the metadata store to the next member every `backup_s` seconds."""

@@ -578,6 +578,37 @@ class Volume:
                         len(report.trimmed))
         return report
 
+    def sweep_strays(self, older_than_s: float) -> int:
+        """(Blocking; a node holding members.)  Remove the chunk files on this node's
+        members whose inode the pool no longer has and that nothing changed for
+        `older_than_s`; how many.  The writer removes a file's chunk files on other
+        nodes through their owners, and an owner it could not reach then (dead, cut
+        off) kept them.  Inode numbers are never reused, so a file without a row now
+        never gets one; the age spares a file whose row the writer has not committed
+        yet.  The rows are read on a connection of its own."""
+        cutoff = time.time() - older_than_s
+        with contextlib.closing(MetaStore.open(self.pool.meta_location, readonly=True)) \
+                as store:
+            inodes = inode_numbers(store)
+        removed = 0
+        for member, ino in self.pool.iter_chunks():
+            if ino in inodes:
+                continue
+            path = self.pool.chunk_path(member, ino)
+            try:
+                st = os.stat(path)
+                if max(st.st_mtime, st.st_ctime) > cutoff:
+                    continue
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            removed += 1
+        if removed:
+            log.warning("removed %d chunk files of removed files from node %s's members "
+                        "(their removal could not reach this node then)", removed,
+                        self.pool.node)
+        return removed
+
     def problems(self) -> list[str]:
         """Every broken invariant: the store's own, plus chunk files without a live file."""
         problems = [p.text for p in store_problems(self.store)]
