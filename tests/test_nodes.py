@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import netns
 import psycopg
 import pytest
 import torch
@@ -1494,3 +1495,42 @@ def test_a_slow_owner_holds_only_the_files_striped_over_it(tmp_path: Path,
             for i, blob in enumerate(blobs):
                 assert _cold(a.path / "models" / f"{i}.bin") == blob
             assert _cold(b.path / "models" / "0.bin") == blobs[0]
+
+
+def test_three_nodes_load_a_model_striped_over_two_owners(tmp_path: Path,
+                                                          pg_cluster: Any) -> None:
+    """Writer a and node b each hold two members; node c holds none.  A model written on
+    a into a directory set --across-nodes loads equal on b and on c: c reads a's
+    stripes through a's chunk service and b's through b's (nodes in two namespaces,
+    routed through the host), b reads its own and a's."""
+    url = pg_cluster.database()
+    mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
+    mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
+    with node_net() as net_b, node_net() as net_c, netns.forwarding(), \
+            mounted_pool(mine, *WRITER, f"chunk_addr={net_b.host_ip}") as a:
+        key = str(Path(mine[0], KEY_NAME))
+        config_b = str(tmp_path / "b" / "node.toml")
+        mxfs("node", "add", "--meta", url, "--key", key, "--name", "b", "--config",
+             config_b, "--member", theirs[0], "--member", theirs[1])
+        with mount_with([config_b], "lease_s=3", "chunk_port=0",
+                        f"chunk_addr={net_b.node_ip}", prefix=net_b.enter, check=False) as b, \
+                mount_with([_join(tmp_path, url, key, "c")], "lease_s=3",
+                           prefix=net_c.enter, check=False) as c:
+            (a.path / "models").mkdir()
+            mxfs("setstripe", "--across-nodes", str(a.path / "models"))
+            gen = torch.Generator().manual_seed(3)
+            tensors = {f"layer{i}.weight": torch.randn(512, 1024, generator=gen)
+                       for i in range(6)}  # 12 MiB over four members of two nodes
+            save_file(tensors, str(a.path / "models" / "m.safetensors"))
+            assert _used(a, a.path / "models" / "m.safetensors")[1] == {0, 1, 2, 3}
+            data = (a.path / "models" / "m.safetensors").read_bytes()
+            served_a, served_b = _served(a), _served(b)
+            for node in (b, c):
+                path = node.path / "models" / "m.safetensors"
+                assert eventually(lambda path=path: _cold(path) == data, 15)
+                got = load_file(str(path))
+                assert got.keys() == tensors.keys()
+                assert all(torch.equal(got[k], v) for k, v in tensors.items())
+            assert _served(a) > served_a and _served(b) > served_b  # (both owners served)
+            assert eventually(lambda: _status(c)["nodes"] and all(
+                n["state"] == "alive" for n in _status(c)["nodes"]), 10)

@@ -73,7 +73,10 @@ def node_net(tag: str, subnet: str) -> Iterator[NodeNet]:
              ["ip", "netns", "exec", net.ns, "ip", "addr", "add", f"{net.node_ip}/24", "dev",
               peer],
              ["ip", "netns", "exec", net.ns, "ip", "link", "set", peer, "up"],
-             ["ip", "netns", "exec", net.ns, "ip", "link", "set", "lo", "up"]]
+             ["ip", "netns", "exec", net.ns, "ip", "link", "set", "lo", "up"],
+             # Other nodes' subnets through the host (which forwards while `forwarding`).
+             ["ip", "netns", "exec", net.ns, "ip", "route", "add", "default", "via",
+              net.host_ip]]
     try:
         for step in steps:
             subprocess.run(step, check=True, capture_output=True)
@@ -81,6 +84,22 @@ def node_net(tag: str, subnet: str) -> Iterator[NodeNet]:
     finally:
         subprocess.run(["ip", "link", "del", net.link], capture_output=True)
         subprocess.run(["ip", "netns", "del", net.ns], capture_output=True)
+
+
+@contextmanager
+def forwarding() -> Iterator[None]:
+    """The host forwards between its links while inside: nodes in two namespaces reach
+    each other (each routes through the host), as nodes on one network do."""
+    path = "/proc/sys/net/ipv4/ip_forward"
+    with open(path) as f:
+        before = f.read().strip()
+    with open(path, "w") as f:
+        f.write("1")
+    try:
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(before)
 
 
 def usable() -> bool:
