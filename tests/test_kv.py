@@ -313,6 +313,30 @@ def test_pin_says_which_keys_it_leased(mounted: Mounted) -> None:
         assert kv.usage()["pinned"] == 0
 
 
+def test_a_lease_on_a_chunk_gone_since_ends_nobody_elses(mounted: Mounted) -> None:
+    """A connection's lease on a chunk that was deleted and put again under its key is
+    on the old chunk: ending it (unpinning, or closing the connection) leaves another
+    connection's lease on the new chunk standing.  Both are by key, and the first
+    connection's unpin ended the second's before."""
+    with KVStore(str(mounted.path), "relet") as kv, KVStore(str(mounted.path), "relet") as a:
+        kv.put("k", blob(1, 1000))
+        kv.put("j", blob(2, 1000))
+        assert a.pin(["k", "j"]) == [True, True]
+        assert kv.delete("k") and kv.delete("j")
+        kv.put("k", blob(3, 1000))
+        kv.put("j", blob(4, 1000))
+        with KVStore(str(mounted.path), "relet") as b:
+            assert b.pin(["k", "j"]) == [True, True]
+            assert kv.usage()["pinned"] == 2
+            a.unpin(["k"])
+            assert kv.usage()["pinned"] == 2  # b's leases on both stand
+            a.close()
+            assert kv.usage()["pinned"] == 2
+            b.unpin(["k"])
+            assert kv.usage()["pinned"] == 1
+        assert eventually(lambda: kv.usage()["pinned"] == 0)
+
+
 SHARER = r"""
 import sys
 import time

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import BITE, Slice, in_bites
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
 from mxfs.fs.kv_claims import CLAIM_S, Claims
@@ -33,6 +34,7 @@ from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
     Answer,
     Handler,
+    Lease,
     Pending,
     Reply,
     Session,
@@ -157,9 +159,10 @@ class KVOps:
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
         self.claims = Claims(self.limits.max_kv_claims_per_user)  # keys being computed
         # Closed connections' pins and claims still to end (`let_go`).
-        self._letting_go: deque[tuple[Session, list[tuple[tuple[str, bytes], int]],
+        self._letting_go: deque[tuple[Session, list[tuple[tuple[str, bytes], Lease]],
                                       list[tuple[str, bytes]]]] = deque()
         self._let_go_wake = trio.Event()
+        self._failures = FailureLog(log)
         # Other nodes' connections that hold claims or pins here (KCLM, KPIN:
         # `fs/chunk_service.py`), and for those that pinned, their node and its epoch.
         self._holders: dict[bytes, Session] = {}
@@ -707,11 +710,24 @@ class KVOps:
                           "leases, the limit (mount option max_pins_per_user)")
 
     def _lease(self, session: Session, space: Namespace, key: bytes, chunk: Chunk) -> None:
-        """A read lease of `session` on `key`'s chunk: eviction skips it until unpinned."""
+        """A read lease of `session` on `key`'s chunk: eviction skips it until unpinned.
+        Leases the session held on a chunk put before under the key (dropped since,
+        its leases with it) are no longer counted."""
+        held = session.pins.get((space.name, key))
+        if held is None or held.chunk is not chunk:
+            if held is not None:
+                self._uncount(session, held.n)
+            held = session.pins[(space.name, key)] = Lease(chunk)
         space.pin(chunk)
-        session.pins[(space.name, key)] += 1
+        held.n += 1
         session.pinned += 1
         self.pinned_by_uid[session.caller.uid] += 1
+
+    def _uncount(self, session: Session, n: int) -> None:
+        session.pinned -= n
+        self.pinned_by_uid[session.caller.uid] -= n
+        if self.pinned_by_uid[session.caller.uid] <= 0:
+            del self.pinned_by_uid[session.caller.uid]
 
     async def _open_all(self, nodes: list[Inode], odirect: bool
                         ) -> list[tuple[ReadFds, list[int]]]:
@@ -760,14 +776,18 @@ class KVOps:
             chunks.close()
 
     def _unpin(self, session: Session, space: Namespace, keys: list[bytes]) -> None:
+        """End one of `session`'s read leases on each of `keys` it holds one on (on the
+        chunk it leased: one put again under the key since is not touched)."""
         for key in keys:
-            if session.pins[(space.name, key)] > 0:
-                session.pins[(space.name, key)] -= 1
-                session.pinned -= 1
-                self.pinned_by_uid[session.caller.uid] -= 1
-                chunk = space.chunks.get(key)
-                if chunk is not None:
-                    space.unpin(chunk)
+            held = session.pins.get((space.name, key))
+            if held is None:
+                continue
+            held.n -= 1
+            if not held.n:
+                del session.pins[(space.name, key)]
+            self._uncount(session, 1)
+            if space.chunks.get(key) is held.chunk:
+                space.unpin(held.chunk)
 
     def release(self, session: Session) -> None:
         """The connection closed: its read leases and claims end (and on a reading
@@ -777,7 +797,7 @@ class KVOps:
         between; until then they count against their uid's limits as before."""
         if self.forward is not None:
             self.forward.release(session)
-        pins, session.pins, session.pinned = list(session.pins.items()), Counter(), 0
+        pins, session.pins, session.pinned = list(session.pins.items()), {}, 0
         claims = self.claims.take(session)
         if len(pins) + len(claims) <= RELEASED_AT_ONCE:
             self.claims.end(session, claims)
@@ -794,22 +814,24 @@ class KVOps:
             self._let_go_wake = trio.Event()
             while self._letting_go:
                 session, pins, claims = self._letting_go.popleft()
-                async for some in in_bites(claims, BITE):
-                    self.claims.end(session, some)
-                async for bite in in_bites(pins, BITE):
-                    self._unpin_all(session.caller.uid, bite)
+                try:
+                    async for some in in_bites(claims, BITE):
+                        self.claims.end(session, some)
+                    async for bite in in_bites(pins, BITE):
+                        self._unpin_all(session.caller.uid, bite)
+                except Exception as e:  # a bug: logged, the daemon and the next go on
+                    self._failures.note("release", session.caller, e)
 
-    def _unpin_all(self, uid: int, pins: Sequence[tuple[tuple[str, bytes], int]]) -> None:
-        """End `uid`'s read leases `pins` ((namespace, key): how many) of a closed
-        connection."""
+    def _unpin_all(self, uid: int, pins: Sequence[tuple[tuple[str, bytes], Lease]]) -> None:
+        """End `uid`'s read leases `pins` of a closed connection: on each chunk it
+        leased that is still its namespace's (a chunk dropped since had its leases
+        dropped with it; one put again under the key is another's)."""
         ended = 0
-        for (ns, key), n in pins:
+        for (ns, key), held in pins:
             space = self.index.spaces.get(ns)
-            chunk = space.chunks.get(key) if space is not None else None
-            if chunk is not None:
-                assert space is not None
-                space.unpin(chunk, n)
-            ended += n
+            if space is not None and space.chunks.get(key) is held.chunk:
+                space.unpin(held.chunk, held.n)
+            ended += held.n
         self.pinned_by_uid[uid] -= ended
         if self.pinned_by_uid[uid] <= 0:
             del self.pinned_by_uid[uid]

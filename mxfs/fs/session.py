@@ -16,6 +16,7 @@ from mxfs.meta import Inode
 from mxfs.pool.revoke import writers_remain
 from mxfs.proto.messages import ReadFds
 from mxfs.vol.access import Caller
+from mxfs.vol.kv_index import Chunk
 from mxfs.vol.quota import Quotas
 from mxfs.vol.volume import OpenInode, Volume
 
@@ -36,6 +37,15 @@ class Pending:
     overdrawn: bool = False  # its chunk files were cut back: it wrote past `declared`
 
 
+@dataclass(slots=True)
+class Lease:
+    """A connection's read leases on one chunk: the chunk itself (a chunk put again
+    under its key is another, whose leases are others'), and how many."""
+
+    chunk: Chunk
+    n: int = 0
+
+
 @dataclass
 class Session:
     """One control connection: who is calling and what it holds."""
@@ -44,7 +54,7 @@ class Session:
     # Unpublished files of every connection by uid (the server's one tally).
     pending_by_uid: Counter[int] = field(default_factory=Counter)
     pending: dict[int, Pending] = field(default_factory=dict)
-    pins: Counter[tuple[str, bytes]] = field(default_factory=Counter)  # KV read leases
+    pins: dict[tuple[str, bytes], Lease] = field(default_factory=dict)  # KV read leases
     pinned: int = 0  # their sum
     conn: Any = None  # the socket (asked how much of what it sent is unread)
     sent_fds: int = 0  # descriptors sent in replies the peer may not have read yet
