@@ -1433,9 +1433,12 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
             assert eventually(lambda: not _chunk(mine[0], gone).exists(), 15)  # (then b's)
             assert _chunk(theirs[0], gone).exists()
             mxfs("umount", str(b.path), check=False)
-        # ... b removes them itself once back (here once a second old, not an hour).
+            for folder in theirs:  # (as if b had been away two hours: strays once an hour old)
+                old = time.time() - 7200
+                os.utime(_chunk(folder, gone), (old, old))
+        # ... b removes them itself once back.
         with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
-                        "stray_s=1", prefix=net.enter, check=False) as b:
+                        prefix=net.enter, check=False) as b:
             assert eventually(lambda: not _chunk(theirs[0], gone).exists() and
                               not _chunk(theirs[1], gone).exists(), 15)
             assert eventually(lambda: _cold(a.path / "models" / "later.bin") == later, 20)

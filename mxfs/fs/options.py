@@ -16,7 +16,7 @@ NUMBERS: dict[str, tuple[int, int]] = {
     "io_threads": (1, 1024), "readahead": (0, 1 << 20), "write_behind": (0, 1 << 16),
     "meta_backup": (0, 1 << 31), "metrics_port": (1, 65535),
     "wake_latency_us": (0, (1 << 31) - 1), "lease_s": (2, 3600),
-    "chunk_port": (0, 65535), "stray_s": (1, 1 << 31),
+    "chunk_port": (0, 65535), "stray_s": (600, 1 << 31),
     **{name: (1, 1 << 40) for name in Limits.options()},
 }
 FLAGS = ("nonempty", "noatime", "writeback_cache", "degraded", "log_json")

@@ -669,10 +669,11 @@ class Pool:
         if far:
             self.truncate_far(ino, layout, size)
 
-    def iter_chunks(self) -> list[tuple[int, int]]:
-        """Every (member, inode) that has a chunk file, for the invariant check."""
+    def iter_chunks(self, members: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """Every (member, inode) that has a chunk file (on `members`, else on every
+        member this node holds), for the invariant check."""
         found = []
-        for m in self.members:
+        for m in self.members if members is None else [self.members[i] for i in members]:
             if m.node:
                 continue
             for sub in os.listdir(m.chunk_dir):

@@ -581,28 +581,35 @@ class Volume:
     def sweep_strays(self, older_than_s: float) -> int:
         """(Blocking; a node holding members.)  Remove the chunk files on this node's
         members whose inode the pool no longer has and that nothing changed for
-        `older_than_s`; how many.  The writer removes a file's chunk files on other
-        nodes through their owners, and an owner it could not reach then (dead, cut
-        off) kept them.  Inode numbers are never reused, so a file without a row now
-        never gets one; the age spares a file whose row the writer has not committed
-        yet.  The rows are read on a connection of its own."""
+        `older_than_s` (written to, by this node's clock: at least ten minutes, so
+        a writer whose commits stall a while keeps what it wrote); how many.  The
+        writer removes a file's chunk files on other nodes through their owners, and an
+        owner it could not reach then (dead, cut off) kept them.  Inode numbers are
+        never reused, so a file without a row now never gets one; the age spares a file
+        whose row the writer has not committed yet.  The rows are read on a connection
+        of its own; a member that cannot be listed is left to the next sweep."""
         cutoff = time.time() - older_than_s
         with contextlib.closing(MetaStore.open(self.pool.meta_location, readonly=True)) \
                 as store:
             inodes = inode_numbers(store)
         removed = 0
-        for member, ino in self.pool.iter_chunks():
-            if ino in inodes:
-                continue
-            path = self.pool.chunk_path(member, ino)
+        for m in self.pool.local_members():
             try:
-                st = os.stat(path)
-                if max(st.st_mtime, st.st_ctime) > cutoff:
-                    continue
-                os.unlink(path)
-            except FileNotFoundError:
+                found = self.pool.iter_chunks([m])
+            except OSError as e:
+                log.warning("member %d: its chunk files could not be listed (%s)", m, e)
                 continue
-            removed += 1
+            for member, ino in found:
+                if ino in inodes:
+                    continue
+                path = self.pool.chunk_path(member, ino)
+                try:
+                    if os.stat(path).st_mtime > cutoff:
+                        continue
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                removed += 1
         if removed:
             log.warning("removed %d chunk files of removed files from node %s's members "
                         "(their removal could not reach this node then)", removed,
