@@ -277,10 +277,16 @@ def node_net() -> Iterator[NodeNet]:
     if not netns.usable():
         pytest.skip("needs root, ip (iproute2) and nsenter")
     tag = f"{os.getpid() % 10000}{len(_NETS)}"
-    # A subnet of this session's own: xdist workers make theirs at the same time.
+    # A subnet of this session's own: xdist workers make theirs at the same time, and
+    # another test run on this machine may hold one (two links with one address would
+    # route a node's packets to the other run's).
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     _NETS.append(tag)
-    with netns.node_net(tag, f"10.{231 + worker % 20}.{len(_NETS) % 250}") as net:
+    subnet = next(s for s in (f"10.{231 + worker % 20}.{(len(_NETS) + k) % 250}"
+                              for k in range(250))
+                  if not subprocess.run(["ip", "-4", "-o", "addr", "show", "to", f"{s}.0/24"],
+                                        capture_output=True, text=True).stdout.strip())
+    with netns.node_net(tag, subnet) as net:
         yield net
 
 
