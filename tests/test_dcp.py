@@ -74,13 +74,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(root: Path, world: int) -> None:
+def run_ranks(roots: list[Path]) -> None:
+    """A rank a root (each the same folder of the pool, seen through its rank's mount:
+    ranks on several nodes), saving, async-saving and loading back."""
+    world = len(roots)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(root)], env={**env,
                               "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
+             for r, root in enumerate(roots)]
     for r, p in enumerate(procs):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and f"rank {r} ok" in out, err[-3000:]
@@ -90,7 +93,7 @@ def run_ranks(root: Path, world: int) -> None:
 def test_ranks_save_async_save_and_load_through_mxfs(mounted: Mounted, world: int) -> None:
     root = mounted.path / "dcp"
     root.mkdir()
-    run_ranks(root, world)
+    run_ranks([root] * world)
     for name in ("sync", "async"):
         # the manifest and one file per rank (each holds a shard of w)
         assert sorted(os.listdir(root / name)) == ["mxfs-checkpoint.json"] + [

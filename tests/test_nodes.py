@@ -17,6 +17,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -44,8 +45,10 @@ from conftest import (
 )
 from netns import NodeNet
 from safetensors.torch import save_file
+from test_dcp import run_ranks
 from users import ensure_users, run_as
 
+import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
 from mxfs.client.direct import PlainFile, RemoteFile, open_reader
 from mxfs.io import Layout
@@ -1537,3 +1540,97 @@ def test_three_nodes_load_a_model_striped_over_two_owners(tmp_path: Path,
             assert _served(a) > served_a and _served(b) > served_b  # (both owners served)
             assert eventually(lambda: _status(c)["nodes"] and all(
                 n["state"] == "alive" for n in _status(c)["nodes"]), 10)
+
+
+def _direct_write(path: Path, data: bytes) -> None:
+    import mmap
+
+    from mxfs.client.writer import create_file
+
+    buf = mmap.mmap(-1, max(4096, -(-len(data) // 4096) * 4096))
+    buf[:len(data)] = data
+    with create_file(str(path), len(data)) as w:
+        w.write_at(0, memoryview(buf), valid=len(data))
+        w.commit(len(data))
+
+
+@pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",
+                        r"serves its members again", r"is left there",
+                        r"was not told to drop")
+def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
+                                                                pg_cluster: Any) -> None:
+    """Node b holds two members: a direct write there (a file, a checkpoint) lands on
+    b's members and is named by the writer, readable on both nodes; the writer checks
+    the caller's permission as its own mount would; an abort, or a writer whose
+    connection ends, leaves no file and no chunk files; b killed with a file unwritten:
+    the writer drops it once b's lease runs out."""
+    users = ensure_users()
+    url = pg_cluster.database()
+    mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
+    mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
+    with node_net() as net, \
+            mounted_pool(mine, *WRITER, f"chunk_addr={net.host_ip}") as a:
+        key, config = str(Path(mine[0], KEY_NAME)), str(tmp_path / "b" / "node.toml")
+        mxfs("node", "add", "--meta", url, "--key", key, "--name", "b", "--config", config,
+             "--member", theirs[0], "--member", theirs[1])
+        with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
+                        prefix=net.enter, check=False) as b:
+            (a.path / "ckpt").mkdir(mode=0o755)
+            assert eventually(lambda: (b.path / "ckpt").is_dir(), 15)
+            data = os.urandom((2 << 20) + 12345)
+            _direct_write(b.path / "ckpt" / "rank1.bin", data)
+            ino, used, layout = _used(a, a.path / "ckpt" / "rank1.bin")
+            assert used == {2, 3}  # (b's own members)
+            for m, folder in ((2, theirs[0]), (3, theirs[1])):
+                assert _chunk(folder, ino).stat().st_size == layout.chunk_length(m, len(data))
+            assert not _chunk(mine[0], ino).exists()
+            assert _cold(a.path / "ckpt" / "rank1.bin") == data
+            assert eventually(lambda: _cold(b.path / "ckpt" / "rank1.bin") == data, 15)
+            with open_reader(str(b.path / "ckpt" / "rank1.bin")) as r:  # (b's descriptors)
+                assert not isinstance(r, (PlainFile, RemoteFile))  # (its own descriptors)
+                buf = bytearray(len(data))
+                r.read_into(0, memoryview(buf))
+                assert bytes(buf) == data
+            # One DCP checkpoint of two ranks, rank 0 on the writer node and rank 1 on
+            # b (each writing its shard where it runs), saved and loaded back by both.
+            run_ranks([a.path / "ckpt", b.path / "ckpt"])
+            for name in ("sync", "async"):
+                assert ck.verify(str(a.path / "ckpt" / name)) == []
+                ino1 = _used(a, a.path / "ckpt" / name / "rank-00001.safetensors")[1]
+                assert ino1 == {2, 3} and _used(
+                    a, a.path / "ckpt" / name / "rank-00000.safetensors")[1] <= {0, 1}
+            # The writer judges the caller as its own mount would.
+            res = run_as(users["alice"], """
+from mxfs.client.writer import create_file
+print(json.dumps(attempt(create_file, sys.argv[1], 10)))
+""", str(b.path / "ckpt" / "alice.bin"))
+            assert res == errno.EACCES
+            # Aborted, or the writer gone without a commit: nothing left.
+            from mxfs.client.writer import create_file
+            with create_file(str(b.path / "ckpt" / "dropped.bin"), 1 << 20) as w:
+                dropped = w.ino
+                w.abort()
+            gone = subprocess.run([sys.executable, "-c", (
+                "import os, sys\nfrom mxfs.client.writer import create_file\n"
+                "w = create_file(sys.argv[1], 1 << 20)\nprint(w.ino, flush=True)\n"
+                "os._exit(0)"), str(b.path / "ckpt" / "gone.bin")],
+                capture_output=True, text=True, check=True)
+            left = int(gone.stdout)
+            for ino_ in (dropped, left):
+                assert eventually(lambda i=ino_: not any(_chunk(f, i).exists() for f in theirs)
+                                  and not _in_store(url, i), 15)
+            assert not (a.path / "ckpt" / "dropped.bin").exists()
+            assert not (a.path / "ckpt" / "gone.bin").exists()
+            # b dies holding an unpublished file: the writer drops it after b's lease.
+            w = create_file(str(b.path / "ckpt" / "orphan.bin"), 1 << 20)
+            orphan = w.ino
+            os.kill(b.daemon_pid(), signal.SIGKILL)
+            assert eventually(lambda: _in_store(url, orphan) is False, 30)
+            mxfs("umount", str(b.path), check=False)
+        assert _cold(a.path / "ckpt" / "rank1.bin") is None  # (b gone: EIO, never zeros)
+
+
+def _in_store(url: str, ino: int) -> bool:
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT 1 FROM inodes WHERE ino = %s", (ino,)).fetchone() \
+            is not None

@@ -32,7 +32,9 @@ def mount_root(path: str) -> str | None:
     xattr, which only an mxfs root carries.
     """
     d = os.path.realpath(path)
-    if not os.path.isdir(d):
+    # A file's folder; one not there (or not seen on this node yet: another node made
+    # it a moment ago) is asked of the mount above it.
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
         d = os.path.dirname(d)
     while True:
         try:

@@ -89,6 +89,7 @@ from mxfs.proto.chunk_wire import (
     MAX_WHY,
     MAX_WRITE,
     NODE,
+    NODE_FILE_OPS,
     PROOF,
     READ_BODY,
     SCOPE_COUNT,
@@ -133,6 +134,13 @@ class NodeKV(Protocol):
                                 ) -> dict[str, Any]: ...
 
 
+class NodeFileTier(Protocol):
+    """The writer's files held for other nodes (`fs/node_files.NodeFiles`)."""
+
+    async def request(self, caller: Caller, op: str, msg: dict[str, Any]
+                      ) -> dict[str, Any]: ...
+
+
 HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
 IDLE_S = 600.0  # a connection with no request for this long is closed
 SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
@@ -172,6 +180,7 @@ class ChunkService:
         self._failures = FailureLog(log)
         self._sock: socket.socket | None = None
         self.kv: NodeKV | None = None  # the daemon's KV tier, where it has one
+        self.files: NodeFileTier | None = None  # the writer's files held for other nodes
         self.turns: Turns | None = None  # the control socket's requests in service by uid
         # The one uid whose requests are served, as on the control socket (a daemon
         # mounted without allow_other): other nodes' users are held to it too.
@@ -433,7 +442,12 @@ class ChunkService:
                 raise OSError(errno.EINVAL, f"{op[:32]}: the request is not JSON") from None
             if not isinstance(msg, dict):
                 raise OSError(errno.EINVAL, f"{op[:32]}: the request is not an object")
-            reply = await self._kv_tier().request_from_node(caller, op, msg)
+            if op in NODE_FILE_OPS:
+                if self.files is None:
+                    raise OSError(errno.EROFS, "this node names no files: ask the writer")
+                reply = await self.files.request(caller, op, msg)
+            else:
+                reply = await self._kv_tier().request_from_node(caller, op, msg)
             out = json.dumps(reply).encode()
             if len(out) > MAX_KREQ:
                 raise OSError(errno.E2BIG, f"the {op} reply is over {MAX_KREQ} bytes: ask "

@@ -75,7 +75,8 @@ class ControlServer:
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,
-                             settle=settle, remote=self.remote, reads=reads)
+                             settle=settle, remote=self.remote, reads=reads,
+                             pending_by_uid=self.pending_by_uid)
         self.meta = MetaOps(volume)
         self.status = StatusOps(volume, mountpoint, self.limits, self.listener, self.kv,
                                 self.pending_by_uid, self.metrics, wake, reads)

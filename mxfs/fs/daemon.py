@@ -208,6 +208,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                         vol.keeper.state == "held"
                 if control.kv.follower is None:  # the writer: other nodes' users put here
                     chunks.kv, chunks.turns = control.kv, control.turns
+                    chunks.files = control.files.for_nodes
                     chunks.only_uid = control.only_uid
                 control.listener.other_fds = lambda: chunks.connections if chunks else 0
                 chunks.bind()

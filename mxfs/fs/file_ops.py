@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import trio
 
 from mxfs.fs.fields import Msg, bool_field, int_field, path_field, sums_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.meta_ops import durable
+from mxfs.fs.node_files import ForwardedFiles, NodeFiles, describe
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
     Answer,
@@ -29,6 +32,7 @@ from mxfs.fs.session import (
     cut_back,
     drop_pending,
     open_hidden,
+    open_writers,
     overdrew,
     read_fds,
     refuse_if_writers,
@@ -56,8 +60,8 @@ class FileOps:
                  writeback_cache: bool = False,
                  entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
                  settle: Callable[[int], Awaitable[None]] | None = None,
-                 remote: RemoteReads | None = None, reads: StoreWorker | None = None
-                 ) -> None:
+                 remote: RemoteReads | None = None, reads: StoreWorker | None = None,
+                 pending_by_uid: Counter[int] | None = None) -> None:
         self.vol = vol
         self.mountpoint = mountpoint
         self.limits = limits
@@ -74,6 +78,11 @@ class FileOps:
         # A reading node's store reads (round trips to the server), off trio's thread:
         # the FUSE handlers' worker (`fs/ops.py`), users taking turns.
         self.reads = reads
+        # Direct writes on a node that holds members (`fs/node_files.py`): on that node,
+        # asked of the writer; on the writer, the files it holds for those nodes.
+        self.forwarded = ForwardedFiles(vol) if vol.pool.node else None
+        self.for_nodes = NodeFiles(vol, mountpoint, limits, pending_by_uid or Counter(),
+                                   self._publish) if not vol.pool.node else None
 
     def handlers(self) -> dict[str, Handler]:
         return {"layout": self.layout, "open_read": self.open_read, "create": self.create,
@@ -82,11 +91,7 @@ class FileOps:
     def _describe(self, node: Inode, sealed: bool | None = None) -> FileReply:
         if sealed is None:
             sealed = self.vol.store.is_sealed(node.ino)
-        out: FileReply = {"ino": node.ino, "size": node.apparent_size,
-                          "generation": node.generation, "mode": node.mode, "sealed": sealed}
-        if node.is_reg:
-            out["layout"] = self.vol.layout(node).describe()
-        return out
+        return describe(self.vol, node, sealed)
 
     async def _find(self, path: str, session: Session) -> tuple[Inode, bool]:
         """The inode `path` names, walked as the caller, and whether it is sealed: read
@@ -149,6 +154,9 @@ class FileOps:
         mode = int_field(msg, "mode", 0o644) & 0o7777
         exclusive = bool_field(msg, "exclusive")
         check_pending_room(session, self.limits)
+        if self.forwarded is not None:  # a node: on its own members, named by the writer
+            return await self._create_here(session, {
+                "path": path, "size": size, "mode": mode, "exclusive": exclusive})
         self.vol.quotas.room(caller.uid, size, 1)
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
@@ -161,6 +169,30 @@ class FileOps:
         entry, members, fds = open_hidden(self.vol, parent, mode, caller.uid, gid)
         session.hold(Pending(entry, path, size))
         return {**self._describe(entry.node), "members": members}, fds
+
+    async def _create_here(self, session: Session, body: dict[str, Any]
+                           ) -> Answer[CreateReply]:
+        """`create` on a node that holds members: the writer makes the hidden file on
+        this node's members (`node_create`); its chunk files are opened here."""
+        assert self.forwarded is not None
+        self.forwarded.check_writable()
+        caller = session.caller
+        made = await self.forwarded.ask(caller, "node_create", body)
+        ino = int(made["ino"])
+        try:
+            node = await self._row(ino, caller.uid)
+            entry, members, fds = open_writers(self.vol, self.vol.acquire(node))
+        except BaseException:
+            self.forwarded.abort_later(caller, ino)
+            raise
+        session.hold(Pending(entry, str(body["path"]), int(body["size"])))
+        return {**self._describe(node, False), "members": members}, fds
+
+    async def _row(self, ino: int, uid: int) -> Inode:
+        """The row of `ino` as the store holds it now (a reading node's worker)."""
+        if self.reads is None:
+            return self.vol.store.get(ino)
+        return await self.reads.run(lambda store: store.get(ino), uid)
 
     def _pending(self, msg: Msg, session: Session) -> Pending:
         pending = session.pending.get(int_field(msg, "ino"))
@@ -178,16 +210,33 @@ class FileOps:
         entry, node = pending.entry, pending.entry.node
         size = int_field(msg, "size")
         replace = bool_field(msg, "replace", True)
-        sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
+        sums_field(msg, self.vol.layout(node).unit, size)  # (checked before any work)
         overdrawn = await trio.to_thread.run_sync(overdrew, self.vol, pending)
         if size > pending.declared or overdrawn:
             drop_pending(self.vol, session, node.ino)
+            if self.forwarded is not None:
+                self.forwarded.abort_later(session.caller, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")
         await trio.to_thread.run_sync(refuse_if_writers, self.vol, pending)
         # No other request of this connection runs meanwhile (one at a time), so the
         # file is still this session's after the awaits.
         await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
+        if self.forwarded is not None:  # a node's file: the writer names and seals it
+            reply = await self.forwarded.ask(session.caller, "node_commit", {
+                **{k: msg[k] for k in ("sum_unit", "sums", "replace") if k in msg},
+                "ino": node.ino, "size": size})
+            session.let_go(node.ino)
+            self.vol.release(node.ino)
+            return reply, []  # type: ignore[return-value]
+        return await self._publish(pending, session, size, replace, msg), []
+
+    async def _publish(self, pending: Pending, session: Session, size: int, replace: bool,
+                       msg: Msg) -> FileReply:
+        """Name a settled hidden file at its path, seal it with the sums in `msg`, make
+        it durable (a node's too: `fs/node_files.py`)."""
+        entry, node = pending.entry, pending.entry.node
+        sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
         parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller,
                                           self.mountpoint)
         old = self.vol.store.entry_ino(parent.ino, name)
@@ -208,10 +257,13 @@ class FileOps:
         finally:  # the mount shows what the daemon holds, durable or not
             if self.entry_changed is not None:
                 await self.entry_changed(parent.ino, name)
-        return self._describe(node), []
+        return self._describe(node)
 
     async def abort(self, msg: Msg, session: Session) -> Answer[Empty]:
-        drop_pending(self.vol, session, self._pending(msg, session).entry.node.ino)
+        ino = self._pending(msg, session).entry.node.ino
+        drop_pending(self.vol, session, ino)
+        if self.forwarded is not None:
+            self.forwarded.abort_later(session.caller, ino)
         return {}, []
 
     async def layout(self, msg: Msg, session: Session) -> Answer[FileReply]:
@@ -225,6 +277,8 @@ class FileOps:
         for ino in list(session.pending):
             try:
                 drop_pending(self.vol, session, ino)
+                if self.forwarded is not None:
+                    self.forwarded.abort_later(session.caller, ino)
             except Exception as e:
                 failed = failed or e
         if failed is not None:
@@ -252,4 +306,6 @@ class FileOps:
                         "writers declared", cut)
         if self.vol.held.files:
             await trio.to_thread.run_sync(self.vol.held.sweep)
+        if self.for_nodes is not None:
+            self.for_nodes.sweep()
 

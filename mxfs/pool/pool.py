@@ -558,24 +558,32 @@ class Pool:
         """Every member's backup folder (recovery looks in all of them)."""
         return [os.path.join(m.path, BACKUP_DIR) for m in self.members if not m.node]
 
-    def layout_for(self, ino: int, unit: int | None = None, width: int | None = None) -> Layout:
+    def layout_for(self, ino: int, unit: int | None = None, width: int | None = None,
+                   node: str = "") -> Layout:
         """The layout a new file gets: defaults filled in, first member spread by inode.
         In a pool whose members other nodes hold too, a file stripes over this node's
-        own members unless its width asks for more (`mxfs setstripe --across-nodes`:
-        every member): checkpoint shards and KV chunks are written where they are
-        made, a model every node loads is spread over every node."""
+        own members (`node`'s, for a file that node writes) unless its width asks for
+        more (`mxfs setstripe --across-nodes`: every member): checkpoint shards and KV
+        chunks are written where they are made, a model every node loads is spread
+        over every node."""
         n = len(self.members)
-        own = [m.index for m in self.members if not m.node]
+        own = self.held_by(node)
+        if node and width is not None and width > len(own):
+            width = None  # (a node's file: on its own members, whatever the folder says)
         if own and len(own) < n and (width or 0) <= len(own):
             width = width or len(own)
             # Firsts whose `width` members (in order, around the pool) are all our own.
             mine = set(own)
             firsts = [f for f in own if all((f + k) % n in mine for k in range(width))]
             if not firsts:  # (our members not in one run: as many as one run holds)
-                return self.layout_for(ino, unit, width - 1)
+                return self.layout_for(ino, unit, width - 1, node)
             return Layout(unit or self.stripe_unit, width, firsts[ino % len(firsts)], n)
         width = min(width or n, n)
         return Layout(unit or self.stripe_unit, width, ino % n, n)
+
+    def held_by(self, node: str) -> list[int]:
+        """The members `node` holds ("": this node's own)."""
+        return [m.index for m in self.members if m.node == node]
 
     def chunk_path(self, member: int, ino: int) -> str:
         return f"{self.members[member].chunk_dir}/{ino % FANOUT:02x}/{ino}"

@@ -371,7 +371,8 @@ class Volume:
         if entry.chunks is not None:
             entry.chunks.close()
         if node.nlink == 0:
-            self._queue_reclaim(node)
+            if not self.pool.node:  # (a node's hidden files are the writer's to reclaim)
+                self._queue_reclaim(node)
             return
         self.store.flush(node)
         if entry.wrote:
@@ -393,16 +394,23 @@ class Volume:
 
     # ---- direct writes -------------------------------------------------------
 
-    def create_hidden(self, parent: Inode, mode: int, uid: int, gid: int) -> OpenInode:
-        """A file with no name yet, held open by its writer until `publish` or release.
+    def create_hidden(self, parent: Inode, mode: int, uid: int, gid: int, node: str = ""
+                      ) -> OpenInode:
+        """A file with no name yet, held open by its writer until `publish` or release,
+        on this node's members (`node`'s, for a file that node writes).
 
         It is an orphan from birth and committed before any chunk file exists, so
         a crash or a writer that goes away leaves nothing behind.
         """
         self.pool.check_meta_room(META_ROW)
-        node = self.store.create_hidden(parent.ino, mode, uid, gid, self.pick_layout)
+
+        def pick(ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
+            lay = self.pool.layout_for(ino, unit, width, node)
+            return lay.unit, lay.width, lay.first
+        node_row = self.store.create_hidden(parent.ino, mode, uid, gid,
+                                            pick if node else self.pick_layout)
         self.store.commit()
-        return self.acquire(node)
+        return self.acquire(node_row)
 
     def take_spare(self, uid: int, gid: int) -> OpenInode:
         """A committed hidden file with the root's layout, held open (`vol/spares.py`)."""
