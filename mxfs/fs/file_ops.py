@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -81,8 +82,9 @@ class FileOps:
         # Direct writes on a node that holds members (`fs/node_files.py`): on that node,
         # asked of the writer; on the writer, the files it holds for those nodes.
         self.forwarded = ForwardedFiles(vol) if vol.pool.node else None
-        self.for_nodes = NodeFiles(vol, mountpoint, limits, pending_by_uid or Counter(),
-                                   self._publish) if not vol.pool.node else None
+        self.for_nodes = NodeFiles(
+            vol, mountpoint, limits, pending_by_uid if pending_by_uid is not None
+            else Counter(), self._publish) if not vol.pool.node else None
 
     def handlers(self) -> dict[str, Handler]:
         return {"layout": self.layout, "open_read": self.open_read, "create": self.create,
@@ -156,7 +158,8 @@ class FileOps:
         check_pending_room(session, self.limits)
         if self.forwarded is not None:  # a node: on its own members, named by the writer
             return await self._create_here(session, {
-                "path": path, "size": size, "mode": mode, "exclusive": exclusive})
+                "path": path, "size": size, "mode": mode, "exclusive": exclusive,
+                "mountpoint": self.mountpoint, "token": os.urandom(12).hex()})
         self.vol.quotas.room(caller.uid, size, 1)
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
@@ -177,7 +180,11 @@ class FileOps:
         assert self.forwarded is not None
         self.forwarded.check_writable()
         caller = session.caller
-        made = await self.forwarded.ask(caller, "node_create", body)
+        try:
+            made = await self.forwarded.ask(caller, "node_create", body)
+        except BaseException:  # (made, perhaps, and its answer lost: dropped by name)
+            self.forwarded.abort_later(caller, token=str(body["token"]))
+            raise
         ino = int(made["ino"])
         try:
             node = await self._row(ino, caller.uid)
@@ -213,9 +220,7 @@ class FileOps:
         sums_field(msg, self.vol.layout(node).unit, size)  # (checked before any work)
         overdrawn = await trio.to_thread.run_sync(overdrew, self.vol, pending)
         if size > pending.declared or overdrawn:
-            drop_pending(self.vol, session, node.ino)
-            if self.forwarded is not None:
-                self.forwarded.abort_later(session.caller, node.ino)
+            self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")
         await trio.to_thread.run_sync(refuse_if_writers, self.vol, pending)
@@ -223,6 +228,7 @@ class FileOps:
         # file is still this session's after the awaits.
         await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size)
         if self.forwarded is not None:  # a node's file: the writer names and seals it
+            pending.committing = True  # (named there, perhaps, whatever comes back)
             reply = await self.forwarded.ask(session.caller, "node_commit", {
                 **{k: msg[k] for k in ("sum_unit", "sums", "replace") if k in msg},
                 "ino": node.ino, "size": size})
@@ -232,13 +238,15 @@ class FileOps:
         return await self._publish(pending, session, size, replace, msg), []
 
     async def _publish(self, pending: Pending, session: Session, size: int, replace: bool,
-                       msg: Msg) -> FileReply:
-        """Name a settled hidden file at its path, seal it with the sums in `msg`, make
-        it durable (a node's too: `fs/node_files.py`)."""
+                       msg: Msg, mountpoint: str | None = None) -> FileReply:
+        """Name a settled hidden file at its path (resolved under `mountpoint`: a node's
+        for its files, `fs/node_files.py`), seal it with the sums in `msg`, make it
+        durable."""
         entry, node = pending.entry, pending.entry.node
         sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
         parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller,
-                                          self.mountpoint)
+                                          self.mountpoint if mountpoint is None
+                                          else mountpoint)
         old = self.vol.store.entry_ino(parent.ino, name)
         if old is not None and replace:
             may_replace(parent, self.vol.store.get(old), session.caller)
@@ -260,11 +268,21 @@ class FileOps:
         return self._describe(node)
 
     async def abort(self, msg: Msg, session: Session) -> Answer[Empty]:
-        ino = self._pending(msg, session).entry.node.ino
-        drop_pending(self.vol, session, ino)
-        if self.forwarded is not None:
-            self.forwarded.abort_later(session.caller, ino)
+        self._drop(session, self._pending(msg, session).entry.node.ino)
         return {}, []
+
+    def _drop(self, session: Session, ino: int) -> None:
+        """Drop an unpublished file (on a node, the writer told too, its chunk files
+        left to the writer once its commit was sent: it may have named it)."""
+        if self.forwarded is None:
+            drop_pending(self.vol, session, ino)
+            return
+        if session.pending[ino].committing:
+            session.let_go(ino)
+            self.vol.release(ino)
+        else:
+            drop_pending(self.vol, session, ino)
+        self.forwarded.abort_later(session.caller, ino)
 
     async def layout(self, msg: Msg, session: Session) -> Answer[FileReply]:
         node, sealed = await self._find(path_field(msg), session)
@@ -276,9 +294,7 @@ class FileOps:
         failed: Exception | None = None
         for ino in list(session.pending):
             try:
-                drop_pending(self.vol, session, ino)
-                if self.forwarded is not None:
-                    self.forwarded.abort_later(session.caller, ino)
+                self._drop(session, ino)
             except Exception as e:
                 failed = failed or e
         if failed is not None:
@@ -307,5 +323,7 @@ class FileOps:
         if self.vol.held.files:
             await trio.to_thread.run_sync(self.vol.held.sweep)
         if self.for_nodes is not None:
-            self.for_nodes.sweep()
+            self.for_nodes.sweep(trio.current_time())
+        if self.forwarded is not None:
+            await self.forwarded.send_aborts()
 

@@ -10,9 +10,14 @@ the chunk files on its own members and hands their descriptors to the caller.  A
 commit b checks the writer kept to its declared size and closed every descriptor,
 cuts and syncs the chunk files, and asks the writer to name and seal the file
 (`node_commit`); an abort, or the caller's connection ending, drops it
-(`node_abort`), and the writer removes the chunk files through b's chunk service as
-for any orphan.  A node that dies leaves its unpublished files to the writer, which
-drops them once the node's lease under that epoch ran out.
+(`node_abort`, sent again each second until the writer has it), and the writer
+removes the chunk files through b's chunk service as for any orphan.  Once b sent a
+commit its chunk files are the writer's alone to remove (the writer may have named
+the file whatever answer got lost).  A request may reach the writer twice (b asks
+again on a new connection when one breaks): a create names itself with a token, a
+repeated commit is answered as the first.  A node that dies leaves its unpublished
+files to the writer, which drops them once the node's lease under that epoch has been
+gone GRACE_S (or the node joined again).
 
 `NodeFiles` is the writer's side; `ForwardedFiles` the node's (`fs/file_ops.py` calls
 it on a node that holds members).
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +47,12 @@ from mxfs.vol.volume import Volume
 log = logging.getLogger("mxfs.control")
 
 # Publishes a held file as FileOps.commit does: (pending, its session, size, replace,
-# the msg with its sums) -> its description.
-Publish = Callable[[Pending, Session, int, bool, Msg], Awaitable[FileReply]]
+# the msg with its sums, the mount point its path is resolved under) -> its description.
+Publish = Callable[[Pending, Session, int, bool, Msg, str], Awaitable[FileReply]]
+
+GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
+ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
+REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
 
 
 @dataclass
@@ -53,11 +62,17 @@ class NodeFile:
     session: Session  # (the caller's, on the writer: its limits and quotas)
     node: str
     epoch: int
+    mountpoint: str  # the node's: its caller's path (and links) are resolved under it
+    token: str  # the node's name for the create (a repeat is the same file)
+    dead_since: float | None = None  # when the node's lease was first seen gone
 
 
 class NodeFiles:
     """The writer's side: hidden files placed on other nodes' members, held for their
-    callers until those nodes commit or drop them (or die)."""
+    callers until those nodes commit or drop them (or die).  Every request may come
+    twice (a node asks again on a new connection when one breaks mid-request): a
+    repeated create gets the same file, a repeated commit the same answer, an abort of
+    a file not held is done already."""
 
     def __init__(self, vol: Volume, mountpoint: str, limits: Limits,
                  pending_by_uid: Counter[int], publish: Publish) -> None:
@@ -65,6 +80,8 @@ class NodeFiles:
         self.pending_by_uid = pending_by_uid
         self.publish = publish
         self.files: dict[int, NodeFile] = {}
+        self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
+        self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
 
     async def request(self, caller: Caller, op: str, msg: dict[str, Any]
                       ) -> dict[str, Any]:
@@ -74,81 +91,121 @@ class NodeFiles:
             raise OSError(errno.ESTALE, f"node {name} is not alive under epoch {epoch}")
         if op == "node_create":
             return dict(self._create(caller, msg, name, epoch))
-        held = self._held(caller, msg, name)
-        ino = int_field(msg, "ino")
         if op == "node_commit":
-            size = int_field(msg, "size")
-            pending = held.session.pending[ino]
-            del self.files[ino]  # (not the sweep's while it is published)
-            if size > pending.declared:
-                self._drop(held, ino)
-                raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes "
-                              "declared at create: refused, and the file dropped")
-            try:
-                return dict(await self.publish(pending, held.session, size,
-                                               bool_field(msg, "replace", True), msg))
-            except BaseException:
-                if ino in held.session.pending:  # still unpublished: held as before
-                    self.files[ino] = held
-                raise
+            return dict(await self._commit(caller, msg, name))
         if op == "node_abort":
-            del self.files[ino]
-            self._drop(held, ino)
+            ino = self.tokens.get((name, _text(msg, "token"))) if "token" in msg \
+                else int_field(msg, "ino")
+            held = self.files.get(ino) if ino is not None else None
+            if ino is not None and held is not None and held.node == name and \
+                    held.session.caller.uid == caller.uid:
+                self._drop(ino)
             return {}
         raise OSError(errno.EPERM, f"{op[:32]} is not asked of another node")
 
     def _create(self, caller: Caller, msg: Msg, node: str, epoch: int) -> FileReply:
         """A hidden file on `node`'s members to be published at the path, as `create`
         makes one on the writer's own."""
+        token = _text(msg, "token")
+        again = self.tokens.get((node, token))
+        if again is not None:  # (asked again: the file made the first time)
+            return describe(self.vol, self.files[again].session.pending[again].entry.node)
         path, size = path_field(msg), int_field(msg, "size", 0)
         mode = int_field(msg, "mode", 0o644) & 0o7777
+        mountpoint = _text(msg, "mountpoint")
         session = Session(caller, self.pending_by_uid, quotas=self.vol.quotas)
         check_pending_room(session, self.limits)  # (the uid's: the session is new)
         self.vol.quotas.room(caller.uid, size, 1)
         if not self.vol.pool.held_by(node):
             raise OSError(errno.EROFS, f"node {node} holds no members of the pool")
         store = self.vol.store
-        parent, name = resolve_parent_for(store, path, caller, self.mountpoint)
+        parent, name = resolve_parent_for(store, path, caller, mountpoint)
         if bool_field(msg, "exclusive") and store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid, caller.gids.__contains__)
         refuse_if_degraded(self.vol)
         entry = self.vol.create_hidden(parent, mode, caller.uid, gid, node=node)
         session.hold(Pending(entry, path, size))
-        self.files[entry.node.ino] = NodeFile(session, node, epoch)
+        ino = entry.node.ino
+        self.files[ino] = NodeFile(session, node, epoch, mountpoint, token)
+        self.tokens[(node, token)] = ino
         return describe(self.vol, entry.node)
 
-    def _held(self, caller: Caller, msg: Msg, node: str) -> NodeFile:
-        held = self.files.get(int_field(msg, "ino"))
+    async def _commit(self, caller: Caller, msg: Msg, node: str) -> FileReply:
+        ino = int_field(msg, "ino")
+        held = self.files.get(ino)
         if held is None or held.node != node or held.session.caller.uid != caller.uid:
-            raise OSError(errno.EBADF, f"inode {msg.get('ino')} is not being written for "
-                          f"uid {caller.uid} on node {node}")
+            done = self.published.get((node, ino))
+            if done is not None:  # (asked again: it was named the first time)
+                return done
+            raise OSError(errno.EBADF, f"inode {ino} is not being written for uid "
+                          f"{caller.uid} on node {node}")
+        size = int_field(msg, "size")
+        pending = held.session.pending[ino]
+        if size > pending.declared:
+            self._drop(ino)
+            raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared "
+                          "at create: refused, and the file dropped")
+        self._forget(ino)  # (not the sweep's while it is named)
+        try:
+            done = await self.publish(pending, held.session, size,
+                                      bool_field(msg, "replace", True), msg, held.mountpoint)
+        except BaseException:
+            if ino in held.session.pending:  # still unpublished: held as before
+                self.files[ino] = held
+                self.tokens[(node, held.token)] = ino
+            else:  # named, not yet durable: a repeat answers it named
+                self._remember(node, ino, describe(self.vol, pending.entry.node, True))
+            raise
+        self._remember(node, ino, done)
+        return done
+
+    def _remember(self, node: str, ino: int, reply: FileReply) -> None:
+        self.published[(node, ino)] = reply
+        while len(self.published) > REMEMBERED:
+            self.published.popitem(last=False)
+
+    def _forget(self, ino: int) -> NodeFile:
+        held = self.files.pop(ino)
+        self.tokens.pop((held.node, held.token), None)
         return held
 
-    def _drop(self, held: NodeFile, ino: int) -> None:
+    def _drop(self, ino: int) -> None:
         """Forget an unpublished file: an orphan, its chunk files removed through its
         node after the next commit."""
+        held = self._forget(ino)
         held.session.let_go(ino)
         self.vol.release(ino)
 
-    def sweep(self) -> None:
-        """(Once a second.)  Drop the files of nodes whose lease ran out, or that joined
-        again since: a node that died never says it let them go."""
+    def sweep(self, now: float) -> None:
+        """(Once a second.)  Drop the files of nodes that joined again since, or whose
+        lease has been gone GRACE_S: a node that died never says it let them go (one
+        whose renewal was late a moment keeps them)."""
         alive = self.vol.reader_epochs
         for ino, held in list(self.files.items()):
-            if alive.get(held.node, held.epoch + 1) > held.epoch:
-                log.info("unpublished file %d of node %s (epoch %d) dropped: its lease "
-                         "ran out", ino, held.node, held.epoch)
-                del self.files[ino]
-                self._drop(held, ino)
+            epoch = alive.get(held.node)
+            if epoch == held.epoch:
+                held.dead_since = None
+                continue
+            if held.dead_since is None:
+                held.dead_since = now
+            if epoch is not None or now - held.dead_since >= GRACE_S:
+                log.info("unpublished file %d of node %s (epoch %d) dropped: the node's "
+                         "lease ran out", ino, held.node, held.epoch)
+                self._drop(ino)
 
 
 class ForwardedFiles:
     """A node's side: creates, commits and aborts of files on its own members, asked
-    of the writer as the caller, on the writer's connection's threads."""
+    of the writer as the caller, on threads of their own (never those its reads of
+    other nodes' members take).  Aborts are sent once a second until the writer has
+    them (a blip of the network loses none), or until this node's epoch changes (the
+    writer drops the files of a node that joined again)."""
 
     def __init__(self, vol: Volume) -> None:
         self.vol = vol
+        self._asks = trio.CapacityLimiter(ASKS_AT_ONCE)
+        self._aborts: dict[tuple[str, object], tuple[Caller, dict[str, Any]]] = {}
 
     def _remote(self) -> RemoteMembers:
         remote = self.vol.pool.remote
@@ -163,22 +220,30 @@ class ForwardedFiles:
         """`op` asked of the writer for `caller` (blocking round trips, off this thread)."""
         remote, who = self._remote(), _who(caller)
         body = {**body, "node": self._node()}
-        return await trio.to_thread.run_sync(
-            lambda: remote.submit(remote.kv_request, who, op, body).result())
+        return await trio.to_thread.run_sync(remote.kv_request, who, op, body,
+                                             limiter=self._asks)
 
-    def abort_later(self, caller: Caller, ino: int) -> None:
-        """Ask the writer to drop `ino` without waiting (a connection that ended); if
-        it is not told, it drops the file when this node's lease ends."""
-        remote = self._remote()
-        body = {"ino": ino, "node": self._node()}
+    def abort_later(self, caller: Caller, ino: int | None = None, token: str = "") -> None:
+        """Have the writer drop a file (by inode, or by the create's token when its
+        answer never came), from the next round of `send_aborts`."""
+        key, what = ("ino", ino) if ino is not None else ("token", token)
+        self._aborts[(key, what)] = (caller, {key: what, "node": self._node()})
 
-        def abort() -> None:
+    async def send_aborts(self) -> None:
+        """(Once a second.)  The aborts not yet sent; those that fail to reach the
+        writer are kept for the next round."""
+        epoch = self._node()
+        for key, (caller, body) in list(self._aborts.items()):
+            if body["node"] != epoch:  # (the writer drops the old epoch's files itself)
+                del self._aborts[key]
+                continue
             try:
-                remote.kv_request(_who(caller), "node_abort", body)
+                await self.ask(caller, "node_abort", body)
             except OSError as e:
-                log.info("the writer was not told to drop unpublished file %d (%s): it "
-                         "drops it when this node's lease ends", ino, e)
-        remote.submit(abort)
+                if e.errno in (errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET):
+                    continue  # the writer not reached: again next round
+                log.info("the writer refused to drop unpublished file %s: %s", key[1], e)
+            del self._aborts[key]
 
     def check_writable(self) -> None:
         if not self.vol.pool.local_members():
@@ -192,6 +257,13 @@ def describe(vol: Volume, node: Inode, sealed: bool = False) -> FileReply:
     if node.is_reg:
         out["layout"] = vol.layout(node).describe()
     return out
+
+
+def _text(msg: Msg, name: str) -> str:
+    value = msg.get(name)
+    if not isinstance(value, str) or len(value) > 4096:
+        raise OSError(errno.EINVAL, f"a node's file request needs {name!r}: a string")
+    return value
 
 
 def _node(msg: Msg) -> tuple[str, int]:

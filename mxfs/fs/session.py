@@ -35,6 +35,9 @@ class Pending:
     path: str  # where a commit names it ("" for a KV chunk)
     declared: int  # the size given at create: the most its chunk files may hold
     overdrawn: bool = False  # its chunk files were cut back: it wrote past `declared`
+    # (A node's file) its commit was sent to the writer, which may have named it: its
+    # chunk files are the writer's to remove from now on, never cut here.
+    committing: bool = False
 
 
 @dataclass(slots=True)
