@@ -18,6 +18,10 @@ of `--repeat`:
               through b's chunk service
   across b    the across file read through b's mount: 2 and 3 there, 0 and 1 through a's
   write own / write across   the files written through a's mount, fsynced
+  local copy  the peer a user picks without mxfs: a copy of the file on the node's own
+              local drive (the rig's plain folder: one more drive of the same kind),
+              read buffered as any program reads it.  (An NFS export of one node's
+              drives is the other peer; this machine has no NFS server to run.)
 
 Needs root, iproute2 and nsenter (and xfsprogs for the members rig).
 
@@ -50,7 +54,8 @@ from mxfs.pool.key import key_path  # noqa: E402
 from mxfs.proc import python_module  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
 
-ARMS = ("raw own", "raw all", "own a", "across a", "across b", "write own", "write across")
+ARMS = ("raw own", "raw all", "own a", "across a", "across b", "local copy", "write own",
+        "write across")
 PIECE = 16 << 20  # bytes a read or write asks for at once
 
 
@@ -92,7 +97,8 @@ def raw_read(paths: list[str]) -> float:
 
 
 def mount_read(path: str, size: int) -> float:
-    """GB/s of reading `path` whole through a mount, the page cache dropped first."""
+    """GB/s of reading `path` whole (through a mount, or a plain file), the page cache
+    dropped first."""
     drop_caches()
     buf = bytearray(PIECE)
     view = memoryview(buf)
@@ -106,7 +112,8 @@ def mount_read(path: str, size: int) -> float:
 
 
 def mount_write(path: str, size: int) -> float:
-    """GB/s of writing `size` bytes to `path` through a mount, fsynced."""
+    """GB/s of writing `size` bytes to `path` (through a mount, or a plain file),
+    fsynced."""
     block = os.urandom(PIECE)
     start = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
@@ -158,6 +165,9 @@ def main() -> int:
                 run_mxfs("setstripe", "--across-nodes", os.path.join(mnt_a, "across"))
                 own = os.path.join(mnt_a, "own.bin")
                 across = os.path.join(mnt_a, "across", "m.bin")
+                os.makedirs(rig.plain, exist_ok=True)
+                copy = os.path.join(rig.plain, "m.bin")
+                mount_write(copy, size)  # (not a mount: the same writes, to a plain file)
                 for k in range(args.repeat):
                     rounds["write own"].append(mount_write(own, size))
                     rounds["write across"].append(mount_write(across, size))
@@ -169,6 +179,7 @@ def main() -> int:
                     time.sleep(0.5)  # (b's next open sees a's last close)
                     rounds["across b"].append(mount_read(
                         os.path.join(mnt_b, "across", "m.bin"), size))
+                    rounds["local copy"].append(mount_read(copy, size))
                     print(f"round {k + 1}: " + ", ".join(
                         f"{arm} {rounds[arm][-1]:.2f}" for arm in ARMS), flush=True)
             finally:
@@ -181,6 +192,8 @@ def main() -> int:
         "across a / raw all": med["across a"] / med["raw all"],
         "own a / raw own": med["own a"] / med["raw own"],
         "across b / raw all": med["across b"] / med["raw all"],
+        "across a / local copy": med["across a"] / med["local copy"],
+        "across b / local copy": med["across b"] / med["local copy"],
         "write across / write own": med["write across"] / med["write own"],
     }
     print(f"\n{format_size(size)} a file, {rig.describe()}, medians of {args.repeat} (GB/s):")
