@@ -363,6 +363,19 @@ class ChunkService:
                             f"{ns_len} and {key_len} bytes: past the limits")
         caller, namespace = await _caller(stream, uid, gid, ngroups, ns_len)
         key = await _recv_exact(stream, key_len)
+        try:
+            self._check_uid(caller.uid)
+        except OSError as e:  # refused before it takes a turn or a slot: read past it
+            with trio.move_on_after(PUT_RECV_S) as late:
+                scratch, left = memoryview(bytearray(1 << 16)), size
+                while left:
+                    await _recv_into(stream, scratch[:min(left, len(scratch))])
+                    left -= min(left, len(scratch))
+            if late.cancelled_caught:
+                raise WireError("a refused KV put's bytes did not come") from None
+            why = (e.strerror or "").encode()
+            await stream.send_all(ANSWER.pack(e.errno, self.epoch(), len(why)) + why)
+            return
         # The caller's turn first: a user whose turns are all taken waits without a
         # receiving slot (PUTS_AT_ONCE are every user's).
         turn = self.turns.turn(caller.uid) if self.turns is not None \

@@ -654,7 +654,7 @@ class MxfsOperations(pyfuse3.Operations):
             self.store.set_layout(node, unit, width)
             entry = self.vol.open_inodes.get(node.ino)
             if entry is not None and entry.chunks is not None:
-                entry.chunks.layout = self.vol.layout(node)
+                entry.chunks.relayout(self.vol.layout(node))
         else:
             raise pyfuse3.FUSEError(errno.EINVAL)
 

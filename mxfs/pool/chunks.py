@@ -34,8 +34,13 @@ class ChunkFiles:
         self._lock = threading.Lock()
         self._closed = False
         self._prepared = False  # (`prepare` opens the first member's file once at most)
-        self._far = pool.far(layout.used_members())  # other nodes' members it uses
-        self._far_written: set[int] = set()  # ... written through their owners (to sync)
+        self._far_written: set[int] = set()  # other nodes' members written (to sync)
+        self.relayout(layout)
+
+    def relayout(self, layout: Layout) -> None:
+        """The file's layout (set anew on an empty file: `mxfs setstripe`)."""
+        self.layout = layout
+        self._far = self.pool.far(layout.used_members())  # other nodes' members it uses
         # Another node's stripes read in order come in windows (`pool/read_ahead.py`);
         # the writer drops them after each write and cut (a window fetched before
         # holds the bytes before).
