@@ -181,6 +181,8 @@ class ChunkService:
         self._sock: socket.socket | None = None
         self.kv: NodeKV | None = None  # the daemon's KV tier, where it has one
         self.files: NodeFileTier | None = None  # the writer's files held for other nodes
+        # Whether a caller here writes `ino` (a node's direct write, not yet committed).
+        self.writing: Callable[[int], bool] = lambda ino: False
         self.turns: Turns | None = None  # the control socket's requests in service by uid
         # The one uid whose requests are served, as on the control socket (a daemon
         # mounted without allow_other): other nodes' users are held to it too.
@@ -514,6 +516,13 @@ class ChunkService:
             raise OSError(errno.EREMOTE, f"member {member} is node "
                           f"{pool.members[member].node}'s")
         pool.check([member])
+        if tag == b"REMV" and self.writing(ino):
+            # A file this node's caller is writing (its lease lapsed long enough for
+            # the writer to drop it): writers keep descriptors, so its chunk files
+            # are moved aside and held cut to nothing, not unlinked (unlinked, they
+            # would take whatever those writers wrote: pool/revoke.py).
+            await trio.to_thread.run_sync(self.vol.held.hold, ino)
+            return 0, b""
         path = pool.chunk_path(member, ino)
         await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data)
         if data is not None:

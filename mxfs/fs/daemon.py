@@ -203,6 +203,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                       lambda: vol.lease.epoch if vol.lease else 0,
                                       control.limits, control.listener.connections)
                 if reading:  # its own members: the writer writes them, every node reads
+                    forwarded = control.files.forwarded
+                    if forwarded is not None:
+                        chunks.writing = forwarded.writing.__contains__
                     chunks.writer_epoch = lambda: _writer_epoch(vol)
                     chunks.serving = lambda: vol.keeper is not None and \
                         vol.keeper.state == "held"

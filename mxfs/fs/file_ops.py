@@ -193,6 +193,7 @@ class FileOps:
             self.forwarded.abort_later(caller, ino)
             raise
         session.hold(Pending(entry, str(body["path"]), int(body["size"])))
+        self.forwarded.writing.add(ino)
         return {**self._describe(node, False), "members": members}, fds
 
     async def _row(self, ino: int, uid: int) -> Inode:
@@ -234,6 +235,7 @@ class FileOps:
                 "ino": node.ino, "size": size})
             session.let_go(node.ino)
             self.vol.release(node.ino)
+            self.forwarded.writing.discard(node.ino)
             return reply, []  # type: ignore[return-value]
         return await self._publish(pending, session, size, replace, msg), []
 
@@ -282,6 +284,7 @@ class FileOps:
             self.vol.release(ino)
         else:
             drop_pending(self.vol, session, ino)
+        self.forwarded.writing.discard(ino)
         self.forwarded.abort_later(session.caller, ino)
 
     async def layout(self, msg: Msg, session: Session) -> Answer[FileReply]:

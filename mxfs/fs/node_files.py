@@ -206,6 +206,7 @@ class ForwardedFiles:
         self.vol = vol
         self._asks = trio.CapacityLimiter(ASKS_AT_ONCE)
         self._aborts: dict[tuple[str, object], tuple[Caller, dict[str, Any]]] = {}
+        self.writing: set[int] = set()  # files callers here hold descriptors of
 
     def _remote(self) -> RemoteMembers:
         remote = self.vol.pool.remote

@@ -73,7 +73,7 @@ class Held:
         """Blocking: move `ino`'s chunk files aside (cut to nothing); how many moved."""
         moved = 0
         stamp = time.time_ns()
-        for m in range(len(self.pool.members)):
+        for m in self.pool.local_members():  # (other nodes' are theirs to hold)
             src = self.pool.chunk_path(m, ino)
             dst = os.path.join(self._folder(m), f"{ino}.{stamp}")
             try:
@@ -89,7 +89,7 @@ class Held:
     def adopt(self) -> None:
         """Blocking, at mount: take over what an earlier daemon held (its writers may
         outlive it), then sweep."""
-        for m in range(len(self.pool.members)):
+        for m in self.pool.local_members():
             try:
                 names = os.listdir(self._folder(m))
             except FileNotFoundError:
