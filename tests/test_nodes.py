@@ -1599,6 +1599,9 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
                 ino1 = _used(a, a.path / "ckpt" / name / "rank-00001.safetensors")[1]
                 assert ino1 == {2, 3} and _used(
                     a, a.path / "ckpt" / name / "rank-00000.safetensors")[1] <= {0, 1}
+            # A checkpoint folder is the writer's to make: one clear refusal on b.
+            with pytest.raises(ck.CheckpointError, match="save on the pool's writer node"):
+                ck.save({"w": torch.zeros(4)}, str(b.path / "ckpt" / "alone")).wait()
             # The writer judges the caller as its own mount would.
             res = run_as(users["alice"], """
 from mxfs.client.writer import create_file

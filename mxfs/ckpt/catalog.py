@@ -10,6 +10,7 @@ the newest checkpoint, replaced atomically after the rename.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -141,7 +142,16 @@ def claim_partial(path: str) -> str:
                                   "save under another name, or wait for it (if none is: "
                                   f"its machine or container is gone, rm -r {partial})")
         shutil.rmtree(partial)
-    os.makedirs(partial)
+    try:
+        os.makedirs(partial)
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        raise CheckpointError(f"{path}: the checkpoint's folder cannot be made here (a "
+                              "read-only mount: a pool's reading node changes no names)",
+                              "save on the pool's writer node; ranks on other nodes write "
+                              "their shards with DCP (mxfs.ckpt.dcp.Writer) while rank 0 "
+                              "runs on the writer") from None
     _write_owner(partial)
     return partial
 
