@@ -345,6 +345,8 @@ def _on_mxfs(path: str) -> None:
     filesystem would take user.mxfs.layout as a plain xattr and keep it)."""
     from mxfs.client.control import mount_root
 
+    if not os.path.lexists(path):  # (mount_root asks the mount above a missing path)
+        raise MxfsError(f"{path} does not exist", "check the path")
     try:
         root = mount_root(path)
     except OSError as e:
