@@ -167,11 +167,13 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert all(m["node"] == "a" for m in status["members"])
                 assert {n["name"] for n in _status(a)["nodes"]} == {"a", "b"}
 
-                # It changes nothing.
+                # It writes no bytes through its mount (names are the writer's to
+                # change for it: test_a_node_writes_files_and_checkpoints_on_its_own_members).
                 for change in (lambda: (b.path / "new").write_bytes(b"x"),
                                lambda: (b.path / "models" / "m.bin").write_bytes(b"x"),
-                               lambda: (b.path / "models" / "m.bin").unlink(),
-                               lambda: (b.path / "d").mkdir()):
+                               lambda: os.truncate(b.path / "models" / "m.bin", 1),
+                               lambda: os.symlink("m.bin", b.path / "models" / "l"),
+                               lambda: os.chmod(b.path / "models" / "m.bin", 0o600)):
                     with pytest.raises(OSError) as e:
                         change()
                     assert e.value.errno == errno.EROFS
@@ -1599,9 +1601,24 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
                 ino1 = _used(a, a.path / "ckpt" / name / "rank-00001.safetensors")[1]
                 assert ino1 == {2, 3} and _used(
                     a, a.path / "ckpt" / name / "rank-00000.safetensors")[1] <= {0, 1}
-            # A checkpoint folder is the writer's to make: one clear refusal on b.
-            with pytest.raises(ck.CheckpointError, match="save on the pool's writer node"):
-                ck.save({"w": torch.zeros(4)}, str(b.path / "ckpt" / "alone")).wait()
+            # Names made through b's mount are the writer's (as the caller): a folder,
+            # a rename, removals; so a checkpoint saved on b whole (its folder and
+            # rename the writer's, its files on b's members) loads on the writer.
+            os.mkdir(b.path / "ckpt" / "d1")
+            assert (a.path / "ckpt" / "d1").is_dir()
+            _direct_write(b.path / "ckpt" / "d1" / "f", b"named on a, bytes on b")
+            os.rename(b.path / "ckpt" / "d1" / "f", b.path / "ckpt" / "d1" / "g")
+            assert (a.path / "ckpt" / "d1" / "g").read_bytes() == b"named on a, bytes on b"
+            os.unlink(b.path / "ckpt" / "d1" / "g")
+            os.rmdir(b.path / "ckpt" / "d1")
+            assert not (a.path / "ckpt" / "d1").exists()
+            state = {"w": torch.randn(128, 1024), "step": 7}
+            ck.save(state, str(b.path / "ckpt" / "step7")).wait()
+            got = ck.load(str(a.path / "ckpt" / "step7"))
+            assert torch.equal(got["w"], state["w"]) and got["step"] == 7
+            assert _used(a, a.path / "ckpt" / "step7" / next(
+                n for n in os.listdir(a.path / "ckpt" / "step7") if "data" in n or
+                n.endswith(".safetensors")))[1] == {2, 3}
             # The writer judges the caller as its own mount would.
             res = run_as(users["alice"], """
 from mxfs.client.writer import create_file

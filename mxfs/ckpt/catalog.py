@@ -147,11 +147,10 @@ def claim_partial(path: str) -> str:
     except OSError as e:
         if e.errno != errno.EROFS:
             raise
-        raise CheckpointError(f"{path}: the checkpoint's folder cannot be made here (a "
-                              "read-only mount: a pool's reading node changes no names)",
-                              "save on the pool's writer node; ranks on other nodes write "
-                              "their shards with DCP (mxfs.ckpt.dcp.Writer) while rank 0 "
-                              "runs on the writer") from None
+        raise CheckpointError(f"{path}: the checkpoint's folder cannot be made here: "
+                              "the mount is read-only",
+                              "mount the pool read-write (a pool with a failed member "
+                              "mounts read-only: mxfs status names it)") from None
     _write_owner(partial)
     return partial
 
@@ -198,8 +197,14 @@ def _owner_id() -> str:
 
 
 def _write_owner(folder: str) -> None:
-    with open(os.path.join(folder, OWNER), "w") as f:
-        json.dump({"pid": os.getpid(), "where": _owner_id()}, f)
+    data = json.dumps({"pid": os.getpid(), "where": _owner_id()}).encode()
+    try:
+        with open(os.path.join(folder, OWNER), "wb") as f:
+            f.write(data)
+    except OSError as e:  # a pool's reading node writes no bytes through its mount:
+        if e.errno != errno.EROFS:  # through the direct path, as its other files
+            raise
+        write_small(os.path.join(folder, OWNER), data)
 
 
 def is_stale(partial: str) -> bool:

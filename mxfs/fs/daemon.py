@@ -161,11 +161,12 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 raise MxfsError(f"the pool's change feed cannot be followed ({e})",
                                 "check the metadata server (mxfs status on the writer "
                                 "node) and mount again") from None
-        if reading:
-            fuse_opts.add("ro")
+        if reading:  # (not "ro": mkdir, unlink, rmdir and rename are the writer's, as
+            # the caller, fs/node_files.py; every other change its store refuses, EROFS)
             owner = vol.pool.remote.owner if vol.pool.remote else None
-            log.info("node %s reads the pool (read-only); its members are node %s's, read "
-                     "through its chunk service", vol.pool.node, owner.node if owner else "?")
+            log.info("node %s reads the pool and changes names through the writer, node "
+                     "%s; its members' files are read through their owners' chunk "
+                     "services", vol.pool.node, owner.node if owner else "?")
         if vol.pool.failed:
             fuse_opts.add("ro")  # serve what survives; write nothing to a broken stripe set
             notes.append("mounted read-only and degraded: " + "; ".join(
@@ -203,9 +204,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                       lambda: vol.lease.epoch if vol.lease else 0,
                                       control.limits, control.listener.connections)
                 if reading:  # its own members: the writer writes them, every node reads
-                    forwarded = control.files.forwarded
-                    if forwarded is not None:
-                        chunks.writing = forwarded.writing.__contains__
+                    if control.files.forwarded is not None:
+                        chunks.writing = control.files.forwarded.writing.__contains__
                     chunks.writer_epoch = lambda: _writer_epoch(vol)
                     chunks.serving = lambda: vol.keeper is not None and \
                         vol.keeper.state == "held"
@@ -217,6 +217,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 chunks.bind()
                 control.status.chunks = chunks
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))
+            ops.names = control.files.forwarded  # (a reading node's names: the writer's)
             control.status.feed = feed
             if feed is not None and control.kv.follower is not None:
                 views = control.kv.follower.views  # (kept by the feed: fs/kv_views.py)

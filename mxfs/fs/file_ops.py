@@ -84,7 +84,7 @@ class FileOps:
         self.forwarded = ForwardedFiles(vol) if vol.pool.node else None
         self.for_nodes = NodeFiles(
             vol, mountpoint, limits, pending_by_uid if pending_by_uid is not None
-            else Counter(), self._publish) if not vol.pool.node else None
+            else Counter(), self._publish, entry_changed) if not vol.pool.node else None
 
     def handlers(self) -> dict[str, Handler]:
         return {"layout": self.layout, "open_read": self.open_read, "create": self.create,

@@ -25,8 +25,10 @@ it on a node that holds members).
 
 from __future__ import annotations
 
+import base64
 import errno
 import logging
+import stat
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,14 +36,24 @@ from typing import Any
 
 import trio
 
+from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import Msg, bool_field, int_field, path_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
 from mxfs.meta import Inode
+from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.chunk_wire import MAX_KPUT_GROUPS
 from mxfs.proto.messages import FileReply
-from mxfs.vol.access import Caller, owner_for, resolve_parent_for
+from mxfs.vol.access import (
+    W_OK,
+    X_OK,
+    Caller,
+    may,
+    may_replace,
+    owner_for,
+    resolve_parent_for,
+)
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
@@ -50,6 +62,7 @@ log = logging.getLogger("mxfs.control")
 # the msg with its sums, the mount point its path is resolved under) -> its description.
 Publish = Callable[[Pending, Session, int, bool, Msg, str], Awaitable[FileReply]]
 
+NAME_OPS = ("node_mkdir", "node_unlink", "node_rmdir", "node_rename")
 GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
 REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
@@ -75,10 +88,13 @@ class NodeFiles:
     a file not held is done already."""
 
     def __init__(self, vol: Volume, mountpoint: str, limits: Limits,
-                 pending_by_uid: Counter[int], publish: Publish) -> None:
+                 pending_by_uid: Counter[int], publish: Publish,
+                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None
+                 ) -> None:
         self.vol, self.mountpoint, self.limits = vol, mountpoint, limits
         self.pending_by_uid = pending_by_uid
         self.publish = publish
+        self.entry_changed = entry_changed  # (this node's kernel drops those names)
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
@@ -93,6 +109,12 @@ class NodeFiles:
             return dict(self._create(caller, msg, name, epoch))
         if op == "node_commit":
             return dict(await self._commit(caller, msg, name))
+        if op in NAME_OPS:
+            out, changed = self._name(caller, op, msg)
+            if self.entry_changed is not None:
+                for parent, entry in changed:
+                    await self.entry_changed(parent, entry)
+            return out
         if op == "node_abort":
             ino = self.tokens.get((name, _text(msg, "token"))) if "token" in msg \
                 else int_field(msg, "ino")
@@ -102,6 +124,50 @@ class NodeFiles:
                 self._drop(ino)
             return {}
         raise OSError(errno.EPERM, f"{op[:32]} is not asked of another node")
+
+    def _name(self, caller: Caller, op: str, msg: Msg
+              ) -> tuple[dict[str, Any], list[tuple[int, bytes]]]:
+        """A change of names a node's caller made through its mount (mkdir, unlink,
+        rmdir, rename), judged here as the kernel judges it on the writer's own mount
+        (the node's kernel judged it too, on attributes perhaps a moment old), and
+        committed before the answer: the node reads the rows it asks for next."""
+        store = self.vol.store
+        parent = store.get(int_field(msg, "parent"))
+        name = _name_field(msg, "name")
+        _may_change(parent, caller)
+        out: dict[str, Any] = {}
+        if op == "node_mkdir":
+            self.vol.pool.check_meta_room(META_ROW + len(name))
+            self.vol.quotas.room(caller.uid, inodes=1)
+            mode, gid = owner_for(parent, stat.S_IFDIR | (int_field(msg, "mode") & 0o7777),
+                                  caller.uid, caller.gid, caller.gids.__contains__)
+            out["ino"] = store.create(parent.ino, name, mode, caller.uid, gid,
+                                      layout_for=self.vol.pick_layout).ino
+        elif op in ("node_unlink", "node_rmdir"):
+            may_replace(parent, store.lookup(parent.ino, name), caller)
+            self.vol.unlinked((store.unlink if op == "node_unlink" else store.rmdir)(
+                parent.ino, name))
+        else:  # node_rename
+            to, to_name = store.get(int_field(msg, "new_parent")), _name_field(msg, "new_name")
+            _may_change(to, caller)
+            moved = store.lookup(parent.ino, name)
+            may_replace(parent, moved, caller)
+            if to.ino != parent.ino and moved.is_dir and not may(moved, caller, W_OK):
+                raise OSError(errno.EACCES, "moving a directory to another parent needs "
+                              "write permission on it")
+            target = store.entry_ino(to.ino, to_name)
+            if target is not None:
+                may_replace(to, store.get(target), caller)
+            replaced = store.rename(parent.ino, name, to.ino, to_name,
+                                    noreplace=bool_field(msg, "noreplace"),
+                                    exchange=bool_field(msg, "exchange"))
+            if replaced is not None:
+                self.vol.unlinked(replaced)
+        store.commit()
+        changed = [(parent.ino, name)]
+        if op == "node_rename":
+            changed.append((to.ino, to_name))
+        return out, changed
 
     def _create(self, caller: Caller, msg: Msg, node: str, epoch: int) -> FileReply:
         """A hidden file on `node`'s members to be published at the path, as `create`
@@ -204,7 +270,10 @@ class ForwardedFiles:
 
     def __init__(self, vol: Volume) -> None:
         self.vol = vol
-        self._asks = trio.CapacityLimiter(ASKS_AT_ONCE)
+        # By uid in turn, one uid (but root) 3 of them: a user's flood of mkdirs waits
+        # behind its own, not everyone's.
+        self._asks = RoundRobin(ASKS_AT_ONCE, ASKS_AT_ONCE - 1)
+        self._threads = trio.CapacityLimiter(ASKS_AT_ONCE)
         self._aborts: dict[tuple[str, object], tuple[Caller, dict[str, Any]]] = {}
         self.writing: set[int] = set()  # files callers here hold descriptors of
 
@@ -221,8 +290,9 @@ class ForwardedFiles:
         """`op` asked of the writer for `caller` (blocking round trips, off this thread)."""
         remote, who = self._remote(), _who(caller)
         body = {**body, "node": self._node()}
-        return await trio.to_thread.run_sync(remote.kv_request, who, op, body,
-                                             limiter=self._asks)
+        async with self._asks.slot(caller.uid):
+            return await trio.to_thread.run_sync(remote.kv_request, who, op, body,
+                                                 limiter=self._threads)
 
     def abort_later(self, caller: Caller, ino: int | None = None, token: str = "") -> None:
         """Have the writer drop a file (by inode, or by the create's token when its
@@ -246,6 +316,15 @@ class ForwardedFiles:
                 log.info("the writer refused to drop unpublished file %s: %s", key[1], e)
             del self._aborts[key]
 
+    async def change_name(self, caller: Caller, op: str, parent: int, name: bytes,
+                          **more: Any) -> dict[str, Any]:
+        """One of NAME_OPS made through this node's mount, asked of the writer (a name
+        given as `new_name` in `more` is sent as base64 too)."""
+        body: dict[str, Any] = {**more, "parent": parent, "name": _b64(name)}
+        if "new_name" in more:
+            body["new_name"] = _b64(more["new_name"])
+        return await self.ask(caller, op, body)
+
     def check_writable(self) -> None:
         if not self.vol.pool.local_members():
             raise OSError(errno.EROFS, f"node {self.vol.pool.node} holds no members: write "
@@ -258,6 +337,28 @@ def describe(vol: Volume, node: Inode, sealed: bool = False) -> FileReply:
     if node.is_reg:
         out["layout"] = vol.layout(node).describe()
     return out
+
+
+def _b64(name: bytes) -> str:
+    return base64.b64encode(name).decode()
+
+
+def _may_change(parent: Inode, caller: Caller) -> None:
+    if not parent.is_dir:
+        raise OSError(errno.ENOTDIR, f"inode {parent.ino} is not a directory")
+    if not may(parent, caller, W_OK | X_OK):
+        raise OSError(errno.EACCES, f"directory {parent.ino}: write permission denied")
+
+
+def _name_field(msg: Msg, field: str) -> bytes:
+    """A file name sent as base64 (names are bytes, any but / and NUL)."""
+    try:
+        name = base64.b64decode(_text(msg, field), validate=True)
+    except ValueError:
+        raise OSError(errno.EINVAL, f"{field!r} is not base64") from None
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+        raise OSError(errno.EINVAL, f"{field!r} is not a file name")
+    return name
 
 
 def _text(msg: Msg, name: str) -> str:

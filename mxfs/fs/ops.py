@@ -27,6 +27,7 @@ import trio
 from mxfs.fs.fair import RoundRobin
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.metrics import Metrics
+from mxfs.fs.node_files import ForwardedFiles
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.io import Layout
@@ -34,7 +35,7 @@ from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW, pool_totals
 from mxfs.proto import constants
-from mxfs.vol.access import owner_for
+from mxfs.vol.access import Caller, owner_for
 from mxfs.vol.volume import OpenInode, Volume
 
 log = logging.getLogger("mxfs.fs")
@@ -49,6 +50,12 @@ XATTR_SIZE_MAX = 65536
 MAX_XATTRS = 256
 MAX_XATTR_BYTES = 256 << 10
 DAY_NS = 86_400 * 10**9
+
+
+def _caller(ctx: pyfuse3.RequestContext) -> Caller:
+    """A FUSE request's caller, its groups those of its process now."""
+    return Caller(ctx.pid, ctx.uid, ctx.gid,
+                  frozenset({ctx.gid, *pyfuse3.get_sup_groups(ctx.pid)}))
 
 
 def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,6 +152,9 @@ class MxfsOperations(pyfuse3.Operations):
         # those this node's own files are served on.
         self.limiter = trio.CapacityLimiter(io_threads)
         self.far_limiter = trio.CapacityLimiter(io_threads)
+        # On a reading node: mkdir, unlink, rmdir and rename asked of the writer as the
+        # caller (`fs/node_files.py`; set by the daemon).
+        self.names: ForwardedFiles | None = None
         per_user = max(1, io_threads * 3 // 4)
         self.io_turns = RoundRobin(io_threads, per_user)
         self.far_turns = RoundRobin(io_threads, per_user)
@@ -307,6 +317,11 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if self.names is not None:  # a reading node: made by the writer, for this caller
+            made = await self.names.change_name(_caller(ctx), "node_mkdir", parent_inode,
+                                                name, mode=mode)
+            ino = int(made["ino"])
+            return self.attrs(await self._read_meta(ctx.uid, lambda s: s.get(ino)))
         return self.attrs(self._create(parent_inode, name, stat.S_IFDIR | mode, ctx))
 
     @_errors
@@ -330,10 +345,16 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if self.names is not None:
+            await self.names.change_name(_caller(ctx), "node_unlink", parent_inode, name)
+            return
         self.vol.unlinked(self.store.unlink(parent_inode, name))
 
     @_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if self.names is not None:
+            await self.names.change_name(_caller(ctx), "node_rmdir", parent_inode, name)
+            return
         self.vol.unlinked(self.store.rmdir(parent_inode, name))
 
     @_errors
@@ -341,6 +362,13 @@ class MxfsOperations(pyfuse3.Operations):
                      name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             raise pyfuse3.FUSEError(errno.EINVAL)
+        if self.names is not None:
+            await self.names.change_name(
+                _caller(ctx), "node_rename", parent_inode_old, name_old,
+                new_parent=parent_inode_new, new_name=name_new,
+                noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
+                exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
+            return
         gone = self.store.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                                  noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
                                  exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
