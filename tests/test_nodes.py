@@ -1540,6 +1540,14 @@ def test_three_nodes_load_a_model_striped_over_two_owners(tmp_path: Path,
                 assert got.keys() == tensors.keys()
                 assert all(torch.equal(got[k], v) for k, v in tensors.items())
             assert _served(a) > served_a and _served(b) > served_b  # (both owners served)
+            # c holds no members: it makes names through the writer, and a checkpoint
+            # (its bytes would need members of c's) is refused leaving nothing behind.
+            os.mkdir(c.path / "models" / "from-c")
+            assert (a.path / "models" / "from-c").is_dir()
+            with pytest.raises(OSError, match="holds no members"):
+                from mxfs import ckpt
+                ckpt.save({"w": torch.zeros(4)}, str(c.path / "models" / "ck")).wait()
+            assert sorted(os.listdir(a.path / "models")) == ["from-c", "m.safetensors"]
             assert eventually(lambda: _status(c)["nodes"] and all(
                 n["state"] == "alive" for n in _status(c)["nodes"]), 10)
 

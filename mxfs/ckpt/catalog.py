@@ -151,7 +151,12 @@ def claim_partial(path: str) -> str:
                               "the mount is read-only",
                               "mount the pool read-write (a pool with a failed member "
                               "mounts read-only: mxfs status names it)") from None
-    _write_owner(partial)
+    try:
+        _write_owner(partial)
+    except BaseException:  # (a folder without its owner would hold the name an hour)
+        with contextlib.suppress(OSError):
+            os.rmdir(partial)
+        raise
     return partial
 
 

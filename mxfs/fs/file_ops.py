@@ -10,6 +10,7 @@ their writers' declared sizes here (`revoke`, `trim_overdrafts`).
 
 from __future__ import annotations
 
+import base64
 import errno
 import logging
 import os
@@ -236,6 +237,9 @@ class FileOps:
             session.let_go(node.ino)
             self.vol.release(node.ino)
             self.forwarded.writing.discard(node.ino)
+            named = reply.pop("named", None)
+            if named is not None and self.entry_changed is not None:  # ("no such name"
+                await self.entry_changed(int(named[0]), base64.b64decode(named[1]))  # here)
             return reply, []  # type: ignore[return-value]
         return await self._publish(pending, session, size, replace, msg), []
 

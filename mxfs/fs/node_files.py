@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import errno
 import logging
+import os
 import stat
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
@@ -98,6 +99,8 @@ class NodeFiles:
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
+        # Names changed for nodes, by (node, token): a repeat is answered, not redone.
+        self.names_done: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
 
     async def request(self, caller: Caller, op: str, msg: dict[str, Any]
                       ) -> dict[str, Any]:
@@ -108,9 +111,16 @@ class NodeFiles:
         if op == "node_create":
             return dict(self._create(caller, msg, name, epoch))
         if op == "node_commit":
-            return dict(await self._commit(caller, msg, name))
+            return await self._commit(caller, msg, name)
         if op in NAME_OPS:
+            token = (name, _text(msg, "token"))
+            done = self.names_done.get(token)
+            if done is not None:  # (asked again: done the first time, not twice)
+                return done
             out, changed = self._name(caller, op, msg)
+            self.names_done[token] = out
+            while len(self.names_done) > REMEMBERED:
+                self.names_done.popitem(last=False)
             if self.entry_changed is not None:
                 for parent, entry in changed:
                     await self.entry_changed(parent, entry)
@@ -131,6 +141,7 @@ class NodeFiles:
         rmdir, rename), judged here as the kernel judges it on the writer's own mount
         (the node's kernel judged it too, on attributes perhaps a moment old), and
         committed before the answer: the node reads the rows it asks for next."""
+        refuse_if_degraded(self.vol)  # (its own mount is read-only then)
         store = self.vol.store
         parent = store.get(int_field(msg, "parent"))
         name = _name_field(msg, "name")
@@ -157,7 +168,12 @@ class NodeFiles:
                               "write permission on it")
             target = store.entry_ino(to.ino, to_name)
             if target is not None:
-                may_replace(to, store.get(target), caller)
+                other = store.get(target)
+                may_replace(to, other, caller)
+                if bool_field(msg, "exchange") and to.ino != parent.ino and other.is_dir \
+                        and not may(other, caller, W_OK):
+                    raise OSError(errno.EACCES, "exchanging a directory into another "
+                                  "parent needs write permission on it")
             replaced = store.rename(parent.ino, name, to.ino, to_name,
                                     noreplace=bool_field(msg, "noreplace"),
                                     exchange=bool_field(msg, "exchange"))
@@ -197,13 +213,16 @@ class NodeFiles:
         self.tokens[(node, token)] = ino
         return describe(self.vol, entry.node)
 
-    async def _commit(self, caller: Caller, msg: Msg, node: str) -> FileReply:
+    async def _commit(self, caller: Caller, msg: Msg, node: str) -> dict[str, Any]:
+        """Name and seal a node's file; its description, and where it was named
+        ("named": [folder inode, name as base64], for the node's kernel to drop what
+        it cached there)."""
         ino = int_field(msg, "ino")
         held = self.files.get(ino)
         if held is None or held.node != node or held.session.caller.uid != caller.uid:
             done = self.published.get((node, ino))
             if done is not None:  # (asked again: it was named the first time)
-                return done
+                return dict(done)
             raise OSError(errno.EBADF, f"inode {ino} is not being written for uid "
                           f"{caller.uid} on node {node}")
         size = int_field(msg, "size")
@@ -224,7 +243,14 @@ class NodeFiles:
                 self._remember(node, ino, describe(self.vol, pending.entry.node, True))
             raise
         self._remember(node, ino, done)
-        return done
+        out: dict[str, Any] = dict(done)
+        try:
+            parent, fname = resolve_parent_for(self.vol.store, pending.path, caller,
+                                               held.mountpoint)
+            out["named"] = [parent.ino, _b64(fname)]
+        except OSError:
+            pass  # (its folder moved meanwhile: the node's kernel learns from the feed)
+        return out
 
     def _remember(self, node: str, ino: int, reply: FileReply) -> None:
         self.published[(node, ino)] = reply
@@ -320,7 +346,8 @@ class ForwardedFiles:
                           **more: Any) -> dict[str, Any]:
         """One of NAME_OPS made through this node's mount, asked of the writer (a name
         given as `new_name` in `more` is sent as base64 too)."""
-        body: dict[str, Any] = {**more, "parent": parent, "name": _b64(name)}
+        body: dict[str, Any] = {**more, "parent": parent, "name": _b64(name),
+                                "token": os.urandom(12).hex()}
         if "new_name" in more:
             body["new_name"] = _b64(more["new_name"])
         return await self.ask(caller, op, body)

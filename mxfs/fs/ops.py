@@ -35,7 +35,7 @@ from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW, pool_totals
 from mxfs.proto import constants
-from mxfs.vol.access import Caller, owner_for
+from mxfs.vol.access import Caller, owner_for, supplementary_groups
 from mxfs.vol.volume import OpenInode, Volume
 
 log = logging.getLogger("mxfs.fs")
@@ -55,7 +55,7 @@ DAY_NS = 86_400 * 10**9
 def _caller(ctx: pyfuse3.RequestContext) -> Caller:
     """A FUSE request's caller, its groups those of its process now."""
     return Caller(ctx.pid, ctx.uid, ctx.gid,
-                  frozenset({ctx.gid, *pyfuse3.get_sup_groups(ctx.pid)}))
+                  frozenset({ctx.gid, *supplementary_groups(ctx.pid)}))
 
 
 def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
