@@ -1627,6 +1627,31 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
             assert _used(a, a.path / "ckpt" / "step7" / next(
                 n for n in os.listdir(a.path / "ckpt" / "step7") if "data" in n or
                 n.endswith(".safetensors")))[1] == {2, 3}
+            # The writer judges a node's name changes itself, as its own kernel would
+            # (a node's kernel judged them on attributes perhaps a moment old).
+            (a.path / "ckpt" / "sticky").mkdir()
+            os.chmod(a.path / "ckpt" / "sticky", 0o1777)
+            (a.path / "ckpt" / "sticky" / "roots").write_bytes(b"r")
+            node_b = {n["name"]: n for n in _status(a)["nodes"]}["b"]
+            host, port = _status(a)["chunk_service"]["addr"], \
+                _status(a)["chunk_service"]["port"]
+            alice = (users["alice"].uid, users["alice"].gid, [])
+            sticky = os.stat(a.path / "ckpt" / "sticky").st_ino  # (the pool's inodes)
+            ckpt_ino = os.stat(a.path / "ckpt").st_ino
+            with ChunkClient(host, int(port), load_key(mine[0]),
+                             _status(a)["pool_uuid"]) as raw:
+                for op, body, code in (
+                        ("node_unlink", {"parent": sticky, "name": "cm9vdHM="}, errno.EPERM),
+                        ("node_mkdir", {"parent": ckpt_ino, "name": "eA==", "mode": 0o755},
+                         errno.EACCES),
+                        ("node_rename", {"parent": sticky, "name": "cm9vdHM=",
+                                         "new_parent": sticky, "new_name": "eA=="},
+                         errno.EPERM)):
+                    with pytest.raises(OSError) as e:
+                        raw.kv_request(alice, op, {**body, "token": op,
+                                                   "node": ["b", node_b["epoch"]]})
+                    assert e.value.errno == code, op
+            assert (a.path / "ckpt" / "sticky" / "roots").read_bytes() == b"r"
             # The writer judges the caller as its own mount would.
             res = run_as(users["alice"], """
 from mxfs.client.writer import create_file
