@@ -1454,15 +1454,11 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
             (a.path / "models" / "new.bin").unlink(missing_ok=True)
 
 
-@pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)")
-def test_a_slow_owner_holds_only_the_files_striped_over_it(tmp_path: Path,
-                                                           pg_cluster: Any) -> None:
-    """With node b's link throttled, two dozen files striped over b's members are
-    being written through the writer (each write waits on b); meanwhile the writer's
-    own files are written and read at once: b's writes wait on threads, slots and a
-    write-behind budget of their own, never on those the writer's own members are
-    served with (they took all 16 threads and the whole budget before)."""
-    url = pg_cluster.database()
+@contextlib.contextmanager
+def _two_owners(tmp_path: Path, url: str
+                ) -> Iterator[tuple[NodeNet, Mounted, Mounted, list[str], list[str]]]:
+    """Writer a holding members 0 and 1, node b (a namespace of its own) holding 2 and
+    3, both mounted: (b's network, a, b, a's members, b's members)."""
     mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
     mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
     with node_net() as net, \
@@ -1472,39 +1468,52 @@ def test_a_slow_owner_holds_only_the_files_striped_over_it(tmp_path: Path,
              "--member", theirs[0], "--member", theirs[1])
         with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
                         prefix=net.enter, check=False) as b:
-            (a.path / "models").mkdir()
-            mxfs("setstripe", "--across-nodes", str(a.path / "models"))
-            own = os.urandom(1 << 20)
-            (a.path / "own.bin").write_bytes(own)
-            blobs = [os.urandom(2 << 20) for _ in range(24)]
-            net.slow("64kbit")  # 8 KB/s: 48 MiB to b would take hours
-            try:
-                writers = [threading.Thread(target=(a.path / "models" / f"{i}.bin")
-                                            .write_bytes, args=(blob,))
-                           for i, blob in enumerate(blobs)]
-                for t in writers:
-                    t.start()
-                assert eventually(lambda: sum(
-                    1 for _ in (a.path / "models").iterdir()) == len(blobs), 10)
-                done: list[bool] = []
+            yield net, a, b, mine, theirs
 
-                def own_work() -> None:  # the writer's own files, written and read
-                    (a.path / "mine.bin").write_bytes(own)
-                    done.append(_cold(a.path / "own.bin") == own and
-                                _cold(a.path / "mine.bin") == own)
 
-                worker = threading.Thread(target=own_work)
-                worker.start()
-                worker.join(30)
-                assert done == [True], "the writer's own files waited on b"
-                assert any(t.is_alive() for t in writers)  # (b's were still in flight)
-            finally:
-                net.slow(None)
+@pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)")
+def test_a_slow_owner_holds_only_the_files_striped_over_it(tmp_path: Path,
+                                                           pg_cluster: Any) -> None:
+    """With node b's link throttled, two dozen files striped over b's members are
+    being written through the writer (each write waits on b); meanwhile the writer's
+    own files are written and read at once: b's writes wait on threads, slots and a
+    write-behind budget of their own, never on those the writer's own members are
+    served with (they took all 16 threads and the whole budget before)."""
+    url = pg_cluster.database()
+    with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
+        (a.path / "models").mkdir()
+        mxfs("setstripe", "--across-nodes", str(a.path / "models"))
+        own = os.urandom(1 << 20)
+        (a.path / "own.bin").write_bytes(own)
+        blobs = [os.urandom(2 << 20) for _ in range(24)]
+        net.slow("64kbit")  # 8 KB/s: 48 MiB to b would take hours
+        try:
+            writers = [threading.Thread(target=(a.path / "models" / f"{i}.bin")
+                                        .write_bytes, args=(blob,))
+                       for i, blob in enumerate(blobs)]
             for t in writers:
-                t.join(120)
-            for i, blob in enumerate(blobs):
-                assert _cold(a.path / "models" / f"{i}.bin") == blob
-            assert _cold(b.path / "models" / "0.bin") == blobs[0]
+                t.start()
+            assert eventually(lambda: sum(
+                1 for _ in (a.path / "models").iterdir()) == len(blobs), 10)
+            done: list[bool] = []
+
+            def own_work() -> None:  # the writer's own files, written and read
+                (a.path / "mine.bin").write_bytes(own)
+                done.append(_cold(a.path / "own.bin") == own and
+                            _cold(a.path / "mine.bin") == own)
+
+            worker = threading.Thread(target=own_work)
+            worker.start()
+            worker.join(30)
+            assert done == [True], "the writer's own files waited on b"
+            assert any(t.is_alive() for t in writers)  # (b's were still in flight)
+        finally:
+            net.slow(None)
+        for t in writers:
+            t.join(120)
+        for i, blob in enumerate(blobs):
+            assert _cold(a.path / "models" / f"{i}.bin") == blob
+        assert _cold(b.path / "models" / "0.bin") == blobs[0]
 
 
 def test_three_nodes_load_a_model_striped_over_two_owners(tmp_path: Path,
@@ -1578,110 +1587,102 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
     the writer drops it once b's lease runs out."""
     users = ensure_users()
     url = pg_cluster.database()
-    mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
-    mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
-    with node_net() as net, \
-            mounted_pool(mine, *WRITER, f"chunk_addr={net.host_ip}") as a:
-        key, config = str(Path(mine[0], KEY_NAME)), str(tmp_path / "b" / "node.toml")
-        mxfs("node", "add", "--meta", url, "--key", key, "--name", "b", "--config", config,
-             "--member", theirs[0], "--member", theirs[1])
-        with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
-                        prefix=net.enter, check=False) as b:
-            (a.path / "ckpt").mkdir(mode=0o755)
-            assert eventually(lambda: (b.path / "ckpt").is_dir(), 15)
-            data = os.urandom((2 << 20) + 12345)
-            _direct_write(b.path / "ckpt" / "rank1.bin", data)
-            ino, used, layout = _used(a, a.path / "ckpt" / "rank1.bin")
-            assert used == {2, 3}  # (b's own members)
-            for m, folder in ((2, theirs[0]), (3, theirs[1])):
-                assert _chunk(folder, ino).stat().st_size == layout.chunk_length(m, len(data))
-            assert not _chunk(mine[0], ino).exists()
-            assert _cold(a.path / "ckpt" / "rank1.bin") == data
-            assert eventually(lambda: _cold(b.path / "ckpt" / "rank1.bin") == data, 15)
-            with open_reader(str(b.path / "ckpt" / "rank1.bin")) as r:  # (b's descriptors)
-                assert not isinstance(r, (PlainFile, RemoteFile))  # (its own descriptors)
-                buf = bytearray(len(data))
-                r.read_into(0, memoryview(buf))
-                assert bytes(buf) == data
-            # One DCP checkpoint of two ranks, rank 0 on the writer node and rank 1 on
-            # b (each writing its shard where it runs), saved and loaded back by both.
-            run_ranks([a.path / "ckpt", b.path / "ckpt"])
-            for name in ("sync", "async"):
-                assert ck.verify(str(a.path / "ckpt" / name)) == []
-                ino1 = _used(a, a.path / "ckpt" / name / "rank-00001.safetensors")[1]
-                assert ino1 == {2, 3} and _used(
-                    a, a.path / "ckpt" / name / "rank-00000.safetensors")[1] <= {0, 1}
-            # Names made through b's mount are the writer's (as the caller): a folder,
-            # a rename, removals; so a checkpoint saved on b whole (its folder and
-            # rename the writer's, its files on b's members) loads on the writer.
-            os.mkdir(b.path / "ckpt" / "d1")
-            assert (a.path / "ckpt" / "d1").is_dir()
-            _direct_write(b.path / "ckpt" / "d1" / "f", b"named on a, bytes on b")
-            os.rename(b.path / "ckpt" / "d1" / "f", b.path / "ckpt" / "d1" / "g")
-            assert (a.path / "ckpt" / "d1" / "g").read_bytes() == b"named on a, bytes on b"
-            os.unlink(b.path / "ckpt" / "d1" / "g")
-            os.rmdir(b.path / "ckpt" / "d1")
-            assert not (a.path / "ckpt" / "d1").exists()
-            state = {"w": torch.randn(128, 1024), "step": 7}
-            ck.save(state, str(b.path / "ckpt" / "step7")).wait()
-            got = ck.load(str(a.path / "ckpt" / "step7"))
-            assert torch.equal(got["w"], state["w"]) and got["step"] == 7
-            assert _used(a, a.path / "ckpt" / "step7" / next(
-                n for n in os.listdir(a.path / "ckpt" / "step7") if "data" in n or
-                n.endswith(".safetensors")))[1] == {2, 3}
-            # The writer judges a node's name changes itself, as its own kernel would
-            # (a node's kernel judged them on attributes perhaps a moment old).
-            (a.path / "ckpt" / "sticky").mkdir()
-            os.chmod(a.path / "ckpt" / "sticky", 0o1777)
-            (a.path / "ckpt" / "sticky" / "roots").write_bytes(b"r")
-            node_b = {n["name"]: n for n in _status(a)["nodes"]}["b"]
-            host, port = _status(a)["chunk_service"]["addr"], \
-                _status(a)["chunk_service"]["port"]
-            alice = (users["alice"].uid, users["alice"].gid, [])
-            sticky = os.stat(a.path / "ckpt" / "sticky").st_ino  # (the pool's inodes)
-            ckpt_ino = os.stat(a.path / "ckpt").st_ino
-            with ChunkClient(host, int(port), load_key(mine[0]),
-                             _status(a)["pool_uuid"]) as raw:
-                for op, body, code in (
-                        ("node_unlink", {"parent": sticky, "name": "cm9vdHM="}, errno.EPERM),
-                        ("node_mkdir", {"parent": ckpt_ino, "name": "eA==", "mode": 0o755},
-                         errno.EACCES),
-                        ("node_rename", {"parent": sticky, "name": "cm9vdHM=",
-                                         "new_parent": sticky, "new_name": "eA=="},
-                         errno.EPERM)):
-                    with pytest.raises(OSError) as e:
-                        raw.kv_request(alice, op, {**body, "token": op,
-                                                   "node": ["b", node_b["epoch"]]})
-                    assert e.value.errno == code, op
-            assert (a.path / "ckpt" / "sticky" / "roots").read_bytes() == b"r"
-            # The writer judges the caller as its own mount would.
-            res = run_as(users["alice"], """
+    with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
+        (a.path / "ckpt").mkdir(mode=0o755)
+        assert eventually(lambda: (b.path / "ckpt").is_dir(), 15)
+        data = os.urandom((2 << 20) + 12345)
+        _direct_write(b.path / "ckpt" / "rank1.bin", data)
+        ino, used, layout = _used(a, a.path / "ckpt" / "rank1.bin")
+        assert used == {2, 3}  # (b's own members)
+        for m, folder in ((2, theirs[0]), (3, theirs[1])):
+            assert _chunk(folder, ino).stat().st_size == layout.chunk_length(m, len(data))
+        assert not _chunk(mine[0], ino).exists()
+        assert _cold(a.path / "ckpt" / "rank1.bin") == data
+        assert eventually(lambda: _cold(b.path / "ckpt" / "rank1.bin") == data, 15)
+        with open_reader(str(b.path / "ckpt" / "rank1.bin")) as r:  # (b's descriptors)
+            assert not isinstance(r, (PlainFile, RemoteFile))  # (its own descriptors)
+            buf = bytearray(len(data))
+            r.read_into(0, memoryview(buf))
+            assert bytes(buf) == data
+        # One DCP checkpoint of two ranks, rank 0 on the writer node and rank 1 on
+        # b (each writing its shard where it runs), saved and loaded back by both.
+        run_ranks([a.path / "ckpt", b.path / "ckpt"])
+        for name in ("sync", "async"):
+            assert ck.verify(str(a.path / "ckpt" / name)) == []
+            ino1 = _used(a, a.path / "ckpt" / name / "rank-00001.safetensors")[1]
+            assert ino1 == {2, 3} and _used(
+                a, a.path / "ckpt" / name / "rank-00000.safetensors")[1] <= {0, 1}
+        # Names made through b's mount are the writer's (as the caller): a folder,
+        # a rename, removals; so a checkpoint saved on b whole (its folder and
+        # rename the writer's, its files on b's members) loads on the writer.
+        os.mkdir(b.path / "ckpt" / "d1")
+        assert (a.path / "ckpt" / "d1").is_dir()
+        _direct_write(b.path / "ckpt" / "d1" / "f", b"named on a, bytes on b")
+        os.rename(b.path / "ckpt" / "d1" / "f", b.path / "ckpt" / "d1" / "g")
+        assert (a.path / "ckpt" / "d1" / "g").read_bytes() == b"named on a, bytes on b"
+        os.unlink(b.path / "ckpt" / "d1" / "g")
+        os.rmdir(b.path / "ckpt" / "d1")
+        assert not (a.path / "ckpt" / "d1").exists()
+        state = {"w": torch.randn(128, 1024), "step": 7}
+        ck.save(state, str(b.path / "ckpt" / "step7")).wait()
+        got = ck.load(str(a.path / "ckpt" / "step7"))
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 7
+        assert _used(a, a.path / "ckpt" / "step7" / next(
+            n for n in os.listdir(a.path / "ckpt" / "step7") if "data" in n or
+            n.endswith(".safetensors")))[1] == {2, 3}
+        # The writer judges a node's name changes itself, as its own kernel would
+        # (a node's kernel judged them on attributes perhaps a moment old).
+        (a.path / "ckpt" / "sticky").mkdir()
+        os.chmod(a.path / "ckpt" / "sticky", 0o1777)
+        (a.path / "ckpt" / "sticky" / "roots").write_bytes(b"r")
+        node_b = {n["name"]: n for n in _status(a)["nodes"]}["b"]
+        host, port = _status(a)["chunk_service"]["addr"], \
+            _status(a)["chunk_service"]["port"]
+        alice = (users["alice"].uid, users["alice"].gid, [])
+        sticky = os.stat(a.path / "ckpt" / "sticky").st_ino  # (the pool's inodes)
+        ckpt_ino = os.stat(a.path / "ckpt").st_ino
+        with ChunkClient(host, int(port), load_key(mine[0]),
+                         _status(a)["pool_uuid"]) as raw:
+            for op, body, code in (
+                    ("node_unlink", {"parent": sticky, "name": "cm9vdHM="}, errno.EPERM),
+                    ("node_mkdir", {"parent": ckpt_ino, "name": "eA==", "mode": 0o755},
+                     errno.EACCES),
+                    ("node_rename", {"parent": sticky, "name": "cm9vdHM=",
+                                     "new_parent": sticky, "new_name": "eA=="},
+                     errno.EPERM)):
+                with pytest.raises(OSError) as e:
+                    raw.kv_request(alice, op, {**body, "token": op,
+                                               "node": ["b", node_b["epoch"]]})
+                assert e.value.errno == code, op
+        assert (a.path / "ckpt" / "sticky" / "roots").read_bytes() == b"r"
+        # The writer judges the caller as its own mount would.
+        res = run_as(users["alice"], """
 from mxfs.client.writer import create_file
 print(json.dumps(attempt(create_file, sys.argv[1], 10)))
 """, str(b.path / "ckpt" / "alice.bin"))
-            assert res == errno.EACCES
-            # Aborted, or the writer gone without a commit: nothing left.
-            from mxfs.client.writer import create_file
-            with create_file(str(b.path / "ckpt" / "dropped.bin"), 1 << 20) as w:
-                dropped = w.ino
-                w.abort()
-            gone = subprocess.run([sys.executable, "-c", (
-                "import os, sys\nfrom mxfs.client.writer import create_file\n"
-                "w = create_file(sys.argv[1], 1 << 20)\nprint(w.ino, flush=True)\n"
-                "os._exit(0)"), str(b.path / "ckpt" / "gone.bin")],
-                capture_output=True, text=True, check=True)
-            left = int(gone.stdout)
-            for ino_ in (dropped, left):
-                assert eventually(lambda i=ino_: not any(_chunk(f, i).exists() for f in theirs)
-                                  and not _in_store(url, i), 15)
-            assert not (a.path / "ckpt" / "dropped.bin").exists()
-            assert not (a.path / "ckpt" / "gone.bin").exists()
-            # b dies holding an unpublished file: the writer drops it after b's lease.
-            w = create_file(str(b.path / "ckpt" / "orphan.bin"), 1 << 20)
-            orphan = w.ino
-            os.kill(b.daemon_pid(), signal.SIGKILL)
-            assert eventually(lambda: _in_store(url, orphan) is False, 30)
-            mxfs("umount", str(b.path), check=False)
+        assert res == errno.EACCES
+        # Aborted, or the writer gone without a commit: nothing left.
+        from mxfs.client.writer import create_file
+        with create_file(str(b.path / "ckpt" / "dropped.bin"), 1 << 20) as w:
+            dropped = w.ino
+            w.abort()
+        gone = subprocess.run([sys.executable, "-c", (
+            "import os, sys\nfrom mxfs.client.writer import create_file\n"
+            "w = create_file(sys.argv[1], 1 << 20)\nprint(w.ino, flush=True)\n"
+            "os._exit(0)"), str(b.path / "ckpt" / "gone.bin")],
+            capture_output=True, text=True, check=True)
+        left = int(gone.stdout)
+        for ino_ in (dropped, left):
+            assert eventually(lambda i=ino_: not any(_chunk(f, i).exists() for f in theirs)
+                              and not _in_store(url, i), 15)
+        assert not (a.path / "ckpt" / "dropped.bin").exists()
+        assert not (a.path / "ckpt" / "gone.bin").exists()
+        # b dies holding an unpublished file: the writer drops it after b's lease.
+        w = create_file(str(b.path / "ckpt" / "orphan.bin"), 1 << 20)
+        orphan = w.ino
+        os.kill(b.daemon_pid(), signal.SIGKILL)
+        assert eventually(lambda: _in_store(url, orphan) is False, 30)
+        mxfs("umount", str(b.path), check=False)
         assert _cold(a.path / "ckpt" / "rank1.bin") is None  # (b gone: EIO, never zeros)
 
 

@@ -269,7 +269,7 @@ class ForwardedKV:
         remote = self._remote()
         namespace = check_namespace(msg.get("namespace"))
         flags = KPUT_SHARED if bool_field(msg, "shared") else 0
-        who = _who(caller)
+        who = as_sent(caller)
 
         def ask() -> bytes:
             return remote.kv_keys(tag, who, namespace, flags, keys, max(ms, 0), holder, node)
@@ -281,7 +281,7 @@ class ForwardedKV:
         """The handler of `op` (one of FORWARDED_OPS) here: asked of the writer as the
         caller (KREQ), its reply passed on."""
         async def handler(msg: Msg, session: Session) -> Reply:
-            remote, who = self._remote(), _who(session.caller)
+            remote, who = self._remote(), as_sent(session.caller)
             body = {k: v for k, v in msg.items() if k != "op"}
             self.requests += 1
             reply = await self._off_loop(session.caller,
@@ -310,7 +310,7 @@ class ForwardedKV:
         mode = int_field(msg, "mode", 0) if msg.get("mode") is not None else 0
         if mode > 0o777:
             raise BadField(msg, "'mode' is a permission mode from 0 to 0777")
-        who = _who(caller)
+        who = as_sent(caller)
         shared = bool_field(msg, "shared")
         stored = await self._off_loop(caller, lambda: remote.kv_put(
             who, namespace, mode, shared, check_key(key), chunk))
@@ -336,7 +336,7 @@ class ForwardedKV:
             self._drop(session, handle)
         holder = self._holders.pop(id(session), None)
         if holder is not None and self.remote is not None:
-            self._given_up.put((self.remote, _who(session.caller), holder, 0))
+            self._given_up.put((self.remote, as_sent(session.caller), holder, 0))
             if self._giver is None:
                 self._giver = threading.Thread(target=self._give_up, daemon=True,
                                                name="mxfs-kv-unclaim")
@@ -360,6 +360,6 @@ class ForwardedKV:
                              "on the writer (%s); they run out", e)
 
 
-def _who(caller: Caller) -> tuple[int, int, list[int]]:
+def as_sent(caller: Caller) -> tuple[int, int, list[int]]:
     """A caller as the writer is told it: uid, gid and (some of) its other groups."""
     return caller.uid, caller.gid, sorted(caller.gids - {caller.gid})[:MAX_KPUT_GROUPS]

@@ -725,9 +725,12 @@ class KVOps:
 
     def _uncount(self, session: Session, n: int) -> None:
         session.pinned -= n
-        self.pinned_by_uid[session.caller.uid] -= n
-        if self.pinned_by_uid[session.caller.uid] <= 0:
-            del self.pinned_by_uid[session.caller.uid]
+        self._uncount_uid(session.caller.uid, n)
+
+    def _uncount_uid(self, uid: int, n: int) -> None:
+        self.pinned_by_uid[uid] -= n
+        if self.pinned_by_uid[uid] <= 0:
+            del self.pinned_by_uid[uid]
 
     async def _open_all(self, nodes: list[Inode], odirect: bool
                         ) -> list[tuple[ReadFds, list[int]]]:
@@ -832,9 +835,7 @@ class KVOps:
             if space is not None and space.chunks.get(key) is held.chunk:
                 space.unpin(held.chunk, held.n)
             ended += held.n
-        self.pinned_by_uid[uid] -= ended
-        if self.pinned_by_uid[uid] <= 0:
-            del self.pinned_by_uid[uid]
+        self._uncount_uid(uid, ended)
 
     def flush(self) -> None:
         self.index.flush()

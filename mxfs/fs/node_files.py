@@ -39,12 +39,12 @@ import trio
 
 from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import Msg, bool_field, int_field, path_field
+from mxfs.fs.kv_forward import as_sent
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
 from mxfs.meta import Inode
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import RemoteMembers
-from mxfs.proto.chunk_wire import MAX_KPUT_GROUPS
 from mxfs.proto.messages import FileReply
 from mxfs.vol.access import (
     W_OK,
@@ -314,7 +314,7 @@ class ForwardedFiles:
 
     async def ask(self, caller: Caller, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """`op` asked of the writer for `caller` (blocking round trips, off this thread)."""
-        remote, who = self._remote(), _who(caller)
+        remote, who = self._remote(), as_sent(caller)
         body = {**body, "node": self._node()}
         async with self._asks.slot(caller.uid):
             return await trio.to_thread.run_sync(remote.kv_request, who, op, body,
@@ -401,8 +401,3 @@ def _node(msg: Msg) -> tuple[str, int]:
             and node[0] and isinstance(node[1], int)):
         raise OSError(errno.EINVAL, "a node's file request names the node: [name, epoch]")
     return node[0], node[1]
-
-
-def _who(caller: Caller) -> tuple[int, int, list[int]]:
-    """A caller as the writer is told it: uid, gid and (some of) its other groups."""
-    return caller.uid, caller.gid, sorted(caller.gids - {caller.gid})[:MAX_KPUT_GROUPS]

@@ -103,7 +103,7 @@ class ChunkFiles:
         pieces = self.layout.plan(offset, len(buf))
         self.pool.check({p.member for p in pieces})
         far = [p for p in pieces if self.pool.members[p.member].node]
-        futures = [self._far_call(p.member, "read", self.ino, p.member, p.chunk_offset,
+        futures = [self._far_read(p.member, self.ino, p.member, p.chunk_offset,
                                   [buf[o:o + n] for o, n in p.spans])
                    for p in far]
         try:
@@ -113,11 +113,16 @@ class ChunkFiles:
             _settle(futures)
         self._account(pieces, "read")
 
-    def _far_call(self, member: int, what: str, *args: Any) -> Future[None]:
-        """`RemoteMembers.read` or `.change` of `member`'s owner, on its threads (a
-        slow owner holds those, not the I/O threads of this node's members)."""
+    def _far_read(self, member: int, *args: Any) -> Future[None]:
+        """`RemoteMembers.read` of `member`'s owner, on its threads (a slow owner holds
+        those, not the I/O threads of this node's members)."""
         remote = self.pool.remote_of(member)
-        return remote.submit(getattr(remote, what), *args)
+        return remote.submit(remote.read, *args)
+
+    def _far_change(self, member: int, *args: Any) -> Future[None]:
+        """`RemoteMembers.change` of `member`'s owner, on its threads."""
+        remote = self.pool.remote_of(member)
+        return remote.submit(remote.change, *args)
 
     def _read_local(self, pieces: list[Piece], buf: memoryview) -> None:
         ops = []
@@ -150,7 +155,7 @@ class ChunkFiles:
         if pieces is None:
             pieces = self.admit(offset, len(data))
         far = [p for p in pieces if self.pool.members[p.member].node]
-        futures = [self._far_call(p.member, "change", b"WRIT", self.pool.epoch(), self.ino,
+        futures = [self._far_change(p.member, b"WRIT", self.pool.epoch(), self.ino,
                                   p.member, p.chunk_offset,
                                   [data[o:o + n] for o, n in p.spans])
                    for p in far]
@@ -198,7 +203,7 @@ class ChunkFiles:
         """Make every written member durable, all members at once (other nodes' through
         their owners)."""
         far, self._far_written = sorted(self._far_written), set()
-        futures = [self._far_call(m, "change", b"SYNC", self.pool.epoch(), self.ino, m,
+        futures = [self._far_change(m, b"SYNC", self.pool.epoch(), self.ino, m,
                                   int(datasync))
                    for m in far]
         try:
