@@ -1558,6 +1558,9 @@ def test_three_nodes_load_a_model_striped_over_two_owners(tmp_path: Path,
             with pytest.raises(OSError, match="holds no members"):
                 from mxfs import ckpt
                 ckpt.save({"w": torch.zeros(4)}, str(c.path / "models" / "ck")).wait()
+            with pytest.raises(OSError) as e:  # (nor are bytes through its mount)
+                os.open(c.path / "models" / "x.bin", os.O_WRONLY | os.O_CREAT)
+            assert e.value.errno == errno.EROFS
             assert sorted(os.listdir(a.path / "models")) == ["from-c", "m.safetensors"]
             assert eventually(lambda: _status(c)["nodes"] and all(
                 n["state"] == "alive" for n in _status(c)["nodes"]), 10)
@@ -1684,6 +1687,129 @@ print(json.dumps(attempt(create_file, sys.argv[1], 10)))
         assert eventually(lambda: _in_store(url, orphan) is False, 30)
         mxfs("umount", str(b.path), check=False)
         assert _cold(a.path / "ckpt" / "rank1.bin") is None  # (b gone: EIO, never zeros)
+
+
+@pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",
+                        r"serves its members again", r"is left there")
+def test_files_written_through_a_nodes_mount_land_on_its_members(tmp_path: Path,
+                                                                 pg_cluster: Any) -> None:
+    """Node b holds two members: files written through b's mount as any program
+    writes them (open, write, close; rewritten in place, cut, appended, renamed while
+    open) land on b's members, are named by the writer at close and read equal on the
+    writer after it (close-to-open); a file unlinked before its close leaves nothing;
+    files striped over the writer's members, or sealed, are refused for writing."""
+    users = ensure_users()
+    url = pg_cluster.database()
+    with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
+        (a.path / "w").mkdir()
+        os.chmod(a.path / "w", 0o777)
+        assert eventually(lambda: (b.path / "w").is_dir(), 15)
+        data = os.urandom((3 << 20) + 4321)
+        with open(b.path / "w" / "x.bin", "wb") as f:
+            f.write(data[:1 << 20])
+            # Open here: seen at its name on b, not yet on the writer.
+            assert os.stat(b.path / "w" / "x.bin").st_size == 1 << 20
+            assert not (a.path / "w" / "x.bin").exists()
+            f.write(data[1 << 20:])
+        ino, used, layout = _used(a, a.path / "w" / "x.bin")
+        assert used == {2, 3}  # (b's own members)
+        for m, folder in ((2, theirs[0]), (3, theirs[1])):
+            assert _chunk(folder, ino).stat().st_size == layout.chunk_length(m, len(data))
+        assert _cold(a.path / "w" / "x.bin") == data
+        # Rewritten in place, then cut and appended to: each close seen on the writer.
+        with open(a.path / "w" / "x.bin", "rb") as f:  # (the writer's kernel keeps pages)
+            assert f.read(4096) == data[:4096]
+        with open(b.path / "w" / "x.bin", "r+b") as f:
+            f.seek(100)
+            f.write(b"rewritten on b")
+        data = data[:100] + b"rewritten on b" + data[114:]
+        assert (a.path / "w" / "x.bin").read_bytes() == data
+        with open(b.path / "w" / "x.bin", "r+b") as f:
+            f.truncate(5000)
+            f.seek(0, os.SEEK_END)
+            f.write(b"tail")
+        data = data[:5000] + b"tail"
+        assert (a.path / "w" / "x.bin").read_bytes() == data
+        assert os.stat(a.path / "w" / "x.bin").st_ino == ino  # (the same file)
+        # Not sealed: the writer's own mount writes it too.
+        with open(a.path / "w" / "x.bin", "ab") as f:
+            f.write(b"+a")
+        assert eventually(lambda: (b.path / "w" / "x.bin").read_bytes() == data + b"+a", 15)
+        # Saved as programs save: to a temporary name, renamed before the close.
+        state = {"w": torch.randn(256, 256)}
+        with open(b.path / "w" / "tmp.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.rename(b.path / "w" / "tmp.pt", b.path / "w" / "model.pt")
+            f.write(b"")
+        got = torch.load(a.path / "w" / "model.pt")
+        assert torch.equal(got["w"], state["w"])
+        assert not (a.path / "w" / "tmp.pt").exists()
+        # A user's file: hers, on b's members.
+        res = run_as(users["alice"], """
+with open(sys.argv[1], "wb") as f:
+    f.write(b"alice on b")
+print(json.dumps(os.stat(sys.argv[1]).st_uid))
+""", str(b.path / "w" / "alice.txt"))
+        assert res == users["alice"].uid
+        assert (a.path / "w" / "alice.txt").read_bytes() == b"alice on b"
+        assert os.stat(a.path / "w" / "alice.txt").st_uid == users["alice"].uid
+        # Past her quota: her close fails, and nothing is named.
+        mxfs("quota", "--user", "mxfs-alice", "--bytes", "1MiB", str(a.path))
+        res = run_as(users["alice"], """
+f = open(sys.argv[1], "wb")
+f.write(os.urandom(2 << 20))
+print(json.dumps(attempt(f.close)))
+""", str(b.path / "w" / "big.bin"))
+        assert res == errno.EDQUOT
+        assert not (a.path / "w" / "big.bin").exists()
+        mxfs("quota", "--user", "mxfs-alice", "--clear", str(a.path))
+        # Unlinked before its close: never named, its chunk files gone.
+        fd = os.open(b.path / "w" / "gone.bin", os.O_WRONLY | os.O_CREAT)
+        os.write(fd, os.urandom(1 << 20))
+        gone = os.fstat(fd).st_ino
+        os.unlink(b.path / "w" / "gone.bin")
+        os.close(fd)
+        assert eventually(lambda: not any(_chunk(m, gone).exists() for m in theirs)
+                          and not _in_store(url, gone), 15)
+        assert not (a.path / "w" / "gone.bin").exists()
+        # Striped over the writer's members, or sealed: written on the writer.
+        (a.path / "w" / "mine.bin").write_bytes(b"a's")
+        assert _used(a, a.path / "w" / "mine.bin")[1] <= {0, 1}
+        with pytest.raises(OSError) as e:
+            os.open(b.path / "w" / "mine.bin", os.O_RDWR)
+        assert e.value.errno == errno.EROFS
+        _direct_write(b.path / "w" / "sealed.bin", b"sealed")
+        with pytest.raises(OSError) as e:
+            os.open(b.path / "w" / "sealed.bin", os.O_RDWR)
+        assert e.value.errno == errno.EPERM
+        assert (a.path / "w" / "mine.bin").read_bytes() == b"a's"
+        # The writer judges a node's callers itself (a node's kernel judged them on
+        # attributes perhaps a moment old): alice may not create in root's folder nor
+        # say she wrote root's file; nobody may say so of a file on members b does not
+        # hold, or of a sealed one.
+        node_b = {n["name"]: n for n in _status(a)["nodes"]}["b"]
+        host, port = _status(a)["chunk_service"]["addr"], \
+            _status(a)["chunk_service"]["port"]
+        alice, root = (users["alice"].uid, users["alice"].gid, []), (0, 0, [])
+        (a.path / "w" / "roots").mkdir()
+        with ChunkClient(host, int(port), load_key(mine[0]),
+                         _status(a)["pool_uuid"]) as raw:
+            for who, op, body, code in (
+                    (alice, "node_create", {"parent": os.stat(a.path / "w" / "roots").st_ino,
+                                            "name": "eA==", "mountpoint": ""}, errno.EACCES),
+                    (alice, "node_written", {"ino": ino, "size": 0}, errno.EACCES),
+                    (root, "node_written", {"ino": os.stat(a.path / "w" / "mine.bin").st_ino,
+                                            "size": 0}, errno.EPERM),
+                    (root, "node_written", {"ino": os.stat(a.path / "w" / "sealed.bin").st_ino,
+                                            "size": 0}, errno.EPERM)):
+                with pytest.raises(OSError) as e:
+                    raw.kv_request(who, op, {**body, "token": op,
+                                             "node": ["b", node_b["epoch"]]})
+                assert e.value.errno == code, op
+        assert (a.path / "w" / "x.bin").read_bytes() == data + b"+a"
+        assert (a.path / "w" / "mine.bin").read_bytes() == b"a's"
+        assert not (a.path / "w" / "roots" / "x").exists()
 
 
 def _in_store(url: str, ino: int) -> bool:

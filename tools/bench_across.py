@@ -18,6 +18,9 @@ of `--repeat`:
               through b's chunk service
   across b    the across file read through b's mount: 2 and 3 there, 0 and 1 through a's
   write own / write across   the files written through a's mount, fsynced
+  write b     a file written through b's mount, fsynced: on b's own two members, named
+              by the writer at its close (against "write own": a's mount, a's two)
+  write local the peer: the same bytes written to a plain file on the local drive
   local copy  the peer a user picks without mxfs: a copy of the file on the node's own
               local drive (the rig's plain folder: one more drive of the same kind),
               read buffered as any program reads it.  (An NFS export of one node's
@@ -55,7 +58,7 @@ from mxfs.proc import python_module  # noqa: E402
 from mxfs.units import format_size, parse_size  # noqa: E402
 
 ARMS = ("raw own", "raw all", "own a", "across a", "across b", "local copy", "write own",
-        "write across")
+        "write across", "write b", "write local")
 PIECE = 16 << 20  # bytes a read or write asks for at once
 
 
@@ -171,6 +174,8 @@ def main() -> int:
                 for k in range(args.repeat):
                     rounds["write own"].append(mount_write(own, size))
                     rounds["write across"].append(mount_write(across, size))
+                    rounds["write b"].append(mount_write(os.path.join(mnt_b, "b.bin"), size))
+                    rounds["write local"].append(mount_write(copy, size))
                     rounds["raw own"].append(raw_read(chunk_files(mnt_a, own, rig.members)))
                     rounds["raw all"].append(raw_read(chunk_files(mnt_a, across,
                                                                   rig.members)))
@@ -195,6 +200,8 @@ def main() -> int:
         "across a / local copy": med["across a"] / med["local copy"],
         "across b / local copy": med["across b"] / med["local copy"],
         "write across / write own": med["write across"] / med["write own"],
+        "write b / write own": med["write b"] / med["write own"],
+        "write own / write local": med["write own"] / med["write local"],
     }
     print(f"\n{format_size(size)} a file, {rig.describe()}, medians of {args.repeat} (GB/s):")
     for arm in ARMS:

@@ -26,6 +26,7 @@ from mxfs.fs.failures import FailureLog
 from mxfs.fs.feed_follower import FeedFollower
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Gauges, Metrics, serve_prometheus
+from mxfs.fs.mount_writes import MountWrites
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
@@ -218,6 +219,10 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 control.status.chunks = chunks
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))
             ops.names = control.files.forwarded  # (a reading node's names: the writer's)
+            if ops.names is not None and vol.pool.local_members():
+                ops.written = MountWrites(vol, ops.names)  # (... its bytes its own)
+            if control.files.for_nodes is not None:
+                control.files.for_nodes.inode_changed = ops.inode_changed
             control.status.feed = feed
             if feed is not None and control.kv.follower is not None:
                 views = control.kv.follower.views  # (kept by the feed: fs/kv_views.py)

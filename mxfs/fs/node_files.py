@@ -19,6 +19,12 @@ repeated commit is answered as the first.  A node that dies leaves its unpublish
 files to the writer, which drops them once the node's lease under that epoch has been
 gone GRACE_S (or the node joined again).
 
+Files written through a node's mount (`fs/mount_writes.py`) take the same way: a
+create names a folder and a name instead of a path and declares no size (the owner's
+quota is judged when the file is named, unsealed), and `node_written` tells the
+writer the new size and times of a named file wholly on the node's members that its
+caller changed there.
+
 `NodeFiles` is the writer's side; `ForwardedFiles` the node's (`fs/file_ops.py` calls
 it on a node that holds members).
 """
@@ -30,6 +36,7 @@ import errno
 import logging
 import os
 import stat
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -60,13 +67,18 @@ from mxfs.vol.volume import Volume
 log = logging.getLogger("mxfs.control")
 
 # Publishes a held file as FileOps.commit does: (pending, its session, size, replace,
-# the msg with its sums, the mount point its path is resolved under) -> its description.
-Publish = Callable[[Pending, Session, int, bool, Msg, str], Awaitable[FileReply]]
+# the msg with its sums, the mount point its path is resolved under, or the folder and
+# name a file written through a node's mount takes) -> its description.
+Publish = Callable[[Pending, Session, int, bool, Msg, str, tuple[Inode, bytes] | None],
+                   Awaitable[FileReply]]
 
 NAME_OPS = ("node_mkdir", "node_unlink", "node_rmdir", "node_rename")
 GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
 REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
+# A file written through a node's mount declares no size: its owner's quota is checked
+# as it is named and each time it grows (`node_written`).
+UNDECLARED = 1 << 62
 
 
 @dataclass
@@ -78,6 +90,8 @@ class NodeFile:
     epoch: int
     mountpoint: str  # the node's: its caller's path (and links) are resolved under it
     token: str  # the node's name for the create (a repeat is the same file)
+    # (A file written through the node's mount) the folder and name it takes at commit.
+    at: tuple[int, bytes] | None = None
     dead_since: float | None = None  # when the node's lease was first seen gone
 
 
@@ -90,12 +104,13 @@ class NodeFiles:
 
     def __init__(self, vol: Volume, mountpoint: str, limits: Limits,
                  pending_by_uid: Counter[int], publish: Publish,
-                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None
-                 ) -> None:
+                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
+                 inode_changed: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.vol, self.mountpoint, self.limits = vol, mountpoint, limits
         self.pending_by_uid = pending_by_uid
         self.publish = publish
         self.entry_changed = entry_changed  # (this node's kernel drops those names)
+        self.inode_changed = inode_changed  # (... and what it holds of those files)
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
@@ -112,6 +127,8 @@ class NodeFiles:
             return dict(self._create(caller, msg, name, epoch))
         if op == "node_commit":
             return await self._commit(caller, msg, name)
+        if op == "node_written":
+            return await self._written(caller, msg, name)
         if op in NAME_OPS:
             token = (name, _text(msg, "token"))
             done = self.names_done.get(token)
@@ -192,24 +209,31 @@ class NodeFiles:
         again = self.tokens.get((node, token))
         if again is not None:  # (asked again: the file made the first time)
             return describe(self.vol, self.files[again].session.pending[again].entry.node)
-        path, size = path_field(msg), int_field(msg, "size", 0)
         mode = int_field(msg, "mode", 0o644) & 0o7777
         mountpoint = _text(msg, "mountpoint")
         session = Session(caller, self.pending_by_uid, quotas=self.vol.quotas)
         check_pending_room(session, self.limits)  # (the uid's: the session is new)
-        self.vol.quotas.room(caller.uid, size, 1)
         if not self.vol.pool.held_by(node):
             raise OSError(errno.EROFS, f"node {node} holds no members of the pool")
         store = self.vol.store
-        parent, name = resolve_parent_for(store, path, caller, mountpoint)
+        at: tuple[int, bytes] | None = None
+        if "parent" in msg:  # through the node's mount: a folder and a name, no size
+            parent, name = store.get(int_field(msg, "parent")), _name_field(msg, "name")
+            _may_change(parent, caller)
+            path, size, at = "", UNDECLARED, (parent.ino, name)
+            self.vol.quotas.room(caller.uid, 0, 1)
+        else:
+            path, size = path_field(msg), int_field(msg, "size", 0)
+            self.vol.quotas.room(caller.uid, size, 1)
+            parent, name = resolve_parent_for(store, path, caller, mountpoint)
         if bool_field(msg, "exclusive") and store.entry_ino(parent.ino, name) is not None:
-            raise OSError(errno.EEXIST, f"{path} exists")
+            raise OSError(errno.EEXIST, f"{path or _shown(name)} exists")
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid, caller.gids.__contains__)
         refuse_if_degraded(self.vol)
         entry = self.vol.create_hidden(parent, mode, caller.uid, gid, node=node)
         session.hold(Pending(entry, path, size))
         ino = entry.node.ino
-        self.files[ino] = NodeFile(session, node, epoch, mountpoint, token)
+        self.files[ino] = NodeFile(session, node, epoch, mountpoint, token, at)
         self.tokens[(node, token)] = ino
         return describe(self.vol, entry.node)
 
@@ -231,10 +255,16 @@ class NodeFiles:
             self._drop(ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared "
                           "at create: refused, and the file dropped")
+        at = None
+        if held.at is not None:  # written through the mount: judged as it is named
+            at = (self.vol.store.get(held.at[0]), held.at[1])
+            _may_change(at[0], caller)
+            self.vol.quotas.room(caller.uid, size)
         self._forget(ino)  # (not the sweep's while it is named)
         try:
             done = await self.publish(pending, held.session, size,
-                                      bool_field(msg, "replace", True), msg, held.mountpoint)
+                                      bool_field(msg, "replace", True), msg, held.mountpoint,
+                                      at)
         except BaseException:
             if ino in held.session.pending:  # still unpublished: held as before
                 self.files[ino] = held
@@ -244,6 +274,9 @@ class NodeFiles:
             raise
         self._remember(node, ino, done)
         out: dict[str, Any] = dict(done)
+        if held.at is not None:
+            out["named"] = [held.at[0], _b64(held.at[1])]
+            return out
         try:
             parent, fname = resolve_parent_for(self.vol.store, pending.path, caller,
                                                held.mountpoint)
@@ -251,6 +284,32 @@ class NodeFiles:
         except OSError:
             pass  # (its folder moved meanwhile: the node's kernel learns from the feed)
         return out
+
+    async def _written(self, caller: Caller, msg: Msg, node: str) -> dict[str, Any]:
+        """A named file on `node`'s members that its caller wrote (or cut) through that
+        node's mount since: its new size and times, judged as a write through the
+        writer's own mount would be (not sealed, the caller may write it, the quota of
+        its owner), and only for a file wholly on that node's members."""
+        refuse_if_degraded(self.vol)
+        store = self.vol.store
+        row = store.get(int_field(msg, "ino"))
+        if not row.is_reg:
+            raise OSError(errno.EINVAL, f"inode {row.ino} is not a regular file")
+        self.vol.check_writable(row)
+        if not may(row, caller, W_OK):
+            raise OSError(errno.EACCES, f"inode {row.ino}: write permission denied")
+        members = self.vol.pool.members
+        if any(members[m].node != node for m in self.vol.layout(row).used_members()):
+            raise OSError(errno.EPERM, f"inode {row.ino} stripes over members node {node} "
+                          "does not hold")
+        size, now = int_field(msg, "size"), time.time_ns()
+        self.vol.quotas.room(row.uid, size - row.size)
+        store.touch(row, size=size, mtime_ns=int_field(msg, "mtime_ns", now), ctime_ns=now)
+        store.flush(row)
+        store.commit()
+        if self.inode_changed is not None:
+            await self.inode_changed(row.ino)
+        return dict(describe(self.vol, row))
 
     def _remember(self, node: str, ino: int, reply: FileReply) -> None:
         self.published[(node, ino)] = reply
@@ -386,6 +445,10 @@ def _name_field(msg: Msg, field: str) -> bytes:
     if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
         raise OSError(errno.EINVAL, f"{field!r} is not a file name")
     return name
+
+
+def _shown(name: bytes) -> str:
+    return name.decode(errors="replace")
 
 
 def _text(msg: Msg, name: str) -> str:

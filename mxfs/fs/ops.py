@@ -27,6 +27,7 @@ import trio
 from mxfs.fs.fair import RoundRobin
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.metrics import Metrics
+from mxfs.fs.mount_writes import MountWrites
 from mxfs.fs.node_files import ForwardedFiles
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
@@ -155,6 +156,9 @@ class MxfsOperations(pyfuse3.Operations):
         # On a reading node: mkdir, unlink, rmdir and rename asked of the writer as the
         # caller (`fs/node_files.py`; set by the daemon).
         self.names: ForwardedFiles | None = None
+        # On a node that holds members: files written through this mount on them
+        # (`fs/mount_writes.py`; set by the daemon).
+        self.written: MountWrites | None = None
         per_user = max(1, io_threads * 3 // 4)
         self.io_turns = RoundRobin(io_threads, per_user)
         self.far_turns = RoundRobin(io_threads, per_user)
@@ -200,6 +204,17 @@ class MxfsOperations(pyfuse3.Operations):
             if e.errno != errno.ENOENT:  # ENOENT: the kernel held nothing for it
                 log.warning("invalidating entry %r of inode %d: %s", name, parent, e)
 
+    async def inode_changed(self, ino: int) -> None:
+        """A file's bytes changed behind the kernel's back (written through another
+        node's mount): its cached attributes and pages, and what was read ahead of it,
+        are dropped before the change is answered."""
+        self.data_changed(ino)
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # ENOENT: the kernel held nothing of it
+                log.warning("invalidating inode %d: %s", ino, e)
+
     # ---- attributes --------------------------------------------------------
 
     def attrs(self, node: Inode, entry: tuple[int, bytes] | None = None
@@ -234,7 +249,18 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_atime_ns = node.atime_ns
         a.st_mtime_ns = node.mtime_ns
         a.st_ctime_ns = node.ctime_ns
+        held = self.written.files.get(node.ino) if self.written is not None else None
+        if held is not None:  # (written here: the writer is told at close)
+            a.st_size, a.st_blocks = held.size, (held.size + 511) // 512
+            a.st_mtime_ns = held.mtime_ns
+            if held.at is not None:  # (a new file, at its name on this node alone yet)
+                a.st_nlink = 1
         return a
+
+    def _size(self, node: Inode) -> int:
+        """A file's size, as written here if it is open for writing on this node."""
+        held = self.written.files.get(node.ino) if self.written is not None else None
+        return held.size if held is not None else node.size
 
     async def _read_meta(self, uid: int, fn: Callable[[MetaStore], T]) -> T:
         """`fn(store)`: here, or on a reading node in its store's worker thread, in
@@ -248,7 +274,10 @@ class MxfsOperations(pyfuse3.Operations):
                      ) -> pyfuse3.EntryAttributes:
         if len(name) > NAME_MAX:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-        node = await self._read_meta(ctx.uid, lambda s: _lookup(s, parent_inode, name))
+        made = self.written.lookup(parent_inode, name) if self.written is not None else None
+        node = await self._read_meta(
+            ctx.uid, lambda s: _lookup(s, parent_inode, name) if made is None
+            else s.get(made))  # (a new file written here, not yet named)
         if node is not None:
             return self.attrs(node, (parent_inode, name))
         absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
@@ -276,6 +305,8 @@ class MxfsOperations(pyfuse3.Operations):
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         node = self.store.get(inode)
         now = time.time_ns()
+        if self.written is not None and inode in self.written.files:
+            return await self._setattr_here(node, attr, fields)
         if fields.update_size:
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
@@ -294,6 +325,23 @@ class MxfsOperations(pyfuse3.Operations):
             gid=attr.st_gid if fields.update_gid else None,
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=mtime, ctime_ns=attr.st_ctime_ns if fields.update_ctime else now)
+        return self.attrs(node)
+
+    async def _setattr_here(self, node: Inode, attr: pyfuse3.EntryAttributes,
+                            fields: pyfuse3.SetattrFields) -> pyfuse3.EntryAttributes:
+        """setattr of a file open for writing on this node: its size and times are
+        this node's until the writer is told at close; the rest is the writer's."""
+        assert self.written is not None
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            raise OSError(errno.EROFS, "a file's mode and owner change on the writer node")
+        if fields.update_size:
+            await self.settle(node.ino)
+            await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, node.ino,
+                                          self.vol.layout(node), attr.st_size,
+                                          limiter=self.limiter)
+            self.written.changed(node.ino, size=attr.st_size)
+        if fields.update_mtime:
+            self.written.changed(node.ino, mtime_ns=attr.st_mtime_ns)
         return self.attrs(node)
 
     # ---- namespace ---------------------------------------------------------
@@ -345,6 +393,8 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if self.written is not None and self.written.unname(parent_inode, name):
+            return  # (a new file written here, never named: dropped at its last close)
         if self.names is not None:
             await self.names.change_name(_caller(ctx), "node_unlink", parent_inode, name)
             return
@@ -363,6 +413,10 @@ class MxfsOperations(pyfuse3.Operations):
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             raise pyfuse3.FUSEError(errno.EINVAL)
         if self.names is not None:
+            made = self.written.lookup(parent_inode_old, name_old) \
+                if self.written is not None else None
+            if made is not None:  # a new file written here: named first, then moved
+                await self.written.tell(made)  # type: ignore[union-attr]
             await self.names.change_name(
                 _caller(ctx), "node_rename", parent_inode_old, name_old,
                 new_parent=parent_inode_new, new_name=name_new,
@@ -398,8 +452,13 @@ class MxfsOperations(pyfuse3.Operations):
         node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if node.is_reg and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
+        writing = node.is_reg and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC)
+        if writing:
             self.vol.check_writable(node)
+        if writing and self.written is not None:  # (a reading node: its own members')
+            return await self._open_here(node, flags, ctx)
+        if writing and self.names is not None:
+            self.names.check_writable()  # (a node holding no members: why not, said)
         if flags & os.O_TRUNC and node.is_reg:
             # libfuse enables atomic O_TRUNC: the kernel sends it here, not as setattr.
             await self.settle(inode)
@@ -412,10 +471,39 @@ class MxfsOperations(pyfuse3.Operations):
             self._relatime(node)
         return self._open_handle(node, flags, ctx.uid)
 
+    async def _open_here(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext
+                         ) -> pyfuse3.FileInfo:
+        """Open a file for writing on a node: one wholly on this node's members."""
+        assert self.written is not None
+        self.written.open(node, _caller(ctx))
+        info = self._open_handle(node, flags, ctx.uid)
+        if flags & os.O_TRUNC:
+            try:
+                await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, node.ino,
+                                              self.vol.layout(node), 0,
+                                              limiter=self.limiter)
+            except BaseException:
+                await self.release(info.fh)
+                raise
+            self.written.changed(node.ino, size=0)
+        return info
+
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        if self.written is not None:  # a node: on its own members, named at close
+            ino = await self.written.create(_caller(ctx), parent_inode, name,
+                                            stat.S_IMODE(mode), bool(flags & os.O_EXCL))
+            try:
+                node = await self._read_meta(ctx.uid, lambda s: s.get(ino))
+                info = self._open_handle(node, flags, ctx.uid)
+            except BaseException:
+                self.written.closed(ino)
+                raise
+            return info, self.attrs(node, (parent_inode, name))
+        if self.names is not None:
+            self.names.check_writable()  # (a node holding no members: why not, said)
         node = self._create(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx)
         return self._open_handle(node, flags, ctx.uid), self.attrs(node)
 
@@ -423,7 +511,7 @@ class MxfsOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes:
         entry = self.handles[fh].entry
         node = entry.node
-        n = min(size, node.size - off)
+        n = min(size, self._size(node) - off)
         if n <= 0:
             return b""
         buf = bytearray(n)
@@ -460,10 +548,13 @@ class MxfsOperations(pyfuse3.Operations):
         entry = handle.entry
         node = entry.node
         if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
-            off = node.size  # without the writeback cache, appends are placed here
+            off = self._size(node)  # without the writeback cache, appends are placed here
         assert entry.chunks is not None
-        self.vol.quotas.room(node.uid, off + len(buf) - node.size)  # (the owner pays)
-        self.vol.note_write(entry)
+        if self.written is not None and node.ino not in self.written.files:
+            raise OSError(errno.EBADF, "not open for writing on this node")
+        if self.written is None:  # (a node's: its size held here, told at close)
+            self.vol.quotas.room(node.uid, off + len(buf) - node.size)  # (the owner pays)
+            self.vol.note_write(entry)
         if self.nursery is not None and self.write_behind and not self.enable_writeback_cache:
             chunks = entry.chunks
             pieces = chunks.admit(off, len(buf))  # a member out of service, no room: now
@@ -477,6 +568,9 @@ class MxfsOperations(pyfuse3.Operations):
         else:
             await self._io(entry.chunks, handle.uid, entry.chunks.write, off,
                            memoryview(buf))
+        if self.written is not None:
+            self.written.changed(node.ino, size=max(self._size(node), off + len(buf)))
+            return len(buf)
         if off + len(buf) > node.size:
             self.store.touch(node, size=off + len(buf))
         if not self.enable_writeback_cache:
@@ -491,6 +585,9 @@ class MxfsOperations(pyfuse3.Operations):
         handle = self.handles[fh]
         node = handle.entry.node
         await self.settle(node.ino, report=True)  # close() returns a failed write's errno
+        if self.written is not None and node.ino in self.written.files:
+            await self.written.tell(node.ino)  # (close-to-open: the writer told now)
+            return
         if handle.flags & os.O_ACCMODE != os.O_RDONLY:  # (a reader's close changed nothing,
             self.store.flush(node)                      # so it fails on nothing unsaved)
             if self.vol.readers:  # close-to-open for the pool's reading nodes: what
@@ -503,6 +600,9 @@ class MxfsOperations(pyfuse3.Operations):
         await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
             await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync)
+        if self.written is not None and entry.node.ino in self.written.files:
+            await self.written.tell(entry.node.ino)  # (named and sized durably)
+            return
         self.store.flush(entry.node)
         await self._durable()
         handle.heard_losses(self.store.groups_lost)
@@ -513,6 +613,8 @@ class MxfsOperations(pyfuse3.Operations):
         await self.settle(ino)  # before the last release closes the chunk descriptors
         self.handles.pop(fh)
         self.vol.release(ino)
+        if ino not in self.vol.open_inodes and self.written is not None:
+            self.written.closed(ino)
         if ino not in self.vol.open_inodes:
             behind = self.behind.pop(ino, None)
             if behind is not None and behind.error is not None:

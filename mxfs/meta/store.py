@@ -583,10 +583,11 @@ class MetaStore:
         return self.txn(change)
 
     def publish(self, ino: int, parent: int, name: bytes, *, replace: bool, size: int,
-                sum_unit: int, sums: bytes) -> Inode | None:
+                sum_unit: int, sums: bytes, seal: bool = True) -> Inode | None:
         """Give a hidden file its size, its entry and its seal (checksums, xxh3-64 per
-        `sum_unit` bytes) in one change, atomically replacing what was there if
-        `replace` (EEXIST otherwise: the first writer wins).
+        `sum_unit` bytes; none if not `seal`: a file a node wrote through its mount) in
+        one change, atomically replacing what was there if `replace` (EEXIST otherwise:
+        the first writer wins).
 
         Returns the replaced inode when that was its last link (now an orphan).
         """
@@ -610,7 +611,8 @@ class MetaStore:
             self._add_entry(parent, name, ino)
             self.engine.remove("orphans", {"ino": ino})
             self.write_fields(node, {"nlink": 1, "size": size, "ctime_ns": now, "mtime_ns": now})
-            self.seal(ino, sum_unit, sums)
+            if seal:
+                self.seal(ino, sum_unit, sums)
             self._touch_dir(d, now)
             return old if old is not None and old.nlink == 0 else None
         return self.txn(change)

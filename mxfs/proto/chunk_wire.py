@@ -55,8 +55,9 @@ running out: a node that dies never says it let them go.
 KREQ (the caller as for KPUT, then a control op's name and its request as JSON, at
 most MAX_KREQ bytes) runs one of the writer's KV requests that change or list its
 index (FORWARDED_OPS: deletes, capacities, evictions, namespaces, lists, stats), or
-a direct write of a file on the asking node's own members (NODE_FILE_OPS: the
-request names the node and its epoch; `fs/node_files.py`), as
+a direct write, or a write through the asking node's mount, of a file on its own
+members (NODE_FILE_OPS: the request names the node and its epoch;
+`fs/node_files.py`), as
 that caller's on its control socket; the answer's bytes are its reply as JSON, or a
 line saying why not.  Only a node's own connections put, claim, wait, pin or ask: a
 scoped connection that tries is closed.
@@ -129,8 +130,8 @@ MAX_WRITE = MAX_READ  # bytes one WRIT carries
 FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
                  "kv_list", "kv_stats")
 # (KREQ, to the writer) a node's direct writes on its own members (`fs/node_files.py`)
-NODE_FILE_OPS = ("node_create", "node_commit", "node_abort", "node_mkdir", "node_unlink",
-                 "node_rmdir", "node_rename")
+NODE_FILE_OPS = ("node_create", "node_commit", "node_abort", "node_written", "node_mkdir",
+                 "node_unlink", "node_rmdir", "node_rename")
 CLAIM_STATES = ("yours", "stored", "busy")  # KCLM's answer bytes, by value
 
 

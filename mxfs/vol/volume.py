@@ -430,13 +430,14 @@ class Volume:
             entry.chunks.sync()
 
     def publish(self, entry: OpenInode, parent: int, name: bytes, size: int, replace: bool,
-                sum_unit: int, sums: bytes) -> None:
-        """Name a settled hidden file and seal it with its checksums, in one change.
+                sum_unit: int, sums: bytes, seal: bool = True) -> None:
+        """Name a settled hidden file and seal it with its checksums (unless not `seal`),
+        in one change.
 
         The caller makes it durable (commit, then sync) before answering.
         """
         replaced = self.store.publish(entry.node.ino, parent, name, replace=replace,
-                                      size=size, sum_unit=sum_unit, sums=sums)
+                                      size=size, sum_unit=sum_unit, sums=sums, seal=seal)
         if replaced is not None:
             self.unlinked(replaced)
 
