@@ -167,17 +167,20 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert all(m["node"] == "a" for m in status["members"])
                 assert {n["name"] for n in _status(a)["nodes"]} == {"a", "b"}
 
-                # It writes no bytes through its mount (names are the writer's to
-                # change for it: test_a_node_writes_files_and_checkpoints_on_its_own_members).
+                # Holding no members, it writes no bytes through its mount (names and
+                # attributes are the writer's to change for it: test_files_written_...).
                 for change in (lambda: (b.path / "new").write_bytes(b"x"),
                                lambda: (b.path / "models" / "m.bin").write_bytes(b"x"),
-                               lambda: os.truncate(b.path / "models" / "m.bin", 1),
-                               lambda: os.symlink("m.bin", b.path / "models" / "l"),
-                               lambda: os.chmod(b.path / "models" / "m.bin", 0o600)):
+                               lambda: os.truncate(b.path / "models" / "m.bin", 1)):
                     with pytest.raises(OSError) as e:
                         change()
                     assert e.value.errno == errno.EROFS
                 assert _digest(b.path / "models" / "m.bin") == xxhash.xxh3_128_hexdigest(model)
+                os.symlink("m.bin", b.path / "models" / "l")
+                os.chmod(b.path / "models" / "m.bin", 0o600)
+                assert os.readlink(a.path / "models" / "l") == "m.bin"
+                assert stat.S_IMODE(os.stat(a.path / "models" / "m.bin").st_mode) == 0o600
+                os.unlink(b.path / "models" / "l")
 
                 # Close-to-open: what the writer closed, the reader's next open sees.
                 model2 = os.urandom(len(model))
@@ -1696,8 +1699,10 @@ def test_files_written_through_a_nodes_mount_land_on_its_members(tmp_path: Path,
     """Node b holds two members: files written through b's mount as any program
     writes them (open, write, close; rewritten in place, cut, appended, renamed while
     open) land on b's members, are named by the writer at close and read equal on the
-    writer after it (close-to-open); a file unlinked before its close leaves nothing;
-    files striped over the writer's members, or sealed, are refused for writing."""
+    writer after it (close-to-open); links, modes, owners and times set through b are
+    the writer's, judged there as the caller; a file unlinked before its close leaves
+    nothing; files striped over the writer's members, or sealed, are refused for
+    writing."""
     users = ensure_users()
     url = pg_cluster.database()
     with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
@@ -1764,6 +1769,25 @@ print(json.dumps(attempt(f.close)))
         assert res == errno.EDQUOT
         assert not (a.path / "w" / "big.bin").exists()
         mxfs("quota", "--user", "mxfs-alice", "--clear", str(a.path))
+        # Links, modes, owners and times through b's mount: the writer's, for the caller
+        # (so shutil.copy2 and a Hugging Face cache's links work on a node).
+        shutil.copy2(b.path / "w" / "alice.txt", b.path / "w" / "copy.txt")
+        st_a, st_c = os.stat(a.path / "w" / "alice.txt"), os.stat(a.path / "w" / "copy.txt")
+        assert (st_c.st_mode, st_c.st_mtime_ns) == (st_a.st_mode, st_a.st_mtime_ns)
+        os.chmod(b.path / "w" / "copy.txt", 0o600)
+        os.chown(b.path / "w" / "copy.txt", users["alice"].uid, -1)
+        os.utime(b.path / "w" / "copy.txt", ns=(10**18, 2 * 10**18))
+        st_c = os.stat(a.path / "w" / "copy.txt")
+        assert (stat.S_IMODE(st_c.st_mode), st_c.st_uid, st_c.st_mtime_ns) == \
+            (0o600, users["alice"].uid, 2 * 10**18)
+        os.symlink("copy.txt", b.path / "w" / "link")
+        os.link(b.path / "w" / "copy.txt", b.path / "w" / "hard")
+        assert os.readlink(a.path / "w" / "link") == "copy.txt"
+        assert (a.path / "w" / "link").read_bytes() == b"alice on b"
+        assert os.stat(a.path / "w" / "hard").st_ino == st_c.st_ino
+        assert os.stat(a.path / "w" / "copy.txt").st_nlink == 2
+        os.truncate(b.path / "w" / "copy.txt", 5)  # (by name: told at once)
+        assert (a.path / "w" / "hard").read_bytes() == b"alice"
         # Unlinked before its close: never named, its chunk files gone.
         fd = os.open(b.path / "w" / "gone.bin", os.O_WRONLY | os.O_CREAT)
         os.write(fd, os.urandom(1 << 20))
@@ -1802,7 +1826,16 @@ print(json.dumps(attempt(f.close)))
                     (root, "node_written", {"ino": os.stat(a.path / "w" / "mine.bin").st_ino,
                                             "size": 0}, errno.EPERM),
                     (root, "node_written", {"ino": os.stat(a.path / "w" / "sealed.bin").st_ino,
-                                            "size": 0}, errno.EPERM)):
+                                            "size": 0}, errno.EPERM),
+                    (alice, "node_setattr", {"ino": ino, "mode": 0o777}, errno.EPERM),
+                    (alice, "node_setattr", {"ino": os.stat(a.path / "w" / "alice.txt").st_ino,
+                                             "uid": 0}, errno.EPERM),
+                    (alice, "node_setattr", {"ino": ino, "mtime_ns": 0}, errno.EPERM),
+                    (alice, "node_link", {"ino": ino, "parent": os.stat(a.path / "w").st_ino,
+                                          "name": "eA=="}, errno.EPERM),
+                    (alice, "node_symlink", {"parent": os.stat(a.path / "w" / "roots").st_ino,
+                                             "name": "eA==", "target": "eA=="},
+                     errno.EACCES)):
                 with pytest.raises(OSError) as e:
                     raw.kv_request(who, op, {**body, "token": op,
                                              "node": ["b", node_b["epoch"]]})

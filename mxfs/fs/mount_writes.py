@@ -72,12 +72,12 @@ class MountWrites:
         return ino
 
     def open(self, node: Inode, caller: Caller) -> Written:
-        """A file opened for writing here: one wholly on this node's members."""
+        """A file opened for writing here (not sealed: the caller checked): one wholly
+        on this node's members."""
         held = self.files.get(node.ino)
         if held is not None:
             return held
         self.forwarded.check_writable()
-        self.vol.check_writable(node)
         far = self.vol.pool.far(self.vol.layout(node).used_members())
         if far:
             raise OSError(errno.EROFS, f"this file stripes over node "

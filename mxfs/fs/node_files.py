@@ -54,11 +54,15 @@ from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.messages import FileReply
 from mxfs.vol.access import (
+    R_OK,
     W_OK,
     X_OK,
     Caller,
     may,
+    may_chmod,
+    may_chown,
     may_replace,
+    may_set_times,
     owner_for,
     resolve_parent_for,
 )
@@ -72,9 +76,11 @@ log = logging.getLogger("mxfs.control")
 Publish = Callable[[Pending, Session, int, bool, Msg, str, tuple[Inode, bytes] | None],
                    Awaitable[FileReply]]
 
-NAME_OPS = ("node_mkdir", "node_unlink", "node_rmdir", "node_rename")
+NAME_OPS = ("node_mkdir", "node_symlink", "node_link", "node_unlink", "node_rmdir",
+            "node_rename")
 GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
+PATH_MAX = 4095  # bytes of a symbolic link's target, as the kernel allows
 REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
 # A file written through a node's mount declares no size: its owner's quota is checked
 # as it is named and each time it grows (`node_written`).
@@ -141,7 +147,11 @@ class NodeFiles:
             if self.entry_changed is not None:
                 for parent, entry in changed:
                     await self.entry_changed(parent, entry)
+            if op == "node_link" and self.inode_changed is not None:
+                await self.inode_changed(int(out["ino"]))  # (its link count)
             return out
+        if op == "node_setattr":
+            return await self._setattr(caller, msg)
         if op == "node_abort":
             ino = self.tokens.get((name, _text(msg, "token"))) if "token" in msg \
                 else int_field(msg, "ino")
@@ -164,13 +174,23 @@ class NodeFiles:
         name = _name_field(msg, "name")
         _may_change(parent, caller)
         out: dict[str, Any] = {}
-        if op == "node_mkdir":
-            self.vol.pool.check_meta_room(META_ROW + len(name))
+        if op in ("node_mkdir", "node_symlink"):
+            link = None if op == "node_mkdir" else _bytes_field(msg, "target", PATH_MAX)
+            self.vol.pool.check_meta_room(META_ROW + len(name) + len(link or b""))
             self.vol.quotas.room(caller.uid, inodes=1)
-            mode, gid = owner_for(parent, stat.S_IFDIR | (int_field(msg, "mode") & 0o7777),
-                                  caller.uid, caller.gid, caller.gids.__contains__)
-            out["ino"] = store.create(parent.ino, name, mode, caller.uid, gid,
+            kind = stat.S_IFDIR | (int_field(msg, "mode") & 0o7777) if link is None \
+                else stat.S_IFLNK | 0o777
+            mode, gid = owner_for(parent, kind, caller.uid, caller.gid,
+                                  caller.gids.__contains__)
+            out["ino"] = store.create(parent.ino, name, mode, caller.uid, gid, target=link,
                                       layout_for=self.vol.pick_layout).ino
+        elif op == "node_link":
+            linked = store.get(int_field(msg, "ino"))
+            if caller.uid not in (0, linked.uid) and not _may_hard_link(linked, caller):
+                raise OSError(errno.EPERM, "linking another user's file needs read and "
+                              "write permission on it (protected_hardlinks)")
+            self.vol.pool.check_meta_room(META_ROW + len(name))
+            out["ino"] = store.link(linked.ino, parent.ino, name).ino
         elif op in ("node_unlink", "node_rmdir"):
             may_replace(parent, store.lookup(parent.ino, name), caller)
             self.vol.unlinked((store.unlink if op == "node_unlink" else store.rmdir)(
@@ -201,6 +221,30 @@ class NodeFiles:
         if op == "node_rename":
             changed.append((to.ino, to_name))
         return out, changed
+
+    async def _setattr(self, caller: Caller, msg: Msg) -> dict[str, Any]:
+        """chmod, chown and times a node's caller set through its mount, judged here as
+        the kernel judges them (`may_chmod`, `may_chown`, `may_set_times`)."""
+        refuse_if_degraded(self.vol)
+        store = self.vol.store
+        row = store.get(int_field(msg, "ino"))
+        mode = uid = gid = atime = mtime = None
+        if "uid" in msg or "gid" in msg:
+            uid = int_field(msg, "uid") if "uid" in msg else None
+            gid = int_field(msg, "gid") if "gid" in msg else None
+            may_chown(row, caller, uid, gid)
+        if "mode" in msg:
+            mode = stat.S_IFMT(row.mode) | may_chmod(row, caller, int_field(msg, "mode"))
+        if "atime_ns" in msg or "mtime_ns" in msg:
+            may_set_times(row, caller)
+            atime = int_field(msg, "atime_ns") if "atime_ns" in msg else None
+            mtime = int_field(msg, "mtime_ns") if "mtime_ns" in msg else None
+        store.set_attrs(row, mode=mode, uid=uid, gid=gid, atime_ns=atime, mtime_ns=mtime,
+                        ctime_ns=time.time_ns())
+        store.commit()
+        if self.inode_changed is not None:
+            await self.inode_changed(row.ino)
+        return dict(describe(self.vol, row))
 
     def _create(self, caller: Caller, msg: Msg, node: str, epoch: int) -> FileReply:
         """A hidden file on `node`'s members to be published at the path, as `create`
@@ -445,6 +489,29 @@ def _name_field(msg: Msg, field: str) -> bytes:
     if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
         raise OSError(errno.EINVAL, f"{field!r} is not a file name")
     return name
+
+
+def _bytes_field(msg: Msg, field: str, most: int) -> bytes:
+    """Bytes sent as base64: at least one, at most `most`, no NUL."""
+    text = msg.get(field)
+    if not isinstance(text, str) or len(text) > (most + 2) // 3 * 4:
+        raise OSError(errno.EINVAL, f"a node's request needs {field!r}: base64 of at "
+                      f"most {most} bytes")
+    try:
+        value = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise OSError(errno.EINVAL, f"{field!r} is not base64") from None
+    if not value or len(value) > most or b"\0" in value:
+        raise OSError(errno.EINVAL, f"{field!r} is empty, holds NUL or is past {most} bytes")
+    return value
+
+
+def _may_hard_link(node: Inode, caller: Caller) -> bool:
+    """fs.protected_hardlinks: another user's file may be linked by a caller that may
+    read and write it, if it is a regular file without set-ID bits that mean anything."""
+    setgid_exec = stat.S_ISGID | stat.S_IXGRP
+    return node.is_reg and not node.mode & stat.S_ISUID and \
+        node.mode & setgid_exec != setgid_exec and may(node, caller, R_OK | W_OK)
 
 
 def _shown(name: bytes) -> str:

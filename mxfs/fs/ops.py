@@ -12,6 +12,7 @@ requests go on.
 
 from __future__ import annotations
 
+import base64
 import errno
 import functools
 import logging
@@ -303,10 +304,10 @@ class MxfsOperations(pyfuse3.Operations):
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
                       fields: pyfuse3.SetattrFields, fh: int | None,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if self.names is not None:  # a reading node
+            return await self._setattr_node(inode, attr, fields, ctx)
         node = self.store.get(inode)
         now = time.time_ns()
-        if self.written is not None and inode in self.written.files:
-            return await self._setattr_here(node, attr, fields)
         if fields.update_size:
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
@@ -327,21 +328,60 @@ class MxfsOperations(pyfuse3.Operations):
             mtime_ns=mtime, ctime_ns=attr.st_ctime_ns if fields.update_ctime else now)
         return self.attrs(node)
 
-    async def _setattr_here(self, node: Inode, attr: pyfuse3.EntryAttributes,
-                            fields: pyfuse3.SetattrFields) -> pyfuse3.EntryAttributes:
-        """setattr of a file open for writing on this node: its size and times are
-        this node's until the writer is told at close; the rest is the writer's."""
-        assert self.written is not None
-        if fields.update_mode or fields.update_uid or fields.update_gid:
-            raise OSError(errno.EROFS, "a file's mode and owner change on the writer node")
-        if fields.update_size:
-            await self.settle(node.ino)
-            await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, node.ino,
-                                          self.vol.layout(node), attr.st_size,
-                                          limiter=self.limiter)
-            self.written.changed(node.ino, size=attr.st_size)
-        if fields.update_mtime:
-            self.written.changed(node.ino, mtime_ns=attr.st_mtime_ns)
+    async def _row_attrs(self, ino: int, uid: int) -> pyfuse3.EntryAttributes:
+        """The kernel's view of `ino` as the store holds it now (a row the writer just
+        changed, on a reading node)."""
+        return self.attrs(await self._read_meta(uid, lambda s: s.get(ino)))
+
+    async def _setattr_node(self, inode: int, attr: pyfuse3.EntryAttributes,
+                            fields: pyfuse3.SetattrFields, ctx: pyfuse3.RequestContext
+                            ) -> pyfuse3.EntryAttributes:
+        """setattr on a reading node.  A file's size and mtime, where it is wholly on this
+        node's members, are this node's (cut here, the writer told at the close, or now
+        for a file not open here); mode, owner and other times are asked of the writer
+        as the caller (`node_setattr`)."""
+        assert self.names is not None
+        node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
+        ask: dict[str, int] = {}
+        if fields.update_mode:
+            ask["mode"] = stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            ask["uid"] = attr.st_uid
+        if fields.update_gid:
+            ask["gid"] = attr.st_gid
+        if fields.update_atime:
+            ask["atime_ns"] = attr.st_atime_ns
+        held = self.written is not None and inode in self.written.files
+        if fields.update_mtime and not held and not fields.update_size:
+            ask["mtime_ns"] = attr.st_mtime_ns
+        if ask:
+            await self.names.ask(_caller(ctx), "node_setattr", {**ask, "ino": inode})
+        if fields.update_size or (held and fields.update_mtime):
+            if self.written is None:
+                self.names.check_writable()  # (holds no members: says so)
+            assert self.written is not None
+            if not node.is_reg:
+                raise OSError(errno.EISDIR if node.is_dir else errno.EINVAL,
+                              "only a regular file has a size to set")
+            if not held:
+                await self._read_meta(ctx.uid, lambda s: self.vol.check_writable(node, s))
+            self.written.open(node, _caller(ctx))
+            try:
+                if fields.update_size:
+                    await self.settle(inode)
+                    await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, inode,
+                                                  self.vol.layout(node), attr.st_size,
+                                                  limiter=self.limiter)
+                    self.written.changed(inode, size=attr.st_size)
+                if fields.update_mtime:
+                    self.written.changed(inode, mtime_ns=attr.st_mtime_ns)
+                if not held:  # (a truncate by name: told now, as its close would)
+                    await self.written.tell(inode)
+            finally:
+                if not held:
+                    self.written.closed(inode)
+        if ask:
+            node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         return self.attrs(node)
 
     # ---- namespace ---------------------------------------------------------
@@ -368,13 +408,16 @@ class MxfsOperations(pyfuse3.Operations):
         if self.names is not None:  # a reading node: made by the writer, for this caller
             made = await self.names.change_name(_caller(ctx), "node_mkdir", parent_inode,
                                                 name, mode=mode)
-            ino = int(made["ino"])
-            return self.attrs(await self._read_meta(ctx.uid, lambda s: s.get(ino)))
+            return await self._row_attrs(int(made["ino"]), ctx.uid)
         return self.attrs(self._create(parent_inode, name, stat.S_IFDIR | mode, ctx))
 
     @_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if self.names is not None:  # a reading node: made by the writer, for this caller
+            made = await self.names.change_name(_caller(ctx), "node_symlink", parent_inode,
+                                                name, target=base64.b64encode(target).decode())
+            return await self._row_attrs(int(made["ino"]), ctx.uid)
         return self.attrs(self._create(parent_inode, name, stat.S_IFLNK | 0o777, ctx,
                                        target=target))
 
@@ -388,6 +431,10 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if self.names is not None:
+            await self.names.change_name(_caller(ctx), "node_link", new_parent_inode,
+                                         new_name, ino=inode)
+            return await self._row_attrs(inode, ctx.uid)
         self.vol.pool.check_meta_room(META_ROW + len(new_name))
         return self.attrs(self.store.link(inode, new_parent_inode, new_name))
 
@@ -454,7 +501,7 @@ class MxfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         writing = node.is_reg and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC)
         if writing:
-            self.vol.check_writable(node)
+            await self._read_meta(ctx.uid, lambda s: self.vol.check_writable(node, s))
         if writing and self.written is not None:  # (a reading node: its own members')
             return await self._open_here(node, flags, ctx)
         if writing and self.names is not None:

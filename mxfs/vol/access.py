@@ -148,3 +148,39 @@ def may_replace(parent: Inode, victim: Inode, caller: Caller) -> None:
     if parent.mode & stat.S_ISVTX and caller.uid not in (0, parent.uid, victim.uid):
         raise OSError(errno.EPERM, "the directory is sticky and the entry is another "
                       "user's: only its owner, the directory's owner or root may replace it")
+
+
+def may_chmod(node: Inode, caller: Caller, mode: int) -> int:
+    """The kernel's rule for chmod (EPERM but for the owner or root; anyone may drop
+    set-ID bits, as the kernel does when another user writes the file): the permission
+    bits `node` takes, S_ISGID dropped from a file whose group the caller is not in."""
+    mode &= 0o7777
+    setid = stat.S_ISUID | stat.S_ISGID
+    if caller.uid not in (0, node.uid) and (
+            mode & ~setid != node.mode & 0o7777 & ~setid or mode & setid & ~node.mode):
+        raise OSError(errno.EPERM, "only the owner or root may change a file's mode")
+    if mode & stat.S_ISGID and not node.is_dir and caller.uid != 0 \
+            and node.gid not in caller.gids:
+        mode &= ~stat.S_ISGID
+    return mode
+
+
+def may_chown(node: Inode, caller: Caller, uid: int | None, gid: int | None) -> None:
+    """The kernel's rule for chown: EPERM but for root, or the owner giving the file to
+    a group of its own, its owner unchanged.  (The set-ID bits a chown drops come with
+    it, as a mode change in the same setattr.)"""
+    if caller.uid == 0:
+        return
+    if caller.uid != node.uid or (uid is not None and uid != node.uid):
+        raise OSError(errno.EPERM, "only root may give a file to another user")
+    if gid is not None and gid != node.gid and gid not in caller.gids:
+        raise OSError(errno.EPERM, "a file's owner may give it only to a group of its own")
+
+
+def may_set_times(node: Inode, caller: Caller) -> None:
+    """utimensat's rule as near as a setattr shows it (the owner or root; write
+    permission for times set to now, which a setattr cannot tell apart: accepted for
+    anyone the file's write bits let in, as the node's kernel already judged)."""
+    if caller.uid not in (0, node.uid) and not may(node, caller, W_OK):
+        raise OSError(errno.EPERM, "only the owner, root or a user who may write the "
+                      "file may change its times")
