@@ -1693,16 +1693,18 @@ print(json.dumps(attempt(create_file, sys.argv[1], 10)))
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",
-                        r"serves its members again", r"is left there")
+                        r"serves its members again", r"is left there",
+                        r"the writer refused its size")
 def test_files_written_through_a_nodes_mount_land_on_its_members(tmp_path: Path,
                                                                  pg_cluster: Any) -> None:
     """Node b holds two members: files written through b's mount as any program
     writes them (open, write, close; rewritten in place, cut, appended, renamed while
-    open) land on b's members, are named by the writer at close and read equal on the
-    writer after it (close-to-open); links, modes, owners and times set through b are
-    the writer's, judged there as the caller; a file unlinked before its close leaves
-    nothing; files striped over the writer's members, or sealed, are refused for
-    writing."""
+    open) land on b's members, made by the writer at their create, and read equal on
+    the writer after each close (close-to-open); a close past the caller's quota
+    fails and leaves the size the writer held, b's bytes cut back to it; links,
+    modes, owners and times set through b are the writer's, judged there as the
+    caller; a file unlinked before its close leaves nothing; files striped over the
+    writer's members, or sealed, are refused for writing."""
     users = ensure_users()
     url = pg_cluster.database()
     with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
@@ -1712,9 +1714,9 @@ def test_files_written_through_a_nodes_mount_land_on_its_members(tmp_path: Path,
         data = os.urandom((3 << 20) + 4321)
         with open(b.path / "w" / "x.bin", "wb") as f:
             f.write(data[:1 << 20])
-            # Open here: seen at its name on b, not yet on the writer.
+            # Open here: named on the writer at its create, empty there until the close.
             assert os.stat(b.path / "w" / "x.bin").st_size == 1 << 20
-            assert not (a.path / "w" / "x.bin").exists()
+            assert os.stat(a.path / "w" / "x.bin").st_size == 0
             f.write(data[1 << 20:])
         ino, used, layout = _used(a, a.path / "w" / "x.bin")
         assert used == {2, 3}  # (b's own members)
@@ -1759,15 +1761,22 @@ print(json.dumps(os.stat(sys.argv[1]).st_uid))
         assert res == users["alice"].uid
         assert (a.path / "w" / "alice.txt").read_bytes() == b"alice on b"
         assert os.stat(a.path / "w" / "alice.txt").st_uid == users["alice"].uid
-        # Past her quota: her close fails, and nothing is named.
+        # Under her quota her files close; past it her close fails, the writer keeps
+        # the size it held (0), and b cuts what it wrote back to that.
         mxfs("quota", "--user", "mxfs-alice", "--bytes", "1MiB", str(a.path))
         res = run_as(users["alice"], """
-f = open(sys.argv[1], "wb")
+with open(sys.argv[1], "wb") as f:
+    f.write(b"s" * 100_000)
+f = open(sys.argv[2], "wb")
 f.write(os.urandom(2 << 20))
 print(json.dumps(attempt(f.close)))
-""", str(b.path / "w" / "big.bin"))
+""", str(b.path / "w" / "small.bin"), str(b.path / "w" / "big.bin"))
         assert res == errno.EDQUOT
-        assert not (a.path / "w" / "big.bin").exists()
+        assert (a.path / "w" / "small.bin").read_bytes() == b"s" * 100_000
+        assert os.stat(a.path / "w" / "big.bin").st_size == 0
+        big = os.stat(a.path / "w" / "big.bin").st_ino
+        assert eventually(lambda: all(not _chunk(m, big).exists() or
+                                      _chunk(m, big).stat().st_size == 0 for m in theirs), 15)
         mxfs("quota", "--user", "mxfs-alice", "--clear", str(a.path))
         # Links, modes, owners and times through b's mount: the writer's, for the caller
         # (so shutil.copy2 and a Hugging Face cache's links work on a node).
@@ -1788,7 +1797,7 @@ print(json.dumps(attempt(f.close)))
         assert os.stat(a.path / "w" / "copy.txt").st_nlink == 2
         os.truncate(b.path / "w" / "copy.txt", 5)  # (by name: told at once)
         assert (a.path / "w" / "hard").read_bytes() == b"alice"
-        # Unlinked before its close: never named, its chunk files gone.
+        # Unlinked before its close (as a temporary file is): its bytes go with it.
         fd = os.open(b.path / "w" / "gone.bin", os.O_WRONLY | os.O_CREAT)
         os.write(fd, os.urandom(1 << 20))
         gone = os.fstat(fd).st_ino
@@ -1823,8 +1832,12 @@ print(json.dumps(attempt(f.close)))
                     (alice, "node_create", {"parent": os.stat(a.path / "w" / "roots").st_ino,
                                             "name": "eA==", "mountpoint": ""}, errno.EACCES),
                     (alice, "node_written", {"ino": ino, "size": 0}, errno.EACCES),
+                    (alice, "node_open", {"ino": ino}, errno.EACCES),
+                    (root, "node_create", {"parent": os.stat(a.path / "w").st_ino,
+                                           "name": "eC5iaW4=", "mode": 0o644,
+                                           "exclusive": True}, errno.EEXIST),
                     (root, "node_written", {"ino": os.stat(a.path / "w" / "mine.bin").st_ino,
-                                            "size": 0}, errno.EPERM),
+                                            "size": 0}, errno.EROFS),
                     (root, "node_written", {"ino": os.stat(a.path / "w" / "sealed.bin").st_ino,
                                             "size": 0}, errno.EPERM),
                     (alice, "node_setattr", {"ino": ino, "mode": 0o777}, errno.EPERM),

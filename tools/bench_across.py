@@ -18,8 +18,9 @@ of `--repeat`:
               through b's chunk service
   across b    the across file read through b's mount: 2 and 3 there, 0 and 1 through a's
   write own / write across   the files written through a's mount, fsynced
-  write b     a file written through b's mount, fsynced: on b's own two members, named
-              by the writer at its close (against "write own": a's mount, a's two)
+  write b     a file written through b's mount, fsynced: on b's own two members, its
+              open judged and its size taken by the writer (against "write own": a's
+              mount, a's two)
   write local the peer: the same bytes written to a plain file on the local drive
   local copy  the peer a user picks without mxfs: a copy of the file on the node's own
               local drive (the rig's plain folder: one more drive of the same kind),

@@ -220,7 +220,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))
             ops.names = control.files.forwarded  # (a reading node's names: the writer's)
             if ops.names is not None and vol.pool.local_members():
-                ops.written = MountWrites(vol, ops.names)  # (... its bytes its own)
+                ops.written = MountWrites(vol, ops.names, ops.row, ops.cut)  # (its bytes)
             if control.files.for_nodes is not None:
                 control.files.for_nodes.inode_changed = ops.inode_changed
             control.status.feed = feed
@@ -340,8 +340,9 @@ class Daemon:
 
     async def _revoke(self) -> None:
         """Once a second: what direct writers hold past their word is taken back,
-        readers' connections to other nodes past their time are shut, and KV claims of
-        other nodes' connections that ran out are dropped."""
+        readers' connections to other nodes past their time are shut, KV claims of
+        other nodes' connections that ran out are dropped, and closes through a node's
+        mount the writer was not told of are told again."""
         failures = FailureLog(log)
         while True:
             await trio.sleep(1)
@@ -349,6 +350,8 @@ class Daemon:
                 self.control.remote.sweep()
                 self.control.kv.sweep()
                 await self.control.files.revoke()
+                if self.ops.written is not None:
+                    await self.ops.written.retell()
             except Exception as e:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))
 

@@ -120,3 +120,55 @@ def check_request(msg: Msg) -> None:
             and abs(msg_id) <= INT_MAX or isinstance(msg_id, str) and len(msg_id) <= 64):
         raise ProtocolError("'id' must be an integer or a string of at most 64 characters")
 
+
+def b64(name: bytes) -> str:
+    """Bytes (a file name, a link's target) as a node's request carries them."""
+    return base64.b64encode(name).decode()
+
+
+def shown(name: bytes) -> str:
+    """A file name for an error line."""
+    return name.decode(errors="replace")
+
+
+def text_field(msg: Msg, name: str) -> str:
+    """A string of a node's request, at most 4096 characters."""
+    value = msg.get(name)
+    if not isinstance(value, str) or len(value) > 4096:
+        raise OSError(errno.EINVAL, f"a node's file request needs {name!r}: a string")
+    return value
+
+
+def b64_name_field(msg: Msg, field: str) -> bytes:
+    """A file name sent as base64 (names are bytes, any but / and NUL)."""
+    try:
+        name = base64.b64decode(text_field(msg, field), validate=True)
+    except ValueError:
+        raise OSError(errno.EINVAL, f"{field!r} is not base64") from None
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+        raise OSError(errno.EINVAL, f"{field!r} is not a file name")
+    return name
+
+
+def b64_bytes_field(msg: Msg, field: str, most: int) -> bytes:
+    """Bytes sent as base64: at least one, at most `most`, no NUL."""
+    text = msg.get(field)
+    if not isinstance(text, str) or len(text) > (most + 2) // 3 * 4:
+        raise OSError(errno.EINVAL, f"a node's request needs {field!r}: base64 of at "
+                      f"most {most} bytes")
+    try:
+        value = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise OSError(errno.EINVAL, f"{field!r} is not base64") from None
+    if not value or len(value) > most or b"\0" in value:
+        raise OSError(errno.EINVAL, f"{field!r} is empty, holds NUL or is past {most} bytes")
+    return value
+
+
+def node_field(msg: Msg) -> tuple[str, int]:
+    """The node a node's request names: [its name, its epoch]."""
+    node = msg.get("node")
+    if not (isinstance(node, list) and len(node) == 2 and isinstance(node[0], str)
+            and node[0] and isinstance(node[1], int)):
+        raise OSError(errno.EINVAL, "a node's file request names the node: [name, epoch]")
+    return node[0], node[1]

@@ -244,25 +244,19 @@ class FileOps:
         return await self._publish(pending, session, size, replace, msg), []
 
     async def _publish(self, pending: Pending, session: Session, size: int, replace: bool,
-                       msg: Msg, mountpoint: str | None = None,
-                       at: tuple[Inode, bytes] | None = None) -> FileReply:
+                       msg: Msg, mountpoint: str | None = None) -> FileReply:
         """Name a settled hidden file at its path (resolved under `mountpoint`: a node's
         for its files, `fs/node_files.py`), seal it with the sums in `msg`, make it
-        durable.  A file a node wrote through its mount is named `at` (folder, name),
-        unsealed: it may be written again."""
+        durable."""
         entry, node = pending.entry, pending.entry.node
-        if at is None:
-            sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
-            parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller,
-                                              self.mountpoint if mountpoint is None
-                                              else mountpoint)
-        else:
-            (parent, name), sum_unit, sums = at, 0, b""
+        sum_unit, sums = sums_field(msg, self.vol.layout(node).unit, size)
+        parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller,
+                                          self.mountpoint if mountpoint is None
+                                          else mountpoint)
         old = self.vol.store.entry_ino(parent.ino, name)
         if old is not None and replace:
             may_replace(parent, self.vol.store.get(old), session.caller)
-        self.vol.publish(entry, parent.ino, name, size, replace, sum_unit, sums,
-                         seal=at is None)
+        self.vol.publish(entry, parent.ino, name, size, replace, sum_unit, sums)
         session.let_go(node.ino)
         self.vol.release(node.ino)
         lost = self.vol.store.groups_lost

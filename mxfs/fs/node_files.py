@@ -19,11 +19,11 @@ repeated commit is answered as the first.  A node that dies leaves its unpublish
 files to the writer, which drops them once the node's lease under that epoch has been
 gone GRACE_S (or the node joined again).
 
-Files written through a node's mount (`fs/mount_writes.py`) take the same way: a
-create names a folder and a name instead of a path and declares no size (the owner's
-quota is judged when the file is named, unsealed), and `node_written` tells the
-writer the new size and times of a named file wholly on the node's members that its
-caller changed there.
+Files written through a node's mount (`fs/mount_writes.py`) are made and judged by
+the writer at their create and each open for writing, and told at each close
+(`node_create` with a folder and a name, `node_open`, `node_written`:
+`fs/node_writes.py`); its other changes of names and attributes are asked here too
+(NAME_OPS, `node_setattr`).
 
 `NodeFiles` is the writer's side; `ForwardedFiles` the node's (`fs/file_ops.py` calls
 it on a node that holds members).
@@ -31,7 +31,6 @@ it on a node that holds members).
 
 from __future__ import annotations
 
-import base64
 import errno
 import logging
 import os
@@ -45,22 +44,33 @@ from typing import Any
 import trio
 
 from mxfs.fs.fair import RoundRobin
-from mxfs.fs.fields import Msg, bool_field, int_field, path_field
+from mxfs.fs.fields import (
+    Msg,
+    b64,
+    b64_bytes_field,
+    b64_name_field,
+    bool_field,
+    int_field,
+    node_field,
+    path_field,
+    text_field,
+)
 from mxfs.fs.kv_forward import as_sent
 from mxfs.fs.limits import Limits
+from mxfs.fs.node_writes import mount_create, mount_open, mount_written
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
 from mxfs.meta import Inode
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.messages import FileReply
 from mxfs.vol.access import (
-    R_OK,
     W_OK,
-    X_OK,
     Caller,
     may,
+    may_change_in,
     may_chmod,
     may_chown,
+    may_hard_link,
     may_replace,
     may_set_times,
     owner_for,
@@ -71,20 +81,16 @@ from mxfs.vol.volume import Volume
 log = logging.getLogger("mxfs.control")
 
 # Publishes a held file as FileOps.commit does: (pending, its session, size, replace,
-# the msg with its sums, the mount point its path is resolved under, or the folder and
-# name a file written through a node's mount takes) -> its description.
-Publish = Callable[[Pending, Session, int, bool, Msg, str, tuple[Inode, bytes] | None],
-                   Awaitable[FileReply]]
+# the msg with its sums, the mount point its path is resolved under) -> its description.
+Publish = Callable[[Pending, Session, int, bool, Msg, str], Awaitable[FileReply]]
 
+MOUNT_OPS = ("node_create", "node_open", "node_written")  # (with "parent": fs/node_writes.py)
 NAME_OPS = ("node_mkdir", "node_symlink", "node_link", "node_unlink", "node_rmdir",
             "node_rename")
 GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
 PATH_MAX = 4095  # bytes of a symbolic link's target, as the kernel allows
 REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
-# A file written through a node's mount declares no size: its owner's quota is checked
-# as it is named and each time it grows (`node_written`).
-UNDECLARED = 1 << 62
 
 
 @dataclass
@@ -96,8 +102,6 @@ class NodeFile:
     epoch: int
     mountpoint: str  # the node's: its caller's path (and links) are resolved under it
     token: str  # the node's name for the create (a repeat is the same file)
-    # (A file written through the node's mount) the folder and name it takes at commit.
-    at: tuple[int, bytes] | None = None
     dead_since: float | None = None  # when the node's lease was first seen gone
 
 
@@ -126,34 +130,34 @@ class NodeFiles:
     async def request(self, caller: Caller, op: str, msg: dict[str, Any]
                       ) -> dict[str, Any]:
         """One of NODE_FILE_OPS a node asked for `caller`."""
-        name, epoch = _node(msg)
+        name, epoch = node_field(msg)
         if self.vol.reader_epochs.get(name) != epoch:
             raise OSError(errno.ESTALE, f"node {name} is not alive under epoch {epoch}")
-        if op == "node_create":
+        through_mount = op in MOUNT_OPS and (op != "node_create" or "parent" in msg)
+        if op == "node_create" and not through_mount:
             return dict(self._create(caller, msg, name, epoch))
         if op == "node_commit":
             return await self._commit(caller, msg, name)
-        if op == "node_written":
-            return await self._written(caller, msg, name)
-        if op in NAME_OPS:
-            token = (name, _text(msg, "token"))
+        if op in NAME_OPS or through_mount:
+            token = (name, text_field(msg, "token"))
             done = self.names_done.get(token)
             if done is not None:  # (asked again: done the first time, not twice)
                 return done
-            out, changed = self._name(caller, op, msg)
+            out, changed, ino = self._name(caller, op, msg) if op in NAME_OPS \
+                else self._mount(caller, op, msg, name)
             self.names_done[token] = out
             while len(self.names_done) > REMEMBERED:
                 self.names_done.popitem(last=False)
             if self.entry_changed is not None:
                 for parent, entry in changed:
                     await self.entry_changed(parent, entry)
-            if op == "node_link" and self.inode_changed is not None:
-                await self.inode_changed(int(out["ino"]))  # (its link count)
+            if ino is not None and self.inode_changed is not None:
+                await self.inode_changed(ino)
             return out
         if op == "node_setattr":
             return await self._setattr(caller, msg)
         if op == "node_abort":
-            ino = self.tokens.get((name, _text(msg, "token"))) if "token" in msg \
+            ino = self.tokens.get((name, text_field(msg, "token"))) if "token" in msg \
                 else int_field(msg, "ino")
             held = self.files.get(ino) if ino is not None else None
             if ino is not None and held is not None and held.node == name and \
@@ -162,8 +166,24 @@ class NodeFiles:
             return {}
         raise OSError(errno.EPERM, f"{op[:32]} is not asked of another node")
 
+    def _mount(self, caller: Caller, op: str, msg: Msg, node: str
+               ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
+        """A create, an open for writing or a close through `node`'s mount
+        (`fs/node_writes.py`): (the file's description, the names made, the inode
+        whose bytes changed)."""
+        if op == "node_create":
+            row, new = mount_create(self.vol, caller, msg, node)
+            made = [(int_field(msg, "parent"), b64_name_field(msg, "name"))] if new else []
+            return dict(describe(self.vol, row)), made, None
+        if op == "node_open":
+            row = mount_open(self.vol, caller, self.vol.store.get(int_field(msg, "ino")),
+                             node)
+            return dict(describe(self.vol, row)), [], None
+        row = mount_written(self.vol, caller, msg, node)
+        return dict(describe(self.vol, row)), [], row.ino
+
     def _name(self, caller: Caller, op: str, msg: Msg
-              ) -> tuple[dict[str, Any], list[tuple[int, bytes]]]:
+              ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
         """A change of names a node's caller made through its mount (mkdir, unlink,
         rmdir, rename), judged here as the kernel judges it on the writer's own mount
         (the node's kernel judged it too, on attributes perhaps a moment old), and
@@ -171,11 +191,11 @@ class NodeFiles:
         refuse_if_degraded(self.vol)  # (its own mount is read-only then)
         store = self.vol.store
         parent = store.get(int_field(msg, "parent"))
-        name = _name_field(msg, "name")
-        _may_change(parent, caller)
+        name = b64_name_field(msg, "name")
+        may_change_in(parent, caller)
         out: dict[str, Any] = {}
         if op in ("node_mkdir", "node_symlink"):
-            link = None if op == "node_mkdir" else _bytes_field(msg, "target", PATH_MAX)
+            link = None if op == "node_mkdir" else b64_bytes_field(msg, "target", PATH_MAX)
             self.vol.pool.check_meta_room(META_ROW + len(name) + len(link or b""))
             self.vol.quotas.room(caller.uid, inodes=1)
             kind = stat.S_IFDIR | (int_field(msg, "mode") & 0o7777) if link is None \
@@ -186,7 +206,7 @@ class NodeFiles:
                                       layout_for=self.vol.pick_layout).ino
         elif op == "node_link":
             linked = store.get(int_field(msg, "ino"))
-            if caller.uid not in (0, linked.uid) and not _may_hard_link(linked, caller):
+            if caller.uid not in (0, linked.uid) and not may_hard_link(linked, caller):
                 raise OSError(errno.EPERM, "linking another user's file needs read and "
                               "write permission on it (protected_hardlinks)")
             self.vol.pool.check_meta_room(META_ROW + len(name))
@@ -196,8 +216,8 @@ class NodeFiles:
             self.vol.unlinked((store.unlink if op == "node_unlink" else store.rmdir)(
                 parent.ino, name))
         else:  # node_rename
-            to, to_name = store.get(int_field(msg, "new_parent")), _name_field(msg, "new_name")
-            _may_change(to, caller)
+            to, to_name = store.get(int_field(msg, "new_parent")), b64_name_field(msg, "new_name")
+            may_change_in(to, caller)
             moved = store.lookup(parent.ino, name)
             may_replace(parent, moved, caller)
             if to.ino != parent.ino and moved.is_dir and not may(moved, caller, W_OK):
@@ -220,7 +240,7 @@ class NodeFiles:
         changed = [(parent.ino, name)]
         if op == "node_rename":
             changed.append((to.ino, to_name))
-        return out, changed
+        return out, changed, int(out["ino"]) if op == "node_link" else None  # (its nlink)
 
     async def _setattr(self, caller: Caller, msg: Msg) -> dict[str, Any]:
         """chmod, chown and times a node's caller set through its mount, judged here as
@@ -249,35 +269,28 @@ class NodeFiles:
     def _create(self, caller: Caller, msg: Msg, node: str, epoch: int) -> FileReply:
         """A hidden file on `node`'s members to be published at the path, as `create`
         makes one on the writer's own."""
-        token = _text(msg, "token")
+        token = text_field(msg, "token")
         again = self.tokens.get((node, token))
         if again is not None:  # (asked again: the file made the first time)
             return describe(self.vol, self.files[again].session.pending[again].entry.node)
+        path, size = path_field(msg), int_field(msg, "size", 0)
         mode = int_field(msg, "mode", 0o644) & 0o7777
-        mountpoint = _text(msg, "mountpoint")
+        mountpoint = text_field(msg, "mountpoint")
         session = Session(caller, self.pending_by_uid, quotas=self.vol.quotas)
         check_pending_room(session, self.limits)  # (the uid's: the session is new)
+        self.vol.quotas.room(caller.uid, size, 1)
         if not self.vol.pool.held_by(node):
             raise OSError(errno.EROFS, f"node {node} holds no members of the pool")
         store = self.vol.store
-        at: tuple[int, bytes] | None = None
-        if "parent" in msg:  # through the node's mount: a folder and a name, no size
-            parent, name = store.get(int_field(msg, "parent")), _name_field(msg, "name")
-            _may_change(parent, caller)
-            path, size, at = "", UNDECLARED, (parent.ino, name)
-            self.vol.quotas.room(caller.uid, 0, 1)
-        else:
-            path, size = path_field(msg), int_field(msg, "size", 0)
-            self.vol.quotas.room(caller.uid, size, 1)
-            parent, name = resolve_parent_for(store, path, caller, mountpoint)
+        parent, name = resolve_parent_for(store, path, caller, mountpoint)
         if bool_field(msg, "exclusive") and store.entry_ino(parent.ino, name) is not None:
-            raise OSError(errno.EEXIST, f"{path or _shown(name)} exists")
+            raise OSError(errno.EEXIST, f"{path} exists")
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid, caller.gids.__contains__)
         refuse_if_degraded(self.vol)
         entry = self.vol.create_hidden(parent, mode, caller.uid, gid, node=node)
         session.hold(Pending(entry, path, size))
         ino = entry.node.ino
-        self.files[ino] = NodeFile(session, node, epoch, mountpoint, token, at)
+        self.files[ino] = NodeFile(session, node, epoch, mountpoint, token)
         self.tokens[(node, token)] = ino
         return describe(self.vol, entry.node)
 
@@ -299,16 +312,10 @@ class NodeFiles:
             self._drop(ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared "
                           "at create: refused, and the file dropped")
-        at = None
-        if held.at is not None:  # written through the mount: judged as it is named
-            at = (self.vol.store.get(held.at[0]), held.at[1])
-            _may_change(at[0], caller)
-            self.vol.quotas.room(caller.uid, size)
         self._forget(ino)  # (not the sweep's while it is named)
         try:
             done = await self.publish(pending, held.session, size,
-                                      bool_field(msg, "replace", True), msg, held.mountpoint,
-                                      at)
+                                      bool_field(msg, "replace", True), msg, held.mountpoint)
         except BaseException:
             if ino in held.session.pending:  # still unpublished: held as before
                 self.files[ino] = held
@@ -318,42 +325,13 @@ class NodeFiles:
             raise
         self._remember(node, ino, done)
         out: dict[str, Any] = dict(done)
-        if held.at is not None:
-            out["named"] = [held.at[0], _b64(held.at[1])]
-            return out
         try:
             parent, fname = resolve_parent_for(self.vol.store, pending.path, caller,
                                                held.mountpoint)
-            out["named"] = [parent.ino, _b64(fname)]
+            out["named"] = [parent.ino, b64(fname)]
         except OSError:
             pass  # (its folder moved meanwhile: the node's kernel learns from the feed)
         return out
-
-    async def _written(self, caller: Caller, msg: Msg, node: str) -> dict[str, Any]:
-        """A named file on `node`'s members that its caller wrote (or cut) through that
-        node's mount since: its new size and times, judged as a write through the
-        writer's own mount would be (not sealed, the caller may write it, the quota of
-        its owner), and only for a file wholly on that node's members."""
-        refuse_if_degraded(self.vol)
-        store = self.vol.store
-        row = store.get(int_field(msg, "ino"))
-        if not row.is_reg:
-            raise OSError(errno.EINVAL, f"inode {row.ino} is not a regular file")
-        self.vol.check_writable(row)
-        if not may(row, caller, W_OK):
-            raise OSError(errno.EACCES, f"inode {row.ino}: write permission denied")
-        members = self.vol.pool.members
-        if any(members[m].node != node for m in self.vol.layout(row).used_members()):
-            raise OSError(errno.EPERM, f"inode {row.ino} stripes over members node {node} "
-                          "does not hold")
-        size, now = int_field(msg, "size"), time.time_ns()
-        self.vol.quotas.room(row.uid, size - row.size)
-        store.touch(row, size=size, mtime_ns=int_field(msg, "mtime_ns", now), ctime_ns=now)
-        store.flush(row)
-        store.commit()
-        if self.inode_changed is not None:
-            await self.inode_changed(row.ino)
-        return dict(describe(self.vol, row))
 
     def _remember(self, node: str, ino: int, reply: FileReply) -> None:
         self.published[(node, ino)] = reply
@@ -449,10 +427,10 @@ class ForwardedFiles:
                           **more: Any) -> dict[str, Any]:
         """One of NAME_OPS made through this node's mount, asked of the writer (a name
         given as `new_name` in `more` is sent as base64 too)."""
-        body: dict[str, Any] = {**more, "parent": parent, "name": _b64(name),
+        body: dict[str, Any] = {**more, "parent": parent, "name": b64(name),
                                 "token": os.urandom(12).hex()}
         if "new_name" in more:
-            body["new_name"] = _b64(more["new_name"])
+            body["new_name"] = b64(more["new_name"])
         return await self.ask(caller, op, body)
 
     def check_writable(self) -> None:
@@ -467,67 +445,3 @@ def describe(vol: Volume, node: Inode, sealed: bool = False) -> FileReply:
     if node.is_reg:
         out["layout"] = vol.layout(node).describe()
     return out
-
-
-def _b64(name: bytes) -> str:
-    return base64.b64encode(name).decode()
-
-
-def _may_change(parent: Inode, caller: Caller) -> None:
-    if not parent.is_dir:
-        raise OSError(errno.ENOTDIR, f"inode {parent.ino} is not a directory")
-    if not may(parent, caller, W_OK | X_OK):
-        raise OSError(errno.EACCES, f"directory {parent.ino}: write permission denied")
-
-
-def _name_field(msg: Msg, field: str) -> bytes:
-    """A file name sent as base64 (names are bytes, any but / and NUL)."""
-    try:
-        name = base64.b64decode(_text(msg, field), validate=True)
-    except ValueError:
-        raise OSError(errno.EINVAL, f"{field!r} is not base64") from None
-    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
-        raise OSError(errno.EINVAL, f"{field!r} is not a file name")
-    return name
-
-
-def _bytes_field(msg: Msg, field: str, most: int) -> bytes:
-    """Bytes sent as base64: at least one, at most `most`, no NUL."""
-    text = msg.get(field)
-    if not isinstance(text, str) or len(text) > (most + 2) // 3 * 4:
-        raise OSError(errno.EINVAL, f"a node's request needs {field!r}: base64 of at "
-                      f"most {most} bytes")
-    try:
-        value = base64.b64decode(text, validate=True)
-    except ValueError:
-        raise OSError(errno.EINVAL, f"{field!r} is not base64") from None
-    if not value or len(value) > most or b"\0" in value:
-        raise OSError(errno.EINVAL, f"{field!r} is empty, holds NUL or is past {most} bytes")
-    return value
-
-
-def _may_hard_link(node: Inode, caller: Caller) -> bool:
-    """fs.protected_hardlinks: another user's file may be linked by a caller that may
-    read and write it, if it is a regular file without set-ID bits that mean anything."""
-    setgid_exec = stat.S_ISGID | stat.S_IXGRP
-    return node.is_reg and not node.mode & stat.S_ISUID and \
-        node.mode & setgid_exec != setgid_exec and may(node, caller, R_OK | W_OK)
-
-
-def _shown(name: bytes) -> str:
-    return name.decode(errors="replace")
-
-
-def _text(msg: Msg, name: str) -> str:
-    value = msg.get(name)
-    if not isinstance(value, str) or len(value) > 4096:
-        raise OSError(errno.EINVAL, f"a node's file request needs {name!r}: a string")
-    return value
-
-
-def _node(msg: Msg) -> tuple[str, int]:
-    node = msg.get("node")
-    if not (isinstance(node, list) and len(node) == 2 and isinstance(node[0], str)
-            and node[0] and isinstance(node[1], int)):
-        raise OSError(errno.EINVAL, "a node's file request names the node: [name, epoch]")
-    return node[0], node[1]

@@ -108,13 +108,19 @@ def parse_layout(raw: bytes) -> tuple[int | None, int | None]:
 class Handle:
     """One open file description."""
 
-    __slots__ = ("entry", "flags", "losses", "uid")
+    __slots__ = ("caller", "entry", "flags", "losses", "uid")
 
     def __init__(self, entry: OpenInode, flags: int, losses: int, uid: int = 0) -> None:
         self.entry = entry
         self.flags = flags
         self.losses = losses  # the store's lost groups when this handle last synced
         self.uid = uid  # who opened it (a readdir's turn on a reading node is theirs)
+        self.caller: Caller | None = None  # (writing through a node's mount) who opened it
+
+    @property
+    def writes(self) -> bool:
+        """Opened to change the file (for writing, or to cut it: O_TRUNC)."""
+        return self.flags & os.O_ACCMODE != os.O_RDONLY or bool(self.flags & os.O_TRUNC)
 
     def heard_losses(self, lost: int) -> None:
         """EIO, once, if the metadata store lost a group of changes since this handle
@@ -254,8 +260,6 @@ class MxfsOperations(pyfuse3.Operations):
         if held is not None:  # (written here: the writer is told at close)
             a.st_size, a.st_blocks = held.size, (held.size + 511) // 512
             a.st_mtime_ns = held.mtime_ns
-            if held.at is not None:  # (a new file, at its name on this node alone yet)
-                a.st_nlink = 1
         return a
 
     def _size(self, node: Inode) -> int:
@@ -275,10 +279,7 @@ class MxfsOperations(pyfuse3.Operations):
                      ) -> pyfuse3.EntryAttributes:
         if len(name) > NAME_MAX:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-        made = self.written.lookup(parent_inode, name) if self.written is not None else None
-        node = await self._read_meta(
-            ctx.uid, lambda s: _lookup(s, parent_inode, name) if made is None
-            else s.get(made))  # (a new file written here, not yet named)
+        node = await self._read_meta(ctx.uid, lambda s: _lookup(s, parent_inode, name))
         if node is not None:
             return self.attrs(node, (parent_inode, name))
         absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
@@ -356,30 +357,18 @@ class MxfsOperations(pyfuse3.Operations):
             ask["mtime_ns"] = attr.st_mtime_ns
         if ask:
             await self.names.ask(_caller(ctx), "node_setattr", {**ask, "ino": inode})
-        if fields.update_size or (held and fields.update_mtime):
-            if self.written is None:
-                self.names.check_writable()  # (holds no members: says so)
-            assert self.written is not None
-            if not node.is_reg:
-                raise OSError(errno.EISDIR if node.is_dir else errno.EINVAL,
-                              "only a regular file has a size to set")
-            if not held:
-                await self._read_meta(ctx.uid, lambda s: self.vol.check_writable(node, s))
-            self.written.open(node, _caller(ctx))
+        if fields.update_size and not held:  # (a truncate by name: as open, cut, close)
+            info = await self._open_here(node, os.O_WRONLY, ctx)
             try:
-                if fields.update_size:
-                    await self.settle(inode)
-                    await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, inode,
-                                                  self.vol.layout(node), attr.st_size,
-                                                  limiter=self.limiter)
-                    self.written.changed(inode, size=attr.st_size)
-                if fields.update_mtime:
-                    self.written.changed(inode, mtime_ns=attr.st_mtime_ns)
-                if not held:  # (a truncate by name: told now, as its close would)
-                    await self.written.tell(inode)
+                await self._cut_here(node, attr.st_size)
+                await self.written.tell(inode, _caller(ctx))  # type: ignore[union-attr]
             finally:
-                if not held:
-                    self.written.closed(inode)
+                await self._release(info.fh)
+        elif held and self.written is not None:
+            if fields.update_size:
+                await self._cut_here(node, attr.st_size)
+            if fields.update_mtime:
+                self.written.changed(inode, mtime_ns=attr.st_mtime_ns)
         if ask:
             node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         return self.attrs(node)
@@ -440,8 +429,6 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        if self.written is not None and self.written.unname(parent_inode, name):
-            return  # (a new file written here, never named: dropped at its last close)
         if self.names is not None:
             await self.names.change_name(_caller(ctx), "node_unlink", parent_inode, name)
             return
@@ -460,10 +447,6 @@ class MxfsOperations(pyfuse3.Operations):
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             raise pyfuse3.FUSEError(errno.EINVAL)
         if self.names is not None:
-            made = self.written.lookup(parent_inode_old, name_old) \
-                if self.written is not None else None
-            if made is not None:  # a new file written here: named first, then moved
-                await self.written.tell(made)  # type: ignore[union-attr]
             await self.names.change_name(
                 _caller(ctx), "node_rename", parent_inode_old, name_old,
                 new_parent=parent_inode_new, new_name=name_new,
@@ -500,12 +483,10 @@ class MxfsOperations(pyfuse3.Operations):
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         writing = node.is_reg and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC)
-        if writing:
-            await self._read_meta(ctx.uid, lambda s: self.vol.check_writable(node, s))
-        if writing and self.written is not None:  # (a reading node: its own members')
+        if writing and self.names is not None:  # (a reading node: its own members')
             return await self._open_here(node, flags, ctx)
-        if writing and self.names is not None:
-            self.names.check_writable()  # (a node holding no members: why not, said)
+        if writing:
+            self.vol.check_writable(node)
         if flags & os.O_TRUNC and node.is_reg:
             # libfuse enables atomic O_TRUNC: the kernel sends it here, not as setattr.
             await self.settle(inode)
@@ -518,35 +499,64 @@ class MxfsOperations(pyfuse3.Operations):
             self._relatime(node)
         return self._open_handle(node, flags, ctx.uid)
 
-    async def _open_here(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext
-                         ) -> pyfuse3.FileInfo:
-        """Open a file for writing on a node: one wholly on this node's members."""
+    async def _open_here(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext,
+                         judged: bool = False) -> pyfuse3.FileInfo:
+        """Open a file for writing on a node that holds members: one wholly on them,
+        judged by the writer first (unless `judged`: a create there was)."""
+        if self.written is None:
+            assert self.names is not None
+            self.names.check_writable()  # (a node holding no members: why not, said)
         assert self.written is not None
-        self.written.open(node, _caller(ctx))
-        info = self._open_handle(node, flags, ctx.uid)
+        caller = _caller(ctx)
+        if not judged:
+            await self._read_meta(ctx.uid, lambda s: self.vol.check_writable(node, s))
+            await self.written.open(node, caller)
+        try:
+            info = self._open_handle(node, flags, ctx.uid)
+        except BaseException:
+            if node.ino not in self.vol.open_inodes:
+                self.written.closed(node.ino)
+            raise
+        self.handles[info.fh].caller = caller
         if flags & os.O_TRUNC:
             try:
-                await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, node.ino,
-                                              self.vol.layout(node), 0,
-                                              limiter=self.limiter)
+                await self._cut_here(node, 0)
             except BaseException:
-                await self.release(info.fh)
+                await self._release(info.fh)
                 raise
-            self.written.changed(node.ino, size=0)
         return info
+
+    async def _cut_here(self, node: Inode, size: int) -> None:
+        """Cut a file written on this node to `size`: its chunk files here, the writer
+        told at the close."""
+        assert self.written is not None
+        await self.settle(node.ino)
+        await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, node.ino,
+                                      self.vol.layout(node), size, limiter=self.limiter)
+        self.written.changed(node.ino, size=size)
+
+    async def row(self, ino: int) -> Inode:
+        """The row of `ino` as the store holds it now (a reading node's worker)."""
+        return await self._read_meta(0, lambda s: s.get(ino))
+
+    async def cut(self, node: Inode, size: int) -> None:
+        """(MountWrites) cut a file's chunk files here to `size`, in a worker thread."""
+        await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, node.ino,
+                                      self.vol.layout(node), size, limiter=self.limiter)
 
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        if self.written is not None:  # a node: on its own members, named at close
+        if self.written is not None:  # a node: made by the writer, on its own members
             ino = await self.written.create(_caller(ctx), parent_inode, name,
                                             stat.S_IMODE(mode), bool(flags & os.O_EXCL))
             try:
                 node = await self._read_meta(ctx.uid, lambda s: s.get(ino))
-                info = self._open_handle(node, flags, ctx.uid)
+                info = await self._open_here(node, flags, ctx, judged=True)
             except BaseException:
-                self.written.closed(ino)
+                if ino not in self.vol.open_inodes:
+                    self.written.closed(ino)
                 raise
             return info, self.attrs(node, (parent_inode, name))
         if self.names is not None:
@@ -632,8 +642,9 @@ class MxfsOperations(pyfuse3.Operations):
         handle = self.handles[fh]
         node = handle.entry.node
         await self.settle(node.ino, report=True)  # close() returns a failed write's errno
-        if self.written is not None and node.ino in self.written.files:
-            await self.written.tell(node.ino)  # (close-to-open: the writer told now)
+        if self.written is not None and handle.writes and node.ino in self.written.files:
+            assert handle.caller is not None
+            await self.written.tell(node.ino, handle.caller)  # (close-to-open)
             return
         if handle.flags & os.O_ACCMODE != os.O_RDONLY:  # (a reader's close changed nothing,
             self.store.flush(node)                      # so it fails on nothing unsaved)
@@ -647,8 +658,9 @@ class MxfsOperations(pyfuse3.Operations):
         await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
             await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync)
-        if self.written is not None and entry.node.ino in self.written.files:
-            await self.written.tell(entry.node.ino)  # (named and sized durably)
+        if self.written is not None and handle.writes and entry.node.ino in self.written.files:
+            assert handle.caller is not None
+            await self.written.tell(entry.node.ino, handle.caller)  # (sized durably)
             return
         self.store.flush(entry.node)
         await self._durable()
@@ -656,6 +668,9 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def release(self, fh: int) -> None:
+        await self._release(fh)
+
+    async def _release(self, fh: int) -> None:
         ino = self.handles[fh].entry.node.ino
         await self.settle(ino)  # before the last release closes the chunk descriptors
         self.handles.pop(fh)

@@ -341,12 +341,15 @@ class MetaStore:
         """A directory's default layout, or an empty file's own."""
         self.txn(lambda: self.write_fields(node, {"stripe_unit": unit, "stripe_width": width}))
 
-    def begin_write(self, node: Inode) -> None:
+    def begin_write(self, node: Inode, dirty_data: bool = True) -> None:
         """Before the first write of an open: direct readers see a new generation, and
-        the chunk files may now outgrow the recorded size (`dirty_data`)."""
+        the chunk files may now outgrow the recorded size (`dirty_data`: not for a file
+        another node writes through its mount, whose chunk files that node keeps to
+        the size it last told)."""
         def change() -> None:
             self.write_fields(node, {"generation": node.generation + 1})
-            self.mark_dirty_data(node.ino)
+            if dirty_data:
+                self.mark_dirty_data(node.ino)
         self.txn(change)
 
     def resize(self, node: Inode, size: int) -> bool:
@@ -583,11 +586,10 @@ class MetaStore:
         return self.txn(change)
 
     def publish(self, ino: int, parent: int, name: bytes, *, replace: bool, size: int,
-                sum_unit: int, sums: bytes, seal: bool = True) -> Inode | None:
+                sum_unit: int, sums: bytes) -> Inode | None:
         """Give a hidden file its size, its entry and its seal (checksums, xxh3-64 per
-        `sum_unit` bytes; none if not `seal`: a file a node wrote through its mount) in
-        one change, atomically replacing what was there if `replace` (EEXIST otherwise:
-        the first writer wins).
+        `sum_unit` bytes) in one change, atomically replacing what was there if
+        `replace` (EEXIST otherwise: the first writer wins).
 
         Returns the replaced inode when that was its last link (now an orphan).
         """
@@ -611,8 +613,7 @@ class MetaStore:
             self._add_entry(parent, name, ino)
             self.engine.remove("orphans", {"ino": ino})
             self.write_fields(node, {"nlink": 1, "size": size, "ctime_ns": now, "mtime_ns": now})
-            if seal:
-                self.seal(ino, sum_unit, sums)
+            self.seal(ino, sum_unit, sums)
             self._touch_dir(d, now)
             return old if old is not None and old.nlink == 0 else None
         return self.txn(change)

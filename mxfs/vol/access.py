@@ -184,3 +184,19 @@ def may_set_times(node: Inode, caller: Caller) -> None:
     if caller.uid not in (0, node.uid) and not may(node, caller, W_OK):
         raise OSError(errno.EPERM, "only the owner, root or a user who may write the "
                       "file may change its times")
+
+
+def may_change_in(parent: Inode, caller: Caller) -> None:
+    """Write and search on a folder: what making or removing a name in it needs."""
+    if not parent.is_dir:
+        raise OSError(errno.ENOTDIR, f"inode {parent.ino} is not a directory")
+    if not may(parent, caller, W_OK | X_OK):
+        raise OSError(errno.EACCES, f"directory {parent.ino}: write permission denied")
+
+
+def may_hard_link(node: Inode, caller: Caller) -> bool:
+    """fs.protected_hardlinks: another user's file may be linked by a caller that may
+    read and write it, if it is a regular file without set-ID bits that mean anything."""
+    setgid_exec = stat.S_ISGID | stat.S_IXGRP
+    return node.is_reg and not node.mode & stat.S_ISUID and \
+        node.mode & setgid_exec != setgid_exec and may(node, caller, R_OK | W_OK)

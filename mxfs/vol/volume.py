@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -337,9 +338,11 @@ class Volume:
 
     # ---- layouts -----------------------------------------------------------
 
-    def pick_layout(self, ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
-        """A new file's layout: its directory's defaults, first member spread by inode."""
-        lay = self.pool.layout_for(ino, unit, width)
+    def pick_layout(self, ino: int, unit: int | None, width: int | None, node: str = ""
+                    ) -> tuple[int, int, int]:
+        """A new file's layout: its directory's defaults, first member spread by inode
+        (on `node`'s members, for a file that node writes)."""
+        lay = self.pool.layout_for(ino, unit, width, node)
         return lay.unit, lay.width, lay.first
 
     def layout(self, node: Inode) -> Layout:
@@ -404,12 +407,8 @@ class Volume:
         a crash or a writer that goes away leaves nothing behind.
         """
         self.pool.check_meta_room(META_ROW)
-
-        def pick(ino: int, unit: int | None, width: int | None) -> tuple[int, int, int]:
-            lay = self.pool.layout_for(ino, unit, width, node)
-            return lay.unit, lay.width, lay.first
         node_row = self.store.create_hidden(parent.ino, mode, uid, gid,
-                                            pick if node else self.pick_layout)
+                                            functools.partial(self.pick_layout, node=node))
         self.store.commit()
         return self.acquire(node_row)
 
@@ -431,14 +430,13 @@ class Volume:
             entry.chunks.sync()
 
     def publish(self, entry: OpenInode, parent: int, name: bytes, size: int, replace: bool,
-                sum_unit: int, sums: bytes, seal: bool = True) -> None:
-        """Name a settled hidden file and seal it with its checksums (unless not `seal`),
-        in one change.
+                sum_unit: int, sums: bytes) -> None:
+        """Name a settled hidden file and seal it with its checksums, in one change.
 
         The caller makes it durable (commit, then sync) before answering.
         """
         replaced = self.store.publish(entry.node.ino, parent, name, replace=replace,
-                                      size=size, sum_unit=sum_unit, sums=sums, seal=seal)
+                                      size=size, sum_unit=sum_unit, sums=sums)
         if replaced is not None:
             self.unlinked(replaced)
 
