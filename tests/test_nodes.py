@@ -1690,6 +1690,12 @@ print(json.dumps(attempt(create_file, sys.argv[1], 10)))
         assert eventually(lambda: _in_store(url, orphan) is False, 30)
         mxfs("umount", str(b.path), check=False)
         assert _cold(a.path / "ckpt" / "rank1.bin") is None  # (b gone: EIO, never zeros)
+        # A scrub names the sealed files on b's members as not checked, never as sound.
+        res = mxfs("scrub", "--json", str(a.path), check=False)
+        got = json.loads(res.stdout)
+        assert res.returncode == 1 and got["damaged"] == []
+        assert "rank1.bin" in {Path(u["path"]).name for u in got["unchecked"]}
+        assert all("node b" in u["why"] for u in got["unchecked"])
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",
@@ -1856,6 +1862,24 @@ print(json.dumps(attempt(f.close)))
         assert (a.path / "w" / "x.bin").read_bytes() == data + b"+a"
         assert (a.path / "w" / "mine.bin").read_bytes() == b"a's"
         assert not (a.path / "w" / "roots" / "x").exists()
+        # A scrub on either node checks the sealed files on the other's members too
+        # (through its chunk service), and names a damaged byte there.
+        _direct_write(a.path / "w" / "sealed_a.bin", os.urandom(300_000))
+        assert _used(a, a.path / "w" / "sealed_a.bin")[1] <= {0, 1}
+        for m in (a, b):
+            got = json.loads(mxfs("scrub", "--json", str(m.path)).stdout)
+            assert got["checked"] >= 2 and got["damaged"] == got["unchecked"] == []
+        sealed = os.stat(a.path / "w" / "sealed.bin").st_ino
+        held = next(f for f in theirs if _chunk(f, sealed).exists()
+                    and _chunk(f, sealed).stat().st_size)
+        with open(_chunk(held, sealed), "r+b") as f:
+            f.write(b"S")
+        for m in (a, b):
+            res = mxfs("scrub", "--json", str(m.path), check=False)
+            got = json.loads(res.stdout)
+            assert res.returncode == 1 and got["unchecked"] == []
+            assert [(Path(d["path"]).name, d["member"] in (2, 3)) for d in got["damaged"]] \
+                == [("sealed.bin", True)]
 
 
 def _in_store(url: str, ino: int) -> bool:

@@ -5,14 +5,18 @@ carry per-block checksums in the metadata store.  Scrub reads them from the
 members' chunk files and names every file with a bad or missing block, and the
 member that holds it: RAID0 keeps no second copy, so knowing exactly what is
 damaged is the repair.  It runs while the pool is mounted (it opens the
-metadata store read-only, beside the daemon), throttled to a byte rate.
+metadata store read-only, beside the daemon), throttled to a byte rate.  In a pool
+whose members several nodes hold it runs on any of them that holds members: the
+stripes on other nodes' members are read through their owners' chunk services (as a
+mount reads them); a file with stripes on a node that cannot be reached is named
+as not checked, never as sound.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from mxfs.io import Layout
@@ -36,6 +40,15 @@ class Bad:
 
 
 @dataclass(frozen=True)
+class Unchecked:
+    path: str
+    why: str  # which node could not serve its stripes, and why
+
+    def line(self) -> str:
+        return f"NOT CHECKED {self.path}: {self.why}"
+
+
+@dataclass(frozen=True)
 class Sealed:
     ino: int
     size: int
@@ -53,11 +66,9 @@ def sealed_files(store: MetaStore, members: int) -> Iterator[Sealed]:
 
 def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[tuple[int, int,
                                                                                       str]]:
-    """(begin, end, why) of each bad block of one sealed file (none for one with stripes
-    on other nodes' members: their owners hold those bytes)."""
+    """(begin, end, why) of each bad block of one sealed file; stripes on other nodes'
+    members read through their owners (EIO naming the node that cannot serve them)."""
     bad: list[tuple[int, int, str]] = []
-    if pool.far(f.layout.used_members()):
-        return bad
     fds: dict[int, int | None] = {}
     try:
         for k, want in enumerate(f.sums):
@@ -66,6 +77,11 @@ def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[t
             buf = bytearray(n)
             missing = False
             for piece in f.layout.plan(begin, n):
+                if pool.members[piece.member].node:
+                    got = pool.remote_of(piece.member).read_bytes(
+                        f.ino, piece.member, piece.chunk_offset, piece.length)
+                    missing |= _place(buf, got, piece.spans, piece.length)
+                    continue
                 if piece.member not in fds:
                     try:
                         fds[piece.member] = os.open(pool.chunk_path(piece.member, f.ino),
@@ -74,13 +90,7 @@ def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[t
                         fds[piece.member] = None
                 fd = fds[piece.member]
                 got = b"" if fd is None else os.pread(fd, piece.length, piece.chunk_offset)
-                if len(got) < piece.length:
-                    missing = True
-                pos = 0
-                for o, m in piece.spans:  # the member's bytes, back to their places
-                    part = got[pos:pos + m]
-                    buf[o:o + len(part)] = part
-                    pos += m
+                missing |= _place(buf, got, piece.spans, piece.length)
             throttle(n)
             if missing:
                 bad.append((begin, begin + n, "missing"))
@@ -91,6 +101,18 @@ def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[t
             if fd is not None:
                 os.close(fd)
     return bad
+
+
+def _place(buf: bytearray, got: bytes, spans: Sequence[tuple[int, int]], length: int
+           ) -> bool:
+    """Put a member's bytes back at their places in the block; True if it held fewer
+    than the `length` asked (its chunk file missing or short)."""
+    pos = 0
+    for o, m in spans:
+        part = got[pos:pos + m]
+        buf[o:o + len(part)] = part
+        pos += m
+    return len(got) < length
 
 
 class Throttle:
@@ -108,17 +130,25 @@ class Throttle:
 
 
 def scrub(pool: Pool, store: MetaStore, rate: int = 0,
-          progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[int, list[Bad]]:
-    """Check every sealed file: (files checked, damage found)."""
+          progress: Callable[[int, int], None] = lambda done, total: None
+          ) -> tuple[int, list[Bad], list[Unchecked]]:
+    """Check every sealed file: (files checked, damage found, files not checked)."""
     files = list(sealed_files(store, len(pool.members)))
     total = sum(f.size for f in files)
-    throttle, bad, checked = Throttle(rate), [], 0
+    throttle, bad, unchecked, checked = Throttle(rate), [], [], 0
     for f in files:
         if not store.inode_exists(f.ino):
             continue  # removed while we scrubbed
-        for begin, end, why in scrub_file(pool, f, throttle):
+        try:
+            found = scrub_file(pool, f, throttle)
+        except OSError as e:
+            if not pool.far(f.layout.used_members()):
+                raise  # (this node's own members: a real failure)
+            unchecked.append(Unchecked(display_name(store, f.ino), e.strerror or str(e)))
+            continue
+        for begin, end, why in found:
             bad.append(Bad(display_name(store, f.ino), begin, end, f.layout.locate(begin)[0],
                            why))
         checked += 1
         progress(throttle.done, total)
-    return checked, bad
+    return checked, bad, unchecked

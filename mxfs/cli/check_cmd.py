@@ -62,41 +62,51 @@ def cmd_scrub(args: argparse.Namespace) -> int:
     from mxfs.client.control import ControlClient, mount_root
     from mxfs.meta import MetaStore
     from mxfs.pool import Pool
+    from mxfs.vol.volume import reach_owners
 
     if os.geteuid() != 0:
         raise MxfsError("scrub reads the members' chunk files directly", "run it as root")
     root = mount_root(args.target) if os.path.isdir(args.target) else None
     if root is not None:
         with ControlClient(root) as c:
-            spec = member_spec(c.stat(), "mxfs scrub")
+            stat = c.stat()
+        spec = stat.get("config") or member_spec(stat, "mxfs scrub")
     else:
         spec = args.target
     pool = Pool.open(spec)
-    pool.require_members("mxfs scrub")
     store = MetaStore.open(pool.meta_location, readonly=True)
     show = not args.json and sys.stderr.isatty()
     try:
+        if pool.meta_url:  # (a pool across nodes: the others' stripes through them)
+            reach_owners(pool, store)
+        if not pool.local_members():
+            pool.require_members("mxfs scrub")
         if show:
             from rich.progress import Progress
 
             with Progress(transient=True) as bar:
                 task = bar.add_task("scrub", total=None)
-                checked, bad = scrub(pool, store, parse_size(args.rate) if args.rate else 0,
+                checked, bad, unchecked = scrub(pool, store,
+                                                parse_size(args.rate) if args.rate else 0,
                                      lambda done, total: bar.update(task, completed=done,
                                                                     total=total))
         else:
-            checked, bad = scrub(pool, store, parse_size(args.rate) if args.rate else 0)
+            checked, bad, unchecked = scrub(pool, store,
+                                            parse_size(args.rate) if args.rate else 0)
     finally:
         store.close()
     if args.json:
-        print(json.dumps({"checked": checked, "damaged": [vars(b) for b in bad]}, indent=2))
+        print(json.dumps({"checked": checked, "damaged": [vars(b) for b in bad],
+                          "unchecked": [vars(u) for u in unchecked]}, indent=2))
     else:
-        for b in bad:
-            print(b.line())
+        for line in [b.line() for b in bad] + [u.line() for u in unchecked]:
+            print(line)
         files = len({b.path for b in bad})
         print(f"checked {checked} sealed files; "
-              + (f"{files} damaged" if bad else "all blocks match their checksums"))
-    return 1 if bad else 0
+              + (f"{files} damaged" if bad else "all blocks match their checksums")
+              + (f"; {len(unchecked)} not checked (their nodes could not be reached: "
+                 "scrub again once they serve)" if unchecked else ""))
+    return 1 if bad or unchecked else 0
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

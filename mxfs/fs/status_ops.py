@@ -123,7 +123,7 @@ class StatusOps:
                 "kv_forward": self.kv.forward.status() if self.kv.forward else None,
                 "kv_views": self.kv.follower.views.status() if self.kv.follower else None,
                 "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
-                "nodes": nodes}
+                "config": pool.config, "nodes": nodes}
 
     def feed_status(self) -> FeedStatus | None:
         """The change feed: what a reading node read of it, or what a writer published."""

@@ -352,6 +352,7 @@ class Pool:
         self.node = ""
         self.state_dir = ""
         self.key_file = ""
+        self.config = ""  # a reading node's config, the pool was opened from
         self.remote: RemoteMembers | None = None
         # Every other node that holds members, by name (the writer's is `remote`), and
         # a reading node's own member folders (`NodeConfig.members`).
@@ -448,6 +449,7 @@ class Pool:
                         stripe_unit=DEFAULT_STRIPE_UNIT, label=conf.label, meta=conf.meta)
         pool = cls(sb, [])
         pool.node, pool.state_dir, pool.key_file = conf.node, conf.state, conf.key
+        pool.config = conf.path  # (tools find the pool of this node's mount by it)
         pool.own_paths = list(conf.members)
         return pool
 

@@ -113,6 +113,13 @@ class RemoteMembers:
         self._call(lambda c: c.fill(ino, member, offset, views),
                    f"could not serve member {member} of inode {ino}")
 
+    def read_bytes(self, ino: int, member: int, offset: int, length: int) -> bytes:
+        """What the chunk file of `ino` on `member` holds at `offset`: fewer than
+        `length` bytes where it ends (a scrub tells a missing chunk from zeros).  EIO
+        naming the node when it cannot serve them."""
+        return self._call(lambda c: c.read(ino, member, offset, length),
+                          f"could not serve member {member} of inode {ino}")
+
     def change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int = 0,
                views: list[memoryview] | None = None) -> None:
         """A chunk change on the owner's member as the pool's writer under `epoch`

@@ -251,6 +251,7 @@ class StatReply(TypedDict):
     kv_forward: KVForwardStatus | None  # a reading node's KV puts and claims on the writer
     kv_views: KVViewsStatus | None  # a reading node's presence tables (`fs/kv_views.py`)
     node: str  # this daemon's node ("": a pool of one node)
+    config: str  # a reading node's config, its pool opened from ("": the writer)
     nodes: list[NodeStatus]  # every node of a pool on a metadata server
 
 

@@ -743,6 +743,20 @@ def join_owner(pool: Pool, store: MetaStore) -> list[tuple[RemoteMembers, str | 
     return views
 
 
+def reach_owners(pool: Pool, store: MetaStore) -> None:
+    """For a tool on this node (`mxfs scrub`): the chunk services of the nodes holding
+    the members this node does not (`pool.remote_of`), as a mount reaches them."""
+    if pool.node:
+        join_owner(pool, store)
+        return
+    names = sorted({m.node for m in pool.members if m.node})
+    if not names:
+        return  # (a pool of one node's members: nothing to reach)
+    for remote, name in owner_views(pool, load_key(pool.members[0].path), [*names]):
+        remote.update(owner_of(store, name))
+        pool.remotes[str(name)] = remote
+
+
 def _served_elsewhere(holder: lease.Lease, now: float) -> MxfsError:
     """`now`: by the store's clock, as the lease's expiry is."""
     return MxfsError(f"the pool is mounted on {holder.describe()}; its lease runs "
