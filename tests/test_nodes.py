@@ -46,7 +46,7 @@ from conftest import (
 from netns import NodeNet
 from safetensors.torch import save_file
 from test_dcp import run_ranks
-from users import ensure_users, run_as
+from users import User, ensure_users, run_as
 
 import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
@@ -1803,6 +1803,21 @@ print(json.dumps(attempt(f.close)))
         assert os.stat(a.path / "w" / "copy.txt").st_nlink == 2
         os.truncate(b.path / "w" / "copy.txt", 5)  # (by name: told at once)
         assert (a.path / "w" / "hard").read_bytes() == b"alice"
+        # The writer judges the caller with every group it is in (here 70: one past the
+        # first 64 lets it into a folder).
+        os.mkdir(a.path / "w" / "many")
+        os.chown(a.path / "w" / "many", 0, 50069)
+        os.chmod(a.path / "w" / "many", 0o770)
+        many = User("mxfs-alice", users["alice"].uid, users["alice"].gid,
+                    tuple(range(50000, 50070)))
+        res = run_as(many, """
+os.mkdir(sys.argv[1])
+with open(sys.argv[1] + "/f", "wb") as f:
+    f.write(b"in group 50069")
+print(json.dumps("ok"))
+""", str(b.path / "w" / "many" / "d"))
+        assert res == "ok"
+        assert (a.path / "w" / "many" / "d" / "f").read_bytes() == b"in group 50069"
         # Unlinked before its close (as a temporary file is): its bytes go with it.
         fd = os.open(b.path / "w" / "gone.bin", os.O_WRONLY | os.O_CREAT)
         os.write(fd, os.urandom(1 << 20))
