@@ -1818,6 +1818,23 @@ print(json.dumps("ok"))
 """, str(b.path / "w" / "many" / "d"))
         assert res == "ok"
         assert (a.path / "w" / "many" / "d" / "f").read_bytes() == b"in group 50069"
+        # A name mounted on in the writer's mount is neither removed nor moved through
+        # b (the writer's kernel refuses it there; b's request never passes it).
+        (a.path / "w" / "mnt").mkdir()
+        assert eventually(lambda: (b.path / "w" / "mnt").is_dir(), 15)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "mxfs-test",
+                        str(a.path / "w" / "mnt")], check=True)
+        try:
+            for change in (lambda: os.rmdir(b.path / "w" / "mnt"),
+                           lambda: os.rename(b.path / "w" / "mnt", b.path / "w" / "mnt2")):
+                with pytest.raises(OSError) as e:
+                    change()
+                assert e.value.errno == errno.EBUSY
+            assert os.path.ismount(a.path / "w" / "mnt")
+        finally:
+            subprocess.run(["umount", str(a.path / "w" / "mnt")], check=True)
+        os.rmdir(b.path / "w" / "mnt")
+        assert not (a.path / "w" / "mnt").exists()
         # Unlinked before its close (as a temporary file is): its bytes go with it.
         fd = os.open(b.path / "w" / "gone.bin", os.O_WRONLY | os.O_CREAT)
         os.write(fd, os.urandom(1 << 20))

@@ -59,7 +59,7 @@ from mxfs.fs.kv_forward import as_sent
 from mxfs.fs.limits import Limits
 from mxfs.fs.node_writes import mount_create, mount_open, mount_written
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
-from mxfs.meta import Inode
+from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.messages import FileReply
@@ -76,6 +76,7 @@ from mxfs.vol.access import (
     owner_for,
     resolve_parent_for,
 )
+from mxfs.vol.mounts import mount_table
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
@@ -212,7 +213,9 @@ class NodeFiles:
             self.vol.pool.check_meta_room(META_ROW + len(name))
             out["ino"] = store.link(linked.ino, parent.ino, name).ino
         elif op in ("node_unlink", "node_rmdir"):
-            may_replace(parent, store.lookup(parent.ino, name), caller)
+            victim = store.lookup(parent.ino, name)
+            may_replace(parent, victim, caller)
+            self._refuse_if_mounted_on(victim.ino)
             self.vol.unlinked((store.unlink if op == "node_unlink" else store.rmdir)(
                 parent.ino, name))
         else:  # node_rename
@@ -224,6 +227,7 @@ class NodeFiles:
                 raise OSError(errno.EACCES, "moving a directory to another parent needs "
                               "write permission on it")
             target = store.entry_ino(to.ino, to_name)
+            self._refuse_if_mounted_on(moved.ino, target)
             if target is not None:
                 other = store.get(target)
                 may_replace(to, other, caller)
@@ -241,6 +245,26 @@ class NodeFiles:
         if op == "node_rename":
             changed.append((to.ino, to_name))
         return out, changed, int(out["ino"]) if op == "node_link" else None  # (its nlink)
+
+    def _refuse_if_mounted_on(self, *inos: int | None) -> None:
+        """EBUSY for a name something is mounted on in the writer's own mount: its
+        kernel refuses to remove or move one there (a node's request, which never
+        passes that kernel, would otherwise detach what was mounted)."""
+        prefix = self.mountpoint.rstrip("/") + "/"
+        points = [p for p in mount_table() if p.startswith(prefix)]
+        if not points:
+            return
+        store = self.vol.store
+        for point in points:
+            try:
+                node = store.get(ROOT_INO)
+                for part in point[len(prefix):].split("/"):
+                    node = store.lookup(node.ino, os.fsencode(part))
+            except OSError:
+                continue  # (not a name of this pool's any more)
+            if node.ino in inos:
+                raise OSError(errno.EBUSY, f"{point} is a mount point on the writer node: "
+                              "unmount it there first")
 
     async def _setattr(self, caller: Caller, msg: Msg) -> dict[str, Any]:
         """chmod, chown and times a node's caller set through its mount, judged here as
