@@ -1748,6 +1748,15 @@ def test_files_written_through_a_nodes_mount_land_on_its_members(tmp_path: Path,
         with open(a.path / "w" / "x.bin", "ab") as f:
             f.write(b"+a")
         assert eventually(lambda: (b.path / "w" / "x.bin").read_bytes() == data + b"+a", 15)
+        data += b"+a"
+        # A close on b tells a size that only grows the file: what the writer's own
+        # mount appended while b held it open stays.
+        with open(b.path / "w" / "x.bin", "r+b") as f:
+            f.write(b"head")
+            with open(a.path / "w" / "x.bin", "ab") as g:
+                g.write(b"+tail")
+        data = b"head" + data[4:] + b"+tail"
+        assert (a.path / "w" / "x.bin").read_bytes() == data
         # Saved as programs save: to a temporary name, renamed before the close.
         state = {"w": torch.randn(256, 256)}
         with open(b.path / "w" / "tmp.pt", "wb") as f:
@@ -1767,22 +1776,39 @@ print(json.dumps(os.stat(sys.argv[1]).st_uid))
         assert res == users["alice"].uid
         assert (a.path / "w" / "alice.txt").read_bytes() == b"alice on b"
         assert os.stat(a.path / "w" / "alice.txt").st_uid == users["alice"].uid
-        # Under her quota her files close; past it her close fails, the writer keeps
-        # the size it held (0), and b cuts what it wrote back to that.
+        # Under her quota her files close; past it her writes through b fail (b was
+        # granted what her quota left when she opened), and the file keeps what fit.
         mxfs("quota", "--user", "mxfs-alice", "--bytes", "1MiB", str(a.path))
         res = run_as(users["alice"], """
 with open(sys.argv[1], "wb") as f:
     f.write(b"s" * 100_000)
-f = open(sys.argv[2], "wb")
-f.write(os.urandom(2 << 20))
-print(json.dumps(attempt(f.close)))
+done = 0
+with open(sys.argv[2], "wb", buffering=0) as f:
+    while True:
+        try:
+            done += f.write(b"b" * 65536)
+        except OSError as e:
+            print(json.dumps([e.errno, done]))
+            break
 """, str(b.path / "w" / "small.bin"), str(b.path / "w" / "big.bin"))
-        assert res == errno.EDQUOT
+        assert res[0] == errno.EDQUOT and 0 < res[1] <= (1 << 20) - 100_000
         assert (a.path / "w" / "small.bin").read_bytes() == b"s" * 100_000
-        assert os.stat(a.path / "w" / "big.bin").st_size == 0
-        big = os.stat(a.path / "w" / "big.bin").st_ino
-        assert eventually(lambda: all(not _chunk(m, big).exists() or
-                                      _chunk(m, big).stat().st_size == 0 for m in theirs), 15)
+        assert (a.path / "w" / "big.bin").read_bytes() == b"b" * res[1]
+        # Read-only files are written through what was opened (as git makes its
+        # objects: created 0444, written, closed; cp -p: fchmod before the close).
+        res = run_as(users["alice"], """
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o444)
+os.write(fd, b"object")
+os.close(fd)
+fd = os.open(sys.argv[2], os.O_CREAT | os.O_WRONLY, 0o644)
+os.write(fd, b"copied")
+os.fchmod(fd, 0o444)
+os.close(fd)
+print(json.dumps("ok"))
+""", str(b.path / "w" / "obj"), str(b.path / "w" / "cp"))
+        assert res == "ok"
+        assert (a.path / "w" / "obj").read_bytes() == b"object"
+        assert (a.path / "w" / "cp").read_bytes() == b"copied"
         mxfs("quota", "--user", "mxfs-alice", "--clear", str(a.path))
         # Links, modes, owners and times through b's mount: the writer's, for the caller
         # (so shutil.copy2 and a Hugging Face cache's links work on a node).
@@ -1857,8 +1883,8 @@ print(json.dumps("ok"))
         assert (a.path / "w" / "mine.bin").read_bytes() == b"a's"
         # The writer judges a node's callers itself (a node's kernel judged them on
         # attributes perhaps a moment old): alice may not create in root's folder nor
-        # say she wrote root's file; nobody may say so of a file on members b does not
-        # hold, or of a sealed one.
+        # open root's file for writing; nobody may tell the size of a file b was never
+        # granted (on members b does not hold, or sealed).
         node_b = {n["name"]: n for n in _status(a)["nodes"]}["b"]
         host, port = _status(a)["chunk_service"]["addr"], \
             _status(a)["chunk_service"]["port"]
@@ -1869,13 +1895,12 @@ print(json.dumps("ok"))
             for who, op, body, code in (
                     (alice, "node_create", {"parent": os.stat(a.path / "w" / "roots").st_ino,
                                             "name": "eA==", "mountpoint": ""}, errno.EACCES),
-                    (alice, "node_written", {"ino": ino, "size": 0}, errno.EACCES),
                     (alice, "node_open", {"ino": ino}, errno.EACCES),
                     (root, "node_create", {"parent": os.stat(a.path / "w").st_ino,
                                            "name": "eC5iaW4=", "mode": 0o644,
                                            "exclusive": True}, errno.EEXIST),
                     (root, "node_written", {"ino": os.stat(a.path / "w" / "mine.bin").st_ino,
-                                            "size": 0}, errno.EROFS),
+                                            "size": 0}, errno.EPERM),  # (never granted)
                     (root, "node_written", {"ino": os.stat(a.path / "w" / "sealed.bin").st_ino,
                                             "size": 0}, errno.EPERM),
                     (alice, "node_setattr", {"ino": ino, "mode": 0o777}, errno.EPERM),
@@ -1891,7 +1916,7 @@ print(json.dumps("ok"))
                     raw.kv_request(who, op, {**body, "token": op,
                                              "node": ["b", node_b["epoch"]]})
                 assert e.value.errno == code, op
-        assert (a.path / "w" / "x.bin").read_bytes() == data + b"+a"
+        assert (a.path / "w" / "x.bin").read_bytes() == data
         assert (a.path / "w" / "mine.bin").read_bytes() == b"a's"
         assert not (a.path / "w" / "roots" / "x").exists()
         # A scrub on either node checks the sealed files on the other's members too

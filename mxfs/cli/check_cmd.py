@@ -80,7 +80,10 @@ def cmd_scrub(args: argparse.Namespace) -> int:
         if pool.meta_url:  # (a pool across nodes: the others' stripes through them)
             reach_owners(pool, store)
         if not pool.local_members():
-            pool.require_members("mxfs scrub")
+            holder = next((m.node for m in pool.members if m.node), "")
+            raise MxfsError(f"mxfs scrub works on the pool's members, and node {pool.node} "
+                            "holds none", f"run it on node {holder}, which holds them"
+                            if holder else "run it on the writer node (mxfs status)")
         if show:
             from rich.progress import Progress
 

@@ -57,7 +57,7 @@ from mxfs.fs.fields import (
 )
 from mxfs.fs.kv_forward import as_sent
 from mxfs.fs.limits import Limits
-from mxfs.fs.node_writes import mount_create, mount_open, mount_written
+from mxfs.fs.node_writes import Grants, granted, mount_create, mount_open, mount_written
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool.pool import META_ROW
@@ -125,6 +125,7 @@ class NodeFiles:
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
+        self.grants = Grants()  # files nodes opened for writing through their mounts
         # Names changed for nodes, by (node, token): a repeat is answered, not redone.
         self.names_done: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
 
@@ -145,7 +146,7 @@ class NodeFiles:
             if done is not None:  # (asked again: done the first time, not twice)
                 return done
             out, changed, ino = self._name(caller, op, msg) if op in NAME_OPS \
-                else self._mount(caller, op, msg, name)
+                else self._mount(caller, op, msg, name, epoch)
             self.names_done[token] = out
             while len(self.names_done) > REMEMBERED:
                 self.names_done.popitem(last=False)
@@ -167,21 +168,25 @@ class NodeFiles:
             return {}
         raise OSError(errno.EPERM, f"{op[:32]} is not asked of another node")
 
-    def _mount(self, caller: Caller, op: str, msg: Msg, node: str
+    def _mount(self, caller: Caller, op: str, msg: Msg, node: str, epoch: int
                ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
         """A create, an open for writing or a close through `node`'s mount
-        (`fs/node_writes.py`): (the file's description, the names made, the inode
-        whose bytes changed)."""
+        (`fs/node_writes.py`): (the reply, the names made, the inode whose bytes
+        changed)."""
+        if op == "node_written":
+            self.grants.check(node, epoch, int_field(msg, "ino"))
+            row = mount_written(self.vol, caller, msg, node)
+            return dict(describe(self.vol, row)), [], row.ino
+        made: list[tuple[int, bytes]] = []
         if op == "node_create":
             row, new = mount_create(self.vol, caller, msg, node)
-            made = [(int_field(msg, "parent"), b64_name_field(msg, "name"))] if new else []
-            return dict(describe(self.vol, row)), made, None
-        if op == "node_open":
+            if new:
+                made.append((int_field(msg, "parent"), b64_name_field(msg, "name")))
+        else:
             row = mount_open(self.vol, caller, self.vol.store.get(int_field(msg, "ino")),
                              node)
-            return dict(describe(self.vol, row)), [], None
-        row = mount_written(self.vol, caller, msg, node)
-        return dict(describe(self.vol, row)), [], row.ino
+        self.grants.grant(node, epoch, row.ino)
+        return {**describe(self.vol, row), **granted(self.vol, row)}, made, None
 
     def _name(self, caller: Caller, op: str, msg: Msg
               ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
@@ -278,7 +283,7 @@ class NodeFiles:
             gid = int_field(msg, "gid") if "gid" in msg else None
             may_chown(row, caller, uid, gid)
         if "mode" in msg:
-            mode = stat.S_IFMT(row.mode) | may_chmod(row, caller, int_field(msg, "mode"))
+            mode = stat.S_IFMT(row.mode) | may_chmod(row, caller, int_field(msg, "mode"), gid)
         if "atime_ns" in msg or "mtime_ns" in msg:
             may_set_times(row, caller)
             atime = int_field(msg, "atime_ns") if "atime_ns" in msg else None

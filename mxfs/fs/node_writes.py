@@ -7,9 +7,14 @@ write permission, the caller's inode quota); a name that is already a regular fi
 opened instead.  `mount_open` judges an open for writing before the node writes a
 byte (not sealed, the caller may write it, wholly on that node's members) and gives
 the file a new generation (direct readers that opened it before see it changed).
-`mount_written` takes the size and mtime the node's caller left at a close (the
-owner's byte quota judged then; an mtime set by anyone but the owner or root is the
-writer's clock's).
+Either grants the node the file (`Grants`: as POSIX judges permission at open, a
+file made read-only meanwhile, or created so, is still written through what was
+opened) and answers with the bytes its owner may still come to own, the most the
+node lets the file grow past its size before telling.  `mount_written` takes what a
+granted file's close (or cut) left: a size only grows it (another node, or the
+writer's own mount, may have written past it meanwhile) unless the node cut it; the
+owner's byte quota judged for what it grew; an mtime from anyone but the owner or
+root taken as now; the layout the node wrote with must still be the file's.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import errno
 import functools
 import stat
 import time
+from collections import OrderedDict
+from typing import Any
 
 from mxfs.fs.fields import Msg, b64_name_field, bool_field, int_field
 from mxfs.fs.session import refuse_if_degraded
@@ -25,6 +32,28 @@ from mxfs.meta import Inode
 from mxfs.pool.pool import META_ROW
 from mxfs.vol.access import W_OK, X_OK, Caller, may, may_change_in, owner_for
 from mxfs.vol.volume import Volume
+
+GRANTS = 65536  # files granted to nodes the writer remembers (the oldest go first)
+
+
+class Grants:
+    """Files granted to nodes for writing through their mounts, by (node, inode): the
+    epoch of the node that was granted each (a node that joined again is granted
+    anew)."""
+
+    def __init__(self) -> None:
+        self._held: OrderedDict[tuple[str, int], int] = OrderedDict()
+
+    def grant(self, node: str, epoch: int, ino: int) -> None:
+        self._held[(node, ino)] = epoch
+        self._held.move_to_end((node, ino))
+        while len(self._held) > GRANTS:
+            self._held.popitem(last=False)
+
+    def check(self, node: str, epoch: int, ino: int) -> None:
+        if self._held.get((node, ino)) != epoch:
+            raise OSError(errno.EPERM, f"inode {ino} was not opened for writing on node "
+                          f"{node} (epoch {epoch})")
 
 
 def mount_create(vol: Volume, caller: Caller, msg: Msg, node: str
@@ -57,18 +86,31 @@ def mount_create(vol: Volume, caller: Caller, msg: Msg, node: str
 
 def mount_open(vol: Volume, caller: Caller, row: Inode, node: str) -> Inode:
     """An open for writing through `node`'s mount, judged before its first byte."""
-    _may_write(vol, caller, row, node)
+    _may_write(vol, row, node)
+    if not may(row, caller, W_OK):
+        raise OSError(errno.EACCES, f"inode {row.ino}: write permission denied")
     vol.store.begin_write(row, dirty_data=False)
     vol.store.commit()
     return row
 
 
+def granted(vol: Volume, row: Inode) -> dict[str, Any]:
+    """What a node is told of a file it was granted: its description, and the bytes
+    its owner may still come to own ("room"; absent: no byte limit)."""
+    left = vol.quotas.left(row.uid)
+    return {} if left is None else {"room": left}
+
+
 def mount_written(vol: Volume, caller: Caller, msg: Msg, node: str) -> Inode:
-    """The size and mtime a close through `node`'s mount left (judged as its open was,
-    and the owner's quota for what it grew)."""
+    """The size and mtime a granted file's close (or cut) through `node`'s mount left."""
     row = vol.store.get(int_field(msg, "ino"))
-    _may_write(vol, caller, row, node)
+    _may_write(vol, row, node)
+    if "layout" in msg and msg["layout"] != vol.layout(row).describe():
+        raise OSError(errno.EPERM, f"inode {row.ino} was given another layout while "
+                      f"node {node} wrote it: its bytes there are not the file's")
     size, now = int_field(msg, "size"), time.time_ns()
+    if not bool_field(msg, "cut"):
+        size = max(size, row.size)  # (written past meanwhile elsewhere: kept)
     vol.quotas.room(row.uid, size - row.size)
     mtime = int_field(msg, "mtime_ns", now) if caller.uid in (0, row.uid) else now
     vol.store.touch(row, size=size, mtime_ns=mtime, ctime_ns=now)
@@ -77,14 +119,12 @@ def mount_written(vol: Volume, caller: Caller, msg: Msg, node: str) -> Inode:
     return row
 
 
-def _may_write(vol: Volume, caller: Caller, row: Inode, node: str) -> None:
+def _may_write(vol: Volume, row: Inode, node: str) -> None:
     if not row.is_reg:
         raise OSError(errno.EISDIR if row.is_dir else errno.EINVAL,
                       f"inode {row.ino} is not a regular file")
     refuse_if_degraded(vol)
     vol.check_writable(row)
-    if not may(row, caller, W_OK):
-        raise OSError(errno.EACCES, f"inode {row.ino}: write permission denied")
     members = vol.pool.members
     if any(members[m].node != node for m in vol.layout(row).used_members()):
         raise OSError(errno.EROFS, f"inode {row.ino} stripes over members node {node} "

@@ -306,7 +306,7 @@ class MxfsOperations(pyfuse3.Operations):
                       fields: pyfuse3.SetattrFields, fh: int | None,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if self.names is not None:  # a reading node
-            return await self._setattr_node(inode, attr, fields, ctx)
+            return await self._setattr_node(inode, attr, fields, fh, ctx)
         node = self.store.get(inode)
         now = time.time_ns()
         if fields.update_size:
@@ -335,12 +335,13 @@ class MxfsOperations(pyfuse3.Operations):
         return self.attrs(await self._read_meta(uid, lambda s: s.get(ino)))
 
     async def _setattr_node(self, inode: int, attr: pyfuse3.EntryAttributes,
-                            fields: pyfuse3.SetattrFields, ctx: pyfuse3.RequestContext
-                            ) -> pyfuse3.EntryAttributes:
-        """setattr on a reading node.  A file's size and mtime, where it is wholly on this
-        node's members, are this node's (cut here, the writer told at the close, or now
-        for a file not open here); mode, owner and other times are asked of the writer
-        as the caller (`node_setattr`)."""
+                            fields: pyfuse3.SetattrFields, fh: int | None,
+                            ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        """setattr on a reading node.  A file's size, where it is wholly on this node's
+        members, is cut here through a handle opened for writing (`fh`), or by name as
+        an open, a cut and a close would (each judged by the writer first); the mtime
+        of a file open for writing here is told at its close; mode, owner and other
+        times are asked of the writer as the caller (`node_setattr`)."""
         assert self.names is not None
         node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         ask: dict[str, int] = {}
@@ -352,23 +353,25 @@ class MxfsOperations(pyfuse3.Operations):
             ask["gid"] = attr.st_gid
         if fields.update_atime:
             ask["atime_ns"] = attr.st_atime_ns
-        held = self.written is not None and inode in self.written.files
-        if fields.update_mtime and not held and not fields.update_size:
+        handle = self.handles.get(fh) if fh is not None else None
+        through = handle is not None and handle.writes and self.written is not None \
+            and inode in self.written.files  # (a handle this node writes the file by)
+        if fields.update_mtime and not through and not fields.update_size:
             ask["mtime_ns"] = attr.st_mtime_ns
         if ask:
             await self.names.ask(_caller(ctx), "node_setattr", {**ask, "ino": inode})
-        if fields.update_size and not held:  # (a truncate by name: as open, cut, close)
+        if fields.update_size and not through:  # (by name: as open, cut, close)
             info = await self._open_here(node, os.O_WRONLY, ctx)
             try:
-                await self._cut_here(node, attr.st_size)
-                await self.written.tell(inode, _caller(ctx))  # type: ignore[union-attr]
+                await self._cut_here(node, attr.st_size, _caller(ctx))
             finally:
                 await self._release(info.fh)
-        elif held and self.written is not None:
+        elif through and self.written is not None:
+            assert handle is not None and handle.caller is not None
             if fields.update_size:
-                await self._cut_here(node, attr.st_size)
+                await self._cut_here(node, attr.st_size, handle.caller)
             if fields.update_mtime:
-                self.written.changed(inode, mtime_ns=attr.st_mtime_ns)
+                self.written.touched(inode, attr.st_mtime_ns)
         if ask:
             node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         return self.attrs(node)
@@ -502,7 +505,7 @@ class MxfsOperations(pyfuse3.Operations):
     async def _open_here(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext,
                          judged: bool = False) -> pyfuse3.FileInfo:
         """Open a file for writing on a node that holds members: one wholly on them,
-        judged by the writer first (unless `judged`: a create there was)."""
+        judged (and granted) by the writer first, unless `judged`: a create there was."""
         if self.written is None:
             assert self.names is not None
             self.names.check_writable()  # (a node holding no members: why not, said)
@@ -513,27 +516,25 @@ class MxfsOperations(pyfuse3.Operations):
             await self.written.open(node, caller)
         try:
             info = self._open_handle(node, flags, ctx.uid)
-        except BaseException:
-            if node.ino not in self.vol.open_inodes:
+        finally:
+            self.written.opened(node.ino)
+            if node.ino not in self.vol.open_inodes:  # (no handle was made)
                 self.written.closed(node.ino)
-            raise
         self.handles[info.fh].caller = caller
         if flags & os.O_TRUNC:
             try:
-                await self._cut_here(node, 0)
+                await self._cut_here(node, 0, caller)
             except BaseException:
                 await self._release(info.fh)
                 raise
         return info
 
-    async def _cut_here(self, node: Inode, size: int) -> None:
-        """Cut a file written on this node to `size`: its chunk files here, the writer
-        told at the close."""
+    async def _cut_here(self, node: Inode, size: int, caller: Caller) -> None:
+        """Cut a file open for writing on this node to `size` (the writer takes the
+        size first, as `caller`)."""
         assert self.written is not None
-        await self.settle(node.ino)
-        await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, node.ino,
-                                      self.vol.layout(node), size, limiter=self.limiter)
-        self.written.changed(node.ino, size=size)
+        await self.written.cut_to(node.ino, size, caller,
+                                  functools.partial(self.settle, node.ino))
 
     async def row(self, ino: int) -> Inode:
         """The row of `ino` as the store holds it now (a reading node's worker)."""
@@ -549,15 +550,9 @@ class MxfsOperations(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         if self.written is not None:  # a node: made by the writer, on its own members
-            ino = await self.written.create(_caller(ctx), parent_inode, name,
-                                            stat.S_IMODE(mode), bool(flags & os.O_EXCL))
-            try:
-                node = await self._read_meta(ctx.uid, lambda s: s.get(ino))
-                info = await self._open_here(node, flags, ctx, judged=True)
-            except BaseException:
-                if ino not in self.vol.open_inodes:
-                    self.written.closed(ino)
-                raise
+            node = await self.written.create(_caller(ctx), parent_inode, name,
+                                             stat.S_IMODE(mode), bool(flags & os.O_EXCL))
+            info = await self._open_here(node, flags, ctx, judged=True)
             return info, self.attrs(node, (parent_inode, name))
         if self.names is not None:
             self.names.check_writable()  # (a node holding no members: why not, said)
@@ -607,8 +602,10 @@ class MxfsOperations(pyfuse3.Operations):
         if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
             off = self._size(node)  # without the writeback cache, appends are placed here
         assert entry.chunks is not None
-        if self.written is not None and node.ino not in self.written.files:
-            raise OSError(errno.EBADF, "not open for writing on this node")
+        if self.written is not None:  # (a node's: its size held here, told at close)
+            if node.ino not in self.written.files:
+                raise OSError(errno.EBADF, "not open for writing on this node")
+            await self.written.allow(node.ino, off + len(buf))
         if self.written is None:  # (a node's: its size held here, told at close)
             self.vol.quotas.room(node.uid, off + len(buf) - node.size)  # (the owner pays)
             self.vol.note_write(entry)
@@ -626,7 +623,7 @@ class MxfsOperations(pyfuse3.Operations):
             await self._io(entry.chunks, handle.uid, entry.chunks.write, off,
                            memoryview(buf))
         if self.written is not None:
-            self.written.changed(node.ino, size=max(self._size(node), off + len(buf)))
+            self.written.wrote(node.ino, off + len(buf))
             return len(buf)
         if off + len(buf) > node.size:
             self.store.touch(node, size=off + len(buf))

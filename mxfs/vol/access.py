@@ -150,17 +150,18 @@ def may_replace(parent: Inode, victim: Inode, caller: Caller) -> None:
                       "user's: only its owner, the directory's owner or root may replace it")
 
 
-def may_chmod(node: Inode, caller: Caller, mode: int) -> int:
+def may_chmod(node: Inode, caller: Caller, mode: int, gid: int | None = None) -> int:
     """The kernel's rule for chmod (EPERM but for the owner or root; anyone may drop
     set-ID bits, as the kernel does when another user writes the file): the permission
-    bits `node` takes, S_ISGID dropped from a file whose group the caller is not in."""
+    bits `node` takes, S_ISGID dropped where the caller is not in the file's group
+    (`gid`: the one a chown in the same change gives it), as setattr_prepare drops it."""
     mode &= 0o7777
     setid = stat.S_ISUID | stat.S_ISGID
     if caller.uid not in (0, node.uid) and (
             mode & ~setid != node.mode & 0o7777 & ~setid or mode & setid & ~node.mode):
         raise OSError(errno.EPERM, "only the owner or root may change a file's mode")
-    if mode & stat.S_ISGID and not node.is_dir and caller.uid != 0 \
-            and node.gid not in caller.gids:
+    group = node.gid if gid is None else gid
+    if mode & stat.S_ISGID and caller.uid != 0 and group not in caller.gids:
         mode &= ~stat.S_ISGID
     return mode
 

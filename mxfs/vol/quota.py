@@ -102,6 +102,14 @@ class Quotas:
         """The limits that hold for `uid`: its own, else the default."""
         return self.limits.get(str(uid)) or self.limits.get(DEFAULT, NONE)
 
+    def left(self, uid: int) -> int | None:
+        """Bytes `uid` may still come to own (None: no byte limit holds for it)."""
+        quota = self.of(uid) if uid != 0 and self.limits else None
+        if not quota or not quota.bytes:
+            return None
+        owned = self.store.count_usage().owned_bytes(uid) + self.reserved[uid]
+        return max(0, quota.bytes - owned + self.freeing(uid)[0])
+
     def room(self, uid: int, nbytes: int = 0, inodes: int = 0) -> None:
         """EDQUOT if `uid` owning `nbytes` and `inodes` more would pass its quota."""
         if uid == 0 or not self.limits:
