@@ -163,3 +163,35 @@ class RoundRobin:
             calls.remove(turn)
             if not calls:
                 del self._waiting[uid]
+
+
+class Lane:
+    """What data I/O that waits on the same nodes shares: worker threads, handed out
+    by uid in turn (one uid, but root, 3 in 4 of them), and a budget of writes landed
+    behind their answers."""
+
+    def __init__(self, threads: int, budget: int) -> None:
+        self.limiter = trio.CapacityLimiter(threads)
+        self.turns = RoundRobin(threads, max(1, threads * 3 // 4))
+        self.budget = trio.Semaphore(budget)
+
+
+class Lanes:
+    """A lane for this node's own files, and one for each set of other nodes files
+    stripe over (their I/O waits on those nodes): a slow node holds only the lanes of
+    the files striped over it, never those of files on this node's members or on
+    other nodes' alone."""
+
+    def __init__(self, threads: int, budget: int) -> None:
+        self.threads, self.budget = threads, budget
+        self.own = Lane(threads, budget)
+        self._far: dict[tuple[str, ...], Lane] = {}
+
+    def of(self, owners: tuple[str, ...]) -> Lane:
+        """The lane of files striped over the members of `owners` (none: this node's)."""
+        if not owners:
+            return self.own
+        lane = self._far.get(owners)
+        if lane is None:
+            lane = self._far[owners] = Lane(self.threads, self.budget)
+        return lane

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from mxfs.fs.fair import RoundRobin
+from mxfs.fs.fair import Lanes
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.mount_writes import MountWrites
@@ -156,25 +156,22 @@ class MxfsOperations(pyfuse3.Operations):
         # Data I/O runs on `io_threads` worker threads, handed out by the opener's uid in
         # turn (one uid, but root, holds 3 in 4): a user with dozens of reads in flight
         # makes another's wait for a thread, not behind all of them.  Files with stripes
-        # on other nodes' members have threads of their own: a slow node must not hold
-        # those this node's own files are served on.
-        self.limiter = trio.CapacityLimiter(io_threads)
-        self.far_limiter = trio.CapacityLimiter(io_threads)
+        # on other nodes' members have threads of their own for each set of nodes they
+        # wait on (`fs/fair.Lanes`): a slow node holds only those of files striped
+        # over it, never this node's own files' nor other nodes' files'.
+        self.lanes = Lanes(io_threads, BUDGET)
+        self.limiter = self.lanes.own.limiter
         # On a reading node: mkdir, unlink, rmdir and rename asked of the writer as the
         # caller (`fs/node_files.py`; set by the daemon).
         self.names: ForwardedFiles | None = None
         # On a node that holds members: files written through this mount on them
         # (`fs/mount_writes.py`; set by the daemon).
         self.written: MountWrites | None = None
-        per_user = max(1, io_threads * 3 // 4)
-        self.io_turns = RoundRobin(io_threads, per_user)
-        self.far_turns = RoundRobin(io_threads, per_user)
         # Where writes land behind their answers (set by the daemon once trio runs;
         # without it, or with the writeback cache, each write lands before its answer).
         self.nursery: trio.Nursery | None = None
-        self.write_behind = write_behind  # writes queued per inode; 0: none
-        self.behind_budget = trio.Semaphore(BUDGET)  # ... and in the whole daemon
-        self.far_budget = trio.Semaphore(BUDGET)  # ... of files on other nodes (as above)
+        self.write_behind = write_behind  # writes queued per inode; 0: none (a lane's
+        # budget bounds them in all)
         self.behind: dict[int, WriteBehind] = {}
         # How long the kernel keeps answers (`fs/kernel_cache.py`).  On a reading node
         # (`MetaStore.follow`) it also keeps a file's cached pages across opens only
@@ -581,10 +578,9 @@ class MxfsOperations(pyfuse3.Operations):
                   ) -> T:
         """`fn(*args)`, I/O of `chunks`, on a worker thread in `uid`'s turn (threads of
         their own for files on other nodes)."""
-        turns, limiter = (self.far_turns, self.far_limiter) if chunks.far else \
-            (self.io_turns, self.limiter)
-        async with turns.slot(uid):
-            return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+        lane = self.lanes.of(chunks.owners)
+        async with lane.turns.slot(uid):
+            return await trio.to_thread.run_sync(fn, *args, limiter=lane.limiter)
 
     def _relatime(self, node: Inode) -> None:
         if self.store.readonly:  # reads go on where changes are refused (a fenced daemon)
@@ -615,7 +611,7 @@ class MxfsOperations(pyfuse3.Operations):
             behind = self.behind.get(node.ino)
             if behind is None:
                 behind = self.behind[node.ino] = WriteBehind(
-                    self.write_behind, self.far_budget if chunks.far else self.behind_budget)
+                    self.write_behind, self.lanes.of(chunks.owners).budget)
             await behind.submit(self.nursery,
                                 lambda: chunks.write(off, memoryview(buf), pieces),
                                 functools.partial(self._io, chunks, handle.uid))
@@ -683,9 +679,10 @@ class MxfsOperations(pyfuse3.Operations):
     async def _truncate(self, node: Inode, size: int) -> None:
         """Set a file's size; other nodes' chunk files are cut from a worker thread."""
         if self.vol.truncate(node, size):
-            await trio.to_thread.run_sync(self.vol.pool.truncate_far, node.ino,
-                                          self.vol.layout(node), size,
-                                          limiter=self.far_limiter)
+            layout = self.vol.layout(node)
+            lane = self.lanes.of(self.vol.pool.owners(layout.used_members()))
+            await trio.to_thread.run_sync(self.vol.pool.truncate_far, node.ino, layout, size,
+                                          limiter=lane.limiter)
             self.vol.truncated(node)
 
     async def settle(self, ino: int, report: bool = False) -> None:

@@ -52,6 +52,11 @@ class ChunkFiles:
         """Whether some of its members are other nodes' (its I/O waits on them)."""
         return bool(self._far)
 
+    @property
+    def owners(self) -> tuple[str, ...]:
+        """The other nodes its I/O waits on (none: this node's own members alone)."""
+        return self.pool.owners(self._far)
+
     def fd(self, member: int, create: bool) -> int | None:
         fd = self._fds.get(member)
         if fd is not None and not (create and member in self._readonly):

@@ -500,6 +500,10 @@ class Pool:
         """Which of `members` other nodes hold."""
         return [m for m in members if self.members[m].node]
 
+    def owners(self, members: Sequence[int] | set[int]) -> tuple[str, ...]:
+        """The other nodes that hold any of `members`, sorted."""
+        return tuple(sorted({self.members[m].node for m in members if self.members[m].node}))
+
     def require_members(self, what: str) -> None:
         """Refuse `what` (a tool that works on the members themselves) on a reading
         node, which holds none."""
