@@ -1844,18 +1844,36 @@ print(json.dumps(os.stat(sys.argv[1]).st_uid))
         res = run_as(users["alice"], """
 with open(sys.argv[1], "wb") as f:
     f.write(b"s" * 100_000)
-done = 0
-with open(sys.argv[2], "wb", buffering=0) as f:
-    while True:
-        try:
-            done += f.write(b"b" * 65536)
-        except OSError as e:
-            print(json.dumps([e.errno, done]))
-            break
-""", str(b.path / "w" / "small.bin"), str(b.path / "w" / "big.bin"))
-        assert res[0] == errno.EDQUOT and 0 < res[1] <= (1 << 20) - 100_000
+done = [0, 0]
+with open(sys.argv[2], "wb", buffering=0) as f1, open(sys.argv[3], "wb", buffering=0) as f2:
+    try:
+        while True:  # (two files open at once: her quota is one for both)
+            for i, f in enumerate((f1, f2)):
+                done[i] += f.write(b"b" * 65536)
+    except OSError as e:
+        print(json.dumps([e.errno, done]))
+""", *(str(b.path / "w" / n) for n in ("small.bin", "big.bin", "big2.bin")))
+        assert res[0] == errno.EDQUOT and 0 < sum(res[1]) <= (1 << 20) - 100_000
         assert (a.path / "w" / "small.bin").read_bytes() == b"s" * 100_000
-        assert (a.path / "w" / "big.bin").read_bytes() == b"b" * res[1]
+        assert (a.path / "w" / "big.bin").read_bytes() == b"b" * res[1][0]
+        assert (a.path / "w" / "big2.bin").read_bytes() == b"b" * res[1][1]
+        # Many opens of one file at once on b, each writing its own block: every
+        # block lands, and the size is the furthest one.
+        (b.path / "w" / "shared.bin").write_bytes(b"")
+
+        def block(i: int) -> None:
+            with open(b.path / "w" / "shared.bin", "r+b") as f:
+                f.seek(i * 4096)
+                f.write(bytes([i]) * 4096)
+
+        for _ in range(5):
+            threads = [threading.Thread(target=block, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert (a.path / "w" / "shared.bin").read_bytes() == \
+            b"".join(bytes([i]) * 4096 for i in range(8))
         # Read-only files are written through what was opened (as git makes its
         # objects: created 0444, written, closed; cp -p: fchmod before the close).
         res = run_as(users["alice"], """
@@ -1958,13 +1976,19 @@ print(json.dumps("ok"))
                     (alice, "node_create", {"parent": os.stat(a.path / "w" / "roots").st_ino,
                                             "name": "eA==", "mountpoint": ""}, errno.EACCES),
                     (alice, "node_open", {"ino": ino}, errno.EACCES),
+                    (root, "node_written", {"ino": ino, "size": 0}, errno.ESTALE),  # (let go
+                    # after b's last close of it)
                     (root, "node_create", {"parent": os.stat(a.path / "w").st_ino,
                                            "name": "eC5iaW4=", "mode": 0o644,
                                            "exclusive": True}, errno.EEXIST),
                     (root, "node_written", {"ino": os.stat(a.path / "w" / "mine.bin").st_ino,
-                                            "size": 0}, errno.EPERM),  # (never granted)
+                                            "size": 0}, errno.ESTALE),  # (never granted)
                     (root, "node_written", {"ino": os.stat(a.path / "w" / "sealed.bin").st_ino,
-                                            "size": 0}, errno.EPERM),
+                                            "size": 0}, errno.ESTALE),
+                    (root, "node_open", {"ino": os.stat(a.path / "w" / "sealed.bin").st_ino},
+                     errno.EPERM),
+                    (root, "node_open", {"ino": os.stat(a.path / "w" / "mine.bin").st_ino},
+                     errno.EROFS),
                     (alice, "node_setattr", {"ino": ino, "mode": 0o777}, errno.EPERM),
                     (alice, "node_setattr", {"ino": os.stat(a.path / "w" / "alice.txt").st_ino,
                                              "uid": 0}, errno.EPERM),

@@ -180,12 +180,17 @@ class Lanes:
     """A lane for this node's own files, and one for each set of other nodes files
     stripe over (their I/O waits on those nodes): a slow node holds only the lanes of
     the files striped over it, never those of files on this node's members or on
-    other nodes' alone."""
+    other nodes' alone.  Past MAX_FAR_LANES sets the rest share one lane, and each
+    other nodes' lane has a quarter of the write-behind budget: threads and queued
+    writes stay bounded however many sets users' layouts make."""
+
+    MAX_FAR_LANES = 8
 
     def __init__(self, threads: int, budget: int) -> None:
         self.threads, self.budget = threads, budget
         self.own = Lane(threads, budget)
         self._far: dict[tuple[str, ...], Lane] = {}
+        self._rest: Lane | None = None
 
     def of(self, owners: tuple[str, ...]) -> Lane:
         """The lane of files striped over the members of `owners` (none: this node's)."""
@@ -193,5 +198,9 @@ class Lanes:
             return self.own
         lane = self._far.get(owners)
         if lane is None:
-            lane = self._far[owners] = Lane(self.threads, self.budget)
+            if len(self._far) >= self.MAX_FAR_LANES:
+                if self._rest is None:
+                    self._rest = Lane(self.threads, max(1, self.budget // 4))
+                return self._rest
+            lane = self._far[owners] = Lane(self.threads, max(1, self.budget // 4))
         return lane

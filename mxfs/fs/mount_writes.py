@@ -24,6 +24,7 @@ import errno
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,8 @@ from mxfs.vol.volume import Volume
 log = logging.getLogger("mxfs.fs")
 
 # What a writer's refusal of a told size is (anything else: not reached, or passing,
-# and told again).
+# and told again; ESTALE: the writer holds no grant of it for this node, which is
+# asked for again first).
 REFUSED = (errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EFBIG,
            errno.EINVAL, errno.ENOSPC)
 
@@ -50,13 +52,16 @@ class Written:
     """A file open for writing on this node: what the writer has not been told yet."""
 
     caller: Caller  # who last opened it for writing here (its last close's, if untold)
+    owner: int  # the file's owner: its growth is taken from that uid's quota
     size: int
+    base: int  # the size the writer last took: growth past it is this node's, untold
     mtime_ns: int
     layout: LayoutDesc  # (as written here: told, so a layout changed meanwhile shows)
-    limit: int | None = None  # the size its owner's quota lets it reach before a tell
     changed: bool = False  # written or touched since the writer was last told
     telling: trio.Lock = field(default_factory=trio.Lock)  # one tell at a time
     cut: trio.Event | None = None  # set while a cut runs: writes wait for it
+    writing: int = 0  # writes past `allow`, not yet landed or queued
+    drained: trio.Event = field(default_factory=trio.Event)  # (writing went to 0)
     opening: int = 0  # opens granted, their handles not yet made
 
 
@@ -71,12 +76,32 @@ class MountWrites:
         self.read_row = read_row  # the row as the store holds it now (a worker's read)
         self.cut = cut  # cut a file's chunk files here to a size (in a worker thread)
         self.files: dict[int, Written] = {}
-        # Last closes the writer was not told of: (the closer, what to tell), by inode.
+        # Last closes the writer was not told of (or whose grant is to be let go):
+        # (the closer, what to tell), by inode.
         self.untold: dict[int, tuple[Caller, dict[str, Any]]] = {}
-        self._opening: dict[int, trio.Event] = {}  # first opens here being made
+        # Inodes whose first open here, retell or cut back is under way: another waits.
+        self._busy: dict[int, trio.Event] = {}
+        # By owner: the bytes its quota left when a file of its was last granted, less
+        # what was told since (absent: no byte limit), and the growth not yet told of
+        # its files here.  Writes past the first less the second fail, EDQUOT (to
+        # within the writes in flight at once).
+        self.room: dict[int, int] = {}
+        self.grown: Counter[int] = Counter()
 
     async def _ask(self, caller: Caller, op: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.forwarded.ask(caller, op, {**body, "token": os.urandom(12).hex()})
+
+    async def _written(self, caller: Caller, body: dict[str, Any]) -> None:
+        """`node_written`; where the writer holds no grant (it restarted, or let it go)
+        the file is asked for again first, as `caller`."""
+        try:
+            await self._ask(caller, "node_written", body)
+            return
+        except OSError as e:
+            if e.errno != errno.ESTALE:
+                raise
+        await self._ask(caller, "node_open", {"ino": body["ino"]})
+        await self._ask(caller, "node_written", body)
 
     async def create(self, caller: Caller, parent: int, name: bytes, mode: int,
                      exclusive: bool) -> Inode:
@@ -104,61 +129,102 @@ class MountWrites:
         last close here told first if it was not, else its chunk files cut to that
         size where this node is the first to open it (bytes past it were never taken,
         and an extension must read zeros there)."""
-        ino, size = int(reply["ino"]), int(reply["size"])
-        room = reply.get("room")
-        limit = None if room is None else size + int(room)
-        while ino in self._opening:  # (a first open of it here is being made)
-            await self._opening[ino].wait()
-        row = await self.read_row(ino)
+        ino, owner = int(reply["ino"]), int(reply["owner"])
+        if "room" in reply:
+            self.room[owner] = int(reply["room"])
+        else:
+            self.room.pop(owner, None)
+        while (busy := self._busy.get(ino)) is not None:
+            await busy.wait()
         held = self.files.get(ino)
-        if held is None:
-            done = self._opening[ino] = trio.Event()
+        if held is not None:  # (open here already: this open joins it)
+            held.caller = caller
+            held.opening += 1
             try:
-                untold = self.untold.pop(ino, None)
+                return await self.read_row(ino)
+            except BaseException:
+                held.opening -= 1
+                if ino not in self.vol.open_inodes:
+                    self.closed(ino)
+                raise
+        done = self._busy[ino] = trio.Event()
+        try:
+            row = await self.read_row(ino)
+            size = max(int(reply["size"]), row.size)
+            untold = self.untold.pop(ino, None)
+            told = False
+            if untold is not None:
                 try:
-                    told = untold is not None and await self._retold(ino, *untold)
+                    told = await self._retold(ino, *untold)
                 except BaseException:
-                    assert untold is not None
                     self.untold[ino] = untold  # (told again next round: not lost)
                     raise
-                if told:
-                    assert untold is not None
+                if told and "size" in untold[1]:
                     size = max(size, int(untold[1]["size"]))
-                else:
-                    await self.cut(row, size)
-                held = self.files[ino] = Written(caller, size, time.time_ns(),
-                                                 self.vol.layout(row).describe(), limit)
-            finally:
-                del self._opening[ino]
-                done.set()
-        else:
-            held.caller = caller
-            held.limit = None if limit is None or held.limit is None \
-                else max(held.limit, limit)
-        held.opening += 1
-        return row
+            if not told:
+                await self.cut(row, size)
+            held = self.files[ino] = Written(caller, owner, size, size, time.time_ns(),
+                                             self.vol.layout(row).describe())
+            held.drained.set()
+            held.opening += 1
+            return row
+        finally:
+            self._unbusy(ino, done)
+
+    def _unbusy(self, ino: int, done: trio.Event) -> None:
+        if self._busy.get(ino) is done:
+            del self._busy[ino]
+        done.set()
 
     def opened(self, ino: int) -> None:
         """The handle of a granted open is made (or given up: then `closed` follows
         if no other holds the file)."""
         self.files[ino].opening -= 1
 
+    def _account(self, held: Written, size: int | None = None, base: int | None = None
+                 ) -> None:
+        """Set a file's size or what the writer took, keeping its owner's untold growth."""
+        before = max(0, held.size - held.base)
+        if size is not None:
+            held.size = size
+        if base is not None:
+            held.base = base
+        self.grown[held.owner] += max(0, held.size - held.base) - before
+        if not self.grown[held.owner]:
+            del self.grown[held.owner]
+
+    def _took_growth(self, held: Written, told: int) -> None:
+        """The writer took `told` bytes as the file's size: what grew is its owner's."""
+        if held.owner in self.room:
+            self.room[held.owner] -= told - held.base  # (a cut gives room back)
+        self._account(held, base=told)
+
     async def allow(self, ino: int, end: int) -> None:
-        """Before a write up to `end`: EDQUOT past what the owner's quota lets the file
-        reach; waits while a cut of the file runs."""
+        """Before a write up to `end` (`wrote` after it, whatever came of it): EDQUOT
+        past what the owner's quota lets its files here grow to; waits while a cut of
+        the file runs."""
         held = self.files[ino]
         while held.cut is not None:
             await held.cut.wait()
-        if held.limit is not None and end > max(held.limit, held.size):
-            raise OSError(errno.EDQUOT, f"inode {ino}: its owner's quota lets it reach "
-                          f"{held.limit} bytes here (close it and open it again once "
-                          "files were removed)")
+        left = self.room.get(held.owner)
+        if left is not None and self.grown[held.owner] + max(0, end - held.size) > left:
+            raise OSError(errno.EDQUOT, f"inode {ino}: its owner's quota leaves no room for "
+                          f"{end - held.size} more bytes here (remove files, then close it "
+                          "and open it again)")
+        if not held.writing:
+            held.drained = trio.Event()
+        held.writing += 1
 
-    def wrote(self, ino: int, end: int) -> None:
+    def wrote(self, ino: int, end: int | None) -> None:
+        """A write `allow`ed is done: landed or queued up to `end`, or failed (None)."""
         held = self.files[ino]
-        held.size = max(held.size, end)
-        held.mtime_ns = time.time_ns()
-        held.changed = True
+        if end is not None:
+            self._account(held, size=max(held.size, end))
+            held.mtime_ns = time.time_ns()
+            held.changed = True
+        held.writing -= 1
+        if not held.writing:
+            held.drained.set()
 
     def touched(self, ino: int, mtime_ns: int) -> None:
         held = self.files[ino]
@@ -167,25 +233,27 @@ class MountWrites:
 
     async def cut_to(self, ino: int, size: int, caller: Caller,
                      settle: Callable[[], Awaitable[None]]) -> None:
-        """Cut the file to `size`: writes wait, those queued land, the writer takes
-        the size first (as `caller`: growing it is judged against the quota), then
-        its chunk files here are cut."""
+        """Cut the file to `size`: new writes wait, those under way land, the writer
+        takes the size first (as `caller`: growing it is judged against the quota),
+        then its chunk files here are cut."""
         held = self.files[ino]
         while held.cut is not None:
             await held.cut.wait()
-        held.cut = trio.Event()
+        held.cut = cutting = trio.Event()
         try:
+            await held.drained.wait()
             await settle()
             async with held.telling:
                 now = time.time_ns()
-                await self._ask(caller, "node_written", {
-                    "ino": ino, "size": size, "mtime_ns": now, "cut": True,
-                    "layout": held.layout})
+                await self._written(caller, {"ino": ino, "size": size, "mtime_ns": now,
+                                             "cut": True, "layout": held.layout})
                 await self.cut(await self.read_row(ino), size)
-                held.size, held.mtime_ns, held.changed = size, now, False
+                self._took_growth(held, size)
+                self._account(held, size=size)
+                held.mtime_ns, held.changed = now, False
         finally:
-            held.cut.set()
             held.cut = None
+            cutting.set()
 
     async def tell(self, ino: int, caller: Caller) -> None:
         """Tell the writer the file's size and mtime, if they changed since it was last
@@ -196,8 +264,9 @@ class MountWrites:
             if not held.changed:
                 return
             held.changed = False  # (a write while the writer is asked is told next time)
+            body = self._said(ino, held)
             try:
-                await self._ask(caller, "node_written", self._said(ino, held))
+                await self._written(caller, body)
             except OSError as e:
                 if e.errno == errno.ENOENT:
                     return  # (removed meanwhile, as a file unlinked while open: its bytes
@@ -206,6 +275,7 @@ class MountWrites:
             except BaseException:
                 held.changed = True
                 raise
+            self._took_growth(held, int(body["size"]))
 
     @staticmethod
     def _said(ino: int, held: Written) -> dict[str, Any]:
@@ -214,34 +284,35 @@ class MountWrites:
 
     def closed(self, ino: int) -> None:
         """The last handle of `ino` here closed (or an open was given up): what it left
-        untold is told again from the next `retell`."""
+        untold, and the writer's grant to let go, are told from the next `retell`."""
         held = self.files.get(ino)
         if held is None or held.opening:
             return  # (an open of it is being made: it holds the file on)
         del self.files[ino]
+        self._account(held, base=held.size)  # (its growth goes with the untold close)
+        body: dict[str, Any] = {"ino": ino, "last": True}
         if held.changed:
-            self.untold[ino] = (held.caller, self._said(ino, held))
+            body.update(self._said(ino, held))
+        self.untold[ino] = (held.caller, body)
 
     async def retell(self) -> None:
-        """(Once a second.)  The untold last closes: told, or, once the writer refuses
-        them, the file's chunk files here cut back to what the writer holds."""
+        """(Once a second.)  The untold last closes: told (and the grants let go), or,
+        once the writer refuses them, the file's chunk files here cut back to what
+        the writer holds."""
         for ino, (caller, body) in list(self.untold.items()):
-            if self.untold.get(ino, (None, None))[1] is not body or ino in self._opening:
+            if ino in self._busy or self.untold.get(ino, (None, None))[1] is not body:
                 continue  # (opened here again meanwhile: that open tells it)
+            done = self._busy[ino] = trio.Event()  # (an open here waits for this)
             try:
-                if not await self._retold(ino, caller, body) and \
-                        self.untold.get(ino, (None, None))[1] is body:
-                    done = self._opening[ino] = trio.Event()  # (an open here waits)
-                    try:
-                        row = await self.read_row(ino)
-                        await self.cut(row, row.size)
-                    finally:
-                        del self._opening[ino]
-                        done.set()
+                if not await self._retold(ino, caller, body) and "size" in body:
+                    row = await self.read_row(ino)
+                    await self.cut(row, row.size)
             except OSError as e:
                 if e.errno not in REFUSED:
                     continue  # (again next round)
                 # (the file is gone: the writer removes its chunk files)
+            finally:
+                self._unbusy(ino, done)
             if self.untold.get(ino, (None, None))[1] is body:
                 del self.untold[ino]
 
@@ -249,12 +320,13 @@ class MountWrites:
         """Tell an untold close: True if the writer took it, False if it refused it
         (logged); anything else (not reached, a passing refusal) raises."""
         try:
-            await self._ask(caller, "node_written", body)
+            await self._written(caller, body)
             return True
         except OSError as e:
             if e.errno not in REFUSED:
                 raise
-            log.warning("inode %d: the writer refused its size %d written here (%s); "
-                        "its chunk files here are cut back to the writer's size",
-                        ino, body["size"], e.strerror)
+            if "size" in body:
+                log.warning("inode %d: the writer refused its size %d written here (%s); "
+                            "its chunk files here are cut back to the writer's size",
+                            ino, body["size"], e.strerror)
             return False

@@ -174,8 +174,14 @@ class NodeFiles:
         (`fs/node_writes.py`): (the reply, the names made, the inode whose bytes
         changed)."""
         if op == "node_written":
-            self.grants.check(node, epoch, int_field(msg, "ino"))
+            ino = int_field(msg, "ino")
+            if "size" not in msg:  # (the node's last close of a file it told of)
+                self.grants.let_go(node, ino)
+                return {}, [], None
+            self.grants.check(node, epoch, ino)
             row = mount_written(self.vol, caller, msg, node)
+            if bool_field(msg, "last"):
+                self.grants.let_go(node, ino)
             return dict(describe(self.vol, row)), [], row.ino
         made: list[tuple[int, bytes]] = []
         if op == "node_create":

@@ -39,7 +39,8 @@ GRANTS = 65536  # files granted to nodes the writer remembers (the oldest go fir
 class Grants:
     """Files granted to nodes for writing through their mounts, by (node, inode): the
     epoch of the node that was granted each (a node that joined again is granted
-    anew)."""
+    anew).  A node lets a grant go after its last close of the file; past GRANTS the
+    oldest go, and a node told so (ESTALE) asks for the file again, judged anew."""
 
     def __init__(self) -> None:
         self._held: OrderedDict[tuple[str, int], int] = OrderedDict()
@@ -52,8 +53,11 @@ class Grants:
 
     def check(self, node: str, epoch: int, ino: int) -> None:
         if self._held.get((node, ino)) != epoch:
-            raise OSError(errno.EPERM, f"inode {ino} was not opened for writing on node "
-                          f"{node} (epoch {epoch})")
+            raise OSError(errno.ESTALE, f"inode {ino} is not granted for writing to node "
+                          f"{node} (epoch {epoch}): open it again")
+
+    def let_go(self, node: str, ino: int) -> None:
+        self._held.pop((node, ino), None)
 
 
 def mount_create(vol: Volume, caller: Caller, msg: Msg, node: str
@@ -95,10 +99,11 @@ def mount_open(vol: Volume, caller: Caller, row: Inode, node: str) -> Inode:
 
 
 def granted(vol: Volume, row: Inode) -> dict[str, Any]:
-    """What a node is told of a file it was granted: its description, and the bytes
-    its owner may still come to own ("room"; absent: no byte limit)."""
+    """What a node is told of a file it was granted, beside its description: its
+    owner, and the bytes that owner may still come to own ("room"; absent: no byte
+    limit)."""
     left = vol.quotas.left(row.uid)
-    return {} if left is None else {"room": left}
+    return {"owner": row.uid, **({} if left is None else {"room": left})}
 
 
 def mount_written(vol: Volume, caller: Caller, msg: Msg, node: str) -> Inode:

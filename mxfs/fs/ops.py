@@ -597,30 +597,20 @@ class MxfsOperations(pyfuse3.Operations):
         node = entry.node
         if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
             off = self._size(node)  # without the writeback cache, appends are placed here
-        assert entry.chunks is not None
-        if self.written is not None:  # (a node's: its size held here, told at close)
+        if self.written is not None:  # a node's: its size held here, told at close
             if node.ino not in self.written.files:
                 raise OSError(errno.EBADF, "not open for writing on this node")
             await self.written.allow(node.ino, off + len(buf))
-        if self.written is None:  # (a node's: its size held here, told at close)
-            self.vol.quotas.room(node.uid, off + len(buf) - node.size)  # (the owner pays)
-            self.vol.note_write(entry)
-        if self.nursery is not None and self.write_behind and not self.enable_writeback_cache:
-            chunks = entry.chunks
-            pieces = chunks.admit(off, len(buf))  # a member out of service, no room: now
-            behind = self.behind.get(node.ino)
-            if behind is None:
-                behind = self.behind[node.ino] = WriteBehind(
-                    self.write_behind, self.lanes.of(chunks.owners).budget)
-            await behind.submit(self.nursery,
-                                lambda: chunks.write(off, memoryview(buf), pieces),
-                                functools.partial(self._io, chunks, handle.uid))
-        else:
-            await self._io(entry.chunks, handle.uid, entry.chunks.write, off,
-                           memoryview(buf))
-        if self.written is not None:
-            self.written.wrote(node.ino, off + len(buf))
+            end: int | None = None
+            try:
+                await self._write_data(handle, off, buf)
+                end = off + len(buf)
+            finally:
+                self.written.wrote(node.ino, end)
             return len(buf)
+        self.vol.quotas.room(node.uid, off + len(buf) - node.size)  # (the owner pays)
+        self.vol.note_write(entry)
+        await self._write_data(handle, off, buf)
         if off + len(buf) > node.size:
             self.store.touch(node, size=off + len(buf))
         if not self.enable_writeback_cache:
@@ -629,6 +619,24 @@ class MxfsOperations(pyfuse3.Operations):
             now = time.time_ns()
             self.store.touch(node, mtime_ns=now, ctime_ns=now)
         return len(buf)
+
+    async def _write_data(self, handle: Handle, off: int, buf: bytes) -> None:
+        """A write's bytes to the chunk files: landed behind the answer (write-behind,
+        in the file's lane), or before it."""
+        chunks = handle.entry.chunks
+        assert chunks is not None
+        ino = handle.entry.node.ino
+        if self.nursery is not None and self.write_behind and not self.enable_writeback_cache:
+            pieces = chunks.admit(off, len(buf))  # a member out of service, no room: now
+            behind = self.behind.get(ino)
+            if behind is None:
+                behind = self.behind[ino] = WriteBehind(
+                    self.write_behind, self.lanes.of(chunks.owners).budget)
+            await behind.submit(self.nursery,
+                                lambda: chunks.write(off, memoryview(buf), pieces),
+                                functools.partial(self._io, chunks, handle.uid))
+        else:
+            await self._io(chunks, handle.uid, chunks.write, off, memoryview(buf))
 
     @_errors
     async def flush(self, fh: int) -> None:
@@ -651,9 +659,9 @@ class MxfsOperations(pyfuse3.Operations):
         await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
             await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync)
-        if self.written is not None and handle.writes and entry.node.ino in self.written.files:
-            assert handle.caller is not None
-            await self.written.tell(entry.node.ino, handle.caller)  # (sized durably)
+        held = self.written.files.get(entry.node.ino) if self.written is not None else None
+        if held is not None and self.written is not None:  # (sized durably, by whoever
+            await self.written.tell(entry.node.ino, handle.caller or held.caller)  # asks)
             return
         self.store.flush(entry.node)
         await self._durable()
