@@ -199,13 +199,18 @@ class MountWrites:
             self.room[held.owner] -= told - held.base  # (a cut gives room back)
         self._account(held, base=told)
 
+    async def uncut(self, ino: int) -> None:
+        """Wait while a cut of the file runs (an append's offset is its size after)."""
+        held = self.files[ino]
+        while held.cut is not None:
+            await held.cut.wait()
+
     async def allow(self, ino: int, end: int) -> None:
         """Before a write up to `end` (`wrote` after it, whatever came of it): EDQUOT
         past what the owner's quota lets its files here grow to; waits while a cut of
         the file runs."""
         held = self.files[ino]
-        while held.cut is not None:
-            await held.cut.wait()
+        await self.uncut(ino)
         left = self.room.get(held.owner)
         if left is not None and self.grown[held.owner] + max(0, end - held.size) > left:
             raise OSError(errno.EDQUOT, f"inode {ino}: its owner's quota leaves no room for "

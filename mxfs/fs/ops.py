@@ -595,11 +595,13 @@ class MxfsOperations(pyfuse3.Operations):
         handle = self.handles[fh]
         entry = handle.entry
         node = entry.node
+        if self.written is not None and node.ino not in self.written.files:
+            raise OSError(errno.EBADF, "not open for writing on this node")
         if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
+            if self.written is not None:
+                await self.written.uncut(node.ino)
             off = self._size(node)  # without the writeback cache, appends are placed here
         if self.written is not None:  # a node's: its size held here, told at close
-            if node.ino not in self.written.files:
-                raise OSError(errno.EBADF, "not open for writing on this node")
             await self.written.allow(node.ino, off + len(buf))
             end: int | None = None
             try:
