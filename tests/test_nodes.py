@@ -2025,6 +2025,35 @@ print(json.dumps("ok"))
                 == [("sealed.bin", True)]
 
 
+@pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",
+                        r"serves its members again", r"went away|not alive")
+def test_a_file_open_on_a_node_is_written_on_across_a_writer_restart(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A file open for writing through b's mount while the writer restarts (its grants
+    gone with it): b's close asks for the file again and tells its size; nothing b
+    wrote before or after the restart is lost."""
+    url = pg_cluster.database()
+    with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
+        (a.path / "w").mkdir()
+        assert eventually(lambda: (b.path / "w").is_dir(), 15)
+        before, after = os.urandom(300_000), os.urandom(200_000)
+        with open(b.path / "w" / "long.bin", "wb", buffering=0) as f:
+            f.write(before)
+            mxfs("umount", str(a.path))
+            mxfs("mount", "-o", ",".join(("allow_other", *WRITER,
+                                          f"chunk_addr={net.host_ip}")), mine[0], str(a.path))
+
+            def b_reaches_the_writer() -> bool:
+                try:
+                    os.mkdir(b.path / "w" / f"ping{time.monotonic_ns()}")
+                    return True
+                except OSError:
+                    return False
+            assert eventually(b_reaches_the_writer, 30)
+            f.write(after)
+        assert (a.path / "w" / "long.bin").read_bytes() == before + after
+
+
 def _in_store(url: str, ino: int) -> bool:
     with psycopg.connect(url) as conn:
         return conn.execute("SELECT 1 FROM inodes WHERE ino = %s", (ino,)).fetchone() \
