@@ -46,6 +46,7 @@ from mxfs.proto.chunk_wire import (
     KPUT_BODY,
     KREQ_BODY,
     MAGIC,
+    MAX_KPUT_NAME,
     MAX_KREQ,
     MAX_READ,
     MAX_WRITE,
@@ -254,7 +255,7 @@ def test_bad_kv_requests_of_a_node_get_their_errno_or_lose_their_connection(
         stats = c.kv_request(root, "kv_stats", {"namespace": "kvbad"})["namespaces"]
         assert stats[0]["chunks"] == 1 and stats[0]["pinned"] == 0
     with ChunkClient(host, port, key, pool) as c:  # past the limits: the connection ends
-        c.sock.sendall(b"KPUT" + KPUT_BODY.pack(0, 0, 0, 0, 1000, 5, 1, 1))
+        c.sock.sendall(b"KPUT" + KPUT_BODY.pack(0, 0, 0, 0, 0, MAX_KPUT_NAME + 1, 1, 1))
         assert _dropped(c.sock)
     with ChunkClient(host, port, key, pool) as c:
         c.sock.sendall(b"KCLM" + KEYS_BODY.pack(0, 0, 0, 0, 5, 60_000, 10, bytes(16)))
