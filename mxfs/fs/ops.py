@@ -12,7 +12,6 @@ requests go on.
 
 from __future__ import annotations
 
-import base64
 import errno
 import functools
 import logging
@@ -26,9 +25,10 @@ import pyfuse3
 import trio
 
 from mxfs.fs.fair import Lanes
+from mxfs.fs.fields import b64
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.metrics import Metrics
-from mxfs.fs.mount_writes import MountWrites
+from mxfs.fs.mount_writes import MountWrites, Written
 from mxfs.fs.node_files import ForwardedFiles
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
@@ -253,15 +253,19 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_atime_ns = node.atime_ns
         a.st_mtime_ns = node.mtime_ns
         a.st_ctime_ns = node.ctime_ns
-        held = self.written.files.get(node.ino) if self.written is not None else None
+        held = self._held(node.ino)
         if held is not None:  # (written here: the writer is told at close)
             a.st_size, a.st_blocks = held.size, (held.size + 511) // 512
             a.st_mtime_ns = held.mtime_ns
         return a
 
+    def _held(self, ino: int) -> Written | None:
+        """What this node holds of a file open for writing here (a node's mount)."""
+        return self.written.files.get(ino) if self.written is not None else None
+
     def _size(self, node: Inode) -> int:
         """A file's size, as written here if it is open for writing on this node."""
-        held = self.written.files.get(node.ino) if self.written is not None else None
+        held = self._held(node.ino)
         return held.size if held is not None else node.size
 
     async def _read_meta(self, uid: int, fn: Callable[[MetaStore], T]) -> T:
@@ -405,7 +409,7 @@ class MxfsOperations(pyfuse3.Operations):
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if self.names is not None:  # a reading node: made by the writer, for this caller
             made = await self.names.change_name(_caller(ctx), "node_symlink", parent_inode,
-                                                name, target=base64.b64encode(target).decode())
+                                                name, target=b64(target))
             return await self._row_attrs(int(made["ino"]), ctx.uid)
         return self.attrs(self._create(parent_inode, name, stat.S_IFLNK | 0o777, ctx,
                                        target=target))
@@ -508,8 +512,7 @@ class MxfsOperations(pyfuse3.Operations):
             self.names.check_writable()  # (a node holding no members: why not, said)
         assert self.written is not None
         caller = _caller(ctx)
-        if not judged:
-            await self._read_meta(ctx.uid, lambda s: self.vol.check_writable(node, s))
+        if not judged:  # (the writer judges the seal too: no store read here first)
             await self.written.open(node, caller)
         try:
             info = self._open_handle(node, flags, ctx.uid)
@@ -661,7 +664,7 @@ class MxfsOperations(pyfuse3.Operations):
         await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
             await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync)
-        held = self.written.files.get(entry.node.ino) if self.written is not None else None
+        held = self._held(entry.node.ino)
         if held is not None and self.written is not None:  # (sized durably, by whoever
             await self.written.tell(entry.node.ino, handle.caller or held.caller)  # asks)
             return

@@ -389,10 +389,9 @@ class Volume:
             self.store.commit()
             entry.wrote = True
 
-    def check_writable(self, node: Inode, store: MetaStore | None = None) -> None:
-        """Refuse to change the bytes of a sealed (direct-committed, checksummed) file
-        (asked of `store`: a reading node's worker's, off trio's thread)."""
-        if (store or self.store).is_sealed(node.ino):
+    def check_writable(self, node: Inode) -> None:
+        """Refuse to change the bytes of a sealed (direct-committed, checksummed) file."""
+        if self.store.is_sealed(node.ino):
             raise OSError(errno.EPERM, "the file is sealed (written by a direct commit); "
                           "copy it to change it")
 
