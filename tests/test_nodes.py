@@ -1519,6 +1519,68 @@ def test_a_slow_owner_holds_only_the_files_striped_over_it(tmp_path: Path,
         assert _cold(b.path / "models" / "0.bin") == blobs[0]
 
 
+@pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)", r"did not come within")
+def test_a_slow_owner_holds_no_file_of_another_owner(tmp_path: Path,
+                                                     pg_cluster: Any) -> None:
+    """Writer a, and nodes b and c each holding two members: with b's link throttled
+    and two dozen files on b's members being written through the writer, a file on
+    c's members is read and written through the writer at once (each set of owners a
+    file waits on has threads and a write-behind budget of its own: b's writes took
+    every thread files on other nodes shared before)."""
+    url = pg_cluster.database()
+    mine = make_members(tmp_path / "a", 2)
+    bs, cs = make_members(tmp_path / "b", 2), make_members(tmp_path / "c", 2)
+    mkfs([*mine, *(f"b:{p}" for p in bs), *(f"c:{p}" for p in cs)], "64KiB", "--meta", url)
+    with node_net() as net_b, node_net() as net_c, netns.forwarding(), \
+            mounted_pool(mine, *WRITER, f"chunk_addr={net_b.host_ip}") as a:
+        key = str(Path(mine[0], KEY_NAME))
+        configs = []
+        for name, folders in (("b", bs), ("c", cs)):
+            configs.append(str(tmp_path / name / "node.toml"))
+            mxfs("node", "add", "--meta", url, "--key", key, "--name", name, "--config",
+                 configs[-1], "--member", folders[0], "--member", folders[1])
+        with mount_with([configs[0]], "lease_s=3", "chunk_port=0",
+                        f"chunk_addr={net_b.node_ip}", prefix=net_b.enter, check=False) as b, \
+                mount_with([configs[1]], "lease_s=3", "chunk_port=0",
+                           f"chunk_addr={net_c.node_ip}", prefix=net_c.enter,
+                           check=False) as c:
+            (a.path / "b").mkdir()
+            assert eventually(lambda: (b.path / "b").is_dir(), 15)
+            for i in range(24):  # (made on b: on b's members)
+                (b.path / "b" / f"{i}.bin").touch()
+            theirs = os.urandom(1 << 20)
+            (c.path / "c.bin").write_bytes(theirs)
+            assert _used(a, a.path / "c.bin")[1] == {4, 5}
+            assert _used(a, a.path / "b" / "0.bin")[1] == {2, 3}
+            blobs = [os.urandom(2 << 20) for _ in range(24)]
+            net_b.slow("64kbit")  # 8 KB/s: 48 MiB to b would take hours
+            try:
+                writers = [threading.Thread(target=(a.path / "b" / f"{i}.bin").write_bytes,
+                                            args=(blob,)) for i, blob in enumerate(blobs)]
+                for t in writers:
+                    t.start()
+                time.sleep(2)  # (b's writes hold their threads)
+                done: list[bool] = []
+
+                def other_owner() -> None:  # c's file, read and written by the writer
+                    (a.path / "c2.bin").write_bytes(theirs)  # (a's members: own lane)
+                    with open(a.path / "c.bin", "r+b") as f:
+                        f.write(b"written on a")
+                    done.append(_cold(a.path / "c.bin") == b"written on a" + theirs[12:])
+
+                worker = threading.Thread(target=other_owner)
+                worker.start()
+                worker.join(30)
+                assert done == [True], "c's file waited on b"
+                assert any(t.is_alive() for t in writers)  # (b's were still in flight)
+            finally:
+                net_b.slow(None)
+            for t in writers:
+                t.join(120)
+            for i, blob in enumerate(blobs):
+                assert _cold(a.path / "b" / f"{i}.bin") == blob
+
+
 def test_three_nodes_load_a_model_striped_over_two_owners(tmp_path: Path,
                                                           pg_cluster: Any) -> None:
     """Writer a and node b each hold two members; node c holds none.  A model written on

@@ -8,11 +8,57 @@ is visible here.  Needs root and iproute2.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# The runner's loop: a JSON argv (and timeout) a line in, [returncode, stdout, stderr] out.
+_RUNNER = """
+import json, subprocess, sys
+for line in sys.stdin:
+    argv, timeout = json.loads(line)
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        out = [r.returncode, r.stdout, r.stderr]
+    except subprocess.TimeoutExpired:
+        out = [-9, "", f"{argv[0]} ran past {timeout} s"]
+    print(json.dumps(out), flush=True)
+"""
+
+
+class Runner:
+    """Runs a node's commands (ip, tc) from a process started with the node, before
+    any file on a mount is open.  A process forked later, while files on a throttled
+    node are open for writing, would wait in its exec for their flushes (every close
+    flushes, as on NFS, and a child closes the descriptors it inherited at exec), and
+    the throttle it was to lift holds those: `tc` could not start for minutes."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _RUNNER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.lock = threading.Lock()
+
+    def run(self, argv: list[str], check: bool = False,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self.lock:
+            self.proc.stdin.write(json.dumps([argv, timeout]) + "\n")
+            self.proc.stdin.flush()
+            rc, out, err = json.loads(self.proc.stdout.readline())
+        done = subprocess.CompletedProcess(argv, rc, out, err)
+        if check:
+            done.check_returncode()
+        return done
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
 
 
 @dataclass
@@ -25,6 +71,7 @@ class NodeNet:
     host_ip: str
     node_ip: str
     peer: str = ""  # the node's side of the link, inside `ns`
+    runner: Runner = field(default_factory=Runner, repr=False)
 
     @property
     def enter(self) -> list[str]:
@@ -34,29 +81,26 @@ class NodeNet:
     def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run a command as a process of that node (`ip netns exec`: its own network;
         the files are this machine's)."""
-        return subprocess.run(["ip", "netns", "exec", self.ns, *argv], capture_output=True,
-                              text=True, timeout=timeout)
+        return self.runner.run(["ip", "netns", "exec", self.ns, *argv], timeout=timeout)
 
     def cut(self, down: bool = True) -> None:
         """Partition the node from the host (or heal it).  Healing also forgets the
         neighbours each side failed to resolve while cut: the kernel would answer
         EHOSTUNREACH for a few seconds more, which is no partition any longer."""
-        subprocess.run(["ip", "link", "set", self.link, "down" if down else "up"], check=True)
+        self.runner.run(["ip", "link", "set", self.link, "down" if down else "up"],
+                        check=True)
         if not down:
-            subprocess.run(["ip", "neigh", "flush", "dev", self.link], capture_output=True)
-            subprocess.run(["ip", "-n", self.ns, "neigh", "flush", "dev", self.peer],
-                           capture_output=True)
+            self.runner.run(["ip", "neigh", "flush", "dev", self.link])
+            self.runner.run(["ip", "-n", self.ns, "neigh", "flush", "dev", self.peer])
 
     def slow(self, rate: str | None) -> None:
         """Limit what the host sends the node to `rate` (tc's tbf: "4mbit"), as a slow
         or distant node's link; None lifts the limit."""
         if rate is None:
-            subprocess.run(["tc", "qdisc", "del", "dev", self.link, "root"],
-                           capture_output=True)
+            self.runner.run(["tc", "qdisc", "del", "dev", self.link, "root"])
             return
-        subprocess.run(["tc", "qdisc", "replace", "dev", self.link, "root", "tbf", "rate",
-                        rate, "burst", "32kbit", "latency", "500ms"], check=True,
-                       capture_output=True)
+        self.runner.run(["tc", "qdisc", "replace", "dev", self.link, "root", "tbf", "rate",
+                         rate, "burst", "32kbit", "latency", "500ms"], check=True)
 
 
 @contextmanager
@@ -79,11 +123,12 @@ def node_net(tag: str, subnet: str) -> Iterator[NodeNet]:
               net.host_ip]]
     try:
         for step in steps:
-            subprocess.run(step, check=True, capture_output=True)
+            net.runner.run(step, check=True)
         yield net
     finally:
-        subprocess.run(["ip", "link", "del", net.link], capture_output=True)
-        subprocess.run(["ip", "netns", "del", net.ns], capture_output=True)
+        net.runner.run(["ip", "link", "del", net.link])
+        net.runner.run(["ip", "netns", "del", net.ns])
+        net.runner.close()
 
 
 @contextmanager
