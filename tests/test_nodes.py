@@ -60,6 +60,7 @@ from mxfs.pool.superblock import read_superblock
 from mxfs.proto import HEADER, encode
 from mxfs.proto.chunk_wire import ANSWER, MAX_SCOPE, READ, SCOPE_COUNT, WireError
 from mxfs.proto.messages import CLOSE_READ, KV_GET, OPEN_READ
+from mxfs.vol.node_holds import CLAIM_S
 
 pytestmark = [pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
               pytest.mark.nodes]
@@ -2052,6 +2053,83 @@ def test_a_file_open_on_a_node_is_written_on_across_a_writer_restart(
             assert eventually(b_reaches_the_writer, 30)
             f.write(after)
         assert (a.path / "w" / "long.bin").read_bytes() == before + after
+
+
+@pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",
+                        r"serves its members again", r"is left there",
+                        r"chunk files of removed files")
+def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
+                                                             pg_cluster: Any) -> None:
+    """A file b's mount has open reads (and writes) on after it is unlinked, on the
+    writer or through b itself (a temporary file), as on a local file system and on
+    NFSv4: the writer keeps its bytes until b's last close, across a writer restart,
+    and until b's lease runs out when b dies.  (Each read EIO or ENOENT before.)"""
+    url = pg_cluster.database()
+    with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
+        (a.path / "models").mkdir()
+        mxfs("setstripe", "--across-nodes", str(a.path / "models"))
+        data = os.urandom(4 << 20)
+
+        def whole(fd: int, size: int) -> bytes:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (read from the pool)
+            return os.pread(fd, size, 0)
+
+        def gone(ino: int, members: list[str]) -> bool:
+            return not any(_chunk(m, ino).exists() for m in members) \
+                and not _in_store(url, ino)
+
+        # Striped over a's and b's members, open on b, unlinked on the writer.
+        (a.path / "models" / "m.bin").write_bytes(data)
+        ino = _used(a, a.path / "models" / "m.bin")[0]
+        assert eventually(lambda: (b.path / "models" / "m.bin").exists(), 15)
+        fd = os.open(b.path / "models" / "m.bin", os.O_RDONLY)
+        (a.path / "models" / "m.bin").unlink()
+        time.sleep(2)  # (the writer's reclaim rounds run ten times a second)
+        assert whole(fd, len(data)) == data
+        assert all(_chunk(m, ino).exists() for m in (*mine, *theirs))
+        os.close(fd)
+        assert eventually(lambda: gone(ino, [*mine, *theirs]), 15)
+        # A temporary file on b's members: made, unlinked and written on through b.
+        (a.path / "w").mkdir()
+        assert eventually(lambda: (b.path / "w").is_dir(), 15)
+        fd = os.open(b.path / "w" / "t.bin", os.O_RDWR | os.O_CREAT)
+        os.write(fd, data)
+        tmp = os.fstat(fd).st_ino
+        os.unlink(b.path / "w" / "t.bin")
+        time.sleep(2)
+        os.write(fd, b"more")
+        os.fsync(fd)
+        assert whole(fd, len(data) + 4) == data + b"more"
+        os.close(fd)
+        assert eventually(lambda: gone(tmp, theirs), 15)
+        # On the writer's members, unlinked through b; then the writer restarts: b
+        # holds it again, and the writer keeps it past the time it waits for that.
+        (a.path / "mine.bin").write_bytes(data)
+        assert eventually(lambda: (b.path / "mine.bin").exists(), 15)
+        fd = os.open(b.path / "mine.bin", os.O_RDONLY)
+        mine_ino = os.fstat(fd).st_ino
+        os.unlink(b.path / "mine.bin")
+        mxfs("umount", str(a.path))
+        mxfs("mount", "-o", ",".join(("allow_other", *WRITER, f"chunk_addr={net.host_ip}")),
+             mine[0], str(a.path))
+        time.sleep(CLAIM_S + 3)
+        assert whole(fd, len(data)) == data
+        os.close(fd)
+        assert eventually(lambda: gone(mine_ino, mine), 15)
+        # b dies holding one: the writer reclaims it once b's lease is gone a while.
+        (a.path / "last.bin").write_bytes(data)
+        assert eventually(lambda: (b.path / "last.bin").exists(), 15)
+        fd = os.open(b.path / "last.bin", os.O_RDONLY)
+        last = os.fstat(fd).st_ino
+        (a.path / "last.bin").unlink()
+        time.sleep(2)
+        assert _chunk(mine[0], last).exists() or _chunk(mine[1], last).exists()
+        os.kill(b.daemon_pid(), signal.SIGKILL)
+        assert eventually(lambda: gone(last, mine), 40)
+        with pytest.raises(OSError):
+            os.pread(fd, 10, 0)
+        with contextlib.suppress(OSError):  # (b's mount is gone with its daemon)
+            os.close(fd)
 
 
 def _in_store(url: str, ino: int) -> bool:

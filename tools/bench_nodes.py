@@ -43,6 +43,10 @@ and the metadata (`--files` empty files in one folder, made on the writer):
               a pass (the kernel's cache warm), then 1.5 s idle, then the pass timed
   stat node   the same through the reading node's mount: with the change feed its
               kernel keeps answers past the 1.5 s, without it it asks after 1 s
+  open local  opens (and closes) a second of every file through the writer's mount,
+              each file once, after the stat arm (names cached)
+  open node   the same through the reading node's mount: each first open of a file
+              there waits for the writer to hold it for the node (`fs/held_open.py`)
   lag         ms from the writer's close of a new file to the reading node seeing it,
               where its kernel held the name as absent (median of `--lags`)
 
@@ -93,9 +97,8 @@ from mxfs.units import format_size, parse_size  # noqa: E402
 
 ARMS = ("sendfile", "chunks", "direct", "node", "local", "kv local", "kv node", "kv put local",
         "kv put node", "kv exists local", "kv exists node", "kv exists asked",
-        "kv lag", "stat local",
-        "stat node", "lag", "open idle p50", "open idle p99", "open flood p50",
-        "open flood p99", "flood reads")
+        "kv lag", "stat local", "stat node", "open local", "open node", "lag",
+        "open idle p50", "open idle p99", "open flood p50", "open flood p99", "flood reads")
 KV_CHUNK = 2 << 20
 
 
@@ -205,6 +208,15 @@ def stat_rate(folder: str, names: list[str]) -> float:
     start = time.perf_counter()
     for p in paths:
         os.stat(p)
+    return len(paths) / (time.perf_counter() - start)
+
+
+def open_rate(folder: str, names: list[str]) -> float:
+    """Opens and closes a second of every name in `folder`, each once."""
+    paths = [os.path.join(folder, n) for n in names]
+    start = time.perf_counter()
+    for p in paths:
+        os.close(os.open(p, os.O_RDONLY))
     return len(paths) / (time.perf_counter() - start)
 
 
@@ -421,6 +433,8 @@ def main() -> int:
                     rounds[k].append(size / t / 1e9)
                 for arm, mount in (("stat local", pool.mnt), ("stat node", node_mnt)):
                     rounds[arm].append(stat_rate(os.path.join(mount, "meta"), names))
+                for arm, mount in (("open local", pool.mnt), ("open node", node_mnt)):
+                    rounds[arm].append(open_rate(os.path.join(mount, "meta"), names))
                 if args.flood:
                     idle = open_latency(path)
                     (busy, rate) = flooded(node_mnt, "model.bin", args.flood,
@@ -456,7 +470,10 @@ def main() -> int:
           f"reading node {medians['kv lag']:.1f} ms after (median)")
     print(f"{args.files} files stat'ed after 1.5 s idle: on the writer "
           f"{medians['stat local']:.0f}/s, on the reading node {medians['stat node']:.0f}/s "
-          f"({medians['stat node'] / medians['stat local']:.2f} of the writer); a new file "
+          f"({medians['stat node'] / medians['stat local']:.2f} of the writer), opened and "
+          f"closed each once: on the writer {medians['open local']:.0f}/s, on the reading "
+          f"node {medians['open node']:.0f}/s "
+          f"({medians['open node'] / medians['open local']:.2f} of the writer); a new file "
           f"seen on the reading node {medians['lag']:.1f} ms after its close (median)")
     if args.flood:
         print(f"open+close on the writer's mount, p50/p99: idle {medians['open idle p50']:.0f}/"

@@ -24,6 +24,7 @@ from mxfs.fs.chunk_service import ChunkService
 from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.feed_follower import FeedFollower
+from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Gauges, Metrics, serve_prometheus
 from mxfs.fs.mount_writes import MountWrites
@@ -221,6 +222,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             ops.names = control.files.forwarded  # (a reading node's names: the writer's)
             if ops.names is not None and vol.pool.local_members():
                 ops.written = MountWrites(vol, ops.names, ops.row, ops.cut)  # (its bytes)
+            if ops.names is not None:  # (what its mount has open, held on the writer)
+                ops.held_open = HeldOpen(ops.names, ops.names.writer_epoch)
             if control.files.for_nodes is not None:
                 control.files.for_nodes.inode_changed = ops.inode_changed
             control.status.feed = feed
@@ -352,6 +355,8 @@ class Daemon:
                 await self.control.files.revoke()
                 if self.ops.written is not None:
                     await self.ops.written.retell()
+                if self.ops.held_open is not None:
+                    await self.ops.held_open.round()
             except Exception as e:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))
 

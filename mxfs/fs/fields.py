@@ -40,6 +40,17 @@ def int_field(msg: Msg, key: str, default: int | None = None) -> int:
     return value
 
 
+def ints_field(msg: Msg, key: str, most: int) -> list[int]:
+    """A list of at most `most` integers as `int_field` takes them (absent: none)."""
+    value = msg.get(key, [])
+    if not isinstance(value, list) or len(value) > most:
+        raise BadField(msg, f"{key!r} must be a list of at most {most} integers")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT_MAX
+               for v in value):
+        raise BadField(msg, f"{key!r} must hold integers from 0 to 2^63-1")
+    return value
+
+
 def bool_field(msg: Msg, key: str, default: bool = False) -> bool:
     value = msg.get(key, default)
     if not isinstance(value, bool):

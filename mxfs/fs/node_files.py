@@ -23,7 +23,8 @@ Files written through a node's mount (`fs/mount_writes.py`) are made and judged 
 the writer at their create and each open for writing, and told at each close
 (`node_create` with a folder and a name, `node_open`, `node_written`:
 `fs/node_writes.py`); its other changes of names and attributes are asked here too
-(NAME_OPS, `node_setattr`).
+(NAME_OPS, `node_setattr`), and which files its mount holds open (`node_hold`:
+`fs/held_open.py`, `vol/node_holds.py`).
 
 `NodeFiles` is the writer's side; `ForwardedFiles` the node's (`fs/file_ops.py` calls
 it on a node that holds members).
@@ -51,6 +52,7 @@ from mxfs.fs.fields import (
     b64_name_field,
     bool_field,
     int_field,
+    ints_field,
     node_field,
     path_field,
     text_field,
@@ -92,6 +94,7 @@ GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
 PATH_MAX = 4095  # bytes of a symbolic link's target, as the kernel allows
 REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
+HOLDS_AT_ONCE = 16384  # files a node holds or lets go in one request (within MAX_KREQ)
 
 
 @dataclass
@@ -126,6 +129,7 @@ class NodeFiles:
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
         self.grants = Grants()  # files nodes opened for writing through their mounts
+        self.dead_since: dict[str, float] = {}  # nodes holding files, their lease gone
         # Names changed for nodes, by (node, token): a repeat is answered, not redone.
         self.names_done: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
 
@@ -158,6 +162,8 @@ class NodeFiles:
             return out
         if op == "node_setattr":
             return await self._setattr(caller, msg)
+        if op == "node_hold":
+            return self._hold(msg, name, epoch)
         if op == "node_abort":
             ino = self.tokens.get((name, text_field(msg, "token"))) if "token" in msg \
                 else int_field(msg, "ino")
@@ -192,7 +198,28 @@ class NodeFiles:
             row = mount_open(self.vol, caller, self.vol.store.get(int_field(msg, "ino")),
                              node)
         self.grants.grant(node, epoch, row.ino)
+        self.vol.let_go(self.vol.holds.hold(node, epoch, row.ino))  # (open there: kept)
         return {**describe(self.vol, row), **granted(self.vol, row)}, made, None
+
+    def _hold(self, msg: Msg, node: str, epoch: int) -> dict[str, Any]:
+        """Files `node`'s mount opened ("hold") and closed ("let_go") since it last
+        said (`vol/node_holds.py`); the reply names those it may not hold ("stale":
+        removed before its open arrived)."""
+        holds, freed, stale = self.vol.holds, [], []
+        for ino in ints_field(msg, "let_go", HOLDS_AT_ONCE):
+            if holds.let_go(node, epoch, ino):
+                freed.append(ino)
+        for ino in ints_field(msg, "hold", HOLDS_AT_ONCE):
+            if not holds.holds(node, epoch, ino) and ino not in holds.unclaimed:
+                try:
+                    if self.vol.store.get(ino).nlink == 0:
+                        raise OSError(errno.ESTALE, "no name")
+                except OSError:
+                    stale.append(ino)
+                    continue
+            freed += holds.hold(node, epoch, ino)
+        self.vol.let_go(freed)
+        return {"stale": stale}
 
     def _name(self, caller: Caller, op: str, msg: Msg
               ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
@@ -390,6 +417,7 @@ class NodeFiles:
         lease has been gone GRACE_S: a node that died never says it let them go (one
         whose renewal was late a moment keeps them)."""
         alive = self.vol.reader_epochs
+        self._sweep_holds(now)
         for ino, held in list(self.files.items()):
             epoch = alive.get(held.node)
             if epoch == held.epoch:
@@ -401,6 +429,23 @@ class NodeFiles:
                 log.info("unpublished file %d of node %s (epoch %d) dropped: the node's "
                          "lease ran out", ino, held.node, held.epoch)
                 self._drop(ino)
+
+
+    def _sweep_holds(self, now: float) -> None:
+        """The files nodes' mounts held open are let go once the node joined again or
+        its lease has been gone GRACE_S; a restart's orphans no node held in time too."""
+        alive, holds = self.vol.reader_epochs, self.vol.holds
+        for node, epoch in holds.nodes().items():
+            if alive.get(node) == epoch:
+                self.dead_since.pop(node, None)
+                continue
+            since = self.dead_since.setdefault(node, now)
+            if alive.get(node) is not None or now - since >= GRACE_S:
+                log.info("node %s (epoch %d) holds no files open now: its lease ran out",
+                         node, epoch)
+                self.dead_since.pop(node, None)
+                self.vol.let_go(holds.drop(node))
+        self.vol.let_go(holds.unclaimed_past(time.monotonic()))
 
 
 class ForwardedFiles:
@@ -467,6 +512,11 @@ class ForwardedFiles:
         if "new_name" in more:
             body["new_name"] = b64(more["new_name"])
         return await self.ask(caller, op, body)
+
+    def writer_epoch(self) -> int | None:
+        """The writer's epoch as this node last read its lease (None: not known)."""
+        owner = self._remote().owner
+        return owner.epoch if owner is not None else None
 
     def check_writable(self) -> None:
         if not self.vol.pool.local_members():

@@ -26,6 +26,7 @@ import trio
 
 from mxfs.fs.fair import Lanes
 from mxfs.fs.fields import b64
+from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.mount_writes import MountWrites, Written
@@ -167,6 +168,9 @@ class MxfsOperations(pyfuse3.Operations):
         # On a node that holds members: files written through this mount on them
         # (`fs/mount_writes.py`; set by the daemon).
         self.written: MountWrites | None = None
+        # On a reading node: the files its mount has open, held for it on the writer
+        # (an unlinked one keeps its bytes until the last close: `fs/held_open.py`).
+        self.held_open: HeldOpen | None = None
         # Where writes land behind their answers (set by the daemon once trio runs;
         # without it, or with the writeback cache, each write lands before its answer).
         self.nursery: trio.Nursery | None = None
@@ -501,6 +505,13 @@ class MxfsOperations(pyfuse3.Operations):
             # Reads may be served from the kernel's cache without reaching us, so
             # relatime is also applied when a file is opened for reading.
             self._relatime(node)
+        if self.held_open is not None and node.is_reg:  # (a reading node's read)
+            await self.held_open.opening(node.ino, _caller(ctx))
+            try:
+                return self._open_handle(node, flags, ctx.uid)
+            finally:
+                if node.ino not in self.vol.open_inodes:  # (no handle was made)
+                    self.held_open.closed(node.ino)
         return self._open_handle(node, flags, ctx.uid)
 
     async def _open_here(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext,
@@ -514,12 +525,16 @@ class MxfsOperations(pyfuse3.Operations):
         caller = _caller(ctx)
         if not judged:  # (the writer judges the seal too: no store read here first)
             await self.written.open(node, caller)
+        if self.held_open is not None:  # (a grant holds it open there too)
+            self.held_open.granted(node.ino)
         try:
             info = self._open_handle(node, flags, ctx.uid)
         finally:
             self.written.opened(node.ino)
             if node.ino not in self.vol.open_inodes:  # (no handle was made)
                 self.written.closed(node.ino)
+                if self.held_open is not None:
+                    self.held_open.closed(node.ino)
         self.handles[info.fh].caller = caller
         if flags & os.O_TRUNC:
             try:
@@ -683,6 +698,8 @@ class MxfsOperations(pyfuse3.Operations):
         self.vol.release(ino)
         if ino not in self.vol.open_inodes and self.written is not None:
             self.written.closed(ino)
+        if ino not in self.vol.open_inodes and self.held_open is not None:
+            self.held_open.closed(ino)
         if ino not in self.vol.open_inodes:
             behind = self.behind.pop(ino, None)
             if behind is not None and behind.error is not None:

@@ -34,6 +34,7 @@ from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import Owner, RemoteMembers
 from mxfs.pool.revoke import Held
 from mxfs.proto.messages import MemberUsage
+from mxfs.vol.node_holds import CLAIM_S, NodeHolds
 from mxfs.vol.quota import Freeing, Quotas
 from mxfs.vol.spares import Spares
 
@@ -71,6 +72,7 @@ class Volume:
         self.pending_reclaim: list[int] = []
         self._far_pending: dict[int, list[int]] = {}  # ... their other nodes' members
         self.freeing = Freeing()  # what the queued orphans hold, by owner (for quotas)
+        self.holds = NodeHolds()  # files other nodes' mounts hold open (the writer's)
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self.held = Held(pool)  # chunk files of dropped files whose writers hold on
@@ -375,7 +377,7 @@ class Volume:
             entry.chunks.close()
         if node.nlink == 0:
             if not self.pool.node:  # (a node's hidden files are the writer's to reclaim)
-                self._queue_reclaim(node)
+                self.unlinked(node)
             return
         self.store.flush(node)
         if entry.wrote:
@@ -440,9 +442,19 @@ class Volume:
             self.unlinked(replaced)
 
     def unlinked(self, node: Inode) -> None:
-        """After a namespace change dropped `node`'s last link: reclaim unless open."""
-        if node.nlink == 0 and node.ino not in self.open_inodes:
+        """After a namespace change dropped `node`'s last link: reclaim unless open,
+        here or on another node (`vol/node_holds.py`)."""
+        if node.nlink == 0 and node.ino not in self.open_inodes and node.ino not in self.holds:
             self._queue_reclaim(node)
+
+    def let_go(self, inos: list[int]) -> None:
+        """Nobody holds these open any longer: reclaim those that have no name."""
+        for ino in inos:
+            try:
+                node = self.store.get(ino)
+            except OSError:
+                continue  # (reclaimed already)
+            self.unlinked(node)
 
     def _queue_reclaim(self, node: Inode) -> None:
         self.pending_reclaim.append(node.ino)
@@ -568,7 +580,11 @@ class Volume:
             for member, ino in self.pool.iter_chunks():
                 if ino not in inodes:
                     os.unlink(self.pool.chunk_path(member, ino))
-        for ino in self.store.orphans():
+        orphans = list(self.store.orphans())
+        if self.reader_epochs:  # (reading nodes may hold some open: they say so again)
+            self.holds.await_claims(orphans, time.monotonic() + CLAIM_S)
+            orphans = []
+        for ino in orphans:
             self.reclaim(ino)
             report.orphans_reclaimed += 1
         for ino in self.store.dirty_data():
