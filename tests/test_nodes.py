@@ -2089,6 +2089,22 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
         assert all(_chunk(m, ino).exists() for m in (*mine, *theirs))
         os.close(fd)
         assert eventually(lambda: gone(ino, [*mine, *theirs]), 15)
+        # Asked raw as b: a file removed before b's hold arrived is stale, a file with a
+        # name is held (and let go), a malformed list is refused.
+        status = _status(a)
+        epoch = {n["name"]: n for n in status["nodes"]}["b"]["epoch"]
+        (a.path / "named.bin").write_bytes(b"x")
+        named = os.stat(a.path / "named.bin").st_ino
+        with ChunkClient(status["chunk_service"]["addr"], int(status["chunk_service"]["port"]),
+                         load_key(mine[0]), status["pool_uuid"]) as raw:
+            def hold(**body: Any) -> Any:
+                return raw.kv_request((0, 0, []), "node_hold", {**body, "node": ["b", epoch]})
+            assert hold(hold=[ino, named]) == {"stale": [ino]}
+            assert hold(let_go=[named]) == {"stale": []}
+            for bad in ({"hold": "1"}, {"hold": [-1]}, {"let_go": [True]}):
+                with pytest.raises(OSError) as e:
+                    hold(**bad)
+                assert e.value.errno == errno.EINVAL
         # A temporary file on b's members: made, unlinked and written on through b.
         (a.path / "w").mkdir()
         assert eventually(lambda: (b.path / "w").is_dir(), 15)
