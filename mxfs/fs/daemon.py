@@ -34,7 +34,7 @@ from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
-from mxfs.meta import Unusable, backup, change_feed, lease, location
+from mxfs.meta import MetaStore, Unusable, backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key, read_key
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
 from mxfs.vol.volume import STATS_EVERY_S, Volume
@@ -222,8 +222,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             ops.names = control.files.forwarded  # (a reading node's names: the writer's)
             if ops.names is not None and vol.pool.local_members():
                 ops.written = MountWrites(vol, ops.names, ops.row, ops.cut)  # (its bytes)
-            if ops.names is not None:  # (what its mount has open, held on the writer)
-                ops.held_open = HeldOpen(ops.names, ops.names.writer_epoch)
+            if ops.names is not None and feed is not None:  # (what its mount has open,
+                ops.held_open = HeldOpen(ops.names, lambda: feed.applied)  # held there)
             if control.files.for_nodes is not None:
                 control.files.for_nodes.inode_changed = ops.inode_changed
             control.status.feed = feed
@@ -243,6 +243,10 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     finally:
         vol.close(clean=clean)
         log.info("pool %s unmounted from %s (clean=%s)", vol.pool.uuid, mp, clean)
+
+
+def _feed_mark(store: MetaStore) -> int:
+    return store.engine.feed_mark()
 
 
 def _writer_epoch(vol: Volume) -> int | None:
@@ -278,6 +282,8 @@ class Daemon:
             tasks.append(self.control.wake.run)
         if self.feed is not None:
             tasks.append(self.feed.run)
+        if self.ops.held_open is not None:
+            tasks.append(self.ops.held_open.run)
         if self.vol.pool.node and self.vol.pool.local_members():  # a node's own members
             tasks.append(self._sweep_strays)
         if self.vol.store.feed is not None:  # a writer whose pool other nodes may mount
@@ -325,6 +331,9 @@ class Daemon:
         vol.store.group_changes(GROUP_COMMIT_S)
         failures = FailureLog(log)
         rounds = 0
+        # (the change feed's last row, read off the loop: how far reading nodes' word
+        # on the files they hold must go before an orphan is freed)
+        marks = StoreWorker(vol.pool.meta_location, readonly=True)
         while True:
             await trio.sleep(GROUP_COMMIT_S / 2)
             rounds += 1
@@ -335,6 +344,10 @@ class Daemon:
                 control.kv.flush()
                 vol.store.commit_if_due()
                 inos = vol.take_pending(RECLAIM_BITE)
+                if vol.reader_epochs or vol.holds.waiting:  # (nodes may hold them open)
+                    mark = await marks.run(_feed_mark) if inos and vol.reader_epochs \
+                        else None
+                    inos = vol.past_nodes(inos, mark)
                 if inos:
                     await trio.to_thread.run_sync(vol.remove_chunks, inos)
                     vol.drop_inodes(inos)
@@ -355,8 +368,6 @@ class Daemon:
                 await self.control.files.revoke()
                 if self.ops.written is not None:
                     await self.ops.written.retell()
-                if self.ops.held_open is not None:
-                    await self.ops.held_open.round()
             except Exception as e:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))
 

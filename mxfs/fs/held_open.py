@@ -2,13 +2,16 @@
 for it on the pool's writer, so that one unlinked meanwhile (here, as a temporary file
 is, or on another node) keeps its bytes until this node's last close.
 
-The first open of a file here waits for the writer's word (`node_hold`, one round
-trip; a file removed before it arrived is ESTALE, as NFS answers); an open for writing
-is held by the writer's grant itself.  Last closes are let go with the next round,
-once a second, told together with any holds in one request, in order.  A writer that
-restarted (a new epoch) is told every hold again, within the time it keeps its
-orphans for that (`CLAIM_S`).  A writer that cannot be reached holds the open up no
-longer than the request's bound: the file opens, and is held with the next round.
+No open waits for the writer: an open notes the file (`opening`) before it reads the
+file's row, and refuses a file whose row has no link left (ESTALE, as NFS answers a
+file removed elsewhere) unless this node has it open already.  A few times a second
+(`run`) the node tells the writer what its mount opened and closed since it last
+said (`node_hold`), with the last change feed row it had read before it looked
+(`seen`): the writer frees an orphan only once every live node's word is past the
+row that unlinked it, so a file open here then is held, and one opened later was
+refused.  An open for writing is held by the writer's grant itself (`granted`).  A
+reply from a writer other than the one last told (it restarted) makes the node tell
+it everything again.
 """
 
 from __future__ import annotations
@@ -24,76 +27,75 @@ from mxfs.vol.access import Caller
 
 log = logging.getLogger("mxfs.control")
 
-ROOT = Caller(pid=0, uid=0, gid=0, gids=frozenset({0}))  # (the rounds: the daemon's own)
+ROUND_S = 0.2  # how often the node tells the writer (an orphan waits about this long)
+ROOT = Caller(pid=0, uid=0, gid=0, gids=frozenset({0}))  # (the daemon's own requests)
 UNREACHED = (errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
              errno.EHOSTUNREACH, errno.ENETUNREACH)
 
 
 class HeldOpen:
-    """The regular files this node's mount has open (`want`) and those the writer
-    holds for it (`told`, under the writer's epoch `told_to`)."""
+    """The regular files this node's mount has open (`want`), those the writer holds
+    for it (`told`, under the writer's epoch `told_to`), and the feed row its last
+    word was past (`said`)."""
 
-    def __init__(self, forwarded: ForwardedFiles, writer_epoch: Callable[[], int | None]
-                 ) -> None:
+    def __init__(self, forwarded: ForwardedFiles, seen: Callable[[], int]) -> None:
         self.forwarded = forwarded
-        self.writer_epoch = writer_epoch
+        self.seen = seen  # the last change feed row this node read
         self.want: set[int] = set()
         self.told: set[int] = set()
-        self.told_to: int | None = None
-        self._lock = trio.Lock()  # (one request at a time: holds and let-gos in order)
+        self.told_to = 0
+        self.said = -1
+        self._lock = trio.Lock()  # (one word at a time: holds and let-gos in order)
 
-    async def opening(self, ino: int, caller: Caller) -> None:
-        """Before a handle of `ino` is made here: held on the writer (ESTALE if the
-        file has no name there any longer)."""
+    def opening(self, ino: int) -> None:
+        """Before `ino`'s row is read for an open here."""
         self.want.add(ino)
-        if ino in self.told and self.told_to == self.writer_epoch():
-            return
-        try:
-            stale = await self.tell(caller)
-        except OSError as e:
-            if e.errno in UNREACHED:
-                return  # (held with the next round)
-            raise
-        if ino in stale:
-            raise OSError(errno.ESTALE, f"inode {ino} was removed on the writer")
 
     def granted(self, ino: int) -> None:
         """The writer holds `ino` for this node already (it granted an open for
-        writing): no request of its own."""
+        writing): let go at the last close, as any other."""
         self.want.add(ino)
-        if self.told_to == self.writer_epoch():
-            self.told.add(ino)
+        self.told.add(ino)
 
     def closed(self, ino: int) -> None:
-        """The last handle of `ino` here is gone: let go with the next round."""
+        """The last handle of `ino` here is gone: let go with the next word."""
         self.want.discard(ino)
 
-    async def round(self) -> None:
-        """(Once a second.)  What changed, told; a writer not reached hears it next round."""
-        try:
-            await self.tell()
-        except OSError as e:
-            if e.errno not in UNREACHED:
-                raise
+    async def run(self) -> None:
+        """The daemon's task: a word every ROUND_S; a writer not reached hears it later."""
+        while True:
+            await trio.sleep(ROUND_S)
+            try:
+                await self.tell()
+            except OSError as e:
+                if e.errno not in UNREACHED:
+                    log.warning("the writer refused this node's open files: %s", e)
 
-    async def tell(self, caller: Caller = ROOT) -> set[int]:
-        """Tell the writer what changed since the last word (as `caller`); the inodes it
-        would not hold (forgotten here)."""
+    async def tell(self) -> None:
+        """Tell the writer what changed since the last word, if anything did."""
         async with self._lock:
-            epoch = self.writer_epoch()
-            if epoch != self.told_to:  # (a writer that restarted holds nothing yet)
-                self.told, self.told_to = set(), epoch
-            hold = sorted(self.want - self.told)[:HOLDS_AT_ONCE]
-            let_go = sorted(self.told - self.want)[:HOLDS_AT_ONCE]
-            if not hold and not let_go:
-                return set()
-            reply = await self.forwarded.ask(caller, "node_hold",
-                                             {"hold": hold, "let_go": let_go})
-            stale = set(reply.get("stale", []))
-            self.told.difference_update(let_go)
-            self.told.update(set(hold) - stale)
-            if stale:
-                log.info("the writer holds %d file(s) open here no longer: removed before "
-                         "it heard of the open", len(stale))
-            self.want.difference_update(stale)  # (its handles here read what is left)
-            return stale
+            for _ in range(2):  # (again at once when the writer turned out another)
+                seen = self.seen()  # (read before looking at what is open)
+                hold = sorted(self.want - self.told)
+                let_go = sorted(self.told - self.want)[:HOLDS_AT_ONCE]
+                whole = len(hold) <= HOLDS_AT_ONCE
+                if not hold and not let_go and seen == self.said:
+                    return
+                sent = hold[:HOLDS_AT_ONCE]
+                body: dict[str, object] = {"hold": sent, "let_go": let_go,
+                                           "writer": self.told_to}
+                if whole:  # (the word covers every hold: the writer may rely on it)
+                    body["seen"] = seen
+                reply = await self.forwarded.ask(ROOT, "node_hold", body)
+                if reply["writer"] != self.told_to:  # (it restarted: tell it everything)
+                    self.told, self.told_to, self.said = set(), reply["writer"], -1
+                    continue
+                stale = set(reply["stale"])
+                self.told.difference_update(let_go)
+                self.told.update(set(sent) - stale)
+                if whole:
+                    self.said = seen
+                if stale:
+                    log.info("%d file(s) open here were freed on the writer before it "
+                             "heard of them", len(stale))
+                return

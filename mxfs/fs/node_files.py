@@ -203,23 +203,29 @@ class NodeFiles:
 
     def _hold(self, msg: Msg, node: str, epoch: int) -> dict[str, Any]:
         """Files `node`'s mount opened ("hold") and closed ("let_go") since it last
-        said (`vol/node_holds.py`); the reply names those it may not hold ("stale":
-        removed before its open arrived)."""
+        said, and the feed row it had read before it looked ("seen": absent when it
+        could not say every hold at once), as `fs/held_open.py` tells them.  The reply
+        names this writer's epoch (a word meant for another writer changes nothing:
+        the node tells all again) and the files gone before their hold came
+        ("stale")."""
+        own = self.vol.lease.epoch if self.vol.lease is not None else 0
+        if int_field(msg, "writer") != own:
+            return {"writer": own, "stale": []}
         holds, freed, stale = self.vol.holds, [], []
         for ino in ints_field(msg, "let_go", HOLDS_AT_ONCE):
             if holds.let_go(node, epoch, ino):
                 freed.append(ino)
         for ino in ints_field(msg, "hold", HOLDS_AT_ONCE):
-            if not holds.holds(node, epoch, ino) and ino not in holds.unclaimed:
-                try:
-                    if self.vol.store.get(ino).nlink == 0:
-                        raise OSError(errno.ESTALE, "no name")
-                except OSError:
-                    stale.append(ino)
-                    continue
+            try:
+                self.vol.store.get(ino)
+            except OSError:
+                stale.append(ino)  # (freed before: its node refused the open itself)
+                continue
             freed += holds.hold(node, epoch, ino)
+        if "seen" in msg:
+            holds.heard(node, epoch, int_field(msg, "seen"))
         self.vol.let_go(freed)
-        return {"stale": stale}
+        return {"writer": own, "stale": stale}
 
     def _name(self, caller: Caller, op: str, msg: Msg
               ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
@@ -433,7 +439,7 @@ class NodeFiles:
 
     def _sweep_holds(self, now: float) -> None:
         """The files nodes' mounts held open are let go once the node joined again or
-        its lease has been gone GRACE_S; a restart's orphans no node held in time too."""
+        its lease has been gone GRACE_S."""
         alive, holds = self.vol.reader_epochs, self.vol.holds
         for node, epoch in holds.nodes().items():
             if alive.get(node) == epoch:
@@ -445,7 +451,6 @@ class NodeFiles:
                          node, epoch)
                 self.dead_since.pop(node, None)
                 self.vol.let_go(holds.drop(node))
-        self.vol.let_go(holds.unclaimed_past(time.monotonic()))
 
 
 class ForwardedFiles:
@@ -512,11 +517,6 @@ class ForwardedFiles:
         if "new_name" in more:
             body["new_name"] = b64(more["new_name"])
         return await self.ask(caller, op, body)
-
-    def writer_epoch(self) -> int | None:
-        """The writer's epoch as this node last read its lease (None: not known)."""
-        owner = self._remote().owner
-        return owner.epoch if owner is not None else None
 
     def check_writable(self) -> None:
         if not self.vol.pool.local_members():

@@ -487,7 +487,23 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
                    ) -> pyfuse3.FileInfo:
+        if self.held_open is None:
+            return await self._open(inode, flags, ctx)
+        held = inode in self.vol.open_inodes
+        self.held_open.opening(inode)  # (a reading node: noted before its row is read)
+        try:
+            return await self._open(inode, flags, ctx, held)
+        finally:
+            if inode not in self.vol.open_inodes:  # (no handle was made)
+                self.held_open.closed(inode)
+
+    async def _open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext,
+                    held: bool = True) -> pyfuse3.FileInfo:
+        """`held`: the file is open here already (a reading node: the writer keeps it
+        for this node, linked or not; else it must still have a link)."""
         node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
+        if node.nlink == 0 and not held:
+            raise OSError(errno.ESTALE, f"inode {inode} was removed")
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         writing = node.is_reg and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC)
@@ -505,13 +521,6 @@ class MxfsOperations(pyfuse3.Operations):
             # Reads may be served from the kernel's cache without reaching us, so
             # relatime is also applied when a file is opened for reading.
             self._relatime(node)
-        if self.held_open is not None and node.is_reg:  # (a reading node's read)
-            await self.held_open.opening(node.ino, _caller(ctx))
-            try:
-                return self._open_handle(node, flags, ctx.uid)
-            finally:
-                if node.ino not in self.vol.open_inodes:  # (no handle was made)
-                    self.held_open.closed(node.ino)
         return self._open_handle(node, flags, ctx.uid)
 
     async def _open_here(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext,

@@ -167,6 +167,11 @@ class Engine(ABC):
     def sequences(self) -> dict[str, int]:
         """At least the last number each sequence handed out (a dump records them)."""
 
+    def feed_mark(self) -> int:
+        """The number of the last change feed row committed (or being committed now):
+        a follower that read this far has read every change committed before."""
+        return self.sequences()["change"]
+
     @abstractmethod
     def restart_sequences(self, values: Mapping[str, int]) -> None:
         """Go on from `values` (a copy's), never back below what was handed out; within

@@ -645,6 +645,14 @@ class PgEngine(Engine):
             out[s] = int(row[0]) + BLOCK - 1 if row[1] else 0
         return out
 
+    def feed_mark(self) -> int:
+        """(Feed rows draw their numbers one `nextval` each, under the feed's lock:
+        `last_value` is the last row's, exactly; `sequences` is a bound above it.)"""
+        row = self._exec(f"SELECT last_value, is_called FROM {_seq('change')}",
+                         again=True).fetchone()
+        assert row is not None
+        return int(row[0]) if row[1] else 0
+
     def restart_sequences(self, values: Mapping[str, int]) -> None:
         self._writable()
         have = self.sequences()

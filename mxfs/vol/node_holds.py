@@ -5,37 +5,47 @@ a temporary file is, or on another node) reads and writes on until its last clos
 on a local file system and as NFSv4's open state keeps a removed file for its
 clients: the writer keeps an unlinked file's bytes while any node holds it, and
 reclaims it once the last one lets it go or its lease ends.  A node holds a file
-under its epoch; a node that joined again holds nothing of its old epoch.  After a
-writer restart the orphans it finds wait CLAIM_S for the nodes to hold them again.
+under its epoch; a node that joined again holds nothing of its old epoch.
+
+No open waits for the writer.  A node tells its holds a few times a second
+(`fs/held_open.py`), each time with the last change feed row it had read before it
+looked at its open files (`seen`); its opens note the file before they read its row.
+So an orphan whose unlink committed by feed row M is reclaimed only once every live
+node told its holds past M: a node that had the file open then held it, and one that
+opened it later read the row after the unlink and refused the open (ESTALE).  A
+restarted writer treats the orphans it finds the same way.
 """
 
 from __future__ import annotations
 
 import errno
+from collections import deque
 
 MAX_HOLDS = 1 << 20  # files one node may hold open at once
-CLAIM_S = 10.0  # how long a restarted writer keeps the orphans it found for nodes
 
 
 class NodeHolds:
-    """Which node holds which inode open, under which epoch; and the orphans a
-    restarted writer keeps until nodes hold them again or CLAIM_S passes."""
+    """Which node holds which inode open, under which epoch; how far each node's
+    word goes (`seen`); and the orphans waiting for every live node's word."""
 
     def __init__(self) -> None:
         self._by_node: dict[str, tuple[int, set[int]]] = {}
         self._holders: dict[int, int] = {}  # inode: how many nodes hold it
-        self.unclaimed: dict[int, float] = {}  # orphan found at recovery: until when
+        self.seen: dict[str, tuple[int, int]] = {}  # node: (epoch, feed row it had read)
+        self._waiting: deque[tuple[int, int]] = deque()  # (feed mark, orphan), in order
 
     def __contains__(self, ino: int) -> bool:
-        return ino in self._holders or ino in self.unclaimed
+        return ino in self._holders
 
-    def holds(self, node: str, epoch: int, ino: int) -> bool:
-        held = self._by_node.get(node)
-        return held is not None and held[0] == epoch and ino in held[1]
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
     def nodes(self) -> dict[str, int]:
-        """Each node holding files, with its epoch."""
-        return {node: epoch for node, (epoch, _) in self._by_node.items()}
+        """Each node holding files or heard from, with its epoch."""
+        out = {node: epoch for node, (epoch, _) in self.seen.items()}
+        out.update((node, epoch) for node, (epoch, _) in self._by_node.items())
+        return out
 
     def hold(self, node: str, epoch: int, ino: int) -> list[int]:
         """Hold `ino` for `node` under `epoch`; the inodes nobody holds now that an
@@ -53,7 +63,6 @@ class NodeHolds:
                               "on the writer already")
             held[1].add(ino)
             self._holders[ino] = self._holders.get(ino, 0) + 1
-            self.unclaimed.pop(ino, None)
         return freed
 
     def let_go(self, node: str, epoch: int, ino: int) -> bool:
@@ -66,22 +75,35 @@ class NodeHolds:
             del self._by_node[node]
         return self._unheld(ino)
 
+    def heard(self, node: str, epoch: int, seen: int) -> None:
+        """`node` told every hold it had after reading the feed up to row `seen`."""
+        self.seen[node] = (epoch, seen)
+
     def drop(self, node: str) -> list[int]:
         """Everything `node` held (it died, or joined again): the inodes nobody holds now."""
+        self.seen.pop(node, None)
         _, inos = self._by_node.pop(node, (0, set()))
         return [ino for ino in inos if self._unheld(ino)]
 
-    def await_claims(self, inos: list[int], until: float) -> None:
-        """(A restarted writer.)  Keep these orphans until `until` unless held by then."""
-        for ino in inos:
-            self.unclaimed[ino] = until
+    def wait(self, inos: list[int], mark: int) -> None:
+        """These orphans' unlinks committed by feed row `mark`: reclaimed once every
+        live node's word is past it (`ready`)."""
+        self._waiting.extend((mark, ino) for ino in inos)
 
-    def unclaimed_past(self, now: float) -> list[int]:
-        """The recovery's orphans no node held in time (forgotten here: reclaim them)."""
-        out = [ino for ino, until in self.unclaimed.items() if until <= now]
-        for ino in out:
-            del self.unclaimed[ino]
-        return out
+    def ready(self, alive: dict[str, int]) -> tuple[list[int], list[int]]:
+        """(orphans no live node holds, past every live node's word: reclaim them;
+        those a node held meanwhile: reclaimed after its last close)."""
+        floor: int | None = None  # (no live node: nobody to wait for)
+        for node, epoch in alive.items():
+            said = self.seen.get(node)
+            word = said[1] if said is not None and said[0] == epoch else -1
+            floor = word if floor is None else min(floor, word)
+        free: list[int] = []
+        held: list[int] = []
+        while self._waiting and (floor is None or self._waiting[0][0] <= floor):
+            _, ino = self._waiting.popleft()
+            (held if ino in self._holders else free).append(ino)
+        return free, held
 
     def _unheld(self, ino: int) -> bool:
         left = self._holders[ino] - 1

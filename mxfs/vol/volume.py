@@ -34,7 +34,7 @@ from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import Owner, RemoteMembers
 from mxfs.pool.revoke import Held
 from mxfs.proto.messages import MemberUsage
-from mxfs.vol.node_holds import CLAIM_S, NodeHolds
+from mxfs.vol.node_holds import NodeHolds
 from mxfs.vol.quota import Freeing, Quotas
 from mxfs.vol.spares import Spares
 
@@ -512,6 +512,17 @@ class Volume:
         for ino in inos:
             self.pool.remove_chunks(ino, self._far_pending.pop(ino, []))
 
+    def past_nodes(self, inos: list[int], mark: int | None) -> list[int]:
+        """Of orphans to free, those no reading node may hold open: `inos` (committed
+        by feed row `mark`) wait until every live node told its holds past it
+        (`vol/node_holds.py`); those waiting before that are ready now come along."""
+        if inos and mark is not None and self.reader_epochs:
+            self.holds.wait(inos, mark)
+            inos = []
+        free, held = self.holds.ready(self.reader_epochs)
+        self.freeing.drop(held)  # (held open on a node: queued again at its last close)
+        return inos + free
+
     def drop_inodes(self, inos: list[int]) -> None:
         self.store.drop_inodes(inos)
         self.freeing.drop(inos)
@@ -580,11 +591,10 @@ class Volume:
             for member, ino in self.pool.iter_chunks():
                 if ino not in inodes:
                     os.unlink(self.pool.chunk_path(member, ino))
-        orphans = list(self.store.orphans())
-        if self.reader_epochs:  # (reading nodes may hold some open: they say so again)
-            self.holds.await_claims(orphans, time.monotonic() + CLAIM_S)
-            orphans = []
-        for ino in orphans:
+        for ino in self.store.orphans():
+            if self.reader_epochs:  # (reading nodes may hold it open: freed once they
+                self._queue_reclaim(self.store.get(ino))  # told their holds again)
+                continue
             self.reclaim(ino)
             report.orphans_reclaimed += 1
         for ino in self.store.dirty_data():
@@ -672,7 +682,8 @@ class Volume:
             entry.count = 1
             self.release(entry.node.ino)
         self.pending_reclaim += self.spares.close()
-        self.reclaim_pending()
+        if not self.reader_epochs:  # (else nodes may hold some: the next mount frees them)
+            self.reclaim_pending()
         self.store.flush_all()
         if clean:
             self.store.set_setting("clean", "1")
