@@ -181,6 +181,51 @@ def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
                 assert os.readlink(a.path / "models" / "l") == "m.bin"
                 assert stat.S_IMODE(os.stat(a.path / "models" / "m.bin").st_mode) == 0o600
                 os.unlink(b.path / "models" / "l")
+                # Extended attributes, FIFOs and layouts through b are the writer's too,
+                # judged there as the caller (the kernel's rules: user.* for who may
+                # write, trusted.* root's, devices root's).
+                m_b, m_a = b.path / "models" / "m.bin", a.path / "models" / "m.bin"
+                os.setxattr(m_b, "user.origin", b"hub\0/x")
+                os.setxattr(m_b, "trusted.k", b"")
+                assert os.getxattr(m_a, "user.origin") == b"hub\0/x"
+                assert os.getxattr(m_a, "trusted.k") == b""
+                assert eventually(lambda: "user.origin" in os.listxattr(m_b), 10)
+                os.removexattr(m_b, "user.origin")
+                assert "user.origin" not in os.listxattr(m_a)
+                with pytest.raises(OSError) as e:
+                    os.removexattr(m_b, "user.origin")
+                assert e.value.errno == errno.ENODATA
+                os.mkfifo(b.path / "models" / "fifo")
+                assert stat.S_ISFIFO(os.stat(a.path / "models" / "fifo").st_mode)
+                os.unlink(b.path / "models" / "fifo")
+                mxfs("setstripe", "--unit", "128KiB", str(b.path / "models"))
+                assert "stripe_unit=131072" in os.getxattr(
+                    a.path / "models", "user.mxfs.layout").decode()
+                os.chmod(m_a, 0o644)
+                alice = ensure_users()["alice"]
+                (a.path / "open").mkdir(mode=0o777)
+                os.chmod(a.path / "open", 0o777)
+                (a.path / "alice.txt").write_bytes(b"hers")
+                os.chown(a.path / "alice.txt", alice.uid, alice.gid)
+                assert eventually(lambda: (b.path / "alice.txt").stat().st_uid == alice.uid,
+                                  10)
+                got = run_as(alice, """
+import errno, os
+path = sys.argv[1]
+out = []
+for call in (lambda: os.setxattr(path + "/models/m.bin", "user.x", b"1"),
+             lambda: os.setxattr(path + "/alice.txt", "trusted.x", b"1"),
+             lambda: os.mknod(path + "/open/dev", 0o600 | 0o20000, os.makedev(1, 3)),
+             lambda: os.setxattr(path + "/alice.txt", "user.x", b"1")):
+    try:
+        call()
+        out.append("ok")
+    except OSError as e:
+        out.append(errno.errorcode[e.errno])
+print(json.dumps(out))
+""", str(b.path))
+                assert got == ["EACCES", "EPERM", "EPERM", "ok"]
+                assert os.getxattr(a.path / "alice.txt", "user.x") == b"1"
 
                 # Close-to-open: what the writer closed, the reader's next open sees.
                 model2 = os.urandom(len(model))
@@ -1990,6 +2035,14 @@ print(json.dumps("ok"))
                     (root, "node_open", {"ino": os.stat(a.path / "w" / "mine.bin").st_ino},
                      errno.EROFS),
                     (alice, "node_setattr", {"ino": ino, "mode": 0o777}, errno.EPERM),
+                    (alice, "node_mknod", {"parent": os.stat(a.path / "w").st_ino,
+                                           "name": "ZGV2", "mode": stat.S_IFCHR | 0o600,
+                                           "rdev": os.makedev(1, 3)}, errno.EPERM),
+                    (alice, "node_setxattr", {"ino": ino, "name": "dXNlci54",
+                                              "value": ""}, errno.EACCES),
+                    (alice, "node_setxattr", {"ino": os.stat(a.path / "w" / "alice.txt").st_ino,
+                                              "name": "dHJ1c3RlZC54", "value": ""},
+                     errno.EPERM),
                     (alice, "node_setattr", {"ino": os.stat(a.path / "w" / "alice.txt").st_ino,
                                              "uid": 0}, errno.EPERM),
                     (alice, "node_setattr", {"ino": ino, "mtime_ns": 0}, errno.EPERM),

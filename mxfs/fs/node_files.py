@@ -23,7 +23,7 @@ Files written through a node's mount (`fs/mount_writes.py`) are made and judged 
 the writer at their create and each open for writing, and told at each close
 (`node_create` with a folder and a name, `node_open`, `node_written`:
 `fs/node_writes.py`); its other changes of names and attributes are asked here too
-(NAME_OPS, `node_setattr`), and which files its mount holds open (`node_hold`:
+(NAME_OPS, `node_setattr`, XATTR_OPS), and which files its mount holds open (`node_hold`:
 `fs/held_open.py`, `vol/node_holds.py`).
 
 `NodeFiles` is the writer's side; `ForwardedFiles` the node's (`fs/file_ops.py` calls
@@ -33,6 +33,7 @@ it on a node that holds members).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
@@ -49,6 +50,7 @@ from mxfs.fs.fields import (
     Msg,
     b64,
     b64_bytes_field,
+    b64_field,
     b64_name_field,
     bool_field,
     int_field,
@@ -75,11 +77,13 @@ from mxfs.vol.access import (
     may_hard_link,
     may_replace,
     may_set_times,
+    may_xattr,
     owner_for,
     resolve_parent_for,
 )
 from mxfs.vol.mounts import mount_table
 from mxfs.vol.volume import Volume
+from mxfs.vol.xattrs import LAYOUT_XATTR, remove_xattr, set_xattr
 
 log = logging.getLogger("mxfs.control")
 
@@ -88,8 +92,9 @@ log = logging.getLogger("mxfs.control")
 Publish = Callable[[Pending, Session, int, bool, Msg, str], Awaitable[FileReply]]
 
 MOUNT_OPS = ("node_create", "node_open", "node_written")  # (with "parent": fs/node_writes.py)
-NAME_OPS = ("node_mkdir", "node_symlink", "node_link", "node_unlink", "node_rmdir",
-            "node_rename")
+NAME_OPS = ("node_mkdir", "node_mknod", "node_symlink", "node_link", "node_unlink",
+            "node_rmdir", "node_rename")
+XATTR_OPS = ("node_setxattr", "node_removexattr")
 GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
 PATH_MAX = 4095  # bytes of a symbolic link's target, as the kernel allows
@@ -144,12 +149,13 @@ class NodeFiles:
             return dict(self._create(caller, msg, name, epoch))
         if op == "node_commit":
             return await self._commit(caller, msg, name)
-        if op in NAME_OPS or through_mount:
+        if op in NAME_OPS or op in XATTR_OPS or through_mount:
             token = (name, text_field(msg, "token"))
             done = self.names_done.get(token)
             if done is not None:  # (asked again: done the first time, not twice)
                 return done
-            out, changed, ino = self._name(caller, op, msg) if op in NAME_OPS \
+            out, changed, ino = self._name(caller, op, msg, name) if op in NAME_OPS \
+                else self._xattr(caller, op, msg) if op in XATTR_OPS \
                 else self._mount(caller, op, msg, name, epoch)
             self.names_done[token] = out
             while len(self.names_done) > REMEMBERED:
@@ -201,6 +207,22 @@ class NodeFiles:
         self.vol.let_go(self.vol.holds.hold(node, epoch, row.ino))  # (open there: kept)
         return {**describe(self.vol, row), **granted(self.vol, row)}, made, None
 
+    def _xattr(self, caller: Caller, op: str, msg: Msg
+               ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
+        """An extended attribute set or removed through a node's mount, judged here as
+        the kernel judges it on the writer's own (`may_xattr`; the layout attribute:
+        its owner or root)."""
+        row = self.vol.store.get(int_field(msg, "ino"))
+        name = b64_bytes_field(msg, "name", 255)  # (any bytes but NUL: "/" too)
+        if name != LAYOUT_XATTR:
+            may_xattr(row, caller, name)
+        if op == "node_setxattr":
+            set_xattr(self.vol, row, name, b64_field(msg, "value"), caller.uid)
+        else:
+            remove_xattr(self.vol, row, name)
+        self.vol.store.commit()
+        return {}, [], row.ino
+
     def _hold(self, msg: Msg, node: str, epoch: int) -> dict[str, Any]:
         """Files `node`'s mount opened ("hold") and closed ("let_go") since it last
         said, and the feed row it had read before it looked ("seen": absent when it
@@ -227,28 +249,33 @@ class NodeFiles:
         self.vol.let_go(freed)
         return {"writer": own, "stale": stale}
 
-    def _name(self, caller: Caller, op: str, msg: Msg
+    def _name(self, caller: Caller, op: str, msg: Msg, node: str
               ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
-        """A change of names a node's caller made through its mount (mkdir, unlink,
-        rmdir, rename), judged here as the kernel judges it on the writer's own mount
-        (the node's kernel judged it too, on attributes perhaps a moment old), and
-        committed before the answer: the node reads the rows it asks for next."""
+        """A change of names a node's caller made through its mount (mkdir, mknod,
+        symlink, link, unlink, rmdir, rename), judged here as the kernel judges it on
+        the writer's own mount (the node's kernel judged it too, on attributes perhaps
+        a moment old), and committed before the answer: the node reads the rows it
+        asks for next."""
         refuse_if_degraded(self.vol)  # (its own mount is read-only then)
         store = self.vol.store
         parent = store.get(int_field(msg, "parent"))
         name = b64_name_field(msg, "name")
         may_change_in(parent, caller)
         out: dict[str, Any] = {}
-        if op in ("node_mkdir", "node_symlink"):
-            link = None if op == "node_mkdir" else b64_bytes_field(msg, "target", PATH_MAX)
+        if op in ("node_mkdir", "node_symlink", "node_mknod"):
+            link = b64_bytes_field(msg, "target", PATH_MAX) if op == "node_symlink" \
+                else None
+            kind = stat.S_IFLNK | 0o777 if link is not None else \
+                stat.S_IFDIR | (int_field(msg, "mode") & 0o7777) if op == "node_mkdir" \
+                else _made_by_mknod(int_field(msg, "mode"), caller)
             self.vol.pool.check_meta_room(META_ROW + len(name) + len(link or b""))
             self.vol.quotas.room(caller.uid, inodes=1)
-            kind = stat.S_IFDIR | (int_field(msg, "mode") & 0o7777) if link is None \
-                else stat.S_IFLNK | 0o777
             mode, gid = owner_for(parent, kind, caller.uid, caller.gid,
                                   caller.gids.__contains__)
+            place = functools.partial(self.vol.pick_layout, node=node) \
+                if self.vol.pool.held_by(node) else self.vol.pick_layout  # (a file: there)
             out["ino"] = store.create(parent.ino, name, mode, caller.uid, gid, target=link,
-                                      layout_for=self.vol.pick_layout).ino
+                                      rdev=int_field(msg, "rdev", 0), layout_for=place).ino
         elif op == "node_link":
             linked = store.get(int_field(msg, "ino"))
             if caller.uid not in (0, linked.uid) and not may_hard_link(linked, caller):
@@ -522,6 +549,18 @@ class ForwardedFiles:
         if not self.vol.pool.local_members():
             raise OSError(errno.EROFS, f"node {self.vol.pool.node} holds no members: write "
                           "on the writer node, or on a node that holds members")
+
+
+def _made_by_mknod(mode: int, caller: Caller) -> int:
+    """The mode of what mknod makes: a file, FIFO or socket for anyone, a device for
+    root only (CAP_MKNOD)."""
+    kind = stat.S_IFMT(mode)
+    if kind in (stat.S_IFCHR, stat.S_IFBLK):
+        if caller.uid != 0:
+            raise OSError(errno.EPERM, "only root makes device nodes")
+    elif kind not in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK):
+        raise OSError(errno.EINVAL, "mknod makes files, FIFOs, sockets and devices")
+    return kind | (mode & 0o7777)
 
 
 def describe(vol: Volume, node: Inode, sealed: bool = False) -> FileReply:

@@ -33,25 +33,23 @@ from mxfs.fs.mount_writes import MountWrites, Written
 from mxfs.fs.node_files import ForwardedFiles
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
-from mxfs.io import Layout
 from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.pool import ChunkFiles
-from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW, pool_totals
-from mxfs.proto import constants
+from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.vol.access import Caller, owner_for, supplementary_groups
 from mxfs.vol.volume import OpenInode, Volume
+from mxfs.vol.xattrs import (
+    CONTROL_XATTR,
+    LAYOUT_XATTR,
+    check_sizes,
+    format_layout,
+    remove_xattr,
+    set_xattr,
+)
 
 log = logging.getLogger("mxfs.fs")
 T = TypeVar("T")
 
-LAYOUT_XATTR = constants.LAYOUT_XATTR.encode()
-CONTROL_XATTR = constants.CONTROL_XATTR.encode()
-ACL_PREFIX = b"system.posix_acl_"
-XATTR_NAME_MAX = 255
-XATTR_SIZE_MAX = 65536
-# What one inode may hold in xattrs (ext4 gives one block, XFS 64 KiB a value).
-MAX_XATTRS = 256
-MAX_XATTR_BYTES = 256 << 10
 DAY_NS = 86_400 * 10**9
 
 
@@ -85,25 +83,6 @@ def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise pyfuse3.FUSEError(errno.EIO) from None
     wrapper.__name__ = fn.__name__
     return wrapper
-
-
-def format_layout(fields: dict[str, int]) -> bytes:
-    """The value of user.mxfs.layout: 'stripe_unit=N stripe_width=M ...'."""
-    return " ".join(f"{k}={v}" for k, v in fields.items()).encode()
-
-
-def parse_layout(raw: bytes) -> tuple[int | None, int | None]:
-    """'stripe_unit=N stripe_width=M' (either may be left out) -> (unit, width)."""
-    fields: dict[str, int] = {}
-    for part in raw.decode(errors="replace").replace(",", " ").split():
-        key, _, value = part.partition("=")
-        if key not in ("stripe_unit", "stripe_width") or not value.isdigit() or \
-                not int(value):
-            raise OSError(errno.EINVAL, f"bad layout field {part!r}")
-        fields[key] = int(value)
-    if not fields:
-        raise OSError(errno.EINVAL, "empty layout")
-    return fields.get("stripe_unit"), fields.get("stripe_width")
 
 
 class Handle:
@@ -397,6 +376,10 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if self.names is not None:  # a reading node: made by the writer, for this caller
+            made = await self.names.change_name(_caller(ctx), "node_mknod", parent_inode,
+                                                name, mode=mode, rdev=rdev)
+            return await self._row_attrs(int(made["ino"]), ctx.uid)
         return self.attrs(self._create(parent_inode, name, mode, ctx, rdev=rdev))
 
     @_errors
@@ -833,55 +816,13 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes,
                        ctx: pyfuse3.RequestContext) -> None:
-        if len(name) > XATTR_NAME_MAX or not name:
-            raise pyfuse3.FUSEError(errno.ERANGE)
-        if len(value) > XATTR_SIZE_MAX:
-            raise pyfuse3.FUSEError(errno.E2BIG)
-        node = self.store.get(inode)
-        if name == LAYOUT_XATTR:
-            self._set_layout(node, value, ctx)
+        check_sizes(name, value)
+        if self.names is not None:  # a reading node: set by the writer, for this caller
+            await self.names.ask(_caller(ctx), "node_setxattr", {
+                "ino": inode, "name": b64(name), "value": b64(value),
+                "token": os.urandom(12).hex()})
             return
-        if name == CONTROL_XATTR:  # (on a folder it would send clients to a fake daemon)
-            raise pyfuse3.FUSEError(errno.EPERM)
-        if name.startswith(ACL_PREFIX):
-            # No POSIX ACLs: refusing makes cp -a, tar and rsync fall back to chmod,
-            # where a stored-but-ignored ACL would silently lose the mode.
-            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
-        names, held, replaced = self.store.xattr_usage(inode, but=name)
-        if names >= MAX_XATTRS or held + len(value) > MAX_XATTR_BYTES:
-            # One inode's xattrs live in one store; without a bound they fill its disk.
-            raise pyfuse3.FUSEError(errno.ENOSPC)
-        # ... and count against the owner's byte quota (they are its metadata)
-        self.vol.quotas.room(node.uid, len(name) + len(value) - replaced)
-        self.vol.pool.check_meta_room(META_ROW + len(name) + len(value))
-        self.store.setxattr(node, name, value)
-
-    def _set_layout(self, node: Inode, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        """setstripe: a directory's default for new files, or an empty file's own layout."""
-        if ctx.uid not in (0, node.uid):
-            raise pyfuse3.FUSEError(errno.EPERM)
-        unit, width = parse_layout(value)
-        pool = self.vol.pool
-        unit = unit or node.stripe_unit or pool.stripe_unit
-        width = width or node.stripe_width or len(pool.members)
-        try:
-            Layout(unit, width, 0, len(pool.members))
-        except ValueError as e:
-            raise OSError(errno.EINVAL, str(e)) from None
-        if unit > MAX_STRIPE_UNIT:
-            raise OSError(errno.EINVAL, f"stripe unit over {MAX_STRIPE_UNIT}")
-        if node.is_dir:
-            self.store.set_layout(node, unit, width)
-        elif node.is_reg:
-            if node.size or node.ino in self.vol.open_inodes and \
-                    self.vol.open_inodes[node.ino].wrote:
-                raise pyfuse3.FUSEError(errno.EBUSY)
-            self.store.set_layout(node, unit, width)
-            entry = self.vol.open_inodes.get(node.ino)
-            if entry is not None and entry.chunks is not None:
-                entry.chunks.relayout(self.vol.layout(node))
-        else:
-            raise pyfuse3.FUSEError(errno.EINVAL)
+        set_xattr(self.vol, self.store.get(inode), name, value, ctx.uid)
 
     @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
@@ -892,10 +833,11 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        if name in (LAYOUT_XATTR, CONTROL_XATTR):
-            raise pyfuse3.FUSEError(errno.EPERM)
-        if not self.store.removexattr(self.store.get(inode), name):
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        if self.names is not None:  # a reading node: removed by the writer, for this caller
+            await self.names.ask(_caller(ctx), "node_removexattr", {
+                "ino": inode, "name": b64(name), "token": os.urandom(12).hex()})
+            return
+        remove_xattr(self.vol, self.store.get(inode), name)
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         return True

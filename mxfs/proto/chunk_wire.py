@@ -132,7 +132,8 @@ FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_re
 # (KREQ, to the writer) a node's direct writes on its own members (`fs/node_files.py`)
 NODE_FILE_OPS = ("node_create", "node_commit", "node_abort", "node_open", "node_written",
                  "node_setattr", "node_mkdir", "node_symlink", "node_link", "node_unlink",
-                 "node_rmdir", "node_rename", "node_hold")
+                 "node_rmdir", "node_rename", "node_hold", "node_setxattr",
+                 "node_removexattr", "node_mknod")
 CLAIM_STATES = ("yours", "stored", "busy")  # KCLM's answer bytes, by value
 
 

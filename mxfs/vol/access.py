@@ -187,6 +187,27 @@ def may_set_times(node: Inode, caller: Caller) -> None:
                       "file may change its times")
 
 
+def may_xattr(node: Inode, caller: Caller, name: bytes) -> None:
+    """The kernel's rules for changing an extended attribute (xattr_permission):
+    trusted.* and security.* are root's; user.* only on regular files and folders
+    (a sticky folder's its owner's), for who may write the inode; other namespaces are
+    not kept."""
+    space = name.split(b".", 1)[0]
+    if space in (b"trusted", b"security"):
+        if caller.uid != 0:
+            raise OSError(errno.EPERM, f"{space.decode()}.* attributes are root's")
+        return
+    if space != b"user":
+        raise OSError(errno.EOPNOTSUPP, "only user.*, trusted.* and security.* "
+                      "attributes are kept")
+    if not (node.is_reg or node.is_dir):
+        raise OSError(errno.EPERM, "user.* attributes are on files and folders only")
+    if node.is_dir and node.mode & stat.S_ISVTX and caller.uid not in (0, node.uid):
+        raise OSError(errno.EPERM, "a sticky folder's user.* attributes are its owner's")
+    if not may(node, caller, W_OK):
+        raise OSError(errno.EACCES, f"inode {node.ino}: write permission denied")
+
+
 def may_change_in(parent: Inode, caller: Caller) -> None:
     """Write and search on a folder: what making or removing a name in it needs."""
     if not parent.is_dir:
