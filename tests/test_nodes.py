@@ -1934,6 +1934,30 @@ print(json.dumps("ok"))
         assert res == "ok"
         assert (a.path / "w" / "obj").read_bytes() == b"object"
         assert (a.path / "w" / "cp").read_bytes() == b"copied"
+        # A file of hers open for writing on b holds a share of her quota for b (her
+        # writes through the writer's own mount find it spent), given back at its close.
+        mxfs("quota", "--user", "mxfs-alice", "--bytes", "3MiB", str(a.path))
+        res = run_as(users["alice"], """
+import errno, time
+def fill(path):
+    n = 0
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                n += f.write(b"a" * 65536)
+        except OSError as e:
+            assert e.errno == errno.EDQUOT, e
+    os.unlink(path)
+    return n
+on_b = open(sys.argv[1], "wb", buffering=0)
+on_b.write(b"x" * 65536)  # (b takes its share of her quota)
+first = fill(sys.argv[2])
+on_b.close()
+time.sleep(2.5)  # (b tells the writer its last close: the share goes back)
+print(json.dumps([first, fill(sys.argv[2])]))
+""", str(b.path / "w" / "share.bin"), str(a.path / "w" / "fill.bin"))
+        assert res[1] - res[0] >= 256 << 10, res
+        assert (a.path / "w" / "share.bin").read_bytes() == b"x" * 65536
         mxfs("quota", "--user", "mxfs-alice", "--clear", str(a.path))
         # Links, modes, owners and times through b's mount: the writer's, for the caller
         # (so shutil.copy2 and a Hugging Face cache's links work on a node).

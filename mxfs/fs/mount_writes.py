@@ -5,8 +5,9 @@ through a direct writer (`fs/node_files.py`).  Each step is judged by the writer
 before this node does it (`fs/node_writes.py`): a `create` is made there at once,
 named and empty, on this node's members; an open for writing (or a truncate by name)
 asks the writer whether this caller may write that file, wholly on this node's
-members, and is granted it with the bytes its owner may still come to own (`room`:
-writes past it here are refused, EDQUOT).  Writes then land on this node's chunk
+members, and is granted it with this node's share of its owner's quota (`room`,
+reserved for this node on the writer; writes past it ask for a larger share, and are
+refused, EDQUOT, when none is left).  Writes then land on this node's chunk
 files; the file's size and mtime are held here (`Written`, shown by this node's
 getattrs) until a close (or fsync) tells the writer (`node_written`: close-to-open,
 as NFS gives it; a size told only grows the file).  A cut is told before it is made
@@ -81,12 +82,14 @@ class MountWrites:
         self.untold: dict[int, tuple[Caller, dict[str, Any]]] = {}
         # Inodes whose first open here, retell or cut back is under way: another waits.
         self._busy: dict[int, trio.Event] = {}
-        # By owner: the bytes its quota left when a file of its was last granted, less
-        # what was told since (absent: no byte limit), and the growth not yet told of
-        # its files here.  Writes past the first less the second fail, EDQUOT (to
-        # within the writes in flight at once).
+        # By owner: this node's share of its quota as the writer last said, less what
+        # was told since (absent: no byte limit), and the growth not yet told of its
+        # files here.  A write past the first less the second asks the writer for a
+        # larger share (one ask at a time an owner), and fails, EDQUOT, if it is not
+        # given (to within the writes in flight at once).
         self.room: dict[int, int] = {}
         self.grown: Counter[int] = Counter()
+        self._asking: dict[int, trio.Lock] = {}
 
     async def _ask(self, caller: Caller, op: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.forwarded.ask(caller, op, {**body, "token": os.urandom(12).hex()})
@@ -130,10 +133,7 @@ class MountWrites:
         size where this node is the first to open it (bytes past it were never taken,
         and an extension must read zeros there)."""
         ino, owner = int(reply["ino"]), int(reply["owner"])
-        if "room" in reply:
-            self.room[owner] = int(reply["room"])
-        else:
-            self.room.pop(owner, None)
+        self._room_from(owner, reply)
         while (busy := self._busy.get(ino)) is not None:
             await busy.wait()
         held = self.files.get(ino)
@@ -171,6 +171,17 @@ class MountWrites:
         finally:
             self._unbusy(ino, done)
 
+    def _fits(self, held: Written, end: int) -> bool:
+        left = self.room.get(held.owner)
+        return left is None or self.grown[held.owner] + max(0, end - held.size) <= left
+
+    def _room_from(self, owner: int, reply: dict[str, Any]) -> None:
+        """This node's share of `owner`'s quota as the writer answered it."""
+        if "room" in reply:
+            self.room[owner] = int(reply["room"])
+        else:
+            self.room.pop(owner, None)
+
     def _unbusy(self, ino: int, done: trio.Event) -> None:
         if self._busy.get(ino) is done:
             del self._busy[ino]
@@ -195,8 +206,8 @@ class MountWrites:
 
     def _took_growth(self, held: Written, told: int) -> None:
         """The writer took `told` bytes as the file's size: what grew is its owner's."""
-        if held.owner in self.room:
-            self.room[held.owner] -= told - held.base  # (a cut gives room back)
+        if held.owner in self.room:  # (a cut gives none back: the share stays as it is)
+            self.room[held.owner] -= max(0, told - held.base)
         self._account(held, base=told)
 
     async def uncut(self, ino: int) -> None:
@@ -207,15 +218,21 @@ class MountWrites:
 
     async def allow(self, ino: int, end: int) -> None:
         """Before a write up to `end` (`wrote` after it, whatever came of it): EDQUOT
-        past what the owner's quota lets its files here grow to; waits while a cut of
-        the file runs."""
+        past what the owner's quota lets its files here grow to (this node's share of
+        it, asked to grow first: `node_room`); waits while a cut of the file runs."""
         held = self.files[ino]
         await self.uncut(ino)
-        left = self.room.get(held.owner)
-        if left is not None and self.grown[held.owner] + max(0, end - held.size) > left:
-            raise OSError(errno.EDQUOT, f"inode {ino}: its owner's quota leaves no room for "
-                          f"{end - held.size} more bytes here (remove files, then close it "
-                          "and open it again)")
+        if not self._fits(held, end):
+            async with self._asking.setdefault(held.owner, trio.Lock()):
+                if not self._fits(held, end):  # (another write's ask may have done)
+                    need = self.grown[held.owner] + max(0, end - held.size)
+                    reply = await self._ask(held.caller, "node_room",
+                                            {"ino": ino, "need": need})
+                    self._room_from(held.owner, reply)
+            if not self._fits(held, end):
+                raise OSError(errno.EDQUOT, f"inode {ino}: its owner's quota leaves no "
+                              f"room for {end - held.size} more bytes (remove files, or "
+                              "ask root to raise it)")
         if not held.writing:
             held.drained = trio.Event()
         held.writing += 1

@@ -61,7 +61,14 @@ from mxfs.fs.fields import (
 )
 from mxfs.fs.kv_forward import as_sent
 from mxfs.fs.limits import Limits
-from mxfs.fs.node_writes import Grants, granted, mount_create, mount_open, mount_written
+from mxfs.fs.node_writes import (
+    Grants,
+    Rooms,
+    granted,
+    mount_create,
+    mount_open,
+    mount_written,
+)
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool.pool import META_ROW
@@ -91,7 +98,7 @@ log = logging.getLogger("mxfs.control")
 # the msg with its sums, the mount point its path is resolved under) -> its description.
 Publish = Callable[[Pending, Session, int, bool, Msg, str], Awaitable[FileReply]]
 
-MOUNT_OPS = ("node_create", "node_open", "node_written")  # (with "parent": fs/node_writes.py)
+MOUNT_OPS = ("node_create", "node_open", "node_written", "node_room")  # (fs/node_writes.py)
 NAME_OPS = ("node_mkdir", "node_mknod", "node_symlink", "node_link", "node_unlink",
             "node_rmdir", "node_rename")
 XATTR_OPS = ("node_setxattr", "node_removexattr")
@@ -133,7 +140,10 @@ class NodeFiles:
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
-        self.grants = Grants()  # files nodes opened for writing through their mounts
+        # Files nodes opened for writing through their mounts, and the shares of their
+        # owners' quotas reserved for those nodes.
+        self.rooms = Rooms(vol)
+        self.grants = Grants(self.rooms)
         self.dead_since: dict[str, float] = {}  # nodes holding files, their lease gone
         # Names changed for nodes, by (node, token): a repeat is answered, not redone.
         self.names_done: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
@@ -191,10 +201,15 @@ class NodeFiles:
                 self.grants.let_go(node, ino)
                 return {}, [], None
             self.grants.check(node, epoch, ino)
-            row = mount_written(self.vol, caller, msg, node)
+            row = mount_written(self.vol, self.rooms, caller, msg, node)
             if bool_field(msg, "last"):
                 self.grants.let_go(node, ino)
             return dict(describe(self.vol, row)), [], row.ino
+        if op == "node_room":  # (a granted file's writes need more of its owner's quota)
+            ino = int_field(msg, "ino")
+            self.grants.check(node, epoch, ino)
+            return granted(self.rooms, self.vol.store.get(ino), node,
+                           int_field(msg, "need")), [], None
         made: list[tuple[int, bytes]] = []
         if op == "node_create":
             row, new = mount_create(self.vol, caller, msg, node)
@@ -203,9 +218,9 @@ class NodeFiles:
         else:
             row = mount_open(self.vol, caller, self.vol.store.get(int_field(msg, "ino")),
                              node)
-        self.grants.grant(node, epoch, row.ino)
+        self.grants.grant(node, epoch, row.ino, row.uid)
         self.vol.let_go(self.vol.holds.hold(node, epoch, row.ino))  # (open there: kept)
-        return {**describe(self.vol, row), **granted(self.vol, row)}, made, None
+        return {**describe(self.vol, row), **granted(self.rooms, row, node)}, made, None
 
     def _xattr(self, caller: Caller, op: str, msg: Msg
                ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
@@ -466,18 +481,21 @@ class NodeFiles:
 
     def _sweep_holds(self, now: float) -> None:
         """The files nodes' mounts held open are let go once the node joined again or
-        its lease has been gone GRACE_S."""
+        its lease has been gone GRACE_S; then too the shares of quotas reserved for it."""
         alive, holds = self.vol.reader_epochs, self.vol.holds
-        for node, epoch in holds.nodes().items():
-            if alive.get(node) == epoch:
+        nodes = {**{node: None for node, _ in self.rooms.shares}, **holds.nodes()}
+        for node, epoch in nodes.items():
+            if node in alive and epoch in (None, alive[node]):
                 self.dead_since.pop(node, None)
                 continue
             since = self.dead_since.setdefault(node, now)
-            if alive.get(node) is not None or now - since >= GRACE_S:
-                log.info("node %s (epoch %d) holds no files open now: its lease ran out",
+            if node in alive or now - since >= GRACE_S:
+                log.info("node %s (epoch %s) holds no files open now: its lease ran out",
                          node, epoch)
                 self.dead_since.pop(node, None)
                 self.vol.let_go(holds.drop(node))
+                if node not in alive:
+                    self.rooms.drop(node)
 
 
 class ForwardedFiles:

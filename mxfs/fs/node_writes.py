@@ -9,12 +9,15 @@ byte (not sealed, the caller may write it, wholly on that node's members) and gi
 the file a new generation (direct readers that opened it before see it changed).
 Either grants the node the file (`Grants`: as POSIX judges permission at open, a
 file made read-only meanwhile, or created so, is still written through what was
-opened) and answers with the bytes its owner may still come to own, the most the
-node lets the file grow past its size before telling.  `mount_written` takes what a
+opened) and answers with the bytes the node may let its owner's files there grow
+before telling (`Rooms`: a share of the owner's quota reserved for that node, so two
+nodes, or a node and the writer's own mount, never both spend the same bytes; the
+node asks for more, `node_room`, as its writes need it).  `mount_written` takes what a
 granted file's close (or cut) left: a size only grows it (another node, or the
 writer's own mount, may have written past it meanwhile) unless the node cut it; the
-owner's byte quota judged for what it grew; an mtime from anyone but the owner or
-root taken as now; the layout the node wrote with must still be the file's.
+owner's byte quota judged for what it grew, out of the node's share first; an mtime
+from anyone but the owner or root taken as now; the layout the node wrote with must
+still be the file's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,59 @@ from mxfs.vol.access import W_OK, X_OK, Caller, may, may_change_in, owner_for
 from mxfs.vol.volume import Volume
 
 GRANTS = 65536  # files granted to nodes the writer remembers (the oldest go first)
+SHARE_MIN = 8 << 20  # the least share of an owner's quota reserved for a node at once
+
+
+class Rooms:
+    """Shares of owners' byte quotas reserved for nodes, by (node, owner): held in
+    the quotas' reservations (`Quotas.reserve`), so every other writer of that owner
+    sees them spent.  A share grows as the node asks (at least doubled, at least
+    SHARE_MIN, never more than half of what the owner has left beyond the request:
+    near the limit shares shrink, and other nodes keep some); what the node's closes
+    told comes out of it; the rest goes back once the node holds no granted file of
+    that owner, or the node is gone."""
+
+    def __init__(self, vol: Volume) -> None:
+        self.vol = vol
+        self.shares: dict[tuple[str, int], int] = {}
+
+    def top_up(self, node: str, owner: int, need: int = 0) -> int | None:
+        """The node's share of `owner`'s quota, grown toward `need` (None: no byte
+        limit holds for the owner)."""
+        left = self.vol.quotas.left(owner)
+        if left is None:
+            self.give_back(node, owner)
+            return None
+        have = self.shares.get((node, owner), 0)
+        short = max(0, need - have)
+        if short > left:  # (the node refuses the write: EDQUOT)
+            return have
+        extra = short + min(max(have, SHARE_MIN), (left - short) // 2)
+        if extra:
+            self.shares[(node, owner)] = have + extra
+            self.vol.quotas.reserve(owner, extra)
+        return have + extra
+
+    def spend(self, node: str, owner: int, grown: int) -> int:
+        """A close told `grown` bytes more: how many of them the node's share covers
+        (taken out of it once the store holds them: `spent`)."""
+        return min(max(0, grown), self.shares.get((node, owner), 0))
+
+    def spent(self, node: str, owner: int, nbytes: int) -> None:
+        if nbytes:
+            self.shares[(node, owner)] -= nbytes
+            self.vol.quotas.release(owner, nbytes)
+
+    def give_back(self, node: str, owner: int) -> None:
+        """The node's share of `owner`'s quota, unspent, back to everyone."""
+        share = self.shares.pop((node, owner), 0)
+        if share:
+            self.vol.quotas.release(owner, share)
+
+    def drop(self, node: str) -> None:
+        """Every share of `node` (it died, or joined again)."""
+        for who, owner in [k for k in self.shares if k[0] == node]:
+            self.give_back(who, owner)
 
 
 class Grants:
@@ -42,22 +98,34 @@ class Grants:
     anew).  A node lets a grant go after its last close of the file; past GRANTS the
     oldest go, and a node told so (ESTALE) asks for the file again, judged anew."""
 
-    def __init__(self) -> None:
-        self._held: OrderedDict[tuple[str, int], int] = OrderedDict()
+    def __init__(self, rooms: Rooms) -> None:
+        self.rooms = rooms
+        self._held: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
+        self._owners: dict[tuple[str, int], int] = {}  # (node, owner): files granted
 
-    def grant(self, node: str, epoch: int, ino: int) -> None:
-        self._held[(node, ino)] = epoch
-        self._held.move_to_end((node, ino))
+    def grant(self, node: str, epoch: int, ino: int, owner: int) -> None:
+        self.let_go(node, ino)
+        self._held[(node, ino)] = (epoch, owner)
+        self._owners[(node, owner)] = self._owners.get((node, owner), 0) + 1
         while len(self._held) > GRANTS:
-            self._held.popitem(last=False)
+            self.let_go(*next(iter(self._held)))
 
     def check(self, node: str, epoch: int, ino: int) -> None:
-        if self._held.get((node, ino)) != epoch:
+        held = self._held.get((node, ino))
+        if held is None or held[0] != epoch:
             raise OSError(errno.ESTALE, f"inode {ino} is not granted for writing to node "
                           f"{node} (epoch {epoch}): open it again")
 
     def let_go(self, node: str, ino: int) -> None:
-        self._held.pop((node, ino), None)
+        """The grant goes; with the node's last of that owner's files, its share."""
+        held = self._held.pop((node, ino), None)
+        if held is None:
+            return
+        key = (node, held[1])
+        self._owners[key] -= 1
+        if not self._owners[key]:
+            del self._owners[key]
+            self.rooms.give_back(*key)
 
 
 def mount_create(vol: Volume, caller: Caller, msg: Msg, node: str
@@ -98,15 +166,15 @@ def mount_open(vol: Volume, caller: Caller, row: Inode, node: str) -> Inode:
     return row
 
 
-def granted(vol: Volume, row: Inode) -> dict[str, Any]:
+def granted(rooms: Rooms, row: Inode, node: str, need: int = 0) -> dict[str, Any]:
     """What a node is told of a file it was granted, beside its description: its
-    owner, and the bytes that owner may still come to own ("room"; absent: no byte
-    limit)."""
-    left = vol.quotas.left(row.uid)
-    return {"owner": row.uid, **({} if left is None else {"room": left})}
+    owner, and the node's share of that owner's quota ("room", grown toward `need`;
+    absent: no byte limit)."""
+    room = rooms.top_up(node, row.uid, need)
+    return {"owner": row.uid, **({} if room is None else {"room": room})}
 
 
-def mount_written(vol: Volume, caller: Caller, msg: Msg, node: str) -> Inode:
+def mount_written(vol: Volume, rooms: Rooms, caller: Caller, msg: Msg, node: str) -> Inode:
     """The size and mtime a granted file's close (or cut) through `node`'s mount left."""
     row = vol.store.get(int_field(msg, "ino"))
     _may_write(vol, row, node)
@@ -116,7 +184,9 @@ def mount_written(vol: Volume, caller: Caller, msg: Msg, node: str) -> Inode:
     size, now = int_field(msg, "size"), time.time_ns()
     if not bool_field(msg, "cut"):
         size = max(size, row.size)  # (written past meanwhile elsewhere: kept)
-    vol.quotas.room(row.uid, size - row.size)
+    covered = rooms.spend(node, row.uid, size - row.size)  # (reserved for it already)
+    vol.quotas.room(row.uid, size - row.size - covered)
+    rooms.spent(node, row.uid, covered)
     mtime = int_field(msg, "mtime_ns", now) if caller.uid in (0, row.uid) else now
     vol.store.touch(row, size=size, mtime_ns=mtime, ctime_ns=now)
     vol.store.flush(row)

@@ -133,7 +133,7 @@ FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_re
 NODE_FILE_OPS = ("node_create", "node_commit", "node_abort", "node_open", "node_written",
                  "node_setattr", "node_mkdir", "node_symlink", "node_link", "node_unlink",
                  "node_rmdir", "node_rename", "node_hold", "node_setxattr",
-                 "node_removexattr", "node_mknod")
+                 "node_removexattr", "node_mknod", "node_room")
 CLAIM_STATES = ("yours", "stored", "busy")  # KCLM's answer bytes, by value
 
 
