@@ -22,6 +22,7 @@ import errno
 from collections import deque
 
 MAX_HOLDS = 1 << 20  # files one node may hold open at once
+STALL_S = 60.0  # an orphan waiting this long for nodes' word is logged (once a stall)
 
 
 class NodeHolds:
@@ -32,7 +33,8 @@ class NodeHolds:
         self._by_node: dict[str, tuple[int, set[int]]] = {}
         self._holders: dict[int, int] = {}  # inode: how many nodes hold it
         self.seen: dict[str, tuple[int, int]] = {}  # node: (epoch, feed row it had read)
-        self._waiting: deque[tuple[int, int]] = deque()  # (feed mark, orphan), in order
+        self._waiting: deque[tuple[int, int, float]] = deque()  # (mark, orphan, since)
+        self.stalled = False  # (the oldest waited past STALL_S: said once)
 
     def __contains__(self, ino: int) -> bool:
         return ino in self._holders
@@ -85,23 +87,33 @@ class NodeHolds:
         _, inos = self._by_node.pop(node, (0, set()))
         return [ino for ino in inos if self._unheld(ino)]
 
-    def wait(self, inos: list[int], mark: int) -> None:
+    def wait(self, inos: list[int], mark: int, now: float) -> None:
         """These orphans' unlinks committed by feed row `mark`: reclaimed once every
         live node's word is past it (`ready`)."""
-        self._waiting.extend((mark, ino) for ino in inos)
+        self._waiting.extend((mark, ino, now) for ino in inos)
+
+    def behind(self, alive: dict[str, int], now: float) -> list[str]:
+        """The live nodes whose word the oldest orphan has waited for past STALL_S."""
+        if not self._waiting or now - self._waiting[0][2] < STALL_S:
+            return []
+        mark = self._waiting[0][0]
+        return sorted(node for node, epoch in alive.items()
+                      if self._word(node, epoch) < mark)
+
+    def _word(self, node: str, epoch: int) -> int:
+        """The feed row `node` (under `epoch`) last said its holds past; -1: none."""
+        said = self.seen.get(node)
+        return said[1] if said is not None and said[0] == epoch else -1
 
     def ready(self, alive: dict[str, int]) -> tuple[list[int], list[int]]:
         """(orphans no live node holds, past every live node's word: reclaim them;
         those a node held meanwhile: reclaimed after its last close)."""
-        floor: int | None = None  # (no live node: nobody to wait for)
-        for node, epoch in alive.items():
-            said = self.seen.get(node)
-            word = said[1] if said is not None and said[0] == epoch else -1
-            floor = word if floor is None else min(floor, word)
+        floor = min((self._word(node, epoch) for node, epoch in alive.items()),
+                    default=None)  # (no live node: nobody to wait for)
         free: list[int] = []
         held: list[int] = []
         while self._waiting and (floor is None or self._waiting[0][0] <= floor):
-            _, ino = self._waiting.popleft()
+            _, ino, _ = self._waiting.popleft()
             (held if ino in self._holders else free).append(ino)
         return free, held
 

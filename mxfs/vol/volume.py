@@ -34,7 +34,7 @@ from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import Owner, RemoteMembers
 from mxfs.pool.revoke import Held
 from mxfs.proto.messages import MemberUsage
-from mxfs.vol.node_holds import NodeHolds
+from mxfs.vol.node_holds import STALL_S, NodeHolds
 from mxfs.vol.quota import Freeing, Quotas
 from mxfs.vol.spares import Spares
 
@@ -516,11 +516,19 @@ class Volume:
         """Of orphans to free, those no reading node may hold open: `inos` (committed
         by feed row `mark`) wait until every live node told its holds past it
         (`vol/node_holds.py`); those waiting before that are ready now come along."""
+        now = time.monotonic()
         if inos and mark is not None and self.reader_epochs:
-            self.holds.wait(inos, mark)
+            self.holds.wait(inos, mark, now)
             inos = []
         free, held = self.holds.ready(self.reader_epochs)
         self.freeing.drop(held)  # (held open on a node: queued again at its last close)
+        behind = self.holds.behind(self.reader_epochs, now)
+        if behind and not self.holds.stalled:
+            log.warning("%d removed files wait to be freed until node(s) %s say which they "
+                        "hold open (not heard from for %d s: check that they reach this "
+                        "node's chunk service and the metadata server)",
+                        self.holds.waiting, ", ".join(behind), STALL_S)
+        self.holds.stalled = bool(behind)
         return inos + free
 
     def drop_inodes(self, inos: list[int]) -> None:
