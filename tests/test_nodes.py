@@ -2194,25 +2194,31 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
             (a.path / "models" / f"r{i}").unlink()
             reader.join(30)
         assert set(outcomes) <= {"whole", "ENOENT", "ESTALE"}, outcomes
-        # Asked raw as b: a word meant for another writer changes nothing, a file freed
-        # before b's hold came is stale, a file with a name is held (and let go), a
-        # malformed list is refused.
+        # Asked raw as b: a word meant for another writer, or one older than b's last,
+        # changes nothing; a malformed one is refused.
         status = _status(a)
         epochs = {n["name"]: n["epoch"] for n in status["nodes"]}
-        (a.path / "named.bin").write_bytes(b"x")
-        named = os.stat(a.path / "named.bin").st_ino
         with ChunkClient(status["chunk_service"]["addr"], int(status["chunk_service"]["port"]),
                          load_key(mine[0]), status["pool_uuid"]) as raw:
-            def hold(writer: int = epochs["a"], **body: Any) -> Any:
-                return raw.kv_request((0, 0, []), "node_hold",
-                                      {**body, "writer": writer, "node": ["b", epochs["b"]]})
-            assert hold(writer=0, hold=[ino]) == {"writer": epochs["a"], "stale": []}
-            assert hold(hold=[ino, named]) == {"writer": epochs["a"], "stale": [ino]}
-            assert hold(let_go=[named]) == {"writer": epochs["a"], "stale": []}
-            for bad in ({"hold": "1"}, {"hold": [-1]}, {"let_go": [True]}, {"seen": "x"}):
+            def word(writer: int = epochs["a"], **body: Any) -> Any:
+                return raw.kv_request((0, 0, []), "node_hold", {
+                    "word": 0, "hold": [], **body, "writer": writer,
+                    "node": ["b", epochs["b"]]})
+            assert word(writer=0, full=True) == {"writer": epochs["a"]}
+            assert word(full=True) == {"writer": epochs["a"]}  # (not newer than b's own)
+            for bad in ({"hold": "1"}, {"hold": [-1]}, {"let_go": [True]}, {"seen": "x"},
+                        {"word": None}):
                 with pytest.raises(OSError) as e:
-                    hold(**bad)
+                    word(**bad)
                 assert e.value.errno == errno.EINVAL
+        # ... and b's own words go on: a file open on b and unlinked on a is still kept.
+        (a.path / "models" / "m2.bin").write_bytes(data)
+        assert eventually(lambda: (b.path / "models" / "m2.bin").exists(), 15)
+        fd = os.open(b.path / "models" / "m2.bin", os.O_RDONLY)
+        (a.path / "models" / "m2.bin").unlink()
+        time.sleep(1)
+        assert whole(fd, len(data)) == data
+        os.close(fd)
         # A temporary file on b's members: made, unlinked and written on through b.
         (a.path / "w").mkdir()
         assert eventually(lambda: (b.path / "w").is_dir(), 15)

@@ -224,6 +224,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 ops.written = MountWrites(vol, ops.names, ops.row, ops.cut)  # (its bytes)
             if ops.names is not None and feed is not None:  # (what its mount has open,
                 ops.held_open = HeldOpen(ops.names, lambda: feed.applied)  # held there)
+                if ops.written is not None:
+                    ops.written.granted = ops.held_open.granted
             if control.files.for_nodes is not None:
                 control.files.for_nodes.inode_changed = ops.inode_changed
             control.status.feed = feed
@@ -345,8 +347,12 @@ class Daemon:
                 vol.store.commit_if_due()
                 inos = vol.take_pending(RECLAIM_BITE)
                 if vol.reader_epochs or vol.holds.waiting:  # (nodes may hold them open)
-                    mark = await marks.run(_feed_mark) if inos and vol.reader_epochs \
-                        else None
+                    try:
+                        mark = await marks.run(_feed_mark) if inos and vol.reader_epochs \
+                            else None
+                    except BaseException:
+                        vol.pending_reclaim[:0] = inos  # (freed after the next round)
+                        raise
                     inos = vol.past_nodes(inos, mark)
                 if inos:
                     await trio.to_thread.run_sync(vol.remove_chunks, inos)

@@ -2,23 +2,28 @@
 for it on the pool's writer, so that one unlinked meanwhile (here, as a temporary file
 is, or on another node) keeps its bytes until this node's last close.
 
-No open waits for the writer: an open notes the file (`opening`) before it reads the
-file's row, and refuses a file whose row has no link left (ESTALE, as NFS answers a
-file removed elsewhere) unless this node has it open already.  A few times a second
-(`run`) the node tells the writer what its mount opened and closed since it last
-said (`node_hold`), with the last change feed row it had read before it looked
-(`seen`): the writer frees an orphan only once every live node's word is past the
-row that unlinked it, so a file open here then is held, and one opened later was
-refused.  An open for writing is held by the writer's grant itself (`granted`).  A
-reply from a writer other than the one last told (it restarted) makes the node tell
-it everything again.
+No open waits for the writer: an open counts itself (`open_begins`) before it reads
+the file's row, and refuses a file whose row has no link left (ESTALE, as NFS answers
+a file removed elsewhere) unless this node has it open already.  A few times a second
+(`run`) the node tells the writer what it holds now against what it last told
+(`node_hold`: the files open here, and those opening), with the last change feed row
+it had read before it looked (`seen`): the writer frees an orphan only once every
+live node's word is past the row that unlinked it, so a file open here then is held,
+and one opened later was refused.  Words are numbered and told in order; one whose
+answer never came is sent again as it was, and every FULL_S (or to a writer of
+another epoch: it restarted) the node says all it holds, so no lost answer, lapse or
+restart leaves the writer holding too much or too little for long.  Opens for writing
+are held by the writer's grants themselves (`granted`).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -28,38 +33,49 @@ from mxfs.vol.access import Caller
 log = logging.getLogger("mxfs.control")
 
 ROUND_S = 0.2  # how often the node tells the writer (an orphan waits about this long)
+FULL_S = 10.0  # how often it says all it holds
 ROOT = Caller(pid=0, uid=0, gid=0, gids=frozenset({0}))  # (the daemon's own requests)
+# The writer not reached, or not counting this node alive a moment (its lease late):
+# the word waits for the next round.
 UNREACHED = (errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
-             errno.EHOSTUNREACH, errno.ENETUNREACH)
+             errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ESTALE)
 
 
 class HeldOpen:
-    """The regular files this node's mount has open (`want`), those the writer holds
-    for it (`told`, under the writer's epoch `told_to`), and the feed row its last
+    """What this node's mount has open or opening, what the writer holds for it
+    (`told`, under the writer's epoch `told_to`), and the feed row its last whole
     word was past (`said`)."""
 
     def __init__(self, forwarded: ForwardedFiles, seen: Callable[[], int]) -> None:
         self.forwarded = forwarded
+        self.vol = forwarded.vol
         self.seen = seen  # the last change feed row this node read
-        self.want: set[int] = set()
+        self.opening: Counter[int] = Counter()  # opens under way, by inode
         self.told: set[int] = set()
         self.told_to = 0
         self.said = -1
-        self._lock = trio.Lock()  # (one word at a time: holds and let-gos in order)
+        self.word = 0  # the last word's number
+        self.pending: dict[str, Any] | None = None  # a word whose answer never came
+        self.full_at = 0.0  # when all was last said
+        self._lock = trio.Lock()  # (one word at a time: in order)
 
-    def opening(self, ino: int) -> None:
-        """Before `ino`'s row is read for an open here."""
-        self.want.add(ino)
+    def open_begins(self, ino: int) -> None:
+        """Before `ino`'s row is read for an open here (`open_ends` after)."""
+        self.opening[ino] += 1
+
+    def open_ends(self, ino: int) -> None:
+        self.opening[ino] -= 1
+        if not self.opening[ino]:
+            del self.opening[ino]
 
     def granted(self, ino: int) -> None:
-        """The writer holds `ino` for this node already (it granted an open for
-        writing): let go at the last close, as any other."""
-        self.want.add(ino)
+        """The writer holds `ino` for this node (it granted an open for writing)."""
         self.told.add(ino)
 
-    def closed(self, ino: int) -> None:
-        """The last handle of `ino` here is gone: let go with the next word."""
-        self.want.discard(ino)
+    def want(self) -> set[int]:
+        """The files this node holds: open here, or being opened."""
+        open_now = {ino for ino, entry in self.vol.open_inodes.items() if entry.node.is_reg}
+        return open_now | set(self.opening)
 
     async def run(self) -> None:
         """The daemon's task: a word every ROUND_S; a writer not reached hears it later."""
@@ -74,28 +90,42 @@ class HeldOpen:
     async def tell(self) -> None:
         """Tell the writer what changed since the last word, if anything did."""
         async with self._lock:
+            if self.pending is not None:  # (sent again as it was: it may have been taken)
+                await self._send(self.pending)
             for _ in range(2):  # (again at once when the writer turned out another)
                 seen = self.seen()  # (read before looking at what is open)
-                hold = sorted(self.want - self.told)
-                let_go = sorted(self.told - self.want)[:HOLDS_AT_ONCE]
-                whole = len(hold) <= HOLDS_AT_ONCE
-                if not hold and not let_go and seen == self.said:
+                want = self.want()
+                full = self.told_to == 0 or time.monotonic() - self.full_at >= FULL_S
+                hold = sorted(want if full else want - self.told)
+                let_go = [] if full else sorted(self.told - want)[:HOLDS_AT_ONCE]
+                if not full and not hold and not let_go and seen == self.said:
                     return
-                sent = hold[:HOLDS_AT_ONCE]
-                body: dict[str, object] = {"hold": sent, "let_go": let_go,
-                                           "writer": self.told_to}
-                if whole:  # (the word covers every hold: the writer may rely on it)
-                    body["seen"] = seen
-                reply = await self.forwarded.ask(ROOT, "node_hold", body)
-                if reply["writer"] != self.told_to:  # (it restarted: tell it everything)
-                    self.told, self.told_to, self.said = set(), reply["writer"], -1
+                self.word += 1
+                body: dict[str, Any] = {"hold": hold[:HOLDS_AT_ONCE], "let_go": let_go,
+                                        "writer": self.told_to, "word": self.word}
+                if full:
+                    body["full"] = True
+                if len(hold) <= HOLDS_AT_ONCE:  # (it says every hold: the writer may
+                    body["seen"] = seen  # rely on it)
+                if not await self._send(body):
                     continue
-                stale = set(reply["stale"])
-                self.told.difference_update(let_go)
-                self.told.update(set(sent) - stale)
-                if whole:
-                    self.said = seen
-                if stale:
-                    log.info("%d file(s) open here were freed on the writer before it "
-                             "heard of them", len(stale))
                 return
+
+    async def _send(self, body: dict[str, Any]) -> bool:
+        """Send a word and take its answer; False if the writer is of another epoch
+        than it was meant for (then nothing of it was taken: all is told again)."""
+        self.pending = body
+        reply = await self.forwarded.ask(ROOT, "node_hold", body)
+        self.pending = None
+        if reply["writer"] != body["writer"]:
+            self.told, self.told_to, self.said, self.full_at = set(), reply["writer"], -1, 0.0
+            return False
+        if body.get("full"):
+            self.told = set(body["hold"])
+            self.full_at = time.monotonic()
+        else:
+            self.told.difference_update(body["let_go"])
+            self.told.update(body["hold"])
+        if "seen" in body:
+            self.said = body["seen"]
+        return True

@@ -75,11 +75,14 @@ class MountWrites:
         self.vol = vol
         self.forwarded = forwarded
         self.read_row = read_row  # the row as the store holds it now (a worker's read)
+        # Told of each grant (the writer holds the file open for this node from then:
+        # `fs/held_open.py` lets it go once nothing here has it open).
+        self.granted: Callable[[int], None] = lambda ino: None
         self.cut = cut  # cut a file's chunk files here to a size (in a worker thread)
         self.files: dict[int, Written] = {}
         # Last closes the writer was not told of (or whose grant is to be let go):
         # (the closer, what to tell), by inode.
-        self.untold: dict[int, tuple[Caller, dict[str, Any]]] = {}
+        self.untold: dict[int, tuple[Caller, dict[str, Any], int]] = {}  # (and the owner)
         # Inodes whose first open here, retell or cut back is under way: another waits.
         self._busy: dict[int, trio.Event] = {}
         # By owner: this node's share of its quota as the writer last said, less what
@@ -90,21 +93,28 @@ class MountWrites:
         self.room: dict[int, int] = {}
         self.grown: Counter[int] = Counter()
         self._asking: dict[int, trio.Lock] = {}
+        self._room_v: dict[int, tuple[int, ...]] = {}  # (the writer's epoch, the version)
 
     async def _ask(self, caller: Caller, op: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.forwarded.ask(caller, op, {**body, "token": os.urandom(12).hex()})
+        reply = await self.forwarded.ask(caller, op, {**body, "token": os.urandom(12).hex()})
+        if op in ("node_open", "node_create"):  # (a grant holds the file open there)
+            self.granted(int(reply["ino"]))
+        return reply
 
-    async def _written(self, caller: Caller, body: dict[str, Any]) -> None:
-        """`node_written`; where the writer holds no grant (it restarted, or let it go)
-        the file is asked for again first, as `caller`."""
+    async def _granted_ask(self, caller: Caller, op: str, body: dict[str, Any],
+                           owner: int) -> dict[str, Any]:
+        """`op` of a granted file (`node_written`, `node_room`); where the writer holds
+        no grant (it restarted, or let it go) the file is asked for again first, as
+        `caller`.  The share of `owner`'s quota the answer names is kept."""
         try:
-            await self._ask(caller, "node_written", body)
-            return
+            reply = await self._ask(caller, op, body)
         except OSError as e:
             if e.errno != errno.ESTALE:
                 raise
-        await self._ask(caller, "node_open", {"ino": body["ino"]})
-        await self._ask(caller, "node_written", body)
+            self._room_from(owner, await self._ask(caller, "node_open", {"ino": body["ino"]}))
+            reply = await self._ask(caller, op, body)
+        self._room_from(owner, reply)
+        return reply
 
     async def create(self, caller: Caller, parent: int, name: bytes, mode: int,
                      exclusive: bool) -> Inode:
@@ -176,11 +186,16 @@ class MountWrites:
         return left is None or self.grown[held.owner] + max(0, end - held.size) <= left
 
     def _room_from(self, owner: int, reply: dict[str, Any]) -> None:
-        """This node's share of `owner`'s quota as the writer answered it."""
-        if "room" in reply:
-            self.room[owner] = int(reply["room"])
-        else:
+        """This node's share of `owner`'s quota as the writer answered it, unless an
+        answer of a later version came first."""
+        if "room" not in reply:
             self.room.pop(owner, None)
+            self._room_v.pop(owner, None)
+            return
+        version = tuple(reply["room_v"])
+        if version >= self._room_v.get(owner, version):
+            self.room[owner] = int(reply["room"])
+            self._room_v[owner] = version
 
     def _unbusy(self, ino: int, done: trio.Event) -> None:
         if self._busy.get(ino) is done:
@@ -205,9 +220,8 @@ class MountWrites:
             del self.grown[held.owner]
 
     def _took_growth(self, held: Written, told: int) -> None:
-        """The writer took `told` bytes as the file's size: what grew is its owner's."""
-        if held.owner in self.room:  # (a cut gives none back: the share stays as it is)
-            self.room[held.owner] -= max(0, told - held.base)
+        """The writer took `told` bytes as the file's size: what grew is no longer
+        untold (its answer said what is left of this node's share)."""
         self._account(held, base=told)
 
     async def uncut(self, ino: int) -> None:
@@ -221,18 +235,21 @@ class MountWrites:
         past what the owner's quota lets its files here grow to (this node's share of
         it, asked to grow first: `node_room`); waits while a cut of the file runs."""
         held = self.files[ino]
-        await self.uncut(ino)
-        if not self._fits(held, end):
-            async with self._asking.setdefault(held.owner, trio.Lock()):
-                if not self._fits(held, end):  # (another write's ask may have done)
-                    need = self.grown[held.owner] + max(0, end - held.size)
-                    reply = await self._ask(held.caller, "node_room",
-                                            {"ino": ino, "need": need})
-                    self._room_from(held.owner, reply)
-            if not self._fits(held, end):
+        asked = False
+        while True:
+            await self.uncut(ino)
+            if self._fits(held, end):
+                break
+            if asked:
                 raise OSError(errno.EDQUOT, f"inode {ino}: its owner's quota leaves no "
                               f"room for {end - held.size} more bytes (remove files, or "
                               "ask root to raise it)")
+            async with self._asking.setdefault(held.owner, trio.Lock()):
+                if not self._fits(held, end):  # (another write's ask may have done)
+                    need = self.grown[held.owner] + max(0, end - held.size)
+                    await self._granted_ask(held.caller, "node_room",
+                                            {"ino": ino, "need": need}, held.owner)
+            asked = True  # (then a cut begun meanwhile is waited for again)
         if not held.writing:
             held.drained = trio.Event()
         held.writing += 1
@@ -267,8 +284,9 @@ class MountWrites:
             await settle()
             async with held.telling:
                 now = time.time_ns()
-                await self._written(caller, {"ino": ino, "size": size, "mtime_ns": now,
-                                             "cut": True, "layout": held.layout})
+                await self._granted_ask(caller, "node_written", {
+                    "ino": ino, "size": size, "mtime_ns": now, "cut": True,
+                    "layout": held.layout}, held.owner)
                 await self.cut(await self.read_row(ino), size)
                 self._took_growth(held, size)
                 self._account(held, size=size)
@@ -288,7 +306,7 @@ class MountWrites:
             held.changed = False  # (a write while the writer is asked is told next time)
             body = self._said(ino, held)
             try:
-                await self._written(caller, body)
+                await self._granted_ask(caller, "node_written", body, held.owner)
             except OSError as e:
                 if e.errno == errno.ENOENT:
                     return  # (removed meanwhile, as a file unlinked while open: its bytes
@@ -315,18 +333,18 @@ class MountWrites:
         body: dict[str, Any] = {"ino": ino, "last": True}
         if held.changed:
             body.update(self._said(ino, held))
-        self.untold[ino] = (held.caller, body)
+        self.untold[ino] = (held.caller, body, held.owner)
 
     async def retell(self) -> None:
         """(Once a second.)  The untold last closes: told (and the grants let go), or,
         once the writer refuses them, the file's chunk files here cut back to what
         the writer holds."""
-        for ino, (caller, body) in list(self.untold.items()):
-            if ino in self._busy or self.untold.get(ino, (None, None))[1] is not body:
+        for ino, (caller, body, owner) in list(self.untold.items()):
+            if ino in self._busy or ino not in self.untold or self.untold[ino][1] is not body:
                 continue  # (opened here again meanwhile: that open tells it)
             done = self._busy[ino] = trio.Event()  # (an open here waits for this)
             try:
-                if not await self._retold(ino, caller, body) and "size" in body:
+                if not await self._retold(ino, caller, body, owner) and "size" in body:
                     row = await self.read_row(ino)
                     await self.cut(row, row.size)
             except OSError as e:
@@ -335,14 +353,15 @@ class MountWrites:
                 # (the file is gone: the writer removes its chunk files)
             finally:
                 self._unbusy(ino, done)
-            if self.untold.get(ino, (None, None))[1] is body:
+            if ino in self.untold and self.untold[ino][1] is body:
                 del self.untold[ino]
 
-    async def _retold(self, ino: int, caller: Caller, body: dict[str, Any]) -> bool:
+    async def _retold(self, ino: int, caller: Caller, body: dict[str, Any], owner: int
+                      ) -> bool:
         """Tell an untold close: True if the writer took it, False if it refused it
         (logged); anything else (not reached, a passing refusal) raises."""
         try:
-            await self._written(caller, body)
+            await self._granted_ask(caller, "node_written", body, owner)
             return True
         except OSError as e:
             if e.errno not in REFUSED:

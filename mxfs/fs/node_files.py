@@ -64,7 +64,6 @@ from mxfs.fs.limits import Limits
 from mxfs.fs.node_writes import (
     Grants,
     Rooms,
-    granted,
     mount_create,
     mount_open,
     mount_written,
@@ -144,7 +143,8 @@ class NodeFiles:
         # owners' quotas reserved for those nodes.
         self.rooms = Rooms(vol)
         self.grants = Grants(self.rooms)
-        self.dead_since: dict[str, float] = {}  # nodes holding files, their lease gone
+        # Nodes (by epoch) holding files or shares, whose lease was first seen gone then.
+        self.dead_since: dict[tuple[str, int], float] = {}
         # Names changed for nodes, by (node, token): a repeat is answered, not redone.
         self.names_done: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
 
@@ -200,16 +200,15 @@ class NodeFiles:
             if "size" not in msg:  # (the node's last close of a file it told of)
                 self.grants.let_go(node, ino)
                 return {}, [], None
-            self.grants.check(node, epoch, ino)
-            row = mount_written(self.vol, self.rooms, caller, msg, node)
+            share = self.grants.check(node, epoch, ino)
+            row = mount_written(self.vol, self.rooms, share, caller, msg, node)
+            said = self.rooms.said(share)  # (what is left of the node's share)
             if bool_field(msg, "last"):
                 self.grants.let_go(node, ino)
-            return dict(describe(self.vol, row)), [], row.ino
+            return {**describe(self.vol, row), **said}, [], row.ino
         if op == "node_room":  # (a granted file's writes need more of its owner's quota)
-            ino = int_field(msg, "ino")
-            self.grants.check(node, epoch, ino)
-            return granted(self.rooms, self.vol.store.get(ino), node,
-                           int_field(msg, "need")), [], None
+            share = self.grants.check(node, epoch, int_field(msg, "ino"))
+            return self.rooms.top_up(share, int_field(msg, "need"), grow=True), [], None
         made: list[tuple[int, bytes]] = []
         if op == "node_create":
             row, new = mount_create(self.vol, caller, msg, node)
@@ -220,13 +219,15 @@ class NodeFiles:
                              node)
         self.grants.grant(node, epoch, row.ino, row.uid)
         self.vol.let_go(self.vol.holds.hold(node, epoch, row.ino))  # (open there: kept)
-        return {**describe(self.vol, row), **granted(self.rooms, row, node)}, made, None
+        return {**describe(self.vol, row), "owner": row.uid,
+                **self.rooms.top_up((node, epoch, row.uid))}, made, None
 
     def _xattr(self, caller: Caller, op: str, msg: Msg
                ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
         """An extended attribute set or removed through a node's mount, judged here as
         the kernel judges it on the writer's own (`may_xattr`; the layout attribute:
         its owner or root)."""
+        refuse_if_degraded(self.vol)  # (its own mount is read-only then)
         row = self.vol.store.get(int_field(msg, "ino"))
         name = b64_bytes_field(msg, "name", 255)  # (any bytes but NUL: "/" too)
         if name != LAYOUT_XATTR:
@@ -239,30 +240,36 @@ class NodeFiles:
         return {}, [], row.ino
 
     def _hold(self, msg: Msg, node: str, epoch: int) -> dict[str, Any]:
-        """Files `node`'s mount opened ("hold") and closed ("let_go") since it last
-        said, and the feed row it had read before it looked ("seen": absent when it
-        could not say every hold at once), as `fs/held_open.py` tells them.  The reply
-        names this writer's epoch (a word meant for another writer changes nothing:
-        the node tells all again) and the files gone before their hold came
-        ("stale")."""
+        """A word of `fs/held_open.py`: the files `node`'s mount opened ("hold") and
+        closed ("let_go") since its last word, or all it holds ("full"), and the feed
+        row it had read before it looked ("seen": absent when the word could not say
+        every hold).  Words are numbered ("word"): one sent again, or late, changes
+        nothing.  The reply names this writer's epoch: a word meant for another
+        writer changes nothing either, and the node tells all again."""
         own = self.vol.lease.epoch if self.vol.lease is not None else 0
         if int_field(msg, "writer") != own:
-            return {"writer": own, "stale": []}
-        holds, freed, stale = self.vol.holds, [], []
-        for ino in ints_field(msg, "let_go", HOLDS_AT_ONCE):
-            if holds.let_go(node, epoch, ino):
-                freed.append(ino)
-        for ino in ints_field(msg, "hold", HOLDS_AT_ONCE):
-            try:
-                self.vol.store.get(ino)
-            except OSError:
-                stale.append(ino)  # (freed before: its node refused the open itself)
-                continue
-            freed += holds.hold(node, epoch, ino)
-        if "seen" in msg:
-            holds.heard(node, epoch, int_field(msg, "seen"))
-        self.vol.let_go(freed)
-        return {"writer": own, "stale": stale}
+            return {"writer": own}
+        hold = ints_field(msg, "hold", HOLDS_AT_ONCE)
+        let_go = ints_field(msg, "let_go", HOLDS_AT_ONCE)
+        seen = int_field(msg, "seen") if "seen" in msg else None
+        holds, freed, word = self.vol.holds, [], int_field(msg, "word")
+        if not holds.fresh(node, epoch, word):
+            return {"writer": own}
+        try:
+            if bool_field(msg, "full"):
+                freed += holds.replace(node, epoch, hold)
+            else:
+                for ino in let_go:
+                    if holds.let_go(node, epoch, ino):
+                        freed.append(ino)
+                for ino in hold:
+                    freed += holds.hold(node, epoch, ino)
+            if seen is not None:
+                holds.heard(node, epoch, seen)
+            holds.took(node, epoch, word)
+        finally:
+            self.vol.let_go(freed)
+        return {"writer": own}
 
     def _name(self, caller: Caller, op: str, msg: Msg, node: str
               ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
@@ -282,7 +289,7 @@ class NodeFiles:
                 else None
             kind = stat.S_IFLNK | 0o777 if link is not None else \
                 stat.S_IFDIR | (int_field(msg, "mode") & 0o7777) if op == "node_mkdir" \
-                else _made_by_mknod(int_field(msg, "mode"), caller)
+                else _made_by_mknod(int_field(msg, "mode"), int_field(msg, "rdev", 0), caller)
             self.vol.pool.check_meta_room(META_ROW + len(name) + len(link or b""))
             self.vol.quotas.room(caller.uid, inodes=1)
             mode, gid = owner_for(parent, kind, caller.uid, caller.gid,
@@ -480,22 +487,21 @@ class NodeFiles:
 
 
     def _sweep_holds(self, now: float) -> None:
-        """The files nodes' mounts held open are let go once the node joined again or
-        its lease has been gone GRACE_S; then too the shares of quotas reserved for it."""
+        """What nodes' mounts held open, their grants and the shares of quotas reserved
+        for them go once the node joined again (at once) or its lease has been gone
+        GRACE_S (a node whose renewal was late a moment keeps them)."""
         alive, holds = self.vol.reader_epochs, self.vol.holds
-        nodes = {**{node: None for node, _ in self.rooms.shares}, **holds.nodes()}
-        for node, epoch in nodes.items():
-            if node in alive and epoch in (None, alive[node]):
-                self.dead_since.pop(node, None)
+        for node, epoch in {*holds.nodes().items(), *self.rooms.nodes()}:
+            if alive.get(node) == epoch:
+                self.dead_since.pop((node, epoch), None)
                 continue
-            since = self.dead_since.setdefault(node, now)
+            since = self.dead_since.setdefault((node, epoch), now)
             if node in alive or now - since >= GRACE_S:
-                log.info("node %s (epoch %s) holds no files open now: its lease ran out",
+                log.info("node %s (epoch %d) holds no files open now: its lease ran out",
                          node, epoch)
-                self.dead_since.pop(node, None)
-                self.vol.let_go(holds.drop(node))
-                if node not in alive:
-                    self.rooms.drop(node)
+                self.dead_since.pop((node, epoch), None)
+                self.vol.let_go(holds.drop(node, epoch))
+                self.grants.drop(node, epoch)
 
 
 class ForwardedFiles:
@@ -569,13 +575,13 @@ class ForwardedFiles:
                           "on the writer node, or on a node that holds members")
 
 
-def _made_by_mknod(mode: int, caller: Caller) -> int:
+def _made_by_mknod(mode: int, rdev: int, caller: Caller) -> int:
     """The mode of what mknod makes: a file, FIFO or socket for anyone, a device for
-    root only (CAP_MKNOD)."""
+    root only (CAP_MKNOD; but a whiteout, 0:0)."""
     kind = stat.S_IFMT(mode)
     if kind in (stat.S_IFCHR, stat.S_IFBLK):
-        if caller.uid != 0:
-            raise OSError(errno.EPERM, "only root makes device nodes")
+        if caller.uid != 0 and not (kind == stat.S_IFCHR and rdev == 0):  # (a whiteout:
+            raise OSError(errno.EPERM, "only root makes device nodes")  # anyone's)
     elif kind not in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK):
         raise OSError(errno.EINVAL, "mknod makes files, FIFOs, sockets and devices")
     return kind | (mode & 0o7777)

@@ -40,92 +40,130 @@ GRANTS = 65536  # files granted to nodes the writer remembers (the oldest go fir
 SHARE_MIN = 8 << 20  # the least share of an owner's quota reserved for a node at once
 
 
+Share = tuple[str, int, int]  # (node, epoch, owner)
+
+
 class Rooms:
-    """Shares of owners' byte quotas reserved for nodes, by (node, owner): held in
-    the quotas' reservations (`Quotas.reserve`), so every other writer of that owner
-    sees them spent.  A share grows as the node asks (at least doubled, at least
-    SHARE_MIN, never more than half of what the owner has left beyond the request:
-    near the limit shares shrink, and other nodes keep some); what the node's closes
-    told comes out of it; the rest goes back once the node holds no granted file of
-    that owner, or the node is gone."""
+    """Shares of owners' byte quotas reserved for nodes, by (node, epoch, owner): held
+    in the quotas' reservations (`Quotas.reserve`), so every other writer of that
+    owner sees them spent.  A grant gives a node SHARE_MIN at most; its writes ask for
+    more (`node_room`: at least doubled, never more than half of what the owner has
+    left beyond the request: near the limit shares shrink, and others keep some);
+    what the node's closes told comes out of it; the rest goes back once the node
+    holds no granted file of that owner, or the node joined again or is gone.  Each
+    answer names the share's version: a node keeps the newest it heard."""
 
     def __init__(self, vol: Volume) -> None:
         self.vol = vol
-        self.shares: dict[tuple[str, int], int] = {}
+        self.shares: dict[Share, int] = {}
+        self.version = 0  # (counts every change of any share)
+        self.versions: dict[Share, int] = {}
 
-    def top_up(self, node: str, owner: int, need: int = 0) -> int | None:
-        """The node's share of `owner`'s quota, grown toward `need` (None: no byte
-        limit holds for the owner)."""
-        left = self.vol.quotas.left(owner)
+    def top_up(self, share: Share, need: int = 0, grow: bool = False) -> dict[str, Any]:
+        """The node's share grown toward `need` (beyond that: at least SHARE_MIN, or
+        if `grow`, at least doubled), as an answer's fields ("room", "room_v"; none:
+        no byte limit holds for the owner)."""
+        left = self.vol.quotas.left(share[2])
         if left is None:
-            self.give_back(node, owner)
-            return None
-        have = self.shares.get((node, owner), 0)
+            self.give_back(share)
+            return {}
+        have = self.shares.get(share, 0)
         short = max(0, need - have)
-        if short > left:  # (the node refuses the write: EDQUOT)
-            return have
-        extra = short + min(max(have, SHARE_MIN), (left - short) // 2)
-        if extra:
-            self.shares[(node, owner)] = have + extra
-            self.vol.quotas.reserve(owner, extra)
-        return have + extra
+        if short <= left:  # (else the node refuses the write: EDQUOT)
+            more = max(have, SHARE_MIN) if grow else max(0, SHARE_MIN - have)
+            self._change(share, short + min(more, (left - short) // 2))
+        return self.said(share)
 
-    def spend(self, node: str, owner: int, grown: int) -> int:
+    def said(self, share: Share) -> dict[str, Any]:
+        """The share as an answer's fields: "room", and "room_v" (this writer's epoch
+        and the share's version: a node keeps the newest it heard)."""
+        if share not in self.shares and self.vol.quotas.left(share[2]) is None:
+            return {}
+        epoch = self.vol.lease.epoch if self.vol.lease is not None else 0
+        return {"room": self.shares.get(share, 0),
+                "room_v": [epoch, self.versions.get(share, 0)]}
+
+    def spend(self, share: Share, grown: int) -> int:
         """A close told `grown` bytes more: how many of them the node's share covers
         (taken out of it once the store holds them: `spent`)."""
-        return min(max(0, grown), self.shares.get((node, owner), 0))
+        return min(max(0, grown), self.shares.get(share, 0))
 
-    def spent(self, node: str, owner: int, nbytes: int) -> None:
-        if nbytes:
-            self.shares[(node, owner)] -= nbytes
-            self.vol.quotas.release(owner, nbytes)
+    def spent(self, share: Share, nbytes: int) -> None:
+        self._change(share, -nbytes)
 
-    def give_back(self, node: str, owner: int) -> None:
-        """The node's share of `owner`'s quota, unspent, back to everyone."""
-        share = self.shares.pop((node, owner), 0)
-        if share:
-            self.vol.quotas.release(owner, share)
+    def _change(self, share: Share, nbytes: int) -> None:
+        if not nbytes:
+            return
+        self.shares[share] = self.shares.get(share, 0) + nbytes
+        if nbytes > 0:
+            self.vol.quotas.reserve(share[2], nbytes)
+        else:
+            self.vol.quotas.release(share[2], -nbytes)
+        self.version += 1
+        self.versions[share] = self.version
 
-    def drop(self, node: str) -> None:
-        """Every share of `node` (it died, or joined again)."""
-        for who, owner in [k for k in self.shares if k[0] == node]:
-            self.give_back(who, owner)
+    def give_back(self, share: Share) -> None:
+        """The node's share, unspent, back to everyone."""
+        left = self.shares.pop(share, 0)
+        self.versions.pop(share, None)
+        if left:
+            self.vol.quotas.release(share[2], left)
+
+    def drop(self, node: str, epoch: int | None = None) -> None:
+        """Every share of `node` (under `epoch`, or any: it joined again, or died)."""
+        for share in [k for k in self.shares if k[0] == node and epoch in (None, k[1])]:
+            self.give_back(share)
+
+    def nodes(self) -> set[tuple[str, int]]:
+        return {(node, epoch) for node, epoch, _ in self.shares}
 
 
 class Grants:
     """Files granted to nodes for writing through their mounts, by (node, inode): the
     epoch of the node that was granted each (a node that joined again is granted
-    anew).  A node lets a grant go after its last close of the file; past GRANTS the
-    oldest go, and a node told so (ESTALE) asks for the file again, judged anew."""
+    anew) and the file's owner.  A node lets a grant go after its last close of the
+    file; past GRANTS the oldest go, and a node told so (ESTALE) asks for the file
+    again, judged anew.  A node's last grant of an owner's files gives its share of
+    that owner's quota back."""
 
     def __init__(self, rooms: Rooms) -> None:
         self.rooms = rooms
         self._held: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
-        self._owners: dict[tuple[str, int], int] = {}  # (node, owner): files granted
+        self._owners: dict[Share, int] = {}  # files granted, by share
 
     def grant(self, node: str, epoch: int, ino: int, owner: int) -> None:
         self.let_go(node, ino)
         self._held[(node, ino)] = (epoch, owner)
-        self._owners[(node, owner)] = self._owners.get((node, owner), 0) + 1
+        share = (node, epoch, owner)
+        self._owners[share] = self._owners.get(share, 0) + 1
         while len(self._held) > GRANTS:
             self.let_go(*next(iter(self._held)))
 
-    def check(self, node: str, epoch: int, ino: int) -> None:
+    def check(self, node: str, epoch: int, ino: int) -> Share:
+        """The grant's share; ESTALE where `node` under `epoch` holds no grant of it."""
         held = self._held.get((node, ino))
         if held is None or held[0] != epoch:
             raise OSError(errno.ESTALE, f"inode {ino} is not granted for writing to node "
                           f"{node} (epoch {epoch}): open it again")
+        return node, epoch, held[1]
 
     def let_go(self, node: str, ino: int) -> None:
         """The grant goes; with the node's last of that owner's files, its share."""
         held = self._held.pop((node, ino), None)
         if held is None:
             return
-        key = (node, held[1])
-        self._owners[key] -= 1
-        if not self._owners[key]:
-            del self._owners[key]
-            self.rooms.give_back(*key)
+        share = (node, held[0], held[1])
+        self._owners[share] -= 1
+        if not self._owners[share]:
+            del self._owners[share]
+            self.rooms.give_back(share)
+
+    def drop(self, node: str, epoch: int | None = None) -> None:
+        """Every grant of `node` (under `epoch`, or any), and its shares."""
+        for key in [k for k, (e, _) in self._held.items()
+                    if k[0] == node and epoch in (None, e)]:
+            self.let_go(*key)
+        self.rooms.drop(node, epoch)
 
 
 def mount_create(vol: Volume, caller: Caller, msg: Msg, node: str
@@ -166,15 +204,8 @@ def mount_open(vol: Volume, caller: Caller, row: Inode, node: str) -> Inode:
     return row
 
 
-def granted(rooms: Rooms, row: Inode, node: str, need: int = 0) -> dict[str, Any]:
-    """What a node is told of a file it was granted, beside its description: its
-    owner, and the node's share of that owner's quota ("room", grown toward `need`;
-    absent: no byte limit)."""
-    room = rooms.top_up(node, row.uid, need)
-    return {"owner": row.uid, **({} if room is None else {"room": room})}
-
-
-def mount_written(vol: Volume, rooms: Rooms, caller: Caller, msg: Msg, node: str) -> Inode:
+def mount_written(vol: Volume, rooms: Rooms, share: Share, caller: Caller, msg: Msg,
+                  node: str) -> Inode:
     """The size and mtime a granted file's close (or cut) through `node`'s mount left."""
     row = vol.store.get(int_field(msg, "ino"))
     _may_write(vol, row, node)
@@ -184,9 +215,9 @@ def mount_written(vol: Volume, rooms: Rooms, caller: Caller, msg: Msg, node: str
     size, now = int_field(msg, "size"), time.time_ns()
     if not bool_field(msg, "cut"):
         size = max(size, row.size)  # (written past meanwhile elsewhere: kept)
-    covered = rooms.spend(node, row.uid, size - row.size)  # (reserved for it already)
+    covered = rooms.spend(share, size - row.size)  # (reserved for it already)
     vol.quotas.room(row.uid, size - row.size - covered)
-    rooms.spent(node, row.uid, covered)
+    rooms.spent(share, covered)
     mtime = int_field(msg, "mtime_ns", now) if caller.uid in (0, row.uid) else now
     vol.store.touch(row, size=size, mtime_ns=mtime, ctime_ns=now)
     vol.store.flush(row)

@@ -473,12 +473,11 @@ class MxfsOperations(pyfuse3.Operations):
         if self.held_open is None:
             return await self._open(inode, flags, ctx)
         held = inode in self.vol.open_inodes
-        self.held_open.opening(inode)  # (a reading node: noted before its row is read)
-        try:
+        self.held_open.open_begins(inode)  # (a reading node: counted before its row is
+        try:                               # read)
             return await self._open(inode, flags, ctx, held)
         finally:
-            if inode not in self.vol.open_inodes:  # (no handle was made)
-                self.held_open.closed(inode)
+            self.held_open.open_ends(inode)
 
     async def _open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext,
                     held: bool = True) -> pyfuse3.FileInfo:
@@ -517,16 +516,12 @@ class MxfsOperations(pyfuse3.Operations):
         caller = _caller(ctx)
         if not judged:  # (the writer judges the seal too: no store read here first)
             await self.written.open(node, caller)
-        if self.held_open is not None:  # (a grant holds it open there too)
-            self.held_open.granted(node.ino)
         try:
             info = self._open_handle(node, flags, ctx.uid)
         finally:
             self.written.opened(node.ino)
             if node.ino not in self.vol.open_inodes:  # (no handle was made)
                 self.written.closed(node.ino)
-                if self.held_open is not None:
-                    self.held_open.closed(node.ino)
         self.handles[info.fh].caller = caller
         if flags & os.O_TRUNC:
             try:
@@ -690,8 +685,6 @@ class MxfsOperations(pyfuse3.Operations):
         self.vol.release(ino)
         if ino not in self.vol.open_inodes and self.written is not None:
             self.written.closed(ino)
-        if ino not in self.vol.open_inodes and self.held_open is not None:
-            self.held_open.closed(ino)
         if ino not in self.vol.open_inodes:
             behind = self.behind.pop(ino, None)
             if behind is not None and behind.error is not None:

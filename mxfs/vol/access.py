@@ -192,14 +192,16 @@ def may_xattr(node: Inode, caller: Caller, name: bytes) -> None:
     trusted.* and security.* are root's; user.* only on regular files and folders
     (a sticky folder's its owner's), for who may write the inode; other namespaces are
     not kept."""
-    space = name.split(b".", 1)[0]
-    if space in (b"trusted", b"security"):
+    space, dot, rest = name.partition(b".")
+    if not dot or space not in (b"user", b"trusted", b"security"):
+        raise OSError(errno.EOPNOTSUPP, "only user.*, trusted.* and security.* "
+                      "attributes are kept")
+    if not rest:
+        raise OSError(errno.EINVAL, "an attribute name needs more than its namespace")
+    if space != b"user":
         if caller.uid != 0:
             raise OSError(errno.EPERM, f"{space.decode()}.* attributes are root's")
         return
-    if space != b"user":
-        raise OSError(errno.EOPNOTSUPP, "only user.*, trusted.* and security.* "
-                      "attributes are kept")
     if not (node.is_reg or node.is_dir):
         raise OSError(errno.EPERM, "user.* attributes are on files and folders only")
     if node.is_dir and node.mode & stat.S_ISVTX and caller.uid not in (0, node.uid):

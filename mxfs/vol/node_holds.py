@@ -33,6 +33,7 @@ class NodeHolds:
         self._by_node: dict[str, tuple[int, set[int]]] = {}
         self._holders: dict[int, int] = {}  # inode: how many nodes hold it
         self.seen: dict[str, tuple[int, int]] = {}  # node: (epoch, feed row it had read)
+        self.words: dict[str, tuple[int, int]] = {}  # node: (epoch, its last word's number)
         self._waiting: deque[tuple[int, int, float]] = deque()  # (mark, orphan, since)
         self.stalled = False  # (the oldest waited past STALL_S: said once)
 
@@ -49,13 +50,36 @@ class NodeHolds:
         out.update((node, epoch) for node, (epoch, _) in self._by_node.items())
         return out
 
+    def fresh(self, node: str, epoch: int, word: int) -> bool:
+        """Whether `node`'s word numbered `word` is newer than any taken from it under
+        `epoch` (`took`): a word sent again, or one late on a connection given up,
+        changes nothing."""
+        last = self.words.get(node)
+        return last is None or last[0] != epoch or word > last[1]
+
+    def took(self, node: str, epoch: int, word: int) -> None:
+        self.words[node] = (epoch, word)
+
+    def replace(self, node: str, epoch: int, inos: list[int]) -> list[int]:
+        """`node` holds exactly `inos` (a whole word); the inodes nobody holds now."""
+        held = self._by_node.get(node)
+        keep = set(inos)
+        freed = [] if held is None or held[0] == epoch else self.drop(node, held[0])
+        if held is not None and held[0] == epoch:
+            for ino in held[1] - keep:
+                if self.let_go(node, epoch, ino):
+                    freed.append(ino)
+        for ino in inos:
+            freed += self.hold(node, epoch, ino)
+        return freed
+
     def hold(self, node: str, epoch: int, ino: int) -> list[int]:
         """Hold `ino` for `node` under `epoch`; the inodes nobody holds now that an
         older epoch's holds of that node went."""
         freed: list[int] = []
         held = self._by_node.get(node)
         if held is not None and held[0] != epoch:
-            freed = self.drop(node)
+            freed = self.drop(node, held[0])
             held = None
         if held is None:
             held = self._by_node[node] = (epoch, set())
@@ -81,11 +105,17 @@ class NodeHolds:
         """`node` told every hold it had after reading the feed up to row `seen`."""
         self.seen[node] = (epoch, seen)
 
-    def drop(self, node: str) -> list[int]:
-        """Everything `node` held (it died, or joined again): the inodes nobody holds now."""
-        self.seen.pop(node, None)
-        _, inos = self._by_node.pop(node, (0, set()))
-        return [ino for ino in inos if self._unheld(ino)]
+    def drop(self, node: str, epoch: int | None = None) -> list[int]:
+        """Everything `node` held (under `epoch`, or any: it died, or joined again):
+        the inodes nobody holds now.  Its word under a newer epoch stays."""
+        for said in (self.seen, self.words):
+            if epoch is None or said.get(node, (epoch, 0))[0] == epoch:
+                said.pop(node, None)
+        held = self._by_node.get(node)
+        if held is None or epoch is not None and held[0] != epoch:
+            return []
+        del self._by_node[node]
+        return [ino for ino in held[1] if self._unheld(ino)]
 
     def wait(self, inos: list[int], mark: int, now: float) -> None:
         """These orphans' unlinks committed by feed row `mark`: reclaimed once every
