@@ -72,3 +72,14 @@ def test_a_node_holds_a_bounded_number(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(OSError) as e:
         h.hold("b", 1, 3)
     assert e.value.errno == errno.ENFILE
+
+
+def test_words_are_taken_once_and_a_dropped_node_is_known_no_more() -> None:
+    h = NodeHolds()
+    assert h.fresh("b", 1, 1) and not h.knows("b", 1)
+    h.took("b", 1, 1)
+    assert h.knows("b", 1) and not h.fresh("b", 1, 1) and h.fresh("b", 1, 2)
+    assert h.fresh("b", 2, 1) and not h.knows("b", 2)  # (a new epoch starts anew)
+    h.hold("b", 1, 8)
+    assert h.drop("b", 1) == [8]
+    assert not h.knows("b", 1)  # (its next word that is not whole is told: again)

@@ -10,9 +10,10 @@ a file removed elsewhere) unless this node has it open already.  A few times a s
 it had read before it looked (`seen`): the writer frees an orphan only once every
 live node's word is past the row that unlinked it, so a file open here then is held,
 and one opened later was refused.  Words are numbered and told in order; one whose
-answer never came is sent again as it was, and every FULL_S (or to a writer of
-another epoch: it restarted) the node says all it holds, so no lost answer, lapse or
-restart leaves the writer holding too much or too little for long.  Opens for writing
+answer never came is sent again as it was, and every FULL_S, to a writer of another
+epoch (it restarted) and to one that dropped this node's holds (its lease ran out a
+while) the node says all it holds, so no lost answer, lapse or restart leaves the
+writer holding too much or too little for long.  Opens for writing
 are held by the writer's grants themselves (`granted`).
 """
 
@@ -113,11 +114,12 @@ class HeldOpen:
 
     async def _send(self, body: dict[str, Any]) -> bool:
         """Send a word and take its answer; False if the writer is of another epoch
-        than it was meant for (then nothing of it was taken: all is told again)."""
+        than it was meant for, or holds nothing of this node's now (then nothing of
+        it was taken: all is told again)."""
         self.pending = body
         reply = await self.forwarded.ask(ROOT, "node_hold", body)
         self.pending = None
-        if reply["writer"] != body["writer"]:
+        if reply["writer"] != body["writer"] or reply.get("again"):
             self.told, self.told_to, self.said, self.full_at = set(), reply["writer"], -1, 0.0
             return False
         if body.get("full"):

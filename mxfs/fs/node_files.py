@@ -245,7 +245,9 @@ class NodeFiles:
         row it had read before it looked ("seen": absent when the word could not say
         every hold).  Words are numbered ("word"): one sent again, or late, changes
         nothing.  The reply names this writer's epoch: a word meant for another
-        writer changes nothing either, and the node tells all again."""
+        writer changes nothing either, and the node tells all again, as it does when
+        told "again" (a word that is not whole, from a node whose holds this writer
+        dropped: its lease ran out a while, or this writer restarted)."""
         own = self.vol.lease.epoch if self.vol.lease is not None else 0
         if int_field(msg, "writer") != own:
             return {"writer": own}
@@ -255,6 +257,8 @@ class NodeFiles:
         holds, freed, word = self.vol.holds, [], int_field(msg, "word")
         if not holds.fresh(node, epoch, word):
             return {"writer": own}
+        if not bool_field(msg, "full") and not holds.knows(node, epoch):
+            return {"writer": own, "again": True}  # (its holds went: say them all)
         try:
             if bool_field(msg, "full"):
                 freed += holds.replace(node, epoch, hold)

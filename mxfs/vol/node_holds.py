@@ -57,6 +57,11 @@ class NodeHolds:
         last = self.words.get(node)
         return last is None or last[0] != epoch or word > last[1]
 
+    def knows(self, node: str, epoch: int) -> bool:
+        """Whether a word of `node` under `epoch` was taken since its holds last went."""
+        last = self.words.get(node)
+        return last is not None and last[0] == epoch
+
     def took(self, node: str, epoch: int, word: int) -> None:
         self.words[node] = (epoch, word)
 
