@@ -474,9 +474,10 @@ class NodeFiles:
     def sweep(self, now: float) -> None:
         """(Once a second.)  Drop the files of nodes that joined again since, or whose
         lease has been gone GRACE_S: a node that died never says it let them go (one
-        whose renewal was late a moment keeps them)."""
+        whose renewal was late a moment keeps them); so too what they held open, their
+        grants and their quota shares."""
         alive = self.vol.reader_epochs
-        self._sweep_holds(now)
+        self._sweep_nodes(now)
         for ino, held in list(self.files.items()):
             epoch = alive.get(held.node)
             if epoch == held.epoch:
@@ -490,7 +491,7 @@ class NodeFiles:
                 self._drop(ino)
 
 
-    def _sweep_holds(self, now: float) -> None:
+    def _sweep_nodes(self, now: float) -> None:
         """What nodes' mounts held open, their grants and the shares of quotas reserved
         for them go once the node joined again (at once) or its lease has been gone
         GRACE_S (a node whose renewal was late a moment keeps them)."""
@@ -501,8 +502,9 @@ class NodeFiles:
                 continue
             since = self.dead_since.setdefault((node, epoch), now)
             if node in alive or now - since >= GRACE_S:
-                log.info("node %s (epoch %d) holds no files open now: its lease ran out",
-                         node, epoch)
+                log.info("node %s (epoch %d) holds no files open, grants or quota shares "
+                         "now: %s", node, epoch,
+                         "it joined again" if node in alive else "its lease ran out")
                 self.dead_since.pop((node, epoch), None)
                 self.vol.let_go(holds.drop(node, epoch))
                 self.grants.drop(node, epoch)
