@@ -5,7 +5,9 @@ every uid without one of its own), so they survive remounts and travel with dump
 `mxfs quota` sets them through the daemon.  What a uid owns is the store's tally
 (`meta/usage.py`: its inodes, its regular files' sizes, KV chunks among them, and its
 inodes' extended attributes)
-plus what its unpublished direct writes and KV chunks declared (`reserved`): a
+plus what its unpublished direct writes and KV chunks declared, and the shares of it
+reserved for nodes writing its files through their mounts (`reserved`:
+`fs/node_writes.Rooms`): a
 direct writer is charged its declared size when it creates the file, and its chunk
 files are cut back to that size (`fs/session.py`), so descriptors a writer holds
 cannot take it past its quota either.
