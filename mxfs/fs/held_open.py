@@ -5,8 +5,9 @@ is, or on another node) keeps its bytes until this node's last close.
 No open waits for the writer: an open counts itself (`open_begins`) before it reads
 the file's row, and refuses a file whose row has no link left (ESTALE, as NFS answers
 a file removed elsewhere) unless this node has it open already.  A few times a second
-(`run`) the node tells the writer what it holds now against what it last told
-(`node_hold`: the files open here, and those opening), with the last change feed row
+(`run`) the node tells the writer what changed among the files it holds, those
+opened, opening or closed since its last word, against what it last told (`node_hold`:
+a round costs what changed, not what is open), with the last change feed row
 it had read before it looked (`seen`): the writer frees an orphan only once every
 live node's word is past the row that unlinked it, so a file open here then is held,
 and one opened later was refused.  Words are numbered and told in order; one whose
@@ -52,6 +53,7 @@ class HeldOpen:
         self.vol = forwarded.vol
         self.seen = seen  # the last change feed row this node read
         self.opening: Counter[int] = Counter()  # opens under way, by inode
+        self.touched: set[int] = set()  # opened, opening or closed since the last word
         self.told: set[int] = set()
         self.told_to = 0
         self.said = -1
@@ -63,18 +65,30 @@ class HeldOpen:
     def open_begins(self, ino: int) -> None:
         """Before `ino`'s row is read for an open here (`open_ends` after)."""
         self.opening[ino] += 1
+        self.touched.add(ino)
 
     def open_ends(self, ino: int) -> None:
         self.opening[ino] -= 1
         if not self.opening[ino]:
             del self.opening[ino]
+        self.touched.add(ino)
+
+    def closed(self, ino: int) -> None:
+        """The last handle of `ino` here is gone."""
+        self.touched.add(ino)
 
     def granted(self, ino: int) -> None:
         """The writer holds `ino` for this node (it granted an open for writing)."""
         self.told.add(ino)
+        self.touched.add(ino)  # (let go with the next word if no handle came of it)
+
+    def holds(self, ino: int) -> bool:
+        """Whether this node holds `ino` now: open here, or being opened."""
+        entry = self.vol.open_inodes.get(ino)
+        return ino in self.opening or entry is not None and entry.node.is_reg
 
     def want(self) -> set[int]:
-        """The files this node holds: open here, or being opened."""
+        """Every file this node holds (for a whole word, every FULL_S)."""
         open_now = {ino for ino, entry in self.vol.open_inodes.items() if entry.node.is_reg}
         return open_now | set(self.opening)
 
@@ -95,10 +109,17 @@ class HeldOpen:
                 await self._send(self.pending)
             for _ in range(2):  # (again at once when the writer turned out another)
                 seen = self.seen()  # (read before looking at what is open)
-                want = self.want()
                 full = self.told_to == 0 or time.monotonic() - self.full_at >= FULL_S
-                hold = sorted(want if full else want - self.told)
-                let_go = [] if full else sorted(self.told - want)[:HOLDS_AT_ONCE]
+                if full:  # (every file held; else only those touched since: a round
+                    hold, let_go = sorted(self.want()), []  # costs what changed)
+                    self.touched.clear()
+                else:
+                    touched, self.touched = self.touched, set()
+                    hold = sorted(i for i in touched if i not in self.told and self.holds(i))
+                    let_go = sorted(i for i in touched if i in self.told and not self.holds(i))
+                    self.touched.update(let_go[HOLDS_AT_ONCE:])  # (the rest: next word)
+                    let_go = let_go[:HOLDS_AT_ONCE]
+                self.touched.update(hold[HOLDS_AT_ONCE:])  # (the rest with the next word)
                 if not full and not hold and not let_go and seen == self.said:
                     return
                 self.word += 1

@@ -685,6 +685,8 @@ class MxfsOperations(pyfuse3.Operations):
         self.vol.release(ino)
         if ino not in self.vol.open_inodes and self.written is not None:
             self.written.closed(ino)
+        if ino not in self.vol.open_inodes and self.held_open is not None:
+            self.held_open.closed(ino)
         if ino not in self.vol.open_inodes:
             behind = self.behind.pop(ino, None)
             if behind is not None and behind.error is not None:
