@@ -2157,11 +2157,15 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
             return not any(_chunk(m, ino).exists() for m in members) \
                 and not _in_store(url, ino)
 
+        def open_on_b(name: str) -> tuple[int, int]:
+            """`name` written on the writer, then opened on b: (descriptor, inode)."""
+            (a.path / name).write_bytes(data)
+            assert eventually(lambda: (b.path / name).exists(), 15)
+            fd = os.open(b.path / name, os.O_RDONLY)
+            return fd, os.fstat(fd).st_ino
+
         # Striped over a's and b's members, open on b, unlinked on the writer.
-        (a.path / "models" / "m.bin").write_bytes(data)
-        ino = _used(a, a.path / "models" / "m.bin")[0]
-        assert eventually(lambda: (b.path / "models" / "m.bin").exists(), 15)
-        fd = os.open(b.path / "models" / "m.bin", os.O_RDONLY)
+        fd, ino = open_on_b("models/m.bin")
         (a.path / "models" / "m.bin").unlink()
         time.sleep(2)  # (the writer's reclaim rounds run ten times a second)
         assert whole(fd, len(data)) == data
@@ -2215,9 +2219,7 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
                     word(**bad)
                 assert e.value.errno == errno.EINVAL
         # ... and b's own words go on: a file open on b and unlinked on a is still kept.
-        (a.path / "models" / "m2.bin").write_bytes(data)
-        assert eventually(lambda: (b.path / "models" / "m2.bin").exists(), 15)
-        fd = os.open(b.path / "models" / "m2.bin", os.O_RDONLY)
+        fd, _ = open_on_b("models/m2.bin")
         (a.path / "models" / "m2.bin").unlink()
         time.sleep(1)
         assert whole(fd, len(data)) == data
@@ -2237,10 +2239,7 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
         assert eventually(lambda: gone(tmp, theirs), 15)
         # On the writer's members, unlinked through b; then the writer restarts: it
         # frees the orphans it finds only once b told it its holds again.
-        (a.path / "mine.bin").write_bytes(data)
-        assert eventually(lambda: (b.path / "mine.bin").exists(), 15)
-        fd = os.open(b.path / "mine.bin", os.O_RDONLY)
-        mine_ino = os.fstat(fd).st_ino
+        fd, mine_ino = open_on_b("mine.bin")
         os.unlink(b.path / "mine.bin")
         mxfs("umount", str(a.path))
         mxfs("mount", "-o", ",".join(("allow_other", *WRITER, f"chunk_addr={net.host_ip}")),
@@ -2250,10 +2249,7 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
         os.close(fd)
         assert eventually(lambda: gone(mine_ino, mine), 15)
         # b dies holding one: the writer reclaims it once b's lease is gone a while.
-        (a.path / "last.bin").write_bytes(data)
-        assert eventually(lambda: (b.path / "last.bin").exists(), 15)
-        fd = os.open(b.path / "last.bin", os.O_RDONLY)
-        last = os.fstat(fd).st_ino
+        fd, last = open_on_b("last.bin")
         (a.path / "last.bin").unlink()
         time.sleep(2)
         assert _chunk(mine[0], last).exists() or _chunk(mine[1], last).exists()
