@@ -13,8 +13,9 @@ the same chunks each way, in batches of --batch, in one run:
            beside the engine's own store in a plain folder: SGLang's HiCacheFile,
            LMCache's fs L2 adapter and LocalDiskBackend, vLLM's fs offloading tier;
            put, put + sync (os.sync after the puts, timed), lookups, cold and warm gets
-Then small-chunk operations (4 KiB puts and gets, single and batched) and eviction
-speed (deletes a second).  Every chunk read is compared with what was stored (outside
+Then small-chunk operations (4 KiB puts and gets, single and batched) beside a file per
+chunk in a plain folder and a round trip that does nothing, and eviction speed (deletes
+a second).  Every chunk read is compared with what was stored (outside
 the clock).  Medians of --repeat rounds; mxfs/peer ratios are medians of per-round
 ratios of speeds (above 1, mxfs is ahead).  An engine that does not import is skipped
 with the reason; the engines live in their own virtualenv:
@@ -229,11 +230,17 @@ def engine_round(arm: peers.Arm, ctx: peers.Ctx) -> dict[str, float | None]:
             "lookups": exists, "get": nbytes / cold / 1e9, "get_warm": nbytes / warm / 1e9}
 
 
-def small_round(kv: KVStore, r: int, n: int) -> dict[str, float]:
-    """4 KiB chunks: operations a second, single and batched; then evictions a second."""
+def small_round(kv: KVStore, folder: str, r: int, n: int) -> dict[str, float]:
+    """4 KiB chunks: operations a second, single and batched; then evictions a second.
+    Beside them, one round trip's floor (a request that does nothing: `kv_stats`) and
+    the peer a user would pick, a file per chunk in a plain folder (created, written and
+    closed; opened, read and closed): its creates are the file system's, as each
+    mxfs chunk's are."""
     small = os.urandom(4096)
     keys = [f"s{r}-{i}" for i in range(n)]
-    res = {"put": n / timed(lambda: [kv.put(k, small) for k in keys])}
+    res = {"round_trip": n / timed(lambda: [kv.usage() for _ in keys])}
+    res |= small_files(os.path.join(folder, f"small-{r}"), keys, small)
+    res["put"] = n / timed(lambda: [kv.put(k, small) for k in keys])
     got: list[Any] = []
 
     def get_each() -> None:
@@ -260,6 +267,30 @@ def small_round(kv: KVStore, r: int, n: int) -> dict[str, float]:
     secs = timed(lambda: kv.clear())
     res["evict"] = (before - kv.usage()["chunks"]) / secs
     time.sleep(min(5.0, n / 400))  # let the daemon reclaim the evicted chunk files
+    return res
+
+
+def small_files(folder: str, keys: list[str], small: bytes) -> dict[str, float]:
+    """A file per 4 KiB chunk: puts and gets a second (each read back compared)."""
+    os.makedirs(folder)
+    paths = [os.path.join(folder, k) for k in keys]
+
+    def put(path: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, small)
+        finally:
+            os.close(fd)
+
+    def get(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    res = {"files_put": len(paths) / timed(lambda: [put(p) for p in paths])}
+    got: list[bytes] = []
+    res["files_get"] = len(paths) / timed(lambda: got.extend(get(p) for p in paths))
+    if any(g != small for g in got):
+        raise Mismatch("a 4 KiB file read back other bytes")
     return res
 
 
@@ -356,7 +387,7 @@ def run(args: argparse.Namespace, pool: ScratchPool) -> dict[str, Any]:
     ops: list[dict[str, float]] = []
     for r in range(args.repeat):
         try:
-            res = small_round(kv, r, args.small)
+            res = small_round(kv, pool.plain, r, args.small)
         except Mismatch as e:
             failed["4KiB ops"] = str(e)
             break
@@ -454,6 +485,10 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> int:
             v = statistics.median(r[a] / r[b] for r in rs)
             met = "" if target is None else ("yes" if v >= target else "no")
             print(f"| {label} {what} | {v:.2f} | {target or ''} | {met} |")
+    for k, peer in (("put", "files_put"), ("get", "files_get")):
+        if k in ops_med and peer in ops_med:
+            v = statistics.median(r[k] / r[peer] for r in ops)
+            print(f"| 4 KiB single {k} / a file per chunk | {v:.2f} | | |")
     for k in ("put", "get", "batch_put", "batch_get"):
         if k in ops_med:
             v = ops_med[k]
