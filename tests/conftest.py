@@ -48,7 +48,8 @@ REQUIRE_ENGINES = bool(os.environ.get("MXFS_REQUIRE_ENGINES"))
 LAYERS = {
     "unit": {"test_header_fuzz", "test_io_engine", "test_kv_keys", "test_layout",
              "test_meta_conformance", "test_meta_sqlite", "test_ttft_model", "test_reuse_policy",
-             "test_ckpt_partials", "test_read_ahead", "test_node_holds"},
+             "test_ckpt_partials", "test_read_ahead", "test_node_holds",
+             "test_node_grants"},
     "faults": {"test_faults", "test_hostile", "test_shared_node", "test_soak", "test_quota",
                "test_tenancy", "test_meta_pg_faults", "test_offline_lock"},
     "pg": {"test_meta_pg_mount", "test_lease"},
@@ -445,19 +446,43 @@ def loop_pool(loop_members: list[str]) -> Iterator[Mounted]:
 
 
 @contextmanager
-def steady_page_cache() -> Iterator[None]:
+def steady_page_cache(*held: Path) -> Iterator[None]:
     """No drop of the page cache (mxfs.cli.measure.drop_caches, in any test process or
     benchmark) while this is held: for a test checking what a read left cached, beside
-    other workers that drop it.  Never drop caches inside it."""
+    other workers that drop it.  Never drop caches inside it.  The files `held` are
+    read in and their pages locked in memory meanwhile (mapped, mlock): the kernel's
+    reclaim, which other workers' I/O drives when memory is full of cache, evicted a
+    few pages of a file a test had just read (32 KiB of 4 MiB read from the owner)."""
+    import ctypes
     import fcntl
+    import mmap
 
     from mxfs.cli.measure import page_cache_lock
 
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lock = page_cache_lock()
+    maps: list[tuple[int, int]] = []
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        for path in held:
+            size = path.stat().st_size
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)
+            assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+            maps.append((addr, size))
+            assert libc.mlock(addr, size) == 0, os.strerror(ctypes.get_errno())
         yield
     finally:
+        for addr, size in maps:
+            libc.munmap(addr, size)  # (unlocks its pages)
         os.close(lock)
 
 

@@ -4,8 +4,6 @@ unlinked it, and never while one holds it."""
 
 from __future__ import annotations
 
-import errno
-
 import pytest
 
 from mxfs.vol import node_holds
@@ -64,14 +62,33 @@ def test_a_stall_names_the_nodes_behind() -> None:
     assert h.behind({"b": 1, "c": 1}, now=node_holds.STALL_S + 1) == ["c"]
 
 
-def test_a_node_holds_a_bounded_number(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_node_holds_a_bounded_number_and_its_word_is_still_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(node_holds, "MAX_HOLDS", 2)
     h = NodeHolds()
     h.hold("b", 1, 1)
     h.hold("b", 1, 2)
-    with pytest.raises(OSError) as e:
-        h.hold("b", 1, 3)
-    assert e.value.errno == errno.ENFILE
+    assert h.hold("b", 1, 3) == [] and 3 not in h  # (past the bound: not kept, no error
+    assert "b" in h.over  # that would leave the rest of the word untaken for good)
+    assert h.let_go("b", 1, 1) and h.hold("b", 1, 3) == [] and 3 in h
+
+
+def test_a_whole_word_in_parts_lets_go_only_what_no_part_named() -> None:
+    h = NodeHolds()
+    for ino in (1, 2, 3, 50):
+        h.hold("b", 1, ino)
+    h.hold("c", 1, 50)
+    assert h.whole("b", 1, 0, [1, 2], last=False) == []
+    assert 3 in h and 50 in h  # (nothing let go before the last part)
+    assert h.whole("b", 1, 1, [4], last=False) == [] and 4 in h  # (taken at once)
+    assert sorted(h.whole("b", 1, 2, [9], last=True) or []) == [3]  # (50: c holds it)
+    assert all(i in h for i in (1, 2, 4, 9, 50)) and 3 not in h
+    # A part out of order (one lost): nothing let go, the node is told to say all again.
+    assert h.whole("b", 1, 0, [1], last=False) == []
+    assert h.whole("b", 1, 2, [2], last=True) is None
+    assert all(i in h for i in (1, 2, 4, 9))
+    assert h.whole("b", 1, 1, [2], last=True) is None  # (the gathering was given up)
+    assert h.whole("b", 1, 0, [1, 2, 4, 9], last=True) == []  # (one part: whole at once)
 
 
 def test_words_are_taken_once_and_a_dropped_node_is_known_no_more() -> None:

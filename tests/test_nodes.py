@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import resource
 import shutil
 import signal
 import stat
@@ -52,6 +53,8 @@ from users import User, ensure_users, run_as
 import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
 from mxfs.client.direct import PlainFile, RemoteFile, open_reader
+from mxfs.fs import held_open
+from mxfs.fs.node_files import HOLDS_AT_ONCE
 from mxfs.io import Layout
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
@@ -1168,8 +1171,8 @@ def test_a_reading_node_reads_straight_from_the_owner(tmp_path: Path, pg_cluster
             assert _served(a) - before >= (a.path / "m.safetensors").stat().st_size - 4096
             assert _status(b)["remote_reads"]["grants"] == 0  # closed with the reader
             # What b's page cache holds through its mount is read from there (no test
-            # beside this one drops the page cache meanwhile).
-            with steady_page_cache():
+            # beside this one drops the page cache meanwhile, nor reclaim evicts it).
+            with steady_page_cache(b.path / "warm.bin"):
                 assert (b.path / "warm.bin").read_bytes() == warm
                 before = _served(a)
                 with open_reader(str(b.path / "warm.bin")) as f:
@@ -1961,6 +1964,25 @@ print(json.dumps([first, fill(sys.argv[2])]))
 """, str(b.path / "w" / "share.bin"), str(a.path / "w" / "fill.bin"))
         assert res[1] - res[0] >= 256 << 10, res
         assert (a.path / "w" / "share.bin").read_bytes() == b"x" * 65536
+        # Another of her files closed on b untouched while one stays open there: its
+        # let-go leaves b's share as it was (b read "no limit" into that answer, and her
+        # writes into the open file passed her quota until its close).
+        res = run_as(users["alice"], """
+import errno, time
+done = 0
+with open(sys.argv[1], "wb", buffering=0) as held:
+    held.write(b"h" * 65536)
+    open(sys.argv[2], "wb").close()
+    time.sleep(2.5)  # (b tells the writer that last close: the grant is let go)
+    try:
+        while done < 16 << 20:
+            done += held.write(b"h" * 65536)
+    except OSError as e:
+        print(json.dumps([e.errno, done]))
+        raise SystemExit(0)
+print(json.dumps([0, done]))
+""", str(b.path / "w" / "held.bin"), str(b.path / "w" / "untouched.bin"))
+        assert res[0] == errno.EDQUOT and res[1] < 3 << 20, res
         mxfs("quota", "--user", "mxfs-alice", "--clear", str(a.path))
         # Links, modes, owners and times through b's mount: the writer's, for the caller
         # (so shutil.copy2 and a Hugging Face cache's links work on a node).
@@ -2248,6 +2270,29 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
         assert whole(fd, len(data)) == data
         os.close(fd)
         assert eventually(lambda: gone(mine_ino, mine), 15)
+        # More files open on b than one word can name: its whole word (every 10 s) goes
+        # in parts, and a file unlinked meanwhile stays whole past the next ones (a
+        # first part alone let every hold past it go, and the file was freed).
+        many = HOLDS_AT_ONCE + 200
+        (a.path / "many").mkdir()
+        for i in range(many):
+            (a.path / "many" / str(i)).touch()
+        fd, past = open_on_b("past.bin")  # (its inode past every one of theirs)
+        assert eventually(lambda: (b.path / "many" / str(many - 1)).exists(), 15)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, many + 1024),
+                                                    max(hard, many + 1024)))
+        held = [os.open(b.path / "many" / str(i), os.O_RDONLY) for i in range(many)]
+        try:
+            (a.path / "past.bin").unlink()
+            time.sleep(2 * held_open.FULL_S + 1)
+            assert whole(fd, len(data)) == data
+        finally:
+            for h in held:
+                os.close(h)
+            os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert eventually(lambda: gone(past, mine), 15)
         # b dies holding one: the writer reclaims it once b's lease is gone a while.
         fd, last = open_on_b("last.bin")
         (a.path / "last.bin").unlink()

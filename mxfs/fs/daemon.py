@@ -286,6 +286,8 @@ class Daemon:
             tasks.append(self.feed.run)
         if self.ops.held_open is not None:
             tasks.append(self.ops.held_open.run)
+        if self.ops.written is not None:  # (closes through this node's mount, told)
+            tasks.append(self.ops.written.run)
         if self.vol.pool.node and self.vol.pool.local_members():  # a node's own members
             tasks.append(self._sweep_strays)
         if self.vol.store.feed is not None:  # a writer whose pool other nodes may mount
@@ -363,8 +365,7 @@ class Daemon:
     async def _revoke(self) -> None:
         """Once a second: what direct writers hold past their word is taken back,
         readers' connections to other nodes past their time are shut, KV claims of
-        other nodes' connections that ran out are dropped, and closes through a node's
-        mount the writer was not told of are told again."""
+        other nodes' connections that ran out are dropped."""
         failures = FailureLog(log)
         while True:
             await trio.sleep(1)
@@ -372,8 +373,6 @@ class Daemon:
                 self.control.remote.sweep()
                 self.control.kv.sweep()
                 await self.control.files.revoke()
-                if self.ops.written is not None:
-                    await self.ops.written.retell()
             except Exception as e:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))
 

@@ -13,7 +13,8 @@ live node's word is past the row that unlinked it, so a file open here then is h
 and one opened later was refused.  Words are numbered and told in order; one whose
 answer never came is sent again as it was, and every FULL_S, to a writer of another
 epoch (it restarted) and to one that dropped this node's holds (its lease ran out a
-while) the node says all it holds, so no lost answer, lapse or restart leaves the
+while) the node says all it holds (in parts of HOLDS_AT_ONCE: the writer lets go
+what no part named only with the last), so no lost answer, lapse or restart leaves the
 writer holding too much or too little for long.  Opens for writing
 are held by the writer's grants themselves (`granted`).
 """
@@ -31,6 +32,7 @@ import trio
 
 from mxfs.fs.node_files import HOLDS_AT_ONCE, ForwardedFiles
 from mxfs.vol.access import Caller
+from mxfs.vol.node_holds import MAX_HOLDS
 
 log = logging.getLogger("mxfs.control")
 
@@ -63,7 +65,11 @@ class HeldOpen:
         self._lock = trio.Lock()  # (one word at a time: in order)
 
     def open_begins(self, ino: int) -> None:
-        """Before `ino`'s row is read for an open here (`open_ends` after)."""
+        """Before `ino`'s row is read for an open here (`open_ends` after); ENFILE
+        where this node holds as many files as the writer keeps for one."""
+        if ino not in self.opening and ino not in self.vol.open_inodes and \
+                len(self.opening) + len(self.vol.open_inodes) >= MAX_HOLDS:
+            raise OSError(errno.ENFILE, f"this node has {MAX_HOLDS} files open: close some")
         self.opening[ino] += 1
         self.touched.add(ino)
 
@@ -109,29 +115,45 @@ class HeldOpen:
                 await self._send(self.pending)
             for _ in range(2):  # (again at once when the writer turned out another)
                 seen = self.seen()  # (read before looking at what is open)
-                full = self.told_to == 0 or time.monotonic() - self.full_at >= FULL_S
-                if full:  # (every file held; else only those touched since: a round
-                    hold, let_go = sorted(self.want()), []  # costs what changed)
-                    self.touched.clear()
-                else:
-                    touched, self.touched = self.touched, set()
-                    hold = sorted(i for i in touched if i not in self.told and self.holds(i))
-                    let_go = sorted(i for i in touched if i in self.told and not self.holds(i))
-                    self.touched.update(let_go[HOLDS_AT_ONCE:])  # (the rest: next word)
-                    let_go = let_go[:HOLDS_AT_ONCE]
-                self.touched.update(hold[HOLDS_AT_ONCE:])  # (the rest with the next word)
-                if not full and not hold and not let_go and seen == self.said:
+                if self.told_to == 0 or time.monotonic() - self.full_at >= FULL_S:
+                    if await self._tell_all(seen):
+                        return
+                    continue
+                touched, self.touched = self.touched, set()  # (a round costs what changed)
+                hold = sorted(i for i in touched if i not in self.told and self.holds(i))
+                let_go = sorted(i for i in touched if i in self.told and not self.holds(i))
+                self.touched.update(let_go[HOLDS_AT_ONCE:])  # (the rest: next word)
+                self.touched.update(hold[HOLDS_AT_ONCE:])
+                if not hold and not let_go and seen == self.said:
                     return
-                self.word += 1
-                body: dict[str, Any] = {"hold": hold[:HOLDS_AT_ONCE], "let_go": let_go,
-                                        "writer": self.told_to, "word": self.word}
-                if full:
-                    body["full"] = True
+                body: dict[str, Any] = {"hold": hold[:HOLDS_AT_ONCE],
+                                        "let_go": let_go[:HOLDS_AT_ONCE]}
                 if len(hold) <= HOLDS_AT_ONCE:  # (it says every hold: the writer may
                     body["seen"] = seen  # rely on it)
-                if not await self._send(body):
-                    continue
-                return
+                if await self._send(self._numbered(body)):
+                    return
+
+    async def _tell_all(self, seen: int) -> bool:
+        """A whole word: every file held, in parts of HOLDS_AT_ONCE (the writer lets go
+        what none named only with the last); False if the writer turned out another."""
+        self.touched.clear()
+        held = sorted(self.want())
+        parts = [held[i:i + HOLDS_AT_ONCE] for i in range(0, len(held), HOLDS_AT_ONCE)]
+        for n, part in enumerate(parts or [[]]):
+            body: dict[str, Any] = {"hold": part, "let_go": [], "full": True, "part": n}
+            if n < len(parts) - 1:
+                body["more"] = True
+            else:
+                body["seen"] = seen
+            if not await self._send(self._numbered(body)):
+                return False
+        self.told = set(held)
+        self.full_at = time.monotonic()
+        return True
+
+    def _numbered(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.word += 1
+        return {**body, "writer": self.told_to, "word": self.word}
 
     async def _send(self, body: dict[str, Any]) -> bool:
         """Send a word and take its answer; False if the writer is of another epoch
@@ -143,10 +165,7 @@ class HeldOpen:
         if reply["writer"] != body["writer"] or reply.get("again"):
             self.told, self.told_to, self.said, self.full_at = set(), reply["writer"], -1, 0.0
             return False
-        if body.get("full"):
-            self.told = set(body["hold"])
-            self.full_at = time.monotonic()
-        else:
+        if not body.get("full"):  # (a whole word's parts: `_tell_all` when all went)
             self.told.difference_update(body["let_go"])
             self.told.update(body["hold"])
         if "seen" in body:

@@ -13,10 +13,10 @@ getattrs) until a close (or fsync) tells the writer (`node_written`: close-to-op
 as NFS gives it; a size told only grows the file).  A cut is told before it is made
 (the writer's size never stands over bytes this node no longer holds), and writes
 wait while one runs.  A close the writer refuses (a quota) fails; a last close left
-untold is told again each second (`retell`) until the writer takes it, or refuses it,
-and then this node cuts its chunk files back to the size the writer holds: bytes the
-writer never took are never read.  Files striped over other nodes' members are the
-writer's (EROFS here).
+untold is told again each second (`run`, each user's apart) until the writer takes
+it, or refuses it, and then this node cuts its chunk files back to the size the
+writer holds: bytes the writer never took are never read.  Files striped over other
+nodes' members are the writer's (EROFS here).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 
 import trio
 
+from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import b64
 from mxfs.fs.node_files import ForwardedFiles
 from mxfs.meta import Inode
@@ -45,7 +46,7 @@ log = logging.getLogger("mxfs.fs")
 # and told again; ESTALE: the writer holds no grant of it for this node, which is
 # asked for again first).
 REFUSED = (errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EFBIG,
-           errno.EINVAL, errno.ENOSPC)
+           errno.EINVAL, errno.ENOSPC, errno.EROFS)
 
 
 @dataclass
@@ -94,6 +95,8 @@ class MountWrites:
         self.grown: Counter[int] = Counter()
         self._asking: dict[int, trio.Lock] = {}
         self._room_v: dict[int, tuple[int, ...]] = {}  # (the writer's epoch, the version)
+        self._retelling: set[int] = set()  # users whose untold closes are being told
+        self._failures = FailureLog(log)
 
     async def _ask(self, caller: Caller, op: str, body: dict[str, Any]) -> dict[str, Any]:
         reply = await self.forwarded.ask(caller, op, {**body, "token": os.urandom(12).hex()})
@@ -164,13 +167,17 @@ class MountWrites:
             untold = self.untold.pop(ino, None)
             told = False
             if untold is not None:
+                closer, body, owner_then = untold
+                # (told without "last": the grant this open was given holds it on)
+                body = {k: v for k, v in body.items() if k != "last"}
                 try:
-                    told = await self._retold(ino, *untold)
+                    told = "size" not in body or await self._retold(ino, closer, body,
+                                                                   owner_then)
                 except BaseException:
                     self.untold[ino] = untold  # (told again next round: not lost)
                     raise
-                if told and "size" in untold[1]:
-                    size = max(size, int(untold[1]["size"]))
+                if told and "size" in body:
+                    size = max(size, int(body["size"]))
             if not told:
                 await self.cut(row, size)
             held = self.files[ino] = Written(caller, owner, size, size, time.time_ns(),
@@ -186,16 +193,19 @@ class MountWrites:
         return left is None or self.grown[held.owner] + max(0, end - held.size) <= left
 
     def _room_from(self, owner: int, reply: dict[str, Any]) -> None:
-        """This node's share of `owner`'s quota as the writer answered it, unless an
-        answer of a later version came first."""
-        if "room" not in reply:
-            self.room.pop(owner, None)
-            self._room_v.pop(owner, None)
+        """This node's share of `owner`'s quota as the writer answered it ("room": None
+        where no byte limit holds), unless an answer of a later version came first.
+        An answer that names no share (a grant let go) leaves it as it was."""
+        if "room_v" not in reply:
             return
         version = tuple(reply["room_v"])
-        if version >= self._room_v.get(owner, version):
+        if version < self._room_v.get(owner, version):
+            return
+        self._room_v[owner] = version
+        if reply["room"] is None:
+            self.room.pop(owner, None)
+        else:
             self.room[owner] = int(reply["room"])
-            self._room_v[owner] = version
 
     def _unbusy(self, ino: int, done: trio.Event) -> None:
         if self._busy.get(ino) is done:
@@ -335,26 +345,51 @@ class MountWrites:
             body.update(self._said(ino, held))
         self.untold[ino] = (held.caller, body, held.owner)
 
-    async def retell(self) -> None:
-        """(Once a second.)  The untold last closes: told (and the grants let go), or,
-        once the writer refuses them, the file's chunk files here cut back to what
-        the writer holds."""
-        for ino, (caller, body, owner) in list(self.untold.items()):
-            if ino in self._busy or ino not in self.untold or self.untold[ino][1] is not body:
-                continue  # (opened here again meanwhile: that open tells it)
-            done = self._busy[ino] = trio.Event()  # (an open here waits for this)
-            try:
-                if not await self._retold(ino, caller, body, owner) and "size" in body:
-                    row = await self.read_row(ino)
-                    await self.cut(row, row.size)
-            except OSError as e:
-                if e.errno not in REFUSED:
-                    continue  # (again next round)
-                # (the file is gone: the writer removes its chunk files)
-            finally:
-                self._unbusy(ino, done)
-            if ino in self.untold and self.untold[ino][1] is body:
-                del self.untold[ino]
+    async def run(self) -> None:
+        """The daemon's task: each second, the untold last closes told (and the grants
+        let go), or, once the writer refuses them, the file's chunk files here cut back
+        to what the writer holds.  Each user's are told in their own task, in their
+        own turn at the writer: one whose requests wait there holds up nobody else's."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                await trio.sleep(1)
+                by_uid: dict[int, list[int]] = {}
+                for ino, (caller, _, _) in self.untold.items():
+                    by_uid.setdefault(caller.uid, []).append(ino)
+                for uid, inos in by_uid.items():
+                    if uid not in self._retelling:
+                        self._retelling.add(uid)
+                        nursery.start_soon(self._retell, uid, inos)
+
+    async def _retell(self, uid: int, inos: list[int]) -> None:
+        try:
+            for ino in inos:
+                try:
+                    await self.retell(ino)
+                except Exception as e:  # (anything unforeseen: logged, the rest go on)
+                    self._failures.note("retell", None, e, trace=not isinstance(e, OSError))
+        finally:
+            self._retelling.discard(uid)
+
+    async def retell(self, ino: int) -> None:
+        """Tell one untold last close, as `run` does."""
+        untold = self.untold.get(ino)
+        if untold is None or ino in self._busy:
+            return  # (opened here again meanwhile: that open tells it)
+        caller, body, owner = untold
+        done = self._busy[ino] = trio.Event()  # (an open here waits for this)
+        try:
+            if not await self._retold(ino, caller, body, owner) and "size" in body:
+                row = await self.read_row(ino)
+                await self.cut(row, row.size)
+        except OSError as e:
+            if e.errno not in REFUSED:
+                return  # (again next round)
+            # (the file is gone: the writer removes its chunk files)
+        finally:
+            self._unbusy(ino, done)
+        if ino in self.untold and self.untold[ino][1] is body:
+            del self.untold[ino]
 
     async def _retold(self, ino: int, caller: Caller, body: dict[str, Any], owner: int
                       ) -> bool:

@@ -88,6 +88,7 @@ from mxfs.vol.access import (
     resolve_parent_for,
 )
 from mxfs.vol.mounts import mount_table
+from mxfs.vol.node_holds import MAX_HOLDS
 from mxfs.vol.volume import Volume
 from mxfs.vol.xattrs import LAYOUT_XATTR, remove_xattr, set_xattr
 
@@ -198,8 +199,8 @@ class NodeFiles:
         if op == "node_written":
             ino = int_field(msg, "ino")
             if "size" not in msg:  # (the node's last close of a file it told of)
-                self.grants.let_go(node, ino)
-                return {}, [], None
+                share = self.grants.let_go(node, ino)
+                return ({} if share is None else self.rooms.said(share)), [], None
             share = self.grants.check(node, epoch, ino)
             row = mount_written(self.vol, self.rooms, share, caller, msg, node)
             said = self.rooms.said(share)  # (what is left of the node's share)
@@ -211,13 +212,15 @@ class NodeFiles:
             return self.rooms.top_up(share, int_field(msg, "need"), grow=True), [], None
         made: list[tuple[int, bytes]] = []
         if op == "node_create":
+            self.grants.room(node, epoch, None, caller.uid)
             row, new = mount_create(self.vol, caller, msg, node)
             if new:
                 made.append((int_field(msg, "parent"), b64_name_field(msg, "name")))
         else:
-            row = mount_open(self.vol, caller, self.vol.store.get(int_field(msg, "ino")),
-                             node)
-        self.grants.grant(node, epoch, row.ino, row.uid)
+            ino = int_field(msg, "ino")
+            self.grants.room(node, epoch, ino, caller.uid)
+            row = mount_open(self.vol, caller, self.vol.store.get(ino), node)
+        self.grants.grant(node, epoch, row.ino, row.uid, caller.uid)
         self.vol.let_go(self.vol.holds.hold(node, epoch, row.ino))  # (open there: kept)
         return {**describe(self.vol, row), "owner": row.uid,
                 **self.rooms.top_up((node, epoch, row.uid))}, made, None
@@ -241,13 +244,15 @@ class NodeFiles:
 
     def _hold(self, msg: Msg, node: str, epoch: int) -> dict[str, Any]:
         """A word of `fs/held_open.py`: the files `node`'s mount opened ("hold") and
-        closed ("let_go") since its last word, or all it holds ("full"), and the feed
-        row it had read before it looked ("seen": absent when the word could not say
-        every hold).  Words are numbered ("word"): one sent again, or late, changes
-        nothing.  The reply names this writer's epoch: a word meant for another
-        writer changes nothing either, and the node tells all again, as it does when
-        told "again" (a word that is not whole, from a node whose holds this writer
-        dropped: its lease ran out a while, or this writer restarted)."""
+        closed ("let_go") since its last word, or all it holds ("full", in parts when
+        it is long: "part" counts them, "more" says another follows; a part out of
+        order is answered "again"), and the feed row it had read before it looked
+        ("seen": absent when the word could not say every hold).  Words are numbered
+        ("word"): one sent again, or late, changes nothing.  The reply names this
+        writer's epoch: a word meant for another writer changes nothing either, and
+        the node tells all again, as it does when told "again" (a word that is not
+        whole, from a node whose holds this writer dropped: its lease ran out a while,
+        or this writer restarted)."""
         own = self.vol.lease.epoch if self.vol.lease is not None else 0
         if int_field(msg, "writer") != own:
             return {"writer": own}
@@ -260,8 +265,12 @@ class NodeFiles:
         if not bool_field(msg, "full") and not holds.knows(node, epoch):
             return {"writer": own, "again": True}  # (its holds went: say them all)
         try:
-            if bool_field(msg, "full"):
-                freed += holds.replace(node, epoch, hold)
+            if bool_field(msg, "full"):  # (in parts when it is long: "part", "more")
+                got = holds.whole(node, epoch, int_field(msg, "part", 0), hold,
+                                  not bool_field(msg, "more"))
+                if got is None:
+                    return {"writer": own, "again": True}
+                freed += got
             else:
                 for ino in let_go:
                     if holds.let_go(node, epoch, ino):
@@ -273,6 +282,10 @@ class NodeFiles:
             holds.took(node, epoch, word)
         finally:
             self.vol.let_go(freed)
+        if node in holds.over:
+            holds.over.discard(node)
+            log.warning("node %s holds over %d files open: those past it are not kept "
+                        "if removed meanwhile", node, MAX_HOLDS)
         return {"writer": own}
 
     def _name(self, caller: Caller, op: str, msg: Msg, node: str

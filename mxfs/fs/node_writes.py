@@ -26,7 +26,7 @@ import errno
 import functools
 import stat
 import time
-from collections import OrderedDict
+from collections import Counter
 from typing import Any
 
 from mxfs.fs.fields import Msg, b64_name_field, bool_field, int_field
@@ -36,7 +36,8 @@ from mxfs.pool.pool import META_ROW
 from mxfs.vol.access import W_OK, X_OK, Caller, may, may_change_in, owner_for
 from mxfs.vol.volume import Volume
 
-GRANTS = 65536  # files granted to nodes the writer remembers (the oldest go first)
+GRANTS = 65536  # files granted to nodes for writing at once, in all
+GRANTS_PER_USER = 4096  # of them, one user's through one node (not root's)
 SHARE_MIN = 8 << 20  # the least share of an owner's quota reserved for a node at once
 
 
@@ -61,12 +62,11 @@ class Rooms:
 
     def top_up(self, share: Share, need: int = 0, grow: bool = False) -> dict[str, Any]:
         """The node's share grown toward `need` (beyond that: at least SHARE_MIN, or
-        if `grow`, at least doubled), as an answer's fields ("room", "room_v"; none:
-        no byte limit holds for the owner)."""
+        if `grow`, at least doubled), as an answer's fields (`said`)."""
         left = self.vol.quotas.left(share[2])
         if left is None:
             self.give_back(share)
-            return {}
+            return self.said(share)
         have = self.shares.get(share, 0)
         short = max(0, need - have)
         if short <= left:  # (else the node refuses the write: EDQUOT)
@@ -75,13 +75,14 @@ class Rooms:
         return self.said(share)
 
     def said(self, share: Share) -> dict[str, Any]:
-        """The share as an answer's fields: "room", and "room_v" (this writer's epoch
-        and the share's version: a node keeps the newest it heard)."""
-        if share not in self.shares and self.vol.quotas.left(share[2]) is None:
-            return {}
+        """The share as an answer's fields: "room" (None: no byte limit holds for the
+        owner), and "room_v" (this writer's epoch and the share's version, or for no
+        share the newest of any: a node keeps the newest it heard)."""
         epoch = self.vol.lease.epoch if self.vol.lease is not None else 0
-        return {"room": self.shares.get(share, 0),
-                "room_v": [epoch, self.versions.get(share, 0)]}
+        version = [epoch, self.versions.get(share, self.version)]
+        if share not in self.shares and self.vol.quotas.left(share[2]) is None:
+            return {"room": None, "room_v": version}
+        return {"room": self.shares.get(share, 0), "room_v": version}
 
     def spend(self, share: Share, grown: int) -> int:
         """A close told `grown` bytes more: how many of them the node's share covers
@@ -106,6 +107,7 @@ class Rooms:
         """The node's share, unspent, back to everyone."""
         left = self.shares.pop(share, 0)
         self.versions.pop(share, None)
+        self.version += 1  # (the node's next answer of it says none, newer than before)
         if left:
             self.vol.quotas.release(share[2], left)
 
@@ -121,23 +123,43 @@ class Rooms:
 class Grants:
     """Files granted to nodes for writing through their mounts, by (node, inode): the
     epoch of the node that was granted each (a node that joined again is granted
-    anew) and the file's owner.  A node lets a grant go after its last close of the
-    file; past GRANTS the oldest go, and a node told so (ESTALE) asks for the file
-    again, judged anew.  A node's last grant of an owner's files gives its share of
-    that owner's quota back."""
+    anew), the file's owner and who opened it.  A node lets a grant go after its last
+    close of the file.  A user holds GRANTS_PER_USER at most through one node (root:
+    GRANTS in all), and the writer GRANTS: past them an open is refused (EMFILE,
+    ENFILE), never another's grant taken.  A node's last grant of an owner's files
+    gives its share of that owner's quota back."""
 
     def __init__(self, rooms: Rooms) -> None:
         self.rooms = rooms
-        self._held: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
+        self._held: dict[tuple[str, int], tuple[int, int, int]] = {}  # (epoch, owner, uid)
         self._owners: dict[Share, int] = {}  # files granted, by share
+        self._by_user: Counter[tuple[str, int]] = Counter()  # by (node, opener's uid)
 
-    def grant(self, node: str, epoch: int, ino: int, owner: int) -> None:
+    def room(self, node: str, epoch: int, ino: int | None, uid: int) -> None:
+        """EMFILE or ENFILE where granting `ino` (None: a file to be made) to `node`
+        for `uid` would pass a limit (a file granted to that node already takes no
+        more)."""
+        held = self._held.get((node, ino)) if ino is not None else None
+        if held is not None and held[0] == epoch:
+            return
+        if uid != 0 and self._by_user[(node, uid)] >= GRANTS_PER_USER:
+            raise OSError(errno.EMFILE, f"uid {uid} has {GRANTS_PER_USER} files open for "
+                          f"writing through node {node}: close some")
+        if len(self._held) >= GRANTS:
+            raise OSError(errno.ENFILE, f"{GRANTS} files are open for writing through "
+                          "other nodes' mounts: close some")
+
+    def grant(self, node: str, epoch: int, ino: int, owner: int, uid: int) -> None:
+        """Grant `ino` to `node` (`room` judged first); a grant it holds already stays
+        as it is, its share with it."""
+        held = self._held.get((node, ino))
+        if held is not None and held[0] == epoch and held[1] == owner:
+            return
         self.let_go(node, ino)
-        self._held[(node, ino)] = (epoch, owner)
+        self._held[(node, ino)] = (epoch, owner, uid)
+        self._by_user[(node, uid)] += 1
         share = (node, epoch, owner)
         self._owners[share] = self._owners.get(share, 0) + 1
-        while len(self._held) > GRANTS:
-            self.let_go(*next(iter(self._held)))
 
     def check(self, node: str, epoch: int, ino: int) -> Share:
         """The grant's share; ESTALE where `node` under `epoch` holds no grant of it."""
@@ -147,20 +169,25 @@ class Grants:
                           f"{node} (epoch {epoch}): open it again")
         return node, epoch, held[1]
 
-    def let_go(self, node: str, ino: int) -> None:
-        """The grant goes; with the node's last of that owner's files, its share."""
+    def let_go(self, node: str, ino: int) -> Share | None:
+        """The grant goes (its share, if it had one); with the node's last of that
+        owner's files, the share."""
         held = self._held.pop((node, ino), None)
         if held is None:
-            return
+            return None
+        self._by_user[(node, held[2])] -= 1
+        if not self._by_user[(node, held[2])]:
+            del self._by_user[(node, held[2])]
         share = (node, held[0], held[1])
         self._owners[share] -= 1
         if not self._owners[share]:
             del self._owners[share]
             self.rooms.give_back(share)
+        return share
 
     def drop(self, node: str, epoch: int | None = None) -> None:
         """Every grant of `node` (under `epoch`, or any), and its shares."""
-        for key in [k for k, (e, _) in self._held.items()
+        for key in [k for k, (e, _, _) in self._held.items()
                     if k[0] == node and epoch in (None, e)]:
             self.let_go(*key)
         self.rooms.drop(node, epoch)

@@ -18,7 +18,6 @@ restarted writer treats the orphans it finds the same way.
 
 from __future__ import annotations
 
-import errno
 from collections import deque
 
 MAX_HOLDS = 1 << 20  # files one node may hold open at once
@@ -36,6 +35,8 @@ class NodeHolds:
         self.words: dict[str, tuple[int, int]] = {}  # node: (epoch, its last word's number)
         self._waiting: deque[tuple[int, int, float]] = deque()  # (mark, orphan, since)
         self.stalled = False  # (the oldest waited past STALL_S: said once)
+        self._whole: dict[str, tuple[int, int, set[int]]] = {}  # (epoch, part, named so far)
+        self.over: set[str] = set()  # nodes that held more than MAX_HOLDS (logged once)
 
     def __contains__(self, ino: int) -> bool:
         return ino in self._holders
@@ -65,6 +66,29 @@ class NodeHolds:
     def took(self, node: str, epoch: int, word: int) -> None:
         self.words[node] = (epoch, word)
 
+    def whole(self, node: str, epoch: int, part: int, inos: list[int], last: bool
+              ) -> list[int] | None:
+        """Part `part` of a whole word too long for one request: its holds taken at once,
+        and with the `last` part, whatever `node` held that no part named let go (the
+        inodes nobody holds now).  None where the parts came out of order (a part lost:
+        the node says all again)."""
+        gathered = self._whole.get(node)
+        if part == 0:
+            gathered = self._whole[node] = (epoch, 0, set())
+        elif gathered is None or gathered[:2] != (epoch, part - 1):
+            self._whole.pop(node, None)
+            return None
+        names = gathered[2]
+        names.update(inos[:MAX_HOLDS - len(names)])
+        self._whole[node] = (epoch, part, names)
+        freed: list[int] = []
+        for ino in inos:
+            freed += self.hold(node, epoch, ino)
+        if last:
+            del self._whole[node]
+            freed += self.replace(node, epoch, list(names))
+        return freed
+
     def replace(self, node: str, epoch: int, inos: list[int]) -> list[int]:
         """`node` holds exactly `inos` (a whole word); the inodes nobody holds now."""
         held = self._by_node.get(node)
@@ -89,9 +113,9 @@ class NodeHolds:
         if held is None:
             held = self._by_node[node] = (epoch, set())
         if ino not in held[1]:
-            if len(held[1]) >= MAX_HOLDS:
-                raise OSError(errno.ENFILE, f"node {node} holds {MAX_HOLDS} files open "
-                              "on the writer already")
+            if len(held[1]) >= MAX_HOLDS:  # (the node opens no more: `fs/held_open.py`)
+                self.over.add(node)
+                return freed
             held[1].add(ino)
             self._holders[ino] = self._holders.get(ino, 0) + 1
         return freed
@@ -116,6 +140,8 @@ class NodeHolds:
         for said in (self.seen, self.words):
             if epoch is None or said.get(node, (epoch, 0))[0] == epoch:
                 said.pop(node, None)
+        if epoch is None or self._whole.get(node, (epoch,))[0] == epoch:
+            self._whole.pop(node, None)
         held = self._by_node.get(node)
         if held is None or epoch is not None and held[0] != epoch:
             return []

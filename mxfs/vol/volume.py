@@ -73,6 +73,7 @@ class Volume:
         self._far_pending: dict[int, list[int]] = {}  # ... their other nodes' members
         self.freeing = Freeing()  # what the queued orphans hold, by owner (for quotas)
         self.holds = NodeHolds()  # files other nodes' mounts hold open (the writer's)
+        self.held_orphans: set[int] = set()  # orphans kept for them until their last close
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self.held = Held(pool)  # chunk files of dropped files whose writers hold on
@@ -444,12 +445,21 @@ class Volume:
     def unlinked(self, node: Inode) -> None:
         """After a namespace change dropped `node`'s last link: reclaim unless open,
         here or on another node (`vol/node_holds.py`)."""
-        if node.nlink == 0 and node.ino not in self.open_inodes and node.ino not in self.holds:
+        if node.nlink or node.ino in self.open_inodes:
+            return  # (the last close here reclaims it)
+        if node.ino in self.holds:
+            self.held_orphans.add(node.ino)  # (freed at the nodes' last close: `let_go`)
+        else:
             self._queue_reclaim(node)
 
     def let_go(self, inos: list[int]) -> None:
-        """Nobody holds these open any longer: reclaim those that have no name."""
+        """Nobody holds these open any longer: reclaim those that have no name.  Only
+        orphans waiting for nodes are looked up (a node's closes come by the thousand,
+        and a row not cached is a round trip to a metadata server)."""
         for ino in inos:
+            if ino not in self.held_orphans:
+                continue
+            self.held_orphans.discard(ino)
             try:
                 node = self.store.get(ino)
             except OSError:
@@ -522,6 +532,7 @@ class Volume:
             inos = []
         free, held = self.holds.ready(self.reader_epochs)
         self.freeing.drop(held)  # (held open on a node: queued again at its last close)
+        self.held_orphans.update(held)
         behind = self.holds.behind(self.reader_epochs, now)
         if behind and not self.holds.stalled:
             log.warning("%d removed files wait to be freed until node(s) %s say which they "

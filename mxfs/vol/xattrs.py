@@ -100,6 +100,9 @@ def set_layout(vol: Volume, node: Inode, value: bytes, uid: int) -> None:
         entry = vol.open_inodes.get(node.ino)
         if node.size or entry is not None and entry.wrote:
             raise OSError(errno.EBUSY, "a file's layout is set while it is empty")
+        if node.ino in vol.holds:  # (a node's writes there may not be told yet)
+            raise OSError(errno.EBUSY, "the file is open on another node: its layout is "
+                          "set while no other node has it open")
         vol.store.set_layout(node, unit, width)
         if entry is not None and entry.chunks is not None:
             entry.chunks.relayout(vol.layout(node))

@@ -1,0 +1,90 @@
+"""The writer's grants of files to nodes writing through their mounts, and the shares
+of owners' quotas reserved for them (mxfs.fs.node_writes), on a real pool's store: a
+user's opens through one node are bounded without taking another's grant, a file
+opened again keeps its grant and its share, and every answer names the share, so a
+node never reads "no limit" into an answer that let a grant go."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import make_members, mkfs
+
+from mxfs.fs import node_writes
+from mxfs.fs.node_writes import SHARE_MIN, Grants, Rooms
+from mxfs.vol.quota import Quota
+from mxfs.vol.volume import Volume
+
+ALICE, BOB = 1000, 1001
+
+
+@pytest.fixture
+def vol(tmp_path: Path) -> Iterator[Volume]:
+    members = make_members(tmp_path, 2)
+    mkfs(members)
+    v = Volume.open(members[0])
+    v.quotas.set(str(ALICE), Quota(bytes=100 << 20))
+    try:
+        yield v
+    finally:
+        v.store.close()
+
+
+def test_a_file_granted_again_keeps_its_grant_and_share(vol: Volume) -> None:
+    rooms = Rooms(vol)
+    grants = Grants(rooms)
+    share = ("b", 1, ALICE)
+    grants.grant("b", 1, 5, ALICE, ALICE)
+    said = rooms.top_up(share)
+    assert said["room"] == SHARE_MIN and vol.quotas.reserved[ALICE] == SHARE_MIN
+    grants.grant("b", 1, 5, ALICE, BOB)  # (opened again there, by another user)
+    assert vol.quotas.reserved[ALICE] == SHARE_MIN  # (not given back and made anew)
+    assert rooms.said(share) == said
+    # Its let-go names the share: nothing left once the node holds none of her files,
+    # at a version past every answer before it (a node keeps the newest it heard).
+    assert grants.let_go("b", 5) == share
+    after = rooms.said(share)
+    assert after["room"] == 0 and after["room_v"] > said["room_v"]
+    assert ALICE not in vol.quotas.reserved
+    assert grants.let_go("b", 5) is None
+    # A user without a byte limit: "room" is None, never a missing field.
+    assert rooms.top_up(("b", 1, BOB))["room"] is None
+    # A node that joined again is granted anew under its new epoch.
+    grants.grant("b", 1, 6, ALICE, ALICE)
+    rooms.top_up(share)
+    grants.grant("b", 2, 6, ALICE, ALICE)
+    assert ALICE not in vol.quotas.reserved
+    with pytest.raises(OSError) as e:
+        grants.check("b", 1, 6)
+    assert e.value.errno == errno.ESTALE
+    assert grants.check("b", 2, 6) == ("b", 2, ALICE)
+
+
+def test_a_users_grants_are_bounded_and_never_take_anothers(
+        vol: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(node_writes, "GRANTS_PER_USER", 2)
+    monkeypatch.setattr(node_writes, "GRANTS", 5)
+    grants = Grants(Rooms(vol))
+    grants.grant("b", 1, 20, BOB, BOB)  # (bob's, first)
+    for ino in (1, 2):
+        grants.room("b", 1, ino, ALICE)
+        grants.grant("b", 1, ino, ALICE, ALICE)
+    for ino in (3, None):  # (a third file of hers, or one to be made: refused)
+        with pytest.raises(OSError) as e:
+            grants.room("b", 1, ino, ALICE)
+        assert e.value.errno == errno.EMFILE
+    grants.room("b", 1, 2, ALICE)  # (one she holds already takes no more)
+    grants.room("c", 1, 3, ALICE)  # (through another node: her own count there)
+    assert grants.check("b", 1, 20) == ("b", 1, BOB)  # (bob's grant stays)
+    for ino in (30, 31):  # root: past a user's bound, not past the writer's
+        grants.room("b", 1, ino, 0)
+        grants.grant("b", 1, ino, 0, 0)
+    with pytest.raises(OSError) as e:
+        grants.room("b", 1, 32, 0)
+    assert e.value.errno == errno.ENFILE
+    grants.let_go("b", 1)
+    grants.room("b", 1, 3, ALICE)
+    assert grants.check("b", 1, 20) == ("b", 1, BOB)
