@@ -120,7 +120,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                             "mount it with -o chunk_port=N,chunk_addr=IP")
         sock = socket_path(vol.pool.uuid, vol.pool.node)
         ensure_runtime_dir(os.path.dirname(sock))
-        vol.lock(mp, sock, float(own.get("lease_s") or lease.TTL_S), own.get("node", ""))
+        vol.lock(mp, sock, float(own.get("lease_s") or lease.TTL_S), own.get("node", ""),
+                 lease.STARTING if "chunk_port" in own else "")  # (announced once bound)
         if reading:
             vol.store.follow = True  # (the writer node changes the rows: read them afresh)
         else:

@@ -55,6 +55,7 @@ EPOCH_KEY = "daemon_epoch"
 NODE_PREFIX = "node:"  # a reading node's lease: "node:NAME"
 NODE_EPOCH_KEY = "node_epoch"  # (not the writer's fence: a reader must not move it)
 TTL_S = 30.0
+STARTING = "starting"  # addr of a node whose chunk service is not up yet (announced)
 RENEWALS = 6  # a keeper renews this many times a TTL
 
 
@@ -69,7 +70,7 @@ class Lease:
     expires: float  # by the store's clock
     epoch: int = 0  # drawn at take: the fence of the holder's commits
     node: str = ""  # the node's name (its host name unless named)
-    addr: str = ""  # its chunk service, "IP:PORT" ("": it serves none)
+    addr: str = ""  # its chunk service, "IP:PORT" ("": it serves none; STARTING)
     members: int = 0  # how many members it owns (the writer: every member)
     ttl: float = 0.0  # how long each renewal holds it, seconds
     # The writer's: the reading nodes it knows alive, and so commits every close for

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mxfs.io.chunk_client import ChunkClient, Refused
+from mxfs.meta.lease import STARTING
 from mxfs.proto.chunk_wire import WireError
 
 log = logging.getLogger("mxfs.remote")
@@ -62,6 +63,8 @@ class Owner:
         """Why its members cannot be read now, or None."""
         if not self.alive:
             return f"node {self.node} is dead (its lease ran out)"
+        if self.addr == STARTING:
+            return f"node {self.node} is starting (its chunk service is not up yet)"
         if not self.addr:
             return (f"node {self.node} serves no chunks (mount it there with "
                     "-o chunk_port=N,chunk_addr=IP)")
@@ -270,6 +273,8 @@ class RemoteMembers:
         name = f"node {owner.node}" if owner else "the owner node"
         text = why or f"{name} {what}"
         kind = why or f"{name} unreachable"
+        if owner is not None and owner.addr == STARTING and owner.alive:
+            return OSError(errno.EIO, text)  # (a moment, while it mounts: not logged)
         if kind != self._said:
             self._said = kind
             log.error("%s: stripes on its members read EIO", text)

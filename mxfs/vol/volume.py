@@ -173,8 +173,9 @@ class Volume:
         for `ttl` seconds, its commits fenced by the lease's epoch, and its keeper made
         (`keeper.start()`); a store on the node's own member needs only the file lock.
         The writer's lease names its node (`node_name`, else its host) and chunk
-        service (`addr`, "IP:PORT"), for the reading nodes.  A reading node holds a
-        lease of its own node instead (`_lock_node`).
+        service (`addr`, "IP:PORT"; `lease.STARTING` until `announce`), for the
+        reading nodes.  A reading node holds a lease of its own node instead
+        (`_lock_node`).
 
         If `open` already holds the lock for this volume, it now names the mount.
         """
@@ -186,7 +187,7 @@ class Volume:
         if not location.is_server(self.pool.meta_location):
             return
         if self.pool.node:
-            self._lock_node(mountpoint, ttl)
+            self._lock_node(mountpoint, ttl, addr)
             return
         try:
             self.lease = lease.take(self.store, mountpoint, ttl, node=node_name, addr=addr,
@@ -300,14 +301,14 @@ class Volume:
             if self.keeper is not None:
                 lease.renew(store, held, self.keeper.ttl)
 
-    def _lock_node(self, mountpoint: str, ttl: float) -> None:
+    def _lock_node(self, mountpoint: str, ttl: float, addr: str) -> None:
         """A reading node's lease: its own row, renewed by a keeper that also reads the
         writer's lease each time, so the node knows whom to ask for the members."""
         where, key = self.pool.meta_location, lease.node_key(self.pool.node)
         try:
             with contextlib.closing(MetaStore.open(where)) as store:
                 self.lease = lease.take(store, mountpoint, ttl, node=self.pool.node, key=key,
-                                        members=len(self.pool.local_members()))
+                                        addr=addr, members=len(self.pool.local_members()))
         except lease.LeaseHeld as e:
             self.unlock()
             raise MxfsError(f"node name {self.pool.node} is in use: "
