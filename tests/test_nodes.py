@@ -53,7 +53,7 @@ from users import User, ensure_users, run_as
 import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
 from mxfs.client.direct import PlainFile, RemoteFile, open_reader
-from mxfs.fs import held_open
+from mxfs.fs import held_open, kv_follow
 from mxfs.fs.node_files import HOLDS_AT_ONCE
 from mxfs.io import Layout
 from mxfs.io.chunk_client import ChunkClient
@@ -955,6 +955,58 @@ def test_a_users_flood_of_kv_requests_on_a_reading_node_leaves_others_their_turn
         # with the machine loaded); never behind the 30 and more queued (first come
         # first served, 48 of hers ended during each).
         assert max(bobs) < 24 and max(roots) < 24, (bobs, roots)
+
+
+COPIES = """
+import base64
+from mxfs.client.control import ControlError
+from mxfs.kv.kvstore import KVStore
+from mxfs.proto.messages import KV_GET
+kv = KVStore(sys.argv[1], namespace="copies")
+kv.batch_put([b"k%05d" % i for i in range(1100)], [b"x"] * 1100)
+one = base64.b64encode(b"k00000").decode()
+refused = 0
+for _ in range(20):  # one key asked 4,096 times a get, copies never read: one copy each
+    try:
+        kv.client.request_with_fds(KV_GET({**kv._ns, "keys": [one] * 4096,
+                                           "inline_max": 0}))
+    except ControlError:
+        refused += 1  # (more descriptors than a reply carries)
+got = 0
+for start in range(0, 1100, 50):  # 1,100 copies lent at once: past what one uid holds
+    reply, fds = kv.client.request_with_fds(KV_GET({**kv._ns, "inline_max": 0, "keys": [
+        base64.b64encode(b"k%05d" % i).decode() for i in range(start, start + 50)]}))
+    got += sum(c is not None for c in reply["chunks"])
+    for fd in fds:  # (the daemon holds its own descriptor of each copy lent)
+        os.close(fd)
+print(json.dumps([refused, got]))
+"""
+
+
+def test_a_users_kv_copies_on_a_reading_node_are_bounded(tmp_path: Path,
+                                                         pg_cluster: Any) -> None:
+    """A reading node copies small chunks from the writer into memfds it lends a user:
+    one key asked thousands of times in a get is copied once (each copy held a
+    descriptor of the daemon's for 30 s, counted as its one byte), and one user holds
+    LENT_PER_USER copies at most (past it, misses)."""
+    url = pg_cluster.database()
+    users = ensure_users()
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        before = len(os.listdir(f"/proc/{b.daemon_pid()}/fd"))
+        refused, got = run_as(users["alice"], COPIES, str(b.path))
+        assert refused == 20
+        assert got == kv_follow.LENT_PER_USER - 20  # (the first 20 gets' copies lent too)
+        assert len(os.listdir(f"/proc/{b.daemon_pid()}/fd")) - before < \
+            kv_follow.LENT_PER_USER + 200
+        # bob's copies are his own count: served while alice holds hers.
+        res = run_as(users["bob"], """
+from mxfs.kv.kvstore import KVStore
+kv = KVStore(sys.argv[1], namespace="bobs")
+kv.put(b"b", b"bob")
+print(json.dumps(bytes(kv.get(b"b")).decode()))
+""", str(b.path))
+        assert res == "bob"
 
 
 def test_kv_pins_on_a_reading_node_are_leases_on_the_writer(tmp_path: Path,

@@ -149,6 +149,7 @@ ROOM_WAIT_S = 0.02  # a sender thread waits this long for room in a socket, then
 INLINE_SEND = 128 << 10  # a read this small whose pages are cached is sent from trio's
                          # thread (larger ones copy in a sender thread, off the loop)
 SCOPED_AT_ONCE = 2  # requests of scoped connections (local readers) in service at once
+GONE = -1  # a scoped inode found removed or replaced: refused without a lookup
 SCOPED_SLOT_S = 0.0005  # ... each asking for less than SCOPED_SMALL holding its place this
 SCOPED_SMALL = 256 << 10  # long at least: a flood of tiny READs gets 4,000 a second)
 PUTS_AT_ONCE = 4  # KV chunks being received at once (each held whole: MAX_KPUT bytes)
@@ -437,7 +438,11 @@ class ChunkService:
                                               holder)
             return 0, bytes(int(p) for p in present)
 
-        code, said = await self._judged(f"KV {tag.decode()} from a node", answer, caller.uid)
+        # (A closed connection's claims and pins given up cost nothing: not in a turn,
+        # where a user's own waits would hold them up.)
+        turn = not (tag == b"KCLM" and flags & KEYS_RELEASE)
+        code, said = await self._judged(f"KV {tag.decode()} from a node", answer, caller.uid,
+                                        turn)
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _kv_request(self, stream: trio.SocketStream) -> None:
@@ -530,7 +535,7 @@ class ChunkService:
         return 0, b""
 
     async def _judged(self, what: str, work: Callable[[], Awaitable[tuple[int, bytes]]],
-                      uid: int | None = None) -> tuple[int, bytes]:
+                      uid: int | None = None, turn: bool = True) -> tuple[int, bytes]:
         """`work`'s (code, bytes), or a refusal's errno and line; a failure of ours is
         logged and answered EIO, never the service's end.  A request a node makes for
         one of its users (`uid`) takes that user's turn, as one on the control socket
@@ -539,7 +544,7 @@ class ChunkService:
         try:
             if uid is not None:
                 self._check_uid(uid)
-            if uid is not None and self.turns is not None:
+            if uid is not None and self.turns is not None and turn:
                 async with self.turns.turn(uid):
                     return await work()
             return await work()
@@ -636,13 +641,17 @@ class ChunkService:
             # A node's own member, read by another node: the writer names the inodes it
             # placed here, whose rows this node may not have read yet.
             return _open_chunk(vol.pool.chunk_path(member, ino), offset, length)
+        if scope is not None and scope[ino] == GONE:
+            raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
         try:
             node = vol.store.get(ino)
         except OSError:
             if scope is None:
                 raise
+            scope[ino] = GONE  # (a row not cached is a round trip: asked once)
             raise OSError(errno.ESTALE, f"inode {ino} is gone") from None
         if scope is not None and (node.generation != scope[ino] or not node.nlink):
+            scope[ino] = GONE  # (a generation never comes back)
             raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
         if not node.is_reg:
             raise OSError(errno.EINVAL, f"inode {ino} is not a regular file")

@@ -18,7 +18,9 @@ miss.
 A memfd's pages are this daemon's memory for as long as anyone holds the descriptor,
 so a copy is only lent: the daemon keeps a descriptor of it and cuts it to nothing
 LEND_S seconds later (it is sealed against writes and growth, not shrinking), and one
-uid has at most `max_kv_lent_per_user` bytes lent at once (past it, a miss).  A caller
+uid has at most `max_kv_lent_per_user` bytes lent at once, each copy counted in whole
+pages and one more (its descriptor and the kernel's own), and LENT_PER_USER copies
+(past either, a miss); a key asked for twice in one get is copied once.  A caller
 reads its copy at once; one that keeps it past LEND_S reads a short file, which its
 checksums refuse.  Namespaces (their owners and modes) are read from the
 store on each request, so access is judged as the writer judges it.
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_views import FollowerViews
@@ -69,6 +72,8 @@ MAX_COPY = 256 << 20  # bytes one get may copy over from the writer
 BITE = 128  # keys a turn of the store's worker (4,096 keys: 111 ms in bites, 106 ms whole)
 COPIERS = 4  # chunks copied at once (worker threads), for every caller together
 LEND_S = 30.0  # seconds a copy is the caller's to read
+LENT_PER_USER = 1024  # copies one uid (but root) holds lent at once: a descriptor each
+TAKE_BACK_BITE = 2048  # copies taken back at once (a few milliseconds of the thread)
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE  # (not SHRINK: taken back)
 
 
@@ -102,6 +107,12 @@ def _look(store: MetaStore, name: str, keys: list[bytes], chunks: bool) -> _Foun
     return found
 
 
+def _charge(size: int) -> int:
+    """What a lent copy of `size` bytes costs: its pages, and one more for what the
+    kernel keeps of it (a memfd of one byte held 5.2 KiB)."""
+    return (-(-size // PAGE) + 1) * PAGE
+
+
 class FollowerKV:
     def __init__(self, vol: Volume, index: KVIndex, limits: Limits,
                  limiter: trio.CapacityLimiter, remote: RemoteReads | None = None) -> None:
@@ -111,32 +122,43 @@ class FollowerKV:
         self.views = FollowerViews(self.lookups)  # `kv_view` here
         self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
         self.lent_by_uid: Counter[int] = Counter()
+        self.copies_by_uid: Counter[int] = Counter()  # copies lent now
         self._copying: Counter[int] = Counter()  # bytes being copied for a uid now
+        self._copiers = RoundRobin(COPIERS)  # (by uid in turn: one's queue holds no other)
 
     def take_back(self) -> None:
         """Cut the copies lent more than LEND_S ago to nothing, freeing their pages
-        whoever still holds them."""
+        whoever still holds them (TAKE_BACK_BITE at a call: the rest at the next)."""
         now = time.monotonic()
-        while self._lent and self._lent[0][0] <= now:
-            _, fd, uid, size = self._lent.popleft()
+        for _ in range(TAKE_BACK_BITE):
+            if not self._lent or self._lent[0][0] > now:
+                return
+            _, fd, uid, charge = self._lent.popleft()
             try:
                 os.ftruncate(fd, 0)
             finally:
                 os.close(fd)
-            self.lent_by_uid[uid] -= size
+            self.lent_by_uid[uid] -= charge
             if self.lent_by_uid[uid] <= 0:
                 del self.lent_by_uid[uid]
+            self.copies_by_uid[uid] -= 1
+            if self.copies_by_uid[uid] <= 0:
+                del self.copies_by_uid[uid]
 
     def _lend(self, fd: int, uid: int, size: int) -> None:
-        self._lent.append((time.monotonic() + LEND_S, os.dup(fd), uid, size))
-        self.lent_by_uid[uid] += size
+        charge = _charge(size)
+        self._lent.append((time.monotonic() + LEND_S, os.dup(fd), uid, charge))
+        self.lent_by_uid[uid] += charge
+        self.copies_by_uid[uid] += 1
 
-    def _may_lend(self, uid: int, size: int) -> bool:
-        """Whether `size` bytes more may be copied for `uid`: counting what is lent and
-        what other requests of its are copying now (eight gets at once each passed a
-        check that counted only what was lent)."""
-        return uid == 0 or self.lent_by_uid[uid] + self._copying[uid] + size <= \
-            self.limits.max_kv_lent_per_user
+    def _may_lend(self, uid: int, nbytes: int, copies: int) -> bool:
+        """Whether `copies` copies of `nbytes` in all (`_charge`d) more may be made for
+        `uid`: counting what is lent and what other requests of its are copying now
+        (eight gets at once each passed a check that counted only what was lent)."""
+        return uid == 0 or (
+            self.lent_by_uid[uid] + self._copying[uid] + nbytes <=
+            self.limits.max_kv_lent_per_user and
+            self.copies_by_uid[uid] + copies <= LENT_PER_USER)
 
     async def _lookup(self, msg: Msg, session: Session, keys: list[bytes], chunks: bool
                       ) -> tuple[Namespace, _Found]:
@@ -213,7 +235,12 @@ class FollowerKV:
                 out[slot] = {**sums, "ino": node.ino,
                              "layout": self.vol.layout(node).describe()}
             found_all = [w for w in found_all if w[1].size <= inline_max]
-        reply, fds = await self._copied(space, uid, found_all, out, inline_max)
+        try:
+            reply, fds = await self._copied(space, uid, found_all, out, inline_max)
+        except BaseException:
+            for fd in conns:
+                os.close(fd)
+            raise
         if grant is not None:
             reply["remote"] = grant
         return reply, fds + conns
@@ -239,11 +266,17 @@ class FollowerKV:
         in the reply), at most MAX_COPY a request and what the uid may be lent."""
         copied = 0
         todo = []
+        seen: set[int] = set()
         for slot, node, sums in wanted:
-            if copied + node.size > MAX_COPY or not self._may_lend(uid, copied + node.size):
+            if node.ino in seen:  # (asked again in this request: the same copy)
+                todo.append((slot, node, sums))
+                continue
+            more = copied + _charge(node.size)
+            if more > MAX_COPY or not self._may_lend(uid, more, len(seen) + 1):
                 space.misses += 1  # (past what one request copies or one uid is lent)
                 continue
-            copied += node.size
+            seen.add(node.ino)
+            copied = more
             todo.append((slot, node, sums))
         self._copying[uid] += copied
         try:
@@ -258,12 +291,13 @@ class FollowerKV:
                         out: list[ChunkReply | None], inline_max: int
                         ) -> Answer[KVGetReply]:
         """`_copied`'s copies, made and lent (or inlined)."""
-        memfds: dict[int, int] = {}  # slot -> the copy
+        memfds: dict[int, int] = {}  # inode -> its copy
 
-        async def copy(slot: int, node: Inode) -> None:
+        async def copy(node: Inode) -> None:
             try:
-                memfds[slot] = await trio.to_thread.run_sync(self._copy, node,
-                                                             limiter=self.limiter)
+                async with self._copiers.slot(uid):
+                    memfds[node.ino] = await trio.to_thread.run_sync(
+                        self._copy, node, limiter=self.limiter)
             except OSError as e:
                 log.info("KV chunk %d of namespace %s not copied from the writer: %s",
                          node.ino, space.name, e)
@@ -271,33 +305,35 @@ class FollowerKV:
         fds: list[int] = []
         try:
             async with trio.open_nursery() as nursery:  # every chunk at once, 4 at a time
-                for slot, node, _ in todo:
-                    nursery.start_soon(copy, slot, node)
+                for node in {node.ino: node for _, node, _ in todo}.values():
+                    nursery.start_soon(copy, node)
             budget = INLINE_REPLY
+            lent: set[int] = set()
             for slot, node, sums in todo:
-                fd = memfds.pop(slot, None)
-                if fd is None:
+                copy_fd = memfds.get(node.ino)
+                if copy_fd is None:
                     space.misses += 1
                     continue
                 space.hits += 1
                 if node.size <= min(inline_max, budget):
                     budget -= node.size
-                    try:
-                        data = os.pread(fd, node.size, 0)
-                    finally:
-                        os.close(fd)
+                    data = os.pread(copy_fd, node.size, 0)
                     out[slot] = {**sums, "data": base64.b64encode(data).decode()}
                     continue
-                if uid != 0:  # (root's copies are root's to hold)
-                    self._lend(fd, uid, node.size)
-                fds.append(fd)
+                if uid != 0 and node.ino not in lent:  # (root's copies are root's to hold)
+                    lent.add(node.ino)
+                    self._lend(copy_fd, uid, node.size)
+                fds.append(os.dup(copy_fd))
                 unit = max(PAGE, -(-node.size // PAGE) * PAGE)
                 out[slot] = {**sums, "layout": Layout(unit, 1, 0, 1).describe(),
                              "members": [0], "direct_members": []}
         except BaseException:
-            for fd in [*memfds.values(), *fds]:
+            for fd in fds:
                 os.close(fd)
             raise
+        finally:
+            for fd in memfds.values():
+                os.close(fd)
         return {"chunks": out}, fds
 
     def _copy(self, node: Inode) -> int:

@@ -96,6 +96,7 @@ WAITERS = 16  # waits for others' claims at once, all callers together
 WAITERS_PER_USER = 4  # ... and of one uid (root: up to WAITERS)
 WAIT_S = 20.0  # a wait's longest here (below the chunk connections' receive timeout)
 GIVE_UP_TRIES = 5  # a closed connection's claims and pins: told to the writer this often
+GIVE_UP_QUEUE = 65536  # closed connections' claims and pins waiting to be given up
 _SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _MEMFD_UNIT = 1 << 30  # the one-member layout a caller writes its memfd through
 
@@ -134,7 +135,7 @@ class ForwardedKV:
         # by one thread, in turn (a thread each let a user who closed a hundred
         # connections at once start a hundred, each dialing the writer).
         self._given_up: queue.SimpleQueue[tuple[RemoteMembers, tuple[int, int, list[int]],
-                                                bytes, int]] = queue.SimpleQueue()
+                                                bytes, int, float]] = queue.SimpleQueue()
         self._giver: threading.Thread | None = None
         self.puts = self.put_bytes = self.claims = self.pins = self.requests = 0
 
@@ -336,7 +337,12 @@ class ForwardedKV:
             self._drop(session, handle)
         holder = self._holders.pop(id(session), None)
         if holder is not None and self.remote is not None:
-            self._given_up.put((self.remote, as_sent(session.caller), holder, 0))
+            if self._given_up.qsize() >= GIVE_UP_QUEUE:
+                log.warning("%d closed connections' claims and pins wait to be given up on "
+                            "the writer: this one's run out by themselves",
+                            self._given_up.qsize())
+                return
+            self._given_up.put((self.remote, as_sent(session.caller), holder, 0, 0.0))
             if self._giver is None:
                 self._giver = threading.Thread(target=self._give_up, daemon=True,
                                                name="mxfs-kv-unclaim")
@@ -346,15 +352,19 @@ class ForwardedKV:
         """(One thread of its own.)  End closed connections' claims and pins on the
         writer, one after another (they run out anyway: the claims by their time, the
         pins with this node's lease); one that fails is tried again a second later, a
-        few times."""
+        few times, behind the others (never a wait that holds them up)."""
         while True:
-            remote, who, holder, tries = self._given_up.get()
+            remote, who, holder, tries, due = self._given_up.get()
+            if due > time.monotonic():  # (tried and failed: the others go first)
+                self._given_up.put((remote, who, holder, tries, due))
+                time.sleep(max(0.0, min(0.05, due - time.monotonic())))
+                continue
             try:
                 remote.kv_keys(b"KCLM", who, "-", KEYS_RELEASE, [], 0, holder)
             except OSError as e:
                 if tries + 1 < GIVE_UP_TRIES:
-                    time.sleep(1.0)
-                    self._given_up.put((remote, who, holder, tries + 1))
+                    self._given_up.put((remote, who, holder, tries + 1,
+                                        time.monotonic() + 1.0))
                 else:
                     log.info("claims and pins of a closed connection were not given up "
                              "on the writer (%s); they run out", e)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -38,6 +38,7 @@ from mxfs.vol.kv_presence import PresenceTable
 log = logging.getLogger("mxfs.kv")
 
 BITE = 1024  # keys read from the store in one turn of the worker (~1.4 ms to add here)
+FEED_BITE = 4096  # a feed row's KV notes applied at a time on trio's thread (~3 ms)
 
 
 class FollowerViews:
@@ -104,15 +105,17 @@ class FollowerViews:
         if token is None:  # (no table was ever asked for: nothing to keep)
             return
         try:
-            trio.from_thread.run_sync(self._apply, change, trio_token=token)
+            if change.kv_unknown:
+                trio.from_thread.run_sync(self.retire_all, trio_token=token)
+                return
+            for start in range(0, len(change.kv), FEED_BITE):  # (others run between)
+                trio.from_thread.run_sync(self._apply, change.kv[start:start + FEED_BITE],
+                                          trio_token=token)
         except trio.RunFinishedError:
             pass
 
-    def _apply(self, change: Change) -> None:
-        if change.kv_unknown:
-            self.retire_all()
-            return
-        for what, ns, key in change.kv:
+    def _apply(self, notes: Sequence[tuple[int, str, bytes]]) -> None:
+        for what, ns, key in notes:
             table = self.tables.get(ns)
             if table is None:
                 continue
