@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,70 @@ def test_a_non_root_caller_may_create_only_where_the_mount_lets_it(mounted: Moun
     assert out[paths[0]] == errno.EACCES and out[paths[1]] == "ok"
     st = os.stat(paths[1])
     assert (st.st_uid, st.st_gid, st.st_size) == (65534, 65534, 10)
+
+
+def test_space_a_writer_reserves_past_its_files_end_is_taken_back(mounted: Mounted) -> None:
+    """fallocate(KEEP_SIZE) reserves blocks no size check sees: a file declared 4 KiB
+    held 64 MiB a chunk file after its commit (its quota charged 4 KiB). A commit now
+    frees them, and a dropped file whose writer kept its descriptor refuses them (the
+    member's file system keeps an immutable flag) or has them cut each second."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    keep_size = 1
+
+    def reserve(fd: int) -> int:
+        return libc.fallocate(fd, keep_size, 0, 64 << 20)
+
+    def blocks(ino: int) -> int:
+        return sum(os.stat(p).st_blocks * 512 for p in chunk_files(mounted.members)
+                   if os.path.basename(p) == str(ino))
+
+    p = str(mounted.path / "small.bin")
+    with create_file(p, 4096) as w:
+        w.write_at(0, memoryview(aligned(b"a" * 4096)), valid=4096)
+        assert all(reserve(fd) == 0 for fd in w.fds.values())
+        ino = w.ino
+        assert blocks(ino) >= 64 << 20
+        w.commit(4096)
+    assert Path(p).read_bytes() == b"a" * 4096
+    assert blocks(os.stat(p).st_ino) < 1 << 20
+    # Dropped with its descriptors kept: moved aside, cut, and refused more.
+    w2 = create_file(str(mounted.path / "dropped.bin"), 4096)
+    kept = [os.dup(fd) for fd in w2.fds.values()]  # type: ignore[attr-defined]
+    w2.abort()
+    try:
+        if _keeps_immutable(mounted.members[0]):
+            assert all(reserve(fd) != 0 and ctypes.get_errno() == errno.EPERM
+                       for fd in kept)
+        for fd in kept:
+            reserve(fd)
+        time.sleep(2.5)  # (past the daemon's next sweep: what it did not refuse, it cut)
+        assert all(os.fstat(fd).st_blocks * 512 < 1 << 20 for fd in kept)
+    finally:
+        for fd in kept:
+            os.close(fd)
+    assert not os.path.exists(mounted.path / "dropped.bin")
+
+
+def _keeps_immutable(folder: str) -> bool:
+    """Whether `folder`'s file system keeps the immutable flag (ext4 and XFS do)."""
+    import array
+    import fcntl
+
+    path = os.path.join(folder, ".immutable-probe")
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, 0x80086601, flags, True)
+        flags[0] |= 0x10
+        fcntl.ioctl(fd, 0x40086602, flags, True)
+        flags[0] &= ~0x10
+        fcntl.ioctl(fd, 0x40086602, flags, True)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)

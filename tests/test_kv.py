@@ -710,3 +710,32 @@ def test_a_spares_file_is_made_once_so_no_writer_of_the_daemon_outlives_its_take
     chunks.prepare()  # (the maker's, late)
     assert not os.path.exists(path)
     chunks.close()
+
+
+def test_a_chunk_is_committed_into_the_namespace_it_was_made_for(mounted: Mounted) -> None:
+    """kv_create judges the room of one namespace's owner (its chunk count, its
+    capacity): a commit into another namespace is refused, so a user cannot grow a
+    namespace past its owner's bounds through one of their own."""
+    import base64
+
+    from mxfs.client import ControlClient
+    from mxfs.client.control import ControlError
+    from mxfs.io.checksum import block_sums, pack_sums
+
+    key = base64.b64encode(b"k").decode()
+    with ControlClient(str(mounted.path)) as c:
+        for ns in ("made", "other"):
+            c.call("kv_ns_create", namespace=ns, capacity=1 << 30)
+        made, fds = c.call_with_fds("kv_create", namespace="made", key=key, size=3)
+        os.pwrite(fds[0], b"abc", 0)
+        for fd in fds:
+            os.close(fd)
+        unit = made["layout"]["stripe_unit"]
+        commit = {"ino": made["ino"], "key": key, "size": 3, "sum_unit": unit,
+                  "sums": base64.b64encode(pack_sums(block_sums(b"abc", unit))).decode()}
+        with pytest.raises(ControlError) as e:
+            c.call("kv_commit", namespace="other", **commit)
+        assert e.value.errno == errno.EINVAL and "made" in e.value.strerror
+        assert c.call("kv_commit", namespace="made", **commit)["stored"] is True
+    with KVStore(str(mounted.path), "made") as kv:
+        assert bytes(kv.get(b"k")) == b"abc"

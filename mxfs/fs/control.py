@@ -117,10 +117,15 @@ class ControlServer:
     def _session(self, caller: Caller, conn: Any) -> Session:
         return Session(caller, self.pending_by_uid, conn=conn, quotas=self.vol.quotas)
 
-    def _end_session(self, session: Session) -> None:
-        """A connection closed: what it held goes (its unpublished files, its leases)."""
-        for release in (self.files.release, self.remote.release, self.kv.release):
+    async def _end_session(self, session: Session) -> None:
+        """A connection closed: what it held goes (its leases, its unpublished files:
+        those cut in worker threads)."""
+        for release in (self.remote.release, self.kv.release):
             try:
                 release(session)
             except Exception as e:
                 self.listener.failures.note("release", session.caller, e)
+        try:
+            await self.files.release(session)
+        except Exception as e:
+            self.listener.failures.note("release", session.caller, e)

@@ -222,7 +222,7 @@ class FileOps:
         sums_field(msg, self.vol.layout(node).unit, size)  # (checked before any work)
         overdrawn = await trio.to_thread.run_sync(overdrew, self.vol, pending)
         if size > pending.declared or overdrawn:
-            self._drop(session, node.ino)
+            await self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")
         await trio.to_thread.run_sync(refuse_if_writers, self.vol, pending)
@@ -274,20 +274,20 @@ class FileOps:
         return self._describe(node)
 
     async def abort(self, msg: Msg, session: Session) -> Answer[Empty]:
-        self._drop(session, self._pending(msg, session).entry.node.ino)
+        await self._drop(session, self._pending(msg, session).entry.node.ino)
         return {}, []
 
-    def _drop(self, session: Session, ino: int) -> None:
+    async def _drop(self, session: Session, ino: int) -> None:
         """Drop an unpublished file (on a node, the writer told too, its chunk files
         left to the writer once its commit was sent: it may have named it)."""
         if self.forwarded is None:
-            drop_pending(self.vol, session, ino)
+            await drop_pending(self.vol, session, ino)
             return
         if session.pending[ino].committing:
             session.let_go(ino)
             self.vol.release(ino)
         else:
-            drop_pending(self.vol, session, ino)
+            await drop_pending(self.vol, session, ino)
         self.forwarded.writing.discard(ino)
         self.forwarded.abort_later(session.caller, ino)
 
@@ -295,13 +295,13 @@ class FileOps:
         node, sealed = await self._find(path_field(msg), session)
         return self._describe(node, sealed), []
 
-    def release(self, session: Session) -> None:
+    async def release(self, session: Session) -> None:
         """A connection ended: its unpublished files are dropped (each one tried; the
         first failure raised after)."""
         failed: Exception | None = None
         for ino in list(session.pending):
             try:
-                self._drop(session, ino)
+                await self._drop(session, ino)
             except Exception as e:
                 failed = failed or e
         if failed is not None:

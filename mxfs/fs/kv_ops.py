@@ -103,6 +103,7 @@ _OPENING = trio.CapacityLimiter(2)
 
 
 INLINE_WRITE = 256 << 10  # a chunk this small is written on trio's thread (as kv_put's)
+INLINE_ON_LOOP = 8  # small chunks a get reads on trio's thread (more: a worker thread)
 MAX_LIST = 1000  # chunks one kv_list reply names (page with after, as `mxfs kv ls` does)
 MAX_LIST_SKIP = 100_000  # chunks a kv_list walks past in the order of use (~20 ms)
 RELEASED_AT_ONCE = 1024  # pins and claims of a closed connection ended at once (~0.5 ms)
@@ -600,7 +601,7 @@ class KVOps:
             entry, members, fds = self._open_spare(caller)
         else:  # striped over the members, as the root's files are
             entry, members, fds = open_hidden(self.vol, root, 0o600, caller.uid, caller.gid)
-        session.hold(Pending(entry, "", size))
+        session.hold(Pending(entry, "", size, namespace=space.name))
         return {"exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds
 
@@ -623,11 +624,14 @@ class KVOps:
         pending = session.pending.get(int_field(msg, "ino"))
         if pending is None or pending.path:
             raise OSError(errno.EBADF, f"inode {msg.get('ino')} is not a KV chunk written here")
+        if pending.namespace != space.name:  # (its room was judged for that one's owner)
+            raise OSError(errno.EINVAL, f"inode {pending.entry.node.ino} was made for KV "
+                          f"namespace {pending.namespace!r}: commit it there")
         entry = pending.entry
         key, size = _key(msg), int_field(msg, "size")
         sum_unit, sums = sums_field(msg, self.vol.layout(entry.node).unit, size)
         if size > pending.declared or overdrew(self.vol, pending):
-            drop_pending(self.vol, session, entry.node.ino)
+            await drop_pending(self.vol, session, entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "kv_create: refused, and the chunk's space reclaimed")
         refuse_if_writers(self.vol, pending)
@@ -663,7 +667,10 @@ class KVOps:
         most = 0  # descriptors the opens may return, at most
         keys = keys_field(msg)
         sizes = sizes_field(msg, len(keys))
+        inline: list[tuple[int, bytes, Chunk, Inode]] = []  # (the same, read below)
+        share = Slice()
         for key, want in zip(keys, sizes, strict=True):
+            await share.due()  # (4,096 keys, each a row and a file: others run between)
             if want is not None and (have := space.chunks.get(key)) is not None and \
                     have.size != want:  # the caller's buffer cannot take it: its miss
                 space.misses += 1
@@ -676,7 +683,8 @@ class KVOps:
             node = self.vol.store.get(chunk.ino)
             if chunk.size <= min(inline_max, budget):  # small: the bytes ride in the reply
                 budget -= chunk.size
-                out.append({**_sums(chunk), "data": base64.b64encode(self._read(node)).decode()})
+                inline.append((len(out), key, chunk, node))
+                out.append(None)
                 continue
             most += len(self.vol.layout(node).holding(chunk.size)) * (2 if odirect else 1)
             if most > MAX_FDS:
@@ -686,6 +694,7 @@ class KVOps:
             out.append(None)
         if pin:
             self._check_pins(session, len(wanted))
+        await self._read_inline(space, inline, out)
         opened = await self._open_all([n for _, _, _, n in wanted], odirect)
         fds: list[int] = []
         for (slot, key, chunk, node), (which, got) in zip(wanted, opened, strict=True):
@@ -768,6 +777,20 @@ class KVOps:
                     os.close(fd)
             raise
         return done
+
+    async def _read_inline(self, space: Namespace, inline: list[tuple[int, bytes, Chunk, Inode]],
+                           out: list[ChunkReply | None]) -> None:
+        """The small chunks' bytes into their places in `out`: a few read here (warm:
+        a thread hop costs more), more in a worker thread (each a file opened and read:
+        thousands of them held the thread); a chunk evicted meanwhile is a miss."""
+        nodes = [node for _, _, _, node in inline]
+        if len(nodes) <= INLINE_ON_LOOP:
+            datas = [self._read(node) for node in nodes]
+        else:
+            datas = await trio.to_thread.run_sync(lambda: [self._read(n) for n in nodes])
+        for (slot, key, chunk, _), data in zip(inline, datas, strict=True):
+            if space.chunks.get(key) is chunk:
+                out[slot] = {**_sums(chunk), "data": base64.b64encode(data).decode()}
 
     def _read(self, node: Inode) -> bytes:
         chunks = ChunkFiles(self.vol.pool, node.ino, self.vol.layout(node))

@@ -63,7 +63,7 @@ class Listener:
     def __init__(self, path: str, limits: Limits,
                  dispatch: Callable[[Msg, Session], Awaitable[tuple[dict[str, Any], list[int]]]],
                  new_session: Callable[[Caller, Any], Session],
-                 end: Callable[[Session], None]) -> None:
+                 end: Callable[[Session], Awaitable[None]]) -> None:
         self.path = path
         self.limits = limits
         self.dispatch = dispatch
@@ -163,7 +163,8 @@ class Listener:
             except Exception as e:
                 self.failures.note("connection", caller, e)
             finally:
-                self._end(session)
+                with trio.CancelScope(shield=True):  # (what it held goes, even at the end)
+                    await self._end(session)
                 if session.sent_fds and unread_bytes(conn):
                     await park(conn)  # its descriptors in flight: still counted
                 del self.sessions[id(session)]

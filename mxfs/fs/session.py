@@ -9,10 +9,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import trio
+
 from mxfs.fs.fields import Msg
 from mxfs.fs.limits import Limits
 from mxfs.io import PAGE
 from mxfs.meta import Inode
+from mxfs.pool.pool import overallocated
 from mxfs.pool.revoke import writers_remain
 from mxfs.proto.messages import ReadFds
 from mxfs.vol.access import Caller
@@ -38,6 +41,7 @@ class Pending:
     # (A node's file) its commit was sent to the writer, which may have named it: its
     # chunk files are the writer's to remove from now on, never cut here.
     committing: bool = False
+    namespace: str = ""  # (a KV chunk) the namespace it was made for: committed there
 
 
 @dataclass(slots=True)
@@ -130,16 +134,25 @@ def refuse_if_writers(vol: Volume, pending: Pending) -> None:
                       "this process or one it shared it with): close every one, then commit")
 
 
-def drop_pending(vol: Volume, session: Session, ino: int) -> None:
+async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
     """Forget an unpublished file: its space now, its chunk files after the next commit;
     if a writer still holds descriptors, the files are moved aside and held cut to
-    nothing until it lets go (pool/revoke.py), so the inode number can be reused."""
+    nothing until it lets go (pool/revoke.py), so the inode number can be reused.  The
+    files are probed and cut in a worker thread (a closing connection's 256 files of
+    2 GiB each held trio's thread for seconds)."""
     pending = session.let_go(ino)
-    if writers_remain(chunk_paths(vol, pending.entry.node)):
-        vol.held.hold(ino)
-    else:
-        vol.pool.cut_chunks(ino)
-    vol.release(ino)
+    paths = chunk_paths(vol, pending.entry.node)
+
+    def cut() -> None:
+        if writers_remain(paths):
+            vol.held.hold(ino)
+        else:
+            vol.pool.cut_chunks(ino)
+    try:
+        with trio.CancelScope(shield=True):  # (the inode is released after, whatever)
+            await trio.to_thread.run_sync(cut)
+    finally:
+        vol.release(ino)
 
 
 def cut_back(vol: Volume, pendings: list[Pending]) -> int:
@@ -150,6 +163,7 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
     cut = 0
     for pending in pendings:
         node = pending.entry.node
+        cut += trim_reserved(vol, node, pending.declared)
         for m in grown_chunks(vol, node, pending.declared):
             pending.overdrawn = True  # cut back or not, its commit is refused
             try:
@@ -158,6 +172,25 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
                 cut += 1
             except OSError:
                 pass
+    return cut
+
+
+def trim_reserved(vol: Volume, node: Inode, declared: int) -> int:
+    """Blocking: blocks a writer reserved past its file's end (`fallocate` with
+    KEEP_SIZE: no size check sees them) freed, on chunk files nobody writes now (one
+    being written may be growing: cut, its new bytes would go); how many were cut.
+    A commit frees them too (`Pool.truncate_chunks`)."""
+    cut = 0
+    for m in vol.layout(node).used_members():
+        path = vol.pool.chunk_path(m, node.ino)
+        try:
+            st = os.stat(path)
+            allowed = allowed_length(vol, node, m, declared)
+            if overallocated(st, allowed) and not writers_remain([path]):
+                os.truncate(path, min(st.st_size, allowed))
+                cut += 1
+        except OSError:
+            pass  # (gone, or a member failing: its own checks say so)
     return cut
 
 

@@ -58,6 +58,16 @@ META_ROW = 512  # what one more metadata row costs the store, about (names added
 
 log = logging.getLogger("mxfs.pool")
 
+
+ALLOCATED_SLACK = 4 << 20  # blocks a chunk file may hold past its length (file systems'
+                           # own: extent trees, an XFS's preallocation not yet trimmed)
+
+
+def overallocated(st: os.stat_result, length: int) -> bool:
+    """Whether a chunk file holds blocks well past `length` bytes: reserved by a
+    writer's fallocate(KEEP_SIZE), which a size check never sees."""
+    return st.st_blocks * 512 > length + max(ALLOCATED_SLACK, length // 16)
+
 @dataclass
 class Member:
     index: int
@@ -676,8 +686,9 @@ class Pool:
             want = layout.chunk_length(m, size)
             path = self.chunk_path(m, ino)
             try:
-                if os.stat(path).st_size > want:
-                    os.truncate(path, want)
+                st = os.stat(path)
+                if st.st_size > want or overallocated(st, want):
+                    os.truncate(path, want)  # (frees blocks kept past its end too)
             except FileNotFoundError:
                 pass
         if far:

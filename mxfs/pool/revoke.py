@@ -13,15 +13,20 @@ only once nobody can write it any more:
   where `Held.sweep` cuts them to nothing every second and removes them once the
   last writer is gone: the writer keeps no space, nothing is hidden from `du` or
   fsck, and the inode number can be reused without a stray writer reaching the
-  new file.
+  new file.  Held files are made immutable in between (where the member's file
+  system keeps the flag): that refuses `fallocate` through the kept descriptors on
+  ext4 and XFS (a writer reserved a member's free space within each second between
+  cuts) and, on ext4, their writes too.
 """
 
 from __future__ import annotations
 
+import array
 import errno
 import fcntl
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
 
@@ -31,6 +36,27 @@ log = logging.getLogger("mxfs.pool")
 
 HELD_DIR = "held"
 _unsupported_warned = False
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
+
+
+def _immutable(path: str, on: bool) -> None:
+    """Blocking: set or clear the file's immutable flag, where its file system keeps
+    one (elsewhere nothing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
+        want = flags[0] | _FS_IMMUTABLE_FL if on else flags[0] & ~_FS_IMMUTABLE_FL
+        if want != flags[0]:
+            flags[0] = want
+            fcntl.ioctl(fd, _FS_IOC_SETFLAGS, flags, True)
+    except OSError:
+        pass  # (no such flag there: cut every second alone)
+    finally:
+        os.close(fd)
 
 
 def writers_remain(paths: Iterable[str]) -> bool:
@@ -60,11 +86,13 @@ def writers_remain(paths: Iterable[str]) -> bool:
 
 
 class Held:
-    """Chunk files of dropped files whose writers still hold descriptors."""
+    """Chunk files of dropped files whose writers still hold descriptors (held and
+    swept from worker threads)."""
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.files: list[str] = []
+        self._lock = threading.Lock()
 
     def _folder(self, member: int) -> str:
         return os.path.join(self.pool.members[member].path, CHUNK_DIR, HELD_DIR)
@@ -82,7 +110,9 @@ class Held:
                 os.rename(src, dst)
             except FileNotFoundError:
                 continue
-            self.files.append(dst)
+            _immutable(dst, True)
+            with self._lock:
+                self.files.append(dst)
             moved += 1
         return moved
 
@@ -101,11 +131,15 @@ class Held:
     def sweep(self) -> int:
         """Blocking: cut every held file to nothing again, and remove those nobody
         writes any more; how many are still held."""
+        with self._lock:
+            swept = list(self.files)
         kept = []
-        for path in self.files:
+        for path in swept:
             try:
+                _immutable(path, False)  # (an immutable file is neither cut nor removed)
                 if writers_remain([path]):
                     os.truncate(path, 0)
+                    _immutable(path, True)
                     kept.append(path)
                 else:
                     os.unlink(path)
@@ -114,5 +148,6 @@ class Held:
             except OSError as e:  # a member gone: kept, tried again next time
                 log.warning("held chunk file %s: %s", path, e.strerror)
                 kept.append(path)
-        self.files = kept
-        return len(kept)
+        with self._lock:  # (with those held meanwhile)
+            self.files = kept + self.files[len(swept):]
+            return len(self.files)
