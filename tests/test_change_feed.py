@@ -108,10 +108,10 @@ def test_a_reading_node_refills_only_the_namespaces_a_row_could_not_list(
         return state_of(os.pread(seen[name].fileno(), 64, 0))
     flood = Change(kv=[(KV_REMOVED, "big", b"%031d" % i) for i in range(MAX_NOTED)] +
                    [(KV_STORED, "small", b"c" * 32), (KV_REMOVED, "small", b"a" * 32)])
-    views._apply(Change.decode(flood.encode()))
+    views.apply(Change.decode(flood.encode()))
     assert list(views.tables) == ["small"] and views.tables["small"] is small
     assert small.count == 2 and state("small") == LIVE and state("big") == MOVED
-    views._apply(Change.decode(Change(kv=[(KV_STORED, f"n{i}", b"k")
+    views.apply(Change.decode(Change(kv=[(KV_STORED, f"n{i}", b"k")
                                           for i in range(MAX_NOTED + 1)]).encode()))
     assert views.tables == {} and state("small") == MOVED
     for f in seen.values():

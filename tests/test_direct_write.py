@@ -207,6 +207,25 @@ def test_space_a_writer_reserves_past_its_files_end_is_taken_back(mounted: Mount
         w.commit(4096)
     assert Path(p).read_bytes() == b"a" * 4096
     assert blocks(os.stat(p).st_ino) < 1 << 20
+    # Committed longer than what was written (the rest reads zeros): the commit must
+    # not grow the chunk file and keep what was reserved past its old end.
+    import base64
+
+    from mxfs.io.checksum import block_sums, pack_sums
+    with ControlClient(str(mounted.path)) as c:
+        made, fds = c.call_with_fds("create", path="/short.bin", size=8192)
+        try:
+            fd = dict(zip(made["members"], fds, strict=True))[made["layout"]["first_member"]]
+            os.pwrite(fd, b"s" * 1024, 0)  # (its first stripe: all 8 KiB of it)
+            assert reserve(fd) == 0
+        finally:
+            for fd in fds:
+                os.close(fd)
+        unit = made["layout"]["stripe_unit"]
+        body = b"s" * 1024 + bytes(8192 - 1024)
+        c.call("commit", ino=made["ino"], size=8192, sum_unit=unit,
+               sums=base64.b64encode(pack_sums(block_sums(body, unit))).decode())
+    assert blocks(made["ino"]) < 1 << 20
     # Dropped with its descriptors kept: moved aside, cut, and refused more.
     w2 = create_file(str(mounted.path / "dropped.bin"), 4096)
     kept = [os.dup(fd) for fd in w2.fds.values()]  # type: ignore[attr-defined]

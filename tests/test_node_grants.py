@@ -88,3 +88,31 @@ def test_a_users_grants_are_bounded_and_never_take_anothers(
     grants.let_go("b", 1)
     grants.room("b", 1, 3, ALICE)
     assert grants.check("b", 1, 20) == ("b", 1, BOB)
+
+
+def test_a_grant_two_whole_words_leave_out_goes(vol: Volume) -> None:
+    """A grant whose open failed on the node after the writer gave it (or whose answer
+    was lost) was never let go: one that two whole words in a row leave out goes, with
+    its share; one named again, or of another epoch, stays."""
+    rooms = Rooms(vol)
+    grants = Grants(rooms)
+    for ino in (1, 2, 3):
+        grants.grant("b", 1, ino, ALICE, ALICE)
+    rooms.top_up(("b", 1, ALICE))
+    grants.grant("c", 1, 4, ALICE, ALICE)
+    grants.named("b", 1, {1})
+    grants.named("b", 1, {1, 2})  # (2 named again: its first strike forgotten)
+    assert grants.check("b", 1, 1) and grants.check("b", 1, 2)
+    with pytest.raises(OSError):
+        grants.check("b", 1, 3)
+    grants.named("b", 1, {1})
+    grants.check("b", 1, 2)  # (one strike since it was named)
+    grants.named("b", 1, set())
+    with pytest.raises(OSError):
+        grants.check("b", 1, 2)
+    assert grants.check("b", 1, 1) and ALICE in vol.quotas.reserved
+    grants.named("b", 1, set())
+    with pytest.raises(OSError):
+        grants.check("b", 1, 1)
+    assert ALICE not in vol.quotas.reserved  # (b's last grant of hers: its share back)
+    assert grants.check("c", 1, 4) == ("c", 1, ALICE)  # (another node's word)

@@ -645,8 +645,8 @@ class ChunkService:
             raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
         try:
             node = vol.store.get(ino)
-        except OSError:
-            if scope is None:
+        except OSError as e:
+            if scope is None or e.errno != errno.ENOENT:
                 raise
             scope[ino] = GONE  # (a row not cached is a round trip: asked once)
             raise OSError(errno.ESTALE, f"inode {ino} is gone") from None

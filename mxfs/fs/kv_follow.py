@@ -124,6 +124,7 @@ class FollowerKV:
         self.lent_by_uid: Counter[int] = Counter()
         self.copies_by_uid: Counter[int] = Counter()  # copies lent now
         self._copying: Counter[int] = Counter()  # bytes being copied for a uid now
+        self._copying_n: Counter[int] = Counter()  # ... and how many copies
         self._copiers = RoundRobin(COPIERS)  # (by uid in turn: one's queue holds no other)
 
     def take_back(self) -> None:
@@ -158,7 +159,7 @@ class FollowerKV:
         return uid == 0 or (
             self.lent_by_uid[uid] + self._copying[uid] + nbytes <=
             self.limits.max_kv_lent_per_user and
-            self.copies_by_uid[uid] + copies <= LENT_PER_USER)
+            self.copies_by_uid[uid] + self._copying_n[uid] + copies <= LENT_PER_USER)
 
     async def _lookup(self, msg: Msg, session: Session, keys: list[bytes], chunks: bool
                       ) -> tuple[Namespace, _Found]:
@@ -279,12 +280,16 @@ class FollowerKV:
             copied = more
             todo.append((slot, node, sums))
         self._copying[uid] += copied
+        self._copying_n[uid] += len(seen)
         try:
             return await self._copy_all(space, uid, todo, out, inline_max)
         finally:
             self._copying[uid] -= copied
+            self._copying_n[uid] -= len(seen)
             if self._copying[uid] <= 0:
                 del self._copying[uid]
+            if self._copying_n[uid] <= 0:
+                del self._copying_n[uid]
 
     async def _copy_all(self, space: Namespace, uid: int,
                         todo: list[tuple[int, Inode, ChunkReply]],

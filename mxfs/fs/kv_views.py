@@ -114,6 +114,14 @@ class FollowerViews:
         except trio.RunFinishedError:
             pass
 
+    def apply(self, change: Change) -> None:
+        """A feed row's KV notes, whole (on trio's thread; `from_feed` sends a long
+        row's a bite at a time)."""
+        if change.kv_unknown:
+            self.retire_all()
+        else:
+            self._apply(change.kv)
+
     def _apply(self, notes: Sequence[tuple[int, str, bytes]]) -> None:
         for what, ns, key in notes:
             table = self.tables.get(ns)

@@ -185,6 +185,10 @@ class MountWrites:
             held.drained.set()
             held.opening += 1
             return row
+        except BaseException:
+            if ino not in self.files and ino not in self.untold:  # (its grant let go:
+                self.untold[ino] = (caller, {"ino": ino, "last": True}, owner)  # `run`)
+            raise
         finally:
             self._unbusy(ino, done)
 

@@ -271,6 +271,8 @@ class NodeFiles:
                 if got is None:
                     return {"writer": own, "again": True}
                 freed += got
+                if not bool_field(msg, "more"):  # (the word is whole: grants it left
+                    self.grants.named(node, epoch, holds.held(node, epoch))  # out go)
             else:
                 for ino in let_go:
                     if holds.let_go(node, epoch, ino):

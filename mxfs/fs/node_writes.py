@@ -134,6 +134,8 @@ class Grants:
         self._held: dict[tuple[str, int], tuple[int, int, int]] = {}  # (epoch, owner, uid)
         self._owners: dict[Share, int] = {}  # files granted, by share
         self._by_user: Counter[tuple[str, int]] = Counter()  # by (node, opener's uid)
+        self._by_node: dict[str, set[int]] = {}
+        self._unnamed: set[tuple[str, int]] = set()  # left out of a node's last whole word
 
     def room(self, node: str, epoch: int, ino: int | None, uid: int) -> None:
         """EMFILE or ENFILE where granting `ino` (None: a file to be made) to `node`
@@ -157,6 +159,7 @@ class Grants:
             return
         self.let_go(node, ino)
         self._held[(node, ino)] = (epoch, owner, uid)
+        self._by_node.setdefault(node, set()).add(ino)
         self._by_user[(node, uid)] += 1
         share = (node, epoch, owner)
         self._owners[share] = self._owners.get(share, 0) + 1
@@ -175,6 +178,10 @@ class Grants:
         held = self._held.pop((node, ino), None)
         if held is None:
             return None
+        self._by_node[node].discard(ino)
+        if not self._by_node[node]:
+            del self._by_node[node]
+        self._unnamed.discard((node, ino))
         self._by_user[(node, held[2])] -= 1
         if not self._by_user[(node, held[2])]:
             del self._by_user[(node, held[2])]
@@ -184,6 +191,18 @@ class Grants:
             del self._owners[share]
             self.rooms.give_back(share)
         return share
+
+    def named(self, node: str, epoch: int, held: set[int]) -> None:
+        """`node`'s whole word (`fs/held_open.py`) named `held` open there: a grant of
+        a file left out of two whole words in a row goes (an open there that failed
+        after its grant, or whose answer was lost, never let it go)."""
+        for ino in list(self._by_node.get(node, ())):
+            if self._held[(node, ino)][0] != epoch or ino in held:
+                self._unnamed.discard((node, ino))
+            elif (node, ino) in self._unnamed:
+                self.let_go(node, ino)
+            else:
+                self._unnamed.add((node, ino))
 
     def drop(self, node: str, epoch: int | None = None) -> None:
         """Every grant of `node` (under `epoch`, or any), and its shares."""

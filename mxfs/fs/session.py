@@ -186,8 +186,9 @@ def trim_reserved(vol: Volume, node: Inode, declared: int) -> int:
         try:
             st = os.stat(path)
             allowed = allowed_length(vol, node, m, declared)
-            if overallocated(st, allowed) and not writers_remain([path]):
-                os.truncate(path, min(st.st_size, allowed))
+            if st.st_size <= allowed and overallocated(st, allowed) and \
+                    not writers_remain([path]):  # (one run past it: `grown_chunks`)
+                os.truncate(path, st.st_size)
                 cut += 1
         except OSError:
             pass  # (gone, or a member failing: its own checks say so)

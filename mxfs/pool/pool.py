@@ -688,7 +688,9 @@ class Pool:
             try:
                 st = os.stat(path)
                 if st.st_size > want or overallocated(st, want):
-                    os.truncate(path, want)  # (frees blocks kept past its end too)
+                    # (frees blocks kept past its end too; never grown: a truncate that
+                    # grows a file keeps them, and its holes read zeros anyway)
+                    os.truncate(path, min(st.st_size, want))
             except FileNotFoundError:
                 pass
         if far:

@@ -89,6 +89,11 @@ class NodeHolds:
             freed += self.replace(node, epoch, list(names))
         return freed
 
+    def held(self, node: str, epoch: int) -> set[int]:
+        """What `node` holds under `epoch` (this table's own set: not to be changed)."""
+        held = self._by_node.get(node)
+        return held[1] if held is not None and held[0] == epoch else set()
+
     def replace(self, node: str, epoch: int, inos: list[int]) -> list[int]:
         """`node` holds exactly `inos` (a whole word); the inodes nobody holds now."""
         held = self._by_node.get(node)
