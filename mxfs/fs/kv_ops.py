@@ -104,6 +104,7 @@ _OPENING = trio.CapacityLimiter(2)
 
 INLINE_WRITE = 256 << 10  # a chunk this small is written on trio's thread (as kv_put's)
 INLINE_ON_LOOP = 8  # small chunks a get reads on trio's thread (more: a worker thread)
+EVICT_BITE = 4096  # victims chosen at once (~2 ms)
 MAX_LIST = 1000  # chunks one kv_list reply names (page with after, as `mxfs kv ls` does)
 MAX_LIST_SKIP = 100_000  # chunks a kv_list walks past in the order of use (~20 ms)
 RELEASED_AT_ONCE = 1024  # pins and claims of a closed connection ended at once (~0.5 ms)
@@ -322,11 +323,20 @@ class KVOps:
         return {"evicted": await self._evict(space, int_field(msg, "keep", 0))}, []
 
     async def _evict(self, space: Namespace, target: int) -> int:
-        """Evict down to `target` bytes a bite at a time; how many chunks went."""
-        victims = self.index.victims(space, target)
-        space.evictions += len(victims)
-        await self._drop_in_bites(victims)
-        return len(victims)
+        """Evict down to `target` bytes a bite at a time (victims chosen EVICT_BITE at a
+        time too: a list of a million held the thread 0.4 s); how many chunks went."""
+        evicted = 0
+        while self.index.spaces.get(space.name) is space:
+            victims = self.index.victims(space, target, EVICT_BITE)
+            if not victims:
+                break
+            space.evictions += len(victims)
+            before = space.used
+            await self._drop_in_bites(victims)
+            evicted += len(victims)
+            if space.used >= before:  # (all pinned or gone meanwhile: no progress)
+                break
+        return evicted
 
     async def _enforce(self, space: Namespace) -> int:
         """After a put: above the namespace's capacity, evict down to its low watermark,
