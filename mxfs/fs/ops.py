@@ -156,6 +156,7 @@ class MxfsOperations(pyfuse3.Operations):
         self.write_behind = write_behind  # writes queued per inode; 0: none (a lane's
         # budget bounds them in all)
         self.behind: dict[int, WriteBehind] = {}
+        self._cutting: dict[int, trio.Event] = {}  # files being cut: their writes wait
         # How long the kernel keeps answers (`fs/kernel_cache.py`).  On a reading node
         # (`MetaStore.follow`) it also keeps a file's cached pages across opens only
         # while the file is as it was when they were read (close-to-open, as NFS gives
@@ -615,6 +616,8 @@ class MxfsOperations(pyfuse3.Operations):
             finally:
                 self.written.wrote(node.ino, end)
             return len(buf)
+        while (cutting := self._cutting.get(node.ino)) is not None:
+            await cutting.wait()  # (a cut's chunk files are cut off trio's thread)
         self.vol.quotas.room(node.uid, off + len(buf) - node.size)  # (the owner pays)
         self.vol.note_write(entry)
         await self._write_data(handle, off, buf)
@@ -694,13 +697,25 @@ class MxfsOperations(pyfuse3.Operations):
                             "was left to tell", ino, behind.error)
 
     async def _truncate(self, node: Inode, size: int) -> None:
-        """Set a file's size; other nodes' chunk files are cut from a worker thread."""
-        if self.vol.truncate(node, size):
+        """Set a file's size: the store's now, the chunk files (and the sync that comes
+        first) from a worker thread, the file's writes waiting meanwhile (a user looping
+        O_TRUNC opens held the thread for an fsync each)."""
+        while (cutting := self._cutting.get(node.ino)) is not None:
+            await cutting.wait()
+        cutting = self._cutting[node.ino] = trio.Event()
+        try:
+            await self.settle(node.ino)  # (writes answered before: landed first)
+            if not self.vol.resize(node, size):
+                return
             layout = self.vol.layout(node)
             lane = self.lanes.of(self.vol.pool.owners(layout.used_members()))
-            await trio.to_thread.run_sync(self.vol.pool.truncate_far, node.ino, layout, size,
-                                          limiter=lane.limiter)
+            with trio.CancelScope(shield=True):  # (a cut begun is finished)
+                await trio.to_thread.run_sync(self.vol.cut, node.ino, layout, size,
+                                              limiter=lane.limiter)
             self.vol.truncated(node)
+        finally:
+            del self._cutting[node.ino]
+            cutting.set()
 
     async def settle(self, ino: int, report: bool = False) -> None:
         """Every write of `ino` answered so far is on its members (then, if `report`,

@@ -552,20 +552,21 @@ class Volume:
         self.remove_chunks(inos)
         self.drop_inodes(inos)
 
-    def truncate(self, node: Inode, size: int) -> bool:
-        """Set a file's size now; shrinking cuts the chunk files (crash-safe via
-        dirty_data).  True if other nodes' chunk files are left to cut: the caller
-        does that from a worker thread (`Pool.truncate_far`, round trips), then
-        `truncated`."""
-        if self.store.resize(node, size):
-            self.store.durable()  # a crash mid-cut is trimmed again at mount (the size
-            # on stable storage first: a power cut must not keep the cut and lose it)
-            layout = self.layout(node)
-            self.pool.truncate_chunks(node.ino, layout, size, far=False)
-            if self.pool.far(layout.used_members()):
-                return True
-            self.truncated(node)
-        return False
+    def resize(self, node: Inode, size: int) -> bool:
+        """Set a file's size in the store, committed; True if it shrank: then the
+        caller `cut`s its chunk files (from a worker thread) and tells `truncated`."""
+        if not self.store.resize(node, size):
+            return False
+        self.store.commit()
+        return True
+
+    def cut(self, ino: int, layout: Layout, size: int) -> None:
+        """Blocking: a shrunk file's chunk files cut to `size`, this node's and other
+        nodes' (`Pool.truncate_far`, round trips), once its size is on stable storage
+        (a crash mid-cut is trimmed again at mount, via dirty_data: a power cut must
+        not keep the cut and lose the size)."""
+        self.store.engine.sync()
+        self.pool.truncate_chunks(ino, layout, size)
 
     def truncated(self, node: Inode) -> None:
         """Every chunk file of `node` is cut to its size (windows read ahead of it
