@@ -116,3 +116,27 @@ def test_a_grant_two_whole_words_leave_out_goes(vol: Volume) -> None:
         grants.check("b", 1, 1)
     assert ALICE not in vol.quotas.reserved  # (b's last grant of hers: its share back)
     assert grants.check("c", 1, 4) == ("c", 1, ALICE)  # (another node's word)
+
+
+def test_one_users_flood_pushes_out_only_its_own_remembered_answers(
+        vol: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer remembers its answers to nodes' changes, to answer a repeat (a node
+    asks again on a new connection) instead of doing it twice: a user's flood through
+    one node pushes out that user's answers only (4,096 were shared by all)."""
+    from collections import Counter
+
+    from mxfs.fs import node_files
+    from mxfs.fs.limits import Limits
+    from mxfs.fs.node_files import NodeFiles
+
+    monkeypatch.setattr(node_files, "NAMES_REMEMBERED_PER_USER", 4)
+    monkeypatch.setattr(node_files, "NAMES_REMEMBERED", 10)
+    files = NodeFiles(vol, "/mnt", Limits(), Counter(), lambda *a: None)  # type: ignore
+    files._remember_name(("b", "bob"), BOB, {"ok": "bob's"})
+    files._remember_name(("c", "bob"), BOB, {"ok": "on c"})
+    for i in range(100):
+        files._remember_name(("b", f"a{i}"), ALICE, {})
+    assert files.names_done[("b", "bob")] == {"ok": "bob's"}
+    assert files.names_done[("c", "bob")] == {"ok": "on c"}
+    assert [t for t in files.names_done if t[1].startswith("a")] == \
+        [("b", f"a{i}") for i in range(96, 100)]

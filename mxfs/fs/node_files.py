@@ -38,7 +38,7 @@ import logging
 import os
 import stat
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +106,11 @@ GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
 PATH_MAX = 4095  # bytes of a symbolic link's target, as the kernel allows
 REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
+# Answers to nodes' changes of names, files and attributes remembered (a repeat on a new
+# connection is answered, not done twice), in all and of one user through one node: a
+# user's flood pushes out its own, not everyone's (4,096 shared by all before).
+NAMES_REMEMBERED = 65536
+NAMES_REMEMBERED_PER_USER = 1024
 HOLDS_AT_ONCE = 16384  # files a node holds or lets go in one request (within MAX_KREQ)
 
 
@@ -148,6 +153,7 @@ class NodeFiles:
         self.dead_since: dict[tuple[str, int], float] = {}
         # Names changed for nodes, by (node, token): a repeat is answered, not redone.
         self.names_done: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+        self._done_by: dict[tuple[str, int], deque[tuple[str, str]]] = {}  # (node, uid)
 
     async def request(self, caller: Caller, op: str, msg: dict[str, Any]
                       ) -> dict[str, Any]:
@@ -168,9 +174,7 @@ class NodeFiles:
             out, changed, ino = self._name(caller, op, msg, name) if op in NAME_OPS \
                 else self._xattr(caller, op, msg) if op in XATTR_OPS \
                 else self._mount(caller, op, msg, name, epoch)
-            self.names_done[token] = out
-            while len(self.names_done) > REMEMBERED:
-                self.names_done.popitem(last=False)
+            self._remember_name(token, caller.uid, out)
             if self.entry_changed is not None:
                 for parent, entry in changed:
                     await self.entry_changed(parent, entry)
@@ -190,6 +194,17 @@ class NodeFiles:
                 self._drop(ino)
             return {}
         raise OSError(errno.EPERM, f"{op[:32]} is not asked of another node")
+
+    def _remember_name(self, token: tuple[str, str], uid: int, out: dict[str, Any]) -> None:
+        """Keep an answer for a repeat of its request: NAMES_REMEMBERED_PER_USER of one
+        user's through one node, NAMES_REMEMBERED in all (the oldest go first)."""
+        self.names_done[token] = out
+        mine = self._done_by.setdefault((token[0], uid), deque())
+        mine.append(token)
+        if len(mine) > NAMES_REMEMBERED_PER_USER:
+            self.names_done.pop(mine.popleft(), None)
+        while len(self.names_done) > NAMES_REMEMBERED:
+            self.names_done.popitem(last=False)
 
     def _mount(self, caller: Caller, op: str, msg: Msg, node: str, epoch: int
                ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
