@@ -140,3 +140,4 @@ def test_one_users_flood_pushes_out_only_its_own_remembered_answers(
     assert files.names_done[("c", "bob")] == {"ok": "on c"}
     assert [t for t in files.names_done if t[1].startswith("a")] == \
         [("b", f"a{i}") for i in range(96, 100)]
+

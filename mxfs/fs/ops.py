@@ -157,6 +157,8 @@ class MxfsOperations(pyfuse3.Operations):
         # budget bounds them in all)
         self.behind: dict[int, WriteBehind] = {}
         self._cutting: dict[int, trio.Event] = {}  # files being cut: their writes wait
+        self._sync_asked = self._synced = 0  # store syncs asked for, and done (`_durable`)
+        self._syncing: trio.Event | None = None
         # How long the kernel keeps answers (`fs/kernel_cache.py`).  On a reading node
         # (`MetaStore.follow`) it also keeps a file's cached pages across opens only
         # while the file is as it was when they were read (close-to-open, as NFS gives
@@ -775,9 +777,23 @@ class MxfsOperations(pyfuse3.Operations):
         self.handles[fh].heard_losses(self.store.groups_lost)
 
     async def _durable(self) -> None:
-        """Every change so far committed and on stable storage (the sync in a worker)."""
+        """Every change so far committed and on stable storage (the sync in a worker).
+        Syncs are shared: one runs at a time, and a caller waits for the first begun
+        after its commit (a user's 400 fsyncs at once queued everyone's behind them)."""
         self.store.commit()
-        await trio.to_thread.run_sync(self.store.sync, limiter=self.limiter)
+        self._sync_asked += 1
+        ticket = self._sync_asked
+        while self._synced < ticket:
+            if self._syncing is not None:
+                await self._syncing.wait()
+                continue
+            self._syncing, covers = trio.Event(), self._sync_asked
+            try:
+                await trio.to_thread.run_sync(self.store.sync, limiter=self.limiter)
+                self._synced = max(self._synced, covers)
+            finally:
+                self._syncing.set()
+                self._syncing = None
 
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

@@ -71,8 +71,9 @@ class SoleCache:
         """What `key` names now (read, or written by the change running)."""
         if not self.on:
             return
-        if len(self.names) >= LIMIT:
-            self.forget()
+        if len(self.names) >= LIMIT:  # (names only: the inode count stays, whose
+            self.names.clear()        # recount scans every row)
+            self.complete.clear()
         self.names[key] = ino
         if in_change:
             self._names_used.append(key)
@@ -86,6 +87,8 @@ class SoleCache:
 
     def set_sealed(self, ino: int, sealed: bool, in_change: bool) -> None:
         if self.on:
+            if len(self.sealed) >= LIMIT:
+                self.sealed.clear()
             self.sealed[ino] = sealed
             if in_change:
                 self._seals_used.append(ino)

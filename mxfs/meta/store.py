@@ -54,6 +54,7 @@ log = logging.getLogger("mxfs.meta")
 
 T = TypeVar("T")
 _CACHE_LIMIT = 200_000
+LINK_MAX = 65_000  # hard links to one file (ext4's bound)
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
 _XATTRS = "\0xattrs"  # journal mark: (uid, bytes) added to a uid's xattr tally
 
@@ -64,6 +65,11 @@ class MetaStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cache: dict[int, Inode] = {}
+        # Inodes held open (the volume's handles hold these objects): never dropped from
+        # memory, or a later change would go to a copy the handle never sees (a trim
+        # at the limit split one inode in two: a size written back, an unlink unseen).
+        self.held: Callable[[int], bool] = lambda ino: False
+        self._trim_at = _CACHE_LIMIT  # (past the inodes held: no pass at every read)
         self._journal: list[tuple[Inode, str, object]] = []
         self._group_journal: list[tuple[Inode, str, object]] = []  # of the open group
         # (directory, name) -> its inode, or None: no such entry
@@ -257,7 +263,7 @@ class MetaStore:
                 self._cache.pop(ino, None)
             raise fail(errno.ENOENT)
         if node is None:
-            if len(self._cache) >= _CACHE_LIMIT:
+            if len(self._cache) >= self._trim_at:
                 self._trim()
             # (setdefault: a store reading beside this one (`read_beside`) may have
             # made it meanwhile; every holder must have the one object)
@@ -267,10 +273,12 @@ class MetaStore:
         return node
 
     def _trim(self) -> None:
-        """Forget every inode with no unsaved change, in place (the dict may be shared)."""
+        """Forget every inode with no unsaved change and not held open, in place (the
+        dict may be shared); the next trim waits until memory holds twice what stayed."""
         for ino, node in list(self._cache.items()):
-            if not node.dirty:
+            if not node.dirty and not self.held(ino):
                 self._cache.pop(ino, None)
+        self._trim_at = max(_CACHE_LIMIT, 2 * len(self._cache))
 
     def read_beside(self, main: MetaStore) -> None:
         """Read the rows afresh (`follow`) into `main`'s inodes: this store's connection
@@ -279,6 +287,7 @@ class MetaStore:
         follower: its inodes are never changed here, only refreshed from the rows."""
         self.follow = True
         self._cache = main._cache
+        self.held = lambda ino: main.held(ino)  # (the main store's handles' objects)
 
     def write_fields(self, node: Inode, values: dict[str, object]) -> None:
         """Write fields of an inode row and of its cached object (inside a change)."""
@@ -628,6 +637,8 @@ class MetaStore:
                 raise fail(errno.EPERM)
             if node.nlink == 0:
                 raise fail(errno.ENOENT)
+            if node.nlink >= LINK_MAX:  # (as ext4: names cost the store, not the quota)
+                raise fail(errno.EMLINK)
             if self.entry_ino(parent, name) is not None:
                 raise fail(errno.EEXIST)
             now = time.time_ns()
@@ -767,7 +778,7 @@ class MetaStore:
         missing = [i for i in inos if i not in self._cache]
         if len(missing) < 2:
             return
-        if len(self._cache) + len(missing) >= _CACHE_LIMIT:
+        if len(self._cache) + len(missing) >= self._trim_at:
             self._trim()
         for row in self.engine.get_many("inodes", "ino", missing, INODE_COLUMNS):
             self._cache.setdefault(row[0], Inode(*row))

@@ -68,6 +68,7 @@ class Volume:
         self.store = store
         store.on_settled = pool.meta_committed
         self.open_inodes: dict[int, OpenInode] = {}
+        store.held = self.open_inodes.__contains__  # (their objects stay the store's)
         # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
         self.pending_reclaim: list[int] = []
         self._far_pending: dict[int, list[int]] = {}  # ... their other nodes' members

@@ -1,0 +1,85 @@
+"""The metadata store's memory and bounds (mxfs.meta.store, mxfs.meta.sole_cache) on a
+real pool: what a handle holds open stays the store's own object however many inodes
+are read, a file's links are bounded, and a full name cache keeps the inode count."""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import make_members, mkfs
+
+from mxfs.meta import ROOT_INO
+from mxfs.meta import store as meta_store
+from mxfs.vol.volume import Volume
+
+ALICE = 1000
+
+
+@pytest.fixture
+def vol(tmp_path: Path) -> Iterator[Volume]:
+    members = make_members(tmp_path, 2)
+    mkfs(members)
+    v = Volume.open(members[0])
+    try:
+        yield v
+    finally:
+        v.store.close()
+
+
+def test_an_inode_held_open_stays_one_object_past_the_cache_limit(
+        vol: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store forgets clean inodes when memory holds too many; one held open (its
+    handle holds the object) must stay the store's own, or a truncate by name went to a
+    copy while the handle wrote its old size back, and an unlink was never seen by the
+    handle's last close (its space and its owner's quota kept until remount)."""
+    monkeypatch.setattr(meta_store, "_CACHE_LIMIT", 50)
+    store = vol.store
+    store._trim_at = 50
+    held = store.create(ROOT_INO, b"held", stat.S_IFREG | 0o644, ALICE, ALICE,
+                        layout_for=vol.pick_layout)
+    entry = vol.acquire(held)
+    others = [store.create(ROOT_INO, b"f%d" % i, stat.S_IFREG | 0o644, 0, 0,
+                           layout_for=vol.pick_layout).ino for i in range(200)]
+    store.commit()
+    for ino in others:
+        store.forget(ino)
+    for ino in others:  # (read again: past the limit, clean inodes forgotten)
+        store.get(ino)
+    assert store.get(held.ino) is entry.node
+    store.unlink(ROOT_INO, b"held")
+    assert entry.node.nlink == 0  # (the handle sees it: its last close reclaims it)
+    vol.release(held.ino)
+
+
+def test_a_file_takes_at_most_link_max_names(vol: Volume,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hard links cost no quota (as on ext4), so they are bounded per file as ext4
+    bounds them: EMLINK past LINK_MAX (100,000 links of one file filled the store)."""
+    import errno
+
+    monkeypatch.setattr(meta_store, "LINK_MAX", 3)
+    store = vol.store
+    f = store.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, ALICE, ALICE,
+                     layout_for=vol.pick_layout)
+    store.link(f.ino, ROOT_INO, b"g")
+    store.link(f.ino, ROOT_INO, b"h")
+    with pytest.raises(OSError) as e:
+        store.link(f.ino, ROOT_INO, b"i")
+    assert e.value.errno == errno.EMLINK and f.nlink == 3
+
+
+def test_a_full_name_cache_keeps_the_inode_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Looking up names past the cache's limit drops the names, not the inode count
+    (whose recount scans every row, at the next statfs or scrape)."""
+    from mxfs.meta import sole_cache
+
+    monkeypatch.setattr(sole_cache, "LIMIT", 10)
+    cache = sole_cache.SoleCache()
+    cache.on = True
+    cache.inodes = 1234
+    for i in range(25):
+        cache.set_name((1, b"n%d" % i), None, in_change=False)
+    assert cache.inodes == 1234 and len(cache.names) <= 10
