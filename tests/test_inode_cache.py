@@ -83,3 +83,55 @@ def test_a_full_name_cache_keeps_the_inode_count(monkeypatch: pytest.MonkeyPatch
     for i in range(25):
         cache.set_name((1, b"n%d" % i), None, in_change=False)
     assert cache.inodes == 1234 and len(cache.names) <= 10
+
+
+@pytest.mark.parametrize("sole", [True, False])
+def test_a_renames_ancestry_walk_is_right_and_bounded(
+        vol: Volume, monkeypatch: pytest.MonkeyPatch, sole: bool) -> None:
+    """A directory moved into its own subtree is refused (EINVAL), as the kernel
+    refuses it, with the sole writer's parents read from memory as they change (made,
+    moved, swapped, removed); a walk past MAX_DEPTH levels is refused (ELOOP: a
+    million-level chain held the thread at each rename into its deepest)."""
+    import errno
+
+    store = vol.store
+    store.sole_writer(sole)
+
+    def mkdir(parent: int, name: bytes) -> int:
+        return store.create(parent, name, stat.S_IFDIR | 0o755, 0, 0).ino
+
+    a = mkdir(ROOT_INO, b"a")
+    b = mkdir(a, b"b")
+    c = mkdir(b, b"c")
+    with pytest.raises(OSError) as e:
+        store.rename(ROOT_INO, b"a", c, b"a")
+    assert e.value.errno == errno.EINVAL
+    store.rename(b, b"c", ROOT_INO, b"c")  # (c now beside a: a may go into it)
+    store.rename(ROOT_INO, b"a", c, b"a")
+    with pytest.raises(OSError) as e:  # (c is a's parent now, b below a)
+        store.rename(ROOT_INO, b"c", b, b"c")
+    assert e.value.errno == errno.EINVAL
+    x = mkdir(ROOT_INO, b"x")
+    # Swapped: the top's "x" names b now, and a's "b" names x; then x goes into b.
+    store.rename(ROOT_INO, b"x", a, b"b", exchange=True)
+    with pytest.raises(OSError) as e:  # (a into x, which is below a now: a loop)
+        store.rename(c, b"a", x, b"a")
+    assert e.value.errno == errno.EINVAL
+    store.rename(ROOT_INO, b"c", b, b"c")  # (b is at the top: c, holding a, goes in)
+    store.rename(a, b"b", b, b"x")
+    with pytest.raises(OSError) as e:  # (b into x, which is below b)
+        store.rename(ROOT_INO, b"x", x, b"b")
+    assert e.value.errno == errno.EINVAL
+    store.rmdir(b, b"x")
+    q, d = mkdir(ROOT_INO, b"q"), mkdir(ROOT_INO, b"d")
+    store.rename(ROOT_INO, b"d", q, b"d")
+    with pytest.raises(OSError) as e:  # (q into d, which is below q now)
+        store.rename(ROOT_INO, b"q", d, b"q")
+    assert e.value.errno == errno.EINVAL
+    monkeypatch.setattr(meta_store, "MAX_DEPTH", 5)
+    deep = ROOT_INO
+    for i in range(8):
+        deep = mkdir(deep, b"d%d" % i)
+    with pytest.raises(OSError) as e:
+        store.rename(ROOT_INO, b"x", deep, b"b")
+    assert e.value.errno == errno.ELOOP

@@ -26,6 +26,8 @@ class SoleCache:
         self.complete: set[int] = set()  # directories whose every name is in `names`
         self.sealed: dict[int, bool] = {}
         self.inodes: int | None = None  # the inode rows, counted once, then kept count
+        self.parents: dict[int, int] = {}  # directory: its parent (a rename's ancestry
+        #                                     walk reads memory, not a row a level)
         self.hit = False  # the change running took an answer from the cache
         self._names_used: list[Name] = []  # by the change running
         self._seals_used: list[int] = []
@@ -35,6 +37,7 @@ class SoleCache:
         self.names.clear()
         self.complete.clear()
         self.sealed.clear()
+        self.parents.clear()
         self.inodes = None
 
     def begin(self) -> None:
@@ -53,6 +56,7 @@ class SoleCache:
             self.sealed.pop(ino, None)
         self._names_used.clear()
         self._seals_used.clear()
+        self.parents.clear()  # (a failed change may have moved some: read again)
         if self.inodes is not None:
             self.inodes -= births
 
@@ -78,10 +82,29 @@ class SoleCache:
         if in_change:
             self._names_used.append(key)
 
-    def made_dir(self, ino: int) -> None:
-        """A directory was made: it has no name the cache lacks."""
+    def made_dir(self, ino: int, parent: int) -> None:
+        """A directory was made in `parent`: it has no name the cache lacks."""
         if self.on:
             self.complete.add(ino)
+            self.set_parent(ino, parent)
+
+    def parent(self, ino: int, in_change: bool) -> int | None:
+        """A directory's parent, if the cache knows it."""
+        parent = self.parents.get(ino)
+        if parent is not None and in_change:
+            self.hit = True
+        return parent
+
+    def set_parent(self, ino: int, parent: int | None) -> None:
+        """A directory's parent now (None: it is gone)."""
+        if not self.on:
+            return
+        if parent is None:
+            self.parents.pop(ino, None)
+            return
+        if len(self.parents) >= LIMIT:
+            self.parents.clear()
+        self.parents[ino] = parent
 
     # ---- seals and the inode count -------------------------------------------------
 

@@ -55,6 +55,7 @@ log = logging.getLogger("mxfs.meta")
 T = TypeVar("T")
 _CACHE_LIMIT = 200_000
 LINK_MAX = 65_000  # hard links to one file (ext4's bound)
+MAX_DEPTH = 65_536  # levels a rename's ancestry walk goes up at most (ELOOP past them)
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
 _XATTRS = "\0xattrs"  # journal mark: (uid, bytes) added to a uid's xattr tally
 
@@ -418,9 +419,13 @@ class MetaStore:
     def parent_of(self, dir_ino: int) -> int:
         if dir_ino == ROOT_INO:
             return ROOT_INO
+        cached = self._sole.parent(dir_ino, self.engine.in_change)
+        if cached is not None:
+            return cached
         row = self.engine.get("dentries", {"ino": dir_ino}, ("parent",))
         if row is None:
             raise fail(errno.ENOENT)
+        self._sole.set_parent(dir_ino, int(row[0]))
         return int(row[0])
 
     def sole_writer(self, on: bool) -> None:
@@ -574,7 +579,7 @@ class MetaStore:
             self._add_entry(parent, name, node.ino)
             self._touch_dir(d, now, 1 if is_dir else 0)
             if is_dir:
-                self._sole.made_dir(node.ino)
+                self._sole.made_dir(node.ino, parent)
             return node
         return self.txn(change)
 
@@ -691,15 +696,20 @@ class MetaStore:
             self._remove_entry(parent, name, ino)
             self.drop_link(node, now)
             self._touch_dir(d, now, -1)
+            self._sole.set_parent(ino, None)
             return node
         return self.txn(change)
 
     def _is_ancestor(self, ancestor: int, ino: int) -> bool:
-        while ino != ROOT_INO:
+        """Whether `ancestor` is `ino` or above it; ELOOP past MAX_DEPTH levels (a walk
+        of a million levels held the thread for each rename into the deepest)."""
+        for _ in range(MAX_DEPTH):
+            if ino == ROOT_INO:
+                return ancestor == ROOT_INO
             if ino == ancestor:
                 return True
             ino = self.parent_of(ino)
-        return ancestor == ROOT_INO
+        raise fail(errno.ELOOP)
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                noreplace: bool = False, exchange: bool = False) -> Inode | None:
@@ -736,6 +746,10 @@ class MetaStore:
                 self._remove_entry(new_parent, new_name, dst.ino)
                 self.drop_link(dst, now)
             self._move_entry(old_parent, old_name, src.ino, new_parent, new_name)
+            if src.is_dir:
+                self._sole.set_parent(src.ino, new_parent)
+            if dst is not None and dst.is_dir:
+                self._sole.set_parent(dst.ino, None)
             self.write_fields(src, {"ctime_ns": now})
             moved_dir = src.is_dir and old_parent != new_parent
             replaced_dir = dst is not None and dst.is_dir
@@ -757,6 +771,9 @@ class MetaStore:
         now = time.time_ns()
         self._point_entry(od.ino, old_name, src.ino, dst.ino)
         self._point_entry(nd.ino, new_name, dst.ino, src.ino)
+        for moved, parent in ((src, nd.ino), (dst, od.ino)):
+            if moved.is_dir:
+                self._sole.set_parent(moved.ino, parent)
         for n in (src, dst):
             self.write_fields(n, {"ctime_ns": now})
         delta = int(src.is_dir) - int(dst.is_dir)
@@ -961,6 +978,8 @@ class MetaStore:
             node, d = self.get(ino), self._dir(parent)
             now = time.time_ns()
             self._add_entry(parent, name, ino)
+            if node.is_dir:
+                self._sole.set_parent(ino, parent)
             self.write_fields(node, {"nlink": 2 if node.is_dir else 1, "ctime_ns": now})
             self._touch_dir(d, now, 1 if node.is_dir else 0)
         self.txn(change)
