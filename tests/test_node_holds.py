@@ -89,6 +89,9 @@ def test_a_whole_word_in_parts_lets_go_only_what_no_part_named() -> None:
     assert all(i in h for i in (1, 2, 4, 9))
     assert h.whole("b", 1, 1, [2], last=True) is None  # (the gathering was given up)
     assert h.whole("b", 1, 0, [1, 2, 4, 9], last=True) == []  # (one part: whole at once)
+    # b joined again (epoch 2) holding nothing: its whole word lets epoch 1's all go.
+    assert sorted(h.whole("b", 2, 0, [], last=True) or []) == [1, 2, 4, 9]
+    assert not any(i in h for i in (1, 2, 4, 9))
 
 
 def test_words_are_taken_once_and_a_dropped_node_is_known_no_more() -> None:

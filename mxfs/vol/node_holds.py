@@ -84,28 +84,19 @@ class NodeHolds:
         freed: list[int] = []
         for ino in inos:
             freed += self.hold(node, epoch, ino)
-        if last:
+        if last:  # (each part's holds are taken: only what none named goes now)
             del self._whole[node]
-            freed += self.replace(node, epoch, list(names))
+            held = self._by_node.get(node)
+            if held is not None and held[0] != epoch:  # (an older epoch's: all go)
+                freed += self.drop(node, held[0])
+            elif held is not None:
+                freed += [ino for ino in held[1] - names if self.let_go(node, epoch, ino)]
         return freed
 
     def held(self, node: str, epoch: int) -> set[int]:
         """What `node` holds under `epoch` (this table's own set: not to be changed)."""
         held = self._by_node.get(node)
         return held[1] if held is not None and held[0] == epoch else set()
-
-    def replace(self, node: str, epoch: int, inos: list[int]) -> list[int]:
-        """`node` holds exactly `inos` (a whole word); the inodes nobody holds now."""
-        held = self._by_node.get(node)
-        keep = set(inos)
-        freed = [] if held is None or held[0] == epoch else self.drop(node, held[0])
-        if held is not None and held[0] == epoch:
-            for ino in held[1] - keep:
-                if self.let_go(node, epoch, ino):
-                    freed.append(ino)
-        for ino in inos:
-            freed += self.hold(node, epoch, ino)
-        return freed
 
     def hold(self, node: str, epoch: int, ino: int) -> list[int]:
         """Hold `ino` for `node` under `epoch`; the inodes nobody holds now that an
