@@ -120,6 +120,12 @@ def cached_chunk_bytes(members: list[str]) -> int:
     return total
 
 
+# What the kernel's reclaim may take of pages a test just read, before it looks: other
+# workers' I/O keeps memory full of cache (one page of 5 MiB went in a CI run). Reads
+# through the cache leave megabytes cached, reads around it 64 KiB at most.
+RECLAIMED = 1 << 20
+
+
 def test_cold_gets_go_around_the_page_cache(mounted: Mounted,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Without memory to spare (or asked to), a cold chunk goes from the members to the
@@ -142,7 +148,7 @@ def test_cold_gets_go_around_the_page_cache(mounted: Mounted,
         outs = [bytearray(n) for n in sizes]  # asked for: cached
         assert kv.batch_get(["a", "b"], outs) == [True, True]
         assert bytes(outs[0]) == blob(1, sizes[0]) and bytes(outs[1]) == blob(2, sizes[1])
-        assert cached_chunk_bytes(mounted.members) >= sum(sizes)
+        assert cached_chunk_bytes(mounted.members) >= sum(sizes) - RECLAIMED
     monkeypatch.setattr(memory, "SPARE", 0.0)  # every node has memory to spare
     monkeypatch.setattr(memory, "_seen", (0.0, False))
     drop_caches()
@@ -150,7 +156,7 @@ def test_cold_gets_go_around_the_page_cache(mounted: Mounted,
         outs = [bytearray(n) for n in sizes]
         assert kv.batch_get(["a", "b"], outs) == [True, True]
         assert bytes(outs[0]) == blob(1, sizes[0]) and bytes(outs[1]) == blob(2, sizes[1])
-        assert cached_chunk_bytes(mounted.members) >= sum(sizes)
+        assert cached_chunk_bytes(mounted.members) >= sum(sizes) - RECLAIMED
 
 
 @pytest.mark.unit
