@@ -246,21 +246,12 @@ def test_space_a_writer_reserves_past_its_files_end_is_taken_back(mounted: Mount
 
 def _keeps_immutable(folder: str) -> bool:
     """Whether `folder`'s file system keeps the immutable flag (ext4 and XFS do)."""
-    import array
-    import fcntl
+    from mxfs.pool.revoke import set_immutable
 
     path = os.path.join(folder, ".immutable-probe")
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))
     try:
-        flags = array.array("l", [0])
-        fcntl.ioctl(fd, 0x80086601, flags, True)
-        flags[0] |= 0x10
-        fcntl.ioctl(fd, 0x40086602, flags, True)
-        flags[0] &= ~0x10
-        fcntl.ioctl(fd, 0x40086602, flags, True)
-        return True
-    except OSError:
-        return False
+        return set_immutable(path, True) and set_immutable(path, False)
     finally:
-        os.close(fd)
+        set_immutable(path, False)
         os.unlink(path)

@@ -206,9 +206,9 @@ class Grants:
 
     def drop(self, node: str, epoch: int | None = None) -> None:
         """Every grant of `node` (under `epoch`, or any), and its shares."""
-        for key in [k for k, (e, _, _) in self._held.items()
-                    if k[0] == node and epoch in (None, e)]:
-            self.let_go(*key)
+        for ino in [i for i in self._by_node.get(node, ())
+                    if epoch in (None, self._held[(node, i)][0])]:
+            self.let_go(node, ino)
         self.rooms.drop(node, epoch)
 
 

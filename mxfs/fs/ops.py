@@ -618,8 +618,7 @@ class MxfsOperations(pyfuse3.Operations):
             finally:
                 self.written.wrote(node.ino, end)
             return len(buf)
-        while (cutting := self._cutting.get(node.ino)) is not None:
-            await cutting.wait()  # (a cut's chunk files are cut off trio's thread)
+        await self._uncut(node.ino)  # (a cut's chunk files are cut off trio's thread)
         self.vol.quotas.room(node.uid, off + len(buf) - node.size)  # (the owner pays)
         self.vol.note_write(entry)
         await self._write_data(handle, off, buf)
@@ -702,8 +701,7 @@ class MxfsOperations(pyfuse3.Operations):
         """Set a file's size: the store's now, the chunk files (and the sync that comes
         first) from a worker thread, the file's writes waiting meanwhile (a user looping
         O_TRUNC opens held the thread for an fsync each)."""
-        while (cutting := self._cutting.get(node.ino)) is not None:
-            await cutting.wait()
+        await self._uncut(node.ino)
         cutting = self._cutting[node.ino] = trio.Event()
         try:
             await self.settle(node.ino)  # (writes answered before: landed first)
@@ -718,6 +716,11 @@ class MxfsOperations(pyfuse3.Operations):
         finally:
             del self._cutting[node.ino]
             cutting.set()
+
+    async def _uncut(self, ino: int) -> None:
+        """Wait while a cut of `ino` runs (`_truncate`)."""
+        while (cutting := self._cutting.get(ino)) is not None:
+            await cutting.wait()
 
     async def settle(self, ino: int, report: bool = False) -> None:
         """Every write of `ino` answered so far is on its members (then, if `report`,

@@ -39,13 +39,13 @@ _unsupported_warned = False
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 
 
-def _immutable(path: str, on: bool) -> None:
-    """Blocking: set or clear the file's immutable flag, where its file system keeps
-    one (elsewhere nothing)."""
+def set_immutable(path: str, on: bool) -> bool:
+    """Blocking: set or clear the file's immutable flag; False where its file system
+    keeps none (or the file is gone): there held files are cut every second alone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
-        return
+        return False
     try:
         flags = array.array("l", [0])
         fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
@@ -53,8 +53,9 @@ def _immutable(path: str, on: bool) -> None:
         if want != flags[0]:
             flags[0] = want
             fcntl.ioctl(fd, _FS_IOC_SETFLAGS, flags, True)
+        return True
     except OSError:
-        pass  # (no such flag there: cut every second alone)
+        return False
     finally:
         os.close(fd)
 
@@ -110,7 +111,7 @@ class Held:
                 os.rename(src, dst)
             except FileNotFoundError:
                 continue
-            _immutable(dst, True)
+            set_immutable(dst, True)
             with self._lock:
                 self.files.append(dst)
             moved += 1
@@ -136,10 +137,10 @@ class Held:
         kept = []
         for path in swept:
             try:
-                _immutable(path, False)  # (an immutable file is neither cut nor removed)
+                set_immutable(path, False)  # (an immutable file is neither cut nor removed)
                 if writers_remain([path]):
                     os.truncate(path, 0)
-                    _immutable(path, True)
+                    set_immutable(path, True)
                     kept.append(path)
                 else:
                     os.unlink(path)

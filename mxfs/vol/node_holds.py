@@ -36,7 +36,7 @@ class NodeHolds:
         self._waiting: deque[tuple[int, int, float]] = deque()  # (mark, orphan, since)
         self.stalled = False  # (the oldest waited past STALL_S: said once)
         self._whole: dict[str, tuple[int, int, set[int]]] = {}  # (epoch, part, named so far)
-        self.over: set[str] = set()  # nodes that held more than MAX_HOLDS (logged once)
+        self.over: set[str] = set()  # nodes past MAX_HOLDS in their last word (logged)
 
     def __contains__(self, ino: int) -> bool:
         return ino in self._holders

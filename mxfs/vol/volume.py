@@ -566,7 +566,7 @@ class Volume:
         nodes' (`Pool.truncate_far`, round trips), once its size is on stable storage
         (a crash mid-cut is trimmed again at mount, via dirty_data: a power cut must
         not keep the cut and lose the size)."""
-        self.store.engine.sync()
+        self.store.sync()
         self.pool.truncate_chunks(ino, layout, size)
 
     def truncated(self, node: Inode) -> None:
