@@ -135,8 +135,11 @@ class HeldOpen:
 
     async def _tell_all(self, seen: int) -> bool:
         """A whole word: every file held, in parts of HOLDS_AT_ONCE (the writer lets go
-        what none named only with the last); False if the writer turned out another."""
-        self.touched.clear()
+        what none named only with the last); False if the writer turned out another.
+        What was touched stays touched: a file granted just before (told) and opened
+        just after the look is checked again by the next word (cleared here, it was
+        told as held while the writer, whose last part did not name it, let it go: an
+        unlink within the next 10 s freed a file open here)."""
         held = sorted(self.want())
         parts = [held[i:i + HOLDS_AT_ONCE] for i in range(0, len(held), HOLDS_AT_ONCE)]
         for n, part in enumerate(parts or [[]]):
