@@ -6,10 +6,13 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -20,6 +23,9 @@ from conftest import (
     chunk_files,
     eventually,
     kill_daemon,
+    make_members,
+    mkfs,
+    mounted_pool,
     mxfs,
     one_line_error,
 )
@@ -197,6 +203,53 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
     with pytest.raises(OSError) as err:
         (mp / "new").write_bytes(b"x")
     assert err.value.errno == errno.EROFS
+
+
+def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
+    """A member whose filesystem stops answering (a hung drive or target; here a FUSE
+    mount whose daemon is stopped) leaves stat, `ls -l`, df and status answering, the
+    member left out: stats of its chunk files and of its space run off the loop (before,
+    the first stat held the daemon's thread, and every user's request, until it came
+    back)."""
+    inner_members = make_members(tmp_path / "inner", 1)
+    mkfs(inner_members)
+    with mounted_pool(inner_members) as inner:
+        hung = inner.path / "member1"
+        hung.mkdir()
+        members = [*make_members(tmp_path / "outer", 1), str(hung)]
+        mkfs(members)
+        with mounted_pool(members) as outer:
+            names = [outer.path / f"f{i}" for i in range(4)]  # (on both members in turn)
+            for p in names:
+                p.write_bytes(b"x" * 4096)
+            answered: dict[str, Any] = {}
+
+            def ask() -> None:
+                answered["sizes"] = [os.stat(p).st_size for p in names]
+                answered["ls"] = subprocess.run(["ls", "-ls", str(outer.path)],
+                                                capture_output=True, text=True).stdout
+                answered["df"] = os.statvfs(outer.path).f_blocks
+                answered["status"] = json.loads(
+                    mxfs("status", "--json", str(outer.path), check=False).stdout)
+
+            pid = inner.daemon_pid()
+            os.kill(pid, signal.SIGSTOP)
+            try:  # (the kernel forgets the member's names: each stat must ask its daemon)
+                Path("/proc/sys/vm/drop_caches").write_text("2")
+                asking = threading.Thread(target=ask, daemon=True)
+                asking.start()
+                asking.join(120)
+                held_up = asking.is_alive()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            asking.join(120)
+            assert not held_up, "a request waited on the stopped member"
+            assert answered["sizes"] == [4096] * 4
+            assert all(p.name in answered["ls"] for p in names) and answered["df"] > 0
+            states = {m["index"]: m.get("failed") for m in answered["status"]["members"]}
+            assert states == {0: None, 1: "not answering"}
+            after = json.loads(mxfs("status", "--json", str(outer.path)).stdout)
+            assert not any(m.get("failed") for m in after["members"])  # back once it is
 
 
 def test_a_member_made_read_only_refuses_writes_but_serves_reads(

@@ -24,10 +24,12 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
+from mxfs.fs.block_counts import BlockCounts
 from mxfs.fs.fair import Lanes
 from mxfs.fs.fields import b64
 from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.kernel_cache import KernelCache
+from mxfs.fs.member_calls import MemberSpace
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.mount_writes import MountWrites, Written
 from mxfs.fs.node_files import ForwardedFiles
@@ -164,6 +166,10 @@ class MxfsOperations(pyfuse3.Operations):
         # while the file is as it was when they were read (close-to-open, as NFS gives
         # it): ino -> (mtime, ctime, size).
         self.kernel = KernelCache(self.store.follow)
+        # The members' filesystems asked for a request (statfs, st_blocks) off the loop,
+        # a hung member left out (`fs/member_calls.py`).
+        self.space = MemberSpace(volume)
+        self.blocks = BlockCounts(volume.pool, volume.layout, self.space.calls)
         self._seen: dict[int, tuple[int, int, int]] = {}
 
     def kernel_held(self) -> tuple[list[int], list[tuple[int, bytes]]]:
@@ -210,7 +216,8 @@ class MxfsOperations(pyfuse3.Operations):
     def attrs(self, node: Inode, entry: tuple[int, bytes] | None = None
               ) -> pyfuse3.EntryAttributes:
         """The kernel's view of `node`, reached by `entry` (directory, name) if the
-        kernel will keep that name too (lookup, readdirplus, create)."""
+        kernel will keep that name too (lookup, readdirplus, create).  Its blocks are
+        its chunk files' if counted lately (`fs/block_counts.py`), else its size's."""
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0
@@ -223,19 +230,7 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_rdev = node.rdev
         a.st_size = node.apparent_size
         a.st_blksize = node.stripe_unit if node.is_reg and node.stripe_unit else 4096
-        a.st_blocks = (node.size + 511) // 512
-        if node.is_reg and node.first_member is not None and node.size \
-                and not self.vol.pool.node:  # (a reading node's members are elsewhere)
-            # What the chunk files hold (du of a sparse file is not its size): <= width
-            # stats; an empty file holds nothing (creates and readdirs skip the stats).
-            a.st_blocks = 0
-            for m in self.vol.layout(node).used_members():
-                if self.vol.pool.members[m].failed:
-                    continue
-                try:
-                    a.st_blocks += os.stat(self.vol.pool.chunk_path(m, node.ino)).st_blocks
-                except OSError:  # never written: a hole holds nothing
-                    pass
+        a.st_blocks = self.blocks.blocks(node)
         a.st_atime_ns = node.atime_ns
         a.st_mtime_ns = node.mtime_ns
         a.st_ctime_ns = node.ctime_ns
@@ -268,6 +263,7 @@ class MxfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         node = await self._read_meta(ctx.uid, lambda s: _lookup(s, parent_inode, name))
         if node is not None:
+            await self.blocks.count([node])
             return self.attrs(node, (parent_inode, name))
         absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
         absent.st_ino = 0
@@ -278,7 +274,9 @@ class MxfsOperations(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
                       ) -> pyfuse3.EntryAttributes:
         uid = ctx.uid if ctx is not None else 0
-        return self.attrs(await self._read_meta(uid, lambda s: s.get(inode)))
+        node = await self._read_meta(uid, lambda s: s.get(inode))
+        await self.blocks.count([node])
+        return self.attrs(node)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         try:
@@ -759,6 +757,7 @@ class MxfsOperations(pyfuse3.Operations):
             def page(s: MetaStore, after: int = after) -> list[Entry]:
                 return s.readdir(node.ino, after)
             entries = await self._read_meta(handle.uid, page)
+            await self.blocks.count([e.inode for e in entries])
             for e in entries:
                 if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode, (node.ino, e.name)),
                                              e.cookie + 2):
@@ -803,7 +802,7 @@ class MxfsOperations(pyfuse3.Operations):
         if self.reads is not None:  # (what the writer published, read off the loop)
             await self.reads.run(self.vol.published, ctx.uid)
         s = pyfuse3.StatvfsData()
-        total = pool_totals(self.vol.usage())  # members sharing a disk count once
+        total = pool_totals(await self.space.usage())  # members sharing a disk count once
         bsize = 4096
         s.f_bsize = s.f_frsize = bsize
         s.f_blocks = total["size"] // bsize

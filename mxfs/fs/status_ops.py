@@ -15,6 +15,7 @@ from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
 from mxfs.fs.listener import Listener
+from mxfs.fs.member_calls import MemberSpace
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Answer, Handler, Session
@@ -50,6 +51,7 @@ class StatusOps:
         self.pending_by_uid = pending_by_uid  # unpublished files by uid
         self.metrics = metrics
         self.wake = wake  # the CPU latency limit held while busy (-o wake_latency_us)
+        self.space = MemberSpace(vol)  # (a hung member holds no one: `fs/member_calls.py`)
         self.surveys = Surveys(vol.pool.meta_location, vol.store.commit)
         self.chunks: ChunkService | None = None  # the daemon's, when it serves chunks
         self.feed: FeedFollower | None = None  # a reading node's (`fs/feed_follower.py`)
@@ -76,11 +78,11 @@ class StatusOps:
 
     async def _metrics(self, msg: Msg, session: Session) -> Answer[MetricsReply]:
         await self._published(session.caller.uid)
-        return {**self.metrics.snapshot(), "members": self.vol.usage()}, []
+        return {**self.metrics.snapshot(), "members": await self.space.usage()}, []
 
     async def _df(self, msg: Msg, session: Session) -> Answer[DfReply]:
         await self._published(session.caller.uid)
-        return {"members": self.vol.usage(),
+        return {"members": await self.space.usage(),
                 "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
 
     async def _quota(self, msg: Msg, session: Session) -> Answer[QuotaReport]:
@@ -110,7 +112,7 @@ class StatusOps:
                 "pool_uuid": pool.uuid, "label": pool.label,
                 "stripe_unit": pool.stripe_unit,
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.listener.path,
-                "members": self.vol.usage(), "inodes": self.vol.count_inodes(),
+                "members": await self.space.usage(), "inodes": self.vol.count_inodes(),
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
                 "native_engine": native_engine()[1], "io_taken_back": taken_back(),
                 "limits": self.usage_of_limits(),

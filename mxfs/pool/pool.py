@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import math
 import os
@@ -758,8 +759,10 @@ class Pool:
             self._meta_uncommitted = 0
             self._meta_room = (-math.inf, 0, 0)  # measured afresh at the next check
 
-    def usage(self) -> list[MemberUsage]:
-        """Space of each member's filesystem; "dev" tells members that share one."""
+    def usage(self, call: MemberCall | None = None) -> list[MemberUsage]:
+        """Space of each member's filesystem; "dev" tells members that share one.  Each
+        member is asked through `call` if given (it answers None for a member that is
+        not answering: that one shows as failed)."""
         out: list[MemberUsage] = []
         for m in self.members:
             if m.node:
@@ -770,13 +773,28 @@ class Pool:
                 out.append({"index": m.index, "path": m.path, "size": 0, "free": 0, "used": 0,
                             "failed": m.failed})
                 continue
-            st = os.statvfs(m.path)
+            asked = call(m.index, functools.partial(member_space, m.path)) if call is not None \
+                else member_space(m.path)
+            if asked is None:
+                out.append({"index": m.index, "path": m.path, "size": 0, "free": 0, "used": 0,
+                            "failed": "not answering"})
+                continue
+            st, dev = asked
             out.append({"index": m.index, "path": m.path,
-                        "dev": os.stat(m.path).st_dev,  # members sharing a filesystem
+                        "dev": dev,  # members sharing a filesystem
                         "size": st.f_blocks * st.f_frsize,
                         "free": st.f_bavail * st.f_frsize,
                         "used": (st.f_blocks - st.f_bfree) * st.f_frsize})
         return out
+
+
+def member_space(path: str) -> tuple[os.statvfs_result, int]:
+    """A member's filesystem: its space, and its device (members may share one)."""
+    return os.statvfs(path), os.stat(path).st_dev
+
+
+MemberCall = Callable[[int, Callable[[], tuple[os.statvfs_result, int]]],
+                      tuple[os.statvfs_result, int] | None]
 
 
 def pool_totals(members: Sequence[Mapping[str, Any]]) -> dict[str, int]:

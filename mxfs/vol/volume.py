@@ -30,7 +30,7 @@ from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.key import load_key, read_key
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
-from mxfs.pool.pool import META_ROW
+from mxfs.pool.pool import META_ROW, MemberCall
 from mxfs.pool.remote import Owner, RemoteMembers
 from mxfs.pool.revoke import Held
 from mxfs.proto.messages import MemberUsage
@@ -263,10 +263,10 @@ class Volume:
             self._stats = (time.monotonic(), stats)
         return stats
 
-    def usage(self) -> list[MemberUsage]:
-        """Each member's space (`Pool.usage`); another node's as its writer published
-        it, "node" naming whose it is."""
-        out = self.pool.usage()
+    def usage(self, call: MemberCall | None = None) -> list[MemberUsage]:
+        """Each member's space (`Pool.usage`, each asked through `call`); another
+        node's as its writer published it, "node" naming whose it is."""
+        out = self.pool.usage(call)
         if not self.pool.node:
             return out
         theirs = {m["index"]: m for m in (self.published() or {}).get("members", [])}

@@ -1,0 +1,87 @@
+"""What a file's chunk files hold on disk: the st_blocks `du` expects of a sparse file.
+
+A file's size says nothing of its holes, so its blocks are the sum of its chunk files'
+(one stat a member).  The stats are member calls (`fs/member_calls.py`): off the loop,
+a hung member left out, and when they do not come back in time the answer is the
+size's blocks.  A count is kept KEEP_S for the file as it was (size, mtime, ctime), so a
+stat flood of unchanged files costs a lookup, and a readdir's page is counted in one
+thread call.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from mxfs.fs.member_calls import MemberCalls
+from mxfs.io.layout import Layout
+from mxfs.meta import Inode
+from mxfs.pool.pool import Pool
+
+KEEP_S = 1.0  # a count stands this long for the file as it was (writes land behind)
+KEPT = 65_536  # counts kept at most (the oldest go first)
+
+Shape = tuple[int, int, int]  # (size, mtime_ns, ctime_ns): the file a count is of
+Chunks = list[tuple[int, str]]  # (member, chunk file path) of one file
+
+
+def _shape(node: Inode) -> Shape:
+    return node.size, node.mtime_ns, node.ctime_ns
+
+
+class BlockCounts:
+    def __init__(self, pool: Pool, layout: Callable[[Inode], Layout],
+                 calls: MemberCalls) -> None:
+        self._pool = pool
+        self._layout = layout
+        self._calls = calls
+        self._kept: OrderedDict[int, tuple[Shape, float, int]] = OrderedDict()
+
+    def _fresh(self, node: Inode, now: float) -> int | None:
+        kept = self._kept.get(node.ino)
+        if kept is not None and kept[0] == _shape(node) and kept[1] > now:
+            return kept[2]
+        return None
+
+    def blocks(self, node: Inode) -> int:
+        """st_blocks of `node`: its chunk files' if counted lately, else its size's."""
+        counted = self._fresh(node, time.monotonic())
+        return counted if counted is not None else (node.size + 511) // 512
+
+    async def count(self, nodes: Iterable[Inode]) -> None:
+        """Count the chunk files of those of `nodes` not counted lately (a reading
+        node's members are elsewhere; an empty file holds nothing)."""
+        now, pool = time.monotonic(), self._pool
+        wanted: list[tuple[Inode, Chunks]] = [
+            (node, [(m, pool.chunk_path(m, node.ino))
+                    for m in self._layout(node).used_members() if not pool.members[m].failed])
+            for node in nodes
+            if node.is_reg and node.first_member is not None and node.size > 0
+            and not pool.node and self._fresh(node, now) is None]
+        if not wanted:
+            return
+        counts = await self._calls.run(lambda: [self._stat(c) for _, c in wanted])
+        if counts is None:
+            return
+        until = time.monotonic() + KEEP_S
+        for (node, _), blocks in zip(wanted, counts, strict=True):
+            self._kept[node.ino] = (_shape(node), until, blocks)
+            self._kept.move_to_end(node.ino)
+        while len(self._kept) > KEPT:
+            self._kept.popitem(last=False)
+
+    def _stat(self, chunks: Chunks) -> int:
+        """(Worker thread.) The blocks of one file's chunk files (a hole, a chunk never
+        written, a member not answering: none)."""
+        return sum(self._calls.guarded(m, functools.partial(_blocks, path)) or 0
+                   for m, path in chunks)
+
+
+def _blocks(path: str) -> int:
+    try:
+        return os.stat(path).st_blocks
+    except OSError:
+        return 0
