@@ -183,6 +183,34 @@ print(json.dumps(out))
 """
 
 
+XATTRS_OF_OTHERS = r"""
+p = sys.argv[1]
+print(json.dumps({name: attempt(os.setxattr, p, name, b"v" * 1000)
+                  for name in ("system.a", "system.posix_acl_access", "user.a",
+                               "trusted.a", "security.a")}
+                 | {"remove": attempt(os.removexattr, p, "system.a")}))
+"""
+
+
+def test_nobody_sets_system_attributes_on_anothers_file(mounted: Mounted) -> None:
+    """The kernel leaves system.* attributes to the filesystem to judge: kept, anyone
+    could set them on a file she cannot even read (charged to its owner's quota).  None
+    but the ACL names mean anything here, so none is kept; the other namespaces are
+    judged by the kernel."""
+    alice = ensure_users()["alice"]
+    secret = mounted.path / "secret"
+    secret.write_bytes(b"root's")
+    secret.chmod(0o600)
+    got = run_as(alice, XATTRS_OF_OTHERS, str(secret))
+    assert got == {"system.a": errno.EOPNOTSUPP, "system.posix_acl_access": errno.EOPNOTSUPP,
+                   "user.a": errno.EACCES, "trusted.a": errno.EPERM,
+                   "security.a": errno.EPERM, "remove": errno.EOPNOTSUPP}
+    with pytest.raises(OSError) as err:  # (nor root: nothing would read it)
+        os.setxattr(secret, "system.a", b"v")
+    assert err.value.errno == errno.EOPNOTSUPP
+    assert os.listxattr(secret) == []
+
+
 def test_kv_namespaces_have_owners_and_nobody_plants_chunks(mounted: Mounted) -> None:
     import json
 

@@ -187,17 +187,26 @@ def may_set_times(node: Inode, caller: Caller) -> None:
                       "file may change its times")
 
 
-def may_xattr(node: Inode, caller: Caller, name: bytes) -> None:
-    """The kernel's rules for changing an extended attribute (xattr_permission):
-    trusted.* and security.* are root's; user.* only on regular files and folders
-    (a sticky folder's its owner's), for who may write the inode; other namespaces are
-    not kept."""
+def kept_namespace(name: bytes) -> bytes:
+    """The namespace of an attribute mxfs keeps (user.*, trusted.*, security.*: the
+    kernel judges who may change the last two); EOPNOTSUPP for any other, system.*
+    above all, whose changes the kernel leaves to the filesystem to judge (it would
+    let anyone set them on anyone's file)."""
     space, dot, rest = name.partition(b".")
     if not dot or space not in (b"user", b"trusted", b"security"):
         raise OSError(errno.EOPNOTSUPP, "only user.*, trusted.* and security.* "
                       "attributes are kept")
     if not rest:
         raise OSError(errno.EINVAL, "an attribute name needs more than its namespace")
+    return space
+
+
+def may_xattr(node: Inode, caller: Caller, name: bytes) -> None:
+    """The kernel's rules for changing an extended attribute (xattr_permission):
+    trusted.* and security.* are root's; user.* only on regular files and folders
+    (a sticky folder's its owner's), for who may write the inode; other namespaces are
+    not kept."""
+    space = kept_namespace(name)
     if space != b"user":
         if caller.uid != 0:
             raise OSError(errno.EPERM, f"{space.decode()}.* attributes are root's")

@@ -11,6 +11,7 @@ from mxfs.io import Layout
 from mxfs.meta import Inode
 from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW
 from mxfs.proto import constants
+from mxfs.vol.access import kept_namespace
 from mxfs.vol.volume import Volume
 
 LAYOUT_XATTR = constants.LAYOUT_XATTR.encode()
@@ -51,7 +52,8 @@ def check_sizes(name: bytes, value: bytes) -> None:
 
 
 def set_xattr(vol: Volume, node: Inode, name: bytes, value: bytes, uid: int) -> None:
-    """Set `name` on `node` for `uid` (whose right to was judged: the kernel's rules)."""
+    """Set `name` on `node` for `uid` (whose right to was judged: the kernel's rules,
+    which leave system.* to us: none is kept)."""
     check_sizes(name, value)
     if name == LAYOUT_XATTR:
         set_layout(vol, node, value, uid)
@@ -62,6 +64,7 @@ def set_xattr(vol: Volume, node: Inode, name: bytes, value: bytes, uid: int) -> 
         # No POSIX ACLs: refusing makes cp -a, tar and rsync fall back to chmod,
         # where a stored-but-ignored ACL would silently lose the mode.
         raise OSError(errno.EOPNOTSUPP, "mxfs keeps no POSIX ACLs: modes only")
+    kept_namespace(name)
     store = vol.store
     names, held, replaced = store.xattr_usage(node.ino, but=name)
     if names >= MAX_XATTRS or held + len(value) > MAX_XATTR_BYTES:
@@ -76,6 +79,7 @@ def set_xattr(vol: Volume, node: Inode, name: bytes, value: bytes, uid: int) -> 
 def remove_xattr(vol: Volume, node: Inode, name: bytes) -> None:
     if name in (LAYOUT_XATTR, CONTROL_XATTR):
         raise OSError(errno.EPERM, f"{name.decode()} cannot be removed")
+    kept_namespace(name)
     if not vol.store.removexattr(node, name):
         raise OSError(errno.ENODATA, "no such xattr")
 
