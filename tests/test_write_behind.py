@@ -1,8 +1,8 @@
 """Writes through the mount answered before they land (mxfs/fs/write_behind.py).
 
 The queue itself, on trio with real worker threads: writes of one inode land in the
-order they came, at most DEPTH are held (and at most BUDGET in the whole daemon),
-drain waits for every one, a failure is
+order they came, at most DEPTH are held (and at most BUDGET in the whole daemon, one
+user's queued writes never holding another's answer back), drain waits for every one, a failure is
 raised once by the next write or report, and a bug in a write is EIO, not the end of
 the daemon.  Then through a real mount: what a write answered is what every reader
 sees at once (a second descriptor with O_DIRECT, the direct path), and a write that
@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from conftest import Mounted, eventually
 
 from mxfs.client.direct import open_reader
-from mxfs.fs.write_behind import Run, WriteBehind
+from mxfs.fs.fair import Lanes, RoundRobin
+from mxfs.fs.write_behind import BUDGET, Run, WriteBehind
 
 
 def run_queue(body) -> None:  # type: ignore[no-untyped-def]
@@ -48,7 +50,7 @@ def test_writes_land_in_arrival_order_and_drain_waits_for_all() -> None:
 
     async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
         for i in range(3):
-            await q.submit(nursery, lambda i=i: write(i), lim)
+            await q.submit(nursery, lambda i=i: write(i), lim, 0)
         assert q.pending == 3
         gates[2].set()  # the newest may go first in a thread: it must still wait its turn
         gates[1].set()
@@ -68,10 +70,10 @@ def test_depth_bounds_the_writes_held() -> None:
 
     async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
         for _ in range(3):
-            await q.submit(nursery, gate.wait, lim)
+            await q.submit(nursery, gate.wait, lim, 0)
 
         async def fourth() -> None:
-            await q.submit(nursery, lambda: None, lim)
+            await q.submit(nursery, lambda: None, lim, 0)
             started.append(True)
 
         nursery.start_soon(fourth)
@@ -92,13 +94,13 @@ def test_the_daemons_budget_bounds_what_all_queues_hold() -> None:
     started = []
 
     async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
-        budget = trio.Semaphore(2)
+        budget = RoundRobin(2)
         files = [WriteBehind(depth=3, budget=budget) for _ in range(3)]
-        await files[0].submit(nursery, gate.wait, lim)
-        await files[1].submit(nursery, gate.wait, lim)
+        await files[0].submit(nursery, gate.wait, lim, 0)
+        await files[1].submit(nursery, gate.wait, lim, 0)
 
         async def third() -> None:  # another file: its own queue is empty, the budget is not
-            await files[2].submit(nursery, lambda: None, lim)
+            await files[2].submit(nursery, lambda: None, lim, 0)
             started.append(True)
 
         nursery.start_soon(third)
@@ -115,6 +117,45 @@ def test_the_daemons_budget_bounds_what_all_queues_hold() -> None:
 
 
 @pytest.mark.unit
+def test_one_users_queued_writes_never_hold_back_anothers_answer() -> None:
+    """alice queues writes to many files until the lane's budget makes her wait; bob's
+    write is still answered: she held 3 in 4 of it, not all of it, and his did not wait
+    for hers to land (first come first served, it waited for every one of them)."""
+    alice, bob = 1001, 1002
+    gate = trio.Event()  # no write lands until the end: all stay queued
+    queued = {alice: 0, bob: 0}
+
+    async def run(write: Callable[[], None]) -> None:
+        await gate.wait()
+        write()
+
+    async def main() -> None:
+        budget = Lanes(8, BUDGET).own.budget
+        files: list[WriteBehind] = []
+
+        async def writes(uid: int, n: int) -> None:
+            for _ in range(n):
+                files.append(WriteBehind(depth=1, budget=budget))
+                await files[-1].submit(nursery, lambda: None, run, uid)
+                queued[uid] += 1
+
+        async with trio.open_nursery() as nursery:
+            try:
+                nursery.start_soon(writes, alice, 2 * BUDGET)
+                await trio.testing.wait_all_tasks_blocked()
+                assert queued[alice] == BUDGET * 3 // 4  # her share, then she waits
+                nursery.start_soon(writes, bob, 2)
+                await trio.testing.wait_all_tasks_blocked()
+                assert queued == {alice: BUDGET * 3 // 4, bob: 2}
+            finally:
+                gate.set()  # (the landings are shielded: they must end for the test to)
+        assert queued == {alice: 2 * BUDGET, bob: 2}
+        assert budget.busy() == 0 and budget.queued() == 0
+
+    trio.run(main)
+
+
+@pytest.mark.unit
 def test_a_failure_is_raised_once_by_the_next_write_and_a_bug_is_eio() -> None:
     def full() -> None:
         raise OSError(errno.ENOSPC, "no space")
@@ -123,13 +164,13 @@ def test_a_failure_is_raised_once_by_the_next_write_and_a_bug_is_eio() -> None:
         raise KeyError("a bug")
 
     async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
-        await q.submit(nursery, full, lim)
+        await q.submit(nursery, full, lim, 0)
         await q.drain()
         with pytest.raises(OSError) as e:
-            await q.submit(nursery, lambda: None, lim)
+            await q.submit(nursery, lambda: None, lim, 0)
         assert e.value.errno == errno.ENOSPC
-        await q.submit(nursery, lambda: None, lim)  # said once: the next one goes through
-        await q.submit(nursery, bug, lim)
+        await q.submit(nursery, lambda: None, lim, 0)  # said once: the next one goes through
+        await q.submit(nursery, bug, lim, 0)
         await q.drain()
         with pytest.raises(OSError) as e:
             q.raise_error()

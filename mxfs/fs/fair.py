@@ -13,8 +13,9 @@ Two rules, both cheap:
   hundreds.  Root is trusted and not held to it.
 
 And what requests share off the thread (a store connection, the threads a reading node
-sends KV on with) is handed out by uid in turn (`RoundRobin`), not first come first
-served: a user with many calls queued waits behind its own.
+sends KV on with, a lane's I/O threads and its budget of writes answered before they
+land) is handed out by uid in turn (`RoundRobin`), not first come first served: a user
+with many calls queued waits behind its own.
 """
 
 from __future__ import annotations
@@ -110,23 +111,28 @@ class RoundRobin:
 
     @asynccontextmanager
     async def slot(self, uid: int) -> AsyncIterator[None]:
-        if self._free and uid not in self._waiting and self._may(uid):
-            self._take(uid)
-        else:
-            turn = trio.Event()
-            self._waiting.setdefault(uid, deque()).append(turn)
-            try:
-                await turn.wait()
-            except BaseException:  # cancelled: out of the line, or the slot passed on
-                if turn.is_set():
-                    self._give(uid)
-                else:
-                    self._forget(uid, turn)
-                raise
+        await self.take(uid)
         try:
             yield
         finally:
-            self._give(uid)
+            self.give(uid)
+
+    async def take(self, uid: int) -> None:
+        """One slot for `uid`, held until `give(uid)`: for one taken in a task and
+        given back by another (a write answered, then landed)."""
+        if self._free and uid not in self._waiting and self._may(uid):
+            self._take(uid)
+            return
+        turn = trio.Event()
+        self._waiting.setdefault(uid, deque()).append(turn)
+        try:
+            await turn.wait()
+        except BaseException:  # cancelled: out of the line, or the slot passed on
+            if turn.is_set():
+                self.give(uid)
+            else:
+                self._forget(uid, turn)
+            raise
 
     def busy(self) -> int:
         return self.slots - self._free
@@ -141,7 +147,8 @@ class RoundRobin:
         self._free -= 1
         self._held[uid] += 1
 
-    def _give(self, uid: int) -> None:
+    def give(self, uid: int) -> None:
+        """Give back a slot `uid` took: to the first uid in line that may hold one."""
         self._free += 1
         self._held[uid] -= 1
         if self._held[uid] <= 0:
@@ -166,14 +173,15 @@ class RoundRobin:
 
 
 class Lane:
-    """What data I/O that waits on the same nodes shares: worker threads, handed out
-    by uid in turn (one uid, but root, 3 in 4 of them), and a budget of writes landed
-    behind their answers."""
+    """What data I/O that waits on the same nodes shares: worker threads and a budget
+    of writes landed behind their answers, both handed out by uid in turn (one uid,
+    but root, 3 in 4 of them): another user's write is answered while one user's
+    queued writes land, not after all of them."""
 
     def __init__(self, threads: int, budget: int) -> None:
         self.limiter = trio.CapacityLimiter(threads)
         self.turns = RoundRobin(threads, max(1, threads * 3 // 4))
-        self.budget = trio.Semaphore(budget)
+        self.budget = RoundRobin(budget, max(1, budget * 3 // 4))
 
 
 class Lanes:

@@ -643,7 +643,7 @@ class MxfsOperations(pyfuse3.Operations):
                     self.write_behind, self.lanes.of(chunks.owners).budget)
             await behind.submit(self.nursery,
                                 lambda: chunks.write(off, memoryview(buf), pieces),
-                                functools.partial(self._io, chunks, handle.uid))
+                                functools.partial(self._io, chunks, handle.uid), handle.uid)
         else:
             await self._io(chunks, handle.uid, chunks.write, off, memoryview(buf))
 

@@ -7,7 +7,10 @@ thread and answered at once, and the kernel's transfer of the next request overl
 it.  Per inode the writes land one after another in the order they came (an
 overwrite never lands before what it overwrites), at most DEPTH of them queued.
 Whatever must see the bytes (a read, fsync, flush at close, a truncate, the direct
-path's open, the last release) drains the queue first.
+path's open, the last release) drains the queue first.  What all queues hold is
+bounded (BUDGET) and handed out by the writer's uid in turn (`fs/fair.RoundRobin`):
+one user's many queued writes make another's wait for one of them to land at most,
+never for all of them.
 
 A failure (ENOSPC, EIO) is kept and raised by the next write, flush or fsync of the
 inode, as the kernel reports writeback errors; close() sees it through flush.  What a
@@ -23,11 +26,14 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from mxfs.fs.fair import RoundRobin
+
 log = logging.getLogger("mxfs.fs")
 
 DEPTH = 4  # queued writes per inode: 4 MiB of 1 MiB requests held at most
 # Queued writes in the whole daemon, whatever the number of files written at once (a
-# user opening thousands must not fill the daemon's memory): 64 MiB at most.
+# user opening thousands must not fill the daemon's memory): 64 MiB at most, one uid
+# (but root) holding 3 in 4 of it (`fs/fair.Lane`).
 BUDGET = 64
 
 # How a write runs: `run(write)` calls the blocking `write` in a worker thread (the
@@ -38,8 +44,9 @@ Run = Callable[[Callable[[], None]], Awaitable[None]]
 class WriteBehind:
     """The queue of one open inode's writes not yet on its members."""
 
-    def __init__(self, depth: int = DEPTH, budget: trio.Semaphore | None = None) -> None:
-        """`budget`: shared by every queue of the daemon, bounding what all hold."""
+    def __init__(self, depth: int = DEPTH, budget: RoundRobin | None = None) -> None:
+        """`budget`: shared by every queue of the lane, bounding what all hold; a slot
+        of it per queued write, taken in the writer's turn."""
         self._slots = trio.Semaphore(depth)
         self._budget = budget
         self._last: trio.Event | None = None  # set when the newest queued write has landed
@@ -52,15 +59,16 @@ class WriteBehind:
     def pending(self) -> int:
         return self._pending
 
-    async def submit(self, nursery: trio.Nursery, write: Callable[[], None], run: Run
-                     ) -> None:
+    async def submit(self, nursery: trio.Nursery, write: Callable[[], None], run: Run,
+                     uid: int) -> None:
         """Queue `write` (blocking, landed by `run`) behind the earlier ones; waits only
-        while DEPTH writes are queued.  Raises a failure of an earlier one."""
+        while DEPTH writes are queued, or for the writer `uid`'s turn at the budget.
+        Raises a failure of an earlier one."""
         self.raise_error()
         await self._slots.acquire()
         if self._budget is not None:
             try:
-                await self._budget.acquire()
+                await self._budget.take(uid)
             except BaseException:  # cancelled while waiting: nothing was queued
                 self._slots.release()
                 raise
@@ -69,10 +77,10 @@ class WriteBehind:
         if self._pending == 0:
             self._idle = trio.Event()
         self._pending += 1
-        nursery.start_soon(self._land, before, done, write, run)
+        nursery.start_soon(self._land, before, done, write, run, uid)
 
     async def _land(self, before: trio.Event | None, done: trio.Event,
-                    write: Callable[[], None], run: Run) -> None:
+                    write: Callable[[], None], run: Run, uid: int) -> None:
         # Shielded: an acknowledged write is finished even while the daemon stops.
         with trio.CancelScope(shield=True):
             try:
@@ -88,7 +96,7 @@ class WriteBehind:
                 done.set()
                 self._slots.release()
                 if self._budget is not None:
-                    self._budget.release()
+                    self._budget.give(uid)
                 self._pending -= 1
                 if self._last is done:
                     self._last = None
