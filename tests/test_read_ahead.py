@@ -1,7 +1,8 @@
 """Read-ahead windows of another node's stripes (mxfs.pool.read_ahead): every byte a
 reader gets is the file's, in order or not, with several readers at once; a failed
-fetch fails the read that needed it and is fetched again; the windows held stay
-within their budget and go back at close."""
+fetch fails the read that needed it and is fetched again; the windows held, the ones
+reads wait on too, stay within their budget and go back at close; a window is
+MAX_WINDOW at most; the fetcher threads take files in turn."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ class Source:
     def __init__(self, size: int) -> None:
         self.data = os.urandom(size)
         self.fetched: list[int] = []
+        self.largest = 0  # the most bytes one fetch asked for
         self.fail_at: int | None = None
         self.lock = threading.Lock()
 
     def fetch(self, offset: int, buf: memoryview) -> None:
         with self.lock:
             self.fetched.append(offset)
+            self.largest = max(self.largest, len(buf))
             if self.fail_at == offset:
                 self.fail_at = None
                 raise OSError(5, "node a cannot be reached")
@@ -94,17 +97,66 @@ def test_a_failed_fetch_fails_its_read_and_is_fetched_again() -> None:
     ra.close()
 
 
+def read(ra: ReadAhead, src: Source, offset: int, buf: memoryview) -> None:
+    """As `ChunkFiles.read`: from the windows, or else straight from the source."""
+    if not ra.read(offset, buf):
+        src.fetch(offset, buf)
+
+
 def test_windows_stay_within_the_budget_and_go_back_at_close(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(read_ahead, "BUDGET", 3 * read_ahead.WINDOW)
     before = read_ahead._held
-    files = [ReadAhead(MiB, Source(200 * MiB).fetch) for _ in range(3)]
-    buf = memoryview(bytearray(MiB))
-    for ra in files:
-        ra.read(0, buf)
-        assert ra.read(MiB, buf)  # the window it needs, whatever the budget
-    # past the budget, no window was fetched ahead: one each (forced) at most over it
-    assert read_ahead._held - before <= read_ahead.BUDGET + 2 * read_ahead.WINDOW
-    for ra in files:
+    files = [(ReadAhead(MiB, src.fetch), src) for src in
+             (Source(20 * MiB) for _ in range(16))]
+    buf = memoryview(bytearray(128 << 10))
+    for ra, src in files:  # two reads in order each, the files kept open
+        for off in (0, 128 << 10, 4 * MiB):
+            read(ra, src, off, buf)
+            assert bytes(buf) == src.data[off:off + len(buf)]  # past the budget too
+    # the windows reads wait on count as well: held open, they stay within the budget
+    assert read_ahead._held - before <= read_ahead.BUDGET
+    assert read_ahead._held - before > 0  # (the first file's still read through them)
+    for ra, _ in files:
         ra.close()
     assert read_ahead._held == before
+
+
+def test_a_huge_stripe_row_is_read_a_window_at_most_at_a_time() -> None:
+    assert read_ahead.window_size(4 << 30) <= read_ahead.MAX_WINDOW  # 1 GiB unit x 4
+    assert read_ahead.window_size(48 * MiB) == 48 * MiB  # whole rows where they fit
+    assert read_ahead.window_size(MiB) == read_ahead.WINDOW
+    src = Source(8 * MiB)
+    ra = ReadAhead(4 << 30, src.fetch)
+    assert ra.size <= read_ahead.MAX_WINDOW  # (before a read: 4 GiB windows otherwise)
+    buf = memoryview(bytearray(128 << 10))
+    for off in (0, 128 << 10, 256 << 10):
+        read(ra, src, off, buf)
+        assert bytes(buf) == src.data[off:off + len(buf)]
+    assert 0 < src.largest <= read_ahead.MAX_WINDOW
+    ra.close()
+
+
+def test_fetchers_take_files_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(read_ahead, "_fetchers", ThreadPoolExecutor(1))
+    order: list[str] = []
+    release = threading.Event()
+
+    def fetch(name: str) -> bytearray:
+        if name == "busy":
+            release.wait()
+        order.append(name)
+        return bytearray()
+
+    futures = [read_ahead._submit("x", lambda: fetch("busy"), first=True)]
+    futures += [read_ahead._submit("a", lambda n=n: fetch(f"a{n}"), first=False)
+                for n in range(1, 5)]  # one file's windows ahead, queued first
+    futures.append(read_ahead._submit("b", lambda: fetch("b0"), first=False))
+    futures.append(read_ahead._submit("a", lambda: fetch("a0"), first=True))
+    release.set()
+    for fut in futures:
+        fut.result()
+    # another file's fetch waits for one of the first's, not all of them; the one a
+    # read waits on goes before that file's windows ahead
+    assert order == ["busy", "a0", "b0", "a1", "a2", "a3", "a4"]
+    read_ahead.fetchers().shutdown()

@@ -9,12 +9,19 @@ and the kernel's requests are answered from them.  Reads that do not follow on f
 the last ones (a mapping touched here and there) go straight to the members.
 
 Windows belong to one `ChunkFiles` (one open inode) and go with it at the last close,
-so what a reading node's next open sees is fetched afresh (close-to-open).
+so what a reading node's next open sees is fetched afresh (close-to-open).  Every
+window, the one a read waits on too, counts against one BUDGET of the node's memory:
+past it a read gets just what it asked for, fetched as a stray read is (files held
+open with their windows once held 1,680 MiB of a 512 MiB budget).  A window is
+MAX_WINDOW at most, whatever the stripe row (a 1 GiB unit is no 4 GiB fetch per
+128 KiB read), and the fetcher threads take fetches in turn by file, not first come
+first served: one file's windows ahead do not queue another's read.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -22,18 +29,19 @@ WINDOW = 16 << 20  # bytes fetched at once, at least (rounded up to whole stripe
 MAX_WINDOW = 64 << 20  # ... and at most
 AHEAD = 4  # windows fetched ahead of the one being read (a round trip each: latency
            # bound, a reading node got 0.95, 1.29 and 1.39 GB/s with 1, 2 and 4 ahead)
-BUDGET = 512 << 20  # bytes of windows held in all: past it, nothing more is read ahead
+BUDGET = 512 << 20  # bytes of windows held in all: past it, reads are not windowed
 _fetchers: ThreadPoolExecutor | None = None  # (not the I/O pool: a fetch waits on it)
 _fetchers_lock = threading.Lock()
 _held = 0  # bytes of windows held by every ReadAhead (under _fetchers_lock)
+_queued: OrderedDict[object, deque[Callable[[], None]]] = OrderedDict()
+# fetches waiting for a fetcher thread, by whose they are, in turn (under _fetchers_lock)
 
 
-def _hold(n: int, force: bool = False) -> bool:
-    """Count `n` more bytes of windows if the budget allows (always, for n <= 0, or
-    with `force`: a read is waiting on them)."""
+def _hold(n: int) -> bool:
+    """Count `n` more bytes of windows if the budget allows (always, for n <= 0)."""
     global _held
     with _fetchers_lock:
-        if n > 0 and _held + n > BUDGET and not force:
+        if n > 0 and _held + n > BUDGET:
             return False
         _held += n
         return True
@@ -47,10 +55,46 @@ def fetchers() -> ThreadPoolExecutor:
         return _fetchers
 
 
+def _submit(who: object, fn: Callable[[], bytearray], first: bool) -> Future[bytearray]:
+    """`fn()` on a fetcher thread, in `who`'s turn (`first`: before `who`'s others, a
+    read waits on it).  Each call queues one `_next`, which runs whoever's turn it is:
+    a file with four windows queued ahead holds up another's read by one fetch."""
+    fut: Future[bytearray] = Future()
+
+    def run() -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # (as a ThreadPoolExecutor's own work item)
+                fut.set_exception(e)
+
+    with _fetchers_lock:
+        calls = _queued.setdefault(who, deque())
+        if first:
+            calls.appendleft(run)
+        else:
+            calls.append(run)
+    fetchers().submit(_next)
+    return fut
+
+
+def _next() -> None:
+    """The first queued fetch of the one whose turn it is, who then goes to the back."""
+    with _fetchers_lock:
+        who, calls = _queued.popitem(last=False)  # (never empty: a `_next` per fetch)
+        run = calls.popleft()
+        if calls:
+            _queued[who] = calls
+    run()
+
+
 def window_size(row: int) -> int:
-    """Whole stripe rows (`row`: unit x width bytes), WINDOW at least."""
+    """Whole stripe rows (`row`: unit x width bytes), WINDOW at least, and MAX_WINDOW
+    at most: a row over it (a 1 GiB unit) is read MAX_WINDOW at a time, not a row."""
+    if row >= MAX_WINDOW:
+        return MAX_WINDOW
     rows = max(1, -(-WINDOW // row))
-    return max(row, min(rows * row, MAX_WINDOW // row * row))
+    return min(rows * row, MAX_WINDOW // row * row)
 
 
 class ReadAhead:
@@ -65,7 +109,8 @@ class ReadAhead:
 
     def read(self, offset: int, buf: memoryview) -> bool:
         """Fill `buf` from windows if this read follows on from the last ones (and
-        fetch the next window ahead); False, touching nothing, if it does not."""
+        fetch the next windows ahead); False, leaving `buf` to the caller, if it does
+        not or the budget has no room for the windows it needs."""
         with self._lock:
             if self._end < 0 or abs(offset - self._end) > self.size:
                 self._end = offset + len(buf)
@@ -75,12 +120,14 @@ class ReadAhead:
             # (the one behind stays: reads in flight come a little out of order)
             for w in [w for w in self._windows if not first - 1 <= w <= last + AHEAD]:
                 self._drop(w)
-            wanted = {w: self._start(w, ahead=w > last)
-                      for w in range(first, last + 1 + AHEAD)}
+            needed = [self._start(w, ahead=False) for w in range(first, last + 1)]
+            if None in needed:
+                return False
+            for w in range(last + 1, last + 1 + AHEAD):
+                self._start(w, ahead=True)
         at = 0
-        for w in range(first, last + 1):
-            fut = wanted[w]
-            assert fut is not None  # (not ahead: always started)
+        for w, fut in enumerate(needed, first):
+            assert fut is not None
             data = fut.result()  # (an error fetching it is this read's error)
             lo = max(offset + at, w * self.size) - w * self.size
             n = min(len(buf) - at, self.size - lo)
@@ -89,16 +136,16 @@ class ReadAhead:
         return True
 
     def _start(self, w: int, ahead: bool) -> Future[bytearray] | None:
-        """Window `w`, fetched now if it is not held (or failed); None for a window
-        ahead that the budget has no room for."""
+        """Window `w`, fetched now if it is not held (or failed); None if the budget
+        has no room for it (`ahead`: no read waits on it yet)."""
         fut = self._windows.get(w)
         if fut is not None and not (fut.done() and fut.exception() is not None):
             return fut
         if fut is not None:
             self._drop(w)
-        if not _hold(self.size, force=not ahead):
+        if not _hold(self.size):
             return None
-        fut = self._windows[w] = fetchers().submit(self._fetch, w)
+        fut = self._windows[w] = _submit(self, lambda: self._fetch(w), first=not ahead)
         return fut
 
     def _drop(self, w: int) -> None:
