@@ -13,6 +13,8 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   waits      8 connections waiting (kv_wait, 20 s) on a key its own claim holds
   misses     8 threads stat'ing names that do not exist (each a lookup the daemon answers)
   lookups    8 connections asking kv_exists of 4,096 absent keys a request
+  parses     64 connections sending 1 MiB requests of 350,000 empty lists (refused)
+  truncates  8 threads each writing 4 KiB into a file of its own and cutting it to 0
 
 With `--meta URL` (an empty PostgreSQL database) both users work on a reading node (a
 network namespace of its own, `tools/bench_nodes.py`), whose KV puts, claims and waits
@@ -44,7 +46,8 @@ from bench_nodes import two_nodes  # noqa: E402
 from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 
 VICTIM, HOG = 65533, 65534
-ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups")
+ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
+        "parses", "truncates")
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
@@ -83,10 +86,10 @@ if arm == "list":
     put_range("hog-list", 0, 16384)
 if arm == "lookups":  # (its namespace made, with one key: lookups of others miss)
     put_range("hog", 0, 1)
-def crowd(work, connect=lambda: ControlClient(mnt)):
-    # work(conn, k) over and over from 8 threads, a connection each, until the end
+def crowd(work, connect=lambda: ControlClient(mnt), n=8):
+    # work(conn, k) over and over from n threads, a connection each, until the end
     import threading
-    conns = [connect() for _ in range(8)]
+    conns = [connect() for _ in range(n)]
     done = []
     def run(conn):
         k = 0
@@ -115,6 +118,23 @@ if arm == "misses":
 if arm == "lookups":
     n = crowd(lambda w, k: w.call("kv_exists", namespace="hog", keys=[
         base64.b64encode(os.urandom(16)).decode() for _ in range(4096)]))
+if arm == "parses":  # each a fresh connection: the daemon closes what it refuses
+    import socket, struct
+    path = os.getxattr(mnt, "user.mxfs.control").decode()
+    body = b'{"op":"hello","x":[' + b"[]," * 349_000 + b"[]]}"
+    frame = struct.pack("!4sHHI", b"MXFS", 1, 0, len(body)) + body
+    def parse(_, k):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.sendall(frame)
+            s.recv(1 << 16)
+    n = crowd(parse, connect=lambda: None, n=64)
+if arm == "truncates":
+    def cut(f, k):
+        os.pwrite(f, b"t" * 4096, 0)
+        os.ftruncate(f, 0)
+    n = crowd(cut, connect=lambda: os.open(os.path.join(mnt, "hog", os.urandom(8).hex()),
+                                           os.O_RDWR | os.O_CREAT, 0o600))
 if arm == "ns_remove":
     c.call("kv_ns_remove", namespace="hog"); n = 1
 while arm in ("puts", "list", "deletes", "walks") and time.monotonic() < end:

@@ -68,7 +68,7 @@ class ControlServer:
         self.turns = Turns(self.limits.max_active_per_user)  # requests in service by uid
         self.pending_by_uid: Counter[int] = Counter()  # unpublished files, all connections
         self.listener = Listener(path, self.limits, self.dispatch, self._session,
-                                 self._end_session)
+                                 self._end_session, self.turns.turn)
         self.remote = RemoteReads(volume, self.limits)  # (a reading node's direct path)
         self.kv = KVOps(volume, KVIndex(volume, self.limits.max_namespaces_per_user),
                         self.limits, self.remote)

@@ -20,6 +20,7 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import trio
@@ -63,10 +64,12 @@ class Listener:
     def __init__(self, path: str, limits: Limits,
                  dispatch: Callable[[Msg, Session], Awaitable[tuple[dict[str, Any], list[int]]]],
                  new_session: Callable[[Caller, Any], Session],
-                 end: Callable[[Session], Awaitable[None]]) -> None:
+                 end: Callable[[Session], Awaitable[None]],
+                 turn: Callable[[int], AbstractAsyncContextManager[None]]) -> None:
         self.path = path
         self.limits = limits
         self.dispatch = dispatch
+        self.turn = turn  # a uid's turn (`fair.Turns`): its requests are parsed in it
         self.new_session = new_session
         self._end = end
         self.conns: Counter[int] = Counter()  # open connections by uid
@@ -195,14 +198,19 @@ class Listener:
                 if len(head) < HEADER.size:
                     head += await self._recv_exact(conn, HEADER.size - len(head))
                 _, _, length = parse_header(head)
-                msg = decode_payload(await self._recv_exact(conn, length), MAX_VALUES)
+                raw = await self._recv_exact(conn, length)
+            # Parsed in the sender's turn: one user's connections, each sending a costly
+            # payload at once, take turns among themselves, not everyone's.
+            async with self.turn(session.caller.uid):
+                msg = decode_payload(raw, MAX_VALUES)
+            del raw
             check_request(msg)
             return msg
         except trio.TooSlowError:
             self.failures.note("slow", session.caller,
                                TimeoutError("a request not sent whole in time"), trace=False)
-        except ProtocolError as e:
-            await self._refuse(conn, session.caller, None, e)
+        except ProtocolError as e:  # (its traceback would hold what was parsed meanwhile)
+            await self._refuse(conn, session.caller, None, e.with_traceback(None))
         except OSError:
             pass  # the peer went away mid-message
         return None
@@ -217,7 +225,7 @@ class Listener:
             try:
                 reply, fds = await self.dispatch(msg, session)
             except ProtocolError as e:
-                await self._refuse(conn, session.caller, msg.get("id"), e)
+                await self._refuse(conn, session.caller, msg.get("id"), e.with_traceback(None))
                 return
             except OSError as e:
                 code = e.errno or errno.EIO
@@ -230,6 +238,7 @@ class Listener:
                 reply, fds = self._admit_fds(session, reply, fds)
             reply["id"] = msg.get("id")
             del msg  # not held while the connection waits for its next request
+            sent = False
             try:
                 with trio.move_on_after(self.limits.frame_timeout) as scope:
                     try:
