@@ -675,7 +675,8 @@ def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
     """The kernel does not count descriptors root sends against the receiver: a user
     who never reads its replies could pin any number of open files.  The daemon counts
     them per uid (max_fds_in_flight_per_user) until they are read, also after the
-    connection closed on the daemon's side."""
+    connection closed on the daemon's side, and after the peer shut it down without
+    closing its socket (what was sent stays in its queue, for it to read)."""
     from mxfs.proto.framing import recv_message
 
     members = make_members(tmp_path)
@@ -714,7 +715,7 @@ def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
         for _ in range(10):  # unread again, and the daemon's side closed: still counted
             greedy.sendall(request)
         assert eventually(lambda: _in_flight(m) == 40)
-        greedy.shutdown(socket.SHUT_WR)
+        greedy.shutdown(socket.SHUT_RDWR)  # (the daemon's side hangs up: still unread)
         late.sendall(request)
         assert recv_message(late)[0]["errno"] == errno.EMFILE
         greedy.close()  # the peer lets go: its descriptors are closed by the kernel

@@ -75,6 +75,9 @@ class Listener:
         self.conns: Counter[int] = Counter()  # open connections by uid
         self.other_fds: Callable[[], int] = lambda: 0  # held by other services (chunks)
         self.sessions: dict[int, Session] = {}
+        # Sessions sent descriptors their peer may not have read, by uid (a reply with
+        # descriptors asks only these: not every connection of the daemon).
+        self.sending: dict[int, dict[int, Session]] = {}
         self.refusing = 0  # refused connections being answered
         self.failures = FailureLog(log)
         self.closer = Closer()  # descriptors clients sent anyway (kernels before 6.16)
@@ -171,6 +174,9 @@ class Listener:
                 if session.sent_fds and unread_bytes(conn):
                     await park(conn)  # its descriptors in flight: still counted
                 del self.sessions[id(session)]
+                sending = self.sending.get(caller.uid, {})
+                if sending.pop(id(session), None) is not None and not sending:
+                    del self.sending[caller.uid]
                 self.conns[caller.uid] -= 1
                 if not self.conns[caller.uid]:
                     del self.conns[caller.uid]
@@ -246,7 +252,9 @@ class Listener:
                     except ProtocolError as e:  # a reply over the limits: say so, stay up
                         sent = await self._send(conn, {"id": reply["id"], "ok": False,
                                                        "errno": errno.E2BIG, "error": str(e)})
-                session.sent_fds += len(fds)
+                if fds:
+                    session.sent_fds += len(fds)
+                    self.sending.setdefault(session.caller.uid, {})[id(session)] = session
                 if not sent or scope.cancelled_caught:
                     return  # the peer went away or does not read its replies
             finally:
@@ -257,12 +265,14 @@ class Listener:
     def fds_in_flight(self, uid: int) -> int:
         """Descriptors sent to `uid`'s connections that they have not read yet (a
         connection with nothing unread has taken all it was sent)."""
-        total = 0
-        for s in self.sessions.values():
-            if s.caller.uid == uid and s.sent_fds:
-                if not unread_bytes(s.conn):
-                    s.sent_fds = 0
-                total += s.sent_fds
+        total, sending = 0, self.sending.get(uid, {})
+        for key, s in list(sending.items()):
+            if not unread_bytes(s.conn):
+                s.sent_fds = 0
+                del sending[key]
+            total += s.sent_fds
+        if not sending:
+            self.sending.pop(uid, None)
         return total
 
     def _admit_fds(self, session: Session, reply: dict[str, Any], fds: list[int]
