@@ -563,10 +563,9 @@ class Volume:
 
     def cut(self, ino: int, layout: Layout, size: int) -> None:
         """Blocking: a shrunk file's chunk files cut to `size`, this node's and other
-        nodes' (`Pool.truncate_far`, round trips), once its size is on stable storage
-        (a crash mid-cut is trimmed again at mount, via dirty_data: a power cut must
-        not keep the cut and lose the size)."""
-        self.store.sync()
+        nodes' (`Pool.truncate_far`, round trips), once the caller made its size
+        durable (a crash mid-cut is trimmed again at mount, via dirty_data: a power cut
+        must not keep the cut and lose the size)."""
         self.pool.truncate_chunks(ino, layout, size)
 
     def truncated(self, node: Inode) -> None:
