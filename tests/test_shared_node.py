@@ -39,11 +39,12 @@ from conftest import (
     one_line_error,
     raw_socket,
 )
-from users import PRELUDE, ensure_users, run_as
+from users import PRELUDE, ensure_users, run_as, subordinate_uids
 
 from mxfs.client import ControlClient
 from mxfs.fs.foreign_fds import Closer
 from mxfs.proto import HEADER, encode
+from mxfs.proto.framing import recv_message
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
 
@@ -721,6 +722,43 @@ def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
         greedy.close()  # the peer lets go: its descriptors are closed by the kernel
         assert eventually(lambda: _asks(late, request))
         late.close()
+
+
+@pytest.mark.daemon_log(r"control connections, the limit")
+def test_a_users_subordinate_uids_share_her_limits(tmp_path: Path) -> None:
+    """A user may run processes as her subordinate uids (rootless containers): counted
+    apart, each would have a user's share of connections (and turns, descriptors in
+    flight, unpublished files) and one user would hold the daemon's totals alone."""
+    alice = ensure_users()["alice"]
+    subs = subordinate_uids(alice)
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_conns_per_user=4") as m:
+        held, refused = [], None
+        for uid in (alice.uid, subs[0], subs[1], subs[7], subs[-1]):
+            os.seteuid(uid)  # (SO_PEERCRED: as of connect)
+            try:
+                sock = raw_socket(m)
+            finally:
+                os.seteuid(0)
+            sock.sendall(encode({"op": "hello", "id": 1}))
+            reply, _ = recv_message(sock)
+            if reply["ok"]:
+                held.append(sock)
+            else:
+                refused = reply
+                sock.close()
+        assert len(held) == 4 and refused is not None
+        assert refused["errno"] == errno.EMFILE and f"uid {alice.uid} " in refused["error"]
+        bob = ensure_users()["bob"]  # another user is not held by hers
+        os.seteuid(bob.uid)
+        try:
+            with ControlClient(str(m.path)) as c:
+                assert c.call("hello")["pid"] > 0
+        finally:
+            os.seteuid(0)
+        for sock in held:
+            sock.close()
 
 
 def _answered(m: Mounted, op: str) -> int:

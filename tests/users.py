@@ -70,3 +70,24 @@ def run_as(user: User | None, script: str, *args: str) -> Any:
                          timeout=600)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
+
+
+def subordinate_uids(user: User) -> range:
+    """`user`'s subordinate uids (/etc/subuid, as rootless containers use them), given
+    her with usermod where useradd gave none: after the last range the file holds."""
+    def ranges() -> list[tuple[str, int, int]]:
+        try:
+            with open("/etc/subuid") as f:
+                rows = [line.strip().split(":") for line in f if line.count(":") == 2]
+        except FileNotFoundError:
+            return []
+        return [(name, int(start), int(count)) for name, start, count in rows]
+    with open("/run/lock/mxfs-test-users", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mine = [(s, c) for name, s, c in ranges() if name in (user.name, str(user.uid))]
+        if not mine:
+            start = max([100_000] + [s + c for _, s, c in ranges()])
+            subprocess.run(["usermod", "--add-subuids", f"{start}-{start + 65535}", user.name],
+                           check=True, capture_output=True)
+            mine = [(start, 65536)]
+    return range(mine[0][0], mine[0][0] + mine[0][1])

@@ -29,6 +29,8 @@ from typing import TypeVar
 import trio
 import trio.testing
 
+from mxfs.vol.tenants import tenant_of
+
 T = TypeVar("T")
 
 BITE = 16  # items handled between two looks at the clock
@@ -74,6 +76,7 @@ class Turns:
 
     @asynccontextmanager
     async def turn(self, uid: int) -> AsyncIterator[None]:
+        uid = tenant_of(uid)  # (a user's subordinate uids share her turns)
         if uid == 0:
             yield
             return
@@ -111,18 +114,20 @@ class RoundRobin:
 
     @asynccontextmanager
     async def slot(self, uid: int) -> AsyncIterator[None]:
-        await self.take(uid)
+        held = await self.take(uid)
         try:
             yield
         finally:
-            self.give(uid)
+            self.give(held)
 
-    async def take(self, uid: int) -> None:
-        """One slot for `uid`, held until `give(uid)`: for one taken in a task and
-        given back by another (a write answered, then landed)."""
+    async def take(self, uid: int) -> int:
+        """One slot for `uid`, in its tenant's turn (`vol/tenants.py`), held until
+        `give` of the tenant returned: for one taken in a task and given back by
+        another (a write answered, then landed)."""
+        uid = tenant_of(uid)
         if self._free and uid not in self._waiting and self._may(uid):
             self._take(uid)
-            return
+            return uid
         turn = trio.Event()
         self._waiting.setdefault(uid, deque()).append(turn)
         try:
@@ -133,6 +138,7 @@ class RoundRobin:
             else:
                 self._forget(uid, turn)
             raise
+        return uid
 
     def busy(self) -> int:
         return self.slots - self._free

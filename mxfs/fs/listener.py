@@ -35,6 +35,7 @@ from mxfs.proto import HEADER, MAX_VALUES, ProtocolError, decode_payload, encode
 from mxfs.proto.framing import ancillary_space, fds_from_ancdata
 from mxfs.vol.access import Caller, supplementary_groups
 from mxfs.vol.mounts import ensure_runtime_dir
+from mxfs.vol.tenants import tenant_of
 
 log = logging.getLogger("mxfs.control")
 # Refused connections answered at once (each holds a descriptor until its reply is taken).
@@ -124,15 +125,16 @@ class Listener:
     def connections(self) -> int:
         return sum(self.conns.values())
 
-    def _admit(self, caller: Caller) -> OSError | None:
-        """Why a new connection of `caller` is refused (a limit is reached), or None."""
+    def _admit(self, caller: Caller, tenant: int) -> OSError | None:
+        """Why a new connection of `caller` (counted as `tenant`'s) is refused (a limit
+        is reached), or None."""
         lim = self.limits
         total = self.connections()
         if total >= lim.max_conns or total + self.other_fds() + lim.fd_reserve >= fd_limit():
             return OSError(errno.ENFILE, f"the daemon holds {total} control connections, its "
                            "limit (mount option max_conns); try again later")
-        if caller.uid != 0 and self.conns[caller.uid] >= lim.max_conns_per_user:
-            return OSError(errno.EMFILE, f"uid {caller.uid} holds {self.conns[caller.uid]} "
+        if tenant != 0 and self.conns[tenant] >= lim.max_conns_per_user:
+            return OSError(errno.EMFILE, f"uid {tenant} holds {self.conns[tenant]} "
                            "control connections, the limit (mount option "
                            "max_conns_per_user); close some")
         return None
@@ -150,7 +152,8 @@ class Listener:
                 caller = peer_caller(conn)
             except OSError:
                 return
-            refusal = self._admit(caller)
+            tenant = tenant_of(caller.uid)
+            refusal = self._admit(caller, tenant)
             if refusal is not None:
                 self.failures.note("connect", caller, refusal, trace=False)
                 if self.refusing < MAX_REFUSING:  # past it, a flood is closed unanswered
@@ -162,7 +165,8 @@ class Listener:
                         self.refusing -= 1
                 return
             session = self.new_session(caller, conn)
-            self.conns[caller.uid] += 1
+            tenant = session.tenant
+            self.conns[tenant] += 1
             self.sessions[id(session)] = session
             try:
                 await self._serve(conn, session)
@@ -174,12 +178,12 @@ class Listener:
                 if session.sent_fds and unread_bytes(conn):
                     await park(conn)  # its descriptors in flight: still counted
                 del self.sessions[id(session)]
-                sending = self.sending.get(caller.uid, {})
+                sending = self.sending.get(tenant, {})
                 if sending.pop(id(session), None) is not None and not sending:
-                    del self.sending[caller.uid]
-                self.conns[caller.uid] -= 1
-                if not self.conns[caller.uid]:
-                    del self.conns[caller.uid]
+                    del self.sending[tenant]
+                self.conns[tenant] -= 1
+                if not self.conns[tenant]:
+                    del self.conns[tenant]
 
     async def _read_request(self, conn: Any, session: Session) -> dict[str, Any] | None:
         """The next request, or None when the connection is over (closed, idle, too slow).
@@ -207,7 +211,7 @@ class Listener:
                 raw = await self._recv_exact(conn, length)
             # Parsed in the sender's turn: one user's connections, each sending a costly
             # payload at once, take turns among themselves, not everyone's.
-            async with self.turn(session.caller.uid):
+            async with self.turn(session.tenant):
                 msg = decode_payload(raw, MAX_VALUES)
             del raw
             check_request(msg)
@@ -254,7 +258,7 @@ class Listener:
                                                        "errno": errno.E2BIG, "error": str(e)})
                 if fds:
                     session.sent_fds += len(fds)
-                    self.sending.setdefault(session.caller.uid, {})[id(session)] = session
+                    self.sending.setdefault(session.tenant, {})[id(session)] = session
                 if not sent or scope.cancelled_caught:
                     return  # the peer went away or does not read its replies
             finally:
@@ -279,7 +283,7 @@ class Listener:
                    ) -> tuple[dict[str, Any], list[int]]:
         """The reply as it may go: with its descriptors, or, past the caller's bound of
         descriptors in flight (root: none), an EMFILE without them."""
-        uid, lim = session.caller.uid, self.limits.max_fds_in_flight_per_user
+        uid, lim = session.tenant, self.limits.max_fds_in_flight_per_user
         if uid == 0:
             return reply, fds
         held = self.fds_in_flight(uid)

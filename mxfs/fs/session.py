@@ -21,6 +21,7 @@ from mxfs.proto.messages import ReadFds
 from mxfs.vol.access import Caller
 from mxfs.vol.kv_index import Chunk
 from mxfs.vol.quota import Quotas
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import OpenInode, Volume
 
 # What serving a request gives: the reply's fields (its op's reply in `proto/messages.py`)
@@ -66,19 +67,25 @@ class Session:
     conn: Any = None  # the socket (asked how much of what it sent is unread)
     sent_fds: int = 0  # descriptors sent in replies the peer may not have read yet
     quotas: Quotas | None = None  # charged each unpublished file's declared size
+    # Whose per-user limits and turns it shares (a user's subordinate uids are hers:
+    # `vol/tenants.py`), fixed at connect so what it counts is given back to the same.
+    tenant: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tenant = tenant_of(self.caller.uid)
 
     def hold(self, pending: Pending) -> None:
         self.pending[pending.entry.node.ino] = pending
-        self.pending_by_uid[self.caller.uid] += 1
+        self.pending_by_uid[self.tenant] += 1
         if self.quotas is not None:
             self.quotas.reserve(self.caller.uid, pending.declared)
 
     def let_go(self, ino: int) -> Pending:
         """Forget an unpublished file (committed or dropped); KeyError if not held."""
         pending = self.pending.pop(ino)
-        self.pending_by_uid[self.caller.uid] -= 1
-        if not self.pending_by_uid[self.caller.uid]:
-            del self.pending_by_uid[self.caller.uid]
+        self.pending_by_uid[self.tenant] -= 1
+        if not self.pending_by_uid[self.tenant]:
+            del self.pending_by_uid[self.tenant]
         if self.quotas is not None:
             self.quotas.release(self.caller.uid, pending.declared)
         return pending
@@ -90,7 +97,7 @@ def check_pending_room(session: Session, limits: Limits) -> None:
     if len(session.pending) >= limits.max_pending:
         raise OSError(errno.EMFILE, f"this connection holds {limits.max_pending} unpublished "
                       "files, the limit (mount option max_pending): commit or abort some")
-    uid = session.caller.uid
+    uid = session.tenant
     if uid != 0 and session.pending_by_uid[uid] >= limits.max_pending_per_user:
         raise OSError(errno.EMFILE, f"uid {uid} holds {limits.max_pending_per_user} "
                       "unpublished files, the limit (mount option max_pending_per_user)")

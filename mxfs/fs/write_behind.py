@@ -68,7 +68,7 @@ class WriteBehind:
         await self._slots.acquire()
         if self._budget is not None:
             try:
-                await self._budget.take(uid)
+                uid = await self._budget.take(uid)  # (the tenant charged)
             except BaseException:  # cancelled while waiting: nothing was queued
                 self._slots.release()
                 raise
