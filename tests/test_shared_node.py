@@ -109,6 +109,56 @@ def test_a_descriptor_of_a_file_on_the_mount_sent_to_the_daemon_hangs_nobody(
     assert victim.read_bytes() == b"x" * 4096
 
 
+@pytest.mark.daemon_log(r"requests carry no descriptors|bad magic")
+def test_descriptors_sent_where_the_kernel_passes_them_hang_nobody(tmp_path: Path) -> None:
+    """Kernels before 6.16 pass descriptors to the daemon whatever it says; one that
+    names a file on this mount, closed on the daemon's thread, hangs the mount for
+    every user (its close waits on a FLUSH only that thread could answer).  Sent with
+    the header, with the payload's bytes, past the room a read leaves for them, or
+    left unread when the connection ends: each goes to the closer, and a connection
+    that sends some is closed.  (MXFS_PASS_RIGHTS=1: this kernel's older path.)"""
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, prefix=["env", "MXFS_PASS_RIGHTS=1"]) as m:
+        victim = m.path / "sent-back"
+        victim.write_bytes(b"x" * 4096)
+        msg = encode({"op": "hello", "id": 1})
+
+        try:
+            _send_rights(m, victim, msg)
+        finally:
+            if not answers(m, 5):
+                fuse_abort(m.path)  # (a hung mount would hang its unmount too)
+        assert victim.read_bytes() == b"x" * 4096
+
+
+def _send_rights(m: Mounted, victim: Path, msg: bytes) -> None:
+    """Descriptors of `victim` sent with a request's header, its payload, 253 at once,
+    and after a refused request: each refused, and the daemon answering after."""
+    for where in ("header", "payload", "many", "unread"):
+        s = raw_socket(m, timeout=10)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                array.array("i", fds := [os.open(victim, os.O_RDWR)
+                                         for _ in range(253 if where == "many" else 1)]
+                            ).tobytes())]
+        try:
+            if where == "payload":
+                s.sendall(msg[:HEADER.size])
+                s.sendmsg([msg[HEADER.size:]], anc)
+            elif where == "unread":  # (refused at once: what follows is never asked)
+                s.sendall(b"JUNK" + msg[4:])
+                s.sendmsg([b"more"], anc)
+            else:
+                s.sendmsg([msg], anc)
+            for fd in fds:
+                os.close(fd)  # (the daemon's copies are now the last)
+            reply, _ = recv_message(s)
+            assert not reply["ok"] and reply["errno"] == errno.EPROTO, reply
+        finally:
+            s.close()
+        assert answers(m), f"the daemon hangs after descriptors sent with the {where}"
+
+
 @pytest.mark.unit
 def test_descriptors_that_arrive_anyway_are_closed_off_the_callers_thread() -> None:
     r, w = os.pipe()

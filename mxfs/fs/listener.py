@@ -27,12 +27,12 @@ import trio
 
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import Msg, check_request
-from mxfs.fs.foreign_fds import Closer, refuse_rights
+from mxfs.fs.foreign_fds import SCM_MAX_FD, Closer, refuse_rights
 from mxfs.fs.inflight import park, unread_bytes
 from mxfs.fs.limits import Limits, fd_limit
 from mxfs.fs.session import Session
 from mxfs.proto import HEADER, MAX_VALUES, ProtocolError, decode_payload, encode, parse_header
-from mxfs.proto.framing import ancillary_space, fds_from_ancdata
+from mxfs.proto.framing import fds_from_ancdata
 from mxfs.vol.access import Caller, supplementary_groups
 from mxfs.vol.mounts import ensure_runtime_dir
 from mxfs.vol.tenants import tenant_of
@@ -40,6 +40,7 @@ from mxfs.vol.tenants import tenant_of
 log = logging.getLogger("mxfs.control")
 # Refused connections answered at once (each holds a descriptor until its reply is taken).
 MAX_REFUSING = 64
+RIGHTS_SPACE = socket.CMSG_SPACE(SCM_MAX_FD * array.array("i").itemsize)
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
@@ -82,13 +83,15 @@ class Listener:
         self.refusing = 0  # refused connections being answered
         self.failures = FailureLog(log)
         self.closer = Closer()  # descriptors clients sent anyway (kernels before 6.16)
+        self.rights_refused = False  # ... or none can be sent (SO_PASSRIGHTS off)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ensure_runtime_dir(os.path.dirname(self.path))
         if os.path.exists(self.path):
             os.unlink(self.path)
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if not refuse_rights(listener):
+        self.rights_refused = refuse_rights(listener)
+        if not self.rights_refused:
             log.info("this kernel cannot refuse sent descriptors: they are closed off "
                      "the daemon's thread")
         await listener.bind(self.path)
@@ -112,10 +115,20 @@ class Listener:
             except FileNotFoundError:
                 pass
 
-    async def _recv_exact(self, conn: Any, n: int) -> bytes:
+    async def _recv(self, conn: Any, n: int, tenant: int) -> bytes:
+        """Up to `n` bytes of `conn`, with room for whatever descriptors come with them
+        (never a plain recv: see foreign_fds); ProtocolError if some did."""
+        data, anc, _, _ = await conn.recvmsg(n, RIGHTS_SPACE)
+        fds = fds_from_ancdata(anc)
+        if fds:
+            self.closer.close_all(fds, tenant)
+            raise ProtocolError("requests carry no descriptors")
+        return data
+
+    async def _recv_exact(self, conn: Any, n: int, tenant: int) -> bytes:
         parts, got = [], 0
         while got < n:
-            chunk = await conn.recv(min(n - got, 1 << 16))
+            chunk = await self._recv(conn, min(n - got, 1 << 16), tenant)
             if not chunk:
                 raise ConnectionError("peer closed mid-message")
             parts.append(chunk)
@@ -133,6 +146,9 @@ class Listener:
         if total >= lim.max_conns or total + self.other_fds() + lim.fd_reserve >= fd_limit():
             return OSError(errno.ENFILE, f"the daemon holds {total} control connections, its "
                            "limit (mount option max_conns); try again later")
+        if self.closer.stuck_for(tenant):
+            return OSError(errno.EAGAIN, f"descriptors uid {tenant} sent wait to be closed "
+                           "behind a close that does not end: no connection until it does")
         if tenant != 0 and self.conns[tenant] >= lim.max_conns_per_user:
             return OSError(errno.EMFILE, f"uid {tenant} holds {self.conns[tenant]} "
                            "control connections, the limit (mount option "
@@ -149,41 +165,71 @@ class Listener:
     async def _connected(self, conn: Any) -> None:
         with conn:
             try:
-                caller = peer_caller(conn)
-            except OSError:
-                return
-            tenant = tenant_of(caller.uid)
-            refusal = self._admit(caller, tenant)
-            if refusal is not None:
-                self.failures.note("connect", caller, refusal, trace=False)
-                if self.refusing < MAX_REFUSING:  # past it, a flood is closed unanswered
-                    self.refusing += 1
-                    try:
-                        await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
-                                               refusal.strerror or "refused")
-                    finally:
-                        self.refusing -= 1
-                return
-            session = self.new_session(caller, conn)
-            tenant = session.tenant
-            self.conns[tenant] += 1
-            self.sessions[id(session)] = session
-            try:
-                await self._serve(conn, session)
-            except Exception as e:
-                self.failures.note("connection", caller, e)
+                await self._admitted(conn)
             finally:
-                with trio.CancelScope(shield=True):  # (what it held goes, even at the end)
-                    await self._end(session)
-                if session.sent_fds and unread_bytes(conn):
-                    await park(conn)  # its descriptors in flight: still counted
-                del self.sessions[id(session)]
-                sending = self.sending.get(tenant, {})
-                if sending.pop(id(session), None) is not None and not sending:
-                    del self.sending[tenant]
-                self.conns[tenant] -= 1
-                if not self.conns[tenant]:
-                    del self.conns[tenant]
+                with trio.CancelScope(shield=True):
+                    await self._let_go(conn)
+
+    async def _let_go(self, conn: Any) -> None:
+        """Before a connection closes, on a kernel that passes descriptors: what it
+        sent and was not read is taken, descriptors and all, for the closer (closed
+        with the socket they would be closed on this thread: see foreign_fds).  Shut
+        for reading first: nothing more can come, and a read ends at what is there."""
+        if self.rights_refused:
+            return
+        try:
+            conn.shutdown(socket.SHUT_RD)
+            tenant = None
+            while True:
+                data, anc, _, _ = await conn.recvmsg(1 << 16, RIGHTS_SPACE)
+                fds = fds_from_ancdata(anc)
+                if fds:
+                    if tenant is None:
+                        tenant = tenant_of(peer_caller(conn).uid)
+                    self.closer.close_all(fds, tenant)
+                if not data and not fds:
+                    return
+        except OSError:
+            return
+
+    async def _admitted(self, conn: Any) -> None:
+        """Admit a connection (or answer why not) and serve it."""
+        try:
+            caller = peer_caller(conn)
+        except OSError:
+            return
+        tenant = tenant_of(caller.uid)
+        refusal = self._admit(caller, tenant)
+        if refusal is not None:
+            self.failures.note("connect", caller, refusal, trace=False)
+            if self.refusing < MAX_REFUSING:  # past it, a flood is closed unanswered
+                self.refusing += 1
+                try:
+                    await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
+                                           refusal.strerror or "refused")
+                finally:
+                    self.refusing -= 1
+            return
+        session = self.new_session(caller, conn)
+        tenant = session.tenant
+        self.conns[tenant] += 1
+        self.sessions[id(session)] = session
+        try:
+            await self._serve(conn, session)
+        except Exception as e:
+            self.failures.note("connection", caller, e)
+        finally:
+            with trio.CancelScope(shield=True):  # (what it held goes, even at the end)
+                await self._end(session)
+            if session.sent_fds and unread_bytes(conn):
+                await park(conn)  # its descriptors in flight: still counted
+            del self.sessions[id(session)]
+            sending = self.sending.get(tenant, {})
+            if sending.pop(id(session), None) is not None and not sending:
+                del self.sending[tenant]
+            self.conns[tenant] -= 1
+            if not self.conns[tenant]:
+                del self.conns[tenant]
 
     async def _read_request(self, conn: Any, session: Session) -> dict[str, Any] | None:
         """The next request, or None when the connection is over (closed, idle, too slow).
@@ -194,21 +240,20 @@ class Listener:
         lim = self.limits
         head = None
         holds = session.pending or session.pinned
-        with trio.move_on_after(math.inf if holds else lim.idle_timeout):
-            try:
-                head, anc, _, _ = await conn.recvmsg(HEADER.size, ancillary_space())
-            except OSError:
-                return None
-            # No request carries descriptors; never closed here (see foreign_fds).
-            self.closer.close_all(fds_from_ancdata(anc))
-        if not head:
-            return None  # closed, or idle too long
         try:
+            with trio.move_on_after(math.inf if holds else lim.idle_timeout):
+                try:
+                    head = await self._recv(conn, HEADER.size, session.tenant)
+                except OSError:
+                    return None
+            if not head:
+                return None  # closed, or idle too long
             with trio.fail_after(lim.frame_timeout):
                 if len(head) < HEADER.size:
-                    head += await self._recv_exact(conn, HEADER.size - len(head))
+                    head += await self._recv_exact(conn, HEADER.size - len(head),
+                                                   session.tenant)
                 _, _, length = parse_header(head)
-                raw = await self._recv_exact(conn, length)
+                raw = await self._recv_exact(conn, length, session.tenant)
             # Parsed in the sender's turn: one user's connections, each sending a costly
             # payload at once, take turns among themselves, not everyone's.
             async with self.turn(session.tenant):
@@ -310,8 +355,13 @@ class Listener:
             try:
                 conn.shutdown(socket.SHUT_WR)
                 with trio.move_on_after(1):
-                    while await conn.recv(1 << 16):
-                        pass
+                    while True:  # (what comes with them goes too: see foreign_fds)
+                        data, anc, _, _ = await conn.recvmsg(1 << 16, RIGHTS_SPACE)
+                        fds = fds_from_ancdata(anc)
+                        if fds:
+                            self.closer.close_all(fds, tenant_of(peer_caller(conn).uid))
+                        if not data and not fds:
+                            break
             except OSError:
                 pass
 
