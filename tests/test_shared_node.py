@@ -811,6 +811,35 @@ def test_a_users_subordinate_uids_share_her_limits(tmp_path: Path) -> None:
             sock.close()
 
 
+def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
+        pool: Mounted) -> None:
+    """The chunk-file descriptors `open_read` hands out kept a removed file's space for
+    as long as their holder liked, released from its owner's quota meanwhile.  Now
+    they go aside with the file, still readable for READ_GRACE_S (reads in flight
+    finish), then are cut to nothing, and removed once nobody holds them."""
+    from mxfs.pool.revoke import HELD_DIR, READ_GRACE_S
+
+    def held() -> list[str]:
+        folders = [os.path.join(m, "chunks", HELD_DIR) for m in pool.members]
+        return [n for f in folders if os.path.isdir(f) for n in os.listdir(f)]
+
+    path = pool.path / "read-then-removed"
+    data = os.urandom(8 << 20)
+    path.write_bytes(data)
+    with ControlClient(str(pool.path)) as c:
+        _, fds = c.call_with_fds("open_read", path=c.pool_path(str(path)))
+    try:
+        path.unlink()
+        assert eventually(lambda: len(held()) >= 4)  # (the file's bytes on every member)
+        assert sum(os.fstat(fd).st_size for fd in fds) >= len(data) // 2  # (still there)
+        assert eventually(lambda: all(os.fstat(fd).st_blocks == 0 for fd in fds),
+                          timeout=READ_GRACE_S + 30)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert eventually(lambda: not held())
+
+
 def _answered(m: Mounted, op: str) -> int:
     """How many requests of `op` the daemon has answered (its metrics)."""
     with ControlClient(str(m.path)) as c:

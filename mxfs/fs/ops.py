@@ -726,8 +726,7 @@ class MxfsOperations(pyfuse3.Operations):
             layout = self.vol.layout(node)
             lane = self.lanes.of(self.vol.pool.owners(layout.used_members()))
             with trio.CancelScope(shield=True):  # (a cut begun is finished)
-                await self._durable()  # (the size first: shared syncs, not one a cut)
-                async with lane.turns.slot(uid):  # (threads in the cutter's turn)
+                async with lane.turns.slot(uid):  # (its sync and cut in the cutter's turn)
                     await trio.to_thread.run_sync(self.vol.cut, node.ino, layout, size,
                                                   limiter=lane.limiter)
             self.vol.truncated(node)

@@ -17,6 +17,14 @@ only once nobody can write it any more:
   system keeps the flag): that refuses `fallocate` through the kept descriptors on
   ext4 and XFS (a writer reserved a member's free space within each second between
   cuts) and, on ext4, their writes too.
+
+Read descriptors (`open_read`, KV gets) end too: a removed file whose chunk files
+someone still holds open (a write lease refused: `anyone_holds`) has them moved
+aside the same way, uncut, so that reads in flight finish; past READ_GRACE_S they
+are cut to nothing (the holder reads a short file; its client's check finds the file
+changed) and removed once nobody holds them.  Without it a reader kept every removed
+file's space, released from its owner's quota and from KV capacity, for as long as
+it liked (and across a daemon restart, a writer of a file dropped by the crash).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from mxfs.pool.pool import CHUNK_DIR, Pool
 log = logging.getLogger("mxfs.pool")
 
 HELD_DIR = "held"
+READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes
+_READ_MARK = ".r"  # (a held file's name: INO.STAMP, and this where only readers held it)
 _unsupported_warned = False
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 
@@ -86,6 +96,25 @@ def writers_remain(paths: Iterable[str]) -> bool:
     return False
 
 
+def anyone_holds(path: str) -> bool:
+    """Blocking: whether `path` is open anywhere (for reading or writing): the kernel
+    refuses a write lease then.  A missing file, or a filesystem without leases: no."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
 class Held:
     """Chunk files of dropped files whose writers still hold descriptors (held and
     swept from worker threads)."""
@@ -100,22 +129,36 @@ class Held:
 
     def hold(self, ino: int) -> int:
         """Blocking: move `ino`'s chunk files aside (cut to nothing); how many moved."""
+        return sum(self._hold(m, ino, cut=True) for m in self.pool.local_members())
+
+    def hold_read(self, ino: int) -> int:
+        """Blocking, as a removed file's chunk files go: those someone holds open are
+        moved aside, uncut if only readers hold them (cut READ_GRACE_S later), cut now
+        and kept cut if a writer does (one whose daemon died: its file was dropped
+        with it); how many moved (the rest are the caller's to remove)."""
         moved = 0
-        stamp = time.time_ns()
-        for m in self.pool.local_members():  # (other nodes' are theirs to hold)
-            src = self.pool.chunk_path(m, ino)
-            dst = os.path.join(self._folder(m), f"{ino}.{stamp}")
-            try:
-                os.truncate(src, 0)
-                os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
-                os.rename(src, dst)
-            except FileNotFoundError:
-                continue
-            set_immutable(dst, True)
-            with self._lock:
-                self.files.append(dst)
-            moved += 1
+        for m in self.pool.local_members():
+            path = self.pool.chunk_path(m, ino)
+            if anyone_holds(path):
+                moved += self._hold(m, ino, cut=writers_remain([path]))
         return moved
+
+    def _hold(self, m: int, ino: int, cut: bool) -> bool:
+        src = self.pool.chunk_path(m, ino)  # (other nodes' members are theirs to hold)
+        dst = os.path.join(self._folder(m), f"{ino}.{time.time_ns()}"
+                           f"{'' if cut else _READ_MARK}")
+        try:
+            if cut:
+                os.truncate(src, 0)
+            os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return False
+        if cut:
+            set_immutable(dst, True)
+        with self._lock:
+            self.files.append(dst)
+        return True
 
     def adopt(self) -> None:
         """Blocking, at mount: take over what an earlier daemon held (its writers may
@@ -130,13 +173,23 @@ class Held:
         self.sweep()
 
     def sweep(self) -> int:
-        """Blocking: cut every held file to nothing again, and remove those nobody
-        writes any more; how many are still held."""
+        """Blocking: cut every held file to nothing again (one only readers held, once
+        its grace is over), and remove those nobody holds any more; how many are still
+        held."""
         with self._lock:
             swept = list(self.files)
         kept = []
+        now = time.time_ns()
         for path in swept:
             try:
+                if path.endswith(_READ_MARK):  # (never made immutable: readers only)
+                    if not anyone_holds(path):
+                        os.unlink(path)
+                        continue
+                    if now - _stamp(path) > READ_GRACE_S * 10**9:
+                        os.truncate(path, 0)
+                    kept.append(path)
+                    continue
                 set_immutable(path, False)  # (an immutable file is neither cut nor removed)
                 if writers_remain([path]):
                     os.truncate(path, 0)
@@ -152,3 +205,11 @@ class Held:
         with self._lock:  # (with those held meanwhile)
             self.files = kept + self.files[len(swept):]
             return len(self.files)
+
+
+def _stamp(path: str) -> int:
+    """When a held file was held (ns, from its name INO.STAMP[.r])."""
+    try:
+        return int(os.path.basename(path).split(".")[1])
+    except (IndexError, ValueError):
+        return 0

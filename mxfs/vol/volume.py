@@ -475,7 +475,7 @@ class Volume:
     def reclaim(self, ino: int) -> None:
         """Free an orphan: chunk files first, then the row (a crash between is redone)."""
         self.store.durable()  # the orphan entry is on stable storage before its data goes
-        self.pool.remove_chunks(ino, self._far_of([ino]).get(ino, []))
+        self._remove_chunk_files(ino, self._far_of([ino]).get(ino, []))
         self.store.drop_inode(ino)
 
     def _far_of(self, inos: list[int]) -> dict[int, list[int]]:
@@ -522,7 +522,14 @@ class Volume:
         if inos:
             self.store.sync()
         for ino in inos:
-            self.pool.remove_chunks(ino, self._far_pending.pop(ino, []))
+            self._remove_chunk_files(ino, self._far_pending.pop(ino, []))
+
+    def _remove_chunk_files(self, ino: int, far: list[int]) -> None:
+        """Blocking: an orphan's chunk files go; those someone still holds open (a
+        direct reader, a KV get, a writer whose daemon died) go aside first, cut after
+        a grace (`pool/revoke.Held.hold_read`): their space ends with the file."""
+        self.held.hold_read(ino)
+        self.pool.remove_chunks(ino, far)
 
     def past_nodes(self, inos: list[int], mark: int | None) -> list[int]:
         """Of orphans to free, those no reading node may hold open: `inos` (committed
@@ -563,9 +570,10 @@ class Volume:
 
     def cut(self, ino: int, layout: Layout, size: int) -> None:
         """Blocking: a shrunk file's chunk files cut to `size`, this node's and other
-        nodes' (`Pool.truncate_far`, round trips), once the caller made its size
-        durable (a crash mid-cut is trimmed again at mount, via dirty_data: a power cut
-        must not keep the cut and lose the size)."""
+        nodes' (`Pool.truncate_far`, round trips), once its size is on stable storage
+        (a crash mid-cut is trimmed again at mount, via dirty_data: a power cut must
+        not keep the cut and lose the size)."""
+        self.store.sync()
         self.pool.truncate_chunks(ino, layout, size)
 
     def truncated(self, node: Inode) -> None:
