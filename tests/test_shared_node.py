@@ -819,13 +819,15 @@ def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
     finish), then are cut to nothing, and removed once nobody holds them."""
     from mxfs.pool.revoke import HELD_DIR, READ_GRACE_S
 
-    def held() -> list[str]:
+    def held() -> list[str]:  # (this file's: the module's other tests hold their own)
         folders = [os.path.join(m, "chunks", HELD_DIR) for m in pool.members]
-        return [n for f in folders if os.path.isdir(f) for n in os.listdir(f)]
+        return [n for f in folders if os.path.isdir(f) for n in os.listdir(f)
+                if n.startswith(f"{ino}.")]
 
     path = pool.path / "read-then-removed"
     data = os.urandom(8 << 20)
     path.write_bytes(data)
+    ino = path.stat().st_ino
     with ControlClient(str(pool.path)) as c:
         _, fds = c.call_with_fds("open_read", path=c.pool_path(str(path)))
     try:
@@ -838,6 +840,51 @@ def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
         for fd in fds:
             os.close(fd)
     assert eventually(lambda: not held())
+
+
+def test_a_readers_descriptors_end_where_its_right_to_read_does(pool: Mounted) -> None:
+    """`open_read` hands out descriptors of the chunk files themselves: a reader kept
+    them past a chmod that took its right away and read every byte written after.  A
+    lent file's chunk files are made anew before its access changes: the old
+    descriptors keep what they could read; the file, through the mount and through new
+    descriptors, has what is written after."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    path = pool.path / "alices-notes"
+    path.write_bytes(b"public " * 1000)
+    os.chown(path, alice.uid, alice.gid)
+    path.chmod(0o644)
+    os.seteuid(bob.uid)  # (the connection is bob's: SO_PEERCRED at connect)
+    try:
+        with ControlClient(str(pool.path)) as c:
+            _, kept = c.call_with_fds("open_read", path=c.pool_path(str(path)))
+    finally:
+        os.seteuid(0)
+
+    def read_all(fds: list[int]) -> bytes:
+        return b"".join(os.pread(fd, 1 << 20, 0) for fd in fds)
+
+    try:
+        assert b"public" in read_all(kept)
+        with open(path, "r+b") as f:  # (open before the chmod: alice's writes go on)
+            path.chmod(0o600)
+            f.write(b"SECRET " * 1000)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(path, "wb") as f:  # ... and a rewrite, as cp or > would
+            f.write(b"SECRET AGAIN " * 1000)
+        assert b"SECRET" not in read_all(kept) and b"public" in read_all(kept)
+        with ControlClient(str(pool.path)) as c:  # (root's: its right is intact)
+            _, fresh = c.call_with_fds("open_read", path=c.pool_path(str(path)))
+        try:
+            assert read_all(fresh).rstrip(b"\0").startswith(b"SECRET AGAIN")
+        finally:
+            for fd in fresh:
+                os.close(fd)
+        assert path.read_bytes() == b"SECRET AGAIN " * 1000
+    finally:
+        for fd in kept:
+            os.close(fd)
 
 
 def _answered(m: Mounted, op: str) -> int:

@@ -51,9 +51,9 @@ class BlockCounts:
         counted = self._fresh(node, time.monotonic())
         return counted if counted is not None else (node.size + 511) // 512
 
-    async def count(self, nodes: Iterable[Inode]) -> None:
-        """Count the chunk files of those of `nodes` not counted lately (a reading
-        node's members are elsewhere; an empty file holds nothing)."""
+    async def count(self, nodes: Iterable[Inode], uid: int) -> None:
+        """Count, in `uid`'s turn, the chunk files of those of `nodes` not counted lately
+        (a reading node's members are elsewhere; an empty file holds nothing)."""
         now, pool = time.monotonic(), self._pool
         wanted: list[tuple[Inode, Chunks]] = [
             (node, [(m, pool.chunk_path(m, node.ino))
@@ -63,21 +63,27 @@ class BlockCounts:
             and not pool.node and self._fresh(node, now) is None]
         if not wanted:
             return
-        counts = await self._calls.run(lambda: [self._stat(c) for _, c in wanted])
+        counts = await self._calls.run(lambda: [self._stat(c) for _, c in wanted], uid)
         if counts is None:
             return
         until = time.monotonic() + KEEP_S
         for (node, _), blocks in zip(wanted, counts, strict=True):
-            self._kept[node.ino] = (_shape(node), until, blocks)
-            self._kept.move_to_end(node.ino)
+            if blocks is not None:
+                self._kept[node.ino] = (_shape(node), until, blocks)
+                self._kept.move_to_end(node.ino)
         while len(self._kept) > KEPT:
             self._kept.popitem(last=False)
 
-    def _stat(self, chunks: Chunks) -> int:
+    def _stat(self, chunks: Chunks) -> int | None:
         """(Worker thread.) The blocks of one file's chunk files (a hole, a chunk never
-        written, a member not answering: none)."""
-        return sum(self._calls.guarded(m, functools.partial(_blocks, path)) or 0
-                   for m, path in chunks)
+        written: none); None if a member did not answer (the count would be short)."""
+        total = 0
+        for m, path in chunks:
+            blocks = self._calls.guarded(m, functools.partial(_blocks, path))
+            if blocks is None:
+                return None
+            total += blocks
+        return total
 
 
 def _blocks(path: str) -> int:

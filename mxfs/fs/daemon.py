@@ -37,6 +37,7 @@ from mxfs.io.batch import ENGINE
 from mxfs.meta import MetaStore, Unusable, backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key, read_key
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
+from mxfs.vol.tenants import TENANTS
 from mxfs.vol.volume import STATS_EVERY_S, Volume
 
 log = logging.getLogger("mxfs.daemon")
@@ -227,8 +228,10 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 ops.held_open = HeldOpen(ops.names, lambda: feed.applied)  # held there)
                 if ops.written is not None:
                     ops.written.granted = ops.held_open.granted
+            control.status.space = ops.space
             if control.files.for_nodes is not None:
                 control.files.for_nodes.inode_changed = ops.inode_changed
+                control.files.for_nodes.renew = ops.renew
             control.status.feed = feed
             if feed is not None and control.kv.follower is not None:
                 views = control.kv.follower.views  # (kept by the feed: fs/kv_views.py)
@@ -299,6 +302,7 @@ class Daemon:
         """Serve until unmounted or signalled; `ready` once the mount answers."""
         if self.gauges is not None:  # (gathered on this loop's thread, not the scraper's)
             self.gauges.token = trio.lowlevel.current_trio_token()
+        await trio.to_thread.run_sync(TENANTS.refresh)  # (before the first connection)
         async with trio.open_nursery() as nursery:
             self.ops.nursery = nursery  # writes through the mount land behind their answers
             await nursery.start(self.control.serve)
@@ -366,11 +370,13 @@ class Daemon:
     async def _revoke(self) -> None:
         """Once a second: what direct writers hold past their word is taken back,
         readers' connections to other nodes past their time are shut, KV claims of
-        other nodes' connections that ran out are dropped."""
+        other nodes' connections that ran out are dropped; the subordinate uids read
+        again if their file changed (`vol/tenants.py`)."""
         failures = FailureLog(log)
         while True:
             await trio.sleep(1)
             try:
+                await trio.to_thread.run_sync(TENANTS.refresh)
                 self.control.remote.sweep()
                 self.control.kv.sweep()
                 await self.control.files.revoke()

@@ -129,6 +129,7 @@ class FileOps:
         odirect = bool_field(msg, "odirect") and 2 * members <= MAX_FDS
         try:
             which, fds = read_fds(self.vol, node, odirect=odirect)
+            self.vol.lent.add(node.ino)  # (renewed before its access changes)
         except OSError as e:
             # Another node's members (a reading node): connections to their owner,
             # scoped to this file, for a caller that takes them; else the mount reads it.

@@ -32,7 +32,7 @@ from mxfs.fs.inflight import park, unread_bytes
 from mxfs.fs.limits import Limits, fd_limit
 from mxfs.fs.session import Session
 from mxfs.proto import HEADER, MAX_VALUES, ProtocolError, decode_payload, encode, parse_header
-from mxfs.proto.framing import fds_from_ancdata
+from mxfs.proto.framing import ancillary_space, fds_from_ancdata
 from mxfs.vol.access import Caller, supplementary_groups
 from mxfs.vol.mounts import ensure_runtime_dir
 from mxfs.vol.tenants import tenant_of
@@ -40,7 +40,7 @@ from mxfs.vol.tenants import tenant_of
 log = logging.getLogger("mxfs.control")
 # Refused connections answered at once (each holds a descriptor until its reply is taken).
 MAX_REFUSING = 64
-RIGHTS_SPACE = socket.CMSG_SPACE(SCM_MAX_FD * array.array("i").itemsize)
+RIGHTS_SPACE = ancillary_space(SCM_MAX_FD)  # (all one message may carry: see foreign_fds)
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
@@ -115,13 +115,19 @@ class Listener:
             except FileNotFoundError:
                 pass
 
-    async def _recv(self, conn: Any, n: int, tenant: int) -> bytes:
+    async def _take(self, conn: Any, n: int, tenant: int) -> tuple[bytes, bool]:
         """Up to `n` bytes of `conn`, with room for whatever descriptors come with them
-        (never a plain recv: see foreign_fds); ProtocolError if some did."""
+        (never a plain recv: see foreign_fds), those handed to the closer; and whether
+        there were some."""
         data, anc, _, _ = await conn.recvmsg(n, RIGHTS_SPACE)
         fds = fds_from_ancdata(anc)
-        if fds:
-            self.closer.close_all(fds, tenant)
+        self.closer.close_all(fds, tenant)
+        return data, bool(fds)
+
+    async def _recv(self, conn: Any, n: int, tenant: int) -> bytes:
+        """Up to `n` bytes of a request; ProtocolError if descriptors came with them."""
+        data, sent_fds = await self._take(conn, n, tenant)
+        if sent_fds:
             raise ProtocolError("requests carry no descriptors")
         return data
 
@@ -165,12 +171,16 @@ class Listener:
     async def _connected(self, conn: Any) -> None:
         with conn:
             try:
-                await self._admitted(conn)
+                caller = peer_caller(conn)
+            except OSError:
+                return
+            try:
+                await self._admitted(conn, caller)
             finally:
                 with trio.CancelScope(shield=True):
-                    await self._let_go(conn)
+                    await self._let_go(conn, tenant_of(caller.uid))
 
-    async def _let_go(self, conn: Any) -> None:
+    async def _let_go(self, conn: Any, tenant: int) -> None:
         """Before a connection closes, on a kernel that passes descriptors: what it
         sent and was not read is taken, descriptors and all, for the closer (closed
         with the socket they would be closed on this thread: see foreign_fds).  Shut
@@ -179,25 +189,13 @@ class Listener:
             return
         try:
             conn.shutdown(socket.SHUT_RD)
-            tenant = None
-            while True:
-                data, anc, _, _ = await conn.recvmsg(1 << 16, RIGHTS_SPACE)
-                fds = fds_from_ancdata(anc)
-                if fds:
-                    if tenant is None:
-                        tenant = tenant_of(peer_caller(conn).uid)
-                    self.closer.close_all(fds, tenant)
-                if not data and not fds:
-                    return
+            while any(await self._take(conn, 1 << 16, tenant)):
+                pass
         except OSError:
             return
 
-    async def _admitted(self, conn: Any) -> None:
+    async def _admitted(self, conn: Any, caller: Caller) -> None:
         """Admit a connection (or answer why not) and serve it."""
-        try:
-            caller = peer_caller(conn)
-        except OSError:
-            return
         tenant = tenant_of(caller.uid)
         refusal = self._admit(caller, tenant)
         if refusal is not None:
@@ -205,7 +203,7 @@ class Listener:
             if self.refusing < MAX_REFUSING:  # past it, a flood is closed unanswered
                 self.refusing += 1
                 try:
-                    await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
+                    await self._close_with(conn, tenant, None, refusal.errno or errno.EAGAIN,
                                            refusal.strerror or "refused")
                 finally:
                     self.refusing -= 1
@@ -343,9 +341,10 @@ class Listener:
 
     async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
         self.failures.note("protocol", caller, err, trace=False)
-        await self._close_with(conn, msg_id, errno.EPROTO, str(err))
+        await self._close_with(conn, tenant_of(caller.uid), msg_id, errno.EPROTO, str(err))
 
-    async def _close_with(self, conn: Any, msg_id: Any, code: int, error: str) -> None:
+    async def _close_with(self, conn: Any, tenant: int, msg_id: Any, code: int, error: str
+                          ) -> None:
         """Send one refusal, then close gracefully: unread input would turn our close
         into a reset that destroys the reply before the peer reads it."""
         with trio.move_on_after(self.limits.frame_timeout):
@@ -355,13 +354,8 @@ class Listener:
             try:
                 conn.shutdown(socket.SHUT_WR)
                 with trio.move_on_after(1):
-                    while True:  # (what comes with them goes too: see foreign_fds)
-                        data, anc, _, _ = await conn.recvmsg(1 << 16, RIGHTS_SPACE)
-                        fds = fds_from_ancdata(anc)
-                        if fds:
-                            self.closer.close_all(fds, tenant_of(peer_caller(conn).uid))
-                        if not data and not fds:
-                            break
+                    while any(await self._take(conn, 1 << 16, tenant)):
+                        pass
             except OSError:
                 pass
 

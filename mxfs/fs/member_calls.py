@@ -3,28 +3,33 @@ loop, and never waiting long on a member that stopped answering.
 
 A member's device can hang (a dying drive, a stuck target): a stat or statvfs of it
 then never returns, and on the loop it would hold every user's request behind it.
-Here such calls run in worker threads; a member with STALLED calls not yet back is
-left out of new ones (`guarded` answers None for it) until they come back; a request
-waits WAIT_S for its calls at most (a thread, then the call), and is answered without
-those that did not come back.
+Here such calls run in worker threads, handed out by uid in turn (`fair.RoundRobin`:
+one user's flood of stats waits behind itself).  A member is left out of new calls
+(`guarded` answers None for it) while one of its calls has not come back in WAIT_S,
+or STALLED of them in SLOW_S; a request waits WAIT_S for its calls at most, and is
+answered without those that did not come back.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import trio
 
+from mxfs.fs.fair import RoundRobin
 from mxfs.pool.pool import member_space
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.volume import Volume
 
 T = TypeVar("T")
 
-STALLED = 2  # calls in flight on one member past which it is left out
+STALLED = 2  # calls in flight on one member that, all slow, leave it out
+SLOW_S = 0.2  # ... slow: a stat or statvfs of a member in service takes microseconds
 THREADS = 16  # threads for these calls
 WAIT_S = 1.0  # a request waits this long for its calls (a thread stuck past it ends alone)
 
@@ -32,25 +37,35 @@ WAIT_S = 1.0  # a request waits this long for its calls (a thread stuck past it 
 class MemberCalls:
     def __init__(self, members: int) -> None:
         self._limiter = trio.CapacityLimiter(THREADS)
-        self._on = [threading.Semaphore(STALLED) for _ in range(members)]
+        self._turns = RoundRobin(THREADS, THREADS * 3 // 4)
+        self._lock = threading.Lock()
+        self._since: list[dict[int, float]] = [{} for _ in range(members)]  # in flight
+        self._tokens = itertools.count()
 
     def guarded(self, member: int, fn: Callable[[], T]) -> T | None:
         """(Worker thread.) `fn()`, a call into `member`'s filesystem; None if the member
-        has STALLED calls hanging."""
-        on = self._on[member]
-        if not on.acquire(blocking=False):
-            return None
+        does not answer (see the module's docstring)."""
+        now = time.monotonic()
+        with self._lock:
+            calls = self._since[member]
+            ages = sorted((now - t for t in calls.values()), reverse=True)
+            if ages and (ages[0] > WAIT_S or len(ages) >= STALLED and ages[-1] > SLOW_S):
+                return None
+            token = next(self._tokens)
+            calls[token] = now
         try:
             return fn()
         finally:
-            on.release()
+            with self._lock:
+                del calls[token]
 
-    async def run(self, fn: Callable[[], T]) -> T | None:
-        """`fn()` in a worker thread (it makes its member calls through `guarded`); None if
-        it did not end (a thread found for it first) within WAIT_S."""
+    async def run(self, fn: Callable[[], T], uid: int) -> T | None:
+        """`fn()` in a worker thread in `uid`'s turn (it makes its member calls through
+        `guarded`); None if it did not end (a thread found for it first) within WAIT_S."""
         with trio.move_on_after(WAIT_S):
-            return await trio.to_thread.run_sync(fn, limiter=self._limiter,
-                                                 abandon_on_cancel=True)
+            async with self._turns.slot(uid):
+                return await trio.to_thread.run_sync(fn, limiter=self._limiter,
+                                                     abandon_on_cancel=True)
         return None
 
 
@@ -62,12 +77,13 @@ class MemberSpace:
         self.calls = MemberCalls(len(vol.pool.members))
         self._vol = vol
 
-    async def usage(self) -> list[MemberUsage]:
+    async def usage(self, uid: int) -> list[MemberUsage]:
         pool, answers = self._vol.pool, {}
 
         async def ask(m: int) -> None:
             space = functools.partial(member_space, pool.members[m].path)
-            answers[m] = await self.calls.run(functools.partial(self.calls.guarded, m, space))
+            answers[m] = await self.calls.run(functools.partial(self.calls.guarded, m, space),
+                                              uid)
 
         async with trio.open_nursery() as nursery:
             for m in pool.members:

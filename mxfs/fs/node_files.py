@@ -142,6 +142,9 @@ class NodeFiles:
         self.publish = publish
         self.entry_changed = entry_changed  # (this node's kernel drops those names)
         self.inode_changed = inode_changed  # (... and what it holds of those files)
+        # A lent file's chunk files made anew before its access changes (the mount's
+        # `MxfsOperations._renew`, its writes held meanwhile; set by the daemon).
+        self.renew: Callable[[Inode, int], Awaitable[None]] | None = None
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
@@ -410,6 +413,9 @@ class NodeFiles:
             may_set_times(row, caller)
             atime = int_field(msg, "atime_ns") if "atime_ns" in msg else None
             mtime = int_field(msg, "mtime_ns") if "mtime_ns" in msg else None
+        if (mode is not None or uid is not None or gid is not None) and \
+                row.ino in self.vol.lent and self.renew is not None:
+            await self.renew(row, caller.uid)
         store.set_attrs(row, mode=mode, uid=uid, gid=gid, atime_ns=atime, mtime_ns=mtime,
                         ctime_ns=time.time_ns())
         store.commit()

@@ -19,7 +19,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -264,7 +264,7 @@ class MxfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         node = await self._read_meta(ctx.uid, lambda s: _lookup(s, parent_inode, name))
         if node is not None:
-            await self.blocks.count([node])
+            await self.blocks.count([node], ctx.uid)
             return self.attrs(node, (parent_inode, name))
         absent = pyfuse3.EntryAttributes()  # inode 0: the kernel caches "no such name"
         absent.st_ino = 0
@@ -276,7 +276,7 @@ class MxfsOperations(pyfuse3.Operations):
                       ) -> pyfuse3.EntryAttributes:
         uid = ctx.uid if ctx is not None else 0
         node = await self._read_meta(uid, lambda s: s.get(inode))
-        await self.blocks.count([node])
+        await self.blocks.count([node], uid)
         return self.attrs(node)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -304,6 +304,9 @@ class MxfsOperations(pyfuse3.Operations):
             await self.settle(inode)
             with self._charged(node, attr.st_size):
                 await self._truncate(node, attr.st_size, ctx.uid)
+        if (fields.update_mode or fields.update_uid or fields.update_gid) and \
+                node.ino in self.vol.lent:
+            await self.renew(node, ctx.uid)
         mtime = attr.st_mtime_ns if fields.update_mtime else now if fields.update_size else None
         self.store.set_attrs(
             node,
@@ -636,16 +639,16 @@ class MxfsOperations(pyfuse3.Operations):
         until the store's size says so: the check and the size it admits are split by
         awaits, in which the owner's other writes would pass the same check (16 of 40
         tries of 8 writes at once went past a quota)."""
-        grow = end - node.size
-        self.vol.quotas.room(node.uid, grow)
+        grow, owner = end - node.size, node.uid  # (a chown meanwhile changes node.uid)
+        self.vol.quotas.room(owner, grow)
         if grow <= 0:
             yield
             return
-        self.vol.quotas.reserve(node.uid, grow)
+        self.vol.quotas.reserve(owner, grow)
         try:
             yield
         finally:
-            self.vol.quotas.release(node.uid, grow)
+            self.vol.quotas.release(owner, grow)
 
     async def _write_data(self, handle: Handle, off: int, buf: bytes) -> None:
         """A write's bytes to the chunk files: landed behind the answer (write-behind,
@@ -717,22 +720,40 @@ class MxfsOperations(pyfuse3.Operations):
         """Set a file's size: the store's now, the chunk files (and the sync that comes
         first) from a worker thread, the file's writes waiting meanwhile (a user looping
         O_TRUNC opens held the thread for an fsync each)."""
-        await self._uncut(node.ino)
-        cutting = self._cutting[node.ino] = trio.Event()
-        try:
-            await self.settle(node.ino)  # (writes answered before: landed first)
+        async with self._chunk_files_held(node.ino):
             if not self.vol.resize(node, size):
                 return
             layout = self.vol.layout(node)
-            lane = self.lanes.of(self.vol.pool.owners(layout.used_members()))
-            with trio.CancelScope(shield=True):  # (a cut begun is finished)
-                async with lane.turns.slot(uid):  # (its sync and cut in the cutter's turn)
-                    await trio.to_thread.run_sync(self.vol.cut, node.ino, layout, size,
-                                                  limiter=lane.limiter)
+            await self._in_turn(node, uid, self.vol.cut, node.ino, layout, size)
             self.vol.truncated(node)
+
+    async def renew(self, node: Inode, uid: int) -> None:
+        """A lent file's chunk files made anew before its access changes (`Volume.renew`),
+        its writes waiting meanwhile."""
+        async with self._chunk_files_held(node.ino):
+            await self._in_turn(node, uid, self.vol.renew, node)
+
+    @contextlib.asynccontextmanager
+    async def _chunk_files_held(self, ino: int) -> AsyncIterator[None]:
+        """The file's chunk files are the caller's to cut or renew: writes answered
+        before have landed, and new ones wait until it is done (`_uncut`)."""
+        await self._uncut(ino)
+        cutting = self._cutting[ino] = trio.Event()
+        try:
+            await self.settle(ino)
+            yield
         finally:
-            del self._cutting[node.ino]
+            del self._cutting[ino]
             cutting.set()
+
+    async def _in_turn(self, node: Inode, uid: int, fn: Callable[..., Any], *args: Any
+                       ) -> None:
+        """Blocking `fn(*args)` on the file's lane's threads in `uid`'s turn, finished
+        once begun."""
+        lane = self.lanes.of(self.vol.pool.owners(self.vol.layout(node).used_members()))
+        with trio.CancelScope(shield=True):
+            async with lane.turns.slot(uid):
+                await trio.to_thread.run_sync(fn, *args, limiter=lane.limiter)
 
     async def _uncut(self, ino: int) -> None:
         """Wait while a cut of `ino` runs (`_truncate`)."""
@@ -776,7 +797,7 @@ class MxfsOperations(pyfuse3.Operations):
             def page(s: MetaStore, after: int = after) -> list[Entry]:
                 return s.readdir(node.ino, after)
             entries = await self._read_meta(handle.uid, page)
-            await self.blocks.count([e.inode for e in entries])
+            await self.blocks.count([e.inode for e in entries], handle.uid)
             for e in entries:
                 if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode, (node.ino, e.name)),
                                              e.cookie + 2):
@@ -821,7 +842,7 @@ class MxfsOperations(pyfuse3.Operations):
         if self.reads is not None:  # (what the writer published, read off the loop)
             await self.reads.run(self.vol.published, ctx.uid)
         s = pyfuse3.StatvfsData()
-        total = pool_totals(await self.space.usage())  # members sharing a disk count once
+        total = pool_totals(await self.space.usage(ctx.uid))  # members sharing a disk count once
         bsize = 4096
         s.f_bsize = s.f_frsize = bsize
         s.f_blocks = total["size"] // bsize

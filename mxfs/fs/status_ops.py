@@ -51,7 +51,9 @@ class StatusOps:
         self.pending_by_uid = pending_by_uid  # unpublished files by uid
         self.metrics = metrics
         self.wake = wake  # the CPU latency limit held while busy (-o wake_latency_us)
-        self.space = MemberSpace(vol)  # (a hung member holds no one: `fs/member_calls.py`)
+        # The members' space, off the loop (`fs/member_calls.py`; the mount's, once the
+        # daemon has one: one set of threads and of members left out).
+        self.space = MemberSpace(vol)
         self.surveys = Surveys(vol.pool.meta_location, vol.store.commit)
         self.chunks: ChunkService | None = None  # the daemon's, when it serves chunks
         self.feed: FeedFollower | None = None  # a reading node's (`fs/feed_follower.py`)
@@ -78,11 +80,12 @@ class StatusOps:
 
     async def _metrics(self, msg: Msg, session: Session) -> Answer[MetricsReply]:
         await self._published(session.caller.uid)
-        return {**self.metrics.snapshot(), "members": await self.space.usage()}, []
+        return {**self.metrics.snapshot(),
+                "members": await self.space.usage(session.caller.uid)}, []
 
     async def _df(self, msg: Msg, session: Session) -> Answer[DfReply]:
         await self._published(session.caller.uid)
-        return {"members": await self.space.usage(),
+        return {"members": await self.space.usage(session.caller.uid),
                 "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
 
     async def _quota(self, msg: Msg, session: Session) -> Answer[QuotaReport]:
@@ -112,7 +115,7 @@ class StatusOps:
                 "pool_uuid": pool.uuid, "label": pool.label,
                 "stripe_unit": pool.stripe_unit,
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.listener.path,
-                "members": await self.space.usage(), "inodes": self.vol.count_inodes(),
+                "members": await self.space.usage(viewer), "inodes": self.vol.count_inodes(),
                 "open_files": len(self.vol.open_inodes), "io_engine": ENGINE,
                 "native_engine": native_engine()[1], "io_taken_back": taken_back(),
                 "limits": self.usage_of_limits(),

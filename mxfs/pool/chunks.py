@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -20,6 +22,8 @@ from mxfs.io import Layout, Piece, ReadOp, WriteOp, read_batch, write_batch
 from mxfs.io.batch import sync_all
 from mxfs.pool.pool import Pool
 from mxfs.pool.read_ahead import ReadAhead
+
+RETIRED_S = 10.0  # descriptors of renewed chunk files stay open this long (I/O begun)
 
 
 class ChunkFiles:
@@ -34,6 +38,7 @@ class ChunkFiles:
         self._lock = threading.Lock()
         self._closed = False
         self._prepared = False  # (`prepare` opens the first member's file once at most)
+        self._retired: deque[tuple[float, list[int]]] = deque()  # (`reopen`)
         self._far_written: set[int] = set()  # other nodes' members written (to sync)
         self.relayout(layout)
 
@@ -242,14 +247,29 @@ class ChunkFiles:
         if self._ahead is not None:
             self._ahead.close()
 
+    def reopen(self) -> None:
+        """The chunk files were renewed (`revoke.renew_chunk_files`): open them afresh.
+        The old descriptors are retired, not closed, while I/O begun with them may
+        still run (it reads the same bytes); closed RETIRED_S later, or at close."""
+        now = time.monotonic()
+        with self._lock:
+            if self._fds:
+                self._retired.append((now, list(self._fds.values())))
+                self._fds.clear()
+                self._readonly.clear()
+            while self._retired and now - self._retired[0][0] > RETIRED_S:
+                for fd in self._retired.popleft()[1]:
+                    os.close(fd)
+
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead.close()
         with self._lock:
             self._closed = True
-            for fd in self._fds.values():
+            for fd in [*self._fds.values(), *(fd for _, fds in self._retired for fd in fds)]:
                 os.close(fd)
             self._fds.clear()
+            self._retired.clear()
 
 
 def _settle(futures: list[Any]) -> None:

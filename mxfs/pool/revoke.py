@@ -30,6 +30,7 @@ it liked (and across a daemon restart, a writer of a file dropped by the crash).
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import fcntl
 import logging
@@ -44,6 +45,7 @@ log = logging.getLogger("mxfs.pool")
 
 HELD_DIR = "held"
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes
+READ_LOOK_S = 10  # how often one cut after its grace is asked whether it is let go
 _READ_MARK = ".r"  # (a held file's name: INO.STAMP, and this where only readers held it)
 _unsupported_warned = False
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
@@ -123,6 +125,7 @@ class Held:
         self.pool = pool
         self.files: list[str] = []
         self._lock = threading.Lock()
+        self._looked: dict[str, int] = {}  # files only readers held, cut: when last probed
 
     def _folder(self, member: int) -> str:
         return os.path.join(self.pool.members[member].path, CHUNK_DIR, HELD_DIR)
@@ -172,6 +175,22 @@ class Held:
                            if os.path.join(self._folder(m), n) not in self.files]
         self.sweep()
 
+    def _readers_done(self, path: str, now: int) -> bool:
+        """Whether a file only readers held may go: its grace over and nobody holding
+        it.  Cut once when its grace runs out; asked again every READ_LOOK_S after (a
+        user holding many removed files costs a lease probe each, now and then)."""
+        if now - _stamp(path) <= READ_GRACE_S * 10**9:
+            return False
+        looked = self._looked.get(path)
+        if looked is not None and now - looked < READ_LOOK_S * 10**9:
+            return False
+        if not anyone_holds(path):
+            return True
+        if looked is None:
+            os.truncate(path, 0)
+        self._looked[path] = now
+        return False
+
     def sweep(self) -> int:
         """Blocking: cut every held file to nothing again (one only readers held, once
         its grace is over), and remove those nobody holds any more; how many are still
@@ -183,12 +202,11 @@ class Held:
         for path in swept:
             try:
                 if path.endswith(_READ_MARK):  # (never made immutable: readers only)
-                    if not anyone_holds(path):
-                        os.unlink(path)
+                    if not self._readers_done(path, now):
+                        kept.append(path)
                         continue
-                    if now - _stamp(path) > READ_GRACE_S * 10**9:
-                        os.truncate(path, 0)
-                    kept.append(path)
+                    os.unlink(path)
+                    self._looked.pop(path, None)
                     continue
                 set_immutable(path, False)  # (an immutable file is neither cut nor removed)
                 if writers_remain([path]):
@@ -205,6 +223,60 @@ class Held:
         with self._lock:  # (with those held meanwhile)
             self.files = kept + self.files[len(swept):]
             return len(self.files)
+
+
+def renew_chunk_files(pool: Pool, ino: int) -> int:
+    """Blocking: each of `ino`'s chunk files on this node's members replaced by a copy
+    of itself (its data ranges, holes kept), so that descriptors handed out before
+    (`open_read`) hold the old file, which nothing writes again: what they read ends
+    at what it held.  Copies are made in `chunks/held/` (a crash leaves them there, to
+    be removed at mount) and renamed over; how many were renewed."""
+    renewed = 0
+    for m in pool.local_members():
+        src = pool.chunk_path(m, ino)
+        folder = os.path.join(pool.members[m].path, CHUNK_DIR, HELD_DIR)
+        tmp = os.path.join(folder, f"{ino}.{time.time_ns()}.n")
+        try:
+            fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                _copy_data(fin, fout)
+                os.fsync(fout)
+            finally:
+                os.close(fout)
+            os.rename(tmp, src)
+            renewed += 1
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        finally:
+            os.close(fin)
+    return renewed
+
+
+def _copy_data(fin: int, fout: int) -> None:
+    """The data ranges of `fin` into `fout` at the same offsets (in the kernel, shared
+    extents where the filesystem can), its length too."""
+    size = os.fstat(fin).st_size
+    at = 0
+    while at < size:
+        try:
+            start = os.lseek(fin, at, os.SEEK_DATA)
+        except OSError:  # (ENXIO: no data past `at`)
+            break
+        end = os.lseek(fin, start, os.SEEK_HOLE)
+        while start < end:
+            n = os.copy_file_range(fin, fout, end - start, start, start)
+            if n == 0:
+                break
+            start += n
+        at = end
+    os.ftruncate(fout, size)
 
 
 def _stamp(path: str) -> int:

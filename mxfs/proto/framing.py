@@ -109,8 +109,9 @@ def fds_from_ancdata(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return list(fds)
 
 
-def ancillary_space() -> int:
-    return socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+def ancillary_space(fds: int = MAX_FDS) -> int:
+    """Room for `fds` descriptors in a received message's ancillary data."""
+    return socket.CMSG_SPACE(fds * array.array("i").itemsize)
 
 
 def send_message(sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:

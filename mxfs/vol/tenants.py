@@ -4,9 +4,10 @@ A user may run processes as her subordinate uids (/etc/subuid: rootless containe
 `newuidmap`): 65,536 of them by useradd's default.  Counted apart, each would have a
 user's share of connections, turns, descriptors in flight, pins and claims, and one
 user would hold the daemon's totals alone.  So a subordinate uid answers to the user
-the file names: her limits are shared by all her uids.  Permissions and ownership
-still go by the uid itself.  The file is read again when it changes (looked at once
-a second at most).
+the file names: her connections, turns, descriptors in flight and unpublished files
+are counted together (KV pins and claims still by uid).  Permissions and ownership
+still go by the uid itself.  The daemon reads the file again, off its thread, once a
+second when it changed (`refresh`).
 """
 
 from __future__ import annotations
@@ -14,49 +15,42 @@ from __future__ import annotations
 import bisect
 import os
 import pwd
-import threading
-import time
 
 SUBUID = "/etc/subuid"
-LOOK_S = 1.0  # the file is looked at (stat) this often at most
 
 
 class Tenants:
     def __init__(self, path: str = SUBUID) -> None:
         self.path = path
-        self._lock = threading.Lock()  # (asked from worker threads too)
-        self._looked = -LOOK_S
         self._stamp: tuple[int, int] | None = None  # (mtime_ns, size) of what was read
-        self._starts: list[int] = []  # range starts, sorted
-        self._ranges: list[tuple[int, int, int]] = []  # (start, end, owner uid)
+        # (range starts sorted, (start, end, owner) ranges): one tuple, replaced whole
+        # (asked from worker threads while it is read again)
+        self._table: tuple[list[int], list[tuple[int, int, int]]] = ([], [])
 
     def of(self, uid: int) -> int:
         """The uid whose limits `uid` shares: the user owning the subordinate range it
-        falls in, else itself."""
-        self._refresh()
-        k = bisect.bisect_right(self._starts, uid) - 1
+        falls in, else itself (as of the last `refresh`)."""
+        starts, ranges = self._table
+        k = bisect.bisect_right(starts, uid) - 1
         if k >= 0:
-            start, end, owner = self._ranges[k]
+            start, end, owner = ranges[k]
             if start <= uid < end:
                 return owner
         return uid
 
-    def _refresh(self) -> None:
-        now = time.monotonic()
-        if now - self._looked < LOOK_S:
+    def refresh(self) -> None:
+        """Blocking (names are resolved through NSS, which may ask a directory server):
+        read the file again if it changed since the last time."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._stamp, self._table = None, ([], [])
             return
-        with self._lock:
-            self._looked = now
-            try:
-                st = os.stat(self.path)
-            except OSError:
-                self._stamp, self._starts, self._ranges = None, [], []
-                return
-            stamp = (st.st_mtime_ns, st.st_size)
-            if stamp != self._stamp:
-                self._ranges = _read(self.path)
-                self._starts = [r[0] for r in self._ranges]
-                self._stamp = stamp
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            ranges = _read(self.path)
+            self._table = ([r[0] for r in ranges], ranges)
+            self._stamp = stamp
 
 
 def _read(path: str) -> list[tuple[int, int, int]]:

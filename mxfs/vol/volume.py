@@ -32,7 +32,7 @@ from mxfs.pool.key import load_key, read_key
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW, MemberCall
 from mxfs.pool.remote import Owner, RemoteMembers
-from mxfs.pool.revoke import Held
+from mxfs.pool.revoke import Held, renew_chunk_files
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.node_holds import STALL_S, NodeHolds
 from mxfs.vol.quota import Freeing, Quotas
@@ -78,6 +78,9 @@ class Volume:
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self.held = Held(pool)  # chunk files of dropped files whose writers hold on
+        # Files whose chunk-file descriptors were handed to readers (`open_read`) since
+        # their chunk files were made: renewed before their access changes (`renew`).
+        self.lent: set[int] = set()
         self.quotas = Quotas(store, self.freeing.of)  # per-user limits on bytes and inodes
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
@@ -524,10 +527,22 @@ class Volume:
         for ino in inos:
             self._remove_chunk_files(ino, self._far_pending.pop(ino, []))
 
+    def renew(self, node: Inode) -> None:
+        """Blocking: before a lent file's access changes (chmod, chown), its chunk files
+        are made anew and this node's own descriptors of them reopened: a reader's
+        descriptors keep the bytes it was allowed to read, never what is written after
+        it lost the right (other nodes' members: not yet, see docs/architecture.md)."""
+        self.lent.discard(node.ino)
+        renew_chunk_files(self.pool, node.ino)
+        entry = self.open_inodes.get(node.ino)
+        if entry is not None and entry.chunks is not None:
+            entry.chunks.reopen()
+
     def _remove_chunk_files(self, ino: int, far: list[int]) -> None:
         """Blocking: an orphan's chunk files go; those someone still holds open (a
         direct reader, a KV get, a writer whose daemon died) go aside first, cut after
         a grace (`pool/revoke.Held.hold_read`): their space ends with the file."""
+        self.lent.discard(ino)
         self.held.hold_read(ino)
         self.pool.remove_chunks(ino, far)
 
