@@ -72,7 +72,7 @@ class Claims:
         if claim is None:
             return
         claim.done.set()
-        uid = claim.session.caller.uid
+        uid = claim.session.tenant  # (a user's subordinate uids share: vol/tenants.py)
         self._by_uid[uid] -= 1
         if self._by_uid[uid] <= 0:
             del self._by_uid[uid]
@@ -108,9 +108,9 @@ class Claims:
                 out.append(BUSY)
                 continue
             if held is None:
-                self._room(session.caller.uid)
+                self._room(session.tenant)
                 self._held[k] = Claim(session, until)
-                self._by_uid[session.caller.uid] += 1
+                self._by_uid[session.tenant] += 1
                 mine.add(k)
             else:
                 held.until = until

@@ -723,7 +723,7 @@ class KVOps:
         if session.pinned + more > self.limits.max_pins:
             raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
                           " KV read leases, the limit (mount option max_pins)")
-        uid = session.caller.uid
+        uid = session.tenant  # (a user's subordinate uids share her leases: vol/tenants)
         if uid != 0 and self.pinned_by_uid[uid] + more > self.limits.max_pins_per_user:
             raise OSError(errno.EMFILE, f"uid {uid} holds {self.pinned_by_uid[uid]} KV read "
                           "leases, the limit (mount option max_pins_per_user)")
@@ -740,11 +740,11 @@ class KVOps:
         space.pin(chunk)
         held.n += 1
         session.pinned += 1
-        self.pinned_by_uid[session.caller.uid] += 1
+        self.pinned_by_uid[session.tenant] += 1
 
     def _uncount(self, session: Session, n: int) -> None:
         session.pinned -= n
-        self._uncount_uid(session.caller.uid, n)
+        self._uncount_uid(session.tenant, n)
 
     def _uncount_uid(self, uid: int, n: int) -> None:
         self.pinned_by_uid[uid] -= n
@@ -854,7 +854,7 @@ class KVOps:
                     async for some in in_bites(claims, BITE):
                         self.claims.end(session, some)
                     async for bite in in_bites(pins, BITE):
-                        self._unpin_all(session.caller.uid, bite)
+                        self._unpin_all(session.tenant, bite)
                 except Exception as e:  # a bug: logged, the daemon and the next go on
                     self._failures.note("release", session.caller, e)
 

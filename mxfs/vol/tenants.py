@@ -4,8 +4,8 @@ A user may run processes as her subordinate uids (/etc/subuid: rootless containe
 `newuidmap`): 65,536 of them by useradd's default.  Counted apart, each would have a
 user's share of connections, turns, descriptors in flight, pins and claims, and one
 user would hold the daemon's totals alone.  So a subordinate uid answers to the user
-the file names: her connections, turns, descriptors in flight and unpublished files
-are counted together (KV pins and claims still by uid).  Permissions and ownership
+the file names: her connections, turns, descriptors in flight, unpublished files, KV
+read leases and claims are counted together.  Permissions and ownership
 still go by the uid itself.  The daemon reads the file again, off its thread, once a
 second when it changed (`refresh`).
 """
