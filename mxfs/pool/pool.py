@@ -649,7 +649,8 @@ class Pool:
 
     def remove_chunks(self, ino: int, far: Sequence[int] = ()) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written).
-        Readers holding descriptors (direct reads, KV gets) go on reading them.  `far`:
+        Those a reader or writer still holds open were moved aside first by the volume
+        (`Volume._remove_chunk_files`: cut after a grace, their space ends).  `far`:
         other nodes' members its layout uses, removed through their owners (blocking;
         an owner that cannot be reached keeps them, logged: its fsck finds them)."""
         for m in self.local_members():
