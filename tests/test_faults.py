@@ -32,6 +32,7 @@ from conftest import (
 from users import run_as
 
 from mxfs.cli.measure import drop_caches
+from mxfs.client import ControlClient
 from mxfs.vol.volume import Volume
 
 # ---- a member runs out of space ---------------------------------------------------
@@ -208,9 +209,10 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
 def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
     """A member whose filesystem stops answering (a hung drive or target; here a FUSE
     mount whose daemon is stopped) leaves stat, `ls -l`, df and status answering, the
-    member left out: stats of its chunk files and of its space run off the loop (before,
-    the first stat held the daemon's thread, and every user's request, until it came
-    back)."""
+    member left out: stats of its chunk files and of its space, and a direct reader's
+    opens, run off the loop (before, the first stat or open held the daemon's thread,
+    and every user's request, until it came back); an open of a file there waits for
+    it, or is EIO once the member is judged hung."""
     inner_members = make_members(tmp_path / "inner", 1)
     mkfs(inner_members)
     with mounted_pool(inner_members) as inner:
@@ -232,10 +234,26 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                 answered["status"] = json.loads(
                     mxfs("status", "--json", str(outer.path), check=False).stdout)
 
+            opened: dict[str, Any] = {}
+
+            def open_read(p: Path) -> None:  # (one on the stopped member waits for it)
+                try:
+                    with ControlClient(str(outer.path)) as c:
+                        _, fds = c.call_with_fds("open_read", path=c.pool_path(str(p)))
+                    for fd in fds:
+                        os.close(fd)
+                    opened[p.name] = "ok"
+                except OSError as e:
+                    opened[p.name] = e.errno
+
             pid = inner.daemon_pid()
             os.kill(pid, signal.SIGSTOP)
             try:  # (the kernel forgets the member's names: each stat must ask its daemon)
                 Path("/proc/sys/vm/drop_caches").write_text("2")
+                openers = [threading.Thread(target=open_read, args=(p,), daemon=True)
+                           for p in names]
+                for t in openers:
+                    t.start()
                 asking = threading.Thread(target=ask, daemon=True)
                 asking.start()
                 asking.join(120)
@@ -243,7 +261,10 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
             finally:
                 os.kill(pid, signal.SIGCONT)
             asking.join(120)
+            for t in openers:
+                t.join(120)
             assert not held_up, "a request waited on the stopped member"
+            assert set(opened.values()) <= {"ok", errno.EIO} and "ok" in opened.values()
             assert answered["sizes"] == [4096] * 4
             assert all(p.name in answered["ls"] for p in names) and answered["df"] > 0
             states = {m["index"]: m.get("failed") for m in answered["status"]["members"]}

@@ -22,6 +22,7 @@ import trio
 
 from mxfs.fs.fields import Msg, bool_field, int_field, path_field, sums_field
 from mxfs.fs.limits import Limits
+from mxfs.fs.member_calls import MemberCalls
 from mxfs.fs.meta_ops import durable
 from mxfs.fs.node_files import ForwardedFiles, NodeFiles, describe
 from mxfs.fs.remote_reads import RemoteReads
@@ -80,6 +81,8 @@ class FileOps:
         # A reading node's store reads (round trips to the server), off trio's thread:
         # the FUSE handlers' worker (`fs/ops.py`), users taking turns.
         self.reads = reads
+        # Calls into the members' filesystems (the mount's set, once the daemon has it).
+        self.calls = MemberCalls(len(vol.pool.members))
         # Direct writes on a node that holds members (`fs/node_files.py`): on that node,
         # asked of the writer; on the writer, the files it holds for those nodes.
         self.forwarded = ForwardedFiles(vol) if vol.pool.node else None
@@ -127,8 +130,11 @@ class FileOps:
         layout = self.vol.layout(node)
         members = len(layout.used_members())
         odirect = bool_field(msg, "odirect") and 2 * members <= MAX_FDS
-        try:
-            which, fds = read_fds(self.vol, node, odirect=odirect)
+        calls = self.calls
+        try:  # (opened off the loop, in the caller's turn: a hung member holds no one)
+            which, fds = await calls.run_whole(
+                lambda: read_fds(self.vol, node, odirect=odirect, guard=calls.guarded),
+                caller.uid)
             self.vol.lent.add(node.ino)  # (renewed before its access changes)
         except OSError as e:
             # Another node's members (a reading node): connections to their owner,

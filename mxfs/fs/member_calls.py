@@ -69,6 +69,15 @@ class MemberCalls:
         return None
 
 
+    async def run_whole(self, fn: Callable[[], T], uid: int) -> T:
+        """`fn()` in a worker thread in `uid`'s turn, waited for whole: for calls that
+        hand out what they open (descriptors), which must not be abandoned midway.
+        `fn` makes its member calls through `guarded` and fails where one answers None,
+        so a hung member holds STALLED threads at most, and only the callers on it."""
+        async with self._turns.slot(uid):
+            return await trio.to_thread.run_sync(fn, limiter=self._limiter)
+
+
 class MemberSpace:
     """The members' space as statfs, df and status ask it: each member asked in a
     member call of its own, at once; one that does not answer in time shows as such."""

@@ -15,7 +15,7 @@ from mxfs.fs.fields import Msg
 from mxfs.fs.limits import Limits
 from mxfs.io import PAGE
 from mxfs.meta import Inode
-from mxfs.pool.pool import overallocated
+from mxfs.pool.pool import Guard, overallocated
 from mxfs.pool.revoke import writers_remain
 from mxfs.proto.messages import ReadFds
 from mxfs.vol.access import Caller
@@ -244,9 +244,10 @@ def open_writers(vol: Volume, entry: OpenInode) -> tuple[OpenInode, list[int], l
     return entry, members, fds
 
 
-def read_fds(vol: Volume, node: Inode, odirect: bool = False) -> tuple[ReadFds, list[int]]:
+def read_fds(vol: Volume, node: Inode, odirect: bool = False, guard: Guard | None = None
+             ) -> tuple[ReadFds, list[int]]:
     """Read-only descriptors of a file's chunk files (see Pool.open_for_read)."""
-    return vol.pool.open_for_read(node.ino, vol.layout(node), node.size, odirect)
+    return vol.pool.open_for_read(node.ino, vol.layout(node), node.size, odirect, guard)
 
 
 # A control operation: serves one request of a connection.

@@ -605,16 +605,27 @@ class Pool:
     def chunk_path(self, member: int, ino: int) -> str:
         return f"{self.members[member].chunk_dir}/{ino % FANOUT:02x}/{ino}"
 
-    def open_for_read(self, ino: int, layout: Layout, size: int, odirect: bool = False
-                      ) -> tuple[ReadFds, list[int]]:
+    def open_for_read(self, ino: int, layout: Layout, size: int, odirect: bool = False,
+                      guard: Guard | None = None) -> tuple[ReadFds, list[int]]:
         """Read-only descriptors of a file's chunk files, for a direct reader.
 
         Returns ({"members": [...], "direct_members": [...]}, fds): a buffered
         descriptor for each member holding chunk data, then (with `odirect`) an
         O_DIRECT one for each of those whose filesystem allows it (tmpfs may not),
         in that order.  Never-written chunk files are absent: they read as zeros.
-        EIO if a failed member holds some of the file's bytes.
+        EIO if a failed member holds some of the file's bytes, or (each open made
+        through `guard`) one that does not answer.
         """
+        def opened(m: int, flags: int) -> int:
+            path = self.chunk_path(m, ino)
+            if guard is None:
+                return os.open(path, flags)
+            fd = guard(m, functools.partial(os.open, path, flags))
+            if fd is None:
+                raise OSError(errno.EIO, f"member {m} ({self.members[m].path}) is not "
+                              "answering: its files cannot be opened now")
+            return fd
+
         held = layout.holding(size)
         self.check(held)
         if far := [m for m in held if self.members[m].node]:
@@ -628,14 +639,13 @@ class Pool:
                 if m not in held:
                     continue  # nothing of this file's bytes there (a lookup saved)
                 try:
-                    fds.append(os.open(self.chunk_path(m, ino), os.O_RDONLY | os.O_CLOEXEC))
+                    fds.append(opened(m, os.O_RDONLY | os.O_CLOEXEC))
                 except FileNotFoundError:
                     continue
                 members.append(m)
             for m in members if odirect else []:
                 try:
-                    fds.append(os.open(self.chunk_path(m, ino),
-                                       os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT))
+                    fds.append(opened(m, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT))
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
@@ -794,6 +804,7 @@ def member_space(path: str) -> tuple[os.statvfs_result, int]:
     return os.statvfs(path), os.stat(path).st_dev
 
 
+Guard = Callable[[int, Callable[[], int]], int | None]  # a member call: `fs/member_calls`
 MemberCall = Callable[[int, Callable[[], tuple[os.statvfs_result, int]]],
                       tuple[os.statvfs_result, int] | None]
 
