@@ -68,7 +68,6 @@ class MemberCalls:
                                                      abandon_on_cancel=True)
         return None
 
-
     async def run_whole(self, fn: Callable[[], T], uid: int) -> T:
         """`fn()` in a worker thread in `uid`'s turn, waited for whole: for calls that
         hand out what they open (descriptors), which must not be abandoned midway.

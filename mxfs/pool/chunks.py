@@ -248,7 +248,7 @@ class ChunkFiles:
             self._ahead.close()
 
     def reopen(self) -> None:
-        """The chunk files were renewed (`revoke.renew_chunk_files`): open them afresh.
+        """The chunk files were renewed (`revoke.Held.renew`): open them afresh.
         The old descriptors are retired, not closed, while I/O begun with them may
         still run (it reads the same bytes); closed RETIRED_S later, or at close."""
         now = time.monotonic()

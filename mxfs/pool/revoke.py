@@ -76,42 +76,34 @@ def writers_remain(paths: Iterable[str]) -> bool:
     """Blocking: whether any of `paths` is open for writing by anyone (this process
     included: the caller holds none).  Missing files have no writers.  A filesystem
     without leases cannot tell: it answers False, with one warning."""
-    global _unsupported_warned
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        except BlockingIOError:
-            return True
-        except OSError as e:
-            if not _unsupported_warned:
-                _unsupported_warned = True
-                log.warning("the filesystem of %s takes no leases (%s): descriptors kept by "
-                            "direct writers past their commit cannot be detected",
-                            path, os.strerror(e.errno or errno.EINVAL))
-        finally:
-            os.close(fd)
-    return False
+    return any(_lease_refused(path, fcntl.F_RDLCK) for path in paths)
 
 
 def anyone_holds(path: str) -> bool:
     """Blocking: whether `path` is open anywhere (for reading or writing): the kernel
     refuses a write lease then.  A missing file, or a filesystem without leases: no."""
+    return _lease_refused(path, fcntl.F_WRLCK)
+
+
+def _lease_refused(path: str, lease: int) -> bool:
+    """Whether the kernel refuses `lease` on `path` (someone holds it open for writing,
+    for F_RDLCK; open at all, for F_WRLCK), taken and given back at once."""
+    global _unsupported_warned
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return False
     try:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, lease)
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
     except BlockingIOError:
         return True
-    except OSError:
-        return False
+    except OSError as e:
+        if not _unsupported_warned:
+            _unsupported_warned = True
+            log.warning("the filesystem of %s takes no leases (%s): descriptors kept past "
+                        "their file's change cannot be detected",
+                        path, os.strerror(e.errno or errno.EINVAL))
     finally:
         os.close(fd)
     return False
@@ -162,6 +154,39 @@ class Held:
         with self._lock:
             self.files.append(dst)
         return True
+
+    def renew(self, ino: int) -> int:
+        """Blocking: each of `ino`'s chunk files on this node's members replaced by a
+        copy of itself (its data ranges, holes kept), so that descriptors handed out
+        before (`open_read`) hold the old file, which nothing writes again: what they
+        read ends at what it held.  Copies are made in `chunks/held/` (a crash leaves
+        them there, to be removed at mount) and renamed over; how many were renewed."""
+        renewed = 0
+        for m in self.pool.local_members():
+            src = self.pool.chunk_path(m, ino)
+            tmp = os.path.join(self._folder(m), f"{ino}.{time.time_ns()}.n")
+            try:
+                fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
+                fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                               0o600)
+                try:
+                    _copy_data(fin, fout)
+                    os.fsync(fout)
+                finally:
+                    os.close(fout)
+                os.rename(tmp, src)
+                renewed += 1
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            finally:
+                os.close(fin)
+        return renewed
 
     def adopt(self) -> None:
         """Blocking, at mount: take over what an earlier daemon held (its writers may
@@ -223,40 +248,6 @@ class Held:
         with self._lock:  # (with those held meanwhile)
             self.files = kept + self.files[len(swept):]
             return len(self.files)
-
-
-def renew_chunk_files(pool: Pool, ino: int) -> int:
-    """Blocking: each of `ino`'s chunk files on this node's members replaced by a copy
-    of itself (its data ranges, holes kept), so that descriptors handed out before
-    (`open_read`) hold the old file, which nothing writes again: what they read ends
-    at what it held.  Copies are made in `chunks/held/` (a crash leaves them there, to
-    be removed at mount) and renamed over; how many were renewed."""
-    renewed = 0
-    for m in pool.local_members():
-        src = pool.chunk_path(m, ino)
-        folder = os.path.join(pool.members[m].path, CHUNK_DIR, HELD_DIR)
-        tmp = os.path.join(folder, f"{ino}.{time.time_ns()}.n")
-        try:
-            fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                _copy_data(fin, fout)
-                os.fsync(fout)
-            finally:
-                os.close(fout)
-            os.rename(tmp, src)
-            renewed += 1
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        finally:
-            os.close(fin)
-    return renewed
 
 
 def _copy_data(fin: int, fout: int) -> None:

@@ -32,7 +32,7 @@ from mxfs.pool.key import load_key, read_key
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW, MemberCall
 from mxfs.pool.remote import Owner, RemoteMembers
-from mxfs.pool.revoke import Held, renew_chunk_files
+from mxfs.pool.revoke import Held
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.node_holds import STALL_S, NodeHolds
 from mxfs.vol.quota import Freeing, Quotas
@@ -533,7 +533,7 @@ class Volume:
         descriptors keep the bytes it was allowed to read, never what is written after
         it lost the right (other nodes' members: not yet, see docs/architecture.md)."""
         self.lent.discard(node.ino)
-        renew_chunk_files(self.pool, node.ino)
+        self.held.renew(node.ino)
         entry = self.open_inodes.get(node.ino)
         if entry is not None and entry.chunks is not None:
             entry.chunks.reopen()
