@@ -846,7 +846,8 @@ def test_a_readers_descriptors_end_where_its_right_to_read_does(pool: Mounted) -
     """`open_read` hands out descriptors of the chunk files themselves: a reader kept
     them past a chmod that took its right away and read every byte written after.  A
     lent file's chunk files are made anew before its access changes: the old
-    descriptors keep what they could read; the file, through the mount and through new
+    descriptors keep what they could read (the old files held aside, cut after a grace
+    as a removed file's are); the file, through the mount and through new
     descriptors, has what is written after."""
     users = ensure_users()
     alice, bob = users["alice"], users["bob"]
@@ -874,6 +875,10 @@ def test_a_readers_descriptors_end_where_its_right_to_read_does(pool: Mounted) -
         with open(path, "wb") as f:  # ... and a rewrite, as cp or > would
             f.write(b"SECRET AGAIN " * 1000)
         assert b"SECRET" not in read_all(kept) and b"public" in read_all(kept)
+        ino = path.stat().st_ino  # (the old bytes are held aside: cut after a grace)
+        held = [n for m in pool.members if os.path.isdir(f"{m}/chunks/held")
+                for n in os.listdir(f"{m}/chunks/held")]
+        assert any(n.startswith(f"{ino}.") and n.endswith(".r") for n in held), held
         with ControlClient(str(pool.path)) as c:  # (root's: its right is intact)
             _, fresh = c.call_with_fds("open_read", path=c.pool_path(str(path)))
         try:

@@ -160,11 +160,15 @@ class Held:
         copy of itself (its data ranges, holes kept), so that descriptors handed out
         before (`open_read`) hold the old file, which nothing writes again: what they
         read ends at what it held.  Copies are made in `chunks/held/` (a crash leaves
-        them there, to be removed at mount) and renamed over; how many were renewed."""
+        them there, to be removed at mount) and renamed over; the old file is kept
+        there as one only readers hold (cut after READ_GRACE_S: its readers keep no
+        copy's space for good); how many were renewed."""
         renewed = 0
         for m in self.pool.local_members():
             src = self.pool.chunk_path(m, ino)
-            tmp = os.path.join(self._folder(m), f"{ino}.{time.time_ns()}.n")
+            stamp = time.time_ns()
+            tmp = os.path.join(self._folder(m), f"{ino}.{stamp}.n")
+            old = os.path.join(self._folder(m), f"{ino}.{stamp}{_READ_MARK}")
             try:
                 fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
@@ -178,7 +182,10 @@ class Held:
                     os.fsync(fout)
                 finally:
                     os.close(fout)
+                os.link(src, old)
                 os.rename(tmp, src)
+                with self._lock:
+                    self.files.append(old)
                 renewed += 1
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
