@@ -93,13 +93,16 @@ class NodeNet:
             self.runner.run(["ip", "neigh", "flush", "dev", self.link])
             self.runner.run(["ip", "-n", self.ns, "neigh", "flush", "dev", self.peer])
 
-    def slow(self, rate: str | None) -> None:
-        """Limit what the host sends the node to `rate` (tc's tbf: "4mbit"), as a slow
-        or distant node's link; None lifts the limit."""
+    def slow(self, rate: str | None, sends: bool = False) -> None:
+        """Limit what the host sends the node (or, `sends`, what the node sends the
+        host) to `rate` (tc's tbf: "4mbit"), as a slow or distant node's link; None
+        lifts the limit."""
+        where = ["ip", "netns", "exec", self.ns] if sends else []
+        dev = self.peer if sends else self.link
         if rate is None:
-            self.runner.run(["tc", "qdisc", "del", "dev", self.link, "root"])
+            self.runner.run([*where, "tc", "qdisc", "del", "dev", dev, "root"])
             return
-        self.runner.run(["tc", "qdisc", "replace", "dev", self.link, "root", "tbf", "rate",
+        self.runner.run([*where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                          rate, "burst", "32kbit", "latency", "500ms"], check=True)
 
 
