@@ -210,9 +210,9 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
     """A member whose filesystem stops answering (a hung drive or target; here a FUSE
     mount whose daemon is stopped) leaves stat, `ls -l`, df and status answering, the
     member left out: stats of its chunk files and of its space, and a direct reader's
-    opens, run off the loop (before, the first stat or open held the daemon's thread,
-    and every user's request, until it came back); an open of a file there waits for
-    it, or is EIO once the member is judged hung."""
+    opens and creates, run off the loop (before, the first stat or open held the
+    daemon's thread, and every user's request, until it came back); an open of a file
+    there waits for it, or is EIO once the member is judged hung."""
     inner_members = make_members(tmp_path / "inner", 1)
     mkfs(inner_members)
     with mounted_pool(inner_members) as inner:
@@ -246,12 +246,24 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                 except OSError as e:
                     opened[p.name] = e.errno
 
+            def create() -> None:  # (its chunk files on both members: one waits)
+                try:
+                    with ControlClient(str(outer.path)) as c:
+                        made, fds = c.call_with_fds("create", path="/new", size=4096)
+                        for fd in fds:
+                            os.close(fd)
+                        c.call("abort", ino=made["ino"])
+                    opened["create"] = "ok"
+                except OSError as e:
+                    opened["create"] = e.errno
+
             pid = inner.daemon_pid()
             os.kill(pid, signal.SIGSTOP)
             try:  # (the kernel forgets the member's names: each stat must ask its daemon)
                 Path("/proc/sys/vm/drop_caches").write_text("2")
                 openers = [threading.Thread(target=open_read, args=(p,), daemon=True)
                            for p in names]
+                openers.append(threading.Thread(target=create, daemon=True))
                 for t in openers:
                     t.start()
                 asking = threading.Thread(target=ask, daemon=True)

@@ -229,7 +229,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 if ops.written is not None:
                     ops.written.granted = ops.held_open.granted
             control.status.space = ops.space
-            control.files.calls = ops.space.calls
+            control.files.calls = control.kv.calls = ops.space.calls
             if control.files.for_nodes is not None:
                 control.files.for_nodes.inode_changed = ops.inode_changed
                 control.files.for_nodes.renew = ops.renew

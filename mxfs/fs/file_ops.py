@@ -177,7 +177,8 @@ class FileOps:
             self.vol.pool.check_space(m, -(-size // layout.width))
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
                               caller.gids.__contains__)
-        entry, members, fds = open_hidden(self.vol, parent, mode, caller.uid, gid)
+        entry, members, fds = await open_hidden(self.vol, parent, mode, caller.uid, gid,
+                                                self.calls)
         session.hold(Pending(entry, path, size))
         return {**self._describe(entry.node), "members": members}, fds
 

@@ -30,6 +30,7 @@ from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_follow import COPIERS, FollowerKV
 from mxfs.fs.kv_forward import ForwardedKV
 from mxfs.fs.limits import Limits
+from mxfs.fs.member_calls import MemberCalls
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
     Answer,
@@ -159,6 +160,8 @@ class KVOps:
         self.index = index
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
+        # Calls into the members' filesystems (the mount's set, once the daemon has it).
+        self.calls = MemberCalls(len(vol.pool.members))
         self.claims = Claims(self.limits.max_kv_claims_per_user)  # keys being computed
         # Closed connections' pins and claims still to end (`let_go`).
         self._letting_go: deque[tuple[Session, list[tuple[tuple[str, bytes], Lease]],
@@ -610,7 +613,8 @@ class KVOps:
         if size <= ONE_MEMBER_MAX:  # a spare: committed, its one chunk file made ahead
             entry, members, fds = self._open_spare(caller)
         else:  # striped over the members, as the root's files are
-            entry, members, fds = open_hidden(self.vol, root, 0o600, caller.uid, caller.gid)
+            entry, members, fds = await open_hidden(self.vol, root, 0o600, caller.uid,
+                                                    caller.gid, self.calls)
         session.hold(Pending(entry, "", size, namespace=space.name))
         return {"exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds

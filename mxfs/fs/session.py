@@ -13,6 +13,7 @@ import trio
 
 from mxfs.fs.fields import Msg
 from mxfs.fs.limits import Limits
+from mxfs.fs.member_calls import MemberCalls
 from mxfs.io import PAGE
 from mxfs.meta import Inode
 from mxfs.pool.pool import Guard, overallocated
@@ -210,17 +211,44 @@ def refuse_if_degraded(vol: Volume) -> None:
                       f"{failed[0].failed}): read-only")
 
 
-def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int
-                ) -> tuple[OpenInode, list[int], list[int]]:
-    """A hidden file and write descriptors of its chunk files: (entry, members, fds)."""
+async def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int,
+                      calls: MemberCalls) -> tuple[OpenInode, list[int], list[int]]:
+    """A hidden file and write descriptors of its chunk files, opened off the loop:
+    (entry, members, fds)."""
     refuse_if_degraded(vol)
-    return open_writers(vol, vol.create_hidden(parent, mode, uid, gid))
+    return await open_writers_off_loop(vol, vol.create_hidden(parent, mode, uid, gid),
+                                       calls, uid)
 
 
 def open_writers(vol: Volume, entry: OpenInode) -> tuple[OpenInode, list[int], list[int]]:
-    """Write descriptors of a held hidden file's chunk files, made where missing:
-    (entry, members, fds).  On failure the file is let go (an orphan: reclaimed)."""
-    node = entry.node
+    """Write descriptors of a held hidden file's chunk files, made where missing, opened
+    on this thread: (entry, members, fds).  On failure the file is let go (an orphan:
+    reclaimed)."""
+    try:
+        members, fds = chunk_writers(vol, entry.node)
+    except OSError:
+        vol.release(entry.node.ino)
+        raise
+    return entry, members, fds
+
+
+async def open_writers_off_loop(vol: Volume, entry: OpenInode, calls: MemberCalls,
+                                uid: int) -> tuple[OpenInode, list[int], list[int]]:
+    """`open_writers` with the opens in a worker thread in `uid`'s turn, each through
+    the member guard: a member that stopped answering holds only its own callers."""
+    try:
+        members, fds = await calls.run_whole(
+            lambda: chunk_writers(vol, entry.node, calls.guarded), uid)
+    except BaseException:
+        vol.release(entry.node.ino)
+        raise
+    return entry, members, fds
+
+
+def chunk_writers(vol: Volume, node: Inode, guard: Guard | None = None
+                  ) -> tuple[list[int], list[int]]:
+    """(Blocking.)  Write descriptors of `node`'s chunk files, made where missing:
+    (members, fds); on failure those opened are closed."""
     members, fds = [], []
     try:
         if far := vol.pool.far(vol.layout(node).used_members()):
@@ -230,8 +258,8 @@ def open_writers(vol: Volume, entry: OpenInode) -> tuple[OpenInode, list[int], l
         for m in vol.layout(node).used_members():
             vol.pool.check([m])
             try:  # the writer's descriptor is the only one: the daemon keeps none open
-                fds.append(os.open(vol.pool.chunk_path(m, node.ino),
-                                   os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                fds.append(vol.pool.open_chunk(m, node.ino,
+                                               os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, guard))
             except OSError as e:
                 vol.pool.probe(m, e)
                 raise
@@ -239,9 +267,8 @@ def open_writers(vol: Volume, entry: OpenInode) -> tuple[OpenInode, list[int], l
     except OSError:
         for fd in fds:
             os.close(fd)
-        vol.release(node.ino)
         raise
-    return entry, members, fds
+    return members, fds
 
 
 def read_fds(vol: Volume, node: Inode, odirect: bool = False, guard: Guard | None = None

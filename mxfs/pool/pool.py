@@ -617,14 +617,7 @@ class Pool:
         through `guard`) one that does not answer.
         """
         def opened(m: int, flags: int) -> int:
-            path = self.chunk_path(m, ino)
-            if guard is None:
-                return os.open(path, flags)
-            fd = guard(m, functools.partial(os.open, path, flags))
-            if fd is None:
-                raise OSError(errno.EIO, f"member {m} ({self.members[m].path}) is not "
-                              "answering: its files cannot be opened now")
-            return fd
+            return self.open_chunk(m, ino, flags, guard)
 
         held = layout.holding(size)
         self.check(held)
@@ -656,6 +649,19 @@ class Pool:
                 os.close(fd)
             raise
         return {"members": members, "direct_members": direct}, fds
+
+    def open_chunk(self, member: int, ino: int, flags: int, guard: Guard | None = None
+                   ) -> int:
+        """A descriptor of a chunk file (made 0600 with O_CREAT), opened through
+        `guard` if given: EIO if the member does not answer."""
+        path = self.chunk_path(member, ino)
+        if guard is None:
+            return os.open(path, flags, 0o600)
+        fd = guard(member, functools.partial(os.open, path, flags, 0o600))
+        if fd is None:
+            raise OSError(errno.EIO, f"member {member} ({self.members[member].path}) is "
+                          "not answering: its files cannot be opened now")
+        return fd
 
     def remove_chunks(self, ino: int, far: Sequence[int] = ()) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written).
