@@ -811,6 +811,60 @@ def test_a_users_subordinate_uids_share_her_limits(tmp_path: Path) -> None:
             sock.close()
 
 
+def test_a_users_subordinate_uids_share_her_kv_limits(tmp_path: Path) -> None:
+    """Namespaces, chunks and read leases a user's subordinate uids hold are hers: her
+    containers' uids do not each own a user's namespaces, and the leases one of them
+    held end with its connection (they stayed counted against her: after 262,144 her
+    every pin was refused until the daemon restarted)."""
+    from mxfs.kv import KVStore
+
+    alice = ensure_users()["alice"]
+    subs = subordinate_uids(alice)
+    members = make_members(tmp_path)
+    mkfs(members)
+
+    def as_uid(uid: int, namespace: str) -> KVStore:
+        os.seteuid(uid)  # (SO_PEERCRED: as of connect)
+        try:
+            return KVStore(str(m.path), namespace=namespace, shared=True)
+        finally:
+            os.seteuid(0)
+
+    with mounted_pool(members, "max_namespaces_per_user=2", "max_pins_per_user=4",
+                      "max_chunks_per_user=3") as m:
+        keys = [f"k{i}" for i in range(4)]
+        with KVStore(str(m.path), namespace="open", mode=0o777) as kv:
+            kv.batch_put(keys, [b"v"] * 4)
+        made = []
+        for uid, name in ((alice.uid, "a"), (subs[0], "s0"), (subs[1], "s1")):
+            kv = as_uid(uid, name)
+            try:
+                made.append(kv.put("k", b"v"))
+            except OSError as e:
+                made.append(e.errno)
+            kv.close()
+        assert made == [True, True, errno.EDQUOT]  # (two namespaces, hers together)
+        kv = as_uid(subs[0], "s0")
+        put = [kv.put("k2", b"v")]  # (a third chunk of hers; a fourth is past the limit)
+        with pytest.raises(OSError) as refused:
+            kv.put("k3", b"v")
+        kv.close()
+        assert put == [True] and refused.value.errno == errno.EDQUOT
+        for uid in (subs[2], subs[3], subs[4]):  # each her four leases, each let go
+            kv = as_uid(uid, "open")
+            assert eventually(lambda kv=kv: _pins(kv, keys))
+            kv.close()
+
+
+def _pins(kv: Any, keys: list[str]) -> bool:
+    """Whether `kv` leased every one of `keys` (False: refused, as over a limit)."""
+    try:
+        return kv.pin(keys) == [True] * len(keys)
+    except OSError as e:
+        assert e.errno == errno.EMFILE
+        return False
+
+
 def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
         pool: Mounted) -> None:
     """The chunk-file descriptors `open_read` hands out kept a removed file's space for

@@ -337,6 +337,41 @@ def test_pool_wide_eviction_takes_from_the_namespace_over_its_share(
         assert all(small.get(f"s{i}") is not None for i in range(8))
 
 
+def test_pool_wide_eviction_shares_the_pool_by_owner_not_by_namespace(
+        loop_pool: Mounted) -> None:
+    """Owners share the pool, then their namespaces share each owner's part: alice's
+    chunks spread over 16 namespaces (twice bob's bytes) are what an eviction takes,
+    not bob's one namespace (by namespace, his held half the pool to each of hers a
+    sixteenth: every eviction fell on him)."""
+    from mxfs.client import ControlClient
+
+    m = str(loop_pool.path)
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    names = [f"alice-{i}" for i in range(16)]
+    with ControlClient(m) as c:  # (root makes them for their owners, and puts for them)
+        c.call("kv_ns_create", namespace="bob", uid=bob.uid, gid=bob.gid, mode=0o700)
+        for name in names:
+            c.call("kv_ns_create", namespace=name, uid=alice.uid, gid=alice.gid, mode=0o700)
+    chunk = b"c" * (1 << 20)
+    stores = {n: KVStore(m, n, shared=True) for n in ["bob", *names]}
+    try:
+        for i in range(400):  # until the pool is short: eviction must begin
+            for name in ("bob", names[(2 * i) % 16], names[(2 * i + 1) % 16]):
+                try:
+                    stores[name].put(f"k{i}", chunk)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC
+            if any(s.usage()["evictions"] for s in stores.values()):
+                break
+        assert sum(stores[n].usage()["evictions"] for n in names) > 0
+        assert stores["bob"].usage()["evictions"] == 0
+        assert stores["bob"].usage()["chunks"] == i + 1
+    finally:
+        for s in stores.values():
+            s.close()
+
+
 def test_a_namespace_made_with_an_explicit_mode_lets_others_read_not_write(
         mounted: Mounted) -> None:
     import json

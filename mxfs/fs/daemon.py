@@ -181,6 +181,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         except RuntimeError as e:
             raise MxfsError(f"FUSE refused the mount ({e}); options were {sorted(fuse_opts)}",
                             "check the -o options and that /dev/fuse is usable") from None
+        # Who each uid answers to, before the KV index counts its namespaces by it and
+        # before the first connection (read again off the loop as it changes).
+        TENANTS.refresh()
         try:
             control = ControlServer(vol, sock, mp, writeback_cache=ops.enable_writeback_cache,
                                     entry_changed=ops.entry_changed, metrics=metrics,
@@ -303,7 +306,6 @@ class Daemon:
         """Serve until unmounted or signalled; `ready` once the mount answers."""
         if self.gauges is not None:  # (gathered on this loop's thread, not the scraper's)
             self.gauges.token = trio.lowlevel.current_trio_token()
-        await trio.to_thread.run_sync(TENANTS.refresh)  # (before the first connection)
         async with trio.open_nursery() as nursery:
             self.ops.nursery = nursery  # writes through the mount land behind their answers
             await nursery.start(self.control.serve)

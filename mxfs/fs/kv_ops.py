@@ -405,11 +405,11 @@ class KVOps:
         owner has as many chunks as one uid may, or the writer `uid` is at its quota);
         returns the layout parent."""
         self.vol.quotas.room(uid, size, 1)
-        owned = self.index.chunks_by_uid[space.uid]
-        if space.uid != 0 and owned >= self.limits.max_chunks_per_user:
-            raise OSError(errno.EDQUOT, f"uid {space.uid} owns namespaces holding {owned} KV "
-                          "chunks, the limit (mount option max_chunks_per_user): delete or "
-                          "evict some")
+        owned = self.index.chunks_by_tenant[space.tenant]
+        if space.tenant != 0 and owned >= self.limits.max_chunks_per_user:
+            raise OSError(errno.EDQUOT, f"uid {space.tenant} owns namespaces holding {owned} "
+                          "KV chunks (with its subordinate uids'), the limit (mount option "
+                          "max_chunks_per_user): delete or evict some")
         self.index.refuse_hopeless(space, size)
         root = self.vol.store.get(ROOT_INO)
         layout = self.vol.pool.layout_for(0, root.stripe_unit, root.stripe_width)
@@ -841,7 +841,7 @@ class KVOps:
         claims = self.claims.take(session)
         if len(pins) + len(claims) <= RELEASED_AT_ONCE:
             self.claims.end(session, claims)
-            self._unpin_all(session.caller.uid, pins)
+            self._unpin_all(session.tenant, pins)
             return
         self._letting_go.append((session, pins, claims))
         self._let_go_wake.set()

@@ -159,8 +159,9 @@ class StatusOps:
                 "fds_open": open_fds(), "fds_max": fd_limit(), "by_user": self.by_user()}
 
     def by_user(self, most: int = 20) -> dict[str, dict[str, int]]:
-        """What each uid holds against its limits (the `most` busiest, by connections
-        then KV chunks): for `mxfs status`, root's view."""
+        """What each user holds against its limits, its subordinate uids' with it
+        (`vol/tenants.py`; the `most` busiest, by connections then KV chunks): for
+        `mxfs status`, root's view."""
         held: dict[int, dict[str, int]] = {}
 
         def of(uid: int) -> dict[str, int]:
@@ -172,12 +173,12 @@ class StatusOps:
             of(uid)["pending"] = n
         for uid, n in self.kv.pinned_by_uid.items():
             of(uid)["pins"] = n
-        for uid, n in self.kv.index.chunks_by_uid.items():
+        for uid, n in self.kv.index.chunks_by_tenant.items():
             if n:
                 of(uid)["kv_chunks"] = n
         for s in self.listener.sessions.values():
             if s.sent_fds:
-                of(s.caller.uid)["fds_in_flight"] += s.sent_fds
+                of(s.tenant)["fds_in_flight"] += s.sent_fds
         top = sorted(held.items(), key=lambda kv: (-kv[1]["connections"],
                                                    -kv[1]["kv_chunks"]))[:most]
         return {str(uid): counts for uid, counts in top}

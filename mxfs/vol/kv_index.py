@@ -21,6 +21,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.proto.constants import MAX_KEY
@@ -28,9 +29,11 @@ from mxfs.proto.messages import NamespaceStats
 from mxfs.proto.presence import GONE, MOVED
 from mxfs.vol.access import R_OK, W_OK, Caller
 from mxfs.vol.kv_presence import PresenceTable, Successor
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.kv")
+K = TypeVar("K")
 
 VIEW_BITE = 1024  # keys copied into a presence table being filled between yields (~1.4 ms)
 
@@ -75,6 +78,13 @@ class Namespace:
     # A larger table being filled a bite at a time (`KVIndex.grow_view`): it takes the
     # view's place once full.
     next_view: Successor | None = None
+    # The user its owner answers to (`vol/tenants.py`), as of its making: whose
+    # namespace and chunk counts it is in, and whose share of the pool it takes.
+    tenant: int = -1
+
+    def __post_init__(self) -> None:
+        if self.tenant < 0:
+            self.tenant = tenant_of(self.uid)
 
     def may(self, caller: Caller, mask: int) -> bool:
         """Would the mode bits grant `mask` (R_OK, W_OK) to `caller`, as on a directory?
@@ -162,8 +172,9 @@ class KVIndex:
         self.vol = vol
         self.max_per_user = max_per_user  # namespaces one uid but root may own
         self.spaces: dict[str, Namespace] = {}
-        self._owned: Counter[int] = Counter()  # namespaces by owner (a put asks: no scan)
-        self.chunks_by_uid: Counter[int] = Counter()  # chunks by namespace owner (a bound)
+        # Namespaces, and their chunks, by their owners' tenants (a put asks: no scan).
+        self._owned: Counter[int] = Counter()
+        self.chunks_by_tenant: Counter[int] = Counter()
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
         self._pool_free = _Room(lambda: pool_totals(vol.pool.usage())["free"])
@@ -181,8 +192,8 @@ class KVIndex:
             return
         store = self.vol.store
         for ns, uid, gid, mode, capacity in store.kv.namespaces():
-            self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
-            self._owned[uid] += 1
+            made = self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
+            self._owned[made.tenant] += 1
         last = 0
         for ns, key, ino, size, atime, sum_unit, sums in store.kv.chunks():
             space = self.spaces.get(ns)
@@ -191,7 +202,7 @@ class KVIndex:
                 self._owned[0] += 1
             space.chunks[bytes(key)] = Chunk(ino, size, atime, sum_unit, bytes(sums))
             space.used += size
-            self.chunks_by_uid[space.uid] += 1
+            self.chunks_by_tenant[space.tenant] += 1
             last = max(last, atime)
         self._clock = itertools.count(last + 1)
         if self.spaces:
@@ -218,12 +229,14 @@ class KVIndex:
         return space
 
     def check_room(self, uid: int) -> None:
-        """EDQUOT when `uid` (not root) owns as many namespaces as it may."""
+        """EDQUOT when `uid` (not root) owns as many namespaces as it may, counted with
+        those of its user's other uids (`vol/tenants.py`)."""
         if uid == 0 or self.max_per_user is None:
             return
-        if self._owned[uid] >= self.max_per_user:
-            raise OSError(errno.EDQUOT, f"uid {uid} owns {self.max_per_user} KV namespaces, "
-                          f"the limit (mount option max_namespaces_per_user); drop one first")
+        if self._owned[tenant := tenant_of(uid)] >= self.max_per_user:
+            raise OSError(errno.EDQUOT, f"uid {tenant} owns {self.max_per_user} KV namespaces "
+                          "(with its subordinate uids'), the limit (mount option "
+                          "max_namespaces_per_user); drop one first")
 
     def create(self, name: str, uid: int, gid: int, mode: int, capacity: int,
                replace: bool = False) -> Namespace:
@@ -240,7 +253,7 @@ class KVIndex:
         self.vol.pool.check_meta_room(META_ROW + len(name.encode()))
         self.vol.store.kv.set_namespace(name, uid, gid, mode, capacity)
         space = self.spaces[name] = Namespace(name, uid, gid, mode, capacity)
-        self._owned[uid] += 1
+        self._owned[space.tenant] += 1
         return space
 
     def drop_namespace(self, space: Namespace) -> int:
@@ -251,7 +264,7 @@ class KVIndex:
             table.retire(GONE)
         space.view = space.next_view = None
         del self.spaces[space.name]
-        self._owned[space.uid] -= 1
+        self._owned[space.tenant] -= 1
         return n
 
     def configure(self, space: Namespace, caller: Caller, capacity: int) -> None:
@@ -283,7 +296,7 @@ class KVIndex:
         space.chunks[key] = Chunk(ino, size, atime, sum_unit, sums)
         space.used += size
         space.puts += 1
-        self.chunks_by_uid[space.uid] += 1
+        self.chunks_by_tenant[space.tenant] += 1
         if space.next_view is not None:
             space.next_view.table.add(key)
         if (view := space.view) is not None:
@@ -327,7 +340,7 @@ class KVIndex:
             for table in _tables(space):
                 table.remove(key)
             space.used -= chunk.size
-            self.chunks_by_uid[space.uid] -= 1
+            self.chunks_by_tenant[space.tenant] -= 1
             self._touched.pop((space.name, key), None)
             entries.append((space.name, key, chunk.ino))
         if not entries:
@@ -414,17 +427,31 @@ class KVIndex:
         return victims
 
     def fair_victims(self, need: int) -> list[tuple[Namespace, bytes]]:
-        """Unpinned chunks worth `need` bytes, taken from namespaces in proportion to how
-        far each is over its share (its capacity if set, else an equal part of the KV
-        bytes stored), least recently used first within each: a namespace within its
-        share loses nothing while others are over theirs."""
+        """Unpinned chunks worth `need` bytes, least recently used first within each
+        namespace, taken by shares: first between owners (a user's subordinate uids
+        with her, `vol/tenants.py`), each of whom may hold an equal part of the KV bytes
+        stored: owners over it give up their excess, the others nothing (all within
+        it: each in proportion to what it holds); then within an owner's part, between
+        her namespaces, each of which may hold an equal part of hers, in the same way.
+        A namespace over its own capacity gives up at least its excess.  So a user who
+        spreads her chunks over a hundred namespaces takes no more of the pool than
+        one who keeps them in one (an equal part by namespace made every eviction fall
+        on the other users)."""
         spaces = [s for s in self.spaces.values() if s.used]
         if not spaces:
             return []
-        total = sum(s.used for s in spaces)
-        equal = total // len(spaces)
-        over = {s.name: max(0, s.used - (s.capacity or equal)) for s in spaces}
-        weights = over if sum(over.values()) else {s.name: s.used for s in spaces}
+        owners: dict[int, list[Namespace]] = {}
+        for s in spaces:
+            owners.setdefault(s.tenant, []).append(s)
+        held = {t: sum(s.used for s in group) for t, group in owners.items()}
+        owner_weights = _over_equal(held)
+        weights: dict[str, int] = {}
+        for t, group in owners.items():
+            within = _over_equal({s.name: s.used for s in group})
+            total = sum(within.values())
+            for s in group:
+                part = owner_weights[t] * within[s.name] // total if total else 0
+                weights[s.name] = max(part, s.used - s.capacity if s.capacity else 0)
         weight_sum = sum(weights.values())
         victims: list[tuple[Namespace, bytes]] = []
         for space in spaces:
@@ -472,6 +499,14 @@ class _Room:
         room = self._left
         self._left -= size
         return room
+
+
+def _over_equal(held: dict[K, int]) -> dict[K, int]:
+    """How far each holder is over an equal part of what all hold; if none is, what
+    each holds (then all give up in proportion)."""
+    equal = sum(held.values()) // len(held)
+    over = {k: max(0, v - equal) for k, v in held.items()}
+    return over if any(over.values()) else held
 
 
 def _above_floor(path: str) -> int:
