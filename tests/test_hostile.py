@@ -23,6 +23,7 @@ from conftest import (
     make_members,
     mkfs,
     mount_with,
+    mxfs,
     raw_socket,
 )
 
@@ -156,6 +157,32 @@ def test_descriptor_exhaustion_refuses_connections_not_the_daemon(tmp_path: Path
                 c.close()
         with ControlClient(str(m.path)) as c:
             assert eventually(lambda: c.stat()["limits"]["connections"] == 1)
+
+
+def test_a_daemon_out_of_descriptors_fails_no_member(tmp_path: Path) -> None:
+    """Running out of descriptors is the daemon's shortage, not a member's: a chunk
+    file's open that failed with EMFILE took its member out of service (the check of
+    its superblock failed the same way), and the pool went read-only for everyone."""
+    import resource
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members) as m:
+        data = os.urandom(4 << 20)  # (on every member)
+        (m.path / "f").write_bytes(data)
+        pid = m.daemon_pid()
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE,
+                         (len(os.listdir(f"/proc/{pid}/fd")), hard))
+        try:
+            with pytest.raises(OSError):
+                (m.path / "g").write_bytes(data)  # (its chunk files cannot be made)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        status = json.loads(mxfs("status", "--json", str(m.path)).stdout)
+        assert not status["degraded"], status["members"]
+        (m.path / "g").write_bytes(data)
+        assert (m.path / "g").read_bytes() == data and (m.path / "f").read_bytes() == data
 
 
 def test_idle_half_sent_and_stalled_connections_are_closed(tmp_path: Path) -> None:

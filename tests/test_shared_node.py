@@ -856,6 +856,43 @@ def test_a_users_subordinate_uids_share_her_kv_limits(tmp_path: Path) -> None:
             kv.close()
 
 
+def test_a_users_kv_views_hold_a_bounded_share_of_the_daemons_descriptors(
+        tmp_path: Path) -> None:
+    """Each namespace a reader views has a presence table (a memfd, and its mapping:
+    two descriptors), kept until the namespace went: a user who viewed her thousand
+    namespaces, and a few users more, ran the daemon out of descriptors (and an open
+    that failed so took a member out of service).  Tables are kept for the most
+    recently viewed namespaces of each owner, and of all: an older one is retired
+    and made again when it is next viewed, its reader none the wiser."""
+    from mxfs.kv import KVStore
+
+    users = ensure_users()
+    members = make_members(tmp_path)
+    mkfs(members)
+
+    def viewed(uid: int, name: str) -> bool:
+        os.seteuid(uid)  # (SO_PEERCRED: as of connect)
+        try:
+            kv = KVStore(str(m.path), namespace=name)
+        finally:
+            os.seteuid(0)
+        try:
+            kv.put("k", b"v")
+            return kv.exists_many(["k", "x"]) == [True, False] and kv.views.present(
+                [b"k"]) is not None  # (answered from the table)
+        finally:
+            kv.close()
+
+    with mounted_pool(members, "max_kv_views=6", "max_kv_views_per_user=4") as m:
+        fds = f"/proc/{m.daemon_pid()}/fd"
+        before = len(os.listdir(fds))
+        assert all(viewed(users["alice"].uid, f"alice-{i}") for i in range(12))
+        assert len(os.listdir(fds)) - before <= 2 * 4
+        assert all(viewed(users["bob"].uid, f"bob-{i}") for i in range(4))
+        assert len(os.listdir(fds)) - before <= 2 * 6
+        assert viewed(users["alice"].uid, "alice-0")  # (retired: made again)
+
+
 def _pins(kv: Any, keys: list[str]) -> bool:
     """Whether `kv` leased every one of `keys` (False: refused, as over a limit)."""
     try:

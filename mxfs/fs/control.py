@@ -70,8 +70,11 @@ class ControlServer:
         self.listener = Listener(path, self.limits, self.dispatch, self._session,
                                  self._end_session, self.turns.turn)
         self.remote = RemoteReads(volume, self.limits)  # (a reading node's direct path)
-        self.kv = KVOps(volume, KVIndex(volume, self.limits.max_namespaces_per_user),
-                        self.limits, self.remote)
+        lim = self.limits
+        self.kv = KVOps(volume, KVIndex(volume, lim.max_namespaces_per_user,
+                                        (lim.max_kv_views, lim.max_kv_views_per_user)),
+                        lim, self.remote)
+        self.listener.other_fds = self.kv.index.view_fds  # (and the chunk service's)
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,

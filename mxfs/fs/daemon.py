@@ -209,7 +209,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 chunks = ChunkService(vol, key, own.get("chunk_addr") or "127.0.0.1",
                                       int(own["chunk_port"]),
                                       lambda: vol.lease.epoch if vol.lease else 0,
-                                      control.limits, control.listener.connections)
+                                      control.limits, lambda: control.listener.connections()
+                                      + control.kv.index.view_fds())
                 if reading:  # its own members: the writer writes them, every node reads
                     if control.files.forwarded is not None:
                         chunks.writing = control.files.forwarded.writing.__contains__
@@ -220,7 +221,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                     chunks.kv, chunks.turns = control.kv, control.turns
                     chunks.files = control.files.for_nodes
                     chunks.only_uid = control.only_uid
-                control.listener.other_fds = lambda: chunks.connections if chunks else 0
+                served = chunks  # (the control socket's count: views and chunk service)
+                control.listener.other_fds = lambda: served.connections + \
+                    control.kv.index.view_fds()
                 chunks.bind()
                 control.status.chunks = chunks
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))

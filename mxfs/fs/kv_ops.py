@@ -258,12 +258,18 @@ class KVOps:
                     ) -> Answer[KVViewReply]:
         """A read-only descriptor of the namespace's presence table: the caller answers
         exists from it without asking (`proto/presence.py`)."""
+        self.index.viewed(space)
         if space.view is None:
             self.index.start_view(space)
             await self._grow_view(space)
         table = space.view
-        if table is None:  # (the namespace was removed while its table was filled)
-            raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
+        if table is None:  # (removed, or its table retired, while it was filled)
+            if self.index.spaces.get(space.name) is not space:
+                raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed "
+                              "meanwhile")
+            raise OSError(errno.EAGAIN, f"the table of KV namespace {space.name!r} was "
+                          "retired while it was filled (more namespaces are viewed than "
+                          "the daemon keeps tables for): ask again")
         return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
 
     async def _grow_view(self, space: Namespace) -> None:

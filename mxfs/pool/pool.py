@@ -541,13 +541,20 @@ class Pool:
                 raise OSError(errno.EIO, f"member {i} failed ({self.members[i].failed})")
 
     def probe(self, member: int, err: OSError) -> None:
-        """After an error touching `member`: is the member itself gone or failing?"""
+        """After an error touching `member`: is the member itself gone or failing?  The
+        daemon's own shortage (of descriptors, of memory) says nothing of the member:
+        a user who ran the daemon out of descriptors failed a member, and the pool."""
+        if err.errno in _SHORTAGE:
+            return
         if err.errno in (errno.EIO, errno.ENODEV, errno.ENXIO, errno.ESTALE, errno.ENOTCONN):
             self.fail(member, f"I/O error ({err.strerror})")
             return
         try:
             read_superblock(self.members[member].path)
-        except (OSError, SuperblockError) as e:
+        except OSError as e:
+            if e.errno not in _SHORTAGE:
+                self.fail(member, f"its superblock is gone ({e}): unmounted or removed")
+        except SuperblockError as e:
             self.fail(member, f"its superblock is gone ({e}): unmounted or removed")
 
     @property
@@ -810,6 +817,7 @@ def member_space(path: str) -> tuple[os.statvfs_result, int]:
     return os.statvfs(path), os.stat(path).st_dev
 
 
+_SHORTAGE = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)  # the daemon's, not a member's
 Guard = Callable[[int, Callable[[], int]], int | None]  # a member call: `fs/member_calls`
 MemberCall = Callable[[int, Callable[[], tuple[os.statvfs_result, int]]],
                       tuple[os.statvfs_result, int] | None]

@@ -168,9 +168,16 @@ def check_key(key: bytes) -> bytes:
 class KVIndex:
     """Every namespace's chunks, in LRU order; the daemon's one instance."""
 
-    def __init__(self, vol: Volume, max_per_user: int | None = None) -> None:
+    def __init__(self, vol: Volume, max_per_user: int | None = None,
+                 max_views: tuple[int, int] = (2048, 256)) -> None:
         self.vol = vol
         self.max_per_user = max_per_user  # namespaces one uid but root may own
+        # Presence tables kept (each a memfd and its mapping: two descriptors), in all
+        # and of one owner's namespaces; the namespaces that have one, least recently
+        # asked for first (`viewed`).
+        self.max_views, self.max_views_per_user = max_views
+        self._viewed: OrderedDict[str, Namespace] = OrderedDict()
+        self.views_by_tenant: Counter[int] = Counter()
         self.spaces: dict[str, Namespace] = {}
         # Namespaces, and their chunks, by their owners' tenants (a put asks: no scan).
         self._owned: Counter[int] = Counter()
@@ -260,9 +267,7 @@ class KVIndex:
         """Delete a namespace and every chunk in it; how many chunks went."""
         n = self.remove(space, list(space.chunks))
         self.vol.store.kv.drop_namespace(space.name)
-        for table in _tables(space):
-            table.retire(GONE)
-        space.view = space.next_view = None
+        self.unview(space, GONE)
         del self.spaces[space.name]
         self._owned[space.tenant] -= 1
         return n
@@ -304,6 +309,37 @@ class KVIndex:
                 self.start_view(space)  # (a copy of the keys: this one among them)
             if view.can_take():
                 view.add(key)
+
+    def viewed(self, space: Namespace) -> None:
+        """A reader asked for the namespace's table: it is the most recently asked for.
+        Past the limits, the least recently asked tables of its owner's namespaces (or
+        of all) are retired MOVED, their readers asking again when they next look: a
+        user who views a thousand namespaces holds no more of the daemon's descriptors
+        and memory than the limit (they ran it out of descriptors, and opens on the
+        members failed)."""
+        if space.name in self._viewed:
+            self._viewed.move_to_end(space.name)
+            return
+        self._viewed[space.name] = space
+        self.views_by_tenant[space.tenant] += 1
+        if space.tenant != 0 and self.views_by_tenant[space.tenant] > self.max_views_per_user:
+            self.unview(next(s for s in self._viewed.values() if s.tenant == space.tenant))
+        while len(self._viewed) > self.max_views:
+            self.unview(next(iter(self._viewed.values())))
+
+    def unview(self, space: Namespace, state: int = MOVED) -> None:
+        """Retire the namespace's tables (MOVED: its readers ask again; GONE: it went)."""
+        for table in _tables(space):
+            table.retire(state)
+        space.view = space.next_view = None
+        if self._viewed.pop(space.name, None) is not None:
+            self.views_by_tenant[space.tenant] -= 1
+            if self.views_by_tenant[space.tenant] <= 0:
+                del self.views_by_tenant[space.tenant]
+
+    def view_fds(self) -> int:
+        """Descriptors the tables hold (a memfd and its mapping's each)."""
+        return 2 * len(self._viewed)
 
     def start_view(self, space: Namespace) -> None:
         """Begin a presence table (`proto/presence.py`) for the namespace's keys: its
