@@ -132,6 +132,13 @@ def test_a_renames_ancestry_walk_is_right_and_bounded(
     deep = ROOT_INO
     for i in range(8):
         deep = mkdir(deep, b"d%d" % i)
+    asked = []  # (the rows of parents read)
+    get = store.engine.get
+    monkeypatch.setattr(store.engine, "get", lambda table, where, cols: asked.append(
+        cols == ("parent",)) or get(table, where, cols))
     with pytest.raises(OSError) as e:
         store.rename(ROOT_INO, b"x", deep, b"b")
     assert e.value.errno == errno.ELOOP
+    # The sole writer's walk ran once, from memory, and a failed change drops only the
+    # parents it touched: each such rename walked twice, the second reading every level.
+    assert sum(asked) == (0 if sole else 5)

@@ -31,6 +31,7 @@ class SoleCache:
         self.hit = False  # the change running took an answer from the cache
         self._names_used: list[Name] = []  # by the change running
         self._seals_used: list[int] = []
+        self._parents_used: list[int] = []
 
     def forget(self) -> None:
         """Drop every answer (a lost group, the lease going, the cache full)."""
@@ -44,6 +45,7 @@ class SoleCache:
         """A change starts: nothing of it noted yet."""
         self._names_used.clear()
         self._seals_used.clear()
+        self._parents_used.clear()
         self.hit = False
 
     def undo(self, births: int) -> None:
@@ -54,9 +56,11 @@ class SoleCache:
             self.complete.discard(key[0])
         for ino in self._seals_used:
             self.sealed.pop(ino, None)
-        self._names_used.clear()
+        for ino in self._parents_used:  # (it may have moved some: read again; the rest
+            self.parents.pop(ino, None)  # stand: all of them dropped made each failed
+        self._names_used.clear()          # rename into a deep tree read every level)
         self._seals_used.clear()
-        self.parents.clear()  # (a failed change may have moved some: read again)
+        self._parents_used.clear()
         if self.inodes is not None:
             self.inodes -= births
 
@@ -99,6 +103,7 @@ class SoleCache:
         """A directory's parent now (None: it is gone)."""
         if not self.on:
             return
+        self._parents_used.append(ino)
         if parent is None:
             self.parents.pop(ino, None)
             return

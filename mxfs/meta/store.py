@@ -55,7 +55,7 @@ log = logging.getLogger("mxfs.meta")
 T = TypeVar("T")
 _CACHE_LIMIT = 200_000
 LINK_MAX = 65_000  # hard links to one file (ext4's bound)
-MAX_DEPTH = 65_536  # levels a rename's ancestry walk goes up at most (ELOOP past them)
+MAX_DEPTH = 4096  # levels a rename's ancestry walk goes up at most (ELOOP past them)
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
 _XATTRS = "\0xattrs"  # journal mark: (uid, bytes) added to a uid's xattr tally
 
@@ -157,9 +157,9 @@ class MetaStore:
         try:
             try:
                 result = self.engine.txn(fn, undo=self._undo_memory)
-            except OSError:
-                if not self._sole.hit:
-                    raise
+            except OSError as e:
+                if not self._sole.hit or e.errno == errno.ELOOP:  # (a walk too deep is
+                    raise  # as deep read afresh: it ran twice, from memory, then rows)
                 self._sole.begin()  # its cached answers are dropped: fresh reads now
                 result = self.engine.txn(fn, undo=self._undo_memory)
             self._group_journal += self._journal
