@@ -372,6 +372,32 @@ def test_pool_wide_eviction_shares_the_pool_by_owner_not_by_namespace(
             s.close()
 
 
+def test_a_damaged_chunk_is_a_miss_to_a_reader_who_may_not_delete_it(
+        mounted: Mounted) -> None:
+    """A client drops a chunk that fails its checksum; a reader who may only read the
+    namespace is refused the drop, and that refusal failed her whole get (a writer
+    with bad checksums broke every read-only sharer's gets): now it is her miss."""
+    from conftest import chunk_files
+
+    m = str(mounted.path)
+    os.chmod(mounted.path, 0o755)
+    with KVStore(m, "ro", mode=0o755) as kv:
+        kv.put("k", b"k" * 5000)
+        kv.put("good", b"g" * 5000)
+    for path in chunk_files(mounted.members):
+        with open(path, "r+b") as f:
+            if os.path.getsize(path) == 5000 and f.read(1) == b"k":
+                f.seek(0)
+                f.write(b"X")
+    got = run_as(ensure_users()["alice"], """
+from mxfs.kv import KVStore
+kv = KVStore(sys.argv[1], "ro", shared=True)
+print(json.dumps([None if v is None else bytes(v).decode()[:1]
+                  for v in kv.batch_get(["k", "good"])]))
+""", m)
+    assert got == [None, "g"]
+
+
 def test_a_namespace_made_with_an_explicit_mode_lets_others_read_not_write(
         mounted: Mounted) -> None:
     import json

@@ -556,8 +556,9 @@ class KVStore:
                     landing.append(copies[i])
                 results.append(True if outs is not None else bytes(view))
             _DeviceHost.land(landing)
-            if bad:
-                self._ask(KV_DELETE({**self._ns, "keys": bad}))
+            if bad:  # (dropped for the next reader; one who may only read is refused,
+                with suppress(ControlError):  # and its get is its miss all the same)
+                    self._ask(KV_DELETE({**self._ns, "keys": bad}))
         finally:
             for f in files:
                 if f is not None:
