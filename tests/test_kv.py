@@ -745,3 +745,31 @@ def test_a_chunk_is_committed_into_the_namespace_it_was_made_for(mounted: Mounte
         assert c.call("kv_commit", namespace="made", **commit)["stored"] is True
     with KVStore(str(mounted.path), "made") as kv:
         assert bytes(kv.get(b"k")) == b"abc"
+
+
+def test_a_large_chunk_is_settled_at_its_commit_and_an_overdraft_refused(
+        mounted: Mounted) -> None:
+    """A chunk larger than a spare is settled at its commit in a worker thread (cutting
+    back what its writer wrote held the daemon's one thread): it reads back whole, and
+    one whose writer wrote past its declared size is refused and not stored."""
+    import base64
+
+    from mxfs.client import ControlClient
+    from mxfs.client.control import ControlError
+
+    data = os.urandom(6 << 20)
+    with KVStore(str(mounted.path), "large") as kv:
+        assert kv.put("six", data)
+        assert bytes(kv.get("six")) == data
+    key = base64.b64encode(b"over").decode()
+    with ControlClient(str(mounted.path)) as c:
+        made, fds = c.call_with_fds("kv_create", namespace="large", key=key, size=8 << 20)
+        os.pwrite(fds[0], b"x" * (4 << 20), 0)  # (a member's share is 2 MiB of the 8)
+        for fd in fds:
+            os.close(fd)
+        with pytest.raises(ControlError) as e:
+            c.call("kv_commit", namespace="large", ino=made["ino"], key=key, size=1,
+                   sum_unit=made["layout"]["stripe_unit"], sums="AAAAAAAAAAA=")
+        assert e.value.errno == errno.EFBIG
+    with KVStore(str(mounted.path), "large") as kv:
+        assert not kv.exists("over") and bytes(kv.get("six")) == data
