@@ -733,6 +733,24 @@ def test_get_many_reads_rows_by_key_in_few_statements(store: MetaStore, where: s
     other.close()
 
 
+def test_lengths_are_added_up_by_the_store(store: MetaStore) -> None:
+    """An xattr's bytes are counted where it is stored: a removed file's 256 KiB of
+    them was read into the daemon's memory to be counted."""
+    a = store.create(ROOT_INO, b"a", REG, 0, 0, layout_for=pick)
+    b = store.create(ROOT_INO, b"b", REG, 0, 0, layout_for=pick)
+    c = store.create(ROOT_INO, b"c", REG, 0, 0, layout_for=pick)
+    store.setxattr(a, b"user.x", b"v" * 1000)
+    store.setxattr(a, b"user.yy", b"\0" * 10)
+    store.setxattr(b, b"user.z", b"")
+    store.durable()
+    e = store.engine
+    measured = ("name", "value")
+    assert e.lengths("xattrs", "ino", measured, [a.ino, b.ino, c.ino, a.ino]) == {
+        a.ino: 6 + 1000 + 7 + 10, b.ino: 6}
+    assert e.lengths("xattrs", "ino", measured, []) == {}
+    assert e.lengths("xattrs", "ino", measured) == {a.ino: 1023, b.ino: 6}
+
+
 def assert_keys_are_index_probes(url: str) -> None:
     """A lookup of 128 keys (a bite) in a KV namespace of 20,000 rows, before any statistics
     were gathered (a namespace that grew since): each key one probe of the index, not

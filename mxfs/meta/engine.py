@@ -103,6 +103,13 @@ class Engine(ABC):
         particular order, none for a missing key."""
 
     @abstractmethod
+    def lengths(self, table: str, column: str, measured: Sequence[str],
+                keys: Iterable[object] | None = None) -> dict[Any, int]:
+        """The summed byte lengths of the `measured` columns of the rows whose `column`
+        is one of `keys` (every row: None), by that column's value, added up by the
+        store (a removed file's 256 KiB of xattrs was read into memory to be counted)."""
+
+    @abstractmethod
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
              limit: int | None = None) -> Iterator[Row]:

@@ -544,6 +544,18 @@ class PgEngine(Engine):
                               again=True).fetchall()
         return out
 
+    def lengths(self, table: str, column: str, measured: Sequence[str],
+                keys: Iterable[object] | None = None) -> dict[Any, int]:
+        if keys is None:
+            rows = self._exec(self._sql[("lengths", table, column, tuple(measured), -1)],
+                              (), again=True).fetchall()
+        else:
+            wanted, rows = list(dict.fromkeys(keys)), []
+            text = self._sql[("lengths", table, column, tuple(measured), 0)]
+            for i in range(0, len(wanted), MANY):
+                rows += self._exec(text, (wanted[i:i + MANY],), again=True).fetchall()
+        return {k: int(n or 0) for k, n in rows}
+
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,
              limit: int | None = None) -> Iterator[Row]:

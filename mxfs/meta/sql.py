@@ -102,6 +102,16 @@ def select_in(d: Dialect, name: str, columns: Sequence[str], column: str, n: int
     return f"SELECT {', '.join(columns)} FROM {t.name}{_one_of(d, column, n)}{also}"
 
 
+def lengths(d: Dialect, name: str, column: str, measured: Sequence[str], n: int) -> str:
+    """The summed byte lengths of the `measured` columns by `column` (for `n` keys of
+    it; every row for n < 0): the server adds them up, no value is fetched."""
+    t = table(name)
+    _check(t, [column, *measured])
+    total = " + ".join(f"length({c})" for c in measured)
+    where = _one_of(d, column, n) if n >= 0 else ""
+    return f"SELECT {column}, SUM({total}) FROM {t.name}{where} GROUP BY {column}"
+
+
 def delete_in(d: Dialect, name: str, column: str, n: int) -> str:
     t = table(name)
     _check(t, [column])
@@ -179,6 +189,8 @@ def statement(d: Dialect, key: Shape) -> str:
         return delete(d, name, rest[0])
     if op == "delete_many":
         return delete_in(d, name, rest[0], rest[1])
+    if op == "lengths":
+        return lengths(d, name, rest[0], rest[1], rest[2])
     raise ValueError(f"no statement {op!r}")
 
 

@@ -17,6 +17,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from mxfs.meta import sql
 from mxfs.meta.engine import Conflict, Engine, Row, Unusable, Where, expected, fail
@@ -218,6 +219,19 @@ class SqliteEngine(Engine):
                               tuple(where))]
             out += self._run(text, (*part, *where.values())).fetchall()
         return out
+
+    def lengths(self, table: str, column: str, measured: Sequence[str],
+                keys: Iterable[object] | None = None) -> dict[Any, int]:
+        if keys is None:
+            rows = self._run(self._sql[("lengths", table, column, tuple(measured), -1)],
+                             ()).fetchall()
+        else:
+            wanted, rows = list(dict.fromkeys(keys)), []
+            for i in range(0, len(wanted), _MANY):
+                part = _padded(wanted[i:i + _MANY])
+                rows += self._run(self._sql[("lengths", table, column, tuple(measured),
+                                             len(part))], part).fetchall()
+        return {k: int(n or 0) for k, n in rows}
 
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,
              order: str | None = None, after: object = None,

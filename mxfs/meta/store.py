@@ -878,11 +878,8 @@ class MetaStore:
         if not inos:
             return
         gone = self._owners(inos) if self.usage.counted else []
-        xattrs: dict[int, int] = {}
-        if gone:
-            for ino, name, value in self.engine.get_many("xattrs", "ino", inos,
-                                                         ("ino", "name", "value")):
-                xattrs[ino] = xattrs.get(ino, 0) + len(name) + len(value)
+        xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), inos) if gone \
+            else {}
 
         def change() -> None:
             for table in ("inodes", "xattrs", "orphans", "dirty_data", "sealed"):
@@ -914,9 +911,7 @@ class MetaStore:
         """Bytes and inodes by uid (`meta/usage.py`): counted from every row the first
         time (and after a lost group), memory's sizes of open files included."""
         if not self.usage.counted:
-            xattrs: dict[int, int] = {}
-            for ino, name, value in self.engine.scan("xattrs", ("ino", "name", "value")):
-                xattrs[ino] = xattrs.get(ino, 0) + len(name) + len(value)
+            xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"))
             cache = self._cache
             rows = []
             for ino, uid, mode, size in self.engine.scan("inodes",
