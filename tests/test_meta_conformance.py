@@ -27,6 +27,7 @@ from mxfs.meta import ROOT_INO, MetaStore, Unusable
 from mxfs.meta import check as meta_check
 from mxfs.meta.engine import Engine
 from mxfs.meta.schema import TABLES
+from mxfs.meta.usage import NAME_ROW
 
 UNIT = 1 << 20
 UUID = "00000000-0000-4000-8000-000000000015"
@@ -615,11 +616,12 @@ def test_a_sole_writer_keeps_count_of_its_inodes(store: MetaStore, where: str) -
     other.close()
 
 
-def _tally(store: MetaStore) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+def _tally(store: MetaStore) -> tuple[dict[int, int], ...]:
     usage = store.count_usage()
     return ({u: n for u, n in usage.bytes.items() if n},
             {u: n for u, n in usage.inodes.items() if n},
-            {u: n for u, n in usage.xattrs.items() if n})
+            {u: n for u, n in usage.xattrs.items() if n},
+            {u: n for u, n in usage.names.items() if n})
 
 
 def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
@@ -642,6 +644,13 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     store.create(ROOT_INO, b"d", DIR, 7, 7)
     store.touch(a, size=5000)  # a write past the end: memory first
     assert store.usage.bytes[7] == 5000 and store.usage.inodes[7] == 2
+    # Names cost their inodes' owners (hard links too); a link's target is its bytes.
+    assert store.usage.names[7] == 2 * (1 + NAME_ROW)
+    store.link(a.ino, ROOT_INO, b"a-too")
+    store.rename(ROOT_INO, b"a-too", ROOT_INO, b"a-also")
+    assert store.usage.names[7] == 2 * (1 + NAME_ROW) + len(b"a-also") + NAME_ROW
+    store.create(ROOT_INO, b"ln", stat.S_IFLNK | 0o777, 10, 10, target=b"t" * 100)
+    assert store.usage.bytes[10] == 100 and store.usage.owned_bytes(10) == 100 + 2 + NAME_ROW
     store.resize(b, 300)
     store.setxattr(a, b"user.x", b"v" * 100)
     store.setxattr(a, b"user.x", b"v" * 40)  # replaced: charged the difference
@@ -649,9 +658,12 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     assert store.removexattr(a, b"user.y") and not store.removexattr(a, b"user.y")
     assert store.usage.xattrs[7] == len(b"user.x") + 40
     agrees()
-    store.set_attrs(a, uid=8)  # chown moves the file's bytes, inode and xattrs
+    store.set_attrs(a, uid=8)  # chown moves the file's bytes, inode, xattrs and names
     assert store.usage.bytes[7] == 0 and store.usage.bytes[8] == 5300
     assert store.usage.xattrs[7] == 0 and store.usage.xattrs[8] == 46
+    assert store.usage.names[7] == 1 + NAME_ROW  # (d's)
+    assert store.usage.names[8] == 2 * (1 + NAME_ROW) + len(b"a-also") + NAME_ROW
+    store.unlink(ROOT_INO, b"a-also")
     assert errno_of(lambda: store.create(ROOT_INO, b"a", REG, 7, 7, layout_for=pick)) == \
         errno.EEXIST
 

@@ -42,6 +42,11 @@ def line_of(report: dict, uid: int) -> dict:
     return next(r for r in report["users"] if r["uid"] == uid)
 
 
+def files_bytes(line: dict) -> int:
+    """What a quota line counts of files' sizes alone (names, xattrs aside)."""
+    return int(line["bytes"] - line["name_bytes"] - line["xattr_bytes"])
+
+
 def quota(pool: Mounted, *args: str) -> dict:
     return json.loads(mxfs("quota", str(pool.path), "--json", *args).stdout)
 
@@ -94,8 +99,8 @@ print(json.dumps(os.stat({str(other / "big")!r}).st_size))
 """)
     assert bob_wrote == 3 << 20  # another user is not held by alice's quota
     report = quota(pool)  # root sees everyone
-    assert line_of(report, alice.uid)["bytes"] == 512 << 10
-    assert line_of(report, bob.uid)["bytes"] == 3 << 20
+    assert files_bytes(line_of(report, alice.uid)) == 512 << 10
+    assert files_bytes(line_of(report, bob.uid)) == 3 << 20
     quota(pool, "--user", alice.name, "--clear")
     assert line_of(quota(pool, "--user", str(alice.uid)), alice.uid)["bytes_limit"] == 0
 
@@ -128,7 +133,7 @@ print(json.dumps([too_big, second, reserved, kv_big, kv_small, c.call("quota")])
     assert reserved == 600 << 10
     assert kv_big == errno.EDQUOT and kv_small == "ok"
     line = line_of(mine, alice.uid)
-    assert line["bytes"] == (600 << 10) + (100 << 10) and line["reserved"] == 0
+    assert files_bytes(line) == (600 << 10) + (100 << 10) and line["reserved"] == 0
     assert (d / "x").stat().st_size == 600 << 10
     quota(pool, "--user", alice.name, "--clear")
 
@@ -159,6 +164,46 @@ for i in range(64):
     assert line["xattr_bytes"] >= made * 65536 and line["bytes"] <= 1 << 20
     for f in d.iterdir():
         f.unlink()
+    quota(pool, "--user", alice.name, "--clear")
+
+
+def test_names_and_link_targets_count_against_the_owners_byte_quota(pool: Mounted) -> None:
+    """Names live in the metadata store: a user with a quota of a few inodes made
+    20,000 hard links with long names (12 MB of the store) and symbolic links with
+    4 KiB targets, charged nothing.  Each name and target is its owner's now: the
+    links stop at her byte quota, and the names are shown as hers."""
+    from mxfs.meta.usage import NAME_ROW
+
+    alice = ensure_users()["alice"]
+    d = empty_home_with_quota(pool, alice, "--bytes", "256KiB", "--inodes", "10")
+    room = (256 << 10) - line_of(quota(pool, "--user", alice.name), alice.uid)["bytes"]
+    script = f"""
+d = {str(d)!r}
+open(d + "/f", "wb").close()
+made = 0
+try:
+    for i in range(5000):
+        os.link(d + "/f", d + "/" + f"{{i:05d}}" + "n" * 200)
+        made += 1
+    print(json.dumps([made, 0, 0]))
+except OSError as e:
+    try:
+        os.symlink("t" * 4000, d + "/ln")
+        linked = 0
+    except OSError as f:
+        linked = f.errno
+    print(json.dumps([made, e.errno, linked]))
+"""
+    made, code, linked = run_as(alice, script)
+    per_link = 205 + NAME_ROW
+    assert code == errno.EDQUOT and linked == errno.EDQUOT
+    assert made == (room - 1 - NAME_ROW) // per_link  # ("f" and its name first)
+    line = line_of(quota(pool, "--user", alice.name), alice.uid)
+    assert line["name_bytes"] >= made * per_link and line["bytes"] <= 256 << 10
+    for f in d.iterdir():
+        f.unlink()
+    after = line_of(quota(pool, "--user", alice.name), alice.uid)
+    assert after["bytes"] == (256 << 10) - room  # (given back with the names)
     quota(pool, "--user", alice.name, "--clear")
 
 

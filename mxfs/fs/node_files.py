@@ -328,7 +328,7 @@ class NodeFiles:
                 stat.S_IFDIR | (int_field(msg, "mode") & 0o7777) if op == "node_mkdir" \
                 else _made_by_mknod(int_field(msg, "mode"), int_field(msg, "rdev", 0), caller)
             self.vol.pool.check_meta_room(META_ROW + len(name) + len(link or b""))
-            self.vol.quotas.room(caller.uid, inodes=1)
+            self.vol.quotas.room_for_name(caller.uid, name, link or b"", inodes=1)
             mode, gid = owner_for(parent, kind, caller.uid, caller.gid,
                                   caller.gids.__contains__)
             place = functools.partial(self.vol.pick_layout, node=node) \
@@ -341,6 +341,7 @@ class NodeFiles:
                 raise OSError(errno.EPERM, "linking another user's file needs read and "
                               "write permission on it (protected_hardlinks)")
             self.vol.pool.check_meta_room(META_ROW + len(name))
+            self.vol.quotas.room_for_name(linked.uid, name)
             out["ino"] = store.link(linked.ino, parent.ino, name).ino
         elif op in ("node_unlink", "node_rmdir"):
             victim = store.lookup(parent.ino, name)

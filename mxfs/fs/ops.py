@@ -372,7 +372,7 @@ class MxfsOperations(pyfuse3.Operations):
                 target: bytes | None = None) -> Inode:
         parent = self.store.get(parent_inode)
         self.vol.pool.check_meta_room(META_ROW + len(name) + len(target or b""))
-        self.vol.quotas.room(ctx.uid, inodes=1)
+        self.vol.quotas.room_for_name(ctx.uid, name, target or b"", inodes=1)
         mode, gid = owner_for(parent, mode, ctx.uid, ctx.gid,
                               lambda g: g == ctx.gid or g in pyfuse3.get_sup_groups(ctx.pid))
         return self.store.create(parent_inode, name, mode, ctx.uid, gid, rdev=rdev,
@@ -421,6 +421,7 @@ class MxfsOperations(pyfuse3.Operations):
                                          new_name, ino=inode)
             return await self._row_attrs(inode, ctx.uid)
         self.vol.pool.check_meta_room(META_ROW + len(new_name))
+        self.vol.quotas.room_for_name(self.store.get(inode).uid, new_name)  # (its owner's)
         return self.attrs(self.store.link(inode, new_parent_inode, new_name))
 
     @_errors

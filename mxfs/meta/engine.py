@@ -104,10 +104,11 @@ class Engine(ABC):
 
     @abstractmethod
     def lengths(self, table: str, column: str, measured: Sequence[str],
-                keys: Iterable[object] | None = None) -> dict[Any, int]:
+                keys: Iterable[object] | None = None, per_row: int = 0) -> dict[Any, int]:
         """The summed byte lengths of the `measured` columns of the rows whose `column`
-        is one of `keys` (every row: None), by that column's value, added up by the
-        store (a removed file's 256 KiB of xattrs was read into memory to be counted)."""
+        is one of `keys` (every row: None), `per_row` more a row, by that column's
+        value, added up by the store (a removed file's 256 KiB of xattrs was read into
+        memory to be counted)."""
 
     @abstractmethod
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,

@@ -545,13 +545,14 @@ class PgEngine(Engine):
         return out
 
     def lengths(self, table: str, column: str, measured: Sequence[str],
-                keys: Iterable[object] | None = None) -> dict[Any, int]:
+                keys: Iterable[object] | None = None, per_row: int = 0) -> dict[Any, int]:
         if keys is None:
-            rows = self._exec(self._sql[("lengths", table, column, tuple(measured), -1)],
+            rows = self._exec(self._sql[("lengths", table, column, tuple(measured), -1,
+                                         per_row)],
                               (), again=True).fetchall()
         else:
             wanted, rows = list(dict.fromkeys(keys)), []
-            text = self._sql[("lengths", table, column, tuple(measured), 0)]
+            text = self._sql[("lengths", table, column, tuple(measured), 0, per_row)]
             for i in range(0, len(wanted), MANY):
                 rows += self._exec(text, (wanted[i:i + MANY],), again=True).fetchall()
         return {k: int(n or 0) for k, n in rows}

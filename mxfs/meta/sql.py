@@ -102,12 +102,14 @@ def select_in(d: Dialect, name: str, columns: Sequence[str], column: str, n: int
     return f"SELECT {', '.join(columns)} FROM {t.name}{_one_of(d, column, n)}{also}"
 
 
-def lengths(d: Dialect, name: str, column: str, measured: Sequence[str], n: int) -> str:
-    """The summed byte lengths of the `measured` columns by `column` (for `n` keys of
-    it; every row for n < 0): the server adds them up, no value is fetched."""
+def lengths(d: Dialect, name: str, column: str, measured: Sequence[str], n: int,
+            per_row: int = 0) -> str:
+    """The summed byte lengths of the `measured` columns (and `per_row` a row) by
+    `column` (for `n` keys of it; every row for n < 0): the server adds them up, no
+    value is fetched."""
     t = table(name)
     _check(t, [column, *measured])
-    total = " + ".join(f"length({c})" for c in measured)
+    total = " + ".join([*(f"length({c})" for c in measured), str(int(per_row))])
     where = _one_of(d, column, n) if n >= 0 else ""
     return f"SELECT {column}, SUM({total}) FROM {t.name}{where} GROUP BY {column}"
 
@@ -190,7 +192,7 @@ def statement(d: Dialect, key: Shape) -> str:
     if op == "delete_many":
         return delete_in(d, name, rest[0], rest[1])
     if op == "lengths":
-        return lengths(d, name, rest[0], rest[1], rest[2])
+        return lengths(d, name, rest[0], rest[1], rest[2], rest[3])
     raise ValueError(f"no statement {op!r}")
 
 

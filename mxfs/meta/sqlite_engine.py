@@ -221,16 +221,17 @@ class SqliteEngine(Engine):
         return out
 
     def lengths(self, table: str, column: str, measured: Sequence[str],
-                keys: Iterable[object] | None = None) -> dict[Any, int]:
+                keys: Iterable[object] | None = None, per_row: int = 0) -> dict[Any, int]:
         if keys is None:
-            rows = self._run(self._sql[("lengths", table, column, tuple(measured), -1)],
+            rows = self._run(self._sql[("lengths", table, column, tuple(measured), -1,
+                                         per_row)],
                              ()).fetchall()
         else:
             wanted, rows = list(dict.fromkeys(keys)), []
             for i in range(0, len(wanted), _MANY):
                 part = _padded(wanted[i:i + _MANY])
                 rows += self._run(self._sql[("lengths", table, column, tuple(measured),
-                                             len(part))], part).fetchall()
+                                             len(part), per_row)], part).fetchall()
         return {k: int(n or 0) for k, n in rows}
 
     def scan(self, table: str, columns: Sequence[str], where: Where | None = None, *,

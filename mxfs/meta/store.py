@@ -48,7 +48,7 @@ from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name
 from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.meta.sole_cache import SoleCache
-from mxfs.meta.usage import Usage
+from mxfs.meta.usage import NAME_ROW, Usage
 
 log = logging.getLogger("mxfs.meta")
 
@@ -58,6 +58,7 @@ LINK_MAX = 65_000  # hard links to one file (ext4's bound)
 MAX_DEPTH = 4096  # levels a rename's ancestry walk goes up at most (ELOOP past them)
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
 _XATTRS = "\0xattrs"  # journal mark: (uid, bytes) added to a uid's xattr tally
+_NAMES = "\0names"  # ... and to its names' tally
 
 
 class MetaStore:
@@ -192,6 +193,9 @@ class MetaStore:
             elif name == _XATTRS:
                 assert isinstance(old, tuple)
                 self.usage.add_xattrs(old[0], -old[1])
+            elif name == _NAMES:
+                assert isinstance(old, tuple)
+                self.usage.add_names(old[0], -old[1])
             else:
                 self.usage.change(node, name, old)
                 setattr(node, name, old)
@@ -299,10 +303,17 @@ class MetaStore:
         for name, value in values.items():
             journal.append((node, name, getattr(node, name)))
             if name == "uid" and value != node.uid and self.usage.counted:
-                moved = self._xattr_bytes(node.ino)  # a chown takes its xattrs along
+                assert isinstance(value, int)  # (a chown takes its xattrs and names)
+                moved = self.engine.lengths("xattrs", "ino", ("name", "value"),
+                                            [node.ino]).get(node.ino, 0)
                 self._charge_xattrs(node, node.uid, -moved)
-                assert isinstance(value, int)
                 self._charge_xattrs(node, value, moved)
+                named = self.engine.lengths("dentries", "ino", ("name",), [node.ino],
+                                            NAME_ROW).get(node.ino, 0)
+                for uid, delta in ((node.uid, -named), (value, named)):
+                    if delta:
+                        self.usage.add_names(uid, delta)
+                        self._journal.append((node, _NAMES, (uid, delta)))
             self.usage.change(node, name, value)
             setattr(node, name, value)
         self.engine.patch("inodes", {"ino": node.ino}, values)
@@ -466,6 +477,7 @@ class MetaStore:
         self.engine.put("dentries", {"id": cookie, "parent": parent, "name": name, "ino": ino})
         self._name((parent, name), ino)
         self._entry_changed(parent, name)
+        self._charge_name(ino, len(name))
 
     def _remove_entry(self, parent: int, name: bytes, ino: int) -> None:
         """(`ino`: what the change read the entry to name; if it names another now, or
@@ -474,6 +486,7 @@ class MetaStore:
                            expect=True)
         self._name((parent, name), None)
         self._entry_changed(parent, name)
+        self._charge_name(ino, -len(name))
 
     def _move_entry(self, parent: int, name: bytes, ino: int, new_parent: int,
                     new_name: bytes) -> None:
@@ -483,6 +496,7 @@ class MetaStore:
         self._name((new_parent, new_name), ino)
         self._entry_changed(parent, name)
         self._entry_changed(new_parent, new_name)
+        self._charge_name(ino, len(new_name) - len(name), rows=0)
 
     def _point_entry(self, parent: int, name: bytes, ino: int, new_ino: int) -> None:
         """The entry that names `ino` names `new_ino` instead."""
@@ -490,6 +504,21 @@ class MetaStore:
                           {"ino": new_ino}, expect=True)
         self._name((parent, name), new_ino)
         self._entry_changed(parent, name)
+        self._charge_name(ino, -len(name))
+        self._charge_name(new_ino, len(name))
+
+    def _charge_name(self, ino: int, nbytes: int, rows: int | None = None) -> None:
+        """`ino`'s owner is charged a name of `nbytes` more (less, if negative) and
+        its row (`rows`: that many rows; by default one more, or one fewer)."""
+        if not self.usage.counted:
+            return
+        node = self.get(ino)
+        if rows is None:
+            rows = 1 if nbytes >= 0 else -1
+        delta = nbytes + rows * NAME_ROW
+        if delta:
+            self.usage.add_names(node.uid, delta)
+            self._journal.append((node, _NAMES, (node.uid, delta)))
 
     def _touch_dir(self, d: Inode, now: int, nlink_delta: int = 0) -> None:
         """A directory's times (and link count) after a change of its entries.  In a
@@ -642,7 +671,7 @@ class MetaStore:
                 raise fail(errno.EPERM)
             if node.nlink == 0:
                 raise fail(errno.ENOENT)
-            if node.nlink >= LINK_MAX:  # (as ext4: names cost the store, not the quota)
+            if node.nlink >= LINK_MAX:  # (as ext4; each name is its owner's cost)
                 raise fail(errno.EMLINK)
             if self.entry_ino(parent, name) is not None:
                 raise fail(errno.EEXIST)
@@ -822,10 +851,6 @@ class MetaStore:
                 replaced = len(name) + len(value)
         return names, held, replaced
 
-    def _xattr_bytes(self, ino: int) -> int:
-        return sum(len(n) + len(v) for n, v in
-                   self.engine.scan("xattrs", ("name", "value"), {"ino": ino}))
-
     def _charge_xattrs(self, node: Inode, uid: int, delta: int) -> None:
         """Add `delta` bytes to `uid`'s xattr tally, put back if the change fails."""
         if delta and self.usage.counted:
@@ -912,13 +937,15 @@ class MetaStore:
         time (and after a lost group), memory's sizes of open files included."""
         if not self.usage.counted:
             xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"))
+            names = self.engine.lengths("dentries", "ino", ("name",), None, NAME_ROW)
             cache = self._cache
             rows = []
             for ino, uid, mode, size in self.engine.scan("inodes",
                                                          ("ino", "uid", "mode", "size")):
                 node = cache.get(ino)
-                rows.append((uid, mode, size, xattrs.get(ino, 0)) if node is None else
-                            (node.uid, node.mode, node.size, xattrs.get(ino, 0)))
+                if node is not None:
+                    uid, mode, size = node.uid, node.mode, node.size
+                rows.append((uid, mode, size, xattrs.get(ino, 0), names.get(ino, 0)))
             self.usage.recount(rows)
         return self.usage
 

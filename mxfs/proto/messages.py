@@ -65,8 +65,9 @@ class NamespaceStats(TypedDict):
 
 class QuotaRow(TypedDict):
     uid: int
-    bytes: int
-    xattr_bytes: int
+    bytes: int  # file and link sizes, xattrs and names (what the byte quota counts)
+    xattr_bytes: int  # ... of them xattrs' names and values
+    name_bytes: int  # ... and its inodes' names (each and its row: meta/usage.NAME_ROW)
     reserved: int  # declared sizes of unpublished files
     inodes: int
     bytes_limit: int  # 0: none

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mxfs.meta import Inode, MetaStore
+from mxfs.meta.usage import NAME_ROW
 from mxfs.proto.messages import QuotaReport, QuotaRow
 from mxfs.units import format_size
 
@@ -138,6 +139,12 @@ class Quotas:
                               "inodes (files, folders and KV chunks): remove some, or ask "
                               "root to raise its quota (mxfs quota)")
 
+    def room_for_name(self, uid: int, name: bytes, target: bytes = b"", inodes: int = 0
+                      ) -> None:
+        """EDQUOT if `uid` may not be charged a new name (a hard link's, or a new
+        inode's with `inodes` 1) and a link's `target` (`meta/usage.py`)."""
+        self.room(uid, len(name) + NAME_ROW + len(target), inodes)
+
     def reserve(self, uid: int, nbytes: int) -> None:
         self.reserved[uid] += nbytes
 
@@ -173,6 +180,7 @@ class Quotas:
         for u in uids:
             quota = self.of(u) if u != 0 else NONE
             rows.append({"uid": u, "bytes": usage.owned_bytes(u), "xattr_bytes": usage.xattrs[u],
+                         "name_bytes": usage.names[u],
                          "reserved": self.reserved[u],
                          "inodes": usage.inodes[u], "bytes_limit": quota.bytes,
                          "inodes_limit": quota.inodes,
