@@ -43,7 +43,11 @@ def test_states_and_what_ends_a_claim() -> None:
         assert claims.claim(space, [b"k4"], a, 1) == [YOURS]
         await trio.sleep(1.5)  # it ran out
         assert claims.claim(space, [b"k4"], b, 10) == [YOURS]
-        claims.dropped("n")
+        other = Namespace("m", 0, 0, 0o777, 0)
+        assert claims.claim(other, [b"k4"], a, 10) == [YOURS]
+        claims.dropped("n")  # (its claims alone end)
+        assert len(claims) == 1 and claims.claim(other, [b"k4"], b, 10) == [BUSY]
+        claims.dropped("m")
         assert len(claims) == 0
     _run(main)
 
