@@ -7,6 +7,7 @@ everything back and marks the metadata clean.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -303,6 +304,9 @@ class Daemon:
             tasks.append(self._sweep_strays)
         if self.vol.store.feed is not None:  # a writer whose pool other nodes may mount
             tasks += [self._prune_feed, self._publish_stats]
+        if not self.vol.store.readonly and \
+                (checkpoint := self.vol.store.engine.checkpoint_apart()) is not None:
+            tasks.append(functools.partial(self._checkpoints, checkpoint))
         return tasks
 
     async def serve(self, ready: Callable[[], None]) -> None:
@@ -427,6 +431,17 @@ class Daemon:
             except Exception as e:
                 failures.note("stats", None, e, trace=not isinstance(e, OSError))
             await trio.sleep(STATS_EVERY_S)
+
+    async def _checkpoints(self, checkpoint: Callable[[], None]) -> None:
+        """Each second, the embedded store's checkpoint in a worker thread (in a commit
+        it copied the WAL into the database and fsynced it on this thread)."""
+        failures = FailureLog(log)
+        while True:
+            await trio.sleep(1)
+            try:
+                await trio.to_thread.run_sync(checkpoint)
+            except Exception as e:  # (busy, a full member: the next one tries again)
+                failures.note("checkpoint", None, e, trace=not isinstance(e, OSError))
 
     async def _sweep_strays(self) -> None:
         """At mount and every `stray_s` (an hour at most): chunk files on this node's members whose

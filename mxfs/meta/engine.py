@@ -158,6 +158,12 @@ class Engine(ABC):
     def remove(self, table: str, where: Where, *, expect: bool = False) -> None:
         """`delete` without the count: no answer.  `expect` as for `patch`."""
 
+    def checkpoint_apart(self) -> Callable[[], None] | None:
+        """Leave the store's checkpoints out of its commits: a blocking call that
+        checkpoints through a connection of its own, for a worker thread to run now
+        and then (None: an engine whose server checkpoints alone)."""
+        return None
+
     @abstractmethod
     def remove_many(self, table: str, column: str, keys: Iterable[object]) -> None:
         """Remove every row whose `column` is one of `keys`, in few statements."""

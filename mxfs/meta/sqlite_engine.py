@@ -16,7 +16,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from mxfs.meta import sql
@@ -64,6 +64,7 @@ def _overflow(e: OverflowError) -> OSError:
 # get_many binds at most this many keys per statement (SQLite's limit is 32766), and
 # pads shorter lists to a power of two, so few statement texts are made.
 _MANY = 512
+CHECKPOINT_AT = 4 << 20  # WAL bytes past which `checkpoint_apart` checkpoints (~1,000 pages)
 
 
 def _padded(keys: list[object]) -> list[object]:
@@ -101,6 +102,7 @@ class SqliteEngine(Engine):
         self._floor: dict[str, int] = {}  # the highest this connection ever drew
         self._group_open = False
         self._group_started = 0.0
+        self._checkpointer: sqlite3.Connection | None = None  # (`checkpoint_apart`)
         self.reserve = Reserve(path)
         if not readonly:
             self.reserve.keep()
@@ -469,11 +471,35 @@ class SqliteEngine(Engine):
         finally:
             src.close()
 
+    def checkpoint_apart(self) -> Callable[[], None] | None:
+        """SQLite checkpoints in the commit that takes the WAL past 1,000 pages: it
+        copies them into the database and fsyncs it, on the daemon's one thread.  Off
+        from now on; the call returned checkpoints (PASSIVE: never waiting for this
+        connection's group) once the WAL holds CHECKPOINT_AT."""
+        if self.readonly:
+            return None
+        self.db.execute("PRAGMA wal_autocheckpoint=0")
+        other = self._checkpointer = sqlite3.connect(self.path, isolation_level=None,
+                                                     check_same_thread=False)
+
+        def checkpoint() -> None:
+            try:
+                if os.path.getsize(self.path + "-wal") < CHECKPOINT_AT:
+                    return
+                other.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except FileNotFoundError:
+                pass
+            except sqlite3.Error as e:
+                raise self._error(e) from None
+        return checkpoint
+
     def close(self) -> None:
         try:
             self.commit()
         finally:
             self.db.close()
+            if self._checkpointer is not None:
+                self._checkpointer.close()
 
 
 def file_problem(path: str) -> tuple[str | None, str | None]:

@@ -495,7 +495,7 @@ class KVIndex:
         for space in spaces:
             quota = -(-need * weights[space.name] // weight_sum) if weight_sum else 0
             most = -(-VICTIMS * weights[space.name] // weight_sum) if weight_sum else 0
-            taken, n, passed = 0, 0, []
+            taken, n, passed = 0, 0, list[bytes]()
             for key, chunk in space.chunks.items():
                 if taken >= quota or n >= most or len(passed) >= VICTIMS:
                     break
