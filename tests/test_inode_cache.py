@@ -142,3 +142,28 @@ def test_a_renames_ancestry_walk_is_right_and_bounded(
     # The sole writer's walk ran once, from memory, and a failed change drops only the
     # parents it touched: each such rename walked twice, the second reading every level.
     assert sum(asked) == (0 if sole else 5)
+
+
+def test_removed_files_xattrs_are_freed_a_bite_a_round(vol: Volume,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reclaim round's rows are deleted, and committed, on the daemon's one thread:
+    removed files holding many xattr bytes are freed XATTR_BITE a round (one file at
+    least), the rest in the rounds after, every one in the end."""
+    from mxfs.vol import volume
+
+    monkeypatch.setattr(volume, "XATTR_BITE", 250 << 10)
+    store = vol.store
+    inos = []
+    for i in range(5):
+        node = store.create(ROOT_INO, b"x%d" % i, stat.S_IFREG | 0o644, 0, 0,
+                            layout_for=vol.pick_layout)
+        store.setxattr(node, b"user.v", b"v" * (100 << 10))
+        inos.append(node.ino)
+        vol.unlinked(store.unlink(ROOT_INO, b"x%d" % i))
+    rounds = []
+    while taken := vol.take_pending():
+        rounds.append(taken)
+        vol.remove_chunks(taken)
+        vol.drop_inodes(taken)
+    assert [len(r) for r in rounds] == [2, 2, 1] and sum(rounds, []) == inos
+    assert all(store.getxattr(ino, b"user.v") is None for ino in inos)
