@@ -246,16 +246,16 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                 except OSError as e:
                     opened[p.name] = e.errno
 
-            def create() -> None:  # (its chunk files on both members: one waits)
+            def create(name: str = "create") -> None:  # (on both members: one waits)
                 try:
                     with ControlClient(str(outer.path)) as c:
-                        made, fds = c.call_with_fds("create", path="/new", size=4096)
+                        made, fds = c.call_with_fds("create", path="/" + name, size=4096)
                         for fd in fds:
                             os.close(fd)
                         c.call("abort", ino=made["ino"])
-                    opened["create"] = "ok"
+                    opened[name] = "ok"
                 except OSError as e:
-                    opened["create"] = e.errno
+                    opened[name] = e.errno
 
             pid = inner.daemon_pid()
             os.kill(pid, signal.SIGSTOP)
@@ -270,12 +270,14 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                 asking.start()
                 asking.join(120)
                 held_up = asking.is_alive()
+                create("late")  # (left out now: EIO at once, the member not failed)
             finally:
                 os.kill(pid, signal.SIGCONT)
             asking.join(120)
             for t in openers:
                 t.join(120)
             assert not held_up, "a request waited on the stopped member"
+            assert opened["late"] == errno.EIO
             assert set(opened.values()) <= {"ok", errno.EIO} and "ok" in opened.values()
             assert answered["sizes"] == [4096] * 4
             assert all(p.name in answered["ls"] for p in names) and answered["df"] > 0

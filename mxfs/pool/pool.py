@@ -544,7 +544,7 @@ class Pool:
         """After an error touching `member`: is the member itself gone or failing?  The
         daemon's own shortage (of descriptors, of memory) says nothing of the member:
         a user who ran the daemon out of descriptors failed a member, and the pool."""
-        if err.errno in _SHORTAGE:
+        if err.errno in _SHORTAGE or isinstance(err, NotAnswering):
             return
         if err.errno in (errno.EIO, errno.ENODEV, errno.ENXIO, errno.ESTALE, errno.ENOTCONN):
             self.fail(member, f"I/O error ({err.strerror})")
@@ -666,8 +666,8 @@ class Pool:
             return os.open(path, flags, 0o600)
         fd = guard(member, functools.partial(os.open, path, flags, 0o600))
         if fd is None:
-            raise OSError(errno.EIO, f"member {member} ({self.members[member].path}) is "
-                          "not answering: its files cannot be opened now")
+            raise NotAnswering(errno.EIO, f"member {member} ({self.members[member].path}) "
+                               "is not answering: its files cannot be opened now")
         return fd
 
     def remove_chunks(self, ino: int, far: Sequence[int] = ()) -> None:
@@ -818,6 +818,11 @@ def member_space(path: str) -> tuple[os.statvfs_result, int]:
 
 
 _SHORTAGE = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)  # the daemon's, not a member's
+
+
+class NotAnswering(OSError):
+    """A member left out of a call for now (`fs/member_calls.py`): slow or hung, not
+    failed (`probe` leaves it in service)."""
 Guard = Callable[[int, Callable[[], int]], int | None]  # a member call: `fs/member_calls`
 MemberCall = Callable[[int, Callable[[], tuple[os.statvfs_result, int]]],
                       tuple[os.statvfs_result, int] | None]

@@ -491,6 +491,9 @@ class KVIndex:
                 part = owner_weights[t] * within[s.name] // total if total else 0
                 weights[s.name] = max(part, s.used - s.capacity if s.capacity else 0)
         weight_sum = sum(weights.values())
+        if not weight_sum:  # (an owner's excess split by integer division to nothing)
+            weights = {s.name: s.used for s in spaces}
+            weight_sum = sum(weights.values())
         victims: list[tuple[Namespace, bytes]] = []
         for space in spaces:
             quota = -(-need * weights[space.name] // weight_sum) if weight_sum else 0

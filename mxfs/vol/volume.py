@@ -511,19 +511,21 @@ class Volume:
             try:
                 self.store.commit()
                 orphans = self.store.orphans_among(inos)
+                sizes = self.store.engine.lengths("xattrs", "ino", ("name", "value"),
+                                                  orphans)
             except OSError:
                 self.pending_reclaim = inos + self.pending_reclaim  # tried again next round
                 raise
             self.freeing.drop(set(inos) - set(orphans))  # (their change was lost)
-            inos = self._xattr_bite(orphans)
+            inos = self._xattr_bite(orphans, sizes)
             self._far_pending.update(self._far_of(inos))
         return inos
 
-    def _xattr_bite(self, inos: list[int]) -> list[int]:
-        """The first of `inos` whose xattrs come to XATTR_BITE bytes (one at least); the
-        rest back at the head of the queue: their rows' delete, and its commit, run on
-        the daemon's one thread (512 files of 256 KiB of xattrs each held it ~0.3 s)."""
-        sizes = self.store.engine.lengths("xattrs", "ino", ("name", "value"), inos)
+    def _xattr_bite(self, inos: list[int], sizes: dict[int, int]) -> list[int]:
+        """The first of `inos` whose xattrs (`sizes`) come to XATTR_BITE bytes (one at
+        least); the rest back at the head of the queue: their rows' delete, and its
+        commit, run on the daemon's one thread (512 files of 256 KiB of xattrs each
+        held it ~0.3 s)."""
         if sum(sizes.values()) <= XATTR_BITE:
             return inos
         total = 0
@@ -588,9 +590,10 @@ class Volume:
         self.freeing.drop(inos)
 
     def reclaim_pending(self) -> None:
-        inos = self.take_pending()
-        self.remove_chunks(inos)
-        self.drop_inodes(inos)
+        """Free every orphan queued (at unmount, by tools): bite after bite."""
+        while inos := self.take_pending():
+            self.remove_chunks(inos)
+            self.drop_inodes(inos)
 
     def resize(self, node: Inode, size: int) -> bool:
         """Set a file's size in the store, committed; True if it shrank: then the
