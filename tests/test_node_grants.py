@@ -77,7 +77,9 @@ def test_a_users_grants_are_bounded_and_never_take_anothers(
             grants.room("b", 1, ino, ALICE)
         assert e.value.errno == errno.EMFILE
     grants.room("b", 1, 2, ALICE)  # (one she holds already takes no more)
-    grants.room("c", 1, 3, ALICE)  # (through another node: her own count there)
+    with pytest.raises(OSError) as e:  # (through another node too: her count is the
+        grants.room("c", 1, 3, ALICE)  # pool's, or a user on 16 nodes held them all)
+    assert e.value.errno == errno.EMFILE
     assert grants.check("b", 1, 20) == ("b", 1, BOB)  # (bob's grant stays)
     for ino in (30, 31):  # root: past a user's bound, not past the writer's
         grants.room("b", 1, ino, 0)
@@ -140,4 +142,10 @@ def test_one_users_flood_pushes_out_only_its_own_remembered_answers(
     assert files.names_done[("c", "bob")] == {"ok": "on c"}
     assert [t for t in files.names_done if t[1].startswith("a")] == \
         [("b", f"a{i}") for i in range(96, 100)]
+    # The whole table's oldest go from their users' queues too (they stayed: memory
+    # grew with every user and node, past the table's bound).
+    for uid in range(1000, 1040):
+        files._remember_name(("d", f"u{uid}"), uid, {})
+    assert len(files.names_done) == 10
+    assert sum(len(q) for q in files._done_by.values()) == 10 and len(files._done_by) <= 10
 

@@ -324,13 +324,20 @@ class ChunkService:
                         self._failures.note("chunk scope", None, WireError(
                             f"a scope of {count} files (at most {MAX_SCOPE})"), trace=False)
                         return
+                    if scope is not None:  # (narrowed once, for good: a second SCOP was
+                        # answered outside the readers' turns, as often as one liked)
+                        self._failures.note("chunk scope", None, WireError(
+                            "a second scope on a scoped connection"), trace=False)
+                        return
                     items = await _recv_exact(stream, count * SCOPE_ITEM.size)
-                    code = errno.EPERM if scope is not None else 0  # narrowed once, for good
+                    code = 0 if self.only_uid in (None, reader) else errno.EACCES
                     if not code:
                         scope = dict(SCOPE_ITEM.iter_unpack(items))
                         until = trio.current_time() + SCOPE_S
                         uid = reader
                     await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
+                    if code:
+                        return
                     continue
                 if tag == b"KPUT" or tag == b"KREQ" or tag in KEY_TAGS or tag in CHUNK_OPS:
                     if scope is not None:  # a local reader's: it reads, nothing else

@@ -34,10 +34,11 @@ from mxfs.fs.session import refuse_if_degraded
 from mxfs.meta import Inode
 from mxfs.pool.pool import META_ROW
 from mxfs.vol.access import W_OK, X_OK, Caller, may, may_change_in, owner_for
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
 GRANTS = 65536  # files granted to nodes for writing at once, in all
-GRANTS_PER_USER = 4096  # of them, one user's through one node (not root's)
+GRANTS_PER_USER = 4096  # of them, one user's through every node (not root's)
 SHARE_MIN = 8 << 20  # the least share of an owner's quota reserved for a node at once
 
 
@@ -124,16 +125,18 @@ class Grants:
     """Files granted to nodes for writing through their mounts, by (node, inode): the
     epoch of the node that was granted each (a node that joined again is granted
     anew), the file's owner and who opened it.  A node lets a grant go after its last
-    close of the file.  A user holds GRANTS_PER_USER at most through one node (root:
+    close of the file.  A user (her subordinate uids with her) holds GRANTS_PER_USER at
+    most through all nodes together (root:
     GRANTS in all), and the writer GRANTS: past them an open is refused (EMFILE,
     ENFILE), never another's grant taken.  A node's last grant of an owner's files
     gives its share of that owner's quota back."""
 
     def __init__(self, rooms: Rooms) -> None:
         self.rooms = rooms
-        self._held: dict[tuple[str, int], tuple[int, int, int]] = {}  # (epoch, owner, uid)
+        self._held: dict[tuple[str, int], tuple[int, int, int]] = {}  # (epoch, owner,
+        #                                                              opener's tenant)
         self._owners: dict[Share, int] = {}  # files granted, by share
-        self._by_user: Counter[tuple[str, int]] = Counter()  # by (node, opener's uid)
+        self._by_user: Counter[int] = Counter()  # by opener's tenant, through every node
         self._by_node: dict[str, set[int]] = {}
         self._unnamed: set[tuple[str, int]] = set()  # left out of a node's last whole word
 
@@ -144,9 +147,10 @@ class Grants:
         held = self._held.get((node, ino)) if ino is not None else None
         if held is not None and held[0] == epoch:
             return
-        if uid != 0 and self._by_user[(node, uid)] >= GRANTS_PER_USER:
-            raise OSError(errno.EMFILE, f"uid {uid} has {GRANTS_PER_USER} files open for "
-                          f"writing through node {node}: close some")
+        if uid != 0 and self._by_user[tenant_of(uid)] >= GRANTS_PER_USER:
+            raise OSError(errno.EMFILE, f"uid {tenant_of(uid)} has {GRANTS_PER_USER} files "
+                          "open for writing through other nodes' mounts (with its "
+                          "subordinate uids'): close some")
         if len(self._held) >= GRANTS:
             raise OSError(errno.ENFILE, f"{GRANTS} files are open for writing through "
                           "other nodes' mounts: close some")
@@ -158,9 +162,9 @@ class Grants:
         if held is not None and held[0] == epoch and held[1] == owner:
             return
         self.let_go(node, ino)
-        self._held[(node, ino)] = (epoch, owner, uid)
+        self._held[(node, ino)] = (epoch, owner, tenant_of(uid))
         self._by_node.setdefault(node, set()).add(ino)
-        self._by_user[(node, uid)] += 1
+        self._by_user[tenant_of(uid)] += 1
         share = (node, epoch, owner)
         self._owners[share] = self._owners.get(share, 0) + 1
 
@@ -182,9 +186,9 @@ class Grants:
         if not self._by_node[node]:
             del self._by_node[node]
         self._unnamed.discard((node, ino))
-        self._by_user[(node, held[2])] -= 1
-        if not self._by_user[(node, held[2])]:
-            del self._by_user[(node, held[2])]
+        self._by_user[held[2]] -= 1
+        if not self._by_user[held[2]]:
+            del self._by_user[held[2]]
         share = (node, held[0], held[1])
         self._owners[share] -= 1
         if not self._owners[share]:

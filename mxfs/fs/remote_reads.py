@@ -65,7 +65,8 @@ class RemoteReads:
     def __init__(self, vol: Volume, limits: Limits) -> None:
         self.vol, self.limits = vol, limits
         self.grants: dict[int, Grant] = {}
-        self.by_uid: Counter[int] = Counter()  # connections held (and being opened)
+        self.by_uid: Counter[int] = Counter()  # connections held (and being opened), by
+        #                                      tenant (a user's subordinate uids with her)
         self.held = 0
         self.refused = 0  # opens sent to the mount: a limit was reached
         self._ids = itertools.count(1)
@@ -83,20 +84,20 @@ class RemoteReads:
         their bytes, up to CONNS) and their descriptors for the caller; EREMOTE past
         the limits (the caller reads through the mount, or has the bytes copied)."""
         self.sweep()
-        uid, lim = session.caller.uid, self.limits
+        uid, tenant, lim = session.caller.uid, session.tenant, self.limits
         n = min(members, CONNS, lim.max_remote_reads - self.held,
-                lim.max_remote_reads_per_user - self.by_uid[uid])
+                lim.max_remote_reads_per_user - self.by_uid[tenant])
         if n < 1:
             self.refused += 1
             raise OSError(errno.EREMOTE, "this node's direct reads of other nodes are all "
                           "in use (max_remote_reads, max_remote_reads_per_user): read "
                           "through the mount")
-        self._count(uid, n)  # before the wait: opens meanwhile see them taken
+        self._count(tenant, n)  # before the wait: opens meanwhile see them taken
         try:
             socks, owner = await trio.to_thread.run_sync(
                 self._connect, [(f.ino, f.generation) for f in files], n, uid)
         except BaseException:
-            self._count(uid, -n)
+            self._count(tenant, -n)
             raise
         grant = Grant(next(self._ids), session, socks, trio.current_time() + GRANT_S)
         self.grants[grant.id] = grant
@@ -164,7 +165,7 @@ class RemoteReads:
 
     def _end(self, grant: Grant) -> None:
         del self.grants[grant.id]
-        self._count(grant.uid, -len(grant.socks))
+        self._count(grant.session.tenant, -len(grant.socks))
         for s in grant.socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)  # the reader's copy too
