@@ -535,6 +535,24 @@ def test_names_another_writer_made_stale_are_read_again(store: MetaStore,
     again.close()
 
 
+def test_parents_another_writer_made_stale_are_read_again(store: MetaStore,
+                                                          where: str) -> None:
+    """A daemon caches directories' parents for a rename's ancestry walk; another
+    writer's move makes them stale.  A rename the stale chain refused (EINVAL: "into
+    its own subtree") is run again on fresh reads, and made."""
+    store.sole_writer(True)
+    a = store.create(ROOT_INO, b"a", DIR, 0, 0)
+    b = store.create(a.ino, b"b", DIR, 0, 0)  # (cached: b's parent is a)
+    other = MetaStore.open(where)
+    try:
+        other.rename(a.ino, b"b", ROOT_INO, b"b")  # b back at the top
+    finally:
+        other.close()
+    store.rename(ROOT_INO, b"a", b.ino, b"a")  # a into b: no loop, in the rows
+    assert store.lookup(b.ino, b"a").ino == a.ino
+    store.sole_writer(False)
+
+
 def test_a_groups_directory_times_are_written_once_as_it_commits(store: MetaStore,
                                                                   where: str) -> None:
     d = store.create(ROOT_INO, b"d", DIR, 0, 0)

@@ -217,6 +217,8 @@ def test_checkpoints_apart_leave_the_commits_and_keep_every_change(tmp_path: Pat
     assert wal.stat().st_size >= CHECKPOINT_AT and db.stat().st_size == before
     checkpoint()
     assert db.stat().st_size > before + (40 * 64 << 10)  # (the pages copied over)
+    s.setxattr(s.lookup(ROOT_INO, b"x0"), b"user.w", b"w")  # (the WAL restarts, cut)
+    assert wal.stat().st_size < CHECKPOINT_AT
     s.close()
     again = MetaStore.open(str(tmp_path / "meta"))
     assert again.getxattr(again.lookup(ROOT_INO, b"x39").ino, b"user.v") is not None

@@ -207,6 +207,37 @@ except OSError as e:
     quota(pool, "--user", alice.name, "--clear")
 
 
+def test_creates_at_once_are_charged_before_their_files_are_made(pool: Mounted) -> None:
+    """A direct create's chunk files are opened off the daemon's thread: one user's 16
+    creates at once, each of 600 KiB under a 1 MiB quota, each passed the quota check
+    before any had reserved its size.  Only one is made now."""
+    alice = ensure_users()["alice"]
+    d = empty_home_with_quota(pool, alice, "--bytes", "1MiB")
+    made = run_as(alice, f"""
+import threading
+from mxfs.client import ControlClient
+clients = [ControlClient({str(pool.path)!r}) for _ in range(16)]
+out, start = [], threading.Barrier(16)
+def create(i):
+    start.wait()
+    try:
+        c = clients[i]
+        reply, fds = c.call_with_fds("create", path=c.pool_path({str(d)!r} + f"/c{{i}}"),
+                                     size=600 << 10)
+        out.append("ok")
+    except OSError as e:
+        out.append(e.errno)
+threads = [threading.Thread(target=create, args=(i,)) for i in range(16)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(sorted(out, key=str)))
+""")
+    assert made.count("ok") == 1 and made.count(errno.EDQUOT) == 15, made
+    quota(pool, "--user", alice.name, "--clear")
+
+
 def test_quotas_and_usage_survive_a_remount_and_show_in_status(pool: Mounted) -> None:
     bob = ensure_users()["bob"]
     d = home(pool, bob)

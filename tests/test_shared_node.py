@@ -887,9 +887,10 @@ def test_a_users_kv_views_hold_a_bounded_share_of_the_daemons_descriptors(
         fds = f"/proc/{m.daemon_pid()}/fd"
         before = len(os.listdir(fds))
         assert all(viewed(users["alice"].uid, f"alice-{i}") for i in range(12))
-        assert len(os.listdir(fds)) - before <= 2 * 4
+        # (eventually: the daemon closes a closed client's connection as it sees it)
+        assert eventually(lambda: len(os.listdir(fds)) - before <= 2 * 4)
         assert all(viewed(users["bob"].uid, f"bob-{i}") for i in range(4))
-        assert len(os.listdir(fds)) - before <= 2 * 6
+        assert eventually(lambda: len(os.listdir(fds)) - before <= 2 * 6)
         assert viewed(users["alice"].uid, "alice-0")  # (retired: made again)
 
 

@@ -177,9 +177,14 @@ class FileOps:
             self.vol.pool.check_space(m, -(-size // layout.width))
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
                               caller.gids.__contains__)
-        entry, members, fds = await open_hidden(self.vol, parent, mode, caller.uid, gid,
-                                                self.calls)
-        session.hold(Pending(entry, path, size))
+        session.book(size)
+        try:
+            entry, members, fds = await open_hidden(self.vol, parent, mode, caller.uid, gid,
+                                                    self.calls)
+        except BaseException:
+            session.unbook(size)
+            raise
+        session.hold(Pending(entry, path, size), booked=True)
         return {**self._describe(entry.node), "members": members}, fds
 
     async def _create_here(self, session: Session, body: dict[str, Any]
@@ -188,20 +193,25 @@ class FileOps:
         this node's members (`node_create`); its chunk files are opened here."""
         assert self.forwarded is not None
         self.forwarded.check_writable()
-        caller = session.caller
+        caller, size = session.caller, int(body["size"])
+        session.book(size)
         try:
-            made = await self.forwarded.ask(caller, "node_create", body)
-        except BaseException:  # (made, perhaps, and its answer lost: dropped by name)
-            self.forwarded.abort_later(caller, token=str(body["token"]))
-            raise
-        ino = int(made["ino"])
-        try:
-            node = await self._row(ino, caller.uid)
-            entry, members, fds = open_writers(self.vol, self.vol.acquire(node))
+            try:
+                made = await self.forwarded.ask(caller, "node_create", body)
+            except BaseException:  # (made, perhaps, and its answer lost: dropped by name)
+                self.forwarded.abort_later(caller, token=str(body["token"]))
+                raise
+            ino = int(made["ino"])
+            try:
+                node = await self._row(ino, caller.uid)
+                entry, members, fds = open_writers(self.vol, self.vol.acquire(node))
+            except BaseException:
+                self.forwarded.abort_later(caller, ino)
+                raise
         except BaseException:
-            self.forwarded.abort_later(caller, ino)
+            session.unbook(size)
             raise
-        session.hold(Pending(entry, str(body["path"]), int(body["size"])))
+        session.hold(Pending(entry, str(body["path"]), size), booked=True)
         self.forwarded.writing.add(ino)
         return {**self._describe(node, False), "members": members}, fds
 

@@ -101,6 +101,9 @@ COLD_OPEN_S = _cold_open_s()
 # cold batches one user sends, the mount's I/O threads and trio's are not theirs to fill.
 _OPENERS = ThreadPoolExecutor(8, thread_name_prefix="mxfs-kv-open")
 _OPENING = trio.CapacityLimiter(2)
+# Large chunks' commits settle their chunk files in threads of their own: on a hung
+# member they would hold the threads every user's creates, df and stats use.
+_SETTLING = trio.CapacityLimiter(4)
 
 
 INLINE_WRITE = 256 << 10  # a chunk this small is written on trio's thread (as kv_put's)
@@ -258,7 +261,7 @@ class KVOps:
                     ) -> Answer[KVViewReply]:
         """A read-only descriptor of the namespace's presence table: the caller answers
         exists from it without asking (`proto/presence.py`)."""
-        self.index.viewed(space)
+        self.index.viewed(space, session.tenant)
         if space.view is None:
             self.index.start_view(space)
             await self._grow_view(space)
@@ -616,12 +619,17 @@ class KVOps:
         root = await self._room(space, size, caller.uid)
         if self.index.spaces.get(space.name) is not space:
             raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
-        if size <= ONE_MEMBER_MAX:  # a spare: committed, its one chunk file made ahead
-            entry, members, fds = self._open_spare(caller)
-        else:  # striped over the members, as the root's files are
-            entry, members, fds = await open_hidden(self.vol, root, 0o600, caller.uid,
-                                                    caller.gid, self.calls)
-        session.hold(Pending(entry, "", size, namespace=space.name))
+        session.book(size)
+        try:
+            if size <= ONE_MEMBER_MAX:  # a spare: committed, its one chunk file made ahead
+                entry, members, fds = self._open_spare(caller)
+            else:  # striped over the members, as the root's files are
+                entry, members, fds = await open_hidden(self.vol, root, 0o600, caller.uid,
+                                                        caller.gid, self.calls)
+        except BaseException:
+            session.unbook(size)
+            raise
+        session.hold(Pending(entry, "", size, namespace=space.name), booked=True)
         return {"exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds
 
@@ -663,7 +671,7 @@ class KVOps:
             self.vol.settle_hidden(entry, size, sync=False)
             return True
         if size > pending.declared or not (
-                await self.calls.run_whole(settled, session.caller.uid)
+                await trio.to_thread.run_sync(settled, limiter=_SETTLING)
                 if pending.declared > ONE_MEMBER_MAX else settled()):
             await drop_pending(self.vol, session, entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "

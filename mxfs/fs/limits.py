@@ -30,8 +30,8 @@ class Limits:
     max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid
     max_kv_claims_per_user: int = 16384  # KV keys one uid claims to compute at once
-    max_kv_views: int = 2048        # namespaces' presence tables (`kv_view`; 2 fds each)
-    max_kv_views_per_user: int = 256  # ... of namespaces one uid owns
+    max_kv_views: int = 4096        # namespaces' presence tables (`kv_view`; 2 fds each)
+    max_kv_views_per_user: int = 512  # ... those one uid's views made
     max_remote_reads: int = 64      # chunk-service connections a reading node hands readers
     max_remote_reads_per_user: int = 16  # ... to one uid (fs/remote_reads.py)
     idle_timeout: int = 3600        # s: a connection holding nothing is closed when idle so long

@@ -149,9 +149,13 @@ class Listener:
         is reached), or None."""
         lim = self.limits
         total = self.connections()
-        if total >= lim.max_conns or total + self.other_fds() + lim.fd_reserve >= fd_limit():
+        if total >= lim.max_conns:
             return OSError(errno.ENFILE, f"the daemon holds {total} control connections, its "
                            "limit (mount option max_conns); try again later")
+        if total + self.other_fds() + lim.fd_reserve >= fd_limit():
+            return OSError(errno.ENFILE, f"the daemon holds {total} control connections and "
+                           f"{self.other_fds()} other descriptors, near its limit of "
+                           f"{fd_limit()} (raise its LimitNOFILE); try again later")
         if self.closer.stuck_for(tenant):
             return OSError(errno.EAGAIN, f"descriptors uid {tenant} sent wait to be closed "
                            "behind a close that does not end: no connection until it does")

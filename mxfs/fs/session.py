@@ -75,20 +75,33 @@ class Session:
     def __post_init__(self) -> None:
         self.tenant = tenant_of(self.caller.uid)
 
-    def hold(self, pending: Pending) -> None:
+    def hold(self, pending: Pending, booked: bool = False) -> None:
+        """Hold an unpublished file, counted against the limits and its writer's quota
+        now (or already, `booked`)."""
         self.pending[pending.entry.node.ino] = pending
+        if not booked:
+            self.book(pending.declared)
+
+    def book(self, declared: int) -> None:
+        """Count a file about to be held, before the awaits that make it: checks made
+        before them would let others' requests pass the same ones meanwhile (64
+        creates at once each passed a quota that had room for one)."""
         self.pending_by_uid[self.tenant] += 1
         if self.quotas is not None:
-            self.quotas.reserve(self.caller.uid, pending.declared)
+            self.quotas.reserve(self.caller.uid, declared)
 
-    def let_go(self, ino: int) -> Pending:
-        """Forget an unpublished file (committed or dropped); KeyError if not held."""
-        pending = self.pending.pop(ino)
+    def unbook(self, declared: int) -> None:
+        """A booked file was not made after all."""
         self.pending_by_uid[self.tenant] -= 1
         if not self.pending_by_uid[self.tenant]:
             del self.pending_by_uid[self.tenant]
         if self.quotas is not None:
-            self.quotas.release(self.caller.uid, pending.declared)
+            self.quotas.release(self.caller.uid, declared)
+
+    def let_go(self, ino: int) -> Pending:
+        """Forget an unpublished file (committed or dropped); KeyError if not held."""
+        pending = self.pending.pop(ino)
+        self.unbook(pending.declared)
         return pending
 
 

@@ -31,7 +31,8 @@ class SoleCache:
         self.hit = False  # the change running took an answer from the cache
         self._names_used: list[Name] = []  # by the change running
         self._seals_used: list[int] = []
-        self._parents_used: list[int] = []
+        self._parents_used: list[int] = []  # set by the change running
+        self._parents_read: list[int] = []  # ... and read from here by it
 
     def forget(self) -> None:
         """Drop every answer (a lost group, the lease going, the cache full)."""
@@ -46,6 +47,7 @@ class SoleCache:
         self._names_used.clear()
         self._seals_used.clear()
         self._parents_used.clear()
+        self._parents_read.clear()
         self.hit = False
 
     def undo(self, births: int) -> None:
@@ -97,7 +99,14 @@ class SoleCache:
         parent = self.parents.get(ino)
         if parent is not None and in_change:
             self.hit = True
+            self._parents_read.append(ino)
         return parent
+
+    def drop_read(self) -> None:
+        """The change that failed is run again on fresh reads: the parents it read
+        here go too (another writer may have moved them: a stale chain said EINVAL)."""
+        for ino in self._parents_read:
+            self.parents.pop(ino, None)
 
     def set_parent(self, ino: int, parent: int | None) -> None:
         """A directory's parent now (None: it is gone)."""

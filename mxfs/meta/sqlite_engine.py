@@ -479,6 +479,9 @@ class SqliteEngine(Engine):
         if self.readonly:
             return None
         self.db.execute("PRAGMA wal_autocheckpoint=0")
+        # (a WAL a checkpoint emptied is cut back as it restarts: its size says what
+        # it holds, else it stayed at its largest and each second checkpointed)
+        self.db.execute("PRAGMA journal_size_limit=0")
         other = self._checkpointer = sqlite3.connect(self.path, isolation_level=None,
                                                      check_same_thread=False)
 

@@ -55,7 +55,8 @@ log = logging.getLogger("mxfs.meta")
 T = TypeVar("T")
 _CACHE_LIMIT = 200_000
 LINK_MAX = 65_000  # hard links to one file (ext4's bound)
-MAX_DEPTH = 4096  # levels a rename's ancestry walk goes up at most (ELOOP past them)
+MAX_DEPTH = 1024  # levels a rename's ancestry walk goes up at most (ELOOP past them:
+#                   a refused walk, run again on fresh rows, reads as many)
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
 _XATTRS = "\0xattrs"  # journal mark: (uid, bytes) added to a uid's xattr tally
 _NAMES = "\0names"  # ... and to its names' tally
@@ -161,6 +162,7 @@ class MetaStore:
             except OSError as e:
                 if not self._sole.hit or e.errno == errno.ELOOP:  # (a walk too deep is
                     raise  # as deep read afresh: it ran twice, from memory, then rows)
+                self._sole.drop_read()
                 self._sole.begin()  # its cached answers are dropped: fresh reads now
                 result = self.engine.txn(fn, undo=self._undo_memory)
             self._group_journal += self._journal

@@ -175,10 +175,10 @@ class KVIndex:
         self.vol = vol
         self.max_per_user = max_per_user  # namespaces one uid but root may own
         # Presence tables kept (each a memfd and its mapping: two descriptors), in all
-        # and of one owner's namespaces; the namespaces that have one, least recently
-        # asked for first (`viewed`).
+        # and of those one user's views made; the namespaces that have one, least
+        # recently asked for first, with whose view made it (`viewed`).
         self.max_views, self.max_views_per_user = max_views
-        self._viewed: OrderedDict[str, Namespace] = OrderedDict()
+        self._viewed: OrderedDict[str, tuple[Namespace, int]] = OrderedDict()
         self.views_by_tenant: Counter[int] = Counter()
         self.spaces: dict[str, Namespace] = {}
         # Namespaces, and their chunks, by their owners' tenants (a put asks: no scan).
@@ -312,32 +312,34 @@ class KVIndex:
             if view.can_take():
                 view.add(key)
 
-    def viewed(self, space: Namespace) -> None:
-        """A reader asked for the namespace's table: it is the most recently asked for.
-        Past the limits, the least recently asked tables of its owner's namespaces (or
+    def viewed(self, space: Namespace, tenant: int) -> None:
+        """A reader (of `tenant`, `vol/tenants.py`) asked for the namespace's table: it
+        is the most recently asked for.  A table is counted against the user whose view
+        made it; past the limits, the least recently asked of that user's tables (or
         of all) are retired MOVED, their readers asking again when they next look: a
         user who views a thousand namespaces holds no more of the daemon's descriptors
         and memory than the limit (they ran it out of descriptors, and opens on the
-        members failed)."""
+        members failed), and cannot retire others' tables past her own share."""
         if space.name in self._viewed:
             self._viewed.move_to_end(space.name)
             return
-        self._viewed[space.name] = space
-        self.views_by_tenant[space.tenant] += 1
-        if space.tenant != 0 and self.views_by_tenant[space.tenant] > self.max_views_per_user:
-            self.unview(next(s for s in self._viewed.values() if s.tenant == space.tenant))
+        self._viewed[space.name] = (space, tenant)
+        self.views_by_tenant[tenant] += 1
+        if tenant != 0 and self.views_by_tenant[tenant] > self.max_views_per_user:
+            self.unview(next(s for s, t in self._viewed.values() if t == tenant))
         while len(self._viewed) > self.max_views:
-            self.unview(next(iter(self._viewed.values())))
+            self.unview(next(iter(self._viewed.values()))[0])
 
     def unview(self, space: Namespace, state: int = MOVED) -> None:
         """Retire the namespace's tables (MOVED: its readers ask again; GONE: it went)."""
         for table in _tables(space):
             table.retire(state)
         space.view = space.next_view = None
-        if self._viewed.pop(space.name, None) is not None:
-            self.views_by_tenant[space.tenant] -= 1
-            if self.views_by_tenant[space.tenant] <= 0:
-                del self.views_by_tenant[space.tenant]
+        if (held := self._viewed.pop(space.name, None)) is not None:
+            tenant = held[1]
+            self.views_by_tenant[tenant] -= 1
+            if self.views_by_tenant[tenant] <= 0:
+                del self.views_by_tenant[tenant]
 
     def view_fds(self) -> int:
         """Descriptors the tables hold (a memfd and its mapping's each)."""
