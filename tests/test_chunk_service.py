@@ -84,6 +84,22 @@ def _first_member(m: Mounted, name: str) -> tuple[int, int]:
     return lay["ino"], lay["layout"]["first_member"]
 
 
+def _reserved_port_connection(src: str, port: int) -> socket.socket:
+    """A connection to the service from `src` and a port below 1024 (root's, as a
+    node's daemon connects), the first free one."""
+    for local in range(600, 1024):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((src, local))
+            s.settimeout(10)
+            s.connect(("127.0.0.1", port))
+            return s
+        except OSError:
+            s.close()
+    raise AssertionError("no reserved port free")
+
+
 def _dropped(s: socket.socket) -> bool:
     """Whether the service closed the connection (a reset: it left bytes unread)."""
     try:
@@ -478,6 +494,29 @@ def test_unproved_connections_of_every_address_together_stay_under_their_cap(
             for s in silent:
                 s.close()
         assert "max_chunk_handshakes)" in Path(_log_of(m)).read_text()
+
+
+@pytest.mark.nodes
+@pytest.mark.daemon_log(r"chunk connection .* failed")
+def test_silent_hosts_holding_every_handshake_slot_keep_no_node_out(tmp_path: Path) -> None:
+    """Hosts without the key (root there: reserved ports) that hold every handshake
+    slot in silence kept every node from connecting (each newcomer was refused for
+    as long as they held them).  Past the cap the oldest silent one goes: a node
+    connecting now proves the key and reads."""
+    with _beside_a_node(tmp_path, "max_chunk_handshakes=12") as (net, m, served):
+        members, data, ino, first, port, pool = served
+        silent = [_reserved_port_connection(src, port)
+                  for src in ["127.0.0.1"] * 6 + [net.host_ip] * 6]
+        try:
+            with ControlClient(str(m.path)) as c:
+                assert eventually(lambda: c.stat()["chunk_service"]["connections"] >= 12)
+            with ChunkClient("127.0.0.1", port, load_key(members[0]), pool) as node:
+                assert node.read(ino, first, 0, len(data)) == data
+            assert _dropped(silent[0])  # (the oldest silent one made room)
+        finally:
+            for s in silent:
+                s.close()
+        assert "the oldest closed" in Path(_log_of(m)).read_text()
 
 
 @pytest.mark.nodes

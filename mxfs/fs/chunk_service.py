@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -141,7 +142,7 @@ class NodeFileTier(Protocol):
                       ) -> dict[str, Any]: ...
 
 
-HANDSHAKE_S = 10.0  # a peer proves the key within this, or is dropped
+HANDSHAKE_S = 3.0  # a peer proves the key within this, or is dropped (a node: in ms)
 IDLE_S = 600.0  # a connection with no request for this long is closed
 SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
 SEND_STALL_S = 30.0  # a peer that takes no bytes for this long loses its connection
@@ -168,6 +169,9 @@ class ChunkService:
         self.other_fds = other_fds  # descriptors the daemon's other services hold
         self.connections = 0
         self.handshaking: Counter[str] = Counter()  # by peer address
+        # Those connections' handshakes (their scopes), oldest first, by a token each.
+        self._unproved: dict[int, trio.CancelScope] = {}
+        self._tokens = itertools.count()
         self.by_host: Counter[str] = Counter()  # connections, proved or not, by address
         self.refused = 0
         self.served_bytes = 0
@@ -239,9 +243,6 @@ class ChunkService:
         if self.handshaking[peer] >= lim.max_chunk_handshakes_per_peer:
             return (f"{peer} has {self.handshaking[peer]} connections that have not proved "
                     "the pool key, the limit (max_chunk_handshakes_per_peer)")
-        if sum(self.handshaking.values()) >= lim.max_chunk_handshakes:
-            return (f"{sum(self.handshaking.values())} connections have not proved the pool "
-                    "key, the limit (max_chunk_handshakes)")
         unreserved = sum(n for p, n in self.handshaking.items() if p.endswith(UNRESERVED))
         if peer.endswith(UNRESERVED) and unreserved >= lim.max_chunk_handshakes // 2:
             return (f"{unreserved} connections from unreserved ports have not proved the "
@@ -257,16 +258,22 @@ class ChunkService:
                                 trace=False)
             await stream.aclose()
             return
+        if sum(self.handshaking.values()) >= self.limits.max_chunk_handshakes:
+            self._make_room()
         self.connections += 1
         self.handshaking[peer] += 1
         host = peer.removesuffix(UNRESERVED)
         self.by_host[host] += 1
+        token = next(self._tokens)
         try:
             async with stream:
-                try:
-                    proved = await self._handshake(stream)
-                finally:
-                    self._end_handshake(peer)
+                proved = False
+                with trio.CancelScope() as self._unproved[token]:
+                    try:
+                        proved = await self._handshake(stream)
+                    finally:
+                        self._unproved.pop(token, None)
+                        self._end_handshake(peer)
                 if proved:
                     await self._requests(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, EOFError):
@@ -278,6 +285,19 @@ class ChunkService:
             self.by_host[host] -= 1
             if not self.by_host[host]:
                 del self.by_host[host]
+
+    def _make_room(self) -> None:
+        """max_chunk_handshakes connections have not proved the key: the oldest of them
+        goes, for the newcomer.  A node proves it in a round trip; silent ones from a
+        few hosts without the key, refused newcomers in their place, kept every node
+        from connecting for as long as they liked."""
+        if self._unproved:
+            oldest = next(iter(self._unproved))
+            self._unproved.pop(oldest).cancel()
+            self._failures.note("chunk connection", None, OSError(
+                errno.EMFILE, f"{self.limits.max_chunk_handshakes} connections had not "
+                "proved the pool key, the limit (max_chunk_handshakes): the oldest closed"),
+                trace=False)
 
     def _end_handshake(self, peer: str) -> None:
         self.handshaking[peer] -= 1
