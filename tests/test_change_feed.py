@@ -97,7 +97,8 @@ def test_a_reading_node_refills_only_the_namespaces_a_row_could_not_list(
 
     views = FollowerViews(StoreWorker(str(tmp_path)))  # (never opened: no fill here)
     big, small = PresenceTable(room=64), PresenceTable(room=64)
-    views.tables = {"big": big, "small": small}
+    views._hold("big", big, 1000)
+    views._hold("small", small, 1000)
     for key in (b"a" * 32, b"b" * 32):
         small.add(key)
         big.add(key)
@@ -116,6 +117,34 @@ def test_a_reading_node_refills_only_the_namespaces_a_row_could_not_list(
     assert views.tables == {} and state("small") == MOVED
     for f in seen.values():
         f.close()
+
+
+def test_a_reading_nodes_tables_are_bounded_by_user_and_in_all(tmp_path: Path) -> None:
+    """A reading node keeps a table for each namespace its users view: a user who
+    viewed thousands held two descriptors each, for good.  Past a user's share, or the
+    node's, the least recently asked goes (MOVED: its readers ask again)."""
+    from mxfs.fs.kv_views import FollowerViews
+    from mxfs.fs.store_worker import StoreWorker
+    from mxfs.proto.presence import LIVE, MOVED, state_of
+    from mxfs.vol.kv_presence import PresenceTable
+
+    views = FollowerViews(StoreWorker(str(tmp_path)), most=(3, 2))
+    made = {f"a{i}": PresenceTable(room=8) for i in range(3)}
+    seen = os.fdopen(made["a0"].reader_fd(), "rb")  # (what a client of a0 reads)
+    for name, table in made.items():
+        views._hold(name, table, 1000)
+    assert list(views.tables) == ["a1", "a2"] and views.by_tenant[1000] == 2
+    assert state_of(os.pread(seen.fileno(), 64, 0)) == MOVED
+    seen.close()
+    views._hold("b0", PresenceTable(room=8), 1001)
+    views._hold("b1", PresenceTable(room=8), 1001)  # (3 in all: the oldest goes)
+    assert list(views.tables) == ["a2", "b0", "b1"]
+    assert dict(views.by_tenant) == {1000: 1, 1001: 2}
+    fd = views.tables["a2"].reader_fd()
+    assert state_of(os.pread(fd, 64, 0)) == LIVE
+    os.close(fd)
+    views.retire_all()
+    assert views.tables == {} and not views.by_tenant
 
 
 def test_kv_keys_are_listed_only_while_reading_nodes_keep_tables() -> None:

@@ -119,7 +119,8 @@ class FollowerKV:
         self.vol, self.index, self.limits, self.limiter = vol, index, limits, limiter
         self.remote = remote  # scoped connections to the writer (`fs/remote_reads.py`)
         self.lookups = StoreWorker(vol.pool.meta_location, wait_s=SERVE_WAIT_S)
-        self.views = FollowerViews(self.lookups)  # `kv_view` here
+        self.views = FollowerViews(  # `kv_view` here
+            self.lookups, (limits.max_kv_views, limits.max_kv_views_per_user))
         self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
         self.lent_by_uid: Counter[int] = Counter()
         self.copies_by_uid: Counter[int] = Counter()  # copies lent now
@@ -187,7 +188,7 @@ class FollowerKV:
         """The namespace's presence table on this node, kept by the change feed
         (`fs/kv_views.py`); read permission (and `shared`) as `kv_exists`."""
         space, _ = await self._lookup(msg, session, [], chunks=False)
-        table = await self.views.table(space.name, session.caller.uid)
+        table = await self.views.table(space.name, session.caller.uid, session.tenant)
         return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
 
     async def exists(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:

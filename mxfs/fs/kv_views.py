@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import trio
@@ -44,10 +45,16 @@ FEED_BITE = 4096  # a feed row's KV notes applied at a time on trio's thread (~3
 class FollowerViews:
     """The presence tables of the namespaces this node's clients asked to see."""
 
-    def __init__(self, worker: StoreWorker) -> None:
+    def __init__(self, worker: StoreWorker, most: tuple[int, int] = (4096, 512)) -> None:
+        """`most`: tables kept in all, and of those one user's views made (as the
+        writer keeps, `KVIndex.viewed`: each holds two descriptors and its slots)."""
         self.worker = worker
         self.live: Callable[[], bool] = lambda: False  # the feed is being read (daemon)
-        self.tables: dict[str, PresenceTable] = {}
+        # By namespace, least recently asked for first; whose view made each.
+        self.tables: OrderedDict[str, PresenceTable] = OrderedDict()
+        self._made_by: dict[str, int] = {}
+        self.by_tenant: Counter[int] = Counter()
+        self.most, self.most_per_user = most
         self._filling: dict[str, trio.Event] = {}
         self._token: trio.lowlevel.TrioToken | None = None
 
@@ -55,9 +62,10 @@ class FollowerViews:
         return {"tables": len(self.tables),
                 "keys": sum(t.count for t in self.tables.values()), "live": self.live()}
 
-    async def table(self, ns: str, uid: int) -> PresenceTable:
+    async def table(self, ns: str, uid: int, tenant: int) -> PresenceTable:
         """The namespace's table, filled from the store if this node holds none (the
-        caller checked that `uid` may read it); EAGAIN while the feed cannot keep it."""
+        caller checked that `uid`, of `tenant`, may read it); EAGAIN while the feed
+        cannot keep it."""
         if not self.live():
             raise OSError(errno.EAGAIN, "this node cannot read the pool's change feed now: "
                           "its KV lookups ask the metadata store (kv_exists)")
@@ -65,17 +73,47 @@ class FollowerViews:
         while (filling := self._filling.get(ns)) is not None:
             await filling.wait()
         if (table := self.tables.get(ns)) is not None:
+            self.tables.move_to_end(ns)
             return table
         done = self._filling[ns] = trio.Event()
         try:
-            return await self._fill(ns, uid)
+            return await self._fill(ns, uid, tenant)
         finally:
             del self._filling[ns]
             done.set()
 
-    async def _fill(self, ns: str, uid: int) -> PresenceTable:
+    async def _fill(self, ns: str, uid: int, tenant: int) -> PresenceTable:
         count = await self.worker.run(lambda s: s.engine.count("kv", {"ns": ns}), uid)
-        table = self.tables[ns] = PresenceTable(room=count)
+        table = self._hold(ns, PresenceTable(room=count), tenant)
+        try:
+            return await self._filled(ns, uid, table)
+        except BaseException:  # (a table half filled was served as whole: false misses)
+            if self.tables.get(ns) is table:
+                self._drop(ns, MOVED)
+            raise
+
+    def _hold(self, ns: str, table: PresenceTable, tenant: int) -> PresenceTable:
+        """Keep `table`, counted against `tenant`; past the limits the least recently
+        asked of that user's tables (or of all) are retired MOVED (a user who viewed
+        thousands of namespaces held two descriptors each, for good)."""
+        self.tables[ns] = table
+        self._made_by[ns] = tenant
+        self.by_tenant[tenant] += 1
+        if tenant != 0 and self.by_tenant[tenant] > self.most_per_user:
+            self._drop(next(n for n in self.tables if self._made_by[n] == tenant), MOVED)
+        while len(self.tables) > self.most:
+            self._drop(next(iter(self.tables)), MOVED)
+        return table
+
+    def _drop(self, ns: str, state: int) -> None:
+        table = self.tables.pop(ns)
+        tenant = self._made_by.pop(ns)
+        self.by_tenant[tenant] -= 1
+        if self.by_tenant[tenant] <= 0:
+            del self.by_tenant[tenant]
+        table.retire(state)
+
+    async def _filled(self, ns: str, uid: int, table: PresenceTable) -> PresenceTable:
         after: bytes | None = None
         while True:
             def bite(store: MetaStore, after: bytes | None = after) -> list[bytes]:
@@ -128,8 +166,7 @@ class FollowerViews:
             if table is None:
                 continue
             if what in (KV_GONE, KV_RESET):  # (reset: refilled at the next kv_view)
-                del self.tables[ns]
-                table.retire(GONE if what == KV_GONE else MOVED)
+                self._drop(ns, GONE if what == KV_GONE else MOVED)
             elif what == KV_STORED:
                 self._add(ns, table, key)
             else:
@@ -139,11 +176,9 @@ class FollowerViews:
         if not table.full():
             table.add(key)
             return
-        del self.tables[ns]  # (full: the next kv_view makes a larger one)
-        table.retire(MOVED)
+        self._drop(ns, MOVED)  # (full: the next kv_view makes a larger one)
 
     def retire_all(self) -> None:
         """Every table goes MOVED (their readers ask again, or ask the store)."""
-        tables, self.tables = self.tables, {}
-        for table in tables.values():
-            table.retire(MOVED)
+        for ns in list(self.tables):
+            self._drop(ns, MOVED)
