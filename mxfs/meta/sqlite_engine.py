@@ -492,8 +492,9 @@ class SqliteEngine(Engine):
                 other.execute("PRAGMA wal_checkpoint(PASSIVE)")
             except FileNotFoundError:
                 pass
-            except sqlite3.Error as e:
-                raise self._error(e) from None
+            except sqlite3.Error as e:  # (the reserve is the committing thread's to give)
+                if not _is_full(e):
+                    raise fail(errno.EIO, f"metadata store checkpoint failed ({e})") from None
         return checkpoint
 
     def close(self) -> None:
