@@ -547,3 +547,49 @@ def test_one_address_holds_a_share_of_the_connections_proved_or_not(tmp_path: Pa
                 return False
         assert eventually(again, 10)
         assert "max_chunk_conns_per_peer)" in Path(_log_of(m)).read_text()
+
+
+def test_one_users_scoped_connections_hold_a_part_of_the_service(tmp_path: Path) -> None:
+    """Readers' scoped connections (a node's local users reading straight from the
+    writer) hold a part of max_chunk_conns, and one user a part of that: one user's
+    16 a node on 16 nodes took every connection.  Past her part a scope is refused
+    (EMFILE: her node reads through its mount) and the connection closed; another
+    user's is served, and so is a node's own unscoped connection."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "chunk_port=0", "max_chunk_conns=16") as m:
+        (m.path / "f").write_bytes(b"f" * 10_000)
+        ino = (m.path / "f").stat().st_ino
+        host, port, pool = _service(m)
+        key = load_key(members[0])
+        held = []
+        try:
+            for _ in range(3):  # (16 * 75% = 12 in all, a third of them hers: 3)
+                c = ChunkClient(host, port, key, pool)
+                c.scope([(ino, 0)], 1000)
+                held.append(c)
+            late = ChunkClient(host, port, key, pool)
+            with pytest.raises(OSError) as e:
+                late.scope([(ino, 0)], 1000)
+            assert e.value.errno == errno.EMFILE
+            late.close()
+            other = ChunkClient(host, port, key, pool)
+            other.scope([(ino, 0)], 1001)  # (another user's part)
+            held.append(other)
+            with ChunkClient(host, port, key, pool) as node:  # (a node's own, unscoped)
+                assert node.kv_request((0, 0, []), "kv_stats", {})["namespaces"] == []
+        finally:
+            for c in held:
+                c.close()
+        assert eventually(lambda: _scopes(ChunkClient(host, port, key, pool), ino))
+        # (hers ended with them)
+
+
+def _scopes(c: ChunkClient, ino: int) -> bool:
+    """Whether `c` could be scoped for uid 1000 (closed either way)."""
+    with c:
+        try:
+            c.scope([(ino, 0)], 1000)
+            return True
+        except OSError:
+            return False

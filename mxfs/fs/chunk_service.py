@@ -104,6 +104,7 @@ from mxfs.proto.chunk_wire import (
     proof,
 )
 from mxfs.vol.access import Caller
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.chunks")
@@ -142,6 +143,8 @@ class NodeFileTier(Protocol):
                       ) -> dict[str, Any]: ...
 
 
+SCOPED_PART = 75  # percent of max_chunk_conns that readers' scoped connections may hold
+SCOPED_PER_USER = 33  # percent of those one user's (her subordinate uids with her)
 HANDSHAKE_S = 3.0  # a peer proves the key within this, or is dropped (a node: in ms)
 IDLE_S = 600.0  # a connection with no request for this long is closed
 SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
@@ -173,6 +176,7 @@ class ChunkService:
         self._unproved: dict[int, trio.CancelScope] = {}
         self._tokens = itertools.count()
         self.by_host: Counter[str] = Counter()  # connections, proved or not, by address
+        self.scoped: Counter[int] = Counter()  # readers' scoped connections, by tenant
         self.refused = 0
         self.served_bytes = 0
         self._senders = trio.CapacityLimiter(SENDERS)
@@ -331,57 +335,78 @@ class ChunkService:
         scope: dict[int, int] | None = None  # inode: generation, once narrowed
         until = 0.0
         uid = 0  # the reader a scoped connection is for
-        while True:
-            with trio.move_on_after(IDLE_S):
-                try:
-                    tag = await _recv_exact(stream, TAG)
-                except EOFError:
-                    return
-                if tag == b"SCOP":
-                    reader, count = SCOPE_COUNT.unpack(
-                        await _recv_exact(stream, SCOPE_COUNT.size))
-                    if count > MAX_SCOPE:
-                        self._failures.note("chunk scope", None, WireError(
-                            f"a scope of {count} files (at most {MAX_SCOPE})"), trace=False)
+        readers: int | None = None  # the tenant a scoped connection counts against
+        try:
+            while True:
+                with trio.move_on_after(IDLE_S):
+                    try:
+                        tag = await _recv_exact(stream, TAG)
+                    except EOFError:
                         return
-                    if scope is not None:  # (narrowed once, for good: a second SCOP was
-                        # answered outside the readers' turns, as often as one liked)
-                        self._failures.note("chunk scope", None, WireError(
-                            "a second scope on a scoped connection"), trace=False)
-                        return
-                    items = await _recv_exact(stream, count * SCOPE_ITEM.size)
-                    code = 0 if self.only_uid in (None, reader) else errno.EACCES
-                    if not code:
-                        scope = dict(SCOPE_ITEM.iter_unpack(items))
-                        until = trio.current_time() + SCOPE_S
-                        uid = reader
-                    await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
-                    if code:
-                        return
-                    continue
-                if tag == b"KPUT" or tag == b"KREQ" or tag in KEY_TAGS or tag in CHUNK_OPS:
-                    if scope is not None:  # a local reader's: it reads, nothing else
-                        self._failures.note("chunk request", None, WireError(
-                            f"a {tag.decode()} on a scoped connection"), trace=False)
-                        return
-                    if tag in CHUNK_OPS:
-                        await self._chunk_op(stream, tag)
+                    if tag == b"SCOP":
+                        reader, count = SCOPE_COUNT.unpack(
+                            await _recv_exact(stream, SCOPE_COUNT.size))
+                        if count > MAX_SCOPE:
+                            self._failures.note("chunk scope", None, WireError(
+                                f"a scope of {count} files (at most {MAX_SCOPE})"), trace=False)
+                            return
+                        if scope is not None:  # (narrowed once, for good: a second SCOP was
+                            # answered outside the readers' turns, as often as one liked)
+                            self._failures.note("chunk scope", None, WireError(
+                                "a second scope on a scoped connection"), trace=False)
+                            return
+                        items = await _recv_exact(stream, count * SCOPE_ITEM.size)
+                        code = errno.EACCES if self.only_uid not in (None, reader) else \
+                            self._scoped_room(tenant_of(reader))
+                        if not code:
+                            scope = dict(SCOPE_ITEM.iter_unpack(items))
+                            until = trio.current_time() + SCOPE_S
+                            uid = reader
+                            readers = tenant_of(reader)
+                            self.scoped[readers] += 1
+                        await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
+                        if code:
+                            return
                         continue
-                    await (self._kv_put(stream) if tag == b"KPUT" else
-                           self._kv_request(stream) if tag == b"KREQ" else
-                           self._kv_keys(stream, tag))
+                    if tag == b"KPUT" or tag == b"KREQ" or tag in KEY_TAGS or tag in CHUNK_OPS:
+                        if scope is not None:  # a local reader's: it reads, nothing else
+                            self._failures.note("chunk request", None, WireError(
+                                f"a {tag.decode()} on a scoped connection"), trace=False)
+                            return
+                        if tag in CHUNK_OPS:
+                            await self._chunk_op(stream, tag)
+                            continue
+                        await (self._kv_put(stream) if tag == b"KPUT" else
+                               self._kv_request(stream) if tag == b"KREQ" else
+                               self._kv_keys(stream, tag))
+                        continue
+                    if tag != b"READ":
+                        self._failures.note("chunk request", None,
+                                            WireError(f"unknown request {tag!r}"), trace=False)
+                        return
+                    ino, member, offset, length = READ_BODY.unpack(
+                        await _recv_exact(stream, READ_BODY.size))
+                    if scope is not None and trio.current_time() > until:
+                        return  # a scoped connection's time is up: the reader asks anew
+                    await self._read(stream, ino, member, offset, length, scope, uid)
                     continue
-                if tag != b"READ":
-                    self._failures.note("chunk request", None,
-                                        WireError(f"unknown request {tag!r}"), trace=False)
-                    return
-                ino, member, offset, length = READ_BODY.unpack(
-                    await _recv_exact(stream, READ_BODY.size))
-                if scope is not None and trio.current_time() > until:
-                    return  # a scoped connection's time is up: the reader asks anew
-                await self._read(stream, ino, member, offset, length, scope, uid)
-                continue
-            return  # idle too long
+                return  # idle too long
+        finally:
+            if readers is not None:
+                self.scoped[readers] -= 1
+                if not self.scoped[readers]:
+                    del self.scoped[readers]
+
+    def _scoped_room(self, tenant: int) -> int:
+        """EMFILE where one more connection scoped to a reader of `tenant` (a local
+        user of some node, `fs/remote_reads.py`) would pass the readers' part of
+        max_chunk_conns, or one user's part of that: a user on 16 nodes held 16 of
+        them through each and took every connection this service has; else 0."""
+        most = self.limits.max_chunk_conns * SCOPED_PART // 100
+        if sum(self.scoped.values()) >= most or \
+                tenant != 0 and self.scoped[tenant] >= max(1, most * SCOPED_PER_USER // 100):
+            return errno.EMFILE  # (the reader reads through its node's mount)
+        return 0
 
     async def _kv_put(self, stream: trio.SocketStream) -> None:
         """Receive one KPUT and answer it: stored, there already (EEXIST) or why not."""

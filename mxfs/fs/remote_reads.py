@@ -134,6 +134,9 @@ class RemoteReads:
         if failed is not None:
             for c in clients:
                 c.close()
+            if isinstance(failed, OSError) and failed.errno == errno.EMFILE:
+                raise OSError(errno.EREMOTE, f"the owner serves as many direct readers as "
+                              f"it may ({failed.strerror}): read through the mount") from None
             if isinstance(failed, (OSError, WireError)):
                 raise OSError(errno.EIO, str(failed)) from None
             raise failed
