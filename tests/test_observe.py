@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,44 @@ def test_scrapes_never_touch_the_store_beside_the_daemon(members: list[str], pg_
         m.umount()
         m.remount()
         assert all((m.path / n).read_bytes() == d for n, d in written.items())
+
+
+def test_silent_scrapers_hold_a_few_threads_of_the_daemon(members: list[str]) -> None:
+    """Anyone on the host may connect to /metrics: prometheus_client's server took a
+    thread of the daemon for each connection, for as long as it stayed silent (a user
+    opening thousands ran the daemon out of threads).  A few are served at once, each
+    for a few seconds at most, the rest closed at once; scrapes go on after."""
+    from mxfs.fs.metrics import SCRAPE_S, SCRAPERS
+
+    mkfs(members)
+    port = _free_port()
+    with mounted_pool(members, f"metrics_port={port}") as m:
+        assert eventually(lambda: _scrape(port) is not None)
+        tasks = f"/proc/{m.daemon_pid()}/task"
+        before = len(os.listdir(tasks))
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+        try:
+            time.sleep(0.5)  # (the daemon's other threads come and go: a few more)
+            assert len(os.listdir(tasks)) - before <= SCRAPERS + 8
+            assert sum(_closed(s) for s in silent) >= 300 - SCRAPERS  # (past the few)
+            time.sleep(SCRAPE_S + 0.5)
+            assert all(_closed(s) for s in silent)  # (the few, after their time)
+        finally:
+            for s in silent:
+                s.close()
+        assert eventually(lambda: _scrape(port) is not None)
+        assert (m.path / "f").write_bytes(b"x") == 1  # (the mount served throughout)
+
+
+def _closed(s: socket.socket) -> bool:
+    """Whether the peer closed `s` (read without waiting)."""
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
 
 
 def _cpu_latency_limit() -> int:

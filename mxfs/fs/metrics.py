@@ -27,6 +27,8 @@ from mxfs.io.batch import taken_back
 from mxfs.proto.messages import MetricsSnapshot
 
 GAUGES_S = 1.0  # the pool gauges are gathered at most this often, whatever the scrapes
+SCRAPE_S = 2.0  # a scrape's connection is served this long at most
+SCRAPERS = 8  # ... and so many at once
 
 # Latency buckets (seconds) of the request histograms.
 BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
@@ -120,12 +122,14 @@ class Gauges:
 
 def serve_prometheus(metrics: Metrics, addr: str, port: int,
                      gauges: Callable[[], Iterator[Any]]) -> None:
-    """Serve /metrics on `addr`:`port` (a thread of prometheus_client's), collected at
-    scrape time.
+    """Serve /metrics on `addr`:`port`, collected at scrape time: SCRAPERS connections
+    at once (a thread each; more are closed at once), each served SCRAPE_S at most:
+    prometheus_client's own server took a thread for each connection, for as long as
+    it stayed silent, and any user on the host could open thousands.
 
     `gauges()` yields extra metric families (pool capacity, members, KV namespaces).
     """
-    from prometheus_client import REGISTRY, start_http_server
+    from prometheus_client import REGISTRY
     from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
     class Collector:
@@ -158,4 +162,40 @@ def serve_prometheus(metrics: Metrics, addr: str, port: int,
             yield from gauges()
 
     REGISTRY.register(Collector())
-    start_http_server(port, addr=addr)
+    _serve(addr, port)
+
+
+def _serve(addr: str, port: int) -> None:
+    """The /metrics endpoint's server and its one thread (OSError if it cannot bind)."""
+    import socket
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import REGISTRY, make_wsgi_app
+
+    class Handler(WSGIRequestHandler):
+        timeout = SCRAPE_S  # (a connection that sends nothing, or takes nothing, goes)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass  # (not a line a scrape on the daemon's log)
+
+    class Server(ThreadingMixIn, WSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        daemon_threads = True
+        request_queue_size = 128  # (connections waiting to be accepted, or closed)
+        slots = threading.BoundedSemaphore(SCRAPERS)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)  # (SCRAPERS are being served)
+                return
+            super().process_request(request, client_address)
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+    server = make_server(addr, port, make_wsgi_app(REGISTRY), Server, Handler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="mxfs-metrics").start()
