@@ -33,6 +33,7 @@ from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
+    SETTLING,
     Answer,
     Handler,
     Lease,
@@ -101,9 +102,6 @@ COLD_OPEN_S = _cold_open_s()
 # cold batches one user sends, the mount's I/O threads and trio's are not theirs to fill.
 _OPENERS = ThreadPoolExecutor(8, thread_name_prefix="mxfs-kv-open")
 _OPENING = trio.CapacityLimiter(2)
-# Large chunks' commits settle their chunk files in threads of their own: on a hung
-# member they would hold the threads every user's creates, df and stats use.
-_SETTLING = trio.CapacityLimiter(4)
 
 
 INLINE_WRITE = 256 << 10  # a chunk this small is written on trio's thread (as kv_put's)
@@ -671,7 +669,7 @@ class KVOps:
             self.vol.settle_hidden(entry, size, sync=False)
             return True
         if size > pending.declared or not (
-                await trio.to_thread.run_sync(settled, limiter=_SETTLING)
+                await trio.to_thread.run_sync(settled, limiter=SETTLING)
                 if pending.declared > ONE_MEMBER_MAX else settled()):
             await drop_pending(self.vol, session, entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "

@@ -224,6 +224,11 @@ def refuse_if_degraded(vol: Volume) -> None:
                       f"{failed[0].failed}): read-only")
 
 
+# Commits settle their files' chunk files (stats, leases, truncates) in threads of their
+# own: on a hung member they would hold the threads every other worker call shares.
+SETTLING = trio.CapacityLimiter(4)
+
+
 async def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int,
                       calls: MemberCalls) -> tuple[OpenInode, list[int], list[int]]:
     """A hidden file and write descriptors of its chunk files, opened off the loop:
