@@ -207,6 +207,23 @@ except OSError as e:
     quota(pool, "--user", alice.name, "--clear")
 
 
+def test_a_longer_name_is_growth_its_owner_is_charged(pool: Mounted) -> None:
+    """A rename to a longer name costs the file's owner the difference: refused past
+    her quota, as a new name is; a shorter one is not growth."""
+    alice = ensure_users()["alice"]
+    d = empty_home_with_quota(pool, alice)
+    run_as(alice, f"open({str(d / 'f')!r}, 'wb').close(); print(1)")
+    used = line_of(quota(pool, "--user", alice.name), alice.uid)["bytes"]
+    quota(pool, "--user", alice.name, "--bytes", str(used))  # (at her quota now)
+    got = run_as(alice, f"""
+d = {str(d)!r}
+print(json.dumps([attempt(os.rename, d + "/f", d + "/" + "g" * 40),
+                  attempt(os.rename, d + "/f", d + "/h")]))
+""")
+    assert got == [errno.EDQUOT, "ok"]
+    quota(pool, "--user", alice.name, "--clear")
+
+
 def test_creates_at_once_are_charged_before_their_files_are_made(pool: Mounted) -> None:
     """A direct create's chunk files are opened off the daemon's thread: one user's 16
     creates at once, each of 600 KiB under a 1 MiB quota, each passed the quota check

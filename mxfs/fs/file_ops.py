@@ -43,6 +43,7 @@ from mxfs.fs.session import (
 )
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.meta import Inode, MetaStore
+from mxfs.meta.usage import NAME_ROW
 from mxfs.proto import MAX_FDS
 from mxfs.proto.messages import CreateReply, Empty, FileReply, OpenReadReply
 from mxfs.vol.access import (
@@ -169,8 +170,8 @@ class FileOps:
             return await self._create_here(session, {
                 "path": path, "size": size, "mode": mode, "exclusive": exclusive,
                 "mountpoint": self.mountpoint, "token": os.urandom(12).hex()})
-        self.vol.quotas.room(caller.uid, size, 1)
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
+        self.vol.quotas.room(caller.uid, size + len(name) + NAME_ROW, 1)  # (and its name)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)
