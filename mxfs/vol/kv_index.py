@@ -350,13 +350,16 @@ class KVIndex:
         first, or a larger one for a table past FULL.  The caller fills it (`grow_view`)
         a bite at a time: copying a million keys holds a thread half a second."""
         if space.next_view is None:
-            space.next_view = Successor(space.chunks)
+            space.next_view = Successor(len(space.chunks))
 
     def grow_view(self, space: Namespace, bite: int = VIEW_BITE) -> None:
         """Copy a bite of keys into the table being filled; the last bite puts it in the
         view's place (the old one retired MOVED: its readers ask for the new)."""
         growing = space.next_view
-        if growing is not None and growing.fill(space.chunks, bite):
+        if growing is None:
+            return
+        keys = self.vol.store.kv.keys_after(space.name, growing.after, bite)
+        if growing.fill(space.chunks, keys, bite):
             if space.view is not None:
                 space.view.retire(MOVED)
             space.view, space.next_view = growing.table, None

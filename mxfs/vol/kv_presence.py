@@ -15,8 +15,10 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import queue
 import secrets
-from collections.abc import Collection, Container
+import threading
+from collections.abc import Container
 
 from mxfs.proto.presence import (
     EMPTY,
@@ -114,31 +116,58 @@ class PresenceTable:
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def retire(self, state: int) -> None:
-        """Wipe it and mark it MOVED (a new table took its place) or GONE (the namespace
-        went): readers' mappings then show nothing, and say why."""
+        """Mark it MOVED (a new table took its place) or GONE (the namespace went), then
+        wipe it: readers' mappings then say why, and show nothing.  Readers look at the
+        state at every lookup, so the wipe (32 MiB for a million keys, 14 ms) is done
+        by a thread of its own, not on the daemon's."""
         assert state in (MOVED, GONE)
         self.count = self.gone = 0
         self._header(state)  # (first: a reader that sees the state asks again)
-        self._slots[:] = memoryview(bytes(8 * self.slots)).cast("Q")
-        self._slots.release()
-        self.map.close()
-        os.close(self.fd)
+        _wipe(self._slots, self.map, self.fd)
+
+
+_wipes: queue.SimpleQueue[tuple[memoryview, mmap.mmap, int]] = queue.SimpleQueue()
+_wiper: threading.Thread | None = None
+_wiper_lock = threading.Lock()
+
+
+def _wipe(slots: memoryview, mapped: mmap.mmap, fd: int) -> None:
+    """Zero a retired table's slots and let its memory go, on the wiper thread."""
+    global _wiper
+    _wipes.put((slots, mapped, fd))
+    with _wiper_lock:
+        if _wiper is None:
+            _wiper = threading.Thread(target=_wiping, daemon=True, name="mxfs-kv-wipe")
+            _wiper.start()
+
+
+def _wiping() -> None:
+    while True:
+        slots, mapped, fd = _wipes.get()
+        try:
+            slots[:] = memoryview(bytes(len(slots) * 8)).cast("Q")
+        finally:
+            slots.release()
+            mapped.close()
+            os.close(fd)
 
 
 class Successor:
-    """A table being filled from a copy of a namespace's keys a bite at a time, while
-    the namespace changes: its changes go into the table at once (`table.add`,
-    `table.remove`), and a copied key only if it is still there."""
+    """A table being filled from the namespace's rows a bite at a time, in key order,
+    while the namespace changes: its changes go into the table at once (`table.add`,
+    `table.remove`), and a key read from the rows only if it is still there.  (A copy
+    of the keys in memory, taken at once, held the thread 0.1 s a million keys.)"""
 
-    def __init__(self, keys: Collection[bytes]) -> None:
-        self.table = PresenceTable(room=len(keys))
-        self._todo = list(keys)
+    def __init__(self, room: int) -> None:
+        self.table = PresenceTable(room=room)
+        self.after: bytes | None = None  # the last key read from the rows
 
-    def fill(self, now: Container[bytes], bite: int) -> bool:
-        """Copy up to `bite` keys (those still in `now`, the namespace's); whether every
-        key is copied."""
-        for key in self._todo[-bite:]:
+    def fill(self, now: Container[bytes], keys: list[bytes], bite: int) -> bool:
+        """Take the next `keys` read from the rows (up to `bite`, past `after`), those
+        still in `now`, the namespace's; whether they were the last."""
+        for key in keys:
             if key in now:
                 self.table.add(key)
-        del self._todo[-bite:]
-        return not self._todo
+        if keys:
+            self.after = keys[-1]
+        return len(keys) < bite
