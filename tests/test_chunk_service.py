@@ -593,3 +593,20 @@ def _scopes(c: ChunkClient, ino: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def test_peers_are_counted_by_address_loopback_as_one_and_ipv6_by_its_64() -> None:
+    """Handshake slots are counted by peer: every loopback address is one (any local
+    user may use them all), an IPv6 address is its /64 (a host holds a whole /64 as a
+    rule: one address each gave it unbounded slots), unreserved ports apart."""
+    import ipaddress
+
+    from mxfs.fs.chunk_service import UNRESERVED, peer_of
+
+    a = ipaddress.ip_address
+    assert peer_of(a("127.0.0.2"), 700) == peer_of(a("::1"), 700) == "loopback"
+    assert peer_of(a("::ffff:10.0.0.5"), 700) == peer_of(a("10.0.0.5"), 700) == "10.0.0.5"
+    assert peer_of(a("2001:db8::1"), 700) == peer_of(a("2001:db8::ffff:1"), 700) \
+        == "2001:db8::/64"
+    assert peer_of(a("2001:db8:0:1::1"), 700) != peer_of(a("2001:db8::1"), 700)
+    assert peer_of(a("10.0.0.5"), 40000) == "10.0.0.5" + UNRESERVED

@@ -730,10 +730,21 @@ def _peer_address(stream: trio.SocketStream) -> str:
         addr = ipaddress.ip_address(str(host))
     except (OSError, ValueError):  # gone already
         return "?" + UNRESERVED
+    return peer_of(addr, int(port))
+
+
+def peer_of(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
+    """(See `_peer_address`.)  An IPv6 address counts as its /64: a host holds a whole
+    /64 as a rule, and one address each would have given it unbounded slots."""
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
-    return ("loopback" if addr.is_loopback else str(addr)) + \
-        ("" if int(port) < 1024 else UNRESERVED)
+    if addr.is_loopback:
+        where = "loopback"
+    elif isinstance(addr, ipaddress.IPv6Address):
+        where = str(ipaddress.IPv6Network((addr, 64), strict=False))
+    else:
+        where = str(addr)
+    return where + ("" if port < 1024 else UNRESERVED)
 
 
 def _uuid_bytes(pool_uuid: str) -> bytes:

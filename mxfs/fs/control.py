@@ -74,7 +74,7 @@ class ControlServer:
         self.kv = KVOps(volume, KVIndex(volume, lim.max_namespaces_per_user,
                                         (lim.max_kv_views, lim.max_kv_views_per_user)),
                         lim, self.remote)
-        self.listener.other_fds = self.kv.index.view_fds  # (and the chunk service's)
+        self.listener.other_fds = self.kv.view_fds  # (and the chunk service's)
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,

@@ -211,7 +211,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                       int(own["chunk_port"]),
                                       lambda: vol.lease.epoch if vol.lease else 0,
                                       control.limits, lambda: control.listener.connections()
-                                      + control.kv.index.view_fds())
+                                      + control.kv.view_fds())
                 if reading:  # its own members: the writer writes them, every node reads
                     if control.files.forwarded is not None:
                         chunks.writing = control.files.forwarded.writing.__contains__
@@ -224,7 +224,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                     chunks.only_uid = control.only_uid
                 served = chunks  # (the control socket's count: views and chunk service)
                 control.listener.other_fds = lambda: served.connections + \
-                    control.kv.index.view_fds()
+                    control.kv.view_fds()
                 chunks.bind()
                 control.status.chunks = chunks
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))

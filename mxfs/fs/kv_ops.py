@@ -181,6 +181,12 @@ class KVOps:
         self.forward = ForwardedKV(vol.pool.remote, self.limits, self._node,
                                    self.follower.views.put) if self.follower else None
 
+    def view_fds(self) -> int:
+        """Descriptors the presence tables hold (the writer's index's, or a reading
+        node's): two each, a memfd and its mapping."""
+        follower = self.follower
+        return self.index.view_fds() + (2 * len(follower.views.tables) if follower else 0)
+
     def handlers(self) -> dict[str, Handler]:
         """The handler of each KV op.  Those that work through many items do it in
         bites (`fs/fair.py`): another user's request waits for a bite, not the whole."""

@@ -64,7 +64,6 @@ def _overflow(e: OverflowError) -> OSError:
 # get_many binds at most this many keys per statement (SQLite's limit is 32766), and
 # pads shorter lists to a power of two, so few statement texts are made.
 _MANY = 512
-CHECKPOINT_AT = 4 << 20  # WAL bytes past which `checkpoint_apart` checkpoints (~1,000 pages)
 
 
 def _padded(keys: list[object]) -> list[object]:
@@ -473,23 +472,26 @@ class SqliteEngine(Engine):
 
     def checkpoint_apart(self) -> Callable[[], None] | None:
         """SQLite checkpoints in the commit that takes the WAL past 1,000 pages: it
-        copies them into the database and fsyncs it, on the daemon's one thread.  Off
-        from now on; the call returned checkpoints (PASSIVE: never waiting for this
-        connection's group) once the WAL holds CHECKPOINT_AT."""
+        copies them into the database and fsyncs it, on the daemon's one thread.  The
+        call returned checkpoints (PASSIVE: never waiting for this connection's group)
+        from a connection of its own whenever the WAL changed since its last run, so a
+        commit seldom has to; SQLite's own stays as the backstop, so the WAL, and the
+        room kept past its end for a full member (`sqlite_space`), stay as they were
+        (a WAL cut back at each restart had to find new blocks: on a full member a
+        group was lost)."""
         if self.readonly:
             return None
-        self.db.execute("PRAGMA wal_autocheckpoint=0")
-        # (a WAL a checkpoint emptied is cut back as it restarts: its size says what
-        # it holds, else it stayed at its largest and each second checkpointed)
-        self.db.execute("PRAGMA journal_size_limit=0")
         other = self._checkpointer = sqlite3.connect(self.path, isolation_level=None,
                                                      check_same_thread=False)
+        last: list[tuple[int, int] | None] = [None]  # the WAL's (size, mtime) then
 
         def checkpoint() -> None:
             try:
-                if os.path.getsize(self.path + "-wal") < CHECKPOINT_AT:
-                    return
+                st = os.stat(self.path + "-wal")
+                if (st.st_size, st.st_mtime_ns) == last[0]:
+                    return  # (nothing written since)
                 other.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                last[0] = (st.st_size, st.st_mtime_ns)
             except FileNotFoundError:
                 pass
             except sqlite3.Error as e:  # (the reserve is the committing thread's to give)
