@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import trio
@@ -34,7 +34,7 @@ from mxfs.meta import MetaStore
 from mxfs.meta.feed_notes import KV_GONE, KV_RESET, KV_STORED, Change
 from mxfs.proto.messages import KVViewsStatus
 from mxfs.proto.presence import GONE, MOVED
-from mxfs.vol.kv_presence import PresenceTable
+from mxfs.vol.kv_presence import KeptTables, PresenceTable
 
 log = logging.getLogger("mxfs.kv")
 
@@ -50,11 +50,8 @@ class FollowerViews:
         writer keeps, `KVIndex.viewed`: each holds two descriptors and its slots)."""
         self.worker = worker
         self.live: Callable[[], bool] = lambda: False  # the feed is being read (daemon)
-        # By namespace, least recently asked for first; whose view made each.
-        self.tables: OrderedDict[str, PresenceTable] = OrderedDict()
-        self._made_by: dict[str, int] = {}
-        self.by_tenant: Counter[int] = Counter()
-        self.most, self.most_per_user = most
+        self.tables: dict[str, PresenceTable] = {}  # by namespace
+        self.kept = KeptTables(*most)
         self._filling: dict[str, trio.Event] = {}
         self._token: trio.lowlevel.TrioToken | None = None
 
@@ -73,7 +70,7 @@ class FollowerViews:
         while (filling := self._filling.get(ns)) is not None:
             await filling.wait()
         if (table := self.tables.get(ns)) is not None:
-            self.tables.move_to_end(ns)
+            self.kept.asked(ns)
             return table
         done = self._filling[ns] = trio.Event()
         try:
@@ -97,21 +94,17 @@ class FollowerViews:
         asked of that user's tables (or of all) are retired MOVED (a user who viewed
         thousands of namespaces held two descriptors each, for good)."""
         self.tables[ns] = table
-        self._made_by[ns] = tenant
-        self.by_tenant[tenant] += 1
-        if tenant != 0 and self.by_tenant[tenant] > self.most_per_user:
-            self._drop(next(n for n in self.tables if self._made_by[n] == tenant), MOVED)
-        while len(self.tables) > self.most:
-            self._drop(next(iter(self.tables)), MOVED)
+        for name in self.kept.add(ns, tenant):
+            self._drop(name, MOVED)
         return table
 
+    @property
+    def by_tenant(self) -> Counter[int]:
+        return self.kept.by_tenant
+
     def _drop(self, ns: str, state: int) -> None:
-        table = self.tables.pop(ns)
-        tenant = self._made_by.pop(ns)
-        self.by_tenant[tenant] -= 1
-        if self.by_tenant[tenant] <= 0:
-            del self.by_tenant[tenant]
-        table.retire(state)
+        self.kept.drop(ns)
+        self.tables.pop(ns).retire(state)
 
     async def _filled(self, ns: str, uid: int, table: PresenceTable) -> PresenceTable:
         after: bytes | None = None

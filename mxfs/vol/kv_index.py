@@ -28,7 +28,7 @@ from mxfs.proto.constants import MAX_KEY
 from mxfs.proto.messages import NamespaceStats
 from mxfs.proto.presence import GONE, MOVED
 from mxfs.vol.access import R_OK, W_OK, Caller
-from mxfs.vol.kv_presence import PresenceTable, Successor
+from mxfs.vol.kv_presence import KeptTables, PresenceTable, Successor
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
@@ -174,12 +174,7 @@ class KVIndex:
                  max_views: tuple[int, int] = (2048, 256)) -> None:
         self.vol = vol
         self.max_per_user = max_per_user  # namespaces one uid but root may own
-        # Presence tables kept (each a memfd and its mapping: two descriptors), in all
-        # and of those one user's views made; the namespaces that have one, least
-        # recently asked for first, with whose view made it (`viewed`).
-        self.max_views, self.max_views_per_user = max_views
-        self._viewed: OrderedDict[str, tuple[Namespace, int]] = OrderedDict()
-        self.views_by_tenant: Counter[int] = Counter()
+        self.kept = KeptTables(*max_views)  # the namespaces with a presence table
         self.spaces: dict[str, Namespace] = {}
         # Namespaces, and their chunks, by their owners' tenants (a put asks: no scan).
         self._owned: Counter[int] = Counter()
@@ -320,30 +315,20 @@ class KVIndex:
         user who views a thousand namespaces holds no more of the daemon's descriptors
         and memory than the limit (they ran it out of descriptors, and opens on the
         members failed), and cannot retire others' tables past her own share."""
-        if space.name in self._viewed:
-            self._viewed.move_to_end(space.name)
-            return
-        self._viewed[space.name] = (space, tenant)
-        self.views_by_tenant[tenant] += 1
-        if tenant != 0 and self.views_by_tenant[tenant] > self.max_views_per_user:
-            self.unview(next(s for s, t in self._viewed.values() if t == tenant))
-        while len(self._viewed) > self.max_views:
-            self.unview(next(iter(self._viewed.values()))[0])
+        if not self.kept.asked(space.name):
+            for name in self.kept.add(space.name, tenant):
+                self.unview(self.spaces[name])
 
     def unview(self, space: Namespace, state: int = MOVED) -> None:
         """Retire the namespace's tables (MOVED: its readers ask again; GONE: it went)."""
         for table in _tables(space):
             table.retire(state)
         space.view = space.next_view = None
-        if (held := self._viewed.pop(space.name, None)) is not None:
-            tenant = held[1]
-            self.views_by_tenant[tenant] -= 1
-            if self.views_by_tenant[tenant] <= 0:
-                del self.views_by_tenant[tenant]
+        self.kept.drop(space.name)
 
     def view_fds(self) -> int:
         """Descriptors the tables hold (a memfd and its mapping's each)."""
-        return 2 * len(self._viewed)
+        return 2 * len(self.kept)
 
     def start_view(self, space: Namespace) -> None:
         """Begin a presence table (`proto/presence.py`) for the namespace's keys: its

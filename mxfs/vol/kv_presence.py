@@ -18,6 +18,7 @@ import os
 import queue
 import secrets
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Container
 
 from mxfs.proto.presence import (
@@ -124,6 +125,52 @@ class PresenceTable:
         self.count = self.gone = 0
         self._header(state)  # (first: a reader that sees the state asks again)
         _wipe(self._slots, self.map, self.fd)
+
+
+class KeptTables:
+    """Which namespaces keep a presence table (a memfd and its mapping: two of the
+    daemon's descriptors each), least recently asked for first, each counted against
+    the user (tenant, `vol/tenants.py`) whose view made it: past `most` in all, or
+    `per_user` of one user's (root: the total only), the least recently asked of that
+    user's, or of all, are the ones to retire.  A user who viewed a thousand namespaces
+    held two descriptors each, for good, and ran the daemon out of them."""
+
+    def __init__(self, most: int, per_user: int) -> None:
+        self.most, self.per_user = most, per_user
+        self._made_by: OrderedDict[str, int] = OrderedDict()
+        self.by_tenant: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._made_by)
+
+    def asked(self, name: str) -> bool:
+        """Whether `name` keeps one (then the most recently asked for)."""
+        if name in self._made_by:
+            self._made_by.move_to_end(name)
+            return True
+        return False
+
+    def add(self, name: str, tenant: int) -> list[str]:
+        """`name` keeps one now, made by `tenant`'s view; the names whose tables are to
+        be retired for it (no longer kept here)."""
+        self._made_by[name] = tenant
+        self.by_tenant[tenant] += 1
+        out = []
+        if tenant != 0 and self.by_tenant[tenant] > self.per_user:
+            out.append(next(n for n, t in self._made_by.items() if t == tenant))
+            self.drop(out[-1])
+        while len(self._made_by) > self.most:
+            out.append(next(iter(self._made_by)))
+            self.drop(out[-1])
+        return out
+
+    def drop(self, name: str) -> None:
+        """`name` keeps none now (retired, or its namespace gone); none kept: nothing."""
+        tenant = self._made_by.pop(name, None)
+        if tenant is not None:
+            self.by_tenant[tenant] -= 1
+            if self.by_tenant[tenant] <= 0:
+                del self.by_tenant[tenant]
 
 
 _wipes: queue.SimpleQueue[tuple[memoryview, mmap.mmap, int]] = queue.SimpleQueue()
