@@ -179,13 +179,9 @@ class FileOps:
             self.vol.pool.check_space(m, -(-size // layout.width))
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
                               caller.gids.__contains__)
-        session.book(size)
-        try:
+        with session.booking(size):
             entry, members, fds = await open_hidden(self.vol, parent, mode, caller.uid, gid,
                                                     self.calls)
-        except BaseException:
-            session.unbook(size)
-            raise
         session.hold(Pending(entry, path, size), booked=True)
         return {**self._describe(entry.node), "members": members}, fds
 
@@ -196,8 +192,7 @@ class FileOps:
         assert self.forwarded is not None
         self.forwarded.check_writable()
         caller, size = session.caller, int(body["size"])
-        session.book(size)
-        try:
+        with session.booking(size):
             try:
                 made = await self.forwarded.ask(caller, "node_create", body)
             except BaseException:  # (made, perhaps, and its answer lost: dropped by name)
@@ -210,9 +205,6 @@ class FileOps:
             except BaseException:
                 self.forwarded.abort_later(caller, ino)
                 raise
-        except BaseException:
-            session.unbook(size)
-            raise
         session.hold(Pending(entry, str(body["path"]), size), booked=True)
         self.forwarded.writing.add(ino)
         return {**self._describe(node, False), "members": members}, fds

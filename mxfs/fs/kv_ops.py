@@ -623,16 +623,12 @@ class KVOps:
         root = await self._room(space, size, caller.uid)
         if self.index.spaces.get(space.name) is not space:
             raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
-        session.book(size)
-        try:
+        with session.booking(size):
             if size <= ONE_MEMBER_MAX:  # a spare: committed, its one chunk file made ahead
                 entry, members, fds = self._open_spare(caller)
             else:  # striped over the members, as the root's files are
                 entry, members, fds = await open_hidden(self.vol, root, 0o600, caller.uid,
                                                         caller.gid, self.calls)
-        except BaseException:
-            session.unbook(size)
-            raise
         session.hold(Pending(entry, "", size, namespace=space.name), booked=True)
         return {"exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -81,6 +82,17 @@ class Session:
         self.pending[pending.entry.node.ino] = pending
         if not booked:
             self.book(pending.declared)
+
+    @contextlib.contextmanager
+    def booking(self, declared: int) -> Iterator[None]:
+        """`book` for the block that makes the file, undone if it fails (the caller
+        `hold`s what it made, `booked`)."""
+        self.book(declared)
+        try:
+            yield
+        except BaseException:
+            self.unbook(declared)
+            raise
 
     def book(self, declared: int) -> None:
         """Count a file about to be held, before the awaits that make it: checks made

@@ -312,10 +312,8 @@ class MetaStore:
                 self._charge_xattrs(node, value, moved)
                 named = self.engine.lengths("dentries", "ino", ("name",), [node.ino],
                                             NAME_ROW).get(node.ino, 0)
-                for uid, delta in ((node.uid, -named), (value, named)):
-                    if delta:
-                        self.usage.add_names(uid, delta)
-                        self._journal.append((node, _NAMES, (uid, delta)))
+                self._charge_names(node, node.uid, -named)
+                self._charge_names(node, value, named)
             self.usage.change(node, name, value)
             setattr(node, name, value)
         self.engine.patch("inodes", {"ino": node.ino}, values)
@@ -517,10 +515,13 @@ class MetaStore:
         node = self.get(ino)
         if rows is None:
             rows = 1 if nbytes >= 0 else -1
-        delta = nbytes + rows * NAME_ROW
-        if delta:
-            self.usage.add_names(node.uid, delta)
-            self._journal.append((node, _NAMES, (node.uid, delta)))
+        self._charge_names(node, node.uid, nbytes + rows * NAME_ROW)
+
+    def _charge_names(self, node: Inode, uid: int, delta: int) -> None:
+        """Add `delta` bytes to `uid`'s names tally, put back if the change fails."""
+        if delta and self.usage.counted:
+            self.usage.add_names(uid, delta)
+            self._journal.append((node, _NAMES, (uid, delta)))
 
     def _touch_dir(self, d: Inode, now: int, nlink_delta: int = 0) -> None:
         """A directory's times (and link count) after a change of its entries.  In a
