@@ -483,6 +483,9 @@ class SqliteEngine(Engine):
             return None
         other = self._checkpointer = sqlite3.connect(self.path, isolation_level=None,
                                                      check_same_thread=False)
+        # (its files opened now, not at its first checkpoint: the daemon's descriptors
+        # settle at mount, and a count of them after a user's requests means theirs)
+        other.execute("SELECT count(*) FROM sqlite_master").fetchone()
         last: list[tuple[int, int] | None] = [None]  # the WAL's (size, mtime) then
 
         def checkpoint() -> None:
