@@ -13,7 +13,8 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from mxfs.proto import VERSION, recv_message, send_message
@@ -65,6 +66,11 @@ def _fields(reply: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+# A posted request's outcome, given to its callback when a later call reads its reply.
+Posted = Callable[[dict[str, Any] | ControlError], None]
+POST_WINDOW = 64  # posted requests unanswered at most: the posting call reads the oldest
+
+
 class ControlClient:
     """One connection to the daemon, made again when it is lost.
 
@@ -84,6 +90,11 @@ class ControlClient:
         self.closed = False
         self.connections = 0
         self.server: dict[str, Any] = {}
+        # Requests sent without waiting (`post`): their ids and callbacks, in send order.
+        self._posted: deque[tuple[int, Posted]] = deque()
+        # Called (under the lock) before each request that waits for its reply: a
+        # holder of requests gathered to post sends them first, keeping their order.
+        self.before_request: Callable[[], None] | None = None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.close()  # no connection yet: _connect makes the first
         self._connect()
@@ -160,6 +171,11 @@ class ControlClient:
 
     def alive(self) -> bool:
         """Is the connection still up?  (A daemon that went away leaves it readable: EOF.)"""
+        with self._lock:
+            try:
+                self._settle()  # (posted replies would leave it readable too)
+            except OSError:
+                return False
         if self.broken:
             return False
         try:
@@ -215,6 +231,9 @@ class ControlClient:
         with self._lock:
             if self.closed:
                 raise self._closed_error()
+            if self.before_request is not None:
+                self.before_request()
+            self._settle()
             if not self._usable():
                 self.sock.close()  # what it held in the daemon is gone already
                 self._connect()
@@ -238,6 +257,9 @@ class ControlClient:
         with self._lock:
             if self.closed:
                 raise self._closed_error()
+            if self.before_request is not None:
+                self.before_request()
+            self._settle()
             if not self._usable():
                 self.sock.close()
                 self._connect()
@@ -262,6 +284,65 @@ class ControlClient:
                 if self.broken:
                     self.sock.close()
         return out
+
+    def post(self, req: Request[Any, Any], done: Posted, window: int = POST_WINDOW) -> None:
+        """Send `req` and go on without its reply: `done` gets the reply's fields (or
+        the ControlError it was refused with) when a later call on this client reads it
+        (any request, `settle`, or a post past `window` unanswered).
+
+        The daemon answers a connection's requests in order, so a later request sees
+        what the posted ones did.  A connection lost with posts unanswered gives each
+        of them ECONNRESET (the daemon may have applied them) and raises."""
+        with self._lock:
+            if self.closed:
+                raise self._closed_error()
+            if not self._posted and not self._usable():
+                self.sock.close()
+                self._connect()
+            msg_id = next(self._ids)
+            try:
+                send_message(self.sock, {"op": req.op.name, "id": msg_id, **req.fields})
+            except BaseException:
+                self._lost(done)
+                raise
+            self._posted.append((msg_id, done))
+            while len(self._posted) > max(0, window):
+                self._read_posted()
+
+    def settle(self) -> None:
+        """Read the replies of every posted request (each to its callback)."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        while self._posted:
+            self._read_posted()
+
+    def _read_posted(self) -> None:
+        msg_id, done = self._posted[0]
+        try:
+            reply, fds = recv_message(self.sock)
+            got = self._answer(reply, fds, msg_id)
+        except BaseException:
+            self._lost()
+            raise
+        self._posted.popleft()
+        if isinstance(got, ControlError):
+            done(got)
+            return
+        for fd in got[1]:
+            os.close(fd)
+        done(_fields(got[0]))
+
+    def _lost(self, *more: Posted) -> None:
+        """The stream broke with posts unanswered: each is told, the connection dropped."""
+        self.broken = True
+        self.sock.close()
+        told = [done for _, done in self._posted] + list(more)
+        self._posted.clear()
+        for done in told:
+            done(ControlError(errno.ECONNRESET, "the connection to the daemon was lost "
+                              "before it answered (the request may have been applied)"))
 
     def _answer(self, reply: dict[str, Any], fds: list[int], msg_id: int
                 ) -> tuple[dict[str, Any], list[int]] | ControlError:

@@ -41,6 +41,8 @@ log = logging.getLogger("mxfs.control")
 # Refused connections answered at once (each holds a descriptor until its reply is taken).
 MAX_REFUSING = 64
 RIGHTS_SPACE = ancillary_space(SCM_MAX_FD)  # (all one message may carry: see foreign_fds)
+# Bytes one read of a connection takes: the requests a client sent without waiting.
+READ_AHEAD = 64 << 10
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
@@ -130,16 +132,6 @@ class Listener:
         if sent_fds:
             raise ProtocolError("requests carry no descriptors")
         return data
-
-    async def _recv_exact(self, conn: Any, n: int, tenant: int) -> bytes:
-        parts, got = [], 0
-        while got < n:
-            chunk = await self._recv(conn, min(n - got, 1 << 16), tenant)
-            if not chunk:
-                raise ConnectionError("peer closed mid-message")
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
 
     def connections(self) -> int:
         return sum(self.conns.values())
@@ -233,32 +225,39 @@ class Listener:
             if not self.conns[tenant]:
                 del self.conns[tenant]
 
-    async def _read_request(self, conn: Any, session: Session) -> dict[str, Any] | None:
+    async def _read_request(self, conn: Any, session: Session, inbox: bytearray
+                            ) -> dict[str, Any] | None:
         """The next request, or None when the connection is over (closed, idle, too slow).
 
         A connection holding nothing is closed after `idle_timeout`; once a message
-        has begun it must arrive whole within `frame_timeout`.
+        has begun it must arrive whole within `frame_timeout`.  Bytes are read up to
+        READ_AHEAD at a time into `inbox`, the connection's bytes read and not yet
+        served: a client that sends requests without waiting for replies (a stream
+        of small KV puts) costs one read for several of them, not two each.
         """
         lim = self.limits
-        head = None
         holds = session.pending or session.pinned
+        tenant = session.tenant
         try:
-            with trio.move_on_after(math.inf if holds else lim.idle_timeout):
-                try:
-                    head = await self._recv(conn, HEADER.size, session.tenant)
-                except OSError:
-                    return None
-            if not head:
-                return None  # closed, or idle too long
+            if not inbox:
+                data = None
+                with trio.move_on_after(math.inf if holds else lim.idle_timeout):
+                    try:
+                        data = await self._recv(conn, READ_AHEAD, tenant)
+                    except OSError:
+                        return None
+                if not data:
+                    return None  # closed, or idle too long
+                inbox += data
             with trio.fail_after(lim.frame_timeout):
-                if len(head) < HEADER.size:
-                    head += await self._recv_exact(conn, HEADER.size - len(head),
-                                                   session.tenant)
-                _, _, length = parse_header(head)
-                raw = await self._recv_exact(conn, length, session.tenant)
+                await self._fill(conn, inbox, HEADER.size, tenant)
+                _, _, length = parse_header(bytes(inbox[:HEADER.size]))
+                await self._fill(conn, inbox, HEADER.size + length, tenant)
+            raw = bytes(inbox[HEADER.size:HEADER.size + length])
+            del inbox[:HEADER.size + length]
             # Parsed in the sender's turn: one user's connections, each sending a costly
             # payload at once, take turns among themselves, not everyone's.
-            async with self.turn(session.tenant):
+            async with self.turn(tenant):
                 msg = decode_payload(raw, MAX_VALUES)
             del raw
             check_request(msg)
@@ -272,9 +271,19 @@ class Listener:
             pass  # the peer went away mid-message
         return None
 
+    async def _fill(self, conn: Any, inbox: bytearray, want: int, tenant: int) -> None:
+        """Read until `inbox` holds `want` bytes (ConnectionError if the peer closes)."""
+        while len(inbox) < want:
+            data = await self._recv(conn, min(max(want - len(inbox), READ_AHEAD), 1 << 16),
+                                    tenant)
+            if not data:
+                raise ConnectionError("peer closed mid-message")
+            inbox += data
+
     async def _serve(self, conn: Any, session: Session) -> None:
+        inbox = bytearray()  # (bytes read ahead of the request being served)
         while True:
-            msg = await self._read_request(conn, session)
+            msg = await self._read_request(conn, session, inbox)
             if msg is None:
                 return
             op = msg["op"]

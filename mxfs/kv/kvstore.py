@@ -78,6 +78,7 @@ INLINE = 256 << 10
 INLINE_PUT_LOCAL = 32 << 10
 INLINE_GET_LOCAL = 8 << 10
 _INLINE_BATCH = 512 << 10  # raw bytes per inline request (base64 grows it by a third)
+GATHER = 64  # puts `put_nowait` gathers into one request
 STAGING_MAX = 64 << 20  # the most of one get that goes through a store's staging buffer
 PUT_CONNECTIONS = 4  # a reading node's connections a group of large puts is split over
 PIN_BATCH = 1024  # keys one pin request leases (a reading node sends on MAX_KEYS at most)
@@ -346,10 +347,23 @@ class KVStore:
         self.policy = policy
         # Exists answered from the daemon's table of the namespace's keys (`kv/key_view.py`).
         self.views = KeyViews(self._ask_view)
+        # Puts sent without waiting (`put_nowait`) since the last `flush`: how many were
+        # stored, and the first refusal among them.
+        self._sent_stored = 0
+        self._sent_refusal: OSError | None = None
+        self._gathering = threading.Lock()  # (threads share stores)
+        self._gathered: list[tuple[str, str]] = []  # (key, data), base64, not sent yet
+        self._gathered_bytes = 0
+        self.client.before_request = self._send_gathered
         if capacity is not None:
             self.client.request(KV_CONFIG({"namespace": namespace, "capacity": capacity}))
 
     def close(self) -> None:
+        """End the store's connections; puts sent without waiting are answered first
+        (their refusals, if any, are not raised: call `flush` to see them)."""
+        with suppress(OSError):
+            self._send_gathered()
+            self.client.settle()
         self.client.close()
         for c in self._put_conns or ():
             c.close()
@@ -371,6 +385,64 @@ class KVStore:
     def put(self, key: Key, buffer: Any) -> bool:
         """Store `buffer` under `key`; False if the key was already stored (first wins)."""
         return self.batch_put([key], [buffer])[0]
+
+    def put_nowait(self, key: Key, buffer: Any) -> None:
+        """Put `buffer` under `key` without waiting for the daemon: a stream of small
+        puts runs at the daemon's pace, in batches, not one round trip each.
+
+        The bytes are taken at once (the buffer may be reused).  Puts are gathered and
+        sent GATHER at a time (or `_INLINE_BATCH` bytes), and before any other request
+        of this store, which the daemon serves after them: this store's gets see the
+        chunk at once, its `exists` (answered from the daemon's table) and other
+        processes once sent, at the latest at `flush` or `close`.  `flush` sends what is
+        gathered, waits for every put, and raises the first refusal among them.  A
+        chunk larger than `inline_put` (written through descriptors) is put before
+        this returns, its refusal kept for `flush` the same way."""
+        view, _copy = _view(buffer, writable=False)
+        if len(view) > self.inline_put:
+            try:
+                stored = self.batch_put([key], [view])[0]  # (answers gathered puts first)
+                self._sent_stored += stored
+            except OSError as e:
+                self._sent_refusal = self._sent_refusal or e
+            return
+        with self._gathering:
+            self._gathered.append((_b64(key), base64.b64encode(view).decode()))
+            self._gathered_bytes += len(view)
+            full = len(self._gathered) >= GATHER or self._gathered_bytes >= _INLINE_BATCH
+        if full:
+            self._send_gathered()
+
+    def _send_gathered(self) -> None:
+        """Post the puts `put_nowait` gathered, in one request (also called by the
+        client before each request that waits: see `ControlClient.before_request`)."""
+        with self._gathering:
+            items, self._gathered, self._gathered_bytes = self._gathered, [], 0
+        if items:
+            self.client.post(KV_PUT({**self._ns, "keys": [k for k, _ in items],
+                                     "data": [d for _, d in items]}), self._sent)
+
+    def _sent(self, got: Mapping[str, Any] | ControlError) -> None:
+        """A reply to puts `put_nowait` sent (read under the client's lock)."""
+        if isinstance(got, ControlError):
+            self._sent_refusal = self._sent_refusal or OSError(
+                got.errno, f"KV put: {got.strerror}")
+        else:
+            self._sent_stored += sum(map(bool, got["stored"]))
+
+    def flush(self) -> int:
+        """Send the puts `put_nowait` gathered and wait for every one since the last
+        flush: how many of them stored their chunk (the others' keys were stored
+        already).  Raises the first refusal among them (OSError: ENOSPC, EDQUOT, ...)
+        once all are answered; a refused request's earlier chunks, and other
+        requests', are stored all the same."""
+        self._send_gathered()
+        self.client.settle()
+        stored, refusal = self._sent_stored, self._sent_refusal
+        self._sent_stored, self._sent_refusal = 0, None
+        if refusal is not None:
+            raise refusal
+        return stored
 
     def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[bool]:
         """Store each buffer under its key, chunks' bytes written in parallel batches.
