@@ -61,6 +61,36 @@ def test_put_get_round_trip_first_writer_wins(mounted: Mounted, size: int) -> No
         assert kv.delete("a") and not kv.exists("a") and kv.get("a") is None
 
 
+@pytest.mark.also_postgres
+def test_puts_sent_without_waiting_are_seen_in_order_and_refused_at_flush(
+        mounted: Mounted) -> None:
+    """`put_nowait` gathers small puts and sends them without waiting for the daemon:
+    the store's own next request sees them (sent first, served in order), other stores
+    once sent, and `flush` waits for all, counts those stored and raises a refusal."""
+    with KVStore(str(mounted.path), "nw") as kv, KVStore(str(mounted.path), "nw") as other:
+        kv.put_nowait("a", blob(1, 4096))
+        assert other.get("a") is None  # (gathered: not sent yet)
+        assert kv.get("a") == blob(1, 4096)  # (sent before the get, which sees it)
+        for i in range(300):  # (several requests, more than the client keeps unanswered)
+            kv.put_nowait(f"k{i}", blob(i, 1000 + i))
+        kv.put_nowait("a", blob(2, 4096))  # (stored already: the first writer wins)
+        kv.put_nowait("big", blob(7, INLINE + 1))  # (through descriptors, at once)
+        assert kv.flush() == 302
+        assert other.batch_get([f"k{i}" for i in range(300)]) == \
+            [blob(i, 1000 + i) for i in range(300)]
+        assert other.get("a") == blob(1, 4096) and other.get("big") == blob(7, INLINE + 1)
+        assert kv.flush() == 0
+    with KVStore(str(mounted.path), "nw-small", capacity=8192) as kv:
+        kv.put_nowait("fits", blob(3, 4096))
+        kv.flush()
+        kv.put_nowait("too-big", blob(4, 10_000))  # (over the namespace's capacity)
+        with pytest.raises(OSError) as err:
+            kv.flush()
+        assert err.value.errno == errno.EFBIG and "KV put" in str(err.value)
+        assert kv.get("fits") == blob(3, 4096) and kv.get("too-big") is None
+        assert kv.flush() == 0  # (a refusal is told once)
+
+
 @pytest.mark.smoke
 def test_batches_prefix_exists_and_odd_keys(mounted: Mounted) -> None:
     with KVStore(str(mounted.path), "b") as kv:
