@@ -33,6 +33,7 @@ from users import run_as
 
 from mxfs.cli.measure import drop_caches
 from mxfs.client import ControlClient
+from mxfs.kv import KVStore
 from mxfs.vol.volume import Volume
 
 # ---- a member runs out of space ---------------------------------------------------
@@ -209,10 +210,11 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
 def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
     """A member whose filesystem stops answering (a hung drive or target; here a FUSE
     mount whose daemon is stopped) leaves stat, `ls -l`, df and status answering, the
-    member left out: stats of its chunk files and of its space, and a direct reader's
-    opens and creates, run off the loop (before, the first stat or open held the
-    daemon's thread, and every user's request, until it came back); an open of a file
-    there waits for it, or is EIO once the member is judged hung."""
+    member left out: stats of its chunk files and of its space, a direct reader's
+    opens and creates, and small KV puts' writes run off the loop (before, the first
+    stat, open or write held the daemon's thread, and every user's request, until it
+    came back); an open of a file there waits for it, or is EIO once the member is
+    judged hung."""
     inner_members = make_members(tmp_path / "inner", 1)
     mkfs(inner_members)
     with mounted_pool(inner_members) as inner:
@@ -257,13 +259,23 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                 except OSError as e:
                     opened[name] = e.errno
 
+            def put() -> None:  # (spares on both members in turn: some wait)
+                with KVStore(str(outer.path), "hung") as kv:
+                    for i in range(8):
+                        try:
+                            kv.put(f"k{i}", bytes([i]) * 4096)
+                            opened[f"k{i}"] = "ok"
+                        except OSError as e:
+                            opened[f"k{i}"] = e.errno
+
             pid = inner.daemon_pid()
             os.kill(pid, signal.SIGSTOP)
             try:  # (the kernel forgets the member's names: each stat must ask its daemon)
                 Path("/proc/sys/vm/drop_caches").write_text("2")
                 openers = [threading.Thread(target=open_read, args=(p,), daemon=True)
                            for p in names]
-                openers.append(threading.Thread(target=create, daemon=True))
+                openers += [threading.Thread(target=create, daemon=True),
+                            threading.Thread(target=put, daemon=True)]
                 for t in openers:
                     t.start()
                 asking = threading.Thread(target=ask, daemon=True)

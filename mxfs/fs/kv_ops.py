@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -52,6 +53,7 @@ from mxfs.fs.session import (
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool import ChunkFiles
+from mxfs.pool.pool import NotAnswering
 from mxfs.proto import MAX_FDS, OPS
 from mxfs.proto.chunk_wire import FORWARDED_OPS
 from mxfs.proto.messages import (
@@ -104,7 +106,6 @@ _OPENERS = ThreadPoolExecutor(8, thread_name_prefix="mxfs-kv-open")
 _OPENING = trio.CapacityLimiter(2)
 
 
-INLINE_WRITE = 256 << 10  # a chunk this small is written on trio's thread (as kv_put's)
 INLINE_ON_LOOP = 8  # small chunks a get reads on trio's thread (more: a worker thread)
 EVICT_BITE = 4096  # victims chosen at once (~2 ms)
 MAX_LIST = 1000  # chunks one kv_list reply names (page with after, as `mxfs kv ls` does)
@@ -145,13 +146,6 @@ def _write_chunk(chunks: ChunkFiles | None, data: bytes | bytearray, unit: int) 
     assert chunks is not None
     chunks.write(0, memoryview(data))
     return pack_sums(block_sums(memoryview(data), unit))
-
-
-async def _off_loop(nbytes: int, fn: Callable[[], T]) -> T:
-    """`fn` on trio's thread when `nbytes` is a small write, else in a worker thread."""
-    if nbytes <= INLINE_WRITE:
-        return fn()
-    return await trio.to_thread.run_sync(fn)
 
 
 class KVOps:
@@ -413,21 +407,26 @@ class KVOps:
                                   int_field(msg, "capacity", 0), replace=force)
         return {**space.stats()}, []
 
-    async def _room(self, space: Namespace, size: int, uid: int) -> Inode:
+    async def _room(self, space: Namespace, size: int, uid: int, more: int = 0) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
-        owner has as many chunks as one uid may, or the writer `uid` is at its quota);
-        returns the layout parent."""
+        owner has as many chunks as one uid may, or the writer `uid` is at its quota),
+        `more` of the same request's chunks being stored already; returns the layout
+        parent."""
         self.vol.quotas.room(uid, size, 1)
-        owned = self.index.chunks_by_tenant[space.tenant]
+        owned = self.index.chunks_by_tenant[space.tenant] + more
         if space.tenant != 0 and owned >= self.limits.max_chunks_per_user:
             raise OSError(errno.EDQUOT, f"uid {space.tenant} owns namespaces holding {owned} "
                           "KV chunks (with its subordinate uids'), the limit (mount option "
                           "max_chunks_per_user): delete or evict some")
-        self.index.refuse_hopeless(space, size)
         root = self.vol.store.get(ROOT_INO)
         layout = self.vol.pool.layout_for(0, root.stripe_unit, root.stripe_width)
         members = list(range(len(self.vol.pool.members)))[:max(1, layout.width)]
-        victims = self.index.make_room(members, -(-size // layout.width))
+        share = -(-size // layout.width)
+        if self.index.rooms_stale(members, share):  # (statvfs: off the loop, guarded)
+            await self.calls.run(functools.partial(
+                self.index.measure_rooms, members, share, self.calls.guarded), uid)
+        self.index.refuse_hopeless(space, size)
+        victims = self.index.make_room(members, share)
         if victims is not None:
             await self._drop_in_bites(victims)
             raise OSError(errno.ENOSPC, "the pool is short of space for KV chunks; "
@@ -435,30 +434,23 @@ class KVOps:
         return root
 
     async def _put(self, msg: Msg, session: Session, space: Namespace) -> Answer[KVPutReply]:
-        """Small chunks in one request: the daemon writes them (no descriptors passed),
-        PUT_BITE at a time."""
+        """Small chunks in one request: the daemon writes them (no descriptors passed)."""
         keys, data = keys_field(msg), msg.get("data")
         if not isinstance(data, list) or len(data) != len(keys):
             raise BadField(msg, "needs 'data': one base64 string per key")
         refuse_if_degraded(self.vol)
-        stored: list[bool] = []
-        share = Slice()
+        items: list[tuple[bytes, bytes]] = []
         for key, b64 in zip(keys, data, strict=True):
-            if stored:
-                await share.due()
-                if self.index.spaces.get(space.name) is not space:
-                    raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed "
-                                  f"meanwhile ({sum(stored)} chunks were stored)")
-            if key in space.chunks:
-                stored.append(False)
-                continue
             if not isinstance(b64, str):
                 raise BadField(msg, "'data' holds base64 strings")
             try:
-                raw = base64.b64decode(b64, validate=True)
+                items.append((key, base64.b64decode(b64, validate=True)))
             except ValueError:
                 raise BadField(msg, "'data' is not base64") from None
-            stored.append(await self._store(space, key, raw, session.caller))
+        stored = await self._store(space, items, session.caller)
+        if self.index.spaces.get(space.name) is not space:
+            raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed "
+                          f"meanwhile ({sum(stored)} chunks were stored)")
         evicted = await self._enforce(space)
         self._visible()
         return {"stored": stored, "evicted": evicted}, []
@@ -466,40 +458,93 @@ class KVOps:
     async def put_from_node(self, caller: Caller, namespace: str, mode: int | None,
                             shared: bool, key: bytes, data: bytearray) -> bool:
         """A chunk a reading node's user put (`fs/chunk_service.py`, KPUT), judged as
-        that caller's put here: True if stored, False if the key was there.  Larger
-        chunks are hashed and written off trio's thread."""
+        that caller's put here: True if stored, False if the key was there."""
         space = self.index.space(namespace, caller, W_OK, shared,
                                  create_mode=0o700 if mode is None else mode & 0o777)
         check_key(key)
         refuse_if_degraded(self.vol)
-        stored = await self._store(space, key, data, caller)
+        (stored,) = await self._store(space, [(key, data)], caller)
         if stored:
             await self._enforce(space)
             self._visible()
             await self._grow_view(space)
         return stored
 
-    async def _store(self, space: Namespace, key: bytes, data: bytes | bytearray,
-                     caller: Caller) -> bool:
-        """One chunk of `caller`'s into a spare, hashed and indexed (larger ones written
-        off trio's thread): False if the key is stored (first wins), also meanwhile,
-        or its namespace went meanwhile.  The caller enforces the capacity and commits."""
-        if key in space.chunks:
-            return False
-        await self._room(space, len(data), caller.uid)
-        if key in space.chunks or self.index.spaces.get(space.name) is not space:
-            return False  # (stored, or its namespace removed, while others ran)
-        entry = self.vol.take_spare(caller.uid, caller.gid)
+    async def _store(self, space: Namespace, items: Sequence[tuple[bytes, bytes | bytearray]],
+                     caller: Caller) -> list[bool]:
+        """`caller`'s chunks into spares, hashed and indexed: each judged (room, its
+        bytes reserved against the quota until indexed) and given a spare here, all
+        written in one worker thread through the member guard (a member that stopped
+        answering holds its callers alone, never the loop), then indexed here in order.
+        False for a key stored already (first wins, also meanwhile, or twice in
+        `items`) or whose namespace went meanwhile.  A refusal (room, a write) raises
+        once the chunks before it are stored, as putting them one at a time would.
+        The caller enforces the capacity and commits."""
+        stored = [False] * len(items)
+        taken: list[tuple[int, bytes, bytes | bytearray, OpenInode, int, int]] = []
+        seen: set[bytes] = set()
+        refusal: OSError | None = None
+        share = Slice()
         try:
-            unit = self.vol.layout(entry.node).unit
-            sums = await _off_loop(len(data), lambda: _write_chunk(entry.chunks, data, unit))
-            if key in space.chunks or self.index.spaces.get(space.name) is not space:
-                return False
-            self.index.insert(space, key, entry.node.ino, len(data), unit, sums)
-            self.claims.stored(space, key)
+            for i, (key, data) in enumerate(items):
+                if taken:
+                    await share.due()
+                if key in space.chunks or key in seen:
+                    continue
+                try:
+                    await self._room(space, len(data), caller.uid, more=len(taken))
+                except OSError as e:
+                    refusal = e
+                    break
+                if self.index.spaces.get(space.name) is not space:
+                    break  # (removed while others ran)
+                entry = self.vol.take_spare(caller.uid, caller.gid)
+                self.vol.quotas.reserve(caller.uid, len(data))
+                seen.add(key)
+                layout = self.vol.layout(entry.node)
+                taken.append((i, key, data, entry, layout.first, layout.unit))
+            sums = await self._write_spares(taken, caller.uid) if taken else []
+            for n, ((i, key, data, entry, _, unit), got) in enumerate(
+                    zip(taken, sums, strict=True)):
+                if isinstance(got, OSError):
+                    refusal = got  # (earlier than a refusal of room, which came after all)
+                    break
+                if n:
+                    await share.due()
+                if key in space.chunks or self.index.spaces.get(space.name) is not space:
+                    continue
+                self.index.insert(space, key, entry.node.ino, len(data), unit, got)
+                self.claims.stored(space, key)
+                stored[i] = True
         finally:
-            self.vol.release(entry.node.ino)
-        return True
+            for _, _, data, entry, _, _ in taken:
+                self.vol.quotas.release(caller.uid, len(data))
+                self.vol.release(entry.node.ino)
+        if refusal is not None:
+            raise refusal
+        return stored
+
+    async def _write_spares(self, taken: Sequence[tuple[int, bytes, bytes | bytearray,
+                                                         OpenInode, int, int]],
+                            uid: int) -> list[bytes | OSError]:
+        """Each chunk written into its spare and its checksums, in one worker thread in
+        `uid`'s turn, every write through the member guard: the packed sums, or the
+        error (EIO at once for a member that stopped answering)."""
+        guarded = self.calls.guarded
+
+        def write_all() -> list[bytes | OSError]:
+            out: list[bytes | OSError] = []
+            for _, _, data, entry, member, unit in taken:
+                try:
+                    sums = guarded(member, functools.partial(_write_chunk, entry.chunks,
+                                                             data, unit))
+                    out.append(sums if sums is not None else NotAnswering(
+                        errno.EIO, f"member {member} is not answering: the chunk was not "
+                        "stored"))
+                except OSError as e:
+                    out.append(e)
+            return out
+        return await self.calls.run_whole(write_all, uid)
 
     async def claim_from_node(self, caller: Caller, namespace: str, shared: bool,
                               keys: list[bytes], seconds: float, holder: bytes,

@@ -87,12 +87,19 @@ class ChunkFiles:
             if old is not None:  # a read-only descriptor, replaced by a writable one
                 os.close(old)
             self._fds[member] = fd
+            if self._closed:  # (closed while this open waited: see `close`)
+                self._close_all()
+                raise OSError(errno.EBADF, f"inode {self.ino} was closed")
             return fd
 
     def _open(self, member: int, create: bool) -> int:
         path = self.pool.chunk_path(member, self.ino)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+            if create:
+                with self.pool.creating(member, self.ino):
+                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_CREAT, 0o600)
+            else:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             self._readonly.discard(member)
             return fd
         except OSError as e:
@@ -262,14 +269,25 @@ class ChunkFiles:
                     os.close(fd)
 
     def close(self) -> None:
+        """Close its descriptors, never waiting (it is called on the daemon's thread):
+        a thread opening one of its files (on a member that may not answer) holds the
+        lock, sees it closed once its open returns, and closes them then."""
         if self._ahead is not None:
             self._ahead.close()
-        with self._lock:
-            self._closed = True
-            for fd in [*self._fds.values(), *(fd for _, fds in self._retired for fd in fds)]:
-                os.close(fd)
-            self._fds.clear()
-            self._retired.clear()
+        self._closed = True
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._close_all()
+        finally:
+            self._lock.release()
+
+    def _close_all(self) -> None:
+        """(Under the lock.)"""
+        for fd in [*self._fds.values(), *(fd for _, fds in self._retired for fd in fds)]:
+            os.close(fd)
+        self._fds.clear()
+        self._retired.clear()
 
 
 def _settle(futures: list[Any]) -> None:

@@ -14,10 +14,12 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 import tomllib
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -376,6 +378,11 @@ class Pool:
         self.on_io: Callable[[int, str, int], None] | None = None
         # check_meta_room's last measure: (when, free bytes then, growth let through since)
         self._meta_room = (-math.inf, 0, 0)
+        # Chunk files (member, inode) being opened with O_CREAT: their removal waits (an
+        # open held by a member that stopped answering made its file after the inode's
+        # reclaim removed it, a chunk file of no inode).
+        self._creating: Counter[tuple[int, int]] = Counter()
+        self._created = threading.Condition()
         # Growth let through since the store last committed: the open group's pages may
         # sit in SQLite's memory, unseen by statvfs until its commit writes them.
         self._meta_uncommitted = 0
@@ -657,11 +664,32 @@ class Pool:
             raise
         return {"members": members, "direct_members": direct}, fds
 
+    @contextlib.contextmanager
+    def creating(self, member: int, ino: int) -> Iterator[None]:
+        """(Blocking callers.)  While a chunk file of `ino` may be made on `member`:
+        `remove_chunks` of it waits for the open to return."""
+        with self._created:
+            self._creating[(member, ino)] += 1
+        try:
+            yield
+        finally:
+            with self._created:
+                self._creating[(member, ino)] -= 1
+                if not self._creating[(member, ino)]:
+                    del self._creating[(member, ino)]
+                self._created.notify_all()
+
     def open_chunk(self, member: int, ino: int, flags: int, guard: Guard | None = None
                    ) -> int:
         """A descriptor of a chunk file (made 0600 with O_CREAT), opened through
         `guard` if given: EIO if the member does not answer."""
         path = self.chunk_path(member, ino)
+        if flags & os.O_CREAT:
+            with self.creating(member, ino):
+                return self._open_chunk(member, path, flags, guard)
+        return self._open_chunk(member, path, flags, guard)
+
+    def _open_chunk(self, member: int, path: str, flags: int, guard: Guard | None) -> int:
         if guard is None:
             return os.open(path, flags, 0o600)
         fd = guard(member, functools.partial(os.open, path, flags, 0o600))
@@ -677,6 +705,8 @@ class Pool:
         other nodes' members its layout uses, removed through their owners (blocking;
         an owner that cannot be reached keeps them, logged: its fsck finds them)."""
         for m in self.local_members():
+            with self._created:  # (a create of it under way ends first: see `creating`)
+                self._created.wait_for(lambda: (m, ino) not in self._creating)  # noqa: B023
             try:
                 os.unlink(self.chunk_path(m, ino))
             except FileNotFoundError:

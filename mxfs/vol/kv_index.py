@@ -21,7 +21,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.proto.constants import MAX_KEY
@@ -32,8 +32,16 @@ from mxfs.vol.kv_presence import KeptTables, PresenceTable, Successor
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
+
+class Guarded(Protocol):
+    """A call into a member's filesystem, None if the member is not answering
+    (`fs/member_calls.MemberCalls.guarded`)."""
+
+    def __call__(self, member: int, fn: Callable[[], _T]) -> _T | None: ...
+
 log = logging.getLogger("mxfs.kv")
 K = TypeVar("K")
+_T = TypeVar("_T")
 
 VICTIMS = 8192  # chunks one eviction takes at most (a short pool evicts again; a list of
 #                a declared 256 MiB's worth of 4 KiB chunks held the thread 25-350 ms)
@@ -181,7 +189,7 @@ class KVIndex:
         self.chunks_by_tenant: Counter[int] = Counter()
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
-        self._pool_free = _Room(lambda: pool_totals(vol.pool.usage())["free"])
+        self._pool_free = _Room(lambda guard: pool_totals(vol.pool.usage(guard))["free"])
         self._member_room: dict[int, _Room] = {}  # member: room above its floor
         self.load()
 
@@ -431,18 +439,37 @@ class KVIndex:
             raise OSError(errno.ENOSPC, f"a chunk of {size} bytes is over the pool's free "
                           f"space ({free} bytes, with every KV chunk evicted)")
 
+    def rooms_stale(self, members: list[int], size: int) -> bool:
+        """Whether a chunk of `size` (a member's share of it on `members`) needs the
+        space measured again first (`measure_rooms`, off the loop)."""
+        return self._pool_free.stale(size) or any(
+            self._room_of(m).stale(size) for m in members)
+
+    def measure_rooms(self, members: list[int], size: int, guard: Guarded) -> None:
+        """(Blocking: a worker thread.)  Measure what `rooms_stale` found stale, each
+        member's filesystem asked through `guard` (a member not answering has no room)."""
+        for room in [self._pool_free, *(self._room_of(m) for m in members)]:
+            if room.stale(size):
+                room.measured(room.measure(guard))
+
+    def _room_of(self, member: int) -> _Room:
+        room = self._member_room.get(member)
+        if room is None:
+            path = self.vol.pool.members[member].path
+            room = self._member_room[member] = _Room(
+                lambda guard: guard(member, functools.partial(_above_floor, path)))
+        return room
+
     def make_room(self, members: list[int], size: int
                   ) -> list[tuple[Namespace, bytes]] | None:
         """None if there is room for a chunk of `size` on `members`; else the chunks to
         evict pool-wide so later puts find room (see `fair_victims`), for the caller to
-        drop a bite at a time."""
+        drop a bite at a time.  Judged by the last measures (`measure_rooms`)."""
         short = 0
         for m in members:
-            room = self._member_room.get(m)
-            if room is None:
-                path = self.vol.pool.members[m].path
-                room = self._member_room[m] = _Room(functools.partial(_above_floor, path))
-            short = max(short, size - room.free(size))
+            room = self._room_of(m)
+            if room.answering:  # (one that is not evicts nothing: its writes fail)
+                short = max(short, size - room.free(size))
         if short <= 0:
             return None
         need = short * len(self.vol.pool.members) * 2  # bytes are spread over all members
@@ -515,20 +542,30 @@ class KVIndex:
 
 class _Room:
     """Free bytes as last measured, less what the chunks judged by that measure since
-    will take.  Measuring asks the members' filesystems (statvfs), so a small chunk,
-    under 1/8 of the room, within FREE_FRESH_S of the measure is judged without one:
-    only a large chunk, little room, or an old measure asks again."""
+    will take.  Measuring asks the members' filesystems (statvfs), which a member that
+    stopped answering never answers: it is done off the loop (`KVIndex.measure_rooms`)
+    when a chunk finds the measure stale: older than FREE_FRESH_S, or the chunk over
+    1/8 of the room.  A small chunk within that is judged without one."""
 
-    def __init__(self, measure: Callable[[], int]) -> None:
+    def __init__(self, measure: Callable[[Guarded], int | None]) -> None:
+        # (Blocking; each member asked through the guard given; None: not answering.)
         self.measure = measure
         self._at = -FREE_FRESH_S
         self._left = 0
+        self.answering = True
+
+    def stale(self, size: int) -> bool:
+        return time.monotonic() - self._at >= FREE_FRESH_S or size * 8 > self._left
+
+    def measured(self, free: int | None) -> None:
+        """A new measure; None (not answering) keeps the last one, for FREE_FRESH_S."""
+        self.answering = free is not None
+        if free is not None:
+            self._left = free
+        self._at = time.monotonic()
 
     def free(self, size: int) -> int:
         """The room before a chunk of `size`, which is then taken from it."""
-        now = time.monotonic()
-        if now - self._at >= FREE_FRESH_S or size * 8 > self._left:
-            self._left, self._at = self.measure(), now
         room = self._left
         self._left -= size
         return room
