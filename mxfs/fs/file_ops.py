@@ -58,6 +58,8 @@ from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
 
+# Times an open_read judges and opens again when a renew of its file began meanwhile.
+RENEW_TRIES = 8
 
 class FileOps:
     def __init__(self, vol: Volume, mountpoint: str, limits: Limits,
@@ -80,6 +82,9 @@ class FileOps:
         self.settle = settle
         # Direct reads of other nodes' members (a reading node): fs/remote_reads.py.
         self.remote = remote
+        # Waits while an inode's chunk files are cut or renewed; True if it waited
+        # (`MxfsOperations.renewing`, set by the daemon).
+        self.renewing: Callable[[int], Awaitable[bool]] | None = None
         # A reading node's store reads (round trips to the server), off trio's thread:
         # the FUSE handlers' worker (`fs/ops.py`), users taking turns.
         self.reads = reads
@@ -113,15 +118,38 @@ class FileOps:
 
     async def open_read(self, msg: Msg, session: Session) -> Answer[OpenReadReply]:
         """Read-only descriptors of a file's chunk files, if the caller may read it
-        (with "odirect": O_DIRECT ones too, for reads that bypass the page cache)."""
+        (with "odirect": O_DIRECT ones too, for reads that bypass the page cache).
+
+        A renew of its chunk files (its access being taken away: `Volume.renew`)
+        that runs or begins while it is judged and opened makes it wait for the change
+        and judge again: descriptors opened meanwhile might be of the new files, which
+        the file's later writes go to."""
         path, caller = path_field(msg), session.caller
-        node, sealed = await self._find(path, session)
-        if node.is_dir:
-            raise OSError(errno.EISDIR, f"{path} is a directory")
-        if not node.is_reg:
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
-        if not may(node, caller, R_OK):
-            raise OSError(errno.EACCES, f"{path}: read permission denied")
+        for _ in range(RENEW_TRIES):
+            renewals = self.vol.renewals
+            node, sealed = await self._find(path, session)
+            if node.is_dir:
+                raise OSError(errno.EISDIR, f"{path} is a directory")
+            if not node.is_reg:
+                raise OSError(errno.EINVAL, f"{path} is not a regular file")
+            if not may(node, caller, R_OK):
+                raise OSError(errno.EACCES, f"{path}: read permission denied")
+            if self.renewing is not None and await self.renewing(node.ino):
+                continue
+            got = await self._open_read(msg, session, path, node, sealed)
+            if "remote" in got[0]:
+                return got  # (a reading node's connections: its writer renews, not here)
+            if self.vol.renewals == renewals:
+                self.vol.lent.add(node.ino)  # (renewed before its access changes)
+                return got
+            for fd in got[1]:
+                os.close(fd)
+        raise OSError(errno.EAGAIN, f"{path}: its access changed while it was opened, "
+                      "again and again: try again")
+
+    async def _open_read(self, msg: Msg, session: Session, path: str, node: Inode,
+                         sealed: bool) -> Answer[OpenReadReply]:
+        caller = session.caller
         entry = self.vol.open_inodes.get(node.ino)
         if self.writeback_cache and entry is not None and entry.wrote:
             # Its newest bytes may still sit in the kernel's writeback cache.
@@ -137,7 +165,6 @@ class FileOps:
             which, fds = await calls.run_whole(
                 lambda: read_fds(self.vol, node, odirect=odirect, guard=calls.guarded),
                 caller.uid)
-            self.vol.lent.add(node.ino)  # (renewed before its access changes)
         except OSError as e:
             # Another node's members (a reading node): connections to their owner,
             # scoped to this file, for a caller that takes them; else the mount reads it.

@@ -39,7 +39,7 @@ from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import META_ROW, pool_totals
-from mxfs.vol.access import Caller, owner_for, supplementary_groups
+from mxfs.vol.access import Caller, owner_for, supplementary_groups, takes_read
 from mxfs.vol.volume import OpenInode, Volume
 from mxfs.vol.xattrs import (
     CONTROL_XATTR,
@@ -304,8 +304,10 @@ class MxfsOperations(pyfuse3.Operations):
             await self.settle(inode)
             with self._charged(node, attr.st_size):
                 await self._truncate(node, attr.st_size, ctx.uid)
-        if (fields.update_mode or fields.update_uid or fields.update_gid) and \
-                node.ino in self.vol.lent:
+        if node.ino in self.vol.lent and takes_read(
+                node, attr.st_mode if fields.update_mode else None,
+                attr.st_uid if fields.update_uid else None,
+                attr.st_gid if fields.update_gid else None):
             await self.renew(node, ctx.uid)
         mtime = attr.st_mtime_ns if fields.update_mtime else now if fields.update_size else None
         self.store.set_attrs(
@@ -733,9 +735,18 @@ class MxfsOperations(pyfuse3.Operations):
 
     async def renew(self, node: Inode, uid: int) -> None:
         """A lent file's chunk files made anew before its access changes (`Volume.renew`),
-        its writes waiting meanwhile."""
+        its writes (and `open_read`s: `renewing`) waiting meanwhile."""
         async with self._chunk_files_held(node.ino):
+            self.vol.renewals += 1  # (once `renewing` sees it: an open_read judges again)
             await self._in_turn(node, uid, self.vol.renew, node)
+
+    async def renewing(self, ino: int) -> bool:
+        """Whether the inode's chunk files were being cut or renewed: then this returned
+        once they are (and the change that renewed them is made)."""
+        if ino not in self._cutting:
+            return False
+        await self._uncut(ino)
+        return True
 
     @contextlib.asynccontextmanager
     async def _chunk_files_held(self, ino: int) -> AsyncIterator[None]:

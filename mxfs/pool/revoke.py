@@ -208,11 +208,12 @@ class Held:
         self.sweep()
 
     def _readers_done(self, path: str, now: int) -> bool:
-        """Whether a file only readers held may go: its grace over and nobody holding
-        it.  Cut once when its grace runs out; asked again every READ_LOOK_S after (a
-        user holding many removed files costs a lease probe each, now and then)."""
+        """Whether a file only readers held may go: nobody holding it (at once, within
+        its grace: a renew nobody read from keeps no copy of the file for long).  Cut
+        once when its grace runs out; asked again every READ_LOOK_S after (a user
+        holding many removed files costs a lease probe each, now and then)."""
         if now - _stamp(path) <= READ_GRACE_S * 10**9:
-            return False
+            return not anyone_holds(path)
         looked = self._looked.get(path)
         if looked is not None and now - looked < READ_LOOK_S * 10**9:
             return False

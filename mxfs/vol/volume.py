@@ -83,6 +83,7 @@ class Volume:
         # Files whose chunk-file descriptors were handed to readers (`open_read`) since
         # their chunk files were made: renewed before their access changes (`renew`).
         self.lent: set[int] = set()
+        self.renewals = 0  # renews begun: an `open_read` that saw one begin opens again
         self.quotas = Quotas(store, self.freeing.of)  # per-user limits on bytes and inodes
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
