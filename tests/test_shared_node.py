@@ -594,6 +594,38 @@ def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
 
 
 @pytest.mark.unit
+def test_one_users_slow_commits_leave_others_a_settling_thread() -> None:
+    """Commits settle (stat, truncate, sync) in four threads shared by every user: one
+    user's four commits of files with gigabytes of dirty pages held all four through
+    their syncs, everyone's commits behind them.  One uid holds two at most now."""
+    import threading
+
+    from mxfs.fs.session import SETTLERS, settle_off_loop
+
+    held = threading.Event()
+    running: list[int] = []
+
+    def slow_sync(uid: int) -> None:
+        running.append(uid)
+        held.wait(30)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(SETTLERS):
+                nursery.start_soon(settle_off_loop, 1001, slow_sync, 1001)
+            with trio.fail_after(10):  # (bob's commit settles while alice's sync on)
+                while len(running) < SETTLERS // 2:
+                    await trio.sleep(0.01)
+                await settle_off_loop(1002, lambda: None)
+            await trio.sleep(0.1)
+            assert running == [1001] * (SETTLERS // 2)
+            held.set()
+
+    trio.run(main)
+    assert running == [1001] * SETTLERS
+
+
+@pytest.mark.unit
 def test_shared_slots_go_round_the_users_and_one_holds_a_few() -> None:
     """Four slots, one uid (but root) holding three at most: a flood of one uid leaves
     the fourth to another at once; freed slots go to the uid that waited longest, each

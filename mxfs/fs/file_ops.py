@@ -27,7 +27,6 @@ from mxfs.fs.meta_ops import durable
 from mxfs.fs.node_files import ForwardedFiles, NodeFiles, describe
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
-    SETTLING,
     Answer,
     Handler,
     Pending,
@@ -40,6 +39,7 @@ from mxfs.fs.session import (
     overdrew,
     read_fds,
     refuse_if_writers,
+    settle_off_loop,
 )
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.meta import Inode, MetaStore
@@ -259,17 +259,16 @@ class FileOps:
         size = int_field(msg, "size")
         replace = bool_field(msg, "replace", True)
         sums_field(msg, self.vol.layout(node).unit, size)  # (checked before any work)
-        overdrawn = await trio.to_thread.run_sync(overdrew, self.vol, pending,
-                                                  limiter=SETTLING)
+        uid = session.caller.uid
+        overdrawn = await settle_off_loop(uid, overdrew, self.vol, pending)
         if size > pending.declared or overdrawn:
             await self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")
-        await trio.to_thread.run_sync(refuse_if_writers, self.vol, pending,
-                                      limiter=SETTLING)
+        await settle_off_loop(uid, refuse_if_writers, self.vol, pending)
         # No other request of this connection runs meanwhile (one at a time), so the
         # file is still this session's after the awaits.
-        await trio.to_thread.run_sync(self.vol.settle_hidden, entry, size, limiter=SETTLING)
+        await settle_off_loop(uid, self.vol.settle_hidden, entry, size)
         if self.forwarded is not None:  # a node's file: the writer names and seals it
             pending.committing = True  # (named there, perhaps, whatever comes back)
             reply = await self.forwarded.ask(session.caller, "node_commit", {

@@ -34,7 +34,6 @@ from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
-    SETTLING,
     Answer,
     Handler,
     Lease,
@@ -49,6 +48,7 @@ from mxfs.fs.session import (
     read_fds,
     refuse_if_degraded,
     refuse_if_writers,
+    settle_off_loop,
 )
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
@@ -716,7 +716,7 @@ class KVOps:
             self.vol.settle_hidden(entry, size, sync=False)
             return True
         if size > pending.declared or not (
-                await trio.to_thread.run_sync(settled, limiter=SETTLING)
+                await settle_off_loop(session.caller.uid, settled)
                 if pending.declared > ONE_MEMBER_MAX else settled()):
             await drop_pending(self.vol, session, entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import Msg
 from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
@@ -29,6 +30,7 @@ from mxfs.vol.volume import OpenInode, Volume
 # What serving a request gives: the reply's fields (its op's reply in `proto/messages.py`)
 # and descriptors to pass with it.
 Rep = TypeVar("Rep", bound=Mapping[str, Any])
+T = TypeVar("T")
 Answer = tuple[Rep, list[int]]
 Reply = Answer[Mapping[str, Any]]
 
@@ -236,9 +238,20 @@ def refuse_if_degraded(vol: Volume) -> None:
                       f"{failed[0].failed}): read-only")
 
 
-# Commits settle their files' chunk files (stats, leases, truncates) in threads of their
-# own: on a hung member they would hold the threads every other worker call shares.
-SETTLING = trio.CapacityLimiter(4)
+# Commits settle their files' chunk files (stats, leases, truncates, syncs) in threads of
+# their own: on a hung member they would hold the threads every other worker call
+# shares.  Handed out by uid in turn, one uid holding half at most: a user committing
+# files with gigabytes of dirty pages waits behind her own syncs, not everyone's.
+SETTLERS = 4
+SETTLING = trio.CapacityLimiter(SETTLERS)
+_SETTLING_TURNS = RoundRobin(SETTLERS, SETTLERS // 2)
+
+
+async def settle_off_loop(uid: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` (blocking: a commit's stats, truncates and syncs) in a settling
+    thread, in `uid`'s turn."""
+    async with _SETTLING_TURNS.slot(uid):
+        return await trio.to_thread.run_sync(fn, *args, limiter=SETTLING)
 
 
 async def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int,
