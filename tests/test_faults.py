@@ -33,7 +33,9 @@ from users import run_as
 
 from mxfs.cli.measure import drop_caches
 from mxfs.client import ControlClient
+from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
+from mxfs.pool.key import load_key
 from mxfs.vol.volume import Volume
 
 # ---- a member runs out of space ---------------------------------------------------
@@ -211,7 +213,8 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
     """A member whose filesystem stops answering (a hung drive or target; here a FUSE
     mount whose daemon is stopped) leaves stat, `ls -l`, df and status answering, the
     member left out: stats of its chunk files and of its space, a direct reader's
-    opens and creates, and small KV puts' writes run off the loop (before, the first
+    opens and creates, small KV puts' writes, and the chunk service's opens for other
+    nodes run off the loop (before, the first
     stat, open or write held the daemon's thread, and every user's request, until it
     came back); an open of a file there waits for it, or is EIO once the member is
     judged hung."""
@@ -222,10 +225,14 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
         hung.mkdir()
         members = [*make_members(tmp_path / "outer", 1), str(hung)]
         mkfs(members)
-        with mounted_pool(members) as outer:
+        with mounted_pool(members, "chunk_port=0") as outer:
             names = [outer.path / f"f{i}" for i in range(4)]  # (on both members in turn)
             for p in names:
                 p.write_bytes(b"x" * 4096)
+            with ControlClient(str(outer.path)) as c:
+                st, lays = c.stat(), [c.layout(str(p)) for p in names]
+            svc = st["chunk_service"]
+            on_hung = next(lay for lay in lays if lay["layout"]["first_member"] == 1)
             answered: dict[str, Any] = {}
 
             def ask() -> None:
@@ -268,6 +275,15 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                         except OSError as e:
                             opened[f"k{i}"] = e.errno
 
+            def chunk_read() -> None:  # (another node's READ of a stripe there)
+                try:
+                    with ChunkClient(svc["addr"], int(svc["port"]), load_key(members[0]),
+                                     st["pool_uuid"]) as chunks:
+                        chunks.read(on_hung["ino"], 1, 0, 4096)
+                    opened["chunk"] = "ok"
+                except OSError as e:
+                    opened["chunk"] = e.errno
+
             pid = inner.daemon_pid()
             os.kill(pid, signal.SIGSTOP)
             try:  # (the kernel forgets the member's names: each stat must ask its daemon)
@@ -275,7 +291,8 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                 openers = [threading.Thread(target=open_read, args=(p,), daemon=True)
                            for p in names]
                 openers += [threading.Thread(target=create, daemon=True),
-                            threading.Thread(target=put, daemon=True)]
+                            threading.Thread(target=put, daemon=True),
+                            threading.Thread(target=chunk_read, daemon=True)]
                 for t in openers:
                     t.start()
                 asking = threading.Thread(target=ask, daemon=True)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import ipaddress
 import itertools
 import json
@@ -60,6 +61,7 @@ from mxfs.errors import MxfsError
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import RoundRobin, Turns
 from mxfs.fs.limits import Limits, fd_limit
+from mxfs.fs.member_calls import MemberCalls
 from mxfs.io import PAGE
 from mxfs.io.residency import cached_pages
 from mxfs.proto.chunk_wire import (
@@ -193,6 +195,8 @@ class ChunkService:
         # Whether a caller here writes `ino` (a node's direct write, not yet committed).
         self.writing: Callable[[int], bool] = lambda ino: False
         self.turns: Turns | None = None  # the control socket's requests in service by uid
+        # The member guard its opens go through (the daemon's, set by it; None: here).
+        self.calls: MemberCalls | None = None
         # The one uid whose requests are served, as on the control socket (a daemon
         # mounted without allow_other): other nodes' users are held to it too.
         self.only_uid: int | None = None
@@ -636,7 +640,7 @@ class ChunkService:
             async with gate():
                 done = trio.current_time() + SCOPED_SLOT_S
                 try:
-                    fd, n = self._open(ino, member, offset, length, scope)
+                    fd, n = await self._open(ino, member, offset, length, scope, uid)
                 except OSError as e:
                     code = e.errno or errno.EIO
                 await stream.send_all(ANSWER.pack(code, self.epoch(), n))
@@ -671,11 +675,26 @@ class ChunkService:
             if n:
                 await _room(stream)
 
-    def _open(self, ino: int, member: int, offset: int, length: int,
-              scope: dict[int, int] | None = None) -> tuple[int, int]:
+    async def _open(self, ino: int, member: int, offset: int, length: int,
+                    scope: dict[int, int] | None, uid: int) -> tuple[int, int]:
         """A descriptor of the chunk file and how many of the bytes asked for it holds
-        (-1 and 0: never written, all zeros).  A scoped connection reads its inodes
-        only, each while it keeps its generation and a link."""
+        (-1 and 0: never written, all zeros): judged here, opened in a worker thread
+        in `uid`'s turn through the member guard (a member that stopped answering
+        holds this request, EIO once judged hung, never trio's thread)."""
+        path = self._judge(ino, member, length, scope)
+        calls = self.calls
+        if calls is None:
+            return _open_chunk(path, offset, length)
+        got = await calls.run_whole(functools.partial(
+            calls.guarded, member, functools.partial(_open_chunk, path, offset, length)), uid)
+        if got is None:
+            raise OSError(errno.EIO, f"member {member} is not answering")
+        return got
+
+    def _judge(self, ino: int, member: int, length: int,
+               scope: dict[int, int] | None = None) -> str:
+        """The chunk file a READ may read, or why not.  A scoped connection reads its
+        inodes only, each while it keeps its generation and a link."""
         vol = self.vol
         if not self.serving():
             raise OSError(errno.ESTALE, "this node no longer serves the pool")
@@ -692,7 +711,7 @@ class ChunkService:
         if scope is None and vol.pool.node:
             # A node's own member, read by another node: the writer names the inodes it
             # placed here, whose rows this node may not have read yet.
-            return _open_chunk(vol.pool.chunk_path(member, ino), offset, length)
+            return vol.pool.chunk_path(member, ino)
         if scope is not None and scope[ino] == GONE:
             raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
         try:
@@ -707,7 +726,7 @@ class ChunkService:
             raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
         if not node.is_reg:
             raise OSError(errno.EINVAL, f"inode {ino} is not a regular file")
-        return _open_chunk(vol.pool.chunk_path(member, ino), offset, length)
+        return vol.pool.chunk_path(member, ino)
 
 
 def _open_chunk(path: str, offset: int, length: int) -> tuple[int, int]:

@@ -237,6 +237,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                     ops.written.granted = ops.held_open.granted
             control.status.space = ops.space
             control.files.calls = control.kv.calls = ops.space.calls
+            if control.status.chunks is not None:
+                control.status.chunks.calls = ops.space.calls
             control.files.renewing = ops.renewing
             if control.files.for_nodes is not None:
                 control.files.for_nodes.inode_changed = ops.inode_changed
