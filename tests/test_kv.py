@@ -91,6 +91,21 @@ def test_puts_sent_without_waiting_are_seen_in_order_and_refused_at_flush(
         assert kv.flush() == 0  # (a refusal is told once)
 
 
+def test_puts_sent_without_waiting_outlive_an_idle_connection(members: list[str]) -> None:
+    """Posted puts the daemon answered, then closed the connection as idle: the next
+    put reads their answers first and sends itself on a new connection (it raised
+    EPIPE, and flush told the answered ones lost)."""
+    mkfs(members)
+    with mount_with(members, "idle_timeout=2") as m, KVStore(str(m.path), "idle") as kv:
+        for i in range(64):  # (one request, posted, its answer not read)
+            kv.put_nowait(f"a{i}", b"x" * 100)
+        time.sleep(4)
+        for i in range(64):
+            kv.put_nowait(f"b{i}", b"y" * 100)
+        assert kv.flush() == 128
+        assert all(kv.get(f"{k}{i}") is not None for k in "ab" for i in range(64))
+
+
 @pytest.mark.smoke
 def test_batches_prefix_exists_and_odd_keys(mounted: Mounted) -> None:
     with KVStore(str(mounted.path), "b") as kv:

@@ -1118,6 +1118,42 @@ def test_a_chmod_that_takes_no_right_away_renews_nothing(pool: Mounted) -> None:
     assert eventually(lambda: _held_copies(pool, ino) == [], timeout=10)
 
 
+PUTS_AT_ONCE = """
+import base64, threading
+b = lambda s: base64.b64encode(s.encode()).decode()
+clients = [mxfs.client.ControlClient(sys.argv[1]) for _ in range(8)]
+ready = threading.Barrier(8)
+stored = [0] * 8
+def put(i):
+    keys = [b(f"k{i}-{j}") for j in range(100)]
+    ready.wait()
+    try:
+        got = clients[i].call("kv_put", namespace=f"ns{i}", keys=keys, data=[b("v" * 100)] * 100)
+        stored[i] = sum(map(bool, got["stored"]))
+    except OSError as e:
+        assert e.errno == errno.EDQUOT, e
+threads = [threading.Thread(target=put, args=(i,)) for i in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(stored))
+"""
+
+
+def test_puts_at_once_keep_to_the_per_user_chunk_limit(tmp_path: Path) -> None:
+    """A put's chunks are judged, then written together in a worker thread, then
+    indexed: eight requests at once each judged the limit by the chunks indexed, and
+    stored 800 under a limit of 100.  Those being stored count now."""
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_chunks_per_user=100") as m:
+        answered = run_as(alice, PUTS_AT_ONCE, str(m.path))  # (a refused put's earlier
+        with ControlClient(str(m.path)) as c:  # chunks are stored: counted here)
+            held = sum(s["chunks"] for s in c.call("kv_stats")["namespaces"])
+        assert sum(answered) <= held <= 100, (answered, held)
+        assert held > 0
+
+
 def _answered(m: Mounted, op: str) -> int:
     """How many requests of `op` the daemon has answered (its metrics)."""
     with ControlClient(str(m.path)) as c:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-from mxfs.proto import VERSION, recv_message, send_message
+from mxfs.proto import VERSION, ProtocolError, recv_message, send_message
 from mxfs.proto.constants import CONTROL_XATTR
 from mxfs.proto.messages import LAYOUT, STAT, FileReply, Rep, Request, StatReply
 
@@ -174,7 +174,7 @@ class ControlClient:
         with self._lock:
             try:
                 self._settle()  # (posted replies would leave it readable too)
-            except OSError:
+            except (OSError, ProtocolError):
                 return False
         if self.broken:
             return False
@@ -296,6 +296,10 @@ class ControlClient:
         with self._lock:
             if self.closed:
                 raise self._closed_error()
+            # Posts answered are read first: a daemon that closed the connection as
+            # idle since is then found so, and a new one made, before this is sent.
+            if self._posted and self._readable():
+                self._settle()
             if not self._posted and not self._usable():
                 self.sock.close()
                 self._connect()
@@ -309,10 +313,22 @@ class ControlClient:
             while len(self._posted) > max(0, window):
                 self._read_posted()
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held for each request (re-entrant): a caller that must post and settle in
+        one piece, against other threads' requests, holds it around them."""
+        return self._lock
+
     def settle(self) -> None:
         """Read the replies of every posted request (each to its callback)."""
         with self._lock:
             self._settle()
+
+    def _readable(self) -> bool:
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
 
     def _settle(self) -> None:
         while self._posted:

@@ -126,8 +126,8 @@ class FileOps:
         the file's later writes go to."""
         path, caller = path_field(msg), session.caller
         for _ in range(RENEW_TRIES):
-            renewals = self.vol.renewals
             node, sealed = await self._find(path, session)
+            mark = self.vol.renew_mark(node.ino)  # (before the check: see renew_mark)
             if node.is_dir:
                 raise OSError(errno.EISDIR, f"{path} is a directory")
             if not node.is_reg:
@@ -139,7 +139,7 @@ class FileOps:
             got = await self._open_read(msg, session, path, node, sealed)
             if "remote" in got[0]:
                 return got  # (a reading node's connections: its writer renews, not here)
-            if self.vol.renewals == renewals:
+            if self.vol.renew_mark(node.ino) == mark:
                 self.vol.lent.add(node.ino)  # (renewed before its access changes)
                 return got
             for fd in got[1]:

@@ -407,13 +407,13 @@ class KVOps:
                                   int_field(msg, "capacity", 0), replace=force)
         return {**space.stats()}, []
 
-    async def _room(self, space: Namespace, size: int, uid: int, more: int = 0) -> Inode:
+    async def _room(self, space: Namespace, size: int, uid: int) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
-        owner has as many chunks as one uid may, or the writer `uid` is at its quota),
-        `more` of the same request's chunks being stored already; returns the layout
-        parent."""
+        owner has as many chunks as one uid may, those being stored counted, or the
+        writer `uid` is at its quota); returns the layout parent."""
         self.vol.quotas.room(uid, size, 1)
-        owned = self.index.chunks_by_tenant[space.tenant] + more
+        owned = self.index.chunks_by_tenant[space.tenant] + \
+            self.index.storing_by_tenant[space.tenant]
         if space.tenant != 0 and owned >= self.limits.max_chunks_per_user:
             raise OSError(errno.EDQUOT, f"uid {space.tenant} owns namespaces holding {owned} "
                           "KV chunks (with its subordinate uids'), the limit (mount option "
@@ -425,6 +425,9 @@ class KVOps:
         if self.index.rooms_stale(members, share):  # (statvfs: off the loop, guarded)
             await self.calls.run(functools.partial(
                 self.index.measure_rooms, members, share, self.calls.guarded), uid)
+            if not self.index.rooms_known():  # (no thread free in time)
+                raise OSError(errno.EAGAIN, "the members' free space could not be "
+                              "measured in time: try again")
         self.index.refuse_hopeless(space, size)
         victims = self.index.make_room(members, share)
         if victims is not None:
@@ -492,14 +495,15 @@ class KVOps:
                 if key in space.chunks or key in seen:
                     continue
                 try:
-                    await self._room(space, len(data), caller.uid, more=len(taken))
+                    await self._room(space, len(data), caller.uid)
+                    if self.index.spaces.get(space.name) is not space:
+                        break  # (removed while others ran)
+                    entry = self.vol.take_spare(caller.uid, caller.gid)
                 except OSError as e:
                     refusal = e
                     break
-                if self.index.spaces.get(space.name) is not space:
-                    break  # (removed while others ran)
-                entry = self.vol.take_spare(caller.uid, caller.gid)
                 self.vol.quotas.reserve(caller.uid, len(data))
+                self.index.storing_by_tenant[space.tenant] += 1
                 seen.add(key)
                 layout = self.vol.layout(entry.node)
                 taken.append((i, key, data, entry, layout.first, layout.unit))
@@ -519,7 +523,10 @@ class KVOps:
         finally:
             for _, _, data, entry, _, _ in taken:
                 self.vol.quotas.release(caller.uid, len(data))
+                self.index.storing_by_tenant[space.tenant] -= 1
                 self.vol.release(entry.node.ino)
+            if not self.index.storing_by_tenant[space.tenant]:
+                del self.index.storing_by_tenant[space.tenant]
         if refusal is not None:
             raise refusal
         return stored
@@ -528,19 +535,21 @@ class KVOps:
                                                          OpenInode, int, int]],
                             uid: int) -> list[bytes | OSError]:
         """Each chunk written into its spare and its checksums, in one worker thread in
-        `uid`'s turn, every write through the member guard: the packed sums, or the
-        error (EIO at once for a member that stopped answering)."""
+        `uid`'s turn, every chunk file opened through the member guard (its write and
+        hashing, which take as long as their bytes do, outside it): the packed sums, or
+        the error (EIO at once for a member judged not answering)."""
         guarded = self.calls.guarded
 
         def write_all() -> list[bytes | OSError]:
             out: list[bytes | OSError] = []
             for _, _, data, entry, member, unit in taken:
                 try:
-                    sums = guarded(member, functools.partial(_write_chunk, entry.chunks,
-                                                             data, unit))
-                    out.append(sums if sums is not None else NotAnswering(
-                        errno.EIO, f"member {member} is not answering: the chunk was not "
-                        "stored"))
+                    chunks = entry.chunks
+                    assert chunks is not None
+                    if guarded(member, functools.partial(chunks.fd, member, True)) is None:
+                        raise NotAnswering(errno.EIO, f"member {member} is not answering: "
+                                           "the chunk was not stored")
+                    out.append(_write_chunk(chunks, data, unit))
                 except OSError as e:
                     out.append(e)
             return out

@@ -274,8 +274,7 @@ class Listener:
     async def _fill(self, conn: Any, inbox: bytearray, want: int, tenant: int) -> None:
         """Read until `inbox` holds `want` bytes (ConnectionError if the peer closes)."""
         while len(inbox) < want:
-            data = await self._recv(conn, min(max(want - len(inbox), READ_AHEAD), 1 << 16),
-                                    tenant)
+            data = await self._recv(conn, READ_AHEAD, tenant)
             if not data:
                 raise ConnectionError("peer closed mid-message")
             inbox += data

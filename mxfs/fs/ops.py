@@ -737,7 +737,7 @@ class MxfsOperations(pyfuse3.Operations):
         """A lent file's chunk files made anew before its access changes (`Volume.renew`),
         its writes (and `open_read`s: `renewing`) waiting meanwhile."""
         async with self._chunk_files_held(node.ino):
-            self.vol.renewals += 1  # (once `renewing` sees it: an open_read judges again)
+            self.vol.renew_begun(node.ino)  # (`renewing` sees it: open_read judges again)
             await self._in_turn(node, uid, self.vol.renew, node)
 
     async def renewing(self, ino: int) -> bool:

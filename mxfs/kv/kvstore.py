@@ -402,9 +402,12 @@ class KVStore:
         if len(view) > self.inline_put:
             try:
                 stored = self.batch_put([key], [view])[0]  # (answers gathered puts first)
-                self._sent_stored += stored
             except OSError as e:
-                self._sent_refusal = self._sent_refusal or e
+                with self.client.lock:
+                    self._sent_refusal = self._sent_refusal or e
+                return
+            with self.client.lock:
+                self._sent_stored += stored
             return
         with self._gathering:
             self._gathered.append((_b64(key), base64.b64encode(view).decode()))
@@ -415,12 +418,13 @@ class KVStore:
 
     def _send_gathered(self) -> None:
         """Post the puts `put_nowait` gathered, in one request (also called by the
-        client before each request that waits: see `ControlClient.before_request`)."""
-        with self._gathering:
+        client before each request that waits: see `ControlClient.before_request`),
+        under the client's lock: no other thread's request goes between."""
+        with self.client.lock, self._gathering:
             items, self._gathered, self._gathered_bytes = self._gathered, [], 0
-        if items:
-            self.client.post(KV_PUT({**self._ns, "keys": [k for k, _ in items],
-                                     "data": [d for _, d in items]}), self._sent)
+            if items:
+                self.client.post(KV_PUT({**self._ns, "keys": [k for k, _ in items],
+                                         "data": [d for _, d in items]}), self._sent)
 
     def _sent(self, got: Mapping[str, Any] | ControlError) -> None:
         """A reply to puts `put_nowait` sent (read under the client's lock)."""
@@ -436,10 +440,11 @@ class KVStore:
         already).  Raises the first refusal among them (OSError: ENOSPC, EDQUOT, ...)
         once all are answered; a refused request's earlier chunks, and other
         requests', are stored all the same."""
-        self._send_gathered()
-        self.client.settle()
-        stored, refusal = self._sent_stored, self._sent_refusal
-        self._sent_stored, self._sent_refusal = 0, None
+        with self.client.lock:
+            self._send_gathered()
+            self.client.settle()
+            stored, refusal = self._sent_stored, self._sent_refusal
+            self._sent_stored, self._sent_refusal = 0, None
         if refusal is not None:
             raise refusal
         return stored

@@ -87,10 +87,10 @@ class ChunkFiles:
             if old is not None:  # a read-only descriptor, replaced by a writable one
                 os.close(old)
             self._fds[member] = fd
-            if self._closed:  # (closed while this open waited: see `close`)
-                self._close_all()
-                raise OSError(errno.EBADF, f"inode {self.ino} was closed")
-            return fd
+        if self._closed:  # (closed while this open waited: see `close`)
+            self._closed_meanwhile()
+            raise OSError(errno.EBADF, f"inode {self.ino} was closed")
+        return fd
 
     def _open(self, member: int, create: bool) -> int:
         path = self.pool.chunk_path(member, self.ino)
@@ -247,6 +247,8 @@ class ChunkFiles:
                 return
             self._prepared = True
             os.close(self._open(self.layout.first, create=True))
+        if self._closed:
+            self._closed_meanwhile()
 
     def drop_read_ahead(self) -> None:
         """The file changed on its owner node: windows fetched before are not its bytes
@@ -267,6 +269,8 @@ class ChunkFiles:
             while self._retired and now - self._retired[0][0] > RETIRED_S:
                 for fd in self._retired.popleft()[1]:
                     os.close(fd)
+        if self._closed:
+            self._closed_meanwhile()
 
     def close(self) -> None:
         """Close its descriptors, never waiting (it is called on the daemon's thread):
@@ -281,6 +285,12 @@ class ChunkFiles:
             self._close_all()
         finally:
             self._lock.release()
+
+    def _closed_meanwhile(self) -> None:
+        """(A thread that held the lock, once it let it go.)  `close` may have found
+        the lock held and left its descriptors to the holder: close them now."""
+        with self._lock:
+            self._close_all()
 
     def _close_all(self) -> None:
         """(Under the lock.)"""

@@ -187,6 +187,9 @@ class KVIndex:
         # Namespaces, and their chunks, by their owners' tenants (a put asks: no scan).
         self._owned: Counter[int] = Counter()
         self.chunks_by_tenant: Counter[int] = Counter()
+        # Chunks judged for a put and not yet indexed, by tenant (`KVOps._store`): the
+        # per-user limit counts them, as puts at once each judge against it.
+        self.storing_by_tenant: Counter[int] = Counter()
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
         self._pool_free = _Room(lambda guard: pool_totals(vol.pool.usage(guard))["free"])
@@ -445,6 +448,11 @@ class KVIndex:
         return self._pool_free.stale(size) or any(
             self._room_of(m).stale(size) for m in members)
 
+    def rooms_known(self) -> bool:
+        """Whether the pool's free space was ever measured (a member's never measured,
+        as one not answering, evicts nothing: `make_room`)."""
+        return self._pool_free.known
+
     def measure_rooms(self, members: list[int], size: int, guard: Guarded) -> None:
         """(Blocking: a worker thread.)  Measure what `rooms_stale` found stale, each
         member's filesystem asked through `guard` (a member not answering has no room)."""
@@ -468,7 +476,7 @@ class KVIndex:
         short = 0
         for m in members:
             room = self._room_of(m)
-            if room.answering:  # (one that is not evicts nothing: its writes fail)
+            if room.answering and room.known:  # (else it evicts nothing: its writes fail)
                 short = max(short, size - room.free(size))
         if short <= 0:
             return None
@@ -553,6 +561,7 @@ class _Room:
         self._at = -FREE_FRESH_S
         self._left = 0
         self.answering = True
+        self.known = False  # (measured once: until then, judged by nothing)
 
     def stale(self, size: int) -> bool:
         return time.monotonic() - self._at >= FREE_FRESH_S or size * 8 > self._left
@@ -561,7 +570,7 @@ class _Room:
         """A new measure; None (not answering) keeps the last one, for FREE_FRESH_S."""
         self.answering = free is not None
         if free is not None:
-            self._left = free
+            self._left, self.known = free, True
         self._at = time.monotonic()
 
     def free(self, size: int) -> int:

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ from mxfs.vol.spares import Spares
 log = logging.getLogger("mxfs.volume")
 
 XATTR_BITE = 8 << 20  # xattr bytes of removed files freed a reclaim round at most
+RENEWALS_KEPT = 4096  # inodes whose renews are counted (`Volume.renewals`) at most
 
 
 @dataclass
@@ -83,7 +85,10 @@ class Volume:
         # Files whose chunk-file descriptors were handed to readers (`open_read`) since
         # their chunk files were made: renewed before their access changes (`renew`).
         self.lent: set[int] = set()
-        self.renewals = 0  # renews begun: an `open_read` that saw one begin opens again
+        # Renews begun, by inode (an `open_read` that saw one begin opens again), and
+        # how often the count was cleared (kept for RENEWALS_KEPT inodes at most).
+        self.renewals: Counter[int] = Counter()
+        self.renewals_cleared = 0
         self.quotas = Quotas(store, self.freeing.of)  # per-user limits on bytes and inodes
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
@@ -546,6 +551,18 @@ class Volume:
             self.store.sync()
         for ino in inos:
             self._remove_chunk_files(ino, self._far_pending.pop(ino, []))
+
+    def renew_begun(self, ino: int) -> None:
+        """(The loop.)  A renew of `ino` begins: see `renewals`."""
+        if len(self.renewals) >= RENEWALS_KEPT and ino not in self.renewals:
+            self.renewals.clear()
+            self.renewals_cleared += 1
+        self.renewals[ino] += 1
+
+    def renew_mark(self, ino: int) -> tuple[int, int]:
+        """What `renew_begun` changes for `ino`: an `open_read` compares it before its
+        check and after its opens."""
+        return self.renewals[ino], self.renewals_cleared
 
     def renew(self, node: Inode) -> None:
         """Blocking: before a lent file's access changes (chmod, chown), its chunk files
