@@ -19,7 +19,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -82,6 +82,7 @@ from mxfs.vol.spares import ONE_MEMBER_MAX
 from mxfs.vol.volume import OpenInode, Volume
 
 log = logging.getLogger("mxfs.kv")
+T = TypeVar("T")
 
 # A KV op that works in a namespace, given it checked for what the op needs.
 InSpace = Callable[[Msg, Session, Namespace], Awaitable[Reply]]
@@ -409,9 +410,14 @@ class KVOps:
     async def _room(self, space: Namespace, size: int, uid: int) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
         owner has as many chunks as one uid may, those being stored counted, or the
-        writer `uid` is at its quota); returns the layout parent.  The space is
-        measured first (its one await): the checks after it and the caller's taking of
-        a spare run with no await between, so puts at once never pass the same room."""
+        writer `uid` is at its quota); returns the layout parent."""
+        self.vol.quotas.room(uid, size, 1)
+        owned = self.index.chunks_by_tenant[space.tenant] + \
+            self.index.storing_by_tenant[space.tenant]
+        if space.tenant != 0 and owned >= self.limits.max_chunks_per_user:
+            raise OSError(errno.EDQUOT, f"uid {space.tenant} owns namespaces holding {owned} "
+                          "KV chunks (with its subordinate uids'), the limit (mount option "
+                          "max_chunks_per_user): delete or evict some")
         root = self.vol.store.get(ROOT_INO)
         layout = self.vol.pool.layout_for(0, root.stripe_unit, root.stripe_width)
         members = list(range(len(self.vol.pool.members)))[:max(1, layout.width)]
@@ -422,13 +428,6 @@ class KVOps:
             if not self.index.rooms_known():  # (no thread free in time)
                 raise OSError(errno.EAGAIN, "the members' free space could not be "
                               "measured in time: try again")
-        self.vol.quotas.room(uid, size, 1)
-        owned = self.index.chunks_by_tenant[space.tenant] + \
-            self.index.storing_by_tenant[space.tenant]
-        if space.tenant != 0 and owned >= self.limits.max_chunks_per_user:
-            raise OSError(errno.EDQUOT, f"uid {space.tenant} owns namespaces holding {owned} "
-                          "KV chunks (with its subordinate uids'), the limit (mount option "
-                          "max_chunks_per_user): delete or evict some")
         self.index.refuse_hopeless(space, size)
         victims = self.index.make_room(members, share)
         if victims is not None:

@@ -19,7 +19,6 @@ import logging
 import os
 import stat
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -31,7 +30,6 @@ from mxfs.fs.fair import Lanes
 from mxfs.fs.fields import b64
 from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.kernel_cache import KernelCache
-from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberSpace
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.mount_writes import MountWrites, Written
@@ -42,7 +40,6 @@ from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.vol.access import Caller, owner_for, supplementary_groups, takes_read
-from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import OpenInode, Volume
 from mxfs.vol.xattrs import (
     CONTROL_XATTR,
@@ -94,14 +91,12 @@ def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 class Handle:
     """One open file description."""
 
-    __slots__ = ("caller", "entry", "failures", "flags", "losses", "uid")
+    __slots__ = ("caller", "entry", "flags", "losses", "uid")
 
-    def __init__(self, entry: OpenInode, flags: int, losses: int, uid: int = 0,
-                 failures: int = 0) -> None:
+    def __init__(self, entry: OpenInode, flags: int, losses: int, uid: int = 0) -> None:
         self.entry = entry
         self.flags = flags
         self.losses = losses  # the store's lost groups when this handle last synced
-        self.failures = failures  # the file's failed writes it reported, or saw at open
         self.uid = uid  # who opened it (a readdir's turn on a reading node is theirs)
         self.caller: Caller | None = None  # (writing through a node's mount) who opened it
 
@@ -109,16 +104,6 @@ class Handle:
     def writes(self) -> bool:
         """Opened to change the file (for writing, or to cut it: O_TRUNC)."""
         return self.flags & os.O_ACCMODE != os.O_RDONLY or bool(self.flags & os.O_TRUNC)
-
-    def heard_failures(self, behind: WriteBehind | None) -> None:
-        """A failed write of the file since this handle last heard, raised once, and
-        only to a handle that writes (a reader's close took the writer's error, and
-        his close then said nothing of bytes that never landed)."""
-        if behind is None or not self.writes:
-            return
-        err, self.failures = behind.failure_since(self.failures)
-        if err is not None:
-            raise err
 
     def heard_losses(self, lost: int) -> None:
         """EIO, once, if the metadata store lost a group of changes since this handle
@@ -174,9 +159,6 @@ class MxfsOperations(pyfuse3.Operations):
         self.write_behind = write_behind  # writes queued per inode; 0: none (a lane's
         # budget bounds them in all)
         self.behind: dict[int, WriteBehind] = {}
-        # Files open through the mount by tenant (`vol/tenants.py`; root: not held).
-        self.open_by_tenant: Counter[int] = Counter()
-        self.max_open_per_user = Limits.max_open_per_user
         self._cutting: dict[int, trio.Event] = {}  # files being cut: their writes wait
         self._sync_asked = self._synced = 0  # store syncs asked for, and done (`_durable`)
         self._syncing: trio.Event | None = None
@@ -482,19 +464,9 @@ class MxfsOperations(pyfuse3.Operations):
     # ---- files -------------------------------------------------------------
 
     def _open_handle(self, node: Inode, flags: int, uid: int) -> pyfuse3.FileInfo:
-        tenant = tenant_of(uid)
-        if tenant and self.open_by_tenant[tenant] >= self.max_open_per_user:
-            # Each open file holds a descriptor of the daemon's a member it touches: one
-            # user's files, held open, took every descriptor and failed all others' I/O.
-            log.info("uid %d holds %d files open through the mount, the limit "
-                     "(max_open_per_user): EMFILE", uid, self.open_by_tenant[tenant])
-            raise pyfuse3.FUSEError(errno.EMFILE)
-        self.open_by_tenant[tenant] += 1
         fh = self.next_fh
         self.next_fh += 1
-        behind = self.behind.get(node.ino)
-        self.handles[fh] = Handle(self.vol.acquire(node), flags, self.store.groups_lost, uid,
-                                  behind.failures if behind is not None else 0)
+        self.handles[fh] = Handle(self.vol.acquire(node), flags, self.store.groups_lost, uid)
         # Every change to a file passes through this daemon, so the kernel's cached
         # pages of it stay valid between opens; on a reading node, while it is unchanged.
         keep = True
@@ -696,7 +668,6 @@ class MxfsOperations(pyfuse3.Operations):
             if behind is None:
                 behind = self.behind[ino] = WriteBehind(
                     self.write_behind, self.lanes.of(chunks.owners).budget)
-            handle.heard_failures(behind)  # (an earlier write's failure: told this writer)
             await behind.submit(self.nursery,
                                 lambda: chunks.write(off, memoryview(buf), pieces),
                                 functools.partial(self._io, chunks, handle.uid), handle.uid)
@@ -707,8 +678,7 @@ class MxfsOperations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         handle = self.handles[fh]
         node = handle.entry.node
-        await self.settle(node.ino)
-        handle.heard_failures(self.behind.get(node.ino))  # (close() returns its errno)
+        await self.settle(node.ino, report=True)  # close() returns a failed write's errno
         if self.written is not None and handle.writes and node.ino in self.written.files:
             assert handle.caller is not None
             await self.written.tell(node.ino, handle.caller)  # (close-to-open)
@@ -722,8 +692,7 @@ class MxfsOperations(pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.handles[fh]
         entry = handle.entry
-        await self.settle(entry.node.ino)
-        handle.heard_failures(self.behind.get(entry.node.ino))
+        await self.settle(entry.node.ino, report=True)
         if entry.chunks is not None:
             await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync)
         held = self._held(entry.node.ino)
@@ -741,11 +710,7 @@ class MxfsOperations(pyfuse3.Operations):
     async def _release(self, fh: int) -> None:
         ino = self.handles[fh].entry.node.ino
         await self.settle(ino)  # before the last release closes the chunk descriptors
-        handle = self.handles.pop(fh)
-        tenant = tenant_of(handle.uid)
-        self.open_by_tenant[tenant] -= 1
-        if self.open_by_tenant[tenant] <= 0:
-            del self.open_by_tenant[tenant]
+        self.handles.pop(fh)
         self.vol.release(ino)
         if ino not in self.vol.open_inodes and self.written is not None:
             self.written.closed(ino)
@@ -810,12 +775,14 @@ class MxfsOperations(pyfuse3.Operations):
         while (cutting := self._cutting.get(ino)) is not None:
             await cutting.wait()
 
-    async def settle(self, ino: int) -> None:
-        """Every write of `ino` answered so far is on its members (or failed: each
-        handle that writes hears of it, `Handle.heard_failures`)."""
+    async def settle(self, ino: int, report: bool = False) -> None:
+        """Every write of `ino` answered so far is on its members (then, if `report`,
+        raise the first of them that failed since the last report)."""
         behind = self.behind.get(ino)
         if behind is not None:
             await behind.drain()
+            if report:
+                behind.raise_error()
 
     # ---- directories -------------------------------------------------------
 
