@@ -14,7 +14,9 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,7 +158,10 @@ def test_one_users_queued_writes_never_hold_back_anothers_answer() -> None:
 
 
 @pytest.mark.unit
-def test_a_failure_is_raised_once_by_the_next_write_and_a_bug_is_eio() -> None:
+def test_each_writer_hears_a_failure_once_and_a_bug_is_eio() -> None:
+    """A failed write is counted, as the kernel's errseq keeps it: each handle hears of
+    it once, past the count it last heard (or saw at open), and one handle hearing of
+    it takes it from no other."""
     def full() -> None:
         raise OSError(errno.ENOSPC, "no space")
 
@@ -166,18 +171,56 @@ def test_a_failure_is_raised_once_by_the_next_write_and_a_bug_is_eio() -> None:
     async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
         await q.submit(nursery, full, lim, 0)
         await q.drain()
-        with pytest.raises(OSError) as e:
-            await q.submit(nursery, lambda: None, lim, 0)
-        assert e.value.errno == errno.ENOSPC
-        await q.submit(nursery, lambda: None, lim, 0)  # said once: the next one goes through
+        err, mine = q.failure_since(0)
+        assert err is not None and err.errno == errno.ENOSPC and mine == 1
+        assert q.failure_since(mine) == (None, 1)  # (said once to this handle)
+        err, theirs = q.failure_since(0)  # (another writer hears it all the same)
+        assert err is not None and err.errno == errno.ENOSPC
+        await q.submit(nursery, lambda: None, lim, 0)  # (the queue goes on)
         await q.submit(nursery, bug, lim, 0)
         await q.drain()
-        with pytest.raises(OSError) as e:
-            q.raise_error()
-        assert e.value.errno == errno.EIO
-        q.raise_error()  # nothing left to say
+        err, mine = q.failure_since(mine)
+        assert err is not None and err.errno == errno.EIO and mine == 2
+        assert q.failure_since(mine) == (None, 2)
 
     run_queue(body)
+
+
+def test_a_readers_close_takes_no_writers_failure(loop_pool: Mounted) -> None:
+    """A write answered, then failing as it lands (its member full), was reported to
+    the first close of the file, whoever's: a reader's close took it (a backup tool, a
+    tail) and the writer's close said nothing of a megabyte of zeros.  Only a handle
+    that writes hears of it, and each one that does."""
+    mp, members = loop_pool.path, loop_pool.members
+    folder = mp / "narrow"
+    folder.mkdir()
+    os.setxattr(folder, "user.mxfs.layout", b"stripe_width=1")
+    for i in range(64):  # (a file of one member: member 2, not the metadata member)
+        path = folder / f"f{i}"
+        path.touch()
+        if b"first_member=2" in os.getxattr(path, "user.mxfs.layout"):
+            break
+        path.unlink()
+    else:
+        raise AssertionError("no file placed on member 2")
+    st = os.statvfs(members[2])
+    junk = Path(members[2]) / "junk"
+    subprocess.run(["fallocate", "-l", str(st.f_bavail * st.f_frsize - (256 << 10)), junk],
+                   check=True)
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"A" * (1 << 20))  # (answered; it fails as it lands)
+            end = time.monotonic() + 2
+            while time.monotonic() < end:  # (a reader's closes meanwhile: none raises)
+                os.close(os.open(path, os.O_RDONLY))
+                time.sleep(0.02)
+        finally:
+            with pytest.raises(OSError) as err:
+                os.close(fd)
+        assert err.value.errno == errno.ENOSPC
+    finally:
+        junk.unlink()
 
 
 def test_every_reader_sees_what_a_write_answered_at_once(mounted: Mounted) -> None:

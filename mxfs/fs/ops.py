@@ -91,12 +91,14 @@ def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 class Handle:
     """One open file description."""
 
-    __slots__ = ("caller", "entry", "flags", "losses", "uid")
+    __slots__ = ("caller", "entry", "failures", "flags", "losses", "uid")
 
-    def __init__(self, entry: OpenInode, flags: int, losses: int, uid: int = 0) -> None:
+    def __init__(self, entry: OpenInode, flags: int, losses: int, uid: int = 0,
+                 failures: int = 0) -> None:
         self.entry = entry
         self.flags = flags
         self.losses = losses  # the store's lost groups when this handle last synced
+        self.failures = failures  # the file's failed writes it reported, or saw at open
         self.uid = uid  # who opened it (a readdir's turn on a reading node is theirs)
         self.caller: Caller | None = None  # (writing through a node's mount) who opened it
 
@@ -104,6 +106,16 @@ class Handle:
     def writes(self) -> bool:
         """Opened to change the file (for writing, or to cut it: O_TRUNC)."""
         return self.flags & os.O_ACCMODE != os.O_RDONLY or bool(self.flags & os.O_TRUNC)
+
+    def heard_failures(self, behind: WriteBehind | None) -> None:
+        """A failed write of the file since this handle last heard, raised once, and
+        only to a handle that writes (a reader's close took the writer's error, and
+        his close then said nothing of bytes that never landed)."""
+        if behind is None or not self.writes:
+            return
+        err, self.failures = behind.failure_since(self.failures)
+        if err is not None:
+            raise err
 
     def heard_losses(self, lost: int) -> None:
         """EIO, once, if the metadata store lost a group of changes since this handle
@@ -466,7 +478,9 @@ class MxfsOperations(pyfuse3.Operations):
     def _open_handle(self, node: Inode, flags: int, uid: int) -> pyfuse3.FileInfo:
         fh = self.next_fh
         self.next_fh += 1
-        self.handles[fh] = Handle(self.vol.acquire(node), flags, self.store.groups_lost, uid)
+        behind = self.behind.get(node.ino)
+        self.handles[fh] = Handle(self.vol.acquire(node), flags, self.store.groups_lost, uid,
+                                  behind.failures if behind is not None else 0)
         # Every change to a file passes through this daemon, so the kernel's cached
         # pages of it stay valid between opens; on a reading node, while it is unchanged.
         keep = True
@@ -668,6 +682,7 @@ class MxfsOperations(pyfuse3.Operations):
             if behind is None:
                 behind = self.behind[ino] = WriteBehind(
                     self.write_behind, self.lanes.of(chunks.owners).budget)
+            handle.heard_failures(behind)  # (an earlier write's failure: told this writer)
             await behind.submit(self.nursery,
                                 lambda: chunks.write(off, memoryview(buf), pieces),
                                 functools.partial(self._io, chunks, handle.uid), handle.uid)
@@ -678,7 +693,8 @@ class MxfsOperations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         handle = self.handles[fh]
         node = handle.entry.node
-        await self.settle(node.ino, report=True)  # close() returns a failed write's errno
+        await self.settle(node.ino)
+        handle.heard_failures(self.behind.get(node.ino))  # (close() returns its errno)
         if self.written is not None and handle.writes and node.ino in self.written.files:
             assert handle.caller is not None
             await self.written.tell(node.ino, handle.caller)  # (close-to-open)
@@ -692,7 +708,8 @@ class MxfsOperations(pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.handles[fh]
         entry = handle.entry
-        await self.settle(entry.node.ino, report=True)
+        await self.settle(entry.node.ino)
+        handle.heard_failures(self.behind.get(entry.node.ino))
         if entry.chunks is not None:
             await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync)
         held = self._held(entry.node.ino)
@@ -775,14 +792,12 @@ class MxfsOperations(pyfuse3.Operations):
         while (cutting := self._cutting.get(ino)) is not None:
             await cutting.wait()
 
-    async def settle(self, ino: int, report: bool = False) -> None:
-        """Every write of `ino` answered so far is on its members (then, if `report`,
-        raise the first of them that failed since the last report)."""
+    async def settle(self, ino: int) -> None:
+        """Every write of `ino` answered so far is on its members (or failed: each
+        handle that writes hears of it, `Handle.heard_failures`)."""
         behind = self.behind.get(ino)
         if behind is not None:
             await behind.drain()
-            if report:
-                behind.raise_error()
 
     # ---- directories -------------------------------------------------------
 

@@ -53,7 +53,9 @@ class WriteBehind:
         self._pending = 0
         self._idle = trio.Event()
         self._idle.set()
-        self.error: OSError | None = None
+        self.error: OSError | None = None  # the first failure no writer has heard of
+        self.failures = 0  # failures so far (each handle reports those past its count)
+        self.last_error: OSError | None = None
 
     @property
     def pending(self) -> int:
@@ -63,8 +65,7 @@ class WriteBehind:
                      uid: int) -> None:
         """Queue `write` (blocking, landed by `run`) behind the earlier ones; waits only
         while DEPTH writes are queued, or for the writer `uid`'s turn at the budget.
-        Raises a failure of an earlier one."""
-        self.raise_error()
+        (A failure of an earlier one: the caller's handle reports it first.)"""
         await self._slots.acquire()
         if self._budget is not None:
             try:
@@ -88,10 +89,10 @@ class WriteBehind:
                     await before.wait()
                 await run(write)
             except OSError as e:
-                self.error = self.error or e
+                self._failed(e)
             except Exception:  # a bug must not end the daemon: the writer gets EIO
                 log.exception("a write behind failed")
-                self.error = self.error or OSError(errno.EIO, "write failed")
+                self._failed(OSError(errno.EIO, "write failed"))
             finally:
                 done.set()
                 self._slots.release()
@@ -107,8 +108,16 @@ class WriteBehind:
         """Wait until every queued write has landed (or failed)."""
         await self._idle.wait()
 
-    def raise_error(self) -> None:
-        """Raise, once, the first failure since the last one was raised."""
-        err, self.error = self.error, None
-        if err is not None:
-            raise err
+    def _failed(self, e: OSError) -> None:
+        self.error = self.error or e
+        self.failures += 1
+        self.last_error = e
+
+    def failure_since(self, seen: int) -> tuple[OSError | None, int]:
+        """The last failure if any came after the `seen` first (a handle's count, as the
+        kernel's errseq keeps one per open file: each writer hears of a failure, and a
+        reader's close takes it from nobody), and the count now."""
+        if self.failures > seen and self.last_error is not None:
+            self.error = None  # (heard by a writer: not "nobody was left to tell")
+            return self.last_error, self.failures
+        return None, self.failures
