@@ -1154,6 +1154,57 @@ def test_puts_at_once_keep_to_the_per_user_chunk_limit(tmp_path: Path) -> None:
         assert held > 0
 
 
+HOLD_OPEN = """
+import time
+folder, flags = sys.argv[1], sys.argv[2]
+held, refused = [], 0
+for i in range(30):
+    try:
+        held.append(os.open(os.path.join(folder, f"f{i}"), os.O_RDONLY))
+    except OSError as e:
+        assert e.errno == errno.EMFILE, e
+        refused += 1
+print(json.dumps({"held": len(held), "refused": refused}), flush=True)
+while not os.path.exists(flags + "/done"):
+    time.sleep(0.02)
+"""
+
+
+def test_one_users_open_files_leave_the_daemon_descriptors_for_others(tmp_path: Path) -> None:
+    """Each file open through the mount holds a descriptor of the daemon's for each
+    member it touches: one user holding 300 files open took all 1,024 of them, and
+    every other user's reads and creates failed (EMFILE).  One uid holds
+    `max_open_per_user` files open at most."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_open_per_user=20") as m:
+        folder = m.path / "alices"
+        folder.mkdir()
+        for i in range(30):
+            (folder / f"f{i}").write_bytes(b"x" * 4096)
+        os.chown(folder, alice.uid, alice.gid)
+        flags = Path(tempfile.mkdtemp(prefix="mxfs-open-"))
+        flags.chmod(0o777)
+        code = PRELUDE.format(uid=alice.uid, gid=alice.gid, groups=tuple(alice.groups)) + \
+            HOLD_OPEN
+        proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(flags)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            held = json.loads(proc.stdout.readline())
+            assert held == {"held": 20, "refused": 10}
+            got = run_as(bob, "print(json.dumps(open(sys.argv[1], 'rb').read(4).decode()))",
+                         str(folder / "f29"))
+            assert got == "xxxx"  # (bob's open, while alice holds her twenty)
+        finally:
+            (flags / "done").touch()
+            proc.wait(timeout=60)
+            shutil.rmtree(flags, ignore_errors=True)
+        assert (folder / "f29").read_bytes()[:4] == b"xxxx"
+
+
 def _answered(m: Mounted, op: str) -> int:
     """How many requests of `op` the daemon has answered (its metrics)."""
     with ControlClient(str(m.path)) as c:

@@ -153,6 +153,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                              io_threads=io_threads, write_behind=write_behind,
                              writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"),
                              metrics=metrics)
+        ops.max_open_per_user = limits.max_open_per_user
         name = vol.pool.label or vol.pool.uuid[:8]
         fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
         notes = []

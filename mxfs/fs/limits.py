@@ -25,6 +25,8 @@ class Limits:
     max_pins: int = 65536           # KV read leases a connection holds
     max_namespaces_per_user: int = 1024  # KV namespaces one uid owns (each a row, in memory)
     max_active_per_user: int = 8    # requests of one uid in service at once (fs/fair.py)
+    max_open_per_user: int = 4096   # files one uid holds open through the mount (each a
+                                    # descriptor of the daemon's a member it touches)
     max_fds_in_flight_per_user: int = 4096  # descriptors sent to one uid, not yet received
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
     max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)

@@ -19,6 +19,7 @@ import logging
 import os
 import stat
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from mxfs.fs.fair import Lanes
 from mxfs.fs.fields import b64
 from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.kernel_cache import KernelCache
+from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberSpace
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.mount_writes import MountWrites, Written
@@ -40,6 +42,7 @@ from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.vol.access import Caller, owner_for, supplementary_groups, takes_read
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import OpenInode, Volume
 from mxfs.vol.xattrs import (
     CONTROL_XATTR,
@@ -171,6 +174,9 @@ class MxfsOperations(pyfuse3.Operations):
         self.write_behind = write_behind  # writes queued per inode; 0: none (a lane's
         # budget bounds them in all)
         self.behind: dict[int, WriteBehind] = {}
+        # Files open through the mount by tenant (`vol/tenants.py`; root: not held).
+        self.open_by_tenant: Counter[int] = Counter()
+        self.max_open_per_user = Limits.max_open_per_user
         self._cutting: dict[int, trio.Event] = {}  # files being cut: their writes wait
         self._sync_asked = self._synced = 0  # store syncs asked for, and done (`_durable`)
         self._syncing: trio.Event | None = None
@@ -476,6 +482,14 @@ class MxfsOperations(pyfuse3.Operations):
     # ---- files -------------------------------------------------------------
 
     def _open_handle(self, node: Inode, flags: int, uid: int) -> pyfuse3.FileInfo:
+        tenant = tenant_of(uid)
+        if tenant and self.open_by_tenant[tenant] >= self.max_open_per_user:
+            # Each open file holds a descriptor of the daemon's a member it touches: one
+            # user's files, held open, took every descriptor and failed all others' I/O.
+            log.info("uid %d holds %d files open through the mount, the limit "
+                     "(max_open_per_user): EMFILE", uid, self.open_by_tenant[tenant])
+            raise pyfuse3.FUSEError(errno.EMFILE)
+        self.open_by_tenant[tenant] += 1
         fh = self.next_fh
         self.next_fh += 1
         behind = self.behind.get(node.ino)
@@ -727,7 +741,11 @@ class MxfsOperations(pyfuse3.Operations):
     async def _release(self, fh: int) -> None:
         ino = self.handles[fh].entry.node.ino
         await self.settle(ino)  # before the last release closes the chunk descriptors
-        self.handles.pop(fh)
+        handle = self.handles.pop(fh)
+        tenant = tenant_of(handle.uid)
+        self.open_by_tenant[tenant] -= 1
+        if self.open_by_tenant[tenant] <= 0:
+            del self.open_by_tenant[tenant]
         self.vol.release(ino)
         if ino not in self.vol.open_inodes and self.written is not None:
             self.written.closed(ino)
