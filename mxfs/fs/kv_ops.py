@@ -410,14 +410,9 @@ class KVOps:
     async def _room(self, space: Namespace, size: int, uid: int) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
         owner has as many chunks as one uid may, those being stored counted, or the
-        writer `uid` is at its quota); returns the layout parent."""
-        self.vol.quotas.room(uid, size, 1)
-        owned = self.index.chunks_by_tenant[space.tenant] + \
-            self.index.storing_by_tenant[space.tenant]
-        if space.tenant != 0 and owned >= self.limits.max_chunks_per_user:
-            raise OSError(errno.EDQUOT, f"uid {space.tenant} owns namespaces holding {owned} "
-                          "KV chunks (with its subordinate uids'), the limit (mount option "
-                          "max_chunks_per_user): delete or evict some")
+        writer `uid` is at its quota); returns the layout parent.  The space is
+        measured first (its one await): the checks after it and the caller's taking of
+        a spare run with no await between, so puts at once never pass the same room."""
         root = self.vol.store.get(ROOT_INO)
         layout = self.vol.pool.layout_for(0, root.stripe_unit, root.stripe_width)
         members = list(range(len(self.vol.pool.members)))[:max(1, layout.width)]
@@ -428,6 +423,13 @@ class KVOps:
             if not self.index.rooms_known():  # (no thread free in time)
                 raise OSError(errno.EAGAIN, "the members' free space could not be "
                               "measured in time: try again")
+        self.vol.quotas.room(uid, size, 1)
+        owned = self.index.chunks_by_tenant[space.tenant] + \
+            self.index.storing_by_tenant[space.tenant]
+        if space.tenant != 0 and owned >= self.limits.max_chunks_per_user:
+            raise OSError(errno.EDQUOT, f"uid {space.tenant} owns namespaces holding {owned} "
+                          "KV chunks (with its subordinate uids'), the limit (mount option "
+                          "max_chunks_per_user): delete or evict some")
         self.index.refuse_hopeless(space, size)
         victims = self.index.make_room(members, share)
         if victims is not None:
