@@ -19,7 +19,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
 
@@ -82,7 +82,6 @@ from mxfs.vol.spares import ONE_MEMBER_MAX
 from mxfs.vol.volume import OpenInode, Volume
 
 log = logging.getLogger("mxfs.kv")
-T = TypeVar("T")
 
 # A KV op that works in a namespace, given it checked for what the op needs.
 InSpace = Callable[[Msg, Session, Namespace], Awaitable[Reply]]
