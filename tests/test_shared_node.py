@@ -958,7 +958,9 @@ def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
         _, fds = c.call_with_fds("open_read", path=c.pool_path(str(path)))
     try:
         path.unlink()
-        assert eventually(lambda: len(held()) >= 4)  # (the file's bytes on every member)
+        assert eventually(lambda: len(held()) >= 4), (  # (the file's bytes on every member)
+            held(), [m for m in pool.members
+                     if os.path.exists(f"{m}/chunks/{ino % 256:02x}/{ino}")])
         assert sum(os.fstat(fd).st_size for fd in fds) >= len(data) // 2  # (still there)
         assert eventually(lambda: all(os.fstat(fd).st_blocks == 0 for fd in fds),
                           timeout=READ_GRACE_S + 30)
@@ -968,6 +970,25 @@ def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
     assert eventually(lambda: not held())
 
 
+def _alices_file_lent_to_bob(pool: Mounted, name: str,
+                             data: bytes) -> tuple[Path, list[int]]:
+    """Alice's file `name` (0644, holding `data`) and the chunk-file descriptors bob
+    was handed for it (`open_read`, his connection: SO_PEERCRED at connect)."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    path = pool.path / name
+    path.write_bytes(data)
+    os.chown(path, alice.uid, alice.gid)
+    path.chmod(0o644)
+    os.seteuid(bob.uid)
+    try:
+        with ControlClient(str(pool.path)) as c:
+            _, fds = c.call_with_fds("open_read", path=c.pool_path(str(path)))
+    finally:
+        os.seteuid(0)
+    return path, fds
+
+
 def test_a_readers_descriptors_end_where_its_right_to_read_does(pool: Mounted) -> None:
     """`open_read` hands out descriptors of the chunk files themselves: a reader kept
     them past a chmod that took its right away and read every byte written after.  A
@@ -975,18 +996,7 @@ def test_a_readers_descriptors_end_where_its_right_to_read_does(pool: Mounted) -
     descriptors keep what they could read (the old files held aside, cut after a grace
     as a removed file's are); the file, through the mount and through new
     descriptors, has what is written after."""
-    users = ensure_users()
-    alice, bob = users["alice"], users["bob"]
-    path = pool.path / "alices-notes"
-    path.write_bytes(b"public " * 1000)
-    os.chown(path, alice.uid, alice.gid)
-    path.chmod(0o644)
-    os.seteuid(bob.uid)  # (the connection is bob's: SO_PEERCRED at connect)
-    try:
-        with ControlClient(str(pool.path)) as c:
-            _, kept = c.call_with_fds("open_read", path=c.pool_path(str(path)))
-    finally:
-        os.seteuid(0)
+    path, kept = _alices_file_lent_to_bob(pool, "alices-notes", b"public " * 1000)
 
     def read_all(fds: list[int]) -> bytes:
         return b"".join(os.pread(fd, 1 << 20, 0) for fd in fds)
@@ -1089,19 +1099,10 @@ def test_a_chmod_that_takes_no_right_away_renews_nothing(pool: Mounted) -> None:
     quota), and the old file cut under a reader who kept its right (a mapped load
     died of SIGBUS).  Only a change that may take a right away renews now, and a copy
     nobody holds goes at once, not after the grace."""
-    users = ensure_users()
-    alice, bob = users["alice"], users["bob"]
-    path = pool.path / "alices-shared-notes"
-    path.write_bytes(b"public " * 100_000)
-    os.chown(path, alice.uid, alice.gid)
-    path.chmod(0o644)
+    path, kept = _alices_file_lent_to_bob(pool, "alices-shared-notes",
+                                          b"public " * 100_000)
     ino = path.stat().st_ino
-    os.seteuid(bob.uid)
-    try:
-        with ControlClient(str(pool.path)) as c:
-            _, kept = c.call_with_fds("open_read", path=c.pool_path(str(path)))
-    finally:
-        os.seteuid(0)
+    alice = ensure_users()["alice"]
     try:
         path.chmod(0o644)
         path.chmod(0o664)
