@@ -484,18 +484,20 @@ def _slow_member(tmp_path: Path, bps: int) -> Iterator[tuple[str, Callable[[int]
 
 _ALICE_READS = """
 import mmap, sys, threading, time
-path, n = sys.argv[1], int(sys.argv[2])
+path, n, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+direct = sys.argv[4] == "direct"  # (or buffered: each range read once, through the cache)
 out = threading.Lock()
 def reader(i):
     buf = mmap.mmap(-1, 128 << 10)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    off = i * (n // 8)
-    while True:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    off = i * (n // k)
+    while direct or off < (i + 1) * (n // k):
         os.preadv(fd, [buf], off)
-        off = off + (128 << 10) if off + (256 << 10) <= (i + 1) * (n // 8) else i * (n // 8)
+        off = off + (128 << 10) if off + (256 << 10) <= (i + 1) * (n // k) or not direct \
+            else i * (n // k)
         with out:
             print(time.monotonic(), flush=True)
-for i in range(8):
+for i in range(k):
     threading.Thread(target=reader, args=(i,), daemon=True).start()
 time.sleep(600)
 """
@@ -536,7 +538,7 @@ def test_one_users_flood_of_reads_leaves_another_a_thread(tmp_path: Path) -> Non
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
             throttle(m.daemon_pid())
-            flood = _as(alice, _ALICE_READS, str(big), str(16 << 20))
+            flood = _as(alice, _ALICE_READS, str(big), str(16 << 20), "8", "direct")
             try:
                 done: list[float] = []
                 taker = threading.Thread(target=lambda: done.extend(
@@ -547,6 +549,70 @@ def test_one_users_flood_of_reads_leaves_another_a_thread(tmp_path: Path) -> Non
                 assert n == 100_000
                 during = sum(1 for t in list(done) if start <= t <= end)
                 assert during <= 2, f"{during} of alice's reads finished during bob's"
+            finally:
+                flood.kill()
+                flood.wait()
+
+
+_BOB_LOOKS = """
+import time
+folder, small = sys.argv[1], sys.argv[2]
+start = time.monotonic()
+for i in range(20):
+    assert not os.path.exists(os.path.join(folder, f"nothing-{i}"))  # (a lookup each)
+data = open(small, "rb").read()
+print(json.dumps([start, time.monotonic(), len(data)]))
+"""
+
+
+@pytest.mark.parametrize("how", ["direct", "buffered"])
+@pytest.mark.daemon_log(r"fuse_reply_\* failed with No such file")  # (hers, killed)
+def test_one_users_hundreds_of_reads_leave_anothers_lookups_and_reads_served(
+        tmp_path: Path, how: str) -> None:
+    """Alice keeps 150 cold reads of a file on a slow member in flight; bob's lookups,
+    and his read of a file on a fast member, are served in his turn.  The daemon read
+    FUSE requests with at most 64 tasks, each held until its request was answered:
+    her direct reads took them all, and bob's lookups waited in the kernel's queue
+    behind the rest of hers.  Her buffered reads filled the kernel's 12 background
+    slots (readahead is sent in the background), and his read waited behind them.
+    The daemon now reads with up to `fuse_tasks` tasks and raises the slots
+    (`fs/fuse_conn.py`): inside, her reads wait their turn beside his."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    fast = make_members(tmp_path / "fast", 1)[0]
+    readers, size = 150, 150 * (256 << 10)
+    with _slow_member(tmp_path, 250_000) as (slow, throttle):
+        mkfs([fast, slow], "64KiB")
+        with mount_with([fast, slow], "io_threads=4") as m:
+            big = m.path / "alice.bin"
+            big.write_bytes(os.urandom(size))
+            os.chown(big, alice.uid, alice.gid)
+            (m.path / "bob").mkdir()
+            mxfs("setstripe", "--width", "1", str(m.path / "bob"))
+            small = next(p for p in (m.path / "bob" / f"{i}.bin" for i in range(16))
+                         if p.write_bytes(b"b" * 100_000) and
+                         _first_member(m, p) == 0)
+            os.chown(m.path / "bob", bob.uid, bob.gid)
+            os.chown(small, bob.uid, bob.gid)
+            subprocess.run(["sync"], check=True)
+            for cached in [*Path(slow).rglob("chunks/*/*"), *Path(fast).rglob("chunks/*/*"),
+                           big, small]:  # (the members' pages, and the mount's)
+                fd = os.open(cached, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            throttle(m.daemon_pid())
+            flood = _as(alice, _ALICE_READS, str(big), str(size), str(readers), how)
+            try:
+                done: list[float] = []
+                taker = threading.Thread(target=lambda: done.extend(
+                    float(line) for line in flood.stdout), daemon=True)  # type: ignore
+                taker.start()
+                assert eventually(lambda: len(done) >= 4, 60), "alice's reads never came"
+                time.sleep(1)  # (all 150 asked by now)
+                start, end, n = run_as(bob, _BOB_LOOKS, str(m.path / "bob"), str(small))
+                assert n == 100_000
+                during = sum(1 for t in list(done) if start <= t <= end)
+                assert during <= 3, f"{during} of alice's reads finished during bob's"
             finally:
                 flood.kill()
                 flood.wait()

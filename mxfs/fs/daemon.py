@@ -25,6 +25,7 @@ from mxfs.fs.chunk_service import ChunkService
 from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.feed_follower import FeedFollower
+from mxfs.fs.fuse_conn import raise_background
 from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Gauges, Metrics, serve_prometheus
@@ -250,7 +251,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 feed.on_kv = views.from_feed
                 views.live = lambda: feed.kernel.feed_live
             daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed, gauges,
-                            stray_s)
+                            stray_s, limits.fuse_tasks)
             trio.run(daemon.serve, lambda: ready(None, notes))
             clean = True
         finally:
@@ -288,6 +289,7 @@ class Daemon:
     feed: FeedFollower | None = None  # a reading node's: the writer's changes, as they commit
     gauges: Gauges | None = None  # /metrics' pool gauges, gathered on this loop
     stray_s: int = STRAY_S  # a node's chunk files without an inode: removed this old
+    fuse_tasks: int = Limits.fuse_tasks  # FUSE requests read at once (fs/fuse_conn.py)
 
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks, each run until the mount ends."""
@@ -326,7 +328,7 @@ class Daemon:
                 nursery.start_soon(task)
             nursery.start_soon(self._announce, ready)
             try:
-                await pyfuse3.main(min_tasks=4, max_tasks=64)
+                await pyfuse3.main(min_tasks=4, max_tasks=self.fuse_tasks)
             finally:
                 self.control.remote.close_all()  # readers' connections end with the mount
             nursery.cancel_scope.cancel()
@@ -340,6 +342,7 @@ class Daemon:
         await trio.to_thread.run_sync(os.stat, mp, abandon_on_cancel=True)
         if not set_readahead(mp, kib):
             log.info("could not raise readahead of %s to %d KiB (needs root)", mp, kib)
+        await trio.to_thread.run_sync(raise_background, mp, self.fuse_tasks)
         log.info("pool %s mounted on %s, control socket %s, I/O engine %s",
                  self.vol.pool.uuid, mp, self.control.path, ENGINE)
         ready()
