@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
 from mxfs.meta import MetaStore, Unusable, backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key, read_key
+from mxfs.proto.messages import MemberUsage
 from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
 from mxfs.vol.tenants import TENANTS
 from mxfs.vol.volume import STATS_EVERY_S, Volume
@@ -193,7 +194,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                     limits=limits, only_uid=None if "allow_other" in fuse_opts
                                     else os.getuid(), settle=ops.settle, wake=wake,
                                     reads=ops.reads)
-            gauges = Gauges(lambda: list(pool_gauges(control))) if metrics_port else None
+            gauges = Gauges(functools.partial(gather_gauges, control)) if metrics_port \
+                else None
             if gauges is not None:
                 try:
                     serve_prometheus(metrics, metrics_addr, metrics_port, gauges)
@@ -366,7 +368,7 @@ class Daemon:
             try:
                 # ten times a second: the metadata member's space reserve
                 if rounds % 4 == 0 and vol.store.watch_space():
-                    control.files.trim_overdrafts()
+                    await control.files.trim_overdrafts()
                 control.kv.flush()
                 vol.store.commit_if_due()
                 inos = vol.take_pending(RECLAIM_BITE)
@@ -433,8 +435,8 @@ class Daemon:
         failures = FailureLog(log)
         while True:
             try:
-                if not self.vol.store.readonly:
-                    self.vol.publish_stats()
+                if not self.vol.store.readonly:  # (the space asked off the loop, guarded)
+                    self.vol.publish_stats(await self.control.status.space.usage(0))
             except Exception as e:
                 failures.note("stats", None, e, trace=not isinstance(e, OSError))
             await trio.sleep(STATS_EVERY_S)
@@ -473,11 +475,18 @@ class Daemon:
                           self.backup_s, e)
 
 
-def pool_gauges(control: ControlServer) -> Iterator[Any]:
-    """Prometheus gauges read at scrape time: members, inodes, KV namespaces."""
+async def gather_gauges(control: ControlServer) -> list[Any]:
+    """(On the loop.)  The pool gauges: the members' space asked off the loop, each
+    through the member guard (a scrape during a member's hang held every user)."""
+    members = await control.status.space.usage(0)
+    return list(pool_gauges(control, members))
+
+
+def pool_gauges(control: ControlServer, usage: Sequence[MemberUsage]) -> Iterator[Any]:
+    """Prometheus gauges read at scrape time: members (`usage`), inodes, KV namespaces."""
     from prometheus_client.core import GaugeMetricFamily
 
-    members: list[Mapping[str, Any]] = list(control.vol.usage())  # read by name
+    members: list[Mapping[str, Any]] = list(usage)  # read by name
     for name, what in (("size", "Member capacity"), ("free", "Member free space"),
                        ("used", "Member space used")):
         g = GaugeMetricFamily(f"mxfs_member_{name}_bytes", what, labels=["member"])

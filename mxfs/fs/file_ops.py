@@ -35,7 +35,7 @@ from mxfs.fs.session import (
     cut_back,
     drop_pending,
     open_hidden,
-    open_writers,
+    open_writers_off_loop,
     overdrew,
     read_fds,
     refuse_if_writers,
@@ -228,7 +228,8 @@ class FileOps:
             ino = int(made["ino"])
             try:
                 node = await self._row(ino, caller.uid)
-                entry, members, fds = open_writers(self.vol, self.vol.acquire(node))
+                entry, members, fds = await open_writers_off_loop(
+                    self.vol, self.vol.acquire(node), self.calls, caller.uid)
             except BaseException:
                 self.forwarded.abort_later(caller, ino)
                 raise
@@ -350,10 +351,12 @@ class FileOps:
     def _all_pending(self) -> list[Pending]:
         return [p for s in self.sessions() for p in s.pending.values()]
 
-    def trim_overdrafts(self) -> int:
-        """Now, on this thread: cut every unpublished file's chunk files back to what its
-        writer declared (the metadata member runs short).  How many were cut."""
-        cut = cut_back(self.vol, self._all_pending())
+    async def trim_overdrafts(self) -> int:
+        """Now: cut every unpublished file's chunk files back to what its writer
+        declared (the metadata member runs short), in a worker thread (a stat, a lease
+        probe and a truncate a file: thousands of them, or one on a member that stopped
+        answering, held the loop).  How many were cut."""
+        cut = await trio.to_thread.run_sync(cut_back, self.vol, self._all_pending())
         if cut:
             log.warning("metadata member short of space: cut %d chunk files of unpublished "
                         "files back to their declared sizes", cut)

@@ -43,7 +43,7 @@ from mxfs.fs.session import (
     check_pending_room,
     drop_pending,
     open_hidden,
-    open_writers,
+    open_writers_off_loop,
     overdrew,
     read_fds,
     refuse_if_degraded,
@@ -99,13 +99,12 @@ def _cold_open_s() -> float:
 
 
 COLD_OPEN_S = _cold_open_s()
-# Threads of their own (started on first use), and two batches at a time: however many
-# cold batches one user sends, the mount's I/O threads and trio's are not theirs to fill.
+# Threads of their own (started on first use) for cold batches' opens, shared: however
+# many cold batches run at once (each from a member-call thread, in its user's turn),
+# the mount's I/O threads and trio's are not theirs to fill.
 _OPENERS = ThreadPoolExecutor(8, thread_name_prefix="mxfs-kv-open")
-_OPENING = trio.CapacityLimiter(2)
 
 
-INLINE_ON_LOOP = 8  # small chunks a get reads on trio's thread (more: a worker thread)
 EVICT_BITE = 4096  # victims chosen at once (~2 ms)
 MAX_LIST = 1000  # chunks one kv_list reply names (page with after, as `mxfs kv ls` does)
 MAX_LIST_SKIP = 100_000  # chunks a kv_list walks past in the order of use (~20 ms)
@@ -680,7 +679,7 @@ class KVOps:
             raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
         with session.booking(size):
             if size <= ONE_MEMBER_MAX:  # a spare: committed, its one chunk file made ahead
-                entry, members, fds = self._open_spare(caller)
+                entry, members, fds = await self._open_spare(caller)
             else:  # striped over the members, as the root's files are
                 entry, members, fds = await open_hidden(self.vol, root, 0o600, caller.uid,
                                                         caller.gid, self.calls)
@@ -688,19 +687,23 @@ class KVOps:
         return {"exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds
 
-    def _open_spare(self, caller: Caller) -> tuple[OpenInode, list[int], list[int]]:
+    async def _open_spare(self, caller: Caller) -> tuple[OpenInode, list[int], list[int]]:
         """A spare of `caller`'s (`vol/spares.py`) and a write descriptor of its chunk
-        file: (entry, [member], [fd]).  Opening the file its maker made is a lookup,
-        where `open_hidden` commits the store and creates a file a member on this
-        thread (1-4 ms on one disk here)."""
+        file: (entry, [member], [fd]), opened off the loop (a member that stopped
+        answering held every user's request behind one put).  Opening the file its
+        maker made is a lookup, where `open_hidden` commits the store and creates a
+        file a member."""
         refuse_if_degraded(self.vol)
         entry = self.vol.take_spare(caller.uid, caller.gid)
-        assert entry.chunks is not None
-        try:  # (done by its maker, or here and never by it: no writer of ours left)
-            entry.chunks.prepare()
-        except OSError:
-            pass  # open_writers makes the file, probing and reporting its member
-        return open_writers(self.vol, entry)
+        chunks = entry.chunks
+        assert chunks is not None
+
+        def prepare() -> None:  # (done by its maker, or here and never by it: no
+            try:  # writer of ours is left; its maker may hold the file's lock, hung)
+                self.calls.guarded(chunks.layout.first, chunks.prepare)
+            except OSError:
+                pass  # the open makes the file, probing and reporting its member
+        return await open_writers_off_loop(self.vol, entry, self.calls, caller.uid, prepare)
 
     async def _commit(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[KVCommitReply]:
@@ -716,18 +719,15 @@ class KVOps:
 
         def settled() -> bool:
             """Whether the writer kept to its word; if so the chunk is settled at `size`
-            (stats, leases and a truncate of its chunk files: for a chunk declared
-            larger than a spare, in a worker thread: cutting back 256 MiB of dirty
-            pages held the one thread 23-46 ms; a spare's, here: a hop costs a
-            quarter of a 1 MiB put)."""
+            (stats, leases and a truncate of its chunk files, in a settling thread:
+            cutting back 256 MiB of dirty pages held the one thread 23-46 ms, and a
+            member that stopped answering held it for good)."""
             if overdrew(self.vol, pending):
                 return False
             refuse_if_writers(self.vol, pending)
             self.vol.settle_hidden(entry, size, sync=False)
             return True
-        if size > pending.declared or not (
-                await settle_off_loop(session.caller.uid, settled)
-                if pending.declared > ONE_MEMBER_MAX else settled()):
+        if size > pending.declared or not await settle_off_loop(session.caller.uid, settled):
             await drop_pending(self.vol, session, entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "kv_create: refused, and the chunk's space reclaimed")
@@ -751,10 +751,10 @@ class KVOps:
         with "odirect", an O_DIRECT descriptor beside each buffered one, so that cold
         chunks go from the members to the engine's buffer without the page cache.
 
-        Opening a chunk file whose inode is not cached waits on the member (most of a
-        cold lookup: 3.5 ms of a batch of 8 on one disk), so such a batch's files are
-        opened all at once in worker threads, the daemon serving others meanwhile
-        (`_open_all`); a key evicted while they open is a miss."""
+        The chunk files are opened, and small chunks read, in a worker thread in the
+        caller's turn (`_fetch`): opening one whose inode is not cached waits on its
+        member (most of a cold lookup: 3.5 ms of a batch of 8 on one disk; forever on
+        a member that stopped answering).  A key evicted meanwhile is a miss."""
         space = self._space("kv_get", msg, session.caller)
         pin = bool_field(msg, "pin")
         odirect = bool_field(msg, "odirect")
@@ -792,8 +792,12 @@ class KVOps:
             out.append(None)
         if pin:
             self._check_pins(session, len(wanted))
-        await self._read_inline(space, inline, out)
-        opened = await self._open_all([n for _, _, _, n in wanted], odirect)
+        opened, datas = await self._fetch([n for _, _, _, n in wanted],
+                                          [n for _, _, _, n in inline], odirect,
+                                          session.caller.uid)
+        for (slot, key, chunk, _), data in zip(inline, datas, strict=True):
+            if space.chunks.get(key) is chunk:  # (evicted meanwhile: a miss)
+                out[slot] = {**_sums(chunk), "data": base64.b64encode(data).decode()}
         fds: list[int] = []
         for (slot, key, chunk, node), (which, got) in zip(wanted, opened, strict=True):
             if space.chunks.get(key) is not chunk:  # evicted or replaced meanwhile
@@ -839,60 +843,62 @@ class KVOps:
         if self.pinned_by_uid[uid] <= 0:
             del self.pinned_by_uid[uid]
 
-    async def _open_all(self, nodes: list[Inode], odirect: bool
-                        ) -> list[tuple[ReadFds, list[int]]]:
-        """`read_fds` of each node.  The first node's files are opened here; if that
-        waited on a member (their inodes were not cached), the rest are opened all at
-        once in worker threads, else here too (a hop to threads costs more than warm
-        opens).  On a failure every descriptor opened is closed and the error raised."""
-        done: list[tuple[ReadFds, list[int]]] = []
+    async def _fetch(self, opens: list[Inode], reads: list[Inode], odirect: bool,
+                     uid: int) -> tuple[list[tuple[ReadFds, list[int]]], list[bytes]]:
+        """What a get asks of the members, in one worker thread in `uid`'s turn, never
+        on the loop (a member that stopped answering held every user's request behind
+        one get there): `read_fds` of each of `opens`, and the bytes of each of `reads`
+        (small chunks, sent inline).  Every chunk file is opened through the member
+        guard (EIO at once for a member judged not answering).  The first open tells
+        whether the members are cold (over COLD_OPEN_S): then the rest are opened all
+        at once in threads of their own.  On a failure every descriptor opened is
+        closed and the error raised."""
+        if not opens and not reads:
+            return [], []
+        guard = self.calls.guarded
 
         def one(node: Inode) -> tuple[ReadFds, list[int]] | Exception:
             try:
-                return read_fds(self.vol, node, odirect=odirect)
+                return read_fds(self.vol, node, odirect, guard)
             except Exception as e:  # noqa: BLE001 - every opened descriptor is accounted
                 return e
 
-        def at_once(later: list[Inode]) -> list[tuple[ReadFds, list[int]]
-                                                 | Exception]:
-            return list(_OPENERS.map(one, later))
-
-        try:
-            for i, node in enumerate(nodes):
-                started = time.perf_counter()
-                done.append(read_fds(self.vol, node, odirect=odirect))
-                if time.perf_counter() - started > COLD_OPEN_S and i + 1 < len(nodes):
-                    rest = await trio.to_thread.run_sync(at_once, nodes[i + 1:],
-                                                         limiter=_OPENING)
-                    done += [r for r in rest if not isinstance(r, Exception)]
-                    for r in rest:
-                        if isinstance(r, Exception):
-                            raise r
-                    break
-        except BaseException:
-            for _, fds in done:
-                for fd in fds:
-                    os.close(fd)
-            raise
-        return done
-
-    async def _read_inline(self, space: Namespace, inline: list[tuple[int, bytes, Chunk, Inode]],
-                           out: list[ChunkReply | None]) -> None:
-        """The small chunks' bytes into their places in `out`: a few read here (warm:
-        a thread hop costs more), more in a worker thread (each a file opened and read:
-        thousands of them held the thread); a chunk evicted meanwhile is a miss."""
-        nodes = [node for _, _, _, node in inline]
-        if len(nodes) <= INLINE_ON_LOOP:
-            datas = [self._read(node) for node in nodes]
-        else:
-            datas = await trio.to_thread.run_sync(lambda: [self._read(n) for n in nodes])
-        for (slot, key, chunk, _), data in zip(inline, datas, strict=True):
-            if space.chunks.get(key) is chunk:
-                out[slot] = {**_sums(chunk), "data": base64.b64encode(data).decode()}
+        def fetch() -> tuple[list[tuple[ReadFds, list[int]]], list[bytes]]:
+            done: list[tuple[ReadFds, list[int]]] = []
+            try:
+                datas = [self._read(node) for node in reads]
+                for i, node in enumerate(opens):
+                    started = time.perf_counter()
+                    done.append(read_fds(self.vol, node, odirect, guard))
+                    if time.perf_counter() - started > COLD_OPEN_S and i + 1 < len(opens):
+                        rest = list(_OPENERS.map(one, opens[i + 1:]))
+                        done += [r for r in rest if not isinstance(r, Exception)]
+                        for r in rest:
+                            if isinstance(r, Exception):
+                                raise r
+                        break
+            except BaseException:
+                for _, fds in done:
+                    for fd in fds:
+                        os.close(fd)
+                raise
+            return done, datas
+        return await self.calls.run_whole(fetch, uid)
 
     def _read(self, node: Inode) -> bytes:
-        chunks = ChunkFiles(self.vol.pool, node.ino, self.vol.layout(node))
+        """(Worker thread.)  A small chunk's bytes, its files opened through the member
+        guard."""
+        layout = self.vol.layout(node)
+        chunks = ChunkFiles(self.vol.pool, node.ino, layout)
+
+        def open_file(member: int) -> bool:
+            chunks.fd(member, False)  # (None: a hole, read as zeros)
+            return True
         try:
+            for member in layout.holding(node.size):
+                if self.calls.guarded(member, functools.partial(open_file, member)) is None:
+                    raise NotAnswering(errno.EIO, f"member {member} is not answering: "
+                                       "the chunk was not read")
             buf = bytearray(node.size)
             chunks.read(0, memoryview(buf))
             return bytes(buf)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import trio
@@ -102,7 +102,7 @@ class Gauges:
     """The pool gauges for /metrics, gathered by `gather()` on the daemon's trio thread
     (once `token` is set: until then, none) at most once every GAUGES_S."""
 
-    def __init__(self, gather: Callable[[], list[Any]]) -> None:
+    def __init__(self, gather: Callable[[], Awaitable[list[Any]]]) -> None:
         self.gather = gather
         self.token: trio.lowlevel.TrioToken | None = None  # the daemon's loop, once it runs
         self._lock = threading.Lock()
@@ -113,7 +113,7 @@ class Gauges:
         with self._lock:
             if self.token is not None and time.monotonic() - self._at >= GAUGES_S:
                 try:
-                    self._last = trio.from_thread.run_sync(self.gather, trio_token=self.token)
+                    self._last = trio.from_thread.run(self.gather, trio_token=self.token)
                 except trio.RunFinishedError:  # (unmounting)
                     self._last = []
                 self._at = time.monotonic()

@@ -263,25 +263,20 @@ async def open_hidden(vol: Volume, parent: Inode, mode: int, uid: int, gid: int,
                                        calls, uid)
 
 
-def open_writers(vol: Volume, entry: OpenInode) -> tuple[OpenInode, list[int], list[int]]:
-    """Write descriptors of a held hidden file's chunk files, made where missing, opened
-    on this thread: (entry, members, fds).  On failure the file is let go (an orphan:
-    reclaimed)."""
-    try:
-        members, fds = chunk_writers(vol, entry.node)
-    except OSError:
-        vol.release(entry.node.ino)
-        raise
-    return entry, members, fds
-
-
 async def open_writers_off_loop(vol: Volume, entry: OpenInode, calls: MemberCalls,
-                                uid: int) -> tuple[OpenInode, list[int], list[int]]:
-    """`open_writers` with the opens in a worker thread in `uid`'s turn, each through
-    the member guard: a member that stopped answering holds only its own callers."""
+                                uid: int, before: Callable[[], object] | None = None
+                                ) -> tuple[OpenInode, list[int], list[int]]:
+    """Write descriptors of a held hidden file's chunk files, made where missing:
+    (entry, members, fds), opened (after `before()`, if given) in a worker thread in
+    `uid`'s turn, each through the member guard: a member that stopped answering
+    holds only its own callers.  On failure the file is let go (an orphan:
+    reclaimed)."""
+    def opened() -> tuple[list[int], list[int]]:
+        if before is not None:
+            before()
+        return chunk_writers(vol, entry.node, calls.guarded)
     try:
-        members, fds = await calls.run_whole(
-            lambda: chunk_writers(vol, entry.node, calls.guarded), uid)
+        members, fds = await calls.run_whole(opened, uid)
     except BaseException:
         vol.release(entry.node.ino)
         raise

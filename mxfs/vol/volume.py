@@ -253,12 +253,12 @@ class Volume:
 
     # ---- space and inodes, on every node ------------------------------------
 
-    def publish_stats(self) -> None:
-        """The writer: its members' space and the inode count, in the store for the
-        reading nodes (their statfs and status would otherwise count every row, and
-        they cannot see the members)."""
+    def publish_stats(self, usage: list[MemberUsage]) -> None:
+        """The writer: its members' space (`usage`) and the inode count, in the store
+        for the reading nodes (their statfs and status would otherwise count every
+        row, and they cannot see the members)."""
         self.store.set_setting(STATS_KEY, json.dumps(
-            {"inodes": self.store.count_inodes(), "members": self.pool.usage()}))
+            {"inodes": self.store.count_inodes(), "members": usage}))
 
     def published(self, store: MetaStore | None = None) -> dict[str, Any] | None:
         """A reading node: what the writer last published, read at most every
