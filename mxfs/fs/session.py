@@ -202,12 +202,24 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
         for m in grown_chunks(vol, node, pending.declared):
             pending.overdrawn = True  # cut back or not, its commit is refused
             try:
-                os.truncate(vol.pool.chunk_path(m, node.ino),
-                            allowed_length(vol, node, m, pending.declared))
+                cut_and_commit(vol.pool.chunk_path(m, node.ino),
+                               allowed_length(vol, node, m, pending.declared))
                 cut += 1
             except OSError:
                 pass
     return cut
+
+
+def cut_and_commit(path: str, length: int) -> None:
+    """Blocking: cut `path` to `length`, and have its file system commit the cut: ext4
+    gives freed blocks back only once its journal commits (up to 5 s later), and a
+    full metadata member refused names meanwhile though the space was taken back."""
+    os.truncate(path, length)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def trim_reserved(vol: Volume, node: Inode, declared: int) -> int:
