@@ -1207,6 +1207,91 @@ def test_a_chmod_that_takes_no_right_away_renews_nothing(pool: Mounted) -> None:
     assert eventually(lambda: _held_copies(pool, ino) == [], timeout=10)
 
 
+ALICE_LENDS = """
+import time
+folder, flags = sys.argv[1], sys.argv[2]
+def wait(name):
+    while not os.path.exists(os.path.join(flags, name)):
+        time.sleep(0.02)
+def write(name, size):
+    try:
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(b"a" * size)
+        return "ok"
+    except OSError as e:
+        return e.errno
+kept, inos = [], []
+for i in range(3):  # (each lent to herself, then removed: kept for her readers a grace)
+    path = os.path.join(folder, f"f{i}")
+    with open(path, "wb") as f:
+        f.write(bytes([i + 1]) * (8 << 20))
+    inos.append(os.stat(path).st_ino)
+    with mxfs.client.ControlClient(os.path.dirname(folder)) as c:
+        _, fds = c.call_with_fds("open_read", path=c.pool_path(path))
+    kept.append([fd for fd in fds if os.fstat(fd).st_size])
+    os.unlink(path)
+print(json.dumps(inos), flush=True)
+wait("held")
+read = [sum(len(os.pread(fd, 8 << 20, 0)) for fd in fds) for fds in kept]
+over = write("g", 16 << 20)
+for fds in kept:
+    for fd in fds:
+        os.close(fd)
+os.unlink(os.path.join(folder, "g")) if over == "ok" else None
+print(json.dumps({"read": read, "over": over}), flush=True)
+wait("let-go")
+print(json.dumps({"after": write("g", 16 << 20)}), flush=True)
+"""
+
+
+def test_files_kept_for_their_readers_count_as_their_owners(tmp_path: Path) -> None:
+    """A removed file's chunk files a reader holds are kept readable a grace (so are a
+    renewed file's): outside every quota, so a user who lent her own files to herself
+    and removed them, over and over, held the pool's space outside hers.  They count
+    in her quota now, and past `max_held_per_user` the next are cut at once."""
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, f"max_held_per_user={12 << 20}") as m:
+        folder = m.path / "alices"
+        folder.mkdir()
+        os.chown(folder, alice.uid, alice.gid)
+        mxfs("quota", "--user", "mxfs-alice", "--bytes", "24MiB", str(m.path))
+        flags = Path(tempfile.mkdtemp(prefix="mxfs-lends-"))
+        flags.chmod(0o777)
+        code = PRELUDE.format(uid=alice.uid, gid=alice.gid, groups=tuple(alice.groups)) + \
+            ALICE_LENDS
+        proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(flags)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read() if proc.stderr else ""
+            inos = json.loads(line)
+
+            def held(ino: int, readable: bool = False) -> list[os.stat_result]:
+                return [os.stat(f"{member}/chunks/held/{n}") for member in m.members
+                        if os.path.isdir(f"{member}/chunks/held")
+                        for n in os.listdir(f"{member}/chunks/held")
+                        if n.startswith(f"{ino}.") and (n.endswith(".r") or not readable)]
+            assert eventually(lambda: all(held(ino) for ino in inos))
+            kept = sum(st.st_blocks * 512 for ino in inos for st in held(ino, True))
+            assert 8 << 20 <= kept <= 12 << 20, kept  # (the first whole, no more)
+            (flags / "held").touch()
+            got = json.loads(proc.stdout.readline())
+            assert got["read"][0] == 8 << 20 and got["read"][2] == 0, got
+            assert got["over"] == errno.EDQUOT, got  # (12 MiB kept for her + 16 > 24)
+            assert eventually(lambda: not any(held(ino) for ino in inos))
+            (flags / "let-go").touch()
+            assert json.loads(proc.stdout.readline()) == {"after": "ok"}
+        finally:
+            (flags / "held").touch()
+            (flags / "let-go").touch()
+            proc.kill()
+            proc.wait(timeout=60)
+            shutil.rmtree(flags, ignore_errors=True)
+
+
 PUTS_AT_ONCE = """
 import base64, threading
 b = lambda s: base64.b64encode(s.encode()).decode()

@@ -156,6 +156,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                              writeback_cache=own.get("writeback_cache", "0") in ("1", "yes"),
                              metrics=metrics)
         ops.max_open_per_user = limits.max_open_per_user
+        vol.max_held_per_user = limits.max_held_per_user
         name = vol.pool.label or vol.pool.uuid[:8]
         fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
         notes = []

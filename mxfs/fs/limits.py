@@ -15,6 +15,8 @@ import resource
 import time
 from dataclasses import dataclass, fields
 
+from mxfs.vol.volume import MAX_HELD_PER_USER
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -30,6 +32,8 @@ class Limits:
     max_open_per_user: int = 4096   # files one uid holds open through the mount (each a
                                     # descriptor of the daemon's a member it touches)
     max_fds_in_flight_per_user: int = 4096  # descriptors sent to one uid, not yet received
+    max_held_per_user: int = MAX_HELD_PER_USER  # bytes of one user's removed or renewed
+                                    # files kept for their readers (pool/revoke.py)
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
     max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid

@@ -25,6 +25,10 @@ are cut to nothing (the holder reads a short file; its client's check finds the 
 changed) and removed once nobody holds them.  Without it a reader kept every removed
 file's space, released from its owner's quota and from KV capacity, for as long as
 it liked (and across a daemon restart, a writer of a file dropped by the crash).
+While they are readable they count as their owner's (`readable_of`: in the owner's
+quota), and one that would take its owner past `may_keep` is cut at once instead:
+a user who removed or renewed files she kept lent to herself, over and over, held
+the pool's space outside every quota, a grace at a time.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 from mxfs.pool.pool import CHUNK_DIR, Pool
 
@@ -118,6 +123,11 @@ class Held:
         self.files: list[str] = []
         self._lock = threading.Lock()
         self._looked: dict[str, int] = {}  # files only readers held, cut: when last probed
+        self._readable: dict[str, tuple[int, int]] = {}  # uncut reader-held: (uid, bytes)
+        self.readable_by: Counter[int] = Counter()  # ... their bytes, by owner
+        # Whether the owner uid may hold that many bytes more readable (the volume's
+        # per-user limit); root's are always kept.
+        self.may_keep: Callable[[int, int], bool] = lambda uid, nbytes: True
 
     def _folder(self, member: int) -> str:
         return os.path.join(self.pool.members[member].path, CHUNK_DIR, HELD_DIR)
@@ -126,28 +136,33 @@ class Held:
         """Blocking: move `ino`'s chunk files aside (cut to nothing); how many moved."""
         return sum(self._hold(m, ino, cut=True) for m in self.pool.local_members())
 
-    def hold_read(self, ino: int) -> int:
+    def hold_read(self, ino: int, owner: int) -> int:
         """Blocking, as a removed file's chunk files go: those someone holds open are
-        moved aside, uncut if only readers hold them (cut READ_GRACE_S later), cut now
-        and kept cut if a writer does (one whose daemon died: its file was dropped
-        with it); how many moved (the rest are the caller's to remove)."""
+        moved aside, uncut if only readers hold them (cut READ_GRACE_S later; at once
+        past what `owner` may keep), cut now and kept cut if a writer does (one whose
+        daemon died: its file was dropped with it); how many moved (the rest are the
+        caller's to remove)."""
         moved = 0
         for m in self.pool.local_members():
             path = self.pool.chunk_path(m, ino)
             if anyone_holds(path):
-                moved += self._hold(m, ino, cut=writers_remain([path]))
+                moved += self._hold(m, ino, cut=writers_remain([path]), owner=owner)
         return moved
 
-    def _hold(self, m: int, ino: int, cut: bool) -> bool:
+    def _hold(self, m: int, ino: int, cut: bool, owner: int = 0) -> bool:
         src = self.pool.chunk_path(m, ino)  # (other nodes' members are theirs to hold)
-        dst = os.path.join(self._folder(m), f"{ino}.{time.time_ns()}"
-                           f"{'' if cut else _READ_MARK}")
+        dst = os.path.join(self._folder(m), f"{ino}.{time.time_ns()}")
         try:
+            if not cut and not self._keep(dst + _READ_MARK, owner, _blocks(src)):
+                cut = True  # (past what its owner may keep readable)
             if cut:
                 os.truncate(src, 0)
+            else:
+                dst += _READ_MARK
             os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
             os.rename(src, dst)
         except FileNotFoundError:
+            self._let_go(dst)
             return False
         if cut:
             set_immutable(dst, True)
@@ -155,14 +170,38 @@ class Held:
             self.files.append(dst)
         return True
 
-    def renew(self, ino: int) -> int:
+    def _keep(self, path: str, owner: int, nbytes: int) -> bool:
+        """Count `path` (`nbytes`) as `owner`'s while readable, if it may keep it."""
+        with self._lock:
+            if owner and not self.may_keep(owner, nbytes):
+                return False
+            self._readable[path] = (owner, nbytes)
+            self.readable_by[owner] += nbytes
+            return True
+
+    def _let_go(self, path: str) -> None:
+        """`path` is cut or gone: its bytes are its owner's no more."""
+        with self._lock:
+            kept = self._readable.pop(path, None)
+            if kept is not None:
+                self.readable_by[kept[0]] -= kept[1]
+                if self.readable_by[kept[0]] <= 0:
+                    del self.readable_by[kept[0]]
+
+    def readable_of(self, uid: int) -> int:
+        """Bytes of `uid`'s removed or renewed files kept for their readers (its quota
+        counts them)."""
+        return self.readable_by.get(uid, 0)
+
+    def renew(self, ino: int, owner: int = 0) -> int:
         """Blocking: each of `ino`'s chunk files on this node's members replaced by a
         copy of itself (its data ranges, holes kept), so that descriptors handed out
         before (`open_read`) hold the old file, which nothing writes again: what they
         read ends at what it held.  Copies are made in `chunks/held/` (a crash leaves
         them there, to be removed at mount) and renamed over; the old file is kept
         there as one only readers hold (cut after READ_GRACE_S: its readers keep no
-        copy's space for good); how many were renewed."""
+        copy's space for good; cut at once past what `owner` may keep); how many were
+        renewed."""
         renewed = 0
         for m in self.pool.local_members():
             src = self.pool.chunk_path(m, ino)
@@ -184,6 +223,8 @@ class Held:
                     os.close(fout)
                 os.link(src, old)
                 os.rename(tmp, src)
+                if not self._keep(old, owner, _blocks(old)):
+                    os.truncate(old, 0)  # (its readers read nothing more)
                 with self._lock:
                     self.files.append(old)
                 renewed += 1
@@ -221,6 +262,7 @@ class Held:
             return True
         if looked is None:
             os.truncate(path, 0)
+            self._let_go(path)
         self._looked[path] = now
         return False
 
@@ -240,6 +282,7 @@ class Held:
                         continue
                     os.unlink(path)
                     self._looked.pop(path, None)
+                    self._let_go(path)
                     continue
                 set_immutable(path, False)  # (an immutable file is neither cut nor removed)
                 if writers_remain([path]):
@@ -249,7 +292,7 @@ class Held:
                 else:
                     os.unlink(path)
             except FileNotFoundError:
-                pass
+                self._let_go(path)
             except OSError as e:  # a member gone: kept, tried again next time
                 log.warning("held chunk file %s: %s", path, e.strerror)
                 kept.append(path)
@@ -276,6 +319,11 @@ def _copy_data(fin: int, fout: int) -> None:
             start += n
         at = end
     os.ftruncate(fout, size)
+
+
+def _blocks(path: str) -> int:
+    """Bytes `path` takes on its member (FileNotFoundError if gone)."""
+    return os.stat(path).st_blocks * 512
 
 
 def _stamp(path: str) -> int:

@@ -85,14 +85,22 @@ class Freeing:
     def of(self, uid: int) -> tuple[int, int]:
         return self.bytes[uid], self.inodes[uid]
 
+    def owner(self, ino: int) -> int:
+        """The uid owning queued orphan `ino` (0 if not queued)."""
+        return self._queued.get(ino, (0, 0))[0]
+
 
 class Quotas:
     def __init__(self, store: MetaStore,
-                 freeing: Callable[[int], tuple[int, int]] = lambda uid: (0, 0)) -> None:
+                 freeing: Callable[[int], tuple[int, int]] = lambda uid: (0, 0),
+                 held: Callable[[int], int] = lambda uid: 0) -> None:
         self.store = store
         # Bytes and inodes of a uid's orphans that wait to be freed (reclaim runs every
         # few milliseconds): not held against it, so a write right after an unlink fits.
         self.freeing = freeing
+        # Bytes of a uid's removed or renewed files kept for their readers a while
+        # (`pool/revoke.py`): held against it.
+        self.held = held
         self.reserved: Counter[int] = Counter()  # declared by unpublished files, by uid
         self.limits: dict[str, Quota] = {}
         for key, value in store.settings(PREFIX):
@@ -110,7 +118,8 @@ class Quotas:
         quota = self.of(uid) if uid != 0 and self.limits else None
         if not quota or not quota.bytes:
             return None
-        owned = self.store.count_usage().owned_bytes(uid) + self.reserved[uid]
+        owned = self.store.count_usage().owned_bytes(uid) + self.reserved[uid] + \
+            self.held(uid)
         return max(0, quota.bytes - owned + self.freeing(uid)[0])
 
     def room(self, uid: int, nbytes: int = 0, inodes: int = 0) -> None:
@@ -122,7 +131,7 @@ class Quotas:
             return
         usage = self.store.count_usage()
         if quota.bytes and nbytes > 0:
-            owned = usage.owned_bytes(uid) + self.reserved[uid]
+            owned = usage.owned_bytes(uid) + self.reserved[uid] + self.held(uid)
             if owned + nbytes > quota.bytes:
                 owned -= self.freeing(uid)[0]
             if owned + nbytes > quota.bytes:

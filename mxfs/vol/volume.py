@@ -38,11 +38,13 @@ from mxfs.proto.messages import MemberUsage
 from mxfs.vol.node_holds import STALL_S, NodeHolds
 from mxfs.vol.quota import Freeing, Quotas
 from mxfs.vol.spares import Spares
+from mxfs.vol.tenants import tenant_of
 
 log = logging.getLogger("mxfs.volume")
 
 XATTR_BITE = 8 << 20  # xattr bytes of removed files freed a reclaim round at most
 RENEWALS_KEPT = 4096  # inodes whose renews are counted (`Volume.renewals`) at most
+MAX_HELD_PER_USER = 64 << 30  # bytes of one user's removed or renewed files kept readable
 
 
 @dataclass
@@ -82,6 +84,10 @@ class Volume:
         # Hidden inodes made ahead for KV chunks (root's layout), so a put needs no commit.
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self.held = Held(pool)  # chunk files of dropped files whose writers hold on
+        self.held.may_keep = self._may_keep
+        # Bytes of removed or renewed files one user may keep readable for their readers
+        # (`pool/revoke.py`: past it, the next are cut at once); the mount option.
+        self.max_held_per_user = MAX_HELD_PER_USER
         # Files whose chunk-file descriptors were handed to readers (`open_read`) since
         # their chunk files were made: renewed before their access changes (`renew`).
         self.lent: set[int] = set()
@@ -89,7 +95,8 @@ class Volume:
         # how often the count was cleared (kept for RENEWALS_KEPT inodes at most).
         self.renewals: Counter[int] = Counter()
         self.renewals_cleared = 0
-        self.quotas = Quotas(store, self.freeing.of)  # per-user limits on bytes and inodes
+        # Per-user limits on bytes and inodes (files kept for readers count as theirs).
+        self.quotas = Quotas(store, self.freeing.of, self.held.readable_of)
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
         self.keeper: lease.Keeper | None = None  # renews it; the daemon starts it
@@ -570,7 +577,7 @@ class Volume:
         descriptors keep the bytes it was allowed to read, never what is written after
         it lost the right (other nodes' members: not yet, see docs/architecture.md)."""
         self.lent.discard(node.ino)
-        self.held.renew(node.ino)
+        self.held.renew(node.ino, node.uid)
         entry = self.open_inodes.get(node.ino)
         if entry is not None and entry.chunks is not None:
             entry.chunks.reopen()
@@ -580,8 +587,15 @@ class Volume:
         direct reader, a KV get, a writer whose daemon died) go aside first, cut after
         a grace (`pool/revoke.Held.hold_read`): their space ends with the file."""
         self.lent.discard(ino)
-        self.held.hold_read(ino)
+        self.held.hold_read(ino, self.freeing.owner(ino))
         self.pool.remove_chunks(ino, far)
+
+    def _may_keep(self, uid: int, nbytes: int) -> bool:
+        """(Under the held files' lock.)  Whether `uid`'s user (`vol/tenants.py`) may
+        keep `nbytes` more of removed or renewed files readable for their readers."""
+        tenant = tenant_of(uid)
+        kept = sum(n for u, n in self.held.readable_by.items() if tenant_of(u) == tenant)
+        return kept + nbytes <= self.max_held_per_user
 
     def past_nodes(self, inos: list[int], mark: int | None) -> list[int]:
         """Of orphans to free, those no reading node may hold open: `inos` (committed
