@@ -241,6 +241,7 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
 
             def ask() -> None:
                 answered["sizes"] = [os.stat(p).st_size for p in names]
+                answered["got"] = get_all()  # (a place on each member, or EIO: no wait)
                 answered["ls"] = subprocess.run(["ls", "-ls", str(outer.path)],
                                                 capture_output=True, text=True).stdout
                 answered["df"] = os.statvfs(outer.path).f_blocks
@@ -279,6 +280,14 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                         except OSError as e:
                             opened[f"k{i}"] = e.errno
 
+            def get_all() -> str:
+                with KVStore(str(outer.path), "stored") as kv:
+                    try:
+                        return "ok" if all(kv.batch_get([f"small{i}" for i in range(4)])) \
+                            else "miss"
+                    except OSError as e:
+                        return errno.errorcode[e.errno or 0]
+
             def get() -> None:  # (their files opened, the small ones read, on both)
                 with KVStore(str(outer.path), "stored") as kv:
                     for size in ("small", "large"):
@@ -303,6 +312,9 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
                 Path("/proc/sys/vm/drop_caches").write_text("2")
                 openers = [threading.Thread(target=open_read, args=(p,), daemon=True)
                            for p in names]
+                # (gets into the stopped member, more than the daemon has member-call
+                # threads: they took them all, and every user's gets waited behind it)
+                openers += [threading.Thread(target=get_all, daemon=True) for _ in range(24)]
                 openers += [threading.Thread(target=create, daemon=True),
                             threading.Thread(target=put, daemon=True),
                             threading.Thread(target=get, daemon=True),
@@ -324,7 +336,7 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
             assert opened["late"] == errno.EIO
             assert set(opened.values()) <= {"ok", "miss", errno.EIO}  # (a get: either)
             assert "ok" in opened.values()
-            assert answered["sizes"] == [4096] * 4
+            assert answered["sizes"] == [4096] * 4 and answered["got"] in ("miss", "EIO")
             assert all(p.name in answered["ls"] for p in names) and answered["df"] > 0
             states = {m["index"]: m.get("failed") for m in answered["status"]["members"]}
             assert states == {0: None, 1: "not answering"}

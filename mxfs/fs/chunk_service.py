@@ -686,7 +686,8 @@ class ChunkService:
         if calls is None:
             return _open_chunk(path, offset, length)
         got = await calls.run_whole(functools.partial(
-            calls.guarded, member, functools.partial(_open_chunk, path, offset, length)), uid)
+            calls.guarded, member, functools.partial(_open_chunk, path, offset, length)),
+            uid, (member,))
         if got is None:
             raise OSError(errno.EIO, f"member {member} is not answering")
         return got

@@ -14,7 +14,7 @@ import signal
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyfuse3
@@ -293,12 +293,13 @@ class Daemon:
     gauges: Gauges | None = None  # /metrics' pool gauges, gathered on this loop
     stray_s: int = STRAY_S  # a node's chunk files without an inode: removed this old
     fuse_tasks: int = Limits.fuse_tasks  # FUSE requests read at once (fs/fuse_conn.py)
+    _trim: trio.Event = field(default_factory=trio.Event)  # the metadata member is short
 
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks, each run until the mount ends."""
         tasks: list[Callable[[], Awaitable[None]]] = [
-            _stop_on_signal, self._commit_groups, self._keep_lease, self._revoke,
-            self.control.kv.let_go]
+            _stop_on_signal, self._commit_groups, self._trims, self._keep_lease,
+            self._revoke, self.control.kv.let_go]
         if self.backup_s > 0 and backup.supported(self.vol.store):  # a server's are its
             tasks.append(self._backups)  # operator's to back up
         if self.control.wake is not None:
@@ -369,7 +370,7 @@ class Daemon:
             try:
                 # ten times a second: the metadata member's space reserve
                 if rounds % 4 == 0 and vol.store.watch_space():
-                    await control.files.trim_overdrafts()
+                    self._trim.set()  # (its own task: a hung member holds no commit)
                 control.kv.flush()
                 vol.store.commit_if_due()
                 inos = vol.take_pending(RECLAIM_BITE)
@@ -386,6 +387,18 @@ class Daemon:
                     vol.drop_inodes(inos)
             except Exception as e:  # OSError from the store, or anything unforeseen
                 failures.note("commit", None, e, trace=not isinstance(e, OSError))
+
+    async def _trims(self) -> None:
+        """Cut unpublished files back to their declared sizes whenever the metadata
+        member runs short (`_commit_groups` asks), at once, in a worker thread."""
+        failures = FailureLog(log)
+        while True:
+            await self._trim.wait()
+            self._trim = trio.Event()
+            try:
+                await self.control.files.trim_overdrafts()
+            except Exception as e:  # (a member failing: the next ask tries again)
+                failures.note("trim", None, e, trace=not isinstance(e, OSError))
 
     async def _revoke(self) -> None:
         """Once a second: what direct writers hold past their word is taken back,

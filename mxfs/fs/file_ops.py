@@ -164,7 +164,7 @@ class FileOps:
         try:  # (opened off the loop, in the caller's turn: a hung member holds no one)
             which, fds = await calls.run_whole(
                 lambda: read_fds(self.vol, node, odirect=odirect, guard=calls.guarded),
-                caller.uid)
+                caller.uid, layout.holding(node.size))
         except OSError as e:
             # Another node's members (a reading node): connections to their owner,
             # scoped to this file, for a caller that takes them; else the mount reads it.
@@ -356,7 +356,7 @@ class FileOps:
         declared (the metadata member runs short), in a worker thread (a stat, a lease
         probe and a truncate a file: thousands of them, or one on a member that stopped
         answering, held the loop).  How many were cut."""
-        cut = await trio.to_thread.run_sync(cut_back, self.vol, self._all_pending())
+        cut = await trio.to_thread.run_sync(cut_back, self.vol, self._all_pending(), True)
         if cut:
             log.warning("metadata member short of space: cut %d chunk files of unpublished "
                         "files back to their declared sizes", cut)

@@ -6,7 +6,10 @@ Two first-come queues stand in front of the daemon's per-user turns (`fs/fair.py
   user's lookups waited in the kernel's single queue behind the rest of hers.
   `fuse_tasks` (a mount option, `fs/limits.py`) is how many read at once; a task
   that waits for its user's turn costs a coroutine and a buffer (touched only as
-  far as its request reaches: a page for a read, a write's bytes for a write).
+  far as its request reaches: a page for a read, a write's bytes for a write, and
+  pyfuse3 copies those once more: about 2 MiB a task parked on a 1 MiB write, so
+  1 GiB at most with the default 512).  A user with more requests waiting inside
+  than that still fills them: the bar is raised, not removed.
 - The kernel sends readahead (every buffered read of pages not cached) in the
   background, at most `max_background` requests at a time (12 by default), the
   rest queued in order of asking: one user's streams held them all and another's
@@ -26,6 +29,7 @@ from mxfs.vol.mounts import mount_device
 log = logging.getLogger("mxfs.fs")
 
 CONTROL_FS = "/sys/fs/fuse/connections"
+MOUNT = "/bin/mount"
 
 
 def background_slots(tasks: int) -> tuple[int, int]:
@@ -46,8 +50,11 @@ def raise_background(mountpoint: str, tasks: int) -> bool:
     major, minor = (int(n) for n in dev.split(":"))
     conn = os.path.join(CONTROL_FS, str(major << 20 | minor))  # (the kernel's dev_t)
     if not os.path.isdir(conn) and os.path.isdir(CONTROL_FS) and os.geteuid() == 0:
-        subprocess.run(["mount", "-t", "fusectl", "fusectl", CONTROL_FS],
-                       capture_output=True, check=False)
+        try:  # (the system's own mount, not one found on a PATH a user may write to)
+            subprocess.run([MOUNT, "-t", "fusectl", "fusectl", CONTROL_FS], env={},
+                           capture_output=True, check=False, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # (the writes below say what could not be done)
     slots, congestion = background_slots(tasks)
     try:
         # (the slots first: raised, so the threshold never stands above them)

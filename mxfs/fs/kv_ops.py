@@ -553,7 +553,7 @@ class KVOps:
                 except OSError as e:
                     out.append(e)
             return out
-        return await self.calls.run_whole(write_all, uid)
+        return await self.calls.run_whole(write_all, uid, (t[4] for t in taken))
 
     async def claim_from_node(self, caller: Caller, namespace: str, shared: bool,
                               keys: list[bytes], seconds: float, holder: bytes,
@@ -719,15 +719,20 @@ class KVOps:
 
         def settled() -> bool:
             """Whether the writer kept to its word; if so the chunk is settled at `size`
-            (stats, leases and a truncate of its chunk files, in a settling thread:
-            cutting back 256 MiB of dirty pages held the one thread 23-46 ms, and a
-            member that stopped answering held it for good)."""
+            (stats, leases and a truncate of its chunk files, off the loop: cutting
+            back 256 MiB of dirty pages held the one thread 23-46 ms, and a member
+            that stopped answering held it for good; a spare's in a member call, a
+            few at a time on its member, not behind others' commits' syncs)."""
             if overdrew(self.vol, pending):
                 return False
             refuse_if_writers(self.vol, pending)
             self.vol.settle_hidden(entry, size, sync=False)
             return True
-        if size > pending.declared or not await settle_off_loop(session.caller.uid, settled):
+        uid = session.caller.uid
+        if size > pending.declared or not (
+                await settle_off_loop(uid, settled) if pending.declared > ONE_MEMBER_MAX
+                else await self.calls.run_whole(
+                    settled, uid, self.vol.layout(entry.node).used_members())):
             await drop_pending(self.vol, session, entry.node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "kv_create: refused, and the chunk's space reclaimed")
@@ -883,7 +888,9 @@ class KVOps:
                         os.close(fd)
                 raise
             return done, datas
-        return await self.calls.run_whole(fetch, uid)
+        touched = {m for node in (*opens, *reads)
+                   for m in self.vol.layout(node).holding(node.size)}
+        return await self.calls.run_whole(fetch, uid, touched)
 
     def _read(self, node: Inode) -> bytes:
         """(Worker thread.)  A small chunk's bytes, its files opened through the member

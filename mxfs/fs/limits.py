@@ -27,7 +27,7 @@ class Limits:
     max_pins: int = 65536           # KV read leases a connection holds
     max_namespaces_per_user: int = 1024  # KV namespaces one uid owns (each a row, in memory)
     max_active_per_user: int = 8    # requests of one uid in service at once (fs/fair.py)
-    fuse_tasks: int = 1024          # FUSE requests read at once, waiting their turns inside
+    fuse_tasks: int = 512           # FUSE requests read at once, waiting their turns inside
                                     # (fs/fuse_conn.py: fewer, and one user's fill them)
     max_open_per_user: int = 4096   # files one uid holds open through the mount (each a
                                     # descriptor of the daemon's a member it touches)

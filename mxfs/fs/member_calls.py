@@ -7,22 +7,28 @@ Here such calls run in worker threads, handed out by uid in turn (`fair.RoundRob
 one user's flood of stats waits behind itself).  A member is left out of new calls
 (`guarded` answers None for it) while one of its calls has not come back in WAIT_S,
 or STALLED of them in SLOW_S; a request waits WAIT_S for its calls at most, and is
-answered without those that did not come back.
+answered without those that did not come back.  A call that names the members it
+touches waits (on the loop, holding no thread) until each has fewer than PER_MEMBER
+such calls in flight: within the first second of a hang the guard still lets calls
+in, and a steady stream of gets took all the threads, every user's calls then
+waiting behind one member.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TypeVar
 
 import trio
 
 from mxfs.fs.fair import RoundRobin
-from mxfs.pool.pool import member_space
+from mxfs.pool.pool import NotAnswering, member_space
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.volume import Volume
 
@@ -31,6 +37,8 @@ T = TypeVar("T")
 STALLED = 2  # calls in flight on one member that, all slow, leave it out
 SLOW_S = 0.2  # ... slow: a stat or statvfs of a member in service takes microseconds
 THREADS = 16  # threads for these calls
+PER_MEMBER = 4  # calls in flight on one member at once (of those that name it)
+PLACE_WAIT_S = 10.0  # ... how long a call waits for a place among them
 WAIT_S = 1.0  # a request waits this long for its calls (a thread stuck past it ends alone)
 
 
@@ -41,6 +49,7 @@ class MemberCalls:
         self._lock = threading.Lock()
         self._since: list[dict[int, float]] = [{} for _ in range(members)]  # in flight
         self._tokens = itertools.count()
+        self._per_member = [trio.CapacityLimiter(PER_MEMBER) for _ in range(members)]
 
     def guarded(self, member: int, fn: Callable[[], T]) -> T | None:
         """(Worker thread.) `fn()`, a call into `member`'s filesystem; None if the member
@@ -59,21 +68,39 @@ class MemberCalls:
             with self._lock:
                 del calls[token]
 
-    async def run(self, fn: Callable[[], T], uid: int) -> T | None:
+    @contextlib.asynccontextmanager
+    async def _on(self, members: Iterable[int]) -> AsyncIterator[None]:
+        """A place among each of `members`' PER_MEMBER calls (taken in order: no two
+        callers wait on each other); EIO for a member with no place free in
+        PLACE_WAIT_S (its calls in flight have not come back)."""
+        async with contextlib.AsyncExitStack() as places:
+            for m in sorted(set(members)):
+                with trio.move_on_after(PLACE_WAIT_S) as waited:
+                    await places.enter_async_context(self._per_member[m])
+                if waited.cancelled_caught:
+                    raise NotAnswering(errno.EIO, f"member {m} is not answering: "
+                                       f"{PER_MEMBER} calls into it have not come back")
+            yield
+
+    async def run(self, fn: Callable[[], T], uid: int, members: Iterable[int] = ()
+                  ) -> T | None:
         """`fn()` in a worker thread in `uid`'s turn (it makes its member calls through
-        `guarded`); None if it did not end (a thread found for it first) within WAIT_S."""
+        `guarded`; `members`: those it touches); None if it did not end (a place and a
+        thread found for it first) within WAIT_S."""
         with trio.move_on_after(WAIT_S):
-            async with self._turns.slot(uid):
+            async with self._on(members), self._turns.slot(uid):
                 return await trio.to_thread.run_sync(fn, limiter=self._limiter,
                                                      abandon_on_cancel=True)
         return None
 
-    async def run_whole(self, fn: Callable[[], T], uid: int) -> T:
+    async def run_whole(self, fn: Callable[[], T], uid: int, members: Iterable[int] = ()
+                        ) -> T:
         """`fn()` in a worker thread in `uid`'s turn, waited for whole: for calls that
         hand out what they open (descriptors), which must not be abandoned midway.
         `fn` makes its member calls through `guarded` and fails where one answers None,
-        so a hung member holds STALLED threads at most, and only the callers on it."""
-        async with self._turns.slot(uid):
+        and `members` names those it touches: a hung member holds PER_MEMBER threads
+        at most, and only the callers on it wait for it."""
+        async with self._on(members), self._turns.slot(uid):
             return await trio.to_thread.run_sync(fn, limiter=self._limiter)
 
 
@@ -91,7 +118,7 @@ class MemberSpace:
         async def ask(m: int) -> None:
             space = functools.partial(member_space, pool.members[m].path)
             answers[m] = await self.calls.run(functools.partial(self.calls.guarded, m, space),
-                                              uid)
+                                              uid, (m,))
 
         async with trio.open_nursery() as nursery:
             for m in pool.members:

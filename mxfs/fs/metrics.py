@@ -114,7 +114,7 @@ class Gauges:
             if self.token is not None and time.monotonic() - self._at >= GAUGES_S:
                 try:
                     self._last = trio.from_thread.run(self.gather, trio_token=self.token)
-                except trio.RunFinishedError:  # (unmounting)
+                except (trio.RunFinishedError, trio.Cancelled):  # (unmounting)
                     self._last = []
                 self._at = time.monotonic()
             yield from self._last

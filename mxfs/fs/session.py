@@ -190,11 +190,11 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
         vol.release(ino)
 
 
-def cut_back(vol: Volume, pendings: list[Pending]) -> int:
+def cut_back(vol: Volume, pendings: list[Pending], commit: bool = False) -> int:
     """Blocking (a worker thread): cut chunk files of unpublished files that run past
     their writers' declared sizes back to them, marking those files refused; how many
     chunk files were cut.  A writer cannot be stopped, but the space it took past its
-    word is taken back."""
+    word is taken back (with `commit`, at once: the metadata member runs short)."""
     cut = 0
     for pending in pendings:
         node = pending.entry.node
@@ -202,8 +202,12 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
         for m in grown_chunks(vol, node, pending.declared):
             pending.overdrawn = True  # cut back or not, its commit is refused
             try:
-                cut_and_commit(vol.pool.chunk_path(m, node.ino),
-                               allowed_length(vol, node, m, pending.declared))
+                path = vol.pool.chunk_path(m, node.ino)
+                length = allowed_length(vol, node, m, pending.declared)
+                if commit:
+                    cut_and_commit(path, length)
+                else:
+                    os.truncate(path, length)
                 cut += 1
             except OSError:
                 pass
@@ -288,7 +292,7 @@ async def open_writers_off_loop(vol: Volume, entry: OpenInode, calls: MemberCall
             before()
         return chunk_writers(vol, entry.node, calls.guarded)
     try:
-        members, fds = await calls.run_whole(opened, uid)
+        members, fds = await calls.run_whole(opened, uid, vol.layout(entry.node).used_members())
     except BaseException:
         vol.release(entry.node.ino)
         raise

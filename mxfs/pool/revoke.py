@@ -164,6 +164,9 @@ class Held:
         except FileNotFoundError:
             self._let_go(dst)
             return False
+        except BaseException:  # (a member failing: kept where it was, counted no more)
+            self._let_go(dst)
+            raise
         if cut:
             set_immutable(dst, True)
         with self._lock:
