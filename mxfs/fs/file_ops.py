@@ -356,7 +356,7 @@ class FileOps:
         declared (the metadata member runs short), in a worker thread (a stat, a lease
         probe and a truncate a file: thousands of them, or one on a member that stopped
         answering, held the loop).  How many were cut."""
-        cut = await trio.to_thread.run_sync(cut_back, self.vol, self._all_pending(), True)
+        cut = await trio.to_thread.run_sync(cut_back, self.vol, self._all_pending())
         if cut:
             log.warning("metadata member short of space: cut %d chunk files of unpublished "
                         "files back to their declared sizes", cut)

@@ -190,11 +190,11 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
         vol.release(ino)
 
 
-def cut_back(vol: Volume, pendings: list[Pending], commit: bool = False) -> int:
+def cut_back(vol: Volume, pendings: list[Pending]) -> int:
     """Blocking (a worker thread): cut chunk files of unpublished files that run past
     their writers' declared sizes back to them, marking those files refused; how many
     chunk files were cut.  A writer cannot be stopped, but the space it took past its
-    word is taken back (with `commit`, at once: the metadata member runs short)."""
+    word is taken back (on the metadata member, at once: `Pool.cut`)."""
     cut = 0
     for pending in pendings:
         node = pending.entry.node
@@ -202,28 +202,12 @@ def cut_back(vol: Volume, pendings: list[Pending], commit: bool = False) -> int:
         for m in grown_chunks(vol, node, pending.declared):
             pending.overdrawn = True  # cut back or not, its commit is refused
             try:
-                path = vol.pool.chunk_path(m, node.ino)
-                length = allowed_length(vol, node, m, pending.declared)
-                if commit:
-                    cut_and_commit(path, length)
-                else:
-                    os.truncate(path, length)
+                vol.pool.cut(m, vol.pool.chunk_path(m, node.ino),
+                             allowed_length(vol, node, m, pending.declared))
                 cut += 1
             except OSError:
                 pass
     return cut
-
-
-def cut_and_commit(path: str, length: int) -> None:
-    """Blocking: cut `path` to `length`, and have its file system commit the cut: ext4
-    gives freed blocks back only once its journal commits (up to 5 s later), and a
-    full metadata member refused names meanwhile though the space was taken back."""
-    os.truncate(path, length)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def trim_reserved(vol: Volume, node: Inode, declared: int) -> int:

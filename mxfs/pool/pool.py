@@ -724,9 +724,24 @@ class Pool:
         cannot keep the space; nobody else ever held them."""
         for m in self.local_members():
             try:
-                os.truncate(self.chunk_path(m, ino), 0)
+                self.cut(m, self.chunk_path(m, ino), 0)
             except FileNotFoundError:
                 pass
+
+    def cut(self, member: int, path: str, length: int) -> None:
+        """Blocking: cut `path`, a chunk file on `member`, to `length`; on the metadata
+        member the cut is committed at once (fsync): ext4 gives freed blocks back only
+        when its journal commits, up to 5 s later, and a full metadata member refused
+        names meanwhile though the space had been taken back."""
+        os.truncate(path, length)
+        if member == self.meta_member and not self.meta_url:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if os.fstat(fd).st_blocks * 512 > length + (1 << 20):
+                    os.truncate(path, length)  # (blocks kept past the end: freed again)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def truncate_chunks(self, ino: int, layout: Layout, size: int, far: bool = True
                         ) -> None:
@@ -796,7 +811,10 @@ class Pool:
             return
         at, free, since = self._meta_room
         now = time.monotonic()
-        if now - at > META_MEASURE_S or since > META_MEASURE_BYTES:
+        if now - at > META_MEASURE_S or since > META_MEASURE_BYTES or \
+                free - max(since, self._meta_uncommitted) - nbytes < META_GROWTH_FLOOR:
+            # (measured afresh before a refusal: space freed since the last measure,
+            # a cut or an unlink, must not be refused for the next tenth of a second)
             st = os.statvfs(self.members[self.meta_member].path)
             at, free, since = now, st.f_bavail * st.f_frsize, 0
         if free - max(since, self._meta_uncommitted) - nbytes < META_GROWTH_FLOOR:

@@ -156,7 +156,7 @@ class Held:
             if not cut and not self._keep(dst + _READ_MARK, owner, _blocks(src)):
                 cut = True  # (past what its owner may keep readable)
             if cut:
-                os.truncate(src, 0)
+                self.pool.cut(m, src, 0)
             else:
                 dst += _READ_MARK
             os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
