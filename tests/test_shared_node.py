@@ -1025,37 +1025,49 @@ def _pins(kv: Any, keys: list[str]) -> bool:
         return False
 
 
+def _daemon_counts(m: Mounted) -> dict[str, int]:
+    """What the daemon holds open and has still to free (for a failure's message)."""
+    with ControlClient(str(m.path)) as c:
+        st = c.stat()
+    return {"open_files": st["open_files"], "orphans_queued": st["orphans_queued"]}
+
+
 def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
-        pool: Mounted) -> None:
+        tmp_path: Path) -> None:
     """The chunk-file descriptors `open_read` hands out kept a removed file's space for
     as long as their holder liked, released from its owner's quota meanwhile.  Now
     they go aside with the file, still readable for READ_GRACE_S (reads in flight
     finish), then are cut to nothing, and removed once nobody holds them."""
     from mxfs.pool.revoke import HELD_DIR, READ_GRACE_S
 
-    def held() -> list[str]:  # (this file's: the module's other tests hold their own)
-        folders = [os.path.join(m, "chunks", HELD_DIR) for m in pool.members]
-        return [n for f in folders if os.path.isdir(f) for n in os.listdir(f)
-                if n.startswith(f"{ino}.")]
+    members = make_members(tmp_path)  # (its own: the module's pool frees what its
+    mkfs(members)  # other tests removed, in order, before this file)
+    with mounted_pool(members) as pool:
 
-    path = pool.path / "read-then-removed"
-    data = os.urandom(8 << 20)
-    path.write_bytes(data)
-    ino = path.stat().st_ino
-    with ControlClient(str(pool.path)) as c:
-        _, fds = c.call_with_fds("open_read", path=c.pool_path(str(path)))
-    try:
-        path.unlink()
-        assert eventually(lambda: len(held()) >= 4), (  # (the file's bytes on every member)
-            held(), [m for m in pool.members
-                     if os.path.exists(f"{m}/chunks/{ino % 256:02x}/{ino}")])
-        assert sum(os.fstat(fd).st_size for fd in fds) >= len(data) // 2  # (still there)
-        assert eventually(lambda: all(os.fstat(fd).st_blocks == 0 for fd in fds),
-                          timeout=READ_GRACE_S + 30)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    assert eventually(lambda: not held())
+        def held() -> list[str]:  # (this file's)
+            folders = [os.path.join(m, "chunks", HELD_DIR) for m in pool.members]
+            return [n for f in folders if os.path.isdir(f) for n in os.listdir(f)
+                    if n.startswith(f"{ino}.")]
+
+        path = pool.path / "read-then-removed"
+        data = os.urandom(8 << 20)
+        path.write_bytes(data)
+        ino = path.stat().st_ino
+        with ControlClient(str(pool.path)) as c:
+            _, fds = c.call_with_fds("open_read", path=c.pool_path(str(path)))
+        try:
+            path.unlink()
+            assert eventually(lambda: len(held()) >= 4), (  # (the file's bytes on every member)
+                held(), [m for m in pool.members
+                         if os.path.exists(f"{m}/chunks/{ino % 256:02x}/{ino}")],
+                _daemon_counts(pool))
+            assert sum(os.fstat(fd).st_size for fd in fds) >= len(data) // 2  # (still there)
+            assert eventually(lambda: all(os.fstat(fd).st_blocks == 0 for fd in fds),
+                              timeout=READ_GRACE_S + 30)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert eventually(lambda: not held())
 
 
 def _alices_file_lent_to_bob(pool: Mounted, name: str,

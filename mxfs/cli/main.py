@@ -206,7 +206,9 @@ def _format_status(s: dict[str, Any]) -> str:
         else "not mounted"
     lines = [f"pool {s['pool_uuid']} {s.get('label') or ''}".rstrip() + f": {where}",
              f"  stripe unit {format_size(s['stripe_unit'])}"
-             + (f", {s['inodes']} inodes, {s['open_files']} open" if "inodes" in s else "")]
+             + (f", {s['inodes']} inodes, {s['open_files']} open" if "inodes" in s else "")
+             + (f", {s['orphans_queued']} removed being freed" if s.get("orphans_queued")
+                else "")]
     if "io_engine" in s:
         lines.append(f"  I/O engine: {s['io_engine']} ({s['native_engine']})")
         if s.get("io_taken_back"):

@@ -237,6 +237,7 @@ class StatReply(TypedDict):
     members: list[MemberUsage]
     inodes: int
     open_files: int
+    orphans_queued: int  # removed files no longer open, their space still to be freed
     io_engine: str
     native_engine: str
     io_taken_back: int
