@@ -284,12 +284,21 @@ def writer_past_declared(m: Mounted) -> None:
         assert eventually(lambda: os.path.getsize(chunk) <= 1 << 20, timeout=30)
         hog.stdin.write("\n")
         hog.stdin.flush()
-        # With member 0 full, the metadata store still commits changes that free space.
+        # With member 0 full, the metadata store still commits changes that free space,
+        # and names are taken again once the cut's space is back: at once, mostly, but
+        # ext4 sometimes keeps a cut file's blocks a moment after its truncate and fsync
+        # (seen in CI: the chunk file cut to 4 KiB still holding 45 MiB).
         (m.path / "keep").unlink()
-        try:
-            (m.path / "newdir").mkdir()
-        except OSError as e:  # (seen once in CI: what held member 0 then)
-            raise AssertionError(f"{e}: member 0 {_space(m.members[0])}") from e
+
+        def made() -> bool:
+            try:
+                (m.path / "newdir").mkdir()
+                return True
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                return False
+        assert eventually(made, timeout=15), f"member 0 {_space(m.members[0])}"
         assert json.loads(hog.stdout.readline()) == {"commit": errno.EFBIG}
         ok = eventually(lambda: os.statvfs(m.members[0]).f_bavail >= free0 - 256)
         assert ok, (free0, os.statvfs(m.members[0]).f_bavail, os.listdir(m.members[0] + "/meta"))
