@@ -3,8 +3,12 @@ come back is left out of new ones until it does; a busy member is not."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+
+import trio
+import trio.testing
 
 from mxfs.fs import member_calls
 from mxfs.fs.member_calls import MemberCalls
@@ -32,3 +36,32 @@ def test_a_member_is_left_out_while_a_call_hangs_and_back_once_it_returns() -> N
         release.set()
         stuck.join(10)
     assert calls.guarded(0, lambda: "again") == "again"  # back once it came back
+
+
+def test_one_users_slow_calls_on_a_member_leave_another_a_place_on_it() -> None:
+    """A member's places go by uid in turn: alice's six slow calls on member 0 hold 3
+    of its 4 and wait for each other, and bob's call runs while all of hers are still
+    out (first come, first served, hers took all 4 and his waited behind them)."""
+    calls = MemberCalls(1)
+    release, order = threading.Event(), []
+
+    def slow(who: str) -> str:
+        order.append(who)
+        release.wait(30)
+        return who
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):
+                nursery.start_soon(calls.run_whole, functools.partial(slow, "alice"),
+                                   1001, (0,))
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.fail_after(20):
+                while len(order) < member_calls.PER_MEMBER * 3 // 4:
+                    await trio.sleep(0.01)
+            assert await calls.run_whole(lambda: "bob", 1002, (0,)) == "bob"
+            assert order == ["alice"] * 3  # (all of hers still out, the rest waiting)
+            release.set()
+        assert order == ["alice"] * 6
+
+    trio.run(main)

@@ -11,7 +11,9 @@ answered without those that did not come back.  A call that names the members it
 touches waits (on the loop, holding no thread) until each has fewer than PER_MEMBER
 such calls in flight: within the first second of a hang the guard still lets calls
 in, and a steady stream of gets took all the threads, every user's calls then
-waiting behind one member.
+waiting behind one member.  Those places too are handed out by uid in turn, one uid
+holding 3 of a member's 4 at most: one user's slow calls on a member do not keep
+another's out of it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class MemberCalls:
         self._lock = threading.Lock()
         self._since: list[dict[int, float]] = [{} for _ in range(members)]  # in flight
         self._tokens = itertools.count()
-        self._per_member = [trio.CapacityLimiter(PER_MEMBER) for _ in range(members)]
+        self._per_member = [RoundRobin(PER_MEMBER, PER_MEMBER * 3 // 4)
+                            for _ in range(members)]
 
     def guarded(self, member: int, fn: Callable[[], T]) -> T | None:
         """(Worker thread.) `fn()`, a call into `member`'s filesystem; None if the member
@@ -69,17 +72,17 @@ class MemberCalls:
                 del calls[token]
 
     @contextlib.asynccontextmanager
-    async def _on(self, members: Iterable[int]) -> AsyncIterator[None]:
-        """A place among each of `members`' PER_MEMBER calls (taken in order: no two
-        callers wait on each other); EIO for a member with no place free in
-        PLACE_WAIT_S (its calls in flight have not come back)."""
+    async def _on(self, members: Iterable[int], uid: int) -> AsyncIterator[None]:
+        """A place among each of `members`' PER_MEMBER calls, in `uid`'s turn (taken in
+        order: no two callers wait on each other); EIO for a member with no place
+        free in PLACE_WAIT_S (its calls in flight have not come back)."""
         async with contextlib.AsyncExitStack() as places:
             for m in sorted(set(members)):
                 with trio.move_on_after(PLACE_WAIT_S) as waited:
-                    await places.enter_async_context(self._per_member[m])
+                    await places.enter_async_context(self._per_member[m].slot(uid))
                 if waited.cancelled_caught:
-                    raise NotAnswering(errno.EIO, f"member {m} is not answering: "
-                                       f"{PER_MEMBER} calls into it have not come back")
+                    raise NotAnswering(errno.EIO, f"member {m} is not answering: its "
+                                       f"calls have not come back in {PLACE_WAIT_S:.0f} s")
             yield
 
     async def run(self, fn: Callable[[], T], uid: int, members: Iterable[int] = ()
@@ -88,7 +91,7 @@ class MemberCalls:
         `guarded`; `members`: those it touches); None if it did not end (a place and a
         thread found for it first) within WAIT_S."""
         with trio.move_on_after(WAIT_S):
-            async with self._on(members), self._turns.slot(uid):
+            async with self._on(members, uid), self._turns.slot(uid):
                 return await trio.to_thread.run_sync(fn, limiter=self._limiter,
                                                      abandon_on_cancel=True)
         return None
@@ -100,7 +103,7 @@ class MemberCalls:
         `fn` makes its member calls through `guarded` and fails where one answers None,
         and `members` names those it touches: a hung member holds PER_MEMBER threads
         at most, and only the callers on it wait for it."""
-        async with self._on(members), self._turns.slot(uid):
+        async with self._on(members, uid), self._turns.slot(uid):
             return await trio.to_thread.run_sync(fn, limiter=self._limiter)
 
 
