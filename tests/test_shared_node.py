@@ -645,11 +645,29 @@ def _first_member(m: Mounted, path: Path) -> int:
         return int(c.layout(str(path))["layout"]["first_member"])
 
 
-def _as(user: Any, script: str, *args: str) -> subprocess.Popen[str]:
+def _as(user: Any, script: str, *args: str, stderr: int | None = None
+        ) -> subprocess.Popen[str]:
     """`script` (after users.PRELUDE) run as `user` in the background, stdout piped."""
     code = PRELUDE.format(uid=user.uid, gid=user.gid, groups=tuple(user.groups)) + script
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                            text=True)
+                            stderr=stderr, text=True)
+
+
+@contextlib.contextmanager
+def _as_with_flags(user: Any, script: str, *args: str
+                   ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """`script` run as `user` (`_as`, stderr piped too), given after `args` a folder
+    anyone may write, where the test and the script leave each other flags (files);
+    killed at the end.  (Not under tmp_path: another user may not walk it.)"""
+    flags = Path(tempfile.mkdtemp(prefix="mxfs-flags-"))
+    flags.chmod(0o777)
+    proc = _as(user, script, *args, str(flags), stderr=subprocess.PIPE)
+    try:
+        yield proc, flags
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+        shutil.rmtree(flags, ignore_errors=True)
 
 
 @pytest.mark.unit
@@ -1167,13 +1185,7 @@ def test_an_open_read_racing_a_chmod_gets_no_descriptor_of_the_renewed_files(
     path.write_bytes(b"public " * ((64 << 20) // 7))  # (on every member: a long renew)
     os.chown(path, alice.uid, alice.gid)
     path.chmod(0o644)
-    flags = Path(tempfile.mkdtemp(prefix="mxfs-race-"))  # (bob may not walk tmp_path)
-    flags.chmod(0o777)
-    code = PRELUDE.format(uid=bob.uid, gid=bob.gid, groups=tuple(bob.groups)) + \
-        "import time\n" + OPENS_KEPT
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path), str(flags)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _as_with_flags(bob, "import time\n" + OPENS_KEPT, str(path)) as (proc, flags):
         assert eventually(lambda: (flags / "began").exists(), timeout=60)
         time.sleep(0.3)
         path.chmod(0o600)  # (alice's right: root does what she would)
@@ -1185,9 +1197,6 @@ def test_an_open_read_racing_a_chmod_gets_no_descriptor_of_the_renewed_files(
             os.fsync(f.fileno())
         (flags / "written").touch()
         out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        shutil.rmtree(flags, ignore_errors=True)
     assert proc.returncode == 0, err
     got = json.loads(out)
     assert got["kept"] > 0 and got["leaked"] == 0, got
@@ -1269,13 +1278,7 @@ def test_files_kept_for_their_readers_count_as_their_owners(tmp_path: Path) -> N
         folder.mkdir()
         os.chown(folder, alice.uid, alice.gid)
         mxfs("quota", "--user", "mxfs-alice", "--bytes", "24MiB", str(m.path))
-        flags = Path(tempfile.mkdtemp(prefix="mxfs-lends-"))
-        flags.chmod(0o777)
-        code = PRELUDE.format(uid=alice.uid, gid=alice.gid, groups=tuple(alice.groups)) + \
-            ALICE_LENDS
-        proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(flags)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
+        with _as_with_flags(alice, ALICE_LENDS, str(folder)) as (proc, flags):
             assert proc.stdout is not None
             line = proc.stdout.readline()
             assert line, proc.stderr.read() if proc.stderr else ""
@@ -1296,12 +1299,6 @@ def test_files_kept_for_their_readers_count_as_their_owners(tmp_path: Path) -> N
             assert eventually(lambda: not any(held(ino) for ino in inos))
             (flags / "let-go").touch()
             assert json.loads(proc.stdout.readline()) == {"after": "ok"}
-        finally:
-            (flags / "held").touch()
-            (flags / "let-go").touch()
-            proc.kill()
-            proc.wait(timeout=60)
-            shutil.rmtree(flags, ignore_errors=True)
 
 
 PUTS_AT_ONCE = """
@@ -1371,23 +1368,15 @@ def test_one_users_open_files_leave_the_daemon_descriptors_for_others(tmp_path: 
         for i in range(30):
             (folder / f"f{i}").write_bytes(b"x" * 4096)
         os.chown(folder, alice.uid, alice.gid)
-        flags = Path(tempfile.mkdtemp(prefix="mxfs-open-"))
-        flags.chmod(0o777)
-        code = PRELUDE.format(uid=alice.uid, gid=alice.gid, groups=tuple(alice.groups)) + \
-            HOLD_OPEN
-        proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(flags)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
+        with _as_with_flags(alice, HOLD_OPEN, str(folder)) as (proc, flags):
             assert proc.stdout is not None
             held = json.loads(proc.stdout.readline())
             assert held == {"held": 20, "refused": 10}
             got = run_as(bob, "print(json.dumps(open(sys.argv[1], 'rb').read(4).decode()))",
                          str(folder / "f29"))
             assert got == "xxxx"  # (bob's open, while alice holds her twenty)
-        finally:
             (flags / "done").touch()
             proc.wait(timeout=60)
-            shutil.rmtree(flags, ignore_errors=True)
         assert (folder / "f29").read_bytes()[:4] == b"xxxx"
 
 
