@@ -167,3 +167,24 @@ def test_removed_files_xattrs_are_freed_a_bite_a_round(vol: Volume,
         vol.drop_inodes(taken)
     assert [len(r) for r in rounds] == [2, 2, 1] and sum(rounds, []) == inos
     assert all(store.getxattr(ino, b"user.v") is None for ino in inos)
+
+
+def test_removed_files_are_freed_by_owner_in_turn(vol: Volume) -> None:
+    """One user's mass removal does not hold another's removed files behind it: alice's
+    1,500 removed files and then bob's one, and bob's is freed in the first round (of
+    512) with hers spread over the rounds (first come, first served: the third)."""
+    store, bob = vol.store, ALICE + 1
+    for i in range(1500):
+        store.create(ROOT_INO, b"a%d" % i, stat.S_IFREG | 0o644, ALICE, ALICE,
+                     layout_for=vol.pick_layout)
+        vol.unlinked(store.unlink(ROOT_INO, b"a%d" % i))
+    bobs = store.create(ROOT_INO, b"b", stat.S_IFREG | 0o644, bob, bob,
+                        layout_for=vol.pick_layout).ino
+    vol.unlinked(store.unlink(ROOT_INO, b"b"))
+    rounds = []
+    while taken := vol.take_pending(512):
+        rounds.append(taken)
+        vol.remove_chunks(taken)
+        vol.drop_inodes(taken)
+    assert bobs in rounds[0], [bobs in r for r in rounds]
+    assert sum(map(len, rounds)) == 1501 and not store.orphans()

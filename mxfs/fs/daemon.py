@@ -379,7 +379,7 @@ class Daemon:
                         mark = await marks.run(_feed_mark) if inos and vol.reader_epochs \
                             else None
                     except BaseException:
-                        vol.pending_reclaim[:0] = inos  # (freed after the next round)
+                        vol.pending_reclaim.put_back(inos)  # (freed after the next round)
                         raise
                     inos = vol.past_nodes(inos, mark)
                 if inos:

@@ -37,6 +37,7 @@ from mxfs.pool.revoke import Held
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.node_holds import STALL_S, NodeHolds
 from mxfs.vol.quota import Freeing, Quotas
+from mxfs.vol.reclaim_queue import ReclaimQueue
 from mxfs.vol.spares import Spares
 from mxfs.vol.tenants import tenant_of
 
@@ -75,8 +76,8 @@ class Volume:
         store.on_settled = pool.meta_committed
         self.open_inodes: dict[int, OpenInode] = {}
         store.held = self.open_inodes.__contains__  # (their objects stay the store's)
-        # Orphans no longer open, freed in batches by reclaim_pending (after a commit).
-        self.pending_reclaim: list[int] = []
+        # Orphans no longer open, freed in bites by owner in turn (after a commit).
+        self.pending_reclaim = ReclaimQueue()
         self._far_pending: dict[int, list[int]] = {}  # ... their other nodes' members
         self.freeing = Freeing()  # what the queued orphans hold, by owner (for quotas)
         self.holds = NodeHolds()  # files other nodes' mounts hold open (the writer's)
@@ -487,7 +488,7 @@ class Volume:
             self.unlinked(node)
 
     def _queue_reclaim(self, node: Inode) -> None:
-        self.pending_reclaim.append(node.ino)
+        self.pending_reclaim.push(node.ino, node.uid)
         self.freeing.add(node)
 
     def reclaim(self, ino: int) -> None:
@@ -518,8 +519,7 @@ class Volume:
         only those the rows list, as the change that made one may be in a lost group.
         With `most`, at most that many (the daemon frees a removed namespace's 65,536
         chunks a round at a time, not in one stall)."""
-        cut = len(self.pending_reclaim) if most is None else most
-        inos, self.pending_reclaim = self.pending_reclaim[:cut], self.pending_reclaim[cut:]
+        inos = self.pending_reclaim.take(most)
         if inos:
             try:
                 self.store.commit()
@@ -527,7 +527,7 @@ class Volume:
                 sizes = self.store.engine.lengths("xattrs", "ino", ("name", "value"),
                                                   orphans)
             except OSError:
-                self.pending_reclaim = inos + self.pending_reclaim  # tried again next round
+                self.pending_reclaim.put_back(inos)  # tried again next round
                 raise
             self.freeing.drop(set(inos) - set(orphans))  # (their change was lost)
             inos = self._xattr_bite(orphans, sizes)
@@ -545,7 +545,7 @@ class Volume:
         for n, ino in enumerate(inos):
             total += sizes.get(ino, 0)
             if total > XATTR_BITE and n:
-                self.pending_reclaim[:0] = inos[n:]
+                self.pending_reclaim.put_back(inos[n:])
                 return inos[:n]
         return inos
 
@@ -777,7 +777,7 @@ class Volume:
         for entry in list(self.open_inodes.values()):
             entry.count = 1
             self.release(entry.node.ino)
-        self.pending_reclaim += self.spares.close()
+        self.pending_reclaim.push_all(self.spares.close(), 0)
         if not self.reader_epochs:  # (else nodes may hold some: the next mount frees them)
             self.reclaim_pending()
         self.store.flush_all()
