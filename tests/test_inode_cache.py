@@ -188,3 +188,31 @@ def test_removed_files_are_freed_by_owner_in_turn(vol: Volume) -> None:
         vol.drop_inodes(taken)
     assert bobs in rounds[0], [bobs in r for r in rounds]
     assert sum(map(len, rounds)) == 1501 and not store.orphans()
+
+
+def test_a_failed_rename_into_a_deep_tree_keeps_the_ancestry_it_read(
+        vol: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sole writer's parents read from rows stand when the change reading them
+    fails for a name (EEXIST): a tenant's failing renames into a 1,000-deep tree read
+    every level's row, each (2 ms of the daemon's thread here, a round trip a level
+    on a PostgreSQL writer), and so did the next rename of anyone's."""
+    import errno
+
+    store = vol.store
+    store.sole_writer(True)
+    deep = ROOT_INO
+    for i in range(50):
+        deep = store.create(deep, b"d%d" % i, stat.S_IFDIR | 0o755, 0, 0).ino
+    store.create(deep, b"x", stat.S_IFREG | 0o644, 0, 0, layout_for=vol.pick_layout)
+    store.create(ROOT_INO, b"a", stat.S_IFDIR | 0o755, 0, 0)
+    store.sole_writer(True)  # (the cache starts again: the walk reads the rows once)
+    asked = []  # (the rows of parents read)
+    get = store.engine.get
+    monkeypatch.setattr(store.engine, "get", lambda table, where, cols: asked.append(
+        cols == ("parent",)) or get(table, where, cols))
+    for _ in range(3):
+        with pytest.raises(OSError) as e:
+            store.rename(ROOT_INO, b"a", deep, b"x", noreplace=True)
+        assert e.value.errno == errno.EEXIST
+    store.rename(ROOT_INO, b"a", deep, b"y")
+    assert sum(asked) == 50, sum(asked)  # (each level once, not once a rename)

@@ -13,6 +13,8 @@ says (`MetaStore` writes entries with `expect`), so a stale answer is never acte
 
 from __future__ import annotations
 
+import errno
+
 # Names cached, at most (past it the cache starts again).
 LIMIT = 200_000
 
@@ -102,14 +104,26 @@ class SoleCache:
             self._parents_read.append(ino)
         return parent
 
-    def drop_read(self) -> None:
-        """The change that failed is run again on fresh reads: the parents it read
-        here go too (another writer may have moved them: a stale chain said EINVAL)."""
-        for ino in self._parents_read:
-            self.parents.pop(ino, None)
+    def drop_read(self, errno_: int) -> None:
+        """The change that failed (`errno_`) is run again on fresh reads: the parents
+        it read here go too if a stale chain may have been what failed it (EINVAL: a
+        loop); a failure of a name (EEXIST, ENOTEMPTY, ...) keeps them, or each such
+        rename into a deep tree read every level again."""
+        if errno_ == errno.EINVAL:
+            for ino in self._parents_read:
+                self.parents.pop(ino, None)
+
+    def learn_parent(self, ino: int, parent: int) -> None:
+        """A directory's parent read from its row: kept whether or not the change
+        reading it stands (it changed nothing)."""
+        if self.on:
+            if len(self.parents) >= LIMIT:
+                self.parents.clear()
+            self.parents[ino] = parent
 
     def set_parent(self, ino: int, parent: int | None) -> None:
-        """A directory's parent now (None: it is gone)."""
+        """A directory's parent now (None: it is gone), as the change running sets it
+        (dropped if the change fails)."""
         if not self.on:
             return
         self._parents_used.append(ino)

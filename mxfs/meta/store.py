@@ -162,7 +162,7 @@ class MetaStore:
             except OSError as e:
                 if not self._sole.hit or e.errno == errno.ELOOP:  # (a walk too deep is
                     raise  # as deep read afresh: it ran twice, from memory, then rows)
-                self._sole.drop_read()
+                self._sole.drop_read(e.errno or 0)
                 self._sole.begin()  # its cached answers are dropped: fresh reads now
                 result = self.engine.txn(fn, undo=self._undo_memory)
             self._group_journal += self._journal
@@ -436,7 +436,7 @@ class MetaStore:
         row = self.engine.get("dentries", {"ino": dir_ino}, ("parent",))
         if row is None:
             raise fail(errno.ENOENT)
-        self._sole.set_parent(dir_ino, int(row[0]))
+        self._sole.learn_parent(dir_ino, int(row[0]))
         return int(row[0])
 
     def sole_writer(self, on: bool) -> None:
