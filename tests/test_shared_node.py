@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,7 @@ from conftest import (
 from users import PRELUDE, ensure_users, run_as, subordinate_uids
 
 from mxfs.client import ControlClient
-from mxfs.fs.foreign_fds import Closer
+from mxfs.fs.foreign_fds import Dropper, carries_rights, take
 from mxfs.proto import HEADER, encode
 from mxfs.proto.framing import recv_message
 
@@ -116,9 +117,9 @@ def test_descriptors_sent_where_the_kernel_passes_them_hang_nobody(tmp_path: Pat
     """Kernels before 6.16 pass descriptors to the daemon whatever it says; one that
     names a file on this mount, closed on the daemon's thread, hangs the mount for
     every user (its close waits on a FLUSH only that thread could answer).  Sent with
-    the header, with the payload's bytes, past the room a read leaves for them, or
-    left unread when the connection ends: each goes to the closer, and a connection
-    that sends some is closed.  (MXFS_PASS_RIGHTS=1: this kernel's older path.)"""
+    the header, with the payload's bytes, 253 at once, or left unread when the
+    connection ends: none is taken, the connection is closed, its socket dropped by a
+    process of its own.  (MXFS_PASS_RIGHTS=1: this kernel's older path.)"""
     members = make_members(tmp_path)
     mkfs(members)
     with mount_with(members, prefix=["env", "MXFS_PASS_RIGHTS=1"]) as m:
@@ -161,19 +162,108 @@ def _send_rights(m: Mounted, victim: Path, msg: bytes) -> None:
         assert answers(m), f"the daemon hangs after descriptors sent with the {where}"
 
 
+@contextlib.contextmanager
+def _lingering_socket() -> Iterator[socket.socket]:
+    """A TCP socket whose last close waits an hour (SO_LINGER, and data its peer never
+    takes), until the peer closes at the end."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    cli = socket.socket()
+    cli.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    cli.connect(srv.getsockname())
+    peer, _ = srv.accept()
+    cli.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            cli.send(b"x" * 65536)
+    cli.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
+    try:
+        yield cli
+    finally:
+        peer.close()  # (its close ends the linger, wherever it waits)
+        srv.close()
+
+
+@pytest.mark.daemon_log(r"requests carry no descriptors")
+def test_a_close_that_never_ends_fills_nothing_of_the_daemons(tmp_path: Path) -> None:
+    """A descriptor whose last close waits (a lingering socket), sent first, then
+    thousands more: the daemon took each into its table and closed them in one
+    thread, where they queued behind the close that waited, and it went on reading
+    refused connections' descriptors (10,000 held in the test, 524,288 in a second
+    for a sender who keeps on).  It takes none now, and another user is served."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, prefix=["env", "MXFS_PASS_RIGHTS=1"]) as m:
+        pid = m.daemon_pid()
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        msg = encode({"op": "hello", "id": 1})
+        null = os.open("/dev/null", os.O_RDONLY)
+        with _lingering_socket() as lingering:
+            for n in range(41):
+                fds = [lingering.detach()] if n == 0 else [null] * 253
+                s = raw_socket(m, timeout=10)
+                try:
+                    s.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                       array.array("i", fds).tobytes())])
+                    if n == 0:
+                        os.close(fds[0])  # (the daemon's copy, if it took one, is the last)
+                    reply, _ = recv_message(s)
+                    assert not reply["ok"], reply  # (the request is refused)
+                finally:
+                    s.close()
+            held = len(os.listdir(f"/proc/{pid}/fd")) - before
+            bob = ensure_users()["bob"]
+            assert run_as(bob, "print(json.dumps(os.stat(sys.argv[1]).st_nlink))",
+                          str(m.path)) >= 2, "another user is not served"
+        os.close(null)
+        assert held < 64, f"the daemon holds {held} more descriptors than before"
+
+
 @pytest.mark.unit
-def test_descriptors_that_arrive_anyway_are_closed_off_the_callers_thread() -> None:
+def test_descriptors_sent_are_seen_never_taken_and_dropped_elsewhere() -> None:
+    """A read that meets descriptors says so and takes nothing (the process's table
+    stays as it was); a socket holding some, handed to the dropper, is closed by a
+    process of its own: the last reader of a pipe, sent in flight, goes with it."""
+    a, b = socket.socketpair()
     r, w = os.pipe()
-    Closer().close_all([r, w])
 
-    def closed(fd: int) -> bool:
-        try:
-            os.fstat(fd)
-        except OSError:
-            return True
-        return False
+    def table() -> int:
+        return len(os.listdir("/proc/self/fd"))
 
-    assert eventually(lambda: closed(r) and closed(w), timeout=5)
+    async def main() -> None:
+        conn = trio.socket.from_stdlib_socket(b)
+        a.sendall(b"plain")
+        assert await take(conn, 100) == (b"plain", False)
+        a.sendmsg([b"with"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                               array.array("i", [r] * 8).tobytes())])
+        before = table()
+        assert await take(conn, 100) == (b"", True)
+        assert table() == before and carries_rights(conn.fileno())
+        os.close(r)  # (the pipe's read ends are now those in flight)
+        dropper = Dropper()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dropper.run)
+            dropper.drop(conn.detach())
+            with trio.fail_after(30):
+                while dropper.dropped < 1:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+
+        def pipe_broken() -> bool:
+            try:
+                os.write(w, b"x")
+            except BrokenPipeError:
+                return True
+            return False
+        assert eventually(pipe_broken, timeout=10)
+    finally:
+        a.close()
+        os.close(w)
 
 
 def test_mkfs_force_refuses_the_members_of_a_mounted_pool(pool: Mounted) -> None:

@@ -27,12 +27,11 @@ import trio
 
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import Msg, check_request
-from mxfs.fs.foreign_fds import SCM_MAX_FD, Closer, refuse_rights
+from mxfs.fs.foreign_fds import Dropper, carries_rights, refuse_rights, take
 from mxfs.fs.inflight import park, unread_bytes
 from mxfs.fs.limits import Limits, fd_limit
 from mxfs.fs.session import Session
 from mxfs.proto import HEADER, MAX_VALUES, ProtocolError, decode_payload, encode, parse_header
-from mxfs.proto.framing import ancillary_space, fds_from_ancdata
 from mxfs.vol.access import Caller, supplementary_groups
 from mxfs.vol.mounts import ensure_runtime_dir
 from mxfs.vol.tenants import tenant_of
@@ -40,7 +39,6 @@ from mxfs.vol.tenants import tenant_of
 log = logging.getLogger("mxfs.control")
 # Refused connections answered at once (each holds a descriptor until its reply is taken).
 MAX_REFUSING = 64
-RIGHTS_SPACE = ancillary_space(SCM_MAX_FD)  # (all one message may carry: see foreign_fds)
 # Bytes one read of a connection takes: the requests a client sent without waiting.
 READ_AHEAD = 64 << 10
 
@@ -84,7 +82,7 @@ class Listener:
         self.sending: dict[int, dict[int, Session]] = {}
         self.refusing = 0  # refused connections being answered
         self.failures = FailureLog(log)
-        self.closer = Closer()  # descriptors clients sent anyway (kernels before 6.16)
+        self.dropper = Dropper()  # connections sent descriptors (kernels before 6.16)
         self.rights_refused = False  # ... or none can be sent (SO_PASSRIGHTS off)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -102,6 +100,8 @@ class Listener:
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
+                if not self.rights_refused:
+                    nursery.start_soon(self.dropper.run)
                 while True:
                     try:
                         conn, _ = await listener.accept()
@@ -117,18 +117,12 @@ class Listener:
             except FileNotFoundError:
                 pass
 
-    async def _take(self, conn: Any, n: int, tenant: int) -> tuple[bytes, bool]:
-        """Up to `n` bytes of `conn`, with room for whatever descriptors come with them
-        (never a plain recv: see foreign_fds), those handed to the closer; and whether
-        there were some."""
-        data, anc, _, _ = await conn.recvmsg(n, RIGHTS_SPACE)
-        fds = fds_from_ancdata(anc)
-        self.closer.close_all(fds, tenant)
-        return data, bool(fds)
-
-    async def _recv(self, conn: Any, n: int, tenant: int) -> bytes:
-        """Up to `n` bytes of a request; ProtocolError if descriptors came with them."""
-        data, sent_fds = await self._take(conn, n, tenant)
+    async def _recv(self, conn: Any, n: int) -> bytes:
+        """Up to `n` bytes of a request; ProtocolError if descriptors came with them
+        (left where they are: see foreign_fds)."""
+        if self.rights_refused:
+            return bytes(await conn.recv(n))
+        data, sent_fds = await take(conn, n)
         if sent_fds:
             raise ProtocolError("requests carry no descriptors")
         return data
@@ -148,9 +142,6 @@ class Listener:
             return OSError(errno.ENFILE, f"the daemon holds {total} control connections and "
                            f"{self.other_fds()} other descriptors, near its limit of "
                            f"{fd_limit()} (raise its LimitNOFILE); try again later")
-        if self.closer.stuck_for(tenant):
-            return OSError(errno.EAGAIN, f"descriptors uid {tenant} sent wait to be closed "
-                           "behind a close that does not end: no connection until it does")
         if tenant != 0 and self.conns[tenant] >= lim.max_conns_per_user:
             return OSError(errno.EMFILE, f"uid {tenant} holds {self.conns[tenant]} "
                            "control connections, the limit (mount option "
@@ -173,20 +164,18 @@ class Listener:
             try:
                 await self._admitted(conn, caller)
             finally:
-                with trio.CancelScope(shield=True):
-                    await self._let_go(conn, tenant_of(caller.uid))
+                self._let_go(conn)
 
-    async def _let_go(self, conn: Any, tenant: int) -> None:
-        """Before a connection closes, on a kernel that passes descriptors: what it
-        sent and was not read is taken, descriptors and all, for the closer (closed
-        with the socket they would be closed on this thread: see foreign_fds).  Shut
-        for reading first: nothing more can come, and a read ends at what is there."""
+    def _let_go(self, conn: Any) -> None:
+        """Before a connection closes, on a kernel that passes descriptors: if some it
+        sent wait unread, its socket goes to the dropper, not closed here (see
+        foreign_fds).  Shut for reading first: nothing more can come."""
         if self.rights_refused:
             return
         try:
             conn.shutdown(socket.SHUT_RD)
-            while any(await self._take(conn, 1 << 16, tenant)):
-                pass
+            if carries_rights(conn.fileno()):
+                self.dropper.drop(conn.detach())
         except OSError:
             return
 
@@ -199,7 +188,7 @@ class Listener:
             if self.refusing < MAX_REFUSING:  # past it, a flood is closed unanswered
                 self.refusing += 1
                 try:
-                    await self._close_with(conn, tenant, None, refusal.errno or errno.EAGAIN,
+                    await self._close_with(conn, None, refusal.errno or errno.EAGAIN,
                                            refusal.strerror or "refused")
                 finally:
                     self.refusing -= 1
@@ -243,16 +232,16 @@ class Listener:
                 data = None
                 with trio.move_on_after(math.inf if holds else lim.idle_timeout):
                     try:
-                        data = await self._recv(conn, READ_AHEAD, tenant)
+                        data = await self._recv(conn, READ_AHEAD)
                     except OSError:
                         return None
                 if not data:
                     return None  # closed, or idle too long
                 inbox += data
             with trio.fail_after(lim.frame_timeout):
-                await self._fill(conn, inbox, HEADER.size, tenant)
+                await self._fill(conn, inbox, HEADER.size)
                 _, _, length = parse_header(bytes(inbox[:HEADER.size]))
-                await self._fill(conn, inbox, HEADER.size + length, tenant)
+                await self._fill(conn, inbox, HEADER.size + length)
             raw = bytes(inbox[HEADER.size:HEADER.size + length])
             del inbox[:HEADER.size + length]
             # Parsed in the sender's turn: one user's connections, each sending a costly
@@ -271,10 +260,10 @@ class Listener:
             pass  # the peer went away mid-message
         return None
 
-    async def _fill(self, conn: Any, inbox: bytearray, want: int, tenant: int) -> None:
+    async def _fill(self, conn: Any, inbox: bytearray, want: int) -> None:
         """Read until `inbox` holds `want` bytes (ConnectionError if the peer closes)."""
         while len(inbox) < want:
-            data = await self._recv(conn, READ_AHEAD, tenant)
+            data = await self._recv(conn, READ_AHEAD)
             if not data:
                 raise ConnectionError("peer closed mid-message")
             inbox += data
@@ -353,23 +342,14 @@ class Listener:
 
     async def _refuse(self, conn: Any, caller: Caller, msg_id: Any, err: ProtocolError) -> None:
         self.failures.note("protocol", caller, err, trace=False)
-        await self._close_with(conn, tenant_of(caller.uid), msg_id, errno.EPROTO, str(err))
+        await self._close_with(conn, msg_id, errno.EPROTO, str(err))
 
-    async def _close_with(self, conn: Any, tenant: int, msg_id: Any, code: int, error: str
-                          ) -> None:
-        """Send one refusal, then close gracefully: unread input would turn our close
-        into a reset that destroys the reply before the peer reads it."""
+    async def _close_with(self, conn: Any, msg_id: Any, code: int, error: str) -> None:
+        """Send one refusal; the connection is closed after (a Unix socket's peer reads
+        what was sent before the close, read or not what it sent: nothing of its is
+        read here, see foreign_fds)."""
         with trio.move_on_after(self.limits.frame_timeout):
-            if not await self._send(conn, {"id": msg_id, "ok": False, "errno": code,
-                                           "error": error}):
-                return
-            try:
-                conn.shutdown(socket.SHUT_WR)
-                with trio.move_on_after(1):
-                    while any(await self._take(conn, 1 << 16, tenant)):
-                        pass
-            except OSError:
-                pass
+            await self._send(conn, {"id": msg_id, "ok": False, "errno": code, "error": error})
 
     async def _send(self, conn: Any, reply: dict[str, Any], fds: Sequence[int] = ()) -> bool:
         data = memoryview(encode(reply, len(fds)))
