@@ -77,7 +77,7 @@ from mxfs.proto.messages import (
 )
 from mxfs.proto.presence import HEADER_SIZE
 from mxfs.vol.access import R_OK, W_OK, Caller
-from mxfs.vol.kv_index import Chunk, KVIndex, Namespace, check_key, check_namespace
+from mxfs.vol.kv_index import VICTIMS, Chunk, KVIndex, Namespace, check_key, check_namespace
 from mxfs.vol.spares import ONE_MEMBER_MAX
 from mxfs.vol.volume import OpenInode, Volume
 
@@ -332,12 +332,19 @@ class KVOps:
 
     async def _evict(self, space: Namespace, target: int) -> int:
         """Evict down to `target` bytes a bite at a time (victims chosen EVICT_BITE at a
-        time too: a list of a million held the thread 0.4 s); how many chunks went."""
-        evicted = 0
+        time too: a list of a million held the thread 0.4 s); how many chunks went.
+        A walk that met only pinned chunks passed VICTIMS of them: the next goes on past
+        them, after others had their turn, until one round of the namespace is done."""
+        evicted, empty, share = 0, 0, Slice()
         while self.index.spaces.get(space.name) is space:
             victims = self.index.victims(space, target, EVICT_BITE)
             if not victims:
-                break
+                if not self.index.may_evict(space, target) \
+                        or empty > len(space.chunks) // VICTIMS:
+                    break
+                empty += 1
+                await share.due()
+                continue
             space.evictions += len(victims)
             before = space.used
             await self._drop_in_bites(victims)
