@@ -48,7 +48,7 @@ from conftest import (
 from netns import NodeNet
 from safetensors.torch import save_file
 from test_dcp import run_ranks
-from users import User, ensure_users, run_as
+from users import User, ensure_users, run_as, subordinate_uids
 
 import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
@@ -1015,6 +1015,68 @@ kv.put(b"b", b"bob")
 print(json.dumps(bytes(kv.get(b"b")).decode()))
 """, str(b.path))
         assert res == "bob"
+
+
+def test_a_users_subordinate_uids_share_her_kv_bounds_on_a_reading_node(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A reading node's memory a user holds (memfds her puts are written into, copies
+    her gets are lent) and the waits she holds there are bounded by user: her
+    subordinate uids (rootless containers) share her bounds, or each of 65,536 of them
+    had a user's own."""
+    url = pg_cluster.database()
+    alice = ensure_users()["alice"]
+    subs = subordinate_uids(alice)
+
+    def connect(uid: int) -> KVStore:
+        os.seteuid(uid)  # (SO_PEERCRED: as of connect)
+        try:
+            return KVStore(str(b.path), namespace="t", shared=True)
+        finally:
+            os.seteuid(0)
+
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members, "max_kv_lent_per_user=4194304") as b:
+        on_a = KVStore(str(a.path), namespace="t", mode=0o755)
+        large = os.urandom(3 << 20)
+        on_a.put(b"l" * 32, large)
+        stores = [connect(uid) for uid in subs[:8]]
+        # 3 MiB being written by one of her uids: another's 3 MiB is past her 4 MiB.
+        key = base64.b64encode(b"p" * 32).decode()
+        _, fds = stores[0].client.call_with_fds("kv_create", namespace="t", key=key,
+                                                size=3 << 20)
+        with pytest.raises(OSError) as e:
+            stores[1].client.call_with_fds("kv_create", namespace="t", key=key, size=3 << 20)
+        assert e.value.errno == errno.ENOSPC
+        for fd in fds:
+            os.close(fd)
+        stores[0].close()
+        assert eventually(lambda: _status(b)["kv_forward"]["writing"] == 0, 5)
+        # A copy of 3 MiB lent to one of her uids: another's copy is past her 4 MiB.
+        got = []
+        for kv in stores[1:3]:
+            reply, fds = kv.client.call_with_fds("kv_get", namespace="t", shared=True,
+                                                 keys=[base64.b64encode(b"l" * 32).decode()])
+            got.append(reply["chunks"][0] is not None)
+            for fd in fds:
+                os.close(fd)
+        assert got == [True, False]
+        # Of six waits of her uids, WAITERS_PER_USER (4) wait; the others are answered
+        # at once (not stored yet), the four once the key is put.
+        keys = [os.urandom(32)]
+        assert on_a.claim(keys, seconds=30) == ["yours"]
+        answers: list[bool] = []
+        waits = [threading.Thread(target=lambda kv=kv: answers.extend(kv.wait(keys, 20)))
+                 for kv in stores[2:8]]
+        for t in waits:
+            t.start()
+        assert eventually(lambda: len(answers) == 2, 15)
+        assert _status(b)["kv_forward"]["waiting"] == 4 and answers == [False, False]
+        on_a.batch_put(keys, [b"w" * 100])
+        for t in waits:
+            t.join(30)
+        assert answers == [False] * 2 + [True] * 4
+        for kv in [*stores[1:], on_a]:
+            kv.close()
 
 
 def test_kv_pins_on_a_reading_node_are_leases_on_the_writer(tmp_path: Path,

@@ -18,7 +18,8 @@ miss.
 A memfd's pages are this daemon's memory for as long as anyone holds the descriptor,
 so a copy is only lent: the daemon keeps a descriptor of it and cuts it to nothing
 LEND_S seconds later (it is sealed against writes and growth, not shrinking), and one
-uid has at most `max_kv_lent_per_user` bytes lent at once, each copy counted in whole
+user (her subordinate uids with her, `vol/tenants.py`) has at most
+`max_kv_lent_per_user` bytes lent at once, each copy counted in whole
 pages and one more (its descriptor and the kernel's own), and LENT_PER_USER copies
 (past either, a miss); a key asked for twice in one get is copied once.  A caller
 reads its copy at once; one that keeps it past LEND_S reads a short file, which its
@@ -121,7 +122,7 @@ class FollowerKV:
         self.lookups = StoreWorker(vol.pool.meta_location, wait_s=SERVE_WAIT_S)
         self.views = FollowerViews(  # `kv_view` here
             self.lookups, (limits.max_kv_views, limits.max_kv_views_per_user))
-        self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, uid, bytes)
+        self._lent: deque[tuple[float, int, int, int]] = deque()  # (until, fd, tenant, bytes)
         self.lent_by_uid: Counter[int] = Counter()
         self.copies_by_uid: Counter[int] = Counter()  # copies lent now
         self._copying: Counter[int] = Counter()  # bytes being copied for a uid now
@@ -201,7 +202,7 @@ class FollowerKV:
             raise OSError(errno.EOPNOTSUPP, f"node {self.vol.pool.node} leases KV chunks "
                           "on the writer: ask kv_pin")
         self.take_back()
-        uid = session.caller.uid
+        uid = session.tenant  # (what is lent is counted by user: `vol/tenants.py`)
         keys = keys_field(msg)
         sizes = sizes_field(msg, len(keys))
         space, looked = await self._lookup(msg, session, keys, chunks=True)

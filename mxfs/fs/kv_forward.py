@@ -11,7 +11,8 @@ daemon's, sealed against growing and shrinking (the caller's own descriptor writ
 it); at commit its bytes go to the writer with sendfile.  The control socket takes no
 descriptors, so nothing a caller holds is ever sent on.
 
-A memfd's pages are memory this node holds for the caller, so one uid has at most
+A memfd's pages are memory this node holds for the caller, so one user (her
+subordinate uids with her, `vol/tenants.py`) has at most
 `max_kv_lent_per_user` bytes of them at once (the limit of KV copies lent to it,
 `fs/kv_follow.py`), and each goes once its commit is answered or its connection
 closes.
@@ -21,7 +22,7 @@ connection of this node known there by 16 random bytes of its own, so instances 
 nodes that miss one prefix compute it once.  When the connection closes its claims
 are given up there (from a thread of its own: nobody waits for it); a node that dies
 leaves them to run out.  A wait holds a connection to the writer and a thread here,
-so it lasts WAIT_S at most, WAITERS wait at once, and one uid (but root) holds at most
+so it lasts WAIT_S at most, WAITERS wait at once, and one user (but root) holds at most
 WAITERS_PER_USER of them: past either, the wait is answered at once with what is
 stored and the instance computes the rest, so a tenant's waits cannot take every
 other tenant's.
@@ -107,7 +108,7 @@ class _Pending:
 
     fd: int
     size: int
-    uid: int
+    tenant: int  # whose bound it counts against (`vol/tenants.py`)
 
 
 class ForwardedKV:
@@ -126,8 +127,10 @@ class ForwardedKV:
         self._threads = trio.CapacityLimiter(SENDERS)  # (a slot of _senders holds one)
         self._handles = itertools.count(1)
         self._pending: dict[int, dict[int, _Pending]] = {}  # by id(session)
-        self.held_by_uid: Counter[int] = Counter()  # bytes of memfds, by caller
-        self.count_by_uid: Counter[int] = Counter()  # ... and how many
+        # Bytes of memfds, and how many, and waits, by caller's tenant (a user's
+        # subordinate uids are hers, `vol/tenants.py`: counted apart, each had her bounds).
+        self.held_by_uid: Counter[int] = Counter()
+        self.count_by_uid: Counter[int] = Counter()
         self._waiters = trio.CapacityLimiter(WAITERS)
         self.waiting_by_uid: Counter[int] = Counter()
         self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
@@ -168,7 +171,7 @@ class ForwardedKV:
         if size > MAX_KPUT:
             raise OSError(errno.EFBIG, f"a KV chunk put on a reading node is at most "
                           f"{MAX_KPUT} bytes")
-        uid, lim = session.caller.uid, self.limits
+        uid, lim = session.tenant, self.limits
         # Each is a descriptor of this daemon's, whatever its size: counted as the
         # writer counts unpublished files.
         if len(self._pending.get(id(session), {})) >= lim.max_pending:
@@ -244,7 +247,7 @@ class ForwardedKV:
     async def wait(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
         ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(WAIT_S * 1000))
         holder = self._holders.get(id(session), bytes(16))
-        uid = session.caller.uid
+        uid = session.tenant
         self.claims += 1
         if ms <= 0 or self._waiters.available_tokens == 0 or (  # as many as may hold
                 uid != 0 and self.waiting_by_uid[uid] >= WAITERS_PER_USER):  # connections
@@ -323,10 +326,10 @@ class ForwardedKV:
         if pending is None:
             return
         os.close(pending.fd)
-        self.held_by_uid[pending.uid] -= pending.size
-        self.count_by_uid[pending.uid] -= 1
-        if self.count_by_uid[pending.uid] <= 0:
-            del self.held_by_uid[pending.uid], self.count_by_uid[pending.uid]
+        self.held_by_uid[pending.tenant] -= pending.size
+        self.count_by_uid[pending.tenant] -= 1
+        if self.count_by_uid[pending.tenant] <= 0:
+            del self.held_by_uid[pending.tenant], self.count_by_uid[pending.tenant]
         if not self._pending.get(id(session), True):
             del self._pending[id(session)]
 
