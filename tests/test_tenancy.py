@@ -211,6 +211,20 @@ def test_nobody_sets_system_attributes_on_anothers_file(mounted: Mounted) -> Non
     assert os.listxattr(secret) == []
 
 
+def test_trusted_attributes_are_listed_to_root_alone(mounted: Mounted) -> None:
+    """The kernel refuses others a trusted.* attribute's value but lists them whatever
+    names a FUSE filesystem gives: their names are root's to know of, as on a disk."""
+    alice = ensure_users()["alice"]
+    shown = mounted.path / "shown"
+    shown.write_bytes(b"root's")
+    shown.chmod(0o644)
+    os.setxattr(shown, "trusted.origin", b"root's note")
+    os.setxattr(shown, "user.origin", b"anyone's")
+    got = run_as(alice, "print(json.dumps(sorted(os.listxattr(sys.argv[1]))))", str(shown))
+    assert got == ["user.origin"]
+    assert sorted(os.listxattr(shown)) == ["trusted.origin", "user.origin"]
+
+
 def test_kv_namespaces_have_owners_and_nobody_plants_chunks(mounted: Mounted) -> None:
     import json
 

@@ -942,10 +942,15 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        """The file's attribute names; trusted.* ones to root alone (the kernel lists to
+        others what a FUSE filesystem gives it, and they are root's to know of)."""
         def read(s: MetaStore) -> list[bytes]:
             s.get(inode)
             return s.listxattr(inode)
-        return await self._read_meta(ctx.uid, read)
+        names = await self._read_meta(ctx.uid, read)
+        if ctx.uid == 0:
+            return names
+        return [n for n in names if not n.startswith(b"trusted.")]
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
