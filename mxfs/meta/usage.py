@@ -39,10 +39,14 @@ class Usage:
         self.inodes: Counter[int] = Counter()
         self.xattrs: Counter[int] = Counter()  # bytes of xattr names and values
         self.names: Counter[int] = Counter()  # bytes of the uid's inodes' names, rows too
+        # Moves on whenever a uid starts or stops being counted: what `Quotas` groups by
+        # tenant (`vol/quota.py`) is grouped again then, not at every check.
+        self.generation = 0
 
     def recount(self, rows: Iterable[tuple[int, int, int, int, int]]) -> None:
         """Start again from (uid, mode, size, xattr bytes, name bytes) of every inode."""
         self.forget()
+        self.generation += 1
         for uid, mode, size, xattrs, names in rows:
             self.inodes[uid] += 1
             if sized(mode):
@@ -56,21 +60,27 @@ class Usage:
     def forget(self) -> None:
         """Memory and the rows parted (a lost group): count again at the next use."""
         self.counted = False
+        self.generation += 1
         self.bytes.clear()
         self.inodes.clear()
         self.xattrs.clear()
         self.names.clear()
 
     def add_xattrs(self, uid: int, delta: int) -> None:
-        _add(self.xattrs, uid, delta if self.counted else 0)
+        self._moved(_add(self.xattrs, uid, delta if self.counted else 0))
 
     def add_names(self, uid: int, delta: int) -> None:
-        _add(self.names, uid, delta if self.counted else 0)
+        self._moved(_add(self.names, uid, delta if self.counted else 0))
+
+    def _moved(self, keys_changed: bool) -> None:
+        if keys_changed:
+            self.generation += 1
 
     def add(self, uid: int, mode: int, size: int, sign: int = 1) -> None:
         """An inode born (sign 1) or gone for good (sign -1)."""
         if not self.counted:
             return
+        self._moved(uid not in self.inodes)
         self.inodes[uid] += sign
         if sized(mode):
             self.bytes[uid] += sign * size
@@ -90,14 +100,24 @@ class Usage:
         if not self.inodes[uid] and not self.bytes[uid]:
             del self.inodes[uid]
             del self.bytes[uid]
+            self.generation += 1
 
     def owned_bytes(self, uid: int) -> int:
         """What a byte quota counts: file and link sizes, xattrs and names."""
         return self.bytes[uid] + self.xattrs[uid] + self.names[uid]
 
+    def uids(self) -> set[int]:
+        """Every uid the tally counts anything of."""
+        return set(self.inodes) | set(self.bytes) | set(self.xattrs) | set(self.names)
 
-def _add(tally: Counter[int], uid: int, delta: int) -> None:
-    if delta:
-        tally[uid] += delta
-        if not tally[uid]:
-            del tally[uid]
+
+def _add(tally: Counter[int], uid: int, delta: int) -> bool:
+    """Add `delta` to `uid`'s count; whether `uid` started or stopped being counted."""
+    if not delta:
+        return False
+    new = uid not in tally
+    tally[uid] += delta
+    if not tally[uid]:
+        del tally[uid]
+        return not new
+    return new

@@ -26,6 +26,8 @@ class Tenants:
         # (range starts sorted, (start, end, owner) ranges): one tuple, replaced whole
         # (asked from worker threads while it is read again)
         self._table: tuple[list[int], list[tuple[int, int, int]]] = ([], [])
+        # Moves on after each new table: what was grouped by tenant is grouped again.
+        self.generation = 0
 
     def of(self, uid: int) -> int:
         """The uid whose limits `uid` shares: the user owning the subordinate range it
@@ -44,13 +46,16 @@ class Tenants:
         try:
             st = os.stat(self.path)
         except OSError:
-            self._stamp, self._table = None, ([], [])
+            if self._stamp is not None:
+                self._stamp, self._table = None, ([], [])
+                self.generation += 1
             return
         stamp = (st.st_mtime_ns, st.st_size)
         if stamp != self._stamp:
             ranges = _read(self.path)
             self._table = ([r[0] for r in ranges], ranges)
             self._stamp = stamp
+            self.generation += 1
 
 
 def _read(path: str) -> list[tuple[int, int, int]]:
