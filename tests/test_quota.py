@@ -7,12 +7,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Mounted, module_pool, mxfs, one_line_error
-from users import User, ensure_users, run_as
+from conftest import Mounted, eventually, module_pool, mxfs, one_line_error
+from users import User, ensure_users, run_as, subordinate_uids
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +253,59 @@ for t in threads:
 print(json.dumps(sorted(out, key=str)))
 """)
     assert made.count("ok") == 1 and made.count(errno.EDQUOT) == 15, made
+    quota(pool, "--user", alice.name, "--clear")
+
+
+FILL = """
+def fill(path, most, piece=64 << 10):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    wrote = 0
+    try:
+        while wrote < most:
+            wrote += os.write(fd, b"s" * piece)
+    except OSError as e:
+        return wrote, e.errno
+    finally:
+        os.close(fd)
+    return wrote, 0
+"""
+
+
+def test_a_users_subordinate_uids_share_her_quota(pool: Mounted) -> None:
+    """A user's subordinate uids (/etc/subuid: her rootless containers run as them) own
+    what she owns for her quota: counted apart, each of her 65,536 had the whole of it."""
+    alice = ensure_users()["alice"]
+    subs = subordinate_uids(alice)
+    d = empty_home_with_quota(pool, alice, "--bytes", "8MiB")
+    box = pool.path / "alice-container"  # (her container's root: her first subordinate uid)
+    shutil.rmtree(box, ignore_errors=True)
+    box.mkdir()
+    os.chown(box, subs[0], alice.gid)
+    box.chmod(0o777)
+    # (the daemon reads /etc/subuid again within a second of its change)
+    assert eventually(lambda: [r["uid"] for r in quota(pool, "--user", str(subs[1]))["users"]]
+                      == [alice.uid])
+    mine = run_as(alice, FILL + f"print(json.dumps(fill({str(d / 'a')!r}, 5 << 20)))")
+    assert mine == [5 << 20, 0]
+    container = User("sub", subs[0], alice.gid, (alice.gid,))
+    theirs = run_as(container, FILL + f"print(json.dumps(fill({str(box / 'b')!r}, 8 << 20)))")
+    assert theirs[1] == errno.EDQUOT and (2 << 20) <= theirs[0] <= 3 << 20
+    another = User("sub1", subs[1], alice.gid, (alice.gid,))
+    more = run_as(another, f"""
+def put():
+    with open({str(box / 'c')!r}, "wb") as f:
+        f.write(b"c" * 65536)
+print(json.dumps(attempt(put)))
+""")
+    assert more == errno.EDQUOT
+    line = line_of(quota(pool, "--user", alice.name), alice.uid)
+    assert (8 << 20) - (64 << 10) <= line["bytes"] <= 8 << 20
+    assert line_of(quota(pool, "--user", str(subs[0])), alice.uid) == line  # (hers)
+    assert not any(r["uid"] in subs for r in quota(pool)["users"])
+    refused = mxfs("quota", str(pool.path), "--user", str(subs[3]), "--bytes", "1GiB",
+                   check=False)
+    assert f"uid {alice.uid}" in one_line_error(refused)  # (hers holds for it)
+    shutil.rmtree(box)
     quota(pool, "--user", alice.name, "--clear")
 
 

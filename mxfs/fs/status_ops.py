@@ -36,6 +36,7 @@ from mxfs.proto.messages import (
     StatReply,
 )
 from mxfs.vol.quota import DEFAULT, NONE, Quota, Quotas
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
 
@@ -186,9 +187,10 @@ class StatusOps:
 
 
 def serve_quota(quotas: Quotas, msg: Msg, uid: int) -> QuotaReport:
-    """The `quota` request: show (a user sees its own line; root every uid, or the one
-    it names with "uid") or, for root, set.  Setting takes "uid" or "default", and
-    "bytes" and "inodes" (0 lifts a limit, an absent one is kept) or "clear"."""
+    """The `quota` request: show (a user sees her own line, her subordinate uids'
+    with hers: `vol/quota.py`; root every user's, or the one it names with "uid") or,
+    for root, set.  Setting takes "uid" or "default", and "bytes" and "inodes" (0 lifts
+    a limit, an absent one is kept) or "clear"; not a subordinate uid's (hers hold)."""
     if not bool_field(msg, "set"):
         if uid != 0:
             return {**quotas.report(uid)}
@@ -204,5 +206,9 @@ def serve_quota(quotas: Quotas, msg: Msg, uid: int) -> QuotaReport:
     old = quotas.limits.get(who, NONE)
     quota = NONE if bool_field(msg, "clear") else Quota(
         int_field(msg, "bytes", old.bytes), int_field(msg, "inodes", old.inodes))
+    if quota and who != DEFAULT and (tenant := tenant_of(int(who))) != int(who):
+        # (its user's holds for it: one of its own would never be looked at)
+        raise OSError(errno.EINVAL, f"uid {who} is a subordinate uid of uid {tenant} "
+                      "(/etc/subuid): her quota counts it; set hers")
     quotas.set(who, quota)
     return {**quotas.report(None if who == DEFAULT else int(who))}

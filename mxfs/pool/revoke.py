@@ -191,10 +191,11 @@ class Held:
                 if self.readable_by[kept[0]] <= 0:
                     del self.readable_by[kept[0]]
 
-    def readable_of(self, uid: int) -> int:
-        """Bytes of `uid`'s removed or renewed files kept for their readers (its quota
-        counts them)."""
-        return self.readable_by.get(uid, 0)
+    def readable_of(self, owners: Callable[[int], bool]) -> int:
+        """Bytes of removed or renewed files kept for their readers whose owner uid is
+        one of `owners` (a quota counts them: its tenant's uids)."""
+        with self._lock:
+            return sum(n for uid, n in self.readable_by.items() if owners(uid))
 
     def renew(self, ino: int, owner: int = 0) -> int:
         """Blocking: each of `ino`'s chunk files on this node's members replaced by a

@@ -1,16 +1,23 @@
-"""Per-user quotas: how many bytes and inodes a uid may own, enforced by the daemon.
+"""Per-user quotas: how many bytes and inodes a user may own, enforced by the daemon.
 
-Limits live in the metadata store's settings (`quota.UID`, and `quota.default` for
-every uid without one of its own), so they survive remounts and travel with dumps;
-`mxfs quota` sets them through the daemon.  What a uid owns is the store's tally
-(`meta/usage.py`: its inodes, its regular files' sizes, KV chunks among them, and its
-inodes' extended attributes)
-plus what its unpublished direct writes and KV chunks declared, and the shares of it
-reserved for nodes writing its files through their mounts (`reserved`:
-`fs/node_writes.Rooms`): a
-direct writer is charged its declared size when it creates the file, and its chunk
-files are cut back to that size (`fs/session.py`), so descriptors a writer holds
-cannot take it past its quota either.
+A quota is a tenant's (`vol/tenants.py`): it bounds what a user's uid and her
+subordinate uids (/etc/subuid: her rootless containers) own together.  Counted apart,
+each of her 65,536 uids had the whole quota, and a file her container's root gave to
+another of her uids left it.  Limits are looked up for the tenant: her own (`quota.UID`
+of her uid) in the metadata store's settings, else `quota.default`; a subordinate uid
+has none of its own (`mxfs quota` refuses to set one; one set before /etc/subuid gave
+the uid to a user is kept, not looked at).  They survive remounts and travel with
+dumps; `mxfs quota` sets them through the daemon and shows a line a tenant.
+
+What a tenant owns is the store's tally (`meta/usage.py`: its uids' inodes, their
+regular files' sizes, KV chunks among them, their inodes' extended attributes and
+names) plus what its unpublished direct writes and KV chunks declared, and the shares
+of it reserved for nodes writing its files through their mounts (`reserved`:
+`fs/node_writes.Rooms`): a direct writer is charged its declared size when it creates
+the file, and its chunk files are cut back to that size (`fs/session.py`), so
+descriptors a writer holds cannot take it past its quota either.  The tally is by uid:
+its uids are grouped by tenant again only when a uid starts or stops owning anything
+or /etc/subuid changes (`_uids`), so a check sums a few uids, not every owner's.
 
 Growth is checked where it happens: a create, a write or truncate past the end of a
 file (charged to the file's owner, as quotas are), a direct or KV create, a KV put.
@@ -28,9 +35,10 @@ from mxfs.meta import Inode, MetaStore
 from mxfs.meta.usage import NAME_ROW
 from mxfs.proto.messages import QuotaReport, QuotaRow
 from mxfs.units import format_size
+from mxfs.vol.tenants import TENANTS, tenant_of
 
 PREFIX = "quota."
-DEFAULT = "default"  # the limits of every uid without its own
+DEFAULT = "default"  # the limits of every tenant without its own
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ NONE = Quota()
 class Freeing:
     """Bytes and inodes, by owner, of orphans queued to be freed (no longer open; the
     daemon frees them within a round): kept as they are queued and dropped, so a quota
-    check that looks at them costs nothing however long the queue."""
+    check that looks at them goes through their owners, not the queue."""
 
     def __init__(self) -> None:
         self._queued: dict[int, tuple[int, int]] = {}  # ino -> (uid, bytes)
@@ -82,8 +90,13 @@ class Freeing:
             if not self.inodes[uid]:
                 del self.inodes[uid], self.bytes[uid]
 
-    def of(self, uid: int) -> tuple[int, int]:
-        return self.bytes[uid], self.inodes[uid]
+    def of(self, tenant: int) -> tuple[int, int]:
+        """Bytes and inodes queued of the uids of `tenant` (`vol/tenants.py`)."""
+        nbytes = inodes = 0
+        for uid, n in list(self.inodes.items()):
+            if tenant_of(uid) == tenant:
+                nbytes, inodes = nbytes + self.bytes[uid], inodes + n
+        return nbytes, inodes
 
     def owner(self, ino: int) -> int:
         """The uid owning queued orphan `ino` (0 if not queued)."""
@@ -92,16 +105,20 @@ class Freeing:
 
 class Quotas:
     def __init__(self, store: MetaStore,
-                 freeing: Callable[[int], tuple[int, int]] = lambda uid: (0, 0),
-                 held: Callable[[int], int] = lambda uid: 0) -> None:
+                 freeing: Callable[[int], tuple[int, int]] = lambda tenant: (0, 0),
+                 held: Callable[[int], int] = lambda tenant: 0) -> None:
         self.store = store
-        # Bytes and inodes of a uid's orphans that wait to be freed (reclaim runs every
+        # Bytes and inodes of a tenant's orphans that wait to be freed (reclaim runs every
         # few milliseconds): not held against it, so a write right after an unlink fits.
         self.freeing = freeing
-        # Bytes of a uid's removed or renewed files kept for their readers a while
+        # Bytes of a tenant's removed or renewed files kept for their readers a while
         # (`pool/revoke.py`): held against it.
         self.held = held
-        self.reserved: Counter[int] = Counter()  # declared by unpublished files, by uid
+        # Declared by unpublished files, by uid (released by the uid that reserved)
+        self.reserved: Counter[int] = Counter()
+        # The tally's uids by tenant, and the (tally, subuid file) generations they are of
+        self._groups: dict[int, list[int]] = {}
+        self._grouped: tuple[int, int] | None = None
         self.limits: dict[str, Quota] = {}
         for key, value in store.settings(PREFIX):
             try:
@@ -110,41 +127,68 @@ class Quotas:
                 continue  # (not one of ours: never written by `set`)
 
     def of(self, uid: int) -> Quota:
-        """The limits that hold for `uid`: its own, else the default."""
-        return self.limits.get(str(uid)) or self.limits.get(DEFAULT, NONE)
+        """The limits that hold for `uid`: its tenant's own, else the default."""
+        return self.limits.get(str(tenant_of(uid))) or self.limits.get(DEFAULT, NONE)
+
+    def _uids(self, tenant: int) -> list[int]:
+        """The uids the tally counts anything of that answer to `tenant`."""
+        usage = self.store.count_usage()
+        grouped = (usage.generation, TENANTS.generation)  # (read before grouping)
+        if grouped != self._grouped:
+            groups: dict[int, list[int]] = {}
+            for uid in usage.uids():
+                groups.setdefault(tenant_of(uid), []).append(uid)
+            self._groups, self._grouped = groups, grouped
+        return self._groups.get(tenant, [])
+
+    def owned(self, tenant: int) -> tuple[int, int]:
+        """Bytes (what a byte quota counts: `Usage.owned_bytes`) and inodes the tally
+        counts of `tenant`'s uids."""
+        usage = self.store.count_usage()
+        uids = self._uids(tenant)
+        return sum(usage.owned_bytes(u) for u in uids), sum(usage.inodes[u] for u in uids)
+
+    def reserved_of(self, tenant: int) -> int:
+        """Bytes reserved for `tenant`'s uids (few uids reserve at once: unpublished
+        files, writes in flight, nodes' shares)."""
+        return sum(n for u, n in self.reserved.items() if tenant_of(u) == tenant)
 
     def left(self, uid: int) -> int | None:
-        """Bytes `uid` may still come to own (None: no byte limit holds for it)."""
+        """Bytes `uid`'s tenant may still come to own (None: no byte limit holds)."""
         quota = self.of(uid) if uid != 0 and self.limits else None
         if not quota or not quota.bytes:
             return None
-        owned = self.store.count_usage().owned_bytes(uid) + self.reserved[uid] + \
-            self.held(uid)
-        return max(0, quota.bytes - owned + self.freeing(uid)[0])
+        tenant = tenant_of(uid)
+        owned = self.owned(tenant)[0] + self.reserved_of(tenant) + self.held(tenant)
+        return max(0, quota.bytes - owned + self.freeing(tenant)[0])
 
     def room(self, uid: int, nbytes: int = 0, inodes: int = 0) -> None:
-        """EDQUOT if `uid` owning `nbytes` and `inodes` more would pass its quota."""
+        """EDQUOT if `uid`'s tenant owning `nbytes` and `inodes` more would pass its
+        quota."""
         if uid == 0 or not self.limits:
             return
         quota = self.of(uid)
-        if not quota:
+        if not quota or not (quota.bytes and nbytes > 0 or quota.inodes and inodes > 0):
             return
-        usage = self.store.count_usage()
+        tenant = tenant_of(uid)
+        who = f"uid {uid}" if tenant == uid else \
+            f"uid {tenant} (with its subordinate uid {uid})"
+        owned_bytes, owned_inodes = self.owned(tenant)
         if quota.bytes and nbytes > 0:
-            owned = usage.owned_bytes(uid) + self.reserved[uid] + self.held(uid)
+            owned = owned_bytes + self.reserved_of(tenant) + self.held(tenant)
             if owned + nbytes > quota.bytes:
-                owned -= self.freeing(uid)[0]
+                owned -= self.freeing(tenant)[0]
             if owned + nbytes > quota.bytes:
-                raise OSError(errno.EDQUOT, f"uid {uid} owns {format_size(owned)} of its "
+                raise OSError(errno.EDQUOT, f"{who} owns {format_size(owned)} of its "
                               f"{format_size(quota.bytes)} quota and this needs "
                               f"{format_size(nbytes)} more: remove files, or ask root to "
                               "raise it (mxfs quota)")
         if quota.inodes and inodes > 0:
-            owned = usage.inodes[uid]
+            owned = owned_inodes
             if owned + inodes > quota.inodes:
-                owned -= self.freeing(uid)[1]
+                owned -= self.freeing(tenant)[1]
             if owned + inodes > quota.inodes:
-                raise OSError(errno.EDQUOT, f"uid {uid} owns {owned} of its {quota.inodes} "
+                raise OSError(errno.EDQUOT, f"{who} owns {owned} of its {quota.inodes} "
                               "inodes (files, folders and KV chunks): remove some, or ask "
                               "root to raise its quota (mxfs quota)")
 
@@ -174,27 +218,29 @@ class Quotas:
             self.limits.pop(who, None)
 
     def report(self, uid: int | None = None, most: int = 1000) -> QuotaReport:
-        """What `mxfs quota` shows: each uid's usage against its limits (only `uid`'s
-        when given; else every uid with a quota of its own or anything owned, the
-        `most` largest by bytes), and the default."""
+        """What `mxfs quota` shows: each tenant's usage, its uids' together, against its
+        limits (only `uid`'s tenant's when given; else every tenant with a quota of its
+        own or anything owned, the `most` largest by bytes), and the default."""
         usage = self.store.count_usage()
         if uid is not None:
-            uids = [uid]
+            tenants = [tenant_of(uid)]
         else:
-            named = {int(k) for k in self.limits if k != DEFAULT}
-            owners = sorted(set(usage.inodes) | set(self.reserved),
-                            key=lambda u: -usage.owned_bytes(u))
-            uids = sorted(named | set(owners[:most]))
+            named = {tenant_of(int(k)) for k in self.limits if k != DEFAULT}
+            owners = sorted({tenant_of(u) for u in usage.uids() | set(self.reserved)},
+                            key=lambda t: -self.owned(t)[0])
+            tenants = sorted(named | set(owners[:most]))
         rows: list[QuotaRow] = []
-        for u in uids:
-            quota = self.of(u) if u != 0 else NONE
-            rows.append({"uid": u, "bytes": usage.owned_bytes(u), "xattr_bytes": usage.xattrs[u],
-                         "name_bytes": usage.names[u],
-                         "reserved": self.reserved[u],
-                         "inodes": usage.inodes[u], "bytes_limit": quota.bytes,
+        for t in tenants:
+            quota = self.of(t) if t != 0 else NONE
+            uids = self._uids(t)
+            owned, inodes = self.owned(t)
+            rows.append({"uid": t, "bytes": owned,
+                         "xattr_bytes": sum(usage.xattrs[u] for u in uids),
+                         "name_bytes": sum(usage.names[u] for u in uids),
+                         "reserved": self.reserved_of(t),
+                         "inodes": inodes, "bytes_limit": quota.bytes,
                          "inodes_limit": quota.inodes,
-                         "own": str(u) in self.limits})
+                         "own": str(t) in self.limits})
         default = self.limits.get(DEFAULT, NONE)
         return {"users": rows, "default": {"bytes_limit": default.bytes,
                                            "inodes_limit": default.inodes}}
-

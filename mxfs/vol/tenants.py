@@ -5,9 +5,9 @@ A user may run processes as her subordinate uids (/etc/subuid: rootless containe
 user's share of connections, turns, descriptors in flight, pins and claims, and one
 user would hold the daemon's totals alone.  So a subordinate uid answers to the user
 the file names: her connections, turns, descriptors in flight, unpublished files, KV
-read leases and claims are counted together.  Permissions and ownership
-still go by the uid itself.  The daemon reads the file again, off its thread, once a
-second when it changed (`refresh`).
+read leases and claims are counted together, and her quota bounds what all her uids own
+(`vol/quota.py`).  Permissions and ownership still go by the uid itself.  The daemon
+reads the file again, off its thread, once a second when it changed (`refresh`).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class Volume:
         self.renewals: Counter[int] = Counter()
         self.renewals_cleared = 0
         # Per-user limits on bytes and inodes (files kept for readers count as theirs).
-        self.quotas = Quotas(store, self.freeing.of, self.held.readable_of)
+        self.quotas = Quotas(store, self.freeing.of, self._held_of)
         self._lock_fd = lock_fd
         self.lease: lease.Lease | None = None  # the daemon's, in the store (meta/lease.py)
         self.keeper: lease.Keeper | None = None  # renews it; the daemon starts it
@@ -589,6 +589,11 @@ class Volume:
         self.lent.discard(ino)
         self.held.hold_read(ino, self.freeing.owner(ino))
         self.pool.remove_chunks(ino, far)
+
+    def _held_of(self, tenant: int) -> int:
+        """Bytes of `tenant`'s uids' removed or renewed files kept readable (its quota
+        counts them)."""
+        return self.held.readable_of(lambda uid: tenant_of(uid) == tenant)
 
     def _may_keep(self, uid: int, nbytes: int) -> bool:
         """(Under the held files' lock.)  Whether `uid`'s user (`vol/tenants.py`) may
