@@ -8,6 +8,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -270,11 +272,42 @@ def fill(path, most, piece=64 << 10):
     return wrote, 0
 """
 
+CHOWN_AS = """
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class Sets(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+libc.setfsuid(int(sys.argv[1]))  # (drops CAP_CHOWN from the effective set: raised again)
+header, sets = Header(0x20080522, 0), (Sets * 2)()
+assert libc.capget(ctypes.byref(header), sets) == 0
+sets[0].effective |= 1  # CAP_CHOWN
+assert libc.capset(ctypes.byref(header), sets) == 0
+try:
+    os.chown(sys.argv[2], int(sys.argv[3]), -1)
+    print(json.dumps("ok"))
+except OSError as e:
+    print(json.dumps(e.errno))
+"""
+
+
+def chown_as(uid: int, path: Path, owner: int) -> object:
+    """chown `path` to `owner` as `uid` with CAP_CHOWN (as a user namespace's root is,
+    over the uids it maps): "ok" or the errno."""
+    res = subprocess.run([sys.executable, "-c", CHOWN_AS, str(uid), str(path), str(owner)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(res.stdout)
+
 
 def test_a_users_subordinate_uids_share_her_quota(pool: Mounted) -> None:
     """A user's subordinate uids (/etc/subuid: her rootless containers run as them) own
-    what she owns for her quota: counted apart, each of her 65,536 had the whole of it."""
-    alice = ensure_users()["alice"]
+    what she owns for her quota: counted apart, each of her 65,536 had the whole of it.
+    A chown that gives a file to another user (a namespace's root may, over the uids it
+    maps) is growth of his, checked against his quota; one among her uids is not."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
     subs = subordinate_uids(alice)
     d = empty_home_with_quota(pool, alice, "--bytes", "8MiB")
     box = pool.path / "alice-container"  # (her container's root: her first subordinate uid)
@@ -302,11 +335,18 @@ print(json.dumps(attempt(put)))
     assert (8 << 20) - (64 << 10) <= line["bytes"] <= 8 << 20
     assert line_of(quota(pool, "--user", str(subs[0])), alice.uid) == line  # (hers)
     assert not any(r["uid"] in subs for r in quota(pool)["users"])
+    quota(pool, "--user", bob.name, "--bytes", "1MiB")
+    assert chown_as(alice.uid, box / "b", bob.uid) == errno.EDQUOT  # (past bob's quota)
+    assert (box / "b").stat().st_uid == subs[0]
+    assert chown_as(alice.uid, box / "b", subs[7]) == "ok"  # (hers still)
+    assert line_of(quota(pool, "--user", alice.name), alice.uid)["bytes"] == line["bytes"]
+    os.chown(box / "b", bob.uid, -1)  # (root is never refused)
     refused = mxfs("quota", str(pool.path), "--user", str(subs[3]), "--bytes", "1GiB",
                    check=False)
     assert f"uid {alice.uid}" in one_line_error(refused)  # (hers holds for it)
     shutil.rmtree(box)
     quota(pool, "--user", alice.name, "--clear")
+    quota(pool, "--user", bob.name, "--clear")
 
 
 def test_quotas_and_usage_survive_a_remount_and_show_in_status(pool: Mounted) -> None:

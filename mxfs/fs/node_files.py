@@ -432,6 +432,8 @@ class NodeFiles:
             uid = int_field(msg, "uid") if "uid" in msg else None
             gid = int_field(msg, "gid") if "gid" in msg else None
             may_chown(row, caller, uid, gid)
+            if uid is not None and uid != row.uid:
+                self.vol.quotas.room_for_owner(row, uid, caller.uid)
         if "mode" in msg:
             mode = stat.S_IFMT(row.mode) | may_chmod(row, caller, int_field(msg, "mode"), gid)
         if "atime_ns" in msg or "mtime_ns" in msg:

@@ -313,6 +313,8 @@ class MxfsOperations(pyfuse3.Operations):
             return await self._setattr_node(inode, attr, fields, fh, ctx)
         node = self.store.get(inode)
         now = time.time_ns()
+        if fields.update_uid and attr.st_uid != node.uid:  # (before anything changes)
+            self.vol.quotas.room_for_owner(node, attr.st_uid, ctx.uid)
         if fields.update_size:
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)

@@ -48,7 +48,7 @@ from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name
 from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.meta.sole_cache import SoleCache
-from mxfs.meta.usage import NAME_ROW, Usage
+from mxfs.meta.usage import NAME_ROW, Usage, sized
 
 log = logging.getLogger("mxfs.meta")
 
@@ -951,6 +951,15 @@ class MetaStore:
                 rows.append((uid, mode, size, xattrs.get(ino, 0), names.get(ino, 0)))
             self.usage.recount(rows)
         return self.usage
+
+    def charged_bytes(self, node: Inode) -> int:
+        """What `node` counts against its owner's byte quota (`meta/usage.py`): its size
+        (a file's, a link's), its extended attributes and its names, as a chown moves
+        them (`write_fields`)."""
+        xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), [node.ino])
+        names = self.engine.lengths("dentries", "ino", ("name",), [node.ino], NAME_ROW)
+        return (node.size if sized(node.mode) else 0) + xattrs.get(node.ino, 0) + \
+            names.get(node.ino, 0)
 
     def mark_dirty_data(self, ino: int) -> None:
         self.txn(lambda: self.engine.upsert("dirty_data", {"ino": ino}))  # (unless listed)

@@ -20,8 +20,9 @@ its uids are grouped by tenant again only when a uid starts or stops owning anyt
 or /etc/subuid changes (`_uids`), so a check sums a few uids, not every owner's.
 
 Growth is checked where it happens: a create, a write or truncate past the end of a
-file (charged to the file's owner, as quotas are), a direct or KV create, a KV put.
-Root is counted but never refused, as on any filesystem.
+file (charged to the file's owner, as quotas are), a direct or KV create, a KV put, and
+a chown that gives a file to another tenant (`room_for_owner`).  Root is counted but
+never refused, as on any filesystem.
 """
 
 from __future__ import annotations
@@ -191,6 +192,14 @@ class Quotas:
                 raise OSError(errno.EDQUOT, f"{who} owns {owned} of its {quota.inodes} "
                               "inodes (files, folders and KV chunks): remove some, or ask "
                               "root to raise its quota (mxfs quota)")
+
+    def room_for_owner(self, node: Inode, uid: int, caller: int) -> None:
+        """EDQUOT if `node` given to `uid` by `caller` would take `uid`'s tenant past
+        its quota: a namespace's root may chown to any uid it maps.  Root is never
+        refused; among one tenant's uids nothing it owns changes."""
+        if caller == 0 or uid == 0 or not self.limits or tenant_of(uid) == tenant_of(node.uid):
+            return
+        self.room(uid, self.store.charged_bytes(node), 1)
 
     def room_for_name(self, uid: int, name: bytes, target: bytes = b"", inodes: int = 0
                       ) -> None:
