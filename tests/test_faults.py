@@ -408,3 +408,49 @@ def test_chunk_bytes_go_only_after_their_change_is_on_stable_storage(tmp_path: P
         assert not chunk_files(members) and root.nlink == 2
     finally:
         vol.close()
+
+
+
+def test_writes_answered_before_they_land_keep_the_metadata_members_reserve(
+        loop_members: list[str]) -> None:
+    """A write answered before it lands was measured against the metadata member's
+    free space as it was, not counting those admitted before it and not yet landed:
+    hundreds at once (a FUSE task each) passed the same measure and ate the reserve
+    the store commits in.  Admitted writes count until they land now: with 6 MiB
+    free past the reserve, the seventh 1 MiB write not yet landed is refused, and
+    landing them lets more in."""
+    from mxfs.io.layout import Layout
+    from mxfs.pool.chunks import ChunkFiles
+    from mxfs.pool.pool import META_RESERVE
+    from mxfs.vol.volume import Volume
+
+    mkfs(loop_members)
+    vol = Volume.open(loop_members[0])
+    meta = loop_members[vol.pool.meta_member]
+    ballast = Path(meta) / "ballast"  # (another user of the disk)
+    try:
+        st = os.statvfs(meta)
+        with open(ballast, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - META_RESERVE
+                               - (6 << 20) - (512 << 10))
+        chunks = ChunkFiles(vol.pool, 1 << 40, Layout(1 << 20, 1, vol.pool.meta_member,
+                                                      len(loop_members)))
+        admitted = []
+        with pytest.raises(OSError) as e:
+            for i in range(64):
+                admitted.append((i << 20, chunks.admit(i << 20, 1 << 20)))
+        assert e.value.errno == errno.ENOSPC and len(admitted) == 6, len(admitted)
+        block = memoryview(os.urandom(1 << 20))
+        for offset, pieces in admitted[:3]:
+            chunks.write(offset, block, pieces)  # (landed: the space is the file's now)
+        for _, pieces in admitted[3:]:
+            chunks.unadmit(pieces)  # (never to land)
+        again = [chunks.admit(i << 20, 1 << 20) for i in range(3, 6)]
+        with pytest.raises(OSError):
+            chunks.admit(6 << 20, 1 << 20)
+        for pieces in again:
+            chunks.unadmit(pieces)
+        chunks.close()
+    finally:
+        ballast.unlink(missing_ok=True)
+        vol.store.close()

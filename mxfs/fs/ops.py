@@ -698,10 +698,15 @@ class MxfsOperations(pyfuse3.Operations):
             if behind is None:
                 behind = self.behind[ino] = WriteBehind(
                     self.write_behind, self.lanes.of(chunks.owners).budget)
-            handle.heard_failures(behind)  # (an earlier write's failure: told this writer)
-            await behind.submit(self.nursery,
-                                lambda: chunks.write(off, memoryview(buf), pieces),
-                                functools.partial(self._io, chunks, handle.uid), handle.uid)
+            try:  # (an earlier write's failure: told this writer)
+                handle.heard_failures(behind)
+                await behind.submit(self.nursery,
+                                    lambda: chunks.write(off, memoryview(buf), pieces),
+                                    functools.partial(self._io, chunks, handle.uid),
+                                    handle.uid)
+            except BaseException:  # (not queued: what admit counted goes)
+                chunks.unadmit(pieces)
+                raise
         else:
             await self._io(chunks, handle.uid, chunks.write, off, memoryview(buf))
 

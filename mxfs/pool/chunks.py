@@ -156,21 +156,40 @@ class ChunkFiles:
 
     def admit(self, offset: int, n: int) -> list[Piece]:
         """The pieces of a write of `n` bytes at `offset`, once it is known every member
-        it touches is in service and the metadata member keeps its reserve (cheap: the
-        daemon asks before it answers a write it lands later)."""
+        it touches is in service and the metadata member keeps its reserve, counting
+        this write against it until `write` (or `unadmit`) ends (cheap: the daemon asks
+        before it answers a write it lands later)."""
         pieces = self.layout.plan(offset, n)
         self.pool.check({p.member for p in pieces})
-        for piece in pieces:
-            self.pool.check_space(piece.member, piece.length)  # (EROFS: another node's)
+        held = 0
+        try:
+            for piece in pieces:  # (EROFS: another node's)
+                held += self.pool.check_space(piece.member, piece.length, hold=True)
+        except BaseException:
+            self.pool.landed(held)
+            raise
         return pieces
+
+    def unadmit(self, pieces: list[Piece]) -> None:
+        """What `admit` counted of `pieces` against the reserve is let go (written, or
+        never to be)."""
+        self.pool.landed(sum(p.length for p in pieces if p.member == self.pool.meta_member
+                             and not self.pool.members[p.member].node))
 
     def write(self, offset: int, data: memoryview, pieces: list[Piece] | None = None
               ) -> None:
         """Write `data` at file `offset`, each member's share in parallel (`pieces`:
-        what `admit` gave for it, if the caller asked already)."""
-        ops = []
+        what `admit` gave for it, if the caller asked already; let go here)."""
         if pieces is None:
             pieces = self.admit(offset, len(data))
+        try:
+            self._write(data, pieces)
+        finally:
+            self.unadmit(pieces)
+        self._account(pieces, "write")
+
+    def _write(self, data: memoryview, pieces: list[Piece]) -> None:
+        ops = []
         far = [p for p in pieces if self.pool.members[p.member].node]
         futures = [self._far_change(p.member, b"WRIT", self.pool.epoch(), self.ino,
                                   p.member, p.chunk_offset,
@@ -189,7 +208,6 @@ class ChunkFiles:
                 _settle(futures)
             finally:
                 self.drop_read_ahead()
-        self._account(pieces, "write")
 
     def _account(self, pieces: list[Any], what: str) -> None:
         if self.pool.on_io is not None:

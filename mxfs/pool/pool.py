@@ -386,6 +386,10 @@ class Pool:
         # Growth let through since the store last committed: the open group's pages may
         # sit in SQLite's memory, unseen by statvfs until its commit writes them.
         self._meta_uncommitted = 0
+        # Bytes of writes admitted to the metadata member's chunk files and not written
+        # yet (landed behind their answers): counted against its reserve.
+        self._meta_landing = 0
+        self._landing = threading.Lock()
 
     @classmethod
     def open(cls, spec: str, degraded: bool = False) -> Pool:
@@ -788,19 +792,32 @@ class Pool:
         for m in self.far(layout.used_members()):
             self.remote_of(m).change(b"TRUN", self.epoch(), ino, m, layout.chunk_length(m, size))
 
-    def check_space(self, member: int, nbytes: int) -> None:
+    def check_space(self, member: int, nbytes: int, hold: bool = False) -> int:
         """Refuse a write that would eat the reserve the metadata store needs (another
-        node's member: its owner refuses what it has no room for)."""
+        node's member: its owner refuses what it has no room for), counting the writes
+        admitted before it and not yet landed; with `hold`, count this one too until
+        `landed` (how many bytes it holds): writes answered before they land passed
+        the same measure, hundreds at once, and ate the reserve."""
         if self.members[member].node:
             if self.node:
                 raise OSError(errno.EROFS, f"member {member} is node "
                               f"{self.members[member].node}'s")
-            return
+            return 0
         if member != self.meta_member:
-            return
+            return 0
         st = os.statvfs(self.members[member].path)
-        if st.f_bavail * st.f_frsize - nbytes < META_RESERVE:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        with self._landing:
+            if st.f_bavail * st.f_frsize - nbytes - self._meta_landing < META_RESERVE:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if hold:
+                self._meta_landing += nbytes
+        return nbytes if hold else 0
+
+    def landed(self, nbytes: int) -> None:
+        """(Any thread.)  Bytes `check_space` held are written (or will never be)."""
+        if nbytes:
+            with self._landing:
+                self._meta_landing -= nbytes
 
     def check_meta_room(self, nbytes: int) -> None:
         """ENOSPC for metadata growth of about `nbytes` (a name, an xattr, a KV row) while
