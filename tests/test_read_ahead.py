@@ -160,3 +160,28 @@ def test_fetchers_take_files_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     # read waits on goes before that file's windows ahead
     assert order == ["busy", "a0", "b0", "a1", "a2", "a3", "a4"]
     read_ahead.fetchers().shutdown()
+
+
+def test_one_users_windows_leave_the_rest_of_the_budget_to_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows count against the share of the user whose read fetched them: alice's
+    files read in order and kept open hold her share at most, and bob's reads still
+    come from windows (before, hers took the whole budget, and his went unwindowed)."""
+    monkeypatch.setattr(read_ahead, "BUDGET", 8 * read_ahead.WINDOW)
+    monkeypatch.setattr(read_ahead, "PER_USER", 2 * read_ahead.WINDOW)
+    alice, bob = 1001, 1002
+    buf = memoryview(bytearray(128 << 10))
+    hers = [(ReadAhead(MiB, src.fetch), src) for src in
+            (Source(40 * MiB) for _ in range(8))]
+    for ra, _src in hers:  # (two reads in order each: their windows, and those ahead)
+        for off in (0, 128 << 10):
+            ra.read(off, buf, alice)
+    assert read_ahead._held_by.get(alice, 0) <= read_ahead.PER_USER
+    src = Source(40 * MiB)
+    his = ReadAhead(MiB, src.fetch)
+    his.read(0, buf, bob)
+    assert his.read(128 << 10, buf, bob), "bob's in-order read was not windowed"
+    assert bytes(buf) == src.data[128 << 10:256 << 10]
+    for ra, _ in [*hers, (his, src)]:
+        ra.close()
+    assert not read_ahead._held_by

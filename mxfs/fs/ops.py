@@ -612,8 +612,9 @@ class MxfsOperations(pyfuse3.Operations):
         buf = bytearray(n)
         assert entry.chunks is not None
         await self.settle(node.ino)
-        await self._io(entry.chunks, self.handles[fh].uid, entry.chunks.read, off,
-                       memoryview(buf))
+        uid = self.handles[fh].uid  # (windows read ahead: counted as its user's)
+        await self._io(entry.chunks, uid, entry.chunks.read, off, memoryview(buf),
+                       tenant_of(uid))
         if not self.noatime:
             self._relatime(node)
         # pyfuse3 replies with any buffer (PyObject_GetBuffer), though its stub says bytes;

@@ -10,9 +10,12 @@ the last ones (a mapping touched here and there) go straight to the members.
 
 Windows belong to one `ChunkFiles` (one open inode) and go with it at the last close,
 so what a reading node's next open sees is fetched afresh (close-to-open).  Every
-window, the one a read waits on too, counts against one BUDGET of the node's memory:
-past it a read gets just what it asked for, fetched as a stray read is (files held
-open with their windows once held 1,680 MiB of a 512 MiB budget).  A window is
+window, the one a read waits on too, counts against one BUDGET of the node's memory,
+and against the share of it of the user whose read fetched it (`reader`: a tenant,
+PER_USER; root only the budget): past either a read gets just what it asked for,
+fetched as a stray read is (files held open with their windows once held 1,680 MiB
+of a 512 MiB budget, and one user's few files, 1 GiB stripe units and windows kept
+open, held all of it: everyone else's reads of far files went unwindowed).  A window is
 MAX_WINDOW at most, whatever the stripe row (a 1 GiB unit is no 4 GiB fetch per
 128 KiB read), and the fetcher threads take fetches in turn by file, not first come
 first served: one file's windows ahead do not queue another's read.
@@ -30,20 +33,28 @@ MAX_WINDOW = 64 << 20  # ... and at most
 AHEAD = 4  # windows fetched ahead of the one being read (a round trip each: latency
            # bound, a reading node got 0.95, 1.29 and 1.39 GB/s with 1, 2 and 4 ahead)
 BUDGET = 512 << 20  # bytes of windows held in all: past it, reads are not windowed
+PER_USER = BUDGET // 4  # ... and by the windows one user's reads fetched
 _fetchers: ThreadPoolExecutor | None = None  # (not the I/O pool: a fetch waits on it)
 _fetchers_lock = threading.Lock()
 _held = 0  # bytes of windows held by every ReadAhead (under _fetchers_lock)
+_held_by: dict[int, int] = {}  # ... by the tenant whose read fetched them
 _queued: OrderedDict[object, deque[Callable[[], None]]] = OrderedDict()
 # fetches waiting for a fetcher thread, by whose they are, in turn (under _fetchers_lock)
 
 
-def _hold(n: int) -> bool:
-    """Count `n` more bytes of windows if the budget allows (always, for n <= 0)."""
+def _hold(n: int, tenant: int) -> bool:
+    """Count `n` more bytes of windows fetched for `tenant` if the budget and its
+    share allow (always, for n <= 0)."""
     global _held
     with _fetchers_lock:
-        if n > 0 and _held + n > BUDGET:
+        mine = _held_by.get(tenant, 0)
+        if n > 0 and (_held + n > BUDGET or tenant != 0 and mine + n > PER_USER):
             return False
         _held += n
+        if mine + n:
+            _held_by[tenant] = mine + n
+        else:
+            _held_by.pop(tenant, None)
         return True
 
 
@@ -104,13 +115,15 @@ class ReadAhead:
         self.size = window_size(row)
         self.fetch = fetch
         self._windows: dict[int, Future[bytearray]] = {}
+        self._payer: dict[int, int] = {}  # window: the tenant whose read fetched it
         self._lock = threading.Lock()
         self._end = -1  # where the last read ended: reads near it are in order
 
-    def read(self, offset: int, buf: memoryview) -> bool:
+    def read(self, offset: int, buf: memoryview, reader: int = 0) -> bool:
         """Fill `buf` from windows if this read follows on from the last ones (and
-        fetch the next windows ahead); False, leaving `buf` to the caller, if it does
-        not or the budget has no room for the windows it needs."""
+        fetch the next windows ahead, counted as `reader`'s); False, leaving `buf` to
+        the caller, if it does not or the budget has no room for the windows it
+        needs."""
         with self._lock:
             if self._end < 0 or abs(offset - self._end) > self.size:
                 self._end = offset + len(buf)
@@ -120,11 +133,11 @@ class ReadAhead:
             # (the one behind stays: reads in flight come a little out of order)
             for w in [w for w in self._windows if not first - 1 <= w <= last + AHEAD]:
                 self._drop(w)
-            needed = [self._start(w, ahead=False) for w in range(first, last + 1)]
+            needed = [self._start(w, reader, ahead=False) for w in range(first, last + 1)]
             if None in needed:
                 return False
             for w in range(last + 1, last + 1 + AHEAD):
-                self._start(w, ahead=True)
+                self._start(w, reader, ahead=True)
         at = 0
         for w, fut in enumerate(needed, first):
             assert fut is not None
@@ -135,22 +148,24 @@ class ReadAhead:
             at += n
         return True
 
-    def _start(self, w: int, ahead: bool) -> Future[bytearray] | None:
-        """Window `w`, fetched now if it is not held (or failed); None if the budget
-        has no room for it (`ahead`: no read waits on it yet)."""
+    def _start(self, w: int, reader: int, ahead: bool) -> Future[bytearray] | None:
+        """Window `w`, fetched now for `reader` if it is not held (or failed); None if
+        the budget or the reader's share has no room for it (`ahead`: no read waits
+        on it yet)."""
         fut = self._windows.get(w)
         if fut is not None and not (fut.done() and fut.exception() is not None):
             return fut
         if fut is not None:
             self._drop(w)
-        if not _hold(self.size):
+        if not _hold(self.size, reader):
             return None
+        self._payer[w] = reader
         fut = self._windows[w] = _submit(self, lambda: self._fetch(w), first=not ahead)
         return fut
 
     def _drop(self, w: int) -> None:
         del self._windows[w]
-        _hold(-self.size)
+        _hold(-self.size, self._payer.pop(w))
 
     def _fetch(self, w: int) -> bytearray:
         data = bytearray(self.size)
