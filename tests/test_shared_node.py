@@ -1447,7 +1447,7 @@ def test_one_users_open_files_leave_the_daemon_descriptors_for_others(tmp_path: 
     """Each file open through the mount holds a descriptor of the daemon's for each
     member it touches: one user holding 300 files open took all 1,024 of them, and
     every other user's reads and creates failed (EMFILE).  One uid holds
-    `max_open_per_user` files open at most."""
+    `max_open_per_user` files and folders open at most (folders were not counted)."""
     users = ensure_users()
     alice, bob = users["alice"], users["bob"]
     members = make_members(tmp_path)
@@ -1455,8 +1455,11 @@ def test_one_users_open_files_leave_the_daemon_descriptors_for_others(tmp_path: 
     with mounted_pool(members, "max_open_per_user=20") as m:
         folder = m.path / "alices"
         folder.mkdir()
-        for i in range(30):
-            (folder / f"f{i}").write_bytes(b"x" * 4096)
+        for i in range(30):  # (every other one a folder: each open holds the daemon)
+            if i % 2:
+                (folder / f"f{i}").write_bytes(b"x" * 4096)
+            else:
+                (folder / f"f{i}").mkdir()
         os.chown(folder, alice.uid, alice.gid)
         with _as_with_flags(alice, HOLD_OPEN, str(folder)) as (proc, flags):
             assert proc.stdout is not None

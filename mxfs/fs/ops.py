@@ -483,15 +483,26 @@ class MxfsOperations(pyfuse3.Operations):
 
     # ---- files -------------------------------------------------------------
 
-    def _open_handle(self, node: Inode, flags: int, uid: int) -> pyfuse3.FileInfo:
+    def _opened(self, uid: int) -> None:
+        """Count one more open file or folder of `uid`'s user; EMFILE past
+        max_open_per_user.  Each open file holds a descriptor of the daemon's a member
+        it touches (one user's files, held open, took every descriptor and failed all
+        others' I/O), and a folder its inode in memory."""
         tenant = tenant_of(uid)
         if tenant and self.open_by_tenant[tenant] >= self.max_open_per_user:
-            # Each open file holds a descriptor of the daemon's a member it touches: one
-            # user's files, held open, took every descriptor and failed all others' I/O.
-            log.info("uid %d holds %d files open through the mount, the limit "
+            log.info("uid %d holds %d files and folders open through the mount, the limit "
                      "(max_open_per_user): EMFILE", uid, self.open_by_tenant[tenant])
             raise pyfuse3.FUSEError(errno.EMFILE)
         self.open_by_tenant[tenant] += 1
+
+    def _closed(self, uid: int) -> None:
+        tenant = tenant_of(uid)
+        self.open_by_tenant[tenant] -= 1
+        if self.open_by_tenant[tenant] <= 0:
+            del self.open_by_tenant[tenant]
+
+    def _open_handle(self, node: Inode, flags: int, uid: int) -> pyfuse3.FileInfo:
+        self._opened(uid)
         fh = self.next_fh
         self.next_fh += 1
         behind = self.behind.get(node.ino)
@@ -750,10 +761,7 @@ class MxfsOperations(pyfuse3.Operations):
         ino = self.handles[fh].entry.node.ino
         await self.settle(ino)  # before the last release closes the chunk descriptors
         handle = self.handles.pop(fh)
-        tenant = tenant_of(handle.uid)
-        self.open_by_tenant[tenant] -= 1
-        if self.open_by_tenant[tenant] <= 0:
-            del self.open_by_tenant[tenant]
+        self._closed(handle.uid)
         self.vol.release(ino)
         if ino not in self.vol.open_inodes and self.written is not None:
             self.written.closed(ino)
@@ -832,6 +840,7 @@ class MxfsOperations(pyfuse3.Operations):
         node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         if not node.is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
+        self._opened(ctx.uid)
         fh = self.next_fh
         self.next_fh += 1
         self.handles[fh] = Handle(self.vol.acquire(node), 0, self.store.groups_lost, ctx.uid)
@@ -867,6 +876,7 @@ class MxfsOperations(pyfuse3.Operations):
     @_errors
     async def releasedir(self, fh: int) -> None:
         handle = self.handles.pop(fh)
+        self._closed(handle.uid)
         self.vol.release(handle.entry.node.ino)
 
     @_errors
