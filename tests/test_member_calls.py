@@ -7,6 +7,7 @@ import functools
 import threading
 import time
 
+import pytest
 import trio
 import trio.testing
 
@@ -63,5 +64,50 @@ def test_one_users_slow_calls_on_a_member_leave_another_a_place_on_it() -> None:
             assert order == ["alice"] * 3  # (all of hers still out, the rest waiting)
             release.set()
         assert order == ["alice"] * 6
+
+    trio.run(main)
+
+
+def test_calls_given_up_on_hold_their_uids_threads_until_they_return(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alice's calls hang past WAIT_S twice over (the requests answered without them),
+    and bob's call still finds a thread while none of hers has returned: hers hold 12
+    of the 16 at most, her later calls waiting behind her own.  (Before, a call given
+    up let go of its uid's turn while its thread ran on: her second round took the
+    last four threads, and bob's call waited and was given up too.)"""
+    monkeypatch.setattr(member_calls, "WAIT_S", 0.2)
+    calls = MemberCalls(1)
+    release, lock = threading.Event(), threading.Lock()
+    began, ended = [], []
+
+    def stuck() -> str:
+        with lock:
+            began.append("alice")
+        release.wait(30)
+        with lock:
+            ended.append("alice")
+        return "late"
+
+    async def main() -> None:
+        answers: list[str | None] = []
+
+        async def alice() -> None:
+            answers.append(await calls.run(stuck, 1001))
+        try:
+            for _ in range(2):  # (the second round asked once the first was given up)
+                async with trio.open_nursery() as nursery:
+                    for _ in range(member_calls.THREADS):
+                        nursery.start_soon(alice)
+            bob = await calls.run(lambda: "bob", 1002)
+            with lock:
+                assert (bob, len(began), ended) == \
+                    ("bob", member_calls.THREADS * 3 // 4, [])
+            assert answers == [None] * 2 * member_calls.THREADS
+        finally:
+            release.set()
+        with trio.fail_after(10):  # (hers end, their threads and turns given back)
+            while len(ended) < len(began):
+                await trio.sleep(0.01)
+        assert await calls.run(lambda: "alice", 1001) == "alice"
 
     trio.run(main)

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from mxfs.fs.member_calls import MemberCalls
+from mxfs.fs.member_calls import WAIT_S, MemberCalls
 from mxfs.io.layout import Layout
 from mxfs.meta import Inode
 from mxfs.pool.pool import Pool
@@ -63,7 +63,7 @@ class BlockCounts:
             and not pool.node and self._fresh(node, now) is None]
         if not wanted:
             return
-        counts = await self._calls.run(lambda: [self._stat(c) for _, c in wanted], uid)
+        counts = await self._calls.run(lambda: self._stat_all(wanted), uid)
         if counts is None:
             return
         until = time.monotonic() + KEEP_S
@@ -73,6 +73,12 @@ class BlockCounts:
                 self._kept.move_to_end(node.ino)
         while len(self._kept) > KEPT:
             self._kept.popitem(last=False)
+
+    def _stat_all(self, wanted: list[tuple[Inode, Chunks]]) -> list[int | None]:
+        """(Worker thread.) `_stat` of each file, those past WAIT_S not counted: the
+        request waits no longer, and the call holds its uid's thread till it ends."""
+        until = time.monotonic() + WAIT_S
+        return [self._stat(c) if time.monotonic() < until else None for _, c in wanted]
 
     def _stat(self, chunks: Chunks) -> int | None:
         """(Worker thread.) The blocks of one file's chunk files (a hole, a chunk never
