@@ -735,12 +735,12 @@ def _first_member(m: Mounted, path: Path) -> int:
         return int(c.layout(str(path))["layout"]["first_member"])
 
 
-def _as(user: Any, script: str, *args: str, stderr: int | None = None
-        ) -> subprocess.Popen[str]:
+def _as(user: Any, script: str, *args: str, stderr: int | None = None,
+        stdin: int | None = None) -> subprocess.Popen[str]:
     """`script` (after users.PRELUDE) run as `user` in the background, stdout piped."""
     code = PRELUDE.format(uid=user.uid, gid=user.gid, groups=tuple(user.groups)) + script
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                            stderr=stderr, text=True)
+                            stderr=stderr, stdin=stdin, text=True)
 
 
 @contextlib.contextmanager
@@ -758,6 +758,91 @@ def _as_with_flags(user: Any, script: str, *args: str
         proc.kill()
         proc.communicate(timeout=60)
         shutil.rmtree(flags, ignore_errors=True)
+
+
+_ALICE_HOLDS = """
+from mxfs.client import ControlClient
+mp, conns, each = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+clients, made = [], []
+for i in range(conns):
+    clients.append(ControlClient(mp))
+    for j in range(each):
+        reply, fds = clients[-1].call_with_fds("create", path=f"/alice/{i}-{j}", size=1 << 20)
+        for fd in fds:
+            os.pwrite(fd, b"a" * 65536, 0)
+            os.close(fd)
+        made.append([reply["ino"], reply["members"]])
+print(json.dumps(made), flush=True)
+sys.stdin.readline()
+os._exit(0)  # (every connection closed at once)
+"""
+
+_BOB_COMMITS = """
+from mxfs.client import ControlClient
+c = ControlClient(sys.argv[1])
+made, fds = c.call_with_fds("create", path="/bob/report", size=0)
+for fd in fds:
+    os.close(fd)
+print("ready", flush=True)
+sys.stdin.readline()
+c.call("commit", ino=made["ino"], size=0, sum_unit=65536, sums="")
+print("committed", flush=True)
+"""
+
+
+def test_one_users_closes_leave_anothers_commit_served(tmp_path: Path) -> None:
+    """Alice holds 1,024 unpublished files (the per-user limit) over 512 connections and
+    closes them all at once: each file's chunk files are cut, the cut fsynced on the
+    metadata member.  Bob's commit meanwhile is answered while most of her cuts are
+    still to come: they take turns with everyone's settling (two threads of four hers
+    at most), and his commit's sync and the kernel's invalidation have threads of their
+    own.  (Before, her cuts went first come first served on trio's shared threads, and
+    his commit's sync and invalidation waited behind them all: 980-1,014 of hers were
+    cut while he waited; now 5-24.)"""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members) as m:
+        for user in (alice, bob):
+            folder = m.path / user.name.removeprefix("mxfs-")
+            folder.mkdir()
+            os.chown(folder, user.uid, user.gid)
+        holder = _as(alice, _ALICE_HOLDS, str(m.path), "512", "2", stdin=subprocess.PIPE)
+        committer = _as(bob, _BOB_COMMITS, str(m.path), stdin=subprocess.PIPE)
+        try:
+            assert holder.stdout is not None and holder.stdin is not None
+            assert committer.stdout is not None and committer.stdin is not None
+            made = json.loads(holder.stdout.readline())
+            assert len(made) == 1024
+            last = [Path(members[max(held)], "chunks", f"{ino % 256:02x}", str(ino))
+                    for ino, held in made]  # (each file's last chunk file: cut last)
+
+            def cut() -> int:
+                n = 0
+                for path in last:
+                    try:
+                        n += path.stat().st_size == 0
+                    except FileNotFoundError:
+                        n += 1  # (cut, released and reclaimed)
+                return n
+            assert cut() == 0
+            assert committer.stdout.readline() == "ready\n"
+            holder.stdin.write("close\n")
+            holder.stdin.flush()
+            assert holder.wait(60) == 0
+            assert eventually(lambda: cut() > 0, 30), "alice's files were never cut"
+            before = cut()
+            committer.stdin.write("commit\n")
+            committer.stdin.flush()
+            assert committer.stdout.readline() == "committed\n"
+            during = cut() - before
+            assert during <= 128, f"{during} of alice's 1024 files were cut during bob's commit"
+            assert eventually(lambda: cut() == 1024, 60)
+        finally:
+            for proc in (holder, committer):
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.unit

@@ -16,11 +16,15 @@ from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
 
+# The syncs that answer commits have threads of their own: on trio's shared ones they
+# waited behind whatever flooded those (a user's hundreds of closes, each cutting files).
+SYNCING = trio.CapacityLimiter(8)
+
 
 async def durable(store: MetaStore) -> None:
     """Every change so far committed and on stable storage (the sync in a worker)."""
     store.commit()
-    await trio.to_thread.run_sync(store.sync)
+    await trio.to_thread.run_sync(store.sync, limiter=SYNCING)
 
 
 class MetaOps:

@@ -57,6 +57,9 @@ log = logging.getLogger("mxfs.fs")
 T = TypeVar("T")
 
 DAY_NS = 86_400 * 10**9
+# The kernel's invalidations a commit or change waits on before it is answered have
+# threads of their own: on trio's shared ones they waited behind whatever flooded those.
+INVALIDATING = trio.CapacityLimiter(16)
 
 
 def _caller(ctx: pyfuse3.RequestContext) -> Caller:
@@ -211,10 +214,11 @@ class MxfsOperations(pyfuse3.Operations):
 
         Done before the commit is answered, so the committer sees its file at once.
         The kernel takes the directory's lock, which a FUSE request waiting on this
-        thread may hold, so the call runs in a worker thread.
+        thread may hold, so the call runs in a worker thread (one of INVALIDATING's).
         """
         try:
-            await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
+            await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name,
+                                          limiter=INVALIDATING)
         except OSError as e:
             if e.errno != errno.ENOENT:  # ENOENT: the kernel held nothing for it
                 log.warning("invalidating entry %r of inode %d: %s", name, parent, e)
@@ -225,7 +229,8 @@ class MxfsOperations(pyfuse3.Operations):
         are dropped before the change is answered."""
         self.data_changed(ino)
         try:
-            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False,
+                                          limiter=INVALIDATING)
         except OSError as e:
             if e.errno != errno.ENOENT:  # ENOENT: the kernel held nothing of it
                 log.warning("invalidating inode %d: %s", ino, e)

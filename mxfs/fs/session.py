@@ -173,8 +173,11 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
     """Forget an unpublished file: its space now, its chunk files after the next commit;
     if a writer still holds descriptors, the files are moved aside and held cut to
     nothing until it lets go (pool/revoke.py), so the inode number can be reused.  The
-    files are probed and cut in a worker thread (a closing connection's 256 files of
-    2 GiB each held trio's thread for seconds)."""
+    files are probed and cut in a settling thread (a closing connection's 256 files of
+    2 GiB each held trio's thread for seconds), in the caller's turn: a user closing
+    hundreds of connections, each cut fsynced on the metadata member, waits behind her
+    own cuts (first come first served on trio's shared threads, every user's commits
+    waited behind all of them)."""
     pending = session.let_go(ino)
     paths = chunk_paths(vol, pending.entry.node)
 
@@ -185,7 +188,7 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
             vol.pool.cut_chunks(ino)
     try:
         with trio.CancelScope(shield=True):  # (the inode is released after, whatever)
-            await trio.to_thread.run_sync(cut)
+            await settle_off_loop(session.caller.uid, cut)
     finally:
         vol.release(ino)
 
@@ -238,18 +241,19 @@ def refuse_if_degraded(vol: Volume) -> None:
                       f"{failed[0].failed}): read-only")
 
 
-# Commits settle their files' chunk files (stats, leases, truncates, syncs) in threads of
-# their own: on a hung member they would hold the threads every other worker call
-# shares.  Handed out by uid in turn, one uid holding half at most: a user committing
-# files with gigabytes of dirty pages waits behind her own syncs, not everyone's.
+# Commits settle their files' chunk files (stats, leases, truncates, syncs), and dropped
+# files' are cut, in threads of their own: on a hung member they would hold the threads
+# every other worker call shares.  Handed out by uid in turn, one uid holding half at
+# most: a user committing files with gigabytes of dirty pages, or closing hundreds of
+# connections, waits behind her own syncs and cuts, not everyone's.
 SETTLERS = 4
 SETTLING = trio.CapacityLimiter(SETTLERS)
 _SETTLING_TURNS = RoundRobin(SETTLERS, SETTLERS // 2)
 
 
 async def settle_off_loop(uid: int, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` (blocking: a commit's stats, truncates and syncs) in a settling
-    thread, in `uid`'s turn."""
+    """`fn(*args)` (blocking: a commit's stats, truncates and syncs, a drop's cuts) in a
+    settling thread, in `uid`'s turn."""
     async with _SETTLING_TURNS.slot(uid):
         return await trio.to_thread.run_sync(fn, *args, limiter=SETTLING)
 

@@ -49,12 +49,14 @@ class StoreWorker:
         self.prepare = prepare
         self._store: MetaStore | None = None
         self._line = RoundRobin(1)  # one call at a time: a store is one thread's
+        # ... and that thread its own: never behind a flood of trio's shared ones
+        self._thread = trio.CapacityLimiter(1)
 
     async def run(self, fn: Callable[[MetaStore], T], uid: int = 0) -> T:
         """`fn(store)` in a worker thread, in `uid`'s turn; OSError (EIO) if the store
         cannot be read."""
         async with self._line.slot(uid):
-            return await trio.to_thread.run_sync(self._run, fn)
+            return await trio.to_thread.run_sync(self._run, fn, limiter=self._thread)
 
     def _run(self, fn: Callable[[MetaStore], T]) -> T:
         if self._store is None:
