@@ -134,13 +134,17 @@ class FileOps:
                 raise OSError(errno.EINVAL, f"{path} is not a regular file")
             if not may(node, caller, R_OK):
                 raise OSError(errno.EACCES, f"{path}: read permission denied")
+            # Lent from the check on, before any await: a chmod or chown meanwhile renews
+            # it (`Volume.renew`) and changes the mark, and this judges again (marked
+            # lent only once its descriptors were opened, a chmod in between found it
+            # not lent, renewed nothing, and the reader kept what was written after).
+            self.vol.lent.add(node.ino)
             if self.renewing is not None and await self.renewing(node.ino):
                 continue
             got = await self._open_read(msg, session, path, node, sealed)
             if "remote" in got[0]:
                 return got  # (a reading node's connections: its writer renews, not here)
             if self.vol.renew_mark(node.ino) == mark:
-                self.vol.lent.add(node.ino)  # (renewed before its access changes)
                 return got
             for fd in got[1]:
                 os.close(fd)
