@@ -244,6 +244,37 @@ def test_space_a_writer_reserves_past_its_files_end_is_taken_back(mounted: Mount
     assert not os.path.exists(mounted.path / "dropped.bin")
 
 
+@pytest.mark.daemon_log(r"cut \d+ chunk files of unpublished files")
+def test_space_reserved_past_its_end_by_a_writer_that_never_commits_is_taken_back(
+        mounted: Mounted) -> None:
+    """A writer that reserved a member's space past its file's declared end
+    (fallocate KEEP_SIZE: no size check sees it) and kept its descriptors, never
+    committing, held it outside every quota for as long as it liked: a file declared
+    4 KiB held 64 MiB a chunk file.  Its file is held as a dropped one now: the blocks
+    cut, more refused where the member keeps an immutable flag, its commit refused."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+    def reserve(fd: int) -> int:
+        return libc.fallocate(fd, 1, 0, 64 << 20)  # (FALLOC_FL_KEEP_SIZE)
+
+    with create_file(str(mounted.path / "hog.bin"), 4096) as w:
+        w.write_at(0, memoryview(aligned(b"h" * 4096)), valid=4096)
+        fds = list(w.fds.values())
+        assert all(reserve(fd) == 0 for fd in fds)
+        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) >= 64 << 20
+        assert eventually(lambda: all(os.fstat(fd).st_blocks * 512 < 1 << 20 for fd in fds),
+                          timeout=10), "the reserved blocks stay while the writer holds them"
+        if _keeps_immutable(mounted.members[0]):
+            assert all(reserve(fd) != 0 and ctypes.get_errno() == errno.EPERM for fd in fds)
+        with pytest.raises(OSError) as e:
+            w.commit(4096)
+        assert e.value.errno == errno.EFBIG
+    assert not (mounted.path / "hog.bin").exists()
+
+
 def _keeps_immutable(folder: str) -> bool:
     """Whether `folder`'s file system keeps the immutable flag (ext4 and XFS do)."""
     from mxfs.pool.revoke import set_immutable

@@ -197,7 +197,12 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
     """Blocking (a worker thread): cut chunk files of unpublished files that run past
     their writers' declared sizes back to them, marking those files refused; how many
     chunk files were cut.  A writer cannot be stopped, but the space it took past its
-    word is taken back (on the metadata member, at once: `Pool.cut`)."""
+    word is taken back (on the metadata member, at once: `Pool.cut`), and a file whose
+    writers still hold it past their word (grown, or blocks reserved past its end) is
+    held as a dropped one is (`Held.hold`: moved aside, cut every second, immutable
+    where the member's file system keeps the flag): a writer that reserved a member's
+    space with fallocate(KEEP_SIZE) and kept its descriptors, never committing, held
+    it outside every quota for as long as it liked."""
     cut = 0
     for pending in pendings:
         node = pending.entry.node
@@ -210,7 +215,26 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
                 cut += 1
             except OSError:
                 pass
+        if pending.committing:
+            continue  # (a node's file whose commit was sent: the writer's to handle)
+        if (pending.overdrawn or overreserved(vol, node, pending.declared)) and \
+                writers_remain(chunk_paths(vol, node)):
+            pending.overdrawn = True
+            cut += vol.held.hold(node.ino)
     return cut
+
+
+def overreserved(vol: Volume, node: Inode, declared: int) -> bool:
+    """Blocking: whether a chunk file of `node` holds blocks past what `declared`
+    allows (`fallocate` with KEEP_SIZE: no size check sees them)."""
+    for m in vol.layout(node).used_members():
+        try:
+            st = os.stat(vol.pool.chunk_path(m, node.ino))
+        except OSError:
+            continue
+        if overallocated(st, allowed_length(vol, node, m, declared)):
+            return True
+    return False
 
 
 def trim_reserved(vol: Volume, node: Inode, declared: int) -> int:
