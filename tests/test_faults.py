@@ -454,3 +454,35 @@ def test_writes_answered_before_they_land_keep_the_metadata_members_reserve(
     finally:
         ballast.unlink(missing_ok=True)
         vol.store.close()
+
+
+def test_declared_sizes_of_unpublished_files_hold_the_metadata_members_room(
+        loop_pool: Mounted) -> None:
+    """A direct create's declared share of the metadata member was measured against
+    its free space and not held: two files declared as large as its room each passed,
+    and writing them took its reserve.  The share is held until the file is committed
+    or dropped now: the second is refused (ENOSPC), and an abort gives the room back."""
+    from mxfs.pool.pool import META_RESERVE
+
+    mp, meta = loop_pool.path, loop_pool.members[0]
+    ballast = Path(meta) / "ballast"  # (another user of the disk)
+    st = os.statvfs(meta)
+    with open(ballast, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - META_RESERVE
+                           - (8 << 20))
+    declared = 4 * (6 << 20)  # (6 MiB a member of the four)
+    try:
+        with ControlClient(str(mp)) as c:
+            def create(name: str) -> int:
+                made, fds = c.call_with_fds("create", path="/" + name, size=declared)
+                for fd in fds:
+                    os.close(fd)
+                return int(made["ino"])
+            first = create("first")
+            with pytest.raises(OSError) as e:
+                create("second")
+            assert e.value.errno == errno.ENOSPC
+            c.call("abort", ino=first)
+            c.call("abort", ino=create("third"))  # (the first's room given back)
+    finally:
+        ballast.unlink(missing_ok=True)

@@ -206,14 +206,20 @@ class FileOps:
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)
-        for m in layout.used_members():
-            self.vol.pool.check_space(m, -(-size // layout.width))
-        mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
-                              caller.gids.__contains__)
-        with session.booking(size):
-            entry, members, fds = await open_hidden(self.vol, parent, mode, caller.uid, gid,
-                                                    self.calls)
-        session.hold(Pending(entry, path, size), booked=True)
+        pool, held = self.vol.pool, 0  # (its declared share of the metadata member held
+        try:                           # until it is committed or dropped: two creates
+            for m in layout.used_members():  # declared as large as the room took it all)
+                held += pool.check_space(m, -(-size // layout.width), hold=True)
+            mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
+                                  caller.gids.__contains__)
+            with session.booking(size):
+                entry, members, fds = await open_hidden(self.vol, parent, mode, caller.uid,
+                                                        gid, self.calls)
+        except BaseException:
+            pool.landed(held)
+            raise
+        session.hold(Pending(entry, path, size, meta_room=held, let_room_go=pool.landed),
+                     booked=True)
         return {**self._describe(entry.node), "members": members}, fds
 
     async def _create_here(self, session: Session, body: dict[str, Any]

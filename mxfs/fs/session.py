@@ -47,6 +47,10 @@ class Pending:
     # chunk files are the writer's to remove from now on, never cut here.
     committing: bool = False
     namespace: str = ""  # (a KV chunk) the namespace it was made for: committed there
+    # What its declared size holds of the metadata member's room, let go with it
+    # (`Pool.check_space` with hold, `Pool.landed`).
+    meta_room: int = 0
+    let_room_go: Callable[[int], None] | None = None
 
 
 @dataclass(slots=True)
@@ -116,6 +120,8 @@ class Session:
         """Forget an unpublished file (committed or dropped); KeyError if not held."""
         pending = self.pending.pop(ino)
         self.unbook(pending.declared)
+        if pending.let_room_go is not None:
+            pending.let_room_go(pending.meta_room)
         return pending
 
 
