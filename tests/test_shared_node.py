@@ -1579,6 +1579,37 @@ def _asks(sock: socket.socket, request: bytes) -> bool:
     return bool(reply["ok"])
 
 
+PINS_AT_ONCE = """
+import base64, threading
+b = lambda s: base64.b64encode(s.encode()).decode()
+keys = [b(f"k{i}") for i in range(48)]
+mxfs.client.ControlClient(sys.argv[1]).call("kv_put", namespace="a", keys=keys,
+                                            data=[b("v" * 600)] * 48)
+clients = [mxfs.client.ControlClient(sys.argv[1]) for _ in range(8)]
+ready, got = threading.Barrier(8), [None] * 8
+def get(i):
+    ready.wait()
+    got[i] = attempt(clients[i].call, "kv_get", namespace="a", keys=keys[6 * i:6 * i + 6],
+                     pin=True)
+threads = [threading.Thread(target=get, args=(i,)) for i in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(got))
+"""
+
+
+def test_pinning_gets_at_once_stay_within_a_users_leases(tmp_path: Path) -> None:
+    """A pinning get was checked against the user's leases before it opened its chunk
+    files and counted after: gets sent at once each passed the same check (8 of 6
+    keys under a limit of 10).  One passes now, the rest EMFILE."""
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_pins_per_user=10") as m:
+        got = run_as(alice, PINS_AT_ONCE, str(m.path))
+        assert got.count("ok") == 1 and got.count(errno.EMFILE) == 7, got
+
+
 def test_kv_chunks_and_leases_are_bounded_per_user(tmp_path: Path) -> None:
     """The KV index is memory (about 2 KB a chunk) and each read lease too: one uid's
     namespaces hold at most max_chunks_per_user chunks, its connections together at

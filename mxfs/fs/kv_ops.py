@@ -153,6 +153,7 @@ class KVOps:
         self.index = index
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
+        self.pins_booked: Counter[int] = Counter()  # ... and of gets still opening theirs
         # Calls into the members' filesystems (the mount's set, once the daemon has it).
         self.calls = MemberCalls(len(vol.pool.members))
         self.claims = Claims(self.limits.max_kv_claims_per_user)  # keys being computed
@@ -802,11 +803,18 @@ class KVOps:
                               "descriptors)")
             wanted.append((len(out), key, chunk, node))
             out.append(None)
-        if pin:
+        if pin:  # (counted from the check on: gets awaiting their opens passed it too)
             self._check_pins(session, len(wanted))
-        opened, datas = await self._fetch([n for _, _, _, n in wanted],
-                                          [n for _, _, _, n in inline], odirect,
-                                          session.caller.uid)
+            self.pins_booked[session.tenant] += len(wanted)
+        try:
+            opened, datas = await self._fetch([n for _, _, _, n in wanted],
+                                              [n for _, _, _, n in inline], odirect,
+                                              session.caller.uid)
+        finally:
+            if pin:
+                self.pins_booked[session.tenant] -= len(wanted)
+                if not self.pins_booked[session.tenant]:
+                    del self.pins_booked[session.tenant]
         for (slot, key, chunk, _), data in zip(inline, datas, strict=True):
             if space.chunks.get(key) is chunk:  # (evicted meanwhile: a miss)
                 out[slot] = {**_sums(chunk), "data": base64.b64encode(data).decode()}
@@ -828,7 +836,8 @@ class KVOps:
             raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
                           " KV read leases, the limit (mount option max_pins)")
         uid = session.tenant  # (a user's subordinate uids share her leases: vol/tenants)
-        if uid != 0 and self.pinned_by_uid[uid] + more > self.limits.max_pins_per_user:
+        if uid != 0 and self.pinned_by_uid[uid] + self.pins_booked[uid] + more > \
+                self.limits.max_pins_per_user:
             raise OSError(errno.EMFILE, f"uid {uid} holds {self.pinned_by_uid[uid]} KV read "
                           "leases, the limit (mount option max_pins_per_user)")
 
