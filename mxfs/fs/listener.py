@@ -345,11 +345,21 @@ class Listener:
         await self._close_with(conn, msg_id, errno.EPROTO, str(err))
 
     async def _close_with(self, conn: Any, msg_id: Any, code: int, error: str) -> None:
-        """Send one refusal; the connection is closed after (a Unix socket's peer reads
-        what was sent before the close, read or not what it sent: nothing of its is
-        read here, see foreign_fds)."""
+        """Send one refusal, then close gracefully: what the peer sends meanwhile is read
+        and dropped for a second (its send would fail, EPIPE, before it read why), up
+        to descriptors, which are never taken (see foreign_fds: the connection ends,
+        and they are dropped with it)."""
         with trio.move_on_after(self.limits.frame_timeout):
-            await self._send(conn, {"id": msg_id, "ok": False, "errno": code, "error": error})
+            if not await self._send(conn, {"id": msg_id, "ok": False, "errno": code,
+                                           "error": error}):
+                return
+            try:
+                conn.shutdown(socket.SHUT_WR)
+                with trio.move_on_after(1):
+                    while await self._recv(conn, 1 << 16):
+                        pass
+            except (OSError, ProtocolError):
+                pass
 
     async def _send(self, conn: Any, reply: dict[str, Any], fds: Sequence[int] = ()) -> bool:
         data = memoryview(encode(reply, len(fds)))
