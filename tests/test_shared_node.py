@@ -1089,6 +1089,59 @@ def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
         late.close()
 
 
+@pytest.mark.unit
+def test_a_users_room_to_buffer_goes_in_turn_and_all_comes_back() -> None:
+    """Room in a user's budget of bytes buffered is handed out first come first served
+    as it frees; a message over the whole budget is refused at once, a wait that runs
+    past its deadline or is cancelled leaves the line to the next; requests wait while
+    her unsent replies fill the budget; what a connection held comes back when it
+    ends; root is not bound."""
+    import math
+
+    from mxfs.fs.buffered import Buffered, Hold
+
+    b = Buffered(100)
+
+    async def main() -> None:
+        first, second, third, late = Hold(5), Hold(5), Hold(5), Hold(5)
+        assert await b.take(first, 60, math.inf)
+        assert not await b.take(second, 101, math.inf)  # (at once: it never fits)
+        got: list[tuple[Hold, bool]] = []
+
+        async def take(hold: Hold, n: int) -> None:
+            got.append((hold, await b.take(hold, n, math.inf)))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take, second, 50)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(take, third, 10)  # (room for it, but behind the first)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == [] and b.room(5) == 0
+            assert await b.take(Hold(0), 1 << 30, 0)  # root's
+            b.keep(first, 50)  # (room for the first in line, and no more)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == [(second, True)] and second.inbox == 50
+            b.keep(first, 40)
+        assert got[1] == (third, True) and b.held[5] == 100
+        assert not await b.take(late, 10, trio.current_time() + 0.05)
+        with trio.move_on_after(0.05):
+            await b.take(late, 10, math.inf)
+        b.drop(third)
+        assert b.room(5) == 10 and late.inbox == 0  # (nobody left in line)
+        b.reply(first, 50)
+        assert await b.reply_room(5, 0)
+        b.reply(second, 50)  # her replies fill her budget: her requests wait
+        assert not await b.reply_room(5, trio.current_time() + 0.05)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.reply_room, 5, math.inf)
+            await trio.testing.wait_all_tasks_blocked()
+            b.reply(second, 0)  # (one sent: room again)
+        for hold in (first, second, third, late):
+            b.drop(hold)
+
+    trio.run(main)
+    assert b.held == {0: 1 << 30} and not b.replies
+
+
 @pytest.mark.daemon_log(r"control connections, the limit")
 def test_a_users_subordinate_uids_share_her_limits(tmp_path: Path) -> None:
     """A user may run processes as her subordinate uids (rootless containers): counted
