@@ -1089,6 +1089,152 @@ def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
         late.close()
 
 
+HALF_SENT = r"""
+import socket, threading
+from mxfs.proto import HEADER, VERSION
+from mxfs.proto.framing import recv_message
+path, n, size, flags = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+conns = []
+for _ in range(n):
+    conns.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    conns[-1].connect(path)
+frame = HEADER.pack(b"MXFS", VERSION, 0, size) + b" " * (size - 1)  # all but its last byte
+replies = [None] * n
+def send(i):
+    try:
+        conns[i].sendall(frame)
+    except OSError:
+        pass  # refused and closed before all was taken
+    try:
+        replies[i] = recv_message(conns[i])[0]
+    except Exception:
+        pass  # closed without a word (too slow)
+threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+for t in threads:
+    t.start()
+open(os.path.join(flags, "sending"), "w").close()
+for t in threads:
+    t.join()
+print(json.dumps(replies))
+"""
+
+
+def _bob_puts(m: Mounted, bob: Any) -> None:
+    """A large request of bob's is served (its reply read)."""
+    os.setegid(bob.gid)
+    os.seteuid(bob.uid)  # (SO_PEERCRED: as of connect)
+    try:
+        bobs = ControlClient(str(m.path))
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+    with bobs:
+        data = base64.b64encode(os.urandom(512 << 10)).decode()
+        bobs.call("kv_put", namespace="bobs", keys=[base64.b64encode(b"k").decode()],
+                  data=[data])
+
+
+def _most_rss(pid: int, seconds: float) -> int:
+    """The most resident memory the daemon had in the next `seconds`, in bytes."""
+    most, end = _rss(pid), time.monotonic() + seconds
+    while time.monotonic() < end:
+        most = max(most, _rss(pid))
+        time.sleep(0.05)
+    return most
+
+
+def _rss(pid: int) -> int:
+    """The daemon's resident memory, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.daemon_log(r"slow for pid \d+ uid \d+ failed .*not sent whole in time",
+                        r"buffered for pid \d+ uid \d+ failed .*max_buffered_per_user")
+def test_one_users_half_sent_requests_hold_a_bounded_share_of_the_daemons_memory(
+        tmp_path: Path) -> None:
+    """A connection's inbox held a request while it arrived, up to 1 MiB for
+    frame_timeout, counted by connection alone: a user's connections each sending
+    all but the last byte of 1 MiB made the daemon hold 1 MiB each (0.5 GiB at her
+    512).  Her connections together hold max_buffered_per_user: past it a request
+    is not read until there is room, and refused (ENOBUFS, naming the limit) if none
+    comes in time; another user is served meanwhile."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    budget, conns, size = 8 << 20, 64, 1 << 20
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, f"max_buffered_per_user={budget}", "frame_timeout=20") as m:
+        pid = m.daemon_pid()
+        before = _rss(pid)
+        control = os.getxattr(m.path, "user.mxfs.control").decode()
+        with _as_with_flags(alice, HALF_SENT, control, str(conns), str(size)) as (proc, flags):
+            assert eventually(lambda: (flags / "sending").exists(), timeout=60)
+            most = _most_rss(pid, 4)  # (before any is refused)
+            _bob_puts(m, bob)  # a large request of his, while alice's hold all of theirs
+            out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        grew = most - before
+        assert grew < budget + (16 << 20), f"the daemon grew by {grew >> 20} MiB"
+        refused = [r for r in json.loads(out) if r is not None]
+        assert refused and all(r["errno"] == errno.ENOBUFS for r in refused), refused
+        assert "max_buffered_per_user" in refused[0]["error"], refused[0]
+        with ControlClient(str(m.path)) as c:
+            assert eventually(lambda: c.call("stat")["limits"]["bytes_buffered"] == 0)
+
+
+UNREAD_REPLIES = r"""
+import base64, socket
+from mxfs.proto import encode
+mount, path, n, flags = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+key = base64.b64encode(b"big").decode()
+with mxfs.client.ControlClient(mount) as c:  # a chunk a get answers inline
+    c.call("kv_put", namespace="alices", keys=[key],
+           data=[base64.b64encode(b"x" * (500 << 10)).decode()])
+ask = encode({"op": "kv_get", "id": 1, "namespace": "alices", "keys": [key],
+              "inline_max": 1 << 20})
+conns = []
+for _ in range(n):  # each asks for it, and never reads its reply
+    conns.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    conns[-1].connect(path)
+    conns[-1].sendall(ask)
+open(os.path.join(flags, "asked"), "w").close()
+while not os.path.exists(os.path.join(flags, "stop")):
+    time.sleep(0.05)
+print(json.dumps("closed"))
+"""
+
+
+def test_one_users_unread_replies_hold_a_bounded_share_of_the_daemons_memory(
+        tmp_path: Path) -> None:
+    """A reply was held until its peer read it, for frame_timeout, on every connection:
+    a user's connections each asking for 500 KiB inline and reading nothing made the
+    daemon hold a copy or two of it each.  Her unsent replies count against
+    max_buffered_per_user, and her requests are served only while they are under it
+    (a reply is memory once made); another user is served meanwhile."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    budget, conns = 8 << 20, 64
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, f"max_buffered_per_user={budget}", "frame_timeout=20") as m:
+        pid = m.daemon_pid()
+        before = _rss(pid)
+        control = os.getxattr(m.path, "user.mxfs.control").decode()
+        with _as_with_flags(alice, "import time\n" + UNREAD_REPLIES, str(m.path), control,
+                            str(conns)) as (proc, flags):
+            assert eventually(lambda: (flags / "asked").exists(), timeout=60)
+            most = _most_rss(pid, 4)  # (before any is given up)
+            _bob_puts(m, bob)
+            (flags / "stop").touch()
+            out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        grew = most - before
+        assert grew < budget + (16 << 20), f"the daemon grew by {grew >> 20} MiB"
+        with ControlClient(str(m.path)) as c:
+            assert eventually(lambda: c.call("stat")["limits"]["bytes_buffered"] == 0)
+
+
 @pytest.mark.unit
 def test_a_users_room_to_buffer_goes_in_turn_and_all_comes_back() -> None:
     """Room in a user's budget of bytes buffered is handed out first come first served

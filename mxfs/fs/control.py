@@ -105,6 +105,7 @@ class ControlServer:
         against its op's declaration, then its handler's reply, marked ok."""
         caller, op = session.caller, BY_NAME[msg["op"]]
         async with self.turns.turn(caller.uid):
+            await self.listener.reply_room(session)  # (its reply is made only with room)
             with self.metrics.timed("control", op.name):
                 if op is not HELLO and self.only_uid is not None and \
                         caller.uid != self.only_uid:

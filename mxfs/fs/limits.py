@@ -32,6 +32,8 @@ class Limits:
     max_open_per_user: int = 4096   # files one uid holds open through the mount (each a
                                     # descriptor of the daemon's a member it touches)
     max_fds_in_flight_per_user: int = 4096  # descriptors sent to one uid, not yet received
+    max_buffered_per_user: int = 64 << 20  # bytes of one uid's control requests arriving
+                                    # and replies unsent, all connections (fs/buffered.py)
     max_held_per_user: int = MAX_HELD_PER_USER  # bytes of one user's removed or renewed
                                     # files kept for their readers (pool/revoke.py)
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid

@@ -4,7 +4,9 @@ A Unix socket beside the mount.  Each connection is served in its own trio task;
 caller's identity comes from SO_PEERCRED (taken at connect).  This module knows no
 op: it admits connections against the limits, reads one framed request at a time
 within the timeouts, hands it to `dispatch` (`fs/control.py`), and sends the reply
-with its descriptors, counted against the receiver until read (`fs/inflight.py`).  A
+with its descriptors, counted against the receiver until read (`fs/inflight.py`).  What
+a connection holds of requests arriving and replies unsent counts against its tenant's
+budget (`fs/buffered.py`): a frame is read once it has room.  A
 malformed, oversized or unknown message gets an error reply and the connection is
 closed, while the daemon goes on serving others.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 import trio
 
+from mxfs.fs.buffered import Buffered, Hold
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import Msg, check_request
 from mxfs.fs.foreign_fds import Dropper, carries_rights, refuse_rights, take
@@ -44,6 +47,10 @@ READ_AHEAD = 64 << 10
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
+
+
+class NoRoom(Exception):
+    """A frame that its tenant's budget of bytes buffered had no room for in time."""
 
 
 def peer_caller(sock: Any) -> Caller:
@@ -84,6 +91,8 @@ class Listener:
         self.failures = FailureLog(log)
         self.dropper = Dropper()  # connections sent descriptors (kernels before 6.16)
         self.rights_refused = False  # ... or none can be sent (SO_PASSRIGHTS off)
+        # Bytes of requests arriving and replies unsent, by tenant (max_buffered_per_user).
+        self.buffered = Buffered(limits.max_buffered_per_user)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ensure_runtime_dir(os.path.dirname(self.path))
@@ -214,101 +223,144 @@ class Listener:
             if not self.conns[tenant]:
                 del self.conns[tenant]
 
-    async def _read_request(self, conn: Any, session: Session, inbox: bytearray
+    async def _read_request(self, conn: Any, session: Session, inbox: bytearray, hold: Hold
                             ) -> dict[str, Any] | None:
-        """The next request, or None when the connection is over (closed, idle, too slow).
+        """The next request, or None when the connection is over (closed, idle, too slow,
+        or its tenant's budget had no room for it).
 
         A connection holding nothing is closed after `idle_timeout`; once a message
         has begun it must arrive whole within `frame_timeout`.  Bytes are read up to
         READ_AHEAD at a time into `inbox`, the connection's bytes read and not yet
         served: a client that sends requests without waiting for replies (a stream
-        of small KV puts) costs one read for several of them, not two each.
+        of small KV puts) costs one read for several of them, not two each.  `hold`
+        is the room in its tenant's budget taken for them (`_fill`).
         """
         lim = self.limits
         holds = session.pending or session.pinned
-        tenant = session.tenant
         try:
             if not inbox:
-                data = None
-                with trio.move_on_after(math.inf if holds else lim.idle_timeout):
-                    try:
-                        data = await self._recv(conn, READ_AHEAD)
-                    except OSError:
-                        return None
-                if not data:
-                    return None  # closed, or idle too long
-                inbox += data
-            with trio.fail_after(lim.frame_timeout):
-                await self._fill(conn, inbox, HEADER.size)
-                _, _, length = parse_header(bytes(inbox[:HEADER.size]))
-                await self._fill(conn, inbox, HEADER.size + length)
-            raw = bytes(inbox[HEADER.size:HEADER.size + length])
-            del inbox[:HEADER.size + length]
-            # Parsed in the sender's turn: one user's connections, each sending a costly
-            # payload at once, take turns among themselves, not everyone's.
-            async with self.turn(tenant):
-                msg = decode_payload(raw, MAX_VALUES)
-            del raw
+                with trio.move_on_after(math.inf if holds else lim.idle_timeout) as idle:
+                    await trio.lowlevel.wait_readable(conn)
+                if idle.cancelled_caught:
+                    return None  # idle too long
+            deadline = trio.current_time() + lim.frame_timeout
+            await self._fill(conn, inbox, hold, HEADER.size, deadline)
+            _, _, length = parse_header(bytes(inbox[:HEADER.size]))
+            size = HEADER.size + length
+            await self._fill(conn, inbox, hold, size, deadline)
+            with memoryview(inbox) as view:
+                raw = bytes(view[HEADER.size:size])
+            del inbox[:size]
+            try:
+                self.buffered.keep(hold, len(inbox) + len(raw))  # (held until parsed)
+                # Parsed in the sender's turn: one user's connections, each sending a
+                # costly payload at once, take turns among themselves, not everyone's.
+                async with self.turn(session.tenant):
+                    msg = decode_payload(raw, MAX_VALUES)
+            finally:
+                del raw
+                self.buffered.keep(hold, len(inbox))
             check_request(msg)
             return msg
         except trio.TooSlowError:
             self.failures.note("slow", session.caller,
                                TimeoutError("a request not sent whole in time"), trace=False)
+        except NoRoom as e:
+            self.failures.note("buffered", session.caller, e, trace=False)
+            await self._close_with(conn, None, errno.ENOBUFS, str(e))
         except ProtocolError as e:  # (its traceback would hold what was parsed meanwhile)
             await self._refuse(conn, session.caller, None, e.with_traceback(None))
         except OSError:
             pass  # the peer went away mid-message
         return None
 
-    async def _fill(self, conn: Any, inbox: bytearray, want: int) -> None:
-        """Read until `inbox` holds `want` bytes (ConnectionError if the peer closes)."""
-        while len(inbox) < want:
-            data = await self._recv(conn, READ_AHEAD)
-            if not data:
-                raise ConnectionError("peer closed mid-message")
-            inbox += data
+    async def _fill(self, conn: Any, inbox: bytearray, hold: Hold, want: int,
+                    deadline: float) -> None:
+        """Read until `inbox` holds `want` bytes: ConnectionError if the peer closes,
+        TooSlowError past `deadline`.  Room in the tenant's budget is taken for all of
+        them before any is read (NoRoom if none came by `deadline`: a frame half read
+        would hold its bytes with none to finish it), and for up to READ_AHEAD more,
+        the requests sent after them, only where the tenant has room to spare."""
+        if len(inbox) >= want:
+            return
+        ahead = len(inbox) + min(READ_AHEAD, self.buffered.room(hold.tenant))
+        if not await self.buffered.take(hold, int(max(want, ahead)), deadline):
+            raise NoRoom(self._over(hold.tenant, f"a message of {want} bytes"))
+        try:
+            with trio.fail_at(deadline):
+                while len(inbox) < want:
+                    data = await self._recv(conn, min(READ_AHEAD, hold.inbox - len(inbox)))
+                    if not data:
+                        raise ConnectionError("peer closed mid-message")
+                    inbox += data
+        finally:
+            self.buffered.keep(hold, len(inbox))  # (what was not read ahead goes back)
+
+    def _over(self, tenant: int, what: str) -> str:
+        """Why `what` of `tenant`'s has no room in its budget of bytes buffered."""
+        return (f"uid {tenant} has {self.buffered.held[tenant]} bytes of control messages "
+                f"buffered in the daemon (requests arriving, replies not yet read) and {what}"
+                f" would take it past {self.limits.max_buffered_per_user}, the limit (mount "
+                "option max_buffered_per_user): read your replies, send fewer large "
+                "requests at once")
+
+    async def reply_room(self, session: Session) -> None:
+        """Wait, in the caller's turn and for `frame_timeout` at most, until its tenant's
+        replies not yet read are under its budget; ENOBUFS if they stay over it.  A reply
+        is memory once made: it is not made until it has room."""
+        deadline = trio.current_time() + self.limits.frame_timeout
+        if not await self.buffered.reply_room(session.tenant, deadline):
+            raise OSError(errno.ENOBUFS, self._over(session.tenant, "another reply"))
 
     async def _serve(self, conn: Any, session: Session) -> None:
         inbox = bytearray()  # (bytes read ahead of the request being served)
-        while True:
-            msg = await self._read_request(conn, session, inbox)
-            if msg is None:
-                return
-            op = msg["op"]
-            fds: list[int] = []
-            try:
-                reply, fds = await self.dispatch(msg, session)
-            except ProtocolError as e:
-                await self._refuse(conn, session.caller, msg.get("id"), e.with_traceback(None))
-                return
-            except OSError as e:
-                code = e.errno or errno.EIO
-                reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
-            except Exception as e:  # a bug or an unforeseen value: this request alone fails
-                self.failures.note(op, session.caller, e)
-                reply = {"ok": False, "errno": errno.EIO,
-                         "error": f"internal error serving {op} (logged by the daemon)"}
-            if fds:
-                reply, fds = self._admit_fds(session, reply, fds)
-            reply["id"] = msg.get("id")
-            del msg  # not held while the connection waits for its next request
+        hold = Hold(session.tenant)  # (what the connection holds of the tenant's budget)
+        try:
+            while await self._serve_one(conn, session, inbox, hold):
+                pass
+        finally:
+            self.buffered.drop(hold)
+
+    async def _serve_one(self, conn: Any, session: Session, inbox: bytearray, hold: Hold
+                         ) -> bool:
+        """Read one request, serve it and send its reply; False when the connection is
+        over."""
+        msg = await self._read_request(conn, session, inbox, hold)
+        if msg is None:
+            return False
+        op = msg["op"]
+        fds: list[int] = []
+        try:
+            reply, fds = await self.dispatch(msg, session)
+        except ProtocolError as e:
+            await self._refuse(conn, session.caller, msg.get("id"), e.with_traceback(None))
+            return False
+        except OSError as e:
+            code = e.errno or errno.EIO
+            reply = {"ok": False, "errno": code, "error": e.strerror or os.strerror(code)}
+        except Exception as e:  # a bug or an unforeseen value: this request alone fails
+            self.failures.note(op, session.caller, e)
+            reply = {"ok": False, "errno": errno.EIO,
+                     "error": f"internal error serving {op} (logged by the daemon)"}
+        if fds:
+            reply, fds = self._admit_fds(session, reply, fds)
+        reply["id"] = msg.get("id")
+        del msg  # not held while the connection waits for its next request
+        try:
+            data, sending = self._encoded(reply, fds)
+            del reply  # (its bytes alone are held while its peer takes them)
+            self.buffered.reply(hold, len(data))
             sent = False
-            try:
-                with trio.move_on_after(self.limits.frame_timeout) as scope:
-                    try:
-                        sent = await self._send(conn, reply, fds)
-                    except ProtocolError as e:  # a reply over the limits: say so, stay up
-                        sent = await self._send(conn, {"id": reply["id"], "ok": False,
-                                                       "errno": errno.E2BIG, "error": str(e)})
-                if fds:
-                    session.sent_fds += len(fds)
-                    self.sending.setdefault(session.tenant, {})[id(session)] = session
-                if not sent or scope.cancelled_caught:
-                    return  # the peer went away or does not read its replies
-            finally:
-                for fd in fds:
-                    os.close(fd)  # the peer holds its own copies now
-            del reply
+            with trio.move_on_after(self.limits.frame_timeout) as scope:
+                sent = await self._send(conn, data, sending)
+            if sending:
+                session.sent_fds += len(sending)
+                self.sending.setdefault(session.tenant, {})[id(session)] = session
+            return sent and not scope.cancelled_caught  # (else gone, or not reading)
+        finally:
+            self.buffered.reply(hold, 0)
+            for fd in fds:
+                os.close(fd)  # the peer holds its own copies now
 
     def fds_in_flight(self, uid: int) -> int:
         """Descriptors sent to `uid`'s connections that they have not read yet (a
@@ -350,8 +402,8 @@ class Listener:
         to descriptors, which are never taken (see foreign_fds: the connection ends,
         and they are dropped with it)."""
         with trio.move_on_after(self.limits.frame_timeout):
-            if not await self._send(conn, {"id": msg_id, "ok": False, "errno": code,
-                                           "error": error}):
+            if not await self._send(conn, encode({"id": msg_id, "ok": False, "errno": code,
+                                                  "error": error})):
                 return
             try:
                 conn.shutdown(socket.SHUT_WR)
@@ -361,8 +413,19 @@ class Listener:
             except (OSError, ProtocolError):
                 pass
 
-    async def _send(self, conn: Any, reply: dict[str, Any], fds: Sequence[int] = ()) -> bool:
-        data = memoryview(encode(reply, len(fds)))
+    @staticmethod
+    def _encoded(reply: dict[str, Any], fds: list[int]) -> tuple[bytes, list[int]]:
+        """The reply's bytes and the descriptors that go with them; a reply over the
+        limits is an E2BIG error instead, without them (say so, stay up)."""
+        try:
+            return encode(reply, len(fds)), fds
+        except ProtocolError as e:
+            return encode({"id": reply["id"], "ok": False, "errno": errno.E2BIG,
+                           "error": str(e)}), []
+
+    async def _send(self, conn: Any, raw: bytes, fds: Sequence[int] = ()) -> bool:
+        """Send `raw` (with `fds` on its first byte); False if the peer went away."""
+        data = memoryview(raw)
         try:
             if fds:
                 anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]

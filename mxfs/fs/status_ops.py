@@ -157,6 +157,7 @@ class StatusOps:
         return {**{k: getattr(self.limits, k) for k in Limits.options()},
                 "connections": sum(self.listener.conns.values()), "users": len(self.listener.conns),
                 "fds_in_flight": sum(s.sent_fds for s in self.listener.sessions.values()),
+                "bytes_buffered": sum(self.listener.buffered.held.values()),
                 "busiest_user": list(busiest[0]) if busiest else None,
                 "fds_open": open_fds(), "fds_max": fd_limit(), "by_user": self.by_user()}
 
@@ -168,7 +169,8 @@ class StatusOps:
 
         def of(uid: int) -> dict[str, int]:
             return held.setdefault(uid, {"connections": 0, "pending": 0, "pins": 0,
-                                         "fds_in_flight": 0, "kv_chunks": 0})
+                                         "fds_in_flight": 0, "kv_chunks": 0,
+                                         "bytes_buffered": 0})
         for uid, n in self.listener.conns.items():
             of(uid)["connections"] = n
         for uid, n in self.pending_by_uid.items():
@@ -178,6 +180,8 @@ class StatusOps:
         for uid, n in self.kv.index.chunks_by_tenant.items():
             if n:
                 of(uid)["kv_chunks"] = n
+        for uid, n in self.listener.buffered.held.items():
+            of(uid)["bytes_buffered"] = n
         for s in self.listener.sessions.values():
             if s.sent_fds:
                 of(s.tenant)["fds_in_flight"] += s.sent_fds
