@@ -3,9 +3,10 @@
 A connection's inbox holds a frame while it arrives (up to 1 MiB, for up to
 `frame_timeout`), and a reply is held until its peer reads it: counted by
 connection alone, one user's 512 connections held 0.5-1 GiB of the daemon's
-memory at no cost to her.  Every connection's inbox and unsent reply are counted
-against its tenant (`vol/tenants.py`), at most `max_buffered_per_user` bytes (root:
-not bound).  Room for bytes is taken before they are read: a frame is read only
+memory at no cost to her.  Every connection's inbox (a request until it is served:
+parsed, it waits for its turn as memory) and unsent reply are counted against its
+tenant (`vol/tenants.py`), at most `max_buffered_per_user` bytes (root: not bound).
+Room for bytes is taken before they are read: a frame is read only
 once its whole length has room (a connection waits in its tenant's line, first come
 first served, until its deadline).  A reply cannot wait so (it is memory already),
 so a request enters service only while its tenant's unsent replies are under the

@@ -233,7 +233,8 @@ class Listener:
         READ_AHEAD at a time into `inbox`, the connection's bytes read and not yet
         served: a client that sends requests without waiting for replies (a stream
         of small KV puts) costs one read for several of them, not two each.  `hold`
-        is the room in its tenant's budget taken for them (`_fill`).
+        is the room in its tenant's budget taken for them (`_fill`), and for the
+        request returned until it is served.
         """
         lim = self.limits
         holds = session.pending or session.pinned
@@ -251,15 +252,13 @@ class Listener:
             with memoryview(inbox) as view:
                 raw = bytes(view[HEADER.size:size])
             del inbox[:size]
-            try:
-                self.buffered.keep(hold, len(inbox) + len(raw))  # (held until parsed)
-                # Parsed in the sender's turn: one user's connections, each sending a
-                # costly payload at once, take turns among themselves, not everyone's.
-                async with self.turn(session.tenant):
-                    msg = decode_payload(raw, MAX_VALUES)
-            finally:
-                del raw
-                self.buffered.keep(hold, len(inbox))
+            # Counted until served (`_serve_one`): parsed, it waits for its turn as memory.
+            self.buffered.keep(hold, len(inbox) + length)
+            # Parsed in the sender's turn: one user's connections, each sending a costly
+            # payload at once, take turns among themselves, not everyone's.
+            async with self.turn(session.tenant):
+                msg = decode_payload(raw, MAX_VALUES)
+            del raw
             check_request(msg)
             return msg
         except trio.TooSlowError:
@@ -346,6 +345,7 @@ class Listener:
             reply, fds = self._admit_fds(session, reply, fds)
         reply["id"] = msg.get("id")
         del msg  # not held while the connection waits for its next request
+        self.buffered.keep(hold, len(inbox))  # (the request served: its bytes go back)
         try:
             data, sending = self._encoded(reply, fds)
             del reply  # (its bytes alone are held while its peer takes them)
