@@ -140,7 +140,8 @@ def test_silent_scrapers_hold_a_few_threads_of_the_daemon(members: list[str]) ->
     """Anyone on the host may connect to /metrics: prometheus_client's server took a
     thread of the daemon for each connection, for as long as it stayed silent (a user
     opening thousands ran the daemon out of threads).  A few are served at once, each
-    for a few seconds at most, the rest closed at once; scrapes go on after."""
+    for a few seconds at most (a whole request: a byte now and then does not keep it),
+    the rest closed at once; scrapes go on after."""
     from mxfs.fs.metrics import SCRAPE_S, SCRAPERS
 
     mkfs(members)
@@ -158,6 +159,24 @@ def test_silent_scrapers_hold_a_few_threads_of_the_daemon(members: list[str]) ->
             assert all(_closed(s) for s in silent)  # (the few, after their time)
         finally:
             for s in silent:
+                s.close()
+        # A byte now and then kept a connection served (the limit was a read's, not a
+        # request's): as many as are served at once held every slot for hours.
+        drippers = [socket.create_connection(("127.0.0.1", port)) for _ in range(SCRAPERS)]
+        try:
+            until, cut = time.monotonic() + 3 * SCRAPE_S, set()
+            while time.monotonic() < until:
+                for i, s in enumerate(drippers):
+                    try:
+                        s.send(b"G")
+                    except OSError:
+                        cut.add(i)
+                    if _closed(s):
+                        cut.add(i)
+                time.sleep(0.25)
+            assert len(cut) == SCRAPERS, f"{SCRAPERS - len(cut)} dripping scrapes held on"
+        finally:
+            for s in drippers:
                 s.close()
         assert eventually(lambda: _scrape(port) is not None)
         assert (m.path / "f").write_bytes(b"x") == 1  # (the mount served throughout)

@@ -15,6 +15,7 @@ GAUGES_S, and every scrape in between gets the last gathering.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -175,6 +176,24 @@ def _serve(addr: str, port: int) -> None:
 
     class Handler(WSGIRequestHandler):
         timeout = SCRAPE_S  # (a connection that sends nothing, or takes nothing, goes)
+
+        def setup(self) -> None:
+            """SCRAPE_S for the whole request, not each read: a client sending a byte
+            a second held a scraper's slot for hours (the socket shut at the end of it
+            ends whatever read or write waits)."""
+            super().setup()
+            self._deadline = threading.Timer(SCRAPE_S, self._cut)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+        def _cut(self) -> None:
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+        def finish(self) -> None:
+            self._deadline.cancel()
+            with contextlib.suppress(OSError):
+                super().finish()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             pass  # (not a line a scrape on the daemon's log)
