@@ -76,7 +76,8 @@ class StatusOps:
         status = await self.status(uid)
         if uid != 0:  # names of lost files may sit under others' 0700 folders
             status["lost_examples"] = []
-            status["limits"]["by_user"] = {}  # (nor who else uses the daemon)
+            limits = status["limits"]  # (nor who else uses the daemon, or how much)
+            limits["by_user"], limits["busiest_user"], limits["users"] = {}, None, 0
         return {**status}, []
 
     async def _metrics(self, msg: Msg, session: Session) -> Answer[MetricsReply]:
