@@ -650,12 +650,28 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     store.group_changes(3600)
     store.count_usage()
 
+    def pair(uid: int) -> int:
+        return uid // 2
+
+    first = store.count_usage().grouped(pair, 1)  # (kept by group as it moves: quotas)
+
     def agrees() -> None:
         store.flush_all()
         store.durable()
         other = fresh(where)
         assert _tally(other) == _tally(store)
         other.close()
+        usage = store.count_usage()
+        groups = usage.grouped(pair, 1)
+        assert groups is first or store.groups_lost  # (moved, never grouped again)
+        want: dict[int, tuple[int, int, int, int]] = {}
+        for uid in usage.uids():
+            b, i, x, n = want.get(pair(uid), (0, 0, 0, 0))
+            want[pair(uid)] = (b + usage.bytes[uid], i + usage.inodes[uid],
+                               x + usage.xattrs[uid], n + usage.names[uid])
+        got = {k: (g.bytes, g.inodes, g.xattrs, g.names) for k, g in groups.items()
+               if (g.bytes, g.inodes, g.xattrs, g.names) != (0, 0, 0, 0)}
+        assert got == {k: v for k, v in want.items() if v != (0, 0, 0, 0)}
 
     a = store.create(ROOT_INO, b"a", REG, 7, 7, layout_for=pick)
     b = store.create(ROOT_INO, b"b", REG, 8, 8, layout_for=pick)

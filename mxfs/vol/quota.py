@@ -15,9 +15,9 @@ names) plus what its unpublished direct writes and KV chunks declared, and the s
 of it reserved for nodes writing its files through their mounts (`reserved`:
 `fs/node_writes.Rooms`): a direct writer is charged its declared size when it creates
 the file, and its chunk files are cut back to that size (`fs/session.py`), so
-descriptors a writer holds cannot take it past its quota either.  The tally is by uid:
-its uids are grouped by tenant again only when a uid starts or stops owning anything
-or /etc/subuid changes (`_uids`), so a check sums a few uids, not every owner's.
+descriptors a writer holds cannot take it past its quota either.  The tally keeps
+each tenant's total as it moves (`Usage.grouped`), grouped again from every uid only
+when /etc/subuid changes: a check reads one total, however many uids she has.
 
 Growth is checked where it happens: a create, a write or truncate past the end of a
 file (charged to the file's owner, as quotas are), a direct or KV create, a KV put, and
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mxfs.meta import Inode, MetaStore
-from mxfs.meta.usage import NAME_ROW
+from mxfs.meta.usage import NAME_ROW, Group
 from mxfs.proto.messages import QuotaReport, QuotaRow
 from mxfs.units import format_size
 from mxfs.vol.tenants import TENANTS, tenant_of
@@ -117,9 +117,6 @@ class Quotas:
         self.held = held
         # Declared by unpublished files, by uid (released by the uid that reserved)
         self.reserved: Counter[int] = Counter()
-        # The tally's uids by tenant, and the (tally, subuid file) generations they are of
-        self._groups: dict[int, list[int]] = {}
-        self._grouped: tuple[int, int] | None = None
         self.limits: dict[str, Quota] = {}
         for key, value in store.settings(PREFIX):
             try:
@@ -131,23 +128,16 @@ class Quotas:
         """The limits that hold for `uid`: its tenant's own, else the default."""
         return self.limits.get(str(tenant_of(uid))) or self.limits.get(DEFAULT, NONE)
 
-    def _uids(self, tenant: int) -> list[int]:
-        """The uids the tally counts anything of that answer to `tenant`."""
-        usage = self.store.count_usage()
-        grouped = (usage.generation, TENANTS.generation)  # (read before grouping)
-        if grouped != self._grouped:
-            groups: dict[int, list[int]] = {}
-            for uid in usage.uids():
-                groups.setdefault(tenant_of(uid), []).append(uid)
-            self._groups, self._grouped = groups, grouped
-        return self._groups.get(tenant, [])
+    def _tenants(self) -> dict[int, Group]:
+        """The tally by tenant, kept as it moves (`Usage.grouped`): grouped again only
+        when /etc/subuid changed."""
+        return self.store.count_usage().grouped(tenant_of, TENANTS.generation)
 
     def owned(self, tenant: int) -> tuple[int, int]:
         """Bytes (what a byte quota counts: `Usage.owned_bytes`) and inodes the tally
         counts of `tenant`'s uids."""
-        usage = self.store.count_usage()
-        uids = self._uids(tenant)
-        return sum(usage.owned_bytes(u) for u in uids), sum(usage.inodes[u] for u in uids)
+        group = self._tenants().get(tenant)
+        return (group.owned_bytes(), group.inodes) if group is not None else (0, 0)
 
     def reserved_of(self, tenant: int) -> int:
         """Bytes reserved for `tenant`'s uids (few uids reserve at once: unpublished
@@ -230,22 +220,23 @@ class Quotas:
         """What `mxfs quota` shows: each tenant's usage, its uids' together, against its
         limits (only `uid`'s tenant's when given; else every tenant with a quota of its
         own or anything owned, the `most` largest by bytes), and the default."""
-        usage = self.store.count_usage()
+        groups = self._tenants()
         if uid is not None:
             tenants = [tenant_of(uid)]
         else:
             named = {tenant_of(int(k)) for k in self.limits if k != DEFAULT}
-            owners = sorted({tenant_of(u) for u in usage.uids() | set(self.reserved)},
+            owners = sorted({t for t, g in groups.items() if g.inodes or g.owned_bytes()}
+                            | {tenant_of(u) for u in self.reserved},
                             key=lambda t: -self.owned(t)[0])
             tenants = sorted(named | set(owners[:most]))
         rows: list[QuotaRow] = []
         for t in tenants:
             quota = self.of(t) if t != 0 else NONE
-            uids = self._uids(t)
-            owned, inodes = self.owned(t)
+            group = groups.get(t) or Group()
+            owned, inodes = group.owned_bytes(), group.inodes
             rows.append({"uid": t, "bytes": owned,
-                         "xattr_bytes": sum(usage.xattrs[u] for u in uids),
-                         "name_bytes": sum(usage.names[u] for u in uids),
+                         "xattr_bytes": group.xattrs,
+                         "name_bytes": group.names,
                          "reserved": self.reserved_of(t),
                          "inodes": inodes, "bytes_limit": quota.bytes,
                          "inodes_limit": quota.inodes,
