@@ -491,13 +491,22 @@ class Daemon:
 
 async def gather_gauges(control: ControlServer) -> list[Any]:
     """(On the loop.)  The pool gauges: the members' space asked off the loop, each
-    through the member guard (a scrape during a member's hang held every user)."""
-    members = await control.status.space.usage(0)
-    return list(pool_gauges(control, members))
+    through the member guard (a scrape during a member's hang held every user), and
+    what a reading node reads of the metadata server (the nodes, what the writer
+    published) in the store worker, as status does: anyone may scrape, and on the
+    loop a slow server held every user for each scrape."""
+    status = control.status
+    members = await status.space.usage(0)
+    await status.read_published(0)
+    nodes = await status.reads.run(status.nodes, 0) if status.reads is not None \
+        else status.nodes()
+    return list(pool_gauges(control, members, nodes))
 
 
-def pool_gauges(control: ControlServer, usage: Sequence[MemberUsage]) -> Iterator[Any]:
-    """Prometheus gauges read at scrape time: members (`usage`), inodes, KV namespaces."""
+def pool_gauges(control: ControlServer, usage: Sequence[MemberUsage],
+                nodes: Sequence[Mapping[str, Any]]) -> Iterator[Any]:
+    """Prometheus gauges read at scrape time: members (`usage`), inodes, nodes, KV
+    namespaces (their stats read once)."""
     from prometheus_client.core import GaugeMetricFamily
 
     members: list[Mapping[str, Any]] = list(usage)  # read by name
@@ -516,16 +525,16 @@ def pool_gauges(control: ControlServer, usage: Sequence[MemberUsage]) -> Iterato
                             value=control.vol.count_inodes())
     alive = GaugeMetricFamily("mxfs_node_alive", "1 while the node's lease is live (a pool "
                               "on a metadata server)", labels=["node", "role"])
-    for node in control.status.nodes():
+    for node in nodes:
         alive.add_metric([node["name"], node["role"]], 1 if node["state"] == "alive" else 0)
     yield alive
+    spaces: list[Mapping[str, Any]] = list(control.kv.index.stats())
     for key, what in (("chunks", "KV chunks"), ("bytes", "KV bytes"), ("hits", "KV hits"),
                       ("misses", "KV misses"), ("puts", "KV puts"),
                       ("evictions", "KV evictions")):
         # By owner, not by name: namespace names are their owners' (kv_stats hides
         # others' from a caller), and anyone on the host may read /metrics.
         by_uid: Counter[int] = Counter()
-        spaces: list[Mapping[str, Any]] = list(control.kv.index.stats())
         for s in spaces:
             by_uid[int(s["uid"])] += int(s[key])
         g = GaugeMetricFamily(f"mxfs_kv_{key}", what + " by the namespaces' owner",

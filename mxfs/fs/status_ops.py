@@ -81,19 +81,19 @@ class StatusOps:
         return {**status}, []
 
     async def _metrics(self, msg: Msg, session: Session) -> Answer[MetricsReply]:
-        await self._published(session.caller.uid)
+        await self.read_published(session.caller.uid)
         return {**self.metrics.snapshot(),
                 "members": await self.space.usage(session.caller.uid)}, []
 
     async def _df(self, msg: Msg, session: Session) -> Answer[DfReply]:
-        await self._published(session.caller.uid)
+        await self.read_published(session.caller.uid)
         return {"members": await self.space.usage(session.caller.uid),
                 "by_use": await self.surveys.get("by_use", bytes_by_use)}, []
 
     async def _quota(self, msg: Msg, session: Session) -> Answer[QuotaReport]:
         return serve_quota(self.vol.quotas, msg, session.caller.uid), []
 
-    async def _published(self, uid: int) -> None:
+    async def read_published(self, uid: int) -> None:
         """A reading node: what the writer published of the pool (members' space,
         inodes), read now if it is stale, in `uid`'s turn of the store worker, so that
         what follows finds it read (a hung server holds this caller, not the loop)."""
@@ -103,7 +103,7 @@ class StatusOps:
     async def status(self, viewer: int = 0) -> StatReply:
         """The pool as `mxfs status` shows it (the quota lines: `viewer`'s own, or every
         uid's to root)."""
-        await self._published(viewer)
+        await self.read_published(viewer)
         nodes = await self.reads.run(self.nodes, viewer) if self.reads is not None \
             else self.nodes()
         quotas = self.vol.quotas
