@@ -200,7 +200,9 @@ class ChunkService:
         # The one uid whose requests are served, as on the control socket (a daemon
         # mounted without allow_other): other nodes' users are held to it too.
         self.only_uid: int | None = None
-        self._puts = trio.CapacityLimiter(PUTS_AT_ONCE)
+        # (by user in turn, one holding 3 of the 4: one user's large puts from her
+        # nodes do not queue every other user's behind them, first come first served)
+        self._puts = RoundRobin(PUTS_AT_ONCE, PUTS_AT_ONCE * 3 // 4)
         self._writes = trio.CapacityLimiter(WRITES_AT_ONCE)
         # The epoch of the pool's writer node's lease as this node knows it (its own on
         # the writer; None: no live writer): the only one whose chunk writes it does.
@@ -439,7 +441,7 @@ class ChunkService:
         # receiving slot (PUTS_AT_ONCE are every user's).
         turn = self.turns.turn(caller.uid) if self.turns is not None \
             else contextlib.nullcontext()
-        async with turn, self._puts:
+        async with turn, self._puts.slot(caller.uid):
             data = bytearray(size)
             with trio.move_on_after(PUT_RECV_S) as late:  # a stalled node holds no slot
                 await _recv_into(stream, memoryview(data))
