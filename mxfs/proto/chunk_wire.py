@@ -1,8 +1,12 @@
 """The chunk service's wire format: how one node reads another node's member ranges.
 
 A TCP connection starts with a mutual proof of the pool key (a secret every node of the
-pool holds, root's alone: `Pool.key`), so a host that is not a node of the pool reads
-nothing, and a node never talks to an impostor:
+pool holds, root's alone: `Pool.key`), so a host that is not a node of the pool can ask
+nothing, and a node never talks to an impostor.  What follows is neither encrypted nor
+authenticated message by message: a host on the path between two nodes can read the
+bytes they move and inject requests into a connection, so the nodes' network must be
+one only they reach (a storage fabric, a VLAN), or be carried encrypted (WireGuard,
+IPsec); kernel TLS, which keeps sendfile's zero copy, would lift it:
 
     client -> server   HELLO  b"MXCH", version, pool uuid, client nonce
     server -> client   CHALLENGE  b"MXCH", version, server nonce, server proof, epoch
