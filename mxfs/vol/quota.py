@@ -63,45 +63,44 @@ NONE = Quota()
 
 
 class Freeing:
-    """Bytes and inodes, by owner, of orphans queued to be freed (no longer open; the
-    daemon frees them within a round): kept as they are queued and dropped, so a quota
-    check that looks at them goes through their owners, not the queue."""
+    """Bytes and inodes, by tenant (`vol/tenants.py`: a user with her subordinate
+    uids), of orphans queued to be freed (no longer open; the daemon frees them within
+    a round): kept as they are queued and dropped, so a quota check reads one total,
+    not the queue nor every owner in it (one user's mass removal of files owned by her
+    65,536 subordinate uids made each check walk them all)."""
 
     def __init__(self) -> None:
-        self._queued: dict[int, tuple[int, int]] = {}  # ino -> (uid, bytes)
-        self.bytes: Counter[int] = Counter()
+        self._queued: dict[int, tuple[int, int, int]] = {}  # ino -> (uid, tenant, bytes)
+        self.bytes: Counter[int] = Counter()  # by tenant
         self.inodes: Counter[int] = Counter()
 
     def add(self, node: Inode) -> None:
         if node.ino in self._queued:
             return
-        nbytes = node.size if node.is_reg else 0
-        self._queued[node.ino] = (node.uid, nbytes)
-        self.bytes[node.uid] += nbytes
-        self.inodes[node.uid] += 1
+        nbytes, tenant = node.size if node.is_reg else 0, tenant_of(node.uid)
+        self._queued[node.ino] = (node.uid, tenant, nbytes)
+        self.bytes[tenant] += nbytes
+        self.inodes[tenant] += 1
 
     def drop(self, inos: Iterable[int]) -> None:
         for ino in inos:
             queued = self._queued.pop(ino, None)
             if queued is None:
                 continue
-            uid, nbytes = queued
-            self.bytes[uid] -= nbytes
-            self.inodes[uid] -= 1
-            if not self.inodes[uid]:
-                del self.inodes[uid], self.bytes[uid]
+            _, tenant, nbytes = queued
+            self.bytes[tenant] -= nbytes
+            self.inodes[tenant] -= 1
+            if not self.inodes[tenant]:
+                del self.inodes[tenant], self.bytes[tenant]
 
     def of(self, tenant: int) -> tuple[int, int]:
-        """Bytes and inodes queued of the uids of `tenant` (`vol/tenants.py`)."""
-        nbytes = inodes = 0
-        for uid, n in list(self.inodes.items()):
-            if tenant_of(uid) == tenant:
-                nbytes, inodes = nbytes + self.bytes[uid], inodes + n
-        return nbytes, inodes
+        """Bytes and inodes queued of the uids of `tenant` (as they were grouped when
+        queued)."""
+        return self.bytes[tenant], self.inodes[tenant]
 
     def owner(self, ino: int) -> int:
         """The uid owning queued orphan `ino` (0 if not queued)."""
-        return self._queued.get(ino, (0, 0))[0]
+        return self._queued.get(ino, (0, 0, 0))[0]
 
 
 class Quotas:

@@ -577,7 +577,7 @@ class Volume:
         descriptors keep the bytes it was allowed to read, never what is written after
         it lost the right (other nodes' members: not yet, see docs/architecture.md)."""
         self.lent.discard(node.ino)
-        self.held.renew(node.ino, node.uid)
+        self.held.renew(node.ino, tenant_of(node.uid))  # (kept as its user's)
         entry = self.open_inodes.get(node.ino)
         if entry is not None and entry.chunks is not None:
             entry.chunks.reopen()
@@ -587,20 +587,18 @@ class Volume:
         direct reader, a KV get, a writer whose daemon died) go aside first, cut after
         a grace (`pool/revoke.Held.hold_read`): their space ends with the file."""
         self.lent.discard(ino)
-        self.held.hold_read(ino, self.freeing.owner(ino))
+        self.held.hold_read(ino, tenant_of(self.freeing.owner(ino)))  # (its user's)
         self.pool.remove_chunks(ino, far)
 
     def _held_of(self, tenant: int) -> int:
         """Bytes of `tenant`'s uids' removed or renewed files kept readable (its quota
-        counts them)."""
-        return self.held.readable_of(lambda uid: tenant_of(uid) == tenant)
+        counts them; they are kept by tenant: `renew`, `_remove_chunk_files`)."""
+        return self.held.readable_of(lambda owner: owner == tenant)
 
-    def _may_keep(self, uid: int, nbytes: int) -> bool:
-        """(Under the held files' lock.)  Whether `uid`'s user (`vol/tenants.py`) may
-        keep `nbytes` more of removed or renewed files readable for their readers."""
-        tenant = tenant_of(uid)
-        kept = sum(n for u, n in self.held.readable_by.items() if tenant_of(u) == tenant)
-        return kept + nbytes <= self.max_held_per_user
+    def _may_keep(self, tenant: int, nbytes: int) -> bool:
+        """(Under the held files' lock.)  Whether `tenant` (a user, `vol/tenants.py`)
+        may keep `nbytes` more of removed or renewed files readable for their readers."""
+        return self.held.readable_by.get(tenant, 0) + nbytes <= self.max_held_per_user
 
     def past_nodes(self, inos: list[int], mark: int | None) -> list[int]:
         """Of orphans to free, those no reading node may hold open: `inos` (committed
