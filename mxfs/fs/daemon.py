@@ -310,6 +310,8 @@ class Daemon:
             tasks.append(self.ops.held_open.run)
         if self.ops.written is not None:  # (closes through this node's mount, told)
             tasks.append(self.ops.written.run)
+        if self.control.files.forwarded is not None:  # (a node's aborts for the writer)
+            tasks.append(self.control.files.forwarded.run_aborts)
         if self.vol.pool.node and self.vol.pool.local_members():  # a node's own members
             tasks.append(self._sweep_strays)
         if self.vol.store.feed is not None:  # a writer whose pool other nodes may mount

@@ -24,7 +24,7 @@ from mxfs.fs.fields import Msg, bool_field, int_field, path_field, sums_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
 from mxfs.fs.meta_ops import durable
-from mxfs.fs.node_files import ForwardedFiles, NodeFiles, describe
+from mxfs.fs.node_files import ForwardedFiles, NodeFiles, answered, describe
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
     Answer,
@@ -232,8 +232,9 @@ class FileOps:
         with session.booking(size):
             try:
                 made = await self.forwarded.ask(caller, "node_create", body)
-            except BaseException:  # (made, perhaps, and its answer lost: dropped by name)
-                self.forwarded.abort_later(caller, token=str(body["token"]))
+            except BaseException as e:  # (made, perhaps, and its answer lost: dropped by
+                if not answered(e):     # name; one the writer refused was never made)
+                    self.forwarded.abort_later(caller, token=str(body["token"]))
                 raise
             ino = int(made["ino"])
             try:
@@ -384,6 +385,4 @@ class FileOps:
             await trio.to_thread.run_sync(self.vol.held.sweep)
         if self.for_nodes is not None:
             self.for_nodes.sweep(trio.current_time())
-        if self.forwarded is not None:
-            await self.forwarded.send_aborts()
 

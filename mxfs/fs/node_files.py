@@ -116,6 +116,19 @@ NAMES_REMEMBERED_PER_USER = 1024
 HOLDS_AT_ONCE = 16384  # files a node holds or lets go in one request (within MAX_KREQ)
 
 
+# What a failure to reach the writer, or to hear back from it, says (then what was
+# asked may have been done); any other errno is the writer's answer.
+UNREACHED = frozenset((errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.EPIPE,
+                       errno.ECONNREFUSED, errno.ECONNABORTED, errno.ENOTCONN,
+                       errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ESHUTDOWN))
+
+
+def answered(e: BaseException) -> bool:
+    """Whether `e` is the writer's answer (a refusal: what was asked was not done), not
+    a failure to reach it or to hear back."""
+    return isinstance(e, OSError) and e.errno is not None and e.errno not in UNREACHED
+
+
 @dataclass
 class NodeFile:
     """An unpublished file the writer holds for a node's caller."""
@@ -623,10 +636,21 @@ class ForwardedFiles:
             try:
                 await self.ask(caller, "node_abort", body)
             except OSError as e:
-                if e.errno in (errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET):
+                if not answered(e):
                     continue  # the writer not reached: again next round
                 log.info("the writer refused to drop unpublished file %s: %s", key[1], e)
             del self._aborts[key]
+
+    async def run_aborts(self) -> None:
+        """(A task of the daemon.)  `send_aborts` once a second, apart from the rest of
+        the daemon's upkeep: a tenant's aborts each waiting on her busy turns at the
+        writer held the round that cuts writers back to their declared sizes."""
+        while True:
+            await trio.sleep(1)
+            try:
+                await self.send_aborts()
+            except Exception as e:  # (the next round tries again)
+                log.warning("aborts could not be sent to the writer: %s", e)
 
     async def change_name(self, caller: Caller, op: str, parent: int, name: bytes,
                           **more: Any) -> dict[str, Any]:
