@@ -57,6 +57,8 @@ log = logging.getLogger("mxfs.fs")
 T = TypeVar("T")
 
 DAY_NS = 86_400 * 10**9
+# Files a reading node remembers having opened, as they were (their pages kept if so).
+SEEN_KEPT = 100_000
 # The kernel's invalidations a commit or change waits on before it is answered have
 # threads of their own: on trio's shared ones they waited behind whatever flooded those.
 INVALIDATING = trio.CapacityLimiter(16)
@@ -518,10 +520,11 @@ class MxfsOperations(pyfuse3.Operations):
         keep = True
         if self.store.follow:
             now = (node.mtime_ns, node.ctime_ns, node.size)
-            keep = self._seen.get(node.ino) == now
-            self._seen[node.ino] = now
-            if len(self._seen) > 100_000:
-                self._seen.clear()
+            keep = self._seen.pop(node.ino, None) == now
+            self._seen[node.ino] = now  # (the most recent last)
+            if len(self._seen) > SEEN_KEPT:  # the least recently opened goes: cleared
+                del self._seen[next(iter(self._seen))]  # whole, one user's opens of
+                #  100,000 files dropped every user's cached pages of every file
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     @_errors
