@@ -134,18 +134,29 @@ def test_one_users_flood_pushes_out_only_its_own_remembered_answers(
     monkeypatch.setattr(node_files, "NAMES_REMEMBERED_PER_USER", 4)
     monkeypatch.setattr(node_files, "NAMES_REMEMBERED", 10)
     files = NodeFiles(vol, "/mnt", Limits(), Counter(), lambda *a: None)  # type: ignore
-    files._remember_name(("b", "bob"), BOB, {"ok": "bob's"})
-    files._remember_name(("c", "bob"), BOB, {"ok": "on c"})
+    done = files.names_done
+    done.keep(("b", "bob"), ("b", BOB), {"ok": "bob's"})
+    done.keep(("c", "bob"), ("c", BOB), {"ok": "on c"})
     for i in range(100):
-        files._remember_name(("b", f"a{i}"), ALICE, {})
-    assert files.names_done[("b", "bob")] == {"ok": "bob's"}
-    assert files.names_done[("c", "bob")] == {"ok": "on c"}
-    assert [t for t in files.names_done if t[1].startswith("a")] == \
+        done.keep(("b", f"a{i}"), ("b", ALICE), {})
+    assert done.get(("b", "bob")) == {"ok": "bob's"}
+    assert done.get(("c", "bob")) == {"ok": "on c"}
+    assert [t for t in done._answers if t[1].startswith("a")] == \
         [("b", f"a{i}") for i in range(96, 100)]
     # The whole table's oldest go from their users' queues too (they stayed: memory
     # grew with every user and node, past the table's bound).
     for uid in range(1000, 1040):
-        files._remember_name(("d", f"u{uid}"), uid, {})
-    assert len(files.names_done) == 10
-    assert sum(len(q) for q in files._done_by.values()) == 10 and len(files._done_by) <= 10
+        done.keep(("d", f"u{uid}"), ("d", uid), {})
+    assert len(done) == 10
+    assert sum(len(q) for q in done._by_owner.values()) == 10 and len(done._by_owner) <= 10
+    # Commits' answers likewise: one user's burst of commits through a node pushed out
+    # everyone's (a node that asked again got EBADF for a file that was named).
+    monkeypatch.setattr(node_files, "REMEMBERED_PER_USER", 4)
+    monkeypatch.setattr(node_files, "REMEMBERED", 10)
+    files = NodeFiles(vol, "/mnt", Limits(), Counter(), lambda *a: None)  # type: ignore
+    files._remember("b", 1, BOB, {"ino": 1})  # type: ignore[typeddict-item]
+    for ino in range(2, 200):
+        files._remember("b", ino, ALICE, {"ino": ino})  # type: ignore[typeddict-item]
+    assert files.published.get(("b", 1)) == {"ino": 1}
+    assert len(files.published) == 5
 

@@ -38,13 +38,14 @@ import logging
 import os
 import stat
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from mxfs.fs.answers import Answers
 from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import (
     Msg,
@@ -108,6 +109,7 @@ GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
 PATH_MAX = 4095  # bytes of a symbolic link's target, as the kernel allows
 REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
+REMEMBERED_PER_USER = 256  # ... of one user's through one node
 # Answers to nodes' changes of names, files and attributes remembered (a repeat on a new
 # connection is answered, not done twice), in all and of one user through one node: a
 # user's flood pushes out its own, not everyone's (4,096 shared by all before).
@@ -162,19 +164,19 @@ class NodeFiles:
         self.renew: Callable[[Inode, int], Awaitable[None]] | None = None
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
-        self.published: OrderedDict[tuple[str, int], FileReply] = OrderedDict()
+        # Commits answered for nodes, by (node, inode), each kept as its (node, user)'s.
+        self.published: Answers[tuple[str, int], FileReply] = Answers(
+            REMEMBERED, REMEMBERED_PER_USER)
         # Files nodes opened for writing through their mounts, and the shares of their
         # owners' quotas reserved for those nodes.
         self.rooms = Rooms(vol)
         self.grants = Grants(self.rooms)
         # Nodes (by epoch) holding files or shares, whose lease was first seen gone then.
         self.dead_since: dict[tuple[str, int], float] = {}
-        # Names changed for nodes, by (node, token): a repeat is answered, not redone.
-        self.names_done: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
-        # Those tokens by (node, tenant) (a user's subordinate uids with her), and whose
-        # each is (one gone from the whole table goes from its owner's too).
-        self._done_by: dict[tuple[str, int], deque[tuple[str, str]]] = {}
-        self._done_owner: dict[tuple[str, str], tuple[str, int]] = {}
+        # Names changed for nodes, by (node, token): a repeat is answered, not redone;
+        # each kept as its (node, user)'s (a user's subordinate uids with her).
+        self.names_done: Answers[tuple[str, str], dict[str, Any]] = Answers(
+            NAMES_REMEMBERED, NAMES_REMEMBERED_PER_USER)
 
     async def request(self, caller: Caller, op: str, msg: dict[str, Any]
                       ) -> dict[str, Any]:
@@ -195,7 +197,7 @@ class NodeFiles:
             out, changed, ino = self._name(caller, op, msg, name) if op in NAME_OPS \
                 else self._xattr(caller, op, msg) if op in XATTR_OPS \
                 else self._mount(caller, op, msg, name, epoch)
-            self._remember_name(token, tenant_of(caller.uid), out)
+            self.names_done.keep(token, (name, tenant_of(caller.uid)), out)
             if self.entry_changed is not None:
                 for parent, entry in changed:
                     await self.entry_changed(parent, entry)
@@ -215,36 +217,6 @@ class NodeFiles:
                 self._drop(ino)
             return {}
         raise OSError(errno.EPERM, f"{op[:32]} is not asked of another node")
-
-    def _remember_name(self, token: tuple[str, str], tenant: int, out: dict[str, Any]
-                       ) -> None:
-        """Keep an answer for a repeat of its request: NAMES_REMEMBERED_PER_USER of one
-        user's through one node, NAMES_REMEMBERED in all (the oldest go first, from
-        both: the table's oldest stayed in their owners' queues, 53 MiB for 300 uids)."""
-        if token in self.names_done:
-            return
-        owner = (token[0], tenant)
-        self.names_done[token] = out
-        self._done_owner[token] = owner
-        mine = self._done_by.setdefault(owner, deque())
-        mine.append(token)
-        if len(mine) > NAMES_REMEMBERED_PER_USER:
-            self._forget_name(mine[0])
-        while len(self.names_done) > NAMES_REMEMBERED:
-            self._forget_name(next(iter(self.names_done)))
-
-    def _forget_name(self, token: tuple[str, str]) -> None:
-        self.names_done.pop(token, None)
-        owner = self._done_owner.pop(token, None)
-        mine = self._done_by.get(owner) if owner is not None else None
-        if owner is None or mine is None:
-            return
-        if mine[0] == token:
-            mine.popleft()  # (the oldest, most often)
-        else:
-            mine.remove(token)
-        if not mine:
-            del self._done_by[owner]
 
     def _mount(self, caller: Caller, op: str, msg: Msg, node: str, epoch: int
                ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:
@@ -518,9 +490,10 @@ class NodeFiles:
                 self.files[ino] = held
                 self.tokens[(node, held.token)] = ino
             else:  # named, not yet durable: a repeat answers it named
-                self._remember(node, ino, describe(self.vol, pending.entry.node, True))
+                self._remember(node, ino, caller.uid,
+                               describe(self.vol, pending.entry.node, True))
             raise
-        self._remember(node, ino, done)
+        self._remember(node, ino, caller.uid, done)
         out: dict[str, Any] = dict(done)
         try:
             parent, fname = resolve_parent_for(self.vol.store, pending.path, caller,
@@ -530,10 +503,11 @@ class NodeFiles:
             pass  # (its folder moved meanwhile: the node's kernel learns from the feed)
         return out
 
-    def _remember(self, node: str, ino: int, reply: FileReply) -> None:
-        self.published[(node, ino)] = reply
-        while len(self.published) > REMEMBERED:
-            self.published.popitem(last=False)
+    def _remember(self, node: str, ino: int, uid: int, reply: FileReply) -> None:
+        """A commit's answer, for a repeat (kept as `uid`'s user's through `node`: one
+        user's burst of commits pushed out everyone's, and a node that asked again got
+        EBADF for a file that was named)."""
+        self.published.keep((node, ino), (node, tenant_of(uid)), reply)
 
     def _forget(self, ino: int) -> NodeFile:
         held = self.files.pop(ino)
