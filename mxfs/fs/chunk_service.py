@@ -176,6 +176,7 @@ class ChunkService:
         self.handshaking: Counter[str] = Counter()  # by peer address
         # Those connections' handshakes (their scopes), oldest first, by a token each.
         self._unproved: dict[int, trio.CancelScope] = {}
+        self._unproved_peer: dict[int, str] = {}  # ... and whose each is
         self._tokens = itertools.count()
         self.by_host: Counter[str] = Counter()  # connections, proved or not, by address
         self.scoped: Counter[int] = Counter()  # readers' scoped connections, by tenant
@@ -278,11 +279,13 @@ class ChunkService:
         try:
             async with stream:
                 proved = False
+                self._unproved_peer[token] = peer
                 with trio.CancelScope() as self._unproved[token]:
                     try:
                         proved = await self._handshake(stream)
                     finally:
                         self._unproved.pop(token, None)
+                        self._unproved_peer.pop(token, None)
                         self._end_handshake(peer)
                 if proved:
                     await self._requests(stream)
@@ -297,12 +300,15 @@ class ChunkService:
                 del self.by_host[host]
 
     def _make_room(self) -> None:
-        """max_chunk_handshakes connections have not proved the key: the oldest of them
-        goes, for the newcomer.  A node proves it in a round trip; silent ones from a
-        few hosts without the key, refused newcomers in their place, kept every node
-        from connecting for as long as they liked."""
+        """max_chunk_handshakes connections have not proved the key: the oldest of the
+        address holding the most of them goes, for the newcomer.  A node proves it in a
+        round trip; silent ones from a few hosts without the key, refused newcomers in
+        their place, kept every node from connecting for as long as they liked, and
+        closing the oldest of all closed nodes' handshakes for a flood from a few."""
         if self._unproved:
-            oldest = next(iter(self._unproved))
+            most = max(self.handshaking, key=self.handshaking.__getitem__)
+            oldest = next((t for t in self._unproved if self._unproved_peer.get(t) == most),
+                          next(iter(self._unproved)))
             self._unproved.pop(oldest).cancel()
             self._failures.note("chunk connection", None, OSError(
                 errno.EMFILE, f"{self.limits.max_chunk_handshakes} connections had not "
