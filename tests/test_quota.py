@@ -59,20 +59,9 @@ def test_a_users_files_stop_at_its_quota_and_others_go_on(pool: Mounted) -> None
     alice, bob = users["alice"], users["bob"]
     quota(pool, "--user", alice.name, "--bytes", "1MiB", "--inodes", "8")
     d, other = home(pool, alice), home(pool, bob)
-    script = f"""
+    script = FILL + f"""
 d = {str(d)!r}
-def fill(path, most=4 << 20, piece=64 << 10):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    wrote = 0
-    try:
-        while wrote < most:
-            wrote += os.write(fd, b"a" * piece)
-    except OSError as e:
-        return wrote, e.errno
-    finally:
-        os.close(fd)
-    return wrote, 0
-first = fill(d + "/a")
+first = fill(d + "/a", 4 << 20)
 grow = attempt(os.truncate, d + "/a", 8 << 20)
 made = 0
 while True:

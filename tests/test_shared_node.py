@@ -1151,6 +1151,21 @@ def _buffered(m: Mounted) -> dict[str, int]:
             if uid != "0" and held["bytes_buffered"]}
 
 
+BUDGET = 8 << 20  # the memory tests' max_buffered_per_user
+
+
+@contextlib.contextmanager
+def _budgeted(tmp_path: Path) -> Iterator[tuple[Mounted, int, str, Any, Any]]:
+    """A pool mounted with max_buffered_per_user=BUDGET (and time to send a frame):
+    it, its daemon's pid, its control socket's path, alice and bob."""
+    users = ensure_users()
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, f"max_buffered_per_user={BUDGET}", "frame_timeout=20") as m:
+        yield (m, m.daemon_pid(), os.getxattr(m.path, "user.mxfs.control").decode(),
+               users["alice"], users["bob"])
+
+
 def _rss(pid: int) -> int:
     """The daemon's resident memory, in bytes."""
     with open(f"/proc/{pid}/status") as f:
@@ -1167,15 +1182,9 @@ def test_one_users_half_sent_requests_hold_a_bounded_share_of_the_daemons_memory
     512).  Her connections together hold max_buffered_per_user: past it a request
     is not read until there is room, and refused (ENOBUFS, naming the limit) if none
     comes in time; another user is served meanwhile."""
-    users = ensure_users()
-    alice, bob = users["alice"], users["bob"]
-    budget, conns, size = 8 << 20, 64, 1 << 20
-    members = make_members(tmp_path)
-    mkfs(members)
-    with mounted_pool(members, f"max_buffered_per_user={budget}", "frame_timeout=20") as m:
-        pid = m.daemon_pid()
+    conns, size = 64, 1 << 20
+    with _budgeted(tmp_path) as (m, pid, control, alice, bob):
         before = _rss(pid)
-        control = os.getxattr(m.path, "user.mxfs.control").decode()
         with _as_with_flags(alice, HALF_SENT, control, str(conns), str(size)) as (proc, flags):
             assert eventually(lambda: (flags / "sending").exists(), timeout=60)
             most = _most_rss(pid, 4)  # (before any is refused)
@@ -1183,7 +1192,7 @@ def test_one_users_half_sent_requests_hold_a_bounded_share_of_the_daemons_memory
             out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         grew = most - before
-        assert grew < budget + (16 << 20), f"the daemon grew by {grew >> 20} MiB"
+        assert grew < BUDGET + (16 << 20), f"the daemon grew by {grew >> 20} MiB"
         refused = [r for r in json.loads(out) if r is not None]
         assert refused and all(r["errno"] == errno.ENOBUFS for r in refused), refused
         assert "max_buffered_per_user" in refused[0]["error"], refused[0]
@@ -1219,15 +1228,9 @@ def test_one_users_unread_replies_hold_a_bounded_share_of_the_daemons_memory(
     daemon hold a copy or two of it each.  Her unsent replies count against
     max_buffered_per_user, and her requests are served only while they are under it
     (a reply is memory once made); another user is served meanwhile."""
-    users = ensure_users()
-    alice, bob = users["alice"], users["bob"]
-    budget, conns = 8 << 20, 64
-    members = make_members(tmp_path)
-    mkfs(members)
-    with mounted_pool(members, f"max_buffered_per_user={budget}", "frame_timeout=20") as m:
-        pid = m.daemon_pid()
+    conns = 64
+    with _budgeted(tmp_path) as (m, pid, control, alice, bob):
         before = _rss(pid)
-        control = os.getxattr(m.path, "user.mxfs.control").decode()
         with _as_with_flags(alice, "import time\n" + UNREAD_REPLIES, str(m.path), control,
                             str(conns)) as (proc, flags):
             assert eventually(lambda: (flags / "asked").exists(), timeout=60)
@@ -1237,7 +1240,7 @@ def test_one_users_unread_replies_hold_a_bounded_share_of_the_daemons_memory(
             out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         grew = most - before
-        assert grew < budget + (16 << 20), f"the daemon grew by {grew >> 20} MiB"
+        assert grew < BUDGET + (16 << 20), f"the daemon grew by {grew >> 20} MiB"
         assert eventually(lambda: _buffered(m) == {})  # (all of hers came back)
 
 
