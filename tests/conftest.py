@@ -103,6 +103,26 @@ def _layer(request: pytest.FixtureRequest) -> Iterator[None]:
     os.environ.pop("MXFS_TEST_UNIT", None)
 
 
+# Seconds each module took (setup, call and teardown of its tests), summed where the
+# reports arrive (xdist's controller sees every worker's): the heaviest are printed at
+# the end, so that a suite nearing CI's 20 minutes shows where its time went.
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    heavy = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:15]
+    if len(heavy) > 1:
+        terminalreporter.write_sep("=", "heaviest modules (seconds, all workers)")
+        for module, secs in heavy:
+            terminalreporter.write_line(f"{secs:8.1f}  {module}")
+        terminalreporter.write_line(f"{sum(_MODULE_SECONDS.values()):8.1f}  in all")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
