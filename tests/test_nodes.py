@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -2321,11 +2322,12 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
         # gone) or reads the whole file, never EIO or part of it.
         small = os.urandom(256 << 10)
         outcomes: list[str] = []
-        for i in range(40):
-            (a.path / "models" / f"r{i}").write_bytes(small)
-            assert eventually(lambda i=i: (b.path / "models" / f"r{i}").exists(), 15)
 
-            def read_on_b(i: int = i) -> None:
+        def race(i: int) -> None:  # (eight files at a time, each its own race)
+            (a.path / "models" / f"r{i}").write_bytes(small)
+            assert eventually(lambda: (b.path / "models" / f"r{i}").exists(), 15)
+
+            def read_on_b() -> None:
                 time.sleep((i % 10) * 0.013)  # (before the unlink, after its commit, ...)
                 try:
                     fd = os.open(b.path / "models" / f"r{i}", os.O_RDONLY)
@@ -2345,6 +2347,9 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
             time.sleep(0.04)
             (a.path / "models" / f"r{i}").unlink()
             reader.join(30)
+        with ThreadPoolExecutor(8) as racers:
+            list(racers.map(race, range(40)))
+        assert len(outcomes) == 40, outcomes
         assert set(outcomes) <= {"whole", "ENOENT", "ESTALE"}, outcomes
         # Asked raw as b: a word meant for another writer, or one older than b's last,
         # changes nothing; a malformed one is refused.
