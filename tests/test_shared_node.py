@@ -1437,13 +1437,14 @@ def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
         tmp_path: Path) -> None:
     """The chunk-file descriptors `open_read` hands out kept a removed file's space for
     as long as their holder liked, released from its owner's quota meanwhile.  Now
-    they go aside with the file, still readable for READ_GRACE_S (reads in flight
+    they go aside with the file, still readable for `read_grace_s` (reads in flight
     finish), then are cut to nothing, and removed once nobody holds them."""
-    from mxfs.pool.revoke import HELD_DIR, READ_GRACE_S
+    from mxfs.pool.revoke import HELD_DIR
 
+    grace = 3
     members = make_members(tmp_path)  # (its own: the module's pool frees what its
     mkfs(members)  # other tests removed, in order, before this file)
-    with mounted_pool(members) as pool:
+    with mounted_pool(members, f"read_grace_s={grace}") as pool:
 
         def held() -> list[str]:  # (this file's)
             folders = [os.path.join(m, "chunks", HELD_DIR) for m in pool.members]
@@ -1464,7 +1465,7 @@ def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
                 _daemon_counts(pool))
             assert sum(os.fstat(fd).st_size for fd in fds) >= len(data) // 2  # (still there)
             assert eventually(lambda: all(os.fstat(fd).st_blocks == 0 for fd in fds),
-                              timeout=READ_GRACE_S + 30)
+                              timeout=grace + 30)
         finally:
             for fd in fds:
                 os.close(fd)

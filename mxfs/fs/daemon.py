@@ -157,6 +157,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                              metrics=metrics)
         ops.max_open_per_user = limits.max_open_per_user
         vol.max_held_per_user = limits.max_held_per_user
+        vol.held.read_grace_s = limits.read_grace_s
         name = vol.pool.label or vol.pool.uuid[:8]
         fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
         notes = []

@@ -15,6 +15,7 @@ import resource
 import time
 from dataclasses import dataclass, fields
 
+from mxfs.pool.revoke import READ_GRACE_S
 from mxfs.vol.volume import MAX_HELD_PER_USER
 
 
@@ -36,6 +37,7 @@ class Limits:
                                     # and replies unsent, all connections (fs/buffered.py)
     max_held_per_user: int = MAX_HELD_PER_USER  # bytes of one user's removed or renewed
                                     # files kept for their readers (pool/revoke.py)
+    read_grace_s: int = READ_GRACE_S  # s: ... kept readable so long, then cut to nothing
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
     max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid

@@ -49,7 +49,7 @@ from mxfs.pool.pool import CHUNK_DIR, Pool
 log = logging.getLogger("mxfs.pool")
 
 HELD_DIR = "held"
-READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes
+READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 READ_LOOK_S = 10  # how often one cut after its grace is asked whether it is let go
 _READ_MARK = ".r"  # (a held file's name: INO.STAMP, and this where only readers held it)
 _unsupported_warned = False
@@ -122,6 +122,7 @@ class Held:
         self.pool = pool
         self.files: list[str] = []
         self._lock = threading.Lock()
+        self.read_grace_s = READ_GRACE_S  # (the mount option read_grace_s)
         self._looked: dict[str, int] = {}  # files only readers held, cut: when last probed
         self._readable: dict[str, tuple[int, int]] = {}  # uncut reader-held: (uid, bytes)
         self.readable_by: Counter[int] = Counter()  # ... their bytes, by owner
@@ -257,7 +258,7 @@ class Held:
         its grace: a renew nobody read from keeps no copy of the file for long).  Cut
         once when its grace runs out; asked again every READ_LOOK_S after (a user
         holding many removed files costs a lease probe each, now and then)."""
-        if now - _stamp(path) <= READ_GRACE_S * 10**9:
+        if now - _stamp(path) <= self.read_grace_s * 10**9:
             return not anyone_holds(path)
         looked = self._looked.get(path)
         if looked is not None and now - looked < READ_LOOK_S * 10**9:
