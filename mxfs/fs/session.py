@@ -208,58 +208,34 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
     held as a dropped one is (`Held.hold`: moved aside, cut every second, immutable
     where the member's file system keeps the flag): a writer that reserved a member's
     space with fallocate(KEEP_SIZE) and kept its descriptors, never committing, held
-    it outside every quota for as long as it liked."""
+    it outside every quota for as long as it liked.  Each chunk file is looked at once
+    a round (`stat`)."""
     cut = 0
     for pending in pendings:
         node = pending.entry.node
-        cut += trim_reserved(vol, node, pending.declared)
-        for m in grown_chunks(vol, node, pending.declared):
-            pending.overdrawn = True  # cut back or not, its commit is refused
+        reserved = False  # (blocks past its end that a writer still holding it reserved)
+        for m in vol.layout(node).used_members():
+            path = vol.pool.chunk_path(m, node.ino)
             try:
-                vol.pool.cut(m, vol.pool.chunk_path(m, node.ino),
-                             allowed_length(vol, node, m, pending.declared))
-                cut += 1
+                st = os.stat(path)
+                allowed = allowed_length(vol, node, m, pending.declared)
+                if st.st_size > allowed:
+                    pending.overdrawn = True  # cut back or not, its commit is refused
+                    vol.pool.cut(m, path, allowed)
+                    cut += 1
+                elif overallocated(st, allowed):  # (fallocate with KEEP_SIZE)
+                    if writers_remain([path]):  # (a commit frees them: truncate_chunks)
+                        reserved = True
+                    else:
+                        os.truncate(path, st.st_size)
+                        cut += 1
             except OSError:
-                pass
+                pass  # (gone, or a member failing: its own checks say so)
         if pending.committing:
             continue  # (a node's file whose commit was sent: the writer's to handle)
-        if (pending.overdrawn or overreserved(vol, node, pending.declared)) and \
-                writers_remain(chunk_paths(vol, node)):
+        if (pending.overdrawn or reserved) and writers_remain(chunk_paths(vol, node)):
             pending.overdrawn = True
             cut += vol.held.hold(node.ino)
-    return cut
-
-
-def overreserved(vol: Volume, node: Inode, declared: int) -> bool:
-    """Blocking: whether a chunk file of `node` holds blocks past what `declared`
-    allows (`fallocate` with KEEP_SIZE: no size check sees them)."""
-    for m in vol.layout(node).used_members():
-        try:
-            st = os.stat(vol.pool.chunk_path(m, node.ino))
-        except OSError:
-            continue
-        if overallocated(st, allowed_length(vol, node, m, declared)):
-            return True
-    return False
-
-
-def trim_reserved(vol: Volume, node: Inode, declared: int) -> int:
-    """Blocking: blocks a writer reserved past its file's end (`fallocate` with
-    KEEP_SIZE: no size check sees them) freed, on chunk files nobody writes now (one
-    being written may be growing: cut, its new bytes would go); how many were cut.
-    A commit frees them too (`Pool.truncate_chunks`)."""
-    cut = 0
-    for m in vol.layout(node).used_members():
-        path = vol.pool.chunk_path(m, node.ino)
-        try:
-            st = os.stat(path)
-            allowed = allowed_length(vol, node, m, declared)
-            if st.st_size <= allowed and overallocated(st, allowed) and \
-                    not writers_remain([path]):  # (one run past it: `grown_chunks`)
-                os.truncate(path, st.st_size)
-                cut += 1
-        except OSError:
-            pass  # (gone, or a member failing: its own checks say so)
     return cut
 
 
