@@ -85,7 +85,7 @@ def test_prometheus_endpoint(mounted: Mounted) -> None:
     assert re.search(r'mxfs_request_seconds_bucket\{kind="fuse",le="\+Inf",op="create"\} 1', text)
     assert re.search(r'mxfs_member_bytes_total\{direction="write",member="\d"\} [1-9]', text)
     assert re.search(r'mxfs_member_free_bytes\{member="3"\} [1-9]', text)
-    assert re.search(r'mxfs_kv_hits\{uid="0"\} 1\.0', text)  # by owner: names are theirs
+    assert re.search(r'^mxfs_kv_hits 1\.0$', text, re.M)  # the pool's: no owner, no name
     assert "prom" not in text
     # /metrics has no authentication: it listens on loopback unless told otherwise.
     with open("/proc/net/tcp") as f:
@@ -93,6 +93,44 @@ def test_prometheus_endpoint(mounted: Mounted) -> None:
     assert f"0100007F:{port:04X}" in listening
     assert re.search(r'mxfs_requests_total\{kind="control",op="kv_get"\} [1-9]', text)
     assert re.search(r'^mxfs_io_requests_taken_back_total 0\.0$', text, re.M)  # none lost
+
+
+KV_AS_ALICE = """
+kv = mxfs.kv.KVStore(sys.argv[1], "alices")
+kv.put("a", b"a" * 1000)
+print(json.dumps([bytes(kv.get("a") or b"") == b"a" * 1000, kv.get("nope") is None]))
+"""
+
+
+def test_kv_gauges_are_the_pools_totals_unless_root_asks_for_them_by_user(
+        members: list[str]) -> None:
+    """Anyone on the host may scrape /metrics: KV gauges by owner uid told every local
+    user how much KV each other user holds and how often it hits (her workload, seen
+    from outside).  They are the pool's totals, with no uid; by owner only when root
+    mounts with metrics_by_user."""
+    from users import ensure_users, run_as
+
+    alice = ensure_users()["alice"]
+    mkfs(members, "64KiB")
+    port = _free_port()
+    with mounted_pool(members, f"metrics_port={port}") as m:
+        with KVStore(str(m.path), "roots") as kv:
+            kv.put("r", b"r" * 500)
+            assert kv.get("r") == b"r" * 500
+        assert run_as(alice, KV_AS_ALICE, str(m.path)) == [True, True]
+        assert eventually(lambda: _scrape(port) is not None)
+        text = _scrape(port) or ""
+        for gauge, n in (("chunks", 2), ("bytes", 1500), ("hits", 2), ("misses", 1),
+                         ("puts", 2)):
+            assert re.search(rf"^mxfs_kv_{gauge} {n}\.0$", text, re.M), gauge
+        assert "uid=" not in text
+    port = _free_port()
+    with mounted_pool(members, f"metrics_port={port}", "metrics_by_user"):
+        assert eventually(lambda: _scrape(port) is not None)
+        text = _scrape(port) or ""
+        assert re.search(r'^mxfs_kv_chunks\{uid="0"\} 1\.0$', text, re.M)
+        assert re.search(rf'^mxfs_kv_bytes\{{uid="{alice.uid}"\}} 1000\.0$', text, re.M)
+        assert not re.search(r"^mxfs_kv_chunks ", text, re.M)
 
 
 def test_scrapes_never_touch_the_store_beside_the_daemon(members: list[str], pg_cluster: Any

@@ -196,7 +196,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                                     limits=limits, only_uid=None if "allow_other" in fuse_opts
                                     else os.getuid(), settle=ops.settle, wake=wake,
                                     reads=ops.reads)
-            gauges = Gauges(functools.partial(gather_gauges, control)) if metrics_port \
+            gauges = Gauges(functools.partial(gather_gauges, control,
+                                              "metrics_by_user" in own)) if metrics_port \
                 else None
             if gauges is not None:
                 try:
@@ -492,7 +493,7 @@ class Daemon:
                           self.backup_s, e)
 
 
-async def gather_gauges(control: ControlServer) -> list[Any]:
+async def gather_gauges(control: ControlServer, by_user: bool = False) -> list[Any]:
     """(On the loop.)  The pool gauges: the members' space asked off the loop, each
     through the member guard (a scrape during a member's hang held every user), and
     what a reading node reads of the metadata server (the nodes, what the writer
@@ -503,13 +504,13 @@ async def gather_gauges(control: ControlServer) -> list[Any]:
     await status.read_published(0)
     nodes = await status.reads.run(status.nodes, 0) if status.reads is not None \
         else status.nodes()
-    return list(pool_gauges(control, members, nodes))
+    return list(pool_gauges(control, members, nodes, by_user))
 
 
 def pool_gauges(control: ControlServer, usage: Sequence[MemberUsage],
-                nodes: Sequence[Mapping[str, Any]]) -> Iterator[Any]:
+                nodes: Sequence[Mapping[str, Any]], by_user: bool = False) -> Iterator[Any]:
     """Prometheus gauges read at scrape time: members (`usage`), inodes, nodes, KV
-    namespaces (their stats read once)."""
+    namespaces (their stats read once; by owner only with `by_user`)."""
     from prometheus_client.core import GaugeMetricFamily
 
     members: list[Mapping[str, Any]] = list(usage)  # read by name
@@ -535,16 +536,29 @@ def pool_gauges(control: ControlServer, usage: Sequence[MemberUsage],
     for key, what in (("chunks", "KV chunks"), ("bytes", "KV bytes"), ("hits", "KV hits"),
                       ("misses", "KV misses"), ("puts", "KV puts"),
                       ("evictions", "KV evictions")):
-        # By owner, not by name: namespace names are their owners' (kv_stats hides
-        # others' from a caller), and anyone on the host may read /metrics.
-        by_uid: Counter[int] = Counter()
-        for s in spaces:
-            by_uid[int(s["uid"])] += int(s[key])
-        g = GaugeMetricFamily(f"mxfs_kv_{key}", what + " by the namespaces' owner",
-                              labels=["uid"])
-        for uid, n in sorted(by_uid.items()):
-            g.add_metric([str(uid)], float(n))
-        yield g
+        yield kv_gauge(key, what, spaces, by_user)
+
+
+def kv_gauge(key: str, what: str, spaces: Sequence[Mapping[str, Any]], by_user: bool
+             ) -> Any:
+    """One KV statistic as the pool's total, or (`by_user`, -o metrics_by_user) by the
+    namespaces' owner.  Anyone on the host may read /metrics: by owner, it told every
+    user how much KV each other user holds and how often it hits, a view of their
+    workloads; so that is root's choice.  Never by name: names are their owners'
+    (kv_stats hides others' from a caller)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    if not by_user:
+        return GaugeMetricFamily(f"mxfs_kv_{key}", what + " in the pool",
+                                 value=float(sum(int(s[key]) for s in spaces)))
+    by_uid: Counter[int] = Counter()
+    for s in spaces:
+        by_uid[int(s["uid"])] += int(s[key])
+    g = GaugeMetricFamily(f"mxfs_kv_{key}", what + " by the namespaces' owner",
+                          labels=["uid"])
+    for uid, n in sorted(by_uid.items()):
+        g.add_metric([str(uid)], float(n))
+    return g
 
 
 async def _stop_on_signal() -> None:

@@ -19,7 +19,7 @@ NUMBERS: dict[str, tuple[int, int]] = {
     "chunk_port": (0, 65535), "stray_s": (600, 1 << 31),
     **{name: (1, 1 << 40) for name in Limits.options()},
 }
-FLAGS = ("nonempty", "noatime", "writeback_cache", "degraded", "log_json")
+FLAGS = ("nonempty", "noatime", "writeback_cache", "degraded", "log_json", "metrics_by_user")
 TEXTS = ("metrics_addr", "chunk_addr", "node")
 # What FUSE and the kernel take (libfuse 3's mount options and the generic ones).
 FUSE = ("allow_other", "allow_root", "default_permissions", "ro", "rw", "nosuid", "suid",
