@@ -595,6 +595,25 @@ def _scopes(c: ChunkClient, ino: int) -> bool:
             return False
 
 
+@pytest.mark.unit
+def test_the_accept_rate_of_each_address_and_its_table_stay_bounded() -> None:
+    """A token bucket an address (time given, not waited for): `burst` at once, then
+    `per_s` a second; its refusals reported once a `report_s`, counted; and a scan
+    from many addresses keeps `peers` buckets at most, a quiet one dropped."""
+    from mxfs.fs.accept_rate import AcceptRate
+
+    rate = AcceptRate(burst=3, per_s=2, peers=100, report_s=60)
+    assert [rate.take("a", 0.0) for _ in range(5)] == [True, True, True, False, False]
+    assert rate.take("b", 0.0)  # (another address: a bucket of its own)
+    assert rate.due("a", 0.0) == 2 and rate.due("a", 1.0) == 0  # (once a minute)
+    assert [rate.take("a", 1.0) for _ in range(3)] == [True, True, False]  # 2 a second
+    assert rate.due("a", 30.0) == 0 and rate.due("a", 61.0) == 1
+    for i in range(10_000):
+        rate.take(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", 100.0)
+        assert len(rate) <= 100
+    assert rate.take("c", 1000.0) and len(rate) == 1  # (the others quiet long: full again)
+
+
 def test_peers_are_counted_by_address_loopback_as_one_and_ipv6_by_its_64() -> None:
     """Handshake slots are counted by peer: every loopback address is one (any local
     user may use them all), an IPv6 address is its /64 (a host holds a whole /64 as a
