@@ -595,6 +595,55 @@ def _scopes(c: ChunkClient, ino: int) -> bool:
             return False
 
 
+OVER_RATE = r"chunk connections from .* come faster than"
+
+
+@pytest.mark.daemon_log(OVER_RATE, r"chunk connection .* failed")
+def test_one_address_opening_connections_fast_is_held_to_its_rate_and_a_node_goes_on(
+        tmp_path: Path) -> None:
+    """The handshake limits bound what an address holds, not how often it connects: a
+    local user who opened and closed connections as fast as she could had each one
+    accepted and its handshake started on the daemon's one thread.  Past
+    max_chunk_accept_burst, then max_chunk_accepts_per_s, her address's connections
+    are closed as they are accepted (counted as refused, logged once), while a node's
+    daemon on the same host (a reserved port: a peer of its own) connects and reads,
+    and her address is let in again as its rate allows."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "chunk_port=0", "max_chunk_accept_burst=10",
+                      "max_chunk_accepts_per_s=1") as m:
+        (m.path / "f").write_bytes(b"z" * 5000)
+        ino, first = _first_member(m, "f")
+        host, port, pool = _service(m)
+        with ControlClient(str(m.path)) as c:
+            refused = c.stat()["chunk_service"]["refused"]  # type: ignore[index]
+        started = time.monotonic()
+        answered = sum(_challenged(host, port, pool) for _ in range(100))
+        seconds = time.monotonic() - started  # (what the rate lets in meanwhile)
+        assert answered <= 10 + int(seconds) + 1, (answered, seconds)
+        with ChunkClient(host, port, load_key(members[0]), pool) as node:
+            assert node.sock.getsockname()[1] < 1024
+            assert node.read(ino, first, 0, 5000) == b"z" * 5000
+        with ControlClient(str(m.path)) as c:
+            st = c.stat()["chunk_service"]
+        assert st["refused"] >= refused + 100 - answered  # type: ignore[index]
+        assert eventually(lambda: _challenged(host, port, pool), 10)  # (a rate, not a ban)
+        lines = [x for x in Path(_log_of(m)).read_text().splitlines()
+                 if "come faster than" in x]
+        assert len(lines) == 1 and "loopback (port >= 1024)" in lines[0], lines
+
+
+def _challenged(host: str, port: int, pool: str) -> bool:
+    """Whether a connection from an unreserved port got the service's challenge to its
+    HELLO (not closed as accepted); closed after."""
+    with socket.create_connection((host, port), timeout=10) as s:
+        try:
+            s.sendall(HELLO.pack(MAGIC, VERSION, uuid.UUID(pool).bytes, os.urandom(16)))
+            return len(s.recv(CHALLENGE.size, socket.MSG_WAITALL)) == CHALLENGE.size
+        except OSError:  # (a reset: it was closed with the HELLO unread)
+            return False
+
+
 @pytest.mark.unit
 def test_the_accept_rate_of_each_address_and_its_table_stay_bounded() -> None:
     """A token bucket an address (time given, not waited for): `burst` at once, then

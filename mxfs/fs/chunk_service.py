@@ -21,7 +21,11 @@ reserved port (below 1024: root's alone, `io/chunk_client.py`), and connections 
 other ports are counted apart (each address's as a peer of its own, and all of them
 to half of `max_chunk_handshakes`): a user on a node who floods the port with silent
 connections cannot take the slots its daemon proves the key in.  A refused connection
-is closed at once.
+is closed at once.  Those bound what a peer holds, not how often it connects: each
+address (counted as above, its unreserved ports apart) may open
+`max_chunk_accept_burst` connections at once and `max_chunk_accepts_per_s` a second
+after that (`fs/accept_rate.py`); one past them is closed as it is accepted, before a
+task or a handshake is spent on it, and an address's are logged once a minute at most.
 
 The pool's writer node writes the stripes it places on this node's members through
 it (WRIT, SYNC, TRUN, REMV): each done in a worker thread, under the epoch of the
@@ -58,6 +62,7 @@ from typing import Any, Protocol
 import trio
 
 from mxfs.errors import MxfsError
+from mxfs.fs.accept_rate import AcceptRate
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import RoundRobin, Turns
 from mxfs.fs.limits import Limits, fd_limit
@@ -162,6 +167,9 @@ PUTS_AT_ONCE = 4  # KV chunks being received at once (each held whole: MAX_KPUT 
 PUT_RECV_S = 30.0  # ... each within this, or its connection goes
 UNRESERVED = " (port >= 1024)"  # a peer's connections from ports any user may bind
 WRITES_AT_ONCE = 4  # the writer's chunk writes being received at once (each held whole)
+# What accept says while the daemon's descriptors or the kernel's memory are out ...
+OUT_OF_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
+OUT_OF_ROOM_S = 0.1  # ... waited out this long, then accepted again
 
 
 class ChunkService:
@@ -181,6 +189,8 @@ class ChunkService:
         self.by_host: Counter[str] = Counter()  # connections, proved or not, by address
         self.scoped: Counter[int] = Counter()  # readers' scoped connections, by tenant
         self.refused = 0
+        self._accepts = AcceptRate(self.limits.max_chunk_accept_burst,
+                                   self.limits.max_chunk_accepts_per_s)
         self.served_bytes = 0
         self._senders = trio.CapacityLimiter(SENDERS)
         # Scoped connections are held by readers the service does not trust: however
@@ -238,7 +248,41 @@ class ChunkService:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
         log.info("chunk service on %s:%d", self.host, self.port)
         task_status.started()
-        await trio.serve_listeners(self._connection, [listener])
+        async with listener, trio.open_nursery() as nursery:
+            while True:
+                stream = await self._accept(listener)
+                peer = _peer_address(stream)
+                if self._accepts.take(peer, trio.current_time()):
+                    nursery.start_soon(self._connection, stream, peer)
+                else:  # (closed here: no task, no handshake for a flood's connections)
+                    self._over_rate(peer)
+                    stream.socket.close()
+
+    async def _accept(self, listener: trio.SocketListener) -> trio.SocketStream:
+        """The next connection; while the daemon's descriptors or the kernel's memory
+        are out, noted and waited out (as trio's serve_listeners did)."""
+        while True:
+            try:
+                return await listener.accept()
+            except OSError as e:
+                if e.errno not in OUT_OF_ROOM:
+                    raise
+                self._failures.note("chunk accept", None, e, trace=False)
+                await trio.sleep(OUT_OF_ROOM_S)
+
+    def _over_rate(self, peer: str) -> None:
+        """A connection from `peer` past its accept rate: counted as refused, logged
+        with those since its last line once a minute at most (one line a connection
+        was the flood again, in the log)."""
+        self.refused += 1
+        n = self._accepts.due(peer, trio.current_time())
+        if n:
+            lim = self.limits
+            log.warning("chunk connections from %s come faster than %d a second "
+                        "(max_chunk_accepts_per_s) after %d at once "
+                        "(max_chunk_accept_burst): %d closed as accepted since this "
+                        "address's last such line", peer, lim.max_chunk_accepts_per_s,
+                        lim.max_chunk_accept_burst, n)
 
     def _admit(self, peer: str) -> str | None:
         """Why a new connection from `peer` is refused (a limit is reached), or None."""
@@ -260,8 +304,7 @@ class ChunkService:
                     "pool key, half the limit (max_chunk_handshakes)")
         return None
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        peer = _peer_address(stream)
+    async def _connection(self, stream: trio.SocketStream, peer: str) -> None:
         why = self._admit(peer)
         if why is not None:
             self.refused += 1

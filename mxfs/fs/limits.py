@@ -52,6 +52,9 @@ class Limits:
     max_chunk_conns_per_peer: int = 128  # ... of one address (a node uses ~100 at most)
     max_chunk_handshakes_per_peer: int = 8  # of one address not yet past the key proof
     max_chunk_handshakes: int = 64  # of all peers not yet past it (room kept for nodes)
+    max_chunk_accept_burst: int = 1024  # chunk service connections one address opens at
+                                    # once (a node's reconnect: ~100) ...
+    max_chunk_accepts_per_s: int = 1024  # ... and a second after that (fs/accept_rate.py)
     fd_reserve: int = 256           # descriptors kept back for FUSE, members and the store
 
     @classmethod
