@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Mounted, check_pool, mxfs, one_line_error
+from users import ensure_users, run_as
 
 import mxfs.ckpt as ck
 from mxfs.client import ControlClient
@@ -108,3 +109,56 @@ def test_scrub_names_the_damaged_sealed_files_and_members_online(mounted: Mounte
     mounted.umount()  # and offline, from a member path
     out = json.loads(mxfs("scrub", "--json", mounted.members[0], check=False).stdout)
     assert [d["path"] for d in out["damaged"]] == ["/ckpt/data.safetensors"]
+
+
+SEAL_AND_NAME = r"""
+import mmap
+from mxfs.client import ControlClient
+from mxfs.client.writer import create_file
+folder, name = sys.argv[1], bytes.fromhex(sys.argv[2])
+data = os.urandom(200_000)
+buf = mmap.mmap(-1, -(-len(data) // 4096) * 4096)
+buf[:len(data)] = data
+with create_file(os.path.join(folder, "model.bin"), len(data)) as w:
+    w.write_at(0, memoryview(buf), valid=len(data))
+    w.commit(len(data))
+with ControlClient(os.path.dirname(folder)) as c:
+    info = c.layout(os.path.join(folder, "model.bin"))
+os.rename(os.path.join(folder, "model.bin").encode(), os.path.join(folder.encode(), name))
+print(json.dumps(info))
+"""
+
+
+def test_a_tenants_name_reaches_roots_terminal_escaped(mounted: Mounted,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    alice = ensure_users()["alice"]
+    folder = mounted.path / "alice"
+    folder.mkdir()
+    os.chown(folder, alice.uid, alice.gid)
+    # a sealed file of hers named to clear root's screen and forge a clean report
+    name = b"ok\x1b[2J\nchecked 0 sealed files; all blocks match \xff\xe2\x80\xae"
+    info = run_as(alice, SEAL_AND_NAME, str(folder), name.hex())
+    ino = info["ino"]
+    member, off = Layout.from_description(info["layout"]).locate(70_000)
+    with open(Pool.open(mounted.members[0]).chunk_path(member, ino), "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    mounted.umount()
+    damage(mounted, lambda e: e.update("inodes", {"ino": ino}, {"nlink": 3}))
+    shown = r"/alice/ok\x1b[2J\x0achecked 0 sealed files; all blocks match \xff\u202e"
+    monkeypatch.setenv("PYTHONIOENCODING", "utf-8")  # (strict: what a UTF-8 terminal gets)
+    scrub = mxfs("scrub", mounted.members[0], check=False)
+    assert scrub.returncode == 1, scrub.stdout + scrub.stderr
+    assert scrub.stdout.splitlines() == [
+        f"DAMAGED {shown}: bytes [65536, 131072) on member {member}: checksum",
+        "checked 1 sealed files; 1 damaged"], scrub.stdout
+    fsck = mxfs("fsck", mounted.members[0], check=False)
+    assert fsck.returncode == 4, fsck.stdout + fsck.stderr
+    assert fsck.stdout.splitlines() == [
+        f"found: link count: {shown} has nlink 3 but 1 names: set to 1",
+        "0 repaired, 1 left (run again with --repair)"], fsck.stdout
+    assert mxfs("fsck", "--repair", mounted.members[0], check=False).returncode == 1
+    mounted.remount()
+

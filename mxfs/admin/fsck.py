@@ -17,6 +17,7 @@ from functools import partial
 from mxfs.io import Layout
 from mxfs.meta import ROOT_INO, MetaStore, check
 from mxfs.meta.survey import inode_numbers, path_of, sealed_files
+from mxfs.text import shown
 from mxfs.vol.volume import Volume
 
 LOST_FOUND = b"lost+found"
@@ -63,8 +64,8 @@ def fsck(vol: Volume, repair: bool) -> list[Finding]:
                   f"missing inode {p.ino}: removed",
                   partial(store.drop_entry, p.parent, p.name))
         elif p.kind == check.DANGLING_KV:
-            found("dangling KV chunk", f"{p.ns}/{p.name!r} points to missing inode {p.ino}: "
-                  "dropped", partial(store.kv.drop_entry, p.ns, p.name))
+            found("dangling KV chunk", f"{shown(p.ns)}/{p.name!r} points to missing inode "
+                  f"{p.ino}: dropped", partial(store.kv.drop_entry, p.ns, p.name))
         elif p.kind == check.UNREACHABLE:
             found("unreachable inode", f"inode {p.ino}: linked as /lost+found/{p.ino}",
                   partial(_to_lost_found, store, p.ino))

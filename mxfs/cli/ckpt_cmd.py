@@ -8,6 +8,7 @@ import json
 import os
 
 from mxfs.errors import MxfsError
+from mxfs.text import shown
 from mxfs.units import format_size
 
 
@@ -32,15 +33,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
                           "incomplete": partial}, indent=2))
         return 0
     if not entries:
-        print(f"no checkpoints in {root}")
+        print(f"no checkpoints in {shown(root)}")
     for e in entries:
         mark = "  <- latest" if e.latest else ""
         comp = f", {e.compress}" if e.compress else ""
-        print(f"{e.name:30} {_when(e.created_ns)}  {format_size(e.nbytes):>10}  "
+        print(f"{shown(e.name):30} {_when(e.created_ns)}  {format_size(e.nbytes):>10}  "
               f"{e.tensors} tensors{comp}{mark}")
     if partial:
         print(f"({len(partial)} incomplete save(s) left by dead writers; "
-              f"mxfs ckpt prune {root} removes them)")
+              f"mxfs ckpt prune {shown(root)} removes them)")
     return 0
 
 
@@ -57,9 +58,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                     "tensors": d.tensors, "member": d.member} for d in damage]})
         if not args.json:
             for d in damage:
-                print(f"DAMAGED {d.describe()}")
+                print(f"DAMAGED {shown(d.describe())}")
             if not damage:
-                print(f"ok {path}")
+                print(f"ok {shown(path)}")
     if args.json:
         print(json.dumps(results, indent=2))
     return 1 if bad else 0
@@ -71,7 +72,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     for path in args.path:
         remove(path)
         if not args.json:
-            print(f"removed {path}")
+            print(f"removed {shown(path)}")
     if args.json:
         print(json.dumps({"removed": args.path}))
     return 0
@@ -84,7 +85,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"removed": removed}))
     else:
-        print("\n".join(f"removed {p}" for p in removed) or "nothing to remove")
+        print("\n".join(f"removed {shown(p)}" for p in removed) or "nothing to remove")
     return 0
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from mxfs.cli.ckpt_cmd import json_everywhere
 from mxfs.errors import MxfsError
 from mxfs.proto.messages import KV_NS_CREATE, KV_NS_REMOVE, KV_STATS, KVNsCreateRequest
+from mxfs.text import shown, shown_key
 from mxfs.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -28,16 +29,6 @@ def _store(mount: str, namespace: str) -> KVStore:
         raise MxfsError(f"{e.strerror}", f"list namespaces with: mxfs kv stats {mount}"
                         ) from None
     return kv
-
-
-def _show(key: bytes) -> str:
-    try:
-        text = key.decode()
-        if text.isprintable():
-            return text
-    except UnicodeDecodeError:
-        pass
-    return "0x" + key.hex()
 
 
 def _keys(kv: KVStore) -> list[tuple[bytes, int, int]]:
@@ -65,7 +56,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print("no KV namespaces")
     for s in spaces:
         cap = format_size(s["capacity"]) if s["capacity"] else "pool"
-        print(f"{s['namespace']} (uid {s['uid']}, gid {s['gid']}, mode {s['mode']}): "
+        print(f"{shown(s['namespace'])} (uid {s['uid']}, gid {s['gid']}, mode {s['mode']}): "
               f"{s['chunks']} chunks, {format_size(s['bytes'])} of {cap}; "
               f"{s['hits']} hits, {s['misses']} misses, {s['puts']} puts, "
               f"{s['evictions']} evictions, {s['pinned']} pinned")
@@ -79,11 +70,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     finally:
         kv.close()
     if args.json:
-        print(json.dumps({"chunks": [{"key": _show(k), "bytes": n, "pins": p}
+        print(json.dumps({"chunks": [{"key": shown_key(k), "bytes": n, "pins": p}
                                      for k, n, p in rows]}, indent=2))
     else:
         for k, n, p in rows:
-            print(f"{format_size(n):>10}  {'pinned ' if p else ''}{_show(k)}")
+            print(f"{format_size(n):>10}  {'pinned ' if p else ''}{shown_key(k)}")
     return 0
 
 
@@ -107,14 +98,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             part = keys[i:i + 64]
             for k, got in zip(part, kv.batch_get(part), strict=True):
                 if got is None:
-                    damaged.append(_show(k))
+                    damaged.append(shown_key(k))
     finally:
         kv.close()
     if args.json:
         print(json.dumps({"checked": len(keys), "damaged": damaged}, indent=2))
     else:
-        for shown in damaged:
-            print(f"DAMAGED {shown} (dropped)")
+        for key in damaged:
+            print(f"DAMAGED {key} (dropped)")
         print(f"checked {len(keys)} chunks, {len(damaged)} damaged")
     return 1 if damaged else 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from mxfs import __version__
 from mxfs.errors import MxfsError, UsageError
 from mxfs.pool.pool import pool_totals
 from mxfs.proto.constants import LAYOUT_XATTR
+from mxfs.text import shown
 from mxfs.units import format_size, parse_size
 
 
@@ -289,7 +291,7 @@ def _format_status(s: dict[str, Any]) -> str:
     if s.get("degraded"):
         lines.append(f"  DEGRADED: {s['lost_files']} files have stripes on a failed member "
                      "and are lost (RAID0 keeps no copy):")
-        lines += [f"    {name}" for name in s["lost_examples"]]
+        lines += [f"    {shown(name)}" for name in s["lost_examples"]]
         if s["lost_files"] > len(s["lost_examples"]):
             lines.append(f"    ... and {s['lost_files'] - len(s['lost_examples'])} more "
                          "(mxfs status --json)")
@@ -456,7 +458,8 @@ def cmd_put(args: argparse.Namespace) -> int:
     total = sum(p.size for p in done)
     _emit(args, {"files": [{"source": p.source, "path": p.path, "bytes": p.size}
                            for p in done], "bytes": total, "seconds": secs},
-          "\n".join(f"{p.source} -> {p.path} ({format_size(p.size)})" for p in done) +
+          "\n".join(f"{shown(p.source)} -> {shown(p.path)} ({format_size(p.size)})"
+                    for p in done) +
           f"\nput {len(done)} files, {format_size(total)} in {secs:.1f} s "
           f"({total / max(secs, 1e-9) / 1e9:.2f} GB/s)")
     return 0
@@ -561,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for out in (sys.stdout, sys.stderr):  # (a name shown escaped, on any terminal's encoding)
+        if isinstance(out, io.TextIOWrapper):
+            out.reconfigure(errors="backslashreplace")
     debug = "--debug" in argv or bool(os.environ.get("MXFS_DEBUG"))
     if debug:
         os.environ["MXFS_DEBUG"] = "1"  # daemons started from here show them too
@@ -570,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MxfsError as e:
         if debug:
             raise
-        print(f"mxfs: {e}", file=sys.stderr)
+        print(f"mxfs: {shown(str(e))}", file=sys.stderr)  # (it may name users' files)
         return e.exit_code
     except KeyboardInterrupt:
         print("mxfs: interrupted", file=sys.stderr)
@@ -579,12 +585,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         # A file the user named is missing, not allowed, or on a full member.
-        where = f": {e.filename}" if e.filename else ""
-        print(f"mxfs: {e.strerror or e}{where}", file=sys.stderr)
+        name = e.filename
+        where = f": {shown(name if isinstance(name, str | bytes) else str(name))}" if name \
+            else ""
+        print(f"mxfs: {shown(str(e.strerror or e))}{where}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - the last line of defence for users
         if debug:
             raise
-        print(f"mxfs: internal error: {type(e).__name__}: {e} "
+        print(f"mxfs: internal error: {type(e).__name__}: {shown(str(e))} "
               "(run with --debug for a traceback, and please report it)", file=sys.stderr)
         return 70

@@ -4,7 +4,6 @@ engine primitives; none of them runs on a hot path."""
 
 from __future__ import annotations
 
-import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 
 from mxfs.meta.inode import ROOT_INO
 from mxfs.meta.store import MetaStore
+from mxfs.text import shown, shown_key
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class SealedRow:
 
 
 def path_of(store: MetaStore, ino: int) -> str:
-    """A path that reaches `ino` (one of its names), or "<inode N>" if none does."""
+    """A path that reaches `ino` (one of its names), or "<inode N>" if none does; for a
+    report, so its names are shown escaped (`mxfs.text.shown`: tenants choose them)."""
     parts: list[str] = []
     seen = set()
     while ino != ROOT_INO:
@@ -41,17 +42,17 @@ def path_of(store: MetaStore, ino: int) -> str:
         if row is None or ino in seen:
             return f"<inode {ino}>" + ("/" + "/".join(reversed(parts)) if parts else "")
         seen.add(ino)
-        parts.append(os.fsdecode(bytes(row[1])))
+        parts.append(shown(bytes(row[1])))
         ino = row[0]
     return "/" + "/".join(reversed(parts))
 
 
 def display_name(store: MetaStore, ino: int) -> str:
-    """A file's path, or its KV namespace and key."""
+    """A file's path, or its KV namespace and key, shown escaped as `path_of`'s."""
     kv = store.kv.key_of(ino)
     if kv is not None:
         ns, key = kv
-        return f"kv:{ns}/" + (key.decode() if key.isascii() else "0x" + key.hex())
+        return f"kv:{shown(ns)}/{shown_key(key)}"
     return path_of(store, ino)
 
 
