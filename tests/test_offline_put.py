@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Mounted, mxfs, one_line_error
+from users import ensure_users
 
 from mxfs.meta import MetaStore
 from mxfs.pool import Pool
@@ -104,3 +105,82 @@ def test_a_put_killed_midway_leaves_nothing(mounted: Mounted, tmp_path: Path) ->
     mounted.remount()
     assert not (mounted.path / "big.bin").exists()
     assert (mounted.path / "small.bin").read_bytes() == small.read_bytes()
+
+
+def test_put_refuses_a_tenants_link_and_no_copy_is_more_readable_than_its_file(
+        mounted: Mounted, tmp_path: Path) -> None:
+    alice = ensure_users()["alice"]
+    secret = tmp_path / "secret"  # root's, 0600: what alice's link points at
+    secret.write_bytes(b"root's secret, not for the pool\n")
+    os.chmod(secret, 0o600)
+    upload = tmp_path / "upload"  # the folder alice hands root to put
+    upload.mkdir()
+    os.chown(upload, alice.uid, alice.gid)
+    link = upload / "model.safetensors"
+    os.symlink(secret, link)
+    os.lchown(link, alice.uid, alice.gid)
+    mounted.umount()
+    chunks = Path(mounted.members[0]) / "chunks"
+    before = sorted(p for d in (Path(m) / "chunks" for m in mounted.members)
+                    for p in d.rglob("*"))
+    line = one_line_error(mxfs("put", mounted.members[0], str(link), check=False))
+    assert f"{link} is a symbolic link" in line and "real path" in line, line
+    line = one_line_error(mxfs("put", mounted.members[0], "/dev/zero", check=False))
+    assert "/dev/zero is a character device, not a regular file" in line, line
+    after = sorted(p for d in (Path(m) / "chunks" for m in mounted.members)
+                   for p in d.rglob("*"))
+    assert after == before and chunks.is_dir()  # nothing of either landed
+    modes = {"private.bin": 0o600, "group.bin": 0o640, "tool.bin": 0o755}
+    for name, mode in modes.items():
+        (upload / name).write_bytes(name.encode())
+        os.chown(upload / name, alice.uid, alice.gid)
+        os.chmod(upload / name, mode)
+    mxfs("put", mounted.members[0], *[str(upload / n) for n in modes])
+    mounted.remount()
+    assert not os.path.lexists(mounted.path / "model.safetensors")
+    for name, mode in modes.items():  # root's, its file's bits, never more than 0644
+        st = os.stat(mounted.path / name)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, mode & 0o644), name
+        assert (mounted.path / name).read_bytes() == name.encode()
+
+
+def test_put_copies_the_files_it_opened_whatever_is_swapped_in_meanwhile(
+        mounted: Mounted, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    mounted.umount()
+    line = one_line_error(mxfs("put", mounted.members[0], str(fifo), check=False, timeout=60))
+    assert f"{fifo} is a FIFO, not a regular file" in line, line
+    big = tmp_path / "a.bin"  # long enough to copy that the swaps land while it is copied
+    piece = os.urandom(8 << 20)
+    with open(big, "wb") as f:
+        for _ in range(32):
+            f.write(piece)
+    small = tmp_path / "b.bin"
+    small.write_bytes(b"b" * 5000)
+    chunk_dirs = [Path(m) / "chunks" for m in mounted.members]
+    before = {p for d in chunk_dirs for p in d.rglob("*") if p.is_file()}
+    proc = subprocess.Popen([sys.executable, "-m", "mxfs", "put", mounted.members[0],
+                             str(big), str(small)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if {p for d in chunk_dirs for p in d.rglob("*") if p.is_file()} - before:
+            break  # the first file's copy has begun
+        time.sleep(0.002)
+    assert proc.poll() is None, "the put ended before anything could be swapped"
+    with open(big, "ab") as f:
+        f.write(b"Z" * (1 << 20))  # grows while it is copied
+    os.mkfifo(tmp_path / "swap")
+    os.rename(tmp_path / "swap", small)  # a FIFO where the second file was: nobody writes it
+    try:
+        assert proc.wait(timeout=120) == 0
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("the put blocked on a FIFO swapped in for a file") from None
+    mounted.remount()
+    assert (mounted.path / "b.bin").read_bytes() == b"b" * 5000
+    assert os.stat(mounted.path / "a.bin").st_size == 32 * len(piece)  # as it was opened
+    with open(mounted.path / "a.bin", "rb") as f:
+        while block := f.read(len(piece)):
+            assert block == piece
