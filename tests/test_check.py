@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -162,3 +164,35 @@ def test_a_tenants_name_reaches_roots_terminal_escaped(mounted: Mounted,
     assert mxfs("fsck", "--repair", mounted.members[0], check=False).returncode == 1
     mounted.remount()
 
+
+def test_fsck_links_lost_files_into_roots_own_lost_found_not_a_tenants(
+        mounted: Mounted) -> None:
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    os.chmod(mounted.path, 0o1777)  # a root anyone may make a folder in
+    (mounted.path / "private").mkdir(mode=0o700)  # bob's, with a file only he may read
+    (mounted.path / "private" / "secret").write_bytes(b"bob's secret")
+    for p in ("private", "private/secret"):
+        os.chown(mounted.path / p, bob.uid, bob.gid)
+    ino = os.stat(mounted.path / "private" / "secret").st_ino
+    assert run_as(alice, "print(json.dumps(attempt(os.mkdir, sys.argv[1], 0o777)))",
+                  str(mounted.path / "lost+found")) == "ok"  # hers, ready to catch
+    os.chmod(mounted.path / "lost+found", 0o777)  # (past her umask)
+    mounted.umount()
+    damage(mounted, lambda e: e.delete("dentries", {"ino": ino}))  # unreachable now
+    res = mxfs("fsck", "--repair", mounted.members[0], check=False)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"repaired: lost+found: /lost+found was uid {alice.uid}'s folder (mode 0777), " \
+        "not root's own: moved aside to /lost+found.1, and a root's 0700 one made" \
+        in res.stdout, res.stdout
+    assert f"repaired: unreachable inode: inode {ino}: linked as /lost+found/{ino}" \
+        in res.stdout, res.stdout
+    assert mxfs("fsck", mounted.members[0]).stdout.strip() == "clean"
+    mounted.remount()
+    st = os.stat(mounted.path / "lost+found")
+    assert (st.st_uid, st.st_gid, st.st_mode) == (0, 0, stat.S_IFDIR | 0o700)
+    assert (mounted.path / "lost+found" / str(ino)).read_bytes() == b"bob's secret"
+    assert run_as(alice, "print(json.dumps(attempt(os.listdir, sys.argv[1])))",
+                  str(mounted.path / "lost+found")) == errno.EACCES
+    theirs = os.stat(mounted.path / "lost+found.1")  # hers, kept, and empty
+    assert theirs.st_uid == alice.uid and os.listdir(mounted.path / "lost+found.1") == []

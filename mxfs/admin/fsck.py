@@ -2,12 +2,14 @@
 
 Every finding is one line naming the inode or path and what was (or would be)
 done.  Repairs keep data where they can: an inode no entry reaches is linked
-into `/lost+found` (as e2fsck does), not dropped; only bytes nothing refers to
+into `/lost+found` (as e2fsck does; root's own 0700 folder, never one a user made
+there), not dropped; only bytes nothing refers to
 (chunk files without an inode, tails past a file's size) are removed.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from mxfs.meta import ROOT_INO, MetaStore, check
 from mxfs.meta.survey import inode_numbers, path_of, sealed_files
 from mxfs.text import shown
 from mxfs.vol.volume import Volume
+from mxfs.vol.xattrs import ACL_PREFIX
 
 LOST_FOUND = b"lost+found"
 
@@ -58,6 +61,11 @@ def fsck(vol: Volume, repair: bool) -> list[Finding]:
         return out  # nothing else can be trusted; restore the metadata store
     orphans = set(store.orphans())
     adopted = {p.ino for p in found_problems if p.kind == check.UNREACHABLE}
+    if adopted:  # (before anything is linked into it)
+        foreign = _foreign_lost_found(store)
+        if foreign is not None:
+            text, aside = foreign
+            found("lost+found", text, partial(_replace_lost_found, store, aside))
     for p in found_problems:
         if p.kind == check.DANGLING_ENTRY:
             found("dangling entry", f"entry {p.cookie} in {path_of(store, p.parent)} points to "
@@ -142,8 +150,38 @@ def _chunk_findings(vol: Volume, repair: bool) -> list[Finding]:
     return out
 
 
+def _is_roots_own(store: MetaStore, ino: int) -> bool:
+    """A folder only root may enter: root's, mode 0700, no ACL granting anyone else."""
+    node = store.get(ino)
+    return node.is_dir and node.uid == 0 and stat.S_IMODE(node.mode) == 0o700 and \
+        not any(n.startswith(ACL_PREFIX) for n in store.listxattr(ino))
+
+
+def _foreign_lost_found(store: MetaStore) -> tuple[str, bytes] | None:
+    """A `/lost+found` that is not root's own folder (the pool's root may let users make
+    one, to catch what fsck links there: files from others' private folders): what it
+    is, and the unique name it is moved aside to; None if there is none or it is root's."""
+    lf = store.entry_ino(ROOT_INO, LOST_FOUND)
+    if lf is None or _is_roots_own(store, lf):
+        return None
+    node = store.get(lf)
+    kind = "folder" if node.is_dir else "symbolic link" if stat.S_ISLNK(node.mode) else "file"
+    aside = next(name for k in itertools.count(1)
+                 if store.entry_ino(ROOT_INO, name := LOST_FOUND + f".{k}".encode()) is None)
+    return (f"/lost+found was uid {node.uid}'s {kind} (mode {stat.S_IMODE(node.mode):04o}), "
+            f"not root's own: moved aside to /{aside.decode()}, and a root's 0700 one made",
+            aside)
+
+
+def _replace_lost_found(store: MetaStore, aside: bytes) -> None:
+    store.rename(ROOT_INO, LOST_FOUND, ROOT_INO, aside, noreplace=True)
+    store.create(ROOT_INO, LOST_FOUND, stat.S_IFDIR | 0o700, 0, 0)
+
+
 def _to_lost_found(store: MetaStore, ino: int) -> None:
     lf = store.entry_ino(ROOT_INO, LOST_FOUND)
     if lf is None:
         lf = store.create(ROOT_INO, LOST_FOUND, stat.S_IFDIR | 0o700, 0, 0).ino
+    if not _is_roots_own(store, lf):  # (fsck moved any other aside first)
+        raise RuntimeError("/lost+found is not root's own folder")
     store.adopt(ino, lf, str(ino).encode())
