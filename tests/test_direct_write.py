@@ -106,6 +106,46 @@ def test_a_block_not_written_whole_refuses_the_commit(mounted: Mounted) -> None:
     assert not os.path.exists(p)
 
 
+def test_a_commit_naming_a_checksum_block_over_the_limit_is_refused(mounted: Mounted) -> None:
+    """A sparse file committed as one checksum block of (at least) its whole size, the
+    block scrub and readers hold whole: refused EINVAL, for a file and a KV chunk alike;
+    the same file commits in blocks up to the limit."""
+    import base64
+
+    from mxfs.client.control import ControlError
+    from mxfs.io.checksum import MAX_SUM_UNIT, block_sums, pack_sums
+
+    size = 8 << 20
+
+    def sums(data: bytes, unit: int) -> str:
+        return base64.b64encode(pack_sums(block_sums(data, unit))).decode()
+    with ControlClient(str(mounted.path)) as c:
+        made, fds = c.call_with_fds("create", path="/sparse.bin", size=size)
+        for fd in fds:
+            os.close(fd)  # (nothing written: it reads zeros)
+        over = MAX_SUM_UNIT + made["layout"]["stripe_unit"]
+        with pytest.raises(ControlError) as e:
+            c.call("commit", ino=made["ino"], size=size, sum_unit=over, sums="AAAAAAAAAAA=")
+        assert e.value.errno == errno.EINVAL
+        assert f"sum_unit {over} is over the largest checksum block" in e.value.strerror
+        c.call("commit", ino=made["ino"], size=size, sum_unit=MAX_SUM_UNIT,
+               sums=sums(bytes(size), MAX_SUM_UNIT))
+        key = base64.b64encode(b"k").decode()
+        c.call("kv_ns_create", namespace="ns", capacity=1 << 30)
+        made, fds = c.call_with_fds("kv_create", namespace="ns", key=key, size=3)
+        os.pwrite(fds[0], b"abc", 0)
+        for fd in fds:
+            os.close(fd)
+        unit = made["layout"]["stripe_unit"]
+        commit = {"namespace": "ns", "ino": made["ino"], "key": key, "size": 3}
+        with pytest.raises(ControlError) as e:
+            c.call("kv_commit", **commit, sum_unit=MAX_SUM_UNIT + unit, sums=sums(b"abc", unit))
+        assert e.value.errno == errno.EINVAL and "largest checksum block" in e.value.strerror
+        assert c.call("kv_commit", **commit, sum_unit=unit, sums=sums(b"abc", unit))["stored"]
+        assert c.layout(str(mounted.path / "sparse.bin"))["sealed"] is True
+    assert Path(mounted.path / "sparse.bin").read_bytes() == bytes(size)
+
+
 WRITER = r"""
 import os, sys, mmap, time
 from mxfs.client.writer import create_file

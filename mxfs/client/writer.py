@@ -23,7 +23,7 @@ from mxfs.client.control import ControlClient, ControlError
 from mxfs.client.direct import DIO_ALIGN, SEGMENT, address_of, control_client_for
 from mxfs.io import Layout, WriteOp, write_batch
 from mxfs.io.batch import sync_all
-from mxfs.io.checksum import block_sums, pack_sums
+from mxfs.io.checksum import block_sums, max_sum_unit, pack_sums
 from mxfs.proto.messages import ABORT, COMMIT, CREATE, InodeRequest, SumsFields
 
 
@@ -111,6 +111,11 @@ class DirectWriter(FileWriter):
         self.fds = dict(zip(reply["members"], fds, strict=True))
         stripes = max(1, -(-size // self.layout.unit))
         self.sum_unit = self.layout.unit * -(-stripes // MAX_SUMS)
+        if self.sum_unit > max_sum_unit(self.layout.unit):  # (its commit would be refused)
+            self.abort()
+            raise OSError(errno.EFBIG, f"{label}: {size} bytes is over the "
+                          f"{MAX_SUMS * max_sum_unit(self.layout.unit)} one file may hold "
+                          "(its checksums would not fit one commit): split it")
         self.direct = direct and self._try_direct()
 
     def _try_direct(self) -> bool:

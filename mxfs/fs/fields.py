@@ -15,6 +15,7 @@ import errno
 from collections.abc import Mapping
 from typing import Any
 
+from mxfs.io.checksum import max_sum_unit
 from mxfs.meta import NAME_MAX
 from mxfs.proto import BY_NAME, OPS, Op, ProtocolError
 
@@ -95,12 +96,18 @@ def b64_field(msg: Msg, key: str, default: str | None = None) -> bytes:
 
 
 def sums_field(msg: Msg, unit: int, size: int) -> tuple[int, bytes]:
-    """(sum_unit, packed xxh3 sums) of a commit, checked against the file's size."""
+    """(sum_unit, packed xxh3 sums) of a commit, checked against the file's size and
+    the largest checksum block (`io/checksum.max_sum_unit`): every commit that seals
+    (`commit`, a node's `node_commit` through `FileOps._publish`, `kv_commit`) takes
+    its sums here."""
     sum_unit = int_field(msg, "sum_unit")
     sums = b64_field(msg, "sums", "")
     if sum_unit == 0 or sum_unit % unit:
         raise OSError(errno.EINVAL, f"sum_unit {sum_unit} is not a multiple of the "
                       f"stripe unit {unit}")
+    if sum_unit > max_sum_unit(unit):
+        raise OSError(errno.EINVAL, f"sum_unit {sum_unit} is over the largest checksum "
+                      f"block, {max_sum_unit(unit)} bytes: hash in smaller blocks")
     if len(sums) != 8 * (-(-size // sum_unit)):
         raise OSError(errno.EINVAL, f"{len(sums) // 8} checksums for {size} bytes in "
                       f"units of {sum_unit}")
