@@ -196,3 +196,49 @@ def test_fsck_links_lost_files_into_roots_own_lost_found_not_a_tenants(
                   str(mounted.path / "lost+found")) == errno.EACCES
     theirs = os.stat(mounted.path / "lost+found.1")  # hers, kept, and empty
     assert theirs.st_uid == alice.uid and os.listdir(mounted.path / "lost+found.1") == []
+
+
+def test_scrub_reads_a_huge_checksum_block_in_pieces_and_a_malformed_seal_is_named(
+        mounted: Mounted) -> None:
+    """A seal whose block is the whole of a 1 TiB file (what commits accepted before
+    their bound; a tenant's sparse file cost root's scrub twice its size in memory) is
+    read a piece at a time, under a 4 GiB address-space cap; one whose checksums do not
+    fit its size is named, not checked; the files after them are checked all the same."""
+    import resource
+    import subprocess
+    import sys
+
+    from mxfs.client.writer import create_file
+    from mxfs.io.checksum import pack_sums
+
+    inos = {}
+    for name in ("huge", "odd", "after"):
+        data = os.urandom(200_000)
+        with create_file(str(mounted.path / name), len(data)) as w:
+            w.write_at(0, memoryview(data))
+            w.commit(len(data))
+        inos[name] = os.stat(mounted.path / name).st_ino
+    with ControlClient(str(mounted.path)) as c:
+        first = Layout.from_description(c.layout(str(mounted.path / "huge"))["layout"]) \
+            .locate(0)[0]
+    mounted.umount()
+    mounted.check = False  # (a 1 TiB file with 200 KB of data: broken on purpose)
+    big = 1 << 40
+
+    def plant(e: Engine) -> None:
+        e.update("inodes", {"ino": inos["huge"]}, {"size": big})
+        e.update("sealed", {"ino": inos["huge"]}, {"sum_unit": big, "sums": pack_sums([7])})
+        e.update("sealed", {"ino": inos["odd"]}, {"sums": pack_sums([7] * 9)})
+    damage(mounted, plant)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    res = subprocess.run([sys.executable, "-m", "mxfs", "scrub", "--json", mounted.members[0]],
+                         capture_output=True, text=True, timeout=300, preexec_fn=cap)
+    assert res.returncode == 1, res.stderr
+    out = json.loads(res.stdout)
+    assert out["damaged"] == [{"path": "/huge", "begin": 0, "end": big, "member": first,
+                               "why": "missing"}]
+    assert out["unchecked"] == [{"path": "/odd", "why": "its seal is malformed: 9 checksums "
+                                 "of 65536 bytes for 200000 bytes"}]
+    assert out["checked"] == 2  # /huge (damaged) and /after (sound)

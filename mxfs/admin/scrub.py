@@ -19,8 +19,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from mxfs.io import Layout
-from mxfs.io.checksum import block_sums, unpack_sums
+from mxfs.io.checksum import unpack_sums
 from mxfs.meta import MetaStore, survey
 from mxfs.meta.survey import display_name
 from mxfs.pool import Pool
@@ -42,7 +44,7 @@ class Bad:
 @dataclass(frozen=True)
 class Unchecked:
     path: str
-    why: str  # which node could not serve its stripes, and why
+    why: str  # which node could not serve its stripes, and why; or its seal's damage
 
     def line(self) -> str:
         return f"NOT CHECKED {self.path}: {self.why}"
@@ -64,37 +66,45 @@ def sealed_files(store: MetaStore, members: int) -> Iterator[Sealed]:
                                            members), s.sum_unit, unpack_sums(s.sums))
 
 
+# Bytes of a checksum block read and hashed at a time.  A block is as large as its
+# committer said: bounded at commit (`io/checksum.MAX_SUM_UNIT`), but a pool may hold
+# seals made before that bound, or a damaged store any size, and a tenant's sparse file
+# sealed as one block of its whole size had scrub allocate twice that.
+PIECE = 8 << 20
+
+
+def seal_problem(f: Sealed) -> str | None:
+    """Why `f`'s checksums cannot describe its bytes, if they cannot (a damaged store)."""
+    if f.sum_unit <= 0 or len(f.sums) != -(-f.size // f.sum_unit):
+        return (f"its seal is malformed: {len(f.sums)} checksums of {f.sum_unit} bytes "
+                f"for {f.size} bytes")
+    return None
+
+
 def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[tuple[int, int,
                                                                                       str]]:
     """(begin, end, why) of each bad block of one sealed file; stripes on other nodes'
-    members read through their owners (EIO naming the node that cannot serve them)."""
+    members read through their owners (EIO naming the node that cannot serve them).
+    A block is read PIECE bytes at a time into one buffer, its hash fed as it goes."""
     bad: list[tuple[int, int, str]] = []
     fds: dict[int, int | None] = {}
+    buf = memoryview(bytearray(min(PIECE, f.size)))
     try:
         for k, want in enumerate(f.sums):
             begin = k * f.sum_unit
             n = min(f.sum_unit, f.size - begin)
-            buf = bytearray(n)
+            h = xxhash.xxh3_64()
             missing = False
-            for piece in f.layout.plan(begin, n):
-                if pool.members[piece.member].node:
-                    got = pool.remote_of(piece.member).read_bytes(
-                        f.ino, piece.member, piece.chunk_offset, piece.length)
-                    missing |= _place(buf, got, piece.spans, piece.length)
-                    continue
-                if piece.member not in fds:
-                    try:
-                        fds[piece.member] = os.open(pool.chunk_path(piece.member, f.ino),
-                                                    os.O_RDONLY | os.O_CLOEXEC)
-                    except FileNotFoundError:
-                        fds[piece.member] = None
-                fd = fds[piece.member]
-                got = b"" if fd is None else os.pread(fd, piece.length, piece.chunk_offset)
-                missing |= _place(buf, got, piece.spans, piece.length)
-            throttle(n)
+            for at in range(begin, begin + n, PIECE):
+                piece = buf[:min(PIECE, begin + n - at)]
+                missing = _read_into(pool, f, fds, at, piece)
+                throttle(len(piece))
+                if missing:
+                    break  # (the rest of the block is not wanted)
+                h.update(piece)
             if missing:
                 bad.append((begin, begin + n, "missing"))
-            elif block_sums(memoryview(buf), f.sum_unit)[0] != want:
+            elif h.intdigest() != want:
                 bad.append((begin, begin + n, "checksum"))
     finally:
         for fd in fds.values():
@@ -103,7 +113,30 @@ def scrub_file(pool: Pool, f: Sealed, throttle: Callable[[int], None]) -> list[t
     return bad
 
 
-def _place(buf: bytearray, got: bytes, spans: Sequence[tuple[int, int]], length: int
+def _read_into(pool: Pool, f: Sealed, fds: dict[int, int | None], at: int,
+               buf: memoryview) -> bool:
+    """Read the file's bytes [at, at + len(buf)) from its members into `buf`; True if a
+    member held fewer than asked (its chunk file missing or short)."""
+    missing = False
+    for piece in f.layout.plan(at, len(buf)):
+        if pool.members[piece.member].node:
+            got = pool.remote_of(piece.member).read_bytes(
+                f.ino, piece.member, piece.chunk_offset, piece.length)
+            missing |= _place(buf, got, piece.spans, piece.length)
+            continue
+        if piece.member not in fds:
+            try:
+                fds[piece.member] = os.open(pool.chunk_path(piece.member, f.ino),
+                                            os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fds[piece.member] = None
+        fd = fds[piece.member]
+        got = b"" if fd is None else os.pread(fd, piece.length, piece.chunk_offset)
+        missing |= _place(buf, got, piece.spans, piece.length)
+    return missing
+
+
+def _place(buf: memoryview, got: bytes, spans: Sequence[tuple[int, int]], length: int
            ) -> bool:
     """Put a member's bytes back at their places in the block; True if it held fewer
     than the `length` asked (its chunk file missing or short)."""
@@ -139,6 +172,10 @@ def scrub(pool: Pool, store: MetaStore, rate: int = 0,
     for f in files:
         if not store.inode_exists(f.ino):
             continue  # removed while we scrubbed
+        problem = seal_problem(f)
+        if problem is not None:
+            unchecked.append(Unchecked(display_name(store, f.ino), problem))
+            continue
         try:
             found = scrub_file(pool, f, throttle)
         except OSError as e:

@@ -107,8 +107,9 @@ def cmd_scrub(args: argparse.Namespace) -> int:
         files = len({b.path for b in bad})
         print(f"checked {checked} sealed files; "
               + (f"{files} damaged" if bad else "all blocks match their checksums")
-              + (f"; {len(unchecked)} not checked (their nodes could not be reached: "
-                 "scrub again once they serve)" if unchecked else ""))
+              + (f"; {len(unchecked)} not checked (each line above says why: a node "
+                 "that could not be reached, scrub again once it serves; or a damaged "
+                 "seal)" if unchecked else ""))
     return 1 if bad or unchecked else 0
 
 
