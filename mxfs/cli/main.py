@@ -139,7 +139,9 @@ def _mount_foreground(args: argparse.Namespace, options: list[str]) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     from mxfs.client import ControlClient
-    from mxfs.vol.mounts import FSTYPE, mount_table, unmount, wait_pid_gone
+    from mxfs.proto.constants import FSTYPE
+    from mxfs.proto.mountinfo import mount_table
+    from mxfs.vol.mounts import unmount, wait_pid_gone
 
     mp = os.path.abspath(args.mountpoint)
     kind = mount_table().get(mp)
@@ -299,7 +301,8 @@ def _format_status(s: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from mxfs.vol.mounts import FSTYPE, mount_table
+    from mxfs.proto.constants import FSTYPE
+    from mxfs.proto.mountinfo import mount_table
 
     if args.target:
         target = os.path.abspath(args.target)

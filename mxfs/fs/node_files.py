@@ -74,6 +74,7 @@ from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.messages import FileReply
+from mxfs.proto.mountinfo import mount_table
 from mxfs.vol.access import (
     W_OK,
     Caller,
@@ -89,7 +90,6 @@ from mxfs.vol.access import (
     resolve_parent_for,
     takes_read,
 )
-from mxfs.vol.mounts import mount_table
 from mxfs.vol.node_holds import MAX_HOLDS
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume

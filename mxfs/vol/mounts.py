@@ -13,24 +13,10 @@ from typing import BinaryIO
 
 from mxfs.errors import MxfsError
 from mxfs.proc import NEUTRAL_CWD, python_module, running
+from mxfs.proto.constants import FSTYPE
+from mxfs.proto.mountinfo import mount_table, unescape
 
-FSTYPE = "fuse.mxfs"
 READY_TIMEOUT = 120.0
-
-
-def _unescape(field: str) -> str:
-    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n") \
-        .replace("\\134", "\\")
-
-
-def mount_table() -> dict[str, str]:
-    """Mount point -> filesystem type, from /proc/self/mountinfo."""
-    table = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            table[_unescape(left.split()[4])] = right.split()[0]
-    return table
 
 
 def check_mountpoint(path: str, nonempty: bool = False) -> str:
@@ -203,7 +189,7 @@ def mount_device(path: str) -> str | None:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if _unescape(fields[4]) == path:
+            if unescape(fields[4]) == path:
                 found = fields[2]  # the last one is the top of a stack of mounts
     return found
 
