@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from conftest import Mounted, eventually, raw_socket
+from conftest import Mounted, eventually, mxfs, one_line_error, raw_socket
+from users import PRELUDE, User, ensure_users, run_as
 
 from mxfs.client import ControlClient, ControlError
 from mxfs.proto import HEADER, MAX_PAYLOAD, VERSION, recv_message
@@ -308,3 +314,151 @@ def test_every_op_replies_as_its_declaration_says(mounted: Mounted) -> None:
         assert c.layout(str(mounted.path / "g"))["size"] == 5  # the connection goes on
     assert seen == set(BY_NAME)
     assert (mounted.path / "g").read_bytes() == b"hello"
+
+
+# A control socket served by a tenant (as the user the prelude makes it): it sets
+# user.mxfs.control on argv[2] (when given) to name it, then counts what each
+# connection sends until stdin closes.
+FAKE_DAEMON = r"""
+import select
+path = sys.argv[1]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(path)
+os.chmod(path, 0o777)
+s.listen(16)
+if len(sys.argv) > 2:
+    os.setxattr(sys.argv[2], "user.mxfs.control", path.encode())
+print("ready", flush=True)
+seen = []
+while True:
+    ready, _, _ = select.select([s, sys.stdin], [], [])
+    if sys.stdin in ready and not sys.stdin.readline():
+        break
+    if s in ready:
+        conn, _ = s.accept()
+        conn.settimeout(1)
+        try:
+            seen.append(len(conn.recv(4096)))
+        except OSError:
+            seen.append(0)
+        conn.close()
+print(json.dumps(seen), flush=True)
+"""
+
+
+@contextlib.contextmanager
+def fake_daemon(user: User, sock: str, folder: str | None = None) -> Iterator[list[int]]:
+    """A control socket `user` serves at `sock` (naming it from `folder`); what each
+    connection to it sent, once the block ends."""
+    code = PRELUDE.format(uid=user.uid, gid=user.gid, groups=tuple(user.groups)) + \
+        "import socket\n" + FAKE_DAEMON
+    p = subprocess.Popen([sys.executable, "-c", code, sock, *([folder] if folder else [])],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    assert p.stdout.readline().strip() == "ready"
+    seen: list[int] = []
+    try:
+        yield seen
+    finally:
+        p.stdin.close()
+        seen += json.loads(p.stdout.readline() or "[]")
+        p.wait(timeout=30)
+
+
+@pytest.fixture
+def alices_folder() -> Iterator[tuple[User, Path]]:
+    """mxfs-alice and a folder of hers outside the mount (on the test machine's disk)."""
+    alice = ensure_users()["alice"]
+    box = Path(tempfile.mkdtemp(prefix="mxfs-tenant-"))
+    box.chmod(0o755)
+    mine = box / "alice"
+    mine.mkdir()
+    os.chown(mine, alice.uid, alice.gid)
+    try:
+        yield alice, mine
+    finally:
+        shutil.rmtree(box)
+
+
+def test_a_control_xattr_off_an_mxfs_mount_is_not_trusted(
+        mounted: Mounted, alices_folder: tuple[User, Path]) -> None:
+    """A tenant names a socket of hers from a folder of her own; root's command given
+    that folder refuses it in one line and never connects (it asked her socket for
+    the pool's config, then opened a superblock and store of hers)."""
+    alice, mine = alices_folder
+    (mine / "model.bin").write_bytes(b"m" * 4096)
+    with fake_daemon(alice, str(mine / "sock"), str(mine)) as seen:
+        line = one_line_error(mxfs("scrub", str(mine), check=False))
+        said = run_as(ensure_users()["bob"], f"""
+from mxfs.client.direct import open_reader
+from mxfs.errors import MxfsError
+try:
+    open_reader({str(mine / "model.bin")!r})
+    print(json.dumps("opened"))
+except MxfsError as e:
+    print(json.dumps(str(e)))
+""")
+    assert f"{mine} carries user.mxfs.control but is not an mxfs mount (it is a folder " \
+        "of the " in line and line.endswith("its socket is not trusted"), line
+    assert said.startswith(f"{mine} carries user.mxfs.control") and \
+        said.endswith("not trusted: give a path on an mxfs mount"), said  # (another user)
+    assert seen == []
+
+
+def test_a_control_socket_another_user_serves_is_not_trusted(
+        mounted: Mounted, alices_folder: tuple[User, Path]) -> None:
+    """The mount's socket path leading to a socket a tenant serves: refused once
+    connected (SO_PEERCRED: not root, not the caller), before a byte is sent."""
+    alice, mine = alices_folder
+    real = os.getxattr(mounted.path, "user.mxfs.control").decode()
+    with fake_daemon(alice, str(mine / "sock")) as seen:
+        os.rename(real, real + ".aside")
+        os.symlink(mine / "sock", real)
+        try:
+            line = one_line_error(mxfs("scrub", str(mounted.path), check=False))
+        finally:
+            os.unlink(real)
+            os.rename(real + ".aside", real)
+    assert line == f"mxfs: the control socket of {mounted.path} is served by uid " \
+        f"{alice.uid}, not by root or you: not trusted"
+    assert seen == [0]  # (connected to ask who serves it; sent nothing)
+    with ControlClient(str(mounted.path)) as c:  # (the daemon's own, as before)
+        assert c.stat()["pool_uuid"]
+
+
+IN_CONTAINER = r"""
+import ctypes
+from mxfs.client import ControlClient
+def contained():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE (cleared by setuid): her /proc/self
+    if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER: her own namespace, as podman's
+        raise OSError(ctypes.get_errno(), "unshare")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"),
+                       ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    with ControlClient(sys.argv[1]) as c:
+        return [os.geteuid(), bool(c.stat()["pool_uuid"])]
+r, w = os.pipe()
+if os.fork() == 0:  # (one thread: a process with more cannot enter a user namespace)
+    try:
+        out = contained()
+    except BaseException as e:
+        out = repr(e)
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+with os.fdopen(r) as f:
+    print(f.read())
+"""
+
+
+def test_a_client_in_a_rootless_container_reaches_roots_daemon(
+        mounted: Mounted) -> None:
+    """A tenant's process in a user namespace that maps only her uid (a rootless
+    container) sees root's daemon as the overflow uid, and still reaches it."""
+    alice = ensure_users()["alice"]
+    os.chmod(mounted.path, 0o755)
+    # (root in her namespace, her uid outside it)
+    assert run_as(alice, IN_CONTAINER, str(mounted.path)) == [0, True]

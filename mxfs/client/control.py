@@ -2,7 +2,8 @@
 `fs/control.py`: the same protocol, two layers).
 
 The socket is found from the mount itself (the `user.mxfs.control` xattr of
-its root), so a client needs nothing but the mount point.
+its root), so a client needs nothing but the mount point; it is trusted only on the
+root of a `fuse.mxfs` mount, and only when root or the caller serves it.
 """
 
 from __future__ import annotations
@@ -12,18 +13,25 @@ import itertools
 import os
 import select
 import socket
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from mxfs.proto import VERSION, ProtocolError, recv_message, send_message
-from mxfs.proto.constants import CONTROL_XATTR
+from mxfs.proto.constants import CONTROL_XATTR, FSTYPE
 from mxfs.proto.messages import LAYOUT, STAT, FileReply, Rep, Request, StatReply
+from mxfs.proto.mountinfo import mount_of
 
 
 class ControlError(OSError):
     """The daemon refused a request; errno and message are the daemon's."""
+
+
+class Untrusted(ControlError):
+    """A control xattr off an mxfs mount, or a socket neither root nor the caller
+    serves: refused before a byte is sent (EPERM)."""
 
 
 def mount_root(path: str) -> str | None:
@@ -51,12 +59,57 @@ def mount_root(path: str) -> str | None:
 
 
 def find_socket(mountpoint: str) -> str:
+    """The control socket `mountpoint` names, once it is found to be the root of an
+    mxfs mount: any user may set `user.mxfs.control` on a folder of her own (a plain
+    one, a tmpfs), and root asking her socket for the pool's config would open a
+    superblock and a store of hers."""
     try:
-        return os.getxattr(mountpoint, CONTROL_XATTR).decode()
+        path = os.getxattr(mountpoint, CONTROL_XATTR).decode()
     except OSError as e:
         if e.errno in (errno.ENODATA, errno.ENOTSUP):
             raise ControlError(e.errno, f"{mountpoint} is not an mxfs mount") from None
         raise
+    point, fstype = mount_of(mountpoint)
+    if fstype != FSTYPE or point != os.path.realpath(mountpoint):
+        where = f"a {fstype} mount is there" if point == os.path.realpath(mountpoint) \
+            else f"it is a folder of the {fstype} mount at {point}"
+        raise Untrusted(errno.EPERM, f"{mountpoint} carries {CONTROL_XATTR} but is not "
+                           f"an mxfs mount ({where}): its socket is not trusted")
+    return path
+
+
+def check_daemon(sock: socket.socket, mountpoint: str) -> None:
+    """Refuse a control socket served by anyone but root or this user (SO_PEERCRED):
+    root's daemon serves every user, a user's own mount (without allow_other) serves
+    her alone, and a socket another user serves is a daemon of hers.  In a user
+    namespace that does not map root (a rootless container) root's daemon shows as the
+    overflow uid, as any other unmapped user's would: there it is taken, and what
+    stands between the container and another user's socket is the mount's type (a FUSE
+    mount that others may reach takes root, or user_allow_other)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", raw)
+    if uid in (0, os.geteuid()) or (uid == _overflow_uid() and not _root_mapped()):
+        return
+    raise Untrusted(errno.EPERM, f"the control socket of {mountpoint} is served by uid "
+                       f"{uid}, not by root or you: not trusted")
+
+
+def _overflow_uid() -> int:
+    try:
+        with open("/proc/sys/kernel/overflowuid") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65534
+
+
+def _root_mapped() -> bool:
+    """Whether this process's user namespace maps uid 0 of the one above it."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return True
+    return any(outside <= 0 < outside + count for _, outside, count in ranges)
 
 
 def _fields(reply: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +158,7 @@ class ControlClient:
         try:
             sock.settimeout(self.timeout)
             sock.connect(find_socket(self.mountpoint))
+            check_daemon(sock, self.mountpoint)
             server, fds = self._exchange(sock, "hello", {"version": VERSION})
         except BaseException:
             sock.close()

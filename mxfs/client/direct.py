@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from contextlib import suppress
 from typing import Any
 
-from mxfs.client.control import ControlClient, ControlError, mount_root
+from mxfs.client.control import ControlClient, ControlError, Untrusted, mount_root
 from mxfs.client.reader import (
     HUGE_PAGE,
     SEGMENT,
@@ -347,6 +347,8 @@ def control_client_for(path: str) -> ControlClient | None:
     if client is None:
         try:
             client = _clients[root] = ControlClient(root)
+        except Untrusted as e:
+            raise MxfsError(e.strerror or str(e), "give a path on an mxfs mount") from None
         except OSError as e:
             raise MxfsError(f"the mxfs daemon of {root} does not answer ({e.strerror or e})",
                             f"check it with: mxfs status {root}; if it died: mxfs umount "
