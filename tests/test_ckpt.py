@@ -300,3 +300,100 @@ def test_process_writer_saves_and_its_death_fails_only_that_save(mounted: Mounte
     finally:
         saver.close()
         saver.staging.release()
+
+
+# ---- a tenant's folder, root's commands --------------------------------------------------
+
+# What a tenant does in her own checkpoint folder, through the mount: each action is
+# [what, path, argument] (a name in place of what held it: link, fifo, folder, write),
+# read from a file (a manifest is too long for an argument).
+PLANT = """
+with open(sys.argv[1]) as plan:
+    actions = json.load(plan)
+for what, path, arg in actions:
+    if what != "folder" and os.path.lexists(path):
+        os.unlink(path)
+    if what == "link":
+        os.symlink(arg, path)
+    elif what == "fifo":
+        os.mkfifo(path)
+    elif what == "folder":
+        os.mkdir(path)
+    else:
+        with open(path, "w") as f:
+            f.write(arg)
+print(json.dumps("ok"))
+"""
+
+
+def _tenant_checkpoints(m: Mounted, names: list[str]) -> tuple[Path, Any]:
+    """Checkpoints `names` in a folder of mxfs-alice's on the mount (hers, every file)."""
+    from users import ensure_users
+
+    alice = ensure_users()["alice"]
+    root = m.path / "alice"
+    for i, name in enumerate(names):
+        ck.save({"x": torch.full((1000,), float(i))}, str(root / name)).wait()
+    for folder, _, files in os.walk(root):
+        for p in [folder, *(os.path.join(folder, f) for f in files)]:
+            os.chown(p, alice.uid, alice.gid)
+    return root, alice
+
+
+def _plant(m: Mounted, user: Any, *actions: list[str]) -> None:
+    from users import run_as
+
+    plan = m.path / "plan.json"
+    plan.write_text(json.dumps(actions))
+    try:
+        assert run_as(user, PLANT, str(plan)) == "ok"
+    finally:
+        plan.unlink()
+
+
+@pytest.mark.parametrize("verb", ["rm", "prune"])
+def test_root_removing_a_tenants_checkpoint_never_writes_through_her_links(
+        mounted: Mounted, tmp_path: Path, verb: str) -> None:
+    """A removal marks the folder with its owner file before deleting it: a link the
+    tenant planted under that name is replaced, not written through (as root, it
+    truncated whatever file it named)."""
+    root, alice = _tenant_checkpoints(mounted, ["s0", "s1"])
+    outside = tmp_path / "root-only"
+    outside.write_text("root's own\n")
+    _plant(mounted, alice, ["link", str(root / "s0" / catalog.OWNER), str(outside)])
+    if verb == "rm":
+        mxfs("ckpt", "rm", str(root / "s0"))
+    else:
+        mxfs("ckpt", "prune", str(root), "--keep", "1")
+    assert outside.read_text() == "root's own\n"
+    assert sorted(os.listdir(root)) == ["latest", "s1"]
+    assert (root / "latest").read_text().strip() == "s1"
+
+
+@pytest.mark.unit
+def test_a_manifest_over_its_cap_is_refused_unread(tmp_path: Path) -> None:
+    """A reader holds at most MANIFEST_MAX bytes of a manifest (a planted one of a
+    terabyte, sparse, would fill root's memory): over it, the checkpoint is damaged."""
+    ck.save({"x": torch.zeros(4)}, str(tmp_path / "c")).wait()
+    with open(tmp_path / "c" / catalog.MANIFEST, "r+b") as f:
+        f.truncate(catalog.MANIFEST_MAX + 1)
+    with pytest.raises(ck.CheckpointError, match="over"):
+        catalog.read_manifest(str(tmp_path / "c"))
+    assert ck.list_checkpoints(str(tmp_path)) == []
+
+
+def test_fifos_a_tenant_plants_do_not_hang_root_commands(mounted: Mounted) -> None:
+    """`latest`, a manifest and a partial save's owner file as FIFOs: root's commands
+    opened them to read and waited for a writer that never comes."""
+    root, alice = _tenant_checkpoints(mounted, ["s0", "s1", "s2"])
+    _plant(mounted, alice, ["fifo", str(root / "latest"), ""],
+           ["fifo", str(root / "s1" / catalog.MANIFEST), ""],
+           ["folder", str(root / ".s9.partial"), ""],
+           ["fifo", str(root / ".s9.partial" / catalog.OWNER), ""])
+    listed = json.loads(mxfs("ckpt", "ls", "--json", str(root), timeout=60).stdout)
+    assert [(c["name"], c["latest"]) for c in listed["checkpoints"]] == [("s0", False),
+                                                                         ("s2", False)]
+    line = one_line_error(mxfs("ckpt", "verify", str(root / "s1"), check=False, timeout=60))
+    assert "not a regular file" in line
+    mxfs("ckpt", "prune", str(root), "--keep", "1", timeout=60)
+    assert sorted(os.listdir(root)) == [".s9.partial", "latest", "s1", "s2"]

@@ -5,6 +5,14 @@ data files.  A save builds it as a hidden `.NAME.partial` folder and renames
 it into place only after every file and the manifest are durable, so a folder
 named like a checkpoint is always complete.  `latest` is a small file naming
 the newest checkpoint, replaced atomically after the rename.
+
+Root runs `mxfs ckpt` over folders tenants write: every file inside a checkpoint's
+folder is opened relative to a descriptor of that folder, never through a symbolic
+link, only if it is a regular file, and read up to a cap (`mxfs.safe_open`); the owner
+file is made anew, never written through a name someone planted; a manifest that does
+not parse, or whose shape is not what `new_manifest` writes (a data file named
+anything but a plain name inside the folder, checksum blocks under a page), is a
+damaged checkpoint, refused in one line.
 """
 
 from __future__ import annotations
@@ -15,18 +23,29 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from mxfs.client.writer import create_file, sync_dir
 from mxfs.errors import MxfsError
 from mxfs.proc import running
+from mxfs.safe_open import open_dir, read_small, write_new
 
 MANIFEST = "mxfs-checkpoint.json"
 FORMAT = "mxfs-checkpoint"
 VERSION = 1
 LATEST = "latest"
 PARTIAL_SUFFIX = ".partial"
+# Bytes a manifest may hold, so a planted one cannot exhaust the reader's memory: most
+# of it is sums, about 11 KB a GiB of data in 1 MiB stripes (some 20 TB); a save
+# refuses to write a larger one.  And the bytes of `latest` or an owner file.
+MANIFEST_MAX = 256 << 20
+SMALL_MAX = 4096
+# The smallest checksum block a manifest may name: a page (every writer's is a stripe
+# unit, a multiple of one, or 1 MiB off mxfs), so damage is never reported byte by byte.
+MIN_SUM_UNIT = 4096
+DAMAGED = "the checkpoint is damaged; load an older one"
 
 
 class CheckpointError(MxfsError):
@@ -45,33 +64,107 @@ def write_small(path: str, data: bytes, replace: bool = True) -> None:
         w.commit(len(data), replace=replace)
 
 
-def read_manifest(path: str) -> dict[str, Any]:
-    """The manifest of the checkpoint at `path`, checked for format and version."""
-    mpath = os.path.join(path, MANIFEST)
+@contextlib.contextmanager
+def checkpoint_folder(path: str) -> Iterator[int]:
+    """A descriptor of the checkpoint folder `path` (as given: a link to it is followed),
+    for reading its files; one line if there is no folder there."""
     try:
-        with open(mpath, "rb") as f:
-            manifest = json.loads(f.read())
+        fd = open_dir(path)
     except NotADirectoryError:
         raise CheckpointError(f"{path} is a file, not a checkpoint",
                               "give the folder of a checkpoint that mxfs.ckpt.save wrote "
                               "(mxfs ckpt ls FOLDER lists them)") from None
     except FileNotFoundError:
-        if os.path.isdir(path):
-            raise CheckpointError(f"{path} is not an mxfs checkpoint (it has no {MANIFEST})",
-                                  "give the folder of a checkpoint that mxfs.ckpt.save wrote"
-                                  ) from None
         raise CheckpointError(f"checkpoint {path} does not exist",
                               "list checkpoints with: mxfs ckpt ls FOLDER") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be opened ({e.strerror})",
+                              "check the path") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: str, dir_fd: int | None = None) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path`, checked for format, version and shape
+    (`dir_fd`: the folder, already open, whose files the caller then reads)."""
+    if dir_fd is None:
+        with checkpoint_folder(path) as fd:
+            return read_manifest(path, fd)
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        raw = read_small(MANIFEST, dir_fd, MANIFEST_MAX)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not an mxfs checkpoint (it has no {MANIFEST})",
+                              "give the folder of a checkpoint that mxfs.ckpt.save wrote"
+                              ) from None
+    except OSError as e:
+        raise CheckpointError(f"{mpath} {e.strerror}", DAMAGED) from None
+    try:
+        manifest = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mpath} is not valid JSON ({e})",
-                              "the checkpoint is damaged; load an older one") from None
+        raise CheckpointError(f"{mpath} is not valid JSON ({e})", DAMAGED) from None
+    except RecursionError:
+        raise CheckpointError(f"{mpath} nests deeper than any manifest", DAMAGED) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath} is not an mxfs checkpoint manifest",
                               "give the folder of a checkpoint that mxfs.ckpt.save wrote")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{mpath} has format version {manifest.get('version')}, "
                               f"this mxfs reads {VERSION}", "load it with a matching mxfs")
+    problem = _shape_problem(manifest)
+    if problem is not None:
+        raise CheckpointError(f"{mpath}: {problem}", DAMAGED)
     return manifest
+
+
+def is_plain_name(name: object) -> bool:
+    """A name of one file inside a folder: no '/', not '.' or '..', no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\0" not in name)
+
+
+def _count(v: object) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _shape_problem(m: dict[str, Any]) -> str | None:
+    """What in a manifest is not as `new_manifest` writes it (None: nothing)."""
+    if not _count(m.get("created_ns")):
+        return "its creation time is not a number of nanoseconds"
+    if not isinstance(m.get("compress"), str | None):
+        return "its compression is not a name"
+    files = m.get("files")
+    if not isinstance(files, dict):
+        return "its files are not a mapping of names to entries"
+    for fname, info in files.items():
+        if not is_plain_name(fname):
+            return f"it names the data file {fname!r}, not a plain name inside its folder"
+        if not isinstance(info, dict) or not _count(info.get("size")) \
+                or not isinstance(info.get("sums"), str) \
+                or not isinstance(info.get("tensors"), dict):
+            return f"the entry of {fname} is damaged"
+        unit = info.get("sum_unit")
+        if not _count(unit) or unit < MIN_SUM_UNIT or unit % MIN_SUM_UNIT:
+            return (f"{fname} has checksum blocks of {unit!r} bytes, not a multiple of "
+                    f"{MIN_SUM_UNIT}")
+        for tname, t in info["tensors"].items():
+            if not _tensor_entry_ok(t):
+                return f"the entry of tensor {tname!r} in {fname} is damaged"
+    return None
+
+
+def _tensor_entry_ok(t: object) -> bool:
+    if not isinstance(t, dict) or not isinstance(t.get("dtype"), str) \
+            or not _count(t.get("offset")) or not _count(t.get("length")) \
+            or not isinstance(t.get("shape"), list) or not all(map(_count, t["shape"])):
+        return False
+    stored = t.get("stored")
+    return stored is None or (
+        isinstance(stored, dict) and _count(stored.get("offset"))
+        and _count(stored.get("length")) and _count(stored.get("frame")) and stored["frame"] > 0
+        and isinstance(stored.get("frames"), list) and all(map(_count, stored["frames"])))
 
 
 @dataclass(frozen=True)
@@ -90,12 +183,33 @@ class Entry:
                 "latest": self.latest}
 
 
-def latest_name(root: str) -> str | None:
+@contextlib.contextmanager
+def _root_fd(root: str) -> Iterator[int]:
+    """A descriptor of a folder of checkpoints, held while a command works in it (so
+    the folder cannot be swapped for another under it)."""
     try:
-        with open(os.path.join(root, LATEST)) as f:
-            return f.read().strip() or None
-    except FileNotFoundError:
-        return None
+        fd = open_dir(root)
+    except OSError as e:
+        raise CheckpointError(f"{root} cannot be opened as a folder ({e.strerror})",
+                              "give the folder that holds checkpoints") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def latest_name(root: str) -> str | None:
+    """The checkpoint `latest` names (None: none, or `latest` is no file a save wrote)."""
+    with _root_fd(root) as fd:
+        return _latest_at(fd)
+
+
+def _latest_at(root_fd: int) -> str | None:
+    try:
+        name = read_small(LATEST, root_fd, SMALL_MAX).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return None  # absent, or a link, FIFO, ... planted in its place: none
+    return name if is_plain_name(name) else None
 
 
 def set_latest(root: str, name: str | None) -> None:
@@ -110,22 +224,33 @@ def set_latest(root: str, name: str | None) -> None:
 
 
 def list_checkpoints(root: str) -> list[Entry]:
-    """Complete checkpoints in `root`, oldest first (partial saves are never listed)."""
-    latest = latest_name(root)
+    """Complete checkpoints in `root`, oldest first (partial saves are never listed, nor
+    folders whose manifest is missing or damaged, nor links)."""
+    with _root_fd(root) as fd:
+        return _list_at(fd, root)
+
+
+def _list_at(root_fd: int, root: str) -> list[Entry]:
+    latest = _latest_at(root_fd)
     out = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isfile(os.path.join(path, MANIFEST)):
+    for name in sorted(os.listdir(root_fd)):
+        if name.startswith("."):
             continue
+        path = os.path.join(root, name)
         try:
-            m = read_manifest(path)
+            fd = open_dir(name, root_fd, follow=False)
+        except OSError:
+            continue  # a file, or a link: not a checkpoint of this folder
+        try:
+            m = read_manifest(path, fd)
         except CheckpointError:
             continue
-        files = m.get("files", {})
-        out.append(Entry(name, path, int(m.get("created_ns", 0)),
-                         sum(int(f["size"]) for f in files.values()),
-                         sum(len(f["tensors"]) for f in files.values()),
-                         m.get("compress"), name == latest))
+        finally:
+            os.close(fd)
+        files = m["files"].values()
+        out.append(Entry(name, path, m["created_ns"], sum(f["size"] for f in files),
+                         sum(len(f["tensors"]) for f in files), m.get("compress"),
+                         name == latest))
     out.sort(key=lambda e: (e.created_ns, e.name))
     return out
 
@@ -172,8 +297,12 @@ def publish(partial: str, path: str, manifest: dict[str, Any]) -> None:
     Each step is durable before the next, so a crash leaves either the previous
     state or the complete checkpoint, and `latest` never names a missing one.
     """
-    write_small(os.path.join(partial, MANIFEST),
-                json.dumps(manifest, separators=(",", ":")).encode())
+    data = json.dumps(manifest, separators=(",", ":")).encode()
+    if len(data) > MANIFEST_MAX:
+        raise CheckpointError(f"{path}: its manifest would hold {len(data)} bytes, over the "
+                              f"{MANIFEST_MAX} a reader accepts",
+                              "save it in fewer files, or with a larger stripe unit")
+    write_small(os.path.join(partial, MANIFEST), data)
     sync_dir(partial)
     root = os.path.dirname(path)
     os.rename(partial, path)
@@ -201,15 +330,21 @@ def _owner_id() -> str:
         return "?"
 
 
-def _write_owner(folder: str) -> None:
+def _write_owner(folder: str, dir_fd: int | None = None) -> None:
+    """Say whose the hidden folder `folder` is (`dir_fd`: it, already open): a new
+    file, never one written through whatever held the name."""
     data = json.dumps({"pid": os.getpid(), "where": _owner_id()}).encode()
     try:
-        with open(os.path.join(folder, OWNER), "wb") as f:
-            f.write(data)
+        fd = open_dir(folder, follow=False) if dir_fd is None else dir_fd
+        try:
+            write_new(OWNER, data, fd)
+        finally:
+            if dir_fd is None:
+                os.close(fd)
     except OSError as e:  # a pool's reading node writes no bytes through its mount:
         if e.errno != errno.EROFS:  # through the direct path, as its other files
             raise
-        write_small(os.path.join(folder, OWNER), data)
+        write_small(os.path.join(folder, OWNER), data)  # (a new file: never through a link)
 
 
 def is_stale(partial: str) -> bool:
@@ -218,23 +353,34 @@ def is_stale(partial: str) -> bool:
     Its pid answers only where it was written in this machine's boot and this pid
     namespace: a save of another node or container (one pool mounted into several)
     is left over only once nothing in its folder changed for FOREIGN_STALE_S; until
-    then its pid, meaningless here, must not get it removed mid-write."""
+    then its pid, meaningless here, must not get it removed mid-write.  A link is
+    never stale (nothing of it is removed)."""
     try:
-        with open(os.path.join(partial, OWNER)) as f:
-            owner = json.load(f)
+        fd = open_dir(partial, follow=False)
+    except OSError:
+        return False  # gone, a link, or no folder: not a save to clear
+    try:
+        return _stale_at(fd)
+    finally:
+        os.close(fd)
+
+
+def _stale_at(fd: int) -> bool:
+    try:
+        owner = json.loads(read_small(OWNER, fd, SMALL_MAX))
         pid, where = int(owner["pid"]), str(owner.get("where", ""))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return _idle_for(partial) >= FOREIGN_STALE_S  # unreadable: maybe being written
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return _idle_for(fd) >= FOREIGN_STALE_S  # unreadable: maybe being written
     if where != _owner_id():
-        return _idle_for(partial) >= FOREIGN_STALE_S
+        return _idle_for(fd) >= FOREIGN_STALE_S
     return pid != os.getpid() and not running(pid)
 
 
-def _idle_for(folder: str) -> float:
-    """Seconds since anything in `folder` (or the folder) last changed."""
+def _idle_for(fd: int) -> float:
+    """Seconds since anything in the folder `fd` (or the folder) last changed."""
     try:
-        newest = max([os.stat(folder).st_mtime] +
-                     [e.stat().st_mtime for e in os.scandir(folder)])
+        newest = max([os.fstat(fd).st_mtime] +
+                     [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(fd)])
     except OSError:
         return 0.0  # going or gone: not ours to judge
     return time.time() - newest
@@ -242,24 +388,70 @@ def _idle_for(folder: str) -> float:
 
 def partials(root: str) -> list[str]:
     """Hidden folders of saves that never completed (and whose writer is gone)."""
-    return sorted(p for n in os.listdir(root)
-                  if n.startswith(".") and n.endswith((PARTIAL_SUFFIX, ".removing"))
-                  and os.path.isdir(p := os.path.join(root, n)) and is_stale(p))
+    with _root_fd(root) as fd:
+        return [os.path.join(root, n) for n in _partials_at(fd)]
+
+
+def _partials_at(root_fd: int) -> list[str]:
+    out = []
+    for name in sorted(os.listdir(root_fd)):
+        if not (name.startswith(".") and name.endswith((PARTIAL_SUFFIX, ".removing"))):
+            continue
+        try:
+            fd = open_dir(name, root_fd, follow=False)
+        except OSError:
+            continue  # a file, or a link: nothing a save left
+        try:
+            if _stale_at(fd):
+                out.append(name)
+        finally:
+            os.close(fd)
+    return out
 
 
 def remove(path: str) -> None:
     """Remove one checkpoint; `latest` moves to the newest one left."""
-    path = os.path.abspath(path)
-    read_manifest(path)  # refuse to remove what is not a checkpoint
-    root, name = os.path.split(path)
-    hidden = os.path.join(root, f".{name}.removing")
-    os.rename(path, hidden)  # gone from listings at once, even if the removal is cut short
-    _write_owner(hidden)
-    if latest_name(root) == name:
-        left = list_checkpoints(root)
+    root, name = os.path.split(os.path.abspath(path))
+    with _root_fd(root) as fd:
+        _remove_at(fd, root, name)
+
+
+def _remove_at(root_fd: int, root: str, name: str) -> None:
+    """Remove the checkpoint `name` of the folder `root_fd`, its files by their names in
+    it (never through a link someone planted in it)."""
+    path = os.path.join(root, name)
+    try:
+        fd = open_dir(name, root_fd, follow=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist",
+                              "list checkpoints with: mxfs ckpt ls FOLDER") from None
+    except OSError as e:
+        what = "a symbolic link" if e.errno == errno.ELOOP else "not a folder"
+        raise CheckpointError(f"{path} is {what}, not a checkpoint",
+                              "give the folder of a checkpoint (mxfs ckpt ls FOLDER lists "
+                              "them)") from None
+    try:
+        read_manifest(path, fd)  # refuse to remove what is not a checkpoint
+    finally:
+        os.close(fd)
+    hidden = f".{name}.removing"
+    # Gone from listings at once, even if the removal is cut short.
+    os.rename(name, hidden, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    try:
+        fd = open_dir(hidden, root_fd, follow=False)
+    except OSError as e:
+        raise CheckpointError(f"{path} was replaced while it was removed ({e.strerror})",
+                              f"look at {os.path.join(root, hidden)}") from None
+    try:  # (without it the folder looks fresh to a prune beside: left to this one)
+        with contextlib.suppress(OSError):
+            _write_owner(os.path.join(root, hidden), fd)
+    finally:
+        os.close(fd)
+    if _latest_at(root_fd) == name:
+        left = _list_at(root_fd, root)
         set_latest(root, left[-1].name if left else None)
-    shutil.rmtree(hidden)
-    sync_dir(root)
+    shutil.rmtree(hidden, dir_fd=root_fd)
+    os.fsync(root_fd)
 
 
 def prune(root: str, keep: int, protect: str | None = None) -> list[str]:
@@ -267,14 +459,15 @@ def prune(root: str, keep: int, protect: str | None = None) -> list[str]:
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}", "pass --keep 1 or more")
     removed = []
-    for p in partials(root):
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append(p)
-    entries = list_checkpoints(root)
-    latest = latest_name(root)
-    for e in entries[:max(0, len(entries) - keep)]:
-        if e.name in (protect, latest):
-            continue
-        remove(e.path)
-        removed.append(e.path)
+    with _root_fd(root) as fd:
+        for name in _partials_at(fd):
+            shutil.rmtree(name, dir_fd=fd, ignore_errors=True)
+            removed.append(os.path.join(root, name))
+        entries = _list_at(fd, root)
+        latest = _latest_at(fd)
+        for e in entries[:max(0, len(entries) - keep)]:
+            if e.name in (protect, latest):
+                continue
+            _remove_at(fd, root, e.name)
+            removed.append(e.path)
     return removed
