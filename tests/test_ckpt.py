@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import resource
@@ -368,6 +369,63 @@ def test_root_removing_a_tenants_checkpoint_never_writes_through_her_links(
     assert outside.read_text() == "root's own\n"
     assert sorted(os.listdir(root)) == ["latest", "s1"]
     assert (root / "latest").read_text().strip() == "s1"
+
+
+def _sums(data: bytes, unit: int) -> str:
+    from mxfs.io.checksum import block_sums, pack_sums
+
+    return base64.b64encode(pack_sums(block_sums(data, unit))).decode()
+
+
+def test_ckpt_verify_and_ls_refuse_a_manifest_that_reaches_outside_its_folder(
+        mounted: Mounted, tmp_path: Path) -> None:
+    """A tenant's manifest names the files root's `verify` reads: one naming a file
+    elsewhere (or a data file that is a link out), with the right checksums, had root
+    confirm a guess of bytes it may read and she may not (one-byte checksum blocks: byte
+    by byte). Each is refused in one line, nothing read; `ls` does not list them."""
+    cases = ["parent", "absolute", "link", "tiny-blocks", "huge", "files-list", "deep"]
+    root, alice = _tenant_checkpoints(mounted, cases)
+    secret = os.urandom(10_000)
+    (mounted.path / "secret").write_bytes(secret)
+    (mounted.path / "secret").chmod(0o600)
+    outside = tmp_path / "secret"
+    outside.write_bytes(secret)
+    guess = {"size": len(secret), "sum_unit": 4096, "sums": _sums(secret, 4096), "tensors": {}}
+    plants = []
+    for case in cases:
+        mpath = root / case / catalog.MANIFEST
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+        entry = files["data.safetensors"]
+        data = (root / case / "data.safetensors").read_bytes()
+        if case == "parent":
+            files["../../secret"] = guess
+        elif case == "absolute":
+            files[str(outside)] = guess
+        elif case == "link":
+            files["data.safetensors"] = guess
+            plants.append(["link", str(root / case / "data.safetensors"), str(outside)])
+        elif case == "tiny-blocks":
+            entry.update(sum_unit=1, sums=_sums(data, 1))
+        elif case == "huge":  # a petabyte: allocated before the size was checked
+            entry.update(size=1 << 50, sum_unit=1 << 40, sums=_sums(bytes(1024), 1))
+        elif case == "files-list":
+            manifest["files"] = [entry]
+        text = json.dumps(manifest) if case != "deep" else "[" * 100_000 + "]" * 100_000
+        plants.append(["write", str(mpath), text])
+    _plant(mounted, alice, *plants)
+    answers = {}
+    for case in cases:
+        res = mxfs("ckpt", "verify", str(root / case), check=False, timeout=60)
+        lines = res.stderr.strip().splitlines()
+        refused = (res.returncode != 0 and res.stdout == "" and len(lines) == 1
+                   and "Traceback" not in res.stderr and "internal error" not in res.stderr
+                   and f"/{case}" in lines[0])
+        answers[case] = "refused" if refused else \
+            f"rc {res.returncode}, out {res.stdout[:60]!r}, err {lines[-1:]}"
+    assert answers == dict.fromkeys(cases, "refused")
+    listed = json.loads(mxfs("ckpt", "ls", "--json", str(root), timeout=60).stdout)
+    assert [c["name"] for c in listed["checkpoints"]] == ["link", "huge"]  # well formed
 
 
 @pytest.mark.unit

@@ -1852,6 +1852,9 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
         run_ranks([a.path / "ckpt", b.path / "ckpt"])
         for name in ("sync", "async"):
             assert ck.verify(str(a.path / "ckpt" / name)) == []
+            # (on b, rank 0's file is read from a's members: checked to be the file
+            # that b's mount names, as a verify checks every data file it opens)
+            assert ck.verify(str(b.path / "ckpt" / name)) == []
             ino1 = _used(a, a.path / "ckpt" / name / "rank-00001.safetensors")[1]
             assert ino1 == {2, 3} and _used(
                 a, a.path / "ckpt" / name / "rank-00000.safetensors")[1] <= {0, 1}

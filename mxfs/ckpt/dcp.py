@@ -262,7 +262,7 @@ class Reader(StorageReader):
                                   "load it with mxfs.ckpt.load(path)")
         try:
             return metadata_from_json(self.manifest["dcp"])
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, RecursionError) as e:
             raise CheckpointCorrupt(f"{self.path}: DCP metadata in the manifest is damaged "
                                     f"({e})", "load an older checkpoint (mxfs ckpt ls)") from None
 
@@ -284,7 +284,11 @@ class Reader(StorageReader):
         for req in plan.items:
             per_file[self.storage_data[req.storage_index]["file"]].append(req)
         for fname, reqs in per_file.items():
-            info = self.manifest["files"][fname]
+            info = self.manifest["files"].get(fname)
+            if info is None:  # (its names were checked: `catalog.read_manifest`)
+                raise CheckpointCorrupt(f"{self.path}: DCP metadata names the file {fname!r}, "
+                                        "which the manifest lacks",
+                                        "load an older checkpoint (mxfs ckpt ls)")
             for some in _batches(reqs, self.storage_data):
                 self._load(planner, os.path.join(self.path, fname), info, some)
         fut: Future[None] = Future()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import math
 import os
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -20,14 +21,16 @@ import torch
 import xxhash
 import zstandard
 
-from mxfs.ckpt.catalog import CheckpointError, read_manifest
-from mxfs.ckpt.image import dtype_named, itemsize
+from mxfs.ckpt.catalog import DAMAGED, CheckpointError, checkpoint_folder, read_manifest
+from mxfs.ckpt.image import dtype_named, frame_count, itemsize
 from mxfs.ckpt.tree import unflatten
-from mxfs.client.direct import DirectFile, open_reader
+from mxfs.client.direct import DirectFile, PlainFile, Reader, open_reader
+from mxfs.client.remote_file import RemoteFile
 from mxfs.io.batch import executor
 from mxfs.io.checksum import unpack_sums
 from mxfs.load.staging import writable_view
 from mxfs.load.tensors import check_device
+from mxfs.safe_open import open_regular
 
 
 class CheckpointCorrupt(CheckpointError):
@@ -52,26 +55,66 @@ class Damage:
 def _sums(path: str, info: dict[str, Any]) -> tuple[int, int, tuple[int, ...]]:
     """(size, block size, checksums) of a data file, checked for consistency."""
     size, unit = int(info["size"]), int(info["sum_unit"])
-    raw = base64.b64decode(info["sums"])
-    sums = unpack_sums(raw)
+    try:
+        sums = unpack_sums(base64.b64decode(info["sums"], validate=True))
+    except (ValueError, struct.error):
+        raise CheckpointCorrupt(f"{path}: its checksums are not readable", DAMAGED) from None
     if unit <= 0 or len(sums) != math.ceil(size / unit):
-        raise CheckpointCorrupt(f"{path}: {len(sums)} checksums for {size} bytes",
-                                "the checkpoint is damaged; load an older one")
+        raise CheckpointCorrupt(f"{path}: {len(sums)} checksums for {size} bytes", DAMAGED)
     return size, unit, sums
 
 
-def _read_runs(path: str, info: dict[str, Any], runs: list[tuple[int, int]]
+def open_data(folder: str, fname: str, dir_fd: int | None = None) -> Reader:
+    """A reader of the data file `fname` (a plain name: `read_manifest` checked it) of
+    the checkpoint `folder` (`dir_fd`: the folder, open).  It must be a regular file of
+    that folder: not a link (root verifying a tenant's checkpoint would read what it
+    names), not a FIFO; the reader (direct, through the daemon, by name) is checked to
+    read that very file."""
+    if dir_fd is None:
+        with checkpoint_folder(folder) as fd:
+            return open_data(folder, fname, fd)
+    path = os.path.join(folder, fname)
+    try:
+        fd = open_regular(fname, dir_fd)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{path} is missing", DAMAGED) from None
+    except OSError as e:
+        raise CheckpointCorrupt(f"{path} {e.strerror}", DAMAGED) from None
+    try:
+        st = os.fstat(fd)
+        try:
+            r = open_reader(path)
+        except OSError as e:
+            raise CheckpointCorrupt(f"{path} cannot be read ({e.strerror})", DAMAGED) from None
+    finally:
+        os.close(fd)
+    if not _same_file(r, st):
+        r.close()
+        raise CheckpointCorrupt(f"{path} was replaced while it was opened",
+                                "try again once nobody changes the checkpoint")
+    return r
+
+
+def _same_file(r: Reader, st: os.stat_result) -> bool:
+    if isinstance(r, PlainFile):
+        got = os.fstat(r.fd)
+        return (got.st_dev, got.st_ino) == (st.st_dev, st.st_ino)
+    if isinstance(r, DirectFile | RemoteFile) and r.client is not None:
+        return r.ino == st.st_ino and os.stat(r.client.mountpoint).st_dev == st.st_dev
+    return False
+
+
+def _read_runs(r: Reader, info: dict[str, Any], runs: list[tuple[int, int]]
                ) -> tuple[list[torch.Tensor], list[Damage]]:
     """Read whole blocks [first, last) for each run, every member at once; check them."""
-    size, unit, sums = _sums(path, info)
+    size, unit, sums = _sums(r.path, info)
+    if r.size != size:  # (before any buffer: the manifest's size is anyone's to write)
+        raise CheckpointCorrupt(f"{r.path} holds {r.size} bytes, its manifest says {size}",
+                                DAMAGED)
     bufs = [torch.empty(min(size, b1 * unit) - b0 * unit, dtype=torch.uint8) for b0, b1 in runs]
-    with open_reader(path) as r:
-        if r.size != size:
-            raise CheckpointCorrupt(f"{path} holds {r.size} bytes, its manifest says {size}",
-                                    "the checkpoint is damaged; load an older one")
-        r.read_many([(b0 * unit, writable_view(b)) for (b0, _), b in zip(runs, bufs, strict=True)
-                     if b.numel()])
-        layout = r.layout if isinstance(r, DirectFile) else None
+    r.read_many([(b0 * unit, writable_view(b)) for (b0, _), b in zip(runs, bufs, strict=True)
+                 if b.numel()])
+    layout = r.layout if isinstance(r, DirectFile) else None
     jobs = [(k, writable_view(b)[(k - b0) * unit:(k - b0 + 1) * unit])
             for (b0, b1), b in zip(runs, bufs, strict=True) for k in range(b0, b1)]
     digests = executor().map(lambda job: xxhash.xxh3_64_intdigest(job[1]), jobs)
@@ -80,21 +123,22 @@ def _read_runs(path: str, info: dict[str, Any], runs: list[tuple[int, int]]
         if got != sums[k]:
             begin, end = k * unit, min(size, (k + 1) * unit)
             hit = [n for n, t in info["tensors"].items() if _overlaps(t, begin, end)]
-            damage.append(Damage(path, begin, end, hit,
+            damage.append(Damage(r.path, begin, end, hit,
                                  layout.locate(begin)[0] if layout else None))
     return bufs, damage
 
 
-def _read_file(path: str, info: dict[str, Any]) -> tuple[torch.Tensor, list[Damage]]:
+def _read_file(r: Reader, info: dict[str, Any]) -> tuple[torch.Tensor, list[Damage]]:
     """The whole file's bytes and the blocks that fail their checksum."""
-    size, unit, _ = _sums(path, info)
-    bufs, damage = _read_runs(path, info, [(0, math.ceil(size / unit))])
+    size, unit, _ = _sums(r.path, info)
+    bufs, damage = _read_runs(r, info, [(0, math.ceil(size / unit))])
     return bufs[0], damage
 
 
 def read_ranges(path: str, info: dict[str, Any], ranges: list[tuple[int, int]]
                 ) -> list[torch.Tensor]:
-    """The bytes of each (offset, length) range, read by whole verified blocks."""
+    """The bytes of each (offset, length) range of the data file `path` (in its
+    checkpoint's folder, as `open_data`), read by whole verified blocks."""
     size, unit, _ = _sums(path, info)
     for off, n in ranges:
         if off < 0 or n < 0 or off + n > size:
@@ -108,7 +152,8 @@ def read_ranges(path: str, info: dict[str, Any], ranges: list[tuple[int, int]]
             runs[-1] = (runs[-1][0], k + 1)
         else:
             runs.append((k, k + 1))
-    bufs, damage = _read_runs(path, info, runs)
+    with open_data(os.path.dirname(path), os.path.basename(path)) as r:
+        bufs, damage = _read_runs(r, info, runs)
     if damage:
         raise CheckpointCorrupt(damage[0].describe(), "load an older checkpoint (mxfs ckpt ls)")
     out = []
@@ -139,11 +184,16 @@ def _tensor(buf: torch.Tensor, name: str, t: dict[str, Any], path: str) -> torch
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         return buf[off:off + nbytes].view(dtype).view(shape)
+    frame, off, pos = int(stored["frame"]), int(stored["offset"]), 0
+    frames = [int(n) for n in stored["frames"]]
+    if int(t["length"]) != nbytes or len(frames) != frame_count(nbytes, frame) \
+            or sum(frames) != int(stored["length"]) or off + sum(frames) > buf.numel():
+        raise CheckpointCorrupt(f"{path}: tensor {name} does not fit its manifest entry",
+                                DAMAGED)  # (checked before its bytes are allocated)
     out = torch.empty(shape, dtype=dtype)
     raw = writable_view(out) if nbytes else memoryview(b"")
-    frame, off, pos = int(stored["frame"]), int(stored["offset"]), 0
     jobs = []
-    for i, n in enumerate(stored["frames"]):
+    for i, n in enumerate(frames):
         jobs.append((buf[off + pos:off + pos + int(n)], raw[i * frame:(i + 1) * frame]))
         pos += int(n)
     local = threading.local()
@@ -169,10 +219,12 @@ def _tensor(buf: torch.Tensor, name: str, t: dict[str, Any], path: str) -> torch
 
 def verify(path: str) -> list[Damage]:
     """Every block of the checkpoint at `path` that fails its checksum (empty: all good)."""
-    manifest = read_manifest(path)
     damage = []
-    for fname, info in manifest["files"].items():
-        damage += _read_file(os.path.join(path, fname), info)[1]
+    with checkpoint_folder(path) as fd:
+        manifest = read_manifest(path, fd)
+        for fname, info in manifest["files"].items():
+            with open_data(path, fname, fd) as r:
+                damage += _read_file(r, info)[1]
     return damage
 
 
@@ -184,24 +236,25 @@ def load(path: str, device: str | torch.device = "cpu", verify: bool = True) -> 
     naming the file and the tensors.
     """
     dev = check_device(device)
-    manifest = read_manifest(path)
-    if "tree" not in manifest:
-        raise CheckpointError(f"{path} is a DCP checkpoint",
-                              "load it with torch.distributed.checkpoint.load(state, "
-                              "storage_reader=mxfs.ckpt.dcp.Reader(path))")
     tensors: dict[str, torch.Tensor] = {}
-    for fname, info in manifest["files"].items():
-        fpath = os.path.join(path, fname)
-        buf, damage = _read_file(fpath, info)
-        if damage and verify:
-            raise CheckpointCorrupt(damage[0].describe(),
-                                    "load an older checkpoint (mxfs ckpt ls)")
-        for name, t in info["tensors"].items():
-            tensors[name] = _tensor(buf, name, t, fpath)
+    with checkpoint_folder(path) as fd:
+        manifest = read_manifest(path, fd)
+        if "tree" not in manifest:
+            raise CheckpointError(f"{path} is a DCP checkpoint",
+                                  "load it with torch.distributed.checkpoint.load(state, "
+                                  "storage_reader=mxfs.ckpt.dcp.Reader(path))")
+        for fname, info in manifest["files"].items():
+            with open_data(path, fname, fd) as r:
+                buf, damage = _read_file(r, info)
+            if damage and verify:
+                raise CheckpointCorrupt(damage[0].describe(),
+                                        "load an older checkpoint (mxfs ckpt ls)")
+            for name, t in info["tensors"].items():
+                tensors[name] = _tensor(buf, name, t, r.path)
     if dev.type != "cpu":
         tensors = {k: v.to(dev) for k, v in tensors.items()}
     try:
         return unflatten(manifest["tree"], tensors)
-    except (KeyError, ValueError, TypeError) as e:
+    except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise CheckpointCorrupt(f"{path}: the manifest's structure is damaged ({e})",
                                 "load an older checkpoint (mxfs ckpt ls)") from None
