@@ -433,13 +433,14 @@ def plain(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def loop_members(tmp_path: Path) -> Iterator[list[str]]:
-    """Four members on small ext4 images, member 2 much smaller than the others."""
+def loop_members(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[str]]:
+    """Four members on small ext4 images, member 2 much smaller than the others (their
+    sizes in MiB another list where a test parametrizes this fixture indirectly)."""
     if not HAVE_FUSE:
         pytest.skip("needs root")
     members, mounted = [], []
     try:
-        for i, mib in enumerate([64, 64, 24, 64]):
+        for i, mib in enumerate(getattr(request, "param", [64, 64, 24, 64])):
             img = tmp_path / f"m{i}.img"
             with open(img, "wb") as f:
                 f.truncate(mib << 20)

@@ -29,13 +29,14 @@ from conftest import (
     mxfs,
     one_line_error,
 )
-from users import run_as
+from users import ensure_users, run_as
 
 from mxfs.cli.measure import drop_caches
 from mxfs.client import ControlClient
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
 from mxfs.pool.key import load_key
+from mxfs.pool.pool import META_GROWTH_FLOOR, META_MEASURE_S
 from mxfs.vol.volume import Volume
 
 # ---- a member runs out of space ---------------------------------------------------
@@ -486,3 +487,78 @@ def test_declared_sizes_of_unpublished_files_hold_the_metadata_members_room(
             c.call("abort", ino=create("third"))  # (the first's room given back)
     finally:
         ballast.unlink(missing_ok=True)
+
+
+SEALS_PAST_THE_FLOOR = r"""
+import base64, time
+from mxfs.client import ControlClient
+mp, size, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with ControlClient(mp) as c:
+    def create(name):
+        for _ in range(64):  # (off the metadata member: check_space never sees its bytes)
+            made, fds = c.call_with_fds("create", path="/narrow/" + name, size=size)
+            for fd in fds:
+                os.close(fd)
+            if made["layout"]["first_member"] != 0:
+                return made["ino"]
+            c.call("abort", ino=made["ino"])
+        raise AssertionError("no file placed off member 0")
+    def commit(ino):  # (sum_unit 4096: 8 bytes of sums a 4 KiB block)
+        sums = base64.b64encode(bytes(8 * (size // 4096))).decode()
+        return c.call("commit", ino=ino, size=size, sum_unit=4096, sums=sums)
+    made = [create(f"f{i}") for i in range(files)]
+    ready = os.path.join(mp, "narrow", "ready")
+    open(ready, "w").close()
+    while os.path.exists(ready):  # (the test fills the metadata member, then unlinks it)
+        time.sleep(0.05)
+    out = []
+    for ino in made:
+        got = attempt(commit, ino)
+        out.append([got, attempt(c.call, "abort", ino=ino) if got != "ok" else "kept"])
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("loop_members", [[6 << 10, 64, 24, 64]], indirect=True)
+def test_commits_sums_are_refused_below_the_metadata_members_floor(
+        loop_members: list[str]) -> None:
+    """A direct commit's seal row carries the file's sums (8 bytes a sum block: 512 KiB
+    for a 256 MiB file in 4 KiB blocks), and only its hidden file's row was measured
+    against the metadata member's room: files placed off that member passed
+    `check_space` too, and a tenant's commits filled the store's disk, failing every
+    other user's changes.  Twenty sparse files on other members, made while the member
+    had room, are committed with 256 KiB left above its floor (and the store's few MiB
+    of growth room, which it may give back): their 10 MiB of sums cannot all pass, so
+    some commits are refused (ENOSPC), and those files can still be aborted."""
+    alice = ensure_users()["alice"]
+    size, files = 256 << 20, 20
+    mkfs(loop_members)
+    with mounted_pool(loop_members) as m:
+        folder = m.path / "narrow"
+        folder.mkdir()
+        os.setxattr(folder, "user.mxfs.layout", b"stripe_unit=4096 stripe_width=1")
+        os.chown(folder, alice.uid, alice.gid)
+        ballast = Path(loop_members[0]) / "ballast"  # (another user of the disk)
+        out: list[Any] = []
+        tenant = threading.Thread(target=lambda: out.append(
+            run_as(alice, SEALS_PAST_THE_FLOOR, str(m.path), str(size), str(files))))
+        tenant.start()
+        try:
+            eventually(lambda: (folder / "ready").exists() or not tenant.is_alive(), 120)
+            st = os.statvfs(loop_members[0])
+            with open(ballast, "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize
+                                   - META_GROWTH_FLOOR - (256 << 10))
+            time.sleep(2 * META_MEASURE_S)  # (the daemon's last measure of the room is stale)
+            (folder / "ready").unlink()
+            tenant.join()
+        finally:
+            (folder / "ready").unlink(missing_ok=True)
+            tenant.join()
+            ballast.unlink(missing_ok=True)
+        results = out[0]
+        assert len(results) == files and [errno.ENOSPC, "ok"] in results, results
+        assert all(r in ([errno.ENOSPC, "ok"], ["ok", "kept"]) for r in results), results
+        kept = sum(r == ["ok", "kept"] for r in results)
+        assert len(os.listdir(folder)) == kept
+

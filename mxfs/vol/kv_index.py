@@ -303,7 +303,7 @@ class KVIndex:
     def insert(self, space: Namespace, key: bytes, ino: int, size: int, sum_unit: int,
                sums: bytes) -> None:
         """Publish and seal a hidden file under `key` (EEXIST if another writer won)."""
-        self.vol.pool.check_meta_room(META_ROW + len(key) + len(sums))
+        self.vol.check_seal_room(key, sums)
         atime = next(self._clock)
         self.vol.store.kv.publish(ino, space.name, key, size, atime, sum_unit, sums)
         space.chunks[key] = Chunk(ino, size, atime, sum_unit, sums)

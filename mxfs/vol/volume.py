@@ -458,10 +458,21 @@ class Volume:
 
         The caller makes it durable (commit, then sync) before answering.
         """
+        self.check_seal_room(name, sums)
         replaced = self.store.publish(entry.node.ino, parent, name, replace=replace,
                                       size=size, sum_unit=sum_unit, sums=sums)
         if replaced is not None:
             self.unlinked(replaced)
+
+    def check_seal_room(self, name: bytes, sums: bytes) -> None:
+        """ENOSPC below the metadata member's floor for a sealing commit's rows: its name
+        and its sums (8 bytes a sum block: up to ~770 KB for one commit), whatever
+        members the file's bytes are on.  Every seal passes here (`publish`, and
+        `KVIndex.insert`), before the change: a file placed off the metadata member
+        passes `Pool.check_space`, and its sums filled the store's disk for everyone.
+        (The usage tally, `meta/usage.py`, charges the file's declared bytes, not its
+        sums: they are at most 1/512 of them, at the 4 KiB smallest sum block.)"""
+        self.pool.check_meta_room(META_ROW + len(name) + len(sums))
 
     def unlinked(self, node: Inode) -> None:
         """After a namespace change dropped `node`'s last link: reclaim unless open,
