@@ -562,3 +562,46 @@ def test_commits_sums_are_refused_below_the_metadata_members_floor(
         kept = sum(r == ["ok", "kept"] for r in results)
         assert len(os.listdir(folder)) == kept
 
+
+RENAMES = r"""
+d = sys.argv[1]
+print(json.dumps([attempt(os.rename, f"{d}/a", f"{d}/" + "x" * 255),
+                  attempt(os.rename, f"{d}/" + "b" * 200, f"{d}/c"),
+                  sorted(os.listdir(d))]))
+"""
+
+
+def test_a_rename_to_a_longer_name_is_refused_below_the_metadata_members_floor(
+        loop_members: list[str]) -> None:
+    """A rename to a longer name grows the store by the difference, and only the
+    owner's quota was asked: a million one-byte names made above the metadata member's
+    floor, renamed to 255 bytes below it, fill its disk.  Below the floor such a rename
+    is refused (ENOSPC) now; a rename to a shorter name still goes through."""
+    alice = ensure_users()["alice"]
+    mkfs(loop_members)
+    with mounted_pool(loop_members) as m:
+        folder = m.path / "names"
+        folder.mkdir()
+        for name in ("a", "b" * 200):
+            (folder / name).touch()
+        os.chown(folder, alice.uid, alice.gid)
+        meta = Path(loop_members[0])
+        ballast = [meta / "ballast", meta / "ballast2"]  # (another user of the disk)
+        db = meta / "meta" / "mxfs.db"
+
+        def fill(path: Path) -> None:  # (to the floor)
+            st = os.statvfs(meta)
+            with open(path, "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - META_GROWTH_FLOOR)
+        try:
+            fill(ballast[0])
+            # The store gives its database's growth room (allocated past its end) back
+            # at its next checkpoint, and takes none again while the member is short:
+            # filled again once it did.
+            eventually(lambda: db.stat().st_blocks * 512 < db.stat().st_size + (1 << 20))
+            fill(ballast[1])
+            time.sleep(2 * META_MEASURE_S)  # (the daemon's last measure of the room is stale)
+            assert run_as(alice, RENAMES, str(folder)) == [errno.ENOSPC, "ok", ["a", "c"]]
+        finally:
+            for path in ballast:
+                path.unlink(missing_ok=True)

@@ -366,6 +366,7 @@ class NodeFiles:
             if to.ino != parent.ino and moved.is_dir and not may(moved, caller, W_OK):
                 raise OSError(errno.EACCES, "moving a directory to another parent needs "
                               "write permission on it")
+            self.vol.room_for_rename(moved.uid, name, to_name)
             target = store.entry_ino(to.ino, to_name)
             self._refuse_if_mounted_on(moved.ino, target)
             if target is not None:

@@ -479,9 +479,9 @@ class MxfsOperations(pyfuse3.Operations):
                 noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
                 exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
             return
-        if len(name_new) > len(name_old):  # (a longer name costs its owner the difference)
-            moved = self.store.lookup(parent_inode_old, name_old)
-            self.vol.quotas.room(moved.uid, len(name_new) - len(name_old))
+        if len(name_new) > len(name_old):  # (a longer name: the store's room, its owner's)
+            self.vol.room_for_rename(self.store.lookup(parent_inode_old, name_old).uid,
+                                     name_old, name_new)
         gone = self.store.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                                  noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
                                  exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))

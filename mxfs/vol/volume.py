@@ -474,6 +474,15 @@ class Volume:
         sums: they are at most 1/512 of them, at the 4 KiB smallest sum block.)"""
         self.pool.check_meta_room(META_ROW + len(name) + len(sums))
 
+    def room_for_rename(self, owner: int, old: bytes, new: bytes) -> None:
+        """A rename to a longer name grows the store, and its owner's usage, by the
+        difference: refused below the metadata member's floor (a million one-byte
+        names, made above it, renamed to 255 bytes below it) or past the quota."""
+        grows = len(new) - len(old)
+        if grows > 0:
+            self.pool.check_meta_room(grows)
+            self.quotas.room(owner, grows)
+
     def unlinked(self, node: Inode) -> None:
         """After a namespace change dropped `node`'s last link: reclaim unless open,
         here or on another node (`vol/node_holds.py`)."""
