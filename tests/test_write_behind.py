@@ -2,11 +2,12 @@
 
 The queue itself, on trio with real worker threads: writes of one inode land in the
 order they came, at most DEPTH are held (and at most BUDGET in the whole daemon, one
-user's queued writes never holding another's answer back), drain waits for every one, a failure is
-raised once by the next write or report, and a bug in a write is EIO, not the end of
-the daemon.  Then through a real mount: what a write answered is what every reader
-sees at once (a second descriptor with O_DIRECT, the direct path), and a write that
-fails after its answer reaches the writer at close.
+user's queued writes never holding another's answer back), drain waits for every one
+queued before it and none after, a failure is raised once by the next write or report,
+and a bug in a write is EIO, not the end of the daemon.  Then through a real mount:
+what a write answered is what every reader sees at once (a second descriptor with
+O_DIRECT, the direct path), a write that fails after its answer reaches the writer at
+close, and a reader's close never waits for a writer writing on.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from conftest import Mounted, eventually
+from conftest import Mounted, eventually, make_members, mkfs, mount_with
+from users import User, ensure_users, run_as
 
 from mxfs.client.direct import open_reader
 from mxfs.fs.fair import Lanes, RoundRobin
@@ -61,6 +63,43 @@ def test_writes_land_in_arrival_order_and_drain_waits_for_all() -> None:
         gates[0].set()
         await q.drain()
         assert landed == [0, 1, 2] and q.pending == 0
+
+    run_queue(body)
+
+
+@pytest.mark.unit
+def test_drain_waits_for_the_writes_before_it_not_those_after() -> None:
+    """A drain (a reader's read or close, a flush) waits for the writes queued when it
+    was called, and their failures are counted by then; a write queued after it is not
+    waited for (a writer writing on and on held every reader of the file)."""
+    first, later = threading.Event(), threading.Event()
+
+    def fails() -> None:
+        first.wait(10)
+        raise OSError(errno.ENOSPC, "full")
+
+    async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
+        drained = trio.Event()
+        await q.submit(nursery, fails, lim, 0)
+
+        async def drain() -> None:
+            await q.drain()
+            drained.set()
+
+        nursery.start_soon(drain)
+        await trio.testing.wait_all_tasks_blocked()
+        await q.submit(nursery, lambda: later.wait(10) and None, lim, 0)  # (after it)
+        first.set()
+        try:
+            with trio.move_on_after(10):  # (a bound, not a timing: it never ends before)
+                await drained.wait()
+            assert drained.is_set() and q.pending == 1, "the drain waited for a later write"
+            err, seen = q.failure_since(0)
+            assert err is not None and err.errno == errno.ENOSPC and seen == 1
+        finally:
+            later.set()
+        await q.drain()
+        assert q.pending == 0
 
     run_queue(body)
 
@@ -265,6 +304,76 @@ def test_a_write_that_fails_after_its_answer_is_reported_by_close(loop_pool: Mou
     assert eventually(lambda: os.statvfs(members[2]).f_bavail * 4096 >= free - (1 << 20))
     (mp / "after").write_bytes(block)
     assert (mp / "after").read_bytes() == block
+
+
+_PEEKS = """
+path = sys.argv[1]
+done = 0
+for _ in range(5):  # (a tail, a backup tool: open, read a little, close)
+    with open(path, "rb", buffering=0) as f:
+        f.read(4096)
+    done += 1
+print(json.dumps(done))
+"""
+
+
+def test_a_readers_close_never_waits_for_a_writer_writing_on(tmp_path: Path) -> None:
+    """Root writes a file on and on, 1 MiB a write, on a member slower to write than the
+    mount is to answer (ext4 mounted `sync`: the queue never empties); bob opens it,
+    reads a little and closes it, five times, while root still writes.  A read or a
+    close drained the file's queue until it was empty: bob waited for as long as root
+    wrote."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    bob = ensure_users()["bob"]
+    img, slow = tmp_path / "slow.img", tmp_path / "slow"
+    with open(img, "wb") as f:
+        f.truncate(256 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True,
+                   capture_output=True)
+    slow.mkdir()
+    subprocess.run(["mount", "-o", "loop,sync", str(img), str(slow)], check=True)
+    try:
+        fast = make_members(tmp_path / "fast", 1)[0]  # (the metadata's member)
+        mkfs([fast, str(slow)])
+        with mount_with([fast, str(slow)]) as m:  # (write_behind: its default)
+            folder = m.path / "logs"
+            folder.mkdir()
+            os.setxattr(folder, "user.mxfs.layout", b"stripe_width=1")
+            path = next(p for p in (folder / f"{i}.log" for i in range(64))
+                        if p.touch() or b"first_member=1" in os.getxattr(p, "user.mxfs.layout"))
+            path.chmod(0o644)
+            _peek_while_written(path, bob)
+    finally:
+        subprocess.run(["umount", "-l", str(slow)], capture_output=True)
+
+
+def _peek_while_written(path: Path, bob: User) -> None:
+    block = os.urandom(1 << 20)
+    stop = threading.Event()
+    wrote = [0]
+
+    def writer() -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            end = time.monotonic() + 30  # (bounded: before the fix bob waits this long)
+            while not stop.is_set() and time.monotonic() < end:
+                os.pwrite(fd, block, (wrote[0] % 16) << 20)
+                wrote[0] += 1
+        finally:
+            os.close(fd)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        assert eventually(lambda: wrote[0] >= 16), "root's writes never came"
+        assert run_as(bob, _PEEKS, str(path)) == 5
+        seen = wrote[0]
+        assert thread.is_alive(), "bob's opens, reads and closes ended only once root stopped"
+        assert eventually(lambda: wrote[0] > seen), "root's writes stopped"
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_write_behind_takes_a_whole_number(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ thread and answered at once, and the kernel's transfer of the next request overl
 it.  Per inode the writes land one after another in the order they came (an
 overwrite never lands before what it overwrites), at most DEPTH of them queued.
 Whatever must see the bytes (a read, fsync, flush at close, a truncate, the direct
-path's open, the last release) drains the queue first.  What all queues hold is
+path's open, a release) drains the queue first: to the newest write queued when it was
+called, never for the writes queued after it (a writer writing on and on kept a
+reader's read and close waiting for as long as it wrote).  What all queues hold is
 bounded (BUDGET) and handed out by the writer's uid in turn (`fs/fair.RoundRobin`):
 one user's many queued writes make another's wait for one of them to land at most,
 never for all of them.
@@ -49,10 +51,10 @@ class WriteBehind:
         of it per queued write, taken in the writer's turn."""
         self._slots = trio.Semaphore(depth)
         self._budget = budget
-        self._last: trio.Event | None = None  # set when the newest queued write has landed
+        # Set when the newest queued write has landed: writes land in the order they
+        # were queued (each waits for the one before), so then every earlier one has too.
+        self._last: trio.Event | None = None
         self._pending = 0
-        self._idle = trio.Event()
-        self._idle.set()
         self.error: OSError | None = None  # the first failure no writer has heard of
         self.failures = 0  # failures so far (each handle reports those past its count)
         self.last_error: OSError | None = None
@@ -75,8 +77,6 @@ class WriteBehind:
                 raise
         before, done = self._last, trio.Event()
         self._last = done
-        if self._pending == 0:
-            self._idle = trio.Event()
         self._pending += 1
         nursery.start_soon(self._land, before, done, write, run, uid)
 
@@ -101,12 +101,13 @@ class WriteBehind:
                 self._pending -= 1
                 if self._last is done:
                     self._last = None
-                if self._pending == 0:
-                    self._idle.set()
 
     async def drain(self) -> None:
-        """Wait until every queued write has landed (or failed)."""
-        await self._idle.wait()
+        """Wait until every write queued before this call has landed (or failed: its
+        failure is counted by then), not for those queued meanwhile."""
+        last = self._last
+        if last is not None:
+            await last.wait()
 
     def _failed(self, e: OSError) -> None:
         self.error = self.error or e
