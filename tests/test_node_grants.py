@@ -9,12 +9,17 @@ from __future__ import annotations
 import errno
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.testing
 from conftest import make_members, mkfs
 
 from mxfs.fs import node_writes
+from mxfs.fs.mount_writes import MountWrites, Written
 from mxfs.fs.node_writes import SHARE_MIN, Grants, Rooms
+from mxfs.vol.access import Caller
 from mxfs.vol.quota import Quota
 from mxfs.vol.volume import Volume
 
@@ -160,3 +165,48 @@ def test_one_users_flood_pushes_out_only_its_own_remembered_answers(
     assert files.published.get(("b", 1)) == {"ino": 1}
     assert len(files.published) == 5
 
+
+
+def test_one_users_slow_ask_for_an_owners_room_never_holds_anothers(vol: Volume) -> None:
+    """On a reading node, bob writes alice's group-writable file and his ask for a
+    larger share of her quota waits in his own (flooded) turn at the writer; alice's
+    write to her own file needs a larger share too.  One ask at a time an owner: hers
+    waited for his.  Now hers is asked at once, and the node's share is still what the
+    writer reserved for it once both are answered."""
+    rooms = Rooms(vol)
+    share = ("b", 1, ALICE)
+    bobs_turn = trio.Event()
+
+    class Writer:  # the writer's answers, from its real shares; bob's in his slow turn
+        async def ask(self, caller: Caller, op: str, body: dict[str, Any]) -> dict[str, Any]:
+            assert op == "node_room"
+            if caller.uid == BOB:
+                await bobs_turn.wait()
+            return rooms.top_up(share, int(body["need"]), grow=True)
+
+    async def unused(*_: Any) -> Any:
+        raise AssertionError("not asked for")
+
+    node = MountWrites(vol, Writer(), unused, unused)  # type: ignore[arg-type]
+    node.room[ALICE] = 0  # (her share here: spent)
+    bob, alice = (Caller(1, u, u, frozenset({u})) for u in (BOB, ALICE))
+    node.files[5] = Written(bob, ALICE, 0, 0, 0, {})  # type: ignore[typeddict-item]
+    node.files[6] = Written(alice, ALICE, 0, 0, 0, {})  # type: ignore[typeddict-item]
+    alices: list[bool] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node.allow, 5, 1 << 20)
+            await trio.testing.wait_all_tasks_blocked()
+            try:
+                with trio.move_on_after(10):  # (a bound, not a timing)
+                    await node.allow(6, 1 << 20)
+                    alices.append(True)
+            finally:
+                bobs_turn.set()
+
+    trio.run(main)
+    assert alices == [True], "alice's ask waited for bob's"
+    assert node.files[5].writing == node.files[6].writing == 1  # (both writes allowed)
+    assert node.room[ALICE] == rooms.said(share)["room"] == vol.quotas.reserved[ALICE]
+    assert not node._asking  # (no lock kept once no one asks)

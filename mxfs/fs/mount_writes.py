@@ -38,6 +38,7 @@ from mxfs.fs.node_files import ForwardedFiles
 from mxfs.meta import Inode
 from mxfs.proto.messages import LayoutDesc
 from mxfs.vol.access import Caller
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.fs")
@@ -89,11 +90,11 @@ class MountWrites:
         # By owner: this node's share of its quota as the writer last said, less what
         # was told since (absent: no byte limit), and the growth not yet told of its
         # files here.  A write past the first less the second asks the writer for a
-        # larger share (one ask at a time an owner), and fails, EDQUOT, if it is not
-        # given (to within the writes in flight at once).
+        # larger share (one ask at a time an owner and asking user: `_ask_room`), and
+        # fails, EDQUOT, if it is not given (to within the writes in flight at once).
         self.room: dict[int, int] = {}
         self.grown: Counter[int] = Counter()
-        self._asking: dict[int, trio.Lock] = {}
+        self._asking: dict[tuple[int, int], trio.Lock] = {}  # (owner, asker's tenant)
         self._room_v: dict[int, tuple[int, ...]] = {}  # (the writer's epoch, the version)
         self._retelling: set[int] = set()  # users whose untold closes are being told
         self._failures = FailureLog(log)
@@ -258,15 +259,30 @@ class MountWrites:
                 raise OSError(errno.EDQUOT, f"inode {ino}: its owner's quota leaves no "
                               f"room for {end - held.size} more bytes (remove files, or "
                               "ask root to raise it)")
-            async with self._asking.setdefault(held.owner, trio.Lock()):
-                if not self._fits(held, end):  # (another write's ask may have done)
-                    need = self.grown[held.owner] + max(0, end - held.size)
-                    await self._granted_ask(held.caller, "node_room",
-                                            {"ino": ino, "need": need}, held.owner)
+            await self._ask_room(held, ino, end)
             asked = True  # (then a cut begun meanwhile is waited for again)
         if not held.writing:
             held.drained = trio.Event()
         held.writing += 1
+
+    async def _ask_room(self, held: Written, ino: int, end: int) -> None:
+        """Ask the writer for a larger share of the file's owner's quota, as the user
+        who opened it here, one ask at a time an owner and that user: another user's
+        ask for the same owner's files (slow in its own turn at the writer, or many)
+        never holds this one.  Asks running at once only grow the share (`top_up`),
+        each answer versioned: the newest heard is kept (`_room_from`)."""
+        caller = held.caller
+        key = (held.owner, tenant_of(caller.uid))
+        lock = self._asking.setdefault(key, trio.Lock())
+        try:
+            async with lock:
+                if not self._fits(held, end):  # (another write's ask may have done)
+                    need = self.grown[held.owner] + max(0, end - held.size)
+                    await self._granted_ask(caller, "node_room",
+                                            {"ino": ino, "need": need}, held.owner)
+        finally:
+            if not lock.locked() and self._asking.get(key) is lock:
+                del self._asking[key]  # (no one holds or waits for it: handed on if so)
 
     def wrote(self, ino: int, end: int | None) -> None:
         """A write `allow`ed is done: landed or queued up to `end`, or failed (None)."""
