@@ -1854,3 +1854,37 @@ print(json.dumps([more, first, second, third,
         with ControlClient(str(m.path)) as root:
             keys = [base64.b64encode(b"r%d" % i).decode() for i in range(150)]
             root.call("kv_put", namespace="r", keys=keys, data=[keys[0]] * 150)
+
+
+def _log_of(m: Mounted) -> Path:
+    """The daemon's log, beside its control socket."""
+    with ControlClient(str(m.path)) as c:
+        st = c.stat()
+    return Path(st["socket"]).parent / f"{st['pool_uuid']}.log"
+
+
+def _lines_since(log: Path, start: int) -> list[str]:
+    with open(log, "rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace").splitlines()
+
+
+def test_a_layout_with_other_digits_is_einval_and_floods_no_log(pool: Mounted) -> None:
+    """"²" is a digit to str.isdigit but not to int(): setting user.mxfs.layout to
+    stripe_unit=² failed unforeseen (EIO) and wrote a traceback into the daemon's log
+    (in RAM) each time; a user looping on it wrote megabytes a second."""
+    alice = ensure_users()["alice"]
+    folder = pool.path / "superscript"
+    folder.mkdir()
+    os.chown(folder, alice.uid, alice.gid)
+    log = _log_of(pool)
+    start = log.stat().st_size
+    got = run_as(alice, """
+value = "stripe_unit=\\u00b2".encode()
+print(json.dumps([attempt(os.setxattr, sys.argv[1], "user.mxfs.layout", value)
+                  for _ in range(200)]))
+""", str(folder))
+    assert got == [errno.EINVAL] * 200
+    assert len(_lines_since(log, start)) <= 2
+    assert mxfs("getstripe", "--json", str(folder)).returncode == 0
+

@@ -19,7 +19,8 @@ def test_subordinate_ranges_answer_to_their_user(tmp_path: Path) -> None:
                     "no-such-user-here:400000:65536\n"
                     "root:500000:65536\n"  # (root's own: never a tenant's)
                     "broken line\n"
-                    f"{me}:oops:5\n")
+                    f"{me}:oops:5\n"
+                    f"{me}:\u00b2:5\n")  # (a digit, to str.isdigit: int() refused it)
     t = Tenants(str(path))
     assert t.of(200000) == 200000  # (nothing read yet)
     t.refresh()

@@ -127,7 +127,7 @@ def _id_of(text: str | None, kind: str) -> int | None:
 
     if text is None:
         return None
-    if text.isdigit():
+    if text.isascii() and text.isdecimal():
         return int(text)
     try:
         return pwd.getpwnam(text).pw_uid if kind == "user" else grp.getgrnam(text).gr_gid

@@ -17,7 +17,7 @@ from mxfs.units import format_size, parse_size
 
 
 def _uid(user: str) -> int:
-    if user.isdigit():
+    if user.isascii() and user.isdecimal():
         return int(user)
     try:
         return pwd.getpwnam(user).pw_uid

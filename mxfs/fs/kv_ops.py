@@ -91,7 +91,7 @@ KV_OPS = tuple(op for op in OPS if op.startswith("kv_"))
 # (MXFS_KV_COLD_OPEN_US in the daemon's environment; 0: every batch at once).
 def _cold_open_s() -> float:
     raw = os.environ.get("MXFS_KV_COLD_OPEN_US", "").strip()
-    if raw.isdigit():
+    if raw.isascii() and raw.isdecimal():
         return int(raw) / 1e6
     if raw:
         log.warning("MXFS_KV_COLD_OPEN_US=%r is not a whole number of us: 200 is used", raw)

@@ -42,7 +42,8 @@ def check_options(options: list[str]) -> None:
                             "see the mount options in README.md")
         if key in NUMBERS:
             low, high = NUMBERS[key]
-            if not value.strip().isdigit() or not low <= int(value) <= high:
+            digits = value.strip()  # (ASCII: int("²") raised a traceback, not this line)
+            if not (digits.isascii() and digits.isdecimal()) or not low <= int(digits) <= high:
                 raise MxfsError(f"mount option {opt!r}: {key} takes a whole number from "
                                 f"{low} to {high}", f"write it like {key}={max(low, 1)}")
         elif key in TEXTS and not value:

@@ -152,7 +152,8 @@ def take(store: MetaStore, mountpoint: str, ttl: float = TTL_S,
         if cur is not None and cur[1].expires > now and cur[1].host != mine.host:
             raise LeaseHeld(cur[1], now)
         row = store.engine.get("settings", {"key": epoch_key}, ("value",))
-        last = int(row[0]) if row is not None and str(row[0]).isdigit() else 0
+        text = str(row[0]) if row is not None else ""
+        last = int(text) if text.isascii() and text.isdecimal() else 0
         mine.epoch = max(last, cur[1].epoch if cur is not None else 0) + 1
         mine.expires = now + ttl
         if cur is None:

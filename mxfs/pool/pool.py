@@ -779,7 +779,7 @@ class Pool:
                 continue
             for sub in os.listdir(m.chunk_dir):
                 for name in os.listdir(os.path.join(m.chunk_dir, sub)):
-                    if name.isdigit():
+                    if name.isascii() and name.isdecimal():
                         found.append((m.index, int(name)))
         return found
 

@@ -69,11 +69,13 @@ def _read(path: str) -> list[tuple[int, int, int]]:
         return []
     for line in lines:
         parts = line.strip().split(":")
-        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        # (ASCII digits: int() of others' digits, "²", raised and ended the refresh)
+        if len(parts) != 3 or not all(p.isascii() and p.isdecimal() for p in parts[1:]):
             continue
         name, start, count = parts[0], int(parts[1]), int(parts[2])
         try:
-            owner = int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid
+            owner = int(name) if name.isascii() and name.isdecimal() else \
+                pwd.getpwnam(name).pw_uid
         except KeyError:
             continue
         if count > 0 and owner != 0:
