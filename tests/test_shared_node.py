@@ -1888,3 +1888,29 @@ print(json.dumps([attempt(os.setxattr, sys.argv[1], "user.mxfs.layout", value)
     assert len(_lines_since(log, start)) <= 2
     assert mxfs("getstripe", "--json", str(folder)).returncode == 0
 
+
+OPEN_PAST = """
+folder = sys.argv[1]
+held = [os.open(os.path.join(folder, f"f{i}"), os.O_RDONLY) for i in range(20)]
+print(json.dumps([attempt(os.open, os.path.join(folder, "f0"), os.O_RDONLY)
+                  for _ in range(200)]))
+"""
+
+
+def test_opens_past_the_limit_are_refused_without_a_line_each(tmp_path: Path) -> None:
+    """Each open refused past max_open_per_user was a line of the daemon's log (in RAM):
+    a user holding her limit and looping on open(2) wrote megabytes a second."""
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_open_per_user=20") as m:
+        folder = m.path / "alices"
+        folder.mkdir()
+        for i in range(20):
+            (folder / f"f{i}").write_bytes(b"x")
+        log = _log_of(m)
+        start = log.stat().st_size
+        assert run_as(alice, OPEN_PAST, str(folder)) == [errno.EMFILE] * 200
+        lines = _lines_since(log, start)
+        assert 1 <= len(lines) <= 3, lines
+        assert "max_open_per_user" in lines[0]

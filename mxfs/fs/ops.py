@@ -27,6 +27,7 @@ import pyfuse3
 import trio
 
 from mxfs.fs.block_counts import BlockCounts
+from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import Lanes
 from mxfs.fs.fields import b64
 from mxfs.fs.held_open import HeldOpen
@@ -72,28 +73,39 @@ def _caller(ctx: pyfuse3.RequestContext) -> Caller:
 
 def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn OSError from the store or members into the errno FUSE returns; count the
-    request, its latency and its errno in the daemon's metrics."""
+    request, its latency and its errno in the daemon's metrics.  Anything else is a
+    bug answered with EIO and logged through the mount's FailureLog: once with its
+    traceback, then counted (a tenant repeating the request that meets it, thousands a
+    second, wrote a traceback each into the daemon's log, which lives in RAM)."""
     name = fn.__name__
 
     async def wrapper(self: MxfsOperations, *args: Any, **kwargs: Any) -> Any:
         with self.metrics.timed("fuse", name):
             return await _handle(self, *args, **kwargs)
 
-    async def _handle(*args: Any, **kwargs: Any) -> Any:
+    async def _handle(self: MxfsOperations, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await fn(*args, **kwargs)
+            return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except OSError as e:
             if e.errno is None:
-                log.exception("%s failed", fn.__name__)
+                self.failures.note(name, _ctx_in(args, kwargs), e)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             raise pyfuse3.FUSEError(e.errno) from None
-        except Exception:
-            log.exception("%s failed", fn.__name__)
+        except Exception as e:
+            self.failures.note(name, _ctx_in(args, kwargs), e)
             raise pyfuse3.FUSEError(errno.EIO) from None
     wrapper.__name__ = fn.__name__
     return wrapper
+
+
+def _ctx_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> pyfuse3.RequestContext | None:
+    """The request's context among a handler's arguments (its caller), if it has one."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, pyfuse3.RequestContext):
+            return a
+    return None
 
 
 class Handle:
@@ -182,6 +194,9 @@ class MxfsOperations(pyfuse3.Operations):
         # Files open through the mount by tenant (`vol/tenants.py`; root: not held).
         self.open_by_tenant: Counter[int] = Counter()
         self.max_open_per_user = Limits.max_open_per_user
+        # Requests that failed unforeseen, and opens past max_open_per_user: each kind
+        # logged once per tenant, then counted (`fs/failures.py`).
+        self.failures = FailureLog(log)
         self._cutting: dict[int, trio.Event] = {}  # files being cut: their writes wait
         self._sync_asked = self._synced = 0  # store syncs asked for, and done (`_durable`)
         self._syncing: trio.Event | None = None
@@ -490,15 +505,18 @@ class MxfsOperations(pyfuse3.Operations):
 
     # ---- files -------------------------------------------------------------
 
-    def _opened(self, uid: int) -> None:
-        """Count one more open file or folder of `uid`'s user; EMFILE past
+    def _opened(self, ctx: pyfuse3.RequestContext) -> None:
+        """Count one more open file or folder of the caller's user; EMFILE past
         max_open_per_user.  Each open file holds a descriptor of the daemon's a member
         it touches (one user's files, held open, took every descriptor and failed all
-        others' I/O), and a folder its inode in memory."""
-        tenant = tenant_of(uid)
+        others' I/O), and a folder its inode in memory.  A refusal is logged once per
+        user, then counted (logged each time, a user at the limit looping on open(2)
+        wrote megabytes a second into the daemon's log)."""
+        tenant = tenant_of(ctx.uid)
         if tenant and self.open_by_tenant[tenant] >= self.max_open_per_user:
-            log.info("uid %d holds %d files and folders open through the mount, the limit "
-                     "(max_open_per_user): EMFILE", uid, self.open_by_tenant[tenant])
+            self.failures.note("open past max_open_per_user", ctx, OSError(
+                errno.EMFILE, f"user {tenant} holds {self.open_by_tenant[tenant]} files and "
+                "folders open through the mount, the limit"), trace=False, level=logging.INFO)
             raise pyfuse3.FUSEError(errno.EMFILE)
         self.open_by_tenant[tenant] += 1
 
@@ -508,8 +526,10 @@ class MxfsOperations(pyfuse3.Operations):
         if self.open_by_tenant[tenant] <= 0:
             del self.open_by_tenant[tenant]
 
-    def _open_handle(self, node: Inode, flags: int, uid: int) -> pyfuse3.FileInfo:
-        self._opened(uid)
+    def _open_handle(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.FileInfo:
+        self._opened(ctx)
+        uid = ctx.uid
         fh = self.next_fh
         self.next_fh += 1
         behind = self.behind.get(node.ino)
@@ -563,7 +583,7 @@ class MxfsOperations(pyfuse3.Operations):
             # Reads may be served from the kernel's cache without reaching us, so
             # relatime is also applied when a file is opened for reading.
             self._relatime(node)
-        return self._open_handle(node, flags, ctx.uid)
+        return self._open_handle(node, flags, ctx)
 
     async def _open_here(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext,
                          judged: bool = False) -> pyfuse3.FileInfo:
@@ -577,7 +597,7 @@ class MxfsOperations(pyfuse3.Operations):
         if not judged:  # (the writer judges the seal too: no store read here first)
             await self.written.open(node, caller)
         try:
-            info = self._open_handle(node, flags, ctx.uid)
+            info = self._open_handle(node, flags, ctx)
         finally:
             self.written.opened(node.ino)
             if node.ino not in self.vol.open_inodes:  # (no handle was made)
@@ -619,7 +639,7 @@ class MxfsOperations(pyfuse3.Operations):
         if self.names is not None:
             self.names.check_writable()  # (a node holding no members: why not, said)
         node = self._create(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx)
-        return self._open_handle(node, flags, ctx.uid), self.attrs(node)
+        return self._open_handle(node, flags, ctx), self.attrs(node)
 
     @_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -848,7 +868,7 @@ class MxfsOperations(pyfuse3.Operations):
         node = await self._read_meta(ctx.uid, lambda s: s.get(inode))
         if not node.is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
-        self._opened(ctx.uid)
+        self._opened(ctx)
         fh = self.next_fh
         self.next_fh += 1
         self.handles[fh] = Handle(self.vol.acquire(node), 0, self.store.groups_lost, ctx.uid)
