@@ -1914,3 +1914,64 @@ def test_opens_past_the_limit_are_refused_without_a_line_each(tmp_path: Path) ->
         lines = _lines_since(log, start)
         assert 1 <= len(lines) <= 3, lines
         assert "max_open_per_user" in lines[0]
+
+
+@pytest.mark.unit
+def test_a_log_past_its_cap_is_kept_once_and_cut(tmp_path: Path) -> None:
+    """The daemon's log lives on tmpfs (RAM) and grew without bound.  Past its cap its
+    bytes go to LOG.1 (an older one replaced) and the file opened O_APPEND is cut, so
+    what is written next lands at its start; a line written between the bulk copy and
+    the cut (here: as `quiet` is taken) is in LOG.1, not lost."""
+    from mxfs.vol.mounts import open_private_log, rotate_log
+
+    path = tmp_path / "pool.log"
+    older = tmp_path / "pool.log.1"
+    older.write_bytes(b"an older rotation\n")
+
+    @contextlib.contextmanager
+    def late_line() -> Iterator[None]:
+        os.write(fd, b"late\n")
+        yield
+
+    with open_private_log(str(path)) as f:
+        fd = f.fileno()
+        f.write(b"a" * 999 + b"\n")
+        f.flush()
+        assert not rotate_log(fd, str(path), cap=2000)  # (under it: left as it is)
+        assert older.read_bytes() == b"an older rotation\n" and path.stat().st_size == 1000
+        f.write(b"b" * 1499 + b"\n")
+        f.flush()
+        assert rotate_log(fd, str(path), cap=2000, quiet=late_line)
+        assert older.read_bytes() == b"a" * 999 + b"\n" + b"b" * 1499 + b"\nlate\n"
+        assert path.stat().st_size == 0
+        f.write(b"after\n")
+        f.flush()
+    assert path.read_bytes() == b"after\n"
+    assert older.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.log", "pool.log.1"]
+
+
+def test_a_daemon_cuts_its_log_past_the_cap(tmp_path: Path) -> None:
+    """A daemon whose log is already past LOG_CAP at mount copies it to LOG.1 and goes on
+    logging at the start of LOG, saying so first."""
+    from mxfs.pool import Pool
+    from mxfs.vol.mounts import LOG_CAP, ensure_runtime_dir, open_private_log, runtime_dir
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    log = Path(runtime_dir(), f"{Pool.open(members[0]).uuid}.log")
+    old = Path(f"{log}.1")
+    ensure_runtime_dir(str(log.parent))
+    with open_private_log(str(log)) as f:
+        line = b"2026-01-01 00:00:00,000 mxfs.test INFO " + b"x" * 960 + b"\n"
+        f.write(line * (LOG_CAP // len(line) + 1))
+    try:
+        with mounted_pool(members) as m:
+            assert eventually(old.exists)
+            assert old.stat().st_size > LOG_CAP
+            assert eventually(lambda: "the log passed 64 MiB" in log.read_text())
+            assert log.stat().st_size < 1 << 20
+            (m.path / "still").write_bytes(b"served")
+            assert (m.path / "still").read_bytes() == b"served"
+    finally:
+        old.unlink(missing_ok=True)

@@ -7,11 +7,13 @@ everything back and marks the metadata clean.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import signal
 import socket
+import stat
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +41,14 @@ from mxfs.io.batch import ENGINE
 from mxfs.meta import MetaStore, Unusable, backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key, read_key
 from mxfs.proto.messages import MemberUsage
-from mxfs.vol.mounts import check_mountpoint, ensure_runtime_dir, runtime_dir, set_readahead
+from mxfs.vol.mounts import (
+    LOG_CAP,
+    check_mountpoint,
+    ensure_runtime_dir,
+    rotate_log,
+    runtime_dir,
+    set_readahead,
+)
 from mxfs.vol.tenants import TENANTS
 from mxfs.vol.volume import STATS_EVERY_S, Volume
 
@@ -302,6 +311,8 @@ class Daemon:
         tasks: list[Callable[[], Awaitable[None]]] = [
             _stop_on_signal, self._commit_groups, self._trims, self._keep_lease,
             self._revoke, self.control.kv.let_go]
+        if log_file() is not None:  # (not journald's, nor a terminal)
+            tasks.append(self._cap_log)
         if self.backup_s > 0 and backup.supported(self.vol.store):  # a server's are its
             tasks.append(self._backups)  # operator's to back up
         if self.control.wake is not None:
@@ -482,6 +493,24 @@ class Daemon:
                 failures.note("stray sweep", None, e, trace=not isinstance(e, OSError))
             await trio.sleep(min(STRAY_SWEEP_S, self.stray_s))
 
+    async def _cap_log(self) -> None:
+        """Once a second, in a worker thread: the daemon's log (its stderr, a regular
+        file: `mxfs mount`'s /run/mxfs/UUID.log, on tmpfs, RAM) past LOG_CAP is copied to
+        LOG.1 and cut to nothing (`vol/mounts.py` `rotate_log`)."""
+        path = log_file()
+        if path is None:
+            return
+        failures = FailureLog(log)
+        while True:
+            await trio.sleep(1)
+            try:
+                if await trio.to_thread.run_sync(rotate_log, 2, path, LOG_CAP,
+                                                 _logging_held):
+                    log.info("the log passed %d MiB: its earlier lines are in %s.1",
+                             LOG_CAP >> 20, path)
+            except Exception as e:  # (a full tmpfs, say: the next round tries again)
+                failures.note("log rotation", None, e, trace=not isinstance(e, OSError))
+
     async def _backups(self) -> None:
         """Copy the metadata store to the next member every `backup_s` seconds."""
         while True:
@@ -491,6 +520,34 @@ class Daemon:
             except Exception as e:  # a full member, say: the pool goes on, the next tries
                 log.error("metadata backup failed (the next is tried in %d s): %s",
                           self.backup_s, e)
+
+
+def log_file() -> str | None:
+    """Where the daemon logs when its stderr is a regular file (`mxfs mount` makes it
+    append to /run/mxfs/UUID.log), else None (journald, a terminal, a pipe)."""
+    try:
+        if not stat.S_ISREG(os.fstat(2).st_mode):
+            return None
+        path = os.readlink("/proc/self/fd/2")
+    except OSError:
+        return None
+    return path if path.startswith("/") and not path.endswith(" (deleted)") else None
+
+
+@contextlib.contextmanager
+def _logging_held() -> Iterator[None]:
+    """No line is logged (by any thread) while held: the root logger's handlers'
+    locks, taken."""
+    handlers = list(logging.getLogger().handlers)
+    for h in handlers:
+        h.acquire()
+    try:
+        for h in handlers:
+            h.flush()
+        yield
+    finally:
+        for h in reversed(handlers):
+            h.release()
 
 
 async def gather_gauges(control: ControlServer, by_user: bool = False) -> list[Any]:

@@ -4,11 +4,14 @@ daemons and unmounting.  Pure process and file work, no FUSE calls."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import select
 import stat
 import subprocess
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import BinaryIO
 
 from mxfs.errors import MxfsError
@@ -17,6 +20,8 @@ from mxfs.proto.constants import FSTYPE
 from mxfs.proto.mountinfo import mount_table, unescape
 
 READY_TIMEOUT = 120.0
+# The daemon's log (on tmpfs: RAM) is rotated past this many bytes (`rotate_log`).
+LOG_CAP = 64 << 20
 
 
 def check_mountpoint(path: str, nonempty: bool = False) -> str:
@@ -208,3 +213,57 @@ def set_readahead(path: str, kib: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def rotate_log(fd: int, path: str, cap: int = LOG_CAP,
+               quiet: Callable[[], AbstractContextManager[object]] = nullcontext) -> bool:
+    """If the log that `fd` writes (at `path`, a regular file) holds more than `cap`
+    bytes: copy them to `path`.1 (an older one replaced) and cut the log to nothing.
+    `fd` is opened O_APPEND (`open_private_log`), so what is written next lands at its
+    start; where it is not, its offset is moved there.  `quiet` is held while the last
+    bytes are copied and the file cut (the daemon's logging handlers' locks: no line
+    written between the copy and the cut is lost).  True if it was rotated.
+
+    Blocking: the daemon runs it in a worker thread (`fs/daemon.py` `_cap_log`).
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size <= cap:
+        return False
+    try:
+        src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # (moved or removed by its operator: not ours to rotate)
+    try:
+        here = os.fstat(src)
+        if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
+            return False  # (`path` names another file now)
+        new = path + ".1.new"
+        try:
+            os.unlink(new)  # (left by a rotation that died midway)
+        except FileNotFoundError:
+            pass
+        dst = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                      os.O_CLOEXEC, 0o600)
+        try:
+            done = _copy_from(src, dst, 0)  # (the bulk, while lines are still written)
+            with quiet():
+                _copy_from(src, dst, done)
+                os.ftruncate(fd, 0)
+                if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+                    os.lseek(fd, 0, os.SEEK_SET)
+        finally:
+            os.close(dst)
+        os.replace(new, path + ".1")
+    finally:
+        os.close(src)
+    return True
+
+
+def _copy_from(src: int, dst: int, offset: int) -> int:
+    """Copy `src` from `offset` to its end onto `dst`'s end; the offset reached."""
+    while chunk := os.pread(src, 1 << 20, offset):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dst, view):]
+        offset += len(chunk)
+    return offset
