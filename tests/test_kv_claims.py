@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from mxfs.fs.kv_claims import BUSY, MAX_WAIT_S, STORED, YOURS, Claims
+from mxfs.fs.kv_claims import BUSY, MAX_CLAIM_S, MAX_WAIT_S, STORED, YOURS, Claims
 from mxfs.fs.session import Session
 from mxfs.vol.access import Caller
 from mxfs.vol.kv_index import Chunk, Namespace
@@ -143,4 +143,54 @@ def test_claims_run_out_in_order_of_their_time() -> None:
         await trio.sleep(2)
         claims.drop_run_out()
         assert len(claims) == 0
+    _run(main)
+
+
+def test_a_claim_renewed_again_and_again_ends_at_its_life() -> None:
+    """A claimer that renews a key's claim every 50 s without putting holds it
+    MAX_CLAIM_S from its first grant, no longer: a waiter then goes on and claims it,
+    and the claimer's next claims on it (while it cools) hold nobody back."""
+    async def main() -> None:
+        space = Namespace("n", 0, 0, 0o777, 0)
+        claims = Claims(per_user=8)
+        bob, alice = _session(1001), _session(1000)
+        first = trio.current_time()
+        assert claims.claim(space, [b"hot"], bob, MAX_CLAIM_S) == [YOURS]
+        await trio.sleep(50)
+        assert claims.claim(space, [b"hot"], bob, MAX_CLAIM_S) == [YOURS]  # renewed
+        assert claims.claim(space, [b"hot"], alice, 10) == [BUSY]
+        assert await claims.wait(space, [b"hot"], alice, MAX_WAIT_S) == [False]
+        assert trio.current_time() - first == pytest.approx(MAX_CLAIM_S)  # (not 110 s)
+        # Bob claims again at once, as a hostile claimer would: it holds nobody back.
+        assert claims.claim(space, [b"hot"], bob, MAX_CLAIM_S) == [YOURS]
+        assert claims.claim(space, [b"hot"], alice, 10) == [YOURS]  # her turn
+        assert claims.claim(space, [b"hot"], bob, 10) == [BUSY]
+        claims.end(alice, claims.take(alice))
+        # Cooled down, bob claims it as anyone would.
+        await trio.sleep(MAX_CLAIM_S)
+        claims.drop_run_out()
+        assert not claims._cooling
+        assert claims.claim(space, [b"hot"], bob, 10) == [YOURS]
+        assert claims.claim(space, [b"hot"], alice, 10) == [BUSY]
+    _run(main)
+
+
+def test_a_claim_held_less_than_its_life_is_renewed_as_asked() -> None:
+    """An instance computing a long prefix renews its claim: granted as asked while
+    within its life; one that ran out short of its life cools nothing."""
+    async def main() -> None:
+        space = Namespace("n", 0, 0, 0o777, 0)
+        claims = Claims(per_user=8)
+        a, b = _session(1000), _session(1001)
+        claims.claim(space, [b"hot"], a, 10)
+        for _ in range(4):
+            await trio.sleep(8)
+            assert claims.claim(space, [b"hot"], a, 10) == [YOURS]
+        await trio.sleep(9)
+        assert claims.claim(space, [b"hot"], b, 10) == [BUSY]  # (41 s in, held to 42)
+        await trio.sleep(2)
+        assert claims.claim(space, [b"hot"], b, 10) == [YOURS]  # (ran out short of its
+        claims.end(b, claims.take(b))  # life: no cooling)
+        assert claims.claim(space, [b"hot"], a, 10) == [YOURS]
+        assert claims.claim(space, [b"hot"], b, 10) == [BUSY]
     _run(main)

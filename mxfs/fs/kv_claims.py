@@ -10,7 +10,14 @@ or their claim ends, then gets what was put and computes the rest.
 A claim ends when its key is stored, when its client gives it up (it will not put
 the key after all), when its connection closes, or CLAIM_S seconds after it was made
 (at most MAX_CLAIM_S, whatever the client asks): a client that dies or never puts
-costs the others one bounded wait, never a hang.  Claims are taken only
+costs the others one bounded wait, never a hang.  Claiming a key again lengthens its
+claim, but never past MAX_CLAIM_S from its first grant (its life): a claim renewed
+every 50 s held a key (one its claimer had deleted, say) from everyone for good.  A
+claim that lived its whole life unput "cools" its key for its tenant MAX_CLAIM_S more:
+that tenant's claims on it are answered YOURS but hold nobody back (it may compute
+and put the key; others claim it meanwhile), so the waiters woken at its end get
+their turn before the claimer's next claim (records of those lapses only: at most
+about twice `max_kv_claims_per_user` a uid).  Claims are taken only
 in a namespace the caller may write, at most `max_kv_claims_per_user` for all of one
 uid's connections (a claim holds its key, up to 1 KiB, in the daemon's memory; root:
 no limit), and a wait lasts at most MAX_WAIT_S: a tenant can delay others' computing by
@@ -42,6 +49,7 @@ YOURS, STORED, BUSY = "yours", "stored", "busy"
 class Claim:
     session: Session
     until: float  # trio.current_time() past which it is over
+    life: float  # the latest `until` may be: its first grant + MAX_CLAIM_S
     done: trio.Event = field(default_factory=trio.Event)
 
 
@@ -57,6 +65,10 @@ class Claims:
         # rebuild once they outnumber the claims).
         self._expiry: list[tuple[float, int, tuple[str, bytes]]] = []
         self._made = itertools.count()
+        # Keys whose claim lived its whole life unput: (namespace, key): (its tenant,
+        # when the key cools down), and those times, soonest first (`drop_run_out`).
+        self._cooling: dict[tuple[str, bytes], tuple[int, float]] = {}
+        self._cool_heap: list[tuple[float, int, tuple[str, bytes]]] = []
 
     def __len__(self) -> int:
         return len(self._held)
@@ -64,9 +76,23 @@ class Claims:
     def _live(self, key: tuple[str, bytes]) -> Claim | None:
         claim = self._held.get(key)
         if claim is not None and claim.until <= trio.current_time():
-            self._end(key)
+            self._run_out(key, claim)
             return None
         return claim
+
+    def _run_out(self, key: tuple[str, bytes], claim: Claim) -> None:
+        """`claim`'s time is over: it ends; one that lived its whole life cools its key
+        for its tenant."""
+        if claim.until >= claim.life:
+            cool = claim.life + MAX_CLAIM_S
+            self._cooling[key] = (claim.session.tenant, cool)
+            heapq.heappush(self._cool_heap, (cool, next(self._made), key))
+        self._end(key)
+
+    def _cools(self, key: tuple[str, bytes], tenant: int, now: float) -> bool:
+        """Whether `tenant`'s claim on `key` lived its whole life a while ago."""
+        cooling = self._cooling.get(key)
+        return cooling is not None and cooling[0] == tenant and cooling[1] > now
 
     def _end(self, key: tuple[str, bytes]) -> None:
         claim = self._held.pop(key, None)
@@ -101,7 +127,8 @@ class Claims:
             return [STORED if key in space.chunks else BUSY if self._live((space.name, key))
                     else YOURS for key in keys]
         seconds = min(seconds, MAX_CLAIM_S)
-        until = trio.current_time() + seconds
+        now = trio.current_time()
+        until = now + seconds
         mine = self._by_session.get(id(session), set())
         out = []
         for key in keys:
@@ -114,14 +141,17 @@ class Claims:
                 out.append(BUSY)
                 continue
             if held is None:
+                if self._cools(k, session.tenant, now):
+                    out.append(YOURS)  # (its to compute, holding nobody back)
+                    continue
                 self._room(session.tenant)
-                self._held[k] = Claim(session, until)
+                held = self._held[k] = Claim(session, until, now + MAX_CLAIM_S)
                 self._by_space.setdefault(space.name, set()).add(key)
                 self._by_uid[session.tenant] += 1
                 mine.add(k)
             else:
-                held.until = until
-            heapq.heappush(self._expiry, (until, next(self._made), k))
+                held.until = min(until, held.life)  # (never past its life)
+            heapq.heappush(self._expiry, (held.until, next(self._made), k))
             out.append(YOURS)
         if mine:
             self._by_session[id(session)] = mine
@@ -172,7 +202,13 @@ class Claims:
             k = heapq.heappop(expiry)[2]
             claim = self._held.get(k)
             if claim is not None and claim.until <= now:
-                self._end(k)
+                self._run_out(k, claim)
+        cool = self._cool_heap
+        while cool and cool[0][0] <= now:
+            k = heapq.heappop(cool)[2]
+            cooling = self._cooling.get(k)
+            if cooling is not None and cooling[1] <= now:
+                del self._cooling[k]
         self._compact()
 
     def _compact(self) -> None:
