@@ -642,6 +642,18 @@ def test_concurrent_misses_are_computed_once(mounted: Mounted) -> None:
         b.close()
 
 
+def test_a_namespace_taken_over_keeps_none_of_the_old_ones_claims(mounted: Mounted) -> None:
+    """Root's `kv create --force` makes a new namespace of the name: a claim made in the
+    old one holds nobody back in the new."""
+    m = str(mounted.path)
+    with KVStore(m, "taken") as old, KVStore(m, "taken") as new:
+        key = b"t1" * 16
+        assert old.claim([key], seconds=60) == ["yours"]
+        assert new.claim([key]) == ["busy"]
+        mxfs("kv", "create", m, "taken", "--force")
+        assert new.claim([key]) == ["yours"]
+
+
 def test_exists_is_answered_from_the_namespaces_table_kept_current(mounted: Mounted) -> None:
     """After one `kv_view`, exists and batch_exists ask the daemon nothing, and see
     every put, delete and eviction of any process at once, through a table that

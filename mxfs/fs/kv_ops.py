@@ -407,10 +407,13 @@ class KVOps:
         if caller.uid != 0 and (uid != caller.uid or gid not in caller.gids or force):
             raise OSError(errno.EPERM, "only root makes a namespace for another user or "
                           "group, or takes over an existing one")
-        if name not in self.index.spaces:
+        existed = name in self.index.spaces
+        if not existed:
             self.index.check_room(caller.uid)
         space = self.index.create(name, uid, gid, _mode(msg, 0o700) or 0,
                                   int_field(msg, "capacity", 0), replace=force)
+        if existed:  # (taken over: the old namespace's claims bind nobody in the new)
+            self.claims.dropped(name)
         return {**space.stats()}, []
 
     async def _room(self, space: Namespace, size: int, uid: int) -> Inode:
