@@ -9,7 +9,7 @@ from typing import cast
 
 import pytest
 
-from mxfs.vol.kv_index import VICTIMS, Chunk, KVIndex, Namespace
+from mxfs.vol.kv_index import TOUCH_BITE, VICTIMS, Chunk, KVIndex, Namespace
 from mxfs.vol.volume import Volume
 
 pytestmark = pytest.mark.unit
@@ -67,3 +67,30 @@ def test_no_walk_once_nothing_unpinned_is_left() -> None:
     # (What the daemon's eviction asks before it walks again: `KVOps._evict`.)
     assert index.may_evict(space, 0) and not index.may_evict(space, space.used)
     assert not index.may_evict(_space(True, True)[0], 0)
+
+
+def test_access_times_written_back_a_bounded_bite_a_round_each_key_once() -> None:
+    """100,000 keys looked up (a user pinning them in a loop) are not one round's
+    write-back on the daemon's thread: each flush writes TOUCH_BITE at most, the longest
+    waiting first, and a key touched again meanwhile is written once, its latest time."""
+    written: list[list[tuple[int, str, bytes]]] = []
+    index = KVIndex(cast(Volume, SimpleNamespace(
+        pool=SimpleNamespace(node="reader"),
+        store=SimpleNamespace(kv=SimpleNamespace(touch=written.append)))))
+    space = Namespace("n", 1000, 1000, 0o700, 0)
+    n = 100_000
+    for i in range(n):
+        space.chunks[b"k%d" % i] = Chunk(ino=i, size=1, atime=0, sum_unit=1, sums=b"")
+    for i in range(n):
+        assert index.lookup(space, b"k%d" % i) is not None
+    for i in range(0, n, 7):  # looked up again before their write-back
+        index.lookup(space, b"k%d" % i)
+    first = index.flush()
+    assert len(written[0]) == TOUCH_BITE and first == TOUCH_BITE
+    assert [key for _, _, key in written[0]] == [b"k%d" % i for i in range(TOUCH_BITE)]
+    while index.flush():
+        assert len(written[-1]) <= TOUCH_BITE
+    rows = [row for batch in written for row in batch]
+    assert len(rows) == n and len({key for _, _, key in rows}) == n
+    assert all(atime == space.chunks[key].atime for atime, _, key in rows)
+    assert index.flush() == 0 and len(written) == -(-n // TOUCH_BITE)
