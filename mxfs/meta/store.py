@@ -37,6 +37,7 @@ import errno
 import logging
 import stat
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -53,7 +54,8 @@ from mxfs.meta.usage import NAME_ROW, Usage, sized
 log = logging.getLogger("mxfs.meta")
 
 T = TypeVar("T")
-_CACHE_LIMIT = 200_000
+_CACHE_LIMIT = 200_000  # inodes memory holds past those it must keep (`_evict`)
+_EVICT_LOOK = 8  # of the least recently used, looked at per inode read in past the limit
 LINK_MAX = 65_000  # hard links to one file (ext4's bound)
 MAX_DEPTH = 1024  # levels a rename's ancestry walk goes up at most (ELOOP past them:
 #                   a refused walk, run again on fresh rows, reads as many)
@@ -67,12 +69,12 @@ class MetaStore:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._cache: dict[int, Inode] = {}
+        # The inodes in memory, least recently used first (`_evict`).
+        self._cache: OrderedDict[int, Inode] = OrderedDict()
         # Inodes held open (the volume's handles hold these objects): never dropped from
         # memory, or a later change would go to a copy the handle never sees (a trim
         # at the limit split one inode in two: a size written back, an unlink unseen).
         self.held: Callable[[int], bool] = lambda ino: False
-        self._trim_at = _CACHE_LIMIT  # (past the inodes held: no pass at every read)
         self._journal: list[tuple[Inode, str, object]] = []
         self._group_journal: list[tuple[Inode, str, object]] = []  # of the open group
         # (directory, name) -> its inode, or None: no such entry
@@ -187,10 +189,15 @@ class MetaStore:
         self._put_back(self._journal)
 
     def _put_back(self, journal: list[tuple[Inode, str, object]]) -> None:
+        # (A journaled inode that memory let go of since (`_evict`) and read again from
+        # the rows the change wrote is another object now: it is put back too, or it
+        # kept what the rows no longer hold; made by the change, it goes.)
+        cache = self._cache
         for node, name, old in reversed(journal):
+            now = cache.get(node.ino)
             if name == _BORN:
-                if self._cache.get(node.ino) is node:
-                    del self._cache[node.ino]
+                if now is node or now is not None and not self.held(node.ino):
+                    del cache[node.ino]
                 self.usage.add(node.uid, node.mode, node.size, -1)
             elif name == _XATTRS:
                 assert isinstance(old, tuple)
@@ -201,6 +208,8 @@ class MetaStore:
             else:
                 self.usage.change(node, name, old)
                 setattr(node, name, old)
+                if now is not None and now is not node:
+                    setattr(now, name, old)
         journal.clear()
 
     def _group_lost(self) -> None:
@@ -208,7 +217,7 @@ class MetaStore:
         running, then the group's earlier ones), clean inodes read again from the rows."""
         self._put_back(self._journal)
         self._put_back(self._group_journal)
-        self._trim()
+        self._forget_clean()
         self._sole.forget()
         self._dir_times.clear()
         self.usage.forget()
@@ -261,31 +270,62 @@ class MetaStore:
         `dirty`), so open handles see what the others made of it, and a change never
         writes back fields another writer changed since they were cached (a link count
         was lost so)."""
-        node = self._cache.get(ino)
-        if node is not None and (node.dirty or self._sole.on and not self.follow):
-            return node
+        cache = self._cache
+        node = cache.get(ino)
+        if node is not None:
+            try:
+                cache.move_to_end(ino)  # (the most recently used: the last to go)
+            except KeyError:  # (let go of meanwhile by a store reading beside this one)
+                node = None
+            else:
+                if node.dirty or self._sole.on and not self.follow:
+                    return node
         row = self.engine.get("inodes", {"ino": ino}, INODE_COLUMNS)
         if row is None:
             if node is not None:
-                self._cache.pop(ino, None)
+                cache.pop(ino, None)
             raise fail(errno.ENOENT)
         if node is None:
-            if len(self._cache) >= self._trim_at:
-                self._trim()
             # (setdefault: a store reading beside this one (`read_beside`) may have
             # made it meanwhile; every holder must have the one object)
-            node = self._cache.setdefault(ino, Inode(*row))
+            node = cache.setdefault(ino, Inode(*row))
+            if len(cache) > _CACHE_LIMIT:
+                self._evict()
         for name, value in zip(INODE_COLUMNS, row, strict=True):
             setattr(node, name, value)
         return node
 
-    def _trim(self) -> None:
+    def _evict(self) -> None:
+        """Memory past `_CACHE_LIMIT` inodes: the least recently used let go of, a few
+        for each inode read in (so memory stays at the limit), those with unsaved changes
+        (`dirty`) or held open kept and moved to the recent end.  A pass over them all at
+        the limit held the daemon's one thread 160-240 ms for 200,000 inodes, and any
+        user's walk of her tree came back to it."""
+        cache, held = self._cache, self.held
+        for _ in range(_EVICT_LOOK):
+            if len(cache) <= _CACHE_LIMIT:
+                return
+            try:
+                ino = next(iter(cache))
+            except (StopIteration, RuntimeError):  # (empty, or changed meanwhile by a
+                return                             # store reading beside this one)
+            node = cache.get(ino)
+            if node is None:
+                continue
+            if node.dirty or held(ino):
+                try:
+                    cache.move_to_end(ino)
+                except KeyError:
+                    pass
+            else:
+                cache.pop(ino, None)
+
+    def _forget_clean(self) -> None:
         """Forget every inode with no unsaved change and not held open, in place (the
-        dict may be shared); the next trim waits until memory holds twice what stayed."""
+        dict may be shared): after a lost group, whose rows memory may have read."""
         for ino, node in list(self._cache.items()):
             if not node.dirty and not self.held(ino):
                 self._cache.pop(ino, None)
-        self._trim_at = max(_CACHE_LIMIT, 2 * len(self._cache))
 
     def read_beside(self, main: MetaStore) -> None:
         """Read the rows afresh (`follow`) into `main`'s inodes: this store's connection
@@ -589,6 +629,8 @@ class MetaStore:
                      rdev, target, unit, width, first)
         self.engine.put("inodes", {c: getattr(node, c) for c in INODE_COLUMNS})
         self._cache[ino] = node
+        if len(self._cache) > _CACHE_LIMIT:
+            self._evict()
         self._journal.append((node, _BORN, None))
         self._sole.born()
         self.usage.add(uid, mode, node.size)
@@ -824,13 +866,14 @@ class MetaStore:
 
     def _load(self, inos: list[int]) -> None:
         """Read the inodes memory lacks in one go (`get_many`), into memory."""
-        missing = [i for i in inos if i not in self._cache]
+        cache = self._cache
+        missing = [i for i in inos if i not in cache]
         if len(missing) < 2:
             return
-        if len(self._cache) + len(missing) >= self._trim_at:
-            self._trim()
         for row in self.engine.get_many("inodes", "ino", missing, INODE_COLUMNS):
-            self._cache.setdefault(row[0], Inode(*row))
+            cache.setdefault(row[0], Inode(*row))
+            if len(cache) > _CACHE_LIMIT:
+                self._evict()
 
     # ---- xattrs ----------------------------------------------------------
 
