@@ -7,6 +7,7 @@ from __future__ import annotations
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import make_members, mkfs
@@ -294,6 +295,38 @@ def test_removed_files_xattrs_are_freed_a_bite_a_round(vol: Volume,
         vol.drop_inodes(taken)
     assert [len(r) for r in rounds] == [2, 2, 1] and sum(rounds, []) == inos
     assert all(store.getxattr(ino, b"user.v") is None for ino in inos)
+
+
+def test_removed_files_xattrs_are_summed_a_few_files_at_a_time(
+        vol: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round sums the xattr bytes of the removed files it may free, a few files past
+    its bite at most: it summed every one of its 512 where a bite held a few, and the
+    rest went back to be summed again the next round, and the next."""
+    from mxfs.vol import volume
+
+    monkeypatch.setattr(volume, "XATTR_BITE", 25 << 10)
+    store = vol.store
+    for i in range(100):
+        node = store.create(ROOT_INO, b"x%d" % i, stat.S_IFREG | 0o644, 0, 0,
+                            layout_for=vol.pick_layout)
+        store.setxattr(node, b"user.v", b"v" * (10 << 10))
+        vol.unlinked(store.unlink(ROOT_INO, b"x%d" % i))
+    summed: list[int] = []
+    lengths = store.engine.lengths
+
+    def counted(table: str, key: str, columns: Any, keys: list[int], *more: Any) -> Any:
+        if table == "xattrs":
+            summed.append(len(keys))
+        return lengths(table, key, columns, keys, *more)
+    monkeypatch.setattr(store.engine, "lengths", counted)
+    freed = 0
+    while taken := vol.take_pending(512):
+        freed += len(taken)
+        vol.remove_chunks(taken)
+        vol.drop_inodes(taken)
+    assert freed == 100 and not store.orphans()
+    assert max(summed) <= volume.LENGTHS_BITE, summed
+    assert sum(summed) <= 100 + 50 * volume.LENGTHS_BITE  # (at most one part a round)
 
 
 def test_removed_files_are_freed_by_owner_in_turn(vol: Volume) -> None:

@@ -44,6 +44,7 @@ from mxfs.vol.tenants import tenant_of
 log = logging.getLogger("mxfs.volume")
 
 XATTR_BITE = 8 << 20  # xattr bytes of removed files freed a reclaim round at most
+LENGTHS_BITE = 64  # ... summed for so many removed files at a time, until the bite is full
 RENEWALS_KEPT = 4096  # inodes whose renews are counted (`Volume.renewals`) at most
 MAX_HELD_PER_USER = 64 << 30  # bytes of one user's removed or renewed files kept readable
 
@@ -544,29 +545,31 @@ class Volume:
             try:
                 self.store.commit()
                 orphans = self.store.orphans_among(inos)
-                sizes = self.store.engine.lengths("xattrs", "ino", ("name", "value"),
-                                                  orphans)
+                bite = self._xattr_bite(orphans)
             except OSError:
                 self.pending_reclaim.put_back(inos)  # tried again next round
                 raise
             self.freeing.drop(set(inos) - set(orphans))  # (their change was lost)
-            inos = self._xattr_bite(orphans, sizes)
+            inos = bite
             self._far_pending.update(self._far_of(inos))
         return inos
 
-    def _xattr_bite(self, inos: list[int], sizes: dict[int, int]) -> list[int]:
-        """The first of `inos` whose xattrs (`sizes`) come to XATTR_BITE bytes (one at
-        least); the rest back at the head of the queue: their rows' delete, and its
-        commit, run on the daemon's one thread (512 files of 256 KiB of xattrs each
-        held it ~0.3 s)."""
-        if sum(sizes.values()) <= XATTR_BITE:
-            return inos
+    def _xattr_bite(self, inos: list[int]) -> list[int]:
+        """The first of `inos` whose xattrs come to XATTR_BITE bytes (one at least); the
+        rest back at the head of the queue: their rows' delete, and its commit, run on
+        the daemon's one thread (512 files of 256 KiB of xattrs each held it ~0.3 s).
+        Their bytes are summed LENGTHS_BITE files at a time, up to the bite: summed for
+        all 512 where a bite holds a few, the same rows were summed again every round
+        (a user's 512 removed files of 256 xattrs each: 42 ms of the thread a round)."""
         total = 0
-        for n, ino in enumerate(inos):
-            total += sizes.get(ino, 0)
-            if total > XATTR_BITE and n:
-                self.pending_reclaim.put_back(inos[n:])
-                return inos[:n]
+        for start in range(0, len(inos), LENGTHS_BITE):
+            part = inos[start:start + LENGTHS_BITE]
+            sizes = self.store.engine.lengths("xattrs", "ino", ("name", "value"), part)
+            for n, ino in enumerate(part, start):
+                total += sizes.get(ino, 0)
+                if total > XATTR_BITE and n:
+                    self.pending_reclaim.put_back(inos[n:])
+                    return inos[:n]
         return inos
 
     def remove_chunks(self, inos: list[int]) -> None:
