@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -454,6 +456,84 @@ def test_a_big_namespace_is_removed_while_others_are_served(pool: Mounted) -> No
         r.call("kv_ns_remove", namespace="big")))
     assert removed and removed[0]["deleted"] == n
     assert any(0 < k < n for k in seen), "nobody was served while the namespace went"
+
+
+_REPLACER = """
+import select
+from mxfs.client import ControlClient
+c, folder, n = ControlClient(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+for k in range(n):  # each name, first to last, replaced: it moves to the directory's end
+    made, fds = c.call_with_fds("create", path=f"{folder}/e{k:05d}", size=0)
+    for fd in fds:
+        os.close(fd)
+    c.call("commit", ino=made["ino"], size=0, sum_unit=65536, sums="")
+    if k == 0:
+        print("going", flush=True)
+    if select.select([sys.stdin], [], [], 0)[0]:  # (stdin closed: stop)
+        break
+print(k + 1, flush=True)
+"""
+
+
+def _getdents(fd: int, size: int) -> list[str]:
+    """The names one getdents64 call of `size` bytes returns from `fd`'s offset."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(size)
+    got = libc.syscall(217, fd, buf, size)  # SYS_getdents64 (x86_64)
+    if got < 0:
+        raise OSError(ctypes.get_errno(), "getdents64")
+    raw, names, at = buf.raw[:got], [], 0
+    while at < got:
+        reclen = struct.unpack_from("<H", raw, at + 16)[0]
+        names.append(raw[at + 19:at + reclen].split(b"\0", 1)[0].decode())
+        at += reclen
+    return names
+
+
+def test_one_big_readdir_lets_another_users_requests_through(mounted: Mounted) -> None:
+    """Since Linux 6.16 one getdents64 of 1 MiB is one FUSE readdir of thousands of
+    names; the daemon fetches them a page at a time and steps aside between pages, so
+    another user's requests are served in the middle of it (it held everyone for the
+    whole listing before).  Shown in the listing itself: bob keeps replacing the names
+    from the first on through the control socket (no directory lock in the kernel),
+    which moves each to the directory's end, and a listing that was passed by one of
+    his replaces names it twice: at its old place, read before, and at its new one."""
+    if platform.machine() != "x86_64":
+        pytest.skip("getdents64 called by its x86_64 number")
+    bob = ensure_users()["bob"]
+    n = 6_000  # (with their attributes, 160 bytes each in the reply: all in 1 MiB)
+    d = mounted.path / "wide"
+    d.mkdir()
+    os.chown(d, bob.uid, bob.gid)
+    for i in range(n):
+        os.mknod(d / f"e{i:05d}")
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.lseek(fd, 2, os.SEEK_SET)  # (past "." and "..")
+        if len(_getdents(fd, 1 << 20)) < n:
+            pytest.skip("this kernel lists a directory in small requests (before 6.16)")
+        replacer = _as(bob, _REPLACER, str(mounted.path), "/wide", str(n),
+                       stdin=subprocess.PIPE)
+        try:
+            assert replacer.stdout is not None and replacer.stdout.readline() == "going\n"
+            twice: list[str] = []
+            for _ in range(50):
+                os.lseek(fd, 2, os.SEEK_SET)
+                names = _getdents(fd, 1 << 20)
+                assert len(set(names)) == n, "a name went missing from the listing"
+                twice = [name for name, k in Counter(names).items() if k > 1]
+                if twice:
+                    break
+        finally:
+            assert replacer.stdin is not None and replacer.stdout is not None
+            replacer.stdin.close()
+            out = replacer.stdout.read()
+        assert replacer.wait(timeout=120) == 0
+        assert twice, f"none of bob's {out.strip()} replaces was served during a listing"
+    finally:
+        os.close(fd)
 
 
 def _fill(c: ControlClient, namespace: str, prefix: bytes, n: int, value: str) -> None:

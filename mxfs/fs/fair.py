@@ -3,10 +3,10 @@ and no user's many requests crowd out another's.
 
 Two rules, both cheap:
 - **Slices.** A request that works through many items (keys to put or delete, chunks
-  of a namespace being removed, namespaces to report) does them a bite at a time and,
-  once it has held the thread for SLICE_S, steps aside until the others wait
-  (`Slice`, `in_bites`): another user's request waits about a slice, not the whole
-  request (a removal of 65,536 chunks once held everyone for 48 s).
+  of a namespace being removed, namespaces to report, a directory's entries) does them
+  a bite at a time and, once it has held the thread for SLICE_S, steps aside until the
+  others wait (`Slice`, `in_bites`): another user's request waits about a slice, not
+  the whole request (a removal of 65,536 chunks once held everyone for 48 s).
 - **Turns.** One uid has at most `max_active_per_user` requests in service at once,
   over all its connections; the rest wait for a turn (`Turns.turn`).  A user with
   hundreds of connections therefore adds a few bites to another user's wait, not

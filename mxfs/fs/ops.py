@@ -28,7 +28,7 @@ import trio
 
 from mxfs.fs.block_counts import BlockCounts
 from mxfs.fs.failures import FailureLog
-from mxfs.fs.fair import Lanes
+from mxfs.fs.fair import BITE, Lanes, Slice
 from mxfs.fs.fields import b64
 from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.kernel_cache import KernelCache
@@ -885,13 +885,17 @@ class MxfsOperations(pyfuse3.Operations):
             parent = await self._read_meta(handle.uid, lambda s: s.get(s.parent_of(node.ino)))
             if not pyfuse3.readdir_reply(token, b"..", self.attrs(parent), 2):
                 return
-        after = max(start_id - 2, 0)
+        # One request may list thousands of entries (a getdents of 1 MiB is one readdir
+        # since Linux 6.16): it steps aside each slice (`fair.Slice`).
+        after, share = max(start_id - 2, 0), Slice()
         while True:
             def page(s: MetaStore, after: int = after) -> list[Entry]:
                 return s.readdir(node.ino, after)
             entries = await self._read_meta(handle.uid, page)
             await self.blocks.count([e.inode for e in entries], handle.uid)
-            for e in entries:
+            for i, e in enumerate(entries):
+                if i % BITE == 0:
+                    await share.due()
                 if not pyfuse3.readdir_reply(token, e.name, self.attrs(e.inode, (node.ino, e.name)),
                                              e.cookie + 2):
                     return
