@@ -63,6 +63,8 @@ SEEN_KEPT = 100_000
 # The kernel's invalidations a commit or change waits on before it is answered have
 # threads of their own: on trio's shared ones they waited behind whatever flooded those.
 INVALIDATING = trio.CapacityLimiter(16)
+# Entries a readdir reads from the store at first, and at most, at once.
+FIRST_PAGE, PAGE = 64, 512
 
 
 def _caller(ctx: pyfuse3.RequestContext) -> Caller:
@@ -885,12 +887,14 @@ class MxfsOperations(pyfuse3.Operations):
             parent = await self._read_meta(handle.uid, lambda s: s.get(s.parent_of(node.ino)))
             if not pyfuse3.readdir_reply(token, b"..", self.attrs(parent), 2):
                 return
-        # One request may list thousands of entries (a getdents of 1 MiB is one readdir
-        # since Linux 6.16): it steps aside each slice (`fair.Slice`).
-        after, share = max(start_id - 2, 0), Slice()
+        # Pages as large as the reply takes: a first small one (a 4 KiB reply holds 25
+        # to 128 entries), doubling while the reply takes them all.  One request may
+        # list thousands (a getdents of 1 MiB is one readdir since Linux 6.16): it
+        # steps aside each slice (`fair.Slice`).
+        after, limit, share = max(start_id - 2, 0), FIRST_PAGE, Slice()
         while True:
-            def page(s: MetaStore, after: int = after) -> list[Entry]:
-                return s.readdir(node.ino, after)
+            def page(s: MetaStore, after: int = after, limit: int = limit) -> list[Entry]:
+                return s.readdir(node.ino, after, limit)
             entries = await self._read_meta(handle.uid, page)
             await self.blocks.count([e.inode for e in entries], handle.uid)
             for i, e in enumerate(entries):
@@ -900,8 +904,9 @@ class MxfsOperations(pyfuse3.Operations):
                                              e.cookie + 2):
                     return
                 after = e.cookie
-            if not entries:
+            if len(entries) < limit:  # (the last page)
                 break
+            limit = min(limit * 2, PAGE)
         if not self.noatime:
             self._relatime(node)
 
