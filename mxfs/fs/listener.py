@@ -283,7 +283,12 @@ class Listener:
         if len(inbox) >= want:
             return
         ahead = len(inbox) + min(READ_AHEAD, self.buffered.room(hold.tenant))
-        if not await self.buffered.take(hold, int(max(want, ahead)), deadline):
+        got = await self.buffered.take(hold, int(max(want, ahead)), deadline)
+        if not got or trio.current_time() >= deadline:
+            # (room handed over as the deadline passed, by a busy daemon that ran the
+            # waiter late, is room that came too late: refused, with the reason, as a
+            # frame with none in time is, not closed without a word as a slow sender)
+            self.buffered.keep(hold, len(inbox))
             raise NoRoom(self._over(hold.tenant, f"a message of {want} bytes"))
         try:
             with trio.fail_at(deadline):
