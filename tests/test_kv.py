@@ -56,7 +56,8 @@ def test_put_get_round_trip_first_writer_wins(mounted: Mounted, size: int) -> No
         back = torch.empty_like(t)
         assert kv.get("t", out=back) is True and torch.equal(back, t)
         u = kv.usage()
-        assert u["chunks"] == 2 and u["bytes"] == size + t.numel() * 2
+        assert u["chunks"] == 2  # (each chunk's bytes counted as a page at least)
+        assert u["bytes"] == max(size, 4096) + max(t.numel() * 2, 4096)
         assert u["hits"] >= 3 and u["misses"] >= 1
         assert kv.delete("a") and not kv.exists("a") and kv.get("a") is None
 

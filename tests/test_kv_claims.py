@@ -32,7 +32,7 @@ def test_states_and_what_ends_a_claim() -> None:
         a, b = _session(), _session()
         assert claims.claim(space, [b"k1", b"k2"], a, 10) == [YOURS, YOURS]
         assert claims.claim(space, [b"k1", b"k3"], b, 10) == [BUSY, YOURS]
-        space.chunks[b"k1"] = Chunk(ino=5, size=1, atime=0, sum_unit=1, sums=b"")
+        space.chunks[b"k1"] = Chunk(ino=5, size=1, atime=0, sum_unit=1, sums=b"", tenant=0)
         claims.stored(space, b"k1")
         assert claims.claim(space, [b"k1"], b, 10) == [STORED]
         assert claims.claim(space, [b"k3"], b, 0) == [YOURS]  # given up: free
@@ -78,7 +78,7 @@ def test_a_wait_ends_with_the_claim_or_its_bound() -> None:
                 got.append(await claims.wait(space, [b"p"], b, 50))
             n.start_soon(waiter)
             await trio.sleep(1)
-            space.chunks[b"p"] = Chunk(ino=6, size=1, atime=0, sum_unit=1, sums=b"")
+            space.chunks[b"p"] = Chunk(ino=6, size=1, atime=0, sum_unit=1, sums=b"", tenant=0)
             claims.stored(space, b"p")
         assert got == [[True]] and trio.current_time() - start == pytest.approx(1)
     _run(main)

@@ -36,8 +36,9 @@ def _space(*pinned: bool) -> tuple[Namespace, _Moves]:
     space = Namespace("n", 1000, 1000, 0o700, 0)
     space.chunks = chunks = _Moves()
     for i, pin in enumerate(pinned):
-        chunk = chunks[b"k%d" % i] = Chunk(ino=i, size=1, atime=i, sum_unit=1, sums=b"")
-        space.used += 1
+        chunk = chunks[b"k%d" % i] = Chunk(ino=i, size=1, atime=i, sum_unit=1, sums=b"",
+                                           tenant=1000)
+        space.used += chunk.cost
         if pin:
             space.pin(chunk)
     return space, chunks

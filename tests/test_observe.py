@@ -120,7 +120,8 @@ def test_kv_gauges_are_the_pools_totals_unless_root_asks_for_them_by_user(
         assert run_as(alice, KV_AS_ALICE, str(m.path)) == [True, True]
         assert eventually(lambda: _scrape(port) is not None)
         text = _scrape(port) or ""
-        for gauge, n in (("chunks", 2), ("bytes", 1500), ("hits", 2), ("misses", 1),
+        # (500 and 1000 bytes: each chunk counts a page at least, kv_index.CHUNK_FLOOR)
+        for gauge, n in (("chunks", 2), ("bytes", 8192), ("hits", 2), ("misses", 1),
                          ("puts", 2)):
             assert re.search(rf"^mxfs_kv_{gauge} {n}\.0$", text, re.M), gauge
         assert "uid=" not in text
@@ -129,7 +130,7 @@ def test_kv_gauges_are_the_pools_totals_unless_root_asks_for_them_by_user(
         assert eventually(lambda: _scrape(port) is not None)
         text = _scrape(port) or ""
         assert re.search(r'^mxfs_kv_chunks\{uid="0"\} 1\.0$', text, re.M)
-        assert re.search(rf'^mxfs_kv_bytes\{{uid="{alice.uid}"\}} 1000\.0$', text, re.M)
+        assert re.search(rf'^mxfs_kv_bytes\{{uid="{alice.uid}"\}} 4096\.0$', text, re.M)
         assert not re.search(r"^mxfs_kv_chunks ", text, re.M)
 
 

@@ -423,3 +423,90 @@ def test_a_namespace_made_with_an_explicit_mode_lets_others_read_not_write(
     out = run_as(None, KV_AS_USER, m, json.dumps([["open", {"shared": True}]]))
     assert out["open shared"] == {"get": "ok", "exists": "ok", "put": errno.EACCES,
                                   "stats": 1}
+
+
+FILL_SHARED = r"""
+from mxfs.kv import KVStore
+m, n = sys.argv[1], int(sys.argv[2])
+with KVStore(m, "alice-team", shared=True) as kv:
+    put = kv.batch_put([f"e{i}" for i in range(n)], [b""] * n)
+    past = attempt(kv.put, "past", b"")
+    usage = kv.usage()
+with KVStore(m, "bob-own") as kv:
+    own = attempt(kv.put, "k", b"v")
+print(json.dumps([sum(put), past, own, usage["chunks"]]))
+"""
+
+PUT_OWN = r"""
+from mxfs.kv import KVStore
+with KVStore(sys.argv[1], "alice-own") as kv:
+    print(json.dumps(attempt(kv.put, "k", b"v")))
+"""
+
+
+def _kv_chunks_by_user(m: Mounted) -> dict[str, int]:
+    import json
+
+    by_user = json.loads(mxfs("status", "--json", str(m.path)).stdout)["limits"]["by_user"]
+    return {uid: held["kv_chunks"] for uid, held in by_user.items() if held["kv_chunks"]}
+
+
+def test_a_writers_chunks_in_a_shared_namespace_count_against_her_not_its_owner(
+        tmp_path: Path) -> None:
+    """Bob fills alice's group namespace with empty chunks up to max_chunks_per_user:
+    they are his chunks to count, so he is the one refused more, anywhere, and alice
+    still puts into her own namespaces (counted against her, the namespace's owner,
+    his chunks refused her every put: EDQUOT); the counts rebuild the same at mount."""
+    from conftest import make_members, mkfs, mounted_pool
+
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    limit = 20
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, f"max_chunks_per_user={limit}") as m:
+        os.chmod(m.path, 0o755)
+        mxfs("kv", "create", str(m.path), "alice-team", "--owner", "mxfs-alice",
+             "--group", TEAM, "--mode", "0770")
+        stored, past, own, held = run_as(bob, FILL_SHARED, str(m.path), str(limit))
+        assert stored == held == limit and past == errno.EDQUOT
+        assert run_as(alice, PUT_OWN, str(m.path)) == "ok"
+        assert own == errno.EDQUOT  # his limit, wherever he puts
+        assert _kv_chunks_by_user(m) == {str(bob.uid): limit, str(alice.uid): 1}
+    with mounted_pool(members, f"max_chunks_per_user={limit}") as m:  # (the index loaded)
+        assert _kv_chunks_by_user(m) == {str(bob.uid): limit, str(alice.uid): 1}
+        assert run_as(bob, FILL_SHARED, str(m.path), "1")[1:3] == [errno.EDQUOT] * 2
+
+
+EMPTY_CHUNKS = r"""
+from mxfs.kv import KVStore
+m, n = sys.argv[1], int(sys.argv[2])
+with KVStore(m, "alice-team", shared=True) as kv:
+    put = kv.batch_put([f"e{i}" for i in range(n)], [b""] * n)
+    print(json.dumps([sum(put), kv.usage()["chunks"]]))
+"""
+
+EVICT_ALL = r"""
+from mxfs.kv import KVStore
+with KVStore(sys.argv[1], "alice-team") as kv:
+    print(json.dumps([kv.evict(0), kv.usage()["chunks"]]))
+"""
+
+
+def test_empty_chunks_count_a_page_so_capacity_and_eviction_reach_them(
+        mounted: Mounted) -> None:
+    """Empty chunks a group member puts into alice's namespace are bounded by its
+    capacity and evicted by her `evict` (counted at their size, they added nothing to
+    its bytes: any number fit, and no eviction, which stops below its target, took
+    one)."""
+    users = ensure_users()
+    m = str(mounted.path)
+    os.chmod(mounted.path, 0o755)
+    page = 4096  # (what a chunk counts for at least: kv_index.CHUNK_FLOOR)
+    capacity = 16 * page
+    mxfs("kv", "create", m, "alice-team", "--owner", "mxfs-alice", "--group", TEAM,
+         "--mode", "0770", "--capacity", str(capacity))
+    stored, held = run_as(users["bob"], EMPTY_CHUNKS, m, "100")
+    assert stored == 100 and 0 < held <= capacity // page
+    evicted, left = run_as(users["alice"], EVICT_ALL, m)
+    assert evicted == held and left == 0

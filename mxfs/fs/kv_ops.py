@@ -79,6 +79,7 @@ from mxfs.proto.presence import HEADER_SIZE
 from mxfs.vol.access import R_OK, W_OK, Caller
 from mxfs.vol.kv_index import VICTIMS, Chunk, KVIndex, Namespace, check_key, check_namespace
 from mxfs.vol.spares import ONE_MEMBER_MAX
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import OpenInode, Volume
 
 log = logging.getLogger("mxfs.kv")
@@ -417,9 +418,9 @@ class KVOps:
         return {**space.stats()}, []
 
     async def _room(self, space: Namespace, size: int, uid: int) -> Inode:
-        """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: its namespace's
-        owner has as many chunks as one uid may, those being stored counted, or the
-        writer `uid` is at its quota); returns the layout parent.  The space is
+        """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: the writer `uid`
+        has put as many chunks as one uid may, those being stored counted, wherever
+        they are, or is at its quota); returns the layout parent.  The space is
         measured first (its one await): the checks after it and the caller's taking of
         a spare run with no await between, so puts at once never pass the same room."""
         root = self.vol.store.get(ROOT_INO)
@@ -433,12 +434,12 @@ class KVOps:
                 raise OSError(errno.EAGAIN, "the members' free space could not be "
                               "measured in time: try again")
         self.vol.quotas.room(uid, size, 1)
-        owned = self.index.chunks_by_tenant[space.tenant] + \
-            self.index.storing_by_tenant[space.tenant]
-        if space.tenant != 0 and owned >= self.limits.max_chunks_per_user:
-            raise OSError(errno.EDQUOT, f"uid {space.tenant} owns namespaces holding {owned} "
-                          "KV chunks (with its subordinate uids'), the limit (mount option "
-                          "max_chunks_per_user): delete or evict some")
+        tenant = tenant_of(uid)
+        held = self.index.chunks_by_tenant[tenant] + self.index.storing_by_tenant[tenant]
+        if tenant != 0 and held >= self.limits.max_chunks_per_user:
+            raise OSError(errno.EDQUOT, f"uid {tenant} has put {held} KV chunks that are "
+                          "still stored (with its subordinate uids'), the limit (mount "
+                          "option max_chunks_per_user): delete or evict some")
         self.index.refuse_hopeless(space, size)
         victims = self.index.make_room(members, share)
         if victims is not None:
@@ -495,6 +496,7 @@ class KVOps:
         once the chunks before it are stored, as putting them one at a time would.
         The caller enforces the capacity and commits."""
         stored = [False] * len(items)
+        tenant = tenant_of(caller.uid)  # (whose chunk count they are in: `_room`)
         taken: list[tuple[int, bytes, bytes | bytearray, OpenInode, int, int]] = []
         seen: set[bytes] = set()
         refusal: OSError | None = None
@@ -514,7 +516,7 @@ class KVOps:
                     refusal = e
                     break
                 self.vol.quotas.reserve(caller.uid, len(data))
-                self.index.storing_by_tenant[space.tenant] += 1
+                self.index.storing_by_tenant[tenant] += 1
                 seen.add(key)
                 layout = self.vol.layout(entry.node)
                 taken.append((i, key, data, entry, layout.first, layout.unit))
@@ -528,16 +530,17 @@ class KVOps:
                     await share.due()
                 if key in space.chunks or self.index.spaces.get(space.name) is not space:
                     continue
-                self.index.insert(space, key, entry.node.ino, len(data), unit, got)
+                self.index.insert(space, key, entry.node.ino, len(data), unit, got,
+                                  entry.node.uid)
                 self.claims.stored(space, key)
                 stored[i] = True
         finally:
             for _, _, data, entry, _, _ in taken:
                 self.vol.quotas.release(caller.uid, len(data))
-                self.index.storing_by_tenant[space.tenant] -= 1
+                self.index.storing_by_tenant[tenant] -= 1
                 self.vol.release(entry.node.ino)
-            if not self.index.storing_by_tenant[space.tenant]:
-                del self.index.storing_by_tenant[space.tenant]
+            if not self.index.storing_by_tenant[tenant]:
+                del self.index.storing_by_tenant[tenant]
         if refusal is not None:
             raise refusal
         return stored
@@ -752,7 +755,8 @@ class KVOps:
             raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
         stored = True
         try:
-            self.index.insert(space, key, entry.node.ino, size, sum_unit, sums)
+            self.index.insert(space, key, entry.node.ino, size, sum_unit, sums,
+                              entry.node.uid)
         except FileExistsError:
             stored = False  # another writer won; this copy is dropped below
         self.claims.stored(space, key)

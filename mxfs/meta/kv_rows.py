@@ -53,15 +53,19 @@ class KVRows:
             self.store.note_kv(KV_GONE, ns)
         self.store.txn(change)
 
-    def chunks(self) -> Iterator[tuple[str, bytes, int, int, int, int, bytes]]:
-        """(ns, key, ino, size, atime, sum_unit, sums) of every chunk, least recently
-        used first (a chunk without its seal is left out: fsck names it)."""
+    def chunks(self) -> Iterator[tuple[str, bytes, int, int, int, int, bytes, int]]:
+        """(ns, key, ino, size, atime, sum_unit, sums, uid) of every chunk, least
+        recently used first; `uid` its inode's owner, its writer (a chunk without its
+        seal is left out: fsck names it; one without its inode, which fsck drops, is
+        root's)."""
         rows = list(self.engine.scan("kv", ("ns", "key", "ino", "size", "atime"),
                                      order="atime"))
+        owners = {ino: uid for ino, uid in self.engine.get_many(
+            "inodes", "ino", (r[2] for r in rows), ("ino", "uid"))}
         for ns, key, ino, size, atime in rows:
             seal = self.store.seal_of(ino)
             if seal is not None:
-                yield ns, bytes(key), ino, size, atime, seal[0], seal[1]
+                yield ns, bytes(key), ino, size, atime, seal[0], seal[1], owners.get(ino, 0)
 
     def key_of(self, ino: int) -> tuple[str, bytes] | None:
         """The (namespace, key) whose chunk `ino` is, if it is one."""

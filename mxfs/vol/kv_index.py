@@ -61,6 +61,11 @@ POOL_FREE_MIN = 0.05
 # Seconds a measure of the pool's free space judges small chunks (`_pool_free`).
 FREE_FRESH_S = 0.5
 MAX_CHUNK = 256 << 20  # bytes of one chunk (256 tokens of Qwen2.5-32B are 64 MiB)
+# What a chunk counts for at least in its namespace's bytes (capacity, eviction, stats):
+# a page.  Counted at their size, empty chunks held nothing, so no capacity bounded
+# their number and no eviction (which stops once the bytes are below its target) took
+# one: a writer who filled a shared namespace with them left them for good.
+CHUNK_FLOOR = 4096
 MAX_NAMESPACE = 128
 
 
@@ -71,7 +76,19 @@ class Chunk:
     atime: int
     sum_unit: int  # its checksums, kept here so a get never waits on the store
     sums: bytes
+    tenant: int  # its writer's (the owner of its inode), whose chunk count it is in
     pins: int = 0
+
+    @property
+    def cost(self) -> int:
+        """What it counts for in its namespace's bytes (`charge`)."""
+        return max(self.size, CHUNK_FLOOR)
+
+
+def charge(size: int) -> int:
+    """What a chunk of `size` bytes counts for in its namespace's bytes: a page at least
+    (CHUNK_FLOOR)."""
+    return max(size, CHUNK_FLOOR)
 
 
 @dataclass
@@ -82,7 +99,7 @@ class Namespace:
     mode: int
     capacity: int  # bytes; 0 = bounded by the pool only
     chunks: OrderedDict[bytes, Chunk] = field(default_factory=OrderedDict)  # LRU first
-    used: int = 0
+    used: int = 0  # its chunks' bytes, each counted CHUNK_FLOOR at least (`Chunk.cost`)
     hits: int = 0
     misses: int = 0
     puts: int = 0
@@ -95,7 +112,8 @@ class Namespace:
     # view's place once full.
     next_view: Successor | None = None
     # The user its owner answers to (`vol/tenants.py`), as of its making: whose
-    # namespace and chunk counts it is in, and whose share of the pool it takes.
+    # namespace count it is in, and whose share of the pool it takes (its chunks are
+    # each in their writer's chunk count: `Chunk.tenant`).
     tenant: int = -1
 
     def __post_init__(self) -> None:
@@ -135,7 +153,7 @@ class Namespace:
         """One more read lease on `chunk`, one of this namespace's."""
         if not chunk.pins:
             self.pinned += 1
-            self.pinned_bytes += chunk.size
+            self.pinned_bytes += chunk.cost
         chunk.pins += 1
 
     def unpin(self, chunk: Chunk, n: int = 1) -> None:
@@ -144,7 +162,7 @@ class Namespace:
             chunk.pins = max(0, chunk.pins - n)
             if not chunk.pins:
                 self.pinned -= 1
-                self.pinned_bytes -= chunk.size
+                self.pinned_bytes -= chunk.cost
 
 
 def check_namespace(name: object) -> str:
@@ -190,7 +208,10 @@ class KVIndex:
         self.max_per_user = max_per_user  # namespaces one uid but root may own
         self.kept = KeptTables(*max_views)  # the namespaces with a presence table
         self.spaces: dict[str, Namespace] = {}
-        # Namespaces, and their chunks, by their owners' tenants (a put asks: no scan).
+        # Namespaces by their owners' tenants, chunks by their writers' (a put asks: no
+        # scan): a writer's chunks in another's namespace are hers to count, not the
+        # owner's (counted against the owner, a writer of a shared namespace filled the
+        # owner's max_chunks_per_user, refusing her puts in every namespace of hers).
         self._owned: Counter[int] = Counter()
         self.chunks_by_tenant: Counter[int] = Counter()
         # Chunks judged for a put and not yet indexed, by tenant (`KVOps._store`): the
@@ -216,14 +237,15 @@ class KVIndex:
             made = self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
             self._owned[made.tenant] += 1
         last = 0
-        for ns, key, ino, size, atime, sum_unit, sums in store.kv.chunks():
+        for ns, key, ino, size, atime, sum_unit, sums, uid in store.kv.chunks():
             space = self.spaces.get(ns)
             if space is None:
                 space = self.spaces[ns] = Namespace(ns, 0, 0, 0o700, 0)
                 self._owned[0] += 1
-            space.chunks[bytes(key)] = Chunk(ino, size, atime, sum_unit, bytes(sums))
-            space.used += size
-            self.chunks_by_tenant[space.tenant] += 1
+            chunk = space.chunks[bytes(key)] = Chunk(ino, size, atime, sum_unit, bytes(sums),
+                                                     tenant_of(uid))
+            space.used += chunk.cost
+            self.chunks_by_tenant[chunk.tenant] += 1
             last = max(last, atime)
         self._clock = itertools.count(last + 1)
         if self.spaces:
@@ -307,15 +329,16 @@ class KVIndex:
         return chunk
 
     def insert(self, space: Namespace, key: bytes, ino: int, size: int, sum_unit: int,
-               sums: bytes) -> None:
-        """Publish and seal a hidden file under `key` (EEXIST if another writer won)."""
+               sums: bytes, uid: int) -> None:
+        """Publish and seal a hidden file under `key` (EEXIST if another writer won),
+        `uid`'s (its writer, its inode's owner)."""
         self.vol.check_seal_room(key, sums)
         atime = next(self._clock)
         self.vol.store.kv.publish(ino, space.name, key, size, atime, sum_unit, sums)
-        space.chunks[key] = Chunk(ino, size, atime, sum_unit, sums)
-        space.used += size
+        chunk = space.chunks[key] = Chunk(ino, size, atime, sum_unit, sums, tenant_of(uid))
+        space.used += chunk.cost
         space.puts += 1
-        self.chunks_by_tenant[space.tenant] += 1
+        self.chunks_by_tenant[chunk.tenant] += 1
         if space.next_view is not None:
             space.next_view.table.add(key)
         if (view := space.view) is not None:
@@ -380,12 +403,12 @@ class KVIndex:
             chunk = space.chunks.pop(key)
             if chunk.pins:  # (its readers keep their descriptors; it counts no more)
                 space.pinned -= 1
-                space.pinned_bytes -= chunk.size
+                space.pinned_bytes -= chunk.cost
                 chunk.pins = 0
             for table in _tables(space):
                 table.remove(key)
-            space.used -= chunk.size
-            self.chunks_by_tenant[space.tenant] -= 1
+            space.used -= chunk.cost
+            self.chunks_by_tenant[chunk.tenant] -= 1
             self._touched.pop((space.name, key), None)
             entries.append((space.name, key, chunk.ino))
         if not entries:
@@ -415,7 +438,7 @@ class KVIndex:
                 passed.append(key)
                 continue
             victims.append((space, key))
-            freed += chunk.size
+            freed += chunk.cost
         for key in passed:
             space.chunks.move_to_end(key)
         return victims
@@ -448,9 +471,10 @@ class KVIndex:
         if size > MAX_CHUNK:
             raise OSError(errno.EFBIG, f"a KV chunk of {size} bytes is over {MAX_CHUNK} "
                           "(split it: engines' chunks are tens of MiB)")
-        if space.capacity and size > space.capacity:
-            raise OSError(errno.EFBIG, f"a chunk of {size} bytes is over the capacity of "
-                          f"KV namespace {space.name!r} ({space.capacity} bytes)")
+        if space.capacity and charge(size) > space.capacity:
+            raise OSError(errno.EFBIG, f"a chunk of {size} bytes (counted as {charge(size)}) "
+                          f"is over the capacity of KV namespace {space.name!r} "
+                          f"({space.capacity} bytes)")
         free = self._pool_free.free(size)  # (a shared disk counted once)
         evictable = sum(s.used - s.pinned_bytes for s in self.spaces.values()) \
             if size > free else 0  # (summing every chunk held the thread 0.24 s a million)
@@ -547,7 +571,7 @@ class KVIndex:
                     passed.append(key)  # (out of the way of the next walk)
                 else:
                     victims.append((space, key))
-                    taken += chunk.size
+                    taken += chunk.cost
                     n += 1
             for key in passed:
                 space.chunks.move_to_end(key)
