@@ -81,7 +81,8 @@ def test_access_times_written_back_a_bounded_bite_a_round_each_key_once() -> Non
     space = Namespace("n", 1000, 1000, 0o700, 0)
     n = 100_000
     for i in range(n):
-        space.chunks[b"k%d" % i] = Chunk(ino=i, size=1, atime=0, sum_unit=1, sums=b"")
+        space.chunks[b"k%d" % i] = Chunk(ino=i, size=1, atime=0, sum_unit=1, sums=b"",
+                                         tenant=1000)
     for i in range(n):
         assert index.lookup(space, b"k%d" % i) is not None
     for i in range(0, n, 7):  # looked up again before their write-back

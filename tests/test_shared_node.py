@@ -573,24 +573,27 @@ def test_a_put_that_evicts_thousands_of_chunks_leaves_others_served(pool: Mounte
     chunks down to the low watermark a bite at a time: another user's requests are
     answered meanwhile (they see the namespace part-evicted).  It evicted them all in
     one stroke before, holding every user for as long as 16,384 removals take."""
-    import base64
+    from mxfs.vol.kv_index import CHUNK_FLOOR, LOW
 
-    n, small = 16384, base64.b64encode(b"x" * 16).decode()
+    n, more, small = 16384, 4096, base64.b64encode(b"x" * 16).decode()
     with ControlClient(str(pool.path)) as c:
-        _fill(c, "evicted", b"e", n, small)
-        c.call("kv_config", namespace="evicted", capacity=700 << 10)  # (not over it yet)
-    big = base64.b64encode(os.urandom(600 << 10)).decode()
+        _fill(c, "evicted", b"e", n, small)  # (each chunk counts CHUNK_FLOOR bytes)
+        capacity = n * CHUNK_FLOOR + (64 << 10)  # (not over it yet)
+        c.call("kv_config", namespace="evicted", capacity=capacity)
+    keys = [base64.b64encode(b"m%06d" % i).decode() for i in range(more)]
     replies: list[Any] = []
     seen = _chunks_while(pool, "evicted", lambda r: replies.append(r.call(
-        "kv_put", namespace="evicted", data=[big], keys=[base64.b64encode(b"big").decode()])))
-    assert replies and replies[0]["stored"] == [True], replies
-    evicted = replies[0]["evicted"]  # (down to 90% of 700 KiB: 14,000 and more)
-    assert evicted > n // 2
+        "kv_put", namespace="evicted", data=[small] * more, keys=keys)))
+    assert replies and all(replies[0]["stored"]), replies
+    evicted = replies[0]["evicted"]  # (down to 90% of the capacity: 5,700 and more)
+    assert evicted == n + more - int(capacity * LOW) // CHUNK_FLOOR > n // 4
+    left = n + more - evicted
     with ControlClient(str(pool.path)) as c:
         assert {s["namespace"]: s["chunks"] for s in c.call("kv_stats")["namespaces"]
-                }["evicted"] == n + 1 - evicted
+                }["evicted"] == left
         c.call("kv_ns_remove", namespace="evicted")
-    assert any(n + 1 - evicted < k < n for k in seen), "nobody was served meanwhile"
+    peak = seen.index(max(seen))  # (the puts stored, then the evictions)
+    assert any(left < k < seen[peak] for k in seen[peak + 1:]), "nobody was served meanwhile"
 
 
 def test_a_connection_with_many_leases_lets_them_go_while_others_are_served(
