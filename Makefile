@@ -36,7 +36,7 @@ test-fast: install
 
 # The engines' own classes drive the adapters and the loader; here nothing may skip.
 test-engines: engines lint-engines
-	MXFS_REQUIRE_ENGINES=1 $(ENGINES)/bin/python -m pytest -q -m engines
+	MXFS_REQUIRE_ENGINES=1 $(ENGINES)/bin/python -m pytest -q -m engines -n 2 --dist loadfile
 
 # mypy's files and settings: [tool.mypy] in pyproject.toml (its cache: .mypy_cache)
 lint: install

@@ -25,7 +25,8 @@ fi
 tail -n 2 "$log"
 [ "$main" -eq 0 ] || exit "$main"
 t=$SECONDS
-MXFS_REQUIRE_ENGINES=1 "$engines/bin/python" -m pytest -q -m engines
+# (two workers too: vLLM's generation is half of it, the adapters' modules the rest)
+MXFS_REQUIRE_ENGINES=1 "$engines/bin/python" -m pytest -q -m engines -n 2 --dist loadfile
 rc=$?
 echo "test: engine tests took $((SECONDS - t)) s; make test took $((SECONDS - start)) s"
 exit "$rc"
