@@ -15,6 +15,9 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   lookups    8 connections asking kv_exists of 4,096 absent keys a request
   parses     64 connections sending 1 MiB requests of 350,000 empty lists (refused)
   truncates  8 threads each writing 4 KiB into a file of its own and cutting it to 0
+  readdir    8 threads each listing a folder of 40,000 empty files, one getdents64 of
+             1 MiB a call (since Linux 6.16 a FUSE readdir takes what getdents asks:
+             thousands of entries a request)
 
 With `--meta URL` (an empty PostgreSQL database) both users work on a reading node (a
 network namespace of its own, `tools/bench_nodes.py`), whose KV puts, claims and waits
@@ -47,7 +50,7 @@ from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 
 VICTIM, HOG = 65533, 65534
 ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
-        "parses", "truncates")
+        "parses", "truncates", "readdir")
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
@@ -86,6 +89,11 @@ if arm == "list":
     put_range("hog-list", 0, 16384)
 if arm == "lookups":  # (its namespace made, with one key: lookups of others miss)
     put_range("hog", 0, 1)
+if arm == "readdir":  # (made once a run: the rounds after list the same folder)
+    listed = os.path.join(mnt, "hog", "listed")
+    os.makedirs(listed, exist_ok=True)
+    for i in range(len(os.listdir(listed)), 40_000):
+        os.close(os.open(os.path.join(listed, "f%05d" % i), os.O_CREAT | os.O_WRONLY, 0o600))
 def crowd(work, connect=lambda: ControlClient(mnt), n=8):
     # work(conn, k) over and over from n threads, a connection each, until the end
     import threading
@@ -135,6 +143,18 @@ if arm == "truncates":
         os.ftruncate(f, 0)
     n = crowd(cut, connect=lambda: os.open(os.path.join(mnt, "hog", os.urandom(8).hex()),
                                            os.O_RDWR | os.O_CREAT, 0o600))
+if arm == "readdir":
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    def listing(buf, k):
+        fd = os.open(listed, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # (SYS_getdents64 on x86-64 is 217; aarch64 61)
+            while libc.syscall(217 if os.uname().machine == "x86_64" else 61, fd, buf,
+                               len(buf)) > 0:
+                pass
+        finally:
+            os.close(fd)
+    n = crowd(listing, connect=lambda: ctypes.create_string_buffer(1 << 20))
 if arm == "ns_remove":
     c.call("kv_ns_remove", namespace="hog"); n = 1
 while arm in ("puts", "list", "deletes", "walks") and time.monotonic() < end:
