@@ -17,7 +17,8 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   truncates  8 threads each writing 4 KiB into a file of its own and cutting it to 0
   readdir    8 threads each listing a folder of 40,000 empty files, one getdents64 of
              1 MiB a call (since Linux 6.16 a FUSE readdir takes what getdents asks:
-             thousands of entries a request)
+             thousands of entries a request), a name made and removed before each
+             listing (the kernel's cached listing dropped)
 
 With `--meta URL` (an empty PostgreSQL database) both users work on a reading node (a
 network namespace of its own, `tools/bench_nodes.py`), whose KV puts, claims and waits
@@ -143,10 +144,14 @@ if arm == "truncates":
         os.ftruncate(f, 0)
     n = crowd(cut, connect=lambda: os.open(os.path.join(mnt, "hog", os.urandom(8).hex()),
                                            os.O_RDWR | os.O_CREAT, 0o600))
-if arm == "readdir":
-    import ctypes
+if arm == "readdir":  # (ctypes imported before the uid changed: it is root's)
     libc = ctypes.CDLL(None, use_errno=True)
     def listing(buf, k):
+        # (a name made and removed first: the kernel's cached listing goes, as any
+        # change of the folder drops it, and the daemon lists it again)
+        made = os.path.join(listed, "z%d" % threading.get_ident())
+        os.close(os.open(made, os.O_CREAT | os.O_WRONLY, 0o600))
+        os.unlink(made)
         fd = os.open(listed, os.O_RDONLY | os.O_DIRECTORY)
         try:  # (SYS_getdents64 on x86-64 is 217; aarch64 61)
             while libc.syscall(217 if os.uname().machine == "x86_64" else 61, fd, buf,
@@ -196,7 +201,7 @@ print(json.dumps(lat), flush=True)
 def as_user(uid: int, code: str, *args: str) -> subprocess.Popen[str]:
     """`code` in a process that imports as root (the interpreter may sit in root's
     folders), then becomes `uid` before it touches the mount."""
-    become = ("import base64, json, os, sys, time\nimport mxfs.client\n"
+    become = ("import base64, ctypes, json, os, sys, threading, time\nimport mxfs.client\n"
               f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n")
     return subprocess.Popen([sys.executable, "-c", become + code, *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -214,11 +219,11 @@ def one_round(mnt: str, arm: str, seconds: float, chunks: int) -> dict[str, floa
     hog.stdin.write("\n")
     hog.stdin.flush()
     lat = sorted(json.loads(victim.stdout.readline()))
-    hog.stdout.readline()
+    done = hog.stdout.readline().strip()  # (how many requests the hog made)
     for p in (hog, victim):
         p.wait()
     return {"median": statistics.median(lat) * 1e3, "p99": lat[int(len(lat) * 0.99)] * 1e3,
-            "worst": lat[-1] * 1e3, "lookups": len(lat)}
+            "worst": lat[-1] * 1e3, "lookups": len(lat), "hog": float(done or 0)}
 
 
 def main() -> int:
@@ -252,7 +257,7 @@ def main() -> int:
                 results[arm].append(res)
                 print(f"round {r + 1} {arm:10s} median {res['median']:8.2f} ms  p99 "
                       f"{res['p99']:8.2f}  worst {res['worst']:8.2f}  ({res['lookups']:.0f} "
-                      "lookups)", flush=True)
+                      f"lookups; the hog's requests {res['hog']:.0f})", flush=True)
     print("\nvictim's kv_exists latency, ms (median of rounds): median / p99 / worst")
     summary = {}
     for arm in arms:
