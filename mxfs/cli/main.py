@@ -139,6 +139,7 @@ def _mount_foreground(args: argparse.Namespace, options: list[str]) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     from mxfs.client import ControlClient
+    from mxfs.client.control import Untrusted
     from mxfs.proto.constants import FSTYPE
     from mxfs.proto.mountinfo import mount_table
     from mxfs.vol.mounts import unmount, wait_pid_gone
@@ -149,17 +150,20 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise MxfsError(f"{args.mountpoint} is not mounted", "nothing to do")
     if kind != FSTYPE:
         raise MxfsError(f"{args.mountpoint} is a {kind} mount, not mxfs", "use umount")
-    pid = None
+    pid, theirs = None, False
     try:
         with ControlClient(mp, timeout=5) as c:
             pid = c.server.get("pid")
+    except Untrusted:
+        theirs = True  # another user's own daemon: unmounted, neither asked nor waited for
     except OSError:
         pass  # the daemon is gone: detach the dead mount
-    unmount(mp, lazy=args.lazy or pid is None)
+    unmount(mp, lazy=args.lazy or (pid is None and not theirs))
     if pid and not wait_pid_gone(int(pid), 120):
         raise MxfsError(f"daemon {pid} is still writing back after 120 s",
                         "wait, then check mxfs status")
-    print(f"unmounted {mp}" + ("" if pid else " (its daemon had died)"))
+    print(f"unmounted {mp}" + ("" if pid else " (its daemon is another user's, not waited "
+                               "for)" if theirs else " (its daemon had died)"))
     return 0
 
 

@@ -39,7 +39,7 @@ class Limits:
                                     # files kept for their readers (pool/revoke.py)
     read_grace_s: int = READ_GRACE_S  # s: ... kept readable so long, then cut to nothing
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
-    max_chunks_per_user: int = 1 << 20  # KV chunks in namespaces one uid owns (~2 KB each)
+    max_chunks_per_user: int = 1 << 20  # KV chunks one uid has put, in any namespace (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid
     max_kv_claims_per_user: int = 16384  # KV keys one uid claims to compute at once
     max_kv_views: int = 4096        # namespaces' presence tables (`kv_view`; 2 fds each)

@@ -282,9 +282,12 @@ class Listener:
         the requests sent after them, only where the tenant has room to spare."""
         if len(inbox) >= want:
             return
-        ahead = len(inbox) + min(READ_AHEAD, self.buffered.room(hold.tenant))
-        got = await self.buffered.take(hold, int(max(want, ahead)), deadline)
-        if not got or trio.current_time() >= deadline:
+        room = self.buffered.room(hold.tenant)
+        ahead = len(inbox) + min(READ_AHEAD, room)
+        asked = int(max(want, ahead))
+        waits = asked - hold.inbox > room  # (in the tenant's line for room)
+        got = await self.buffered.take(hold, asked, deadline)
+        if not got or waits and trio.current_time() >= deadline:
             # (room handed over as the deadline passed, by a busy daemon that ran the
             # waiter late, is room that came too late: refused, with the reason, as a
             # frame with none in time is, not closed without a word as a slow sender)

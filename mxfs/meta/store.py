@@ -429,7 +429,9 @@ class MetaStore:
             self.txn(lambda: self.write_fields(node, self._data_fields(node)))
 
     def flush_all(self) -> None:
-        dirty = [n for n in self._cache.values() if n.dirty]
+        # (a snapshot first, in one call: on a reading node a worker thread's reads
+        # reorder the shared cache, and an OrderedDict refuses any change mid-iteration)
+        dirty = [n for n in list(self._cache.values()) if n.dirty]
         if dirty:
             def change() -> None:
                 for n in dirty:
@@ -969,7 +971,7 @@ class MetaStore:
     def _owners(self, inos: list[int]) -> list[tuple[int, int, int, int]]:
         """(ino, uid, mode, size) of each of `inos` as memory has it (the rows for the
         inodes it does not hold)."""
-        cached = [self._cache[i] for i in set(inos) if i in self._cache]
+        cached = [n for i in set(inos) if (n := self._cache.get(i)) is not None]
         out = [(n.ino, n.uid, n.mode, n.size) for n in cached]
         held = {n.ino for n in cached}
         rest = [i for i in set(inos) if i not in held]
