@@ -438,25 +438,32 @@ def loop_members(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[lis
     sizes in MiB another list where a test parametrizes this fixture indirectly)."""
     if not HAVE_FUSE:
         pytest.skip("needs root")
-    members, mounted = [], []
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(ext4_image(tmp_path, f"member{i}", mib))
+               for i, mib in enumerate(getattr(request, "param", [64, 64, 24, 64]))]
+
+
+@contextmanager
+def ext4_image(tmp_path: Path, name: str, mib: int, options: str = "",
+               inodes: int = 0) -> Iterator[str]:
+    """A folder `name` that is a fresh ext4 image of `mib` MiB on a loop device (a real
+    block device: it fills up, it can be made slow), mounted with `options` ("sync": a
+    member slower to write than the mount is to answer), with only `inodes` inodes if
+    given; unmounted afterwards."""
+    img, folder = tmp_path / f"{name}.img", tmp_path / name
+    with open(img, "wb") as f:
+        f.truncate(mib << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", *(["-N", str(inodes)] if inodes else []),
+                    str(img)], check=True, capture_output=True)
+    folder.mkdir()
+    res = subprocess.run(["mount", "-o", ",".join(filter(None, ["loop", options])), str(img),
+                          str(folder)], capture_output=True)
+    if res.returncode:
+        pytest.skip(f"loop mounts unavailable: {res.stderr.decode().strip()}")
     try:
-        for i, mib in enumerate(getattr(request, "param", [64, 64, 24, 64])):
-            img = tmp_path / f"m{i}.img"
-            with open(img, "wb") as f:
-                f.truncate(mib << 20)
-            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True,
-                           capture_output=True)
-            d = tmp_path / f"member{i}"
-            d.mkdir()
-            res = subprocess.run(["mount", "-o", "loop", str(img), str(d)], capture_output=True)
-            if res.returncode:
-                pytest.skip(f"loop mounts unavailable: {res.stderr.decode().strip()}")
-            mounted.append(str(d))
-            members.append(str(d))
-        yield members
+        yield str(folder)
     finally:
-        for d in reversed(mounted):
-            subprocess.run(["umount", "-l", d], capture_output=True)
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 @pytest.fixture

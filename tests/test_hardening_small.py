@@ -15,7 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, eventually, make_members, mkfs, mxfs, one_line_error
+from conftest import (
+    HAVE_FUSE,
+    Mounted,
+    eventually,
+    ext4_image,
+    make_members,
+    mkfs,
+    mxfs,
+    one_line_error,
+)
 
 from mxfs.load.header import HeaderError, parse_header
 from mxfs.pool import Pool, read_superblock
@@ -47,20 +56,6 @@ def public_members() -> Iterator[list[str]]:
         subprocess.run(["rm", "-rf", str(root)], check=True)
 
 
-def _tiny_ext4(tmp_path: Path, name: str) -> str:
-    """A member with 16 inodes: room for the write probe, not for 256 chunk folders."""
-    img, d = tmp_path / f"{name}.img", tmp_path / name
-    with open(img, "wb") as f:
-        f.truncate(8 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-N", "16", str(img)], check=True,
-                   capture_output=True)
-    d.mkdir()
-    res = subprocess.run(["mount", "-o", "loop", str(img), str(d)], capture_output=True)
-    if res.returncode:
-        pytest.skip(f"loop mounts unavailable: {res.stderr.decode().strip()}")
-    return str(d)
-
-
 # ---- 1. all-or-nothing mkfs -------------------------------------------------
 
 @needs_root
@@ -83,8 +78,8 @@ def test_mkfs_with_a_read_only_member_writes_nothing_then_works_once_fixed(
 def test_mkfs_that_fails_part_way_removes_what_it_wrote_on_every_member(
         tmp_path: Path) -> None:
     members = make_members(tmp_path, 2)
-    tiny = _tiny_ext4(tmp_path, "tiny")
-    try:
+    # (16 inodes: room for the write probe, not for 256 chunk folders)
+    with ext4_image(tmp_path, "tiny", 8, inodes=16) as tiny:
         line = one_line_error(mxfs(*_mkfs_args([*members, tiny]), check=False))
         assert "part-way" in line and "left as it was" in line
         assert all(_entries(m) == set() for m in [*members, tiny])
@@ -97,8 +92,6 @@ def test_mkfs_that_fails_part_way_removes_what_it_wrote_on_every_member(
         assert Pool.open(members[0]).uuid == old
         assert (Path(members[1]) / CHUNK_DIR / "07" / "7").read_bytes() == b"kept"
         assert _entries(tiny) == set()
-    finally:
-        subprocess.run(["umount", "-l", tiny], capture_output=True)
 
 
 @pytest.mark.parametrize("unit", ["1TiB", "3000", "2GiB"])

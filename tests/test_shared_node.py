@@ -35,6 +35,7 @@ from conftest import (
     HAVE_FUSE,
     Mounted,
     eventually,
+    ext4_image,
     make_members,
     mkfs,
     module_pool,
@@ -630,29 +631,22 @@ def _slow_member(tmp_path: Path, bps: int) -> Iterator[tuple[str, Callable[[int]
     cgroups = Path("/sys/fs/cgroup/blkio")
     if not (cgroups / "blkio.throttle.read_bps_device").exists():
         pytest.skip("needs the v1 block-I/O cgroup")
-    img, folder = tmp_path / "slow.img", tmp_path / "slow"
-    with open(img, "wb") as f:
-        f.truncate(128 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True,
-                   capture_output=True)
-    folder.mkdir()
-    subprocess.run(["mount", "-o", "loop", str(img), str(folder)], check=True)
     cg = cgroups / f"mxfs-test-slow-{os.getpid()}"
-    try:
-        source = subprocess.run(["findmnt", "-no", "SOURCE", str(folder)], check=True,
-                                capture_output=True, text=True).stdout.strip()
-        dev = os.stat(source).st_rdev
-        cg.mkdir()
-        (cg / "blkio.throttle.read_bps_device").write_text(
-            f"{os.major(dev)}:{os.minor(dev)} {bps}")
-        yield str(folder), lambda pid: (cg / "cgroup.procs").write_text(str(pid))
-    finally:
-        if cg.exists():
-            for pid in (cg / "cgroup.procs").read_text().split():
-                with contextlib.suppress(OSError):
-                    (cgroups / "cgroup.procs").write_text(pid)
-            cg.rmdir()
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+    with ext4_image(tmp_path, "slow", 128) as folder:
+        try:
+            source = subprocess.run(["findmnt", "-no", "SOURCE", folder], check=True,
+                                    capture_output=True, text=True).stdout.strip()
+            dev = os.stat(source).st_rdev
+            cg.mkdir()
+            (cg / "blkio.throttle.read_bps_device").write_text(
+                f"{os.major(dev)}:{os.minor(dev)} {bps}")
+            yield folder, lambda pid: (cg / "cgroup.procs").write_text(str(pid))
+        finally:
+            if cg.exists():
+                for pid in (cg / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        (cgroups / "cgroup.procs").write_text(pid)
+                cg.rmdir()
 
 
 _ALICE_READS = """

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from conftest import Mounted, eventually, make_members, mkfs, mount_with
+from conftest import Mounted, eventually, ext4_image, make_members, mkfs, mount_with
 from users import User, ensure_users, run_as
 
 from mxfs.client.direct import open_reader
@@ -326,17 +326,10 @@ def test_a_readers_close_never_waits_for_a_writer_writing_on(tmp_path: Path) -> 
     if os.geteuid() != 0:
         pytest.skip("needs root")
     bob = ensure_users()["bob"]
-    img, slow = tmp_path / "slow.img", tmp_path / "slow"
-    with open(img, "wb") as f:
-        f.truncate(256 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True,
-                   capture_output=True)
-    slow.mkdir()
-    subprocess.run(["mount", "-o", "loop,sync", str(img), str(slow)], check=True)
-    try:
+    with ext4_image(tmp_path, "slow", 256, "sync") as slow:
         fast = make_members(tmp_path / "fast", 1)[0]  # (the metadata's member)
-        mkfs([fast, str(slow)])
-        with mount_with([fast, str(slow)]) as m:  # (write_behind: its default)
+        mkfs([fast, slow])
+        with mount_with([fast, slow]) as m:  # (write_behind: its default)
             folder = m.path / "logs"
             folder.mkdir()
             os.setxattr(folder, "user.mxfs.layout", b"stripe_width=1")
@@ -344,8 +337,6 @@ def test_a_readers_close_never_waits_for_a_writer_writing_on(tmp_path: Path) -> 
                         if p.touch() or b"first_member=1" in os.getxattr(p, "user.mxfs.layout"))
             path.chmod(0o644)
             _peek_while_written(path, bob)
-    finally:
-        subprocess.run(["umount", "-l", str(slow)], capture_output=True)
 
 
 def _peek_while_written(path: Path, bob: User) -> None:
