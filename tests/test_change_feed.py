@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mxfs.meta import ROOT_INO, MetaStore, change_feed
+from mxfs.meta import ROOT_INO, MetaStore, change_feed, feed_notes
 from mxfs.meta.change_feed import PRUNED_KEY, FeedReader, prune
 from mxfs.meta.feed_notes import (
     KV_GONE,
@@ -300,3 +300,106 @@ def test_rows_are_read_in_commit_order_by_a_follower_racing_two_writers(
     names.update(feed.read()[0].names)
     follower.close()
     assert names == {(ROOT_INO, f"{t}{i}".encode()) for t in "pq" for i in range(60)}
+
+
+def test_a_follower_far_behind_holds_a_bounded_change(writer: MetaStore, where: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower reading a backlog merges MAX_HELD things at most: past them it is
+    told "everything" and goes on from the newest row (it held the whole backlog)."""
+    monkeypatch.setattr(change_feed, "MAX_HELD", 40)
+    monkeypatch.setattr(change_feed, "READ_BATCH", 4)  # (batch after batch)
+    monkeypatch.setattr(change_feed, "SKIP_BATCH", 3)
+    writer.create(ROOT_INO, b"first", REG, 0, 0, layout_for=pick)
+    writer.commit()  # (a session's first group: "everything")
+    follower = MetaStore.open(where, readonly=True)
+    try:
+        behind, near = FeedReader(follower), FeedReader(follower)
+        for g in range(30):
+            for i in range(5):
+                writer.create(ROOT_INO, b"f%d.%d" % (g, i), REG, 0, 0, layout_for=pick)
+            writer.commit()
+            got = near.read()[0]  # (a follower keeping up is told each group)
+            assert got.names == {(ROOT_INO, b"f%d.%d" % (g, i)) for i in range(5)}
+        got, last = behind.read()
+        assert got == Change(everything=True)  # not 150 names, nor any of them
+        assert last == near.read()[1] == writer.engine.feed_mark()
+        assert not behind.read()[0]  # nothing skipped is told again
+        writer.create(ROOT_INO, b"next", REG, 0, 0, layout_for=pick)
+        writer.commit()
+        assert behind.read()[0].names == {(ROOT_INO, b"next")}
+        # KV notes past the bound are "every KV key" alone: the kernel keeps its own
+        writer.txn(lambda: [writer.note_kv(KV_STORED, "t", b"k%d" % i) for i in range(50)])
+        writer.commit()
+        kv = behind.read()[0]
+        assert kv.kv_unknown and not kv.everything and kv.kv == []
+    finally:
+        follower.close()
+
+
+def test_the_feed_is_bounded_by_rows_and_bytes(writer: MetaStore, where: str) -> None:
+    """A writer committing in a loop adds a row each time: past the rows or bytes kept
+    the oldest are pruned, however new, and a follower behind them is told
+    "everything"; one that had read them reads on."""
+    writer.create(ROOT_INO, b"first", REG, 0, 0, layout_for=pick)
+    writer.commit()  # (a session's first group: "everything")
+    follower = MetaStore.open(where, readonly=True)
+    try:
+        late = FeedReader(follower)
+        for i in range(30):
+            writer.create(ROOT_INO, b"n%d" % i + b"x" * 200, REG, 0, 0, layout_for=pick)
+            writer.commit()
+        current = FeedReader(follower)
+        writer.create(ROOT_INO, b"after", REG, 0, 0, layout_for=pick)
+        writer.commit()
+        assert prune(writer, keep_rows=10) == 32 - 10  # (none is old)
+        writer.commit()  # (the writer's group holds the prune's change)
+        assert writer.engine.count("changes") == 10
+        bodies = writer.engine.lengths("changes", "node", ("body",),
+                                       per_row=change_feed.ROW_BYTES)
+        assert prune(writer, keep_bytes=sum(bodies.values()) // 2) >= 5
+        writer.commit()
+        kept = writer.engine.lengths("changes", "node", ("body",),
+                                     per_row=change_feed.ROW_BYTES)
+        assert 0 < sum(kept.values()) <= sum(bodies.values()) // 2
+        assert late.read()[0].everything
+        assert current.read()[0].names == {(ROOT_INO, b"after")}
+    finally:
+        follower.close()
+
+
+def test_a_flood_of_rows_makes_the_writer_prune_before_its_minute(
+        writer: MetaStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer prunes every PRUNE_EVERY_S, and sooner once it published an eighth of
+    the rows or bytes it keeps: a flood between two prunes is bounded too."""
+    monkeypatch.setattr(change_feed, "KEEP_ROWS", 80)
+    assert writer.feed is not None
+    due = change_feed.PruneDue(writer.feed, now=0.0)
+    for i in range(9):
+        writer.create(ROOT_INO, b"r%d" % i, REG, 0, 0, layout_for=pick)
+        writer.commit()
+        assert not due(1.0 + i)
+    writer.create(ROOT_INO, b"r9", REG, 0, 0, layout_for=pick)
+    writer.commit()
+    assert due(10.0) and not due(11.0)  # (10 rows: an eighth of 80; counted afresh)
+    assert due(10.0 + change_feed.PRUNE_EVERY_S)
+    monkeypatch.setattr(change_feed, "KEEP_ROWS", 10**6)
+    monkeypatch.setattr(change_feed, "KEEP_BYTES", 8 * 4000)  # (an eighth: 4000)
+    writer.create(ROOT_INO, b"y" * 255, REG, 0, 0, layout_for=pick)
+    writer.commit()
+    assert not due(71.0)
+    for i in range(7):
+        for j in range(3):
+            writer.create(ROOT_INO, b"%d.%d" % (i, j) + b"w" * 250, REG, 0, 0,
+                          layout_for=pick)
+        writer.commit()
+    assert due(72.0)  # (8 rows, past 4000 bytes)
+
+
+def test_a_row_holds_so_many_bytes_of_names_at_most() -> None:
+    """Past MAX_NAME_BYTES of names a row says "everything": a row's bytes are bounded
+    (MAX_NOTED names of 255 bytes were 5 MB), and so a follower's batch of rows."""
+    most = feed_notes.MAX_NAME_BYTES
+    names = {(1, b"%06d" % i + b"n" * 249) for i in range(most // 255 + 1)}
+    assert Change.decode(Change(names=names).encode()) == Change(everything=True)
+    fits = set(list(names)[:1000])
+    assert Change.decode(Change(names=fits).encode()).names == fits

@@ -446,14 +446,19 @@ class Daemon:
         vol.lease = None  # (not ours to give back at unmount)
 
     async def _prune_feed(self) -> None:
-        """A writer: the change feed's rows older than its retention go, once a minute,
-        on a connection of their own in a worker thread (never on trio's)."""
+        """A writer: the change feed's rows past its retention or its bounds go, once a
+        minute or as soon as a flood of rows is published (`change_feed.PruneDue`,
+        asked each second), on a connection of their own in a worker thread (never on
+        trio's)."""
         failures = FailureLog(log)
         pruner = StoreWorker(self.vol.pool.meta_location, readonly=False)
+        feed = self.vol.store.feed
+        assert feed is not None
+        due = change_feed.PruneDue(feed, trio.current_time())
         while True:
-            await trio.sleep(60)
-            if self.vol.store.readonly:  # (fenced: the pool is another node's now)
-                continue
+            await trio.sleep(1)
+            if self.vol.store.readonly or not due(trio.current_time()):
+                continue  # (readonly: fenced, the pool is another node's now)
             try:
                 await pruner.run(change_feed.prune)
             except Exception as e:

@@ -8,7 +8,8 @@ reads the rows past the last it saw (another, read-only).  The kernel's invalida
 calls wait until the kernel has dropped what it held, which may take a FUSE request
 answered meanwhile, so they run there, never on trio's thread.  If the server cannot
 be reached, answers turn short until the feed is read again; the rows missed meanwhile
-are read then (or, if they were pruned, everything the kernel may hold is invalidated).
+are read then (or, if they were pruned, or more than a read merges, everything the
+kernel may hold is invalidated: `FeedReader.read` holds a bounded backlog).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ writer's half of the change feed (`meta/change_feed.py` reads the rows).
 whose data changed, size or mtime), the names added, removed or moved, and the KV keys
 stored and dropped and namespaces removed, in order (reading nodes keep their
 namespaces' presence tables by them: `fs/kv_views.py`); a failed change's notes are
-dropped, a lost group's too.  A row carries MAX_KV_BYTES of KV notes at most: past it
+dropped, a lost group's too.  A row carries MAX_NAME_BYTES of names at most (past it,
+"everything", as past MAX_NOTED things: a row's bytes are bounded, and so what a
+follower fetches in one batch) and MAX_KV_BYTES of KV notes: past it
 the namespaces with the most are each told as one "every key of it" note (KV_RESET),
 so one tenant's eviction of 65,536 keys makes reading nodes refill that namespace's
 table, not every tenant's.  `Change` is one group's (or several merged), encoded
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 MAX_NOTED = 20_000  # past it a group is published as "everything"
 MAX_KV_BYTES = 1 << 20  # KV keys one row carries; past it, the largest namespaces reset
+MAX_NAME_BYTES = 1 << 20  # names one row carries; past it the group is "everything"
 # What a KV note says: a key stored or removed, a namespace gone, or any of its keys
 # may have changed (its notes did not fit in the row).
 KV_REMOVED, KV_STORED, KV_GONE, KV_RESET = 0, 1, 2, 3
@@ -76,7 +79,8 @@ class Change:
             self.kv += other.kv
 
     def encode(self) -> bytes:
-        if self.everything or len(self.inos) + len(self.data) + len(self.names) > MAX_NOTED:
+        if self.everything or len(self.inos) + len(self.data) + len(self.names) > MAX_NOTED \
+                or sum(len(name) for _, name in self.names) > MAX_NAME_BYTES:
             return _HEAD.pack(_EVERYTHING, 0, 0, 0)
         out = [_HEAD.pack(0, len(self.inos), len(self.data), len(self.names))]
         out += [_INO.pack(i) for i in sorted(self.inos)]
@@ -176,7 +180,9 @@ class Noted:
         self._mark = self._kv_mark = 0
         self.everything = True  # until a first group commits: a writer's session starts
         self._sent = False  # the open group's row is written
-        self.published = 0  # groups published (status)
+        self.published = 0  # groups published (status; when to prune: `change_feed`)
+        self.published_bytes = 0  # bytes of their rows' bodies
+        self._body = 0  # the open group's row's
         # Whether KV keys are listed (while reading nodes are alive: they keep tables by
         # them); else a group that changed any says only "every KV key" (a few bytes).
         self.list_kv = True
@@ -237,7 +243,9 @@ class Noted:
             self._sent = False
             self.everything = False
             self.published += 1
+            self.published_bytes += self._body
 
     def row(self, change: Change) -> dict[str, object]:
-        return {"node": self.node, "epoch": self.epoch, "at": time.time_ns(),
-                "body": change.encode()}
+        body = change.encode()
+        self._body = len(body)
+        return {"node": self.node, "epoch": self.epoch, "at": time.time_ns(), "body": body}
