@@ -255,7 +255,9 @@ def _format_status(s: dict[str, Any]) -> str:
                      "for the reading nodes")
     elif feed:
         lines.append("  change feed: " + (f"read to row {feed['seq']}, "
-                     f"{feed['invalidations']} kernel invalidations" if feed["live"] else
+                     f"{feed['invalidations']} kernel invalidations"
+                     + (f", {feed['pending']} waiting" if feed.get("pending") else "")
+                     if feed["live"] else
                      f"NOT READ ({feed['error']}): the kernel asks again every second"))
     remote = s.get("remote_reads")
     if remote:

@@ -4,24 +4,28 @@ keeps answers long (`fs/kernel_cache.py`) and a name made on the writer shows he
 once, not after a timeout.
 
 A thread of its own waits for the server's notifications (a connection of its own) and
-reads the rows past the last it saw (another, read-only).  The kernel's invalidation
-calls wait until the kernel has dropped what it held, which may take a FUSE request
-answered meanwhile, so they run there, never on trio's thread.  If the server cannot
-be reached, answers turn short until the feed is read again; the rows missed meanwhile
-are read then (or, if they were pruned, or more than a read merges, everything the
-kernel may hold is invalidated: `FeedReader.read` holds a bounded backlog).
+reads the rows past the last it saw (another, read-only); it hands the KV notes to the
+node's tables and drops the daemon's read-ahead of what changed at once.  The kernel's
+invalidation calls wait until the kernel has dropped what it held, which may take a
+FUSE request answered meanwhile or one a user holds (a directory's lock), so they are
+handed to threads of their own (`fs/invalidations.py`: one directory held stalls only
+its own), never made on trio's thread nor on this one: the feed is read, the KV tables
+kept and the row this node read (`applied`, what its word to the writer says:
+`fs/held_open.py`) told on, whatever one user holds.  If the server cannot be reached,
+answers turn short until the feed is read again; the rows missed meanwhile are read
+then (or, if they were pruned, or more than a read merges, everything the kernel may
+hold is invalidated: `FeedReader.read` holds a bounded backlog).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from collections.abc import Callable
 
-import pyfuse3
 import trio
 
+from mxfs.fs.invalidations import Held, Invalidations
 from mxfs.fs.kernel_cache import FOLLOW_TIMEOUT, KernelCache
 from mxfs.meta import MetaStore, location
 from mxfs.meta.change_feed import FeedReader
@@ -33,8 +37,6 @@ log = logging.getLogger("mxfs.fs")
 
 POLL_S = 1.0  # rows are read at least this often: a lost notification, a dead server
 RETRY_S = 1.0  # between tries to reach a server that went away
-
-Held = Callable[[], tuple[list[int], list[tuple[int, bytes]]]]
 
 
 class FeedFollower:
@@ -52,9 +54,9 @@ class FeedFollower:
         # `fs/kv_views.py`); told "everything" when the feed is lost.
         self.on_kv: Callable[[Change], None] | None = None
         self.applied = 0  # the last row read (status)
-        self.invalidations = 0  # the kernel's entries and inodes invalidated (status)
         self.error = ""  # why the feed cannot be read, while it cannot
         self._stop = threading.Event()
+        self.calls = Invalidations(held, self._stop)  # (the kernel's, off this thread)
         # Connected now, before the kernel holds anything: a change committed from now
         # on is read (`FeedReader` starts at the present).
         self._conn: tuple[MetaStore, location.Listener | None] | None = self._open(None)
@@ -73,8 +75,8 @@ class FeedFollower:
 
     def status(self) -> FeedStatus:
         return {"role": "follows", "live": self.kernel.feed_live, "seq": self.applied,
-                "invalidations": self.invalidations, "error": self.error,
-                "answers_s": self.kernel.answers_s}
+                "invalidations": self.calls.made, "pending": self.calls.pending,
+                "error": self.error, "answers_s": self.kernel.answers_s}
 
     async def run(self) -> None:
         """The daemon's task: the thread runs while the mount does."""
@@ -86,6 +88,7 @@ class FeedFollower:
             self._stop.set()
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(thread.join, POLL_S + 5)
+                await trio.to_thread.run_sync(self.calls.close, 1.0)
 
     def _follow(self) -> None:
         while not self._stop.is_set():
@@ -130,28 +133,16 @@ class FeedFollower:
 
     def _apply(self, change: Change) -> None:
         """Invalidate in the kernel what `change` touched: names, attributes, and the
-        cached pages (a file's data, a directory's listing) of what changed data."""
+        cached pages (a file's data, a directory's listing) of what changed data; the
+        calls are handed on, the rest is done here."""
         if self.on_kv is not None and (change.kv or change.kv_unknown):
             self.on_kv(change)
         if change.everything:
             inos, names = self.held()
-            data, attrs = set(inos), set()
-        else:
-            names, data, attrs = list(change.names), change.data, change.inos - change.data
-        for parent, name in names:
-            self._invalidate(pyfuse3.invalidate_entry, parent, name)
-        for ino in data:
-            self.data_changed(ino)
-            self._invalidate(pyfuse3.invalidate_inode, ino, False)
-        for ino in attrs:
-            self._invalidate(pyfuse3.invalidate_inode, ino, True)
-
-    def _invalidate(self, call: Callable[..., None], *args: object) -> None:
-        if self._stop.is_set():  # (the mount is ending: FUSE's session may be gone)
+            for ino in inos:
+                self.data_changed(ino)
+            self.calls.everything(inos, names)
             return
-        try:
-            call(*args)
-            self.invalidations += 1
-        except OSError as e:
-            if e.errno != errno.ENOENT:  # (ENOENT: the kernel held nothing of it)
-                log.warning("invalidating %s in the kernel: %s", args, e)
+        for ino in change.data:
+            self.data_changed(ino)
+        self.calls.add(change.names, change.data, change.inos - change.data)

@@ -217,6 +217,7 @@ class FeedStatus(TypedDict, total=False):
     live: bool  # a follower reads it (while not: the kernel keeps answers 1 s)
     seq: int  # the last row a follower read
     invalidations: int  # kernel entries and inodes a follower invalidated
+    pending: int  # ... and those waiting (behind a directory a request holds, say)
     answers_s: float  # how long a follower's kernel keeps names and attributes now
     error: str  # why a follower cannot read it, while it cannot
     published: int  # groups a writer published

@@ -1,0 +1,206 @@
+"""A reading node's kernel invalidations, made by threads of their own so that one
+directory held stalls only its own (`fs/feed_follower.py` hands them over).
+
+`pyfuse3.invalidate_entry` takes the directory's inode lock in the kernel, which a
+user's request on it holds as long as it lasts (a mkdir the writer answers late, a
+listing into a buffer that faults slowly); made one at a time on the feed's thread,
+one such request held every user's invalidations, the feed itself and what hangs on
+it.  Here each directory (its names) and each inode (its attributes, its pages) is a
+key: one thread at a time makes a key's invalidations, in the order they came, and a
+key already waiting takes what comes for it meanwhile (the same name twice is one
+call).  Threads are started while work waits and none is free, MAX_THREADS at most
+(past as many directories held at once the rest wait their turn: the kernel's
+FEED_TIMEOUT still ends what it holds), and end after IDLE_S idle.
+
+What waits is bounded: past MAX_WAITING names and inodes from changes (a directory
+held while its names keep changing), all of it is dropped and, instead, everything the
+kernel may hold (`held`, the daemon's own bounded table) is invalidated, key by key as
+above.  That table's part is not counted: it is at most what the table holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import pyfuse3
+
+log = logging.getLogger("mxfs.fs")
+
+MAX_THREADS = 32
+IDLE_S = 5.0
+MAX_WAITING = 100_000
+ENTRY, INODE = 0, 1  # a key's kind: a directory's names, an inode's attributes (pages)
+
+Key = tuple[int, int]  # (ENTRY or INODE, inode)
+Held = Callable[[], tuple[list[int], list[tuple[int, bytes]]]]
+
+
+@dataclass
+class _Batch:
+    """What waits for one key."""
+
+    names: set[bytes] = field(default_factory=set)  # (ENTRY)
+    pages: bool = False  # (INODE) the pages too, not only the attributes
+    counted: int = 0  # of it, items from changes (MAX_WAITING counts them)
+
+
+class Invalidations:
+    """`stop`: set as the mount ends (FUSE's session may be gone: no call after it).
+    `entry`, `inode`: the kernel's calls (pyfuse3's)."""
+
+    def __init__(self, held: Held, stop: threading.Event,
+                 entry: Callable[[int, bytes], None] = pyfuse3.invalidate_entry,
+                 inode: Callable[[int, bool], None] = pyfuse3.invalidate_inode) -> None:
+        self.held = held
+        self.stop = stop
+        self.entry, self.inode = entry, inode
+        self.made = 0  # calls the kernel answered (status: `invalidations`)
+        self.overflows = 0  # times what waited was dropped for everything held
+        self._lock = threading.Condition()
+        self._waiting: dict[Key, _Batch] = {}
+        self._ready: deque[Key] = deque()  # keys waiting that no thread makes now, once
+        self._busy: set[Key] = set()  # keys a thread makes now
+        self._items = 0  # names and inodes waiting
+        self._making = 0  # ... and being invalidated now
+        self._counted = 0  # ... of them from changes
+        self._threads: set[threading.Thread] = set()
+        self._idle = 0
+
+    @property
+    def pending(self) -> int:
+        """Names and inodes not invalidated yet (waiting, or being made now)."""
+        return self._items + self._making
+
+    def add(self, names: Iterable[tuple[int, bytes]], data: Iterable[int],
+            attrs: Iterable[int]) -> None:
+        """Invalidate entries, inodes' pages and attributes, and inodes' attributes."""
+        with self._lock:
+            self._add(names, data, attrs, counted=1)
+            if self._counted > MAX_WAITING:
+                self._waiting.clear()
+                self._ready.clear()
+                self._items = self._counted = 0
+                self.overflows += 1
+                overflowed = True
+            else:
+                overflowed = False
+                self._start()
+        if overflowed:
+            log.warning("more than %d kernel invalidations wait (a directory held by a "
+                        "request): everything the kernel may hold is invalidated instead",
+                        MAX_WAITING)
+            self.everything(*self.held())
+
+    def everything(self, inos: list[int], names: list[tuple[int, bytes]]) -> None:
+        """Invalidate all the kernel may hold (`held()`'s answer): inodes' pages too."""
+        with self._lock:
+            self._add(names, inos, (), counted=0)
+            self._start()
+
+    def _add(self, names: Iterable[tuple[int, bytes]], data: Iterable[int],
+             attrs: Iterable[int], counted: int) -> None:
+        for parent, name in names:
+            batch = self._batch((ENTRY, parent))
+            if name not in batch.names:
+                batch.names.add(name)
+                self._count(batch, counted)
+        for pages, inos in ((True, data), (False, attrs)):
+            for ino in inos:
+                new = (INODE, ino) not in self._waiting
+                batch = self._batch((INODE, ino))
+                batch.pages |= pages
+                if new:
+                    self._count(batch, counted)
+
+    def _batch(self, key: Key) -> _Batch:
+        batch = self._waiting.get(key)
+        if batch is None:
+            batch = self._waiting[key] = _Batch()
+            if key not in self._busy:  # (else queued again when its thread is done)
+                self._ready.append(key)
+        return batch
+
+    def _count(self, batch: _Batch, counted: int) -> None:
+        batch.counted += counted
+        self._counted += counted
+        self._items += 1
+
+    def _start(self) -> None:
+        """(Under the lock.) A thread more, if work waits and none is free."""
+        if self._ready and self._idle:
+            self._lock.notify()
+        elif self._ready and len(self._threads) < MAX_THREADS and not self.stop.is_set():
+            thread = threading.Thread(target=self._work, name="mxfs-invalidate",
+                                      daemon=True)  # (one held in the kernel never ends)
+            self._threads.add(thread)
+            thread.start()
+
+    def _work(self) -> None:
+        try:
+            self._loop()
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._ready and not self.stop.is_set():
+                    self._idle += 1
+                    woken = self._lock.wait(IDLE_S)
+                    self._idle -= 1
+                    if not woken and not self._ready:
+                        break
+                if not self._ready or self.stop.is_set():
+                    return
+                key = self._ready.popleft()
+                batch = self._waiting.pop(key)
+                self._busy.add(key)
+                size = len(batch.names) if key[0] == ENTRY else 1
+                self._items -= size
+                self._making += size
+                self._counted -= batch.counted
+                self._start()  # (the rest waits for none held here)
+            try:
+                self._make(key, batch)
+            finally:
+                with self._lock:
+                    self._making -= size
+                    self._busy.discard(key)
+                    if key in self._waiting:  # (it came again meanwhile: in order)
+                        self._ready.append(key)
+
+    def _make(self, key: Key, batch: _Batch) -> None:
+        kind, ino = key
+        if kind == ENTRY:
+            for name in batch.names:
+                self._call(self.entry, ino, name)
+        else:
+            self._call(self.inode, ino, not batch.pages)  # (attr_only)
+
+    def _call(self, call: Callable[..., None], *args: object) -> None:
+        if self.stop.is_set():  # (the mount is ending: FUSE's session may be gone)
+            return
+        try:
+            call(*args)
+            with self._lock:
+                self.made += 1
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # (ENOENT: the kernel held nothing of it)
+                log.warning("invalidating %s in the kernel: %s", args, e)
+
+    def close(self, timeout: float) -> None:
+        """As the mount ends (`stop` set): idle threads end, and those making a call
+        are waited for a while (not longer: one held in the kernel may never end)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._lock.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

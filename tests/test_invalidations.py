@@ -1,0 +1,125 @@
+"""A reading node's kernel invalidations (`fs/invalidations.py`), with real threads and
+stand-ins for the kernel's two calls: a directory whose call is held stalls only its
+own, a key's invalidations keep their order and never run two at once, what waits is
+bounded, and the end of the mount waits for no held call.  (A real directory held on
+a real reading node: `test_nodes.py`.)"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from conftest import eventually
+
+from mxfs.fs import invalidations
+from mxfs.fs.invalidations import Invalidations
+
+pytestmark = pytest.mark.unit
+
+HELD_DIR = 7
+
+
+class Kernel:
+    """The kernel's side: what each call was, and directory HELD_DIR's lock, held by a
+    user's request until `gate` opens."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, object]] = []
+        self.gate = threading.Event()
+        self.running: set[int] = set()
+        self.overlapped = False  # (two calls of one key at once)
+        self._lock = threading.Lock()
+
+    def entry(self, parent: int, name: bytes) -> None:
+        self._enter(parent, ("entry", parent, name))
+        try:
+            if parent == HELD_DIR:
+                self.gate.wait(60)
+        finally:
+            self.running.discard(parent)
+
+    def inode(self, ino: int, attr_only: bool) -> None:
+        self._enter(-ino, ("inode", ino, attr_only))
+        self.running.discard(-ino)
+
+    def _enter(self, key: int, call: tuple[str, int, object]) -> None:
+        with self._lock:
+            self.overlapped |= key in self.running
+            self.running.add(key)
+            self.calls.append(call)
+
+
+@pytest.fixture
+def kernel() -> Iterator[Kernel]:
+    k = Kernel()
+    yield k
+    k.gate.set()
+
+
+def _calls(kernel: Kernel, stop: threading.Event,
+           held: tuple[list[int], list[tuple[int, bytes]]] = ([], [])) -> Invalidations:
+    return Invalidations(lambda: held, stop, kernel.entry, kernel.inode)
+
+
+def test_a_held_directory_stalls_only_its_own(kernel: Kernel) -> None:
+    """While HELD_DIR's lock is held, other directories' names and inodes are
+    invalidated as they come; what comes for HELD_DIR meanwhile waits, once each, and
+    is made after the held call, in order."""
+    stop = threading.Event()
+    calls = _calls(kernel, stop)
+    calls.add([(HELD_DIR, b"a")], [], [])
+    assert eventually(lambda: ("entry", HELD_DIR, b"a") in kernel.calls)
+    calls.add([(HELD_DIR, b"b"), (HELD_DIR, b"a"), (3, b"x")], [5], [6])
+    calls.add([(HELD_DIR, b"b")], [], [])
+    assert eventually(lambda: {("entry", 3, b"x"), ("inode", 5, False),
+                               ("inode", 6, True)} <= set(kernel.calls))
+    assert eventually(lambda: calls.pending == 3)  # (HELD_DIR: a held; b, a again)
+    assert kernel.calls.count(("entry", HELD_DIR, b"a")) == 1
+    kernel.gate.set()
+    assert eventually(lambda: calls.pending == 0 and len(kernel.calls) == 6)
+    held = [c for c in kernel.calls if c[1] == HELD_DIR]
+    assert held[0] == ("entry", HELD_DIR, b"a")
+    assert sorted(held[1:]) == [("entry", HELD_DIR, b"a"), ("entry", HELD_DIR, b"b")]
+    assert not kernel.overlapped and calls.made == 6
+    stop.set()
+    calls.close(5)
+
+
+def test_past_the_bound_everything_held_is_invalidated_instead(
+        kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held directory whose names keep changing: past MAX_WAITING waiting, what
+    waited is dropped and all the kernel may hold is invalidated in its place."""
+    monkeypatch.setattr(invalidations, "MAX_WAITING", 100)
+    stop = threading.Event()
+    calls = _calls(kernel, stop, ([11, 12], [(3, b"x"), (HELD_DIR, b"kept")]))
+    calls.add([(HELD_DIR, b"first")], [], [])
+    assert eventually(lambda: len(kernel.calls) == 1)
+    for i in range(30):
+        calls.add([(HELD_DIR, b"n%d" % (i * 10 + j)) for j in range(10)], [], [])
+        assert calls.pending <= 1 + 100 + 4  # (the held call, changes', held()'s)
+    assert calls.overflows == 2
+    assert eventually(lambda: {("entry", 3, b"x"), ("inode", 11, False),
+                               ("inode", 12, False)} <= set(kernel.calls))
+    kernel.gate.set()
+    assert eventually(lambda: calls.pending == 0 and ("entry", HELD_DIR, b"kept")
+                      in kernel.calls)
+    assert len(kernel.calls) < 120  # (not the 300 names that came)
+    stop.set()
+    calls.close(5)
+
+
+def test_the_mounts_end_waits_for_no_held_call(kernel: Kernel) -> None:
+    """The mount ends while a call is held in the kernel: `close` returns, and nothing
+    waiting is invalidated after (FUSE's session may be gone)."""
+    stop = threading.Event()
+    calls = _calls(kernel, stop)
+    calls.add([(HELD_DIR, b"a")], [], [])
+    assert eventually(lambda: len(kernel.calls) == 1)
+    calls.add([(HELD_DIR, b"b"), (3, b"x")], [], [])
+    assert eventually(lambda: len(kernel.calls) == 2)
+    stop.set()
+    calls.close(0.5)
+    calls.add([(4, b"y")], [], [])
+    kernel.gate.set()
+    assert not eventually(lambda: len(kernel.calls) > 2, 1)
