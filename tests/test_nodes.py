@@ -46,6 +46,7 @@ from conftest import (
     requests_served,
     steady_page_cache,
 )
+from dir_lock import held_dir_lock
 from netns import NodeNet
 from safetensors.torch import save_file
 from test_dcp import run_ranks
@@ -616,6 +617,45 @@ def test_a_reading_node_drops_what_the_writer_changed_as_it_commits(
             assert (bd / "y").read_bytes() == b"y"
             assert not (bd / "x").exists()
             assert _status(b)["feed"]["live"]
+
+
+def test_a_directory_one_user_holds_on_a_reading_node_stalls_nobody_elses_changes(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """Alice holds a directory's lock on the reading node (a listing of it that waits in
+    the kernel, `dir_lock.py`) for the whole test, and the writer changes a name in it:
+    the invalidation of that name waits for her.  Bob's file made on the writer
+    meanwhile shows on the reading node at once all the same (its kernel had kept "no
+    such name" for 60 s), and the node reads the feed on (its word to the writer says
+    the rows it read).  Before, the feed's one thread made the invalidations: it waited
+    on Alice's directory and nothing after was invalidated or read."""
+    url = pg_cluster.database()
+    users = ensure_users()
+    bob = users["bob"]
+    with _writer_node(tmp_path, url) as (net, a, members):
+        (a.path / "held").mkdir(mode=0o755)
+        (a.path / "held" / "f").write_bytes(b"f")
+        (a.path / "bobs").mkdir(mode=0o755)
+        os.chown(a.path / "bobs", bob.uid, bob.gid)
+        with _reading_node(tmp_path, url, net, members) as b:
+            assert eventually(lambda: _status(b)["feed"]["live"], 15)
+            assert not (b.path / "bobs" / "new").exists()  # (kept 60 s by the kernel)
+            assert not (b.path / "held" / "g").exists()
+            with held_dir_lock(b.path / "held", users["alice"]):
+                before = _status(b)["feed"]["seq"]
+                (a.path / "held" / "g").write_bytes(b"g")  # (waits for Alice on b)
+                assert eventually(lambda: _status(b)["feed"]["seq"] > before, 15)
+                run_as(bob, """
+with open(sys.argv[1], "wb") as f:
+    f.write(b"bob's")
+print(json.dumps(None))
+""", str(a.path / "bobs" / "new"))
+                assert eventually(lambda: (b.path / "bobs" / "new").exists(), 20), \
+                    _status(b)["feed"]
+                assert (b.path / "bobs" / "new").read_bytes() == b"bob's"
+                _caught_up(b, url)  # (what its word to the writer says: read on)
+                assert _status(b)["feed"]["pending"] >= 1  # (Alice's "g", still)
+            assert eventually(lambda: (b.path / "held" / "g").exists(), 20)
+            assert eventually(lambda: _status(b)["feed"]["pending"] == 0, 15)
 
 
 def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
