@@ -177,7 +177,8 @@ def test_a_claim_renewed_again_and_again_ends_at_its_life() -> None:
 
 def test_a_claim_held_less_than_its_life_is_renewed_as_asked() -> None:
     """An instance computing a long prefix renews its claim: granted as asked while
-    within its life; one that ran out short of its life cools nothing."""
+    within its life; one that ran out short of its life cools nothing unless another
+    user wanted the key."""
     async def main() -> None:
         space = Namespace("n", 0, 0, 0o777, 0)
         claims = Claims(per_user=8)
@@ -190,7 +191,72 @@ def test_a_claim_held_less_than_its_life_is_renewed_as_asked() -> None:
         assert claims.claim(space, [b"hot"], b, 10) == [BUSY]  # (41 s in, held to 42)
         await trio.sleep(2)
         assert claims.claim(space, [b"hot"], b, 10) == [YOURS]  # (ran out short of its
-        claims.end(b, claims.take(b))  # life: no cooling)
+        claims.end(b, claims.take(b))  # life; b wanted it: a's next holds nobody back)
         assert claims.claim(space, [b"hot"], a, 10) == [YOURS]
-        assert claims.claim(space, [b"hot"], b, 10) == [BUSY]
+        assert claims.claim(space, [b"hot"], b, 10) == [YOURS]
+        claims.claim(space, [b"cold"], a, 10)  # nobody else wants this one
+        await trio.sleep(11)
+        assert claims.claim(space, [b"cold"], b, 10) == [YOURS]
+        claims.end(b, claims.take(b))
+        assert claims.claim(space, [b"cold"], a, 10) == [YOURS]
+        assert claims.claim(space, [b"cold"], b, 10) == [BUSY]
+    _run(main)
+
+
+def test_a_claim_others_wanted_ends_unput_and_its_key_is_theirs_for_a_while() -> None:
+    """A claimer that gives a key up just short of MAX_CLAIM_S (or lets its claim run out,
+    or closes its connection) and claims it again at once holds nobody back: the user
+    who waited claims it.  Without this, a claim given up at 59 s and made again kept a
+    waiter off the key for good, each of its waits bounded by its own bound only."""
+    async def main() -> None:
+        space = Namespace("n", 0, 0, 0o777, 0)
+        claims = Claims(per_user=8)
+        for end in ("give up", "close", "run out"):
+            bob, alice = _session(1001), _session(1000)
+            key = end.encode()
+            assert claims.claim(space, [key], bob, 59) == [YOURS]
+            assert claims.claim(space, [key], alice, 10) == [BUSY]  # she wants it
+            await trio.sleep(58.9)
+            if end == "give up":
+                claims.claim(space, [key], bob, 0)
+            elif end == "close":
+                claims.end(bob, claims.take(bob))
+                bob = _session(1001)  # (a new connection of his)
+            else:
+                await trio.sleep(0.2)
+            assert claims.claim(space, [key], bob, 59) == [YOURS]  # at once, as a hog would
+            assert claims.claim(space, [key], alice, 10) == [YOURS], end  # her turn
+            assert claims.claim(space, [key], bob, 10) == [BUSY]
+            claims.end(alice, claims.take(alice))
+            claims.end(bob, claims.take(bob))
+        # Another connection of the claimer's own user that waited cools nothing.
+        a1, a2 = _session(1000), _session(1000)
+        assert claims.claim(space, [b"own"], a1, 10) == [YOURS]
+        assert claims.claim(space, [b"own"], a2, 10) == [BUSY]
+        claims.claim(space, [b"own"], a1, 0)
+        assert claims.claim(space, [b"own"], a1, 10) == [YOURS]
+        assert claims.claim(space, [b"own"], a2, 10) == [BUSY]
+    _run(main)
+
+
+def test_keys_a_user_let_cool_count_against_its_claims() -> None:
+    """Each key cooling is a record (up to 1 KiB): a user who gives up claims others want
+    as fast as it can holds at most `per_user` of them, then is refused new claims
+    until they cool down."""
+    async def main() -> None:
+        space = Namespace("n", 0, 0, 0o777, 0)
+        claims = Claims(per_user=4)
+        bob, alice = _session(1001), _session(1000)
+        for i in range(4):
+            key = b"k%d" % i
+            claims.claim(space, [key], bob, 10)
+            claims.claim(space, [key], alice, 10)  # BUSY: wanted
+            claims.claim(space, [key], bob, 0)
+        with pytest.raises(OSError) as e:
+            claims.claim(space, [b"more"], bob, 10)
+        assert e.value.errno == errno.EDQUOT and "others wanted" in str(e.value)
+        assert claims.claim(space, [b"more"], alice, 10) == [YOURS]  # (hers are hers)
+        await trio.sleep(MAX_CLAIM_S)
+        assert claims.claim(space, [b"more2"], bob, 10) == [YOURS]
+        assert len(claims._cooling) == 0
     _run(main)

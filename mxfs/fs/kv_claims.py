@@ -12,12 +12,19 @@ the key after all), when its connection closes, or CLAIM_S seconds after it was 
 (at most MAX_CLAIM_S, whatever the client asks): a client that dies or never puts
 costs the others one bounded wait, never a hang.  Claiming a key again lengthens its
 claim, but never past MAX_CLAIM_S from its first grant (its life): a claim renewed
-every 50 s held a key (one its claimer had deleted, say) from everyone for good.  A
-claim that lived its whole life unput "cools" its key for its tenant MAX_CLAIM_S more:
-that tenant's claims on it are answered YOURS but hold nobody back (it may compute
-and put the key; others claim it meanwhile), so the waiters woken at its end get
-their turn before the claimer's next claim (records of those lapses only: at most
-about twice `max_kv_claims_per_user` a uid).  Claims are taken only
+every 50 s held a key (one its claimer had deleted, say) from everyone for good.
+
+A claim that ends unput "cools" its key for its tenant MAX_CLAIM_S from its end when it
+lived its whole life, or when another user asked for the key meanwhile (was answered
+BUSY, or waited): that tenant's claims on it are then answered YOURS but hold nobody
+back (it may compute and put the key; others claim it meanwhile), so the waiters woken
+at its end get their turn before the claimer's next claim.  Without the second half a
+claimer gave a key up at 59 s and claimed it again at once, keeping others off it for
+good, a minute at a time (each waiter bounded by its own wait only); with it one user
+holds a key others want MAX_CLAIM_S at most, then others have it for as long.  A user
+with `max_kv_claims_per_user` keys cooling is refused new claims (EDQUOT) until some
+cool down: the records (a key each, up to 1 KiB) are at most twice that limit a uid,
+however fast it gives claims up.  Claims are taken only
 in a namespace the caller may write, at most `max_kv_claims_per_user` for all of one
 uid's connections (a claim holds its key, up to 1 KiB, in the daemon's memory; root:
 no limit), and a wait lasts at most MAX_WAIT_S: a tenant can delay others' computing by
@@ -51,6 +58,7 @@ class Claim:
     until: float  # trio.current_time() past which it is over
     life: float  # the latest `until` may be: its first grant + MAX_CLAIM_S
     done: trio.Event = field(default_factory=trio.Event)
+    wanted: bool = False  # another user asked for its key (BUSY, or waited on it)
 
 
 class Claims:
@@ -65,10 +73,12 @@ class Claims:
         # rebuild once they outnumber the claims).
         self._expiry: list[tuple[float, int, tuple[str, bytes]]] = []
         self._made = itertools.count()
-        # Keys whose claim lived its whole life unput: (namespace, key): (its tenant,
-        # when the key cools down), and those times, soonest first (`drop_run_out`).
+        # Keys whose claim ended unput that cool (its whole life lived, or another
+        # user wanted the key): (namespace, key): (its tenant, when the key cools
+        # down), those times soonest first (`drop_run_out`), and each tenant's count.
         self._cooling: dict[tuple[str, bytes], tuple[int, float]] = {}
         self._cool_heap: list[tuple[float, int, tuple[str, bytes]]] = []
+        self._cooling_by: Counter[int] = Counter()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -81,16 +91,31 @@ class Claims:
         return claim
 
     def _run_out(self, key: tuple[str, bytes], claim: Claim) -> None:
-        """`claim`'s time is over: it ends; one that lived its whole life cools its key
-        for its tenant."""
-        if claim.until >= claim.life:
-            cool = claim.life + MAX_CLAIM_S
-            self._cooling[key] = (claim.session.tenant, cool)
+        """`claim`'s time is over: it ends unput (`_lapse`)."""
+        self._lapse(key, claim, claim.until >= claim.life)
+
+    def _lapse(self, key: tuple[str, bytes], claim: Claim, lived: bool = False) -> None:
+        """`claim` ends unput (given up, run out, its connection closed): if it `lived`
+        its whole life, or another user wanted its key, the key cools for its tenant
+        MAX_CLAIM_S from its end (now, or its time's end if that was earlier)."""
+        if lived or claim.wanted:
+            cool = min(trio.current_time(), claim.until) + MAX_CLAIM_S
+            tenant = claim.session.tenant
+            old = self._cooling.get(key)
+            if old is not None:
+                self._uncool(old[0])
+            self._cooling[key] = (tenant, cool)
+            self._cooling_by[tenant] += 1
             heapq.heappush(self._cool_heap, (cool, next(self._made), key))
         self._end(key)
 
+    def _uncool(self, tenant: int) -> None:
+        self._cooling_by[tenant] -= 1
+        if self._cooling_by[tenant] <= 0:
+            del self._cooling_by[tenant]
+
     def _cools(self, key: tuple[str, bytes], tenant: int, now: float) -> bool:
-        """Whether `tenant`'s claim on `key` lived its whole life a while ago."""
+        """Whether `key` cools for `tenant` (`_lapse`): its claims hold nobody back."""
         cooling = self._cooling.get(key)
         return cooling is not None and cooling[0] == tenant and cooling[1] > now
 
@@ -123,7 +148,7 @@ class Claims:
             for key in keys:
                 held = self._held.get((space.name, key))
                 if held is not None and held.session is session:
-                    self._end((space.name, key))
+                    self._lapse((space.name, key), held)
             return [STORED if key in space.chunks else BUSY if self._live((space.name, key))
                     else YOURS for key in keys]
         seconds = min(seconds, MAX_CLAIM_S)
@@ -138,6 +163,7 @@ class Claims:
                 continue
             held = self._live(k)
             if held is not None and held.session is not session:
+                held.wanted |= held.session.tenant != session.tenant
                 out.append(BUSY)
                 continue
             if held is None:
@@ -159,13 +185,19 @@ class Claims:
         return out
 
     def _room(self, uid: int) -> None:
-        """EDQUOT if `uid` holds as many claims as it may (those run out dropped first)."""
-        if uid == 0 or self._by_uid[uid] < self.per_user:
+        """EDQUOT if `uid` holds as many claims as it may, or has as many keys cooling
+        (those run out, and cooled down, dropped first)."""
+        if uid == 0 or max(self._by_uid[uid], self._cooling_by[uid]) < self.per_user:
             return
         self.drop_run_out()
         if self._by_uid[uid] >= self.per_user:
             raise OSError(errno.EDQUOT, f"uid {uid} holds {self._by_uid[uid]} KV claims, as "
                           "many as it may (max_kv_claims_per_user): put those keys first")
+        if self._cooling_by[uid] >= self.per_user:
+            raise OSError(errno.EDQUOT, f"uid {uid} let {self._cooling_by[uid]} KV claims "
+                          "that others wanted end unput in the last "
+                          f"{MAX_CLAIM_S:.0f} s, as many as it may "
+                          "(max_kv_claims_per_user): put keys it claims")
 
     async def wait(self, space: Namespace, keys: list[bytes], session: Session,
                    seconds: float) -> list[bool]:
@@ -177,6 +209,7 @@ class Claims:
             claim = self._live((space.name, key))
             if claim is None or claim.session is session:
                 continue
+            claim.wanted |= claim.session.tenant != session.tenant
             with trio.move_on_at(min(deadline, claim.until)):
                 await claim.done.wait()
             if trio.current_time() >= deadline:
@@ -209,6 +242,7 @@ class Claims:
             cooling = self._cooling.get(k)
             if cooling is not None and cooling[1] <= now:
                 del self._cooling[k]
+                self._uncool(cooling[0])
         self._compact()
 
     def _compact(self) -> None:
@@ -234,4 +268,4 @@ class Claims:
         for k in keys:
             claim = self._held.get(k)
             if claim is not None and claim.session is session:
-                self._end(k)
+                self._lapse(k, claim)
