@@ -242,7 +242,8 @@ def test_wrong_credentials_are_refused_for_admin_and_kv_requests(mounted: Mounte
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out == {"meta_backup": errno.EPERM, "kv_stats": errno.EACCES, "put": errno.EACCES}
+    # (root's private namespace is not there to nobody; its name is taken)
+    assert out == {"meta_backup": errno.EPERM, "kv_stats": errno.ENOENT, "put": errno.EACCES}
     with ControlClient(str(mounted.path)) as c:
         assert c.call("kv_stats", namespace="roots")["namespaces"][0]["chunks"] == 1
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, mxfs
+from conftest import HAVE_FUSE, Mounted, mxfs, one_line_error
 from users import TEAM, ensure_users, run_as
 
 from mxfs.kv import KVStore
@@ -253,10 +253,11 @@ print("{}")
     asks = [["alice-own", {}], ["alice-own", {"shared": True}], ["team-ns", {}],
             ["team-ns", {"shared": True}], ["svc", {}]]
     as_bob = run_as(bob, KV_AS_USER, m, json.dumps(asks))
-    # Another's private namespace: nothing, shared or not.
-    assert as_bob["alice-own"] == {k: errno.EACCES for k in ("get", "exists", "put",
-                                                            "stats")}
-    assert as_bob["alice-own shared"]["get"] == errno.EACCES
+    # Another's private namespace: nothing, shared or not; to bob it is not there (a
+    # lookup misses, stats ENOENT) and its name is taken.
+    assert as_bob["alice-own"] == {"get": False, "exists": False, "put": errno.EACCES,
+                                   "stats": errno.ENOENT}
+    assert as_bob["alice-own shared"]["get"] is False
     # A namespace given to a group: its members read when they ask to share, never write.
     assert as_bob["team-ns"]["get"] == errno.EACCES  # did not ask to share
     assert as_bob["team-ns shared"] == {"get": "ok", "exists": "ok", "put": errno.EACCES,
@@ -287,7 +288,8 @@ with ControlClient(sys.argv[1]) as c:
                       "rm-own": attempt(c.call, "kv_ns_remove", namespace="alice-own")}))
 """
     assert run_as(alice, other, m) == {"for-root": errno.EPERM, "takeover": errno.EPERM,
-                                       "rm-others": errno.EACCES, "rm-own": "ok"}
+                                       "rm-others": errno.ENOENT,  # (not hers to see)
+                                       "rm-own": "ok"}
 
 
 def test_a_huge_declared_size_is_refused_before_anything_is_evicted(
@@ -410,6 +412,90 @@ print(json.dumps([None if v is None else bytes(v).decode()[:1]
                   for v in kv.batch_get(["k", "good"])]))
 """, m)
     assert got == [None, "g"]
+
+
+PROBE_NAMESPACES = r"""
+import base64
+from mxfs.client import ControlClient
+k = [base64.b64encode(b"k" * 16).decode()]
+asks = {"kv_get": {"keys": k}, "kv_exists": {"keys": k}, "kv_view": {},
+        "kv_pin": {"keys": k}, "kv_unpin": {"keys": k}, "kv_wait": {"keys": k, "ms": 0},
+        "kv_list": {}, "kv_delete": {"keys": k}, "kv_evict": {"keep": 0},
+        "kv_stats": {}, "kv_commit": {"ino": 1, "size": 0}, "kv_ns_remove": {},
+        # (these make a namespace that is not there: the name is taken, says no more)
+        "kv_put": {"keys": k, "data": ["dg=="]}, "kv_create": {"key": k[0], "size": 1},
+        "kv_claim": {"keys": k}, "kv_config": {"capacity": 1}, "kv_ns_create": {}}
+out = {}
+with ControlClient(sys.argv[1]) as c:
+    for ns in sys.argv[2:]:
+        for op, fields in asks.items():
+            for shared in ((False,) if op.startswith("kv_ns_") else (False, True)):
+                extra = {"shared": True} if shared else {}
+                try:
+                    c.call(op, namespace=ns, **fields, **extra)
+                    got = "ok"
+                except OSError as e:
+                    got = [errno.errorcode[e.errno], e.strerror.replace(repr(ns), "NS")]
+                out[f"{op}{' shared' if shared else ''} {ns}"] = got
+print(json.dumps(out))
+"""
+
+
+def test_a_namespace_one_may_not_see_answers_as_a_missing_one(mounted: Mounted) -> None:
+    """A user whom a namespace's mode grants nothing is told of it exactly what she is
+    told of a name nobody uses, errno and message: before, EACCES named its owner,
+    group and mode where a missing one was ENOENT, so any tenant could list which names
+    others use.  Making one of its name says only that the name is taken.  Those the
+    namespace lets in (a member of its group, its owner, root) are told why they are
+    refused."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    m = str(mounted.path)
+    os.chmod(mounted.path, 0o755)
+    run_as(alice, """
+from mxfs.kv import KVStore
+with KVStore(sys.argv[1], "alice-secret") as kv:
+    kv.put("k" * 16, b"hers")
+print("{}")
+""", m)
+    mxfs("kv", "create", m, "team-only", "--owner", "mxfs-alice", "--group", TEAM,
+         "--mode", "0750")
+    got = run_as(bob, PROBE_NAMESPACES, m, "alice-secret", "team-only", "never-made")
+    makes = ("kv_put", "kv_create", "kv_claim", "kv_config", "kv_ns_create")
+    for ask, answer in got.items():
+        op, ns = ask.split()[0], ask.split()[-1]
+        if ns != "alice-secret":
+            continue
+        missing = got[ask.replace("alice-secret", "never-made")]
+        if op in makes:  # (made where nobody used the name)
+            assert missing == "ok" or missing[0] == "EEXIST", (ask, missing)
+            assert answer == ["EEXIST" if op == "kv_ns_create" else "EACCES",
+                              "KV namespace name NS is taken: pick another name"], ask
+        else:
+            assert answer == missing == ["ENOENT", "no KV namespace NS"], (ask, answer)
+    # A member of the namespace's group is told why (she may read it, not write).
+    assert got["kv_put shared team-only"][0] == "EACCES" and \
+        "does not grant write" in got["kv_put shared team-only"][1]
+    assert got["kv_get team-only"][0] == "EACCES" and \
+        "shared=True" in got["kv_get team-only"][1]
+    assert got["kv_get shared team-only"] == "ok"
+    # The admin CLI says the daemon's word in one line (to bob the same of both: above).
+    assert one_line_error(mxfs("kv", "ls", m, "no-such", check=False)) == \
+        f"mxfs: no KV namespace 'no-such': list namespaces with: mxfs kv stats {m}"
+    assert mxfs("kv", "ls", m, "alice-secret").stdout.strip().endswith("k" * 16)
+    # Its owner and root are told whose it is.
+    as_alice = run_as(alice, """
+from mxfs.client import ControlClient
+with ControlClient(sys.argv[1]) as c:
+    try:
+        c.call("kv_ns_create", namespace="alice-secret")
+    except OSError as e:
+        print(json.dumps([e.errno, e.strerror]))
+""", m)
+    assert as_alice == [errno.EEXIST, f"KV namespace 'alice-secret' exists (uid {alice.uid})"]
+    with pytest.raises(OSError) as e, KVStore(m, "alice-secret") as kv:
+        kv.get("k" * 16)
+    assert e.value.errno == errno.EACCES and f"belongs to uid {alice.uid}" in str(e.value)
 
 
 def test_a_namespace_made_with_an_explicit_mode_lets_others_read_not_write(

@@ -408,7 +408,10 @@ class KVOps:
         if caller.uid != 0 and (uid != caller.uid or gid not in caller.gids or force):
             raise OSError(errno.EPERM, "only root makes a namespace for another user or "
                           "group, or takes over an existing one")
-        existed = name in self.index.spaces
+        old = self.index.spaces.get(name)
+        existed = old is not None
+        if old is not None and not old.visible(caller):  # (root sees every namespace)
+            raise self.index.taken(name, caller.uid, errno.EEXIST)
         if not existed:
             self.index.check_room(caller.uid)
         space = self.index.create(name, uid, gid, _mode(msg, 0o700) or 0,

@@ -128,6 +128,12 @@ class Namespace:
         bits = (self.mode >> 3) & 7 if self.gid in caller.gids else self.mode & 7
         return bits & mask == mask
 
+    def visible(self, caller: Caller) -> bool:
+        """Whether `caller` may know the namespace is there: root, its owner, or one its
+        mode grants read or write.  To anyone else it answers as a missing one (a
+        tenant told EACCES here and ENOENT elsewhere learnt which names others use)."""
+        return self.may(caller, R_OK) or self.may(caller, W_OK)
+
     def check(self, caller: Caller, mask: int, shared: bool) -> None:
         """Refuse `caller` what the mode bits refuse, and refuse to serve chunks of a
         namespace another uid owns unless the caller asked to share (`shared`): an
@@ -185,12 +191,24 @@ _RESERVED = re.compile(r"-uid([0-9]+)\Z")
 _NEW_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
 
 
+def check_new_name(name: str) -> None:
+    """EINVAL unless a new namespace may be called `name` (`_NEW_NAME`)."""
+    if not _NEW_NAME.fullmatch(name):
+        raise OSError(errno.EINVAL, f"KV namespace name {name!r}: a new name is 1-128 "
+                      "letters, digits and . _ - : @ + =, starting with a letter or digit")
+
+
 def check_reserved(name: str, uid: int) -> None:
     """EACCES when `name` ends in "-uid<N>" and `uid` is not N."""
     m = _RESERVED.search(name)
     if m is not None and int(m.group(1)) != uid:
         raise OSError(errno.EACCES, f"KV namespace names ending in -uid{m.group(1)} are "
                       f"uid {m.group(1)}'s own (engines' default names): pick another name")
+
+
+def missing(name: str) -> OSError:
+    """What a namespace that is not there, or that the caller may not see, answers."""
+    return OSError(errno.ENOENT, f"no KV namespace {name!r}")
 
 
 def check_key(key: bytes) -> bytes:
@@ -259,17 +277,33 @@ class KVIndex:
         """A namespace `caller` may use for `mask` (see Namespace.check).
 
         With `create_mode`, a namespace that does not exist yet is made on this first
-        use, owned by the caller with that mode; otherwise it is ENOENT.
+        use, owned by the caller with that mode; otherwise it is ENOENT.  One the
+        caller may not see (`Namespace.visible`) is missing to it: ENOENT, word for
+        word; only making one of its name says the name is taken (`taken`), as
+        O_EXCL says a file of another's exists, without its owner or mode.
         """
         name = check_namespace(name)
         space = self.spaces.get(name)
+        if space is not None and not space.visible(caller):
+            if create_mode is None:
+                raise missing(name)
+            raise self.taken(name, caller.uid, errno.EACCES)
         if space is None:
             if create_mode is None:
-                raise OSError(errno.ENOENT, f"no KV namespace {name!r}")
+                raise missing(name)
             self.check_room(caller.uid)
             space = self.create(name, caller.uid, caller.gid, create_mode, 0)
         space.check(caller, mask, shared)
         return space
+
+    def taken(self, name: str, uid: int, code: int) -> OSError:
+        """What making a namespace of a name in use by one `uid` may not see answers:
+        the refusals making it would meet first, else `code` and no owner, group or
+        mode."""
+        self.check_room(uid)
+        check_new_name(name)
+        check_reserved(name, uid)
+        return OSError(code, f"KV namespace name {name!r} is taken: pick another name")
 
     def check_room(self, uid: int) -> None:
         """EDQUOT when `uid` (not root) owns as many namespaces as it may, counted with
@@ -284,9 +318,7 @@ class KVIndex:
     def create(self, name: str, uid: int, gid: int, mode: int, capacity: int,
                replace: bool = False) -> Namespace:
         """Make a namespace (EEXIST if it exists, unless `replace`: its chunks go)."""
-        if not _NEW_NAME.fullmatch(name):
-            raise OSError(errno.EINVAL, f"KV namespace name {name!r}: a new name is 1-128 "
-                          "letters, digits and . _ - : @ + =, starting with a letter or digit")
+        check_new_name(name)
         check_reserved(name, uid)
         old = self.spaces.get(name)
         if old is not None:
