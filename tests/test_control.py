@@ -308,6 +308,7 @@ def test_every_op_replies_as_its_declaration_says(mounted: Mounted) -> None:
         ask(c, "kv_config", **ns, capacity=1 << 20)
         ask(c, "kv_evict", **ns, keep=1 << 20)
         ask(c, "kv_delete", **ns, keys=[key])
+        ask(c, "kv_ns_set", namespace="decl", mode=0o750)
         ask(c, "kv_ns_remove", namespace="decl")
         with pytest.raises(ControlError) as e:
             c.call("layout", path="/f", recursive=True)

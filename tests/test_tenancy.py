@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import grp
+import json
 import mmap
 import os
 from pathlib import Path
@@ -496,6 +497,53 @@ with ControlClient(sys.argv[1]) as c:
     with pytest.raises(OSError) as e, KVStore(m, "alice-secret") as kv:
         kv.get("k" * 16)
     assert e.value.errno == errno.EACCES and f"belongs to uid {alice.uid}" in str(e.value)
+
+
+VIEW_HELD = r"""
+from mxfs.client import ControlClient
+from mxfs.kv.key_view import KeyView
+with ControlClient(sys.argv[1]) as c:
+    reply, fds = c.call_with_fds("kv_view", namespace=sys.argv[2], shared=True)
+    view = KeyView(fds[0], reply["size"])
+    print(json.dumps(view.present([b"before"])), flush=True)
+    sys.stdin.readline()  # (the namespace changes meanwhile)
+    print(json.dumps([view.live(), view.present([b"after"]),
+                      attempt(c.call, "kv_view", namespace=sys.argv[2], shared=True)]))
+"""
+
+
+def test_a_namespace_that_lets_a_reader_in_no_more_ends_the_tables_handed_out(
+        mounted: Mounted) -> None:
+    """A presence table is a right to read a namespace's keys: once the namespace's
+    owner or root changes its group or mode (`kv_ns_set`), the table its readers
+    hold says MOVED and is never written again, so a reader cut off sees no key put
+    after; those still let in ask again and are judged anew.  Before, there was no
+    way to change who may read a namespace but to drop it, and a reader who had the
+    table read every key put into it for as long as it was kept."""
+    import subprocess
+    import sys
+
+    from users import PRELUDE
+
+    bob = ensure_users()["bob"]
+    m = str(mounted.path)
+    os.chmod(mounted.path, 0o755)
+    mxfs("kv", "create", m, "team-view", "--owner", "mxfs-alice", "--group", TEAM,
+         "--mode", "0750")
+    with KVStore(m, "team-view", shared=True) as kv:
+        kv.put(b"before", b"v")
+        code = PRELUDE.format(uid=bob.uid, gid=bob.gid, groups=bob.groups) + VIEW_HELD
+        with subprocess.Popen([sys.executable, "-c", code, m, "team-view"], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) as reader:
+            assert reader.stdout is not None and reader.stdin is not None
+            assert json.loads(reader.stdout.readline()) == [True]  # (bob, of the team)
+            kv.client.call("kv_ns_set", namespace="team-view", mode=0o700)
+            kv.put(b"after", b"v")
+            out, _ = reader.communicate("\n", timeout=60)
+        assert json.loads(out) == [False, None, errno.ENOENT]
+        assert kv.exists(b"after")  # (root's own table: made anew)
+        stats = kv.usage()
+        assert stats["mode"] == "700" and stats["chunks"] == 2
 
 
 def test_a_namespace_made_with_an_explicit_mode_lets_others_read_not_write(

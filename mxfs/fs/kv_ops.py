@@ -110,7 +110,7 @@ EVICT_BITE = 4096  # victims chosen at once (~2 ms)
 MAX_LIST = 1000  # chunks one kv_list reply names (page with after, as `mxfs kv ls` does)
 MAX_LIST_SKIP = 100_000  # chunks a kv_list walks past in the order of use (~20 ms)
 RELEASED_AT_ONCE = 1024  # pins and claims of a closed connection ended at once (~0.5 ms)
-NS_OPS = ("kv_ns_create", "kv_ns_remove")
+NS_OPS = ("kv_ns_create", "kv_ns_remove", "kv_ns_set")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
 # caller who does not own the namespace must then have asked to share it).
 _NEEDS = {"kv_put": (W_OK, True), "kv_create": (W_OK, True), "kv_commit": (W_OK, True),
@@ -193,7 +193,8 @@ class KVOps:
             "kv_evict": self._evict_to}
         table: dict[str, Handler] = {op: self._in_space(op, fn) for op, fn in in_space.items()}
         table.update({"kv_get": self.get, "kv_stats": self._stats,
-                      "kv_ns_create": self._ns_create, "kv_ns_remove": self._ns_remove})
+                      "kv_ns_create": self._ns_create, "kv_ns_remove": self._ns_remove,
+                      "kv_ns_set": self._ns_set})
         if (follower := self.follower) is not None:
             table.update({"kv_get": follower.get, "kv_exists": follower.exists,
                           "kv_view": follower.view})
@@ -396,6 +397,25 @@ class KVOps:
             raise OSError(errno.ENOENT, f"KV namespace {name!r} was removed meanwhile")
         self.claims.dropped(name)
         return {"deleted": deleted + self.index.drop_namespace(space)}, []
+
+    async def _ns_set(self, msg: Msg, session: Session) -> Answer[NamespaceStats]:
+        """Give a namespace another group or mode, as chgrp and chmod a folder: its
+        owner (to a group of her own) or root.  One that may let someone in no more
+        ends the presence tables handed out (`KVIndex.set_access`): cutting a user off
+        a shared namespace (one who left its group keeps the group in the processes
+        she runs, as the mount judges them too) is a change of the namespace's."""
+        caller = session.caller
+        space = self.index.space(msg.get("namespace"), caller, 0)
+        if caller.uid not in (0, space.uid):
+            raise OSError(errno.EPERM, "only the namespace's owner or root changes its "
+                          "group or mode")
+        gid = int_field(msg, "gid", space.gid)
+        if caller.uid != 0 and gid != space.gid and gid not in caller.gids:
+            raise OSError(errno.EPERM, "a namespace's owner may give it only to a group "
+                          "of her own")
+        mode = _mode(msg, None)
+        self.index.set_access(space, gid, space.mode if mode is None else mode)
+        return {**space.stats()}, []
 
     async def _ns_create(self, msg: Msg, session: Session) -> Answer[NamespaceStats]:
         """Make a namespace ahead of its users (root: for anyone, taking over a name

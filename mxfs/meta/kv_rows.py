@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
 from mxfs.meta.engine import Engine, fail
-from mxfs.meta.feed_notes import KV_GONE, KV_REMOVED, KV_STORED
+from mxfs.meta.feed_notes import KV_GONE, KV_REMOVED, KV_RESET, KV_STORED
 from mxfs.meta.inode import Inode
 
 T = TypeVar("T")
@@ -46,6 +46,16 @@ class KVRows:
     def set_namespace(self, ns: str, uid: int, gid: int, mode: int, capacity: int) -> None:
         self.store.txn(lambda: self.engine.upsert(
             "kv_ns", {"ns": ns, "uid": uid, "gid": gid, "mode": mode, "capacity": capacity}))
+
+    def set_access(self, ns: str, uid: int, gid: int, mode: int, capacity: int) -> None:
+        """The namespace's row with an owner, group or mode that may let someone in no
+        more, noted for reading nodes: their presence tables of it end (KV_RESET: their
+        readers ask again, judged anew)."""
+        def change() -> None:
+            self.engine.upsert("kv_ns", {"ns": ns, "uid": uid, "gid": gid, "mode": mode,
+                                         "capacity": capacity})
+            self.store.note_kv(KV_RESET, ns)
+        self.store.txn(change)
 
     def drop_namespace(self, ns: str) -> None:
         def change() -> None:

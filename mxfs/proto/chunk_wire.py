@@ -132,7 +132,7 @@ CHUNK_OP = struct.Struct("!QQIQQ")
 CHUNK_OPS = (b"WRIT", b"SYNC", b"TRUN", b"REMV")
 MAX_WRITE = MAX_READ  # bytes one WRIT carries
 FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
-                 "kv_list", "kv_stats")
+                 "kv_ns_set", "kv_list", "kv_stats")
 # (KREQ, to the writer) a node's direct writes on its own members (`fs/node_files.py`)
 NODE_FILE_OPS = ("node_create", "node_commit", "node_abort", "node_open", "node_written",
                  "node_setattr", "node_mkdir", "node_symlink", "node_link", "node_unlink",

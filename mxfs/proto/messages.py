@@ -453,6 +453,12 @@ class KVNsRemoveRequest(TypedDict):
     namespace: str
 
 
+class KVNsSetRequest(TypedDict, total=False):
+    namespace: str
+    gid: int  # its new group (absent: unchanged)
+    mode: int  # its new permission bits (absent: unchanged)
+
+
 # ---- the ops --------------------------------------------------------------------
 
 Req = TypeVar("Req", bound=Mapping[str, Any])
@@ -527,6 +533,7 @@ KV_CONFIG = Op("kv_config", KVConfigRequest, KVConfigReply)
 KV_EVICT = Op("kv_evict", KVEvictRequest, EvictedReply)
 KV_NS_CREATE = Op("kv_ns_create", KVNsCreateRequest, NamespaceStats)
 KV_NS_REMOVE = Op("kv_ns_remove", KVNsRemoveRequest, DeletedReply)
+KV_NS_SET = Op("kv_ns_set", KVNsSetRequest, NamespaceStats)
 META_BACKUP = Op("meta_backup", Empty, BackupReply)
 META_SYNC = Op("meta_sync", Empty, Empty)
 METRICS = Op("metrics", Empty, MetricsReply)
@@ -537,6 +544,6 @@ QUOTA = Op("quota", QuotaRequest, QuotaReport)
 BY_NAME: dict[str, Op[Any, Any]] = {op.name: op for op in (
     HELLO, STAT, LAYOUT, OPEN_READ, CLOSE_READ, CREATE, COMMIT, ABORT, KV_PUT, KV_CREATE,
     KV_COMMIT, KV_GET, KV_PIN, KV_UNPIN, KV_EXISTS, KV_VIEW, KV_CLAIM, KV_WAIT, KV_DELETE, KV_STATS,
-    KV_LIST, KV_CONFIG, KV_EVICT, KV_NS_CREATE, KV_NS_REMOVE, META_BACKUP, META_SYNC, METRICS,
-    DF, QUOTA)}
+    KV_LIST, KV_CONFIG, KV_EVICT, KV_NS_CREATE, KV_NS_REMOVE, KV_NS_SET, META_BACKUP, META_SYNC,
+    METRICS, DF, QUOTA)}
 OPS = tuple(BY_NAME)
