@@ -515,7 +515,7 @@ with ControlClient(sys.argv[1]) as c:
 def test_a_namespace_that_lets_a_reader_in_no_more_ends_the_tables_handed_out(
         mounted: Mounted) -> None:
     """A presence table is a right to read a namespace's keys: once the namespace's
-    owner or root changes its group or mode (`kv_ns_set`), the table its readers
+    owner or root changes its group or mode (`mxfs kv set`), the table its readers
     hold says MOVED and is never written again, so a reader cut off sees no key put
     after; those still let in ask again and are judged anew.  Before, there was no
     way to change who may read a namespace but to drop it, and a reader who had the
@@ -537,7 +537,8 @@ def test_a_namespace_that_lets_a_reader_in_no_more_ends_the_tables_handed_out(
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE) as reader:
             assert reader.stdout is not None and reader.stdin is not None
             assert json.loads(reader.stdout.readline()) == [True]  # (bob, of the team)
-            kv.client.call("kv_ns_set", namespace="team-view", mode=0o700)
+            said = mxfs("kv", "set", m, "team-view", "--mode", "0700").stdout
+            assert said.startswith("set KV namespace team-view") and "mode 700" in said
             kv.put(b"after", b"v")
             out, _ = reader.communicate("\n", timeout=60)
         assert json.loads(out) == [False, None, errno.ENOENT]

@@ -1,4 +1,4 @@
-"""`mxfs kv stats | ls | evict | verify | create | rm`: the KV spill tier as an operator
+"""`mxfs kv stats | ls | evict | verify | create | set | rm`: the KV spill tier as an operator
 sees it."""
 
 from __future__ import annotations
@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from mxfs.cli.ckpt_cmd import json_everywhere
 from mxfs.errors import MxfsError
-from mxfs.proto.messages import KV_NS_CREATE, KV_NS_REMOVE, KV_STATS, KVNsCreateRequest
+from mxfs.proto.messages import (
+    KV_NS_CREATE,
+    KV_NS_REMOVE,
+    KV_NS_SET,
+    KV_STATS,
+    KVNsCreateRequest,
+    KVNsSetRequest,
+)
 from mxfs.text import shown, shown_key
 from mxfs.units import format_size, parse_size
 
@@ -136,15 +143,27 @@ def _id_of(text: str | None, kind: str) -> int | None:
                         ) from None
 
 
+def _mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise MxfsError(f"mode {text!r} is not octal permission bits", "write it like 0750")
+    return mode
+
+
+def _shown_ns(s: Any) -> str:
+    return (f"KV namespace {shown(s['namespace'])} (uid {s['uid']}, gid {s['gid']}, mode "
+            f"{s['mode']}, capacity {format_size(s['capacity']) if s['capacity'] else 'pool'})")
+
+
 def cmd_create(args: argparse.Namespace) -> int:
     """Make a namespace ahead of its users: root gives one to a service user, so the
     engine never races anyone for its name."""
     from mxfs.client.control import ControlError
 
-    try:
-        mode = int(args.mode, 8)
-    except ValueError:
-        raise MxfsError(f"mode {args.mode!r} is not octal", "write it like 0750") from None
+    mode = _mode(args.mode)
     fields: KVNsCreateRequest = {"namespace": args.namespace, "mode": mode,
                                  "capacity": parse_size(args.capacity), "force": args.force}
     uid, gid = _id_of(args.owner, "user"), _id_of(args.group, "group")
@@ -159,9 +178,32 @@ def cmd_create(args: argparse.Namespace) -> int:
             raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
                             "root may take a name over with --force" if e.errno == 17 else
                             "run as root to make one for another user") from None
-    print(json.dumps(s) if args.json else
-          f"made KV namespace {s['namespace']} (uid {s['uid']}, gid {s['gid']}, mode "
-          f"{s['mode']}, capacity {format_size(s['capacity']) if s['capacity'] else 'pool'})")
+    print(json.dumps(s) if args.json else f"made {_shown_ns(s)}")
+    return 0
+
+
+def cmd_set(args: argparse.Namespace) -> int:
+    """Give a namespace another group or mode (its owner, to a group of her own, or
+    root): how a user is cut off a shared namespace, since the daemon cannot see her
+    leave a group; the presence tables handed out end when anyone loses access."""
+    from mxfs.client.control import ControlError
+
+    fields: KVNsSetRequest = {"namespace": args.namespace}
+    gid = _id_of(args.group, "group")
+    if gid is not None:
+        fields["gid"] = gid
+    if args.mode is not None:
+        fields["mode"] = _mode(args.mode)
+    if len(fields) == 1:
+        raise MxfsError("nothing to change", "give --group, --mode or both")
+    with _control(args.mount) as c:
+        try:
+            s = c.request(KV_NS_SET(fields))
+        except ControlError as e:
+            raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
+                            "its owner (to a group of her own) or root may change it"
+                            ) from None
+    print(json.dumps(s) if args.json else f"set {_shown_ns(s)}")
     return 0
 
 
@@ -180,7 +222,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("kv", help="KV-cache chunks: stats, list, evict, verify, create, rm")
+    s = sub.add_parser("kv", help="KV-cache chunks: stats, list, evict, verify, create, set, rm")
     verbs = s.add_subparsers(dest="verb", required=True, parser_class=type(s))
     v = verbs.add_parser("stats", help="every namespace: chunks, bytes, hits, evictions")
     v.add_argument("mount")
@@ -204,6 +246,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--force", action="store_true",
                    help="root: take the name over, dropping its chunks")
     v.set_defaults(func=cmd_create)
+    v = verbs.add_parser("set", help="give a namespace another group or mode")
+    v.add_argument("mount")
+    v.add_argument("namespace")
+    v.add_argument("--group", help="group name or gid")
+    v.add_argument("--mode", help="octal, like a directory's")
+    v.set_defaults(func=cmd_set)
     v = verbs.add_parser("rm", help="remove a namespace and every chunk in it")
     v.add_argument("mount")
     v.add_argument("namespace")
