@@ -88,7 +88,6 @@ from mxfs.vol.access import (
     may_xattr,
     owner_for,
     resolve_parent_for,
-    takes_read,
 )
 from mxfs.vol.node_holds import MAX_HOLDS
 from mxfs.vol.tenants import tenant_of
@@ -426,8 +425,8 @@ class NodeFiles:
             may_set_times(row, caller)
             atime = int_field(msg, "atime_ns") if "atime_ns" in msg else None
             mtime = int_field(msg, "mtime_ns") if "mtime_ns" in msg else None
-        if row.ino in self.vol.lent and self.renew is not None and \
-                takes_read(row, mode, uid, gid):
+        if row.is_reg and row.ino in self.vol.lent and self.renew is not None and \
+                row.takes_read(mode, uid, gid):
             await self.renew(row, caller.uid)
         store.set_attrs(row, mode=mode, uid=uid, gid=gid, atime_ns=atime, mtime_ns=mtime,
                         ctime_ns=time.time_ns())

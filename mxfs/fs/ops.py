@@ -42,7 +42,7 @@ from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import META_ROW, pool_totals
-from mxfs.vol.access import Caller, owner_for, supplementary_groups, takes_read
+from mxfs.vol.access import Caller, owner_for, supplementary_groups
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import OpenInode, Volume
 from mxfs.vol.xattrs import (
@@ -348,8 +348,8 @@ class MxfsOperations(pyfuse3.Operations):
             await self.settle(inode)
             with self._charged(node, attr.st_size):
                 await self._truncate(node, attr.st_size, ctx.uid)
-        if node.ino in self.vol.lent and takes_read(
-                node, attr.st_mode if fields.update_mode else None,
+        if node.is_reg and node.ino in self.vol.lent and node.takes_read(
+                attr.st_mode if fields.update_mode else None,
                 attr.st_uid if fields.update_uid else None,
                 attr.st_gid if fields.update_gid else None):
             await self.renew(node, ctx.uid)

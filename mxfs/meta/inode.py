@@ -48,6 +48,16 @@ class Inode:
         """st_size as users see it: a directory reports a block, as on ext4."""
         return DIR_SIZE if self.is_dir else self.size
 
+    def takes_read(self, mode: int | None, uid: int | None, gid: int | None) -> bool:
+        """Whether setting these attributes (None: unchanged) may take away someone's
+        right to read this file: a new owner or group, or a read bit cleared.  Only
+        then does the file get a new generation (scoped readers of other nodes lose it:
+        `MetaStore.set_attrs`) and a lent file's chunk files renewed (`Volume.renew`):
+        a change that takes nothing away (a chmod to the same mode, or one that adds
+        bits) leaves the descriptors handed out reading on, and costs no copy."""
+        return uid is not None and uid != self.uid or gid is not None and gid != self.gid \
+            or mode is not None and bool(self.mode & ~mode & 0o444)
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:

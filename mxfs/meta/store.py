@@ -386,9 +386,13 @@ class MetaStore:
                   gid: int | None = None, atime_ns: int | None = None,
                   mtime_ns: int | None = None, ctime_ns: int | None = None) -> None:
         """Change attributes now (chmod, chown, utimens); data fields memory held are
-        written back in the same change."""
+        written back in the same change.  One that may take someone's right to read a
+        file away gives it a new generation: the connections other nodes' readers were
+        handed for it (scoped to a generation: `fs/chunk_service.py`) read no more."""
         def change() -> None:
             values = self._data_fields(node)
+            if node.is_reg and node.takes_read(mode, uid, gid):
+                values["generation"] = node.generation + 1
             for name, value in (("mode", mode), ("uid", uid), ("gid", gid),
                                 ("atime_ns", atime_ns), ("mtime_ns", mtime_ns),
                                 ("ctime_ns", ctime_ns)):

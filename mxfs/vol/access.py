@@ -150,16 +150,6 @@ def may_replace(parent: Inode, victim: Inode, caller: Caller) -> None:
                       "user's: only its owner, the directory's owner or root may replace it")
 
 
-def takes_read(node: Inode, mode: int | None, uid: int | None, gid: int | None) -> bool:
-    """Whether setting these attributes (None: unchanged) may take away someone's right
-    to read `node`: a new owner or group, or a read bit cleared.  Only then are a lent
-    file's chunk files renewed (`Volume.renew`): a change that takes nothing away (a
-    chmod to the same mode, or one that adds bits) leaves the descriptors handed out
-    reading on, and costs no copy of the file."""
-    return uid is not None and uid != node.uid or gid is not None and gid != node.gid or \
-        mode is not None and bool(node.mode & ~mode & 0o444)
-
-
 def may_chmod(node: Inode, caller: Caller, mode: int, gid: int | None = None) -> int:
     """The kernel's rule for chmod (EPERM but for the owner or root; anyone may drop
     set-ID bits, as the kernel does when another user writes the file): the permission
