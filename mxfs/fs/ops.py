@@ -348,7 +348,7 @@ class MxfsOperations(pyfuse3.Operations):
             await self.settle(inode)
             with self._charged(node, attr.st_size):
                 await self._truncate(node, attr.st_size, ctx.uid)
-        if node.is_reg and node.ino in self.vol.lent and node.takes_read(
+        if node.is_reg and self.vol.may_be_lent(node.ino) and node.takes_read(
                 attr.st_mode if fields.update_mode else None,
                 attr.st_uid if fields.update_uid else None,
                 attr.st_gid if fields.update_gid else None):

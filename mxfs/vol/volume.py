@@ -93,6 +93,11 @@ class Volume:
         # Files whose chunk-file descriptors were handed to readers (`open_read`) since
         # their chunk files were made: renewed before their access changes (`renew`).
         self.lent: set[int] = set()
+        # Descriptors an earlier daemon handed out outlive it (a crash, an upgrade), and
+        # `lent` starts empty: so every inode numbered when this mount began counts as
+        # lent (`may_be_lent`) until it is renewed (`renewed_old`).
+        self.lent_through = store.engine.sequences()["ino"]
+        self.renewed_old: set[int] = set()
         # Renews begun, by inode (an `open_read` that saw one begin opens again), and
         # how often the count was cleared (kept for RENEWALS_KEPT inodes at most).
         self.renewals: Counter[int] = Counter()
@@ -594,12 +599,20 @@ class Volume:
         check and after its opens."""
         return self.renewals[ino], self.renewals_cleared
 
+    def may_be_lent(self, ino: int) -> bool:
+        """Whether readers may hold descriptors of the file's chunk files: lent since
+        its chunk files were made, or made before this mount and not renewed since
+        (whether an earlier daemon lent them is not known)."""
+        return ino in self.lent or ino <= self.lent_through and ino not in self.renewed_old
+
     def renew(self, node: Inode) -> None:
         """Blocking: before a lent file's access changes (chmod, chown), its chunk files
         are made anew and this node's own descriptors of them reopened: a reader's
         descriptors keep the bytes it was allowed to read, never what is written after
         it lost the right (other nodes' members: not yet, see docs/architecture.md)."""
         self.lent.discard(node.ino)
+        if node.ino <= self.lent_through:
+            self.renewed_old.add(node.ino)
         self.held.renew(node.ino, tenant_of(node.uid))  # (kept as its user's)
         entry = self.open_inodes.get(node.ino)
         if entry is not None and entry.chunks is not None:
