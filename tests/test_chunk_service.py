@@ -34,7 +34,7 @@ from conftest import (
 
 from mxfs.client import ControlClient
 from mxfs.io import Layout
-from mxfs.io.chunk_client import ChunkClient
+from mxfs.io.chunk_client import Busy, ChunkClient
 from mxfs.pool.key import KEY_NAME, load_key
 from mxfs.proto.chunk_wire import (
     ANSWER,
@@ -618,11 +618,78 @@ def test_one_users_scoped_connections_hold_a_part_of_the_service(tmp_path: Path)
         # (hers ended with them)
 
 
-def _scopes(c: ChunkClient, ino: int) -> bool:
-    """Whether `c` could be scoped for uid 1000 (closed either way)."""
+@pytest.mark.daemon_log(r"chunk connection .* failed")
+def test_readers_filling_their_part_take_no_room_of_a_nodes_own_connections(
+        tmp_path: Path) -> None:
+    """Readers' scoped connections were counted in max_chunk_conns with the nodes' own:
+    readers holding their part left the nodes a quarter, shared by all of them.  They
+    are counted apart now: with their part full (a fourth scope refused), a node
+    opens more connections of its own than the whole limit, and each is served."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "chunk_port=0", "max_chunk_conns=4") as m:
+        (m.path / "f").write_bytes(b"f" * 10_000)
+        ino = (m.path / "f").stat().st_ino
+        host, port, pool = _service(m)
+        key = load_key(members[0])
+        held = []
+        try:
+            for uid in (1000, 1001, 1002):  # (4 * 75% = 3 in all, one a user)
+                c = ChunkClient(host, port, key, pool)
+                held.append(c)
+                c.scope([(ino, 0)], uid)
+            assert not _scopes(ChunkClient(host, port, key, pool), ino, 1003)  # (full)
+            for _ in range(6):
+                c = ChunkClient(host, port, key, pool)
+                held.append(c)
+                assert c.kv_request((0, 0, []), "kv_stats", {})["namespaces"] == []
+        finally:
+            for c in held:
+                c.close()
+
+
+@pytest.mark.daemon_log(r"chunk connection .* failed")
+def test_a_full_service_answers_busy_and_a_node_waits_for_room_not_marking_it_away(
+        tmp_path: Path) -> None:
+    """A connection past the service's room was closed unanswered: the node saw a
+    broken handshake, held the writer unreachable, and failed every call that needed
+    a connection (FUSE reads, KV puts) with EIO at once for 2 s.  Now it is told busy
+    (EBUSY), and a node's call waits for room instead: served once a connection
+    closes, and the next call served too."""
+    from mxfs.pool.remote import Owner, RemoteMembers
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "chunk_port=0", "max_chunk_conns=4",
+                      "reserved_chunk_conns=2") as m:
+        host, port, pool = _service(m)
+        key = load_key(members[0])
+        held = [ChunkClient(host, port, key, pool) for _ in range(4)]
+        try:
+            with pytest.raises(Busy) as busy:
+                ChunkClient(host, port, key, pool)
+            assert busy.value.errno == errno.EBUSY
+            owner = Owner("writer", f"{host}:{port}", held[0].epoch, True)
+            remote = RemoteMembers(key, pool, lambda: owner)
+            remote.update(owner)
+            with ControlClient(str(m.path)) as c:
+                refused = c.stat()["chunk_service"]["refused"]  # type: ignore[index]
+                call = remote.submit(remote.kv_request, (0, 0, []), "kv_stats", {})
+                assert eventually(lambda: c.stat()["chunk_service"]["refused"] > refused
+                                  or call.done())  # type: ignore[index]
+            held.pop().close()  # (room: the waiting call gets it)
+            assert call.result(timeout=30)["namespaces"] == []
+            assert remote.kv_request((0, 0, []), "kv_stats", {})["namespaces"] == []
+        finally:
+            for c in held:
+                c.close()
+
+
+def _scopes(c: ChunkClient, ino: int, uid: int = 1000) -> bool:
+    """Whether `c` could be scoped for `uid` (closed either way)."""
     with c:
         try:
-            c.scope([(ino, 0)], 1000)
+            c.scope([(ino, 0)], uid)
             return True
         except OSError:
             return False

@@ -10,22 +10,29 @@ that is a regular file, at most MAX_READ bytes); a daemon fenced off the pool
 stands behind.  Every answer carries the lease's epoch.
 
 Anyone who can reach the port can connect, so connections are admitted against
-`Limits`: at most `max_chunk_conns` in all (and never into the descriptors the daemon
-keeps back), `max_chunk_conns_per_peer` of one address (proved or not: one node cannot
-take every other node's room), at most `max_chunk_handshakes_per_peer` of one address that have not
-yet proved the key (every loopback address counted as one: a local user reaches all of
-127.0.0.0/8), and at most `max_chunk_handshakes` unproved in all, below
-`max_chunk_conns`: a host that opens connections and stays silent holds its own slots
-only, never the room of the nodes already proved.  Nodes' daemons connect from a
-reserved port (below 1024: root's alone, `io/chunk_client.py`), and connections from
-other ports are counted apart (each address's as a peer of its own, and all of them
-to half of `max_chunk_handshakes`): a user on a node who floods the port with silent
-connections cannot take the slots its daemon proves the key in.  A refused connection
-is closed at once.  Those bound what a peer holds, not how often it connects: each
-address (counted as above, its unreserved ports apart) may open
-`max_chunk_accept_burst` connections at once and `max_chunk_accepts_per_s` a second
-after that (`fs/accept_rate.py`); one past them is closed as it is accepted, before a
-task or a handshake is spent on it, and an address's are logged once a minute at most.
+`Limits`: at most `max_chunk_conns` of the peers' own in all, past which an address
+holding `reserved_chunk_conns` of its own is told busy (each node keeps that room,
+however many the others hold), never into the descriptors the daemon keeps back,
+`max_chunk_conns_per_peer` of one address (proved or not: one node cannot take every
+other node's room); readers' scoped connections are counted apart, to their own part
+(`_scoped_room`), so they never take a node's room.  A connection refused for room is
+answered BUSY after its HELLO (`proto/chunk_wire.py`): a node waits for one of its
+own or tries again, and goes on treating the service as up.  At most
+`max_chunk_handshakes_per_peer` of one address may not yet have proved the key (every
+loopback address counted as one: a local user reaches all of 127.0.0.0/8), and at
+most `max_chunk_handshakes` in all, below `max_chunk_conns`: a host that opens
+connections and stays silent holds its own slots only, never the room of the nodes
+already proved.  Nodes' daemons connect from a reserved port (below 1024: root's
+alone, `io/chunk_client.py`), and connections from other ports are counted apart
+(each address's as a peer of its own, and all of them to half of
+`max_chunk_handshakes`): a user on a node who floods the port with silent connections
+cannot take the slots its daemon proves the key in.  A connection refused for those
+(a flood of unproved ones) is closed at once, without an answer.  Those bound what a
+peer holds, not how often it connects: each address (counted as above, its
+unreserved ports apart) may open `max_chunk_accept_burst` connections at once and
+`max_chunk_accepts_per_s` a second after that (`fs/accept_rate.py`); one past them
+is closed as it is accepted, before a task or a handshake is spent on it, and an
+address's are logged once a minute at most.
 
 The pool's writer node writes the stripes it places on this node's members through
 it (WRIT, SYNC, TRUN, REMV): each done in a worker thread, under the epoch of the
@@ -72,6 +79,7 @@ from mxfs.io.residency import cached_pages
 from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
+    BUSY,
     CHALLENGE,
     CHUNK_OP,
     CHUNK_OPS,
@@ -186,8 +194,9 @@ class ChunkService:
         self._unproved: dict[int, trio.CancelScope] = {}
         self._unproved_peer: dict[int, str] = {}  # ... and whose each is
         self._tokens = itertools.count()
-        self.by_host: Counter[str] = Counter()  # connections, proved or not, by address
-        self.scoped: Counter[int] = Counter()  # readers' scoped connections, by tenant
+        self.by_host: Counter[str] = Counter()  # own connections, proved or not, by address
+        self.scoped: Counter[int] = Counter()  # readers' scoped connections, by tenant ...
+        self.scoped_by_host: Counter[str] = Counter()  # ... and by the node that made them
         self.refused = 0
         self._accepts = AcceptRate(self.limits.max_chunk_accept_burst,
                                    self.limits.max_chunk_accepts_per_s)
@@ -284,34 +293,41 @@ class ChunkService:
                         "address's last such line", peer, lim.max_chunk_accepts_per_s,
                         lim.max_chunk_accept_burst, n)
 
-    def _admit(self, peer: str) -> str | None:
-        """Why a new connection from `peer` is refused (a limit is reached), or None."""
+    def _admit(self, peer: str) -> tuple[str, bool] | None:
+        """Why a new connection from `peer` is refused (a limit is reached) and whether
+        it is told busy (no room now: a node tries again) rather than closed at once (a
+        flood of unproved connections), or None."""
         lim = self.limits
-        if self.connections >= lim.max_chunk_conns:
-            return f"{self.connections} connections, the limit (max_chunk_conns)"
-        host = peer.removesuffix(UNRESERVED)
-        if self.by_host[host] >= lim.max_chunk_conns_per_peer:
-            return (f"{host} has {self.by_host[host]} connections, the limit "
-                    "(max_chunk_conns_per_peer)")
-        if self.connections + self.other_fds() + lim.fd_reserve >= fd_limit():
-            return "the daemon's descriptors are nearly all in use"
         if self.handshaking[peer] >= lim.max_chunk_handshakes_per_peer:
             return (f"{peer} has {self.handshaking[peer]} connections that have not proved "
-                    "the pool key, the limit (max_chunk_handshakes_per_peer)")
+                    "the pool key, the limit (max_chunk_handshakes_per_peer)"), False
         unreserved = sum(n for p, n in self.handshaking.items() if p.endswith(UNRESERVED))
         if peer.endswith(UNRESERVED) and unreserved >= lim.max_chunk_handshakes // 2:
             return (f"{unreserved} connections from unreserved ports have not proved the "
-                    "pool key, half the limit (max_chunk_handshakes)")
+                    "pool key, half the limit (max_chunk_handshakes)"), False
+        if self.connections + self.other_fds() + lim.fd_reserve >= fd_limit():
+            return "the daemon's descriptors are nearly all in use", True
+        host = peer.removesuffix(UNRESERVED)
+        if self.by_host[host] >= lim.max_chunk_conns_per_peer:
+            return (f"{host} has {self.by_host[host]} connections, the limit "
+                    "(max_chunk_conns_per_peer)"), True
+        own = self.connections - sum(self.scoped_by_host.values())
+        if own >= lim.max_chunk_conns and self.by_host[host] >= lim.reserved_chunk_conns:
+            return (f"{own} connections of the peers' own, the limit (max_chunk_conns), "
+                    f"and {host} holds {self.by_host[host]}, past its reserve "
+                    "(reserved_chunk_conns)"), True
         return None
 
     async def _connection(self, stream: trio.SocketStream, peer: str) -> None:
-        why = self._admit(peer)
-        if why is not None:
+        refusal = self._admit(peer)
+        if refusal is not None:
             self.refused += 1
-            self._failures.note("chunk connection", None, OSError(errno.EMFILE, why),
-                                trace=False)
-            await stream.aclose()
-            return
+            self._failures.note("chunk connection", None, OSError(
+                errno.EMFILE, refusal[0] + (": told busy" if refusal[1] else "")),
+                trace=False)
+            if not refusal[1]:
+                await stream.aclose()
+                return
         if sum(self.handshaking.values()) >= self.limits.max_chunk_handshakes:
             self._make_room()
         self.connections += 1
@@ -325,13 +341,13 @@ class ChunkService:
                 self._unproved_peer[token] = peer
                 with trio.CancelScope() as self._unproved[token]:
                     try:
-                        proved = await self._handshake(stream)
+                        proved = await self._handshake(stream, refusal is not None)
                     finally:
                         self._unproved.pop(token, None)
                         self._unproved_peer.pop(token, None)
                         self._end_handshake(peer)
                 if proved:
-                    await self._requests(stream)
+                    await self._requests(stream, host)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, EOFError):
             pass  # the peer went away
         except WireError as e:  # a request past the protocol's limits: this peer goes
@@ -363,8 +379,10 @@ class ChunkService:
         if not self.handshaking[peer]:
             del self.handshaking[peer]
 
-    async def _handshake(self, stream: trio.SocketStream) -> bool:
-        """The mutual proof of the pool key; False (and logged) when the peer fails it."""
+    async def _handshake(self, stream: trio.SocketStream, busy: bool = False) -> bool:
+        """The mutual proof of the pool key; False (and logged) when the peer fails it.
+        `busy`: no room for the connection, answered BUSY once its HELLO is read
+        whole (closed with bytes unread, the peer might see a reset, not the answer)."""
         pool_uuid = self.vol.pool.uuid
         try:
             with trio.fail_after(HANDSHAKE_S):
@@ -373,6 +391,9 @@ class ChunkService:
                 check_magic(magic, version)
                 if their_pool != _uuid_bytes(pool_uuid):
                     raise WireError("the peer is a node of another pool")
+                if busy:
+                    await stream.send_all(BUSY)
+                    return False
                 server_nonce = os.urandom(16)
                 mine = proof(self.key, b"server", pool_uuid, client_nonce, server_nonce)
                 await stream.send_all(CHALLENGE.pack(MAGIC, VERSION, server_nonce, mine,
@@ -386,7 +407,7 @@ class ChunkService:
             self._failures.note("chunk handshake", None, e, trace=False)
             return False
 
-    async def _requests(self, stream: trio.SocketStream) -> None:
+    async def _requests(self, stream: trio.SocketStream, host: str) -> None:
         scope: dict[int, int] | None = None  # inode: generation, once narrowed
         until = 0.0
         uid = 0  # the reader a scoped connection is for
@@ -412,13 +433,16 @@ class ChunkService:
                             return
                         items = await _recv_exact(stream, count * SCOPE_ITEM.size)
                         code = errno.EACCES if self.only_uid not in (None, reader) else \
-                            self._scoped_room(tenant_of(reader))
+                            self._scoped_room(tenant_of(reader), host)
                         if not code:
                             scope = dict(SCOPE_ITEM.iter_unpack(items))
                             until = trio.current_time() + SCOPE_S
                             uid = reader
                             readers = tenant_of(reader)
                             self.scoped[readers] += 1
+                            # (the node's readers' now, not its own: its room is kept)
+                            self.by_host[host] -= 1
+                            self.scoped_by_host[host] += 1
                         await stream.send_all(ANSWER.pack(code, self.epoch(), 0))
                         if code:
                             return
@@ -451,14 +475,22 @@ class ChunkService:
                 self.scoped[readers] -= 1
                 if not self.scoped[readers]:
                     del self.scoped[readers]
+                self.scoped_by_host[host] -= 1
+                if not self.scoped_by_host[host]:
+                    del self.scoped_by_host[host]
+                self.by_host[host] += 1  # (counted off as its own when it closes)
 
-    def _scoped_room(self, tenant: int) -> int:
+    def _scoped_room(self, tenant: int, host: str) -> int:
         """EMFILE where one more connection scoped to a reader of `tenant` (a local
-        user of some node, `fs/remote_reads.py`) would pass the readers' part of
-        max_chunk_conns, or one user's part of that: a user on 16 nodes held 16 of
-        them through each and took every connection this service has; else 0."""
-        most = self.limits.max_chunk_conns * SCOPED_PART // 100
+        user of some node, `fs/remote_reads.py`) for the node at `host` would pass the
+        readers' part (SCOPED_PART of max_chunk_conns, beside the nodes' own), one
+        user's part of that (a user on 16 nodes held 16 of them through each and took
+        every connection this service has), or max_chunk_conns_per_peer of that
+        node's readers; else 0."""
+        lim = self.limits
+        most = lim.max_chunk_conns * SCOPED_PART // 100
         if sum(self.scoped.values()) >= most or \
+                self.scoped_by_host[host] >= lim.max_chunk_conns_per_peer or \
                 tenant != 0 and self.scoped[tenant] >= max(1, most * SCOPED_PER_USER // 100):
             return errno.EMFILE  # (the reader reads through its node's mount)
         return 0

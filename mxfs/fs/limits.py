@@ -48,8 +48,12 @@ class Limits:
     max_remote_reads_per_user: int = 16  # ... to one uid (fs/remote_reads.py)
     idle_timeout: int = 3600        # s: a connection holding nothing is closed when idle so long
     frame_timeout: int = 10         # s: a started request must arrive whole, a reply be taken
-    max_chunk_conns: int = 256      # chunk service connections (fs/chunk_service.py), all peers
-    max_chunk_conns_per_peer: int = 128  # ... of one address (a node uses ~100 at most)
+    max_chunk_conns: int = 256      # chunk service connections (fs/chunk_service.py) of all
+                                    # peers' own (readers' scoped ones apart: 75% of this)
+    reserved_chunk_conns: int = 64  # ... each peer has room for past that (a node's own:
+                                    # ~48, idle 16, far reads 8, KV 4 + 4 + 16 waits)
+    max_chunk_conns_per_peer: int = 128  # ... of one address (its own; its readers' scoped
+                                    # ones to as many apart)
     max_chunk_handshakes_per_peer: int = 8  # of one address not yet past the key proof
     max_chunk_handshakes: int = 64  # of all peers not yet past it (room kept for nodes)
     max_chunk_accept_burst: int = 1024  # chunk service connections one address opens at

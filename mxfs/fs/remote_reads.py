@@ -114,7 +114,7 @@ class RemoteReads:
         assert remote is not None  # (a reading node's pool)
 
         def one() -> ChunkClient:
-            kept, client = remote.connect(idle=True)
+            kept, client = remote.connect(idle=True, wait=False)  # (busy: the mount)
             while True:
                 try:
                     client.scope(files, uid)
@@ -123,7 +123,7 @@ class RemoteReads:
                     client.close()
                     if not (kept and isinstance(e, (OSError, WireError))):
                         raise
-                kept, client = remote.connect()  # the owner closed a kept one meanwhile
+                kept, client = remote.connect(wait=False)  # the owner closed a kept one
 
         futures = [remote.submit(one) for _ in range(n)]  # (the owner's threads)
         concurrent.futures.wait(futures)
@@ -134,7 +134,7 @@ class RemoteReads:
         if failed is not None:
             for c in clients:
                 c.close()
-            if isinstance(failed, OSError) and failed.errno == errno.EMFILE:
+            if isinstance(failed, OSError) and failed.errno in (errno.EMFILE, errno.EBUSY):
                 raise OSError(errno.EREMOTE, f"the owner serves as many direct readers as "
                               f"it may ({failed.strerror}): read through the mount") from None
             if isinstance(failed, (OSError, WireError)):

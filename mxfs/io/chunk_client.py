@@ -23,6 +23,7 @@ from typing import Any
 from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
+    BUSY,
     CHALLENGE,
     CHUNK_OP,
     GROUP,
@@ -62,6 +63,11 @@ class StaleNode(OSError):
 
 class Refused(OSError):
     """The node answered one request with an errno; the connection goes on."""
+
+
+class Busy(OSError):
+    """The node's service holds as many connections as it may (it answered BUSY): it
+    is up, and has room again once a connection closes (EBUSY)."""
 
 
 class ChunkClient:
@@ -109,8 +115,12 @@ class ChunkClient:
     def _handshake(self, key: bytes, pool_uuid: str) -> int:
         client_nonce = os.urandom(16)
         self.sock.sendall(HELLO.pack(MAGIC, VERSION, uuid.UUID(pool_uuid).bytes, client_nonce))
+        head = self._recv(len(BUSY))
+        if head == BUSY:
+            raise Busy(errno.EBUSY, f"{self.where} serves as many connections as it may "
+                       "(max_chunk_conns): try again")
         magic, version, server_nonce, theirs, epoch = CHALLENGE.unpack(
-            self._recv(CHALLENGE.size))
+            head + self._recv(CHALLENGE.size - len(head)))
         check_magic(magic, version)
         check_proof(proof(key, b"server", pool_uuid, client_nonce, server_nonce), theirs)
         self.sock.sendall(PROOF.pack(proof(key, b"client", pool_uuid, client_nonce,

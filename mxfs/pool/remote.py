@@ -13,7 +13,10 @@ A node cut off (a link down, a partition) fails a request in UNACKED_S at most a
 connection in CONNECT_S (`io/chunk_client.py`); its idle connections are dropped with
 the first that failed (each would wait as long), and for AWAY_S after a connection
 could not be made every call fails at once, so readers of a node that cannot be
-reached get EIO in seconds, not one wait after another.
+reached get EIO in seconds, not one wait after another.  An owner that answers BUSY
+(its service holds as many connections as it may) is up: nothing is marked away, and
+a call waits for a connection another call gives back, or tries again after a growing
+pause, for BUSY_S at most, then fails EBUSY naming the node.
 
 Each owner's requests run on threads of its own (`submit`, FAR_THREADS): a slow owner
 (a throttled link, a busy disk) holds those, never the I/O threads that this node's
@@ -31,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mxfs.io.chunk_client import ChunkClient, Refused
+from mxfs.io.chunk_client import Busy, ChunkClient, Refused
 from mxfs.meta.lease import STARTING
 from mxfs.proto.chunk_wire import WireError
 
@@ -43,6 +46,9 @@ IDLE_CONNS = 16  # connections kept open to the owner between reads (windows ahe
                  # 4 members x 4 windows in flight)
 TIMEOUT_S = 30.0  # prove and each receive (a connection: CONNECT_S)
 AWAY_S = 2.0  # after a connection to the owner could not be made, calls fail at once
+BUSY_S = 10.0  # an owner answering BUSY is tried again (or a connection given back
+BUSY_PAUSE_S = 0.01  # taken) so long at most, after a pause from this, doubling ...
+BUSY_PAUSE_MAX_S = 0.5  # ... up to this
 FAR_THREADS = 8  # requests to one owner at once from this node's I/O (as many as the
                  # shared I/O pool has on two CPUs: an owner's share is not cut)
 
@@ -81,6 +87,7 @@ class RemoteMembers:
         self.owner: Owner | None = None
         self._idle: list[ChunkClient] = []
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)  # a connection was given back
         self._said: str | None = None  # the last failure logged (once per kind)
         self._away: tuple[float, str] | None = None  # unreachable until, and why
         self._threads: ThreadPoolExecutor | None = None  # (`submit`, made on first use)
@@ -183,11 +190,12 @@ class RemoteMembers:
             self.close()  # (kept connections to it would fail as this one did)
             reused, client = self._client(fresh=True)
 
-    def connect(self, idle: bool = False) -> tuple[bool, ChunkClient]:
+    def connect(self, idle: bool = False, wait: bool = True) -> tuple[bool, ChunkClient]:
         """A connection to the owner, proved, under the epoch the store gives it, for a
-        caller to keep (EIO naming the node when there is none to be had); with `idle`,
-        one of the kept ones if any (True: the owner may have closed it meanwhile)."""
-        return self._client(fresh=not idle)
+        caller to keep (EIO naming the node when there is none to be had, EBUSY when it
+        has no room); with `idle`, one of the kept ones if any (True: the owner may have
+        closed it meanwhile); without `wait`, EBUSY at once when it has no room."""
+        return self._client(fresh=not idle, wait=wait)
 
     def top_up(self, n: int) -> None:
         """(Blocking.)  Make up to `n` new connections and keep them (IDLE_CONNS at most),
@@ -198,7 +206,7 @@ class RemoteMembers:
                 if len(self._idle) >= IDLE_CONNS:
                     return
             try:
-                client = self._client(fresh=True)[1]
+                client = self._client(fresh=True, wait=False)[1]
             except OSError:
                 return
             self._give_back(client)
@@ -209,9 +217,11 @@ class RemoteMembers:
                 c.close()
             self._idle.clear()
 
-    def _client(self, fresh: bool = False) -> tuple[bool, ChunkClient]:
+    def _client(self, fresh: bool = False, wait: bool = True) -> tuple[bool, ChunkClient]:
         """An idle connection to the owner (True: reused), or a new one whose epoch is
-        the owner's."""
+        the owner's.  An owner with no room for it (BUSY) is not away: with `wait`, a
+        connection given back meanwhile is taken (even `fresh`: it served a call just
+        now), or a new one tried again after a growing pause, for BUSY_S at most."""
         with self._lock:
             owner = self.owner
             if owner is not None and owner.why_not() is None and self._idle and not fresh:
@@ -222,13 +232,23 @@ class RemoteMembers:
         if away is not None and time.monotonic() < away[0]:
             raise OSError(errno.EIO, away[1])
         last: Exception | None = None
-        for attempt in range(2):
+        until, pause = time.monotonic() + min(self.timeout, BUSY_S), BUSY_PAUSE_S
+        refreshed = False
+        while True:
             why = owner.why_not()
             if why is not None:
                 raise self._failed("", owner, why)
             host, _, port = owner.addr.rpartition(":")
             try:
                 client = ChunkClient(host, int(port), self.key, self.pool_uuid, self.timeout)
+            except Busy as e:
+                if not wait or time.monotonic() + pause > until:
+                    raise self._busy(owner, e) from None
+                kept = self._given_back(pause)
+                if kept is not None:
+                    return True, kept
+                pause = min(2 * pause, BUSY_PAUSE_MAX_S)
+                continue
             except (OSError, WireError) as e:
                 last = e
             else:
@@ -238,13 +258,31 @@ class RemoteMembers:
                 client.close()
                 last = OSError(errno.ESTALE, f"it answers under epoch {client.epoch}, the "
                                f"pool's store gives it {owner.epoch}")
-            if attempt == 0:  # it may have come back since the view was read
-                tried, owner = owner, self._refreshed()
-                if (owner.addr, owner.epoch) == (tried.addr, tried.epoch):
-                    break  # (the same node at the same address: no second wait)
+            if refreshed:
+                break
+            refreshed = True  # it may have come back since the view was read
+            tried, owner = owner, self._refreshed()
+            if (owner.addr, owner.epoch) == (tried.addr, tried.epoch):
+                break  # (the same node at the same address: no second wait)
         failed = self._failed(f"cannot be reached at {owner.addr} ({last})", owner)
         self._away = (time.monotonic() + AWAY_S, str(failed.strerror))
         raise failed
+
+    def _given_back(self, seconds: float) -> ChunkClient | None:
+        """A kept connection, waited for `seconds` at most (another call's, given back)."""
+        with self._returned:
+            if not self._idle:
+                self._returned.wait(seconds)
+            return self._idle.pop() if self._idle else None
+
+    def _busy(self, owner: Owner, busy: Busy) -> OSError:
+        """EBUSY naming the node, which is up with no room for another connection of
+        ours now; logged once while it lasts."""
+        text = f"node {owner.node} is busy: {busy.strerror}"
+        if self._said != text:
+            self._said = text
+            log.warning("%s", text)
+        return OSError(errno.EBUSY, text)
 
     def _refreshed(self) -> Owner:
         try:
@@ -263,6 +301,7 @@ class RemoteMembers:
             if self.owner is not None and client.epoch == self.owner.epoch \
                     and len(self._idle) < IDLE_CONNS:
                 self._idle.append(client)
+                self._returned.notify()
                 return
         client.close()
 

@@ -13,6 +13,10 @@ IPsec); kernel TLS, which keeps sendfile's zero copy, would lift it:
     client -> server   PROOF  client proof
     server -> client   b"MXOK" (or the connection closes: a wrong key, another pool)
 
+A service holding as many connections as it may answers the HELLO with BUSY (b"MXBZ",
+in the challenge's place) and closes: the peer is a node told to try again (an idle
+connection of its own, or a new one in a moment), not one told the service is gone.
+
 A proof is HMAC-SHA256 of the key over a role, the pool uuid and both nonces; fresh
 nonces on both sides make a recorded exchange worthless.  The server's epoch (its lease's,
 `meta/lease.py`) rides in the challenge and in every reply, so a reader can refuse
@@ -96,6 +100,7 @@ HELLO = struct.Struct("!4sH16s16s")  # magic, version, pool uuid, client nonce
 CHALLENGE = struct.Struct("!4sH16s32sQ")  # magic, version, server nonce, proof, epoch
 PROOF = struct.Struct("!32s")
 ACCEPT = b"MXOK"
+BUSY = b"MXBZ"  # (in CHALLENGE's place) no room now: try again
 TAG = 4  # bytes of a request's tag
 READ = struct.Struct("!4sQIQQ")  # b"READ", inode, member, offset, length
 READ_BODY = struct.Struct("!QIQQ")  # (READ past its tag)
