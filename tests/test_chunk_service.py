@@ -778,3 +778,95 @@ def test_peers_are_counted_by_address_loopback_as_one_and_ipv6_by_its_64() -> No
         == "2001:db8::/64"
     assert peer_of(a("2001:db8:0:1::1"), 700) != peer_of(a("2001:db8::1"), 700)
     assert peer_of(a("10.0.0.5"), 40000) == "10.0.0.5" + UNRESERVED
+
+
+def test_a_users_busy_turns_hold_no_aborts_of_her_nodes(serving: Mounted,
+                                                         tmp_path: Path) -> None:
+    """alice's turns at the writer are all held by long KV waits from her nodes.  An
+    abort a node sends for her only frees her own file there: answered at once, not in
+    her turn; a node sends each user's aborts apart from her slots there, so bob's do
+    not queue behind hers (his dropped file's size stayed reserved meanwhile).  And a
+    forwarded request the writer left unanswered past the timeout ends its own
+    connection, not the node's others (each then paid a new handshake)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import trio
+    import trio.testing
+
+    from mxfs.fs.node_files import ForwardedFiles
+    from mxfs.pool.remote import Owner, RemoteMembers
+    from mxfs.proto.chunk_wire import KPUT_SHARED
+    from mxfs.vol.access import Caller
+    from mxfs.vol.volume import Volume
+
+    host, port, pool = _service(serving)
+    key = load_key(serving.members[0])
+    root, alice, bob = (0, 0, []), (1000, 1000, []), (1001, 1001, [])
+    with ChunkClient(host, port, key, pool) as c:
+        c.kv_put(root, "abortq", 0o777, True, b"x", b"v")
+        # (root computes "y": others' waits for it last until it is put)
+        assert c.kv_keys(b"KCLM", root, "abortq", KPUT_SHARED, [b"y"], 60_000,
+                         b"r" * 16) == bytes([0])
+        epoch = c.epoch
+
+    def wait(who: tuple[int, int, list[int]]) -> bytes:
+        with ChunkClient(host, port, key, pool, timeout=90) as c:
+            return c.kv_keys(b"KWAI", who, "abortq", KPUT_SHARED, [b"y"], 60_000, bytes(16))
+
+    def turns_full() -> bool:  # (a request of hers gets no turn: all 8 are waiting)
+        with ChunkClient(host, port, key, pool, timeout=1) as c:
+            try:
+                c.kv_request(alice, "kv_stats", {"namespace": "abortq"})
+            except BlockingIOError:
+                return True
+            return False
+
+    members = make_members(tmp_path, 2)
+    mkfs(members)
+    vol = Volume.open(members[0])
+    with ThreadPoolExecutor(8) as waits:
+        waiting = [waits.submit(wait, alice) for _ in range(8)]
+        try:
+            assert eventually(turns_full)
+            with ChunkClient(host, port, key, pool, timeout=15) as c:
+                with pytest.raises(OSError) as e:  # (no node "b" alive: refused, at once)
+                    c.kv_request(alice, "node_abort", {"ino": 5, "node": ["b", 1]})
+                assert e.value.errno == errno.ESTALE
+
+            # A node's aborts of both users while alice's slots there are all busy.
+            remote = RemoteMembers(key, pool, lambda: Owner("a", f"{host}:{port}", epoch,
+                                                            True), timeout=2)
+            vol.pool.node, vol.pool.remote = "b", remote
+            files = ForwardedFiles(vol)
+            files.abort_later(Caller(1, 1000, 1000, frozenset({1000})), ino=5)
+            files.abort_later(Caller(1, 1001, 1001, frozenset({1001})), ino=6)
+
+            async def main() -> None:
+                freed = trio.Event()
+
+                async def busy() -> None:
+                    async with files._asks.slot(1000):
+                        await freed.wait()
+                async with trio.open_nursery() as nursery:
+                    for _ in range(3):
+                        nursery.start_soon(busy)
+                    await trio.testing.wait_all_tasks_blocked()
+                    with trio.move_on_after(20):  # (a bound, not a timing)
+                        await files.send_aborts()
+                    freed.set()
+            trio.run(main)
+            assert not files._aborts, "aborts waited for alice's turns"
+
+            remote.top_up(2)
+            kept = len(remote._idle)
+            with pytest.raises(OSError) as e:  # (bob's wait, past the 2 s timeout)
+                remote.kv_keys(b"KWAI", bob, "abortq", KPUT_SHARED, [b"y"], 10_000,
+                               bytes(16))
+            assert e.value.errno == errno.EIO
+            assert len(remote._idle) == kept - 1, "the node's other connections were closed"
+            remote.close()
+        finally:
+            with ChunkClient(host, port, key, pool) as c:  # (the waits end)
+                c.kv_put(root, "abortq", 0o777, True, b"y", b"w")
+            vol.store.close()
+        assert [w.result() for w in waiting] == [bytes([1])] * 8

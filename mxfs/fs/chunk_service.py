@@ -613,7 +613,10 @@ class ChunkService:
                               "for less (kv_list: a page at a time)")
             return 0, out
 
-        code, said = await self._judged(f"KV {op[:32]} from a node", answer, caller.uid)
+        # (A node's abort only drops that caller's own file of that node: not in her
+        # turn, where her busy waits held every user's aborts queued behind hers.)
+        code, said = await self._judged(f"KV {op[:32]} from a node", answer, caller.uid,
+                                        op != "node_abort")
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _chunk_op(self, stream: trio.SocketStream, tag: bytes) -> None:

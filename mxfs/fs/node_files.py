@@ -106,6 +106,7 @@ NAME_OPS = ("node_mkdir", "node_mknod", "node_symlink", "node_link", "node_unlin
 XATTR_OPS = ("node_setxattr", "node_removexattr")
 GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
+ABORTS_AT_ONCE = 2  # ... and its aborts, on threads apart from those
 PATH_MAX = 4095  # bytes of a symbolic link's target, as the kernel allows
 REMEMBERED = 4096  # creates and commits the writer remembers, to answer a repeat the same
 REMEMBERED_PER_USER = 256  # ... of one user's through one node
@@ -573,6 +574,7 @@ class ForwardedFiles:
         # behind its own, not everyone's.
         self._asks = RoundRobin(ASKS_AT_ONCE, ASKS_AT_ONCE - 1)
         self._threads = trio.CapacityLimiter(ASKS_AT_ONCE)
+        self._abort_threads = trio.CapacityLimiter(ABORTS_AT_ONCE)  # (not the asks')
         self._aborts: dict[tuple[str, object], tuple[Caller, dict[str, Any]]] = {}
         self.writing: set[int] = set()  # files callers here hold descriptors of
 
@@ -600,20 +602,39 @@ class ForwardedFiles:
         self._aborts[(key, what)] = (caller, {key: what, "node": self._node()})
 
     async def send_aborts(self) -> None:
-        """(Once a second.)  The aborts not yet sent; those that fail to reach the
-        writer are kept for the next round."""
+        """(Once a second.)  The aborts not yet sent, each user's in a task of her own,
+        outside her slots here and her turns at the writer (an abort only frees: the
+        writer drops the sender's own file of this node, nothing else): a tenant whose
+        turns are all busy held every other user's aborts behind hers, their declared
+        sizes reserved against their quotas meanwhile.  A user's abort that fails to
+        reach the writer goes to the back, her others wait for the next round."""
         epoch = self._node()
+        by_user: dict[int, list[tuple[str, object]]] = {}
         for key, (caller, body) in list(self._aborts.items()):
             if body["node"] != epoch:  # (the writer drops the old epoch's files itself)
                 del self._aborts[key]
                 continue
+            by_user.setdefault(tenant_of(caller.uid), []).append(key)
+        async with trio.open_nursery() as nursery:
+            for keys in by_user.values():
+                nursery.start_soon(self._send_aborts_of, keys)
+
+    async def _send_aborts_of(self, keys: list[tuple[str, object]]) -> None:
+        """One user's aborts, in order, until one fails to reach the writer."""
+        remote = self._remote()
+        for key in keys:
+            if key not in self._aborts:
+                continue
+            caller, body = self._aborts[key]
             try:
-                await self.ask(caller, "node_abort", body)
+                await trio.to_thread.run_sync(remote.kv_request, as_sent(caller),
+                                              "node_abort", body, limiter=self._abort_threads)
             except OSError as e:
-                if not answered(e):
-                    continue  # the writer not reached: again next round
+                if not answered(e):  # the writer not reached: again next round, last
+                    self._aborts[key] = self._aborts.pop(key)
+                    return
                 log.info("the writer refused to drop unpublished file %s: %s", key[1], e)
-            del self._aborts[key]
+            self._aborts.pop(key, None)
 
     async def run_aborts(self) -> None:
         """(A task of the daemon.)  `send_aborts` once a second, apart from the rest of

@@ -13,10 +13,12 @@ A node cut off (a link down, a partition) fails a request in UNACKED_S at most a
 connection in CONNECT_S (`io/chunk_client.py`); its idle connections are dropped with
 the first that failed (each would wait as long), and for AWAY_S after a connection
 could not be made every call fails at once, so readers of a node that cannot be
-reached get EIO in seconds, not one wait after another.  An owner that answers BUSY
-(its service holds as many connections as it may) is up: nothing is marked away, and
-a call waits for a connection another call gives back, or tries again after a growing
-pause, for BUSY_S at most, then fails EBUSY naming the node.
+reached get EIO in seconds, not one wait after another.  A request the owner took but
+left unanswered past the timeout ends its own connection alone: the owner is busy,
+not gone.  An owner that answers BUSY (its service holds as many connections as it
+may) is up too: nothing is marked away, and a call waits for a connection another
+call gives back, or tries again after a growing pause, for BUSY_S at most, then fails
+EBUSY naming the node.
 
 Each owner's requests run on threads of its own (`submit`, FAR_THREADS): a slow owner
 (a throttled link, a busy disk) holds those, never the I/O threads that this node's
@@ -185,7 +187,7 @@ class RemoteMembers:
                 self._give_back(client)
                 return out
             client.close()
-            if not reused:
+            if not reused or _unanswered(failed):
                 raise self._failed(f"{what} ({failed})") from None
             self.close()  # (kept connections to it would fail as this one did)
             reused, client = self._client(fresh=True)
@@ -318,3 +320,11 @@ class RemoteMembers:
             self._said = kind
             log.error("%s: stripes on its members read EIO", text)
         return OSError(errno.EIO, text)
+
+
+def _unanswered(e: Exception) -> bool:
+    """Whether `e` is a request the owner took but did not answer within the receive
+    timeout (SO_RCVTIMEO: EAGAIN): it is busy, not gone, so its other connections are
+    kept (one forwarded wait that ran long closed them all) and it is not asked again
+    (another wait as long)."""
+    return isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
