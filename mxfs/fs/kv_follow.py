@@ -20,11 +20,12 @@ so a copy is only lent: the daemon keeps a descriptor of it and cuts it to nothi
 LEND_S seconds later (it is sealed against writes and growth, not shrinking), and one
 user (her subordinate uids with her, `vol/tenants.py`) has at most
 `max_kv_lent_per_user` bytes lent at once, each copy counted in whole
-pages and one more (its descriptor and the kernel's own), and LENT_PER_USER copies
-(past either, a miss); a key asked for twice in one get is copied once.  A caller
-reads its copy at once; one that keeps it past LEND_S reads a short file, which its
-checksums refuse.  Namespaces (their owners and modes) are read from the
-store on each request, so access is judged as the writer judges it.
+pages and one more (its descriptor and the kernel's own), and LENT_PER_USER copies,
+and all users together `max_kv_lent` with the chunks being put (past any, a miss);
+a key asked for twice in one get is copied once.  A caller reads its copy at once;
+one that keeps it past LEND_S reads a short file, which its checksums refuse.
+Namespaces (their owners and modes) are read from the store on each request, so
+access is judged as the writer judges it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import Msg, bool_field, int_field
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_views import FollowerViews
-from mxfs.fs.limits import Limits
+from mxfs.fs.limits import Limits, NodeHeld
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Answer, Session
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
@@ -116,8 +117,11 @@ def _charge(size: int) -> int:
 
 class FollowerKV:
     def __init__(self, vol: Volume, index: KVIndex, limits: Limits,
-                 limiter: trio.CapacityLimiter, remote: RemoteReads | None = None) -> None:
+                 limiter: trio.CapacityLimiter, remote: RemoteReads | None = None,
+                 held: NodeHeld | None = None) -> None:
+        """`held`: the node's count of memory held for KV users (shared with its puts)."""
         self.vol, self.index, self.limits, self.limiter = vol, index, limits, limiter
+        self.held = held or NodeHeld(limits.max_kv_lent)
         self.remote = remote  # scoped connections to the writer (`fs/remote_reads.py`)
         self.lookups = StoreWorker(vol.pool.meta_location, wait_s=SERVE_WAIT_S)
         self.views = FollowerViews(  # `kv_view` here
@@ -142,6 +146,7 @@ class FollowerKV:
             finally:
                 os.close(fd)
             self.lent_by_uid[uid] -= charge
+            self.held.held -= charge
             if self.lent_by_uid[uid] <= 0:
                 del self.lent_by_uid[uid]
             self.copies_by_uid[uid] -= 1
@@ -152,15 +157,17 @@ class FollowerKV:
         charge = _charge(size)
         self._lent.append((time.monotonic() + LEND_S, os.dup(fd), uid, charge))
         self.lent_by_uid[uid] += charge
+        self.held.held += charge
         self.copies_by_uid[uid] += 1
 
     def _may_lend(self, uid: int, nbytes: int, copies: int) -> bool:
         """Whether `copies` copies of `nbytes` in all (`_charge`d) more may be made for
         `uid`: counting what is lent and what other requests of its are copying now
-        (eight gets at once each passed a check that counted only what was lent)."""
+        (eight gets at once each passed a check that counted only what was lent), and
+        what the node holds for every user (`max_kv_lent`)."""
         return uid == 0 or (
             self.lent_by_uid[uid] + self._copying[uid] + nbytes <=
-            self.limits.max_kv_lent_per_user and
+            self.limits.max_kv_lent_per_user and self.held.room(nbytes) and
             self.copies_by_uid[uid] + self._copying_n[uid] + copies <= LENT_PER_USER)
 
     async def _lookup(self, msg: Msg, session: Session, keys: list[bytes], chunks: bool
@@ -283,9 +290,11 @@ class FollowerKV:
             todo.append((slot, node, sums))
         self._copying[uid] += copied
         self._copying_n[uid] += len(seen)
+        self.held.held += copied
         try:
             return await self._copy_all(space, uid, todo, out, inline_max)
         finally:
+            self.held.held -= copied
             self._copying[uid] -= copied
             self._copying_n[uid] -= len(seen)
             if self._copying[uid] <= 0:

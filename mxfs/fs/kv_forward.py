@@ -14,7 +14,8 @@ descriptors, so nothing a caller holds is ever sent on.
 A memfd's pages are memory this node holds for the caller, so one user (her
 subordinate uids with her, `vol/tenants.py`) has at most
 `max_kv_lent_per_user` bytes of them at once (the limit of KV copies lent to it,
-`fs/kv_follow.py`), and each goes once its commit is answered or its connection
+`fs/kv_follow.py`), all users with those copies `max_kv_lent` (past it, ENOMEM), and
+each goes once its commit is answered or its connection
 closes.
 
 Claims and waits (`fs/kv_claims.py`) go to the writer too (KCLM, KWAI), each
@@ -63,7 +64,7 @@ from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field
 from mxfs.fs.kv_claims import CLAIM_S, MAX_CLAIM_S
 from mxfs.fs.kv_fields import keys_field
-from mxfs.fs.limits import Limits
+from mxfs.fs.limits import Limits, NodeHeld
 from mxfs.fs.session import Answer, Reply, Session
 from mxfs.io.layout import Layout
 from mxfs.pool.remote import RemoteMembers
@@ -116,11 +117,13 @@ class ForwardedKV:
 
     def __init__(self, remote: RemoteMembers | None, limits: Limits,
                  node: Callable[[], tuple[str, int]],
-                 stored: Callable[[str, bytes], None]) -> None:
+                 stored: Callable[[str, bytes], None], held: NodeHeld | None = None) -> None:
         """`node`: this node's name and its lease's epoch, now; `stored(namespace,
-        key)`: a put sent on is stored (this node's presence tables show it at once)."""
+        key)`: a put sent on is stored (this node's presence tables show it at once);
+        `held`: the node's count of memory held for KV users (shared with its copies)."""
         self.remote = remote
         self.limits = limits
+        self.held = held or NodeHeld(limits.max_kv_lent)
         self.node = node
         self.stored = stored
         self._senders = RoundRobin(SENDERS, SENDERS_PER_USER)
@@ -184,6 +187,10 @@ class ForwardedKV:
             raise OSError(errno.ENOSPC, f"uid {uid} is writing {self.held_by_uid[uid]} bytes "
                           "of KV chunks on this node, the limit (max_kv_lent_per_user): "
                           "commit those first")
+        if not self.held.room(size):
+            raise OSError(errno.ENOMEM, f"this node holds {self.held.held} bytes of KV "
+                          "chunks and copies for its users, the limit (max_kv_lent): try "
+                          "again once some are committed, or put on the writer")
         fd = os.memfd_create("mxfs-kv-put", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
@@ -196,6 +203,7 @@ class ForwardedKV:
         handle = next(self._handles)
         self._pending.setdefault(id(session), {})[handle] = _Pending(fd, size, uid)
         self.held_by_uid[uid] += size
+        self.held.held += size
         self.count_by_uid[uid] += 1
         layout = Layout(_MEMFD_UNIT, 1, 0, 1)
         return {"exists": False, "ino": handle, "layout": layout.describe(),
@@ -327,6 +335,7 @@ class ForwardedKV:
             return
         os.close(pending.fd)
         self.held_by_uid[pending.tenant] -= pending.size
+        self.held.held -= pending.size
         self.count_by_uid[pending.tenant] -= 1
         if self.count_by_uid[pending.tenant] <= 0:
             del self.held_by_uid[pending.tenant], self.count_by_uid[pending.tenant]

@@ -30,7 +30,7 @@ from mxfs.fs.kv_claims import CLAIM_S, Claims
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
 from mxfs.fs.kv_follow import COPIERS, FollowerKV
 from mxfs.fs.kv_forward import ForwardedKV
-from mxfs.fs.limits import Limits
+from mxfs.fs.limits import Limits, NodeHeld
 from mxfs.fs.member_calls import MemberCalls
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
@@ -169,11 +169,12 @@ class KVOps:
         self._holder_nodes: dict[bytes, tuple[str, int]] = {}
         self._table: dict[str, Handler] | None = None  # (other nodes' KREQs: handlers())
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
+        held = NodeHeld(self.limits.max_kv_lent)  # (what both hold of its memory)
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
-                                   remote) if vol.pool.node else None
+                                   remote, held) if vol.pool.node else None
         # ... and its puts, sent on to the writer (fs/kv_forward.py).
         self.forward = ForwardedKV(vol.pool.remote, self.limits, self._node,
-                                   self.follower.views.put) if self.follower else None
+                                   self.follower.views.put, held) if self.follower else None
 
     def view_fds(self) -> int:
         """Descriptors the presence tables hold (the writer's index's, or a reading

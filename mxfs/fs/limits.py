@@ -41,6 +41,7 @@ class Limits:
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
     max_chunks_per_user: int = 1 << 20  # KV chunks one uid has put, in any namespace (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid
+    max_kv_lent: int = 4 << 30      # ... of copies lent and puts held, all uids together
     max_kv_claims_per_user: int = 16384  # KV keys one uid claims to compute at once
     max_kv_views: int = 4096        # namespaces' presence tables (`kv_view`; 2 fds each)
     max_kv_views_per_user: int = 512  # ... those one uid's views made
@@ -77,6 +78,20 @@ class Limits:
                     raise ValueError(name)
                 given[name] = value
         return cls(**given)
+
+
+@dataclass
+class NodeHeld:
+    """Bytes of a reading node's memory held for its KV users, all together: copies
+    lent (`fs/kv_follow.py`) and chunks being put (`fs/kv_forward.py`), one count
+    bounded by `max_kv_lent` (each user bounded alone, N tenants held N times that)."""
+
+    most: int
+    held: int = 0
+
+    def room(self, n: int) -> bool:
+        """Whether `n` bytes more stay within the bound."""
+        return self.held + n <= self.most
 
 
 def raise_fd_limit() -> int:
