@@ -134,8 +134,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """Read one message and the descriptors that came with it (blocking)."""
-    head, anc, flags, _addr = sock.recvmsg(HEADER.size, ancillary_space())
+    """Read one message and the descriptors that came with it (blocking).  They
+    arrive close-on-exec (as every descriptor Python opens): inherited, a program
+    the client runs kept a hidden file's write descriptors (its commit refused
+    until that exited) or a root launcher's read ones."""
+    head, anc, flags, _addr = sock.recvmsg(HEADER.size, ancillary_space(),
+                                           socket.MSG_CMSG_CLOEXEC)
     if not head:
         raise ConnectionError("control socket closed")
     fds = fds_from_ancdata(anc)
