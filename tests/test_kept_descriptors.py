@@ -4,12 +4,16 @@ hostile user keeps them: past exec, or turned into ones the kernel's lease count
 
 from __future__ import annotations
 
+import array
 import fcntl
 import os
+import socket
+import tempfile
 from collections.abc import Iterator
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, module_pool
+from conftest import HAVE_FUSE, Mounted, eventually, module_pool
+from users import run_as
 
 from mxfs.client import ControlClient
 
@@ -38,3 +42,91 @@ def test_descriptors_a_client_receives_are_not_inherited_across_exec(pool: Mount
             for fd in read + write:
                 os.close(fd)
             c.call("abort", ino=made["ino"])
+
+
+# As nobody: what the daemon handed her turned into O_PATH descriptors (which read
+# nothing, and which no lease probe sees), the originals closed, and those sent to the
+# test (argv[1]) so that it holds them once she exits.
+HAND_BACK = """
+import array, base64, socket
+def hand_back(fds):
+    paths = [os.open(f"/proc/self/fd/{fd}", os.O_PATH) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    s.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                        array.array("i", paths).tobytes())])
+    s.close()
+    print(json.dumps(len(paths)))
+"""
+
+OPEN_READ = HAND_BACK + """
+with mxfs.client.ControlClient(os.path.dirname(sys.argv[2])) as c:
+    hand_back(c.call_with_fds("open_read", path=c.pool_path(sys.argv[2]))[1])
+"""
+
+KV_GET = HAND_BACK + """
+from mxfs.kv import KVStore
+with KVStore(sys.argv[2], "kept") as kv:
+    kv.put("k", b"v" * (8 << 20))
+    key = base64.b64encode(b"k").decode()
+    hand_back(kv.client.call_with_fds("kv_get", namespace="kept", shared=False, keys=[key],
+                                      inline_max=0, odirect=False)[1])
+"""
+
+KV_EVICT = """
+from mxfs.kv import KVStore
+with KVStore(sys.argv[1], "kept") as kv:
+    print(json.dumps(kv.evict(0)))
+"""
+
+
+def _kept_as_o_path(script: str, target: str) -> list[int]:
+    """The O_PATH descriptors nobody made by `script` of what she was handed for
+    `target` (now held by this process alone)."""
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o777)
+        where = os.path.join(d, "back")
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(where)
+            os.chmod(where, 0o777)
+            listener.listen(1)
+            count = run_as(None, script, where, target)
+            conn, _ = listener.accept()
+            with conn:
+                _, anc, _, _ = conn.recvmsg(1, socket.CMSG_SPACE(4 * count))
+    fds = array.array("i")
+    for _level, _kind, data in anc:
+        fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    assert len(fds) == count > 0
+    return list(fds)
+
+
+@pytest.mark.parametrize("how", ["open_read", "kv_get"])
+def test_an_o_path_descriptor_keeps_no_removed_files_space(pool: Mounted, how: str) -> None:
+    """The daemon asks whether anyone holds a chunk file by a write lease, and the
+    kernel counts only descriptors that may read or write: an O_PATH one a user made of
+    one she was handed (`/proc/self/fd/N`) went unseen, and kept a removed or evicted
+    file's blocks for as long as she held it, outside every quota and KV capacity.  A
+    chunk file is cut to nothing before it is removed now: her descriptor keeps none."""
+    if how == "open_read":
+        path = pool.path / "read-then-kept-as-a-path"
+        path.write_bytes(os.urandom(8 << 20))
+        path.chmod(0o644)
+        fds = _kept_as_o_path(OPEN_READ, str(path))
+    else:
+        fds = _kept_as_o_path(KV_GET, str(pool.path))
+    try:
+        assert sum(os.fstat(fd).st_blocks for fd in fds) * 512 >= 4 << 20
+        if how == "open_read":
+            path.unlink()
+        else:
+            assert run_as(None, KV_EVICT, str(pool.path)) == 1
+        assert eventually(lambda: all(os.fstat(fd).st_nlink == 0 for fd in fds))
+        assert eventually(lambda: all(os.fstat(fd).st_blocks == 0 for fd in fds)), \
+            [os.fstat(fd).st_blocks for fd in fds]
+    finally:
+        for fd in fds:
+            os.close(fd)
+

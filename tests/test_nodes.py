@@ -1635,10 +1635,18 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
             assert _cold(a.path / "models" / "m.bin") == model[:200_000]
             assert eventually(lambda: _cold(b.path / "models" / "m.bin") == model[:200_000],
                               15)
-            # Removed: its chunk files on b go too (freed after the commit).
-            (a.path / "models" / "m.bin").unlink()
-            assert eventually(lambda: not _chunk(theirs[0], ino).exists() and
-                              not _chunk(theirs[1], ino).exists(), 15)
+            # Removed: its chunk files on b go too (freed after the commit), cut first:
+            # a descriptor no lease probe sees (O_PATH, made of one handed out) kept
+            # an unlinked file's blocks for as long as it was held.
+            kept = [os.open(_chunk(folder, ino), os.O_PATH) for folder in theirs]
+            try:
+                (a.path / "models" / "m.bin").unlink()
+                assert eventually(lambda: not _chunk(theirs[0], ino).exists() and
+                                  not _chunk(theirs[1], ino).exists(), 15)
+                assert [os.fstat(fd).st_blocks for fd in kept] == [0, 0]
+            finally:
+                for fd in kept:
+                    os.close(fd)
             later = os.urandom(2 << 20)
             (a.path / "models" / "later.bin").write_bytes(later)
             (a.path / "models" / "gone.bin").write_bytes(os.urandom(1 << 20))
@@ -1661,11 +1669,14 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
             for folder in theirs:  # (as if b had been away two hours: strays once an hour old)
                 old = time.time() - 7200
                 os.utime(_chunk(folder, gone), (old, old))
-        # ... b removes them itself once back.
+        # ... b removes them itself once back (cut: a path held to one keeps nothing).
+        stray = os.open(_chunk(theirs[0], gone), os.O_PATH)
         with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
                         prefix=net.enter, check=False) as b:
             assert eventually(lambda: not _chunk(theirs[0], gone).exists() and
                               not _chunk(theirs[1], gone).exists(), 15)
+            assert os.fstat(stray).st_blocks == 0
+            os.close(stray)
             assert eventually(lambda: _cold(a.path / "models" / "later.bin") == later, 20)
             assert _cold(b.path / "models" / "later.bin") == later
             assert _chunk(theirs[0], _used(a, a.path / "models" / "later.bin")[0]).exists()

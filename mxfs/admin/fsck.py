@@ -19,6 +19,7 @@ from functools import partial
 from mxfs.io import Layout
 from mxfs.meta import ROOT_INO, MetaStore, check
 from mxfs.meta.survey import inode_numbers, path_of, sealed_files
+from mxfs.pool.pool import unlink_cut
 from mxfs.text import shown
 from mxfs.vol.volume import Volume
 from mxfs.vol.xattrs import ACL_PREFIX
@@ -118,7 +119,7 @@ def _chunk_findings(vol: Volume, repair: bool) -> list[Finding]:
         if ino not in inodes or not store.get(ino).is_reg:
             f = Finding("stray chunk file", f"{path} belongs to no file: removed")
             if repair:
-                os.unlink(path)
+                unlink_cut(path)  # (a descriptor kept past the daemon keeps nothing)
                 f.repaired = True
             out.append(f)
             continue

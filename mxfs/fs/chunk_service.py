@@ -76,6 +76,7 @@ from mxfs.fs.limits import Limits, fd_limit
 from mxfs.fs.member_calls import MemberCalls
 from mxfs.io import PAGE
 from mxfs.io.residency import cached_pages
+from mxfs.pool.pool import unlink_cut
 from mxfs.proto.chunk_wire import (
     ACCEPT,
     ANSWER,
@@ -671,10 +672,21 @@ class ChunkService:
             await trio.to_thread.run_sync(self.vol.held.hold, ino)
             return 0, b""
         path = pool.chunk_path(member, ino)
+        if tag == b"REMV":
+            await trio.to_thread.run_sync(self._remove, ino, member, path)
+            return 0, b""
         await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data)
         if data is not None:
             self.written_bytes += len(data)
         return 0, b""
+
+    def _remove(self, ino: int, member: int, path: str) -> None:
+        """(A worker thread.)  REMV: as on the writer (`Volume._remove_chunk_files`),
+        a chunk file this node's direct readers hold goes aside for them a grace (kept
+        as root's: the owner is the writer's to know), and the rest is cut as it goes
+        (`unlink_cut`): an unlinked file an O_PATH descriptor held kept its blocks."""
+        self.vol.held.hold_read(ino, 0, [member])
+        unlink_cut(path)
 
     async def _judged(self, what: str, work: Callable[[], Awaitable[tuple[int, bytes]]],
                       uid: int | None = None, turn: bool = True) -> tuple[int, bytes]:
@@ -910,8 +922,8 @@ def _all_cached(fd: int, offset: int, n: int) -> bool:
 
 
 def _change_chunk(tag: bytes, path: str, offset: int, data: bytearray | None) -> None:
-    """(A worker thread.)  WRIT `data` at `offset`, SYNC (offset 1: data only), TRUN to
-    `offset` bytes if longer, or REMV the chunk file at `path`."""
+    """(A worker thread.)  WRIT `data` at `offset`, SYNC (offset 1: data only), or TRUN
+    to `offset` bytes if longer the chunk file at `path` (REMV: `_remove`)."""
     if tag == b"WRIT":
         assert data is not None
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -923,9 +935,7 @@ def _change_chunk(tag: bytes, path: str, offset: int, data: bytearray | None) ->
             os.close(fd)
         return
     try:
-        if tag == b"REMV":
-            os.unlink(path)
-        elif tag == b"TRUN":
+        if tag == b"TRUN":
             if os.stat(path).st_size > offset:
                 os.truncate(path, offset)
         else:  # SYNC

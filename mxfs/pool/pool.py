@@ -66,6 +66,20 @@ ALLOCATED_SLACK = 4 << 20  # blocks a chunk file may hold past its length (file 
                            # own: extent trees, an XFS's preallocation not yet trimmed)
 
 
+def unlink_cut(path: str) -> None:
+    """Blocking: cut the chunk file `path` to nothing, then remove it (missing: fine).
+    Only a removed file nobody holds open goes this way (those held are moved aside
+    first: `pool/revoke.py`), yet an O_PATH descriptor, which any user can make of one
+    she was handed (`/proc/self/fd/N`) and which no lease probe sees, kept the whole
+    unlinked file's blocks for as long as she liked; cut, they are freed whoever holds
+    a path to it (which reads nothing)."""
+    try:
+        os.truncate(path, 0)
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def overallocated(st: os.stat_result, length: int) -> bool:
     """Whether a chunk file holds blocks well past `length` bytes: reserved by a
     writer's fallocate(KEEP_SIZE), which a size check never sees."""
@@ -705,16 +719,14 @@ class Pool:
     def remove_chunks(self, ino: int, far: Sequence[int] = ()) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written).
         Those a reader or writer still holds open were moved aside first by the volume
-        (`Volume._remove_chunk_files`: cut after a grace, their space ends).  `far`:
+        (`Volume._remove_chunk_files`: cut after a grace, their space ends); the rest
+        are cut as they go (`unlink_cut`).  `far`:
         other nodes' members its layout uses, removed through their owners (blocking;
         an owner that cannot be reached keeps them, logged: its fsck finds them)."""
         for m in self.local_members():
             with self._created:  # (a create of it under way ends first: see `creating`)
                 self._created.wait_for(lambda: (m, ino) not in self._creating)  # noqa: B023
-            try:
-                os.unlink(self.chunk_path(m, ino))
-            except FileNotFoundError:
-                pass
+            unlink_cut(self.chunk_path(m, ino))
         for m in far:
             try:
                 self.remote_of(m).change(b"REMV", self.epoch(), ino, m)

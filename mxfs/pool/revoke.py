@@ -29,6 +29,11 @@ While they are readable they count as their owner's (`readable_of`: in the owner
 quota), and one that would take its owner past `may_keep` is cut at once instead:
 a user who removed or renewed files she kept lent to herself, over and over, held
 the pool's space outside every quota, a grace at a time.
+
+Whatever goes (a removed file nobody holds, a held one let go) is cut to nothing
+first (`pool.unlink_cut`): the kernel's lease counts miss an O_PATH descriptor, which
+a user makes of any she was handed (`/proc/self/fd/N`) and which reads nothing, yet
+keeps an unlinked file's blocks.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from mxfs.pool.pool import CHUNK_DIR, Pool
+from mxfs.pool.pool import CHUNK_DIR, Pool, unlink_cut
 
 log = logging.getLogger("mxfs.pool")
 
@@ -137,14 +142,15 @@ class Held:
         """Blocking: move `ino`'s chunk files aside (cut to nothing); how many moved."""
         return sum(self._hold(m, ino, cut=True) for m in self.pool.local_members())
 
-    def hold_read(self, ino: int, owner: int) -> int:
-        """Blocking, as a removed file's chunk files go: those someone holds open are
-        moved aside, uncut if only readers hold them (cut READ_GRACE_S later; at once
-        past what `owner` may keep), cut now and kept cut if a writer does (one whose
-        daemon died: its file was dropped with it); how many moved (the rest are the
-        caller's to remove)."""
+    def hold_read(self, ino: int, owner: int, members: Iterable[int] | None = None) -> int:
+        """Blocking, as a removed file's chunk files go (on `members`, this node's by
+        default): those someone holds open are moved aside, uncut if only readers hold
+        them (cut READ_GRACE_S later; at once past what `owner` may keep), cut now and
+        kept cut if a writer does (one whose daemon died: its file was dropped with
+        it); how many moved (the rest are the caller's to cut and remove:
+        `pool.unlink_cut`)."""
         moved = 0
-        for m in self.pool.local_members():
+        for m in self.pool.local_members() if members is None else members:
             path = self.pool.chunk_path(m, ino)
             if anyone_holds(path):
                 moved += self._hold(m, ino, cut=writers_remain([path]), owner=owner)
@@ -285,7 +291,7 @@ class Held:
                     if not self._readers_done(path, now):
                         kept.append(path)
                         continue
-                    os.unlink(path)
+                    unlink_cut(path)  # (an O_PATH holder, unseen, kept it all)
                     self._looked.pop(path, None)
                     self._let_go(path)
                     continue
@@ -295,7 +301,7 @@ class Held:
                     set_immutable(path, True)
                     kept.append(path)
                 else:
-                    os.unlink(path)
+                    unlink_cut(path)
             except FileNotFoundError:
                 self._let_go(path)
             except OSError as e:  # a member gone: kept, tried again next time

@@ -31,7 +31,7 @@ from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.key import load_key, read_key
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
-from mxfs.pool.pool import META_ROW, MemberCall
+from mxfs.pool.pool import META_ROW, MemberCall, unlink_cut
 from mxfs.pool.remote import Owner, RemoteMembers
 from mxfs.pool.revoke import Held
 from mxfs.proto.messages import MemberUsage
@@ -725,7 +725,7 @@ class Volume:
             inodes = inode_numbers(self.store)
             for member, ino in self.pool.iter_chunks():
                 if ino not in inodes:
-                    os.unlink(self.pool.chunk_path(member, ino))
+                    unlink_cut(self.pool.chunk_path(member, ino))
         for ino in self.store.orphans():
             if self.reader_epochs:  # (reading nodes may hold it open: freed once they
                 self._queue_reclaim(self.store.get(ino))  # told their holds again)
@@ -774,7 +774,7 @@ class Volume:
                 try:
                     if os.stat(path).st_mtime > cutoff:
                         continue
-                    os.unlink(path)
+                    unlink_cut(path)  # (any holder's descriptor keeps nothing)
                 except FileNotFoundError:
                     continue
                 removed += 1
