@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import array
 import fcntl
+import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, eventually, module_pool
+from conftest import HAVE_FUSE, Mounted, eventually, force_unmount, make_members, mkfs, module_pool
 from users import run_as
 
 from mxfs.client import ControlClient
@@ -130,3 +134,41 @@ def test_an_o_path_descriptor_keeps_no_removed_files_space(pool: Mounted, how: s
         for fd in fds:
             os.close(fd)
 
+
+NO_LEASES = [sys.executable, str(Path(__file__).with_name("no_leases.py"))]
+
+JUDGED = """
+import json, os, sys
+from mxfs.pool.revoke import anyone_holds, writers_remain
+path = os.path.join(sys.argv[1], "written")
+fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # (held for writing: as a writer's)
+print(json.dumps([writers_remain([path]), anyone_holds(path)]))
+"""
+
+
+@pytest.mark.unit
+def test_where_the_kernel_takes_no_leases_every_file_counts_as_held(tmp_path: Path) -> None:
+    """Where leases fail (`fs.leases-enable=0`, a file system without them) the probes
+    said nobody held the file: commits sealed files their writers still held, and
+    dropped files were cut and removed under them.  They fail closed now, and say why."""
+    res = subprocess.run([*NO_LEASES, sys.executable, "-c", JUDGED, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == [True, True], res.stderr
+    assert "takes no leases" in res.stderr  # (logged: why commits are refused)
+
+
+def test_a_pool_whose_members_take_no_leases_is_not_mounted(tmp_path: Path) -> None:
+    """Every descriptor the daemon hands out is judged by leases: where the members'
+    file system takes none the mount is refused, naming the fix."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    try:
+        res = subprocess.run([*NO_LEASES, sys.executable, "-m", "mxfs", "mount", members[0],
+                              str(mp)], capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0 and "takes no leases" in res.stderr and \
+            "fs.leases-enable=1" in res.stderr, res.stderr
+    finally:
+        force_unmount(str(mp))

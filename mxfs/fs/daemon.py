@@ -40,6 +40,8 @@ from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
 from mxfs.meta import MetaStore, Unusable, backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key, read_key
+from mxfs.pool.revoke import require_leases
+from mxfs.pool.superblock import superblock_path
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.mounts import (
     LOG_CAP,
@@ -122,6 +124,12 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
         reading = bool(vol.pool.node)  # a reading node (mxfs node add): it writes nothing
+        try:  # (the descriptors it hands out are judged by leases: pool/revoke.py)
+            require_leases(superblock_path(vol.pool.members[m].path)
+                           for m in vol.pool.local_members())
+        except MxfsError:
+            vol.close(clean=False)
+            raise
         if reading and "chunk_port" in own and not vol.pool.local_members():
             vol.close(clean=False)
             raise MxfsError(f"node {vol.pool.node} holds no members: it has no chunks to "

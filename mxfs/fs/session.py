@@ -19,7 +19,7 @@ from mxfs.fs.member_calls import MemberCalls
 from mxfs.io import PAGE
 from mxfs.meta import Inode
 from mxfs.pool.pool import Guard, overallocated
-from mxfs.pool.revoke import writers_remain
+from mxfs.pool.revoke import NO_LEASES_FIX, lease_trouble, writers_remain
 from mxfs.proto.messages import ReadFds
 from mxfs.vol.access import Caller
 from mxfs.vol.kv_index import Chunk
@@ -171,6 +171,11 @@ def refuse_if_writers(vol: Volume, pending: Pending) -> None:
     published file is sealed, and a kept descriptor would rewrite it behind its
     checksums (pool/revoke.py).  The file stays unpublished: close and commit again."""
     if writers_remain(chunk_paths(vol, pending.entry.node)):
+        trouble = lease_trouble()
+        if trouble is not None:
+            raise OSError(errno.ENOLCK, f"{trouble}: whether a descriptor for writing this "
+                          f"file is still open cannot be told, so it is not committed "
+                          f"({NO_LEASES_FIX})")
         raise OSError(errno.EBUSY, "a descriptor for writing this file is still open (in "
                       "this process or one it shared it with): close every one, then commit")
 

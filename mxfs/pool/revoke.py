@@ -49,6 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from mxfs.errors import MxfsError
 from mxfs.pool.pool import CHUNK_DIR, Pool, unlink_cut
 
 log = logging.getLogger("mxfs.pool")
@@ -57,7 +58,9 @@ HELD_DIR = "held"
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 READ_LOOK_S = 10  # how often one cut after its grace is asked whether it is let go
 _READ_MARK = ".r"  # (a held file's name: INO.STAMP, and this where only readers held it)
-_unsupported_warned = False
+NO_LEASES_FIX = "enable leases (sysctl -w fs.leases-enable=1), or put the member on a " \
+    "file system that takes them"
+_no_leases: str | None = None  # (`lease_trouble`)
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 
 
@@ -82,23 +85,58 @@ def set_immutable(path: str, on: bool) -> bool:
         os.close(fd)
 
 
+def require_leases(paths: Iterable[str]) -> None:
+    """Blocking, at mount: refuse a pool whose members' file systems take no leases
+    (`paths`: a file on each, its superblock), as the mount's one error naming the fix:
+    every descriptor the daemon hands out is judged by them (`writers_remain`,
+    `anyone_holds`), and where they fail those fail closed (commits refused, removed
+    files held) for good.  A file that cannot be opened is its member's to report."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        except BlockingIOError:
+            pass  # (someone writes it: leases work)
+        except OSError as e:
+            raise MxfsError(f"the file system of member {os.path.dirname(path)} takes no "
+                            f"leases ({os.strerror(e.errno or errno.EINVAL)}): the daemon "
+                            "could not tell when a descriptor it hands out is let go",
+                            NO_LEASES_FIX) from None
+        finally:
+            os.close(fd)
+
+
+def lease_trouble() -> str | None:
+    """Why the last lease probe could not tell (None: leases work): a refused commit
+    names it, not a writer that may not exist."""
+    return _no_leases
+
+
 def writers_remain(paths: Iterable[str]) -> bool:
     """Blocking: whether any of `paths` is open for writing by anyone (this process
-    included: the caller holds none).  Missing files have no writers.  A filesystem
-    without leases cannot tell: it answers False, with one warning."""
+    included: the caller holds none).  Missing files have no writers.  Where leases
+    fail (disabled since the mount), True: nothing is sealed or cut under a writer
+    nobody can see."""
     return any(_lease_refused(path, fcntl.F_RDLCK) for path in paths)
 
 
 def anyone_holds(path: str) -> bool:
     """Blocking: whether `path` is open anywhere (for reading or writing): the kernel
-    refuses a write lease then.  A missing file, or a filesystem without leases: no."""
+    refuses a write lease then.  A missing file: no; where leases fail: yes."""
     return _lease_refused(path, fcntl.F_WRLCK)
 
 
 def _lease_refused(path: str, lease: int) -> bool:
     """Whether the kernel refuses `lease` on `path` (someone holds it open for writing,
-    for F_RDLCK; open at all, for F_WRLCK), taken and given back at once."""
-    global _unsupported_warned
+    for F_RDLCK; open at all, for F_WRLCK), taken and given back at once.  Any other
+    failure counts as a refusal (fails closed), logged once while it lasts: it said
+    "nobody" before, and a commit sealed a file its writer still held, a drop cut
+    and removed a file still written."""
+    global _no_leases
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -109,13 +147,15 @@ def _lease_refused(path: str, lease: int) -> bool:
     except BlockingIOError:
         return True
     except OSError as e:
-        if not _unsupported_warned:
-            _unsupported_warned = True
-            log.warning("the filesystem of %s takes no leases (%s): descriptors kept past "
-                        "their file's change cannot be detected",
-                        path, os.strerror(e.errno or errno.EINVAL))
+        why = f"the file system of {path} takes no leases ({os.strerror(e.errno or 0)})"
+        if _no_leases is None:
+            log.warning("%s: commits are refused and removed files held until it does "
+                        "(%s)", why, NO_LEASES_FIX)
+        _no_leases = why
+        return True
     finally:
         os.close(fd)
+    _no_leases = None
     return False
 
 
