@@ -1086,6 +1086,61 @@ def test_store_worker_calls_take_turns_by_uid(tmp_path: Path) -> None:
     assert sorted(ran[3:]) == [f"hog{i}" for i in range(2, 8)]
 
 
+@pytest.mark.unit
+def test_a_chown_of_a_file_of_many_links_sums_them_off_the_thread(tmp_path: Path) -> None:
+    """A chown moves the file's names and xattrs from one owner's quota tally to the
+    other's; their sum (17 ms for 65,000 hard links) was taken on the daemon's thread,
+    as often as a user chowned.  It is taken on a worker's connection now: another
+    user's changes are made while it waits there, and a change to the file's own
+    names meanwhile has it summed again (the worker sees committed rows only)."""
+    from mxfs.fs.owned import OwnedSums
+    from mxfs.meta import MetaStore
+    from mxfs.meta.usage import NAME_ROW
+    from mxfs.vol.quota import Quota, Quotas
+
+    alice, bob, carol = 7001, 7002, 7003
+    MetaStore.format(str(tmp_path), "0" * 32, 1 << 20).close()
+    store = MetaStore.open(str(tmp_path))
+    store.group_changes(60)  # (the daemon's groups: rows a worker cannot see till commit)
+    quotas = Quotas(store)
+    quotas.set(str(bob), Quota(bytes=1 << 30))
+    node = store.create(1, b"f", 0o010644, alice, alice)  # (a fifo: no layout)
+    for i in range(1, 500):
+        store.link(node.ino, 1, b"f%04d" % i)
+    sums = OwnedSums(quotas, str(tmp_path))
+    gate = threading.Event()
+    done: list[tuple[int, int]] = []
+
+    def held(s: MetaStore) -> None:
+        gate.wait(10)
+
+    async def chown() -> None:
+        owned = await sums.of(node, bob, alice)
+        assert owned is not None
+        quotas.room_for_owner(node, bob, alice, owned)
+        store.set_attrs(node, uid=bob, owned=owned)
+        done.append(owned)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sums.worker.run, held, carol)  # (the worker busy first)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(chown)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not done  # (waiting for the worker: the thread is everyone's)
+            store.create(1, b"carols", 0o010644, carol, carol)  # (another user served)
+            store.link(node.ino, 1, b"late")  # (the file's names change meanwhile)
+            gate.set()
+
+    trio.run(main)
+    sums.worker.close()
+    names = sum(len(b"f%04d" % i) + NAME_ROW for i in range(1, 500)) + \
+        len(b"f") + len(b"late") + 2 * NAME_ROW
+    assert done == [(0, names)]  # (the late name in: summed again after it)
+    assert store.usage.names[bob] == names and store.usage.names[alice] == 0
+    store.close()
+
+
 def test_a_walk_through_long_link_chains_is_cut_short(pool: Mounted) -> None:
     """40 links of 1,600 components each would be 64,000 lookups on the daemon's
     thread for one request; past MAX_WALK components the walk is ELOOP."""

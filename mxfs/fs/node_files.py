@@ -69,6 +69,7 @@ from mxfs.fs.node_writes import (
     mount_open,
     mount_written,
 )
+from mxfs.fs.owned import OwnedSums
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool.pool import META_ROW
@@ -162,6 +163,8 @@ class NodeFiles:
         # A lent file's chunk files made anew before its access changes (the mount's
         # `MxfsOperations._renew`, its writes held meanwhile; set by the daemon).
         self.renew: Callable[[Inode, int], Awaitable[None]] | None = None
+        # What chowns move between owners, summed off the thread (`fs/owned.py`).
+        self.owned = OwnedSums(vol.quotas, vol.pool.meta_location)
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         # Commits answered for nodes, by (node, inode), each kept as its (node, user)'s.
@@ -414,12 +417,14 @@ class NodeFiles:
         store = self.vol.store
         row = store.get(int_field(msg, "ino"))
         mode = uid = gid = atime = mtime = None
+        owned = None
         if "uid" in msg or "gid" in msg:
             uid = int_field(msg, "uid") if "uid" in msg else None
             gid = int_field(msg, "gid") if "gid" in msg else None
             may_chown(row, caller, uid, gid)
+            owned = await self.owned.of(row, uid, caller.uid)
             if uid is not None and uid != row.uid:
-                self.vol.quotas.room_for_owner(row, uid, caller.uid)
+                self.vol.quotas.room_for_owner(row, uid, caller.uid, owned)
         if "mode" in msg:
             mode = stat.S_IFMT(row.mode) | may_chmod(row, caller, int_field(msg, "mode"), gid)
         if "atime_ns" in msg or "mtime_ns" in msg:
@@ -430,7 +435,7 @@ class NodeFiles:
                 row.takes_read(mode, uid, gid):
             await self.renew(row, caller.uid)
         store.set_attrs(row, mode=mode, uid=uid, gid=gid, atime_ns=atime, mtime_ns=mtime,
-                        ctime_ns=time.time_ns())
+                        ctime_ns=time.time_ns(), owned=owned)
         store.commit()
         if self.inode_changed is not None:
             await self.inode_changed(row.ino)

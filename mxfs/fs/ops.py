@@ -37,6 +37,7 @@ from mxfs.fs.member_calls import MemberSpace
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.mount_writes import MountWrites, Written
 from mxfs.fs.node_files import ForwardedFiles
+from mxfs.fs.owned import OwnedSums
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
@@ -166,6 +167,8 @@ class MxfsOperations(pyfuse3.Operations):
         self.reads = StoreWorker(volume.pool.meta_location, wait_s=SERVE_WAIT_S,
                                  prepare=lambda s: s.read_beside(volume.store)) \
             if self.store.follow else None
+        # What a writer's chowns move between owners, summed off the thread.
+        self.owned = OwnedSums(volume.quotas, volume.pool.meta_location)
         self.control_path = control_path
         self.noatime = noatime
         self.handles: dict[int, Handle] = {}
@@ -336,9 +339,11 @@ class MxfsOperations(pyfuse3.Operations):
         if self.names is not None:  # a reading node
             return await self._setattr_node(inode, attr, fields, fh, ctx)
         node = self.store.get(inode)
+        owned = await self.owned.of(node, attr.st_uid if fields.update_uid else None,
+                                    ctx.uid)
         now = time.time_ns()
         if fields.update_uid and attr.st_uid != node.uid:  # (before anything changes)
-            self.vol.quotas.room_for_owner(node, attr.st_uid, ctx.uid)
+            self.vol.quotas.room_for_owner(node, attr.st_uid, ctx.uid, owned)
         if fields.update_size:
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
@@ -361,7 +366,8 @@ class MxfsOperations(pyfuse3.Operations):
             uid=attr.st_uid if fields.update_uid else None,
             gid=attr.st_gid if fields.update_gid else None,
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
-            mtime_ns=mtime, ctime_ns=attr.st_ctime_ns if fields.update_ctime else now)
+            mtime_ns=mtime, ctime_ns=attr.st_ctime_ns if fields.update_ctime else now,
+            owned=owned)
         return self.attrs(node)
 
     async def _row_attrs(self, ino: int, uid: int) -> pyfuse3.EntryAttributes:

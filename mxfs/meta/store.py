@@ -38,7 +38,8 @@ import logging
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from mxfs.meta import location
@@ -54,6 +55,7 @@ from mxfs.meta.usage import NAME_ROW, Usage, sized
 log = logging.getLogger("mxfs.meta")
 
 T = TypeVar("T")
+Owned = tuple[int, int]  # (xattr bytes, name bytes) of one inode: what a chown moves
 _CACHE_LIMIT = 200_000  # inodes memory holds past those it must keep (`_evict`)
 _EVICT_LOOK = 8  # of the least recently used, looked at per inode read in past the limit
 LINK_MAX = 65_000  # hard links to one file (ext4's bound)
@@ -94,6 +96,9 @@ class MetaStore:
         # What each group changed, published as it commits (`meta/change_feed.py`): set
         # on a writer whose pool other nodes may mount.
         self.feed: Noted | None = None
+        # Inodes whose names and xattrs a chown is measuring off the thread (`owned`),
+        # with the changes to them since (`watch_owned`).
+        self._watched: dict[int, int] = {}
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -221,6 +226,8 @@ class MetaStore:
         self._sole.forget()
         self._dir_times.clear()
         self.usage.forget()
+        for ino in self._watched:  # (what was measured may be what the group undid)
+            self._watched[ino] += 1
         if self.feed is not None:
             self.feed.lose()
         self.groups_lost += 1
@@ -336,8 +343,10 @@ class MetaStore:
         self._cache = main._cache
         self.held = lambda ino: main.held(ino)  # (the main store's handles' objects)
 
-    def write_fields(self, node: Inode, values: dict[str, object]) -> None:
-        """Write fields of an inode row and of its cached object (inside a change)."""
+    def write_fields(self, node: Inode, values: dict[str, object],
+                     owned: Owned | None = None) -> None:
+        """Write fields of an inode row and of its cached object (inside a change);
+        `owned`: what a chown moves, as measured (`owned`), else read here."""
         assert self.engine.in_change
         journal = self._journal
         if self.feed is not None:
@@ -346,12 +355,9 @@ class MetaStore:
             journal.append((node, name, getattr(node, name)))
             if name == "uid" and value != node.uid and self.usage.counted:
                 assert isinstance(value, int)  # (a chown takes its xattrs and names)
-                moved = self.engine.lengths("xattrs", "ino", ("name", "value"),
-                                            [node.ino]).get(node.ino, 0)
+                moved, named = owned if owned is not None else self.owned(node.ino)
                 self._charge_xattrs(node, node.uid, -moved)
                 self._charge_xattrs(node, value, moved)
-                named = self.engine.lengths("dentries", "ino", ("name",), [node.ino],
-                                            NAME_ROW).get(node.ino, 0)
                 self._charge_names(node, node.uid, -named)
                 self._charge_names(node, value, named)
             self.usage.change(node, name, value)
@@ -384,11 +390,14 @@ class MetaStore:
 
     def set_attrs(self, node: Inode, *, mode: int | None = None, uid: int | None = None,
                   gid: int | None = None, atime_ns: int | None = None,
-                  mtime_ns: int | None = None, ctime_ns: int | None = None) -> None:
+                  mtime_ns: int | None = None, ctime_ns: int | None = None,
+                  owned: Owned | None = None) -> None:
         """Change attributes now (chmod, chown, utimens); data fields memory held are
         written back in the same change.  One that may take someone's right to read a
         file away gives it a new generation: the connections other nodes' readers were
-        handed for it (scoped to a generation: `fs/chunk_service.py`) read no more."""
+        handed for it (scoped to a generation: `fs/chunk_service.py`) read no more.
+        `owned`: the file's xattrs and names as measured off the thread for a chown
+        (`watch_owned`), else read here."""
         def change() -> None:
             values = self._data_fields(node)
             if node.is_reg and node.takes_read(mode, uid, gid):
@@ -399,7 +408,7 @@ class MetaStore:
                 if value is not None:
                     values[name] = value
             if values:
-                self.write_fields(node, values)
+                self.write_fields(node, values, owned)
         self.txn(change)
 
     def set_layout(self, node: Inode, unit: int, width: int) -> None:
@@ -556,6 +565,7 @@ class MetaStore:
     def _charge_name(self, ino: int, nbytes: int, rows: int | None = None) -> None:
         """`ino`'s owner is charged a name of `nbytes` more (less, if negative) and
         its row (`rows`: that many rows; by default one more, or one fewer)."""
+        self._owned_moved(ino)
         if not self.usage.counted:
             return
         node = self.get(ino)
@@ -905,6 +915,7 @@ class MetaStore:
 
     def _charge_xattrs(self, node: Inode, uid: int, delta: int) -> None:
         """Add `delta` bytes to `uid`'s xattr tally, put back if the change fails."""
+        self._owned_moved(node.ino)
         if delta and self.usage.counted:
             self.usage.add_xattrs(uid, delta)
             self._journal.append((node, _XATTRS, (uid, delta)))
@@ -967,6 +978,7 @@ class MetaStore:
         self.txn(change)
         for ino in inos:
             self._cache.pop(ino, None)
+            self._owned_moved(ino)
         self._sole.dropped(inos)
         for ino, uid, mode, size in gone:
             self.usage.add(uid, mode, size, -1)
@@ -1001,14 +1013,41 @@ class MetaStore:
             self.usage.recount(rows)
         return self.usage
 
-    def charged_bytes(self, node: Inode) -> int:
+    def charged_bytes(self, node: Inode, owned: Owned | None = None) -> int:
         """What `node` counts against its owner's byte quota (`meta/usage.py`): its size
         (a file's, a link's), its extended attributes and its names, as a chown moves
-        them (`write_fields`)."""
-        xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), [node.ino])
-        names = self.engine.lengths("dentries", "ino", ("name",), [node.ino], NAME_ROW)
-        return (node.size if sized(node.mode) else 0) + xattrs.get(node.ino, 0) + \
-            names.get(node.ino, 0)
+        them (`write_fields`); `owned`: those two as measured, else read here."""
+        xattrs, names = owned if owned is not None else self.owned(node.ino)
+        return (node.size if sized(node.mode) else 0) + xattrs + names
+
+    def owned(self, ino: int) -> Owned:
+        """The bytes of `ino`'s xattrs and of its names (a row's overhead each) in the
+        rows: what a chown moves between owners.  A file of 65,000 hard links takes
+        17 ms to sum, so a writer's chown asks it of a worker's connection, which sees
+        committed rows only: `watch_owned` says whether they were the file's still."""
+        xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), [ino])
+        names = self.engine.lengths("dentries", "ino", ("name",), [ino], NAME_ROW)
+        return xattrs.get(ino, 0), names.get(ino, 0)
+
+    @contextmanager
+    def watch_owned(self, ino: int) -> Iterator[Callable[[], bool]]:
+        """While inside: whether `ino`'s names or xattrs changed (or a group was lost)
+        since it began, asked of the callable given."""
+        watched = self._watched
+        first = ino not in watched
+        if first:
+            watched[ino] = 0
+        since = watched[ino]
+        try:
+            yield lambda: watched[ino] != since
+        finally:
+            if first:
+                del watched[ino]
+
+    def _owned_moved(self, ino: int) -> None:
+        """A change to `ino`'s names or xattrs (a chown measuring them measures again)."""
+        if ino in self._watched:
+            self._watched[ino] += 1
 
     def mark_dirty_data(self, ino: int) -> None:
         self.txn(lambda: self.engine.upsert("dirty_data", {"ino": ino}))  # (unless listed)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mxfs.meta import Inode, MetaStore
+from mxfs.meta.store import Owned
 from mxfs.meta.usage import NAME_ROW, Group
 from mxfs.proto.messages import QuotaReport, QuotaRow
 from mxfs.units import format_size
@@ -182,13 +183,15 @@ class Quotas:
                               "inodes (files, folders and KV chunks): remove some, or ask "
                               "root to raise its quota (mxfs quota)")
 
-    def room_for_owner(self, node: Inode, uid: int, caller: int) -> None:
+    def room_for_owner(self, node: Inode, uid: int, caller: int,
+                       owned: Owned | None = None) -> None:
         """EDQUOT if `node` given to `uid` by `caller` would take `uid`'s tenant past
         its quota: a namespace's root may chown to any uid it maps.  Root is never
-        refused; among one tenant's uids nothing it owns changes."""
+        refused; among one tenant's uids nothing it owns changes.  `owned`: its xattrs'
+        and names' bytes as measured off the thread (`MetaStore.owned`)."""
         if caller == 0 or uid == 0 or not self.limits or tenant_of(uid) == tenant_of(node.uid):
             return
-        self.room(uid, self.store.charged_bytes(node), 1)
+        self.room(uid, self.store.charged_bytes(node, owned), 1)
 
     def room_for_name(self, uid: int, name: bytes, target: bytes = b"", inodes: int = 0
                       ) -> None:
