@@ -394,7 +394,7 @@ class Daemon:
                 # ten times a second: the metadata member's space reserve
                 if rounds % 4 == 0 and vol.store.watch_space():
                     self._trim.set()  # (its own task: a hung member holds no commit)
-                control.kv.flush()
+                await control.kv.flush()
                 vol.store.commit_if_due()
                 inos = vol.take_pending(RECLAIM_BITE)
                 if vol.reader_epochs or vol.holds.waiting:  # (nodes may hold them open)

@@ -77,7 +77,15 @@ from mxfs.proto.messages import (
 )
 from mxfs.proto.presence import HEADER_SIZE
 from mxfs.vol.access import R_OK, W_OK, Caller
-from mxfs.vol.kv_index import VICTIMS, Chunk, KVIndex, Namespace, check_key, check_namespace
+from mxfs.vol.kv_index import (
+    TOUCH_BITE,
+    VICTIMS,
+    Chunk,
+    KVIndex,
+    Namespace,
+    check_key,
+    check_namespace,
+)
 from mxfs.vol.spares import ONE_MEMBER_MAX
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import OpenInode, Volume
@@ -109,6 +117,9 @@ _OPENERS = ThreadPoolExecutor(8, thread_name_prefix="mxfs-kv-open")
 EVICT_BITE = 4096  # victims chosen at once (~2 ms)
 MAX_LIST = 1000  # chunks one kv_list reply names (page with after, as `mxfs kv ls` does)
 MAX_LIST_SKIP = 100_000  # chunks a kv_list walks past in the order of use (~20 ms)
+# Access times written back between looks at the clock: a round's TOUCH_BITE of 1 KiB
+# keys held the thread 9 ms on SQLite in one statement; it steps aside between these.
+TOUCH_STEP = 32
 RELEASED_AT_ONCE = 1024  # pins and claims of a closed connection ended at once (~0.5 ms)
 NS_OPS = ("kv_ns_create", "kv_ns_remove", "kv_ns_set")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
@@ -1018,7 +1029,17 @@ class KVOps:
             ended += held.n
         self._uncount_uid(uid, ended)
 
-    def flush(self) -> None:
-        self.index.flush()
+    async def flush(self) -> None:
+        """A round's access-time write-back (TOUCH_BITE at most, with each group
+        commit), TOUCH_STEP rows a statement, stepping aside between (`fs/fair.py`).
+        (Not on the worker's connection: writes there would wait for the open group's
+        lock, and the group's next change on this thread for theirs.)"""
+        share, left = Slice(), TOUCH_BITE
+        while left > 0:
+            written = self.index.flush(min(TOUCH_STEP, left))
+            left -= written
+            if written < TOUCH_STEP or left <= 0:
+                break
+            await share.due()
         if self.follower is not None:
             self.follower.take_back()

@@ -637,6 +637,10 @@ class KVIndex:
         self.vol.store.kv.touch(rows)
         return len(rows)
 
+    def touches(self) -> int:
+        """Access times waiting for their write-back (`flush`)."""
+        return len(self._touched)
+
     def stats(self) -> list[NamespaceStats]:
         return [s.stats() for s in self.spaces.values()]
 
