@@ -1140,6 +1140,76 @@ def test_a_rounds_access_time_write_back_lets_others_through(tmp_path: Path) -> 
     finally:
         vol.store.close()
 
+def test_kv_rows_for_a_table_or_a_listing_are_read_off_the_thread(tmp_path: Path) -> None:
+    """Filling a namespace's presence table, and a kv_list page past a cursor, read its
+    keys from the rows in key order: a bite of 1,024 held the daemon's thread 2 ms.
+    They are read on a worker's connection now, in the asker's turn: another user's
+    request is served while both wait there.  That connection sees committed rows
+    only, so the open group is committed first: keys put just before are in both."""
+    from mxfs.fs.kv_ops import KVOps
+    from mxfs.fs.session import Session
+    from mxfs.meta.feed_notes import KV_STORED
+    from mxfs.vol.access import Caller
+    from mxfs.vol.kv_index import Chunk, KVIndex, Namespace
+    from mxfs.vol.volume import Volume
+
+    alice, bob, carol = 7001, 7002, 7003
+    members = make_members(tmp_path)
+    mkfs(members)
+    vol = Volume.open(members[0])
+    try:
+        index = KVIndex(vol)
+        kv = KVOps(vol, index)
+        handlers = kv.handlers()
+        space = index.spaces["n"] = Namespace("n", alice, alice, 0o700, 0)
+        index.spaces["b"] = Namespace("b", bob, bob, 0o700, 0)
+        engine = vol.store.engine
+
+        def put(keys: list[bytes]) -> None:
+            for key in keys:
+                ino = 1000 + len(space.chunks)
+                engine.insert("kv", {"ns": "n", "key": key, "ino": ino, "size": 1,
+                                     "atime": 0})
+                vol.store.note_kv(KV_STORED, "n", key)  # (as `KVRows.publish` does)
+                space.chunks[key] = Chunk(ino=ino, size=1, atime=0, sum_unit=1, sums=b"",
+                                          tenant=alice)
+        vol.store.txn(lambda: put([b"k%05d" % i for i in range(3000)]))
+        vol.store.group_changes(60)  # (the daemon's groups: a worker sees none till commit)
+        late = [b"a%d" % i for i in range(5)]  # (first in key order, in the open group)
+        vol.store.txn(lambda: put(late))
+        gate = threading.Event()
+        answers: dict[str, Any] = {}
+
+        def session(uid: int) -> Session:
+            return Session(Caller(1, uid, uid, frozenset({uid})))
+
+        async def ask(op: str, msg: dict[str, Any]) -> None:
+            answers[op] = await handlers[op](msg, session(alice))
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kv.rows.run, lambda s: gate.wait(10), carol)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(ask, "kv_view", {"namespace": "n"})
+                nursery.start_soon(ask, "kv_list", {"namespace": "n", "after": "",
+                                                    "limit": 1000})
+                await trio.testing.wait_all_tasks_blocked()
+                assert answers == {}  # (both wait for the worker: the thread is free)
+                stats, _ = await handlers["kv_stats"]({}, session(bob))
+                assert [s["namespace"] for s in stats["namespaces"]] == ["b"]
+                gate.set()
+
+        trio.run(main)
+        listed = [base64.b64decode(k) for k, _, _ in answers["kv_list"][0]["chunks"]]
+        assert listed == sorted(late) + [b"k%05d" % i for i in range(995)]
+        _, fds = answers["kv_view"]
+        for fd in fds:
+            os.close(fd)
+        assert space.view is not None and space.view.count == 3005
+    finally:
+        kv.rows.close()
+        vol.store.close()
+
 @pytest.mark.unit
 def test_a_chown_of_a_file_of_many_links_sums_them_off_the_thread(tmp_path: Path) -> None:
     """A chown moves the file's names and xattrs from one owner's quota tally to the
@@ -1148,6 +1218,7 @@ def test_a_chown_of_a_file_of_many_links_sums_them_off_the_thread(tmp_path: Path
     user's changes are made while it waits there, and a change to the file's own
     names meanwhile has it summed again (the worker sees committed rows only)."""
     from mxfs.fs.owned import OwnedSums
+    from mxfs.fs.store_worker import StoreWorker
     from mxfs.meta import MetaStore
     from mxfs.meta.usage import NAME_ROW
     from mxfs.vol.quota import Quota, Quotas
@@ -1161,7 +1232,7 @@ def test_a_chown_of_a_file_of_many_links_sums_them_off_the_thread(tmp_path: Path
     node = store.create(1, b"f", 0o010644, alice, alice)  # (a fifo: no layout)
     for i in range(1, 500):
         store.link(node.ino, 1, b"f%04d" % i)
-    sums = OwnedSums(quotas, str(tmp_path))
+    sums = OwnedSums(quotas, StoreWorker(str(tmp_path)))
     gate = threading.Event()
     done: list[tuple[int, int]] = []
 

@@ -34,6 +34,7 @@ from mxfs.fs.metrics import Gauges, Metrics, serve_prometheus
 from mxfs.fs.mount_writes import MountWrites
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
+from mxfs.fs.owned import OwnedSums
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
@@ -264,9 +265,11 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             if control.status.chunks is not None:
                 control.status.chunks.calls = ops.space.calls
             control.files.renewing = ops.renewing
+            ops.owned = OwnedSums(vol.quotas, control.kv.rows)  # (one connection for both)
             if control.files.for_nodes is not None:
                 control.files.for_nodes.inode_changed = ops.inode_changed
                 control.files.for_nodes.renew = ops.renew
+                control.files.for_nodes.owned = ops.owned
             control.status.feed = feed
             if feed is not None and control.kv.follower is not None:
                 views = control.kv.follower.views  # (kept by the feed: fs/kv_views.py)
@@ -353,6 +356,7 @@ class Daemon:
                 await nursery.start(self.chunks.serve)
             for task in self.tasks():
                 nursery.start_soon(task)
+            await self._open_rows()
             nursery.start_soon(self._announce, ready)
             try:
                 await pyfuse3.main(min_tasks=4, max_tasks=self.fuse_tasks)
@@ -374,6 +378,14 @@ class Daemon:
                  self.vol.pool.uuid, mp, self.control.path, ENGINE)
         ready()
         notify_systemd("READY=1")
+
+    async def _open_rows(self) -> None:
+        """A writer opens the connection its requests' reads share off the thread
+        (`KVOps.rows`: KV rows, chown sums) before it answers: its descriptors are
+        the daemon's from the start, not the first asker's."""
+        if self.control.kv.follower is None and not self.vol.store.readonly:
+            with contextlib.suppress(OSError):  # (a server away: opened when asked)
+                await self.control.kv.rows.run(lambda store: None)
 
     async def _commit_groups(self) -> None:
         """End each group of metadata changes within GROUP_COMMIT_S of its first change

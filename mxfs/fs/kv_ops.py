@@ -50,6 +50,7 @@ from mxfs.fs.session import (
     refuse_if_writers,
     settle_off_loop,
 )
+from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool import ChunkFiles
@@ -80,12 +81,14 @@ from mxfs.vol.access import R_OK, W_OK, Caller
 from mxfs.vol.kv_index import (
     TOUCH_BITE,
     VICTIMS,
+    VIEW_BITE,
     Chunk,
     KVIndex,
     Namespace,
     check_key,
     check_namespace,
 )
+from mxfs.vol.kv_presence import Successor
 from mxfs.vol.spares import ONE_MEMBER_MAX
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import OpenInode, Volume
@@ -179,6 +182,11 @@ class KVOps:
         self._holders: dict[bytes, Session] = {}
         self._holder_nodes: dict[bytes, tuple[str, int]] = {}
         self._table: dict[str, Handler] | None = None  # (other nodes' KREQs: handlers())
+        # The writer's KV rows read off the thread (presence tables filled, kv_list
+        # pages by cursor), in the askers' turns; and the tables being filled, each by
+        # one request (others wait on its event).
+        self.rows = StoreWorker(vol.pool.meta_location, wait_s=SERVE_WAIT_S)
+        self._filling: dict[Successor, trio.Event] = {}
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         held = NodeHeld(self.limits.max_kv_lent)  # (what both hold of its memory)
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
@@ -224,7 +232,7 @@ class KVOps:
         async def handler(msg: Msg, session: Session) -> Reply:
             space = self._space(op, msg, session.caller)
             reply = await fn(msg, session, space)
-            await self._grow_view(space)  # (a put took its table past FULL)
+            await self._grow_view(space, session.caller.uid)  # (a put took it past FULL)
             return reply
         return handler
 
@@ -275,7 +283,7 @@ class KVOps:
         self.index.viewed(space, session.tenant)
         if space.view is None:
             self.index.start_view(space)
-            await self._grow_view(space)
+            await self._grow_view(space, session.caller.uid)
         table = space.view
         if table is None:  # (removed, or its table retired, while it was filled)
             if self.index.spaces.get(space.name) is not space:
@@ -286,14 +294,54 @@ class KVOps:
                           "the daemon keeps tables for): ask again")
         return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
 
-    async def _grow_view(self, space: Namespace) -> None:
-        """Fill the namespace's next presence table, a bite at a time, other requests
-        served between bites (`fs/fair.py`)."""
-        share = Slice()
-        while space.next_view is not None:
-            self.index.grow_view(space)
-            if space.next_view is not None:
+    async def _grow_view(self, space: Namespace, uid: int) -> None:
+        """Fill the namespace's next presence table a bite at a time, its keys read in
+        `uid`'s turn on a worker's connection (`_committed`), copied in here: a bite
+        read on the thread held it 2 ms.  One request fills a table; others wait."""
+        while (growing := space.next_view) is not None:
+            filled = self._filling.get(growing)
+            if filled is not None:
+                await filled.wait()
+                continue
+            filled = self._filling[growing] = trio.Event()
+            try:
+                await self._fill(space, growing, uid)
+            finally:
+                del self._filling[growing]
+                filled.set()
+
+    async def _fill(self, space: Namespace, growing: Successor, uid: int) -> None:
+        ns, share = space.name, Slice()
+        worker = self._committed(ns)
+        while space.next_view is growing:
+            keys = await self._keys_after(worker, ns, growing.after, VIEW_BITE, uid)
+            if space.next_view is not growing:  # (retired, or the namespace removed)
+                return
+            self.index.grow_view(space, keys)
+            if worker is None:
                 await share.due()
+
+    def _committed(self, ns: str) -> StoreWorker | None:
+        """The worker whose connection may read namespace `ns`'s KV rows for this
+        thread: the open group committed first if it changed them, as it sees committed
+        rows only (a put since is in memory, which the caller checks what it read
+        against).  None where the commit failed (a full metadata member): the rows are
+        read here then."""
+        store = self.vol.store
+        if not store.kv_uncommitted(ns):
+            return self.rows
+        try:
+            store.commit()
+        except OSError:  # (the group commit tells why, once)
+            return None
+        return self.rows
+
+    async def _keys_after(self, worker: StoreWorker | None, ns: str, after: bytes | None,
+                          limit: int, uid: int) -> list[bytes]:
+        """`KVRows.keys_after` on `worker` in `uid`'s turn (None: here)."""
+        if worker is None:
+            return self.vol.store.kv.keys_after(ns, after, limit)
+        return await worker.run(lambda s: s.kv.keys_after(ns, after, limit), uid)
 
     async def _claim(self, msg: Msg, session: Session, space: Namespace
                      ) -> Answer[KVClaimReply]:
@@ -320,8 +368,9 @@ class KVOps:
         walks a million keys on trio's thread)."""
         limit = min(int_field(msg, "limit", 1000), MAX_LIST)
         if msg.get("after") is not None:
-            after = b64_field(msg, "after")
-            keys = self.vol.store.kv.keys_after(space.name, after, limit)
+            after, ns = b64_field(msg, "after"), space.name
+            worker = self._committed(ns)  # (a page read on the thread held it 2 ms)
+            keys = await self._keys_after(worker, ns, after, limit, session.caller.uid)
             items = [(k, space.chunks[k]) for k in keys if k in space.chunks]
         else:
             skip = int_field(msg, "skip", 0)
@@ -517,7 +566,7 @@ class KVOps:
         if stored:
             await self._enforce(space)
             self._visible()
-            await self._grow_view(space)
+            await self._grow_view(space, caller.uid)
         return stored
 
     async def _store(self, space: Namespace, items: Sequence[tuple[bytes, bytes | bytearray]],

@@ -71,6 +71,7 @@ from mxfs.fs.node_writes import (
 )
 from mxfs.fs.owned import OwnedSums
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
+from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import RemoteMembers
@@ -164,7 +165,8 @@ class NodeFiles:
         # `MxfsOperations._renew`, its writes held meanwhile; set by the daemon).
         self.renew: Callable[[Inode, int], Awaitable[None]] | None = None
         # What chowns move between owners, summed off the thread (`fs/owned.py`).
-        self.owned = OwnedSums(vol.quotas, vol.pool.meta_location)
+        self.owned = OwnedSums(vol.quotas, StoreWorker(vol.pool.meta_location,
+                                                          wait_s=SERVE_WAIT_S))
         self.files: dict[int, NodeFile] = {}
         self.tokens: dict[tuple[str, str], int] = {}  # (node, token): inode
         # Commits answered for nodes, by (node, inode), each kept as its (node, user)'s.

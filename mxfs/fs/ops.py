@@ -168,7 +168,8 @@ class MxfsOperations(pyfuse3.Operations):
                                  prepare=lambda s: s.read_beside(volume.store)) \
             if self.store.follow else None
         # What a writer's chowns move between owners, summed off the thread.
-        self.owned = OwnedSums(volume.quotas, volume.pool.meta_location)
+        self.owned = OwnedSums(volume.quotas, StoreWorker(
+            volume.pool.meta_location, wait_s=SERVE_WAIT_S))  # (the daemon's shares KV's)
         self.control_path = control_path
         self.noatime = noatime
         self.handles: dict[int, Handle] = {}

@@ -5,8 +5,8 @@ owner's (`meta/usage.py`), and gives room to the new one first (`Quotas.room_for
 Summing them is a statement over every name: a file of 65,000 hard links held the
 thread 17 ms a chown, as often as a user asked.  So a writer sums them on a connection
 of its own in a worker thread, in the caller's turn (`fs/store_worker.py`).  That
-connection sees committed rows only: the open group is committed first, and the sum
-stands if the file's names and xattrs did not change while it was taken
+connection sees committed rows only: the open group is committed first if it changed
+them, and the sum stands if the file's names and xattrs did not change while it was taken
 (`MetaStore.watch_owned`); else it is taken again, TRIES times at most.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import errno
 
-from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
+from mxfs.fs.store_worker import StoreWorker
 from mxfs.meta import Inode, MetaStore
 from mxfs.meta.store import Owned
 from mxfs.vol.quota import Quotas
@@ -25,10 +25,11 @@ TRIES = 8  # sums a chown takes while the file's names keep changing, before EAG
 class OwnedSums:
     """A writer's sums of what chowns move (one connection, its calls in uid turns)."""
 
-    def __init__(self, quotas: Quotas, where: str) -> None:
-        """`where`: the store's location (`meta/location.py`), `quotas.store`'s."""
+    def __init__(self, quotas: Quotas, worker: StoreWorker) -> None:
+        """`worker`: on `quotas.store`'s rows (a writer's daemon shares its KV reads':
+        `KVOps.rows`)."""
         self.quotas = quotas
-        self.worker = StoreWorker(where, wait_s=SERVE_WAIT_S)
+        self.worker = worker
 
     async def of(self, node: Inode, uid: int | None, caller: int) -> Owned | None:
         """What a chown of `node` to `uid` by `caller` moves, summed off the thread;
@@ -39,7 +40,8 @@ class OwnedSums:
             return None
         ino = node.ino
         for _ in range(TRIES):
-            store.commit()  # (the worker sees committed rows only)
+            if store.owned_uncommitted(ino):  # (the worker sees committed rows only)
+                store.commit()
             with store.watch_owned(ino) as changed:
                 owned = await self.worker.run(lambda s: MetaStore.owned(s, ino), caller)
                 if not changed():

@@ -99,6 +99,8 @@ class MetaStore:
         # Inodes whose names and xattrs a chown is measuring off the thread (`owned`),
         # with the changes to them since (`watch_owned`).
         self._watched: dict[int, int] = {}
+        self._owned_changed: set[int] = set()  # ... and whose the open group changed
+        self._kv_changed: set[str] = set()  # KV namespaces the open group changed
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -183,6 +185,8 @@ class MetaStore:
         """After a commit may have happened: a committed group's journal is spent."""
         if self.engine.group_age() is None:
             self._group_journal.clear()
+            self._kv_changed.clear()
+            self._owned_changed.clear()
             if self.feed is not None:
                 self.feed.settled()
             self.on_settled()
@@ -602,8 +606,14 @@ class MetaStore:
     def note_kv(self, what: int, ns: str, key: bytes = b"") -> None:
         """Inside a change: a KV key stored or removed, or a namespace gone, for the
         change feed (`meta/feed_notes.py`)."""
+        self._kv_changed.add(ns)
         if self.feed is not None:
             self.feed.kv(what, ns, key)
+
+    def kv_uncommitted(self, ns: str) -> bool:
+        """Whether the open group changed namespace `ns`'s KV rows: a connection of
+        another's (a worker's) would not see those rows till it commits."""
+        return ns in self._kv_changed
 
     def _before_commit(self) -> None:
         """As a group commits: the directory times it held, then what it changed."""
@@ -1044,8 +1054,14 @@ class MetaStore:
             if first:
                 del watched[ino]
 
+    def owned_uncommitted(self, ino: int) -> bool:
+        """Whether the open group changed `ino`'s names or xattrs (rows a worker's
+        connection would not see till it commits)."""
+        return ino in self._owned_changed
+
     def _owned_moved(self, ino: int) -> None:
         """A change to `ino`'s names or xattrs (a chown measuring them measures again)."""
+        self._owned_changed.add(ino)
         if ino in self._watched:
             self._watched[ino] += 1
 

@@ -423,13 +423,14 @@ class KVIndex:
         if space.next_view is None:
             space.next_view = Successor(len(space.chunks))
 
-    def grow_view(self, space: Namespace, bite: int = VIEW_BITE) -> None:
-        """Copy a bite of keys into the table being filled; the last bite puts it in the
-        view's place (the old one retired MOVED: its readers ask for the new)."""
+    def grow_view(self, space: Namespace, keys: list[bytes], bite: int = VIEW_BITE) -> None:
+        """Copy a bite of keys read from the rows (`KVRows.keys_after`, past the table's
+        `after`, `bite` asked) into the table being filled, those the namespace still
+        holds; the last bite puts it in the view's place (the old one retired MOVED:
+        its readers ask for the new)."""
         growing = space.next_view
         if growing is None:
             return
-        keys = self.vol.store.kv.keys_after(space.name, growing.after, bite)
         if growing.fill(space.chunks, keys, bite):
             if space.view is not None:
                 space.view.retire(MOVED)
