@@ -19,6 +19,8 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
              1 MiB a call (since Linux 6.16 a FUSE readdir takes what getdents asks:
              thousands of entries a request), a name made and removed before each
              listing (the kernel's cached listing dropped)
+  scrapes    4 threads asking the daemon's Prometheus endpoint (`-o metrics_port`) for
+             /metrics over and over, two of them with 99 headers of 64 KiB a request
 
 With `--meta URL` (an empty PostgreSQL database) both users work on a reading node (a
 network namespace of its own, `tools/bench_nodes.py`), whose KV puts, claims and waits
@@ -51,7 +53,7 @@ from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 
 VICTIM, HOG = 65533, 65534
 ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
-        "parses", "truncates", "readdir")
+        "parses", "truncates", "readdir", "scrapes")
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
@@ -160,6 +162,18 @@ if arm == "readdir":  # (ctypes imported before the uid changed: it is root's)
         finally:
             os.close(fd)
     n = crowd(listing, connect=lambda: ctypes.create_string_buffer(1 << 20))
+if arm == "scrapes":  # (argv's chunks is the metrics port here)
+    big = b"".join(b"X-%d: %s\r\n" % (i, b"h" * 65000) for i in range(99))
+    def scrape(i, k):  # (threads 1 and 3 send the big headers)
+        head = big if i % 2 else b""
+        try:
+            with socket.create_connection(("127.0.0.1", chunks), timeout=5) as s:
+                s.sendall(b"GET /metrics HTTP/1.0\r\n" + head + b"\r\n")
+                while s.recv(1 << 16):
+                    pass
+        except OSError:
+            pass
+    n = crowd(scrape, connect=lambda it=iter(range(4)): next(it), n=4)
 if arm == "ns_remove":
     c.call("kv_ns_remove", namespace="hog"); n = 1
 while arm in ("puts", "list", "deletes", "walks") and time.monotonic() < end:
@@ -201,14 +215,19 @@ print(json.dumps(lat), flush=True)
 def as_user(uid: int, code: str, *args: str) -> subprocess.Popen[str]:
     """`code` in a process that imports as root (the interpreter may sit in root's
     folders), then becomes `uid` before it touches the mount."""
-    become = ("import base64, ctypes, json, os, sys, threading, time\nimport mxfs.client\n"
+    become = ("import base64, ctypes, encodings.idna, json, os, socket, sys, threading, time\n"
+              "import mxfs.client\n"
               f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n")
     return subprocess.Popen([sys.executable, "-c", become + code, *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
+METRICS_PORT = 19190  # the scratch pool's Prometheus endpoint (the `scrapes` arm)
+
+
 def one_round(mnt: str, arm: str, seconds: float, chunks: int) -> dict[str, float]:
-    hog = as_user(HOG, HOG_CODE, mnt, arm, str(seconds), str(chunks))
+    hog = as_user(HOG, HOG_CODE, mnt, arm, str(seconds),
+                  str(METRICS_PORT if arm == "scrapes" else chunks))
     victim = as_user(VICTIM, VICTIM_CODE, mnt, str(seconds))
     assert hog.stdout and hog.stdin and victim.stdout and victim.stdin
     assert hog.stdout.readline().strip() == "ready", f"hog ({arm}) failed"
@@ -243,8 +262,9 @@ def main() -> int:
             _, pool, mnt = stack.enter_context(two_nodes(args.meta, args.dir,
                                                          args.stripe_unit))
         else:
-            pool = stack.enter_context(scratch_pool("mxfs-fair-", args.dir,
-                                                    mount=["-o", "allow_other"]))
+            pool = stack.enter_context(scratch_pool(
+                "mxfs-fair-", args.dir,
+                mount=["-o", f"allow_other,metrics_port={METRICS_PORT}"]))
             mnt = pool.mnt
         os.chmod(pool.base, 0o755)  # the two users reach the mount through it
         hog_home = os.path.join(pool.mnt, "hog")  # (made on the writer)
