@@ -675,16 +675,23 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
 
     a = store.create(ROOT_INO, b"a", REG, 7, 7, layout_for=pick)
     b = store.create(ROOT_INO, b"b", REG, 8, 8, layout_for=pick)
-    store.create(ROOT_INO, b"d", DIR, 7, 7)
+    d = store.create(ROOT_INO, b"d", DIR, 7, 7)
     store.touch(a, size=5000)  # a write past the end: memory first
     assert store.usage.bytes[7] == 5000 and store.usage.inodes[7] == 2
-    # Names cost their inodes' owners (hard links too); a link's target is its bytes.
-    assert store.usage.names[7] == 2 * (1 + NAME_ROW)
-    store.link(a.ino, ROOT_INO, b"a-too")
-    store.rename(ROOT_INO, b"a-too", ROOT_INO, b"a-also")
-    assert store.usage.names[7] == 2 * (1 + NAME_ROW) + len(b"a-also") + NAME_ROW
+    # A name costs its directory's owner, whoever's file it names (hard links too);
+    # a link's target is its owner's bytes.
+    assert store.usage.names[0] == 3 * (1 + NAME_ROW) and store.usage.names[7] == 0
+    store.link(b.ino, d.ino, b"b-too")  # (8's file, named in 7's folder: 7's cost)
+    store.rename(d.ino, b"b-too", d.ino, b"b-also")
+    assert store.usage.names[7] == len(b"b-also") + NAME_ROW and store.usage.names[8] == 0
+    store.rename(d.ino, b"b-also", ROOT_INO, b"b-moved")  # (out of it: root's now)
+    assert store.usage.names[7] == 0
+    assert store.usage.names[0] == 3 * (1 + NAME_ROW) + len(b"b-moved") + NAME_ROW
+    store.rename(ROOT_INO, b"b-moved", d.ino, b"b-also")
+    store.link(a.ino, d.ino, b"a-too")
+    in_d = len(b"b-also") + len(b"a-too") + 2 * NAME_ROW
     store.create(ROOT_INO, b"ln", stat.S_IFLNK | 0o777, 10, 10, target=b"t" * 100)
-    assert store.usage.bytes[10] == 100 and store.usage.owned_bytes(10) == 100 + 2 + NAME_ROW
+    assert store.usage.bytes[10] == 100 and store.usage.owned_bytes(10) == 100
     store.resize(b, 300)
     store.setxattr(a, b"user.x", b"v" * 100)
     store.setxattr(a, b"user.x", b"v" * 40)  # replaced: charged the difference
@@ -692,12 +699,16 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     assert store.removexattr(a, b"user.y") and not store.removexattr(a, b"user.y")
     assert store.usage.xattrs[7] == len(b"user.x") + 40
     agrees()
-    store.set_attrs(a, uid=8)  # chown moves the file's bytes, inode, xattrs and names
+    store.set_attrs(a, uid=8)  # chown moves the file's bytes, inode and xattrs
     assert store.usage.bytes[7] == 0 and store.usage.bytes[8] == 5300
     assert store.usage.xattrs[7] == 0 and store.usage.xattrs[8] == 46
-    assert store.usage.names[7] == 1 + NAME_ROW  # (d's)
-    assert store.usage.names[8] == 2 * (1 + NAME_ROW) + len(b"a-also") + NAME_ROW
-    store.unlink(ROOT_INO, b"a-also")
+    assert store.usage.names[7] == in_d and store.usage.names[8] == 0  # (not names)
+    store.set_attrs(d, uid=9)  # a folder's chown moves the names in it
+    assert store.usage.names[7] == 0 and store.usage.names[9] == in_d
+    agrees()
+    store.unlink(d.ino, b"a-too")  # (a name removed: its folder's owner credited)
+    store.unlink(d.ino, b"b-also")
+    assert store.usage.names[9] == 0
     assert errno_of(lambda: store.create(ROOT_INO, b"a", REG, 7, 7, layout_for=pick)) == \
         errno.EEXIST
 

@@ -162,8 +162,8 @@ for i in range(64):
 def test_names_and_link_targets_count_against_the_owners_byte_quota(pool: Mounted) -> None:
     """Names live in the metadata store: a user with a quota of a few inodes made
     20,000 hard links with long names (12 MB of the store) and symbolic links with
-    4 KiB targets, charged nothing.  Each name and target is its owner's now: the
-    links stop at her byte quota, and the names are shown as hers."""
+    4 KiB targets, charged nothing.  Each name is its folder's owner's now, each target
+    its link's: the links stop at her byte quota, and the names are shown as hers."""
     from mxfs.meta.usage import NAME_ROW
 
     alice = ensure_users()["alice"]
@@ -199,8 +199,8 @@ except OSError as e:
     quota(pool, "--user", alice.name, "--clear")
 
 
-def test_a_longer_name_is_growth_its_owner_is_charged(pool: Mounted) -> None:
-    """A rename to a longer name costs the file's owner the difference: refused past
+def test_a_longer_name_is_growth_its_folders_owner_is_charged(pool: Mounted) -> None:
+    """A rename to a longer name costs its folder's owner the difference: refused past
     her quota, as a new name is; a shorter one is not growth."""
     alice = ensure_users()["alice"]
     d = empty_home_with_quota(pool, alice)
@@ -214,6 +214,60 @@ print(json.dumps([attempt(os.rename, d + "/f", d + "/" + "g" * 40),
 """)
     assert got == [errno.EDQUOT, "ok"]
     quota(pool, "--user", alice.name, "--clear")
+
+
+def test_links_to_her_file_from_his_folder_are_his_cost(pool: Mounted) -> None:
+    """A name was charged to its file's owner: bob, linking alice's 0666 file from his
+    own folder 2,788 times with long names, spent her quota (her next write was EDQUOT)
+    and she could not remove his links.  A name is its folder's owner's now: bob's
+    links stop at his own quota, hers is as it was, and his unlinks give his back."""
+    from mxfs.meta.usage import NAME_ROW
+
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    hers = empty_home_with_quota(pool, alice, "--bytes", "1MiB")
+    his = empty_home_with_quota(pool, bob, "--bytes", "128KiB")
+    run_as(alice, f"""
+with open({str(hers / "f")!r}, "wb") as f:
+    f.write(b"a" * (512 << 10))
+os.chmod({str(hers / "f")!r}, 0o666)
+print(1)
+""")
+    before = quota(pool)
+    alices = line_of(before, alice.uid)["bytes"]
+    room = (128 << 10) - line_of(before, bob.uid)["bytes"]
+    made, code = run_as(bob, f"""
+made = 0
+try:
+    for i in range(4000):
+        os.link({str(hers / "f")!r}, {str(his)!r} + "/" + f"{{i:05d}}" + "n" * 235)
+        made += 1
+    print(json.dumps([made, 0]))
+except OSError as e:
+    print(json.dumps([made, e.errno]))
+""")
+    assert code == errno.EDQUOT and made == room // (240 + NAME_ROW)
+    after = quota(pool)
+    assert line_of(after, alice.uid)["bytes"] == alices  # (not a byte of hers)
+    assert line_of(after, bob.uid)["name_bytes"] >= made * (240 + NAME_ROW)
+    wrote = run_as(alice, f"""
+with open({str(hers / "g")!r}, "wb") as f:
+    f.write(b"a" * (256 << 10))
+print(json.dumps(os.stat({str(hers / "g")!r}).st_size))
+""")
+    assert wrote == 256 << 10
+    run_as(bob, f"""
+for n in os.listdir({str(his)!r}):
+    os.unlink({str(his)!r} + "/" + n)
+print(1)
+""")
+    gone = quota(pool)
+    assert line_of(gone, bob.uid)["bytes"] == (128 << 10) - room  # (given back to him)
+    assert line_of(gone, alice.uid)["bytes"] == alices + (256 << 10) + 1 + NAME_ROW
+    for d, user in ((hers, alice), (his, bob)):
+        for f in d.iterdir():
+            f.unlink()
+        quota(pool, "--user", user.name, "--clear")
 
 
 def test_creates_at_once_are_charged_before_their_files_are_made(pool: Mounted) -> None:

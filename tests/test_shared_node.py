@@ -1211,12 +1211,13 @@ def test_kv_rows_for_a_table_or_a_listing_are_read_off_the_thread(tmp_path: Path
         vol.store.close()
 
 @pytest.mark.unit
-def test_a_chown_of_a_file_of_many_links_sums_them_off_the_thread(tmp_path: Path) -> None:
-    """A chown moves the file's names and xattrs from one owner's quota tally to the
-    other's; their sum (17 ms for 65,000 hard links) was taken on the daemon's thread,
-    as often as a user chowned.  It is taken on a worker's connection now: another
-    user's changes are made while it waits there, and a change to the file's own
-    names meanwhile has it summed again (the worker sees committed rows only)."""
+def test_a_chown_of_a_folder_of_many_names_sums_them_off_the_thread(tmp_path: Path) -> None:
+    """A chown moves a folder's names (its entries: a name is its directory's owner's)
+    and xattrs from one owner's quota tally to the other's; their sum (17 ms for 65,000
+    names) was taken on the daemon's thread, as often as a user chowned.  It is taken
+    on a worker's connection now: another user's changes are made while it waits there,
+    and a change to the folder's own names meanwhile has it summed again (the worker
+    sees committed rows only)."""
     from mxfs.fs.owned import OwnedSums
     from mxfs.fs.store_worker import StoreWorker
     from mxfs.meta import MetaStore
@@ -1229,9 +1230,10 @@ def test_a_chown_of_a_file_of_many_links_sums_them_off_the_thread(tmp_path: Path
     store.group_changes(60)  # (the daemon's groups: rows a worker cannot see till commit)
     quotas = Quotas(store)
     quotas.set(str(bob), Quota(bytes=1 << 30))
-    node = store.create(1, b"f", 0o010644, alice, alice)  # (a fifo: no layout)
+    node = store.create(1, b"d", 0o040755, alice, alice)
+    fifo = store.create(node.ino, b"f", 0o010644, alice, alice)  # (a fifo: no layout)
     for i in range(1, 500):
-        store.link(node.ino, 1, b"f%04d" % i)
+        store.link(fifo.ino, node.ino, b"f%04d" % i)
     sums = OwnedSums(quotas, StoreWorker(str(tmp_path)))
     gate = threading.Event()
     done: list[tuple[int, int]] = []
@@ -1254,7 +1256,7 @@ def test_a_chown_of_a_file_of_many_links_sums_them_off_the_thread(tmp_path: Path
             await trio.testing.wait_all_tasks_blocked()
             assert not done  # (waiting for the worker: the thread is everyone's)
             store.create(1, b"carols", 0o010644, carol, carol)  # (another user served)
-            store.link(node.ino, 1, b"late")  # (the file's names change meanwhile)
+            store.link(fifo.ino, node.ino, b"late")  # (its names change meanwhile)
             gate.set()
 
     trio.run(main)

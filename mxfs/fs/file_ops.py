@@ -43,7 +43,6 @@ from mxfs.fs.session import (
 )
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.meta import Inode, MetaStore
-from mxfs.meta.usage import NAME_ROW
 from mxfs.proto import MAX_FDS
 from mxfs.proto.messages import CreateReply, Empty, FileReply, OpenReadReply
 from mxfs.vol.access import (
@@ -202,7 +201,7 @@ class FileOps:
                 "path": path, "size": size, "mode": mode, "exclusive": exclusive,
                 "mountpoint": self.mountpoint, "token": os.urandom(12).hex()})
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
-        self.vol.quotas.room(caller.uid, size + len(name) + NAME_ROW, 1)  # (and its name)
+        self.vol.quotas.room_for_entry(parent.uid, name, caller.uid, size, 1)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)

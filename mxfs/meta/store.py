@@ -55,10 +55,12 @@ from mxfs.meta.usage import NAME_ROW, Usage, sized
 log = logging.getLogger("mxfs.meta")
 
 T = TypeVar("T")
-Owned = tuple[int, int]  # (xattr bytes, name bytes) of one inode: what a chown moves
+Owned = tuple[int, int]  # (xattr bytes, bytes of the names in it) of one inode: what a
+#                           chown moves (names are their directory's owner's)
 _CACHE_LIMIT = 200_000  # inodes memory holds past those it must keep (`_evict`)
 _EVICT_LOOK = 8  # of the least recently used, looked at per inode read in past the limit
-LINK_MAX = 65_000  # hard links to one file (ext4's bound)
+LINK_MAX = 65_000  # hard links to one file (ext4's bound; each name is charged to
+#                     the owner of the directory it is in, not the file's: `_charge_name`)
 MAX_DEPTH = 1024  # levels a rename's ancestry walk goes up at most (ELOOP past them:
 #                   a refused walk, run again on fresh rows, reads as many)
 _BORN = ""  # journal mark: an inode made by the change (dropped from memory on undo)
@@ -358,7 +360,8 @@ class MetaStore:
         for name, value in values.items():
             journal.append((node, name, getattr(node, name)))
             if name == "uid" and value != node.uid and self.usage.counted:
-                assert isinstance(value, int)  # (a chown takes its xattrs and names)
+                assert isinstance(value, int)  # (a chown takes its xattrs, a
+                #                                directory's chown the names in it too)
                 moved, named = owned if owned is not None else self.owned(node.ino)
                 self._charge_xattrs(node, node.uid, -moved)
                 self._charge_xattrs(node, value, moved)
@@ -536,7 +539,7 @@ class MetaStore:
         self.engine.put("dentries", {"id": cookie, "parent": parent, "name": name, "ino": ino})
         self._name((parent, name), ino)
         self._entry_changed(parent, name)
-        self._charge_name(ino, len(name))
+        self._charge_name(parent, len(name))
 
     def _remove_entry(self, parent: int, name: bytes, ino: int) -> None:
         """(`ino`: what the change read the entry to name; if it names another now, or
@@ -545,7 +548,7 @@ class MetaStore:
                            expect=True)
         self._name((parent, name), None)
         self._entry_changed(parent, name)
-        self._charge_name(ino, -len(name))
+        self._charge_name(parent, -len(name))
 
     def _move_entry(self, parent: int, name: bytes, ino: int, new_parent: int,
                     new_name: bytes) -> None:
@@ -555,27 +558,34 @@ class MetaStore:
         self._name((new_parent, new_name), ino)
         self._entry_changed(parent, name)
         self._entry_changed(new_parent, new_name)
-        self._charge_name(ino, len(new_name) - len(name), rows=0)
+        if new_parent == parent:
+            self._charge_name(parent, len(new_name) - len(name), rows=0)
+        else:
+            self._charge_name(parent, -len(name))
+            self._charge_name(new_parent, len(new_name))
 
     def _point_entry(self, parent: int, name: bytes, ino: int, new_ino: int) -> None:
-        """The entry that names `ino` names `new_ino` instead."""
+        """The entry that names `ino` names `new_ino` instead (its name, and who is
+        charged it, stay)."""
         self.engine.patch("dentries", {"parent": parent, "name": name, "ino": ino},
                           {"ino": new_ino}, expect=True)
         self._name((parent, name), new_ino)
         self._entry_changed(parent, name)
-        self._charge_name(ino, -len(name))
-        self._charge_name(new_ino, len(name))
 
-    def _charge_name(self, ino: int, nbytes: int, rows: int | None = None) -> None:
-        """`ino`'s owner is charged a name of `nbytes` more (less, if negative) and
-        its row (`rows`: that many rows; by default one more, or one fewer)."""
-        self._owned_moved(ino)
+    def _charge_name(self, parent: int, nbytes: int, rows: int | None = None) -> None:
+        """The owner of directory `parent` is charged a name in it of `nbytes` more
+        (less, if negative) and its row (`rows`: that many rows; by default one more,
+        or one fewer).  A name is the cost of whoever owns the directory it is in, as
+        ext4 charges a directory's blocks: were it the file's owner's, anyone could
+        spend a user's quota by linking her file from a folder of his, which she
+        cannot clean up; a directory's owner can always remove the names in it."""
+        self._owned_moved(parent)
         if not self.usage.counted:
             return
-        node = self.get(ino)
+        d = self.get(parent)
         if rows is None:
             rows = 1 if nbytes >= 0 else -1
-        self._charge_names(node, node.uid, nbytes + rows * NAME_ROW)
+        self._charge_names(d, d.uid, nbytes + rows * NAME_ROW)
 
     def _charge_names(self, node: Inode, uid: int, delta: int) -> None:
         """Add `delta` bytes to `uid`'s names tally, put back if the change fails."""
@@ -742,7 +752,7 @@ class MetaStore:
                 raise fail(errno.EPERM)
             if node.nlink == 0:
                 raise fail(errno.ENOENT)
-            if node.nlink >= LINK_MAX:  # (as ext4; each name is its owner's cost)
+            if node.nlink >= LINK_MAX:  # (as ext4)
                 raise fail(errno.EMLINK)
             if self.entry_ino(parent, name) is not None:
                 raise fail(errno.EEXIST)
@@ -1011,7 +1021,7 @@ class MetaStore:
         time (and after a lost group), memory's sizes of open files included."""
         if not self.usage.counted:
             xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"))
-            names = self.engine.lengths("dentries", "ino", ("name",), None, NAME_ROW)
+            names = self.engine.lengths("dentries", "parent", ("name",), None, NAME_ROW)
             cache = self._cache
             rows = []
             for ino, uid, mode, size in self.engine.scan("inodes",
@@ -1025,24 +1035,26 @@ class MetaStore:
 
     def charged_bytes(self, node: Inode, owned: Owned | None = None) -> int:
         """What `node` counts against its owner's byte quota (`meta/usage.py`): its size
-        (a file's, a link's), its extended attributes and its names, as a chown moves
-        them (`write_fields`); `owned`: those two as measured, else read here."""
+        (a file's, a link's), its extended attributes and the names in it (a
+        directory's), as a chown moves them (`write_fields`); `owned`: those two as
+        measured, else read here."""
         xattrs, names = owned if owned is not None else self.owned(node.ino)
         return (node.size if sized(node.mode) else 0) + xattrs + names
 
     def owned(self, ino: int) -> Owned:
-        """The bytes of `ino`'s xattrs and of its names (a row's overhead each) in the
-        rows: what a chown moves between owners.  A file of 65,000 hard links takes
-        17 ms to sum, so a writer's chown asks it of a worker's connection, which sees
-        committed rows only: `watch_owned` says whether they were the file's still."""
+        """The bytes of `ino`'s xattrs and of the names in it, a directory's (a row's
+        overhead each), in the rows: what a chown moves between owners.  A folder of
+        65,000 names takes 17 ms to sum, so a writer's chown asks it of a worker's
+        connection, which sees committed rows only: `watch_owned` says whether they
+        were the file's still."""
         xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), [ino])
-        names = self.engine.lengths("dentries", "ino", ("name",), [ino], NAME_ROW)
+        names = self.engine.lengths("dentries", "parent", ("name",), [ino], NAME_ROW)
         return xattrs.get(ino, 0), names.get(ino, 0)
 
     @contextmanager
     def watch_owned(self, ino: int) -> Iterator[Callable[[], bool]]:
-        """While inside: whether `ino`'s names or xattrs changed (or a group was lost)
-        since it began, asked of the callable given."""
+        """While inside: whether the names in `ino` or its xattrs changed (or a group
+        was lost) since it began, asked of the callable given."""
         watched = self._watched
         first = ino not in watched
         if first:
@@ -1055,12 +1067,13 @@ class MetaStore:
                 del watched[ino]
 
     def owned_uncommitted(self, ino: int) -> bool:
-        """Whether the open group changed `ino`'s names or xattrs (rows a worker's
-        connection would not see till it commits)."""
+        """Whether the open group changed the names in `ino` or its xattrs (rows a
+        worker's connection would not see till it commits)."""
         return ino in self._owned_changed
 
     def _owned_moved(self, ino: int) -> None:
-        """A change to `ino`'s names or xattrs (a chown measuring them measures again)."""
+        """A change to the names in `ino` or to its xattrs (a chown measuring them
+        measures again)."""
         self._owned_changed.add(ino)
         if ino in self._watched:
             self._watched[ino] += 1

@@ -3,10 +3,13 @@
 A uid owns the inodes whose `uid` it is, the bytes of its regular files' sizes
 (apparent sizes: a sparse file counts its size; a KV chunk is a regular file too) and
 of its symbolic links' targets, and what its inodes cost the metadata store: their
-extended attributes (names and values) and their names, NAME_ROW bytes each besides
-the name's own (a hard link is a name: a user with a quota of ten inodes made 20,000
-links, 12 MB of the store, charged nothing).  Unlinked files still open count until
-they are reclaimed, as on any filesystem.
+extended attributes (names and values) and the names in its directories, NAME_ROW
+bytes each besides the name's own (a hard link is a name: a user with a quota of ten
+inodes made 20,000 links, 12 MB of the store, charged nothing).  A name is its
+directory's owner's, as ext4 charges a directory's blocks, not its file's: another
+user's links to her file, in a folder of his, spent her quota and she could not
+remove them; a directory's owner can always remove the names in it.  Unlinked files
+still open count until they are reclaimed, as on any filesystem.
 
 Nothing is stored: the tally is counted from the rows once (`MetaStore.count_usage`,
 a scan of every inode, which a daemon does only when a quota is set or asked about),
@@ -51,7 +54,7 @@ class Usage:
         self.bytes: Counter[int] = Counter()
         self.inodes: Counter[int] = Counter()
         self.xattrs: Counter[int] = Counter()  # bytes of xattr names and values
-        self.names: Counter[int] = Counter()  # bytes of the uid's inodes' names, rows too
+        self.names: Counter[int] = Counter()  # bytes of names in the uid's dirs, rows too
         # Moves on whenever a uid starts or stops being counted.
         self.generation = 0
         # The same by group of uids (`grouped`), kept as the tally moves: a quota check
@@ -85,7 +88,8 @@ class Usage:
         return found
 
     def recount(self, rows: Iterable[tuple[int, int, int, int, int]]) -> None:
-        """Start again from (uid, mode, size, xattr bytes, name bytes) of every inode."""
+        """Start again from (uid, mode, size, xattr bytes, bytes of the names in it) of
+        every inode."""
         self.forget()
         self.generation += 1
         for uid, mode, size, xattrs, names in rows:

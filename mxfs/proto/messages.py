@@ -67,7 +67,7 @@ class QuotaRow(TypedDict):
     uid: int
     bytes: int  # file and link sizes, xattrs and names (what the byte quota counts)
     xattr_bytes: int  # ... of them xattrs' names and values
-    name_bytes: int  # ... and its inodes' names (each and its row: meta/usage.NAME_ROW)
+    name_bytes: int  # ... and the names in its folders (each and its row: usage.NAME_ROW)
     reserved: int  # declared sizes of unpublished files
     inodes: int
     bytes_limit: int  # 0: none

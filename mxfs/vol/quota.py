@@ -11,18 +11,20 @@ dumps; `mxfs quota` sets them through the daemon and shows a line a tenant.
 
 What a tenant owns is the store's tally (`meta/usage.py`: its uids' inodes, their
 regular files' sizes, KV chunks among them, their inodes' extended attributes and
-names) plus what its unpublished direct writes and KV chunks declared, and the shares
-of it reserved for nodes writing its files through their mounts (`reserved`:
-`fs/node_writes.Rooms`): a direct writer is charged its declared size when it creates
-the file, and its chunk files are cut back to that size (`fs/session.py`), so
-descriptors a writer holds cannot take it past its quota either.  The tally keeps
-each tenant's total as it moves (`Usage.grouped`), grouped again from every uid only
-when /etc/subuid changes: a check reads one total, however many uids she has.
+the names in their directories) plus what its unpublished direct writes and KV chunks
+declared, and the shares of it reserved for nodes writing its files through their
+mounts (`reserved`: `fs/node_writes.Rooms`): a direct writer is charged its declared
+size when it creates the file, and its chunk files are cut back to that size
+(`fs/session.py`), so descriptors a writer holds cannot take it past its quota either.
+The tally keeps each tenant's total as it moves (`Usage.grouped`), grouped again from
+every uid only when /etc/subuid changes: a check reads one total, however many uids
+she has.
 
 Growth is checked where it happens: a create, a write or truncate past the end of a
-file (charged to the file's owner, as quotas are), a direct or KV create, a KV put, and
-a chown that gives a file to another tenant (`room_for_owner`).  Root is counted but
-never refused, as on any filesystem.
+file (charged to the file's owner, as quotas are), a new or longer name (charged to
+the owner of the directory it lands in: `room_for_entry`, `room_for_rename`), a direct
+or KV create, a KV put, and a chown that gives a file to another tenant
+(`room_for_owner`).  Root is counted but never refused, as on any filesystem.
 """
 
 from __future__ import annotations
@@ -193,11 +195,33 @@ class Quotas:
             return
         self.room(uid, self.store.charged_bytes(node, owned), 1)
 
-    def room_for_name(self, uid: int, name: bytes, target: bytes = b"", inodes: int = 0
-                      ) -> None:
-        """EDQUOT if `uid` may not be charged a new name (a hard link's, or a new
-        inode's with `inodes` 1) and a link's `target` (`meta/usage.py`)."""
-        self.room(uid, len(name) + NAME_ROW + len(target), inodes)
+    def room_for_entry(self, dir_owner: int, name: bytes, owner: int | None = None,
+                       nbytes: int = 0, inodes: int = 0) -> None:
+        """EDQUOT if a new entry `name` may not be charged to `dir_owner`, the owner of
+        the directory it lands in (`MetaStore._charge_name`), or a new inode's
+        `nbytes` (a link's target, a declared size) and `inodes` to its `owner`;
+        checked together where one tenant pays both."""
+        cost = len(name) + NAME_ROW
+        if owner is None:
+            self.room(dir_owner, cost)
+        elif tenant_of(owner) == tenant_of(dir_owner):
+            self.room(owner, cost + nbytes, inodes)
+        else:
+            self.room(dir_owner, cost)
+            self.room(owner, nbytes, inodes)
+
+    def room_for_rename(self, old_owner: int, old: bytes, new_owner: int, new: bytes,
+                        replaces: bool) -> None:
+        """EDQUOT if `new_owner`, who owns the directory a rename lands in, may not be
+        charged name `new` while `old_owner` (of the directory it leaves) is credited
+        `old`; `replaces`: an entry `new` there goes, its name credited too."""
+        cost = len(new) + NAME_ROW
+        if tenant_of(old_owner) == tenant_of(new_owner):
+            cost -= len(old) + NAME_ROW
+        if replaces:
+            cost -= len(new) + NAME_ROW
+        if cost > 0:
+            self.room(new_owner, cost)
 
     def reserve(self, uid: int, nbytes: int) -> None:
         self.reserved[uid] += nbytes
