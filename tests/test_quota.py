@@ -250,6 +250,7 @@ except OSError as e:
     after = quota(pool)
     assert line_of(after, alice.uid)["bytes"] == alices  # (not a byte of hers)
     assert line_of(after, bob.uid)["name_bytes"] >= made * (240 + NAME_ROW)
+    os.link(hers / "f", his / "roots")  # (root is never refused, in anyone's folder)
     wrote = run_as(alice, f"""
 with open({str(hers / "g")!r}, "wb") as f:
     f.write(b"a" * (256 << 10))

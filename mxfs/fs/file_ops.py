@@ -201,7 +201,7 @@ class FileOps:
                 "path": path, "size": size, "mode": mode, "exclusive": exclusive,
                 "mountpoint": self.mountpoint, "token": os.urandom(12).hex()})
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
-        self.vol.quotas.room_for_entry(parent.uid, name, caller.uid, size, 1)
+        self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, size, 1)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)

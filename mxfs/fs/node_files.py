@@ -342,7 +342,7 @@ class NodeFiles:
                 stat.S_IFDIR | (int_field(msg, "mode") & 0o7777) if op == "node_mkdir" \
                 else _made_by_mknod(int_field(msg, "mode"), int_field(msg, "rdev", 0), caller)
             self.vol.pool.check_meta_room(META_ROW + len(name) + len(link or b""))
-            self.vol.quotas.room_for_entry(parent.uid, name, caller.uid, len(link or b""), 1)
+            self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, len(link or b""), 1)
             mode, gid = owner_for(parent, kind, caller.uid, caller.gid,
                                   caller.gids.__contains__)
             place = functools.partial(self.vol.pick_layout, node=node) \
@@ -355,7 +355,7 @@ class NodeFiles:
                 raise OSError(errno.EPERM, "linking another user's file needs read and "
                               "write permission on it (protected_hardlinks)")
             self.vol.pool.check_meta_room(META_ROW + len(name))
-            self.vol.quotas.room_for_entry(parent.uid, name)  # (the folder's owner's)
+            self.vol.quotas.room_for_entry(caller.uid, parent.uid, name)  # (folder's owner's)
             out["ino"] = store.link(linked.ino, parent.ino, name).ino
         elif op in ("node_unlink", "node_rmdir"):
             victim = store.lookup(parent.ino, name)
@@ -373,7 +373,8 @@ class NodeFiles:
                               "write permission on it")
             target = store.entry_ino(to.ino, to_name)
             if not bool_field(msg, "exchange"):  # (an exchange moves no names)
-                self.vol.room_for_rename(parent, name, to, to_name, target is not None)
+                self.vol.room_for_rename(caller.uid, parent, name, to, to_name,
+                                         target is not None)
             self._refuse_if_mounted_on(moved.ino, target)
             if target is not None:
                 other = store.get(target)
@@ -460,7 +461,7 @@ class NodeFiles:
             raise OSError(errno.EROFS, f"node {node} holds no members of the pool")
         store = self.vol.store
         parent, name = resolve_parent_for(store, path, caller, mountpoint)
-        self.vol.quotas.room_for_entry(parent.uid, name, caller.uid, size, 1)
+        self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, size, 1)
         if bool_field(msg, "exclusive") and store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid, caller.gids.__contains__)

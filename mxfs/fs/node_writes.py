@@ -235,7 +235,7 @@ def mount_create(vol: Volume, caller: Caller, msg: Msg, node: str
     if not vol.pool.held_by(node):
         raise OSError(errno.EROFS, f"node {node} holds no members of the pool")
     vol.pool.check_meta_room(META_ROW + len(name))
-    vol.quotas.room_for_entry(parent.uid, name, caller.uid, inodes=1)
+    vol.quotas.room_for_entry(caller.uid, parent.uid, name, inodes=1)
     mode, gid = owner_for(parent, stat.S_IFREG | (int_field(msg, "mode") & 0o7777),
                           caller.uid, caller.gid, caller.gids.__contains__)
     row = store.create(parent.ino, name, mode, caller.uid, gid,

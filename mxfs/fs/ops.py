@@ -425,7 +425,7 @@ class MxfsOperations(pyfuse3.Operations):
                 target: bytes | None = None) -> Inode:
         parent = self.store.get(parent_inode)
         self.vol.pool.check_meta_room(META_ROW + len(name) + len(target or b""))
-        self.vol.quotas.room_for_entry(parent.uid, name, ctx.uid, len(target or b""), 1)
+        self.vol.quotas.room_for_entry(ctx.uid, parent.uid, name, len(target or b""), 1)
         mode, gid = owner_for(parent, mode, ctx.uid, ctx.gid,
                               lambda g: g == ctx.gid or g in pyfuse3.get_sup_groups(ctx.pid))
         return self.store.create(parent_inode, name, mode, ctx.uid, gid, rdev=rdev,
@@ -474,7 +474,8 @@ class MxfsOperations(pyfuse3.Operations):
                                          new_name, ino=inode)
             return await self._row_attrs(inode, ctx.uid)
         self.vol.pool.check_meta_room(META_ROW + len(new_name))
-        self.vol.quotas.room_for_entry(self.store.get(new_parent_inode).uid, new_name)
+        self.vol.quotas.room_for_entry(ctx.uid, self.store.get(new_parent_inode).uid,
+                                       new_name)
         return self.attrs(self.store.link(inode, new_parent_inode, new_name))
 
     @_errors
@@ -505,8 +506,9 @@ class MxfsOperations(pyfuse3.Operations):
             return
         if not flags & pyfuse3.RENAME_EXCHANGE:  # (an exchange moves no names)
             self.vol.room_for_rename(
-                self.store.get(parent_inode_old), name_old, self.store.get(parent_inode_new),
-                name_new, self.store.entry_ino(parent_inode_new, name_new) is not None)
+                ctx.uid, self.store.get(parent_inode_old), name_old,
+                self.store.get(parent_inode_new), name_new,
+                self.store.entry_ino(parent_inode_new, name_new) is not None)
         gone = self.store.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                                  noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
                                  exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))

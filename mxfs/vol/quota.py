@@ -195,26 +195,30 @@ class Quotas:
             return
         self.room(uid, self.store.charged_bytes(node, owned), 1)
 
-    def room_for_entry(self, dir_owner: int, name: bytes, owner: int | None = None,
-                       nbytes: int = 0, inodes: int = 0) -> None:
-        """EDQUOT if a new entry `name` may not be charged to `dir_owner`, the owner of
-        the directory it lands in (`MetaStore._charge_name`), or a new inode's
-        `nbytes` (a link's target, a declared size) and `inodes` to its `owner`;
-        checked together where one tenant pays both."""
+    def room_for_entry(self, caller: int, dir_owner: int, name: bytes, nbytes: int = 0,
+                       inodes: int = 0) -> None:
+        """EDQUOT if `caller`'s new entry `name` may not be charged to `dir_owner`, the
+        owner of the directory it lands in (`MetaStore._charge_name`), or a new inode
+        of `caller`'s, `inodes` 1, and its `nbytes` (a link's target, a declared size)
+        to `caller`; checked together where one tenant pays both.  Root is never
+        refused, in anyone's directory."""
         cost = len(name) + NAME_ROW
-        if owner is None:
-            self.room(dir_owner, cost)
-        elif tenant_of(owner) == tenant_of(dir_owner):
-            self.room(owner, cost + nbytes, inodes)
+        if caller == 0:
+            return
+        if tenant_of(caller) == tenant_of(dir_owner):
+            self.room(caller, cost + nbytes, inodes)
         else:
             self.room(dir_owner, cost)
-            self.room(owner, nbytes, inodes)
+            self.room(caller, nbytes, inodes)
 
-    def room_for_rename(self, old_owner: int, old: bytes, new_owner: int, new: bytes,
-                        replaces: bool) -> None:
-        """EDQUOT if `new_owner`, who owns the directory a rename lands in, may not be
-        charged name `new` while `old_owner` (of the directory it leaves) is credited
-        `old`; `replaces`: an entry `new` there goes, its name credited too."""
+    def room_for_rename(self, caller: int, old_owner: int, old: bytes, new_owner: int,
+                        new: bytes, replaces: bool) -> None:
+        """EDQUOT if `new_owner`, who owns the directory `caller`'s rename lands in, may
+        not be charged name `new` while `old_owner` (of the directory it leaves) is
+        credited `old`; `replaces`: an entry `new` there goes, its name credited too.
+        Root is never refused."""
+        if caller == 0:
+            return
         cost = len(new) + NAME_ROW
         if tenant_of(old_owner) == tenant_of(new_owner):
             cost -= len(old) + NAME_ROW

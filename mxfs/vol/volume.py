@@ -480,8 +480,8 @@ class Volume:
         sums: they are at most 1/512 of them, at the 4 KiB smallest sum block.)"""
         self.pool.check_meta_room(META_ROW + len(name) + len(sums))
 
-    def room_for_rename(self, old_dir: Inode, old: bytes, new_dir: Inode, new: bytes,
-                        replaces: bool) -> None:
+    def room_for_rename(self, caller: int, old_dir: Inode, old: bytes, new_dir: Inode,
+                        new: bytes, replaces: bool) -> None:
         """A rename to a longer name grows the store by the difference: refused below
         the metadata member's floor (a million one-byte names, made above it, renamed
         to 255 bytes below it).  The new name is charged to `new_dir`'s owner, the
@@ -489,7 +489,7 @@ class Volume:
         (`Quotas.room_for_rename`)."""
         if len(new) > len(old):
             self.pool.check_meta_room(len(new) - len(old))
-        self.quotas.room_for_rename(old_dir.uid, old, new_dir.uid, new, replaces)
+        self.quotas.room_for_rename(caller, old_dir.uid, old, new_dir.uid, new, replaces)
 
     def unlinked(self, node: Inode) -> None:
         """After a namespace change dropped `node`'s last link: reclaim unless open,
