@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -178,10 +179,10 @@ def test_scrapes_never_touch_the_store_beside_the_daemon(members: list[str], pg_
 def test_silent_scrapers_hold_a_few_threads_of_the_daemon(members: list[str]) -> None:
     """Anyone on the host may connect to /metrics: prometheus_client's server took a
     thread of the daemon for each connection, for as long as it stayed silent (a user
-    opening thousands ran the daemon out of threads).  A few are served at once, each
-    for a few seconds at most (a whole request: a byte now and then does not keep it),
-    the rest closed at once; scrapes go on after."""
-    from mxfs.fs.metrics import SCRAPE_S, SCRAPERS
+    opening thousands ran the daemon out of threads).  One thread serves them all, a
+    few at a time, each for a moment at most (a whole request: a byte now and then does
+    not keep it), the rest closed at once; scrapes go on after."""
+    from mxfs.fs.metrics_http import PER_PEER, REQUEST_S
 
     mkfs(members)
     port = _free_port()
@@ -191,19 +192,20 @@ def test_silent_scrapers_hold_a_few_threads_of_the_daemon(members: list[str]) ->
         before = len(os.listdir(tasks))
         silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
         try:
-            time.sleep(0.5)  # (the daemon's other threads come and go: a few more)
-            assert len(os.listdir(tasks)) - before <= SCRAPERS + 8
-            assert sum(_closed(s) for s in silent) >= 300 - SCRAPERS  # (past the few)
-            time.sleep(SCRAPE_S + 0.5)
+            time.sleep(0.2)  # (the daemon's other threads come and go: a few more)
+            assert len(os.listdir(tasks)) - before <= 8
+            assert sum(_closed(s) for s in silent) >= 300 - PER_PEER  # (past the few)
+            time.sleep(REQUEST_S + 0.5)
             assert all(_closed(s) for s in silent)  # (the few, after their time)
         finally:
             for s in silent:
                 s.close()
         # A byte now and then kept a connection served (the limit was a read's, not a
         # request's): as many as are served at once held every slot for hours.
-        drippers = [socket.create_connection(("127.0.0.1", port)) for _ in range(SCRAPERS)]
+        assert eventually(lambda: _scrape(port) is not None)
+        drippers = [socket.create_connection(("127.0.0.1", port)) for _ in range(PER_PEER)]
         try:
-            until, cut = time.monotonic() + 3 * SCRAPE_S, set()
+            until, cut = time.monotonic() + 3 * REQUEST_S + 1, set()
             while time.monotonic() < until:
                 for i, s in enumerate(drippers):
                     try:
@@ -212,13 +214,125 @@ def test_silent_scrapers_hold_a_few_threads_of_the_daemon(members: list[str]) ->
                         cut.add(i)
                     if _closed(s):
                         cut.add(i)
-                time.sleep(0.25)
-            assert len(cut) == SCRAPERS, f"{SCRAPERS - len(cut)} dripping scrapes held on"
+                time.sleep(0.1)
+            assert len(cut) == PER_PEER, f"{PER_PEER - len(cut)} dripping scrapes held on"
         finally:
             for s in drippers:
                 s.close()
         assert eventually(lambda: _scrape(port) is not None)
         assert (m.path / "f").write_bytes(b"x") == 1  # (the mount served throughout)
+
+
+HOLD_HALF_SENT = """
+import socket, time
+port, ready, stop = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def half() -> socket.socket:
+    s = socket.socket()
+    s.connect(("127.0.0.1", port))
+    s.send(b"GET /metrics HTTP/1.1\\r\\n")
+    return s
+held = [half() for _ in range(20)]
+open(ready, "w").close()
+opened = 20
+while not os.path.exists(stop):
+    for i, s in enumerate(held):
+        try:
+            gone = s.recv(1, socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        if gone:
+            s.close()
+            held[i] = half()
+            opened += 1
+    time.sleep(0.05)
+print(json.dumps(opened))
+"""
+
+
+def test_half_sent_requests_of_one_user_never_shut_the_scrapes_out(
+        members: list[str]) -> None:
+    """Eight connections sending half a request line, opened again as they were closed,
+    held every slot of /metrics, and every other scrape was closed at once.  A user
+    holds a few at most, her oldest going for her newest, and the scrape of another
+    (root's Prometheus, say, from the same loopback address) is served."""
+    from users import ensure_users, run_as
+
+    bob = ensure_users()["bob"]
+    mkfs(members)
+    port = _free_port()
+    shared = Path(tempfile.mkdtemp())  # (bob's to write in: pytest's tmp_path is root's)
+    shared.chmod(0o777)
+    ready, stop = shared / "ready", shared / "stop"
+    with mounted_pool(members, f"metrics_port={port}"):
+        assert eventually(lambda: _scrape(port) is not None)
+        opened: list[int] = []
+        holder = threading.Thread(target=lambda: opened.append(
+            run_as(bob, HOLD_HALF_SENT, str(port), str(ready), str(stop))))
+        holder.start()
+        try:
+            assert eventually(ready.exists)
+            pages = [_scrape(port) for _ in range(3)]
+        finally:
+            stop.touch()
+            holder.join(60)
+        shutil.rmtree(shared)
+        assert all(p is not None and "mxfs_requests_total" in p for p in pages)
+        assert opened and opened[0] > 20  # (bob's were closed, and he opened more)
+
+
+def test_a_request_with_huge_headers_is_refused_unread(members: list[str]) -> None:
+    """wsgiref read 100 headers of 64 KiB each (tens of ms of Python each request, the
+    GIL held from the daemon's trio thread): a request is read to 8 KiB at most, and one
+    longer is answered 431 and closed, the rest unread."""
+    mkfs(members)
+    port = _free_port()
+    with mounted_pool(members, f"metrics_port={port}"):
+        assert eventually(lambda: _scrape(port) is not None)
+        line = b"X-A: " + b"a" * 65000 + b"\r\n"
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.settimeout(20)
+            with contextlib.suppress(OSError):  # (closed with the rest unread: reset)
+                s.sendall(b"GET /metrics HTTP/1.1\r\n" + line * 99 + b"\r\n")
+            try:
+                answer = s.recv(4096)
+            except ConnectionResetError:
+                answer = b""
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+        with socket.create_connection(("127.0.0.1", port)) as s:  # (bad ones: 4xx)
+            s.sendall(b"BREW /metrics HTTP/1.1\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 405 ")
+        assert eventually(lambda: _scrape(port) is not None)
+
+
+def test_scrapes_in_between_get_the_stored_page(members: list[str]) -> None:
+    """A scrape in a loop rebuilt the whole page each time, the counters' lock and the
+    GIL taken from the daemon's trio thread: the page is built once a PAGE_S at most,
+    the same bytes served in between, though requests were counted meanwhile."""
+    mkfs(members)
+    port = _free_port()
+    with mounted_pool(members, f"metrics_port={port}") as m:
+        assert eventually(lambda: _scrape(port) is not None)
+        same = False
+        for i in range(5):
+            first = _scrape(port)
+            (m.path / f"f{i}").write_bytes(b"x")  # (requests counted: create, write, ...)
+            second = _scrape(port)
+            assert first is not None and second is not None
+            if first == second:
+                same = True
+                break
+        assert same, "every scrape built a page of its own"
+        later: list[str] = []
+
+        def rebuilt() -> bool:
+            text = _scrape(port)
+            later.extend([text] if text not in (None, first) else [])
+            return bool(later)
+        assert eventually(rebuilt)  # (built again after its time)
+        text = later[0]
+        assert re.search(r'mxfs_requests_total\{kind="fuse",op="create"\} [1-9]', text)
 
 
 def _closed(s: socket.socket) -> bool:
