@@ -82,7 +82,8 @@ class Server:
                 sock, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # (out of descriptors: those held end within SEND_S)
+            except OSError:  # (out of descriptors: those held end within SEND_S;
+                time.sleep(0.1)  # the listener stays readable, so not a spin meanwhile)
                 return
             sock.setblocking(False)
             now = time.monotonic()
