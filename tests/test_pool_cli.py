@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from conftest import eventually, make_members, mkfs, mxfs, needs_fuse, one_line_error
+from users import ensure_users
 
 from mxfs.pool import read_superblock
 from mxfs.proc import running
@@ -157,6 +162,59 @@ def test_status_reports_members_capacity_and_daemon(tmp_path: Path, mounted) -> 
     assert by_pool["pid"] == res["pid"]
     # Every mount is listed; the exit code speaks for all of them, not only this test's.
     assert str(mounted.path) in mxfs("status", check=False).stdout
+
+
+@contextmanager
+def tenant_mount(uid: int, gid: int, allow_other: bool) -> Iterator[str]:
+    """A fuse.mxfs mount of `uid`'s (its FUSE user_id), as fusermount3 makes one for any
+    user (here /dev/fuse is root's alone, so root makes it with her ids), served by
+    nobody: the device is held and never read, as a hung daemon's is."""
+    mp = tempfile.mkdtemp(prefix="mxfs-tenant-")
+    fd = os.open("/dev/fuse", os.O_RDWR)
+    opts = f"fd={fd},rootmode=40000,user_id={uid},group_id={gid}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_nosuid_nodev = 2 | 4
+    try:
+        assert libc.mount(b"mxfs:tenant", mp.encode(), b"fuse.mxfs", ms_nosuid_nodev,
+                          (opts + (",allow_other" if allow_other else "")).encode()) == 0, \
+            os.strerror(ctypes.get_errno())
+        yield mp
+    finally:
+        os.close(fd)  # the connection is aborted: nothing waits on it any more
+        subprocess.run(["umount", "-l", mp], capture_output=True)
+        os.rmdir(mp)
+
+
+# In a mount namespace of its own, rid of every fuse.mxfs mount but the test's (other
+# tests' on this host may be stopped on purpose): `mxfs status` as root, with no target.
+ONLY_THESE = """
+import ctypes, sys
+from mxfs.cli.main import main
+from mxfs.proto.mountinfo import mount_table
+libc = ctypes.CDLL(None, use_errno=True)
+while rest := [mp for mp, kind in mount_table().items()
+               if kind == "fuse.mxfs" and mp not in sys.argv[1:]]:
+    for mp in rest:
+        assert libc.umount2(mp.encode(), 2) == 0, mp  # MNT_DETACH
+sys.exit(main(["status", "--timeout", "5"]))
+"""
+
+
+@needs_fuse
+def test_status_of_every_mount_leaves_other_users_mounts_out(mounted) -> None:
+    """Any user may mount a fuse.mxfs of her own, which root may not enter (no
+    allow_other) or which hangs: root's `mxfs status` names them apart and its exit
+    code (a monitor's signal) speaks only for root's own pools."""
+    alice = ensure_users()["alice"]
+    with tenant_mount(alice.uid, alice.gid, allow_other=False) as closed, \
+            tenant_mount(alice.uid, alice.gid, allow_other=True) as hung:
+        res = subprocess.run(["unshare", "--mount", "--propagation", "private",
+                              sys.executable, "-c", ONLY_THESE, str(mounted.path), closed,
+                              hung], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res
+    assert f"mounted on {mounted.path}" in res.stdout
+    for mp in (closed, hung):
+        assert f"{mp}: uid {alice.uid}'s mount, not asked" in res.stdout
 
 
 def test_status_of_an_unmounted_pool(members: list[str]) -> None:

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -173,26 +174,37 @@ STATUS_WAIT_S = 15.0  # a daemon that has not answered `mxfs status` by then is 
 
 
 def _status_of_mount(mp: str, wait: float = STATUS_WAIT_S) -> dict[str, Any]:
-    """The daemon's status, asked from a thread of its own: finding the socket touches
-    the mount, and a hung daemon's mount would hang the asker (the thread is left)."""
+    return _status_of_mounts([mp], wait)[0]
+
+
+def _status_of_mounts(mps: list[str], wait: float) -> list[dict[str, Any]]:
+    """Each daemon's status, all asked at once, each from a thread of its own: finding a
+    socket touches the mount, and a hung daemon's mount would hang its asker (the
+    thread is left); asked one after another, each hung daemon would add `wait`."""
     from mxfs.client import ControlClient
 
-    got: dict[str, Any] = {}
-
-    def ask() -> None:
+    def ask(mp: str, got: dict[str, Any]) -> None:
         try:
             with ControlClient(mp, timeout=10) as c:
                 got.update(c.stat())
         except OSError as e:
             got.update(error=f"daemon not answering ({e.strerror or e})")
 
-    t = threading.Thread(target=ask, name="mxfs-status", daemon=True)
-    t.start()
-    t.join(wait)
-    if t.is_alive() or "error" in got:
-        return {"mountpoint": mp, "error": got.get("error") or "daemon not answering (its "
-                f"mount did not answer in {wait:g} s: stopped or hung)"}
-    return got
+    asks = []
+    for mp in mps:
+        got: dict[str, Any] = {}
+        t = threading.Thread(target=ask, args=(mp, got), name="mxfs-status", daemon=True)
+        t.start()
+        asks.append((mp, t, got))
+    deadline = time.monotonic() + wait
+    found = []
+    for mp, t, got in asks:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive() or "error" in got:
+            got = {"mountpoint": mp, "error": got.get("error") or "daemon not answering (its "
+                   f"mount did not answer in {wait:g} s: stopped or hung)"}
+        found.append(got)
+    return found
 
 
 def _status_of_pool(spec: str) -> dict[str, Any]:
@@ -307,23 +319,30 @@ def _format_status(s: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from mxfs.client.control import trusted_uid
     from mxfs.proto.constants import FSTYPE
-    from mxfs.proto.mountinfo import mount_table
+    from mxfs.proto.mountinfo import fuse_mounts, mount_table
 
+    others: dict[str, int | None] = {}
     if args.target:
         target = os.path.abspath(args.target)
         kind = mount_table().get(target)
         found = [_status_of_mount(target, args.timeout) if kind == FSTYPE
                  else _status_of_pool(args.target)]
     else:
-        found = [_status_of_mount(mp, args.timeout) for mp, kind in mount_table().items()
-                 if kind == FSTYPE]
+        # Other users' mounts are not asked, nor counted in the exit code: any user may
+        # mount a fuse.mxfs of her own (fusermount3), which root may not even enter.
+        mounts = fuse_mounts(FSTYPE)
+        others = {mp: uid for mp, uid in mounts.items() if uid is not None
+                  and not trusted_uid(uid)}
+        found = _status_of_mounts([mp for mp in mounts if mp not in others], args.timeout)
     if args.json:
         print(json.dumps(found if not args.target else found[0], indent=2))
-    elif not found:
-        print("no mxfs pool is mounted")
     else:
-        print("\n".join(_format_status(s) for s in found))
+        print("\n".join(_format_status(s) for s in found) if found else
+              "no mxfs pool is mounted" + (" by root or you" if others else ""))
+        for mp, uid in others.items():
+            print(f"{shown(mp)}: uid {uid}'s mount, not asked (name it to ask it)")
     return status_code(found)
 
 

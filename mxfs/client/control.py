@@ -88,10 +88,16 @@ def check_daemon(sock: socket.socket, mountpoint: str) -> None:
     mount that others may reach takes root, or user_allow_other)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _, uid, _ = struct.unpack("3i", raw)
-    if uid in (0, os.geteuid()) or (uid == _overflow_uid() and not _root_mapped()):
+    if trusted_uid(uid):
         return
     raise Untrusted(errno.EPERM, f"the control socket of {mountpoint} is served by uid "
                        f"{uid}, not by root or you: not trusted")
+
+
+def trusted_uid(uid: int) -> bool:
+    """Whether a daemon (or a mount) of `uid` is one this process may ask: root's, its
+    own, or root's seen as the overflow uid where this namespace does not map root."""
+    return uid in (0, os.geteuid()) or (uid == _overflow_uid() and not _root_mapped())
 
 
 def _overflow_uid() -> int:

@@ -25,6 +25,21 @@ def mount_table() -> dict[str, str]:
     return table
 
 
+def fuse_mounts(fstype: str) -> dict[str, int | None]:
+    """Mount point -> the FUSE `user_id` (who mounted it: root's daemons and fusermount3
+    both write it) of each `fstype` mount at the top of its stack; None where the
+    options carry none."""
+    table: dict[str, tuple[str, int | None]] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            kind, _, options = (right.split() + ["", ""])[:3]
+            uid = next((int(o[8:]) for o in options.split(",") if o.startswith("user_id=")
+                        and o[8:].isdigit()), None)
+            table[unescape(left.split()[4])] = (kind, uid)
+    return {point: uid for point, (kind, uid) in table.items() if kind == fstype}
+
+
 def mount_of(path: str) -> tuple[str, str]:
     """(mount point, filesystem type) of the mount holding `path` (made absolute and
     resolved): the deepest mount point at or above it."""
