@@ -132,7 +132,10 @@ def runtime_dir() -> str:
 def ensure_runtime_dir(path: str) -> None:
     """Make (or check) the folder of the daemon's log and control socket: it must be a
     real folder of this user's that nobody else can write, or another user who made
-    it first (a fixed name under /tmp) could redirect the log or plant the socket."""
+    it first (a fixed name under /tmp) could redirect the log or plant the socket.
+    One made here is 0755 whatever the umask (the unit's is 0077): every user connects
+    to the sockets in it."""
+    made = not os.path.lexists(path)
     os.makedirs(path, mode=0o755, exist_ok=True)
     st = os.lstat(path)
     problem = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else
@@ -142,6 +145,8 @@ def ensure_runtime_dir(path: str) -> None:
     if problem is not None:
         raise MxfsError(f"the daemon's runtime folder {path} {problem}",
                         "remove it, or set XDG_RUNTIME_DIR to a folder of your own")
+    if made and stat.S_IMODE(st.st_mode) != 0o755:
+        os.chmod(path, 0o755)
 
 
 def open_private_log(path: str) -> BinaryIO:
