@@ -119,3 +119,33 @@ def test_kv_put_of_device_tensors_keeps_their_host_copies(mounted: Mounted) -> N
         for key, want in zip(keys, src, strict=True):
             back = torch.empty_like(want)
             assert kv.get(key, out=back) is True and torch.equal(back, want)
+
+
+def test_wheels_install_into_a_fresh_private_folder(tmp_path: Path) -> None:
+    """gpu_check.sh runs as root: the folder its wheels go to (on PYTHONPATH) must be made
+    fresh and be root's alone, or another user's sitecustomize.py placed there runs as
+    root.  A stand-in python3 records where it was asked to install, and what was there."""
+    copy = tmp_path / "repo"
+    (copy / "tools").mkdir(parents=True)
+    (copy / ".whl").mkdir()
+    (copy / ".whl" / "x-1-py3-none-any.whl").write_bytes(b"")
+    (copy / "tools" / "gpu_check.sh").write_bytes((ROOT / "tools" / "gpu_check.sh").read_bytes())
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    seen = tmp_path / "seen"
+    (bin_ / "python3").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$2" = pip ]; then t=$(echo "$@" | sed "s/.*--target \\([^ ]*\\).*/\\1/"); '
+        f'stat -c "%n %a %u" "$t" > {seen}; ls -A "$t" >> {seen}; fi\n')
+    (bin_ / "python3").chmod(0o755)
+    for name in ("nvidia-smi", "timeout"):
+        (bin_ / name).write_text("#!/bin/sh\nexit 0\n")
+        (bin_ / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
+    res = subprocess.run(["bash", str(copy / "tools" / "gpu_check.sh")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    made, mode, uid = seen.read_text().splitlines()[0].split()
+    assert made != "/tmp/mxfs-site" and mode == "700" and int(uid) == os.geteuid()
+    assert seen.read_text().splitlines()[1:] == []  # empty: nobody else's files in it
+    assert not os.path.exists(made)  # removed after the run

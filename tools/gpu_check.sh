@@ -46,9 +46,13 @@ if [ "${1:-}" = --fetch ]; then
   exit 0
 fi
 if compgen -G ".whl/*.whl" >/dev/null; then
+  # A folder of our own (mktemp -d: 0700, a fresh name): a fixed /tmp path could be made
+  # first by another user, whose sitecustomize.py would then run in this (root's) Python.
+  site=$(mktemp -d "${TMPDIR:-/tmp}/mxfs-site.XXXXXXXX")
+  trap 'rm -rf -- "$site"' EXIT
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/mxfs-site .whl/*.whl || echo "gpu_check: some wheels did not install"
-  export PYTHONPATH=/tmp/mxfs-site
+    --target "$site" .whl/*.whl || echo "gpu_check: some wheels did not install"
+  export PYTHONPATH="$site"
 fi
 [ -d .whl/lib ] && export LD_LIBRARY_PATH="$PWD/.whl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 engine=.whl/native/_engine.cpython-312-x86_64-linux-gnu.so
