@@ -44,13 +44,15 @@ def pg(pg_cluster: Server) -> Server:
 
 def test_the_superblock_names_the_server_without_its_password(members: list[str],
                                                              pg: Server) -> None:
-    url = pg.database().replace("user=postgres", "user=postgres&password=s3cret")
+    url = pg.database().replace("user=postgres",
+                                "user=postgres&password=s3cret&sslpassword=k3ypass")
     mkfs(members, "64KiB", "--meta", url)
     for m in members:
         sb = read_superblock(m)
         assert sb.meta.startswith("postgresql://") or "dbname=" in sb.meta
-        assert "s3cret" not in sb.meta
-        assert "s3cret" not in Path(m, "mxfs.superblock").read_text()
+        assert "s3cret" not in sb.meta and "k3ypass" not in sb.meta
+        text = Path(m, "mxfs.superblock").read_text()  # (0644: anyone reads it)
+        assert "s3cret" not in text and "k3ypass" not in text
     assert not os.path.exists(os.path.join(members[0], "meta", "mxfs.db"))
     pool = Pool.open(members[0])
     assert pool.meta_location == read_superblock(members[0]).meta

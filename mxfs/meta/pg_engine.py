@@ -121,15 +121,21 @@ _PUBLISH = ("INSERT INTO changes (seq, node, epoch, at, body) SELECT "
             "(SELECT pg_advisory_xact_lock(%s)) AS held")
 
 
+# libpq's parameters that hold a secret (the server's password, the client key's
+# passphrase); a file's path (passfile, sslkey) is no secret: its mode guards it.
+SECRET_PARAMS = frozenset({"password", "sslpassword"})
+
+
 def public(url: str) -> str:
-    """`url` without a password (in its user part or as a parameter): what a
-    superblock may record and a message may show."""
+    """`url` without its secrets (a password in its user part, SECRET_PARAMS): what a
+    superblock (mode 0644) may record and a message may show."""
     u = urlsplit(url)
     netloc = u.netloc
     if "@" in netloc:
         userinfo, host = netloc.rsplit("@", 1)
         netloc = f"{userinfo.split(':', 1)[0]}@{host}"
-    query = [(k, v) for k, v in parse_qsl(u.query, keep_blank_values=True) if k != "password"]
+    query = [(k, v) for k, v in parse_qsl(u.query, keep_blank_values=True)
+             if k not in SECRET_PARAMS]
     out = f"{u.scheme}://{netloc}{u.path}"  # (urlunsplit drops an empty host's //)
     return out + (f"?{urlencode(query, safe='/')}" if query else "")
 
