@@ -11,13 +11,24 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import eventually, make_members, mkfs, mxfs, needs_fuse, one_line_error
+from conftest import (
+    eventually,
+    force_unmount,
+    make_members,
+    mkfs,
+    mounted_pool,
+    mxfs,
+    needs_fuse,
+    one_line_error,
+)
 from users import ensure_users
 
 from mxfs.pool import read_superblock
+from mxfs.pool.superblock import write_superblock
 from mxfs.proc import running
 from mxfs.vol.mounts import wait_pid_gone
 
@@ -237,3 +248,57 @@ def test_a_zombie_is_not_running_so_umount_does_not_wait_for_its_reaping() -> No
         child.wait()
     assert not running(child.pid)
     assert running(os.getpid())
+
+
+def test_mkfs_refuses_a_label_that_would_add_mount_options(members: list[str]) -> None:
+    """The label names the mount (fsname=mxfs:LABEL): a ',' in it added options."""
+    line = one_line_error(mxfs("mkfs", "--label", "lab,dev,suid",
+                               *[a for m in members for a in ("--member", m)], check=False))
+    assert "label 'lab,dev,suid'" in line and "letters, digits" in line
+    assert not any(os.listdir(m) for m in members)  # nothing written
+
+
+def test_node_add_refuses_a_label_that_would_add_mount_options(tmp_path: Path) -> None:
+    config = tmp_path / "node.toml"
+    line = one_line_error(mxfs("node", "add", "--meta", "postgresql://db/mxfs", "--key",
+                               str(tmp_path / "key"), "--name", "b", "--config", str(config),
+                               "--label", "lab,suid", check=False))
+    assert "label 'lab,suid'" in line and not config.exists()
+
+
+def mount_options(mp: Path) -> tuple[set[str], str]:
+    """The kernel's options of the mount on `mp` and its source (fsname)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(mp):
+            after = fields[fields.index("-") + 1:]
+            return set(fields[5].split(",")) | set(after[2].split(",")), after[1]
+    raise AssertionError(f"{mp} is not mounted")
+
+
+@needs_fuse
+@pytest.mark.daemon_log(r"the pool's label .* holds characters a mount option cannot")
+def test_a_pool_label_from_before_cannot_add_mount_options(members: list[str]) -> None:
+    """A label written before labels were checked (by an older mxfs) names no mount
+    option: the mount is named by the pool's uuid and stays nosuid and nodev."""
+    mkfs(members)
+    for m in members:
+        write_superblock(m, replace(read_superblock(m), label="lab,dev,suid"))
+    with mounted_pool(members) as mnt:
+        opts, source = mount_options(mnt.path)
+        assert {"nosuid", "nodev"} <= opts, opts
+        assert source == f"mxfs:{read_superblock(members[0]).pool_uuid[:8]}"
+
+
+@needs_fuse
+def test_suid_or_dev_with_allow_other_is_refused(tmp_path: Path, members: list[str]) -> None:
+    mkfs(members)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for opt in ("suid", "dev"):
+        try:
+            line = one_line_error(mxfs("mount", "-o", f"allow_other,{opt}", members[0],
+                                       str(mnt), check=False))
+        finally:
+            force_unmount(str(mnt))  # (were it mounted after all)
+        assert f"mount option {opt} with allow_other" in line, line

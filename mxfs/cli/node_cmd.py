@@ -23,7 +23,7 @@ from mxfs.meta import MetaStore, lease, location
 from mxfs.pool.key import install_key, key_id, read_key
 from mxfs.pool.node_config import NODE_NAME, NodeConfig, write_node_config
 from mxfs.pool.pool import format_node_members
-from mxfs.pool.superblock import Superblock
+from mxfs.pool.superblock import Superblock, check_label
 from mxfs.vol.volume import KEY_ID_KEY, MEMBERS_KEY
 
 
@@ -52,6 +52,7 @@ def cmd_node_add(args: argparse.Namespace) -> int:
     if not NODE_NAME.fullmatch(args.name):
         raise MxfsError(f"node name {args.name!r} is not one",
                         "use letters, digits, '.', '_' and '-' (at most 63)")
+    check_label(args.label or "")
     key = read_key(args.key)
     with contextlib.closing(_open_store(args.meta)) as store:
         pool = store.setting("pool_uuid")

@@ -42,7 +42,7 @@ from mxfs.io.batch import ENGINE
 from mxfs.meta import MetaStore, Unusable, backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key, read_key
 from mxfs.pool.revoke import require_leases
-from mxfs.pool.superblock import superblock_path
+from mxfs.pool.superblock import LABEL, superblock_path
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.mounts import (
     LOG_CAP,
@@ -176,9 +176,15 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
         ops.max_open_per_user = limits.max_open_per_user
         vol.max_held_per_user = limits.max_held_per_user
         vol.held.read_grace_s = limits.read_grace_s
-        name = vol.pool.label or vol.pool.uuid[:8]
-        fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
         notes = []
+        name = vol.pool.label if LABEL.fullmatch(vol.pool.label) else vol.pool.uuid[:8]
+        if vol.pool.label and name != vol.pool.label:  # (made before labels were checked)
+            notes.append(f"the pool's label {vol.pool.label!r} holds characters a mount "
+                         f"option cannot: the mount is named mxfs:{name}")
+        fuse_opts |= {"default_permissions", f"fsname=mxfs:{name}", "subtype=mxfs"}
+        # Said, not left to the default: a set-uid file or device node on the pool stays
+        # inert unless the mount asks otherwise (never with allow_other: check_options).
+        fuse_opts |= {f"no{flag}" for flag in ("suid", "dev") if flag not in fuse_opts}
         feed = None
         if reading and location.is_server(vol.pool.meta_location):
             # (connected before the mount: the kernel holds nothing the feed missed)

@@ -31,6 +31,12 @@ FUSE = ("allow_other", "allow_root", "default_permissions", "ro", "rw", "nosuid"
 def check_options(options: list[str]) -> None:
     """MxfsError naming the first option that is unknown or has a bad value."""
     known = (*NUMBERS, *FLAGS, *TEXTS, *FUSE)
+    given = {opt.partition("=")[0] for opt in options}
+    if "allow_other" in given and given & {"suid", "dev"}:
+        # Any user could place a set-uid program or a device node and use it.
+        raise MxfsError(f"mount option {sorted(given & {'suid', 'dev'})[0]} with allow_other "
+                        "lets any user make a set-uid program or a device node work",
+                        "leave suid and dev out of a mount other users may write to")
     for opt in options:
         if not opt:
             continue

@@ -33,6 +33,7 @@ from mxfs.pool.superblock import (
     SUPERBLOCK_NAME,
     Superblock,
     SuperblockError,
+    check_label,
     read_superblock,
     superblock_path,
     write_superblock,
@@ -243,6 +244,7 @@ def format_members(paths: list[str], stripe_unit: int = DEFAULT_STRIPE_UNIT,
     member and puts back what --force was about to wipe.
     """
     check_stripe_unit(stripe_unit)
+    check_label(label)
     if not paths:
         raise MxfsError("no members given", "name each with --member PATH")
     resolved: list[str] = []  # every member's name in the superblocks: a path, or NODE:PATH

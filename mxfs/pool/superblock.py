@@ -8,12 +8,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from dataclasses import asdict, dataclass, field
+
+from mxfs.errors import MxfsError
 
 SUPERBLOCK_NAME = "mxfs.superblock"
 MAGIC = "mxfs-superblock"
 FORMAT_VERSION = 1
+
+
+# A pool's label names its mount (fsname=mxfs:LABEL): a ',' in it would add mount
+# options (suid, dev) after the ones given, so it holds none of FUSE's separators.
+LABEL = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def check_label(label: str) -> None:
+    """MxfsError unless `label` is empty (no label) or fits LABEL."""
+    if label and not LABEL.fullmatch(label):
+        raise MxfsError(f"label {label!r} is not one",
+                        "use letters, digits, '.', '_' and '-' (at most 64)")
 
 
 class SuperblockError(Exception):
