@@ -4,6 +4,7 @@ st_blocks of sparse files, and df on members sharing one disk."""
 
 from __future__ import annotations
 
+import grp
 import importlib.util
 import json
 import os
@@ -25,10 +26,15 @@ from conftest import (
     mxfs,
     one_line_error,
 )
+from users import TEAM, ensure_users
 
+from mxfs.errors import MxfsError
 from mxfs.load.header import HeaderError, parse_header
 from mxfs.pool import Pool, read_superblock
+from mxfs.pool.key import install_key, load_key
+from mxfs.pool.node_config import NodeConfig, write_node_config
 from mxfs.pool.pool import CHUNK_DIR
+from mxfs.pool.superblock import write_superblock
 
 needs_root = pytest.mark.skipif(not HAVE_FUSE, reason="needs root (mounts)")
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,3 +287,42 @@ def test_df_by_use_never_exceeds_the_pool_used(loop_pool: Mounted) -> None:
     assert out["by_use"]["files"] == 4 << 30  # the apparent bytes stay in the JSON
     assert out["by_use_scaled"] and sum(out["by_use_shown"].values()) <= out["pool"]["used"]
     assert "scaled to the pool's used space" in mxfs("df", str(loop_pool.path)).stdout
+
+
+@needs_root
+def test_secrets_are_refused_in_a_folder_others_may_write(tmp_path: Path) -> None:
+    """A member of a group that may write the folder could make the temp's name first
+    (her own file, held open) and receive the pool key: such a folder is refused."""
+    ensure_users()
+    team = grp.getgrnam(TEAM).gr_gid
+    shared = tmp_path / "etc"
+    shared.mkdir()
+    os.chown(shared, 0, team)
+    shared.chmod(0o775)
+    conf = NodeConfig(str(shared / "node.toml"), "uuid", "b", "postgresql://db/x",
+                      str(shared / "node.key"), str(tmp_path / "state"))
+    for write in (lambda: install_key(b"k" * 32, conf.key), lambda: write_node_config(conf),
+                  lambda: load_key(str(shared), create=True)):
+        with pytest.raises(MxfsError) as e:
+            write()
+        assert f"chmod go-w {shared}" in str(e.value)
+    assert os.listdir(shared) == []
+    shared.chmod(0o755)
+    install_key(b"k" * 32, conf.key)
+    write_node_config(conf)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in shared.iterdir()} == \
+        {"node.key": 0o600, "node.toml": 0o600}
+
+
+def test_a_superblock_is_not_written_through_a_link_at_a_temp_name(tmp_path: Path) -> None:
+    """The superblock's temp had a fixed name, opened O_TRUNC without O_NOFOLLOW: a link
+    placed there sent root's write onto the file it names."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    victim = tmp_path / "victim"
+    victim.write_text("root's own\n")
+    os.symlink(victim, os.path.join(members[0], "mxfs.superblock.tmp"))
+    sb = read_superblock(members[0])
+    write_superblock(members[0], sb)
+    assert victim.read_text() == "root's own\n"
+    assert read_superblock(members[0]) == sb

@@ -16,6 +16,7 @@ import os
 import stat
 
 from mxfs.errors import MxfsError
+from mxfs.pool.safe_file import check_private_folder, write_new
 from mxfs.proto.chunk_wire import KEY_BYTES
 
 KEY_NAME = "mxfs.key"
@@ -37,17 +38,10 @@ def key_id(key: bytes, pool_uuid: str) -> str:
 
 
 def install_key(key: bytes, path: str) -> None:
-    """Write `key` to `path`, root's and 0600, whole or not at all."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    """Write `key` to `path`, root's and 0600, whole or not at all, in a folder no one
+    else may write (`safe_file.py`)."""
+    check_private_folder(os.path.dirname(path) or ".", "the pool key")
+    write_new(path, key, 0o600)
 
 
 def read_key(path: str, create: bool = False) -> bytes:
@@ -80,23 +74,10 @@ def read_key(path: str, create: bool = False) -> bytes:
 
 
 def _make(path: str) -> bytes:
+    check_private_folder(os.path.dirname(path) or ".", "the pool key")
     key = os.urandom(KEY_BYTES)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)  # the first maker wins; a racer reads the winner's
+        write_new(path, key, 0o600, put=os.link)  # the first maker wins
     except FileExistsError:
-        os.unlink(tmp)
-        return read_key(path)
-    os.unlink(tmp)
-    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        return read_key(path)  # a racer's
     return key

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mxfs.errors import MxfsError
+from mxfs.pool.safe_file import check_private_folder, write_new
 
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # a node's name in its pool
 
@@ -73,13 +74,5 @@ def write_node_config(conf: NodeConfig) -> None:
     """Write `conf` to its path, 0600, whole or not at all."""
     lines = [f"{k} = {json.dumps(getattr(conf, k))}"
              for k in ("pool", "label", "node", "meta", "key", "state", "members")]
-    tmp = f"{conf.path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, ("\n".join(lines) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, conf.path)
+    check_private_folder(os.path.dirname(conf.path) or ".", "the node's config")
+    write_new(conf.path, ("\n".join(lines) + "\n").encode(), 0o600)

@@ -13,6 +13,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 
 from mxfs.errors import MxfsError
+from mxfs.pool.safe_file import write_new
 
 SUPERBLOCK_NAME = "mxfs.superblock"
 MAGIC = "mxfs-superblock"
@@ -94,17 +95,4 @@ def read_superblock(member: str) -> Superblock:
 
 def write_superblock(member: str, sb: Superblock) -> None:
     """Replace the superblock atomically and durably."""
-    path = superblock_path(member)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, sb.to_bytes())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(member, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    write_new(superblock_path(member), sb.to_bytes(), 0o644)  # (a fresh temp: safe_file.py)
