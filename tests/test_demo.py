@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, mxfs
+from conftest import HAVE_FUSE, mxfs, one_line_error
+from users import ensure_users, run_as
+
+from mxfs.cli.measure import read_file, write_file
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
 
 
 def test_demo_runs_the_three_jobs_and_cleans_up(tmp_path: Path) -> None:
+    """--dir names where the scratch goes: a folder already there keeps what it held
+    (it once was the scratch, all of it removed after)."""
     scratch = tmp_path / "demo"
+    scratch.mkdir()
+    (scratch / "theirs.txt").write_text("not the demo's\n")
+    os.chown(scratch / "theirs.txt", ensure_users()["alice"].uid, -1)
     out = json.loads(mxfs("demo", "--size", "64MiB", "--dir", str(scratch), "--json",
                           timeout=600).stdout)
     assert out["verified"] and not out["kept"]
@@ -31,7 +41,40 @@ def test_demo_runs_the_three_jobs_and_cleans_up(tmp_path: Path) -> None:
     assert kv["policy_s"] <= kv["recompute_s"] * (1 + 1e-9)
     assert kv["policy_s"] <= kv["load_s"] * (1 + 1e-9) or kv["policy_chunks"] < kv["chunks"]
     assert [s["step"] for s in out["steps"]][0] == "write"
-    assert not os.path.exists(scratch) or os.listdir(scratch) == []
+    assert os.listdir(scratch) == ["theirs.txt"]
+    assert (scratch / "theirs.txt").read_text() == "not the demo's\n"
+    assert os.path.dirname(out["scratch"]) == str(scratch)  # (made there, removed after)
+
+
+def test_demo_refuses_a_dir_another_user_could_change() -> None:
+    """A tenant's folder made in /tmp (sticky, so hers to rename in) let her swap what
+    root's demo made there for links to root's files, which the demo then wrote; a
+    folder anyone may write without the sticky bit is as bad."""
+    shared = Path(tempfile.mkdtemp(prefix="mxfs-demo-shared-"))  # (reachable by alice)
+    try:
+        shared.chmod(0o1777)
+        assert run_as(ensure_users()["alice"], "os.mkdir(sys.argv[1]); print('1')",
+                      str(shared / "hers")) == 1
+        loose = shared / "loose"
+        loose.mkdir()
+        loose.chmod(0o777)
+        for where, owner in ((shared / "hers", shared / "hers"), (loose, loose)):
+            line = one_line_error(mxfs("demo", "--size", "64MiB", "--dir", str(where),
+                                       check=False, timeout=600))
+            assert f"{owner} may be changed by another user" in line, line
+            assert os.listdir(where) == []  # nothing made there
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_bench_files_are_never_written_through_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("root's own\n")
+    (tmp_path / "file0.bin").symlink_to(victim)
+    _, digest = write_file(str(tmp_path / "file0.bin"), 8192, memoryview(bytes(4096)))
+    assert victim.read_text() == "root's own\n"
+    assert not (tmp_path / "file0.bin").is_symlink()
+    assert read_file(str(tmp_path / "file0.bin"), bytearray(4096))[1:] == (digest, 8192)
 
 
 def test_demo_text_shows_both_tables(tmp_path: Path) -> None:

@@ -40,7 +40,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -52,6 +51,7 @@ from rig import BLOCK, make_rig  # noqa: E402
 
 from mxfs.cli.demo import bench_args, run_mxfs, save_results  # noqa: E402
 from mxfs.cli.measure import drop_caches  # noqa: E402
+from mxfs.cli.scratch import scratch_dir  # noqa: E402
 from mxfs.client.control import ControlClient  # noqa: E402
 from mxfs.io import Layout  # noqa: E402
 from mxfs.pool.key import key_path  # noqa: E402
@@ -150,7 +150,7 @@ def main() -> int:
             os.makedirs(m, exist_ok=True)
         run_mxfs("mkfs", "--stripe-unit", args.stripe_unit, "--meta", args.meta,
                  *[a for m in [*mine, *(f"b:{p}" for p in theirs)] for a in ("--member", m)])
-        base = tempfile.mkdtemp(prefix="mxfs-bench-across-", dir=args.dir)
+        base = scratch_dir("mxfs-bench-across-", args.dir)
         mnt_a, mnt_b = os.path.join(base, "a"), os.path.join(base, "b")
         os.makedirs(mnt_a)
         os.makedirs(mnt_b)

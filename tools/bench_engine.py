@@ -17,11 +17,11 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 from mxfs.cli.demo import run_mxfs
 from mxfs.cli.measure import drop_caches, write_file
+from mxfs.cli.scratch import scratch_dir
 from mxfs.client.direct import DirectFile, aligned_like, open_reader
 from mxfs.io import batch
 from mxfs.units import parse_size
@@ -37,7 +37,7 @@ def main() -> int:
     engines = {"threads": None, **({"io_uring": native} if native else {})}
     if not native:
         print(f"io_uring engine unavailable: {why}", file=sys.stderr)
-    base = tempfile.mkdtemp(prefix="mxfs-bench-engine-", dir=args.dir)
+    base = scratch_dir("mxfs-bench-engine-", args.dir)
     members = [os.path.join(base, f"member{i}") for i in range(4)]
     mnt = os.path.join(base, "mnt")
     for p in [*members, mnt]:

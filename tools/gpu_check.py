@@ -29,12 +29,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, NoReturn
 
 from gpu_check_report import markdown
 
+from mxfs.cli.scratch import scratch_dir
 from mxfs.errors import MxfsError, UsageError
 from mxfs.proc import python_module
 from mxfs.units import parse_size
@@ -243,8 +243,7 @@ def main() -> int:
                   file=sys.stderr)
             return 2
     os.makedirs(args.out, exist_ok=True)
-    os.makedirs(args.dir, exist_ok=True)
-    base = tempfile.mkdtemp(prefix="mxfs-gpu-check-", dir=args.dir)
+    base = scratch_dir("mxfs-gpu-check-", args.dir)
     mnt = ""
     try:
         from gpu_check_env import host

@@ -26,7 +26,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 from mxfs.cli.measure import drop_caches
+from mxfs.cli.scratch import scratch_dir
 from mxfs.errors import MxfsError
 
 BLOCK = 8 << 20  # O_DIRECT request size of the ceiling reads
@@ -143,7 +143,7 @@ class _Cgroup:
 def make_rig(spec: str, where: str = "/var/tmp", gib_each: int = 16) -> Iterator[Rig]:
     """The rig `spec` names, set up under a scratch folder in `where` and removed after."""
     shape = parse_rig(spec)
-    base = tempfile.mkdtemp(prefix="mxfs-rig-", dir=where)
+    base = scratch_dir("mxfs-rig-", where)
     if shape is None:
         try:
             yield Rig(spec, [os.path.join(base, f"member{i}") for i in range(4)],

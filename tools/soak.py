@@ -37,11 +37,11 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from mxfs.cli.demo import run_mxfs, scratch_pool
+from mxfs.cli.scratch import scratch_dir
 from mxfs.client import ControlClient
 from mxfs.client import direct as direct_clients
 
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a fifth client, as nobody, floods the daemon meanwhile")
     args = ap.parse_args(argv)
     seconds = args.minutes * 60 + args.hours * 3600 or 60
-    journals = Path(tempfile.mkdtemp(prefix="mxfs-soak-journal-", dir=args.dir))
+    journals = Path(scratch_dir("mxfs-soak-journal-", args.dir))
     start = time.monotonic()
     mount = ["-o", "allow_other"] if args.hostile else []
     with scratch_pool("mxfs-soak-", args.dir, mount=mount) as pool:

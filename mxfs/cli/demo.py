@@ -15,13 +15,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from mxfs.cli.measure import drop_caches, read_file, write_file
+from mxfs.cli.scratch import safe_parent, scratch_dir
 from mxfs.errors import MxfsError
 from mxfs.proc import python_module
 from mxfs.units import format_size
@@ -74,15 +74,15 @@ class ScratchPool:
 
 
 @contextmanager
-def scratch_pool(prefix: str, where: str = "/var/tmp", base: str | None = None,
+def scratch_pool(prefix: str, where: str = "/var/tmp",
                  mkfs: Sequence[str] = (), mount: Sequence[str] = (), keep: bool = False,
                  members: Sequence[str] | None = None, plain: str | None = None
                  ) -> Iterator[ScratchPool]:
-    """Make, mount, and afterwards unmount and remove (unless `keep`) a scratch pool:
-    four folder members under `base`, or the `members` and `plain` folders given (a
-    bench rig's devices)."""
-    base = base or tempfile.mkdtemp(prefix=prefix, dir=where)
-    os.makedirs(base, exist_ok=True)
+    """Make, mount, and afterwards unmount and remove (unless `keep`) a scratch pool in
+    a fresh folder of its own in `where` (`scratch.py`): four folder members there, or
+    the `members` and `plain` folders given (a bench rig's devices, the rig's to
+    remove)."""
+    base = scratch_dir(prefix, where)
     pool = ScratchPool(base, list(members or [os.path.join(base, f"member{i}")
                                               for i in range(4)]),
                        os.path.join(base, "mnt"), plain or os.path.join(base, "plain"))
@@ -99,15 +99,14 @@ def scratch_pool(prefix: str, where: str = "/var/tmp", base: str | None = None,
             if res.returncode:
                 subprocess.run(python_module("mxfs", "umount", "--lazy", pool.mnt),
                                capture_output=True)
-            shutil.rmtree(base, ignore_errors=True)
-            for p in [*pool.members, pool.plain]:
-                shutil.rmtree(p, ignore_errors=True)
+            shutil.rmtree(base, ignore_errors=True)  # (ours alone: made by mkdtemp)
 
 
 def bench_args(ap: argparse.ArgumentParser) -> None:
     """The options every benchmark in tools/ takes."""
     ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported")
-    ap.add_argument("--dir", default="/var/tmp", help="where the scratch pool goes")
+    ap.add_argument("--dir", default="/var/tmp", help="where the scratch pool's folder is "
+                    "made (one that other users can change is refused)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--rig", default="plain", help="plain (folders on one disk) or "
                     "members:N:MBPS (N loop-device XFS members capped at MBPS MB/s each; "
@@ -124,15 +123,14 @@ def save_results(args: argparse.Namespace, **results: Any) -> None:
 
 def run_demo(size: int, scratch: str | None, keep: bool, as_json: bool) -> int:
     size = max(size - size % (FILES * 4096), FILES * 4096)
-    where = scratch or "/var/tmp"
-    os.makedirs(where, exist_ok=True)
+    where = safe_parent(scratch or "/var/tmp")
     free = shutil.disk_usage(where).free
     if free < 2 * size + (1 << 30):
         raise MxfsError(f"{where} has {format_size(free)} free; the demo needs "
                         f"{format_size(2 * size + (1 << 30))}", "pass a smaller --size or --dir")
     say = (lambda *a: None) if as_json else print
     job_bytes = max(16 << 20, min(256 << 20, size // 4))
-    with scratch_pool("mxfs-demo-", base=scratch, mkfs=("--label", "demo"), keep=keep) as pool:
+    with scratch_pool("mxfs-demo-", where, mkfs=("--label", "demo"), keep=keep) as pool:
         say(f"mxfs demo: pool of 4 folder members in {pool.base}")
         jobs = _demo_jobs(pool, job_bytes, say)
         say(f"  files through the mount and a plain folder, {format_size(size)} each way")

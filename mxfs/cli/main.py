@@ -583,7 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "reuse KV, write and read files, each against its baseline")
     s.add_argument("--size", default="2GiB", help="bytes of files to write and read each "
                    "way (the jobs use a quarter, at most 256 MiB)")
-    s.add_argument("--dir", help="scratch folder (default: a new one under /var/tmp)")
+    s.add_argument("--dir", help="where a scratch folder is made (default /var/tmp); "
+                   "one that other users can change is refused")
     s.add_argument("--keep", action="store_true", help="leave the pool mounted and in place")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_demo)

@@ -6,6 +6,7 @@ measures I/O rather than first-touch page faults.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -53,10 +54,15 @@ def drop_caches() -> bool:
 
 
 def write_file(path: str, size: int, block: memoryview, fsync: bool = True) -> tuple[float, str]:
-    """Write `size` bytes cycling through `block`; returns (seconds, xxh3 of the bytes)."""
+    """Write `size` bytes cycling through `block` to a new file (one already there is
+    removed first, untimed; never written through: it may be a link); returns
+    (seconds, xxh3 of the bytes)."""
     h = xxhash.xxh3_64()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
     start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
     try:
         left = size
         while left:
