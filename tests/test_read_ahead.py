@@ -1,8 +1,9 @@
 """Read-ahead windows of another node's stripes (mxfs.pool.read_ahead): every byte a
 reader gets is the file's, in order or not, with several readers at once; a failed
 fetch fails the read that needed it and is fetched again; the windows held, the ones
-reads wait on too, stay within their budget and go back at close; a window is
-MAX_WINDOW at most; the fetcher threads take files in turn."""
+reads wait on too, stay within their budget and go back at close (a dropped one's
+fetch cancelled, or counted until it ends); a window is MAX_WINDOW at most; the
+fetcher threads take files in turn."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import eventually
 
 from mxfs.pool import read_ahead
 from mxfs.pool.read_ahead import ReadAhead
@@ -119,7 +121,7 @@ def test_windows_stay_within_the_budget_and_go_back_at_close(
     assert read_ahead._held - before > 0  # (the first file's still read through them)
     for ra, _ in files:
         ra.close()
-    assert read_ahead._held == before
+    assert eventually(lambda: read_ahead._held == before)  # (once fetches ahead end)
 
 
 def test_a_huge_stripe_row_is_read_a_window_at_most_at_a_time() -> None:
@@ -184,4 +186,50 @@ def test_one_users_windows_leave_the_rest_of_the_budget_to_others(
     assert bytes(buf) == src.data[128 << 10:256 << 10]
     for ra, _ in [*hers, (his, src)]:
         ra.close()
-    assert not read_ahead._held_by
+    assert eventually(lambda: not read_ahead._held_by)
+
+
+class SlowSource(Source):
+    """A file on a node that answers nothing until `gate` is set."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.gate, self.started = threading.Event(), threading.Event()
+
+    def fetch(self, offset: int, buf: memoryview) -> None:
+        self.started.set()
+        self.gate.wait(30)
+        super().fetch(offset, buf)
+
+
+def test_a_dropped_window_is_not_fetched_and_counts_until_its_fetch_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows dropped (a write, a close) before their fetch began are never fetched,
+    and a read waiting on one reads straight; one whose fetch runs stays counted until
+    the fetch ends.  Before, every dropped window was fetched all the same, for nobody,
+    its buffer outside the budget."""
+    monkeypatch.setattr(read_ahead, "_fetchers", ThreadPoolExecutor(1))
+    before = read_ahead._held
+    slow, src = SlowSource(100 * MiB), Source(100 * MiB)
+    held, ra = ReadAhead(MiB, slow.fetch), ReadAhead(MiB, src.fetch)
+    bufs = [memoryview(bytearray(128 << 10)) for _ in range(2)]
+    held.read(0, bufs[0])
+    ra.read(0, bufs[1])
+    readers = [threading.Thread(target=read, args=(f, s, 128 << 10, b))
+               for f, s, b in ((held, slow, bufs[0]), (ra, src, bufs[1]))]
+    readers[0].start()
+    assert slow.started.wait(10)  # its first window's fetch runs (the one fetcher)
+    readers[1].start()  # (until every window of both is counted: 1 running, 9 queued)
+    assert eventually(lambda: read_ahead._held - before == 10 * held.size)
+    ra.close()
+    held.close()
+    readers[1].join(10)
+    assert not readers[1].is_alive()  # its window dropped: it read straight
+    assert bytes(bufs[1]) == src.data[128 << 10:256 << 10]
+    assert read_ahead._held - before == held.size  # the running fetch's buffer
+    slow.gate.set()
+    readers[0].join(10)
+    assert bytes(bufs[0]) == slow.data[128 << 10:256 << 10]
+    read_ahead.fetchers().shutdown(wait=True)  # (the cancelled fetches' turns run)
+    assert slow.fetched == [0] and src.fetched == [128 << 10]
+    assert read_ahead._held == before

@@ -18,7 +18,10 @@ of a 512 MiB budget, and one user's few files, 1 GiB stripe units and windows ke
 open, held all of it: everyone else's reads of far files went unwindowed).  A window is
 MAX_WINDOW at most, whatever the stripe row (a 1 GiB unit is no 4 GiB fetch per
 128 KiB read), and the fetcher threads take fetches in turn by file, not first come
-first served: one file's windows ahead do not queue another's read.
+first served: one file's windows ahead do not queue another's read.  A window dropped
+(a write, a cut, the last close) before its fetch began is never fetched, and one
+whose fetch runs stays counted until the fetch ends: read, then write or close, in a
+loop, once fetched windows nobody read and held their buffers outside the budget.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 WINDOW = 16 << 20  # bytes fetched at once, at least (rounded up to whole stripe rows)
 MAX_WINDOW = 64 << 20  # ... and at most
@@ -141,7 +144,10 @@ class ReadAhead:
         at = 0
         for w, fut in enumerate(needed, first):
             assert fut is not None
-            data = fut.result()  # (an error fetching it is this read's error)
+            try:
+                data = fut.result()  # (an error fetching it is this read's error)
+            except CancelledError:  # dropped meanwhile (a write, the feed): read it
+                return False        # straight, as those after the drop are
             lo = max(offset + at, w * self.size) - w * self.size
             n = min(len(buf) - at, self.size - lo)
             buf[at:at + n] = data[lo:lo + n]
@@ -164,8 +170,12 @@ class ReadAhead:
         return fut
 
     def _drop(self, w: int) -> None:
-        del self._windows[w]
-        _hold(-self.size, self._payer.pop(w))
+        """Forget window `w`: its fetch is cancelled if it has not begun, and its bytes
+        go back to the budget once no fetch holds them (a fetch running goes on, and
+        its buffer is memory held until it ends)."""
+        fut, size, payer = self._windows.pop(w), self.size, self._payer.pop(w)
+        fut.cancel()
+        fut.add_done_callback(lambda _: _hold(-size, payer))  # (now, if it is done)
 
     def _fetch(self, w: int) -> bytearray:
         data = bytearray(self.size)
