@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 import trio.testing
@@ -188,6 +188,11 @@ class Lane:
         self.limiter = trio.CapacityLimiter(threads)
         self.turns = RoundRobin(threads, max(1, threads * 3 // 4))
         self.budget = RoundRobin(budget, max(1, budget * 3 // 4))
+
+    async def run(self, uid: int, fn: Callable[..., T], *args: Any) -> T:
+        """Blocking `fn(*args)` on one of the lane's threads, in `uid`'s turn."""
+        async with self.turns.slot(uid):
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
 
 class Lanes:

@@ -676,9 +676,7 @@ class MxfsOperations(pyfuse3.Operations):
                   ) -> T:
         """`fn(*args)`, I/O of `chunks`, on a worker thread in `uid`'s turn (threads of
         their own for files on other nodes)."""
-        lane = self.lanes.of(chunks.owners)
-        async with lane.turns.slot(uid):
-            return await trio.to_thread.run_sync(fn, *args, limiter=lane.limiter)
+        return await self.lanes.of(chunks.owners).run(uid, fn, *args)
 
     def _relatime(self, node: Inode) -> None:
         if self.store.readonly:  # reads go on where changes are refused (a fenced daemon)
@@ -858,8 +856,7 @@ class MxfsOperations(pyfuse3.Operations):
         once begun."""
         lane = self.lanes.of(self.vol.pool.owners(self.vol.layout(node).used_members()))
         with trio.CancelScope(shield=True):
-            async with lane.turns.slot(uid):
-                await trio.to_thread.run_sync(fn, *args, limiter=lane.limiter)
+            await lane.run(uid, fn, *args)
 
     async def _uncut(self, ino: int) -> None:
         """Wait while a cut of `ino` runs (`_truncate`)."""
