@@ -136,7 +136,7 @@ def test_the_daemons_budget_bounds_what_all_queues_hold() -> None:
 
     async def body(nursery: trio.Nursery, q: WriteBehind, lim: Run) -> None:
         budget = RoundRobin(2)
-        files = [WriteBehind(depth=3, budget=budget) for _ in range(3)]
+        files = [WriteBehind(depth=3, budget=lambda: budget) for _ in range(3)]
         await files[0].submit(nursery, gate.wait, lim, 0)
         await files[1].submit(nursery, gate.wait, lim, 0)
 
@@ -176,7 +176,7 @@ def test_one_users_queued_writes_never_hold_back_anothers_answer() -> None:
 
         async def writes(uid: int, n: int) -> None:
             for _ in range(n):
-                files.append(WriteBehind(depth=1, budget=budget))
+                files.append(WriteBehind(depth=1, budget=lambda: budget))
                 await files[-1].submit(nursery, lambda: None, run, uid)
                 queued[uid] += 1
 

@@ -194,21 +194,40 @@ class Lane:
         async with self.turns.slot(uid):
             return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
+    def idle(self) -> bool:
+        """Nothing queued or in flight: it holds nothing of anyone's."""
+        return not (self.turns.busy() or self.turns.queued() or self.budget.busy()
+                    or self.budget.queued())
+
 
 class Lanes:
     """A lane for this node's own files, and one for each set of other nodes files
     stripe over (their I/O waits on those nodes): a slow node holds only the lanes of
     the files striped over it, never those of files on this node's members or on
-    other nodes' alone.  Past MAX_FAR_LANES sets the rest share one lane, and each
-    other nodes' lane has a quarter of the write-behind budget: threads and queued
-    writes stay bounded however many sets users' layouts make."""
+    other nodes' alone.  At most MAX_FAR_LANES sets hold one at once, each with a
+    quarter of the write-behind budget, and the rest share one: threads and queued
+    writes stay bounded however many sets users' layouts make.
+
+    A set's lane is its own while it has I/O queued or in flight; once idle, it goes
+    to a new set that finds every lane taken (the one used longest ago first), and
+    the set takes a lane afresh at its next I/O.  Before, the first sets to see I/O
+    held theirs for the life of the mount: one user touching files on eight node
+    subsets after mount left every later far file to the shared lane, behind any slow
+    node there.  Idle means now, not for a while: a lane holds nothing when idle, so
+    handing it on costs its set nothing, and a user cannot keep lanes by touching a
+    set now and then, only by keeping I/O in flight on it.
+
+    Sets, not nodes: a file striped over nodes a and b waits on both, so it shares
+    only with files that wait on exactly those; keyed by node, its I/O would need a
+    thread of a's lane and of b's, and, holding one while it waited for the other,
+    would make a's files wait on b."""
 
     MAX_FAR_LANES = 8
 
     def __init__(self, threads: int, budget: int) -> None:
         self.threads, self.budget = threads, budget
         self.own = Lane(threads, budget)
-        self._far: dict[tuple[str, ...], Lane] = {}
+        self._far: OrderedDict[tuple[str, ...], Lane] = OrderedDict()  # used last, last
         self._rest: Lane | None = None
 
     def of(self, owners: tuple[str, ...]) -> Lane:
@@ -216,10 +235,15 @@ class Lanes:
         if not owners:
             return self.own
         lane = self._far.get(owners)
-        if lane is None:
-            if len(self._far) >= self.MAX_FAR_LANES:
+        if lane is not None:
+            self._far.move_to_end(owners)
+            return lane
+        if len(self._far) >= self.MAX_FAR_LANES:
+            idle = next((k for k, far in self._far.items() if far.idle()), None)
+            if idle is None:  # every lane busy: share the rest's
                 if self._rest is None:
                     self._rest = Lane(self.threads, max(1, self.budget // 4))
                 return self._rest
-            lane = self._far[owners] = Lane(self.threads, max(1, self.budget // 4))
+            del self._far[idle]
+        lane = self._far[owners] = Lane(self.threads, max(1, self.budget // 4))
         return lane

@@ -746,8 +746,8 @@ class MxfsOperations(pyfuse3.Operations):
             pieces = chunks.admit(off, len(buf))  # a member out of service, no room: now
             behind = self.behind.get(ino)
             if behind is None:
-                behind = self.behind[ino] = WriteBehind(
-                    self.write_behind, self.lanes.of(chunks.owners).budget)
+                behind = self.behind[ino] = WriteBehind(  # (the lane's when each is
+                    self.write_behind, lambda: self.lanes.of(chunks.owners).budget)  # queued)
             try:  # (an earlier write's failure: told this writer)
                 handle.heard_failures(behind)
                 await behind.submit(self.nursery,

@@ -46,9 +46,11 @@ Run = Callable[[Callable[[], None]], Awaitable[None]]
 class WriteBehind:
     """The queue of one open inode's writes not yet on its members."""
 
-    def __init__(self, depth: int = DEPTH, budget: RoundRobin | None = None) -> None:
-        """`budget`: shared by every queue of the lane, bounding what all hold; a slot
-        of it per queued write, taken in the writer's turn."""
+    def __init__(self, depth: int = DEPTH,
+                 budget: Callable[[], RoundRobin] | None = None) -> None:
+        """`budget()`: the lane's, shared by every queue of the lane, bounding what all
+        hold; a slot of it per queued write, taken in the writer's turn.  Asked at each
+        write, as the file's lane may be another by then (`fs/fair.Lanes`)."""
         self._slots = trio.Semaphore(depth)
         self._budget = budget
         # Set when the newest queued write has landed: writes land in the order they
@@ -69,19 +71,21 @@ class WriteBehind:
         while DEPTH writes are queued, or for the writer `uid`'s turn at the budget.
         (A failure of an earlier one: the caller's handle reports it first.)"""
         await self._slots.acquire()
-        if self._budget is not None:
+        budget = self._budget() if self._budget is not None else None
+        if budget is not None:
             try:
-                uid = await self._budget.take(uid)  # (the tenant charged)
+                uid = await budget.take(uid)  # (the tenant charged)
             except BaseException:  # cancelled while waiting: nothing was queued
                 self._slots.release()
                 raise
         before, done = self._last, trio.Event()
         self._last = done
         self._pending += 1
-        nursery.start_soon(self._land, before, done, write, run, uid)
+        nursery.start_soon(self._land, before, done, write, run, uid, budget)
 
     async def _land(self, before: trio.Event | None, done: trio.Event,
-                    write: Callable[[], None], run: Run, uid: int) -> None:
+                    write: Callable[[], None], run: Run, uid: int,
+                    budget: RoundRobin | None) -> None:
         # Shielded: an acknowledged write is finished even while the daemon stops.
         with trio.CancelScope(shield=True):
             try:
@@ -96,8 +100,8 @@ class WriteBehind:
             finally:
                 done.set()
                 self._slots.release()
-                if self._budget is not None:
-                    self._budget.give(uid)
+                if budget is not None:
+                    budget.give(uid)
                 self._pending -= 1
                 if self._last is done:
                     self._last = None
