@@ -327,7 +327,7 @@ class Daemon:
         """The background tasks, each run until the mount ends."""
         tasks: list[Callable[[], Awaitable[None]]] = [
             _stop_on_signal, self._commit_groups, self._trims, self._keep_lease,
-            self._revoke, self.control.kv.let_go]
+            self._revoke, self._sweep_held, self.control.kv.let_go]
         if log_file() is not None:  # (not journald's, nor a terminal)
             tasks.append(self._cap_log)
         if self.backup_s > 0 and backup.supported(self.vol.store):  # a server's are its
@@ -456,6 +456,18 @@ class Daemon:
                 await self.control.files.revoke()
             except Exception as e:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))
+
+    async def _sweep_held(self) -> None:
+        """Once a second: chunk files held for writers or readers of dropped and removed
+        files cut or removed (`FileOps.sweep_held`), a task apart from `_revoke`: a user
+        keeping thousands of dropped files' descriptors held back every cut-back."""
+        failures = FailureLog(log)
+        while True:
+            await trio.sleep(1)
+            try:
+                await self.control.files.sweep_held()
+            except Exception as e:
+                failures.note("held files", None, e, trace=not isinstance(e, OSError))
 
     async def _keep_lease(self) -> None:
         """Start the lease's keeper (its own thread renews: meta/lease.py) and watch it:

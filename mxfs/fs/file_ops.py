@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from mxfs.fs.fair import in_bites
 from mxfs.fs.fields import Msg, bool_field, int_field, path_field, sums_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
@@ -59,6 +60,8 @@ log = logging.getLogger("mxfs.control")
 
 # Times an open_read judges and opens again when a renew of its file began meanwhile.
 RENEW_TRIES = 8
+HELD_BITE = 1024  # held chunk files a sweep's worker thread call looks at
+
 
 class FileOps:
     def __init__(self, vol: Volume, mountpoint: str, limits: Limits,
@@ -195,7 +198,7 @@ class FileOps:
         size = int_field(msg, "size", 0)
         mode = int_field(msg, "mode", 0o644) & 0o7777
         exclusive = bool_field(msg, "exclusive")
-        check_pending_room(session, self.limits)
+        check_pending_room(session, self.limits, self.vol)
         if self.forwarded is not None:  # a node: on its own members, named by the writer
             return await self._create_here(session, {
                 "path": path, "size": size, "mode": mode, "exclusive": exclusive,
@@ -374,14 +377,18 @@ class FileOps:
 
     async def revoke(self) -> None:
         """Once a second (a task of the daemon): unpublished files cut back to their
-        declared sizes, held chunk files of dropped ones cut or removed (pool/revoke.py);
-        in a worker thread, as both stat and truncate files."""
+        declared sizes, in a worker thread, as both stat and truncate files."""
         cut = await trio.to_thread.run_sync(cut_back, self.vol, self._all_pending())
         if cut:
             log.warning("cut %d chunk files of unpublished files back to the sizes their "
                         "writers declared", cut)
-        if self.vol.held.files:
-            await trio.to_thread.run_sync(self.vol.held.sweep)
+
+    async def sweep_held(self) -> None:
+        """Held chunk files of dropped or removed ones cut or removed (pool/revoke.py),
+        HELD_BITE a worker thread call, stepping aside between: apart from `revoke`, so
+        that thousands of them a user keeps never hold back others' cut-backs."""
+        async for bite in in_bites(list(self.vol.held.files), HELD_BITE):
+            await trio.to_thread.run_sync(self.vol.held.sweep, bite)
         if self.for_nodes is not None:
             self.for_nodes.sweep(trio.current_time())
 

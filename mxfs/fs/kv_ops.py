@@ -770,7 +770,7 @@ class KVOps:
         key, size = _key(msg), int_field(msg, "size")
         if key in space.chunks:
             return {"exists": True}, []  # the cheap answer to a repeated put
-        check_pending_room(session, self.limits)
+        check_pending_room(session, self.limits, self.vol)
         caller = session.caller
         root = await self._room(space, size, caller.uid)
         if self.index.spaces.get(space.name) is not space:

@@ -38,6 +38,9 @@ class Limits:
     max_held_per_user: int = MAX_HELD_PER_USER  # bytes of one user's removed or renewed
                                     # files kept for their readers (pool/revoke.py)
     read_grace_s: int = READ_GRACE_S  # s: ... kept readable so long, then cut to nothing
+    max_held_files_per_user: int = 4096  # chunk files of one user's dropped files whose
+                                    # write descriptors she keeps (each held, cut, looked
+                                    # at: pool/revoke.py); past it her creates are refused
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
     max_chunks_per_user: int = 1 << 20  # KV chunks one uid has put, in any namespace (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid

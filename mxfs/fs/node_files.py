@@ -456,7 +456,7 @@ class NodeFiles:
         mode = int_field(msg, "mode", 0o644) & 0o7777
         mountpoint = text_field(msg, "mountpoint")
         session = Session(caller, self.pending_by_uid, quotas=self.vol.quotas)
-        check_pending_room(session, self.limits)  # (the uid's: the session is new)
+        check_pending_room(session, self.limits, self.vol)  # (the uid's: the session is new)
         if not self.vol.pool.held_by(node):
             raise OSError(errno.EROFS, f"node {node} holds no members of the pool")
         store = self.vol.store

@@ -51,6 +51,7 @@ class Pending:
     # (`Pool.check_space` with hold, `Pool.landed`).
     meta_room: int = 0
     let_room_go: Callable[[int], None] | None = None
+    tenant: int = 0  # its writer's (`Session.hold`): held cut as hers if dropped held
 
 
 @dataclass(slots=True)
@@ -86,6 +87,7 @@ class Session:
         """Hold an unpublished file, counted against the limits and its writer's quota
         now (or already, `booked`)."""
         self.pending[pending.entry.node.ino] = pending
+        pending.tenant = self.tenant
         if not booked:
             self.book(pending.declared)
 
@@ -125,9 +127,11 @@ class Session:
         return pending
 
 
-def check_pending_room(session: Session, limits: Limits) -> None:
+def check_pending_room(session: Session, limits: Limits, vol: Volume) -> None:
     """Refuse one more unpublished file past the limits of a connection or a user (each
-    holds descriptors of its chunk files in the daemon)."""
+    holds descriptors of its chunk files in the daemon), or to a user holding
+    `max_held_files_per_user` chunk files of files dropped while she kept their write
+    descriptors (each held, and looked at, until she lets go: pool/revoke.py)."""
     if len(session.pending) >= limits.max_pending:
         raise OSError(errno.EMFILE, f"this connection holds {limits.max_pending} unpublished "
                       "files, the limit (mount option max_pending): commit or abort some")
@@ -135,6 +139,11 @@ def check_pending_room(session: Session, limits: Limits) -> None:
     if uid != 0 and session.pending_by_uid[uid] >= limits.max_pending_per_user:
         raise OSError(errno.EMFILE, f"uid {uid} holds {limits.max_pending_per_user} "
                       "unpublished files, the limit (mount option max_pending_per_user)")
+    held = vol.held.held_by.get(uid, 0)
+    if uid != 0 and held >= limits.max_held_files_per_user:
+        raise OSError(errno.EMFILE, f"uid {uid} holds write descriptors of {held} chunk "
+                      "files of dropped (aborted) files, the limit (mount option "
+                      "max_held_files_per_user): close them")
 
 
 def allowed_length(vol: Volume, node: Inode, member: int, declared: int) -> int:
@@ -194,7 +203,7 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
 
     def cut() -> None:
         if writers_remain(paths):
-            vol.held.hold(ino)
+            vol.held.hold(ino, session.tenant)
         else:
             vol.pool.cut_chunks(ino)
     try:
@@ -240,7 +249,7 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
             continue  # (a node's file whose commit was sent: the writer's to handle)
         if (pending.overdrawn or reserved) and writers_remain(chunk_paths(vol, node)):
             pending.overdrawn = True
-            cut += vol.held.hold(node.ino)
+            cut += vol.held.hold(node.ino, pending.tenant)
     return cut
 
 

@@ -10,13 +10,17 @@ only once nobody can write it any more:
   socket), so a sealed file can never be rewritten in place behind its checksums;
 - a file dropped (abort, a refused commit, its connection gone) while writers
   remain has its chunk files moved aside into `chunks/held/` on their member,
-  where `Held.sweep` cuts them to nothing every second and removes them once the
-  last writer is gone: the writer keeps no space, nothing is hidden from `du` or
-  fsck, and the inode number can be reused without a stray writer reaching the
-  new file.  Held files are made immutable in between (where the member's file
-  system keeps the flag): that refuses `fallocate` through the kept descriptors on
-  ext4 and XFS (a writer reserved a member's free space within each second between
-  cuts) and, on ext4, their writes too.
+  where `Held.sweep` cuts them to nothing and removes them once the last writer is
+  gone: the writer keeps no space, nothing is hidden from `du` or fsck, and the
+  inode number can be reused without a stray writer reaching the new file.  Held
+  files are made immutable in between (where the member's file system keeps the
+  flag): that refuses `fallocate` through the kept descriptors on ext4 and XFS (a
+  writer reserved a member's free space within each second between cuts) and, on
+  ext4, their writes too.  Each is looked at (`stat`) every second and cut again
+  only if it grew; whether its writer let go is asked at growing intervals (up to
+  HELD_LOOK_MAX_S): flag changes and cuts are journal writes, and a user holding
+  thousands of dropped files' descriptors cost every sweep ~30 us a file.  They
+  count as their writer's tenant's (`held_by`): `max_held_files_per_user` bounds them.
 
 Read descriptors (`open_read`, KV gets) end too: a removed file whose chunk files
 someone still holds open (a write lease refused: `anyone_holds`) has them moved
@@ -57,6 +61,7 @@ log = logging.getLogger("mxfs.pool")
 HELD_DIR = "held"
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 READ_LOOK_S = 10  # how often one cut after its grace is asked whether it is let go
+HELD_LOOK_MAX_S = 16  # the longest a writer-held file waits between lease probes
 _READ_MARK = ".r"  # (a held file's name: INO.STAMP, and this where only readers held it)
 NO_LEASES_FIX = "enable leases (sysctl -w fs.leases-enable=1), or put the member on a " \
     "file system that takes them"
@@ -165,8 +170,12 @@ class Held:
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        self.files: list[str] = []
+        self.files: dict[str, None] = {}  # (in the order held)
         self._lock = threading.Lock()
+        self._writers: dict[str, int] = {}  # cut, writer-held files: whose (tenant)
+        self.held_by: Counter[int] = Counter()  # ... how many, by tenant
+        # ... when their writers are asked next whether they let go, and the interval
+        self._due: dict[str, tuple[int, int]] = {}
         self.read_grace_s = READ_GRACE_S  # (the mount option read_grace_s)
         self._looked: dict[str, int] = {}  # files only readers held, cut: when last probed
         self._readable: dict[str, tuple[int, int]] = {}  # uncut reader-held: (uid, bytes)
@@ -178,9 +187,11 @@ class Held:
     def _folder(self, member: int) -> str:
         return os.path.join(self.pool.members[member].path, CHUNK_DIR, HELD_DIR)
 
-    def hold(self, ino: int) -> int:
-        """Blocking: move `ino`'s chunk files aside (cut to nothing); how many moved."""
-        return sum(self._hold(m, ino, cut=True) for m in self.pool.local_members())
+    def hold(self, ino: int, owner: int = 0) -> int:
+        """Blocking: move `ino`'s chunk files aside (cut to nothing), counted as
+        `owner`'s (the writer's tenant: `held_by`); how many moved."""
+        return sum(self._hold(m, ino, cut=True, owner=owner)
+                   for m in self.pool.local_members())
 
     def hold_read(self, ino: int, owner: int, members: Iterable[int] | None = None) -> int:
         """Blocking, as a removed file's chunk files go (on `members`, this node's by
@@ -217,8 +228,23 @@ class Held:
         if cut:
             set_immutable(dst, True)
         with self._lock:
-            self.files.append(dst)
+            self.files[dst] = None
+            if cut:
+                self._writers[dst] = owner
+                self.held_by[owner] += 1
         return True
+
+    def _forget(self, path: str) -> None:
+        """`path` is gone: its owner holds it no more."""
+        self._let_go(path)
+        self._looked.pop(path, None)
+        self._due.pop(path, None)
+        with self._lock:
+            owner = self._writers.pop(path, None)
+            if owner is not None:
+                self.held_by[owner] -= 1
+                if self.held_by[owner] <= 0:
+                    del self.held_by[owner]
 
     def _keep(self, path: str, owner: int, nbytes: int) -> bool:
         """Count `path` (`nbytes`) as `owner`'s while readable, if it may keep it."""
@@ -277,7 +303,7 @@ class Held:
                 if not self._keep(old, owner, _blocks(old)):
                     os.truncate(old, 0)  # (its readers read nothing more)
                 with self._lock:
-                    self.files.append(old)
+                    self.files[old] = None
                 renewed += 1
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
@@ -295,8 +321,8 @@ class Held:
                 names = os.listdir(self._folder(m))
             except FileNotFoundError:
                 continue
-            self.files += [os.path.join(self._folder(m), n) for n in names
-                           if os.path.join(self._folder(m), n) not in self.files]
+            with self._lock:
+                self.files.update((os.path.join(self._folder(m), n), None) for n in names)
         self.sweep()
 
     def _readers_done(self, path: str, now: int) -> bool:
@@ -317,39 +343,57 @@ class Held:
         self._looked[path] = now
         return False
 
-    def sweep(self) -> int:
-        """Blocking: cut every held file to nothing again (one only readers held, once
-        its grace is over), and remove those nobody holds any more; how many are still
-        held."""
+    def sweep(self, paths: Iterable[str] | None = None) -> int:
+        """Blocking: of held files (`paths`, a bite of them; all by default), cut those
+        a writer holds that grew (asking at growing intervals whether it let go: see the
+        module's doc) and those only readers held once their grace is over, and remove
+        those nobody holds any more; how many are still held, all told."""
         with self._lock:
-            swept = list(self.files)
-        kept = []
+            swept = list(self.files if paths is None else paths)
         now = time.time_ns()
+        gone = []
         for path in swept:
             try:
                 if path.endswith(_READ_MARK):  # (never made immutable: readers only)
                     if not self._readers_done(path, now):
-                        kept.append(path)
                         continue
                     unlink_cut(path)  # (an O_PATH holder, unseen, kept it all)
-                    self._looked.pop(path, None)
-                    self._let_go(path)
+                elif self._writer_holds(path, now):
                     continue
-                set_immutable(path, False)  # (an immutable file is neither cut nor removed)
-                if writers_remain([path]):
-                    os.truncate(path, 0)
-                    set_immutable(path, True)
-                    kept.append(path)
-                else:
+                else:  # (`_writer_holds` cleared its flag: an immutable file stays)
                     unlink_cut(path)
             except FileNotFoundError:
-                self._let_go(path)
+                pass
             except OSError as e:  # a member gone: kept, tried again next time
                 log.warning("held chunk file %s: %s", path, e.strerror)
-                kept.append(path)
-        with self._lock:  # (with those held meanwhile)
-            self.files = kept + self.files[len(swept):]
+                continue
+            self._forget(path)
+            gone.append(path)
+        with self._lock:
+            for path in gone:
+                self.files.pop(path, None)
             return len(self.files)
+
+    def _writer_holds(self, path: str, now: int) -> bool:
+        """Whether a writer still holds `path` (cut to nothing again, and immutable, if
+        it grew): asked again once its interval is over (doubled each time it is still
+        held unchanged, back to a second once it grew)."""
+        st = os.stat(path)
+        grew = st.st_size > 0 or st.st_blocks > 0
+        due, every = self._due.get(path, (0, 0))
+        if not grew and now < due:
+            return True
+        if not grew and writers_remain([path]):  # (a lease probe: the flag may stay)
+            every = min(max(every * 2, 10**9), HELD_LOOK_MAX_S * 10**9)
+            self._due[path] = (now + every, every)
+            return True
+        set_immutable(path, False)
+        if not writers_remain([path]):
+            return False
+        os.truncate(path, 0)
+        set_immutable(path, True)
+        self._due[path] = (now + 10**9, 10**9)
+        return True
 
 
 def _copy_data(fin: int, fout: int) -> None:
