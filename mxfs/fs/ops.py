@@ -28,7 +28,7 @@ import trio
 
 from mxfs.fs.block_counts import BlockCounts
 from mxfs.fs.failures import FailureLog
-from mxfs.fs.fair import BITE, Lanes, Slice
+from mxfs.fs.fair import BITE, Lanes, Slice, Turns
 from mxfs.fs.fields import b64
 from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.kernel_cache import KernelCache
@@ -61,6 +61,7 @@ T = TypeVar("T")
 DAY_NS = 86_400 * 10**9
 # Files a reading node remembers having opened, as they were (their pages kept if so).
 SEEN_KEPT = 100_000
+RENEWS_PER_USER = 2  # a tenant's renews (whole files copied) at once
 # The kernel's invalidations a commit or change waits on before it is answered have
 # threads of their own: on trio's shared ones they waited behind whatever flooded those.
 INVALIDATING = trio.CapacityLimiter(16)
@@ -182,6 +183,9 @@ class MxfsOperations(pyfuse3.Operations):
         # over it, never this node's own files' nor other nodes' files'.
         self.lanes = Lanes(io_threads, BUDGET)
         self.limiter = self.lanes.own.limiter
+        # Renews (copies of whole files) of one tenant at once: a user looping chmods of
+        # files she holds open took 12 of a lane's 16 threads, and the disk.
+        self.renew_turns = Turns(RENEWS_PER_USER)
         # On a reading node: mkdir, unlink, rmdir and rename asked of the writer as the
         # caller (`fs/node_files.py`; set by the daemon).
         self.names: ForwardedFiles | None = None
@@ -824,8 +828,9 @@ class MxfsOperations(pyfuse3.Operations):
 
     async def renew(self, node: Inode, uid: int) -> None:
         """A lent file's chunk files made anew before its access changes (`Volume.renew`),
-        its writes (and `open_read`s: `renewing`) waiting meanwhile."""
-        async with self._chunk_files_held(node.ino):
+        its writes (and `open_read`s: `renewing`) waiting meanwhile; RENEWS_PER_USER of
+        `uid`'s tenant at once (each a copy of the file)."""
+        async with self.renew_turns.turn(uid), self._chunk_files_held(node.ino):
             self.vol.renew_begun(node.ino)  # (`renewing` sees it: open_read judges again)
             await self._in_turn(node, uid, self.vol.renew, node)
 

@@ -278,10 +278,14 @@ class Held:
         them there, to be removed at mount) and renamed over; the old file is kept
         there as one only readers hold (cut after READ_GRACE_S: its readers keep no
         copy's space for good; cut at once past what `owner` may keep); how many were
-        renewed."""
+        renewed.  One nobody holds open is kept as it is (no descriptor of it is left
+        to end: a chmod of a file read and closed copied it whole, on the lane's
+        threads, outside every quota); an O_PATH holder, unseen, reads nothing."""
         renewed = 0
         for m in self.pool.local_members():
             src = self.pool.chunk_path(m, ino)
+            if not anyone_holds(src):  # (leases failing: True, copied)
+                continue
             stamp = time.time_ns()
             tmp = os.path.join(self._folder(m), f"{ino}.{stamp}.n")
             old = os.path.join(self._folder(m), f"{ino}.{stamp}{_READ_MARK}")
