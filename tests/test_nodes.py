@@ -1684,10 +1684,11 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
 
 
 @contextlib.contextmanager
-def _two_owners(tmp_path: Path, url: str
+def _two_owners(tmp_path: Path, url: str, *node_options: str
                 ) -> Iterator[tuple[NodeNet, Mounted, Mounted, list[str], list[str]]]:
-    """Writer a holding members 0 and 1, node b (a namespace of its own) holding 2 and
-    3, both mounted: (b's network, a, b, a's members, b's members)."""
+    """Writer a holding members 0 and 1, node b (a namespace of its own; mounted with
+    `node_options` too) holding 2 and 3, both mounted: (b's network, a, b, a's members,
+    b's members)."""
     mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
     mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
     with node_net() as net, \
@@ -1696,8 +1697,35 @@ def _two_owners(tmp_path: Path, url: str
         mxfs("node", "add", "--meta", url, "--key", key, "--name", "b", "--config", config,
              "--member", theirs[0], "--member", theirs[1])
         with mount_with([config], "lease_s=3", "chunk_port=0", f"chunk_addr={net.node_ip}",
-                        prefix=net.enter, check=False) as b:
+                        *node_options, prefix=net.enter, check=False) as b:
             yield net, a, b, mine, theirs
+
+
+def test_a_removed_files_chunk_files_read_on_their_owner_are_its_users(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A node holding members kept the chunk files of a removed file that its direct
+    readers held as root's (the writer's REMV named no owner): each stayed readable
+    `read_grace_s` outside its user's quota and `max_held_per_user`.  The writer names
+    the file's owner now, and past her bound on that node it is cut at once."""
+    url = pg_cluster.database()
+    alice = ensure_users()["alice"]
+    with _two_owners(tmp_path, url, f"max_held_per_user={256 << 10}") as (
+            _net, a, _b, _mine, theirs):
+        (a.path / "shared").mkdir()
+        mxfs("setstripe", "--across-nodes", str(a.path / "shared"))
+        path = a.path / "shared" / "alices.bin"
+        path.write_bytes(os.urandom(4 << 20))
+        os.chown(path, alice.uid, alice.gid)
+        ino = path.stat().st_ino
+        assert _chunk(theirs[0], ino).stat().st_size >= 1 << 20
+        fd = os.open(_chunk(theirs[0], ino), os.O_RDONLY)  # (a direct reader's, on b)
+        try:
+            path.unlink()
+            assert eventually(lambda: not _chunk(theirs[0], ino).exists(), 15)
+            st = os.fstat(fd)
+            assert st.st_nlink == 1 and st.st_size == 0, st  # (held aside, cut: hers)
+        finally:
+            os.close(fd)
 
 
 @pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)")

@@ -669,23 +669,25 @@ class ChunkService:
             # the writer to drop it): writers keep descriptors, so its chunk files
             # are moved aside and held cut to nothing, not unlinked (unlinked, they
             # would take whatever those writers wrote: pool/revoke.py).
-            await trio.to_thread.run_sync(self.vol.held.hold, ino)
+            await trio.to_thread.run_sync(self.vol.held.hold, ino, offset)
             return 0, b""
         path = pool.chunk_path(member, ino)
-        if tag == b"REMV":
-            await trio.to_thread.run_sync(self._remove, ino, member, path)
+        if tag == b"REMV":  # (`offset`: the file's owner, whose limits it counts in)
+            await trio.to_thread.run_sync(self._remove, ino, member, path, offset)
             return 0, b""
         await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data)
         if data is not None:
             self.written_bytes += len(data)
         return 0, b""
 
-    def _remove(self, ino: int, member: int, path: str) -> None:
+    def _remove(self, ino: int, member: int, path: str, owner: int) -> None:
         """(A worker thread.)  REMV: as on the writer (`Volume._remove_chunk_files`),
         a chunk file this node's direct readers hold goes aside for them a grace (kept
-        as root's: the owner is the writer's to know), and the rest is cut as it goes
-        (`unlink_cut`): an unlinked file an O_PATH descriptor held kept its blocks."""
-        self.vol.held.hold_read(ino, 0, [member])
+        as `owner`'s, the tenant the writer named: as root's, never limited, a reader
+        here kept each file her tenant removed outside its quota and
+        `max_held_per_user`), and the rest is cut as it goes (`unlink_cut`): an
+        unlinked file an O_PATH descriptor held kept its blocks."""
+        self.vol.held.hold_read(ino, owner, [member])
         unlink_cut(path)
 
     async def _judged(self, what: str, work: Callable[[], Awaitable[tuple[int, bytes]]],

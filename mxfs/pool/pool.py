@@ -718,20 +718,21 @@ class Pool:
                                "is not answering: its files cannot be opened now")
         return fd
 
-    def remove_chunks(self, ino: int, far: Sequence[int] = ()) -> None:
+    def remove_chunks(self, ino: int, far: Sequence[int] = (), owner: int = 0) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written).
         Those a reader or writer still holds open were moved aside first by the volume
         (`Volume._remove_chunk_files`: cut after a grace, their space ends); the rest
         are cut as they go (`unlink_cut`).  `far`:
         other nodes' members its layout uses, removed through their owners (blocking;
-        an owner that cannot be reached keeps them, logged: its fsck finds them)."""
+        an owner that cannot be reached keeps them, logged: its fsck finds them), who
+        keep those their readers hold as `owner`'s (the file's tenant: REMV)."""
         for m in self.local_members():
             with self._created:  # (a create of it under way ends first: see `creating`)
                 self._created.wait_for(lambda: (m, ino) not in self._creating)  # noqa: B023
             unlink_cut(self.chunk_path(m, ino))
         for m in far:
             try:
-                self.remote_of(m).change(b"REMV", self.epoch(), ino, m)
+                self.remote_of(m).change(b"REMV", self.epoch(), ino, m, owner)
             except OSError as e:
                 log.warning("the chunk file of inode %d on member %d (node %s) is left "
                             "there: %s", ino, m, self.members[m].node, e)

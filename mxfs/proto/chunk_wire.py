@@ -76,7 +76,9 @@ pool's writer node, which places a file's stripes on other nodes' members and wr
 them through their owners: WRIT writes `length` bytes that follow at `offset` (the
 chunk file made if it is not there), SYNC makes the chunk file durable (offset 1:
 its data only), TRUN cuts it to `offset` bytes if it is longer, REMV removes it (one
-never written is fine).  The owner does it only under the epoch of the writer's lease
+never written is fine; `offset` is the file's owner, its tenant's uid: a chunk file
+the node's readers or writers hold is kept as hers, in her limits; 0 from older
+writers: root's).  The owner does it only under the epoch of the writer's lease
 it knows (ESTALE otherwise: a writer declared dead that wakes up changes nothing) and
 only on a member it holds in service (EREMOTE: another node's); the answer is 0 or the
 errno, then a line saying why.  A scoped connection that tries is closed.
@@ -131,8 +133,8 @@ KEY_TAGS = (b"KCLM", b"KWAI", b"KPIN", b"KUNP")  # requests of KEYS_BODY
 # the op's name and the request (JSON)
 KREQ_BODY = struct.Struct("!IIHHI")
 MAX_KREQ = 1 << 20  # bytes of a KREQ's request, and of its answer
-# (WRIT, SYNC, TRUN, REMV past their tags) the writer's epoch, inode, member, offset,
-# length (WRIT: the bytes that follow)
+# (WRIT, SYNC, TRUN, REMV past their tags) the writer's epoch, inode, member, offset
+# (REMV: the file's owner), length (WRIT: the bytes that follow)
 CHUNK_OP = struct.Struct("!QQIQQ")
 CHUNK_OPS = (b"WRIT", b"SYNC", b"TRUN", b"REMV")
 MAX_WRITE = MAX_READ  # bytes one WRIT carries

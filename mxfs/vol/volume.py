@@ -625,8 +625,9 @@ class Volume:
         direct reader, a KV get, a writer whose daemon died) go aside first, cut after
         a grace (`pool/revoke.Held.hold_read`): their space ends with the file."""
         self.lent.discard(ino)
-        self.held.hold_read(ino, tenant_of(self.freeing.owner(ino)))  # (its user's)
-        self.pool.remove_chunks(ino, far)
+        owner = tenant_of(self.freeing.owner(ino))
+        self.held.hold_read(ino, owner)  # (its user's, on other nodes too)
+        self.pool.remove_chunks(ino, far, owner)
 
     def _held_of(self, tenant: int) -> int:
         """Bytes of `tenant`'s uids' removed or renewed files kept readable (its quota
