@@ -234,7 +234,8 @@ def half() -> socket.socket:
 held = [half() for _ in range(20)]
 open(ready, "w").close()
 opened = 20
-while not os.path.exists(stop):
+while True:
+    last = os.path.exists(stop)  # (then one pass more: closes made as the scrapes ran)
     for i, s in enumerate(held):
         try:
             gone = s.recv(1, socket.MSG_DONTWAIT) == b""
@@ -246,6 +247,8 @@ while not os.path.exists(stop):
             s.close()
             held[i] = half()
             opened += 1
+    if last:
+        break
     time.sleep(0.05)
 print(json.dumps(opened))
 """
