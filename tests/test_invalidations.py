@@ -1,7 +1,8 @@
 """A reading node's kernel invalidations (`fs/invalidations.py`), with real threads and
 stand-ins for the kernel's two calls: a directory whose call is held stalls only its
-own, a key's invalidations keep their order and never run two at once, what waits is
-bounded, and the end of the mount waits for no held call.  (A real directory held on
+own, its thread set aside, a key's invalidations keep their order and never run two at
+once, a request is told once what it changed is made, what waits is bounded, and the
+end of the mount waits for no held call.  (A real directory held on
 a real reading node: `test_nodes.py`.)"""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Kernel:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, object]] = []
         self.gate = threading.Event()
+        self.held = {HELD_DIR}  # directories whose lock is held
         self.running: set[int] = set()
         self.overlapped = False  # (two calls of one key at once)
         self._lock = threading.Lock()
@@ -34,7 +36,7 @@ class Kernel:
     def entry(self, parent: int, name: bytes) -> None:
         self._enter(parent, ("entry", parent, name))
         try:
-            if parent == HELD_DIR:
+            if parent in self.held:
                 self.gate.wait(60)
         finally:
             self.running.discard(parent)
@@ -123,3 +125,56 @@ def test_the_mounts_end_waits_for_no_held_call(kernel: Kernel) -> None:
     calls.add([(4, b"y")], [], [])
     kernel.gate.set()
     assert not eventually(lambda: len(kernel.calls) > 2, 1)
+
+
+def test_threads_held_are_set_aside_for_the_other_keys(
+        kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More directories held at once than MAX_THREADS (as one user may hold, one
+    listing each): their threads are set aside and other keys get threads of their
+    own; past MAX_HELD set aside, the rest wait their turn, then are made."""
+    monkeypatch.setattr(invalidations, "MAX_THREADS", 2)
+    monkeypatch.setattr(invalidations, "MAX_HELD", 2)
+    monkeypatch.setattr(invalidations, "HELD_S", 0.2)
+    kernel.held |= {100, 101, 102}
+    stop = threading.Event()
+    calls = _calls(kernel, stop)
+    for held in (100, 101, 102):
+        calls.add([(held, b"a")], [], [])
+    calls.add([(3, b"x")], [], [])
+    assert eventually(lambda: {("entry", 3, b"x"), ("entry", 102, b"a")}
+                      <= set(kernel.calls))
+    calls.add([(HELD_DIR, b"a")], [], [])
+    assert eventually(lambda: ("entry", HELD_DIR, b"a") in kernel.calls)
+    calls.add([(5, b"y")], [], [])  # (4 held: MAX_THREADS + MAX_HELD)
+    assert not eventually(lambda: ("entry", 5, b"y") in kernel.calls, 1)
+    kernel.gate.set()
+    assert eventually(lambda: calls.pending == 0 and ("entry", 5, b"y") in kernel.calls)
+    assert len(kernel.calls) == 6 and not kernel.overlapped
+    stop.set()
+    calls.close(5)
+
+
+def test_a_request_is_told_once_what_it_changed_is_made(
+        kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`done` is called once, when every key an `add` touched was made (a held
+    directory's: once it is let go), at once for nothing, and when what waited is
+    dropped past MAX_WAITING (the request then waits no longer)."""
+    monkeypatch.setattr(invalidations, "MAX_WAITING", 20)
+    stop = threading.Event()
+    calls = _calls(kernel, stop)
+    told: list[str] = []
+    calls.add([(HELD_DIR, b"a"), (3, b"x"), (3, b"y")], [5], [], lambda: told.append("a"))
+    calls.add([(3, b"z")], [], [6], lambda: told.append("other"))
+    calls.add([], [], [], lambda: told.append("nothing"))
+    assert eventually(lambda: sorted(told) == ["nothing", "other"])
+    calls.add([(HELD_DIR, b"b")], [], [], lambda: told.append("b"))
+    calls.add([(HELD_DIR, b"c")], [], [], lambda: told.append("c"))
+    assert not eventually(lambda: len(told) > 2, 0.5)
+    calls.add([(HELD_DIR, b"n%d" % i) for i in range(20)], [], [])  # (past the bound)
+    assert eventually(lambda: sorted(told) == ["b", "c", "nothing", "other"])
+    kernel.gate.set()
+    assert eventually(lambda: sorted(told) == ["a", "b", "c", "nothing", "other"])
+    assert eventually(lambda: calls.pending == 0)
+    assert sorted(told) == ["a", "b", "c", "nothing", "other"]
+    stop.set()
+    calls.close(5)

@@ -46,6 +46,7 @@ from conftest import (
     one_line_error,
     raw_socket,
 )
+from dir_lock import held_dir_lock
 from users import PRELUDE, ensure_users, run_as, subordinate_uids
 
 from mxfs.client import ControlClient
@@ -984,6 +985,63 @@ def test_one_users_closes_leave_anothers_commit_served(tmp_path: Path) -> None:
             for proc in (holder, committer):
                 proc.kill()
                 proc.wait()
+
+
+_COMMITS_AT_ONCE = """
+import threading
+from mxfs.client import ControlClient
+def commit(path):
+    c = ControlClient(sys.argv[1])
+    made, fds = c.call_with_fds("create", path=path, size=0)
+    for fd in fds:
+        os.close(fd)
+    c.call("commit", ino=made["ino"], size=0, sum_unit=65536, sums="")
+    print(path, flush=True)
+threads = [threading.Thread(target=commit, args=(p,)) for p in sys.argv[2:]]
+[t.start() for t in threads]
+[t.join() for t in threads]
+"""
+
+
+def _commits(user: Any, mp: Path, *paths: str) -> list[str]:
+    """`user` commits empty files at `paths` at once, a connection each: those answered
+    (in a minute at most: the rest are not)."""
+    proc = _as(user, _COMMITS_AT_ONCE, str(mp), *paths)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return sorted(out.split())
+
+
+def test_a_directory_one_user_holds_stalls_no_commit(tmp_path: Path) -> None:
+    """Alice holds the lock of a directory she may list (a listing of it waiting in the
+    kernel for good, `dir_lock.py`; a page of her own FUSE mount's would do), and the
+    commits of bob's files into it are answered all the same, 20 at once: their names'
+    invalidations, which the kernel makes only once she lets go, are waited for a
+    while, not forever; a commit into another directory meanwhile is answered and its
+    name shown at once (its kernel had kept "no such name").  Before, each of his
+    commits waited for the invalidation: never answered, each holding one of a pool of
+    16 threads for good, and past 16 everyone's commits hung, anywhere."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members) as m:
+        shared, bobs = m.path / "shared", m.path / "bob"
+        shared.mkdir()
+        shared.chmod(0o1777)
+        (shared / "f").write_bytes(b"f")
+        bobs.mkdir()
+        os.chown(bobs, bob.uid, bob.gid)
+        in_shared = [f"/shared/b{i:02d}" for i in range(20)]
+        with held_dir_lock(shared, alice):
+            assert _commits(bob, m.path, *in_shared) == in_shared
+            assert not (bobs / "report").exists()  # (the kernel keeps "no such name")
+            assert _commits(bob, m.path, "/bob/report") == ["/bob/report"]
+            assert (bobs / "report").exists()
+        assert eventually(lambda: all(m.path.joinpath(p[1:]).exists() for p in in_shared))
 
 
 @pytest.mark.unit

@@ -368,6 +368,9 @@ class Daemon:
                 await pyfuse3.main(min_tasks=4, max_tasks=self.fuse_tasks)
             finally:
                 self.control.remote.close_all()  # readers' connections end with the mount
+                self.ops.unmounting.set()  # (no invalidation after FUSE's session ends)
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.ops.invalidations.close, 1.0)
             nursery.cancel_scope.cancel()
 
     async def _announce(self, ready: Callable[[], None]) -> None:

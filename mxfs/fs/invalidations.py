@@ -1,25 +1,32 @@
-"""A reading node's kernel invalidations, made by threads of their own so that one
-directory held stalls only its own (`fs/feed_follower.py` hands them over).
+"""A mount's kernel invalidations, made by threads of their own so that one directory
+held stalls only its own: a reading node's from its change feed
+(`fs/feed_follower.py`), and the names and files a request changed behind the kernel's
+back (a direct commit, a node's name change: `MxfsOperations.entry_changed`), which
+that request waits for a while (`waited`).
 
 `pyfuse3.invalidate_entry` takes the directory's inode lock in the kernel, which a
 user's request on it holds as long as it lasts (a mkdir the writer answers late, a
-listing into a buffer that faults slowly); made one at a time on the feed's thread,
-one such request held every user's invalidations, the feed itself and what hangs on
-it.  Here each directory (its names) and each inode (its attributes, its pages) is a
-key: one thread at a time makes a key's invalidations, in the order they came, and a
-key already waiting takes what comes for it meanwhile (the same name twice is one
-call).  Threads are started while work waits and none is free, MAX_THREADS at most
-(past as many directories held at once the rest wait their turn: the kernel's
-FEED_TIMEOUT still ends what it holds), and end after IDLE_S idle.
+listing into a buffer that faults slowly, or never: a page of her own FUSE mount's);
+the call cannot be cancelled.  Made one at a time on the feed's thread, one such
+request held every user's invalidations, the feed itself and what hangs on it; made on
+a shared pool of 16 threads, each commit into her directory took one for good and
+then everyone's commits waited.  Here each directory (its names) and each inode (its
+attributes, its pages) is a key: one thread at a time makes a key's invalidations, in
+the order they came, and a key already waiting takes what comes for it meanwhile (the
+same name twice is one call).  Threads are started while work waits and none is free,
+MAX_THREADS at most besides those held: a thread whose call has lasted HELD_S is set
+aside, MAX_HELD at most (past as many directories held at once the rest wait their
+turn; a request waiting on them is answered all the same), and ends after IDLE_S idle.
 
-What waits is bounded: past MAX_WAITING names and inodes from changes (a directory
-held while its names keep changing), all of it is dropped and, instead, everything the
-kernel may hold (`held`, the daemon's own bounded table) is invalidated, key by key as
-above.  That table's part is not counted: it is at most what the table holds.
+What waits is bounded: past MAX_WAITING names, inodes and requests' waits from changes
+(a directory held while its names keep changing), all of it is dropped (its waits
+answered) and, instead, everything the kernel may hold (`held`, the daemon's own
+bounded table) is invalidated, key by key as above.  That table's part is not counted:
+it is at most what the table holds.
 """
-
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
@@ -29,16 +36,30 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pyfuse3
+import trio
 
 log = logging.getLogger("mxfs.fs")
 
 MAX_THREADS = 32
+HELD_S = 1.0  # a call this long is held in the kernel: its thread is set aside
+MAX_HELD = 1024  # threads set aside at most
 IDLE_S = 5.0
+WAIT_S = 1.0  # how long a request waits for what it changed (`waited`)
 MAX_WAITING = 100_000
 ENTRY, INODE = 0, 1  # a key's kind: a directory's names, an inode's attributes (pages)
 
 Key = tuple[int, int]  # (ENTRY or INODE, inode)
 Held = Callable[[], tuple[list[int], list[tuple[int, bytes]]]]
+
+
+class _Done:
+    """A caller's `done`, called once every key its `add` touched was made (or
+    dropped): `left` of them still to come."""
+
+    __slots__ = ("call", "left")
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self.call, self.left = call, 0
 
 
 @dataclass
@@ -48,6 +69,7 @@ class _Batch:
     names: set[bytes] = field(default_factory=set)  # (ENTRY)
     pages: bool = False  # (INODE) the pages too, not only the attributes
     counted: int = 0  # of it, items from changes (MAX_WAITING counts them)
+    done: list[_Done] = field(default_factory=list)  # told once it is made
 
 
 class Invalidations:
@@ -68,9 +90,11 @@ class Invalidations:
         self._busy: set[Key] = set()  # keys a thread makes now
         self._items = 0  # names and inodes waiting
         self._making = 0  # ... and being invalidated now
-        self._counted = 0  # ... of them from changes
+        self._counted = 0  # ... of them from changes, and requests' waits
         self._threads: set[threading.Thread] = set()
+        self._since: dict[threading.Thread, float] = {}  # threads in a call: since when
         self._idle = 0
+        self._timer: threading.Timer | None = None  # (to set held threads aside)
 
     @property
     def pending(self) -> int:
@@ -78,11 +102,16 @@ class Invalidations:
         return self._items + self._making
 
     def add(self, names: Iterable[tuple[int, bytes]], data: Iterable[int],
-            attrs: Iterable[int]) -> None:
-        """Invalidate entries, inodes' pages and attributes, and inodes' attributes."""
+            attrs: Iterable[int], done: Callable[[], None] | None = None) -> None:
+        """Invalidate entries, inodes' pages and attributes, and inodes' attributes;
+        `done()` (from another thread) once all of it is made, dropped or nothing."""
+        waiter = _Done(done) if done is not None else None
         with self._lock:
-            self._add(names, data, attrs, counted=1)
+            self._add(names, data, attrs, counted=1, waiter=waiter)
+            told = [waiter] if waiter is not None and not waiter.left else []
             if self._counted > MAX_WAITING:
+                told += self._told(d for batch in self._waiting.values()
+                                   for d in batch.done)
                 self._waiting.clear()
                 self._ready.clear()
                 self._items = self._counted = 0
@@ -91,11 +120,42 @@ class Invalidations:
             else:
                 overflowed = False
                 self._start()
+        for d in told:
+            d.call()
         if overflowed:
             log.warning("more than %d kernel invalidations wait (a directory held by a "
                         "request): everything the kernel may hold is invalidated instead",
                         MAX_WAITING)
             self.everything(*self.held())
+
+    async def waited(self, names: Iterable[tuple[int, bytes]] = (), data: Iterable[int] = (),
+                   wait_s: float = WAIT_S) -> bool:
+        """`add` from trio's thread, and wait until it is made, `wait_s` at most: a
+        request that changed names waits so that its caller's next lookup sees them,
+        but is answered all the same once a held directory keeps them (made later)."""
+        made = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def done() -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(made.set)
+
+        self.add(names, data, (), done)
+        with trio.move_on_after(wait_s):
+            await made.wait()
+        return made.is_set()
+
+    @staticmethod
+    def _told(waiters: Iterable[_Done], each: int = 0) -> list[_Done]:
+        """(Under the lock.) Of `waiters`, those whose last key this was (`each`: one
+        key made for each; 0: all of theirs dropped), once each."""
+        told = []
+        for d in waiters:
+            if d.left:
+                d.left = d.left - each if each else 0
+                if not d.left:
+                    told.append(d)
+        return told
 
     def everything(self, inos: list[int], names: list[tuple[int, bytes]]) -> None:
         """Invalidate all the kernel may hold (`held()`'s answer): inodes' pages too."""
@@ -104,26 +164,31 @@ class Invalidations:
             self._start()
 
     def _add(self, names: Iterable[tuple[int, bytes]], data: Iterable[int],
-             attrs: Iterable[int], counted: int) -> None:
+             attrs: Iterable[int], counted: int, waiter: _Done | None = None) -> None:
         for parent, name in names:
-            batch = self._batch((ENTRY, parent))
+            batch = self._batch((ENTRY, parent), waiter, counted)
             if name not in batch.names:
                 batch.names.add(name)
                 self._count(batch, counted)
         for pages, inos in ((True, data), (False, attrs)):
             for ino in inos:
                 new = (INODE, ino) not in self._waiting
-                batch = self._batch((INODE, ino))
+                batch = self._batch((INODE, ino), waiter, counted)
                 batch.pages |= pages
                 if new:
                     self._count(batch, counted)
 
-    def _batch(self, key: Key) -> _Batch:
+    def _batch(self, key: Key, waiter: _Done | None, counted: int) -> _Batch:
         batch = self._waiting.get(key)
         if batch is None:
             batch = self._waiting[key] = _Batch()
             if key not in self._busy:  # (else queued again when its thread is done)
                 self._ready.append(key)
+        if waiter is not None and (not batch.done or batch.done[-1] is not waiter):
+            batch.done.append(waiter)
+            waiter.left += 1
+            batch.counted += counted  # (a wait is memory too: `_count` without an item)
+            self._counted += counted
         return batch
 
     def _count(self, batch: _Batch, counted: int) -> None:
@@ -132,14 +197,29 @@ class Invalidations:
         self._items += 1
 
     def _start(self) -> None:
-        """(Under the lock.) A thread more, if work waits and none is free."""
-        if self._ready and self._idle:
+        """(Under the lock.) A thread more, if work waits and none is free: threads
+        held in a call HELD_S and more not counted, MAX_HELD of them at most."""
+        if not self._ready or self.stop.is_set():
+            return
+        if self._idle:
             self._lock.notify()
-        elif self._ready and len(self._threads) < MAX_THREADS and not self.stop.is_set():
+            return
+        now = time.monotonic()
+        held = sum(now - since >= HELD_S for since in self._since.values())
+        if len(self._threads) < MAX_THREADS + min(held, MAX_HELD):
             thread = threading.Thread(target=self._work, name="mxfs-invalidate",
                                       daemon=True)  # (one held in the kernel never ends)
             self._threads.add(thread)
             thread.start()
+        elif self._timer is None and held < MAX_HELD:  # (a call may be held by then)
+            self._timer = threading.Timer(HELD_S, self._again)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _again(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._start()
 
     def _work(self) -> None:
         try:
@@ -149,6 +229,7 @@ class Invalidations:
                 self._threads.discard(threading.current_thread())
 
     def _loop(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._lock:
                 while not self._ready and not self.stop.is_set():
@@ -162,6 +243,7 @@ class Invalidations:
                 key = self._ready.popleft()
                 batch = self._waiting.pop(key)
                 self._busy.add(key)
+                self._since[me] = time.monotonic()
                 size = len(batch.names) if key[0] == ENTRY else 1
                 self._items -= size
                 self._making += size
@@ -173,8 +255,12 @@ class Invalidations:
                 with self._lock:
                     self._making -= size
                     self._busy.discard(key)
+                    del self._since[me]
                     if key in self._waiting:  # (it came again meanwhile: in order)
                         self._ready.append(key)
+                    told = self._told(batch.done, 1)
+                for d in told:
+                    d.call()
 
     def _make(self, key: Key, batch: _Batch) -> None:
         kind, ino = key

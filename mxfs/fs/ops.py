@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import stat
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -31,6 +32,7 @@ from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import BITE, Lanes, Slice, Turns
 from mxfs.fs.fields import b64
 from mxfs.fs.held_open import HeldOpen
+from mxfs.fs.invalidations import Invalidations
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberSpace
@@ -62,9 +64,6 @@ DAY_NS = 86_400 * 10**9
 # Files a reading node remembers having opened, as they were (their pages kept if so).
 SEEN_KEPT = 100_000
 RENEWS_PER_USER = 2  # a tenant's renews (whole files copied) at once
-# The kernel's invalidations a commit or change waits on before it is answered have
-# threads of their own: on trio's shared ones they waited behind whatever flooded those.
-INVALIDATING = trio.CapacityLimiter(16)
 # Entries a readdir reads from the store at first, and at most, at once.
 FIRST_PAGE, PAGE = 64, 512
 
@@ -215,6 +214,10 @@ class MxfsOperations(pyfuse3.Operations):
         # while the file is as it was when they were read (close-to-open, as NFS gives
         # it): ino -> (mtime, ctime, size).
         self.kernel = KernelCache(self.store.follow)
+        # The kernel's invalidations of what requests changed behind its back, off the
+        # loop (`entry_changed`); `unmounting` set as the mount ends.
+        self.unmounting = threading.Event()
+        self.invalidations = Invalidations(self.kernel_held, self.unmounting)
         # The members' filesystems asked for a request (statfs, st_blocks) off the loop,
         # a hung member left out (`fs/member_calls.py`).
         self.space = MemberSpace(volume)
@@ -239,28 +242,19 @@ class MxfsOperations(pyfuse3.Operations):
     async def entry_changed(self, parent: int, name: bytes) -> None:
         """A name changed behind the kernel's back (a direct commit): drop its cached entry.
 
-        Done before the commit is answered, so the committer sees its file at once.
-        The kernel takes the directory's lock, which a FUSE request waiting on this
-        thread may hold, so the call runs in a worker thread (one of INVALIDATING's).
+        Waited for before the commit is answered, so the committer sees its file at
+        once, a while at most: the kernel takes the directory's lock, which a user's
+        request may hold for good (`fs/invalidations.py`: threads of their own, one
+        directory held stalls only its own names).
         """
-        try:
-            await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name,
-                                          limiter=INVALIDATING)
-        except OSError as e:
-            if e.errno != errno.ENOENT:  # ENOENT: the kernel held nothing for it
-                log.warning("invalidating entry %r of inode %d: %s", name, parent, e)
+        await self.invalidations.waited(names=[(parent, name)])
 
     async def inode_changed(self, ino: int) -> None:
         """A file's bytes changed behind the kernel's back (written through another
         node's mount): its cached attributes and pages, and what was read ahead of it,
-        are dropped before the change is answered."""
+        are dropped before the change is answered (a while at most, as above)."""
         self.data_changed(ino)
-        try:
-            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False,
-                                          limiter=INVALIDATING)
-        except OSError as e:
-            if e.errno != errno.ENOENT:  # ENOENT: the kernel held nothing of it
-                log.warning("invalidating inode %d: %s", ino, e)
+        await self.invalidations.waited(data=[ino])
 
     # ---- attributes --------------------------------------------------------
 
