@@ -1536,6 +1536,85 @@ def test_readers_of_two_users_take_turns_at_the_owner(tmp_path: Path, pg_cluster
         assert got == {"alice": 16, "bob": 1}  # (a connection a member: four an open)
         assert (bob1 - bob0) * 6 >= alice1 - alice0, (bob1 - bob0, alice1 - alice0)
 
+
+# `n` opens of f.bin at once on the reading node's direct path, a control connection
+# each (each waits on the owner), until all are answered: how many were granted.
+OPENS = """
+import threading
+from mxfs.client.control import ControlClient
+where, n = sys.argv[1], int(sys.argv[2])
+clients, got = [ControlClient(where) for _ in range(n)], []
+def one(c):
+    got.append(attempt(c.call_with_fds, "open_read", path="/f.bin", remote=True))
+threads = [threading.Thread(target=one, args=(c,)) for c in clients]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(got.count("ok")))
+"""
+
+
+# `mxfs df` on the reading node: whether it was answered (or why not).
+DF = """
+from mxfs.client.control import ControlClient
+try:
+    print(json.dumps("by_use" in ControlClient(sys.argv[1]).call("df")))
+except OSError as e:  # (its client's wait for the answer ran out)
+    print(json.dumps(str(e)))
+"""
+
+
+@pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)",
+                        r"has not seen node \S+ join")
+def test_opens_waiting_on_a_stopped_owner_hold_no_other_users_thread(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """With the owner stopped, three users' 48 direct opens on a reading node wait on
+    it (each a scope or handshake left unanswered 30 s), and meanwhile another user's
+    `mxfs df` there, which reads the store on one of trio's default threads, is
+    answered: the opens wait on threads of their own, a few, by user in turn (they
+    took all 40 default threads, and the daemon's every other call waited on the
+    owner)."""
+    url = pg_cluster.database()
+    users = {**ensure_users(), "root": User("root", 0, 0, (0,))}
+    members = make_members(tmp_path / "a")
+    mkfs(members, "64KiB", "--meta", url)
+    # (a lease that outlives the stop: to b the owner is up, slow, not dead; on b, each
+    # user's 16 opens in service at once, as many as max_remote_reads_per_user lets in)
+    with node_net() as net, mounted_pool(members, "chunk_port=0", "lease_s=60", "node=a",
+                                         f"chunk_addr={net.host_ip}") as a, \
+            _reading_node(tmp_path, url, net, members, "max_active_per_user=16") as b:
+        (a.path / "f.bin").write_bytes(b"f" * 1000)  # (one member: a connection an open)
+        (a.path / "f.bin").chmod(0o644)
+        def direct() -> bool:  # (each leaves b a connection it keeps: the opens'
+            with open_reader(str(b.path / "f.bin")) as f:  # scopes wait on them too)
+                return isinstance(f, RemoteFile)
+        assert eventually(direct, 15)  # (once b reads the file's commit)
+        assert all(direct() for _ in range(8))
+        pid = a.daemon_pid()
+        got: dict[str, int] = {}
+        openers = [threading.Thread(target=lambda n=name: got.update(
+            {n: run_as(users[n], OPENS, str(b.path), "16")})) for name in users]
+        answered: list[Any] = []
+        df = threading.Thread(target=lambda: answered.append(run_as(None, DF, str(b.path))))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for t in openers:
+                t.start()
+            assert eventually(
+                lambda: _status(b)["remote_reads"]["connections"] == 48, 30)
+            df.start()
+            df.join(15)
+            assert answered == [True], "df waited on the stopped owner"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            for t in [*openers, df]:
+                if t.ident is not None:
+                    t.join(120)
+        assert set(got) == set(users)  # (answered once the owner went on)
+        assert eventually(lambda: _status(b)["remote_reads"]["connections"] == 0, 10)
+
+
 def _cold(path: Path) -> bytes | None:
     """The file's bytes read past the kernel's cache of them (None while EIO)."""
     try:

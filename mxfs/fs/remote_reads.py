@@ -19,6 +19,12 @@ reader closes the file (`close_read`), when its control connection ends, after
 GRANT_S, and at unmount.  One uid holds at most `max_remote_reads_per_user`
 connections and all users `max_remote_reads`; past either, the open answers EREMOTE
 and the reader reads through the mount, as before.
+
+An open waits on the owner (its handshakes, on the owner's threads), which a slow or
+stopped owner makes long, so it waits on OPENERS threads of its own, handed out by
+tenant in turn (`fair.RoundRobin`, one holding 3 in 4): on trio's default threads,
+three users' opens held all 40 of them, and every other call of the daemon that
+takes one (tenants, checkpoints, `mxfs df`) waited on that owner.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 
 import trio
 
+from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import Msg, int_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.session import Answer, Handler, Session
@@ -45,6 +52,7 @@ from mxfs.vol.volume import Volume
 
 CONNS = 8  # connections one open gets at most (a member each, up to this)
 GRANT_S = SCOPE_S  # the daemon shuts a grant down after this, as the owner would
+OPENERS = 8  # opens waiting on the owner at once (as many as its threads here serve)
 
 
 @dataclass
@@ -70,6 +78,8 @@ class RemoteReads:
         self.held = 0
         self.refused = 0  # opens sent to the mount: a limit was reached
         self._ids = itertools.count(1)
+        self._openers = RoundRobin(OPENERS, OPENERS * 3 // 4)
+        self._threads = trio.CapacityLimiter(OPENERS)  # (a slot of _openers holds one)
 
     def handlers(self) -> dict[str, Handler]:
         return {"close_read": self.close_read}
@@ -94,8 +104,10 @@ class RemoteReads:
                           "through the mount")
         self._count(tenant, n)  # before the wait: opens meanwhile see them taken
         try:
-            socks, owner = await trio.to_thread.run_sync(
-                self._connect, [(f.ino, f.generation) for f in files], n, uid)
+            async with self._openers.slot(tenant):
+                socks, owner = await trio.to_thread.run_sync(
+                    self._connect, [(f.ino, f.generation) for f in files], n, uid,
+                    limiter=self._threads)
         except BaseException:
             self._count(tenant, -n)
             raise
