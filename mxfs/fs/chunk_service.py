@@ -38,7 +38,8 @@ The pool's writer node writes the stripes it places on this node's members throu
 it (WRIT, SYNC, TRUN, REMV): each done in a worker thread, under the epoch of the
 writer's lease this node knows (`writer_epoch`), on a member this node holds (the
 writer's own service refuses them: nobody changes its files but itself); at most
-WRITES_AT_ONCE are in service at once, a write received within PUT_RECV_S.  The pool
+WRITES_AT_ONCE are in service at once, on threads of their own (a slow member holds
+those, not trio's default ones), a write received within PUT_RECV_S.  The pool
 key is what makes a peer a node: every node that holds it is trusted to name the
 writer's epoch honestly, as it is trusted to name its users.
 
@@ -225,6 +226,7 @@ class ChunkService:
         # nodes do not queue every other user's behind them, first come first served)
         self._puts = RoundRobin(PUTS_AT_ONCE, PUTS_AT_ONCE * 3 // 4)
         self._writes = trio.CapacityLimiter(WRITES_AT_ONCE)
+        self._changers = trio.CapacityLimiter(WRITES_AT_ONCE)  # (a `_writes` holds one)
         # The epoch of the pool's writer node's lease as this node knows it (its own on
         # the writer; None: no live writer): the only one whose chunk writes it does.
         self.writer_epoch: Callable[[], int | None] = epoch
@@ -669,13 +671,16 @@ class ChunkService:
             # the writer to drop it): writers keep descriptors, so its chunk files
             # are moved aside and held cut to nothing, not unlinked (unlinked, they
             # would take whatever those writers wrote: pool/revoke.py).
-            await trio.to_thread.run_sync(self.vol.held.hold, ino, offset)
+            await trio.to_thread.run_sync(self.vol.held.hold, ino, offset,
+                                          limiter=self._changers)
             return 0, b""
         path = pool.chunk_path(member, ino)
         if tag == b"REMV":  # (`offset`: the file's owner, whose limits it counts in)
-            await trio.to_thread.run_sync(self._remove, ino, member, path, offset)
+            await trio.to_thread.run_sync(self._remove, ino, member, path, offset,
+                                          limiter=self._changers)
             return 0, b""
-        await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data)
+        await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data,
+                                      limiter=self._changers)
         if data is not None:
             self.written_bytes += len(data)
         return 0, b""
