@@ -1,9 +1,9 @@
 """A reading node's kernel invalidations (`fs/invalidations.py`), with real threads and
 stand-ins for the kernel's two calls: a directory whose call is held stalls only its
 own, its thread set aside, a key's invalidations keep their order and never run two at
-once, a request is told once what it changed is made, what waits is bounded, and the
-end of the mount waits for no held call.  (A real directory held on
-a real reading node: `test_nodes.py`.)"""
+once, a request is told once what it changed is made, what waits is bounded at the cost
+of the keys past it only, and the end of the mount waits for no held call.  (A real
+directory held on a real reading node: `test_nodes.py`.)"""
 
 from __future__ import annotations
 
@@ -88,10 +88,11 @@ def test_a_held_directory_stalls_only_its_own(kernel: Kernel) -> None:
     calls.close(5)
 
 
-def test_past_the_bound_everything_held_is_invalidated_instead(
+def test_past_the_bound_the_largest_key_is_dropped_for_what_is_held_of_it(
         kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A held directory whose names keep changing: past MAX_WAITING waiting, what
-    waited is dropped and all the kernel may hold is invalidated in its place."""
+    """A held directory whose names keep changing: past MAX_WAITING waiting, its batch
+    is dropped and, in its place, the names of it the kernel may hold are invalidated
+    (not what it holds of other keys)."""
     monkeypatch.setattr(invalidations, "MAX_WAITING", 100)
     stop = threading.Event()
     calls = _calls(kernel, stop, ([11, 12], [(3, b"x"), (HELD_DIR, b"kept")]))
@@ -99,14 +100,39 @@ def test_past_the_bound_everything_held_is_invalidated_instead(
     assert eventually(lambda: len(kernel.calls) == 1)
     for i in range(30):
         calls.add([(HELD_DIR, b"n%d" % (i * 10 + j)) for j in range(10)], [], [])
-        assert calls.pending <= 1 + 100 + 4  # (the held call, changes', held()'s)
-    assert calls.overflows == 2
-    assert eventually(lambda: {("entry", 3, b"x"), ("inode", 11, False),
-                               ("inode", 12, False)} <= set(kernel.calls))
+        assert calls.pending <= 1 + 100 + 10 + 1  # (the held call, changes', held()'s)
+    assert calls.overflows == 2 and calls.dropped == 110 + 111  # (111: "kept" too)
     kernel.gate.set()
     assert eventually(lambda: calls.pending == 0 and ("entry", HELD_DIR, b"kept")
                       in kernel.calls)
     assert len(kernel.calls) < 120  # (not the 300 names that came)
+    assert not {("entry", 3, b"x"), ("inode", 11, False)} & set(kernel.calls)
+    stop.set()
+    calls.close(5)
+
+
+def test_an_overflow_costs_only_the_keys_that_cause_it(
+        kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the writer (nothing in `held()`): a user holds her directory's lock and keeps
+    committing into it past MAX_WAITING; another directory's invalidation waiting
+    meanwhile (its own call held too) is not dropped with hers: it is made once let
+    go, and its request told only then."""
+    monkeypatch.setattr(invalidations, "MAX_WAITING", 100)
+    other = 8
+    kernel.held.add(other)
+    stop = threading.Event()
+    calls = _calls(kernel, stop)
+    calls.add([(HELD_DIR, b"first"), (other, b"first")], [], [])
+    assert eventually(lambda: len(kernel.calls) == 2)
+    told: list[str] = []
+    calls.add([(other, b"q")], [], [], lambda: told.append("q"))
+    for i in range(30):
+        calls.add([(HELD_DIR, b"n%d" % (i * 10 + j)) for j in range(10)], [], [])
+    assert calls.overflows >= 1
+    assert not eventually(lambda: bool(told), 0.5)
+    kernel.gate.set()
+    assert eventually(lambda: told == ["q"] and calls.pending == 0)
+    assert ("entry", other, b"q") in kernel.calls
     stop.set()
     calls.close(5)
 

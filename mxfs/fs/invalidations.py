@@ -19,10 +19,17 @@ aside, MAX_HELD at most (past as many directories held at once the rest wait the
 turn; a request waiting on them is answered all the same), and ends after IDLE_S idle.
 
 What waits is bounded: past MAX_WAITING names, inodes and requests' waits from changes
-(a directory held while its names keep changing), all of it is dropped (its waits
-answered) and, instead, everything the kernel may hold (`held`, the daemon's own
-bounded table) is invalidated, key by key as above.  That table's part is not counted:
-it is at most what the table holds.
+(a directory held while its names keep changing), the largest keys' waiting batches are
+dropped (their waits answered, their items counted in `dropped`) until half of it is
+left: the keys that overflow pay, every other key's work waits on as it was (dropping
+all of it once let one user, holding her directory's lock while she commits into it,
+throw away every tenant's invalidations and tell their commits done).  Of the dropped
+keys, what the kernel may hold (`held`) is invalidated instead, key by key as above:
+on a reading node the daemon's own bounded table of its answers (that part is not
+counted: it is at most what the table holds); on the writer, which keeps no such table
+(`fs/kernel_cache.py`), only open files, so a dropped directory's names stay stale
+until their entry timeout.  (The batches are sorted at an overflow, at most once per
+MAX_WAITING // 2 items from changes.)
 """
 from __future__ import annotations
 
@@ -83,7 +90,8 @@ class Invalidations:
         self.stop = stop
         self.entry, self.inode = entry, inode
         self.made = 0  # calls the kernel answered (status: `invalidations`)
-        self.overflows = 0  # times what waited was dropped for everything held
+        self.overflows = 0  # times the largest batches were dropped (MAX_WAITING)
+        self.dropped = 0  # ... names and inodes of them
         self._lock = threading.Condition()
         self._waiting: dict[Key, _Batch] = {}
         self._ready: deque[Key] = deque()  # keys waiting that no thread makes now, once
@@ -109,24 +117,44 @@ class Invalidations:
         with self._lock:
             self._add(names, data, attrs, counted=1, waiter=waiter)
             told = [waiter] if waiter is not None and not waiter.left else []
+            dropped: list[Key] = []
             if self._counted > MAX_WAITING:
-                told += self._told(d for batch in self._waiting.values()
-                                   for d in batch.done)
-                self._waiting.clear()
-                self._ready.clear()
-                self._items = self._counted = 0
-                self.overflows += 1
-                overflowed = True
-            else:
-                overflowed = False
-                self._start()
+                dropped, told_dropped = self._drop_largest()
+                told += told_dropped
+            self._start()
         for d in told:
             d.call()
-        if overflowed:
+        if dropped:
             log.warning("more than %d kernel invalidations wait (a directory held by a "
-                        "request): everything the kernel may hold is invalidated instead",
-                        MAX_WAITING)
-            self.everything(*self.held())
+                        "request): those of the %d largest keys are dropped, what the "
+                        "kernel may hold of them invalidated instead",
+                        MAX_WAITING, len(dropped))
+            entries = {ino for kind, ino in dropped if kind == ENTRY}
+            inodes = {ino for kind, ino in dropped if kind == INODE}
+            inos, held_names = self.held()
+            self.everything([ino for ino in inos if ino in inodes],
+                            [n for n in held_names if n[0] in entries])
+
+    def _drop_largest(self) -> tuple[list[Key], list[_Done]]:
+        """(Under the lock.) Drop the largest waiting batches until half of MAX_WAITING
+        is left: the keys dropped, and the waiters whose last key that was."""
+        dropped: list[Key] = []
+        told: list[_Done] = []
+        for key in sorted(self._waiting, key=lambda k: self._waiting[k].counted,
+                          reverse=True):
+            if self._counted <= MAX_WAITING // 2:
+                break
+            batch = self._waiting.pop(key)
+            size = len(batch.names) if key[0] == ENTRY else 1
+            self._items -= size
+            self._counted -= batch.counted
+            self.dropped += size
+            told += self._told(batch.done)  # (a waiter's other keys still count)
+            dropped.append(key)
+        gone = set(dropped)
+        self._ready = deque(k for k in self._ready if k not in gone)
+        self.overflows += 1
+        return dropped, told
 
     async def waited(self, names: Iterable[tuple[int, bytes]] = (), data: Iterable[int] = (),
                    wait_s: float = WAIT_S) -> bool:
@@ -146,13 +174,13 @@ class Invalidations:
         return made.is_set()
 
     @staticmethod
-    def _told(waiters: Iterable[_Done], each: int = 0) -> list[_Done]:
-        """(Under the lock.) Of `waiters`, those whose last key this was (`each`: one
-        key made for each; 0: all of theirs dropped), once each."""
+    def _told(waiters: Iterable[_Done]) -> list[_Done]:
+        """(Under the lock.) Of `waiters` of a key made or dropped, those whose last
+        key this was."""
         told = []
         for d in waiters:
             if d.left:
-                d.left = d.left - each if each else 0
+                d.left -= 1
                 if not d.left:
                     told.append(d)
         return told
@@ -258,7 +286,7 @@ class Invalidations:
                     del self._since[me]
                     if key in self._waiting:  # (it came again meanwhile: in order)
                         self._ready.append(key)
-                    told = self._told(batch.done, 1)
+                    told = self._told(batch.done)
                 for d in told:
                     d.call()
 
