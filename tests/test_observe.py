@@ -285,6 +285,41 @@ def test_half_sent_requests_of_one_user_never_shut_the_scrapes_out(
         assert opened and opened[0] > 20  # (bob's were closed, and he opened more)
 
 
+def test_a_users_subordinate_uids_share_her_connections_to_metrics() -> None:
+    """Counted by uid, each subordinate uid of a user (a rootless container's) had
+    PER_PEER connections and an accept rate of its own, and hers churned past CONNS
+    to drop Prometheus's.  Connections from five of hers hold PER_PEER of hers in all,
+    the oldest dropped.  (The server's accepts are run here, one round: the held
+    connections' deadlines play no part.)"""
+    from users import ensure_users, subordinate_uids
+
+    from mxfs.fs.metrics_http import PER_PEER, Server
+    from mxfs.vol.tenants import TENANTS
+
+    alice = ensure_users()["alice"]
+    subs = subordinate_uids(alice)
+    TENANTS.refresh()  # (as the daemon reads /etc/subuid)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = Server(listener, lambda: b"")
+        conns = []
+        try:
+            for uid in list(subs[:PER_PEER]) + [alice.uid]:
+                os.seteuid(uid)  # (the socket's owner, as of its making: sock_diag's uid)
+                try:
+                    conns.append(socket.socket())
+                finally:
+                    os.seteuid(0)
+                conns[-1].connect(listener.getsockname())
+            server._accept()
+            assert [c.peer for c in server.conns.values()] == [f"uid {alice.uid}"] * PER_PEER
+            assert _closed(conns[0]) and not any(_closed(s) for s in conns[1:])
+        finally:
+            for s in conns:
+                s.close()
+            for c in list(server.conns.values()):
+                server._drop(c)
+
+
 def test_a_request_with_huge_headers_is_refused_unread(members: list[str]) -> None:
     """wsgiref read 100 headers of 64 KiB each (tens of ms of Python each request, the
     GIL held from the daemon's trio thread): a request is read to 8 KiB at most, and one

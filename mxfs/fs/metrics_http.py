@@ -7,10 +7,11 @@ thread a connection, and closed the newcomer once SCRAPERS were held: a user scr
 in a loop cut every tenant's FUSE rate 3-15 times, and eight half-sent requests shut
 Prometheus out.  So this one thread reads each request itself, REQUEST_BYTES at most,
 whole within REQUEST_S, and answers with `page()` (bytes the caller stores and rebuilds
-at most once a PAGE_S, metrics.py); each peer (`_peer`: a local user by uid, any other
-host by address) opens ACCEPT_BURST connections at once and ACCEPT_PER_S a second after
-(fs/accept_rate.py), the rest closed as they come, and holds PER_PEER at once: past
-that, or past CONNS in all, the oldest connection still held goes, not the newcomer.
+at most once a PAGE_S, metrics.py); each peer (`_peer`: a local user by tenant, her
+subordinate uids with her, vol/tenants.py; any other host by address) opens
+ACCEPT_BURST connections at once and ACCEPT_PER_S a second after (fs/accept_rate.py),
+the rest closed as they come, and holds PER_PEER at once: past that, or past CONNS in
+all, the oldest connection still held goes, not the newcomer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from mxfs.fs.accept_rate import AcceptRate
 from mxfs.fs.chunk_service import peer_of
 from mxfs.fs.socket_owner import SocketOwners
+from mxfs.vol.tenants import tenant_of
 
 REQUEST_BYTES = 8192  # a request line and headers, at most (more: 431, closed)
 REQUEST_S = 0.5  # ... all of them sent within this of the connection's accept
@@ -101,9 +103,10 @@ class Server:
             self.sel.register(sock, selectors.EVENT_READ, c)
 
     def _peer(self, sock: socket.socket, addr: tuple[str, int]) -> str:
-        """Whom a connection counts to: on loopback its owner's uid (any local user
-        connects from every loopback address and port), else as the chunk service
-        counts hosts (an address; an IPv6 /64)."""
+        """Whom a connection counts to: on loopback its owner's tenant (any local user
+        connects from every loopback address and port; counted by uid, each of her
+        subordinate uids had buckets of its own, and churned past CONNS), else as the
+        chunk service counts hosts (an address; an IPv6 /64)."""
         try:
             ip = ipaddress.ip_address(addr[0].split("%")[0])
         except ValueError:
@@ -113,7 +116,7 @@ class Server:
         if ip.is_loopback:
             uid = self.owners.uid(sock)
             if uid is not None:
-                return f"uid {uid}"
+                return f"uid {tenant_of(uid)}"
         return peer_of(ip, 1024)
 
     def _step(self, c: _Conn) -> None:
