@@ -717,8 +717,11 @@ class Volume:
 
     def recover(self) -> Recovery:
         """Reclaim orphans and trim chunk files past recorded sizes; mark the store in use.
-        (A reading node repairs nothing: the pool is its writer node's to recover.)"""
+        (A reading node repairs nothing: the pool is its writer node's to recover.  It
+        takes over what its own members hold aside, as the writer does: a daemon that
+        died within a grace left its readers' files there whole, for good.)"""
         if self.pool.node:
+            self.held.adopt()
             return Recovery(unclean=False)
         report = Recovery(unclean=self.store.setting("clean") != "1")
         self.held.adopt()
