@@ -1364,11 +1364,12 @@ def test_a_chown_of_a_folder_of_many_names_sums_them_off_the_thread(tmp_path: Pa
         gate.wait(10)
 
     async def chown() -> None:
-        owned = await sums.of(node, bob, alice)
-        assert owned is not None
-        quotas.room_for_owner(node, bob, alice, owned)
-        store.set_attrs(node, uid=bob, owned=owned)
-        done.append(owned)
+        async with sums.of(node, bob, alice) as measured:
+            owned = measured.now()
+            assert owned is not None
+            quotas.room_for_owner(node, bob, alice, owned)
+            store.set_attrs(node, uid=bob, owned=owned)
+            done.append(owned)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -1388,6 +1389,61 @@ def test_a_chown_of_a_folder_of_many_names_sums_them_off_the_thread(tmp_path: Pa
     assert done == [(0, names)]  # (the late name in: summed again after it)
     assert store.usage.names[bob] == names and store.usage.names[alice] == 0
     store.close()
+
+
+@pytest.mark.unit
+def test_a_chown_moves_what_the_rows_hold_when_it_is_made(tmp_path: Path) -> None:
+    """A chown measures a folder's names and a file's xattrs, then may wait more before
+    it is made (a lent file's copy: `renew`).  Names linked and xattrs set meanwhile
+    were charged to the old owner, and the sums measured before moved without them:
+    the tally drifted from the rows until the next recount.  Sums the rows no longer
+    hold are read again inside the change."""
+    from mxfs.fs.owned import OwnedSums
+    from mxfs.fs.store_worker import StoreWorker
+    from mxfs.meta import MetaStore
+    from mxfs.vol.quota import Quota, Quotas
+
+    alice, bob = 7001, 7002
+    MetaStore.format(str(tmp_path), "0" * 32, 1 << 20).close()
+    store = MetaStore.open(str(tmp_path))
+    store.group_changes(60)
+    quotas = Quotas(store)
+    quotas.set(str(bob), Quota(bytes=1 << 30))
+    folder = store.create(1, b"d", 0o040755, alice, alice)
+    fifo = store.create(folder.ino, b"f", 0o010644, alice, alice)
+    store.setxattr(fifo, b"user.a", b"v" * 100)
+    sums = OwnedSums(quotas, StoreWorker(str(tmp_path)))
+    waiting, resume = trio.Event(), trio.Event()
+
+    async def chown(node: Any) -> None:
+        async with sums.of(node, bob, alice) as measured:
+            quotas.room_for_owner(node, bob, alice, measured.sums)
+            waiting.set()
+            await resume.wait()  # (the chown's await: a copy of the file, as `renew`)
+            store.set_attrs(node, uid=bob, owned=measured.now())
+
+    async def main(node: Any, meanwhile: Callable[[], None]) -> None:
+        nonlocal waiting, resume
+        waiting, resume = trio.Event(), trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(chown, node)
+            await waiting.wait()
+            meanwhile()
+            resume.set()
+
+    try:
+        trio.run(main, folder, lambda: store.link(fifo.ino, folder.ino, b"late"))
+        trio.run(main, fifo, lambda: store.setxattr(fifo, b"user.b", b"w" * 4000))
+        store.commit()
+        def tally() -> list[dict[int, int]]:
+            return [{u: n for u, n in c.items() if n}
+                    for c in (store.usage.names, store.usage.xattrs)]
+        moved = tally()
+        store.count_usage()  # (what the rows hold, summed anew)
+        assert moved == tally() and alice not in moved[0] and alice not in moved[1]
+    finally:
+        sums.worker.close()
+        store.close()
 
 
 def test_a_walk_through_long_link_chains_is_cut_short(pool: Mounted) -> None:

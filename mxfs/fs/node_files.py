@@ -421,25 +421,25 @@ class NodeFiles:
         store = self.vol.store
         row = store.get(int_field(msg, "ino"))
         mode = uid = gid = atime = mtime = None
-        owned = None
         if "uid" in msg or "gid" in msg:
             uid = int_field(msg, "uid") if "uid" in msg else None
             gid = int_field(msg, "gid") if "gid" in msg else None
             may_chown(row, caller, uid, gid)
-            owned = await self.owned.of(row, uid, caller.uid)
+        async with self.owned.of(row, uid, caller.uid) as owned:  # (watched till the change)
             if uid is not None and uid != row.uid:
-                self.vol.quotas.room_for_owner(row, uid, caller.uid, owned)
-        if "mode" in msg:
-            mode = stat.S_IFMT(row.mode) | may_chmod(row, caller, int_field(msg, "mode"), gid)
-        if "atime_ns" in msg or "mtime_ns" in msg:
-            may_set_times(row, caller)
-            atime = int_field(msg, "atime_ns") if "atime_ns" in msg else None
-            mtime = int_field(msg, "mtime_ns") if "mtime_ns" in msg else None
-        if row.is_reg and self.vol.may_be_lent(row.ino) and self.renew is not None and \
-                row.takes_read(mode, uid, gid):
-            await self.renew(row, caller.uid)
-        store.set_attrs(row, mode=mode, uid=uid, gid=gid, atime_ns=atime, mtime_ns=mtime,
-                        ctime_ns=time.time_ns(), owned=owned)
+                self.vol.quotas.room_for_owner(row, uid, caller.uid, owned.sums)
+            if "mode" in msg:
+                mode = stat.S_IFMT(row.mode) | may_chmod(row, caller, int_field(msg, "mode"),
+                                                         gid)
+            if "atime_ns" in msg or "mtime_ns" in msg:
+                may_set_times(row, caller)
+                atime = int_field(msg, "atime_ns") if "atime_ns" in msg else None
+                mtime = int_field(msg, "mtime_ns") if "mtime_ns" in msg else None
+            if row.is_reg and self.vol.may_be_lent(row.ino) and self.renew is not None and \
+                    row.takes_read(mode, uid, gid):
+                await self.renew(row, caller.uid)
+            store.set_attrs(row, mode=mode, uid=uid, gid=gid, atime_ns=atime, mtime_ns=mtime,
+                            ctime_ns=time.time_ns(), owned=owned.now())
         store.commit()
         if self.inode_changed is not None:
             await self.inode_changed(row.ino)

@@ -338,35 +338,35 @@ class MxfsOperations(pyfuse3.Operations):
         if self.names is not None:  # a reading node
             return await self._setattr_node(inode, attr, fields, fh, ctx)
         node = self.store.get(inode)
-        owned = await self.owned.of(node, attr.st_uid if fields.update_uid else None,
-                                    ctx.uid)
-        now = time.time_ns()
-        if fields.update_uid and attr.st_uid != node.uid:  # (before anything changes)
-            self.vol.quotas.room_for_owner(node, attr.st_uid, ctx.uid, owned)
-        if fields.update_size:
-            if node.is_dir:
-                raise pyfuse3.FUSEError(errno.EISDIR)
-            if not node.is_reg:
-                raise pyfuse3.FUSEError(errno.EINVAL)
-            self.vol.check_writable(node)
-            await self.settle(inode)
-            with self._charged(node, attr.st_size):
-                await self._truncate(node, attr.st_size, ctx.uid)
-        if node.is_reg and self.vol.may_be_lent(node.ino) and node.takes_read(
-                attr.st_mode if fields.update_mode else None,
-                attr.st_uid if fields.update_uid else None,
-                attr.st_gid if fields.update_gid else None):
-            await self.renew(node, ctx.uid)
-        mtime = attr.st_mtime_ns if fields.update_mtime else now if fields.update_size else None
-        self.store.set_attrs(
-            node,
-            mode=stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode) if fields.update_mode
-            else None,
-            uid=attr.st_uid if fields.update_uid else None,
-            gid=attr.st_gid if fields.update_gid else None,
-            atime_ns=attr.st_atime_ns if fields.update_atime else None,
-            mtime_ns=mtime, ctime_ns=attr.st_ctime_ns if fields.update_ctime else now,
-            owned=owned)
+        async with self.owned.of(node, attr.st_uid if fields.update_uid else None,
+                                 ctx.uid) as owned:  # (watched until the change)
+            now = time.time_ns()
+            if fields.update_uid and attr.st_uid != node.uid:  # (before anything changes)
+                self.vol.quotas.room_for_owner(node, attr.st_uid, ctx.uid, owned.sums)
+            if fields.update_size:
+                if node.is_dir:
+                    raise pyfuse3.FUSEError(errno.EISDIR)
+                if not node.is_reg:
+                    raise pyfuse3.FUSEError(errno.EINVAL)
+                self.vol.check_writable(node)
+                await self.settle(inode)
+                with self._charged(node, attr.st_size):
+                    await self._truncate(node, attr.st_size, ctx.uid)
+            if node.is_reg and self.vol.may_be_lent(node.ino) and node.takes_read(
+                    attr.st_mode if fields.update_mode else None,
+                    attr.st_uid if fields.update_uid else None,
+                    attr.st_gid if fields.update_gid else None):
+                await self.renew(node, ctx.uid)
+            mtime = attr.st_mtime_ns if fields.update_mtime else now if fields.update_size else None
+            self.store.set_attrs(
+                node,
+                mode=stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode) if fields.update_mode
+                else None,
+                uid=attr.st_uid if fields.update_uid else None,
+                gid=attr.st_gid if fields.update_gid else None,
+                atime_ns=attr.st_atime_ns if fields.update_atime else None,
+                mtime_ns=mtime, ctime_ns=attr.st_ctime_ns if fields.update_ctime else now,
+                owned=owned.now())
         return self.attrs(node)
 
     async def _row_attrs(self, ino: int, uid: int) -> pyfuse3.EntryAttributes:
