@@ -250,6 +250,7 @@ def test_a_scoped_reader_reads_no_more_once_a_chmod_or_chown_takes_reading_away(
             scoped.scope([(ino, generation)], 1000)
             os.chmod(path, 0o666)  # (adds bits: takes nothing away)
             appending.write(b"b")
+            os.fsync(appending.fileno())  # (answered is not landed: write-behind)
             assert scoped.read(ino, first, 0, 200) == b"a" * 101 + b"b"
             change()
             appending.write(b"s" * 100)
