@@ -5,6 +5,7 @@ hostile user keeps them: past exec, or turned into ones the kernel's lease count
 from __future__ import annotations
 
 import array
+import errno
 import fcntl
 import json
 import os
@@ -156,6 +157,41 @@ def test_where_the_kernel_takes_no_leases_every_file_counts_as_held(tmp_path: Pa
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout) == [True, True], res.stderr
     assert "takes no leases" in res.stderr  # (logged: why commits are refused)
+
+
+HELD_PAST_LIMIT = """
+import sys
+from mxfs.fs.limits import Limits
+from mxfs.fs.session import Session, check_pending_room
+from mxfs.vol.access import Caller
+from mxfs.vol.volume import Volume
+vol = Volume.open(sys.argv[1])
+for ino in (90001, 90002):  # (removed files' chunk files, nobody holding them)
+    open(vol.pool.chunk_path(0, ino), "wb").close()
+    vol.held.hold_read(ino, owner=7002)
+try:
+    check_pending_room(Session(Caller(1, 7002, 7002, frozenset({7002}))),
+                       Limits(max_held_files_per_user=2), vol)
+except OSError as e:
+    print(e.errno, e.strerror)
+"""
+
+
+def test_where_leases_fail_after_mount_a_user_past_her_held_files_is_told_why(
+        tmp_path: Path) -> None:
+    """Where leases fail after the mount, every removed file counts as held by a writer
+    (fail closed), and a user reaches `max_held_files_per_user` by removing files
+    alone: she is told leases fail and the fix, not to close write descriptors she
+    never had (as the message said before)."""
+    members = make_members(tmp_path, 1)
+    mkfs(members)
+    res = subprocess.run([*NO_LEASES, sys.executable, "-c", HELD_PAST_LIMIT, members[0]],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    code, _, why = res.stdout.strip().partition(" ")
+    assert int(code) == errno.ENOLCK, res.stdout
+    assert "takes no leases" in why and "fs.leases-enable=1" in why \
+        and "write descriptors" not in why, why
 
 
 def test_a_pool_whose_members_take_no_leases_is_not_mounted(tmp_path: Path) -> None:

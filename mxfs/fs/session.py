@@ -141,6 +141,11 @@ def check_pending_room(session: Session, limits: Limits, vol: Volume) -> None:
                       "unpublished files, the limit (mount option max_pending_per_user)")
     held = vol.held.held_by.get(uid, 0)
     if uid != 0 and held >= limits.max_held_files_per_user:
+        trouble = lease_trouble()
+        if trouble is not None:  # (then every removed file is held as if written)
+            raise OSError(errno.ENOLCK, f"{trouble}: uid {uid}'s {held} removed or dropped "
+                          "files are held until it can be told that nobody writes them, "
+                          f"the limit (mount option max_held_files_per_user) ({NO_LEASES_FIX})")
         raise OSError(errno.EMFILE, f"uid {uid} holds write descriptors of {held} chunk "
                       "files of dropped (aborted) files, the limit (mount option "
                       "max_held_files_per_user): close them")
