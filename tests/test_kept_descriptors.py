@@ -13,11 +13,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import HAVE_FUSE, Mounted, eventually, force_unmount, make_members, mkfs, module_pool
+from open_gate import OpenGate
 from users import run_as
 
 from mxfs.client import ControlClient
@@ -208,3 +211,61 @@ def test_a_pool_whose_members_take_no_leases_is_not_mounted(tmp_path: Path) -> N
             "fs.leases-enable=1" in res.stderr, res.stderr
     finally:
         force_unmount(str(mp))
+
+
+def test_an_open_read_racing_a_removal_hands_out_no_chunk_file_then_cut(
+        pool: Mounted) -> None:
+    """A removed file's chunk files are each asked whether anyone holds them (a write
+    lease), then all cut to nothing and unlinked.  An `open_read` that found the file
+    before its removal and opened a chunk file after its probe, before its cut, handed
+    out a descriptor of a file then cut: its reader read nothing where the bytes were
+    (a plain direct read checks no sums).  The opens are held in the kernel here so
+    that they fall there for sure.  The open_read finds the file removed after its
+    opens now, and answers as for a missing file."""
+    path = pool.path / "read-while-removed"
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20))  # (64 KiB stripes: a chunk file on every member)
+        f.flush()
+        os.fsync(f.fileno())
+    ino = path.stat().st_ino
+    files = [f"{m}/chunks/{ino % 256:02x}/{ino}" for m in pool.members]
+    before = [Path(f).read_bytes() for f in files]
+    member_of = {os.stat(f).st_ino: n for n, f in enumerate(files)}
+    answer: dict[str, Any] = {}
+
+    def open_read() -> None:
+        with ControlClient(str(pool.path)) as c:
+            try:
+                answer["reply"], answer["fds"] = c.call_with_fds(
+                    "open_read", path=c.pool_path(str(path)))  # (no O_DIRECT ones)
+            except OSError as e:
+                answer["errno"] = e.errno
+
+    with OpenGate(files) as gate:
+        reader = threading.Thread(target=open_read)
+        reader.start()
+        first = gate.next()  # (the reader's first open, waiting: it found the file)
+        path.unlink()  # (the reclaim probes member 0, 1, ... in a thread of its own)
+        late = 1 if member_of[first.ino] == 0 else 0  # (one the reader opens later)
+        while member_of[(probe := gate.next()).ino] != late:
+            gate.allow(probe)
+        gate.allow(probe)  # (nobody holds it: to be cut)
+        cut_later = gate.next()  # (the reclaim's next open, waiting: no cut before it)
+        gate.let_all()
+        gate.allow(first)  # (the reader opens the rest, `late`'s after its probe)
+        reader.join(timeout=60)
+        gate.allow(cut_later)
+    assert not reader.is_alive()
+    assert eventually(lambda: not any(os.path.exists(f) for f in files))  # (reclaimed)
+    if "errno" in answer:
+        assert answer["errno"] == errno.ENOENT, answer
+        return
+    fds = answer["fds"]
+    try:
+        read = {m: os.pread(fd, 1 << 20, 0)
+                for m, fd in zip(answer["reply"]["members"], fds, strict=True)}
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert {m: len(b) for m, b in read.items()} == {m: len(before[m]) for m in read}
+    assert all(b == before[m] for m, b in read.items())

@@ -125,11 +125,17 @@ class FileOps:
         A renew of its chunk files (its access being taken away: `Volume.renew`)
         that runs or begins while it is judged and opened makes it wait for the change
         and judge again: descriptors opened meanwhile might be of the new files, which
-        the file's later writes go to."""
+        the file's later writes go to.  So does a file found removed (or another file
+        under its number) once they are opened (`_live`): its chunk files go only after
+        its last link (reclaim, a node's REMV), each asked first whether anyone holds it
+        and cut to nothing if not, and one opened after that ask read nothing.  Found
+        linked after the opens, it was unlinked after them, so the ask comes later
+        still, sees them, and keeps the file aside uncut."""
         path, caller = path_field(msg), session.caller
         for _ in range(RENEW_TRIES):
             node, sealed = await self._find(path, session)
             mark = self.vol.renew_mark(node.ino)  # (before the check: see renew_mark)
+            generation = node.generation  # (a reading node's row is read into `node`)
             if node.is_dir:
                 raise OSError(errno.EISDIR, f"{path} is a directory")
             if not node.is_reg:
@@ -146,12 +152,31 @@ class FileOps:
             got = await self._open_read(msg, session, path, node, sealed)
             if "remote" in got[0]:
                 return got  # (a reading node's connections: its writer renews, not here)
-            if self.vol.renew_mark(node.ino) == mark:
+            try:
+                live = await self._live(node.ino, generation, caller.uid)
+            except BaseException:
+                for fd in got[1]:
+                    os.close(fd)
+                raise
+            if live and self.vol.renew_mark(node.ino) == mark:
                 return got
             for fd in got[1]:
                 os.close(fd)
-        raise OSError(errno.EAGAIN, f"{path}: its access changed while it was opened, "
-                      "again and again: try again")
+        raise OSError(errno.EAGAIN, f"{path}: its access changed, or it was replaced, while "
+                      "it was opened, again and again: try again")
+
+    async def _live(self, ino: int, generation: int, uid: int) -> bool:
+        """Whether `ino` is still linked, as the file of `generation`: asked after its
+        chunk files were opened (`open_read`), of memory on the writer (an unlink marks
+        its row there before any reclaim of it), of the store on a reading node (the
+        writer removes its chunk files here only after the unlink is committed)."""
+        try:
+            node = await self._row(ino, uid)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return False
+        return node.nlink > 0 and node.generation == generation
 
     async def _open_read(self, msg: Msg, session: Session, path: str, node: Inode,
                          sealed: bool) -> Answer[OpenReadReply]:
