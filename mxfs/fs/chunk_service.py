@@ -785,16 +785,25 @@ class ChunkService:
         """A descriptor of the chunk file and how many of the bytes asked for it holds
         (-1 and 0: never written, all zeros): judged here, opened in a worker thread
         in `uid`'s turn through the member guard (a member that stopped answering
-        holds this request, EIO once judged hung, never trio's thread)."""
+        holds this request, EIO once judged hung, never trio's thread), and judged
+        again once opened: a file removed meanwhile may have been asked whether anyone
+        holds it before the open, and cut after (`FileOps.open_read`)."""
         path = self._judge(ino, member, length, scope)
         calls = self.calls
         if calls is None:
-            return _open_chunk(path, offset, length)
-        got = await calls.run_whole(functools.partial(
-            calls.guarded, member, functools.partial(_open_chunk, path, offset, length)),
-            uid, (member,))
+            got: tuple[int, int] | None = _open_chunk(path, offset, length)
+        else:
+            got = await calls.run_whole(functools.partial(
+                calls.guarded, member, functools.partial(_open_chunk, path, offset, length)),
+                uid, (member,))
         if got is None:
             raise OSError(errno.EIO, f"member {member} is not answering")
+        try:
+            self._judge(ino, member, length, scope)
+        except BaseException:
+            if got[0] >= 0:
+                os.close(got[0])
+            raise
         return got
 
     def _judge(self, ino: int, member: int, length: int,
