@@ -911,7 +911,8 @@ class KVOps:
                 out[slot] = {**_sums(chunk), "data": base64.b64encode(data).decode()}
         fds: list[int] = []
         for (slot, key, chunk, node), (which, got) in zip(wanted, opened, strict=True):
-            if space.chunks.get(key) is not chunk:  # evicted or replaced meanwhile
+            if space.chunks.get(key) is not chunk:  # evicted or replaced meanwhile (its
+                # files perhaps asked about before these opens and cut after: revoke.py)
                 for fd in got:
                     os.close(fd)
                 continue

@@ -70,10 +70,11 @@ ALLOCATED_SLACK = 4 << 20  # blocks a chunk file may hold past its length (file 
 def unlink_cut(path: str) -> None:
     """Blocking: cut the chunk file `path` to nothing, then remove it (missing: fine).
     Only a removed file nobody holds open goes this way (those held are moved aside
-    first: `pool/revoke.py`), yet an O_PATH descriptor, which any user can make of one
-    she was handed (`/proc/self/fd/N`) and which no lease probe sees, kept the whole
-    unlinked file's blocks for as long as she liked; cut, they are freed whoever holds
-    a path to it (which reads nothing)."""
+    first, and one opened after that ask is not handed out: `pool/revoke.py`), yet an
+    O_PATH descriptor, which any user can make of one she was handed
+    (`/proc/self/fd/N`) and which no lease probe sees, kept the whole unlinked file's
+    blocks for as long as she liked; cut, they are freed whoever holds a path to it
+    (which reads nothing)."""
     try:
         os.truncate(path, 0)
         os.unlink(path)

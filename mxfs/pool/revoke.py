@@ -37,7 +37,14 @@ the pool's space outside every quota, a grace at a time.
 Whatever goes (a removed file nobody holds, a held one let go) is cut to nothing
 first (`pool.unlink_cut`): the kernel's lease counts miss an O_PATH descriptor, which
 a user makes of any she was handed (`/proc/self/fd/N`) and which reads nothing, yet
-keeps an unlinked file's blocks.
+keeps an unlinked file's blocks.  The ask (`anyone_holds`) and the cut are two steps,
+and a descriptor opened between them read nothing where the file's bytes were: so a
+file is made unreachable before its chunk files are asked about (its last link gone,
+its KV key dropped), and whoever opens them to hand them out asks after its opens
+whether the file is still that one (`FileOps.open_read`: linked, same generation; a
+KV get: the key still holds that chunk; the chunk service's READ: judged again),
+handing out nothing if not.  One that passes opened before the file went, so the
+ask, later still, sees its descriptors and keeps the file aside uncut.
 """
 
 from __future__ import annotations
