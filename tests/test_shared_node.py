@@ -37,6 +37,7 @@ from conftest import (
     chunk_files,
     eventually,
     ext4_image,
+    kill_daemon,
     make_members,
     mkfs,
     module_pool,
@@ -2088,6 +2089,36 @@ def test_descriptors_lent_before_a_daemon_restart_end_at_a_later_chmod(
         finally:
             for fd in kept:
                 os.close(fd)
+
+
+@pytest.mark.daemon_log(r"recovered pool")
+def test_a_renew_cut_short_by_a_crash_leaves_the_file_whole(tmp_path: Path) -> None:
+    """A renew (`revoke.Held.renew`) links the live chunk file into `chunks/held/` as
+    the old one, then renames its copy over it: a daemon that died in between left
+    there a second name of the live file, which the next mount took for one only
+    readers held and cut to nothing (the file read zeros, and the check saw nothing
+    wrong).  That name goes alone now, and the copy with it."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    data = os.urandom(3 << 20)
+    with mounted_pool(members) as m:
+        path = m.path / "renewed"
+        with open(path, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        ino = path.stat().st_ino
+        kill_daemon(m)
+        live = [p for p in chunk_files(members) if os.path.basename(p) == str(ino)]
+        assert live
+        stamp = time.time_ns()
+        for chunk in live:  # (as the crash left each: its copy, its old name)
+            held = Path(chunk).parent.parent / "held"
+            held.mkdir(mode=0o700, exist_ok=True)
+            shutil.copyfile(chunk, held / f"{ino}.{stamp}.n")
+            os.link(chunk, held / f"{ino}.{stamp}.0.r")
+        m.remount()
+        assert path.read_bytes() == data
+        assert [p for p in chunk_files(members) if os.sep + "held" + os.sep in p] == []
 
 
 ALICE_LENDS = """

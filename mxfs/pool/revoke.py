@@ -69,7 +69,10 @@ HELD_DIR = "held"
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 READ_LOOK_S = 10  # how often one cut after its grace is asked whether it is let go
 HELD_LOOK_MAX_S = 16  # the longest a writer-held file waits between lease probes
-_READ_MARK = ".r"  # (a held file's name: INO.STAMP, and this where only readers held it)
+# A held file's name: INO.STAMP, and this where only readers held it; a renew's copy
+# under way is INO.STAMP.n.
+_READ_MARK = ".r"
+_COPY_MARK = ".n"
 NO_LEASES_FIX = "enable leases (sysctl -w fs.leases-enable=1), or put the member on a " \
     "file system that takes them"
 _no_leases: str | None = None  # (`lease_trouble`)
@@ -294,7 +297,7 @@ class Held:
             if not anyone_holds(src):  # (leases failing: True, copied)
                 continue
             stamp = time.time_ns()
-            tmp = os.path.join(self._folder(m), f"{ino}.{stamp}.n")
+            tmp = os.path.join(self._folder(m), f"{ino}.{stamp}{_COPY_MARK}")
             old = os.path.join(self._folder(m), f"{ino}.{stamp}{_READ_MARK}")
             try:
                 fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
@@ -310,7 +313,12 @@ class Held:
                 finally:
                     os.close(fout)
                 os.link(src, old)
-                os.rename(tmp, src)
+                try:
+                    os.rename(tmp, src)
+                except BaseException:  # (`old` is the live file's second name: cut
+                    with contextlib.suppress(FileNotFoundError):  # at the next mount,
+                        os.unlink(old)  # the file read zeros)
+                    raise
                 if not self._keep(old, owner, _blocks(old)):
                     os.truncate(old, 0)  # (its readers read nothing more)
                 with self._lock:
@@ -326,15 +334,39 @@ class Held:
 
     def adopt(self) -> None:
         """Blocking, at mount: take over what an earlier daemon held (its writers may
-        outlive it), then sweep."""
+        outlive it), then sweep.  What a renew the crash cut short left is removed as it
+        is: its copy, and its second name of the file it did not replace yet (cut, the
+        live file read zeros)."""
         for m in self.pool.local_members():
+            folder = self._folder(m)
             try:
-                names = os.listdir(self._folder(m))
+                names = os.listdir(folder)
             except FileNotFoundError:
                 continue
-            with self._lock:
-                self.files.update((os.path.join(self._folder(m), n), None) for n in names)
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    self._adopt(m, os.path.join(folder, name))
         self.sweep()
+
+    def _adopt(self, m: int, path: str) -> None:
+        """Blocking: one file found held on member `m` at mount (see `adopt`)."""
+        st = os.stat(path)
+        if path.endswith(_COPY_MARK) or (st.st_nlink > 1 and self._is_live(m, path, st)):
+            os.unlink(path)  # (nobody else ever had the copy; the live file stays)
+            return
+        with self._lock:
+            self.files[path] = None
+
+    def _is_live(self, m: int, path: str, st: os.stat_result) -> bool:
+        """Whether held file `path` (`st`) is its inode's live chunk file on `m` under
+        another name.  Only the daemon makes names in the chunk folders (root's, 0700):
+        a link a user made elsewhere of one she holds is no live file's, cut as usual."""
+        try:
+            ino = int(os.path.basename(path).split(".")[0])
+            live = os.stat(self.pool.chunk_path(m, ino))
+        except (FileNotFoundError, ValueError):
+            return False
+        return (live.st_dev, live.st_ino) == (st.st_dev, st.st_ino)
 
     def _readers_done(self, path: str, now: int) -> bool:
         """Whether a file only readers held may go: nobody holding it (at once, within
