@@ -7,6 +7,7 @@ every quota, and its writers' immutable, for good."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from conftest import make_members, mkfs
@@ -44,6 +45,7 @@ def test_a_nodes_next_daemon_takes_over_what_its_members_held(tmp_path: Path) ->
         vol = _node_volume(members[0])  # (the next one)
         try:
             vol.recover()
+            vol.held.sweep()  # (the daemon's task's first, within a second of the mount)
             held = list(folder.iterdir())  # (what nobody holds now is gone)
             assert [p.name.split(".")[0] for p in held] == ["79"], held
             assert set(vol.held.files) == {str(p) for p in held}  # (swept later)
@@ -51,3 +53,36 @@ def test_a_nodes_next_daemon_takes_over_what_its_members_held(tmp_path: Path) ->
             vol.store.close()
     finally:
         os.close(kept)
+
+
+def test_what_a_daemon_held_counts_as_its_owners_after_a_restart(tmp_path: Path) -> None:
+    """Held files count as their owners' (`held_by`: `max_held_files_per_user`;
+    `readable_by`: in her quota), and the next daemon adopted them as nobody's: every
+    user's limits reset at a restart.  Their names say whose they are now; one held
+    before names did counts as root's."""
+    members = make_members(tmp_path, 2)
+    mkfs(members)
+    vol = Volume.open(members[0])
+    read, written = (vol.pool.chunk_path(0, ino) for ino in (81, 82))
+    for path in (read, written):
+        with open(path, "wb") as f:
+            f.write(os.urandom(1 << 20))
+    reader = os.open(read, os.O_RDONLY)
+    writer = os.open(written, os.O_WRONLY)
+    try:
+        assert vol.held.hold_read(81, 7002, [0]) == 1  # (a reader's: kept whole)
+        assert vol.held.hold(82, 7002) == 1  # (a writer's: cut)
+        (Path(members[0]) / "chunks" / HELD_DIR / f"83.{time.time_ns()}").touch()
+        held_by, readable_by = dict(vol.held.held_by), dict(vol.held.readable_by)
+        assert held_by == {7002: 1} and readable_by[7002] >= 1 << 20, readable_by
+        vol.store.close()  # (the daemon died)
+        vol = Volume.open(members[0])  # (the next one)
+        try:
+            vol.recover()
+            assert dict(vol.held.held_by) == held_by | {0: 1}
+            assert dict(vol.held.readable_by) == readable_by
+        finally:
+            vol.store.close()
+    finally:
+        os.close(reader)
+        os.close(writer)

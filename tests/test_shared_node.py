@@ -508,6 +508,58 @@ def test_dropped_files_a_user_keeps_open_are_bounded(tmp_path: Path) -> None:
         assert run_as(alice, _ALICE_WRITES, str(m.path / "alices" / "after")) == "ok"
 
 
+ALICE_KEEPS_ACROSS_A_RESTART = """
+mp, drop = sys.argv[1], sys.argv[2] == "drop"
+c = mxfs.client.ControlClient(mp)
+reply, kept = c.call_with_fds("create", path="/alices/kept", size=4096)
+if drop:
+    c.call("abort", ino=reply["ino"])
+print(json.dumps(len(kept)), flush=True)
+sys.stdin.readline()  # (the daemon was restarted meanwhile)
+try:
+    with mxfs.client.ControlClient(mp) as again:
+        again.call("create", path="/alices/after", size=4096)
+    print(json.dumps("ok"), flush=True)
+except OSError as e:
+    print(json.dumps([e.errno, e.strerror]), flush=True)
+"""
+
+
+@pytest.mark.daemon_log(r"recovered pool")
+@pytest.mark.parametrize("how", ["drop", "crash"])
+def test_a_users_held_files_are_still_hers_after_a_daemon_restart(
+        tmp_path: Path, how: str) -> None:
+    """Held chunk files outlive the daemon (their writers keep descriptors) and the next
+    one took them over as nobody's: `max_held_files_per_user` started again from 0 at
+    every restart, and hidden files the crash dropped were held as root's, never
+    refused.  Both still count as hers after the restart: her next create is refused."""
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    limit = f"max_held_files_per_user={len(members)}"  # (a file's chunk files)
+    with mounted_pool(members, limit) as m:
+        (m.path / "alices").mkdir()
+        os.chown(m.path / "alices", alice.uid, alice.gid)
+        proc = _as(alice, ALICE_KEEPS_ACROSS_A_RESTART, str(m.path), how,
+                   stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            line = proc.stdout.readline()
+            assert line and json.loads(line) == len(members), \
+                proc.stderr.read() if proc.stderr else ""
+            kill_daemon(m)  # (a crash, or an upgrade: what it held is adopted alike)
+            mxfs("mount", "-o", f"allow_other,{limit}", members[0], str(m.path))
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            got = json.loads(proc.stdout.readline())
+            assert got[0] == errno.EMFILE and "max_held_files_per_user" in got[1], got
+        finally:
+            proc.kill()
+            proc.communicate(timeout=60)
+        held = [Path(p) / "chunks" / "held" for p in m.members]
+        assert eventually(lambda: not any(h.is_dir() and any(h.iterdir()) for h in held))
+
+
 def test_a_big_namespace_is_removed_while_others_are_served(pool: Mounted) -> None:
     """Removing 16,384 chunks goes a slice at a time: another user's requests are
     answered while it runs (they see the namespace part-removed), and kv_list pages."""

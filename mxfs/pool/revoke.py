@@ -21,6 +21,8 @@ only once nobody can write it any more:
   HELD_LOOK_MAX_S): flag changes and cuts are journal writes, and a user holding
   thousands of dropped files' descriptors cost every sweep ~30 us a file.  They
   count as their writer's tenant's (`held_by`): `max_held_files_per_user` bounds them.
+  Their names say whose they are, so that a later daemon adopting them at mount (their
+  holders outlive a crash or an upgrade) counts them as before (`adopt`).
 
 Read descriptors (`open_read`, KV gets) end too: a removed file whose chunk files
 someone still holds open (a write lease refused: `anyone_holds`) has them moved
@@ -69,8 +71,9 @@ HELD_DIR = "held"
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 READ_LOOK_S = 10  # how often one cut after its grace is asked whether it is let go
 HELD_LOOK_MAX_S = 16  # the longest a writer-held file waits between lease probes
-# A held file's name: INO.STAMP, and this where only readers held it; a renew's copy
-# under way is INO.STAMP.n.
+# A held file's name: INO.STAMP.OWNER (the tenant it counts as, kept across a restart:
+# `adopt`; INO.STAMP, root's, in pools held in before), and this where only readers
+# held it; a renew's copy under way is INO.STAMP.n.
 _READ_MARK = ".r"
 _COPY_MARK = ".n"
 NO_LEASES_FIX = "enable leases (sysctl -w fs.leases-enable=1), or put the member on a " \
@@ -219,7 +222,7 @@ class Held:
 
     def _hold(self, m: int, ino: int, cut: bool, owner: int = 0) -> bool:
         src = self.pool.chunk_path(m, ino)  # (other nodes' members are theirs to hold)
-        dst = os.path.join(self._folder(m), f"{ino}.{time.time_ns()}")
+        dst = os.path.join(self._folder(m), f"{ino}.{time.time_ns()}.{owner}")
         try:
             if not cut and not self._keep(dst + _READ_MARK, owner, _blocks(src)):
                 cut = True  # (past what its owner may keep readable)
@@ -298,7 +301,7 @@ class Held:
                 continue
             stamp = time.time_ns()
             tmp = os.path.join(self._folder(m), f"{ino}.{stamp}{_COPY_MARK}")
-            old = os.path.join(self._folder(m), f"{ino}.{stamp}{_READ_MARK}")
+            old = os.path.join(self._folder(m), f"{ino}.{stamp}.{owner}{_READ_MARK}")
             try:
                 fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
@@ -333,10 +336,12 @@ class Held:
         return renewed
 
     def adopt(self) -> None:
-        """Blocking, at mount: take over what an earlier daemon held (its writers may
-        outlive it), then sweep.  What a renew the crash cut short left is removed as it
-        is: its copy, and its second name of the file it did not replace yet (cut, the
-        live file read zeros)."""
+        """Blocking, at mount: take over what an earlier daemon held (its writers and
+        readers may outlive it), counted as their owners' again (`held_by`,
+        `readable_by`: a restart reset every user's limits); the periodic sweep goes on
+        from there (at mount it held the answer back by a lease probe a file).  What a
+        renew the crash cut short left is removed as it is: its copy, and its second
+        name of the file it did not replace yet (cut, the live file read zeros)."""
         for m in self.pool.local_members():
             folder = self._folder(m)
             try:
@@ -346,7 +351,6 @@ class Held:
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
                     self._adopt(m, os.path.join(folder, name))
-        self.sweep()
 
     def _adopt(self, m: int, path: str) -> None:
         """Blocking: one file found held on member `m` at mount (see `adopt`)."""
@@ -354,8 +358,17 @@ class Held:
         if path.endswith(_COPY_MARK) or (st.st_nlink > 1 and self._is_live(m, path, st)):
             os.unlink(path)  # (nobody else ever had the copy; the live file stays)
             return
+        owner = _owner(path)
         with self._lock:
+            if path in self.files:
+                return
             self.files[path] = None
+            if path.endswith(_READ_MARK):  # (cut past its grace already: 0 bytes)
+                self._readable[path] = (owner, st.st_blocks * 512)
+                self.readable_by[owner] += st.st_blocks * 512
+            else:
+                self._writers[path] = owner
+                self.held_by[owner] += 1
 
     def _is_live(self, m: int, path: str, st: os.stat_result) -> bool:
         """Whether held file `path` (`st`) is its inode's live chunk file on `m` under
@@ -465,8 +478,15 @@ def _blocks(path: str) -> int:
 
 
 def _stamp(path: str) -> int:
-    """When a held file was held (ns, from its name INO.STAMP[.r])."""
+    """When a held file was held (ns, from its name INO.STAMP[.OWNER][.r])."""
     try:
         return int(os.path.basename(path).split(".")[1])
     except (IndexError, ValueError):
         return 0
+
+
+def _owner(path: str) -> int:
+    """Whose a held file is (its tenant, from its name INO.STAMP.OWNER[.r]); root's
+    where its name says none (held before names did)."""
+    parts = os.path.basename(path).split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[2].isdecimal() else 0

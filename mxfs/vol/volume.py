@@ -520,9 +520,15 @@ class Volume:
         self.freeing.add(node)
 
     def reclaim(self, ino: int) -> None:
-        """Free an orphan: chunk files first, then the row (a crash between is redone)."""
+        """Free an orphan at mount: chunk files first (those a writer or reader holds
+        kept as its owner's: its row's uid; it is in no queue), then the row (a crash
+        between is redone)."""
         self.store.durable()  # the orphan entry is on stable storage before its data goes
-        self._remove_chunk_files(ino, self._far_of([ino]).get(ino, []))
+        try:
+            uid = self.store.get(ino).uid
+        except OSError:
+            uid = 0  # (no row: nothing to count it as anyone's)
+        self._remove_chunk_files(ino, self._far_of([ino]).get(ino, []), uid)
         self.store.drop_inode(ino)
 
     def _far_of(self, inos: list[int]) -> dict[int, list[int]]:
@@ -620,12 +626,14 @@ class Volume:
         if entry is not None and entry.chunks is not None:
             entry.chunks.reopen()
 
-    def _remove_chunk_files(self, ino: int, far: list[int]) -> None:
+    def _remove_chunk_files(self, ino: int, far: list[int], uid: int | None = None
+                            ) -> None:
         """Blocking: an orphan's chunk files go; those someone still holds open (a
         direct reader, a KV get, a writer whose daemon died) go aside first, cut after
-        a grace (`pool/revoke.Held.hold_read`): their space ends with the file."""
+        a grace (`pool/revoke.Held.hold_read`): their space ends with the file.  They
+        count as its owner's (`uid`, else as queued)."""
         self.lent.discard(ino)
-        owner = tenant_of(self.freeing.owner(ino))
+        owner = tenant_of(self.freeing.owner(ino) if uid is None else uid)
         self.held.hold_read(ino, owner)  # (its user's, on other nodes too)
         self.pool.remove_chunks(ino, far, owner)
 
