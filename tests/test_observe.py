@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -65,9 +66,17 @@ def test_top_shows_member_bytes_and_requests(mounted: Mounted) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below 600 (mount refuses one any user may bind, fs/ports.py; nodes'
+    outgoing connections take theirs from 600 up), picked at random: other runs on
+    this machine look for one too."""
+    for port in random.sample(range(300, 600), 300):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below 600")
 
 
 def test_prometheus_endpoint(mounted: Mounted) -> None:

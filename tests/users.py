@@ -62,11 +62,16 @@ def attempt(fn, *a, **kw):
 """
 
 
-def run_as(user: User | None, script: str, *args: str) -> Any:
-    """Run `script` (after PRELUDE) as `user` (None: nobody, 65534); its stdout as JSON."""
+def as_user(user: User | None, script: str, *args: str) -> list[str]:
+    """The command that runs `script` (after PRELUDE) as `user` (None: nobody, 65534)."""
     uid, gid, groups = (user.uid, user.gid, user.groups) if user else (65534, 65534, ())
     code = PRELUDE.format(uid=uid, gid=gid, groups=tuple(groups)) + script
-    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+    return [sys.executable, "-c", code, *args]
+
+
+def run_as(user: User | None, script: str, *args: str) -> Any:
+    """Run `script` (after PRELUDE) as `user` (None: nobody, 65534); its stdout as JSON."""
+    res = subprocess.run(as_user(user, script, *args), capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)

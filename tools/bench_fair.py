@@ -222,7 +222,8 @@ def as_user(uid: int, code: str, *args: str) -> subprocess.Popen[str]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-METRICS_PORT = 19190  # the scratch pool's Prometheus endpoint (the `scrapes` arm)
+METRICS_PORT = 590  # the scratch pool's Prometheus endpoint (the `scrapes` arm; a
+# privileged port: mount refuses one any user may bind, fs/ports.py)
 
 
 def one_round(mnt: str, arm: str, seconds: float, chunks: int) -> dict[str, float]:

@@ -69,12 +69,12 @@ from typing import Any, Protocol
 
 import trio
 
-from mxfs.errors import MxfsError
 from mxfs.fs.accept_rate import AcceptRate
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import RoundRobin, Turns
 from mxfs.fs.limits import Limits, fd_limit
 from mxfs.fs.member_calls import MemberCalls
+from mxfs.fs.ports import listen_error
 from mxfs.io import PAGE
 from mxfs.io.residency import cached_pages
 from mxfs.pool.pool import unlink_cut
@@ -241,9 +241,8 @@ class ChunkService:
         try:
             self._sock = socket.create_server((self.host, self.port), backlog=128)
         except OSError as e:
-            raise MxfsError(f"the chunk service cannot listen on {self.host}:{self.port} "
-                            f"({e.strerror})", "choose a free port (-o chunk_port=N) and an "
-                            "address of this host (-o chunk_addr=IP)") from None
+            raise listen_error("the chunk service", "chunk_port", "chunk_addr", self.host,
+                               self.port, e) from None
         self.port = self._sock.getsockname()[1]
 
     def status(self) -> dict[str, Any]:

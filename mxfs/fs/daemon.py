@@ -35,6 +35,7 @@ from mxfs.fs.mount_writes import MountWrites
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
 from mxfs.fs.owned import OwnedSums
+from mxfs.fs.ports import check_ports, listen_error
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
@@ -110,6 +111,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     own, fuse_opts = split_options(options)
     try:
         check_options(options)
+        check_ports(own)  # (a port any user may bind, she could hold while it restarts)
         io_threads = int(own.get("io_threads") or 16)
         readahead = int(own.get("readahead") or DEFAULT_READAHEAD_KIB)
         write_behind = int(own.get("write_behind", DEPTH))
@@ -227,10 +229,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
                 try:
                     serve_prometheus(metrics, metrics_addr, metrics_port, gauges)
                 except OSError as e:
-                    raise MxfsError(f"metrics address {metrics_addr} port {metrics_port} "
-                                    f"cannot be opened ({e.strerror})",
-                                    "choose a free port (-o metrics_port=N) and an address "
-                                    "of this host (-o metrics_addr=IP)") from None
+                    raise listen_error("the metrics endpoint", "metrics_port",
+                                       "metrics_addr", metrics_addr, metrics_port, e) from None
             if vol.restored_from:
                 notes.append(f"the metadata store was recovered from the backup "
                              f"{vol.restored_from}; changes made after that backup are lost")
