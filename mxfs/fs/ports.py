@@ -49,15 +49,18 @@ def check_ports(own: Mapping[str, str]) -> None:
     """MxfsError for a fixed `chunk_port` or `metrics_port` that any user may bind."""
     start = unprivileged_start()
     for option in PORTS:
-        port = int(own.get(option) or 0)
-        if port >= start:
+        port = int(own.get(option) or 0)  # (chunk_port=0: a fresh one each start)
+        if port and port >= start:
             ephemeral = ", or chunk_port=0 (a free port each start, which the nodes read " \
                 "from its lease)" if option == "chunk_port" else ""
+            below = f"choose a port below {start}" if start > 1 else \
+                "set net.ipv4.ip_unprivileged_port_start back to 1024 (every port is " \
+                "anyone's here) and choose a port below it"
             raise MxfsError(
                 f"mount option {option}={port}: any user may bind that port (ports from "
                 f"{start} up: net.ipv4.ip_unprivileged_port_start), and one who holds it "
                 "while the daemon restarts keeps it from ever starting again",
-                f"choose a port below {start}{ephemeral}")
+                below + ephemeral)
 
 
 def listen_error(what: str, option: str, addr_option: str, host: str, port: int,
