@@ -367,13 +367,21 @@ def mounted_pool(members: list[str], *options: str, check: bool = True
 
 
 @contextmanager
-def module_pool(factory: pytest.TempPathFactory) -> Iterator[Mounted]:
-    """A pool of four folder members mounted (allow_other) for a module's tests."""
+def module_pool(factory: pytest.TempPathFactory, *options: str) -> Iterator[Mounted]:
+    """A pool of four folder members mounted (allow_other, and `options`) for a module's
+    tests."""
     if not HAVE_FUSE:
         pytest.skip("needs root and /dev/fuse")
     members = make_members(factory.mktemp("pool"))
     mkfs(members)
-    with mounted_pool(members) as m:
+    with mounted_pool(members, *options) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
+    """A `module_pool` its module's tests share (a module may define its own)."""
+    with module_pool(tmp_path_factory) as m:
         yield m
 
 

@@ -14,24 +14,17 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HAVE_FUSE, Mounted, eventually, force_unmount, make_members, mkfs, module_pool
+from conftest import HAVE_FUSE, Mounted, eventually, force_unmount, make_members, mkfs
 from open_gate import OpenGate
 from users import run_as
 
 from mxfs.client import ControlClient
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
-    with module_pool(tmp_path_factory) as m:
-        yield m
 
 
 def test_descriptors_a_client_receives_are_not_inherited_across_exec(pool: Mounted) -> None:

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,12 @@ from conftest import (
     Mounted,
     make_members,
     mkfs,
-    module_pool,
     mounted_pool,
     mxfs,
     one_line_error,
 )
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
-    with module_pool(tmp_path_factory) as m:
-        yield m
 
 
 def test_setstripe_refuses_a_unit_of_nothing(pool: Mounted) -> None:

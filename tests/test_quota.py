@@ -10,18 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from conftest import Mounted, eventually, module_pool, mxfs, one_line_error
+from conftest import Mounted, eventually, mxfs, one_line_error
 from users import User, ensure_users, run_as, subordinate_uids
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
-    with module_pool(tmp_path_factory) as m:
-        yield m
 
 
 def home(pool: Mounted, user: User) -> Path:
