@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from conftest import (
     eventually,
     make_members,
     mkfs,
+    module_pool,
     mount_with,
     mounted_pool,
     mxfs,
@@ -113,11 +114,7 @@ def _dropped(s: socket.socket) -> bool:
 @pytest.fixture(scope="module")
 def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
     """One pool serving chunks for the module's tests (each writes files of its own)."""
-    if not HAVE_FUSE:
-        pytest.skip("needs root and /dev/fuse")
-    members = make_members(tmp_path_factory.mktemp("pool"))
-    mkfs(members)
-    with mounted_pool(members, "chunk_port=0") as m:
+    with module_pool(tmp_path_factory, "chunk_port=0") as m:
         yield m
 
 
@@ -589,34 +586,27 @@ def test_one_users_scoped_connections_hold_a_part_of_the_service(tmp_path: Path)
     16 a node on 16 nodes took every connection.  Past her part a scope is refused
     (EMFILE: her node reads through its mount) and the connection closed; another
     user's is served, and so is a node's own unscoped connection."""
-    members = make_members(tmp_path)
-    mkfs(members)
-    with mounted_pool(members, "chunk_port=0", "max_chunk_conns=16") as m:
-        (m.path / "f").write_bytes(b"f" * 10_000)
-        ino = (m.path / "f").stat().st_ino
-        host, port, pool = _service(m)
-        key = load_key(members[0])
+    with _one_file_served(tmp_path, 16) as (ino, connect):
         held = []
         try:
             for _ in range(3):  # (16 * 75% = 12 in all, a third of them hers: 3)
-                c = ChunkClient(host, port, key, pool)
+                c = connect()
                 c.scope([(ino, 0)], 1000)
                 held.append(c)
-            late = ChunkClient(host, port, key, pool)
+            late = connect()
             with pytest.raises(OSError) as e:
                 late.scope([(ino, 0)], 1000)
             assert e.value.errno == errno.EMFILE
             late.close()
-            other = ChunkClient(host, port, key, pool)
+            other = connect()
             other.scope([(ino, 0)], 1001)  # (another user's part)
             held.append(other)
-            with ChunkClient(host, port, key, pool) as node:  # (a node's own, unscoped)
+            with connect() as node:  # (a node's own, unscoped)
                 assert node.kv_request((0, 0, []), "kv_stats", {})["namespaces"] == []
         finally:
             for c in held:
                 c.close()
-        assert eventually(lambda: _scopes(ChunkClient(host, port, key, pool), ino))
-        # (hers ended with them)
+        assert eventually(lambda: _scopes(connect(), ino))  # (hers ended with them)
 
 
 @pytest.mark.daemon_log(r"chunk connection .* failed")
@@ -626,22 +616,16 @@ def test_readers_filling_their_part_take_no_room_of_a_nodes_own_connections(
     readers holding their part left the nodes a quarter, shared by all of them.  They
     are counted apart now: with their part full (a fourth scope refused), a node
     opens more connections of its own than the whole limit, and each is served."""
-    members = make_members(tmp_path)
-    mkfs(members)
-    with mounted_pool(members, "chunk_port=0", "max_chunk_conns=4") as m:
-        (m.path / "f").write_bytes(b"f" * 10_000)
-        ino = (m.path / "f").stat().st_ino
-        host, port, pool = _service(m)
-        key = load_key(members[0])
+    with _one_file_served(tmp_path, 4) as (ino, connect):
         held = []
         try:
             for uid in (1000, 1001, 1002):  # (4 * 75% = 3 in all, one a user)
-                c = ChunkClient(host, port, key, pool)
+                c = connect()
                 held.append(c)
                 c.scope([(ino, 0)], uid)
-            assert not _scopes(ChunkClient(host, port, key, pool), ino, 1003)  # (full)
+            assert not _scopes(connect(), ino, 1003)  # (full)
             for _ in range(6):
-                c = ChunkClient(host, port, key, pool)
+                c = connect()
                 held.append(c)
                 assert c.kv_request((0, 0, []), "kv_stats", {})["namespaces"] == []
         finally:
@@ -684,6 +668,20 @@ def test_a_full_service_answers_busy_and_a_node_waits_for_room_not_marking_it_aw
         finally:
             for c in held:
                 c.close()
+
+
+@contextlib.contextmanager
+def _one_file_served(tmp_path: Path, max_conns: int
+                     ) -> Iterator[tuple[int, Callable[[], ChunkClient]]]:
+    """A pool whose chunk service takes `max_conns` connections, holding one file: its
+    inode, and a way to open a node's connection to that service (the scope tests')."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "chunk_port=0", f"max_chunk_conns={max_conns}") as m:
+        (m.path / "f").write_bytes(b"f" * 10_000)
+        host, port, pool = _service(m)
+        key = load_key(members[0])
+        yield (m.path / "f").stat().st_ino, lambda: ChunkClient(host, port, key, pool)
 
 
 def _scopes(c: ChunkClient, ino: int, uid: int = 1000) -> bool:
