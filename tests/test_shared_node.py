@@ -52,8 +52,11 @@ from users import PRELUDE, ensure_users, run_as, subordinate_uids
 
 from mxfs.client import ControlClient
 from mxfs.fs.foreign_fds import Dropper, carries_rights, take
+from mxfs.fs.kv_ops import KVOps
 from mxfs.proto import HEADER, encode
 from mxfs.proto.framing import recv_message
+from mxfs.vol.kv_index import KVIndex
+from mxfs.vol.volume import Volume
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse")
 
@@ -823,10 +826,7 @@ def test_one_users_flood_of_reads_leaves_another_a_thread(tmp_path: Path) -> Non
             throttle(m.daemon_pid())
             flood = _as(alice, _ALICE_READS, str(big), str(16 << 20))
             try:
-                done: list[float] = []
-                taker = threading.Thread(target=lambda: done.extend(
-                    float(line) for line in flood.stdout), daemon=True)  # type: ignore
-                taker.start()
+                done = _times_read(flood)
                 assert eventually(lambda: len(done) >= 8, 30), "alice's reads never came"
                 start, end, n = run_as(bob, _BOB_READS, str(small))
                 assert n == 100_000
@@ -908,10 +908,7 @@ def test_one_users_hundreds_of_reads_leave_anothers_lookups_and_reads_served(
             throttle(m.daemon_pid())
             flood = _as(alice, _ALICE_PAGES, str(big), "150", how)
             try:
-                done: list[float] = []
-                taker = threading.Thread(target=lambda: done.extend(
-                    float(line) for line in flood.stdout), daemon=True)  # type: ignore
-                taker.start()
+                done = _times_read(flood)
                 assert eventually(lambda: len(done) >= 4, 60), "alice's reads never came"
                 time.sleep(1)  # (all 150 asked by now)
                 start, end, n = run_as(bob, _BOB_LOOKS, str(small.parent), str(small))
@@ -936,6 +933,16 @@ def _as(user: Any, script: str, *args: str, stderr: int | None = None,
     code = PRELUDE.format(uid=user.uid, gid=user.gid, groups=tuple(user.groups)) + script
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
                             stderr=stderr, stdin=stdin, text=True)
+
+
+def _times_read(flood: subprocess.Popen[str]) -> list[float]:
+    """The times `flood` prints (one a read it finished), gathered as they come by a
+    thread of their own: a test checks which fell in another user's reads."""
+    out, done = flood.stdout, list[float]()
+    assert out is not None
+    threading.Thread(target=lambda: done.extend(float(line) for line in out),
+                     daemon=True).start()
+    return done
 
 
 @contextlib.contextmanager
@@ -1261,21 +1268,32 @@ def test_store_worker_calls_take_turns_by_uid(tmp_path: Path) -> None:
     assert sorted(ran[3:]) == [f"hog{i}" for i in range(2, 8)]
 
 
-def test_a_rounds_access_time_write_back_lets_others_through(tmp_path: Path) -> None:
-    """A group commit writes back TOUCH_BITE KV access times at most; in one statement
-    that was 9 ms of the daemon's thread for 1 KiB keys, each round a user kept pinning
-    keys.  It writes TOUCH_STEP a statement now and steps aside between: another
-    user's requests are served in the middle of a round (seen in what it has left)."""
-    from mxfs.fs.kv_ops import KVOps
-    from mxfs.vol.kv_index import TOUCH_BITE, Chunk, KVIndex, Namespace
-    from mxfs.vol.volume import Volume
-
+@contextlib.contextmanager
+def _kv_volume(tmp_path: Path) -> Iterator[tuple[Volume, KVIndex, KVOps]]:
+    """A fresh pool's volume opened in this process, with its KV index and `KVOps`:
+    the KV ops' rounds driven straight, no daemon between.  Closed after."""
     members = make_members(tmp_path)
     mkfs(members)
     vol = Volume.open(members[0])
     try:
         index = KVIndex(vol)
         kv = KVOps(vol, index)
+        try:
+            yield vol, index, kv
+        finally:
+            kv.rows.close()
+    finally:
+        vol.store.close()
+
+
+def test_a_rounds_access_time_write_back_lets_others_through(tmp_path: Path) -> None:
+    """A group commit writes back TOUCH_BITE KV access times at most; in one statement
+    that was 9 ms of the daemon's thread for 1 KiB keys, each round a user kept pinning
+    keys.  It writes TOUCH_STEP a statement now and steps aside between: another
+    user's requests are served in the middle of a round (seen in what it has left)."""
+    from mxfs.vol.kv_index import TOUCH_BITE, Chunk, Namespace
+
+    with _kv_volume(tmp_path) as (vol, index, kv):
         space = index.spaces["n"] = Namespace("n", 7001, 7001, 0o700, 0)
         keys = [b"%04d" % i + b"k" * 1020 for i in range(TOUCH_BITE + 44)]
         engine = vol.store.engine
@@ -1312,8 +1330,7 @@ def test_a_rounds_access_time_write_back_lets_others_through(tmp_path: Path) -> 
         assert any(44 < n < len(keys) for n in seen), "no request ran during a round"
         assert index.touches() == 0
         assert {r[0] for r in engine.scan("kv", ("atime",))} != {0}
-    finally:
-        vol.store.close()
+
 
 def test_kv_rows_for_a_table_or_a_listing_are_read_off_the_thread(tmp_path: Path) -> None:
     """Filling a namespace's presence table, and a kv_list page past a cursor, read its
@@ -1321,20 +1338,13 @@ def test_kv_rows_for_a_table_or_a_listing_are_read_off_the_thread(tmp_path: Path
     They are read on a worker's connection now, in the asker's turn: another user's
     request is served while both wait there.  That connection sees committed rows
     only, so the open group is committed first: keys put just before are in both."""
-    from mxfs.fs.kv_ops import KVOps
     from mxfs.fs.session import Session
     from mxfs.meta.feed_notes import KV_STORED
     from mxfs.vol.access import Caller
-    from mxfs.vol.kv_index import Chunk, KVIndex, Namespace
-    from mxfs.vol.volume import Volume
+    from mxfs.vol.kv_index import Chunk, Namespace
 
     alice, bob, carol = 7001, 7002, 7003
-    members = make_members(tmp_path)
-    mkfs(members)
-    vol = Volume.open(members[0])
-    try:
-        index = KVIndex(vol)
-        kv = KVOps(vol, index)
+    with _kv_volume(tmp_path) as (vol, index, kv):
         handlers = kv.handlers()
         space = index.spaces["n"] = Namespace("n", alice, alice, 0o700, 0)
         index.spaces["b"] = Namespace("b", bob, bob, 0o700, 0)
@@ -1381,9 +1391,7 @@ def test_kv_rows_for_a_table_or_a_listing_are_read_off_the_thread(tmp_path: Path
         for fd in fds:
             os.close(fd)
         assert space.view is not None and space.view.count == 3005
-    finally:
-        kv.rows.close()
-        vol.store.close()
+
 
 @pytest.mark.unit
 def test_a_chown_of_a_folder_of_many_names_sums_them_off_the_thread(tmp_path: Path) -> None:
