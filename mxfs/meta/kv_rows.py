@@ -18,6 +18,7 @@ from mxfs.meta.feed_notes import KV_GONE, KV_REMOVED, KV_RESET, KV_STORED
 from mxfs.meta.inode import Inode
 
 T = TypeVar("T")
+SEALS_BITE = 4096  # chunks whose seals `chunks` reads in one go (their sums, in memory)
 
 
 class Rules(Protocol):
@@ -27,7 +28,6 @@ class Rules(Protocol):
 
     def txn(self, fn: Callable[[], T]) -> T: ...
     def get(self, ino: int) -> Inode: ...
-    def seal_of(self, ino: int) -> tuple[int, bytes] | None: ...
     def write_fields(self, node: Inode, values: dict[str, object]) -> None: ...
     def seal(self, ino: int, sum_unit: int, sums: bytes) -> None: ...
     def drop_link(self, node: Inode, now: int) -> None: ...
@@ -72,10 +72,17 @@ class KVRows:
                                      order="atime"))
         owners = {ino: uid for ino, uid in self.engine.get_many(
             "inodes", "ino", (r[2] for r in rows), ("ino", "uid"))}
-        for ns, key, ino, size, atime in rows:
-            seal = self.store.seal_of(ino)
-            if seal is not None:
-                yield ns, bytes(key), ino, size, atime, seal[0], seal[1], owners.get(ino, 0)
+        # Seals read SEALS_BITE rows at a time: one per row was a round trip each to a
+        # metadata server on every writer mount (20,000 chunks: 1.5 s against 0.05 s).
+        for start in range(0, len(rows), SEALS_BITE):
+            part = rows[start:start + SEALS_BITE]
+            seals = {r[0]: (r[1], bytes(r[2])) for r in self.engine.get_many(
+                "sealed", "ino", (r[2] for r in part), ("ino", "sum_unit", "sums"))}
+            for ns, key, ino, size, atime in part:
+                seal = seals.get(ino)
+                if seal is not None:
+                    yield (ns, bytes(key), ino, size, atime, seal[0], seal[1],
+                           owners.get(ino, 0))
 
     def key_of(self, ino: int) -> tuple[str, bytes] | None:
         """The (namespace, key) whose chunk `ino` is, if it is one."""
