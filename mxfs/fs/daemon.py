@@ -164,7 +164,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     os.umask(0o077)  # what the daemon makes (chunk files, copies) is its own
     raise_fd_limit()
     try:
-        vol.recover()
+        vol.recover(drain=False)  # (orphans freed by `_commit_groups` while serving)
         if vol.quotas.limits:
             vol.store.count_usage()  # (before serving, not on a tenant's first write)
         if vol.pool.node:  # its requests' lookups are round trips on trio's thread

@@ -985,7 +985,7 @@ class MetaStore:
         """Forget orphans for good, in one change of a statement per table."""
         if not inos:
             return
-        gone = self._owners(inos) if self.usage.counted else []
+        gone = self.owners(inos) if self.usage.counted else []
         xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), inos) if gone \
             else {}
 
@@ -1004,7 +1004,7 @@ class MetaStore:
             self.usage.add(uid, mode, size, -1)
             self.usage.add_xattrs(uid, -xattrs.get(ino, 0))
 
-    def _owners(self, inos: list[int]) -> list[tuple[int, int, int, int]]:
+    def owners(self, inos: list[int]) -> list[tuple[int, int, int, int]]:
         """(ino, uid, mode, size) of each of `inos` as memory has it (the rows for the
         inodes it does not hold)."""
         cached = [n for i in set(inos) if (n := self._cache.get(i)) is not None]

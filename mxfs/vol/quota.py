@@ -78,10 +78,14 @@ class Freeing:
         self.inodes: Counter[int] = Counter()
 
     def add(self, node: Inode) -> None:
-        if node.ino in self._queued:
+        self.add_row(node.ino, node.uid, node.size if node.is_reg else 0)
+
+    def add_row(self, ino: int, uid: int, nbytes: int) -> None:
+        """Orphan `ino` of `uid`, holding `nbytes`, queued."""
+        if ino in self._queued:
             return
-        nbytes, tenant = node.size if node.is_reg else 0, tenant_of(node.uid)
-        self._queued[node.ino] = (node.uid, tenant, nbytes)
+        tenant = tenant_of(uid)
+        self._queued[ino] = (uid, tenant, nbytes)
         self.bytes[tenant] += nbytes
         self.inodes[tenant] += 1
 

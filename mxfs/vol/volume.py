@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections import Counter
@@ -45,6 +46,7 @@ log = logging.getLogger("mxfs.volume")
 
 XATTR_BITE = 8 << 20  # xattr bytes of removed files freed a reclaim round at most
 LENGTHS_BITE = 64  # ... summed for so many removed files at a time, until the bite is full
+PENDING_BITE = 4096  # orphans freed at once (one commit and one sync) by `reclaim_pending`
 RENEWALS_KEPT = 4096  # inodes whose renews are counted (`Volume.renewals`) at most
 MAX_HELD_PER_USER = 64 << 30  # bytes of one user's removed or renewed files kept readable
 
@@ -64,7 +66,7 @@ class Recovery:
     """What mounting found to repair."""
 
     unclean: bool
-    orphans_reclaimed: int = 0
+    orphans: int = 0  # found in the rows: freed, or queued for the daemon to free
     trimmed: list[int] = field(default_factory=list)
 
 
@@ -519,17 +521,18 @@ class Volume:
         self.pending_reclaim.push(node.ino, node.uid)
         self.freeing.add(node)
 
-    def reclaim(self, ino: int) -> None:
-        """Free an orphan at mount: chunk files first (those a writer or reader holds
-        kept as its owner's: its row's uid; it is in no queue), then the row (a crash
-        between is redone)."""
-        self.store.durable()  # the orphan entry is on stable storage before its data goes
-        try:
-            uid = self.store.get(ino).uid
-        except OSError:
-            uid = 0  # (no row: nothing to count it as anyone's)
-        self._remove_chunk_files(ino, self._far_of([ino]).get(ino, []), uid)
-        self.store.drop_inode(ino)
+    def queue_orphans(self, inos: list[int]) -> None:
+        """Queue orphans the rows list (a mount's, fsck's) to be freed as removed files
+        are, their owners and sizes read in few statements (a row each was a round trip
+        to a metadata server); one without an inode row is root's."""
+        for start in range(0, len(inos), PENDING_BITE):
+            part = inos[start:start + PENDING_BITE]
+            rows = {ino: (uid, size if stat.S_ISREG(mode) else 0)
+                    for ino, uid, mode, size in self.store.owners(part)}
+            for ino in part:
+                uid, nbytes = rows.get(ino, (0, 0))
+                self.pending_reclaim.push(ino, uid)
+                self.freeing.add_row(ino, uid, nbytes)
 
     def _far_of(self, inos: list[int]) -> dict[int, list[int]]:
         """Other nodes' members the layouts of `inos` use (their rows still there), for
@@ -626,14 +629,13 @@ class Volume:
         if entry is not None and entry.chunks is not None:
             entry.chunks.reopen()
 
-    def _remove_chunk_files(self, ino: int, far: list[int], uid: int | None = None
-                            ) -> None:
+    def _remove_chunk_files(self, ino: int, far: list[int]) -> None:
         """Blocking: an orphan's chunk files go; those someone still holds open (a
         direct reader, a KV get, a writer whose daemon died) go aside first, cut after
         a grace (`pool/revoke.Held.hold_read`): their space ends with the file.  They
-        count as its owner's (`uid`, else as queued)."""
+        count as its owner's (as queued: a crash's orphans too, `queue_orphans`)."""
         self.lent.discard(ino)
-        owner = tenant_of(self.freeing.owner(ino) if uid is None else uid)
+        owner = tenant_of(self.freeing.owner(ino))
         self.held.hold_read(ino, owner)  # (its user's, on other nodes too)
         self.pool.remove_chunks(ino, far, owner)
 
@@ -672,8 +674,10 @@ class Volume:
         self.freeing.drop(inos)
 
     def reclaim_pending(self) -> None:
-        """Free every orphan queued (at unmount, by tools): bite after bite."""
-        while inos := self.take_pending():
+        """Free every orphan queued (at unmount, by tools): bite after bite, each one
+        commit, one sync and one change (one sync an orphan: ~3 ms each, an hour for
+        a dropped KV namespace of a million chunks)."""
+        while inos := self.take_pending(PENDING_BITE):
             self.remove_chunks(inos)
             self.drop_inodes(inos)
 
@@ -723,11 +727,20 @@ class Volume:
 
     # ---- mount-time recovery and checks ------------------------------------
 
-    def recover(self) -> Recovery:
+    def recover(self, drain: bool = True) -> Recovery:
         """Reclaim orphans and trim chunk files past recorded sizes; mark the store in use.
         (A reading node repairs nothing: the pool is its writer node's to recover.  It
         takes over what its own members hold aside, as the writer does: a daemon that
-        died within a grace left its readers' files there whole, for good.)"""
+        died within a grace left its readers' files there whole, for good.)
+
+        Orphans are queued as removed files are (`queue_orphans`); with `drain` (tools)
+        freed before this returns, in bites, else (the daemon) by its reclaim rounds
+        once it serves: their number is a tenant's to choose (a dropped KV namespace of
+        a million chunks), and a mount that freed them first outran systemd's start
+        timeout and was killed and begun again for ever.  Serving first is safe: inode
+        numbers come from a sequence and are never handed out again (`Engine.next_id`),
+        so an orphan's chunk files stay its own until freed, and its row stays until
+        then, so a crash meanwhile leaves it to the next mount."""
         if self.pool.node:
             self.held.adopt()
             return Recovery(unclean=False)
@@ -740,12 +753,11 @@ class Volume:
             for member, ino in self.pool.iter_chunks():
                 if ino not in inodes:
                     unlink_cut(self.pool.chunk_path(member, ino))
-        for ino in self.store.orphans():
-            if self.reader_epochs:  # (reading nodes may hold it open: freed once they
-                self._queue_reclaim(self.store.get(ino))  # told their holds again)
-                continue
-            self.reclaim(ino)
-            report.orphans_reclaimed += 1
+        orphans = self.store.orphans()
+        self.queue_orphans(orphans)
+        report.orphans = len(orphans)
+        if drain and not self.reader_epochs:  # (reading nodes may hold some open: freed
+            self.reclaim_pending()  # once they told their holds again, by the daemon)
         for ino in self.store.dirty_data():
             node = self.store.get(ino)
             if node.is_reg:
@@ -754,10 +766,10 @@ class Volume:
             self.store.clear_dirty_data(ino)
         self.store.set_setting("clean", "0")
         self.store.durable()
-        if report.unclean or report.orphans_reclaimed:
-            log.warning("recovered pool %s: unclean=%s, %d orphans reclaimed, %d files trimmed",
-                        self.pool.uuid, report.unclean, report.orphans_reclaimed,
-                        len(report.trimmed))
+        if report.unclean or report.orphans:
+            log.warning("recovered pool %s: unclean=%s, %d orphans %s, %d files trimmed",
+                        self.pool.uuid, report.unclean, report.orphans,
+                        "freed" if drain else "to free while serving", len(report.trimmed))
         return report
 
     def sweep_strays(self, older_than_s: float) -> int:
