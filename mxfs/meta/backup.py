@@ -114,9 +114,10 @@ def copies(folder: str) -> list[Copy]:
     return sorted(out, key=lambda c: -c.taken_ns)
 
 
-def problem(path: str, pool_uuid: str | None = None) -> str | None:
-    """Why the copy (or store file) at `path` cannot be used (None: sound, this pool's)."""
-    why, uuid = file_problem(path)
+def problem(path: str, pool_uuid: str | None = None, thorough: bool = True) -> str | None:
+    """Why the copy (or store file) at `path` cannot be used (None: sound, this pool's);
+    without `thorough`, a store closed clean is not read page by page (`file_problem`)."""
+    why, uuid = file_problem(path, thorough)
     if why is None and pool_uuid is not None and uuid != pool_uuid:
         return f"belongs to pool {uuid}"
     return why
@@ -152,9 +153,12 @@ def install(source: str, meta_dir: str) -> str:
 def recover(where: str, pool_uuid: str, folders: list[str]) -> str | None:
     """If the store at `where` is missing or damaged, put the newest good copy from
     `folders` in its place and say which (None: the store is sound).  `Unusable` when
-    no good copy exists.  Only the embedded store keeps copies."""
+    no good copy exists.  Only the embedded store keeps copies.  Every mount runs this:
+    a store its daemon closed clean is not read page by page (`file_problem`), or the
+    mount took longer the more tenants stored."""
     primary = os.path.join(where, DB_NAME)
-    why = problem(primary, pool_uuid) if os.path.exists(primary) else "missing"
+    why = problem(primary, pool_uuid, thorough=False) if os.path.exists(primary) \
+        else "missing"
     if why is None:
         return None
     good = newest_good(folders, pool_uuid)
