@@ -8,6 +8,7 @@ import ctypes
 import errno
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from test_direct_write import _keeps_immutable
 from users import ensure_users, run_as
 
 from mxfs.client.writer import create_file
+from mxfs.fs.startup import EXTEND_S
 
 UNIT = Path(__file__).resolve().parents[1] / "systemd" / "mxfs@.service"
 
@@ -79,3 +81,24 @@ def test_the_daemon_serves_within_the_units_sandbox(members: list[str]) -> None:
                     os.close(fd)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_fuse
+def test_a_starting_daemon_asks_systemd_for_time_before_it_says_ready(
+        members: list[str], tmp_path: Path) -> None:
+    """A mount's work before it serves grows with the pool, past systemd's start
+    timeout (a killed start begins again from scratch, for ever): the daemon asks for
+    EXTEND_S more as it goes (EXTEND_TIMEOUT_USEC), then says READY=1; the unit's
+    TimeoutStartSec leaves room for a first step longer than that."""
+    timeout = service_settings()["TimeoutStartSec"]
+    assert timeout.endswith("min") and int(timeout[:-3]) * 60 > EXTEND_S
+    mkfs(members)
+    where = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listen:
+        listen.bind(where)
+        listen.settimeout(30)
+        with mount_with(members, prefix=["env", f"NOTIFY_SOCKET={where}"]):
+            said = []
+            while "READY=1" not in said:
+                said.append(listen.recv(4096).decode())
+    assert said[0] == f"EXTEND_TIMEOUT_USEC={EXTEND_S * 1_000_000}"

@@ -8,6 +8,7 @@ only appears with --debug (or MXFS_DEBUG=1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import io
 import json
@@ -111,6 +112,7 @@ class JsonLogFormatter(logging.Formatter):
 
 def _mount_foreground(args: argparse.Namespace, options: list[str]) -> int:
     from mxfs.fs import daemon
+    from mxfs.vol.mounts import WAITING
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter() if "log_json" in options else logging.Formatter(
@@ -134,7 +136,12 @@ def _mount_foreground(args: argparse.Namespace, options: list[str]) -> int:
         except OSError:
             pass
 
-    daemon.run(args.pool, args.mountpoint, options, ready)
+    def waiting() -> None:  # (mount-time work goes on: `mxfs mount` waits longer)
+        if not told and fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(fd, WAITING)
+
+    daemon.run(args.pool, args.mountpoint, options, ready, waiting)
     return 0
 
 

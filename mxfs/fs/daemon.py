@@ -36,6 +36,7 @@ from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
 from mxfs.fs.owned import OwnedSums
 from mxfs.fs.ports import check_ports, listen_error
+from mxfs.fs.startup import Startup
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
@@ -106,9 +107,12 @@ def socket_path(pool_uuid: str, node: str = "") -> str:
                         else f"{pool_uuid}.sock")
 
 
-def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
-    """Mount and serve until unmounted; calls `ready` once, with None or the error."""
+def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
+        waiting: Callable[[], None] | None = None) -> None:
+    """Mount and serve until unmounted; calls `ready` once, with None or the error, and
+    `waiting` now and then before that while mount-time work goes on (`fs/startup.py`)."""
     own, fuse_opts = split_options(options)
+    startup = Startup(notify_systemd, waiting)
     try:
         check_options(options)
         check_ports(own)  # (a port any user may bind, she could hold while it restarts)
@@ -125,7 +129,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
             if own.get("wake_latency_us") else None
         limits = Limits.from_options(own)
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
+        startup.step()  # (a store its daemon did not close clean is checked page by page)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
+        vol.progress = startup.step  # (orphans queued, the KV index loaded: by the bite)
         reading = bool(vol.pool.node)  # a reading node (mxfs node add): it writes nothing
         try:  # (the descriptors it hands out are judged by leases: pool/revoke.py)
             require_leases(superblock_path(vol.pool.members[m].path)
@@ -166,6 +172,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready) -> None:
     try:
         vol.recover(drain=False)  # (orphans freed by `_commit_groups` while serving)
         if vol.quotas.limits:
+            startup.step()
             vol.store.count_usage()  # (before serving, not on a tenant's first write)
         if vol.pool.node:  # its requests' lookups are round trips on trio's thread
             vol.store.engine.bound_waits(SERVE_WAIT_S)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from mxfs.meta.kv_rows import SEALS_BITE
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.proto.constants import MAX_KEY
 from mxfs.proto.messages import NamespaceStats
@@ -255,7 +256,10 @@ class KVIndex:
             made = self.spaces[ns] = Namespace(ns, uid, gid, mode, capacity)
             self._owned[made.tenant] += 1
         last = 0
-        for ns, key, ino, size, atime, sum_unit, sums, uid in store.kv.chunks():
+        for n, (ns, key, ino, size, atime, sum_unit, sums, uid) in enumerate(
+                store.kv.chunks()):
+            if n % SEALS_BITE == 0:
+                self.vol.progress()  # (a million chunks: a mount's longest step)
             space = self.spaces.get(ns)
             if space is None:
                 space = self.spaces[ns] = Namespace(ns, 0, 0, 0o700, 0)

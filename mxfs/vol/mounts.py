@@ -19,7 +19,8 @@ from mxfs.proc import NEUTRAL_CWD, python_module, running
 from mxfs.proto.constants import FSTYPE
 from mxfs.proto.mountinfo import mount_table, unescape
 
-READY_TIMEOUT = 120.0
+READY_TIMEOUT = 120.0  # a daemon silent this long is killed ...
+WAITING = b"wait\n"  # ... and each of these on its pipe gives it that long again
 # The daemon's log (on tmpfs: RAM) is rotated past this many bytes (`rotate_log`).
 LOG_CAP = 64 << 20
 
@@ -56,7 +57,10 @@ def check_mountpoint(path: str, nonempty: bool = False) -> str:
 
 def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
     """Start `mxfs mount -f` in its own session and wait until it says it is mounted:
-    (its pid, warnings for the user).
+    (its pid, warnings for the user).  A daemon whose mount-time work goes on says
+    WAITING now and then (`fs/startup.py`): each gives it READY_TIMEOUT again, since
+    that work grows with what tenants stored, and a start killed past a fixed
+    deadline began again from scratch, for ever.
 
     The log is root's alone (0600; it names files and callers); its folder stays
     reachable, since every user connects to the control sockets there.
@@ -82,6 +86,9 @@ def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
                     closed = True
                     break
                 answer += chunk
+                while answer.startswith(WAITING):
+                    answer = answer[len(WAITING):]
+                    deadline = time.monotonic() + READY_TIMEOUT
             elif proc.poll() is not None:
                 closed = True
                 break

@@ -115,6 +115,8 @@ class Volume:
         # ... each with the epoch it joined under (what other nodes hold here, such as
         # KV pins, ends with their epoch: `fs/kv_ops.py`).
         self.reader_epochs: dict[str, int] = {}
+        # Called by mount-time work a bite at a time (the daemon's: `fs/startup.py`).
+        self.progress: Callable[[], None] = lambda: None
         # Set when mount found the store damaged and put a backup in its place.
         self.restored_from: str | None = None
         # A reading node's view of what the writer published (`publish_stats`): when it
@@ -526,6 +528,7 @@ class Volume:
         are, their owners and sizes read in few statements (a row each was a round trip
         to a metadata server); one without an inode row is root's."""
         for start in range(0, len(inos), PENDING_BITE):
+            self.progress()
             part = inos[start:start + PENDING_BITE]
             rows = {ino: (uid, size if stat.S_ISREG(mode) else 0)
                     for ino, uid, mode, size in self.store.owners(part)}
