@@ -173,7 +173,7 @@ def test_link_and_unlink_count_links_and_make_orphans(store: MetaStore) -> None:
     assert store.orphans() == [f.ino]
     assert errno_of(lambda: store.link(f.ino, ROOT_INO, b"back")) == errno.ENOENT
     assert_sound(store)
-    store.drop_inode(f.ino)
+    store.drop_inodes([f.ino])
     assert store.orphans() == [] and errno_of(lambda: store.get(f.ino)) == errno.ENOENT
     assert_sound(store)
 
@@ -347,7 +347,7 @@ def test_hidden_files_are_orphans_until_published_and_sealed(store: MetaStore) -
     assert errno_of(lambda: store.publish(third.ino, d.ino, b"sub", replace=True, size=1,
                                           sum_unit=UNIT, sums=b"")) == errno.EISDIR
     assert_sound(store)
-    store.drop_inode(h.ino)
+    store.drop_inodes([h.ino])
     assert store.seal_of(h.ino) is None
 
 
@@ -385,7 +385,7 @@ def test_inode_numbers_and_cookies_are_never_reused(store: MetaStore, where: str
     f = store.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
     first_cookie = store.readdir(ROOT_INO, 0)[0].cookie
     store.unlink(ROOT_INO, b"f")
-    store.drop_inode(f.ino)
+    store.drop_inodes([f.ino])
     store.close()
     again = MetaStore.open(where)
     g = again.create(ROOT_INO, b"f", REG, 0, 0, layout_for=pick)
@@ -992,7 +992,7 @@ ops = {
     "set_attrs": lambda: s.set_attrs(f, mode=0o100600, uid=9, gid=9),
     "kv_publish": lambda: s.kv.publish(h.ino, "ns", b"new", 5, 2, 4096, b"abcdefgh"),
     "kv_remove": lambda: s.kv.remove([("ns", b"old", k.ino)]),
-    "drop_inode": lambda: s.drop_inode(h.ino),
+    "drop_inodes": lambda: s.drop_inodes([h.ino]),
 }
 ops[op]()
 s.durable()
@@ -1002,7 +1002,7 @@ time.sleep(60)
 
 _CRASH_OPS = ["create", "mkdir", "link", "unlink", "rmdir", "rename", "rename_dir",
               "exchange", "publish", "setxattr", "set_attrs", "kv_publish", "kv_remove",
-              "drop_inode"]
+              "drop_inodes"]
 
 
 def _state(where: str) -> dict[str, list[str]]:

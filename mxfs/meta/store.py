@@ -977,10 +977,6 @@ class MetaStore:
         listed = {r[0] for r in self.engine.get_many("orphans", "ino", inos, ("ino",))}
         return [i for i in inos if i in listed]
 
-    def drop_inode(self, ino: int) -> None:
-        """Forget an orphan for good, after its chunk files are gone."""
-        self.drop_inodes([ino])
-
     def drop_inodes(self, inos: list[int]) -> None:
         """Forget orphans for good, in one change of a statement per table."""
         if not inos:
