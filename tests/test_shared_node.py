@@ -552,6 +552,10 @@ def test_a_users_held_files_are_still_hers_after_a_daemon_restart(
                 proc.stderr.read() if proc.stderr else ""
             kill_daemon(m)  # (a crash, or an upgrade: what it held is adopted alike)
             mxfs("mount", "-o", f"allow_other,{limit}", members[0], str(m.path))
+            held = [Path(p) / "chunks" / "held" for p in m.members]
+            # (a crash's orphans are freed, hers held aside, after the mount answers)
+            assert eventually(lambda: sum(len(os.listdir(h)) for h in held if h.is_dir())
+                              == len(members))
             proc.stdin.write("\n")
             proc.stdin.flush()
             got = json.loads(proc.stdout.readline())
@@ -559,7 +563,6 @@ def test_a_users_held_files_are_still_hers_after_a_daemon_restart(
         finally:
             proc.kill()
             proc.communicate(timeout=60)
-        held = [Path(p) / "chunks" / "held" for p in m.members]
         assert eventually(lambda: not any(h.is_dir() and any(h.iterdir()) for h in held))
 
 
