@@ -55,7 +55,7 @@ from users import User, ensure_users, run_as, subordinate_uids
 import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
 from mxfs.client.direct import PlainFile, RemoteFile, open_reader
-from mxfs.fs import held_open, kv_follow
+from mxfs.fs import kv_follow
 from mxfs.fs.node_files import HOLDS_AT_ONCE
 from mxfs.io import Layout
 from mxfs.io.chunk_client import ChunkClient
@@ -1763,15 +1763,15 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
 
 
 @contextlib.contextmanager
-def _two_owners(tmp_path: Path, url: str, *node_options: str
+def _two_owners(tmp_path: Path, url: str, *node_options: str, writer: tuple[str, ...] = ()
                 ) -> Iterator[tuple[NodeNet, Mounted, Mounted, list[str], list[str]]]:
-    """Writer a holding members 0 and 1, node b (a namespace of its own; mounted with
-    `node_options` too) holding 2 and 3, both mounted: (b's network, a, b, a's members,
-    b's members)."""
+    """Writer a holding members 0 and 1 (mounted with `writer` too), node b (a namespace
+    of its own; mounted with `node_options` too) holding 2 and 3, both mounted: (b's
+    network, a, b, a's members, b's members)."""
     mine, theirs = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 2)
     mkfs([*mine, *(f"b:{p}" for p in theirs)], "64KiB", "--meta", url)
     with node_net() as net, \
-            mounted_pool(mine, *WRITER, f"chunk_addr={net.host_ip}") as a:
+            mounted_pool(mine, *WRITER, *writer, f"chunk_addr={net.host_ip}") as a:
         key, config = str(Path(mine[0], KEY_NAME)), str(tmp_path / "b" / "node.toml")
         mxfs("node", "add", "--meta", url, "--key", key, "--name", "b", "--config", config,
              "--member", theirs[0], "--member", theirs[1])
@@ -2449,9 +2449,15 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
     """A file b's mount has open reads (and writes) on after it is unlinked, on the
     writer or through b itself (a temporary file), as on a local file system and on
     NFSv4: the writer keeps its bytes until b's last close, across a writer restart,
-    and until b's lease runs out when b dies.  (Each read EIO or ENOENT before.)"""
+    and until b's lease runs out when b dies.  (Each read EIO or ENOENT before.)
+    b says all it holds every `full` s in parts of `at_once`, the writer drops a dead
+    node's holds after `grace` s (mount options: the defaults, 10 s, 16,384 and 10 s,
+    would only make it wait longer and open more files)."""
     url = pg_cluster.database()
-    with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
+    full, at_once, grace = 1, 100, 4
+    writer = (f"node_grace_s={grace}",)
+    with _two_owners(tmp_path, url, f"holds_full_s={full}", f"holds_at_once={at_once}",
+                     writer=writer) as (net, a, b, mine, theirs):
         (a.path / "models").mkdir()
         mxfs("setstripe", "--across-nodes", str(a.path / "models"))
         data = os.urandom(4 << 20)
@@ -2524,8 +2530,10 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
                     "node": ["b", epochs["b"]]})
             assert word(writer=0, full=True) == {"writer": epochs["a"]}
             assert word(full=True) == {"writer": epochs["a"]}  # (not newer than b's own)
+            # (a word naming HOLDS_AT_ONCE files, the most, fits a request; one more not)
+            assert word(hold=[(1 << 63) - 1] * HOLDS_AT_ONCE) == {"writer": epochs["a"]}
             for bad in ({"hold": "1"}, {"hold": [-1]}, {"let_go": [True]}, {"seen": "x"},
-                        {"word": None}):
+                        {"word": None}, {"let_go": [1] * (HOLDS_AT_ONCE + 1)}):
                 with pytest.raises(OSError) as e:
                     word(**bad)
                 assert e.value.errno == errno.EINVAL
@@ -2553,16 +2561,16 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
         fd, mine_ino = open_on_b("mine.bin")
         os.unlink(b.path / "mine.bin")
         mxfs("umount", str(a.path))
-        mxfs("mount", "-o", ",".join(("allow_other", *WRITER, f"chunk_addr={net.host_ip}")),
-             mine[0], str(a.path))
+        mxfs("mount", "-o", ",".join(("allow_other", *WRITER, *writer,
+                                      f"chunk_addr={net.host_ip}")), mine[0], str(a.path))
         time.sleep(3)  # (b's word comes five times a second)
         assert whole(fd, len(data)) == data
         os.close(fd)
         assert eventually(lambda: gone(mine_ino, mine), 15)
-        # More files open on b than one word can name: its whole word (every 10 s) goes
-        # in parts, and a file unlinked meanwhile stays whole past the next ones (a
+        # More files open on b than one word can name: its whole word (every `full` s)
+        # goes in parts, and a file unlinked meanwhile stays whole past the next ones (a
         # first part alone let every hold past it go, and the file was freed).
-        many = HOLDS_AT_ONCE + 200
+        many = 2 * at_once + 50
         (a.path / "many").mkdir()
         for i in range(many):
             (a.path / "many" / str(i)).touch()
@@ -2574,7 +2582,7 @@ def test_a_file_open_on_a_node_keeps_its_bytes_when_unlinked(tmp_path: Path,
         held = [os.open(b.path / "many" / str(i), os.O_RDONLY) for i in range(many)]
         try:
             (a.path / "past.bin").unlink()
-            time.sleep(2 * held_open.FULL_S + 1)
+            time.sleep(2 * full + 1)
             assert whole(fd, len(data)) == data
         finally:
             for h in held:

@@ -23,6 +23,7 @@ import pyfuse3
 import trio
 
 from mxfs.errors import MxfsError
+from mxfs.fs import held_open
 from mxfs.fs.chunk_service import ChunkService
 from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
@@ -32,6 +33,7 @@ from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Gauges, Metrics, serve_prometheus
 from mxfs.fs.mount_writes import MountWrites
+from mxfs.fs.node_files import HOLDS_AT_ONCE
 from mxfs.fs.ops import MxfsOperations
 from mxfs.fs.options import FLAGS, NUMBERS, TEXTS, check_options
 from mxfs.fs.owned import OwnedSums
@@ -121,6 +123,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
         write_behind = int(own.get("write_behind", DEPTH))
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         stray_s = int(own.get("stray_s") or STRAY_S)
+        holds = (int(own.get("holds_full_s") or held_open.FULL_S),  # (a reading node's:
+                 int(own.get("holds_at_once") or HOLDS_AT_ONCE))  # fs/held_open.py)
         metrics_port = int(own.get("metrics_port") or 0)
         # Loopback unless the operator names an address: /metrics has no authentication.
         metrics_addr = own.get("metrics_addr") or "127.0.0.1"
@@ -270,7 +274,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
             if ops.names is not None and vol.pool.local_members():
                 ops.written = MountWrites(vol, ops.names, ops.row, ops.cut)  # (its bytes)
             if ops.names is not None and feed is not None:  # (what its mount has open,
-                ops.held_open = HeldOpen(ops.names, lambda: feed.applied)  # held there)
+                ops.held_open = HeldOpen(ops.names, lambda: feed.applied, *holds)  # there)
                 if ops.written is not None:
                     ops.written.granted = ops.held_open.granted
             control.status.space = ops.space

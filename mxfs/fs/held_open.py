@@ -11,11 +11,12 @@ a round costs what changed, not what is open), with the last change feed row
 it had read before it looked (`seen`): the writer frees an orphan only once every
 live node's word is past the row that unlinked it, so a file open here then is held,
 and one opened later was refused.  Words are numbered and told in order; one whose
-answer never came is sent again as it was, and every FULL_S, to a writer of another
-epoch (it restarted) and to one that dropped this node's holds (its lease ran out a
-while) the node says all it holds (in parts of HOLDS_AT_ONCE: the writer lets go
-what no part named only with the last), so no lost answer, lapse or restart leaves the
-writer holding too much or too little for long.  Opens for writing
+answer never came is sent again as it was, and every FULL_S (`-o holds_full_s`), to a
+writer of another epoch (it restarted) and to one that dropped this node's holds (its
+lease ran out a while) the node says all it holds (in parts of HOLDS_AT_ONCE, or
+`-o holds_at_once`: the writer lets go what no part named only with the last), so no
+lost answer, lapse or restart leaves the writer holding too much or too little for
+long.  Opens for writing
 are held by the writer's grants themselves (`granted`).
 """
 
@@ -37,7 +38,7 @@ from mxfs.vol.node_holds import MAX_HOLDS
 log = logging.getLogger("mxfs.control")
 
 ROUND_S = 0.2  # how often the node tells the writer (an orphan waits about this long)
-FULL_S = 10.0  # how often it says all it holds
+FULL_S = 10  # how often it says all it holds (-o holds_full_s)
 ROOT = Caller(pid=0, uid=0, gid=0, gids=frozenset({0}))  # (the daemon's own requests)
 # The writer not reached, or not counting this node alive a moment (its lease late):
 # the word waits for the next round.
@@ -50,8 +51,12 @@ class HeldOpen:
     (`told`, under the writer's epoch `told_to`), and the feed row its last whole
     word was past (`said`)."""
 
-    def __init__(self, forwarded: ForwardedFiles, seen: Callable[[], int]) -> None:
+    def __init__(self, forwarded: ForwardedFiles, seen: Callable[[], int],
+                 full_s: float = FULL_S, at_once: int = HOLDS_AT_ONCE) -> None:
+        """`full_s` and `at_once`: the mount's options (shorter, fewer: a test sees a
+        whole word, and one in parts, without waiting 10 s or opening 16,384 files)."""
         self.forwarded = forwarded
+        self.full_s, self.at_once = full_s, at_once
         self.vol = forwarded.vol
         self.seen = seen  # the last change feed row this node read
         self.opening: Counter[int] = Counter()  # opens under way, by inode
@@ -94,7 +99,7 @@ class HeldOpen:
         return ino in self.opening or entry is not None and entry.node.is_reg
 
     def want(self) -> set[int]:
-        """Every file this node holds (for a whole word, every FULL_S)."""
+        """Every file this node holds (for a whole word, every `full_s`)."""
         open_now = {ino for ino, entry in self.vol.open_inodes.items() if entry.node.is_reg}
         return open_now | set(self.opening)
 
@@ -115,33 +120,33 @@ class HeldOpen:
                 await self._send(self.pending)
             for _ in range(2):  # (again at once when the writer turned out another)
                 seen = self.seen()  # (read before looking at what is open)
-                if self.told_to == 0 or time.monotonic() - self.full_at >= FULL_S:
+                if self.told_to == 0 or time.monotonic() - self.full_at >= self.full_s:
                     if await self._tell_all(seen):
                         return
                     continue
                 touched, self.touched = self.touched, set()  # (a round costs what changed)
                 hold = sorted(i for i in touched if i not in self.told and self.holds(i))
                 let_go = sorted(i for i in touched if i in self.told and not self.holds(i))
-                self.touched.update(let_go[HOLDS_AT_ONCE:])  # (the rest: next word)
-                self.touched.update(hold[HOLDS_AT_ONCE:])
+                self.touched.update(let_go[self.at_once:])  # (the rest: next word)
+                self.touched.update(hold[self.at_once:])
                 if not hold and not let_go and seen == self.said:
                     return
-                body: dict[str, Any] = {"hold": hold[:HOLDS_AT_ONCE],
-                                        "let_go": let_go[:HOLDS_AT_ONCE]}
-                if len(hold) <= HOLDS_AT_ONCE:  # (it says every hold: the writer may
+                body: dict[str, Any] = {"hold": hold[:self.at_once],
+                                        "let_go": let_go[:self.at_once]}
+                if len(hold) <= self.at_once:  # (it says every hold: the writer may
                     body["seen"] = seen  # rely on it)
                 if await self._send(self._numbered(body)):
                     return
 
     async def _tell_all(self, seen: int) -> bool:
-        """A whole word: every file held, in parts of HOLDS_AT_ONCE (the writer lets go
+        """A whole word: every file held, in parts of `at_once` (the writer lets go
         what none named only with the last); False if the writer turned out another.
         What was touched stays touched: a file granted just before (told) and opened
         just after the look is checked again by the next word (cleared here, it was
         told as held while the writer, whose last part did not name it, let it go: an
         unlink within the next 10 s freed a file open here)."""
         held = sorted(self.want())
-        parts = [held[i:i + HOLDS_AT_ONCE] for i in range(0, len(held), HOLDS_AT_ONCE)]
+        parts = [held[i:i + self.at_once] for i in range(0, len(held), self.at_once)]
         for n, part in enumerate(parts or [[]]):
             body: dict[str, Any] = {"hold": part, "let_go": [], "full": True, "part": n}
             if n < len(parts) - 1:

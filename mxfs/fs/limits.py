@@ -38,6 +38,8 @@ class Limits:
     max_held_per_user: int = MAX_HELD_PER_USER  # bytes of one user's removed or renewed
                                     # files kept for their readers (pool/revoke.py)
     read_grace_s: int = READ_GRACE_S  # s: ... kept readable so long, then cut to nothing
+    node_grace_s: int = 10          # s: the writer's: a node's lease gone so long (not back)
+                                    # drops its files, holds and grants (fs/node_files.py)
     max_held_files_per_user: int = 4096  # chunk files of one user's dropped files whose
                                     # write descriptors she keeps (each held, cut, looked
                                     # at: pool/revoke.py); past it her creates are refused

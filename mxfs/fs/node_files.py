@@ -17,7 +17,7 @@ the file whatever answer got lost).  A request may reach the writer twice (b ask
 again on a new connection when one breaks): a create names itself with a token, a
 repeated commit is answered as the first.  A node that dies leaves its unpublished
 files to the writer, which drops them once the node's lease under that epoch has been
-gone GRACE_S (or the node joined again).
+gone `node_grace_s` (`fs/limits.py`; or the node joined again).
 
 Files written through a node's mount (`fs/mount_writes.py`) are made and judged by
 the writer at their create and each open for writing, and told at each close
@@ -106,7 +106,6 @@ MOUNT_OPS = ("node_create", "node_open", "node_written", "node_room")  # (fs/nod
 NAME_OPS = ("node_mkdir", "node_mknod", "node_symlink", "node_link", "node_unlink",
             "node_rmdir", "node_rename")
 XATTR_OPS = ("node_setxattr", "node_removexattr")
-GRACE_S = 10.0  # a node's lease gone this long (and not back) drops its files
 ASKS_AT_ONCE = 4  # a node's file requests to the writer at once (threads of their own)
 ABORTS_AT_ONCE = 2  # ... and its aborts, on threads apart from those
 PATH_MAX = 4095  # bytes of a symbolic link's target, as the kernel allows
@@ -533,7 +532,7 @@ class NodeFiles:
 
     def sweep(self, now: float) -> None:
         """(Once a second.)  Drop the files of nodes that joined again since, or whose
-        lease has been gone GRACE_S: a node that died never says it let them go (one
+        lease has been gone `node_grace_s`: a node that died never says it let them go (one
         whose renewal was late a moment keeps them); so too what they held open, their
         grants and their quota shares."""
         alive = self.vol.reader_epochs
@@ -545,7 +544,7 @@ class NodeFiles:
                 continue
             if held.dead_since is None:
                 held.dead_since = now
-            if epoch is not None or now - held.dead_since >= GRACE_S:
+            if epoch is not None or now - held.dead_since >= self.limits.node_grace_s:
                 log.info("unpublished file %d of node %s (epoch %d) dropped: the node's "
                          "lease ran out", ino, held.node, held.epoch)
                 self._drop(ino)
@@ -554,14 +553,14 @@ class NodeFiles:
     def _sweep_nodes(self, now: float) -> None:
         """What nodes' mounts held open, their grants and the shares of quotas reserved
         for them go once the node joined again (at once) or its lease has been gone
-        GRACE_S (a node whose renewal was late a moment keeps them)."""
+        `node_grace_s` (a node whose renewal was late a moment keeps them)."""
         alive, holds = self.vol.reader_epochs, self.vol.holds
         for node, epoch in {*holds.nodes().items(), *self.rooms.nodes()}:
             if alive.get(node) == epoch:
                 self.dead_since.pop((node, epoch), None)
                 continue
             since = self.dead_since.setdefault((node, epoch), now)
-            if node in alive or now - since >= GRACE_S:
+            if node in alive or now - since >= self.limits.node_grace_s:
                 log.info("node %s (epoch %d) holds no files open, grants or quota shares "
                          "now: %s", node, epoch,
                          "it joined again" if node in alive else "its lease ran out")

@@ -10,6 +10,7 @@ import difflib
 
 from mxfs.errors import MxfsError
 from mxfs.fs.limits import Limits
+from mxfs.fs.node_files import HOLDS_AT_ONCE
 
 # mxfs's options that take a whole number: (the least it may be, the most).
 NUMBERS: dict[str, tuple[int, int]] = {
@@ -17,6 +18,7 @@ NUMBERS: dict[str, tuple[int, int]] = {
     "meta_backup": (0, 1 << 31), "metrics_port": (1, 65535),
     "wake_latency_us": (0, (1 << 31) - 1), "lease_s": (2, 3600),
     "chunk_port": (0, 65535), "stray_s": (600, 1 << 31),
+    "holds_full_s": (1, 3600), "holds_at_once": (1, HOLDS_AT_ONCE),
     **{name: (1, 1 << 40) for name in Limits.options()},
 }
 FLAGS = ("nonempty", "noatime", "writeback_cache", "degraded", "log_json", "metrics_by_user")
