@@ -1205,10 +1205,12 @@ def test_a_node_cut_off_from_the_owner_reads_eio_never_old_bytes(tmp_path: Path,
     """The reading node's link to the writer goes down (both ways), then only the
     writer's packets to it are dropped (a one-way partition): files it has not cached
     read EIO, again and again, never bytes the writer has since replaced; KV puts fail;
-    its daemon answers meanwhile; healed, every file reads its current bytes."""
+    its daemon answers meanwhile; healed, every file reads its current bytes.  (b takes
+    the writer as cut off after 2 s unanswered, not 5 s to connect and 8 s unacknowledged:
+    the same EIO, seconds sooner.)"""
     url = pg_cluster.database()
     with _writer_node(tmp_path, url) as (net, a, members), \
-            _reading_node(tmp_path, url, net, members) as b:
+            _reading_node(tmp_path, url, net, members, "connect_s=2", "unacked_s=2") as b:
         old, new = os.urandom(1 << 20), os.urandom(1 << 20)
         cold = {name: os.urandom(1 << 20) for name in ("cold1.bin", "cold2.bin")}
         (a.path / "kept.bin").write_bytes(old)

@@ -43,6 +43,7 @@ from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.wake import WakeLatency
 from mxfs.fs.write_behind import DEPTH
 from mxfs.io.batch import ENGINE
+from mxfs.io.chunk_client import CONNECT_S, UNACKED_S
 from mxfs.meta import MetaStore, Unusable, backup, change_feed, lease, location
 from mxfs.pool.key import key_id, load_key, read_key
 from mxfs.pool.revoke import require_leases
@@ -125,6 +126,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
         stray_s = int(own.get("stray_s") or STRAY_S)
         holds = (int(own.get("holds_full_s") or held_open.FULL_S),  # (a reading node's:
                  int(own.get("holds_at_once") or HOLDS_AT_ONCE))  # fs/held_open.py)
+        reach = (int(own.get("connect_s") or CONNECT_S),  # (other nodes' chunk services:
+                 int(own.get("unacked_s") or UNACKED_S))  # pool/remote.py)
         metrics_port = int(own.get("metrics_port") or 0)
         # Loopback unless the operator names an address: /metrics has no authentication.
         metrics_addr = own.get("metrics_addr") or "127.0.0.1"
@@ -156,6 +159,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
         ensure_runtime_dir(os.path.dirname(sock))
         vol.lock(mp, sock, float(own.get("lease_s") or lease.TTL_S), own.get("node", ""),
                  lease.STARTING if "chunk_port" in own else "")  # (announced once bound)
+        for remote in vol.pool.remotes.values():  # (each made by now: the writer's at lock)
+            remote.connect_s, remote.unacked_s = reach
         if reading:
             vol.store.follow = True  # (the writer node changes the rows: read them afresh)
         else:

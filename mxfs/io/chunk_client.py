@@ -51,10 +51,10 @@ from mxfs.proto.chunk_wire import (
 )
 
 PIPELINE = 16  # READs one connection sends ahead of the answer it is receiving
-CONNECT_S = 5.0  # a connection to a node is made within this (a LAN takes milliseconds)
+CONNECT_S = 5  # a connection to a node is made within this (a LAN takes ms; -o connect_s)
 RESERVED_LOW = 600  # a node's connections come from a port in [RESERVED_LOW, 1024) ...
 RESERVED_TRIES = 16  # ... if one of this many picked at random is free
-UNACKED_S = 8.0  # a request the node has not acknowledged for this long: cut off
+UNACKED_S = 8  # a request the node has not acknowledged for this long: cut off (unacked_s)
 
 
 class StaleNode(OSError):
@@ -72,11 +72,13 @@ class Busy(OSError):
 
 class ChunkClient:
     def __init__(self, host: str, port: int, key: bytes, pool_uuid: str,
-                 timeout: float = 30.0, source: str | None = None) -> None:
+                 timeout: float = 30.0, source: str | None = None,
+                 connect_s: float = CONNECT_S, unacked_s: float = UNACKED_S) -> None:
         """Connect and prove the key; `source`: this node's address to connect from
-        (on a host with several networks, the one the pool's nodes are on)."""
+        (on a host with several networks, the one the pool's nodes are on);
+        `connect_s`, `unacked_s`: a mount's `-o connect_s`, `-o unacked_s`."""
         self.where = f"{host}:{port}"
-        self.sock = _connect(host, port, min(timeout, CONNECT_S), source)
+        self.sock = _connect(host, port, min(timeout, connect_s), source)
         self.sock.settimeout(timeout)
         # Requests are small writes the owner answers at once: each goes out whole
         # (Nagle would hold a short last segment until the owner's ACK).
@@ -86,7 +88,7 @@ class ChunkClient:
         except BaseException:
             self.sock.close()
             raise
-        _kernel_timeouts(self.sock, timeout)
+        _kernel_timeouts(self.sock, timeout, unacked_s)
 
     @classmethod
     def adopt(cls, fd: int, where: str, epoch: int, timeout: float = 30.0) -> ChunkClient:
@@ -364,18 +366,19 @@ def _connect(host: str, port: int, timeout: float, source: str | None) -> socket
                                     source_address=(source, 0) if source else None)
 
 
-def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:
+def _kernel_timeouts(sock: socket.socket, timeout: float, unacked_s: float = UNACKED_S
+                     ) -> None:
     """Blocking, with the kernel's send and receive timeouts: a receive with MSG_WAITALL
     then takes a whole stripe unit in one call (Python's own timeouts poll before every
     call and take what has arrived, a few hundred KiB at a time).  And bytes sent that
-    the peer has not acknowledged for UNACKED_S end the connection: a request to a
+    the peer has not acknowledged for `unacked_s` end the connection: a request to a
     node cut off (a link down, a one-way partition) fails then, while a node merely
     slow to answer acknowledges the request at once and is waited for `timeout`."""
     sock.settimeout(None)
     tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(UNACKED_S * 1000))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(unacked_s * 1000))
 
 
 def _groups(views: list[memoryview]) -> list[list[memoryview]]:

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mxfs.io.chunk_client import Busy, ChunkClient, Refused
+from mxfs.io.chunk_client import CONNECT_S, UNACKED_S, Busy, ChunkClient, Refused
 from mxfs.meta.lease import STARTING
 from mxfs.proto.chunk_wire import WireError
 
@@ -86,6 +86,7 @@ class RemoteMembers:
                  refresh: Callable[[], Owner | None], timeout: float = TIMEOUT_S) -> None:
         """`refresh`: reads the owner's lease from the store again (blocking)."""
         self.key, self.pool_uuid, self.refresh, self.timeout = key, pool_uuid, refresh, timeout
+        self.connect_s, self.unacked_s = CONNECT_S, UNACKED_S  # (the mount's options)
         self.owner: Owner | None = None
         self._idle: list[ChunkClient] = []
         self._lock = threading.Lock()
@@ -242,7 +243,8 @@ class RemoteMembers:
                 raise self._failed("", owner, why)
             host, _, port = owner.addr.rpartition(":")
             try:
-                client = ChunkClient(host, int(port), self.key, self.pool_uuid, self.timeout)
+                client = ChunkClient(host, int(port), self.key, self.pool_uuid, self.timeout,
+                                     connect_s=self.connect_s, unacked_s=self.unacked_s)
             except Busy as e:
                 if not wait or time.monotonic() + pause > until:
                     raise self._busy(owner, e) from None
