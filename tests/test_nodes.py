@@ -1581,10 +1581,11 @@ def test_opens_waiting_on_a_stopped_owner_hold_no_other_users_thread(
     users = {**ensure_users(), "root": User("root", 0, 0, (0,))}
     members = make_members(tmp_path / "a")
     mkfs(members, "64KiB", "--meta", url)
-    # (a lease that outlives the stop: to b the owner is up, slow, not dead; on b, each
-    # user's 16 opens in service at once, as many as max_remote_reads_per_user lets in)
-    with node_net() as net, mounted_pool(members, "chunk_port=0", "lease_s=60", "node=a",
-                                         f"chunk_addr={net.host_ip}") as a, \
+    # (a lease that outlives the stop: to b the owner is up, slow, not dead, renewed each
+    # second: b's mount waits for a renewal naming it, 20 s every 10; on b, each user's
+    # 16 opens in service at once, as many as max_remote_reads_per_user lets in)
+    with node_net() as net, mounted_pool(members, "chunk_port=0", "lease_s=60", "renew_s=1",
+                                         "node=a", f"chunk_addr={net.host_ip}") as a, \
             _reading_node(tmp_path, url, net, members, "max_active_per_user=16") as b:
         (a.path / "f.bin").write_bytes(b"f" * 1000)  # (one member: a connection an open)
         (a.path / "f.bin").chmod(0o644)

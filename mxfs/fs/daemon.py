@@ -159,6 +159,8 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
         ensure_runtime_dir(os.path.dirname(sock))
         vol.lock(mp, sock, float(own.get("lease_s") or lease.TTL_S), own.get("node", ""),
                  lease.STARTING if "chunk_port" in own else "")  # (announced once bound)
+        if vol.keeper is not None and own.get("renew_s"):  # (renewed at least this often)
+            vol.keeper.every = min(vol.keeper.every, int(own["renew_s"]))
         for remote in vol.pool.remotes.values():  # (each made by now: the writer's at lock)
             remote.connect_s, remote.unacked_s = reach
         if reading:

@@ -258,7 +258,7 @@ def nodes(store: MetaStore) -> list[NodeStatus]:
 
 
 class Keeper:
-    """Renews `lease` every TTL / RENEWALS seconds from a thread of its own, on a
+    """Renews `lease` every TTL / RENEWALS seconds (`every`) from a thread of its own, on a
     connection of its own to the store at `where`, and fences `engine` (the holder's
     own connection) when the lease is lost: for good once another holder took it, for
     a while when no renewal got through for half the TTL (it may be taken at the TTL).
@@ -273,6 +273,7 @@ class Keeper:
         each renewal with the keeper's store (a reading node reads the writer's lease)."""
         self.where, self.lease, self.engine, self.ttl = where, lease, engine, ttl
         self.key, self.watch = key, watch
+        self.every = ttl / RENEWALS  # (less with -o renew_s: a writer sees nodes join sooner)
         self.state = "held"
         self.error: str = ""  # why renewals fail, while they do
         self.renewed = time.monotonic()  # the last renewal that got through
@@ -296,7 +297,7 @@ class Keeper:
     def _run(self) -> None:
         store: MetaStore | None = None
         try:
-            while not self._stop.wait(self.ttl / RENEWALS) and self.state != "taken":
+            while not self._stop.wait(self.every) and self.state != "taken":
                 try:
                     if store is None:
                         store = MetaStore.open(self.where)
