@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -808,8 +809,11 @@ def test_a_users_busy_turns_hold_no_aborts_of_her_nodes(serving: Mounted,
                          b"r" * 16) == bytes([0])
         epoch = c.epoch
 
+    connected = threading.Semaphore(0)
+
     def wait(who: tuple[int, int, list[int]]) -> bytes:
         with ChunkClient(host, port, key, pool, timeout=90) as c:
+            connected.release()
             return c.kv_keys(b"KWAI", who, "abortq", KPUT_SHARED, [b"y"], 60_000, bytes(16))
 
     def turns_full() -> bool:  # (a request of hers gets no turn: all 8 are waiting)
@@ -826,6 +830,9 @@ def test_a_users_busy_turns_hold_no_aborts_of_her_nodes(serving: Mounted,
     with ThreadPoolExecutor(8) as waits:
         waiting = [waits.submit(wait, alice) for _ in range(8)]
         try:
+            # (all 8 past the key proof before another connection: the service takes
+            # max_chunk_handshakes_per_peer, 8, from one address at once, and closes more)
+            assert all(connected.acquire(timeout=60) for _ in range(8))
             assert eventually(turns_full)
             with ChunkClient(host, port, key, pool, timeout=15) as c:
                 with pytest.raises(OSError) as e:  # (no node "b" alive: refused, at once)

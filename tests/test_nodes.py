@@ -1567,8 +1567,11 @@ except OSError as e:  # (its client's wait for the answer ran out)
 """
 
 
+# (stopped inside a group of changes, the writer's session is ended by the server after
+# its idle_in_transaction_session_timeout, 10 s: it says so when it goes on)
 @pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)",
-                        r"has not seen node \S+ join")
+                        r"has not seen node \S+ join", r"metadata server \S+ went away",
+                        r"(commit|stats) for the daemon failed")
 def test_opens_waiting_on_a_stopped_owner_hold_no_other_users_thread(
         tmp_path: Path, pg_cluster: Any) -> None:
     """With the owner stopped, three users' 48 direct opens on a reading node wait on

@@ -769,10 +769,12 @@ class Volume:
             self.store.clear_dirty_data(ino)
         self.store.set_setting("clean", "0")
         self.store.durable()
-        if report.unclean or report.orphans:
-            log.warning("recovered pool %s: unclean=%s, %d orphans %s, %d files trimmed",
-                        self.pool.uuid, report.unclean, report.orphans,
-                        "freed" if drain else "to free while serving", len(report.trimmed))
+        if report.unclean or report.orphans:  # (after a clean stop, only files reading
+            # nodes held open are left: no warning)
+            log.log(logging.WARNING if report.unclean else logging.INFO,
+                    "recovered pool %s: unclean=%s, %d orphans %s, %d files trimmed",
+                    self.pool.uuid, report.unclean, report.orphans,
+                    "freed" if drain else "to free while serving", len(report.trimmed))
         return report
 
     def sweep_strays(self, older_than_s: float) -> int:
