@@ -119,6 +119,31 @@ def test_a_reading_node_refills_only_the_namespaces_a_row_could_not_list(
         f.close()
 
 
+def test_a_reading_nodes_table_a_chain_of_keys_overflowed_is_made_anew(
+        tmp_path: Path) -> None:
+    """A reading node's table follows the writer's puts, a writer's computed from the
+    seed among them: keys with no room within MAX_PROBE of their home are left out
+    (its readers ask the store of their chain), and once `due` the table is retired
+    MOVED, the next `kv_view` making one under a fresh seed."""
+    from test_presence import Reader, chain_keys
+
+    from mxfs.fs.kv_views import FollowerViews
+    from mxfs.fs.store_worker import StoreWorker
+    from mxfs.proto.presence import LIVE, MAX_PROBE, MOVED
+    from mxfs.vol.kv_presence import PresenceTable
+
+    views = FollowerViews(StoreWorker(str(tmp_path)))  # (never opened: no fill here)
+    table = views._hold("t", PresenceTable(room=1000), 1000)  # (made with 1,000 keys)
+    r = Reader(table)
+    views.apply(Change(kv=[(KV_STORED, "t", b"v%d" % i) for i in range(1000)]))
+    evil = chain_keys(table.seed, table.slots, 7, MAX_PROBE + 16)
+    views.apply(Change(kv=[(KV_STORED, "t", k) for k in evil]))
+    assert views.tables["t"] is table and r.state()[0] == LIVE  # (not due yet) ...
+    assert r.has(evil[-1]) is None and max(r.reach(k) for k in evil) < MAX_PROBE
+    views.apply(Change(kv=[(KV_STORED, "t", b"w%d" % i) for i in range(250)]))
+    assert "t" not in views.tables and r.state()[0] == MOVED  # ... a quarter more: it is
+
+
 def test_a_reading_nodes_tables_are_bounded_by_user_and_in_all(tmp_path: Path) -> None:
     """A reading node keeps a table for each namespace its users view: a user who
     viewed thousands held two descriptors each, for good.  Past a user's share, or the

@@ -687,6 +687,63 @@ def test_exists_is_answered_from_the_namespaces_table_kept_current(mounted: Moun
         assert kv.exists_many(["again", keys[0]]) == [True, False]
 
 
+def test_a_writer_who_read_the_seed_cannot_make_lookups_or_inserts_walk_a_run(
+        mounted: Mounted) -> None:
+    """A writer of a shared namespace reads its table's seed (every reader must) and
+    puts keys of one run of slots: before, every lookup of the namespace's readers
+    and every insert on the daemon's thread walked it (4.7 ms and 4 ms at 100k keys).
+    A lookup walks MAX_PROBE slots at most now, then asks the daemon of that key; a
+    run that long has the table rebuilt under a fresh seed once it took a quarter
+    more keys than it was made with: her run is scattered, no key lies past the
+    bound, and readers' answers are right throughout."""
+    from test_presence import chain_keys, reach
+
+    from mxfs.client.control import ControlClient
+    from mxfs.proto.presence import HEADER_SIZE, LIVE, MAX_PROBE, MOVED, read_header
+
+    def table() -> tuple[mmap.mmap, int, int]:  # (a reader's mapping, its slots, its seed)
+        with ControlClient(str(mounted.path)) as c:
+            reply, fds = c.call_with_fds("kv_view", namespace="shared")
+        try:
+            mapped = mmap.mmap(fds[0], reply["size"], mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fds[0])
+        _, slots, seed, _ = read_header(memoryview(mapped))
+        return mapped, slots, seed
+
+    victims = [b"victim%d" % i for i in range(1000)]
+    with KVStore(str(mounted.path), "shared") as victim, \
+            KVStore(str(mounted.path), "shared") as writer:
+        assert victim.batch_put(victims, [b"v"] * 1000) == [True] * 1000
+        assert victim.exists_many(victims[:2]) == [True, True]  # (its table, made)
+        old, slots, seed = table()
+        run = [chain_keys(seed, slots, home, 1, b"run%d-" % home, width=1)[0]
+               for home in range(100, 100 + MAX_PROBE + 8)]  # (each in its home slot)
+        assert writer.batch_put(run, [b"r"] * len(run)) == [True] * len(run)
+        assert read_header(memoryview(old))[0] == LIVE  # (not a quarter more keys yet)
+        absent = chain_keys(seed, slots, 100, 1, prefix=b"new", width=1)
+        asked = requests_served(mounted.path, "kv_exists")
+        assert victim.exists_many(absent + run[:3] + victims[:2]) == [False] + [True] * 5
+        assert requests_served(mounted.path, "kv_exists") == asked + 1  # (that key only)
+        assert victim.pin(absent + run[:1]) == [False, True]
+        victim.unpin(run[:1])
+        evil = chain_keys(seed, slots, 100, 2 * MAX_PROBE)  # (1,000 + 392: not FULL)
+        assert writer.batch_put(evil, [b"e"] * len(evil)) == [True] * len(evil)
+        assert read_header(memoryview(old))[0] == MOVED  # replaced ...
+        now, now_slots, now_seed = table()
+        assert now_seed != seed  # ... under a fresh seed
+        keys = memoryview(now)[HEADER_SIZE:HEADER_SIZE + 8 * now_slots].cast("Q")
+        reached = [reach(keys, now_seed, k) for k in victims + run + evil]
+        assert min(reached) >= 0 and max(reached) < MAX_PROBE
+        asked = requests_served(mounted.path, "kv_exists")
+        assert victim.exists_many([*victims, *run, *evil, *absent]) == \
+            [True] * (len(victims) + len(run) + len(evil)) + [False]
+        assert requests_served(mounted.path, "kv_exists") == asked  # (from its table)
+        keys.release()
+        for mapped in (old, now):
+            mapped.close()
+
+
 def test_a_views_descriptor_reads_and_nothing_more_and_is_wiped_with_its_namespace(
         mounted: Mounted) -> None:
     """The table a client is handed is read-only whatever it tries, and shows nothing

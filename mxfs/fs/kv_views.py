@@ -16,8 +16,9 @@ the feed row is read (a few milliseconds after its commit).  When the feed canno
 read, or says "everything" (rows pruned, a group too large to list), every table is
 retired MOVED and `kv_view` answers EAGAIN until the feed is read again: clients ask
 `kv_exists` meanwhile, which reads the store.  A table that fills up is retired MOVED
-too, as is one whose keys a row could not list (KV_RESET); the next `kv_view` makes a
-new one.
+too, as is one with a run of MAX_PROBE taken slots (a writer who put keys of one run,
+`PresenceTable.due`) and one whose keys a row could not
+list (KV_RESET); the next `kv_view` makes a new one, under a fresh seed.
 """
 
 from __future__ import annotations
@@ -168,8 +169,11 @@ class FollowerViews:
     def _add(self, ns: str, table: PresenceTable, key: bytes) -> None:
         if not table.full():
             table.add(key)
-            return
-        self._drop(ns, MOVED)  # (full: the next kv_view makes a larger one)
+            if not (table.overflowed and table.due()):
+                return
+        # (full, or a run too long and `due`: the next kv_view makes a larger one, or
+        # one under a fresh seed; before, readers of the run ask the store)
+        self._drop(ns, MOVED)
 
     def retire_all(self) -> None:
         """Every table goes MOVED (their readers ask again, or ask the store)."""

@@ -8,7 +8,10 @@ namespace went) says so, and the next ask gets the current one. A reading node k
 tables by the writer's change feed (`fs/kv_views.py`), and while it cannot read the
 feed answers EAGAIN: the store asks the daemon meanwhile and for a view again a
 second later. Where there is no table to have (a daemon that predates views, a
-namespace not the caller's to read) the store asks the daemon, as before.
+namespace not the caller's to read) the store asks the daemon, as before. A key whose
+lookup walks MAX_PROBE slots without an answer (a run a writer built of keys she
+computed from the seed, which every reader sees) is asked of the daemon too: no lookup
+walks further (`proto/presence.py`).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ class KeyView:
     def live(self) -> bool:
         return state_of(self._map) == LIVE
 
-    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
-        """Whether each key is stored; None once the daemon retired this table."""
+    def present(self, keys: Sequence[bytes]) -> list[bool | None] | None:
+        """Whether each key is stored (None for a key the table cannot tell: ask the
+        daemon); None once the daemon retired this table."""
         if not self.live():
             return None
         found = [contains(self._slots, slot_hash(self.seed, k)) for k in keys]
@@ -58,8 +62,9 @@ class KeyViews:
         self._retry_at = 0.0
         self._lock = threading.Lock()  # (one ask at a time: threads share a store)
 
-    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
-        """Whether each key is stored, from the table; None: ask the daemon instead."""
+    def present(self, keys: Sequence[bytes]) -> list[bool | None] | None:
+        """Whether each key is stored, from the table; None: ask the daemon instead (of
+        every key, or of each key it is for)."""
         view = self._view
         if view is not None:
             found = view.present(keys)

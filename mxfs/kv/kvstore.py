@@ -776,8 +776,13 @@ class KVStore:
         """Whether each key is stored (none are while the namespace does not exist):
         from the namespace's key table where the daemon keeps one, else asked."""
         seen = self.views.present([key_bytes(k) for k in keys])
-        if seen is not None:
-            return seen
+        if seen is None:
+            return self._exists(keys)
+        unsure = [k for k, there in zip(keys, seen, strict=True) if there is None]
+        asked = iter(self._exists(unsure) if unsure else [])  # (past the table's bound)
+        return [next(asked) if there is None else there for there in seen]
+
+    def _exists(self, keys: Sequence[Key]) -> list[bool]:
         found = self._lookup(KV_EXISTS({**self._ns, "keys": [_b64(k) for k in keys]}))
         return [False] * len(keys) if found is None else list(found[0]["present"])
 
@@ -828,8 +833,9 @@ class KVStore:
         seen = self.views.present([key_bytes(k) for k in keys])
         if seen is None:
             return self._pin(keys)
-        leased = iter(self._pin([k for k, there in zip(keys, seen, strict=True) if there]))
-        return [there and next(leased) for there in seen]
+        maybe = [there is not False for there in seen]  # (None: the table cannot tell)
+        leased = iter(self._pin([k for k, there in zip(keys, maybe, strict=True) if there]))
+        return [there and next(leased) for there in maybe]
 
     def _pin(self, keys: Sequence[Key]) -> list[bool]:
         leased: list[bool] = []

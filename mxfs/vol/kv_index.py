@@ -392,10 +392,10 @@ class KVIndex:
         if space.next_view is not None:
             space.next_view.table.add(key)
         if (view := space.view) is not None:
-            if view.full() and space.next_view is None:
-                self.start_view(space)  # (a copy of the keys: this one among them)
             if view.can_take():
                 view.add(key)
+            if view.due() and space.next_view is None:  # (full, or a run too long)
+                self.start_view(space)  # (a copy of the keys: this one among them)
 
     def viewed(self, space: Namespace, tenant: int) -> None:
         """A reader (of `tenant`, `vol/tenants.py`) asked for the namespace's table: it
@@ -422,8 +422,10 @@ class KVIndex:
 
     def start_view(self, space: Namespace) -> None:
         """Begin a presence table (`proto/presence.py`) for the namespace's keys: its
-        first, or a larger one for a table past FULL.  The caller fills it (`grow_view`)
-        a bite at a time: copying a million keys holds a thread half a second."""
+        first, or one with room for twice its keys under a fresh seed, for a table past
+        FULL or one with a run of MAX_PROBE taken slots (`PresenceTable.due`).  The
+        caller fills it (`grow_view`) a bite at a time: copying a million keys holds a
+        thread half a second; until it is in place, readers of the run ask the daemon."""
         if space.next_view is None:
             space.next_view = Successor(len(space.chunks))
 

@@ -3,11 +3,12 @@ writes as the namespace's chunks come and go, handed to readers read-only.
 
 Made when a client first asks to see a namespace (`kv_view`), kept current by the KV
 index (`vol/kv_index.py`: every insert and drop), and retired when it fills up (a
-larger one replaces it, the old marked MOVED) or when the namespace is removed (marked
-GONE): a retired table is wiped, so a reader's mapping, which the daemon cannot take
-back, shows nothing it may no longer see. The memfd is sealed against growing,
-shrinking and any new writable mapping or write; readers get a read-only descriptor of
-it.
+larger one replaces it, the old marked MOVED), when it holds a run of MAX_PROBE
+taken slots (`proto/presence.py`: one under a fresh seed replaces it, the same way),
+or when the namespace is removed (marked GONE): a retired table is wiped,
+so a reader's mapping, which the daemon cannot take back, shows nothing it may no
+longer see. The memfd is sealed against growing, shrinking and any new writable
+mapping or write; readers get a read-only descriptor of it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mxfs.proto.presence import (
     HEADER_SIZE,
     LIVE,
     MAGIC,
+    MAX_PROBE,
     MOVED,
     VERSION,
     find,
@@ -38,6 +40,8 @@ from mxfs.proto.presence import (
 MIN_SLOTS = 1024
 FULL = 0.6  # the share of slots in use (keys and gone keys) past which a table is replaced
 CAP = 0.85  # ... and past which it takes no more keys (probes stay short; 15% stay empty)
+RESEED_AFTER = 4  # a table takes 1/RESEED_AFTER of the keys it was made with, after them,
+#                   before a run of MAX_PROBE taken slots has it rebuilt (`due`)
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
@@ -50,9 +54,11 @@ class PresenceTable:
         slots = MIN_SLOTS
         while room * 2 > slots * FULL:
             slots *= 2
-        self.slots = slots
-        self.seed = secrets.randbits(64)
+        self.slots, self.room = slots, room
+        self.seed = secrets.randbits(64)  # (readers see it: see `proto/presence.py`)
         self.count = self.gone = 0
+        self.adds = 0  # keys offered (`add`), those it was filled with among them
+        self.overflowed = False  # a run of MAX_PROBE taken slots: lookups can't tell
         size = HEADER_SIZE + 8 * slots
         self.fd = os.memfd_create("mxfs-kv-view", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -70,25 +76,44 @@ class PresenceTable:
         HEADER.pack_into(self.map, 0, MAGIC, VERSION, state, self.slots, self.seed,
                          self.count)
 
-    def _insert(self, h: int) -> None:
+    def _insert(self, h: int) -> bool:
         """Into the first free slot of its chain, unless the chain holds it already (a
-        removed key's slot is reused only once the whole chain is known not to)."""
+        removed key's slot is reused only once the chain is known not to: up to an
+        empty slot, or MAX_PROBE slots, past which no key is put).  False: no slot
+        within MAX_PROBE, the key left out (readers of its chain ask the daemon)."""
         mask = self.slots - 1
         i = h & mask
         free = -1
-        for _ in range(self.slots):  # (never all taken: CAP keeps 15% empty)
+        for _ in range(MAX_PROBE):
             if (v := self._slots[i]) == EMPTY:
                 break
             if v == h:
-                return
+                return True
             if v == GONE_KEY and free < 0:
                 free = i
             i = (i + 1) & mask
+        else:
+            if free < 0:
+                self.overflowed = True
+                return False
         if free >= 0:
             i = free
             self.gone -= 1
         self._slots[i] = h  # (one aligned 8-byte store: readers see it whole)
         self.count += 1
+        if free < 0:
+            self.overflowed |= self._run(i) >= MAX_PROBE
+        return True
+
+    def _run(self, i: int) -> int:
+        """How many taken slots in a row slot `i` is in, counted up to MAX_PROBE."""
+        mask, n = self.slots - 1, 1
+        for step in (-1, 1):
+            j = (i + step) & mask
+            while n < MAX_PROBE and self._slots[j] != EMPTY:
+                n += 1
+                j = (j + step) & mask
+        return n
 
     def full(self) -> bool:
         """Would one more key take it past FULL (time to make a larger one)."""
@@ -99,7 +124,19 @@ class PresenceTable:
         (past it a key put meanwhile reads absent here until the successor is in)."""
         return (self.count + self.gone + 1) <= self.slots * CAP
 
+    def due(self) -> bool:
+        """Whether it is time to replace it: past FULL, or holding a run of MAX_PROBE
+        taken slots (keys put of one run, by a writer who knows the seed), once it
+        took a 1/RESEED_AFTER share of its keys more: a writer cannot have the daemon
+        copy a namespace for each few keys she puts."""
+        return self.full() or (self.overflowed and
+                               self.adds >= self.room + self.room // RESEED_AFTER)
+
     def add(self, key: bytes) -> None:
+        """Put `key` in, or leave it out where no slot within MAX_PROBE of its home is
+        free: never a longer walk for readers or inserts (`overflowed`, either way,
+        once a run of MAX_PROBE taken slots formed)."""
+        self.adds += 1
         self._insert(slot_hash(self.seed, key))
         self._header(LIVE)  # (the count)
 
