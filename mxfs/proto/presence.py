@@ -20,8 +20,8 @@ follows finds no chunk, as for a chunk evicted between the two.
 Probes are bounded: a key lies within MAX_PROBE slots of its home slot or is not in
 the table. The daemon puts no key further (one that finds no free slot so is left
 out), and a reader that walks MAX_PROBE slots finding neither the key nor an empty
-slot cannot tell, and asks the daemon (`kv_exists`). A run of MAX_PROBE taken slots
-(what either takes) has the daemon rebuild the table under a fresh seed
+slot cannot tell, and asks the daemon (`kv_exists`). Either needs a run of MAX_PROBE
+taken slots, and such a run has the daemon rebuild the table under a fresh seed
 (`vol/kv_presence.py`). The seed does not keep slots secret: a reader needs it to
 look up, so anyone who may read the namespace can compute keys of consecutive slots
 and, if she may write it too, put them. Before the bound, such keys built one run
