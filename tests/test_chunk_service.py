@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 from conftest import (
@@ -225,12 +225,13 @@ def test_nobody_changes_the_writers_chunk_files_through_its_service(serving: Mou
     assert (serving.path / "kept").read_bytes() == b"k" * 100
 
 
-def test_a_scoped_reader_reads_no_more_once_a_chmod_or_chown_takes_reading_away(
+def test_a_scoped_reader_reads_no_more_once_a_chmod_chown_or_write_changes_the_file(
         serving: Mounted) -> None:
     """A reading node's reader holds connections scoped to a file's generation, which
-    its owner keeps appending to: a chmod that adds bits leaves them reading; one that
-    clears a read bit, and a chown, end them (ESTALE), so the reader gets none of the
-    bytes written after (they read every new byte for up to SCOPE_S before)."""
+    its owner appends to through an open made before: a chmod that adds bits leaves
+    them reading; one that clears a read bit, a chown, and a write through that open
+    end them (ESTALE), so the reader gets none of the bytes written after (they read
+    every new byte for up to SCOPE_S before)."""
     host, port, pool = _service(serving)
     key = load_key(serving.members[0])
     path = serving.path / "appended"
@@ -239,19 +240,22 @@ def test_a_scoped_reader_reads_no_more_once_a_chmod_or_chown_takes_reading_away(
     with ControlClient(str(serving.path)) as c:
         lay = c.layout(str(path))
     ino, first = lay["ino"], lay["layout"]["first_member"]
-    for change in (lambda: os.chmod(path, 0o600), lambda: os.chown(path, 4242, -1)):
+    changes: list[Callable[[BinaryIO], object]] = [
+        lambda _: os.chmod(path, 0o600), lambda _: os.chown(path, 4242, -1),
+        lambda appending: appending.write(b"w")]
+    for change in changes:
         with path.open("ab", buffering=0) as appending, \
                 ChunkClient(host, port, key, pool) as scoped:
             appending.write(b"a")  # (the open's first write: a new generation)
+            appending.write(b"b")
+            os.fsync(appending.fileno())  # (answered is not landed: write-behind)
             with ControlClient(str(serving.path)) as c:
                 generation = c.layout(str(path))["generation"]
             scoped.scope([(ino, generation)], 1000)
             os.chmod(path, 0o666)  # (adds bits: takes nothing away)
-            appending.write(b"b")
-            os.fsync(appending.fileno())  # (answered is not landed: write-behind)
             assert scoped.read(ino, first, 0, 200) == b"a" * 101 + b"b"
-            change()
-            appending.write(b"s" * 100)
+            change(appending)
+            os.fsync(appending.fileno())
             with pytest.raises(OSError) as e:
                 scoped.read(ino, first, 0, 300)
             assert e.value.errno == errno.ESTALE

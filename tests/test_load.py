@@ -180,6 +180,29 @@ def test_a_file_written_while_it_loads_is_detected(mounted: Mounted) -> None:
     reader.close()
 
 
+def test_writes_through_a_writer_opened_before_the_reader_are_detected(mounted: Mounted
+                                                                        ) -> None:
+    """A writer that opened and wrote before a reader opened, and writes on after,
+    changes the generation the reader was told: each reader in turn sees it."""
+    path = str(mounted.path / "m.bin")
+    Path(path).write_bytes(b"A" * (1 << 20))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"A", 0)
+        os.fsync(fd)
+        for byte in (b"B", b"C"):
+            reader = open_reader(path)
+            assert isinstance(reader, DirectFile)
+            reader.check_unchanged()
+            os.pwrite(fd, byte * (512 << 10), 512 << 10)
+            os.fsync(fd)
+            with pytest.raises(FileChanged):
+                reader.check_unchanged()
+            reader.close()
+    finally:
+        os.close(fd)
+
+
 CALLER = r"""
 import json, os, sys
 from mxfs.load import load_file  # imports first: Python may live under /root

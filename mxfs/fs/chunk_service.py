@@ -438,6 +438,8 @@ class ChunkService:
                             self._scoped_room(tenant_of(reader), host)
                         if not code:
                             scope = dict(SCOPE_ITEM.iter_unpack(items))
+                            for ino in scope:  # (their next writes change the generation)
+                                self.vol.told(ino)
                             until = trio.current_time() + SCOPE_S
                             uid = reader
                             readers = tenant_of(reader)

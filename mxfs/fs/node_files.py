@@ -684,6 +684,8 @@ def _made_by_mknod(mode: int, rdev: int, caller: Caller) -> int:
 
 
 def describe(vol: Volume, node: Inode, sealed: bool = False) -> FileReply:
+    """A file's reply; it tells the generation, so the next write changes it."""
+    vol.told(node.ino)
     out: FileReply = {"ino": node.ino, "size": node.apparent_size,
                       "generation": node.generation, "mode": node.mode, "sealed": sealed}
     if node.is_reg:

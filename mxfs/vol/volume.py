@@ -59,6 +59,9 @@ class OpenInode:
     chunks: ChunkFiles | None
     count: int = 0
     wrote: bool = False
+    # A reader was told the generation since this inode's writes last gave it a new
+    # one: the next write gives another, so that reader sees the file changed.
+    told: bool = False
 
 
 @dataclass
@@ -416,12 +419,22 @@ class Volume:
             self.store.clear_dirty_data(node.ino)
 
     def note_write(self, entry: OpenInode) -> None:
-        """Before the first write of an open: chunk files may now outgrow the recorded size."""
-        if not entry.wrote:
-            self.store.begin_write(entry.node)  # a new generation: direct readers see it
+        """Before a write: chunk files may now outgrow the recorded size, and direct
+        readers see a new generation.  Only the first write of an open, and the first
+        after a reader was told the generation (`told`), store one: not every write,
+        yet none a reader opened before goes unseen, whoever opened the writer when."""
+        if not entry.wrote or entry.told:
+            self.store.begin_write(entry.node)
             # Committed before any chunk file exists, so none can outlive its inode.
             self.store.commit()
-            entry.wrote = True
+            entry.wrote, entry.told = True, False
+
+    def told(self, ino: int) -> None:
+        """A reader was told `ino`'s generation (a LAYOUT or open_read reply, a scoped
+        connection): a later write through an open that already wrote must change it."""
+        entry = self.open_inodes.get(ino)
+        if entry is not None:
+            entry.told = True
 
     def check_writable(self, node: Inode) -> None:
         """Refuse to change the bytes of a sealed (direct-committed, checksummed) file."""
