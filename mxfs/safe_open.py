@@ -22,20 +22,21 @@ def open_dir(path: str, dir_fd: int | None = None, follow: bool = True) -> int:
     return os.open(path, flags, dir_fd=dir_fd)
 
 
-def open_regular(name: str, dir_fd: int) -> int:
+def open_regular(name: str, dir_fd: int | None = None, follow: bool = False) -> int:
     """`name` in the folder `dir_fd`, opened to read: OSError ELOOP if it is a symbolic
-    link, EINVAL if it is not a regular file (opened without blocking, so a FIFO
-    answers at once)."""
+    link (unless `follow`), EINVAL if it is not a regular file (opened without
+    blocking, so a FIFO answers at once; the descriptor blocks again after)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=dir_fd)
+        fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as e:
-        if e.errno == errno.ELOOP:
+        if e.errno == errno.ELOOP and not follow:
             raise OSError(errno.ELOOP, "is a symbolic link", name) from None
         raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "is not a regular file", name)
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

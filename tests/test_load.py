@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -333,6 +334,38 @@ def test_index_naming_a_missing_tensor_is_one_clear_error(plain: Path) -> None:
     with pytest.raises(MxfsError) as e:
         dict(load_model(str(plain / "nothing-here")))
     assert "no safetensors model" in str(e.value)
+
+
+@pytest.mark.parametrize("fname", ["../elsewhere.safetensors", "/tmp/x.safetensors",
+                                   "sub/x.safetensors", ".."])
+def test_an_index_naming_a_path_is_one_clear_error(plain: Path, fname: str) -> None:
+    """An index's files are plain names beside it: one naming a path is refused,
+    naming the entry, before any file is opened."""
+    write_sharded(plain)
+    index = plain / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["evil.weight"] = fname
+    index.write_text(json.dumps(doc))
+    with pytest.raises(MxfsError) as e:
+        dict(load_model(str(plain)))
+    assert "evil.weight" in str(e.value) and fname in str(e.value)
+
+
+def test_a_model_file_that_is_not_a_regular_file_is_refused(plain: Path,
+                                                             tmp_path: Path) -> None:
+    """A folder's .safetensors entry that is a link to a FIFO elsewhere is refused as
+    not a regular file (with no writer on the FIFO its open never returned before;
+    one is held open here so the old path errs instead of hanging)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (plain / "a.safetensors").symlink_to(fifo)
+    held = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        with pytest.raises(OSError) as e:
+            dict(load_model(str(plain)))
+        assert e.value.errno == errno.EINVAL and "not a regular file" in str(e.value)
+    finally:
+        os.close(held)
 
 
 def test_an_unmounted_pool_is_read_directly_and_kept_unmounted(mounted: Mounted) -> None:

@@ -16,6 +16,7 @@ from mxfs.client.control import ControlClient, ControlError
 from mxfs.errors import MxfsError
 from mxfs.io import ReadOp, read_batch
 from mxfs.proto.messages import LAYOUT
+from mxfs.safe_open import open_regular
 
 # Requests are cut into segments this big, so each member serves several at a time.
 SEGMENT = 16 << 20
@@ -64,8 +65,10 @@ class PlainFile(Reader):
     """A file on any filesystem, read with parallel preadv."""
 
     def __init__(self, path: str) -> None:
+        """Open `path` (links followed: a Hugging Face cache's files are links), a
+        regular file only: a FIFO or device someone named would hang or never end."""
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.fd = open_regular(path, follow=True)
         st = os.fstat(self.fd)
         self.size = st.st_size
         self._stamp = (st.st_ino, st.st_mtime_ns, st.st_size)

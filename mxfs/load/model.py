@@ -74,7 +74,7 @@ def shard_files(path: str, pool: Any = None) -> dict[str, list[str] | None]:
         folder = os.path.dirname(index)
         files: dict[str, list[str] | None] = {}
         for name, fname in weight_map.items():
-            entry = files.setdefault(os.path.join(folder, fname), [])
+            entry = files.setdefault(os.path.join(folder, _shard_name(index, name, fname)), [])
             assert entry is not None
             entry.append(name)
         return dict(sorted(files.items()))
@@ -87,6 +87,16 @@ def shard_files(path: str, pool: Any = None) -> dict[str, list[str] | None]:
         return {path: None}
     raise MxfsError(f"{path} holds no safetensors model", f"give a folder with {INDEX_NAME} "
                     "or .safetensors files, or one of those files")
+
+
+def _shard_name(index: str, tensor: str, fname: object) -> str:
+    """An index's file name for `tensor`: a plain name in the index's folder, never a
+    path (an index someone else wrote must not send the loader elsewhere)."""
+    if not isinstance(fname, str) or fname in ("", ".", "..") or "/" in fname \
+            or "\0" in fname:
+        raise MxfsError(f"{index}: tensor {tensor!r} names file {fname!r}, not a file "
+                        "beside the index", "an index's weight_map names plain file names")
+    return fname
 
 
 def slice_bounds(length: int, rank: int, size: int) -> tuple[int, int]:
