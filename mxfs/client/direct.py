@@ -26,6 +26,7 @@ from mxfs.client.reader import (
     Reader,
     check_range,
     check_same,
+    map_risk,
 )
 from mxfs.client.remote_file import RemoteFile
 from mxfs.errors import MxfsError
@@ -73,6 +74,7 @@ class DirectFile(Reader):
         try:
             self.size = int(reply["size"])
             self.ino, self.generation = reply.get("ino"), reply.get("generation")
+            self.sealed = bool(reply.get("sealed"))
             self.layout = Layout.from_description(reply["layout"])
             members, direct = reply["members"], reply.get("direct_members", [])
             self.fds = dict(zip(members, fds[:len(members)], strict=True))
@@ -165,6 +167,15 @@ class DirectFile(Reader):
 
     def mappings(self) -> int:
         return 1 + (self.size + self.layout.unit - 1) // self.layout.unit
+
+    def map_risk(self) -> str | None:
+        """(`Reader.map_risk`; a sealed file's bytes never change in place.)"""
+        if self.client is None:
+            return None  # an unmounted pool, held by a shared lock: nothing can change it
+        st = os.stat(self.path)
+        if st.st_ino != self.ino:
+            return "its path names another file now"
+        return map_risk(st, self.path, self.sealed)
 
     def cache(self) -> None:
         """Read every member's chunk file into the page cache at once, and wait.

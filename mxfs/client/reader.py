@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 from typing import Any
 
 from mxfs.client.control import ControlClient, ControlError
@@ -46,6 +47,12 @@ class Reader:
     def mappings(self) -> int:
         """How many kernel mappings `map` makes (the kernel allows ~65k a process)."""
         return 1
+
+    def map_risk(self) -> str | None:
+        """Why someone else could change a mapping's bytes silently, or end them (the
+        next touch of a cut page raises SIGBUS and kills the process); None where only
+        this process's user (or root) can."""
+        return "a reader of unknown kind"
 
     def close(self) -> None:
         raise NotImplementedError
@@ -91,6 +98,9 @@ class PlainFile(Reader):
     def close(self) -> None:
         os.close(self.fd)
 
+    def map_risk(self) -> str | None:
+        return map_risk(os.fstat(self.fd), self.path)
+
     def map(self) -> mmap.mmap:
         return mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE,
                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -110,6 +120,34 @@ def check_same(client: ControlClient, pool_path: str, stamp: tuple[Any, Any, int
     if (now["ino"], now["generation"], now["size"]) != stamp:
         raise FileChanged(f"{path} was replaced or written while it was read",
                           "load it again once its writer is done")
+
+
+def map_risk(st: os.stat_result, path: str, sealed: bool = False) -> str | None:
+    """Why a mapping of the file `st` (opened as `path`) is at others' mercy, or None.
+
+    Its owner may chmod it (on mxfs a chmod that takes a right to read away cuts the
+    chunk files readers hold, after a grace) or remove it; whoever its mode lets
+    write it may rewrite it in place (not a sealed mxfs file: none may); whoever may
+    write the folder holding its link may remove or replace it (its chunk files cut
+    after a grace).  So: owned by this user or root, written by no one else, in a
+    folder of this user's or root's that no one else may write (or sticky).
+    """
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        return f"it is uid {st.st_uid}'s, who may chmod or remove it"
+    if not sealed and st.st_mode & 0o022:
+        return "others may write it"
+    real = os.path.realpath(path)
+    try:
+        here, folder = os.stat(real), os.stat(os.path.dirname(real))
+    except OSError as e:
+        return f"its folder could not be looked at ({e.strerror})"
+    if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
+        return "its path names another file now"
+    if folder.st_uid not in (me, 0) or (folder.st_mode & 0o022
+                                        and not folder.st_mode & stat.S_ISVTX):
+        return "others may remove or replace it in its folder"
+    return None
 
 
 def check_range(f: Reader, offset: int, n: int) -> None:

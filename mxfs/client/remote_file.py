@@ -115,6 +115,9 @@ class RemoteFile(Reader):
             self.read_many([(0, memoryview(region)[:self.size])])
         return region
 
+    def map_risk(self) -> str | None:
+        return None  # (`map` reads it into private memory)
+
     def close(self) -> None:
         self._close_conns()
         if self.mount_fd is not None:

@@ -95,16 +95,21 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     larger than half the memory available is left to page in on first touch),
     maps it (its stripes side by side) and returns tensors over the mapping, as
     safetensors does with one file: nothing is copied and cached pages cost no
-    memory of their own (the file must not be truncated while they live).  mode "read" reads
+    memory of their own.  Its risk: the tensors show whatever is written to the file
+    later, and once the file is truncated, removed or replaced, or a chmod takes a
+    right to read it away, its pages are cut (at once, or after a grace) and the next
+    touch raises SIGBUS, which kills the process.  mode "read" reads
     every byte now, every member at once, into one buffer the tensors share.
     mode "stream" moves the bytes through a few host buffers of `staging` bytes in
     all, reads overlapped with copies to the device (pinned memory and a side
     stream on CUDA), into one device buffer the tensors share: host memory stays
     bounded and the model is never held twice.  mode "gds" reads the chunk files
     by DMA straight into that device buffer (GPUDirect Storage through kvikio;
-    `mxfs.load.gds`).  "auto" maps CPU loads unless the file needs too many
-    mappings, uses GDS for CUDA loads where it runs (logging why where it does
-    not), and streams other loads to a device.
+    `mxfs.load.gds`).  "auto" maps CPU loads only where nobody but the caller (or
+    root) can change or end the file (`Reader.map_risk`: hers or root's, written by
+    no one else or sealed, in a folder no one else may write) and it needs few
+    enough mappings, else reads them; it uses GDS for CUDA loads where it runs
+    (logging why where it does not), and streams other loads to a device.
     With `pool` (`mxfs.pool.offline.OfflinePool`), `path` is inside that unmounted pool.
     `odirect` and `gds` are the policies of `mxfs.load.options` (default: from the
     environment); `report`, when given, gets what this load did.
@@ -121,8 +126,7 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
         why_not = gds_reader if isinstance(gds_reader, str) else None
         if mode == "auto":
             mode = ("gds" if isinstance(gds_reader, GdsReader) else "stream"
-                    if dev.type != "cpu" else "map" if reader.mappings() <= MAX_MAPPINGS
-                    else "read")
+                    if dev.type != "cpu" else _cpu_mode(reader))
         if isinstance(gds_reader, GdsReader):
             try:
                 buf = gds_reader.read_to_device(header.data_start, nbytes)
@@ -154,6 +158,20 @@ def load_file(path: str, device: str | torch.device = "cpu", mode: str = "auto",
     if dev.type != "cpu" and mode not in ("stream", "gds"):
         out = {k: v.to(dev) for k, v in out.items()}
     return out  # in file order, as safetensors returns them
+
+
+def _cpu_mode(reader: Reader) -> str:
+    """"map" where it is safe, else "read": a mapping shows whatever is written to the
+    file after, and faults (SIGBUS: the process dies) once its chunk files are cut, so
+    it is the default only for a file that only the caller (or root) can change or
+    end (`Reader.map_risk`), and that needs few enough mappings."""
+    if reader.mappings() > MAX_MAPPINGS:
+        return "read"
+    risk = reader.map_risk()
+    if risk is not None:
+        log.info("%s is read, not mapped: %s", reader.path, risk)
+        return "read"
+    return "map"
 
 
 def fits_in_memory(nbytes: int) -> bool:

@@ -6,13 +6,15 @@ absent, `register` does nothing.
 
 Options come as vLLM users give every loader's: `--model-loader-extra-config
 '{"mode": "read", "odirect": "always"}'` (keys and values in `mxfs.load.options`),
-with the MXFS_* environment variables as the fallback.  Mode "auto" (the default)
-and "map"/"read" give vLLM CPU tensors its weight loaders narrow to this rank's
-slice (mapped tensors page in only the bytes that slice touches); "stream" and
-"gds" put whole tensors straight into the model's device.  Each load logs one line
-in vLLM's own log, timed until every weight is in place.  Errors are raised as
-vLLM's loaders raise them: ValueError for a bad config, RuntimeError for weights
-that cannot be found or read.  `tests/test_vllm.py` runs it in vLLM's CPU build.
+with the MXFS_* environment variables as the fallback.  Mode "auto" (the default:
+"map" for files nobody but the loading user or root can change or end, else "read",
+`load.tensors.load_file`) and "map"/"read" give vLLM CPU tensors its weight loaders
+narrow to this rank's slice (mapped tensors page in only the bytes that slice
+touches); "stream" and "gds" put whole tensors straight into the model's
+device.  Each load logs one line in vLLM's own log, timed until every weight is in
+place.  Errors are raised as vLLM's loaders raise them: ValueError for a bad config,
+RuntimeError for weights that cannot be found or read.  `tests/test_vllm.py` runs it
+in vLLM's CPU build.
 """
 
 from __future__ import annotations
