@@ -24,7 +24,14 @@ from mxfs.client.direct import DIO_ALIGN, SEGMENT, address_of, control_client_fo
 from mxfs.io import Layout, WriteOp, write_batch
 from mxfs.io.batch import sync_all
 from mxfs.io.checksum import block_sums, max_sum_unit, pack_sums
-from mxfs.proto.messages import ABORT, COMMIT, CREATE, InodeRequest, SumsFields
+from mxfs.proto.messages import (
+    ABORT,
+    COMMIT,
+    CREATE,
+    CreateRequest,
+    InodeRequest,
+    SumsFields,
+)
 
 
 class Finished(InodeRequest, SumsFields):
@@ -195,13 +202,20 @@ class DirectWriter(FileWriter):
 class PlainWriter(FileWriter):
     """A file on any filesystem: a hidden temporary beside it, renamed when committed."""
 
-    def __init__(self, path: str, mode: int, direct: bool) -> None:
+    def __init__(self, path: str, mode: int, direct: bool, dir_fd: int | None = None) -> None:
+        """`dir_fd`: the folder of `path`, already open: the file is made and named in
+        it, whatever its name leads to meanwhile."""
         super().__init__()
         self.path = path
         self.sum_unit = PLAIN_SUM_UNIT
+        self.dir_fd = dir_fd
         head, name = os.path.split(os.path.abspath(path))
-        self.tmp = os.path.join(head, f".{name}.mxfs-{uuid.uuid4().hex[:12]}")
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        self.tmp = f".{name}.mxfs-{uuid.uuid4().hex[:12]}"
+        self.name = name if dir_fd is not None else os.path.abspath(path)
+        if dir_fd is None:
+            self.tmp = os.path.join(head, self.tmp)
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode,
+                          dir_fd=dir_fd)
         self.direct = False
         if direct:
             try:
@@ -227,14 +241,15 @@ class PlainWriter(FileWriter):
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
+        at = self.dir_fd
         if replace:
-            os.rename(self.tmp, self.path)
+            os.rename(self.tmp, self.name, src_dir_fd=at, dst_dir_fd=at)
         else:
-            try:
-                os.link(self.tmp, self.path)  # fails if the name exists: first writer wins
+            try:  # (fails if the name exists: first writer wins)
+                os.link(self.tmp, self.name, src_dir_fd=at, dst_dir_fd=at)
             finally:
-                os.unlink(self.tmp)
-        sync_dir(os.path.dirname(os.path.abspath(self.path)))
+                os.unlink(self.tmp, dir_fd=at)
+        sync_dir(os.path.dirname(os.path.abspath(self.path)), at)
         self.done = True
         return sums
 
@@ -245,13 +260,16 @@ class PlainWriter(FileWriter):
         if not self.done:
             self.done = True
             try:
-                os.unlink(self.tmp)
+                os.unlink(self.tmp, dir_fd=self.dir_fd)
             except FileNotFoundError:
                 pass
 
 
-def sync_dir(path: str) -> None:
-    """fsync a directory, so entries made in it survive a crash."""
+def sync_dir(path: str, dir_fd: int | None = None) -> None:
+    """fsync a directory, so entries made in it survive a crash (`dir_fd`: it, open)."""
+    if dir_fd is not None:
+        os.fsync(dir_fd)
+        return
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -259,23 +277,44 @@ def sync_dir(path: str) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (another thread may be creating
+    files meanwhile); the old way where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 def create_file(path: str, size: int = 0, mode: int = 0o644, exclusive: bool = False,
-                direct: bool = True) -> FileWriter:
+                direct: bool = True, dir_fd: int | None = None) -> FileWriter:
     """A writer publishing `path` at commit: direct on an mxfs mount, else a temp file.
 
     `size` is what the file is expected to hold (the daemon checks it fits);
     `exclusive` refuses at once when `path` already exists (commit with
     `replace=False` settles races: the first writer wins, the others get EEXIST).
+    `mode` less the umask is the file's, as open(2) makes it.  `dir_fd`, a descriptor
+    of the folder `path` names, pins the file to that folder: if the name leads to
+    another folder at create or commit (someone renamed it and put theirs in its
+    place), the write is refused rather than published in theirs.
     """
     client = control_client_for(path)
     if client is None:
         if exclusive and os.path.lexists(path):
             raise FileExistsError(errno.EEXIST, f"{path} exists")
-        return PlainWriter(path, mode, direct)
+        return PlainWriter(path, mode, direct, dir_fd)
+    request: CreateRequest = {"path": client.pool_path(path), "size": size,
+                              "mode": mode & ~umask(), "exclusive": exclusive}
+    if dir_fd is not None:
+        request["dir_ino"] = os.fstat(dir_fd).st_ino
     try:
-        reply, fds = client.request_with_fds(CREATE({
-            "path": client.pool_path(path), "size": size, "mode": mode,
-            "exclusive": exclusive}))
+        reply, fds = client.request_with_fds(CREATE(request))
     except ControlError as e:
         raise OSError(e.errno, f"{path}: {e.strerror}") from None
     return DirectWriter(path, client, reply, fds, size, direct)

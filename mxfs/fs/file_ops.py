@@ -53,6 +53,7 @@ from mxfs.vol.access import (
     owner_for,
     resolve_for,
     resolve_parent_for,
+    same_folder,
 )
 from mxfs.vol.volume import Volume
 
@@ -223,12 +224,15 @@ class FileOps:
         size = int_field(msg, "size", 0)
         mode = int_field(msg, "mode", 0o644) & 0o7777
         exclusive = bool_field(msg, "exclusive")
+        dir_ino = int_field(msg, "dir_ino", 0)
         check_pending_room(session, self.limits, self.vol)
         if self.forwarded is not None:  # a node: on its own members, named by the writer
             return await self._create_here(session, {
                 "path": path, "size": size, "mode": mode, "exclusive": exclusive,
-                "mountpoint": self.mountpoint, "token": os.urandom(12).hex()})
+                "dir_ino": dir_ino, "mountpoint": self.mountpoint,
+                "token": os.urandom(12).hex()})
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
+        same_folder(parent, dir_ino, path)
         self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, size, 1)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
@@ -245,8 +249,8 @@ class FileOps:
         except BaseException:
             pool.landed(held)
             raise
-        session.hold(Pending(entry, path, size, meta_room=held, let_room_go=pool.landed),
-                     booked=True)
+        session.hold(Pending(entry, path, size, meta_room=held, let_room_go=pool.landed,
+                             dir_ino=dir_ino), booked=True)
         return {**self._describe(entry.node), "members": members}, fds
 
     async def _create_here(self, session: Session, body: dict[str, Any]
@@ -271,7 +275,8 @@ class FileOps:
             except BaseException:
                 self.forwarded.abort_later(caller, ino)
                 raise
-        session.hold(Pending(entry, str(body["path"]), size), booked=True)
+        session.hold(Pending(entry, str(body["path"]), size, dir_ino=int(body["dir_ino"])),
+                     booked=True)
         self.forwarded.writing.add(ino)
         return {**self._describe(node, False), "members": members}, fds
 
@@ -332,6 +337,7 @@ class FileOps:
         parent, name = resolve_parent_for(self.vol.store, pending.path, session.caller,
                                           self.mountpoint if mountpoint is None
                                           else mountpoint)
+        same_folder(parent, pending.dir_ino, pending.path)
         old = self.vol.store.entry_ino(parent.ino, name)
         if old is not None and replace:
             may_replace(parent, self.vol.store.get(old), session.caller)

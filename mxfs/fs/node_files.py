@@ -90,6 +90,7 @@ from mxfs.vol.access import (
     may_xattr,
     owner_for,
     resolve_parent_for,
+    same_folder,
 )
 from mxfs.vol.node_holds import MAX_HOLDS
 from mxfs.vol.tenants import tenant_of
@@ -460,13 +461,15 @@ class NodeFiles:
             raise OSError(errno.EROFS, f"node {node} holds no members of the pool")
         store = self.vol.store
         parent, name = resolve_parent_for(store, path, caller, mountpoint)
+        dir_ino = int_field(msg, "dir_ino", 0)
+        same_folder(parent, dir_ino, path)
         self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, size, 1)
         if bool_field(msg, "exclusive") and store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid, caller.gids.__contains__)
         refuse_if_degraded(self.vol)
         entry = self.vol.create_hidden(parent, mode, caller.uid, gid, node=node)
-        session.hold(Pending(entry, path, size))
+        session.hold(Pending(entry, path, size, dir_ino=dir_ino))
         ino = entry.node.ino
         self.files[ino] = NodeFile(session, node, epoch, mountpoint, token)
         self.tokens[(node, token)] = ino

@@ -52,6 +52,7 @@ class Pending:
     meta_room: int = 0
     let_room_go: Callable[[int], None] | None = None
     tenant: int = 0  # its writer's (`Session.hold`): held cut as hers if dropped held
+    dir_ino: int = 0  # the folder its path must still lead to at commit (0: any)
 
 
 @dataclass(slots=True)

@@ -303,6 +303,9 @@ class CreateRequest(PathRequest, total=False):
     size: int
     mode: int
     exclusive: bool
+    # The folder's inode the caller holds open: refused (ESTALE) at create and at
+    # commit when the path's folder is another one by then.
+    dir_ino: int
 
 
 class InodeRequest(TypedDict):

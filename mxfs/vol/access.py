@@ -141,6 +141,15 @@ def resolve_parent_for(store: MetaStore, path: str, caller: Caller, mountpoint: 
     return parent, os.fsencode(name)
 
 
+def same_folder(parent: Inode, dir_ino: int, path: str) -> None:
+    """Refuse (ESTALE) when the caller pinned the folder of `path` (`dir_ino`, 0: not)
+    and the path leads to another: its folder was renamed away and another user's put
+    in its place, where the file would be published, readable by them."""
+    if dir_ino and parent.ino != dir_ino:
+        raise OSError(errno.ESTALE, f"{path}: its folder was replaced by another (inode "
+                      f"{parent.ino}, not the caller's {dir_ino}): not written there")
+
+
 def may_replace(parent: Inode, victim: Inode, caller: Caller) -> None:
     """The kernel's rule for removing or replacing `victim` in `parent` (beyond write and
     search on `parent`, which resolve_parent_for checks): in a sticky directory only
