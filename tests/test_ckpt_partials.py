@@ -42,7 +42,7 @@ def _age(folder: Path, seconds: float) -> None:
 
 
 def test_a_dead_save_of_this_namespace_is_stale_and_a_live_one_is_not(tmp_path: Path) -> None:
-    mine = catalog.claim_partial(str(tmp_path / "step-1"))
+    mine = catalog.claim_partial(str(tmp_path / "step-1")).path
     assert not catalog.is_stale(mine)  # this process's own
     owner = json.loads(Path(mine, OWNER).read_text())
     dead = _partial(tmp_path, "step-2", {**owner, "pid": _dead_pid()})

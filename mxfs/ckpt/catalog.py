@@ -6,6 +6,14 @@ it into place only after every file and the manifest are durable, so a folder
 named like a checkpoint is always complete.  `latest` is a small file naming
 the newest checkpoint, replaced atomically after the rename.
 
+In a folder others may write, a save writes only into the folder it made: the
+hidden folder is 0700 until published (then what the umask gives), every file is
+made through a descriptor of it (the daemon refuses a create or commit whose path
+leads to another folder by then), and the rename is checked to have moved it; one
+of someone else's in its place fails the save, never gets the data.  Retention
+counts only the caller's own checkpoints, and a `latest` that is someone else's
+file (a sticky folder) leaves the save published, with a warning.
+
 Root runs `mxfs ckpt` over folders tenants write: every file inside a checkpoint's
 folder is opened relative to a descriptor of that folder, never through a symbolic
 link, only if it is a regular file, and read up to a cap (`mxfs.safe_open`); the owner
@@ -21,13 +29,15 @@ import contextlib
 import errno
 import json
 import os
+import pwd
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from mxfs.client.writer import create_file, sync_dir
+from mxfs.client.writer import create_file, sync_dir, umask
 from mxfs.errors import MxfsError
 from mxfs.proc import running
 from mxfs.safe_open import open_dir, read_small, write_new
@@ -57,9 +67,11 @@ def partial_path(path: str) -> str:
     return os.path.join(head, f".{name}{PARTIAL_SUFFIX}")
 
 
-def write_small(path: str, data: bytes, replace: bool = True) -> None:
-    """Write a small file durably and atomically (direct commit on mxfs, rename elsewhere)."""
-    with create_file(path, len(data)) as w:
+def write_small(path: str, data: bytes, replace: bool = True, dir_fd: int | None = None
+                ) -> None:
+    """Write a small file durably and atomically (direct commit on mxfs, rename elsewhere);
+    `dir_fd`: its folder, open (the file goes there or nowhere: `create_file`)."""
+    with create_file(path, len(data), dir_fd=dir_fd) as w:
         w.write_at(0, memoryview(bytearray(data)))
         w.commit(len(data), replace=replace)
 
@@ -176,6 +188,7 @@ class Entry:
     tensors: int
     compress: str | None
     latest: bool
+    uid: int  # the folder's owner: whose checkpoint it is, to retention
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "created_ns": self.created_ns,
@@ -243,6 +256,7 @@ def _list_at(root_fd: int, root: str) -> list[Entry]:
             continue  # a file, or a link: not a checkpoint of this folder
         try:
             m = read_manifest(path, fd)
+            uid = os.fstat(fd).st_uid
         except CheckpointError:
             continue
         finally:
@@ -250,7 +264,7 @@ def _list_at(root_fd: int, root: str) -> list[Entry]:
         files = m["files"].values()
         out.append(Entry(name, path, m["created_ns"], sum(f["size"] for f in files),
                          sum(len(f["tensors"]) for f in files), m.get("compress"),
-                         name == latest))
+                         name == latest, uid))
     out.sort(key=lambda e: (e.created_ns, e.name))
     return out
 
@@ -258,17 +272,50 @@ def _list_at(root_fd: int, root: str) -> list[Entry]:
 OWNER = ".owner"
 
 
-def claim_partial(path: str) -> str:
-    """Make the hidden folder a save builds in, clearing one a dead save left behind."""
+@dataclass(frozen=True)
+class Partial:
+    """The hidden folder a save made and builds in: its inode and owner, so every later
+    step finds that folder, not one put under its name (picklable: a writer process or
+    another DCP rank opens it again by path and checks)."""
+
+    path: str
+    ino: int
+    uid: int
+    mode: int  # what it becomes when published: 0777 less the saver's umask
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def claim_partial(path: str) -> Partial:
+    """Make the hidden folder a save builds in (0700 until published), clearing one a
+    dead save of this user's left behind; one of someone else's is refused, named."""
     partial = partial_path(path)
-    if os.path.isdir(partial):
+    try:
+        uid = os.lstat(partial).st_uid
+    except FileNotFoundError:
+        uid = None
+    if uid is not None and uid != os.geteuid():
+        raise CheckpointError(f"{partial} is {user_name(uid)}'s: no save of {path} by "
+                              f"{user_name(os.geteuid())} can be built there",
+                              f"save under another name, or ask {user_name(uid)} to "
+                              f"remove it (rm -r {partial})")
+    if uid is not None:
         if not is_stale(partial):
             raise CheckpointError(f"another process is saving {path} right now",
                                   "save under another name, or wait for it (if none is: "
                                   f"its machine or container is gone, rm -r {partial})")
         shutil.rmtree(partial)
     try:
-        os.makedirs(partial)
+        os.makedirs(os.path.dirname(partial), exist_ok=True)
+        os.mkdir(partial, 0o700)
+    except FileExistsError:
+        raise CheckpointError(f"another process is saving {path} right now",
+                              "save under another name, or wait for it") from None
     except OSError as e:
         if e.errno != errno.EROFS:
             raise
@@ -276,13 +323,57 @@ def claim_partial(path: str) -> str:
                               "the mount is read-only",
                               "mount the pool read-write (a pool with a failed member "
                               "mounts read-only: mxfs status names it)") from None
+    made = Partial(partial, 0, os.geteuid(), 0o777 & ~umask())
     try:
-        _write_owner(partial)
-    except BaseException:  # (a folder without its owner would hold the name an hour)
-        with contextlib.suppress(OSError):
-            os.rmdir(partial)
-        raise
-    return partial
+        fd = open_dir(partial, follow=False)
+    except OSError as e:
+        raise _replaced(made, None, e.strerror) from None
+    try:
+        st = os.fstat(fd)
+        made = Partial(partial, st.st_ino, made.uid, made.mode)
+        if st.st_uid != made.uid:
+            raise _replaced(made, st.st_uid)
+        try:
+            _write_owner(partial, fd)
+        except BaseException:  # (a folder without its owner would hold the name an hour)
+            drop_partial(made)
+            raise
+    finally:
+        os.close(fd)
+    return made
+
+
+def _replaced(p: Partial, uid: int | None, why: str | None = None) -> CheckpointError:
+    whose = f" (of {user_name(uid)})" if uid is not None else f" ({why})" if why else ""
+    return CheckpointError(f"{p.path}, the folder this save made, was renamed away and "
+                           f"another put in its place{whose}: the save stopped, writing "
+                           "nothing there",
+                           "save into a folder only you may write, or one with the sticky "
+                           "bit (chmod +t FOLDER), where no one can rename your files")
+
+
+def open_partial(p: Partial) -> int:
+    """A descriptor of the folder the save made, found by its path and checked to be it
+    (the save's files are made through it: `create_file`'s dir_fd)."""
+    try:
+        fd = open_dir(p.path, follow=False)
+    except OSError as e:
+        raise _replaced(p, None, e.strerror) from None
+    st = os.fstat(fd)
+    if (st.st_ino, st.st_uid) != (p.ino, p.uid):
+        os.close(fd)
+        raise _replaced(p, st.st_uid)
+    return fd
+
+
+def drop_partial(p: Partial) -> None:
+    """Remove what a failed save made, if its path still leads to the folder it made."""
+    try:
+        st = os.lstat(p.path)
+    except OSError:
+        return
+    if (st.st_ino, st.st_uid) == (p.ino, p.uid):
+        shutil.rmtree(p.path, ignore_errors=True)
 
 
 def new_manifest(files: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -291,8 +382,9 @@ def new_manifest(files: dict[str, Any], **fields: Any) -> dict[str, Any]:
             "files": files}
 
 
-def publish(partial: str, path: str, manifest: dict[str, Any]) -> None:
-    """Finish a save: manifest, then rename the hidden folder into place, then `latest`.
+def publish(partial: Partial, path: str, manifest: dict[str, Any]) -> str | None:
+    """Finish a save: manifest, then rename the hidden folder into place, then `latest`;
+    a warning if `latest` could not be moved (the checkpoint is published all the same).
 
     Each step is durable before the next, so a crash leaves either the previous
     state or the complete checkpoint, and `latest` never names a missing one.
@@ -302,16 +394,56 @@ def publish(partial: str, path: str, manifest: dict[str, Any]) -> None:
         raise CheckpointError(f"{path}: its manifest would hold {len(data)} bytes, over the "
                               f"{MANIFEST_MAX} a reader accepts",
                               "save it in fewer files, or with a larger stripe unit")
-    write_small(os.path.join(partial, MANIFEST), data)
-    sync_dir(partial)
     root = os.path.dirname(path)
-    os.rename(partial, path)
-    sync_dir(root)
-    # Only now: until the rename the owner says whose the folder is (a crash leaving it
-    # in the checkpoint is harmless: nothing reads it there).
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(path, OWNER))
-    set_latest(root, os.path.basename(path))
+    fd = open_partial(partial)
+    try:
+        write_small(os.path.join(partial.path, MANIFEST), data, dir_fd=fd)
+        sync_dir(partial.path, fd)
+        if os.lstat(partial.path).st_ino != partial.ino:
+            raise _replaced(partial, os.lstat(partial.path).st_uid)
+        os.rename(partial.path, path)
+        if os.lstat(path).st_ino != partial.ino:  # (swapped between the check and rename)
+            raise CheckpointError(f"{path}: another user's folder took the place of "
+                                  f"{partial.path} and was renamed in place of this save's "
+                                  "(which stays closed to others, wherever they moved it)",
+                                  f"remove {path}, and save into a folder only you may "
+                                  "write, or one with the sticky bit (chmod +t FOLDER)")
+        # Open to others only now, published (the set-group-ID bit a shared folder gave
+        # it kept, as mkdir would have).
+        os.fchmod(fd, partial.mode | (os.fstat(fd).st_mode & stat.S_ISGID))
+        sync_dir(root)
+        # Only now: until the rename the owner says whose the folder is (a crash leaving
+        # it in the checkpoint is harmless: nothing reads it there).
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(OWNER, dir_fd=fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        set_latest(root, os.path.basename(path))
+    except OSError as e:
+        return _latest_warning(root, path, e)
+    return None
+
+
+def _latest_warning(root: str, path: str, e: OSError) -> str:
+    """One line: `latest` was left as it was, whose it is, and what fixes it."""
+    latest = os.path.join(root, LATEST)
+    try:
+        whose = f", a file of {user_name(os.lstat(latest).st_uid)}'s"
+    except OSError:
+        whose = ""
+    return (f"{path} is saved, but {latest}{whose} could not be pointed at it "
+            f"({e.strerror}); it still names {_latest_or_none(root)}: load {path} by its "
+            f"path, and have the owner of {latest} (or root) remove it so the next save "
+            "sets it")
+
+
+def _latest_or_none(root: str) -> str:
+    try:
+        return latest_name(root) or "nothing"
+    except CheckpointError:
+        return "nothing"
 
 
 # A save of another machine or container is judged by its folder's age, not its pid:
@@ -344,7 +476,8 @@ def _write_owner(folder: str, dir_fd: int | None = None) -> None:
     except OSError as e:  # a pool's reading node writes no bytes through its mount:
         if e.errno != errno.EROFS:  # through the direct path, as its other files
             raise
-        write_small(os.path.join(folder, OWNER), data)  # (a new file: never through a link)
+        write_small(os.path.join(folder, OWNER), data,  # (a new file: never through a
+                    dir_fd=dir_fd)                      # link)
 
 
 def is_stale(partial: str) -> bool:
@@ -392,7 +525,8 @@ def partials(root: str) -> list[str]:
         return [os.path.join(root, n) for n in _partials_at(fd)]
 
 
-def _partials_at(root_fd: int) -> list[str]:
+def _partials_at(root_fd: int, owner: int | None = None) -> list[str]:
+    """The stale hidden folders of `root_fd` (`owner`: only that uid's)."""
     out = []
     for name in sorted(os.listdir(root_fd)):
         if not (name.startswith(".") and name.endswith((PARTIAL_SUFFIX, ".removing"))):
@@ -402,7 +536,7 @@ def _partials_at(root_fd: int) -> list[str]:
         except OSError:
             continue  # a file, or a link: nothing a save left
         try:
-            if _stale_at(fd):
+            if (owner is None or os.fstat(fd).st_uid == owner) and _stale_at(fd):
                 out.append(name)
         finally:
             os.close(fd)
@@ -454,16 +588,21 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
     os.fsync(root_fd)
 
 
-def prune(root: str, keep: int, protect: str | None = None) -> list[str]:
-    """Keep the newest `keep` checkpoints (and `protect`); remove the rest and partials."""
+def prune(root: str, keep: int, protect: str | None = None, owner: int | None = None
+          ) -> list[str]:
+    """Keep the newest `keep` checkpoints (and `protect`); remove the rest and partials.
+
+    `owner` (a save's retention: its user's uid) counts and removes only the folders
+    that uid owns: others' in a shared folder are neither removed nor counted (their
+    manifests, dated as their writer likes, would push out the caller's own)."""
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}", "pass --keep 1 or more")
     removed = []
     with _root_fd(root) as fd:
-        for name in _partials_at(fd):
+        for name in _partials_at(fd, owner):
             shutil.rmtree(name, dir_fd=fd, ignore_errors=True)
             removed.append(os.path.join(root, name))
-        entries = _list_at(fd, root)
+        entries = [e for e in _list_at(fd, root) if owner is None or e.uid == owner]
         latest = _latest_at(fd)
         for e in entries[:max(0, len(entries) - keep)]:
             if e.name in (protect, latest):

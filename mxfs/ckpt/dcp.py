@@ -12,6 +12,7 @@ every block it reads.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import uuid
 from collections import defaultdict
@@ -37,6 +38,8 @@ from mxfs.ckpt.image import dtype_named, plan
 from mxfs.ckpt.reader import CheckpointCorrupt, read_ranges
 from mxfs.ckpt.tree import flatten, unflatten
 from mxfs.ckpt.writing import write_windows
+
+log = logging.getLogger("mxfs.ckpt")
 
 # Bytes of one file a load reads (and verifies) at once: it holds that much besides the
 # state it fills (the whole file at once held a rank's shard twice).
@@ -143,6 +146,7 @@ class Writer(StorageWriter):
         self.path = os.path.abspath(path) if path is not None else None
         self.save_id = ""
         self.is_coordinator = False
+        self.partial: catalog.Partial | None = None  # the coordinator's, then every rank's
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -165,19 +169,23 @@ class Writer(StorageWriter):
             if os.path.lexists(self.path):
                 raise CheckpointError(f"checkpoint {self.path} already exists",
                                       "save under a new name, or remove it: mxfs ckpt rm PATH")
-            catalog.claim_partial(self.path)
+            self.partial = catalog.claim_partial(self.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Each rank's file gets its number here, where every plan is seen.
-        return [SavePlan(p.items, storage_data=i, planner_data=p.planner_data, usable=p.usable)
+        # Each rank's file gets its number here, where every plan is seen, and the folder
+        # the coordinator made: each rank writes into that folder or fails.
+        return [SavePlan(p.items, storage_data=(i, self.partial), planner_data=p.planner_data,
+                         usable=p.usable)
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.path is not None
-        fname = f"rank-{int(plan.storage_data or 0):05}.safetensors"
+        rank, partial = plan.storage_data
+        assert isinstance(partial, catalog.Partial)
+        fname = f"rank-{int(rank):05}.safetensors"
         named: list[tuple[str, torch.Tensor]] = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -190,11 +198,14 @@ class Writer(StorageWriter):
                 assert isinstance(data, torch.Tensor)
                 named.append((_key(item.index), data.detach()))
         p = plan_file(named)
-        partial = catalog.partial_path(self.path)
         # DCP keeps these tensors unchanged until write_data returns (its async_save hands
         # over its own staged copy): gathered a window at a time, not staged whole.
-        info = write_windows(os.path.join(partial, fname), p.size, ImageWindows(p, named).fill,
-                             WINDOW)
+        folder = catalog.open_partial(partial)
+        try:
+            info = write_windows(os.path.join(partial.path, fname), p.size,
+                                 ImageWindows(p, named).fill, WINDOW, folder)
+        finally:
+            os.close(folder)
         slots = {s.name: s for s in p.slots}
         results = []
         for n, item in enumerate(plan.items):
@@ -225,7 +236,10 @@ class Writer(StorageWriter):
         metadata.storage_data = storage
         manifest = catalog.new_manifest(dict(files), kind="dcp",
                                         dcp=metadata_to_json(metadata))
-        catalog.publish(catalog.partial_path(self.path), self.path, manifest)
+        assert self.partial is not None
+        warning = catalog.publish(self.partial, self.path, manifest)
+        if warning is not None:  # (published: `latest` alone stayed as it was)
+            log.warning("%s", warning)
 
 
 def plan_file(named: list[tuple[str, torch.Tensor]]) -> Any:

@@ -7,7 +7,9 @@ members (direct writes, O_DIRECT, every member at once) range by range as
 staging passes each (a `Watermark`), so the write runs beside the copy (where
 the host has room for both: `Checkpointer(overlap=...)`); then
 it commits the file with its checksums, writes the manifest, renames the
-hidden folder into place, moves `latest` and applies retention.  Any failure
+hidden folder into place, moves `latest` and applies retention (of the saver's
+own checkpoints; where either fails once published, `Snapshot.warnings` says so
+and the save stands).  Any failure
 is logged, comes out of `Snapshot.wait()`, and leaves the previous checkpoint
 as it was; a staging failure is raised by `save` itself, once the writer has
 stopped and removed what it began.
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -44,6 +45,9 @@ class Snapshot:
         self.state = "staging"
         self.error: BaseException | None = None
         self.reported = False
+        # What failed once the checkpoint was published (`latest` another user's file,
+        # retention): each logged; the save itself succeeded.
+        self.warnings: list[str] = []
         self._staged = threading.Event()
         self._done = threading.Event()
         self._events: Any = None
@@ -150,7 +154,7 @@ class Checkpointer:
             except BaseException as e:
                 snap.watermark.fail(e)
                 snap._done.wait()  # the writer has stopped and aborted its file
-                shutil.rmtree(partial, ignore_errors=True)
+                catalog.drop_partial(partial)
                 self._last = prev  # raised here, not to be raised again by the next save
                 raise
             snap.times["staged_cpu"] = time.perf_counter()
@@ -172,17 +176,21 @@ class Checkpointer:
             if not overlap:
                 snap.watermark.wait_until(job.plan.size)
             if self.worker is not None:
-                self.worker.run(job, self.staging, progress, snap.watermark.wait_until)
+                warnings = self.worker.run(job, self.staging, progress,
+                                           snap.watermark.wait_until)
             else:
-                write_snapshot(job, self.staging.view(job.plan.size), self.packed, progress,
-                               snap.watermark.wait_until)
+                warnings = write_snapshot(job, self.staging.view(job.plan.size), self.packed,
+                                          progress, snap.watermark.wait_until)
+            for w in warnings:
+                log.warning("%s", w)
+            snap.warnings = warnings
             snap.state = "done"
         except BaseException as e:  # noqa: BLE001 - every failure must reach wait()
             snap.error = e
             snap.state = "failed"
             if not isinstance(e, StagingFailed):  # save() raises that one itself
                 log.error("checkpoint %s failed: %s", snap.path, _describe(e))
-            shutil.rmtree(job.partial, ignore_errors=True)
+            catalog.drop_partial(job.partial)
         finally:
             if snap.watermark.final_at is not None:
                 snap.times["staged"] = snap.watermark.final_at

@@ -6,7 +6,7 @@ shared memory begins; the worker attaches to the memory and runs
 range it asks how far staging has got (`("wait", end)`); the parent answers
 once the range is staged (`("ready", staged)`, after the CUDA copies into it
 have landed) or, if staging failed, `("abort", reason)`, and the worker drops
-its file.  Progress and the result come back the same way.  If the worker
+its file.  Progress and the result (with its warnings) come back the same way.  If the worker
 dies, the save fails with that reason and the next save starts a new one.
 """
 
@@ -51,9 +51,10 @@ class WriterProcess:
         return self.proc.pid if self.proc is not None else None
 
     def run(self, job: Job, staging: Staging, progress: Callable[[str, int, int], None],
-            ready: Callable[[int], int]) -> None:
+            ready: Callable[[int], int]) -> list[str]:
         """Have the worker write `job` from `staging`, each range once `ready(end)` says it
-        is staged; raise what it raised (or what `ready` raised: staging failed)."""
+        is staged; its warnings (`write_snapshot`), or raise what it raised (or what
+        `ready` raised: staging failed)."""
         conn = self._start()
         failed: StagingFailed | None = None
         try:
@@ -69,7 +70,7 @@ class WriterProcess:
                         failed = e
                         conn.send(("abort", str(e)))
                 elif msg[0] == "done":
-                    return
+                    return list(msg[1])
                 else:
                     if failed is not None:
                         raise failed
@@ -125,10 +126,10 @@ def main(conn: Connection) -> None:
                 staged = msg[1]
 
         try:
-            write_snapshot(job, image, packed,
-                           lambda state, done, total: conn.send(("progress", state, done, total)),
-                           ready)
-            conn.send(("done",))
+            warnings = write_snapshot(
+                job, image, packed,
+                lambda state, done, total: conn.send(("progress", state, done, total)), ready)
+            conn.send(("done", warnings))
         except OSError as e:
             conn.send(("error", e.errno or errno.EIO, e.strerror or str(e)))
         except Exception as e:  # noqa: BLE001 - reported to the parent's wait()

@@ -22,6 +22,7 @@ import torch
 import zstandard
 
 from mxfs.ckpt import catalog
+from mxfs.ckpt.catalog import CheckpointError
 from mxfs.ckpt.host_buffer import Staging
 from mxfs.ckpt.image import Plan, compressed_plan, frame_count
 from mxfs.client.writer import create_file
@@ -40,7 +41,7 @@ class Job:
     """What the background half of a save needs (picklable: a worker process may run it)."""
 
     path: str
-    partial: str
+    partial: catalog.Partial
     plan: Plan
     tree: Any
     compress: str | None
@@ -52,9 +53,10 @@ class Job:
 
 def write_snapshot(job: Job, image: memoryview, packed: Staging,
                    progress: Callable[[str, int, int], None],
-                   ready: Callable[[int], object] | None = None) -> None:
+                   ready: Callable[[int], object] | None = None) -> list[str]:
     """Compress (optionally), write, commit and publish one snapshot, writing each range
-    once `ready(end)` has returned (bytes [0, end) staged; it raises if staging failed)."""
+    once `ready(end)` has returned (bytes [0, end) staged; it raises if staging failed).
+    Returns warnings of what failed once it was published (`latest`, retention)."""
     raw = job.plan
     entries = {s.name: s.manifest() for s in raw.slots}
     size = raw.size
@@ -63,15 +65,27 @@ def write_snapshot(job: Job, image: memoryview, packed: Staging,
             ready(size)  # frames are laid out by their compressed sizes: all of it first
             ready = None
         image, size = _compress(job, image, entries, packed)
-    info = write_image(os.path.join(job.partial, DATA_FILE), image, size,
-                       lambda done: progress("writing" if done < size else "committing",
-                                             done, size), ready, job.step)
+    folder = catalog.open_partial(job.partial)
+    try:
+        info = write_image(os.path.join(job.partial.path, DATA_FILE), image, size,
+                           lambda done: progress("writing" if done < size else "committing",
+                                                 done, size), ready, job.step, folder)
+    finally:
+        os.close(folder)
     manifest = catalog.new_manifest({DATA_FILE: {**info, "tensors": entries}},
                                     kind="state", compress=job.compress,
                                     metadata=job.meta, tree=job.tree)
-    catalog.publish(job.partial, job.path, manifest)
+    warning = catalog.publish(job.partial, job.path, manifest)
+    warnings = [] if warning is None else [warning]
     if job.keep:
-        catalog.prune(os.path.dirname(job.path), job.keep, protect=os.path.basename(job.path))
+        try:  # (only this user's own: others' are neither counted nor removed)
+            catalog.prune(os.path.dirname(job.path), job.keep,
+                          protect=os.path.basename(job.path), owner=job.partial.uid)
+        except (OSError, CheckpointError) as e:
+            warnings.append(f"{job.path} is saved, but keep_last={job.keep} could not "
+                            f"remove older checkpoints ({e}): mxfs ckpt prune "
+                            f"{os.path.dirname(job.path)} --keep {job.keep}")
+    return warnings
 
 
 def _compress(job: Job, buf: memoryview, entries: dict[str, dict[str, Any]], packed: Staging
@@ -111,13 +125,14 @@ def _compress(job: Job, buf: memoryview, entries: dict[str, dict[str, Any]], pac
 
 def write_image(path: str, image: memoryview, size: int,
                 progress: Callable[[int], None] = lambda done: None,
-                ready: Callable[[int], object] | None = None, step: int | None = None
-                ) -> dict[str, Any]:
+                ready: Callable[[int], object] | None = None, step: int | None = None,
+                dir_fd: int | None = None) -> dict[str, Any]:
     """Write a file image (4 KiB-padded buffer) and commit it; returns its manifest entry.
 
     Ranges are whole checksum blocks of about `step` bytes; with `ready`, each is
-    written only once `ready(end of the range)` returns."""
-    with create_file(path, size) as w:
+    written only once `ready(end of the range)` returns.  `dir_fd`: the folder it goes
+    in, open (`create_file`)."""
+    with create_file(path, size, dir_fd=dir_fd) as w:
         step = w.sum_unit * max(1, (step or WRITE_STEP) // w.sum_unit)
         for off in range(0, size, step):
             n = min(step, size - off)
@@ -130,12 +145,13 @@ def write_image(path: str, image: memoryview, size: int,
 
 
 def write_windows(path: str, size: int, fill: Callable[[torch.Tensor, int, int], None],
-                  window: int = WRITE_STEP) -> dict[str, Any]:
+                  window: int = WRITE_STEP, dir_fd: int | None = None) -> dict[str, Any]:
     """Write a file image of `size` bytes a window at a time and commit it; returns its
     manifest entry (as `write_image`).  `fill(buf, start, end)` puts the image's bytes
     [start, end) into `buf`, on the caller's thread, while a thread writes the window
-    filled before: two buffers of `window` bytes, never the whole image."""
-    with create_file(path, size) as w:
+    filled before: two buffers of `window` bytes, never the whole image.  `dir_fd`: the
+    folder it goes in, open (`create_file`)."""
+    with create_file(path, size, dir_fd=dir_fd) as w:
         step = w.sum_unit * max(1, window // w.sum_unit)
         bufs = [Staging(), Staging()]
         views = [(b.ensure(step), b.view(step)) for b in bufs]
