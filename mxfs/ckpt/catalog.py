@@ -399,8 +399,12 @@ def publish(partial: Partial, path: str, manifest: dict[str, Any]) -> str | None
     try:
         write_small(os.path.join(partial.path, MANIFEST), data, dir_fd=fd)
         sync_dir(partial.path, fd)
-        if os.lstat(partial.path).st_ino != partial.ino:
-            raise _replaced(partial, os.lstat(partial.path).st_uid)
+        try:
+            st = os.lstat(partial.path)
+        except OSError as e:
+            raise _replaced(partial, None, e.strerror) from None
+        if st.st_ino != partial.ino:
+            raise _replaced(partial, st.st_uid)
         os.rename(partial.path, path)
         if os.lstat(path).st_ino != partial.ino:  # (swapped between the check and rename)
             raise CheckpointError(f"{path}: another user's folder took the place of "

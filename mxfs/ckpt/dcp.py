@@ -11,6 +11,7 @@ every block it reads.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -183,8 +184,11 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.path is not None
-        rank, partial = plan.storage_data
-        assert isinstance(partial, catalog.Partial)
+        rank, made = plan.storage_data
+        assert isinstance(made, catalog.Partial)
+        # The folder the coordinator made, found under this rank's path (another node
+        # mounts the pool elsewhere) and checked to be it.
+        partial = dataclasses.replace(made, path=catalog.partial_path(self.path))
         fname = f"rank-{int(rank):05}.safetensors"
         named: list[tuple[str, torch.Tensor]] = []
         for item in plan.items:
