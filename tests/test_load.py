@@ -18,6 +18,7 @@ st = pytest.importorskip("safetensors.torch")
 from conftest import Mounted, mxfs, one_line_error  # noqa: E402
 
 from mxfs.cli.measure import drop_caches  # noqa: E402
+from mxfs.client import ControlClient  # noqa: E402
 from mxfs.client.direct import DirectFile, FileChanged, PlainFile, open_reader  # noqa: E402
 from mxfs.errors import MxfsError  # noqa: E402
 from mxfs.load import HeaderError, load_file, load_model, safe_open  # noqa: E402
@@ -200,6 +201,49 @@ def test_writes_through_a_writer_opened_before_the_reader_are_detected(mounted: 
             with pytest.raises(FileChanged):
                 reader.check_unchanged()
             reader.close()
+    finally:
+        os.close(fd)
+
+
+LAYOUT_AS_NOBODY = r"""
+import os, sys
+from mxfs.client import ControlClient
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+with ControlClient(sys.argv[1]) as c:
+    print(c.layout(sys.argv[2])["generation"])
+"""
+
+
+def test_a_layout_of_a_file_one_may_not_read_costs_its_writer_nothing(mounted: Mounted
+                                                                       ) -> None:
+    """Only a caller who may read a file is told its generation: one who may not (who
+    walked to it, and looped LAYOUT) made each of its writer's next writes a commit on
+    the daemon's thread, and its generation changed for every reader."""
+    path = mounted.path / "private.bin"
+    path.write_bytes(b"A" * (1 << 20))
+    path.chmod(0o600)
+
+    def generation(as_nobody: bool = False) -> int:
+        if not as_nobody:
+            with ControlClient(str(mounted.path)) as c:
+                return int(c.layout(str(path))["generation"])
+        res = subprocess.run([sys.executable, "-c", LAYOUT_AS_NOBODY, str(mounted.path),
+                              str(path)], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return int(res.stdout)
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"A", 0)
+        os.fsync(fd)
+        told = generation()
+        os.pwrite(fd, b"B", 0)  # (root was told: this write changes it)
+        os.fsync(fd)
+        now = generation(as_nobody=True)
+        assert now != told
+        os.pwrite(fd, b"C", 0)  # (nobody's ask told nothing: this one changes nothing)
+        os.fsync(fd)
+        assert generation() == now
     finally:
         os.close(fd)
 

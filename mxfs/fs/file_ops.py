@@ -104,10 +104,11 @@ class FileOps:
         return {"layout": self.layout, "open_read": self.open_read, "create": self.create,
                 "commit": self.commit, "abort": self.abort}
 
-    def _describe(self, node: Inode, sealed: bool | None = None) -> FileReply:
+    def _describe(self, node: Inode, sealed: bool | None = None, tell: bool = True
+                  ) -> FileReply:
         if sealed is None:
             sealed = self.vol.store.is_sealed(node.ino)
-        return describe(self.vol, node, sealed)
+        return describe(self.vol, node, sealed, tell)
 
     async def _find(self, path: str, session: Session) -> tuple[Inode, bool]:
         """The inode `path` names, walked as the caller, and whether it is sealed: read
@@ -378,7 +379,7 @@ class FileOps:
 
     async def layout(self, msg: Msg, session: Session) -> Answer[FileReply]:
         node, sealed = await self._find(path_field(msg), session)
-        return self._describe(node, sealed), []
+        return self._describe(node, sealed, tell=may(node, session.caller, R_OK)), []
 
     async def release(self, session: Session) -> None:
         """A connection ended: its unpublished files are dropped (each one tried; the

@@ -686,9 +686,13 @@ def _made_by_mknod(mode: int, rdev: int, caller: Caller) -> int:
     return kind | (mode & 0o7777)
 
 
-def describe(vol: Volume, node: Inode, sealed: bool = False) -> FileReply:
-    """A file's reply; it tells the generation, so the next write changes it."""
-    vol.told(node.ino)
+def describe(vol: Volume, node: Inode, sealed: bool = False, tell: bool = True) -> FileReply:
+    """A file's reply; it tells the generation (`tell`: to one who may read the file),
+    so the next write changes it.  A write after a reader was told costs the writer a
+    commit: a caller who may not read the file is not counted as told (she looped
+    LAYOUT on another's file, and each of its writes became a commit on the thread)."""
+    if tell:
+        vol.told(node.ino)
     out: FileReply = {"ino": node.ino, "size": node.apparent_size,
                       "generation": node.generation, "mode": node.mode, "sealed": sealed}
     if node.is_reg:
