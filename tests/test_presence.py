@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import mmap
 import os
+from pathlib import Path
 
 import pytest
 from conftest import eventually
 
-from mxfs.kv.key_view import KeyView
+from mxfs.kv.key_view import KeyView, KeyViews
 from mxfs.proto.presence import (
     GONE,
     HEADER_SIZE,
@@ -205,3 +206,27 @@ def test_a_run_of_keys_each_in_its_home_slot_is_walked_no_further_than_the_bound
     absent = chain_keys(view.seed, table.slots, 300, 1, prefix=b"new", width=1)
     assert view.present(absent + run[:2]) == [None, True, True]
     assert table.count == len(run) and table.overflowed and table.due()
+
+
+def test_a_table_of_another_version_is_not_read_and_every_key_is_asked(tmp_path: Path
+                                                                        ) -> None:
+    """A client of one version with a daemon of another (a daemon upgraded under running
+    engines): the table it is handed is not read, and each lookup goes to the daemon
+    (before, the client's lookup failed with the table's ValueError)."""
+    table = PresenceTable()
+    table.add(b"k")
+    path = tmp_path / "table"
+    fd = table.reader_fd()
+    size = HEADER_SIZE + 8 * table.slots
+    data = bytearray(os.pread(fd, size, 0))
+    os.close(fd)
+    data[8:12] = (99).to_bytes(4, "little")  # (the version field)
+    path.write_bytes(bytes(data))
+    asked: list[int] = []
+
+    def ask() -> tuple[int, int]:
+        asked.append(1)
+        return os.open(path, os.O_RDONLY), size
+    views = KeyViews(ask)
+    assert views.present([b"k"]) is None  # ask the daemon
+    assert views.present([b"k"]) is None and asked == [1]  # (and no table asked again)

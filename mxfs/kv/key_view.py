@@ -88,4 +88,8 @@ class KeyViews:
             else:  # (a reading node, an older daemon, a namespace not ours to read)
                 self._never = True
             return None
-        return KeyView(fd, size)
+        try:
+            return KeyView(fd, size)
+        except ValueError:  # (a daemon of another version: its tables are not read here)
+            self._never = True
+            return None
