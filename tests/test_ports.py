@@ -67,6 +67,10 @@ def test_a_tenant_cannot_hold_the_daemons_ports_while_it_is_down(
                                        check=False))
             assert option in line and "any user may bind" in line, line
             assert f"choose a port below {start}" in line, line
+    for option in ("chunk_port=700", "metrics_port=1023"):  # (nodes connect out from
+        line = one_line_error(mxfs("mount", "-o", option, members[0], str(mp),  # these)
+                                   check=False))
+        assert option in line and "choose a port below 600" in line, line
     with node_net() as net:  # (a network of its own: every privileged port free there)
         for port in (CHUNK_PORT, METRICS_PORT):
             with _holding([*net.enter, *as_user(alice, HOLD, "0.0.0.0", str(port))]) as got:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 from mxfs.errors import MxfsError
 from mxfs.fs.socket_owner import listener_uids
+from mxfs.io.chunk_client import RESERVED_LOW
 
 UNPRIVILEGED_START = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
 PORTS = ("chunk_port", "metrics_port")
@@ -46,10 +47,16 @@ def unprivileged_start() -> int:
 
 
 def check_ports(own: Mapping[str, str]) -> None:
-    """MxfsError for a fixed `chunk_port` or `metrics_port` that any user may bind."""
+    """MxfsError for a fixed `chunk_port` or `metrics_port` that any user may bind, or
+    that a node's outgoing connection may hold (from RESERVED_LOW up)."""
     start = unprivileged_start()
     for option in PORTS:
         port = int(own.get(option) or 0)  # (chunk_port=0: a fresh one each start)
+        if port and RESERVED_LOW <= port < min(start, 1024):
+            raise MxfsError(
+                f"mount option {option}={port}: nodes connect to each other from ports "
+                f"{RESERVED_LOW} to 1023, and one such connection holding it while the "
+                "daemon restarts keeps it from starting", f"choose a port below {RESERVED_LOW}")
         if port and port >= start:
             ephemeral = ", or chunk_port=0 (a free port each start, which the nodes read " \
                 "from its lease)" if option == "chunk_port" else ""
