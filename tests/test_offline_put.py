@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Mounted, mxfs, one_line_error
+from conftest import CRASH, Mounted, kill_daemon, mxfs, one_line_error
 from users import ensure_users
 
 from mxfs.meta import MetaStore
@@ -184,3 +184,23 @@ def test_put_copies_the_files_it_opened_whatever_is_swapped_in_meanwhile(
     with open(mounted.path / "a.bin", "rb") as f:
         while block := f.read(len(piece)):
             assert block == piece
+
+
+@pytest.mark.daemon_log(CRASH)
+def test_a_put_after_a_crash_leaves_the_store_to_the_next_mounts_check(
+        mounted: Mounted, tmp_path: Path) -> None:
+    """A daemon killed leaves its store marked unclean, and the next mount checks every
+    page of it; a `mxfs put` in between (which does not) marked it clean as it closed,
+    and the next mount checked nothing.  The mark stays for the mount now."""
+    kill_daemon(mounted)
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"s" * 1000)
+    mxfs("put", mounted.members[0], str(small))
+    pool = Pool.open(mounted.members[0])
+    store = MetaStore.open(pool.meta_location, readonly=True)
+    try:
+        assert store.setting("clean") != "1"
+    finally:
+        store.close()
+    mounted.remount()
+    assert (mounted.path / "small.bin").read_bytes() == small.read_bytes()

@@ -79,6 +79,7 @@ class Volume:
     def __init__(self, pool: Pool, store: MetaStore, lock_fd: int | None = None) -> None:
         self.pool = pool
         self.store = store
+        self.checked = True  # (whether close may mark the store clean: `open`)
         store.on_settled = pool.meta_committed
         self.open_inodes: dict[int, OpenInode] = {}
         store.held = self.open_inodes.__contains__  # (their objects stay the store's)
@@ -182,6 +183,10 @@ class Volume:
         vol = cls(pool, store, lock_fd)
         vol.owner_views = views
         vol.restored_from = restored
+        # Only a store checked here (a mount's `_recover_store`), or found clean, is
+        # marked clean at close: a tool opening one a crash left would hide the crash
+        # from the next mount's check (`sqlite_engine.file_problem`).
+        vol.checked = recover_meta or store.setting("clean") == "1"
         return vol
 
     @classmethod
@@ -864,7 +869,7 @@ class Volume:
         if not self.reader_epochs:  # (else nodes may hold some: the next mount frees them)
             self.reclaim_pending()
         self.store.flush_all()
-        if clean:
+        if clean and self.checked:
             self.store.set_setting("clean", "1")
         self.store.durable()
         if self.lease is not None:
