@@ -173,6 +173,44 @@ def test_thousands_of_orphans_a_crash_left_are_freed_in_bites(mounted: Mounted) 
 
 
 @pytest.mark.daemon_log(CRASH)
+def test_a_crashs_orphans_count_against_their_owner_until_freed(mounted: Mounted) -> None:
+    """A crash's orphans, queued at mount and freed while the daemon serves (minutes,
+    for a million), were credited to their owners as a removal freed within a round
+    is: a user at her quota could write their size again while the pool still held
+    them.  They now count against her until freed."""
+    alice = ensure_users()["alice"]
+    mxfs("quota", str(mounted.path), "--user", alice.name, "--bytes", "1MiB")
+    d = mounted.path / "alice"
+    d.mkdir()
+    os.chown(d, alice.uid, alice.gid)
+    p = d / "big"
+    p.write_bytes(os.urandom(768 << 10))
+    os.chown(p, alice.uid, alice.gid)
+    f = open(p, "rb")  # noqa: SIM115 - held open across the crash on purpose
+    os.unlink(p)
+    dfd = os.open(d, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+    kill_daemon(mounted)
+    with contextlib.suppress(OSError):  # ENOTCONN: its daemon is gone
+        f.close()
+    vol = Volume.open(mounted.members[0], hold="test")
+    try:
+        vol.recover(drain=False)  # (as the daemon does: queued, freed while serving)
+        assert vol.pending_reclaim
+        with pytest.raises(OSError) as e:  # (what her next write of 512 KiB asks)
+            vol.quotas.room(alice.uid, 512 << 10)
+        assert e.value.errno == errno.EDQUOT
+        vol.reclaim_pending()
+        vol.quotas.room(alice.uid, 512 << 10)  # (freed: it fits)
+    finally:
+        vol.close()
+    mounted.remount()
+    mounted.umount()
+    check_pool(mounted.members)
+
+
+@pytest.mark.daemon_log(CRASH)
 def test_unsynced_tail_is_trimmed_after_a_crash(mounted: Mounted) -> None:
     p = mounted.path / "f"
     synced = os.urandom(300_000)

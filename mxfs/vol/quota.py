@@ -68,12 +68,14 @@ NONE = Quota()
 class Freeing:
     """Bytes and inodes, by tenant (`vol/tenants.py`: a user with her subordinate
     uids), of orphans queued to be freed (no longer open; the daemon frees them within
-    a round): kept as they are queued and dropped, so a quota check reads one total,
-    not the queue nor every owner in it (one user's mass removal of files owned by her
-    65,536 subordinate uids made each check walk them all)."""
+    a round; a crash's only their owners: `add_uncredited`): kept as they are queued
+    and dropped, so a quota check reads one total, not the queue nor every owner in it
+    (one user's mass removal of files owned by her 65,536 subordinate uids made each
+    check walk them all)."""
 
     def __init__(self) -> None:
-        self._queued: dict[int, tuple[int, int, int]] = {}  # ino -> (uid, tenant, bytes)
+        # ino -> (uid, tenant, bytes credited, inodes credited: 1, or 0 for a crash's)
+        self._queued: dict[int, tuple[int, int, int, int]] = {}
         self.bytes: Counter[int] = Counter()  # by tenant
         self.inodes: Counter[int] = Counter()
 
@@ -85,16 +87,22 @@ class Freeing:
         if ino in self._queued:
             return
         tenant = tenant_of(uid)
-        self._queued[ino] = (uid, tenant, nbytes)
+        self._queued[ino] = (uid, tenant, nbytes, 1)
         self.bytes[tenant] += nbytes
         self.inodes[tenant] += 1
+
+    def add_uncredited(self, ino: int, uid: int) -> None:
+        """Orphan `ino` of `uid` queued, its owner kept (`owner`) but nothing credited:
+        a crash's orphans, freed over minutes while their owners write, count against
+        them until freed, or one could write their size again while the pool holds it."""
+        self._queued.setdefault(ino, (uid, tenant_of(uid), 0, 0))
 
     def drop(self, inos: Iterable[int]) -> None:
         for ino in inos:
             queued = self._queued.pop(ino, None)
-            if queued is None:
+            if queued is None or not queued[3]:
                 continue
-            _, tenant, nbytes = queued
+            _, tenant, nbytes, _ = queued
             self.bytes[tenant] -= nbytes
             self.inodes[tenant] -= 1
             if not self.inodes[tenant]:
@@ -107,7 +115,7 @@ class Freeing:
 
     def owner(self, ino: int) -> int:
         """The uid owning queued orphan `ino` (0 if not queued)."""
-        return self._queued.get(ino, (0, 0, 0))[0]
+        return self._queued.get(ino, (0, 0, 0, 0))[0]
 
 
 class Quotas:

@@ -543,17 +543,18 @@ class Volume:
 
     def queue_orphans(self, inos: list[int]) -> None:
         """Queue orphans the rows list (a mount's, fsck's) to be freed as removed files
-        are, their owners and sizes read in few statements (a row each was a round trip
-        to a metadata server); one without an inode row is root's."""
+        are, their owners read in few statements (a row each was a round trip to a
+        metadata server); one without an inode row is root's.  Unlike a removal freed
+        within a round, their bytes count against their owners until freed (minutes,
+        for a million): else a user at her quota could write them again meanwhile."""
         for start in range(0, len(inos), PENDING_BITE):
             self.progress()
             part = inos[start:start + PENDING_BITE]
-            rows = {ino: (uid, size if stat.S_ISREG(mode) else 0)
-                    for ino, uid, mode, size in self.store.owners(part)}
+            owners = {ino: uid for ino, uid, _, _ in self.store.owners(part)}
             for ino in part:
-                uid, nbytes = rows.get(ino, (0, 0))
+                uid = owners.get(ino, 0)
                 self.pending_reclaim.push(ino, uid)
-                self.freeing.add_row(ino, uid, nbytes)
+                self.freeing.add_uncredited(ino, uid)
 
     def _far_of(self, inos: list[int]) -> dict[int, list[int]]:
         """Other nodes' members the layouts of `inos` use (their rows still there,
