@@ -47,6 +47,7 @@ log = logging.getLogger("mxfs.volume")
 XATTR_BITE = 8 << 20  # xattr bytes of removed files freed a reclaim round at most
 LENGTHS_BITE = 64  # ... summed for so many removed files at a time, until the bite is full
 PENDING_BITE = 4096  # orphans freed at once (one commit and one sync) by `reclaim_pending`
+CLOSE_DRAIN_S = 5.0  # seconds a clean close frees queued orphans for, at most (`close`)
 RENEWALS_KEPT = 4096  # inodes whose renews are counted (`Volume.renewals`) at most
 MAX_HELD_PER_USER = 64 << 30  # bytes of one user's removed or renewed files kept readable
 
@@ -696,13 +697,18 @@ class Volume:
         self.store.drop_inodes(inos)
         self.freeing.drop(inos)
 
-    def reclaim_pending(self) -> None:
-        """Free every orphan queued (at unmount, by tools): bite after bite, each one
+    def reclaim_pending(self, for_s: float | None = None) -> int:
+        """Free the orphans queued (at unmount, by tools): bite after bite, each one
         commit, one sync and one change (one sync an orphan: ~3 ms each, an hour for
-        a dropped KV namespace of a million chunks)."""
-        while inos := self.take_pending(PENDING_BITE):
+        a dropped KV namespace of a million chunks); with `for_s`, no bite begins after
+        that many seconds.  How many are left queued (still orphan rows: the next
+        mount frees them)."""
+        end = None if for_s is None else time.monotonic() + for_s
+        while (end is None or time.monotonic() < end) and \
+                (inos := self.take_pending(PENDING_BITE)):
             self.remove_chunks(inos)
             self.drop_inodes(inos)
+        return len(self.pending_reclaim)
 
     def resize(self, node: Inode, size: int) -> bool:
         """Set a file's size in the store, committed; True if it shrank: then the
@@ -868,8 +874,14 @@ class Volume:
             entry.count = 1
             self.release(entry.node.ino)
         self.pending_reclaim.push_all(self.spares.close(), 0)
-        if not self.reader_epochs:  # (else nodes may hold some: the next mount frees them)
-            self.reclaim_pending()
+        # A few seconds of bites at most, none after a failed start or a crash of the
+        # serving loop (a million queued held a stop past systemd's timeout, and a
+        # failed start the pool's lock): those left stay orphan rows, which the next
+        # mount frees; nor while nodes may hold some.  Leaving them is no unclean stop.
+        if clean and not self.reader_epochs:
+            left = self.reclaim_pending(CLOSE_DRAIN_S)
+            if left:
+                log.info("%d removed files left to free at the next mount", left)
         self.store.flush_all()
         if clean and self.checked:
             self.store.set_setting("clean", "1")
