@@ -185,7 +185,7 @@ def test_a_stop_leaves_orphans_past_its_bound_to_the_next_mount(
     leave_orphans(mounted, n)
 
     def reopen() -> Volume:
-        vol = Volume.open(mounted.members[0], hold="test")
+        vol = Volume.open(mounted.members[0], recover_meta=True)  # (as a mount: checked)
         vol.recover(drain=False)  # (as the daemon does: queued, freed while serving)
         return vol
 

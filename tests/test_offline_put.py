@@ -77,6 +77,7 @@ def test_put_refuses_bad_input_in_one_line(mounted: Mounted, tmp_path: Path) -> 
 
 
 @pytest.mark.also_postgres
+@pytest.mark.daemon_log(CRASH)  # (the killed put left the store for the mount to check)
 def test_a_put_killed_midway_leaves_nothing(mounted: Mounted, tmp_path: Path) -> None:
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:
