@@ -54,7 +54,7 @@ from users import User, ensure_users, run_as, subordinate_uids
 
 import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
-from mxfs.client.direct import PlainFile, RemoteFile, open_reader
+from mxfs.client.direct import DirectFile, FileChanged, PlainFile, RemoteFile, open_reader
 from mxfs.fs import kv_follow
 from mxfs.fs.node_files import HOLDS_AT_ONCE
 from mxfs.io import Layout
@@ -2416,6 +2416,38 @@ print(json.dumps("ok"))
             assert res.returncode == 1 and got["unchecked"] == []
             assert [(Path(d["path"]).name, d["member"] in (2, 3)) for d in got["damaged"]] \
                 == [("sealed.bin", True)]
+
+
+def test_writes_through_a_nodes_mount_after_a_reader_there_was_told_change_the_file(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A file open for writing through node b's mount, and written, is opened by a
+    direct reader on b (b's own descriptors, told its generation); b's writer writes
+    it again in place (its size the same): the reader sees the file changed.  The
+    generation stayed until the next open there, and check_unchanged passed over
+    torn bytes."""
+    url = pg_cluster.database()
+    with _two_owners(tmp_path, url) as (_net, a, b, _mine, _theirs):
+        (a.path / "w").mkdir()
+        assert eventually(lambda: (b.path / "w").is_dir(), 15)
+        path = b.path / "w" / "g.bin"
+        path.write_bytes(b"A" * (1 << 20))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"A", 0)
+            os.fsync(fd)
+            for byte in (b"B", b"C"):  # (each reader in turn: told, then written)
+                with open_reader(str(path)) as reader:
+                    assert isinstance(reader, DirectFile)  # (b's own descriptors)
+                    buf = bytearray(1 << 20)
+                    reader.read_into(0, memoryview(buf))
+                    reader.check_unchanged()
+                    os.pwrite(fd, byte * (512 << 10), 512 << 10)
+                    os.fsync(fd)
+                    with pytest.raises(FileChanged):
+                        reader.check_unchanged()
+        finally:
+            os.close(fd)
+        assert (a.path / "w" / "g.bin").read_bytes() == b"A" * (512 << 10) + b"C" * (512 << 10)
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not)",

@@ -7,16 +7,17 @@ named and empty, on this node's members; an open for writing (or a truncate by n
 asks the writer whether this caller may write that file, wholly on this node's
 members, and is granted it with this node's share of its owner's quota (`room`,
 reserved for this node on the writer; writes past it ask for a larger share, and are
-refused, EDQUOT, when none is left).  Writes then land on this node's chunk
-files; the file's size and mtime are held here (`Written`, shown by this node's
-getattrs) until a close (or fsync) tells the writer (`node_written`: close-to-open,
-as NFS gives it; a size told only grows the file).  A cut is told before it is made
-(the writer's size never stands over bytes this node no longer holds), and writes
-wait while one runs.  A close the writer refuses (a quota) fails; a last close left
-untold is told again each second (`run`, each user's apart) until the writer takes
-it, or refuses it, and then this node cuts its chunk files back to the size the
-writer holds: bytes the writer never took are never read.  Files striped over other
-nodes' members are the writer's (EROFS here).
+refused, EDQUOT, when none is left).  The writer gives the file a new generation at
+that open, and again before the first write after a direct reader here was told it.
+Writes then land on this node's chunk files; the file's size and mtime are held here
+(`Written`, shown by this node's getattrs) until a close (or fsync) tells the writer
+(`node_written`: close-to-open, as NFS gives it; a size told only grows the file).  A
+cut is told before it is made (the writer's size never stands over bytes this node
+no longer holds), and writes wait while one runs.  A close the writer refuses (a
+quota) fails; a last close left untold is told again each second (`run`, each user's
+apart) until the writer takes it, or refuses it, and then this node cuts its chunk
+files back to the size the writer holds: bytes the writer never took are never read.
+Files striped over other nodes' members are the writer's (EROFS here).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Written:
     writing: int = 0  # writes past `allow`, not yet landed or queued
     drained: trio.Event = field(default_factory=trio.Event)  # (writing went to 0)
     opening: int = 0  # opens granted, their handles not yet made
+    renewing: trio.Event | None = None  # set while the writer gives it a new generation
 
 
 class MountWrites:
@@ -248,10 +250,12 @@ class MountWrites:
     async def allow(self, ino: int, end: int) -> None:
         """Before a write up to `end` (`wrote` after it, whatever came of it): EDQUOT
         past what the owner's quota lets its files here grow to (this node's share of
-        it, asked to grow first: `node_room`); waits while a cut of the file runs."""
+        it, asked to grow first: `node_room`); waits while a cut of the file runs, and
+        while the writer gives it a new generation (`_renew`)."""
         held = self.files[ino]
         asked = False
         while True:
+            await self._renew(held, ino)
             await self.uncut(ino)
             if self._fits(held, end):
                 break
@@ -264,6 +268,29 @@ class MountWrites:
         if not held.writing:
             held.drained = trio.Event()
         held.writing += 1
+
+    async def _renew(self, held: Written, ino: int) -> None:
+        """Where a direct reader here was told the file's generation (`OpenInode.told`)
+        since the writer last gave it one, the writer gives it another before this
+        write lands (`node_room` with "renew"), so the reader sees its bytes changed:
+        one ask per (told, then written), the file's other writes waiting for it."""
+        while held.renewing is not None:
+            await held.renewing.wait()
+        entry = self.vol.open_inodes.get(ino)
+        if entry is None or not entry.told:
+            return
+        held.renewing = done = trio.Event()
+        entry.told = False
+        try:
+            reply = await self._granted_ask(held.caller, "node_room",
+                                            {"ino": ino, "renew": True}, held.owner)
+        except BaseException:
+            entry.told = True  # (not renewed: the next write asks again)
+            raise
+        finally:
+            held.renewing = None
+            done.set()
+        entry.node.generation = max(entry.node.generation, int(reply["generation"]))
 
     async def _ask_room(self, held: Written, ino: int, end: int) -> None:
         """Ask the writer for a larger share of the file's owner's quota, as the user

@@ -67,6 +67,7 @@ from mxfs.fs.node_writes import (
     Rooms,
     mount_create,
     mount_open,
+    mount_renew,
     mount_written,
 )
 from mxfs.fs.owned import OwnedSums
@@ -239,9 +240,16 @@ class NodeFiles:
             if bool_field(msg, "last"):
                 self.grants.let_go(node, ino)
             return {**describe(self.vol, row), **said}, [], row.ino
-        if op == "node_room":  # (a granted file's writes need more of its owner's quota)
-            share = self.grants.check(node, epoch, int_field(msg, "ino"))
-            return self.rooms.top_up(share, int_field(msg, "need"), grow=True), [], None
+        if op == "node_room":  # (a granted file's writes need more of its owner's quota,
+            ino = int_field(msg, "ino")  # or a new generation: "renew")
+            share = self.grants.check(node, epoch, ino)
+            out: dict[str, Any] = {}
+            if bool_field(msg, "renew"):
+                out["generation"] = mount_renew(self.vol, self.vol.store.get(ino), node)
+            if "need" not in msg:
+                return {**out, **self.rooms.said(share)}, [], None
+            return {**out, **self.rooms.top_up(share, int_field(msg, "need"), grow=True)
+                    }, [], None
         made: list[tuple[int, bytes]] = []
         if op == "node_create":
             self.grants.room(node, epoch, None, caller.uid)

@@ -12,12 +12,13 @@ file made read-only meanwhile, or created so, is still written through what was
 opened) and answers with the bytes the node may let its owner's files there grow
 before telling (`Rooms`: a share of the owner's quota reserved for that node, so two
 nodes, or a node and the writer's own mount, never both spend the same bytes; the
-node asks for more, `node_room`, as its writes need it).  `mount_written` takes what a
-granted file's close (or cut) left: a size only grows it (another node, or the
-writer's own mount, may have written past it meanwhile) unless the node cut it; the
-owner's byte quota judged for what it grew, out of the node's share first; an mtime
-from anyone but the owner or root taken as now; the layout the node wrote with must
-still be the file's.
+node asks for more, `node_room`, as its writes need it; with "renew", the file a new
+generation first: `mount_renew`, once a direct reader on the node was told it).
+`mount_written` takes what a granted file's close (or cut) left: a size only grows
+it (another node, or the writer's own mount, may have written past it meanwhile)
+unless the node cut it; the owner's byte quota judged for what it grew, out of the
+node's share first; an mtime from anyone but the owner or root taken as now; the
+layout the node wrote with must still be the file's.
 """
 
 from __future__ import annotations
@@ -252,6 +253,16 @@ def mount_open(vol: Volume, caller: Caller, row: Inode, node: str) -> Inode:
     vol.store.begin_write(row, dirty_data=False)
     vol.store.commit()
     return row
+
+
+def mount_renew(vol: Volume, row: Inode, node: str) -> int:
+    """A new generation for a granted file before `node` writes it on after a reader
+    there was told the one it has (as `Volume.note_write` gives the writer's own
+    writes): the generation now.  Permission is not judged again (the open was)."""
+    _may_write(vol, row, node)
+    vol.store.begin_write(row, dirty_data=False)
+    vol.store.commit()
+    return row.generation
 
 
 def mount_written(vol: Volume, rooms: Rooms, share: Share, caller: Caller, msg: Msg,
