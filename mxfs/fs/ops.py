@@ -606,8 +606,13 @@ class MxfsOperations(pyfuse3.Operations):
         caller = _caller(ctx)
         if not judged:  # (the writer judges the seal too: no store read here first)
             await self.written.open(node, caller)
+        fresh = node.ino not in self.vol.open_inodes
         try:
             info = self._open_handle(node, flags, ctx)
+            if fresh and node.ino in self.vol.lent:  # (a reader here may have been told
+                # the generation the writer gave at this open before its handle was
+                # made, with nothing here to mark: its first write renews it)
+                self.vol.open_inodes[node.ino].told = True
         finally:
             self.written.opened(node.ino)
             if node.ino not in self.vol.open_inodes:  # (no handle was made)
