@@ -117,6 +117,7 @@ def _restore_held(pool: Pool, file: str, spec: str) -> str:
                         "give a dump made by mxfs meta dump") from None
     vol = Volume.open(spec)  # the caller holds the lock
     vol.restored_from = file
+    vol.checked = True  # (a store built here from the dump: closed clean, not left to check)
     vol.recover()  # drops chunk files the restored store does not know
     vol.close()
     return kept
