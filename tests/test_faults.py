@@ -149,7 +149,7 @@ def test_thousands_of_orphans_a_crash_left_are_freed_in_bites(mounted: Mounted) 
     the node never came up).  The daemon now serves first and frees them in its
     rounds; the mount's recovery, for tools, frees them a bite a sync.  Either way all
     go, their chunk files with them, and fsck finds the pool clean."""
-    n = 2000
+    n = 600  # (past a daemon round's bite of 512: two of them)
     before = len(chunk_files(mounted.members))
     leave_orphans(mounted, n)
     assert len(chunk_files(mounted.members)) == before + n
