@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,51 @@ def test_retention_counts_and_removes_only_the_savers_own(mounted: Mounted) -> N
     assert [s["error"] for s in said] == [None] * 3
     assert sorted(os.listdir(team)) == ["a-2", "a-3", "aa-0", "aa-1", "latest", "zz-0",
                                         "zz-1", "zz-2"]
+
+
+# `mxfs ckpt prune --json` of argv[1] keeping argv[2], in this process: (exit status,
+# its JSON or its error line).
+PRUNE = r"""
+import contextlib, io
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    status = main(["ckpt", "prune", "--json", sys.argv[1], "--keep", sys.argv[2]])
+print(json.dumps([status, json.loads(out.getvalue()) if status == 0 else err.getvalue()]))
+"""
+
+
+# The same prune run first as root on an empty folder: every module it imports loaded
+# while the interpreter's library (perhaps root's alone) can still be read.
+WARM_PRUNE = r"""
+import contextlib, io, tempfile
+from mxfs.cli.main import main
+with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory() as d:
+    assert main(["ckpt", "prune", "--json", d, "--keep", "1"]) == 0
+"""
+
+
+def test_a_prune_by_hand_keeps_each_owners_newest(mounted: Mounted) -> None:
+    """Bob's folders in a shared sticky folder, dated in the future and in the past:
+    alice's `mxfs ckpt prune` removes only her oldest, counting hers alone; root's
+    keeps each owner's newest, so bob's dates push out nobody else's."""
+    users = ensure_users()
+    team = _shared(mounted, 0o1777)
+    said: Any = _alice_saves(users["alice"], team, ["a-1", "a-2", "a-3"])
+    assert [s["error"] for s in said] == [None] * 3
+    _bob(mounted, users["bob"], *[["manifest", str(team / f"zz-{i}"), str(2**62 + i)]
+                                  for i in range(3)],
+         *[["manifest", str(team / f"aa-{i}"), "1"] for i in range(2)])
+    cmd = _as(users["alice"], PRUNE, str(team), "2")
+    cmd[2] = WARM_PRUNE + cmd[2]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    status, out = json.loads(res.stdout)
+    assert status == 0, out
+    assert out["removed"] == [str(team / "a-1")]
+    got = subprocess.run([sys.executable, "-m", "mxfs", "ckpt", "prune", "--json",
+                          str(team), "--keep", "2"], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert sorted(os.listdir(team)) == ["a-2", "a-3", "latest", "zz-1", "zz-2"]
 
 
 def test_names_another_user_holds_are_warned_of_or_refused_by_name(mounted: Mounted

@@ -594,11 +594,13 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
 
 def prune(root: str, keep: int, protect: str | None = None, owner: int | None = None
           ) -> list[str]:
-    """Keep the newest `keep` checkpoints (and `protect`); remove the rest and partials.
+    """Keep each owner's newest `keep` checkpoints (and `protect`); remove the rest and
+    the stale partials.
 
-    `owner` (a save's retention: its user's uid) counts and removes only the folders
-    that uid owns: others' in a shared folder are neither removed nor counted (their
-    manifests, dated as their writer likes, would push out the caller's own)."""
+    Counted per owner, as a folder's owner says: in a shared folder another user's
+    manifests, dated as their writer likes, would otherwise push out the caller's own.
+    `owner` (a save's retention, a user's prune) counts and removes only the folders
+    that uid owns; None (root's prune) every owner's, each kept to `keep`."""
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}", "pass --keep 1 or more")
     removed = []
@@ -606,11 +608,15 @@ def prune(root: str, keep: int, protect: str | None = None, owner: int | None = 
         for name in _partials_at(fd, owner):
             shutil.rmtree(name, dir_fd=fd, ignore_errors=True)
             removed.append(os.path.join(root, name))
-        entries = [e for e in _list_at(fd, root) if owner is None or e.uid == owner]
+        by_owner: dict[int, list[Entry]] = {}
+        for e in _list_at(fd, root):  # (oldest first)
+            if owner is None or e.uid == owner:
+                by_owner.setdefault(e.uid, []).append(e)
         latest = _latest_at(fd)
-        for e in entries[:max(0, len(entries) - keep)]:
-            if e.name in (protect, latest):
-                continue
-            _remove_at(fd, root, e.name)
-            removed.append(e.path)
+        for entries in by_owner.values():
+            for e in entries[:max(0, len(entries) - keep)]:
+                if e.name in (protect, latest):
+                    continue
+                _remove_at(fd, root, e.name)
+                removed.append(e.path)
     return removed

@@ -81,7 +81,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     from mxfs.ckpt import prune
 
-    removed = prune(_root(args.folder), args.keep)
+    # A user prunes her own; root each owner's (`prune`: counted per owner either way).
+    euid = os.geteuid()
+    removed = prune(_root(args.folder), args.keep, owner=None if euid == 0 else euid)
     if args.json:
         print(json.dumps({"removed": removed}))
     else:
@@ -102,7 +104,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v = verbs.add_parser("rm", help="remove checkpoints (latest moves to the newest left)")
     v.add_argument("path", nargs="+")
     v.set_defaults(func=cmd_rm)
-    v = verbs.add_parser("prune", help="keep the newest N checkpoints, drop dead partial saves")
+    v = verbs.add_parser("prune", help="keep the newest N checkpoints of each owner (yours, "
+                         "unless root), drop dead partial saves")
     v.add_argument("folder")
     v.add_argument("--keep", type=int, required=True, metavar="N")
     v.set_defaults(func=cmd_prune)
