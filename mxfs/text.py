@@ -9,6 +9,8 @@ admin command prints goes through `shown` (`shown_key` for KV keys).
 
 from __future__ import annotations
 
+import pwd
+
 
 def shown(name: bytes | str) -> str:
     """`name` for a terminal: printable text as it is; each other character escaped,
@@ -41,3 +43,13 @@ def shown_key(key: bytes) -> str:
     except UnicodeDecodeError:
         return "0x" + key.hex()
     return text if text.isprintable() else "0x" + key.hex()
+
+
+def user_name(uid: int, with_uid: bool = False) -> str:
+    """A uid as a person reads it: its login name (and the uid, `with_uid`), or
+    "uid N" where no account has it (a container's user, a deleted one)."""
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+    return f"{name} (uid {uid})" if with_uid else name

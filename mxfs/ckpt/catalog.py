@@ -29,7 +29,6 @@ import contextlib
 import errno
 import json
 import os
-import pwd
 import shutil
 import stat
 import time
@@ -41,6 +40,7 @@ from mxfs.client.writer import create_file, sync_dir, umask
 from mxfs.errors import MxfsError
 from mxfs.proc import running
 from mxfs.safe_open import open_dir, read_small, write_new
+from mxfs.text import user_name
 
 MANIFEST = "mxfs-checkpoint.json"
 FORMAT = "mxfs-checkpoint"
@@ -282,13 +282,6 @@ class Partial:
     ino: int
     uid: int
     mode: int  # what it becomes when published: 0777 less the saver's umask
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def claim_partial(path: str) -> Partial:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import errno
 import os
-import pwd
 from collections.abc import Mapping
 
 from mxfs.errors import MxfsError
 from mxfs.fs.socket_owner import listener_uids
 from mxfs.io.chunk_client import RESERVED_LOW
+from mxfs.text import user_name
 
 UNPRIVILEGED_START = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
 PORTS = ("chunk_port", "metrics_port")
@@ -81,8 +81,8 @@ def listen_error(what: str, option: str, addr_option: str, host: str, port: int,
         f"(-o {addr_option}=IP)"
     if e.errno == errno.EADDRINUSE:
         uids = sorted(set(listener_uids(host, port)))
-        problem += f": held by {', '.join(map(_user, uids))}" if uids else \
-            ": held by a socket whose owner was not found"
+        who = ", ".join(user_name(u, with_uid=True) for u in uids)
+        problem += f": held by {who}" if uids else ": held by a socket whose owner was not found"
         fix = f"stop what holds it (ss -ltnp 'sport = :{port}' names it) or {fix}"
     elif e.errno == errno.EACCES:
         fix = f"mount as root (or with CAP_NET_BIND_SERVICE) to listen on port {port}, " \
@@ -90,8 +90,3 @@ def listen_error(what: str, option: str, addr_option: str, host: str, port: int,
     return MxfsError(problem, fix)
 
 
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
