@@ -863,6 +863,46 @@ def test_a_chunk_is_committed_into_the_namespace_it_was_made_for(mounted: Mounte
         assert bytes(kv.get(b"k")) == b"abc"
 
 
+def test_a_chunk_with_holes_is_refused_at_its_commit(mounted: Mounted) -> None:
+    """A writer that sized its chunk files without writing them (holes: no disk, yet
+    the size counted and its checksums held in the daemon's memory) is refused at
+    kv_commit and nothing is stored; the same chunk written (zeros included) is."""
+    import base64
+
+    from mxfs.client import ControlClient
+    from mxfs.client.control import ControlError
+    from mxfs.io import Layout
+    from mxfs.io.checksum import block_sums, pack_sums
+
+    size = 3 << 20
+    with ControlClient(str(mounted.path)) as c:
+        c.call("kv_ns_create", namespace="holes", capacity=1 << 30)
+        for key, write in ((b"sized", False), (b"written", True)):
+            made, fds = c.call_with_fds("kv_create", namespace="holes",
+                                        key=base64.b64encode(key).decode(), size=size)
+            lay = Layout.from_description(made["layout"])
+            assert len(fds) == len(lay.holding(size))
+            for m, fd in zip(sorted(lay.holding(size)), fds, strict=True):
+                if write:
+                    os.pwrite(fd, bytes(lay.chunk_length(m, size)), 0)
+                else:
+                    os.ftruncate(fd, lay.chunk_length(m, size))
+                os.close(fd)
+            commit = {"namespace": "holes", "ino": made["ino"],
+                      "key": base64.b64encode(key).decode(), "size": size,
+                      "sum_unit": lay.unit, "sums": base64.b64encode(
+                          pack_sums(block_sums(bytes(size), lay.unit))).decode()}
+            if write:
+                assert c.call("kv_commit", **commit)["stored"] is True
+                continue
+            with pytest.raises(ControlError) as e:
+                c.call("kv_commit", **commit)
+            assert e.value.errno == errno.EINVAL and "hold holes" in e.value.strerror
+    with KVStore(str(mounted.path), "holes") as kv:
+        assert not kv.exists(b"sized")
+        assert bytes(kv.get(b"written")) == bytes(size)
+
+
 def test_a_large_chunk_is_settled_at_its_commit_and_an_overdraft_refused(
         mounted: Mounted) -> None:
     """A chunk larger than a spare is settled at its commit in a worker thread (cutting

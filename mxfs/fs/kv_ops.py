@@ -49,6 +49,7 @@ from mxfs.fs.session import (
     refuse_if_degraded,
     refuse_if_writers,
     settle_off_loop,
+    sparse_chunks,
 )
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.io.checksum import block_sums, pack_sums
@@ -815,25 +816,34 @@ class KVOps:
         key, size = _key(msg), int_field(msg, "size")
         sum_unit, sums = sums_field(msg, self.vol.layout(entry.node).unit, size)
 
-        def settled() -> bool:
-            """Whether the writer kept to its word; if so the chunk is settled at `size`
-            (stats, leases and a truncate of its chunk files, off the loop: cutting
-            back 256 MiB of dirty pages held the one thread 23-46 ms, and a member
-            that stopped answering held it for good; a spare's in a member call, a
-            few at a time on its member, not behind others' commits' syncs)."""
+        overdrawn = OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes "
+                            "declared at kv_create: refused, and the chunk's space reclaimed")
+
+        def settled() -> OSError | None:
+            """Why the writer did not keep to its word, or None and the chunk is settled
+            at `size` (stats, leases and a truncate of its chunk files, off the loop:
+            cutting back 256 MiB of dirty pages held the one thread 23-46 ms, and a
+            member that stopped answering held it for good; a spare's in a member call,
+            a few at a time on its member, not behind others' commits' syncs)."""
             if overdrew(self.vol, pending):
-                return False
+                return overdrawn
             refuse_if_writers(self.vol, pending)
             self.vol.settle_hidden(entry, size, sync=False)
-            return True
+            sparse = sparse_chunks(self.vol, entry.node, size)
+            if sparse:
+                return OSError(errno.EINVAL, f"the chunk's files on member(s) "
+                               f"{', '.join(map(str, sparse))} hold holes: write all "
+                               f"{size} bytes before kv_commit (refused, its space "
+                               "reclaimed)")
+            return None
         uid = session.caller.uid
-        if size > pending.declared or not (
-                await settle_off_loop(uid, settled) if pending.declared > ONE_MEMBER_MAX
-                else await self.calls.run_whole(
-                    settled, uid, self.vol.layout(entry.node).used_members())):
+        refused = overdrawn if size > pending.declared else (
+            await settle_off_loop(uid, settled) if pending.declared > ONE_MEMBER_MAX
+            else await self.calls.run_whole(
+                settled, uid, self.vol.layout(entry.node).used_members()))
+        if refused is not None:
             await drop_pending(self.vol, session, entry.node.ino)
-            raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
-                          "kv_create: refused, and the chunk's space reclaimed")
+            raise refused
         if self.index.spaces.get(space.name) is not space:  # (removed meanwhile)
             await drop_pending(self.vol, session, entry.node.ino)
             raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")

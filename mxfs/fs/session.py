@@ -164,6 +164,20 @@ def overdrew(vol: Volume, pending: Pending) -> bool:
     return pending.overdrawn or bool(grown_chunks(vol, pending.entry.node, pending.declared))
 
 
+def sparse_chunks(vol: Volume, node: Inode, size: int) -> list[int]:
+    """Blocking: members whose chunk file of `node`, settled at `size`, has fewer bytes
+    allocated than it spans (holes a writer left by truncating or punching): a chunk
+    sealed so would cost its checksums' memory and its size in every count of bytes,
+    and no disk.  Blocks reserved but not written (fallocate) count as allocated."""
+    lay = vol.layout(node)
+    sparse = []
+    for m in sorted(lay.holding(size)):
+        st = os.stat(vol.pool.chunk_path(m, node.ino))
+        if st.st_blocks * 512 < lay.chunk_length(m, size) // PAGE * PAGE:
+            sparse.append(m)
+    return sparse
+
+
 def grown_chunks(vol: Volume, node: Inode, declared: int) -> list[int]:
     """Blocking: members whose chunk file of `node` runs past what `declared` allows."""
     grown = []
