@@ -23,6 +23,7 @@ from conftest import (
     check_pool,
     chunk_files,
     eventually,
+    ext4_image,
     kill_daemon,
     make_members,
     mkfs,
@@ -37,7 +38,7 @@ from mxfs.client import ControlClient
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
 from mxfs.pool.key import load_key
-from mxfs.pool.pool import META_GROWTH_FLOOR, META_MEASURE_S
+from mxfs.pool.pool import INODE_RESERVE, META_GROWTH_FLOOR, META_MEASURE_S
 from mxfs.vol import volume
 from mxfs.vol.volume import Volume
 
@@ -67,6 +68,34 @@ def test_full_member_gives_enospc_and_harms_nothing(loop_pool: Mounted) -> None:
     assert (mp / "again").read_bytes() == block * 8
     loop_pool.umount()
     check_pool(loop_members)
+
+
+def test_files_stop_short_of_a_members_last_inodes(tmp_path: Path) -> None:
+    """Members with few inodes, filled with one-byte files until creates are refused
+    (ENOSPC): each member keeps its reserve of inodes for the daemon's own files, and
+    existing files still take writes and a chmod."""
+    with contextlib.ExitStack() as stack:
+        members = [stack.enter_context(ext4_image(tmp_path, f"m{i}", 48, inodes=1600))
+                   for i in range(2)]
+        mkfs(members)
+        with mounted_pool(members) as m:
+            (m.path / "keeper").write_bytes(b"k")
+            refused = 0
+            for i in range(2 * 1600):
+                try:
+                    (m.path / f"f{i}").write_bytes(b"x")
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+                    refused += 1
+                    if refused > 50:
+                        break
+            assert refused > 50
+            for member in members:
+                assert os.statvfs(member).f_favail >= INODE_RESERVE - 64
+            with open(m.path / "keeper", "ab") as f:
+                f.write(b" and more")
+            os.chmod(m.path / "keeper", 0o600)
+            assert (m.path / "keeper").read_bytes() == b"k and more"
 
 
 # ---- SIGKILL during a storm of writes -----------------------------------------------

@@ -97,7 +97,8 @@ class ChunkFiles:
         try:
             if create:
                 with self.pool.creating(member, self.ino):
-                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_CREAT, 0o600)
+                    fd = os.open(path, self.pool.create_flags(
+                        member, path, os.O_RDWR | os.O_CLOEXEC | os.O_CREAT), 0o600)
             else:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             self._readonly.discard(member)

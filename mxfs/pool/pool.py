@@ -58,6 +58,10 @@ META_GROWTH_FLOOR = META_RESERVE // 2
 META_MEASURE_S = 0.1
 META_MEASURE_BYTES = 1 << 20
 META_ROW = 512  # what one more metadata row costs the store, about (names added on top)
+# Inodes a member keeps for the daemon's own files (a renew's copy, a store backup):
+# tenants' new chunk files stop short of them, so a pool filled with files still lets
+# an owner's chmod take a reader's right away.
+INODE_RESERVE = 1024
 
 
 log = logging.getLogger("mxfs.pool")
@@ -400,6 +404,8 @@ class Pool:
         # reclaim removed it, a chunk file of no inode).
         self._creating: Counter[tuple[int, int]] = Counter()
         self._created = threading.Condition()
+        # `inodes_low`'s last measure a member: (when, free inodes then, creates since)
+        self._inodes: dict[int, tuple[float, int, int]] = {}
         # Growth let through since the store last committed: the open group's pages may
         # sit in SQLite's memory, unseen by statvfs until its commit writes them.
         self._meta_uncommitted = 0
@@ -700,6 +706,29 @@ class Pool:
                     del self._creating[(member, ino)]
                 self._created.notify_all()
 
+    def inodes_low(self, member: int) -> bool:
+        """(Blocking callers.)  Whether `member` is down to its last INODE_RESERVE free
+        inodes: measured again after a tenth of a second, or at once near the reserve
+        (creates since the last measure counted off it)."""
+        at, free, since = self._inodes.get(member, (-math.inf, 0, 0))
+        now = time.monotonic()
+        if now - at > META_MEASURE_S or free - since < 2 * INODE_RESERVE:
+            st = os.statvfs(self.members[member].path)
+            # (a file system with no fixed count says 0 inodes: none to run out of)
+            at, free, since = now, st.f_favail if st.f_files else 1 << 62, 0
+        self._inodes[member] = (at, free, since + 1)
+        return free - since < INODE_RESERVE
+
+    def create_flags(self, member: int, path: str, flags: int) -> int:
+        """`flags` for opening chunk file `path` on `member`, without O_CREAT where the
+        member is down to its reserve of inodes (`inodes_low`): an existing file still
+        opens, a new one is ENOSPC."""
+        if not flags & os.O_CREAT or not self.inodes_low(member) or os.path.exists(path):
+            return flags
+        raise OSError(errno.ENOSPC, f"member {member} ({self.members[member].path}) is "
+                      f"down to its last {INODE_RESERVE} free inodes, kept for the daemon's "
+                      "own files: remove files, or give the member more inodes")
+
     def open_chunk(self, member: int, ino: int, flags: int, guard: Guard | None = None
                    ) -> int:
         """A descriptor of a chunk file (made 0600 with O_CREAT), opened through
@@ -711,9 +740,11 @@ class Pool:
         return self._open_chunk(member, path, flags, guard)
 
     def _open_chunk(self, member: int, path: str, flags: int, guard: Guard | None) -> int:
+        def opened() -> int:  # (the inode count asked in the guard too: a member call)
+            return os.open(path, self.create_flags(member, path, flags), 0o600)
         if guard is None:
-            return os.open(path, flags, 0o600)
-        fd = guard(member, functools.partial(os.open, path, flags, 0o600))
+            return opened()
+        fd = guard(member, opened)
         if fd is None:
             raise NotAnswering(errno.EIO, f"member {member} ({self.members[member].path}) "
                                "is not answering: its files cannot be opened now")
