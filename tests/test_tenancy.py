@@ -19,6 +19,7 @@ import pytest
 from conftest import HAVE_FUSE, Mounted, mxfs, one_line_error
 from users import TEAM, ensure_users, run_as
 
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 from mxfs.vol.kv_index import MAX_CHUNK
 
@@ -166,6 +167,7 @@ def test_the_direct_path_and_the_mount_agree_on_every_rule(mounted: Mounted) -> 
 
 
 KV_AS_USER = r"""
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 mount = sys.argv[1]
 out = {}
@@ -237,6 +239,7 @@ def test_kv_namespaces_have_owners_and_nobody_plants_chunks(mounted: Mounted) ->
     # Alice makes her own namespace on first use (private), and squats a name root's
     # engine will use, making it open to all.
     setup = r"""
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 for ns, mode in (("alice-own", None), ("engine", 0o777)):
     with KVStore(sys.argv[1], ns, mode=mode) as kv:
@@ -407,6 +410,7 @@ def test_a_damaged_chunk_is_a_miss_to_a_reader_who_may_not_delete_it(
                 f.seek(0)
                 f.write(b"X")
     got = run_as(ensure_users()["alice"], """
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 kv = KVStore(sys.argv[1], "ro", shared=True)
 print(json.dumps([None if v is None else bytes(v).decode()[:1]
@@ -454,6 +458,7 @@ def test_a_namespace_one_may_not_see_answers_as_a_missing_one(mounted: Mounted) 
     m = str(mounted.path)
     os.chmod(mounted.path, 0o755)
     run_as(alice, """
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 with KVStore(sys.argv[1], "alice-secret") as kv:
     kv.put("k" * 16, b"hers")
@@ -497,6 +502,27 @@ with ControlClient(sys.argv[1]) as c:
     with pytest.raises(OSError) as e, KVStore(m, "alice-secret") as kv:
         kv.get("k" * 16)
     assert e.value.errno == errno.EACCES and f"belongs to uid {alice.uid}" in str(e.value)
+
+
+def test_a_users_kv_stats_counts_no_claims_in_namespaces_she_may_not_read(
+        mounted: Mounted) -> None:
+    """Root's two claims in a 0700 namespace: root's kv_stats counts them; bob's counts
+    none (it showed, live, what prefills another had under way in a namespace that
+    answers him ENOENT) and names no other node's claimants."""
+    m = str(mounted.path)
+    os.chmod(mounted.path, 0o755)
+    mxfs("kv", "create", m, "roots", "--mode", "0700")
+    with KVStore(m, "roots") as kv:
+        assert kv.claim([b"a" * 16, b"b" * 16]) == ["yours", "yours"]
+        with ControlClient(m) as c:
+            assert c.call("kv_stats")["claims"] == 2
+        got = run_as(ensure_users()["bob"], """
+from mxfs.client import ControlClient
+with ControlClient(sys.argv[1]) as c:
+    stats = c.call("kv_stats")
+print(json.dumps([stats["claims"], stats["node_claimants"], len(stats["namespaces"])]))
+""", m)
+    assert got == [0, 0, 0]
 
 
 VIEW_HELD = r"""
@@ -561,6 +587,7 @@ def test_a_namespace_made_with_an_explicit_mode_lets_others_read_not_write(
 
 
 FILL_SHARED = r"""
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 m, n = sys.argv[1], int(sys.argv[2])
 with KVStore(m, "alice-team", shared=True) as kv:
@@ -573,6 +600,7 @@ print(json.dumps([sum(put), past, own, usage["chunks"]]))
 """
 
 PUT_OWN = r"""
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 with KVStore(sys.argv[1], "alice-own") as kv:
     print(json.dumps(attempt(kv.put, "k", b"v")))
@@ -614,6 +642,7 @@ def test_a_writers_chunks_in_a_shared_namespace_count_against_her_not_its_owner(
 
 
 EMPTY_CHUNKS = r"""
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 m, n = sys.argv[1], int(sys.argv[2])
 with KVStore(m, "alice-team", shared=True) as kv:
@@ -622,6 +651,7 @@ with KVStore(m, "alice-team", shared=True) as kv:
 """
 
 EVICT_ALL = r"""
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 with KVStore(sys.argv[1], "alice-team") as kv:
     print(json.dumps([kv.evict(0), kv.usage()["chunks"]]))

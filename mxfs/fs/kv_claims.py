@@ -83,6 +83,10 @@ class Claims:
     def __len__(self) -> int:
         return len(self._held)
 
+    def in_space(self, name: str) -> int:
+        """Claims held now on keys of namespace `name` (some may have run out unseen)."""
+        return len(self._by_space.get(name, ()))
+
     def _live(self, key: tuple[str, bytes]) -> Claim | None:
         claim = self._held.get(key)
         if claim is not None and claim.until <= trio.current_time():

@@ -413,8 +413,9 @@ class DeletedReply(TypedDict):
 
 class KVStatsReply(TypedDict):
     namespaces: list[NamespaceStats]
-    claims: int  # compute claims held now, in every namespace
-    node_claimants: int  # other nodes' connections remembered as holding claims here
+    claims: int  # compute claims held now: root's in every namespace, others' in those
+    # they may read
+    node_claimants: int  # other nodes' connections holding claims here (root's; else 0)
 
 
 class KVListRequest(InNamespace, total=False):
