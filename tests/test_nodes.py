@@ -1813,6 +1813,43 @@ def test_a_removed_files_chunk_files_read_on_their_owner_are_its_users(
             os.close(fd)
 
 
+def test_a_chmod_on_the_writer_ends_what_a_nodes_readers_read_of_its_members(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A file on b's members, read directly on b (b's descriptors of its chunk files):
+    a chmod on the writer that takes readers' right away makes b's chunk files anew
+    too, so those descriptors keep what they held and never read what the writer
+    writes after; the file has the new bytes on both nodes."""
+    url = pg_cluster.database()
+    with _two_owners(tmp_path, url) as (_net, a, b, _mine, theirs):
+        (a.path / "shared").mkdir()
+        assert eventually(lambda: (b.path / "shared").is_dir(), 15)
+        (b.path / "shared" / "notes.bin").write_bytes(b"public " * 150000)
+        path = a.path / "shared" / "notes.bin"
+        ino = path.stat().st_ino
+        assert _chunk(theirs[0], ino).stat().st_size > 0
+        with ControlClient(str(b.path)) as c:
+            _, kept = c.call_with_fds("open_read", path=c.pool_path(
+                str(b.path / "shared" / "notes.bin")))
+        try:
+            theirs_held = [fd for fd in kept if os.fstat(fd).st_ino in {
+                _chunk(t, ino).stat().st_ino for t in theirs}]
+            assert theirs_held  # (b's own chunk files among them)
+            os.chmod(path, 0o600)
+            with open(path, "r+b") as f:
+                f.write(b"SECRET " * 150000)
+                f.flush()
+                os.fsync(f.fileno())
+            for fd in theirs_held:
+                got = os.pread(fd, 4 << 20, 0)
+                assert b"SECRET" not in got and b"public" in got
+            assert _cold(path) == b"SECRET " * 150000
+            assert eventually(lambda: _cold(b.path / "shared" / "notes.bin") ==
+                              b"SECRET " * 150000, 15)
+        finally:
+            for fd in kept:
+                os.close(fd)
+
+
 @pytest.mark.daemon_log(r"node \S+ (cannot be reached|could not)")
 def test_a_slow_owner_holds_only_the_files_striped_over_it(tmp_path: Path,
                                                            pg_cluster: Any) -> None:

@@ -216,6 +216,10 @@ class ChunkService:
         self.files: NodeFileTier | None = None  # the writer's files held for other nodes
         # Whether a caller here writes `ino` (a node's direct write, not yet committed).
         self.writing: Callable[[int], bool] = lambda ino: False
+        # While a RENW makes `ino`'s chunk files anew: this node's writes of it (through
+        # its mount) wait, so none lands in the old file after its copy (`Ops`).
+        self.holding: Callable[[int], contextlib.AbstractAsyncContextManager[None]] = \
+            lambda ino: contextlib.nullcontext()
         self.turns: Turns | None = None  # the control socket's requests in service by uid
         # The member guard its opens go through (the daemon's, set by it; None: here).
         self.calls: MemberCalls | None = None
@@ -624,7 +628,7 @@ class ChunkService:
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _chunk_op(self, stream: trio.SocketStream, tag: bytes) -> None:
-        """Receive one WRIT, SYNC, TRUN or REMV of the writer node and answer it: done,
+        """Receive one WRIT, SYNC, TRUN, REMV or RENW of the writer node and answer it: done,
         or the errno and why not."""
         epoch, ino, member, offset, length = CHUNK_OP.unpack(
             await _recv_exact(stream, CHUNK_OP.size))
@@ -674,6 +678,11 @@ class ChunkService:
             # would take whatever those writers wrote: pool/revoke.py).
             await trio.to_thread.run_sync(self.vol.held.hold, ino, offset,
                                           limiter=self._changers)
+            return 0, b""
+        if tag == b"RENW":  # (`offset`: the file's owner, whose limits it counts in)
+            async with self.holding(ino):
+                await trio.to_thread.run_sync(self.vol.renew_here, ino, offset, [member],
+                                              limiter=self._changers)
             return 0, b""
         path = pool.chunk_path(member, ino)
         if tag == b"REMV":  # (`offset`: the file's owner, whose limits it counts in)

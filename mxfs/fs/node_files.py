@@ -443,7 +443,7 @@ class NodeFiles:
                 may_set_times(row, caller)
                 atime = int_field(msg, "atime_ns") if "atime_ns" in msg else None
                 mtime = int_field(msg, "mtime_ns") if "mtime_ns" in msg else None
-            if row.is_reg and self.vol.may_be_lent(row.ino) and self.renew is not None and \
+            if row.is_reg and self.vol.needs_renew(row) and self.renew is not None and \
                     row.takes_read(mode, uid, gid):
                 await self.renew(row, caller.uid)
             store.set_attrs(row, mode=mode, uid=uid, gid=gid, atime_ns=atime, mtime_ns=mtime,

@@ -352,7 +352,7 @@ class MxfsOperations(pyfuse3.Operations):
                 await self.settle(inode)
                 with self._charged(node, attr.st_size):
                     await self._truncate(node, attr.st_size, ctx.uid)
-            if node.is_reg and self.vol.may_be_lent(node.ino) and node.takes_read(
+            if node.is_reg and self.vol.needs_renew(node) and node.takes_read(
                     attr.st_mode if fields.update_mode else None,
                     attr.st_uid if fields.update_uid else None,
                     attr.st_gid if fields.update_gid else None):
@@ -832,6 +832,11 @@ class MxfsOperations(pyfuse3.Operations):
         async with self.renew_turns.turn(uid), self._chunk_files_held(node.ino):
             self.vol.renew_begun(node.ino)  # (`renewing` sees it: open_read judges again)
             await self._in_turn(node, uid, self.vol.renew, node)
+
+    def holding(self, ino: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """The file's chunk files held for a change made elsewhere (the writer's RENW
+        of this node's members): see `_chunk_files_held`."""
+        return self._chunk_files_held(ino)
 
     async def renewing(self, ino: int) -> bool:
         """Whether the inode's chunk files were being cut or renewed: then this returned

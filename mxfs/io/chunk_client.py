@@ -258,7 +258,7 @@ class ChunkClient:
                views: list[memoryview] | None = None) -> None:
         """A chunk change of the pool's writer node (under its lease's `epoch`) on a
         member this node holds: WRIT `views` at `offset`, SYNC (offset 1: data only),
-        TRUN to `offset` bytes, REMV; Refused (the node's errno and line) when it will
+        TRUN to `offset` bytes, REMV, RENW; Refused (the node's errno and line) when it will
         not."""
         views = views or []
         if views and tag != b"WRIT":

@@ -55,7 +55,8 @@ FAR_THREADS = 8  # requests to one owner at once from this node's I/O (as many a
                  # shared I/O pool has on two CPUs: an owner's share is not cut)
 
 
-_CHANGES = {b"WRIT": "write", b"SYNC": "sync", b"TRUN": "truncate", b"REMV": "remove"}
+_CHANGES = {b"WRIT": "write", b"SYNC": "sync", b"TRUN": "truncate", b"REMV": "remove",
+            b"RENW": "renew"}
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class RemoteMembers:
     def change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int = 0,
                views: list[memoryview] | None = None) -> None:
         """A chunk change on the owner's member as the pool's writer under `epoch`
-        (`ChunkClient.change`: WRIT, SYNC, TRUN, REMV; each may be done twice, so a
+        (`ChunkClient.change`: WRIT, SYNC, TRUN, REMV, RENW; each may be done twice, so a
         connection that failed is retried); the owner's refusal as its OSError, EIO
         naming the node when it cannot be asked."""
         self._call(lambda c: c.change(tag, epoch, ino, member, offset, views),

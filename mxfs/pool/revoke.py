@@ -60,7 +60,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from mxfs.errors import MxfsError
 from mxfs.pool.pool import CHUNK_DIR, Pool, unlink_cut
@@ -283,8 +283,10 @@ class Held:
         with self._lock:
             return sum(n for uid, n in self.readable_by.items() if owners(uid))
 
-    def renew(self, ino: int, owner: int = 0) -> int:
-        """Blocking: each of `ino`'s chunk files on this node's members replaced by a
+    def renew(self, ino: int, owner: int = 0, members: Sequence[int] | None = None
+              ) -> int:
+        """Blocking: each of `ino`'s chunk files on this node's members (`members` of
+        them, where given) replaced by a
         copy of itself (its data ranges, holes kept), so that descriptors handed out
         before (`open_read`) hold the old file, which nothing writes again: what they
         read ends at what it held.  Copies are made in `chunks/held/` (a crash leaves
@@ -295,7 +297,7 @@ class Held:
         to end: a chmod of a file read and closed copied it whole, on the lane's
         threads, outside every quota); an O_PATH holder, unseen, reads nothing."""
         renewed = 0
-        for m in self.pool.local_members():
+        for m in self.pool.local_members() if members is None else members:
             src = self.pool.chunk_path(m, ino)
             if not anyone_holds(src):  # (leases failing: True, copied)
                 continue

@@ -70,7 +70,7 @@ that caller's on its control socket; the answer's bytes are its reply as JSON, o
 line saying why not.  Only a node's own connections put, claim, wait, pin or ask: a
 scoped connection that tries is closed.
 
-WRIT, SYNC, TRUN and REMV (each CHUNK_OP: the writer's epoch, the inode, the member,
+WRIT, SYNC, TRUN, REMV and RENW (each CHUNK_OP: the writer's epoch, the inode, the member,
 an offset and a length) change the chunk files of this node's own members for the
 pool's writer node, which places a file's stripes on other nodes' members and writes
 them through their owners: WRIT writes `length` bytes that follow at `offset` (the
@@ -78,7 +78,10 @@ chunk file made if it is not there), SYNC makes the chunk file durable (offset 1
 its data only), TRUN cuts it to `offset` bytes if it is longer, REMV removes it (one
 never written is fine; `offset` is the file's owner, its tenant's uid: a chunk file
 the node's readers or writers hold is kept as hers, in her limits; 0 from older
-writers: root's).  The owner does it only under the epoch of the writer's lease
+writers: root's); RENW makes the chunk file anew where this node's readers or writers
+hold it (`Held.renew`: a rights-taking chmod or chown on the writer; `offset` the
+owner, as for REMV), so what their descriptors read ends at what it held.  The owner
+does it only under the epoch of the writer's lease
 it knows (ESTALE otherwise: a writer declared dead that wakes up changes nothing) and
 only on a member it holds in service (EREMOTE: another node's); the answer is 0 or the
 errno, then a line saying why.  A scoped connection that tries is closed.
@@ -133,10 +136,10 @@ KEY_TAGS = (b"KCLM", b"KWAI", b"KPIN", b"KUNP")  # requests of KEYS_BODY
 # the op's name and the request (JSON)
 KREQ_BODY = struct.Struct("!IIHHI")
 MAX_KREQ = 1 << 20  # bytes of a KREQ's request, and of its answer
-# (WRIT, SYNC, TRUN, REMV past their tags) the writer's epoch, inode, member, offset
-# (REMV: the file's owner), length (WRIT: the bytes that follow)
+# (WRIT, SYNC, TRUN, REMV, RENW past their tags) the writer's epoch, inode, member,
+# offset (REMV, RENW: the file's owner), length (WRIT: the bytes that follow)
 CHUNK_OP = struct.Struct("!QQIQQ")
-CHUNK_OPS = (b"WRIT", b"SYNC", b"TRUN", b"REMV")
+CHUNK_OPS = (b"WRIT", b"SYNC", b"TRUN", b"REMV", b"RENW")
 MAX_WRITE = MAX_READ  # bytes one WRIT carries
 FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
                  "kv_ns_set", "kv_list", "kv_stats")

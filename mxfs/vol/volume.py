@@ -640,16 +640,36 @@ class Volume:
         (whether an earlier daemon lent them is not known)."""
         return ino in self.lent or ino <= self.lent_through and ino not in self.renewed_old
 
+    def needs_renew(self, node: Inode) -> bool:
+        """Whether a change taking a right away must renew the file (`renew`): lent
+        here, or striped over other nodes' members, whose own readers this node does
+        not know of."""
+        return self.may_be_lent(node.ino) or \
+            bool(self.pool.far(self.layout(node).used_members()))
+
     def renew(self, node: Inode) -> None:
         """Blocking: before a lent file's access changes (chmod, chown), its chunk files
         are made anew and this node's own descriptors of them reopened: a reader's
         descriptors keep the bytes it was allowed to read, never what is written after
-        it lost the right (other nodes' members: not yet, see docs/architecture.md)."""
+        it lost the right.  Other nodes' members first (`Pool.renew_far`, RENW): an
+        owner that cannot be asked fails the change, and nothing here is renewed."""
+        owner = tenant_of(node.uid)  # (what is kept for readers counts as its user's)
+        self.pool.renew_far(node.ino, self.layout(node).used_members(), owner)
         self.lent.discard(node.ino)
         if node.ino <= self.lent_through:
             self.renewed_old.add(node.ino)
-        self.held.renew(node.ino, tenant_of(node.uid))  # (kept as its user's)
-        entry = self.open_inodes.get(node.ino)
+        self.held.renew(node.ino, owner)
+        self._reopen(node.ino)
+
+    def renew_here(self, ino: int, owner: int, members: list[int]) -> None:
+        """Blocking: the writer's RENW of this node's `members` of `ino` (`renew`, on
+        the node that holds them): its readers' descriptors end at what they held, and
+        this node's own (a write through its mount) are reopened."""
+        if self.held.renew(ino, owner, members):
+            self._reopen(ino)
+
+    def _reopen(self, ino: int) -> None:
+        entry = self.open_inodes.get(ino)
         if entry is not None and entry.chunks is not None:
             entry.chunks.reopen()
 
