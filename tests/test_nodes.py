@@ -2088,9 +2088,16 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
         alice = (users["alice"].uid, users["alice"].gid, [])
         sticky = os.stat(a.path / "ckpt" / "sticky").st_ino  # (the pool's inodes)
         ckpt_ino = os.stat(a.path / "ckpt").st_ino
+        (b.path / "ckpt" / "plain.bin").write_bytes(b"p")  # (on b's members, closed:
+        on_b = a.path / "ckpt" / "plain.bin"  # no longer granted to b for writing)
+        with ControlClient(str(a.path)) as c:
+            generation = c.layout(str(on_b))["generation"]
         with ChunkClient(host, int(port), load_key(mine[0]),
                          _status(a)["pool_uuid"]) as raw:
             for op, body, code in (
+                    # (a new generation only for a file granted to the node for writing)
+                    ("node_room", {"ino": on_b.stat().st_ino, "renew": True},
+                     errno.ESTALE),
                     ("node_unlink", {"parent": sticky, "name": "cm9vdHM="}, errno.EPERM),
                     ("node_mkdir", {"parent": ckpt_ino, "name": "eA==", "mode": 0o755},
                      errno.EACCES),
@@ -2102,6 +2109,8 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
                                                "node": ["b", node_b["epoch"]]})
                 assert e.value.errno == code, op
         assert (a.path / "ckpt" / "sticky" / "roots").read_bytes() == b"r"
+        with ControlClient(str(a.path)) as c:
+            assert c.layout(str(on_b))["generation"] == generation
         # The writer judges the caller as its own mount would.
         res = run_as(users["alice"], """
 from mxfs.client.writer import create_file
