@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -102,6 +103,8 @@ class SqliteEngine(Engine):
         self._group_open = False
         self._group_started = 0.0
         self._checkpointer: sqlite3.Connection | None = None  # (`checkpoint_apart`)
+        self._wal_fd: int | None = None  # (`sync`)
+        self._wal_lock = threading.Lock()
         self.reserve = Reserve(path)
         if not readonly:
             self.reserve.keep()
@@ -421,15 +424,20 @@ class SqliteEngine(Engine):
                     raise self._error(e) from None
 
     def sync(self) -> None:
-        wal = self.path + "-wal"
-        try:
-            fd = os.open(wal, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        """fsync the WAL through a descriptor kept from its first sync to close: an open
+        each time failed with the daemon's descriptors gone (a tenant's directory fsync
+        with them).  The WAL stays the same file while this connection is open (SQLite
+        removes it at the last close, checkpoints reuse or truncate it in place)."""
+        fd = self._wal_fd
+        if fd is None:
+            with self._wal_lock:  # (syncs run in worker threads: one opens it)
+                if self._wal_fd is None:
+                    try:
+                        self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY | os.O_CLOEXEC)
+                    except FileNotFoundError:
+                        return
+                fd = self._wal_fd
+        os.fsync(fd)
 
     def group_age(self) -> float | None:
         return time.monotonic() - self._group_started if self._group_open else None
@@ -509,6 +517,9 @@ class SqliteEngine(Engine):
             self.db.close()
             if self._checkpointer is not None:
                 self._checkpointer.close()
+            if self._wal_fd is not None:
+                os.close(self._wal_fd)
+                self._wal_fd = None
 
 
 def file_problem(path: str, thorough: bool = True) -> tuple[str | None, str | None]:
