@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import resource
 import shutil
 import socket
 import tempfile
@@ -39,7 +40,9 @@ def sandboxed(settings: dict[str, str], runtime: str) -> list[str]:
     """A command prefix that starts the daemon as the unit would confine it."""
     caps = ",".join("+" + c.lower().removeprefix("cap_")
                     for c in settings["CapabilityBoundingSet"].split())
-    return ["env", f"MXFS_RUNTIME_DIR={runtime}", "setpriv", f"--bounding-set=-all,{caps}",
+    nofile = settings["LimitNOFILE"]
+    return ["env", f"MXFS_RUNTIME_DIR={runtime}", "prlimit", f"--nofile={nofile}:{nofile}",
+            "setpriv", f"--bounding-set=-all,{caps}",
             *(["--no-new-privs"] if settings.get("NoNewPrivileges") == "yes" else []),
             "sh", "-c", f'umask {settings["UMask"]} && exec "$@"', "sh"]
 
@@ -56,7 +59,7 @@ def test_the_daemon_serves_within_the_units_sandbox(members: list[str]) -> None:
     """Under the unit's bounding set, no_new_privs and umask 0077 the daemon mounts, a
     user reaches its control socket (the runtime folder it makes is 0755 whatever the
     umask), and a dropped file's kept descriptors are refused more blocks (the
-    immutable flag: CAP_LINUX_IMMUTABLE)."""
+    immutable flag: CAP_LINUX_IMMUTABLE); its descriptor limit is the unit's."""
     settings = service_settings()
     assert settings.get("UMask") == "0077" and settings.get("NoNewPrivileges") == "yes"
     alice = ensure_users()["alice"]
@@ -66,6 +69,8 @@ def test_the_daemon_serves_within_the_units_sandbox(members: list[str]) -> None:
     try:
         with mount_with(members, prefix=sandboxed(settings, f"{base}/mxfs")) as m:
             assert run_as(alice, ASK, str(m.path)) == m.daemon_pid()
+            nofile = int(settings["LimitNOFILE"])  # (its tenants' descriptors: a share each)
+            assert resource.prlimit(m.daemon_pid(), resource.RLIMIT_NOFILE)[0] == nofile
             libc = ctypes.CDLL(None, use_errno=True)
             libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long,
                                        ctypes.c_long]
