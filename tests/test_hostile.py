@@ -37,7 +37,8 @@ pytestmark = [
                            r"connect for pid \d+ uid \d+ failed .*control connections",
                            r"slow for pid \d+ uid \d+ failed .*not sent whole in time",
                            r"cut \d+ chunk files of unpublished files back",
-                           r"metadata member \S+ is full"),
+                           r"metadata member \S+ is full",
+                           r"open past the fd budget for pid \d+ uid 0 failed"),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 FUZZ_CASES = int(os.environ.get("MXFS_FUZZ_CASES", "100000"))
@@ -192,6 +193,71 @@ def test_a_daemon_out_of_descriptors_fails_no_member(tmp_path: Path) -> None:
         assert not status["degraded"], status["members"]
         (m.path / "g").write_bytes(data)
         assert (m.path / "g").read_bytes() == data and (m.path / "f").read_bytes() == data
+
+
+ALICE_OPENS = r"""
+folder, n = sys.argv[1], int(sys.argv[2])
+held, refused, unread = [], None, None
+for i in range(n):
+    try:
+        held.append(os.open(f"{folder}/f{i}", os.O_RDONLY))
+    except OSError as e:
+        refused = e.errno
+        break
+    try:
+        os.pread(held[-1], 1, 0)  # (the daemon opens the chunk file now)
+    except OSError as e:
+        unread = e.errno
+        break
+print(json.dumps({"held": len(held), "refused": refused, "unread": unread}), flush=True)
+sys.stdin.read()  # hold them until told
+"""
+
+BOB_WORKS = r"""
+folder = sys.argv[1]
+fd = os.open(f"{folder}/b", os.O_CREAT | os.O_WRONLY, 0o644)
+os.write(fd, b"bob's"); os.fsync(fd); os.close(fd)
+with open(f"{folder}/b", "rb") as f:
+    got = f.read().decode()
+dfd = os.open(folder, os.O_RDONLY)
+os.fsync(dfd); os.close(dfd)
+print(json.dumps(got))
+"""
+
+
+def test_one_users_open_files_leave_the_daemons_descriptors_to_others(
+        tmp_path: Path) -> None:
+    """A daemon allowed 3,000 descriptors: alice's 3,100 open one-byte files took them
+    all, and bob's create, read and fsyncs, and `mxfs status`, failed EMFILE.  Her open
+    is refused (EMFILE) at her share of them (`fs/descriptors.py`), bob and status go on."""
+    from users import as_user, ensure_users, run_as
+
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    n = 1200  # past the daemon's whole limit, as it was reached before
+    with mount_with(members, prefix=["prlimit", "--nofile=1000:1000"]) as m:
+        theirs = {}
+        for who in (alice, bob):
+            theirs[who.name] = m.path / who.name
+            theirs[who.name].mkdir()
+            os.chown(theirs[who.name], who.uid, who.gid)
+        for i in range(n):
+            (theirs[alice.name] / f"f{i}").write_bytes(b"x")
+        hog = subprocess.Popen(as_user(alice, ALICE_OPENS, str(theirs[alice.name]), str(n)),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert hog.stdout is not None
+            out = json.loads(hog.stdout.readline())
+            assert out["refused"] == errno.EMFILE and out["unread"] is None, out
+            assert run_as(bob, BOB_WORKS, str(theirs[bob.name])) == "bob's"
+            status = json.loads(mxfs("status", "--json", str(m.path)).stdout)["limits"]
+            held = status["by_user"][str(alice.uid)]["fds_held"]
+            assert held <= status["fds_share"] < status["fds_budget"] < 1000, status
+        finally:
+            hog.kill()
+            hog.wait()
 
 
 def test_idle_half_sent_and_stalled_connections_are_closed(tmp_path: Path) -> None:

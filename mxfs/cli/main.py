@@ -259,7 +259,9 @@ def _format_status(s: dict[str, Any]) -> str:
                      f"{lim['users']} users"
                      + (f" (busiest uid {busiest[0]}: {busiest[1]} of "
                         f"{lim['max_conns_per_user']})" if busiest else "")
-                     + f"; {lim['fds_open']} of {lim['fds_max']} descriptors")
+                     + f"; {lim['fds_open']} of {lim['fds_max']} descriptors"
+                     + (f" ({lim['fds_held']} of {lim['fds_budget']} held for users, "
+                        f"{lim['fds_share']} a user)" if "fds_held" in lim else ""))
         for uid, held in (lim.get("by_user") or {}).items():
             lines.append(f"    uid {uid}: " + ", ".join(
                 f"{n} {what.replace('_', ' ')}" for what, n in held.items() if n))

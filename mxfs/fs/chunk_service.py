@@ -70,9 +70,10 @@ from typing import Any, Protocol
 import trio
 
 from mxfs.fs.accept_rate import AcceptRate
+from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import RoundRobin, Turns
-from mxfs.fs.limits import Limits, fd_limit
+from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
 from mxfs.fs.ports import listen_error
 from mxfs.io import PAGE
@@ -185,11 +186,13 @@ OUT_OF_ROOM_S = 0.1  # ... waited out this long, then accepted again
 class ChunkService:
     def __init__(self, vol: Volume, key: bytes, host: str, port: int,
                  epoch: Callable[[], int], limits: Limits | None = None,
-                 other_fds: Callable[[], int] = lambda: 0) -> None:
+                 fds: Descriptors | None = None) -> None:
         self.vol, self.key, self.host, self.port = vol, key, host, port
         self.epoch = epoch  # the lease's, 0 for a pool with none
         self.limits = limits or Limits()
-        self.other_fds = other_fds  # descriptors the daemon's other services hold
+        # The daemon's descriptors held for tenants (its connections counted there).
+        self.fds = fds or Descriptors(self.limits)
+        self.fds.elsewhere.append(lambda: self.connections)
         self.connections = 0
         self.handshaking: Counter[str] = Counter()  # by peer address
         # Those connections' handshakes (their scopes), oldest first, by a token each.
@@ -311,7 +314,7 @@ class ChunkService:
         if peer.endswith(UNRESERVED) and unreserved >= lim.max_chunk_handshakes // 2:
             return (f"{unreserved} connections from unreserved ports have not proved the "
                     "pool key, half the limit (max_chunk_handshakes)"), False
-        if self.connections + self.other_fds() + lim.fd_reserve >= fd_limit():
+        if not self.fds.room(1):
             return "the daemon's descriptors are nearly all in use", True
         host = peer.removesuffix(UNRESERVED)
         if self.by_host[host] >= lim.max_chunk_conns_per_peer:

@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.fair import Turns
 from mxfs.fs.fields import Msg, check_fields
 from mxfs.fs.file_ops import FileOps
@@ -67,14 +68,17 @@ class ControlServer:
         self.wake = wake
         self.turns = Turns(self.limits.max_active_per_user)  # requests in service by uid
         self.pending_by_uid: Counter[int] = Counter()  # unpublished files, all connections
+        # The daemon's descriptors held for tenants: its connections, presence tables,
+        # open and unpublished files (the chunk service's connections, once it runs).
+        self.fds = Descriptors(self.limits)
         self.listener = Listener(path, self.limits, self.dispatch, self._session,
-                                 self._end_session, self.turns.turn)
+                                 self._end_session, self.turns.turn, self.fds)
         self.remote = RemoteReads(volume, self.limits)  # (a reading node's direct path)
         lim = self.limits
         self.kv = KVOps(volume, KVIndex(volume, lim.max_namespaces_per_user,
                                         (lim.max_kv_views, lim.max_kv_views_per_user)),
                         lim, self.remote)
-        self.listener.other_fds = self.kv.view_fds  # (and the chunk service's)
+        self.fds.elsewhere += [self.listener.connections, self.kv.view_fds]
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,
@@ -119,7 +123,8 @@ class ControlServer:
         return {"ok": True, **reply}, fds
 
     def _session(self, caller: Caller, conn: Any) -> Session:
-        return Session(caller, self.pending_by_uid, conn=conn, quotas=self.vol.quotas)
+        return Session(caller, self.pending_by_uid, conn=conn, quotas=self.vol.quotas,
+                       fds=self.fds, fds_each=len(self.vol.pool.local_members()))
 
     async def _end_session(self, session: Session) -> None:
         """A connection closed: what it held goes (its leases, its unpublished files:

@@ -259,8 +259,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
                 chunks = ChunkService(vol, key, own.get("chunk_addr") or "127.0.0.1",
                                       int(own["chunk_port"]),
                                       lambda: vol.lease.epoch if vol.lease else 0,
-                                      control.limits, lambda: control.listener.connections()
-                                      + control.kv.view_fds())
+                                      control.limits, control.fds)
                 if reading:  # its own members: the writer writes them, every node reads
                     if control.files.forwarded is not None:
                         chunks.writing = control.files.forwarded.writing.__contains__
@@ -272,12 +271,10 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
                     chunks.kv, chunks.turns = control.kv, control.turns
                     chunks.files = control.files.for_nodes
                     chunks.only_uid = control.only_uid
-                served = chunks  # (the control socket's count: views and chunk service)
-                control.listener.other_fds = lambda: served.connections + \
-                    control.kv.view_fds()
                 chunks.bind()
                 control.status.chunks = chunks
                 vol.announce(f"{chunks.host}:{chunks.port}", key_id(key, vol.pool.uuid))
+            ops.fds = control.fds  # (one account of descriptors held for tenants)
             ops.names = control.files.forwarded  # (a reading node's names: the writer's)
             if ops.names is not None and vol.pool.local_members():
                 ops.written = MountWrites(vol, ops.names, ops.row, ops.cut)  # (its bytes)

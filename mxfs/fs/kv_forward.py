@@ -60,6 +60,7 @@ from typing import TypeVar
 
 import trio
 
+from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field
 from mxfs.fs.kv_claims import CLAIM_S, MAX_CLAIM_S
@@ -110,6 +111,7 @@ class _Pending:
     fd: int
     size: int
     tenant: int  # whose bound it counts against (`vol/tenants.py`)
+    fds: Descriptors | None = None  # the account its descriptor is charged to
 
 
 class ForwardedKV:
@@ -191,17 +193,25 @@ class ForwardedKV:
             raise OSError(errno.ENOMEM, f"this node holds {self.held.held} bytes of KV "
                           "chunks and copies for its users, the limit (max_kv_lent): try "
                           "again once some are committed, or put on the writer")
-        fd = os.memfd_create("mxfs-kv-put", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        if session.fds is not None:  # (its memfd, held until the commit)
+            session.fds.take(uid, 1)
         try:
-            os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            # The caller's own open of it: its flags (a failed O_DIRECT) are not ours.
-            theirs = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            fd = os.memfd_create("mxfs-kv-put", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, size)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+                # The caller's own open of it: its flags (a failed O_DIRECT) are not ours.
+                theirs = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            except BaseException:
+                os.close(fd)
+                raise
         except BaseException:
-            os.close(fd)
+            if session.fds is not None:
+                session.fds.give(uid, 1)
             raise
         handle = next(self._handles)
-        self._pending.setdefault(id(session), {})[handle] = _Pending(fd, size, uid)
+        self._pending.setdefault(id(session), {})[handle] = _Pending(fd, size, uid,
+                                                                     session.fds)
         self.held_by_uid[uid] += size
         self.held.held += size
         self.count_by_uid[uid] += 1
@@ -334,6 +344,8 @@ class ForwardedKV:
         if pending is None:
             return
         os.close(pending.fd)
+        if pending.fds is not None:
+            pending.fds.give(pending.tenant, 1)
         self.held_by_uid[pending.tenant] -= pending.size
         self.held.held -= pending.size
         self.count_by_uid[pending.tenant] -= 1

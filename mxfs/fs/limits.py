@@ -33,6 +33,9 @@ class Limits:
     max_open_per_user: int = 4096   # files one uid holds open through the mount (each a
                                     # descriptor of the daemon's a member it touches)
     max_fds_in_flight_per_user: int = 4096  # descriptors sent to one uid, not yet received
+    max_fds_per_user: int = 65536   # descriptors the daemon holds for one uid (its open and
+                                    # unpublished files' chunk files), a quarter of its
+                                    # limit less the reserve at most (fs/descriptors.py)
     max_buffered_per_user: int = 64 << 20  # bytes of one uid's control requests arriving
                                     # and replies unsent, all connections (fs/buffered.py)
     max_held_per_user: int = MAX_HELD_PER_USER  # bytes of one user's removed or renewed
@@ -65,7 +68,9 @@ class Limits:
     max_chunk_accept_burst: int = 1024  # chunk service connections one address opens at
                                     # once (a node's reconnect: ~100) ...
     max_chunk_accepts_per_s: int = 1024  # ... and a second after that (fs/accept_rate.py)
-    fd_reserve: int = 256           # descriptors kept back for FUSE, members and the store
+    fd_reserve: int = 256           # descriptors kept back for the daemon's own work (FUSE,
+                                    # the store, members): an eighth of its limit, this many
+                                    # at least (fs/descriptors.py)
 
     @classmethod
     def options(cls) -> tuple[str, ...]:

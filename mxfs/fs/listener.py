@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from mxfs.fs.buffered import Buffered, Hold
+from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import Msg, check_request
 from mxfs.fs.foreign_fds import Dropper, carries_rights, refuse_rights, take
@@ -74,7 +75,8 @@ class Listener:
                  dispatch: Callable[[Msg, Session], Awaitable[tuple[dict[str, Any], list[int]]]],
                  new_session: Callable[[Caller, Any], Session],
                  end: Callable[[Session], Awaitable[None]],
-                 turn: Callable[[int], AbstractAsyncContextManager[None]]) -> None:
+                 turn: Callable[[int], AbstractAsyncContextManager[None]],
+                 fds: Descriptors | None = None) -> None:
         self.path = path
         self.limits = limits
         self.dispatch = dispatch
@@ -82,7 +84,8 @@ class Listener:
         self.new_session = new_session
         self._end = end
         self.conns: Counter[int] = Counter()  # open connections by uid
-        self.other_fds: Callable[[], int] = lambda: 0  # held by other services (chunks)
+        # The daemon's descriptors held for tenants, its connections among them.
+        self.fds = fds or Descriptors(limits)
         self.sessions: dict[int, Session] = {}
         # Sessions sent descriptors their peer may not have read, by uid (a reply with
         # descriptors asks only these: not every connection of the daemon).
@@ -147,10 +150,11 @@ class Listener:
         if total >= lim.max_conns:
             return OSError(errno.ENFILE, f"the daemon holds {total} control connections, its "
                            "limit (mount option max_conns); try again later")
-        if total + self.other_fds() + lim.fd_reserve >= fd_limit():
+        if not self.fds.room(1):
             return OSError(errno.ENFILE, f"the daemon holds {total} control connections and "
-                           f"{self.other_fds()} other descriptors, near its limit of "
-                           f"{fd_limit()} (raise its LimitNOFILE); try again later")
+                           f"{self.fds.held() - total} other descriptors for its users, "
+                           f"near its limit of {fd_limit()} less the {self.fds.reserve()} it "
+                           "keeps for itself (raise its LimitNOFILE); try again later")
         if tenant != 0 and self.conns[tenant] >= lim.max_conns_per_user:
             return OSError(errno.EMFILE, f"uid {tenant} holds {self.conns[tenant]} "
                            "control connections, the limit (mount option "

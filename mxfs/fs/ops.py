@@ -28,6 +28,7 @@ import pyfuse3
 import trio
 
 from mxfs.fs.block_counts import BlockCounts
+from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import BITE, Lanes, Slice, Turns
 from mxfs.fs.fields import b64
@@ -203,6 +204,9 @@ class MxfsOperations(pyfuse3.Operations):
         # Files open through the mount by tenant (`vol/tenants.py`; root: not held).
         self.open_by_tenant: Counter[int] = Counter()
         self.max_open_per_user = Limits.max_open_per_user
+        # The daemon's descriptors held for tenants (the control server's: set by the
+        # daemon): each open file charged its chunk files here (`_opened`).
+        self.fds = Descriptors()
         # Requests that failed unforeseen, and opens past max_open_per_user: each kind
         # logged once per tenant, then counted (`fs/failures.py`).
         self.failures = FailureLog(log)
@@ -515,30 +519,55 @@ class MxfsOperations(pyfuse3.Operations):
 
     # ---- files -------------------------------------------------------------
 
-    def _opened(self, ctx: pyfuse3.RequestContext) -> None:
-        """Count one more open file or folder of the caller's user; EMFILE past
-        max_open_per_user.  Each open file holds a descriptor of the daemon's a member
-        it touches (one user's files, held open, took every descriptor and failed all
-        others' I/O), and a folder its inode in memory.  A refusal is logged once per
-        user, then counted (logged each time, a user at the limit looping on open(2)
-        wrote megabytes a second into the daemon's log)."""
+    def _opened(self, ctx: pyfuse3.RequestContext, node: Inode | None = None) -> None:
+        """Count one more open file or folder of the caller's user (`_may_open`)."""
+        tenant = tenant_of(ctx.uid)
+        self._may_open(ctx)
+        if node is not None and node.is_reg:
+            pool = self.vol.pool
+            here = [m for m in self.vol.layout(node).used_members() if not pool.members[m].node]
+            try:
+                self.fds.opened(tenant, node.ino, len(here))
+            except OSError as e:
+                self._refused(ctx, e)
+        self.open_by_tenant[tenant] += 1
+
+    def _may_open(self, ctx: pyfuse3.RequestContext, fds: int = 0) -> None:
+        """EMFILE where the caller's user holds max_open_per_user files and folders, or
+        `fds` more of the daemon's descriptors pass her share (a file holds one a member
+        it touches here: `fs/descriptors.py`; one user's files, held open, took every
+        descriptor and failed all others' I/O); ENFILE past all the tenants'.  A folder
+        holds its inode in memory.  A refusal is logged once per user, then counted
+        (logged each time, a user at the limit looping on open(2) wrote megabytes a
+        second into the daemon's log)."""
         tenant = tenant_of(ctx.uid)
         if tenant and self.open_by_tenant[tenant] >= self.max_open_per_user:
             self.failures.note("open past max_open_per_user", ctx, OSError(
                 errno.EMFILE, f"user {tenant} holds {self.open_by_tenant[tenant]} files and "
                 "folders open through the mount, the limit"), trace=False, level=logging.INFO)
             raise pyfuse3.FUSEError(errno.EMFILE)
-        self.open_by_tenant[tenant] += 1
+        err = self.fds.refusal(tenant, fds)
+        if err is not None:
+            self._refused(ctx, err)
 
-    def _closed(self, uid: int) -> None:
+    def _refused(self, ctx: pyfuse3.RequestContext, err: OSError) -> None:
+        """Raise an open's refusal past the daemon's descriptors, logged (a user's own
+        share at INFO: hers to mind)."""
+        self.failures.note("open past the fd budget", ctx, err, trace=False,
+                           level=logging.INFO if err.errno == errno.EMFILE else None)
+        raise pyfuse3.FUSEError(err.errno or errno.EMFILE)
+
+    def _closed(self, uid: int, ino: int | None = None) -> None:
         tenant = tenant_of(uid)
         self.open_by_tenant[tenant] -= 1
         if self.open_by_tenant[tenant] <= 0:
             del self.open_by_tenant[tenant]
+        if ino is not None:
+            self.fds.closed(tenant, ino)
 
     def _open_handle(self, node: Inode, flags: int, ctx: pyfuse3.RequestContext
                      ) -> pyfuse3.FileInfo:
-        self._opened(ctx)
+        self._opened(ctx, node)
         uid = ctx.uid
         fh = self.next_fh
         self.next_fh += 1
@@ -646,6 +675,9 @@ class MxfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        # Refused before the file is made (a create that failed after left a name the
+        # kernel did not know of: the next create of it was EEXIST).
+        self._may_open(ctx, len(self.vol.pool.local_members()))
         if self.written is not None:  # a node: made by the writer, on its own members
             node = await self.written.create(_caller(ctx), parent_inode, name,
                                              stat.S_IMODE(mode), bool(flags & os.O_EXCL))
@@ -802,7 +834,7 @@ class MxfsOperations(pyfuse3.Operations):
         ino = self.handles[fh].entry.node.ino
         await self.settle(ino)  # before the last release closes the chunk descriptors
         handle = self.handles.pop(fh)
-        self._closed(handle.uid)
+        self._closed(handle.uid, ino)
         self.vol.release(ino)
         if ino not in self.vol.open_inodes and self.written is not None:
             self.written.closed(ino)

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import Msg
 from mxfs.fs.limits import Limits
@@ -77,6 +78,11 @@ class Session:
     conn: Any = None  # the socket (asked how much of what it sent is unread)
     sent_fds: int = 0  # descriptors sent in replies the peer may not have read yet
     quotas: Quotas | None = None  # charged each unpublished file's declared size
+    # The daemon's descriptors held for tenants, charged `fds_each` an unpublished file
+    # (the chunk files it may open here: a commit syncs them, and a commit refused
+    # after that leaves them open until the file is let go).
+    fds: Descriptors | None = None
+    fds_each: int = 0
     # Whose per-user limits and turns it shares (a user's subordinate uids are hers:
     # `vol/tenants.py`), fixed at connect so what it counts is given back to the same.
     tenant: int = field(init=False)
@@ -87,10 +93,10 @@ class Session:
     def hold(self, pending: Pending, booked: bool = False) -> None:
         """Hold an unpublished file, counted against the limits and its writer's quota
         now (or already, `booked`)."""
+        if not booked:  # (refused before it is held)
+            self.book(pending.declared)
         self.pending[pending.entry.node.ino] = pending
         pending.tenant = self.tenant
-        if not booked:
-            self.book(pending.declared)
 
     @contextlib.contextmanager
     def booking(self, declared: int) -> Iterator[None]:
@@ -107,6 +113,8 @@ class Session:
         """Count a file about to be held, before the awaits that make it: checks made
         before them would let others' requests pass the same ones meanwhile (64
         creates at once each passed a quota that had room for one)."""
+        if self.fds is not None:
+            self.fds.take(self.tenant, self.fds_each)
         self.pending_by_uid[self.tenant] += 1
         if self.quotas is not None:
             self.quotas.reserve(self.caller.uid, declared)
@@ -116,6 +124,8 @@ class Session:
         self.pending_by_uid[self.tenant] -= 1
         if not self.pending_by_uid[self.tenant]:
             del self.pending_by_uid[self.tenant]
+        if self.fds is not None:
+            self.fds.give(self.tenant, self.fds_each)
         if self.quotas is not None:
             self.quotas.release(self.caller.uid, declared)
 

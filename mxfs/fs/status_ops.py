@@ -160,7 +160,9 @@ class StatusOps:
                 "fds_in_flight": sum(s.sent_fds for s in self.listener.sessions.values()),
                 "bytes_buffered": sum(self.listener.buffered.held.values()),
                 "busiest_user": list(busiest[0]) if busiest else None,
-                "fds_open": open_fds(), "fds_max": fd_limit(), "by_user": self.by_user()}
+                "fds_open": open_fds(), "fds_max": fd_limit(),
+                "fds_held": self.listener.fds.held(), "fds_budget": self.listener.fds.budget(),
+                "fds_share": self.listener.fds.share(), "by_user": self.by_user()}
 
     def by_user(self, most: int = 20) -> dict[str, dict[str, int]]:
         """What each user holds against its limits, its subordinate uids' with it
@@ -171,7 +173,7 @@ class StatusOps:
         def of(uid: int) -> dict[str, int]:
             return held.setdefault(uid, {"connections": 0, "pending": 0, "pins": 0,
                                          "fds_in_flight": 0, "kv_chunks": 0,
-                                         "bytes_buffered": 0})
+                                         "bytes_buffered": 0, "fds_held": 0})
         for uid, n in self.listener.conns.items():
             of(uid)["connections"] = n
         for uid, n in self.pending_by_uid.items():
@@ -183,6 +185,8 @@ class StatusOps:
                 of(uid)["kv_chunks"] = n
         for uid, n in self.listener.buffered.held.items():
             of(uid)["bytes_buffered"] = n
+        for uid, n in self.listener.fds.by_tenant.items():
+            of(uid)["fds_held"] = n
         for s in self.listener.sessions.values():
             if s.sent_fds:
                 of(s.tenant)["fds_in_flight"] += s.sent_fds
