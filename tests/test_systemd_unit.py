@@ -36,11 +36,17 @@ def service_settings() -> dict[str, str]:
     return out
 
 
+def unit_nofile(settings: dict[str, str]) -> int:
+    """The unit's descriptor limit as set here: systemd sets the closest it can (the
+    hard limit it may raise to: a container's may be lower)."""
+    return min(int(settings["LimitNOFILE"]), resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+
+
 def sandboxed(settings: dict[str, str], runtime: str) -> list[str]:
     """A command prefix that starts the daemon as the unit would confine it."""
     caps = ",".join("+" + c.lower().removeprefix("cap_")
                     for c in settings["CapabilityBoundingSet"].split())
-    nofile = settings["LimitNOFILE"]
+    nofile = unit_nofile(settings)
     return ["env", f"MXFS_RUNTIME_DIR={runtime}", "prlimit", f"--nofile={nofile}:{nofile}",
             "setpriv", f"--bounding-set=-all,{caps}",
             *(["--no-new-privs"] if settings.get("NoNewPrivileges") == "yes" else []),
@@ -69,7 +75,7 @@ def test_the_daemon_serves_within_the_units_sandbox(members: list[str]) -> None:
     try:
         with mount_with(members, prefix=sandboxed(settings, f"{base}/mxfs")) as m:
             assert run_as(alice, ASK, str(m.path)) == m.daemon_pid()
-            nofile = int(settings["LimitNOFILE"])  # (its tenants' descriptors: a share each)
+            nofile = unit_nofile(settings)  # (its tenants' descriptors: a share each)
             assert resource.prlimit(m.daemon_pid(), resource.RLIMIT_NOFILE)[0] == nofile
             libc = ctypes.CDLL(None, use_errno=True)
             libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long,
