@@ -262,3 +262,39 @@ def test_an_open_read_racing_a_removal_hands_out_no_chunk_file_then_cut(
             os.close(fd)
     assert {m: len(b) for m, b in read.items()} == {m: len(before[m]) for m in read}
     assert all(b == before[m] for m, b in read.items())
+
+
+def test_a_held_file_that_cannot_be_moved_aside_is_held_where_it_is(tmp_path: Path) -> None:
+    """A dropped file's chunk file is cut, then moved into `chunks/held/`; on a full
+    member the move failed (ENOSPC) and the file was left where it was, untracked: its
+    writer took the space back through the descriptor she kept, and its inode's reclaim
+    removed a file she still held.  It is held where it is now (here the move is
+    refused by an immutable `held/`): cut, counted as hers, cut again by the sweep if
+    it grows, left to the sweep by the reclaim, and moved aside once it can be."""
+    from mxfs.pool.revoke import HELD_DIR, set_immutable
+    from mxfs.vol.volume import Volume
+
+    members = make_members(tmp_path, 1)
+    mkfs(members)
+    vol = Volume.open(members[0])
+    ino, held = 90001, os.path.join(members[0], "chunks", HELD_DIR)
+    path = vol.pool.chunk_path(0, ino)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.makedirs(held, exist_ok=True)
+    try:
+        os.pwrite(fd, b"x" * 65536, 0)
+        assert set_immutable(held, True)
+        assert vol.held.hold(ino, owner=7002) == 1
+        assert os.fstat(fd).st_blocks == 0 and vol.held.held_by[7002] == 1
+        os.pwrite(fd, b"y" * 65536, 0)  # (taken again: the sweep cuts it)
+        vol.pool.remove_chunks(ino)  # (its reclaim: the file stays the sweep's)
+        vol.held.sweep()
+        assert os.path.exists(path) and os.fstat(fd).st_blocks == 0
+        set_immutable(held, False)
+        vol.held.sweep()
+        assert not os.path.exists(path) and len(os.listdir(held)) == 1
+        assert vol.held.held_by[7002] == 1 and os.fstat(fd).st_blocks == 0
+    finally:
+        set_immutable(held, False)
+        os.close(fd)
+        vol.close()

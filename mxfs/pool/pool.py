@@ -399,6 +399,10 @@ class Pool:
         self.on_io: Callable[[int, str, int], None] | None = None
         # check_meta_room's last measure: (when, free bytes then, growth let through since)
         self._meta_room = (-math.inf, 0, 0)
+        # Chunk files a writer holds that could not be moved aside (a full member), and
+        # their members: held where they are (`revoke.Held`), cut, and never removed
+        # under the writer.
+        self.held_in_place: dict[str, int] = {}
         # Chunk files (member, inode) being opened with O_CREAT: their removal waits (an
         # open held by a member that stopped answering made its file after the inode's
         # reclaim removed it, a chunk file of no inode).
@@ -769,7 +773,9 @@ class Pool:
         for m in self.local_members():
             with self._created:  # (a create of it under way ends first: see `creating`)
                 self._created.wait_for(lambda: (m, ino) not in self._creating)  # noqa: B023
-            unlink_cut(self.chunk_path(m, ino))
+            path = self.chunk_path(m, ino)
+            if path not in self.held_in_place:  # (removed by the held files' sweep)
+                unlink_cut(path)
         for m in far:
             try:
                 self.remote_of(m).change(b"REMV", self.epoch(), ino, m, owner)

@@ -79,6 +79,7 @@ _COPY_MARK = ".n"
 NO_LEASES_FIX = "enable leases (sysctl -w fs.leases-enable=1), or put the member on a " \
     "file system that takes them"
 _no_leases: str | None = None  # (`lease_trouble`)
+_in_place_failures = 0  # chunk files held where they were, their move failed
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 
 
@@ -222,6 +223,9 @@ class Held:
 
     def _hold(self, m: int, ino: int, cut: bool, owner: int = 0) -> bool:
         src = self.pool.chunk_path(m, ino)  # (other nodes' members are theirs to hold)
+        if src in self.pool.held_in_place:  # (held already: moved aside if it can be)
+            self._move_aside(src)
+            return True
         dst = os.path.join(self._folder(m), f"{ino}.{time.time_ns()}.{owner}")
         try:
             if not cut and not self._keep(dst + _READ_MARK, owner, _blocks(src)):
@@ -230,14 +234,21 @@ class Held:
                 self.pool.cut(m, src, 0)
             else:
                 dst += _READ_MARK
-            os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
-            os.rename(src, dst)
         except FileNotFoundError:
             self._let_go(dst)
             return False
         except BaseException:  # (a member failing: kept where it was, counted no more)
             self._let_go(dst)
             raise
+        try:
+            os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
+            os.rename(src, dst)
+        except FileNotFoundError:
+            self._let_go(dst)
+            return False
+        except OSError as e:  # (a full member: no room for its name in held/)
+            self._let_go(dst)
+            return self._hold_in_place(m, src, owner if cut else None, e)
         if cut:
             set_immutable(dst, True)
         with self._lock:
@@ -246,6 +257,59 @@ class Held:
                 self._writers[dst] = owner
                 self.held_by[owner] += 1
         return True
+
+    def _hold_in_place(self, m: int, src: str, writer: int | None, err: OSError) -> bool:
+        """Blocking: a chunk file whose move into held/ failed (`err`: a full member,
+        where each cut is refilled at once) held where it is, cut to nothing (its
+        readers', `writer` None, too: they read nothing more), swept as a moved one
+        and moved aside once it can be (`_move_aside`); never left uncut and
+        untracked, which let its writer take the space back through the descriptor.
+        Its inode's reclaim leaves it to the sweep (`Pool.remove_chunks`)."""
+        global _in_place_failures
+        try:
+            if writer is None:
+                self.pool.cut(m, src, 0)
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self.files[src] = None
+            self.pool.held_in_place[src] = m
+            if writer is not None:
+                self._writers[src] = writer
+                self.held_by[writer] += 1
+            _in_place_failures += 1
+            n = _in_place_failures
+        if n == 1 or n % 1000 == 0:
+            log.warning("chunk file %s could not be moved aside (%s): held where it is, "
+                        "cut, until it can be (%d times so far)", src, err.strerror, n)
+        return True
+
+    def _move_aside(self, src: str) -> str:
+        """Blocking: a file held in place (`_hold_in_place`) cut and moved into held/
+        if it can be now (made immutable there); its path then."""
+        with self._lock:
+            owner = self._writers.get(src)
+            m = self.pool.held_in_place.get(src)
+        if m is None:
+            return src  # (moved by another thread meanwhile)
+        dst = os.path.join(self._folder(m), f"{os.path.basename(src)}.{time.time_ns()}."
+                           f"{owner or 0}")
+        try:
+            self.pool.cut(m, src, 0)  # (first: its space is what its name in held/ needs)
+            os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
+            os.rename(src, dst)
+        except OSError:
+            return src  # (gone: the sweep forgets it; else tried again next time)
+        if owner is not None:
+            set_immutable(dst, True)
+        with self._lock:
+            self.pool.held_in_place.pop(src, None)
+            self.files.pop(src, None)
+            self.files[dst] = None
+            if owner is not None:
+                self._writers[dst] = self._writers.pop(src, owner)
+        self._due.pop(src, None)
+        return dst
 
     def _forget(self, path: str) -> None:
         """`path` is gone: its owner holds it no more."""
@@ -412,6 +476,8 @@ class Held:
         gone = []
         for path in swept:
             try:
+                if path in self.pool.held_in_place:
+                    path = self._move_aside(path)
                 if path.endswith(_READ_MARK):  # (never made immutable: readers only)
                     if not self._readers_done(path, now):
                         continue
@@ -427,6 +493,7 @@ class Held:
                 continue
             self._forget(path)
             gone.append(path)
+            self.pool.held_in_place.pop(path, None)
         with self._lock:
             for path in gone:
                 self.files.pop(path, None)
@@ -449,7 +516,8 @@ class Held:
         if not writers_remain([path]):
             return False
         os.truncate(path, 0)
-        set_immutable(path, True)
+        if path not in self.pool.held_in_place:  # (a live chunk path: cut, never frozen)
+            set_immutable(path, True)
         self._due[path] = (now + 10**9, 10**9)
         return True
 
