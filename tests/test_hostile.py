@@ -38,7 +38,8 @@ pytestmark = [
                            r"slow for pid \d+ uid \d+ failed .*not sent whole in time",
                            r"cut \d+ chunk files of unpublished files back",
                            r"metadata member \S+ is full",
-                           r"open past the fd budget for pid \d+ uid 0 failed"),
+                           r"open past the fd budget for pid \d+ uid 0 failed",
+                           r"uid \d+ wrote past the size it declared"),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 FUZZ_CASES = int(os.environ.get("MXFS_FUZZ_CASES", "100000"))
@@ -396,6 +397,114 @@ def _space(member: str) -> str:
     sizes = sorted(((os.stat(os.path.join(d, f)).st_blocks * 512, os.path.join(d, f))
                     for d, _, fs in os.walk(member) for f in fs), reverse=True)
     return f"free {st.f_bavail * st.f_frsize}, largest {sizes[:6]}"
+
+
+FILLER = r"""
+import ctypes, time
+from mxfs.client import ControlClient
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+mp, files, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+c = ControlClient(mp)
+def create(name):  # (declared 0 bytes: its descriptors, one a member it stripes over)
+    made, fds = c.call_with_fds("create", path=name, size=0)
+    return made["ino"], dict(zip(made["members"], fds))
+kept = []  # descriptors of chunk files on member 0, the metadata member
+for i in range(8 * files):
+    ino, fds = create(f"/alice/f{i}")
+    for m, fd in fds.items():
+        if m != 0:
+            os.close(fd)
+    if 0 in fds:
+        kept.append(fds[0])
+    else:
+        c.call("abort", ino=ino)
+    if len(kept) == files:
+        break
+print(json.dumps(len(kept)), flush=True)
+sys.stdin.readline()
+def another():
+    ino, fds = create(f"/alice/n{len(creates)}")
+    for fd in fds.values():
+        os.close(fd)
+    c.call("abort", ino=ino)
+fills, creates = [], []  # each fill's outcome; each create's, tried after the first
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    for fd in kept:  # whatever member 0 has free, reserved past a file's end
+        st = os.fstatvfs(fd)
+        free = st.f_bavail * st.f_frsize
+        if free > 8 << 20:  # (what names need: META_GROWTH_FLOOR)
+            ok = libc.fallocate(fd, 1, 0, free - (1 << 20)) == 0  # (FALLOC_FL_KEEP_SIZE)
+            fills.append("ok" if ok else ctypes.get_errno())
+    if fills:
+        creates.append(attempt(another))
+    time.sleep(0.01)
+print(json.dumps([fills, creates]), flush=True)
+"""
+
+MAKER = r"""
+import select
+mp, out, i = sys.argv[1], [], 0
+def make(i):
+    with open(f"{mp}/bob/f{i}", "wb") as f:
+        f.write(b"b" * 4096)
+    os.mkdir(f"{mp}/bob/d{i}")
+while not select.select([sys.stdin], [], [], 0)[0]:  # (until told to stop)
+    out.append(attempt(make, i))
+    i += 1
+print(json.dumps(out))
+"""
+
+
+def test_a_tenant_filling_the_metadata_member_through_her_files_is_stopped(
+        loop_members: list[str]) -> None:
+    """A tenant held unpublished files declared 0 bytes, each with a chunk file on the
+    metadata member, and reserved its free space (fallocate KEEP_SIZE) through the next
+    each time the daemon cut the last back: every other tenant's creates and mkdirs
+    failed ENOSPC as long as she liked (707 refused, 7 served in 15 s).  Caught once,
+    she loses them all at once (cut back, held, immutable), and her creates are
+    refused (EDQUOT) for a penalty: her fills are refused from then on, and the other
+    tenant's creates go on."""
+    from users import as_user, ensure_users
+
+    users = ensure_users()
+    mkfs(loop_members)
+    with mount_with(loop_members) as m:
+        for name in ("alice", "bob"):
+            (m.path / name).mkdir()
+            os.chown(m.path / name, users[name].uid, users[name].gid)
+        alice = subprocess.Popen(as_user(users["alice"], FILLER, str(m.path), "16", "3"),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        bob = None
+        try:
+            assert alice.stdin is not None and alice.stdout is not None
+            assert json.loads(alice.stdout.readline()) == 16
+            bob = subprocess.Popen(as_user(users["bob"], MAKER, str(m.path)),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            alice.stdin.write("\n")
+            alice.stdin.flush()
+            fills, creates = json.loads(alice.stdout.readline())
+            made, _ = bob.communicate("stop\n", timeout=120)
+        finally:
+            alice.kill()
+            alice.wait()
+            if bob is not None:
+                bob.kill()
+                bob.wait()
+        # She filled member 0 once (twice if a fill raced the microseconds between her
+        # file's cut and its immutable flag); every fill after is refused: her files
+        # are held, immutable, and her creates are refused.
+        assert fills[0] == "ok" and fills.count("ok") <= 2, fills
+        assert errno.EDQUOT in creates, creates
+        assert "ok" not in creates[creates.index(errno.EDQUOT):], creates
+        # Bob's creates and mkdirs were refused while her one fill lasted (two, if a
+        # fill raced), and served from then on: not refused again at each refill.
+        served = json.loads(made)
+        refusals = [k for k, got in enumerate(served) if got != "ok" and
+                    (k == 0 or served[k - 1] == "ok")]  # (where each stretch begins)
+        assert set(served) <= {"ok", errno.ENOSPC} and served[-1] == "ok", served
+        assert len(refusals) <= fills.count("ok"), (refusals, len(served))
 
 
 def test_a_client_whose_idle_connection_was_closed_goes_on(tmp_path: Path) -> None:

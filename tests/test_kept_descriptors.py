@@ -264,6 +264,42 @@ def test_an_open_read_racing_a_removal_hands_out_no_chunk_file_then_cut(
     assert all(b == before[m] for m, b in read.items())
 
 
+def test_one_files_failing_cut_back_stops_no_others(tmp_path: Path) -> None:
+    """The daemon's cut-back was one loop over every unpublished file: one file whose
+    hold failed (here a chunk file the kernel refuses to cut: immutable) abandoned
+    the round for every file after it, whose writers kept what they took past their
+    word.  Each file is handled alone now: the other is still cut and held."""
+    from mxfs.fs.session import Pending, chunk_paths, cut_back
+    from mxfs.meta import ROOT_INO
+    from mxfs.pool.revoke import set_immutable
+    from mxfs.vol.volume import Volume
+
+    members = make_members(tmp_path, 2)
+    mkfs(members)
+    vol = Volume.open(members[0])
+    fds, stuck = [], ""
+    try:
+        root = vol.store.get(ROOT_INO)
+        entries = [vol.create_hidden(root, 0o644, 0, 0) for _ in range(2)]
+        for entry in entries:  # (declared 0 bytes, written 64 KiB a chunk file)
+            for path in chunk_paths(vol, entry.node):
+                fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                os.pwrite(fds[-1], b"x" * 65536, 0)
+        stuck = chunk_paths(vol, entries[0].node)[0]
+        assert set_immutable(stuck, True)
+        pendings = [Pending(entry, f"/f{i}", 0) for i, entry in enumerate(entries)]
+        cut_back(vol, pendings)
+        other = chunk_paths(vol, entries[1].node)
+        assert pendings[1].overdrawn and not any(os.path.exists(p) for p in other)
+        assert all(os.fstat(fd).st_size == 0 for fd in fds[-len(other):])
+    finally:
+        if stuck:
+            set_immutable(stuck, False)
+        for fd in fds:
+            os.close(fd)
+        vol.close()
+
+
 def test_a_held_file_that_cannot_be_moved_aside_is_held_where_it_is(tmp_path: Path) -> None:
     """A dropped file's chunk file is cut, then moved into `chunks/held/`; on a full
     member the move failed (ENOSPC) and the file was left where it was, untracked: its

@@ -196,6 +196,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
         ops.max_open_per_user = limits.max_open_per_user
         vol.max_held_per_user = limits.max_held_per_user
         vol.held.read_grace_s = limits.read_grace_s
+        vol.overdrafts.penalty_s = limits.overdraft_penalty_s
         notes = []
         name = vol.pool.label if LABEL.fullmatch(vol.pool.label) else vol.pool.uuid[:8]
         if vol.pool.label and name != vol.pool.label:  # (made before labels were checked)

@@ -32,6 +32,7 @@ from mxfs.fs.session import (
     Handler,
     Pending,
     Session,
+    caught,
     check_pending_room,
     cut_back,
     drop_pending,
@@ -305,8 +306,11 @@ class FileOps:
         replace = bool_field(msg, "replace", True)
         sums_field(msg, self.vol.layout(node).unit, size)  # (checked before any work)
         uid = session.caller.uid
+        was = pending.overdrawn
         overdrawn = await settle_off_loop(uid, overdrew, self.vol, pending)
         if size > pending.declared or overdrawn:
+            if overdrawn and not was:  # (found here first: her other files go too)
+                caught(self.vol, session.tenant)
             await self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")

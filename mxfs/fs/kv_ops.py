@@ -40,6 +40,7 @@ from mxfs.fs.session import (
     Pending,
     Reply,
     Session,
+    caught,
     check_pending_room,
     drop_pending,
     open_hidden,
@@ -824,6 +825,7 @@ class KVOps:
 
         overdrawn = OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes "
                             "declared at kv_create: refused, and the chunk's space reclaimed")
+        was = pending.overdrawn
 
         def settled() -> OSError | None:
             """Why the writer did not keep to its word, or None and the chunk is settled
@@ -832,6 +834,8 @@ class KVOps:
             member that stopped answering held it for good; a spare's in a member call,
             a few at a time on its member, not behind others' commits' syncs)."""
             if overdrew(self.vol, pending):
+                if not was:  # (found here first: her other files go too)
+                    caught(self.vol, session.tenant)
                 return overdrawn
             refuse_if_writers(self.vol, pending)
             self.vol.settle_hidden(entry, size, sync=False)

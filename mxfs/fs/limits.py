@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, fields
 
 from mxfs.pool.revoke import READ_GRACE_S
+from mxfs.vol.overdrafts import PENALTY_S
 from mxfs.vol.volume import MAX_HELD_PER_USER
 
 
@@ -46,6 +47,9 @@ class Limits:
     max_held_files_per_user: int = 4096  # chunk files of one user's dropped files whose
                                     # write descriptors she keeps (each held, cut, looked
                                     # at: pool/revoke.py); past it her creates are refused
+    overdraft_penalty_s: int = PENALTY_S  # s: a user caught writing past her declared
+                                    # size loses all her unpublished files, and her
+                                    # creates are refused so long (doubled at each repeat)
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
     max_chunks_per_user: int = 1 << 20  # KV chunks one uid has put, in any namespace (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
+import math
 import os
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -13,6 +16,7 @@ from typing import Any, TypeVar
 import trio
 
 from mxfs.fs.descriptors import Descriptors
+from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import Msg
 from mxfs.fs.limits import Limits
@@ -27,6 +31,8 @@ from mxfs.vol.kv_index import Chunk
 from mxfs.vol.quota import Quotas
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import OpenInode, Volume
+
+log = logging.getLogger("mxfs.control")
 
 # What serving a request gives: the reply's fields (its op's reply in `proto/messages.py`)
 # and descriptors to pass with it.
@@ -139,7 +145,8 @@ class Session:
 
 
 def check_pending_room(session: Session, limits: Limits, vol: Volume) -> None:
-    """Refuse one more unpublished file past the limits of a connection or a user (each
+    """Refuse one more unpublished file to a user caught writing past her word, for her
+    penalty (`vol/overdrafts.py`), past the limits of a connection or a user (each
     holds descriptors of its chunk files in the daemon), or to a user holding
     `max_held_files_per_user` chunk files of files dropped while she kept their write
     descriptors (each held, and looked at, until she lets go: pool/revoke.py)."""
@@ -147,6 +154,13 @@ def check_pending_room(session: Session, limits: Limits, vol: Volume) -> None:
         raise OSError(errno.EMFILE, f"this connection holds {limits.max_pending} unpublished "
                       "files, the limit (mount option max_pending): commit or abort some")
     uid = session.tenant
+    left = vol.overdrafts.left(uid)
+    if uid != 0 and left:
+        raise OSError(errno.EDQUOT, f"uid {uid} wrote past the size it declared for an "
+                      "unpublished file (or reserved space past its end): its unpublished "
+                      f"files were revoked, and its creates are refused for {math.ceil(left)} "
+                      "s more (mount option overdraft_penalty_s; doubled at each repeat, up "
+                      f"to {vol.overdrafts.most_s()} s)")
     if uid != 0 and session.pending_by_uid[uid] >= limits.max_pending_per_user:
         raise OSError(errno.EMFILE, f"uid {uid} holds {limits.max_pending_per_user} "
                       "unpublished files, the limit (mount option max_pending_per_user)")
@@ -252,35 +266,109 @@ def cut_back(vol: Volume, pendings: list[Pending]) -> int:
     held as a dropped one is (`Held.hold`: moved aside, cut every second, immutable
     where the member's file system keeps the flag): a writer that reserved a member's
     space with fallocate(KEEP_SIZE) and kept its descriptors, never committing, held
-    it outside every quota for as long as it liked.  Each chunk file is looked at once
-    a round (`stat`)."""
+    it outside every quota for as long as it liked.  A tenant caught so loses every
+    unpublished file she holds at once, and her creates are refused a while
+    (`vol/overdrafts.py`): one at a time, she filled the metadata member with the next
+    of a thousand files each time the last was cut.  Each chunk file is looked at once
+    a round (`stat`); one file's failure (a member failing, a full one) is logged and
+    stops no other's cut-back."""
     cut = 0
     for pending in pendings:
-        node = pending.entry.node
-        reserved = False  # (blocks past its end that a writer still holding it reserved)
-        for m in vol.layout(node).used_members():
-            path = vol.pool.chunk_path(m, node.ino)
-            try:
-                st = os.stat(path)
-                allowed = allowed_length(vol, node, m, pending.declared)
-                if st.st_size > allowed:
-                    pending.overdrawn = True  # cut back or not, its commit is refused
-                    vol.pool.cut(m, path, allowed)
-                    cut += 1
-                elif overallocated(st, allowed):  # (fallocate with KEEP_SIZE)
-                    if writers_remain([path]):  # (a commit frees them: truncate_chunks)
-                        reserved = True
-                    else:
-                        os.truncate(path, st.st_size)
-                        cut += 1
-            except OSError:
-                pass  # (gone, or a member failing: its own checks say so)
-        if pending.committing:
-            continue  # (a node's file whose commit was sent: the writer's to handle)
-        if (pending.overdrawn or reserved) and writers_remain(chunk_paths(vol, node)):
-            pending.overdrawn = True
-            cut += vol.held.hold(node.ino, pending.tenant)
+        cut += _each(_cut_back_one, vol, pending, pendings)
+    for pending in pendings:  # (a tenant caught before this round, at a commit)
+        if not pending.overdrawn and not pending.committing and \
+                vol.overdrafts.left(pending.tenant):
+            cut += _each(_revoke_one, vol, pending)
     return cut
+
+
+_CUT_FAILURES = FailureLog(log)  # (noted from worker threads: under its lock)
+_CUT_FAILURES_LOCK = threading.Lock()
+
+
+def _each(fn: Callable[..., int], vol: Volume, pending: Pending, *args: Any) -> int:
+    """`fn(vol, pending, *args)`, its failure logged (rate-limited) as 0 cut."""
+    try:
+        return fn(vol, pending, *args)
+    except Exception as e:
+        with _CUT_FAILURES_LOCK:
+            _CUT_FAILURES.note(f"cut-back of inode {pending.entry.node.ino}", None, e,
+                               trace=not isinstance(e, OSError))
+        return 0
+
+
+def _cut_back_one(vol: Volume, pending: Pending, pendings: list[Pending]) -> int:
+    """`cut_back` of one file.  Its writer's tenant caught, every other file of hers in
+    `pendings` is held first, and this one's space freed last: freed first, she took
+    it again through the next of them before the round reached it."""
+    cut = 0
+    node = pending.entry.node
+    was = pending.overdrawn
+    grown = []  # (member, chunk file, its allowed length) past it
+    reserved = False  # (blocks past its end that a writer still holding it reserved)
+    for m in vol.layout(node).used_members():
+        path = vol.pool.chunk_path(m, node.ino)
+        try:
+            st = os.stat(path)
+            allowed = allowed_length(vol, node, m, pending.declared)
+            if st.st_size > allowed:
+                pending.overdrawn = True  # cut back or not, its commit is refused
+                grown.append((m, path, allowed))
+            elif overallocated(st, allowed):  # (fallocate with KEEP_SIZE)
+                if writers_remain([path]):  # (a commit frees them: truncate_chunks)
+                    reserved = True
+                else:
+                    os.truncate(path, st.st_size)
+                    cut += 1
+        except OSError:
+            pass  # (gone, or a member failing: its own checks say so)
+    if not pending.committing and (pending.overdrawn or reserved) and \
+            writers_remain(chunk_paths(vol, node)):
+        pending.overdrawn = True
+        if not was:
+            caught(vol, pending.tenant)
+        if vol.overdrafts.left(pending.tenant):
+            for other in pendings:
+                if other.tenant == pending.tenant and not other.overdrawn and \
+                        not other.committing:
+                    cut += _each(_revoke_one, vol, other)
+        try:
+            return cut + vol.held.hold(node.ino, pending.tenant)  # (cut to nothing)
+        except BaseException:
+            _cut_to(vol, grown)  # (its hold failed: what it took past its word goes)
+            raise
+    return cut + _cut_to(vol, grown)  # (no writer left, or a node's file whose commit
+    #                                    was sent: the writer's to hold)
+
+
+def _cut_to(vol: Volume, grown: list[tuple[int, str, int]]) -> int:
+    """Chunk files cut back to their allowed lengths: (member, path, length) each; how
+    many were (one gone, or on a member failing, is its own checks' to report)."""
+    cut = 0
+    for m, path, allowed in grown:
+        try:
+            vol.pool.cut(m, path, allowed)
+            cut += 1
+        except OSError:
+            pass
+    return cut
+
+
+def _revoke_one(vol: Volume, pending: Pending) -> int:
+    """A file of a tenant caught overdrawing: refused at commit, held if written."""
+    pending.overdrawn = True
+    if writers_remain(chunk_paths(vol, pending.entry.node)):
+        return vol.held.hold(pending.entry.node.ino, pending.tenant)
+    return 0
+
+
+def caught(vol: Volume, tenant: int) -> None:
+    """(Any thread.)  `tenant` wrote past its word: its penalty begins (logged once)."""
+    period = vol.overdrafts.caught(tenant)
+    if period:
+        log.warning("uid %d wrote past the size it declared for an unpublished file: its "
+                    "unpublished files are revoked and its creates refused for %d s",
+                    tenant, period)
 
 
 def refuse_if_degraded(vol: Volume) -> None:

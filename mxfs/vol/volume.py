@@ -37,6 +37,7 @@ from mxfs.pool.remote import Owner, RemoteMembers
 from mxfs.pool.revoke import Held
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.node_holds import STALL_S, NodeHolds
+from mxfs.vol.overdrafts import Overdrafts
 from mxfs.vol.quota import Freeing, Quotas
 from mxfs.vol.reclaim_queue import ReclaimQueue
 from mxfs.vol.spares import Spares
@@ -94,6 +95,8 @@ class Volume:
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self.held = Held(pool)  # chunk files of dropped files whose writers hold on
         self.held.may_keep = self._may_keep
+        # Tenants caught writing past their word: their creates refused a while.
+        self.overdrafts = Overdrafts()
         # Bytes of removed or renewed files one user may keep readable for their readers
         # (`pool/revoke.py`: past it, the next are cut at once); the mount option.
         self.max_held_per_user = MAX_HELD_PER_USER
