@@ -2088,16 +2088,29 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
         alice = (users["alice"].uid, users["alice"].gid, [])
         sticky = os.stat(a.path / "ckpt" / "sticky").st_ino  # (the pool's inodes)
         ckpt_ino = os.stat(a.path / "ckpt").st_ino
-        (b.path / "ckpt" / "plain.bin").write_bytes(b"p")  # (on b's members, closed:
-        on_b = a.path / "ckpt" / "plain.bin"  # no longer granted to b for writing)
-        with ControlClient(str(a.path)) as c:
-            generation = c.layout(str(on_b))["generation"]
+        (b.path / "ckpt" / "plain.bin").write_bytes(b"p")  # (on b's members)
+        on_b = a.path / "ckpt" / "plain.bin"
         with ChunkClient(host, int(port), load_key(mine[0]),
                          _status(a)["pool_uuid"]) as raw:
+            # A new generation only for a file granted to the node for writing: once
+            # b's last close let its grant go (asking its room, which changes nothing,
+            # is refused), asked for one it is refused, and the generation stays.  (A
+            # token each: a request asked again under its token is answered as before.)
+            def room(renew: bool) -> int:
+                try:
+                    raw.kv_request(alice, "node_room", {
+                        "ino": on_b.stat().st_ino, "token": os.urandom(8).hex(),
+                        "node": ["b", node_b["epoch"]], **({"renew": True} if renew
+                                                           else {})})
+                except OSError as e:
+                    return e.errno or 0
+                return 0
+            assert eventually(lambda: room(False) == errno.ESTALE, 15)
+            with ControlClient(str(a.path)) as c:
+                generation = c.layout(str(on_b))["generation"]
+                assert room(True) == errno.ESTALE
+                assert c.layout(str(on_b))["generation"] == generation
             for op, body, code in (
-                    # (a new generation only for a file granted to the node for writing)
-                    ("node_room", {"ino": on_b.stat().st_ino, "renew": True},
-                     errno.ESTALE),
                     ("node_unlink", {"parent": sticky, "name": "cm9vdHM="}, errno.EPERM),
                     ("node_mkdir", {"parent": ckpt_ino, "name": "eA==", "mode": 0o755},
                      errno.EACCES),
@@ -2109,8 +2122,6 @@ def test_a_node_writes_files_and_checkpoints_on_its_own_members(tmp_path: Path,
                                                "node": ["b", node_b["epoch"]]})
                 assert e.value.errno == code, op
         assert (a.path / "ckpt" / "sticky" / "roots").read_bytes() == b"r"
-        with ControlClient(str(a.path)) as c:
-            assert c.layout(str(on_b))["generation"] == generation
         # The writer judges the caller as its own mount would.
         res = run_as(users["alice"], """
 from mxfs.client.writer import create_file
