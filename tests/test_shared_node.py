@@ -2257,6 +2257,40 @@ def test_files_kept_for_their_readers_count_as_their_owners(tmp_path: Path) -> N
             assert json.loads(proc.stdout.readline()) == {"after": "ok"}
 
 
+def test_copies_kept_by_renews_stay_within_their_owners_quota(tmp_path: Path) -> None:
+    """A file read (its descriptors held) and chmodded to take that right away, over and
+    over: each renew keeps the old chunk files for their readers, and those count in
+    the owner's quota; past what it has left they are cut at once (a loop held a
+    hundred times a user's quota in copies, while her own writes were refused)."""
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members) as m:
+        path = m.path / "alices.bin"
+        path.write_bytes(os.urandom(3 << 20))
+        os.chown(path, alice.uid, alice.gid)
+        mxfs("quota", "--user", "mxfs-alice", "--bytes", "8MiB", str(m.path))
+        ino = path.stat().st_ino
+        kept: list[int] = []
+        try:
+            with ControlClient(str(m.path)) as c:
+                for _ in range(6):
+                    kept += c.call_with_fds("open_read", path=c.pool_path(str(path)))[1]
+                    os.chmod(path, 0o600)
+                    os.chmod(path, 0o644)
+            held = sum(os.stat(f"{member}/chunks/held/{n}").st_blocks * 512
+                       for member in m.members if os.path.isdir(f"{member}/chunks/held")
+                       for n in os.listdir(f"{member}/chunks/held")
+                       if n.startswith(f"{ino}.") and n.endswith(".r"))
+            assert 3 << 20 <= held <= 5 << 20, held  # (her 8 MiB less the file's 3)
+            line = next(x for x in mxfs("quota", str(m.path)).stdout.splitlines()
+                        if f"uid {alice.uid}:" in x)
+            assert "kept for readers" in line, line  # (what her quota counts, shown)
+        finally:
+            for fd in kept:
+                os.close(fd)
+
+
 PUTS_AT_ONCE = """
 import base64, threading
 b = lambda s: base64.b64encode(s.encode()).decode()

@@ -42,7 +42,8 @@ def quota_lines(report: QuotaReport, indent: str = "") -> list[str]:
     lines = []
     for row in report["users"]:
         writing = (f" (+{format_size(row['reserved'])} being written)"
-                   if row["reserved"] else "")
+                   if row["reserved"] else "") + (
+            f" (+{format_size(row['held'])} kept for readers)" if row.get("held") else "")
         source = "" if row["own"] or row["uid"] == 0 or not (
             row["bytes_limit"] or row["inodes_limit"]) else "  [default]"
         lines.append(f"{indent}uid {row['uid']}: {format_size(row['bytes'])}"

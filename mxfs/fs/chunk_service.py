@@ -107,6 +107,7 @@ from mxfs.proto.chunk_wire import (
     MAX_SCOPE,
     MAX_WHY,
     MAX_WRITE,
+    NO_ROOM,
     NODE,
     NODE_FILE_OPS,
     PROOF,
@@ -639,7 +640,7 @@ class ChunkService:
             async with self._writes:
                 code, said = await self._judged(f"chunk {tag.decode()} from the writer",
                                                 lambda: self._change(tag, epoch, ino, member,
-                                                                     offset, None))
+                                                                     offset, None, length))
         else:
             if length > MAX_WRITE:
                 raise WireError(f"a chunk write of {length} bytes (at most {MAX_WRITE})")
@@ -656,7 +657,7 @@ class ChunkService:
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
     async def _change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int,
-                      data: bytearray | None) -> tuple[int, bytes]:
+                      data: bytearray | None, length: int = 0) -> tuple[int, bytes]:
         """Do one chunk change for the writer (checked first: its epoch, our member)."""
         pool = self.vol.pool
         if not pool.node:  # (nobody else holds the pool's epoch here to change our files)
@@ -683,9 +684,10 @@ class ChunkService:
                                           limiter=self._changers)
             return 0, b""
         if tag == b"RENW":  # (`offset`: the file's owner, whose limits it counts in)
+            room = None if length == NO_ROOM else length
             async with self.holding(ino):
                 await trio.to_thread.run_sync(self.vol.renew_here, ino, offset, [member],
-                                              limiter=self._changers)
+                                              room, limiter=self._changers)
             return 0, b""
         path = pool.chunk_path(member, ino)
         if tag == b"REMV":  # (`offset`: the file's owner, whose limits it counts in)

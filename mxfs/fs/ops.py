@@ -863,7 +863,9 @@ class MxfsOperations(pyfuse3.Operations):
         `uid`'s tenant at once (each a copy of the file)."""
         async with self.renew_turns.turn(uid), self._chunk_files_held(node.ino):
             self.vol.renew_begun(node.ino)  # (`renewing` sees it: open_read judges again)
-            await self._in_turn(node, uid, self.vol.renew, node)
+            # (the old files count in the owner's quota while kept: what is left of it)
+            await self._in_turn(node, uid, self.vol.renew, node,
+                                self.vol.quotas.left(node.uid))
 
     def holding(self, ino: int) -> contextlib.AbstractAsyncContextManager[None]:
         """The file's chunk files held for a change made elsewhere (the writer's RENW

@@ -38,6 +38,7 @@ from mxfs.proto.chunk_wire import (
     MAX_READ,
     MAX_WHY,
     MAX_WRITE,
+    NO_ROOM,
     NODE,
     PROOF,
     READ,
@@ -255,15 +256,17 @@ class ChunkClient:
         return not code
 
     def change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int = 0,
-               views: list[memoryview] | None = None) -> None:
+               views: list[memoryview] | None = None, room: int | None = None) -> None:
         """A chunk change of the pool's writer node (under its lease's `epoch`) on a
         member this node holds: WRIT `views` at `offset`, SYNC (offset 1: data only),
-        TRUN to `offset` bytes, REMV, RENW; Refused (the node's errno and line) when it will
-        not."""
+        TRUN to `offset` bytes, REMV, RENW (`room`: what the owner's quota has left for
+        the copies kept, None: no bound); Refused (the node's errno and line) when it
+        will not."""
         views = views or []
         if views and tag != b"WRIT":
             raise ValueError(f"a {tag.decode()} carries no bytes")
-        length = sum(len(v) for v in views)
+        length = sum(len(v) for v in views) if tag != b"RENW" else \
+            NO_ROOM if room is None else room
         if length > MAX_WRITE:
             raise ValueError(f"at most {MAX_WRITE} bytes a chunk write")
         self.sock.sendall(tag + CHUNK_OP.pack(epoch, ino, member, offset, length))

@@ -754,13 +754,14 @@ class Pool:
                                "is not answering: its files cannot be opened now")
         return fd
 
-    def renew_far(self, ino: int, members: Sequence[int], owner: int) -> None:
+    def renew_far(self, ino: int, members: Sequence[int], owner: int, room: int | None
+                  ) -> None:
         """Blocking: RENW to the owners of those of `members` other nodes hold: each
         makes its chunk file of `ino` anew where its readers hold it (`Held.renew`, as
-        `owner`'s).  An owner that cannot be asked raises (EIO naming it): a change
+        `owner`'s, within `room`).  An owner that cannot be asked raises (EIO naming it): a change
         that takes a right away is not made while a node's readers might keep it."""
         for m in self.far(members):
-            self.remote_of(m).change(b"RENW", self.epoch(), ino, m, owner)
+            self.remote_of(m).change(b"RENW", self.epoch(), ino, m, owner, room=room)
 
     def remove_chunks(self, ino: int, far: Sequence[int] = (), owner: int = 0) -> None:
         """Delete every chunk file of `ino`; missing ones are fine (never written).

@@ -347,17 +347,18 @@ class Held:
         with self._lock:
             return sum(n for uid, n in self.readable_by.items() if owners(uid))
 
-    def renew(self, ino: int, owner: int = 0, members: Sequence[int] | None = None
-              ) -> int:
+    def renew(self, ino: int, owner: int = 0, members: Sequence[int] | None = None,
+              room: int | None = None) -> int:
         """Blocking: each of `ino`'s chunk files on this node's members (`members` of
-        them, where given) replaced by a
-        copy of itself (its data ranges, holes kept), so that descriptors handed out
-        before (`open_read`) hold the old file, which nothing writes again: what they
-        read ends at what it held.  Copies are made in `chunks/held/` (a crash leaves
-        them there, to be removed at mount) and renamed over; the old file is kept
-        there as one only readers hold (cut after READ_GRACE_S: its readers keep no
-        copy's space for good; cut at once past what `owner` may keep); how many were
-        renewed.  One nobody holds open is kept as it is (no descriptor of it is left
+        them, where given) replaced by a copy of itself (its data ranges, holes kept),
+        so that descriptors handed out before (`open_read`) hold the old file, which
+        nothing writes again: what they read ends at what it held.  Copies are made in
+        `chunks/held/` (a crash leaves them there, to be removed at mount) and renamed
+        over; the old file is kept there as one only readers hold (cut after
+        READ_GRACE_S: its readers keep no copy's space for good; cut at once past what
+        `owner` may keep, or past `room`, the bytes its byte quota has left: a user
+        looping chmods of a file she read held a hundred times her quota in copies);
+        how many were renewed.  One nobody holds open is kept as it is (no descriptor of it is left
         to end: a chmod of a file read and closed copied it whole, on the lane's
         threads, outside every quota); an O_PATH holder, unseen, reads nothing."""
         renewed = 0
@@ -388,8 +389,11 @@ class Held:
                     with contextlib.suppress(FileNotFoundError):  # at the next mount,
                         os.unlink(old)  # the file read zeros)
                     raise
-                if not self._keep(old, owner, _blocks(old)):
+                kept = _blocks(old)
+                if room is not None and kept > room or not self._keep(old, owner, kept):
                     os.truncate(old, 0)  # (its readers read nothing more)
+                elif room is not None:
+                    room -= kept
                 with self._lock:
                     self.files[old] = None
                 renewed += 1

@@ -80,10 +80,11 @@ never written is fine; `offset` is the file's owner, its tenant's uid: a chunk f
 the node's readers or writers hold is kept as hers, in her limits; 0 from older
 writers: root's); RENW makes the chunk file anew where this node's readers or writers
 hold it (`Held.renew`: a rights-taking chmod or chown on the writer; `offset` the
-owner, as for REMV), so what their descriptors read ends at what it held.  The owner
-does it only under the epoch of the writer's lease
-it knows (ESTALE otherwise: a writer declared dead that wakes up changes nothing) and
-only on a member it holds in service (EREMOTE: another node's); the answer is 0 or the
+owner, as for REMV; `length` what the owner's byte quota has left, NO_ROOM none), so
+what their descriptors read ends at what it held.  The owner does it only under the
+epoch of the writer's lease it knows (ESTALE otherwise: a writer declared dead that
+wakes up changes nothing) and only on a member it holds in service (EREMOTE: another
+node's); the answer is 0 or the
 errno, then a line saying why.  A scoped connection that tries is closed.
 """
 
@@ -137,8 +138,10 @@ KEY_TAGS = (b"KCLM", b"KWAI", b"KPIN", b"KUNP")  # requests of KEYS_BODY
 KREQ_BODY = struct.Struct("!IIHHI")
 MAX_KREQ = 1 << 20  # bytes of a KREQ's request, and of its answer
 # (WRIT, SYNC, TRUN, REMV, RENW past their tags) the writer's epoch, inode, member,
-# offset (REMV, RENW: the file's owner), length (WRIT: the bytes that follow)
+# offset (REMV, RENW: the file's owner), length (WRIT: the bytes that follow; RENW: the
+# bytes the owner's quota has left for the copies kept, NO_ROOM: no bound)
 CHUNK_OP = struct.Struct("!QQIQQ")
+NO_ROOM = (1 << 64) - 1
 CHUNK_OPS = (b"WRIT", b"SYNC", b"TRUN", b"REMV", b"RENW")
 MAX_WRITE = MAX_READ  # bytes one WRIT carries
 FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",

@@ -69,6 +69,7 @@ class QuotaRow(TypedDict):
     xattr_bytes: int  # ... of them xattrs' names and values
     name_bytes: int  # ... and the names in its folders (each and its row: usage.NAME_ROW)
     reserved: int  # declared sizes of unpublished files
+    held: int  # removed or renewed files' bytes kept a while for their readers
     inodes: int
     bytes_limit: int  # 0: none
     inodes_limit: int

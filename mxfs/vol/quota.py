@@ -279,7 +279,7 @@ class Quotas:
             rows.append({"uid": t, "bytes": owned,
                          "xattr_bytes": group.xattrs,
                          "name_bytes": group.names,
-                         "reserved": self.reserved_of(t),
+                         "reserved": self.reserved_of(t), "held": self.held(t),
                          "inodes": inodes, "bytes_limit": quota.bytes,
                          "inodes_limit": quota.inodes,
                          "own": str(t) in self.limits})

@@ -650,25 +650,28 @@ class Volume:
         return self.may_be_lent(node.ino) or \
             bool(self.pool.far(self.layout(node).used_members()))
 
-    def renew(self, node: Inode) -> None:
+    def renew(self, node: Inode, room: int | None = None) -> None:
         """Blocking: before a lent file's access changes (chmod, chown), its chunk files
         are made anew and this node's own descriptors of them reopened: a reader's
         descriptors keep the bytes it was allowed to read, never what is written after
         it lost the right.  Other nodes' members first (`Pool.renew_far`, RENW): an
-        owner that cannot be asked fails the change, and nothing here is renewed."""
+        owner that cannot be asked fails the change, and nothing here is renewed.  The
+        old files are kept within `room` (what the owner's byte quota has left: each
+        node's its own, so their sum may pass it by what one node keeps)."""
         owner = tenant_of(node.uid)  # (what is kept for readers counts as its user's)
-        self.pool.renew_far(node.ino, self.layout(node).used_members(), owner)
+        self.pool.renew_far(node.ino, self.layout(node).used_members(), owner, room)
         self.lent.discard(node.ino)
         if node.ino <= self.lent_through:
             self.renewed_old.add(node.ino)
-        self.held.renew(node.ino, owner)
+        self.held.renew(node.ino, owner, room=room)
         self._reopen(node.ino)
 
-    def renew_here(self, ino: int, owner: int, members: list[int]) -> None:
+    def renew_here(self, ino: int, owner: int, members: list[int], room: int | None = None
+                   ) -> None:
         """Blocking: the writer's RENW of this node's `members` of `ino` (`renew`, on
         the node that holds them): its readers' descriptors end at what they held, and
         this node's own (a write through its mount) are reopened."""
-        if self.held.renew(ino, owner, members):
+        if self.held.renew(ino, owner, members, room):
             self._reopen(ino)
 
     def _reopen(self, ino: int) -> None:
