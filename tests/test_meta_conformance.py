@@ -27,7 +27,7 @@ from mxfs.meta import ROOT_INO, MetaStore, Unusable
 from mxfs.meta import check as meta_check
 from mxfs.meta.engine import Engine
 from mxfs.meta.schema import TABLES
-from mxfs.meta.usage import NAME_ROW
+from mxfs.meta.usage import BLOCK, NAME_ROW
 
 UNIT = 1 << 20
 UUID = "00000000-0000-4000-8000-000000000015"
@@ -645,8 +645,10 @@ def _tally(store: MetaStore) -> tuple[dict[int, int], ...]:
 def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
         store: MetaStore, where: str) -> None:
     """Quotas charge what a uid owns: the tally, counted once, is moved by each change
-    (sizes held in memory, chowns, failed changes put back, reclaims, publishes) and
-    always equals a count of the rows made afresh by another connection."""
+    (sizes held in memory, chowns, failed changes put back, reclaims, publishes, KV
+    chunks stored and removed) and always equals a count of the rows made afresh by
+    another connection.  A file holding any byte is charged a BLOCK at least, and a KV
+    chunk's key its writer."""
     store.group_changes(3600)
     store.count_usage()
 
@@ -692,7 +694,8 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     in_d = len(b"b-also") + len(b"a-too") + 2 * NAME_ROW
     store.create(ROOT_INO, b"ln", stat.S_IFLNK | 0o777, 10, 10, target=b"t" * 100)
     assert store.usage.bytes[10] == 100 and store.usage.owned_bytes(10) == 100
-    store.resize(b, 300)
+    store.resize(b, 300)  # (charged a BLOCK: what its chunk file takes of a member)
+    assert store.usage.bytes[8] == BLOCK
     store.setxattr(a, b"user.x", b"v" * 100)
     store.setxattr(a, b"user.x", b"v" * 40)  # replaced: charged the difference
     store.setxattr(a, b"user.y", b"w" * 10)
@@ -700,7 +703,7 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     assert store.usage.xattrs[7] == len(b"user.x") + 40
     agrees()
     store.set_attrs(a, uid=8)  # chown moves the file's bytes, inode and xattrs
-    assert store.usage.bytes[7] == 0 and store.usage.bytes[8] == 5300
+    assert store.usage.bytes[7] == 0 and store.usage.bytes[8] == 5000 + BLOCK
     assert store.usage.xattrs[7] == 0 and store.usage.xattrs[8] == 46
     assert store.usage.names[7] == in_d and store.usage.names[8] == 0  # (not names)
     store.set_attrs(d, uid=9)  # a folder's chown moves the names in it
@@ -720,17 +723,35 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
 
     store.durable()
     assert errno_of(lambda: store.txn(grew_then_failed)) == errno.EIO
-    assert _tally(store)[0].get(9) is None and store.usage.bytes[8] == 5300
+    assert _tally(store)[0].get(9) is None and store.usage.bytes[8] == 5000 + BLOCK
     agrees()
     h = store.create_hidden(ROOT_INO, REG, 9, 9, pick)
     store.publish(h.ino, ROOT_INO, b"h", replace=False, size=777, sum_unit=4096,
                   sums=b"\0" * 8)
     k = store.create_hidden(ROOT_INO, REG, 7, 7, pick)
-    store.kv.publish(k.ino, "ns", b"key", 4096, 0, 4096, b"\0" * 8)
-    assert store.usage.bytes[9] == 777 and store.usage.bytes[7] == 4096
+    store.kv.publish(k.ino, "ns", b"key" * 300, 1, 0, 4096, b"\0" * 8)
+    key = len("ns") + 900 + NAME_ROW  # (its writer's, as a name is its folder's owner's)
+    assert store.usage.bytes[9] == BLOCK and store.usage.bytes[7] == BLOCK
+    assert store.usage.names[7] == key
     agrees()
+    store.set_attrs(k, uid=10)  # (a chown moves the key with the chunk)
+    assert store.usage.names[7] == 0 and store.usage.names[10] == key
+    agrees()
+
+    def stored_then_failed() -> None:
+        store.kv.remove([("ns", b"key" * 300, k.ino)])
+        raise OSError(errno.EIO, "the change fails after removing a chunk")
+
+    store.durable()
+    assert errno_of(lambda: store.txn(stored_then_failed)) == errno.EIO
+    assert _tally(store)[3][10] == key
+    store.kv.remove([("ns", b"key" * 300, k.ino)])  # (an orphan's bytes count till freed)
+    assert store.usage.names[10] == 0 and store.usage.bytes[10] == 100 + BLOCK
+    agrees()
+    store.drop_inodes([k.ino])
+    assert store.usage.bytes[10] == 100
     store.unlink(ROOT_INO, b"a")  # an orphan still counts until it is reclaimed
-    assert store.usage.bytes[8] == 5300
+    assert store.usage.bytes[8] == 5000 + BLOCK
     store.drop_inodes([a.ino])
     store.unlink(ROOT_INO, b"b")
     store.forget(b.ino)  # (the rows answer for an inode memory no longer holds)

@@ -122,6 +122,55 @@ print(json.dumps([too_big, second, reserved, kv_big, kv_small, c.call("quota")])
     quota(pool, "--user", alice.name, "--clear")
 
 
+def test_one_byte_files_and_kv_chunks_cost_a_block_and_their_keys(pool: Mounted) -> None:
+    """A byte quota charged a file's size alone and a KV key nothing: alice, at 1 MiB,
+    put 5,000 one-byte chunks with 1 KiB keys (22 MB of members, 44 MB of the metadata
+    store) and was charged 4.9 KiB.  A file or chunk holding any byte costs a block now
+    and a chunk's key its bytes and a row, as a name: her puts stop within a quota's
+    worth, `mxfs quota` shows both, and removing the namespace gives them back."""
+    from mxfs.meta.usage import BLOCK, NAME_ROW
+
+    alice = ensure_users()["alice"]
+    d = empty_home_with_quota(pool, alice, "--bytes", "1MiB")
+    before = line_of(quota(pool, "--user", alice.name), alice.uid)
+    ns = "tiny-keys"
+    made, code = run_as(alice, f"""
+import base64
+c = mxfs.client.ControlClient({str(pool.path)!r})
+for i in range(3):
+    with open({str(d)!r} + f"/one{{i}}", "wb") as f:
+        f.write(b"1")
+b = lambda x: base64.b64encode(x).decode()
+made, code = 0, 0
+while made < 1000:
+    try:
+        c.call("kv_put", namespace={ns!r}, keys=[b(b"%04d" % made + b"k" * 1020)],
+               data=[b(b"x")])
+        made += 1
+    except OSError as e:
+        code = e.errno
+        break
+print(json.dumps([made, code]))
+""")
+    files = 3 * (BLOCK + len("one0") + NAME_ROW)
+    key = len(ns) + 1024 + NAME_ROW
+    assert code == errno.EDQUOT
+    assert made == ((1 << 20) - before["bytes"] - files) // (BLOCK + key)  # (~190)
+    line = line_of(quota(pool, "--user", alice.name), alice.uid)
+    assert files_bytes(line) - files_bytes(before) == (3 + made) * BLOCK
+    assert line["name_bytes"] - before["name_bytes"] == 3 * (4 + NAME_ROW) + made * key
+    assert line["inodes"] - before["inodes"] == 3 + made
+    run_as(alice, f"""
+mxfs.client.ControlClient({str(pool.path)!r}).call("kv_ns_remove", namespace={ns!r})
+print(1)
+""")
+    for f in d.iterdir():
+        f.unlink()
+    assert eventually(lambda: line_of(quota(pool, "--user", alice.name), alice.uid)
+                      ["bytes"] == before["bytes"])  # (the keys at once, the rest freed)
+    quota(pool, "--user", alice.name, "--clear")
+
+
 def test_extended_attributes_count_against_the_owners_byte_quota(pool: Mounted) -> None:
     """xattrs live in the metadata store: a tenant setting 64 KiB values on file after
     file is stopped by its byte quota (EDQUOT), not only by the per-inode bound, and
@@ -386,12 +435,29 @@ print(json.dumps(attempt(put)))
 
 
 def test_quotas_and_usage_survive_a_remount_and_show_in_status(pool: Mounted) -> None:
+    """The tally counted afresh at mount (`MetaStore.count_usage`) is the one the changes
+    moved: a file's block at least, a KV chunk's key included."""
+    from mxfs.meta.usage import BLOCK, NAME_ROW
+
     bob = ensure_users()["bob"]
     d = home(pool, bob)
     quota(pool, "--default", "--bytes", "64MiB", "--inodes", "1000")
+    start = line_of(quota(pool), bob.uid)
     (d / "kept").write_bytes(b"k" * 12345)
-    os.chown(d / "kept", bob.uid, bob.gid)
+    (d / "one").write_bytes(b"1")
+    for f in ("kept", "one"):
+        os.chown(d / f, bob.uid, bob.gid)
+    run_as(bob, f"""
+import base64
+c = mxfs.client.ControlClient({str(pool.path)!r})
+c.call("kv_put", namespace="kept", keys=[base64.b64encode(b"k" * 1000).decode()],
+       data=[base64.b64encode(b"1").decode()])
+print(1)
+""")
     before = line_of(quota(pool), bob.uid)
+    assert files_bytes(before) - files_bytes(start) == 12345 + 2 * BLOCK
+    assert before["name_bytes"] - start["name_bytes"] == \
+        len(b"keptone") + len("kept") + 1000 + 3 * NAME_ROW
     pool.umount()
     pool.remount()
     after = quota(pool)

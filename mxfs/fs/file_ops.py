@@ -45,6 +45,7 @@ from mxfs.fs.session import (
 )
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.meta import Inode, MetaStore
+from mxfs.meta.usage import file_cost
 from mxfs.proto import MAX_FDS
 from mxfs.proto.messages import CreateReply, Empty, FileReply, OpenReadReply
 from mxfs.vol.access import (
@@ -235,7 +236,7 @@ class FileOps:
                 "token": os.urandom(12).hex()})
         parent, name = resolve_parent_for(self.vol.store, path, caller, self.mountpoint)
         same_folder(parent, dir_ino, path)
-        self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, size, 1)
+        self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, file_cost(size), 1)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)

@@ -55,6 +55,7 @@ from mxfs.fs.session import (
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
+from mxfs.meta.usage import file_cost, key_cost
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import NotAnswering
 from mxfs.proto import MAX_FDS, OPS
@@ -154,6 +155,12 @@ def _mode(msg: Msg, default: int | None) -> int | None:
     if mode > 0o777:
         raise BadField(msg, "'mode' is a permission mode from 0 to 0777")
     return mode
+
+
+def _charge(space: Namespace, key: bytes, size: int) -> int:
+    """What a chunk costs its writer's byte quota once stored: its bytes, a BLOCK at
+    least, and its key's row (`meta/usage.py`)."""
+    return file_cost(size) + key_cost(space.name, key)
 
 
 def _write_chunk(chunks: ChunkFiles | None, data: bytes | bytearray, unit: int) -> bytes:
@@ -509,12 +516,13 @@ class KVOps:
             self.claims.dropped(name)
         return {**space.stats()}, []
 
-    async def _room(self, space: Namespace, size: int, uid: int) -> Inode:
+    async def _room(self, space: Namespace, key: bytes, size: int, uid: int) -> Inode:
         """Fail fast when the chunk cannot fit (EFBIG, ENOSPC, EDQUOT: the writer `uid`
         has put as many chunks as one uid may, those being stored counted, wherever
-        they are, or is at its quota); returns the layout parent.  The space is
-        measured first (its one await): the checks after it and the caller's taking of
-        a spare run with no await between, so puts at once never pass the same room."""
+        they are, or is at its quota: `_charge`); returns the layout parent.  The space
+        is measured first (its one await): the checks after it and the caller's taking
+        of a spare run with no await between, so puts at once never pass the same
+        room."""
         root = self.vol.store.get(ROOT_INO)
         layout = self.vol.pool.layout_for(0, root.stripe_unit, root.stripe_width)
         members = list(range(len(self.vol.pool.members)))[:max(1, layout.width)]
@@ -525,7 +533,7 @@ class KVOps:
             if not self.index.rooms_known():  # (no thread free in time)
                 raise OSError(errno.EAGAIN, "the members' free space could not be "
                               "measured in time: try again")
-        self.vol.quotas.room(uid, size, 1)
+        self.vol.quotas.room(uid, _charge(space, key, size), 1)
         tenant = tenant_of(uid)
         held = self.index.chunks_by_tenant[tenant] + self.index.storing_by_tenant[tenant]
         if tenant != 0 and held >= self.limits.max_chunks_per_user:
@@ -600,14 +608,14 @@ class KVOps:
                 if key in space.chunks or key in seen:
                     continue
                 try:
-                    await self._room(space, len(data), caller.uid)
+                    await self._room(space, key, len(data), caller.uid)
                     if self.index.spaces.get(space.name) is not space:
                         break  # (removed while others ran)
                     entry = self.vol.take_spare(caller.uid, caller.gid)
                 except OSError as e:
                     refusal = e
                     break
-                self.vol.quotas.reserve(caller.uid, len(data))
+                self.vol.quotas.reserve(caller.uid, _charge(space, key, len(data)))
                 self.index.storing_by_tenant[tenant] += 1
                 seen.add(key)
                 layout = self.vol.layout(entry.node)
@@ -627,8 +635,8 @@ class KVOps:
                 self.claims.stored(space, key)
                 stored[i] = True
         finally:
-            for _, _, data, entry, _, _ in taken:
-                self.vol.quotas.release(caller.uid, len(data))
+            for _, key, data, entry, _, _ in taken:
+                self.vol.quotas.release(caller.uid, _charge(space, key, len(data)))
                 self.index.storing_by_tenant[tenant] -= 1
                 self.vol.release(entry.node.ino)
             if not self.index.storing_by_tenant[tenant]:
@@ -780,7 +788,7 @@ class KVOps:
             return {"exists": True}, []  # the cheap answer to a repeated put
         check_pending_room(session, self.limits, self.vol)
         caller = session.caller
-        root = await self._room(space, size, caller.uid)
+        root = await self._room(space, key, size, caller.uid)
         if self.index.spaces.get(space.name) is not space:
             raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
         with session.booking(size):

@@ -37,6 +37,7 @@ from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import b64
 from mxfs.fs.node_files import ForwardedFiles
 from mxfs.meta import Inode
+from mxfs.meta.usage import growth
 from mxfs.proto.messages import LayoutDesc
 from mxfs.vol.access import Caller
 from mxfs.vol.tenants import tenant_of
@@ -197,7 +198,7 @@ class MountWrites:
 
     def _fits(self, held: Written, end: int) -> bool:
         left = self.room.get(held.owner)
-        return left is None or self.grown[held.owner] + max(0, end - held.size) <= left
+        return left is None or self.grown[held.owner] + growth(held.size, end) <= left
 
     def _room_from(self, owner: int, reply: dict[str, Any]) -> None:
         """This node's share of `owner`'s quota as the writer answered it ("room": None
@@ -227,12 +228,12 @@ class MountWrites:
     def _account(self, held: Written, size: int | None = None, base: int | None = None
                  ) -> None:
         """Set a file's size or what the writer took, keeping its owner's untold growth."""
-        before = max(0, held.size - held.base)
+        before = growth(held.base, held.size)  # (charged a BLOCK at least: usage.py)
         if size is not None:
             held.size = size
         if base is not None:
             held.base = base
-        self.grown[held.owner] += max(0, held.size - held.base) - before
+        self.grown[held.owner] += growth(held.base, held.size) - before
         if not self.grown[held.owner]:
             del self.grown[held.owner]
 
@@ -304,7 +305,7 @@ class MountWrites:
         try:
             async with lock:
                 if not self._fits(held, end):  # (another write's ask may have done)
-                    need = self.grown[held.owner] + max(0, end - held.size)
+                    need = self.grown[held.owner] + growth(held.size, end)
                     await self._granted_ask(caller, "node_room",
                                             {"ino": ino, "need": need}, held.owner)
         finally:

@@ -74,6 +74,7 @@ from mxfs.fs.owned import OwnedSums
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.meta import ROOT_INO, Inode
+from mxfs.meta.usage import file_cost
 from mxfs.pool.pool import META_ROW
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.messages import FileReply
@@ -471,7 +472,7 @@ class NodeFiles:
         parent, name = resolve_parent_for(store, path, caller, mountpoint)
         dir_ino = int_field(msg, "dir_ino", 0)
         same_folder(parent, dir_ino, path)
-        self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, size, 1)
+        self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, file_cost(size), 1)
         if bool_field(msg, "exclusive") and store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
         mode, gid = owner_for(parent, mode, caller.uid, caller.gid, caller.gids.__contains__)

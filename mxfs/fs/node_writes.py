@@ -33,6 +33,7 @@ from typing import Any
 from mxfs.fs.fields import Msg, b64_name_field, bool_field, int_field
 from mxfs.fs.session import refuse_if_degraded
 from mxfs.meta import Inode
+from mxfs.meta.usage import growth
 from mxfs.pool.pool import META_ROW
 from mxfs.vol.access import W_OK, X_OK, Caller, may, may_change_in, owner_for
 from mxfs.vol.tenants import tenant_of
@@ -276,8 +277,9 @@ def mount_written(vol: Volume, rooms: Rooms, share: Share, caller: Caller, msg: 
     size, now = int_field(msg, "size"), time.time_ns()
     if not bool_field(msg, "cut"):
         size = max(size, row.size)  # (written past meanwhile elsewhere: kept)
-    covered = rooms.spend(share, size - row.size)  # (reserved for it already)
-    vol.quotas.room(row.uid, size - row.size - covered)
+    grown = growth(row.size, size)  # (a BLOCK at least: meta/usage.py)
+    covered = rooms.spend(share, grown)  # (reserved for it already)
+    vol.quotas.room(row.uid, grown - covered)
     rooms.spent(share, covered)
     mtime = int_field(msg, "mtime_ns", now) if caller.uid in (0, row.uid) else now
     vol.store.touch(row, size=size, mtime_ns=mtime, ctime_ns=now)

@@ -44,6 +44,7 @@ from mxfs.fs.owned import OwnedSums
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
+from mxfs.meta.usage import growth
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.vol.access import Caller, owner_for, supplementary_groups
@@ -760,7 +761,8 @@ class MxfsOperations(pyfuse3.Operations):
         until the store's size says so: the check and the size it admits are split by
         awaits, in which the owner's other writes would pass the same check (16 of 40
         tries of 8 writes at once went past a quota)."""
-        grow, owner = end - node.size, node.uid  # (a chown meanwhile changes node.uid)
+        # (a chown meanwhile changes node.uid; a file holding a byte is charged a BLOCK)
+        grow, owner = growth(node.size, end), node.uid
         self.vol.quotas.room(owner, grow)
         if grow <= 0:
             yield

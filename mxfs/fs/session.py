@@ -23,6 +23,7 @@ from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
 from mxfs.io import PAGE
 from mxfs.meta import Inode
+from mxfs.meta.usage import file_cost
 from mxfs.pool.pool import Guard, overallocated
 from mxfs.pool.revoke import NO_LEASES_FIX, lease_trouble, writers_remain
 from mxfs.proto.messages import ReadFds
@@ -122,8 +123,8 @@ class Session:
         if self.fds is not None:
             self.fds.take(self.tenant, self.fds_each)
         self.pending_by_uid[self.tenant] += 1
-        if self.quotas is not None:
-            self.quotas.reserve(self.caller.uid, declared)
+        if self.quotas is not None:  # (what the file will be charged: a BLOCK at least)
+            self.quotas.reserve(self.caller.uid, file_cost(declared))
 
     def unbook(self, declared: int) -> None:
         """A booked file was not made after all."""
@@ -133,7 +134,7 @@ class Session:
         if self.fds is not None:
             self.fds.give(self.tenant, self.fds_each)
         if self.quotas is not None:
-            self.quotas.release(self.caller.uid, declared)
+            self.quotas.release(self.caller.uid, file_cost(declared))
 
     def let_go(self, ino: int) -> Pending:
         """Forget an unpublished file (committed or dropped); KeyError if not held."""

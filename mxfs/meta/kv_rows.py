@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 from mxfs.meta.engine import Engine, fail
 from mxfs.meta.feed_notes import KV_GONE, KV_REMOVED, KV_RESET, KV_STORED
 from mxfs.meta.inode import Inode
+from mxfs.meta.usage import key_cost
 
 T = TypeVar("T")
 SEALS_BITE = 4096  # chunks whose seals `chunks` reads in one go (their sums, in memory)
@@ -31,6 +32,7 @@ class Rules(Protocol):
     def write_fields(self, node: Inode, values: dict[str, object]) -> None: ...
     def seal(self, ino: int, sum_unit: int, sums: bytes) -> None: ...
     def drop_link(self, node: Inode, now: int) -> None: ...
+    def charge_key(self, node: Inode, nbytes: int) -> None: ...
     def note_kv(self, what: int, ns: str, key: bytes = b"") -> None: ...
 
 
@@ -106,6 +108,7 @@ class KVRows:
             now = time.time_ns()
             store.write_fields(node, {"nlink": 1, "size": size, "mtime_ns": now, "ctime_ns": now})
             store.seal(ino, sum_unit, sums)
+            store.charge_key(node, key_cost(ns, key))
             store.note_kv(KV_STORED, ns, key)
         store.txn(change)
 
@@ -117,9 +120,11 @@ class KVRows:
             nodes = []
             now = time.time_ns()
             for ns, key, ino in entries:
-                self.engine.delete("kv", {"ns": ns, "key": key})
+                had = self.engine.delete("kv", {"ns": ns, "key": key})
                 store.note_kv(KV_REMOVED, ns, key)
                 node = store.get(ino)
+                if had:
+                    store.charge_key(node, -key_cost(ns, key))
                 store.drop_link(node, now)
                 nodes.append(node)
             return nodes

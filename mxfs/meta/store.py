@@ -50,7 +50,7 @@ from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name
 from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.meta.sole_cache import SoleCache
-from mxfs.meta.usage import NAME_ROW, Usage, sized
+from mxfs.meta.usage import NAME_ROW, Usage, charged_size
 
 log = logging.getLogger("mxfs.meta")
 
@@ -587,6 +587,14 @@ class MetaStore:
             rows = 1 if nbytes >= 0 else -1
         self._charge_names(d, d.uid, nbytes + rows * NAME_ROW)
 
+    def charge_key(self, node: Inode, nbytes: int) -> None:
+        """(Inside a change.)  KV chunk `node`'s key row stored (`nbytes`: its
+        `usage.key_cost`) or removed (less): charged to the chunk's writer, its inode's
+        owner, as a name is to its folder's (a user put 5,000 chunks with 1 KiB keys, 44
+        MB of the store, charged nothing)."""
+        self._owned_moved(node.ino)
+        self._charge_names(node, node.uid, nbytes)
+
     def _charge_names(self, node: Inode, uid: int, delta: int) -> None:
         """Add `delta` bytes to `uid`'s names tally, put back if the change fails."""
         if delta and self.usage.counted:
@@ -1018,6 +1026,9 @@ class MetaStore:
         if not self.usage.counted:
             xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"))
             names = self.engine.lengths("dentries", "parent", ("name",), None, NAME_ROW)
+            for ino, n in self.engine.lengths("kv", "ino", ("ns", "key"), None,
+                                              NAME_ROW).items():
+                names[ino] = names.get(ino, 0) + n  # (a chunk's key: `charge_key`)
             cache = self._cache
             rows = []
             for ino, uid, mode, size in self.engine.scan("inodes",
@@ -1031,21 +1042,22 @@ class MetaStore:
 
     def charged_bytes(self, node: Inode, owned: Owned | None = None) -> int:
         """What `node` counts against its owner's byte quota (`meta/usage.py`): its size
-        (a file's, a link's), its extended attributes and the names in it (a
-        directory's), as a chown moves them (`write_fields`); `owned`: those two as
-        measured, else read here."""
+        (a file's, a BLOCK at least, a link's), its extended attributes and the names
+        in it (a directory's) or its key (a KV chunk's), as a chown moves them
+        (`write_fields`); `owned`: those two as measured, else read here."""
         xattrs, names = owned if owned is not None else self.owned(node.ino)
-        return (node.size if sized(node.mode) else 0) + xattrs + names
+        return charged_size(node.mode, node.size) + xattrs + names
 
     def owned(self, ino: int) -> Owned:
-        """The bytes of `ino`'s xattrs and of the names in it, a directory's (a row's
-        overhead each), in the rows: what a chown moves between owners.  A folder of
-        65,000 names takes 17 ms to sum, so a writer's chown asks it of a worker's
-        connection, which sees committed rows only: `watch_owned` says whether they
-        were the file's still."""
+        """The bytes of `ino`'s xattrs and of the names in it, a directory's, or of its
+        key, a KV chunk's (a row's overhead each), in the rows: what a chown moves
+        between owners.  A folder of 65,000 names takes 17 ms to sum, so a writer's
+        chown asks it of a worker's connection, which sees committed rows only:
+        `watch_owned` says whether they were the file's still."""
         xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), [ino])
         names = self.engine.lengths("dentries", "parent", ("name",), [ino], NAME_ROW)
-        return xattrs.get(ino, 0), names.get(ino, 0)
+        key = self.engine.lengths("kv", "ino", ("ns", "key"), [ino], NAME_ROW)
+        return xattrs.get(ino, 0), names.get(ino, 0) + key.get(ino, 0)
 
     @contextmanager
     def watch_owned(self, ino: int) -> Iterator[Callable[[], bool]]:

@@ -1,14 +1,17 @@
 """Bytes and inodes each uid owns, kept up to date as the namespace changes (quotas).
 
 A uid owns the inodes whose `uid` it is, the bytes of its regular files' sizes
-(apparent sizes: a sparse file counts its size; a KV chunk is a regular file too) and
-of its symbolic links' targets, and what its inodes cost the metadata store: their
-extended attributes (names and values) and the names in its directories, NAME_ROW
-bytes each besides the name's own (a hard link is a name: a user with a quota of ten
-inodes made 20,000 links, 12 MB of the store, charged nothing).  A name is its
-directory's owner's, as ext4 charges a directory's blocks, not its file's: another
-user's links to her file, in a folder of his, spent her quota and she could not
-remove them; a directory's owner can always remove the names in it.  Unlinked files
+(apparent sizes: a sparse file counts its size; a KV chunk is a regular file too), a
+BLOCK at least for a file holding any byte (what its chunk file takes of a member: a
+user put 5,000 one-byte KV chunks, 22 MB of members, charged 4.9 KiB), and of its
+symbolic links' targets, and what its inodes cost the metadata store: their extended
+attributes (names and values), the names in its directories and its KV chunks' keys,
+NAME_ROW bytes each besides the name's own (a hard link is a name: a user with a quota
+of ten inodes made 20,000 links, 12 MB of the store, charged nothing; a chunk's key,
+with its namespace's name, is its writer's, the owner of its inode: `key_cost`).  A
+name is its directory's owner's, as ext4 charges a directory's blocks, not its file's:
+another user's links to her file, in a folder of his, spent her quota and she could
+not remove them; a directory's owner can always remove the names in it.  Unlinked files
 still open count until they are reclaimed, as on any filesystem.
 
 Nothing is stored: the tally is counted from the rows once (`MetaStore.count_usage`,
@@ -28,11 +31,33 @@ from mxfs.meta.inode import Inode
 # The inode fields a tally depends on (a file's type never changes).
 COUNTED = frozenset(("size", "uid"))
 NAME_ROW = 128  # what a name costs the store besides its bytes (its row, its indexes)
+BLOCK = 4096  # what a file holding any byte costs at least: a member's block (and inode)
 
 
-def sized(mode: int) -> bool:
-    """Whether an inode's size is bytes its owner is charged: a file's, a link's."""
-    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
+def charged_size(mode: int, size: int) -> int:
+    """What an inode's size costs its owner's byte quota: a regular file's size, a BLOCK
+    at least once it holds a byte (an empty one holds no block); a link's target."""
+    if stat.S_ISREG(mode):
+        return file_cost(size)
+    return size if stat.S_ISLNK(mode) else 0
+
+
+def file_cost(size: int) -> int:
+    """What a regular file (a KV chunk too) of `size` bytes is charged (`charged_size`)."""
+    return max(size, BLOCK) if size > 0 else 0
+
+
+def growth(old: int, new: int) -> int:
+    """What a regular file growing from `old` to `new` bytes adds to its charge (none
+    if it does not grow it: one byte past an empty file is a BLOCK, the next ones
+    within it nothing)."""
+    return max(0, file_cost(new) - file_cost(old))
+
+
+def key_cost(ns: str, key: bytes) -> int:
+    """What a KV chunk's key costs its writer: its row's key, namespace and NAME_ROW (the
+    store measures the namespace's characters, as `len` does)."""
+    return len(ns) + len(key) + NAME_ROW
 
 
 class Group:
@@ -54,7 +79,8 @@ class Usage:
         self.bytes: Counter[int] = Counter()
         self.inodes: Counter[int] = Counter()
         self.xattrs: Counter[int] = Counter()  # bytes of xattr names and values
-        self.names: Counter[int] = Counter()  # bytes of names in the uid's dirs, rows too
+        self.names: Counter[int] = Counter()  # bytes of names in the uid's dirs and of its
+        #                                       KV chunks' keys, rows too
         # Moves on whenever a uid starts or stops being counted.
         self.generation = 0
         # The same by group of uids (`grouped`), kept as the tally moves: a quota check
@@ -88,14 +114,14 @@ class Usage:
         return found
 
     def recount(self, rows: Iterable[tuple[int, int, int, int, int]]) -> None:
-        """Start again from (uid, mode, size, xattr bytes, bytes of the names in it) of
-        every inode."""
+        """Start again from (uid, mode, size, xattr bytes, bytes of the names in it or of
+        its KV key) of every inode."""
         self.forget()
         self.generation += 1
         for uid, mode, size, xattrs, names in rows:
             self.inodes[uid] += 1
-            if sized(mode):
-                self.bytes[uid] += size
+            if charged := charged_size(mode, size):
+                self.bytes[uid] += charged
             if xattrs:
                 self.xattrs[uid] += xattrs
             if names:
@@ -131,14 +157,13 @@ class Usage:
         if not self.counted:
             return
         self._moved(uid not in self.inodes)
+        charged = sign * charged_size(mode, size)
         self.inodes[uid] += sign
-        if sized(mode):
-            self.bytes[uid] += sign * size
+        self.bytes[uid] += charged
         if self._group is not None:
             g = self._of(uid)
             g.inodes += sign
-            if sized(mode):
-                g.bytes += sign * size
+            g.bytes += charged
         self._tidy(uid)
 
     def change(self, node: Inode, name: str, value: object) -> None:
@@ -158,7 +183,8 @@ class Usage:
             self.generation += 1
 
     def owned_bytes(self, uid: int) -> int:
-        """What a byte quota counts: file and link sizes, xattrs and names."""
+        """What a byte quota counts: file (`charged_size`) and link sizes, xattrs, names
+        and keys."""
         return self.bytes[uid] + self.xattrs[uid] + self.names[uid]
 
     def uids(self) -> set[int]:

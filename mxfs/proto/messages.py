@@ -65,10 +65,12 @@ class NamespaceStats(TypedDict):
 
 class QuotaRow(TypedDict):
     uid: int
-    bytes: int  # file and link sizes, xattrs and names (what the byte quota counts)
+    bytes: int  # file (4 KiB at least) and link sizes, xattrs, names and KV keys (what
+    #             the byte quota counts)
     xattr_bytes: int  # ... of them xattrs' names and values
-    name_bytes: int  # ... and the names in its folders (each and its row: usage.NAME_ROW)
-    reserved: int  # declared sizes of unpublished files
+    name_bytes: int  # ... and the names in its folders and its KV chunks' keys (each
+    #                  and its row: usage.NAME_ROW)
+    reserved: int  # declared sizes of unpublished files (4 KiB at least)
     held: int  # removed or renewed files' bytes kept a while for their readers
     inodes: int
     bytes_limit: int  # 0: none

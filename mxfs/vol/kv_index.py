@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from mxfs.meta.kv_rows import SEALS_BITE
+from mxfs.meta.usage import BLOCK
 from mxfs.pool.pool import META_ROW, pool_totals
 from mxfs.proto.constants import MAX_KEY
 from mxfs.proto.messages import NamespaceStats
@@ -65,8 +66,9 @@ MAX_CHUNK = 256 << 20  # bytes of one chunk (256 tokens of Qwen2.5-32B are 64 Mi
 # What a chunk counts for at least in its namespace's bytes (capacity, eviction, stats):
 # a page.  Counted at their size, empty chunks held nothing, so no capacity bounded
 # their number and no eviction (which stops once the bytes are below its target) took
-# one: a writer who filled a shared namespace with them left them for good.
-CHUNK_FLOOR = 4096
+# one: a writer who filled a shared namespace with them left them for good.  (Quotas
+# charge a chunk holding any byte the same block at least: `usage.file_cost`.)
+CHUNK_FLOOR = BLOCK
 MAX_NAMESPACE = 128
 
 

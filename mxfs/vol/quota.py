@@ -10,12 +10,13 @@ the uid to a user is kept, not looked at).  They survive remounts and travel wit
 dumps; `mxfs quota` sets them through the daemon and shows a line a tenant.
 
 What a tenant owns is the store's tally (`meta/usage.py`: its uids' inodes, their
-regular files' sizes, KV chunks among them, their inodes' extended attributes and
-the names in their directories) plus what its unpublished direct writes and KV chunks
-declared, and the shares of it reserved for nodes writing its files through their
-mounts (`reserved`: `fs/node_writes.Rooms`): a direct writer is charged its declared
-size when it creates the file, and its chunk files are cut back to that size
-(`fs/session.py`), so descriptors a writer holds cannot take it past its quota either.
+regular files' sizes, KV chunks among them, a block at least for one holding any byte,
+their inodes' extended attributes, the names in their directories and their chunks'
+keys) plus what its unpublished direct writes and KV chunks declared, and the shares
+of it reserved for nodes writing its files through their mounts (`reserved`:
+`fs/node_writes.Rooms`): a direct writer is charged its declared size when it creates
+the file, and its chunk files are cut back to that size (`fs/session.py`), so
+descriptors a writer holds cannot take it past its quota either.
 The tally keeps each tenant's total as it moves (`Usage.grouped`), grouped again from
 every uid only when /etc/subuid changes: a check reads one total, however many uids
 she has.
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 from mxfs.meta import Inode, MetaStore
 from mxfs.meta.store import Owned
-from mxfs.meta.usage import NAME_ROW, Group
+from mxfs.meta.usage import NAME_ROW, Group, file_cost
 from mxfs.proto.messages import QuotaReport, QuotaRow
 from mxfs.units import format_size
 from mxfs.vol.tenants import TENANTS, tenant_of
@@ -80,7 +81,7 @@ class Freeing:
         self.inodes: Counter[int] = Counter()
 
     def add(self, node: Inode) -> None:
-        self.add_row(node.ino, node.uid, node.size if node.is_reg else 0)
+        self.add_row(node.ino, node.uid, file_cost(node.size) if node.is_reg else 0)
 
     def add_row(self, ino: int, uid: int, nbytes: int) -> None:
         """Orphan `ino` of `uid`, holding `nbytes`, queued."""
