@@ -267,7 +267,7 @@ class ChunkClient:
             raise ValueError(f"a {tag.decode()} carries no bytes")
         length = sum(len(v) for v in views) if tag != b"RENW" else \
             NO_ROOM if room is None else room
-        if length > MAX_WRITE:
+        if tag == b"WRIT" and length > MAX_WRITE:
             raise ValueError(f"at most {MAX_WRITE} bytes a chunk write")
         self.sock.sendall(tag + CHUNK_OP.pack(epoch, ino, member, offset, length))
         for v in views:
