@@ -507,6 +507,34 @@ def test_a_tenant_filling_the_metadata_member_through_her_files_is_stopped(
         assert len(refusals) <= fills.count("ok"), (refusals, len(served))
 
 
+OVERDRAW_AND_DROP = r"""
+import mmap
+from mxfs.client.writer import create_file
+w = create_file(sys.argv[1] + "/a", 4096)
+buf = mmap.mmap(-1, 1 << 20)  # (aligned: the descriptors may be O_DIRECT)
+for fd in w.fds.values():
+    os.pwrite(fd, buf, 0)
+w.abort()
+print(json.dumps(attempt(create_file, sys.argv[1] + "/b", 4096)))
+"""
+
+
+def test_a_tenant_who_drops_a_file_she_overdrew_is_caught_all_the_same(
+        tmp_path: Path) -> None:
+    """Written past its declared size and aborted at once (before a cut-back round saw
+    it held): caught all the same, so her next create is refused (before, she wrote
+    past her word, let go and made the next file, never penalised)."""
+    from users import ensure_users, run_as
+
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members) as m:
+        (m.path / "alice").mkdir()
+        os.chown(m.path / "alice", alice.uid, alice.gid)
+        assert run_as(alice, OVERDRAW_AND_DROP, str(m.path / "alice")) == errno.EDQUOT
+
+
 def test_a_client_whose_idle_connection_was_closed_goes_on(tmp_path: Path) -> None:
     from mxfs.kv import KVStore
 

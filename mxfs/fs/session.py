@@ -247,6 +247,8 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
     paths = chunk_paths(vol, pending.entry.node)
 
     def cut() -> None:
+        if not pending.overdrawn and grown_chunks(vol, pending.entry.node, pending.declared):
+            caught(vol, pending.tenant)  # (written past her word, then dropped: caught)
         if writers_remain(paths):
             vol.held.hold(ino, session.tenant)
         else:
@@ -326,20 +328,32 @@ def _cut_back_one(vol: Volume, pending: Pending, pendings: list[Pending]) -> int
     if not pending.committing and (pending.overdrawn or reserved) and \
             writers_remain(chunk_paths(vol, node)):
         pending.overdrawn = True
-        if not was:
-            caught(vol, pending.tenant)
-        if vol.overdrafts.left(pending.tenant):
-            for other in pendings:
-                if other.tenant == pending.tenant and not other.overdrawn and \
-                        not other.committing:
-                    cut += _each(_revoke_one, vol, other)
+        cut += _caught(vol, pending, was, pendings)
         try:
             return cut + vol.held.hold(node.ino, pending.tenant)  # (cut to nothing)
         except BaseException:
             _cut_to(vol, grown)  # (its hold failed: what it took past its word goes)
             raise
+    if grown and not pending.committing:  # (written past her word, then let go of:
+        cut += _caught(vol, pending, was, pendings)  # caught all the same)
     return cut + _cut_to(vol, grown)  # (no writer left, or a node's file whose commit
     #                                    was sent: the writer's to hold)
+
+
+def _caught(vol: Volume, pending: Pending, was: bool, pendings: list[Pending]) -> int:
+    """`pending`'s tenant caught overdrawing (unless it was before this round): while
+    her penalty runs, every other unpublished file of hers is revoked; how many chunk
+    files that cut.  (Caught only where she still held it, she wrote gigabytes past
+    her word, let go within the round, and made the next file, never penalised.)"""
+    if not was:
+        caught(vol, pending.tenant)
+    cut = 0
+    if vol.overdrafts.left(pending.tenant):
+        for other in pendings:
+            if other is not pending and other.tenant == pending.tenant and \
+                    not other.overdrawn and not other.committing:
+                cut += _each(_revoke_one, vol, other)
+    return cut
 
 
 def _cut_to(vol: Volume, grown: list[tuple[int, str, int]]) -> int:
