@@ -695,6 +695,7 @@ class ChunkService:
                                           limiter=self._changers)
             return 0, b""
         await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data,
+                                      functools.partial(pool.create_flags, member, path),
                                       limiter=self._changers)
         if data is not None:
             self.written_bytes += len(data)
@@ -952,12 +953,14 @@ def _all_cached(fd: int, offset: int, n: int) -> bool:
     return cached_pages(fd, offset, n) == pages
 
 
-def _change_chunk(tag: bytes, path: str, offset: int, data: bytearray | None) -> None:
+def _change_chunk(tag: bytes, path: str, offset: int, data: bytearray | None,
+                  create: Callable[[int], int] = lambda flags: flags) -> None:
     """(A worker thread.)  WRIT `data` at `offset`, SYNC (offset 1: data only), or TRUN
-    to `offset` bytes if longer the chunk file at `path` (REMV: `_remove`)."""
+    to `offset` bytes if longer the chunk file at `path` (REMV: `_remove`); `create`
+    gives a new file's open flags (`Pool.create_flags`: a member's reserve of inodes)."""
     if tag == b"WRIT":
         assert data is not None
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, create(os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC), 0o600)
         try:
             view, done = memoryview(data), 0
             while done < len(view):

@@ -737,6 +737,9 @@ class MxfsOperations(pyfuse3.Operations):
             await self.written.allow(node.ino, off + len(buf))
             end: int | None = None
             try:
+                # (the writer's RENW of our members holds this file's writes: `holding`;
+                # one landing mid-copy would go to the old file its readers keep)
+                await self._uncut(node.ino)
                 await self._write_data(handle, off, buf)
                 end = off + len(buf)
             finally:
