@@ -458,11 +458,27 @@ def ext4_image(tmp_path: Path, name: str, mib: int, options: str = "",
     block device: it fills up, it can be made slow), mounted with `options` ("sync": a
     member slower to write than the mount is to answer), with only `inodes` inodes if
     given; unmounted afterwards."""
+    with _loop_image(tmp_path, name, mib, ["mkfs.ext4", "-q", "-F", "-m", "0",
+                                           *(["-N", str(inodes)] if inodes else [])],
+                     options) as folder:
+        yield folder
+
+
+@contextmanager
+def xfs_image(tmp_path: Path, name: str, mib: int = 512) -> Iterator[str]:
+    """A folder `name` that is a fresh XFS image of `mib` MiB on a loop device (the
+    file system production members use: its own preallocation, reflinks)."""
+    with _loop_image(tmp_path, name, mib, ["mkfs.xfs", "-q", "-f"]) as folder:
+        yield folder
+
+
+@contextmanager
+def _loop_image(tmp_path: Path, name: str, mib: int, mkfs_cmd: list[str],
+                options: str = "") -> Iterator[str]:
     img, folder = tmp_path / f"{name}.img", tmp_path / name
     with open(img, "wb") as f:
         f.truncate(mib << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", *(["-N", str(inodes)] if inodes else []),
-                    str(img)], check=True, capture_output=True)
+    subprocess.run([*mkfs_cmd, str(img)], check=True, capture_output=True)
     folder.mkdir()
     res = subprocess.run(["mount", "-o", ",".join(filter(None, ["loop", options])), str(img),
                           str(folder)], capture_output=True)

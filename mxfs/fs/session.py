@@ -25,6 +25,7 @@ from mxfs.io import PAGE
 from mxfs.meta import Inode
 from mxfs.meta.usage import file_cost
 from mxfs.pool.pool import Guard, overallocated
+from mxfs.pool.prealloc import reserved_by_writer
 from mxfs.pool.revoke import NO_LEASES_FIX, lease_trouble, writers_remain
 from mxfs.proto.messages import ReadFds
 from mxfs.vol.access import Caller
@@ -317,7 +318,9 @@ def _cut_back_one(vol: Volume, pending: Pending, pendings: list[Pending]) -> int
             if st.st_size > allowed:
                 pending.overdrawn = True  # cut back or not, its commit is refused
                 grown.append((m, path, allowed))
-            elif overallocated(st, allowed):  # (fallocate with KEEP_SIZE)
+            elif overallocated(st, allowed) and reserved_by_writer(path):
+                # (fallocate with KEEP_SIZE: not XFS's own preallocation past the end
+                # of a file written buffered, which it trims at the last close)
                 if writers_remain([path]):  # (a commit frees them: truncate_chunks)
                     reserved = True
                 else:
