@@ -427,17 +427,16 @@ class SqliteEngine(Engine):
         """fsync the WAL through a descriptor kept from its first sync to close: an open
         each time failed with the daemon's descriptors gone (a tenant's directory fsync
         with them).  The WAL stays the same file while this connection is open (SQLite
-        removes it at the last close, checkpoints reuse or truncate it in place)."""
-        fd = self._wal_fd
-        if fd is None:
-            with self._wal_lock:  # (syncs run in worker threads: one opens it)
-                if self._wal_fd is None:
-                    try:
-                        self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY | os.O_CLOEXEC)
-                    except FileNotFoundError:
-                        return
-                fd = self._wal_fd
-        os.fsync(fd)
+        removes it at the last close, checkpoints reuse or truncate it in place).  Under
+        its lock: syncs run in worker threads, and a close meanwhile would leave one
+        fsyncing a closed (or reused) descriptor number."""
+        with self._wal_lock:
+            if self._wal_fd is None:
+                try:
+                    self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    return
+            os.fsync(self._wal_fd)
 
     def group_age(self) -> float | None:
         return time.monotonic() - self._group_started if self._group_open else None
@@ -517,9 +516,10 @@ class SqliteEngine(Engine):
             self.db.close()
             if self._checkpointer is not None:
                 self._checkpointer.close()
-            if self._wal_fd is not None:
-                os.close(self._wal_fd)
-                self._wal_fd = None
+            with self._wal_lock:
+                if self._wal_fd is not None:
+                    os.close(self._wal_fd)
+                    self._wal_fd = None
 
 
 def file_problem(path: str, thorough: bool = True) -> tuple[str | None, str | None]:
