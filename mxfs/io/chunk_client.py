@@ -56,6 +56,7 @@ CONNECT_S = 5  # a connection to a node is made within this (a LAN takes ms; -o 
 RESERVED_LOW = 600  # a node's connections come from a port in [RESERVED_LOW, 1024) ...
 RESERVED_TRIES = 16  # ... if one of this many picked at random is free
 UNACKED_S = 8  # a request the node has not acknowledged for this long: cut off (unacked_s)
+RENEW_S = 300.0  # a RENW's answer waited for this long (the owner copies the file)
 
 
 class StaleNode(OSError):
@@ -272,7 +273,15 @@ class ChunkClient:
         self.sock.sendall(tag + CHUNK_OP.pack(epoch, ino, member, offset, length))
         for v in views:
             self.sock.sendall(v)
-        self._kv_answer(MAX_WHY, "reason")
+        if tag != b"RENW":
+            self._kv_answer(MAX_WHY, "reason")
+            return
+        waited = self.sock.gettimeout()  # (a RENW copies the chunk file first: GiBs of a
+        self.sock.settimeout(RENEW_S)  # large file on a slow member take minutes)
+        try:
+            self._kv_answer(MAX_WHY, "reason")
+        finally:
+            self.sock.settimeout(waited)
 
     def kv_keys(self, tag: bytes, who: tuple[int, int, list[int]], namespace: str,
                 flags: int, keys: list[bytes], ms: int, holder: bytes,
