@@ -17,7 +17,8 @@ TOOL = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 
 
 @needs_fuse
-@pytest.mark.daemon_log(CRASH, r"cut \d+ chunk files of unpublished files back")
+@pytest.mark.daemon_log(CRASH, r"cut \d+ chunk files of unpublished files back",
+                        r"uid 65534 wrote past the size it declared")
 def test_crash_cycles_lose_nothing_fsynced_or_committed(tmp_path: Path) -> None:
     """With a hostile user (nobody) flooding the daemon meanwhile: its pool lives where
     nobody can reach it, not in pytest's private folder."""
