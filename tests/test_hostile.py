@@ -42,7 +42,7 @@ pytestmark = [
                            r"uid \d+ wrote past the size it declared"),
 ]
 ROOT = Path(__file__).resolve().parent.parent
-FUZZ_CASES = int(os.environ.get("MXFS_FUZZ_CASES", "100000"))
+FUZZ_CASES = int(os.environ.get("MXFS_FUZZ_CASES", "60000"))
 
 
 def daemon_figures(pid: int) -> tuple[int, int]:

@@ -26,8 +26,8 @@ def test_crash_cycles_lose_nothing_fsynced_or_committed(tmp_path: Path) -> None:
     where = tempfile.mkdtemp(prefix="mxfs-soak-test-")
     os.chmod(where, 0o755)
     try:
-        res = subprocess.run([sys.executable, str(TOOL), "--minutes", "0.6", "--crash-every",
-                              "10", "--hostile", "--dir", where, "--json", str(report)],
+        res = subprocess.run([sys.executable, str(TOOL), "--minutes", "0.45", "--crash-every",
+                              "8", "--hostile", "--dir", where, "--json", str(report)],
                              capture_output=True, text=True, timeout=300)
     finally:
         shutil.rmtree(where, ignore_errors=True)

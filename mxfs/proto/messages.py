@@ -72,6 +72,7 @@ class QuotaRow(TypedDict):
     #                  and its row: usage.NAME_ROW)
     reserved: int  # declared sizes of unpublished files (4 KiB at least)
     held: int  # removed or renewed files' bytes kept a while for their readers
+    freeing: int  # removed files' bytes queued to be freed (not held against the quota)
     inodes: int
     bytes_limit: int  # 0: none
     inodes_limit: int

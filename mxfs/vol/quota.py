@@ -281,6 +281,7 @@ class Quotas:
                          "xattr_bytes": group.xattrs,
                          "name_bytes": group.names,
                          "reserved": self.reserved_of(t), "held": self.held(t),
+                         "freeing": self.freeing(t)[0],
                          "inodes": inodes, "bytes_limit": quota.bytes,
                          "inodes_limit": quota.inodes,
                          "own": str(t) in self.limits})
