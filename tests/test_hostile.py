@@ -45,11 +45,22 @@ ROOT = Path(__file__).resolve().parent.parent
 FUZZ_CASES = int(os.environ.get("MXFS_FUZZ_CASES", "60000"))
 
 
-def daemon_figures(pid: int) -> tuple[int, int]:
-    """(RSS in KiB, open descriptors) of the daemon."""
+def daemon_figures(pid: int) -> tuple[int, list[str]]:
+    """(RSS in KiB, what each open descriptor of the daemon names)."""
     with open(f"/proc/{pid}/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    fds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return rss, sorted(fds)
+
+
+def views_in(fds: list[str]) -> int:
+    """How many of `fds` are KV presence tables (`vol/kv_presence.py`)."""
+    return sum("mxfs-kv-view" in fd for fd in fds)
 
 
 def test_fuzzer_as_nobody_leaves_the_daemon_serving_and_the_pool_clean(
@@ -67,8 +78,11 @@ def test_fuzzer_as_nobody_leaves_the_daemon_serving_and_the_pool_clean(
                               text=True, timeout=900)
 
     # A first round, apart: what the daemon keeps once used (a store connection its
-    # workers open at their first call, the presence tables it keeps, up to their
-    # bound) is then in the figures the run is measured against; a leak grows with it.
+    # workers open at their first call) is then in the figures the run is measured
+    # against; a leak grows with it.  The presence tables of the namespaces the fuzzer
+    # viewed are kept (up to 512 of one user's), as many as its random order left: those
+    # are held to the daemon's account of them instead (counted with the rest, they
+    # failed the test one run in three, 24 -> 27, one table more kept than before).
     assert fuzz(FUZZ_CASES // 5, 2).returncode == 0
     rss0, fds0 = daemon_figures(pid)
     res = fuzz(FUZZ_CASES, 1)
@@ -79,9 +93,13 @@ def test_fuzzer_as_nobody_leaves_the_daemon_serving_and_the_pool_clean(
     with ControlClient(str(mounted.path)) as c:
         assert c.server["pid"] == pid
         assert eventually(lambda: c.stat()["open_files"] == 0)
-    rss1, fds1 = daemon_figures(pid)
-    print(f"fuzz: {summary}; daemon RSS {rss0} -> {rss1} KiB, descriptors {fds0} -> {fds1}")
-    assert fds1 <= fds0 + 2
+        rss1, fds1 = daemon_figures(pid)
+        # (a table's memfd and its mapping's copy, each kept table; and this connection)
+        accounted = c.stat()["limits"]["fds_held"] - 1
+    print(f"fuzz: {summary}; daemon RSS {rss0} -> {rss1} KiB, "
+          f"descriptors {len(fds0)} -> {len(fds1)}")
+    assert views_in(fds1) <= accounted, (fds1, accounted)  # none retired and left open
+    assert len(fds1) - views_in(fds1) <= len(fds0) - views_in(fds0) + 2, (fds0, fds1)
     assert rss1 <= rss0 + 32 * 1024
     assert (fz / "a").read_bytes() == b"root's file"
     (mounted.path / "after").mkdir()
