@@ -171,6 +171,55 @@ print(1)
     quota(pool, "--user", alice.name, "--clear")
 
 
+def test_chunks_written_at_once_count_each_others_keys(pool: Mounted) -> None:
+    """A kv_create booked its chunk's block against the writer's quota, not its key,
+    which its commit charges: alice, at 512 KiB, held 127 chunks with 1 KiB keys
+    uncommitted at once, each judged with the others' keys left out, and committed
+    them all: 668 KiB charged.  Each now books its key too: what she commits stays
+    within her quota."""
+    from mxfs.meta.usage import BLOCK, NAME_ROW
+
+    alice = ensure_users()["alice"]
+    empty_home_with_quota(pool, alice, "--bytes", "512KiB")
+    before = line_of(quota(pool, "--user", alice.name), alice.uid)
+    ns = "held-keys"
+    made, code, stored = run_as(alice, f"""
+import base64
+from mxfs.io.checksum import block_sums, pack_sums
+c = mxfs.client.ControlClient({str(pool.path)!r})
+b = lambda x: base64.b64encode(x).decode()
+c.call("kv_ns_create", namespace={ns!r}, capacity=1 << 30)
+held, code = [], 0
+while len(held) < 250:
+    key = b(b"%04d" % len(held) + b"k" * 1020)
+    try:
+        made, fds = c.call_with_fds("kv_create", namespace={ns!r}, key=key, size=1)
+    except OSError as e:
+        code = e.errno
+        break
+    os.pwrite(fds[0], b"x", 0)
+    for fd in fds:
+        os.close(fd)
+    held.append((made, key))
+stored = 0
+for made, key in held:
+    unit = made["layout"]["stripe_unit"]
+    stored += c.call("kv_commit", namespace={ns!r}, ino=made["ino"], key=key, size=1,
+                     sum_unit=unit, sums=b(pack_sums(block_sums(b"x", unit))))["stored"]
+print(json.dumps([len(held), code, stored]))
+""")
+    key = len(ns) + 1024 + NAME_ROW
+    assert code == errno.EDQUOT and stored == made
+    assert made == ((512 << 10) - before["bytes"]) // (BLOCK + key)  # (~100; 127 before)
+    line = line_of(quota(pool, "--user", alice.name), alice.uid)
+    assert line["bytes"] <= 512 << 10 and line["reserved"] == 0, line
+    run_as(alice, f"""
+mxfs.client.ControlClient({str(pool.path)!r}).call("kv_ns_remove", namespace={ns!r})
+print(1)
+""")
+    quota(pool, "--user", alice.name, "--clear")
+
+
 def test_extended_attributes_count_against_the_owners_byte_quota(pool: Mounted) -> None:
     """xattrs live in the metadata store: a tenant setting 64 KiB values on file after
     file is stopped by its byte quota (EDQUOT), not only by the per-inode bound, and

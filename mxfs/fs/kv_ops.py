@@ -791,13 +791,14 @@ class KVOps:
         root = await self._room(space, key, size, caller.uid)
         if self.index.spaces.get(space.name) is not space:
             raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed meanwhile")
-        with session.booking(size):
+        extra = key_cost(space.name, key)  # (its row: charged at the commit)
+        with session.booking(size, extra):
             if size <= ONE_MEMBER_MAX:  # a spare: committed, its one chunk file made ahead
                 entry, members, fds = await self._open_spare(caller)
             else:  # striped over the members, as the root's files are
                 entry, members, fds = await open_hidden(self.vol, root, 0o600, caller.uid,
                                                         caller.gid, self.calls)
-        session.hold(Pending(entry, "", size, namespace=space.name), booked=True)
+        session.hold(Pending(entry, "", size, extra=extra, namespace=space.name), booked=True)
         return {"exists": False, "ino": entry.node.ino,
                 "layout": self.vol.layout(entry.node).describe(), "members": members}, fds
 

@@ -51,6 +51,9 @@ class Pending:
     entry: OpenInode
     path: str  # where a commit names it ("" for a KV chunk)
     declared: int  # the size given at create: the most its chunk files may hold
+    # What its quota charge holds beyond its declared size's (a KV chunk's key row,
+    # `usage.key_cost`): booked with it, so puts at once count each other's keys.
+    extra: int = 0
     overdrawn: bool = False  # its chunk files were cut back: it wrote past `declared`
     # (A node's file) its commit was sent to the writer, which may have named it: its
     # chunk files are the writer's to remove from now on, never cut here.
@@ -102,22 +105,22 @@ class Session:
         """Hold an unpublished file, counted against the limits and its writer's quota
         now (or already, `booked`)."""
         if not booked:  # (refused before it is held)
-            self.book(pending.declared)
+            self.book(pending.declared, pending.extra)
         self.pending[pending.entry.node.ino] = pending
         pending.tenant = self.tenant
 
     @contextlib.contextmanager
-    def booking(self, declared: int) -> Iterator[None]:
+    def booking(self, declared: int, extra: int = 0) -> Iterator[None]:
         """`book` for the block that makes the file, undone if it fails (the caller
         `hold`s what it made, `booked`)."""
-        self.book(declared)
+        self.book(declared, extra)
         try:
             yield
         except BaseException:
-            self.unbook(declared)
+            self.unbook(declared, extra)
             raise
 
-    def book(self, declared: int) -> None:
+    def book(self, declared: int, extra: int = 0) -> None:
         """Count a file about to be held, before the awaits that make it: checks made
         before them would let others' requests pass the same ones meanwhile (64
         creates at once each passed a quota that had room for one)."""
@@ -125,9 +128,9 @@ class Session:
             self.fds.take(self.tenant, self.fds_each)
         self.pending_by_uid[self.tenant] += 1
         if self.quotas is not None:  # (what the file will be charged: a BLOCK at least)
-            self.quotas.reserve(self.caller.uid, file_cost(declared))
+            self.quotas.reserve(self.caller.uid, file_cost(declared) + extra)
 
-    def unbook(self, declared: int) -> None:
+    def unbook(self, declared: int, extra: int = 0) -> None:
         """A booked file was not made after all."""
         self.pending_by_uid[self.tenant] -= 1
         if not self.pending_by_uid[self.tenant]:
@@ -135,12 +138,12 @@ class Session:
         if self.fds is not None:
             self.fds.give(self.tenant, self.fds_each)
         if self.quotas is not None:
-            self.quotas.release(self.caller.uid, file_cost(declared))
+            self.quotas.release(self.caller.uid, file_cost(declared) + extra)
 
     def let_go(self, ino: int) -> Pending:
         """Forget an unpublished file (committed or dropped); KeyError if not held."""
         pending = self.pending.pop(ino)
-        self.unbook(pending.declared)
+        self.unbook(pending.declared, pending.extra)
         if pending.let_room_go is not None:
             pending.let_room_go(pending.meta_room)
         return pending
