@@ -1,7 +1,7 @@
 # Two entry points, both safe on a fresh machine: they install what is missing first.
 #   make demo   build a 4-member demo pool, mount it, write and read through it, measure
-#   make test   run the test suite (real FUSE mounts: needs root and /dev/fuse), then the
-#               engine tests (vLLM, SGLang, LMCache) in their own virtualenv
+#   make test   run the test suite (real FUSE mounts: needs root and /dev/fuse), and beside
+#               it the engine tests (vLLM, SGLang, LMCache) in their own virtualenv
 #   make test-fast  the units and a few smoke mounts, in about a minute: between edits
 #   make lint   ruff and mypy
 VENV ?= .venv
@@ -26,8 +26,8 @@ $(ENGINES)/.installed: pyproject.toml tools/install_engines.sh tools/engines-con
 demo: install
 	$(VENV)/bin/mxfs demo
 
-# Every layer; the engines' virtualenv is made and checked while the main suite runs
-# (tools/run_tests.sh prints the times).
+# Every layer; the engines' virtualenv is made and checked, and their tests run, while
+# the main suite runs (tools/run_tests.sh prints the times).
 test: install
 	bash tools/run_tests.sh $(VENV) $(ENGINES)
 

@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# make test: the main suite, while the engines' virtualenv is made (if missing) and the
-# adapters are type-checked against the engines' classes in the background; then the
-# engine tests, where nothing may skip.  Prints each part's time.
+# make test: the main suite in two workers while, in the background, the engines'
+# virtualenv is made (if missing), the adapters are type-checked against the engines'
+# classes, and the engine tests run (one worker: nothing may skip there).  Most of a
+# mount test is waiting on daemons and subprocesses, so the engines' part fits in the
+# main suite's time instead of after it.  Prints each part's time.
 #   usage: tools/run_tests.sh VENV ENGINES_VENV
 set -uo pipefail
 venv=${1:-.venv} engines=${2:-.venv-engines}
 start=$SECONDS
 log=$(mktemp)
-( make --no-print-directory ENGINES="$engines" VENV="$venv" engines lint-engines >"$log" 2>&1 ) &
+(
+  set -e
+  make --no-print-directory ENGINES="$engines" VENV="$venv" engines lint-engines
+  echo "test: engines' virtualenv ready and adapters checked at $((SECONDS - start)) s"
+  t=$SECONDS
+  MXFS_REQUIRE_ENGINES=1 "$engines/bin/python" -m pytest -q -m engines -p no:cacheprovider
+  echo "test: engine tests took $((SECONDS - t)) s"
+) >"$log" 2>&1 &
 bg=$!
-# Two workers, a test module each at a time (its module-scoped pools stay on one): most
-# of a mount test is waiting on daemons and subprocesses, so two share the 2 CPUs well.
+# Two workers, a test module each at a time (its module-scoped pools stay on one).
 "$venv/bin/python" -m pytest -q -m "not engines" -n "${MXFS_TEST_WORKERS:-2}" \
   --dist loadfile --durations=30
 main=$?
@@ -18,15 +26,12 @@ echo "test: main suite done at $((SECONDS - start)) s"
 wait "$bg"
 eng=$?
 if [ "$eng" -ne 0 ]; then
-  tail -n 40 "$log"
-  echo "test: making the engines' virtualenv or type-checking the adapters failed" >&2
-  exit 1
+  tail -n 60 "$log"
+  echo "test: the engines' part failed (making their virtualenv, type-checking the" \
+       "adapters, or the engine tests)" >&2
+else
+  grep -E "^test: |passed|failed" "$log" | tail -n 4
 fi
-tail -n 2 "$log"
+echo "test: make test took $((SECONDS - start)) s"
 [ "$main" -eq 0 ] || exit "$main"
-t=$SECONDS
-# (two workers too: vLLM's generation is half of it, the adapters' modules the rest)
-MXFS_REQUIRE_ENGINES=1 "$engines/bin/python" -m pytest -q -m engines -n 2 --dist loadfile
-rc=$?
-echo "test: engine tests took $((SECONDS - t)) s; make test took $((SECONDS - start)) s"
-exit "$rc"
+exit "$eng"
