@@ -1137,6 +1137,109 @@ def test_a_uid_has_a_few_requests_in_service_at_once_root_any() -> None:
 
 
 @pytest.mark.unit
+def test_a_request_that_steps_aside_gives_its_turn_and_takes_one_back() -> None:
+    from mxfs.fs.fair import Turns
+
+    turns = Turns(2)
+    log: list[str] = []
+
+    async def waiter(go: trio.Event) -> None:
+        async with turns.turn(5):
+            async with turns.aside(5):
+                await go.wait()
+            log.append("waiter back")
+
+    async def other(i: int, release: trio.Event) -> None:
+        async with turns.turn(5):
+            log.append(f"other {i}")
+            await release.wait()
+
+    async def main() -> None:
+        go, release = trio.Event(), trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter, go)
+            nursery.start_soon(waiter, go)
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(2):  # both turns are free while the two wait aside
+                nursery.start_soon(other, i, release)
+            await trio.testing.wait_all_tasks_blocked()
+            assert sorted(log) == ["other 0", "other 1"]
+            go.set()  # back in line: behind the two that hold the turns now
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(log) == 2
+            release.set()
+        assert log[2:] == ["waiter back", "waiter back"]
+        assert turns.waiting() == {}
+        async with trio.open_nursery() as nursery:  # (the turns are whole again: two)
+            release = trio.Event()
+            for i in range(3):
+                nursery.start_soon(other, i, release)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(log) == 6  # (two of the three in)
+            release.set()
+
+    trio.run(main)
+
+
+WAITS_ON_CLAIMS = r"""
+import base64, threading
+m, ns = sys.argv[1], sys.argv[2]
+done = []
+def wait(i):
+    with mxfs.client.ControlClient(m) as c:
+        key = base64.b64encode(b"w%d" % i).decode()
+        done.append(c.call("kv_wait", namespace=ns, keys=[key], ms=20000,
+                           shared=True)["present"][0])
+threads = [threading.Thread(target=wait, args=(i,)) for i in range(8)]
+for t in threads:
+    t.start()
+sys.stdin.readline()
+with mxfs.client.ControlClient(m) as c:
+    present = c.call("kv_exists", namespace=ns, keys=["b3RoZXI="], shared=True)["present"]
+print(json.dumps({"exists": present, "waits_done": len(done)}), flush=True)
+for t in threads:
+    t.join()
+print(json.dumps(sorted(done)), flush=True)
+"""
+
+
+def test_a_users_waits_on_others_claims_leave_her_turns_to_her_other_requests(
+        pool: Mounted) -> None:
+    """A kv_wait on keys another user claimed held one of its caller's turns until the
+    keys were put (up to a minute): eight such waits, and every other request of hers
+    (any namespace, any file) waited behind them.  A wait now steps out of her turns
+    while it waits."""
+    from users import as_user
+
+    bob = ensure_users()["bob"]
+    ns = "claimed-by-root"
+    keys = [base64.b64encode(b"w%d" % i).decode() for i in range(8)]
+    with ControlClient(str(pool.path)) as root:
+        root.call("kv_ns_create", namespace=ns, mode=0o755)
+        assert root.call("kv_claim", namespace=ns, keys=keys, ms=60000)["state"] == \
+            ["yours"] * 8
+        proc = subprocess.Popen(as_user(bob, WAITS_ON_CLAIMS, str(pool.path), ns),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            def waiting() -> int:
+                by_user = root.stat()["limits"]["by_user"]
+                return int(by_user.get(str(bob.uid), {}).get("requests", 0))
+            assert eventually(lambda: waiting() == 8)  # (all eight in the daemon)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline()) == {"exists": [False], "waits_done": 0}
+            root.call("kv_put", namespace=ns, keys=keys,
+                      data=[base64.b64encode(b"v").decode()] * 8)
+            assert json.loads(proc.stdout.readline()) == [True] * 8
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+        root.call("kv_ns_remove", namespace=ns)
+
+
+@pytest.mark.unit
 def test_one_users_slow_commits_leave_others_a_settling_thread() -> None:
     """Commits settle (stat, truncate, sync) in four threads shared by every user: one
     user's four commits of files with gigabytes of dirty pages held all four through
@@ -1269,6 +1372,55 @@ def test_store_worker_calls_take_turns_by_uid(tmp_path: Path) -> None:
     # Round robin: the uid in line first (the hog's) has one call, then the victim's.
     assert ran[:3] == ["hog0", "hog1", "victim"]
     assert sorted(ran[3:]) == [f"hog{i}" for i in range(2, 8)]
+
+
+def test_requests_on_a_namespace_do_not_wait_for_its_table_to_fill(tmp_path: Path) -> None:
+    """Every op on a namespace grew its presence table after it, waiting for a fill
+    another request had begun: a fill of a million keys, read a bite at a time in
+    another user's turns, held bob's puts and lookups in the namespace all along (and
+    a writer who put and deleted keys in a loop had it rebuilt again and again).  Only
+    `kv_view` waits for the table now; the rest answer and go."""
+    from mxfs.fs.session import Session
+    from mxfs.vol.access import Caller
+    from mxfs.vol.kv_index import Chunk, Namespace
+
+    alice, bob, carol = 7001, 7002, 7003
+    with _kv_volume(tmp_path) as (vol, index, kv):
+        handlers = kv.handlers()
+        space = index.spaces["n"] = Namespace("n", alice, alice, 0o755, 0)
+        for i in range(3):
+            vol.store.engine.insert("kv", {"ns": "n", "key": b"k%d" % i, "ino": 1000 + i,
+                                           "size": 1, "atime": 0})
+            space.chunks[b"k%d" % i] = Chunk(ino=1000 + i, size=1, atime=0, sum_unit=1,
+                                             sums=b"", tenant=alice)
+        vol.store.commit()
+        gate = threading.Event()
+        answers: dict[str, Any] = {}
+
+        def session(uid: int) -> Session:
+            return Session(Caller(1, uid, uid, frozenset({uid})))
+
+        async def ask(op: str, msg: dict[str, Any], uid: int) -> None:
+            answers[op] = await handlers[op](msg, session(uid))
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kv.rows.run, lambda s: gate.wait(10), carol)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(ask, "kv_view", {"namespace": "n"}, alice)
+                await trio.testing.wait_all_tasks_blocked()
+                assert space.next_view is not None and answers == {}  # (being filled)
+                nursery.start_soon(ask, "kv_exists", {"namespace": "n", "shared": True,
+                                                      "keys": ["azE="]}, bob)
+                await trio.testing.wait_all_tasks_blocked()
+                assert answers == {"kv_exists": ({"present": [True]}, [])}
+                gate.set()
+
+        trio.run(main)
+        _, fds = answers["kv_view"]
+        for fd in fds:
+            os.close(fd)
+        assert space.view is not None and space.view.count == 3
 
 
 @contextlib.contextmanager

@@ -78,6 +78,7 @@ class ControlServer:
         self.kv = KVOps(volume, KVIndex(volume, lim.max_namespaces_per_user,
                                         (lim.max_kv_views, lim.max_kv_views_per_user)),
                         lim, self.remote)
+        self.kv.turns = self.turns  # (its waits on others' claims step out of them)
         self.fds.elsewhere += [self.listener.connections, self.kv.view_fds]
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),

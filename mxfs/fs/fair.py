@@ -92,6 +92,23 @@ class Turns:
             if not self._users[uid]:  # nobody of this uid in line: forget its semaphore
                 del self._users[uid], self._limiters[uid]
 
+    @asynccontextmanager
+    async def aside(self, uid: int) -> AsyncIterator[None]:
+        """(Inside `turn(uid)`.)  Step out of the turn while the request waits on
+        another user (a `kv_wait` on keys others claimed: eight of them held all of a
+        user's turns, every other request of hers waiting behind them up to a minute),
+        and back in after, in line (shielded: the turn's end gives back what it took)."""
+        sem = self._limiters.get(tenant_of(uid))
+        if sem is None:  # (root: no turns)
+            yield
+            return
+        sem.release()
+        try:
+            yield
+        finally:
+            with trio.CancelScope(shield=True):
+                await sem.acquire()
+
     def waiting(self) -> dict[int, int]:
         """Requests in service or waiting for a turn, by uid (for `mxfs status`)."""
         return dict(self._users)

@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from mxfs.fs.failures import FailureLog
-from mxfs.fs.fair import BITE, Slice, in_bites
+from mxfs.fs.fair import BITE, Slice, Turns, in_bites
 from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
 from mxfs.fs.kv_claims import CLAIM_S, Claims
 from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
@@ -127,6 +127,8 @@ MAX_LIST_SKIP = 100_000  # chunks a kv_list walks past in the order of use (~20 
 # keys held the thread 9 ms on SQLite in one statement; it steps aside between these.
 TOUCH_STEP = 32
 RELEASED_AT_ONCE = 1024  # pins and claims of a closed connection ended at once (~0.5 ms)
+WAITS_ASIDE = 64  # one user's (not root's) kv_waits out of her turns at once (a coroutine
+#                   each, up to MAX_WAIT_S); more wait in them
 NS_OPS = ("kv_ns_create", "kv_ns_remove", "kv_ns_set")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
 # caller who does not own the namespace must then have asked to share it).
@@ -196,6 +198,10 @@ class KVOps:
         # one request (others wait on its event).
         self.rows = StoreWorker(vol.pool.meta_location, wait_s=SERVE_WAIT_S)
         self._filling: dict[Successor, trio.Event] = {}
+        # The control socket's turns (`fs/fair.Turns`, set by `fs/control.py`), and the
+        # waits on others' claims each user has out of them.
+        self.turns: Turns | None = None
+        self._aside: Counter[int] = Counter()
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         held = NodeHeld(self.limits.max_kv_lent)  # (what both hold of its memory)
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
@@ -241,7 +247,8 @@ class KVOps:
         async def handler(msg: Msg, session: Session) -> Reply:
             space = self._space(op, msg, session.caller)
             reply = await fn(msg, session, space)
-            await self._grow_view(space, session.caller.uid)  # (a put took it past FULL)
+            # (a put took it past FULL: filled here, unless another request fills it)
+            await self._grow_view(space, session.caller.uid, wait=False)
             return reply
         return handler
 
@@ -309,13 +316,19 @@ class KVOps:
                           "the daemon keeps tables for): ask again")
         return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
 
-    async def _grow_view(self, space: Namespace, uid: int) -> None:
+    async def _grow_view(self, space: Namespace, uid: int, wait: bool = True) -> None:
         """Fill the namespace's next presence table a bite at a time, its keys read in
         `uid`'s turn on a worker's connection (`_committed`), copied in here: a bite
-        read on the thread held it 2 ms.  One request fills a table; others wait."""
+        read on the thread held it 2 ms.  One request fills a table; others wait for
+        it, or with `wait` off go on (every op on the namespace grew its table after
+        it: each waited for a fill of a million keys read in another user's turns, a
+        writer who put and deleted keys in a loop having it rebuilt again and again;
+        readers ask the daemon meanwhile, and only `kv_view` needs the table)."""
         while (growing := space.next_view) is not None:
             filled = self._filling.get(growing)
             if filled is not None:
+                if not wait:
+                    return
                 await filled.wait()
                 continue
             filled = self._filling[growing] = trio.Event()
@@ -366,8 +379,25 @@ class KVOps:
     async def _wait(self, msg: Msg, session: Session, space: Namespace
                     ) -> Answer[KVExistsReply]:
         ms = int_field(msg, "ms", int(CLAIM_S * 1000))
-        return {"present": await self.claims.wait(space, keys_field(msg), session,
-                                                  ms / 1000)}, []
+        return {"present": await self._await_claims(space, keys_field(msg), session,
+                                                    ms / 1000)}, []
+
+    async def _await_claims(self, space: Namespace, keys: list[bytes], session: Session,
+                            seconds: float) -> list[bool]:
+        """`Claims.wait` out of the caller's turn (`Turns.aside`): what it waits on is
+        another user's compute, and a user's waits held all her turns, her other
+        requests behind them.  WAITS_ASIDE of one user's at once; more wait in turn."""
+        tenant, turns = session.tenant, self.turns
+        if turns is None or tenant == 0 or self._aside[tenant] >= WAITS_ASIDE:
+            return await self.claims.wait(space, keys, session, seconds)
+        self._aside[tenant] += 1
+        try:
+            async with turns.aside(session.caller.uid):
+                return await self.claims.wait(space, keys, session, seconds)
+        finally:
+            self._aside[tenant] -= 1
+            if not self._aside[tenant]:
+                del self._aside[tenant]
 
     async def _delete(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[DeletedReply]:
@@ -582,7 +612,7 @@ class KVOps:
         if stored:
             await self._enforce(space)
             self._visible()
-            await self._grow_view(space, caller.uid)
+            await self._grow_view(space, caller.uid, wait=False)
         return stored
 
     async def _store(self, space: Namespace, items: Sequence[tuple[bytes, bytes | bytearray]],
@@ -692,7 +722,7 @@ class KVOps:
         keys = [check_key(k) for k in keys]
         space = self.index.space(namespace, caller, R_OK, shared)
         session = self._holders.get(holder) or Session(caller)
-        return await self.claims.wait(space, keys, session, seconds)
+        return await self._await_claims(space, keys, session, seconds)
 
     async def request_from_node(self, caller: Caller, op: str, msg: dict[str, Any]
                                 ) -> dict[str, Any]:

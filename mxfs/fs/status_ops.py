@@ -171,11 +171,14 @@ class StatusOps:
         held: dict[int, dict[str, int]] = {}
 
         def of(uid: int) -> dict[str, int]:
-            return held.setdefault(uid, {"connections": 0, "pending": 0, "pins": 0,
-                                         "fds_in_flight": 0, "kv_chunks": 0,
+            return held.setdefault(uid, {"connections": 0, "requests": 0, "pending": 0,
+                                         "pins": 0, "fds_in_flight": 0, "kv_chunks": 0,
                                          "bytes_buffered": 0, "fds_held": 0})
         for uid, n in self.listener.conns.items():
             of(uid)["connections"] = n
+        if self.kv.turns is not None:  # (in service or waiting for a turn; waits aside too)
+            for uid, n in self.kv.turns.waiting().items():
+                of(uid)["requests"] = n
         for uid, n in self.pending_by_uid.items():
             of(uid)["pending"] = n
         for uid, n in self.kv.pinned_by_uid.items():
