@@ -18,15 +18,15 @@ subordinate uids with her, `vol/tenants.py`) has at most
 each goes once its commit is answered or its connection
 closes.
 
-Claims and waits (`fs/kv_claims.py`) go to the writer too (KCLM, KWAI), each
-connection of this node known there by 16 random bytes of its own, so instances on two
-nodes that miss one prefix compute it once.  When the connection closes its claims
-are given up there (from a thread of its own: nobody waits for it); a node that dies
-leaves them to run out.  A wait holds a connection to the writer and a thread here,
-so it lasts WAIT_S at most, WAITERS wait at once, and one user (but root) holds at most
-WAITERS_PER_USER of them: past either, the wait is answered at once with what is
-stored and the instance computes the rest, so a tenant's waits cannot take every
-other tenant's.
+Claims and waits (`fs/kv_claims.py`) go to the writer too (KCLM, KWAI), each connection
+of this node known there by 16 random bytes of its own, so instances on two nodes that
+miss one prefix compute it once. When the connection closes its claims are given up
+there (from a thread of its own: nobody waits for it; a line a user, taken in turn,
+`GiveUps`); a node that dies leaves them to run out. A wait holds a connection to the
+writer and a thread here, so it lasts WAIT_S at most, WAITERS wait at once, and one user
+(but root) holds at most WAITERS_PER_USER of them: past either, the wait is answered at
+once with what is stored and the instance computes the rest, so a tenant's waits cannot
+take every other tenant's.
 
 Pins (`KVStore.pin`, LMCache's "lookup and lock") are read leases on the writer (KPIN,
 KUNP), held there by the connection's holder and this node's name and epoch: they end
@@ -50,7 +50,6 @@ import fcntl
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections import Counter
@@ -89,6 +88,7 @@ from mxfs.proto.messages import (
 )
 from mxfs.vol.access import Caller
 from mxfs.vol.kv_index import check_key, check_namespace
+from mxfs.vol.tenant_lines import Lines
 
 log = logging.getLogger("mxfs.kv")
 T = TypeVar("T")
@@ -100,8 +100,49 @@ WAITERS_PER_USER = 4  # ... and of one uid (root: up to WAITERS)
 WAIT_S = 20.0  # a wait's longest here (below the chunk connections' receive timeout)
 GIVE_UP_TRIES = 5  # a closed connection's claims and pins: told to the writer this often
 GIVE_UP_QUEUE = 65536  # closed connections' claims and pins waiting to be given up
+GIVE_UP_PER_USER = 4096  # ... of one uid's (root: up to the total), each uid's in turn
 _SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _MEMFD_UNIT = 1 << 30  # the one-member layout a caller writes its memfd through
+
+
+_GiveUp = tuple[RemoteMembers, tuple[int, int, list[int]], bytes, int, float, int]
+
+
+class GiveUps:
+    """Closed connections' holders whose claims and pins are to end on the writer, a
+    line a tenant taken in turn (`vol/tenant_lines.py`): in one line, a user who closed
+    thousands of connections held every other user's give-ups behind hers, and once
+    the queue was full theirs were dropped (their pins held until this node's lease
+    ran out).  GIVE_UP_PER_USER of one tenant's wait at most, GIVE_UP_QUEUE in all."""
+
+    def __init__(self) -> None:
+        self._lines: Lines[_GiveUp] = Lines()
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def count_of(self, tenant: int) -> int:
+        with self._cond:
+            return self._lines.of(tenant)
+
+    def put(self, item: _GiveUp) -> bool:
+        """Queue `item` (its last field: its tenant); False where the bounds refuse it."""
+        tenant = item[-1]
+        with self._cond:
+            if len(self._lines) >= GIVE_UP_QUEUE or \
+                    tenant != 0 and self._lines.of(tenant) >= GIVE_UP_PER_USER:
+                return False
+            self._lines.push(tenant, item)
+            self._cond.notify()
+            return True
+
+    def get(self) -> _GiveUp:
+        """The next in turn, waiting for one."""
+        with self._cond:
+            while not len(self._lines):
+                self._cond.wait()
+            return self._lines.pop()
 
 
 @dataclass
@@ -142,8 +183,7 @@ class ForwardedKV:
         # Closed connections' holders whose claims and pins are ended on the writer,
         # by one thread, in turn (a thread each let a user who closed a hundred
         # connections at once start a hundred, each dialing the writer).
-        self._given_up: queue.SimpleQueue[tuple[RemoteMembers, tuple[int, int, list[int]],
-                                                bytes, int, float]] = queue.SimpleQueue()
+        self._given_up = GiveUps()
         self._giver: threading.Thread | None = None
         self.puts = self.put_bytes = self.claims = self.pins = self.requests = 0
 
@@ -250,8 +290,10 @@ class ForwardedKV:
         """The connection's name on the writer, drawn at its first claim or pin that is
         well formed (a connection that never held anything there costs nothing when it
         closes)."""
-        for k in keys_field(msg):
+        keys = keys_field(msg)
+        for k in keys:
             check_key(k)
+        _check_count(keys)
         check_namespace(msg.get("namespace"))
         return self._holders.setdefault(id(session), os.urandom(16))
 
@@ -284,10 +326,7 @@ class ForwardedKV:
 
     async def _keys(self, tag: bytes, msg: Msg, caller: Caller, ms: int, holder: bytes,
                     node: tuple[str, int] | None = None, waits: bool = False) -> bytes:
-        keys = [check_key(k) for k in keys_field(msg)]
-        if len(keys) > MAX_KEYS:
-            raise OSError(errno.E2BIG, f"at most {MAX_KEYS} keys a claim, wait or pin on "
-                          "a reading node")
+        keys = _check_count([check_key(k) for k in keys_field(msg)])
         remote = self._remote()
         namespace = check_namespace(msg.get("namespace"))
         flags = KPUT_SHARED if bool_field(msg, "shared") else 0
@@ -361,12 +400,13 @@ class ForwardedKV:
             self._drop(session, handle)
         holder = self._holders.pop(id(session), None)
         if holder is not None and self.remote is not None:
-            if self._given_up.qsize() >= GIVE_UP_QUEUE:
+            if not self._given_up.put((self.remote, as_sent(session.caller), holder, 0, 0.0,
+                                       session.tenant)):
                 log.warning("%d closed connections' claims and pins wait to be given up on "
-                            "the writer: this one's run out by themselves",
-                            self._given_up.qsize())
+                            "the writer (uid %d's: %d): this one's run out by themselves",
+                            len(self._given_up), session.tenant,
+                            self._given_up.count_of(session.tenant))
                 return
-            self._given_up.put((self.remote, as_sent(session.caller), holder, 0, 0.0))
             if self._giver is None:
                 self._giver = threading.Thread(target=self._give_up, daemon=True,
                                                name="mxfs-kv-unclaim")
@@ -378,20 +418,26 @@ class ForwardedKV:
         pins with this node's lease); one that fails is tried again a second later, a
         few times, behind the others (never a wait that holds them up)."""
         while True:
-            remote, who, holder, tries, due = self._given_up.get()
+            remote, who, holder, tries, due, tenant = self._given_up.get()
             if due > time.monotonic():  # (tried and failed: the others go first)
-                self._given_up.put((remote, who, holder, tries, due))
+                self._given_up.put((remote, who, holder, tries, due, tenant))
                 time.sleep(max(0.0, min(0.05, due - time.monotonic())))
                 continue
             try:
                 remote.kv_keys(b"KCLM", who, "-", KEYS_RELEASE, [], 0, holder)
             except OSError as e:
-                if tries + 1 < GIVE_UP_TRIES:
-                    self._given_up.put((remote, who, holder, tries + 1,
-                                        time.monotonic() + 1.0))
-                else:
+                again = (remote, who, holder, tries + 1, time.monotonic() + 1.0, tenant)
+                if tries + 1 >= GIVE_UP_TRIES or not self._given_up.put(again):
                     log.info("claims and pins of a closed connection were not given up "
                              "on the writer (%s); they run out", e)
+
+
+def _check_count(keys: list[bytes]) -> list[bytes]:
+    """E2BIG for more keys than one request sends on (`MAX_KEYS`)."""
+    if len(keys) > MAX_KEYS:
+        raise OSError(errno.E2BIG, f"at most {MAX_KEYS} keys a claim, wait or pin on a "
+                      "reading node")
+    return keys
 
 
 def as_sent(caller: Caller) -> tuple[int, int, list[int]]:
