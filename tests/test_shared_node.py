@@ -1239,6 +1239,56 @@ def test_a_users_waits_on_others_claims_leave_her_turns_to_her_other_requests(
         root.call("kv_ns_remove", namespace=ns)
 
 
+PINS_A_SHARED_CHUNK = r"""
+m, ns = sys.argv[1], sys.argv[2]
+with mxfs.client.ControlClient(m) as c:
+    print(json.dumps(c.call("kv_pin", namespace=ns, keys=["aw=="], shared=True)["pinned"]),
+          flush=True)
+    sys.stdin.readline()
+    print(json.dumps([attempt(c.call, op, namespace=ns, keys=["aw=="], shared=True)
+                      for op in ("kv_unpin", "kv_exists")]), flush=True)
+"""
+
+
+def test_a_reader_shut_out_of_a_namespace_loses_her_leases_in_it(pool: Mounted) -> None:
+    """A read lease (`kv_pin`) keeps a chunk from eviction.  A reader the owner shut
+    out (chmod, chgrp) kept hers for as long as her connection stayed open: chunks she
+    could no longer get held the namespace past its capacity, charged to their writers.
+    They end with her right to read now, as presence tables do."""
+    from users import as_user
+
+    bob = ensure_users()["bob"]
+    ns = "shut-out"
+
+    def pinned() -> tuple[int, int]:
+        (stats,) = root.call("kv_stats", namespace=ns)["namespaces"]
+        by_user = root.stat()["limits"]["by_user"]
+        return stats["pinned"], by_user.get(str(bob.uid), {}).get("pins", 0)
+    with ControlClient(str(pool.path)) as root:
+        root.call("kv_ns_create", namespace=ns, mode=0o755)
+        root.call("kv_put", namespace=ns, keys=["aw=="], data=["dg=="])
+        proc = subprocess.Popen(as_user(bob, PINS_A_SHARED_CHUNK, str(pool.path), ns),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            assert json.loads(proc.stdout.readline()) == [True]
+            assert pinned() == (1, 1)
+            root.call("kv_ns_set", namespace=ns, mode=0o754)  # (read kept: he keeps it)
+            assert pinned() == (1, 1)
+            root.call("kv_ns_set", namespace=ns, mode=0o700)
+            assert pinned() == (0, 0)  # (her connection still open)
+            assert root.call("kv_evict", namespace=ns, keep=0)["evicted"] == 1
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline()) == [errno.ENOENT] * 2
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+        assert pinned()[0] == 0
+        root.call("kv_ns_remove", namespace=ns)
+
+
 @pytest.mark.unit
 def test_one_users_slow_commits_leave_others_a_settling_thread() -> None:
     """Commits settle (stat, truncate, sync) in four threads shared by every user: one

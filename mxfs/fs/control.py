@@ -79,6 +79,7 @@ class ControlServer:
                                         (lim.max_kv_views, lim.max_kv_views_per_user)),
                         lim, self.remote)
         self.kv.turns = self.turns  # (its waits on others' claims step out of them)
+        self.kv.sessions = lambda: self.listener.sessions.values()
         self.fds.elsewhere += [self.listener.connections, self.kv.view_fds]
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),

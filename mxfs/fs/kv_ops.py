@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -202,6 +202,8 @@ class KVOps:
         # waits on others' claims each user has out of them.
         self.turns: Turns | None = None
         self._aside: Counter[int] = Counter()
+        # This node's control connections (set by `fs/control.py`).
+        self.sessions: Callable[[], Iterable[Session]] = lambda: ()
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
         held = NodeHeld(self.limits.max_kv_lent)  # (what both hold of its memory)
         self.follower = FollowerKV(vol, index, self.limits, trio.CapacityLimiter(COPIERS),
@@ -520,8 +522,26 @@ class KVOps:
             raise OSError(errno.EPERM, "a namespace's owner may give it only to a group "
                           "of her own")
         mode = _mode(msg, None)
-        self.index.set_access(space, gid, space.mode if mode is None else mode)
+        if self.index.set_access(space, gid, space.mode if mode is None else mode):
+            await self._end_leases_of_the_shut_out(space)
         return {**space.stats()}, []
+
+    async def _end_leases_of_the_shut_out(self, space: Namespace) -> None:
+        """End the read leases on `space`'s chunks of every connection (this node's and
+        other nodes') whose caller may read it no more: a lease is a right to read, and
+        a reader the owner shut out kept chunks she could no longer get from eviction
+        (past the namespace's capacity, charged to their writers) for as long as her
+        connection stayed open."""
+        name, share = space.name, Slice()
+        for session in [*self.sessions(), *self._holders.values()]:
+            if not session.pins or space.may(session.caller, R_OK):
+                continue
+            lost = [(k, held) for k, held in session.pins.items() if k[0] == name]
+            for k, held in lost:
+                del session.pins[k]
+                session.pinned -= held.n
+            self._unpin_all(session.tenant, lost)
+            await share.due()
 
     async def _ns_create(self, msg: Msg, session: Session) -> Answer[NamespaceStats]:
         """Make a namespace ahead of its users (root: for anyone, taking over a name

@@ -346,12 +346,13 @@ class KVIndex:
         self._owned[space.tenant] -= 1
         return n
 
-    def set_access(self, space: Namespace, gid: int, mode: int) -> None:
+    def set_access(self, space: Namespace, gid: int, mode: int) -> bool:
         """Give the namespace another group or mode.  A change that may take access from
         anyone (another group, a bit cleared) retires its presence tables, here MOVED
         and on reading nodes by the feed: a table is a right to read the namespace's
         keys, and it ends when who may read them changes, as a file's descriptors do
-        (`Volume.renew`); its readers ask again and are judged anew."""
+        (`Volume.renew`); its readers ask again and are judged anew.  Whether it was
+        such a change (the caller ends the read leases of those shut out)."""
         takes = gid != space.gid or bool(space.mode & ~mode & 0o777)
         rows = self.vol.store.kv
         (rows.set_access if takes else rows.set_namespace)(
@@ -359,6 +360,7 @@ class KVIndex:
         space.gid, space.mode = gid, mode
         if takes:
             self.unview(space, MOVED)
+        return takes
 
     def configure(self, space: Namespace, caller: Caller, capacity: int) -> None:
         if caller.uid not in (0, space.uid):
