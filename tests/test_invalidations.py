@@ -204,3 +204,31 @@ def test_a_request_is_told_once_what_it_changed_is_made(
     assert sorted(told) == ["a", "b", "c", "nothing", "other"]
     stop.set()
     calls.close(5)
+
+
+def test_one_users_held_directories_leave_others_their_threads(
+        kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alice holds the locks of the directories she commits into, more than every
+    thread there is (set aside or not): past her share (MAX_THREADS // USER_PART), her
+    keys wait for her threads, and bob's are made at once, as root's.  (Before, her
+    keys took every thread and every set-aside place, and bob's waited for good.)"""
+    monkeypatch.setattr(invalidations, "MAX_THREADS", 4)
+    monkeypatch.setattr(invalidations, "MAX_HELD", 2)
+    monkeypatch.setattr(invalidations, "HELD_S", 0.1)
+    alice, bob = 5001, 5002
+    hers = list(range(100, 110))
+    kernel.held |= set(hers)
+    stop = threading.Event()
+    calls = _calls(kernel, stop)
+    for d in hers:
+        calls.add([(d, b"a")], [], [], uid=alice)
+    assert eventually(lambda: len(kernel.calls) == 2)  # (her share: 4 // 2)
+    calls.add([(3, b"x")], [], [], uid=bob)
+    calls.add([(4, b"y")], [], [], uid=0)
+    assert eventually(lambda: {("entry", 3, b"x"), ("entry", 4, b"y")} <= set(kernel.calls))
+    assert not eventually(lambda: len(kernel.calls) > 4, 0.5)  # (hers wait for hers)
+    kernel.gate.set()
+    assert eventually(lambda: calls.pending == 0 and len(kernel.calls) == 12)
+    assert not kernel.overlapped
+    stop.set()
+    calls.close(5)

@@ -52,7 +52,7 @@ log = logging.getLogger("mxfs.control")
 class ControlServer:
     def __init__(self, volume: Volume, path: str, mountpoint: str,
                  writeback_cache: bool = False,
-                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
+                 entry_changed: Callable[[int, bytes, int], Awaitable[None]] | None = None,
                  metrics: Metrics | None = None, limits: Limits | None = None,
                  only_uid: int | None = None,
                  settle: Callable[[int], Awaitable[None]] | None = None,

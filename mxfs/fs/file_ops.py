@@ -70,7 +70,7 @@ class FileOps:
     def __init__(self, vol: Volume, mountpoint: str, limits: Limits,
                  sessions: Callable[[], Iterable[Session]],
                  writeback_cache: bool = False,
-                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
+                 entry_changed: Callable[[int, bytes, int], Awaitable[None]] | None = None,
                  settle: Callable[[int], Awaitable[None]] | None = None,
                  remote: RemoteReads | None = None, reads: StoreWorker | None = None,
                  pending_by_uid: Counter[int] | None = None) -> None:
@@ -329,7 +329,8 @@ class FileOps:
             self.forwarded.writing.discard(node.ino)
             named = reply.pop("named", None)
             if named is not None and self.entry_changed is not None:  # ("no such name"
-                await self.entry_changed(int(named[0]), base64.b64decode(named[1]))  # here)
+                await self.entry_changed(int(named[0]), base64.b64decode(named[1]),
+                                         session.caller.uid)  # here)
             return reply, []  # type: ignore[return-value]
         return await self._publish(pending, session, size, replace, msg), []
 
@@ -361,7 +362,7 @@ class FileOps:
                           "); it is kept if the daemon lives until its next commit") from None
         finally:  # the mount shows what the daemon holds, durable or not
             if self.entry_changed is not None:
-                await self.entry_changed(parent.ino, name)
+                await self.entry_changed(parent.ino, name, session.caller.uid)
         return self._describe(node)
 
     async def abort(self, msg: Msg, session: Session) -> Answer[Empty]:

@@ -17,6 +17,10 @@ same name twice is one call).  Threads are started while work waits and none is 
 MAX_THREADS at most besides those held: a thread whose call has lasted HELD_S is set
 aside, MAX_HELD at most (past as many directories held at once the rest wait their
 turn; a request waiting on them is answered all the same), and ends after IDLE_S idle.
+Keys wait in a line a tenant (whose request's changes began them: `vol/tenant_lines.py`),
+taken in turn, and one tenant's (not root's) are made by MAX_THREADS // USER_PART
+threads at once at most: a user who held the locks of the directories she committed
+into took every thread and every place set aside, and everyone's invalidations waited.
 
 What waits is bounded: past MAX_WAITING names, inodes and requests' waits from changes
 (a directory held while its names keep changing), the largest keys' waiting batches are
@@ -38,16 +42,20 @@ import errno
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pyfuse3
 import trio
 
+from mxfs.vol.tenant_lines import Lines
+from mxfs.vol.tenants import tenant_of
+
 log = logging.getLogger("mxfs.fs")
 
 MAX_THREADS = 32
+USER_PART = 2  # one tenant's keys (not root's) made by MAX_THREADS // USER_PART at once
 HELD_S = 1.0  # a call this long is held in the kernel: its thread is set aside
 MAX_HELD = 1024  # threads set aside at most
 IDLE_S = 5.0
@@ -76,6 +84,7 @@ class _Batch:
     names: set[bytes] = field(default_factory=set)  # (ENTRY)
     pages: bool = False  # (INODE) the pages too, not only the attributes
     counted: int = 0  # of it, items from changes (MAX_WAITING counts them)
+    tenant: int = 0  # whose request's changes began it (`vol/tenants.py`; 0: root's, a feed's)
     done: list[_Done] = field(default_factory=list)  # told once it is made
 
 
@@ -94,7 +103,10 @@ class Invalidations:
         self.dropped = 0  # ... names and inodes of them
         self._lock = threading.Condition()
         self._waiting: dict[Key, _Batch] = {}
-        self._ready: deque[Key] = deque()  # keys waiting that no thread makes now, once
+        # Keys waiting that no thread makes now, once each, in a line a tenant taken in
+        # turn, and the threads making each tenant's keys now (held in the kernel too).
+        self._ready: Lines[Key] = Lines()
+        self._busy_by: Counter[int] = Counter()
         self._busy: set[Key] = set()  # keys a thread makes now
         self._items = 0  # names and inodes waiting
         self._making = 0  # ... and being invalidated now
@@ -110,12 +122,14 @@ class Invalidations:
         return self._items + self._making
 
     def add(self, names: Iterable[tuple[int, bytes]], data: Iterable[int],
-            attrs: Iterable[int], done: Callable[[], None] | None = None) -> None:
-        """Invalidate entries, inodes' pages and attributes, and inodes' attributes;
-        `done()` (from another thread) once all of it is made, dropped or nothing."""
+            attrs: Iterable[int], done: Callable[[], None] | None = None,
+            uid: int = 0) -> None:
+        """Invalidate entries, inodes' pages and attributes, and inodes' attributes
+        that `uid`'s request changed; `done()` (from another thread) once all of it is
+        made, dropped or nothing."""
         waiter = _Done(done) if done is not None else None
         with self._lock:
-            self._add(names, data, attrs, counted=1, waiter=waiter)
+            self._add(names, data, attrs, counted=1, waiter=waiter, tenant=tenant_of(uid))
             told = [waiter] if waiter is not None and not waiter.left else []
             dropped: list[Key] = []
             if self._counted > MAX_WAITING:
@@ -151,13 +165,12 @@ class Invalidations:
             self.dropped += size
             told += self._told(batch.done)  # (a waiter's other keys still count)
             dropped.append(key)
-        gone = set(dropped)
-        self._ready = deque(k for k in self._ready if k not in gone)
+        self._ready.drop(set(dropped))
         self.overflows += 1
         return dropped, told
 
     async def waited(self, names: Iterable[tuple[int, bytes]] = (), data: Iterable[int] = (),
-                   wait_s: float = WAIT_S) -> bool:
+                     wait_s: float = WAIT_S, uid: int = 0) -> bool:
         """`add` from trio's thread, and wait until it is made, `wait_s` at most: a
         request that changed names waits so that its caller's next lookup sees them,
         but is answered all the same once a held directory keeps them (made later)."""
@@ -168,7 +181,7 @@ class Invalidations:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(made.set)
 
-        self.add(names, data, (), done)
+        self.add(names, data, (), done, uid)
         with trio.move_on_after(wait_s):
             await made.wait()
         return made.is_set()
@@ -192,26 +205,27 @@ class Invalidations:
             self._start()
 
     def _add(self, names: Iterable[tuple[int, bytes]], data: Iterable[int],
-             attrs: Iterable[int], counted: int, waiter: _Done | None = None) -> None:
+             attrs: Iterable[int], counted: int, waiter: _Done | None = None,
+             tenant: int = 0) -> None:
         for parent, name in names:
-            batch = self._batch((ENTRY, parent), waiter, counted)
+            batch = self._batch((ENTRY, parent), waiter, counted, tenant)
             if name not in batch.names:
                 batch.names.add(name)
                 self._count(batch, counted)
         for pages, inos in ((True, data), (False, attrs)):
             for ino in inos:
                 new = (INODE, ino) not in self._waiting
-                batch = self._batch((INODE, ino), waiter, counted)
+                batch = self._batch((INODE, ino), waiter, counted, tenant)
                 batch.pages |= pages
                 if new:
                     self._count(batch, counted)
 
-    def _batch(self, key: Key, waiter: _Done | None, counted: int) -> _Batch:
+    def _batch(self, key: Key, waiter: _Done | None, counted: int, tenant: int) -> _Batch:
         batch = self._waiting.get(key)
         if batch is None:
-            batch = self._waiting[key] = _Batch()
+            batch = self._waiting[key] = _Batch(tenant=tenant)
             if key not in self._busy:  # (else queued again when its thread is done)
-                self._ready.append(key)
+                self._ready.push(tenant, key)
         if waiter is not None and (not batch.done or batch.done[-1] is not waiter):
             batch.done.append(waiter)
             waiter.left += 1
@@ -227,7 +241,7 @@ class Invalidations:
     def _start(self) -> None:
         """(Under the lock.) A thread more, if work waits and none is free: threads
         held in a call HELD_S and more not counted, MAX_HELD of them at most."""
-        if not self._ready or self.stop.is_set():
+        if not self._ready.any_where(self._may_start) or self.stop.is_set():
             return
         if self._idle:
             self._lock.notify()
@@ -243,6 +257,13 @@ class Invalidations:
             self._timer = threading.Timer(HELD_S, self._again)
             self._timer.daemon = True
             self._timer.start()
+
+    def _may_start(self, tenant: int) -> bool:
+        """(Under the lock.)  Whether a thread may take one more of `tenant`'s keys:
+        one user holding the locks of the directories she commits into set a thread
+        aside each, MAX_HELD of them, and every other user's invalidations waited (their
+        commits each a second, the kernel's names stale until their timeout)."""
+        return not tenant or self._busy_by[tenant] < max(1, MAX_THREADS // USER_PART)
 
     def _again(self) -> None:
         with self._lock:
@@ -260,17 +281,18 @@ class Invalidations:
         me = threading.current_thread()
         while True:
             with self._lock:
-                while not self._ready and not self.stop.is_set():
+                while not self._ready.any_where(self._may_start) and not self.stop.is_set():
                     self._idle += 1
                     woken = self._lock.wait(IDLE_S)
                     self._idle -= 1
-                    if not woken and not self._ready:
+                    if not woken and not self._ready.any_where(self._may_start):
                         break
-                if not self._ready or self.stop.is_set():
+                key = self._ready.pop_where(self._may_start)
+                if key is None or self.stop.is_set():
                     return
-                key = self._ready.popleft()
                 batch = self._waiting.pop(key)
                 self._busy.add(key)
+                self._busy_by[batch.tenant] += 1
                 self._since[me] = time.monotonic()
                 size = len(batch.names) if key[0] == ENTRY else 1
                 self._items -= size
@@ -283,10 +305,14 @@ class Invalidations:
                 with self._lock:
                     self._making -= size
                     self._busy.discard(key)
+                    self._busy_by[batch.tenant] -= 1
+                    if not self._busy_by[batch.tenant]:
+                        del self._busy_by[batch.tenant]
                     del self._since[me]
                     if key in self._waiting:  # (it came again meanwhile: in order)
-                        self._ready.append(key)
+                        self._ready.push(self._waiting[key].tenant, key)
                     told = self._told(batch.done)
+                    self._start()  # (the tenant's next keys may go now)
                 for d in told:
                     d.call()
 

@@ -156,8 +156,8 @@ class NodeFiles:
 
     def __init__(self, vol: Volume, mountpoint: str, limits: Limits,
                  pending_by_uid: Counter[int], publish: Publish,
-                 entry_changed: Callable[[int, bytes], Awaitable[None]] | None = None,
-                 inode_changed: Callable[[int], Awaitable[None]] | None = None) -> None:
+                 entry_changed: Callable[[int, bytes, int], Awaitable[None]] | None = None,
+                 inode_changed: Callable[[int, int], Awaitable[None]] | None = None) -> None:
         self.vol, self.mountpoint, self.limits = vol, mountpoint, limits
         self.pending_by_uid = pending_by_uid
         self.publish = publish
@@ -207,9 +207,9 @@ class NodeFiles:
             self.names_done.keep(token, (name, tenant_of(caller.uid)), out)
             if self.entry_changed is not None:
                 for parent, entry in changed:
-                    await self.entry_changed(parent, entry)
+                    await self.entry_changed(parent, entry, caller.uid)
             if ino is not None and self.inode_changed is not None:
-                await self.inode_changed(ino)
+                await self.inode_changed(ino, caller.uid)
             return out
         if op == "node_setattr":
             return await self._setattr(caller, msg)
@@ -451,7 +451,7 @@ class NodeFiles:
                             ctime_ns=time.time_ns(), owned=owned.now())
         store.commit()
         if self.inode_changed is not None:
-            await self.inode_changed(row.ino)
+            await self.inode_changed(row.ino, caller.uid)
         return dict(describe(self.vol, row))
 
     def _create(self, caller: Caller, msg: Msg, node: str, epoch: int) -> FileReply:

@@ -244,7 +244,7 @@ class MxfsOperations(pyfuse3.Operations):
         if entry is not None and entry.chunks is not None:
             entry.chunks.drop_read_ahead()
 
-    async def entry_changed(self, parent: int, name: bytes) -> None:
+    async def entry_changed(self, parent: int, name: bytes, uid: int = 0) -> None:
         """A name changed behind the kernel's back (a direct commit): drop its cached entry.
 
         Waited for before the commit is answered, so the committer sees its file at
@@ -252,14 +252,14 @@ class MxfsOperations(pyfuse3.Operations):
         request may hold for good (`fs/invalidations.py`: threads of their own, one
         directory held stalls only its own names).
         """
-        await self.invalidations.waited(names=[(parent, name)])
+        await self.invalidations.waited(names=[(parent, name)], uid=uid)
 
-    async def inode_changed(self, ino: int) -> None:
+    async def inode_changed(self, ino: int, uid: int = 0) -> None:
         """A file's bytes changed behind the kernel's back (written through another
         node's mount): its cached attributes and pages, and what was read ahead of it,
         are dropped before the change is answered (a while at most, as above)."""
         self.data_changed(ino)
-        await self.invalidations.waited(data=[ino])
+        await self.invalidations.waited(data=[ino], uid=uid)
 
     # ---- attributes --------------------------------------------------------
 

@@ -10,6 +10,7 @@ user's item waits about one item of each busy user, not the whole queue.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Container
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -36,12 +37,35 @@ class Lines(Generic[T]):
 
     def pop(self) -> T:
         """The next item in turn (IndexError if none waits)."""
-        if not self._count:
+        item = self.pop_where(lambda tenant: True)
+        if item is None:
             raise IndexError("no item waits")
-        tenant, line = next(iter(self._lines.items()))
-        item = line.popleft()
-        del self._lines[tenant]
-        if line:
-            self._lines[tenant] = line  # (to the back)
-        self._count -= 1
         return item
+
+    def pop_where(self, may: Callable[[int], bool]) -> T | None:
+        """The next item in turn of the tenants `may` lets go now (those it holds back
+        keep their place), or None."""
+        for tenant, line in self._lines.items():
+            if may(tenant):
+                item = line.popleft()
+                del self._lines[tenant]
+                if line:
+                    self._lines[tenant] = line  # (to the back)
+                self._count -= 1
+                return item
+        return None
+
+    def any_where(self, may: Callable[[int], bool]) -> bool:
+        """Whether an item of a tenant `may` lets go waits."""
+        return any(may(tenant) for tenant in self._lines)
+
+    def drop(self, items: Container[T]) -> None:
+        """Take `items` out of every line."""
+        for tenant in list(self._lines):
+            line = self._lines[tenant]
+            kept = deque(item for item in line if item not in items)
+            self._count -= len(line) - len(kept)
+            if kept:
+                self._lines[tenant] = kept
+            else:
+                del self._lines[tenant]
