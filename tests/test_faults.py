@@ -44,6 +44,31 @@ from mxfs.vol.volume import Volume
 
 # ---- a member runs out of space ---------------------------------------------------
 
+def test_a_create_holds_what_its_first_member_may_get_of_the_metadata_member(
+        loop_pool: Mounted) -> None:
+    """A direct create held an even share (its size over its width) of the metadata
+    member's room, but a writer may put a whole stripe unit on the file's first
+    member: in a folder of 1 GiB units, a file declared 1 GiB held a quarter and could
+    be written whole on member 0, past the store's reserve.  It holds the most one
+    member may get now: declared twice the room, it is refused at once; a quarter of it
+    (its even share before, what passed) fits."""
+    from mxfs.pool.pool import META_RESERVE
+
+    mp, members = loop_pool.path, loop_pool.members
+    (mp / "wide").mkdir()
+    os.setxattr(mp / "wide", "user.mxfs.layout", b"stripe_unit=1073741824")
+    st = os.statvfs(members[0])
+    room = st.f_bavail * st.f_frsize - META_RESERVE
+    with ControlClient(str(mp)) as c:
+        with pytest.raises(OSError) as e:
+            c.call_with_fds("create", path="/wide/big", size=2 * room)
+        assert e.value.errno == errno.ENOSPC
+        made, fds = c.call_with_fds("create", path="/wide/fits", size=room // 2)
+        for fd in fds:
+            os.close(fd)
+        c.call("abort", ino=made["ino"])
+
+
 def test_full_member_gives_enospc_and_harms_nothing(loop_pool: Mounted) -> None:
     mp, loop_members = loop_pool.path, loop_pool.members
     keeper = os.urandom(4 << 20)

@@ -2680,7 +2680,8 @@ def _lines_since(log: Path, start: int) -> list[str]:
 def test_a_layout_with_other_digits_is_einval_and_floods_no_log(pool: Mounted) -> None:
     """"²" is a digit to str.isdigit but not to int(): setting user.mxfs.layout to
     stripe_unit=² failed unforeseen (EIO) and wrote a traceback into the daemon's log
-    (in RAM) each time; a user looping on it wrote megabytes a second."""
+    (in RAM) each time; a user looping on it wrote megabytes a second.  So did a
+    width of 5,000 digits (int() refuses past 4,300)."""
     alice = ensure_users()["alice"]
     folder = pool.path / "superscript"
     folder.mkdir()
@@ -2688,9 +2689,9 @@ def test_a_layout_with_other_digits_is_einval_and_floods_no_log(pool: Mounted) -
     log = _log_of(pool)
     start = log.stat().st_size
     got = run_as(alice, """
-value = "stripe_unit=\\u00b2".encode()
+values = ["stripe_unit=\\u00b2".encode(), b"stripe_width=" + b"9" * 5000]
 print(json.dumps([attempt(os.setxattr, sys.argv[1], "user.mxfs.layout", value)
-                  for _ in range(200)]))
+                  for _ in range(100) for value in values]))
 """, str(folder))
     assert got == [errno.EINVAL] * 200
     assert len(_lines_since(log, start)) <= 2

@@ -122,6 +122,7 @@ from mxfs.proto.chunk_wire import (
     check_proof,
     proof,
 )
+from mxfs.proto.framing import loads
 from mxfs.vol.access import Caller
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
@@ -608,7 +609,7 @@ class ChunkService:
 
         async def answer() -> tuple[int, bytes]:
             try:
-                msg = json.loads(body)
+                msg = loads(body)
             except ValueError:
                 raise OSError(errno.EINVAL, f"{op[:32]}: the request is not JSON") from None
             if not isinstance(msg, dict):

@@ -39,6 +39,7 @@ from mxfs.fs.session import (
     open_hidden,
     open_writers_off_loop,
     overdrew,
+    page_up,
     read_fds,
     refuse_if_writers,
     settle_off_loop,
@@ -239,11 +240,17 @@ class FileOps:
         self.vol.quotas.room_for_entry(caller.uid, parent.uid, name, file_cost(size), 1)
         if exclusive and self.vol.store.entry_ino(parent.ino, name) is not None:
             raise OSError(errno.EEXIST, f"{path} exists")
+        # Its declared share of the metadata member is held until it is committed or
+        # dropped (two creates declared as large as the room took it all): the most one
+        # member may get of it, wherever it starts (its first member is its inode's,
+        # and the first holds the most: an even share held a quarter of a 1 GiB file
+        # striped in units of 1 GiB, which the writer then put whole on member 0).
         layout = self.vol.pool.layout_for(0, parent.stripe_unit, parent.stripe_width)
-        pool, held = self.vol.pool, 0  # (its declared share of the metadata member held
-        try:                           # until it is committed or dropped: two creates
-            for m in layout.used_members():  # declared as large as the room took it all)
-                held += pool.check_space(m, -(-size // layout.width), hold=True)
+        pool, held = self.vol.pool, 0
+        try:
+            held = pool.check_space(pool.meta_member,
+                                    layout.chunk_length(layout.first, page_up(size)),
+                                    hold=True)
             mode, gid = owner_for(parent, mode, caller.uid, caller.gid,
                                   caller.gids.__contains__)
             with session.booking(size):

@@ -277,11 +277,12 @@ def mount_written(vol: Volume, rooms: Rooms, share: Share, caller: Caller, msg: 
     size, now = int_field(msg, "size"), time.time_ns()
     if not bool_field(msg, "cut"):
         size = max(size, row.size)  # (written past meanwhile elsewhere: kept)
+    # (read before the share is spent: a refused field let the share go unrecorded)
+    mtime = int_field(msg, "mtime_ns", now) if caller.uid in (0, row.uid) else now
     grown = growth(row.size, size)  # (a BLOCK at least: meta/usage.py)
     covered = rooms.spend(share, grown)  # (reserved for it already)
     vol.quotas.room(row.uid, grown - covered)
     rooms.spent(share, covered)
-    mtime = int_field(msg, "mtime_ns", now) if caller.uid in (0, row.uid) else now
     vol.store.touch(row, size=size, mtime_ns=mtime, ctime_ns=now)
     vol.store.flush(row)
     vol.store.commit()

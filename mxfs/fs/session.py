@@ -181,10 +181,16 @@ def check_pending_room(session: Session, limits: Limits, vol: Volume) -> None:
                       "max_held_files_per_user): close them")
 
 
+def page_up(declared: int) -> int:
+    """What a file declared `declared` bytes may be written to: up to a page boundary
+    (O_DIRECT writers pad the last piece; the commit cuts it)."""
+    return -(-declared // PAGE) * PAGE
+
+
 def allowed_length(vol: Volume, node: Inode, member: int, declared: int) -> int:
     """How long `node`'s chunk file on `member` may be for a file declared `declared`
-    bytes (rounded up to a page: O_DIRECT writers pad the last piece, the commit cuts it)."""
-    return vol.layout(node).chunk_length(member, -(-declared // PAGE) * PAGE)
+    bytes (`page_up`)."""
+    return vol.layout(node).chunk_length(member, page_up(declared))
 
 
 def overdrew(vol: Volume, pending: Pending) -> bool:

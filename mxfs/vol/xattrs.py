@@ -34,9 +34,10 @@ def parse_layout(raw: bytes) -> tuple[int | None, int | None]:
     fields: dict[str, int] = {}
     for part in raw.decode(errors="replace").replace(",", " ").split():
         key, _, value = part.partition("=")
-        # (ASCII digits only: "²".isdigit(), and int("²") raised ValueError: EIO)
+        # (ASCII digits only: "²".isdigit(), and int("²") raised ValueError: EIO; 19
+        # at most: int() of 4,301 digits raised it too)
         if key not in ("stripe_unit", "stripe_width") or not value.isascii() or \
-                not value.isdecimal() or not int(value):
+                not value.isdecimal() or len(value) > 19 or not int(value):
             raise OSError(errno.EINVAL, f"bad layout field {part!r}: write it like "
                           "stripe_unit=1048576 stripe_width=4")
         fields[key] = int(value)
