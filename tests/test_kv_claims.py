@@ -102,6 +102,23 @@ def test_one_uid_holds_at_most_its_limit() -> None:
     _run(main)
 
 
+def test_claims_made_before_a_refusal_end_with_their_connection() -> None:
+    """A batch refused part way (EDQUOT at the uid's limit) had claimed the keys before
+    it, tied to no connection: its close left them holding others back till they ran
+    out.  They are the connection's, and end with it."""
+    async def main() -> None:
+        space = Namespace("n", 0, 0, 0o777, 0)
+        claims = Claims(per_user=2)
+        a, b = _session(1000), _session(1001)
+        with pytest.raises(OSError) as e:
+            claims.claim(space, [b"x", b"y", b"z"], a, 50)
+        assert e.value.errno == errno.EDQUOT
+        assert claims.claim(space, [b"x", b"y"], b, 50) == [BUSY, BUSY]
+        claims.end(a, claims.take(a))  # (its connection closed)
+        assert claims.claim(space, [b"x", b"y"], b, 50) == [YOURS, YOURS]
+    _run(main)
+
+
 def test_a_closed_connections_claims_end_later_without_ending_anothers() -> None:
     """A closed connection's claims are taken at once and ended later (a bite at a time,
     by `KVOps.let_go`): a key stored and claimed by another connection meanwhile stays

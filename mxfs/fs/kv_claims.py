@@ -159,7 +159,18 @@ class Claims:
         now = trio.current_time()
         until = now + seconds
         mine = self._by_session.get(id(session), set())
-        out = []
+        out: list[str] = []
+        try:
+            self._claim_each(space, keys, session, now, until, mine, out)
+        finally:  # (a refusal part way: those made are the session's, given up with it)
+            if mine:
+                self._by_session[id(session)] = mine
+            self._compact()
+        return out
+
+    def _claim_each(self, space: Namespace, keys: list[bytes], session: Session,
+                    now: float, until: float, mine: set[tuple[str, bytes]],
+                    out: list[str]) -> None:
         for key in keys:
             k = (space.name, key)
             if key in space.chunks:
@@ -183,10 +194,6 @@ class Claims:
                 held.until = min(until, held.life)  # (never past its life)
             heapq.heappush(self._expiry, (held.until, next(self._made), k))
             out.append(YOURS)
-        if mine:
-            self._by_session[id(session)] = mine
-        self._compact()
-        return out
 
     def _room(self, uid: int) -> None:
         """EDQUOT if `uid` holds as many claims as it may, or has as many keys cooling
