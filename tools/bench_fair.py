@@ -14,6 +14,7 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   misses     8 threads stat'ing names that do not exist (each a lookup the daemon answers)
   lookups    8 connections asking kv_exists of 4,096 absent keys a request
   parses     64 connections sending 1 MiB requests of 350,000 empty lists (refused)
+  bigints    64 connections sending 1 MiB requests of 243 integers of 4,299 digits
   truncates  8 threads each writing 4 KiB into a file of its own and cutting it to 0
   readdir    8 threads each listing a folder of 40,000 empty files, one getdents64 of
              1 MiB a call (since Linux 6.16 a FUSE readdir takes what getdents asks:
@@ -53,7 +54,7 @@ from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 
 VICTIM, HOG = 65533, 65534
 ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
-        "parses", "truncates", "readdir", "scrapes")
+        "parses", "bigints", "truncates", "readdir", "scrapes")
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
@@ -129,10 +130,11 @@ if arm == "misses":
 if arm == "lookups":
     n = crowd(lambda w, k: w.call("kv_exists", namespace="hog", keys=[
         base64.b64encode(os.urandom(16)).decode() for _ in range(4096)]))
-if arm == "parses":  # each a fresh connection: the daemon closes what it refuses
-    import socket, struct
+if arm in ("parses", "bigints"):  # each a fresh connection: the daemon closes what
+    import socket, struct           # it refuses
     path = os.getxattr(mnt, "user.mxfs.control").decode()
-    body = b'{"op":"hello","x":[' + b"[]," * 349_000 + b"[]]}"
+    body = b'{"op":"hello","x":[' + (b"[]," * 349_000 + b"[]" if arm == "parses"
+                                     else b",".join([b"9" * 4299] * 243)) + b"]}"
     frame = struct.pack("!4sHHI", b"MXFS", 1, 0, len(body)) + body
     def parse(_, k):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
