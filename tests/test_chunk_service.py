@@ -798,7 +798,7 @@ def test_a_users_busy_turns_hold_no_aborts_of_her_nodes(serving: Mounted,
     import trio
     import trio.testing
 
-    from mxfs.fs.kv_ops import WAITS_ASIDE
+    from mxfs.fs.fair import Turns
     from mxfs.fs.node_files import ForwardedFiles
     from mxfs.pool.remote import Owner, RemoteMembers
     from mxfs.proto.chunk_wire import KPUT_SHARED
@@ -833,9 +833,9 @@ def test_a_users_busy_turns_hold_no_aborts_of_her_nodes(serving: Mounted,
     members = make_members(tmp_path, 2)
     mkfs(members)
     vol = Volume.open(members[0])
-    # Her first WAITS_ASIDE waits wait out of her turns (`KVOps._await_claims`): the 8
+    # Her first `aside_per_user` waits wait out of her turns (`Turns.aside`): the 8
     # after them hold all 8.
-    many = WAITS_ASIDE + 8
+    many = Turns(8).aside_per_user + 8
     with ThreadPoolExecutor(many) as waits:
         waiting = []
         try:

@@ -69,10 +69,12 @@ async def in_bites(items: Sequence[T], bite: int = BITE) -> AsyncIterator[Sequen
 class Turns:
     """At most `per_user` requests of one uid in service at once (root: no bound)."""
 
-    def __init__(self, per_user: int) -> None:
+    def __init__(self, per_user: int, aside_per_user: int = 64) -> None:
         self.per_user = per_user
+        self.aside_per_user = aside_per_user  # requests of one uid out of its turns
         self._limiters: dict[int, trio.Semaphore] = {}
         self._users: dict[int, int] = {}  # requests in service or waiting, by uid
+        self._aside: Counter[int] = Counter()  # ... of them stepped aside (`aside`)
 
     @asynccontextmanager
     async def turn(self, uid: int) -> AsyncIterator[None]:
@@ -97,17 +99,23 @@ class Turns:
         """(Inside `turn(uid)`.)  Step out of the turn while the request waits on
         another user (a `kv_wait` on keys others claimed: eight of them held all of a
         user's turns, every other request of hers waiting behind them up to a minute),
-        and back in after, in line (shielded: the turn's end gives back what it took)."""
-        sem = self._limiters.get(tenant_of(uid))
-        if sem is None:  # (root: no turns)
+        and back in after, in line (shielded: the turn's end gives back what it took).
+        `aside_per_user` of one uid's at once (a coroutine each); more wait in turn."""
+        uid = tenant_of(uid)
+        sem = self._limiters.get(uid)
+        if sem is None or self._aside[uid] >= self.aside_per_user:  # (root: no turns)
             yield
             return
+        self._aside[uid] += 1
         sem.release()
         try:
             yield
         finally:
             with trio.CancelScope(shield=True):
                 await sem.acquire()
+            self._aside[uid] -= 1
+            if not self._aside[uid]:
+                del self._aside[uid]
 
     def waiting(self) -> dict[int, int]:
         """Requests in service or waiting for a turn, by uid (for `mxfs status`)."""

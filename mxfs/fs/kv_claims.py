@@ -161,39 +161,34 @@ class Claims:
         mine = self._by_session.get(id(session), set())
         out: list[str] = []
         try:
-            self._claim_each(space, keys, session, now, until, mine, out)
+            for key in keys:
+                k = (space.name, key)
+                if key in space.chunks:
+                    out.append(STORED)
+                    continue
+                held = self._live(k)
+                if held is not None and held.session is not session:
+                    held.wanted |= held.session.tenant != session.tenant
+                    out.append(BUSY)
+                    continue
+                if held is None:
+                    if self._cools(k, session.tenant, now):
+                        out.append(YOURS)  # (its to compute, holding nobody back)
+                        continue
+                    self._room(session.tenant)
+                    held = self._held[k] = Claim(session, until, now + MAX_CLAIM_S)
+                    self._by_space.setdefault(space.name, set()).add(key)
+                    self._by_uid[session.tenant] += 1
+                    mine.add(k)
+                else:
+                    held.until = min(until, held.life)  # (never past its life)
+                heapq.heappush(self._expiry, (held.until, next(self._made), k))
+                out.append(YOURS)
         finally:  # (a refusal part way: those made are the session's, given up with it)
             if mine:
                 self._by_session[id(session)] = mine
             self._compact()
         return out
-
-    def _claim_each(self, space: Namespace, keys: list[bytes], session: Session,
-                    now: float, until: float, mine: set[tuple[str, bytes]],
-                    out: list[str]) -> None:
-        for key in keys:
-            k = (space.name, key)
-            if key in space.chunks:
-                out.append(STORED)
-                continue
-            held = self._live(k)
-            if held is not None and held.session is not session:
-                held.wanted |= held.session.tenant != session.tenant
-                out.append(BUSY)
-                continue
-            if held is None:
-                if self._cools(k, session.tenant, now):
-                    out.append(YOURS)  # (its to compute, holding nobody back)
-                    continue
-                self._room(session.tenant)
-                held = self._held[k] = Claim(session, until, now + MAX_CLAIM_S)
-                self._by_space.setdefault(space.name, set()).add(key)
-                self._by_uid[session.tenant] += 1
-                mine.add(k)
-            else:
-                held.until = min(until, held.life)  # (never past its life)
-            heapq.heappush(self._expiry, (held.until, next(self._made), k))
-            out.append(YOURS)
 
     def _room(self, uid: int) -> None:
         """EDQUOT if `uid` holds as many claims as it may, or has as many keys cooling

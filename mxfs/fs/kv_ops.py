@@ -127,8 +127,6 @@ MAX_LIST_SKIP = 100_000  # chunks a kv_list walks past in the order of use (~20 
 # keys held the thread 9 ms on SQLite in one statement; it steps aside between these.
 TOUCH_STEP = 32
 RELEASED_AT_ONCE = 1024  # pins and claims of a closed connection ended at once (~0.5 ms)
-WAITS_ASIDE = 64  # one user's (not root's) kv_waits out of her turns at once (a coroutine
-#                   each, up to MAX_WAIT_S); more wait in them
 NS_OPS = ("kv_ns_create", "kv_ns_remove", "kv_ns_set")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
 # caller who does not own the namespace must then have asked to share it).
@@ -198,10 +196,8 @@ class KVOps:
         # one request (others wait on its event).
         self.rows = StoreWorker(vol.pool.meta_location, wait_s=SERVE_WAIT_S)
         self._filling: dict[Successor, trio.Event] = {}
-        # The control socket's turns (`fs/fair.Turns`, set by `fs/control.py`), and the
-        # waits on others' claims each user has out of them.
+        # The control socket's turns (`fs/fair.Turns`, set by `fs/control.py`).
         self.turns: Turns | None = None
-        self._aside: Counter[int] = Counter()
         # This node's control connections (set by `fs/control.py`).
         self.sessions: Callable[[], Iterable[Session]] = lambda: ()
         # A reading node's gets: the writer's chunks, copied over (fs/kv_follow.py).
@@ -388,18 +384,11 @@ class KVOps:
                             seconds: float) -> list[bool]:
         """`Claims.wait` out of the caller's turn (`Turns.aside`): what it waits on is
         another user's compute, and a user's waits held all her turns, her other
-        requests behind them.  WAITS_ASIDE of one user's at once; more wait in turn."""
-        tenant, turns = session.tenant, self.turns
-        if turns is None or tenant == 0 or self._aside[tenant] >= WAITS_ASIDE:
+        requests behind them."""
+        if self.turns is None:
             return await self.claims.wait(space, keys, session, seconds)
-        self._aside[tenant] += 1
-        try:
-            async with turns.aside(session.caller.uid):
-                return await self.claims.wait(space, keys, session, seconds)
-        finally:
-            self._aside[tenant] -= 1
-            if not self._aside[tenant]:
-                del self._aside[tenant]
+        async with self.turns.aside(session.caller.uid):
+            return await self.claims.wait(space, keys, session, seconds)
 
     async def _delete(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[DeletedReply]:
