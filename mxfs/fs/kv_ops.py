@@ -521,16 +521,21 @@ class KVOps:
         a reader the owner shut out kept chunks she could no longer get from eviction
         (past the namespace's capacity, charged to their writers) for as long as her
         connection stayed open."""
-        name, share = space.name, Slice()
+        name = space.name
         for session in [*self.sessions(), *self._holders.values()]:
+            if not space.pinned:  # (none left to end: no connection's pins looked at)
+                return
             if not session.pins or space.may(session.caller, R_OK):
                 continue
-            lost = [(k, held) for k, held in session.pins.items() if k[0] == name]
+            found: list[tuple[tuple[str, bytes], Lease]] = []  # (in bites: a connection
+            async for bite in in_bites(list(session.pins.items()), EVICT_BITE):  # holds
+                found += [(k, held) for k, held in bite if k[0] == name]  # 65,536 pins)
+            # (those it still holds: it may have unpinned some, or closed, meanwhile)
+            lost = [(k, held) for k, held in found if session.pins.get(k) is held]
             for k, held in lost:
                 del session.pins[k]
                 session.pinned -= held.n
             self._unpin_all(session.tenant, lost)
-            await share.due()
 
     async def _ns_create(self, msg: Msg, session: Session) -> Answer[NamespaceStats]:
         """Make a namespace ahead of its users (root: for anyone, taking over a name
