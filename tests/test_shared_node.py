@@ -840,6 +840,81 @@ def test_one_users_flood_of_reads_leaves_another_a_thread(tmp_path: Path) -> Non
                 flood.wait()
 
 
+_ALICE_SPANS = """
+import mmap, random, sys, threading, time
+path, k = sys.argv[1], int(sys.argv[2])
+rows = list(range(os.path.getsize(path) // (192 << 10)))
+random.shuffle(rows)  # (each row once: a read never finds it cached)
+out = threading.Lock()
+def reader(i):
+    buf = mmap.mmap(-1, 128 << 10)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    for row in rows[i::k]:  # (its 2nd and 3rd stripes: a fast member's and the slow one's)
+        os.preadv(fd, [buf], row * (192 << 10) + (64 << 10))
+        with out:
+            print(time.monotonic(), flush=True)
+for i in range(k):
+    threading.Thread(target=reader, args=(i,), daemon=True).start()
+time.sleep(600)
+"""
+
+_BOB_SPAN = """
+import mmap, time
+path = sys.argv[1]
+buf = mmap.mmap(-1, 128 << 10)
+fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+start = time.monotonic()
+n = os.preadv(fd, [buf], 0)  # (two stripes: one on each fast member)
+print(json.dumps([start, time.monotonic(), n, buf[:1] == buf[n - 1:n] == b"b"]))
+"""
+
+
+def test_one_users_reads_over_a_slow_member_leave_another_the_io_helpers(
+        tmp_path: Path) -> None:
+    """Alice keeps 40 cold reads in flight, each over a fast member and a slow one; bob's
+    read over the two fast members is served at once.  Each read's pieces ran on one
+    pool of I/O threads, first come, below the users' turns: her slow pieces held all
+    of its threads and queued more, and his two pieces, in his turn, waited behind
+    them.  A read now takes only the helpers idle when it begins and runs the rest on
+    its own thread (`io/batch._Helpers`)."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    fast = make_members(tmp_path / "fast", 2)
+    with _slow_member(tmp_path, 500_000) as (slow, throttle):
+        mkfs([*fast, slow], "64KiB")
+        with mount_with([*fast, slow], "io_threads=64") as m:
+            theirs = {}
+            for name, width in (("alice", "3"), ("bob", "2")):
+                folder = m.path / name
+                folder.mkdir()
+                mxfs("setstripe", "--width", width, str(folder))
+                size, byte = (96 * (192 << 10), b"a") if name == "alice" else (128 << 10, b"b")
+                theirs[name] = next(p for p in (folder / f"{i}.bin" for i in range(32))
+                                    if p.write_bytes(byte * size) and _first_member(m, p) == 0)
+            big, small = theirs["alice"], theirs["bob"]
+            os.chown(big, alice.uid, alice.gid)
+            os.chown(small, bob.uid, bob.gid)
+            subprocess.run(["sync"], check=True)
+            for chunk in Path(slow).rglob("chunks/*/*"):
+                fd = os.open(chunk, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            throttle(m.daemon_pid())
+            flood = _as(alice, _ALICE_SPANS, str(big), "40")
+            try:
+                done = _times_read(flood)
+                assert eventually(lambda: len(done) >= 4, 60), "alice's reads never came"
+                time.sleep(1)  # (all 40 asked by now)
+                start, end, n, same = run_as(bob, _BOB_SPAN, str(small))
+                assert (n, same) == (128 << 10, True)
+                during = sum(1 for t in list(done) if start <= t <= end)
+                assert during <= 3, f"{during} of alice's reads finished during bob's"
+            finally:
+                Path("/sys/fs/cgroup/blkio/cgroup.procs").write_text(str(m.daemon_pid()))
+                flood.kill()
+                flood.wait()
+
+
 _ALICE_PAGES = """
 import mmap, random, sys, threading, time
 path, k, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]

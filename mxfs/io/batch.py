@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -132,7 +132,8 @@ def pwritev_full(fd: int, bufs: Sequence[memoryview], offset: int) -> int:
 
 
 def executor() -> ThreadPoolExecutor:
-    """The shared pool of I/O threads (created on first use)."""
+    """The shared pool of threads for a client's own parallel work (checksums,
+    inflates, a reader's connections), created on first use."""
     global _pool
     if _pool is None:
         with _pool_lock:
@@ -141,17 +142,65 @@ def executor() -> ThreadPoolExecutor:
     return _pool
 
 
+class _Helpers:
+    """Threads a batch's ops spread over, taken only while idle.
+
+    A batch takes the helpers idle when it asks (`take`) and works beside them on its
+    own thread; it never waits for one.  In the daemon each batch runs on a thread of
+    its user's turn (`fs/fair.Lanes`); through one first-come pool below those turns, a
+    user's fsyncs of large dirty files over every member held every thread for
+    seconds, and another user's 4 KiB fsync or read, in his turn, waited behind all of
+    them.  Now his batch finds no helper idle and runs on his own thread."""
+
+    def __init__(self, most: int) -> None:
+        self._idle = threading.Semaphore(most)
+        self._threads = ThreadPoolExecutor(most, thread_name_prefix="mxfs-io-fan")
+
+    def take(self, most: int, work: Callable[[], None]) -> list[Future[None]]:
+        """Up to `most` idle helpers, each running `work` (then idle again)."""
+        taken: list[Future[None]] = []
+        while len(taken) < most and self._idle.acquire(blocking=False):
+            taken.append(self._threads.submit(self._helping, work))
+        return taken
+
+    def _helping(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        finally:
+            self._idle.release()
+
+
+_helpers = _Helpers(_MAX_WORKERS)
+
+
 def _run(fn: Callable[[T], int], ops: Sequence[T]) -> list[int]:
+    """`fn` of every op, at once on this thread and the helpers idle now; each op's
+    result, or the first op's error once every op has ended."""
     if len(ops) == 1:
         return [fn(ops[0])]
-    futures = [executor().submit(fn, op) for op in ops]
-    # Wait for every op before raising, so no thread still writes into a buffer
-    # the caller is about to reuse.
-    errors = [f.exception() for f in futures]
+    results: list[int] = [0] * len(ops)
+    errors: list[BaseException | None] = [None] * len(ops)
+    left, lock = iter(range(len(ops))), threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(left, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(ops[i])
+            except BaseException as e:  # (raised below, once no op writes into a buffer)
+                errors[i] = e
+
+    helping = _helpers.take(len(ops) - 1, work)
+    work()
+    for f in helping:  # (its op may still run after this thread found none left)
+        f.result()
     for err in errors:
         if err is not None:
             raise err
-    return [f.result() for f in futures]
+    return results
 
 
 def sync_all(fds: Sequence[int], datasync: bool = False) -> None:
