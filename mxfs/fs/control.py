@@ -33,7 +33,7 @@ from mxfs.fs.file_ops import FileOps
 from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits
 from mxfs.fs.listener import Listener
-from mxfs.fs.meta_ops import MetaOps
+from mxfs.fs.meta_ops import MetaOps, SharedSync
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Handler, Session
@@ -56,9 +56,10 @@ class ControlServer:
                  metrics: Metrics | None = None, limits: Limits | None = None,
                  only_uid: int | None = None,
                  settle: Callable[[int], Awaitable[None]] | None = None,
-                 wake: WakeLatency | None = None, reads: StoreWorker | None = None
-                 ) -> None:
-        """`reads`: a reading node's worker for its store's reads (`fs/ops.py`)."""
+                 wake: WakeLatency | None = None, reads: StoreWorker | None = None,
+                 syncs: SharedSync | None = None) -> None:
+        """`reads`: a reading node's worker for its store's reads (`fs/ops.py`);
+        `syncs`: the store's syncs, shared with the mount's fsyncs."""
         self.vol = volume
         self.mountpoint = mountpoint
         # A mount without allow_other serves its owner alone; so does this socket.
@@ -85,8 +86,8 @@ class ControlServer:
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,
                              settle=settle, remote=self.remote, reads=reads,
-                             pending_by_uid=self.pending_by_uid)
-        self.meta = MetaOps(volume)
+                             pending_by_uid=self.pending_by_uid, syncs=syncs)
+        self.meta = MetaOps(volume, self.files.syncs)
         self.status = StatusOps(volume, mountpoint, self.limits, self.listener, self.kv,
                                 self.pending_by_uid, self.metrics, wake, reads)
         if volume.pool.remote is not None:

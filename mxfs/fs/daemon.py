@@ -240,7 +240,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
                                     entry_changed=ops.entry_changed, metrics=metrics,
                                     limits=limits, only_uid=None if "allow_other" in fuse_opts
                                     else os.getuid(), settle=ops.settle, wake=wake,
-                                    reads=ops.reads)
+                                    reads=ops.reads, syncs=ops.syncs)
             gauges = Gauges(functools.partial(gather_gauges, control,
                                               "metrics_by_user" in own)) if metrics_port \
                 else None

@@ -24,7 +24,7 @@ from mxfs.fs.fair import in_bites
 from mxfs.fs.fields import Msg, bool_field, int_field, path_field, sums_field
 from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
-from mxfs.fs.meta_ops import durable
+from mxfs.fs.meta_ops import SharedSync
 from mxfs.fs.node_files import ForwardedFiles, NodeFiles, answered, describe
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import (
@@ -74,8 +74,10 @@ class FileOps:
                  entry_changed: Callable[[int, bytes, int], Awaitable[None]] | None = None,
                  settle: Callable[[int], Awaitable[None]] | None = None,
                  remote: RemoteReads | None = None, reads: StoreWorker | None = None,
-                 pending_by_uid: Counter[int] | None = None) -> None:
+                 pending_by_uid: Counter[int] | None = None,
+                 syncs: SharedSync | None = None) -> None:
         self.vol = vol
+        self.syncs = syncs or SharedSync(vol.store)  # (shared with the mount's fsyncs)
         self.mountpoint = mountpoint
         self.limits = limits
         self.sessions = sessions  # every connection's (their unpublished files)
@@ -360,7 +362,7 @@ class FileOps:
         self.vol.release(node.ino)
         lost = self.vol.store.groups_lost
         try:
-            await durable(self.vol.store)
+            await self.syncs.durable()
         except OSError as e:
             if self.vol.store.groups_lost != lost:  # its group went: it was never named
                 raise

@@ -76,14 +76,14 @@ class MountWrites:
 
     def __init__(self, vol: Volume, forwarded: ForwardedFiles,
                  read_row: Callable[[int], Awaitable[Inode]],
-                 cut: Callable[[Inode, int], Awaitable[None]]) -> None:
+                 cut: Callable[[Inode, int, int], Awaitable[None]]) -> None:
         self.vol = vol
         self.forwarded = forwarded
         self.read_row = read_row  # the row as the store holds it now (a worker's read)
         # Told of each grant (the writer holds the file open for this node from then:
         # `fs/held_open.py` lets it go once nothing here has it open).
         self.granted: Callable[[int], None] = lambda ino: None
-        self.cut = cut  # cut a file's chunk files here to a size (in a worker thread)
+        self.cut = cut  # cut a file's chunk files here to a size (in a uid's turn)
         self.files: dict[int, Written] = {}
         # Last closes the writer was not told of (or whose grant is to be let go):
         # (the closer, what to tell), by inode.
@@ -183,7 +183,7 @@ class MountWrites:
                 if told and "size" in body:
                     size = max(size, int(body["size"]))
             if not told:
-                await self.cut(row, size)
+                await self.cut(row, size, caller.uid)
             held = self.files[ino] = Written(caller, owner, size, size, time.time_ns(),
                                              self.vol.layout(row).describe())
             held.drained.set()
@@ -345,7 +345,7 @@ class MountWrites:
                 await self._granted_ask(caller, "node_written", {
                     "ino": ino, "size": size, "mtime_ns": now, "cut": True,
                     "layout": held.layout}, held.owner)
-                await self.cut(await self.read_row(ino), size)
+                await self.cut(await self.read_row(ino), size, caller.uid)
                 self._took_growth(held, size)
                 self._account(held, size=size)
                 held.mtime_ns, held.changed = now, False
@@ -429,7 +429,7 @@ class MountWrites:
         try:
             if not await self._retold(ino, caller, body, owner) and "size" in body:
                 row = await self.read_row(ino)
-                await self.cut(row, row.size)
+                await self.cut(row, row.size, caller.uid)
         except OSError as e:
             if e.errno not in REFUSED:
                 return  # (again next round)

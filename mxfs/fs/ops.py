@@ -37,6 +37,7 @@ from mxfs.fs.invalidations import Invalidations
 from mxfs.fs.kernel_cache import KernelCache
 from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberSpace
+from mxfs.fs.meta_ops import SharedSync
 from mxfs.fs.metrics import Metrics
 from mxfs.fs.mount_writes import MountWrites, Written
 from mxfs.fs.node_files import ForwardedFiles
@@ -212,8 +213,7 @@ class MxfsOperations(pyfuse3.Operations):
         # logged once per tenant, then counted (`fs/failures.py`).
         self.failures = FailureLog(log)
         self._cutting: dict[int, trio.Event] = {}  # files being cut: their writes wait
-        self._sync_asked = self._synced = 0  # store syncs asked for, and done (`_durable`)
-        self._syncing: trio.Event | None = None
+        self.syncs = SharedSync(self.store)  # (the control socket's commits share them)
         # How long the kernel keeps answers (`fs/kernel_cache.py`).  On a reading node
         # (`MetaStore.follow`) it also keeps a file's cached pages across opens only
         # while the file is as it was when they were read (close-to-open, as NFS gives
@@ -667,10 +667,12 @@ class MxfsOperations(pyfuse3.Operations):
         """The row of `ino` as the store holds it now (a reading node's worker)."""
         return await self._read_meta(0, lambda s: s.get(ino))
 
-    async def cut(self, node: Inode, size: int) -> None:
-        """(MountWrites) cut a file's chunk files here to `size`, in a worker thread."""
-        await trio.to_thread.run_sync(self.vol.pool.truncate_chunks, node.ino,
-                                      self.vol.layout(node), size, limiter=self.limiter)
+    async def cut(self, node: Inode, size: int, uid: int) -> None:
+        """(MountWrites) cut a file's chunk files here to `size`, on its lane's threads
+        in `uid`'s turn (straight on the lane's limiter, a user's hundreds of cuts at
+        once went before another's turn)."""
+        await self._in_turn(node, uid, self.vol.pool.truncate_chunks, node.ino,
+                            self.vol.layout(node), size)
 
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -828,7 +830,7 @@ class MxfsOperations(pyfuse3.Operations):
             await self.written.tell(entry.node.ino, handle.caller or held.caller)  # asks)
             return
         self.store.flush(entry.node)
-        await self._durable()
+        await self.syncs.durable()
         handle.heard_losses(self.store.groups_lost)
 
     @_errors
@@ -853,13 +855,16 @@ class MxfsOperations(pyfuse3.Operations):
 
     async def _truncate(self, node: Inode, size: int, uid: int) -> None:
         """Set a file's size: the store's now, the chunk files (and the sync that comes
-        first) from a worker thread, the file's writes waiting meanwhile (a user looping
-        O_TRUNC opens held the thread for an fsync each)."""
+        first) from a worker thread in `uid`'s turn, the file's writes waiting
+        meanwhile.  The sync is the store's shared one (a user looping O_TRUNC opens
+        held the thread for an fsync each, then a lane's threads with one each, and
+        everyone's fsyncs waited behind hers)."""
         async with self._chunk_files_held(node.ino):
             if not self.vol.resize(node, size):
                 return
-            layout = self.vol.layout(node)
-            await self._in_turn(node, uid, self.vol.cut, node.ino, layout, size)
+            await self._in_turn(node, uid, self.vol.cut, node.ino, self.vol.layout(node),
+                                size, functools.partial(trio.from_thread.run,
+                                                        self.syncs.synced))
             self.vol.truncated(node)
 
     async def renew(self, node: Inode, uid: int) -> None:
@@ -973,27 +978,8 @@ class MxfsOperations(pyfuse3.Operations):
 
     @_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        await self._durable()
+        await self.syncs.durable()
         self.handles[fh].heard_losses(self.store.groups_lost)
-
-    async def _durable(self) -> None:
-        """Every change so far committed and on stable storage (the sync in a worker).
-        Syncs are shared: one runs at a time, and a caller waits for the first begun
-        after its commit (a user's 400 fsyncs at once queued everyone's behind them)."""
-        self.store.commit()
-        self._sync_asked += 1
-        ticket = self._sync_asked
-        while self._synced < ticket:
-            if self._syncing is not None:
-                await self._syncing.wait()
-                continue
-            self._syncing, covers = trio.Event(), self._sync_asked
-            try:
-                await trio.to_thread.run_sync(self.store.sync, limiter=self.limiter)
-                self._synced = max(self._synced, covers)
-            finally:
-                self._syncing.set()
-                self._syncing = None
 
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

@@ -744,12 +744,15 @@ class Volume:
         self.store.commit()
         return True
 
-    def cut(self, ino: int, layout: Layout, size: int) -> None:
+    def cut(self, ino: int, layout: Layout, size: int,
+            synced: Callable[[], None] | None = None) -> None:
         """Blocking: a shrunk file's chunk files cut to `size`, this node's and other
         nodes' (`Pool.truncate_far`, round trips), once its size is on stable storage
         (a crash mid-cut is trimmed again at mount, via dirty_data: a power cut must
-        not keep the cut and lose the size)."""
-        self.store.sync()
+        not keep the cut and lose the size).  `synced` puts the committed changes
+        there: the daemon's sync shared by every request (`fs/meta_ops.SharedSync`),
+        else the store's own."""
+        (synced or self.store.sync)()
         self.pool.truncate_chunks(ino, layout, size)
 
     def truncated(self, node: Inode) -> None:
