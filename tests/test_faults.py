@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -522,6 +523,50 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
             assert states == {0: None, 1: "not answering"}
             after = json.loads(mxfs("status", "--json", str(outer.path)).stdout)
             assert not any(m.get("failed") for m in after["members"])  # back once it is
+
+
+def test_freeing_files_on_a_member_that_stops_answering_holds_no_commit(
+        tmp_path: Path) -> None:
+    """Files removed whose chunk files are on a member that stops answering: freeing
+    them waits on that member, and the daemon's groups of changes are committed
+    meanwhile (a folder made after them is in the store).  The frees ran inside the
+    loop that ends each group, so a round of them held every user's commits: a user's
+    mass removal of files striped wide a quarter of a second a round, a hung member
+    for good."""
+    inner_members = make_members(tmp_path / "inner", 1)
+    mkfs(inner_members)
+    with mounted_pool(inner_members) as inner:
+        hung = inner.path / "member1"
+        hung.mkdir()
+        members = [*make_members(tmp_path / "outer", 1), str(hung)]
+        mkfs(members)
+        with mounted_pool(members) as outer:
+            names = [outer.path / f"f{i}" for i in range(4)]  # (on both members in turn)
+            for p in names:
+                p.write_bytes(b"x" * 4096)
+            db = sqlite3.connect(f"file:{members[0]}/meta/mxfs.db?mode=ro", uri=True)
+
+            def stored(name: bytes) -> bool:
+                return db.execute("SELECT 1 FROM dentries WHERE name = ?",
+                                  (name,)).fetchone() is not None
+
+            pid = inner.daemon_pid()
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                Path("/proc/sys/vm/drop_caches").write_text("2")
+                removing = threading.Thread(target=lambda: [p.unlink() for p in names],
+                                            daemon=True)
+                removing.start()
+                removing.join(60)
+                assert not removing.is_alive(), "an unlink waited on the stopped member"
+                time.sleep(0.5)  # (their frees begun, and waiting on the member)
+                (outer.path / "after").mkdir()
+                assert eventually(lambda: stored(b"after"), 30), \
+                    "no commit while frees waited on the stopped member"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                db.close()
+            assert eventually(lambda: not chunk_files(members[:1]), 30)
 
 
 def test_a_member_made_read_only_refuses_writes_but_serves_reads(

@@ -181,7 +181,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
     os.umask(0o077)  # what the daemon makes (chunk files, copies) is its own
     raise_fd_limit()
     try:
-        vol.recover(drain=False)  # (orphans freed by `_commit_groups` while serving)
+        vol.recover(drain=False)  # (orphans freed by `_reclaims` while serving)
         if vol.quotas.limits:
             startup.step()
             vol.store.count_usage()  # (before serving, not on a tenant's first write)
@@ -343,7 +343,7 @@ class Daemon:
     def tasks(self) -> list[Callable[[], Awaitable[None]]]:
         """The background tasks, each run until the mount ends."""
         tasks: list[Callable[[], Awaitable[None]]] = [
-            _stop_on_signal, self._commit_groups, self._trims, self._keep_lease,
+            _stop_on_signal, self._commit_groups, self._reclaims, self._trims, self._keep_lease,
             self._revoke, self._sweep_held, self.control.kv.let_go]
         if log_file() is not None:  # (not journald's, nor a terminal)
             tasks.append(self._cap_log)
@@ -415,16 +415,12 @@ class Daemon:
 
     async def _commit_groups(self) -> None:
         """End each group of metadata changes within GROUP_COMMIT_S of its first change
-        (KV access times included), then free the data of files whose last link and last
-        open went.  A failure (a full or read-only metadata member) is logged and tried
-        again on the next round: the daemon never ends of it."""
+        (KV access times included).  A failure (a full or read-only metadata member) is
+        logged and tried again on the next round: the daemon never ends of it."""
         vol, control = self.vol, self.control
         vol.store.group_changes(GROUP_COMMIT_S)
         failures = FailureLog(log)
         rounds = 0
-        # (the change feed's last row, read off the loop: how far reading nodes' word
-        # on the files they hold must go before an orphan is freed)
-        marks = StoreWorker(vol.pool.meta_location, readonly=True)
         while True:
             await trio.sleep(GROUP_COMMIT_S / 2)
             rounds += 1
@@ -434,6 +430,22 @@ class Daemon:
                     self._trim.set()  # (its own task: a hung member holds no commit)
                 await control.kv.flush()
                 vol.store.commit_if_due()
+            except Exception as e:  # OSError from the store, or anything unforeseen
+                failures.note("commit", None, e, trace=not isinstance(e, OSError))
+
+    async def _reclaims(self) -> None:
+        """Free the data of files whose last link and last open went, RECLAIM_BITE a
+        round, in a task of its own: a round's chunk files (a user's mass removal of
+        files striped wide; a member that stops answering, for good) held the loop
+        that ends each group of changes, and every user's commits waited."""
+        vol = self.vol
+        failures = FailureLog(log)
+        # (the change feed's last row, read off the loop: how far reading nodes' word
+        # on the files they hold must go before an orphan is freed)
+        marks = StoreWorker(vol.pool.meta_location, readonly=True)
+        while True:
+            await trio.sleep(GROUP_COMMIT_S / 2)
+            try:
                 inos = vol.take_pending(RECLAIM_BITE)
                 if vol.reader_epochs or vol.holds.waiting:  # (nodes may hold them open)
                     try:
@@ -447,7 +459,7 @@ class Daemon:
                     await trio.to_thread.run_sync(vol.remove_chunks, inos)
                     vol.drop_inodes(inos)
             except Exception as e:  # OSError from the store, or anything unforeseen
-                failures.note("commit", None, e, trace=not isinstance(e, OSError))
+                failures.note("reclaim", None, e, trace=not isinstance(e, OSError))
 
     async def _trims(self) -> None:
         """Cut unpublished files back to their declared sizes whenever the metadata
