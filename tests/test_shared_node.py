@@ -1000,6 +1000,71 @@ def test_one_users_hundreds_of_reads_leave_anothers_lookups_and_reads_served(
                 flood.wait()
 
 
+_REOPEN = """
+import contextlib, time
+path, rounds = sys.argv[1], int(sys.argv[2])
+got = []
+for r in range(rounds):
+    p = f"{path}.{r}"
+    while not os.path.exists(p):
+        time.sleep(0.001)
+    o = os.open(p, os.O_PATH)  # (no open through the mount: the daemon counts none)
+    print("held", flush=True)
+    while os.fstat(o).st_nlink:
+        time.sleep(0.0005)
+    try:  # (removed, not yet freed: reopened through the link /proc keeps)
+        fd = os.open(f"/proc/self/fd/{o}", os.O_RDWR)
+    except OSError as e:
+        got.append(errno.errorcode[e.errno])
+    else:
+        got.append("opened")
+        for i in range(1, 5):
+            with contextlib.suppress(OSError):
+                os.pwrite(fd, b"!", i * (8 << 20))
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    os.close(o)
+print(json.dumps(got), flush=True)
+"""
+
+
+def test_a_removed_file_is_not_opened_again_while_it_is_freed(pool: Mounted) -> None:
+    """Bob's file is removed while alice holds it by an O_PATH descriptor (which opens
+    nothing through the mount); her reopen through /proc is ESTALE, as on a reading
+    node.  It was opened: the freeing, begun already, took the file's bytes from bob's
+    quota, then her writes to the freed file added to it for good (bob's count said
+    58 MiB of 64 for a file of none)."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    folder = pool.path / "reopened"
+    folder.mkdir()
+    folder.chmod(0o1777)
+
+    def bobs_file_bytes() -> int:
+        lines = json.loads(mxfs("quota", str(pool.path), "--json").stdout)["users"]
+        line = next((u for u in lines if u["uid"] == bob.uid), None)
+        return 0 if line is None else int(line["bytes"] - line["name_bytes"]
+                                          - line["xattr_bytes"])
+    before, rounds = bobs_file_bytes(), 8
+    reopen = _as(alice, _REOPEN, str(folder / "f"), str(rounds))
+    assert reopen.stdout is not None
+    try:
+        for r in range(rounds):
+            f = folder / f"f.{r}"
+            f.write_bytes(b"b" * (1 << 20))
+            os.chown(f, bob.uid, bob.gid)
+            f.chmod(0o666)
+            assert reopen.stdout.readline() == "held\n"
+            f.unlink()
+        got = json.loads(reopen.stdout.readline())
+    finally:
+        reopen.kill()
+        reopen.wait()
+    assert set(got) <= {"ESTALE", "ENOENT"}, got
+    assert eventually(lambda: bobs_file_bytes() == before, 10), (bobs_file_bytes(), before)
+    shutil.rmtree(folder)
+
+
 def _first_member(m: Mounted, path: Path) -> int:
     with ControlClient(str(m.path)) as c:
         return int(c.layout(str(path))["layout"]["first_member"])

@@ -619,6 +619,12 @@ class MxfsOperations(pyfuse3.Operations):
             await self._truncate(node, 0, ctx.uid)
             now = time.time_ns()
             self.store.set_attrs(node, mtime_ns=now, ctime_ns=now)
+        if node.nlink == 0 and node.ino not in self.vol.open_inodes:
+            # (no await from here to the handle) Removed, and open nowhere: its freeing
+            # may have begun.  Reopened through a link /proc keeps (an O_PATH descriptor
+            # opens nothing here), its bytes left its owner's quota with the file and
+            # came back on her writes for good.
+            raise OSError(errno.ESTALE, f"inode {inode} was removed")
         if flags & os.O_ACCMODE != os.O_WRONLY and not self.noatime:
             # Reads may be served from the kernel's cache without reaching us, so
             # relatime is also applied when a file is opened for reading.
