@@ -1429,6 +1429,77 @@ def test_a_reader_shut_out_of_a_namespace_loses_her_leases_in_it(pool: Mounted) 
         root.call("kv_ns_remove", namespace=ns)
 
 
+PINNED_GETS = r"""
+import base64, threading
+m, ns = sys.argv[1], sys.argv[2]
+keys = [base64.b64encode(b"k%d" % i).decode() for i in range(1024)]
+conns = [mxfs.client.ControlClient(m) for _ in range(24)]
+stop, got = threading.Event(), {"ok": 0, "refused": 0}
+def gets(c, j):
+    while not stop.is_set():
+        j = (j + 1) % 16
+        try:
+            _, fds = c.call_with_fds("kv_get", namespace=ns, shared=True, pin=True,
+                                     keys=keys[j * 64:(j + 1) * 64])
+            for fd in fds:
+                os.close(fd)
+            got["ok"] += 1
+        except OSError:
+            got["refused"] += 1
+threads = [threading.Thread(target=gets, args=(c, j)) for j, c in enumerate(conns)]
+for t in threads:
+    t.start()
+print("going", flush=True)
+sys.stdin.readline()
+stop.set()
+for t in threads:
+    t.join()
+print(json.dumps(got), flush=True)
+sys.stdin.readline()  # (her connections held open until told)
+"""
+
+
+def test_gets_in_flight_when_a_reader_is_shut_out_leave_her_no_leases(
+        pool: Mounted) -> None:
+    """Bob's pinned gets run on 24 connections when the namespace's owner shuts him out:
+    once they end, his connections still open, he holds no read lease there.  A get
+    judged before the chmod and waiting on its opens meanwhile had nothing for the
+    chmod to end, then leased (and handed out) what he could read no more: 128 leases
+    kept.  A get is judged again once its opens are done."""
+    from users import as_user
+
+    bob = ensure_users()["bob"]
+    ns = "shut-out-in-flight"
+    with ControlClient(str(pool.path)) as root:
+        root.call("kv_ns_create", namespace=ns, mode=0o755)
+        keys = [base64.b64encode(b"k%d" % i).decode() for i in range(1024)]
+        for i in range(0, 1024, 64):
+            root.call("kv_put", namespace=ns, keys=keys[i:i + 64],
+                      data=[base64.b64encode(os.urandom(8192)).decode()] * 64)
+        proc = subprocess.Popen(as_user(bob, PINNED_GETS, str(pool.path), ns),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            assert proc.stdout.readline() == "going\n"
+            time.sleep(1)
+            root.call("kv_ns_set", namespace=ns, mode=0o700)
+            time.sleep(0.5)
+            proc.stdin.write("stop\n")
+            proc.stdin.flush()
+            got = json.loads(proc.stdout.readline())
+            assert got["ok"] and got["refused"], got
+            (stats,) = root.call("kv_stats", namespace=ns)["namespaces"]
+            by_user = root.stat()["limits"]["by_user"]
+            assert (stats["pinned"], by_user.get(str(bob.uid), {}).get("pins", 0)) == (0, 0)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+        root.call("kv_ns_remove", namespace=ns)
+
+
 @pytest.mark.unit
 def test_one_users_slow_commits_leave_others_a_settling_thread() -> None:
     """Commits settle (stat, truncate, sync) in four threads shared by every user: one
