@@ -2239,6 +2239,44 @@ print(json.dumps(os.stat(sys.argv[1]).st_uid))
         assert os.stat(a.path / "w" / "alice.txt").st_uid == users["alice"].uid
         # Under her quota her files close; past it her writes through b fail (b was
         # granted what her quota left when she opened), and the file keeps what fit.
+        mxfs("quota", "--user", "mxfs-alice", "--bytes", "4MiB", str(a.path))
+        # Her writes in flight at once on b, each into a file of its own, are held to
+        # her quota together, and every close is taken: a write's check of b's share
+        # and the growth it counts are split by awaits, so each holds its growth from
+        # the check on (`MountWrites.reserved`); passed together, the writer would
+        # refuse the later closes, and b cut back bytes it had answered for.
+        sparse = [str(b.path / "w" / f"sparse{i}.bin") for i in range(16)]
+        res = run_as(users["alice"], """
+import errno, threading
+got, ready = {}, threading.Barrier(len(sys.argv) - 1)
+def one(i, path):
+    f = open(path, "wb", buffering=0)
+    ready.wait()  # (every file open: the writes go at once)
+    try:
+        f.seek(1_300_000)
+        wrote = f.write(b"!")  # (a hole, then a byte: 1.3 MB of her quota)
+    except OSError as e:
+        wrote = errno.errorcode[e.errno]
+    try:
+        f.close()
+        closed = "ok"
+    except OSError as e:
+        closed = errno.errorcode[e.errno]
+    got[i] = [wrote, closed]
+threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(sys.argv[1:])]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps([got[i] for i in range(len(threads))]))
+""", *sparse)
+        assert all(closed == "ok" for _, closed in res), res
+        assert sum(wrote == 1 for wrote, _ in res) >= 1 and \
+            all(wrote in (1, "EDQUOT") for wrote, _ in res), res
+        for (wrote, _), path in zip(res, sparse, strict=True):
+            on_a = a.path / "w" / Path(path).name
+            assert on_a.read_bytes() == (bytes(1_300_000) + b"!" if wrote == 1 else b"")
+            on_a.unlink()
         mxfs("quota", "--user", "mxfs-alice", "--bytes", "1MiB", str(a.path))
         res = run_as(users["alice"], """
 with open(sys.argv[1], "wb") as f:

@@ -94,9 +94,14 @@ class MountWrites:
         # was told since (absent: no byte limit), and the growth not yet told of its
         # files here.  A write past the first less the second asks the writer for a
         # larger share (one ask at a time an owner and asking user: `_ask_room`), and
-        # fails, EDQUOT, if it is not given (to within the writes in flight at once).
+        # fails, EDQUOT, if it is not given (the writes in flight counted: `reserved`).
         self.room: dict[int, int] = {}
         self.grown: Counter[int] = Counter()
+        # Growth of writes allowed and not yet done, by owner: a write's check and the
+        # size it sets are split by awaits, in which the owner's other writes passed the
+        # same check, each up to the whole share (the second close then refused, its
+        # bytes cut back)
+        self.reserved: Counter[int] = Counter()
         self._asking: dict[tuple[int, int], trio.Lock] = {}  # (owner, asker's tenant)
         self._room_v: dict[int, tuple[int, ...]] = {}  # (the writer's epoch, the version)
         self._retelling: set[int] = set()  # users whose untold closes are being told
@@ -198,7 +203,8 @@ class MountWrites:
 
     def _fits(self, held: Written, end: int) -> bool:
         left = self.room.get(held.owner)
-        return left is None or self.grown[held.owner] + growth(held.size, end) <= left
+        return left is None or (self.grown[held.owner] + self.reserved[held.owner]
+                                + growth(held.size, end) <= left)
 
     def _room_from(self, owner: int, reply: dict[str, Any]) -> None:
         """This node's share of `owner`'s quota as the writer answered it ("room": None
@@ -248,11 +254,12 @@ class MountWrites:
         while held.cut is not None:
             await held.cut.wait()
 
-    async def allow(self, ino: int, end: int) -> None:
-        """Before a write up to `end` (`wrote` after it, whatever came of it): EDQUOT
-        past what the owner's quota lets its files here grow to (this node's share of
-        it, asked to grow first: `node_room`); waits while a cut of the file runs, and
-        while the writer gives it a new generation (`_renew`)."""
+    async def allow(self, ino: int, end: int) -> int:
+        """Before a write up to `end` (`wrote` after it, whatever came of it, with what
+        this returned: the growth it holds of the share meanwhile): EDQUOT past what the
+        owner's quota lets its files here grow to (this node's share of it, asked to
+        grow first: `node_room`); waits while a cut of the file runs, and while the
+        writer gives it a new generation (`_renew`)."""
         held = self.files[ino]
         asked = False
         while True:
@@ -266,9 +273,12 @@ class MountWrites:
                               "ask root to raise it)")
             await self._ask_room(held, ino, end)
             asked = True  # (then a cut begun meanwhile is waited for again)
+        grows = max(0, growth(held.size, end))  # (held from the check on: no await)
+        self.reserved[held.owner] += grows
         if not held.writing:
             held.drained = trio.Event()
         held.writing += 1
+        return grows
 
     async def _renew(self, held: Written, ino: int) -> None:
         """Where a direct reader here was told the file's generation (`OpenInode.told`)
@@ -305,16 +315,21 @@ class MountWrites:
         try:
             async with lock:
                 if not self._fits(held, end):  # (another write's ask may have done)
-                    need = self.grown[held.owner] + growth(held.size, end)
+                    need = self.grown[held.owner] + self.reserved[held.owner] + \
+                        growth(held.size, end)
                     await self._granted_ask(caller, "node_room",
                                             {"ino": ino, "need": need}, held.owner)
         finally:
             if not lock.locked() and self._asking.get(key) is lock:
                 del self._asking[key]  # (no one holds or waits for it: handed on if so)
 
-    def wrote(self, ino: int, end: int | None) -> None:
-        """A write `allow`ed is done: landed or queued up to `end`, or failed (None)."""
+    def wrote(self, ino: int, end: int | None, grows: int) -> None:
+        """A write `allow`ed is done: landed or queued up to `end`, or failed (None);
+        `grows`: what `allow` held of the share for it."""
         held = self.files[ino]
+        self.reserved[held.owner] -= grows
+        if self.reserved[held.owner] <= 0:
+            del self.reserved[held.owner]
         if end is not None:
             self._account(held, size=max(held.size, end))
             held.mtime_ns = time.time_ns()

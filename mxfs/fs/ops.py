@@ -213,6 +213,10 @@ class MxfsOperations(pyfuse3.Operations):
         # logged once per tenant, then counted (`fs/failures.py`).
         self.failures = FailureLog(log)
         self._cutting: dict[int, trio.Event] = {}  # files being cut: their writes wait
+        # Writes past their wait for a cut and not yet queued (or landed), by inode, and
+        # what a cut waiting for them waits on (`_entering`)
+        self._entering_writes: Counter[int] = Counter()
+        self._entered: dict[int, trio.Event] = {}
         self.syncs = SharedSync(self.store)  # (the control socket's commits share them)
         # How long the kernel keeps answers (`fs/kernel_cache.py`).  On a reading node
         # (`MetaStore.follow`) it also keeps a file's cached pages across opens only
@@ -742,19 +746,20 @@ class MxfsOperations(pyfuse3.Operations):
                 await self.written.uncut(node.ino)
             off = self._size(node)  # without the writeback cache, appends are placed here
         if self.written is not None:  # a node's: its size held here, told at close
-            await self.written.allow(node.ino, off + len(buf))
+            grows = await self.written.allow(node.ino, off + len(buf))
             end: int | None = None
             try:
                 # (the writer's RENW of our members holds this file's writes: `holding`;
                 # one landing mid-copy would go to the old file its readers keep)
                 await self._uncut(node.ino)
-                await self._write_data(handle, off, buf)
+                with self._entering(node.ino):
+                    await self._write_data(handle, off, buf)
                 end = off + len(buf)
             finally:
-                self.written.wrote(node.ino, end)
+                self.written.wrote(node.ino, end, grows)
             return len(buf)
         await self._uncut(node.ino)  # (a cut's chunk files are cut off trio's thread)
-        with self._charged(node, off + len(buf)):
+        with self._entering(node.ino), self._charged(node, off + len(buf)):
             self.vol.note_write(entry)
             await self._write_data(handle, off, buf)
             if off + len(buf) > node.size:
@@ -903,6 +908,8 @@ class MxfsOperations(pyfuse3.Operations):
         await self._uncut(ino)
         cutting = self._cutting[ino] = trio.Event()
         try:
+            while self._entering_writes[ino]:
+                await self._entered.setdefault(ino, trio.Event()).wait()
             await self.settle(ino)
             yield
         finally:
@@ -921,6 +928,23 @@ class MxfsOperations(pyfuse3.Operations):
         """Wait while a cut of `ino` runs (`_truncate`)."""
         while (cutting := self._cutting.get(ino)) is not None:
             await cutting.wait()
+
+    @contextlib.contextmanager
+    def _entering(self, ino: int) -> Iterator[None]:
+        """A write of `ino` from its `_uncut` on until it is queued behind (or landed): a
+        cut begun meanwhile waits for it (`_chunk_files_held`).  A write waiting for a
+        write-behind slot was neither, so a cut's settle missed it, and it landed while
+        the cut ran: bytes it answered for cut to zeros under the size it set."""
+        self._entering_writes[ino] += 1
+        try:
+            yield
+        finally:
+            self._entering_writes[ino] -= 1
+            if not self._entering_writes[ino]:
+                del self._entering_writes[ino]
+                entered = self._entered.pop(ino, None)
+                if entered is not None:
+                    entered.set()
 
     async def settle(self, ino: int) -> None:
         """Every write of `ino` answered so far is on its members (or failed: each
