@@ -165,3 +165,41 @@ def test_buffered_reads_and_writes_go_to_the_threads_and_direct_ones_to_the_ring
             for fd in fds:
                 os.close(fd)
         assert bool(rings) == direct and all(g[:] == bytes(block) for g in got)
+
+
+def test_a_batch_never_waits_behind_another_batchs_helpers(tmp_path: Path) -> None:
+    """Every helper of a set is held by one batch's slow calls (a user's fsyncs of
+    large dirty files); another batch begun meanwhile runs its calls on its own thread
+    and ends at once, its results and its errors its own.  Through one first-come pool,
+    it waited for the slow calls to end first."""
+    import threading
+
+    helpers = batch.Helpers(2, "mxfs-test-helpers")
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def slow() -> str:
+        started.release()
+        release.wait(60)
+        return "slow"
+
+    slow_batch = helpers.begin([slow, slow, slow])  # (two on helpers, one kept)
+    for _ in range(2):
+        assert started.acquire(timeout=10)
+    done = threading.Event()
+    got: list[object] = []
+
+    def other() -> None:
+        got.append(helpers.begin([lambda: 1, lambda: 2, lambda: 3]).finish())
+        try:
+            helpers.begin([lambda: 4, lambda: 1 // 0]).finish()
+        except ZeroDivisionError as e:
+            got.append(type(e).__name__)
+        done.set()
+
+    threading.Thread(target=other, daemon=True).start()
+    try:
+        assert done.wait(10), "a batch waited for another batch's helpers"
+        assert got == [[1, 2, 3], "ZeroDivisionError"]
+    finally:
+        release.set()
+    assert slow_batch.finish() == ["slow"] * 3

@@ -17,13 +17,14 @@ The ring asks back any request that gets no completion for STALL_MS (engine.c).
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger("mxfs.io")
@@ -142,65 +143,106 @@ def executor() -> ThreadPoolExecutor:
     return _pool
 
 
-class _Helpers:
-    """Threads a batch's ops spread over, taken only while idle.
+class Helpers:
+    """Threads a batch's calls spread over, taken only while idle.
 
-    A batch takes the helpers idle when it asks (`take`) and works beside them on its
-    own thread; it never waits for one.  In the daemon each batch runs on a thread of
-    its user's turn (`fs/fair.Lanes`); through one first-come pool below those turns, a
-    user's fsyncs of large dirty files over every member held every thread for
-    seconds, and another user's 4 KiB fsync or read, in his turn, waited behind all of
-    them.  Now his batch finds no helper idle and runs on his own thread."""
+    A batch (`begin`) takes the helpers idle when it begins, and those that go idle
+    while it runs, and its own thread runs what they leave (`Begun.finish`); it never
+    waits for a helper.  In the daemon each batch runs on a thread of its user's turn
+    (`fs/fair.Lanes`); through one first-come pool below those turns, a user's fsyncs
+    of large dirty files over every member held every thread for seconds, and another
+    user's 4 KiB fsync or read, in his turn, waited behind all of them.  Now his batch
+    finds no helper idle and runs on his own thread.  (Other nodes' members are asked
+    on their owners' threads, first come: `pool/remote.py`.)"""
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, name: str) -> None:
         self._idle = threading.Semaphore(most)
-        self._threads = ThreadPoolExecutor(most, thread_name_prefix="mxfs-io-fan")
+        self._threads = ThreadPoolExecutor(most, thread_name_prefix=name)
 
-    def take(self, most: int, work: Callable[[], None]) -> list[Future[None]]:
-        """Up to `most` idle helpers, each running `work` (then idle again)."""
-        taken: list[Future[None]] = []
-        while len(taken) < most and self._idle.acquire(blocking=False):
-            taken.append(self._threads.submit(self._helping, work))
-        return taken
+    def begin(self, calls: Sequence[Callable[[], T]]) -> Begun[T]:
+        """Start `calls` on the helpers idle now, all but one at most (the caller's,
+        at `finish`)."""
+        begun = Begun(self, calls)
+        self.recruit(begun)
+        return begun
 
-    def _helping(self, work: Callable[[], None]) -> None:
+    def recruit(self, begun: Begun[Any]) -> None:
+        """Idle helpers for `begun`'s calls not yet taken, all but one of them."""
+        while begun.wanted() > 0 and self._idle.acquire(blocking=False):
+            with begun.lock:
+                begun.helpers_on += 1
+            begun.helping.append(self._threads.submit(self._help, begun))
+
+    def _help(self, begun: Begun[Any]) -> None:
         try:
-            work()
+            begun.work(helper=True)
         finally:
+            with begun.lock:
+                begun.helpers_on -= 1
             self._idle.release()
 
 
-_helpers = _Helpers(_MAX_WORKERS)
+class Begun(Generic[T]):
+    """Calls begun on helpers: `finish` runs on the caller's thread what they left,
+    taking on the way helpers that went idle meanwhile (a batch begun while another
+    held them all ran every call on its own thread after they were free again)."""
+
+    def __init__(self, helpers: Helpers, calls: Sequence[Callable[[], T]]) -> None:
+        self.helpers, self.calls = helpers, calls
+        self.results: list[T | None] = [None] * len(calls)
+        self.errors: list[BaseException | None] = [None] * len(calls)
+        self.helping: list[Future[None]] = []
+        self.lock = threading.Lock()
+        self.helpers_on = 0  # helpers taken and not done
+        self._calling = 0  # ... of them in a call now
+        self._next = 0  # the first call not taken
+
+    def wanted(self) -> int:
+        """More helpers the calls not yet taken could use, one of them left to the
+        caller (the helpers taken and between calls take the next ones)."""
+        with self.lock:
+            free = self.helpers_on - self._calling
+            return len(self.calls) - self._next - 1 - free
+
+    def work(self, helper: bool = False) -> None:
+        """Run calls not yet taken until none is left (the caller's thread takes idle
+        helpers before each)."""
+        while True:
+            if not helper:
+                self.helpers.recruit(self)
+            with self.lock:
+                i, self._next = self._next, self._next + 1
+                if i >= len(self.calls):
+                    return
+                self._calling += helper
+            try:
+                self.results[i] = self.calls[i]()
+            except BaseException as e:  # (raised by `finish`, once no call runs on)
+                self.errors[i] = e
+            finally:
+                with self.lock:
+                    self._calling -= helper
+
+    def finish(self) -> list[T]:
+        """Every call's result, once all ended (the first error raised then: no call
+        still writes into a buffer its caller is about to reuse)."""
+        self.work()
+        for f in list(self.helping):  # (a helper's call may run after this found none)
+            f.result()
+        for err in self.errors:
+            if err is not None:
+                raise err
+        return self.results  # type: ignore[return-value]
+
+
+_helpers = Helpers(_MAX_WORKERS, "mxfs-io-fan")
 
 
 def _run(fn: Callable[[T], int], ops: Sequence[T]) -> list[int]:
-    """`fn` of every op, at once on this thread and the helpers idle now; each op's
-    result, or the first op's error once every op has ended."""
+    """`fn` of every op, at once on this thread and the helpers idle now."""
     if len(ops) == 1:
         return [fn(ops[0])]
-    results: list[int] = [0] * len(ops)
-    errors: list[BaseException | None] = [None] * len(ops)
-    left, lock = iter(range(len(ops))), threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                i = next(left, None)
-            if i is None:
-                return
-            try:
-                results[i] = fn(ops[i])
-            except BaseException as e:  # (raised below, once no op writes into a buffer)
-                errors[i] = e
-
-    helping = _helpers.take(len(ops) - 1, work)
-    work()
-    for f in helping:  # (its op may still run after this thread found none left)
-        f.result()
-    for err in errors:
-        if err is not None:
-            raise err
-    return results
+    return _helpers.begin([functools.partial(fn, op) for op in ops]).finish()
 
 
 def sync_all(fds: Sequence[int], datasync: bool = False) -> None:
