@@ -210,3 +210,75 @@ def test_one_users_slow_ask_for_an_owners_room_never_holds_anothers(vol: Volume)
     assert node.files[5].writing == node.files[6].writing == 1  # (both writes allowed)
     assert node.room[ALICE] == rooms.said(share)["room"] == vol.quotas.reserved[ALICE]
     assert not node._asking  # (no lock kept once no one asks)
+
+
+def test_writes_in_flight_hold_the_share_by_file_not_by_write(vol: Volume) -> None:
+    """On a reading node, alice has a 10 MiB share of her quota.  Five 1 MiB writes of
+    one file in flight at once (the writeback cache sends them so) hold 5 MiB of it,
+    the furthest end in flight, and a sixth write to another file takes what is left;
+    one more past the share is EDQUOT.  Held a write each from the file's size, five
+    writes held 1+2+3+4+5 MiB and the fifth was refused with 5 MiB written."""
+    rooms = Rooms(vol)
+    share = ("b", 1, ALICE)
+    vol.quotas.set(str(ALICE), Quota(bytes=10 << 20))
+
+    class Writer:  # the writer's answers, from its real shares
+        async def ask(self, caller: Caller, op: str, body: dict[str, Any]) -> dict[str, Any]:
+            assert op == "node_room"
+            return rooms.top_up(share, int(body["need"]), grow=True)
+
+    async def unused(*_: Any) -> Any:
+        raise AssertionError("not asked for")
+
+    node = MountWrites(vol, Writer(), unused, unused)  # type: ignore[arg-type]
+    node.room[ALICE] = 0
+    alice = Caller(1, ALICE, ALICE, frozenset({ALICE}))
+    node.files[5] = Written(alice, ALICE, 0, 0, 0, {})  # type: ignore[typeddict-item]
+    node.files[6] = Written(alice, ALICE, 0, 0, 0, {})  # type: ignore[typeddict-item]
+    mib = 1 << 20
+    refused: list[int] = []
+
+    async def main() -> None:
+        for k in range(1, 6):  # (allowed, none done yet: all five in flight)
+            await node.allow(5, k * mib)
+        await node.allow(6, 4 * mib)
+        try:
+            await node.allow(6, 6 * mib)
+        except OSError as e:
+            refused.append(e.errno or 0)
+
+    trio.run(main)
+    assert refused == [errno.EDQUOT]
+    for k in range(1, 6):
+        node.wrote(5, k * mib, k * mib)
+    node.wrote(6, 4 * mib, 4 * mib)
+    assert (node.files[5].size, node.files[6].size) == (5 * mib, 4 * mib)
+    assert not node._in_flight  # (nothing held once every write is done)
+
+
+def test_a_writes_asks_go_as_its_writer_not_as_the_files_last_opener(vol: Volume) -> None:
+    """On a reading node bob writes his file, which alice opened there last (it is
+    group-writable); his write needs a larger share of his quota, asked of the writer
+    as bob, in his own turn there.  Asked as the file's last opener, his writes waited
+    in alice's line, behind whatever flood of asks she kept in it."""
+    rooms = Rooms(vol)
+    vol.quotas.set(str(BOB), Quota(bytes=100 << 20))
+    share = ("b", 1, BOB)
+    asked: list[int] = []
+
+    class Writer:  # the writer's answers, from its real shares
+        async def ask(self, caller: Caller, op: str, body: dict[str, Any]) -> dict[str, Any]:
+            assert op == "node_room"
+            asked.append(caller.uid)
+            return rooms.top_up(share, int(body["need"]), grow=True)
+
+    async def unused(*_: Any) -> Any:
+        raise AssertionError("not asked for")
+
+    node = MountWrites(vol, Writer(), unused, unused)  # type: ignore[arg-type]
+    node.room[BOB] = 0
+    alice, bob = (Caller(1, u, u, frozenset({u})) for u in (ALICE, BOB))
+    node.files[5] = Written(alice, BOB, 0, 0, 0, {})  # type: ignore[typeddict-item]
+    trio.run(node.allow, 5, 1 << 20, bob)
+    assert asked == [BOB]
+    node.wrote(5, 1 << 20, 1 << 20)

@@ -66,9 +66,15 @@ class Written:
     telling: trio.Lock = field(default_factory=trio.Lock)  # one tell at a time
     cut: trio.Event | None = None  # set while a cut runs: writes wait for it
     writing: int = 0  # writes past `allow`, not yet landed or queued
+    ends: list[int] = field(default_factory=list)  # ... the ends they were allowed to
     drained: trio.Event = field(default_factory=trio.Event)  # (writing went to 0)
     opening: int = 0  # opens granted, their handles not yet made
     renewing: trio.Event | None = None  # set while the writer gives it a new generation
+
+    def reserving(self, end: int | None = None) -> int:
+        """What its writes in flight (and one more up to `end`) may grow it by."""
+        ends = self.ends if end is None else [*self.ends, end]
+        return growth(self.size, max(ends)) if ends else 0
 
 
 class MountWrites:
@@ -97,11 +103,12 @@ class MountWrites:
         # fails, EDQUOT, if it is not given (the writes in flight counted: `reserved`).
         self.room: dict[int, int] = {}
         self.grown: Counter[int] = Counter()
-        # Growth of writes allowed and not yet done, by owner: a write's check and the
-        # size it sets are split by awaits, in which the owner's other writes passed the
-        # same check, each up to the whole share (the second close then refused, its
-        # bytes cut back)
-        self.reserved: Counter[int] = Counter()
+        # Files with writes allowed and not yet done, by owner: their growth to the
+        # furthest end in flight is held (`_need`).  A write's check and the size it
+        # sets are split by awaits, in which the owner's other writes passed the same
+        # check, each up to the whole share (the second close then refused, its bytes
+        # cut back).
+        self._in_flight: dict[int, set[int]] = {}
         self._asking: dict[tuple[int, int], trio.Lock] = {}  # (owner, asker's tenant)
         self._room_v: dict[int, tuple[int, ...]] = {}  # (the writer's epoch, the version)
         self._retelling: set[int] = set()  # users whose untold closes are being told
@@ -203,8 +210,16 @@ class MountWrites:
 
     def _fits(self, held: Written, end: int) -> bool:
         left = self.room.get(held.owner)
-        return left is None or (self.grown[held.owner] + self.reserved[held.owner]
-                                + growth(held.size, end) <= left)
+        return left is None or self._need(held, end) <= left
+
+    def _need(self, held: Written, end: int) -> int:
+        """The owner's growth here with a write of `held` up to `end` in flight too:
+        what was told of none, and what the writes in flight may add (each file's to
+        the furthest end in flight: writes of one file overlap, not add up)."""
+        flying = self._in_flight.get(held.owner, set())
+        others = (self.files.get(ino) for ino in flying)
+        return self.grown[held.owner] + held.reserving(end) + sum(
+            w.reserving() for w in others if w is not None and w is not held)
 
     def _room_from(self, owner: int, reply: dict[str, Any]) -> None:
         """This node's share of `owner`'s quota as the writer answered it ("room": None
@@ -254,16 +269,19 @@ class MountWrites:
         while held.cut is not None:
             await held.cut.wait()
 
-    async def allow(self, ino: int, end: int) -> int:
-        """Before a write up to `end` (`wrote` after it, whatever came of it, with what
-        this returned: the growth it holds of the share meanwhile): EDQUOT past what the
-        owner's quota lets its files here grow to (this node's share of it, asked to
-        grow first: `node_room`); waits while a cut of the file runs, and while the
-        writer gives it a new generation (`_renew`)."""
+    async def allow(self, ino: int, end: int, caller: Caller | None = None) -> None:
+        """Before `caller`'s write up to `end` (`wrote` after it, whatever came of it;
+        its growth held from the check on): EDQUOT past what the owner's quota lets its
+        files here grow to (this node's share of it, asked to grow first: `node_room`);
+        waits while a cut of the file runs, and while the writer gives it a new
+        generation (`_renew`).  What it asks of the writer is asked as `caller` (else
+        the file's last opener here), in her turn: as the last opener, another user's
+        flood of asks held every write of his file."""
         held = self.files[ino]
+        caller = caller or held.caller
         asked = False
         while True:
-            await self._renew(held, ino)
+            await self._renew(held, ino, caller)
             await self.uncut(ino)
             if self._fits(held, end):
                 break
@@ -271,16 +289,15 @@ class MountWrites:
                 raise OSError(errno.EDQUOT, f"inode {ino}: its owner's quota leaves no "
                               f"room for {end - held.size} more bytes (remove files, or "
                               "ask root to raise it)")
-            await self._ask_room(held, ino, end)
+            await self._ask_room(held, ino, end, caller)
             asked = True  # (then a cut begun meanwhile is waited for again)
-        grows = max(0, growth(held.size, end))  # (held from the check on: no await)
-        self.reserved[held.owner] += grows
+        held.ends.append(end)  # (held from the check on: no await between)
+        self._in_flight.setdefault(held.owner, set()).add(ino)
         if not held.writing:
             held.drained = trio.Event()
         held.writing += 1
-        return grows
 
-    async def _renew(self, held: Written, ino: int) -> None:
+    async def _renew(self, held: Written, ino: int, caller: Caller) -> None:
         """Where a direct reader here was told the file's generation (`OpenInode.told`)
         since the writer last gave it one, the writer gives it another before this
         write lands (`node_room` with "renew"), so the reader sees its bytes changed:
@@ -293,7 +310,7 @@ class MountWrites:
         held.renewing = done = trio.Event()
         entry.told = False
         try:
-            reply = await self._granted_ask(held.caller, "node_room",
+            reply = await self._granted_ask(caller, "node_room",
                                             {"ino": ino, "renew": True}, held.owner)
         except BaseException:
             entry.told = True  # (not renewed: the next write asks again)
@@ -303,33 +320,34 @@ class MountWrites:
             done.set()
         entry.node.generation = max(entry.node.generation, int(reply["generation"]))
 
-    async def _ask_room(self, held: Written, ino: int, end: int) -> None:
+    async def _ask_room(self, held: Written, ino: int, end: int, caller: Caller) -> None:
         """Ask the writer for a larger share of the file's owner's quota, as the user
-        who opened it here, one ask at a time an owner and that user: another user's
+        whose write needs it, one ask at a time an owner and that user: another user's
         ask for the same owner's files (slow in its own turn at the writer, or many)
         never holds this one.  Asks running at once only grow the share (`top_up`),
         each answer versioned: the newest heard is kept (`_room_from`)."""
-        caller = held.caller
         key = (held.owner, tenant_of(caller.uid))
         lock = self._asking.setdefault(key, trio.Lock())
         try:
             async with lock:
                 if not self._fits(held, end):  # (another write's ask may have done)
-                    need = self.grown[held.owner] + self.reserved[held.owner] + \
-                        growth(held.size, end)
+                    need = self._need(held, end)
                     await self._granted_ask(caller, "node_room",
                                             {"ino": ino, "need": need}, held.owner)
         finally:
             if not lock.locked() and self._asking.get(key) is lock:
                 del self._asking[key]  # (no one holds or waits for it: handed on if so)
 
-    def wrote(self, ino: int, end: int | None, grows: int) -> None:
-        """A write `allow`ed is done: landed or queued up to `end`, or failed (None);
-        `grows`: what `allow` held of the share for it."""
+    def wrote(self, ino: int, allowed: int, end: int | None) -> None:
+        """A write `allow`ed up to `allowed` is done: landed or queued up to `end`, or
+        failed (None)."""
         held = self.files[ino]
-        self.reserved[held.owner] -= grows
-        if self.reserved[held.owner] <= 0:
-            del self.reserved[held.owner]
+        held.ends.remove(allowed)
+        if not held.ends:
+            flying = self._in_flight[held.owner]
+            flying.discard(ino)
+            if not flying:
+                del self._in_flight[held.owner]
         if end is not None:
             self._account(held, size=max(held.size, end))
             held.mtime_ns = time.time_ns()

@@ -746,7 +746,7 @@ class MxfsOperations(pyfuse3.Operations):
                 await self.written.uncut(node.ino)
             off = self._size(node)  # without the writeback cache, appends are placed here
         if self.written is not None:  # a node's: its size held here, told at close
-            grows = await self.written.allow(node.ino, off + len(buf))
+            await self.written.allow(node.ino, off + len(buf), handle.caller)
             end: int | None = None
             try:
                 # (the writer's RENW of our members holds this file's writes: `holding`;
@@ -756,7 +756,7 @@ class MxfsOperations(pyfuse3.Operations):
                     await self._write_data(handle, off, buf)
                 end = off + len(buf)
             finally:
-                self.written.wrote(node.ino, end, grows)
+                self.written.wrote(node.ino, off + len(buf), end)
             return len(buf)
         await self._uncut(node.ino)  # (a cut's chunk files are cut off trio's thread)
         with self._entering(node.ino), self._charged(node, off + len(buf)):
