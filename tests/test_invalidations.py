@@ -232,3 +232,40 @@ def test_one_users_held_directories_leave_others_their_threads(
     assert not kernel.overlapped
     stop.set()
     calls.close(5)
+
+
+@pytest.mark.parametrize("whose", ["bob's", "the feed's"])
+def test_directories_another_holds_leave_a_tenant_his_live_share(
+        kernel: Kernel, monkeypatch: pytest.MonkeyPatch, whose: str) -> None:
+    """Alice holds the locks of three of bob's directories, and bob commits into them
+    (or a reading node's feed changes them): past HELD_S those threads are set aside,
+    and bob's next key, in a directory nobody holds, is made at once, as is carol's.
+    Held threads counted as live ones: bob's share (MAX_THREADS // USER_PART) went to
+    the directories alice held, and every other invalidation of his waited; the feed,
+    adding as root, was held to no share, and filled every thread and place set aside."""
+    monkeypatch.setattr(invalidations, "MAX_THREADS", 4)
+    monkeypatch.setattr(invalidations, "MAX_HELD", 8)
+    monkeypatch.setattr(invalidations, "HELD_S", 0.1)
+    bob, carol = 5002, 5003
+    tenant = bob if whose == "bob's" else invalidations.FEED
+    his = [100, 101, 102]
+    kernel.held |= set(his)
+    stop = threading.Event()
+    calls = _calls(kernel, stop)
+    for d in his:
+        calls.add([(d, b"a")], [], [], uid=tenant)
+    assert eventually(lambda: len(kernel.calls) == 3)  # (the third once two were held)
+    calls.add([(3, b"x")], [], [], uid=tenant)
+    assert eventually(lambda: ("entry", 3, b"x") in kernel.calls)
+    if whose == "the feed's":  # (held to a share: past MAX_HELD // USER_PART held,
+        for d in (104, 105, 106):  # its keys wait)
+            kernel.held.add(d)
+            calls.add([(d, b"a")], [], [], uid=tenant)
+        assert eventually(lambda: len(kernel.calls) == 5)
+        assert not eventually(lambda: len(kernel.calls) > 5, 0.5)
+    calls.add([(4, b"y")], [], [], uid=carol)
+    assert eventually(lambda: ("entry", 4, b"y") in kernel.calls)
+    kernel.gate.set()
+    assert eventually(lambda: calls.pending == 0)
+    stop.set()
+    calls.close(5)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import trio
 
-from mxfs.fs.invalidations import Held, Invalidations
+from mxfs.fs.invalidations import FEED, Held, Invalidations
 from mxfs.fs.kernel_cache import FOLLOW_TIMEOUT, KernelCache
 from mxfs.meta import MetaStore, location
 from mxfs.meta.change_feed import FeedReader
@@ -141,8 +141,10 @@ class FeedFollower:
             inos, names = self.held()
             for ino in inos:
                 self.data_changed(ino)
-            self.calls.everything(inos, names)
+            self.calls.everything(inos, names, FEED)
             return
         for ino in change.data:
             self.data_changed(ino)
-        self.calls.add(change.names, change.data, change.inos - change.data)
+        # (as the feed's own tenant, held to a share as a user is: as root's, a user
+        # who held the directories the feed changed took every thread of the node)
+        self.calls.add(change.names, change.data, change.inos - change.data, uid=FEED)

@@ -17,10 +17,12 @@ same name twice is one call).  Threads are started while work waits and none is 
 MAX_THREADS at most besides those held: a thread whose call has lasted HELD_S is set
 aside, MAX_HELD at most (past as many directories held at once the rest wait their
 turn; a request waiting on them is answered all the same), and ends after IDLE_S idle.
-Keys wait in a line a tenant (whose request's changes began them: `vol/tenant_lines.py`),
-taken in turn, and one tenant's (not root's) are made by MAX_THREADS // USER_PART
-threads at once at most: a user who held the locks of the directories she committed
-into took every thread and every place set aside, and everyone's invalidations waited.
+Keys wait in a line a tenant (whose request's changes began them, or the feed's own,
+FEED: `vol/tenant_lines.py`), taken in turn, and one tenant's (not root's) are made by
+MAX_THREADS // USER_PART threads at once at most besides its threads held in the
+kernel, MAX_HELD // USER_PART of those: a user who held the locks of the directories
+she committed into took every thread and every place set aside, and everyone's
+invalidations waited; one who held another's lost him his share.
 
 What waits is bounded: past MAX_WAITING names, inodes and requests' waits from changes
 (a directory held while its names keep changing), the largest keys' waiting batches are
@@ -55,7 +57,9 @@ from mxfs.vol.tenants import tenant_of
 log = logging.getLogger("mxfs.fs")
 
 MAX_THREADS = 32
-USER_PART = 2  # one tenant's keys (not root's) made by MAX_THREADS // USER_PART at once
+USER_PART = 2  # one tenant's keys (not root's) made by MAX_THREADS // USER_PART at once,
+               # and MAX_HELD // USER_PART of its threads held in the kernel at most
+FEED = -1  # the tenant a reading node's change feed adds as (capped, as a user is)
 HELD_S = 1.0  # a call this long is held in the kernel: its thread is set aside
 MAX_HELD = 1024  # threads set aside at most
 IDLE_S = 5.0
@@ -84,7 +88,7 @@ class _Batch:
     names: set[bytes] = field(default_factory=set)  # (ENTRY)
     pages: bool = False  # (INODE) the pages too, not only the attributes
     counted: int = 0  # of it, items from changes (MAX_WAITING counts them)
-    tenant: int = 0  # whose request's changes began it (`vol/tenants.py`; 0: root's, a feed's)
+    tenant: int = 0  # whose request's changes began it (`vol/tenants.py`; 0: root's; FEED)
     done: list[_Done] = field(default_factory=list)  # told once it is made
 
 
@@ -113,6 +117,7 @@ class Invalidations:
         self._counted = 0  # ... of them from changes, and requests' waits
         self._threads: set[threading.Thread] = set()
         self._since: dict[threading.Thread, float] = {}  # threads in a call: since when
+        self._making_for: dict[threading.Thread, int] = {}  # ... and whose key it is
         self._idle = 0
         self._timer: threading.Timer | None = None  # (to set held threads aside)
 
@@ -198,10 +203,11 @@ class Invalidations:
                     told.append(d)
         return told
 
-    def everything(self, inos: list[int], names: list[tuple[int, bytes]]) -> None:
+    def everything(self, inos: list[int], names: list[tuple[int, bytes]], uid: int = 0
+                   ) -> None:
         """Invalidate all the kernel may hold (`held()`'s answer): inodes' pages too."""
         with self._lock:
-            self._add(names, inos, (), counted=0)
+            self._add(names, inos, (), counted=0, tenant=tenant_of(uid))
             self._start()
 
     def _add(self, names: Iterable[tuple[int, bytes]], data: Iterable[int],
@@ -241,7 +247,14 @@ class Invalidations:
     def _start(self) -> None:
         """(Under the lock.) A thread more, if work waits and none is free: threads
         held in a call HELD_S and more not counted, MAX_HELD of them at most."""
-        if not self._ready.any_where(self._may_start) or self.stop.is_set():
+        may = self._may_start()
+        if self.stop.is_set():
+            return
+        if not self._ready.any_where(may):
+            if self._ready and self._timer is None and self._since:  # (a call going on
+                self._timer = threading.Timer(HELD_S, self._again)  # may be held by
+                self._timer.daemon = True  # then: its tenant's keys may go on)
+                self._timer.start()
             return
         if self._idle:
             self._lock.notify()
@@ -258,12 +271,24 @@ class Invalidations:
             self._timer.daemon = True
             self._timer.start()
 
-    def _may_start(self, tenant: int) -> bool:
-        """(Under the lock.)  Whether a thread may take one more of `tenant`'s keys:
-        one user holding the locks of the directories she commits into set a thread
-        aside each, MAX_HELD of them, and every other user's invalidations waited (their
-        commits each a second, the kernel's names stale until their timeout)."""
-        return not tenant or self._busy_by[tenant] < max(1, MAX_THREADS // USER_PART)
+    def _may_start(self) -> Callable[[int], bool]:
+        """(Under the lock.)  Whether a thread may take one more of a tenant's keys now:
+        while fewer than MAX_THREADS // USER_PART of its keys are made and not held in
+        the kernel, and fewer than MAX_HELD // USER_PART are held there (root's: always).
+        One user holding the locks of the directories she committed into set a thread
+        aside each, MAX_HELD of them, and every other user's invalidations waited; held
+        threads counted as live ones, a user who held 16 of bob's directories (his
+        commits into them) left every other invalidation of his waiting, and a reading
+        node's feed, root's, was not held to any share."""
+        now = time.monotonic()
+        held = Counter(self._making_for[t] for t, since in self._since.items()
+                       if now - since >= HELD_S)
+        live_most, held_most = max(1, MAX_THREADS // USER_PART), max(1, MAX_HELD // USER_PART)
+
+        def may(tenant: int) -> bool:
+            return not tenant or (self._busy_by[tenant] - held[tenant] < live_most
+                                  and held[tenant] < held_most)
+        return may
 
     def _again(self) -> None:
         with self._lock:
@@ -281,19 +306,21 @@ class Invalidations:
         me = threading.current_thread()
         while True:
             with self._lock:
-                while not self._ready.any_where(self._may_start) and not self.stop.is_set():
+                while not self._ready.any_where(self._may_start()) \
+                        and not self.stop.is_set():
                     self._idle += 1
                     woken = self._lock.wait(IDLE_S)
                     self._idle -= 1
-                    if not woken and not self._ready.any_where(self._may_start):
+                    if not woken and not self._ready.any_where(self._may_start()):
                         break
-                key = self._ready.pop_where(self._may_start)
+                key = self._ready.pop_where(self._may_start())
                 if key is None or self.stop.is_set():
                     return
                 batch = self._waiting.pop(key)
                 self._busy.add(key)
                 self._busy_by[batch.tenant] += 1
                 self._since[me] = time.monotonic()
+                self._making_for[me] = batch.tenant
                 size = len(batch.names) if key[0] == ENTRY else 1
                 self._items -= size
                 self._making += size
@@ -309,6 +336,7 @@ class Invalidations:
                     if not self._busy_by[batch.tenant]:
                         del self._busy_by[batch.tenant]
                     del self._since[me]
+                    del self._making_for[me]
                     if key in self._waiting:  # (it came again meanwhile: in order)
                         self._ready.push(self._waiting[key].tenant, key)
                     told = self._told(batch.done)
