@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -390,6 +391,22 @@ def test_a_vanished_member_fails_its_files_and_mount_needs_degraded(
     assert err.value.errno == errno.EROFS
 
 
+@contextlib.contextmanager
+def _member_on_a_mount(tmp_path: Path, *options: str
+                       ) -> Iterator[tuple[Mounted, Mounted, list[str]]]:
+    """A pool (`outer`) whose second member is a folder of another mxfs mount
+    (`inner`), whose daemon a test may stop: a member that stops answering."""
+    inner_members = make_members(tmp_path / "inner", 1)
+    mkfs(inner_members)
+    with mounted_pool(inner_members) as inner:
+        hung = inner.path / "member1"
+        hung.mkdir()
+        members = [*make_members(tmp_path / "outer", 1), str(hung)]
+        mkfs(members)
+        with mounted_pool(members, *options) as outer:
+            yield inner, outer, members
+
+
 def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
     """A member whose filesystem stops answering (a hung drive or target; here a FUSE
     mount whose daemon is stopped) leaves stat, `ls -l`, df and status answering, the
@@ -399,130 +416,123 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
     stat, open or write held the daemon's thread, and every user's request, until it
     came back); an open of a file there waits for it, or is EIO once the member is
     judged hung."""
-    inner_members = make_members(tmp_path / "inner", 1)
-    mkfs(inner_members)
-    with mounted_pool(inner_members) as inner:
-        hung = inner.path / "member1"
-        hung.mkdir()
-        members = [*make_members(tmp_path / "outer", 1), str(hung)]
-        mkfs(members)
-        with mounted_pool(members, "chunk_port=0") as outer:
-            names = [outer.path / f"f{i}" for i in range(4)]  # (on both members in turn)
-            for p in names:
-                p.write_bytes(b"x" * 4096)
-            with ControlClient(str(outer.path)) as c:
-                st, lays = c.stat(), [c.layout(str(p)) for p in names]
-            svc = st["chunk_service"]
-            on_hung = next(lay for lay in lays if lay["layout"]["first_member"] == 1)
-            answered: dict[str, Any] = {}
-            with KVStore(str(outer.path), "stored") as kv:  # (small ones ride inline)
-                for i in range(4):
-                    kv.put(f"small{i}", bytes([i]) * 4096)
-                    kv.put(f"large{i}", bytes([i]) * (64 << 10))
+    with _member_on_a_mount(tmp_path, "chunk_port=0") as (inner, outer, members):
+        names = [outer.path / f"f{i}" for i in range(4)]  # (on both members in turn)
+        for p in names:
+            p.write_bytes(b"x" * 4096)
+        with ControlClient(str(outer.path)) as c:
+            st, lays = c.stat(), [c.layout(str(p)) for p in names]
+        svc = st["chunk_service"]
+        on_hung = next(lay for lay in lays if lay["layout"]["first_member"] == 1)
+        answered: dict[str, Any] = {}
+        with KVStore(str(outer.path), "stored") as kv:  # (small ones ride inline)
+            for i in range(4):
+                kv.put(f"small{i}", bytes([i]) * 4096)
+                kv.put(f"large{i}", bytes([i]) * (64 << 10))
 
-            def ask() -> None:
-                answered["sizes"] = [os.stat(p).st_size for p in names]
-                answered["got"] = get_all()  # (a place on each member, or EIO: no wait)
-                answered["ls"] = subprocess.run(["ls", "-ls", str(outer.path)],
-                                                capture_output=True, text=True).stdout
-                answered["df"] = os.statvfs(outer.path).f_blocks
-                answered["status"] = json.loads(
-                    mxfs("status", "--json", str(outer.path), check=False).stdout)
+        def ask() -> None:
+            answered["sizes"] = [os.stat(p).st_size for p in names]
+            answered["got"] = get_all()  # (a place on each member, or EIO: no wait)
+            answered["ls"] = subprocess.run(["ls", "-ls", str(outer.path)],
+                                            capture_output=True, text=True).stdout
+            answered["df"] = os.statvfs(outer.path).f_blocks
+            answered["status"] = json.loads(
+                mxfs("status", "--json", str(outer.path), check=False).stdout)
 
-            opened: dict[str, Any] = {}
+        opened: dict[str, Any] = {}
 
-            def open_read(p: Path) -> None:  # (one on the stopped member waits for it)
-                try:
-                    with ControlClient(str(outer.path)) as c:
-                        _, fds = c.call_with_fds("open_read", path=c.pool_path(str(p)))
+        def open_read(p: Path) -> None:  # (one on the stopped member waits for it)
+            try:
+                with ControlClient(str(outer.path)) as c:
+                    _, fds = c.call_with_fds("open_read", path=c.pool_path(str(p)))
+                for fd in fds:
+                    os.close(fd)
+                opened[p.name] = "ok"
+            except OSError as e:
+                opened[p.name] = e.errno
+
+        def create(name: str = "create") -> None:  # (on both members: one waits)
+            try:
+                with ControlClient(str(outer.path)) as c:
+                    made, fds = c.call_with_fds("create", path="/" + name, size=4096)
                     for fd in fds:
                         os.close(fd)
-                    opened[p.name] = "ok"
-                except OSError as e:
-                    opened[p.name] = e.errno
+                    c.call("abort", ino=made["ino"])
+                opened[name] = "ok"
+            except OSError as e:
+                opened[name] = e.errno
 
-            def create(name: str = "create") -> None:  # (on both members: one waits)
-                try:
-                    with ControlClient(str(outer.path)) as c:
-                        made, fds = c.call_with_fds("create", path="/" + name, size=4096)
-                        for fd in fds:
-                            os.close(fd)
-                        c.call("abort", ino=made["ino"])
-                    opened[name] = "ok"
-                except OSError as e:
-                    opened[name] = e.errno
-
-            def put() -> None:  # (spares on both members in turn: some wait)
-                with KVStore(str(outer.path), "hung") as kv:
-                    for i in range(8):
-                        try:
-                            kv.put(f"k{i}", bytes([i]) * 4096)
-                            opened[f"k{i}"] = "ok"
-                        except OSError as e:
-                            opened[f"k{i}"] = e.errno
-
-            def get_all() -> str:
-                with KVStore(str(outer.path), "stored") as kv:
+        def put() -> None:  # (spares on both members in turn: some wait)
+            with KVStore(str(outer.path), "hung") as kv:
+                for i in range(8):
                     try:
-                        return "ok" if all(kv.batch_get([f"small{i}" for i in range(4)])) \
-                            else "miss"
+                        kv.put(f"k{i}", bytes([i]) * 4096)
+                        opened[f"k{i}"] = "ok"
                     except OSError as e:
-                        return errno.errorcode[e.errno or 0]
+                        opened[f"k{i}"] = e.errno
 
-            def get() -> None:  # (their files opened, the small ones read, on both)
-                with KVStore(str(outer.path), "stored") as kv:
-                    for size in ("small", "large"):
-                        try:
-                            got = kv.batch_get([f"{size}{i}" for i in range(4)])
-                            opened[size] = "ok" if all(got) else "miss"
-                        except OSError as e:
-                            opened[size] = e.errno
-
-            def chunk_read() -> None:  # (another node's READ of a stripe there)
+        def get_all() -> str:
+            with KVStore(str(outer.path), "stored") as kv:
                 try:
-                    with ChunkClient(svc["addr"], int(svc["port"]), load_key(members[0]),
-                                     st["pool_uuid"]) as chunks:
-                        chunks.read(on_hung["ino"], 1, 0, 4096)
-                    opened["chunk"] = "ok"
+                    return "ok" if all(kv.batch_get([f"small{i}" for i in range(4)])) \
+                        else "miss"
                 except OSError as e:
-                    opened["chunk"] = e.errno
+                    return errno.errorcode[e.errno or 0]
 
-            pid = inner.daemon_pid()
-            os.kill(pid, signal.SIGSTOP)
-            try:  # (the kernel forgets the member's names: each stat must ask its daemon)
-                Path("/proc/sys/vm/drop_caches").write_text("2")
-                openers = [threading.Thread(target=open_read, args=(p,), daemon=True)
-                           for p in names]
-                # (gets into the stopped member, more than the daemon has member-call
-                # threads: they took them all, and every user's gets waited behind it)
-                openers += [threading.Thread(target=get_all, daemon=True) for _ in range(24)]
-                openers += [threading.Thread(target=create, daemon=True),
-                            threading.Thread(target=put, daemon=True),
-                            threading.Thread(target=get, daemon=True),
-                            threading.Thread(target=chunk_read, daemon=True)]
-                for t in openers:
-                    t.start()
-                asking = threading.Thread(target=ask, daemon=True)
-                asking.start()
-                asking.join(120)
-                held_up = asking.is_alive()
-                if not held_up:  # (else it would wait for the daemon too, and never fail)
-                    create("late")  # (left out now: EIO at once, the member not failed)
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            asking.join(120)
+        def get() -> None:  # (their files opened, the small ones read, on both)
+            with KVStore(str(outer.path), "stored") as kv:
+                for size in ("small", "large"):
+                    try:
+                        got = kv.batch_get([f"{size}{i}" for i in range(4)])
+                        opened[size] = "ok" if all(got) else "miss"
+                    except OSError as e:
+                        opened[size] = e.errno
+
+        def chunk_read() -> None:  # (another node's READ of a stripe there)
+            try:
+                with ChunkClient(svc["addr"], int(svc["port"]), load_key(members[0]),
+                                 st["pool_uuid"]) as chunks:
+                    chunks.read(on_hung["ino"], 1, 0, 4096)
+                opened["chunk"] = "ok"
+            except OSError as e:
+                opened["chunk"] = e.errno
+
+        pid = inner.daemon_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:  # (the kernel forgets the member's names: each stat must ask its daemon)
+            Path("/proc/sys/vm/drop_caches").write_text("2")
+            openers = [threading.Thread(target=open_read, args=(p,), daemon=True)
+                       for p in names]
+            # (gets into the stopped member, more than the daemon has member-call
+            # threads: they took them all, and every user's gets waited behind it)
+            openers += [threading.Thread(target=get_all, daemon=True) for _ in range(24)]
+            openers += [threading.Thread(target=create, daemon=True),
+                        threading.Thread(target=put, daemon=True),
+                        threading.Thread(target=get, daemon=True),
+                        threading.Thread(target=chunk_read, daemon=True)]
             for t in openers:
-                t.join(120)
-            assert not held_up, "a request waited on the stopped member"
-            assert opened["late"] == errno.EIO
-            assert set(opened.values()) <= {"ok", "miss", errno.EIO}  # (a get: either)
-            assert "ok" in opened.values()
-            assert answered["sizes"] == [4096] * 4 and answered["got"] in ("miss", "EIO")
-            assert all(p.name in answered["ls"] for p in names) and answered["df"] > 0
-            states = {m["index"]: m.get("failed") for m in answered["status"]["members"]}
-            assert states == {0: None, 1: "not answering"}
-            after = json.loads(mxfs("status", "--json", str(outer.path)).stdout)
-            assert not any(m.get("failed") for m in after["members"])  # back once it is
+                t.start()
+            asking = threading.Thread(target=ask, daemon=True)
+            asking.start()
+            asking.join(120)
+            held_up = asking.is_alive()
+            if not held_up:  # (else it would wait for the daemon too, and never fail)
+                create("late")  # (left out now: EIO at once, the member not failed)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        asking.join(120)
+        for t in openers:
+            t.join(120)
+        assert not held_up, "a request waited on the stopped member"
+        assert opened["late"] == errno.EIO
+        assert set(opened.values()) <= {"ok", "miss", errno.EIO}  # (a get: either)
+        assert "ok" in opened.values()
+        assert answered["sizes"] == [4096] * 4 and answered["got"] in ("miss", "EIO")
+        assert all(p.name in answered["ls"] for p in names) and answered["df"] > 0
+        states = {m["index"]: m.get("failed") for m in answered["status"]["members"]}
+        assert states == {0: None, 1: "not answering"}
+        after = json.loads(mxfs("status", "--json", str(outer.path)).stdout)
+        assert not any(m.get("failed") for m in after["members"])  # back once it is
 
 
 def test_freeing_files_on_a_member_that_stops_answering_holds_no_commit(
@@ -533,40 +543,33 @@ def test_freeing_files_on_a_member_that_stops_answering_holds_no_commit(
     loop that ends each group, so a round of them held every user's commits: a user's
     mass removal of files striped wide a quarter of a second a round, a hung member
     for good."""
-    inner_members = make_members(tmp_path / "inner", 1)
-    mkfs(inner_members)
-    with mounted_pool(inner_members) as inner:
-        hung = inner.path / "member1"
-        hung.mkdir()
-        members = [*make_members(tmp_path / "outer", 1), str(hung)]
-        mkfs(members)
-        with mounted_pool(members) as outer:
-            names = [outer.path / f"f{i}" for i in range(4)]  # (on both members in turn)
-            for p in names:
-                p.write_bytes(b"x" * 4096)
-            db = sqlite3.connect(f"file:{members[0]}/meta/mxfs.db?mode=ro", uri=True)
+    with _member_on_a_mount(tmp_path) as (inner, outer, members):
+        names = [outer.path / f"f{i}" for i in range(4)]  # (on both members in turn)
+        for p in names:
+            p.write_bytes(b"x" * 4096)
+        db = sqlite3.connect(f"file:{members[0]}/meta/mxfs.db?mode=ro", uri=True)
 
-            def stored(name: bytes) -> bool:
-                return db.execute("SELECT 1 FROM dentries WHERE name = ?",
-                                  (name,)).fetchone() is not None
+        def stored(name: bytes) -> bool:
+            return db.execute("SELECT 1 FROM dentries WHERE name = ?",
+                              (name,)).fetchone() is not None
 
-            pid = inner.daemon_pid()
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                Path("/proc/sys/vm/drop_caches").write_text("2")
-                removing = threading.Thread(target=lambda: [p.unlink() for p in names],
-                                            daemon=True)
-                removing.start()
-                removing.join(60)
-                assert not removing.is_alive(), "an unlink waited on the stopped member"
-                time.sleep(0.5)  # (their frees begun, and waiting on the member)
-                (outer.path / "after").mkdir()
-                assert eventually(lambda: stored(b"after"), 30), \
-                    "no commit while frees waited on the stopped member"
-            finally:
-                os.kill(pid, signal.SIGCONT)
-                db.close()
-            assert eventually(lambda: not chunk_files(members[:1]), 30)
+        pid = inner.daemon_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("2")
+            removing = threading.Thread(target=lambda: [p.unlink() for p in names],
+                                        daemon=True)
+            removing.start()
+            removing.join(60)
+            assert not removing.is_alive(), "an unlink waited on the stopped member"
+            time.sleep(0.5)  # (their frees begun, and waiting on the member)
+            (outer.path / "after").mkdir()
+            assert eventually(lambda: stored(b"after"), 30), \
+                "no commit while frees waited on the stopped member"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            db.close()
+        assert eventually(lambda: not chunk_files(members[:1]), 30)
 
 
 def test_a_member_made_read_only_refuses_writes_but_serves_reads(
