@@ -880,7 +880,7 @@ def test_one_users_reads_over_a_slow_member_leave_another_the_io_helpers(
     users = ensure_users()
     alice, bob = users["alice"], users["bob"]
     fast = make_members(tmp_path / "fast", 2)
-    with _slow_member(tmp_path, 500_000) as (slow, throttle):
+    with _slow_member(tmp_path, 250_000) as (slow, throttle):  # (4 of her reads a second)
         mkfs([*fast, slow], "64KiB")
         with mount_with([*fast, slow], "io_threads=64") as m:
             theirs = {}

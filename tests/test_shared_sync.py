@@ -28,7 +28,7 @@ def test_requests_that_ask_at_once_share_the_syncs_and_each_waits_for_one_begun_
     def slow_sync() -> None:
         nonlocal ended
         begun.append(made)
-        time.sleep(0.05)  # (a drive's flush: the others ask meanwhile)
+        time.sleep(0.2)  # (a drive's flush: the others ask meanwhile)
         engine_sync()
         ended += 1
 
