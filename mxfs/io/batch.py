@@ -152,23 +152,23 @@ class Helpers:
     (`fs/fair.Lanes`); through one first-come pool below those turns, a user's fsyncs
     of large dirty files over every member held every thread for seconds, and another
     user's 4 KiB fsync or read, in his turn, waited behind all of them.  Now his batch
-    finds no helper idle and runs on his own thread.  (Other nodes' members are asked
-    on their owners' threads, first come: `pool/remote.py`.)"""
+    finds no helper idle and runs on his own thread.  (Other nodes' members have
+    helpers of their own, a set for each owner: `pool/remote.py`.)"""
 
     def __init__(self, most: int, name: str) -> None:
         self._idle = threading.Semaphore(most)
         self._threads = ThreadPoolExecutor(most, thread_name_prefix=name)
 
-    def begin(self, calls: Sequence[Callable[[], T]]) -> Begun[T]:
-        """Start `calls` on the helpers idle now, all but one at most (the caller's,
-        at `finish`)."""
+    def begin(self, calls: Sequence[Callable[[], T]], keep: int = 1) -> Begun[T]:
+        """Start `calls` on the helpers idle now, all but `keep` at most (the caller's,
+        at `finish`: none where it has work of its own meanwhile)."""
         begun = Begun(self, calls)
-        self.recruit(begun)
+        self.recruit(begun, keep)
         return begun
 
-    def recruit(self, begun: Begun[Any]) -> None:
-        """Idle helpers for `begun`'s calls not yet taken, all but one of them."""
-        while begun.wanted() > 0 and self._idle.acquire(blocking=False):
+    def recruit(self, begun: Begun[Any], keep: int = 1) -> None:
+        """Idle helpers for `begun`'s calls not yet taken, all but `keep` of them."""
+        while begun.wanted(keep) > 0 and self._idle.acquire(blocking=False):
             with begun.lock:
                 begun.helpers_on += 1
             begun.helping.append(self._threads.submit(self._help, begun))
@@ -197,12 +197,12 @@ class Begun(Generic[T]):
         self._calling = 0  # ... of them in a call now
         self._next = 0  # the first call not taken
 
-    def wanted(self) -> int:
-        """More helpers the calls not yet taken could use, one of them left to the
+    def wanted(self, keep: int) -> int:
+        """More helpers the calls not yet taken could use, `keep` of them left to the
         caller (the helpers taken and between calls take the next ones)."""
         with self.lock:
             free = self.helpers_on - self._calling
-            return len(self.calls) - self._next - 1 - free
+            return len(self.calls) - self._next - keep - free
 
     def work(self, helper: bool = False) -> None:
         """Run calls not yet taken until none is left (the caller's thread takes idle
@@ -233,6 +233,18 @@ class Begun(Generic[T]):
             if err is not None:
                 raise err
         return self.results  # type: ignore[return-value]
+
+
+def finish_all(begun: Sequence[Begun[Any]]) -> None:
+    """`finish` every batch, even after one failed; then raise the first failure."""
+    first: BaseException | None = None
+    for b in begun:
+        try:
+            b.finish()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 _helpers = Helpers(_MAX_WORKERS, "mxfs-io-fan")

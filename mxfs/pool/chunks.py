@@ -10,18 +10,21 @@ Methods block: the daemon calls them from worker threads.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mxfs.io import Layout, Piece, ReadOp, WriteOp, read_batch, write_batch
-from mxfs.io.batch import sync_all
+from mxfs.io.batch import Begun, finish_all, sync_all
 from mxfs.pool.pool import Pool
 from mxfs.pool.read_ahead import ReadAhead
+
+if TYPE_CHECKING:
+    from mxfs.pool.remote import RemoteMembers
 
 RETIRED_S = 10.0  # descriptors of renewed chunk files stay open this long (I/O begun)
 
@@ -122,26 +125,29 @@ class ChunkFiles:
         pieces = self.layout.plan(offset, len(buf))
         self.pool.check({p.member for p in pieces})
         far = [p for p in pieces if self.pool.members[p.member].node]
-        futures = [self._far_read(p.member, self.ino, p.member, p.chunk_offset,
-                                  [buf[o:o + n] for o, n in p.spans])
-                   for p in far]
+        begun = self._begin_far([(p.member, "read", (self.ino, p.member, p.chunk_offset,
+                                                      [buf[o:o + n] for o, n in p.spans]))
+                                 for p in far])
         try:
             self._read_local([p for p in pieces if not self.pool.members[p.member].node],
                              buf)
         finally:  # every remote read ends before `buf` goes back to the caller
-            _settle(futures)
+            finish_all(begun)
         self._account(pieces, "read")
 
-    def _far_read(self, member: int, *args: Any) -> Future[None]:
-        """`RemoteMembers.read` of `member`'s owner, on its threads (a slow owner holds
-        those, not the I/O threads of this node's members)."""
-        remote = self.pool.remote_of(member)
-        return remote.submit(remote.read, *args)
-
-    def _far_change(self, member: int, *args: Any) -> Future[None]:
-        """`RemoteMembers.change` of `member`'s owner, on its threads."""
-        remote = self.pool.remote_of(member)
-        return remote.submit(remote.change, *args)
+    def _begin_far(self, calls: list[tuple[int, str, tuple[Any, ...]]]
+                   ) -> list[Begun[None]]:
+        """Calls (member, "read" or "change", args) of other nodes' members, begun on
+        their owners' helpers idle now (a slow owner holds those, not the I/O threads
+        of this node's members); `finish_all` runs on this thread what none took: an
+        owner's eight threads, first come, held one user's SYNCs of large files, and
+        another's reads there, in his turn, waited behind them."""
+        by_owner: dict[RemoteMembers, list[Callable[[], None]]] = {}
+        for member, what, args in calls:
+            remote = self.pool.remote_of(member)
+            by_owner.setdefault(remote, []).append(
+                functools.partial(getattr(remote, what), *args))
+        return [remote.helpers.begin(owned, keep=0) for remote, owned in by_owner.items()]
 
     def _read_local(self, pieces: list[Piece], buf: memoryview) -> None:
         ops = []
@@ -193,10 +199,10 @@ class ChunkFiles:
     def _write(self, data: memoryview, pieces: list[Piece]) -> None:
         ops = []
         far = [p for p in pieces if self.pool.members[p.member].node]
-        futures = [self._far_change(p.member, b"WRIT", self.pool.epoch(), self.ino,
-                                  p.member, p.chunk_offset,
-                                  [data[o:o + n] for o, n in p.spans])
-                   for p in far]
+        begun = self._begin_far([(p.member, "change", (b"WRIT", self.pool.epoch(), self.ino,
+                                                       p.member, p.chunk_offset,
+                                                       [data[o:o + n] for o, n in p.spans]))
+                                 for p in far])
         try:
             for piece in (p for p in pieces if not self.pool.members[p.member].node):
                 fd = self.fd(piece.member, create=True)
@@ -207,7 +213,7 @@ class ChunkFiles:
         finally:  # every remote write ends before `data` goes back to the caller
             self._far_written |= {p.member for p in far}
             try:
-                _settle(futures)
+                finish_all(begun)
             finally:
                 self.drop_read_ahead()
 
@@ -240,16 +246,16 @@ class ChunkFiles:
         """Make every written member durable, all members at once (other nodes' through
         their owners)."""
         far, self._far_written = sorted(self._far_written), set()
-        futures = [self._far_change(m, b"SYNC", self.pool.epoch(), self.ino, m,
-                                  int(datasync))
-                   for m in far]
+        begun = self._begin_far([(m, "change", (b"SYNC", self.pool.epoch(), self.ino, m,
+                                                int(datasync)))
+                                 for m in far])
         try:
             sync_all(list(self._fds.values()), datasync)
         except BaseException:
             self._far_written.update(far)  # (asked again at the next sync)
             raise
         finally:
-            _settle(futures)
+            finish_all(begun)
 
     def prepare(self) -> None:
         """Create the chunk file of the first member (where every file's first byte
@@ -318,11 +324,3 @@ class ChunkFiles:
             os.close(fd)
         self._fds.clear()
         self._retired.clear()
-
-
-def _settle(futures: list[Any]) -> None:
-    """Wait for every one of `futures`; then raise the first failure, if any."""
-    errors = [f.exception() for f in futures]
-    for err in errors:
-        if err is not None:
-            raise err

@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from mxfs.io.batch import Helpers
 from mxfs.io.chunk_client import CONNECT_S, UNACKED_S, Busy, ChunkClient, Refused
 from mxfs.meta.lease import STARTING
 from mxfs.proto.chunk_wire import WireError
@@ -51,8 +52,11 @@ AWAY_S = 2.0  # after a connection to the owner could not be made, calls fail at
 BUSY_S = 10.0  # an owner answering BUSY is tried again (or a connection given back
 BUSY_PAUSE_S = 0.01  # taken) so long at most, after a pause from this, doubling ...
 BUSY_PAUSE_MAX_S = 0.5  # ... up to this
-FAR_THREADS = 8  # requests to one owner at once from this node's I/O (as many as the
-                 # shared I/O pool has on two CPUs: an owner's share is not cut)
+FAR_THREADS = 8  # helpers a file's I/O with one owner takes while idle (as many as
+                 # the I/O pool has on two CPUs: an owner's share is not cut)
+PROVING = 4  # connections to one owner proving the key at once (the owner refuses
+             # past max_chunk_handshakes_per_peer, 8: callers on their own threads
+             # opened more at once)
 
 
 _CHANGES = {b"WRIT": "write", b"SYNC": "sync", b"TRUN": "truncate", b"REMV": "remove",
@@ -95,6 +99,10 @@ class RemoteMembers:
         self._said: str | None = None  # the last failure logged (once per kind)
         self._away: tuple[float, str] | None = None  # unreachable until, and why
         self._threads: ThreadPoolExecutor | None = None  # (`submit`, made on first use)
+        # A file's I/O here, in its users' turns (`pool/chunks.py`): on the helpers idle,
+        # else on the caller's thread, never queued behind another user's calls
+        self.helpers = Helpers(FAR_THREADS, "mxfs-far-io")
+        self._proving = threading.BoundedSemaphore(PROVING)
 
     def update(self, owner: Owner | None) -> None:
         """A new view of the owner; connections to another epoch or address are closed."""
@@ -244,8 +252,10 @@ class RemoteMembers:
                 raise self._failed("", owner, why)
             host, _, port = owner.addr.rpartition(":")
             try:
-                client = ChunkClient(host, int(port), self.key, self.pool_uuid, self.timeout,
-                                     connect_s=self.connect_s, unacked_s=self.unacked_s)
+                with self._proving:  # (a proof takes CONNECT_S and a timeout at most)
+                    client = ChunkClient(host, int(port), self.key, self.pool_uuid,
+                                         self.timeout, connect_s=self.connect_s,
+                                         unacked_s=self.unacked_s)
             except Busy as e:
                 if not wait or time.monotonic() + pause > until:
                     raise self._busy(owner, e) from None
