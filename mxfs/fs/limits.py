@@ -64,7 +64,8 @@ class Limits:
     max_chunk_conns: int = 256      # chunk service connections (fs/chunk_service.py) of all
                                     # peers' own (readers' scoped ones apart: 75% of this)
     reserved_chunk_conns: int = 64  # ... each peer has room for past that (a node's own:
-                                    # ~48, idle 16, far reads 8, KV 4 + 4 + 16 waits)
+                                    # ~48, idle 16, far I/O 8 helpers and its callers'
+                                    # threads, KV 4 + 4 + 16 waits)
     max_chunk_conns_per_peer: int = 128  # ... of one address (its own; its readers' scoped
                                     # ones to as many apart)
     max_chunk_handshakes_per_peer: int = 8  # of one address not yet past the key proof

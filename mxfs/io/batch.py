@@ -207,26 +207,35 @@ class Begun(Generic[T]):
     def work(self, helper: bool = False) -> None:
         """Run calls not yet taken until none is left (the caller's thread takes idle
         helpers before each)."""
-        while True:
-            if not helper:
-                self.helpers.recruit(self)
+        while self.run_one(helper):
+            pass
+
+    def run_one(self, helper: bool = False) -> bool:
+        """Run the next call not yet taken (the caller's thread first takes idle
+        helpers); False if none was left."""
+        if not helper:
+            self.helpers.recruit(self)
+        with self.lock:
+            i, self._next = self._next, self._next + 1
+            if i >= len(self.calls):
+                return False
+            self._calling += helper
+        try:
+            self.results[i] = self.calls[i]()
+        except BaseException as e:  # (raised by `finish`, once no call runs on)
+            self.errors[i] = e
+        finally:
             with self.lock:
-                i, self._next = self._next, self._next + 1
-                if i >= len(self.calls):
-                    return
-                self._calling += helper
-            try:
-                self.results[i] = self.calls[i]()
-            except BaseException as e:  # (raised by `finish`, once no call runs on)
-                self.errors[i] = e
-            finally:
-                with self.lock:
-                    self._calling -= helper
+                self._calling -= helper
+        return True
 
     def finish(self) -> list[T]:
         """Every call's result, once all ended (the first error raised then: no call
         still writes into a buffer its caller is about to reuse)."""
         self.work()
+        return self._ended()
+
+    def _ended(self) -> list[T]:
         for f in list(self.helping):  # (a helper's call may run after this found none)
             f.result()
         for err in self.errors:
@@ -236,11 +245,16 @@ class Begun(Generic[T]):
 
 
 def finish_all(begun: Sequence[Begun[Any]]) -> None:
-    """`finish` every batch, even after one failed; then raise the first failure."""
+    """`finish` every batch, their calls left taken in turn (and helpers of each as
+    they go idle: one after another, a file over two owners whose helpers were busy
+    took the sum of their times); then raise the first failure, once all ended."""
+    going = list(begun)
+    while going:
+        going = [b for b in going if b.run_one()]
     first: BaseException | None = None
     for b in begun:
         try:
-            b.finish()
+            b._ended()
         except BaseException as e:
             first = first or e
     if first is not None:

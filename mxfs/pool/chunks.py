@@ -211,10 +211,11 @@ class ChunkFiles:
                                    [data[o:o + n] for o, n in piece.spans]))
             self._guard(write_batch, ops)
         finally:  # every remote write ends before `data` goes back to the caller
-            self._far_written |= {p.member for p in far}
             try:
                 finish_all(begun)
-            finally:
+            finally:  # (marked once ended: a sync taking the marks before would send
+                # no SYNC for a WRIT still to come, and the next sync none either)
+                self._far_written |= {p.member for p in far}
                 self.drop_read_ahead()
 
     def _account(self, pieces: list[Any], what: str) -> None:

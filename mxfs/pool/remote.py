@@ -253,6 +253,9 @@ class RemoteMembers:
             host, _, port = owner.addr.rpartition(":")
             try:
                 with self._proving:  # (a proof takes CONNECT_S and a timeout at most)
+                    away = self._away  # (found by those proving before: EIO at once,
+                    if away is not None and time.monotonic() < away[0]:  # not a wait
+                        raise OSError(errno.EIO, away[1])  # of its own after theirs)
                     client = ChunkClient(host, int(port), self.key, self.pool_uuid,
                                          self.timeout, connect_s=self.connect_s,
                                          unacked_s=self.unacked_s)
