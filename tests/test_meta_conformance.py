@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import eventually
 
 from mxfs.meta import ROOT_INO, MetaStore, Unusable
 from mxfs.meta import check as meta_check
@@ -942,6 +943,49 @@ def test_a_change_waits_for_another_writers_group(store: MetaStore, where: str) 
     t.start()
     time.sleep(0.3)
     assert not done.is_set()  # conflicting: it runs again until the group ends
+    store.commit()
+    t.join(10)
+    assert done.is_set() and _counter(second) == 2
+    second.close()
+
+
+def test_a_change_the_server_cancels_while_it_waits_runs_again(store: MetaStore,
+                                                               where: str) -> None:
+    """A change waiting for another writer's row lock is cancelled by the server (an
+    operator's pg_cancel_backend here; PostgreSQL reports a lock_timeout that fires as
+    the lock is granted the same way, 57014, seen in CI with a 1 ms timeout): it runs
+    again once the other writer's group ends, where it failed EIO and its update was
+    lost."""
+    if not where.startswith("postgresql://"):
+        pytest.skip("a server's cancel of a statement")
+    import psycopg
+
+    from mxfs.meta.pg_engine import PgEngine
+    store.group_changes(3600)
+    store.txn(lambda: _bump(store.engine))  # an open group holds the row
+    second = PgEngine.open(where, busy_ms=30_000)
+    pid = second.conn.info.backend_pid
+    failed: list[int] = []
+    done = threading.Event()
+
+    def later() -> None:
+        try:
+            second.txn(lambda: _bump(second))
+            done.set()
+        except OSError as e:
+            failed.append(e.errno or 0)
+
+    t = threading.Thread(target=later)
+    t.start()
+    with psycopg.connect(where, autocommit=True) as admin:
+        def waiting() -> bool:
+            row = admin.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                [pid]).fetchone()
+            return row is not None and row[0] == "Lock"
+        assert eventually(waiting, 10)
+        admin.execute("SELECT pg_cancel_backend(%s)", [pid])
+        assert eventually(waiting, 10)  # (waiting again: run again, not failed)
+    assert not failed and not done.is_set()
     store.commit()
     t.join(10)
     assert done.is_set() and _counter(second) == 2
