@@ -100,7 +100,7 @@ class MountWrites:
         # was told since (absent: no byte limit), and the growth not yet told of its
         # files here.  A write past the first less the second asks the writer for a
         # larger share (one ask at a time an owner and asking user: `_ask_room`), and
-        # fails, EDQUOT, if it is not given (the writes in flight counted: `reserved`).
+        # fails, EDQUOT, if it is not given (the writes in flight counted: `_need`).
         self.room: dict[int, int] = {}
         self.grown: Counter[int] = Counter()
         # Files with writes allowed and not yet done, by owner: their growth to the

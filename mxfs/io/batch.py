@@ -233,9 +233,11 @@ class Begun(Generic[T]):
         """Every call's result, once all ended (the first error raised then: no call
         still writes into a buffer its caller is about to reuse)."""
         self.work()
-        return self._ended()
+        return self.ended()
 
-    def _ended(self) -> list[T]:
+    def ended(self) -> list[T]:
+        """Every call's result once the helpers' calls ended too (the first error
+        raised then)."""
         for f in list(self.helping):  # (a helper's call may run after this found none)
             f.result()
         for err in self.errors:
@@ -254,7 +256,7 @@ def finish_all(begun: Sequence[Begun[Any]]) -> None:
     first: BaseException | None = None
     for b in begun:
         try:
-            b._ended()
+            b.ended()
         except BaseException as e:
             first = first or e
     if first is not None:
