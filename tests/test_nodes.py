@@ -50,7 +50,7 @@ from dir_lock import held_dir_lock
 from netns import NodeNet
 from safetensors.torch import save_file
 from test_dcp import run_ranks
-from users import User, ensure_users, run_as, subordinate_uids
+from users import User, as_user, ensure_users, run_as, subordinate_uids
 
 import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
@@ -2551,12 +2551,26 @@ def test_a_file_open_on_a_node_is_written_on_across_a_writer_restart(
         tmp_path: Path, pg_cluster: Any) -> None:
     """A file open for writing through b's mount while the writer restarts (its grants
     gone with it): b's close asks for the file again and tells its size; nothing b
-    wrote before or after the restart is lost."""
+    wrote before or after the restart is lost.  Nor of alice's file, made read-only
+    after she opened it (permission is judged at open: the grant asked for again was
+    refused, and her close's bytes cut back)."""
     url = pg_cluster.database()
     with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
-        (a.path / "w").mkdir()
+        (a.path / "w").mkdir(mode=0o777)
+        os.chmod(a.path / "w", 0o777)
         assert eventually(lambda: (b.path / "w").is_dir(), 15)
         before, after = os.urandom(300_000), os.urandom(200_000)
+        alice = subprocess.Popen(as_user(ensure_users()["alice"], """
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+os.write(fd, b"b" * 300_000)
+os.fchmod(fd, 0o444)
+print(json.dumps("written"), flush=True)
+sys.stdin.readline()
+print(json.dumps([attempt(os.write, fd, b"a" * 200_000), attempt(os.close, fd)]))
+""", str(b.path / "w" / "alice.bin")), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        assert alice.stdout is not None and alice.stdin is not None
+        assert json.loads(alice.stdout.readline()) == "written"
         with open(b.path / "w" / "long.bin", "wb", buffering=0) as f:
             f.write(before)
             mxfs("umount", str(a.path))
@@ -2571,7 +2585,10 @@ def test_a_file_open_on_a_node_is_written_on_across_a_writer_restart(
                     return False
             assert eventually(b_reaches_the_writer, 30)
             f.write(after)
+        out, _ = alice.communicate("go\n", timeout=60)
+        assert json.loads(out) == [200_000, "ok"]
         assert (a.path / "w" / "long.bin").read_bytes() == before + after
+        assert (a.path / "w" / "alice.bin").read_bytes() == b"b" * 300_000 + b"a" * 200_000
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not|serves no chunks)",

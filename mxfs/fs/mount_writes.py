@@ -124,13 +124,17 @@ class MountWrites:
                            owner: int) -> dict[str, Any]:
         """`op` of a granted file (`node_written`, `node_room`); where the writer holds
         no grant (it restarted, or let it go) the file is asked for again first, as
-        `caller`.  The share of `owner`'s quota the answer names is kept."""
+        `caller`, "again": its open here was judged, and as POSIX judges permission at
+        open, a file made read-only since is still written (judged again, a writer's
+        restart cut back the bytes of a close it had not been told).  The share of
+        `owner`'s quota the answer names is kept."""
         try:
             reply = await self._ask(caller, op, body)
         except OSError as e:
             if e.errno != errno.ESTALE:
                 raise
-            self._room_from(owner, await self._ask(caller, "node_open", {"ino": body["ino"]}))
+            self._room_from(owner, await self._ask(caller, "node_open",
+                                                   {"ino": body["ino"], "again": True}))
             reply = await self._ask(caller, op, body)
         self._room_from(owner, reply)
         return reply

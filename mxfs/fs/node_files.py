@@ -260,7 +260,8 @@ class NodeFiles:
         else:
             ino = int_field(msg, "ino")
             self.grants.room(node, epoch, ino, caller.uid)
-            row = mount_open(self.vol, caller, self.vol.store.get(ino), node)
+            row = mount_open(self.vol, caller, self.vol.store.get(ino), node,
+                             judged=bool_field(msg, "again"))
         self.grants.grant(node, epoch, row.ino, row.uid, caller.uid)
         self.vol.let_go(self.vol.holds.hold(node, epoch, row.ino))  # (open there: kept)
         return {**describe(self.vol, row), "owner": row.uid,

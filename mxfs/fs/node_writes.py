@@ -246,10 +246,13 @@ def mount_create(vol: Volume, caller: Caller, msg: Msg, node: str
     return row, True
 
 
-def mount_open(vol: Volume, caller: Caller, row: Inode, node: str) -> Inode:
-    """An open for writing through `node`'s mount, judged before its first byte."""
+def mount_open(vol: Volume, caller: Caller, row: Inode, node: str,
+               judged: bool = False) -> Inode:
+    """An open for writing through `node`'s mount, judged before its first byte; one
+    `judged` there already (a grant asked for again after the writer lost it: a
+    restart) is not judged for permission again, as POSIX judges it at open only."""
     _may_write(vol, row, node)
-    if not may(row, caller, W_OK):
+    if not judged and not may(row, caller, W_OK):
         raise OSError(errno.EACCES, f"inode {row.ino}: write permission denied")
     vol.store.begin_write(row, dirty_data=False)
     vol.store.commit()
