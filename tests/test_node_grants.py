@@ -7,6 +7,7 @@ node never reads "no limit" into an answer that let a grant go."""
 from __future__ import annotations
 
 import errno
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ import trio
 import trio.testing
 from conftest import make_members, mkfs
 
-from mxfs.fs import node_writes
+from mxfs.fs import node_files, node_writes
+from mxfs.fs.limits import Limits
 from mxfs.fs.mount_writes import MountWrites, Written
+from mxfs.fs.node_files import NodeFiles
 from mxfs.fs.node_writes import SHARE_MIN, Grants, Rooms
 from mxfs.vol.access import Caller
 from mxfs.vol.quota import Quota
@@ -125,17 +128,58 @@ def test_a_grant_two_whole_words_leave_out_goes(vol: Volume) -> None:
     assert grants.check("c", 1, 4) == ("c", 1, ALICE)  # (another node's word)
 
 
+def test_grants_of_a_node_that_joined_again_go_however_its_holds_went(
+        vol: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    """b restarted (a new epoch) and its first word dropped its old holds before the
+    writer's sweep ran: its old grants (bob's: no byte limit, so no share) still go
+    at the sweep, and bob may open a file for writing through b again.  The sweep
+    looked for the dead epoch in the holds and the shares alone: his grants stayed,
+    each in his count, until the writer restarted (EMFILE past 4,096)."""
+    monkeypatch.setattr(node_writes, "GRANTS_PER_USER", 1)
+    tier = NodeFiles(vol, "/mnt", Limits(), Counter(), lambda *a: None)  # type: ignore
+    vol.reader_epochs = {"b": 1}
+    tier.grants.grant("b", 1, 5, BOB, BOB)
+    vol.reader_epochs = {"b": 2}  # (b joined again; its holds under epoch 1 gone)
+    tier.sweep(1.0)
+    with pytest.raises(OSError) as e:
+        tier.grants.check("b", 1, 5)
+    assert e.value.errno == errno.ESTALE
+    tier.grants.room("b", 2, 6, BOB)  # (his one grant is free again)
+    assert tier.grants.nodes() == set()
+
+
+def test_a_file_chowned_since_its_grant_grows_within_its_new_owners_quota(
+        vol: Volume) -> None:
+    """alice's file, granted to b with a share of her quota, is chowned to bob by root;
+    b's close tells 8 MiB: judged against bob's 1 MiB, not taken out of her share (the
+    old code: accepted, bob over his quota by what her share held)."""
+    vol.quotas.set(str(BOB), Quota(bytes=1 << 20))
+    for m in vol.pool.members:
+        m.node = "b"
+    rooms = Rooms(vol)
+    row = vol.store.create(1, b"f", 0o100644, ALICE, ALICE, layout_for=vol.pick_layout)
+    vol.store.commit()
+    share = ("b", 1, ALICE)
+    Grants(rooms).grant("b", 1, row.ino, ALICE, ALICE)
+    assert rooms.top_up(share)["room"] == SHARE_MIN
+    vol.store.set_attrs(row, uid=BOB)
+    vol.store.commit()
+    alice = Caller(0, ALICE, ALICE, frozenset([ALICE]))
+    with pytest.raises(OSError) as e:
+        node_writes.mount_written(vol, rooms, share, alice,
+                                  {"ino": row.ino, "size": 8 << 20}, "b")
+    assert e.value.errno == errno.EDQUOT
+    assert vol.store.get(row.ino).size == 0 and rooms.said(share)["room"] == SHARE_MIN
+    node_writes.mount_written(vol, rooms, share, alice,
+                              {"ino": row.ino, "size": 512 << 10}, "b")  # (within his)
+    assert vol.store.get(row.ino).size == 512 << 10
+
+
 def test_one_users_flood_pushes_out_only_its_own_remembered_answers(
         vol: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer remembers its answers to nodes' changes, to answer a repeat (a node
     asks again on a new connection) instead of doing it twice: a user's flood through
     one node pushes out that user's answers only (4,096 were shared by all)."""
-    from collections import Counter
-
-    from mxfs.fs import node_files
-    from mxfs.fs.limits import Limits
-    from mxfs.fs.node_files import NodeFiles
-
     monkeypatch.setattr(node_files, "NAMES_REMEMBERED_PER_USER", 4)
     monkeypatch.setattr(node_files, "NAMES_REMEMBERED", 10)
     files = NodeFiles(vol, "/mnt", Limits(), Counter(), lambda *a: None)  # type: ignore

@@ -568,7 +568,11 @@ class NodeFiles:
         for them go once the node joined again (at once) or its lease has been gone
         `node_grace_s` (a node whose renewal was late a moment keeps them)."""
         alive, holds = self.vol.reader_epochs, self.vol.holds
-        for node, epoch in {*holds.nodes().items(), *self.rooms.nodes()}:
+        # (each place they are held in: a node that joined again drops its old holds
+        # at its first word, and grants of owners with no byte limit hold no share;
+        # looked for in those alone, its grants stayed, each in its user's count)
+        for node, epoch in {*holds.nodes().items(), *self.rooms.nodes(),
+                            *self.grants.nodes()}:
             if alive.get(node) == epoch:
                 self.dead_since.pop((node, epoch), None)
                 continue

@@ -140,6 +140,7 @@ class Grants:
         self._owners: dict[Share, int] = {}  # files granted, by share
         self._by_user: Counter[int] = Counter()  # by opener's tenant, through every node
         self._by_node: dict[str, set[int]] = {}
+        self._epochs: Counter[tuple[str, int]] = Counter()  # grants by (node, epoch)
         self._unnamed: set[tuple[str, int]] = set()  # left out of a node's last whole word
 
     def room(self, node: str, epoch: int, ino: int | None, uid: int) -> None:
@@ -167,6 +168,7 @@ class Grants:
         self._held[(node, ino)] = (epoch, owner, tenant_of(uid))
         self._by_node.setdefault(node, set()).add(ino)
         self._by_user[tenant_of(uid)] += 1
+        self._epochs[(node, epoch)] += 1
         share = (node, epoch, owner)
         self._owners[share] = self._owners.get(share, 0) + 1
 
@@ -191,12 +193,20 @@ class Grants:
         self._by_user[held[2]] -= 1
         if not self._by_user[held[2]]:
             del self._by_user[held[2]]
+        self._epochs[(node, held[0])] -= 1
+        if not self._epochs[(node, held[0])]:
+            del self._epochs[(node, held[0])]
         share = (node, held[0], held[1])
         self._owners[share] -= 1
         if not self._owners[share]:
             del self._owners[share]
             self.rooms.give_back(share)
         return share
+
+    def nodes(self) -> set[tuple[str, int]]:
+        """The (node, epoch) pairs holding grants (the writer's sweep drops those of
+        nodes that died or joined again: `NodeFileTier._sweep_nodes`)."""
+        return set(self._epochs)
 
     def named(self, node: str, epoch: int, held: set[int]) -> None:
         """`node`'s whole word (`fs/held_open.py`) named `held` open there: a grant of
@@ -283,7 +293,9 @@ def mount_written(vol: Volume, rooms: Rooms, share: Share, caller: Caller, msg: 
     # (read before the share is spent: a refused field let the share go unrecorded)
     mtime = int_field(msg, "mtime_ns", now) if caller.uid in (0, row.uid) else now
     grown = growth(row.size, size)  # (a BLOCK at least: meta/usage.py)
-    covered = rooms.spend(share, grown)  # (reserved for it already)
+    # (reserved for it already; a share of another owner covers nothing: root chowned
+    # the file since its grant, and the old owner's share let the new one's pass)
+    covered = rooms.spend(share, grown) if share[2] == row.uid else 0
     vol.quotas.room(row.uid, grown - covered)
     rooms.spent(share, covered)
     vol.store.touch(row, size=size, mtime_ns=mtime, ctime_ns=now)
