@@ -2591,6 +2591,54 @@ print(json.dumps([attempt(os.write, fd, b"a" * 200_000), attempt(os.close, fd)])
         assert (a.path / "w" / "alice.bin").read_bytes() == b"b" * 300_000 + b"a" * 200_000
 
 
+@pytest.mark.daemon_log(r"refused its size")
+def test_a_nodes_refused_close_cuts_back_its_own_bytes_not_the_writers(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """bob's file on b's members is written by alice through the writer's mount (its
+    size held there until her close), then by root through b's, past her bytes; b's
+    close is refused (bob's quota, set meanwhile), and told again, refused again: what
+    b wrote past the writer's size is cut, her bytes are not.  (b cut its chunk files
+    to the size the store last committed: none of hers, read as zeros.)"""
+    url = pg_cluster.database()
+    users = ensure_users()
+    with _two_owners(tmp_path, url) as (_net, a, b, _mine, theirs):
+        (a.path / "w").mkdir()
+        os.chmod(a.path / "w", 0o777)
+        assert eventually(lambda: (b.path / "w").is_dir(), 15)
+        (b.path / "w" / "f.bin").write_bytes(b"")  # (made on b's members)
+        path = a.path / "w" / "f.bin"
+        os.chown(path, users["bob"].uid, users["bob"].gid)
+        os.chmod(path, 0o666)
+        ino = path.stat().st_ino
+        alice = subprocess.Popen(as_user(users["alice"], """
+fd = os.open(sys.argv[1], os.O_WRONLY)
+os.write(fd, b"a" * (4 << 20))
+print(json.dumps("written"), flush=True)
+sys.stdin.readline()
+os.close(fd)
+""", str(path)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert alice.stdout is not None
+        assert json.loads(alice.stdout.readline()) == "written"
+
+        def on_b() -> int:
+            return sum(_chunk(m, ino).stat().st_size for m in theirs
+                       if _chunk(m, ino).exists())
+        fd = os.open(b.path / "w" / "f.bin", os.O_WRONLY)
+        try:
+            mxfs("quota", "--user", "mxfs-bob", "--bytes", "512KiB", str(a.path))
+            os.pwrite(fd, b"b" * (1 << 20), 4 << 20)
+        finally:
+            with pytest.raises(OSError) as e:
+                os.close(fd)
+        assert e.value.errno == errno.EDQUOT
+        assert eventually(lambda: on_b() == 4 << 20, 15), on_b()  # (its retell refused)
+        alice.communicate("go\n", timeout=60)
+        assert alice.returncode == 0
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            assert f.read() == b"a" * (4 << 20)
+
+
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not|serves no chunks)",
                         r"serves its members again", r"is left there",
                         r"chunk files of removed files")

@@ -15,8 +15,10 @@ Writes then land on this node's chunk files; the file's size and mtime are held 
 cut is told before it is made (the writer's size never stands over bytes this node
 no longer holds), and writes wait while one runs.  A close the writer refuses (a
 quota) fails; a last close left untold is told again each second (`run`, each user's
-apart) until the writer takes it, or refuses it, and then this node cuts its chunk
-files back to the size the writer holds: bytes the writer never took are never read.
+apart) until the writer takes it, or refuses it, and then the writer cuts this
+node's chunk files of it back to the size it holds (`NodeFiles._cut_back`, in its own
+write order: that size may be one its mount holds, not yet committed): bytes the
+writer never took are never read.
 Files striped over other nodes' members are the writer's (EROFS here).
 """
 
@@ -36,6 +38,7 @@ import trio
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fields import b64
 from mxfs.fs.node_files import ForwardedFiles
+from mxfs.fs.node_writes import REFUSED
 from mxfs.meta import Inode
 from mxfs.meta.usage import growth
 from mxfs.proto.messages import LayoutDesc
@@ -44,12 +47,6 @@ from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.fs")
-
-# What a writer's refusal of a told size is (anything else: not reached, or passing,
-# and told again; ESTALE: the writer holds no grant of it for this node, which is
-# asked for again first).
-REFUSED = (errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EFBIG,
-           errno.EINVAL, errno.ENOSPC, errno.EROFS)
 
 
 @dataclass
@@ -432,9 +429,9 @@ class MountWrites:
 
     async def run(self) -> None:
         """The daemon's task: each second, the untold last closes told (and the grants
-        let go), or, once the writer refuses them, the file's chunk files here cut back
-        to what the writer holds.  Each user's are told in their own task, in their
-        own turn at the writer: one whose requests wait there holds up nobody else's."""
+        let go); one the writer refuses it cuts back here to the size it holds.  Each
+        user's are told in their own task, in their own turn at the writer: one whose
+        requests wait there holds up nobody else's."""
         async with trio.open_nursery() as nursery:
             while True:
                 await trio.sleep(1)
@@ -464,10 +461,8 @@ class MountWrites:
         caller, body, owner = untold
         done = self._busy[ino] = trio.Event()  # (an open here waits for this)
         try:
-            if not await self._retold(ino, caller, body, owner) and "size" in body:
-                row = await self.read_row(ino)
-                await self.cut(row, row.size, caller.uid)
-        except OSError as e:
+            await self._retold(ino, caller, body, owner)  # (refused: the writer cut
+        except OSError as e:  # what it never took here, to the size it holds now)
             if e.errno not in REFUSED:
                 return  # (again next round)
             # (the file is gone: the writer removes its chunk files)

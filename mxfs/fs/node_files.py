@@ -46,6 +46,7 @@ from typing import Any
 import trio
 
 from mxfs.fs.answers import Answers
+from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import RoundRobin
 from mxfs.fs.fields import (
     Msg,
@@ -63,6 +64,7 @@ from mxfs.fs.fields import (
 from mxfs.fs.kv_forward import as_sent
 from mxfs.fs.limits import Limits
 from mxfs.fs.node_writes import (
+    REFUSED,
     Grants,
     Rooms,
     mount_create,
@@ -166,6 +168,10 @@ class NodeFiles:
         # A lent file's chunk files made anew before its access changes (the mount's
         # `MxfsOperations._renew`, its writes held meanwhile; set by the daemon).
         self.renew: Callable[[Inode, int], Awaitable[None]] | None = None
+        # A file's chunk files on other nodes' members cut to its size here, in a uid's
+        # turn (the mount's `MxfsOperations.cut_far`; set by the daemon).
+        self.cut_far: Callable[[Inode, int], Awaitable[None]] | None = None
+        self._failures = FailureLog(log)
         # What chowns move between owners, summed off the thread (`fs/owned.py`).
         self.owned = OwnedSums(vol.quotas, StoreWorker(vol.pool.meta_location,
                                                           wait_s=SERVE_WAIT_S))
@@ -201,9 +207,15 @@ class NodeFiles:
             done = self.names_done.get(token)
             if done is not None:  # (asked again: done the first time, not twice)
                 return done
-            out, changed, ino = self._name(caller, op, msg, name) if op in NAME_OPS \
-                else self._xattr(caller, op, msg) if op in XATTR_OPS \
-                else self._mount(caller, op, msg, name, epoch)
+            try:
+                out, changed, ino = self._name(caller, op, msg, name) if op in NAME_OPS \
+                    else self._xattr(caller, op, msg) if op in XATTR_OPS \
+                    else self._mount(caller, op, msg, name, epoch)
+            except OSError as e:
+                if op == "node_written" and "size" in msg and bool_field(msg, "last") \
+                        and e.errno in REFUSED:
+                    await self._cut_back(int_field(msg, "ino"), caller)
+                raise
             self.names_done.keep(token, (name, tenant_of(caller.uid)), out)
             if self.entry_changed is not None:
                 for parent, entry in changed:
@@ -224,6 +236,22 @@ class NodeFiles:
                 self._drop(ino)
             return {}
         raise OSError(errno.EPERM, f"{op[:32]} is not asked of another node")
+
+    async def _cut_back(self, ino: int, caller: Caller) -> None:
+        """A node's last close of `ino` refused: what it wrote past the size held here
+        is cut on its members (`cut_far`), here, where that size and this mount's
+        writes are; where that cannot be done the node's bytes stay past the size,
+        unread (its next first open there cuts them), and that is logged."""
+        if self.cut_far is None:
+            return
+        try:
+            row = self.vol.store.get(ino)
+            if row.is_reg:
+                await self.cut_far(row, caller.uid)
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # (removed: its chunk files go with it)
+                self._failures.note("the cut of a node's refused close", caller, e,
+                                    trace=False)
 
     def _mount(self, caller: Caller, op: str, msg: Msg, node: str, epoch: int
                ) -> tuple[dict[str, Any], list[tuple[int, bytes]], int | None]:

@@ -39,6 +39,11 @@ from mxfs.vol.access import W_OK, X_OK, Caller, may, may_change_in, owner_for
 from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
+# What a writer's refusal of a node's told size is (anything else: not reached, or
+# passing, and told again; ESTALE: the writer holds no grant of it for that node, which
+# is asked for again first).
+REFUSED = (errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EFBIG,
+           errno.EINVAL, errno.ENOSPC, errno.EROFS)
 GRANTS = 65536  # files granted to nodes for writing at once, in all
 GRANTS_PER_USER = 4096  # of them, one user's through every node (not root's)
 SHARE_MIN = 8 << 20  # the least share of an owner's quota reserved for a node at once

@@ -888,6 +888,20 @@ class MxfsOperations(pyfuse3.Operations):
             await self._in_turn(node, uid, self.vol.renew, node,
                                 self.vol.quotas.left(node.uid))
 
+    async def cut_far(self, node: Inode, uid: int) -> None:
+        """(The writer, having refused a node's last close of a file on that node's
+        members.)  Its chunk files there cut to its size here, in `uid`'s turn, its
+        writes here waiting meanwhile: the bytes the node wrote past it were never
+        taken.  (The node cut them itself to the size the store last committed, and
+        with it this mount's writes since: this mount holds a file's size until its
+        close.)"""
+        async with self._chunk_files_held(node.ino):
+            await self._in_turn(node, uid, self.vol.pool.truncate_far, node.ino,
+                                self.vol.layout(node), node.size)
+            entry = self.vol.open_inodes.get(node.ino)
+            if entry is not None and entry.chunks is not None:
+                entry.chunks.drop_read_ahead()  # (windows fetched before hold them)
+
     def holding(self, ino: int) -> contextlib.AbstractAsyncContextManager[None]:
         """The file's chunk files held for a change made elsewhere (the writer's RENW
         of this node's members): see `_chunk_files_held`."""
