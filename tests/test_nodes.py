@@ -2592,13 +2592,14 @@ print(json.dumps([attempt(os.write, fd, b"a" * 200_000), attempt(os.close, fd)])
 
 
 @pytest.mark.daemon_log(r"refused its size")
-def test_a_nodes_refused_close_cuts_back_its_own_bytes_not_the_writers(
+def test_a_nodes_refused_close_and_a_writers_cut_leave_each_others_bytes_as_they_are(
         tmp_path: Path, pg_cluster: Any) -> None:
     """bob's file on b's members is written by alice through the writer's mount (its
     size held there until her close), then by root through b's, past her bytes; b's
     close is refused (bob's quota, set meanwhile), and told again, refused again: what
     b wrote past the writer's size is cut, her bytes are not.  (b cut its chunk files
-    to the size the store last committed: none of hers, read as zeros.)"""
+    to the size the store last committed: none of hers, read as zeros.)  And a file b
+    holds open that a truncate on the writer cuts is held at the writer's size."""
     url = pg_cluster.database()
     users = ensure_users()
     with _two_owners(tmp_path, url) as (_net, a, b, _mine, theirs):
@@ -2637,6 +2638,16 @@ os.close(fd)
         with open(path, "rb") as f:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             assert f.read() == b"a" * (4 << 20)
+        # A log b appends to, cut on the writer (logrotate's copytruncate): b's next
+        # append lands at the start, and its close grows nothing back (held at the
+        # size before, b appended past it and told that size: 1 MiB of zeros, then x).
+        log_path = a.path / "w" / "log"
+        with open(b.path / "w" / "log", "ab", buffering=0) as f:
+            f.write(b"l" * (1 << 20))
+            os.fsync(f.fileno())
+            os.truncate(log_path, 0)
+            f.write(b"x")
+        assert log_path.read_bytes() == b"x"
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not|serves no chunks)",

@@ -225,6 +225,9 @@ class ChunkService:
         # its mount) wait, so none lands in the old file after its copy (`Ops`).
         self.holding: Callable[[int], contextlib.AbstractAsyncContextManager[None]] = \
             lambda ino: contextlib.nullcontext()
+        # After the writer's TRUN of `ino` (a truncate there), within `holding`: what
+        # this node's mount holds of it, if open for writing here, follows (`Ops`).
+        self.cut_elsewhere: Callable[[int], Awaitable[None]] = _nothing
         self.turns: Turns | None = None  # the control socket's requests in service by uid
         # The member guard its opens go through (the daemon's, set by it; None: here).
         self.calls: MemberCalls | None = None
@@ -695,6 +698,12 @@ class ChunkService:
             await trio.to_thread.run_sync(self._remove, ino, member, path, offset,
                                           limiter=self._changers)
             return 0, b""
+        if tag == b"TRUN":  # (a cut on the writer: this node's writes of it wait, and
+            async with self.holding(ino):  # what it holds open for writing follows it)
+                await trio.to_thread.run_sync(_change_chunk, tag, path, offset, None,
+                                              limiter=self._changers)
+                await self.cut_elsewhere(ino)
+            return 0, b""
         await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data,
                                       functools.partial(pool.create_flags, member, path),
                                       limiter=self._changers)
@@ -896,6 +905,10 @@ def peer_of(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> s
     else:
         where = str(addr)
     return where + ("" if port < 1024 else UNRESERVED)
+
+
+async def _nothing(ino: int) -> None:
+    pass
 
 
 def _uuid_bytes(pool_uuid: str) -> bytes:

@@ -13,7 +13,8 @@ Writes then land on this node's chunk files; the file's size and mtime are held 
 (`Written`, shown by this node's getattrs) until a close (or fsync) tells the writer
 (`node_written`: close-to-open, as NFS gives it; a size told only grows the file).  A
 cut is told before it is made (the writer's size never stands over bytes this node
-no longer holds), and writes wait while one runs.  A close the writer refuses (a
+no longer holds), and writes wait while one runs; a cut on the writer (its TRUN of
+this node's chunk files) sets the size held here to the writer's (`cut_elsewhere`).  A close the writer refuses (a
 quota) fails; a last close left untold is told again each second (`run`, each user's
 apart) until the writer takes it, or refuses it, and then the writer cuts this
 node's chunk files of it back to the size it holds (`NodeFiles._cut_back`, in its own
@@ -386,6 +387,21 @@ class MountWrites:
         finally:
             held.cut = None
             cutting.set()
+
+    async def cut_elsewhere(self, ino: int) -> int | None:
+        """The writer cut `ino` (a truncate there: its size committed first, then its
+        chunk files here cut; this node's writes of it held meanwhile): what it holds
+        of the file is the size the writer holds now (bytes this node wrote past it
+        went with the cut).  The file's owner, or None where it is not open here."""
+        if ino not in self.files:
+            return None
+        row = await self.read_row(ino)
+        held = self.files.get(ino)
+        if held is None:  # (closed meanwhile: its close told the writer)
+            return None
+        self._account(held, size=row.size, base=row.size)
+        held.mtime_ns = max(held.mtime_ns, row.mtime_ns)
+        return held.owner
 
     async def tell(self, ino: int, caller: Caller) -> None:
         """Tell the writer the file's size and mtime, if they changed since it was last

@@ -902,6 +902,17 @@ class MxfsOperations(pyfuse3.Operations):
             if entry is not None and entry.chunks is not None:
                 entry.chunks.drop_read_ahead()  # (windows fetched before hold them)
 
+    async def cut_elsewhere(self, ino: int) -> None:
+        """(A node's chunk service, the writer's TRUN of `ino` done here, its writes
+        held.)  A file open for writing here that a truncate on the writer cut: its
+        size here is the writer's now, and the kernel's view of it is dropped (held
+        at the size before, a close here told that size and grew the file back, its
+        cut bytes zeros, and an O_APPEND here wrote past them)."""
+        if self.written is not None and ino in self.written.files:
+            owner = await self.written.cut_elsewhere(ino)
+            if owner is not None:
+                await self.inode_changed(ino, owner)
+
     def holding(self, ino: int) -> contextlib.AbstractAsyncContextManager[None]:
         """The file's chunk files held for a change made elsewhere (the writer's RENW
         of this node's members): see `_chunk_files_held`."""
