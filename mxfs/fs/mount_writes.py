@@ -14,13 +14,13 @@ Writes then land on this node's chunk files; the file's size and mtime are held 
 (`node_written`: close-to-open, as NFS gives it; a size told only grows the file).  A
 cut is told before it is made (the writer's size never stands over bytes this node
 no longer holds), and writes wait while one runs; a cut on the writer (its TRUN of
-this node's chunk files) sets the size held here to the writer's (`cut_elsewhere`).  A close the writer refuses (a
-quota) fails; a last close left untold is told again each second (`run`, each user's
-apart) until the writer takes it, or refuses it, and then the writer cuts this
-node's chunk files of it back to the size it holds (`NodeFiles._cut_back`, in its own
-write order: that size may be one its mount holds, not yet committed): bytes the
-writer never took are never read.
-Files striped over other nodes' members are the writer's (EROFS here).
+this node's chunk files) sets the size held here to the writer's (`cut_elsewhere`).
+A close the writer refuses (a quota) fails; a last close left untold is told again
+each second (`run`, each user's apart) until the writer takes it, or refuses it, and
+then the writer cuts this node's chunk files of it back to the size it holds
+(`NodeFiles._cut_back`, in its own write order: that size may be one its mount holds,
+not yet committed): bytes the writer never took are never read.  Files striped over
+other nodes' members are the writer's (EROFS here).
 """
 
 from __future__ import annotations
