@@ -2591,7 +2591,8 @@ print(json.dumps([attempt(os.write, fd, b"a" * 200_000), attempt(os.close, fd)])
         assert (a.path / "w" / "alice.bin").read_bytes() == b"b" * 300_000 + b"a" * 200_000
 
 
-@pytest.mark.daemon_log(r"refused its size")
+@pytest.mark.daemon_log(r"refused its size", r"node \S+ (is dead|cannot be reached|could not)",
+                        r"serves its members again", r"went away|not alive")
 def test_a_nodes_refused_close_and_a_writers_cut_leave_each_others_bytes_as_they_are(
         tmp_path: Path, pg_cluster: Any) -> None:
     """bob's file on b's members is written by alice through the writer's mount (its
@@ -2599,10 +2600,12 @@ def test_a_nodes_refused_close_and_a_writers_cut_leave_each_others_bytes_as_they
     close is refused (bob's quota, set meanwhile), and told again, refused again: what
     b wrote past the writer's size is cut, her bytes are not.  (b cut its chunk files
     to the size the store last committed: none of hers, read as zeros.)  And a file b
-    holds open that a truncate on the writer cuts is held at the writer's size."""
+    holds open that a truncate on the writer cuts is held at the writer's size.  b's
+    untold bytes of files it held when it died never show in the holes the writer
+    makes after."""
     url = pg_cluster.database()
     users = ensure_users()
-    with _two_owners(tmp_path, url) as (_net, a, b, _mine, theirs):
+    with _two_owners(tmp_path, url) as (net, a, b, _mine, theirs):
         (a.path / "w").mkdir()
         os.chmod(a.path / "w", 0o777)
         assert eventually(lambda: (b.path / "w").is_dir(), 15)
@@ -2648,6 +2651,39 @@ os.close(fd)
             os.truncate(log_path, 0)
             f.write(b"x")
         assert log_path.read_bytes() == b"x"
+        # b dies holding files it wrote and never told (the writer holds them empty),
+        # and joins again: a truncate that grows one on the writer, and a write past
+        # the end of another, read zeros in their holes, never b's untold bytes.
+        def b_epoch() -> int:
+            return int({n["name"]: n for n in _status(a)["nodes"]}["b"]["epoch"])
+        was = b_epoch()
+        fds = []
+        for name in ("grown.bin", "past.bin"):
+            fd = os.open(b.path / "w" / name, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(fd, b"s" * (1 << 20), 0)
+            fds.append(fd)
+        os.kill(b.daemon_pid(), signal.SIGKILL)
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        mxfs("umount", str(b.path), check=False)
+        config = str(tmp_path / "b" / "node.toml")
+        res = subprocess.run([*net.enter, sys.executable, "-m", "mxfs", "mount", "-o",
+                              f"allow_other,lease_s=3,chunk_port=0,chunk_addr={net.node_ip}",
+                              config, str(b.path)], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert eventually(lambda: b_epoch() != was and _node_state(a, "b") == "alive", 30)
+        time.sleep(2.5)  # (the writer's sweep, once a second, drops b's old grants)
+        os.truncate(a.path / "w" / "grown.bin", 1 << 20)
+        with open(a.path / "w" / "past.bin", "r+b") as f:
+            f.seek(2 << 20)
+            f.write(b"p")
+        for name, size in (("grown.bin", 1 << 20), ("past.bin", (2 << 20) + 1)):
+            with open(a.path / "w" / name, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                got = f.read()
+            assert len(got) == size and got[:1 << 20] == bytes(1 << 20), name
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not|serves no chunks)",

@@ -121,6 +121,7 @@ REMEMBERED_PER_USER = 256  # ... of one user's through one node
 # user's flood pushes out its own, not everyone's (4,096 shared by all before).
 NAMES_REMEMBERED = 65536
 NAMES_REMEMBERED_PER_USER = 1024
+UNTAKEN_MAX = 1 << 18  # files dead nodes' grants left to cut back (`Volume.untaken`)
 HOLDS_AT_ONCE = 16384  # files a node holds or lets go in one request (within MAX_KREQ)
 
 
@@ -291,6 +292,7 @@ class NodeFiles:
             row = mount_open(self.vol, caller, self.vol.store.get(ino), node,
                              judged=bool_field(msg, "again"))
         self.grants.grant(node, epoch, row.ino, row.uid, caller.uid)
+        self.vol.untaken.discard(row.ino)  # (the node cuts them at its first open there)
         self.vol.let_go(self.vol.holds.hold(node, epoch, row.ino))  # (open there: kept)
         return {**describe(self.vol, row), "owner": row.uid,
                 **self.rooms.top_up((node, epoch, row.uid))}, made, None
@@ -611,7 +613,10 @@ class NodeFiles:
                          "it joined again" if node in alive else "its lease ran out")
                 self.dead_since.pop((node, epoch), None)
                 self.vol.let_go(holds.drop(node, epoch))
-                self.grants.drop(node, epoch)
+                untaken = self.vol.untaken
+                for ino in self.grants.drop(node, epoch):
+                    if len(untaken) < UNTAKEN_MAX:
+                        untaken.add(ino)
 
 
 class ForwardedFiles:

@@ -225,12 +225,14 @@ class Grants:
             else:
                 self._unnamed.add((node, ino))
 
-    def drop(self, node: str, epoch: int | None = None) -> None:
-        """Every grant of `node` (under `epoch`, or any), and its shares."""
-        for ino in [i for i in self._by_node.get(node, ())
-                    if epoch in (None, self._held[(node, i)][0])]:
+    def drop(self, node: str, epoch: int | None = None) -> list[int]:
+        """Every grant of `node` (under `epoch`, or any), and its shares: the files."""
+        inos = [i for i in self._by_node.get(node, ())
+                if epoch in (None, self._held[(node, i)][0])]
+        for ino in inos:
             self.let_go(node, ino)
         self.rooms.drop(node, epoch)
+        return inos
 
 
 def mount_create(vol: Volume, caller: Caller, msg: Msg, node: str

@@ -758,6 +758,8 @@ class MxfsOperations(pyfuse3.Operations):
             finally:
                 self.written.wrote(node.ino, off + len(buf), end)
             return len(buf)
+        if node.ino in self.vol.untaken and off > node.size:  # (as a truncate that grows)
+            await self.cut_far(node, handle.uid)
         await self._uncut(node.ino)  # (a cut's chunk files are cut off trio's thread)
         with self._entering(node.ino), self._charged(node, off + len(buf)):
             self.vol.note_write(entry)
@@ -871,6 +873,8 @@ class MxfsOperations(pyfuse3.Operations):
         held the thread for an fsync each, then a lane's threads with one each, and
         everyone's fsyncs waited behind hers)."""
         async with self._chunk_files_held(node.ino):
+            if node.ino in self.vol.untaken and size > node.size:  # (its hole would
+                await self._cut_far_held(node, uid)  # read a dead node's untold bytes)
             if not self.vol.resize(node, size):
                 return
             await self._in_turn(node, uid, self.vol.cut, node.ino, self.vol.layout(node),
@@ -896,11 +900,16 @@ class MxfsOperations(pyfuse3.Operations):
         with it this mount's writes since: this mount holds a file's size until its
         close.)"""
         async with self._chunk_files_held(node.ino):
-            await self._in_turn(node, uid, self.vol.pool.truncate_far, node.ino,
-                                self.vol.layout(node), node.size)
-            entry = self.vol.open_inodes.get(node.ino)
-            if entry is not None and entry.chunks is not None:
-                entry.chunks.drop_read_ahead()  # (windows fetched before hold them)
+            await self._cut_far_held(node, uid)
+
+    async def _cut_far_held(self, node: Inode, uid: int) -> None:
+        """`cut_far`, its chunk files held already (`_chunk_files_held`)."""
+        await self._in_turn(node, uid, self.vol.pool.truncate_far, node.ino,
+                            self.vol.layout(node), node.size)
+        self.vol.untaken.discard(node.ino)
+        entry = self.vol.open_inodes.get(node.ino)
+        if entry is not None and entry.chunks is not None:
+            entry.chunks.drop_read_ahead()  # (windows fetched before hold them)
 
     async def cut_elsewhere(self, ino: int) -> None:
         """(A node's chunk service, the writer's TRUN of `ino` done here, its writes

@@ -123,6 +123,11 @@ class Volume:
         # ... each with the epoch it joined under (what other nodes hold here, such as
         # KV pins, ends with their epoch: `fs/kv_ops.py`).
         self.reader_epochs: dict[str, int] = {}
+        # Files a node held open for writing when it died (or joined again): their
+        # chunk files there may hold bytes past the size this writer took, never told.
+        # Cut back before this writer's mount grows the file (a hole would read them:
+        # `Ops.cut_far`); a node that opens one again cuts them itself (its first open).
+        self.untaken: set[int] = set()
         # Called by mount-time work a bite at a time (the daemon's: `fs/startup.py`).
         self.progress: Callable[[], None] = lambda: None
         # Set when mount found the store damaged and put a backup in its place.
