@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import Mounted, mxfs
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import mxfs.ckpt as ck
@@ -74,19 +77,85 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(roots: list[Path]) -> None:
+def run_ranks(roots: list[Path], script: str = RANK) -> None:
     """A rank a root (each the same folder of the pool, seen through its rank's mount:
-    ranks on several nodes), saving, async-saving and loading back."""
+    ranks on several nodes), saving, async-saving and loading back (or `script`)."""
     world = len(roots)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(root)], env={**env,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(root)], env={**env,
                               "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r, root in enumerate(roots)]
     for r, p in enumerate(procs):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and f"rank {r} ok" in out, err[-3000:]
+
+
+SOLO = r"""
+import sys, torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from mxfs.ckpt.catalog import CheckpointError
+from mxfs.ckpt.dcp import Writer
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+try:
+    dcp.save({"w": torch.ones(4) * rank}, storage_writer=Writer(sys.argv[1] + "/solo"),
+             use_collectives=False)
+except CheckpointError as e:
+    assert "use_collectives" in str(e), e
+    dist.barrier()
+    dist.destroy_process_group()
+    print("rank", rank, "ok", flush=True)
+"""
+
+
+def test_ranks_saving_without_collectives_are_refused(tmp_path: Path) -> None:
+    """With use_collectives=False each rank plans alone: the coordinator published its
+    own shard as the whole checkpoint, without waiting for the others, and DCP loaded
+    it without a word.  Every rank is refused, and nothing is listed or left."""
+    run_ranks([tmp_path] * 2, SOLO)
+    assert ck.list_checkpoints(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+@contextlib.contextmanager
+def _small_folder(path: Path, size: str) -> Iterator[Path]:
+    """A real file system of `size` bytes at `path` (tmpfs): it fills up."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "mxfs-test", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_save_that_fails_leaves_nothing_and_the_name_saves_again(tmp_path: Path) -> None:
+    """A DCP save that fills its file system fails, and its hidden folder goes with its
+    rank files (it stayed: the pool stayed full, and a save of the same name was
+    refused, "another process is saving", while the job lived).  A save with DCP's plan
+    caching, whose second plan names the first save's folder, is refused the same way.
+    A checkpointer's close raises a failure nothing reported."""
+    big = {"a": torch.randn(1 << 20)}  # (4 MiB)
+    with _small_folder(tmp_path / "small", "1m") as small:
+        with pytest.raises(REFUSED + (OSError,)):
+            dcp.save(big, storage_writer=Writer(small / "c"))
+        assert os.listdir(small) == []
+        dcp.save({"a": torch.ones(8)}, storage_writer=Writer(small / "c"))
+        assert [e.name for e in ck.list_checkpoints(str(small))] == ["c"]
+        saver = ck.Checkpointer()
+        saver.save(big, str(small / "d"))
+        with pytest.raises(ck.CheckpointError):
+            saver.close()
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    dcp.save({"a": torch.ones(8)}, storage_writer=Writer(tmp_path / "one"), planner=planner)
+    with pytest.raises(REFUSED, match="plan caching"):
+        dcp.save({"a": torch.ones(8) * 2}, storage_writer=Writer(tmp_path / "two"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    assert sorted(os.listdir(tmp_path)) == ["latest", "one", "small"]
 
 
 @pytest.mark.parametrize("world", [2, 3])

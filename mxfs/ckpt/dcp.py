@@ -166,6 +166,15 @@ class Writer(StorageWriter):
             raise CheckpointError("no checkpoint path given",
                                   "pass Writer(path) or checkpoint_id=path")
         self.is_coordinator = is_coordinator
+        if kwargs.get("use_collectives") is False and torch.distributed.is_available() \
+                and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # (each rank would plan alone: the coordinator published its own shard as
+            # the whole checkpoint, without waiting for the others, and DCP loaded it
+            # without a word, the other ranks' tensors left as they were)
+            raise CheckpointError("a DCP save with use_collectives=False: each rank plans "
+                                  "alone, and no rank knows the others' files",
+                                  "save with use_collectives=True (the default)")
         if is_coordinator:
             if os.path.lexists(self.path):
                 raise CheckpointError(f"checkpoint {self.path} already exists",
@@ -178,6 +187,15 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Each rank's file gets its number here, where every plan is seen, and the folder
         # the coordinator made: each rank writes into that folder or fails.
+        if any(not p.usable for p in plans):
+            # (DCP's plan caching: a rank whose plan did not change finishes with the plan
+            # of the first save, naming that save's folder, never this one's)
+            if self.partial is not None:
+                catalog.drop_partial(self.partial)
+            raise CheckpointError("DCP's plan caching reuses an earlier save's plan, which "
+                                  "names that save's folder",
+                                  "save with DefaultSavePlanner(enable_plan_caching=False) "
+                                  "(the default)")
         return [SavePlan(p.items, storage_data=(i, self.partial), planner_data=p.planner_data,
                          usable=p.usable)
                 for i, p in enumerate(plans)]
@@ -208,6 +226,12 @@ class Writer(StorageWriter):
         try:
             info = write_windows(os.path.join(partial.path, fname), p.size,
                                  ImageWindows(p, named).fill, WINDOW, folder)
+        except BaseException:
+            # The save cannot be published now: what its ranks wrote goes (a full pool
+            # stayed full of them, and a save under the same name was refused while the
+            # coordinator lived); a rank still writing there fails as this one did.
+            catalog.drop_partial(partial)
+            raise
         finally:
             os.close(folder)
         slots = {s.name: s for s in p.slots}
@@ -241,7 +265,11 @@ class Writer(StorageWriter):
         manifest = catalog.new_manifest(dict(files), kind="dcp",
                                         dcp=metadata_to_json(metadata))
         assert self.partial is not None
-        warning = catalog.publish(self.partial, self.path, manifest)
+        try:
+            warning = catalog.publish(self.partial, self.path, manifest)
+        except BaseException:  # (not published: its folder, with every rank's file, goes)
+            catalog.drop_partial(self.partial)
+            raise
         if warning is not None:  # (published: `latest` alone stayed as it was)
             log.warning("%s", warning)
 

@@ -141,7 +141,11 @@ class Checkpointer:
                 self._plans = {sig: (p := plan(named, meta))}
             partial = catalog.claim_partial(path)
             snap = Snapshot(path, p.size)
-            buf = self.staging.ensure(p.size)
+            try:
+                buf = self.staging.ensure(p.size)
+            except BaseException:  # (pinned or shared memory not had: nothing written)
+                catalog.drop_partial(partial)
+                raise
             job = Job(path, partial, p, tree, compress, keep, meta,  # type: ignore[arg-type]
                       self.level, writing.WRITE_STEP)
             prev, self._last = self._last, snap
@@ -198,10 +202,11 @@ class Checkpointer:
             snap._done.set()
 
     def close(self) -> None:
-        """Wait for the last save and stop the worker process, if any."""
+        """Wait for the last save and stop the worker process, if any; the last save's
+        failure, if nothing reported it yet, is raised (a job's shutdown must not pass
+        over a checkpoint that was never written)."""
         try:
-            if self._last is not None:
-                self._last._done.wait()
+            self._finish_previous()
         finally:
             if self.worker is not None:
                 self.worker.close()
