@@ -2605,7 +2605,7 @@ def test_a_nodes_refused_close_and_a_writers_cut_leave_each_others_bytes_as_they
     makes after."""
     url = pg_cluster.database()
     users = ensure_users()
-    with _two_owners(tmp_path, url) as (net, a, b, _mine, theirs):
+    with _two_owners(tmp_path, url) as (net, a, b, mine, theirs):
         (a.path / "w").mkdir()
         os.chmod(a.path / "w", 0o777)
         assert eventually(lambda: (b.path / "w").is_dir(), 15)
@@ -2651,6 +2651,27 @@ os.close(fd)
             os.truncate(log_path, 0)
             f.write(b"x")
         assert log_path.read_bytes() == b"x"
+        # A late cut-back (the writer's, after b gave up waiting for its answer) leaves
+        # a file a caller on b holds open for writing again (b cut it at that open, and
+        # what it wrote since is its own); open nowhere there, it is cut.
+        late = b.path / "w" / "late.bin"
+        with open(late, "wb", buffering=0) as f:
+            f.write(b"n" * (1 << 20))
+            ino = os.fstat(f.fileno()).st_ino
+            addr = {n["name"]: n for n in _status(a)["nodes"]}["b"]["addr"]
+            host, _, port = addr.rpartition(":")
+            with ChunkClient(host, int(port), load_key(mine[0]),
+                             _status(a)["pool_uuid"]) as raw:
+                epoch = _status(a)["lease"]["epoch"]
+                member = next(m for m, folder in ((2, theirs[0]), (3, theirs[1]))
+                              if _chunk(folder, ino).exists())
+                folder = theirs[member - 2]
+                held = _chunk(folder, ino).stat().st_size
+                raw.change(b"TRUN", epoch, ino, member, 0, back=True)
+                assert held and _chunk(folder, ino).stat().st_size == held
+        with ChunkClient(host, int(port), load_key(mine[0]), _status(a)["pool_uuid"]) as raw:
+            raw.change(b"TRUN", epoch, ino, member, 0, back=True)
+        assert _chunk(folder, ino).stat().st_size == 0
         # b dies holding files it wrote and never told (the writer holds them empty),
         # and joins again: a truncate that grows one on the writer, and a write past
         # the end of another, read zeros in their holes, never b's untold bytes.

@@ -87,6 +87,7 @@ from mxfs.proto.chunk_wire import (
     CHUNK_OP,
     CHUNK_OPS,
     CLAIM_STATES,
+    CUT_BACK,
     GROUP,
     HELLO,
     KEY_LEN,
@@ -228,6 +229,8 @@ class ChunkService:
         # After the writer's TRUN of `ino` (a truncate there), within `holding`: what
         # this node's mount holds of it, if open for writing here, follows (`Ops`).
         self.cut_elsewhere: Callable[[int], Awaitable[None]] = _nothing
+        # Whether this node's mount holds `ino` open for writing (a CUT_BACK leaves it).
+        self.writing_here: Callable[[int], bool] = lambda ino: False
         self.turns: Turns | None = None  # the control socket's requests in service by uid
         # The member guard its opens go through (the daemon's, set by it; None: here).
         self.calls: MemberCalls | None = None
@@ -700,9 +703,15 @@ class ChunkService:
             return 0, b""
         if tag == b"TRUN":  # (a cut on the writer: this node's writes of it wait, and
             async with self.holding(ino):  # what it holds open for writing follows it)
+                if length == CUT_BACK and self.writing_here(ino):
+                    return 0, b""  # (a late cut-back: opened here since, cut then)
                 await trio.to_thread.run_sync(_change_chunk, tag, path, offset, None,
                                               limiter=self._changers)
-                await self.cut_elsewhere(ino)
+                try:
+                    await self.cut_elsewhere(ino)
+                except Exception as e:  # (cut: the writer's truncate stands; the size
+                    self._failures.note("a cut's size on this node", None, e,  # held
+                                        trace=not isinstance(e, OSError))  # here: told)
             return 0, b""
         await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data,
                                       functools.partial(pool.create_flags, member, path),

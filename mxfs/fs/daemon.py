@@ -267,6 +267,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
                     chunks.writer_epoch = lambda: _writer_epoch(vol)
                     chunks.holding = ops.holding
                     chunks.cut_elsewhere = ops.cut_elsewhere
+                    chunks.writing_here = ops.writing_here
                     chunks.serving = lambda: vol.keeper is not None and \
                         vol.keeper.state == "held"
                 if control.kv.follower is None:  # the writer: other nodes' users put here

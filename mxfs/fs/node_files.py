@@ -213,8 +213,9 @@ class NodeFiles:
                     else self._xattr(caller, op, msg) if op in XATTR_OPS \
                     else self._mount(caller, op, msg, name, epoch)
             except OSError as e:
-                if op == "node_written" and "size" in msg and bool_field(msg, "last") \
-                        and e.errno in REFUSED:
+                if e.errno in REFUSED and (  # (a close refused, or the grant it asked
+                        op == "node_written" and "size" in msg and bool_field(msg, "last")
+                        or op == "node_open" and bool_field(msg, "again")):  # for again)
                     await self._cut_back(int_field(msg, "ino"), caller)
                 raise
             self.names_done.keep(token, (name, tenant_of(caller.uid)), out)
@@ -617,6 +618,10 @@ class NodeFiles:
                 for ino in self.grants.drop(node, epoch):
                     if len(untaken) < UNTAKEN_MAX:
                         untaken.add(ino)
+                    else:  # (its holes may read the node's untold bytes: said)
+                        self._failures.note("files to cut back", None, OSError(
+                            errno.ENOSPC, f"{UNTAKEN_MAX} files wait to be cut back: "
+                            f"inode {ino} of node {node} is not"), trace=False)
 
 
 class ForwardedFiles:

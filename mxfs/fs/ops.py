@@ -741,26 +741,32 @@ class MxfsOperations(pyfuse3.Operations):
         node = entry.node
         if self.written is not None and node.ino not in self.written.files:
             raise OSError(errno.EBADF, "not open for writing on this node")
-        if not self.enable_writeback_cache and handle.flags & os.O_APPEND:
+        append = not self.enable_writeback_cache and bool(handle.flags & os.O_APPEND)
+        if append:
             if self.written is not None:
                 await self.written.uncut(node.ino)
             off = self._size(node)  # without the writeback cache, appends are placed here
         if self.written is not None:  # a node's: its size held here, told at close
-            await self.written.allow(node.ino, off + len(buf), handle.caller)
+            allowed = off + len(buf)
+            await self.written.allow(node.ino, allowed, handle.caller)
             end: int | None = None
             try:
                 # (the writer's RENW of our members holds this file's writes: `holding`;
                 # one landing mid-copy would go to the old file its readers keep)
                 await self._uncut(node.ino)
+                if append:  # (placed again: a cut by the writer may have run meanwhile,
+                    off = min(off, self._size(node))  # and the append lands where it left)
                 with self._entering(node.ino):
                     await self._write_data(handle, off, buf)
                 end = off + len(buf)
             finally:
-                self.written.wrote(node.ino, off + len(buf), end)
+                self.written.wrote(node.ino, allowed, end)
             return len(buf)
         if node.ino in self.vol.untaken and off > node.size:  # (as a truncate that grows)
             await self.cut_far(node, handle.uid)
         await self._uncut(node.ino)  # (a cut's chunk files are cut off trio's thread)
+        if append:  # (placed again after a cut of it: where the cut left it)
+            off = self._size(node)
         with self._entering(node.ino), self._charged(node, off + len(buf)):
             self.vol.note_write(entry)
             await self._write_data(handle, off, buf)
@@ -903,9 +909,12 @@ class MxfsOperations(pyfuse3.Operations):
             await self._cut_far_held(node, uid)
 
     async def _cut_far_held(self, node: Inode, uid: int) -> None:
-        """`cut_far`, its chunk files held already (`_chunk_files_held`)."""
+        """`cut_far`, its chunk files held already (`_chunk_files_held`).  CUT_BACK: a
+        node whose caller holds the file open for writing again leaves it (its first
+        open there cut it, and what it wrote since is its own: this cut may come late,
+        after the node gave up waiting for the answer it cut for)."""
         await self._in_turn(node, uid, self.vol.pool.truncate_far, node.ino,
-                            self.vol.layout(node), node.size)
+                            self.vol.layout(node), node.size, True)
         self.vol.untaken.discard(node.ino)
         entry = self.vol.open_inodes.get(node.ino)
         if entry is not None and entry.chunks is not None:
@@ -921,6 +930,10 @@ class MxfsOperations(pyfuse3.Operations):
             owner = await self.written.cut_elsewhere(ino)
             if owner is not None:
                 await self.inode_changed(ino, owner)
+
+    def writing_here(self, ino: int) -> bool:
+        """Whether this node's mount holds `ino` open for writing (`MountWrites`)."""
+        return self.written is not None and ino in self.written.files
 
     def holding(self, ino: int) -> contextlib.AbstractAsyncContextManager[None]:
         """The file's chunk files held for a change made elsewhere (the writer's RENW

@@ -26,6 +26,7 @@ from mxfs.proto.chunk_wire import (
     BUSY,
     CHALLENGE,
     CHUNK_OP,
+    CUT_BACK,
     GROUP,
     HELLO,
     KEY_LEN,
@@ -257,7 +258,8 @@ class ChunkClient:
         return not code
 
     def change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int = 0,
-               views: list[memoryview] | None = None, room: int | None = None) -> None:
+               views: list[memoryview] | None = None, room: int | None = None,
+               back: bool = False) -> None:
         """A chunk change of the pool's writer node (under its lease's `epoch`) on a
         member this node holds: WRIT `views` at `offset`, SYNC (offset 1: data only),
         TRUN to `offset` bytes, REMV, RENW (`room`: what the owner's quota has left for
@@ -268,6 +270,8 @@ class ChunkClient:
             raise ValueError(f"a {tag.decode()} carries no bytes")
         length = sum(len(v) for v in views) if tag != b"RENW" else \
             NO_ROOM if room is None else room
+        if back and tag == b"TRUN":
+            length = CUT_BACK
         if tag == b"WRIT" and length > MAX_WRITE:
             raise ValueError(f"at most {MAX_WRITE} bytes a chunk write")
         self.sock.sendall(tag + CHUNK_OP.pack(epoch, ino, member, offset, length))

@@ -849,10 +849,13 @@ class Pool:
         """The members this node holds itself (every one, but on a reading node)."""
         return [m.index for m in self.members if not m.node]
 
-    def truncate_far(self, ino: int, layout: Layout, size: int) -> None:
-        """(Blocking.)  The other nodes' part of `truncate_chunks`."""
+    def truncate_far(self, ino: int, layout: Layout, size: int, back: bool = False) -> None:
+        """(Blocking.)  The other nodes' part of `truncate_chunks` (`back`: bytes a node
+        never told cut back, not where a caller there holds the file open for writing:
+        CUT_BACK)."""
         for m in self.far(layout.used_members()):
-            self.remote_of(m).change(b"TRUN", self.epoch(), ino, m, layout.chunk_length(m, size))
+            self.remote_of(m).change(b"TRUN", self.epoch(), ino, m, layout.chunk_length(m, size),
+                                     back=back)
 
     def check_space(self, member: int, nbytes: int, hold: bool = False) -> int:
         """Refuse a write that would eat the reserve the metadata store needs (another

@@ -143,12 +143,13 @@ class RemoteMembers:
                           f"could not serve member {member} of inode {ino}")
 
     def change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int = 0,
-               views: list[memoryview] | None = None, room: int | None = None) -> None:
+               views: list[memoryview] | None = None, room: int | None = None,
+               back: bool = False) -> None:
         """A chunk change on the owner's member as the pool's writer under `epoch`
         (`ChunkClient.change`: WRIT, SYNC, TRUN, REMV, RENW; each may be done twice, so a
         connection that failed is retried); the owner's refusal as its OSError, EIO
         naming the node when it cannot be asked."""
-        self._call(lambda c: c.change(tag, epoch, ino, member, offset, views, room),
+        self._call(lambda c: c.change(tag, epoch, ino, member, offset, views, room, back),
                    f"could not {_CHANGES[tag]} member {member} of inode {ino}",
                    refusals=True)
 

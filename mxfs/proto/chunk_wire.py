@@ -75,7 +75,9 @@ an offset and a length) change the chunk files of this node's own members for th
 pool's writer node, which places a file's stripes on other nodes' members and writes
 them through their owners: WRIT writes `length` bytes that follow at `offset` (the
 chunk file made if it is not there), SYNC makes the chunk file durable (offset 1:
-its data only), TRUN cuts it to `offset` bytes if it is longer, REMV removes it (one
+its data only), TRUN cuts it to `offset` bytes if it is longer (with `length`
+CUT_BACK, only where no caller of the node holds the file open for writing: the
+writer cutting back what a node never told, not a truncate), REMV removes it (one
 never written is fine; `offset` is the file's owner, its tenant's uid: a chunk file
 the node's readers or writers hold is kept as hers, in her limits; 0 from older
 writers: root's); RENW makes the chunk file anew where this node's readers or writers
@@ -142,6 +144,8 @@ MAX_KREQ = 1 << 20  # bytes of a KREQ's request, and of its answer
 # bytes the owner's quota has left for the copies kept, NO_ROOM: no bound)
 CHUNK_OP = struct.Struct("!QQIQQ")
 NO_ROOM = (1 << 64) - 1
+CUT_BACK = 1  # (TRUN's length) bytes the writer never took: not where the file is open
+              # for writing on the node (its first open there cut them; the rest are its)
 CHUNK_OPS = (b"WRIT", b"SYNC", b"TRUN", b"REMV", b"RENW")
 MAX_WRITE = MAX_READ  # bytes one WRIT carries
 FORWARDED_OPS = ("kv_delete", "kv_config", "kv_evict", "kv_ns_create", "kv_ns_remove",
