@@ -49,6 +49,10 @@ from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.fs")
 
+CUT_AGAIN_S = 0.05  # a tell the writer asked again for (EAGAIN: a cut ran) waits this,
+CUT_AGAIN = 20  # ... this many times at most (another user cutting the file in a loop
+                # holds a close here a second at most, then it is told as it stands)
+
 
 @dataclass
 class Written:
@@ -394,6 +398,8 @@ class MountWrites:
         of the file is the size the writer holds now (bytes this node wrote past it
         went with the cut).  The file's owner, or None where it is not open here."""
         if ino not in self.files:
+            if ino in self.untold:
+                self.cut_untold(ino, (await self.read_row(ino)).size)
             return None
         row = await self.read_row(ino)
         held = self.files.get(ino)
@@ -403,27 +409,43 @@ class MountWrites:
         held.mtime_ns = max(held.mtime_ns, row.mtime_ns)
         return held.owner
 
+    def cut_untold(self, ino: int, size: int) -> None:
+        """A close left untold of a file the writer cut to `size`: it tells no more (its
+        bytes past the cut went with it; told, the writer grew the file back)."""
+        untold = self.untold.get(ino)
+        if untold is not None and "size" in untold[1]:
+            untold[1]["size"] = min(int(untold[1]["size"]), size)
+
     async def tell(self, ino: int, caller: Caller) -> None:
         """Tell the writer the file's size and mtime, if they changed since it was last
         told (as `caller`, whose close or fsync this is).  Its refusal (a quota) is the
         caller's close's error."""
         held = self.files[ino]
         async with held.telling:  # (a second close waits for the first's answer)
-            if not held.changed:
+            asked = 0
+            while held.changed:
+                held.changed = False  # (a write while the writer is asked: told next time)
+                body = self._said(ino, held)
+                if asked >= CUT_AGAIN:  # (cut after cut: told as it stands)
+                    body["cutting"] = False
+                asked += 1
+                try:
+                    await self._granted_ask(caller, "node_written", body, held.owner)
+                except OSError as e:
+                    if e.errno == errno.ENOENT:
+                        return  # (removed meanwhile, as a file unlinked while open: its
+                    held.changed = True  # bytes go with it)
+                    if e.errno != errno.EAGAIN:
+                        raise
+                    # (a truncate of it runs on the writer, which would have grown it back
+                    # to the size said: told again once the cut is followed here)
+                    await trio.sleep(CUT_AGAIN_S)
+                    continue
+                except BaseException:
+                    held.changed = True
+                    raise
+                self._took_growth(held, int(body["size"]))
                 return
-            held.changed = False  # (a write while the writer is asked is told next time)
-            body = self._said(ino, held)
-            try:
-                await self._granted_ask(caller, "node_written", body, held.owner)
-            except OSError as e:
-                if e.errno == errno.ENOENT:
-                    return  # (removed meanwhile, as a file unlinked while open: its bytes
-                held.changed = True  # go with it)
-                raise
-            except BaseException:
-                held.changed = True
-                raise
-            self._took_growth(held, int(body["size"]))
 
     @staticmethod
     def _said(ino: int, held: Written) -> dict[str, Any]:

@@ -172,6 +172,7 @@ class NodeFiles:
         # A file's chunk files on other nodes' members cut to its size here, in a uid's
         # turn (the mount's `MxfsOperations.cut_far`; set by the daemon).
         self.cut_far: Callable[[Inode, int], Awaitable[None]] | None = None
+        self.truncating: set[int] = set()  # (the mount's: `MxfsOperations.truncating`)
         self._failures = FailureLog(log)
         # What chowns move between owners, summed off the thread (`fs/owned.py`).
         self.owned = OwnedSums(vol.quotas, StoreWorker(vol.pool.meta_location,
@@ -266,6 +267,11 @@ class NodeFiles:
                 share = self.grants.let_go(node, ino)
                 return ({} if share is None else self.rooms.said(share)), [], None
             share = self.grants.check(node, epoch, ino)
+            if ino in self.truncating and not bool_field(msg, "cut") \
+                    and bool_field(msg, "cutting", True):
+                # (its size, said before the node followed the cut, grew it back)
+                raise OSError(errno.EAGAIN, f"inode {ino} is being cut on the writer: "
+                              "tell its size again")
             row = mount_written(self.vol, self.rooms, share, caller, msg, node)
             said = self.rooms.said(share)  # (what is left of the node's share)
             if bool_field(msg, "last"):

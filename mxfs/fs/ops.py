@@ -213,6 +213,9 @@ class MxfsOperations(pyfuse3.Operations):
         # logged once per tenant, then counted (`fs/failures.py`).
         self.failures = FailureLog(log)
         self._cutting: dict[int, trio.Event] = {}  # files being cut: their writes wait
+        # Files a truncate cuts now, their smaller size committed: a node's close that
+        # tells a size meanwhile is asked again (`NodeFiles`), once its node follows it.
+        self.truncating: set[int] = set()
         # Writes past their wait for a cut and not yet queued (or landed), by inode, and
         # what a cut waiting for them waits on (`_entering`)
         self._entering_writes: Counter[int] = Counter()
@@ -883,9 +886,14 @@ class MxfsOperations(pyfuse3.Operations):
                 await self._cut_far_held(node, uid)  # read a dead node's untold bytes)
             if not self.vol.resize(node, size):
                 return
-            await self._in_turn(node, uid, self.vol.cut, node.ino, self.vol.layout(node),
-                                size, functools.partial(trio.from_thread.run,
-                                                        self.syncs.synced))
+            self.truncating.add(node.ino)
+            try:
+                await self._in_turn(node, uid, self.vol.cut, node.ino,
+                                    self.vol.layout(node), size,
+                                    functools.partial(trio.from_thread.run,
+                                                      self.syncs.synced))
+            finally:
+                self.truncating.discard(node.ino)
             self.vol.truncated(node)
 
     async def renew(self, node: Inode, uid: int) -> None:
