@@ -233,9 +233,12 @@ def test_sglang_key_suffixes_match_hicache_file(mounted: Mounted, tmp_path: obje
         assert (ours.config_suffix, ours.tp_config_suffix) == \
             (ref.config_suffix, ref.tp_config_suffix), fields
         for key in ("0a1b2c", "0a1b2c.mamba", "0a1b2c.swa", "0a1b2c.indexer"):
-            assert ours._get_suffixed_key(key) == ref._get_suffixed_key(key), (fields, key)
+            # (HiCacheFile's, and the pages' layout: `layout_part`)
+            assert ours._get_suffixed_key(key) == ref._get_suffixed_key(key) + \
+                ours.layout_part, (fields, key)
             assert ours._get_component_key("0a1b2c", key.partition(".")[2] or None) == \
-                ref._get_component_key("0a1b2c", key.partition(".")[2] or None)
+                ref._get_component_key("0a1b2c", key.partition(".")[2] or None) + \
+                ours.layout_part
         suffixes.add(ours.config_suffix)
         ours.close()
     assert len(suffixes) == len(cases)  # no two of these shards share a key
@@ -248,8 +251,8 @@ def test_sglang_v1_pages_round_trip_in_place_or_staged(mounted: Mounted,
     from mxfs.kv.keys import sglang_hashes
 
     keys = sglang_hashes(list(range(16 * 5)), 16)
-    for layout in ("page_first", "layer_first"):
-        backend = sglang_backend(mounted, tp_rank=0, model_name=f"m/{layout}")
+    for layout in ("page_first", "layer_first"):  # (one model: a layout's pages are
+        backend = sglang_backend(mounted, tp_rank=0, model_name="m/one")  # its own)
         pool = HostPool(page_size=16, pages=10, width=24, layout=layout)
         pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).bfloat16())
         backend.register_mem_pool_host(pool)
@@ -393,6 +396,7 @@ def test_sglang_v2_extra_pools_match_hicache_file(mounted: Mounted, tmp_path: ob
     assert bad == {PoolName.MAMBA: [False, False]} and "length mismatch" in caplog.text
     # the Mamba states are this TP rank's own; the KV pages every rank's
     other = sglang_backend(mounted, **{**fields, "tp_rank": 0})
+    other.register_mem_pool_host(HostPool(page_size=8, pages=8, width=16))
     other.register_mem_host_pool_v2(HostPool(page_size=1, pages=8, width=40,
                                              layout="layer_first", dtype=torch.uint8),
                                     PoolName.MAMBA)

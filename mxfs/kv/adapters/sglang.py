@@ -71,6 +71,19 @@ def storage_suffixes(config: HiCacheStorageConfig) -> tuple[str, str]:
     return suffix, tp_suffix
 
 
+def layout_part(pool: Any, default: str) -> str:
+    """What a host pool's pages are, for their keys: the order of their bytes (its
+    layout: layer first, page first, page first for direct transfers) and their logical
+    dtype (the device pool's: fp8 pools store as uint8)."""
+    layout = getattr(pool, "layout", None)
+    dtype = getattr(getattr(pool, "device_pool", None), "dtype", None) or \
+        getattr(pool, "dtype", None)
+    if layout is None:
+        return default
+    return f"_{layout}" + (f"_{str(dtype).removeprefix('torch.')}" if dtype is not None
+                           else "")
+
+
 def _storages(pool: Any) -> set[int]:
     """Where the host pool's own buffers live (their storages' addresses)."""
     ptrs = set()
@@ -100,6 +113,12 @@ class MxfsHiCacheStorage(HiCacheStorage):
                                          "mxfs HiCache backend")
         self.config_suffix, self.tp_config_suffix = storage_suffixes(storage_config)
         self.suffix = self.config_suffix
+        # The bytes' order and dtype, on every key (`layout_part`): HiCacheFile's suffixes
+        # name neither, and a page stored by a page-first pool read into a layer-first one
+        # (or fp16 into bf16) was a hit, its bytes permuted, without a word.
+        self.layout_part = "_page_first" if getattr(storage_config, "is_page_first_layout",
+                                                    False) else "_layer_first"
+        self._parts: dict[str, str] = {}  # extra pools' (`register_mem_host_pool_v2`)
         self.mem_pool_host: Any = None
         self._direct: dict[int, tuple[Any, bool]] = {}  # id(pool) -> (pool, pages are views)
         self._local = threading.local()  # each thread's staging pages
@@ -108,9 +127,11 @@ class MxfsHiCacheStorage(HiCacheStorage):
 
     def _get_suffixed_key(self, key: str) -> str:
         # Mamba state is TP-sharded even when the model's MLA KV is replicated.
+        part = self._parts.get(key.rpartition(".")[2], self.layout_part) if "." in key \
+            else self.layout_part  # (an extra pool's pages: that pool's layout)
         if key.endswith(".mamba"):
-            return key + self.tp_config_suffix
-        return key + self.config_suffix
+            return key + self.tp_config_suffix + part
+        return key + self.config_suffix + part
 
     _k = _get_suffixed_key
 
@@ -168,10 +189,16 @@ class MxfsHiCacheStorage(HiCacheStorage):
         have = len(held or ()) * policy.chunk_tokens  # (the instance holds those pages)
         return self.store.prefix_to_read(stored, have + len(keys) * policy.chunk_tokens, have)
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        self._parts[name] = layout_part(host_pool, self.layout_part)
+
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """The host pool, whose pages say what a page holds: its tokens and bytes, the
         reuse policy's units."""
         super().register_mem_pool_host(mem_pool_host)
+        self.layout_part = layout_part(mem_pool_host, self.layout_part)
         if self.prefill_rate is not None:
             page = mem_pool_host.get_dummy_flat_data_page()
             self.store.policy = per_token_policy(
