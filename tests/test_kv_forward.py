@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import os
 from typing import Any
 
 import pytest
@@ -55,3 +56,27 @@ def test_a_claim_refused_before_it_is_sent_leaves_nothing_to_give_up() -> None:
     assert forward._holders == {}
     forward.release(alice)
     assert len(forward._given_up) == 0
+
+
+def test_a_chunk_put_on_a_node_is_judged_by_its_callers_checksums() -> None:
+    """A reading node sent a chunk's memfd to the writer without its caller's sums, and
+    the writer summed what reached it: bytes changed, or never written, after the caller
+    summed them were stored, vouched for, and a hit on every node.  Judged here first:
+    refused (EINVAL); right, sent on (here to no writer: EIO)."""
+    from mxfs.io.checksum import block_sums, pack_sums
+
+    forward = ForwardedKV(None, Limits(), lambda: ("b", 1), lambda ns, key: None)
+    alice = _session(1000)
+    key = base64.b64encode(b"k").decode()
+    for data, code in ((b"Y" * 5000, errno.EINVAL), (b"X" * 5000, errno.EIO)):
+        made, fds = trio.run(forward.create, {"op": "kv_create", "key": key,
+                                              "size": 5000}, alice)
+        os.pwrite(fds[0], data, 0)
+        os.close(fds[0])
+        unit = 1 << 30
+        sums = base64.b64encode(pack_sums(block_sums(b"X" * 5000, unit))).decode()
+        with pytest.raises(OSError) as e:
+            trio.run(forward.commit, {"op": "kv_commit", "namespace": "n", "key": key,
+                                      "ino": made["ino"], "size": 5000, "sum_unit": unit,
+                                      "sums": sums}, alice)
+        assert e.value.errno == code, data[:1]

@@ -49,6 +49,7 @@ import errno
 import fcntl
 import itertools
 import logging
+import mmap
 import os
 import threading
 import time
@@ -61,11 +62,12 @@ import trio
 
 from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.fair import RoundRobin
-from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field
+from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
 from mxfs.fs.kv_claims import CLAIM_S, MAX_CLAIM_S
 from mxfs.fs.kv_fields import keys_field
 from mxfs.fs.limits import Limits, NodeHeld
 from mxfs.fs.session import Answer, Reply, Session
+from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.io.layout import Layout
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.chunk_wire import (
@@ -269,6 +271,12 @@ class ForwardedKV:
             if size > pending.size:
                 raise OSError(errno.EFBIG, f"a commit of {size} bytes for {pending.size} "
                               "declared at kv_create")
+            # The caller's checksums judged here, as the writer judges its own chunks'
+            # (the writer sums what reaches it: a byte changed or never written here was
+            # stored with sums that vouched for it, and every node's get a hit on it).
+            unit, sums = sums_field(msg, _MEMFD_UNIT, size)
+            await self._off_loop(session.caller, lambda: _check_sums(pending.fd, size,
+                                                                     unit, sums))
             stored = await self._send(msg, session.caller, key, (pending.fd, size))
         finally:
             self._drop(session, handle)
@@ -443,3 +451,15 @@ def _check_count(keys: list[bytes]) -> list[bytes]:
 def as_sent(caller: Caller) -> tuple[int, int, list[int]]:
     """A caller as the writer is told it: uid, gid and (some of) its other groups."""
     return caller.uid, caller.gid, sorted(caller.gids - {caller.gid})[:MAX_KPUT_GROUPS]
+
+
+def _check_sums(fd: int, size: int, unit: int, sums: bytes) -> None:
+    """(A worker thread.)  EINVAL unless the chunk's `size` bytes in `fd` have `sums`."""
+    if size:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
+            got = pack_sums(block_sums(memoryview(view), unit))
+    else:
+        got = b""
+    if got != sums:
+        raise OSError(errno.EINVAL, "the chunk's bytes are not those its checksums name "
+                      "(changed, or not all written, after they were summed): put it again")
