@@ -121,6 +121,22 @@ def test_kv_put_of_device_tensors_keeps_their_host_copies(mounted: Mounted) -> N
             assert kv.get(key, out=back) is True and torch.equal(back, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_get_into_a_device_tensor_lands_after_the_work_queued_before_it(
+        mounted: Mounted) -> None:
+    """The copy to the device ran on a side stream that did not wait for the caller's:
+    a fill queued before the get (or a kernel whose freed memory became the tensor)
+    landed after it, and the get said True over other bytes."""
+    want = torch.full((1 << 20,), 3, dtype=torch.uint8)
+    with KVStore(str(mounted.path), "dev") as kv:
+        assert kv.put("k", want) is True
+        out = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(10**9)  # (the caller's stream busy a while)
+        out.fill_(7)
+        assert kv.get("k", out=out) is True
+        assert torch.equal(out.cpu(), want)
+
+
 def test_wheels_install_into_a_fresh_private_folder(tmp_path: Path) -> None:
     """gpu_check.sh runs as root: the folder its wheels go to (on PYTHONPATH) must be made
     fresh and be root's alone, or another user's sitecustomize.py placed there runs as

@@ -288,6 +288,10 @@ class _DeviceHost:
                 tensor.view(-1).view(torch.uint8).copy_(piece)
             return
         side = accel.Stream(dev)
+        # (after the work queued on the caller's stream: a fill of the tensors, or a
+        # kernel whose freed memory the allocator handed back as one, landed after the
+        # copy, and the get said True over bytes that were not the chunk's)
+        side.wait_stream(accel.current_stream(dev))
         with accel.stream(side):
             for tensor, piece in copies:
                 tensor.view(-1).view(torch.uint8).copy_(piece, non_blocking=True)
