@@ -41,6 +41,7 @@ log = logging.getLogger("mxfs.kv")
 
 BITE = 1024  # keys read from the store in one turn of the worker (~1.4 ms to add here)
 FEED_BITE = 4096  # a feed row's KV notes applied at a time on trio's thread (~3 ms)
+REMOVED_WHILE_FILLING = 65536  # keys the feed removed during one table's fill, at most
 
 
 class FollowerViews:
@@ -54,6 +55,9 @@ class FollowerViews:
         self.tables: dict[str, PresenceTable] = {}  # by namespace
         self.kept = KeptTables(*most)
         self._filling: dict[str, trio.Event] = {}
+        # Keys the feed removed from a table while it filled: a bite read before the
+        # removal holds them, and added after it they showed present for good.
+        self._removed: dict[str, set[bytes]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
 
     def status(self) -> KVViewsStatus:
@@ -74,10 +78,11 @@ class FollowerViews:
             self.kept.asked(ns)
             return table
         done = self._filling[ns] = trio.Event()
+        self._removed[ns] = set()
         try:
             return await self._fill(ns, uid, tenant)
         finally:
-            del self._filling[ns]
+            del self._filling[ns], self._removed[ns]
             done.set()
 
     async def _fill(self, ns: str, uid: int, tenant: int) -> PresenceTable:
@@ -116,8 +121,10 @@ class FollowerViews:
             if self.tables.get(ns) is not table:  # retired meanwhile (the feed, full)
                 raise OSError(errno.EAGAIN, f"KV namespace {ns!r}'s table was replaced "
                               "while it filled: ask again")
+            removed = self._removed[ns]
             for key in keys:
-                self._add(ns, table, key)
+                if key not in removed:
+                    self._add(ns, table, key)
             if self.tables.get(ns) is not table:
                 raise OSError(errno.EAGAIN, f"KV namespace {ns!r} grew while its table "
                               "filled: ask again")
@@ -163,8 +170,15 @@ class FollowerViews:
                 self._drop(ns, GONE if what == KV_GONE else MOVED)
             elif what == KV_STORED:
                 self._add(ns, table, key)
+                if (removed := self._removed.get(ns)) is not None:
+                    removed.discard(key)  # (stored again: present, whatever a bite says)
             else:
                 table.remove(key)
+                if (removed := self._removed.get(ns)) is not None:
+                    if len(removed) >= REMOVED_WHILE_FILLING:  # (a storm: filled again)
+                        self._drop(ns, MOVED)
+                    else:
+                        removed.add(key)
 
     def _add(self, ns: str, table: PresenceTable, key: bytes) -> None:
         if not table.full():
