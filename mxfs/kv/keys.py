@@ -138,7 +138,10 @@ class VllmRun:
 
     `agnostic` is FileMapper's effective parallel_agnostic (the bytes are the same
     under any topology, or replicated): sizes become 1 and the rank 0.  `replicated`
-    and `canonical_format` enter the digest only when set, as there.
+    and `canonical_format` enter the digest only when set, as there.  `layout`, the
+    device's KV layout (NHD, HND) where chunks hold its bytes as they are (not
+    canonical), enters it too, where FileMapper's names leave it out: a run of one
+    layout read another's chunks, their bytes permuted, as hits.
     """
 
     model: str
@@ -154,6 +157,7 @@ class VllmRun:
     agnostic: bool = False
     replicated: bool = False
     canonical_format: str | None = None
+    layout: str | None = None
 
     def fields(self) -> dict[str, object]:
         """The run's identity, as FileMapper hashes it (and writes it to config.json)."""
@@ -173,6 +177,8 @@ class VllmRun:
             fields["replicated_layout"] = True
         if self.canonical_format is not None:
             fields["canonical_format"] = self.canonical_format
+        elif self.layout is not None:
+            fields["kv_cache_layout"] = self.layout
         return fields
 
     def base(self, root: str = "vllm") -> str:

@@ -83,7 +83,9 @@ def storage_run(spec: OffloadingSpec) -> VllmRun:
         dcp_size=parallel.dcp_size, rank=parallel.rank,
         groups=tuple((g.tokens_per_block, tuple(g.layer_names)) for g in config.groups),
         agnostic=parallel.is_parallelism_agnostic or config.replicated_layout,
-        replicated=config.replicated_layout, canonical_format=canonical)
+        replicated=config.replicated_layout, canonical_format=canonical,
+        layout=None if canonical is not None or not config.kv_cache_layout
+        else str(config.kv_cache_layout))
 
 
 class _Lookups(AsyncLookupManager):
