@@ -513,14 +513,20 @@ class MountWrites:
                       ) -> bool:
         """Tell an untold close: True if the writer took it, False if it refused it
         (logged); anything else (not reached, a passing refusal) raises."""
-        try:
-            await self._granted_ask(caller, "node_written", body, owner)
-            return True
-        except OSError as e:
-            if e.errno not in REFUSED:
-                raise
-            if "size" in body:
-                log.warning("inode %d: the writer refused its size %d written here (%s); "
-                            "its chunk files here are cut back to the writer's size",
-                            ino, body["size"], e.strerror)
-            return False
+        for tries in range(CUT_AGAIN + 1):  # (asked again while the writer cuts it, as
+            said = body if tries < CUT_AGAIN else {**body, "cutting": False}  # `tell`)
+            try:
+                await self._granted_ask(caller, "node_written", said, owner)
+                return True
+            except OSError as e:
+                if e.errno == errno.EAGAIN and tries < CUT_AGAIN:
+                    await trio.sleep(CUT_AGAIN_S)  # (its size clamped meanwhile: `cut_untold`)
+                    continue
+                if e.errno not in REFUSED:
+                    raise
+                if "size" in body:
+                    log.warning("inode %d: the writer refused its size %d written here "
+                                "(%s); its chunk files here are cut back to the writer's "
+                                "size", ino, body["size"], e.strerror)
+                return False
+        return False  # (not reached: the last ask is never asked again)

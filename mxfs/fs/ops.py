@@ -934,7 +934,8 @@ class MxfsOperations(pyfuse3.Operations):
         size here is the writer's now, and the kernel's view of it is dropped (held
         at the size before, a close here told that size and grew the file back, its
         cut bytes zeros, and an O_APPEND here wrote past them)."""
-        if self.written is not None and ino in self.written.files:
+        if self.written is not None and (ino in self.written.files
+                                         or ino in self.written.untold):
             owner = await self.written.cut_elsewhere(ino)
             if owner is not None:
                 await self.inode_changed(ino, owner)
