@@ -422,30 +422,42 @@ class MountWrites:
         caller's close's error."""
         held = self.files[ino]
         async with held.telling:  # (a second close waits for the first's answer)
-            asked = 0
-            while held.changed:
-                held.changed = False  # (a write while the writer is asked: told next time)
-                body = self._said(ino, held)
-                if asked >= CUT_AGAIN:  # (cut after cut: told as it stands)
-                    body["cutting"] = False
-                asked += 1
-                try:
-                    await self._granted_ask(caller, "node_written", body, held.owner)
-                except OSError as e:
-                    if e.errno == errno.ENOENT:
-                        return  # (removed meanwhile, as a file unlinked while open: its
-                    held.changed = True  # bytes go with it)
-                    if e.errno != errno.EAGAIN:
-                        raise
-                    # (a truncate of it runs on the writer, which would have grown it back
-                    # to the size said: told again once the cut is followed here)
-                    await trio.sleep(CUT_AGAIN_S)
-                    continue
-                except BaseException:
-                    held.changed = True
-                    raise
-                self._took_growth(held, int(body["size"]))
+            if not held.changed:
                 return
+
+            def now() -> dict[str, Any]:
+                held.changed = False  # (a write while the writer is asked: told next time)
+                return self._said(ino, held)
+            try:
+                said = await self._told(caller, held.owner, now)
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    return  # (removed meanwhile, as a file unlinked while open: its
+                held.changed = True  # bytes go with it)
+                raise
+            except BaseException:
+                held.changed = True
+                raise
+            self._took_growth(held, int(said["size"]))
+
+    async def _told(self, caller: Caller, owner: int, said: Callable[[], dict[str, Any]]
+                    ) -> dict[str, Any]:
+        """Ask the writer to take what `said()` says now (`node_written`); what it took.
+        While a truncate of the file runs there it answers EAGAIN (it would have grown
+        the file back to the size said): asked again, as said once the cut is followed
+        here, CUT_AGAIN times at most; then told as it stands (another user cutting the
+        file in a loop holds a close CUT_AGAIN_S * CUT_AGAIN at most)."""
+        tries = 0
+        while True:
+            body = said() if tries < CUT_AGAIN else {**said(), "cutting": False}
+            try:
+                await self._granted_ask(caller, "node_written", body, owner)
+                return body
+            except OSError as e:
+                if e.errno != errno.EAGAIN or tries >= CUT_AGAIN:
+                    raise
+            tries += 1
+            await trio.sleep(CUT_AGAIN_S)
 
     @staticmethod
     def _said(ino: int, held: Written) -> dict[str, Any]:
@@ -512,21 +524,16 @@ class MountWrites:
     async def _retold(self, ino: int, caller: Caller, body: dict[str, Any], owner: int
                       ) -> bool:
         """Tell an untold close: True if the writer took it, False if it refused it
-        (logged); anything else (not reached, a passing refusal) raises."""
-        for tries in range(CUT_AGAIN + 1):  # (asked again while the writer cuts it, as
-            said = body if tries < CUT_AGAIN else {**body, "cutting": False}  # `tell`)
-            try:
-                await self._granted_ask(caller, "node_written", said, owner)
-                return True
-            except OSError as e:
-                if e.errno == errno.EAGAIN and tries < CUT_AGAIN:
-                    await trio.sleep(CUT_AGAIN_S)  # (its size clamped meanwhile: `cut_untold`)
-                    continue
-                if e.errno not in REFUSED:
-                    raise
-                if "size" in body:
-                    log.warning("inode %d: the writer refused its size %d written here "
-                                "(%s); its chunk files here are cut back to the writer's "
-                                "size", ino, body["size"], e.strerror)
-                return False
-        return False  # (not reached: the last ask is never asked again)
+        (logged); anything else (not reached, a passing refusal) raises.  Its size is
+        clamped meanwhile by a cut on the writer (`cut_untold`)."""
+        try:
+            await self._told(caller, owner, lambda: body)
+            return True
+        except OSError as e:
+            if e.errno not in REFUSED:
+                raise
+            if "size" in body:
+                log.warning("inode %d: the writer refused its size %d written here "
+                            "(%s); its chunk files here are cut back to the writer's "
+                            "size", ino, body["size"], e.strerror)
+            return False
