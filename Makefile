@@ -32,7 +32,7 @@ test: install
 	bash tools/run_tests.sh $(VENV) $(ENGINES)
 
 test-fast: install
-	$(PY) -m pytest -q -m "(unit or smoke) and not pg"
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m "(unit or smoke) and not pg"
 
 # The engines' own classes drive the adapters and the loader; here nothing may skip.
 test-engines: engines lint-engines

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Mounted, eventually, mxfs, one_line_error, raw_socket
-from users import PRELUDE, User, ensure_users, run_as
+from users import User, as_user, ensure_users, run_as
 
 from mxfs.client import ControlClient, ControlError
 from mxfs.proto import HEADER, MAX_PAYLOAD, VERSION, recv_message
@@ -355,9 +355,8 @@ print(json.dumps(seen), flush=True)
 def fake_daemon(user: User, sock: str, folder: str | None = None) -> Iterator[list[int]]:
     """A control socket `user` serves at `sock` (naming it from `folder`); what each
     connection to it sent, once the block ends."""
-    code = PRELUDE.format(uid=user.uid, gid=user.gid, groups=tuple(user.groups)) + \
-        "import socket\n" + FAKE_DAEMON
-    p = subprocess.Popen([sys.executable, "-c", code, sock, *([folder] if folder else [])],
+    p = subprocess.Popen(as_user(user, "import socket\n" + FAKE_DAEMON, sock,
+                                 *([folder] if folder else [])),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdin is not None and p.stdout is not None
     assert p.stdout.readline().strip() == "ready"

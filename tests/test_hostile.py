@@ -135,10 +135,9 @@ def test_connection_limits_refuse_the_newcomer_and_serve_the_rest(tmp_path: Path
     members = make_members(tmp_path)
     mkfs(members)
     with mount_with(members, "max_conns_per_user=8", "max_conns=40") as m:
-        from users import PRELUDE
+        from users import as_user
 
-        code = PRELUDE.format(uid=65534, gid=65534, groups=()) + NOBODY_CONNECTS
-        hog = subprocess.Popen([sys.executable, "-c", code, str(m.path), "20"],
+        hog = subprocess.Popen(as_user(None, NOBODY_CONNECTS, str(m.path), "20"),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert hog.stdout is not None
@@ -357,15 +356,14 @@ def test_a_writer_past_its_declared_size_is_refused_and_its_space_returns(
 
 
 def writer_past_declared(m: Mounted) -> None:
-    from users import PRELUDE
+    from users import as_user
 
     (m.path / "fz").mkdir()
     os.chmod(m.path / "fz", 0o1777)
     (m.path / "keep").write_bytes(b"k" * 10_000)
     pid = m.daemon_pid()
     free0 = os.statvfs(m.members[0]).f_bavail
-    code = PRELUDE.format(uid=65534, gid=65534, groups=()) + WRITER_PAST_DECLARED
-    hog = subprocess.Popen([sys.executable, "-c", code, str(m.path)], stdin=subprocess.PIPE,
+    hog = subprocess.Popen(as_user(None, WRITER_PAST_DECLARED, str(m.path)), stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True)
     try:
         assert hog.stdout is not None
@@ -587,15 +585,14 @@ print(json.dumps(out))
 
 
 def test_unpublished_files_are_bounded_per_connection_and_per_user(tmp_path: Path) -> None:
-    from users import PRELUDE
+    from users import as_user
 
     members = make_members(tmp_path)
     mkfs(members)
     with mount_with(members, "max_pending=4", "max_pending_per_user=6") as m:
         (m.path / "fz").mkdir()
         os.chmod(m.path / "fz", 0o1777)
-        code = PRELUDE.format(uid=65534, gid=65534, groups=()) + PENDING_HOG
-        res = subprocess.run([sys.executable, "-c", code, str(m.path)], capture_output=True,
+        res = subprocess.run(as_user(None, PENDING_HOG, str(m.path)), capture_output=True,
                              text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         # 4 on the first connection (its limit), 2 on the second (the user's), none on

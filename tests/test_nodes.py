@@ -2394,6 +2394,8 @@ print(json.dumps([0, done]))
         os.mkdir(a.path / "w" / "many")
         os.chown(a.path / "w" / "many", 0, 50069)
         os.chmod(a.path / "w" / "many", 0o770)
+        assert eventually(lambda: (b.path / "w" / "many").is_dir() and
+                          os.stat(b.path / "w" / "many").st_gid == 50069, 15)  # (b heard)
         many = User("mxfs-alice", users["alice"].uid, users["alice"].gid,
                     tuple(range(50000, 50070)))
         res = run_as(many, """

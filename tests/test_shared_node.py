@@ -48,7 +48,7 @@ from conftest import (
     raw_socket,
 )
 from dir_lock import held_dir_lock
-from users import PRELUDE, ensure_users, run_as, subordinate_uids
+from users import as_user, ensure_users, run_as, subordinate_uids
 
 from mxfs.client import ControlClient
 from mxfs.fs.foreign_fds import Dropper, carries_rights, take
@@ -1073,8 +1073,7 @@ def _first_member(m: Mounted, path: Path) -> int:
 def _as(user: Any, script: str, *args: str, stderr: int | None = None,
         stdin: int | None = None) -> subprocess.Popen[str]:
     """`script` (after users.PRELUDE) run as `user` in the background, stdout piped."""
-    code = PRELUDE.format(uid=user.uid, gid=user.gid, groups=tuple(user.groups)) + script
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+    return subprocess.Popen(as_user(user, script, *args), stdout=subprocess.PIPE,
                             stderr=stderr, stdin=stdin, text=True)
 
 

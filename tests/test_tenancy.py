@@ -547,9 +547,8 @@ def test_a_namespace_that_lets_a_reader_in_no_more_ends_the_tables_handed_out(
     way to change who may read a namespace but to drop it, and a reader who had the
     table read every key put into it for as long as it was kept."""
     import subprocess
-    import sys
 
-    from users import PRELUDE
+    from users import as_user
 
     bob = ensure_users()["bob"]
     m = str(mounted.path)
@@ -558,8 +557,7 @@ def test_a_namespace_that_lets_a_reader_in_no_more_ends_the_tables_handed_out(
          "--mode", "0750")
     with KVStore(m, "team-view", shared=True) as kv:
         kv.put(b"before", b"v")
-        code = PRELUDE.format(uid=bob.uid, gid=bob.gid, groups=bob.groups) + VIEW_HELD
-        with subprocess.Popen([sys.executable, "-c", code, m, "team-view"], text=True,
+        with subprocess.Popen(as_user(bob, VIEW_HELD, m, "team-view"), text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE) as reader:
             assert reader.stdout is not None and reader.stdin is not None
             assert json.loads(reader.stdout.readline()) == [True]  # (bob, of the team)
