@@ -56,6 +56,7 @@ import mxfs.ckpt as ck
 from mxfs.client.control import ControlClient
 from mxfs.client.direct import DirectFile, FileChanged, PlainFile, RemoteFile, open_reader
 from mxfs.fs import kv_follow
+from mxfs.fs.chunk_service import CHANGE_LATE_S
 from mxfs.fs.node_files import HOLDS_AT_ONCE
 from mxfs.io import Layout
 from mxfs.io.chunk_client import ChunkClient
@@ -1766,6 +1767,67 @@ def test_a_pool_over_two_nodes_members_is_written_through_their_owner(
             assert _cold(b.path / "models" / "later.bin") == later
             assert _chunk(theirs[0], _used(a, a.path / "models" / "later.bin")[0]).exists()
             (a.path / "models" / "new.bin").unlink(missing_ok=True)
+
+
+def test_a_hung_member_of_an_owner_holds_only_its_own_changes(tmp_path: Path,
+                                                                pg_cluster: Any) -> None:
+    """Node b holds two members, one on a filesystem that stops answering (a FUSE mount
+    whose daemon is stopped: a hung drive).  The writer's changes of it hold places of
+    their own on b, three of its four: a write of b's other member is done meanwhile
+    (before, the first four held every change b serves, first come, and it waited
+    until the hung member came back, past the writer's wait).  A change that waited
+    past CHANGE_LATE_S for a place is refused once the member is back, not done after
+    the writer gave up on it (it would land after what the writer's caller did next,
+    as a truncate and a rewrite)."""
+    url = pg_cluster.database()
+    inner_members = make_members(tmp_path / "inner", 1)
+    mkfs(inner_members)
+    mine, fast = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 1)[0]
+    with mounted_pool(inner_members) as inner:
+        hung = inner.path / "member3"
+        hung.mkdir()
+        mkfs([*mine, f"b:{fast}", f"b:{hung}"], "64KiB", "--meta", url)
+        with node_net() as net, \
+                mounted_pool(mine, *WRITER, f"chunk_addr={net.host_ip}") as a:
+            config = str(tmp_path / "b" / "node.toml")
+            mxfs("node", "add", "--meta", url, "--key", str(Path(mine[0], KEY_NAME)),
+                 "--name", "b", "--config", config, "--member", fast, "--member", str(hung))
+            with mount_with([config], "lease_s=3", "chunk_port=0",
+                            f"chunk_addr={net.node_ip}", prefix=net.enter, check=False):
+                (a.path / "w").mkdir()
+                mxfs("setstripe", "--across-nodes", str(a.path / "w"))
+                (a.path / "w" / "z.bin").write_bytes(bytes(1 << 20))
+                ino, used, _ = _used(a, a.path / "w" / "z.bin")
+                assert used == {0, 1, 2, 3}
+                status = _status(a)
+                addr = {n["name"]: n for n in status["nodes"]}["b"]["addr"]
+                host, _, port = addr.rpartition(":")
+
+                def write(member: int, timeout: float = 60.0) -> int:
+                    """A raw WRIT of zeros (as the file holds) on b's `member`: 0 or the
+                    errno it failed with."""
+                    with ChunkClient(host, int(port), load_key(mine[0]), status["pool_uuid"],
+                                     timeout=timeout) as raw:
+                        try:
+                            raw.change(b"WRIT", status["lease"]["epoch"], ino, member, 0,
+                                       [memoryview(bytes(4096))])
+                            return 0
+                        except OSError as e:
+                            return e.errno or errno.EIO
+
+                inner_pid = inner.daemon_pid()  # (asked of it: not while it is stopped)
+                with ThreadPoolExecutor(4) as threads:
+                    os.kill(inner_pid, signal.SIGSTOP)
+                    try:
+                        on_hung = [threads.submit(write, 3) for _ in range(4)]
+                        time.sleep(1)  # (all four asked)
+                        assert write(2, timeout=10) == 0  # (b's other member, meanwhile)
+                        assert not any(f.done() for f in on_hung)
+                        time.sleep(CHANGE_LATE_S + 1)  # (the fourth still waits its place)
+                    finally:
+                        os.kill(inner_pid, signal.SIGCONT)
+                    assert sorted(f.result() for f in on_hung) == [0, 0, 0, errno.ETIMEDOUT]
+                assert (a.path / "w" / "z.bin").read_bytes() == bytes(1 << 20)
 
 
 @contextlib.contextmanager

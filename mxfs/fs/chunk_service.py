@@ -76,8 +76,10 @@ from mxfs.fs.fair import RoundRobin, Turns
 from mxfs.fs.limits import Limits
 from mxfs.fs.member_calls import MemberCalls
 from mxfs.fs.ports import listen_error
+from mxfs.fs.store_worker import StoreWorker
 from mxfs.io import PAGE
 from mxfs.io.residency import cached_pages
+from mxfs.meta import Inode
 from mxfs.pool.pool import unlink_cut
 from mxfs.proto.chunk_wire import (
     ACCEPT,
@@ -181,6 +183,11 @@ PUTS_AT_ONCE = 4  # KV chunks being received at once (each held whole: MAX_KPUT 
 PUT_RECV_S = 30.0  # ... each within this, or its connection goes
 UNRESERVED = " (port >= 1024)"  # a peer's connections from ports any user may bind
 WRITES_AT_ONCE = 4  # the writer's chunk writes being received at once (each held whole)
+# ... and its changes of one member in service at once: a slow member's leave the others one
+MEMBER_CHANGES = WRITES_AT_ONCE - 1
+CHANGE_LATE_S = 15.0  # a change begun this late after it came is refused (the writer
+# waits 30 s for its answer, then fails its caller's call: begun after, it would land
+# after whatever that caller did next, as a truncate and a rewrite of the file)
 # What accept says while the daemon's descriptors or the kernel's memory are out ...
 OUT_OF_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
 OUT_OF_ROOM_S = 0.1  # ... waited out this long, then accepted again
@@ -232,6 +239,8 @@ class ChunkService:
         # Whether this node's mount holds `ino` open for writing (a CUT_BACK leaves it).
         self.writing_here: Callable[[int], bool] = lambda ino: False
         self.turns: Turns | None = None  # the control socket's requests in service by uid
+        # A reading node's worker for its store's rows (None: the writer's, in memory).
+        self.reads: StoreWorker | None = None
         # The member guard its opens go through (the daemon's, set by it; None: here).
         self.calls: MemberCalls | None = None
         # The one uid whose requests are served, as on the control socket (a daemon
@@ -241,7 +250,9 @@ class ChunkService:
         # nodes do not queue every other user's behind them, first come first served)
         self._puts = RoundRobin(PUTS_AT_ONCE, PUTS_AT_ONCE * 3 // 4)
         self._writes = trio.CapacityLimiter(WRITES_AT_ONCE)
-        self._changers = trio.CapacityLimiter(WRITES_AT_ONCE)  # (a `_writes` holds one)
+        self._member_changes: dict[int, trio.CapacityLimiter] = {}  # (`_changes_of`)
+        # Their threads (a member's changes hold MEMBER_CHANGES: one left to the others)
+        self._changers = trio.CapacityLimiter(WRITES_AT_ONCE)
         # The epoch of the pool's writer node's lease as this node knows it (its own on
         # the writer; None: no live writer): the only one whose chunk writes it does.
         self.writer_epoch: Callable[[], int | None] = epoch
@@ -431,11 +442,15 @@ class ChunkService:
         readers: int | None = None  # the tenant a scoped connection counts against
         try:
             while True:
-                with trio.move_on_after(IDLE_S):
+                with trio.move_on_after(IDLE_S) as idle:
                     try:
                         tag = await _recv_exact(stream, TAG)
                     except EOFError:
                         return
+                if idle.cancelled_caught:
+                    return  # idle too long
+                # (the request, within IDLE_S of its tag: a wait before it cuts none short)
+                with trio.move_on_after(IDLE_S):
                     if tag == b"SCOP":
                         reader, count = SCOPE_COUNT.unpack(
                             await _recv_exact(stream, SCOPE_COUNT.size))
@@ -488,7 +503,7 @@ class ChunkService:
                         return  # a scoped connection's time is up: the reader asks anew
                     await self._read(stream, ino, member, offset, length, scope, uid)
                     continue
-                return  # idle too long
+                return  # (a request that took IDLE_S: its peer stalled)
         finally:
             if readers is not None:
                 self.scoped[readers] -= 1
@@ -640,28 +655,43 @@ class ChunkService:
 
     async def _chunk_op(self, stream: trio.SocketStream, tag: bytes) -> None:
         """Receive one WRIT, SYNC, TRUN, REMV or RENW of the writer node and answer it: done,
-        or the errno and why not."""
+        or the errno and why not.  Each waits for a place on its member (a slow member's
+        changes hold its own places, MEMBER_CHANGES, not every member's), a WRIT then for
+        one of the WRITES_AT_ONCE buffers; one that waited past CHANGE_LATE_S for them is
+        refused, not done after the writer gave up on it."""
+        came = trio.current_time()
         epoch, ino, member, offset, length = CHUNK_OP.unpack(
             await _recv_exact(stream, CHUNK_OP.size))
-        if tag != b"WRIT":
-            async with self._writes:
-                code, said = await self._judged(f"chunk {tag.decode()} from the writer",
-                                                lambda: self._change(tag, epoch, ino, member,
-                                                                     offset, None, length))
-        else:
-            if length > MAX_WRITE:
-                raise WireError(f"a chunk write of {length} bytes (at most {MAX_WRITE})")
-            async with self._writes:
+        if tag == b"WRIT" and length > MAX_WRITE:
+            raise WireError(f"a chunk write of {length} bytes (at most {MAX_WRITE})")
+        data: bytearray | None = None
+        async with self._changes_of(member), \
+                self._writes if tag == b"WRIT" else contextlib.nullcontext():
+            waited = trio.current_time() - came  # (a write's bytes came in its buffer)
+            if tag == b"WRIT":
                 data = bytearray(length)
                 with trio.move_on_after(PUT_RECV_S) as late:  # a stalled peer holds no slot
                     await _recv_into(stream, memoryview(data))
                 if late.cancelled_caught:
                     raise WireError(f"a chunk write's {length} bytes did not come within "
                                     f"{PUT_RECV_S:.0f} s")
-                code, said = await self._judged("chunk write from the writer",
-                                                lambda: self._change(tag, epoch, ino, member,
-                                                                     offset, data))
+            if tag != b"RENW" and waited > CHANGE_LATE_S:
+                code, said = errno.ETIMEDOUT, (f"this node's member {member} was too busy "
+                                               "to begin the change in time").encode()
+            else:
+                code, said = await self._judged(
+                    f"chunk {tag.decode()} from the writer",
+                    lambda: self._change(tag, epoch, ino, member, offset, data, length))
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
+
+    def _changes_of(self, member: int) -> trio.CapacityLimiter:
+        """The places of the writer's changes of `member` (an index that is none of this
+        pool's shares one set: refused in `_change`)."""
+        key = member if 0 <= member < len(self.vol.pool.members) else -1
+        places = self._member_changes.get(key)
+        if places is None:
+            places = self._member_changes[key] = trio.CapacityLimiter(MEMBER_CHANGES)
+        return places
 
     async def _change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int,
                       data: bytearray | None, length: int = 0) -> tuple[int, bytes]:
@@ -823,7 +853,7 @@ class ChunkService:
         holds this request, EIO once judged hung, never trio's thread), and judged
         again once opened: a file removed meanwhile may have been asked whether anyone
         holds it before the open, and cut after (`FileOps.open_read`)."""
-        path = self._judge(ino, member, length, scope)
+        path = await self._judge(ino, member, length, scope, uid)
         calls = self.calls
         if calls is None:
             got: tuple[int, int] | None = _open_chunk(path, offset, length)
@@ -834,17 +864,18 @@ class ChunkService:
         if got is None:
             raise OSError(errno.EIO, f"member {member} is not answering")
         try:
-            self._judge(ino, member, length, scope)
+            await self._judge(ino, member, length, scope, uid)
         except BaseException:
             if got[0] >= 0:
                 os.close(got[0])
             raise
         return got
 
-    def _judge(self, ino: int, member: int, length: int,
-               scope: dict[int, int] | None = None) -> str:
+    async def _judge(self, ino: int, member: int, length: int,
+                     scope: dict[int, int] | None = None, uid: int = 0) -> str:
         """The chunk file a READ may read, or why not.  A scoped connection reads its
-        inodes only, each while it keeps its generation and a link."""
+        inodes only, each while it keeps its generation and a link (its row read in
+        `uid`'s turn, off the loop where that is a round trip: `_row`)."""
         vol = self.vol
         if not self.serving():
             raise OSError(errno.ESTALE, "this node no longer serves the pool")
@@ -865,7 +896,7 @@ class ChunkService:
         if scope is not None and scope[ino] == GONE:
             raise OSError(errno.ESTALE, f"inode {ino} is removed, or another file now")
         try:
-            node = vol.store.get(ino)
+            node = await self._row(ino, uid)
         except OSError as e:
             if scope is None or e.errno != errno.ENOENT:
                 raise
@@ -877,6 +908,16 @@ class ChunkService:
         if not node.is_reg:
             raise OSError(errno.EINVAL, f"inode {ino} is not a regular file")
         return vol.pool.chunk_path(member, ino)
+
+
+    async def _row(self, ino: int, uid: int) -> Inode:
+        """`ino`'s row: from the store's cache on the writer, on a reading node from
+        its server through `reads` (a worker thread, in `uid`'s turn: two lookups a
+        READ, a reader's flood of tiny READs held the loop in SQL, and the whole daemon
+        while the server was slow)."""
+        if self.reads is None:
+            return self.vol.store.get(ino)
+        return await self.reads.run(lambda store: store.get(ino), uid)
 
 
 def _open_chunk(path: str, offset: int, length: int) -> tuple[int, int]:

@@ -289,6 +289,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
             control.files.calls = control.kv.calls = ops.space.calls
             if control.status.chunks is not None:
                 control.status.chunks.calls = ops.space.calls
+                control.status.chunks.reads = ops.reads  # (a reading node's rows)
             control.files.renewing = ops.renewing
             ops.owned = OwnedSums(vol.quotas, control.kv.rows)  # (one connection for both)
             if control.files.for_nodes is not None:
