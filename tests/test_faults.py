@@ -546,7 +546,9 @@ def test_freeing_files_on_a_member_that_stops_answering_holds_no_commit(
     with _member_on_a_mount(tmp_path) as (inner, outer, members):
         names = [outer.path / f"f{i}" for i in range(4)]  # (on both members in turn)
         for p in names:
-            p.write_bytes(b"x" * 4096)
+            with open(p, "wb") as f:
+                f.write(b"x" * 4096)
+                os.fsync(f.fileno())  # (landed: an unlink waits for writes in flight)
         db = sqlite3.connect(f"file:{members[0]}/meta/mxfs.db?mode=ro", uri=True)
 
         def stored(name: bytes) -> bool:

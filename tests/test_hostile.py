@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -93,13 +94,18 @@ def test_fuzzer_as_nobody_leaves_the_daemon_serving_and_the_pool_clean(
     with ControlClient(str(mounted.path)) as c:
         assert c.server["pid"] == pid
         assert eventually(lambda: c.stat()["open_files"] == 0)
+        # (connections it sent descriptors on are handed to a process that closes them,
+        # a batch at a time, `fs/foreign_fds.Dropper`: a batch in flight is no leak)
+        base = len(fds0) - views_in(fds0) + 2
+        eventually(lambda: len(fds := daemon_figures(pid)[1]) - views_in(fds) <= base, 10)
         rss1, fds1 = daemon_figures(pid)
         # (a table's memfd and its mapping's copy, each kept table; and this connection)
         accounted = c.stat()["limits"]["fds_held"] - 1
     print(f"fuzz: {summary}; daemon RSS {rss0} -> {rss1} KiB, "
           f"descriptors {len(fds0)} -> {len(fds1)}")
     assert views_in(fds1) <= accounted, (fds1, accounted)  # none retired and left open
-    assert len(fds1) - views_in(fds1) <= len(fds0) - views_in(fds0) + 2, (fds0, fds1)
+    assert len(fds1) - views_in(fds1) <= base, \
+        (Counter(fds1) - Counter(fds0), Counter(fds0) - Counter(fds1))  # (what grew, went)
     assert rss1 <= rss0 + 32 * 1024
     assert (fz / "a").read_bytes() == b"root's file"
     (mounted.path / "after").mkdir()
