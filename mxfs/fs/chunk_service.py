@@ -59,6 +59,7 @@ import ipaddress
 import itertools
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -185,9 +186,9 @@ UNRESERVED = " (port >= 1024)"  # a peer's connections from ports any user may b
 WRITES_AT_ONCE = 4  # the writer's chunk writes being received at once (each held whole)
 # ... and its changes of one member in service at once: a slow member's leave the others one
 MEMBER_CHANGES = WRITES_AT_ONCE - 1
-CHANGE_LATE_S = 15.0  # a change begun this late after it came is refused (the writer
-# waits 30 s for its answer, then fails its caller's call: begun after, it would land
-# after whatever that caller did next, as a truncate and a rewrite of the file)
+CHANGE_LATE_S = 15.0  # a chunk write with no place this long after it came is refused
+# (the writer waits 30 s for its answer, then fails its caller's write: done after, it
+# would land after whatever that caller did next, as a truncate and a rewrite)
 # What accept says while the daemon's descriptors or the kernel's memory are out ...
 OUT_OF_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
 OUT_OF_ROOM_S = 0.1  # ... waited out this long, then accepted again
@@ -542,13 +543,7 @@ class ChunkService:
         try:
             self._check_uid(caller.uid)
         except OSError as e:  # refused before it takes a turn or a slot: read past it
-            with trio.move_on_after(PUT_RECV_S) as late:
-                scratch, left = memoryview(bytearray(1 << 16)), size
-                while left:
-                    await _recv_into(stream, scratch[:min(left, len(scratch))])
-                    left -= min(left, len(scratch))
-            if late.cancelled_caught:
-                raise WireError("a refused KV put's bytes did not come") from None
+            await _skip(stream, size, "a refused KV put's")
             why = (e.strerror or "").encode()
             await stream.send_all(ANSWER.pack(e.errno, self.epoch(), len(why)) + why)
             return
@@ -657,28 +652,35 @@ class ChunkService:
         """Receive one WRIT, SYNC, TRUN, REMV or RENW of the writer node and answer it: done,
         or the errno and why not.  Each waits for a place on its member (a slow member's
         changes hold its own places, MEMBER_CHANGES, not every member's), a WRIT then for
-        one of the WRITES_AT_ONCE buffers; one that waited past CHANGE_LATE_S for them is
-        refused, not done after the writer gave up on it."""
+        one of the WRITES_AT_ONCE buffers.  A WRIT that has neither within CHANGE_LATE_S
+        of its coming is refused, its bytes read past: done later, it would land after
+        the writer gave up on it.  The others wait as they must (a cut or a sync refused
+        would leave the writer's size or its fsync unmade on this member)."""
         came = trio.current_time()
         epoch, ino, member, offset, length = CHUNK_OP.unpack(
             await _recv_exact(stream, CHUNK_OP.size))
         if tag == b"WRIT" and length > MAX_WRITE:
             raise WireError(f"a chunk write of {length} bytes (at most {MAX_WRITE})")
-        data: bytearray | None = None
-        async with self._changes_of(member), \
-                self._writes if tag == b"WRIT" else contextlib.nullcontext():
-            waited = trio.current_time() - came  # (a write's bytes came in its buffer)
-            if tag == b"WRIT":
-                data = bytearray(length)
-                with trio.move_on_after(PUT_RECV_S) as late:  # a stalled peer holds no slot
-                    await _recv_into(stream, memoryview(data))
-                if late.cancelled_caught:
-                    raise WireError(f"a chunk write's {length} bytes did not come within "
-                                    f"{PUT_RECV_S:.0f} s")
-            if tag != b"RENW" and waited > CHANGE_LATE_S:
+        placed = False
+        async with contextlib.AsyncExitStack() as held:
+            with trio.move_on_at(came + CHANGE_LATE_S if tag == b"WRIT" else math.inf):
+                await held.enter_async_context(self._changes_of(member))
+                if tag == b"WRIT":
+                    await held.enter_async_context(self._writes)
+                placed = True
+            if not placed:
+                await _skip(stream, length, "a refused chunk write's")
                 code, said = errno.ETIMEDOUT, (f"this node's member {member} was too busy "
-                                               "to begin the change in time").encode()
+                                               "to take the write in time").encode()
             else:
+                data: bytearray | None = None
+                if tag == b"WRIT":
+                    data = bytearray(length)
+                    with trio.move_on_after(PUT_RECV_S) as late:  # (a stalled peer holds
+                        await _recv_into(stream, memoryview(data))  # no place)
+                    if late.cancelled_caught:
+                        raise WireError(f"a chunk write's {length} bytes did not come "
+                                        f"within {PUT_RECV_S:.0f} s")
                 code, said = await self._judged(
                     f"chunk {tag.decode()} from the writer",
                     lambda: self._change(tag, epoch, ino, member, offset, data, length))
@@ -983,6 +985,18 @@ async def _caller(stream: trio.SocketStream, uid: int, gid: int, ngroups: int, n
     groups = [g for (g,) in GROUP.iter_unpack(await _recv_exact(stream, 4 * ngroups))]
     namespace = (await _recv_exact(stream, ns_len)).decode(errors="replace")
     return Caller(0, uid, gid, frozenset([gid, *groups])), namespace
+
+
+async def _skip(stream: trio.SocketStream, n: int, what: str) -> None:
+    """Read past the `n` bytes a refused request carries (within PUT_RECV_S, else its
+    connection goes: `what` names them)."""
+    with trio.move_on_after(PUT_RECV_S) as late:
+        scratch, left = memoryview(bytearray(1 << 16)), n
+        while left:
+            await _recv_into(stream, scratch[:min(left, len(scratch))])
+            left -= min(left, len(scratch))
+    if late.cancelled_caught:
+        raise WireError(f"{what} {n} bytes did not come within {PUT_RECV_S:.0f} s")
 
 
 async def _recv_into(stream: trio.SocketStream, view: memoryview) -> None:

@@ -251,12 +251,13 @@ class ChunkFiles:
                                                 int(datasync)))
                                  for m in far])
         try:
-            sync_all(list(self._fds.values()), datasync)
-        except BaseException:
-            self._far_written.update(far)  # (asked again at the next sync)
+            try:
+                sync_all(list(self._fds.values()), datasync)
+            finally:
+                finish_all(begun)
+        except BaseException:  # (here or on an owner: asked again at the next sync, which
+            self._far_written.update(far)  # else said durable what no owner synced)
             raise
-        finally:
-            finish_all(begun)
 
     def prepare(self) -> None:
         """Create the chunk file of the first member (where every file's first byte
