@@ -1010,7 +1010,12 @@ for r in range(rounds):
         time.sleep(0.001)
     o = os.open(p, os.O_PATH)  # (no open through the mount: the daemon counts none)
     print("held", flush=True)
-    while os.fstat(o).st_nlink:
+    while True:
+        try:
+            if not os.fstat(o).st_nlink:
+                break
+        except FileNotFoundError:  # (freed already, on a busy machine, before a look
+            break  # found it removed)
         time.sleep(0.0005)
     try:  # (removed, not yet freed: reopened through the link /proc keeps)
         fd = os.open(f"/proc/self/fd/{o}", os.O_RDWR)
