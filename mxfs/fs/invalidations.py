@@ -102,7 +102,7 @@ class Invalidations:
         self.held = held
         self.stop = stop
         self.entry, self.inode = entry, inode
-        self.made = 0  # calls the kernel answered (status: `invalidations`)
+        self.made = 0  # calls the kernel answered, ENOENT too (status: `invalidations`)
         self.overflows = 0  # times the largest batches were dropped (MAX_WAITING)
         self.dropped = 0  # ... names and inodes of them
         self._lock = threading.Condition()
@@ -357,11 +357,12 @@ class Invalidations:
             return
         try:
             call(*args)
-            with self._lock:
-                self.made += 1
         except OSError as e:
-            if e.errno != errno.ENOENT:  # (ENOENT: the kernel held nothing of it)
-                log.warning("invalidating %s in the kernel: %s", args, e)
+            if e.errno != errno.ENOENT:  # (ENOENT: the kernel held nothing of it, as
+                log.warning("invalidating %s in the kernel: %s", args, e)  # after a
+                return  # reclaim or a drop of caches: answered all the same)
+        with self._lock:
+            self.made += 1
 
     def close(self, timeout: float) -> None:
         """As the mount ends (`stop` set): idle threads end, and those making a call
