@@ -2659,7 +2659,8 @@ print(json.dumps([attempt(os.write, fd, b"a" * 200_000), attempt(os.close, fd)])
 
 
 @pytest.mark.daemon_log(r"refused its size", r"node \S+ (is dead|cannot be reached|could not)",
-                        r"serves its members again", r"went away|not alive")
+                        r"serves its members again", r"went away|not alive",
+                        r"chunk handshake .* failed")  # (one begun as b was killed)
 def test_a_nodes_refused_close_and_a_writers_cut_leave_each_others_bytes_as_they_are(
         tmp_path: Path, pg_cluster: Any) -> None:
     """bob's file on b's members is written by alice through the writer's mount (its
