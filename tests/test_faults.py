@@ -535,6 +535,48 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
         assert not any(m.get("failed") for m in after["members"])  # back once it is
 
 
+def test_closing_a_file_on_a_member_that_stops_answering_holds_up_no_one(
+        tmp_path: Path) -> None:
+    """The last close of a file with a chunk file on a member that stops answering
+    (a FUSE or NFS member flushes on close(2), and waits for its server) leaves the
+    daemon answering: its descriptors are closed off the loop, each member's in turn.
+    Closed on the loop, one user's close of such a file held every user's requests
+    until the member came back."""
+    with _member_on_a_mount(tmp_path) as (inner, outer, members):
+        held = []
+        for i in range(2):  # (f1 is on the member that stops)
+            fd = os.open(outer.path / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, b"x" * 4096)
+            os.fsync(fd)  # (the daemon holds both chunk files open now)
+            held.append(fd)
+        assert chunk_files(members[1:]), "no chunk file on the second member"
+        pid = inner.daemon_pid()
+        os.kill(pid, signal.SIGSTOP)
+        answered: dict[str, Any] = {}
+        try:
+            for fd in held:
+                os.close(fd)  # (the daemon closes the chunk files on its release)
+
+            def ask() -> None:
+                answered["df"] = os.statvfs(outer.path).f_blocks
+                (outer.path / "after").write_bytes(b"y" * 4096)  # (on member 0)
+                answered["after"] = (outer.path / "after").read_bytes()
+                answered["names"] = sorted(os.listdir(outer.path))
+
+            time.sleep(0.5)  # (the releases come after close() returns)
+            asking = threading.Thread(target=ask, daemon=True)
+            asking.start()
+            asking.join(60)
+            held_up = asking.is_alive()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        asking.join(60)
+        assert not held_up, "a close on the stopped member held the daemon"
+        assert answered["df"] > 0 and answered["after"] == b"y" * 4096
+        assert answered["names"] == ["after", "f0", "f1"]
+        assert (outer.path / "f1").read_bytes() == b"x" * 4096
+
+
 def test_freeing_files_on_a_member_that_stops_answering_holds_no_commit(
         tmp_path: Path) -> None:
     """Files removed whose chunk files are on a member that stops answering: freeing

@@ -81,6 +81,7 @@ from mxfs.fs.store_worker import StoreWorker
 from mxfs.io import PAGE
 from mxfs.io.residency import cached_pages
 from mxfs.meta import Inode
+from mxfs.pool.closer import close_later
 from mxfs.pool.pool import unlink_cut
 from mxfs.proto.chunk_wire import (
     ACCEPT,
@@ -831,7 +832,7 @@ class ChunkService:
                 await self._send(stream, fd, offset, n, gate)
         finally:
             if fd >= 0:
-                os.close(fd)
+                close_later([fd])  # (a close can wait on the member)
 
     async def _send(self, stream: trio.SocketStream, fd: int, offset: int, n: int,
                     gate: Callable[[], contextlib.AbstractAsyncContextManager[Any]]) -> None:
@@ -869,7 +870,7 @@ class ChunkService:
             await self._judge(ino, member, length, scope, uid)
         except BaseException:
             if got[0] >= 0:
-                os.close(got[0])
+                close_later([got[0]])
             raise
         return got
 

@@ -40,6 +40,7 @@ from mxfs.fs.session import Handler, Session
 from mxfs.fs.status_ops import StatusOps
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.fs.wake import WakeLatency
+from mxfs.pool.closer import close_later
 from mxfs.proto import BY_NAME, OPS
 from mxfs.proto.messages import HELLO
 from mxfs.vol.access import Caller
@@ -73,7 +74,8 @@ class ControlServer:
         # open and unpublished files (the chunk service's connections, once it runs).
         self.fds = Descriptors(self.limits)
         self.listener = Listener(path, self.limits, self.dispatch, self._session,
-                                 self._end_session, self.turns.turn, self.fds)
+                                 self._end_session, self.turns.turn, self.fds,
+                                 close_later)
         self.remote = RemoteReads(volume, self.limits)  # (a reading node's direct path)
         lim = self.limits
         self.kv = KVOps(volume, KVIndex(volume, lim.max_namespaces_per_user,

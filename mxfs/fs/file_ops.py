@@ -47,6 +47,7 @@ from mxfs.fs.session import (
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.meta import Inode, MetaStore
 from mxfs.meta.usage import file_cost
+from mxfs.pool.closer import close_later
 from mxfs.proto import MAX_FDS
 from mxfs.proto.messages import CreateReply, Empty, FileReply, OpenReadReply
 from mxfs.vol.access import (
@@ -162,13 +163,11 @@ class FileOps:
             try:
                 live = await self._live(node.ino, generation, caller.uid)
             except BaseException:
-                for fd in got[1]:
-                    os.close(fd)
+                close_later(got[1])  # (a close can wait on the member)
                 raise
             if live and self.vol.renew_mark(node.ino) == mark:
                 return got
-            for fd in got[1]:
-                os.close(fd)
+            close_later(got[1])
         raise OSError(errno.EAGAIN, f"{path}: its access changed, or it was replaced, while "
                       "it was opened, again and again: try again")
 

@@ -57,6 +57,7 @@ from mxfs.io.checksum import block_sums, pack_sums
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.meta.usage import file_cost, key_cost
 from mxfs.pool import ChunkFiles
+from mxfs.pool.closer import close_later
 from mxfs.pool.pool import NotAnswering
 from mxfs.proto import MAX_FDS, OPS
 from mxfs.proto.chunk_wire import FORWARDED_OPS
@@ -986,8 +987,7 @@ class KVOps:
                               "meanwhile")
         except OSError:
             for _, got in opened:
-                for fd in got:
-                    os.close(fd)
+                close_later(got)  # (a close can wait on the member)
             raise
         for (slot, key, chunk, _), data in zip(inline, datas, strict=True):
             if space.chunks.get(key) is chunk:  # (evicted meanwhile: a miss)
@@ -996,8 +996,7 @@ class KVOps:
         for (slot, key, chunk, node), (which, got) in zip(wanted, opened, strict=True):
             if space.chunks.get(key) is not chunk:  # evicted or replaced meanwhile (its
                 # files perhaps asked about before these opens and cut after: revoke.py)
-                for fd in got:
-                    os.close(fd)
+                close_later(got)
                 continue
             fds += got
             out[slot] = {**_sums(chunk), "layout": self.vol.layout(node).describe(), **which}

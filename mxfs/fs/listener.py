@@ -76,7 +76,8 @@ class Listener:
                  new_session: Callable[[Caller, Any], Session],
                  end: Callable[[Session], Awaitable[None]],
                  turn: Callable[[int], AbstractAsyncContextManager[None]],
-                 fds: Descriptors | None = None) -> None:
+                 fds: Descriptors,
+                 close_fds: Callable[[list[int]], None]) -> None:
         self.path = path
         self.limits = limits
         self.dispatch = dispatch
@@ -85,7 +86,10 @@ class Listener:
         self._end = end
         self.conns: Counter[int] = Counter()  # open connections by uid
         # The daemon's descriptors held for tenants, its connections among them.
-        self.fds = fds or Descriptors(limits)
+        self.fds = fds
+        # What closes a reply's descriptors once sent: members' files, whose close can
+        # wait on a member that stopped answering (`pool/closer.py`), never on the loop.
+        self.close_fds = close_fds
         self.sessions: dict[int, Session] = {}
         # Sessions sent descriptors their peer may not have read, by uid (a reply with
         # descriptors asks only these: not every connection of the daemon).
@@ -371,8 +375,7 @@ class Listener:
             return sent and not scope.cancelled_caught  # (else gone, or not reading)
         finally:
             self.buffered.reply(hold, 0)
-            for fd in fds:
-                os.close(fd)  # the peer holds its own copies now
+            self.close_fds(fds)  # the peer holds its own copies now
 
     def fds_in_flight(self, uid: int) -> int:
         """Descriptors sent to `uid`'s connections that they have not read yet (a
@@ -397,8 +400,7 @@ class Listener:
         held = self.fds_in_flight(uid)
         if held + len(fds) <= lim:
             return reply, fds
-        for fd in fds:
-            os.close(fd)
+        self.close_fds(fds)
         return {"ok": False, "errno": errno.EMFILE,
                 "error": f"uid {uid} has {held} descriptors sent to it and not yet received "
                          f"(replies left unread), the limit (mount option "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxfs.io import Layout, Piece, ReadOp, WriteOp, read_batch, write_batch
 from mxfs.io.batch import Begun, finish_all, sync_all
+from mxfs.pool.closer import close_later
 from mxfs.pool.pool import Pool
 from mxfs.pool.read_ahead import ReadAhead
 
@@ -88,7 +89,7 @@ class ChunkFiles:
                 raise
             old = self._fds.get(member)
             if old is not None:  # a read-only descriptor, replaced by a writable one
-                os.close(old)
+                close_later([old])
             self._fds[member] = fd
         if self._closed:  # (closed while this open waited: see `close`)
             self._closed_meanwhile()
@@ -274,7 +275,7 @@ class ChunkFiles:
                     self.layout.first in self._far:
                 return
             self._prepared = True
-            os.close(self._open(self.layout.first, create=True))
+            close_later([self._open(self.layout.first, create=True)])
         if self._closed:
             self._closed_meanwhile()
 
@@ -295,15 +296,15 @@ class ChunkFiles:
                 self._fds.clear()
                 self._readonly.clear()
             while self._retired and now - self._retired[0][0] > RETIRED_S:
-                for fd in self._retired.popleft()[1]:
-                    os.close(fd)
+                close_later(self._retired.popleft()[1])
         if self._closed:
             self._closed_meanwhile()
 
     def close(self) -> None:
         """Close its descriptors, never waiting (it is called on the daemon's thread):
         a thread opening one of its files (on a member that may not answer) holds the
-        lock, sees it closed once its open returns, and closes them then."""
+        lock, sees it closed once its open returns, and closes them then; each is
+        closed by its mount's thread (`pool/closer.py`: a close can wait on a member)."""
         if self._ahead is not None:
             self._ahead.close()
         self._closed = True
@@ -322,7 +323,8 @@ class ChunkFiles:
 
     def _close_all(self) -> None:
         """(Under the lock.)"""
-        for fd in [*self._fds.values(), *(fd for _, fds in self._retired for fd in fds)]:
-            os.close(fd)
+        for _, fds in self._retired:
+            close_later(fds)
+        close_later(self._fds.values())
         self._fds.clear()
         self._retired.clear()

@@ -63,11 +63,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from mxfs.errors import MxfsError
+from mxfs.pool.closer import wait_closed
 from mxfs.pool.pool import CHUNK_DIR, Pool, unlink_cut
 
 log = logging.getLogger("mxfs.pool")
 
 HELD_DIR = "held"
+CLOSING_WAIT_S = 5.0  # a lease probe waits this long for the daemon's own closes of a file
+LOOKS = 3  # ... and looks this often at most
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 READ_LOOK_S = 10  # how often one cut after its grace is asked whether it is let go
 HELD_LOOK_MAX_S = 16  # the longest a writer-held file waits between lease probes
@@ -161,10 +164,17 @@ def _lease_refused(path: str, lease: int) -> bool:
     except FileNotFoundError:
         return False
     try:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, lease)
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-    except BlockingIOError:
-        return True
+        for look in range(LOOKS):
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, lease)
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+                break
+            except BlockingIOError:
+                # (this daemon's own descriptors of it, given up and still closing, are
+                # not anyone's: looked at again once they are closed)
+                if look == LOOKS - 1 or \
+                        not wait_closed(os.fstat(fd).st_ino, CLOSING_WAIT_S):
+                    return True
     except OSError as e:
         why = f"the file system of {path} takes no leases ({os.strerror(e.errno or 0)})"
         if _no_leases is None:

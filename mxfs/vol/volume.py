@@ -30,6 +30,7 @@ from mxfs.meta.check import problems as store_problems
 from mxfs.meta.feed_notes import Noted, channel
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
+from mxfs.pool.closer import CLOSER
 from mxfs.pool.key import load_key, read_key
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW, MemberCall, unlink_cut
@@ -908,6 +909,9 @@ class Volume:
             entry.count = 1
             self.release(entry.node.ino)
         self.pending_reclaim.push_all(self.spares.close(), 0)
+        if not CLOSER.drain(CLOSE_DRAIN_S):  # (the pool's members let go of, as it ends)
+            log.warning("%d descriptors of members' files are still closing (a member "
+                        "that does not answer)", CLOSER.pending)
         # A few seconds of bites at most, none after a failed start or a crash of the
         # serving loop (a million queued held a stop past systemd's timeout, and a
         # failed start the pool's lock): those left stay orphan rows, which the next
