@@ -465,6 +465,36 @@ def ext4_image(tmp_path: Path, name: str, mib: int, options: str = "",
 
 
 @contextmanager
+def slow_member(tmp_path: Path, bps: int
+                ) -> Iterator[tuple[str, Callable[[int], None], Callable[[int], None]]]:
+    """A member on an ext4 image on a loop device, a call that holds a process's reads
+    of that device to `bps` bytes a second (a v1 block-I/O cgroup): a slow drive; and
+    a call that sets another pace."""
+    cgroups = Path("/sys/fs/cgroup/blkio")
+    if not (cgroups / "blkio.throttle.read_bps_device").exists():
+        pytest.skip("needs the v1 block-I/O cgroup")
+    cg = cgroups / f"mxfs-test-slow-{os.getpid()}-{time.monotonic_ns()}"
+    with ext4_image(tmp_path, "slow", 128) as folder:
+        try:
+            source = subprocess.run(["findmnt", "-no", "SOURCE", folder], check=True,
+                                    capture_output=True, text=True).stdout.strip()
+            dev = os.stat(source).st_rdev
+
+            def pace(bps: int) -> None:
+                (cg / "blkio.throttle.read_bps_device").write_text(
+                    f"{os.major(dev)}:{os.minor(dev)} {bps}")
+            cg.mkdir()
+            pace(bps)
+            yield folder, lambda pid: (cg / "cgroup.procs").write_text(str(pid)), pace
+        finally:
+            if cg.exists():
+                for pid in (cg / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        (cgroups / "cgroup.procs").write_text(pid)
+                cg.rmdir()
+
+
+@contextmanager
 def xfs_image(tmp_path: Path, name: str, mib: int = 512) -> Iterator[str]:
     """A folder `name` that is a fresh XFS image of `mib` MiB on a loop device (the
     file system production members use: its own preallocation, reflinks)."""

@@ -44,6 +44,7 @@ from conftest import (
     node_net,
     raw_socket,
     requests_served,
+    slow_member,
     steady_page_cache,
 )
 from dir_lock import held_dir_lock
@@ -1831,6 +1832,61 @@ def test_a_hung_member_of_an_owner_holds_only_its_own_changes(tmp_path: Path,
                         os.kill(inner_pid, signal.SIGCONT)
                     assert sorted(f.result() for f in on_hung) == [0, 0, 0, errno.ETIMEDOUT]
                 assert (a.path / "w" / "z.bin").read_bytes() == bytes(1 << 20)
+
+
+def test_a_slow_member_of_an_owner_holds_only_its_own_senders(tmp_path: Path,
+                                                              pg_cluster: Any) -> None:
+    """Node b holds two members, one a slow drive (its reads held to 250 KB/s).  Reads
+    of chunk files there, each from the disk, hold six of b's eight sender threads at
+    most: a read of b's other member is served while none of them has ended (before,
+    the first eight held every sender thread, first come, and it waited for one to
+    end)."""
+    url = pg_cluster.database()
+    mine, fast = make_members(tmp_path / "a", 2), make_members(tmp_path / "b", 1)[0]
+    with slow_member(tmp_path, 250_000) as (slow, throttle, pace):
+        mkfs([*mine, f"b:{fast}", f"b:{slow}"], "64KiB", "--meta", url)
+        with node_net() as net, \
+                mounted_pool(mine, *WRITER, f"chunk_addr={net.host_ip}") as a:
+            config = str(tmp_path / "b" / "node.toml")
+            mxfs("node", "add", "--meta", url, "--key", str(Path(mine[0], KEY_NAME)),
+                 "--name", "b", "--config", config, "--member", fast, "--member", slow)
+            with mount_with([config], "lease_s=3", "chunk_port=0",
+                            f"chunk_addr={net.node_ip}", prefix=net.enter,
+                            check=False) as b:
+                (a.path / "w").mkdir()
+                mxfs("setstripe", "--across-nodes", str(a.path / "w"))
+                (a.path / "w" / "big.bin").write_bytes(os.urandom(48 << 20))
+                ino, used, _ = _used(a, a.path / "w" / "big.bin")
+                assert used == {0, 1, 2, 3}
+                chunks = {2: _chunk(fast, ino), 3: _chunk(slow, ino)}
+                for chunk in chunks.values():  # (their pages from the disk, when read)
+                    fd = os.open(chunk, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+                status = _status(a)
+                addr = {n["name"]: n for n in status["nodes"]}["b"]["addr"]
+                host, _, port = addr.rpartition(":")
+                key = load_key(mine[0])
+                clients = [ChunkClient(host, int(port), key, status["pool_uuid"],
+                                       timeout=300) for _ in range(11)]
+                part = 1 << 20
+                try:
+                    throttle(b.daemon_pid())
+                    with ThreadPoolExecutor(10) as threads:
+                        slow_reads = [threads.submit(c.read, ino, 3, i * part, part)
+                                      for i, c in enumerate(clients[:10])]
+                        time.sleep(2)  # (all asked, and reading from the slow drive)
+                        got = clients[10].read(ino, 2, 0, part)
+                        ended = [f.done() for f in slow_reads]
+                        pace(1 << 40)  # (the rest at the disk's pace)
+                        slow_got = [f.result() for f in slow_reads]
+                finally:
+                    for c in clients:
+                        c.close()
+                assert not any(ended), "a read of the fast member waited for the slow one's"
+                assert got == chunks[2].read_bytes()[:part]
+                assert b"".join(slow_got) == chunks[3].read_bytes()[:10 * part]
 
 
 @contextlib.contextmanager

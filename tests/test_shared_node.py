@@ -36,7 +36,6 @@ from conftest import (
     Mounted,
     chunk_files,
     eventually,
-    ext4_image,
     kill_daemon,
     make_members,
     mkfs,
@@ -46,6 +45,7 @@ from conftest import (
     mxfs,
     one_line_error,
     raw_socket,
+    slow_member,
 )
 from dir_lock import held_dir_lock
 from users import as_user, ensure_users, run_as, subordinate_uids
@@ -748,31 +748,6 @@ def test_a_connection_with_many_leases_lets_them_go_while_others_are_served(
     assert any(0 < k < n for k in seen), f"nobody was served meanwhile: {seen[:3]}..."
 
 
-@contextlib.contextmanager
-def _slow_member(tmp_path: Path, bps: int) -> Iterator[tuple[str, Callable[[int], None]]]:
-    """A member on an ext4 image on a loop device, and a call that holds a process's
-    reads of that device to `bps` bytes a second (a v1 block-I/O cgroup): a slow drive."""
-    cgroups = Path("/sys/fs/cgroup/blkio")
-    if not (cgroups / "blkio.throttle.read_bps_device").exists():
-        pytest.skip("needs the v1 block-I/O cgroup")
-    cg = cgroups / f"mxfs-test-slow-{os.getpid()}"
-    with ext4_image(tmp_path, "slow", 128) as folder:
-        try:
-            source = subprocess.run(["findmnt", "-no", "SOURCE", folder], check=True,
-                                    capture_output=True, text=True).stdout.strip()
-            dev = os.stat(source).st_rdev
-            cg.mkdir()
-            (cg / "blkio.throttle.read_bps_device").write_text(
-                f"{os.major(dev)}:{os.minor(dev)} {bps}")
-            yield folder, lambda pid: (cg / "cgroup.procs").write_text(str(pid))
-        finally:
-            if cg.exists():
-                for pid in (cg / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(OSError):
-                        (cgroups / "cgroup.procs").write_text(pid)
-                cg.rmdir()
-
-
 _ALICE_READS = """
 import mmap, sys, threading, time
 path, n = sys.argv[1], int(sys.argv[2])
@@ -809,7 +784,7 @@ def test_one_users_flood_of_reads_leaves_another_a_thread(tmp_path: Path) -> Non
     users = ensure_users()
     alice, bob = users["alice"], users["bob"]
     fast = make_members(tmp_path / "fast", 1)[0]
-    with _slow_member(tmp_path, 1_000_000) as (slow, throttle):
+    with slow_member(tmp_path, 1_000_000) as (slow, throttle, _):
         mkfs([fast, slow], "64KiB")
         with mount_with([fast, slow], "io_threads=4") as m:
             big = m.path / "alice.bin"
@@ -880,7 +855,7 @@ def test_one_users_reads_over_a_slow_member_leave_another_the_io_helpers(
     users = ensure_users()
     alice, bob = users["alice"], users["bob"]
     fast = make_members(tmp_path / "fast", 2)
-    with _slow_member(tmp_path, 250_000) as (slow, throttle):  # (4 of her reads a second)
+    with slow_member(tmp_path, 250_000) as (slow, throttle, _):  # (4 of her reads a second)
         mkfs([*fast, slow], "64KiB")
         with mount_with([*fast, slow], "io_threads=64") as m:
             theirs = {}
@@ -961,7 +936,7 @@ def test_one_users_hundreds_of_reads_leave_anothers_lookups_and_reads_served(
     users = ensure_users()
     alice, bob = users["alice"], users["bob"]
     fast = make_members(tmp_path / "fast", 1)[0]
-    with _slow_member(tmp_path, 32_000) as (slow, throttle):  # (8 of her reads a second)
+    with slow_member(tmp_path, 32_000) as (slow, throttle, _):  # (8 of her reads a second)
         mkfs([fast, slow], "64KiB")
         with mount_with([fast, slow], "io_threads=4") as m:
             folders = {}

@@ -173,6 +173,7 @@ SCOPED_PER_USER = 33  # percent of those one user's (her subordinate uids with h
 HANDSHAKE_S = 3.0  # a peer proves the key within this, or is dropped (a node: in ms)
 IDLE_S = 600.0  # a connection with no request for this long is closed
 SENDERS = 8  # sendfiles at once (worker threads); more wait their turn
+MEMBER_SENDS = SENDERS - 2  # ... of one member's chunk files: a slow one's leave the others two
 SEND_STALL_S = 30.0  # a peer that takes no bytes for this long loses its connection
 ROOM_WAIT_S = 0.02  # a sender thread waits this long for room in a socket, then lets go
 INLINE_SEND = 128 << 10  # a read this small whose pages are cached is sent from trio's
@@ -252,7 +253,8 @@ class ChunkService:
         # nodes do not queue every other user's behind them, first come first served)
         self._puts = RoundRobin(PUTS_AT_ONCE, PUTS_AT_ONCE * 3 // 4)
         self._writes = trio.CapacityLimiter(WRITES_AT_ONCE)
-        self._member_changes: dict[int, trio.CapacityLimiter] = {}  # (`_changes_of`)
+        self._member_changes: dict[int, trio.CapacityLimiter] = {}  # (`_places`)
+        self._member_sends: dict[int, trio.CapacityLimiter] = {}  # (`_places`)
         # Their threads (a member's changes hold MEMBER_CHANGES: one left to the others)
         self._changers = trio.CapacityLimiter(WRITES_AT_ONCE)
         # The epoch of the pool's writer node's lease as this node knows it (its own on
@@ -665,7 +667,8 @@ class ChunkService:
         placed = False
         async with contextlib.AsyncExitStack() as held:
             with trio.move_on_at(came + CHANGE_LATE_S if tag == b"WRIT" else math.inf):
-                await held.enter_async_context(self._changes_of(member))
+                await held.enter_async_context(
+                    self._places(self._member_changes, member, MEMBER_CHANGES))
                 if tag == b"WRIT":
                     await held.enter_async_context(self._writes)
                 placed = True
@@ -687,13 +690,16 @@ class ChunkService:
                     lambda: self._change(tag, epoch, ino, member, offset, data, length))
         await stream.send_all(ANSWER.pack(code, self.epoch(), len(said)) + said)
 
-    def _changes_of(self, member: int) -> trio.CapacityLimiter:
-        """The places of the writer's changes of `member` (an index that is none of this
-        pool's shares one set: refused in `_change`)."""
+    def _places(self, table: dict[int, trio.CapacityLimiter], member: int, n: int
+                ) -> trio.CapacityLimiter:
+        """`member`'s `n` places in `table` (the writer's changes of it, or the sends
+        of its chunk files): a member that stops answering, or a slow one, holds its
+        own, never every member's.  An index that is none of this pool's shares one
+        set (refused, or answered zeros, after)."""
         key = member if 0 <= member < len(self.vol.pool.members) else -1
-        places = self._member_changes.get(key)
+        places = table.get(key)
         if places is None:
-            places = self._member_changes[key] = trio.CapacityLimiter(MEMBER_CHANGES)
+            places = table[key] = trio.CapacityLimiter(n)
         return places
 
     async def _change(self, tag: bytes, epoch: int, ino: int, member: int, offset: int,
@@ -829,18 +835,22 @@ class ChunkService:
                 if scope is not None and length < SCOPED_SMALL:
                     await trio.sleep_until(done)
             if n:
-                await self._send(stream, fd, offset, n, gate)
+                await self._send(stream, fd, offset, n, member, gate)
         finally:
             if fd >= 0:
                 close_later([fd])  # (a close can wait on the member)
 
     async def _send(self, stream: trio.SocketStream, fd: int, offset: int, n: int,
+                    member: int,
                     gate: Callable[[], contextlib.AbstractAsyncContextManager[Any]]) -> None:
-        """sendfile `n` bytes; a sender thread (through a `gate()`) only while the socket
-        takes them, and waits for room on trio's loop, outside it."""
+        """sendfile `n` bytes of a chunk file of `member`; a sender thread (through a
+        `gate()`, and one of the member's places: reads of a slow member, all its pages
+        from the disk, held every sender thread, and reads of others waited behind
+        them) only while the socket takes them, and waits for room on trio's loop,
+        outside it."""
         out = stream.socket.fileno()
         while n:
-            async with gate():
+            async with gate(), self._places(self._member_sends, member, MEMBER_SENDS):
                 sent = await trio.to_thread.run_sync(_send_file, out, fd, offset, n,
                                                      limiter=self._senders)
             self.served_bytes += sent
