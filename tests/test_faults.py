@@ -577,6 +577,60 @@ def test_closing_a_file_on_a_member_that_stops_answering_holds_up_no_one(
         assert (outer.path / "f1").read_bytes() == b"x" * 4096
 
 
+def test_writes_to_a_first_member_that_stops_answering_hold_up_no_one(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A pool whose metadata is on a server, its first member on a filesystem that stops
+    answering: a write there waits for it, and the daemon answers everyone meanwhile.
+    The reserve the metadata store keeps on the first member was measured (statvfs) on
+    the daemon's thread for each write there, the store on a server or not: one
+    write held every user's requests until the member came back."""
+    inner_members = make_members(tmp_path / "inner", 1)
+    mkfs(inner_members)
+    with mounted_pool(inner_members) as inner:
+        hung = inner.path / "member0"
+        hung.mkdir()
+        members = [str(hung), *make_members(tmp_path / "outer", 1)]
+        mkfs(members, "64KiB", "--meta", pg_cluster.database())
+        with mounted_pool(members, check=False) as outer:
+            (outer.path / "w").mkdir()
+            mxfs("setstripe", "--width", "1", str(outer.path / "w"))
+            names = [outer.path / "w" / f"f{i}" for i in range(4)]  # (on both in turn)
+            for p in names:
+                p.write_bytes(b"x" * 4096)
+            on_hung = [p for p in names if _first_member(outer, p) == 0]
+            assert on_hung, "no file on the first member"
+            pid = inner.daemon_pid()
+            os.kill(pid, signal.SIGSTOP)
+            answered: dict[str, Any] = {}
+            try:
+                def write() -> None:
+                    with contextlib.suppress(OSError), open(on_hung[0], "r+b") as f:
+                        f.write(b"y" * 4096)
+
+                def ask() -> None:
+                    answered["df"] = os.statvfs(outer.path).f_blocks
+                    answered["names"] = sorted(os.listdir(outer.path / "w"))
+
+                writing = threading.Thread(target=write, daemon=True)
+                writing.start()
+                time.sleep(0.5)  # (the write asked)
+                asking = threading.Thread(target=ask, daemon=True)
+                asking.start()
+                asking.join(60)
+                held_up = asking.is_alive()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            asking.join(60)
+            writing.join(60)
+            assert not held_up, "a write to the stopped member held the daemon"
+            assert answered["names"] == [p.name for p in names]
+
+
+def _first_member(m: Mounted, path: Path) -> int:
+    with ControlClient(str(m.path)) as c:
+        return int(c.layout(str(path))["layout"]["first_member"])
+
+
 def test_freeing_files_on_a_member_that_stops_answering_holds_no_commit(
         tmp_path: Path) -> None:
     """Files removed whose chunk files are on a member that stops answering: freeing

@@ -182,8 +182,7 @@ class ChunkFiles:
     def unadmit(self, pieces: list[Piece]) -> None:
         """What `admit` counted of `pieces` against the reserve is let go (written, or
         never to be)."""
-        self.pool.landed(sum(p.length for p in pieces if p.member == self.pool.meta_member
-                             and not self.pool.members[p.member].node))
+        self.pool.landed(sum(p.length for p in pieces if self.pool.holds_store(p.member)))
 
     def write(self, offset: int, data: memoryview, pieces: list[Piece] | None = None
               ) -> None:

@@ -868,7 +868,7 @@ class Pool:
                 raise OSError(errno.EROFS, f"member {member} is node "
                               f"{self.members[member].node}'s")
             return 0
-        if member != self.meta_member:
+        if not self.holds_store(member):
             return 0
         st = os.statvfs(self.members[member].path)
         with self._landing:
@@ -877,6 +877,13 @@ class Pool:
             if hold:
                 self._meta_landing += nbytes
         return nbytes if hold else 0
+
+    def holds_store(self, member: int) -> bool:
+        """Whether `member` holds the pool's metadata store (its reserve kept: a store on
+        a server is not there, and a statvfs of the member, on the daemon's thread for
+        each write, waited on it when it stopped answering)."""
+        return member == self.meta_member and not self.meta_url and \
+            not self.members[member].node
 
     def landed(self, nbytes: int) -> None:
         """(Any thread.)  Bytes `check_space` held are written (or will never be)."""
