@@ -20,6 +20,8 @@ import netns
 import pytest
 from netns import NodeNet
 
+from mxfs.pool.revoke import HELD_DIR, set_immutable
+
 # A test fails on a WARNING or ERROR its daemons log that it does not expect.
 pytest_plugins = ["daemon_log"]
 
@@ -101,6 +103,21 @@ def _layer(request: pytest.FixtureRequest) -> Iterator[None]:
     os.environ["MXFS_TEST_UNIT"] = "1" if unit else ""
     yield
     os.environ.pop("MXFS_TEST_UNIT", None)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Chunk files the daemons held aside for writers that kept descriptors are left
+    immutable (`pool/revoke.py`): pytest could not remove this session's folders
+    later (a later run with the same --basetemp stopped at once, an internal error),
+    and /tmp grew on a developer's machine.  Their flags are cleared now."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    base = getattr(factory, "_basetemp", None)
+    if base is None:
+        return
+    for folder, _, files in os.walk(base):
+        if folder.endswith(os.path.join("chunks", HELD_DIR)):
+            for name in files:
+                set_immutable(os.path.join(folder, name), False)
 
 
 # Seconds each module took (setup, call and teardown of its tests), summed where the
