@@ -843,14 +843,15 @@ class ChunkService:
     async def _send(self, stream: trio.SocketStream, fd: int, offset: int, n: int,
                     member: int,
                     gate: Callable[[], contextlib.AbstractAsyncContextManager[Any]]) -> None:
-        """sendfile `n` bytes of a chunk file of `member`; a sender thread (through a
-        `gate()`, and one of the member's places: reads of a slow member, all its pages
+        """sendfile `n` bytes of a chunk file of `member`; a sender thread (one of the
+        member's places, then through a `gate()`: reads of a slow member, all its pages
         from the disk, held every sender thread, and reads of others waited behind
-        them) only while the socket takes them, and waits for room on trio's loop,
-        outside it."""
+        them; taken inside the gate, a place waited for held a scoped reader's slot)
+        only while the socket takes them, and waits for room on trio's loop, outside
+        it."""
         out = stream.socket.fileno()
         while n:
-            async with gate(), self._places(self._member_sends, member, MEMBER_SENDS):
+            async with self._places(self._member_sends, member, MEMBER_SENDS), gate():
                 sent = await trio.to_thread.run_sync(_send_file, out, fd, offset, n,
                                                      limiter=self._senders)
             self.served_bytes += sent

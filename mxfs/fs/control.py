@@ -40,7 +40,7 @@ from mxfs.fs.session import Handler, Session
 from mxfs.fs.status_ops import StatusOps
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.fs.wake import WakeLatency
-from mxfs.pool.closer import close_later
+from mxfs.pool.closer import CLOSER, close_later
 from mxfs.proto import BY_NAME, OPS
 from mxfs.proto.messages import HELLO
 from mxfs.vol.access import Caller
@@ -83,7 +83,8 @@ class ControlServer:
                         lim, self.remote)
         self.kv.turns = self.turns  # (its waits on others' claims step out of them)
         self.kv.sessions = lambda: self.listener.sessions.values()
-        self.fds.elsewhere += [self.listener.connections, self.kv.view_fds]
+        self.fds.elsewhere += [self.listener.connections, self.kv.view_fds,
+                               lambda: CLOSER.pending]  # (still closing: `pool/closer.py`)
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,

@@ -322,8 +322,7 @@ class ChunkFiles:
 
     def _close_all(self) -> None:
         """(Under the lock.)"""
-        for _, fds in self._retired:
-            close_later(fds)
-        close_later(self._fds.values())
+        fds = [*self._fds.values(), *(fd for _, old in self._retired for fd in old)]
         self._fds.clear()
         self._retired.clear()
+        close_later(fds)

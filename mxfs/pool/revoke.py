@@ -63,7 +63,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from mxfs.errors import MxfsError
-from mxfs.pool.closer import wait_closed
+from mxfs.pool.closer import CLOSER, fdinfo
 from mxfs.pool.pool import CHUNK_DIR, Pool, unlink_cut
 
 log = logging.getLogger("mxfs.pool")
@@ -165,6 +165,7 @@ def _lease_refused(path: str, lease: int) -> bool:
         return False
     try:
         for look in range(LOOKS):
+            closes = CLOSER.closes
             try:
                 fcntl.fcntl(fd, fcntl.F_SETLEASE, lease)
                 fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
@@ -173,7 +174,7 @@ def _lease_refused(path: str, lease: int) -> bool:
                 # (this daemon's own descriptors of it, given up and still closing, are
                 # not anyone's: looked at again once they are closed)
                 if look == LOOKS - 1 or \
-                        not wait_closed(os.fstat(fd).st_ino, CLOSING_WAIT_S):
+                        not CLOSER.wait_closed(fdinfo(fd), CLOSING_WAIT_S, closes):
                     return True
     except OSError as e:
         why = f"the file system of {path} takes no leases ({os.strerror(e.errno or 0)})"
