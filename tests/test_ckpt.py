@@ -180,6 +180,25 @@ ck.save(state, path).wait()
 """
 
 
+def test_a_save_killed_in_another_container_frees_its_name_at_once(mounted: Mounted
+                                                                   ) -> None:
+    """A save in another pid namespace (a container: `unshare`) killed mid-write: its
+    half-written name is saved again at once from here (its lock on its folder went
+    with it), not an hour later when its folder's age said it was left over."""
+    path = str(mounted.path / "ckpts" / "step-2")
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable,
+                          "-c", KILLED_WRITER, path, "mid-write"],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    assert p.stdout.readline().split() == ["at", "mid-write"]
+    p.kill()
+    p.wait()
+    state = {"w": torch.arange(1000.0), "step": 2}
+    assert eventually(lambda: catalog.is_stale(catalog.partial_path(path)))
+    ck.save(state, path).wait()
+    assert_same(ck.load(path), state)
+
+
 @pytest.mark.parametrize("step", ["after-staging", "mid-write", "before-commit",
                                   "during-commit", "before-rename"])
 @pytest.mark.also_postgres

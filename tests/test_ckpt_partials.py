@@ -71,3 +71,45 @@ def test_another_containers_save_is_left_alone_until_it_has_been_idle_long(
     assert sorted(catalog.prune(str(tmp_path), keep=1)) == sorted(
         str(p) for p in (foreign, legacy, half))
     assert not foreign.exists()
+
+
+_CLAIM = """
+import sys, time
+from mxfs.ckpt import catalog
+catalog.claim_partial(sys.argv[1])
+print("claimed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dead_save_of_another_container_on_this_machine_is_stale_at_once(
+        tmp_path: Path) -> None:
+    """A save from another pid namespace of this machine (a container; here `unshare`)
+    holds its folder locked while it works: alive, its folder is not stale whatever its
+    pid reads here, and its name is refused; killed, the kernel lets go of its lock and
+    the name is free at once.  Judged by the folder's age alone, a container restarted
+    after a crash waited an hour to save under the name its last save had left."""
+    path = str(tmp_path / "step-7")
+    container = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child",
+         sys.executable, "-c", _CLAIM, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert container.stdout is not None
+        assert container.stdout.readline().strip() == "claimed"
+        partial = catalog.partial_path(path)
+        owner = json.loads(Path(partial, OWNER).read_text())
+        assert owner["where"] != catalog._owner_id()  # (another pid namespace)
+        assert not catalog.is_stale(partial)
+        with pytest.raises(CheckpointError, match="saving .* right now"):
+            catalog.claim_partial(path)
+        assert catalog.prune(str(tmp_path), keep=1) == []
+    finally:
+        container.kill()
+        container.wait()
+    deadline = time.monotonic() + 20  # (its child, pid 1 there, is killed as it dies)
+    while not catalog.is_stale(partial) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mine = catalog.claim_partial(path)  # (the dead save's folder cleared)
+    assert json.loads(Path(mine.path, OWNER).read_text())["where"] == catalog._owner_id()
+    catalog.drop_partial(mine)
+    assert not Path(partial).exists()

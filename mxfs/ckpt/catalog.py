@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -327,13 +328,28 @@ def claim_partial(path: str) -> Partial:
         if st.st_uid != made.uid:
             raise _replaced(made, st.st_uid)
         try:
-            _write_owner(partial, fd)
+            _write_owner(partial, fd, _lock(fd))
         except BaseException:  # (a folder without its owner would hold the name an hour)
             drop_partial(made)
             raise
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    _forget_removed()
+    _HELD[_held_key(made)] = fd  # (let go at its publish or drop: `let_go`)
     return made
+
+
+def _forget_removed() -> None:
+    """Let go of the locks of this process's save folders removed by another process
+    (a DCP rank that failed drops the coordinator's folder)."""
+    for key, fd in list(_HELD.items()):
+        try:
+            gone = os.fstat(fd).st_nlink == 0
+        except OSError:  # (a mount may say it is gone so)
+            gone = True
+        if gone:
+            os.close(_HELD.pop(key))
 
 
 def _replaced(p: Partial, uid: int | None, why: str | None = None) -> CheckpointError:
@@ -364,9 +380,20 @@ def drop_partial(p: Partial) -> None:
     try:
         st = os.lstat(p.path)
     except OSError:
+        let_go(p)
         return
     if (st.st_ino, st.st_uid) == (p.ino, p.uid):
         shutil.rmtree(p.path, ignore_errors=True)
+    let_go(p)
+
+
+def let_go(p: Partial) -> None:
+    """This process's lock on the folder of its save `p` (`claim_partial`), let go once
+    the save is published or dropped (anywhere: a writer process publishes); nothing
+    if this process holds none."""
+    fd = _HELD.pop(_held_key(p), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def new_manifest(files: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -416,6 +443,7 @@ def publish(partial: Partial, path: str, manifest: dict[str, Any]) -> str | None
         os.fsync(fd)
     finally:
         os.close(fd)
+    let_go(partial)
     try:
         set_latest(root, os.path.basename(path))
     except OSError as e:
@@ -459,10 +487,14 @@ def _owner_id() -> str:
         return "?"
 
 
-def _write_owner(folder: str, dir_fd: int | None = None) -> None:
-    """Say whose the hidden folder `folder` is (`dir_fd`: it, already open): a new
-    file, never one written through whatever held the name."""
-    data = json.dumps({"pid": os.getpid(), "where": _owner_id()}).encode()
+def _write_owner(folder: str, dir_fd: int | None = None, locked: bool = False) -> None:
+    """Say whose the hidden folder `folder` is (`dir_fd`: it, already open; `locked`:
+    this process holds a lock on it for as long as it works there): a new file, never
+    one written through whatever held the name."""
+    owner: dict[str, Any] = {"pid": os.getpid(), "where": _owner_id()}
+    if locked:
+        owner["locked"] = True
+    data = json.dumps(owner).encode()
     try:
         fd = open_dir(folder, follow=False) if dir_fd is None else dir_fd
         try:
@@ -499,11 +531,52 @@ def _stale_at(fd: int) -> bool:
     try:
         owner = json.loads(read_small(OWNER, fd, SMALL_MAX))
         pid, where = int(owner["pid"]), str(owner.get("where", ""))
+        locked = owner.get("locked") is True
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return _idle_for(fd) >= FOREIGN_STALE_S  # unreadable: maybe being written
-    if where != _owner_id():
+    here = _owner_id()
+    if locked and where.split("/")[0] == here.split("/")[0] != "?":
+        # Written in this boot of this machine, by a process that locks the folder while
+        # it works there (the kernel lets go of the lock when it dies, however it dies):
+        # whatever its pid namespace, its lock says.  A container restarted after a
+        # crash waited an hour for the name its last save had left half-written.
+        free = _lock_free(fd)
+        if free is not None:
+            return free
+    if where != here:
         return _idle_for(fd) >= FOREIGN_STALE_S
     return pid != os.getpid() and not running(pid)
+
+
+def _lock(fd: int) -> bool:
+    """Lock the folder `fd` for this process's work in it (waiting out a moment's
+    look of `_lock_free`); whether it could be locked."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    except OSError:  # (a filesystem that takes no locks: its age judges it)
+        return False
+
+
+def _lock_free(fd: int) -> bool | None:
+    """Whether nobody holds the folder `fd` locked (taken and let go at once, on a
+    descriptor of its own); None if the filesystem cannot say."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def _held_key(p: Partial) -> tuple[str, int]:
+    return p.path, p.ino
+
+
+# This process's saves' folders, each held locked by a descriptor (`claim_partial`).
+_HELD: dict[tuple[str, int], int] = {}
 
 
 def _idle_for(fd: int) -> float:
@@ -573,15 +646,16 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
     except OSError as e:
         raise CheckpointError(f"{path} was replaced while it was removed ({e.strerror})",
                               f"look at {os.path.join(root, hidden)}") from None
-    try:  # (without it the folder looks fresh to a prune beside: left to this one)
+    try:  # (without it the folder looks fresh to a prune beside: left to this one;
+        # locked until it is gone, its owner says so: `_stale_at`)
         with contextlib.suppress(OSError):
-            _write_owner(os.path.join(root, hidden), fd)
+            _write_owner(os.path.join(root, hidden), fd, _lock(fd))
+        if _latest_at(root_fd) == name:
+            left = _list_at(root_fd, root)
+            set_latest(root, left[-1].name if left else None)
+        shutil.rmtree(hidden, dir_fd=root_fd)
     finally:
         os.close(fd)
-    if _latest_at(root_fd) == name:
-        left = _list_at(root_fd, root)
-        set_latest(root, left[-1].name if left else None)
-    shutil.rmtree(hidden, dir_fd=root_fd)
     os.fsync(root_fd)
 
 

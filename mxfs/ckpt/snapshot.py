@@ -196,6 +196,7 @@ class Checkpointer:
                 log.error("checkpoint %s failed: %s", snap.path, _describe(e))
             catalog.drop_partial(job.partial)
         finally:
+            catalog.let_go(job.partial)  # (published by the worker process, if any)
             if snap.watermark.final_at is not None:
                 snap.times["staged"] = snap.watermark.final_at
             snap.times["done"] = time.perf_counter()
