@@ -88,8 +88,11 @@ class ChunkFiles:
                 self.pool.probe(member, e)
                 raise
             old = self._fds.get(member)
-            if old is not None:  # a read-only descriptor, replaced by a writable one
-                close_later([old])
+            if old is not None:  # a read-only descriptor, replaced by a writable one: a
+                # read that took it without the lock may still use it (closed, its number
+                # could be another file's by then), so it is retired as `reopen` retires
+                self._retired.append((time.monotonic(), [old]))
+                self._sweep(time.monotonic())
             self._fds[member] = fd
         if self._closed:  # (closed while this open waited: see `close`)
             self._closed_meanwhile()
@@ -294,10 +297,14 @@ class ChunkFiles:
                 self._retired.append((now, list(self._fds.values())))
                 self._fds.clear()
                 self._readonly.clear()
-            while self._retired and now - self._retired[0][0] > RETIRED_S:
-                close_later(self._retired.popleft()[1])
+            self._sweep(now)
         if self._closed:
             self._closed_meanwhile()
+
+    def _sweep(self, now: float) -> None:
+        """(Under the lock.)  Close the descriptors retired RETIRED_S ago."""
+        while self._retired and now - self._retired[0][0] > RETIRED_S:
+            close_later(self._retired.popleft()[1])
 
     def close(self) -> None:
         """Close its descriptors, never waiting (it is called on the daemon's thread):
