@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -477,6 +478,35 @@ def test_damaged_chunk_is_a_miss_never_wrong_bytes(mounted: Mounted,
         assert not kv.exists("big") and not kv.exists("small")  # dropped from the index
         kv.put("big", blob(5, 2 << 20))  # and stored again cleanly
         assert kv.get("big") == blob(5, 2 << 20)
+
+
+def test_a_readers_drop_of_a_damaged_chunk_spares_the_key_put_again_meanwhile(
+        mounted: Mounted) -> None:
+    """A get finds a chunk failing its checksum and drops it: only that chunk.  The key
+    deleted and put again (the same bytes, as a prefix computed again gives) between
+    the reader's check and its drop stays stored; before, the drop named the key
+    alone and deleted the good chunk put meanwhile."""
+    good = blob(6, 2 << 20)
+    with KVStore(str(mounted.path), "d") as kv, KVStore(str(mounted.path), "d") as other:
+        kv.put("k", good)
+        for path in (p for p in chunk_files(mounted.members) if os.path.getsize(p) > 100):
+            with open(path, "r+b") as f:  # (flip a byte: its chunk files fail their sums)
+                b = f.read(1)
+                f.seek(0)
+                f.write(bytes([b[0] ^ 1]))
+        asked = kv._ask
+        dropped: list[dict] = []
+
+        def ask(req: Any) -> Any:
+            if req.op.name == "kv_delete":
+                assert other.delete("k") and other.put("k", good)  # (meanwhile)
+                dropped.append(req.fields)
+            return asked(req)
+        kv._ask = ask  # type: ignore[method-assign]
+        assert kv.get("k") is None  # (its miss)
+        assert dropped, "the damaged chunk was not dropped"
+        kv._ask = asked  # type: ignore[method-assign]
+        assert kv.get("k") == good  # the chunk put meanwhile, kept
 
 
 PUTTER = r"""

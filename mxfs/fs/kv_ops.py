@@ -25,9 +25,17 @@ import trio
 
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import BITE, Slice, Turns, in_bites
-from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
+from mxfs.fs.fields import (
+    BadField,
+    Msg,
+    b64_field,
+    bool_field,
+    int_field,
+    ints_field,
+    sums_field,
+)
 from mxfs.fs.kv_claims import CLAIM_S, Claims
-from mxfs.fs.kv_fields import INLINE_REPLY, keys_field, sizes_field
+from mxfs.fs.kv_fields import INLINE_REPLY, MAX_BATCH, keys_field, sizes_field
 from mxfs.fs.kv_follow import COPIERS, FollowerKV
 from mxfs.fs.kv_forward import ForwardedKV
 from mxfs.fs.limits import Limits, NodeHeld
@@ -140,9 +148,10 @@ _NEEDS = {"kv_put": (W_OK, True), "kv_create": (W_OK, True), "kv_commit": (W_OK,
 
 
 def _sums(chunk: Chunk) -> ChunkReply:
-    """What a reader checks a chunk's bytes against."""
+    """What a reader checks a chunk's bytes against (and which chunk it was: a reader's
+    drop after a failed check names it, `_delete`)."""
     return {"size": chunk.size, "sum_unit": chunk.sum_unit,
-            "sums": base64.b64encode(chunk.sums).decode()}
+            "sums": base64.b64encode(chunk.sums).decode(), "chunk": chunk.ino}
 
 
 def _key(msg: Msg) -> bytes:
@@ -393,9 +402,18 @@ class KVOps:
 
     async def _delete(self, msg: Msg, session: Session, space: Namespace
                       ) -> Answer[DeletedReply]:
+        """Delete keys; with `inos`, each only while it is still that chunk (a reader
+        dropping one that failed its checksum: a put of the key since is not it)."""
+        keys = keys_field(msg)
+        inos = ints_field(msg, "inos", MAX_BATCH) if "inos" in msg else None
+        if inos is not None:
+            if len(inos) != len(keys):
+                raise OSError(errno.EINVAL, "'inos' must name one chunk a key")
+            keys = [k for k, ino in zip(keys, inos, strict=True)
+                    if (c := space.chunks.get(k)) is not None and c.ino == ino]
         deleted = 0
-        async for keys in in_bites(keys_field(msg), BITE):
-            deleted += self.index.remove(space, list(keys))
+        async for bite in in_bites(keys, BITE):
+            deleted += self.index.remove(space, list(bite))
         return {"deleted": deleted}, []
 
     async def _list(self, msg: Msg, session: Session, space: Namespace) -> Answer[KVListReply]:

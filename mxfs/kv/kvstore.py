@@ -59,6 +59,7 @@ from mxfs.proto.messages import (
     KV_WAIT,
     ChunkReply,
     InNamespace,
+    KVDeleteRequest,
     KVGetRequest,
     NamespaceStats,
     Rep,
@@ -619,7 +620,7 @@ class KVStore:
         try:
             views, copies = self._read_into(keys, files, outs, misfits, conns)
             results: list[Any] = []
-            bad = []
+            bad, bad_inos = [], []
             landing: list[tuple[Any, Any]] = []  # device buffers' pieces to copy over
             for i, (view, entry) in enumerate(zip(views, entries, strict=True)):
                 if view is None or entry is None:
@@ -631,15 +632,21 @@ class KVStore:
                                 "counted as a miss", key_bytes(keys[i])[:64], self.namespace)
                     self.misses["checksum"] += 1
                     bad.append(wire[i])
+                    bad_inos.append(entry.get("chunk", entry.get("ino")))
                     results.append(None)
                     continue
                 if copies[i] is not None:
                     landing.append(copies[i])
                 results.append(True if outs is not None else bytes(view))
             _DeviceHost.land(landing)
-            if bad:  # (dropped for the next reader; one who may only read is refused,
-                with suppress(ControlError):  # and its get is its miss all the same)
-                    self._ask(KV_DELETE({**self._ns, "keys": bad}))
+            if bad:  # (dropped for the next reader, if it is still that chunk: one who
+                # may only read is refused, and its get is its miss all the same)
+                drop = KVDeleteRequest(**self._ns, keys=bad)
+                inos = [i for i in bad_inos if isinstance(i, int)]
+                if len(inos) == len(bad):
+                    drop["inos"] = inos
+                with suppress(ControlError):
+                    self._ask(KV_DELETE(drop))
         finally:
             for f in files:
                 if f is not None:

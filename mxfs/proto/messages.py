@@ -166,6 +166,7 @@ class ChunkReply(TypedDict, total=False):
     members: list[int]
     direct_members: list[int]
     ino: int  # read over the reply's `remote` connections (a reading node's)
+    chunk: int  # which chunk it is (its inode), for a drop after a failed check
 
 
 # ---- requests and replies, by op -------------------------------------------------
@@ -341,6 +342,12 @@ class InNamespace(TypedDict, total=False):
 
 class KeysRequest(InNamespace):
     keys: list[str]  # base64
+
+
+class KVDeleteRequest(KeysRequest):
+    # One a key (a get's "chunk"): delete it only while it is still that chunk (a reader's
+    # drop of one that failed its checksum must not delete another put meanwhile).
+    inos: NotRequired[list[int]]
 
 
 class KVPutRequest(KeysRequest):
@@ -534,7 +541,7 @@ KV_EXISTS = Op("kv_exists", KeysRequest, KVExistsReply)
 KV_VIEW = Op("kv_view", InNamespace, KVViewReply)
 KV_CLAIM = Op("kv_claim", KVClaimRequest, KVClaimReply)
 KV_WAIT = Op("kv_wait", KVWaitRequest, KVExistsReply)
-KV_DELETE = Op("kv_delete", KeysRequest, DeletedReply)
+KV_DELETE = Op("kv_delete", KVDeleteRequest, DeletedReply)
 KV_STATS = Op("kv_stats", InNamespace, KVStatsReply)
 KV_LIST = Op("kv_list", KVListRequest, KVListReply)
 KV_CONFIG = Op("kv_config", KVConfigRequest, KVConfigReply)
