@@ -191,6 +191,7 @@ MEMBER_CHANGES = WRITES_AT_ONCE - 1
 CHANGE_LATE_S = 15.0  # a chunk write with no place this long after it came is refused
 # (the writer waits 30 s for its answer, then fails its caller's write: done after, it
 # would land after whatever that caller did next, as a truncate and a rewrite)
+CUT_FOLLOW_S = 60.0  # a TRUN's following by the node's mount, never cancelled, at most
 # What accept says while the daemon's descriptors or the kernel's memory are out ...
 OUT_OF_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
 OUT_OF_ROOM_S = 0.1  # ... waited out this long, then accepted again
@@ -746,11 +747,16 @@ class ChunkService:
                     return 0, b""  # (a late cut-back: opened here since, cut then)
                 await trio.to_thread.run_sync(_change_chunk, tag, path, offset, None,
                                               limiter=self._changers)
-                try:
-                    await self.cut_elsewhere(ino)
-                except Exception as e:  # (cut: the writer's truncate stands; the size
-                    self._failures.note("a cut's size on this node", None, e,  # held
-                                        trace=not isinstance(e, OSError))  # here: told)
+                # (cut: the node's mount follows it whatever happens to the request, its
+                # IDLE_S run out or its peer gone; cancelled between the two, a file
+                # open for writing here kept its old size and grew the cut back)
+                with trio.CancelScope(shield=True) as follow:
+                    follow.deadline = trio.current_time() + CUT_FOLLOW_S
+                    try:
+                        await self.cut_elsewhere(ino)
+                    except Exception as e:  # (the writer's truncate stands; the size
+                        self._failures.note("a cut's size on this node", None, e,  # held
+                                            trace=not isinstance(e, OSError))  # here: told)
             return 0, b""
         await trio.to_thread.run_sync(_change_chunk, tag, path, offset, data,
                                       functools.partial(pool.create_flags, member, path),
