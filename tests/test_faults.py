@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -535,6 +535,23 @@ def test_a_member_that_stops_answering_holds_up_no_one(tmp_path: Path) -> None:
         assert not any(m.get("failed") for m in after["members"])  # back once it is
 
 
+def _held_up(pid: int, meanwhile: Callable[[], None], ask: Callable[[], None]) -> bool:
+    """With the daemon `pid` (a member's) stopped, do `meanwhile` and then `ask`:
+    whether `ask` still waited after 60 s (it ends once the member answers again)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        meanwhile()
+        time.sleep(0.5)  # (what it set going reaches the daemon: a release, a write)
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(60)
+        held = asking.is_alive()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    asking.join(60)
+    return held
+
+
 def test_closing_a_file_on_a_member_that_stops_answering_holds_up_no_one(
         tmp_path: Path) -> None:
     """The last close of a file with a chunk file on a member that stops answering
@@ -542,36 +559,27 @@ def test_closing_a_file_on_a_member_that_stops_answering_holds_up_no_one(
     daemon answering: its descriptors are closed off the loop, each member's in turn.
     Closed on the loop, one user's close of such a file held every user's requests
     until the member came back."""
-    with _member_on_a_mount(tmp_path) as (inner, outer, members):
+    with _member_on_a_mount(tmp_path) as (inner, outer, _):
         held = []
         for i in range(2):  # (f1 is on the member that stops)
             fd = os.open(outer.path / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o644)
             os.write(fd, b"x" * 4096)
             os.fsync(fd)  # (the daemon holds both chunk files open now)
             held.append(fd)
-        assert chunk_files(members[1:]), "no chunk file on the second member"
-        pid = inner.daemon_pid()
-        os.kill(pid, signal.SIGSTOP)
         answered: dict[str, Any] = {}
-        try:
+
+        def close() -> None:  # (the daemon closes the chunk files on its release)
             for fd in held:
-                os.close(fd)  # (the daemon closes the chunk files on its release)
+                os.close(fd)
 
-            def ask() -> None:
-                answered["df"] = os.statvfs(outer.path).f_blocks
-                (outer.path / "after").write_bytes(b"y" * 4096)  # (on member 0)
-                answered["after"] = (outer.path / "after").read_bytes()
-                answered["names"] = sorted(os.listdir(outer.path))
+        def ask() -> None:
+            answered["df"] = os.statvfs(outer.path).f_blocks
+            (outer.path / "after").write_bytes(b"y" * 4096)  # (on member 0)
+            answered["after"] = (outer.path / "after").read_bytes()
+            answered["names"] = sorted(os.listdir(outer.path))
 
-            time.sleep(0.5)  # (the releases come after close() returns)
-            asking = threading.Thread(target=ask, daemon=True)
-            asking.start()
-            asking.join(60)
-            held_up = asking.is_alive()
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        asking.join(60)
-        assert not held_up, "a close on the stopped member held the daemon"
+        assert not _held_up(inner.daemon_pid(), close, ask), \
+            "a close on the stopped member held the daemon"
         assert answered["df"] > 0 and answered["after"] == b"y" * 4096
         assert answered["names"] == ["after", "f0", "f1"]
         assert (outer.path / "f1").read_bytes() == b"x" * 4096
@@ -599,30 +607,20 @@ def test_writes_to_a_first_member_that_stops_answering_hold_up_no_one(
                 p.write_bytes(b"x" * 4096)
             on_hung = [p for p in names if _first_member(outer, p) == 0]
             assert on_hung, "no file on the first member"
-            pid = inner.daemon_pid()
-            os.kill(pid, signal.SIGSTOP)
             answered: dict[str, Any] = {}
-            try:
-                def write() -> None:
-                    with contextlib.suppress(OSError), open(on_hung[0], "r+b") as f:
-                        f.write(b"y" * 4096)
 
-                def ask() -> None:
-                    answered["df"] = os.statvfs(outer.path).f_blocks
-                    answered["names"] = sorted(os.listdir(outer.path / "w"))
+            def write() -> None:
+                with contextlib.suppress(OSError), open(on_hung[0], "r+b") as f:
+                    f.write(b"y" * 4096)
 
-                writing = threading.Thread(target=write, daemon=True)
-                writing.start()
-                time.sleep(0.5)  # (the write asked)
-                asking = threading.Thread(target=ask, daemon=True)
-                asking.start()
-                asking.join(60)
-                held_up = asking.is_alive()
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            asking.join(60)
+            def ask() -> None:
+                answered["df"] = os.statvfs(outer.path).f_blocks
+                answered["names"] = sorted(os.listdir(outer.path / "w"))
+
+            writing = threading.Thread(target=write, daemon=True)
+            assert not _held_up(inner.daemon_pid(), writing.start, ask), \
+                "a write to the stopped member held the daemon"
             writing.join(60)
-            assert not held_up, "a write to the stopped member held the daemon"
             assert answered["names"] == [p.name for p in names]
 
 
