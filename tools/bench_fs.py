@@ -13,6 +13,9 @@ like each member):
                files read straight, one thread per member: the raw ceiling)
   read_warm    the same, from the page cache
   create, stat, rename, readdir, unlink   per second, on empty files in one folder
+  small_read   small files (4 KiB) opened, read and closed, per second, caches dropped
+               first (each close is a release the daemon answers, its chunk
+               descriptors closed off its thread: `pool/closer.py`)
   direct_commit  files made, written and published through the direct path
                (mxfs.client.writer.create_file ... commit) per second; the plain
                side is the same writer's temp file + rename
@@ -61,8 +64,10 @@ BANDWIDTH = ("write", "torch_save", "save_file", "read_cold", "read_first", "rea
 PARTS = {"big": ("write", "read", "read_cold", "read_first", "read_warm"),
          "saves": ("torch_save", "save_file"),
          "names": ("create", "stat", "rename", "readdir", "unlink"),
-         "direct": ("direct_commit",)}
-GROUPS = {"all": tuple(PARTS), "data": ("big", "saves"), "meta": ("names", "direct")}
+         "direct": ("direct_commit",),
+         "small": ("small_read",)}
+GROUPS = {"all": tuple(PARTS), "data": ("big", "saves"),
+          "meta": ("names", "direct", "small")}
 
 
 def parts_of(steps: str) -> set[str]:
@@ -130,6 +135,28 @@ def metadata_rates(folder: str, n: int) -> dict[str, float]:
     return rates
 
 
+def small_reads(folder: str, n: int) -> float:
+    """Files of 4 KiB opened, read and closed per second, their caches dropped first."""
+    d = os.path.join(folder, "small")
+    os.mkdir(d)
+    names = [os.path.join(d, f"s{i:05d}") for i in range(n)]
+    data = os.urandom(4096)
+    for p in names:
+        with open(p, "wb") as f:
+            f.write(data)
+    drop_caches()
+    t = time.perf_counter()
+    for p in names:
+        with open(p, "rb") as f:
+            if f.read() != data:
+                raise SystemExit(f"{p} read back different")
+    rate = n / (time.perf_counter() - t)
+    for p in names:
+        os.unlink(p)
+    os.rmdir(d)
+    return rate
+
+
 def direct_commits(folder: str, n: int) -> float:
     """Files of 64 KiB made, written and published per second through create_file."""
     d = os.path.join(folder, "direct")
@@ -184,6 +211,9 @@ def one_round(pool: Any, size: int, files: int, block: memoryview, buf: bytearra
         n = max(50, files // 10)
         r["direct_commit"] = {"mxfs": direct_commits(pool.mnt, n),
                               "plain": direct_commits(pool.plain, n)}
+    if "small" in parts:
+        n = max(100, files // 3)
+        r["small_read"] = {"mxfs": small_reads(pool.mnt, n), "plain": small_reads(pool.plain, n)}
     return r
 
 
@@ -272,7 +302,7 @@ def main() -> int:
     ap.add_argument("-o", dest="options", default="", help="mount options to test")
     ap.add_argument("--steps", default="all", help="the steps to run, comma-separated: "
                     "all (default), data (the bandwidth steps), meta (create, stat, rename, "
-                    "readdir, unlink, direct_commit), or step names")
+                    "readdir, unlink, direct_commit, small_read), or step names")
     bench_args(ap)
     args = ap.parse_args()
     size = parse_size(args.size)
