@@ -24,7 +24,8 @@ Beside them, the rig's raw ceilings: O_DIRECT reads, and buffered writes + fsync
 the same bytes, of each member alone and of all at once.  `--meta URL` puts the
 pool's metadata on a PostgreSQL server (`mxfs mkfs --meta`), to compare the
 engines.  `--steps` runs only some steps: `meta` the metadata ones (create ...
-unlink and direct_commit, without the rig's ceilings), `data` the bandwidth ones, or
+unlink, direct_commit and small_read, without the rig's ceilings), `data` the bandwidth
+ones, or
 step names (create, stat, rename, readdir and unlink run together, as do write and
 the reads, and torch_save and save_file).  Repeats and reports medians, the ratio
 mxfs / plain, and the targets of issues 2 and 14.
