@@ -25,10 +25,9 @@ the same bytes, of each member alone and of all at once.  `--meta URL` puts the
 pool's metadata on a PostgreSQL server (`mxfs mkfs --meta`), to compare the
 engines.  `--steps` runs only some steps: `meta` the metadata ones (create ...
 unlink, direct_commit and small_read, without the rig's ceilings), `data` the bandwidth
-ones, or
-step names (create, stat, rename, readdir and unlink run together, as do write and
-the reads, and torch_save and save_file).  Repeats and reports medians, the ratio
-mxfs / plain, and the targets of issues 2 and 14.
+ones, or step names (create, stat, rename, readdir and unlink run together, as do
+write and the reads, and torch_save and save_file).  Repeats and reports medians, the
+ratio mxfs / plain, and the targets of issues 2 and 14.
 
     python tools/bench_fs.py --size 2GiB --repeat 3 --rig members:4:500 --json out.json
     python tools/bench_fs.py --steps meta --files 3000 --meta postgresql:///db?host=/run/pg
