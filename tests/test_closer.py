@@ -1,0 +1,104 @@
+"""The closer (`pool/closer.py`): descriptors handed over are closed off the caller's
+thread, and a look for a file's holders waits for the process's own still closing.
+
+Plain files in a temporary folder: no mount, no root.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mxfs.pool.closer import LINGER_S, Closer, close_later, fdinfo
+from mxfs.pool.revoke import writers_remain
+
+
+def _open(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+        return True
+    except OSError as e:
+        assert e.errno == errno.EBADF
+        return False
+
+
+def test_descriptors_handed_over_are_all_closed_and_counted_until_then(
+        tmp_path: Path) -> None:
+    closer = Closer()
+    paths = [tmp_path / f"f{i}" for i in range(200)]
+    fds = [os.open(p, os.O_RDWR | os.O_CREAT, 0o600) for p in paths]
+    closer.close(fds)
+    assert closer.drain(10), f"{closer.pending} still closing"
+    assert closer.pending == 0
+    assert not any(_open(fd) for fd in fds)
+    assert closer.closes == len(fds)
+
+
+def test_fdinfo_names_the_mount_and_inode_without_asking_the_filesystem(
+        tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mount, ino = fdinfo(fd)
+        assert ino == os.fstat(fd).st_ino
+        assert mount > 0
+    finally:
+        os.close(fd)
+
+
+def test_a_look_for_writers_waits_for_the_processs_own_closing_descriptors(
+        tmp_path: Path) -> None:
+    """A writable descriptor this process gave up (as the daemon gives up its copy of
+    one it sent) is no writer once closed: the look waits for it, and a descriptor
+    kept open is still one."""
+    path = tmp_path / "chunk"
+    path.write_bytes(b"x" * 4096)
+    mine = os.open(path, os.O_WRONLY)
+    assert writers_remain([str(path)])
+    close_later([mine])  # (the process's closer, which the looks wait for)
+    assert not writers_remain([str(path)])
+    kept = os.open(path, os.O_WRONLY)
+    try:
+        assert writers_remain([str(path)])  # (a holder that is not closing)
+    finally:
+        os.close(kept)
+
+
+def test_wait_closed_says_whether_a_look_is_worth_taking_again(tmp_path: Path) -> None:
+    closer = Closer()
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    probe = os.open(path, os.O_RDONLY)
+    try:
+        file, since = fdinfo(probe), closer.closes
+        assert not closer.wait_closed(file, 1.0, since)  # (nothing of it closing)
+        closer.close([os.open(path, os.O_WRONLY)])
+        assert closer.wait_closed(file, 10.0, since)  # (its own copy, now closed)
+    finally:
+        os.close(probe)
+
+
+def _threads_of(closer: Closer) -> list[threading.Thread]:
+    return [t for t in threading.enumerate()
+            if getattr(getattr(t, "_target", None), "__self__", None) is closer]
+
+
+@pytest.mark.parametrize("n", [1, 64])
+def test_threads_end_once_idle(tmp_path: Path, n: int) -> None:
+    """An idle closer holds no thread (each ends LINGER_S after its last descriptor)."""
+    closer = Closer()
+    closer.close([os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT, 0o600)
+                  for i in range(n)])
+    assert closer.drain(10)
+    assert _threads_of(closer)  # (lingering a moment for more)
+    deadline = time.monotonic() + LINGER_S + 10
+    while _threads_of(closer) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _threads_of(closer)
