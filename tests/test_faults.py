@@ -572,16 +572,24 @@ def test_closing_a_file_on_a_member_that_stops_answering_holds_up_no_one(
             for fd in held:
                 os.close(fd)
 
+        def closing() -> int:
+            with ControlClient(str(outer.path)) as c:
+                return int(c.stat()["closing"])
+
         def ask() -> None:
             answered["df"] = os.statvfs(outer.path).f_blocks
             (outer.path / "after").write_bytes(b"y" * 4096)  # (on member 0)
             answered["after"] = (outer.path / "after").read_bytes()
             answered["names"] = sorted(os.listdir(outer.path))
+            # (its descriptor of f1's chunk file waits for the member: status says so)
+            answered["closing"] = eventually(lambda: closing() >= 1, 10)
 
         assert not _held_up(inner.daemon_pid(), close, ask), \
             "a close on the stopped member held the daemon"
         assert answered["df"] > 0 and answered["after"] == b"y" * 4096
         assert answered["names"] == ["after", "f0", "f1"]
+        assert answered["closing"], "status showed no descriptor closing"
+        assert eventually(lambda: closing() == 0, 30)  # (closed once it answers)
         assert (outer.path / "f1").read_bytes() == b"x" * 4096
 
 

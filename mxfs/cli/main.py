@@ -235,7 +235,9 @@ def _format_status(s: dict[str, Any]) -> str:
              f"  stripe unit {format_size(s['stripe_unit'])}"
              + (f", {s['inodes']} inodes, {s['open_files']} open" if "inodes" in s else "")
              + (f", {s['orphans_queued']} removed being freed" if s.get("orphans_queued")
-                else "")]
+                else "")
+             + (f", {s['closing']} descriptors still closing (a member not answering?)"
+                if s.get("closing") else "")]
     if "io_engine" in s:
         lines.append(f"  I/O engine: {s['io_engine']} ({s['native_engine']})")
         if s.get("io_taken_back"):

@@ -25,6 +25,7 @@ from mxfs.fs.wake import WakeLatency
 from mxfs.io.batch import ENGINE, native_engine, taken_back
 from mxfs.meta import MetaStore, lease
 from mxfs.meta.survey import bytes_by_use
+from mxfs.pool.closer import CLOSER
 from mxfs.proto import OPS, VERSION
 from mxfs.proto.messages import (
     DfReply,
@@ -119,7 +120,8 @@ class StatusOps:
                 "mountpoint": self.mountpoint, "pid": os.getpid(), "socket": self.listener.path,
                 "members": await self.space.usage(viewer), "inodes": self.vol.count_inodes(),
                 "open_files": len(self.vol.open_inodes),
-                "orphans_queued": len(self.vol.pending_reclaim), "io_engine": ENGINE,
+                "orphans_queued": len(self.vol.pending_reclaim), "closing": CLOSER.pending,
+                "io_engine": ENGINE,
                 "native_engine": native_engine()[1], "io_taken_back": taken_back(),
                 "limits": self.usage_of_limits(),
                 "quotas": shown,

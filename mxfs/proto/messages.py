@@ -244,6 +244,8 @@ class StatReply(TypedDict):
     inodes: int
     open_files: int
     orphans_queued: int  # removed files no longer open, their space still to be freed
+    closing: int  # the daemon's descriptors of members' files still closing (a member
+                  # that stopped answering holds its own: `pool/closer.py`)
     io_engine: str
     native_engine: str
     io_taken_back: int
