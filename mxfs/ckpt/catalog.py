@@ -646,16 +646,17 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
     except OSError as e:
         raise CheckpointError(f"{path} was replaced while it was removed ({e.strerror})",
                               f"look at {os.path.join(root, hidden)}") from None
-    try:  # (without it the folder looks fresh to a prune beside: left to this one;
-        # locked until it is gone, its owner says so: `_stale_at`)
+    try:  # (without it the folder looks fresh to a prune beside: left to this one.
+        # Not locked as a save's folder is: a published checkpoint is open to others,
+        # whose lock on it would hold this removal, and a dead one's folder for good)
         with contextlib.suppress(OSError):
-            _write_owner(os.path.join(root, hidden), fd, _lock(fd))
-        if _latest_at(root_fd) == name:
-            left = _list_at(root_fd, root)
-            set_latest(root, left[-1].name if left else None)
-        shutil.rmtree(hidden, dir_fd=root_fd)
+            _write_owner(os.path.join(root, hidden), fd)
     finally:
         os.close(fd)
+    if _latest_at(root_fd) == name:
+        left = _list_at(root_fd, root)
+        set_latest(root, left[-1].name if left else None)
+    shutil.rmtree(hidden, dir_fd=root_fd)
     os.fsync(root_fd)
 
 
