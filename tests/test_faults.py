@@ -37,6 +37,7 @@ from users import ensure_users, run_as
 
 from mxfs.cli.measure import drop_caches
 from mxfs.client import ControlClient
+from mxfs.fs import block_counts
 from mxfs.io.chunk_client import ChunkClient
 from mxfs.kv import KVStore
 from mxfs.pool.key import load_key
@@ -591,6 +592,42 @@ def test_closing_a_file_on_a_member_that_stops_answering_holds_up_no_one(
         assert answered["closing"], "status showed no descriptor closing"
         assert eventually(lambda: closing() == 0, 30)  # (closed once it answers)
         assert (outer.path / "f1").read_bytes() == b"x" * 4096
+
+
+def test_a_closed_files_blocks_are_answered_without_asking_its_members(
+        tmp_path: Path) -> None:
+    """A file counted (its chunk files' st_blocks) while it was open nowhere is not
+    counted again until it changes: its lookup after the kernel forgot it asks no
+    member, and answers its true blocks while a member it is on has stopped
+    answering.  Counted at every lookup, the stat waited for that member's call and
+    then answered the size's blocks: this sparse file's 64 MiB."""
+    with _member_on_a_mount(tmp_path) as (inner, outer, _):
+        sparse = outer.path / "sparse"  # (striped over both members, the hung one too)
+        with open(sparse, "wb") as f:
+            f.truncate(64 << 20)
+            f.write(b"x" * 4096)
+        with ControlClient(str(outer.path)) as c:
+            assert eventually(lambda: c.stat()["open_files"] == 0, 10)  # (released)
+        drop_caches()  # (the kernel forgets it: the stat below is a lookup, counted)
+        assert 0 < os.stat(sparse).st_blocks * 512 <= 1 << 20
+        time.sleep(block_counts.KEEP_S + 0.2)  # (past what a count of an open file keeps)
+        answered: dict[str, int] = {}
+        pid = inner.daemon_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("2")  # (forgotten again)
+            asking = threading.Thread(
+                target=lambda: answered.update(blocks=os.stat(sparse).st_blocks),
+                daemon=True)
+            asking.start()
+            asking.join(60)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        asking.join(60)
+        assert 0 < answered["blocks"] * 512 <= 1 << 20, \
+            f"{answered['blocks']} blocks: counted again, without the stopped member"
+        sparse.write_bytes(b"y" * (8 << 20))  # (changed: counted afresh)
+        assert eventually(lambda: os.stat(sparse).st_blocks * 512 >= 8 << 20)
 
 
 def test_writes_to_a_first_member_that_stops_answering_hold_up_no_one(

@@ -233,7 +233,8 @@ class MxfsOperations(pyfuse3.Operations):
         # The members' filesystems asked for a request (statfs, st_blocks) off the loop,
         # a hung member left out (`fs/member_calls.py`).
         self.space = MemberSpace(volume)
-        self.blocks = BlockCounts(volume.pool, volume.layout, self.space.calls)
+        self.blocks = BlockCounts(volume.pool, volume.layout, self.space.calls,
+                                  volume.open_inodes.__contains__)
         self._seen: dict[int, tuple[int, int, int]] = {}
 
     def kernel_held(self) -> tuple[list[int], list[tuple[int, bytes]]]:
