@@ -71,15 +71,18 @@ class BlockCounts:
                   and not self._pool.node and self._fresh(node, now) is None]
         if not wanted:
             return
+        # Each file as it was before the count: a write landing meanwhile changes the
+        # row in place, and the count taken before it must not stand for the file after.
+        shapes = [_shape(node) for node in wanted]
         closed = {node.ino for node in wanted if not self._open_here(node.ino)}
         counts = await self._calls.run(lambda: self._stat_all(wanted), uid)
         if counts is None:
             return
         until = time.monotonic() + KEEP_S
-        for node, blocks in zip(wanted, counts, strict=True):
+        for node, shape, blocks in zip(wanted, shapes, counts, strict=True):
             if blocks is not None:  # (closed all along: opened meanwhile, it may change)
                 settled = node.ino in closed and not self._open_here(node.ino)
-                self._kept[node.ino] = (_shape(node), until, blocks, settled)
+                self._kept[node.ino] = (shape, until, blocks, settled)
                 self._kept.move_to_end(node.ino)
         while len(self._kept) > KEPT:
             self._kept.popitem(last=False)
