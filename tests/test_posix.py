@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
@@ -31,6 +32,45 @@ def test_striped_write_and_read_back_across_members(mounted: Mounted) -> None:
         for off, n in [(UNIT - 10, 20), (3 * UNIT + 7, 2 * UNIT), (len(data) - 5, 100)]:
             f.seek(off)
             assert f.read(n) == data[off:off + n]
+
+
+def _dirty_pages(path: str) -> int:
+    """Pages of `path` in the page cache not yet written to its disk (cachestat(2),
+    Linux 6.5: dirty and under writeback)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    span = (ctypes.c_uint64 * 2)(0, 0)  # (offset 0, length 0: to the end)
+    stats = (ctypes.c_uint64 * 5)()  # cache, dirty, writeback, evicted, recently evicted
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syscall(451, fd, span, stats, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"cachestat of {path}")
+    finally:
+        os.close(fd)
+    return int(stats[1] + stats[2])
+
+
+def test_fsync_of_a_file_opened_again_makes_what_was_written_before_durable(
+        mounted: Mounted) -> None:
+    """fsync(2) promises the file's bytes, whoever wrote them: a file written and closed
+    (the daemon's descriptors of its chunk files closed with it, their pages still
+    dirty on the members), then opened again read-only and synced (`sync FILE`), has
+    every chunk file's pages on disk when the fsync returns.  The reopened file held
+    no descriptor of its chunk files, and its fsync synced nothing."""
+    p = mounted.path / "written"
+    for _ in range(3):  # (dirty until synced; a sync(2) of another program's cleans them)
+        p.write_bytes(os.urandom(UNIT * 8))
+        ino = p.stat().st_ino
+        chunks = [os.path.join(m, "chunks", f"{ino % 256:02x}", str(ino))
+                  for m in mounted.members]
+        if all(_dirty_pages(c) for c in chunks):
+            break
+    assert all(_dirty_pages(c) for c in chunks), "the chunk files were written back"
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert [_dirty_pages(c) for c in chunks] == [0] * len(chunks)
 
 
 @pytest.mark.also_postgres

@@ -847,7 +847,8 @@ class MxfsOperations(pyfuse3.Operations):
         await self.settle(entry.node.ino)
         handle.heard_failures(self.behind.get(entry.node.ino))
         if entry.chunks is not None:
-            await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync)
+            await self._io(entry.chunks, handle.uid, entry.chunks.sync, datasync,
+                           self._size(entry.node))
         held = self._held(entry.node.ino)
         if held is not None and self.written is not None:  # (sized durably, by whoever
             await self.written.tell(entry.node.ino, handle.caller or held.caller)  # asks)

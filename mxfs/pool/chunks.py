@@ -246,9 +246,19 @@ class ChunkFiles:
         self.pool.truncate_chunks(self.ino, self.layout, size)
         self.drop_read_ahead()
 
-    def sync(self, datasync: bool = False) -> None:
+    def sync(self, datasync: bool = False, size: int | None = None) -> None:
         """Make every written member durable, all members at once (other nodes' through
-        their owners)."""
+        their owners).  `size` (the file's): every member holding its bytes too, not
+        only those written through these descriptors.  fsync(2) promises the file's
+        bytes, whoever wrote them: a file written, closed (its descriptors here closed
+        with it, its bytes perhaps not yet on the members' disks) and opened again to
+        be synced held no descriptor, and its fsync synced nothing."""
+        if size is not None:
+            for m in sorted(self.layout.holding(size)):
+                if m in self._far:
+                    self._far_written.add(m)
+                elif m not in self._fds:
+                    self.fd(m, create=False)  # (None: a hole, nothing to make durable)
         far, self._far_written = sorted(self._far_written), set()
         begun = self._begin_far([(m, "change", (b"SYNC", self.pool.epoch(), self.ino, m,
                                                 int(datasync)))
