@@ -1681,6 +1681,61 @@ def _kv_volume(tmp_path: Path) -> Iterator[tuple[Volume, KVIndex, KVOps]]:
         vol.store.close()
 
 
+def test_a_reader_shut_out_while_a_table_fills_gets_no_table(tmp_path: Path) -> None:
+    """A presence table is a right to read a namespace's keys: bob, let in by its
+    group, asks for one; while it is filled, the owner shuts the group out (which
+    retires that fill) and asks for one herself.  Bob's request, waiting on the fill
+    she began, was handed her table, kept current by every put and delete after; it
+    is judged again once the table is there, and refused."""
+    from mxfs.fs.session import Session
+    from mxfs.vol.access import Caller
+    from mxfs.vol.kv_index import Chunk, Namespace
+
+    alice, bob, carol, group = 7001, 7002, 7003, 7100
+    with _kv_volume(tmp_path) as (vol, index, kv):
+        handlers = kv.handlers()
+        space = index.spaces["n"] = Namespace("n", alice, group, 0o750, 0)
+        for i in range(3):
+            vol.store.engine.insert("kv", {"ns": "n", "key": b"k%d" % i, "ino": 1000 + i,
+                                           "size": 1, "atime": 0})
+            space.chunks[b"k%d" % i] = Chunk(ino=1000 + i, size=1, atime=0, sum_unit=1,
+                                             sums=b"", tenant=alice)
+        vol.store.commit()
+        gate = threading.Event()
+        answers: dict[str, Any] = {}
+
+        async def ask(who: str, op: str, msg: dict[str, Any], uid: int) -> None:
+            session = Session(Caller(1, uid, uid, frozenset({uid, group})))
+            try:
+                answers[who] = await handlers[op](msg, session)
+            except OSError as e:
+                answers[who] = e
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kv.rows.run, lambda s: gate.wait(10), carol)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(ask, "bob", "kv_view", {"namespace": "n", "shared": True},
+                                   bob)
+                await trio.testing.wait_all_tasks_blocked()
+                assert space.next_view is not None and answers == {}  # (being filled)
+                await ask("chmod", "kv_ns_set", {"namespace": "n", "mode": 0o700}, alice)
+                nursery.start_soon(ask, "alice", "kv_view", {"namespace": "n"}, alice)
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+
+        trio.run(main)
+        assert not isinstance(answers["chmod"], OSError), answers["chmod"]
+        _, fds = answers["alice"]
+        for fd in fds:
+            os.close(fd)
+        if not isinstance(answers["bob"], OSError):
+            for fd in answers["bob"][1]:
+                os.close(fd)
+            pytest.fail("bob, shut out while the table filled, was handed it")
+        assert answers["bob"].errno in (errno.EACCES, errno.ENOENT), answers["bob"]
+
+
 def test_a_rounds_access_time_write_back_lets_others_through(tmp_path: Path) -> None:
     """A group commit writes back TOUCH_BITE KV access times at most; in one statement
     that was 9 ms of the daemon's thread for 1 KiB keys, each round a user kept pinning

@@ -197,6 +197,13 @@ class FollowerKV:
         (`fs/kv_views.py`); read permission (and `shared`) as `kv_exists`."""
         space, _ = await self._lookup(msg, session, [], chunks=False)
         table = await self.views.table(space.name, session.caller.uid, session.tenant)
+        # Judged again (a store read): the owner's chmod while the table was filled
+        # ended that fill, and one begun after it for someone still let in was handed
+        # to this caller too.
+        again, _ = await self._lookup(msg, session, [], chunks=False)
+        if self.views.tables.get(again.name) is not table:
+            raise OSError(errno.EAGAIN, f"the table of KV namespace {space.name!r} was "
+                          "retired while it was filled: ask again")
         return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
 
     async def exists(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:

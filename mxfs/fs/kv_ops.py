@@ -314,6 +314,12 @@ class KVOps:
         if space.view is None:
             self.index.start_view(space)
             await self._grow_view(space, session.caller.uid)
+            # Judged again: an owner's chmod while the table was filled retired that
+            # fill, and a fill begun after it by someone still let in was handed to
+            # this caller too, who may read the namespace's keys no more.
+            if self._space("kv_view", msg, session.caller) is not space:
+                raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed "
+                              "meanwhile")
         table = space.view
         if table is None:  # (removed, or its table retired, while it was filled)
             if self.index.spaces.get(space.name) is not space:
