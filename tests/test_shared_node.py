@@ -2386,7 +2386,9 @@ def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
     """The chunk-file descriptors `open_read` hands out kept a removed file's space for
     as long as their holder liked, released from its owner's quota meanwhile.  Now
     they go aside with the file, still readable for `read_grace_s` (reads in flight
-    finish), then are cut to nothing, and removed once nobody holds them."""
+    finish), then are cut to nothing and removed while still held: the daemon tracks
+    nothing of them after (kept until let go, a user's loop of gets and deletes grew
+    its table of them without bound)."""
     from mxfs.pool.revoke import HELD_DIR
 
     grace = 3
@@ -2414,10 +2416,11 @@ def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
             assert sum(os.fstat(fd).st_size for fd in fds) >= len(data) // 2  # (still there)
             assert eventually(lambda: all(os.fstat(fd).st_blocks == 0 for fd in fds),
                               timeout=grace + 30)
+            assert eventually(lambda: not held(), timeout=30)  # (though still held)
+            assert all(os.fstat(fd).st_nlink == 0 for fd in fds)
         finally:
             for fd in fds:
                 os.close(fd)
-        assert eventually(lambda: not held())
 
 
 def _alices_file_lent_to_bob(pool: Mounted, name: str,

@@ -27,8 +27,10 @@ only once nobody can write it any more:
 Read descriptors (`open_read`, KV gets) end too: a removed file whose chunk files
 someone still holds open (a write lease refused: `anyone_holds`) has them moved
 aside the same way, uncut, so that reads in flight finish; past READ_GRACE_S they
-are cut to nothing (the holder reads a short file; its client's check finds the file
-changed) and removed once nobody holds them.  Without it a reader kept every removed
+are cut to nothing and removed, held or not (the holder reads an empty file, which
+its client's check finds changed, and keeps an inode of nothing that the daemon no
+longer tracks: kept and asked about until let go, a user's loop of gets and deletes
+grew the daemon's table of them without bound).  Without it a reader kept every removed
 file's space, released from its owner's quota and from KV capacity, for as long as
 it liked (and across a daemon restart, a writer of a file dropped by the crash).
 While they are readable they count as their owner's (`readable_of`: in the owner's
@@ -72,7 +74,6 @@ HELD_DIR = "held"
 CLOSING_WAIT_S = 5.0  # a lease probe waits this long for the daemon's own closes of a file
 LOOKS = 3  # ... and looks this often at most
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
-READ_LOOK_S = 10  # how often one cut after its grace is asked whether it is let go
 HELD_LOOK_MAX_S = 16  # the longest a writer-held file waits between lease probes
 # A held file's name: INO.STAMP.OWNER (the tenant it counts as, kept across a restart:
 # `adopt`; INO.STAMP, root's, in pools held in before), and this where only readers
@@ -202,7 +203,6 @@ class Held:
         # ... when their writers are asked next whether they let go, and the interval
         self._due: dict[str, tuple[int, int]] = {}
         self.read_grace_s = READ_GRACE_S  # (the mount option read_grace_s)
-        self._looked: dict[str, int] = {}  # files only readers held, cut: when last probed
         self._readable: dict[str, tuple[int, int]] = {}  # uncut reader-held: (uid, bytes)
         self.readable_by: Counter[int] = Counter()  # ... their bytes, by owner
         # Whether the owner uid may hold that many bytes more readable (the volume's
@@ -325,7 +325,6 @@ class Held:
     def _forget(self, path: str) -> None:
         """`path` is gone: its owner holds it no more."""
         self._let_go(path)
-        self._looked.pop(path, None)
         self._due.pop(path, None)
         with self._lock:
             owner = self._writers.pop(path, None)
@@ -463,22 +462,16 @@ class Held:
         return (live.st_dev, live.st_ino) == (st.st_dev, st.st_ino)
 
     def _readers_done(self, path: str, now: int) -> bool:
-        """Whether a file only readers held may go: nobody holding it (at once, within
-        its grace: a renew nobody read from keeps no copy of the file for long).  Cut
-        once when its grace runs out; asked again every READ_LOOK_S after (a user
-        holding many removed files costs a lease probe each, now and then)."""
+        """Whether a file only readers held may go (cut and removed): nobody holding it
+        (at once, within its grace: a renew nobody read from keeps no copy of the file
+        for long), or its grace over, held or not: its readers' descriptors then read
+        an empty file, and nothing is left to track.  Kept cut and asked about every
+        10 s until they let go, a user who got and deleted chunks in a loop, holding
+        their descriptors, grew the daemon's table of them without bound (and the
+        sweep's lease probes with it)."""
         if now - _stamp(path) <= self.read_grace_s * 10**9:
             return not anyone_holds(path)
-        looked = self._looked.get(path)
-        if looked is not None and now - looked < READ_LOOK_S * 10**9:
-            return False
-        if not anyone_holds(path):
-            return True
-        if looked is None:
-            os.truncate(path, 0)
-            self._let_go(path)
-        self._looked[path] = now
-        return False
+        return True
 
     def sweep(self, paths: Iterable[str] | None = None) -> int:
         """Blocking: of held files (`paths`, a bite of them; all by default), cut those
