@@ -32,6 +32,7 @@ from conftest import (
 )
 
 from mxfs.cli.measure import drop_caches
+from mxfs.fs.kv_ops import MAX_LIST_SKIP
 from mxfs.io import memory
 from mxfs.io.residency import Residency
 from mxfs.kv import KVStore
@@ -580,7 +581,7 @@ def test_kv_list_pages_by_a_cursor_and_skips_a_bounded_way(mounted: Mounted) -> 
         assert [k for k, _, _ in kv.list_chunks(after=keys[2400])] == keys[2401:]
         assert len(kv.list_chunks(skip=2000)) == 500
         with pytest.raises(OSError) as e:
-            kv.list_chunks(skip=100_001)
+            kv.list_chunks(skip=MAX_LIST_SKIP + 1)
         assert e.value.errno == errno.EINVAL and "after" in str(e.value)
     listed = json.loads(mxfs("kv", "ls", "--json", str(mounted.path), "paged").stdout)
     assert [c["key"] for c in listed["chunks"]] == [k.decode() for k in keys]

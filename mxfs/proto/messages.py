@@ -15,6 +15,7 @@ The envelope ("op" and "id" in a request; "id", "ok" and, when refused, "errno" 
 evaluated annotations.)
 """
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, NotRequired, TypedDict, TypeVar, cast
@@ -504,9 +505,12 @@ class Op(Generic[Req, Rep]):
         """A request of this op with `fields` (typed here, where the op is known)."""
         return Request(self, fields if fields is not None else cast(Req, {}))
 
-    def unknown(self, msg: Mapping[str, object]) -> list[str]:
-        """The fields of a request this op does not take."""
-        return sorted(k for k in msg if k not in self.fields and k not in ENVELOPE)
+    def unknown(self, msg: Mapping[str, object], most: int = 4) -> list[str]:
+        """The first `most` fields of a request this op does not take, sorted (a
+        request of 20,000 made-up fields had them all sorted on the daemon's thread,
+        4 ms, to name four)."""
+        return sorted(itertools.islice(
+            (k for k in msg if k not in self.fields and k not in ENVELOPE), most))
 
     def stray(self, reply: Mapping[str, object]) -> str | None:
         """How a reply differs from its declaration (None: it does not)."""
