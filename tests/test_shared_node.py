@@ -2381,6 +2381,39 @@ def _daemon_counts(m: Mounted) -> dict[str, int]:
     return {"open_files": st["open_files"], "orphans_queued": st["orphans_queued"]}
 
 
+def test_renewing_a_file_open_here_strands_none_of_the_daemons_descriptors(
+        mounted: Mounted) -> None:
+    """A chmod that takes a right from a lent file renews its chunk files, and the
+    mount's own descriptors of them are opened afresh.  The old ones are closed at
+    once when no I/O is in flight through them: kept open 10 s whatever was, and
+    counted nowhere, a user looping writes, `open_read` and chmods of a file she
+    held open left its member count of descriptors open in the daemon a loop."""
+    path = mounted.path / "renewed"
+    data = os.urandom(256 << 10)  # (over every member: 64 KiB stripes)
+    path.write_bytes(data)
+    pid = mounted.daemon_pid()
+
+    def open_fds() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    loops = 40
+    with open(path, "r+b", buffering=0) as held, ControlClient(str(mounted.path)) as c:
+        held.write(data)  # (the daemon's descriptors of every chunk file open)
+        before = open_fds()
+        for _ in range(loops):
+            held.seek(0)
+            held.write(data)
+            _, lent = c.call_with_fds("open_read", path=c.pool_path(str(path)))
+            for fd in lent:
+                os.close(fd)
+            path.chmod(0o600)  # (takes others' read: renewed)
+            path.chmod(0o644)
+        assert eventually(lambda: open_fds() <= before + 8, timeout=5), \
+            f"{open_fds() - before} more descriptors open after {loops} renews"
+        held.seek(0)
+        assert held.read() == data
+
+
 def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
         tmp_path: Path) -> None:
     """The chunk-file descriptors `open_read` hands out kept a removed file's space for

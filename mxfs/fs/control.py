@@ -40,6 +40,7 @@ from mxfs.fs.session import Handler, Session
 from mxfs.fs.status_ops import StatusOps
 from mxfs.fs.store_worker import StoreWorker
 from mxfs.fs.wake import WakeLatency
+from mxfs.pool.chunks import RETIRED
 from mxfs.pool.closer import CLOSER, close_later
 from mxfs.proto import BY_NAME, OPS
 from mxfs.proto.messages import HELLO
@@ -84,7 +85,8 @@ class ControlServer:
         self.kv.turns = self.turns  # (its waits on others' claims step out of them)
         self.kv.sessions = lambda: self.listener.sessions.values()
         self.fds.elsewhere += [self.listener.connections, self.kv.view_fds,
-                               lambda: CLOSER.pending]  # (still closing: `pool/closer.py`)
+                               lambda: CLOSER.pending,  # (still closing: `pool/closer.py`)
+                               lambda: RETIRED.count]  # (renewed files': `pool/chunks.py`)
         self.files = FileOps(volume, mountpoint, self.limits,
                              lambda: self.listener.sessions.values(),
                              writeback_cache=writeback_cache, entry_changed=entry_changed,

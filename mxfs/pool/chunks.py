@@ -9,13 +9,14 @@ Methods block: the daemon calls them from worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mxfs.io import Layout, Piece, ReadOp, WriteOp, read_batch, write_batch
@@ -28,6 +29,22 @@ if TYPE_CHECKING:
     from mxfs.pool.remote import RemoteMembers
 
 RETIRED_S = 10.0  # descriptors of renewed chunk files stay open this long (I/O begun)
+
+
+class _Retired:
+    """Descriptors retired by every open file, still open (any thread): counted in the
+    daemon's descriptor budget (`fs/descriptors.py`), as those still closing are."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+
+RETIRED = _Retired()
 
 
 class ChunkFiles:
@@ -43,6 +60,8 @@ class ChunkFiles:
         self._closed = False
         self._prepared = False  # (`prepare` opens the first member's file once at most)
         self._retired: deque[tuple[float, list[int]]] = deque()  # (`reopen`)
+        self._using = 0  # local reads, writes and syncs in flight through `_fds`
+        self._using_lock = threading.Lock()
         self._far_written: set[int] = set()  # other nodes' members written (to sync)
         self.relayout(layout)
 
@@ -91,7 +110,7 @@ class ChunkFiles:
             if old is not None:  # a read-only descriptor, replaced by a writable one: a
                 # read that took it without the lock may still use it (closed, its number
                 # could be another file's by then), so it is retired as `reopen` retires
-                self._retired.append((time.monotonic(), [old]))
+                self._retire([old])
                 self._sweep(time.monotonic())
             self._fds[member] = fd
         if self._closed:  # (closed while this open waited: see `close`)
@@ -154,17 +173,30 @@ class ChunkFiles:
         return [remote.helpers.begin(owned, keep=0) for remote, owned in by_owner.items()]
 
     def _read_local(self, pieces: list[Piece], buf: memoryview) -> None:
-        ops = []
-        for piece in pieces:
-            bufs = [buf[o:o + n] for o, n in piece.spans]
-            fd = self.fd(piece.member, create=False)
-            if fd is None:
-                for b in bufs:
-                    b[:] = bytes(len(b))
-            else:
-                ops.append(ReadOp(fd, piece.chunk_offset, bufs))
-        if ops:
-            self._guard(read_batch, ops)
+        with self._in_use():
+            ops = []
+            for piece in pieces:
+                bufs = [buf[o:o + n] for o, n in piece.spans]
+                fd = self.fd(piece.member, create=False)
+                if fd is None:
+                    for b in bufs:
+                        b[:] = bytes(len(b))
+                else:
+                    ops.append(ReadOp(fd, piece.chunk_offset, bufs))
+            if ops:
+                self._guard(read_batch, ops)
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Local I/O through these descriptors, from before it takes one until it is
+        done: `reopen` closes the old ones at once when none is in flight."""
+        with self._using_lock:
+            self._using += 1
+        try:
+            yield
+        finally:
+            with self._using_lock:
+                self._using -= 1
 
     def admit(self, offset: int, n: int) -> list[Piece]:
         """The pieces of a write of `n` bytes at `offset`, once it is known every member
@@ -207,12 +239,13 @@ class ChunkFiles:
                                                        [data[o:o + n] for o, n in p.spans]))
                                  for p in far])
         try:
-            for piece in (p for p in pieces if not self.pool.members[p.member].node):
-                fd = self.fd(piece.member, create=True)
-                assert fd is not None
-                ops.append(WriteOp(fd, piece.chunk_offset,
-                                   [data[o:o + n] for o, n in piece.spans]))
-            self._guard(write_batch, ops)
+            with self._in_use():
+                for piece in (p for p in pieces if not self.pool.members[p.member].node):
+                    fd = self.fd(piece.member, create=True)
+                    assert fd is not None
+                    ops.append(WriteOp(fd, piece.chunk_offset,
+                                       [data[o:o + n] for o, n in piece.spans]))
+                self._guard(write_batch, ops)
         finally:  # every remote write ends before `data` goes back to the caller
             try:
                 finish_all(begun)
@@ -265,7 +298,8 @@ class ChunkFiles:
                                  for m in far])
         try:
             try:
-                sync_all(list(self._fds.values()), datasync)
+                with self._in_use():
+                    sync_all(list(self._fds.values()), datasync)
             finally:
                 finish_all(begun)
         except BaseException:  # (here or on an owner: asked again at the next sync, which
@@ -299,22 +333,38 @@ class ChunkFiles:
 
     def reopen(self) -> None:
         """The chunk files were renewed (`revoke.Held.renew`): open them afresh.
-        The old descriptors are retired, not closed, while I/O begun with them may
-        still run (it reads the same bytes); closed RETIRED_S later, or at close."""
+        The old descriptors are closed at once if no I/O is in flight through them,
+        else retired, not closed, while I/O begun with them may still run (it reads
+        the same bytes); closed RETIRED_S later, or at close.  Retired whatever was in
+        flight, a user looping chmods of a file she had lent herself left its
+        descriptors open by the thousand, counted nowhere."""
         now = time.monotonic()
         with self._lock:
             if self._fds:
-                self._retired.append((now, list(self._fds.values())))
-                self._fds.clear()
-                self._readonly.clear()
+                old = list(self._fds.values())
+                self._fds.clear()  # (before `_using` is read: an I/O that begins
+                self._readonly.clear()  # after it finds none of the old ones)
+                with self._using_lock:
+                    busy = self._using
+                if busy:
+                    self._retire(old)
+                else:
+                    close_later(old)
             self._sweep(now)
         if self._closed:
             self._closed_meanwhile()
 
+    def _retire(self, fds: list[int]) -> None:
+        """(Under the lock.)  Keep `fds` open RETIRED_S more (I/O begun with them)."""
+        self._retired.append((time.monotonic(), fds))
+        RETIRED.add(len(fds))
+
     def _sweep(self, now: float) -> None:
         """(Under the lock.)  Close the descriptors retired RETIRED_S ago."""
         while self._retired and now - self._retired[0][0] > RETIRED_S:
-            close_later(self._retired.popleft()[1])
+            fds = self._retired.popleft()[1]
+            RETIRED.add(-len(fds))
+            close_later(fds)
 
     def close(self) -> None:
         """Close its descriptors, never waiting (it is called on the daemon's thread):
@@ -339,7 +389,9 @@ class ChunkFiles:
 
     def _close_all(self) -> None:
         """(Under the lock.)"""
-        fds = [*self._fds.values(), *(fd for _, old in self._retired for fd in old)]
+        retired = [fd for _, old in self._retired for fd in old]
+        RETIRED.add(-len(retired))
+        fds = [*self._fds.values(), *retired]
         self._fds.clear()
         self._retired.clear()
         close_later(fds)
