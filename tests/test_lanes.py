@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from mxfs.fs.fair import Lanes
+from mxfs.fs.fair import Lanes, RoundRobin
 
 alice, bob, carol = 1001, 1002, 1003
 
@@ -41,3 +41,31 @@ def test_a_slow_node_holds_only_its_lane_after_every_lane_was_used() -> None:
                 stuck.set()
 
     trio.run(main)
+
+
+@pytest.mark.unit
+def test_a_write_already_answered_lands_ahead_of_its_writers_other_io() -> None:
+    """A write answered before it landed (write-behind) is what another user's read or
+    close of the file waits for: it takes its writer's next turn, ahead of her own
+    calls waiting.  Queued behind them, bob's read of a file alice wrote waited for
+    every read and fsync alice had queued."""
+    turns = RoundRobin(1)
+    order: list[str] = []
+
+    async def call(name: str, first: bool = False) -> None:
+        async with turns.slot(alice, first):
+            order.append(name)
+            await trio.lowlevel.checkpoint()
+
+    async def main() -> None:
+        held = await turns.take(alice)
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(call, f"read{i}")
+                await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(call, "landing", True)
+            await trio.testing.wait_all_tasks_blocked()
+            turns.give(held)
+
+    trio.run(main)
+    assert order == ["landing", "read0", "read1", "read2"]

@@ -138,23 +138,28 @@ class RoundRobin:
         self._waiting: OrderedDict[int, deque[trio.Event]] = OrderedDict()
 
     @asynccontextmanager
-    async def slot(self, uid: int) -> AsyncIterator[None]:
-        held = await self.take(uid)
+    async def slot(self, uid: int, first: bool = False) -> AsyncIterator[None]:
+        held = await self.take(uid, first)
         try:
             yield
         finally:
             self.give(held)
 
-    async def take(self, uid: int) -> int:
+    async def take(self, uid: int, first: bool = False) -> int:
         """One slot for `uid`, in its tenant's turn (`vol/tenants.py`), held until
         `give` of the tenant returned: for one taken in a task and given back by
-        another (a write answered, then landed)."""
+        another (a write answered, then landed).  `first`: ahead of the tenant's own
+        calls waiting (not of other tenants')."""
         uid = tenant_of(uid)
         if self._free and uid not in self._waiting and self._may(uid):
             self._take(uid)
             return uid
         turn = trio.Event()
-        self._waiting.setdefault(uid, deque()).append(turn)
+        calls = self._waiting.setdefault(uid, deque())
+        if first:
+            calls.appendleft(turn)
+        else:
+            calls.append(turn)
         try:
             await turn.wait()
         except BaseException:  # cancelled: out of the line, or the slot passed on
@@ -214,9 +219,12 @@ class Lane:
         self.turns = RoundRobin(threads, max(1, threads * 3 // 4))
         self.budget = RoundRobin(budget, max(1, budget * 3 // 4))
 
-    async def run(self, uid: int, fn: Callable[..., T], *args: Any) -> T:
-        """Blocking `fn(*args)` on one of the lane's threads, in `uid`'s turn."""
-        async with self.turns.slot(uid):
+    async def run(self, uid: int, fn: Callable[..., T], *args: Any, first: bool = False
+                  ) -> T:
+        """Blocking `fn(*args)` on one of the lane's threads, in `uid`'s turn (`first`:
+        ahead of the uid's own calls waiting: a write already answered, which others'
+        reads and closes of the file wait for)."""
+        async with self.turns.slot(uid, first):
             return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
     def idle(self) -> bool:

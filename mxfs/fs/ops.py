@@ -724,11 +724,11 @@ class MxfsOperations(pyfuse3.Operations):
         # bytes(buf) would copy every read once more
         return buf  # type: ignore[return-value]
 
-    async def _io(self, chunks: ChunkFiles, uid: int, fn: Callable[..., T], *args: Any
-                  ) -> T:
+    async def _io(self, chunks: ChunkFiles, uid: int, fn: Callable[..., T], *args: Any,
+                  first: bool = False) -> T:
         """`fn(*args)`, I/O of `chunks`, on a worker thread in `uid`'s turn (threads of
-        their own for files on other nodes)."""
-        return await self.lanes.of(chunks.owners).run(uid, fn, *args)
+        their own for files on other nodes; `first`: ahead of the uid's own waiting)."""
+        return await self.lanes.of(chunks.owners).run(uid, fn, *args, first=first)
 
     def _relatime(self, node: Inode) -> None:
         if self.store.readonly:  # reads go on where changes are refused (a fenced daemon)
@@ -817,7 +817,11 @@ class MxfsOperations(pyfuse3.Operations):
                 handle.heard_failures(behind)
                 await behind.submit(self.nursery,
                                     lambda: chunks.write(off, memoryview(buf), pieces),
-                                    functools.partial(self._io, chunks, handle.uid),
+                                    # (landed ahead of the writer's own I/O waiting:
+                                    # another user's read or close of the file waits
+                                    # for it, not for her whole queue)
+                                    functools.partial(self._io, chunks, handle.uid,
+                                                      first=True),
                                     handle.uid)
             except BaseException:  # (not queued: what admit counted goes)
                 chunks.unadmit(pieces)
