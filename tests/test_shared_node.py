@@ -2414,6 +2414,27 @@ def test_renewing_a_file_open_here_strands_none_of_the_daemons_descriptors(
         assert held.read() == data
 
 
+def test_a_file_set_wider_while_open_is_charged_every_descriptor_it_opens(
+        mounted: Mounted) -> None:
+    """An empty file's layout may be set while it is open (`setfattr -n
+    user.mxfs.layout`, `mxfs setstripe` of a file just made): the descriptors it opens
+    here are charged to its user for every member it may then use.  Charged at open
+    for its layout then, a file made in a folder one member wide and set to every
+    member held four descriptors on a charge of one."""
+    narrow = mounted.path / "narrow"
+    narrow.mkdir()
+    mxfs("setstripe", "--width", "1", str(narrow))
+    path = narrow / "widened"
+    with open(path, "wb", buffering=0) as f:
+        os.setxattr(path, "user.mxfs.layout", b"stripe_width=4")
+        f.write(os.urandom(256 << 10))  # (over all four members: 64 KiB stripes)
+        os.fsync(f.fileno())
+        with ControlClient(str(mounted.path)) as c:
+            assert b"stripe_width=4" in os.getxattr(path, "user.mxfs.layout")
+            held = c.stat()["limits"]["by_user"]["0"]["fds_held"]
+        assert held >= 4, f"{held} descriptors charged for a file holding 4"
+
+
 def test_a_removed_files_space_ends_though_a_reader_holds_its_chunk_files(
         tmp_path: Path) -> None:
     """The chunk-file descriptors `open_read` hands out kept a removed file's space for

@@ -534,7 +534,15 @@ class MxfsOperations(pyfuse3.Operations):
         self._may_open(ctx)
         if node is not None and node.is_reg:
             pool = self.vol.pool
-            here = [m for m in self.vol.layout(node).used_members() if not pool.members[m].node]
+            entry = self.vol.open_inodes.get(node.ino)
+            if node.size == 0 and (entry is None or not entry.wrote):
+                # (its layout may still be set wider while it is open: `set_layout`;
+                # charged its own, a file made one wide and set to every member held
+                # every member's descriptor on one's charge)
+                here = pool.local_members()
+            else:
+                here = [m for m in self.vol.layout(node).used_members()
+                        if not pool.members[m].node]
             try:
                 self.fds.opened(tenant, node.ino, len(here))
             except OSError as e:
