@@ -2037,6 +2037,41 @@ def test_descriptors_a_user_leaves_unread_are_bounded(tmp_path: Path) -> None:
         late.close()
 
 
+def test_a_get_refused_for_descriptors_unread_takes_no_read_leases(tmp_path: Path) -> None:
+    """A `kv_get` with `pin` takes read leases on what it found; a reply that cannot go
+    as made (its caller holds max_fds_in_flight_per_user descriptors unread) is an
+    EMFILE error instead, which tells her of none, and its leases are given back.
+    Kept, they held the chunks from eviction and counted against her pins until her
+    connection closed, leases she could not name to end."""
+    from mxfs.kv import KVStore
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_fds_in_flight_per_user=4") as m:
+        key = base64.b64encode(b"k1").decode()
+        get = {"op": "kv_get", "namespace": "leased", "keys": [key], "inline_max": 0}
+        os.setegid(65534)
+        os.seteuid(65534)  # (nobody's namespace and connections: SO_PEERCRED)
+        try:
+            with KVStore(str(m.path), "leased") as kv:
+                kv.put(b"k1", os.urandom(300_000))
+            greedy, late = raw_socket(m), raw_socket(m)
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+        for i in range(4):  # (a descriptor each, none read)
+            greedy.sendall(encode({**get, "id": i}))
+        assert eventually(lambda: _in_flight(m) == 4)
+        late.sendall(encode({**get, "pin": True, "id": 9}))
+        reply, fds = recv_message(late)
+        assert not reply["ok"] and reply["errno"] == errno.EMFILE and not fds, reply
+        with ControlClient(str(m.path)) as c:
+            stats = {s["namespace"]: s for s in c.call("kv_stats")["namespaces"]}
+        assert stats["leased"]["pinned"] == 0, "the refused get's lease was kept"
+        for sock in (greedy, late):
+            sock.close()
+
+
 HALF_SENT = r"""
 import socket, threading
 from mxfs.proto import HEADER, VERSION

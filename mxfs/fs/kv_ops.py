@@ -1017,6 +1017,7 @@ class KVOps:
             if space.chunks.get(key) is chunk:  # (evicted meanwhile: a miss)
                 out[slot] = {**_sums(chunk), "data": base64.b64encode(data).decode()}
         fds: list[int] = []
+        leased: list[bytes] = []
         for (slot, key, chunk, node), (which, got) in zip(wanted, opened, strict=True):
             if space.chunks.get(key) is not chunk:  # evicted or replaced meanwhile (its
                 # files perhaps asked about before these opens and cut after: revoke.py)
@@ -1026,6 +1027,9 @@ class KVOps:
             out[slot] = {**_sums(chunk), "layout": self.vol.layout(node).describe(), **which}
             if pin:  # only once the whole request is answered
                 self._lease(session, space, key, chunk)
+                leased.append(key)
+        if leased:  # (a reply replaced by an error told of none: `Session.refused`)
+            session.undo.append(functools.partial(self._unpin, session, space, leased))
         return {"chunks": out}, fds
 
     def _check_pins(self, session: Session, more: int) -> None:

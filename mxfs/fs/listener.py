@@ -345,6 +345,7 @@ class Listener:
             return False
         op = msg["op"]
         fds: list[int] = []
+        session.undo.clear()
         try:
             reply, fds = await self.dispatch(msg, session)
         except ProtocolError as e:
@@ -363,7 +364,7 @@ class Listener:
         del msg  # not held while the connection waits for its next request
         self.buffered.keep(hold, len(inbox))  # (the request served: its bytes go back)
         try:
-            data, sending = self._encoded(reply, fds)
+            data, sending = self._encoded(reply, fds, session)
             del reply  # (its bytes alone are held while its peer takes them)
             self.buffered.reply(hold, len(data))
             sent = False
@@ -401,6 +402,7 @@ class Listener:
         if held + len(fds) <= lim:
             return reply, fds
         self.close_fds(fds)
+        session.refused()
         return {"ok": False, "errno": errno.EMFILE,
                 "error": f"uid {uid} has {held} descriptors sent to it and not yet received "
                          f"(replies left unread), the limit (mount option "
@@ -428,12 +430,14 @@ class Listener:
                 pass
 
     @staticmethod
-    def _encoded(reply: dict[str, Any], fds: list[int]) -> tuple[bytes, list[int]]:
+    def _encoded(reply: dict[str, Any], fds: list[int], session: Session
+                 ) -> tuple[bytes, list[int]]:
         """The reply's bytes and the descriptors that go with them; a reply over the
         limits is an E2BIG error instead, without them (say so, stay up)."""
         try:
             return encode(reply, len(fds)), fds
         except ProtocolError as e:
+            session.refused()
             return encode({"id": reply["id"], "ok": False, "errno": errno.E2BIG,
                            "error": str(e)}), []
 

@@ -94,12 +94,23 @@ class Session:
     # after that leaves them open until the file is let go).
     fds: Descriptors | None = None
     fds_each: int = 0
+    # What the request being served took that its reply hands over (a get's read
+    # leases), undone if the reply cannot go as made (`refused`).
+    undo: list[Callable[[], None]] = field(default_factory=list)
     # Whose per-user limits and turns it shares (a user's subordinate uids are hers:
     # `vol/tenants.py`), fixed at connect so what it counts is given back to the same.
     tenant: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.tenant = tenant_of(self.caller.uid)
+
+    def refused(self) -> None:
+        """The reply the request made was replaced by an error (too many descriptors in
+        flight, too large): what it took for its caller is given back, as she was told
+        of none of it."""
+        undo, self.undo = self.undo, []
+        for fn in undo:
+            fn()
 
     def hold(self, pending: Pending, booked: bool = False) -> None:
         """Hold an unpublished file, counted against the limits and its writer's quota
