@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import stat
 import time
@@ -117,6 +118,42 @@ def test_open_flags_trunc_append_excl(mounted: Mounted) -> None:
 
 
 @pytest.mark.also_postgres
+def test_a_shared_mapping_of_an_appending_handle_writes_no_page_at_the_end(
+        mounted: Mounted) -> None:
+    """Dirty pages of a shared mapping go back through a handle that mapped the file;
+    without the writeback cache the daemon places an O_APPEND handle's writes at the
+    end of the file, so pages written back through one landed there, not at their
+    offset (the file grew a page, offset 0 read zeros).  Such a handle bypasses the
+    page cache now: mapped shared and writable it is refused (ENODEV), and pages mapped
+    through another handle land where they are mapped while it appends."""
+    p = mounted.path / "mapped"
+    p.write_bytes(bytes(8192))
+    fd = os.open(p, os.O_RDWR | os.O_APPEND)
+    try:
+        try:
+            m = mmap.mmap(fd, 8192, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            assert e.errno == errno.ENODEV, e
+        else:
+            with m:
+                m[0:4] = b"ABCD"
+                m.flush()
+            assert p.read_bytes()[:4] == b"ABCD" and p.stat().st_size == 8192
+        other = os.open(p, os.O_RDWR)
+        try:
+            with mmap.mmap(other, 8192, mmap.MAP_SHARED,
+                           mmap.PROT_READ | mmap.PROT_WRITE) as m:
+                m[4096:4100] = b"WXYZ"
+                m.flush()
+        finally:
+            os.close(other)
+        os.write(fd, b"tail")
+    finally:
+        os.close(fd)
+    data = p.read_bytes()
+    assert len(data) == 8196 and data[4096:4100] == b"WXYZ" and data[8192:] == b"tail"
+
+
 def test_directories_and_errors(mounted: Mounted) -> None:
     d = mounted.path / "d"
     d.mkdir()

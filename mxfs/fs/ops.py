@@ -601,7 +601,13 @@ class MxfsOperations(pyfuse3.Operations):
             if len(self._seen) > SEEN_KEPT:  # the least recently opened goes: cleared
                 del self._seen[next(iter(self._seen))]  # whole, one user's opens of
                 #  100,000 files dropped every user's cached pages of every file
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+        # An O_APPEND handle bypasses the kernel's page cache (without the writeback
+        # cache: its appends are placed here, at the size this daemon knows), so it is
+        # never one the kernel writes a shared mapping's dirty pages through: one that
+        # was had each page placed at the end of the file, not at its offset.  Mapped
+        # shared and writable, it is refused (ENODEV); privately, it maps as any.
+        direct = bool(flags & os.O_APPEND) and not self.enable_writeback_cache
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=direct)
 
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
