@@ -113,3 +113,38 @@ def test_a_dead_save_of_another_container_on_this_machine_is_stale_at_once(
     assert json.loads(Path(mine.path, OWNER).read_text())["where"] == catalog._owner_id()
     catalog.drop_partial(mine)
     assert not Path(partial).exists()
+
+
+# `catalog.remove(argv[1])`, its process killed right after it renamed the checkpoint
+# aside (a removal cut short: SIGKILL, the container gone).
+_KILLED_REMOVE = r"""
+import os, sys
+from mxfs.ckpt import catalog
+rename = os.rename
+def killed(src, dst, **kw):
+    rename(src, dst, **kw)
+    if str(dst).endswith(".removing"):
+        os.kill(os.getpid(), 9)
+os.rename = killed
+catalog.remove(sys.argv[1])
+"""
+
+
+def test_a_removal_of_latest_killed_midway_leaves_latest_naming_a_checkpoint(
+        tmp_path: Path) -> None:
+    """`latest` moves to the newest checkpoint left before the removed one goes from
+    its name: a removal killed right after that rename left `latest` naming a folder
+    that no longer was, and loads of `latest` failed."""
+    import torch
+
+    import mxfs.ckpt as ck
+
+    for name in ("a", "b"):
+        ck.save({"w": torch.ones(4)}, str(tmp_path / name)).wait()
+    assert catalog.latest_name(str(tmp_path)) == "b"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_REMOVE, str(tmp_path / "b")],
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    assert [e.name for e in catalog.list_checkpoints(str(tmp_path))] == ["a"]
+    assert catalog.latest_name(str(tmp_path)) == "a"
+    assert float(ck.load(str(tmp_path / "a"))["w"].sum()) == 4.0

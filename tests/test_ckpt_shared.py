@@ -189,6 +189,26 @@ def test_retention_counts_and_removes_only_the_savers_own(mounted: Mounted) -> N
                                         "zz-1", "zz-2"]
 
 
+def test_a_removal_name_another_user_made_holds_back_no_removal(mounted: Mounted) -> None:
+    """A removal renames the checkpoint to a hidden name first; in a sticky folder bob
+    made `.a-1.removing` before alice saved: her keep_last removes a-1 all the same,
+    and root's prune after it goes on.  Renamed onto bob's folder (EPERM in a sticky
+    folder), a-1 stayed for good, and every prune stopped at it."""
+    users = ensure_users()
+    team = _shared(mounted, 0o1777)
+    _bob(mounted, users["bob"], ["mkdir", str(team / ".a-1.removing"), "755"],
+         ["write", str(team / ".a-1.removing" / "x"), "bob's"])
+    said: Any = _alice_saves(users["alice"], team, ["a-1", "a-2", "a-3"], keep=2)
+    assert [s["error"] for s in said] == [None] * 3
+    assert [s["warnings"] for s in said] == [[], [], []], said
+    assert sorted(os.listdir(team)) == [".a-1.removing", "a-2", "a-3", "latest"]
+    got = subprocess.run([sys.executable, "-m", "mxfs", "ckpt", "prune", "--json",
+                          str(team), "--keep", "1"], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert sorted(os.listdir(team)) == [".a-1.removing", "a-3", "latest"]
+    assert (team / "latest").read_text().strip() == "a-3"
+
+
 # `mxfs ckpt prune --json` of argv[1] keeping argv[2], in this process: (exit status,
 # its JSON or its error line).
 PRUNE = r"""

@@ -4,7 +4,9 @@ A checkpoint is a folder holding a manifest (`mxfs-checkpoint.json`) and its
 data files.  A save builds it as a hidden `.NAME.partial` folder and renames
 it into place only after every file and the manifest are durable, so a folder
 named like a checkpoint is always complete.  `latest` is a small file naming
-the newest checkpoint, replaced atomically after the rename.
+the newest checkpoint, replaced atomically after the rename, under a lock of the
+folder (`_latest_locked`), and never back to one saved earlier; a removal moves it
+first, then renames the checkpoint to a hidden name of its own.
 
 In a folder others may write, a save writes only into the folder it made: the
 hidden folder is 0700 until published (then what the umask gives), every file is
@@ -30,6 +32,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import stat
 import time
@@ -237,6 +240,64 @@ def set_latest(root: str, name: str | None) -> None:
     write_small(os.path.join(root, LATEST), (name + "\n").encode())
 
 
+LATEST_LOCK_S = 2.0  # how long a change of `latest` waits for another's to end
+
+
+@contextlib.contextmanager
+def _latest_locked(root_fd: int) -> Iterator[None]:
+    """`latest` read, judged and written by one process at a time (a lock on the
+    folder of checkpoints): a removal's choice of the newest left, made while a save
+    published a newer one, named the older one after the save had named its own.
+    Waited for LATEST_LOCK_S at most: anyone who may read the folder may lock it, and
+    one who held it for good must not hold every save's `latest` (past the wait the
+    change goes on unlocked, as it always did)."""
+    until = time.monotonic() + LATEST_LOCK_S
+    locked = False
+    while True:
+        try:
+            fcntl.flock(root_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+            break
+        except BlockingIOError:
+            if time.monotonic() >= until:
+                break
+            time.sleep(0.01)
+        except OSError:  # (a filesystem that takes no locks)
+            break
+    try:
+        yield
+    finally:
+        if locked:
+            fcntl.flock(root_fd, fcntl.LOCK_UN)
+
+
+def _created_ns(root_fd: int, name: str) -> int | None:
+    """When the checkpoint `name` of the folder `root_fd` was saved (None: none)."""
+    try:
+        fd = open_dir(name, root_fd, follow=False)
+    except OSError:
+        return None
+    try:
+        return int(read_manifest(name, fd)["created_ns"])
+    except CheckpointError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _point_latest(root: str, root_fd: int, name: str, created_ns: int) -> str | None:
+    """After a save: `latest` names `name`, unless it names a checkpoint saved later
+    (two saves publishing at once: the newer one is latest, whichever came last);
+    then that one's name."""
+    with _latest_locked(root_fd):
+        now = _latest_at(root_fd)
+        if now is not None and now != name and \
+                (_created_ns(root_fd, now) or -1) > created_ns:
+            return now
+        set_latest(root, name)
+        return None
+
+
 def list_checkpoints(root: str) -> list[Entry]:
     """Complete checkpoints in `root`, oldest first (partial saves are never listed, nor
     folders whose manifest is missing or damaged, nor links)."""
@@ -299,11 +360,12 @@ def claim_partial(path: str) -> Partial:
                               f"save under another name, or ask {user_name(uid)} to "
                               f"remove it (rm -r {partial})")
     if uid is not None:
-        if not is_stale(partial):
+        with _root_fd(os.path.dirname(partial)) as root_fd:
+            cleared = _remove_stale(root_fd, os.path.basename(partial))
+        if not cleared and os.path.lexists(partial):
             raise CheckpointError(f"another process is saving {path} right now",
                                   "save under another name, or wait for it (if none is: "
                                   f"its machine or container is gone, rm -r {partial})")
-        shutil.rmtree(partial)
     try:
         os.makedirs(os.path.dirname(partial), exist_ok=True)
         os.mkdir(partial, 0o700)
@@ -445,9 +507,15 @@ def publish(partial: Partial, path: str, manifest: dict[str, Any]) -> str | None
         os.close(fd)
     let_go(partial)
     try:
-        set_latest(root, os.path.basename(path))
+        with _root_fd(root) as root_fd:
+            newer = _point_latest(root, root_fd, os.path.basename(path),
+                                  int(manifest["created_ns"]))
     except OSError as e:
         return _latest_warning(root, path, e)
+    if newer is not None:
+        return (f"{path} is saved; {os.path.join(root, LATEST)} still names {newer}, a "
+                "checkpoint another save finished after this one: load "
+                f"{path} by its path")
     return None
 
 
@@ -638,8 +706,16 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
         read_manifest(path, fd)  # refuse to remove what is not a checkpoint
     finally:
         os.close(fd)
-    hidden = f".{name}.removing"
-    # Gone from listings at once, even if the removal is cut short.
+    # `latest` first, to the newest one left: moved after the folder went, a removal
+    # cut short there left it naming nothing.
+    with _latest_locked(root_fd):
+        if _latest_at(root_fd) == name:
+            left = [e for e in _list_at(root_fd, root) if e.name != name]
+            set_latest(root, left[-1].name if left else None)
+    # A name of its own (a name someone else made, in a sticky folder, held every
+    # removal of `name`, and every prune behind it, for good).  Gone from listings at
+    # once, even if the removal is cut short.
+    hidden = f".{name}.{secrets.token_hex(4)}.removing"
     os.rename(name, hidden, src_dir_fd=root_fd, dst_dir_fd=root_fd)
     try:
         fd = open_dir(hidden, root_fd, follow=False)
@@ -653,9 +729,6 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
             _write_owner(os.path.join(root, hidden), fd)
     finally:
         os.close(fd)
-    if _latest_at(root_fd) == name:
-        left = _list_at(root_fd, root)
-        set_latest(root, left[-1].name if left else None)
     shutil.rmtree(hidden, dir_fd=root_fd)
     os.fsync(root_fd)
 
@@ -671,11 +744,11 @@ def prune(root: str, keep: int, protect: str | None = None, owner: int | None = 
     that uid owns; None (root's prune) every owner's, each kept to `keep`."""
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}", "pass --keep 1 or more")
-    removed = []
+    removed, failed = [], []
     with _root_fd(root) as fd:
         for name in _partials_at(fd, owner):
-            shutil.rmtree(name, dir_fd=fd, ignore_errors=True)
-            removed.append(os.path.join(root, name))
+            if _remove_stale(fd, name):
+                removed.append(os.path.join(root, name))
         by_owner: dict[int, list[Entry]] = {}
         for e in _list_at(fd, root):  # (oldest first)
             if owner is None or e.uid == owner:
@@ -685,6 +758,47 @@ def prune(root: str, keep: int, protect: str | None = None, owner: int | None = 
             for e in entries[:max(0, len(entries) - keep)]:
                 if e.name in (protect, latest):
                     continue
-                _remove_at(fd, root, e.name)
-                removed.append(e.path)
+                try:  # (one that cannot go holds back none of the others)
+                    _remove_at(fd, root, e.name)
+                    removed.append(e.path)
+                except (OSError, CheckpointError) as err:
+                    failed.append(f"{e.path} ({getattr(err, 'strerror', None) or err})")
+    if failed:
+        raise CheckpointError(f"pruned {len(removed)}, but {len(failed)} could not be "
+                              f"removed: {', '.join(failed[:3])}",
+                              "remove those by hand (mxfs ckpt rm), as their owner or root")
     return removed
+
+
+def _remove_stale(root_fd: int, name: str) -> bool:
+    """Remove the stale hidden folder `name` (`_partials_at` judged it), if it still is
+    that folder and still stale once locked: renamed to a name of its own first and
+    checked to be it.  Removed by its name alone, a save that had meanwhile cleared the
+    dead folder and made its own under the name lost it mid-write.  Whether removed."""
+    try:
+        fd = open_dir(name, root_fd, follow=False)
+    except OSError:
+        return False
+    try:
+        ino = os.fstat(fd).st_ino
+        if not _stale_at(fd):
+            return False
+        try:  # (a live save holds its folder locked: `claim_partial`)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass  # (a filesystem that takes no locks: its age judged it)
+        aside = f"{name}.{secrets.token_hex(4)}.removing"
+        try:
+            os.rename(name, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        except OSError:
+            return False
+        if os.lstat(aside, dir_fd=root_fd).st_ino != ino:  # (made anew meanwhile)
+            with contextlib.suppress(OSError):
+                os.rename(aside, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+            return False
+        shutil.rmtree(aside, dir_fd=root_fd, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
