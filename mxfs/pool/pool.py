@@ -809,11 +809,14 @@ class Pool:
             finally:
                 os.close(fd)
 
-    def truncate_chunks(self, ino: int, layout: Layout, size: int, far: bool = True
-                        ) -> None:
+    def truncate_chunks(self, ino: int, layout: Layout, size: int, far: bool = True,
+                        exact: bool = False) -> None:
         """Cut every chunk file of `ino` to what a file of `size` bytes needs; other
         nodes' members through their owners (blocking), unless `far` is False: the
-        caller then does `truncate_far` from a worker thread."""
+        caller then does `truncate_far` from a worker thread.  `exact` (a commit, its
+        writers gone): any block past a chunk file's end is freed, not only those past
+        ALLOCATED_SLACK: within it a writer's fallocate(KEEP_SIZE) of 4 MiB a member
+        outlived the commit, charged to nobody (an empty file held 16 MiB for good)."""
         for m in layout.used_members():
             if self.members[m].node:
                 if self.node:
@@ -823,7 +826,8 @@ class Pool:
             path = self.chunk_path(m, ino)
             try:
                 st = os.stat(path)
-                if st.st_size > want or overallocated(st, want):
+                if st.st_size > want or (st.st_blocks * 512 > -(-want // 4096) * 4096
+                                         if exact else overallocated(st, want)):
                     # (frees blocks kept past its end too; never grown: a truncate that
                     # grows a file keeps them, and its holes read zeros anyway)
                     os.truncate(path, min(st.st_size, want))

@@ -483,7 +483,7 @@ class Volume:
         node = entry.node
         assert entry.chunks is not None
         layout = self.layout(node)
-        self.pool.truncate_chunks(node.ino, layout, size)
+        self.pool.truncate_chunks(node.ino, layout, size, exact=True)
         if sync:
             for m in layout.used_members():
                 if not self.pool.members[m].node:
