@@ -408,7 +408,9 @@ class FileOps:
             raise failed
 
     def _all_pending(self) -> list[Pending]:
-        return [p for s in self.sessions() for p in s.pending.values()]
+        """Every unpublished file held, and those being dropped (cut back as held)."""
+        return [p for s in self.sessions() for held in (s.pending, s.dropping)
+                for p in held.values()]
 
     async def trim_overdrafts(self) -> int:
         """Now: cut every unpublished file's chunk files back to what its writer

@@ -84,6 +84,7 @@ class Session:
     # Unpublished files of every connection by uid (the server's one tally).
     pending_by_uid: Counter[int] = field(default_factory=Counter)
     pending: dict[int, Pending] = field(default_factory=dict)
+    dropping: dict[int, Pending] = field(default_factory=dict)  # (being cut: `drop_pending`)
     pins: dict[tuple[str, bytes], Lease] = field(default_factory=dict)  # KV read leases
     pinned: int = 0  # their sum
     conn: Any = None  # the socket (asked how much of what it sent is unread)
@@ -154,10 +155,14 @@ class Session:
     def let_go(self, ino: int) -> Pending:
         """Forget an unpublished file (committed or dropped); KeyError if not held."""
         pending = self.pending.pop(ino)
+        self.forget(pending)
+        return pending
+
+    def forget(self, pending: Pending) -> None:
+        """What an unpublished file no longer held was counted against, given back."""
         self.unbook(pending.declared, pending.extra)
         if pending.let_room_go is not None:
             pending.let_room_go(pending.meta_room)
-        return pending
 
 
 def check_pending_room(session: Session, limits: Limits, vol: Volume) -> None:
@@ -264,7 +269,12 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
     hundreds of connections, each cut fsynced on the metadata member, waits behind her
     own cuts (first come first served on trio's shared threads, every user's commits
     waited behind all of them)."""
-    pending = session.let_go(ino)
+    # Out of the connection's files at once (nothing commits it now), but counted (its
+    # quota and pending room) and cut back each second (`dropping`) until its chunk
+    # files are cut: let go before, a user's drops queued behind her own slow commits
+    # freed her quota for new files while their old ones took writes without limit.
+    pending = session.pending.pop(ino)
+    session.dropping[ino] = pending
     paths = chunk_paths(vol, pending.entry.node)
 
     def cut() -> None:
@@ -278,6 +288,8 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
         with trio.CancelScope(shield=True):  # (the inode is released after, whatever)
             await settle_off_loop(session.caller.uid, cut)
     finally:
+        del session.dropping[ino]
+        session.forget(pending)
         vol.release(ino)
 
 
