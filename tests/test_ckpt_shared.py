@@ -160,15 +160,20 @@ def test_a_file_pinned_to_its_folder_never_lands_in_the_one_put_in_its_place(
 
 def test_a_save_takes_its_modes_from_the_umask(mounted: Mounted) -> None:
     """Files and folder as open(2) and mkdir(2) would make them: umask 077 keeps the
-    checkpoint the saver's alone; 022 leaves it readable by the group (shared loads)."""
+    checkpoint the saver's alone; 022 leaves it readable by the group (shared loads).
+    Never writable by others: with umask 002 the folder was the group's to write, and
+    a member of the group swapped its manifest and data for his own."""
     old = os.umask(0o077)
     try:
         ck.save({"w": torch.ones(4)}, str(mounted.path / "private")).wait()
         os.umask(0o022)
         ck.save({"w": torch.ones(4)}, str(mounted.path / "shared")).wait()
+        os.umask(0o002)
+        ck.save({"w": torch.ones(4)}, str(mounted.path / "group")).wait()
     finally:
         os.umask(old)
-    for name, folder, file in (("private", 0o700, 0o600), ("shared", 0o755, 0o644)):
+    for name, folder, file in (("private", 0o700, 0o600), ("shared", 0o755, 0o644),
+                               ("group", 0o755, 0o644)):
         assert os.stat(mounted.path / name).st_mode & 0o777 == folder
         for f in os.listdir(mounted.path / name):
             assert os.stat(mounted.path / name / f).st_mode & 0o777 == file, (name, f)

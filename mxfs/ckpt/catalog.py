@@ -9,7 +9,7 @@ folder (`_latest_locked`), and never back to one saved earlier; a removal moves 
 first, then renames the checkpoint to a hidden name of its own.
 
 In a folder others may write, a save writes only into the folder it made: the
-hidden folder is 0700 until published (then what the umask gives), every file is
+hidden folder is 0700 until published (then 0755 less the umask), every file is
 made through a descriptor of it (the daemon refuses a create or commit whose path
 leads to another folder by then), and the rename is checked to have moved it; one
 of someone else's in its place fails the save, never gets the data.  Retention
@@ -343,7 +343,7 @@ class Partial:
     path: str
     ino: int
     uid: int
-    mode: int  # what it becomes when published: 0777 less the saver's umask
+    mode: int  # what it becomes when published: 0755 less the saver's umask
 
 
 def claim_partial(path: str) -> Partial:
@@ -379,7 +379,10 @@ def claim_partial(path: str) -> Partial:
                               "the mount is read-only",
                               "mount the pool read-write (a pool with a failed member "
                               "mounts read-only: mxfs status names it)") from None
-    made = Partial(partial, 0, os.geteuid(), 0o777 & ~umask())
+    # Published as 0755 less the umask: never writable by others (a group-writable
+    # folder, umask 002, let a member of the group swap the manifest and data for his
+    # own, which a load checks only against that manifest).
+    made = Partial(partial, 0, os.geteuid(), 0o755 & ~umask())
     try:
         fd = open_dir(partial, follow=False)
     except OSError as e:
