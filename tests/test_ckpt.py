@@ -477,3 +477,28 @@ def test_fifos_a_tenant_plants_do_not_hang_root_commands(mounted: Mounted) -> No
     assert "not a regular file" in line
     mxfs("ckpt", "prune", str(root), "--keep", "1", timeout=60)
     assert sorted(os.listdir(root)) == [".s9.partial", "latest", "s1", "s2"]
+
+
+@pytest.mark.unit
+def test_a_manifest_damaged_past_its_shape_checks_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    """A tree node naming no device, and a compressed tensor whose frames are empty
+    and whose shape is a terabyte: each raised torch's RuntimeError from deep in the
+    load (an allocator's, for the second), not the one line a damaged checkpoint
+    gets."""
+    ck.save({"dev": torch.device("cpu"), "x": torch.ones(2)}, str(tmp_path / "dev")).wait()
+    ck.save({"x": torch.ones(1024)}, str(tmp_path / "big"), compress="zstd").wait()
+    for case in ("dev", "big"):
+        mpath = tmp_path / case / catalog.MANIFEST
+        manifest = json.loads(mpath.read_text())
+        if case == "dev":
+            manifest["tree"]["items"][0][1]["v"] = "bogus"
+        else:
+            t = manifest["files"]["data.safetensors"]["tensors"]["x"]
+            t["shape"], frame = [1 << 38], t["stored"]["frame"]
+            t["length"] = 4 << 38
+            t["stored"]["frames"] = [0] * -(-(4 << 38) // frame)
+            t["stored"]["length"] = 0
+        mpath.write_text(json.dumps(manifest))
+        with pytest.raises(ck.CheckpointError, match="damaged|cannot be allocated"):
+            ck.load(str(tmp_path / case))

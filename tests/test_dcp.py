@@ -253,3 +253,24 @@ def test_single_process_dcp_on_a_plain_folder_and_refusals(tmp_path: Path) -> No
     ck.save({"a": torch.ones(2)}, str(tmp_path / "plain")).wait()
     with pytest.raises(REFUSED, match="not DCP"):
         dcp.load(got, storage_reader=Reader(tmp_path / "plain"))
+
+
+def test_a_damaged_dcp_entry_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A storage entry of the manifest's DCP metadata whose shape does not fit its
+    bytes, or that lacks its place, is a damaged checkpoint, said so: it raised
+    torch's RuntimeError (or a KeyError) from deep in the load."""
+    state = {"a": torch.randn(3, 4)}
+    for case in ("shape", "offset"):
+        dcp.save(state, storage_writer=Writer(tmp_path / case))
+        manifest_path = tmp_path / case / "mxfs-checkpoint.json"
+        manifest = json.loads(manifest_path.read_text())
+        entry = manifest["dcp"]["storage"][0][1]
+        if case == "shape":
+            entry["shape"] = [5]
+        else:
+            del entry["offset"]
+        manifest_path.write_text(json.dumps(manifest))
+        with pytest.raises(REFUSED) as e:
+            dcp.load({"a": torch.zeros(3, 4)}, storage_reader=Reader(tmp_path / case))
+        # (DCP's own exception carries each rank's: ours, CheckpointCorrupt, named)
+        assert "DCP entry of a in the manifest is damaged" in str(e.value), str(e.value)

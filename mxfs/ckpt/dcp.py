@@ -328,7 +328,11 @@ class Reader(StorageReader):
         assert self.path is not None
         per_file: dict[str, list[Any]] = defaultdict(list)
         for req in plan.items:
-            per_file[self.storage_data[req.storage_index]["file"]].append(req)
+            try:  # (each entry's place checked before any is sorted or read by it)
+                int(self._entry(req, "offset")), int(self._entry(req, "length"))
+            except (TypeError, ValueError) as e:
+                raise self._damaged(req, e) from None
+            per_file[str(self._entry(req, "file"))].append(req)
         for fname, reqs in per_file.items():
             info = self.manifest["files"].get(fname)
             if info is None:  # (its names were checked: `catalog.read_manifest`)
@@ -341,20 +345,35 @@ class Reader(StorageReader):
         fut.set_result(None)
         return fut
 
+    def _entry(self, req: Any, key: str) -> Any:
+        """`key` of the manifest's storage entry of `req`; its lack is damage."""
+        try:
+            return self.storage_data[req.storage_index][key]
+        except (KeyError, TypeError) as e:
+            raise self._damaged(req, e) from None
+
+    def _damaged(self, req: Any, e: BaseException) -> CheckpointCorrupt:
+        return CheckpointCorrupt(f"{self.path}: the DCP entry of {req.storage_index.fqn} "
+                                 f"in the manifest is damaged ({e})",
+                                 "load an older checkpoint (mxfs ckpt ls)")
+
     def _load(self, planner: LoadPlanner, path: str, info: dict[str, Any],
               reqs: list[Any]) -> None:
         """Read `reqs`' ranges of one file (verified) and hand each to the planner."""
         fname = os.path.basename(path)
-        wanted = [(int(self.storage_data[r.storage_index]["offset"]),
-                   int(self.storage_data[r.storage_index]["length"])) for r in reqs]
+        wanted = [(int(self._entry(r, "offset")), int(self._entry(r, "length")))
+                  for r in reqs]
         got = read_ranges(path, info, wanted)
         for req, raw in zip(reqs, got, strict=True):
             d = self.storage_data[req.storage_index]
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(bytes(raw.numpy())))
                 continue
-            t = raw.view(_dtype(d["dtype"])).view(d["shape"]) if raw.numel() else \
-                torch.empty(d["shape"], dtype=_dtype(d["dtype"]))
+            try:  # (a shape or dtype the bytes do not fit: damaged, said in one line)
+                t = raw.view(_dtype(d["dtype"])).view(d["shape"]) if raw.numel() else \
+                    torch.empty(d["shape"], dtype=_dtype(d["dtype"]))
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise self._damaged(req, e) from None
             t = _narrow(t, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != t.size():

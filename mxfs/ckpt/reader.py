@@ -190,7 +190,16 @@ def _tensor(buf: torch.Tensor, name: str, t: dict[str, Any], path: str) -> torch
             or sum(frames) != int(stored["length"]) or off + sum(frames) > buf.numel():
         raise CheckpointCorrupt(f"{path}: tensor {name} does not fit its manifest entry",
                                 DAMAGED)  # (checked before its bytes are allocated)
-    out = torch.empty(shape, dtype=dtype)
+    if nbytes and min(frames) <= 0:  # (no frame of zstd is empty)
+        raise CheckpointCorrupt(f"{path}: tensor {name} has an empty compressed frame",
+                                DAMAGED)
+    try:
+        out = torch.empty(shape, dtype=dtype)
+    except RuntimeError as e:  # (a size no memory here holds: the manifest's word)
+        raise CheckpointError(f"{path}: tensor {name} of {nbytes} bytes cannot be "
+                              f"allocated ({str(e).splitlines()[0][:120]})",
+                              "load it on a machine with the memory, or, if the "
+                              "checkpoint is damaged, load an older one") from None
     raw = writable_view(out) if nbytes else memoryview(b"")
     jobs = []
     for i, n in enumerate(frames):
@@ -255,6 +264,7 @@ def load(path: str, device: str | torch.device = "cpu", verify: bool = True) -> 
         tensors = {k: v.to(dev) for k, v in tensors.items()}
     try:
         return unflatten(manifest["tree"], tensors)
-    except (KeyError, ValueError, TypeError, RecursionError) as e:
-        raise CheckpointCorrupt(f"{path}: the manifest's structure is damaged ({e})",
+    except (KeyError, ValueError, TypeError, RecursionError, RuntimeError) as e:
+        raise CheckpointCorrupt(f"{path}: the manifest's structure is damaged "
+                                f"({str(e).splitlines()[0][:200] if str(e) else e!r})",
                                 "load an older checkpoint (mxfs ckpt ls)") from None
