@@ -542,3 +542,35 @@ except OSError as e:
     print(json.dumps([e.errno, str(e)]))
 """)
     assert refused[0] == errno.EPERM and "only root sets quotas" in refused[1]
+
+
+def test_a_commit_whose_path_now_leads_to_anothers_folder_is_charged_there_or_refused(
+        pool: Mounted) -> None:
+    """A direct file's name is charged to the owner of the folder it is committed into,
+    judged at the create for the folder its path led to then.  Alice made hers through
+    a link to her own folder and moved the link to bob's (open to all) before the
+    commit: the name landed in his, past his quota, unjudged.  The commit judges it."""
+    users = ensure_users()
+    alice, bob = users["alice"], users["bob"]
+    hers = empty_home_with_quota(pool, alice)
+    his = empty_home_with_quota(pool, bob)
+    his.chmod(0o777)
+    used = line_of(quota(pool), bob.uid)["bytes"]
+    name = "n" * 200  # (charged NAME_ROW and its bytes: more than the room he has)
+    quota(pool, "--user", bob.name, "--bytes", str(used + 100))
+    got = run_as(alice, f"""
+from mxfs.client.writer import create_file
+hers, his = {str(hers)!r}, {str(his)!r}
+os.mkdir(hers + "/sub")
+os.symlink(hers + "/sub", hers + "/l")
+w = create_file(hers + "/l/{name}", 16)
+w.write_at(0, memoryview(bytearray(b"x" * 16)))
+os.unlink(hers + "/l")
+os.symlink(his, hers + "/l")
+print(json.dumps(attempt(w.commit, 16)))
+""")
+    assert got == errno.EDQUOT, got
+    assert not (his / name).exists()
+    assert line_of(quota(pool), bob.uid)["bytes"] == used
+    quota(pool, "--user", bob.name, "--clear")
+    his.chmod(0o755)

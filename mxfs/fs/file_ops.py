@@ -59,6 +59,7 @@ from mxfs.vol.access import (
     resolve_parent_for,
     same_folder,
 )
+from mxfs.vol.tenants import tenant_of
 from mxfs.vol.volume import Volume
 
 log = logging.getLogger("mxfs.control")
@@ -353,6 +354,10 @@ class FileOps:
                                           self.mountpoint if mountpoint is None
                                           else mountpoint)
         same_folder(parent, pending.dir_ino, pending.path)
+        if tenant_of(parent.uid) != session.tenant:  # (judged at create for the folder
+            # its path led to then: a link moved since sends the name to another
+            # owner's folder, who is charged it, checked here)
+            self.vol.quotas.room_for_entry(session.caller.uid, parent.uid, name)
         old = self.vol.store.entry_ino(parent.ino, name)
         if old is not None and replace:
             may_replace(parent, self.vol.store.get(old), session.caller)
