@@ -63,9 +63,10 @@ def test_a_write_already_answered_lands_ahead_of_its_writers_other_io() -> None:
             for i in range(3):
                 nursery.start_soon(call, f"read{i}")
                 await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(call, "landing", True)
-            await trio.testing.wait_all_tasks_blocked()
+            for i in range(2):  # (answered writes among themselves: in the order they
+                nursery.start_soon(call, f"landing{i}", True)  # came, not newest first)
+                await trio.testing.wait_all_tasks_blocked()
             turns.give(held)
 
     trio.run(main)
-    assert order == ["landing", "read0", "read1", "read2"]
+    assert order == ["landing0", "landing1", "read0", "read1", "read2"]

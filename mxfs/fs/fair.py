@@ -136,6 +136,11 @@ class RoundRobin:
         self._free = slots
         self._held: Counter[int] = Counter()
         self._waiting: OrderedDict[int, deque[trio.Event]] = OrderedDict()
+        # Calls waiting `first`, at the front of their uid's line in the order they came
+        # (not newest first: one file's writes, each taking the front again, held
+        # another's there for as long as the first kept writing).
+        self._firsts: Counter[int] = Counter()
+        self._first: set[trio.Event] = set()
 
     @asynccontextmanager
     async def slot(self, uid: int, first: bool = False) -> AsyncIterator[None]:
@@ -157,7 +162,9 @@ class RoundRobin:
         turn = trio.Event()
         calls = self._waiting.setdefault(uid, deque())
         if first:
-            calls.appendleft(turn)
+            calls.insert(self._firsts[uid], turn)
+            self._firsts[uid] += 1
+            self._first.add(turn)
         else:
             calls.append(turn)
         try:
@@ -195,13 +202,23 @@ class RoundRobin:
                 return
             calls = self._waiting.pop(uid)
             turn = calls.popleft()
+            self._unfirst(uid, turn)
             if calls:
                 self._waiting[uid] = calls  # (to the back of the line of uids)
             self._take(uid)
             turn.set()
 
+    def _unfirst(self, uid: int, turn: trio.Event) -> None:
+        """`turn` leaves its uid's line: one fewer at its front, if it was one."""
+        if turn in self._first:
+            self._first.discard(turn)
+            self._firsts[uid] -= 1
+            if self._firsts[uid] <= 0:
+                del self._firsts[uid]
+
     def _forget(self, uid: int, turn: trio.Event) -> None:
         calls = self._waiting.get(uid)
+        self._unfirst(uid, turn)
         if calls is not None:
             calls.remove(turn)
             if not calls:
