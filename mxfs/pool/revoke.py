@@ -59,6 +59,7 @@ import errno
 import fcntl
 import logging
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -153,6 +154,19 @@ def anyone_holds(path: str) -> bool:
     return _lease_refused(path, fcntl.F_WRLCK)
 
 
+def _open_to_probe(path: str) -> int | None:
+    """A descriptor of `path` to take a lease on; None if it is missing, -1 if another
+    probe's lease refused the open each of LOOKS tries (O_NONBLOCK: EWOULDBLOCK)."""
+    for _ in range(LOOKS):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except BlockingIOError:
+            time.sleep(0.001)
+    return -1
+
+
 def _lease_refused(path: str, lease: int) -> bool:
     """Whether the kernel refuses `lease` on `path` (someone holds it open for writing,
     for F_RDLCK; open at all, for F_WRLCK), taken and given back at once.  Any other
@@ -160,11 +174,17 @@ def _lease_refused(path: str, lease: int) -> bool:
     "nobody" before, and a commit sealed a file its writer still held, a drop cut
     and removed a file still written."""
     global _no_leases
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
+    fd = _open_to_probe(path)
+    if fd is None:
         return False
+    if fd < 0:
+        return True  # (another probe's lease held it each time: asked again later)
     try:
+        # A lease's break is told to its holder by a signal, SIGIO unless set: any
+        # open of the file between the two calls below (the daemon's own threads open
+        # these files by path) killed the daemon, SIGIO's default.  SIGURG's default
+        # is to ignore it, and the lease is given back at once anyway.
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
         for look in range(LOOKS):
             closes = CLOSER.closes
             try:
