@@ -608,6 +608,7 @@ def test_a_closed_files_blocks_are_answered_without_asking_its_members(
             f.write(b"x" * 4096)
         with ControlClient(str(outer.path)) as c:
             assert eventually(lambda: c.stat()["open_files"] == 0, 10)  # (released)
+        time.sleep(block_counts.SETTLE_S + 0.2)  # (its descriptors closed, settled)
         drop_caches()  # (the kernel forgets it: the stat below is a lookup, counted)
         assert 0 < os.stat(sparse).st_blocks * 512 <= 1 << 20
         time.sleep(block_counts.KEEP_S + 0.2)  # (past what a count of an open file keeps)

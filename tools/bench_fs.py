@@ -55,6 +55,7 @@ from rig import ceiling, make_rig, write_ceiling  # noqa: E402
 from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 from mxfs.cli.measure import drop_caches, read_file, write_file  # noqa: E402
 from mxfs.client.writer import create_file  # noqa: E402
+from mxfs.fs.block_counts import SETTLE_S  # noqa: E402
 from mxfs.units import parse_size  # noqa: E402
 
 # Targets as ratios to the plain folder (issue 2, raised by issue 14 item 4).
@@ -148,6 +149,7 @@ def small_reads(folder: str, n: int) -> tuple[float, float]:
     for p in names:
         with open(p, "wb") as f:
             f.write(data)
+    time.sleep(SETTLE_S)  # (files written a while ago, as a model's are: not just closed)
     rates = []
     for _ in range(2):
         drop_caches()

@@ -4,8 +4,10 @@ A file's size says nothing of its holes, so its blocks are the sum of its chunk 
 (one stat a member).  The stats are member calls (`fs/member_calls.py`): off the loop,
 a hung member left out, and when they do not come back in time the answer is the
 size's blocks.  A count is kept for the file as it was (size, mtime, ctime): KEEP_S while
-the file is open here (writes land behind, a hole filled changes no size), and until
-the file changes if it was open nowhere here when counted and still is not.  Every
+the file is open here (writes land behind, a hole filled changes no size) or was
+closed here in the last SETTLE_S (its descriptors closing: a member may flush, XFS
+trims its preallocation), and until the file changes if it was settled so when
+counted and still is.  Every
 change to a closed file's bytes passes through this daemon and moves its mtime (a
 write, a truncate; a writeback cache's mtime comes at the close, and direct writers
 write only unpublished files, open here until published), so a closed file's count
@@ -29,6 +31,9 @@ from mxfs.meta import Inode
 from mxfs.pool.pool import Pool
 
 KEEP_S = 1.0  # a count of a file open here stands this long (writes land behind)
+# ... and of a file closed here this lately: its descriptors may still be closing (a
+# FUSE or NFS member flushes at the close, XFS trims its preallocation past the end)
+SETTLE_S = 5.0
 KEPT = 65_536  # counts kept at most (the oldest go first)
 
 Shape = tuple[int, int, int]  # (size, mtime_ns, ctime_ns): the file a count is of
@@ -48,6 +53,23 @@ class BlockCounts:
         self._calls = calls
         self._open_here = open_here  # (ino: whether a handle or a writer holds it here)
         self._kept: OrderedDict[int, Kept] = OrderedDict()
+        self._closed: OrderedDict[int, float] = OrderedDict()  # last closes, SETTLE_S
+
+    def closed(self, ino: int) -> None:
+        """The last handle of `ino` here was let go (its descriptors closing)."""
+        now = time.monotonic()
+        self._closed[ino] = now
+        self._closed.move_to_end(ino)
+        while self._closed:  # (oldest first: those past SETTLE_S go)
+            first, at = next(iter(self._closed.items()))
+            if now - at <= SETTLE_S and len(self._closed) <= KEPT:
+                break
+            del self._closed[first]
+
+    def _settled(self, ino: int, now: float) -> bool:
+        """Open nowhere here, and not closed here in the last SETTLE_S."""
+        closed = self._closed.get(ino)
+        return not self._open_here(ino) and (closed is None or now - closed > SETTLE_S)
 
     def _fresh(self, node: Inode, now: float) -> int | None:
         kept = self._kept.get(node.ino)
@@ -74,14 +96,14 @@ class BlockCounts:
         # Each file as it was before the count: a write landing meanwhile changes the
         # row in place, and the count taken before it must not stand for the file after.
         shapes = [_shape(node) for node in wanted]
-        closed = {node.ino for node in wanted if not self._open_here(node.ino)}
+        closed = {node.ino for node in wanted if self._settled(node.ino, now)}
         counts = await self._calls.run(lambda: self._stat_all(wanted), uid)
         if counts is None:
             return
         until = time.monotonic() + KEEP_S
         for node, shape, blocks in zip(wanted, shapes, counts, strict=True):
             if blocks is not None:  # (closed all along: opened meanwhile, it may change)
-                settled = node.ino in closed and not self._open_here(node.ino)
+                settled = node.ino in closed and self._settled(node.ino, time.monotonic())
                 self._kept[node.ino] = (shape, until, blocks, settled)
                 self._kept.move_to_end(node.ino)
         while len(self._kept) > KEPT:

@@ -885,6 +885,8 @@ class MxfsOperations(pyfuse3.Operations):
         handle = self.handles.pop(fh)
         self._closed(handle.uid, ino)
         self.vol.release(ino)
+        if ino not in self.vol.open_inodes:
+            self.blocks.closed(ino)
         if ino not in self.vol.open_inodes and self.written is not None:
             self.written.closed(ino)
         if ino not in self.vol.open_inodes and self.held_open is not None:
