@@ -666,11 +666,16 @@ class Volume:
         node's its own, so their sum may pass it by what one node keeps)."""
         owner = tenant_of(node.uid)  # (what is kept for readers counts as its user's)
         self.pool.renew_far(node.ino, self.layout(node).used_members(), owner, room)
-        self.lent.discard(node.ino)
+        self.lent.discard(node.ino)  # (before: an open_read meanwhile marks it again)
+        try:
+            self.held.renew(node.ino, owner, room=room)
+        except BaseException:  # (a member full, or failing: still lent, renewed at the
+            self.lent.add(node.ino)  # next change; forgotten, a chmod tried again
+            raise                    # changed the mode with no renew)
+        finally:  # (members renewed before a failure: their new files, written from now)
+            self._reopen(node.ino)
         if node.ino <= self.lent_through:
             self.renewed_old.add(node.ino)
-        self.held.renew(node.ino, owner, room=room)
-        self._reopen(node.ino)
 
     def renew_here(self, ino: int, owner: int, members: list[int], room: int | None = None
                    ) -> None:
