@@ -2072,6 +2072,59 @@ def test_a_get_refused_for_descriptors_unread_takes_no_read_leases(tmp_path: Pat
             sock.close()
 
 
+@pytest.mark.daemon_log(r"cannot reach this pool's mount point")
+def test_a_user_who_cannot_reach_the_mount_point_is_refused_its_daemon(
+        tmp_path: Path) -> None:
+    """The control socket is open to everyone and judged each path from the pool's
+    root down; the folders above the mount point are another file system's.  A pool
+    mounted under a folder closed to nobody handed nobody chunk descriptors of a
+    0644 file that `cat` refused him.  His connections are refused (EACCES) until
+    the folder lets him by."""
+    from mxfs.proto.framing import recv_message
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    closed = Path(tempfile.mkdtemp(prefix="mxfs-closed-"))
+    mp = closed / "pool"
+    mp.mkdir()
+    closed.chmod(0o700)
+    res = subprocess.run([sys.executable, "-m", "mxfs", "mount", "-o", "allow_other",
+                          members[0], str(mp)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    try:
+        (mp / "f").write_bytes(b"secret")
+        (mp / "f").chmod(0o644)
+        sock_path = os.getxattr(mp, "user.mxfs.control").decode()
+
+        def nobody_asks() -> dict[str, Any]:
+            os.setegid(65534)
+            os.seteuid(65534)
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(30)
+                s.connect(sock_path)
+            finally:
+                os.seteuid(0)
+                os.setegid(0)
+            with s:
+                s.sendall(encode({"op": "open_read", "path": "/f", "id": 1}))
+                reply, fds = recv_message(s)
+            for fd in fds:
+                os.close(fd)
+            return reply
+
+        reply = nobody_asks()
+        assert not reply["ok"] and reply["errno"] == errno.EACCES, reply
+        assert "mount point" in reply["error"]
+        closed.chmod(0o755)
+        assert eventually(lambda: nobody_asks()["ok"], timeout=10)
+    finally:
+        closed.chmod(0o755)
+        subprocess.run([sys.executable, "-m", "mxfs", "umount", str(mp)],
+                       capture_output=True, timeout=120)
+        shutil.rmtree(closed, ignore_errors=True)
+
+
 HALF_SENT = r"""
 import socket, threading
 from mxfs.proto import HEADER, VERSION

@@ -35,6 +35,7 @@ from mxfs.fs.limits import Limits
 from mxfs.fs.listener import Listener
 from mxfs.fs.meta_ops import MetaOps, SharedSync
 from mxfs.fs.metrics import Metrics
+from mxfs.fs.reach import MountReach
 from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Handler, Session
 from mxfs.fs.status_ops import StatusOps
@@ -76,7 +77,7 @@ class ControlServer:
         self.fds = Descriptors(self.limits)
         self.listener = Listener(path, self.limits, self.dispatch, self._session,
                                  self._end_session, self.turns.turn, self.fds,
-                                 close_later)
+                                 close_later, MountReach(mountpoint).may_reach)
         self.remote = RemoteReads(volume, self.limits)  # (a reading node's direct path)
         lim = self.limits
         self.kv = KVOps(volume, KVIndex(volume, lim.max_namespaces_per_user,

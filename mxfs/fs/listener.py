@@ -77,8 +77,11 @@ class Listener:
                  end: Callable[[Session], Awaitable[None]],
                  turn: Callable[[int], AbstractAsyncContextManager[None]],
                  fds: Descriptors,
-                 close_fds: Callable[[list[int]], None]) -> None:
+                 close_fds: Callable[[list[int]], None],
+                 reach: Callable[[Caller], Awaitable[bool]] | None = None) -> None:
         self.path = path
+        # Whether a caller could reach the mount point through the kernel (`fs/reach.py`)
+        self.reach = reach
         self.limits = limits
         self.dispatch = dispatch
         self.turn = turn  # a uid's turn (`fair.Turns`): its requests are parsed in it
@@ -200,6 +203,10 @@ class Listener:
         """Admit a connection (or answer why not) and serve it."""
         tenant = tenant_of(caller.uid)
         refusal = self._admit(caller, tenant)
+        if refusal is None and self.reach is not None and not await self.reach(caller):
+            refusal = OSError(errno.EACCES, f"uid {caller.uid} cannot reach this pool's "
+                              "mount point (a folder above it denies search), so neither "
+                              "can it ask its daemon: ask the admin for that folder")
         if refusal is not None:
             self.failures.note("connect", caller, refusal, trace=False)
             if self.refusing < MAX_REFUSING:  # past it, a flood is closed unanswered
