@@ -25,12 +25,13 @@ from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.io import Layout
+from mxfs.io.batch import sync_all
 from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
 from mxfs.meta.feed_notes import Noted, channel
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
-from mxfs.pool.closer import CLOSER
+from mxfs.pool.closer import CLOSER, close_later
 from mxfs.pool.key import load_key, read_key
 from mxfs.pool.lock import release_pool_lock, take_pool_lock, write_lock_info
 from mxfs.pool.pool import META_ROW, MemberCall, unlink_cut
@@ -479,16 +480,25 @@ class Volume:
 
     def settle_hidden(self, entry: OpenInode, size: int, sync: bool = True) -> None:
         """Blocking: cut a hidden file's chunk files to `size`, and fsync them if `sync`
-        (through descriptors of the daemon's own: the writer's are closed by now)."""
+        (through read-only descriptors of the daemon's own, closed after: the writer's
+        are closed by now, and a write descriptor kept would make the daemon a writer
+        of the file, its next commit refused EBUSY after this one failed past here, a
+        name taken or a quota)."""
         node = entry.node
         assert entry.chunks is not None
         layout = self.layout(node)
         self.pool.truncate_chunks(node.ino, layout, size, exact=True)
         if sync:
-            for m in layout.used_members():
-                if not self.pool.members[m].node:
-                    entry.chunks.fd(m, create=False)
-            entry.chunks.sync()
+            fds = []
+            try:
+                for m in layout.used_members():
+                    if not self.pool.members[m].node:
+                        with contextlib.suppress(FileNotFoundError):  # (a hole)
+                            fds.append(os.open(self.pool.chunk_path(m, node.ino),
+                                               os.O_RDONLY | os.O_CLOEXEC))
+                sync_all(fds)
+            finally:
+                close_later(fds)
 
     def publish(self, entry: OpenInode, parent: int, name: bytes, size: int, replace: bool,
                 sum_unit: int, sums: bytes) -> None:
