@@ -10,6 +10,7 @@ a name someone planted.  Stdlib only: any layer may use it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
@@ -87,3 +88,12 @@ def write_new(name: str, data: bytes, dir_fd: int, mode: int = 0o644, tries: int
         finally:
             os.close(fd)
         return
+
+
+def rename_noreplace(dir_fd: int, old: str, new: str) -> None:
+    """Rename `old` to `new` in the folder `dir_fd`, never over something already named
+    `new` (renameat2 RENAME_NOREPLACE: EEXIST; rename(2) replaces an empty folder)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(dir_fd, os.fsencode(old), dir_fd, os.fsencode(new), 1) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), new)

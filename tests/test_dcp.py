@@ -258,15 +258,18 @@ def test_single_process_dcp_on_a_plain_folder_and_refusals(tmp_path: Path) -> No
 def test_a_damaged_dcp_entry_is_refused_in_one_line(tmp_path: Path) -> None:
     """A storage entry of the manifest's DCP metadata whose shape does not fit its
     bytes, or that lacks its place, is a damaged checkpoint, said so: it raised
-    torch's RuntimeError (or a KeyError) from deep in the load."""
+    torch's RuntimeError (or a KeyError) from deep in the load, or, of length 0,
+    loaded uninitialised memory."""
     state = {"a": torch.randn(3, 4)}
-    for case in ("shape", "offset"):
+    for case in ("shape", "offset", "length"):
         dcp.save(state, storage_writer=Writer(tmp_path / case))
         manifest_path = tmp_path / case / "mxfs-checkpoint.json"
         manifest = json.loads(manifest_path.read_text())
         entry = manifest["dcp"]["storage"][0][1]
         if case == "shape":
             entry["shape"] = [5]
+        elif case == "length":  # (none read: its tensor was uninitialised memory)
+            entry["length"] = 0
         else:
             del entry["offset"]
         manifest_path.write_text(json.dumps(manifest))

@@ -43,7 +43,7 @@ from typing import Any, TypeGuard
 from mxfs.client.writer import create_file, sync_dir, umask
 from mxfs.errors import MxfsError
 from mxfs.proc import running
-from mxfs.safe_open import open_dir, read_small, write_new
+from mxfs.safe_open import open_dir, read_small, rename_noreplace, write_new
 from mxfs.text import user_name
 
 MANIFEST = "mxfs-checkpoint.json"
@@ -241,6 +241,9 @@ def set_latest(root: str, name: str | None) -> None:
 
 
 LATEST_LOCK_S = 2.0  # how long a change of `latest` waits for another's to end
+# A checkpoint `latest` names dated this far past a save's is no save racing it but a
+# clock ahead (another host's) or a date made up: `latest` moves to the save all the same.
+LATEST_AHEAD_S = 600
 
 
 @contextlib.contextmanager
@@ -292,7 +295,7 @@ def _point_latest(root: str, root_fd: int, name: str, created_ns: int) -> str | 
     with _latest_locked(root_fd):
         now = _latest_at(root_fd)
         if now is not None and now != name and \
-                (_created_ns(root_fd, now) or -1) > created_ns:
+                0 < (_created_ns(root_fd, now) or -1) - created_ns <= LATEST_AHEAD_S * 10**9:
             return now
         set_latest(root, name)
         return None
@@ -513,7 +516,7 @@ def publish(partial: Partial, path: str, manifest: dict[str, Any]) -> str | None
         with _root_fd(root) as root_fd:
             newer = _point_latest(root, root_fd, os.path.basename(path),
                                   int(manifest["created_ns"]))
-    except OSError as e:
+    except (OSError, CheckpointError) as e:
         return _latest_warning(root, path, e)
     if newer is not None:
         return (f"{path} is saved; {os.path.join(root, LATEST)} still names {newer}, a "
@@ -522,7 +525,7 @@ def publish(partial: Partial, path: str, manifest: dict[str, Any]) -> str | None
     return None
 
 
-def _latest_warning(root: str, path: str, e: OSError) -> str:
+def _latest_warning(root: str, path: str, e: OSError | CheckpointError) -> str:
     """One line: `latest` was left as it was, whose it is, and what fixes it."""
     latest = os.path.join(root, LATEST)
     try:
@@ -530,7 +533,8 @@ def _latest_warning(root: str, path: str, e: OSError) -> str:
     except OSError:
         whose = ""
     return (f"{path} is saved, but {latest}{whose} could not be pointed at it "
-            f"({e.strerror}); it still names {_latest_or_none(root)}: load {path} by its "
+            f"({e.strerror if isinstance(e, OSError) else e}); it still names "
+            f"{_latest_or_none(root)}: load {path} by its "
             f"path, and have the owner of {latest} (or root) remove it so the next save "
             "sets it")
 
@@ -711,15 +715,24 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
         os.close(fd)
     # `latest` first, to the newest one left: moved after the folder went, a removal
     # cut short there left it naming nothing.
+    moved = False
     with _latest_locked(root_fd):
         if _latest_at(root_fd) == name:
             left = [e for e in _list_at(root_fd, root) if e.name != name]
             set_latest(root, left[-1].name if left else None)
+            moved = True
     # A name of its own (a name someone else made, in a sticky folder, held every
     # removal of `name`, and every prune behind it, for good).  Gone from listings at
     # once, even if the removal is cut short.
     hidden = f".{name}.{secrets.token_hex(4)}.removing"
-    os.rename(name, hidden, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    try:
+        os.rename(name, hidden, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    except OSError:  # (not removed: `latest` names it again, unless a save moved it)
+        if moved:
+            with _latest_locked(root_fd), contextlib.suppress(OSError):
+                if _latest_at(root_fd) in (None, *(e.name for e in left[-1:])):
+                    set_latest(root, name)
+        raise
     try:
         fd = open_dir(hidden, root_fd, follow=False)
     except OSError as e:
@@ -797,11 +810,15 @@ def _remove_stale(root_fd: int, name: str) -> bool:
             os.rename(name, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
         except OSError:
             return False
-        if os.lstat(aside, dir_fd=root_fd).st_ino != ino:  # (made anew meanwhile)
-            with contextlib.suppress(OSError):
-                os.rename(aside, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        if os.lstat(aside, dir_fd=root_fd).st_ino != ino:  # (made anew meanwhile: back,
+            with contextlib.suppress(OSError):  # never over what took its name since)
+                rename_noreplace(root_fd, aside, name)
             return False
         shutil.rmtree(aside, dir_fd=root_fd, ignore_errors=True)
-        return True
+        try:
+            os.lstat(aside, dir_fd=root_fd)
+        except FileNotFoundError:
+            return True
+        return False  # (left: removed by the next prune)
     finally:
         os.close(fd)

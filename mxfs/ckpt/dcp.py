@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import os
 import uuid
 from collections import defaultdict
@@ -369,12 +370,17 @@ class Reader(StorageReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(bytes(raw.numpy())))
                 continue
-            try:  # (a shape or dtype the bytes do not fit: damaged, said in one line)
-                t = raw.view(_dtype(d["dtype"])).view(d["shape"]) if raw.numel() else \
-                    torch.empty(d["shape"], dtype=_dtype(d["dtype"]))
-            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            try:  # (a shape or dtype the bytes do not fit: damaged, said in one line;
+                # none read for a shape that holds some: uninitialised memory loaded)
+                dtype, shape = _dtype(d["dtype"]), [int(n) for n in d["shape"]]
+                if math.prod(shape) * dtype.itemsize != raw.numel():
+                    raise ValueError(f"shape {shape} of {dtype} is not its {raw.numel()} "
+                                     "bytes")
+                t = raw.view(dtype).view(shape) if raw.numel() else \
+                    torch.empty(shape, dtype=dtype)
+                t = _narrow(t, req.storage_offsets, req.lengths)
+            except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
                 raise self._damaged(req, e) from None
-            t = _narrow(t, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != t.size():
                 raise CheckpointCorrupt(f"{fname}: {req.storage_index.fqn} has shape "

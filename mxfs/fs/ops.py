@@ -605,7 +605,8 @@ class MxfsOperations(pyfuse3.Operations):
         # cache: its appends are placed here, at the size this daemon knows), so it is
         # never one the kernel writes a shared mapping's dirty pages through: one that
         # was had each page placed at the end of the file, not at its offset.  Mapped
-        # shared and writable, it is refused (ENODEV); privately, it maps as any.
+        # shared (even read-only) it is refused, ENODEV; privately, it maps as any, and
+        # its reads are not cached (an "a+" handle's).
         direct = bool(flags & os.O_APPEND) and not self.enable_writeback_cache
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=direct)
 
