@@ -1614,6 +1614,21 @@ def test_store_worker_calls_take_turns_by_uid(tmp_path: Path) -> None:
     assert sorted(ran[3:]) == [f"hog{i}" for i in range(2, 8)]
 
 
+def _three_chunks(vol: Volume, index: KVIndex, owner: int, gid: int, mode: int) -> Any:
+    """Namespace "n" of `owner` (group `gid`, `mode`) holding chunks k0, k1, k2 of one
+    byte, in the store and the index."""
+    from mxfs.vol.kv_index import Chunk, Namespace
+
+    space = index.spaces["n"] = Namespace("n", owner, gid, mode, 0)
+    for i in range(3):
+        vol.store.engine.insert("kv", {"ns": "n", "key": b"k%d" % i, "ino": 1000 + i,
+                                       "size": 1, "atime": 0})
+        space.chunks[b"k%d" % i] = Chunk(ino=1000 + i, size=1, atime=0, sum_unit=1,
+                                         sums=b"", tenant=owner)
+    vol.store.commit()
+    return space
+
+
 def test_requests_on_a_namespace_do_not_wait_for_its_table_to_fill(tmp_path: Path) -> None:
     """Every op on a namespace grew its presence table after it, waiting for a fill
     another request had begun: a fill of a million keys, read a bite at a time in
@@ -1622,18 +1637,11 @@ def test_requests_on_a_namespace_do_not_wait_for_its_table_to_fill(tmp_path: Pat
     `kv_view` waits for the table now; the rest answer and go."""
     from mxfs.fs.session import Session
     from mxfs.vol.access import Caller
-    from mxfs.vol.kv_index import Chunk, Namespace
 
     alice, bob, carol = 7001, 7002, 7003
     with _kv_volume(tmp_path) as (vol, index, kv):
         handlers = kv.handlers()
-        space = index.spaces["n"] = Namespace("n", alice, alice, 0o755, 0)
-        for i in range(3):
-            vol.store.engine.insert("kv", {"ns": "n", "key": b"k%d" % i, "ino": 1000 + i,
-                                           "size": 1, "atime": 0})
-            space.chunks[b"k%d" % i] = Chunk(ino=1000 + i, size=1, atime=0, sum_unit=1,
-                                             sums=b"", tenant=alice)
-        vol.store.commit()
+        space = _three_chunks(vol, index, alice, alice, 0o755)
         gate = threading.Event()
         answers: dict[str, Any] = {}
 
@@ -1689,18 +1697,11 @@ def test_a_reader_shut_out_while_a_table_fills_gets_no_table(tmp_path: Path) -> 
     is judged again once the table is there, and refused."""
     from mxfs.fs.session import Session
     from mxfs.vol.access import Caller
-    from mxfs.vol.kv_index import Chunk, Namespace
 
     alice, bob, carol, group = 7001, 7002, 7003, 7100
     with _kv_volume(tmp_path) as (vol, index, kv):
         handlers = kv.handlers()
-        space = index.spaces["n"] = Namespace("n", alice, group, 0o750, 0)
-        for i in range(3):
-            vol.store.engine.insert("kv", {"ns": "n", "key": b"k%d" % i, "ino": 1000 + i,
-                                           "size": 1, "atime": 0})
-            space.chunks[b"k%d" % i] = Chunk(ino=1000 + i, size=1, atime=0, sum_unit=1,
-                                             sums=b"", tenant=alice)
-        vol.store.commit()
+        space = _three_chunks(vol, index, alice, group, 0o750)
         gate = threading.Event()
         answers: dict[str, Any] = {}
 
