@@ -2585,6 +2585,41 @@ def _alices_file_lent_to_bob(pool: Mounted, name: str,
     return path, fds
 
 
+def test_a_renew_that_failed_leaves_the_file_lent_and_the_next_one_renews(
+        loop_members: list[str]) -> None:
+    """A chmod taking a lent file's read from others renews its chunk files first; on a
+    member too full for the copy that fails (the chmod with it).  The file stays lent:
+    the chmod tried again once there is room renews it, and bob's descriptors keep
+    what he could read.  Forgotten at the failure, the second chmod changed the mode
+    with no renew, and bob read every byte written after."""
+    mkfs(loop_members)
+    with mounted_pool(loop_members) as pool:
+        _renew_on_a_full_member(pool, Path(loop_members[2]))  # (the small one: 24 MiB)
+
+
+def _renew_on_a_full_member(pool: Mounted, member: Path) -> None:
+    path, kept = _alices_file_lent_to_bob(pool, "lent", b"public " * (8 << 17))
+    filler = member / "filler"
+    try:
+        with open(filler, "wb") as f, contextlib.suppress(OSError):  # (as full as it gets)
+            while True:
+                f.write(b"\0" * (256 << 10))
+                f.flush()
+                os.fsync(f.fileno())
+        with pytest.raises(OSError):
+            path.chmod(0o600)  # (the copy of its 2 MiB on the full member fails)
+        filler.unlink()
+        path.chmod(0o600)
+        with open(path, "r+b") as f:
+            f.write(b"SECRET " * (8 << 17))
+        got = b"".join(os.pread(fd, 8 << 20, 0) for fd in kept)
+        assert b"SECRET" not in got and b"public" in got
+    finally:
+        filler.unlink(missing_ok=True)
+        for fd in kept:
+            os.close(fd)
+
+
 def test_a_readers_descriptors_end_where_its_right_to_read_does(pool: Mounted) -> None:
     """`open_read` hands out descriptors of the chunk files themselves: a reader kept
     them past a chmod that took its right away and read every byte written after.  A
