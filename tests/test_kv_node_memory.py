@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import errno
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,3 +85,31 @@ def test_what_a_reading_node_holds_for_all_its_kv_users_is_bounded(node_kv: KVOp
     forward.release(bob)
     for _, fd, _, _ in follower._lent:
         os.close(fd)
+
+
+def test_a_put_buffer_that_goes_takes_its_memory_with_it(node_kv: KVOps) -> None:
+    """A put's memfd was sealed against shrinking and its caller kept a descriptor of
+    it: when its commit failed (sums that do not match) the node counted its bytes no
+    more, yet they stayed allocated for as long as she held it, a user's 64 MiB a
+    failed commit without bound.  The buffer is cut to nothing as it goes."""
+    forward = node_kv.forward
+    assert forward is not None
+    alice = _session(ALICE)
+    key = base64.b64encode(b"k").decode()
+    made, fds = trio.run(forward.create, {"op": "kv_create", "key": key,
+                                          "size": 2 * MiB}, alice)
+    theirs = fds[0]
+    try:
+        os.pwrite(theirs, b"x" * (2 * MiB), 0)
+        with pytest.raises(OSError) as e:
+            trio.run(forward.commit, {"op": "kv_commit", "key": key, "ino": made["ino"],
+                                      "size": 2 * MiB, "sum_unit": 1 << 30,
+                                      "sums": base64.b64encode(bytes(8)).decode()}, alice)
+        assert e.value.errno == errno.EINVAL
+        assert forward.held.held == 0
+        deadline = time.monotonic() + 10  # (freed by a thread of the daemon's)
+        while os.fstat(theirs).st_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.fstat(theirs).st_size == 0 and os.fstat(theirs).st_blocks == 0
+    finally:
+        os.close(theirs)

@@ -7,16 +7,16 @@ a put of that user there (the namespace and its mode, quotas, room): a prefix an
 instance on this node computed is a hit on every node of the pool.  Small chunks come
 in `kv_put` and are sent on from a worker thread.  Larger ones are written by the
 caller as on the writer, through `kv_create` and `kv_commit`, but into a memfd of this
-daemon's, sealed against growing and shrinking (the caller's own descriptor writes
-it); at commit its bytes go to the writer with sendfile.  The control socket takes no
-descriptors, so nothing a caller holds is ever sent on.
+daemon's, sealed against growing (the caller's own descriptor writes it); at commit
+its sums are checked by reading it and its bytes go to the writer with sendfile.  The
+control socket takes no descriptors, so nothing a caller holds is ever sent on.
 
 A memfd's pages are memory this node holds for the caller, so one user (her
 subordinate uids with her, `vol/tenants.py`) has at most
 `max_kv_lent_per_user` bytes of them at once (the limit of KV copies lent to it,
 `fs/kv_follow.py`), all users with those copies `max_kv_lent` (past it, ENOMEM), and
-each goes once its commit is answered or its connection
-closes.
+each goes once its commit is answered or its connection closes: cut to nothing, its
+pages freed whoever still holds a descriptor of it.
 
 Claims and waits (`fs/kv_claims.py`) go to the writer too (KCLM, KWAI), each connection
 of this node known there by 16 random bytes of its own, so instances on two nodes that
@@ -45,11 +45,12 @@ all of them (first come, first served, it waited for every one queued before it)
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import contextlib
 import errno
 import fcntl
 import itertools
 import logging
-import mmap
 import os
 import threading
 import time
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import trio
+import xxhash
 
 from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.fair import RoundRobin
@@ -67,7 +69,7 @@ from mxfs.fs.kv_claims import CLAIM_S, MAX_CLAIM_S
 from mxfs.fs.kv_fields import keys_field
 from mxfs.fs.limits import Limits, NodeHeld
 from mxfs.fs.session import Answer, Reply, Session
-from mxfs.io.checksum import block_sums, pack_sums
+from mxfs.io.checksum import pack_sums
 from mxfs.io.layout import Layout
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.chunk_wire import (
@@ -103,7 +105,12 @@ WAIT_S = 20.0  # a wait's longest here (below the chunk connections' receive tim
 GIVE_UP_TRIES = 5  # a closed connection's claims and pins: told to the writer this often
 GIVE_UP_QUEUE = 65536  # closed connections' claims and pins waiting to be given up
 GIVE_UP_PER_USER = 4096  # ... of one uid's (root: up to the total), each uid's in turn
-_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+# Not F_SEAL_SHRINK: a buffer's pages are freed when it goes (cut to nothing, `_drop`);
+# sealed so, the caller's own descriptor kept them past every count, a user's 64 MiB a
+# failed commit, without bound.  A cut under the daemon's reads is what `_check_sums`
+# and the send find short.
+_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_READ_PIECE = 8 << 20  # bytes of a buffer read at once to check its sums
 _MEMFD_UNIT = 1 << 30  # the one-member layout a caller writes its memfd through
 
 
@@ -390,7 +397,7 @@ class ForwardedKV:
         pending = self._pending.get(id(session), {}).pop(handle, None)
         if pending is None:
             return
-        os.close(pending.fd)
+        _FREEING.submit(_free, pending.fd)  # (a GiB's pages freed off the loop)
         if pending.fds is not None:
             pending.fds.give(pending.tenant, 1)
         self.held_by_uid[pending.tenant] -= pending.size
@@ -453,13 +460,34 @@ def as_sent(caller: Caller) -> tuple[int, int, list[int]]:
     return caller.uid, caller.gid, sorted(caller.gids - {caller.gid})[:MAX_KPUT_GROUPS]
 
 
+def _free(fd: int) -> None:
+    """(A thread of `_FREEING`.)  A put buffer's pages freed, whoever still holds it (the
+    caller reads nothing more), and the daemon's descriptor closed."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+    os.close(fd)
+
+
+_FREEING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mxfs-kv-free")
+
+
 def _check_sums(fd: int, size: int, unit: int, sums: bytes) -> None:
-    """(A worker thread.)  EINVAL unless the chunk's `size` bytes in `fd` have `sums`."""
-    if size:
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
-            got = pack_sums(block_sums(memoryview(view), unit))
-    else:
-        got = b""
-    if got != sums:
+    """(A worker thread.)  EINVAL unless the chunk's `size` bytes in `fd` have `sums`.
+    Read, not mapped: the caller may cut the buffer meanwhile (a mapping's pages past
+    the cut are SIGBUS, the daemon's end), and a hole reads zeros without a page made
+    for it (through a mapping, each page of a buffer never written was allocated, on
+    the daemon's account); summed a piece at a time (a block may be a GiB)."""
+    got, off = [], 0
+    while off < size:
+        block, end = xxhash.xxh3_64(), min(off + unit, size)
+        while off < end:
+            data = os.pread(fd, min(_READ_PIECE, end - off), off)
+            if not data:
+                raise OSError(errno.EINVAL, "the chunk was cut while its sums were "
+                              "checked: put it again")
+            block.update(data)
+            off += len(data)
+        got.append(block.intdigest())
+    if pack_sums(got) != sums:
         raise OSError(errno.EINVAL, "the chunk's bytes are not those its checksums name "
                       "(changed, or not all written, after they were summed): put it again")
