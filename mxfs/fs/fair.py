@@ -139,7 +139,6 @@ class RoundRobin:
         # Calls waiting `first`, at the front of their uid's line in the order they came
         # (not newest first: one file's writes, each taking the front again, held
         # another's there for as long as the first kept writing).
-        self._firsts: Counter[int] = Counter()
         self._first: set[trio.Event] = set()
 
     @asynccontextmanager
@@ -161,9 +160,11 @@ class RoundRobin:
             return uid
         turn = trio.Event()
         calls = self._waiting.setdefault(uid, deque())
-        if first:
-            calls.insert(self._firsts[uid], turn)
-            self._firsts[uid] += 1
+        if first:  # (behind the uid's other first ones: a run at its line's front)
+            ahead = 0
+            while ahead < len(calls) and calls[ahead] in self._first:
+                ahead += 1
+            calls.insert(ahead, turn)
             self._first.add(turn)
         else:
             calls.append(turn)
@@ -202,23 +203,15 @@ class RoundRobin:
                 return
             calls = self._waiting.pop(uid)
             turn = calls.popleft()
-            self._unfirst(uid, turn)
+            self._first.discard(turn)
             if calls:
                 self._waiting[uid] = calls  # (to the back of the line of uids)
             self._take(uid)
             turn.set()
 
-    def _unfirst(self, uid: int, turn: trio.Event) -> None:
-        """`turn` leaves its uid's line: one fewer at its front, if it was one."""
-        if turn in self._first:
-            self._first.discard(turn)
-            self._firsts[uid] -= 1
-            if self._firsts[uid] <= 0:
-                del self._firsts[uid]
-
     def _forget(self, uid: int, turn: trio.Event) -> None:
         calls = self._waiting.get(uid)
-        self._unfirst(uid, turn)
+        self._first.discard(turn)
         if calls is not None:
             calls.remove(turn)
             if not calls:

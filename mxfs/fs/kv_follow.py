@@ -196,7 +196,10 @@ class FollowerKV:
         """The namespace's presence table on this node, kept by the change feed
         (`fs/kv_views.py`); read permission (and `shared`) as `kv_exists`."""
         space, _ = await self._lookup(msg, session, [], chunks=False)
+        kept = self.views.filled(space.name)
         table = await self.views.table(space.name, session.caller.uid, session.tenant)
+        if table is kept:  # (kept whole already: no fill waited for, judged just now)
+            return {"size": HEADER_SIZE + 8 * table.slots}, [table.reader_fd()]
         # Judged again (a store read): the owner's chmod while the table was filled
         # ended that fill, and one begun after it for someone still let in was handed
         # to this caller too.

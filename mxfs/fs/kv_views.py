@@ -95,6 +95,10 @@ class FollowerViews:
                 self._drop(ns, MOVED)
             raise
 
+    def filled(self, ns: str) -> PresenceTable | None:
+        """The namespace's table if this node keeps it whole (none being filled)."""
+        return None if ns in self._filling else self.tables.get(ns)
+
     def _hold(self, ns: str, table: PresenceTable, tenant: int) -> PresenceTable:
         """Keep `table`, counted against `tenant`; past the limits the least recently
         asked of that user's tables (or of all) are retired MOVED (a user who viewed
