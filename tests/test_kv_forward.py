@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import trio
+from conftest import eventually
 
 from mxfs.fs.kv_forward import GIVE_UP_PER_USER, MAX_KEYS, ForwardedKV, GiveUps
 from mxfs.fs.limits import Limits
@@ -24,22 +25,92 @@ def _session(uid: int) -> Session:
 
 
 def _give_up(tenant: int, n: int) -> Any:
-    return (None, (tenant, tenant, []), b"%d" % n, 0, 0.0, tenant)
+    return (None, (tenant, tenant, []), b"%d" % n, 0, 0.0, 1, tenant)
 
 
 def test_one_users_closed_connections_leave_anothers_give_ups_their_turn() -> None:
     """In one line, a user who closed thousands of connections held every other
-    user's give-ups behind hers, and past the queue's bound theirs were dropped (their
-    pins held on the writer until the node's lease ran out)."""
+    user's give-ups behind hers; past the queue's bound theirs were dropped (their
+    pins held on the writer until the node's lease ran out).  A holder is counted from
+    its first claim or pin, so a give-up always has its place: a user at her bound is
+    refused new holders instead."""
     lines = GiveUps()
     for n in range(GIVE_UP_PER_USER):
-        assert lines.put(_give_up(5, n))
-    assert not lines.put(_give_up(5, -1))  # (past her share: hers run out by themselves)
-    assert lines.put(_give_up(6, 0)) and lines.put(_give_up(6, 1))
-    assert lines.put(_give_up(0, 0))  # (root: up to the total)
+        lines.reserve(5)
+        if n % 2:
+            lines.put(_give_up(5, n))  # (half closed, half still open)
+    with pytest.raises(OSError) as e:
+        lines.reserve(5)
+    assert e.value.errno == errno.EAGAIN
+    lines.reserve(6), lines.reserve(6), lines.reserve(0)  # (root: up to the total)
+    lines.put(_give_up(6, 0)), lines.put(_give_up(6, 1)), lines.put(_give_up(0, 0))
     taken = [lines.get()[-1] for _ in range(6)]
     assert taken == [5, 6, 0, 5, 6, 5]
-    assert len(lines) == GIVE_UP_PER_USER - 3 and lines.count_of(5) == len(lines)
+    lines.reserve(5)  # (three of hers given up: room for three more)
+    for n in range(GIVE_UP_PER_USER // 2 + 1):  # (every open one of hers closes)
+        lines.put(_give_up(5, -n))
+    assert lines.count_of(5) == len(lines) == GIVE_UP_PER_USER - 2
+
+
+def _kv_claim(forward: ForwardedKV, session: Session) -> None:
+    key = base64.b64encode(b"k" * 16).decode()
+    with pytest.raises(OSError) as e:  # (no writer here: EIO, after its holder is named)
+        trio.run(forward.claim, {"op": "kv_claim", "namespace": "n", "keys": [key]},
+                 session)
+    assert e.value.errno in (errno.EIO, errno.EAGAIN)
+    if e.value.errno == errno.EAGAIN:
+        raise e.value
+
+
+def test_a_give_up_the_writer_does_not_answer_is_tried_until_it_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closed connection's give-up was tried five times and then dropped: with the
+    writer unreachable a few seconds (a restart), its pins held the writer's chunks
+    until this node's lease ran out.  Now tried again, less often, until the writer
+    answers, and dropped only once this node's epoch has ended (and its pins with it)."""
+    from mxfs.fs import kv_forward
+    from mxfs.pool.remote import RemoteMembers
+
+    monkeypatch.setattr(kv_forward, "GIVE_UP_RETRY_S", 0.001)
+    monkeypatch.setattr(kv_forward, "GIVE_UP_RETRY_MAX_S", 0.005)
+    epoch = [1]
+    tried = []
+    writer = RemoteMembers(b"k" * 32, "pool", lambda: None)  # (no writer: EIO at once)
+    asked = writer.kv_keys
+
+    def kv_keys(*args: Any) -> bytes:
+        tried.append(epoch[0])
+        return asked(*args)
+    monkeypatch.setattr(writer, "kv_keys", kv_keys)
+    forward = ForwardedKV(writer, Limits(), lambda: ("b", epoch[0]), lambda ns, key: None)
+    alice = _session(1000)
+    _kv_claim(forward, alice)
+    forward.release(alice)
+    assert eventually(lambda: len(tried) >= 20, 10)  # (five tries and more)
+    assert forward._given_up.count_of(1000) == 1  # (still to be given up)
+    epoch[0] = 2
+    assert eventually(lambda: forward._given_up.count_of(1000) == 0, 10)
+    assert tried[-1] == 1  # (never asked in the new epoch)
+
+
+def test_a_user_at_her_bound_of_holders_is_refused_new_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections that claimed or pinned, open or closed and not yet given up, count
+    against their user's bound: past it her next connection's first claim is refused
+    (EAGAIN), another user's is not."""
+    from mxfs.fs import kv_forward
+
+    monkeypatch.setattr(kv_forward, "GIVE_UP_PER_USER", 3)
+    forward = ForwardedKV(None, Limits(), lambda: ("b", 1), lambda ns, key: None)
+    hers = [_session(1000) for _ in range(4)]
+    for s in hers[:3]:
+        _kv_claim(forward, s)
+    with pytest.raises(OSError) as e:
+        _kv_claim(forward, hers[3])
+    assert e.value.errno == errno.EAGAIN
+    _kv_claim(forward, _session(1001))
+    forward.release(hers[0])  # (no writer: nothing to give up, her place back at once)
+    _kv_claim(forward, hers[3])
 
 
 def test_a_claim_refused_before_it_is_sent_leaves_nothing_to_give_up() -> None:

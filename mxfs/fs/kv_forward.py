@@ -102,9 +102,10 @@ SENDERS_PER_USER = 3  # ... of one uid (root: all), handed out by uid in turn (f
 WAITERS = 16  # waits for others' claims at once, all callers together
 WAITERS_PER_USER = 4  # ... and of one uid (root: up to WAITERS)
 WAIT_S = 20.0  # a wait's longest here (below the chunk connections' receive timeout)
-GIVE_UP_TRIES = 5  # a closed connection's claims and pins: told to the writer this often
-GIVE_UP_QUEUE = 65536  # closed connections' claims and pins waiting to be given up
-GIVE_UP_PER_USER = 4096  # ... of one uid's (root: up to the total), each uid's in turn
+GIVE_UP_QUEUE = 65536  # connections with claims or pins on the writer, open or given up
+GIVE_UP_PER_USER = 4096  # ... of one uid's (root: up to the total), given up in turn
+GIVE_UP_RETRY_S = 1.0  # a give-up the writer did not answer: tried again after this,
+GIVE_UP_RETRY_MAX_S = 30.0  # doubling up to this, until it is answered or the epoch ends
 # Not F_SEAL_SHRINK: a buffer's pages are freed when it goes (cut to nothing, `_drop`);
 # sealed so, the caller's own descriptor kept them past every count, a user's 64 MiB a
 # failed commit, without bound.  A cut under the daemon's reads is what `_check_sums`
@@ -114,37 +115,67 @@ _READ_PIECE = 8 << 20  # bytes of a buffer read at once to check its sums
 _MEMFD_UNIT = 1 << 30  # the one-member layout a caller writes its memfd through
 
 
-_GiveUp = tuple[RemoteMembers, tuple[int, int, list[int]], bytes, int, float, int]
+# (writer, who, holder, tries, due, this node's epoch when it held them, tenant)
+_GiveUp = tuple[RemoteMembers, tuple[int, int, list[int]], bytes, int, float, int, int]
 
 
 class GiveUps:
-    """Closed connections' holders whose claims and pins are to end on the writer, a
-    line a tenant taken in turn (`vol/tenant_lines.py`): in one line, a user who closed
-    thousands of connections held every other user's give-ups behind hers, and once
-    the queue was full theirs were dropped (their pins held until this node's lease
-    ran out).  GIVE_UP_PER_USER of one tenant's wait at most, GIVE_UP_QUEUE in all."""
+    """Connections' holders of claims and pins on the writer: open ones counted, closed
+    ones in a line a tenant taken in turn (`vol/tenant_lines.py`) to be ended there.  A
+    holder is counted from its first claim or pin (`reserve`), so the lines never
+    overflow: a closed connection's give-up always has its place, and a user at her
+    bound is refused new holders (EAGAIN) instead.  Once a full queue dropped the
+    newest give-ups, or a writer that did not answer five times in a row, and their
+    pins held the writer's chunks from eviction until this node's lease ran out;
+    in one line, a user who closed thousands of connections held every other user's
+    give-ups behind hers."""
 
     def __init__(self) -> None:
         self._lines: Lines[_GiveUp] = Lines()
+        self._open: Counter[int] = Counter()  # holders of open connections, by tenant
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
         return len(self._lines)
 
     def count_of(self, tenant: int) -> int:
+        """`tenant`'s holders: open, and closed but not yet given up."""
         with self._cond:
-            return self._lines.of(tenant)
+            return self._lines.of(tenant) + self._open[tenant]
 
-    def put(self, item: _GiveUp) -> bool:
-        """Queue `item` (its last field: its tenant); False where the bounds refuse it."""
+    def reserve(self, tenant: int) -> None:
+        """A holder for a connection of `tenant`'s, counted until its give-up is done;
+        EAGAIN past the bounds."""
+        with self._cond:
+            if len(self._lines) + self._open.total() >= GIVE_UP_QUEUE:
+                raise OSError(errno.EAGAIN, f"{GIVE_UP_QUEUE} connections hold or are "
+                              "giving up KV claims and pins on the writer: try again")
+            if tenant != 0 and self._lines.of(tenant) + self._open[tenant] >= \
+                    GIVE_UP_PER_USER:
+                raise OSError(errno.EAGAIN, f"uid {tenant} has {GIVE_UP_PER_USER} "
+                              "connections holding or giving up KV claims and pins on the "
+                              "writer, the limit: close some, or try again once they are "
+                              "given up")
+            self._open[tenant] += 1
+
+    def unreserve(self, tenant: int) -> None:
+        """A reserved holder that has nothing to give up (no writer to tell)."""
+        with self._cond:
+            self._open[tenant] -= 1
+            if self._open[tenant] <= 0:
+                del self._open[tenant]
+
+    def put(self, item: _GiveUp, reserved: bool = True) -> None:
+        """Queue `item` (its last field: its tenant), in the place its holder reserved
+        (`reserved`), or again after a try that failed (its place kept meanwhile)."""
         tenant = item[-1]
         with self._cond:
-            if len(self._lines) >= GIVE_UP_QUEUE or \
-                    tenant != 0 and self._lines.of(tenant) >= GIVE_UP_PER_USER:
-                return False
+            if reserved:
+                self._open[tenant] -= 1
+                if self._open[tenant] <= 0:
+                    del self._open[tenant]
             self._lines.push(tenant, item)
             self._cond.notify()
-            return True
 
     def get(self) -> _GiveUp:
         """The next in turn, waiting for one."""
@@ -310,7 +341,11 @@ class ForwardedKV:
             check_key(k)
         _check_count(keys)
         check_namespace(msg.get("namespace"))
-        return self._holders.setdefault(id(session), os.urandom(16))
+        holder = self._holders.get(id(session))
+        if holder is None:
+            self._given_up.reserve(session.tenant)
+            holder = self._holders[id(session)] = os.urandom(16)
+        return holder
 
     async def unpin(self, msg: Msg, session: Session) -> Answer[Empty]:
         holder = self._holders.get(id(session))
@@ -414,37 +449,46 @@ class ForwardedKV:
         for handle in list(self._pending.get(id(session), {})):
             self._drop(session, handle)
         holder = self._holders.pop(id(session), None)
-        if holder is not None and self.remote is not None:
-            if not self._given_up.put((self.remote, as_sent(session.caller), holder, 0, 0.0,
-                                       session.tenant)):
-                log.warning("%d closed connections' claims and pins wait to be given up on "
-                            "the writer (uid %d's: %d): this one's run out by themselves",
-                            len(self._given_up), session.tenant,
-                            self._given_up.count_of(session.tenant))
-                return
-            if self._giver is None:
-                self._giver = threading.Thread(target=self._give_up, daemon=True,
-                                               name="mxfs-kv-unclaim")
-                self._giver.start()
+        if holder is None:
+            return
+        if self.remote is None:
+            self._given_up.unreserve(session.tenant)
+            return
+        self._given_up.put((self.remote, as_sent(session.caller), holder, 0, 0.0,
+                            self.node()[1], session.tenant))
+        if self._giver is None:
+            self._giver = threading.Thread(target=self._give_up, daemon=True,
+                                           name="mxfs-kv-unclaim")
+            self._giver.start()
 
     def _give_up(self) -> None:
         """(One thread of its own.)  End closed connections' claims and pins on the
-        writer, one after another (they run out anyway: the claims by their time, the
-        pins with this node's lease); one that fails is tried again a second later, a
-        few times, behind the others (never a wait that holds them up)."""
+        writer, one after another.  One the writer did not answer is tried again behind
+        the others (never a wait that holds them up), less often each time, until it is
+        answered or this node's epoch ends (the writer ends that epoch's pins itself)."""
         while True:
-            remote, who, holder, tries, due, tenant = self._given_up.get()
+            item = self._given_up.get()
+            remote, who, holder, tries, due, epoch, tenant = item
+            if self.node()[1] != epoch:
+                continue  # (this node joined again: the writer ended the old one's pins)
             if due > time.monotonic():  # (tried and failed: the others go first)
-                self._given_up.put((remote, who, holder, tries, due, tenant))
+                self._given_up.put(item, reserved=False)
                 time.sleep(max(0.0, min(0.05, due - time.monotonic())))
                 continue
             try:
                 remote.kv_keys(b"KCLM", who, "-", KEYS_RELEASE, [], 0, holder)
             except OSError as e:
-                again = (remote, who, holder, tries + 1, time.monotonic() + 1.0, tenant)
-                if tries + 1 >= GIVE_UP_TRIES or not self._given_up.put(again):
-                    log.info("claims and pins of a closed connection were not given up "
-                             "on the writer (%s); they run out", e)
+                if e.errno != errno.EIO:  # (refused: nothing of it is held there)
+                    log.info("the writer refused to end a closed connection's claims "
+                             "and pins: %s", e)
+                    continue
+                pause = min(GIVE_UP_RETRY_S * 2 ** tries, GIVE_UP_RETRY_MAX_S)
+                if tries == 3:
+                    log.warning("a closed connection's claims and pins could not be ended "
+                                "on the writer (%s): tried again every %.0f s at most "
+                                "until it answers", e, GIVE_UP_RETRY_MAX_S)
+                self._given_up.put((remote, who, holder, tries + 1,
+                                    time.monotonic() + pause, epoch, tenant), reserved=False)
 
 
 def _check_count(keys: list[bytes]) -> list[bytes]:
