@@ -45,8 +45,6 @@ all of them (first come, first served, it waited for every one queued before it)
 from __future__ import annotations
 
 import base64
-import concurrent.futures
-import contextlib
 import errno
 import fcntl
 import itertools
@@ -71,6 +69,7 @@ from mxfs.fs.limits import Limits, NodeHeld
 from mxfs.fs.session import Answer, Reply, Session
 from mxfs.io.checksum import pack_sums
 from mxfs.io.layout import Layout
+from mxfs.io.memfd import free_later
 from mxfs.pool.remote import RemoteMembers
 from mxfs.proto.chunk_wire import (
     CLAIM_STATES,
@@ -432,7 +431,7 @@ class ForwardedKV:
         pending = self._pending.get(id(session), {}).pop(handle, None)
         if pending is None:
             return
-        _FREEING.submit(_free, pending.fd)  # (a GiB's pages freed off the loop)
+        free_later(pending.fd)  # (a GiB's pages freed off the loop)
         if pending.fds is not None:
             pending.fds.give(pending.tenant, 1)
         self.held_by_uid[pending.tenant] -= pending.size
@@ -502,17 +501,6 @@ def _check_count(keys: list[bytes]) -> list[bytes]:
 def as_sent(caller: Caller) -> tuple[int, int, list[int]]:
     """A caller as the writer is told it: uid, gid and (some of) its other groups."""
     return caller.uid, caller.gid, sorted(caller.gids - {caller.gid})[:MAX_KPUT_GROUPS]
-
-
-def _free(fd: int) -> None:
-    """(A thread of `_FREEING`.)  A put buffer's pages freed, whoever still holds it (the
-    caller reads nothing more), and the daemon's descriptor closed."""
-    with contextlib.suppress(OSError):
-        os.ftruncate(fd, 0)
-    os.close(fd)
-
-
-_FREEING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mxfs-kv-free")
 
 
 def _check_sums(fd: int, size: int, unit: int, sums: bytes) -> None:
