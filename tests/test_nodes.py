@@ -1157,6 +1157,28 @@ def test_kv_pins_on_a_reading_node_are_leases_on_the_writer(tmp_path: Path,
         on_a.close()
 
 
+def test_an_idle_connection_holding_pins_on_a_reading_node_is_kept(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """A connection holding nothing is closed once idle `idle_timeout`; one holding
+    pins is kept.  On a reading node its pins are held on the writer, not in the
+    connection's own count, and it was closed as holding nothing: its keys unpinned
+    under a store that had locked them, and evicted."""
+    url = pg_cluster.database()
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members, "idle_timeout=1") as b:
+        on_a = KVStore(str(a.path), namespace="t", mode=0o755)
+        keys = [b"%02d" % i * 16 for i in range(3)]
+        assert on_a.batch_put(keys, [os.urandom(1 << 16) for _ in keys]) == [True] * 3
+        on_b = KVStore(str(b.path), namespace="t")
+        assert on_b.pin(keys[:2]) == [True, True]
+        time.sleep(3)  # (idle past its timeout)
+        assert on_a.usage()["pinned"] == 2
+        assert on_a.set_capacity(1) == 1 and on_a.exists_many(keys) == [True, True, False]
+        on_b.close()
+        assert eventually(lambda: on_a.usage()["pinned"] == 0, 10)
+        on_a.close()
+
+
 def test_kv_lookups_on_a_reading_node_read_a_table_the_feed_keeps(tmp_path: Path,
                                                                    pg_cluster: Any) -> None:
     """A store on a reading node answers exists from a presence table that node keeps

@@ -291,6 +291,7 @@ class ForwardedKV:
         handle = next(self._handles)
         self._pending.setdefault(id(session), {})[handle] = _Pending(fd, size, uid,
                                                                      session.fds)
+        session.far += 1
         self.held_by_uid[uid] += size
         self.held.held += size
         self.count_by_uid[uid] += 1
@@ -344,6 +345,7 @@ class ForwardedKV:
         if holder is None:
             self._given_up.reserve(session.tenant)
             holder = self._holders[id(session)] = os.urandom(16)
+            session.far += 1  # (what it names may be held until the connection closes)
         return holder
 
     async def unpin(self, msg: Msg, session: Session) -> Answer[Empty]:
@@ -432,6 +434,7 @@ class ForwardedKV:
         if pending is None:
             return
         free_later(pending.fd)  # (a GiB's pages freed off the loop)
+        session.far -= 1
         if pending.fds is not None:
             pending.fds.give(pending.tenant, 1)
         self.held_by_uid[pending.tenant] -= pending.size

@@ -252,7 +252,7 @@ class Listener:
         request returned until it is served.
         """
         lim = self.limits
-        holds = session.pending or session.pinned
+        holds = session.pending or session.pinned or session.far
         try:
             if not inbox:
                 with trio.move_on_after(math.inf if holds else lim.idle_timeout) as idle:

@@ -87,6 +87,9 @@ class Session:
     dropping: dict[int, Pending] = field(default_factory=dict)  # (being cut: `drop_pending`)
     pins: dict[tuple[str, bytes], Lease] = field(default_factory=dict)  # KV read leases
     pinned: int = 0  # their sum
+    # Claims, pins and put buffers it holds through a reading node (`fs/kv_forward.py`):
+    # its name on the writer, and each buffer, one each (an idle one is not closed).
+    far: int = 0
     conn: Any = None  # the socket (asked how much of what it sent is unread)
     sent_fds: int = 0  # descriptors sent in replies the peer may not have read yet
     quotas: Quotas | None = None  # charged each unpublished file's declared size
