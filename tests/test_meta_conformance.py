@@ -701,11 +701,11 @@ def test_a_sole_writers_tally_of_bytes_and_inodes_by_uid_follows_every_change(
     store.setxattr(a, b"user.x", b"v" * 40)  # replaced: charged the difference
     store.setxattr(a, b"user.y", b"w" * 10)
     assert store.removexattr(a, b"user.y") and not store.removexattr(a, b"user.y")
-    assert store.usage.xattrs[7] == len(b"user.x") + 40
+    assert store.usage.xattrs[7] == len(b"user.x") + 40 + NAME_ROW  # (a row each)
     agrees()
     store.set_attrs(a, uid=8)  # chown moves the file's bytes, inode and xattrs
     assert store.usage.bytes[7] == 0 and store.usage.bytes[8] == 5000 + BLOCK
-    assert store.usage.xattrs[7] == 0 and store.usage.xattrs[8] == 46
+    assert store.usage.xattrs[7] == 0 and store.usage.xattrs[8] == 46 + NAME_ROW
     assert store.usage.names[7] == in_d and store.usage.names[8] == 0  # (not names)
     store.set_attrs(d, uid=9)  # a folder's chown moves the names in it
     assert store.usage.names[7] == 0 and store.usage.names[9] == in_d

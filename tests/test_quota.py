@@ -249,6 +249,44 @@ for i in range(64):
     quota(pool, "--user", alice.name, "--clear")
 
 
+def test_tiny_extended_attributes_are_charged_their_rows(pool: Mounted) -> None:
+    """An xattr is a row of the store: charged its name and value alone, a user's
+    empty ones cost her quota 7 bytes and the store over 100 each, 256 on every file
+    she owns.  Each is charged its row (NAME_ROW) too: she stops at her quota, her
+    line shows what she set, and removing them gives it all back."""
+    from mxfs.meta.usage import NAME_ROW
+
+    alice = ensure_users()["alice"]
+    d = empty_home_with_quota(pool, alice, "--bytes", "256KiB")
+    script = f"""
+d = {str(d)!r}
+set_ = 0
+for i in range(64):
+    f = d + f"/x{{i}}"
+    open(f, "wb").close()
+    try:
+        for j in range(256):
+            os.setxattr(f, b"user.%03d" % j, b"")
+            set_ += 1
+    except OSError as e:
+        print(json.dumps([set_, e.errno]))
+        break
+"""
+    made, code = run_as(alice, script)
+    each = NAME_ROW + len(b"user.000")
+    assert code == errno.EDQUOT and made <= (256 << 10) // each, made
+    line = line_of(quota(pool, "--user", alice.name), alice.uid)
+    assert line["xattr_bytes"] == made * each, line
+    for f in d.iterdir():
+        for name in os.listxattr(f):
+            os.removexattr(f, name)
+    line = line_of(quota(pool, "--user", alice.name), alice.uid)
+    assert line["xattr_bytes"] == 0, line
+    for f in d.iterdir():
+        f.unlink()
+    quota(pool, "--user", alice.name, "--clear")
+
+
 def test_names_and_link_targets_count_against_the_owners_byte_quota(pool: Mounted) -> None:
     """Names live in the metadata store: a user with a quota of a few inodes made
     20,000 hard links with long names (12 MB of the store) and symbolic links with

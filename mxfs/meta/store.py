@@ -50,7 +50,7 @@ from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name
 from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.meta.sole_cache import SoleCache
-from mxfs.meta.usage import NAME_ROW, Usage, charged_size
+from mxfs.meta.usage import NAME_ROW, Usage, charged_size, xattr_cost
 
 log = logging.getLogger("mxfs.meta")
 
@@ -954,13 +954,13 @@ class MetaStore:
         if not self.usage.counted:
             return None
         row = self.engine.get("xattrs", {"ino": node.ino, "name": name}, ("value",))
-        return None if row is None else len(name) + len(row[0])
+        return None if row is None else xattr_cost(name, len(row[0]))
 
     def setxattr(self, node: Inode, name: bytes, value: bytes) -> None:
         def change() -> None:
             old = self._old_xattr(node, name)
             self.engine.upsert("xattrs", {"ino": node.ino, "name": name, "value": value})
-            self._charge_xattrs(node, node.uid, len(name) + len(value) - (old or 0))
+            self._charge_xattrs(node, node.uid, xattr_cost(name, len(value)) - (old or 0))
             self.write_fields(node, {"ctime_ns": time.time_ns()})
         self.txn(change)
 
@@ -990,8 +990,8 @@ class MetaStore:
         if not inos:
             return
         gone = self.owners(inos) if self.usage.counted else []
-        xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), inos) if gone \
-            else {}
+        xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), inos,
+                                     NAME_ROW) if gone else {}
 
         def change() -> None:
             for table in ("inodes", "xattrs", "orphans", "dirty_data", "sealed"):
@@ -1024,7 +1024,7 @@ class MetaStore:
         """Bytes and inodes by uid (`meta/usage.py`): counted from every row the first
         time (and after a lost group), memory's sizes of open files included."""
         if not self.usage.counted:
-            xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"))
+            xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), None, NAME_ROW)
             names = self.engine.lengths("dentries", "parent", ("name",), None, NAME_ROW)
             for ino, n in self.engine.lengths("kv", "ino", ("ns", "key"), None,
                                               NAME_ROW).items():
@@ -1054,7 +1054,7 @@ class MetaStore:
         between owners.  A folder of 65,000 names takes 17 ms to sum, so a writer's
         chown asks it of a worker's connection, which sees committed rows only:
         `watch_owned` says whether they were the file's still."""
-        xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), [ino])
+        xattrs = self.engine.lengths("xattrs", "ino", ("name", "value"), [ino], NAME_ROW)
         names = self.engine.lengths("dentries", "parent", ("name",), [ino], NAME_ROW)
         key = self.engine.lengths("kv", "ino", ("ns", "key"), [ino], NAME_ROW)
         return xattrs.get(ino, 0), names.get(ino, 0) + key.get(ino, 0)

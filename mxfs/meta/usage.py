@@ -54,6 +54,13 @@ def growth(old: int, new: int) -> int:
     return max(0, file_cost(new) - file_cost(old))
 
 
+
+def xattr_cost(name: bytes, value_len: int) -> int:
+    """What an extended attribute costs its file's owner: its name, its value and
+    NAME_ROW (charged its bytes alone, a user's 1-byte attributes cost the store 500
+    times what her quota counted: 256 a file, on every file she owns)."""
+    return len(name) + value_len + NAME_ROW
+
 def key_cost(ns: str, key: bytes) -> int:
     """What a KV chunk's key costs its writer: its row's key, namespace and NAME_ROW (the
     store measures the namespace's characters, as `len` does)."""

@@ -9,6 +9,7 @@ import errno
 
 from mxfs.io import Layout
 from mxfs.meta import Inode
+from mxfs.meta.usage import NAME_ROW, xattr_cost
 from mxfs.pool.pool import MAX_STRIPE_UNIT, META_ROW
 from mxfs.proto import constants
 from mxfs.vol.access import kept_namespace
@@ -73,8 +74,8 @@ def set_xattr(vol: Volume, node: Inode, name: bytes, value: bytes, uid: int) -> 
     if names >= MAX_XATTRS or held + len(value) > MAX_XATTR_BYTES:
         # One inode's xattrs live in one store; without a bound they fill its disk.
         raise OSError(errno.ENOSPC, f"inode {node.ino} holds its most xattrs already")
-    # ... and count against the owner's byte quota (they are its metadata)
-    vol.quotas.room(node.uid, len(name) + len(value) - replaced)
+    # ... and count against the owner's byte quota (they are its metadata, a row each)
+    vol.quotas.room(node.uid, xattr_cost(name, len(value)) - (replaced and NAME_ROW + replaced))
     vol.pool.check_meta_room(META_ROW + len(name) + len(value))
     store.setxattr(node, name, value)
 
