@@ -2177,6 +2177,47 @@ def test_a_user_who_cannot_reach_the_mount_point_is_refused_its_daemon(
         shutil.rmtree(closed, ignore_errors=True)
 
 
+def _kernel_lets_by(folder: Path, uid: int, gid: int) -> bool:
+    """Whether the kernel lets `uid` (with only `gid`) search `folder`: asked of it."""
+    pid = os.fork()
+    if pid == 0:  # (the child: only os calls, then _exit)
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.stat(folder / "pool")
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+@pytest.mark.parametrize("mode, acl", [
+    (0o755, "u:65534:---"), (0o750, "u:65534:r-x"), (0o750, "g:65534:r-x"),
+    (0o755, "g:65534:---"), (0o755, "u:65534:r-x,m::r--"), (0o711, "g::---"),
+    (0o700, "o::--x,m::---"), (0o755, None), (0o750, None)])
+def test_a_folder_above_the_mount_point_is_judged_by_its_acl(mode: int, acl: str | None
+                                                            ) -> None:
+    """Judged by its mode bits alone, a folder above the mount point whose ACL shut a
+    user out (u:nobody:---) let her daemon connections by, and one that let her in
+    refused them.  The judgement is the kernel's, whatever the ACL."""
+    from mxfs.fs.reach import MountReach
+
+    folder = Path(tempfile.mkdtemp(prefix="mxfs-above-"))  # (every folder above: 0755)
+    try:
+        (folder / "pool").mkdir()
+        folder.chmod(mode)
+        if acl is not None:
+            subprocess.run(["setfacl", "-m", acl, str(folder)], check=True)
+        kernel = _kernel_lets_by(folder, 65534, 65534)
+        reach = MountReach(str(folder / "pool"))
+        assert reach.reaches(65534, frozenset({65534})) == kernel
+        if acl is not None and acl.startswith("u:65534:") and "m::" not in acl:
+            assert kernel == acl.endswith("x")  # (her named entry decides)
+    finally:
+        shutil.rmtree(folder)
+
+
 HALF_SENT = r"""
 import socket, threading
 from mxfs.proto import HEADER, VERSION

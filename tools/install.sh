@@ -10,6 +10,7 @@ command -v fusermount3 >/dev/null || need+=(fuse3)
 pkg-config --exists fuse3 2>/dev/null || need+=(libfuse3-dev)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v getfattr >/dev/null || need+=(attr)
+command -v setfacl >/dev/null || need+=(acl)  # tests: folders above a mount point with ACLs
 command -v rsync >/dev/null || need+=(rsync)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v git >/dev/null || need+=(git)
