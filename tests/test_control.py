@@ -77,6 +77,9 @@ def test_pipelined_requests_are_answered_in_order_each_refused_alone(mounted: Mo
     # an integer of 21 digits (4,299 each cost the thread ~0.1 ms to parse), NaN
     HEADER.pack(b"MXFS", VERSION, 0, 39) + b'{"op":"stat","x":' + b"9" * 21 + b"}",
     HEADER.pack(b"MXFS", VERSION, 0, 21) + b'{"op":"stat","x":NaN}',
+    # a number of 760 characters (one halfway between two doubles: 30 us to round)
+    HEADER.pack(b"MXFS", VERSION, 0, 17 + 760 + 1) + b'{"op":"stat","x":0.' +
+    b"1" * 758 + b"}",
 ])
 @pytest.mark.daemon_log(r"protocol for pid \d+ uid \d+ failed \(ProtocolError")
 def test_malformed_messages_are_refused_and_others_still_served(mounted: Mounted,
