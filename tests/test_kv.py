@@ -32,6 +32,7 @@ from conftest import (
 )
 
 from mxfs.cli.measure import drop_caches
+from mxfs.client import ControlClient
 from mxfs.fs.kv_ops import MAX_LIST_SKIP
 from mxfs.io import memory
 from mxfs.io.residency import Residency
@@ -110,6 +111,27 @@ def test_puts_sent_without_waiting_outlive_an_idle_connection(members: list[str]
 
 
 @pytest.mark.smoke
+def test_the_indexs_chunks_are_left_out_of_later_full_collections(mounted: Mounted
+                                                                 ) -> None:
+    """Python's full collection walked every chunk of the index on the daemon's one
+    thread (200 ms a million), each time the objects grew by a quarter.  What lived
+    through one is frozen: the chunks put are among the objects the next ones leave
+    alone."""
+    with KVStore(str(mounted.path), "frozen") as kv, ControlClient(str(mounted.path)) as c:
+        before = c.call("stat")["gc"]
+        assert before["frozen"] > 0 and before["freezes"] >= 1  # (what the mount loaded)
+        n = 20480
+        for i in range(0, n, 256):
+            assert kv.batch_put([b"%032d" % j for j in range(i, i + 256)],
+                                [b"x" * 100] * 256) == [True] * 256
+
+        def frozen() -> bool:
+            now = c.call("stat")["gc"]
+            return now["freezes"] > before["freezes"] and \
+                now["frozen"] - before["frozen"] >= n
+        assert eventually(frozen, 20)
+
+
 def test_batches_prefix_exists_and_odd_keys(mounted: Mounted) -> None:
     with KVStore(str(mounted.path), "b") as kv:
         keys = [f"chunk-{i}" for i in range(40)]
@@ -284,6 +306,7 @@ def test_a_batch_put_of_any_length_stays_within_the_daemons_pending_limit(
 
 FEW_FDS = r"""
 import resource, sys
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 from mxfs.kv.kvstore import INLINE
 limit = int(sys.argv[2])
@@ -308,6 +331,7 @@ def test_batches_hold_no_more_descriptors_than_the_process_may(mounted: Mounted,
 
 AT_LIMIT = r"""
 import os, sys
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 from mxfs.kv.kvstore import INLINE
 kv = KVStore(sys.argv[1], "lim")
@@ -394,6 +418,7 @@ def test_a_lease_on_a_chunk_gone_since_ends_nobody_elses(mounted: Mounted) -> No
 SHARER = r"""
 import sys
 import time
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 kv = KVStore(sys.argv[1], "shared")
 me = int(sys.argv[2])
@@ -513,6 +538,7 @@ def test_a_readers_drop_of_a_damaged_chunk_spares_the_key_put_again_meanwhile(
 PUTTER = r"""
 import mmap, os, sys, time
 from mxfs.client import writer
+from mxfs.client import ControlClient
 from mxfs.kv import KVStore
 kv = KVStore(sys.argv[1], "w")
 def stall(self, *a, **k):  # the bytes are written; the commit is about to go

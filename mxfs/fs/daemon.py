@@ -29,6 +29,7 @@ from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.feed_follower import FeedFollower
 from mxfs.fs.fuse_conn import raise_background
+from mxfs.fs.gc_keeper import GC_KEEPER
 from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Gauges, Metrics, serve_prometheus
@@ -349,7 +350,7 @@ class Daemon:
         """The background tasks, each run until the mount ends."""
         tasks: list[Callable[[], Awaitable[None]]] = [
             _stop_on_signal, self._commit_groups, self._reclaims, self._trims, self._keep_lease,
-            self._revoke, self._sweep_held, self.control.kv.let_go]
+            self._revoke, self._sweep_held, self.control.kv.let_go, GC_KEEPER.run]
         if log_file() is not None:  # (not journald's, nor a terminal)
             tasks.append(self._cap_log)
         if self.backup_s > 0 and backup.supported(self.vol.store):  # a server's are its
@@ -385,6 +386,7 @@ class Daemon:
             for task in self.tasks():
                 nursery.start_soon(task)
             await self._open_rows()
+            GC_KEEPER.start()  # (what loading made, left out of every full collection)
             nursery.start_soon(self._announce, ready)
             try:
                 await pyfuse3.main(min_tasks=4, max_tasks=self.fuse_tasks)

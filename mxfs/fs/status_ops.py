@@ -12,6 +12,7 @@ from mxfs import __version__
 from mxfs.fs.chunk_service import ChunkService
 from mxfs.fs.feed_follower import FeedFollower
 from mxfs.fs.fields import Msg, bool_field, int_field
+from mxfs.fs.gc_keeper import GC_KEEPER
 from mxfs.fs.kv_ops import KVOps
 from mxfs.fs.limits import Limits, fd_limit, open_fds
 from mxfs.fs.listener import Listener
@@ -133,7 +134,7 @@ class StatusOps:
                 "kv_forward": self.kv.forward.status() if self.kv.forward else None,
                 "kv_views": self.kv.follower.views.status() if self.kv.follower else None,
                 "node": pool.node or (self.vol.lease.name if self.vol.lease else ""),
-                "config": pool.config, "nodes": nodes}
+                "config": pool.config, "nodes": nodes, "gc": GC_KEEPER.status()}
 
     def feed_status(self) -> FeedStatus | None:
         """The change feed: what a reading node read of it, or what a writer published."""

@@ -229,6 +229,15 @@ class FeedStatus(TypedDict, total=False):
     published: int  # groups a writer published
 
 
+class GcStatus(TypedDict):
+    """Python's collector in the daemon (`fs/gc_keeper.py`)."""
+
+    frozen: int  # objects a full collection leaves alone
+    freezes: int
+    thaws: int
+    full_collections: int
+
+
 class StatReply(TypedDict):
     """The pool as `mxfs status` shows it."""
 
@@ -264,6 +273,7 @@ class StatReply(TypedDict):
     node: str  # this daemon's node ("": a pool of one node)
     config: str  # a reading node's config, its pool opened from ("": the writer)
     nodes: list[NodeStatus]  # every node of a pool on a metadata server
+    gc: GcStatus
 
 
 class MetricsSnapshot(TypedDict):
