@@ -491,7 +491,7 @@ class Daemon:
             try:
                 await trio.to_thread.run_sync(TENANTS.refresh)
                 self.control.remote.sweep()
-                self.control.kv.sweep()
+                await self.control.kv.sweep()
                 await self.control.files.revoke()
             except Exception as e:
                 failures.note("revoke", None, e, trace=not isinstance(e, OSError))

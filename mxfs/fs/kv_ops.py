@@ -136,6 +136,7 @@ MAX_LIST_SKIP = 20_000  # chunks a kv_list walks past in the order of use (~2 ms
 # keys held the thread 9 ms on SQLite in one statement; it steps aside between these.
 TOUCH_STEP = 32
 RELEASED_AT_ONCE = 1024  # pins and claims of a closed connection ended at once (~0.5 ms)
+CLAIM_BITE = 256  # keys a claim makes, or a removal ends the claims of, between looks
 NS_OPS = ("kv_ns_create", "kv_ns_remove", "kv_ns_set")
 # What each op needs of a namespace: the mode bits, and whether it moves chunks (a
 # caller who does not own the namespace must then have asked to share it).
@@ -404,7 +405,13 @@ class KVOps:
     async def _claim(self, msg: Msg, session: Session, space: Namespace
                      ) -> Answer[KVClaimReply]:
         ms = int_field(msg, "ms", int(CLAIM_S * 1000))
-        return {"state": self.claims.claim(space, keys_field(msg), session, ms / 1000)}, []
+        states: list[str] = []
+        async for some in in_bites(keys_field(msg), CLAIM_BITE):  # (4,096 keys: 6-8 ms)
+            if states and self.index.spaces.get(space.name) is not space:
+                raise OSError(errno.ENOENT, f"KV namespace {space.name!r} was removed "
+                              "meanwhile")
+            states += self.claims.claim(space, list(some), session, ms / 1000)
+        return {"state": states}, []
 
     async def _wait(self, msg: Msg, session: Session, space: Namespace
                     ) -> Answer[KVExistsReply]:
@@ -533,8 +540,16 @@ class KVOps:
             await share.due()
         if self.index.spaces.get(name) is not space:
             raise OSError(errno.ENOENT, f"KV namespace {name!r} was removed meanwhile")
-        self.claims.dropped(name)
-        return {"deleted": deleted + self.index.drop_namespace(space)}, []
+        deleted += self.index.drop_namespace(space)
+        await self._drop_claims(name)
+        return {"deleted": deleted}, []
+
+    async def _drop_claims(self, name: str) -> None:
+        """Namespace `name` was removed, or taken over: its claims bind nobody now,
+        ended a bite at a time (claims made meanwhile, on the namespace as it is now,
+        are kept)."""
+        async for some in in_bites(self.claims.claimed_in(name), CLAIM_BITE):
+            self.claims.dropped(name, some)
 
     async def _ns_set(self, msg: Msg, session: Session) -> Answer[NamespaceStats]:
         """Give a namespace another group or mode, as chgrp and chmod a folder: its
@@ -598,7 +613,7 @@ class KVOps:
         space = self.index.create(name, uid, gid, _mode(msg, 0o700) or 0,
                                   int_field(msg, "capacity", 0), replace=force)
         if existed:  # (taken over: the old namespace's claims bind nobody in the new)
-            self.claims.dropped(name)
+            await self._drop_claims(name)
         return {**space.stats()}, []
 
     async def _room(self, space: Namespace, key: bytes, size: int, uid: int) -> Inode:
@@ -820,14 +835,16 @@ class KVOps:
         self._unpin(session, space, [check_key(k) for k in keys])
         self._forget_idle(holder, session)
 
-    def sweep(self) -> None:
-        """Now and then (the daemon, once a second): claims run out are dropped, the
-        pins of nodes whose lease ran out (or that joined again since) end, and other
-        nodes' connections that hold neither are forgotten; a node that died never
-        says it let them go."""
+    async def sweep(self) -> None:
+        """Now and then (the daemon, once a second): claims run out are dropped, a bite
+        at a time, the pins of nodes whose lease ran out (or that joined again since)
+        end, and other nodes' connections that hold neither are forgotten; a node that
+        died never says it let them go."""
+        share = Slice()
+        while self.claims.drop_run_out():
+            await share.due()
         if not self._holders:
             return
-        self.claims.drop_run_out()
         alive = self.vol.reader_epochs
         for holder, (name, epoch) in list(self._holder_nodes.items()):
             if alive.get(name, epoch + 1) > epoch:  # (a newer epoch: not counted yet)
