@@ -1689,6 +1689,37 @@ def _kv_volume(tmp_path: Path) -> Iterator[tuple[Volume, KVIndex, KVOps]]:
         vol.store.close()
 
 
+def test_an_eviction_walks_past_a_bounded_number_of_pins(tmp_path: Path) -> None:
+    """A user who pinned VICTIMS chunks in each of 32 namespaces had every put of every
+    user, while the pool was short, walk past all of them (VICTIMS a namespace, 30 ms
+    of the daemon's thread) to evict nothing.  Now VICTIMS in all a call, and a
+    namespace holding nothing unpinned is not walked: the next calls go on past them
+    and find the chunks that may go."""
+    from mxfs.vol.kv_index import VICTIMS, Chunk, Namespace
+
+    with _kv_volume(tmp_path) as (_, index, _kv):
+        def chunk(pins: int) -> Chunk:
+            return Chunk(ino=1, size=4096, atime=0, sum_unit=4096, sums=b"", tenant=7001,
+                         pins=pins)
+        for n in range(32):
+            space = index.spaces[f"p{n}"] = Namespace(f"p{n}", 7001, 7001, 0o700, 0)
+            for i in range(VICTIMS + (10 if n else 0)):  # (p0: nothing but pins)
+                c = space.chunks[b"%d" % i] = chunk(1 if i < VICTIMS else 0)
+                space.used += c.cost
+                space.pinned_bytes += c.cost if c.pins else 0
+        heads = {name: next(iter(s.chunks)) for name, s in index.spaces.items()}
+        found: list[tuple[Namespace, bytes]] = []
+        for calls in range(1, 40):
+            found = index.fair_victims(1 << 30)
+            moved = sum(next(iter(s.chunks)) != heads[name]
+                        for name, s in index.spaces.items())
+            assert moved <= calls  # (a namespace's pins walked past: one a call)
+            if found:
+                break
+        assert found and all(not s.chunks[k].pins for s, k in found)
+        assert next(iter(index.spaces["p0"].chunks)) == heads["p0"]  # (never walked)
+
+
 def test_a_reader_shut_out_while_a_table_fills_gets_no_table(tmp_path: Path) -> None:
     """A presence table is a right to read a namespace's keys: bob, let in by its
     group, asks for one; while it is filled, the owner shuts the group out (which
