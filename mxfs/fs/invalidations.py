@@ -65,6 +65,7 @@ MAX_HELD = 1024  # threads set aside at most
 IDLE_S = 5.0
 WAIT_S = 1.0  # how long a request waits for what it changed (`waited`)
 MAX_WAITING = 100_000
+EVERYTHING_BITE = 1024  # keys of an `everything` queued under the lock at once (~3 ms)
 ENTRY, INODE = 0, 1  # a key's kind: a directory's names, an inode's attributes (pages)
 
 Key = tuple[int, int]  # (ENTRY or INODE, inode)
@@ -205,10 +206,16 @@ class Invalidations:
 
     def everything(self, inos: list[int], names: list[tuple[int, bytes]], uid: int = 0
                    ) -> None:
-        """Invalidate all the kernel may hold (`held()`'s answer): inodes' pages too."""
-        with self._lock:
-            self._add(names, inos, (), counted=0, tenant=tenant_of(uid))
-            self._start()
+        """Invalidate all the kernel may hold (`held()`'s answer): inodes' pages too;
+        queued a bite at a time, the lock let go between (200,000 at once held it
+        0.56 s, and with it the loop's direct commits waiting to queue theirs)."""
+        tenant = tenant_of(uid)
+        for start in range(0, max(len(inos), len(names)), EVERYTHING_BITE):
+            with self._lock:
+                self._add(names[start:start + EVERYTHING_BITE],
+                          inos[start:start + EVERYTHING_BITE], (), counted=0, tenant=tenant)
+                self._start()
+            time.sleep(0)  # (the interpreter to a thread waiting for the lock)
 
     def _add(self, names: Iterable[tuple[int, bytes]], data: Iterable[int],
              attrs: Iterable[int], counted: int, waiter: _Done | None = None,

@@ -22,6 +22,8 @@ TIMEOUT = 300.0
 FEED_TIMEOUT = 60.0
 FOLLOW_TIMEOUT = 1.0
 HELD_LIMIT = 200_000
+EXPIRE_STEP = 4  # run-out answers forgotten at each answer given
+EXPIRE_BITE = 1024  # ... and at most once the table is full
 
 Key = int | tuple[int, bytes]  # an inode's attributes, or a (directory, name) entry
 
@@ -50,22 +52,30 @@ class KernelCache:
             return FOLLOW_TIMEOUT
         now = time.monotonic()
         with self._lock:
+            self._expire(now, EXPIRE_STEP)  # (a few at each answer: the table keeps up)
             if len(self._held) >= HELD_LIMIT and key not in self._held:
-                self._expire(now)
+                self._expire(now, EXPIRE_BITE)
                 if len(self._held) >= HELD_LIMIT:
                     return FOLLOW_TIMEOUT
             self._held[key] = now + FEED_TIMEOUT
             self._held.move_to_end(key)
         return FEED_TIMEOUT
 
-    def _expire(self, now: float) -> None:
-        while self._held and next(iter(self._held.values())) <= now:
-            self._held.popitem(last=False)
+    def _expire(self, now: float, most: int) -> None:
+        """(Under the lock.)  Forget `most` answers run out at most (a full table run
+        out at once took 68 ms of the answer that found it full)."""
+        held = self._held
+        for _ in range(most):
+            if not held or next(iter(held.values())) > now:
+                return
+            held.popitem(last=False)
 
     def held(self) -> tuple[list[int], list[tuple[int, bytes]]]:
-        """(inodes, entries) whose answers the kernel may still hold."""
+        """(inodes, entries) whose answers the kernel may still hold: copied under the
+        lock, sorted out after (sorted under it, 200,000 held every answer 38 ms)."""
         with self._lock:
-            self._expire(time.monotonic())
-            inos = [k for k in self._held if isinstance(k, int)]
-            names = [k for k in self._held if not isinstance(k, int)]
+            kept = list(self._held.items())
+        now = time.monotonic()
+        inos = [k for k, until in kept if until > now and isinstance(k, int)]
+        names = [k for k, until in kept if until > now and not isinstance(k, int)]
         return inos, names
