@@ -15,6 +15,10 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   lookups    8 connections asking kv_exists of 4,096 absent keys a request
   parses     64 connections sending 1 MiB requests of 350,000 empty lists (refused)
   bigints    64 connections sending 1 MiB requests of 243 integers of 4,299 digits
+  floats     64 connections sending 1 MiB requests of 1,360 numbers of 760 digits, each
+             halfway between two doubles (2**-1075 written out: the slowest to round)
+  claims     4 connections each claiming 4,096 new keys for 1 ms, over and over (the
+             claims run out by the thousand, ended by the next claim and the sweep)
   truncates  8 threads each writing 4 KiB into a file of its own and cutting it to 0
   readdir    8 threads each listing a folder of 40,000 empty files, one getdents64 of
              1 MiB a call (since Linux 6.16 a FUSE readdir takes what getdents asks:
@@ -54,7 +58,7 @@ from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 
 VICTIM, HOG = 65533, 65534
 ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
-        "parses", "bigints", "truncates", "readdir", "scrapes")
+        "parses", "bigints", "floats", "claims", "truncates", "readdir", "scrapes")
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
@@ -130,11 +134,20 @@ if arm == "misses":
 if arm == "lookups":
     n = crowd(lambda w, k: w.call("kv_exists", namespace="hog", keys=[
         base64.b64encode(os.urandom(16)).decode() for _ in range(4096)]))
-if arm in ("parses", "bigints"):  # each a fresh connection: the daemon closes what
-    import socket, struct           # it refuses
+if arm == "claims":
+    n = crowd(lambda w, k: w.call("kv_claim", namespace="hog", ms=1, keys=[
+        base64.b64encode(os.urandom(16)).decode() for _ in range(4096)]), n=4)
+if arm in ("parses", "bigints", "floats"):  # each a fresh connection: the daemon
+    import socket, struct                   # closes what it refuses
+    from decimal import Decimal, localcontext
     path = os.getxattr(mnt, "user.mxfs.control").decode()
-    body = b'{"op":"hello","x":[' + (b"[]," * 349_000 + b"[]" if arm == "parses"
-                                     else b",".join([b"9" * 4299] * 243)) + b"]}"
+    with localcontext() as exact:
+        exact.prec = 2000
+        half = str(Decimal(1) / Decimal(2) ** 1075).encode()  # (2**-1075, every digit)
+    body = b'{"op":"hello","x":[' + (
+        b"[]," * 349_000 + b"[]" if arm == "parses" else
+        b",".join([b"9" * 4299] * 243) if arm == "bigints" else
+        b",".join([half] * ((1 << 20) // (len(half) + 1) - 1))) + b"]}"
     frame = struct.pack("!4sHHI", b"MXFS", 1, 0, len(body)) + body
     def parse(_, k):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -217,7 +230,8 @@ print(json.dumps(lat), flush=True)
 def as_user(uid: int, code: str, *args: str) -> subprocess.Popen[str]:
     """`code` in a process that imports as root (the interpreter may sit in root's
     folders), then becomes `uid` before it touches the mount."""
-    become = ("import base64, ctypes, encodings.idna, json, os, socket, sys, threading, time\n"
+    become = ("import base64, ctypes, decimal, encodings.idna, json, os, socket, sys, threading, "
+              "time\n"
               "import mxfs.client\n"
               f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n")
     return subprocess.Popen([sys.executable, "-c", become + code, *args],
