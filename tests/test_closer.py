@@ -19,10 +19,12 @@ from mxfs.pool.closer import LINGER_S, Closer, close_later, fdinfo
 from mxfs.pool.revoke import writers_remain
 
 
-def _open(fd: int) -> bool:
+def _open(fd: int, ino: int | None = None) -> bool:
+    """Whether `fd` is open (on inode `ino`: the number may be another thread's
+    since, an earlier test's threads of this process opening files)."""
     try:
         fcntl.fcntl(fd, fcntl.F_GETFD)
-        return True
+        return ino is None or os.fstat(fd).st_ino == ino
     except OSError as e:
         assert e.errno == errno.EBADF
         return False
@@ -33,10 +35,11 @@ def test_descriptors_handed_over_are_all_closed_and_counted_until_then(
     closer = Closer()
     paths = [tmp_path / f"f{i}" for i in range(200)]
     fds = [os.open(p, os.O_RDWR | os.O_CREAT, 0o600) for p in paths]
+    inos = [os.fstat(fd).st_ino for fd in fds]
     closer.close(fds)
     assert closer.drain(10), f"{closer.pending} still closing"
     assert closer.pending == 0
-    assert not any(_open(fd) for fd in fds)
+    assert not any(_open(fd, ino) for fd, ino in zip(fds, inos, strict=True))
     assert closer.closes == len(fds)
 
 
