@@ -163,6 +163,31 @@ def test_status_reports_a_stopped_daemon_instead_of_hanging(mounted) -> None:
 
 
 @needs_fuse
+def test_umount_detaches_a_stopped_daemons_mount_instead_of_hanging(
+        tmp_path: Path) -> None:
+    """Finding the daemon to ask touches its mount, which a stopped daemon never
+    answers: `mxfs umount` hung with it, forever.  It asks a while, then detaches the
+    mount and says why."""
+    import signal
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    mxfs("mount", members[0], str(mp))
+    pid = int(json.loads(mxfs("status", "--json", str(mp)).stdout)["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        res = mxfs("umount", str(mp), check=False, timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGTERM)
+    assert res.returncode == 0 and "did not answer" in res.stdout, res
+    assert not os.path.ismount(mp)
+    assert wait_pid_gone(pid, 30)
+
+
+@needs_fuse
 def test_status_reports_members_capacity_and_daemon(tmp_path: Path, mounted) -> None:
     res = json.loads(mxfs("status", "--json", str(mounted.path)).stdout)
     assert res["mountpoint"] == str(mounted.path)

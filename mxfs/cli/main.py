@@ -158,21 +158,33 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise MxfsError(f"{args.mountpoint} is not mounted", "nothing to do")
     if kind != FSTYPE:
         raise MxfsError(f"{args.mountpoint} is a {kind} mount, not mxfs", "use umount")
-    pid, theirs = None, False
-    try:
-        with ControlClient(mp, timeout=5) as c:
-            pid = c.server.get("pid")
-    except Untrusted:
-        theirs = True  # another user's own daemon: unmounted, neither asked nor waited for
-    except OSError:
-        pass  # the daemon is gone: detach the dead mount
+    got: dict[str, Any] = {}
+
+    def ask() -> None:  # (finding the socket touches the mount: a hung daemon's hangs)
+        try:
+            with ControlClient(mp, timeout=5) as c:
+                got["pid"] = c.server.get("pid")
+        except Untrusted:
+            got["theirs"] = True  # another user's own daemon: neither asked nor waited for
+        except OSError:
+            pass  # the daemon is gone: detach the dead mount
+    asker = threading.Thread(target=ask, name="mxfs-umount", daemon=True)
+    asker.start()
+    asker.join(UMOUNT_ASK_S)
+    hung = asker.is_alive()
+    pid, theirs = got.get("pid"), bool(got.get("theirs"))
     unmount(mp, lazy=args.lazy or (pid is None and not theirs))
     if pid and not wait_pid_gone(int(pid), 120):
         raise MxfsError(f"daemon {pid} is still writing back after 120 s",
                         "wait, then check mxfs status")
-    print(f"unmounted {mp}" + ("" if pid else " (its daemon is another user's, not waited "
-                               "for)" if theirs else " (its daemon had died)"))
+    print(f"unmounted {mp}" + (
+        "" if pid else " (its daemon is another user's, not waited for)" if theirs else
+        f" (detached: its daemon did not answer in {UMOUNT_ASK_S:g} s, stopped or hung; "
+        "stop it with kill)" if hung else " (its daemon had died)"))
     return 0
+
+
+UMOUNT_ASK_S = 10.0  # a daemon that has not answered `mxfs umount` by then is hung
 
 
 # ---- status ----------------------------------------------------------------

@@ -325,6 +325,11 @@ def read_pool_config(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             conf = tomllib.load(f)
+    except UnicodeDecodeError:  # (a data file named where a pool goes)
+        raise MxfsError(f"{path} is a file, neither a pool member folder nor a pool "
+                        "config (TOML)", "name the pool's member 0 folder, its mount "
+                        "point or its config file (check the order of the arguments)"
+                        ) from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise MxfsError(f"pool config {path} cannot be read ({e})",
                         "fix the TOML; it needs members = [\"/path\", ...]") from None
