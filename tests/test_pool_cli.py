@@ -162,6 +162,21 @@ def test_status_reports_a_stopped_daemon_instead_of_hanging(mounted) -> None:
     assert str(mounted.path) in mxfs("status", str(mounted.path)).stdout  # answers again
 
 
+def test_a_mount_point_over_or_inside_the_pools_members_is_refused(tmp_path: Path) -> None:
+    """Mounted over its own members (-o nonempty), the daemon's opens of its chunk files
+    went through its own mount and hung it for good (state D); mounted inside one,
+    what was written there was stored as zeros.  Refused, one line each."""
+    members = make_members(tmp_path / "pool")
+    mkfs(members)
+    for mp, how in ((tmp_path / "pool", "holds"), (Path(members[1]), "is"),
+                    (Path(members[0], "chunks"), "is in")):
+        mp.mkdir(exist_ok=True)
+        line = one_line_error(mxfs("mount", members[0], str(mp), "-o", "nonempty",
+                                   check=False, timeout=60))
+        assert f"{how} the pool's member folder" in line, line
+        assert not os.path.ismount(mp)
+
+
 @needs_fuse
 def test_umount_detaches_a_stopped_daemons_mount_instead_of_hanging(
         tmp_path: Path) -> None:

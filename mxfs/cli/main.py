@@ -78,12 +78,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return _mount_foreground(args, options)
     from mxfs.fs.options import check_options
     from mxfs.pool import Pool
-    from mxfs.vol.mounts import check_mountpoint, runtime_dir, spawn_daemon
+    from mxfs.vol.mounts import check_apart, check_mountpoint, runtime_dir, spawn_daemon
 
     # Check what we can here, so the common mistakes need no daemon log.
     check_options(options)
     check_mountpoint(args.mountpoint, nonempty="nonempty" in options)
     pool = Pool.open(args.pool, degraded="degraded" in options)
+    check_apart(args.mountpoint, [pool.members[m].path for m in pool.local_members()])
     # (a reading node's has its name: nodes of one pool may share a host, as in tests)
     log_path = os.path.join(runtime_dir(), f"{pool.uuid}-{pool.node}.log" if pool.node
                             else f"{pool.uuid}.log")

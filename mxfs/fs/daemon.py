@@ -52,6 +52,7 @@ from mxfs.pool.superblock import LABEL, superblock_path
 from mxfs.proto.messages import MemberUsage
 from mxfs.vol.mounts import (
     LOG_CAP,
+    check_apart,
     check_mountpoint,
     ensure_runtime_dir,
     rotate_log,
@@ -139,6 +140,11 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
         mp = check_mountpoint(mountpoint, nonempty="nonempty" in own)
         startup.step()  # (a store its daemon did not close clean is checked page by page)
         vol = Volume.open(spec, recover_meta=True, degraded="degraded" in own)
+        try:
+            check_apart(mp, [vol.pool.members[m].path for m in vol.pool.local_members()])
+        except MxfsError:
+            vol.close(clean=False)
+            raise
         vol.progress = startup.step  # (orphans queued, the KV index loaded: by the bite)
         reading = bool(vol.pool.node)  # a reading node (mxfs node add): it writes nothing
         try:  # (the descriptors it hands out are judged by leases: pool/revoke.py)

@@ -10,7 +10,7 @@ import select
 import stat
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import BinaryIO
 
@@ -53,6 +53,21 @@ def check_mountpoint(path: str, nonempty: bool = False) -> str:
         raise MxfsError(f"mount point {path} is not empty",
                         "use an empty folder, or pass -o nonempty to hide its contents")
     return real
+
+
+def check_apart(mountpoint: str, folders: Iterable[str]) -> None:
+    """Refuse a mount point that is, holds or lies in one of the pool's own `folders`
+    (its members on this node): mounted over them (-o nonempty), the daemon's own
+    opens of its chunk files went through its mount and hung it, and a mount inside
+    one stored what was written there as zeros."""
+    point = os.path.realpath(mountpoint)
+    for folder in folders:
+        real = os.path.realpath(folder)
+        if point == real or real.startswith(point.rstrip("/") + "/") or \
+                point.startswith(real.rstrip("/") + "/"):
+            how = "is" if point == real else "holds" if len(point) < len(real) else "is in"
+            raise MxfsError(f"mount point {mountpoint} {how} the pool's member folder "
+                            f"{folder}", "mount the pool on a folder outside its members")
 
 
 def spawn_daemon(argv: list[str], log_path: str) -> tuple[int, list[str]]:
