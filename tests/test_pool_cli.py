@@ -162,6 +162,31 @@ def test_status_reports_a_stopped_daemon_instead_of_hanging(mounted) -> None:
     assert str(mounted.path) in mxfs("status", str(mounted.path)).stdout  # answers again
 
 
+@needs_fuse
+def test_commands_on_a_mount_whose_daemon_died_say_so(tmp_path: Path) -> None:
+    """A daemon killed leaves its mount dead (ENOTCONN): df said the path was on no
+    mxfs mount, warm that it did not exist (or warmed nothing and exited 0), scrub
+    and quota gave the bare errno.  Each says the daemon died, and what to run."""
+    import signal
+
+    members = make_members(tmp_path)
+    mkfs(members)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    mxfs("mount", members[0], str(mp))
+    (mp / "d").mkdir()
+    pid = int(json.loads(mxfs("status", "--json", str(mp)).stdout)["pid"])
+    os.kill(pid, signal.SIGKILL)
+    assert wait_pid_gone(pid, 30)
+    try:
+        for args in (["df", str(mp)], ["scrub", str(mp)], ["quota", str(mp)],
+                     ["warm", str(mp)], ["warm", str(mp / "d")]):
+            line = one_line_error(mxfs(*args, check=False, timeout=60))
+            assert "died" in line and "umount" in line, (args, line)
+    finally:
+        mxfs("umount", str(mp))
+
+
 def test_a_mount_point_over_or_inside_the_pools_members_is_refused(tmp_path: Path) -> None:
     """Mounted over its own members (-o nonempty), the daemon's opens of its chunk files
     went through its own mount and hung it for good (state D); mounted inside one,

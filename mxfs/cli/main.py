@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -463,14 +464,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---- models ------------------------------------------------------------------
 
 def _files_under(paths: list[str]) -> list[str]:
-    found = []
+    """The regular files `paths` name, folders walked (sorted); anything else one line:
+    a FIFO or a device read forever, or never answered, and a path on a dead mount or
+    one that cannot be read is said as such (walked past, "does not exist", or nothing
+    warmed and exit 0)."""
+    found: list[str] = []
+    skipped: list[str] = []
+
+    def fail(e: OSError) -> NoReturn:
+        where = e.filename or "?"
+        if e.errno == errno.ENOENT:
+            raise MxfsError(f"{where} does not exist", "check the path") from None
+        if e.errno == errno.ENOTCONN:
+            raise MxfsError(f"{where} is on a mount whose daemon died",
+                            "run mxfs umount on it, then mount the pool again") from None
+        raise MxfsError(f"{where} cannot be read ({e.strerror})",
+                        "check the path and its permissions") from None
+
+    def regular(path: str) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            fail(e)
+        if stat.S_ISREG(st.st_mode):
+            return True
+        skipped.append(path)
+        return False
+
     for p in paths:
-        if os.path.isdir(p):
-            found += sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
-        elif os.path.isfile(p):
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            fail(e)
+        if stat.S_ISDIR(st.st_mode):
+            for d, _, names in os.walk(p, onerror=fail):
+                found += sorted(f for f in (os.path.join(d, n) for n in names) if regular(f))
+        elif stat.S_ISREG(st.st_mode):
             found.append(p)
         else:
-            raise MxfsError(f"{p} does not exist", "check the path")
+            raise MxfsError(f"{p} is not a regular file", "name files or folders of them")
+    if skipped:
+        print(f"mxfs: skipped {len(skipped)} paths that are not regular files (such as "
+              f"{shown(skipped[0])})", file=sys.stderr)
     return found
 
 
@@ -620,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for out in (sys.stdout, sys.stderr):  # (a name shown escaped, on any terminal's encoding)
         if isinstance(out, io.TextIOWrapper):
             out.reconfigure(errors="backslashreplace")
-    debug = "--debug" in argv or bool(os.environ.get("MXFS_DEBUG"))
+    debug = "--debug" in argv or os.environ.get("MXFS_DEBUG", "").lower() in ("1", "true", "yes")
     if debug:
         os.environ["MXFS_DEBUG"] = "1"  # daemons started from here show them too
     try:

@@ -41,6 +41,7 @@ def mount_root(path: str) -> str | None:
     xattr, which only an mxfs root carries.
     """
     d = os.path.realpath(path)
+    _refuse_unreachable(d)
     # A file's folder; one not there (or not seen on this node yet: another node made
     # it a moment ago) is asked of the mount above it.
     while not os.path.isdir(d) and os.path.dirname(d) != d:
@@ -51,11 +52,38 @@ def mount_root(path: str) -> str | None:
             return d
         except OSError as e:
             if e.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EPERM):
+                _refuse_unreachable(d, e)
                 raise
         parent = os.path.dirname(d)
         if parent == d or os.stat(parent).st_dev != os.stat(d).st_dev:
             return None
         d = parent
+
+
+def _refuse_unreachable(path: str, e: OSError | None = None) -> None:
+    """A path on an mxfs mount whose daemon died (ENOTCONN), or that another user
+    mounted without allow_other (EACCES), said as such: walked past, it was reported
+    as on no mxfs mount at all.  `e`: what asking it failed with, else it is looked at
+    (its attributes may be the kernel's, cached: a dead mount's stat may answer)."""
+    if e is None:
+        try:
+            os.stat(path)
+            return
+        except OSError as failed:
+            e = failed
+    if e.errno not in (errno.ENOTCONN, errno.EACCES):
+        return
+    point, fstype = mount_of(path)
+    if fstype != FSTYPE:
+        return
+    if e.errno == errno.ENOTCONN:
+        raise ControlError(errno.ENOTCONN, f"the daemon of the mxfs mount at {point} "
+                           f"died: run mxfs umount {point}, then mount the pool "
+                           "again") from None
+    if point == path and os.access(os.path.dirname(path), os.X_OK):
+        raise ControlError(errno.EACCES, f"the mxfs mount at {point} is another "
+                           "user's, mounted without allow_other: ask its owner (or "
+                           "root) to mount it with -o allow_other") from None
 
 
 def find_socket(mountpoint: str) -> str:
@@ -68,6 +96,7 @@ def find_socket(mountpoint: str) -> str:
     except OSError as e:
         if e.errno in (errno.ENODATA, errno.ENOTSUP):
             raise ControlError(e.errno, f"{mountpoint} is not an mxfs mount") from None
+        _refuse_unreachable(os.path.realpath(mountpoint), e)
         raise
     point, fstype = mount_of(mountpoint)
     if fstype != FSTYPE or point != os.path.realpath(mountpoint):
