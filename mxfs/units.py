@@ -1,5 +1,5 @@
 """Human byte sizes: '1MiB', '4k', '2G' in, '1.5 GiB' out; and the other numbers a command
-line takes (counts, seconds), checked where they are parsed, before any work starts."""
+line takes (counts, seconds, fractions), checked where they are parsed, before any work starts."""
 
 from __future__ import annotations
 
@@ -32,25 +32,32 @@ def parse_size(text: str) -> int:
     at most MAX_SIZE."""
     m = _SIZE.match(text)
     if not m or m.group(3).lower() not in _SUFFIX:
-        raise UsageError(f"bad size {text!r}", "write it like 1MiB, 512k or 4096")
+        raise UsageError(f"bad size {_shown(text)}", "write it like 1MiB, 512k or 4096")
     whole, frac = m.group(1).lstrip("0"), (m.group(2) or "").rstrip("0")
     if len(whole) > len(str(MAX_SIZE)):  # (before int(): thousands of digits are refused)
         raise _too_big(text)
     if len(frac) > _FRACTION_DIGITS:
-        raise UsageError(f"size {text!r} is not a whole number of bytes", "use a larger unit")
+        raise UsageError(f"size {_shown(text)} is not a whole number of bytes",
+                         "use a larger unit")
     scale = 10 ** len(frac)
     value, rest = divmod((int(whole or "0") * scale + int(frac or "0"))
                          * _SUFFIX[m.group(3).lower()], scale)
     if rest:
-        raise UsageError(f"size {text!r} is not a whole number of bytes", "use a larger unit")
+        raise UsageError(f"size {_shown(text)} is not a whole number of bytes",
+                         "use a larger unit")
     if value > MAX_SIZE:
         raise _too_big(text)
     return value
 
 
 def _too_big(text: str) -> UsageError:
-    return UsageError(f"size {text!r} is too big",
+    return UsageError(f"size {_shown(text)} is too big",
                       f"give at most {MAX_SIZE} bytes (8 EiB, less 1 byte)")
+
+
+def _shown(text: str) -> str:
+    """`text` quoted for a message, cut short when long (a 400-digit size is one line)."""
+    return repr(text) if len(text) <= 40 else f"{text[:24]!r}... ({len(text)} characters)"
 
 
 def format_size(n: float) -> str:
@@ -74,8 +81,8 @@ def size_arg(least: int = 0) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(str(e)) from None
         if n < least:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is under {format_size(least) if least >= 1024 else least} bytes"
-                if least > 1 else f"{text!r} is not a size above 0: give one like 1MiB")
+                f"{_shown(text)} is under {format_size(least)}: give at least that" if least > 1
+                else f"{_shown(text)} is not a size above 0: give one like 1MiB")
         return n
     return parse
 
@@ -89,24 +96,24 @@ def count_arg(least: int = 1, most: int = 1_000_000) -> Callable[[str], int]:
             n = None
         if n is None or not least <= n <= most:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a whole number from {least} to {most}: give one")
+                f"{_shown(text)} is not a whole number from {least} to {most}")
         return n
     return parse
 
 
-def seconds_arg(most: float, least: float = 0.0, zero: bool = False
-                ) -> Callable[[str], float]:
-    """An argparse type: seconds, finite, above `least` (or 0 itself where `zero`:
-    'none', as a --soak-hours 0 runs no long soak) and at most `most`."""
+def finite_arg(most: float, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number above 0 and at most `most` (seconds, minutes, ...; or 0
+    itself where `zero` means none): never NaN or infinite, which sleeps and timeouts
+    take as an internal error, or as 'no time at all'."""
     def parse(text: str) -> float:
         try:
             n = float(text)
         except ValueError:
             n = math.nan
-        if not (zero and n == 0) and not (math.isfinite(n) and least < n <= most):
+        if not (zero and n == 0) and not (math.isfinite(n) and 0 < n <= most):
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a number above {least:g} and at most {most:g}"
-                + (" (or 0)" if zero else "") + ": give one")
+                f"{_shown(text)} is not a number above 0 and at most {most:g}"
+                + (" (or 0)" if zero else ""))
         return n
     return parse
 
@@ -118,6 +125,6 @@ def fraction_arg(text: str) -> float:
     except ValueError:
         n = math.nan
     if not 0 <= n < 1:  # (NaN fails every comparison)
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction from 0 to below 1: "
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a fraction from 0 to below 1: "
                                          "give one like 0.15 (15%)")
     return n

@@ -450,6 +450,32 @@ def test_ckpt_verify_and_ls_refuse_a_manifest_that_reaches_outside_its_folder(
     assert [c["name"] for c in listed["checkpoints"]] == ["link", "huge"]  # well formed
 
 
+def test_a_damaged_checkpoint_is_verified_with_the_rest_listed_and_removed(
+        tmp_path: Path) -> None:
+    """`verify` of several stopped at the first damaged manifest, the rest unchecked;
+    `ls` left a damaged checkpoint out without a word, and `rm` refused it ("the
+    checkpoint is damaged"), so only rm -rf took it.  Now each path is verified, `ls`
+    names the damaged one, and `rm` removes it (a folder with no manifest is still
+    refused: not a checkpoint)."""
+    root = tmp_path / "ck"
+    for i in range(3):
+        ck.save({"x": torch.full((100,), float(i))}, str(root / f"s{i}")).wait()
+    (root / "s1" / catalog.MANIFEST).write_text("{not json")
+    res = mxfs("ckpt", "verify", *(str(root / f"s{i}") for i in range(3)), check=False)
+    assert res.returncode == 1
+    assert res.stdout.split() == ["ok", str(root / "s0"), "ok", str(root / "s2")]
+    assert len(res.stderr.strip().splitlines()) == 1 and "s1" in res.stderr
+    listed = json.loads(mxfs("ckpt", "ls", "--json", str(root)).stdout)
+    assert [c["name"] for c in listed["checkpoints"]] == ["s0", "s2"]
+    assert listed["damaged"] == [str(root / "s1")]
+    assert "s1 is damaged" in mxfs("ckpt", "ls", str(root)).stdout
+    mxfs("ckpt", "rm", str(root / "s1"))
+    assert sorted(os.listdir(root)) == ["latest", "s0", "s2"]
+    (root / "plain").mkdir()
+    assert "not an mxfs checkpoint" in one_line_error(
+        mxfs("ckpt", "rm", str(root / "plain"), check=False))
+
+
 @pytest.mark.unit
 def test_a_manifest_over_its_cap_is_refused_unread(tmp_path: Path) -> None:
     """A reader holds at most MANIFEST_MAX bytes of a manifest (a planted one of a

@@ -308,7 +308,18 @@ def list_checkpoints(root: str) -> list[Entry]:
         return _list_at(fd, root)
 
 
-def _list_at(root_fd: int, root: str) -> list[Entry]:
+def damaged(root: str) -> list[str]:
+    """The checkpoints of `root` whose manifest is there but cannot be trusted (left
+    out of `list_checkpoints`, so of every prune: `remove` takes them)."""
+    out: list[str] = []
+    with _root_fd(root) as fd:
+        _list_at(fd, root, out)
+    return [os.path.join(root, n) for n in out]
+
+
+def _list_at(root_fd: int, root: str, damaged: list[str] | None = None) -> list[Entry]:
+    """The checkpoints of the folder, oldest first; `damaged` gets the names of those
+    whose manifest is damaged."""
     latest = _latest_at(root_fd)
     out = []
     for name in sorted(os.listdir(root_fd)):
@@ -322,7 +333,9 @@ def _list_at(root_fd: int, root: str) -> list[Entry]:
         try:
             m = read_manifest(path, fd)
             uid = os.fstat(fd).st_uid
-        except CheckpointError:
+        except CheckpointError as e:
+            if damaged is not None and e.fix == DAMAGED:
+                damaged.append(name)
             continue
         finally:
             os.close(fd)
@@ -711,6 +724,9 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
                               "them)") from None
     try:
         read_manifest(path, fd)  # refuse to remove what is not a checkpoint
+    except CheckpointError as e:
+        if e.fix != DAMAGED:  # (a damaged one is a checkpoint: its manifest is there)
+            raise
     finally:
         os.close(fd)
     # `latest` first, to the newest one left: moved after the folder went, a removal

@@ -14,23 +14,29 @@ these in `cli/observe_cmd.py`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import mmap
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from mxfs.cli.measure import drop_caches, read_file, write_file
-from mxfs.errors import MxfsError
+from mxfs.errors import MxfsError, UsageError
 from mxfs.io import ReadOp, WriteOp, read_batch, write_batch
 from mxfs.units import format_size
 
 SEGMENT = 16 << 20
 BLOCK = 8 << 20
+# The least bytes per step: each member's share must hold something, or its figure is
+# 0 GB/s and the ratios divide by it.
+MIN_SIZE = 1 << 20
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -63,6 +69,9 @@ class Run:
     """One validation run on the pool mounted at `mnt`."""
 
     def __init__(self, mnt: str, members: list[str], size: int, repeat: int) -> None:
+        if repeat < 1 or size < MIN_SIZE:  # (the parsers refuse them: this is for callers)
+            raise UsageError(f"a bench run of {repeat} rounds of {size} bytes measures nothing",
+                             f"give at least 1 round of at least {format_size(MIN_SIZE)}")
         self.mnt, self.members, self.size, self.repeat = mnt, members, size, repeat
         self.work = os.path.join(mnt, f".mxfs-bench-{os.getpid()}")
         self.rounds: list[dict[str, float]] = []
@@ -211,9 +220,45 @@ def _ratios(med: dict[str, float]) -> list[tuple[str, float]]:
     return [(name, med[a] / med[b]) for name, a, b in RATIOS]
 
 
+def check_out(out: str, flag: str = "--out") -> None:
+    """Refuse a report folder that could not be written, before minutes of measuring: a
+    file of that name, or a missing one whose first existing parent is not a folder one
+    may write in."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise UsageError(f"{flag} {out} exists and is not a folder",
+                         "name a new folder, or one to write the report into")
+    there = os.path.abspath(out)
+    while not os.path.lexists(there):  # (the folders to make: their first existing parent)
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        raise UsageError(f"{flag} {out}: {there} is not a folder", "name a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {out}: {there} may not be written",
+                         "name a folder you may write in")
+
+
 def write_report(out: str, results: dict[str, Any]) -> None:
-    """report.md, results.json and two plots into `out`."""
+    """report.md, results.json and two plots into `out`: made whole in a private folder
+    there and moved into place last, so a failure leaves no half-written report (nor
+    half of an earlier one's files replaced), and no folder it made."""
+    ratios = _ratios(results["median"])  # (a figure that cannot be divided fails here)
+    made = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".report-", dir=out)
+    try:
+        _write_report(work, results, ratios)
+        for name in sorted(os.listdir(work), key=lambda n: n == "results.json"):
+            os.replace(os.path.join(work, name), os.path.join(out, name))  # (the data last)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise
+    os.rmdir(work)
+
+
+def _write_report(out: str, results: dict[str, Any], ratios: list[tuple[str, float]]) -> None:
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     med = results["median"]
@@ -224,14 +269,14 @@ def write_report(out: str, results: dict[str, Any]) -> None:
              "| step | GB/s |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in med.items()]
     lines += ["", "| ratio | value |", "|---|---:|"]
-    lines += [f"| {name} | {v:.2f} |" for name, v in _ratios(med)]
+    lines += [f"| {name} | {v:.2f} |" for name, v in ratios]
     lines += ["", "![bandwidth](bandwidth.png)", "", "![ratios](ratios.png)", ""]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines))
-    _plots(out, med)
+    _plots(out, med, ratios)
 
 
-def _plots(out: str, med: dict[str, float]) -> None:
+def _plots(out: str, med: dict[str, float], ratios: list[tuple[str, float]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,7 +292,6 @@ def _plots(out: str, med: dict[str, float]) -> None:
     fig.savefig(os.path.join(out, "bandwidth.png"), dpi=100)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ratios = _ratios(med)
     ax.barh([n for n, _ in ratios], [v for _, v in ratios], color="tab:green")
     ax.axvline(1.0, color="k", lw=1)
     ax.set_xlabel("ratio (above 1: mxfs is faster, or striping adds bandwidth)")
@@ -265,6 +309,8 @@ def run_bench(target: str | None, out: str, size: int, repeat: int,
     if os.geteuid() != 0:
         raise MxfsError("mxfs bench writes into the member folders and drops caches",
                         "run it as root")
+    check_out(out)
+    need_modules("mxfs bench run")
     if target is None:
         with scratch_pool("mxfs-bench-run-") as pool:
             say(f"scratch pool of 4 folder members in {pool.base}")
@@ -280,17 +326,47 @@ def run_bench(target: str | None, out: str, size: int, repeat: int,
     return results
 
 
+def need_modules(what: str) -> None:
+    """Refuse a run before it starts when a module its steps import is missing (the
+    model and checkpoint steps, the plots), not after the first minutes of it."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "safetensors", "matplotlib")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MxfsError(f"{what} needs {', '.join(missing)}, which this Python lacks",
+                        "pip install torch==2.13.0 safetensors matplotlib")
+
+
+def read_results(folder: str, named: str = "") -> dict[str, Any]:
+    """The results.json that `mxfs bench run --out` wrote in `folder` (`named`: how the
+    user gave it, for messages), checked to be one: a positive figure under "median"
+    for every step the ratios divide (a file of another tool would fail far from here,
+    with KeyError, TypeError or a division by zero)."""
+    named = named or folder
+    path = os.path.join(folder, "results.json")
+    fix = "give a folder written by mxfs bench run --out"
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise MxfsError(f"{named} holds no readable results.json ({e.strerror})", fix) from None
+    except ValueError as e:
+        raise MxfsError(f"{path} is not JSON ({e})", fix) from None
+    med = doc.get("median") if isinstance(doc, dict) else None
+    need = {k for _, a, b in RATIOS for k in (a, b)} - {"best_member_read"}
+    if not isinstance(med, dict) or not need <= med.keys() or not any(
+            k.startswith("member") and k.endswith("_read") for k in med) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0 for v in med.values()):
+        raise MxfsError(f"{path} is not a bench results file (no positive figure for each "
+                        "step under \"median\")", fix)
+    return doc
+
+
 def compare(a: str, b: str) -> str:
     """A Markdown table of two runs' medians and ratios, B against A."""
-    runs = []
-    for d in (a, b):
-        try:
-            with open(os.path.join(d, "results.json")) as f:
-                runs.append(json.load(f))
-        except (OSError, ValueError) as e:
-            raise MxfsError(f"{d} holds no readable results.json ({e})",
-                            "give two folders written by mxfs bench") from None
-    ma, mb = runs[0]["median"], runs[1]["median"]
+    ma, mb = read_results(a)["median"], read_results(b)["median"]
     lines = [f"| step | {a} | {b} | B / A |", "|---|---:|---:|---:|"]
     for k in ma:
         if k in mb:

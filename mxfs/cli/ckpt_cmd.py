@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 from mxfs.errors import MxfsError
 from mxfs.text import shown
@@ -28,9 +29,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     root = _root(args.folder)
     entries = catalog.list_checkpoints(root)
     partial = catalog.partials(root)
+    damaged = catalog.damaged(root)
     if args.json:
         print(json.dumps({"checkpoints": [e.as_dict() for e in entries],
-                          "incomplete": partial}, indent=2))
+                          "incomplete": partial, "damaged": damaged}, indent=2))
         return 0
     if not entries:
         print(f"no checkpoints in {shown(root)}")
@@ -42,16 +44,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if partial:
         print(f"({len(partial)} incomplete save(s) left by dead writers; "
               f"mxfs ckpt prune {shown(root)} removes them)")
+    for path in damaged:
+        print(f"({shown(path)} is damaged: mxfs ckpt verify says how; mxfs ckpt rm "
+              "removes it)")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from mxfs.ckpt import verify
+    from mxfs.ckpt.catalog import CheckpointError
 
     bad = 0
     results = []
     for path in args.path:
-        damage = verify(path)
+        try:
+            damage = verify(path)
+        except CheckpointError as e:  # (its manifest: each path is looked at all the same)
+            bad += 1
+            results.append({"path": path, "ok": False, "error": str(e)})
+            print(f"mxfs: {shown(str(e))}", file=sys.stderr)  # (as the CLI says one)
+            continue
         bad += bool(damage)
         results.append({"path": path, "ok": not damage,
                         "damage": [{"file": d.file, "begin": d.begin, "end": d.end,

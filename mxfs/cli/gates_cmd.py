@@ -22,34 +22,34 @@ from pathlib import Path
 from typing import Any
 
 from mxfs.errors import MxfsError, UsageError
+from mxfs.units import count_arg, finite_arg, fraction_arg, size_arg
 
 SOAK = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
 
 
 def add_options(v: argparse.ArgumentParser) -> None:
-    v.add_argument("--g2-size", default="256MiB", help="bytes per step of the G2 run")
-    v.add_argument("--g2-repeat", type=int, default=3)
+    from mxfs.cli.bench import MIN_SIZE
+
+    v.add_argument("--g2-size", type=size_arg(MIN_SIZE), default=256 << 20,
+                   help="bytes per step of the G2 run (default 256MiB, at least 1MiB)")
+    v.add_argument("--g2-repeat", type=count_arg(1, 1000), default=3)
     v.add_argument("--baseline", help="an earlier G2 folder (mxfs bench run --out) to hold to")
-    v.add_argument("--tolerance", type=float, default=0.15,
-                   help="how far below the baseline a G2 figure may fall")
-    v.add_argument("--soak-minutes", type=float, default=0.5,
+    v.add_argument("--tolerance", type=fraction_arg, default=0.15,
+                   help="how far below the baseline a G2 figure may fall (0 to below 1)")
+    v.add_argument("--soak-minutes", type=finite_arg(7 * 24 * 60), default=0.5,
                    help="the G4 smoke: minutes of tools/soak.py with crashes")
-    v.add_argument("--soak-hours", type=float, default=0.0,
-                   help="the real G4 (72): a plain soak of this many hours")
-    v.add_argument("--crash-every", type=float, default=10.0,
-                   help="seconds between crashes in the smoke")
+    v.add_argument("--soak-hours", type=finite_arg(24 * 365, zero=True), default=0.0,
+                   help="the real G4 (72): a plain soak of this many hours (0: the smoke)")
+    v.add_argument("--crash-every", type=finite_arg(24 * 3600), default=10.0,
+                   help="seconds between crashes in the smoke (above 0)")
     v.add_argument("--skip", default="", help="gates not to run, e.g. g2,g4")
 
 
 def _baseline(path: str | None) -> dict[str, Any] | None:
-    if path is None:
-        return None
-    try:
-        with open(os.path.join(path, "results.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise MxfsError(f"--baseline {path} holds no readable results.json ({e})",
-                        "give a folder written by mxfs bench run") from None
+    """The G2 baseline's results, checked before any gate runs (`read_results`)."""
+    from mxfs.cli.bench import read_results
+
+    return None if path is None else read_results(path, f"--baseline {path}")
 
 
 def soak(out: str, minutes: float, hours: float, crash_every: float
@@ -77,18 +77,18 @@ def soak(out: str, minutes: float, hours: float, crash_every: float
 def run_gates(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     from mxfs.bench import gates
     from mxfs.bench import report as ttft_report
-    from mxfs.cli.bench import Run, write_report
+    from mxfs.cli.bench import Run, check_out, need_modules, write_report
     from mxfs.cli.bench_ttft import check, measure, pool_at
-    from mxfs.units import parse_size
 
     skip = {s.strip().lower() for s in args.skip.split(",") if s.strip()}
     if skip - {"g2", "g3", "g4"}:
         raise UsageError(f"--skip {args.skip}: gates are g2, g3 and g4")
     opts = check(args)
-    size = parse_size(args.g2_size)
+    size = args.g2_size
     baseline = _baseline(args.baseline)
-    if args.g2_repeat < 1:
-        raise UsageError(f"--g2-repeat {args.g2_repeat}: at least 1")
+    check_out(args.out)
+    if "g2" not in skip:
+        need_modules("G2 (mxfs bench run)")
     if not SOAK.is_file() and "g4" not in skip:
         raise MxfsError(f"G4 runs {SOAK}, which is not there",
                         "run from a checkout of mxfs, or --skip g4")

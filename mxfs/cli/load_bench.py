@@ -13,11 +13,14 @@ import time
 from typing import Any
 
 from mxfs.cli.measure import drop_caches
-from mxfs.errors import MxfsError
+from mxfs.errors import MxfsError, UsageError
 from mxfs.units import format_size
 
 
 def run_load_bench(files: list[str], device: str, repeat: int, as_json: bool) -> int:
+    if repeat < 1:  # (checked first: no median of no rounds, after the imports' seconds)
+        raise UsageError(f"--repeat {repeat}: no rounds to take a median of",
+                         "give 1 or more (default 3)")
     try:
         import safetensors.torch as st
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mxfs.errors import MxfsError
-from mxfs.meta import MetaStore, lease, location
+from mxfs.meta import MetaStore, Unusable, lease, location
 from mxfs.pool.key import install_key, key_id, read_key
 from mxfs.pool.node_config import NODE_NAME, NodeConfig, write_node_config
 from mxfs.pool.pool import format_node_members
@@ -37,15 +37,20 @@ def member_spec(stat: Mapping[str, Any], what: str) -> str:
     return str(first["path"])
 
 
-def _open_store(url: str) -> MetaStore:
+def _open_store(url: str, readonly: bool = True) -> MetaStore:
+    """The pool's store on its server.  Never a local path: a folder is a pool's own
+    SQLite store (a mounted pool's live one, perhaps), which nodes do not share."""
     if not location.is_server(url):
         raise MxfsError(f"{url} is not a metadata server's URL",
                         "give the pool's postgresql:// URL (mxfs status on the writer node)")
+    fix = "check the URL and that this node may connect to it"
     try:
-        return MetaStore.open(url, readonly=True)
+        return MetaStore.open(url, readonly=readonly)
     except OSError as e:
         raise MxfsError(f"the metadata server {location.public(url)} cannot be reached ({e})",
-                        "check the URL and that this node may connect to it") from None
+                        fix) from None
+    except Unusable as e:  # (the server refused, or holds no mxfs store: it says which)
+        raise MxfsError(" ".join(str(e).split()), fix) from None
 
 
 def cmd_node_add(args: argparse.Namespace) -> int:
@@ -114,7 +119,7 @@ def _own_members(known: Mapping[str, Any], name: str, given: list[str], pool: st
 
 
 def cmd_node_remove(args: argparse.Namespace) -> int:
-    with contextlib.closing(MetaStore.open(args.meta)) as store:
+    with contextlib.closing(_open_store(args.meta, readonly=False)) as store:
         for n in lease.nodes(store):
             if n["name"] != args.name or n["role"] != "reader":
                 continue

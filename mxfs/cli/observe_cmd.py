@@ -6,13 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
 from mxfs.errors import MxfsError
 from mxfs.pool.pool import pool_totals
 from mxfs.proto.messages import DF, METRICS, MetricsReply
-from mxfs.units import format_size
+from mxfs.units import count_arg, finite_arg, format_size, size_arg
+
+# The longest wait between two samples of `mxfs top` (an hour): a longer one is a typo.
+MAX_INTERVAL_S = 3600.0
 
 
 def _client(mount: str) -> Any:
@@ -105,8 +109,21 @@ def cmd_top(args: argparse.Namespace) -> int:
             time.sleep(args.interval)
             now = c.request(METRICS())
             r = rates(prev, now)
-            print(json.dumps(r) if args.json else _render(r), flush=True)
+            try:
+                print(json.dumps(r) if args.json else _render(r), flush=True)
+            except BrokenPipeError:
+                return _reader_gone()
             prev, n = now, n + 1
+    return 0
+
+
+def _reader_gone() -> int:
+    """The reader of a stream of samples has gone (`mxfs top | head`): that ends the
+    stream, as it ends any filter's, quietly.  Standard output now points at nothing,
+    so the interpreter's last flush of what is buffered for the pipe fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
     return 0
 
 
@@ -117,18 +134,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_df)
     s = sub.add_parser("top", help="live throughput and IOPS per member, requests per op")
     s.add_argument("mount")
-    s.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
-    s.add_argument("--count", type=int, default=0, help="samples to show (0: until ^C)")
+    s.add_argument("--interval", type=finite_arg(MAX_INTERVAL_S), default=1.0,
+                   help="seconds between samples (above 0, at most an hour)")
+    s.add_argument("--count", type=count_arg(0, 10**9), default=0,
+                   help="samples to show (0: until ^C)")
     s.add_argument("--json", action="store_true", help="one JSON object per sample")
     s.set_defaults(func=cmd_top)
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:
     from mxfs.cli.bench import run_bench
-    from mxfs.units import parse_size
 
     say = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
-    results = run_bench(args.target, args.out, parse_size(args.size), args.repeat, say)
+    results = run_bench(args.target, args.out, args.size, args.repeat, say)
     if args.json:
         print(json.dumps(results["median"], indent=2))
     else:
@@ -144,13 +162,17 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from mxfs.cli.bench import MIN_SIZE
+
     s = sub.add_parser("bench", help="a validation run with a report, or two runs compared")
     verbs = s.add_subparsers(dest="verb", required=True, parser_class=type(s))
     v = verbs.add_parser("run", help="measure a mounted pool (default: a scratch demo pool)")
     v.add_argument("target", nargs="?", help="a mount point")
     v.add_argument("--out", required=True, help="folder for report.md, results.json, PNGs")
-    v.add_argument("--size", default="1GiB", help="bytes per step")
-    v.add_argument("--repeat", type=int, default=3)
+    v.add_argument("--size", type=size_arg(MIN_SIZE), default=1 << 30,
+                   help="bytes per step (default 1GiB, at least 1MiB)")
+    v.add_argument("--repeat", type=count_arg(1, 1000), default=3,
+                   help="rounds; medians are reported (default 3)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_bench_run)
     v = verbs.add_parser("compare", help="two runs side by side: B against A")
