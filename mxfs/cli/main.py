@@ -391,7 +391,8 @@ def _xattr_error(path: str, e: OSError) -> MxfsError:
                          "set the layout on its directory or on a new empty file")
     if e.errno == errno.EINVAL:
         return MxfsError(f"layout refused for {path}",
-                         "the unit must be a multiple of 4 KiB, the width at most the members")
+                         "the unit must be a multiple of 4 KiB up to 1 GiB, the width at "
+                         "most the members")
     if e.errno == errno.EPERM:
         return MxfsError(f"not allowed to change the layout of {path}", "ask its owner or root")
     return MxfsError(f"{path}: {e.strerror}", "check the path")

@@ -13,12 +13,27 @@ from typing import Any
 
 from mxfs.errors import MxfsError, UsageError
 from mxfs.proto.messages import QUOTA, QuotaReport, QuotaRequest
-from mxfs.units import format_size, parse_size
+from mxfs.units import MAX_SIZE, format_size, parse_size
+
+# The largest uid or gid: 2^32 - 1 is (uid_t)-1, "no id" to chown and setuid.
+ID_MAX = 2**32 - 2
+
+
+def numeric_id(text: str, kind: str) -> int | None:
+    """`text` as a uid or gid (`kind`: "uid", "gid") if it is a number, else None (a
+    name); a number no kernel gives out is refused here, not stored for nobody."""
+    if not (text.isascii() and text.isdecimal()):
+        return None
+    if len(text.lstrip("0")) > len(str(ID_MAX)) or int(text) > ID_MAX:
+        raise UsageError(f"{kind} {text[:24]}{'...' if len(text) > 24 else ''} is not one",
+                         f"give a {kind} from 0 to {ID_MAX}, or a name")
+    return int(text)
 
 
 def _uid(user: str) -> int:
-    if user.isascii() and user.isdecimal():
-        return int(user)
+    n = numeric_id(user, "uid")
+    if n is not None:
+        return n
     try:
         return pwd.getpwnam(user).pw_uid
     except KeyError:
@@ -27,11 +42,14 @@ def _uid(user: str) -> int:
 
 def _count(text: str) -> int:
     try:
-        n = int(text)
+        n = int(text) if len(text) <= 20 else MAX_SIZE + 1
     except ValueError:
         n = -1
     if n < 0:
         raise UsageError(f"bad inode count {text!r}", "give a whole number (0 lifts the limit)")
+    if n > MAX_SIZE:
+        raise UsageError(f"inode count {text[:24]}{'...' if len(text) > 24 else ''} is too "
+                         "big", f"give at most {MAX_SIZE} (0 lifts the limit)")
     return n
 
 
