@@ -450,6 +450,38 @@ def test_ckpt_verify_and_ls_refuse_a_manifest_that_reaches_outside_its_folder(
     assert [c["name"] for c in listed["checkpoints"]] == ["link", "huge"]  # well formed
 
 
+def test_ckpt_rm_writes_latest_in_the_folder_it_opened_never_through_a_link(
+        tmp_path: Path) -> None:
+    """`latest` was written and removed by its path: a tenant who held the folder's
+    lock (anyone who may read it may) swapped her folder for a link while root's `ckpt
+    rm` waited for it, and root wrote `latest`, naming a checkpoint of hers such as
+    "* * * * * root ...", into the folder the link pointed at: /etc/cron.d, say."""
+    import fcntl
+    import time
+
+    root, victim = tmp_path / "ckpts", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "latest").write_text("root's own\n")
+    for name in ("a", "b"):
+        ck.save({"x": torch.zeros(10)}, str(root / name)).wait()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    rm = subprocess.Popen([sys.executable, "-m", "mxfs", "ckpt", "rm", str(root / "b")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1)  # (rm waits for the lock: LATEST_LOCK_S)
+        os.rename(root, tmp_path / "ckpts.real")
+        os.symlink(victim, root)
+    finally:
+        out, err = rm.communicate(timeout=60)
+        os.close(fd)
+    assert rm.returncode == 0, err
+    assert (victim / "latest").read_text() == "root's own\n"
+    real = tmp_path / "ckpts.real"
+    assert sorted(os.listdir(real)) == ["a", "latest"]
+    assert (real / "latest").read_text().strip() == "a"
+
+
 def test_a_damaged_checkpoint_is_verified_with_the_rest_listed_and_removed(
         tmp_path: Path) -> None:
     """`verify` of several stopped at the first damaged manifest, the rest unchecked;

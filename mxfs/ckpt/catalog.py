@@ -229,15 +229,18 @@ def _latest_at(root_fd: int) -> str | None:
     return name if is_plain_name(name) else None
 
 
-def set_latest(root: str, name: str | None) -> None:
-    """Point `latest` at `name` (atomically), or remove it when None."""
+def set_latest(root: str, root_fd: int, name: str | None) -> None:
+    """Point `latest` of the folder `root_fd` (named `root`) at `name` (atomically), or
+    remove it when None.  Through the folder's descriptor: by its path, root's `ckpt
+    rm` wrote (or removed) a `latest` wherever a tenant's link put in the folder's
+    place while it waited pointed, a root cron file say."""
     if name is None:
         try:
-            os.unlink(os.path.join(root, LATEST))
+            os.unlink(LATEST, dir_fd=root_fd)
         except FileNotFoundError:
             pass
         return
-    write_small(os.path.join(root, LATEST), (name + "\n").encode())
+    write_small(os.path.join(root, LATEST), (name + "\n").encode(), dir_fd=root_fd)
 
 
 LATEST_LOCK_S = 2.0  # how long a change of `latest` waits for another's to end
@@ -297,7 +300,7 @@ def _point_latest(root: str, root_fd: int, name: str, created_ns: int) -> str | 
         if now is not None and now != name and \
                 0 < (_created_ns(root_fd, now) or -1) - created_ns <= LATEST_AHEAD_S * 10**9:
             return now
-        set_latest(root, name)
+        set_latest(root, root_fd, name)
         return None
 
 
@@ -735,7 +738,7 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
     with _latest_locked(root_fd):
         if _latest_at(root_fd) == name:
             left = [e for e in _list_at(root_fd, root) if e.name != name]
-            set_latest(root, left[-1].name if left else None)
+            set_latest(root, root_fd, left[-1].name if left else None)
             moved = True
     # A name of its own (a name someone else made, in a sticky folder, held every
     # removal of `name`, and every prune behind it, for good).  Gone from listings at
@@ -747,7 +750,7 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
         if moved:
             with _latest_locked(root_fd), contextlib.suppress(OSError):
                 if _latest_at(root_fd) in (None, *(e.name for e in left[-1:])):
-                    set_latest(root, name)
+                    set_latest(root, root_fd, name)
         raise
     try:
         fd = open_dir(hidden, root_fd, follow=False)
