@@ -482,6 +482,31 @@ def test_ckpt_rm_writes_latest_in_the_folder_it_opened_never_through_a_link(
     assert (real / "latest").read_text().strip() == "a"
 
 
+def test_a_tenants_deep_tree_fails_its_own_removal_never_a_whole_prune(
+        tmp_path: Path) -> None:
+    """A checkpoint holding 1,500 nested folders overflowed the removal's recursion:
+    root's prune died (internal error), left it renamed aside, and every later prune
+    of the folder died on it, no other owner's checkpoint pruned again.  Now its
+    removal fails alone (one line naming it), and the next prunes go on past it."""
+    root = tmp_path / "ck"
+    for name in ("old", "new"):
+        ck.save({"x": torch.zeros(10)}, str(root / name)).wait()
+    fd = os.open(root / "old", os.O_RDONLY)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=fd)
+        fd, up = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(up)
+    os.close(fd)
+    try:
+        line = one_line_error(mxfs("ckpt", "prune", str(root), "--keep", "1", check=False))
+        assert "could not be removed" in line and "old" in line, line
+        ck.save({"x": torch.ones(10)}, str(root / "newer")).wait()
+        mxfs("ckpt", "prune", str(root), "--keep", "1")
+        assert [e.name for e in ck.list_checkpoints(str(root))] == ["newer"]
+    finally:  # (pytest's own removal of tmp_path recurses as rmtree did)
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+
+
 def test_a_damaged_checkpoint_is_verified_with_the_rest_listed_and_removed(
         tmp_path: Path) -> None:
     """`verify` of several stopped at the first damaged manifest, the rest unchecked;

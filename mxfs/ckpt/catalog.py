@@ -43,7 +43,7 @@ from typing import Any, TypeGuard
 from mxfs.client.writer import create_file, sync_dir, umask
 from mxfs.errors import MxfsError
 from mxfs.proc import running
-from mxfs.safe_open import open_dir, read_small, rename_noreplace, write_new
+from mxfs.safe_open import open_dir, read_small, remove_tree, rename_noreplace, write_new
 from mxfs.text import user_name
 
 MANIFEST = "mxfs-checkpoint.json"
@@ -764,7 +764,7 @@ def _remove_at(root_fd: int, root: str, name: str) -> None:
             _write_owner(os.path.join(root, hidden), fd)
     finally:
         os.close(fd)
-    shutil.rmtree(hidden, dir_fd=root_fd)
+    remove_tree(hidden, root_fd)
     os.fsync(root_fd)
 
 
@@ -782,8 +782,11 @@ def prune(root: str, keep: int, protect: str | None = None, owner: int | None = 
     removed, failed = [], []
     with _root_fd(root) as fd:
         for name in _partials_at(fd, owner):
-            if _remove_stale(fd, name):
-                removed.append(os.path.join(root, name))
+            try:  # (one that cannot go holds back none of the others)
+                if _remove_stale(fd, name):
+                    removed.append(os.path.join(root, name))
+            except Exception as err:  # noqa: BLE001 (a tenant's tree: whatever it does)
+                failed.append(f"{os.path.join(root, name)} ({err})")
         by_owner: dict[int, list[Entry]] = {}
         for e in _list_at(fd, root):  # (oldest first)
             if owner is None or e.uid == owner:
@@ -796,7 +799,7 @@ def prune(root: str, keep: int, protect: str | None = None, owner: int | None = 
                 try:  # (one that cannot go holds back none of the others)
                     _remove_at(fd, root, e.name)
                     removed.append(e.path)
-                except (OSError, CheckpointError) as err:
+                except Exception as err:  # noqa: BLE001 (a tenant's tree: whatever it does)
                     failed.append(f"{e.path} ({getattr(err, 'strerror', None) or err})")
     if failed:
         raise CheckpointError(f"pruned {len(removed)}, but {len(failed)} could not be "
@@ -833,7 +836,8 @@ def _remove_stale(root_fd: int, name: str) -> bool:
             with contextlib.suppress(OSError):  # never over what took its name since)
                 rename_noreplace(root_fd, aside, name)
             return False
-        shutil.rmtree(aside, dir_fd=root_fd, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_tree(aside, root_fd)
         try:
             os.lstat(aside, dir_fd=root_fd)
         except FileNotFoundError:
