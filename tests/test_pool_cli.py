@@ -187,6 +187,25 @@ def test_commands_on_a_mount_whose_daemon_died_say_so(tmp_path: Path) -> None:
         mxfs("umount", str(mp))
 
 
+def test_warm_reads_the_folders_regular_files_and_nothing_a_link_leads_out_to(
+        tmp_path: Path) -> None:
+    """`warm` of a folder opened what each name led to: a FIFO waited for a writer,
+    /dev/zero read forever, and a tenant's link to /proc/kmsg (which procfs calls a
+    regular file) held root's warm for good, eating the kernel's log.  Only regular
+    files of the folder's own file system are read, the rest named as skipped."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(b"w" * 5000)
+    (folder / "blob").write_bytes(b"b" * 3000)
+    (folder / "snap.bin").symlink_to(folder / "blob")  # (a hub cache's link: read)
+    os.mkfifo(folder / "fifo")
+    (folder / "zero").symlink_to("/dev/zero")
+    (folder / "kmsg").symlink_to("/proc/kmsg")
+    res = mxfs("warm", "--json", str(folder), timeout=60)
+    assert json.loads(res.stdout)["bytes"] == 5000 + 3000 + 3000
+    assert "skipped 3 paths" in res.stderr
+
+
 def test_a_mount_point_over_or_inside_the_pools_members_is_refused(tmp_path: Path) -> None:
     """Mounted over its own members (-o nonempty), the daemon's opens of its chunk files
     went through its own mount and hung it for good (state D); mounted inside one,

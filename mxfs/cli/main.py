@@ -482,13 +482,13 @@ def _files_under(paths: list[str]) -> list[str]:
         raise MxfsError(f"{where} cannot be read ({e.strerror})",
                         "check the path and its permissions") from None
 
-    def regular(path: str) -> bool:
+    def regular(path: str, dev: int) -> bool:
         try:
             st = os.stat(path)
         except OSError as e:
             fail(e)
-        if stat.S_ISREG(st.st_mode):
-            return True
+        if stat.S_ISREG(st.st_mode) and st.st_dev == dev:  # (a link out of the folder's
+            return True  # file system: /proc/kmsg, say, which reads forever)
         skipped.append(path)
         return False
 
@@ -499,28 +499,49 @@ def _files_under(paths: list[str]) -> list[str]:
             fail(e)
         if stat.S_ISDIR(st.st_mode):
             for d, _, names in os.walk(p, onerror=fail):
-                found += sorted(f for f in (os.path.join(d, n) for n in names) if regular(f))
+                found += sorted(f for f in (os.path.join(d, n) for n in names)
+                                if regular(f, st.st_dev))
         elif stat.S_ISREG(st.st_mode):
             found.append(p)
         else:
             raise MxfsError(f"{p} is not a regular file", "name files or folders of them")
     if skipped:
-        print(f"mxfs: skipped {len(skipped)} paths that are not regular files (such as "
+        print(f"mxfs: skipped {len(skipped)} paths that are not regular files of the "
+              f"folder's file system (such as "
               f"{shown(skipped[0])})", file=sys.stderr)
     return found
+
+
+def _open_regular(path: str) -> int | None:
+    """`path` opened to read if it is still a regular file (opened without blocking, so
+    a FIFO put in its place answers at once), else None; closed by `read_fd`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENXIO):
+            return None  # (gone meanwhile, or a socket)
+        raise MxfsError(f"{path} cannot be read ({e.strerror})",
+                        "check the path and its permissions") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return fd
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
     """Read files through the mount so the kernel's cache holds them for FUSE readers."""
     import time
 
-    from mxfs.cli.measure import read_file
+    from mxfs.cli.measure import read_fd
 
     files = _files_under(args.path)
     buf = bytearray(8 << 20)
     total, start = 0, time.perf_counter()
     for f in files:
-        total += read_file(f, buf)[2]
+        fd = _open_regular(f)  # (judged again as opened: it may be swapped meanwhile)
+        if fd is not None:
+            total += read_fd(fd, buf)[2]
     secs = time.perf_counter() - start
     _emit(args, {"files": len(files), "bytes": total, "seconds": secs},
           f"warmed {len(files)} files, {format_size(total)} in {secs:.1f} s "

@@ -81,11 +81,17 @@ def write_file(path: str, size: int, block: memoryview, fsync: bool = True) -> t
 
 def read_file(path: str, buf: bytearray) -> tuple[float, str, int]:
     """Read a whole file into a reused buffer; returns (seconds, xxh3, bytes)."""
+    start = time.perf_counter()
+    secs, digest, total = read_fd(os.open(path, os.O_RDONLY), buf)
+    return time.perf_counter() - start, digest, total
+
+
+def read_fd(fd: int, buf: bytearray) -> tuple[float, str, int]:
+    """`read_file` of a file opened, closed after."""
     h = xxhash.xxh3_64()
     view = memoryview(buf)
     total = 0
     start = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
     try:
         while n := os.readv(fd, [view]):
             h.update(view[:n])
