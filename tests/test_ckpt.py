@@ -447,7 +447,8 @@ def test_ckpt_verify_and_ls_refuse_a_manifest_that_reaches_outside_its_folder(
         answers = dict(zip(cases, verifiers.map(verify, cases), strict=True))
     assert answers == dict.fromkeys(cases, "refused")
     listed = json.loads(mxfs("ckpt", "ls", "--json", str(root), timeout=60).stdout)
-    assert [c["name"] for c in listed["checkpoints"]] == ["link", "huge"]  # well formed
+    assert [c["name"] for c in listed["checkpoints"]] == ["link"]  # ("huge": its block
+    assert "huge" in str(listed["damaged"])  # of 1 TiB over MAX_SUM_UNIT, damaged)
 
 
 def test_ckpt_rm_writes_latest_in_the_folder_it_opened_never_through_a_link(
@@ -531,6 +532,29 @@ def test_a_damaged_checkpoint_is_verified_with_the_rest_listed_and_removed(
     (root / "plain").mkdir()
     assert "not an mxfs checkpoint" in one_line_error(
         mxfs("ckpt", "rm", str(root / "plain"), check=False))
+
+
+@pytest.mark.unit
+def test_a_manifests_counts_and_blocks_are_bounded(tmp_path: Path) -> None:
+    """A manifest's numbers are anyone's to write: a date of 10**30 ns overflowed `ls`
+    (its whole listing), a size of 10**400 the readers' arithmetic, and one checksum
+    block of a TiB had `verify` hold the whole (sparse) file in memory.  Each is a
+    damaged checkpoint now; the others list and verify as before."""
+    for name in ("date", "size", "block", "good"):
+        ck.save({"x": torch.zeros(1000)}, str(tmp_path / name)).wait()
+    for name, change in (("date", lambda m, e: m.update(created_ns=10**30)),
+                         ("size", lambda m, e: e.update(size=10**400)),
+                         ("block", lambda m, e: e.update(sum_unit=1 << 40))):
+        mpath = tmp_path / name / catalog.MANIFEST
+        manifest = json.loads(mpath.read_text())
+        change(manifest, manifest["files"]["data.safetensors"])
+        mpath.write_text(json.dumps(manifest))
+        with pytest.raises(ck.CheckpointError, match="damaged"):
+            catalog.read_manifest(str(tmp_path / name))
+    assert [e.name for e in ck.list_checkpoints(str(tmp_path))] == ["good"]
+    assert sorted(os.path.basename(p) for p in catalog.damaged(str(tmp_path))) == \
+        ["block", "date", "size"]
+    assert ck.verify(str(tmp_path / "good")) == []
 
 
 @pytest.mark.unit

@@ -59,6 +59,7 @@ SMALL_MAX = 4096
 # The smallest checksum block a manifest may name: a page (every writer's is a stripe
 # unit, a multiple of one, or 1 MiB off mxfs), so damage is never reported byte by byte.
 MIN_SUM_UNIT = 4096
+MAX_SUM_UNIT = 1 << 30  # (a block is read whole to be checked: the largest stripe unit)
 DAMAGED = "the checkpoint is damaged; load an older one"
 
 
@@ -142,7 +143,9 @@ def is_plain_name(name: object) -> bool:
 
 
 def _count(v: object) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    """A count a manifest may hold: 0 to 2**63 - 1 (a larger one, anyone's to write,
+    overflowed `ls`'s date, a size's format and the readers' arithmetic)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
 
 
 def _shape_problem(m: dict[str, Any]) -> str | None:
@@ -162,9 +165,10 @@ def _shape_problem(m: dict[str, Any]) -> str | None:
                 or not isinstance(info.get("tensors"), dict):
             return f"the entry of {fname} is damaged"
         unit = info.get("sum_unit")
-        if not _count(unit) or unit < MIN_SUM_UNIT or unit % MIN_SUM_UNIT:
+        if not _count(unit) or unit < MIN_SUM_UNIT or unit % MIN_SUM_UNIT or \
+                unit > MAX_SUM_UNIT:
             return (f"{fname} has checksum blocks of {unit!r} bytes, not a multiple of "
-                    f"{MIN_SUM_UNIT}")
+                    f"{MIN_SUM_UNIT} up to {MAX_SUM_UNIT}")
         for tname, t in info["tensors"].items():
             if not _tensor_entry_ok(t):
                 return f"the entry of tensor {tname!r} in {fname} is damaged"
