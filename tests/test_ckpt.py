@@ -558,6 +558,24 @@ def test_a_manifests_counts_and_blocks_are_bounded(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
+def test_a_manifest_of_millions_of_objects_is_refused_unparsed_and_links_list_once(
+        tmp_path: Path) -> None:
+    """256 MiB of empty objects parse to 25 times that in memory, at each `ls`, once a
+    hard link: refused by their count before any parse.  A manifest linked into other
+    folders (an rsync --link-dest backup) lists in each."""
+    ck.save({"x": torch.zeros(10)}, str(tmp_path / "a")).wait()
+    (tmp_path / "b").mkdir()
+    os.link(tmp_path / "a" / catalog.MANIFEST, tmp_path / "b" / catalog.MANIFEST)
+    os.link(tmp_path / "a" / "data.safetensors", tmp_path / "b" / "data.safetensors")
+    assert [e.name for e in ck.list_checkpoints(str(tmp_path))] == ["a", "b"]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / catalog.MANIFEST).write_bytes(
+        b'{"x":[' + b"{}," * catalog.MANIFEST_VALUES + b"{}]}")
+    with pytest.raises(ck.CheckpointError, match="objects and lists"):
+        catalog.read_manifest(str(tmp_path / "c"))
+
+
+@pytest.mark.unit
 def test_a_manifest_over_its_cap_is_refused_unread(tmp_path: Path) -> None:
     """A reader holds at most MANIFEST_MAX bytes of a manifest (a planted one of a
     terabyte, sparse, would fill root's memory): over it, the checkpoint is damaged."""
