@@ -5,7 +5,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import stat
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -111,6 +115,23 @@ def test_scrub_names_the_damaged_sealed_files_and_members_online(mounted: Mounte
     mounted.umount()  # and offline, from a member path
     out = json.loads(mxfs("scrub", "--json", mounted.members[0], check=False).stdout)
     assert [d["path"] for d in out["damaged"]] == ["/ckpt/data.safetensors"]
+
+
+def test_a_file_removed_while_scrub_reads_it_is_no_damage(mounted: Mounted) -> None:
+    """A tenant removed her sealed file while a throttled scrub read it: its blocks
+    read as missing and scrub reported them DAMAGED (exit 1, the operator paged).
+    The file is judged again before its damage is told: removed, there is none."""
+    # (256 KiB in blocks of the stripe unit, 64 KiB: each block on a member of its own,
+    # each member's chunk file opened as its first block comes; a block a second)
+    ck.save({"w": torch.randn(64 << 10)}, str(mounted.path / "ckpt")).wait()
+    scrub = subprocess.Popen([sys.executable, "-m", "mxfs", "scrub", "--json", "--rate",
+                              "64KiB", str(mounted.path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # (its first block read)
+    shutil.rmtree(mounted.path / "ckpt")
+    out, err = scrub.communicate(timeout=120)
+    assert scrub.returncode == 0, (out, err)
+    assert json.loads(out)["damaged"] == []
 
 
 SEAL_AND_NAME = r"""

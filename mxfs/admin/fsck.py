@@ -137,7 +137,7 @@ def _chunk_findings(vol: Volume, repair: bool) -> list[Finding]:
                 os.truncate(path, want)
                 f.repaired = True
             out.append(f)
-    for s in list(sealed_files(store)):
+    for s in sealed_files(store):
         f_ = s.file
         lay = Layout(f_.stripe_unit, f_.stripe_width, f_.first_member, len(vol.pool.members))
         for m in lay.used_members():

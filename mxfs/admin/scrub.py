@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -59,11 +59,15 @@ class Sealed:
     sums: tuple[int, ...]
 
 
-def sealed_files(store: MetaStore, members: int) -> Iterator[Sealed]:
-    for s in survey.sealed_files(store):
-        f = s.file
-        yield Sealed(f.ino, f.size, Layout(f.stripe_unit, f.stripe_width, f.first_member,
-                                           members), s.sum_unit, unpack_sums(s.sums))
+def sealed(store: MetaStore, ino: int, members: int) -> Sealed | None:
+    """The sealed file `ino` as the rows hold it now (None: removed, or no longer
+    sealed)."""
+    s = survey.sealed_file(store, ino)
+    if s is None:
+        return None
+    f = s.file
+    return Sealed(f.ino, f.size, Layout(f.stripe_unit, f.stripe_width, f.first_member,
+                                        members), s.sum_unit, unpack_sums(s.sums))
 
 
 # Bytes of a checksum block read and hashed at a time.  A block is as large as its
@@ -165,12 +169,17 @@ class Throttle:
 def scrub(pool: Pool, store: MetaStore, rate: int = 0,
           progress: Callable[[int, int], None] = lambda done, total: None
           ) -> tuple[int, list[Bad], list[Unchecked]]:
-    """Check every sealed file: (files checked, damage found, files not checked)."""
-    files = list(sealed_files(store, len(pool.members)))
-    total = sum(f.size for f in files)
+    """Check every sealed file: (files checked, damage found, files not checked).  Each
+    file's sums read as it comes (all at once, several times the table in memory), and
+    its damage told only if the file is still the one checked once it was read: a
+    tenant who removed or replaced her file while it was read had scrub report it
+    damaged (exit 1, the operator paged)."""
+    inos = survey.sealed_inos(store)
+    total = sum(survey.sizes_of(store, inos).values())
     throttle, bad, unchecked, checked = Throttle(rate), [], [], 0
-    for f in files:
-        if not store.inode_exists(f.ino):
+    for ino in inos:
+        f = sealed(store, ino, len(pool.members))
+        if f is None:
             continue  # removed while we scrubbed
         problem = seal_problem(f)
         if problem is not None:
@@ -183,6 +192,8 @@ def scrub(pool: Pool, store: MetaStore, rate: int = 0,
                 raise  # (this node's own members: a real failure)
             unchecked.append(Unchecked(display_name(store, f.ino), e.strerror or str(e)))
             continue
+        if found and sealed(store, ino, len(pool.members)) != f:
+            continue  # (removed or sealed anew while it was read: nothing to tell)
         for begin, end, why in found:
             bad.append(Bad(display_name(store, f.ino), begin, end, f.layout.locate(begin)[0],
                            why))

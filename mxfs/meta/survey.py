@@ -78,14 +78,37 @@ def files_with_data(store: MetaStore) -> Iterator[FileRow]:
             yield f
 
 
+def sealed_inos(store: MetaStore) -> list[int]:
+    """The inode numbers of the sealed files, in order."""
+    return [r[0] for r in store.engine.scan("sealed", ("ino",), order="ino")]
+
+
+def sizes_of(store: MetaStore, inos: list[int], bite: int = 1000) -> dict[int, int]:
+    """The sizes of the inodes `inos` (those that exist), asked a bite at a time."""
+    out: dict[int, int] = {}
+    for start in range(0, len(inos), bite):
+        for ino, size in store.engine.get_many("inodes", "ino", inos[start:start + bite],
+                                               ("ino", "size")):
+            out[ino] = size
+    return out
+
+
+def sealed_file(store: MetaStore, ino: int) -> SealedRow | None:
+    """The sealed file `ino` with its sums, as the rows hold it now (None: not one)."""
+    seal = store.engine.get("sealed", {"ino": ino}, ("sum_unit", "sums"))
+    row = store.engine.get("inodes", {"ino": ino}, _FILE_COLUMNS) if seal else None
+    f = _file(row) if row is not None else None
+    return None if f is None or seal is None else SealedRow(f, seal[0], bytes(seal[1]))
+
+
 def sealed_files(store: MetaStore) -> Iterator[SealedRow]:
-    """Every sealed file with its sums, by inode number."""
-    for ino, sum_unit, sums in list(store.engine.scan("sealed", ("ino", "sum_unit", "sums"),
-                                                      order="ino")):
-        row = store.engine.get("inodes", {"ino": ino}, _FILE_COLUMNS)
-        f = _file(row) if row is not None else None
-        if f is not None:
-            yield SealedRow(f, sum_unit, bytes(sums))
+    """Every sealed file with its sums, by inode number: read one at a time (all of
+    them at once, a tenant's files of 96,000 sums each held several times the table in
+    memory), so the rows may change between two."""
+    for ino in sealed_inos(store):
+        s = sealed_file(store, ino)
+        if s is not None:
+            yield s
 
 
 def bytes_by_use(store: MetaStore) -> dict[str, int]:
