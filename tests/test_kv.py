@@ -111,13 +111,14 @@ def test_puts_sent_without_waiting_outlive_an_idle_connection(members: list[str]
 
 
 @pytest.mark.smoke
-def test_the_indexs_chunks_are_left_out_of_later_full_collections(mounted: Mounted
+def test_the_indexs_chunks_are_left_out_of_later_full_collections(members: list[str]
                                                                  ) -> None:
     """Python's full collection walked every chunk of the index on the daemon's one
     thread (200 ms a million), each time the objects grew by a quarter.  What lived
     through one is frozen: the chunks put are among the objects the next ones leave
     alone."""
-    with KVStore(str(mounted.path), "frozen") as kv, ControlClient(str(mounted.path)) as c:
+    with mount_with(members, "gc_freeze_s=1") as mounted, \
+            KVStore(str(mounted.path), "frozen") as kv, ControlClient(str(mounted.path)) as c:
         before = c.call("stat")["gc"]
         assert before["frozen"] > 0 and before["freezes"] >= 1  # (what the mount loaded)
         n = 20480

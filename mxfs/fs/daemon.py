@@ -29,7 +29,7 @@ from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.feed_follower import FeedFollower
 from mxfs.fs.fuse_conn import raise_background
-from mxfs.fs.gc_keeper import GC_KEEPER
+from mxfs.fs.gc_keeper import FREEZE_S, GC_KEEPER
 from mxfs.fs.held_open import HeldOpen
 from mxfs.fs.limits import Limits, raise_fd_limit
 from mxfs.fs.metrics import Gauges, Metrics, serve_prometheus
@@ -126,6 +126,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
         write_behind = int(own.get("write_behind", DEPTH))
         backup_s = int(own.get("meta_backup") or META_BACKUP_S)
         stray_s = int(own.get("stray_s") or STRAY_S)
+        GC_KEEPER.freeze_s = int(own.get("gc_freeze_s") or FREEZE_S)
         holds = (int(own.get("holds_full_s") or held_open.FULL_S),  # (a reading node's:
                  int(own.get("holds_at_once") or HOLDS_AT_ONCE))  # fs/held_open.py)
         reach = (int(own.get("connect_s") or CONNECT_S),  # (other nodes' chunk services:

@@ -20,6 +20,7 @@ NUMBERS: dict[str, tuple[int, int]] = {
     "chunk_port": (0, 65535), "stray_s": (600, 1 << 31),
     "holds_full_s": (1, 3600), "holds_at_once": (1, HOLDS_AT_ONCE),
     "connect_s": (1, 600), "unacked_s": (1, 600), "renew_s": (1, 3600),
+    "gc_freeze_s": (1, 86400),
     **{name: (1, 1 << 40) for name in Limits.options()},
 }
 FLAGS = ("nonempty", "noatime", "writeback_cache", "degraded", "log_json", "metrics_by_user")
