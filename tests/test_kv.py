@@ -117,6 +117,7 @@ def test_the_indexs_chunks_are_left_out_of_later_full_collections(members: list[
     thread (200 ms a million), each time the objects grew by a quarter.  What lived
     through one is frozen: the chunks put are among the objects the next ones leave
     alone."""
+    mkfs(members)
     with mount_with(members, "gc_freeze_s=1") as mounted, \
             KVStore(str(mounted.path), "frozen") as kv, ControlClient(str(mounted.path)) as c:
         before = c.call("stat")["gc"]
