@@ -45,6 +45,7 @@ log = logging.getLogger("mxfs.kv")
 K = TypeVar("K")
 _T = TypeVar("_T")
 
+PASS_FLOOR = 64  # pinned chunks one namespace's walk may pass, whatever its share
 VICTIMS = 8192  # chunks one eviction takes at most (a short pool evicts again; a list of
 #                a declared 256 MiB's worth of 4 KiB chunks held the thread 25-350 ms)
 # Access times one group commit writes back at most (~1 KiB keys: 256 KiB of rows, a
@@ -241,6 +242,7 @@ class KVIndex:
         self._clock = itertools.count(1)
         self._touched: dict[tuple[str, bytes], int] = {}
         self._pool_free = _Room(lambda guard: pool_totals(vol.pool.usage(guard))["free"])
+        self._first_walked = 0  # where the last eviction walk began (`fair_victims`)
         self._member_room: dict[int, _Room] = {}  # member: room above its floor
         self.load()
 
@@ -617,18 +619,25 @@ class KVIndex:
             weights = {s.name: s.used for s in spaces}
             weight_sum = sum(weights.values())
         victims: list[tuple[Namespace, bytes]] = []
-        passing = VICTIMS  # pinned chunks walked past, in all (one call's walk bounded:
-        #                    VICTIMS a namespace, 32 namespaces of pins took 30 ms)
-        for space in spaces:
-            if space.used <= space.pinned_bytes or passing <= 0:
+        # Pinned chunks walked past: VICTIMS in all a call (VICTIMS a namespace, 32
+        # namespaces of pins took 30 ms), a namespace's share of them at most (with
+        # PASS_FLOOR), from a namespace taken in turn: a first namespace of a quarter
+        # million pins spent it all, and every other was left untouched.
+        passing = VICTIMS
+        self._first_walked = (self._first_walked + 1) % len(spaces)
+        for space in spaces[self._first_walked:] + spaces[:self._first_walked]:
+            if space.used <= space.pinned_bytes:
                 continue  # (nothing it holds may go)
             quota = -(-need * weights[space.name] // weight_sum) if weight_sum else 0
             most = -(-VICTIMS * weights[space.name] // weight_sum) if weight_sum else 0
+            may_pass = min(passing, max(most, PASS_FLOOR))
             taken, n, passed = 0, 0, list[bytes]()
             for key, chunk in space.chunks.items():
-                if taken >= quota or n >= most or len(passed) >= passing:
+                if taken >= quota or n >= most:
                     break
                 if chunk.pins:
+                    if len(passed) >= may_pass:
+                        break
                     passed.append(key)  # (out of the way of the next walk)
                 else:
                     victims.append((space, key))
