@@ -201,9 +201,31 @@ def test_warm_reads_the_folders_regular_files_and_nothing_a_link_leads_out_to(
     os.mkfifo(folder / "fifo")
     (folder / "zero").symlink_to("/dev/zero")
     (folder / "kmsg").symlink_to("/proc/kmsg")
+    (folder / "gone").symlink_to(folder / "nowhere")  # (dangling: skipped, not fatal)
     res = mxfs("warm", "--json", str(folder), timeout=60)
     assert json.loads(res.stdout)["bytes"] == 5000 + 3000 + 3000
-    assert "skipped 3 paths" in res.stderr
+    assert "skipped 4 paths" in res.stderr
+
+
+def test_warm_judges_each_file_again_as_it_opens_it(tmp_path: Path) -> None:
+    """Swapped after the walk for a link out of the folder's file system (to
+    /proc/kmsg, which reads forever) or for a FIFO, a file was opened to read all the
+    same; now it is looked at without being opened, and skipped."""
+    from mxfs.cli.main import _open_regular, _regular_files
+
+    (tmp_path / "a").write_bytes(b"a")
+    (tmp_path / "b").write_bytes(b"b")
+    (tmp_path / "c").write_bytes(b"c")
+    files = _regular_files([str(tmp_path)])
+    assert [os.path.basename(f) for f, _ in files] == ["a", "b", "c"]
+    (tmp_path / "a").unlink()
+    (tmp_path / "a").symlink_to("/proc/self/status")
+    (tmp_path / "b").unlink()
+    os.mkfifo(tmp_path / "b")
+    opened = [_open_regular(f, dev) for f, dev in files]
+    assert opened[:2] == [None, None] and opened[2] is not None
+    assert os.read(opened[2], 10) == b"c"
+    os.close(opened[2])
 
 
 def test_a_mount_point_over_or_inside_the_pools_members_is_refused(tmp_path: Path) -> None:

@@ -465,11 +465,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---- models ------------------------------------------------------------------
 
 def _files_under(paths: list[str]) -> list[str]:
-    """The regular files `paths` name, folders walked (sorted); anything else one line:
-    a FIFO or a device read forever, or never answered, and a path on a dead mount or
-    one that cannot be read is said as such (walked past, "does not exist", or nothing
-    warmed and exit 0)."""
-    found: list[str] = []
+    """`_regular_files`' paths."""
+    return [path for path, _ in _regular_files(paths)]
+
+
+def _regular_files(paths: list[str]) -> list[tuple[str, int]]:
+    """The regular files `paths` name, folders walked (sorted), each with the file
+    system it must be on: a walked folder's own (a link out of it, to /proc/kmsg say,
+    which procfs calls a regular file and which reads forever, is skipped with FIFOs,
+    devices, dangling links and names gone meanwhile, and named as skipped).  A path
+    given that is none, on a dead mount, or that cannot be read: one line."""
+    found: list[tuple[str, int]] = []
     skipped: list[str] = []
 
     def fail(e: OSError) -> NoReturn:
@@ -482,13 +488,19 @@ def _files_under(paths: list[str]) -> list[str]:
         raise MxfsError(f"{where} cannot be read ({e.strerror})",
                         "check the path and its permissions") from None
 
+    def skip(e: OSError) -> None:  # (inside a walk: a tenant's, perhaps; the rest goes on)
+        if e.errno == errno.ENOTCONN:
+            fail(e)
+        skipped.append(e.filename or "?")
+
     def regular(path: str, dev: int) -> bool:
         try:
             st = os.stat(path)
         except OSError as e:
-            fail(e)
-        if stat.S_ISREG(st.st_mode) and st.st_dev == dev:  # (a link out of the folder's
-            return True  # file system: /proc/kmsg, say, which reads forever)
+            skip(e)
+            return False
+        if stat.S_ISREG(st.st_mode) and st.st_dev == dev:
+            return True
         skipped.append(path)
         return False
 
@@ -498,34 +510,42 @@ def _files_under(paths: list[str]) -> list[str]:
         except OSError as e:
             fail(e)
         if stat.S_ISDIR(st.st_mode):
-            for d, _, names in os.walk(p, onerror=fail):
-                found += sorted(f for f in (os.path.join(d, n) for n in names)
+            for d, _, names in os.walk(p, onerror=skip):
+                found += sorted((f, st.st_dev) for f in (os.path.join(d, n) for n in names)
                                 if regular(f, st.st_dev))
         elif stat.S_ISREG(st.st_mode):
-            found.append(p)
+            found.append((p, st.st_dev))
         else:
             raise MxfsError(f"{p} is not a regular file", "name files or folders of them")
     if skipped:
         print(f"mxfs: skipped {len(skipped)} paths that are not regular files of the "
-              f"folder's file system (such as "
+              f"folder's file system, or could not be read (such as "
               f"{shown(skipped[0])})", file=sys.stderr)
     return found
 
 
-def _open_regular(path: str) -> int | None:
-    """`path` opened to read if it is still a regular file (opened without blocking, so
-    a FIFO put in its place answers at once), else None; closed by `read_fd`."""
+def _open_regular(path: str, dev: int) -> int | None:
+    """`path` opened to read if it is still a regular file on the file system `dev`,
+    else None (closed by `read_fd`).  Looked at through an O_PATH descriptor first,
+    which opens nothing: a name swapped meanwhile for a link to /proc/kmsg or a device
+    is never opened to read (a device's open alone may act: a watchdog's arms it)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        where = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ENXIO):
-            return None  # (gone meanwhile, or a socket)
+        if e.errno in (errno.ENOENT, errno.ELOOP):
+            return None  # (gone meanwhile, or a link that leads nowhere)
         raise MxfsError(f"{path} cannot be read ({e.strerror})",
                         "check the path and its permissions") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    os.set_blocking(fd, True)
+    try:
+        st = os.fstat(where)
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != dev:
+            return None
+        fd = os.open(f"/proc/self/fd/{where}", os.O_RDONLY | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise MxfsError(f"{path} cannot be read ({e.strerror})",
+                        "check the path and its permissions") from None
+    finally:
+        os.close(where)
     return fd
 
 
@@ -535,11 +555,11 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
     from mxfs.cli.measure import read_fd
 
-    files = _files_under(args.path)
+    files = _regular_files(args.path)
     buf = bytearray(8 << 20)
     total, start = 0, time.perf_counter()
-    for f in files:
-        fd = _open_regular(f)  # (judged again as opened: it may be swapped meanwhile)
+    for f, dev in files:
+        fd = _open_regular(f, dev)  # (judged again as opened: it may be swapped meanwhile)
         if fd is not None:
             total += read_fd(fd, buf)[2]
     secs = time.perf_counter() - start
