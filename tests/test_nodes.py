@@ -1174,6 +1174,11 @@ def test_an_idle_connection_holding_pins_on_a_reading_node_is_kept(
         time.sleep(3)  # (idle past its timeout)
         assert on_a.usage()["pinned"] == 2
         assert on_a.set_capacity(1) == 1 and on_a.exists_many(keys) == [True, True, False]
+        made = on_b.client.connections
+        on_b.unpin(keys[:2])  # (holding nothing now: closed once idle, as any other)
+        time.sleep(3)
+        on_b.client.stat()  # (a request of the daemon's own: a new connection)
+        assert on_b.client.connections == made + 1
         on_b.close()
         assert eventually(lambda: on_a.usage()["pinned"] == 0, 10)
         on_a.close()

@@ -219,6 +219,8 @@ class ForwardedKV:
         self._waiters = trio.CapacityLimiter(WAITERS)
         self.waiting_by_uid: Counter[int] = Counter()
         self._holders: dict[int, bytes] = {}  # id(session): its name on the writer
+        # id(session): the (namespace, key)s it pinned there (an idle one is kept)
+        self._pinned: dict[int, set[tuple[object, bytes]]] = {}
         # Closed connections' holders whose claims and pins are ended on the writer,
         # by one thread, in turn (a thread each let a user who closed a hundred
         # connections at once start a hundred, each dialing the writer).
@@ -324,12 +326,20 @@ class ForwardedKV:
         ms = min(int_field(msg, "ms", int(CLAIM_S * 1000)), int(MAX_CLAIM_S * 1000))
         self.claims += 1
         said = await self._keys(b"KCLM", msg, session.caller, ms, self._holder(msg, session))
+        if ms > 0:  # (held there until then, at most: an idle connection is kept so long)
+            session.far_claims_until = max(session.far_claims_until,
+                                           trio.current_time() + ms / 1000)
         return {"state": [CLAIM_STATES[b] for b in said]}, []
 
     async def pin(self, msg: Msg, session: Session) -> Answer[KVPinReply]:
         self.pins += 1
         said = await self._keys(b"KPIN", msg, session.caller, 0, self._holder(msg, session),
                                 self.node())
+        pinned = self._pinned.setdefault(id(session), set())
+        before = len(pinned)
+        pinned.update((msg.get("namespace"), k) for k, b in zip(keys_field(msg), said,
+                                                                strict=True) if b)
+        session.far += len(pinned) - before
         return {"pinned": [bool(b) for b in said]}, []
 
     def _holder(self, msg: Msg, session: Session) -> bytes:
@@ -345,7 +355,6 @@ class ForwardedKV:
         if holder is None:
             self._given_up.reserve(session.tenant)
             holder = self._holders[id(session)] = os.urandom(16)
-            session.far += 1  # (what it names may be held until the connection closes)
         return holder
 
     async def unpin(self, msg: Msg, session: Session) -> Answer[Empty]:
@@ -353,6 +362,10 @@ class ForwardedKV:
         if holder is not None:  # (a connection that never pinned here holds nothing)
             self.pins += 1
             await self._keys(b"KUNP", msg, session.caller, 0, holder, self.node())
+            pinned = self._pinned.get(id(session), set())
+            before = len(pinned)
+            pinned.difference_update((msg.get("namespace"), k) for k in keys_field(msg))
+            session.far -= before - len(pinned)
         return {}, []
 
     async def wait(self, msg: Msg, session: Session) -> Answer[KVExistsReply]:
@@ -450,6 +463,7 @@ class ForwardedKV:
         pins on the writer end (told from a thread of its own)."""
         for handle in list(self._pending.get(id(session), {})):
             self._drop(session, handle)
+        session.far -= len(self._pinned.pop(id(session), ()))
         holder = self._holders.pop(id(session), None)
         if holder is None:
             return

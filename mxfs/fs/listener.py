@@ -252,7 +252,8 @@ class Listener:
         request returned until it is served.
         """
         lim = self.limits
-        holds = session.pending or session.pinned or session.far
+        holds = session.pending or session.pinned or session.far or \
+            session.far_claims_until > trio.current_time()
         try:
             if not inbox:
                 with trio.move_on_after(math.inf if holds else lim.idle_timeout) as idle:

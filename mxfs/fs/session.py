@@ -87,9 +87,11 @@ class Session:
     dropping: dict[int, Pending] = field(default_factory=dict)  # (being cut: `drop_pending`)
     pins: dict[tuple[str, bytes], Lease] = field(default_factory=dict)  # KV read leases
     pinned: int = 0  # their sum
-    # Claims, pins and put buffers it holds through a reading node (`fs/kv_forward.py`):
-    # its name on the writer, and each buffer, one each (an idle one is not closed).
+    # What it holds through a reading node (`fs/kv_forward.py`), so an idle one is not
+    # closed: put buffers and keys pinned on the writer, and when its last claim there
+    # runs out (trio's clock).
     far: int = 0
+    far_claims_until: float = 0.0
     conn: Any = None  # the socket (asked how much of what it sent is unread)
     sent_fds: int = 0  # descriptors sent in replies the peer may not have read yet
     quotas: Quotas | None = None  # charged each unpublished file's declared size
