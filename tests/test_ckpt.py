@@ -552,7 +552,7 @@ def test_a_manifests_counts_and_blocks_are_bounded(tmp_path: Path) -> None:
         with pytest.raises(ck.CheckpointError, match="damaged"):
             catalog.read_manifest(str(tmp_path / name))
     assert [e.name for e in ck.list_checkpoints(str(tmp_path))] == ["good"]
-    assert sorted(os.path.basename(p) for p in catalog.damaged(str(tmp_path))) == \
+    assert sorted(os.path.basename(p) for p in catalog.listing(str(tmp_path))[1]) == \
         ["block", "date", "size"]
     assert ck.verify(str(tmp_path / "good")) == []
 

@@ -119,8 +119,9 @@ def read_manifest(path: str, dir_fd: int | None = None) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not an mxfs checkpoint (it has no {MANIFEST})",
                               "give the folder of a checkpoint that mxfs.ckpt.save wrote"
                               ) from None
-    except OSError as e:
-        raise CheckpointError(f"{mpath} {e.strerror}", DAMAGED) from None
+    except OSError as e:  # (a link, a FIFO, unreadable, a disk's error: not damage
+        raise CheckpointError(f"{mpath} cannot be read ({e.strerror})",  # `rm` takes)
+                              "it must be a regular file its reader may read") from None
     if raw.count(b"{") + raw.count(b"[") > MANIFEST_VALUES:  # (counted, not parsed)
         raise CheckpointError(f"{mpath} holds over {MANIFEST_VALUES} objects and lists",
                               DAMAGED)
@@ -345,13 +346,14 @@ def _read_once(path: str, fd: int,
     return got
 
 
-def damaged(root: str) -> list[str]:
-    """The checkpoints of `root` whose manifest is there but cannot be trusted (left
-    out of `list_checkpoints`, so of every prune: `remove` takes them)."""
-    out: list[str] = []
+def listing(root: str) -> tuple[list[Entry], list[str]]:
+    """`list_checkpoints` of `root`, and the paths of its checkpoints whose manifest
+    was read but cannot be trusted (left out of the list, so of every prune: `remove`
+    takes them), in one pass."""
+    damaged: list[str] = []
     with _root_fd(root) as fd:
-        _list_at(fd, root, out)
-    return [os.path.join(root, n) for n in out]
+        entries = _list_at(fd, root, damaged)
+    return entries, [os.path.join(root, n) for n in damaged]
 
 
 def _list_at(root_fd: int, root: str, damaged: list[str] | None = None) -> list[Entry]:

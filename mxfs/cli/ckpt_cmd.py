@@ -27,9 +27,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from mxfs.ckpt import catalog
 
     root = _root(args.folder)
-    entries = catalog.list_checkpoints(root)
+    entries, damaged = catalog.listing(root)
     partial = catalog.partials(root)
-    damaged = catalog.damaged(root)
     if args.json:
         print(json.dumps({"checkpoints": [e.as_dict() for e in entries],
                           "incomplete": partial, "damaged": damaged}, indent=2))
