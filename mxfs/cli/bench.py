@@ -343,24 +343,25 @@ def read_results(folder: str, named: str = "") -> dict[str, Any]:
     user gave it, for messages), checked to be one: a positive figure under "median"
     for every step the ratios divide (a file of another tool would fail far from here,
     with KeyError, TypeError or a division by zero)."""
-    named = named or folder
     path = os.path.join(folder, "results.json")
+    where = f"{named}: {path}" if named else path  # (--baseline's, say)
     fix = "give a folder written by mxfs bench run --out"
     try:
         with open(path) as f:
             doc = json.load(f)
     except OSError as e:
-        raise MxfsError(f"{named} holds no readable results.json ({e.strerror})", fix) from None
+        raise MxfsError(f"{named or folder} holds no readable results.json ({e.strerror})",
+                        fix) from None
     except ValueError as e:
-        raise MxfsError(f"{path} is not JSON ({e})", fix) from None
+        raise MxfsError(f"{where} is not JSON ({e})", fix) from None
     med = doc.get("median") if isinstance(doc, dict) else None
     need = {k for _, a, b in RATIOS for k in (a, b)} - {"best_member_read"}
     if not isinstance(med, dict) or not need <= med.keys() or not any(
             k.startswith("member") and k.endswith("_read") for k in med) or not all(
             isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
             and v > 0 for v in med.values()):
-        raise MxfsError(f"{path} is not a bench results file (no positive figure for each "
-                        "step under \"median\")", fix)
+        raise MxfsError(f"{where} is not a bench results file (no positive figure for "
+                        "each step under \"median\")", fix)
     return doc
 
 

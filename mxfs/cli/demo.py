@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxfs.cli.measure import drop_caches, read_file, write_file
-from mxfs.cli.scratch import safe_parent, scratch_dir
+from mxfs.cli.scratch import parent_for, scratch_dir
 from mxfs.errors import MxfsError
 from mxfs.proc import python_module
 from mxfs.units import format_size
@@ -122,8 +122,12 @@ def save_results(args: argparse.Namespace, **results: Any) -> None:
 
 
 def run_demo(size: int, scratch: str | None, keep: bool, as_json: bool) -> int:
+    with parent_for(scratch or "/var/tmp") as where:
+        return _run_demo(size, where, keep, as_json)
+
+
+def _run_demo(size: int, where: str, keep: bool, as_json: bool) -> int:
     size = max(size - size % (FILES * 4096), FILES * 4096)
-    where = safe_parent(scratch or "/var/tmp")
     free = shutil.disk_usage(where).free
     if free < 2 * size + (1 << 30):
         raise MxfsError(f"{where} has {format_size(free)} free; the demo needs "

@@ -4,10 +4,13 @@ sees it."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from mxfs.cli.ckpt_cmd import json_everywhere
+from mxfs.cli.quota_cmd import numeric_id
 from mxfs.errors import MxfsError
 from mxfs.proto.messages import (
     KV_NS_CREATE,
@@ -21,6 +24,7 @@ from mxfs.text import shown, shown_key
 from mxfs.units import format_size, parse_size
 
 if TYPE_CHECKING:
+    from mxfs.client.control import ControlError
     from mxfs.kv import KVStore
 
 
@@ -134,8 +138,9 @@ def _id_of(text: str | None, kind: str) -> int | None:
 
     if text is None:
         return None
-    if text.isascii() and text.isdecimal():
-        return int(text)
+    n = numeric_id(text, "uid" if kind == "user" else "gid")
+    if n is not None:
+        return n
     try:
         return pwd.getpwnam(text).pw_uid if kind == "user" else grp.getgrnam(text).gr_gid
     except KeyError:
@@ -151,6 +156,14 @@ def _mode(text: str) -> int:
     if not 0 <= mode <= 0o777:
         raise MxfsError(f"mode {text!r} is not octal permission bits", "write it like 0750")
     return mode
+
+
+def _refused(e: ControlError, mount: str, fixes: dict[int, str | None]) -> MxfsError:
+    """The daemon's refusal as one line: its own words, which name the namespace and the
+    problem, and the fix for that problem (`fixes`, by errno); a namespace that is not
+    there, or that the caller may not see, is looked up in the list."""
+    fix = fixes.get(e.errno or 0, f"list namespaces with: mxfs kv stats {mount}")
+    return MxfsError(e.strerror or str(e), fix)
 
 
 def _shown_ns(s: Any) -> str:
@@ -175,9 +188,15 @@ def cmd_create(args: argparse.Namespace) -> int:
         try:
             s = c.request(KV_NS_CREATE(fields))
         except ControlError as e:
-            raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
-                            "root may take a name over with --force" if e.errno == 17 else
-                            "run as root to make one for another user") from None
+            root = os.geteuid() == 0
+            raise _refused(e, args.mount, {
+                errno.EINVAL: "pick another name",
+                errno.EEXIST: "pick another name" + (", or take it over with --force (its "
+                                                     "chunks are dropped)" if root else ""),
+                errno.EPERM: "run it as root, or make one for yourself (no --owner or "
+                             "--force, a --group you are in)",
+                errno.EACCES: None, errno.EDQUOT: None,  # (their words say what to do)
+            }) from None
     print(json.dumps(s) if args.json else f"made {_shown_ns(s)}")
     return 0
 
@@ -200,9 +219,10 @@ def cmd_set(args: argparse.Namespace) -> int:
         try:
             s = c.request(KV_NS_SET(fields))
         except ControlError as e:
-            raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
-                            "its owner (to a group of her own) or root may change it"
-                            ) from None
+            raise _refused(e, args.mount, {
+                errno.EPERM: "run it as the namespace's owner (giving it a group of hers) "
+                             "or as root",
+                errno.EINVAL: "see mxfs kv set --help"}) from None
     print(json.dumps(s) if args.json else f"set {_shown_ns(s)}")
     return 0
 
@@ -214,8 +234,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
         try:
             n = c.request(KV_NS_REMOVE({"namespace": args.namespace}))["deleted"]
         except ControlError as e:
-            raise MxfsError(f"namespace {args.namespace!r}: {e.strerror}",
-                            "list namespaces with: mxfs kv stats MOUNT") from None
+            raise _refused(e, args.mount, {
+                errno.EPERM: "run it as the namespace's owner or as root"}) from None
     print(json.dumps({"deleted": n}) if args.json else
           f"removed KV namespace {args.namespace} and its {n} chunks")
     return 0

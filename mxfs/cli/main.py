@@ -26,7 +26,7 @@ from mxfs.errors import MxfsError, UsageError
 from mxfs.pool.pool import pool_totals
 from mxfs.proto.constants import LAYOUT_XATTR
 from mxfs.text import shown
-from mxfs.units import format_size, parse_size
+from mxfs.units import count_arg, finite_arg, format_size, parse_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -631,7 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="members, capacity, usage and daemon of pools")
     s.add_argument("target", nargs="?", help="a mount point or pool (default: every mount)")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--timeout", type=float, default=STATUS_WAIT_S, metavar="SECONDS",
+    s.add_argument("--timeout", type=finite_arg(3600), default=STATUS_WAIT_S,
+                   metavar="SECONDS",
                    help="how long to wait for each daemon's answer (default %(default)s)")
     s.set_defaults(func=cmd_status)
 
@@ -665,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("load-bench", help="time mxfs.load against safetensors on real files")
     s.add_argument("path", nargs="+", help="safetensors files or folders of them")
     s.add_argument("--device", default="cpu")
-    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--repeat", type=count_arg(1, 1000), default=3)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_load_bench)
 
@@ -711,6 +712,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mxfs: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # (its reader stopped reading: `mxfs kv ls | head`)
+        with contextlib.suppress(OSError):  # (no flush of what is left at exit either)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:
         if debug:
             raise

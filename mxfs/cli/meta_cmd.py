@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import json
 import os
 from typing import TYPE_CHECKING
@@ -17,15 +18,20 @@ if TYPE_CHECKING:
     from mxfs.pool import Pool
 
 
-def _pool_of(target: str) -> Pool:
-    """The pool a mount point or member path names."""
+def _pool_of(target: str, what: str) -> Pool:
+    """The pool a mount point or member path names, for `what` ("mxfs meta ls"): root's
+    alone, as its metadata store is (the daemon would refuse another user's sync with
+    words about syncing, which the user never asked for)."""
     from mxfs.client.control import ControlClient, mount_root
     from mxfs.pool import Pool
 
+    if os.geteuid() != 0:
+        raise MxfsError(f"{what} reads the pool's metadata store, which only root may read",
+                        "run it as root")
     root = mount_root(target) if os.path.isdir(target) else None
     if root is not None:
         with ControlClient(root, timeout=600) as c:
-            target = member_spec(c.stat(), "mxfs meta dump")
+            target = member_spec(c.stat(), what)
             # What the daemon holds in memory (sizes of files being written, the open
             # group of changes) goes into the store first: the dump is what users saw.
             c.request(META_SYNC())
@@ -48,7 +54,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     from mxfs.meta import backup
 
-    pool = _pool_of(args.pool)
+    pool = _pool_of(args.pool, "mxfs meta ls")
     found = [(c, backup.problem(c.path, pool.uuid))
              for d in pool.backup_dirs() for c in backup.copies(d)]
     found.sort(key=lambda x: -x[0].taken_ns)
@@ -68,7 +74,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     from mxfs.meta import MetaStore, Unusable
     from mxfs.meta.dump import dump
 
-    pool = _pool_of(args.pool)
+    _check_dump_path(args.file)
+    pool = _pool_of(args.pool, "mxfs meta dump")
     try:
         store = MetaStore.open(pool.meta_location, readonly=True)
     except Unusable as e:
@@ -77,11 +84,40 @@ def cmd_dump(args: argparse.Namespace) -> int:
         rows = dump(store, args.file)
     except ValueError as e:
         raise MxfsError(str(e), "name the dump FILE.sql, FILE.json, or either with .zst") from None
+    except OSError as e:
+        if e.filename != args.file:
+            raise  # (the store's, not the dump file's)
+        raise _unwritable(args.file, e) from None
     finally:
         store.close()
     print(json.dumps({"file": args.file, "rows": rows}) if args.json
           else f"dumped {rows} rows to {args.file}")
     return 0
+
+
+def _check_dump_path(path: str) -> None:
+    """Refuse a dump file that cannot be written before the daemon is asked to sync and
+    the store is read: its folder missing, or the name a folder."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise _unwritable(path, OSError(errno.ENOENT, os.strerror(errno.ENOENT)))
+    if os.path.isdir(path):
+        raise _unwritable(path, OSError(errno.EISDIR, os.strerror(errno.EISDIR)))
+
+
+def _unwritable(path: str, e: OSError) -> MxfsError:
+    """Why the dump file `path` cannot be written, and the fix for that cause."""
+    fixes = {errno.ENOENT: f"make {os.path.dirname(path) or '.'} first, or name a file in "
+                           "a folder that exists",
+             errno.EISDIR: "name a file, like DIR/meta.json.zst",
+             errno.ENOSPC: "free space there, or dump elsewhere (.json.zst is smallest)",
+             errno.EDQUOT: "free space there, or dump elsewhere (.json.zst is smallest)",
+             errno.EFBIG: "dump elsewhere, or compressed (.json.zst)",
+             errno.EACCES: "name a file in a folder you may write",
+             errno.EPERM: "name a file in a folder you may write",
+             errno.EROFS: "name a file on a file system mounted read-write"}
+    return MxfsError(f"the dump {path} cannot be written ({e.strerror or e})",
+                     fixes.get(e.errno or 0, "name another file"))
 
 
 def cmd_restore(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from mxfs.errors import MxfsError, UsageError
 from mxfs.proto.messages import QUOTA, QuotaReport, QuotaRequest
-from mxfs.units import MAX_SIZE, format_size, parse_size
+from mxfs.units import MAX_SIZE, format_size, size_arg
 
 # The largest uid or gid: 2^32 - 1 is (uid_t)-1, "no id" to chown and setuid.
 ID_MAX = 2**32 - 2
@@ -25,7 +25,7 @@ def numeric_id(text: str, kind: str) -> int | None:
     if not (text.isascii() and text.isdecimal()):
         return None
     if len(text.lstrip("0")) > len(str(ID_MAX)) or int(text) > ID_MAX:
-        raise UsageError(f"{kind} {text[:24]}{'...' if len(text) > 24 else ''} is not one",
+        raise UsageError(f"{kind} {text[:24]}{'...' if len(text) > 24 else ''} is out of range",
                          f"give a {kind} from 0 to {ID_MAX}, or a name")
     return int(text)
 
@@ -41,16 +41,14 @@ def _uid(user: str) -> int:
 
 
 def _count(text: str) -> int:
-    try:
-        n = int(text) if len(text) <= 20 else MAX_SIZE + 1
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise UsageError(f"bad inode count {text!r}", "give a whole number (0 lifts the limit)")
-    if n > MAX_SIZE:
-        raise UsageError(f"inode count {text[:24]}{'...' if len(text) > 24 else ''} is too "
-                         "big", f"give at most {MAX_SIZE} (0 lifts the limit)")
-    return n
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdecimal()):
+        raise UsageError(f"bad inode count {text[:24]!r}",
+                         "give a whole number (0 lifts the limit)")
+    if len(digits.lstrip("0")) > len(str(MAX_SIZE)) or int(digits) > MAX_SIZE:
+        raise UsageError(f"inode count {digits[:24]}{'...' if len(digits) > 24 else ''} is "
+                         "too big", f"give at most {MAX_SIZE} (0 lifts the limit)")
+    return int(digits)
 
 
 def quota_lines(report: QuotaReport, indent: str = "") -> list[str]:
@@ -95,7 +93,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
                              "name whose quota it is")
         fields.update({"set": True, "default": bool(args.default), "clear": bool(args.clear)})
         if args.bytes is not None:
-            fields["bytes"] = parse_size(args.bytes)
+            fields["bytes"] = args.bytes
         if args.inodes is not None:
             fields["inodes"] = _count(args.inodes)
     elif args.default:
@@ -117,7 +115,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     who.add_argument("--user", help="user name or uid (root: show or set this user's)")
     who.add_argument("--default", action="store_true",
                      help="set the limits of every user without limits of their own")
-    s.add_argument("--bytes", help="most bytes of file sizes, KV chunks included "
+    s.add_argument("--bytes", type=size_arg(), help="most bytes of file sizes, KV chunks included "
                    "(like 500GiB; 0 lifts the limit)")
     s.add_argument("--inodes", help="most files, folders and KV chunks (0 lifts the limit)")
     s.add_argument("--clear", action="store_true", help="remove the user's own limits")

@@ -9,9 +9,11 @@ in a `--dir` that no other user can change on the way down from `/`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 
 from mxfs.errors import MxfsError
 
@@ -38,3 +40,21 @@ def safe_parent(where: str) -> str:
 def scratch_dir(prefix: str, where: str = "/var/tmp") -> str:
     """A fresh private folder (mkdtemp) in `where`, checked by `safe_parent`."""
     return tempfile.mkdtemp(prefix=prefix, dir=safe_parent(where))
+
+
+@contextlib.contextmanager
+def parent_for(where: str) -> Iterator[str]:
+    """`safe_parent(where)` for a run that cleans up after itself: the folders it had to
+    make for a `--dir` that did not exist are removed again afterwards, the deepest first,
+    each only if empty (a run that keeps its scratch keeps them; nothing else there is
+    touched), so a mistyped --dir is not left behind."""
+    made, path = [], os.path.abspath(where)
+    while not os.path.lexists(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    try:
+        yield safe_parent(where)
+    finally:
+        for folder in made:  # (deepest first)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)

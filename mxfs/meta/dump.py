@@ -11,11 +11,12 @@ over it when whole.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import time
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, Protocol, cast
 
 import zstandard
 
@@ -42,17 +43,26 @@ def _kind(out: str) -> str:
 
 
 def dump(store: MetaStore, out: str) -> int:
-    """Write the store as JSON or SQL (by `out`'s name); the rows written."""
+    """Write the store as JSON or SQL (by `out`'s name); the rows written.  An OSError of
+    the file's own (its folder missing, no space, not allowed) names `out`, the path the
+    caller gave, never the temporary file it is written as."""
     kind = _kind(out)
     engine = store.engine
     if kind == "sql" and not isinstance(engine, SqliteEngine):
         raise ValueError(f"{out}: .sql dumps are SQLite's; name it .json or .json.zst")
     tmp = os.path.join(os.path.dirname(out) or ".", f".{os.path.basename(out)}.{os.getpid()}")
     try:
-        with os.fdopen(create_private(tmp), "wb") as raw:
-            stream: IO[bytes] = raw
+        fd = create_private(tmp)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, out) from None
+    raw = os.fdopen(fd, "wb")
+    try:
+        try:
+            sink = _Sink(raw, out)
+            stream: _Writer = sink
             if out.endswith(".zst"):
-                stream = zstandard.ZstdCompressor(level=6).stream_writer(raw)
+                stream = zstandard.ZstdCompressor(level=6).stream_writer(  # (it calls
+                    cast(IO[bytes], sink), closefd=False)  # write and flush alone)
             if kind == "json":
                 rows = _write_json(engine, stream)
             else:
@@ -62,7 +72,14 @@ def dump(store: MetaStore, out: str) -> int:
                     stream.write((line + "\n").encode())
                     rows += line.startswith("INSERT")
             stream.close()
-        os.rename(tmp, out)
+            sink.finish()
+        finally:  # (after a failed write the buffer's flush at close fails again, unnamed;
+            with contextlib.suppress(OSError):  # after finish there is nothing to flush)
+                raw.close()
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, out) from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -70,7 +87,46 @@ def dump(store: MetaStore, out: str) -> int:
     return rows
 
 
-def _write_json(engine: Engine, stream: IO[bytes]) -> int:
+class _Sink:
+    """The dump's temporary file, as its writers see it: a failure to write it (a full
+    disk, often only at the last flush) is reported as the dump's, by the name `out`."""
+
+    def __init__(self, raw: IO[bytes], out: str) -> None:
+        self.raw, self.out = raw, out
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.raw.write(data)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.out) from None
+
+    def flush(self) -> None:
+        try:
+            self.raw.flush()
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.out) from None
+
+    def close(self) -> None:
+        self.flush()  # (the file itself is closed by its owner)
+
+    def finish(self) -> None:
+        """Every byte on disk (fsync) before the rename: the name shows a whole dump."""
+        self.flush()
+        try:
+            os.fsync(self.raw.fileno())
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.out) from None
+
+
+class _Writer(Protocol):
+    """Where a dump's bytes go: its file, or a compressor writing to it."""
+
+    def write(self, data: bytes, /) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def _write_json(engine: Engine, stream: _Writer) -> int:
     tables, rows = {}, 0
     for t in TABLES.values():
         if t.transient:
