@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import mmap
@@ -625,9 +626,21 @@ def test_kv_cli_stats_ls_evict_verify(mounted: Mounted) -> None:
     assert [c["key"] for c in listed["chunks"]] == [f"k{i}" for i in range(5)]
     assert json.loads(mxfs("kv", "verify", "--json", str(mounted.path), "cli").stdout
                       )["damaged"] == []
+    with ControlClient(str(mounted.path)) as c:  # (a byte of k2's chunk file flipped)
+        info = c.call("kv_get", namespace="cli", keys=[base64.b64encode(b"k2").decode()],
+                      sizes=[300_000])
+    ino = info["chunks"][0]["chunk"]
+    chunk = next(p for p in chunk_files(mounted.members) if p.endswith(f"/{ino}"))
+    with open(chunk, "r+b") as f:
+        f.seek(1000)
+        f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    drop_caches()
+    res = mxfs("kv", "verify", "--json", str(mounted.path), "cli", check=False)
+    assert res.returncode == 1
+    assert json.loads(res.stdout) == {"checked": 5, "gone": 0, "damaged": ["k2"]}
     out = json.loads(mxfs("kv", "evict", "--json", str(mounted.path), "cli", "--keep",
                           "600000").stdout)
-    assert out["evicted"] == 3
+    assert out["evicted"] == 2  # (of the four left: k2 was dropped)
     assert "2 chunks" in mxfs("kv", "stats", str(mounted.path)).stdout
     line = one_line_error(mxfs("kv", "ls", str(mounted.path), "nosuch", check=False))
     assert "nosuch" in line
