@@ -141,6 +141,9 @@ def _restore_held(pool: Pool, file: str, spec: str) -> str:
     from mxfs.meta.dump import restore
     from mxfs.vol.volume import Volume
 
+    if os.path.isdir(file):
+        raise MxfsError(f"{file} is a folder, not a dump (is it a member? the order is "
+                        "mxfs meta restore FILE POOL)", "give a dump made by mxfs meta dump")
     if not os.path.isfile(file):
         raise MxfsError(f"{file} does not exist", "give a dump made by mxfs meta dump")
     try:
