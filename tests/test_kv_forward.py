@@ -151,3 +151,19 @@ def test_a_chunk_put_on_a_node_is_judged_by_its_callers_checksums() -> None:
                                       "ino": made["ino"], "size": 5000, "sum_unit": unit,
                                       "sums": sums}, alice)
         assert e.value.errno == code, data[:1]
+
+
+def test_an_owner_looked_up_while_the_metadata_server_is_away_is_eio() -> None:
+    """A reading node whose connection to the writer was gone looked the writer up again
+    in the store; with the server away that raised the store's Unusable, not an
+    OSError: a read met it as a bug, and the task telling the writer the node's open
+    files ended the daemon with it.  It is EIO naming the lookup."""
+    from mxfs.meta.engine import Unusable
+    from mxfs.pool.remote import RemoteMembers
+
+    def away() -> None:
+        raise Unusable("the metadata server postgresql:///x cannot be reached")
+    writer = RemoteMembers(b"k" * 32, "pool", away)  # type: ignore[arg-type]
+    with pytest.raises(OSError) as e:
+        writer.kv_keys(b"KCLM", (1, 1, []), "n", 0, [], 0, b"h" * 16)
+    assert e.value.errno == errno.EIO and "cannot be looked up" in str(e.value)

@@ -313,7 +313,11 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
                 views.live = lambda: feed.kernel.feed_live
             daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed, gauges,
                             stray_s, limits.fuse_tasks)
-            trio.run(daemon.serve, lambda: ready(None, notes))
+            try:
+                trio.run(daemon.serve, lambda: ready(None, notes))
+            except Exception:  # (a bug: its whole story in the log, not one line)
+                log.exception("the daemon stopped on an error")
+                raise
             clean = True
         finally:
             pyfuse3.close(unmount=True)

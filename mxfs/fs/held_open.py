@@ -112,6 +112,9 @@ class HeldOpen:
             except OSError as e:
                 if e.errno not in UNREACHED:
                     log.warning("the writer refused this node's open files: %s", e)
+            except Exception:  # (a bug: logged, the next round tries again; raised, it
+                #                 ended the daemon, the mount with it)
+                log.exception("telling the writer this node's open files failed")
 
     async def tell(self) -> None:
         """Tell the writer what changed since the last word, if anything did."""

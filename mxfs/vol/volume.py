@@ -983,7 +983,10 @@ def owner_views(pool: Pool, key: bytes, names: list[str | None]
         def refresh() -> Owner | None:
             with lock:
                 if not lookups:
-                    lookups.append(MetaStore.open(where, readonly=True))
+                    try:
+                        lookups.append(MetaStore.open(where, readonly=True))
+                    except Unusable as e:  # (the server away: this read's EIO, not a bug)
+                        raise OSError(errno.EIO, str(e)) from None
                 try:
                     return owner_of(lookups[0], name)
                 except OSError:
