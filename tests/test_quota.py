@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from conftest import Mounted, eventually, mxfs, one_line_error
 from users import User, ensure_users, run_as, subordinate_uids
@@ -220,27 +221,33 @@ print(1)
     quota(pool, "--user", alice.name, "--clear")
 
 
+def _xattrs_until_refused(user: Any, folder: Path, each: int, size: int) -> tuple[int, int]:
+    """As `user`: 64 files made in `folder`, `each` xattrs of `size` bytes set on each
+    (named user.000, user.001, ...), until one is refused; (how many were set, the errno)."""
+    script = f"""
+set_ = 0
+for i in range(64):
+    f = {str(folder)!r} + f"/x{{i}}"
+    open(f, "wb").close()
+    try:
+        for j in range({each}):
+            os.setxattr(f, b"user.%03d" % j, b"v" * {size})
+            set_ += 1
+    except OSError as e:
+        print(json.dumps([set_, e.errno]))
+        break
+"""
+    made, code = run_as(user, script)
+    return made, code
+
+
 def test_extended_attributes_count_against_the_owners_byte_quota(pool: Mounted) -> None:
     """xattrs live in the metadata store: a tenant setting 64 KiB values on file after
     file is stopped by its byte quota (EDQUOT), not only by the per-inode bound, and
     what it set is shown as its own."""
     alice = ensure_users()["alice"]
     d = empty_home_with_quota(pool, alice, "--bytes", "1MiB")
-    script = f"""
-d = {str(d)!r}
-set_ = 0
-for i in range(64):
-    f = d + f"/x{{i}}"
-    open(f, "wb").close()
-    try:
-        for j in range(3):
-            os.setxattr(f, f"user.v{{j}}".encode(), b"v" * 65536)
-            set_ += 1
-    except OSError as e:
-        print(json.dumps([set_, e.errno]))
-        break
-"""
-    made, code = run_as(alice, script)
+    made, code = _xattrs_until_refused(alice, d, 3, 65536)
     assert code == errno.EDQUOT and 12 <= made <= 16  # 1 MiB of 64 KiB values
     line = line_of(quota(pool, "--user", alice.name), alice.uid)
     assert line["xattr_bytes"] >= made * 65536 and line["bytes"] <= 1 << 20
@@ -258,21 +265,7 @@ def test_tiny_extended_attributes_are_charged_their_rows(pool: Mounted) -> None:
 
     alice = ensure_users()["alice"]
     d = empty_home_with_quota(pool, alice, "--bytes", "256KiB")
-    script = f"""
-d = {str(d)!r}
-set_ = 0
-for i in range(64):
-    f = d + f"/x{{i}}"
-    open(f, "wb").close()
-    try:
-        for j in range(256):
-            os.setxattr(f, b"user.%03d" % j, b"")
-            set_ += 1
-    except OSError as e:
-        print(json.dumps([set_, e.errno]))
-        break
-"""
-    made, code = run_as(alice, script)
+    made, code = _xattrs_until_refused(alice, d, 256, 0)
     each = NAME_ROW + len(b"user.000")
     assert code == errno.EDQUOT and made <= (256 << 10) // each, made
     line = line_of(quota(pool, "--user", alice.name), alice.uid)
