@@ -167,3 +167,26 @@ def test_an_owner_looked_up_while_the_metadata_server_is_away_is_eio() -> None:
     with pytest.raises(OSError) as e:
         writer.kv_keys(b"KCLM", (1, 1, []), "n", 0, [], 0, b"h" * 16)
     assert e.value.errno == errno.EIO and "cannot be looked up" in str(e.value)
+
+
+def test_a_give_up_that_meets_anything_but_an_oserror_is_tried_again() -> None:
+    """The writer's lookup in the store met a Conflict (a DBA's lock held past the
+    store's wait), not an OSError: the one thread that gives up closed connections'
+    claims and pins ended, and every give-up after it stayed queued for good (new
+    holders refused once a user's were counted).  It is tried again as a failure."""
+    from mxfs.meta.engine import Conflict
+    from mxfs.pool.remote import RemoteMembers
+
+    asked: list[int] = []
+
+    def locked() -> None:
+        asked.append(1)
+        raise Conflict("canceling statement due to lock timeout")
+    writer = RemoteMembers(b"k" * 32, "pool", locked)  # type: ignore[arg-type]
+    forward = ForwardedKV(writer, Limits(), lambda: ("b", 1), lambda ns, key: None)
+    alice = _session(1000)
+    _kv_claim(forward, alice)
+    forward.release(alice)
+    assert eventually(lambda: len(asked) >= 2, 10)  # (the claim's, then the give-up's)
+    assert forward._giver is not None and forward._giver.is_alive()
+    assert forward._given_up.count_of(1000) == 1  # (queued again, to be tried later)

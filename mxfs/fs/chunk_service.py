@@ -385,6 +385,9 @@ class ChunkService:
             pass  # the peer went away
         except WireError as e:  # a request past the protocol's limits: this peer goes
             self._failures.note("chunk request", None, e, trace=False)
+        except Exception as e:  # (anything else, a store's Conflict under a DBA's lock
+            #                      say: this connection ends, logged, never the daemon)
+            self._failures.note("chunk connection", None, e)
         finally:
             self.connections -= 1
             self.by_host[host] -= 1

@@ -107,10 +107,12 @@ class FeedFollower:
                     self._stop.wait(POLL_S)
                 else:
                     listener.wait(POLL_S)
-            except (OSError, Unusable) as e:
+            except Exception as e:  # (OSError, Unusable; a Conflict of a DBA's lock, or
+                #                        a bug: ended, the thread left the feed "live")
                 if self.kernel.feed_live or not self.error:
                     log.warning("the change feed cannot be read (%s): the kernel asks "
-                                "again every %g s until it can", e, FOLLOW_TIMEOUT)
+                                "again every %g s until it can", e, FOLLOW_TIMEOUT,
+                                exc_info=not isinstance(e, OSError | Unusable))
                 self.kernel.feed_live = False
                 self.error = str(e)
                 if self.on_kv is not None:  # (what the feed misses, tables would miss)

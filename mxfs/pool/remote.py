@@ -38,7 +38,6 @@ from typing import Any, TypeVar
 
 from mxfs.io.batch import Helpers
 from mxfs.io.chunk_client import CONNECT_S, UNACKED_S, Busy, ChunkClient, Refused
-from mxfs.meta.engine import Unusable
 from mxfs.meta.lease import STARTING
 from mxfs.proto.chunk_wire import WireError
 
@@ -307,8 +306,8 @@ class RemoteMembers:
     def _refreshed(self) -> Owner:
         try:
             owner = self.refresh()
-        except (OSError, Unusable) as e:  # (Unusable, raised on: a read's bug, and the
-            #                                daemon's end from a task that met it)
+        except Exception as e:  # (Unusable, or a store's Conflict, raised on: a read's
+            #                      bug, and the daemon's end from a task that met it)
             raise self._failed(f"cannot be looked up: the metadata store is not reachable "
                                f"({e})") from None
         if owner is None:
