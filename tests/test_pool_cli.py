@@ -259,7 +259,7 @@ def test_umount_detaches_a_stopped_daemons_mount_instead_of_hanging(
     pid = int(json.loads(mxfs("status", "--json", str(mp)).stdout)["pid"])
     os.kill(pid, signal.SIGSTOP)
     try:
-        res = mxfs("umount", str(mp), check=False, timeout=60)
+        res = mxfs("umount", "--timeout", "2", str(mp), check=False, timeout=60)
     finally:
         os.kill(pid, signal.SIGCONT)
         os.kill(pid, signal.SIGTERM)

@@ -172,7 +172,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
             pass  # the daemon is gone: detach the dead mount
     asker = threading.Thread(target=ask, name="mxfs-umount", daemon=True)
     asker.start()
-    asker.join(UMOUNT_ASK_S)
+    asker.join(args.timeout)
     hung = asker.is_alive()
     pid, theirs = got.get("pid"), bool(got.get("theirs"))
     unmount(mp, lazy=args.lazy or (pid is None and not theirs))
@@ -181,7 +181,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
                         "wait, then check mxfs status")
     print(f"unmounted {mp}" + (
         "" if pid else " (its daemon is another user's, not waited for)" if theirs else
-        f" (detached: its daemon did not answer in {UMOUNT_ASK_S:g} s, stopped or hung; "
+        f" (detached: its daemon did not answer in {args.timeout:g} s, stopped or hung; "
         "stop it with kill)" if hung else " (its daemon had died)"))
     return 0
 
@@ -626,6 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("umount", help="unmount and wait for the daemon to write back")
     s.add_argument("mountpoint")
     s.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    s.add_argument("--timeout", type=finite_arg(3600), default=UMOUNT_ASK_S,
+                   metavar="SECONDS", help="how long to wait for the daemon to answer "
+                   "before detaching its mount as hung (default %(default)s)")
     s.set_defaults(func=cmd_umount)
 
     s = sub.add_parser("status", help="members, capacity, usage and daemon of pools")
