@@ -84,6 +84,19 @@ class BlockCounts:
         counted = self._fresh(node, time.monotonic())
         return counted if counted is not None else (node.size + 511) // 512
 
+    def stands(self, node: Inode) -> bool:
+        """Whether `blocks(node)` stands until the file changes (a count of it settled,
+        or nothing to count); else the kernel must ask again within KEEP_S: kept the
+        attributes' whole timeout (300 s), a count taken while writes still landed on a
+        member was the kernel's answer long after they had (a member on a FUSE mount
+        answered it to the pool above, which kept it as settled, short for good)."""
+        if not node.is_reg or node.size == 0 or node.first_member is None or \
+                self._pool.node:
+            return True
+        kept = self._kept.get(node.ino)
+        return kept is not None and kept[0] == _shape(node) and kept[3] and \
+            not self._open_here(node.ino)
+
     async def count(self, nodes: Iterable[Inode], uid: int) -> None:
         """Count, in `uid`'s turn, the chunk files of those of `nodes` not counted lately
         (a reading node's members are elsewhere; an empty file holds nothing)."""

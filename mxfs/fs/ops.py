@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from mxfs.fs.block_counts import BlockCounts
+from mxfs.fs.block_counts import KEEP_S, BlockCounts
 from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.failures import FailureLog
 from mxfs.fs.fair import BITE, Lanes, Slice, Turns
@@ -289,6 +289,8 @@ class MxfsOperations(pyfuse3.Operations):
         a.st_size = node.apparent_size
         a.st_blksize = node.stripe_unit if node.is_reg and node.stripe_unit else 4096
         a.st_blocks = self.blocks.blocks(node)
+        if not self.blocks.stands(node):  # (asked again soon: writes may still land)
+            a.attr_timeout = min(a.attr_timeout, KEEP_S)
         a.st_atime_ns = node.atime_ns
         a.st_mtime_ns = node.mtime_ns
         a.st_ctime_ns = node.ctime_ns
