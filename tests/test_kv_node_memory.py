@@ -108,7 +108,8 @@ def test_a_put_buffer_that_goes_takes_its_memory_with_it(node_kv: KVOps) -> None
         assert e.value.errno == errno.EINVAL
         assert forward.held.held == 0
         deadline = time.monotonic() + 10  # (freed by a thread of the daemon's)
-        while os.fstat(theirs).st_size and time.monotonic() < deadline:
+        while (os.fstat(theirs).st_size or os.fstat(theirs).st_blocks) and \
+                time.monotonic() < deadline:  # (the size goes first, then the pages)
             time.sleep(0.01)
         assert os.fstat(theirs).st_size == 0 and os.fstat(theirs).st_blocks == 0
     finally:
