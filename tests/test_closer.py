@@ -88,6 +88,43 @@ def test_wait_closed_says_whether_a_look_is_worth_taking_again(tmp_path: Path) -
         os.close(probe)
 
 
+class _SlowCloses:
+    """Closes that wait for a permit, as a slow member's do (then close for real)."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+
+    def __call__(self, fd: int) -> None:
+        self.permits.acquire()
+        os.close(fd)
+
+
+def test_a_look_waits_for_its_files_closes_as_long_as_they_move(tmp_path: Path) -> None:
+    """A file's descriptor queued behind slow closes of its mount (a loaded daemon's):
+    the wait outlasts its timeout while they go on; where none moves for the timeout
+    (a member that stopped answering) it gives up."""
+    slow = _SlowCloses()
+    closer = Closer(slow)
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    probe = os.open(path, os.O_RDONLY)
+    try:
+        file, since = fdinfo(probe), closer.closes
+        closer.close([os.open(path, os.O_WRONLY) for _ in range(16)])
+        assert not closer.wait_closed(file, 0.3, since)  # (none closed: given up)
+
+        def one_by_one() -> None:
+            for _ in range(16):
+                time.sleep(0.1)
+                slow.permits.release()
+        threading.Thread(target=one_by_one, daemon=True).start()
+        assert closer.wait_closed(file, 1.0, since)  # (1.6 s in all)
+        assert closer.pending == 0 and not writers_remain([str(path)])
+    finally:
+        slow.permits.release(16)
+        os.close(probe)
+
+
 def _threads_of(closer: Closer) -> list[threading.Thread]:
     return [t for t in threading.enumerate()
             if getattr(getattr(t, "_target", None), "__self__", None) is closer]

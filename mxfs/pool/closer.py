@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 LINGER_S = 2.0  # an idle thread waits this long for more descriptors, then ends
 POLL_S = 0.005  # ... looking at its queue this often
 PER_MOUNT = 4  # threads closing one mount's descriptors at once
+SORT_BITE = 64  # descriptors sorted at a time (`wait_closed` sees them move)
 SORTING = -2  # (the sorting thread's queue, among the mounts')
 UNKNOWN = -1  # a mount or inode fdinfo did not tell
 
@@ -65,7 +66,8 @@ def fdinfo(fd: int) -> File:
 
 
 class Closer:
-    def __init__(self) -> None:
+    def __init__(self, close: Callable[[int], None] = os.close) -> None:
+        self._close_fd = close  # (a test's may wait, as a hung member's close does)
         self._lock = threading.Lock()
         self._closed = threading.Condition(self._lock)  # `wait_closed` and `drain`
         self._waiting = 0  # ... how many wait on it
@@ -79,6 +81,7 @@ class Closer:
         self._files: Counter[File] = Counter()  # sorted and not closed yet
         self._pending = 0  # handed over and not closed yet
         self.closes = 0  # closed since the process began (`wait_closed`'s `since`)
+        self._closes_of: Counter[int] = Counter()  # ... by mount
 
     def close(self, fds: Iterable[int]) -> None:
         """Close `fds` soon (any thread, the loop's too: never waits).  The caller gives
@@ -101,11 +104,15 @@ class Closer:
         return self._pending
 
     def wait_closed(self, file: File, timeout: float, since: int) -> bool:
-        """Blocking: wait up to `timeout` for the descriptors handed over by now that
-        may be of `file` (an inode of a mount, as `fdinfo` reads them) to be closed;
-        whether some may have been, all closed now, or any descriptor was closed
-        after `since` (`closes`, read before the look that found the file open): a
-        look worth taking again."""
+        """Blocking: wait for the descriptors handed over by now that may be of `file`
+        (an inode of a mount, as `fdinfo` reads them) to be closed, for as long as
+        they move: given up once `timeout` passes with none of its mount closed and
+        none sorted (its member stopped answering).  A time alone was not enough: on a
+        loaded machine a commit just after the reply that sent its descriptors found
+        the daemon's copies still queued 5 s later, and was refused.  Whether some may
+        have been closed, all now, or any descriptor was closed after `since`
+        (`closes`, read before the look that found the file open): a look worth taking
+        again."""
         with self._lock:
             handed = self._handed
 
@@ -113,7 +120,18 @@ class Closer:
                 return self._sorted >= handed and not self._may_hold(file)
             if done():
                 return self.closes > since
-            return self._wait(done, timeout)
+            while True:
+                moved = self._moved(file)
+                if self._wait(done, timeout):
+                    return True
+                if self._moved(file) == moved:
+                    return False
+
+    def _moved(self, file: File) -> tuple[int, int]:
+        """(Under the lock.)  How far the descriptors that may be of `file` have got:
+        tickets sorted, and closes of its mount (of any, where it is not told)."""
+        mount = file[0]
+        return self._sorted, self.closes if mount == UNKNOWN else self._closes_of[mount]
 
     def drain(self, timeout: float) -> bool:
         """Wait up to `timeout` for every descriptor handed over to be closed (before a
@@ -166,9 +184,8 @@ class Closer:
         idle_since = time.monotonic()
         while True:
             with self._lock:
-                if key == SORTING:
-                    batch = list(queue)
-                    queue.clear()
+                if key == SORTING:  # (a bite at a time: each one sorted is progress)
+                    batch = [queue.popleft() for _ in range(min(SORT_BITE, len(queue)))]
                 elif queue:  # (one at a time: a slow one holds no other)
                     batch = [queue.popleft()]
                     self._busy[key] += 1
@@ -187,7 +204,7 @@ class Closer:
             if key == SORTING:
                 self._sort(batch)  # type: ignore[arg-type]
             else:
-                self._close(key, *batch[0])  # type: ignore[arg-type]
+                self._close(key, *batch[0])
             idle_since = time.monotonic()
 
     def _sort(self, batch: list[tuple[int, int]]) -> None:
@@ -207,7 +224,7 @@ class Closer:
 
     def _close(self, mount: int, fd: int, file: File) -> None:
         try:
-            os.close(fd)
+            self._close_fd(fd)
         except OSError as e:  # (a write-back failure: the writes' fsync reports it)
             log.debug("mount %d: closing a descriptor: %s", mount, e)
         with self._lock:
@@ -216,6 +233,7 @@ class Closer:
                 del self._busy[mount]
             self._pending -= 1
             self.closes += 1
+            self._closes_of[mount] += 1
             self._files[file] -= 1
             if not self._files[file]:
                 del self._files[file]

@@ -72,7 +72,8 @@ from mxfs.pool.pool import CHUNK_DIR, Pool, unlink_cut
 log = logging.getLogger("mxfs.pool")
 
 HELD_DIR = "held"
-CLOSING_WAIT_S = 5.0  # a lease probe waits this long for the daemon's own closes of a file
+CLOSING_WAIT_S = 5.0  # a lease probe gives up waiting for the daemon's own closes of a
+# file after this long with none of its member's closed (`Closer.wait_closed`)
 LOOKS = 3  # ... and looks this often at most
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 HELD_LOOK_MAX_S = 16  # the longest a writer-held file waits between lease probes
