@@ -992,6 +992,25 @@ def test_a_change_the_server_cancels_while_it_waits_runs_again(store: MetaStore,
     second.close()
 
 
+def test_a_read_outside_a_change_that_waits_out_a_lock_is_eagain(store: MetaStore,
+                                                                 where: str) -> None:
+    """A statement alone (no change, no group) that waits past busy_ms for a lock (a
+    DBA's LOCK TABLE here) is EAGAIN, try again: it was a Conflict, which only a change
+    runs again (anywhere else an internal error), and it marked the engine's next
+    group as spent."""
+    if not where.startswith("postgresql://"):
+        pytest.skip("a server's table lock")
+    import psycopg
+    second = impatient(where)
+    with psycopg.connect(where) as dba:
+        dba.execute("LOCK TABLE settings IN ACCESS EXCLUSIVE MODE")
+        assert errno_of(lambda: _counter(second)) == errno.EAGAIN
+        dba.rollback()
+    second.txn(lambda: _bump(second))
+    assert _counter(second) == 1
+    second.close()
+
+
 def test_a_change_that_always_conflicts_gives_up_with_ebusy(store: MetaStore,
                                                             where: str) -> None:
     store.group_changes(3600)

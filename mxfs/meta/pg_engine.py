@@ -3,9 +3,10 @@
 The store is a set of tables (`meta/schema.py`) and two sequences in the database the
 URL names (a database of its own: the table names are plain).  Changes are
 savepoints inside one REPEATABLE READ transaction per group; a serialization failure
-or deadlock (SQLSTATE 40001, 40P01) rolls the transaction back and is a `Conflict`
-that `txn` runs again.  Commits are durable when the server says so
-(synchronous_commit), so `sync` has nothing to do.
+or deadlock (SQLSTATE 40001, 40P01), or a lock waited for past busy_ms, rolls the
+transaction back and is a `Conflict` that `txn` runs again; a statement alone (no
+group open) that waits out a lock is EAGAIN, the caller's to try again.  Commits are
+durable when the server says so (synchronous_commit), so `sync` has nothing to do.
 
 A connection lost with nothing in flight is made again at once and the statement run
 again.  One lost inside a group loses the group (EIO, `on_group_lost`), and one that
@@ -518,6 +519,10 @@ class PgEngine(Engine):
         if conn is not None and self._lost(conn, e):
             return fail(errno.EIO, self._away)
         if isinstance(e, _CONFLICTS) or _lock_timeout_as_cancel(e):
+            if not self._group_open:  # (a statement alone: no change to run again)
+                return fail(errno.EAGAIN, f"the metadata store's rows are locked by "
+                            f"another session past {self.busy_ms} ms ({_line(e)}): try "
+                            "again")
             self._poisoned = True
             return Conflict(_line(e))
         if isinstance(e, pgerr.DiskFull | pgerr.OutOfMemory | pgerr.InsufficientResources):
