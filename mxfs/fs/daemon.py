@@ -69,6 +69,7 @@ OWN_OPTIONS = (*NUMBERS, *FLAGS, *TEXTS)
 DEFAULT_READAHEAD_KIB = 4096
 META_BACKUP_S = 600  # metadata copied to the next member this often (meta_backup=0: never)
 GROUP_COMMIT_S = 0.05
+CHECKPOINT_S = 0.25  # the embedded store's WAL copied into its database this often
 STRAY_S = 3600  # a node removes chunk files without an inode once this old (stray_s=S)
 STRAY_SWEEP_S = 3600  # ... looking for them at mount and this often (stray_s if less)
 RECLAIM_BITE = 512  # orphans freed a round (every GROUP_COMMIT_S / 2): 20,000 a second
@@ -564,11 +565,11 @@ class Daemon:
             await trio.sleep(STATS_EVERY_S)
 
     async def _checkpoints(self, checkpoint: Callable[[], None]) -> None:
-        """Each second, the embedded store's checkpoint in a worker thread (in a commit
-        it copied the WAL into the database and fsynced it on this thread)."""
+        """Every CHECKPOINT_S, the embedded store's checkpoint in a worker thread (in a
+        commit it copied the WAL into the database and fsynced it on this thread)."""
         failures = FailureLog(log)
         while True:
-            await trio.sleep(1)
+            await trio.sleep(CHECKPOINT_S)
             try:
                 await trio.to_thread.run_sync(checkpoint)
             except Exception as e:  # (busy, a full member: the next one tries again)
