@@ -272,6 +272,22 @@ def test_a_renames_ancestry_walk_is_right_and_bounded(
     assert sum(asked) == (0 if sole else 5)
 
 
+def test_the_sole_writer_forgets_the_directories_removed(vol: Volume) -> None:
+    """A removed directory leaves nothing of itself in the sole writer's memory: its
+    mark as complete (every name cached) stayed, a user's mkdir and rmdir in a loop
+    grew the daemon without bound (quota counts no removed directory)."""
+    store = vol.store
+    store.sole_writer(True)
+    for i in range(1000):
+        store.create(ROOT_INO, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        store.rmdir(ROOT_INO, b"d")
+        if i % 100 == 0:
+            vol.drop_inodes(vol.take_pending() or [])
+    vol.drop_inodes(vol.take_pending() or [])
+    kept = store._sole  # (the sole writer's tables)
+    assert len(kept.complete) <= 1 and len(kept.parents) <= 1
+
+
 def test_removed_files_xattrs_are_freed_a_bite_a_round(vol: Volume,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A reclaim round's rows are deleted, and committed, on the daemon's one thread:

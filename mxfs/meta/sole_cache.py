@@ -135,8 +135,9 @@ class SoleCache:
         if not self.on:
             return
         self._parents_used.append(ino)
-        if parent is None:
-            self.parents.pop(ino, None)
+        if parent is None:  # (and no longer "complete": a user's mkdir and rmdir in a
+            self.parents.pop(ino, None)  # loop kept every one, 0.5-1 GB an hour)
+            self.complete.discard(ino)
             return
         self._keep_parent(ino, parent)
 
@@ -169,5 +170,6 @@ class SoleCache:
     def dropped(self, inos: list[int]) -> None:
         for ino in inos:
             self.sealed.pop(ino, None)
+            self.complete.discard(ino)
         if self.inodes is not None:
             self.inodes -= len(set(inos))
