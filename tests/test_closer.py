@@ -74,6 +74,24 @@ def test_a_look_for_writers_waits_for_the_processs_own_closing_descriptors(
         os.close(kept)
 
 
+def test_a_commits_look_waits_for_a_writer_that_lets_go_a_moment_later(
+        tmp_path: Path) -> None:
+    """A commit's look (`settle`) takes a writer that lets go just after it began as
+    gone (the kernel may put a closed writer's last reference a moment after her
+    close); any other look says what it saw, and a writer kept open is one to both."""
+    path = tmp_path / "chunk"
+    path.write_bytes(b"x" * 4096)
+    held = os.open(path, os.O_WRONLY)
+    threading.Timer(0.01, os.close, [held]).start()
+    assert not writers_remain([str(path)], settle=True)
+    held = os.open(path, os.O_WRONLY)
+    try:
+        assert writers_remain([str(path)])
+        assert writers_remain([str(path)], settle=True)
+    finally:
+        os.close(held)
+
+
 def test_wait_closed_says_whether_a_look_is_worth_taking_again(tmp_path: Path) -> None:
     closer = Closer()
     path = tmp_path / "f"

@@ -255,7 +255,7 @@ def refuse_if_writers(vol: Volume, pending: Pending) -> None:
     """Blocking: EBUSY while any descriptor for writing the file is open, anywhere: a
     published file is sealed, and a kept descriptor would rewrite it behind its
     checksums (pool/revoke.py).  The file stays unpublished: close and commit again."""
-    if writers_remain(chunk_paths(vol, pending.entry.node)):
+    if writers_remain(chunk_paths(vol, pending.entry.node), settle=True):
         trouble = lease_trouble()
         if trouble is not None:
             raise OSError(errno.ENOLCK, f"{trouble}: whether a descriptor for writing this "

@@ -75,6 +75,11 @@ HELD_DIR = "held"
 CLOSING_WAIT_S = 5.0  # a lease probe gives up waiting for the daemon's own closes of a
 # file after this long with none of its member's closed (`Closer.wait_closed`)
 LOOKS = 3  # ... and looks this often at most
+# A commit's look refused with none of the daemon's own descriptors of the file closing
+# is taken again after these: a writer's last reference may still be on its way out of
+# the kernel just after her close (an io_uring request's file, put after its completion
+# was seen), and CI saw commits refused as if a writer remained.
+SETTLE_S = (0.05, 0.25)
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 HELD_LOOK_MAX_S = 16  # the longest a writer-held file waits between lease probes
 # A held file's name: INO.STAMP.OWNER (the tenant it counts as, kept across a restart:
@@ -141,12 +146,13 @@ def lease_trouble() -> str | None:
     return _no_leases
 
 
-def writers_remain(paths: Iterable[str]) -> bool:
+def writers_remain(paths: Iterable[str], settle: bool = False) -> bool:
     """Blocking: whether any of `paths` is open for writing by anyone (this process
     included: the caller holds none).  Missing files have no writers.  Where leases
     fail (disabled since the mount), True: nothing is sealed or cut under a writer
-    nobody can see."""
-    return any(_lease_refused(path, fcntl.F_RDLCK) for path in paths)
+    nobody can see.  `settle`: a commit just after its writer closed (looked at again
+    over SETTLE_S before it says yes)."""
+    return any(_lease_refused(path, fcntl.F_RDLCK, settle) for path in paths)
 
 
 def anyone_holds(path: str) -> bool:
@@ -168,7 +174,7 @@ def _open_to_probe(path: str) -> int | None:
     return -1
 
 
-def _lease_refused(path: str, lease: int) -> bool:
+def _lease_refused(path: str, lease: int, settle: bool = False) -> bool:
     """Whether the kernel refuses `lease` on `path` (someone holds it open for writing,
     for F_RDLCK; open at all, for F_WRLCK), taken and given back at once.  Any other
     failure counts as a refusal (fails closed), logged once while it lasts: it said
@@ -195,9 +201,12 @@ def _lease_refused(path: str, lease: int) -> bool:
             except BlockingIOError:
                 # (this daemon's own descriptors of it, given up and still closing, are
                 # not anyone's: looked at again once they are closed)
-                if look == LOOKS - 1 or \
-                        not CLOSER.wait_closed(fdinfo(fd), CLOSING_WAIT_S, closes):
+                if look == LOOKS - 1:
                     return True
+                if not CLOSER.wait_closed(fdinfo(fd), CLOSING_WAIT_S, closes):
+                    if not settle:
+                        return True
+                    time.sleep(SETTLE_S[look])
     except OSError as e:
         why = f"the file system of {path} takes no leases ({os.strerror(e.errno or 0)})"
         if _no_leases is None:
