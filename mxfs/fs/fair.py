@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import trio
-import trio.testing
+from trio._core import wait_all_tasks_blocked  # (trio.testing imports pytest: 66 ms)
 
 from mxfs.vol.tenants import tenant_of
 
@@ -53,7 +53,7 @@ class Slice:
         back at each would add a slice to every one of them."""
         if time.perf_counter() - self._since >= SLICE_S:
             with trio.move_on_after(YIELD_MAX_S):
-                await trio.testing.wait_all_tasks_blocked()
+                await wait_all_tasks_blocked()
             self._since = time.perf_counter()
 
 
