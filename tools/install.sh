@@ -38,8 +38,11 @@ fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 # The CPU wheel: a plain "torch" requirement would pull several GB of CUDA build.
-"$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q torch==2.13.0
-"$venv/bin/python" -m pip install -q -e ".[test,bench]"
+# (--no-compile: a package's modules are compiled when first imported, and a run imports
+# a fraction of them; compiling all of torch's is half a minute of CPU.)
+"$venv/bin/python" -c "import torch" 2>/dev/null || \
+  "$venv/bin/python" -m pip install -q --no-compile torch==2.13.0
+"$venv/bin/python" -m pip install -q --no-compile -e ".[test,bench]"
 # This checkout on the path itself: a script run from the folder that holds the clone
 # (named mxfs by git clone) would otherwise import the clone's root as a namespace
 # package instead of the editable install.
