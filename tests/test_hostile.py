@@ -26,6 +26,7 @@ from conftest import (
     mount_with,
     mxfs,
     raw_socket,
+    xfs_image,
 )
 
 from mxfs.client import ControlClient, ControlError
@@ -555,6 +556,46 @@ def test_a_tenant_who_drops_a_file_she_overdrew_is_caught_all_the_same(
         (m.path / "alice").mkdir()
         os.chown(m.path / "alice", alice.uid, alice.gid)
         assert run_as(alice, OVERDRAW_AND_DROP, str(m.path / "alice")) == errno.EDQUOT
+
+
+REFILL_DROPPED = r"""
+import mmap, time
+from mxfs.client.writer import create_file
+w = create_file(sys.argv[1] + "/a", 4096)
+kept = [os.dup(fd) for fd in w.fds.values()]
+w.abort()  # (held cut and immutable: her kept copies still write it)
+buf = mmap.mmap(-1, 1 << 20)  # (aligned: the descriptors may be O_DIRECT)
+wrote, end = 0, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    for fd in kept:
+        try:
+            wrote += sum(os.pwrite(fd, buf, k << 20) for k in range(8))
+        except OSError:
+            pass
+    time.sleep(0.2)
+print(json.dumps([wrote, attempt(create_file, sys.argv[1] + "/b", 4096)]))
+"""
+
+
+@pytest.mark.daemon_log(r"wrote into a dropped file through a descriptor it kept")
+def test_a_tenant_refilling_a_dropped_file_through_kept_descriptors_is_caught(
+        tmp_path: Path) -> None:
+    """On XFS the immutable flag a held file gets stops no write through a descriptor
+    opened before it: a tenant who kept her dropped file's descriptors wrote into it
+    between the daemon's cuts, filled the member (another user's writes ENOSPC 94 times
+    in 94) and paid nothing.  Caught as an overdraft once she writes after a cut: her
+    creates are refused for the penalty."""
+    from users import ensure_users, run_as
+
+    alice = ensure_users()["alice"]
+    with xfs_image(tmp_path, "x0") as x0, xfs_image(tmp_path, "x1") as x1:
+        mkfs([x0, x1])
+        with mount_with([x0, x1]) as m:
+            (m.path / "alice").mkdir()
+            os.chown(m.path / "alice", alice.uid, alice.gid)
+            wrote, create = run_as(alice, REFILL_DROPPED, str(m.path / "alice"), "4")
+            assert wrote > 0  # (XFS took her writes: what this test is about)
+            assert create == errno.EDQUOT
 
 
 def test_a_client_whose_idle_connection_was_closed_goes_on(tmp_path: Path) -> None:

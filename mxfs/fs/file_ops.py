@@ -32,7 +32,6 @@ from mxfs.fs.session import (
     Handler,
     Pending,
     Session,
-    caught,
     check_pending_room,
     cut_back,
     drop_pending,
@@ -320,7 +319,7 @@ class FileOps:
         overdrawn = await settle_off_loop(uid, overdrew, self.vol, pending)
         if size > pending.declared or overdrawn:
             if overdrawn and not was:  # (found here first: her other files go too)
-                caught(self.vol, session.tenant)
+                self.vol.caught(session.tenant)
             await self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")

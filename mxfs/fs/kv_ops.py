@@ -48,7 +48,6 @@ from mxfs.fs.session import (
     Pending,
     Reply,
     Session,
-    caught,
     check_pending_room,
     drop_pending,
     open_hidden,
@@ -946,7 +945,7 @@ class KVOps:
             a few at a time on its member, not behind others' commits' syncs)."""
             if overdrew(self.vol, pending):
                 if not was:  # (found here first: her other files go too)
-                    caught(self.vol, session.tenant)
+                    self.vol.caught(session.tenant)
                 return overdrawn
             refuse_if_writers(self.vol, pending)
             self.vol.settle_hidden(entry, size, sync=False)

@@ -284,7 +284,7 @@ async def drop_pending(vol: Volume, session: Session, ino: int) -> None:
 
     def cut() -> None:
         if not pending.overdrawn and grown_chunks(vol, pending.entry.node, pending.declared):
-            caught(vol, pending.tenant)  # (written past her word, then dropped: caught)
+            vol.caught(pending.tenant)  # (written past her word, then dropped: caught)
         if writers_remain(paths):
             vol.held.hold(ino, session.tenant)
         else:
@@ -386,7 +386,7 @@ def _caught(vol: Volume, pending: Pending, was: bool, pendings: list[Pending]) -
     files that cut.  (Caught only where she still held it, she wrote gigabytes past
     her word, let go within the round, and made the next file, never penalised.)"""
     if not was:
-        caught(vol, pending.tenant)
+        vol.caught(pending.tenant)
     cut = 0
     if vol.overdrafts.left(pending.tenant):
         for other in pendings:
@@ -415,15 +415,6 @@ def _revoke_one(vol: Volume, pending: Pending) -> int:
     if writers_remain(chunk_paths(vol, pending.entry.node)):
         return vol.held.hold(pending.entry.node.ino, pending.tenant)
     return 0
-
-
-def caught(vol: Volume, tenant: int) -> None:
-    """(Any thread.)  `tenant` wrote past its word: its penalty begins (logged once)."""
-    period = vol.overdrafts.caught(tenant)
-    if period:
-        log.warning("uid %d wrote past the size it declared for an unpublished file: its "
-                    "unpublished files are revoked and its creates refused for %d s",
-                    tenant, period)
 
 
 def refuse_if_degraded(vol: Volume) -> None:

@@ -233,6 +233,10 @@ class Held:
         # ... when their writers are asked next whether they let go, and the interval
         self._due: dict[str, tuple[int, int]] = {}
         self.read_grace_s = READ_GRACE_S  # (the mount option read_grace_s)
+        # A writer wrote into a file held cut (its tenant): on XFS the immutable flag
+        # stops no write through a descriptor opened before it, and she refilled a
+        # member between cuts, others' writes ENOSPC, at no cost to her.
+        self.on_refilled: Callable[[int], None] = lambda tenant: None
         self._readable: dict[str, tuple[int, int]] = {}  # uncut reader-held: (uid, bytes)
         self.readable_by: Counter[int] = Counter()  # ... their bytes, by owner
         # Whether the owner uid may hold that many bytes more readable (the volume's
@@ -553,6 +557,8 @@ class Held:
         set_immutable(path, False)
         if not writers_remain([path]):
             return False
+        if grew and due:  # (written after a look found it cut: no write in flight at
+            self.on_refilled(_owner(path))  # the drop, a writer keeping on: caught)
         os.truncate(path, 0)
         if path not in self.pool.held_in_place:  # (a live chunk path: cut, never frozen)
             set_immutable(path, True)

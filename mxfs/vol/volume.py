@@ -99,6 +99,9 @@ class Volume:
         self.spares = Spares(store, pool, self.pick_layout, self.layout)
         self.held = Held(pool)  # chunk files of dropped files whose writers hold on
         self.held.may_keep = self._may_keep
+        self.held.on_refilled = functools.partial(
+            self.caught, what="wrote into a dropped file through a descriptor it kept "
+            "(its member's file system takes writes into immutable files: XFS)")
         # Tenants caught writing past their word: their creates refused a while.
         self.overdrafts = Overdrafts()
         # Bytes of removed or renewed files one user may keep readable for their readers
@@ -716,6 +719,16 @@ class Volume:
         """Bytes of `tenant`'s uids' removed or renewed files kept readable (its quota
         counts them; they are kept by tenant: `renew`, `_remove_chunk_files`)."""
         return self.held.readable_of(lambda owner: owner == tenant)
+
+    def caught(self, tenant: int,
+               what: str = "wrote past the size it declared for an unpublished file"
+               ) -> None:
+        """(Any thread.)  `tenant` broke its word (`what`): its penalty begins (logged
+        once), `vol/overdrafts.py`."""
+        period = self.overdrafts.caught(tenant)
+        if period:
+            log.warning("uid %d %s: its unpublished files are revoked and its creates "
+                        "refused for %d s", tenant, what, period)
 
     def _may_keep(self, tenant: int, nbytes: int) -> bool:
         """(Under the held files' lock.)  Whether `tenant` (a user, `vol/tenants.py`)
