@@ -1408,6 +1408,46 @@ def test_a_reader_shut_out_of_a_namespace_loses_her_leases_in_it(pool: Mounted) 
         root.call("kv_ns_remove", namespace=ns)
 
 
+CLAIMS_A_SHARED_KEY = r"""
+m, ns = sys.argv[1], sys.argv[2]
+with mxfs.client.ControlClient(m) as c:
+    print(json.dumps(c.call("kv_claim", namespace=ns, keys=["aw=="], ms=60000,
+                            shared=True)["state"]),
+          flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_writer_shut_out_of_a_namespace_loses_her_claims_in_it(pool: Mounted) -> None:
+    """A claim tells every other writer of its key "busy" and holds their waits.  A
+    writer the owner shut out kept hers for up to a minute, on keys she could no
+    longer put; they end with her right to write."""
+    from users import as_user
+
+    bob = ensure_users()["bob"]
+    ns = "shut-out-claims"
+    with ControlClient(str(pool.path)) as root:
+        root.call("kv_ns_create", namespace=ns, mode=0o777)
+        proc = subprocess.Popen(as_user(bob, CLAIMS_A_SHARED_KEY, str(pool.path), ns),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            assert json.loads(proc.stdout.readline()) == ["yours"]
+            root.call("kv_ns_set", namespace=ns, mode=0o757)  # (write kept: she keeps it)
+            assert root.call("kv_claim", namespace=ns, keys=["aw=="], ms=1)["state"] == \
+                ["busy"]
+            root.call("kv_ns_set", namespace=ns, mode=0o755)
+            assert root.call("kv_claim", namespace=ns, keys=["aw=="], ms=1)["state"] == \
+                ["yours"]  # (her connection still open)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+        root.call("kv_ns_remove", namespace=ns)
+
+
 PINNED_GETS = r"""
 import base64, threading
 m, ns = sys.argv[1], sys.argv[2]

@@ -37,7 +37,7 @@ import errno
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import trio
@@ -239,6 +239,17 @@ class Claims:
         `claimed_in` a bite at a time: 16,384 at once held the thread 20 ms)."""
         for key in keys:
             self._end((name, key))
+
+    def shut_out(self, name: str, keys: Iterable[bytes],
+                 may_write: Callable[[Session], bool]) -> None:
+        """Of namespace `name`'s claims on `keys`, those of connections that
+        `may_write` it no more (its owner shut their users out) are over: their keys
+        were told busy to every other writer, and waited on, for up to MAX_CLAIM_S by
+        a user who could no longer put them."""
+        for key in keys:
+            claim = self._held.get((name, key))
+            if claim is not None and not may_write(claim.session):
+                self._end((name, key))
 
     def drop_run_out(self, most: int = DROP_BITE) -> bool:
         """End claims whose time ran out, and cooling keys that cooled down: those at

@@ -567,16 +567,19 @@ class KVOps:
                           "of her own")
         mode = _mode(msg, None)
         if self.index.set_access(space, gid, space.mode if mode is None else mode):
-            await self._end_leases_of_the_shut_out(space)
+            await self._end_rights_of_the_shut_out(space)
         return {**space.stats()}, []
 
-    async def _end_leases_of_the_shut_out(self, space: Namespace) -> None:
-        """End the read leases on `space`'s chunks of every connection (this node's and
-        other nodes') whose caller may read it no more: a lease is a right to read, and
-        a reader the owner shut out kept chunks she could no longer get from eviction
-        (past the namespace's capacity, charged to their writers) for as long as her
-        connection stayed open."""
+    async def _end_rights_of_the_shut_out(self, space: Namespace) -> None:
+        """End the claims on `space`'s keys of every connection whose caller may write
+        it no more, and the read leases on its chunks of every connection (this node's
+        and other nodes') whose caller may read it no more: a lease is a right to read,
+        and a reader the owner shut out kept chunks she could no longer get from
+        eviction (past the namespace's capacity, charged to their writers) for as long
+        as her connection stayed open."""
         name = space.name
+        async for keys in in_bites(self.claims.claimed_in(name), EVICT_BITE):
+            self.claims.shut_out(name, keys, lambda s: space.may(s.caller, W_OK))
         for session in [*self.sessions(), *self._holders.values()]:
             if not space.pinned:  # (none left to end: no connection's pins looked at)
                 return
