@@ -65,9 +65,6 @@ def _overflow(e: OverflowError) -> OSError:
 # get_many binds at most this many keys per statement (SQLite's limit is 32766), and
 # pads shorter lists to a power of two, so few statement texts are made.
 _MANY = 512
-# WAL pages past which the daemon's own commits checkpoint (SQLite's default: 1,000): its
-# checkpoints are a thread's (`checkpoint_apart`), this only should that one stop.
-BACKSTOP_PAGES = 16_384
 
 
 def _padded(keys: list[object]) -> list[object]:
@@ -482,17 +479,17 @@ class SqliteEngine(Engine):
 
     def checkpoint_apart(self) -> Callable[[], None] | None:
         """SQLite checkpoints in the commit that takes the WAL past 1,000 pages: it
-        copies them into the database and fsyncs it, on the daemon's one thread (a
-        tenant's 64 KiB xattrs made one every 4 MiB, 10-85 ms each).  The call returned
-        checkpoints (PASSIVE: never waiting for this connection's group) from a
-        connection of its own whenever the WAL changed since its last run, and this
-        connection's commits leave them to it up to BACKSTOP_PAGES (should it stop).
-        The WAL and the room kept past its end for a full member (`sqlite_space`) stay
-        as they were (a WAL cut back at each restart had to find new blocks: on a full
-        member a group was lost)."""
+        copies them into the database and fsyncs it, on the daemon's one thread.  The
+        call returned checkpoints (PASSIVE: never waiting for this connection's group)
+        from a connection of its own whenever the WAL changed since its last run, so a
+        commit's has little left to copy; SQLite's own stays, as the one that lets the
+        WAL start again from its head (a checkpoint apart leaves this connection's next
+        group reading frames, and the WAL grew past the room kept after its end for a
+        full member, `sqlite_space`: creates on a full member failed), and the WAL cut
+        back at each restart had to find new blocks (on a full member a group was
+        lost)."""
         if self.readonly:
             return None
-        self.db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
         other = self._checkpointer = sqlite3.connect(self.path, isolation_level=None,
                                                      check_same_thread=False)
         # (its files opened now, not at its first checkpoint: the daemon's descriptors
