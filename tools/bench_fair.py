@@ -24,6 +24,9 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
              1 MiB a call (since Linux 6.16 a FUSE readdir takes what getdents asks:
              thousands of entries a request), a name made and removed before each
              listing (the kernel's cached listing dropped)
+  xattrs     4 threads each making files with four user xattrs of 64,000 bytes (the
+             store's WAL grows 256 KiB a file), the files kept
+  xattr_frees  the same, each file removed once tagged (its xattrs freed by reclaim)
   scrapes    4 threads asking the daemon's Prometheus endpoint (`-o metrics_port`) for
              /metrics over and over, two of them with 99 headers of 64 KiB a request
 
@@ -58,7 +61,8 @@ from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 
 VICTIM, HOG = 65533, 65534
 ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
-        "parses", "bigints", "floats", "claims", "truncates", "readdir", "scrapes")
+        "parses", "bigints", "floats", "claims", "truncates", "readdir", "xattrs",
+        "xattr_frees", "scrapes")
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
@@ -189,6 +193,16 @@ if arm == "scrapes":  # (argv's chunks is the metrics port here)
         except OSError:
             pass
     n = crowd(scrape, connect=lambda it=iter(range(4)): next(it), n=4)
+if arm in ("xattrs", "xattr_frees"):
+    value = os.urandom(64000)
+    def tag(home, k):
+        path = os.path.join(home, "f%d" % k)
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        for j in range(4):
+            os.setxattr(path, "user.v%d" % j, value)
+        if arm == "xattr_frees":
+            os.unlink(path)
+    n = crowd(tag, connect=lambda: tempfile.mkdtemp(dir=os.path.join(mnt, "hog")), n=4)
 if arm == "ns_remove":
     c.call("kv_ns_remove", namespace="hog"); n = 1
 while arm in ("puts", "list", "deletes", "walks") and time.monotonic() < end:
@@ -230,8 +244,8 @@ print(json.dumps(lat), flush=True)
 def as_user(uid: int, code: str, *args: str) -> subprocess.Popen[str]:
     """`code` in a process that imports as root (the interpreter may sit in root's
     folders), then becomes `uid` before it touches the mount."""
-    become = ("import base64, ctypes, decimal, encodings.idna, json, os, socket, sys, threading, "
-              "time\n"
+    become = ("import base64, ctypes, decimal, encodings.idna, json, os, socket, sys, tempfile, "
+              "threading, time\n"
               "import mxfs.client\n"
               f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n")
     return subprocess.Popen([sys.executable, "-c", become + code, *args],
