@@ -464,11 +464,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # ---- models ------------------------------------------------------------------
 
-def _files_under(paths: list[str]) -> list[str]:
-    """`_regular_files`' paths."""
-    return [path for path, _ in _regular_files(paths)]
-
-
 def _regular_files(paths: list[str]) -> list[tuple[str, int]]:
     """The regular files `paths` name, folders walked (sorted), each with the file
     system it must be on: a walked folder's own (a link out of it, to /proc/kmsg say,
@@ -572,7 +567,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
 def cmd_load_bench(args: argparse.Namespace) -> int:
     from mxfs.cli.load_bench import run_load_bench
 
-    return run_load_bench(_files_under(args.path), args.device, args.repeat, args.json)
+    files = [path for path, _ in _regular_files(args.path)]
+    return run_load_bench(files, args.device, args.repeat, args.json)
 
 
 def cmd_put(args: argparse.Namespace) -> int:
