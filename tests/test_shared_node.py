@@ -3288,6 +3288,44 @@ print(json.dumps([more, first, second, third,
             root.call("kv_put", namespace="r", keys=keys, data=[keys[0]] * 150)
 
 
+def test_the_bytes_a_users_leases_keep_from_eviction_are_bounded(tmp_path: Path) -> None:
+    """A read lease keeps its chunk from eviction, charged to its writer: a reader of
+    a shared namespace could pin 262,144 chunks of up to 256 MiB and hold it past its
+    capacity for as long as she liked.  Her leases keep at most
+    max_pinned_bytes_per_user bytes: past it a pin or a pinning get is EMFILE; a chunk
+    she leases already costs nothing more; what she unpins, or closes, counts no more."""
+    from users import ensure_users, run_as
+
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "max_pinned_bytes_per_user=2000") as m:
+        script = f"""
+import base64
+b = lambda s: base64.b64encode(s.encode()).decode()
+c = mxfs.client.ControlClient({str(m.path)!r})
+keys = [b(f"k{{i}}") for i in range(5)]
+c.call("kv_put", namespace="a", keys=keys, data=[b("v" * 600)] * 5)
+pin = lambda *ks, op="kv_pin", **kw: attempt(c.call, op, namespace="a", keys=list(ks), **kw)
+got = [pin(*keys[:3]), pin(keys[3]), pin(keys[3], op="kv_get", pin=True), pin(keys[0])]
+held = c.call("stat")["limits"]["by_user"]
+c.call("kv_unpin", namespace="a", keys=[keys[0]])
+got.append(pin(keys[0]))  # (leased still: one of two unpinned)
+c.call("kv_unpin", namespace="a", keys=[keys[0]] * 2)
+got += [pin(keys[3]), pin(keys[4])]
+print(json.dumps([got, held]))
+"""
+        got, held = run_as(alice, script)
+        assert got == ["ok", errno.EMFILE, errno.EMFILE, "ok", "ok", "ok", errno.EMFILE], got
+        assert held == {}  # (root's to see)
+
+        def kept() -> tuple[int, int]:
+            held = json.loads(mxfs("status", "--json", str(m.path)).stdout)["limits"][
+                "by_user"].get(str(alice.uid), {})
+            return held.get("pins", 0), held.get("pinned_bytes", 0)
+        assert eventually(lambda: kept() == (0, 0))  # (her connection closed)
+
+
 def _log_of(m: Mounted) -> Path:
     """The daemon's log, beside its control socket."""
     with ControlClient(str(m.path)) as c:

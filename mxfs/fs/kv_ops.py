@@ -188,6 +188,8 @@ class KVOps:
         self.limits = limits or Limits()
         self.pinned_by_uid: Counter[int] = Counter()  # read leases of every connection
         self.pins_booked: Counter[int] = Counter()  # ... and of gets still opening theirs
+        self.pinned_bytes: Counter[int] = Counter()  # bytes of the chunks they lease
+        self.pin_bytes_booked: Counter[int] = Counter()  # ... and gets still opening
         # Calls into the members' filesystems (the mount's set, once the daemon has it).
         self.calls = MemberCalls(len(vol.pool.members))
         self.claims = Claims(self.limits.max_kv_claims_per_user)  # keys being computed
@@ -307,7 +309,8 @@ class KVOps:
         put again since are not leased)."""
         found = [c if c is not None and space.chunks.get(k) is c else None
                  for k, c in zip(keys, found, strict=True)]
-        self._check_pins(session, sum(c is not None for c in found))
+        self._check_pins(session, sum(c is not None for c in found),
+                         self._new_bytes(session, space, zip(keys, found, strict=True)))
         for key, chunk in zip(keys, found, strict=True):
             if chunk is not None:
                 self._lease(session, space, key, chunk)
@@ -1027,9 +1030,12 @@ class KVOps:
                               "descriptors)")
             wanted.append((len(out), key, chunk, node))
             out.append(None)
+        booked = 0
         if pin:  # (counted from the check on: gets awaiting their opens passed it too)
-            self._check_pins(session, len(wanted))
+            booked = self._new_bytes(session, space, ((k, c) for _, k, c, _ in wanted))
+            self._check_pins(session, len(wanted), booked)
             self.pins_booked[session.tenant] += len(wanted)
+            self.pin_bytes_booked[session.tenant] += booked
         try:
             opened, datas = await self._fetch([n for _, _, _, n in wanted],
                                               [n for _, _, _, n in inline], odirect,
@@ -1039,6 +1045,9 @@ class KVOps:
                 self.pins_booked[session.tenant] -= len(wanted)
                 if not self.pins_booked[session.tenant]:
                     del self.pins_booked[session.tenant]
+                self.pin_bytes_booked[session.tenant] -= booked
+                if not self.pin_bytes_booked[session.tenant]:
+                    del self.pin_bytes_booked[session.tenant]
         try:  # judged again: an owner's chmod while the opens waited found no leases
             # of this get to end, and it handed out what its caller may read no more
             if self._space("kv_get", msg, session.caller) is not space:
@@ -1067,16 +1076,36 @@ class KVOps:
             session.undo.append(functools.partial(self._unpin, session, space, leased))
         return {"chunks": out}, fds
 
-    def _check_pins(self, session: Session, more: int) -> None:
-        """Refuse `more` read leases past the connection's or its uid's limit."""
+    def _check_pins(self, session: Session, more: int, nbytes: int) -> None:
+        """Refuse `more` read leases, on `nbytes` of chunks not leased yet, past the
+        connection's or its uid's limits."""
         if session.pinned + more > self.limits.max_pins:
             raise OSError(errno.EMFILE, f"this connection holds {session.pinned}"
                           " KV read leases, the limit (mount option max_pins)")
         uid = session.tenant  # (a user's subordinate uids share her leases: vol/tenants)
-        if uid != 0 and self.pinned_by_uid[uid] + self.pins_booked[uid] + more > \
+        if uid == 0:
+            return
+        if self.pinned_by_uid[uid] + self.pins_booked[uid] + more > \
                 self.limits.max_pins_per_user:
             raise OSError(errno.EMFILE, f"uid {uid} holds {self.pinned_by_uid[uid]} KV read "
                           "leases, the limit (mount option max_pins_per_user)")
+        if self.pinned_bytes[uid] + self.pin_bytes_booked[uid] + nbytes > \
+                self.limits.max_pinned_bytes_per_user:
+            raise OSError(errno.EMFILE, f"uid {uid}'s KV read leases keep "
+                          f"{self.pinned_bytes[uid]} bytes from eviction, the limit (mount "
+                          "option max_pinned_bytes_per_user): unpin what was read")
+
+    @staticmethod
+    def _new_bytes(session: Session, space: Namespace,
+                   chunks: Iterable[tuple[bytes, Chunk | None]]) -> int:
+        """Bytes of `chunks` (key, chunk) `session` leases no chunk of yet: what
+        leasing them adds to its uid's pinned bytes."""
+        total = 0
+        for key, chunk in chunks:
+            if chunk is not None:
+                held = session.pins.get((space.name, key))
+                total += 0 if held is not None and held.chunk is chunk else chunk.size
+        return total
 
     def _lease(self, session: Session, space: Namespace, key: bytes, chunk: Chunk) -> None:
         """A read lease of `session` on `key`'s chunk: eviction skips it until unpinned.
@@ -1085,21 +1114,26 @@ class KVOps:
         held = session.pins.get((space.name, key))
         if held is None or held.chunk is not chunk:
             if held is not None:
-                self._uncount(session, held.n)
+                self._uncount(session, held.n, held.chunk.size)
             held = session.pins[(space.name, key)] = Lease(chunk)
+            self.pinned_bytes[session.tenant] += chunk.size
         space.pin(chunk)
         held.n += 1
         session.pinned += 1
         self.pinned_by_uid[session.tenant] += 1
 
-    def _uncount(self, session: Session, n: int) -> None:
+    def _uncount(self, session: Session, n: int, nbytes: int = 0) -> None:
         session.pinned -= n
-        self._uncount_uid(session.tenant, n)
+        self._uncount_uid(session.tenant, n, nbytes)
 
-    def _uncount_uid(self, uid: int, n: int) -> None:
+    def _uncount_uid(self, uid: int, n: int, nbytes: int) -> None:
+        """`n` of `uid`'s read leases end, on chunks of `nbytes` it leases no more."""
         self.pinned_by_uid[uid] -= n
         if self.pinned_by_uid[uid] <= 0:
             del self.pinned_by_uid[uid]
+        self.pinned_bytes[uid] -= nbytes
+        if self.pinned_bytes[uid] <= 0:
+            del self.pinned_bytes[uid]
 
     async def _fetch(self, opens: list[Inode], reads: list[Inode], odirect: bool,
                      uid: int) -> tuple[list[tuple[ReadFds, list[int]]], list[bytes]]:
@@ -1175,7 +1209,7 @@ class KVOps:
             held.n -= 1
             if not held.n:
                 del session.pins[(space.name, key)]
-            self._uncount(session, 1)
+            self._uncount(session, 1, 0 if held.n else held.chunk.size)
             if space.chunks.get(key) is held.chunk:
                 space.unpin(held.chunk)
 
@@ -1216,13 +1250,14 @@ class KVOps:
         """End `uid`'s read leases `pins` of a closed connection: on each chunk it
         leased that is still its namespace's (a chunk dropped since had its leases
         dropped with it; one put again under the key is another's)."""
-        ended = 0
+        ended = nbytes = 0
         for (ns, key), held in pins:
             space = self.index.spaces.get(ns)
             if space is not None and space.chunks.get(key) is held.chunk:
                 space.unpin(held.chunk, held.n)
             ended += held.n
-        self._uncount_uid(uid, ended)
+            nbytes += held.chunk.size
+        self._uncount_uid(uid, ended, nbytes)
 
     async def flush(self) -> None:
         """A round's access-time write-back (TOUCH_BITE at most, with each group

@@ -51,6 +51,9 @@ class Limits:
                                     # size loses all her unpublished files, and her
                                     # creates are refused so long (doubled at each repeat)
     max_pins_per_user: int = 262144  # KV read leases of all connections of one uid
+    max_pinned_bytes_per_user: int = 16 << 30  # bytes of KV chunks they keep from eviction
+                                    # (charged to their writers: a reader of a shared
+                                    # namespace pinned it full for as long as she liked)
     max_chunks_per_user: int = 1 << 20  # KV chunks one uid has put, in any namespace (~2 KB each)
     max_kv_lent_per_user: int = 1 << 30  # bytes of KV copies a reading node lends one uid
     max_kv_lent: int = 4 << 30      # ... of copies lent and puts held, all uids together

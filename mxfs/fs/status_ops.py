@@ -175,7 +175,8 @@ class StatusOps:
 
         def of(uid: int) -> dict[str, int]:
             return held.setdefault(uid, {"connections": 0, "requests": 0, "pending": 0,
-                                         "pins": 0, "fds_in_flight": 0, "kv_chunks": 0,
+                                         "pins": 0, "pinned_bytes": 0, "fds_in_flight": 0,
+                                         "kv_chunks": 0,
                                          "bytes_buffered": 0, "fds_held": 0})
         for uid, n in self.listener.conns.items():
             of(uid)["connections"] = n
@@ -186,6 +187,8 @@ class StatusOps:
             of(uid)["pending"] = n
         for uid, n in self.kv.pinned_by_uid.items():
             of(uid)["pins"] = n
+        for uid, n in self.kv.pinned_bytes.items():
+            of(uid)["pinned_bytes"] = n
         for uid, n in self.kv.index.chunks_by_tenant.items():
             if n:
                 of(uid)["kv_chunks"] = n
