@@ -74,24 +74,6 @@ def test_a_look_for_writers_waits_for_the_processs_own_closing_descriptors(
         os.close(kept)
 
 
-def test_a_commits_look_waits_for_a_writer_that_lets_go_a_moment_later(
-        tmp_path: Path) -> None:
-    """A commit's look (`settle`) takes a writer that lets go just after it began as
-    gone (the kernel may put a closed writer's last reference a moment after her
-    close); any other look says what it saw, and a writer kept open is one to both."""
-    path = tmp_path / "chunk"
-    path.write_bytes(b"x" * 4096)
-    held = os.open(path, os.O_WRONLY)
-    threading.Timer(0.01, os.close, [held]).start()
-    assert not writers_remain([str(path)], settle=True)
-    held = os.open(path, os.O_WRONLY)
-    try:
-        assert writers_remain([str(path)])
-        assert writers_remain([str(path)], settle=True)
-    finally:
-        os.close(held)
-
-
 def test_wait_closed_says_whether_a_look_is_worth_taking_again(tmp_path: Path) -> None:
     closer = Closer()
     path = tmp_path / "f"
@@ -141,6 +123,42 @@ def test_a_look_waits_for_its_files_closes_as_long_as_they_move(tmp_path: Path) 
     finally:
         slow.permits.release(16)
         os.close(probe)
+
+
+def test_a_look_gives_up_on_a_hung_close_while_other_mounts_close(tmp_path: Path) -> None:
+    """A file's close that hangs (its member stopped answering) while descriptors of
+    other mounts are handed over and closed all the time: the look gives up (it took
+    their sorting for its own file's progress and waited for good)."""
+    hung, stuck = threading.Event(), set()
+
+    def close(fd: int) -> None:
+        if fd in stuck:
+            hung.wait()
+        os.close(fd)
+    closer = Closer(close)
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    probe = os.open(path, os.O_RDONLY)
+    stop = threading.Event()
+
+    def others() -> None:  # (/dev/null: another mount's)
+        while not stop.is_set():
+            closer.close([os.open("/dev/null", os.O_RDONLY)])
+            time.sleep(0.05)
+    handing = threading.Thread(target=others)
+    try:
+        file, since = fdinfo(probe), closer.closes
+        stuck.add(fd := os.open(path, os.O_WRONLY))
+        closer.close([fd])
+        handing.start()
+        assert not closer.wait_closed(file, 0.3, since)
+    finally:
+        stop.set()
+        if handing.is_alive():
+            handing.join()
+        hung.set()
+        os.close(probe)
+    assert closer.drain(10)
 
 
 def _threads_of(closer: Closer) -> list[threading.Thread]:

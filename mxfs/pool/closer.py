@@ -35,6 +35,8 @@ LINGER_S = 2.0  # an idle thread waits this long for more descriptors, then ends
 POLL_S = 0.005  # ... looking at its queue this often
 PER_MOUNT = 4  # threads closing one mount's descriptors at once
 SORT_BITE = 64  # descriptors sorted at a time (`wait_closed` sees them move)
+WAITS_MOST = 12  # `wait_closed` gives up after this many timeouts, moving or not (the
+# file's own close hung while others of its mount went on)
 SORTING = -2  # (the sorting thread's queue, among the mounts')
 UNKNOWN = -1  # a mount or inode fdinfo did not tell
 
@@ -107,9 +109,10 @@ class Closer:
         """Blocking: wait for the descriptors handed over by now that may be of `file`
         (an inode of a mount, as `fdinfo` reads them) to be closed, for as long as
         they move: given up once `timeout` passes with none of its mount closed and
-        none sorted (its member stopped answering).  A time alone was not enough: on a
-        loaded machine a commit just after the reply that sent its descriptors found
-        the daemon's copies still queued 5 s later, and was refused.  Whether some may
+        none of them sorted (its member stopped answering), or after WAITS_MOST
+        timeouts.  A time alone was not enough: on a loaded machine a commit just
+        after the reply that sent its descriptors found the daemon's copies still
+        queued 5 s later, and was refused.  Whether some may
         have been closed, all now, or any descriptor was closed after `since`
         (`closes`, read before the look that found the file open): a look worth taking
         again."""
@@ -120,18 +123,22 @@ class Closer:
                 return self._sorted >= handed and not self._may_hold(file)
             if done():
                 return self.closes > since
+            end = time.monotonic() + WAITS_MOST * timeout
             while True:
-                moved = self._moved(file)
+                moved = self._moved(file, handed)
                 if self._wait(done, timeout):
                     return True
-                if self._moved(file) == moved:
+                if self._moved(file, handed) == moved or time.monotonic() >= end:
                     return False
 
-    def _moved(self, file: File) -> tuple[int, int]:
-        """(Under the lock.)  How far the descriptors that may be of `file` have got:
-        tickets sorted, and closes of its mount (of any, where it is not told)."""
+    def _moved(self, file: File, handed: int) -> tuple[int, int]:
+        """(Under the lock.)  How far the descriptors handed over by ticket `handed`
+        that may be of `file` have got: tickets sorted (of those: later ones, handed
+        all the time, moved while a hung member's close stood still), and closes of its
+        mount (of any, where it is not told)."""
         mount = file[0]
-        return self._sorted, self.closes if mount == UNKNOWN else self._closes_of[mount]
+        return (min(self._sorted, handed),
+                self.closes if mount == UNKNOWN else self._closes_of[mount])
 
     def drain(self, timeout: float) -> bool:
         """Wait up to `timeout` for every descriptor handed over to be closed (before a
