@@ -583,8 +583,8 @@ def test_a_tenant_refilling_a_dropped_file_through_kept_descriptors_is_caught(
     """On XFS the immutable flag a held file gets stops no write through a descriptor
     opened before it: a tenant who kept her dropped file's descriptors wrote into it
     between the daemon's cuts, filled the member (another user's writes ENOSPC 94 times
-    in 94) and paid nothing.  Caught as an overdraft once she writes after a cut: her
-    creates are refused for the penalty."""
+    in 94) and paid nothing.  Caught as an overdraft once she writes after a cut,
+    REFILL_GRACE_S (5 s) after the drop: her creates are refused for the penalty."""
     from users import ensure_users, run_as
 
     alice = ensure_users()["alice"]
@@ -593,7 +593,7 @@ def test_a_tenant_refilling_a_dropped_file_through_kept_descriptors_is_caught(
         with mount_with([x0, x1]) as m:
             (m.path / "alice").mkdir()
             os.chown(m.path / "alice", alice.uid, alice.gid)
-            wrote, create = run_as(alice, REFILL_DROPPED, str(m.path / "alice"), "4")
+            wrote, create = run_as(alice, REFILL_DROPPED, str(m.path / "alice"), "8")
             assert wrote > 0  # (XFS took her writes: what this test is about)
             assert create == errno.EDQUOT
 

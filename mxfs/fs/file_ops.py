@@ -32,6 +32,7 @@ from mxfs.fs.session import (
     Handler,
     Pending,
     Session,
+    again_while_busy,
     check_pending_room,
     cut_back,
     drop_pending,
@@ -323,7 +324,8 @@ class FileOps:
             await self._drop(session, node.ino)
             raise OSError(errno.EFBIG, f"wrote past the {pending.declared} bytes declared at "
                           "create: refused, and the file's space reclaimed")
-        await settle_off_loop(uid, refuse_if_writers, self.vol, pending)
+        await again_while_busy(lambda: settle_off_loop(uid, refuse_if_writers, self.vol,
+                                                       pending))
         # No other request of this connection runs meanwhile (one at a time), so the
         # file is still this session's after the awaits.
         await settle_off_loop(uid, self.vol.settle_hidden, entry, size)

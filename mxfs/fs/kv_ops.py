@@ -48,6 +48,7 @@ from mxfs.fs.session import (
     Pending,
     Reply,
     Session,
+    again_while_busy,
     check_pending_room,
     drop_pending,
     open_hidden,
@@ -963,10 +964,10 @@ class KVOps:
                                "reclaimed)")
             return None
         uid = session.caller.uid
-        refused = overdrawn if size > pending.declared else (
-            await settle_off_loop(uid, settled) if pending.declared > ONE_MEMBER_MAX
-            else await self.calls.run_whole(
-                settled, uid, self.vol.layout(entry.node).used_members()))
+        refused = overdrawn if size > pending.declared else await again_while_busy(
+            lambda: settle_off_loop(uid, settled) if pending.declared > ONE_MEMBER_MAX
+            else self.calls.run_whole(settled, uid,
+                                      self.vol.layout(entry.node).used_members()))
         if refused is not None:
             await drop_pending(self.vol, session, entry.node.ino)
             raise refused

@@ -251,11 +251,31 @@ def chunk_paths(vol: Volume, node: Inode) -> list[str]:
     return [vol.pool.chunk_path(m, node.ino) for m in vol.layout(node).used_members()]
 
 
+# A commit refused EBUSY (a writer still holds the file) is tried again after these, on
+# the loop's clock (no thread held meanwhile): a writer's last reference may still be on
+# its way out of the kernel just after her close (an io_uring request's file, put after
+# its completion was seen), and CI saw commits refused as if a writer remained.
+SETTLE_S = (0.05, 0.25)
+
+
+async def again_while_busy(run: Callable[[], Awaitable[T]]) -> T:
+    """`run`, again SETTLE_S later each time it is refused EBUSY (`refuse_if_writers`
+    in it); the last refusal raised."""
+    for wait in (*SETTLE_S, None):
+        try:
+            return await run()
+        except OSError as e:
+            if e.errno != errno.EBUSY or wait is None:
+                raise
+        await trio.sleep(wait)
+    raise AssertionError("unreachable")
+
+
 def refuse_if_writers(vol: Volume, pending: Pending) -> None:
     """Blocking: EBUSY while any descriptor for writing the file is open, anywhere: a
     published file is sealed, and a kept descriptor would rewrite it behind its
     checksums (pool/revoke.py).  The file stays unpublished: close and commit again."""
-    if writers_remain(chunk_paths(vol, pending.entry.node), settle=True):
+    if writers_remain(chunk_paths(vol, pending.entry.node)):
         trouble = lease_trouble()
         if trouble is not None:
             raise OSError(errno.ENOLCK, f"{trouble}: whether a descriptor for writing this "

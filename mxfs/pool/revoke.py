@@ -75,13 +75,9 @@ HELD_DIR = "held"
 CLOSING_WAIT_S = 5.0  # a lease probe gives up waiting for the daemon's own closes of a
 # file after this long with none of its member's closed (`Closer.wait_closed`)
 LOOKS = 3  # ... and looks this often at most
-# A commit's look refused with none of the daemon's own descriptors of the file closing
-# is taken again after these: a writer's last reference may still be on its way out of
-# the kernel just after her close (an io_uring request's file, put after its completion
-# was seen), and CI saw commits refused as if a writer remained.
-SETTLE_S = (0.05, 0.25)
 READ_GRACE_S = 30  # how long readers of a removed file go on reading its bytes (read_grace_s)
 HELD_LOOK_MAX_S = 16  # the longest a writer-held file waits between lease probes
+REFILL_GRACE_S = 5  # a dropped file written into this long after: its writer is caught
 # A held file's name: INO.STAMP.OWNER (the tenant it counts as, kept across a restart:
 # `adopt`; INO.STAMP, root's, in pools held in before), and this where only readers
 # held it; a renew's copy under way is INO.STAMP.n.
@@ -146,13 +142,12 @@ def lease_trouble() -> str | None:
     return _no_leases
 
 
-def writers_remain(paths: Iterable[str], settle: bool = False) -> bool:
+def writers_remain(paths: Iterable[str]) -> bool:
     """Blocking: whether any of `paths` is open for writing by anyone (this process
     included: the caller holds none).  Missing files have no writers.  Where leases
     fail (disabled since the mount), True: nothing is sealed or cut under a writer
-    nobody can see.  `settle`: a commit just after its writer closed (looked at again
-    over SETTLE_S before it says yes)."""
-    return any(_lease_refused(path, fcntl.F_RDLCK, settle) for path in paths)
+    nobody can see."""
+    return any(_lease_refused(path, fcntl.F_RDLCK) for path in paths)
 
 
 def anyone_holds(path: str) -> bool:
@@ -174,7 +169,7 @@ def _open_to_probe(path: str) -> int | None:
     return -1
 
 
-def _lease_refused(path: str, lease: int, settle: bool = False) -> bool:
+def _lease_refused(path: str, lease: int) -> bool:
     """Whether the kernel refuses `lease` on `path` (someone holds it open for writing,
     for F_RDLCK; open at all, for F_WRLCK), taken and given back at once.  Any other
     failure counts as a refusal (fails closed), logged once while it lasts: it said
@@ -201,12 +196,9 @@ def _lease_refused(path: str, lease: int, settle: bool = False) -> bool:
             except BlockingIOError:
                 # (this daemon's own descriptors of it, given up and still closing, are
                 # not anyone's: looked at again once they are closed)
-                if look == LOOKS - 1:
+                if look == LOOKS - 1 or \
+                        not CLOSER.wait_closed(fdinfo(fd), CLOSING_WAIT_S, closes):
                     return True
-                if not CLOSER.wait_closed(fdinfo(fd), CLOSING_WAIT_S, closes):
-                    if not settle:
-                        return True
-                    time.sleep(SETTLE_S[look])
     except OSError as e:
         why = f"the file system of {path} takes no leases ({os.strerror(e.errno or 0)})"
         if _no_leases is None:
@@ -237,6 +229,9 @@ class Held:
         # stops no write through a descriptor opened before it, and she refilled a
         # member between cuts, others' writes ENOSPC, at no cost to her.
         self.on_refilled: Callable[[int], None] = lambda tenant: None
+        self._dropped: set[str] = set()  # ... held as her file was dropped (`hold`): the
+        # ones a write into, REFILL_GRACE_S after, is hers to answer for (not a file of
+        # a writer whose daemon died, who was never told, nor a write in flight)
         self._readable: dict[str, tuple[int, int]] = {}  # uncut reader-held: (uid, bytes)
         self.readable_by: Counter[int] = Counter()  # ... their bytes, by owner
         # Whether the owner uid may hold that many bytes more readable (the volume's
@@ -249,7 +244,7 @@ class Held:
     def hold(self, ino: int, owner: int = 0) -> int:
         """Blocking: move `ino`'s chunk files aside (cut to nothing), counted as
         `owner`'s (the writer's tenant: `held_by`); how many moved."""
-        return sum(self._hold(m, ino, cut=True, owner=owner)
+        return sum(self._hold(m, ino, cut=True, owner=owner, dropped=True)
                    for m in self.pool.local_members())
 
     def hold_read(self, ino: int, owner: int, members: Iterable[int] | None = None) -> int:
@@ -266,7 +261,8 @@ class Held:
                 moved += self._hold(m, ino, cut=writers_remain([path]), owner=owner)
         return moved
 
-    def _hold(self, m: int, ino: int, cut: bool, owner: int = 0) -> bool:
+    def _hold(self, m: int, ino: int, cut: bool, owner: int = 0, dropped: bool = False
+              ) -> bool:
         src = self.pool.chunk_path(m, ino)  # (other nodes' members are theirs to hold)
         if src in self.pool.held_in_place:  # (held already: moved aside if it can be)
             self._move_aside(src)
@@ -301,6 +297,8 @@ class Held:
             if cut:
                 self._writers[dst] = owner
                 self.held_by[owner] += 1
+                if dropped:
+                    self._dropped.add(dst)
         return True
 
     def _hold_in_place(self, m: int, src: str, writer: int | None, err: OSError) -> bool:
@@ -361,6 +359,7 @@ class Held:
         self._let_go(path)
         self._due.pop(path, None)
         with self._lock:
+            self._dropped.discard(path)
             owner = self._writers.pop(path, None)
             if owner is not None:
                 self.held_by[owner] -= 1
@@ -557,8 +556,9 @@ class Held:
         set_immutable(path, False)
         if not writers_remain([path]):
             return False
-        if grew and due:  # (written after a look found it cut: no write in flight at
-            self.on_refilled(_owner(path))  # the drop, a writer keeping on: caught)
+        if grew and due and path in self._dropped and \
+                now - _stamp(path) > REFILL_GRACE_S * 10**9:  # (a writer keeping on)
+            self.on_refilled(_owner(path))
         os.truncate(path, 0)
         if path not in self.pool.held_in_place:  # (a live chunk path: cut, never frozen)
             set_immutable(path, True)
