@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from conftest import (
 )
 
 from mxfs.client import ControlClient, ControlError
-from mxfs.proto import HEADER, VERSION
+from mxfs.proto import HEADER, VERSION, recv_message
 
 pytestmark = [
     pytest.mark.skipif(not HAVE_FUSE, reason="needs root and /dev/fuse"),
@@ -283,6 +284,30 @@ def test_one_users_open_files_leave_the_daemons_descriptors_to_others(
         finally:
             hog.kill()
             hog.wait()
+
+
+def test_a_request_sent_whole_while_the_daemon_was_stopped_is_served(tmp_path: Path) -> None:
+    """A request whose bytes all arrived while the daemon itself was stopped (SIGSTOP,
+    a VM paused) past frame_timeout: the daemon was the late one, and its sender is
+    served, not closed as a slow sender (CI: a node test's stopped daemon blamed its
+    client)."""
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mount_with(members, "frame_timeout=1") as m:
+        pid = m.daemon_pid()
+        s = raw_socket(m)
+        body = json.dumps({"op": "hello", "id": 7}).encode()
+        s.sendall(HEADER.pack(b"MXFS", VERSION, 0, len(body)) + body[:5])
+        time.sleep(0.3)  # (its header read: the frame's time runs)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            s.sendall(body[5:])
+            time.sleep(2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        reply = recv_message(s)[0]
+        assert reply["ok"] and reply["id"] == 7
+        s.close()
 
 
 def test_idle_half_sent_and_stalled_connections_are_closed(tmp_path: Path) -> None:

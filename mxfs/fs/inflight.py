@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import fcntl
+import select
 import termios
 from typing import Any
 
@@ -30,6 +31,14 @@ def unread_bytes(sock: Any) -> int:
     except OSError:
         return 0
     return buf[0]
+
+
+def readable_now(sock: Any) -> bool:
+    """Whether the peer's bytes, or its close, wait to be read now (no waiting)."""
+    try:
+        return bool(select.select([sock.fileno()], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
 
 
 async def park(sock: Any) -> None:
