@@ -1322,13 +1322,34 @@ print(json.dumps(sorted(done)), flush=True)
 """
 
 
+@contextlib.contextmanager
+def _beside(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """`script` running as bob beside the test (stdin and stdout piped, lines told with
+    `_tell`), killed after whatever happened."""
+    from users import as_user
+
+    proc = subprocess.Popen(as_user(ensure_users()["bob"], script, *args),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _tell(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
 def test_a_users_waits_on_others_claims_leave_her_turns_to_her_other_requests(
         pool: Mounted) -> None:
     """A kv_wait on keys another user claimed held one of its caller's turns until the
     keys were put (up to a minute): eight such waits, and every other request of hers
     (any namespace, any file) waited behind them.  A wait now steps out of her turns
     while it waits."""
-    from users import as_user
 
     bob = ensure_users()["bob"]
     ns = "claimed-by-root"
@@ -1337,24 +1358,17 @@ def test_a_users_waits_on_others_claims_leave_her_turns_to_her_other_requests(
         root.call("kv_ns_create", namespace=ns, mode=0o755)
         assert root.call("kv_claim", namespace=ns, keys=keys, ms=60000)["state"] == \
             ["yours"] * 8
-        proc = subprocess.Popen(as_user(bob, WAITS_ON_CLAIMS, str(pool.path), ns),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
+        with _beside(WAITS_ON_CLAIMS, str(pool.path), ns) as proc:
             def waiting() -> int:
                 by_user = root.stat()["limits"]["by_user"]
                 return int(by_user.get(str(bob.uid), {}).get("requests", 0))
             assert eventually(lambda: waiting() == 8)  # (all eight in the daemon)
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+            _tell(proc, "go")
             assert json.loads(proc.stdout.readline()) == {"exists": [False], "waits_done": 0}
             root.call("kv_put", namespace=ns, keys=keys,
                       data=[base64.b64encode(b"v").decode()] * 8)
             assert json.loads(proc.stdout.readline()) == [True] * 8
             assert proc.wait(30) == 0
-        finally:
-            proc.kill()
-            proc.wait()
         root.call("kv_ns_remove", namespace=ns)
 
 
@@ -1374,7 +1388,6 @@ def test_a_reader_shut_out_of_a_namespace_loses_her_leases_in_it(pool: Mounted) 
     out (chmod, chgrp) kept hers for as long as her connection stayed open: chunks she
     could no longer get held the namespace past its capacity, charged to their writers.
     They end with her right to read now, as presence tables do."""
-    from users import as_user
 
     bob = ensure_users()["bob"]
     ns = "shut-out"
@@ -1386,10 +1399,7 @@ def test_a_reader_shut_out_of_a_namespace_loses_her_leases_in_it(pool: Mounted) 
     with ControlClient(str(pool.path)) as root:
         root.call("kv_ns_create", namespace=ns, mode=0o755)
         root.call("kv_put", namespace=ns, keys=["aw=="], data=["dg=="])
-        proc = subprocess.Popen(as_user(bob, PINS_A_SHARED_CHUNK, str(pool.path), ns),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
+        with _beside(PINS_A_SHARED_CHUNK, str(pool.path), ns) as proc:
             assert json.loads(proc.stdout.readline()) == [True]
             assert pinned() == (1, 1)
             root.call("kv_ns_set", namespace=ns, mode=0o754)  # (read kept: he keeps it)
@@ -1397,13 +1407,9 @@ def test_a_reader_shut_out_of_a_namespace_loses_her_leases_in_it(pool: Mounted) 
             root.call("kv_ns_set", namespace=ns, mode=0o700)
             assert pinned() == (0, 0)  # (her connection still open)
             assert root.call("kv_evict", namespace=ns, keep=0)["evicted"] == 1
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+            _tell(proc, "go")
             assert json.loads(proc.stdout.readline()) == [errno.ENOENT] * 2
             assert proc.wait(30) == 0
-        finally:
-            proc.kill()
-            proc.wait()
         assert pinned()[0] == 0
         root.call("kv_ns_remove", namespace=ns)
 
@@ -1422,16 +1428,10 @@ def test_a_writer_shut_out_of_a_namespace_loses_her_claims_in_it(pool: Mounted) 
     """A claim tells every other writer of its key "busy" and holds their waits.  A
     writer the owner shut out kept hers for up to a minute, on keys she could no
     longer put; they end with her right to write."""
-    from users import as_user
-
-    bob = ensure_users()["bob"]
     ns = "shut-out-claims"
     with ControlClient(str(pool.path)) as root:
         root.call("kv_ns_create", namespace=ns, mode=0o777)
-        proc = subprocess.Popen(as_user(bob, CLAIMS_A_SHARED_KEY, str(pool.path), ns),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
+        with _beside(CLAIMS_A_SHARED_KEY, str(pool.path), ns) as proc:
             assert json.loads(proc.stdout.readline()) == ["yours"]
             root.call("kv_ns_set", namespace=ns, mode=0o757)  # (write kept: she keeps it)
             assert root.call("kv_claim", namespace=ns, keys=["aw=="], ms=1)["state"] == \
@@ -1439,12 +1439,8 @@ def test_a_writer_shut_out_of_a_namespace_loses_her_claims_in_it(pool: Mounted) 
             root.call("kv_ns_set", namespace=ns, mode=0o755)
             assert root.call("kv_claim", namespace=ns, keys=["aw=="], ms=1)["state"] == \
                 ["yours"]  # (her connection still open)
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+            _tell(proc, "go")
             assert proc.wait(30) == 0
-        finally:
-            proc.kill()
-            proc.wait()
         root.call("kv_ns_remove", namespace=ns)
 
 
@@ -1485,7 +1481,6 @@ def test_gets_in_flight_when_a_reader_is_shut_out_leave_her_no_leases(
     judged before the chmod and waiting on its opens meanwhile had nothing for the
     chmod to end, then leased (and handed out) what he could read no more: 128 leases
     kept.  A get is judged again once its opens are done."""
-    from users import as_user
 
     bob = ensure_users()["bob"]
     ns = "shut-out-in-flight"
@@ -1495,27 +1490,19 @@ def test_gets_in_flight_when_a_reader_is_shut_out_leave_her_no_leases(
         for i in range(0, 1024, 64):
             root.call("kv_put", namespace=ns, keys=keys[i:i + 64],
                       data=[base64.b64encode(os.urandom(8192)).decode()] * 64)
-        proc = subprocess.Popen(as_user(bob, PINNED_GETS, str(pool.path), ns),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
+        with _beside(PINNED_GETS, str(pool.path), ns) as proc:
             assert proc.stdout.readline() == "going\n"
             time.sleep(1)
             root.call("kv_ns_set", namespace=ns, mode=0o700)
             time.sleep(0.5)
-            proc.stdin.write("stop\n")
-            proc.stdin.flush()
+            _tell(proc, "stop")
             got = json.loads(proc.stdout.readline())
             assert got["ok"] and got["refused"], got
             (stats,) = root.call("kv_stats", namespace=ns)["namespaces"]
             by_user = root.stat()["limits"]["by_user"]
             assert (stats["pinned"], by_user.get(str(bob.uid), {}).get("pins", 0)) == (0, 0)
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+            _tell(proc, "go")
             assert proc.wait(30) == 0
-        finally:
-            proc.kill()
-            proc.wait()
         root.call("kv_ns_remove", namespace=ns)
 
 
