@@ -15,6 +15,10 @@ log=$(mktemp)
 # process that imports a module edited since.
 unset PYTHONDONTWRITEBYTECODE
 "$venv/bin/python" -m compileall -q mxfs tools >/dev/null
+# Two workers, the engines beside them and the daemons they start share the CPUs: torch's
+# OpenMP threads, one a CPU in every process, spin waiting for each other and take CPU
+# the others need (the whole run is CPU-bound).  One each.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 (
   set -e
   make --no-print-directory ENGINES="$engines" VENV="$venv" engines lint-engines
