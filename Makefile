@@ -12,7 +12,7 @@ ENGINES ?= .venv-engines
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml tools/install.sh
+$(VENV)/.installed: pyproject.toml tools/install.sh tools/checkout_path.sh
 	bash tools/install.sh $(VENV)
 	touch $@
 

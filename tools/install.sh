@@ -43,9 +43,5 @@ fi
 "$venv/bin/python" -c "import torch" 2>/dev/null || \
   "$venv/bin/python" -m pip install -q --no-compile torch==2.13.0
 "$venv/bin/python" -m pip install -q --no-compile -e ".[test,bench]"
-# This checkout on the path itself: a script run from the folder that holds the clone
-# (named mxfs by git clone) would otherwise import the clone's root as a namespace
-# package instead of the editable install.
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-pwd > "$site/mxfs-checkout.pth"
+bash tools/checkout_path.sh "$venv"
 echo "install.sh: ready ($("$venv/bin/python" -c 'import pyfuse3, torch; print("pyfuse3", pyfuse3.__version__, "torch", torch.__version__)'))"

@@ -28,6 +28,7 @@ pip_q install --no-compile -c "$cons" torch==2.13.0 orjson psutil pybase64 reque
 # to load beside the CPU wheel; vLLM and SGLang import them only for vision and audio.
 pip_q uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip_q install --no-compile -c "$cons" torch==2.13.0 -e ".[test]"
+bash tools/checkout_path.sh "$venv"
 if ! "$py" -c "import torch, vllm, sglang.srt.mem_cache.hicache_storage, \
 lmcache.v1.distributed.l2_adapters.base" >/dev/null 2>&1; then
   echo "install_engines.sh: the engines do not import in $venv; see: $py -c 'import vllm'" >&2
