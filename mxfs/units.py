@@ -21,6 +21,7 @@ _SIZE = re.compile(r"^\s*([0-9]+)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$")
 # The largest size anything here stores or sends (a signed 64-bit integer: the store's
 # columns, the control protocol's integers).
 MAX_SIZE = 2**63 - 1
+BENCH_MIN_SIZE = 1 << 20  # the smallest file `mxfs bench` and its gates measure with
 # Digits a fraction may have and still be a whole number of bytes: no suffix is more than
 # 2^40, and k/2^40 needs at most 40 decimal places (trailing zeros aside).
 _FRACTION_DIGITS = 40

@@ -292,3 +292,20 @@ def test_demo_leaves_no_dir_it_made(tmp_path: Path) -> None:
     assert "the demo needs" in line, line
     assert os.listdir(tmp_path) == []  # (neither folder it made for --dir is left)
 
+
+
+# ---- what a command loads ------------------------------------------------------------
+
+@pytest.mark.unit
+def test_commands_that_open_no_pool_load_no_store_pool_or_torch() -> None:
+    """Every `mxfs` command builds the whole parser: a module it names that loads the
+    pool, the metadata store or torch at import made `mxfs umount` and `mxfs status`
+    (run by scripts and tests some thousands of times) pay for them each time."""
+    probe = ("import sys\nfrom mxfs.cli.main import build_parser\n"
+             "build_parser().parse_args(['umount', '/nowhere'])\n"
+             "print(' '.join(sorted(m for m in ('mxfs.pool', 'mxfs.meta', 'mxfs.vol', "
+             "'mxfs.io', 'torch', 'mxfs.fs') if m in sys.modules)))")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [], res.stdout

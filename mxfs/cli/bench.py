@@ -30,13 +30,12 @@ from typing import Any
 from mxfs.cli.measure import drop_caches, read_file, write_file
 from mxfs.errors import MxfsError, UsageError
 from mxfs.io import ReadOp, WriteOp, read_batch, write_batch
-from mxfs.units import format_size
+from mxfs.units import BENCH_MIN_SIZE, format_size
 
 SEGMENT = 16 << 20
 BLOCK = 8 << 20
 # The least bytes per step: each member's share must hold something, or its figure is
 # 0 GB/s and the ratios divide by it.
-MIN_SIZE = 1 << 20
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -69,9 +68,9 @@ class Run:
     """One validation run on the pool mounted at `mnt`."""
 
     def __init__(self, mnt: str, members: list[str], size: int, repeat: int) -> None:
-        if repeat < 1 or size < MIN_SIZE:  # (the parsers refuse them: this is for callers)
+        if repeat < 1 or size < BENCH_MIN_SIZE:  # (the parsers refuse them: for callers)
             raise UsageError(f"a bench run of {repeat} rounds of {size} bytes measures nothing",
-                             f"give at least 1 round of at least {format_size(MIN_SIZE)}")
+                             f"give at least 1 round of at least {format_size(BENCH_MIN_SIZE)}")
         self.mnt, self.members, self.size, self.repeat = mnt, members, size, repeat
         self.work = os.path.join(mnt, f".mxfs-bench-{os.getpid()}")
         self.rounds: list[dict[str, float]] = []

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from mxfs.cli.node_cmd import member_spec
 from mxfs.errors import MxfsError
-from mxfs.meta import lease
 from mxfs.units import size_arg
 
 if TYPE_CHECKING:  # (imported when run: the command starts without the daemon's code)
@@ -41,6 +40,7 @@ def _open_pool_offline(spec: str, repair: bool) -> Volume:
 
 def cmd_fsck(args: argparse.Namespace) -> int:
     from mxfs.admin.fsck import fsck
+    from mxfs.meta import lease
 
     vol = _open_pool_offline(args.pool, args.repair)
     try:

@@ -22,15 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from mxfs.errors import MxfsError, UsageError
-from mxfs.units import count_arg, finite_arg, fraction_arg, size_arg
+from mxfs.units import BENCH_MIN_SIZE, count_arg, finite_arg, fraction_arg, size_arg
 
 SOAK = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
 
 
 def add_options(v: argparse.ArgumentParser) -> None:
-    from mxfs.cli.bench import MIN_SIZE
-
-    v.add_argument("--g2-size", type=size_arg(MIN_SIZE), default=256 << 20,
+    v.add_argument("--g2-size", type=size_arg(BENCH_MIN_SIZE), default=256 << 20,
                    help="bytes per step of the G2 run (default 256MiB, at least 1MiB)")
     v.add_argument("--g2-repeat", type=count_arg(1, 1000), default=3)
     v.add_argument("--baseline", help="an earlier G2 folder (mxfs bench run --out) to hold to")

@@ -23,7 +23,6 @@ from typing import Any, NoReturn
 
 from mxfs import __version__
 from mxfs.errors import MxfsError, UsageError
-from mxfs.pool.pool import pool_totals
 from mxfs.proto.constants import LAYOUT_XATTR
 from mxfs.text import shown
 from mxfs.units import count_arg, finite_arg, format_size, parse_size
@@ -331,6 +330,8 @@ def _format_status(s: dict[str, Any]) -> str:
             continue
         lines.append(f"  member {m['index']}: {m['path']}  {format_size(m['used'])} used of "
                      f"{format_size(m['size'])}, {format_size(m['free'])} free")
+    from mxfs.pool.pool import pool_totals
+
     total = pool_totals(s["members"])  # members sharing a disk count once
     lines.append(f"  capacity {format_size(total['size'])}, {format_size(total['free'])} free")
     if s.get("degraded"):

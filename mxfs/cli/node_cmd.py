@@ -16,15 +16,15 @@ import contextlib
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mxfs.errors import MxfsError
-from mxfs.meta import MetaStore, Unusable, lease, location
-from mxfs.pool.key import install_key, key_id, read_key
-from mxfs.pool.node_config import NODE_NAME, NodeConfig, write_node_config
-from mxfs.pool.pool import format_node_members
-from mxfs.pool.superblock import Superblock, check_label
-from mxfs.vol.volume import KEY_ID_KEY, MEMBERS_KEY
+
+if TYPE_CHECKING:
+    from mxfs.meta import MetaStore
+
+# (The store, the pool and the volume are imported by the commands that use them: every
+# `mxfs` command builds this module's parsers, and most never open a store.)
 
 
 def member_spec(stat: Mapping[str, Any], what: str) -> str:
@@ -40,6 +40,8 @@ def member_spec(stat: Mapping[str, Any], what: str) -> str:
 def _open_store(url: str, readonly: bool = True) -> MetaStore:
     """The pool's store on its server.  Never a local path: a folder is a pool's own
     SQLite store (a mounted pool's live one, perhaps), which nodes do not share."""
+    from mxfs.meta import MetaStore, Unusable, location
+
     if not location.is_server(url):
         raise MxfsError(f"{url} is not a metadata server's URL",
                         "give the pool's postgresql:// URL (mxfs status on the writer node)")
@@ -54,6 +56,12 @@ def _open_store(url: str, readonly: bool = True) -> MetaStore:
 
 
 def cmd_node_add(args: argparse.Namespace) -> int:
+    from mxfs.meta import lease, location
+    from mxfs.pool.key import install_key, key_id, read_key
+    from mxfs.pool.node_config import NODE_NAME, NodeConfig, write_node_config
+    from mxfs.pool.superblock import check_label
+    from mxfs.vol.volume import KEY_ID_KEY, MEMBERS_KEY
+
     if not NODE_NAME.fullmatch(args.name):
         raise MxfsError(f"node name {args.name!r} is not one",
                         "use letters, digits, '.', '_' and '-' (at most 63)")
@@ -99,6 +107,9 @@ def _own_members(known: Mapping[str, Any], name: str, given: list[str], pool: st
                  ) -> list[str]:
     """The member folders this node holds (made members of the pool if they are not
     yet), as many as the pool gives it (`mxfs mkfs --member NAME:PATH`)."""
+    from mxfs.pool.pool import format_node_members
+    from mxfs.pool.superblock import Superblock
+
     indices = [i for i, owner in enumerate(known.get("owners") or []) if owner == name]
     if len(given) != len(indices):
         where = ", ".join(map(str, indices))
@@ -119,6 +130,8 @@ def _own_members(known: Mapping[str, Any], name: str, given: list[str], pool: st
 
 
 def cmd_node_remove(args: argparse.Namespace) -> int:
+    from mxfs.meta import lease
+
     with contextlib.closing(_open_store(args.meta, readonly=False)) as store:
         for n in lease.nodes(store):
             if n["name"] != args.name or n["role"] != "reader":

@@ -11,9 +11,8 @@ import time
 from typing import Any
 
 from mxfs.errors import MxfsError
-from mxfs.pool.pool import pool_totals
 from mxfs.proto.messages import DF, METRICS, MetricsReply
-from mxfs.units import count_arg, finite_arg, format_size, size_arg
+from mxfs.units import BENCH_MIN_SIZE, count_arg, finite_arg, format_size, size_arg
 
 # The longest wait between two samples of `mxfs top` (an hour): a longer one is a typo.
 MAX_INTERVAL_S = 3600.0
@@ -40,6 +39,8 @@ def shown_use(use: dict[str, int], used: int) -> tuple[dict[str, int], bool]:
 def cmd_df(args: argparse.Namespace) -> int:
     with _client(args.mount) as c:
         info = c.request(DF())
+    from mxfs.pool.pool import pool_totals
+
     members, use = info["members"], info["by_use"]
     pool = pool_totals(members)
     shown, scaled = shown_use(use, pool["used"])
@@ -162,14 +163,12 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from mxfs.cli.bench import MIN_SIZE
-
     s = sub.add_parser("bench", help="a validation run with a report, or two runs compared")
     verbs = s.add_subparsers(dest="verb", required=True, parser_class=type(s))
     v = verbs.add_parser("run", help="measure a mounted pool (default: a scratch demo pool)")
     v.add_argument("target", nargs="?", help="a mount point")
     v.add_argument("--out", required=True, help="folder for report.md, results.json, PNGs")
-    v.add_argument("--size", type=size_arg(MIN_SIZE), default=1 << 30,
+    v.add_argument("--size", type=size_arg(BENCH_MIN_SIZE), default=1 << 30,
                    help="bytes per step (default 1GiB, at least 1MiB)")
     v.add_argument("--repeat", type=count_arg(1, 1000), default=3,
                    help="rounds; medians are reported (default 3)")
