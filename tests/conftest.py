@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import socket
@@ -162,6 +163,19 @@ def mxfs(*args: str, check: bool = True, timeout: float = 120) -> subprocess.Com
     return res
 
 
+def cli(*args: str) -> tuple[int, str]:
+    """The CLI's own code (`mxfs.cli.main`) run in this process: (exit code, what it
+    printed to stderr).  For fixtures that make and unmount a pool some hundreds of
+    times a run, where a Python process started for each (its imports) was a tenth of
+    the suite's CPU.  Tests of the CLI itself run it as a user does (`mxfs`)."""
+    from mxfs.cli.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, err.getvalue()
+
+
 def _not_in_a_unit() -> None:
     assert not os.environ.get("MXFS_TEST_UNIT"), \
         "a unit test mounts a pool: its module belongs in another layer (conftest.LAYERS)"
@@ -221,7 +235,8 @@ def mkfs(members: list[str], unit: str = "64KiB", *extra: str) -> None:
     args = ["mkfs", "--stripe-unit", unit]
     for m in members:
         args += ["--member", m]
-    mxfs(*args, *extra)
+    code, err = cli(*args, *extra)
+    assert code == 0, f"mxfs {' '.join(args + list(extra))} failed ({code}): {err}"
 
 
 def is_mounted(path: str) -> bool:
@@ -346,7 +361,7 @@ def kill_daemon(m: Mounted) -> None:
 def unmount_and_check(m: Mounted) -> None:
     """Unmount; a pool that unmounted cleanly must then be sound (`check_pool`): every
     mount test ends checked, so a test that leaves damage behind fails where it made it."""
-    clean = is_mounted(str(m.path)) and mxfs("umount", str(m.path), check=False).returncode == 0
+    clean = is_mounted(str(m.path)) and cli("umount", str(m.path))[0] == 0
     force_unmount(str(m.path))
     if clean and m.check:
         check_pool(m.members)
