@@ -13,6 +13,7 @@ import pytest
 from conftest import make_members, mkfs
 
 from mxfs.meta import ROOT_INO
+from mxfs.meta import inode_cache
 from mxfs.meta import store as meta_store
 from mxfs.vol.volume import Volume
 
@@ -115,6 +116,53 @@ def test_memory_past_its_limit_lets_inodes_go_a_few_at_a_time(
         assert entry.node.nlink == 0
         vol.release(held.ino)
         store.flush(dirty)
+    finally:
+        store.close()
+
+
+def _targets_held(store: Any) -> int:
+    return sum(len(n.target or b"") for n in store._cache.values())
+
+
+@pytest.mark.parametrize("sole", [True, False])
+def test_symlink_targets_in_memory_are_bounded_by_their_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sole: bool) -> None:
+    """A symlink's target is up to 4 KiB: a tenant's 200,000 of them, each read once,
+    held 800 MiB of the daemon everyone shares while memory counted inodes alone.  Past
+    its bytes the least recently used go as past its count; what went reads back from
+    the rows, and the count of bytes held stays that of the targets held."""
+    monkeypatch.setattr(inode_cache, "TARGET_BYTES", 64 * 4000)
+    members = make_members(tmp_path, 2)
+    mkfs(members)
+    vol = Volume.open(members[0])
+    store = vol.store
+    store.sole_writer(sole)
+    try:
+        targets = {}
+        for i in range(300):
+            target = (b"t%03d/" % i) * 800  # (4,000 bytes)
+            node = store.create(ROOT_INO, b"s%d" % i, stat.S_IFLNK | 0o777, ALICE, ALICE,
+                                target=target)
+            targets[node.ino] = target
+            assert _targets_held(store) <= 64 * 4000, "memory ran past its bytes"
+        store.commit()
+        plain = _files(vol, 20)
+        for ino in list(targets) + plain:
+            store.forget(ino)
+        for ino, target in targets.items():
+            assert store.get(ino).target == target
+            assert _targets_held(store) <= 64 * 4000
+            assert store._cache.target_bytes == _targets_held(store)
+        assert len(store._cache) < 100  # (their count alone let all 300 stay)
+        assert next(iter(targets)) not in store._cache  # (the least recently used went)
+        for ino in targets:
+            store.forget(ino)
+        entries = store.readdir(ROOT_INO, 0)  # (read in one go: `_load`)
+        assert {e.inode.ino: e.inode.target for e in entries if e.inode.target} == targets
+        assert _targets_held(store) <= 64 * 4000
+        assert store._cache.target_bytes == _targets_held(store)
+        store.unlink(ROOT_INO, b"s0")
+        store.commit()
     finally:
         store.close()
 

@@ -37,7 +37,6 @@ import errno
 import logging
 import stat
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -46,6 +45,7 @@ from mxfs.meta import location
 from mxfs.meta.engine import Conflict, Engine, fail
 from mxfs.meta.feed_notes import Noted
 from mxfs.meta.inode import ROOT_INO, Entry, Inode, LayoutPicker
+from mxfs.meta.inode_cache import InodeCache
 from mxfs.meta.kv_rows import KVRows
 from mxfs.meta.names import check_name
 from mxfs.meta.schema import INODE_COLUMNS
@@ -74,7 +74,7 @@ class MetaStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         # The inodes in memory, least recently used first (`_evict`).
-        self._cache: OrderedDict[int, Inode] = OrderedDict()
+        self._cache = InodeCache()
         # Inodes held open (the volume's handles hold these objects): never dropped from
         # memory, or a later change would go to a copy the handle never sees (a trim
         # at the limit split one inode in two: a size written back, an unlink unseen).
@@ -302,21 +302,22 @@ class MetaStore:
             # (setdefault: a store reading beside this one (`read_beside`) may have
             # made it meanwhile; every holder must have the one object)
             node = cache.setdefault(ino, Inode(*row))
-            if len(cache) > _CACHE_LIMIT:
+            if cache.over(_CACHE_LIMIT):
                 self._evict()
         for name, value in zip(INODE_COLUMNS, row, strict=True):
             setattr(node, name, value)
         return node
 
     def _evict(self) -> None:
-        """Memory past `_CACHE_LIMIT` inodes: the least recently used let go of, a few
+        """Memory past `_CACHE_LIMIT` inodes (or their symlink targets past
+        `inode_cache.TARGET_BYTES`): the least recently used let go of, a few
         for each inode read in (so memory stays at the limit), those with unsaved changes
         (`dirty`) or held open kept and moved to the recent end.  A pass over them all at
         the limit held the daemon's one thread 160-240 ms for 200,000 inodes, and any
         user's walk of her tree came back to it."""
         cache, held = self._cache, self.held
         for _ in range(_EVICT_LOOK):
-            if len(cache) <= _CACHE_LIMIT:
+            if not cache.over(_CACHE_LIMIT):
                 return
             try:
                 ino = next(iter(cache))
@@ -673,7 +674,7 @@ class MetaStore:
                      rdev, target, unit, width, first)
         self.engine.put("inodes", {c: getattr(node, c) for c in INODE_COLUMNS})
         self._cache[ino] = node
-        if len(self._cache) > _CACHE_LIMIT:
+        if self._cache.over(_CACHE_LIMIT):
             self._evict()
         self._journal.append((node, _BORN, None))
         self._sole.born()
@@ -916,7 +917,7 @@ class MetaStore:
             return
         for row in self.engine.get_many("inodes", "ino", missing, INODE_COLUMNS):
             cache.setdefault(row[0], Inode(*row))
-            if len(cache) > _CACHE_LIMIT:
+            if cache.over(_CACHE_LIMIT):
                 self._evict()
 
     # ---- xattrs ----------------------------------------------------------
