@@ -72,6 +72,59 @@ def test_a_create_holds_what_its_first_member_may_get_of_the_metadata_member(
         c.call("abort", ino=made["ino"])
 
 
+def _fill_up(folder: Path) -> None:
+    """Fill the filesystem that holds `folder` with a file beside the pool's (to ENOSPC)."""
+    with open(folder / "not-the-pools", "wb") as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+
+
+@pytest.mark.daemon_log(r"is full: released the metadata reserve")
+def test_a_pool_whose_metadata_member_filled_up_while_unmounted_mounts(
+        tmp_path: Path) -> None:
+    """Member 0 filled up (by something else on its filesystem) while the pool was not
+    mounted: the mount gives the store its reserve back and goes on, so that users can
+    free space through it.  With no reserve to give, the mount is refused in one line
+    that says the member is full, and the store stays as it is: a mount said the store
+    was "unreadable (disk I/O error)" and, where a backup was found, would have put it
+    in the store's place, losing every change made since."""
+    with ext4_image(tmp_path, "m0", 64) as m0:
+        members = [str(Path(m0) / "pool"), str(tmp_path / "m1")]
+        for m in members:
+            os.mkdir(m)
+        mkfs(members)
+        with mounted_pool(members) as m:
+            (m.path / "kept").write_bytes(b"k" * 100_000)
+            (m.path / "old").mkdir()
+        _fill_up(Path(m0))
+        with mounted_pool(members) as m:
+            assert (m.path / "kept").read_bytes() == b"k" * 100_000
+            os.unlink(m.path / "kept")  # (a change that gives space back commits)
+        os.unlink(Path(m0) / "not-the-pools")
+        with mounted_pool(members) as m:
+            assert sorted(os.listdir(m.path)) == ["old"]
+            (m.path / "new").mkdir()
+        os.unlink(Path(m0) / "pool" / "meta" / "reserve")  # (none to give back)
+        _fill_up(Path(m0))
+        store = Path(m0) / "pool" / "meta" / "mxfs.db"
+        before = store.read_bytes()
+        (tmp_path / "mnt").mkdir()
+        res = mxfs("mount", members[0], str(tmp_path / "mnt"), check=False)
+        line = one_line_error(res)
+        assert res.returncode != 0 and "is full" in line and "free space" in line, line
+        assert store.read_bytes() == before
+        assert not [p for p in store.parent.iterdir() if ".replaced-" in p.name]
+        os.unlink(Path(m0) / "not-the-pools")
+        with mounted_pool(members) as m:
+            assert sorted(os.listdir(m.path)) == ["new", "old"]
+
+
 def test_full_member_gives_enospc_and_harms_nothing(loop_pool: Mounted) -> None:
     mp, loop_members = loop_pool.path, loop_pool.members
     keeper = os.urandom(4 << 20)

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 from conftest import make_members, mkfs
 
-from mxfs.meta import ROOT_INO
-from mxfs.meta import inode_cache
+from mxfs.meta import ROOT_INO, inode_cache
 from mxfs.meta import store as meta_store
 from mxfs.vol.volume import Volume
 

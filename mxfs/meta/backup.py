@@ -12,6 +12,7 @@ the start: it holds every file name and xattr of the pool, whatever its modes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from mxfs.meta.engine import Unusable
 from mxfs.meta.sqlite_engine import DB_NAME, SqliteEngine, file_problem
+from mxfs.meta.sqlite_space import Reserve
 from mxfs.meta.store import MetaStore
 
 log = logging.getLogger("mxfs.meta")
@@ -153,14 +155,23 @@ def install(source: str, meta_dir: str) -> str:
 def recover(where: str, pool_uuid: str, folders: list[str]) -> str | None:
     """If the store at `where` is missing or damaged, put the newest good copy from
     `folders` in its place and say which (None: the store is sound).  `Unusable` when
-    no good copy exists.  Only the embedded store keeps copies.  Every mount runs this:
-    a store its daemon closed clean is not read page by page (`file_problem`), or the
+    no good copy exists; OSError(ENOSPC) when the store cannot be read because its
+    member is full (the reserve given back first), which no copy would mend.  Only the
+    embedded store keeps copies.  Every mount runs this: a store its daemon closed
+    clean is not read page by page (`file_problem`), or the
     mount took longer the more tenants stored."""
     primary = os.path.join(where, DB_NAME)
+    room = Reserve(primary)
+    if room.short():
+        room.release()  # (opening the store takes a few pages: its -shm, its -wal)
     why = problem(primary, pool_uuid, thorough=False) if os.path.exists(primary) \
         else "missing"
     if why is None:
         return None
+    if why.startswith("unreadable") and room.short():
+        # A full member, not a damaged store: a backup put in its place would have lost
+        # every change made since it was taken.
+        raise OSError(errno.ENOSPC, f"the metadata member of {primary} is full")
     good = newest_good(folders, pool_uuid)
     if good is None:
         raise Unusable(f"metadata store {primary} is {why} and no good backup was found")

@@ -9,6 +9,7 @@ in it, `meta/lease.py`, since a server is reached from every node.)
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -21,6 +22,7 @@ from mxfs.errors import MxfsError
 from mxfs.pool.pool import Pool
 
 LOCK_NAME = "daemon.lock"
+LOCK_BYTES = 4096  # the holder's name, padded (`write_lock_info`); what readers read
 
 
 def take_pool_lock(pool: Pool, who: str, mountpoint: str | None = None,
@@ -51,10 +53,22 @@ def take_pool_lock(pool: Pool, who: str, mountpoint: str | None = None,
     return fd
 
 
-def release_pool_lock(fd: int) -> None:
-    """Forget the holder, then let go of the lock."""
+def make_pool_lock(pool: Pool) -> None:
+    """The lock file, its block taken, as mkfs makes the pool (`write_lock_info`)."""
+    fd = os.open(os.path.join(pool.meta_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
     try:
-        os.ftruncate(fd, 0)
+        write_lock_info(fd, None)
+    finally:
+        os.close(fd)
+
+
+def release_pool_lock(fd: int) -> None:
+    """Forget the holder (its block kept: `write_lock_info`), then let go of the lock."""
+    try:
+        write_lock_info(fd, None)
+    except (OSError, MxfsError):
+        pass  # (the flock goes with the descriptor: a stale name is only a name)
     finally:
         os.close(fd)
 
@@ -69,11 +83,32 @@ def pool_lock(pool: Pool, who: str) -> Iterator[None]:
         release_pool_lock(fd)
 
 
-def write_lock_info(fd: int, info: dict[str, Any]) -> None:
+def write_lock_info(fd: int, info: dict[str, Any] | None) -> None:
+    """Name the holder (None: nobody) in LOCK_BYTES, padded, written over in place:
+    the file keeps its block, so that a metadata member that filled up since is still
+    mounted (and its users can free space through the mount); truncated and written
+    again, it took a new block, and a full member refused every mount and tool."""
     if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
         os.fchmod(fd, 0o600)  # made by an older version: private from now on
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(info).encode(), 0)
+    data = json.dumps(info).encode() if info is not None else b""
+    data = data.ljust(LOCK_BYTES)  # (JSON allows the spaces after it)
+    try:
+        os.pwrite(fd, data, 0)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise MxfsError(f"the pool's metadata member is full: its lock {_path_of(fd)} "
+                        "cannot be written", "free space on that filesystem (remove files "
+                        "there that are not the pool's, or grow it)") from None
+    if os.fstat(fd).st_size > len(data):  # (a longer holder's name before)
+        os.ftruncate(fd, len(data))
+
+
+def _path_of(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"({LOCK_NAME})"
 
 
 def describe_holder(holder: dict[str, Any] | None) -> str:
@@ -115,7 +150,7 @@ def read_lock_info(pool: Pool) -> dict[str, Any] | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raw = os.pread(fd, 4096, 0)
+            raw = os.pread(fd, LOCK_BYTES, 0)
             try:
                 info = json.loads(raw)
             except ValueError:  # taken a moment ago, not yet named

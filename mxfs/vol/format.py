@@ -7,7 +7,7 @@ import os
 from mxfs.errors import MxfsError
 from mxfs.meta import MetaStore, Unusable, location
 from mxfs.pool import Pool, format_members
-from mxfs.pool.lock import refuse_in_use
+from mxfs.pool.lock import make_pool_lock, refuse_in_use
 from mxfs.vol.volume import tighten
 
 
@@ -27,6 +27,7 @@ def format_pool(members: list[str], stripe_unit: int, label: str = "",
         pool = Pool.open(members[0])
         os.chmod(pool.meta_dir, 0o700)  # before the store exists: nobody reaches it meanwhile
         try:
+            make_pool_lock(pool)  # (its block taken now: a full member still mounts)
             MetaStore.format(meta or pool.meta_dir, pool.uuid, stripe_unit).close()
         except (Unusable, OSError) as e:
             where = location.public(meta) if meta else members[0]

@@ -1069,6 +1069,12 @@ def _recover_store(pool: Pool) -> str | None:
         return backup.recover(pool.meta_dir, pool.uuid, pool.backup_dirs())
     except Unusable as e:
         raise MxfsError(str(e), "restore a dump: mxfs meta restore FILE POOL") from None
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise MxfsError(f"{e.strerror}: its store cannot be opened", "free space on it "
+                        "(remove files there that are not the pool's, or grow it); the "
+                        "store is left as it is") from None
 
 
 def tighten(pool: Pool) -> None:
