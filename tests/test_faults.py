@@ -90,8 +90,8 @@ def test_a_pool_whose_metadata_member_filled_up_while_unmounted_mounts(
         tmp_path: Path) -> None:
     """Member 0 filled up (by something else on its filesystem) while the pool was not
     mounted: the mount gives the store its reserve back and goes on, so that users can
-    free space through it.  With no reserve to give, the mount is refused in one line
-    that says the member is full, and the store stays as it is: a mount said the store
+    free space through it.  With no reserve to give, the mount and the offline tools are
+    refused in one line that says the member is full, and the store stays as it is: a mount said the store
     was "unreadable (disk I/O error)" and, where a backup was found, would have put it
     in the store's place, losing every change made since."""
     with ext4_image(tmp_path, "m0", 64) as m0:
@@ -116,6 +116,10 @@ def test_a_pool_whose_metadata_member_filled_up_while_unmounted_mounts(
         before = store.read_bytes()
         (tmp_path / "mnt").mkdir()
         res = mxfs("mount", members[0], str(tmp_path / "mnt"), check=False)
+        line = one_line_error(res)
+        assert res.returncode != 0 and "is full" in line and "free space" in line, line
+        (tmp_path / "f").write_bytes(b"f")
+        res = mxfs("put", members[0], str(tmp_path / "f"), check=False)  # (a tool, offline)
         line = one_line_error(res)
         assert res.returncode != 0 and "is full" in line and "free space" in line, line
         assert store.read_bytes() == before

@@ -122,3 +122,13 @@ class Reserve:
         else:
             self.keep()
         return self.low
+
+
+def room_to_open(db_path: str) -> bool:
+    """Give the store at `db_path` its reserve back where its member is nearly full
+    (opening it takes a few pages: its -shm, its -wal); True while the member is still
+    nearly full, where an open that fails is the member's fault, not the store's."""
+    room = Reserve(db_path)
+    if room.short():
+        room.release()
+    return room.short()

@@ -29,6 +29,8 @@ from mxfs.io.batch import sync_all
 from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
 from mxfs.meta.feed_notes import Noted, channel
+from mxfs.meta.sqlite_engine import DB_NAME
+from mxfs.meta.sqlite_space import room_to_open
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.closer import CLOSER, close_later
@@ -169,10 +171,13 @@ class Volume:
                 tighten(pool)  # before the store is opened: files it makes take its modes
             restored = _recover_store(pool) if recover_meta and not pool.node else None
             where = location.public(pool.meta_location)
+            full = not pool.meta_url and room_to_open(os.path.join(pool.meta_dir, DB_NAME))
             try:  # (a reading node changes nothing: its store is read-only)
                 store = MetaStore.open(pool.meta_location, readonly=readonly or bool(pool.node))
                 uuid = store.setting("pool_uuid")
             except (Unusable, OSError) as e:
+                if full:
+                    raise _full(f"the metadata member of {where} is full") from None
                 raise MxfsError(f"metadata store in {where} cannot be opened ({e})",
                                 "restore it from a backup (mxfs meta restore)") from None
             if uuid != pool.uuid:
@@ -1072,9 +1077,14 @@ def _recover_store(pool: Pool) -> str | None:
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
-        raise MxfsError(f"{e.strerror}: its store cannot be opened", "free space on it "
-                        "(remove files there that are not the pool's, or grow it); the "
-                        "store is left as it is") from None
+        raise _full(e.strerror or "the metadata member is full") from None
+
+
+def _full(what: str) -> MxfsError:
+    """A store that cannot be opened because its member is full (not damaged)."""
+    return MxfsError(f"{what}: its store cannot be opened", "free space on it (remove "
+                     "files there that are not the pool's, or grow it); the store is left "
+                     "as it is")
 
 
 def tighten(pool: Pool) -> None:
