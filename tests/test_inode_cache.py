@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,24 @@ from mxfs.vol.volume import Volume
 ALICE = 1000
 
 
-@pytest.fixture
-def vol(tmp_path: Path) -> Iterator[Volume]:
+@contextmanager
+def _volume(tmp_path: Path, sole: bool | None = None) -> Iterator[Volume]:
+    """A fresh pool of two folder members, opened (its store the sole writer's, or not)."""
     members = make_members(tmp_path, 2)
     mkfs(members)
     v = Volume.open(members[0])
+    if sole is not None:
+        v.store.sole_writer(sole)
     try:
         yield v
     finally:
         v.store.close()
+
+
+@pytest.fixture
+def vol(tmp_path: Path) -> Iterator[Volume]:
+    with _volume(tmp_path) as v:
+        yield v
 
 
 def test_an_inode_held_open_stays_one_object_past_the_cache_limit(
@@ -75,12 +85,8 @@ def test_memory_past_its_limit_lets_inodes_go_a_few_at_a_time(
     of them at the limit held the daemon's one thread 160-240 ms for 200,000 inodes,
     and any user's walk of her tree (find, ls -l, a readdir) came back to it."""
     monkeypatch.setattr(meta_store, "_CACHE_LIMIT", LIMIT)
-    members = make_members(tmp_path, 2)
-    mkfs(members)
-    vol = Volume.open(members[0])
-    store = vol.store
-    store.sole_writer(sole)
-    try:
+    with _volume(tmp_path, sole) as vol:
+        store = vol.store
         held = store.create(ROOT_INO, b"held", stat.S_IFREG | 0o644, ALICE, ALICE,
                             layout_for=vol.pick_layout)
         entry = vol.acquire(held)
@@ -115,8 +121,6 @@ def test_memory_past_its_limit_lets_inodes_go_a_few_at_a_time(
         assert entry.node.nlink == 0
         vol.release(held.ino)
         store.flush(dirty)
-    finally:
-        store.close()
 
 
 def _targets_held(store: Any) -> int:
@@ -131,12 +135,8 @@ def test_symlink_targets_in_memory_are_bounded_by_their_bytes(
     its bytes the least recently used go as past its count; what went reads back from
     the rows, and the count of bytes held stays that of the targets held."""
     monkeypatch.setattr(inode_cache, "TARGET_BYTES", 64 * 4000)
-    members = make_members(tmp_path, 2)
-    mkfs(members)
-    vol = Volume.open(members[0])
-    store = vol.store
-    store.sole_writer(sole)
-    try:
+    with _volume(tmp_path, sole) as vol:
+        store = vol.store
         targets = {}
         for i in range(300):
             target = (b"t%03d/" % i) * 800  # (4,000 bytes)
@@ -162,8 +162,6 @@ def test_symlink_targets_in_memory_are_bounded_by_their_bytes(
         assert store._cache.target_bytes == _targets_held(store)
         store.unlink(ROOT_INO, b"s0")
         store.commit()
-    finally:
-        store.close()
 
 
 def test_an_inode_let_go_of_in_a_failed_change_is_put_back(
