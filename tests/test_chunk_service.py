@@ -765,6 +765,11 @@ def test_the_accept_rate_of_each_address_and_its_table_stay_bounded() -> None:
         rate.take(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", 100.0)
         assert len(rate) <= 100
     assert rate.take("c", 1000.0) and len(rate) == 1  # (the others quiet long: full again)
+    # `wait`: tokens taken into debt, the seconds to wait told (a tenant's xattr bytes)
+    assert rate.wait("d", 3, 0.0) == 0 and rate.wait("d", 4, 0.0) == 2.0
+    assert rate.wait("d", 1, 1.0) == 1.5  # (1 s paid 2 of the debt of 4, 1 more taken)
+    assert rate.wait("d", -1, 1.0) == 1.0  # (a refusal gives its tokens back)
+    assert rate.wait("d", 1, 10.0) == 0  # (full again: the burst, at most)
 
 
 def test_peers_are_counted_by_address_loopback_as_one_and_ipv6_by_its_64() -> None:

@@ -1,4 +1,6 @@
-"""How fast one peer may open connections: a token bucket per peer address.
+"""How fast one peer may open connections: a token bucket per peer address.  (The
+same buckets pace a tenant's xattr bytes, `fs/ops.py`: `wait` takes into debt and says
+how long to wait, where `take` refuses.)
 
 The chunk service's handshake limits bound how many connections a peer holds unproved,
 not how often it opens them: a host that opened and closed connections as fast as it
@@ -56,6 +58,20 @@ class AcceptRate:
             return True
         b.refused += 1
         return False
+
+    def wait(self, peer: str, n: float, now: float) -> float:
+        """Take `n` tokens from `peer`'s bucket, into debt where it holds fewer: how many
+        seconds `peer` should wait before it goes on (0: at once), so that what it does
+        runs at `per_s` once its burst is spent."""
+        b = self._buckets.pop(peer, None)
+        self._forget(now)
+        if b is None:
+            b = _Bucket(float(self.burst), now)
+        else:
+            b.tokens, b.at = self._refilled(b, now), now
+        self._buckets[peer] = b
+        b.tokens -= n
+        return max(0.0, -b.tokens / self.per_s)
 
     def due(self, peer: str, now: float) -> int:
         """`peer`'s connections refused since its last report when one is due now
