@@ -91,9 +91,9 @@ def test_a_pool_whose_metadata_member_filled_up_while_unmounted_mounts(
     """Member 0 filled up (by something else on its filesystem) while the pool was not
     mounted: the mount gives the store its reserve back and goes on, so that users can
     free space through it.  With no reserve to give, the mount and the offline tools are
-    refused in one line that says the member is full, and the store stays as it is: a mount said the store
-    was "unreadable (disk I/O error)" and, where a backup was found, would have put it
-    in the store's place, losing every change made since."""
+    refused in one line that says the member is full, and the store stays as it is: a
+    mount said the store was "unreadable (disk I/O error)" and, where a backup was
+    found, would have put it in the store's place, losing every change made since."""
     with ext4_image(tmp_path, "m0", 64) as m0:
         members = [str(Path(m0) / "pool"), str(tmp_path / "m1")]
         for m in members:
