@@ -124,7 +124,7 @@ def test_memory_past_its_limit_lets_inodes_go_a_few_at_a_time(
 
 
 def _targets_held(store: Any) -> int:
-    return sum(len(n.target or b"") for n in store._cache.values())
+    return _targets_held_in(store._cache)
 
 
 @pytest.mark.parametrize("sole", [True, False])
@@ -437,3 +437,37 @@ def test_a_failed_rename_into_a_deep_tree_keeps_the_ancestry_it_read(
         assert e.value.errno == errno.EEXIST
     store.rename(ROOT_INO, b"a", deep, b"y")
     assert sum(asked) == 50, sum(asked)  # (each level once, not once a rename)
+
+
+def test_two_threads_loading_one_inode_get_one_object_and_one_count() -> None:
+    """A follower's worker store reads into the daemon's cache beside its thread
+    (`read_beside`): both loading one inode at once must hold one object, or a change
+    went to a copy the other never saw; and its target is counted once."""
+    import sys
+    import threading
+
+    from mxfs.meta.inode import Inode
+
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (a thread switch as often as the interpreter may)
+    try:
+        cache = inode_cache.InodeCache()
+        got: list[list[Inode]] = [[], []]
+
+        def load(t: int) -> None:
+            for i in range(50_000):
+                got[t].append(cache.setdefault(i, Inode(i, stat.S_IFLNK | 0o777, 0, 0, 1,
+                                                        8, 0, 0, 0, 0, b"12345678")))
+        threads = [threading.Thread(target=load, args=(t,)) for t in (0, 1)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(was)
+    assert all(a is b for a, b in zip(got[0], got[1], strict=True))
+    assert cache.target_bytes == 8 * 50_000 == _targets_held_in(cache)
+
+
+def _targets_held_in(cache: Any) -> int:
+    return sum(len(n.target or b"") for n in cache.values())
