@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from mxfs.meta.engine import Unusable
 from mxfs.meta.sqlite_engine import DB_NAME, SqliteEngine, file_problem
-from mxfs.meta.sqlite_space import room_to_open
+from mxfs.meta.sqlite_space import Reserve, make_room
 from mxfs.meta.store import MetaStore
 
 log = logging.getLogger("mxfs.meta")
@@ -161,15 +161,16 @@ def recover(where: str, pool_uuid: str, folders: list[str]) -> str | None:
     clean is not read page by page (`file_problem`), or the
     mount took longer the more tenants stored."""
     primary = os.path.join(where, DB_NAME)
-    full = room_to_open(primary)
     why = problem(primary, pool_uuid, thorough=False) if os.path.exists(primary) \
         else "missing"
+    if why is not None and why.startswith("unreadable") and make_room(primary):
+        why = problem(primary, pool_uuid, thorough=False)  # (its reserve given back)
+        if why is not None and why.startswith("unreadable") and Reserve(primary).short():
+            # A full member, not a damaged store: a backup put in its place would have
+            # lost every change made since it was taken.
+            raise OSError(errno.ENOSPC, f"the metadata member of {primary} is full")
     if why is None:
         return None
-    if why.startswith("unreadable") and full:
-        # A full member, not a damaged store: a backup put in its place would have lost
-        # every change made since it was taken.
-        raise OSError(errno.ENOSPC, f"the metadata member of {primary} is full")
     good = newest_good(folders, pool_uuid)
     if good is None:
         raise Unusable(f"metadata store {primary} is {why} and no good backup was found")

@@ -124,11 +124,14 @@ class Reserve:
         return self.low
 
 
-def room_to_open(db_path: str) -> bool:
-    """Give the store at `db_path` its reserve back where its member is nearly full
-    (opening it takes a few pages: its -shm, its -wal); True while the member is still
-    nearly full, where an open that fails is the member's fault, not the store's."""
+def make_room(db_path: str) -> bool:
+    """After the store at `db_path` could not be opened or read: where its member is
+    nearly full, give its reserve back (opening takes a few pages: its -shm, its -wal)
+    and say so (True: try again); False where the member has room, and the failure is
+    the store's.  Only then: a tool that gave the reserve back at every open (fsck of an
+    unmounted pool) left it to whatever filled the member, and the next mount none."""
     room = Reserve(db_path)
-    if room.short():
-        room.release()
-    return room.short()
+    if not room.short():
+        return False
+    room.release()
+    return True

@@ -48,8 +48,12 @@ def take_pool_lock(pool: Pool, who: str, mountpoint: str | None = None,
     except BaseException:
         os.close(fd)
         raise
-    write_lock_info(fd, {"pid": os.getpid(), "tool": who, "mountpoint": mountpoint,
-                          "socket": socket_path})
+    try:
+        write_lock_info(fd, {"pid": os.getpid(), "tool": who, "mountpoint": mountpoint,
+                              "socket": socket_path})
+    except BaseException:
+        os.close(fd)  # (and the flock with it)
+        raise
     return fd
 
 
@@ -67,7 +71,7 @@ def release_pool_lock(fd: int) -> None:
     """Forget the holder (its block kept: `write_lock_info`), then let go of the lock."""
     try:
         write_lock_info(fd, None)
-    except (OSError, MxfsError):
+    except OSError:
         pass  # (the flock goes with the descriptor: a stale name is only a name)
     finally:
         os.close(fd)
@@ -83,11 +87,13 @@ def pool_lock(pool: Pool, who: str) -> Iterator[None]:
         release_pool_lock(fd)
 
 
-def write_lock_info(fd: int, info: dict[str, Any] | None) -> None:
-    """Name the holder (None: nobody) in LOCK_BYTES, padded, written over in place:
-    the file keeps its block, so that a metadata member that filled up since is still
-    mounted (and its users can free space through the mount); truncated and written
-    again, it took a new block, and a full member refused every mount and tool."""
+def write_lock_info(fd: int, info: dict[str, Any] | None) -> bool:
+    """Name the holder (None: nobody) in LOCK_BYTES, padded, written over in place (the
+    file keeps its block); False where the member had no room for it.  The flock is the
+    lock, the name only says who holds it (readers take a lock without one as held by
+    someone), so a metadata member that filled up since still mounts, and its users free
+    space through the mount: truncated and written again, the name took a new block,
+    and a full member refused every mount and tool."""
     if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
         os.fchmod(fd, 0o600)  # made by an older version: private from now on
     data = json.dumps(info).encode() if info is not None else b""
@@ -97,18 +103,10 @@ def write_lock_info(fd: int, info: dict[str, Any] | None) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise MxfsError(f"the pool's metadata member is full: its lock {_path_of(fd)} "
-                        "cannot be written", "free space on that filesystem (remove files "
-                        "there that are not the pool's, or grow it)") from None
+        return False
     if os.fstat(fd).st_size > len(data):  # (a longer holder's name before)
         os.ftruncate(fd, len(data))
-
-
-def _path_of(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return f"({LOCK_NAME})"
+    return True
 
 
 def describe_holder(holder: dict[str, Any] | None) -> str:

@@ -30,7 +30,7 @@ from mxfs.meta import Inode, MetaStore, Unusable, backup, lease, location
 from mxfs.meta.check import problems as store_problems
 from mxfs.meta.feed_notes import Noted, channel
 from mxfs.meta.sqlite_engine import DB_NAME
-from mxfs.meta.sqlite_space import room_to_open
+from mxfs.meta.sqlite_space import Reserve, make_room
 from mxfs.meta.survey import display_name, files_with_data, inode_numbers
 from mxfs.pool import ChunkFiles, Pool
 from mxfs.pool.closer import CLOSER, close_later
@@ -171,15 +171,7 @@ class Volume:
                 tighten(pool)  # before the store is opened: files it makes take its modes
             restored = _recover_store(pool) if recover_meta and not pool.node else None
             where = location.public(pool.meta_location)
-            full = not pool.meta_url and room_to_open(os.path.join(pool.meta_dir, DB_NAME))
-            try:  # (a reading node changes nothing: its store is read-only)
-                store = MetaStore.open(pool.meta_location, readonly=readonly or bool(pool.node))
-                uuid = store.setting("pool_uuid")
-            except (Unusable, OSError) as e:
-                if full:
-                    raise _full(f"the metadata member of {where} is full") from None
-                raise MxfsError(f"metadata store in {where} cannot be opened ({e})",
-                                "restore it from a backup (mxfs meta restore)") from None
+            store, uuid = _open_store(pool, readonly or bool(pool.node))
             if uuid != pool.uuid:
                 store.close()
                 raise MxfsError(f"metadata store in {where} belongs to pool {uuid}, "
@@ -1078,6 +1070,40 @@ def _recover_store(pool: Pool) -> str | None:
         if e.errno != errno.ENOSPC:
             raise
         raise _full(e.strerror or "the metadata member is full") from None
+
+
+def _open_store(pool: Pool, readonly: bool) -> tuple[MetaStore, str | None]:
+    """The pool's store, opened, and the pool it says it is.  A local store that cannot
+    be opened for an I/O error on a nearly full member is opened again with its reserve
+    given back (`make_room`), and still failing there is "full", not "restore it from a
+    backup" (a reading node's is on a server, read-only)."""
+    where = location.public(pool.meta_location)
+    local = None if pool.meta_url else os.path.join(pool.meta_dir, DB_NAME)
+    for again in (False, True):
+        try:
+            store = MetaStore.open(pool.meta_location, readonly=readonly)
+            try:
+                return store, store.setting("pool_uuid")
+            except BaseException:
+                store.close()
+                raise
+        except (Unusable, OSError) as e:
+            if local is not None and _io_failure(e):
+                if again and Reserve(local).short():
+                    raise _full(f"the metadata member of {where} is full") from None
+                if not again and make_room(local):
+                    continue
+            raise MxfsError(f"metadata store in {where} cannot be opened ({e})",
+                            "restore it from a backup (mxfs meta restore)") from None
+    raise AssertionError("unreachable")
+
+
+def _io_failure(e: Exception) -> bool:
+    """An open that failed for its storage (no room, an I/O error), not its contents."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO)
+    text = str(e)
+    return any(s in text for s in ("disk I/O error", "disk is full", "unable to open"))
 
 
 def _full(what: str) -> MxfsError:
