@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
-from conftest import Mounted
+from conftest import Mounted, make_members, mkfs
 
 from mxfs.fs.ops import FIRST_PAGE, PAGE, PAGE_TARGETS, next_page
-from mxfs.meta import Entry, Inode
+from mxfs.meta import ROOT_INO, Entry, Inode
+from mxfs.vol.volume import Volume
 
 N = 30_000
 
@@ -70,3 +72,39 @@ def test_a_directory_of_long_symlinks_lists_whole_in_small_pages(mounted: Mounte
     assert sorted(os.listdir(d)) == sorted(targets)
     with os.scandir(d) as it:
         assert {e.name: os.readlink(e.path) for e in it} == targets
+
+
+@pytest.mark.unit
+def test_a_page_is_cut_a_bite_past_its_symlink_targets_and_says_more(tmp_path: Path) -> None:
+    """Plain entries let the pages grow to 512; the page after them, all 4 KiB symlinks,
+    is cut a bite (LOAD_BITE inodes) past PAGE_TARGETS, says more follow, and the pages
+    read on from its last entry list the directory whole, once."""
+    from mxfs.meta.store import LOAD_BITE
+
+    members = make_members(tmp_path, 2)
+    mkfs(members)
+    vol = Volume.open(members[0])
+    store = vol.store
+    try:
+        for i in range(448):
+            store.create(ROOT_INO, b"f%04d" % i, stat.S_IFREG | 0o644, 0, 0,
+                         layout_for=vol.pick_layout)
+        for i in range(300):
+            store.create(ROOT_INO, b"s%04d" % i, stat.S_IFLNK | 0o777, 0, 0,
+                         target=b"%04d" % i * 1000)
+        store.commit()
+        seen: list[bytes] = []
+        after, limit, pages = 0, FIRST_PAGE, []
+        while True:
+            entries, more = store.readdir_page(ROOT_INO, after, limit, PAGE_TARGETS)
+            targets = sum(e.inode.size for e in entries if e.inode.target is not None)
+            pages.append((limit, len(entries), targets, more))
+            assert targets <= PAGE_TARGETS + LOAD_BITE * 4000, pages
+            seen += [e.name for e in entries]
+            if not more:
+                break
+            after, limit = entries[-1].cookie, next_page(limit, entries)
+        assert seen == sorted(seen) and len(seen) == len(set(seen)) == 748, pages
+        assert pages[3][0] == PAGE and pages[3][1] < PAGE, pages  # (grown while plain; cut)
+    finally:
+        store.close()

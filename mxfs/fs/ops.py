@@ -75,8 +75,8 @@ RENEWS_PER_USER = 2  # a tenant's renews (whole files copied) at once
 XATTR_BURST, XATTR_PER_S = 4 << 20, 4 << 20
 XATTR_WAITING = 4  # a tenant's setxattrs waiting at once; past them EBUSY
 # Entries a readdir reads from the store at first, and at most, at once; and the bytes
-# of symlink targets a page may read (a page is read in one go: 512 of 4 KiB targets
-# held the thread 3-4.6 ms).
+# of symlink targets a page reads (`MetaStore.readdir_page` cuts it a bite past them:
+# 512 of 4 KiB targets held the thread 3-4.6 ms; `next_page` sizes the next from them).
 FIRST_PAGE, PAGE, PAGE_TARGETS = 64, 512, 256 << 10
 
 
@@ -1089,9 +1089,10 @@ class MxfsOperations(pyfuse3.Operations):
         # steps aside each slice (`fair.Slice`).
         after, limit, share = max(start_id - 2, 0), FIRST_PAGE, Slice()
         while True:
-            def page(s: MetaStore, after: int = after, limit: int = limit) -> list[Entry]:
-                return s.readdir(node.ino, after, limit)
-            entries = await self._read_meta(handle.uid, page)
+            def page(s: MetaStore, after: int = after, limit: int = limit
+                     ) -> tuple[list[Entry], bool]:
+                return s.readdir_page(node.ino, after, limit, PAGE_TARGETS)
+            entries, more = await self._read_meta(handle.uid, page)
             await self.blocks.count([e.inode for e in entries], handle.uid)
             for i, e in enumerate(entries):
                 if i % BITE == 0:
@@ -1100,7 +1101,7 @@ class MxfsOperations(pyfuse3.Operations):
                                              e.cookie + 2):
                     return
                 after = e.cookie
-            if len(entries) < limit:  # (the last page)
+            if not more:  # (the last page)
                 break
             limit = next_page(limit, entries)
         if not self.noatime:
