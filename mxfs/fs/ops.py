@@ -46,6 +46,7 @@ from mxfs.fs.owned import OwnedSums
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
 from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
+from mxfs.meta.store import LOAD_BITE
 from mxfs.meta.usage import growth
 from mxfs.pool import ChunkFiles
 from mxfs.pool.pool import META_ROW, pool_totals
@@ -1091,7 +1092,8 @@ class MxfsOperations(pyfuse3.Operations):
         while True:
             def page(s: MetaStore, after: int = after, limit: int = limit
                      ) -> tuple[list[Entry], bool]:
-                return s.readdir_page(node.ino, after, limit, PAGE_TARGETS)
+                return s.readdir_page(node.ino, after, limit, PAGE_TARGETS,
+                                      LOAD_BITE if self.reads is None else limit)
             entries, more = await self._read_meta(handle.uid, page)
             await self.blocks.count([e.inode for e in entries], handle.uid)
             for i, e in enumerate(entries):
