@@ -44,8 +44,8 @@ class AcceptRate:
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def take(self, peer: str, now: float) -> bool:
-        """Whether `peer` may open one more connection now (counted if not)."""
+    def _bucket(self, peer: str, now: float) -> _Bucket:
+        """`peer`'s bucket, filled up to `now`, as the most recently seen."""
         b = self._buckets.pop(peer, None)
         self._forget(now)
         if b is None:
@@ -53,6 +53,11 @@ class AcceptRate:
         else:
             b.tokens, b.at = self._refilled(b, now), now
         self._buckets[peer] = b  # (the most recently seen, last)
+        return b
+
+    def take(self, peer: str, now: float) -> bool:
+        """Whether `peer` may open one more connection now (counted if not)."""
+        b = self._bucket(peer, now)
         if b.tokens >= 1:
             b.tokens -= 1
             return True
@@ -63,13 +68,7 @@ class AcceptRate:
         """Take `n` tokens from `peer`'s bucket, into debt where it holds fewer: how many
         seconds `peer` should wait before it goes on (0: at once), so that what it does
         runs at `per_s` once its burst is spent."""
-        b = self._buckets.pop(peer, None)
-        self._forget(now)
-        if b is None:
-            b = _Bucket(float(self.burst), now)
-        else:
-            b.tokens, b.at = self._refilled(b, now), now
-        self._buckets[peer] = b
+        b = self._bucket(peer, now)
         b.tokens -= n
         return max(0.0, -b.tokens / self.per_s)
 
