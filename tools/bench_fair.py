@@ -27,6 +27,8 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   xattrs     4 threads each making files with four user xattrs of 64,000 bytes (the
              store's WAL grows 256 KiB a file), the files kept
   xattr_frees  the same, each file removed once tagged (its xattrs freed by reclaim)
+  symlinks   4 threads each making symbolic links with 4,000-byte targets (the store's
+             WAL grows a page or two a link), the links kept
   scrapes    4 threads asking the daemon's Prometheus endpoint (`-o metrics_port`) for
              /metrics over and over, two of them with 99 headers of 64 KiB a request
 
@@ -61,7 +63,7 @@ from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 
 VICTIM, HOG = 65533, 65534
 ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
-        "parses", "bigints", "floats", "claims", "truncates", "readdir", "xattrs",
+        "parses", "bigints", "floats", "claims", "truncates", "readdir", "xattrs", "symlinks",
         "xattr_frees", "scrapes")
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
@@ -203,6 +205,11 @@ if arm in ("xattrs", "xattr_frees"):
         if arm == "xattr_frees":
             os.unlink(path)
     n = crowd(tag, connect=lambda: tempfile.mkdtemp(dir=os.path.join(mnt, "hog")), n=4)
+if arm == "symlinks":
+    target = "t/" * 2000
+    def link(home, k):
+        os.symlink(target, os.path.join(home, "l%d" % k))
+    n = crowd(link, connect=lambda: tempfile.mkdtemp(dir=os.path.join(mnt, "hog")), n=4)
 if arm == "ns_remove":
     c.call("kv_ns_remove", namespace="hog"); n = 1
 while arm in ("puts", "list", "deletes", "walks") and time.monotonic() < end:
