@@ -158,8 +158,8 @@ def recover(where: str, pool_uuid: str, folders: list[str]) -> str | None:
     no good copy exists; OSError(ENOSPC) when the store cannot be read because its
     member is full (the reserve given back first), which no copy would mend.  Only the
     embedded store keeps copies.  Every mount runs this: a store its daemon closed
-    clean is not read page by page (`file_problem`), or the
-    mount took longer the more tenants stored."""
+    clean is not read page by page (`file_problem`), or the mount took longer the more
+    tenants stored."""
     primary = os.path.join(where, DB_NAME)
     why = problem(primary, pool_uuid, thorough=False) if os.path.exists(primary) \
         else "missing"
