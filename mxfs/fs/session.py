@@ -26,7 +26,7 @@ from mxfs.meta import Inode
 from mxfs.meta.usage import file_cost
 from mxfs.pool.pool import Guard, overallocated
 from mxfs.pool.prealloc import reserved_by_writer
-from mxfs.pool.revoke import NO_LEASES_FIX, lease_trouble, writers_remain
+from mxfs.pool.revoke import NO_LEASES_FIX, lease_trouble, set_immutable, writers_remain
 from mxfs.proto.messages import ReadFds
 from mxfs.vol.access import Caller
 from mxfs.vol.kv_index import Chunk
@@ -388,6 +388,7 @@ def _cut_back_one(vol: Volume, pending: Pending, pendings: list[Pending]) -> int
     if not pending.committing and (pending.overdrawn or reserved) and \
             writers_remain(chunk_paths(vol, node)):
         pending.overdrawn = True
+        _freeze(vol, pending, True)  # (at once: held last, after her other files)
         cut += _caught(vol, pending, was, pendings)
         try:
             return cut + vol.held.hold(node.ino, pending.tenant)  # (cut to nothing)
@@ -409,11 +410,24 @@ def _caught(vol: Volume, pending: Pending, was: bool, pendings: list[Pending]) -
         vol.caught(pending.tenant)
     cut = 0
     if vol.overdrafts.left(pending.tenant):
-        for other in pendings:
-            if other is not pending and other.tenant == pending.tenant and \
-                    not other.overdrawn and not other.committing:
-                cut += _each(_revoke_one, vol, other)
+        others = [o for o in pendings if o is not pending and o.tenant == pending.tenant
+                  and not o.overdrawn and not o.committing]
+        # Every one frozen first, then revoked one by one (a lease probe each, then a
+        # move): revoked in turn alone, she went on reserving space through the files
+        # not yet reached, each 10 ms.
+        for other in others:
+            _freeze(vol, other, True)
+        for other in others:
+            cut += _each(_revoke_one, vol, other)
     return cut
+
+
+def _freeze(vol: Volume, pending: Pending, on: bool) -> None:
+    """Set (or clear) the immutable flag of `pending`'s chunk files on this node: a
+    writer's fallocate through a descriptor she kept is refused EPERM while it is set
+    (`Held` clears it for each cut, and sets it again where the file lands)."""
+    for path in chunk_paths(vol, pending.entry.node):
+        set_immutable(path, on)
 
 
 def _cut_to(vol: Volume, grown: list[tuple[int, str, int]]) -> int:
@@ -434,6 +448,7 @@ def _revoke_one(vol: Volume, pending: Pending) -> int:
     pending.overdrawn = True
     if writers_remain(chunk_paths(vol, pending.entry.node)):
         return vol.held.hold(pending.entry.node.ino, pending.tenant)
+    _freeze(vol, pending, False)  # (no writer left to hold it from: its abort removes it)
     return 0
 
 

@@ -805,11 +805,18 @@ class Pool:
         when its journal commits, up to 5 s later, and a full metadata member refused
         names meanwhile though the space had been taken back."""
         os.truncate(path, length)
+        self.cut_settled(member, path, length)
+
+    def cut_settled(self, member: int, path: str, length: int) -> None:
+        """Blocking: a cut of `path` to `length` made to count at once (`cut`), also
+        where the file was frozen (immutable) right after it: its blocks reserved since
+        stay until the next cut then."""
         if member == self.meta_member and not self.meta_url:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 if os.fstat(fd).st_blocks * 512 > length + (1 << 20):
-                    os.truncate(path, length)  # (blocks kept past the end: freed again)
+                    with contextlib.suppress(PermissionError):  # (frozen)
+                        os.truncate(path, length)  # (blocks kept past the end: again)
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -271,8 +271,11 @@ class Held:
         try:
             if not cut and not self._keep(dst + _READ_MARK, owner, _blocks(src)):
                 cut = True  # (past what its owner may keep readable)
-            if cut:
-                self.pool.cut(m, src, 0)
+            if cut:  # (the flag off for the truncate alone: `session._freeze`)
+                set_immutable(src, False)
+                os.truncate(src, 0)
+                set_immutable(src, True)
+                self.pool.cut_settled(m, src, 0)  # (on the metadata member an fsync)
             else:
                 dst += _READ_MARK
         except FileNotFoundError:
@@ -283,6 +286,8 @@ class Held:
             raise
         try:
             os.makedirs(self._folder(m), mode=0o700, exist_ok=True)
+            if cut:
+                set_immutable(src, False)  # (for the move alone: set again below)
             os.rename(src, dst)
         except FileNotFoundError:
             self._let_go(dst)
@@ -543,22 +548,27 @@ class Held:
     def _writer_holds(self, path: str, now: int) -> bool:
         """Whether a writer still holds `path` (cut to nothing again, and immutable, if
         it grew): asked again once its interval is over (doubled each time it is still
-        held unchanged, back to a second once it grew)."""
+        held unchanged, back to a second once it grew).  The flag is off for the cut
+        alone, not for the lease probe before it (a read lease is taken on an immutable
+        file): off across the probe, a writer reserving space through her descriptor
+        every 10 ms took it back in that window, and grew the file for the next round."""
         st = os.stat(path)
         grew = st.st_size > 0 or st.st_blocks > 0
         due, every = self._due.get(path, (0, 0))
         if not grew and now < due:
             return True
-        if not grew and writers_remain([path]):  # (a lease probe: the flag may stay)
+        remain = writers_remain([path])  # (a lease probe: the flag stays meanwhile)
+        if not grew and remain:
             every = min(max(every * 2, 10**9), HELD_LOOK_MAX_S * 10**9)
             self._due[path] = (now + every, every)
             return True
-        set_immutable(path, False)
-        if not writers_remain([path]):
+        if not remain:
+            set_immutable(path, False)  # (no writer left: let go of, as it is)
             return False
-        if grew and due and path in self._dropped and \
+        if due and path in self._dropped and \
                 now - _stamp(path) > REFILL_GRACE_S * 10**9:  # (a writer keeping on)
             self.on_refilled(_owner(path))
+        set_immutable(path, False)
         os.truncate(path, 0)
         if path not in self.pool.held_in_place:  # (a live chunk path: cut, never frozen)
             set_immutable(path, True)
