@@ -142,6 +142,16 @@ def lease_trouble() -> str | None:
     return _no_leases
 
 
+def _cut_frozen(path: str, freeze: bool) -> None:
+    """Blocking: `path` cut to nothing, its immutable flag off for the truncate alone
+    (and set after it with `freeze`): off any longer, a writer reserving space through a
+    descriptor she kept every 10 ms took it in that window."""
+    set_immutable(path, False)
+    os.truncate(path, 0)
+    if freeze:
+        set_immutable(path, True)
+
+
 def writers_remain(paths: Iterable[str]) -> bool:
     """Blocking: whether any of `paths` is open for writing by anyone (this process
     included: the caller holds none).  Missing files have no writers.  Where leases
@@ -271,10 +281,8 @@ class Held:
         try:
             if not cut and not self._keep(dst + _READ_MARK, owner, _blocks(src)):
                 cut = True  # (past what its owner may keep readable)
-            if cut:  # (the flag off for the truncate alone: `session._freeze`)
-                set_immutable(src, False)
-                os.truncate(src, 0)
-                set_immutable(src, True)
+            if cut:  # (frozen but for the truncate: `session._freeze`)
+                _cut_frozen(src, True)
                 self.pool.cut_settled(m, src, 0)  # (on the metadata member an fsync)
             else:
                 dst += _READ_MARK
@@ -568,10 +576,8 @@ class Held:
         if due and path in self._dropped and \
                 now - _stamp(path) > REFILL_GRACE_S * 10**9:  # (a writer keeping on)
             self.on_refilled(_owner(path))
-        set_immutable(path, False)
-        os.truncate(path, 0)
-        if path not in self.pool.held_in_place:  # (a live chunk path: cut, never frozen)
-            set_immutable(path, True)
+        # (a file held in place is a live chunk path: cut, never frozen)
+        _cut_frozen(path, path not in self.pool.held_in_place)
         self._due[path] = (now + 10**9, 10**9)
         return True
 
