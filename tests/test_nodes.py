@@ -285,11 +285,37 @@ print(json.dumps(out))
 
                 # The writer stopped past its lease: dead to the reader, whose reads of
                 # it fail at once (no wait on a node that does not answer); woken, it
-                # renews its lease (nobody took it) and is read again.
+                # renews its lease (nobody took it) and is read again.  A read sent
+                # while it still looked alive (a kept connection: its kernel takes the
+                # request) ends when the reader finds it dead, with the writer still
+                # stopped, not at the receive timeout (30 s); so does a KV get there
+                # (a miss, its copy's mapping closed whatever the read left behind).
                 a_pid = a.daemon_pid()
                 os.kill(a_pid, signal.SIGSTOP)
+                in_flight: dict[str, object] = {}
+
+                def read_unread() -> None:
+                    try:
+                        (b.path / "unread.bin").read_bytes()
+                    except BaseException as e:
+                        in_flight["read"] = e
+
+                def get_large() -> None:
+                    try:
+                        in_flight["get"] = on_b.get(b"l" * 32)
+                    except BaseException as e:
+                        in_flight["get"] = e
+
+                sent = [threading.Thread(target=read_unread), threading.Thread(target=get_large)]
+                for t in sent:
+                    t.start()
                 try:
                     assert eventually(lambda: _node_state(b, "a") == "dead", 15)
+                    for t in sent:
+                        t.join(15)  # (a's lease is 3 s: the reader's keeper finds it soon)
+                        assert not t.is_alive(), "a call of the stopped writer outlived its lease"
+                    assert getattr(in_flight["read"], "errno", None) == errno.EIO, in_flight
+                    assert in_flight["get"] is None  # (a chunk on a dead node: a miss)
                     with pytest.raises(OSError) as e:
                         (b.path / "unread.bin").read_bytes()
                     assert e.value.errno == errno.EIO
@@ -306,6 +332,8 @@ print(json.dumps(out))
                     assert "node a is dead (its lease ran out)" in _log(b)
                 finally:
                     os.kill(a_pid, signal.SIGCONT)
+                    for t in sent:
+                        t.join()
                 assert eventually(lambda: _node_state(b, "a") == "alive", 15)
                 assert eventually(lambda: _reads(b.path / "models" / "late.bin") == late, 15)
 

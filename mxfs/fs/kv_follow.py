@@ -34,7 +34,6 @@ import base64
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import time
 from collections import Counter, deque
@@ -52,7 +51,7 @@ from mxfs.fs.remote_reads import RemoteReads
 from mxfs.fs.session import Answer, Session
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.io import PAGE, Layout
-from mxfs.io.memfd import free_later
+from mxfs.io.memfd import fill_mapped, free_later
 from mxfs.meta import Inode, MetaStore
 from mxfs.meta.schema import INODE_COLUMNS
 from mxfs.pool import ChunkFiles
@@ -370,8 +369,7 @@ class FollowerKV:
             if size:
                 chunks = ChunkFiles(self.vol.pool, ino, self.vol.layout(node))
                 try:
-                    with mmap.mmap(fd, size) as m, memoryview(m) as view:
-                        chunks.read(0, view)
+                    fill_mapped(fd, size, lambda view: chunks.read(0, view))
                 finally:
                     chunks.close()
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # (its mapping gone: writes seal)

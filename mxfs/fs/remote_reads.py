@@ -132,6 +132,7 @@ class RemoteReads:
                     client.scope(files, uid)
                     return client
                 except BaseException as e:
+                    remote.let_go(client.sock)
                     client.close()
                     if not (kept and isinstance(e, (OSError, WireError))):
                         raise
@@ -145,6 +146,7 @@ class RemoteReads:
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         if failed is not None:
             for c in clients:
+                remote.let_go(c.sock)
                 c.close()
             if isinstance(failed, OSError) and failed.errno in (errno.EMFILE, errno.EBUSY):
                 raise OSError(errno.EREMOTE, f"the owner serves as many direct readers as "
@@ -181,7 +183,10 @@ class RemoteReads:
     def _end(self, grant: Grant) -> None:
         del self.grants[grant.id]
         self._count(grant.session.tenant, -len(grant.socks))
+        remote = self.vol.pool.remote
         for s in grant.socks:
+            if remote is not None:
+                remote.let_go(s)
             try:
                 s.shutdown(socket.SHUT_RDWR)  # the reader's copy too
             except OSError:

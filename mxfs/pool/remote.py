@@ -15,10 +15,14 @@ the first that failed (each would wait as long), and for AWAY_S after a connecti
 could not be made every call fails at once, so readers of a node that cannot be
 reached get EIO in seconds, not one wait after another.  A request the owner took but
 left unanswered past the timeout ends its own connection alone: the owner is busy,
-not gone.  An owner that answers BUSY (its service holds as many connections as it
-may) is up too: nothing is marked away, and a call waits for a connection another
-call gives back, or tries again after a growing pause, for BUSY_S at most, then fails
-EBUSY naming the node.
+not gone.  A request in flight when the lease keeper finds the owner dead, or under
+another epoch, ends then, not at the timeout, and so do the connections lent to
+direct readers: a stopped owner (SIGSTOP, a hung host whose kernel still
+acknowledges) held every request sent it just before for the whole timeout, and the
+reads waiting on them with it.  An owner that answers BUSY (its service holds as many
+connections as it may) is up too: nothing is marked away, and a call waits for a
+connection another call gives back, or tries again after a growing pause, for BUSY_S
+at most, then fails EBUSY naming the node.
 
 Each owner's requests run on threads of its own (`submit`, FAR_THREADS): a slow owner
 (a throttled link, a busy disk) holds those, never the I/O threads that this node's
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -103,9 +108,13 @@ class RemoteMembers:
         # else on the caller's thread, never queued behind another user's calls
         self.helpers = Helpers(FAR_THREADS, "mxfs-far-io")
         self._proving = threading.BoundedSemaphore(PROVING)
+        self._in_flight: set[ChunkClient] = set()  # (`_call`'s, ended by `update`)
+        self._lent: set[socket.socket] = set()  # (`connect`'s, until `let_go`)
 
     def update(self, owner: Owner | None) -> None:
-        """A new view of the owner; connections to another epoch or address are closed."""
+        """A new view of the owner; connections to another epoch or address are closed,
+        and where it is dead or another, the calls in flight and the connections lent
+        out end (their readers see the end at once)."""
         with self._lock:
             old, self.owner = self.owner, owner
             if owner != old and (owner is None or old is None or owner.epoch != old.epoch
@@ -114,6 +123,12 @@ class RemoteMembers:
                     c.close()
                 self._idle.clear()
                 self._away = None
+            if owner is None or owner.why_not() is not None or old is None \
+                    or owner.epoch != old.epoch or owner.addr != old.addr:
+                for c in self._in_flight:  # (their answers would not be the pool's)
+                    _shut(c.sock)
+                for sock in self._lent:
+                    _shut(sock)
         if owner is not None and owner.why_not() is None and self._said is not None:
             log.warning("node %s (%s, epoch %d) serves its members again", owner.node,
                         owner.addr, owner.epoch)
@@ -185,6 +200,8 @@ class RemoteMembers:
         `refusals`: an errno the owner answered is the caller's, not a failure."""
         reused, client = self._client()
         while True:
+            with self._lock:
+                self._in_flight.add(client)
             try:
                 out = fn(client)
             except Refused as e:
@@ -194,10 +211,17 @@ class RemoteMembers:
                 failed: Exception = e
             except (OSError, WireError) as e:
                 failed = e
+            except BaseException:
+                self._drop(client)
+                raise
             else:
                 self._give_back(client)
                 return out
-            client.close()
+            self._drop(client)
+            owner = self.owner
+            why = owner.why_not() if owner is not None else None
+            if why is not None:  # (dead meanwhile: its calls in flight were ended)
+                raise self._failed("", owner, why) from None
             if not reused or _unanswered(failed):
                 raise self._failed(f"{what} ({failed})") from None
             self.close()  # (kept connections to it would fail as this one did)
@@ -207,8 +231,17 @@ class RemoteMembers:
         """A connection to the owner, proved, under the epoch the store gives it, for a
         caller to keep (EIO naming the node when there is none to be had, EBUSY when it
         has no room); with `idle`, one of the kept ones if any (True: the owner may have
-        closed it meanwhile); without `wait`, EBUSY at once when it has no room."""
-        return self._client(fresh=not idle, wait=wait)
+        closed it meanwhile); without `wait`, EBUSY at once when it has no room.  It is
+        lent: shut when the owner is found dead, until the caller's `let_go`."""
+        kept, client = self._client(fresh=not idle, wait=wait)
+        with self._lock:
+            self._lent.add(client.sock)
+        return kept, client
+
+    def let_go(self, sock: socket.socket) -> None:
+        """(Before its close.)  A connection `connect` lent is the owner's no more."""
+        with self._lock:
+            self._lent.discard(sock)
 
     def top_up(self, n: int) -> None:
         """(Blocking.)  Make up to `n` new connections and keep them (IDLE_CONNS at most),
@@ -316,8 +349,14 @@ class RemoteMembers:
         self.update(owner)
         return owner
 
+    def _drop(self, client: ChunkClient) -> None:
+        with self._lock:  # (out of the set first: `update` shuts only open ones)
+            self._in_flight.discard(client)
+        client.close()
+
     def _give_back(self, client: ChunkClient) -> None:
         with self._lock:
+            self._in_flight.discard(client)
             if self.owner is not None and client.epoch == self.owner.epoch \
                     and len(self._idle) < IDLE_CONNS:
                 self._idle.append(client)
@@ -338,6 +377,14 @@ class RemoteMembers:
             self._said = kind
             log.error("%s: stripes on its members read EIO", text)
         return OSError(errno.EIO, text)
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection whose reader is on another thread, or in another process."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # (the peer ended it already)
 
 
 def _unanswered(e: Exception) -> bool:
