@@ -3054,3 +3054,64 @@ def _in_store(url: str, ino: int) -> bool:
     with psycopg.connect(url) as conn:
         return conn.execute("SELECT 1 FROM inodes WHERE ino = %s", (ino,)).fetchone() \
             is not None
+
+
+TAGGING_FOR = r"""
+import errno, json, os, sys, threading, time
+dirs, seconds = sys.argv[1:3], float(sys.argv[3])
+ok, busy, lock = [0], [0], threading.Lock()
+def tag(root, t):
+    path = os.path.join(root, f"t{t}")
+    while time.monotonic() < until:
+        try:
+            os.setxattr(path, "user.tag", b"x" * 64000)
+            with lock: ok[0] += 1
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            with lock: busy[0] += 1
+failed = []
+def run(root, t):
+    try:
+        tag(root, t)
+    except BaseException as e:
+        failed.append(repr(e))
+ts = [threading.Thread(target=run, args=(d, t)) for d in dirs for t in range(4)]
+start = time.monotonic()
+until = start + seconds
+for t in ts: t.start()
+for t in ts: t.join()
+print(json.dumps({"ok": ok[0], "busy": busy[0], "s": time.monotonic() - start,
+                  "failed": failed}))
+"""
+
+
+def test_a_tenants_xattrs_through_two_nodes_are_paced_as_through_one(
+        tmp_path: Path, pg_cluster: Any) -> None:
+    """Each daemon paces its own mount's callers' xattr bytes (`fs/xattr_pace.py`); a
+    tenant setting them through the writer's mount and a reading node's at once got
+    each node's rate at the store, twice one tenant's (N nodes: N times).  The writer
+    paces what nodes forward in the same buckets as its own mount's: what she set in
+    all is within one burst and one rate over the time she took."""
+    from mxfs.fs.xattr_pace import XATTR_BURST, XATTR_PER_S
+
+    url = pg_cluster.database()
+    alice = ensure_users()["alice"]
+    with _writer_node(tmp_path, url) as (net, a, members), \
+            _reading_node(tmp_path, url, net, members) as b:
+        mine = a.path / "alice"
+        mine.mkdir()
+        os.chown(mine, alice.uid, alice.gid)
+        assert eventually(lambda: (b.path / "alice").exists(), 10)
+        for d in ("a", "b"):  # (her files: a reading node makes none)
+            (mine / d).mkdir()
+            for t in range(4):
+                (mine / d / f"t{t}").touch()
+                os.chown(mine / d / f"t{t}", alice.uid, alice.gid)
+        seen = [b.path / "alice" / "b" / f"t{t}" for t in range(4)]  # (hers there too)
+        assert eventually(lambda: all(p.exists() and p.stat().st_uid == alice.uid
+                                      for p in seen), 10)
+        got = run_as(alice, TAGGING_FOR, str(mine / "a"), str(b.path / "alice" / "b"), "2")
+        took = got["ok"] * 64008  # (a value and its name)
+        allowed = XATTR_BURST + XATTR_PER_S * got["s"] + 8 * 64008  # (8 in flight)
+        assert not got["failed"] and got["ok"] > 0 and took <= allowed, got

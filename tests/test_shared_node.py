@@ -3466,7 +3466,7 @@ def test_a_tenants_xattr_bytes_past_her_rate_wait_and_past_her_waiters_are_refus
     a waiting call holds one of the FUSE tasks all users share, so with XATTR_WAITING
     of hers waiting the next is refused EBUSY.  What was set is whole; another
     tenant's xattr is set as she asks."""
-    from mxfs.fs.ops import XATTR_BURST, XATTR_WAITING
+    from mxfs.fs.xattr_pace import XATTR_BURST, XATTR_WAITING
 
     users = ensure_users()
     alice, bob = users["alice"], users["bob"]

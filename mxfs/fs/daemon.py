@@ -306,6 +306,7 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
                 control.files.for_nodes.renew = ops.renew
                 control.files.for_nodes.cut_far = ops.cut_far
                 control.files.for_nodes.truncating = ops.truncating
+                control.files.for_nodes.xattr_pace = ops.xattr_pace
                 control.files.for_nodes.owned = ops.owned
             control.status.feed = feed
             if feed is not None and control.kv.follower is not None:

@@ -75,6 +75,7 @@ from mxfs.fs.node_writes import (
 from mxfs.fs.owned import OwnedSums
 from mxfs.fs.session import Pending, Session, check_pending_room, refuse_if_degraded
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
+from mxfs.fs.xattr_pace import XattrPace
 from mxfs.meta import ROOT_INO, Inode
 from mxfs.meta.usage import file_cost
 from mxfs.pool.pool import META_ROW
@@ -173,6 +174,7 @@ class NodeFiles:
         # turn (the mount's `MxfsOperations.cut_far`; set by the daemon).
         self.cut_far: Callable[[Inode, int], Awaitable[None]] | None = None
         self.truncating: set[int] = set()  # (the mount's: `MxfsOperations.truncating`)
+        self.xattr_pace: XattrPace | None = None  # (the mount's: set by the daemon)
         self._failures = FailureLog(log)
         # What chowns move between owners, summed off the thread (`fs/owned.py`).
         self.owned = OwnedSums(vol.quotas, StoreWorker(vol.pool.meta_location,
@@ -209,6 +211,11 @@ class NodeFiles:
             done = self.names_done.get(token)
             if done is not None:  # (asked again: done the first time, not twice)
                 return done
+            if op == "node_setxattr" and caller.uid and self.xattr_pace is not None:
+                # (paced here too, in the tenant's buckets of this mount: her bytes
+                # through every node at once are one rate at the store)
+                await self.xattr_pace.turn(tenant_of(caller.uid), len(b64_bytes_field(
+                    msg, "name", 255)) + len(b64_field(msg, "value")))
             try:
                 out, changed, ino = self._name(caller, op, msg, name) if op in NAME_OPS \
                     else self._xattr(caller, op, msg) if op in XATTR_OPS \

@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from mxfs.fs.accept_rate import AcceptRate
 from mxfs.fs.block_counts import KEEP_S, BlockCounts
 from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.failures import FailureLog
@@ -45,6 +44,7 @@ from mxfs.fs.node_files import ForwardedFiles
 from mxfs.fs.owned import OwnedSums
 from mxfs.fs.store_worker import SERVE_WAIT_S, StoreWorker
 from mxfs.fs.write_behind import BUDGET, DEPTH, WriteBehind
+from mxfs.fs.xattr_pace import XattrPace
 from mxfs.meta import NAME_MAX, ROOT_INO, Entry, Inode, MetaStore
 from mxfs.meta.store import LOAD_BITE
 from mxfs.meta.usage import growth
@@ -73,8 +73,6 @@ RENEWS_PER_USER = 2  # a tenant's renews (whole files copied) at once
 # 64 KB xattrs as fast as she could wrote 1,000 pages of the store's WAL between two of
 # the checkpointer's runs, and the commit that took it past them copied them into the
 # database and fsynced it on the daemon's thread (another user's calls: p99 25 ms).
-XATTR_BURST, XATTR_PER_S = 4 << 20, 4 << 20
-XATTR_WAITING = 4  # a tenant's setxattrs waiting at once; past them EBUSY
 # Entries a readdir reads from the store at first, and at most, at once; and the bytes
 # of symlink targets a page reads (`MetaStore.readdir_page` cuts it a bite past them:
 # 512 of 4 KiB targets held the thread 3-4.6 ms; `next_page` sizes the next from them).
@@ -207,9 +205,9 @@ class MxfsOperations(pyfuse3.Operations):
         # Renews (copies of whole files) of one tenant at once: a user looping chmods of
         # files she holds open took 12 of a lane's 16 threads, and the disk.
         self.renew_turns = Turns(RENEWS_PER_USER)
-        # a tenant's xattr bytes a second (`setxattr`): past them she waits, the thread free
-        self.xattr_rate = AcceptRate(XATTR_BURST, XATTR_PER_S)
-        self._xattr_waiting: Counter[int] = Counter()  # (by tenant: `_xattr_turn`)
+        # a tenant's xattr bytes a second (`setxattr`): past them she waits, the thread
+        # free (the writer's are shared with what other nodes forward: the daemon)
+        self.xattr_pace = XattrPace()
         # On a reading node: mkdir, unlink, rmdir and rename asked of the writer as the
         # caller (`fs/node_files.py`; set by the daemon).
         self.names: ForwardedFiles | None = None
@@ -1169,35 +1167,13 @@ class MxfsOperations(pyfuse3.Operations):
                        ctx: pyfuse3.RequestContext) -> None:
         check_sizes(name, value)
         if ctx.uid:  # (on a reading node too: the writer's store takes its bytes)
-            await self._xattr_turn(tenant_of(ctx.uid), len(name) + len(value))
+            await self.xattr_pace.turn(tenant_of(ctx.uid), len(name) + len(value))
         if self.names is not None:  # a reading node: set by the writer, for this caller
             await self.names.ask(_caller(ctx), "node_setxattr", {
                 "ino": inode, "name": b64(name), "value": b64(value),
                 "token": os.urandom(12).hex()})
             return
         set_xattr(self.vol, self.store.get(inode), name, value, ctx.uid)
-
-    async def _xattr_turn(self, tenant: int, nbytes: int) -> None:
-        """Past XATTR_PER_S of its xattr bytes a tenant's setxattr waits (the thread
-        free meanwhile); with XATTR_WAITING of hers waiting already, it is refused
-        EBUSY at once (the kernel answers a setxattr's EAGAIN as EOPNOTSUPP): each
-        waiting call holds one of the daemon's FUSE tasks, which every user's requests
-        share."""
-        now = trio.current_time()
-        wait = self.xattr_rate.wait(str(tenant), nbytes, now)
-        if not wait:
-            return
-        if self._xattr_waiting[tenant] >= XATTR_WAITING:
-            self.xattr_rate.wait(str(tenant), -nbytes, now)  # (refused: nothing taken)
-            raise OSError(errno.EBUSY, f"tenant {tenant} sets xattrs past "
-                          f"{XATTR_PER_S >> 20} MiB/s")
-        self._xattr_waiting[tenant] += 1
-        try:
-            await trio.sleep(wait)
-        finally:
-            self._xattr_waiting[tenant] -= 1
-            if not self._xattr_waiting[tenant]:
-                del self._xattr_waiting[tenant]
 
     @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
