@@ -27,6 +27,8 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   xattrs     4 threads each making files with four user xattrs of 64,000 bytes (the
              store's WAL grows 256 KiB a file), the files kept
   xattr_frees  the same, each file removed once tagged (its xattrs freed by reclaim)
+  xattr_tenants  the xattrs arm as six tenants at once (uids 64001-64006), each within
+             her own pace: together past what the checkpointer copies between its runs
   symlinks   4 threads each making symbolic links with 4,000-byte targets (the store's
              WAL grows a page or two a link), the links kept
   scrapes    4 threads asking the daemon's Prometheus endpoint (`-o metrics_port`) for
@@ -64,7 +66,8 @@ from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 VICTIM, HOG = 65533, 65534
 ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
         "parses", "bigints", "floats", "claims", "truncates", "readdir", "xattrs", "symlinks",
-        "xattr_frees", "scrapes")
+        "xattr_frees", "xattr_tenants", "scrapes")
+TENANTS = tuple(range(64001, 64007))  # (`xattr_tenants`: six hogs, each a tenant)
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
@@ -264,23 +267,28 @@ METRICS_PORT = 590  # the scratch pool's Prometheus endpoint (the `scrapes` arm;
 
 
 def one_round(mnt: str, arm: str, seconds: float, chunks: int) -> dict[str, float]:
-    hog = as_user(HOG, HOG_CODE, mnt, arm, str(seconds),
-                  str(METRICS_PORT if arm == "scrapes" else chunks))
+    uids, hog_arm = (TENANTS, "xattrs") if arm == "xattr_tenants" else ((HOG,), arm)
+    hogs = [as_user(uid, HOG_CODE, mnt, hog_arm, str(seconds),
+                    str(METRICS_PORT if arm == "scrapes" else chunks)) for uid in uids]
     victim = as_user(VICTIM, VICTIM_CODE, mnt, str(seconds))
-    assert hog.stdout and hog.stdin and victim.stdout and victim.stdin
-    assert hog.stdout.readline().strip() == "ready", f"hog ({arm}) failed"
+    assert victim.stdout and victim.stdin
+    for hog in hogs:
+        assert hog.stdout and hog.stdout.readline().strip() == "ready", f"hog ({arm}) failed"
     assert victim.stdout.readline().strip() == "ready", "victim failed"
     victim.stdin.write("\n")
     victim.stdin.flush()
     time.sleep(0.2)
-    hog.stdin.write("\n")
-    hog.stdin.flush()
+    for hog in hogs:
+        assert hog.stdin
+        hog.stdin.write("\n")
+        hog.stdin.flush()
     lat = sorted(json.loads(victim.stdout.readline()))
-    done = hog.stdout.readline().strip()  # (how many requests the hog made)
-    for p in (hog, victim):
+    # (how many requests the hogs made)
+    done = sum(float(h.stdout.readline().strip() or 0) for h in hogs if h.stdout)
+    for p in (*hogs, victim):
         p.wait()
     return {"median": statistics.median(lat) * 1e3, "p99": lat[int(len(lat) * 0.99)] * 1e3,
-            "worst": lat[-1] * 1e3, "lookups": len(lat), "hog": float(done or 0)}
+            "worst": lat[-1] * 1e3, "lookups": len(lat), "hog": done}
 
 
 def main() -> int:
@@ -308,6 +316,7 @@ def main() -> int:
         hog_home = os.path.join(pool.mnt, "hog")  # (made on the writer)
         os.makedirs(hog_home, exist_ok=True)
         os.chown(hog_home, HOG, HOG)
+        os.chmod(hog_home, 0o1777)  # (`xattr_tenants`: six hogs' folders in it)
         for r in range(args.repeat):
             for arm in arms:
                 # The victim waits at most as long as the hog's longest request.
