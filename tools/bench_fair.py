@@ -29,6 +29,7 @@ latency, while a hog (uid 65534) does one thing, side by side in one run:
   xattr_frees  the same, each file removed once tagged (its xattrs freed by reclaim)
   xattr_tenants  the xattrs arm as six tenants at once (uids 64001-64006), each within
              her own pace: together past what the checkpointer copies between its runs
+  symlink_tenants  the symlinks arm as six tenants at once
   symlinks   4 threads each making symbolic links with 4,000-byte targets (the store's
              WAL grows a page or two a link), the links kept
   scrapes    4 threads asking the daemon's Prometheus endpoint (`-o metrics_port`) for
@@ -66,8 +67,9 @@ from mxfs.cli.demo import bench_args, save_results, scratch_pool  # noqa: E402
 VICTIM, HOG = 65533, 65534
 ARMS = ("none", "ns_remove", "puts", "list", "deletes", "walks", "waits", "misses", "lookups",
         "parses", "bigints", "floats", "claims", "truncates", "readdir", "xattrs", "symlinks",
-        "xattr_frees", "xattr_tenants", "scrapes")
-TENANTS = tuple(range(64001, 64007))  # (`xattr_tenants`: six hogs, each a tenant)
+        "xattr_frees", "xattr_tenants", "symlink_tenants", "scrapes")
+TENANTS = tuple(range(64001, 64007))  # (`*_tenants`: six hogs, each a tenant)
+AS_TENANTS = {"xattr_tenants": "xattrs", "symlink_tenants": "symlinks"}
 NODE_ARMS = ("none", "puts", "waits", "misses", "lookups")
 
 # Each runs as its uid in a process of its own: argv = mount, arm, seconds, chunks.
@@ -267,7 +269,7 @@ METRICS_PORT = 590  # the scratch pool's Prometheus endpoint (the `scrapes` arm;
 
 
 def one_round(mnt: str, arm: str, seconds: float, chunks: int) -> dict[str, float]:
-    uids, hog_arm = (TENANTS, "xattrs") if arm == "xattr_tenants" else ((HOG,), arm)
+    uids, hog_arm = (TENANTS, AS_TENANTS[arm]) if arm in AS_TENANTS else ((HOG,), arm)
     hogs = [as_user(uid, HOG_CODE, mnt, hog_arm, str(seconds),
                     str(METRICS_PORT if arm == "scrapes" else chunks)) for uid in uids]
     victim = as_user(VICTIM, VICTIM_CODE, mnt, str(seconds))
