@@ -289,7 +289,8 @@ print(json.dumps(out))
                 # while it still looked alive (a kept connection: its kernel takes the
                 # request) ends when the reader finds it dead, with the writer still
                 # stopped, not at the receive timeout (30 s); so does a KV get there
-                # (a miss, its copy's mapping closed whatever the read left behind).
+                # (a miss: the connections lent for its chunk are shut, and the copy
+                # it falls back to closes its mapping whatever the read left behind).
                 a_pid = a.daemon_pid()
                 os.kill(a_pid, signal.SIGSTOP)
                 in_flight: dict[str, object] = {}
