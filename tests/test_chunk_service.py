@@ -896,3 +896,43 @@ def test_a_users_busy_turns_hold_no_aborts_of_her_nodes(serving: Mounted,
                 c.kv_put(root, "abortq", 0o777, True, b"y", b"w")
             vol.store.close()
         assert [w.result() for w in waiting] == [bytes([1])] * many
+
+
+def test_a_call_on_an_owner_that_stops_answering_ends_when_it_is_found_dead() -> None:
+    """A stopped owner's kernel still takes connections and requests: a call proving a
+    connection to it (or waiting on a request) waited the whole receive timeout after
+    the lease keeper had found the owner dead.  Now the keeper's view ends it then,
+    with the lease's line; a view read before the one held changes nothing."""
+    import socket
+
+    from mxfs.pool.remote import Owner, RemoteMembers
+
+    with socket.socket() as stopped:  # (listening, never answering: a stopped owner)
+        stopped.bind(("127.0.0.1", 0))
+        stopped.listen(16)
+        addr = f"127.0.0.1:{stopped.getsockname()[1]}"
+        alive, dead = Owner("a", addr, 1, True), Owner("a", addr, 1, False)
+        view = [alive]
+        remote = RemoteMembers(b"k" * 32, "12345678-1234-1234-1234-123456789abc",
+                               lambda: view[0], timeout=60)
+        remote.update(alive, read_at=time.monotonic())
+        ended: dict[str, OSError] = {}
+
+        def call() -> None:
+            try:
+                remote.read_bytes(1, 0, 0, 10)
+            except OSError as e:
+                ended["call"] = e
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(0.5)  # (its proof sent, waiting on the owner)
+        remote.update(dead, read_at=time.monotonic() - 10)  # (an older read: ignored)
+        caller.join(1)
+        assert caller.is_alive()
+        view[0] = dead
+        remote.update(dead, read_at=time.monotonic())
+        caller.join(30)  # (its receive timeout is 60 s)
+        assert not caller.is_alive(), "the call outlived the owner's lease"
+        assert ended["call"].errno == errno.EIO
+        assert "node a is dead" in str(ended["call"]), ended

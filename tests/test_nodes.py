@@ -3060,13 +3060,13 @@ def _in_store(url: str, ino: int) -> bool:
 TAGGING_FOR = r"""
 import errno, json, os, sys, threading, time
 dirs, seconds = sys.argv[1:3], float(sys.argv[3])
-ok, busy, lock = [0], [0], threading.Lock()
+ok, busy, lock = {d: 0 for d in dirs}, [0], threading.Lock()
 def tag(root, t):
     path = os.path.join(root, f"t{t}")
     while time.monotonic() < until:
         try:
             os.setxattr(path, "user.tag", b"x" * 64000)
-            with lock: ok[0] += 1
+            with lock: ok[root] += 1
         except OSError as e:
             if e.errno != errno.EBUSY:
                 raise
@@ -3082,7 +3082,7 @@ start = time.monotonic()
 until = start + seconds
 for t in ts: t.start()
 for t in ts: t.join()
-print(json.dumps({"ok": ok[0], "busy": busy[0], "s": time.monotonic() - start,
+print(json.dumps({"ok": list(ok.values()), "busy": busy[0], "s": time.monotonic() - start,
                   "failed": failed}))
 """
 
@@ -3113,6 +3113,7 @@ def test_a_tenants_xattrs_through_two_nodes_are_paced_as_through_one(
         assert eventually(lambda: all(p.exists() and p.stat().st_uid == alice.uid
                                       for p in seen), 10)
         got = run_as(alice, TAGGING_FOR, str(mine / "a"), str(b.path / "alice" / "b"), "2")
-        took = got["ok"] * 64008  # (a value and its name)
+        took = sum(got["ok"]) * 64008  # (a value and its name)
         allowed = XATTR_BURST + XATTR_PER_S * got["s"] + 8 * 64008  # (8 in flight)
-        assert not got["failed"] and got["ok"] > 0 and took <= allowed, got
+        # (each node's calls got through: the reading node's are forwarded and paced)
+        assert not got["failed"] and min(got["ok"]) > 0 and took <= allowed, got

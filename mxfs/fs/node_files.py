@@ -216,6 +216,9 @@ class NodeFiles:
                 # through every node at once are one rate at the store)
                 await self.xattr_pace.turn(tenant_of(caller.uid), len(b64_bytes_field(
                     msg, "name", 255)) + len(b64_field(msg, "value")))
+                done = self.names_done.get(token)  # (the same ask, done while this waited)
+                if done is not None:
+                    return done
             try:
                 out, changed, ino = self._name(caller, op, msg, name) if op in NAME_OPS \
                     else self._xattr(caller, op, msg) if op in XATTR_OPS \

@@ -30,6 +30,7 @@ takes one (tenants, checkpoints, `mxfs df`) waited on that owner.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import itertools
 import os
@@ -140,10 +141,11 @@ class RemoteReads:
 
         futures = [remote.submit(one) for _ in range(n)]  # (the owner's threads)
         concurrent.futures.wait(futures)
-        # The next grant takes proved connections, not a handshake each (1-2 ms).
-        remote.submit(remote.top_up, n)
         clients = [f.result() for f in futures if f.exception() is None]
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        owner = remote.owner
+        if failed is None and owner is None:  # (no writer since: its lease gone)
+            failed = OSError(errno.EIO, "the writer node gave the pool back")
         if failed is not None:
             for c in clients:
                 remote.let_go(c.sock)
@@ -154,8 +156,11 @@ class RemoteReads:
             if isinstance(failed, (OSError, WireError)):
                 raise OSError(errno.EIO, str(failed)) from None
             raise failed
-        assert remote.owner is not None
-        return [c.sock for c in clients], remote.owner
+        assert owner is not None  # (a failure otherwise, above)
+        # The next grant takes proved connections, not a handshake each (1-2 ms).
+        with contextlib.suppress(RuntimeError):  # (its threads ended: unmounting)
+            remote.submit(remote.top_up, n)
+        return [c.sock for c in clients], owner
 
     async def close_read(self, msg: Msg, session: Session) -> Answer[Empty]:
         """A reader is done with a grant of this connection's; one that ended already

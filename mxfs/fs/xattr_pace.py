@@ -13,9 +13,13 @@ forwards (`fs/node_files.py`), in the same buckets as its own mount's, so a tena
 setting xattrs through several nodes at once gets one rate at the store, not one a
 node.  Every tenant's bytes together are paced too, to POOL_PER_S: six tenants each
 within her own rate grew the WAL 32 MB/s, past what the checkpointer copies between
-its runs (another user's p99 17.7 ms; `tools/bench_fair.py` arm `xattr_tenants`).  An
-xattr of SMALL bytes or fewer never waits on the others' (its bytes count all the
-same): a tool tagging files is not held behind tenants setting large values.
+its runs (another user's p99 17.7 ms; `tools/bench_fair.py` arm `xattr_tenants`).  A
+call that would wait past POOL_WAIT_S for the others' bytes is refused EBUSY (a wait
+that long outlived a reading node's wait for the writer's answer, and the pool's debt
+grew with the number of tenants).  An xattr of SMALL bytes or fewer neither waits on
+the others' nor counts in them: a tool tagging files is not held behind tenants
+setting large values, and cannot run the pool into debt (small ones cost the daemon's
+thread more than the WAL, as 4 KB symbolic links do).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ XATTR_WAITING = 4  # a tenant's setxattrs waiting at once; past them EBUSY
 # every tenant's together: half the 1,000 WAL pages the checkpointer copies each 250 ms
 POOL_BURST, POOL_PER_S = 8 << 20, 8 << 20
 SMALL = 4096  # an xattr's bytes (name and value) that never wait on other tenants'
+POOL_WAIT_S = 2.0  # the longest a call waits for other tenants' bytes; past it EBUSY
 
 
 class XattrPace:
@@ -47,17 +52,22 @@ class XattrPace:
         """Return once `tenant` may set `nbytes` more (at once within her burst and
         the pool's); EBUSY where XATTR_WAITING of her calls wait already."""
         now = trio.current_time()
+        pooled = nbytes > SMALL
         wait = self.rate.wait(str(tenant), nbytes, now)
-        pool_wait = self.pool.wait("", nbytes, now)
-        if nbytes > SMALL:
-            wait = max(wait, pool_wait)
-        if not wait:
+        pool_wait = self.pool.wait("", nbytes, now) if pooled else 0.0
+        if not max(wait, pool_wait):
             return
+        busy = None
         if self._waiting[tenant] >= XATTR_WAITING:
+            busy = f"tenant {tenant} sets xattrs past {XATTR_PER_S >> 20} MiB/s"
+        elif pool_wait > POOL_WAIT_S:
+            busy = f"the pool's tenants set xattrs past {POOL_PER_S >> 20} MiB/s together"
+        if busy is not None:
             self.rate.wait(str(tenant), -nbytes, now)  # (refused: nothing taken)
-            self.pool.wait("", -nbytes, now)
-            raise OSError(errno.EBUSY, f"tenant {tenant} sets xattrs past "
-                          f"{XATTR_PER_S >> 20} MiB/s")
+            if pooled:
+                self.pool.wait("", -nbytes, now)
+            raise OSError(errno.EBUSY, busy)
+        wait = max(wait, pool_wait)
         self._waiting[tenant] += 1
         try:
             await trio.sleep(wait)

@@ -240,6 +240,10 @@ class Begun(Generic[T]):
         raised then)."""
         for f in list(self.helping):  # (a helper's call may run after this found none)
             f.result()
+        # The calls let go: their buffers' views are held no longer (a helper's pool
+        # keeps its last task, this batch with it, a moment after its result came,
+        # and the caller's mapping of those buffers could not close: BufferError).
+        self.calls = []
         for err in self.errors:
             if err is not None:
                 raise err

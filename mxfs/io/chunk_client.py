@@ -18,6 +18,7 @@ import random
 import socket
 import struct
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from mxfs.proto.chunk_wire import (
@@ -76,12 +77,16 @@ class Busy(OSError):
 class ChunkClient:
     def __init__(self, host: str, port: int, key: bytes, pool_uuid: str,
                  timeout: float = 30.0, source: str | None = None,
-                 connect_s: float = CONNECT_S, unacked_s: float = UNACKED_S) -> None:
+                 connect_s: float = CONNECT_S, unacked_s: float = UNACKED_S,
+                 connected: Callable[[socket.socket], None] | None = None) -> None:
         """Connect and prove the key; `source`: this node's address to connect from
         (on a host with several networks, the one the pool's nodes are on);
-        `connect_s`, `unacked_s`: a mount's `-o connect_s`, `-o unacked_s`."""
+        `connect_s`, `unacked_s`: a mount's `-o connect_s`, `-o unacked_s`;
+        `connected`: told the socket before the proof waits on the node."""
         self.where = f"{host}:{port}"
         self.sock = _connect(host, port, min(timeout, connect_s), source)
+        if connected is not None:
+            connected(self.sock)
         self.sock.settimeout(timeout)
         # Requests are small writes the owner answers at once: each goes out whole
         # (Nagle would hold a short last segment until the owner's ACK).

@@ -110,12 +110,20 @@ class RemoteMembers:
         self._proving = threading.BoundedSemaphore(PROVING)
         self._in_flight: set[ChunkClient] = set()  # (`_call`'s, ended by `update`)
         self._lent: set[socket.socket] = set()  # (`connect`'s, until `let_go`)
+        self._proving_socks: set[socket.socket] = set()  # (connections being proved)
+        self._read_at = float("-inf")  # when the view in `owner` was read
 
-    def update(self, owner: Owner | None) -> None:
-        """A new view of the owner; connections to another epoch or address are closed,
-        and where it is dead or another, the calls in flight and the connections lent
-        out end (their readers see the end at once)."""
+    def update(self, owner: Owner | None, read_at: float | None = None) -> None:
+        """A new view of the owner, read at `read_at` (monotonic; one read before the
+        view held is ignored: the keeper's read, landing after a caller's newer one,
+        ended calls made since); connections to another epoch or address are closed,
+        and where it is dead or another, the calls in flight, the connections being
+        proved and those lent out end (their readers see the end at once)."""
         with self._lock:
+            if read_at is not None:
+                if read_at < self._read_at:
+                    return
+                self._read_at = read_at
             old, self.owner = self.owner, owner
             if owner != old and (owner is None or old is None or owner.epoch != old.epoch
                                  or owner.addr != old.addr):
@@ -127,7 +135,7 @@ class RemoteMembers:
                     or owner.epoch != old.epoch or owner.addr != old.addr:
                 for c in self._in_flight:  # (their answers would not be the pool's)
                     _shut(c.sock)
-                for sock in self._lent:
+                for sock in (*self._lent, *self._proving_socks):
                     _shut(sock)
         if owner is not None and owner.why_not() is None and self._said is not None:
             log.warning("node %s (%s, epoch %d) serves its members again", owner.node,
@@ -202,6 +210,7 @@ class RemoteMembers:
         while True:
             with self._lock:
                 self._in_flight.add(client)
+                self._shut_if_gone(client.sock)
             try:
                 out = fn(client)
             except Refused as e:
@@ -236,7 +245,14 @@ class RemoteMembers:
         kept, client = self._client(fresh=not idle, wait=wait)
         with self._lock:
             self._lent.add(client.sock)
+            self._shut_if_gone(client.sock)
         return kept, client
+
+    def _shut_if_gone(self, sock: socket.socket) -> None:
+        """(Under the lock, as `sock` joins a set `update` shuts.)  Shut it now where
+        the owner died since the call took it."""
+        if self.owner is None or self.owner.why_not() is not None:
+            _shut(sock)
 
     def let_go(self, sock: socket.socket) -> None:
         """(Before its close.)  A connection `connect` lent is the owner's no more."""
@@ -290,9 +306,7 @@ class RemoteMembers:
                     away = self._away  # (found by those proving before: EIO at once,
                     if away is not None and time.monotonic() < away[0]:  # not a wait
                         raise OSError(errno.EIO, away[1])  # of its own after theirs)
-                    client = ChunkClient(host, int(port), self.key, self.pool_uuid,
-                                         self.timeout, connect_s=self.connect_s,
-                                         unacked_s=self.unacked_s)
+                    client = self._proved(host, int(port))
             except Busy as e:
                 if not wait or time.monotonic() + pause > until:
                     raise self._busy(owner, e) from None
@@ -314,11 +328,32 @@ class RemoteMembers:
                 break
             refreshed = True  # it may have come back since the view was read
             tried, owner = owner, self._refreshed()
-            if (owner.addr, owner.epoch) == (tried.addr, tried.epoch):
+            if owner.why_not() is None and (owner.addr, owner.epoch) == (tried.addr,
+                                                                         tried.epoch):
                 break  # (the same node at the same address: no second wait)
         failed = self._failed(f"cannot be reached at {owner.addr} ({last})", owner)
         self._away = (time.monotonic() + AWAY_S, str(failed.strerror))
         raise failed
+
+    def _proved(self, host: str, port: int) -> ChunkClient:
+        """A new connection to the owner, its proof shut with the calls in flight
+        where the keeper finds the owner dead meanwhile (a stopped owner's kernel
+        takes the connection, and the proof waited the whole timeout)."""
+        made: list[socket.socket] = []
+
+        def connected(sock: socket.socket) -> None:
+            made.append(sock)
+            with self._lock:
+                self._proving_socks.add(sock)
+                self._shut_if_gone(sock)
+
+        try:
+            return ChunkClient(host, port, self.key, self.pool_uuid, self.timeout,
+                               connect_s=self.connect_s, unacked_s=self.unacked_s,
+                               connected=connected)
+        finally:
+            with self._lock:
+                self._proving_socks.difference_update(made)
 
     def _given_back(self, seconds: float) -> ChunkClient | None:
         """A kept connection, waited for `seconds` at most (another call's, given back)."""
@@ -337,6 +372,7 @@ class RemoteMembers:
         return OSError(errno.EBUSY, text)
 
     def _refreshed(self) -> Owner:
+        read_at = time.monotonic()
         try:
             owner = self.refresh()
         except Exception as e:  # (Unusable, or a store's Conflict, raised on: a read's
@@ -346,7 +382,7 @@ class RemoteMembers:
         if owner is None:
             raise OSError(errno.EIO, "no node owns the pool's members (the writer node "
                           "gave the pool back): mount it on its owner node")
-        self.update(owner)
+        self.update(owner, read_at)
         return owner
 
     def _drop(self, client: ChunkClient) -> None:

@@ -380,7 +380,8 @@ class Volume:
         """(The keeper's thread, after each renewal.)  Each owner's lease read again:
         whom to ask for its members, and whether it is alive."""
         for remote, name in self.owner_views:
-            remote.update(owner_of(store, name))
+            read_at = time.monotonic()
+            remote.update(owner_of(store, name), read_at)
 
     @property
     def holds_lock(self) -> bool:
