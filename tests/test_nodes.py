@@ -3071,6 +3071,7 @@ def tag(root, t):
             if e.errno != errno.EBUSY:
                 raise
             with lock: busy[0] += 1
+            time.sleep(0.001)  # (refused at once: not a spin on the daemons' threads)
 failed = []
 def run(root, t):
     try:

@@ -3502,6 +3502,7 @@ def tag(t):
         except OSError as e:
             if e.errno != errno.EBUSY:
                 raise
+            time.sleep(0.001)  # (refused at once: not a spin on the daemon's thread)
             continue
         with lock:
             ok[0] += 1
