@@ -69,10 +69,6 @@ DAY_NS = 86_400 * 10**9
 # Files a reading node remembers having opened, as they were (their pages kept if so).
 SEEN_KEPT = 100_000
 RENEWS_PER_USER = 2  # a tenant's renews (whole files copied) at once
-# A tenant's xattr bytes (names and values set) a second, past a burst: a tenant setting
-# 64 KB xattrs as fast as she could wrote 1,000 pages of the store's WAL between two of
-# the checkpointer's runs, and the commit that took it past them copied them into the
-# database and fsynced it on the daemon's thread (another user's calls: p99 25 ms).
 # Entries a readdir reads from the store at first, and at most, at once; and the bytes
 # of symlink targets a page reads (`MetaStore.readdir_page` cuts it a bite past them:
 # 512 of 4 KiB targets held the thread 3-4.6 ms; `next_page` sizes the next from them).

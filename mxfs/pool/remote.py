@@ -16,8 +16,8 @@ could not be made every call fails at once, so readers of a node that cannot be
 reached get EIO in seconds, not one wait after another.  A request the owner took but
 left unanswered past the timeout ends its own connection alone: the owner is busy,
 not gone.  A request in flight when the lease keeper finds the owner dead, or under
-another epoch, ends then, not at the timeout, and so do the connections lent to
-direct readers: a stopped owner (SIGSTOP, a hung host whose kernel still
+another epoch, ends then, not at the timeout, and so do the connections being proved
+and those lent to direct readers: a stopped owner (SIGSTOP, a hung host whose kernel still
 acknowledges) held every request sent it just before for the whole timeout, and the
 reads waiting on them with it.  An owner that answers BUSY (its service holds as many
 connections as it may) is up too: nothing is marked away, and a call waits for a
@@ -108,9 +108,9 @@ class RemoteMembers:
         # else on the caller's thread, never queued behind another user's calls
         self.helpers = Helpers(FAR_THREADS, "mxfs-far-io")
         self._proving = threading.BoundedSemaphore(PROVING)
-        self._in_flight: set[ChunkClient] = set()  # (`_call`'s, ended by `update`)
-        self._lent: set[socket.socket] = set()  # (`connect`'s, until `let_go`)
-        self._proving_socks: set[socket.socket] = set()  # (connections being proved)
+        # Connections a caller waits on or holds (calls in flight, proofs, those lent):
+        # shut by `update` where the owner turns out dead or another.
+        self._watched: set[socket.socket] = set()
         self._read_at = float("-inf")  # when the view in `owner` was read
 
     def update(self, owner: Owner | None, read_at: float | None = None) -> None:
@@ -125,17 +125,15 @@ class RemoteMembers:
                     return
                 self._read_at = read_at
             old, self.owner = self.owner, owner
-            if owner != old and (owner is None or old is None or owner.epoch != old.epoch
-                                 or owner.addr != old.addr):
+            another = owner is None or old is None or owner.epoch != old.epoch \
+                or owner.addr != old.addr
+            if owner != old and another:
                 for c in self._idle:
                     c.close()
                 self._idle.clear()
                 self._away = None
-            if owner is None or owner.why_not() is not None or old is None \
-                    or owner.epoch != old.epoch or owner.addr != old.addr:
-                for c in self._in_flight:  # (their answers would not be the pool's)
-                    _shut(c.sock)
-                for sock in (*self._lent, *self._proving_socks):
+            if another or owner is not None and owner.why_not() is not None:
+                for sock in self._watched:  # (their answers would not be the pool's)
                     _shut(sock)
         if owner is not None and owner.why_not() is None and self._said is not None:
             log.warning("node %s (%s, epoch %d) serves its members again", owner.node,
@@ -208,9 +206,7 @@ class RemoteMembers:
         `refusals`: an errno the owner answered is the caller's, not a failure."""
         reused, client = self._client()
         while True:
-            with self._lock:
-                self._in_flight.add(client)
-                self._shut_if_gone(client.sock)
+            self._watch(client.sock)
             try:
                 out = fn(client)
             except Refused as e:
@@ -243,21 +239,22 @@ class RemoteMembers:
         closed it meanwhile); without `wait`, EBUSY at once when it has no room.  It is
         lent: shut when the owner is found dead, until the caller's `let_go`."""
         kept, client = self._client(fresh=not idle, wait=wait)
-        with self._lock:
-            self._lent.add(client.sock)
-            self._shut_if_gone(client.sock)
+        self._watch(client.sock)
         return kept, client
 
-    def _shut_if_gone(self, sock: socket.socket) -> None:
-        """(Under the lock, as `sock` joins a set `update` shuts.)  Shut it now where
-        the owner died since the call took it."""
-        if self.owner is None or self.owner.why_not() is not None:
-            _shut(sock)
+    def _watch(self, sock: socket.socket) -> None:
+        """`sock` shut by `update` from now on (and now, where the owner died since
+        the call took it), until `let_go`."""
+        with self._lock:
+            self._watched.add(sock)
+            if self.owner is None or self.owner.why_not() is not None:
+                _shut(sock)
 
     def let_go(self, sock: socket.socket) -> None:
-        """(Before its close.)  A connection `connect` lent is the owner's no more."""
+        """(Before its close.)  `sock` is watched no more: a connection `connect` lent
+        given back, a call's or a proof's ended."""
         with self._lock:
-            self._lent.discard(sock)
+            self._watched.discard(sock)
 
     def top_up(self, n: int) -> None:
         """(Blocking.)  Make up to `n` new connections and keep them (IDLE_CONNS at most),
@@ -343,17 +340,15 @@ class RemoteMembers:
 
         def connected(sock: socket.socket) -> None:
             made.append(sock)
-            with self._lock:
-                self._proving_socks.add(sock)
-                self._shut_if_gone(sock)
+            self._watch(sock)
 
         try:
             return ChunkClient(host, port, self.key, self.pool_uuid, self.timeout,
                                connect_s=self.connect_s, unacked_s=self.unacked_s,
                                connected=connected)
         finally:
-            with self._lock:
-                self._proving_socks.difference_update(made)
+            for sock in made:
+                self.let_go(sock)
 
     def _given_back(self, seconds: float) -> ChunkClient | None:
         """A kept connection, waited for `seconds` at most (another call's, given back)."""
@@ -386,13 +381,12 @@ class RemoteMembers:
         return owner
 
     def _drop(self, client: ChunkClient) -> None:
-        with self._lock:  # (out of the set first: `update` shuts only open ones)
-            self._in_flight.discard(client)
+        self.let_go(client.sock)  # (first: `update` shuts only open ones)
         client.close()
 
     def _give_back(self, client: ChunkClient) -> None:
         with self._lock:
-            self._in_flight.discard(client)
+            self._watched.discard(client.sock)
             if self.owner is not None and client.epoch == self.owner.epoch \
                     and len(self._idle) < IDLE_CONNS:
                 self._idle.append(client)
