@@ -90,6 +90,38 @@ def test_parallel_readers_a_little_out_of_order() -> None:
     ra.close()
 
 
+def test_nothing_past_the_files_end_is_fetched_or_held() -> None:
+    """A file smaller than a window read in order: one fetch, of its bytes alone, and
+    only those held (it fetched four whole windows of nothing ahead, which went on
+    after its reader closed it, and held five windows of the budget)."""
+    src = Source(MiB + 12345)
+    end = len(src.data)
+    ra = ReadAhead(MiB, src.fetch)
+    out = bytearray(end)
+    view = memoryview(out)
+    read(ra, src, 0, view[:128 << 10], end)
+    for off in range(128 << 10, end, 128 << 10):
+        read(ra, src, off, view[off:off + (128 << 10)], end)
+        assert read_ahead._held == end  # (one window, to the end)
+    assert out == src.data
+    assert src.fetched == [0, 0] and src.largest == end  # (the first read's, a window's)
+    ra.close()
+
+
+def test_a_window_fetched_to_an_old_end_is_fetched_again_past_it() -> None:
+    """The file grew while a window held its bytes to the old end: a read past the
+    old end gets the new bytes, never the zeros the short window does not hold."""
+    src = Source(4 * MiB)
+    ra = ReadAhead(MiB, src.fetch)
+    buf = memoryview(bytearray(MiB))
+    read(ra, src, 0, buf, MiB)  # (the first: read straight)
+    read(ra, src, 0, buf, MiB)  # the window, fetched to 1 MiB
+    read(ra, src, MiB, buf, 4 * MiB)
+    assert bytes(buf) == src.data[MiB:2 * MiB]
+    assert src.fetched.count(0) == 3 and read_ahead._held == 4 * MiB
+    ra.close()
+
+
 def test_a_read_far_from_the_last_is_not_read_ahead() -> None:
     src = Source(200 * MiB)
     ra = ReadAhead(MiB, src.fetch)
@@ -114,9 +146,10 @@ def test_a_failed_fetch_fails_its_read_and_is_fetched_again() -> None:
     ra.close()
 
 
-def read(ra: ReadAhead, src: Source, offset: int, buf: memoryview) -> None:
+def read(ra: ReadAhead, src: Source, offset: int, buf: memoryview,
+         end: int | None = None) -> None:
     """As `ChunkFiles.read`: from the windows, or else straight from the source."""
-    if not ra.read(offset, buf):
+    if not ra.read(offset, buf, end=end):
         src.fetch(offset, buf)
 
 

@@ -746,7 +746,8 @@ class MxfsOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes:
         entry = self.handles[fh].entry
         node = entry.node
-        n = min(size, self._size(node) - off)
+        end = self._size(node)
+        n = min(size, end - off)
         if n <= 0:
             return b""
         buf = bytearray(n)
@@ -754,7 +755,7 @@ class MxfsOperations(pyfuse3.Operations):
         await self.settle(node.ino)
         uid = self.handles[fh].uid  # (windows read ahead: counted as its user's)
         await self._io(entry.chunks, uid, entry.chunks.read, off, memoryview(buf),
-                       tenant_of(uid))
+                       tenant_of(uid), end)
         if not self.noatime:
             self._relatime(node)
         # pyfuse3 replies with any buffer (PyObject_GetBuffer), though its stub says bytes;

@@ -136,12 +136,13 @@ class ChunkFiles:
         self._readonly.add(member)
         return fd
 
-    def read(self, offset: int, buf: memoryview, reader: int = 0) -> None:
-        """Fill `buf` with file bytes from `offset` (the caller clips to the file size):
-        this node's members read here, another node's through its chunk service, all
-        at once (or from the windows read ahead of a file read in order, counted as
-        `reader`'s: a tenant, `pool/read_ahead.py`)."""
-        if self._ahead is None or not self._ahead.read(offset, buf, reader):
+    def read(self, offset: int, buf: memoryview, reader: int = 0, end: int | None = None
+             ) -> None:
+        """Fill `buf` with file bytes from `offset` (the caller clips to the file size,
+        `end`): this node's members read here, another node's through its chunk
+        service, all at once (or from the windows read ahead of a file read in order,
+        counted as `reader`'s: a tenant, `pool/read_ahead.py`; none past `end`)."""
+        if self._ahead is None or not self._ahead.read(offset, buf, reader, end):
             self._read_now(offset, buf)
 
     def _read_now(self, offset: int, buf: memoryview) -> None:

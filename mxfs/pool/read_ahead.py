@@ -118,15 +118,19 @@ class ReadAhead:
         self.size = window_size(row)
         self.fetch = fetch
         self._windows: dict[int, Future[bytearray]] = {}
-        self._payer: dict[int, int] = {}  # window: the tenant whose read fetched it
+        # window: the tenant whose read fetched it, and the bytes it holds (to the end)
+        self._held_for: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._end = -1  # where the last read ended: reads near it are in order
 
-    def read(self, offset: int, buf: memoryview, reader: int = 0) -> bool:
+    def read(self, offset: int, buf: memoryview, reader: int = 0, end: int | None = None
+             ) -> bool:
         """Fill `buf` from windows if this read follows on from the last ones (and
         fetch the next windows ahead, counted as `reader`'s); False, leaving `buf` to
         the caller, if it does not or the budget has no room for the windows it
-        needs."""
+        needs.  `end`: the file's size now; no window is fetched past it (a file
+        smaller than a window fetched four windows of nothing ahead, 64 MiB of the
+        budget, and those fetches went on after its reader closed it)."""
         with self._lock:
             if self._end < 0 or abs(offset - self._end) > self.size:
                 self._end = offset + len(buf)
@@ -136,11 +140,11 @@ class ReadAhead:
             # (the one behind stays: reads in flight come a little out of order)
             for w in [w for w in self._windows if not first - 1 <= w <= last + AHEAD]:
                 self._drop(w)
-            needed = [self._start(w, reader, ahead=False) for w in range(first, last + 1)]
+            needed = [self._start(w, reader, end, ahead=False) for w in range(first, last + 1)]
             if None in needed:
                 return False
             for w in range(last + 1, last + 1 + AHEAD):
-                self._start(w, reader, ahead=True)
+                self._start(w, reader, end, ahead=True)
         at = 0
         for w, fut in enumerate(needed, first):
             assert fut is not None
@@ -150,35 +154,43 @@ class ReadAhead:
                 return False        # straight, as those after the drop are
             lo = max(offset + at, w * self.size) - w * self.size
             n = min(len(buf) - at, self.size - lo)
+            if lo + n > len(data):  # (fetched to an end the caller's read is past)
+                return False
             buf[at:at + n] = data[lo:lo + n]
             at += n
         return True
 
-    def _start(self, w: int, reader: int, ahead: bool) -> Future[bytearray] | None:
-        """Window `w`, fetched now for `reader` if it is not held (or failed); None if
-        the budget or the reader's share has no room for it (`ahead`: no read waits
-        on it yet)."""
-        fut = self._windows.get(w)
-        if fut is not None and not (fut.done() and fut.exception() is not None):
-            return fut
-        if fut is not None:
-            self._drop(w)
-        if not _hold(self.size, reader):
+    def _start(self, w: int, reader: int, end: int | None, ahead: bool
+               ) -> Future[bytearray] | None:
+        """Window `w` (up to `end`, if given), fetched now for `reader` if it is not
+        held whole (or failed); None if it is past `end`, or the budget or the
+        reader's share has no room for it (`ahead`: no read waits on it yet)."""
+        length = self.size if end is None else min(self.size, end - w * self.size)
+        if length <= 0:
             return None
-        self._payer[w] = reader
-        fut = self._windows[w] = _submit(self, lambda: self._fetch(w), first=not ahead)
+        fut = self._windows.get(w)
+        if fut is not None and not (fut.done() and fut.exception() is not None) \
+                and self._held_for[w][1] >= length:
+            return fut
+        if fut is not None:  # (failed, or fetched to an end the file has grown past)
+            self._drop(w)
+        if not _hold(length, reader):
+            return None
+        self._held_for[w] = (reader, length)
+        fut = self._windows[w] = _submit(self, lambda: self._fetch(w, length),
+                                         first=not ahead)
         return fut
 
     def _drop(self, w: int) -> None:
         """Forget window `w`: its fetch is cancelled if it has not begun, and its bytes
         go back to the budget once no fetch holds them (a fetch running goes on, and
         its buffer is memory held until it ends)."""
-        fut, size, payer = self._windows.pop(w), self.size, self._payer.pop(w)
+        fut, (payer, length) = self._windows.pop(w), self._held_for.pop(w)
         fut.cancel()
-        fut.add_done_callback(lambda _: _hold(-size, payer))  # (now, if it is done)
+        fut.add_done_callback(lambda _: _hold(-length, payer))  # (now, if it is done)
 
-    def _fetch(self, w: int) -> bytearray:
-        data = bytearray(self.size)
+    def _fetch(self, w: int, length: int) -> bytearray:
+        data = bytearray(length)
         self.fetch(w * self.size, memoryview(data))
         return data
 
