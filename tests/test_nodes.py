@@ -129,7 +129,10 @@ def _reading_node(tmp_path: Path, url: str, net: NodeNet, members: list[str],
 
 
 @pytest.mark.daemon_log(r"node \S+ (is dead|cannot be reached|could not serve)",
-                        r"recovered pool", r"serves its members again")
+                        r"recovered pool", r"serves its members again",
+                        # (a proof the reading node ended on finding the stopped writer
+                        # dead: the writer's service reads its end after SIGCONT)
+                        r"chunk handshake .* failed \(EOFError")
 def test_reading_node(tmp_path: Path, pg_cluster: Any) -> None:
     url = pg_cluster.database()
     members = make_members(tmp_path / "a")
