@@ -49,7 +49,7 @@ REQUIRE_ENGINES = bool(os.environ.get("MXFS_REQUIRE_ENGINES"))
 # need PostgreSQL.  `unit` modules need no root, no mount and no server, and run in
 # under a minute: `make test-fast` runs them with the `smoke` mount tests.
 LAYERS = {
-    "unit": {"test_header_fuzz", "test_io_engine", "test_kv_keys", "test_layout",
+    "unit": {"test_header_fuzz", "test_io_engine", "test_xattr_pace", "test_kv_keys", "test_layout",
              "test_meta_conformance", "test_meta_sqlite", "test_ttft_model", "test_reuse_policy",
              "test_ckpt_partials", "test_read_ahead", "test_node_holds",
              "test_node_grants", "test_inode_cache", "test_tenants",

@@ -2,7 +2,9 @@
 """How long one user's requests wait while another user floods the daemon.
 
 A victim (uid 65533) looks up one KV key over and over and records each lookup's
-latency, while a hog (uid 65534) does one thing, side by side in one run:
+latency (`--victim xattr`: sets a 64 KB xattr every 100 ms, a tenant well within her
+share of the pool's xattr pace), while a hog (uid 65534) does one thing, side by side
+in one run:
 
   none       nothing (the victim's baseline)
   ns_remove  removes a namespace of --chunks chunks in one request
@@ -235,21 +237,32 @@ print(n, flush=True)
 """
 
 VICTIM_CODE = r"""
-import base64, json, sys, time
+import base64, errno, json, os, sys, time
 from mxfs.client import ControlClient
-mnt, seconds = sys.argv[1], float(sys.argv[2])
+mnt, seconds, mode, home = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
 c = ControlClient(mnt)
 k = base64.b64encode(b"victim").decode()
 c.call("kv_put", namespace="victim", keys=[k], data=[base64.b64encode(b"v" * 100).decode()])
+path = os.path.join(home, f"victim-{os.getpid()}")
+open(path, "w").close()
 print("ready", flush=True)
 sys.stdin.readline()
-lat, end = [], time.monotonic() + seconds
+lat, refused, end = [], 0, time.monotonic() + seconds
 while time.monotonic() < end:
     t = time.perf_counter()
-    c.call("kv_exists", namespace="victim", keys=[k])
+    if mode == "kv":
+        c.call("kv_exists", namespace="victim", keys=[k])
+    else:  # a tenant tagging a file with 64 KB now and then (640 KB/s)
+        try:
+            os.setxattr(path, "user.v", b"v" * 64000)
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            refused += 1
     lat.append(time.perf_counter() - t)
-    time.sleep(0.002)
-print(json.dumps(lat), flush=True)
+    time.sleep(0.002 if mode == "kv" else 0.1)
+os.unlink(path)
+print(json.dumps([lat, refused]), flush=True)
 """
 
 
@@ -268,11 +281,12 @@ METRICS_PORT = 590  # the scratch pool's Prometheus endpoint (the `scrapes` arm;
 # privileged port: mount refuses one any user may bind, fs/ports.py)
 
 
-def one_round(mnt: str, arm: str, seconds: float, chunks: int) -> dict[str, float]:
+def one_round(mnt: str, arm: str, seconds: float, chunks: int, victim_op: str = "kv",
+              home: str = "") -> dict[str, float]:
     uids, hog_arm = (TENANTS, AS_TENANTS[arm]) if arm in AS_TENANTS else ((HOG,), arm)
     hogs = [as_user(uid, HOG_CODE, mnt, hog_arm, str(seconds),
                     str(METRICS_PORT if arm == "scrapes" else chunks)) for uid in uids]
-    victim = as_user(VICTIM, VICTIM_CODE, mnt, str(seconds))
+    victim = as_user(VICTIM, VICTIM_CODE, mnt, str(seconds), victim_op, home)
     assert victim.stdout and victim.stdin
     for hog in hogs:
         assert hog.stdout and hog.stdout.readline().strip() == "ready", f"hog ({arm}) failed"
@@ -284,13 +298,14 @@ def one_round(mnt: str, arm: str, seconds: float, chunks: int) -> dict[str, floa
         assert hog.stdin
         hog.stdin.write("\n")
         hog.stdin.flush()
-    lat = sorted(json.loads(victim.stdout.readline()))
+    lat, refused = json.loads(victim.stdout.readline())
+    lat.sort()
     # (how many requests the hogs made)
     done = sum(float(h.stdout.readline().strip() or 0) for h in hogs if h.stdout)
     for p in (*hogs, victim):
         p.wait()
     return {"median": statistics.median(lat) * 1e3, "p99": lat[int(len(lat) * 0.99)] * 1e3,
-            "worst": lat[-1] * 1e3, "lookups": len(lat), "hog": done}
+            "worst": lat[-1] * 1e3, "lookups": len(lat), "hog": done, "refused": refused}
 
 
 def main() -> int:
@@ -300,6 +315,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5, help="how long the victim measures")
     ap.add_argument("--arms", help=f"default: {','.join(ARMS)}; with --meta: "
                     f"{','.join(NODE_ARMS)}")
+    ap.add_argument("--victim", choices=("kv", "xattr"), default="kv",
+                    help="the victim's request: a KV lookup every 2 ms, or a 64 KB "
+                    "xattr set every 100 ms (EBUSY counted as refused)")
     ap.add_argument("--meta", help="an empty PostgreSQL database: both users on a "
                     "reading node of a pool whose metadata it holds")
     args = ap.parse_args()
@@ -322,18 +340,23 @@ def main() -> int:
         for r in range(args.repeat):
             for arm in arms:
                 # The victim waits at most as long as the hog's longest request.
-                res = one_round(mnt, arm, args.seconds, args.chunks)
+                res = one_round(mnt, arm, args.seconds, args.chunks, args.victim,
+                                hog_home)
                 results[arm].append(res)
                 print(f"round {r + 1} {arm:10s} median {res['median']:8.2f} ms  p99 "
                       f"{res['p99']:8.2f}  worst {res['worst']:8.2f}  ({res['lookups']:.0f} "
-                      f"lookups; the hog's requests {res['hog']:.0f})", flush=True)
-    print("\nvictim's kv_exists latency, ms (median of rounds): median / p99 / worst")
+                      f"requests, {res['refused']:.0f} refused; the hog's requests "
+                      f"{res['hog']:.0f})", flush=True)
+    what = "kv_exists" if args.victim == "kv" else "64 KB setxattr"
+    print(f"\nvictim's {what} latency, ms (median of rounds): median / p99 / worst "
+          "(requests refused)")
     summary = {}
     for arm in arms:
         summary[arm] = {k: statistics.median(x[k] for x in results[arm])
-                        for k in ("median", "p99", "worst")}
+                        for k in ("median", "p99", "worst", "refused")}
         s = summary[arm]
-        print(f"  {arm:10s} {s['median']:8.2f} {s['p99']:8.2f} {s['worst']:8.2f}")
+        print(f"  {arm:10s} {s['median']:8.2f} {s['p99']:8.2f} {s['worst']:8.2f} "
+              f"({s['refused']:.0f})")
     save_results(args, rounds=results, summary=summary)
     return 0
 

@@ -13,19 +13,23 @@ forwards (`fs/node_files.py`), in the same buckets as its own mount's, so a tena
 setting xattrs through several nodes at once gets one rate at the store, not one a
 node.  Every tenant's bytes together are paced too, to POOL_PER_S: six tenants each
 within her own rate grew the WAL 32 MB/s, past what the checkpointer copies between
-its runs (another user's p99 17.7 ms; `tools/bench_fair.py` arm `xattr_tenants`).  A
-call that would wait past POOL_WAIT_S for the others' bytes is refused EBUSY (a wait
-that long outlived a reading node's wait for the writer's answer, and the pool's debt
-grew with the number of tenants).  An xattr of SMALL bytes or fewer neither waits on
-the others' nor counts in them: a tool tagging files is not held behind tenants
-setting large values, and cannot run the pool into debt (small ones cost the daemon's
-thread more than the WAL, as 4 KB symbolic links do).
+its runs (another user's p99 17.7 ms; `tools/bench_fair.py` arm `xattr_tenants`).  The
+pool's rate and burst are shared evenly among the tenants setting large xattrs
+(`FairShare`: each her 1/n, n those who set one in the last ACTIVE_S), so a tenant
+within her share never waits behind the others: one bucket for all made her wait up
+to POOL_WAIT_S, or refused her EBUSY, while three others kept it full.  A call that
+would wait past POOL_WAIT_S for its share is refused EBUSY (a wait that long outlived
+a reading node's wait for the writer's answer).  An xattr of SMALL bytes or fewer
+neither waits on the pool's pace nor counts in it: a tool tagging files is never held,
+and cannot run a share into debt (small ones cost the daemon's thread more than the
+WAL, as 4 KB symbolic links do).
 """
 
 from __future__ import annotations
 
 import errno
-from collections import Counter
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 import trio
 
@@ -36,16 +40,60 @@ XATTR_WAITING = 4  # a tenant's setxattrs waiting at once; past them EBUSY
 # every tenant's together: half the 1,000 WAL pages the checkpointer copies each 250 ms
 POOL_BURST, POOL_PER_S = 8 << 20, 8 << 20
 SMALL = 4096  # an xattr's bytes (name and value) that never wait on other tenants'
-POOL_WAIT_S = 2.0  # the longest a call waits for other tenants' bytes; past it EBUSY
+POOL_WAIT_S = 2.0  # the longest a call waits for its share of the pool; past it EBUSY
+ACTIVE_S = 1.0  # a tenant has a share of the pool's pace this long after her last turn
+
+
+@dataclass(slots=True)
+class _Share:
+    tokens: float
+    at: float  # when `tokens` was counted
+    until: float  # when her last call's turn comes: she has a share ACTIVE_S past it
+
+
+class FairShare:
+    """A rate and a burst shared evenly by the tenants who used them lately: each
+    one's bucket fills at `per_s / n` and holds `burst / n`, n counting those whose
+    last turn was within `active_s` (her too), so together they stay within the rate
+    while one alone has all of it.  `now`: trio's clock."""
+
+    def __init__(self, burst: int, per_s: int, active_s: float = ACTIVE_S) -> None:
+        self.burst, self.per_s, self.active_s = burst, per_s, active_s
+        self._shares: OrderedDict[int, _Share] = OrderedDict()  # the earliest turn first
+
+    def __len__(self) -> int:
+        return len(self._shares)
+
+    def wait(self, tenant: int, n: float, now: float) -> float:
+        """Take `n` from `tenant`'s share, into debt where it holds less: how many
+        seconds she waits before she goes on (0: at once); a negative `n` gives back."""
+        while self._shares:  # (those quiet since: their debts were paid by then)
+            first = next(iter(self._shares.values()))
+            if first.until >= now - self.active_s:
+                break
+            self._shares.popitem(last=False)
+        share = self._shares.pop(tenant, None)
+        k = len(self._shares) + 1
+        rate, cap = self.per_s / k, self.burst / k
+        if share is None:
+            share = _Share(cap, now, now)
+        else:
+            share.tokens = min(cap, share.tokens + max(0.0, now - share.at) * rate)
+            share.at = now
+        share.tokens -= n
+        wait = max(0.0, -share.tokens / rate)
+        share.until = max(share.until, now + wait)
+        self._shares[tenant] = share  # (the latest turn: last)
+        return wait
 
 
 class XattrPace:
-    """Each tenant's xattr bytes against XATTR_PER_S, all of them against
-    POOL_PER_S, and each tenant's calls waiting on them."""
+    """Each tenant's xattr bytes against XATTR_PER_S and her share of POOL_PER_S,
+    and each tenant's calls waiting on them."""
 
     def __init__(self) -> None:
         self.rate = AcceptRate(XATTR_BURST, XATTR_PER_S)
-        self.pool = AcceptRate(POOL_BURST, POOL_PER_S)
+        self.pool = FairShare(POOL_BURST, POOL_PER_S)
         self._waiting: Counter[int] = Counter()
 
     async def turn(self, tenant: int, nbytes: int) -> None:
@@ -54,18 +102,19 @@ class XattrPace:
         now = trio.current_time()
         pooled = nbytes > SMALL
         wait = self.rate.wait(str(tenant), nbytes, now)
-        pool_wait = self.pool.wait("", nbytes, now) if pooled else 0.0
+        pool_wait = self.pool.wait(tenant, nbytes, now) if pooled else 0.0
         if not max(wait, pool_wait):
             return
         busy = None
         if self._waiting[tenant] >= XATTR_WAITING:
             busy = f"tenant {tenant} sets xattrs past {XATTR_PER_S >> 20} MiB/s"
         elif pool_wait > POOL_WAIT_S:
-            busy = f"the pool's tenants set xattrs past {POOL_PER_S >> 20} MiB/s together"
+            busy = (f"tenant {tenant} sets xattrs past her share of the pool's "
+                    f"{POOL_PER_S >> 20} MiB/s (shared by {len(self.pool)} tenants)")
         if busy is not None:
             self.rate.wait(str(tenant), -nbytes, now)  # (refused: nothing taken)
             if pooled:
-                self.pool.wait("", -nbytes, now)
+                self.pool.wait(tenant, -nbytes, now)
             raise OSError(errno.EBUSY, busy)
         wait = max(wait, pool_wait)
         self._waiting[tenant] += 1
