@@ -109,13 +109,17 @@ def test_nothing_past_the_files_end_is_fetched_or_held() -> None:
 
 
 def test_a_window_fetched_to_an_old_end_is_fetched_again_past_it() -> None:
-    """The file grew while a window held its bytes to the old end: a read past the
-    old end gets the new bytes, never the zeros the short window does not hold."""
+    """The file grew while a window held its bytes to the old end: a read within
+    them is served from it, and one past the old end gets the new bytes, never the
+    zeros the short window does not hold."""
     src = Source(4 * MiB)
     ra = ReadAhead(MiB, src.fetch)
     buf = memoryview(bytearray(MiB))
     read(ra, src, 0, buf, MiB)  # (the first: read straight)
     read(ra, src, 0, buf, MiB)  # the window, fetched to 1 MiB
+    half = buf[:MiB // 2]
+    read(ra, src, MiB // 2, half, 4 * MiB)  # (within what it holds: served from it)
+    assert bytes(half) == src.data[MiB // 2:MiB] and src.fetched.count(0) == 2
     read(ra, src, MiB, buf, 4 * MiB)
     assert bytes(buf) == src.data[MiB:2 * MiB]
     assert src.fetched.count(0) == 3 and read_ahead._held == 4 * MiB

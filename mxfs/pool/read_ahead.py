@@ -140,11 +140,13 @@ class ReadAhead:
             # (the one behind stays: reads in flight come a little out of order)
             for w in [w for w in self._windows if not first - 1 <= w <= last + AHEAD]:
                 self._drop(w)
-            needed = [self._start(w, reader, end, ahead=False) for w in range(first, last + 1)]
+            upto = offset + len(buf)
+            needed = [self._start(w, reader, end, min(self.size, upto - w * self.size))
+                      for w in range(first, last + 1)]
             if None in needed:
                 return False
             for w in range(last + 1, last + 1 + AHEAD):
-                self._start(w, reader, end, ahead=True)
+                self._start(w, reader, end, 0)
         at = 0
         for w, fut in enumerate(needed, first):
             assert fut is not None
@@ -160,25 +162,25 @@ class ReadAhead:
             at += n
         return True
 
-    def _start(self, w: int, reader: int, end: int | None, ahead: bool
+    def _start(self, w: int, reader: int, end: int | None, need: int
                ) -> Future[bytearray] | None:
-        """Window `w` (up to `end`, if given), fetched now for `reader` if it is not
-        held whole (or failed); None if it is past `end`, or the budget or the
-        reader's share has no room for it (`ahead`: no read waits on it yet)."""
+        """Window `w`, held (or fetched now for `reader`, up to `end` if given) with
+        the first `need` bytes a read waits on (0: a window ahead, none yet); None
+        if it is past `end`, or the budget or the reader's share has no room."""
         length = self.size if end is None else min(self.size, end - w * self.size)
         if length <= 0:
             return None
         fut = self._windows.get(w)
         if fut is not None and not (fut.done() and fut.exception() is not None) \
-                and self._held_for[w][1] >= length:
-            return fut
+                and self._held_for[w][1] >= need:  # (one to an older end serves the
+            return fut                              # bytes it holds)
         if fut is not None:  # (failed, or fetched to an end the file has grown past)
             self._drop(w)
         if not _hold(length, reader):
             return None
         self._held_for[w] = (reader, length)
         fut = self._windows[w] = _submit(self, lambda: self._fetch(w, length),
-                                         first=not ahead)
+                                         first=need > 0)
         return fut
 
     def _drop(self, w: int) -> None:
