@@ -126,6 +126,19 @@ def test_a_window_fetched_to_an_old_end_is_fetched_again_past_it() -> None:
     ra.close()
 
 
+def test_a_read_after_the_last_close_starts_no_window() -> None:
+    """A read that began before its file's last close and reaches the windows after
+    it: windows started then were never dropped, and held the budget for good."""
+    src = Source(64 * MiB)
+    ra = ReadAhead(MiB, src.fetch)
+    buf = memoryview(bytearray(MiB))
+    read(ra, src, 0, buf)
+    ra.close(final=True)
+    read(ra, src, MiB, buf)
+    assert bytes(buf) == src.data[MiB:2 * MiB]
+    assert read_ahead._held == 0 and src.fetched == [0, MiB]  # (both read straight)
+
+
 def test_a_read_far_from_the_last_is_not_read_ahead() -> None:
     src = Source(200 * MiB)
     ra = ReadAhead(MiB, src.fetch)

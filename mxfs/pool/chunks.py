@@ -373,7 +373,7 @@ class ChunkFiles:
         lock, sees it closed once its open returns, and closes them then; each is
         closed by its mount's thread (`pool/closer.py`: a close can wait on a member)."""
         if self._ahead is not None:
-            self._ahead.close()
+            self._ahead.close(final=True)
         self._closed = True
         if not self._lock.acquire(blocking=False):
             return

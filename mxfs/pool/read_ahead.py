@@ -122,6 +122,7 @@ class ReadAhead:
         self._held_for: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._end = -1  # where the last read ended: reads near it are in order
+        self._final = False  # its file's last close came: no window is started again
 
     def read(self, offset: int, buf: memoryview, reader: int = 0, end: int | None = None
              ) -> bool:
@@ -132,6 +133,8 @@ class ReadAhead:
         smaller than a window fetched four windows of nothing ahead, 64 MiB of the
         budget, and those fetches went on after its reader closed it)."""
         with self._lock:
+            if self._final:  # (a read that began before the last close: windows it
+                return False  # started now would hold the budget for good)
             if self._end < 0 or abs(offset - self._end) > self.size:
                 self._end = offset + len(buf)
                 return False
@@ -196,8 +199,10 @@ class ReadAhead:
         self.fetch(w * self.size, memoryview(data))
         return data
 
-    def close(self) -> None:
-        """Drop every window (it may be read again: windows are fetched afresh)."""
+    def close(self, final: bool = False) -> None:
+        """Drop every window (it may be read again: windows are fetched afresh);
+        `final`: the file's last close, after which none is started."""
         with self._lock:
+            self._final = self._final or final
             for w in list(self._windows):
                 self._drop(w)
