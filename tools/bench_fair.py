@@ -244,7 +244,8 @@ c = ControlClient(mnt)
 k = base64.b64encode(b"victim").decode()
 c.call("kv_put", namespace="victim", keys=[k], data=[base64.b64encode(b"v" * 100).decode()])
 path = os.path.join(home, f"victim-{os.getpid()}")
-open(path, "w").close()
+if mode == "xattr":
+    open(path, "w").close()
 print("ready", flush=True)
 sys.stdin.readline()
 lat, refused, end = [], 0, time.monotonic() + seconds
@@ -261,7 +262,8 @@ while time.monotonic() < end:
             refused += 1
     lat.append(time.perf_counter() - t)
     time.sleep(0.002 if mode == "kv" else 0.1)
-os.unlink(path)
+if mode == "xattr":
+    os.unlink(path)
 print(json.dumps([lat, refused]), flush=True)
 """
 

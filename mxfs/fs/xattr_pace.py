@@ -54,6 +54,13 @@ class _Share:
     until: float  # when her last call's turn comes: she has a share ACTIVE_S past it
 
 
+def _fill(share: _Share, rate: float, cap: float, now: float) -> _Share:
+    """`share` filled at `rate` up to `now`, holding `cap` at most."""
+    share.tokens = min(cap, share.tokens + max(0.0, now - share.at) * rate)
+    share.at = now
+    return share
+
+
 class FairShare:
     """A rate and a burst shared evenly by the tenants who used them lately: each
     one's bucket fills at `per_s / n` and holds `burst / n`, n counting those whose
@@ -90,13 +97,9 @@ class FairShare:
         if k != self._n:  # every share cut to the new size, filled at the old rate first
             old = self.per_s / self._n
             for s in self._shares.values():
-                s.tokens = min(cap, s.tokens + max(0.0, now - s.at) * old)
-                s.at = now
+                _fill(s, old, cap, now)
             self._n = k
-        whole = self._all
-        whole.tokens = min(float(self.burst), whole.tokens + max(0.0, now - whole.at) *
-                           self.per_s)
-        whole.at = now
+        whole = _fill(self._all, self.per_s, self.burst, now)
         share = self._shares.get(tenant)
         if share is None:
             # A newcomer's share fills only from what is left of the pool's burst past
@@ -105,8 +108,7 @@ class FairShare:
             left = whole.tokens - sum(max(0.0, s.tokens) for s in self._shares.values())
             share = _Share(min(cap, max(0.0, left)), now, now)
         else:
-            share.tokens = min(cap, share.tokens + max(0.0, now - share.at) * rate)
-            share.at = now
+            _fill(share, rate, cap, now)
         wait = max(0.0, (n - share.tokens) / rate)
         if wait > most and share.tokens < 0:
             return None
@@ -144,7 +146,7 @@ class XattrPace:
         now = trio.current_time()
         pooled = nbytes > SMALL
         wait = self.rate.wait(str(tenant), nbytes, now)
-        until = self.pool.until(tenant)
+        until = self.pool.until(tenant) if pooled else None
         pool_wait = self.pool.take(tenant, nbytes, now, POOL_WAIT_S) if pooled else 0.0
         busy = None
         if pool_wait is None:  # (nothing taken from her share)
