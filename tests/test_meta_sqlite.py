@@ -253,3 +253,28 @@ def test_checkpoints_apart_copy_the_wal_before_a_commit_must(tmp_path: Path) -> 
     again = MetaStore.open(str(tmp_path / "meta"))
     assert again.getxattr(again.lookup(ROOT_INO, b"x19").ino, b"user.v") is not None
     again.close()
+
+
+def test_growth_room_is_kept_past_the_wals_end_without_a_subprocess(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reserve's upkeep runs on the daemon's one thread ten times a second: the
+    blocks for the WAL to grow into are allocated past its end, its size unchanged,
+    and nothing is spawned for it (finding libc through ldconfig cost 1.5-5 ms)."""
+    import subprocess
+
+    from mxfs.meta.sqlite_space import GROWTH_ROOM, Reserve
+
+    db = tmp_path / DB_NAME
+    db.write_bytes(b"d" * 4096)
+    wal = tmp_path / (DB_NAME + "-wal")
+    wal.write_bytes(b"w" * 12288)
+
+    def spawned(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"the reserve's upkeep spawned {args[:1]}")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", spawned)
+    assert Reserve(str(db)).keep()
+    for path, size in ((wal, 12288), (db, 4096)):
+        st = path.stat()
+        assert st.st_size == size
+        assert st.st_blocks * 512 >= size + GROWTH_ROOM // 2

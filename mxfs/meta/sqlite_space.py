@@ -10,6 +10,7 @@ once more), taking it again once writers freed space.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -21,17 +22,16 @@ RESERVE_MIN, RESERVE_MAX = 4 << 20, 32 << 20
 # to grow into, so that a commit needs no new space even while a writer fills the member.
 GROWTH_ROOM = 4 << 20  # about what the WAL holds between two checkpoints (1000 pages)
 _FALLOC_FL_KEEP_SIZE = 1
+# (the process's own libc, loaded once: `ctypes.util.find_library` runs ldconfig in a
+# subprocess, 1.5-5 ms of the daemon's one thread each time the WAL grew 2 MiB)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
     """fallocate(2) with FALLOC_FL_KEEP_SIZE: blocks past the end, contents untouched
     (posix_fallocate may emulate by writing, which a live WAL must never see)."""
-    import ctypes
-    import ctypes.util
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    if libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
 
