@@ -707,6 +707,18 @@ class KVOps:
         seen: set[bytes] = set()
         refusal: OSError | None = None
         share = Slice()
+        let_go = 0  # taken[:let_go] are given back (`release`)
+
+        def release(upto: int) -> None:
+            """Give back taken[let_go:upto]: their reservations, and their spares'
+            inodes (each a chunk indexed, or to orphan); one at a time, in the slices
+            that index them (4,096 at the end held the thread 20-30 ms)."""
+            nonlocal let_go
+            for _, key, data, entry, _, _ in taken[let_go:upto]:
+                let_go += 1
+                self.vol.quotas.release(caller.uid, _charge(space, key, len(data)))
+                self.index.storing_by_tenant[tenant] -= 1
+                self.vol.release(entry.node.ino)
         try:
             for i, (key, data) in enumerate(items):
                 if taken:
@@ -735,16 +747,18 @@ class KVOps:
                 if n:
                     await share.due()
                 if key in space.chunks or self.index.spaces.get(space.name) is not space:
+                    release(n + 1)
                     continue
                 self.index.insert(space, key, entry.node.ino, len(data), unit, got,
                                   entry.node.uid)
                 self.claims.stored(space, key)
                 stored[i] = True
+                release(n + 1)
+            while let_go < len(taken):  # (those after a refusal of a write)
+                await share.due()
+                release(min(let_go + BITE, len(taken)))
         finally:
-            for _, key, data, entry, _, _ in taken:
-                self.vol.quotas.release(caller.uid, _charge(space, key, len(data)))
-                self.index.storing_by_tenant[tenant] -= 1
-                self.vol.release(entry.node.ino)
+            release(len(taken))  # (cancelled, or failed: at once)
             if not self.index.storing_by_tenant[tenant]:
                 del self.index.storing_by_tenant[tenant]
         if refusal is not None:
