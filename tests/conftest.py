@@ -54,7 +54,7 @@ LAYERS = {
              "test_ckpt_partials", "test_read_ahead", "test_node_holds",
              "test_node_grants", "test_inode_cache", "test_tenants",
              "test_member_calls", "test_invalidations", "test_lanes", "test_closer",
-             "test_lease_probe", "test_kernel_cache", "test_gc_keeper"},
+             "test_lease_probe", "test_kernel_cache", "test_gc_keeper", "test_loop_watch"},
     "faults": {"test_faults", "test_hostile", "test_shared_node", "test_soak", "test_quota",
                "test_tenancy", "test_meta_pg_faults", "test_offline_lock"},
     "pg": {"test_meta_pg_mount", "test_lease"},

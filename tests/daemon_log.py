@@ -103,9 +103,12 @@ def _daemon_log(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A passed session's own runtime folder goes with it (a failed one's logs stay)."""
+    """A passed session's own runtime folder goes with it (a failed one's logs stay,
+    and a passed one's too with MXFS_KEEP_LOGS=1: to read what its daemons logged at
+    INFO, the loop watch's long steps among it)."""
     folder = os.environ.get("MXFS_RUNTIME_DIR", "")
-    if exitstatus == 0 and os.path.basename(folder).startswith("tests-"):
+    if exitstatus == 0 and os.path.basename(folder).startswith("tests-") and \
+            os.environ.get("MXFS_KEEP_LOGS") != "1":
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)

@@ -23,7 +23,7 @@ import pyfuse3
 import trio
 
 from mxfs.errors import MxfsError
-from mxfs.fs import held_open
+from mxfs.fs import held_open, loop_watch
 from mxfs.fs.chunk_service import ChunkService
 from mxfs.fs.control import ControlServer
 from mxfs.fs.failures import FailureLog
@@ -316,7 +316,9 @@ def run(spec: str, mountpoint: str, options: list[str], ready: Ready,
             daemon = Daemon(vol, ops, control, readahead, backup_s, chunks, feed, gauges,
                             stray_s, limits.fuse_tasks)
             try:
-                trio.run(daemon.serve, lambda: ready(None, notes))
+                watch = loop_watch.from_env()
+                trio.run(daemon.serve, lambda: ready(None, notes),
+                         instruments=[watch] if watch is not None else [])
             except Exception:  # (a bug: its whole story in the log, not one line)
                 log.exception("the daemon stopped on an error")
                 raise
