@@ -34,6 +34,8 @@ def test_a_step_that_holds_the_loop_is_counted_and_placed() -> None:
     assert held >= 0.5
     assert what.startswith("rude-task from ")
     assert "rude" in what.split(" to ")[1]
+    # (and the call it was in then, seen from the watch's own thread)
+    assert "test_loop_watch.py" in what.split("; in it: ")[1].split(" > ")[-1]
 
 
 def test_where_names_the_innermost_frame_of_an_await_chain() -> None:

@@ -704,7 +704,12 @@ def test_a_reading_nodes_kv_lookups_never_hold_its_other_requests(
         with _reading_node(tmp_path, url, net, members) as b:
             keys = [b"k" * 32] + [os.urandom(32) for _ in range(4095)]
             kv = KVStore(str(b.path), namespace="t")
+            # (a node keeps tables only once it follows the feed: asked before, it is
+            # answered EAGAIN, and its store asks the daemon for a while, the lookup
+            # below then waiting behind the locked one until the server was judged away)
+            assert eventually(lambda: _status(b)["feed"]["live"], 15)
             assert kv.batch_exists(keys) == 1  # (the namespace's table, mapped)
+            assert _status(b)["kv_views"]["tables"] == 1
             got: list[object] = []
             with psycopg.connect(url) as lock:
                 lock.execute("LOCK TABLE kv IN ACCESS EXCLUSIVE MODE")

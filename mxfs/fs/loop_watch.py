@@ -10,7 +10,8 @@ resumed and where it stopped (the two innermost frames of ours in its coroutine
 stack at both ends: the code between them held the loop).  It costs a
 few microseconds a step (the resume point is read before each one), so it runs only
 where asked: `MXFS_LOOP_WATCH_MS` in the daemon's environment (tests, benchmarks, an
-operator chasing stalls).
+operator chasing stalls).  A step of a process stopped (SIGSTOP) while in it shows
+the whole stop, with no CPU time: tests that stop a daemon show such steps.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import sysconfig
+import threading
 import time
 from types import FrameType
 from typing import Any
@@ -52,36 +55,66 @@ def where(coro: Any, depth: int = 2) -> str:
 
 class LoopWatch(trio.abc.Instrument):
     """Times each task step; steps over `over_s` are counted, the longest kept, and
-    each logged (see the module's docstring)."""
+    each logged (see the module's docstring).  A thread of its own looks every
+    `over_s` / 2 at a step still running past `over_s` and keeps the loop thread's
+    stack as it is then: the call it is in (a blocking one shows only there)."""
 
     def __init__(self, over_s: float) -> None:
         self.over_s = over_s
         self.long_steps = 0  # steps over over_s
         self.longest = (0.0, "")  # (seconds, what held it)
         self._started = self._cpu = 0.0
+        self._step = 0  # steps begun (the sampler's way to tell one from the next)
         self._from = ""
-        self._gc_s = self._gc_start = 0.0  # collections' time in this step, and the last's start
+        self._caught = ""  # the loop thread's stack, as the sampler saw it in this step
+        self._gc_s = self._gc_start = 0.0  # collectors' time in this step; the last's start
+        self._loop_thread = 0
+        self._stop = threading.Event()
+
+    def before_run(self) -> None:
+        self._loop_thread = threading.get_ident()
         gc.callbacks.append(self._collecting)
+        threading.Thread(target=self._sample, name="mxfs-loop-watch", daemon=True).start()
+
+    def after_run(self) -> None:
+        self._stop.set()
+        gc.callbacks.remove(self._collecting)
 
     def _collecting(self, phase: str, info: dict[str, Any]) -> None:
+        # (any thread's: a collection holds the GIL, and with it the loop's thread)
         if phase == "start":
             self._gc_start = time.perf_counter()
         else:
             self._gc_s += time.perf_counter() - self._gc_start
 
+    def _sample(self) -> None:
+        seen = 0
+        while not self._stop.wait(max(self.over_s / 2, 0.002)):
+            step, started = self._step, self._started
+            if step == seen or started == 0.0 or time.perf_counter() - started < self.over_s:
+                continue
+            frame = sys._current_frames().get(self._loop_thread)
+            if frame is not None and self._step == step:
+                self._caught, seen = _stack(frame), step
+
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self._from = where(task.coro)
         self._cpu = time.thread_time()
         self._gc_s = 0.0
+        self._caught = ""
+        self._step += 1
         self._started = time.perf_counter()
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         held = time.perf_counter() - self._started
+        self._started = 0.0
         if held <= self.over_s:
             return
         cpu = time.thread_time() - self._cpu
         self.long_steps += 1
         what = f"{task.name} from {self._from} to {where(task.coro)}"
+        if self._caught:
+            what += f"; in it: {self._caught}"
         if held > self.longest[0]:
             self.longest = (held, what)
         # (the thread's own CPU time beside it: a step long in time but short in CPU
@@ -89,6 +122,18 @@ class LoopWatch(trio.abc.Instrument):
         # and the garbage collector's time in it, which any allocation may set off)
         log.info("the loop was held %.1f ms (%.1f ms CPU, %.1f ms collecting) by %s",
                  held * 1e3, cpu * 1e3, self._gc_s * 1e3, what)
+
+
+def _stack(frame: FrameType | None, depth: int = 6) -> str:
+    """The `depth` innermost frames from `frame` outwards, innermost last, as `where`
+    names them (library frames too: the blocking call is often one)."""
+    frames: list[str] = []
+    while frame is not None and len(frames) < depth:
+        name = frame.f_code.co_filename
+        name = name.rsplit(_OURS, 1)[-1] if _OURS in name else os.path.basename(name)
+        frames.append(f"{name}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " > ".join(reversed(frames))
 
 
 def from_env() -> LoopWatch | None:
