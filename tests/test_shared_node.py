@@ -2460,6 +2460,48 @@ def test_one_users_half_sent_requests_hold_a_bounded_share_of_the_daemons_memory
         assert eventually(lambda: _buffered(m) == {})  # (all of hers came back)
 
 
+STALLED_SENDERS = r"""
+import socket, time
+from mxfs.proto import HEADER, VERSION
+path, n, mount = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+stalled = []
+for _ in range(n):  # each sends half a request's bytes, and then nothing
+    stalled.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    stalled[-1].connect(path)
+    stalled[-1].sendall(HEADER.pack(b"MXFS", VERSION, 0, 65536) + b" " * 32768)
+time.sleep(0.5)  # (the daemon has read what came)
+with mxfs.client.ControlClient(mount) as c:
+    answered = c.call("hello")["pool_uuid"]
+def still_open(s):  # (nothing to read, no close: the daemon still waits for its bytes)
+    s.setblocking(False)
+    try:
+        return s.recv(1) != b""
+    except BlockingIOError:
+        return True
+print(json.dumps({"answered": bool(answered), "open": sum(map(still_open, stalled))}))
+"""
+
+
+def test_a_users_stalled_senders_hold_none_of_her_reading_turns(tmp_path: Path) -> None:
+    """A user's connections are read and parsed READERS_PER_USER at a time (the
+    others wait for a turn, not every user's time: 64 connections each sending 1 MiB
+    requests made another user's lookups wait 12 ms for every one of hers read); a
+    turn is taken only once bytes wait to be read.  Her connections that sent half a
+    request and stopped hold none: her next request on another connection is
+    answered while they still wait (held, it waited for them to be closed as too
+    slow, frame_timeout later)."""
+    from mxfs.fs.listener import READERS_PER_USER
+
+    alice = ensure_users()["alice"]
+    members = make_members(tmp_path)
+    mkfs(members)
+    with mounted_pool(members, "frame_timeout=30") as m:
+        control = os.getxattr(m.path, "user.mxfs.control").decode()
+        got = run_as(alice, STALLED_SENDERS, control, str(READERS_PER_USER * 4),
+                     str(m.path))
+        assert got == {"answered": True, "open": READERS_PER_USER * 4}, got
+
+
 UNREAD_REPLIES = r"""
 import base64, socket
 from mxfs.proto import encode

@@ -76,7 +76,7 @@ class ControlServer:
         # open and unpublished files (the chunk service's connections, once it runs).
         self.fds = Descriptors(self.limits)
         self.listener = Listener(path, self.limits, self.dispatch, self._session,
-                                 self._end_session, self.turns.turn, self.fds,
+                                 self._end_session, self.fds,
                                  close_later, MountReach(mountpoint).may_reach)
         self.remote = RemoteReads(volume, self.limits)  # (a reading node's direct path)
         lim = self.limits

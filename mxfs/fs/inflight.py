@@ -34,9 +34,13 @@ def unread_bytes(sock: Any) -> int:
 
 
 def readable_now(sock: Any) -> bool:
-    """Whether the peer's bytes, or its close, wait to be read now (no waiting)."""
+    """Whether the peer's bytes, or its close, wait to be read now (no waiting).  (poll,
+    not select: select refuses a descriptor past 1,023, and a daemon serving hundreds
+    of connections holds thousands.)"""
     try:
-        return bool(select.select([sock.fileno()], [], [], 0)[0])
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return False
 

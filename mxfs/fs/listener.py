@@ -22,7 +22,6 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import trio
@@ -30,6 +29,7 @@ import trio
 from mxfs.fs.buffered import Buffered, Hold
 from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.failures import FailureLog
+from mxfs.fs.fair import Turns
 from mxfs.fs.fields import Msg, check_request
 from mxfs.fs.foreign_fds import Dropper, carries_rights, refuse_rights, take
 from mxfs.fs.inflight import park, readable_now, unread_bytes
@@ -45,6 +45,8 @@ log = logging.getLogger("mxfs.control")
 MAX_REFUSING = 64
 # Bytes one read of a connection takes: the requests a client sent without waiting.
 READ_AHEAD = 64 << 10
+# Connections of one user (but root) read and parsed at once (`Listener.reading`).
+READERS_PER_USER = 2
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
@@ -75,7 +77,6 @@ class Listener:
                  dispatch: Callable[[Msg, Session], Awaitable[tuple[dict[str, Any], list[int]]]],
                  new_session: Callable[[Caller, Any], Session],
                  end: Callable[[Session], Awaitable[None]],
-                 turn: Callable[[int], AbstractAsyncContextManager[None]],
                  fds: Descriptors,
                  close_fds: Callable[[list[int]], None],
                  reach: Callable[[Caller], Awaitable[bool]] | None = None) -> None:
@@ -84,7 +85,9 @@ class Listener:
         self.reach = reach
         self.limits = limits
         self.dispatch = dispatch
-        self.turn = turn  # a uid's turn (`fair.Turns`): its requests are parsed in it
+        # A user's turns to read (`fair.Turns`): trio runs every task ready in turn, so
+        # a user's 64 connections each with bytes to read took 64 steps for another's one
+        self.reading = Turns(READERS_PER_USER)
         self.new_session = new_session
         self._end = end
         self.conns: Counter[int] = Counter()  # open connections by uid
@@ -261,6 +264,10 @@ class Listener:
                 if idle.cancelled_caught:
                     return None  # idle too long
             deadline = trio.current_time() + lim.frame_timeout
+            # Read and parsed in the sender's reading turns (`reading`): one user's
+            # connections, each sending at once (64 of them, 1 MiB requests), take turns
+            # among themselves, READERS_PER_USER at a time, not a step each of every
+            # user's time.  A turn is taken only once bytes wait: a slow sender holds none.
             await self._fill(conn, inbox, hold, HEADER.size, deadline)
             _, _, length = parse_header(bytes(inbox[:HEADER.size]))
             size = HEADER.size + length
@@ -270,9 +277,7 @@ class Listener:
             del inbox[:size]
             # Counted until served (`_serve_one`): parsed, it waits for its turn as memory.
             self.buffered.keep(hold, len(inbox) + length)
-            # Parsed in the sender's turn: one user's connections, each sending a costly
-            # payload at once, take turns among themselves, not everyone's.
-            async with self.turn(session.tenant):
+            async with self.reading.turn(session.tenant):
                 msg = decode_payload(raw, MAX_VALUES)
             del raw
             check_request(msg)
@@ -314,8 +319,11 @@ class Listener:
                 try:
                     with trio.fail_at(deadline):
                         while len(inbox) < want:
-                            data = await self._recv(conn, min(READ_AHEAD,
-                                                              hold.inbox - len(inbox)))
+                            if not readable_now(conn):  # (waited for in no turn: a
+                                await trio.lowlevel.wait_readable(conn)  # slow sender's)
+                            async with self.reading.turn(hold.tenant):
+                                data = await self._recv(conn, min(READ_AHEAD,
+                                                                  hold.inbox - len(inbox)))
                             if not data:
                                 raise ConnectionError("peer closed mid-message")
                             inbox += data
