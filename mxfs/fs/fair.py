@@ -81,7 +81,9 @@ class Turns:
         self._aside: Counter[int] = Counter()  # ... of them stepped aside (`aside`)
 
     @asynccontextmanager
-    async def turn(self, uid: int) -> AsyncIterator[None]:
+    async def turn(self, uid: int, at_once: bool = False) -> AsyncIterator[None]:
+        """`uid`'s turn; `at_once`: a free one is taken without a checkpoint (a read's
+        turn, taken with every recv: no other user waits any longer for it)."""
         uid = tenant_of(uid)  # (a user's subordinate uids share her turns)
         if uid == 0:
             yield
@@ -91,8 +93,16 @@ class Turns:
             sem = self._limiters[uid] = trio.Semaphore(self.per_user)
         self._users[uid] = self._users.get(uid, 0) + 1
         try:
-            async with sem:
+            try:
+                if not at_once:
+                    raise trio.WouldBlock
+                sem.acquire_nowait()
+            except trio.WouldBlock:
+                await sem.acquire()
+            try:
                 yield
+            finally:
+                sem.release()
         finally:
             self._users[uid] -= 1
             if not self._users[uid]:  # nobody of this uid in line: forget its semaphore

@@ -277,7 +277,7 @@ class Listener:
             del inbox[:size]
             # Counted until served (`_serve_one`): parsed, it waits for its turn as memory.
             self.buffered.keep(hold, len(inbox) + length)
-            async with self.reading.turn(session.tenant):
+            async with self.reading.turn(session.tenant, at_once=True):
                 msg = decode_payload(raw, MAX_VALUES)
             del raw
             check_request(msg)
@@ -321,7 +321,7 @@ class Listener:
                         while len(inbox) < want:
                             if not readable_now(conn):  # (waited for in no turn: a
                                 await trio.lowlevel.wait_readable(conn)  # slow sender's)
-                            async with self.reading.turn(hold.tenant):
+                            async with self.reading.turn(hold.tenant, at_once=True):
                                 data = await self._recv(conn, min(READ_AHEAD,
                                                                   hold.inbox - len(inbox)))
                             if not data:

@@ -45,8 +45,9 @@ class Spares:
         if len(self._ready) <= LOW:  # the next batch, while this one's files are made
             self._make()
         node, chunks = self._ready.pop()
-        if (node.uid, node.gid) != (uid, gid):
-            self.store.set_attrs(node, uid=uid, gid=gid)
+        if (node.uid, node.gid) != (uid, gid):  # (a hidden inode: no xattrs, no names,
+            #                                    no key yet: nothing else to move)
+            self.store.set_attrs(node, uid=uid, gid=gid, owned=(0, 0))
         return node, chunks
 
     def _make(self) -> None:
