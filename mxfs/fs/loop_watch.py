@@ -68,6 +68,7 @@ class LoopWatch(trio.abc.Instrument):
         self._from = ""
         self._caught = ""  # the loop thread's stack, as the sampler saw it in this step
         self._gc_s = self._gc_start = 0.0  # collectors' time in this step; the last's start
+        self._gc_gen = -1  # ... the oldest generation one of them collected (-1: none)
         self._loop_thread = 0
         self._stop = threading.Event()
 
@@ -86,6 +87,7 @@ class LoopWatch(trio.abc.Instrument):
             self._gc_start = time.perf_counter()
         else:
             self._gc_s += time.perf_counter() - self._gc_start
+            self._gc_gen = max(self._gc_gen, int(info.get("generation", 0)))
 
     def _sample(self) -> None:
         seen = 0
@@ -100,7 +102,7 @@ class LoopWatch(trio.abc.Instrument):
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self._from = where(task.coro)
         self._cpu = time.thread_time()
-        self._gc_s = 0.0
+        self._gc_s, self._gc_gen = 0.0, -1
         self._caught = ""
         self._step += 1
         self._started = time.perf_counter()
@@ -120,8 +122,9 @@ class LoopWatch(trio.abc.Instrument):
         # (the thread's own CPU time beside it: a step long in time but short in CPU
         # blocked in a call, or waited for the CPU or the GIL that other threads held;
         # and the garbage collector's time in it, which any allocation may set off)
-        log.info("the loop was held %.1f ms (%.1f ms CPU, %.1f ms collecting) by %s",
-                 held * 1e3, cpu * 1e3, self._gc_s * 1e3, what)
+        gen = f" up to generation {self._gc_gen}" if self._gc_gen >= 0 else ""
+        log.info("the loop was held %.1f ms (%.1f ms CPU, %.1f ms collecting%s) by %s",
+                 held * 1e3, cpu * 1e3, self._gc_s * 1e3, gen, what)
 
 
 def _stack(frame: FrameType | None, depth: int = 6) -> str:
