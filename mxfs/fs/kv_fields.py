@@ -3,10 +3,9 @@ service that takes them (`fs/kv_ops.py`, `fs/kv_follow.py`)."""
 
 from __future__ import annotations
 
-import base64
 import errno
 
-from mxfs.fs.fields import BadField, Msg
+from mxfs.fs.fields import BadField, Msg, from_b64
 from mxfs.vol.kv_index import check_key
 
 MAX_BATCH = 4096  # keys in one request
@@ -20,7 +19,7 @@ def keys_field(msg: Msg) -> list[bytes]:
     if len(raw) > MAX_BATCH:
         raise BadField(msg, f"at most {MAX_BATCH} keys a request", errno.E2BIG)
     try:
-        return [check_key(base64.b64decode(k, validate=True)) for k in raw]
+        return [check_key(from_b64(k)) for k in raw]
     except ValueError:
         raise BadField(msg, "a key is not base64") from None
 

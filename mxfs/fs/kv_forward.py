@@ -44,7 +44,6 @@ all of them (first come, first served, it waited for every one queued before it)
 
 from __future__ import annotations
 
-import base64
 import errno
 import fcntl
 import itertools
@@ -62,7 +61,15 @@ import xxhash
 
 from mxfs.fs.descriptors import Descriptors
 from mxfs.fs.fair import RoundRobin
-from mxfs.fs.fields import BadField, Msg, b64_field, bool_field, int_field, sums_field
+from mxfs.fs.fields import (
+    BadField,
+    Msg,
+    b64_field,
+    bool_field,
+    from_b64,
+    int_field,
+    sums_field,
+)
 from mxfs.fs.kv_claims import CLAIM_S, MAX_CLAIM_S
 from mxfs.fs.kv_fields import keys_field
 from mxfs.fs.limits import Limits, NodeHeld
@@ -244,7 +251,7 @@ class ForwardedKV:
             if not isinstance(b64, str):
                 raise BadField(msg, "'data' holds base64 strings")
             try:
-                chunks.append(base64.b64decode(b64, validate=True))
+                chunks.append(from_b64(b64))
             except ValueError:
                 raise BadField(msg, "'data' is not base64") from None
         stored = [await self._send(msg, session.caller, key, raw)

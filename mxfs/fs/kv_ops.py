@@ -30,6 +30,7 @@ from mxfs.fs.fields import (
     Msg,
     b64_field,
     bool_field,
+    from_b64,
     int_field,
     ints_field,
     sums_field,
@@ -665,7 +666,7 @@ class KVOps:
             if not isinstance(b64, str):
                 raise BadField(msg, "'data' holds base64 strings")
             try:
-                items.append((key, base64.b64decode(b64, validate=True)))
+                items.append((key, from_b64(b64)))
             except ValueError:
                 raise BadField(msg, "'data' is not base64") from None
         stored = await self._store(space, items, session.caller)
