@@ -46,22 +46,3 @@ def test_a_busy_daemon_thaws_on_time_and_freezes_no_oftener_than_asked(
     finally:
         gc.callbacks.remove(keeper._seen)
         gc.unfreeze()
-
-
-def test_what_a_request_holds_a_few_milliseconds_is_not_walked_young() -> None:
-    """A request's thousands of objects (4,096 claims) living until it ends were
-    walked at every 700 allocations, promoted, and set off full collections under a
-    flood of them; once the mount has started the keeper, they come and go without a
-    collection."""
-    before = gc.get_threshold()
-    keeper = GcKeeper()
-    try:
-        keeper.start()
-        young = gc.get_stats()[0]["collections"]
-        held = [{"claim": i} for i in range(5000)]  # (alive together, then dropped)
-        del held
-        assert gc.get_stats()[0]["collections"] == young
-    finally:
-        gc.set_threshold(*before)
-        gc.callbacks[:] = [c for c in gc.callbacks if c != keeper._seen]
-        gc.unfreeze()

@@ -10,10 +10,7 @@ Frozen objects are still freed when nothing refers to them; a cycle among them t
 becomes garbage waits for the thaw, every THAW_S, after which one full collection walks
 everything again.  The thaw comes first, whatever else: frozen at each full collection
 (every few seconds under load, once little is left to walk), a busy daemon never
-thawed, and froze each request's cycles alive at that moment for good.  Young
-collections come every YOUNG allocations, not Python's 700: what a request makes and
-drops within milliseconds is not carried into the old generation, whose growth sets
-off the full collections.
+thawed, and froze each request's cycles alive at that moment for good.
 """
 
 from __future__ import annotations
@@ -27,13 +24,6 @@ import trio
 
 from mxfs.proto.messages import GcStatus
 
-# Tracked objects allocated (net) between two young collections, against Python's 700:
-# a request's thousands of objects living a few milliseconds (4,096 claims, a put's
-# spares and reservations) were walked and promoted at each 700, set off a full
-# collection every quarter second under a flood of them (13 ms each, every user's
-# requests waiting: claims' p99 36 ms against 15 now, a namespace's removal's worst
-# 39 against 6); most are gone before 50,000, never promoted.
-YOUNG = 50_000
 LOOK_S = 1.0  # how often it looks for a full collection to freeze after
 FREEZE_S = 600  # what lived through a full collection is frozen at most this often
 THAW_S = 3600.0  # how often frozen objects are let go to the next full collection
@@ -53,7 +43,6 @@ class GcKeeper:
         (the index, the store's inodes)."""
         gc.collect()
         gc.freeze()
-        gc.set_threshold(YOUNG, *gc.get_threshold()[1:])
         self.freezes += 1
         self._frozen = time.monotonic()
         if self._seen not in gc.callbacks:
@@ -73,7 +62,6 @@ class GcKeeper:
             self._thawed = now
             self.thaws += 1
         elif full and now - self._frozen >= self.freeze_s:
-            gc.collect(1)  # (the young garbage first: up to YOUNG of it, else frozen)
             gc.freeze()
             self._frozen = now
             self.freezes += 1
