@@ -93,11 +93,9 @@ class Turns:
             sem = self._limiters[uid] = trio.Semaphore(self.per_user)
         self._users[uid] = self._users.get(uid, 0) + 1
         try:
-            try:
-                if not at_once:
-                    raise trio.WouldBlock
+            if at_once and sem.value:  # (free: nobody of hers waits for it)
                 sem.acquire_nowait()
-            except trio.WouldBlock:
+            else:
                 await sem.acquire()
             try:
                 yield

@@ -747,13 +747,11 @@ class KVOps:
                     break
                 if n:
                     await share.due()
-                if key in space.chunks or self.index.spaces.get(space.name) is not space:
-                    release(n + 1)
-                    continue
-                self.index.insert(space, key, entry.node.ino, len(data), unit, got,
-                                  entry.node.uid)
-                self.claims.stored(space, key)
-                stored[i] = True
+                if key not in space.chunks and self.index.spaces.get(space.name) is space:
+                    self.index.insert(space, key, entry.node.ino, len(data), unit, got,
+                                      entry.node.uid)
+                    self.claims.stored(space, key)
+                    stored[i] = True
                 release(n + 1)
             while let_go < len(taken):  # (those after a refusal of a write)
                 await share.due()
